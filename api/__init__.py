@@ -1,0 +1,1 @@
+"""Kubernetes resource.k8s.io objects and gpudra opaque device configs."""

@@ -1,0 +1,1 @@
+"""Per-node agent: NVML discovery, ResourceSlice publishing and the kubelet plugin."""

@@ -1,0 +1,56 @@
+"""Creates the development virtual environment.
+
+The dev venv does not install gpudra itself: it links the package folders into a
+small source tree (`.venv/src/gpudra/<sub> -> <repo>/<sub>`), the same shape the
+wheel has, so edits are live and mypy sees real files (editable installs with
+remapped folders rely on import hooks mypy cannot follow).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tomllib
+import venv
+from pathlib import Path
+
+SUBPACKAGES = ("api", "cli", "driver", "webhook")
+
+
+def main() -> int:
+    root = Path(__file__).resolve().parent.parent
+    env_dir = root / ".venv"
+    if not (env_dir / "bin" / "python").exists():
+        venv.EnvBuilder(with_pip=True, clear=False).create(env_dir)
+    python = env_dir / "bin" / "python"
+    project = tomllib.loads((root / "pyproject.toml").read_text())["project"]
+    reqs = [*project["dependencies"], *project["optional-dependencies"]["dev"]]
+    subprocess.run(
+        [str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check", *reqs],
+        check=True,
+    )
+    src = env_dir / "src" / "gpudra"
+    src.mkdir(parents=True, exist_ok=True)
+    for sub in SUBPACKAGES:
+        link = src / sub
+        if link.is_symlink() or link.exists():
+            link.unlink()
+        link.symlink_to(root / sub, target_is_directory=True)
+    purelib = subprocess.run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    Path(purelib, "gpudra-dev.pth").write_text(f"{src.parent}\n")
+    launcher = env_dir / "bin" / "gpudra"
+    launcher.write_text(f'#!/bin/sh\nexec "{python}" -m gpudra.cli "$@"\n')
+    launcher.chmod(0o755)
+    print(f"venv ready: {env_dir}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    os.umask(0o022)
+    sys.exit(main())

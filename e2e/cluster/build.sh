@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# Builds etcd and the Kubernetes binaries for one version from the Go module proxy,
+# cached per version outside the repository. Prints the bin directory on success.
+#
+# Why a wrapper module: k8s.io/kubernetes requires its staging modules at v0.0.0 with
+# replace directives, so `go install` of its commands fails. A wrapper that pins every
+# staging module to the matching v0.Y.Z builds them unchanged. etcd is built from the
+# same module graph (kubernetes already requires go.etcd.io/etcd/server/v3), so its
+# dependencies cannot disagree with the API server's.
+set -euo pipefail
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+# shellcheck source=versions.env
+. "$here/versions.env"
+
+die() { echo "build: $*" >&2; exit 2; }
+
+resolve_version() {
+  local want=${1#v} var
+  case "$want" in
+    1.[0-9][0-9]) var="K8S_PIN_${want//./_}"; [ -n "${!var:-}" ] || die "unknown K8S_VERSION '$1': supported are $(supported); set K8S_VERSION to one of them"; echo "${!var}" ;;
+    1.[0-9][0-9].[0-9]*) local minor=${want%.*}; var="K8S_PIN_${minor//./_}"; [ -n "${!var:-}" ] || die "unknown K8S_VERSION '$1': supported are $(supported); set K8S_VERSION to one of them"; echo "v$want" ;;
+    *) die "unknown K8S_VERSION '$1': supported are $(supported); set K8S_VERSION to one of them" ;;
+  esac
+}
+supported() { grep -oE '^K8S_PIN_[0-9_]+' "$here/versions.env" | sed -e 's/K8S_PIN_//' -e 's/_/./g' | paste -sd, -; }
+
+version=$(resolve_version "${K8S_VERSION:-$K8S_DEFAULT_MINOR}")
+cache=${GPUDRA_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/gpudra}/k8s/$version
+bin=$cache/bin
+cmds=(kube-apiserver kube-controller-manager kube-scheduler kubectl kubelet)
+all_present() { local c; for c in "${cmds[@]}" etcd; do [ -x "$bin/$c" ] || return 1; done; }
+if all_present; then echo "$bin"; exit 0; fi
+
+command -v go >/dev/null || die "no Go toolchain on PATH: install Go 1.25 or newer (https://go.dev/doc/install), then run again"
+
+export GOTOOLCHAIN=local GOWORK=off GOSUMDB=${GOSUMDB:-off} CGO_ENABLED=0 GOFLAGS=-mod=mod
+src=$cache/src
+rm -rf "$src" && mkdir -p "$src" "$bin"
+start=$(date +%s)
+echo "build: Kubernetes $version into $bin (first build takes a while)" >&2
+
+modfile=$(go mod download -json "k8s.io/kubernetes@$version" | sed -n 's/.*"GoMod": "\(.*\)".*/\1/p')
+[ -n "$modfile" ] || die "the Go module proxy has no k8s.io/kubernetes@$version; pick another K8S_VERSION"
+staging_ver="v0.${version#v1.}"
+goline=$(grep -m1 -E '^go [0-9]' "$modfile")
+{
+  echo "module gpudra.local/k8sbuild"
+  echo
+  echo "$goline"
+  echo
+  echo "require k8s.io/kubernetes $version"
+  echo
+  awk -v v="$staging_ver" '$1 ~ /^k8s\.io\// && $2 == "v0.0.0" {print "replace " $1 " => " $1 " " v}' "$modfile"
+} > "$src/go.mod"
+{
+  echo "//go:build tools"
+  echo
+  echo "package tools"
+  echo
+  echo "import ("
+  for c in "${cmds[@]}"; do echo "	_ \"k8s.io/kubernetes/cmd/$c\""; done
+  echo "	_ \"go.etcd.io/etcd/server/v3\""
+  echo ")"
+} > "$src/tools.go"
+(cd "$src" && go mod tidy >&2) || die "resolving modules for $version failed (see above); check that the Go module proxy is reachable"
+
+
+minor=${version#v1.}; minor=${minor%%.*}
+ld="-s -w -X k8s.io/component-base/version.gitVersion=$version -X k8s.io/component-base/version.gitMajor=1 -X k8s.io/component-base/version.gitMinor=$minor -X k8s.io/component-base/version.gitTreeState=clean -X k8s.io/client-go/pkg/version.gitVersion=$version -X k8s.io/component-base/version.buildDate=1970-01-01T00:00:00Z"
+pkgs=(); for c in "${cmds[@]}"; do pkgs+=("k8s.io/kubernetes/cmd/$c"); done
+(cd "$src" && go build -tags=selinux,notest -trimpath -ldflags "$ld" -o "$bin/" "${pkgs[@]}" >&2) || die "go build of Kubernetes $version failed (see above)"
+(cd "$src" && go build -trimpath -ldflags "-s -w" -o "$bin/etcd" go.etcd.io/etcd/server/v3 >&2) || die "go build of etcd failed (see above)"
+
+all_present || die "build finished but binaries are missing under $bin"
+echo "build: done in $(( $(date +%s) - start ))s" >&2
+du -sh "$cache" >&2 || true
+echo "$bin"

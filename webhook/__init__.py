@@ -1,0 +1,1 @@
+"""HTTPS admission webhook: legacy GPU pod conversion, tenant limits, config validation."""
