@@ -1,0 +1,29 @@
+"""Shared pytest fixtures: a ready local control plane for tests marked `cluster`."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+
+from e2e.cluster.harness import Cluster
+from e2e.cluster.kube import Kube
+
+
+@pytest.fixture(scope="session")
+def cluster() -> Iterator[Cluster]:
+    """Reuses a running cluster; one started here is stopped at the end of the run
+    unless GPUDRA_KEEP_CLUSTER=1."""
+    c = Cluster()
+    started = not c.is_up()
+    if started:
+        c.up(log=lambda _m: None)
+    yield c
+    if started and os.environ.get("GPUDRA_KEEP_CLUSTER") != "1":
+        c.down(log=lambda _m: None)
+
+
+@pytest.fixture(scope="session")
+def kube(cluster: Cluster) -> Kube:
+    return cluster.kube()

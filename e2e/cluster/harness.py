@@ -1,0 +1,678 @@
+"""The local control plane: etcd, kube-apiserver, kube-controller-manager and
+kube-scheduler built from the Go module proxy, started on loopback with TLS and RBAC.
+
+State (PKI, etcd data, logs, PIDs) lives in `<repo>/.cluster/`. Every process is
+recorded by PID the moment it starts, so `down` and crash recovery stop exactly what
+we started and nothing else.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import errno
+import json
+import os
+import re
+import signal
+import socket
+import ssl
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from e2e.cluster import pki
+from e2e.cluster.kube import ApiError, Credentials, Kube, wait_for
+
+REPO = Path(__file__).resolve().parents[2]
+BUILD_SCRIPT = REPO / "e2e" / "cluster" / "build.sh"
+
+# Gates DRA needs; each is enabled only where the binary knows it and it is not GA.
+WANTED_GATES = (
+    "DRAAdminAccess",
+    "DRAConsumableCapacity",
+    "DRADeviceTaints",
+    "DRADeviceTaintRules",
+    "DRAExtendedResource",
+    "DRAPartitionableDevices",
+    "DRAPrioritizedList",
+    "DRAResourceClaimDeviceStatus",
+    "DRASchedulerFilterTimeout",
+    "ResourceHealthStatus",
+    "ResourceHealthStatusMessage",
+)
+GATE_LINE = re.compile(
+    r"^\s+(?:[a-z]+:)?([A-Za-z0-9]+)=true\|false \((ALPHA|BETA|GA|DEPRECATED) - default="
+)
+
+
+class ClusterError(Exception):
+    """A one-line, actionable reason the cluster could not be brought up."""
+
+
+@dataclass(frozen=True)
+class Ports:
+    etcd: int = 23790
+    etcd_peer: int = 23800
+    apiserver: int = 26443
+    controller_manager: int = 20257
+    scheduler: int = 20259
+
+    @classmethod
+    def from_env(cls) -> Ports:
+        def port(name: str, default: int) -> int:
+            raw = os.environ.get(f"GPUDRA_{name.upper()}_PORT", str(default))
+            if not raw.isdigit() or not 0 < int(raw) < 65536:
+                raise ClusterError(f"GPUDRA_{name.upper()}_PORT={raw!r} is not a port number")
+            return int(raw)
+
+        base = cls()
+        return cls(**{f: port(f, getattr(base, f)) for f in base.__dataclass_fields__})
+
+
+@dataclass
+class Layout:
+    root: Path
+
+    @property
+    def pki(self) -> Path:
+        return self.root / "pki"
+
+    @property
+    def logs(self) -> Path:
+        return self.root / "logs"
+
+    @property
+    def data(self) -> Path:
+        return self.root / "data"
+
+    @property
+    def state(self) -> Path:
+        return self.root / "state.json"
+
+    @property
+    def admin_kubeconfig(self) -> Path:
+        return self.root / "admin.kubeconfig"
+
+    def credentials(self, port: int) -> Credentials:
+        return Credentials(
+            "127.0.0.1", port, self.pki / "ca.crt", self.pki / "admin.crt", self.pki / "admin.key"
+        )
+
+
+@dataclass
+class State:
+    version: str
+    bin_dir: str
+    ports: dict[str, int]
+    nodes: list[str]
+    pids: dict[str, int] = field(default_factory=dict)
+    cmdlines: dict[str, str] = field(default_factory=dict)
+    ready: bool = False
+
+    def save(self, path: Path) -> None:
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.__dict__, indent=2))
+        tmp.replace(path)
+
+    @classmethod
+    def load(cls, path: Path) -> State | None:
+        try:
+            return cls(**json.loads(path.read_text()))
+        except FileNotFoundError:
+            return None
+        except (ValueError, TypeError):
+            return cls(version="?", bin_dir="", ports={}, nodes=[])
+
+
+def default_layout() -> Layout:
+    return Layout(Path(os.environ.get("GPUDRA_CLUSTER_DIR", REPO / ".cluster")))
+
+
+def node_names() -> list[str]:
+    raw = os.environ.get("GPUDRA_NODES", "2")
+    if not raw.isdigit() or not 0 < int(raw) <= 50:
+        raise ClusterError(f"GPUDRA_NODES={raw!r}: give a node count from 1 to 50")
+    return [f"worker-{i}" for i in range(1, int(raw) + 1)]
+
+
+# -- processes ---------------------------------------------------------------
+
+
+def _alive(pid: int, cmdline_hint: str) -> bool:
+    """True if `pid` runs and is still the process we started (PIDs get reused)."""
+    try:
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    if stat.rsplit(")", 1)[-1].split()[0] == "Z":
+        return False
+    return cmdline_hint in cmd
+
+
+def _stop_pid(pid: int, hint: str, timeout: float = 10.0) -> None:
+    if not _alive(pid, hint):
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and _alive(pid, hint):
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, os.WNOHANG)
+        time.sleep(0.05)
+    if _alive(pid, hint):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                return False
+            raise
+    return True
+
+
+def known_gates(binary: Path) -> dict[str, str]:
+    """Feature gates and their stage, as the binary itself reports them."""
+    out = subprocess.run(
+        [str(binary), "--help"], capture_output=True, text=True, check=False, timeout=60
+    ).stdout
+    return {m.group(1): m.group(2) for line in out.splitlines() if (m := GATE_LINE.match(line))}
+
+
+def gates_flag(binary: Path) -> str:
+    known = known_gates(binary)
+    on = [g for g in WANTED_GATES if known.get(g) in ("ALPHA", "BETA")]
+    return ",".join(f"{g}=true" for g in on)
+
+
+class Cluster:
+    def __init__(self, layout: Layout | None = None) -> None:
+        self.layout = layout or default_layout()
+
+    # -- public --------------------------------------------------------------
+    def kube(self) -> Kube:
+        state = self._require_state()
+        return Kube(self.layout.credentials(state.ports["apiserver"]))
+
+    def is_up(self) -> bool:
+        state = State.load(self.layout.state)
+        return bool(state and state.ready and self._healthy(state))
+
+    def up(self, log: Any = print) -> State:
+        version_bin = self._build()
+        version = Path(version_bin).parent.name
+        state = State.load(self.layout.state)
+        if state is not None:
+            if state.ready and state.version == version and self._healthy(state):
+                log(f"cluster already up (Kubernetes {version})")
+                return state
+            log("found an earlier cluster that is not healthy or differs; cleaning it up")
+            self.down(log=lambda _msg: None)
+        ports = Ports.from_env()
+        nodes = node_names()
+        self._check_ports(ports)
+        start = time.monotonic()
+        self._prepare_dirs()
+        state = State(version, version_bin, ports.__dict__.copy(), nodes)
+        state.save(self.layout.state)
+        try:
+            self._start_all(state, Path(version_bin), ports)
+        except BaseException:
+            self.down(log=lambda _msg: None, keep_logs=True)
+            raise
+        state.ready = True
+        state.save(self.layout.state)
+        log(
+            f"cluster up in {time.monotonic() - start:.1f}s (Kubernetes {version}, "
+            f"nodes: {', '.join(nodes)})"
+        )
+        log(f"  export KUBECONFIG={self.layout.admin_kubeconfig}")
+        return state
+
+    def down(self, log: Any = print, keep_logs: bool = False) -> None:
+        state = State.load(self.layout.state)
+        if state is None:
+            log("no cluster state found; nothing to stop")
+            return
+        # Reverse start order: heartbeat, scheduler, controller-manager, apiserver, etcd.
+        for name in reversed(list(state.pids)):
+            _stop_pid(state.pids[name], state.cmdlines.get(name, ""))
+        for name, port in state.ports.items():
+            deadline = time.monotonic() + 10
+            while not _port_free(port) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            if not _port_free(port):
+                log(f"warning: port {port} ({name}) is still in use")
+        for sub in ("data", "pki") if keep_logs else ("data", "logs", "pki"):
+            subprocess.run(["rm", "-rf", str(self.layout.root / sub)], check=False)
+        self.layout.state.unlink(missing_ok=True)
+        self.layout.admin_kubeconfig.unlink(missing_ok=True)
+        log("cluster stopped")
+
+    def env(self) -> str:
+        state = self._require_state()
+        return (
+            f"export KUBECONFIG={self.layout.admin_kubeconfig}\nexport PATH={state.bin_dir}:$PATH\n"
+        )
+
+    def status(self) -> dict[str, Any]:
+        state = State.load(self.layout.state)
+        if state is None:
+            return {"up": False}
+        procs = {n: _alive(p, state.cmdlines.get(n, "")) for n, p in state.pids.items()}
+        return {
+            "up": state.ready and self._healthy(state),
+            "version": state.version,
+            "processes": procs,
+            "ports": state.ports,
+            "nodes": state.nodes,
+        }
+
+    # -- internals -----------------------------------------------------------
+    def _require_state(self) -> State:
+        state = State.load(self.layout.state)
+        if state is None or not state.ready:
+            raise ClusterError("the local cluster is not up: run `make cluster-up` first")
+        return state
+
+    def _build(self) -> str:
+        proc = subprocess.run(
+            ["bash", str(BUILD_SCRIPT)],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if proc.returncode != 0:
+            lines = [ln for ln in proc.stderr.strip().splitlines() if ln.startswith("build:")]
+            if proc.stderr.strip():
+                sys.stderr.write(proc.stderr if not lines else "")
+            raise ClusterError(
+                lines[-1].removeprefix("build: ")
+                if lines
+                else "building the Kubernetes binaries failed (see above)"
+            )
+        return proc.stdout.strip().splitlines()[-1]
+
+    def _check_ports(self, ports: Ports) -> None:
+        for name, port in ports.__dict__.items():
+            if not _port_free(port):
+                env = f"GPUDRA_{name.upper()}_PORT"
+                raise ClusterError(
+                    f"port {port} for {name.replace('_', '-')} is already in use "
+                    f"(`ss -ltnp 'sport = :{port}'` shows by what): stop that process "
+                    f"or set {env} to a free port"
+                )
+
+    def _prepare_dirs(self) -> None:
+        for sub in ("data", "logs", "pki"):
+            subprocess.run(["rm", "-rf", str(self.layout.root / sub)], check=False)
+        for d in (self.layout.pki, self.layout.logs, self.layout.data):
+            d.mkdir(parents=True, exist_ok=True, mode=0o700)
+
+    def _spawn(self, state: State, name: str, argv: list[str]) -> subprocess.Popen[bytes]:
+        logf = (self.layout.logs / f"{name}.log").open("ab")
+        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        proc = subprocess.Popen(
+            argv,
+            stdout=logf,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            cwd=self.layout.root,
+            env=env,
+        )
+        logf.close()
+        state.pids[name] = proc.pid
+        state.cmdlines[name] = argv[0]
+        state.save(self.layout.state)
+        return proc
+
+    def _wait_ready(
+        self, name: str, proc: subprocess.Popen[bytes], probe: Any, timeout: float = 60.0
+    ) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                tail = (self.layout.logs / f"{name}.log").read_text(errors="replace")
+                last = [ln for ln in tail.strip().splitlines() if ln.strip()][-5:]
+                raise ClusterError(
+                    f"{name} exited with code {proc.returncode}: " + " | ".join(last)
+                )
+            with contextlib.suppress(Exception):
+                if probe():
+                    return
+            time.sleep(0.1)
+        raise ClusterError(
+            f"{name} did not become ready in {timeout:.0f}s; see "
+            f"{self.layout.logs / (name + '.log')}"
+        )
+
+    def _start_all(self, state: State, bin_dir: Path, ports: Ports) -> None:
+        pk = self.layout.pki
+        ca = pki.make_ca(pk)
+        pki.issue(
+            pk,
+            "apiserver",
+            ca,
+            "kube-apiserver",
+            server=True,
+            dns=(
+                "localhost",
+                "kubernetes",
+                "kubernetes.default",
+                "kubernetes.default.svc",
+                "kubernetes.default.svc.cluster.local",
+            ),
+            ips=("127.0.0.1", "10.0.0.1"),
+        )
+        pki.issue(pk, "admin", ca, "gpudra-admin", org="system:masters")
+        pki.issue(pk, "controller-manager", ca, "system:kube-controller-manager")
+        pki.issue(pk, "scheduler", ca, "system:kube-scheduler")
+        pki.issue(
+            pk,
+            "apiserver-kubelet-client",
+            ca,
+            "kube-apiserver-kubelet-client",
+            org="kubeadm:cluster-admins",
+        )
+        pki.make_service_account_keys(pk)
+        server = f"https://127.0.0.1:{ports.apiserver}"
+        for who in ("admin", "controller-manager", "scheduler"):
+            self._write_kubeconfig(who, server)
+
+        etcd = self._spawn(
+            state,
+            "etcd",
+            [
+                str(bin_dir / "etcd"),
+                "--name=default",
+                f"--data-dir={self.layout.data / 'etcd'}",
+                f"--listen-client-urls=http://127.0.0.1:{ports.etcd}",
+                f"--advertise-client-urls=http://127.0.0.1:{ports.etcd}",
+                f"--listen-peer-urls=http://127.0.0.1:{ports.etcd_peer}",
+                f"--initial-advertise-peer-urls=http://127.0.0.1:{ports.etcd_peer}",
+                f"--initial-cluster=default=http://127.0.0.1:{ports.etcd_peer}",
+                "--unsafe-no-fsync=true",
+                "--log-level=warn",
+            ],
+        )
+        self._wait_ready("etcd", etcd, lambda: _http_ok(f"http://127.0.0.1:{ports.etcd}/health"))
+
+        apiserver = self._spawn(
+            state,
+            "kube-apiserver",
+            [
+                str(bin_dir / "kube-apiserver"),
+                f"--etcd-servers=http://127.0.0.1:{ports.etcd}",
+                f"--secure-port={ports.apiserver}",
+                "--bind-address=127.0.0.1",
+                "--advertise-address=127.0.0.1",
+                f"--tls-cert-file={pk / 'apiserver.crt'}",
+                f"--tls-private-key-file={pk / 'apiserver.key'}",
+                f"--client-ca-file={pk / 'ca.crt'}",
+                f"--kubelet-client-certificate={pk / 'apiserver-kubelet-client.crt'}",
+                f"--kubelet-client-key={pk / 'apiserver-kubelet-client.key'}",
+                "--service-cluster-ip-range=10.0.0.0/24",
+                "--allow-privileged=true",
+                "--authorization-mode=Node,RBAC",
+                "--enable-admission-plugins=NodeRestriction",
+                "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
+                f"--service-account-key-file={pk / 'sa.pub'}",
+                f"--service-account-signing-key-file={pk / 'sa.key'}",
+                f"--feature-gates={gates_flag(bin_dir / 'kube-apiserver')}",
+                "--runtime-config=api/all=true",
+                "--profiling=false",
+                f"--cert-dir={pk / 'apiserver-generated'}",
+            ],
+        )
+        kube = Kube(self.layout.credentials(ports.apiserver), timeout=5)
+        self._wait_ready(
+            "kube-apiserver",
+            apiserver,
+            lambda: kube.request("GET", "/readyz") is not None,
+            timeout=90,
+        )
+
+        common = ["--bind-address=127.0.0.1", "--leader-elect=false"]
+        cm_kc = self.layout.root / "controller-manager.kubeconfig"
+        cm = self._spawn(
+            state,
+            "kube-controller-manager",
+            [
+                str(bin_dir / "kube-controller-manager"),
+                *common,
+                f"--secure-port={ports.controller_manager}",
+                f"--kubeconfig={cm_kc}",
+                f"--authentication-kubeconfig={cm_kc}",
+                f"--authorization-kubeconfig={cm_kc}",
+                f"--service-account-private-key-file={pk / 'sa.key'}",
+                f"--root-ca-file={pk / 'ca.crt'}",
+                "--use-service-account-credentials=true",
+                f"--cluster-signing-cert-file={pk / 'ca.crt'}",
+                f"--cluster-signing-key-file={pk / 'ca.key'}",
+                f"--cert-dir={pk / 'controller-manager-generated'}",
+                f"--feature-gates={gates_flag(bin_dir / 'kube-controller-manager')}",
+            ],
+        )
+        sc_kc = self.layout.root / "scheduler.kubeconfig"
+        sched = self._spawn(
+            state,
+            "kube-scheduler",
+            [
+                str(bin_dir / "kube-scheduler"),
+                *common,
+                f"--secure-port={ports.scheduler}",
+                f"--kubeconfig={sc_kc}",
+                f"--authentication-kubeconfig={sc_kc}",
+                f"--authorization-kubeconfig={sc_kc}",
+                f"--cert-dir={pk / 'scheduler-generated'}",
+                f"--feature-gates={gates_flag(bin_dir / 'kube-scheduler')}",
+            ],
+        )
+        self._wait_ready(
+            "kube-controller-manager",
+            cm,
+            lambda: _https_ok(f"https://127.0.0.1:{ports.controller_manager}/healthz"),
+        )
+        self._wait_ready(
+            "kube-scheduler",
+            sched,
+            lambda: _https_ok(f"https://127.0.0.1:{ports.scheduler}/healthz"),
+        )
+
+        for name in state.nodes:
+            register_node(kube, name)
+        hb = self._spawn(
+            state,
+            "node-heartbeat",
+            [
+                sys.executable,
+                "-m",
+                "e2e.cluster",
+                "heartbeat",
+            ],
+        )
+        # The default ServiceAccount must exist before pods can be admitted.
+        wait_for("the default service account", lambda: _sa_ready(kube), timeout=60)
+        if hb.poll() is not None:
+            raise ClusterError("node heartbeat exited early; see logs/node-heartbeat.log")
+
+    def _write_kubeconfig(self, who: str, server: str) -> None:
+        pk = self.layout.pki
+        cfg = {
+            "apiVersion": "v1",
+            "kind": "Config",
+            "current-context": "gpudra",
+            "clusters": [
+                {
+                    "name": "gpudra",
+                    "cluster": {"server": server, "certificate-authority": str(pk / "ca.crt")},
+                }
+            ],
+            "users": [
+                {
+                    "name": who,
+                    "user": {
+                        "client-certificate": str(pk / f"{who}.crt"),
+                        "client-key": str(pk / f"{who}.key"),
+                    },
+                }
+            ],
+            "contexts": [{"name": "gpudra", "context": {"cluster": "gpudra", "user": who}}],
+        }
+        path = (
+            self.layout.admin_kubeconfig
+            if who == "admin"
+            else self.layout.root / f"{who}.kubeconfig"
+        )
+        path.write_text(json.dumps(cfg, indent=2))
+        path.chmod(0o600)
+
+    def _healthy(self, state: State) -> bool:
+        if not state.pids or not all(
+            _alive(p, state.cmdlines.get(n, "")) for n, p in state.pids.items()
+        ):
+            return False
+        try:
+            Kube(self.layout.credentials(state.ports["apiserver"]), timeout=3).request(
+                "GET", "/readyz"
+            )
+        except (ApiError, OSError, KeyError):
+            return False
+        return True
+
+
+def _sa_ready(kube: Kube) -> bool:
+    try:
+        kube.request("GET", "/api/v1/namespaces/default/serviceaccounts/default")
+    except ApiError:
+        return False
+    return True
+
+
+def _http_ok(url: str) -> bool:
+    with urllib.request.urlopen(url, timeout=2) as resp:
+        return bool(resp.status == 200)
+
+
+def _https_ok(url: str) -> bool:
+    ctx = ssl.create_default_context()
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE  # self-signed serving certs of the components
+    with urllib.request.urlopen(url, timeout=2, context=ctx) as resp:
+        return bool(resp.status == 200)
+
+
+# -- fake nodes ---------------------------------------------------------------
+
+NODE_CAPACITY = {"cpu": "32", "memory": "256Gi", "pods": "110", "ephemeral-storage": "500Gi"}
+
+
+def _now() -> str:
+    return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _micro_now() -> str:
+    return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def register_node(kube: Kube, name: str) -> None:
+    kube.apply(
+        {
+            "apiVersion": "v1",
+            "kind": "Node",
+            "metadata": {
+                "name": name,
+                "labels": {
+                    "kubernetes.io/hostname": name,
+                    "kubernetes.io/os": "linux",
+                    "kubernetes.io/arch": "amd64",
+                    "gpudra.dev/fake-node": "true",
+                },
+            },
+        },
+        manager="gpudra-harness",
+    )
+    heartbeat(kube, name)
+
+
+def heartbeat(kube: Kube, name: str) -> None:
+    """What a kubelet reports: Ready with capacity, plus a renewed node Lease."""
+    now = _now()
+    kube.patch_status(
+        "Node",
+        name,
+        {
+            "status": {
+                "capacity": NODE_CAPACITY,
+                "allocatable": NODE_CAPACITY,
+                "conditions": [
+                    {
+                        "type": "Ready",
+                        "status": "True",
+                        "reason": "KubeletReady",
+                        "message": "gpudra fake node",
+                        "lastHeartbeatTime": now,
+                        "lastTransitionTime": now,
+                    }
+                ],
+                "nodeInfo": {
+                    "kubeletVersion": "v0.0.0-fake",
+                    "architecture": "amd64",
+                    "operatingSystem": "linux",
+                    "containerRuntimeVersion": "fake://0",
+                    "kernelVersion": "",
+                    "osImage": "",
+                    "kubeProxyVersion": "",
+                    "machineID": name,
+                    "systemUUID": name,
+                    "bootID": name,
+                },
+            }
+        },
+    )
+    lease = {
+        "apiVersion": "coordination.k8s.io/v1",
+        "kind": "Lease",
+        "metadata": {"name": name, "namespace": "kube-node-lease"},
+        "spec": {"holderIdentity": name, "leaseDurationSeconds": 40, "renewTime": _micro_now()},
+    }
+    kube.apply(lease, manager="gpudra-harness")
+
+
+def finalize_terminating_pods(kube: Kube, nodes: list[str]) -> None:
+    """A kubelet confirms deletion once containers stop; fake nodes have none to stop."""
+    for node in nodes:
+        for pod in kube.list("Pod", fieldSelector=f"spec.nodeName={node}"):
+            meta = pod["metadata"]
+            if meta.get("deletionTimestamp"):
+                kube.delete("Pod", meta["name"], meta["namespace"], grace=0)
+
+
+def run_heartbeat(layout: Layout) -> None:
+    state = State.load(layout.state)
+    if state is None:
+        raise ClusterError("no cluster state")
+    kube = Kube(layout.credentials(state.ports["apiserver"]), timeout=5)
+    last_beat = 0.0
+    while True:
+        try:
+            if time.monotonic() - last_beat >= 10:
+                for n in state.nodes:
+                    heartbeat(kube, n)
+                last_beat = time.monotonic()
+            finalize_terminating_pods(kube, state.nodes)
+        except (ApiError, OSError) as e:
+            print(f"heartbeat: {e}", file=sys.stderr, flush=True)
+        time.sleep(0.5)

@@ -1,0 +1,166 @@
+"""The harness itself: bad input fails with one clear line and starts nothing; a
+crashed cluster is cleaned; `down` stops every process and frees every port."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from e2e.cluster.harness import REPO, Cluster, Layout, _port_free
+from e2e.cluster.kube import wait_for
+
+pytestmark = pytest.mark.cluster
+BUILD = REPO / "e2e" / "cluster" / "build.sh"
+ALT_PORTS = {
+    "ETCD": 33790,
+    "ETCD_PEER": 33800,
+    "APISERVER": 36443,
+    "CONTROLLER_MANAGER": 30257,
+    "SCHEDULER": 30259,
+}
+
+
+def _env(tmp: Path, **extra: str) -> dict[str, str]:
+    env = {**os.environ, "GPUDRA_CLUSTER_DIR": str(tmp / "c"), **extra}
+    env.update({f"GPUDRA_{k}_PORT": str(v) for k, v in ALT_PORTS.items()})
+    return env
+
+
+def _cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "e2e.cluster", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+
+
+def test_unknown_version_is_one_clear_line(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        ["bash", str(BUILD)],
+        env={**os.environ, "K8S_VERSION": "1.99"},
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "build: unknown K8S_VERSION '1.99': supported are 1.34,1.35,1.36,1.37; "
+        "set K8S_VERSION to one of them"
+    ]
+
+
+def test_missing_go_toolchain_is_reported(tmp_path: Path) -> None:
+    # An empty cache forces a build; a PATH without go must say so, not fail obscurely.
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "HOME": str(tmp_path),
+        "GPUDRA_CACHE": str(tmp_path),
+        "K8S_VERSION": "1.36",
+    }
+    if any(Path(d, "go").exists() for d in ("/usr/bin", "/bin")):
+        pytest.skip("go is installed in /usr/bin; cannot hide it")
+    proc = subprocess.run(
+        ["bash", str(BUILD)], env=env, capture_output=True, text=True, check=False
+    )
+    assert proc.returncode == 2
+    assert "no Go toolchain on PATH" in proc.stderr
+    assert not (tmp_path / "k8s").exists() or not any((tmp_path / "k8s").rglob("kube-*"))
+
+
+def test_busy_port_starts_nothing(tmp_path: Path, cluster: Cluster) -> None:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("127.0.0.1", ALT_PORTS["APISERVER"]))
+        s.listen()
+        proc = _cli(_env(tmp_path), "up")
+    assert proc.returncode == 1
+    assert proc.stderr.strip() == (
+        f"cluster-up: port {ALT_PORTS['APISERVER']} for apiserver is already in use "
+        f"(`ss -ltnp 'sport = :{ALT_PORTS['APISERVER']}'` shows by what): stop that "
+        "process or set GPUDRA_APISERVER_PORT to a free port"
+    )
+    assert not (tmp_path / "c" / "state.json").exists()
+    assert _port_free(ALT_PORTS["ETCD"])
+
+
+def test_crash_is_cleaned_and_down_frees_everything(tmp_path: Path, cluster: Cluster) -> None:
+    env = _env(tmp_path, GPUDRA_NODES="1")
+    assert _cli(env, "up").returncode == 0
+    second = Cluster(Layout(tmp_path / "c"))
+    assert second.is_up()
+    pids = second.status()["processes"]
+    assert set(pids) == {
+        "etcd",
+        "kube-apiserver",
+        "kube-controller-manager",
+        "kube-scheduler",
+        "node-heartbeat",
+    }
+    # Simulate a crash: the API server dies; `up` must notice, clean and start afresh.
+    state = (tmp_path / "c" / "state.json").read_text()
+    old = json.loads(state)["pids"]
+    os.kill(old["kube-apiserver"], signal.SIGKILL)
+    again = _cli(env, "up")
+    assert again.returncode == 0, again.stderr
+    assert "cleaning it up" in again.stdout
+    new = json.loads((tmp_path / "c" / "state.json").read_text())["pids"]
+    assert all(not Path(f"/proc/{p}").exists() or p in new.values() for p in old.values())
+    # Idempotent: a second `up` of a healthy cluster changes nothing.
+    assert "already up" in _cli(env, "up").stdout
+    assert json.loads((tmp_path / "c" / "state.json").read_text())["pids"] == new
+    down = _cli(env, "down")
+    assert down.returncode == 0, down.stderr
+    for pid in new.values():
+        assert (
+            not Path(f"/proc/{pid}").exists()
+            or Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[0] == "Z"
+        )
+    assert all(_port_free(p) for p in ALT_PORTS.values())
+    # The session cluster is untouched.
+    assert cluster.is_up()
+
+
+def test_env_prints_kubeconfig_and_same_version_kubectl(cluster: Cluster) -> None:
+    out = cluster.env()
+    lines = out.strip().splitlines()
+    assert lines[0] == f"export KUBECONFIG={cluster.layout.admin_kubeconfig}"
+    bin_dir = lines[1].removeprefix("export PATH=").split(":")[0]
+    version = subprocess.run(
+        [f"{bin_dir}/kubectl", "version", "--client", "-o", "json"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert cluster.status()["version"] in version
+
+
+def test_nodes_stay_ready_and_schedulable(cluster: Cluster) -> None:
+    kube = cluster.kube()
+    for node in kube.list("Node"):
+        ready = [c for c in node["status"]["conditions"] if c["type"] == "Ready"]
+        assert ready and ready[0]["status"] == "True"
+        assert not node["spec"].get("taints")
+        assert node["status"]["allocatable"]["pods"] == "110"
+
+
+def test_heartbeat_renews_node_leases(cluster: Cluster) -> None:
+    """Without renewals the node lifecycle controller would taint the nodes after ~40s."""
+    kube = cluster.kube()
+    path = "/apis/coordination.k8s.io/v1/namespaces/kube-node-lease/leases/worker-1"
+    first = kube.request("GET", path)["spec"]["renewTime"]
+    wait_for(
+        "the worker-1 lease to be renewed",
+        lambda: kube.request("GET", path)["spec"]["renewTime"] != first,
+        timeout=20,
+    )

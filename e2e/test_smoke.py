@@ -1,0 +1,22 @@
+"""Smoke: real controller-manager creates the claim, real scheduler allocates and binds."""
+
+from __future__ import annotations
+
+import pytest
+
+from e2e import smoke
+from e2e.cluster.kube import Kube
+
+pytestmark = pytest.mark.cluster
+
+
+def test_template_claim_is_allocated_bound_and_deleted_with_pod(kube: Kube) -> None:
+    res = smoke.run(kube, node="worker-1")
+    assert res.node == "worker-1"  # the only node with a slice for this driver
+    assert res.pool == "worker-1"
+    assert res.device == "gpu-0"
+    assert res.claim_owner == f"Pod/{res.pod}"
+    claim = kube.get("ResourceClaim", res.claim, res.namespace)
+    assert claim["status"]["reservedFor"][0]["name"] == res.pod
+    smoke.teardown(kube, res)
+    assert kube.get_or_none("ResourceClaim", res.claim, res.namespace) is None
