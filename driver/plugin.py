@@ -1,0 +1,636 @@
+"""The kubelet plugin protocol layer: registration, DRA v1/v1beta1 and device health.
+
+This module only speaks the kubelet's gRPC protocols over unix sockets. What a claim
+means and how devices are prepared lives behind `ClaimHandler`; device health comes
+from a `HealthSource`. Both take and return plain Python types, so the device layer
+never sees protobuf or gRPC.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Protocol, Self, TypeVar
+
+import anyio
+import grpc
+from gpudra.driver.proto import (
+    dra_health_v1alpha1_pb2,
+    dra_health_v1alpha1_pb2_grpc,
+    dra_v1_pb2,
+    dra_v1_pb2_grpc,
+    dra_v1beta1_pb2,
+    dra_v1beta1_pb2_grpc,
+    pluginregistration_v1_pb2,
+    pluginregistration_v1_pb2_grpc,
+)
+
+log = logging.getLogger(__name__)
+
+DEFAULT_KUBELET_ROOT = Path("/var/lib/kubelet")
+PLUGIN_TYPE = "DRAPlugin"
+DRA_V1 = "v1.DRAPlugin"
+DRA_V1BETA1 = "v1beta1.DRAPlugin"
+HEALTH_V1ALPHA1 = "v1alpha1.DRAResourceHealth"
+# The kubelet truncates longer messages; doing it here keeps what it shows predictable.
+MAX_HEALTH_MESSAGE = 1024
+# sun_path is 108 bytes including the terminating NUL.
+_MAX_UNIX_PATH = 107
+_SOCKET_MODE = 0o600
+
+R = TypeVar("R")
+
+
+# --- Plain types shared with the device layer -------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimRef:
+    """A ResourceClaim as the kubelet names it: the handler must fetch and check it."""
+
+    namespace: str
+    uid: str
+    name: str
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedDevice:
+    """One device of a prepared claim, as the kubelet hands it to the runtime."""
+
+    request_names: list[str]
+    pool_name: str
+    device_name: str
+    cdi_device_ids: list[str]
+    # Sent only to kubelets speaking DRA v1; older versions have no such field.
+    share_id: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PrepareResult:
+    """Outcome for one claim; a non-empty `error` fails that claim alone."""
+
+    devices: list[PreparedDevice] = field(default_factory=list)
+    error: str | None = None
+
+
+class ClaimHandler(Protocol):
+    """What the protocol layer needs from the device layer.
+
+    Both methods get every claim of one kubelet call (one pod) and return results
+    keyed by claim UID. They must be idempotent: the kubelet retries, and when a call
+    raises, each claim is retried alone so one bad claim cannot fail the others.
+    """
+
+    async def prepare(self, claims: list[ClaimRef]) -> dict[str, PrepareResult]: ...
+
+    async def unprepare(self, claims: list[ClaimRef]) -> dict[str, str | None]:
+        """Map each claim UID to None on success or to an error message."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceHealth:
+    """Health of one device; `healthy` None means it cannot be determined."""
+
+    pool_name: str
+    device_name: str
+    healthy: bool | None
+    updated_at: float  # unix time, seconds
+    message: str = ""
+    # Zero lets the kubelet use its default timeout for this device.
+    health_check_timeout_s: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class HealthSnapshot:
+    """The complete device list at one generation; generations only grow."""
+
+    generation: int
+    devices: tuple[DeviceHealth, ...]
+
+
+class HealthSource(Protocol):
+    """Where the health stream reads from.
+
+    A generation number instead of a bare "changed" signal means a change that lands
+    between reading the list and starting to wait is never missed.
+    """
+
+    def snapshot(self) -> HealthSnapshot: ...
+
+    async def wait_for_change(self, generation: int) -> None:
+        """Return once the current generation differs from `generation`."""
+        ...
+
+
+class HealthBoard:
+    """In-memory `HealthSource`: a health checker publishes, kubelet streams read.
+
+    Call `publish` from the event loop thread (from a worker thread, go through
+    `anyio.from_thread.run_sync`).
+    """
+
+    def __init__(self, devices: Iterable[DeviceHealth] = ()) -> None:
+        self._snapshot = HealthSnapshot(0, tuple(devices))
+        self._changed: anyio.Event | None = None
+
+    def snapshot(self) -> HealthSnapshot:
+        return self._snapshot
+
+    def publish(self, devices: Iterable[DeviceHealth]) -> None:
+        """Replace the whole list; an identical list wakes nobody."""
+        new = tuple(devices)
+        if new == self._snapshot.devices:
+            return
+        self._snapshot = HealthSnapshot(self._snapshot.generation + 1, new)
+        if self._changed is not None:
+            self._changed.set()
+            self._changed = None
+
+    async def wait_for_change(self, generation: int) -> None:
+        while self._snapshot.generation == generation:
+            if self._changed is None:
+                self._changed = anyio.Event()
+            await self._changed.wait()
+
+
+# --- Socket handling ----------------------------------------------------------------
+
+
+def _check_socket_path(path: Path, what: str) -> None:
+    if len(os.fsencode(path)) > _MAX_UNIX_PATH:
+        msg = (
+            f"{what} socket path {path} is longer than {_MAX_UNIX_PATH} bytes, the unix "
+            "socket limit; use a shorter kubelet root or driver name"
+        )
+        raise ValueError(msg)
+
+
+def _bind_private(server: Any, path: Path) -> tuple[int, int]:
+    """Bind `server` to `path` so that the socket is owner-only from its first moment.
+
+    gRPC binds with the process umask; rather than change the process-wide umask
+    (which would race with other threads creating files), bind inside a fresh 0700
+    directory, chmod there, then rename into place. The rename also atomically
+    replaces a stale socket left by an earlier run. Returns the socket's (dev, inode)
+    so that `stop` removes only its own socket.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".", dir=path.parent))
+    temp = staging / "s"
+    try:
+        _check_socket_path(temp, "staging")
+        if server.add_insecure_port(f"unix://{temp}") == 0:
+            msg = f"gRPC could not bind unix socket {temp}"
+            raise OSError(msg)
+        temp.chmod(_SOCKET_MODE)
+        temp.replace(path)
+        st = path.stat()
+    finally:
+        temp.unlink(missing_ok=True)
+        staging.rmdir()
+    return st.st_dev, st.st_ino
+
+
+def _remove_own_socket(path: Path, identity: tuple[int, int]) -> None:
+    """Unlink `path` unless another instance has replaced it since we bound it."""
+    try:
+        st = path.lstat()
+    except FileNotFoundError:
+        return
+    if (st.st_dev, st.st_ino) == identity:
+        path.unlink(missing_ok=True)
+    else:
+        log.info(
+            "socket replaced by another instance; leaving it",
+            extra={"fields": {"socket": str(path)}},
+        )
+
+
+# --- Claim dispatch -----------------------------------------------------------------
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _claim_refs(claims: Iterable[Any]) -> list[ClaimRef]:
+    return [ClaimRef(namespace=c.namespace, uid=c.uid, name=c.name) for c in claims]
+
+
+async def _answer_each(
+    op: str,
+    claims: list[ClaimRef],
+    call: Callable[[list[ClaimRef]], Awaitable[Mapping[str, R]]],
+    failed: Callable[[str], R],
+) -> dict[str, R]:
+    """Call the handler for the batch and make sure every claim gets exactly one answer.
+
+    If the batch call raises, each claim is retried alone, so the exception stays
+    with the claim that caused it. Claims the handler left out become errors (the
+    kubelet would otherwise fail them with a vaguer message), and answers for UIDs
+    that were not asked about are dropped (the kubelet rejects them).
+    """
+    answered: dict[str, R] = {}
+    try:
+        answered = dict(await call(list(claims)))
+    except Exception as exc:
+        log.exception(
+            "claim handler failed for the batch",
+            extra={"fields": {"op": op, "claims": [c.uid for c in claims]}},
+        )
+        if len(claims) == 1:
+            answered = {claims[0].uid: failed(f"{op} failed: {_describe(exc)}")}
+        else:
+            answered = {}
+            for claim in claims:
+                try:
+                    one = await call([claim])
+                except Exception as one_exc:
+                    log.exception(
+                        "claim handler failed for a claim",
+                        extra={"fields": {"op": op, "claim": claim.uid}},
+                    )
+                    answered[claim.uid] = failed(f"{op} failed: {_describe(one_exc)}")
+                else:
+                    if claim.uid in one:
+                        answered[claim.uid] = one[claim.uid]
+    wanted = {c.uid for c in claims}
+    extra = sorted(set(answered) - wanted)
+    if extra:
+        log.warning(
+            "claim handler answered claims that were not asked for; dropping them",
+            extra={"fields": {"op": op, "uids": extra}},
+        )
+    result: dict[str, R] = {}
+    for claim in claims:
+        if claim.uid in answered:
+            result[claim.uid] = answered[claim.uid]
+        else:
+            log.error(
+                "claim handler gave no answer for a claim",
+                extra={"fields": {"op": op, "claim": claim.uid}},
+            )
+            result[claim.uid] = failed(f"{op}: the driver returned no result for this claim")
+    return result
+
+
+def _prepare_failed(message: str) -> PrepareResult:
+    return PrepareResult(error=message)
+
+
+def _unprepare_failed(message: str) -> str | None:
+    return message
+
+
+class _Dispatcher:
+    """Shared by both DRA versions so they reach the handler the same way."""
+
+    def __init__(self, handler: ClaimHandler) -> None:
+        self._handler = handler
+
+    async def prepare(self, claims: list[ClaimRef]) -> dict[str, PrepareResult]:
+        return await _answer_each("prepare", claims, self._handler.prepare, _prepare_failed)
+
+    async def unprepare(self, claims: list[ClaimRef]) -> dict[str, str | None]:
+        return await _answer_each("unprepare", claims, self._handler.unprepare, _unprepare_failed)
+
+
+def _conversion_failed(op: str, uid: str, exc: Exception) -> str:
+    log.exception(
+        "claim result could not be encoded",
+        extra={"fields": {"op": op, "claim": uid}},
+    )
+    return f"{op}: the driver returned an invalid result: {_describe(exc)}"
+
+
+class _DraV1(dra_v1_pb2_grpc.DRAPluginServicer):
+    def __init__(self, dispatcher: _Dispatcher) -> None:
+        self._dispatcher = dispatcher
+
+    async def NodePrepareResources(
+        self, request: dra_v1_pb2.NodePrepareResourcesRequest, context: Any
+    ) -> dra_v1_pb2.NodePrepareResourcesResponse:
+        results = await self._dispatcher.prepare(_claim_refs(request.claims))
+        response = dra_v1_pb2.NodePrepareResourcesResponse()
+        for uid, result in results.items():
+            entry = response.claims[uid]
+            try:
+                entry.CopyFrom(_v1_claim_response(result))
+            except Exception as exc:
+                entry.Clear()
+                entry.error = _conversion_failed("prepare", uid, exc)
+        return response
+
+    async def NodeUnprepareResources(
+        self, request: dra_v1_pb2.NodeUnprepareResourcesRequest, context: Any
+    ) -> dra_v1_pb2.NodeUnprepareResourcesResponse:
+        results = await self._dispatcher.unprepare(_claim_refs(request.claims))
+        response = dra_v1_pb2.NodeUnprepareResourcesResponse()
+        for uid, error in results.items():
+            entry = response.claims[uid]
+            try:
+                entry.error = error or ""
+            except Exception as exc:
+                entry.error = _conversion_failed("unprepare", uid, exc)
+        return response
+
+
+def _v1_claim_response(result: PrepareResult) -> dra_v1_pb2.NodePrepareResourceResponse:
+    if result.error:
+        return dra_v1_pb2.NodePrepareResourceResponse(error=result.error)
+    out = dra_v1_pb2.NodePrepareResourceResponse()
+    for device in result.devices:
+        msg = out.devices.add(
+            request_names=device.request_names,
+            pool_name=device.pool_name,
+            device_name=device.device_name,
+            cdi_device_ids=device.cdi_device_ids,
+        )
+        if device.share_id is not None:
+            msg.share_id = device.share_id
+    return out
+
+
+class _DraV1beta1(dra_v1beta1_pb2_grpc.DRAPluginServicer):
+    def __init__(self, dispatcher: _Dispatcher) -> None:
+        self._dispatcher = dispatcher
+
+    async def NodePrepareResources(
+        self, request: dra_v1beta1_pb2.NodePrepareResourcesRequest, context: Any
+    ) -> dra_v1beta1_pb2.NodePrepareResourcesResponse:
+        results = await self._dispatcher.prepare(_claim_refs(request.claims))
+        response = dra_v1beta1_pb2.NodePrepareResourcesResponse()
+        for uid, result in results.items():
+            entry = response.claims[uid]
+            try:
+                entry.CopyFrom(_v1beta1_claim_response(result))
+            except Exception as exc:
+                entry.Clear()
+                entry.error = _conversion_failed("prepare", uid, exc)
+        return response
+
+    async def NodeUnprepareResources(
+        self, request: dra_v1beta1_pb2.NodeUnprepareResourcesRequest, context: Any
+    ) -> dra_v1beta1_pb2.NodeUnprepareResourcesResponse:
+        results = await self._dispatcher.unprepare(_claim_refs(request.claims))
+        response = dra_v1beta1_pb2.NodeUnprepareResourcesResponse()
+        for uid, error in results.items():
+            entry = response.claims[uid]
+            try:
+                entry.error = error or ""
+            except Exception as exc:
+                entry.error = _conversion_failed("unprepare", uid, exc)
+        return response
+
+
+def _v1beta1_claim_response(
+    result: PrepareResult,
+) -> dra_v1beta1_pb2.NodePrepareResourceResponse:
+    if result.error:
+        return dra_v1beta1_pb2.NodePrepareResourceResponse(error=result.error)
+    out = dra_v1beta1_pb2.NodePrepareResourceResponse()
+    for device in result.devices:
+        out.devices.add(
+            request_names=device.request_names,
+            pool_name=device.pool_name,
+            device_name=device.device_name,
+            cdi_device_ids=device.cdi_device_ids,
+        )
+    return out
+
+
+# --- Health -------------------------------------------------------------------------
+
+
+def _truncate_message(message: str) -> str:
+    if len(message) <= MAX_HEALTH_MESSAGE:
+        return message
+    return message[: MAX_HEALTH_MESSAGE - 3] + "..."
+
+
+def health_response(
+    devices: Iterable[DeviceHealth],
+) -> dra_health_v1alpha1_pb2.NodeWatchResourcesResponse:
+    """Encode a complete device list as one NodeWatchResources message."""
+    statuses = dra_health_v1alpha1_pb2
+    out = statuses.NodeWatchResourcesResponse()
+    for device in devices:
+        if device.healthy is None:
+            health = statuses.UNKNOWN
+        elif device.healthy:
+            health = statuses.HEALTHY
+        else:
+            health = statuses.UNHEALTHY
+        out.devices.add(
+            device=statuses.DeviceIdentifier(
+                pool_name=device.pool_name, device_name=device.device_name
+            ),
+            health=health,
+            last_updated_time=int(device.updated_at),
+            health_check_timeout_seconds=device.health_check_timeout_s,
+            message=_truncate_message(device.message),
+        )
+    return out
+
+
+class _Health(dra_health_v1alpha1_pb2_grpc.DRAResourceHealthServicer):
+    def __init__(self, source: HealthSource, streams: set[anyio.CancelScope]) -> None:
+        self._source = source
+        self._streams = streams
+
+    async def NodeWatchResources(
+        self, request: dra_health_v1alpha1_pb2.NodeWatchResourcesRequest, context: Any
+    ) -> None:
+        # The scope lets `stop` end open streams cleanly instead of waiting out the
+        # server's grace period on a stream that never finishes by itself.
+        with anyio.CancelScope() as scope:
+            self._streams.add(scope)
+            try:
+                sent: int | None = None
+                while True:
+                    snapshot = self._source.snapshot()
+                    if snapshot.generation != sent:
+                        await context.write(health_response(snapshot.devices))
+                        sent = snapshot.generation
+                    await self._source.wait_for_change(snapshot.generation)
+            finally:
+                self._streams.discard(scope)
+
+
+# --- Registration -------------------------------------------------------------------
+
+
+class _Registration(pluginregistration_v1_pb2_grpc.RegistrationServicer):
+    def __init__(self, plugin: KubeletPlugin) -> None:
+        self._plugin = plugin
+
+    async def GetInfo(
+        self, request: pluginregistration_v1_pb2.InfoRequest, context: Any
+    ) -> pluginregistration_v1_pb2.PluginInfo:
+        plugin = self._plugin
+        return pluginregistration_v1_pb2.PluginInfo(
+            type=PLUGIN_TYPE,
+            name=plugin.driver_name,
+            endpoint=str(plugin.dra_socket),
+            supported_versions=list(plugin.supported_versions),
+        )
+
+    async def NotifyRegistrationStatus(
+        self, request: pluginregistration_v1_pb2.RegistrationStatus, context: Any
+    ) -> pluginregistration_v1_pb2.RegistrationStatusResponse:
+        self._plugin._registration_status(request.plugin_registered, request.error)
+        return pluginregistration_v1_pb2.RegistrationStatusResponse()
+
+
+# --- The plugin ---------------------------------------------------------------------
+
+
+def _add(add_to_server: Callable[[Any, Any], None], servicer: object, server: Any) -> None:
+    """Call a generated `add_*_to_server`; they are untyped, this gives them a type."""
+    add_to_server(servicer, server)
+
+
+class KubeletPlugin:
+    """Serves the kubelet plugin protocols for one driver on one node.
+
+    `start` serves the DRA socket first and the registration socket last, so that
+    by the time the kubelet sees the plugin, the endpoint it advertises answers.
+    `stop` does the reverse. With `pod_uid`, socket names include it, which lets an
+    old and a new plugin pod run side by side during a rolling update.
+    """
+
+    def __init__(
+        self,
+        driver_name: str,
+        handler: ClaimHandler,
+        *,
+        kubelet_root: Path = DEFAULT_KUBELET_ROOT,
+        pod_uid: str | None = None,
+        health: HealthSource | None = None,
+        stop_grace_s: float = 5.0,
+    ) -> None:
+        for name, value in (("driver_name", driver_name), ("pod_uid", pod_uid)):
+            if value is not None and (not value or "/" in value or value.startswith(".")):
+                msg = (
+                    f"{name} {value!r} must be a non-empty file name part (no '/', no leading '.')"
+                )
+                raise ValueError(msg)
+        self.driver_name = driver_name
+        self.kubelet_root = Path(kubelet_root).absolute()
+        self.pod_uid = pod_uid
+        self._dispatcher = _Dispatcher(handler)
+        self._health = health
+        self._stop_grace_s = stop_grace_s
+        suffix = f"-{pod_uid}" if pod_uid else ""
+        self.registration_socket = (
+            self.kubelet_root / "plugins_registry" / f"{driver_name}{suffix}-reg.sock"
+        )
+        self.dra_socket = self.kubelet_root / "plugins" / driver_name / f"dra{suffix}.sock"
+        versions = [DRA_V1, DRA_V1BETA1]
+        if health is not None:
+            versions.append(HEALTH_V1ALPHA1)
+        self.supported_versions: tuple[str, ...] = tuple(versions)
+        self._registered: anyio.Event | None = None
+        self.registration_error: str | None = None
+        self._health_streams: set[anyio.CancelScope] = set()
+        # (server, socket path, socket identity), in start order.
+        self._serving: list[tuple[Any, Path, tuple[int, int]]] = []
+
+    @property
+    def registered(self) -> anyio.Event:
+        """Set once the kubelet reports a successful registration (after `start`)."""
+        if self._registered is None:
+            msg = "KubeletPlugin.registered is available only after start()"
+            raise RuntimeError(msg)
+        return self._registered
+
+    def _registration_status(self, ok: bool, error: str) -> None:
+        fields = {"driver": self.driver_name, "registered": ok, "error": error}
+        if ok:
+            self.registration_error = None
+            log.info("kubelet registered the plugin", extra={"fields": fields})
+            if self._registered is not None:
+                self._registered.set()
+        else:
+            self.registration_error = error or "kubelet refused the registration"
+            log.error("kubelet refused the plugin registration", extra={"fields": fields})
+
+    async def start(self) -> None:
+        if self._serving:
+            msg = "KubeletPlugin is already started"
+            raise RuntimeError(msg)
+        _check_socket_path(self.registration_socket, "registration")
+        _check_socket_path(self.dra_socket, "DRA")
+        self._registered = anyio.Event()
+        self.registration_error = None
+        try:
+            dra = grpc.aio.server()
+            _add(dra_v1_pb2_grpc.add_DRAPluginServicer_to_server, _DraV1(self._dispatcher), dra)
+            _add(
+                dra_v1beta1_pb2_grpc.add_DRAPluginServicer_to_server,
+                _DraV1beta1(self._dispatcher),
+                dra,
+            )
+            if self._health is not None:
+                _add(
+                    dra_health_v1alpha1_pb2_grpc.add_DRAResourceHealthServicer_to_server,
+                    _Health(self._health, self._health_streams),
+                    dra,
+                )
+            await self._serve(dra, self.dra_socket)
+            registration = grpc.aio.server()
+            _add(
+                pluginregistration_v1_pb2_grpc.add_RegistrationServicer_to_server,
+                _Registration(self),
+                registration,
+            )
+            await self._serve(registration, self.registration_socket)
+        except BaseException:
+            await self.stop()
+            raise
+        log.info(
+            "kubelet plugin serving",
+            extra={
+                "fields": {
+                    "driver": self.driver_name,
+                    "registration_socket": str(self.registration_socket),
+                    "dra_socket": str(self.dra_socket),
+                    "versions": list(self.supported_versions),
+                }
+            },
+        )
+
+    async def _serve(self, server: Any, path: Path) -> None:
+        identity = _bind_private(server, path)
+        self._serving.append((server, path, identity))
+        await server.start()
+
+    async def stop(self) -> None:
+        """Deregister first (remove the registration socket), then drain DRA calls."""
+        with anyio.CancelScope(shield=True):
+            for scope in list(self._health_streams):
+                scope.cancel()
+            while self._serving:
+                server, path, identity = self._serving.pop()
+                _remove_own_socket(path, identity)
+                await server.stop(self._stop_grace_s)
+        log.info("kubelet plugin stopped", extra={"fields": {"driver": self.driver_name}})
+
+    async def __aenter__(self) -> Self:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.stop()

@@ -1,0 +1,523 @@
+"""The kubelet plugin protocol layer over real unix sockets and real gRPC."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import os
+import re
+import shutil
+import socket
+import stat
+import subprocess
+import sys
+import tempfile
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import anyio
+import grpc
+import pytest
+from gpudra.driver.plugin import (
+    DRA_V1,
+    DRA_V1BETA1,
+    HEALTH_V1ALPHA1,
+    ClaimRef,
+    DeviceHealth,
+    HealthBoard,
+    KubeletPlugin,
+    PreparedDevice,
+    PrepareResult,
+)
+from gpudra.driver.proto import (
+    dra_health_v1alpha1_pb2,
+    dra_health_v1alpha1_pb2_grpc,
+    dra_v1_pb2,
+    dra_v1_pb2_grpc,
+    dra_v1beta1_pb2,
+    dra_v1beta1_pb2_grpc,
+    pluginregistration_v1_pb2,
+    pluginregistration_v1_pb2_grpc,
+)
+
+from e2e.kubelet_standin import KubeletStandin
+
+pytestmark = pytest.mark.anyio
+
+REPO = Path(__file__).resolve().parents[2]
+DRIVER = "gpu.nvidia.com"
+# Generous bound so a broken test fails instead of hanging; not a speed assertion.
+WAIT_S = 20
+
+
+class RecordingHandler:
+    """A device layer that records what reached it and answers predictably."""
+
+    def __init__(
+        self,
+        *,
+        fail: frozenset[str] = frozenset(),
+        skip: frozenset[str] = frozenset(),
+        extra: dict[str, PrepareResult] | None = None,
+        errors: dict[str, str] | None = None,
+    ) -> None:
+        self.fail = fail
+        self.skip = skip
+        self.extra = extra or {}
+        self.errors = errors or {}
+        self.prepare_calls: list[list[ClaimRef]] = []
+        self.unprepare_calls: list[list[ClaimRef]] = []
+
+    async def prepare(self, claims: list[ClaimRef]) -> dict[str, PrepareResult]:
+        self.prepare_calls.append(list(claims))
+        for claim in claims:
+            if claim.uid in self.fail:
+                raise RuntimeError(f"cannot prepare {claim.name}")
+        out = {c.uid: self.result(c) for c in claims if c.uid not in self.skip}
+        out.update(self.extra)
+        return out
+
+    def result(self, claim: ClaimRef) -> PrepareResult:
+        if claim.uid in self.errors:
+            return PrepareResult(error=self.errors[claim.uid])
+        return PrepareResult(
+            devices=[
+                PreparedDevice(
+                    request_names=["gpu"],
+                    pool_name="node-a",
+                    device_name=f"gpu-{claim.name}",
+                    cdi_device_ids=[f"k8s.gpu.nvidia.com/claim={claim.uid}-gpu"],
+                    share_id=f"share-{claim.name}",
+                ),
+                PreparedDevice(
+                    request_names=[],
+                    pool_name="node-a",
+                    device_name=f"mig-{claim.name}",
+                    cdi_device_ids=[],
+                ),
+            ]
+        )
+
+    async def unprepare(self, claims: list[ClaimRef]) -> dict[str, str | None]:
+        self.unprepare_calls.append(list(claims))
+        for claim in claims:
+            if claim.uid in self.fail:
+                raise RuntimeError(f"cannot unprepare {claim.name}")
+        return {c.uid: self.errors.get(c.uid) for c in claims if c.uid not in self.skip}
+
+
+def claim(name: str) -> ClaimRef:
+    return ClaimRef(namespace="default", uid=f"uid-{name}", name=name)
+
+
+@pytest.fixture
+def root() -> Iterator[Path]:
+    # Unix socket paths are limited to ~107 bytes: keep the kubelet root short.
+    path = Path(tempfile.mkdtemp(dir="/tmp", prefix="gd"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@asynccontextmanager
+async def channel(path: Path) -> AsyncIterator[Any]:
+    async with grpc.aio.insecure_channel(f"unix://{path}") as ch:
+        yield ch
+
+
+def stub(stub_class: Callable[[Any], Any], ch: Any) -> Any:
+    return stub_class(ch)
+
+
+async def get_info(plugin: KubeletPlugin) -> Any:
+    async with channel(plugin.registration_socket) as ch:
+        client = stub(pluginregistration_v1_pb2_grpc.RegistrationStub, ch)
+        return await client.GetInfo(pluginregistration_v1_pb2.InfoRequest(), timeout=WAIT_S)
+
+
+# --- registration ---------------------------------------------------------------------
+
+
+async def test_get_info_advertises_driver_endpoint_and_versions_v1_first(root: Path) -> None:
+    async with KubeletPlugin(DRIVER, RecordingHandler(), kubelet_root=root) as plugin:
+        info = await get_info(plugin)
+    assert info.type == "DRAPlugin"
+    assert info.name == DRIVER
+    assert info.endpoint == str(root / "plugins" / DRIVER / "dra.sock")
+    assert Path(info.endpoint).is_absolute()
+    assert list(info.supported_versions) == ["v1.DRAPlugin", "v1beta1.DRAPlugin"]
+    assert plugin.registration_socket == root / "plugins_registry" / f"{DRIVER}-reg.sock"
+
+
+async def test_get_info_lists_health_service_only_with_a_health_source(root: Path) -> None:
+    async with KubeletPlugin(
+        DRIVER, RecordingHandler(), kubelet_root=root, health=HealthBoard()
+    ) as plugin:
+        info = await get_info(plugin)
+    assert list(info.supported_versions) == [DRA_V1, DRA_V1BETA1, HEALTH_V1ALPHA1]
+
+
+async def test_health_service_is_not_served_without_a_health_source(root: Path) -> None:
+    async with (
+        KubeletPlugin(DRIVER, RecordingHandler(), kubelet_root=root) as plugin,
+        channel(plugin.dra_socket) as ch,
+    ):
+        client = stub(dra_health_v1alpha1_pb2_grpc.DRAResourceHealthStub, ch)
+        call = client.NodeWatchResources(dra_health_v1alpha1_pb2.NodeWatchResourcesRequest())
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await call.read()
+    assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+async def test_kubelet_registration_sets_registered_and_picks_v1(root: Path) -> None:
+    async with (
+        KubeletPlugin(DRIVER, RecordingHandler(), kubelet_root=root) as plugin,
+        KubeletStandin(root) as kubelet,
+    ):
+        reg = await kubelet.wait_for_driver(DRIVER, timeout_s=WAIT_S)
+        with anyio.fail_after(WAIT_S):
+            await plugin.registered.wait()
+    assert reg.dra_version == DRA_V1
+    assert reg.endpoint == plugin.dra_socket
+    assert plugin.registration_error is None
+
+
+async def test_older_kubelet_picks_v1beta1(root: Path) -> None:
+    async with (
+        KubeletPlugin(DRIVER, RecordingHandler(), kubelet_root=root),
+        KubeletStandin(root, dra_versions=(DRA_V1BETA1,)) as kubelet,
+    ):
+        reg = await kubelet.wait_for_driver(DRIVER, timeout_s=WAIT_S)
+    assert reg.dra_version == DRA_V1BETA1
+
+
+async def test_refused_registration_is_recorded(root: Path) -> None:
+    async with (
+        KubeletPlugin(DRIVER, RecordingHandler(), kubelet_root=root) as plugin,
+        KubeletStandin(root, dra_versions=("v2.DRAPlugin",)) as kubelet,
+    ):
+        rejection = await kubelet.wait_for_rejection(plugin.registration_socket, timeout_s=WAIT_S)
+        assert plugin.registration_error == rejection.reason
+        assert "v1.DRAPlugin" in rejection.reason
+        assert not plugin.registered.is_set()
+
+
+async def test_rolling_update_sockets_include_pod_uid_and_coexist(root: Path) -> None:
+    handler = RecordingHandler()
+    old = KubeletPlugin(DRIVER, handler, kubelet_root=root, pod_uid="pod-old")
+    new = KubeletPlugin(DRIVER, handler, kubelet_root=root, pod_uid="pod-new")
+    assert old.registration_socket == root / "plugins_registry" / f"{DRIVER}-pod-old-reg.sock"
+    assert old.dra_socket == root / "plugins" / DRIVER / "dra-pod-old.sock"
+    async with old, KubeletStandin(root) as kubelet:
+        await kubelet.wait_for_driver(DRIVER, timeout_s=WAIT_S)
+        async with new:
+            assert (await get_info(new)).endpoint == str(new.dra_socket)
+            assert (await get_info(old)).endpoint == str(old.dra_socket)
+            await kubelet.wait_for_registration(new.registration_socket, timeout_s=WAIT_S)
+            assert len(kubelet.registrations(DRIVER)) == 2
+            # Like the kubelet, the newest registration serves the calls.
+            assert kubelet.active(DRIVER).endpoint == new.dra_socket
+            await old.stop()
+            await kubelet.wait_for_deregistration(old.registration_socket, timeout_s=WAIT_S)
+            assert kubelet.active(DRIVER).endpoint == new.dra_socket
+            assert (await kubelet.prepare(DRIVER, [claim("a")]))["uid-a"].error is None
+            assert new.registration_socket.exists()
+            assert not old.registration_socket.exists()
+
+
+# --- sockets --------------------------------------------------------------------------
+
+
+async def test_sockets_are_owner_only(root: Path) -> None:
+    async with KubeletPlugin(DRIVER, RecordingHandler(), kubelet_root=root) as plugin:
+        for path in (plugin.registration_socket, plugin.dra_socket):
+            mode = path.stat().st_mode
+            assert stat.S_ISSOCK(mode), path
+            assert stat.S_IMODE(mode) == 0o600, (path, oct(mode))
+        # Nothing else (no staging folder) is left next to the sockets.
+        assert sorted(p.name for p in plugin.dra_socket.parent.iterdir()) == ["dra.sock"]
+        assert sorted(p.name for p in plugin.registration_socket.parent.iterdir()) == [
+            f"{DRIVER}-reg.sock"
+        ]
+
+
+async def test_stale_sockets_are_replaced(root: Path) -> None:
+    plugin = KubeletPlugin(DRIVER, RecordingHandler(), kubelet_root=root)
+    plugin.dra_socket.parent.mkdir(parents=True)
+    plugin.registration_socket.parent.mkdir(parents=True)
+    # A socket file left by a crashed run: nothing listens on it any more.
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as dead:
+        dead.bind(str(plugin.registration_socket))
+    plugin.dra_socket.write_text("stale")
+    async with plugin:
+        info = await get_info(plugin)
+        assert info.name == DRIVER
+        assert stat.S_ISSOCK(plugin.dra_socket.stat().st_mode)
+        assert "uid-a" in await prepare_v1(plugin, [claim("a")])
+
+
+async def test_stop_removes_sockets(root: Path) -> None:
+    plugin = KubeletPlugin(DRIVER, RecordingHandler(), kubelet_root=root)
+    await plugin.start()
+    assert plugin.registration_socket.exists()
+    assert plugin.dra_socket.exists()
+    await plugin.stop()
+    assert not plugin.registration_socket.exists()
+    assert not plugin.dra_socket.exists()
+
+
+async def test_stop_leaves_a_socket_that_another_instance_took_over(root: Path) -> None:
+    first = KubeletPlugin(DRIVER, RecordingHandler(), kubelet_root=root)
+    second = KubeletPlugin(DRIVER, RecordingHandler(), kubelet_root=root)
+    async with first, second:
+        await first.stop()
+        assert (await get_info(second)).name == DRIVER
+        assert "uid-a" in await prepare_v1(second, [claim("a")])
+    assert not second.registration_socket.exists()
+
+
+async def test_too_long_socket_path_is_refused_with_the_fix(root: Path) -> None:
+    plugin = KubeletPlugin(DRIVER, RecordingHandler(), kubelet_root=root / ("x" * 120))
+    with pytest.raises(ValueError, match="kubelet root"):
+        await plugin.start()
+
+
+# --- DRA calls ------------------------------------------------------------------------
+
+
+async def prepare_v1(
+    plugin: KubeletPlugin, claims: list[ClaimRef]
+) -> dict[str, dra_v1_pb2.NodePrepareResourceResponse]:
+    async with channel(plugin.dra_socket) as ch:
+        client = stub(dra_v1_pb2_grpc.DRAPluginStub, ch)
+        request = dra_v1_pb2.NodePrepareResourcesRequest(
+            claims=[dra_v1_pb2.Claim(namespace=c.namespace, uid=c.uid, name=c.name) for c in claims]
+        )
+        response = await client.NodePrepareResources(request, timeout=WAIT_S)
+    return dict(response.claims)
+
+
+async def prepare_v1beta1(
+    plugin: KubeletPlugin, claims: list[ClaimRef]
+) -> dict[str, dra_v1beta1_pb2.NodePrepareResourceResponse]:
+    async with channel(plugin.dra_socket) as ch:
+        client = stub(dra_v1beta1_pb2_grpc.DRAPluginStub, ch)
+        request = dra_v1beta1_pb2.NodePrepareResourcesRequest(
+            claims=[
+                dra_v1beta1_pb2.Claim(namespace=c.namespace, uid=c.uid, name=c.name) for c in claims
+            ]
+        )
+        response = await client.NodePrepareResources(request, timeout=WAIT_S)
+    return dict(response.claims)
+
+
+async def test_v1_and_v1beta1_reach_the_same_handler(root: Path) -> None:
+    handler = RecordingHandler()
+    async with KubeletPlugin(DRIVER, handler, kubelet_root=root) as plugin:
+        v1 = await prepare_v1(plugin, [claim("a"), claim("b")])
+        beta = await prepare_v1beta1(plugin, [claim("c")])
+    assert handler.prepare_calls == [[claim("a"), claim("b")], [claim("c")]]
+    assert set(v1) == {"uid-a", "uid-b"}
+    device = v1["uid-a"].devices[0]
+    assert list(device.request_names) == ["gpu"]
+    assert device.pool_name == "node-a"
+    assert device.device_name == "gpu-a"
+    assert list(device.cdi_device_ids) == ["k8s.gpu.nvidia.com/claim=uid-a-gpu"]
+    assert v1["uid-a"].error == ""
+    (beta_device, beta_second) = beta["uid-c"].devices
+    assert beta_device.device_name == "gpu-c"
+    assert list(beta_device.cdi_device_ids) == ["k8s.gpu.nvidia.com/claim=uid-c-gpu"]
+    assert list(beta_second.request_names) == []
+
+
+async def test_share_id_is_sent_on_v1_only(root: Path) -> None:
+    async with KubeletPlugin(DRIVER, RecordingHandler(), kubelet_root=root) as plugin:
+        v1 = await prepare_v1(plugin, [claim("a")])
+        beta = await prepare_v1beta1(plugin, [claim("a")])
+    with_share, without_share = v1["uid-a"].devices
+    assert with_share.HasField("share_id")
+    assert with_share.share_id == "share-a"
+    assert not without_share.HasField("share_id")
+    # On the wire, the v1beta1 answer carries no field 5 at all.
+    as_v1 = dra_v1_pb2.NodePrepareResourceResponse.FromString(beta["uid-a"].SerializeToString())
+    assert not as_v1.devices[0].HasField("share_id")
+    assert as_v1.devices[0].device_name == "gpu-a"
+
+
+async def test_unprepare_via_both_versions(root: Path) -> None:
+    handler = RecordingHandler(errors={"uid-b": "device busy"})
+    async with (
+        KubeletPlugin(DRIVER, handler, kubelet_root=root) as plugin,
+        channel(plugin.dra_socket) as ch,
+    ):
+        v1 = await stub(dra_v1_pb2_grpc.DRAPluginStub, ch).NodeUnprepareResources(
+            dra_v1_pb2.NodeUnprepareResourcesRequest(
+                claims=[dra_v1_pb2.Claim(namespace="default", uid="uid-a", name="a")]
+            ),
+            timeout=WAIT_S,
+        )
+        beta = await stub(dra_v1beta1_pb2_grpc.DRAPluginStub, ch).NodeUnprepareResources(
+            dra_v1beta1_pb2.NodeUnprepareResourcesRequest(
+                claims=[dra_v1beta1_pb2.Claim(namespace="default", uid="uid-b", name="b")]
+            ),
+            timeout=WAIT_S,
+        )
+    assert handler.unprepare_calls == [[claim("a")], [claim("b")]]
+    assert dict(v1.claims)["uid-a"].error == ""
+    assert dict(beta.claims)["uid-b"].error == "device busy"
+
+
+async def test_one_claim_raising_does_not_fail_the_others(root: Path) -> None:
+    handler = RecordingHandler(fail=frozenset({"uid-bad"}))
+    claims = [claim("a"), claim("bad"), claim("b")]
+    async with (
+        KubeletPlugin(DRIVER, handler, kubelet_root=root),
+        KubeletStandin(root) as kubelet,
+    ):
+        await kubelet.wait_for_driver(DRIVER, timeout_s=WAIT_S)
+        prepared = await kubelet.prepare(DRIVER, claims)
+        unprepared = await kubelet.unprepare(DRIVER, claims)
+    assert prepared["uid-a"].error is None
+    assert prepared["uid-a"].devices[0].device_name == "gpu-a"
+    assert prepared["uid-b"].devices[0].device_name == "gpu-b"
+    assert prepared["uid-bad"].devices == []
+    assert prepared["uid-bad"].error is not None
+    assert "cannot prepare bad" in prepared["uid-bad"].error
+    assert unprepared["uid-a"] is None
+    assert unprepared["uid-b"] is None
+    assert unprepared["uid-bad"] is not None
+    assert "cannot unprepare bad" in unprepared["uid-bad"]
+
+
+async def test_per_claim_errors_are_passed_through(root: Path) -> None:
+    handler = RecordingHandler(errors={"uid-b": "claim not allocated to this node"})
+    async with KubeletPlugin(DRIVER, handler, kubelet_root=root) as plugin:
+        out = await prepare_v1(plugin, [claim("a"), claim("b")])
+    assert out["uid-b"].error == "claim not allocated to this node"
+    assert list(out["uid-b"].devices) == []
+    assert out["uid-a"].error == ""
+
+
+async def test_unanswered_claim_becomes_an_error_and_strays_are_dropped(root: Path) -> None:
+    stray = {"uid-stray": PrepareResult()}
+    handler = RecordingHandler(skip=frozenset({"uid-b"}), extra=stray)
+    async with (
+        KubeletPlugin(DRIVER, handler, kubelet_root=root),
+        KubeletStandin(root) as kubelet,
+    ):
+        await kubelet.wait_for_driver(DRIVER, timeout_s=WAIT_S)
+        # The stand-in fails the call like the kubelet if a claim is missing or extra.
+        prepared = await kubelet.prepare(DRIVER, [claim("a"), claim("b")])
+        unprepared = await kubelet.unprepare(DRIVER, [claim("a"), claim("b")])
+    assert prepared["uid-a"].error is None
+    assert prepared["uid-b"].error is not None
+    assert "no result" in prepared["uid-b"].error
+    assert unprepared["uid-a"] is None
+    assert unprepared["uid-b"] is not None
+
+
+async def test_invalid_handler_result_fails_only_its_claim(root: Path) -> None:
+    broken = PrepareResult(
+        devices=[
+            PreparedDevice(
+                request_names=["gpu"],
+                pool_name="node-a",
+                device_name="gpu-x",
+                cdi_device_ids=[None],  # type: ignore[list-item]
+            )
+        ]
+    )
+    handler = RecordingHandler(extra={"uid-x": broken})
+    async with KubeletPlugin(DRIVER, handler, kubelet_root=root) as plugin:
+        out = await prepare_v1(plugin, [claim("a"), claim("x")])
+    assert out["uid-a"].error == ""
+    assert "invalid result" in out["uid-x"].error
+    assert list(out["uid-x"].devices) == []
+
+
+# --- health ---------------------------------------------------------------------------
+
+
+def gpu(name: str, healthy: bool | None, message: str = "") -> DeviceHealth:
+    return DeviceHealth(
+        pool_name="node-a",
+        device_name=name,
+        healthy=healthy,
+        updated_at=1_700_000_000.5,
+        message=message,
+        health_check_timeout_s=30,
+    )
+
+
+async def test_health_stream_sends_the_full_list_on_every_change(root: Path) -> None:
+    board = HealthBoard([gpu("gpu-0", True), gpu("gpu-1", None)])
+    async with (
+        KubeletPlugin(DRIVER, RecordingHandler(), kubelet_root=root, health=board) as plugin,
+        KubeletStandin(root) as kubelet,
+    ):
+        await kubelet.wait_for_driver(DRIVER, timeout_s=WAIT_S)
+        async with kubelet.watch_health(DRIVER) as updates:
+            with anyio.fail_after(WAIT_S):
+                first = await anext(updates)
+            assert [(d.device_name, d.healthy) for d in first] == [
+                ("gpu-0", True),
+                ("gpu-1", None),
+            ]
+            assert first[0].updated_at == 1_700_000_000
+            assert first[0].health_check_timeout_s == 30
+            board.publish([gpu("gpu-0", False, "XID 79: fell off the bus"), gpu("gpu-1", True)])
+            with anyio.fail_after(WAIT_S):
+                second = await anext(updates)
+            assert [(d.device_name, d.healthy, d.message) for d in second] == [
+                ("gpu-0", False, "XID 79: fell off the bus"),
+                ("gpu-1", True, ""),
+            ]
+            board.publish([gpu("gpu-0", False, "x" * 5000), gpu("gpu-1", True)])
+            with anyio.fail_after(WAIT_S):
+                third = await anext(updates)
+            assert len(third) == 2
+            assert len(third[0].message) == 1024
+            assert third[0].message.endswith("...")
+            await plugin.stop()
+            # Stopping ends the stream cleanly (status OK) instead of the server
+            # cutting it off after its grace period.
+            with anyio.fail_after(WAIT_S):
+                rest = [u async for u in updates]
+            assert rest == []
+
+
+# --- generated code -------------------------------------------------------------------
+
+
+def test_generated_code_matches_the_protos(tmp_path: Path) -> None:
+    if importlib.util.find_spec("grpc_tools") is None:
+        pytest.skip("grpcio-tools is not installed; cannot regenerate the proto code")
+    proto_dir = REPO / "driver" / "proto"
+    committed = (proto_dir / "dra_v1_pb2_grpc.py").read_text()
+    match = re.search(r"GRPC_GENERATED_VERSION = '([^']+)'", committed)
+    assert match is not None
+    installed = importlib.metadata.version("grpcio-tools")
+    if installed != match.group(1):
+        pytest.skip(
+            f"committed code comes from grpcio-tools {match.group(1)}, installed is "
+            f"{installed}; run driver/proto/generate.sh to refresh it"
+        )
+    subprocess.run(
+        ["bash", "driver/proto/generate.sh", str(tmp_path)],
+        cwd=REPO,
+        env={**os.environ, "PYTHON": sys.executable},
+        check=True,
+    )
+    generated = sorted(p.name for p in tmp_path.iterdir())
+    expected = sorted(
+        p.name
+        for p in proto_dir.iterdir()
+        if p.name.endswith(("_pb2.py", "_pb2.pyi", "_pb2_grpc.py"))
+    )
+    assert generated == expected
+    assert len(generated) == 12
+    for name in generated:
+        assert (tmp_path / name).read_text() == (proto_dir / name).read_text(), (
+            f"{name} is stale: run driver/proto/generate.sh"
+        )
