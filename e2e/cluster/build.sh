@@ -36,11 +36,16 @@ command -v go >/dev/null || die "no Go toolchain on PATH: install Go 1.25 or new
 export GOTOOLCHAIN=local GOWORK=off GOSUMDB=${GOSUMDB:-off} CGO_ENABLED=0 GOFLAGS=-mod=mod
 src=$cache/src
 rm -rf "$src" && mkdir -p "$src" "$bin"
+# A failed build leaves no half-filled version directory that looks cached.
+trap 'all_present || rm -rf "$cache"' EXIT
 start=$(date +%s)
 echo "build: Kubernetes $version into $bin (first build takes a while)" >&2
 
-modfile=$(go mod download -json "k8s.io/kubernetes@$version" | sed -n 's/.*"GoMod": "\(.*\)".*/\1/p')
-[ -n "$modfile" ] || die "the Go module proxy has no k8s.io/kubernetes@$version; pick another K8S_VERSION"
+info=$(go mod download -json "k8s.io/kubernetes@$version" 2>&1) || true
+err=$(printf '%s\n' "$info" | sed -n 's/.*"Error": "\([^"\\]*\).*/\1/p' | head -1)
+[ -z "$err" ] || die "the Go module proxy cannot serve k8s.io/kubernetes@$version ($err); pick another K8S_VERSION"
+modfile=$(printf '%s\n' "$info" | sed -n 's/.*"GoMod": "\(.*\)".*/\1/p')
+[ -n "$modfile" ] || die "could not resolve k8s.io/kubernetes@$version from the Go module proxy: $info"
 staging_ver="v0.${version#v1.}"
 goline=$(grep -m1 -E '^go [0-9]' "$modfile")
 {

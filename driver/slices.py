@@ -1,0 +1,427 @@
+"""Publishing a node's devices as ResourceSlices, and keeping them published.
+
+Two halves: `plan_slices` is pure (devices in, slice specs out, split within the API
+limits of the running server version) and `SliceController` is level-triggered: any
+watch event, inventory or health change marks the pool dirty, and one reconcile
+compares what should exist with what the watch shows exists. Someone deleting or
+editing our slices (the kubelet wipes them at its start) is just another difference.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import anyio.abc
+from gpudra.driver.kube import RESOURCE_API, ApiError, Kube
+
+log = logging.getLogger(__name__)
+
+SLICES = f"{RESOURCE_API}/resourceslices"
+MAX_ATTRS_AND_CAPACITIES = 32
+MAX_STRING = 64
+QUALIFIED_NAME = re.compile(
+    r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$"
+)
+DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+
+
+class PoolError(ValueError):
+    """The pool cannot be published as described; nothing is written."""
+
+
+@dataclass(frozen=True)
+class PoolContent:
+    """Everything one node publishes for one driver, as resource.k8s.io/v1 JSON."""
+
+    devices: list[dict[str, Any]]
+    counter_sets: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class SliceLimits:
+    max_devices: int = 128
+    # 1.35+: a slice whose devices carry taints or consume counters holds fewer.
+    max_devices_constrained: int = 64
+    max_counter_sets: int = 8
+    max_counters_per_set: int = 32
+    max_consumes_per_device: int = 2
+    max_taints: int = 16
+    # 1.35+: a slice has devices or sharedCounters, never both.
+    separate_counters: bool = True
+
+    @classmethod
+    def for_server(cls, minor: int) -> SliceLimits:
+        if minor <= 34:
+            return cls(max_devices_constrained=128, max_taints=4, separate_counters=False)
+        return cls()
+
+
+def validate_device(dev: dict[str, Any], limits: SliceLimits) -> None:
+    """Rejects what the API server would reject, naming the device and the field."""
+    name = dev.get("name", "")
+    if not DNS_LABEL.match(name):
+        raise PoolError(f"device {name!r}: name must be a DNS label (a-z, 0-9, '-', <= 63)")
+    attrs = dev.get("attributes", {})
+    caps = dev.get("capacity", {})
+    if len(attrs) + len(caps) > MAX_ATTRS_AND_CAPACITIES:
+        raise PoolError(
+            f"device {name}: {len(attrs)} attributes + {len(caps)} capacities exceed "
+            f"the API limit of {MAX_ATTRS_AND_CAPACITIES}; drop some attributes"
+        )
+    for key, val in attrs.items():
+        if not QUALIFIED_NAME.match(key):
+            raise PoolError(f"device {name}: attribute name {key!r} is not a qualified name")
+        if not isinstance(val, dict) or len(val) != 1:
+            raise PoolError(
+                f"device {name}: attribute {key} must have exactly one of int, bool, "
+                f"string, version (got {val!r})"
+            )
+        s = val.get("string")
+        if s is not None and len(s) > MAX_STRING:
+            raise PoolError(
+                f"device {name}: attribute {key} is {len(s)} characters, over the API "
+                f"limit of {MAX_STRING}: {s[:20]!r}..."
+            )
+    if len(dev.get("consumesCounters", [])) > limits.max_consumes_per_device:
+        raise PoolError(
+            f"device {name}: consumesCounters has {len(dev['consumesCounters'])} entries, "
+            f"over the limit of {limits.max_consumes_per_device}"
+        )
+    if len(dev.get("taints", [])) > limits.max_taints:
+        raise PoolError(
+            f"device {name}: {len(dev['taints'])} taints, over the limit of {limits.max_taints}"
+        )
+
+
+def _constrained(dev: dict[str, Any]) -> bool:
+    return bool(dev.get("taints") or dev.get("consumesCounters"))
+
+
+def _chunks(items: list[Any], size: int) -> list[list[Any]]:
+    return [items[i : i + size] for i in range(0, len(items), size)]
+
+
+def plan_slices(content: PoolContent, limits: SliceLimits) -> list[dict[str, Any]]:
+    """Splits the pool into slice bodies (`devices` / `sharedCounters` only).
+
+    Deterministic: the same content always gives the same slices in the same order,
+    so an unchanged inventory never causes a write.
+    """
+    seen: set[str] = set()
+    for dev in content.devices:
+        validate_device(dev, limits)
+        if dev["name"] in seen:
+            raise PoolError(f"device {dev['name']}: name used twice in the pool")
+        seen.add(dev["name"])
+    sets = {cs["name"]: cs for cs in content.counter_sets}
+    for cs in content.counter_sets:
+        if len(cs.get("counters", {})) > limits.max_counters_per_set:
+            raise PoolError(
+                f"counter set {cs['name']}: {len(cs['counters'])} counters, over the limit "
+                f"of {limits.max_counters_per_set}"
+            )
+    for dev in content.devices:
+        for use in dev.get("consumesCounters", []):
+            if use["counterSet"] not in sets:
+                raise PoolError(
+                    f"device {dev['name']}: consumesCounters names unknown counter set "
+                    f"{use['counterSet']!r}"
+                )
+    bodies: list[dict[str, Any]] = []
+    if limits.separate_counters:
+        for group in _chunks(content.counter_sets, limits.max_counter_sets):
+            bodies.append({"sharedCounters": group})
+        plain = [d for d in content.devices if not _constrained(d)]
+        constrained = [d for d in content.devices if _constrained(d)]
+        bodies += [{"devices": c} for c in _chunks(plain, limits.max_devices)]
+        bodies += [{"devices": c} for c in _chunks(constrained, limits.max_devices_constrained)]
+        return bodies
+    # 1.34: devices live in the slice that holds the counter sets they consume.
+    by_set: dict[str, list[dict[str, Any]]] = {name: [] for name in sets}
+    loose: list[dict[str, Any]] = []
+    for dev in content.devices:
+        uses = dev.get("consumesCounters", [])
+        if uses:
+            by_set[uses[0]["counterSet"]].append(dev)
+        else:
+            loose.append(dev)
+    for name, devs in by_set.items():
+        if len(devs) > limits.max_devices:
+            raise PoolError(f"counter set {name}: {len(devs)} devices exceed one slice")
+        bodies.append({"sharedCounters": [sets[name]], "devices": devs})
+    bodies += [{"devices": c} for c in _chunks(loose, limits.max_devices)]
+    return bodies
+
+
+def slice_name(node: str, driver: str, index: int) -> str:
+    """Deterministic names make a deleted slice easy to recognise and restore."""
+    return f"{node}-{driver}-{index}"
+
+
+def _digest(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
+
+
+@dataclass
+class _Published:
+    content_hash: str
+    generation: int
+    # name -> spec exactly as the server returned it after our last write, so
+    # server-side normalisation (quantities, defaults) never reads as a change.
+    specs: dict[str, dict[str, Any]]
+
+
+class SliceController:
+    """Keeps one node's pool for one driver published.
+
+    `source()` returns the desired PoolContent (it may raise: then nothing is
+    written and the current slices stay, rather than publishing a partial pool).
+    Call `trigger()` whenever the inventory or health changes.
+    """
+
+    def __init__(
+        self,
+        kube: Kube,
+        *,
+        driver: str,
+        node: str,
+        source: Callable[[], PoolContent],
+        limits: SliceLimits | None = None,
+        resync_s: float = 300.0,
+        backoff_max_s: float = 10.0,
+    ) -> None:
+        self.kube = kube
+        self.driver = driver
+        self.node = node
+        self.source = source
+        self.limits = limits
+        self.resync_s = resync_s
+        self.backoff_max_s = backoff_max_s
+        self.writes = 0
+        self.reconciles = 0
+        self.converged = anyio.Event()
+        self.last_error: str | None = None
+        self._dirty = anyio.Event()
+        self._cache: dict[str, dict[str, Any]] = {}
+        self._synced = False
+        self._published: _Published | None = None
+        self._node_uid: str | None = None
+
+    def trigger(self) -> None:
+        self._dirty.set()
+
+    @property
+    def fields(self) -> dict[str, str]:
+        return {"node": self.node, "driver": self.driver}
+
+    async def run(
+        self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+    ) -> None:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._watch_loop)
+            tg.start_soon(self._resync_loop)
+            task_status.started()
+            await self._reconcile_loop()
+
+    # -- watch ---------------------------------------------------------------
+    async def _watch_loop(self) -> None:
+        selector = {"fieldSelector": f"spec.nodeName={self.node},spec.driver={self.driver}"}
+        backoff = 0.2
+        while True:
+            try:
+                listing = await self.kube.request("GET", SLICES, query=selector)
+                self._cache = {o["metadata"]["name"]: o for o in listing["items"]}
+                self._synced = True
+                self.trigger()
+                rv = listing["metadata"]["resourceVersion"]
+                query = {**selector, "resourceVersion": rv, "allowWatchBookmarks": "true"}
+                async for ev in self.kube.watch(SLICES, query):
+                    kind, obj = ev.get("type"), ev.get("object", {})
+                    if kind == "ERROR":
+                        break  # usually 410 Gone: relist
+                    if kind == "BOOKMARK":
+                        continue
+                    name = obj["metadata"]["name"]
+                    if kind == "DELETED":
+                        self._cache.pop(name, None)
+                    else:
+                        self._cache[name] = obj
+                    self.trigger()
+                backoff = 0.2
+            except (ApiError, OSError, TimeoutError, ValueError, KeyError) as e:
+                log.warning(
+                    "slice watch failed; retrying",
+                    extra={"fields": {**self.fields, "error": str(e), "retry_s": backoff}},
+                )
+                await anyio.sleep(backoff)
+                backoff = min(backoff * 2, self.backoff_max_s)
+            except Exception as e:  # aiohttp errors are not OSErrors; never die on them
+                log.warning(
+                    "slice watch interrupted; retrying",
+                    extra={"fields": {**self.fields, "error": repr(e), "retry_s": backoff}},
+                )
+                await anyio.sleep(backoff)
+                backoff = min(backoff * 2, self.backoff_max_s)
+
+    async def _resync_loop(self) -> None:
+        while True:
+            await anyio.sleep(self.resync_s)
+            self.trigger()
+
+    # -- reconcile -----------------------------------------------------------
+    async def _reconcile_loop(self) -> None:
+        backoff = 0.2
+        while True:
+            await self._dirty.wait()
+            self._dirty = anyio.Event()
+            if not self._synced:
+                continue
+            try:
+                await self.reconcile_once()
+                self.last_error = None
+                backoff = 0.2
+            except PoolError as e:
+                # Bad inventory is not retried in a loop; the next change retries it.
+                self.last_error = str(e)
+                log.error("pool not published", extra={"fields": {**self.fields, "error": str(e)}})
+            except Exception as e:
+                self.last_error = str(e)
+                log.warning(
+                    "reconcile failed; retrying",
+                    extra={"fields": {**self.fields, "error": repr(e), "retry_s": backoff}},
+                )
+                await anyio.sleep(backoff)
+                backoff = min(backoff * 2, self.backoff_max_s)
+                self.trigger()
+
+    async def _limits(self) -> SliceLimits:
+        if self.limits is None:
+            self.limits = SliceLimits.for_server(await self.kube.server_minor())
+        return self.limits
+
+    async def _owner(self) -> list[dict[str, Any]]:
+        if self._node_uid is None:
+            node = await self.kube.request("GET", f"/api/v1/nodes/{self.node}")
+            self._node_uid = node["metadata"]["uid"]
+        return [
+            {
+                "apiVersion": "v1",
+                "kind": "Node",
+                "name": self.node,
+                "uid": self._node_uid,
+                "controller": True,
+            }
+        ]
+
+    def _desired(self, bodies: list[dict[str, Any]], generation: int) -> dict[str, dict[str, Any]]:
+        out = {}
+        for i, body in enumerate(bodies):
+            spec = {
+                "driver": self.driver,
+                "nodeName": self.node,
+                "pool": {
+                    "name": self.node,
+                    "generation": generation,
+                    "resourceSliceCount": len(bodies),
+                },
+                **body,
+            }
+            out[slice_name(self.node, self.driver, i)] = spec
+        return out
+
+    async def reconcile_once(self) -> None:
+        self.reconciles += 1
+        content = self.source()
+        limits = await self._limits()
+        bodies = plan_slices(content, limits)
+        content_hash = _digest(bodies)
+        observed = dict(self._cache)
+        max_gen = max((o["spec"]["pool"]["generation"] for o in observed.values()), default=0)
+        pub = self._published
+        if pub is None or pub.content_hash != content_hash:
+            generation = max_gen + 1
+            if pub is None and self._adoptable(observed, bodies, max_gen):
+                generation = max_gen
+            pub = _Published(content_hash, generation, {})
+        elif max_gen > pub.generation:
+            # Someone published a newer generation of our pool: supersede it.
+            pub = _Published(content_hash, max_gen + 1, {})
+        desired = self._desired(bodies, pub.generation)
+        owner = await self._owner()
+        for name, spec in desired.items():
+            have = observed.get(name)
+            if have is not None and have["spec"] == pub.specs.get(name, spec):
+                pub.specs[name] = have["spec"]
+                continue
+            body: dict[str, Any] = {
+                "apiVersion": "resource.k8s.io/v1",
+                "kind": "ResourceSlice",
+                "metadata": {
+                    "name": name,
+                    "ownerReferences": owner,
+                    "labels": {"app.kubernetes.io/managed-by": "gpudra"},
+                },
+                "spec": spec,
+            }
+            if have is None:
+                resp = await self._write("POST", SLICES, body)
+            else:
+                body["metadata"]["resourceVersion"] = have["metadata"]["resourceVersion"]
+                resp = await self._write("PUT", f"{SLICES}/{name}", body)
+            pub.specs[name] = resp["spec"]
+            self._cache[name] = resp
+        for name in observed.keys() - desired.keys():
+            self.writes += 1
+            try:
+                await self.kube.request("DELETE", f"{SLICES}/{name}")
+            except ApiError as e:
+                if e.status != 404:
+                    raise
+            self._cache.pop(name, None)
+        self._published = pub
+        self.converged.set()
+
+    def _adoptable(
+        self, observed: dict[str, dict[str, Any]], bodies: list[dict[str, Any]], generation: int
+    ) -> bool:
+        """After a restart, identical slices already published are kept as they are."""
+        desired = self._desired(bodies, generation)
+        if observed.keys() != desired.keys():
+            return False
+        return all(_digest(observed[n]["spec"]) == _digest(s) for n, s in desired.items())
+
+    async def _write(self, method: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        self.writes += 1
+        t0 = time.monotonic()
+        try:
+            resp: dict[str, Any] = await self.kube.request(method, path, body)
+        except ApiError as e:
+            if e.status in (409, 404):
+                # Raced with another writer or a deletion: the watch brings the new
+                # state and the next reconcile retries.
+                raise
+            if e.status == 422:
+                raise PoolError(
+                    f"the API server rejected slice {body['metadata']['name']}: {e.message}"
+                ) from e
+            raise
+        log.debug(
+            "slice written",
+            extra={
+                "fields": {
+                    **self.fields,
+                    "slice": body["metadata"]["name"],
+                    "method": method,
+                    "ms": round((time.monotonic() - t0) * 1000, 1),
+                }
+            },
+        )
+        return resp
