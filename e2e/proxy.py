@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import anyio
 import anyio.abc
+import anyio.lowlevel
 
 
 @dataclass
@@ -54,7 +55,7 @@ class Proxy:
         """Stop listening and drop every open connection (an outage)."""
         if self._scope:
             self._scope.cancel()
-        await anyio.sleep(0)  # let serve() unwind before its listener closes
+        await anyio.lowlevel.checkpoint()  # let serve() unwind before its listener closes
         if self._listener:
             with contextlib.suppress(Exception):
                 await self._listener.aclose()

@@ -10,11 +10,11 @@ from typing import Any
 
 import anyio
 import pytest
+from gpudra.driver.kube import Kube
+from gpudra.driver.slices import PoolContent, SliceController, SliceLimits
 
 from e2e.cluster.harness import Cluster
 from e2e.proxy import Proxy
-from gpudra.driver.kube import Kube
-from gpudra.driver.slices import PoolContent, SliceController, SliceLimits
 
 pytestmark = [pytest.mark.cluster, pytest.mark.anyio]
 NODE = "worker-2"
@@ -74,8 +74,8 @@ async def slices_of(k: Kube, driver: str) -> list[dict[str, Any]]:
     return sorted(out["items"], key=lambda o: o["metadata"]["name"])
 
 
-async def eventually(what: str, probe: Any, timeout: float = 30.0) -> Any:
-    with anyio.fail_after(timeout):
+async def eventually(what: str, probe: Any, limit_s: float = 30.0) -> Any:
+    with anyio.fail_after(limit_s):
         while True:
             value = await probe()
             if value:
@@ -220,7 +220,7 @@ async def test_rides_out_an_api_server_outage(cluster: Cluster, tmp_path: Path) 
         await eventually("failure noticed", lambda: _true(ctl.last_error))
         await anyio.sleep(1.5)  # several capped retries against a dead endpoint
         await proxy.restore(tg)
-        await eventually("recover", lambda: _ok(direct, driver, 3), timeout=60)
+        await eventually("recover", lambda: _ok(direct, driver, 3), limit_s=60)
         tg.cancel_scope.cancel()
     await _cleanup(direct, driver)
     await k.close()
