@@ -19,6 +19,7 @@ from typing import Any, Protocol, Self, TypeVar
 
 import anyio
 import grpc
+from gpudra.driver.claims import ClaimRef
 from gpudra.driver.proto import (
     dra_health_v1alpha1_pb2,
     dra_health_v1alpha1_pb2_grpc,
@@ -47,15 +48,6 @@ R = TypeVar("R")
 
 
 # --- Plain types shared with the device layer -------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class ClaimRef:
-    """A ResourceClaim as the kubelet names it: the handler must fetch and check it."""
-
-    namespace: str
-    uid: str
-    name: str
 
 
 @dataclass(frozen=True, slots=True)

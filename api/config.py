@@ -1,0 +1,674 @@
+"""Opaque device configs of the `resource.nvidia.com/v1beta1` API.
+
+Claims written for the upstream NVIDIA DRA driver must work here unchanged, so
+the wire format (camelCase names, kinds, enum values) is upstream's and unknown
+fields are rejected like upstream's strict decoder does. The same code validates
+in the admission webhook and in the kubelet plugin, so a config the webhook lets
+through is never refused later at prepare time for a reason it could have seen.
+
+Deliberate differences from upstream, all stricter and all reported at admission
+rather than at prepare time:
+- a sharing config that does not belong to the strategy (`mpsConfig` with
+  `TimeSlicing`, `timeSlicingConfig` with `MPS`) is an error; upstream errors at
+  prepare for GPUs and silently ignores it for MIG devices;
+- pinned memory limits below 1Mi are an error (upstream fails at prepare: the
+  MPS daemon takes whole MiB);
+- `defaultPerDevicePinnedMemoryLimit` keys must look like a GPU index or a
+  GPU/MIG UUID.
+`MigDeviceSharing` has no `timeSlicingConfig` (there is none upstream): MIG
+devices accept `strategy: TimeSlicing`, which changes nothing because a MIG
+device has no time-slice setting.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Annotated, Any, ClassVar, Final, Literal, Self, TypeAlias, get_args, overload
+
+from gpudra.api.quantity import ACCEPTED_FORMS, Quantity, QuantityError, parse_quantity
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PlainSerializer,
+    PlainValidator,
+    ValidationError,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
+
+__all__ = [
+    "ACCEPTED_API_VERSIONS",
+    "ACCEPTED_KINDS",
+    "API_VERSION",
+    "GPU_CONFIG_KIND",
+    "INTERVALS",
+    "MAX_PARAMETERS_BYTES",
+    "MIG_DEVICE_CONFIG_KIND",
+    "STRATEGIES",
+    "BoundConfig",
+    "ConfigError",
+    "ConfigIssue",
+    "DeviceConfig",
+    "DeviceType",
+    "GpuConfig",
+    "GpuSharing",
+    "MigDeviceConfig",
+    "MigDeviceSharing",
+    "MpsConfig",
+    "TimeSlicingConfig",
+    "bound_configs",
+    "default_config",
+    "format_errors",
+    "interval_value",
+    "join_path",
+    "parse_opaque_config",
+    "resolve_config",
+]
+
+API_VERSION: Final = "resource.nvidia.com/v1beta1"
+GPU_CONFIG_KIND: Final = "GpuConfig"
+MIG_DEVICE_CONFIG_KIND: Final = "MigDeviceConfig"
+ACCEPTED_API_VERSIONS: Final = (API_VERSION,)
+ACCEPTED_KINDS: Final = (GPU_CONFIG_KIND, MIG_DEVICE_CONFIG_KIND)
+# ResourceClaim `opaque.parameters` limit enforced by the API server.
+MAX_PARAMETERS_BYTES: Final = 10 * 1024
+
+Strategy: TypeAlias = Literal["TimeSlicing", "MPS"]
+TimeSliceInterval: TypeAlias = Literal["Default", "Short", "Medium", "Long"]
+DeviceType: TypeAlias = Literal["gpu", "mig"]
+STRATEGIES: Final[tuple[Strategy, ...]] = get_args(Strategy)
+# Order matters: the index is the value `nvidia-smi compute-policy --set-timeslice` takes.
+INTERVALS: Final[tuple[TimeSliceInterval, ...]] = get_args(TimeSliceInterval)
+
+_MIB: Final = 1024 * 1024
+_DEVICE_SELECTOR_RE: Final = re.compile(
+    r"[0-9]{1,4}|GPU-[0-9a-fA-F-]+|MIG-[0-9a-fA-F-]+|MIG-GPU-[0-9a-fA-F-]+/[0-9]+/[0-9]+"
+)
+_DEVICE_SELECTOR_FORMS: Final = ("<index>", "GPU-<uuid>", "MIG-<uuid>")
+
+
+def interval_value(interval: TimeSliceInterval) -> int:
+    """Numeric time-slice setting (Default=0 ... Long=3) used by nvidia-smi."""
+    return INTERVALS.index(interval)
+
+
+# --- errors -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ConfigIssue:
+    """One problem: where (path relative to the parameters), what, and what is accepted."""
+
+    path: str
+    message: str
+    accepted: tuple[str, ...] = ()
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.message}" if self.path else self.message
+
+
+class ConfigError(ValueError):
+    """Invalid opaque config; carries every issue found, not just the first."""
+
+    def __init__(self, issues: Sequence[ConfigIssue]) -> None:
+        self.issues: tuple[ConfigIssue, ...] = tuple(issues)
+        super().__init__("; ".join(str(issue) for issue in self.issues))
+
+    def with_prefix(self, prefix: str) -> ConfigError:
+        """The same issues with paths anchored at `prefix` (where the caller found them)."""
+        return ConfigError(
+            [ConfigIssue(join_path(prefix, i.path), i.message, i.accepted) for i in self.issues]
+        )
+
+
+def join_path(prefix: str, path: str) -> str:
+    """Join field paths the way Kubernetes prints them (`a.b`, `a[0]`, `a[key]`)."""
+    if not prefix:
+        return path
+    if not path:
+        return prefix
+    return prefix + path if path.startswith("[") else f"{prefix}.{path}"
+
+
+def format_errors(prefix: str, err: ConfigError) -> list[str]:
+    """One line per issue naming the full field path, for webhook and event messages."""
+    return [str(issue) for issue in err.with_prefix(prefix).issues]
+
+
+# --- field validators ------------------------------------------------------------------------
+
+
+def _one_of(accepted: tuple[str, ...]) -> Callable[[Any], Any]:
+    def check(value: Any) -> Any:
+        if value is None or (isinstance(value, str) and value in accepted):
+            return value
+        raise PydanticCustomError(
+            "gpudra_enum",
+            "unknown value {value}; accepted values: {values}",
+            {"value": repr(value), "values": ", ".join(accepted), "accepted": accepted},
+        )
+
+    return check
+
+
+def _percentage(value: Any) -> Any:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise PydanticCustomError(
+            "gpudra_int",
+            "must be an integer between 0 and 100 (got {value})",
+            {"value": repr(value), "accepted": ("0-100",)},
+        )
+    if not 0 <= value <= 100:
+        raise PydanticCustomError(
+            "gpudra_range",
+            "must be between 0 and 100 (got {value})",
+            {"value": value, "accepted": ("0-100",)},
+        )
+    return value
+
+
+def _quantity_error(reason: str) -> PydanticCustomError:
+    return PydanticCustomError(
+        "gpudra_quantity", "{reason}", {"reason": reason, "accepted": (ACCEPTED_FORMS,)}
+    )
+
+
+def _pinned_limit(value: Any) -> Quantity:
+    """A pinned device memory limit: a non-negative quantity of at least 1Mi."""
+    if isinstance(value, Quantity):
+        return value
+    if isinstance(value, bool) or not isinstance(value, str | int | float):
+        raise _quantity_error(f"must be a quantity such as '10Gi' (got {value!r})")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise _quantity_error(f"must be a finite quantity (got {value!r})")
+    # Go's Quantity.UnmarshalJSON accepts bare JSON numbers and trims whitespace.
+    text = value.strip() if isinstance(value, str) else str(value)
+    try:
+        quantity = parse_quantity(text)
+    except QuantityError as exc:
+        raise _quantity_error(str(exc)) from None
+    if quantity.value() < _MIB:
+        raise PydanticCustomError(
+            "gpudra_range",
+            "must be at least 1Mi because MPS takes limits in whole MiB (got {value})",
+            {"value": repr(text), "accepted": (">= 1Mi",)},
+        )
+    return quantity
+
+
+def _per_device_limits(value: Any) -> Any:
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        raise PydanticCustomError(
+            "gpudra_object",
+            "must be a map of GPU index or UUID to quantity (got {value})",
+            {"value": repr(value), "accepted": _DEVICE_SELECTOR_FORMS},
+        )
+    limits: dict[str, Quantity] = {}
+    for key, limit in value.items():
+        # YAML turns an unquoted index into an int; the JSON the API server stores does not.
+        name = str(key) if isinstance(key, int) and not isinstance(key, bool) else key
+        if not isinstance(name, str) or not _DEVICE_SELECTOR_RE.fullmatch(name):
+            raise PydanticCustomError(
+                "gpudra_key",
+                "key {key} is neither a GPU index nor a GPU/MIG UUID; accepted: {forms}",
+                {
+                    "key": repr(key),
+                    "forms": ", ".join(_DEVICE_SELECTOR_FORMS),
+                    "field": f"[{key}]",
+                    "accepted": _DEVICE_SELECTOR_FORMS,
+                },
+            )
+        try:
+            limits[name] = _pinned_limit(limit)
+        except PydanticCustomError as exc:
+            ctx = dict(exc.context or {})
+            ctx["field"] = f"[{name}]"
+            raise PydanticCustomError(exc.type, exc.message_template, ctx) from None
+    return limits
+
+
+PinnedLimit: TypeAlias = Annotated[
+    Quantity, PlainValidator(_pinned_limit), PlainSerializer(str, return_type=str)
+]
+
+
+# --- models -------------------------------------------------------------------------------
+
+
+class _Strict(BaseModel):
+    """Base for wire models: camelCase aliases only, unknown fields rejected by name."""
+
+    model_config = ConfigDict(
+        extra="forbid",
+        frozen=True,
+        arbitrary_types_allowed=True,
+        validate_by_alias=True,
+        validate_by_name=False,
+        serialize_by_alias=True,
+    )
+
+    # Extra guidance for fields that exist in a sibling type but not in this one.
+    unknown_field_hints: ClassVar[Mapping[str, str]] = {}
+
+    @classmethod
+    def wire_names(cls) -> tuple[str, ...]:
+        return tuple(info.alias or name for name, info in cls.model_fields.items())
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check_fields(cls, data: Any) -> Any:
+        if isinstance(data, cls):
+            return data
+        accepted = cls.wire_names()
+        if not isinstance(data, Mapping):
+            raise PydanticCustomError(
+                "gpudra_object",
+                "must be an object with the fields {fields} (got {value})",
+                {"fields": ", ".join(accepted), "value": repr(data), "accepted": accepted},
+            )
+        unknown = [key for key in data if key not in accepted]
+        if unknown:
+            hints = [cls.unknown_field_hints[k] for k in unknown if k in cls.unknown_field_hints]
+            raise PydanticCustomError(
+                "gpudra_unknown_field",
+                "unknown field{hint}; accepted fields: {fields}",
+                {
+                    "unknown": [str(k) for k in unknown],
+                    "hint": f" ({hints[0]})" if hints else "",
+                    "fields": ", ".join(accepted),
+                    "accepted": accepted,
+                },
+            )
+        for name, info in cls.model_fields.items():
+            wire = info.alias or name
+            if info.is_required() and wire not in data:
+                values = tuple(str(v) for v in get_args(info.annotation))
+                raise PydanticCustomError(
+                    "gpudra_missing",
+                    "required field is missing{choices}",
+                    {
+                        "field": wire,
+                        "choices": f"; accepted values: {', '.join(values)}" if values else "",
+                        "accepted": values,
+                    },
+                )
+        return data
+
+    def to_wire(self) -> dict[str, Any]:
+        """The JSON form, as a claim would carry it."""
+        return self.model_dump(mode="json", exclude_none=True)
+
+
+class TimeSlicingConfig(_Strict):
+    """Time-slice length for CUDA contexts sharing a full GPU."""
+
+    interval: Annotated[TimeSliceInterval | None, BeforeValidator(_one_of(INTERVALS))] = None
+
+    def effective_interval(self) -> TimeSliceInterval:
+        return self.interval or "Default"
+
+
+class MpsConfig(_Strict):
+    """Settings for the per-claim MPS control daemon."""
+
+    default_active_thread_percentage: Annotated[int | None, BeforeValidator(_percentage)] = Field(
+        default=None, alias="defaultActiveThreadPercentage"
+    )
+    default_pinned_device_memory_limit: PinnedLimit | None = Field(
+        default=None, alias="defaultPinnedDeviceMemoryLimit"
+    )
+    default_per_device_pinned_memory_limit: Annotated[
+        dict[str, PinnedLimit] | None, BeforeValidator(_per_device_limits)
+    ] = Field(default=None, alias="defaultPerDevicePinnedMemoryLimit")
+
+    def pinned_memory_limits(self, uuids: Sequence[str]) -> dict[str, int]:
+        """Limit in bytes per allocated device UUID (index keys count into `uuids`).
+
+        Issue paths are relative to this `mpsConfig`.
+        """
+        limits: dict[str, int] = {}
+        if self.default_pinned_device_memory_limit is not None:
+            limits = dict.fromkeys(uuids, self.default_pinned_device_memory_limit.value())
+        for key, limit in (self.default_per_device_pinned_memory_limit or {}).items():
+            if key in uuids:
+                uuid = key
+            elif key.isdigit() and int(key) < len(uuids):
+                uuid = uuids[int(key)]
+            else:
+                accepted = (*uuids, *(str(i) for i in range(len(uuids))))
+                raise ConfigError(
+                    [
+                        ConfigIssue(
+                            f"defaultPerDevicePinnedMemoryLimit[{key}]",
+                            f"names no device allocated to this claim; accepted: "
+                            f"{', '.join(accepted) or 'none'}",
+                            accepted,
+                        )
+                    ]
+                )
+            limits[uuid] = limit.value()
+        return limits
+
+
+class GpuSharing(_Strict):
+    """How a full GPU is shared between the containers of one claim."""
+
+    strategy: Annotated[Strategy, BeforeValidator(_one_of(STRATEGIES))]
+    time_slicing_config: TimeSlicingConfig | None = Field(default=None, alias="timeSlicingConfig")
+    mps_config: MpsConfig | None = Field(default=None, alias="mpsConfig")
+
+    @model_validator(mode="after")
+    def _config_matches_strategy(self) -> Self:
+        if self.strategy == "TimeSlicing" and self.mps_config is not None:
+            raise _mismatch("mpsConfig", "TimeSlicing", "timeSlicingConfig")
+        if self.strategy == "MPS" and self.time_slicing_config is not None:
+            raise _mismatch("timeSlicingConfig", "MPS", "mpsConfig")
+        return self
+
+    def effective_interval(self) -> TimeSliceInterval | None:
+        """The time-slice to apply, or None when the strategy is not time-slicing."""
+        if self.strategy != "TimeSlicing":
+            return None
+        return (self.time_slicing_config or TimeSlicingConfig()).effective_interval()
+
+
+class MigDeviceSharing(_Strict):
+    """How a MIG device is shared; MIG has no time-slice setting, only MPS settings."""
+
+    unknown_field_hints: ClassVar[Mapping[str, str]] = {
+        "timeSlicingConfig": "MIG devices have no time-slice setting; use strategy TimeSlicing "
+        "without a config"
+    }
+
+    strategy: Annotated[Strategy, BeforeValidator(_one_of(STRATEGIES))]
+    mps_config: MpsConfig | None = Field(default=None, alias="mpsConfig")
+
+    @model_validator(mode="after")
+    def _config_matches_strategy(self) -> Self:
+        if self.strategy == "TimeSlicing" and self.mps_config is not None:
+            raise PydanticCustomError(
+                "gpudra_conflict",
+                "cannot be used with strategy TimeSlicing; remove it or set strategy: MPS",
+                {"field": "mpsConfig", "accepted": ("MPS",)},
+            )
+        return self
+
+
+def _mismatch(field: str, strategy: str, expected: str) -> PydanticCustomError:
+    other = "MPS" if strategy == "TimeSlicing" else "TimeSlicing"
+    return PydanticCustomError(
+        "gpudra_conflict",
+        "cannot be used with strategy {strategy} (which takes {expected}); remove it or set "
+        "strategy: {other}",
+        {
+            "field": field,
+            "strategy": strategy,
+            "expected": expected,
+            "other": other,
+            "accepted": (expected,),
+        },
+    )
+
+
+class GpuConfig(_Strict):
+    """Config for a full GPU (`kind: GpuConfig`); no sharing means exclusive use."""
+
+    api_version: Literal["resource.nvidia.com/v1beta1"] = Field(
+        default=API_VERSION, alias="apiVersion"
+    )
+    kind: Literal["GpuConfig"] = GPU_CONFIG_KIND
+    sharing: GpuSharing | None = None
+
+
+class MigDeviceConfig(_Strict):
+    """Config for a MIG device (`kind: MigDeviceConfig`)."""
+
+    api_version: Literal["resource.nvidia.com/v1beta1"] = Field(
+        default=API_VERSION, alias="apiVersion"
+    )
+    kind: Literal["MigDeviceConfig"] = MIG_DEVICE_CONFIG_KIND
+    sharing: MigDeviceSharing | None = None
+
+
+DeviceConfig: TypeAlias = GpuConfig | MigDeviceConfig
+
+
+# --- parsing ------------------------------------------------------------------------------
+
+
+def _issues_from(exc: ValidationError) -> list[ConfigIssue]:
+    issues: list[ConfigIssue] = []
+    for error in exc.errors(include_url=False):
+        path = ""
+        for part in error["loc"]:
+            path = join_path(path, f"[{part}]" if isinstance(part, int) else str(part))
+        ctx: Mapping[str, Any] = error.get("ctx") or {}
+        accepted = tuple(str(a) for a in ctx.get("accepted", ()))
+        if error["type"] == "gpudra_unknown_field":
+            issues.extend(
+                ConfigIssue(join_path(path, name), error["msg"], accepted)
+                for name in ctx["unknown"]
+            )
+            continue
+        if "field" in ctx:
+            path = join_path(path, str(ctx["field"]))
+        issues.append(ConfigIssue(path, error["msg"], accepted))
+    return issues
+
+
+def _decode(raw: object) -> Any:
+    if isinstance(raw, bytes | bytearray | str):
+        data = raw.encode() if isinstance(raw, str) else bytes(raw)
+        size = len(data)
+        if size > MAX_PARAMETERS_BYTES:
+            raise _too_large(size)
+        try:
+            return json.loads(data)
+        except ValueError as exc:
+            raise ConfigError(
+                [ConfigIssue("", f"must be a JSON object: {exc}", ACCEPTED_KINDS)]
+            ) from None
+    if isinstance(raw, Mapping):
+        try:
+            size = len(json.dumps(raw, separators=(",", ":"), ensure_ascii=False).encode())
+        except (TypeError, ValueError) as exc:
+            raise ConfigError([ConfigIssue("", f"must be plain JSON data: {exc}")]) from None
+        if size > MAX_PARAMETERS_BYTES:
+            raise _too_large(size)
+        return raw
+    raise ConfigError(
+        [
+            ConfigIssue(
+                "",
+                f"must be an object with apiVersion {API_VERSION} and kind "
+                f"{' or '.join(ACCEPTED_KINDS)} (got {type(raw).__name__})",
+                ACCEPTED_KINDS,
+            )
+        ]
+    )
+
+
+def _too_large(size: int) -> ConfigError:
+    return ConfigError(
+        [
+            ConfigIssue(
+                "",
+                f"parameters are {size} bytes; the limit is {MAX_PARAMETERS_BYTES} bytes (10 KiB)",
+            )
+        ]
+    )
+
+
+def parse_opaque_config(raw: object) -> DeviceConfig:
+    """Decode and validate one `opaque.parameters` object, dispatching on apiVersion/kind.
+
+    `raw` is the decoded JSON object or its JSON text (bytes or str); anything else
+    is reported as a ConfigError, so callers can pass what they found unchecked.
+
+    Raises ConfigError with paths relative to the parameters; use `format_errors`
+    or `ConfigError.with_prefix` to anchor them where the config was found.
+    """
+    data = _decode(raw)
+    if not isinstance(data, Mapping):
+        raise ConfigError(
+            [ConfigIssue("", f"must be a JSON object (got {type(data).__name__})", ACCEPTED_KINDS)]
+        )
+    issues: list[ConfigIssue] = []
+    api_version = data.get("apiVersion")
+    if api_version not in ACCEPTED_API_VERSIONS:
+        what = "required field is missing" if api_version is None else f"unknown {api_version!r}"
+        issues.append(
+            ConfigIssue(
+                "apiVersion",
+                f"{what}; accepted: {', '.join(ACCEPTED_API_VERSIONS)}",
+                ACCEPTED_API_VERSIONS,
+            )
+        )
+    kind = data.get("kind")
+    if kind not in ACCEPTED_KINDS:
+        what = "required field is missing" if kind is None else f"unknown {kind!r}"
+        issues.append(
+            ConfigIssue("kind", f"{what}; accepted: {', '.join(ACCEPTED_KINDS)}", ACCEPTED_KINDS)
+        )
+    if issues:
+        raise ConfigError(issues)
+    model: type[GpuConfig] | type[MigDeviceConfig] = (
+        GpuConfig if kind == GPU_CONFIG_KIND else MigDeviceConfig
+    )
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_issues_from(exc)) from None
+
+
+# --- precedence ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class BoundConfig:
+    """A parsed config and the requests it is bound to (empty: all requests).
+
+    `path` is where the parameters were found, so a precedence error can name it.
+    """
+
+    config: DeviceConfig
+    requests: tuple[str, ...] = ()
+    path: str = ""
+
+    def applies_to(self, request_name: str) -> bool:
+        """Bound to the request itself, or to its parent for a "req/sub" result."""
+        if not self.requests:
+            return True
+        return request_name in self.requests or request_name.split("/", 1)[0] in self.requests
+
+
+def default_config(device_type: DeviceType) -> DeviceConfig:
+    """Driver defaults: no sharing set up, the device is used as it is."""
+    if device_type == "gpu":
+        return GpuConfig()
+    if device_type == "mig":
+        return MigDeviceConfig()
+    raise ValueError(f"device type must be 'gpu' or 'mig', got {device_type!r}")
+
+
+def bound_configs(
+    entries: Sequence[Mapping[str, Any]],
+    *,
+    driver: str,
+    prefix: str,
+    source: str | None = None,
+) -> list[BoundConfig]:
+    """Parse the `config[]` entries addressed to `driver`, in order.
+
+    `entries` is the JSON form of a claim's `spec.devices.config`, a DeviceClass's
+    `spec.config` or an allocation's `status.allocation.devices.config`; `prefix`
+    is that field's path; `source` (FromClass/FromClaim) filters allocation
+    entries. Every bad entry is reported in one ConfigError.
+    """
+    result: list[BoundConfig] = []
+    issues: list[ConfigIssue] = []
+    for index, entry in enumerate(entries):
+        if source is not None and entry.get("source") != source:
+            continue
+        opaque = entry.get("opaque")
+        if not isinstance(opaque, Mapping) or opaque.get("driver") != driver:
+            continue
+        path = f"{prefix}[{index}].opaque.parameters"
+        requests = entry.get("requests") or ()
+        try:
+            config = parse_opaque_config(opaque.get("parameters"))
+        except ConfigError as exc:
+            issues.extend(exc.with_prefix(path).issues)
+            continue
+        result.append(BoundConfig(config, tuple(str(r) for r in requests), path))
+    if issues:
+        raise ConfigError(issues)
+    return result
+
+
+@overload
+def resolve_config(
+    device_type: Literal["gpu"],
+    class_configs: Sequence[BoundConfig],
+    claim_configs: Sequence[BoundConfig],
+    request_name: str,
+) -> GpuConfig: ...
+@overload
+def resolve_config(
+    device_type: Literal["mig"],
+    class_configs: Sequence[BoundConfig],
+    claim_configs: Sequence[BoundConfig],
+    request_name: str,
+) -> MigDeviceConfig: ...
+@overload
+def resolve_config(
+    device_type: DeviceType,
+    class_configs: Sequence[BoundConfig],
+    claim_configs: Sequence[BoundConfig],
+    request_name: str,
+) -> DeviceConfig: ...
+def resolve_config(
+    device_type: DeviceType,
+    class_configs: Sequence[BoundConfig],
+    claim_configs: Sequence[BoundConfig],
+    request_name: str,
+) -> DeviceConfig:
+    """The config for one allocated device: defaults < class < claim, last match wins.
+
+    A config bound to this request by name must be of the device's kind: the
+    user asked for it on this device, so silently skipping it would hide a
+    mistake. An unbound config of the other kind is skipped, because it is meant
+    for the claim's other devices (a claim may hold GPUs and MIG devices).
+    """
+    default = default_config(device_type)
+    wanted = type(default)
+    for bound in reversed((*class_configs, *claim_configs)):
+        if bound.requests:
+            if not bound.applies_to(request_name):
+                continue
+            if not isinstance(bound.config, wanted):
+                raise ConfigError(
+                    [
+                        ConfigIssue(
+                            join_path(bound.path, "kind"),
+                            f"{bound.config.kind} cannot configure the {device_type.upper()} "
+                            f"device allocated for request {request_name!r}; accepted kind: "
+                            f"{default.kind}",
+                            (default.kind,),
+                        )
+                    ]
+                )
+            return bound.config
+        if isinstance(bound.config, wanted):
+            return bound.config
+    return default

@@ -1,0 +1,373 @@
+"""Checkpoint of prepared claims: persistence, compatibility, reboots, exclusivity."""
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+from gpudra.driver.checkpoint import (
+    CHECKPOINT_VERSION,
+    Checkpoint,
+    CheckpointError,
+    ClaimRef,
+    ClaimState,
+    DeviceConflictError,
+    DeviceKey,
+    DeviceRecord,
+    atomic_write,
+    load,
+)
+
+BOOT_A = "6c0ff6d4-1b2d-4a3e-9f00-00000000000a"
+BOOT_B = "6c0ff6d4-1b2d-4a3e-9f00-00000000000b"
+CLAIM_1 = ClaimRef(namespace="ns", uid="11111111-1111-1111-1111-111111111111", name="claim-1")
+CLAIM_2 = ClaimRef(namespace="ns", uid="22222222-2222-2222-2222-222222222222", name="claim-2")
+CLAIM_3 = ClaimRef(namespace="other", uid="33333333-3333-3333-3333-333333333333", name="claim-3")
+
+
+@pytest.fixture
+def boot(tmp_path: Path) -> Path:
+    path = tmp_path / "boot_id"
+    path.write_text(BOOT_A + "\n")
+    return path
+
+
+@pytest.fixture
+def cp_path(tmp_path: Path) -> Path:
+    return tmp_path / "state" / "checkpoint.json"
+
+
+def _load(cp_path: Path, boot: Path) -> Checkpoint:
+    return load(cp_path, boot_id_path=boot)
+
+
+def _gpu(device: str = "gpu-0", **kwargs: Any) -> DeviceRecord:
+    defaults: dict[str, Any] = {
+        "pool": "node-a",
+        "device": device,
+        "request_names": ("gpu",),
+        "cdi_device_ids": (f"k8s.gpu.nvidia.com/claim=x-{device}",),
+    }
+    defaults.update(kwargs)
+    return DeviceRecord(**defaults)
+
+
+def _doc(cp_path: Path) -> dict[str, Any]:
+    doc: dict[str, Any] = json.loads(cp_path.read_text())
+    return doc
+
+
+# --- basic lifecycle, persisted before each call returns ---
+
+
+def test_missing_file_is_an_empty_checkpoint(cp_path: Path, boot: Path) -> None:
+    checkpoint = _load(cp_path, boot)
+    assert checkpoint.claims() == []
+    assert checkpoint.boot_id == BOOT_A
+    assert not cp_path.exists()
+
+
+def test_prepare_lifecycle_is_persisted_at_each_step(cp_path: Path, boot: Path) -> None:
+    checkpoint = _load(cp_path, boot)
+    started = checkpoint.begin_prepare(CLAIM_1)
+    assert started.state is ClaimState.PREPARE_STARTED
+    assert _load(cp_path, boot).get(CLAIM_1.uid) == started
+
+    partial = [_gpu(details={"mig": {"parentUUID": "GPU-1", "gi": 3, "ci": 0}})]
+    checkpoint.record_progress(CLAIM_1.uid, partial)
+    reread = _load(cp_path, boot).get(CLAIM_1.uid)
+    assert reread is not None and reread.devices[0].details["mig"]["gi"] == 3
+    assert reread.state is ClaimState.PREPARE_STARTED
+
+    done = checkpoint.complete_prepare(CLAIM_1.uid, [_gpu(share_id="s-1")])
+    assert done.completed
+    reread = _load(cp_path, boot).get(CLAIM_1.uid)
+    assert reread == done
+    assert reread.ref == CLAIM_1
+    assert _doc(cp_path)["claims"][CLAIM_1.uid]["state"] == "PrepareCompleted"
+    assert _doc(cp_path)["version"] == CHECKPOINT_VERSION
+    assert _doc(cp_path)["bootId"] == BOOT_A
+
+    assert checkpoint.remove(CLAIM_1.uid) is True
+    assert _load(cp_path, boot).get(CLAIM_1.uid) is None
+    assert checkpoint.remove(CLAIM_1.uid) is False
+
+
+def test_begin_prepare_returns_existing_record_unchanged(cp_path: Path, boot: Path) -> None:
+    checkpoint = _load(cp_path, boot)
+    checkpoint.begin_prepare(CLAIM_1)
+    done = checkpoint.complete_prepare(CLAIM_1.uid, [_gpu()])
+    mtime = cp_path.stat().st_mtime_ns
+    assert checkpoint.begin_prepare(CLAIM_1, [_gpu("gpu-1")]) == done
+    assert cp_path.stat().st_mtime_ns == mtime
+
+
+def test_progress_and_completion_need_a_started_record(cp_path: Path, boot: Path) -> None:
+    checkpoint = _load(cp_path, boot)
+    with pytest.raises(CheckpointError, match="begin_prepare"):
+        checkpoint.complete_prepare(CLAIM_1.uid, [])
+    checkpoint.begin_prepare(CLAIM_1)
+    checkpoint.complete_prepare(CLAIM_1.uid, [_gpu()])
+    with pytest.raises(CheckpointError, match="already prepared"):
+        checkpoint.record_progress(CLAIM_1.uid, [])
+
+
+def test_incomplete_prepares_are_reported_after_restart(cp_path: Path, boot: Path) -> None:
+    checkpoint = _load(cp_path, boot)
+    checkpoint.begin_prepare(CLAIM_1, [_gpu("gpu-0")])
+    checkpoint.begin_prepare(CLAIM_2, [_gpu("gpu-1")])
+    checkpoint.complete_prepare(CLAIM_2.uid, [_gpu("gpu-1")])
+    # "crash": a new process reads the file
+    incomplete = _load(cp_path, boot).incomplete()
+    assert [c.uid for c in incomplete] == [CLAIM_1.uid]
+    assert incomplete[0].devices[0].device == "gpu-0"
+
+
+# --- compatibility across releases ---
+
+
+def _foreign_file(cp_path: Path, version: int) -> dict[str, Any]:
+    doc = {
+        "version": version,
+        "bootId": BOOT_A,
+        "futureTopLevel": {"nested": [1, 2]},
+        "claims": {
+            CLAIM_1.uid: {
+                "uid": CLAIM_1.uid,
+                "namespace": "ns",
+                "name": "claim-1",
+                "state": "PrepareCompleted",
+                "futureClaimField": "keep me",
+                "devices": [
+                    {
+                        "pool": "node-a",
+                        "device": "gpu-0",
+                        "requestNames": ["gpu"],
+                        "cdiDeviceIds": ["k8s.gpu.nvidia.com/claim=x"],
+                        "adminAccess": False,
+                        "exclusive": True,
+                        "details": {},
+                        "futureDeviceField": {"a": 1},
+                    }
+                ],
+            }
+        },
+    }
+    cp_path.parent.mkdir(parents=True, exist_ok=True)
+    cp_path.write_text(json.dumps(doc))
+    return doc
+
+
+@pytest.mark.parametrize("version", [CHECKPOINT_VERSION, CHECKPOINT_VERSION + 7])
+def test_unknown_fields_survive_a_rewrite(cp_path: Path, boot: Path, version: int) -> None:
+    _foreign_file(cp_path, version)
+    checkpoint = _load(cp_path, boot)
+    assert checkpoint.file_version == version
+    record = checkpoint.get(CLAIM_1.uid)
+    assert record is not None and record.completed
+    assert record.devices[0].extra == {"futureDeviceField": {"a": 1}}
+
+    checkpoint.begin_prepare(CLAIM_2)  # any rewrite
+
+    doc = _doc(cp_path)
+    assert doc["version"] == CHECKPOINT_VERSION
+    assert doc["futureTopLevel"] == {"nested": [1, 2]}
+    claim = doc["claims"][CLAIM_1.uid]
+    assert claim["futureClaimField"] == "keep me"
+    assert claim["devices"][0]["futureDeviceField"] == {"a": 1}
+    assert CLAIM_2.uid in doc["claims"]
+
+
+def test_claim_level_unknown_fields_survive_completion(cp_path: Path, boot: Path) -> None:
+    _foreign_file(cp_path, CHECKPOINT_VERSION + 1)
+    doc = _doc(cp_path)
+    doc["claims"][CLAIM_1.uid]["state"] = "PrepareStarted"
+    cp_path.write_text(json.dumps(doc))
+    checkpoint = _load(cp_path, boot)
+    checkpoint.complete_prepare(CLAIM_1.uid, [_gpu()])
+    assert _doc(cp_path)["claims"][CLAIM_1.uid]["futureClaimField"] == "keep me"
+
+
+def test_old_file_without_version_or_boot_id_is_read(cp_path: Path, boot: Path) -> None:
+    cp_path.parent.mkdir(parents=True)
+    record = {"uid": CLAIM_1.uid, "state": "PrepareCompleted", "devices": []}
+    cp_path.write_text(json.dumps({"claims": {CLAIM_1.uid: record}}))
+    checkpoint = _load(cp_path, boot)
+    assert checkpoint.file_version is None
+    assert checkpoint.get(CLAIM_1.uid) is not None
+
+
+def test_unknown_state_is_treated_as_unfinished(cp_path: Path, boot: Path) -> None:
+    doc = _foreign_file(cp_path, CHECKPOINT_VERSION + 1)
+    doc["claims"][CLAIM_1.uid]["state"] = "UnprepareStarted"
+    cp_path.write_text(json.dumps(doc))
+    assert [c.uid for c in _load(cp_path, boot).incomplete()] == [CLAIM_1.uid]
+
+
+def test_unreadable_record_is_kept_and_reported(cp_path: Path, boot: Path) -> None:
+    doc = _foreign_file(cp_path, CHECKPOINT_VERSION + 1)
+    weird = {"uid": CLAIM_3.uid, "state": "PrepareCompleted", "devices": {"as": "map"}}
+    doc["claims"][CLAIM_3.uid] = weird
+    cp_path.write_text(json.dumps(doc))
+    checkpoint = _load(cp_path, boot)
+    assert checkpoint.unreadable() == {CLAIM_3.uid: weird}
+    assert checkpoint.get(CLAIM_3.uid) is None
+    checkpoint.begin_prepare(CLAIM_2)
+    assert _doc(cp_path)["claims"][CLAIM_3.uid] == weird
+    assert checkpoint.remove(CLAIM_3.uid) is True
+    assert CLAIM_3.uid not in _doc(cp_path)["claims"]
+
+
+@pytest.mark.parametrize("content", ["{truncated", "[]", "", '"x"'])
+def test_corrupt_file_is_an_error_and_left_alone(cp_path: Path, boot: Path, content: str) -> None:
+    cp_path.parent.mkdir(parents=True)
+    cp_path.write_text(content)
+    with pytest.raises(CheckpointError, match=str(cp_path.name)):
+        _load(cp_path, boot)
+    assert cp_path.read_text() == content
+
+
+# --- reboots ---
+
+
+def test_reboot_discards_prepared_claims_but_reports_them(
+    cp_path: Path, boot: Path, tmp_path: Path
+) -> None:
+    checkpoint = _load(cp_path, boot)
+    mig = {"mig": {"parentUUID": "GPU-1", "gi": 3, "ci": 0}}
+    checkpoint.begin_prepare(CLAIM_1)
+    checkpoint.complete_prepare(CLAIM_1.uid, [_gpu("gpu-0-mig-1g10gb-19-0", details=mig)])
+    checkpoint.begin_prepare(CLAIM_2, [_gpu("gpu-1")])
+
+    boot.write_text(BOOT_B + "\n")
+    after = _load(cp_path, boot)
+    assert after.claims() == [] and after.incomplete() == []
+    assert after.holders(DeviceKey("node-a", "gpu-1")) == []
+    previous = after.previous_boot()
+    assert sorted(c.uid for c in previous) == sorted([CLAIM_1.uid, CLAIM_2.uid])
+    migs = [d.details["mig"] for c in previous for d in c.devices if "mig" in d.details]
+    assert migs == [mig["mig"]]
+
+    # persisted at once: the new boot ID is on disk and the old claims are kept aside
+    doc = _doc(cp_path)
+    assert doc["bootId"] == BOOT_B and doc["claims"] == {}
+    assert len(doc["previousBoot"]) == 2
+    assert len(_load(cp_path, boot).previous_boot()) == 2
+
+    after.clear_previous_boot()
+    assert _load(cp_path, boot).previous_boot() == []
+    assert "previousBoot" not in _doc(cp_path)
+
+
+def test_same_boot_keeps_claims(cp_path: Path, boot: Path) -> None:
+    checkpoint = _load(cp_path, boot)
+    checkpoint.begin_prepare(CLAIM_1)
+    assert [c.uid for c in _load(cp_path, boot).claims()] == [CLAIM_1.uid]
+
+
+def test_unreadable_boot_id_discards_nothing(cp_path: Path, boot: Path, tmp_path: Path) -> None:
+    checkpoint = _load(cp_path, boot)
+    checkpoint.begin_prepare(CLAIM_1)
+    after = load(cp_path, boot_id_path=tmp_path / "no-such-file")
+    assert [c.uid for c in after.claims()] == [CLAIM_1.uid]
+    assert after.boot_id == BOOT_A
+
+
+# --- exclusivity ---
+
+
+def test_exclusive_device_is_never_prepared_twice(cp_path: Path, boot: Path) -> None:
+    checkpoint = _load(cp_path, boot)
+    checkpoint.begin_prepare(CLAIM_1, [_gpu("gpu-0")])
+    before = cp_path.read_bytes()
+    with pytest.raises(DeviceConflictError, match=r"node-a/gpu-0.*ns/claim-1"):
+        checkpoint.begin_prepare(CLAIM_2, [_gpu("gpu-0")])
+    assert cp_path.read_bytes() == before
+    assert checkpoint.get(CLAIM_2.uid) is None
+
+    checkpoint.begin_prepare(CLAIM_2)
+    with pytest.raises(DeviceConflictError):
+        checkpoint.complete_prepare(CLAIM_2.uid, [_gpu("gpu-0", exclusive=False)])
+    assert checkpoint.get(CLAIM_2.uid) is not None
+    assert checkpoint.get(CLAIM_2.uid).devices == ()  # type: ignore[union-attr]
+
+
+def test_shared_devices_may_be_held_by_several_claims(cp_path: Path, boot: Path) -> None:
+    checkpoint = _load(cp_path, boot)
+    checkpoint.begin_prepare(CLAIM_1, [_gpu("gpu-0", exclusive=False, share_id="a")])
+    checkpoint.begin_prepare(CLAIM_2, [_gpu("gpu-0", exclusive=False, share_id="b")])
+    holders = checkpoint.holders(("node-a", "gpu-0"))
+    assert sorted(c.uid for c, _ in holders) == [CLAIM_1.uid, CLAIM_2.uid]
+    with pytest.raises(DeviceConflictError):
+        checkpoint.begin_prepare(CLAIM_3, [_gpu("gpu-0")])
+
+
+def test_admin_access_never_conflicts(cp_path: Path, boot: Path) -> None:
+    checkpoint = _load(cp_path, boot)
+    checkpoint.begin_prepare(CLAIM_1, [_gpu("gpu-0")])
+    checkpoint.begin_prepare(CLAIM_2, [_gpu("gpu-0", admin_access=True)])
+    checkpoint.begin_prepare(CLAIM_3)
+    checkpoint.complete_prepare(CLAIM_3.uid, [_gpu("gpu-1")])
+    assert len(checkpoint.holders(DeviceKey("node-a", "gpu-0"))) == 2
+    # an exclusive claim may join a device only an admin claim holds
+    checkpoint.remove(CLAIM_1.uid)
+    checkpoint.begin_prepare(CLAIM_1, [_gpu("gpu-0")])
+
+
+def test_same_claim_may_list_a_device_again(cp_path: Path, boot: Path) -> None:
+    checkpoint = _load(cp_path, boot)
+    checkpoint.begin_prepare(CLAIM_1, [_gpu("gpu-0")])
+    checkpoint.complete_prepare(CLAIM_1.uid, [_gpu("gpu-0")])
+
+
+# --- atomic writes ---
+
+
+def test_failed_write_changes_neither_disk_nor_memory(
+    cp_path: Path, boot: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    checkpoint = _load(cp_path, boot)
+    checkpoint.begin_prepare(CLAIM_1)
+    before = cp_path.read_bytes()
+
+    def broken_replace(*args: Any, **kwargs: Any) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", broken_replace)
+    with pytest.raises(CheckpointError, match="No space"):
+        checkpoint.complete_prepare(CLAIM_1.uid, [_gpu()])
+    with pytest.raises(CheckpointError):
+        checkpoint.begin_prepare(CLAIM_2)
+    assert cp_path.read_bytes() == before
+    assert sorted(p.name for p in cp_path.parent.iterdir()) == [cp_path.name]
+    record = checkpoint.get(CLAIM_1.uid)
+    assert record is not None and not record.completed
+    assert checkpoint.get(CLAIM_2.uid) is None
+
+
+def test_unserialisable_details_are_rejected_before_writing(cp_path: Path, boot: Path) -> None:
+    checkpoint = _load(cp_path, boot)
+    checkpoint.begin_prepare(CLAIM_1)
+    before = cp_path.read_bytes()
+    with pytest.raises(CheckpointError, match="JSON"):
+        checkpoint.complete_prepare(CLAIM_1.uid, [_gpu(details={"x": object()})])
+    assert cp_path.read_bytes() == before
+
+
+def test_records_are_detached_from_caller_data(cp_path: Path, boot: Path) -> None:
+    checkpoint = _load(cp_path, boot)
+    details: dict[str, Any] = {"pid": 1}
+    checkpoint.begin_prepare(CLAIM_1, [_gpu(details=details)])
+    details["pid"] = 2
+    record = checkpoint.get(CLAIM_1.uid)
+    assert record is not None and record.devices[0].details == {"pid": 1}
+
+
+def test_atomic_write_replaces_content_and_sets_mode(tmp_path: Path) -> None:
+    target = tmp_path / "f.json"
+    atomic_write(target, b"one", mode=0o600)
+    atomic_write(target, b"two", mode=0o600)
+    assert target.read_bytes() == b"two"
+    assert target.stat().st_mode & 0o777 == 0o600
+    assert [p.name for p in tmp_path.iterdir()] == ["f.json"]
