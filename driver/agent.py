@@ -1,0 +1,136 @@
+"""The per-node agent: discovery, health and ResourceSlice publishing, wired together.
+
+Discovery runs in a worker thread (NVML blocks). The published pool is always built
+from one complete inventory: a scan that fails keeps the last good one, and before
+the first good scan nothing is published at all.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import anyio
+import anyio.abc
+import anyio.to_thread
+from gpudra.driver.devices import DiscoveryError, Inventory, MigStrategy, discover
+from gpudra.driver.health import HealthPolicy, HealthState, NvmlHealthWatcher
+from gpudra.driver.kube import Kube
+from gpudra.driver.nvml import NvmlLibrary
+from gpudra.driver.publish import pool_content
+from gpudra.driver.slices import PoolContent, SliceController, SliceLimits
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    node_name: str
+    driver_name: str = "gpu.nvidia.com"
+    mig_strategy: MigStrategy = MigStrategy.DYNAMIC
+    rescan_s: float = 60.0
+    health: HealthPolicy = field(default_factory=HealthPolicy)
+    health_events: bool = True
+    slice_limits: SliceLimits | None = None
+
+
+class NodeAgent:
+    """Owns one node's inventory, health state and slice controller."""
+
+    def __init__(
+        self,
+        config: AgentConfig,
+        kube: Kube,
+        nvml: NvmlLibrary,
+        *,
+        clock: Callable[[], float] | None = None,
+    ) -> None:
+        self.config = config
+        self.kube = kube
+        self.nvml = nvml
+        self._clock = clock
+        self.inventory: Inventory | None = None
+        self.health: HealthState | None = None
+        self.ready = anyio.Event()
+        self.slices = SliceController(
+            kube,
+            driver=config.driver_name,
+            node=config.node_name,
+            source=self._content,
+            limits=config.slice_limits,
+        )
+
+    def _content(self) -> PoolContent:
+        if self.inventory is None or self.health is None:
+            raise DiscoveryError("no complete GPU inventory yet")
+        return pool_content(self.inventory, self.config.mig_strategy, self.health.report())
+
+    async def scan(self) -> Inventory:
+        inv = await anyio.to_thread.run_sync(discover, self.nvml)
+        if inv != self.inventory:
+            self.inventory = inv
+            if self.health is None:
+                self.health = (
+                    HealthState(inv, self.config.health, clock=self._clock)
+                    if self._clock
+                    else HealthState(inv, self.config.health)
+                )
+            else:
+                self.health.update_inventory(inv)
+            self.slices.trigger()
+        return inv
+
+    async def run(
+        self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+    ) -> None:
+        fields = {"node": self.config.node_name, "driver": self.config.driver_name}
+        backoff = 1.0
+        while self.inventory is None:
+            try:
+                inv = await self.scan()
+                log.info(
+                    "inventory discovered",
+                    extra={
+                        "fields": {
+                            **fields,
+                            "gpus": len(inv.gpus),
+                            "devices": len(inv.devices(self.config.mig_strategy)),
+                        }
+                    },
+                )
+            except DiscoveryError as e:
+                log.error(
+                    "discovery failed; nothing published",
+                    extra={"fields": {**fields, "error": str(e), "retry_s": backoff}},
+                )
+                await anyio.sleep(backoff)
+                backoff = min(backoff * 2, 60.0)
+        async with anyio.create_task_group() as tg:
+            await tg.start(self.slices.run)
+            if self.config.health_events:
+                assert self.health is not None
+                await tg.start(NvmlHealthWatcher(self.nvml, self.health).run)
+            tg.start_soon(self._follow_health)
+            tg.start_soon(self._rescan_loop)
+            self.ready.set()
+            task_status.started()
+
+    async def _follow_health(self) -> None:
+        assert self.health is not None
+        generation = self.health.report().generation
+        while True:
+            await self.health.wait_for_change(generation)
+            generation = self.health.report().generation
+            self.slices.trigger()
+
+    async def _rescan_loop(self) -> None:
+        while True:
+            await anyio.sleep(self.config.rescan_s)
+            try:
+                await self.scan()
+            except DiscoveryError as e:
+                log.warning(
+                    "rescan failed; keeping the last complete inventory",
+                    extra={"fields": {"node": self.config.node_name, "error": str(e)}},
+                )

@@ -1,0 +1,889 @@
+"""GPU discovery: read NVML once and describe every allocatable device as plain data.
+
+The result (`Inventory`) is what the ResourceSlice publisher and the kubelet plugin work
+from. It uses the upstream NVIDIA DRA driver's device names and attribute keys so that
+DeviceClasses and CEL selectors written for that driver select the same devices here.
+
+How GPUs are shown:
+- A GPU without MIG, or MIG-capable with MIG mode disabled, is one device `gpu-<minor>`.
+  gpudra never switches MIG mode itself (on Ampere that needs a GPU reset, and on any
+  GPU it needs the GPU idle), so a MIG-disabled GPU is offered as a whole GPU only.
+- A GPU with MIG mode enabled is never offered whole. Discovery reads both views of it:
+  the MIG devices that exist now (`Gpu.mig_devices`, for statically partitioned GPUs)
+  and every possible placement of every MIG profile (`Gpu.partitions`, for dynamic
+  partitioning) with a per-GPU counter set so the scheduler cannot over-allocate memory
+  slices or engines. `Inventory.devices(strategy)` picks one view; the two must never be
+  published together because a static MIG device and the placement it occupies have
+  the same name.
+
+Discovery is all-or-nothing: any NVML failure raises `DiscoveryError` naming the GPU
+index and the call, so a caller can never publish a partial inventory.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+from pathlib import Path
+from typing import Any, Protocol
+
+import pynvml
+from gpudra.driver.nvml import NvmlLibrary
+from gpudra.driver.nvml.emulator import NvmlEmulator, describe_nvml_error
+
+logger = logging.getLogger(__name__)
+
+# Limits of resource.k8s.io/v1 (see ResourceSlice validation).
+MAX_STRING_ATTRIBUTE = 64
+MAX_ATTRIBUTES_AND_CAPACITIES = 32
+MAX_COUNTERS_PER_SET = 32
+MAX_DEVICE_NAME = 63
+
+PCI_BUS_ID_ATTRIBUTE = "resource.kubernetes.io/pciBusID"
+PCIE_ROOT_ATTRIBUTE = "resource.kubernetes.io/pcieRoot"
+NUMA_NODE_ATTRIBUTE = "resource.kubernetes.io/numaNode"
+
+_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+_C_IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+_SEMVER = re.compile(
+    r"^(0|[1-9]\d*)\.(0|[1-9]\d*)\.(0|[1-9]\d*)"
+    r"(?:-((?:0|[1-9]\d*|\d*[a-zA-Z-][0-9a-zA-Z-]*)(?:\.(?:0|[1-9]\d*|\d*[a-zA-Z-][0-9a-zA-Z-]*))*))?"
+    r"(?:\+([0-9a-zA-Z-]+(?:\.[0-9a-zA-Z-]+)*))?$"
+)
+
+# go-nvlib's brand and architecture spellings, which upstream publishes.
+_BRANDS: Mapping[int, str] = {
+    pynvml.NVML_BRAND_UNKNOWN: "Unknown",
+    pynvml.NVML_BRAND_QUADRO: "Quadro",
+    pynvml.NVML_BRAND_TESLA: "Tesla",
+    pynvml.NVML_BRAND_NVS: "NVS",
+    pynvml.NVML_BRAND_GRID: "Grid",
+    pynvml.NVML_BRAND_GEFORCE: "GeForce",
+    pynvml.NVML_BRAND_TITAN: "Titan",
+    pynvml.NVML_BRAND_NVIDIA_VAPPS: "NvidiaVApps",
+    pynvml.NVML_BRAND_NVIDIA_VPC: "NvidiaVPC",
+    pynvml.NVML_BRAND_NVIDIA_VCS: "NvidiaVCS",
+    pynvml.NVML_BRAND_NVIDIA_VWS: "NvidiaVWS",
+    pynvml.NVML_BRAND_NVIDIA_CLOUD_GAMING: "NvidiaCloudGaming",
+    pynvml.NVML_BRAND_QUADRO_RTX: "QuadroRTX",
+    pynvml.NVML_BRAND_NVIDIA_RTX: "NvidiaRTX",
+    pynvml.NVML_BRAND_NVIDIA: "Nvidia",
+    pynvml.NVML_BRAND_GEFORCE_RTX: "GeForceRTX",
+    pynvml.NVML_BRAND_TITAN_RTX: "TitanRTX",
+}
+_ARCHITECTURES: Mapping[int, str] = {
+    pynvml.NVML_DEVICE_ARCH_KEPLER: "Kepler",
+    pynvml.NVML_DEVICE_ARCH_MAXWELL: "Maxwell",
+    pynvml.NVML_DEVICE_ARCH_PASCAL: "Pascal",
+    pynvml.NVML_DEVICE_ARCH_VOLTA: "Volta",
+    pynvml.NVML_DEVICE_ARCH_TURING: "Turing",
+    pynvml.NVML_DEVICE_ARCH_AMPERE: "Ampere",
+    pynvml.NVML_DEVICE_ARCH_ADA: "Ada Lovelace",
+    pynvml.NVML_DEVICE_ARCH_HOPPER: "Hopper",
+    pynvml.NVML_DEVICE_ARCH_BLACKWELL: "Blackwell",
+    pynvml.NVML_DEVICE_ARCH_UNKNOWN: "Unknown",
+}
+# MIG profile name suffixes by GPU-instance profile index, as go-nvlib/nvidia-smi spell them.
+_PROFILE_SUFFIXES: Mapping[int, str] = {
+    pynvml.NVML_GPU_INSTANCE_PROFILE_1_SLICE_REV1: "+me",
+    pynvml.NVML_GPU_INSTANCE_PROFILE_2_SLICE_REV1: "+me",
+    pynvml.NVML_GPU_INSTANCE_PROFILE_1_SLICE_ALL_ME: "+me.all",
+    pynvml.NVML_GPU_INSTANCE_PROFILE_2_SLICE_ALL_ME: "+me.all",
+    pynvml.NVML_GPU_INSTANCE_PROFILE_1_SLICE_GFX: "+gfx",
+    pynvml.NVML_GPU_INSTANCE_PROFILE_2_SLICE_GFX: "+gfx",
+    pynvml.NVML_GPU_INSTANCE_PROFILE_3_SLICE_GFX: "+gfx",
+    pynvml.NVML_GPU_INSTANCE_PROFILE_4_SLICE_GFX: "+gfx",
+    pynvml.NVML_GPU_INSTANCE_PROFILE_1_SLICE_NO_ME: "-me",
+    pynvml.NVML_GPU_INSTANCE_PROFILE_2_SLICE_NO_ME: "-me",
+}
+# MIG capacity keys (upstream spelling) and the NVML profile fields they come from.
+_MIG_CAPACITIES: tuple[tuple[str, str], ...] = (
+    ("multiprocessors", "multiprocessorCount"),
+    ("copyEngines", "copyEngineCount"),
+    ("decoders", "decoderCount"),
+    ("encoders", "encoderCount"),
+    ("jpegEngines", "jpegCount"),
+    ("ofaEngines", "ofaCount"),
+)
+_COUNTER_NAMES: Mapping[str, str] = {
+    "multiprocessors": "multiprocessors",
+    "copyEngines": "copy-engines",
+    "decoders": "decoders",
+    "encoders": "encoders",
+    "jpegEngines": "jpeg-engines",
+    "ofaEngines": "ofa-engines",
+    "memory": "memory",
+}
+# Keys discovery itself writes; known valid, so validation skips them (it runs per device).
+_KNOWN_KEYS = frozenset(
+    {
+        "type",
+        "uuid",
+        "parentUUID",
+        "profile",
+        "productName",
+        "brand",
+        "architecture",
+        "cudaComputeCapability",
+        "driverVersion",
+        "cudaDriverVersion",
+        PCI_BUS_ID_ATTRIBUTE,
+        PCIE_ROOT_ATTRIBUTE,
+        NUMA_NODE_ATTRIBUTE,
+        *_COUNTER_NAMES,
+    }
+)
+_MIB = 1024 * 1024
+_GIB = 1024 * 1024 * 1024
+
+
+class DiscoveryError(RuntimeError):
+    """Discovery failed; nothing it read may be published.
+
+    `gpu_index` and `call` name the GPU and the NVML call when NVML failed;
+    `nvml_error` is the original pynvml exception then.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        gpu_index: int | None = None,
+        call: str | None = None,
+        nvml_error: Exception | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.gpu_index = gpu_index
+        self.call = call
+        self.nvml_error = nvml_error
+
+
+class DeviceLimitError(DiscoveryError):
+    """A device would break a ResourceSlice API limit; names the device and the field."""
+
+    def __init__(self, device: str, field_name: str, problem: str) -> None:
+        super().__init__(f"device {device}: {field_name}: {problem}")
+        self.device = device
+        self.field = field_name
+
+
+class DeviceType(StrEnum):
+    GPU = "gpu"
+    MIG = "mig"
+
+
+class MigStrategy(StrEnum):
+    """Which view of MIG-enabled GPUs to publish (see the module docstring)."""
+
+    STATIC = "static"  # the MIG devices that exist now
+    DYNAMIC = "dynamic"  # every placement, as partitionable devices with counters
+
+
+@dataclass(frozen=True, slots=True)
+class Version:
+    """An attribute value of kind `version` (a semantic version string)."""
+
+    value: str
+
+
+AttributeValue = str | int | bool | Version
+
+
+@dataclass(frozen=True, slots=True)
+class CounterSet:
+    """A ResourceSlice `sharedCounters` entry: what one physical GPU can hand out."""
+
+    name: str
+    counters: Mapping[str, int]
+
+
+@dataclass(frozen=True, slots=True)
+class CounterConsumption:
+    """A device's `consumesCounters` entry."""
+
+    counter_set: str
+    counters: Mapping[str, int]
+
+
+@dataclass(frozen=True, slots=True)
+class MigPlacement:
+    """Where a MIG device sits: GPU-instance profile and memory-slice placement."""
+
+    profile: str  # e.g. "1g.10gb"
+    profile_id: int  # GPU instance profile ID, e.g. 19
+    start: int
+    size: int
+
+
+@dataclass(frozen=True, slots=True)
+class Device:
+    """One allocatable device with its canonical (unqualified) attributes and capacity.
+
+    `uuid` is None for a placement that does not exist yet (dynamic MIG).
+    `gpu_instance_id`/`compute_instance_id` are set for MIG devices that exist.
+    """
+
+    name: str
+    type: DeviceType
+    gpu_index: int
+    parent_uuid: str
+    uuid: str | None
+    attributes: Mapping[str, AttributeValue]
+    capacity: Mapping[str, int]
+    consumes_counters: tuple[CounterConsumption, ...] = ()
+    placement: MigPlacement | None = None
+    gpu_instance_id: int | None = None
+    compute_instance_id: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Gpu:
+    """Everything discovery learnt about one physical GPU."""
+
+    index: int
+    minor: int
+    uuid: str
+    pci_bus_id: str
+    product_name: str
+    mig_capable: bool
+    mig_enabled: bool
+    device: Device  # the whole GPU
+    mig_devices: tuple[Device, ...] = ()  # MIG devices that exist now
+    partitions: tuple[Device, ...] = ()  # every possible placement (MIG enabled only)
+    counter_set: CounterSet | None = None  # what partitions consume from
+    mig_profiles: Mapping[int, str] = field(default_factory=dict)  # GI profile ID -> name
+
+    def publishable(self, strategy: MigStrategy) -> tuple[Device, ...]:
+        if not self.mig_enabled:
+            return (self.device,)
+        if strategy is MigStrategy.DYNAMIC:
+            return self.partitions
+        return self.mig_devices
+
+    def device_names(self) -> frozenset[str]:
+        """Every name any view uses for this GPU or a part of it."""
+        names = {self.device.name}
+        names.update(d.name for d in self.mig_devices)
+        names.update(d.name for d in self.partitions)
+        return frozenset(names)
+
+
+@dataclass(frozen=True, slots=True)
+class Inventory:
+    """The node's GPUs as read from NVML in one consistent scan."""
+
+    driver_version: str
+    cuda_driver_version: int
+    gpus: tuple[Gpu, ...]
+
+    def devices(self, strategy: MigStrategy = MigStrategy.STATIC) -> tuple[Device, ...]:
+        """The devices to publish under `strategy`, GPU by GPU in NVML index order."""
+        return tuple(d for gpu in self.gpus for d in gpu.publishable(strategy))
+
+    def counter_sets(self, strategy: MigStrategy = MigStrategy.STATIC) -> tuple[CounterSet, ...]:
+        """The shared counter sets the devices of `strategy` consume from."""
+        if strategy is not MigStrategy.DYNAMIC:
+            return ()
+        return tuple(
+            gpu.counter_set for gpu in self.gpus if gpu.mig_enabled and gpu.counter_set is not None
+        )
+
+    def gpu_by_uuid(self, uuid: str) -> Gpu | None:
+        for gpu in self.gpus:
+            if gpu.uuid == uuid:
+                return gpu
+        return None
+
+    def find(self, name: str) -> Device | None:
+        """Look a device up by name in every view."""
+        for gpu in self.gpus:
+            if gpu.device.name == name:
+                return gpu.device
+            for device in (*gpu.mig_devices, *gpu.partitions):
+                if device.name == name:
+                    return device
+        return None
+
+
+class PciTopology(Protocol):
+    """Where a PCI device sits: sysfs on a real node, the profile on an emulated one."""
+
+    def pcie_root(self, bus_id: str) -> str | None: ...
+
+    def numa_node(self, bus_id: str) -> int | None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class SysfsTopology:
+    """PCIe root complex and NUMA node from sysfs, as the Kubernetes helpers read them."""
+
+    root: Path = Path("/sys")
+
+    def pcie_root(self, bus_id: str) -> str | None:
+        link = self.root / "bus" / "pci" / "devices" / bus_id
+        try:
+            target = link.resolve(strict=True)
+            devices = (self.root / "devices").resolve(strict=True)
+        except OSError:
+            return None
+        try:
+            first = target.relative_to(devices).parts[0]
+        except (ValueError, IndexError):
+            return None
+        return first if first.startswith("pci") else None
+
+    def numa_node(self, bus_id: str) -> int | None:
+        path = self.root / "bus" / "pci" / "devices" / bus_id / "numa_node"
+        try:
+            node = int(path.read_text(encoding="ascii").strip())
+        except (OSError, ValueError):
+            return None
+        return node if node >= 0 else None
+
+
+def default_topology(nvml: object) -> PciTopology:
+    """The emulator's own topology for an emulated node, sysfs otherwise."""
+    if isinstance(nvml, NvmlEmulator):
+        return nvml.pci_topology
+    return SysfsTopology()
+
+
+# --- naming and value helpers ------------------------------------------------------------
+
+
+def gpu_device_name(minor: int) -> str:
+    return f"gpu-{minor}"
+
+
+def counter_set_name(minor: int) -> str:
+    return f"gpu-{minor}-counter-set"
+
+
+def memory_slice_counter(index: int) -> str:
+    return f"memory-slice-{index}"
+
+
+def _rfc1123(name: str) -> str:
+    name = re.sub(r"[^a-z0-9-.]", "-", name.lower()).strip("-")
+    return name.removesuffix(".")
+
+
+def mig_device_name(parent_minor: int, profile: str, profile_id: int, start: int) -> str:
+    """Upstream's `gpu-<minor>-mig-<profile without dots>-<giProfileID>-<placementStart>`."""
+    compact = _rfc1123(profile.replace(".", ""))
+    return f"gpu-{parent_minor}-mig-{compact}-{profile_id}-{start}"
+
+
+def _counter_name(capacity: str) -> str:
+    """camelCase capacity -> DNS-label counter name (`copyEngines` -> `copy-engines`)."""
+    known = _COUNTER_NAMES.get(capacity)
+    if known is not None:
+        return known
+    hyphenated = re.sub(r"([a-z0-9])([A-Z])", r"\1-\2", capacity)
+    hyphenated = re.sub(r"([A-Z]+)([A-Z][a-z])", r"\1-\2", hyphenated)
+    return _rfc1123(hyphenated)
+
+
+def mig_profile_name(
+    profile_index: int,
+    gpu_slices: int,
+    compute_slices: int,
+    memory_mib: int,
+    total_memory_bytes: int,
+) -> str:
+    """nvidia-smi/go-nvlib MIG profile name, e.g. `1g.10gb`, `1g.10gb+me`, `1c.3g.40gb`.
+
+    The memory figure is go-nvlib's: the profile's share of the GPU rounded up to
+    eighths, times the GPU's memory in whole GiB.
+    """
+    fraction = math.ceil((memory_mib * _MIB) / total_memory_bytes * 8) / 8
+    total_gib = (total_memory_bytes + _GIB - 1) // _GIB
+    gb = math.floor(fraction * total_gib + 0.5)  # Go's math.Round: halves away from zero
+    suffix = _PROFILE_SUFFIXES.get(profile_index, "")
+    if compute_slices == gpu_slices:
+        return f"{gpu_slices}g.{gb}gb{suffix}"
+    return f"{compute_slices}c.{gpu_slices}g.{gb}gb{suffix}"
+
+
+def semver_from_driver_version(raw: str) -> str:
+    """NVIDIA driver version -> semver: `580.95.05` -> `580.95.5`, `470.82` -> `470.82.0`."""
+    parts = raw.strip().split(".")
+    if not 1 <= len(parts) <= 3 or not all(p.isdigit() for p in parts):
+        msg = f"driver version {raw!r} is not of the form MAJOR.MINOR[.PATCH]"
+        raise DiscoveryError(msg, call="nvmlSystemGetDriverVersion")
+    numbers = [int(p) for p in parts] + [0] * (3 - len(parts))
+    return ".".join(str(n) for n in numbers)
+
+
+def semver_from_cuda_version(raw: int) -> str:
+    """NVML's CUDA driver version integer -> semver: 12080 -> `12.8.0` (as upstream)."""
+    return f"{raw // 1000}.{(raw % 1000) // 10}.0"
+
+
+def _lower_bus_id(bus_id: str) -> str:
+    """NVML's `00000000:18:00.0` -> the standard attribute's `0000:18:00.0` (go-nvlib rule)."""
+    lowered = bus_id.lower()
+    return lowered.removeprefix("0000") if lowered != "0000" else lowered
+
+
+# --- validation against API limits -------------------------------------------------------
+
+
+def _check_key(device: str, key: str, what: str) -> None:
+    if key in _KNOWN_KEYS:
+        return
+    domain, _, ident = key.rpartition("/")
+    if domain and (len(domain) > 63 or not _DNS_SUBDOMAIN.match(domain)):
+        raise DeviceLimitError(device, f"{what} {key}", "domain is not a DNS subdomain of <=63")
+    if len(ident) > 32 or not _C_IDENTIFIER.match(ident):
+        raise DeviceLimitError(
+            device, f"{what} {key}", "name must be a C identifier of at most 32 characters"
+        )
+
+
+def validate_device(device: Device) -> None:
+    """Raise `DeviceLimitError` if `device` breaks a resource.k8s.io/v1 limit."""
+    name = device.name
+    if len(name) > MAX_DEVICE_NAME or not _DNS_LABEL.match(name):
+        raise DeviceLimitError(name, "name", f"must be a DNS label of at most {MAX_DEVICE_NAME}")
+    total = len(device.attributes) + len(device.capacity)
+    if total > MAX_ATTRIBUTES_AND_CAPACITIES:
+        raise DeviceLimitError(
+            name,
+            "attributes+capacity",
+            f"{total} entries, the API allows at most {MAX_ATTRIBUTES_AND_CAPACITIES}",
+        )
+    for key, value in device.attributes.items():
+        _check_key(name, key, "attribute")
+        if isinstance(value, str) and len(value) > MAX_STRING_ATTRIBUTE:
+            raise DeviceLimitError(
+                name,
+                f"attribute {key}",
+                f"string value is {len(value)} characters, the API allows at most "
+                f"{MAX_STRING_ATTRIBUTE}: {value!r}",
+            )
+        if isinstance(value, Version) and (
+            len(value.value) > MAX_STRING_ATTRIBUTE or not _SEMVER.match(value.value)
+        ):
+            raise DeviceLimitError(
+                name, f"attribute {key}", f"{value.value!r} is not a semantic version"
+            )
+    for key, amount in device.capacity.items():
+        _check_key(name, key, "capacity")
+        if amount < 0:
+            raise DeviceLimitError(name, f"capacity {key}", "must not be negative")
+    if len(device.consumes_counters) > 2:
+        raise DeviceLimitError(name, "consumesCounters", "at most 2 counter sets per device")
+    for consumption in device.consumes_counters:
+        if len(consumption.counters) > MAX_COUNTERS_PER_SET:
+            raise DeviceLimitError(
+                name,
+                f"consumesCounters {consumption.counter_set}",
+                f"{len(consumption.counters)} counters, at most {MAX_COUNTERS_PER_SET}",
+            )
+
+
+def _validate_counter_set(counter_set: CounterSet) -> None:
+    if len(counter_set.name) > MAX_DEVICE_NAME or not _DNS_LABEL.match(counter_set.name):
+        raise DeviceLimitError(counter_set.name, "name", "counter set name must be a DNS label")
+    if len(counter_set.counters) > MAX_COUNTERS_PER_SET:
+        raise DeviceLimitError(
+            counter_set.name,
+            "counters",
+            f"{len(counter_set.counters)} counters, at most {MAX_COUNTERS_PER_SET}",
+        )
+    for counter in counter_set.counters:
+        if len(counter) > MAX_DEVICE_NAME or not _DNS_LABEL.match(counter):
+            raise DeviceLimitError(counter_set.name, f"counter {counter}", "must be a DNS label")
+
+
+# --- the scan ------------------------------------------------------------------------------
+
+
+class _Scanner:
+    """Calls NVML and turns every failure into a `DiscoveryError` naming GPU and call."""
+
+    def __init__(self, nvml: NvmlLibrary) -> None:
+        self.nvml = nvml
+
+    def call(self, index: int | None, name: str, *args: Any) -> Any:
+        try:
+            return getattr(self.nvml, name)(*args)
+        except pynvml.NVMLError as err:
+            where = "the system" if index is None else f"GPU index {index}"
+            msg = f"NVML call {name} failed for {where}: {describe_nvml_error(err)}"
+            raise DiscoveryError(msg, gpu_index=index, call=name, nvml_error=err) from err
+
+    def optional(self, index: int | None, name: str, *args: Any, ok: frozenset[int]) -> Any:
+        """Like `call`, but NVML errors with a code in `ok` give None."""
+        try:
+            return getattr(self.nvml, name)(*args)
+        except AttributeError:
+            return None  # an older binding without this entry point
+        except pynvml.NVMLError as err:
+            if getattr(err, "value", None) in ok:
+                return None
+            where = "the system" if index is None else f"GPU index {index}"
+            msg = f"NVML call {name} failed for {where}: {describe_nvml_error(err)}"
+            raise DiscoveryError(msg, gpu_index=index, call=name, nvml_error=err) from err
+
+
+_UNSUPPORTED = frozenset({pynvml.NVML_ERROR_NOT_SUPPORTED, pynvml.NVML_ERROR_FUNCTION_NOT_FOUND})
+_ABSENT = frozenset({pynvml.NVML_ERROR_NOT_SUPPORTED, pynvml.NVML_ERROR_INVALID_ARGUMENT})
+_NO_MIG_AT_INDEX = frozenset({pynvml.NVML_ERROR_NOT_FOUND, pynvml.NVML_ERROR_INVALID_ARGUMENT})
+
+
+@dataclass(frozen=True, slots=True)
+class _GiProfile:
+    index: int
+    id: int
+    name: str
+    slices: int
+    memory_mib: int
+    capacity: Mapping[str, int]
+    placements: tuple[tuple[int, int], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class _MigContext:
+    """The parent GPU facts every MIG device of it repeats."""
+
+    index: int
+    minor: int
+    uuid: str
+    handle: Any
+    parent_attrs: Mapping[str, AttributeValue]
+
+    def mig_attrs(self) -> dict[str, AttributeValue]:
+        return {"type": DeviceType.MIG.value, "parentUUID": self.uuid}
+
+
+def discover(nvml: NvmlLibrary, *, topology: PciTopology | None = None) -> Inventory:
+    """Read every GPU from NVML and return the inventory, or raise `DiscoveryError`.
+
+    NVML is initialised for the scan and shut down afterwards (NVML reference-counts, so
+    a caller that initialised NVML itself stays initialised).
+    """
+    topo = topology if topology is not None else default_topology(nvml)
+    scan = _Scanner(nvml)
+    scan.call(None, "nvmlInit")
+    try:
+        raw_driver = scan.call(None, "nvmlSystemGetDriverVersion")
+        cuda = int(scan.call(None, "nvmlSystemGetCudaDriverVersion"))
+        common: dict[str, AttributeValue] = {
+            "driverVersion": Version(semver_from_driver_version(raw_driver)),
+            "cudaDriverVersion": Version(semver_from_cuda_version(cuda)),
+        }
+        count = int(scan.call(None, "nvmlDeviceGetCount"))
+        gpus = tuple(_discover_gpu(scan, topo, index, common) for index in range(count))
+    finally:
+        try:
+            nvml.nvmlShutdown()
+        except pynvml.NVMLError as err:
+            logger.warning(
+                "nvmlShutdown failed after discovery", extra={"fields": {"error": str(err)}}
+            )
+    names: dict[str, int] = {}
+    for gpu in gpus:
+        for name in gpu.device_names():
+            if name in names:
+                msg = f"device name {name} is used by GPU index {names[name]} and {gpu.index}"
+                raise DiscoveryError(msg, gpu_index=gpu.index)
+            names[name] = gpu.index
+    inventory = Inventory(driver_version=raw_driver, cuda_driver_version=cuda, gpus=gpus)
+    logger.info(
+        "discovered GPUs",
+        extra={
+            "fields": {
+                "gpus": len(gpus),
+                "migDevices": sum(len(g.mig_devices) for g in gpus),
+                "partitions": sum(len(g.partitions) for g in gpus),
+            }
+        },
+    )
+    return inventory
+
+
+def _discover_gpu(
+    scan: _Scanner, topo: PciTopology, index: int, common: Mapping[str, AttributeValue]
+) -> Gpu:
+    handle = scan.call(index, "nvmlDeviceGetHandleByIndex", index)
+    minor = int(scan.call(index, "nvmlDeviceGetMinorNumber", handle))
+    uuid = str(scan.call(index, "nvmlDeviceGetUUID", handle))
+    product = str(scan.call(index, "nvmlDeviceGetName", handle))
+    brand_code = int(scan.call(index, "nvmlDeviceGetBrand", handle))
+    arch_code = int(scan.call(index, "nvmlDeviceGetArchitecture", handle))
+    major, minor_cc = scan.call(index, "nvmlDeviceGetCudaComputeCapability", handle)
+    memory = scan.optional(index, "nvmlDeviceGetMemoryInfo", handle, ok=_UNSUPPORTED)
+    pci = scan.call(index, "nvmlDeviceGetPciInfo_v3", handle)
+    nvml_bus_id = str(pci.busId)
+    bus_id = _lower_bus_id(nvml_bus_id)
+    numa = scan.optional(index, "nvmlDeviceGetNumaNodeId", handle, ok=_UNSUPPORTED)
+    numa_node = int(numa) if numa is not None else topo.numa_node(bus_id)
+    pcie_root = topo.pcie_root(bus_id)
+    mig_mode = scan.optional(index, "nvmlDeviceGetMigMode", handle, ok=_UNSUPPORTED)
+    mig_capable = mig_mode is not None
+    mig_enabled = mig_capable and int(mig_mode[0]) == pynvml.NVML_DEVICE_MIG_ENABLE
+
+    # Attributes every device of this GPU carries (MIG devices inherit them).
+    parent_attrs: dict[str, AttributeValue] = {
+        "productName": product,
+        "brand": _BRANDS.get(brand_code, "Unknown"),
+        "architecture": _ARCHITECTURES.get(arch_code, "Unknown"),
+        "cudaComputeCapability": Version(f"{int(major)}.{int(minor_cc)}.0"),
+        **common,
+        PCI_BUS_ID_ATTRIBUTE: bus_id,
+    }
+    if pcie_root is not None:
+        parent_attrs[PCIE_ROOT_ATTRIBUTE] = pcie_root
+    if numa_node is not None and numa_node >= 0:
+        parent_attrs[NUMA_NODE_ATTRIBUTE] = numa_node
+
+    total_memory = int(memory.total) if memory is not None else None
+    whole = Device(
+        name=gpu_device_name(minor),
+        type=DeviceType.GPU,
+        gpu_index=index,
+        parent_uuid=uuid,
+        uuid=uuid,
+        attributes={"type": DeviceType.GPU.value, "uuid": uuid, **parent_attrs},
+        capacity={"memory": total_memory} if total_memory is not None else {},
+    )
+    validate_device(whole)
+    gpu = Gpu(
+        index=index,
+        minor=minor,
+        uuid=uuid,
+        pci_bus_id=bus_id,
+        product_name=product,
+        mig_capable=mig_capable,
+        mig_enabled=mig_enabled,
+        device=whole,
+    )
+    if not mig_enabled:
+        return gpu
+    if total_memory is None:
+        msg = f"GPU index {index} has MIG enabled but NVML reports no memory size"
+        raise DiscoveryError(msg, gpu_index=index, call="nvmlDeviceGetMemoryInfo")
+
+    profiles = _gi_profiles(scan, index, handle, total_memory)
+    ctx = _MigContext(index, minor, uuid, handle, parent_attrs)
+    partitions, counter_set = _partitions(ctx, profiles)
+    mig_devices = _existing_migs(scan, ctx, profiles)
+    return Gpu(
+        index=index,
+        minor=minor,
+        uuid=uuid,
+        pci_bus_id=bus_id,
+        product_name=product,
+        mig_capable=True,
+        mig_enabled=True,
+        device=whole,
+        mig_devices=mig_devices,
+        partitions=partitions,
+        counter_set=counter_set,
+        mig_profiles={p.id: p.name for p in profiles.values()},
+    )
+
+
+def _gi_profiles(
+    scan: _Scanner, index: int, handle: Any, total_memory: int
+) -> dict[int, _GiProfile]:
+    """Every GPU-instance profile the GPU offers, with its placements, by profile ID."""
+    profiles: dict[int, _GiProfile] = {}
+    for profile_index in range(pynvml.NVML_GPU_INSTANCE_PROFILE_COUNT):
+        info = scan.optional(
+            index, "nvmlDeviceGetGpuInstanceProfileInfo", handle, profile_index, ok=_ABSENT
+        )
+        if info is None:
+            continue
+        profile_id = int(info.id)
+        count = ctypes.c_uint(0)
+        got = scan.optional(
+            index,
+            "nvmlDeviceGetGpuInstancePossiblePlacements",
+            handle,
+            profile_id,
+            None,
+            ctypes.byref(count),
+            ok=_ABSENT,
+        )
+        placements: tuple[tuple[int, int], ...] = ()
+        if got is not None and count.value:
+            array = (pynvml.c_nvmlGpuInstancePlacement_t * count.value)()
+            scan.call(
+                index,
+                "nvmlDeviceGetGpuInstancePossiblePlacements",
+                handle,
+                profile_id,
+                array,
+                ctypes.byref(count),
+            )
+            placements = tuple((int(p.start), int(p.size)) for p in array[: count.value])
+        slices = int(info.sliceCount)
+        memory_mib = int(info.memorySizeMB)
+        capacity = {key: int(getattr(info, attr)) for key, attr in _MIG_CAPACITIES}
+        capacity["memory"] = memory_mib * _MIB
+        profiles[profile_id] = _GiProfile(
+            index=profile_index,
+            id=profile_id,
+            name=mig_profile_name(profile_index, slices, slices, memory_mib, total_memory),
+            slices=slices,
+            memory_mib=memory_mib,
+            capacity=capacity,
+            placements=placements,
+        )
+    return profiles
+
+
+def _partitions(
+    ctx: _MigContext, profiles: Mapping[int, _GiProfile]
+) -> tuple[tuple[Device, ...], CounterSet | None]:
+    """Every placement of every profile, consuming from the GPU's counter set."""
+    set_name = counter_set_name(ctx.minor)
+    devices: list[Device] = []
+    totals: dict[str, int] = {}
+    slice_count = 0
+    ordered = sorted(profiles.values(), key=lambda p: (p.memory_mib, p.slices, p.index))
+    for profile in ordered:
+        counters = {_counter_name(k): v for k, v in profile.capacity.items()}
+        for key, value in counters.items():
+            totals[key] = max(totals.get(key, 0), value)
+        for start, size in profile.placements:
+            slice_count = max(slice_count, start + size)
+            consumed = dict(counters)
+            consumed.update({memory_slice_counter(s): 1 for s in range(start, start + size)})
+            device = Device(
+                name=mig_device_name(ctx.minor, profile.name, profile.id, start),
+                type=DeviceType.MIG,
+                gpu_index=ctx.index,
+                parent_uuid=ctx.uuid,
+                uuid=None,
+                attributes={**ctx.mig_attrs(), "profile": profile.name, **ctx.parent_attrs},
+                capacity=dict(profile.capacity),
+                consumes_counters=(CounterConsumption(set_name, consumed),),
+                placement=MigPlacement(profile.name, profile.id, start, size),
+            )
+            validate_device(device)
+            devices.append(device)
+    if not devices:
+        return (), None
+    totals.update({memory_slice_counter(s): 1 for s in range(slice_count)})
+    counter_set = CounterSet(set_name, totals)
+    _validate_counter_set(counter_set)
+    return tuple(devices), counter_set
+
+
+def _existing_migs(
+    scan: _Scanner, ctx: _MigContext, profiles: Mapping[int, _GiProfile]
+) -> tuple[Device, ...]:
+    """The MIG devices that exist now, named after their profile and placement."""
+    index, handle = ctx.index, ctx.handle
+    devices: list[Device] = []
+    max_count = int(scan.call(index, "nvmlDeviceGetMaxMigDeviceCount", handle))
+    for j in range(max_count):
+        mig = scan.optional(
+            index, "nvmlDeviceGetMigDeviceHandleByIndex", handle, j, ok=_NO_MIG_AT_INDEX
+        )
+        if mig is None:
+            continue
+        gi_id = int(scan.call(index, "nvmlDeviceGetGpuInstanceId", mig))
+        ci_id = int(scan.call(index, "nvmlDeviceGetComputeInstanceId", mig))
+        gi = scan.call(index, "nvmlDeviceGetGpuInstanceById", handle, gi_id)
+        gi_info = scan.call(index, "nvmlGpuInstanceGetInfo", gi)
+        mig_uuid = str(scan.call(index, "nvmlDeviceGetUUID", mig))
+        attrs = scan.call(index, "nvmlDeviceGetAttributes", mig)
+        profile = profiles.get(int(gi_info.profileId))
+        if profile is None:
+            msg = (
+                f"MIG device {mig_uuid} on GPU index {index} uses GPU instance profile "
+                f"{int(gi_info.profileId)}, which the GPU does not list"
+            )
+            raise DiscoveryError(msg, gpu_index=index, call="nvmlGpuInstanceGetInfo")
+        if int(attrs.computeInstanceSliceCount) != int(attrs.gpuInstanceSliceCount):
+            # Several compute instances share one GPU instance: the upstream naming
+            # (profile + placement) cannot tell them apart, so they are not offered.
+            logger.warning(
+                "skipping MIG device that does not span its GPU instance",
+                extra={"fields": {"uuid": mig_uuid, "gpuIndex": index, "giId": gi_id}},
+            )
+            continue
+        start = int(gi_info.placement.start)
+        size = int(gi_info.placement.size)
+        device = Device(
+            name=mig_device_name(ctx.minor, profile.name, profile.id, start),
+            type=DeviceType.MIG,
+            gpu_index=index,
+            parent_uuid=ctx.uuid,
+            uuid=mig_uuid,
+            attributes={
+                **ctx.mig_attrs(),
+                "uuid": mig_uuid,
+                "profile": profile.name,
+                **ctx.parent_attrs,
+            },
+            capacity=dict(profile.capacity),
+            placement=MigPlacement(profile.name, profile.id, start, size),
+            gpu_instance_id=gi_id,
+            compute_instance_id=ci_id,
+        )
+        validate_device(device)
+        devices.append(device)
+    return tuple(sorted(devices, key=lambda d: d.name))
+
+
+# --- resource.k8s.io/v1 shapes -----------------------------------------------------------
+
+
+def _qualify(key: str, driver_name: str) -> str:
+    return key if "/" in key else f"{driver_name}/{key}"
+
+
+def attribute_to_api(value: AttributeValue) -> dict[str, Any]:
+    """One DeviceAttribute in its JSON form (exactly one of int/bool/string/version)."""
+    if isinstance(value, Version):
+        return {"version": value.value}
+    if isinstance(value, bool):
+        return {"bool": value}
+    if isinstance(value, int):
+        return {"int": value}
+    return {"string": value}
+
+
+def device_to_api(device: Device, *, driver_name: str) -> dict[str, Any]:
+    """A resource.k8s.io/v1 Device (JSON form) with keys qualified by `driver_name`.
+
+    Taints are not included: they come from the health state.
+    """
+    api: dict[str, Any] = {
+        "name": device.name,
+        "attributes": {
+            _qualify(k, driver_name): attribute_to_api(v) for k, v in device.attributes.items()
+        },
+        "capacity": {
+            _qualify(k, driver_name): {"value": str(v)} for k, v in device.capacity.items()
+        },
+    }
+    if device.consumes_counters:
+        api["consumesCounters"] = [
+            {
+                "counterSet": c.counter_set,
+                "counters": {k: {"value": str(v)} for k, v in c.counters.items()},
+            }
+            for c in device.consumes_counters
+        ]
+    return api
+
+
+def counter_set_to_api(counter_set: CounterSet) -> dict[str, Any]:
+    """A resource.k8s.io/v1 CounterSet (JSON form) for `sharedCounters`."""
+    return {
+        "name": counter_set.name,
+        "counters": {k: {"value": str(v)} for k, v in counter_set.counters.items()},
+    }

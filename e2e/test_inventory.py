@@ -1,0 +1,240 @@
+"""Issue: GPU inventory on the real control plane. Node agents with emulated NVML
+publish slices; the real scheduler allocates against them; health taints steer it."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import pytest
+from gpudra.api.deviceclasses import device_classes
+from gpudra.driver.agent import AgentConfig, NodeAgent
+from gpudra.driver.devices import MigStrategy
+from gpudra.driver.health import HealthPolicy
+from gpudra.driver.kube import Kube
+from gpudra.driver.nvml import load_nvml
+
+from e2e import smoke
+from e2e.cluster.harness import Cluster
+from e2e.cluster.kube import Kube as SyncKube
+
+pytestmark = [pytest.mark.cluster, pytest.mark.anyio]
+DRIVER = "gpu.nvidia.com"
+SLICES = "/apis/resource.k8s.io/v1/resourceslices"
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@dataclass
+class Node:
+    agent: NodeAgent
+    nvml: Any
+
+
+@pytest.fixture
+async def nodes(cluster: Cluster, kube: SyncKube) -> AsyncIterator[dict[str, Node]]:
+    for dc in device_classes(DRIVER):
+        kube.apply(dc)
+    akube = await Kube.connect(str(cluster.layout.admin_kubeconfig))
+    policy = HealthPolicy(driver_name=DRIVER, recovery_after_s=3.0)
+    specs = {
+        "worker-1": ("h100-80gb-hbm3-x8", MigStrategy.DYNAMIC),
+        "worker-2": ("a100-40gb-mig-mixed", MigStrategy.STATIC),
+    }
+    out: dict[str, Node] = {}
+    async with anyio.create_task_group() as tg:
+        for node, (profile, strategy) in specs.items():
+            nvml = load_nvml(f"emulated:{profile}", uuid_salt=node)
+            agent = NodeAgent(
+                AgentConfig(
+                    node_name=node, driver_name=DRIVER, mig_strategy=strategy, health=policy
+                ),
+                akube,
+                nvml,
+            )
+            await tg.start(agent.run)
+            out[node] = Node(agent, nvml)
+        for n in out.values():
+            await n.agent.slices.converged.wait()
+        yield out
+        tg.cancel_scope.cancel()
+    for o in kube.list("ResourceSlice"):
+        if o["spec"]["driver"] == DRIVER:
+            kube.delete("ResourceSlice", o["metadata"]["name"])
+    await akube.close()
+
+
+def claim_pod(kube: SyncKube, ns: str, name: str, exactly: dict[str, Any]) -> None:
+    kube.create(
+        {
+            "apiVersion": "resource.k8s.io/v1",
+            "kind": "ResourceClaimTemplate",
+            "metadata": {"name": name, "namespace": ns},
+            "spec": {"spec": {"devices": {"requests": [{"name": "gpu", "exactly": exactly}]}}},
+        }
+    )
+    kube.create(smoke.pod_with_template(ns, name, name))
+
+
+async def allocation(kube: SyncKube, ns: str, pod: str, limit_s: float = 60) -> dict[str, Any]:
+    with anyio.fail_after(limit_s):
+        while True:
+            p = kube.get("Pod", pod, ns)
+            st = p.get("status", {}).get("resourceClaimStatuses") or []
+            if p["spec"].get("nodeName") and st:
+                claim = kube.get("ResourceClaim", st[0]["resourceClaimName"], ns)
+                result: dict[str, Any] = claim["status"]["allocation"]["devices"]["results"][0]
+                return result
+            await anyio.sleep(0.2)
+
+
+async def unschedulable(kube: SyncKube, ns: str, pod: str, limit_s: float = 60) -> str:
+    with anyio.fail_after(limit_s):
+        while True:
+            conds = kube.get("Pod", pod, ns).get("status", {}).get("conditions") or []
+            for c in conds:
+                if c["type"] == "PodScheduled" and c.get("reason") == "Unschedulable":
+                    return str(c.get("message", ""))
+            await anyio.sleep(0.2)
+
+
+def published(kube: SyncKube, node: str) -> dict[str, dict[str, Any]]:
+    items = kube.request(
+        "GET", SLICES, query={"fieldSelector": f"spec.nodeName={node},spec.driver={DRIVER}"}
+    )["items"]
+    return {d["name"]: d for o in items for d in o["spec"].get("devices", [])}
+
+
+async def test_h100_node_publishes_upstream_names_and_attributes(
+    nodes: dict[str, Node], kube: SyncKube
+) -> None:
+    devs = published(kube, "worker-1")
+    whole = {n for n, d in devs.items() if d["attributes"]["type"]["string"] == "gpu"}
+    assert whole == {f"gpu-{i}" for i in range(8)}
+    g0 = devs["gpu-0"]
+    assert g0["attributes"]["productName"] == {"string": "NVIDIA H100 80GB HBM3"}
+    # NVML reports 81559 MiB for an H100 80GB HBM3, as the real board does.
+    assert int(g0["capacity"]["memory"]["value"]) == 81559 * 1024**2
+    for key in (
+        "resource.kubernetes.io/pciBusID",
+        "resource.kubernetes.io/pcieRoot",
+        "cudaComputeCapability",
+        "driverVersion",
+        "uuid",
+        "architecture",
+    ):
+        assert key in g0["attributes"], key
+
+
+async def test_cel_selector_on_product_and_memory_is_allocated(
+    nodes: dict[str, Node], kube: SyncKube
+) -> None:
+    ns = smoke.make_namespace(kube, "inv")
+    sel = (
+        f'device.attributes["{DRIVER}"].productName == "NVIDIA H100 80GB HBM3" && '
+        f'device.capacity["{DRIVER}"].memory.compareTo(quantity("40Gi")) >= 0'
+    )
+    claim_pod(
+        kube,
+        ns,
+        "h100",
+        {"deviceClassName": "gpu.nvidia.com", "selectors": [{"cel": {"expression": sel}}]},
+    )
+    res = await allocation(kube, ns, "h100")
+    assert res["pool"] == "worker-1" and res["device"].startswith("gpu-")
+    kube.delete("Namespace", ns)
+
+
+async def test_static_mig_device_from_a100_profile_is_allocated(
+    nodes: dict[str, Node], kube: SyncKube
+) -> None:
+    migs = {
+        n: d
+        for n, d in published(kube, "worker-2").items()
+        if d["attributes"]["type"]["string"] == "mig"
+    }
+    assert migs, "the A100 mixed profile has MIG devices"
+    name, dev = sorted(migs.items())[0]
+    profile = dev["attributes"]["profile"]["string"]
+    ns = smoke.make_namespace(kube, "mig")
+    sel = f'device.attributes["{DRIVER}"].profile == "{profile}"'
+    claim_pod(
+        kube,
+        ns,
+        "mig",
+        {"deviceClassName": "mig.nvidia.com", "selectors": [{"cel": {"expression": sel}}]},
+    )
+    res = await allocation(kube, ns, "mig")
+    assert res["pool"] == "worker-2"
+    assert migs[res["device"]]["attributes"]["profile"]["string"] == profile
+    kube.delete("Namespace", ns)
+
+
+async def test_deleted_slice_is_restored(nodes: dict[str, Node], kube: SyncKube) -> None:
+    items = kube.request("GET", SLICES, query={"fieldSelector": "spec.nodeName=worker-1"})["items"]
+    victim = next(o for o in items if o["spec"]["driver"] == DRIVER)["metadata"]["name"]
+    kube.delete("ResourceSlice", victim)
+    with anyio.fail_after(30):
+        while kube.get_or_none("ResourceSlice", victim) is None:
+            await anyio.sleep(0.1)
+
+
+async def test_xid_taint_steers_scheduler_and_clears(
+    nodes: dict[str, Node], kube: SyncKube
+) -> None:
+    node = nodes["worker-1"]
+    uuid = published(kube, "worker-1")["gpu-3"]["attributes"]["uuid"]["string"]
+    node.nvml.inject_xid(3, 79)  # GPU fell off the bus: critical
+    with anyio.fail_after(30):
+        while not published(kube, "worker-1")["gpu-3"].get("taints"):
+            await anyio.sleep(0.1)
+    (taint,) = published(kube, "worker-1")["gpu-3"]["taints"]
+    assert taint["key"] == f"{DRIVER}/xid" and taint["value"] == "79"
+    assert taint["effect"] == "NoSchedule"
+
+    ns = smoke.make_namespace(kube, "taint")
+    sel = {"cel": {"expression": f'device.attributes["{DRIVER}"].uuid == "{uuid}"'}}
+    claim_pod(kube, ns, "plain", {"deviceClassName": "gpu.nvidia.com", "selectors": [sel]})
+    claim_pod(
+        kube,
+        ns,
+        "tolerant",
+        {
+            "deviceClassName": "gpu.nvidia.com",
+            "selectors": [sel],
+            "tolerations": [{"key": f"{DRIVER}/xid", "operator": "Exists", "effect": "NoSchedule"}],
+        },
+    )
+    msg = await unschedulable(kube, ns, "plain")
+    assert msg
+    res = await allocation(kube, ns, "tolerant")
+    assert res["device"] == "gpu-3"
+    # After `recovery_after_s` without new errors the taint is removed, no restart.
+    with anyio.fail_after(60):
+        while published(kube, "worker-1")["gpu-3"].get("taints"):
+            await anyio.sleep(0.2)
+    kube.delete("Namespace", ns)
+
+
+async def test_application_xid_is_informational(nodes: dict[str, Node], kube: SyncKube) -> None:
+    nodes["worker-1"].nvml.inject_xid(5, 13)
+    with anyio.fail_after(30):
+        while not published(kube, "worker-1")["gpu-5"].get("taints"):
+            await anyio.sleep(0.1)
+    (taint,) = published(kube, "worker-1")["gpu-5"]["taints"]
+    assert taint["effect"] == "None" and taint["value"] == "13"
+
+
+async def test_gpu_lost_is_no_execute(nodes: dict[str, Node], kube: SyncKube) -> None:
+    nodes["worker-1"].nvml.lose_gpu(6)
+    with anyio.fail_after(30):
+        while not published(kube, "worker-1")["gpu-6"].get("taints"):
+            await anyio.sleep(0.1)
+    effects = {t["effect"] for t in published(kube, "worker-1")["gpu-6"]["taints"]}
+    assert "NoExecute" in effects
+    nodes["worker-1"].nvml.recover_gpu(6)

@@ -1,0 +1,123 @@
+"""Recordings: read-only capture of NVML, replayed through the emulator.
+
+Any `*.json` in `fixtures/` is a recording (see gpudra.driver.nvml.record); each is
+replayed here, so a recording of a real node dropped there is checked automatically.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from gpudra.driver.devices import Inventory, MigStrategy, discover
+from gpudra.driver.nvml import builtin_profile_names, load_nvml
+from gpudra.driver.nvml.emulator import NvmlEmulator, parse_profile
+from gpudra.driver.nvml.record import dumps, record, write_recording
+
+FIXTURES = sorted((Path(__file__).parent / "fixtures").glob("*.json"))
+
+# NVML entry points that change the machine; a recording must never call them.
+MUTATING = (
+    "Set",
+    "Create",
+    "Destroy",
+    "Register",
+    "Reset",
+    "Clear",
+)
+
+
+class Spy:
+    """Passes calls through to the emulator and notes their names."""
+
+    def __init__(self, inner: NvmlEmulator) -> None:
+        self.inner = inner
+        self.calls: list[str] = []
+
+    def __getattr__(self, name: str) -> Any:
+        target = getattr(self.inner, name)
+        if not name.startswith("nvml"):
+            return target
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            self.calls.append(name)
+            return target(*args, **kwargs)
+
+        return call
+
+
+def emulated(spec: str) -> NvmlEmulator:
+    nvml = load_nvml(f"emulated:{spec}")
+    assert isinstance(nvml, NvmlEmulator)
+    return nvml
+
+
+def summary(inventory: Inventory) -> list[tuple[str, object, object]]:
+    """What a publisher would see, for comparing two inventories."""
+    rows: list[tuple[str, object, object]] = []
+    for strategy in MigStrategy:
+        rows.extend(
+            (d.name, dict(d.attributes), dict(d.capacity)) for d in inventory.devices(strategy)
+        )
+    return rows
+
+
+@pytest.mark.parametrize("name", builtin_profile_names())
+def test_recording_replays_the_same_node(name: str) -> None:
+    original = emulated(name)
+    spy = Spy(original)
+    document = record(spy, topology=original.pci_topology)
+    assert spy.calls, "record() must go through NVML"
+    assert not [c for c in spy.calls if any(word in c for word in MUTATING)]
+    replay = NvmlEmulator(parse_profile(document), source="recording")
+    assert summary(discover(replay)) == summary(discover(emulated(name)))
+    # Recording the replay gives the same document: nothing is lost or invented.
+    assert record(replay, topology=replay.pci_topology) == document
+
+
+def test_recording_keeps_mig_identities() -> None:
+    original = emulated("a100-40gb-mig-mixed")
+    document = record(original, topology=original.pci_topology)
+    instances = document["gpus"][0]["migInstances"]
+    assert {i["profileId"] for i in instances} == {9, 14, 19}
+    assert all(i["uuid"].startswith("MIG-") for i in instances)
+    replay = NvmlEmulator(parse_profile(document))
+    static = discover(replay).devices(MigStrategy.STATIC)
+    expected = discover(emulated("a100-40gb-mig-mixed")).devices(MigStrategy.STATIC)
+    assert [(d.name, d.uuid, d.gpu_instance_id) for d in static] == [
+        (d.name, d.uuid, d.gpu_instance_id) for d in expected
+    ]
+
+
+def test_written_recording_loads_as_a_profile(tmp_path: Path) -> None:
+    original = emulated("h100-80gb-hbm3-x8")
+    document = record(original, topology=original.pci_topology)
+    path = tmp_path / "node.json"
+    write_recording(path, document)
+    assert json.loads(path.read_text()) == document
+    assert path.read_text() == dumps(document)
+    assert [p.name for p in tmp_path.iterdir()] == ["node.json"]  # no temp file left
+    replay = load_nvml(f"emulated:{path}")
+    assert [d.name for d in discover(replay).devices()] == [f"gpu-{i}" for i in range(8)]
+
+
+def test_fixtures_exist() -> None:
+    assert FIXTURES, "tests/nvml/fixtures holds at least one recording"
+
+
+@pytest.mark.parametrize("path", FIXTURES, ids=[p.name for p in FIXTURES])
+def test_replay_fixture(path: Path) -> None:
+    document = json.loads(path.read_text())
+    nvml = load_nvml(f"emulated:{path}")
+    assert isinstance(nvml, NvmlEmulator)
+    inventory = discover(nvml)
+    assert [g.uuid for g in inventory.gpus] == [g["uuid"] for g in document["gpus"]]
+    for gpu, recorded in zip(inventory.gpus, document["gpus"], strict=True):
+        assert gpu.minor == recorded["minor"]
+        assert gpu.mig_enabled == recorded.get("migEnabled", False)
+        mig_uuids = {i["uuid"] for i in recorded.get("migInstances", ()) if "uuid" in i}
+        assert {d.uuid for d in gpu.mig_devices} == mig_uuids
+    again = record(nvml, topology=nvml.pci_topology, description=document.get("description", ""))
+    assert again == document

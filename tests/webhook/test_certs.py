@@ -1,0 +1,244 @@
+from __future__ import annotations
+
+import base64
+import datetime as dt
+import ipaddress
+import ssl
+import stat
+from pathlib import Path
+
+import pytest
+from cryptography import x509
+from gpudra.webhook.certs import (
+    CA_PROPAGATION,
+    CertKeyPair,
+    WebhookPki,
+    ca_bundle,
+    ensure_pki,
+    generate_ca,
+    generate_serving_cert,
+    load_pki,
+    needs_rotation,
+    reconcile_pki,
+    service_dns_names,
+    write_atomic,
+)
+
+NAMES = service_dns_names("gpudra-webhook", "gpudra")
+T0 = dt.datetime(2027, 1, 1, tzinfo=dt.UTC)
+
+
+def issued_by(cert: CertKeyPair, ca: CertKeyPair) -> bool:
+    try:
+        cert.certificate.verify_directly_issued_by(ca.certificate)
+    except Exception:
+        return False
+    return True
+
+
+def sans(cert: CertKeyPair) -> tuple[set[str], set[str]]:
+    ext = cert.certificate.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    return (
+        set(ext.get_values_for_type(x509.DNSName)),
+        {str(ip) for ip in ext.get_values_for_type(x509.IPAddress)},
+    )
+
+
+def test_service_dns_names() -> None:
+    assert NAMES == ("gpudra-webhook.gpudra.svc", "gpudra-webhook.gpudra.svc.cluster.local")
+    assert service_dns_names("s", "n", "corp.example")[1] == "s.n.svc.corp.example"
+    with pytest.raises(ValueError, match="namespace 'Bad_NS'"):
+        service_dns_names("svc", "Bad_NS")
+
+
+def test_serving_cert_has_service_names_and_loopback() -> None:
+    ca = generate_ca(now=T0)
+    serving = generate_serving_cert(ca, NAMES, now=T0)
+    assert sans(serving) == (set(NAMES), {"127.0.0.1"})
+    assert issued_by(serving, ca)
+    cert = serving.certificate
+    assert cert.extensions.get_extension_for_class(x509.BasicConstraints).value.ca is False
+    usage = cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
+    assert x509.oid.ExtendedKeyUsageOID.SERVER_AUTH in usage
+    assert ca.certificate.extensions.get_extension_for_class(x509.BasicConstraints).value.ca
+    assert serving.not_after == T0 + dt.timedelta(days=365)
+    assert serving.not_before < T0  # backdated for clock skew
+
+
+def test_serving_cert_verifies_with_a_standard_tls_client(tmp_path: Path) -> None:
+    ca = generate_ca()
+    serving = generate_serving_cert(ca, NAMES)
+    (tmp_path / "tls.crt").write_bytes(serving.cert_pem)
+    (tmp_path / "tls.key").write_bytes(serving.key_pem)
+    server_ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server_ctx.load_cert_chain(tmp_path / "tls.crt", tmp_path / "tls.key")
+    client_ctx = ssl.create_default_context(cadata=ca_bundle(ca).decode())
+    if hasattr(ssl, "VERIFY_X509_STRICT"):
+        client_ctx.verify_flags |= ssl.VERIFY_X509_STRICT
+    for hostname in (NAMES[0], NAMES[1], "127.0.0.1"):
+        _handshake(server_ctx, client_ctx, hostname)
+    with pytest.raises(ssl.SSLCertVerificationError):
+        _handshake(server_ctx, client_ctx, "other.gpudra.svc")
+
+
+def _handshake(server_ctx: ssl.SSLContext, client_ctx: ssl.SSLContext, hostname: str) -> None:
+    """In-memory TLS handshake between the two contexts."""
+    c_in, c_out, s_in, s_out = (ssl.MemoryBIO() for _ in range(4))
+    client = client_ctx.wrap_bio(c_in, c_out, server_hostname=hostname)
+    server = server_ctx.wrap_bio(s_in, s_out, server_side=True)
+    done = {"client": False, "server": False}
+    for _ in range(10):
+        for name, obj in (("client", client), ("server", server)):
+            if not done[name]:
+                try:
+                    obj.do_handshake()
+                    done[name] = True
+                except ssl.SSLWantReadError:
+                    pass
+        s_in.write(c_out.read())
+        c_in.write(s_out.read())
+        if all(done.values()):
+            return
+    raise AssertionError("handshake did not finish")
+
+
+def test_serving_cert_never_outlives_its_ca() -> None:
+    ca = generate_ca(validity=dt.timedelta(days=30), now=T0)
+    serving = generate_serving_cert(ca, NAMES, now=T0)
+    assert serving.not_after == ca.not_after
+
+
+def test_generate_serving_cert_needs_a_name() -> None:
+    with pytest.raises(ValueError, match="dns_names"):
+        generate_serving_cert(generate_ca(), [])
+
+
+def test_needs_rotation_when_a_third_remains() -> None:
+    serving = generate_serving_cert(generate_ca(now=T0), NAMES, now=T0)
+    life = serving.not_after - serving.not_before
+    two_thirds = serving.not_before + life * 2 / 3
+    assert not needs_rotation(serving, now=T0)
+    assert not needs_rotation(serving, now=two_thirds - dt.timedelta(hours=1))
+    assert needs_rotation(serving, now=two_thirds + dt.timedelta(hours=1))
+    assert needs_rotation(serving, now=serving.not_after)
+    assert needs_rotation(serving.certificate, now=serving.not_before - dt.timedelta(days=1))
+
+
+def test_reconcile_creates_then_keeps() -> None:
+    pki = reconcile_pki(None, NAMES, now=T0)
+    assert issued_by(pki.serving, pki.ca)
+    assert pki.previous_ca is None
+    assert pki.ca_bundle == pki.ca.cert_pem
+    assert reconcile_pki(pki, NAMES, now=T0 + dt.timedelta(days=100)) is pki
+
+
+def test_serving_rotation_keeps_the_ca() -> None:
+    pki = reconcile_pki(None, NAMES, now=T0)
+    later = T0 + dt.timedelta(days=250)
+    rotated = reconcile_pki(pki, NAMES, now=later)
+    assert rotated.ca == pki.ca
+    assert rotated.ca_bundle == pki.ca_bundle  # nothing to publish
+    assert rotated.serving != pki.serving
+    assert issued_by(rotated.serving, pki.ca)
+    assert rotated.serving.not_before > pki.serving.not_before
+
+
+def test_changed_names_reissue_the_serving_cert() -> None:
+    pki = reconcile_pki(None, NAMES, now=T0)
+    renamed = reconcile_pki(pki, (*NAMES, "extra.gpudra.svc"), now=T0)
+    assert renamed.ca == pki.ca
+    assert "extra.gpudra.svc" in sans(renamed.serving)[0]
+    more_ips = reconcile_pki(
+        renamed, (*NAMES, "extra.gpudra.svc"), ip_addresses=("127.0.0.1", "::1"), now=T0
+    )
+    assert sans(more_ips.serving)[1] == {"127.0.0.1", str(ipaddress.ip_address("::1"))}
+
+
+def test_ca_rotation_overlaps_so_clients_never_see_an_unknown_issuer() -> None:
+    pki = reconcile_pki(None, NAMES, now=T0)
+    old_ca = pki.ca
+    # Two thirds into the CA's ten years: a new CA, the old one still in the bundle,
+    # and the serving cert still from the old CA until the new bundle has propagated.
+    t1 = T0 + dt.timedelta(days=2500)
+    step1 = reconcile_pki(pki, NAMES, now=t1)
+    assert step1.ca != old_ca
+    assert step1.previous_ca == old_ca
+    assert old_ca.cert_pem in step1.ca_bundle
+    assert step1.ca.cert_pem in step1.ca_bundle
+    assert issued_by(step1.serving, old_ca)
+    assert not needs_rotation(step1.serving, now=t1)
+
+    t2 = t1 + CA_PROPAGATION + dt.timedelta(minutes=1)
+    step2 = reconcile_pki(step1, NAMES, now=t2)
+    assert step2.ca == step1.ca
+    assert issued_by(step2.serving, step2.ca)
+    assert step2.ca_bundle == step1.ca_bundle  # the old CA stays until it expires
+
+    step3 = reconcile_pki(step2, NAMES, now=old_ca.not_after + dt.timedelta(days=1))
+    assert step3.previous_ca is None
+    assert step3.ca_bundle == step3.ca.cert_pem
+    assert issued_by(step3.serving, step3.ca)
+
+
+def test_ca_bundle_dedupes_and_keeps_order() -> None:
+    a, b = generate_ca(), generate_ca()
+    assert ca_bundle(a, b, a) == a.cert_pem + b.cert_pem
+    pki = WebhookPki(ca=a, serving=generate_serving_cert(a, NAMES), previous_ca=b)
+    assert pki.ca_bundle == a.cert_pem + b.cert_pem
+    assert base64.b64decode(pki.ca_bundle_base64()) == pki.ca_bundle
+
+
+def test_ensure_pki_writes_atomically_with_private_keys(tmp_path: Path) -> None:
+    d = tmp_path / "pki"
+    pki, changed = ensure_pki(d, NAMES, now=T0)
+    assert changed
+    assert sorted(p.name for p in d.iterdir()) == [
+        "ca-bundle.crt",
+        "ca.crt",
+        "ca.key",
+        "tls.crt",
+        "tls.key",
+    ]
+    for name in ("ca.key", "tls.key"):
+        assert stat.S_IMODE((d / name).stat().st_mode) == 0o600
+    assert stat.S_IMODE((d / "tls.crt").stat().st_mode) == 0o644
+    assert (d / "ca-bundle.crt").read_bytes() == pki.ca_bundle
+    assert load_pki(d) == pki
+
+    again, changed = ensure_pki(d, NAMES, now=T0 + dt.timedelta(days=1))
+    assert (again, changed) == (pki, False)
+
+    rotated, changed = ensure_pki(d, NAMES, now=T0 + dt.timedelta(days=2500))
+    assert changed
+    assert (d / "ca-previous.crt").read_bytes() == pki.ca.cert_pem
+    assert load_pki(d) == rotated
+    expired, _ = ensure_pki(d, NAMES, now=pki.ca.not_after + dt.timedelta(days=1))
+    assert expired.previous_ca is None
+    assert not (d / "ca-previous.crt").exists()
+    assert not (d / "ca-previous.key").exists()
+
+
+def test_load_pki_rejects_a_broken_pair(tmp_path: Path) -> None:
+    d = tmp_path / "pki"
+    ensure_pki(d, NAMES)
+    assert load_pki(tmp_path / "empty") is None
+    (d / "tls.key").write_bytes(generate_ca().key_pem)
+    with pytest.raises(ValueError, match=r"tls\.crt: the private key does not belong"):
+        load_pki(d)
+    (d / "ca.crt").write_bytes(b"garbage")
+    with pytest.raises(ValueError, match=r"ca\.crt: unreadable"):
+        load_pki(d)
+    (d / "ca.key").unlink()
+    with pytest.raises(ValueError, match=r"missing ca\.key"):
+        load_pki(d)
+
+
+def test_write_atomic_replaces_without_leftovers(tmp_path: Path) -> None:
+    target = tmp_path / "f"
+    write_atomic(target, b"one")
+    write_atomic(target, b"two", mode=0o640)
+    assert target.read_bytes() == b"two"
+    assert stat.S_IMODE(target.stat().st_mode) == 0o640
+    assert [p.name for p in tmp_path.iterdir()] == ["f"]
+    with pytest.raises(FileNotFoundError):
+        write_atomic(tmp_path / "missing-dir" / "f", b"x")

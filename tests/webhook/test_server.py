@@ -1,0 +1,619 @@
+"""The admission server over real HTTPS on loopback."""
+
+from __future__ import annotations
+
+import base64
+import json
+import ssl
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+from anyio.streams.buffered import BufferedByteStream
+from anyio.streams.tls import TLSAttribute
+from cryptography import x509
+from cryptography.hazmat.primitives import serialization
+from gpudra.webhook.certs import (
+    WebhookPki,
+    ensure_pki,
+    generate_ca,
+    generate_serving_cert,
+    service_dns_names,
+    write_atomic,
+)
+from gpudra.webhook.server import ServerConfig, WebhookServer
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+pytestmark = pytest.mark.anyio
+
+Patcher = Callable[[Any, Sequence[dict[str, Any]]], Any]
+GUARD = 10  # seconds: only a hang guard, never a speed check
+
+
+@dataclass
+class Recorder:
+    """Stands in for the API-server side of template creation (a later component)."""
+
+    calls: list[tuple[str, list[dict[str, Any]], bool]] = field(default_factory=list)
+    error: Exception | None = None
+    hang: bool = False
+
+    async def __call__(
+        self, namespace: str, templates: Sequence[Mapping[str, Any]], dry_run: bool
+    ) -> None:
+        self.calls.append((namespace, [dict(t) for t in templates], dry_run))
+        if self.hang:
+            await anyio.sleep_forever()
+        if self.error:
+            raise self.error
+
+
+@dataclass
+class Harness:
+    server: WebhookServer
+    port: int
+    pki: WebhookPki
+    pki_dir: Path
+    ensure: Recorder
+
+
+@dataclass
+class Response:
+    status: int
+    headers: dict[str, str]
+    body: bytes
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+
+class Client:
+    def __init__(self, stream: BufferedByteStream, tls: Any) -> None:
+        self.stream = stream
+        self.tls = tls
+
+    @classmethod
+    async def connect(cls, port: int, ca_pem: bytes) -> Client:
+        context = ssl.create_default_context(cadata=ca_pem.decode())
+        tls = await anyio.connect_tcp(
+            "127.0.0.1",
+            port,
+            tls=True,
+            ssl_context=context,
+            tls_hostname="127.0.0.1",
+            tls_standard_compatible=False,
+        )
+        return cls(BufferedByteStream(tls), tls)
+
+    def peer_certificate(self) -> bytes:
+        der: bytes = self.tls.extra(TLSAttribute.peer_certificate_binary)
+        return der
+
+    async def send(self, data: bytes) -> None:
+        await self.stream.send(data)
+
+    async def response(self) -> Response:
+        head = await self.stream.receive_until(b"\r\n\r\n", 65536)
+        lines = head.decode("latin-1").split("\r\n")
+        status = int(lines[0].split(" ")[1])
+        headers = {}
+        for line in lines[1:]:
+            name, _, value = line.partition(":")
+            headers[name.strip().lower()] = value.strip()
+        body = await self.stream.receive_exactly(int(headers.get("content-length", "0")))
+        return Response(status, headers, body)
+
+    async def request(
+        self, method: str, path: str, body: bytes = b"", headers: str = ""
+    ) -> Response:
+        length = f"Content-Length: {len(body)}\r\n" if method == "POST" else ""
+        head = f"{method} {path} HTTP/1.1\r\nHost: webhook\r\n{length}{headers}\r\n"
+        await self.send(head.encode() + body)
+        return await self.response()
+
+    async def aclose(self) -> None:
+        await self.stream.aclose()
+
+
+@asynccontextmanager
+async def running(tmp_path: Path, **overrides: Any) -> AsyncIterator[Harness]:
+    pki_dir = tmp_path / "pki"
+    pki, _ = ensure_pki(pki_dir, service_dns_names("gpudra-webhook", "gpudra"))
+    ensure = overrides.pop("ensure", Recorder())
+    settings: dict[str, Any] = {"host": "127.0.0.1", "port": 0, "cert_check_interval": 0.02}
+    config = ServerConfig(
+        cert_file=pki_dir / "tls.crt", key_file=pki_dir / "tls.key", **{**settings, **overrides}
+    )
+    server = WebhookServer(config, ensure)
+    async with anyio.create_task_group() as tg:
+        port = await tg.start(server.serve)
+        yield Harness(server, port, pki, pki_dir, ensure)
+        tg.cancel_scope.cancel()
+
+
+@asynccontextmanager
+async def client(h: Harness) -> AsyncIterator[Client]:
+    c = await Client.connect(h.port, h.pki.ca_bundle)
+    try:
+        yield c
+    finally:
+        await c.aclose()
+
+
+def gpu_pod(gpus: str = "1", **metadata: Any) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"generateName": "train-", "namespace": "team-a", **metadata},
+        "spec": {
+            "containers": [
+                {
+                    "name": "train",
+                    "image": "cuda",
+                    "resources": {
+                        "limits": {"nvidia.com/gpu": gpus, "cpu": "1"},
+                        "requests": {"nvidia.com/gpu": gpus, "cpu": "1"},
+                    },
+                }
+            ]
+        },
+    }
+
+
+def review(
+    pod: Any, *, uid: str = "0a1b2c", dry_run: bool = False, **request: Any
+) -> dict[str, Any]:
+    return {
+        "apiVersion": "admission.k8s.io/v1",
+        "kind": "AdmissionReview",
+        "request": {
+            "uid": uid,
+            "kind": {"group": "", "version": "v1", "kind": "Pod"},
+            "resource": {"group": "", "version": "v1", "resource": "pods"},
+            "namespace": "team-a",
+            "operation": "CREATE",
+            "object": pod,
+            "dryRun": dry_run,
+            **request,
+        },
+    }
+
+
+async def admit(c: Client, body: Any) -> Response:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return await c.request("POST", "/mutate-pods?timeout=10s", data)
+
+
+def metric(h: Harness, name: str, **labels: str) -> float:
+    text = generate_latest(h.server.registry).decode()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return float(sample.value)
+    return 0.0
+
+
+# --- admission round trips ---
+
+
+async def test_admission_review_round_trip(tmp_path: Path, apply_patch: Patcher) -> None:
+    pod = gpu_pod("2")
+    async with running(tmp_path) as h, client(h) as c:
+        with anyio.fail_after(GUARD):
+            resp = await admit(c, review(pod, uid="uid-42"))
+    assert resp.status == 200
+    assert resp.headers["content-type"] == "application/json"
+    out = resp.json()
+    assert out["apiVersion"] == "admission.k8s.io/v1"
+    assert out["kind"] == "AdmissionReview"
+    answer = out["response"]
+    assert answer["uid"] == "uid-42"
+    assert answer["allowed"] is True
+    assert answer["patchType"] == "JSONPatch"
+    assert any("gpudra-gpu" in w for w in answer["warnings"])
+    patched = apply_patch(pod, json.loads(base64.b64decode(answer["patch"])))
+    expected = json.loads(json.dumps(pod))
+    expected["spec"]["resourceClaims"] = [
+        {"name": "gpudra-gpu", "resourceClaimTemplateName": "gpudra-gpu-2"}
+    ]
+    expected["spec"]["containers"][0]["resources"] = {
+        "limits": {"cpu": "1"},
+        "requests": {"cpu": "1"},
+        "claims": [{"name": "gpudra-gpu"}],
+    }
+    assert patched == expected
+    ((namespace, templates, dry_run),) = h.ensure.calls
+    assert (namespace, dry_run) == ("team-a", False)
+    assert [t["metadata"]["name"] for t in templates] == ["gpudra-gpu-2"]
+
+
+async def test_dry_run_is_passed_to_template_creation(tmp_path: Path) -> None:
+    async with running(tmp_path) as h, client(h) as c:
+        resp = await admit(c, review(gpu_pod(), dry_run=True))
+        assert resp.json()["response"]["patchType"] == "JSONPatch"
+        assert [call[2] for call in h.ensure.calls] == [True]
+        assert metric(h, "gpudra_webhook_conversions_total", dry_run="true") == 1
+
+
+async def test_conversion_error_is_a_denial(tmp_path: Path) -> None:
+    async with running(tmp_path) as h, client(h) as c:
+        resp = await admit(c, review(gpu_pod("-1")))
+        assert resp.status == 200
+        answer = resp.json()["response"]
+        assert answer["allowed"] is False
+        assert answer["status"]["code"] == 400
+        assert 'container "train"' in answer["status"]["message"]
+        assert "negative" in answer["status"]["message"]
+        assert "patch" not in answer
+        assert h.ensure.calls == []
+        assert metric(h, "gpudra_webhook_denials_total", reason="invalid") == 1
+
+
+async def test_template_failure_denies_with_500(tmp_path: Path) -> None:
+    ensure = Recorder(error=RuntimeError("forbidden: cannot create resourceclaimtemplates"))
+    async with running(tmp_path, ensure=ensure) as h, client(h) as c:
+        answer = (await admit(c, review(gpu_pod()))).json()["response"]
+        assert answer["allowed"] is False
+        assert answer["status"]["code"] == 500
+        assert "gpudra-gpu-1" in answer["status"]["message"]
+        assert "forbidden" in answer["status"]["message"]
+        assert metric(h, "gpudra_webhook_denials_total", reason="templates") == 1
+
+
+async def test_hanging_template_creation_is_bounded(tmp_path: Path) -> None:
+    hanging = Recorder(hang=True)
+    async with running(tmp_path, ensure=hanging, ensure_timeout=0.1) as h, client(h) as c:
+        with anyio.fail_after(GUARD):
+            answer = (await admit(c, review(gpu_pod()))).json()["response"]
+    assert answer["allowed"] is False
+    assert answer["status"]["code"] == 500
+    assert "no answer within 0.1s" in answer["status"]["message"]
+
+
+async def test_pods_without_gpus_and_other_operations_pass_unchanged(tmp_path: Path) -> None:
+    plain = gpu_pod()
+    plain["spec"]["containers"][0]["resources"] = {"limits": {"cpu": "1"}}
+    async with running(tmp_path) as h, client(h) as c:
+        for body in (
+            review(plain),
+            review(gpu_pod(), operation="UPDATE"),
+            review(gpu_pod(labels={"gpudra.nvidia.com/convert": "false"})),
+        ):
+            answer = (await admit(c, body)).json()["response"]
+            assert answer == {"uid": "0a1b2c", "allowed": True}
+        assert h.ensure.calls == []
+        assert (
+            metric(h, "gpudra_webhook_requests_total", path="/mutate-pods", result="allowed") == 3
+        )
+
+
+async def test_keep_alive_serves_many_requests_on_one_connection(tmp_path: Path) -> None:
+    async with running(tmp_path) as h, client(h) as c:
+        for i in range(5):
+            resp = await admit(c, review(gpu_pod(), uid=f"u{i}"))
+            assert resp.json()["response"]["uid"] == f"u{i}"
+            assert resp.headers["connection"] == "keep-alive"
+        # Pipelined: two requests in one write, two answers in order.
+        body = json.dumps(review(gpu_pod(), uid="p1")).encode()
+        body2 = json.dumps(review(gpu_pod(), uid="p2")).encode()
+        await c.send(
+            b"POST /mutate-pods HTTP/1.1\r\nContent-Length: %d\r\n\r\n%s"
+            b"POST /mutate-pods HTTP/1.1\r\nContent-Length: %d\r\n\r\n%s"
+            % (len(body), body, len(body2), body2)
+        )
+        assert (await c.response()).json()["response"]["uid"] == "p1"
+        assert (await c.response()).json()["response"]["uid"] == "p2"
+
+
+async def test_connection_close_is_honoured(tmp_path: Path) -> None:
+    async with running(tmp_path) as h, client(h) as c:
+        resp = await c.request("GET", "/healthz", headers="Connection: close\r\n")
+        assert resp.headers["connection"] == "close"
+        with pytest.raises((anyio.EndOfStream, anyio.IncompleteRead)):
+            await c.stream.receive()
+
+
+# --- bad requests ---
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        (b"{not json", "not valid JSON"),
+        (b"\xff\xfe\x00", "not valid JSON"),
+        (b"[" * 100_000 + b"]" * 100_000, "not valid JSON"),
+        (b"[]", "must be an AdmissionReview object"),
+        ({"apiVersion": "admission.k8s.io/v1beta1", "kind": "AdmissionReview"}, "v1beta1"),
+        ({"apiVersion": "admission.k8s.io/v1", "kind": "Status"}, "'Status'"),
+        ({"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview"}, "has no request"),
+        (review(gpu_pod(), uid=""), "uid is missing"),
+        (
+            review(gpu_pod(), kind={"group": "apps", "version": "v1", "kind": "Deployment"}),
+            "unsupported resource kind",
+        ),
+        (review("a pod"), "request.object must be the Pod"),
+        (review(gpu_pod(), namespace=""), "namespace"),
+    ],
+)
+async def test_malformed_reviews_get_400(tmp_path: Path, body: Any, message: str) -> None:
+    if isinstance(body, dict) and body.get("request", {}).get("namespace") == "":
+        body["request"]["object"]["metadata"].pop("namespace")
+    async with running(tmp_path) as h, client(h) as c:
+        resp = await admit(c, body)
+        assert resp.status == 400
+        assert message in resp.body.decode()
+        # The framing was fine, so the connection stays usable.
+        assert (await c.request("GET", "/healthz")).status == 200
+        assert (
+            metric(h, "gpudra_webhook_requests_total", path="/mutate-pods", result="bad_request")
+            == 1
+        )
+
+
+async def test_oversized_body_is_refused_before_it_is_read(tmp_path: Path) -> None:
+    async with running(tmp_path, max_body_bytes=1024 * 1024) as h, client(h) as c:
+        body = b"x" * (1024 * 1024 + 1)
+        resp = await c.request("POST", "/mutate-pods", body)
+        assert resp.status == 400
+        assert "exceeds the limit of 1048576 bytes" in resp.body.decode()
+        assert resp.headers["connection"] == "close"
+
+
+async def test_default_body_cap_is_3_mib(tmp_path: Path) -> None:
+    async with running(tmp_path) as h, client(h) as c:
+        await c.send(b"POST /mutate-pods HTTP/1.1\r\nContent-Length: %d\r\n\r\n" % (3 * 2**20 + 1))
+        resp = await c.response()
+        assert resp.status == 400
+        assert "3145728" in resp.body.decode()
+
+
+@pytest.mark.parametrize(
+    ("raw", "status", "message"),
+    [
+        (b"GARBAGE\r\n\r\n", 400, "malformed request line"),
+        (b"GET /healthz HTTP/2.0\r\n\r\n", 400, "unsupported protocol version"),
+        (b"GET /healthz HTTP/1.1\r\nno colon here\r\n\r\n", 400, "malformed header"),
+        (b"POST /mutate-pods HTTP/1.1\r\nContent-Length: -5\r\n\r\n", 400, "Content-Length"),
+        (
+            b"POST /mutate-pods HTTP/1.1\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\n",
+            400,
+            "conflicting Content-Length",
+        ),
+        (b"POST /mutate-pods HTTP/1.1\r\n\r\n", 411, "Content-Length"),
+        (
+            b"POST /mutate-pods HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n",
+            501,
+            "Transfer-Encoding",
+        ),
+        (b"GET / HTTP/1.1\r\nX: " + b"a" * 20_000 + b"\r\n\r\n", 400, "request head exceeds"),
+    ],
+)
+async def test_malformed_http_gets_an_error_and_a_closed_connection(
+    tmp_path: Path, raw: bytes, status: int, message: str
+) -> None:
+    async with running(tmp_path) as h, client(h) as c:
+        with anyio.fail_after(GUARD):
+            await c.send(raw)
+            resp = await c.response()
+        assert resp.status == status
+        assert message in resp.body.decode()
+        assert resp.headers["connection"] == "close"
+
+
+async def test_routes(tmp_path: Path) -> None:
+    async with running(tmp_path) as h, client(h) as c:
+        assert (await c.request("GET", "/nope")).status == 404
+        assert (await c.request("GET", "/mutate-pods")).status == 405
+        assert (await c.request("POST", "/healthz")).status == 405
+        assert metric(h, "gpudra_webhook_requests_total", path="other", result="not_found") == 1
+
+
+async def test_expect_100_continue(tmp_path: Path) -> None:
+    async with running(tmp_path) as h, client(h) as c:
+        body = json.dumps(review(gpu_pod())).encode()
+        await c.send(
+            b"POST /mutate-pods HTTP/1.1\r\nExpect: 100-continue\r\nContent-Length: %d\r\n\r\n"
+            % len(body)
+        )
+        assert await c.stream.receive_until(b"\r\n\r\n", 1000) == b"HTTP/1.1 100 Continue"
+        await c.send(body)
+        assert (await c.response()).json()["response"]["allowed"] is True
+
+
+async def test_slow_and_bad_clients_do_not_hold_up_a_good_request(tmp_path: Path) -> None:
+    async with (
+        running(tmp_path, header_timeout=60, body_timeout=60) as h,
+        client(h) as slow_head,
+        client(h) as slow_body,
+        client(h) as huge,
+    ):
+        await slow_head.send(b"POST /mutate-pods HTTP/1.1\r\nContent-Le")
+        await slow_body.send(b"POST /mutate-pods HTTP/1.1\r\nContent-Length: 100000\r\n\r\n{")
+        await huge.send(b"POST /mutate-pods HTTP/1.1\r\nContent-Length: 999999999\r\n\r\n")
+        await huge.send(b"x" * 65536)
+        async with client(h) as good:
+            with anyio.fail_after(GUARD):
+                resp = await admit(good, review(gpu_pod()))
+                assert resp.json()["response"]["allowed"] is True
+                assert (await huge.response()).status == 400
+        # The slow ones are still pending on their own deadlines: nothing answered them.
+        mutate = "/mutate-pods"
+        assert metric(h, "gpudra_webhook_requests_total", path=mutate, result="patched") == 1
+        assert metric(h, "gpudra_webhook_requests_total", path=mutate, result="bad_request") == 1
+        assert metric(h, "gpudra_webhook_requests_total", path="other", result="bad_request") == 0
+
+
+async def test_stalled_requests_time_out(tmp_path: Path) -> None:
+    async with running(tmp_path, header_timeout=0.2, body_timeout=0.2) as h:
+        async with client(h) as c:
+            await c.send(b"POST /mutate-pods HTTP/1.1\r\nContent-Le")
+            with anyio.fail_after(GUARD):
+                resp = await c.response()
+            assert resp.status == 408
+            assert "head" in resp.body.decode()
+        async with client(h) as c:
+            await c.send(b"POST /mutate-pods HTTP/1.1\r\nContent-Length: 10\r\n\r\n{")
+            with anyio.fail_after(GUARD):
+                resp = await c.response()
+            assert resp.status == 408
+            assert "body" in resp.body.decode()
+        async with client(h) as c:
+            # A silent connection is closed without an answer.
+            with anyio.fail_after(GUARD), pytest.raises((anyio.EndOfStream, anyio.IncompleteRead)):
+                await c.stream.receive()
+
+
+async def test_garbage_instead_of_a_tls_handshake_leaves_the_server_up(tmp_path: Path) -> None:
+    async with running(tmp_path, handshake_timeout=0.5) as h:
+        async with await anyio.connect_tcp("127.0.0.1", h.port) as raw:
+            await raw.send(b"GET / HTTP/1.1\r\n\r\n")
+            with anyio.fail_after(GUARD), pytest.raises((anyio.EndOfStream, OSError)):
+                await raw.receive()
+        async with await anyio.connect_tcp("127.0.0.1", h.port):
+            pass  # connects and leaves without a handshake
+        async with client(h) as c:
+            assert (await c.request("GET", "/healthz")).status == 200
+
+
+# --- health, readiness, metrics ---
+
+
+async def test_health_and_readiness(tmp_path: Path) -> None:
+    async with running(tmp_path) as h, client(h) as c:
+        health = await c.request("GET", "/healthz")
+        assert (health.status, health.body) == (200, b"ok\n")
+        assert (await c.request("GET", "/readyz")).status == 200
+        h.server.begin_shutdown()
+        resp = await c.request("GET", "/readyz")
+        assert resp.status == 503
+        assert resp.headers["connection"] == "close"  # draining: no more keep-alive
+    async with running(tmp_path / "b") as h, client(h) as c:
+        assert (await c.request("GET", "/healthz")).status == 200
+
+
+async def test_readiness_hook(tmp_path: Path) -> None:
+    ready = {"value": False}
+    pki_dir = tmp_path / "pki"
+    ensure_pki(pki_dir, ["localhost"])
+    config = ServerConfig(
+        cert_file=pki_dir / "tls.crt", key_file=pki_dir / "tls.key", host="127.0.0.1", port=0
+    )
+    server = WebhookServer(config, Recorder(), ready=lambda: ready["value"])
+    async with anyio.create_task_group() as tg:
+        port = await tg.start(server.serve)
+        pem = (pki_dir / "ca-bundle.crt").read_bytes()
+        c = await Client.connect(port, pem)
+        assert (await c.request("GET", "/readyz")).status == 503
+        ready["value"] = True
+        assert (await c.request("GET", "/readyz")).status == 200
+        await c.aclose()
+        tg.cancel_scope.cancel()
+
+
+async def test_metrics_move(tmp_path: Path) -> None:
+    async with running(tmp_path) as h, client(h) as c:
+        await admit(c, review(gpu_pod()))
+        await admit(c, review(gpu_pod("1.5")))
+        await admit(c, b"{")
+        resp = await c.request("GET", "/metrics")
+        assert resp.status == 200
+        assert resp.headers["content-type"].startswith("text/plain")
+        text = resp.body.decode()
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+    def value(name: str, **labels: str) -> float:
+        return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+    path = "/mutate-pods"
+    assert value("gpudra_webhook_requests_total", path=path, result="patched") == 1
+    assert value("gpudra_webhook_requests_total", path=path, result="denied") == 1
+    assert value("gpudra_webhook_requests_total", path=path, result="bad_request") == 1
+    assert value("gpudra_webhook_denials_total", reason="invalid") == 1
+    assert value("gpudra_webhook_conversions_total", dry_run="false") == 1
+    assert value("gpudra_webhook_converted_claims_total", kind="gpu") == 1
+    assert value("gpudra_webhook_request_duration_seconds_count", path=path) == 3
+
+
+async def test_review_without_http(tmp_path: Path) -> None:
+    async with running(tmp_path) as h:
+        status, body = await h.server.review(json.dumps(review(gpu_pod())).encode())
+        assert status == 200
+        assert json.loads(body)["response"]["patchType"] == "JSONPatch"
+        status, body = await h.server.review(b"nope")
+        assert status == 400
+
+
+# --- TLS ---
+
+
+async def test_certificate_rotation_reaches_new_connections(tmp_path: Path) -> None:
+    async with running(tmp_path) as h:
+        old = await Client.connect(h.port, h.pki.ca_bundle)
+        old_der = old.peer_certificate()
+        assert old_der == _der(h.pki.serving.cert_pem)
+
+        rotated = generate_serving_cert(h.pki.ca, service_dns_names("gpudra-webhook", "gpudra"))
+        write_atomic(h.pki_dir / "tls.key", rotated.key_pem)
+        write_atomic(h.pki_dir / "tls.crt", rotated.cert_pem, mode=0o644)
+
+        with anyio.fail_after(GUARD):
+            while True:
+                async with client(h) as c:
+                    if c.peer_certificate() != old_der:
+                        assert c.peer_certificate() == _der(rotated.cert_pem)
+                        assert (await c.request("GET", "/healthz")).status == 200
+                        break
+                await anyio.sleep(0.02)
+        # The connection opened before the rotation keeps working.
+        resp = await admit(old, review(gpu_pod()))
+        assert resp.json()["response"]["allowed"] is True
+        await old.aclose()
+        assert metric(h, "gpudra_webhook_certificate_reloads_total", result="success") >= 1
+
+
+async def test_mismatched_certificate_files_keep_the_old_certificate(tmp_path: Path) -> None:
+    async with running(tmp_path, cert_check_interval=3600) as h:
+        other = generate_serving_cert(generate_ca(), ["elsewhere"])
+        write_atomic(h.pki_dir / "tls.crt", other.cert_pem, mode=0o644)  # key not yet written
+        assert h.server.tls.reload_if_changed() is False
+        assert h.server.tls.reload_if_changed() is False  # not retried until files change
+        async with client(h) as c:
+            assert c.peer_certificate() == _der(h.pki.serving.cert_pem)
+        assert metric(h, "gpudra_webhook_certificate_reloads_total", result="failure") == 1
+        write_atomic(h.pki_dir / "tls.crt", h.pki.serving.cert_pem, mode=0o644)
+        (h.pki_dir / "tls.key").unlink()
+        assert h.server.tls.reload_if_changed() is False  # unreadable: keep serving
+
+
+async def test_only_http11_is_offered(tmp_path: Path) -> None:
+    async with running(tmp_path) as h:
+        context = ssl.create_default_context(cadata=h.pki.ca_bundle.decode())
+        context.set_alpn_protocols(["h2", "http/1.1"])
+        async with await anyio.connect_tcp(
+            "127.0.0.1",
+            h.port,
+            tls=True,
+            ssl_context=context,
+            tls_hostname="127.0.0.1",
+            tls_standard_compatible=False,
+        ) as tls:
+            assert tls.extra(TLSAttribute.alpn_protocol) == "http/1.1"
+
+
+async def test_missing_certificate_fails_at_construction(tmp_path: Path) -> None:
+    config = ServerConfig(cert_file=tmp_path / "tls.crt", key_file=tmp_path / "tls.key")
+    with pytest.raises(FileNotFoundError, match=r"tls\.crt"):
+        WebhookServer(config, Recorder())
+
+
+def _der(pem: bytes) -> bytes:
+    return x509.load_pem_x509_certificate(pem).public_bytes(serialization.Encoding.DER)

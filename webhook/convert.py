@@ -1,0 +1,541 @@
+"""Conversion of legacy device-plugin GPU pods to DRA ResourceClaimTemplates.
+
+Pure functions, no I/O: the admission server feeds in the Pod from the AdmissionReview
+and a `ConversionPolicy`, and gets back an RFC 6902 patch plus the ResourceClaimTemplates
+the patched pod refers to. Keeping the policy an explicit input lets tenant limits or
+quota rules be layered on without touching the conversion itself.
+
+Legacy resources handled (everything else under ``nvidia.com/``, such as NIC device
+plugins, is left untouched):
+
+- ``nvidia.com/gpu: N``        N whole GPUs (or shared GPUs, if the policy says so)
+- ``nvidia.com/gpu.shared: N`` N time-sliced shared GPUs
+- ``nvidia.com/mig-<profile>``  N MIG devices of that profile (``1g.10gb``, ``1g.10gb+me``)
+
+Why templates, not claims: a claim created at admission has no owner (the pod UID is
+not known yet) and leaks when the pod is rejected later, and it cannot be named for a
+``generateName`` pod. A ``resourceClaimTemplateName`` reference makes the
+controller-manager create the claim owned by the pod, so it is garbage-collected with it.
+
+Claim layout
+------------
+The pod gets one claim per device type (whole GPU, shared GPU, each MIG profile), named
+``<prefix>-gpu``, ``<prefix>-gpu-shared`` or ``<prefix>-mig-<profile token>``. Device-
+plugin semantics give a pod max(largest init container, app containers + sidecars)
+devices, and init containers reuse the app containers' devices. DRA hands a container
+every device of each request it references, so exact per-container counts need the
+claim to be cut into requests along container boundaries:
+
+1. Device indices are laid out as: restartable sidecars in pod order, then the app
+   containers; each occupies a contiguous interval. Together they run concurrently.
+2. A regular init container runs while only the sidecars declared before it run, so it
+   takes the interval starting right after those sidecars. It overlaps (reuses) later
+   sidecars' and app containers' devices, none of which have started yet. This is the
+   Kubernetes effective-request rule: max over init containers of (own count + earlier
+   sidecars), and all sidecars + app containers.
+3. Every interval end is a cut point; the pieces between cuts become the claim's
+   requests ``part-0``, ``part-1``, ... with those counts, and each container references
+   exactly the pieces inside its interval (``resources.claims`` with ``request``; only
+   ``name`` when it uses the whole claim).
+
+Example: init container (2), app containers a (1) and b (1) -> requests part-0 (1),
+part-1 (1); a uses part-0, b part-1, the init container both: two GPUs in total.
+
+Templates are named by type and piece counts (``gpudra-gpu-2``, ``gpudra-gpu-1-1``,
+``gpudra-mig-1g10gb-1``), so pods of the same shape share one template. Templates are
+immutable, so when the policy changes their content (class names, time-slice interval)
+the name gets a content hash suffix; a name longer than 63 characters is cut and hashed.
+
+Pods left alone (empty patch): those labelled ``gpudra.nvidia.com/convert: "false"``
+(a label, so the webhook's ``objectSelector`` can also skip them without a call), those
+with a pod claim whose name starts with the policy prefix (already converted, which
+makes reinvocation a no-op), and those without legacy GPU resources. Hand-written claims
+under other names are kept and ours are added beside them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from fractions import Fraction
+from typing import Any, Final
+
+from gpudra.api.quantity import QuantityError, parse_quantity
+
+__all__ = [
+    "DEFAULT_POLICY",
+    "GPU_RESOURCE",
+    "MIG_RESOURCE_PREFIX",
+    "OPT_OUT_LABEL",
+    "SHARED_RESOURCE",
+    "Conversion",
+    "ConversionError",
+    "ConversionPolicy",
+    "ConvertedClaim",
+    "DeviceKind",
+    "convert_pod",
+    "is_legacy_resource",
+    "parse_mig_profile",
+]
+
+GPU_RESOURCE: Final = "nvidia.com/gpu"
+SHARED_RESOURCE: Final = "nvidia.com/gpu.shared"
+MIG_RESOURCE_PREFIX: Final = "nvidia.com/mig-"
+OPT_OUT_LABEL: Final = "gpudra.nvidia.com/convert"
+MANAGED_BY_LABEL: Final = "app.kubernetes.io/managed-by"
+MANAGED_BY_VALUE: Final = "gpudra-webhook"
+
+# resource.k8s.io/v1 limit: at most 32 devices allocated to one claim.
+MAX_DEVICES_PER_CLAIM: Final = 32
+_MAX_NAME: Final = 63
+_HASH_LEN: Final = 8
+_CONFIG_API_VERSION: Final = "resource.nvidia.com/v1beta1"
+_TIME_SLICE_INTERVALS: Final = frozenset({"Default", "Short", "Medium", "Long"})
+_DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+
+# GPU-instance profiles as the device plugin names them ("1g.10gb", "3g.40gb", "1g.10gb+me",
+# "1g.24gb-me", "1g.24gb+me.all", "1g.24gb+gfx"), optionally with a compute-instance
+# prefix ("1c.3g.40gb").
+_MIG_PROFILE = re.compile(
+    r"(?:(?P<ci>[1-7])c\.)?(?P<gi>[1-7])g\.(?P<mem>[1-9][0-9]{0,3})gb"
+    r"(?P<suffix>\+me\.all|\+me|\+gfx|-me)?"
+)
+# Readable, injective name tokens for the profile suffixes.
+_SUFFIX_TOKENS: Final = {"+me": "me", "+me.all": "meall", "+gfx": "gfx", "-me": "nome"}
+
+
+class DeviceKind(StrEnum):
+    """What a legacy resource becomes."""
+
+    GPU = "gpu"
+    SHARED = "shared"
+    MIG = "mig"
+
+
+class ConversionError(ValueError):
+    """A pod the webhook cannot convert; the message names the field and the fix."""
+
+
+@dataclass(frozen=True)
+class ConversionPolicy:
+    """Where legacy resources go; explicit so tenant rules can be added on top."""
+
+    gpu_resource_kind: DeviceKind = DeviceKind.GPU
+    """What plain ``nvidia.com/gpu`` becomes: GPU (default) or SHARED for clusters whose
+    device plugin time-sliced GPUs without renaming them."""
+    gpu_class: str = "gpu.nvidia.com"
+    mig_class: str = "mig.nvidia.com"
+    shared_class: str = "gpu-shared.nvidia.com"
+    driver: str = "gpu.nvidia.com"
+    time_slice_interval: str = "Default"
+    name_prefix: str = "gpudra"
+    max_devices_per_claim: int = MAX_DEVICES_PER_CLAIM
+
+    def __post_init__(self) -> None:
+        if self.gpu_resource_kind not in (DeviceKind.GPU, DeviceKind.SHARED):
+            raise ValueError(
+                f"gpu_resource_kind must be {DeviceKind.GPU!s} or {DeviceKind.SHARED!s}, "
+                f"not {self.gpu_resource_kind!s}: a MIG profile cannot be inferred"
+            )
+        if self.time_slice_interval not in _TIME_SLICE_INTERVALS:
+            raise ValueError(
+                f"time_slice_interval {self.time_slice_interval!r} must be one of "
+                f"{sorted(_TIME_SLICE_INTERVALS)}"
+            )
+        if len(self.name_prefix) > 20 or not _DNS_LABEL.fullmatch(self.name_prefix):
+            raise ValueError(
+                f"name_prefix {self.name_prefix!r} must be a DNS label of at most 20 "
+                "characters (lowercase letters, digits, '-')"
+            )
+        if not 1 <= self.max_devices_per_claim <= MAX_DEVICES_PER_CLAIM:
+            raise ValueError(f"max_devices_per_claim must be between 1 and {MAX_DEVICES_PER_CLAIM}")
+
+
+DEFAULT_POLICY: Final = ConversionPolicy()
+
+
+@dataclass(frozen=True, order=True)
+class _DeviceType:
+    kind: DeviceKind
+    profile: str = ""
+
+    @property
+    def token(self) -> str:
+        """Name fragment: ``gpu``, ``gpu-shared`` or ``mig-<profile token>``."""
+        if self.kind is DeviceKind.GPU:
+            return "gpu"
+        if self.kind is DeviceKind.SHARED:
+            return "gpu-shared"
+        match = _MIG_PROFILE.fullmatch(self.profile)
+        assert match is not None  # validated by parse_mig_profile
+        ci = f"{match['ci']}c" if match["ci"] else ""
+        suffix = _SUFFIX_TOKENS.get(match["suffix"] or "", "")
+        return f"mig-{ci}{match['gi']}g{match['mem']}gb{suffix}"
+
+
+@dataclass(frozen=True)
+class ConvertedClaim:
+    """One pod claim the conversion added (for logs, warnings and metrics)."""
+
+    pod_claim_name: str
+    template_name: str
+    kind: DeviceKind
+    profile: str
+    devices: int
+
+
+@dataclass(frozen=True)
+class Conversion:
+    """Result of `convert_pod`; an empty patch means the pod is admitted unchanged."""
+
+    patch: tuple[dict[str, Any], ...] = ()
+    templates: tuple[dict[str, Any], ...] = ()
+    claims: tuple[ConvertedClaim, ...] = ()
+    skipped: str = ""
+    """Why nothing was converted ("" when converted)."""
+
+    @property
+    def changed(self) -> bool:
+        return bool(self.patch)
+
+
+@dataclass(frozen=True)
+class _Container:
+    label: str  # for messages: 'container "app"', 'init container "setup"'
+    pointer: str  # JSON pointer: /spec/containers/0
+    role: str  # "app" | "sidecar" | "init"
+    demands: dict[_DeviceType, int]
+    legacy: list[tuple[str, str]]  # (section, resource) pairs to remove
+    sources: dict[_DeviceType, set[str]]  # legacy resource names behind each type
+    has_claims_list: bool
+
+
+def is_legacy_resource(name: str) -> bool:
+    """True for the device-plugin resources this webhook converts."""
+    return name in (GPU_RESOURCE, SHARED_RESOURCE) or name.startswith(MIG_RESOURCE_PREFIX)
+
+
+def parse_mig_profile(profile: str) -> str:
+    """Validate a MIG profile name such as ``1g.10gb``; returns it unchanged."""
+    if not _MIG_PROFILE.fullmatch(profile):
+        raise ConversionError(
+            f'unknown MIG profile "{profile}": expected <slices>g.<memory>gb with an '
+            'optional suffix (+me, +me.all, +gfx, -me), for example "1g.10gb" or '
+            '"3g.40gb"; use a profile your GPUs offer'
+        )
+    return profile
+
+
+def convert_pod(pod: Mapping[str, Any], policy: ConversionPolicy = DEFAULT_POLICY) -> Conversion:
+    """Compute the JSON patch and ResourceClaimTemplates that move `pod` to DRA.
+
+    Raises `ConversionError` for pods that ask for legacy GPUs in a way the device
+    plugin would not have accepted either (the admission server turns it into a denial).
+    """
+    if not isinstance(pod, Mapping):
+        raise ConversionError("the admitted object must be a Pod object")
+    metadata = _mapping(pod.get("metadata"), "metadata")
+    labels = _mapping(metadata.get("labels"), "metadata.labels")
+    if labels.get(OPT_OUT_LABEL) == "false":
+        return Conversion(skipped=f'opted out by label {OPT_OUT_LABEL}="false"')
+    spec = _mapping(pod.get("spec"), "spec")
+    existing_claims = spec.get("resourceClaims")
+    if existing_claims is not None and not isinstance(existing_claims, list):
+        raise ConversionError("spec.resourceClaims must be a list")
+    ours = f"{policy.name_prefix}-"
+    for claim in existing_claims or ():
+        if isinstance(claim, Mapping) and str(claim.get("name", "")).startswith(ours):
+            return Conversion(skipped="already converted")
+
+    containers = _read_containers(spec, policy)
+    if not any(c.legacy for c in containers):
+        return Conversion(skipped="no legacy GPU resources")
+
+    device_types = sorted({t for c in containers for t, n in c.demands.items() if n > 0})
+    templates: list[dict[str, Any]] = []
+    converted: list[ConvertedClaim] = []
+    refs: dict[str, list[dict[str, str]]] = {}  # container pointer -> resources.claims entries
+    for device_type in device_types:
+        claim, template, claim_refs = _plan_claim(device_type, containers, policy)
+        converted.append(claim)
+        templates.append(template)
+        for pointer, entries in claim_refs.items():
+            refs.setdefault(pointer, []).extend(entries)
+
+    patch: list[dict[str, Any]] = []
+    for c in containers:
+        for section, resource in c.legacy:
+            patch.append(
+                {"op": "remove", "path": f"{c.pointer}/resources/{section}/{_escape(resource)}"}
+            )
+        container_refs = refs.get(c.pointer)
+        if container_refs:
+            claims_path = f"{c.pointer}/resources/claims"
+            if c.has_claims_list:
+                patch.extend(
+                    {"op": "add", "path": f"{claims_path}/-", "value": r} for r in container_refs
+                )
+            else:
+                patch.append({"op": "add", "path": claims_path, "value": container_refs})
+    entries = [
+        {"name": c.pod_claim_name, "resourceClaimTemplateName": c.template_name} for c in converted
+    ]
+    if entries:
+        if isinstance(existing_claims, list):
+            patch.extend(
+                {"op": "add", "path": "/spec/resourceClaims/-", "value": e} for e in entries
+            )
+        else:
+            patch.append({"op": "add", "path": "/spec/resourceClaims", "value": entries})
+    return Conversion(patch=tuple(patch), templates=tuple(templates), claims=tuple(converted))
+
+
+def _read_containers(spec: Mapping[str, Any], policy: ConversionPolicy) -> list[_Container]:
+    result: list[_Container] = []
+    for key, role_name in (("initContainers", "init container"), ("containers", "container")):
+        items = spec.get(key)
+        if items is None:
+            continue
+        if not isinstance(items, list):
+            raise ConversionError(f"spec.{key} must be a list")
+        for index, raw in enumerate(items):
+            pointer = f"/spec/{key}/{index}"
+            if not isinstance(raw, Mapping):
+                raise ConversionError(f"spec.{key}[{index}] must be an object")
+            name = raw.get("name")
+            label = f'{role_name} "{name}"' if isinstance(name, str) else f"spec.{key}[{index}]"
+            if key == "containers":
+                role = "app"
+            else:
+                role = "sidecar" if raw.get("restartPolicy") == "Always" else "init"
+            result.append(_read_container(raw, label, pointer, role, policy))
+    return result
+
+
+def _read_container(
+    raw: Mapping[str, Any], label: str, pointer: str, role: str, policy: ConversionPolicy
+) -> _Container:
+    resources = _mapping(raw.get("resources"), f"{label}: resources")
+    limits = _mapping(resources.get("limits"), f"{label}: resources.limits")
+    requests = _mapping(resources.get("requests"), f"{label}: resources.requests")
+    claims = resources.get("claims")
+    if claims is not None and not isinstance(claims, list):
+        raise ConversionError(f"{label}: resources.claims must be a list")
+    demands: dict[_DeviceType, int] = {}
+    legacy: list[tuple[str, str]] = []
+    sources: dict[_DeviceType, set[str]] = {}
+    names = sorted({n for n in (*limits, *requests) if is_legacy_resource(str(n))})
+    for resource in names:
+        device_type = _device_type(resource, label, policy)
+        if resource not in limits:
+            raise ConversionError(
+                f'{label}: "{resource}" is set in resources.requests but not in '
+                f"resources.limits; device-plugin resources must be set in limits: set "
+                f'limits["{resource}"] (requests may be left out)'
+            )
+        count = _count(limits[resource], label, "limits", resource)
+        if resource in requests:
+            requested = _count(requests[resource], label, "requests", resource)
+            if requested != count:
+                raise ConversionError(
+                    f'{label}: requests["{resource}"] is {requested} but limits["{resource}"] '
+                    f"is {count}; device-plugin resources need requests equal to limits: "
+                    "drop the request or make them equal"
+                )
+        legacy.append(("limits", resource))
+        if resource in requests:
+            legacy.append(("requests", resource))
+        if count > policy.max_devices_per_claim:
+            raise ConversionError(
+                f'{label}: "{resource}" asks for {count} devices; at most '
+                f"{policy.max_devices_per_claim} fit in one claim: lower the count"
+            )
+        demands[device_type] = demands.get(device_type, 0) + count
+        sources.setdefault(device_type, set()).add(resource)
+    return _Container(
+        label=label,
+        pointer=pointer,
+        role=role,
+        demands=demands,
+        legacy=legacy,
+        sources=sources,
+        has_claims_list=isinstance(claims, list),
+    )
+
+
+def _device_type(resource: str, label: str, policy: ConversionPolicy) -> _DeviceType:
+    if resource == GPU_RESOURCE:
+        return _DeviceType(policy.gpu_resource_kind)
+    if resource == SHARED_RESOURCE:
+        return _DeviceType(DeviceKind.SHARED)
+    profile = resource.removeprefix(MIG_RESOURCE_PREFIX)
+    try:
+        return _DeviceType(DeviceKind.MIG, parse_mig_profile(profile))
+    except ConversionError as exc:
+        raise ConversionError(f'{label}: "{resource}": {exc}') from None
+
+
+def _count(value: object, label: str, section: str, resource: str) -> int:
+    """A device count: a whole, non-negative number (quantity string or JSON number)."""
+    where = f'{label}: {section}["{resource}"]'
+    fix = 'device counts must be whole numbers of devices, for example "1"'
+    if isinstance(value, str) and value.isascii() and value.isdigit() and len(value) < 10:
+        return int(value)  # the canonical form the API server sends
+    amount: Fraction
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
+        raise ConversionError(f"{where} is {json.dumps(value)}; {fix}")
+    if isinstance(value, int):
+        amount = Fraction(value)
+    elif isinstance(value, float):
+        if not math.isfinite(value):
+            raise ConversionError(f"{where} is {value}; {fix}")
+        amount = Fraction(value)
+    else:
+        try:
+            amount = parse_quantity(value.strip(), allow_negative=True).amount
+        except QuantityError as exc:
+            raise ConversionError(f"{where} {exc}; {fix}") from None
+    if amount < 0:
+        raise ConversionError(f"{where} is {value!r}, a negative count; {fix}")
+    if amount.denominator != 1:
+        raise ConversionError(f"{where} is {value!r}, not a whole number; {fix}")
+    return int(amount)
+
+
+def _plan_claim(
+    device_type: _DeviceType, containers: Sequence[_Container], policy: ConversionPolicy
+) -> tuple[ConvertedClaim, dict[str, Any], dict[str, list[dict[str, str]]]]:
+    """Lay out one device type's claim (see the module docstring).
+
+    Returns the pod claim, its template, and each container's ``resources.claims``
+    entries keyed by the container's JSON pointer.
+    """
+    intervals: list[tuple[_Container, int, int]] = []
+    offset = 0
+    init_intervals: list[tuple[_Container, int, int]] = []
+    for c in containers:
+        count = c.demands.get(device_type, 0)
+        if c.role == "sidecar":
+            intervals.append((c, offset, count))
+            offset += count
+        elif c.role == "init":
+            init_intervals.append((c, offset, count))
+    for c in containers:
+        if c.role == "app":
+            count = c.demands.get(device_type, 0)
+            intervals.append((c, offset, count))
+            offset += count
+    intervals.extend(init_intervals)
+    used = [(c, start, count) for c, start, count in intervals if count > 0]
+    total = max(start + count for _, start, count in used)
+    resource = " and ".join(
+        f'"{name}"' for name in sorted({n for c, _, _ in used for n in c.sources[device_type]})
+    )
+    if total > policy.max_devices_per_claim:
+        raise ConversionError(
+            f"the pod needs {total} devices for {resource} (the larger of the biggest "
+            "init container and all app containers plus sidecars); one claim holds at most "
+            f"{policy.max_devices_per_claim}: lower the counts or split the pod"
+        )
+    cuts = sorted({0, total} | {start for _, start, _ in used} | {s + n for _, s, n in used})
+    pieces = [(cuts[i], cuts[i + 1]) for i in range(len(cuts) - 1)]
+    segments = [end - start for start, end in pieces]
+
+    spec = _claim_spec(device_type, segments, policy)
+    template_name = _template_name(device_type, segments, spec, policy)
+    pod_claim_name = f"{policy.name_prefix}-{device_type.token}"
+    refs: dict[str, list[dict[str, str]]] = {}
+    for c, start, count in used:
+        parts = [i for i, (s, e) in enumerate(pieces) if s >= start and e <= start + count]
+        if len(parts) == len(pieces):
+            refs[c.pointer] = [{"name": pod_claim_name}]
+        else:
+            refs[c.pointer] = [{"name": pod_claim_name, "request": f"part-{i}"} for i in parts]
+    template = {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaimTemplate",
+        "metadata": {"name": template_name, "labels": {MANAGED_BY_LABEL: MANAGED_BY_VALUE}},
+        "spec": {"spec": spec},
+    }
+    claim = ConvertedClaim(
+        pod_claim_name=pod_claim_name,
+        template_name=template_name,
+        kind=device_type.kind,
+        profile=device_type.profile,
+        devices=total,
+    )
+    return claim, template, refs
+
+
+def _claim_spec(
+    device_type: _DeviceType, segments: Sequence[int], policy: ConversionPolicy
+) -> dict[str, Any]:
+    """The ResourceClaimSpec (resource.k8s.io/v1) for one device type and piece layout."""
+    requests: list[dict[str, Any]] = []
+    device_class = {
+        DeviceKind.GPU: policy.gpu_class,
+        DeviceKind.SHARED: policy.shared_class,
+        DeviceKind.MIG: policy.mig_class,
+    }[device_type.kind]
+    for index, count in enumerate(segments):
+        exactly: dict[str, Any] = {
+            "deviceClassName": device_class,
+            "allocationMode": "ExactCount",
+            "count": count,
+        }
+        if device_type.kind is DeviceKind.MIG:
+            expression = f'device.attributes["{policy.driver}"].profile == "{device_type.profile}"'
+            exactly["selectors"] = [{"cel": {"expression": expression}}]
+        requests.append({"name": f"part-{index}", "exactly": exactly})
+    devices: dict[str, Any] = {"requests": requests}
+    if device_type.kind is DeviceKind.SHARED:
+        devices["config"] = [
+            {
+                "opaque": {
+                    "driver": policy.driver,
+                    "parameters": {
+                        "apiVersion": _CONFIG_API_VERSION,
+                        "kind": "GpuConfig",
+                        "sharing": {
+                            "strategy": "TimeSlicing",
+                            "timeSlicingConfig": {"interval": policy.time_slice_interval},
+                        },
+                    },
+                }
+            }
+        ]
+    return {"devices": devices}
+
+
+def _template_name(
+    device_type: _DeviceType,
+    segments: Sequence[int],
+    spec: Mapping[str, Any],
+    policy: ConversionPolicy,
+) -> str:
+    """Readable shape name; content-hashed when the content is not the default's."""
+    readable = f"{policy.name_prefix}-{device_type.token}-{'-'.join(map(str, segments))}"
+    default_content = _claim_spec(device_type, segments, DEFAULT_POLICY) == spec
+    if default_content and len(readable) <= _MAX_NAME:
+        return readable
+    canonical = json.dumps(spec, sort_keys=True, separators=(",", ":")).encode()
+    digest = hashlib.sha256(canonical).hexdigest()[:_HASH_LEN]
+    return f"{readable[: _MAX_NAME - _HASH_LEN - 1].rstrip('-')}-{digest}"
+
+
+def _mapping(value: object, where: str) -> Mapping[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise ConversionError(f"{where} must be an object")
+    return value
+
+
+def _escape(key: str) -> str:
+    """RFC 6901 escaping of one JSON pointer segment."""
+    return key.replace("~", "~0").replace("/", "~1")
