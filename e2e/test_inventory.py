@@ -159,7 +159,7 @@ async def test_static_mig_device_from_a100_profile_is_allocated(
         if d["attributes"]["type"]["string"] == "mig"
     }
     assert migs, "the A100 mixed profile has MIG devices"
-    name, dev = sorted(migs.items())[0]
+    _, dev = sorted(migs.items())[0]
     profile = dev["attributes"]["profile"]["string"]
     ns = smoke.make_namespace(kube, "mig")
     sel = f'device.attributes["{DRIVER}"].profile == "{profile}"'
