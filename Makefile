@@ -44,3 +44,8 @@ test: lint typecheck
 
 demo: cluster-up
 	@$(VPY) -m e2e.demo
+
+bench-slices: cluster-up
+	$(VPY) -m bench.slices
+
+bench: bench-slices

@@ -36,9 +36,16 @@ class Kube:
         self.api = api
 
     @classmethod
-    async def connect(cls, kubeconfig: str | None = None) -> Kube:
-        """kubeconfig if given (or $KUBECONFIG), else the in-cluster service account."""
+    async def connect(
+        cls, kubeconfig: str | None = None, *, max_connections: int | None = 100
+    ) -> Kube:
+        """kubeconfig if given (or $KUBECONFIG), else the in-cluster service account.
+
+        Each watch holds a connection for its lifetime, so a process that runs many
+        watches (the slice benchmark) needs `max_connections` above their count.
+        """
         cfg = Configuration()
+        cfg.connection_pool_maxsize = max_connections  # type: ignore[assignment]  # None: no limit
         path = kubeconfig or os.environ.get("KUBECONFIG")
         if path:
             await kconfig.load_kube_config(config_file=path, client_configuration=cfg)
