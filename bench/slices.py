@@ -18,12 +18,12 @@ from pathlib import Path
 from typing import Any
 
 import anyio
-
-from e2e.cluster.harness import Cluster, register_node
 from gpudra.driver.agent import AgentConfig, NodeAgent
 from gpudra.driver.devices import MigStrategy
 from gpudra.driver.kube import Kube
 from gpudra.driver.nvml import load_nvml
+
+from e2e.cluster.harness import Cluster, register_node
 
 DRIVER = "gpu.nvidia.com"
 OUT = Path(__file__).resolve().parent / "results" / "slices.json"
