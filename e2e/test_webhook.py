@@ -1,0 +1,154 @@
+"""The real API server calls the conversion webhook over HTTPS; the converted pod's
+claim is created by the controller-manager and allocated by the real scheduler."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.to_thread
+import pytest
+
+from e2e import smoke
+from e2e.cluster.harness import Cluster
+from e2e.cluster.kube import ApiError
+from e2e.cluster.kube import Kube as SyncKube
+from gpudra.api.deviceclasses import device_classes
+from gpudra.driver.agent import AgentConfig, NodeAgent
+from gpudra.driver.devices import MigStrategy
+from gpudra.driver.kube import Kube
+from gpudra.driver.nvml import load_nvml
+from gpudra.webhook import registration
+from gpudra.webhook.certs import TLS_CERT, TLS_KEY, ensure_pki, service_dns_names
+from gpudra.webhook.server import ServerConfig, WebhookServer
+from gpudra.webhook.templates import ApiTemplateEnsurer
+
+pytestmark = [pytest.mark.cluster, pytest.mark.anyio]
+DRIVER = "gpu.nvidia.com"
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture
+async def webhook(cluster: Cluster, kube: SyncKube, tmp_path: Path) -> AsyncIterator[None]:
+    for dc in device_classes(DRIVER):
+        kube.apply(dc)
+    akube = await Kube.connect(str(cluster.layout.admin_kubeconfig))
+    pki, _ = ensure_pki(tmp_path / "pki", service_dns_names("gpudra-webhook", "gpudra"))
+    server = WebhookServer(
+        ServerConfig(
+            cert_file=tmp_path / "pki" / TLS_CERT,
+            key_file=tmp_path / "pki" / TLS_KEY,
+            host="127.0.0.1",
+            port=0,
+        ),
+        ApiTemplateEnsurer(akube),
+    )
+    agent = NodeAgent(
+        AgentConfig(
+            node_name="worker-1",
+            driver_name=DRIVER,
+            mig_strategy=MigStrategy.STATIC,
+            health_events=False,
+        ),
+        akube,
+        load_nvml("emulated:h100-80gb-hbm3-x8", uuid_salt="wh"),
+    )
+    async with anyio.create_task_group() as tg:
+        port = await tg.start(server.serve)
+        await tg.start(agent.run)
+        await agent.slices.converged.wait()
+        await registration.apply(
+            akube,
+            registration.mutating_configuration(
+                ca_bundle_b64=pki.ca_bundle_base64(),
+                own_namespace="gpudra",
+                url=f"https://127.0.0.1:{port}",
+            ),
+        )
+        yield
+        await registration.delete(akube)
+        tg.cancel_scope.cancel()
+    for o in kube.list("ResourceSlice"):
+        if o["spec"]["driver"] == DRIVER:
+            kube.delete("ResourceSlice", o["metadata"]["name"])
+    await akube.close()
+
+
+def legacy_pod(ns: str, name: str, limits: dict[str, str], **meta: Any) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"namespace": ns, **({"name": name} if name else {}), **meta},
+        "spec": {
+            "containers": [
+                {
+                    "name": "cuda",
+                    "image": "registry.k8s.io/pause:3.10",
+                    "resources": {"limits": limits},
+                }
+            ]
+        },
+    }
+
+
+async def allocated(kube: SyncKube, ns: str, pod: str) -> list[dict[str, Any]]:
+    with anyio.fail_after(60):
+        while True:
+            p = kube.get("Pod", pod, ns)
+            st = p.get("status", {}).get("resourceClaimStatuses") or []
+            if p["spec"].get("nodeName") and st and st[0].get("resourceClaimName"):
+                c = kube.get("ResourceClaim", st[0]["resourceClaimName"], ns)
+                res: list[dict[str, Any]] = c["status"]["allocation"]["devices"]["results"]
+                return res
+            await anyio.sleep(0.2)
+
+
+async def test_legacy_gpu_pod_is_converted_and_allocated(webhook: None, kube: SyncKube) -> None:
+    ns = smoke.make_namespace(kube, "legacy")
+    # The webhook serves from this event loop: blocking calls go to a worker thread.
+    created = await anyio.to_thread.run_sync(
+        kube.create, legacy_pod(ns, "", {"nvidia.com/gpu": "2"}, generateName="train-")
+    )
+    name = created["metadata"]["name"]
+    spec = created["spec"]
+    assert "nvidia.com/gpu" not in spec["containers"][0]["resources"].get("limits", {})
+    (pod_claim,) = spec["resourceClaims"]
+    assert pod_claim["resourceClaimTemplateName"] == "gpudra-gpu-2"
+    assert spec["containers"][0]["resources"]["claims"][0]["name"] == pod_claim["name"]
+    results = await allocated(kube, ns, name)
+    assert len(results) == 2 and {r["pool"] for r in results} == {"worker-1"}
+    assert len({r["device"] for r in results}) == 2
+    kube.delete("Namespace", ns)
+
+
+async def test_dry_run_creates_no_template(webhook: None, kube: SyncKube) -> None:
+    ns = smoke.make_namespace(kube, "dry")
+    await anyio.to_thread.run_sync(
+        lambda: kube.create(legacy_pod(ns, "p", {"nvidia.com/gpu": "3"}), dryRun="All")
+    )
+    assert kube.get_or_none("ResourceClaimTemplate", "gpudra-gpu-3", ns) is None
+    assert kube.get_or_none("Pod", "p", ns) is None
+    kube.delete("Namespace", ns)
+
+
+async def test_bad_count_is_denied_with_reason(webhook: None, kube: SyncKube) -> None:
+    ns = smoke.make_namespace(kube, "bad")
+    with pytest.raises(ApiError) as err:
+        await anyio.to_thread.run_sync(
+            kube.create, legacy_pod(ns, "p", {"nvidia.com/mig-9g.99gb": "1"})
+        )
+    assert "9g.99gb" in str(err.value)
+    kube.delete("Namespace", ns)
+
+
+async def test_non_gpu_pods_never_reach_the_webhook(webhook: None, kube: SyncKube) -> None:
+    ns = smoke.make_namespace(kube, "plain")
+    pod = await anyio.to_thread.run_sync(kube.create, legacy_pod(ns, "p", {"cpu": "1"}))
+    assert "resourceClaims" not in pod["spec"]
+    kube.delete("Namespace", ns)
