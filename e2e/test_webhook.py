@@ -10,11 +10,6 @@ from typing import Any
 import anyio
 import anyio.to_thread
 import pytest
-
-from e2e import smoke
-from e2e.cluster.harness import Cluster
-from e2e.cluster.kube import ApiError
-from e2e.cluster.kube import Kube as SyncKube
 from gpudra.api.deviceclasses import device_classes
 from gpudra.driver.agent import AgentConfig, NodeAgent
 from gpudra.driver.devices import MigStrategy
@@ -24,6 +19,11 @@ from gpudra.webhook import registration
 from gpudra.webhook.certs import TLS_CERT, TLS_KEY, ensure_pki, service_dns_names
 from gpudra.webhook.server import ServerConfig, WebhookServer
 from gpudra.webhook.templates import ApiTemplateEnsurer
+
+from e2e import smoke
+from e2e.cluster.harness import Cluster
+from e2e.cluster.kube import ApiError
+from e2e.cluster.kube import Kube as SyncKube
 
 pytestmark = [pytest.mark.cluster, pytest.mark.anyio]
 DRIVER = "gpu.nvidia.com"
