@@ -42,7 +42,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _registrations() -> list[Registrar]:
-    return []
+    # Imported here so `gpudra --help` does not pay for every component's imports.
+    from gpudra.cli import node, webhook  # noqa: PLC0415
+
+    return [node.register, webhook.register]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,0 +1,57 @@
+"""`gpudra node` as a process: it publishes an emulated node's pool and exits cleanly."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from e2e.cluster.harness import REPO, Cluster
+from e2e.cluster.kube import Kube, wait_for
+
+pytestmark = pytest.mark.cluster
+DRIVER = "cli.gpudra.dev"
+
+
+def test_node_command_publishes_and_stops_on_sigterm(cluster: Cluster, kube: Kube) -> None:
+    env = {
+        **os.environ,
+        "KUBECONFIG": str(cluster.layout.admin_kubeconfig),
+        "NODE_NAME": "worker-2",
+    }
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "gpudra.cli",
+            "node",
+            "--nvml",
+            "emulated:l4",
+            "--driver-name",
+            DRIVER,
+        ],
+        cwd=REPO,
+        env=env,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        items = wait_for(
+            "the L4 pool",
+            lambda: kube.list("ResourceSlice", fieldSelector=f"spec.driver={DRIVER}"),
+            timeout=60,
+        )
+        devices = [d for o in items for d in o["spec"].get("devices", [])]
+        assert [d["name"] for d in devices] == ["gpu-0"]
+        assert devices[0]["attributes"]["productName"] == {"string": "NVIDIA L4"}
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        t0 = time.monotonic()
+        proc.wait(timeout=30)
+        assert time.monotonic() - t0 < 30
+        for o in kube.list("ResourceSlice", fieldSelector=f"spec.driver={DRIVER}"):
+            kube.delete("ResourceSlice", o["metadata"]["name"])
