@@ -418,9 +418,9 @@ class Cluster:
                 f"--secure-port={ports.apiserver}",
                 "--bind-address=127.0.0.1",
                 "--advertise-address=127.0.0.1",
-            # 1.37 refuses a loopback advertise address while it reconciles the
-            # `kubernetes` Service endpoints; nothing here uses that Service.
-            "--endpoint-reconciler-type=none",
+                # 1.37 refuses a loopback advertise address while it reconciles the
+                # `kubernetes` Service endpoints; nothing here uses that Service.
+                "--endpoint-reconciler-type=none",
                 f"--tls-cert-file={pk / 'apiserver.crt'}",
                 f"--tls-private-key-file={pk / 'apiserver.key'}",
                 f"--client-ca-file={pk / 'ca.crt'}",
