@@ -14,7 +14,7 @@ import pytest
 from gpudra.driver.nvml import NvmlLoadError, ProfileError, builtin_profile_names, load_nvml
 from gpudra.driver.nvml.emulator import NvmlEmulator, load_builtin_profile
 
-BUILTINS = ["a100-40gb-mig-mixed", "h100-80gb-hbm3-x8", "l4", "t4"]
+BUILTINS = ["a100-40gb-mig-mixed", "h100-80gb-hbm3-x8", "h100-80gb-hbm3-x8-mig", "l4", "t4"]
 
 
 def emulator(name: str) -> NvmlEmulator:
