@@ -25,11 +25,6 @@ DRIVER = "gpu.nvidia.com"
 SLICES = "/apis/resource.k8s.io/v1/resourceslices"
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 @dataclass
 class Node:
     agent: NodeAgent

@@ -21,11 +21,6 @@ NODE = "worker-2"
 
 
 @pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
-@pytest.fixture
 async def akube(cluster: Cluster) -> AsyncIterator[Kube]:
     k = await Kube.connect(str(cluster.layout.admin_kubeconfig))
     yield k

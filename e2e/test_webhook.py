@@ -30,11 +30,6 @@ DRIVER = "gpu.nvidia.com"
 
 
 @pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
-@pytest.fixture
 async def webhook(cluster: Cluster, kube: SyncKube, tmp_path: Path) -> AsyncIterator[None]:
     for dc in device_classes(DRIVER):
         kube.apply(dc)
