@@ -1,0 +1,1200 @@
+"""Claim prepare/unprepare on a node, against the real API server and scheduler.
+
+Claims are allocated by the real kube-scheduler from ResourceSlices each test
+publishes for its own driver name on node worker-1; GPUs are the pynvml-level
+emulator, and nvidia-smi / nvidia-cuda-mps-control are the stand-ins in
+`fakebin/`, which record how they were called.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import uuid as uuidlib
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+from gpudra.driver.cdi import CdiSpecStore, ToolkitSpec, find_toolkit_spec
+from gpudra.driver.checkpoint import load as load_checkpoint
+from gpudra.driver.claims import ClaimRef
+from gpudra.driver.devices import (
+    Inventory,
+    MigStrategy,
+    counter_set_to_api,
+    device_to_api,
+    discover,
+)
+from gpudra.driver.kube import Kube as AsyncKube
+from gpudra.driver.nvml import NvmlEmulator
+from gpudra.driver.prepare import ClaimPreparer, mig_capability_minors
+from gpudra.driver.sharing import MpsDaemon, NvidiaSharing, SharingError
+from prometheus_client import CollectorRegistry
+
+from e2e.cluster.harness import Cluster
+from e2e.cluster.kube import Kube, wait_for
+
+NODE = "worker-1"
+FAKEBIN = Path(__file__).parent / "fakebin"
+BOOT_A = "5f1c7a52-0c1d-4c57-9a5e-00000000000a"
+BOOT_B = "5f1c7a52-0c1d-4c57-9a5e-00000000000b"
+EXCLUSIVE_PROCESS = 3
+DEFAULT_MODE = 0
+
+# --- the API side: driver, class, slices, claims and pods ---------------------------------
+
+
+@dataclass
+class Env:
+    """One test's driver name, DeviceClass, namespace and the objects it created."""
+
+    kube: Kube
+    driver: str
+    namespace: str
+    slices: list[str] = field(default_factory=list)
+    classes: list[str] = field(default_factory=list)
+
+    def publish(
+        self,
+        inventory: Inventory,
+        strategy: MigStrategy = MigStrategy.STATIC,
+        *,
+        shared: bool = False,
+        only: tuple[str, ...] = (),
+        on: str = NODE,
+        counters: bool = True,
+    ) -> None:
+        """The inventory as ResourceSlices of node `on`'s pool (counters in their own slice)."""
+        devices = [
+            device_to_api(d, driver_name=self.driver)
+            for d in inventory.devices(strategy)
+            if not only or d.name in only
+        ]
+        if shared:
+            for device in devices:
+                device["allowMultipleAllocations"] = True
+                memory = device["capacity"][f"{self.driver}/memory"]
+                memory["requestPolicy"] = {"default": "1Gi", "validRange": {"min": "1Gi"}}
+        sets = [counter_set_to_api(c) for c in inventory.counter_sets(strategy)] if counters else []
+        if not sets:
+            for device in devices:
+                device.pop("consumesCounters", None)
+        parts: list[dict[str, Any]] = [{"devices": devices}]
+        if sets:
+            parts.append({"sharedCounters": sets})
+        for i, part in enumerate(parts):
+            name = f"{on}-{self.driver}-{i}"
+            self.kube.create(
+                {
+                    "apiVersion": "resource.k8s.io/v1",
+                    "kind": "ResourceSlice",
+                    "metadata": {"name": name},
+                    "spec": {
+                        "driver": self.driver,
+                        "nodeName": on,
+                        "pool": {"name": on, "generation": 1, "resourceSliceCount": len(parts)},
+                        **part,
+                    },
+                }
+            )
+            self.slices.append(name)
+
+    def device_class(self, suffix: str, config: list[dict[str, Any]]) -> str:
+        """Another DeviceClass for this driver's devices, carrying `config`."""
+        name = f"{self.driver}-{suffix}"
+        self.kube.create(
+            {
+                "apiVersion": "resource.k8s.io/v1",
+                "kind": "DeviceClass",
+                "metadata": {"name": name},
+                "spec": {
+                    "selectors": [{"cel": {"expression": f'device.driver == "{self.driver}"'}}],
+                    "config": config,
+                },
+            }
+        )
+        self.classes.append(name)
+        return name
+
+    def request(
+        self, name: str = "gpu", *, cel: str = "", device_class: str = "", **extra: Any
+    ) -> dict[str, Any]:
+        exactly: dict[str, Any] = {"deviceClassName": device_class or self.driver, **extra}
+        if cel:
+            exactly["selectors"] = [{"cel": {"expression": cel}}]
+        return {"name": name, "exactly": exactly}
+
+    def config(self, parameters: dict[str, Any], *requests: str) -> dict[str, Any]:
+        entry: dict[str, Any] = {"opaque": {"driver": self.driver, "parameters": parameters}}
+        if requests:
+            entry["requests"] = list(requests)
+        return entry
+
+    def claim(
+        self,
+        name: str,
+        requests: list[dict[str, Any]] | None = None,
+        config: list[dict[str, Any]] | None = None,
+    ) -> dict[str, Any]:
+        devices: dict[str, Any] = {"requests": requests or [self.request()]}
+        if config:
+            devices["config"] = config
+        created: dict[str, Any] = self.kube.create(
+            {
+                "apiVersion": "resource.k8s.io/v1",
+                "kind": "ResourceClaim",
+                "metadata": {"name": name, "namespace": self.namespace},
+                "spec": {"devices": devices},
+            }
+        )
+        return created
+
+    def pod_for(self, claim: str, pod: str | None = None, on: str = NODE) -> str:
+        name = pod or f"pod-{claim}"
+        self.kube.create(
+            {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "metadata": {"name": name, "namespace": self.namespace},
+                "spec": {
+                    "nodeSelector": {"kubernetes.io/hostname": on},
+                    "resourceClaims": [{"name": "gpu", "resourceClaimName": claim}],
+                    "containers": [
+                        {
+                            "name": "main",
+                            "image": "registry.k8s.io/pause:3.10",
+                            "resources": {"claims": [{"name": "gpu"}]},
+                        }
+                    ],
+                },
+            }
+        )
+        return name
+
+    def allocated(
+        self,
+        name: str,
+        *,
+        requests: list[dict[str, Any]] | None = None,
+        config: list[dict[str, Any]] | None = None,
+        on: str = NODE,
+    ) -> dict[str, Any]:
+        """A claim the real scheduler allocated for a pod on node `on`."""
+        self.claim(name, requests, config)
+        self.pod_for(name, on=on)
+        claim: dict[str, Any] = wait_for(
+            f"the scheduler to allocate claim {name}",
+            lambda: _if_allocated(self.kube.get("ResourceClaim", name, self.namespace)),
+            timeout=60,
+        )
+        return claim
+
+    def delete_claim(self, name: str) -> None:
+        """Delete the claim's pod and the claim, and wait until the claim is gone."""
+        self.kube.delete("Pod", f"pod-{name}", self.namespace, grace=0)
+        self.kube.delete("ResourceClaim", name, self.namespace)
+        wait_for(
+            f"claim {name} to be deleted",
+            lambda: self.kube.get_or_none("ResourceClaim", name, self.namespace) is None,
+            timeout=60,
+        )
+
+    def cleanup(self) -> None:
+        for pod in self.kube.list("Pod", self.namespace):
+            self.kube.delete("Pod", pod["metadata"]["name"], self.namespace, grace=0)
+        for name in self.slices:
+            self.kube.delete("ResourceSlice", name)
+        for name in (self.driver, *self.classes):
+            self.kube.delete("DeviceClass", name)
+        self.kube.delete("Namespace", self.namespace)
+
+
+def _if_allocated(claim: dict[str, Any]) -> dict[str, Any] | None:
+    return claim if (claim.get("status") or {}).get("allocation") else None
+
+
+def _ref(claim: dict[str, Any]) -> ClaimRef:
+    meta = claim["metadata"]
+    return ClaimRef(namespace=meta["namespace"], uid=meta["uid"], name=meta["name"])
+
+
+def _device(claim: dict[str, Any], index: int = 0) -> str:
+    name: str = claim["status"]["allocation"]["devices"]["results"][index]["device"]
+    return name
+
+
+@pytest.fixture
+def env(kube: Kube) -> Iterator[Env]:
+    driver = f"t{secrets.token_hex(4)}.gpudra.dev"
+    namespace = f"prep-{secrets.token_hex(3)}"
+    kube.create(
+        {
+            "apiVersion": "v1",
+            "kind": "Namespace",
+            # Admin access is allowed only in namespaces labelled for it.
+            "metadata": {
+                "name": namespace,
+                "labels": {"resource.kubernetes.io/admin-access": "true"},
+            },
+        }
+    )
+    kube.create(
+        {
+            "apiVersion": "resource.k8s.io/v1",
+            "kind": "DeviceClass",
+            "metadata": {"name": driver},
+            "spec": {"selectors": [{"cel": {"expression": f'device.driver == "{driver}"'}}]},
+        }
+    )
+    wait_for(
+        f"service account in {namespace}",
+        lambda: kube.request("GET", f"/api/v1/namespaces/{namespace}/serviceaccounts/default"),
+        timeout=60,
+    )
+    e = Env(kube=kube, driver=driver, namespace=namespace)
+    yield e
+    e.cleanup()
+
+
+@pytest.fixture
+async def akube(cluster: Cluster) -> AsyncIterator[AsyncKube]:
+    k = await AsyncKube.connect(str(cluster.layout.admin_kubeconfig))
+    yield k
+    await k.close()
+
+
+# --- the node side: emulated GPUs, folders, tools --------------------------------------------
+
+
+@dataclass
+class Node:
+    """Folders standing in for the node's /dev, /proc, CDI dir and plugin state."""
+
+    root: Path
+    tools_log: Path
+
+    @property
+    def dev_root(self) -> Path:
+        return self.root / "host"
+
+    @property
+    def cdi_dir(self) -> Path:
+        return self.root / "cdi"
+
+    @property
+    def checkpoint(self) -> Path:
+        return self.root / "plugin" / "checkpoint.json"
+
+    @property
+    def boot_id(self) -> Path:
+        return self.root / "boot_id"
+
+    @property
+    def proc(self) -> Path:
+        return self.root / "proc"
+
+    def tool_calls(self) -> list[str]:
+        if not self.tools_log.exists():
+            return []
+        return self.tools_log.read_text().splitlines()
+
+    def spec(self, uid: str) -> dict[str, Any]:
+        data: dict[str, Any] = json.loads(CdiSpecStore(self.cdi_dir).spec_path(uid).read_text())
+        return data
+
+    def has_spec(self, uid: str) -> bool:
+        return CdiSpecStore(self.cdi_dir).spec_path(uid).exists()
+
+
+@pytest.fixture
+def node(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Node:
+    n = Node(root=tmp_path, tools_log=tmp_path / "tools.log")
+    for name in ("nvidiactl", "nvidia-uvm", "nvidia-uvm-tools"):
+        path = n.dev_root / "dev" / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.touch()
+    n.boot_id.write_text(BOOT_A + "\n")
+    n.proc.mkdir()
+    monkeypatch.setenv("GPUDRA_FAKEBIN_LOG", str(n.tools_log))
+    monkeypatch.delenv("GPUDRA_FAKE_MPS_FAIL", raising=False)
+    monkeypatch.delenv("GPUDRA_FAKE_SMI_FAIL", raising=False)
+    return n
+
+
+def fake_sharing() -> NvidiaSharing:
+    return NvidiaSharing(
+        nvidia_smi=FAKEBIN / "nvidia-smi",
+        mps_control=FAKEBIN / "nvidia-cuda-mps-control",
+        ready_timeout_s=5.0,
+    )
+
+
+def make_preparer(
+    env: Env,
+    node: Node,
+    akube: AsyncKube,
+    nvml: Any,
+    *,
+    strategy: MigStrategy = MigStrategy.STATIC,
+    registry: CollectorRegistry | None = None,
+    toolkit: ToolkitSpec | None = None,
+) -> ClaimPreparer:
+    return ClaimPreparer(
+        driver_name=env.driver,
+        node_name=NODE,
+        kube=akube,
+        nvml=nvml,
+        inventory=lambda: discover(nvml),
+        cdi=CdiSpecStore(node.cdi_dir),
+        checkpoint_path=node.checkpoint,
+        sharing=fake_sharing(),
+        dev_root=node.dev_root,
+        proc_root=node.proc,
+        boot_id_path=node.boot_id,
+        mig_strategy=strategy,
+        registry=registry,
+        toolkit=toolkit,
+    )
+
+
+def h100() -> NvmlEmulator:
+    return NvmlEmulator.from_builtin("h100-80gb-hbm3-x8")
+
+
+def h100_mig() -> NvmlEmulator:
+    """An H100 node whose first GPU has MIG mode on and no MIG devices yet."""
+    emu = h100()
+    emu.nvmlInit()
+    emu.nvmlDeviceSetMigMode(emu.nvmlDeviceGetHandleByIndex(0), 1)
+    emu.reset_gpu(0)
+    emu.nvmlShutdown()
+    return emu
+
+
+def mig_devices(emu: NvmlEmulator) -> dict[str, str]:
+    """Existing MIG devices of GPU 0 by name -> UUID, as discovery reads them from NVML."""
+    return {d.name: str(d.uuid) for d in discover(emu).gpus[0].mig_devices}
+
+
+def cdi_env(spec: dict[str, Any], index: int = 0) -> dict[str, str]:
+    pairs = spec["devices"][index]["containerEdits"].get("env", [])
+    return dict(p.split("=", 1) for p in pairs)
+
+
+def node_paths(edits: dict[str, Any]) -> list[str]:
+    return [n["path"] for n in edits.get("deviceNodes", [])]
+
+
+# --- whole GPUs --------------------------------------------------------------------------------
+
+
+@pytest.mark.cluster
+@pytest.mark.anyio
+async def test_whole_gpu_prepare_writes_one_spec_and_unprepare_removes_it(
+    env: Env, node: Node, akube: AsyncKube
+) -> None:
+    emu = h100()
+    registry = CollectorRegistry()
+    env.publish(discover(emu))
+    claim = env.allocated("one-gpu")
+    ref = _ref(claim)
+    device = _device(claim)
+    minor = int(device.removeprefix("gpu-"))
+    preparer = make_preparer(env, node, akube, emu, registry=registry)
+
+    result = (await preparer.prepare([ref]))[ref.uid]
+
+    assert result.error is None
+    [prepared] = result.devices
+    assert prepared.device_name == device
+    assert prepared.pool_name == NODE
+    assert prepared.request_names == ["gpu"]
+    assert prepared.cdi_device_ids == [f"k8s.gpu.nvidia.com/claim={ref.uid}-{device}"]
+    assert prepared.share_id is None
+    spec = node.spec(ref.uid)
+    assert [d["name"] for d in spec["devices"]] == [f"{ref.uid}-{device}"]
+    edits = spec["devices"][0]["containerEdits"]
+    assert edits["deviceNodes"] == [
+        {"path": f"/dev/nvidia{minor}", "hostPath": f"{node.dev_root}/dev/nvidia{minor}"}
+    ]
+    assert node_paths(spec["containerEdits"]) == [
+        "/dev/nvidiactl",
+        "/dev/nvidia-uvm",
+        "/dev/nvidia-uvm-tools",
+    ]
+    assert "NVIDIA_VISIBLE_DEVICES=void" in spec["containerEdits"]["env"]
+    gpu_uuid = discover(emu).gpus[minor].uuid
+    assert cdi_env(spec)[f"GPUDRA_DEVICE_GPU_{minor}_UUID"] == gpu_uuid
+    labels = {
+        "namespace": env.namespace,
+        "pod": "pod-one-gpu",
+        "claim": "one-gpu",
+        "request": "gpu",
+        "device": device,
+        "uuid": gpu_uuid,
+    }
+    assert registry.get_sample_value("gpudra_prepared_device_info", labels) == 1.0
+    assert registry.get_sample_value("gpudra_device_prepared_claims", {"device": device}) == 1.0
+    assert node.tool_calls() == []  # nothing to share, no tool runs
+
+    # Repeated prepare: the recorded answer, nothing written again.
+    before = (node.checkpoint.stat().st_mtime_ns, node.checkpoint.read_bytes())
+    again = (await preparer.prepare([ref]))[ref.uid]
+    assert again == result
+    assert (node.checkpoint.stat().st_mtime_ns, node.checkpoint.read_bytes()) == before
+
+    assert (await preparer.unprepare([ref])) == {ref.uid: None}
+    assert not node.has_spec(ref.uid)
+    assert load_checkpoint(node.checkpoint, boot_id_path=node.boot_id).claims() == []
+    assert registry.get_sample_value("gpudra_prepared_device_info", labels) is None
+    assert registry.get_sample_value("gpudra_device_prepared_claims", {"device": device}) is None
+    # Unprepare again, and of a claim never seen: both succeed.
+    unknown = ClaimRef(namespace=env.namespace, uid=str(uuidlib.uuid4()), name="never")
+    assert (await preparer.unprepare([ref, unknown])) == {ref.uid: None, unknown.uid: None}
+    assert (
+        registry.get_sample_value("gpudra_claim_operations_total", {"operation": "prepare"}) == 2.0
+    )
+    assert (
+        registry.get_sample_value("gpudra_claim_operation_errors_total", {"operation": "prepare"})
+        == 0.0
+    )
+
+
+@pytest.mark.cluster
+@pytest.mark.anyio
+async def test_claim_uid_mismatch_names_both_uids(env: Env, node: Node, akube: AsyncKube) -> None:
+    emu = h100()
+    env.publish(discover(emu))
+    claim = env.allocated("recreated")
+    wrong = ClaimRef(namespace=env.namespace, uid=str(uuidlib.uuid4()), name="recreated")
+    preparer = make_preparer(env, node, akube, emu)
+
+    result = (await preparer.prepare([wrong]))[wrong.uid]
+
+    assert result.error is not None
+    assert claim["metadata"]["uid"] in result.error
+    assert wrong.uid in result.error
+    assert not node.has_spec(wrong.uid)
+
+
+@pytest.mark.cluster
+@pytest.mark.anyio
+async def test_prepare_before_the_first_discovery_asks_for_a_retry(
+    env: Env, node: Node, akube: AsyncKube
+) -> None:
+    emu = h100()
+    env.publish(discover(emu))
+    ref = _ref(env.allocated("early"))
+    preparer = ClaimPreparer(
+        driver_name=env.driver,
+        node_name=NODE,
+        kube=akube,
+        nvml=emu,
+        inventory=lambda: None,
+        cdi=CdiSpecStore(node.cdi_dir),
+        checkpoint_path=node.checkpoint,
+        sharing=fake_sharing(),
+        boot_id_path=node.boot_id,
+    )
+
+    result = (await preparer.prepare([ref]))[ref.uid]
+
+    assert result.error is not None
+    assert "not been discovered yet" in result.error
+
+
+@pytest.mark.cluster
+@pytest.mark.anyio
+async def test_unallocated_claim_is_refused(env: Env, node: Node, akube: AsyncKube) -> None:
+    emu = h100()
+    env.publish(discover(emu))
+    claim = env.claim("no-pod")  # nothing uses it, so the scheduler never allocates it
+    ref = _ref(claim)
+
+    result = (await make_preparer(env, node, akube, emu).prepare([ref]))[ref.uid]
+
+    assert result.error is not None
+    assert "status.allocation" in result.error
+    assert load_checkpoint(node.checkpoint, boot_id_path=node.boot_id).claims() == []
+
+
+@pytest.mark.cluster
+@pytest.mark.anyio
+async def test_invalid_opaque_config_names_the_field(
+    env: Env, node: Node, akube: AsyncKube
+) -> None:
+    emu = h100()
+    env.publish(discover(emu))
+    bad = {
+        "apiVersion": "resource.nvidia.com/v1beta1",
+        "kind": "GpuConfig",
+        "sharing": {"strategy": "Sometimes"},
+    }
+    claim = env.allocated("bad-config", config=[env.config(bad)])
+    ref = _ref(claim)
+
+    result = (await make_preparer(env, node, akube, emu).prepare([ref]))[ref.uid]
+
+    assert result.error is not None
+    assert "status.allocation.devices.config[0].opaque.parameters.sharing.strategy" in result.error
+    assert "TimeSlicing, MPS" in result.error
+    assert not node.has_spec(ref.uid)
+    assert node.tool_calls() == []
+
+
+@pytest.mark.cluster
+@pytest.mark.anyio
+async def test_device_held_by_another_claim_fails_only_that_claim(
+    env: Env, node: Node, akube: AsyncKube
+) -> None:
+    emu = h100()
+    env.publish(discover(emu), only=("gpu-0", "gpu-1"))
+    first = env.allocated("first")
+    held = _device(first)
+    preparer = make_preparer(env, node, akube, emu)
+    assert (await preparer.prepare([_ref(first)]))[_ref(first).uid].error is None
+    # The claim goes away without an unprepare (a missed kubelet call), so the
+    # scheduler hands its device out again while our record still holds it.
+    env.delete_claim("first")
+    second = env.allocated("second")
+    third = env.allocated("third")
+    refs = [_ref(second), _ref(third)]
+
+    results = await preparer.prepare(refs)
+
+    by_device = {_device(c): _ref(c).uid for c in (second, third)}
+    loser, winner = by_device[held], next(u for d, u in by_device.items() if d != held)
+    error = results[loser].error
+    assert error is not None
+    assert f"{NODE}/{held}" in error
+    assert f"{env.namespace}/first" in error
+    assert first["metadata"]["uid"] in error
+    assert results[winner].error is None
+    assert node.has_spec(winner)
+    assert not node.has_spec(loser)
+
+
+@pytest.mark.cluster
+@pytest.mark.anyio
+async def test_admin_access_is_prepared_beside_the_owner(
+    env: Env, node: Node, akube: AsyncKube
+) -> None:
+    emu = h100()
+    env.publish(discover(emu), only=("gpu-3",))
+    owner = env.allocated("owner")
+    monitor = env.allocated("monitor", requests=[env.request("watch", adminAccess=True)])
+    assert _device(monitor) == _device(owner) == "gpu-3"
+    assert monitor["status"]["allocation"]["devices"]["results"][0]["adminAccess"] is True
+    preparer = make_preparer(env, node, akube, emu)
+
+    results = await preparer.prepare([_ref(owner), _ref(monitor)])
+
+    assert results[_ref(owner).uid].error is None
+    assert results[_ref(monitor).uid].error is None
+    assert results[_ref(monitor).uid].devices[0].request_names == ["watch"]
+    # The owner keeps its device when the monitor goes, and the monitor never blocks it.
+    assert await preparer.unprepare([_ref(monitor)]) == {_ref(monitor).uid: None}
+    assert node.has_spec(_ref(owner).uid)
+    cp = load_checkpoint(node.checkpoint, boot_id_path=node.boot_id)
+    assert [c.uid for c in cp.claims()] == [_ref(owner).uid]
+
+
+@pytest.mark.cluster
+@pytest.mark.anyio
+async def test_subrequest_result_reports_the_base_request_and_gets_its_config(
+    env: Env, node: Node, akube: AsyncKube
+) -> None:
+    emu = h100()
+    env.publish(discover(emu))
+    long_slices = {
+        "apiVersion": "resource.nvidia.com/v1beta1",
+        "kind": "GpuConfig",
+        "sharing": {"strategy": "TimeSlicing", "timeSlicingConfig": {"interval": "Long"}},
+    }
+    claim = env.allocated(
+        "first-available",
+        requests=[
+            {
+                "name": "gpu",
+                "firstAvailable": [{"name": "any", "deviceClassName": env.driver}],
+            }
+        ],
+        config=[env.config(long_slices, "gpu/any")],
+    )
+    assert claim["status"]["allocation"]["devices"]["results"][0]["request"] == "gpu/any"
+    ref = _ref(claim)
+
+    result = (await make_preparer(env, node, akube, emu).prepare([ref]))[ref.uid]
+
+    assert result.error is None
+    assert result.devices[0].request_names == ["gpu"]
+    gpu_uuid = discover(emu).gpus[int(_device(claim).removeprefix("gpu-"))].uuid
+    assert f"nvidia-smi compute-policy -i {gpu_uuid} --set-timeslice 3" in node.tool_calls()
+
+
+@pytest.mark.cluster
+@pytest.mark.anyio
+async def test_claim_allocated_on_another_node_is_refused(
+    env: Env, node: Node, akube: AsyncKube
+) -> None:
+    emu = h100()
+    env.publish(discover(emu), on="worker-2")
+    claim = env.allocated("elsewhere", on="worker-2")
+    ref = _ref(claim)
+
+    result = (await make_preparer(env, node, akube, emu).prepare([ref]))[ref.uid]
+
+    assert result.error is not None
+    assert f"pool {NODE}" in result.error
+    assert not node.has_spec(ref.uid)
+
+
+@pytest.mark.cluster
+@pytest.mark.anyio
+async def test_claim_config_wins_over_class_config(env: Env, node: Node, akube: AsyncKube) -> None:
+    emu = h100()
+    env.publish(discover(emu), only=("gpu-1", "gpu-2"))
+
+    def slicing(interval: str) -> dict[str, Any]:
+        return {
+            "apiVersion": "resource.nvidia.com/v1beta1",
+            "kind": "GpuConfig",
+            "sharing": {"strategy": "TimeSlicing", "timeSlicingConfig": {"interval": interval}},
+        }
+
+    sliced = env.device_class("short", [env.config(slicing("Short"))])
+    overridden = env.allocated(
+        "overridden",
+        requests=[env.request(device_class=sliced)],
+        config=[env.config(slicing("Long"))],
+    )
+    plain = env.allocated("from-class", requests=[env.request(device_class=sliced)])
+    uuids = {g.device.name: g.uuid for g in discover(emu).gpus}
+    preparer = make_preparer(env, node, akube, emu)
+
+    results = await preparer.prepare([_ref(overridden), _ref(plain)])
+
+    assert all(r.error is None for r in results.values())
+    calls = node.tool_calls()
+    long_gpu, short_gpu = uuids[_device(overridden)], uuids[_device(plain)]
+    assert f"nvidia-smi compute-policy -i {long_gpu} --set-timeslice 3" in calls
+    assert f"nvidia-smi compute-policy -i {short_gpu} --set-timeslice 1" in calls
+    assert len([c for c in calls if "--set-timeslice" in c]) == 2
+
+
+@pytest.mark.cluster
+@pytest.mark.anyio
+async def test_devices_in_the_toolkit_spec_reference_it_instead_of_device_nodes(
+    env: Env, node: Node, akube: AsyncKube
+) -> None:
+    emu = h100()
+    inventory = discover(emu)
+    env.publish(inventory, only=("gpu-6",))
+    gpu_uuid = inventory.gpus[6].uuid
+    toolkit_file = node.root / "etc-cdi" / "nvidia.json"
+    toolkit_file.parent.mkdir()
+    toolkit_file.write_text(
+        json.dumps(
+            {
+                "cdiVersion": "0.5.0",
+                "kind": "nvidia.com/gpu",
+                "devices": [{"name": gpu_uuid, "containerEdits": {"deviceNodes": []}}],
+            }
+        )
+    )
+    toolkit = find_toolkit_spec([toolkit_file])
+    claim = env.allocated("toolkit")
+    ref = _ref(claim)
+
+    result = (await make_preparer(env, node, akube, emu, toolkit=toolkit).prepare([ref]))[ref.uid]
+
+    assert result.error is None
+    assert result.devices[0].cdi_device_ids == [
+        f"k8s.gpu.nvidia.com/claim={ref.uid}-gpu-6",
+        f"nvidia.com/gpu={gpu_uuid}",
+    ]
+    spec = node.spec(ref.uid)
+    assert "deviceNodes" not in spec["devices"][0]["containerEdits"]
+    assert "deviceNodes" not in spec["containerEdits"]
+
+
+# --- sharing ---------------------------------------------------------------------------------
+
+
+@pytest.mark.cluster
+@pytest.mark.anyio
+async def test_time_slicing_is_applied_and_reset(env: Env, node: Node, akube: AsyncKube) -> None:
+    emu = h100()
+    env.publish(discover(emu))
+    medium = {
+        "apiVersion": "resource.nvidia.com/v1beta1",
+        "kind": "GpuConfig",
+        "sharing": {"strategy": "TimeSlicing", "timeSlicingConfig": {"interval": "Medium"}},
+    }
+    claim = env.allocated("sliced", config=[env.config(medium)])
+    ref = _ref(claim)
+    gpu_uuid = discover(emu).gpus[int(_device(claim).removeprefix("gpu-"))].uuid
+    preparer = make_preparer(env, node, akube, emu)
+
+    assert (await preparer.prepare([ref]))[ref.uid].error is None
+    assert node.tool_calls() == [
+        f"nvidia-smi -i {gpu_uuid} -c DEFAULT",
+        f"nvidia-smi compute-policy -i {gpu_uuid} --set-timeslice 2",
+    ]
+    assert (await preparer.prepare([ref]))[ref.uid].error is None
+    assert len(node.tool_calls()) == 2  # a repeated prepare runs nothing
+
+    assert await preparer.unprepare([ref]) == {ref.uid: None}
+    assert node.tool_calls()[2:] == [f"nvidia-smi compute-policy -i {gpu_uuid} --set-timeslice 0"]
+
+
+@pytest.mark.cluster
+@pytest.mark.anyio
+async def test_time_slicing_failure_names_the_gpu_and_leaves_nothing(
+    env: Env, node: Node, akube: AsyncKube, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    emu = h100()
+    env.publish(discover(emu))
+    short = {
+        "apiVersion": "resource.nvidia.com/v1beta1",
+        "kind": "GpuConfig",
+        "sharing": {"strategy": "TimeSlicing", "timeSlicingConfig": {"interval": "Short"}},
+    }
+    claim = env.allocated("old-gpu", config=[env.config(short)])
+    ref = _ref(claim)
+    gpu_uuid = discover(emu).gpus[int(_device(claim).removeprefix("gpu-"))].uuid
+    monkeypatch.setenv("GPUDRA_FAKE_SMI_FAIL", "1")
+
+    result = (await make_preparer(env, node, akube, emu).prepare([ref]))[ref.uid]
+
+    assert result.error is not None
+    assert gpu_uuid in result.error
+    assert "Ampere" in result.error
+    assert not node.has_spec(ref.uid)
+    assert load_checkpoint(node.checkpoint, boot_id_path=node.boot_id).claims() == []
+
+
+@pytest.mark.cluster
+@pytest.mark.anyio
+async def test_mps_starts_one_daemon_per_claim_and_stops_it(
+    env: Env, node: Node, akube: AsyncKube
+) -> None:
+    emu = h100()
+    env.publish(discover(emu))
+    mps = {
+        "apiVersion": "resource.nvidia.com/v1beta1",
+        "kind": "GpuConfig",
+        "sharing": {
+            "strategy": "MPS",
+            "mpsConfig": {
+                "defaultActiveThreadPercentage": 40,
+                "defaultPinnedDeviceMemoryLimit": "10Gi",
+            },
+        },
+    }
+    claim = env.allocated("mps", config=[env.config(mps)])
+    ref = _ref(claim)
+    index = int(_device(claim).removeprefix("gpu-"))
+    gpu_uuid = discover(emu).gpus[index].uuid
+    preparer = make_preparer(env, node, akube, emu)
+
+    result = (await preparer.prepare([ref]))[ref.uid]
+
+    assert result.error is None
+    pipe = node.checkpoint.parent / "mps" / ref.uid / "pipe"
+    logs = node.checkpoint.parent / "mps" / ref.uid / "log"
+    assert node.tool_calls() == [
+        f"mps-control -d pipe={pipe} log={logs} devices={gpu_uuid}",
+        f"mps-control set_default_active_thread_percentage 40 pipe={pipe}",
+        f"mps-control set_default_device_pinned_mem_limit {gpu_uuid} 10240M pipe={pipe}",
+    ]
+    spec = node.spec(ref.uid)
+    edits = spec["devices"][0]["containerEdits"]
+    assert cdi_env(spec)["CUDA_MPS_PIPE_DIRECTORY"] == "/tmp/nvidia-mps"
+    mounts = {m["containerPath"]: m["hostPath"] for m in edits["mounts"]}
+    assert mounts == {"/tmp/nvidia-mps": str(pipe), "/dev/shm": f"{node.dev_root}/dev/shm"}
+    emu.nvmlInit()
+    handle = emu.nvmlDeviceGetHandleByIndex(index)
+    assert emu.nvmlDeviceGetComputeMode(handle) == EXCLUSIVE_PROCESS
+
+    assert await preparer.unprepare([ref]) == {ref.uid: None}
+    assert node.tool_calls()[3:] == [f"mps-control quit pipe={pipe}"]
+    assert emu.nvmlDeviceGetComputeMode(handle) == DEFAULT_MODE
+    assert not (node.checkpoint.parent / "mps" / ref.uid).exists()
+    emu.nvmlShutdown()
+
+
+@pytest.mark.cluster
+@pytest.mark.anyio
+async def test_memory_slices_return_share_ids_and_pin_the_memory(
+    env: Env, node: Node, akube: AsyncKube
+) -> None:
+    emu = h100()
+    env.publish(discover(emu), only=("gpu-5",), shared=True)
+    memory = f"{env.driver}/memory"
+    slices = [
+        env.allocated(name, requests=[env.request("mem", capacity={"requests": {memory: "10Gi"}})])
+        for name in ("slice-a", "slice-b")
+    ]
+    results = [c["status"]["allocation"]["devices"]["results"][0] for c in slices]
+    assert {r["device"] for r in results} == {"gpu-5"}
+    share_ids = {r["shareID"] for r in results}
+    assert len(share_ids) == 2
+    gpu_uuid = discover(emu).gpus[5].uuid
+    preparer = make_preparer(env, node, akube, emu)
+    refs = [_ref(c) for c in slices]
+
+    prepared = await preparer.prepare(refs)
+
+    for ref, result in zip(refs, results, strict=True):
+        out = prepared[ref.uid]
+        assert out.error is None
+        assert out.devices[0].share_id == result["shareID"]
+        assert out.devices[0].cdi_device_ids == [
+            f"k8s.gpu.nvidia.com/claim={ref.uid}-gpu-5-{result['shareID']}"
+        ]
+        pipe = node.checkpoint.parent / "mps" / ref.uid / "pipe"
+        assert (
+            f"mps-control set_default_device_pinned_mem_limit {gpu_uuid} 10240M pipe={pipe}"
+            in node.tool_calls()
+        )
+    # Both claims share the GPU, so neither changed its compute mode.
+    emu.nvmlInit()
+    assert emu.nvmlDeviceGetComputeMode(emu.nvmlDeviceGetHandleByIndex(5)) == DEFAULT_MODE
+    emu.nvmlShutdown()
+    assert await preparer.unprepare(refs) == {r.uid: None for r in refs}
+
+
+# --- MIG -----------------------------------------------------------------------------------
+
+
+@pytest.mark.cluster
+@pytest.mark.anyio
+async def test_dynamic_mig_instance_is_created_at_prepare_and_destroyed_at_unprepare(
+    env: Env, node: Node, akube: AsyncKube
+) -> None:
+    emu = h100_mig()
+    inventory = discover(emu)
+    env.publish(inventory, MigStrategy.DYNAMIC)
+    profile = f'device.attributes["{env.driver}"].profile == "1g.10gb"'
+    claim = env.allocated("mig", requests=[env.request("mig", cel=profile)])
+    ref = _ref(claim)
+    name = _device(claim)
+    assert name.startswith("gpu-0-mig-1g10gb-19-")
+    assert mig_devices(emu) == {}
+    preparer = make_preparer(env, node, akube, emu, strategy=MigStrategy.DYNAMIC)
+
+    result = (await preparer.prepare([ref]))[ref.uid]
+
+    assert result.error is None
+    created = mig_devices(emu)
+    assert list(created) == [name]  # the instance sits exactly at the allocated placement
+    spec = node.spec(ref.uid)
+    assert cdi_env(spec)[f"GPUDRA_DEVICE_{name.upper().replace('-', '_')}_UUID"] == created[name]
+    record = load_checkpoint(node.checkpoint, boot_id_path=node.boot_id).get(ref.uid)
+    assert record is not None
+    mig = record.devices[0].details["mig"]
+    gi, ci = mig_capability_minors(node.proc, 0, mig["gi"], mig["ci"])
+    assert node_paths(spec["devices"][0]["containerEdits"]) == [
+        "/dev/nvidia0",
+        f"/dev/nvidia-caps/nvidia-cap{gi[0]}",
+        f"/dev/nvidia-caps/nvidia-cap{ci[0]}",
+    ]
+
+    assert await preparer.unprepare([ref]) == {ref.uid: None}
+    assert mig_devices(emu) == {}
+    assert not node.has_spec(ref.uid)
+
+
+@pytest.mark.cluster
+@pytest.mark.anyio
+async def test_admin_access_to_a_dynamic_mig_device_sees_the_owners_instance(
+    env: Env, node: Node, akube: AsyncKube
+) -> None:
+    emu = h100_mig()
+    # Without counters: the scheduler (1.36) refuses admin access to a device whose
+    # counters its owner has consumed.
+    env.publish(discover(emu), MigStrategy.DYNAMIC, only=("gpu-0-mig-4g40gb-5-0",), counters=False)
+    owner = env.allocated("mig-owner", requests=[env.request("mig")])
+    monitor = env.allocated("mig-monitor", requests=[env.request("watch", adminAccess=True)])
+    assert _device(owner) == _device(monitor) == "gpu-0-mig-4g40gb-5-0"
+    preparer = make_preparer(env, node, akube, emu, strategy=MigStrategy.DYNAMIC)
+
+    early = (await preparer.prepare([_ref(monitor)]))[_ref(monitor).uid]
+    assert early.error is not None
+    assert "does not exist yet" in early.error
+    assert (await preparer.prepare([_ref(owner)]))[_ref(owner).uid].error is None
+    assert (await preparer.prepare([_ref(monitor)]))[_ref(monitor).uid].error is None
+
+    [mig_uuid] = mig_devices(emu).values()
+    key = "GPUDRA_DEVICE_GPU_0_MIG_4G40GB_5_0_UUID"
+    assert cdi_env(node.spec(_ref(owner).uid))[key] == mig_uuid
+    assert cdi_env(node.spec(_ref(monitor).uid))[key] == mig_uuid
+    # The monitor leaving destroys nothing: the instance is the owner's.
+    assert await preparer.unprepare([_ref(monitor)]) == {_ref(monitor).uid: None}
+    assert list(mig_devices(emu).values()) == [mig_uuid]
+
+
+class SimulatedCrash(BaseException):
+    """Stands for the process dying: no Python cleanup runs past it."""
+
+
+class CrashAfterGpuInstance:
+    """The real emulator, except that the process 'dies' right after a GPU instance
+    is created (before the prepare can record its ID)."""
+
+    def __init__(self, inner: NvmlEmulator) -> None:
+        self._inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def nvmlDeviceCreateGpuInstanceWithPlacement(self, *args: Any) -> Any:
+        self._inner.nvmlDeviceCreateGpuInstanceWithPlacement(*args)
+        raise SimulatedCrash
+
+
+@pytest.mark.cluster
+@pytest.mark.anyio
+async def test_crash_after_gpu_instance_creation_is_rolled_back_by_recover(
+    env: Env, node: Node, akube: AsyncKube
+) -> None:
+    emu = h100_mig()
+    env.publish(discover(emu), MigStrategy.DYNAMIC)
+    profile = f'device.attributes["{env.driver}"].profile == "2g.20gb"'
+    claim = env.allocated("crash", requests=[env.request("mig", cel=profile)])
+    ref = _ref(claim)
+    crashing = make_preparer(
+        env, node, akube, CrashAfterGpuInstance(emu), strategy=MigStrategy.DYNAMIC
+    )
+
+    with pytest.raises(SimulatedCrash):
+        await crashing.prepare([ref])
+
+    assert list(mig_devices(emu)) == []  # a GI without CI is no MIG device yet...
+    emu.nvmlInit()
+    parent = emu.nvmlDeviceGetHandleByIndex(0)
+    assert emu.nvmlDeviceGetGpuInstanceRemainingCapacity(parent, 14) < 3  # ...but it exists
+    left = load_checkpoint(node.checkpoint, boot_id_path=node.boot_id)
+    assert [c.uid for c in left.incomplete()] == [ref.uid]
+
+    # The restarted plugin.
+    restarted = make_preparer(env, node, akube, emu, strategy=MigStrategy.DYNAMIC)
+    report = await restarted.recover()
+
+    assert report.rolled_back == (ref.uid,)
+    assert report.errors == ()
+    assert emu.nvmlDeviceGetGpuInstanceRemainingCapacity(parent, 14) == 3
+    emu.nvmlShutdown()
+    assert load_checkpoint(node.checkpoint, boot_id_path=node.boot_id).claims() == []
+    # And the claim can be prepared normally afterwards.
+    assert (await restarted.prepare([ref]))[ref.uid].error is None
+    assert list(mig_devices(emu)) == [_device(claim)]
+
+
+@pytest.mark.cluster
+@pytest.mark.anyio
+async def test_failed_step_after_mig_creation_is_rolled_back_at_once(
+    env: Env, node: Node, akube: AsyncKube, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    emu = h100_mig()
+    env.publish(discover(emu), MigStrategy.DYNAMIC)
+    profile = f'device.attributes["{env.driver}"].profile == "1g.20gb"'
+    mps = {
+        "apiVersion": "resource.nvidia.com/v1beta1",
+        "kind": "MigDeviceConfig",
+        "sharing": {"strategy": "MPS"},
+    }
+    claim = env.allocated(
+        "mig-mps", requests=[env.request("mig", cel=profile)], config=[env.config(mps)]
+    )
+    ref = _ref(claim)
+    monkeypatch.setenv("GPUDRA_FAKE_MPS_FAIL", "1")
+
+    result = (
+        await make_preparer(env, node, akube, emu, strategy=MigStrategy.DYNAMIC).prepare([ref])
+    )[ref.uid]
+
+    assert result.error is not None
+    assert "MPS control daemon" in result.error
+    assert mig_devices(emu) == {}  # the instance made before the failure is gone again
+    assert not node.has_spec(ref.uid)
+    assert load_checkpoint(node.checkpoint, boot_id_path=node.boot_id).claims() == []
+    assert not (node.checkpoint.parent / "mps" / ref.uid).exists()
+
+
+@pytest.mark.cluster
+@pytest.mark.anyio
+async def test_reboot_destroys_mig_instances_the_driver_kept(
+    env: Env, node: Node, akube: AsyncKube
+) -> None:
+    emu = h100_mig()
+    env.publish(discover(emu), MigStrategy.DYNAMIC)
+    profile = f'device.attributes["{env.driver}"].profile == "3g.40gb"'
+    claim = env.allocated("before-reboot", requests=[env.request("mig", cel=profile)])
+    ref = _ref(claim)
+    before = make_preparer(env, node, akube, emu, strategy=MigStrategy.DYNAMIC)
+    assert (await before.prepare([ref]))[ref.uid].error is None
+    assert list(mig_devices(emu)) == [_device(claim)]
+
+    node.boot_id.write_text(BOOT_B + "\n")  # the node rebooted; the GPU kept its MIG setup
+    after = make_preparer(env, node, akube, emu, strategy=MigStrategy.DYNAMIC)
+    report = await after.recover()
+
+    assert report.previous_boot == (ref.uid,)
+    assert report.orphaned_specs == (ref.uid,)
+    assert report.errors == ()
+    assert mig_devices(emu) == {}
+    cp = load_checkpoint(node.checkpoint, boot_id_path=node.boot_id)
+    assert cp.claims() == []
+    assert cp.previous_boot() == []
+    assert not node.has_spec(ref.uid)
+
+
+@pytest.mark.cluster
+@pytest.mark.anyio
+async def test_static_mig_device_gets_capability_nodes_from_proc(
+    env: Env, node: Node, akube: AsyncKube
+) -> None:
+    emu = NvmlEmulator.from_builtin("a100-40gb-mig-mixed")
+    inventory = discover(emu)
+    env.publish(inventory)
+    profile = f'device.attributes["{env.driver}"].profile == "4g.20gb"'
+    claim = env.allocated("static-mig", requests=[env.request("mig", cel=profile)])
+    ref = _ref(claim)
+    device = next(d for d in inventory.gpus[1].mig_devices if d.name == _device(claim))
+    gi, ci = device.gpu_instance_id, device.compute_instance_id
+    caps = node.proc / "driver/nvidia/capabilities/gpu1/mig" / f"gi{gi}"
+    (caps / f"ci{ci}").mkdir(parents=True)
+    (caps / "access").write_text("DeviceFileMinor: 201\nDeviceFileMode: 292\nDeviceFileModify: 1\n")
+    (caps / f"ci{ci}" / "access").write_text("DeviceFileMinor: 202\nDeviceFileMode: 292\n")
+    (node.proc / "devices").write_text("Character devices:\n195 nvidia\n237 nvidia-caps\n")
+
+    result = (await make_preparer(env, node, akube, emu).prepare([ref]))[ref.uid]
+
+    assert result.error is None
+    nodes = node.spec(ref.uid)["devices"][0]["containerEdits"]["deviceNodes"]
+    assert nodes[0]["path"] == "/dev/nvidia1"
+    assert nodes[1:] == [
+        {
+            "path": f"/dev/nvidia-caps/nvidia-cap{minor}",
+            "hostPath": f"{node.dev_root}/dev/nvidia-caps/nvidia-cap{minor}",
+            "type": "c",
+            "major": 237,
+            "minor": minor,
+            "fileMode": 292,
+        }
+        for minor in (201, 202)
+    ]
+    assert cdi_env(node.spec(ref.uid))["GPUDRA_DEVICE_GPU_1_MIG_4G20GB_5_0_UUID"] == device.uuid
+
+
+def test_mig_capability_minors_fall_back_to_the_drivers_fixed_table(tmp_path: Path) -> None:
+    # Values from a real /proc/driver/nvidia-caps/mig-minors.
+    assert mig_capability_minors(tmp_path, 0, 0, 0) == ((3, None), (4, None))
+    assert mig_capability_minors(tmp_path, 0, 1, 0) == ((12, None), (13, None))
+    assert mig_capability_minors(tmp_path, 3, 3, 3)[1] == (439, None)
+    assert mig_capability_minors(tmp_path, 6, 11, 7)[1] == (920, None)
+    table = tmp_path / "driver/nvidia-caps/mig-minors"
+    table.parent.mkdir(parents=True)
+    table.write_text("config 1\nmonitor 2\ngpu2/gi5/access 77\ngpu2/gi5/ci0/access 78\n")
+    assert mig_capability_minors(tmp_path, 2, 5, 0) == ((77, None), (78, None))
+
+
+# --- cleanup of claims deleted behind the kubelet's back -----------------------------------
+
+
+@pytest.mark.cluster
+@pytest.mark.anyio
+async def test_cleanup_unprepares_deleted_and_recreated_claims(
+    env: Env, node: Node, akube: AsyncKube
+) -> None:
+    emu = h100()
+    env.publish(discover(emu))
+    gone = env.allocated("gone")
+    replaced = env.allocated("replaced")
+    kept = env.allocated("kept")
+    preparer = make_preparer(env, node, akube, emu)
+    refs = [_ref(c) for c in (gone, replaced, kept)]
+    assert all(r.error is None for r in (await preparer.prepare(refs)).values())
+    env.delete_claim("gone")
+    env.delete_claim("replaced")
+    env.claim("replaced")  # same name, new UID
+
+    cleaned = await preparer.cleanup_deleted_claims()
+
+    assert sorted(cleaned) == sorted([refs[0].uid, refs[1].uid])
+    assert not node.has_spec(refs[0].uid)
+    assert not node.has_spec(refs[1].uid)
+    assert node.has_spec(refs[2].uid)
+    assert await preparer.cleanup_deleted_claims() == []
+
+
+@pytest.mark.cluster
+@pytest.mark.anyio
+async def test_recover_removes_orphaned_specs_and_temp_files(
+    env: Env, node: Node, akube: AsyncKube
+) -> None:
+    emu = h100()
+    env.publish(discover(emu))
+    claim = env.allocated("kept")
+    ref = _ref(claim)
+    preparer = make_preparer(env, node, akube, emu)
+    assert (await preparer.prepare([ref]))[ref.uid].error is None
+    store = CdiSpecStore(node.cdi_dir)
+    orphan = str(uuidlib.uuid4())
+    store.write(orphan, node.spec(ref.uid))  # a spec whose claim the checkpoint never saw
+    temp = node.cdi_dir / f".k8s.gpu.nvidia.com-claim_{orphan}.json.123.tmp"
+    temp.write_text("{")
+    stray = node.checkpoint.parent / f".{node.checkpoint.name}.456.tmp"
+    stray.write_text("{")
+
+    report = await make_preparer(env, node, akube, emu).recover()
+
+    assert report.orphaned_specs == (orphan,)
+    assert report.temp_files == 2
+    assert node.has_spec(ref.uid)
+    assert not store.spec_path(orphan).exists()
+    assert not temp.exists()
+    assert not stray.exists()
+
+
+# --- the sharing backend on its own ------------------------------------------------------------
+
+
+def test_missing_nvidia_smi_names_the_gpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path))
+    backend = NvidiaSharing(driver_root=tmp_path)
+    with pytest.raises(SharingError) as caught:
+        backend.set_time_slice("GPU-1234", 1)
+    assert "GPU-1234" in str(caught.value)
+    assert "nvidia-smi not found" in str(caught.value)
+
+
+def test_tools_are_found_under_the_driver_root_first(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    bin_dir = tmp_path / "usr/bin"
+    bin_dir.mkdir(parents=True)
+    tool = bin_dir / "nvidia-smi"
+    tool.write_text((FAKEBIN / "nvidia-smi").read_text())
+    tool.chmod(0o755)
+    log = tmp_path / "log"
+    monkeypatch.setenv("GPUDRA_FAKEBIN_LOG", str(log))
+    monkeypatch.setenv("PATH", str(tmp_path / "nowhere"))
+
+    NvidiaSharing(driver_root=tmp_path).reset_time_slice("GPU-1")
+
+    assert log.read_text().splitlines() == ["nvidia-smi compute-policy -i GPU-1 --set-timeslice 0"]
+
+
+def test_stopping_an_mps_daemon_that_died_only_removes_its_files(tmp_path: Path) -> None:
+    pipe = tmp_path / "pipe"
+    pipe.mkdir()
+    (pipe / "control").touch()
+    (pipe / "nvidia-cuda-mps-control.pid").write_text("999999999\n")  # no such process
+    daemon = MpsDaemon("x", pipe, tmp_path / "log", ("GPU-1",))
+    fake_sharing().stop_mps(daemon)
+    assert not pipe.exists()
