@@ -127,7 +127,7 @@ def test_crash_is_cleaned_and_down_frees_everything(tmp_path: Path, cluster: Clu
             or Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[0] == "Z"
         )
     assert all(_port_free(p) for p in ALT_PORTS.values())
-    # The session cluster is untouched.
+    # The shared test cluster is untouched.
     assert cluster.is_up()
 
 
