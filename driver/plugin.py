@@ -14,7 +14,7 @@ import tempfile
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import TracebackType
+from types import ModuleType, TracebackType
 from typing import Any, Protocol, Self, TypeVar
 
 import anyio
@@ -302,29 +302,30 @@ def _conversion_failed(op: str, uid: str, exc: Exception) -> str:
     return f"{op}: the driver returned an invalid result: {_describe(exc)}"
 
 
-class _DraV1(dra_v1_pb2_grpc.DRAPluginServicer):
-    def __init__(self, dispatcher: _Dispatcher) -> None:
-        self._dispatcher = dispatcher
+class _DraServicer:
+    """Serves one DRA API version. v1 and v1beta1 carry the same messages in different
+    protobuf packages; only v1 has `share_id`."""
 
-    async def NodePrepareResources(
-        self, request: dra_v1_pb2.NodePrepareResourcesRequest, context: Any
-    ) -> dra_v1_pb2.NodePrepareResourcesResponse:
+    def __init__(self, dispatcher: _Dispatcher, messages: ModuleType, *, share_id: bool) -> None:
+        self._dispatcher = dispatcher
+        self._pb = messages
+        self._share_id = share_id
+
+    async def NodePrepareResources(self, request: Any, context: Any) -> Any:
         results = await self._dispatcher.prepare(_claim_refs(request.claims))
-        response = dra_v1_pb2.NodePrepareResourcesResponse()
+        response = self._pb.NodePrepareResourcesResponse()
         for uid, result in results.items():
             entry = response.claims[uid]
             try:
-                entry.CopyFrom(_v1_claim_response(result))
+                entry.CopyFrom(self._claim_response(result))
             except Exception as exc:
                 entry.Clear()
                 entry.error = _conversion_failed("prepare", uid, exc)
         return response
 
-    async def NodeUnprepareResources(
-        self, request: dra_v1_pb2.NodeUnprepareResourcesRequest, context: Any
-    ) -> dra_v1_pb2.NodeUnprepareResourcesResponse:
+    async def NodeUnprepareResources(self, request: Any, context: Any) -> Any:
         results = await self._dispatcher.unprepare(_claim_refs(request.claims))
-        response = dra_v1_pb2.NodeUnprepareResourcesResponse()
+        response = self._pb.NodeUnprepareResourcesResponse()
         for uid, error in results.items():
             entry = response.claims[uid]
             try:
@@ -333,69 +334,20 @@ class _DraV1(dra_v1_pb2_grpc.DRAPluginServicer):
                 entry.error = _conversion_failed("unprepare", uid, exc)
         return response
 
-
-def _v1_claim_response(result: PrepareResult) -> dra_v1_pb2.NodePrepareResourceResponse:
-    if result.error:
-        return dra_v1_pb2.NodePrepareResourceResponse(error=result.error)
-    out = dra_v1_pb2.NodePrepareResourceResponse()
-    for device in result.devices:
-        msg = out.devices.add(
-            request_names=device.request_names,
-            pool_name=device.pool_name,
-            device_name=device.device_name,
-            cdi_device_ids=device.cdi_device_ids,
-        )
-        if device.share_id is not None:
-            msg.share_id = device.share_id
-    return out
-
-
-class _DraV1beta1(dra_v1beta1_pb2_grpc.DRAPluginServicer):
-    def __init__(self, dispatcher: _Dispatcher) -> None:
-        self._dispatcher = dispatcher
-
-    async def NodePrepareResources(
-        self, request: dra_v1beta1_pb2.NodePrepareResourcesRequest, context: Any
-    ) -> dra_v1beta1_pb2.NodePrepareResourcesResponse:
-        results = await self._dispatcher.prepare(_claim_refs(request.claims))
-        response = dra_v1beta1_pb2.NodePrepareResourcesResponse()
-        for uid, result in results.items():
-            entry = response.claims[uid]
-            try:
-                entry.CopyFrom(_v1beta1_claim_response(result))
-            except Exception as exc:
-                entry.Clear()
-                entry.error = _conversion_failed("prepare", uid, exc)
-        return response
-
-    async def NodeUnprepareResources(
-        self, request: dra_v1beta1_pb2.NodeUnprepareResourcesRequest, context: Any
-    ) -> dra_v1beta1_pb2.NodeUnprepareResourcesResponse:
-        results = await self._dispatcher.unprepare(_claim_refs(request.claims))
-        response = dra_v1beta1_pb2.NodeUnprepareResourcesResponse()
-        for uid, error in results.items():
-            entry = response.claims[uid]
-            try:
-                entry.error = error or ""
-            except Exception as exc:
-                entry.error = _conversion_failed("unprepare", uid, exc)
-        return response
-
-
-def _v1beta1_claim_response(
-    result: PrepareResult,
-) -> dra_v1beta1_pb2.NodePrepareResourceResponse:
-    if result.error:
-        return dra_v1beta1_pb2.NodePrepareResourceResponse(error=result.error)
-    out = dra_v1beta1_pb2.NodePrepareResourceResponse()
-    for device in result.devices:
-        out.devices.add(
-            request_names=device.request_names,
-            pool_name=device.pool_name,
-            device_name=device.device_name,
-            cdi_device_ids=device.cdi_device_ids,
-        )
-    return out
+    def _claim_response(self, result: PrepareResult) -> Any:
+        if result.error:
+            return self._pb.NodePrepareResourceResponse(error=result.error)
+        out = self._pb.NodePrepareResourceResponse()
+        for device in result.devices:
+            msg = out.devices.add(
+                request_names=device.request_names,
+                pool_name=device.pool_name,
+                device_name=device.device_name,
+                cdi_device_ids=device.cdi_device_ids,
+            )
+            if self._share_id and device.share_id is not None:
+                msg.share_id = device.share_id
+        return out
 
 
 # --- Health -------------------------------------------------------------------------
@@ -564,10 +516,14 @@ class KubeletPlugin:
         self.registration_error = None
         try:
             dra = grpc.aio.server()
-            _add(dra_v1_pb2_grpc.add_DRAPluginServicer_to_server, _DraV1(self._dispatcher), dra)
+            _add(
+                dra_v1_pb2_grpc.add_DRAPluginServicer_to_server,
+                _DraServicer(self._dispatcher, dra_v1_pb2, share_id=True),
+                dra,
+            )
             _add(
                 dra_v1beta1_pb2_grpc.add_DRAPluginServicer_to_server,
-                _DraV1beta1(self._dispatcher),
+                _DraServicer(self._dispatcher, dra_v1beta1_pb2, share_id=False),
                 dra,
             )
             if self._health is not None:
