@@ -26,12 +26,9 @@ share between threads or processes without that.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import json
 import logging
-import os
-import tempfile
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
@@ -49,13 +46,12 @@ __all__ = [
     "DeviceConflictError",
     "DeviceKey",
     "DeviceRecord",
-    "atomic_write",
-    "fsync_dir",
     "load",
     "read_boot_id",
 ]
 
 from gpudra.driver.claims import ClaimRef
+from gpudra.driver.files import atomic_write
 
 log = logging.getLogger(__name__)
 
@@ -76,39 +72,6 @@ _DEVICE_KEYS: Final = frozenset(
 )
 _CLAIM_KEYS: Final = frozenset({"uid", "namespace", "name", "state", "devices"})
 _TOP_KEYS: Final = frozenset({"version", "bootId", "claims", "previousBoot"})
-
-
-def atomic_write(path: Path, data: bytes, *, mode: int = 0o644) -> None:
-    """Replace `path` with `data` so that readers see the old or the new content only.
-
-    On any failure the temp file is removed and the old file is left untouched.
-    The temp name does not end in `.json`/`.yaml`, so CDI loaders watching the
-    directory never pick up a file that is still being written.
-    """
-    directory = path.parent
-    fd, tmp_name = tempfile.mkstemp(dir=directory, prefix=f".{path.name}.", suffix=".tmp")
-    tmp = Path(tmp_name)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fchmod(handle.fileno(), mode)
-            os.fsync(handle.fileno())
-        tmp.replace(path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise
-    fsync_dir(directory)
-
-
-def fsync_dir(directory: Path) -> None:
-    """Make a rename or unlink in `directory` durable."""
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def read_boot_id(path: Path = DEFAULT_BOOT_ID_PATH) -> str | None:

@@ -22,9 +22,7 @@ from __future__ import annotations
 import base64
 import datetime as dt
 import ipaddress
-import os
 import re
-import tempfile
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -37,6 +35,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from cryptography.hazmat.primitives.asymmetric.types import CertificateIssuerPrivateKeyTypes
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+from gpudra.driver.files import atomic_write
 
 __all__ = [
     "CA_PROPAGATION",
@@ -368,25 +367,8 @@ def ensure_pki(
 
 
 def write_atomic(path: Path, data: bytes, *, mode: int = 0o600) -> None:
-    """Write via a temporary file in the same directory, fsync, rename, fsync the
-    directory: readers see the old or the new content, never a mix."""
-    fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    tmp = Path(tmp_name)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fchmod(handle.fileno(), mode)
-            os.fsync(handle.fileno())
-        tmp.replace(path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    """`atomic_write` with an owner-only default: most of these files are keys."""
+    atomic_write(path, data, mode=mode)
 
 
 def _reissue(

@@ -15,9 +15,9 @@ from gpudra.driver.checkpoint import (
     DeviceConflictError,
     DeviceKey,
     DeviceRecord,
-    atomic_write,
     load,
 )
+from gpudra.driver.files import atomic_write
 
 BOOT_A = "6c0ff6d4-1b2d-4a3e-9f00-00000000000a"
 BOOT_B = "6c0ff6d4-1b2d-4a3e-9f00-00000000000b"
