@@ -3,7 +3,7 @@ SHELL := /bin/bash
 PY ?= python3
 VENV := .venv
 VPY := $(VENV)/bin/python
-PKGS := -p gpudra.api -p gpudra.cli -p gpudra.driver -p gpudra.webhook
+PKGS := -p gpudra.api -p gpudra.cli -p gpudra.common -p gpudra.driver -p gpudra.webhook
 export K8S_VERSION ?= 1.36
 
 .PHONY: venv lint typecheck unit test cluster-build cluster-up cluster-down cluster-env cluster-status demo bench

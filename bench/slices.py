@@ -18,9 +18,9 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+from gpudra.common.kube import Kube
 from gpudra.driver.agent import AgentConfig, NodeAgent
 from gpudra.driver.devices import MigStrategy
-from gpudra.driver.kube import Kube
 from gpudra.driver.nvml import load_nvml
 
 from e2e.cluster.harness import Cluster, register_node

@@ -7,10 +7,10 @@ import logging
 import os
 
 import anyio
+from gpudra.common.kube import Kube
 from gpudra.driver.agent import AgentConfig, NodeAgent
 from gpudra.driver.devices import MigStrategy
 from gpudra.driver.health import HealthPolicy, TaintEffect
-from gpudra.driver.kube import Kube
 from gpudra.driver.nvml import NvmlLoadError, ProfileError, load_nvml
 
 log = logging.getLogger(__name__)

@@ -7,7 +7,7 @@ import logging
 from pathlib import Path
 
 import anyio
-from gpudra.driver.kube import Kube
+from gpudra.common.kube import Kube
 from gpudra.webhook import registration
 from gpudra.webhook.certs import TLS_CERT, TLS_KEY, ensure_pki, service_dns_names
 from gpudra.webhook.server import ServerConfig, WebhookServer

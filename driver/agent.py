@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 import anyio
 import anyio.abc
 import anyio.to_thread
+from gpudra.common.kube import Kube
 from gpudra.driver.devices import DiscoveryError, Inventory, MigStrategy, discover
 from gpudra.driver.health import HealthPolicy, HealthState, NvmlHealthWatcher
-from gpudra.driver.kube import Kube
 from gpudra.driver.nvml import NvmlLibrary
 from gpudra.driver.publish import pool_content
 from gpudra.driver.slices import PoolContent, SliceController, SliceLimits

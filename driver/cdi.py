@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any, Final, Literal, TypeAlias
 
-from gpudra.driver.files import atomic_write, fsync_dir
+from gpudra.common.files import atomic_write, fsync_dir
 
 __all__ = [
     "CONTROL_DEVICE_NODES",

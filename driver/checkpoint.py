@@ -50,8 +50,8 @@ __all__ = [
     "read_boot_id",
 ]
 
+from gpudra.common.files import atomic_write
 from gpudra.driver.claims import ClaimRef
-from gpudra.driver.files import atomic_write
 
 log = logging.getLogger(__name__)
 

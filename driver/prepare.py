@@ -56,6 +56,7 @@ from gpudra.api.config import (
     DeviceType as ConfigDeviceType,
 )
 from gpudra.api.quantity import QuantityError, parse_quantity
+from gpudra.common.kube import RESOURCE_API, ApiError, Kube
 from gpudra.driver.cdi import (
     CdiError,
     CdiSpecStore,
@@ -77,7 +78,6 @@ from gpudra.driver.checkpoint import (
 from gpudra.driver.checkpoint import load as load_checkpoint
 from gpudra.driver.claims import ClaimRef
 from gpudra.driver.devices import Device, DeviceType, Gpu, Inventory, MigPlacement, MigStrategy
-from gpudra.driver.kube import RESOURCE_API, ApiError, Kube
 from gpudra.driver.nvml import NvmlLibrary
 from gpudra.driver.nvml.emulator import describe_nvml_error
 from gpudra.driver.plugin import PreparedDevice, PrepareResult

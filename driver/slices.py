@@ -20,7 +20,7 @@ from typing import Any
 
 import anyio
 import anyio.abc
-from gpudra.driver.kube import RESOURCE_API, ApiError, Kube
+from gpudra.common.kube import RESOURCE_API, ApiError, Kube
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ import tomllib
 import venv
 from pathlib import Path
 
-SUBPACKAGES = ("api", "cli", "driver", "webhook")
+SUBPACKAGES = ("api", "cli", "common", "driver", "webhook")
 
 
 def main() -> int:

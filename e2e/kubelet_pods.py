@@ -15,7 +15,7 @@ from typing import Any
 
 import anyio
 import anyio.abc
-from gpudra.driver.kube import ApiError, Kube
+from gpudra.common.kube import ApiError, Kube
 from gpudra.driver.plugin import ClaimRef, PrepareResult
 
 from e2e.kubelet_standin import KubeletStandin

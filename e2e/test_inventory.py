@@ -10,10 +10,10 @@ from typing import Any
 import anyio
 import pytest
 from gpudra.api.deviceclasses import device_classes
+from gpudra.common.kube import Kube
 from gpudra.driver.agent import AgentConfig, NodeAgent
 from gpudra.driver.devices import MigStrategy
 from gpudra.driver.health import HealthPolicy
-from gpudra.driver.kube import Kube
 from gpudra.driver.nvml import load_nvml
 
 from e2e import smoke

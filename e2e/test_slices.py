@@ -10,7 +10,7 @@ from typing import Any
 
 import anyio
 import pytest
-from gpudra.driver.kube import Kube
+from gpudra.common.kube import Kube
 from gpudra.driver.slices import PoolContent, SliceController, SliceLimits
 
 from e2e.cluster.harness import Cluster

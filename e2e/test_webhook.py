@@ -11,9 +11,9 @@ import anyio
 import anyio.to_thread
 import pytest
 from gpudra.api.deviceclasses import device_classes
+from gpudra.common.kube import Kube
 from gpudra.driver.agent import AgentConfig, NodeAgent
 from gpudra.driver.devices import MigStrategy
-from gpudra.driver.kube import Kube
 from gpudra.driver.nvml import load_nvml
 from gpudra.webhook import registration
 from gpudra.webhook.certs import TLS_CERT, TLS_KEY, ensure_pki, service_dns_names

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from gpudra.driver.kube import ApiError, Kube
+from gpudra.common.kube import ApiError, Kube
 from gpudra.webhook.convert import OPT_OUT_LABEL
 
 NAME = "gpudra-pod-conversion"

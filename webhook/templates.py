@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from gpudra.driver.kube import RESOURCE_API, ApiError, Kube
+from gpudra.common.kube import RESOURCE_API, ApiError, Kube
 
 
 class ApiTemplateEnsurer:

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from gpudra.common.files import atomic_write
 from gpudra.driver.checkpoint import (
     CHECKPOINT_VERSION,
     Checkpoint,
@@ -17,7 +18,6 @@ from gpudra.driver.checkpoint import (
     DeviceRecord,
     load,
 )
-from gpudra.driver.files import atomic_write
 
 BOOT_A = "6c0ff6d4-1b2d-4a3e-9f00-00000000000a"
 BOOT_B = "6c0ff6d4-1b2d-4a3e-9f00-00000000000b"

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from gpudra.common.kube import Kube as AsyncKube
 from gpudra.driver.cdi import CdiSpecStore, ToolkitSpec, find_toolkit_spec
 from gpudra.driver.checkpoint import load as load_checkpoint
 from gpudra.driver.claims import ClaimRef
@@ -27,7 +28,6 @@ from gpudra.driver.devices import (
     device_to_api,
     discover,
 )
-from gpudra.driver.kube import Kube as AsyncKube
 from gpudra.driver.nvml import NvmlEmulator
 from gpudra.driver.prepare import ClaimPreparer, mig_capability_minors
 from gpudra.driver.sharing import MpsDaemon, NvidiaSharing, SharingError

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-SUBPACKAGES = ("api", "cli", "driver", "webhook")
+SUBPACKAGES = ("api", "cli", "common", "driver", "webhook")
 
 
 @pytest.fixture(scope="module")
