@@ -1,17 +1,25 @@
-"""`gpudra node`: the per-node agent (discovery, health taints, ResourceSlices)."""
+"""`gpudra node`: the per-node agent (discovery, health taints, ResourceSlices) and
+the kubelet plugin that prepares claims on the node."""
 
 from __future__ import annotations
 
 import argparse
 import logging
 import os
+import signal
+from collections.abc import Callable
+from pathlib import Path
 
 import anyio
 from gpudra.common.kube import Kube
-from gpudra.driver.agent import AgentConfig, NodeAgent
+from gpudra.driver.agent import AgentConfig
 from gpudra.driver.devices import MigStrategy
 from gpudra.driver.health import HealthPolicy, TaintEffect
+from gpudra.driver.node import DEFAULT_STATE_DIR, NodeService, PluginConfig
 from gpudra.driver.nvml import NvmlLoadError, ProfileError, load_nvml
+from gpudra.driver.plugin import DEFAULT_KUBELET_ROOT
+from gpudra.driver.prepare import PREPARE_STEPS
+from prometheus_client import CollectorRegistry, start_http_server
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +64,76 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         metavar="SECONDS",
         help="remove a health taint after this long without new errors",
     )
+    k = p.add_argument_group("kubelet plugin")
+    k.add_argument(
+        "--kubelet-plugin",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="serve the kubelet plugin (prepare/unprepare claims); off: publish slices only",
+    )
+    k.add_argument(
+        "--kubelet-root",
+        type=Path,
+        default=DEFAULT_KUBELET_ROOT,
+        help="the kubelet's root directory (plugins_registry/ and plugins/ are in it)",
+    )
+    k.add_argument("--cdi-root", type=Path, default=Path("/var/run/cdi"), help="CDI spec folder")
+    k.add_argument(
+        "--state-dir",
+        type=Path,
+        default=DEFAULT_STATE_DIR,
+        help="checkpoint and MPS folders; a host path seen at the same path here",
+    )
+    k.add_argument(
+        "--driver-root",
+        type=Path,
+        default=Path("/"),
+        help="where the NVIDIA driver's files are on the host (/ or a containerised driver)",
+    )
+    k.add_argument(
+        "--dev-root", type=Path, default=Path("/"), help="the host folder that holds dev/nvidia*"
+    )
+    k.add_argument(
+        "--host-root",
+        type=Path,
+        default=Path("/"),
+        help="where this process sees the host's / (to check which files exist)",
+    )
+    k.add_argument(
+        "--driver-library",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="a driver library or utility (path in the driver root) to mount; repeatable",
+    )
+    k.add_argument("--nvidia-smi", type=Path, default=None, help="path of nvidia-smi")
+    k.add_argument("--mps-control", type=Path, default=None, help="path of nvidia-cuda-mps-control")
+    k.add_argument(
+        "--toolkit-cdi",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reference the NVIDIA container toolkit's CDI devices when its spec exists",
+    )
+    k.add_argument(
+        "--pod-uid",
+        default=os.environ.get("POD_UID") or None,
+        help="include this in socket names, for rolling updates (default: $POD_UID)",
+    )
+    k.add_argument(
+        "--cleanup-interval",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="how often to unprepare claims deleted from the API",
+    )
+    k.add_argument(
+        "--metrics-address",
+        default="0.0.0.0:9477",
+        metavar="HOST:PORT",
+        help="serve Prometheus metrics here; empty: off",
+    )
+    # Test hook: SIGKILL this process right after the named step of a prepare.
+    k.add_argument("--crash-at", choices=PREPARE_STEPS, default=None, help=argparse.SUPPRESS)
     p.set_defaults(func=run)
 
 
@@ -66,6 +144,66 @@ def _xids(raw: str) -> frozenset[int]:
         raise SystemExit(
             f"gpudra node: --application-xids {raw!r}: give integers, e.g. 13,31"
         ) from None
+
+
+def _metrics_address(raw: str) -> tuple[str, int] | None:
+    if not raw:
+        return None
+    host, sep, port = raw.rpartition(":")
+    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
+        raise SystemExit(
+            f"gpudra node: --metrics-address {raw!r}: give HOST:PORT, e.g. 0.0.0.0:9477"
+        )
+    return host or "0.0.0.0", int(port)  # noqa: S104
+
+
+def _crash_at(step: str | None) -> Callable[[str], None] | None:
+    if step is None:
+        return None
+
+    def fault(at: str) -> None:
+        if at == step:
+            log.warning("crashing on request", extra={"fields": {"step": at}})
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return fault
+
+
+def _plugin_config(args: argparse.Namespace) -> PluginConfig:
+    for flag in ("kubelet_root", "cdi_root", "state_dir", "driver_root", "dev_root", "host_root"):
+        path: Path = getattr(args, flag)
+        if not path.is_absolute():
+            raise SystemExit(
+                f"gpudra node: --{flag.replace('_', '-')} {str(path)!r} must be an absolute path"
+            )
+    if args.cleanup_interval <= 0:
+        raise SystemExit("gpudra node: --cleanup-interval must be positive")
+    return PluginConfig(
+        kubelet_root=args.kubelet_root,
+        cdi_root=args.cdi_root,
+        state_dir=args.state_dir,
+        driver_root=args.driver_root,
+        dev_root=args.dev_root,
+        host_root=args.host_root,
+        pod_uid=args.pod_uid,
+        nvidia_smi=args.nvidia_smi,
+        mps_control=args.mps_control,
+        toolkit_spec=args.toolkit_cdi,
+        driver_libraries=tuple(args.driver_library),
+        cleanup_interval_s=args.cleanup_interval,
+    )
+
+
+async def _run_until_signalled(service: NodeService) -> None:
+    """SIGTERM and SIGINT stop the service cleanly: the kubelet plugin removes its
+    registration socket first, so the kubelet deregisters it instead of timing out."""
+    with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(service.run)
+            async for signum in signals:
+                log.info("stopping", extra={"fields": {"signal": signal.Signals(signum).name}})
+                tg.cancel_scope.cancel()
+                break
 
 
 def run(args: argparse.Namespace) -> int:
@@ -88,10 +226,28 @@ def run(args: argparse.Namespace) -> int:
         health=policy,
     )
 
+    plugin = _plugin_config(args) if args.kubelet_plugin else None
+    metrics = _metrics_address(args.metrics_address)
+    registry = CollectorRegistry()
+
     async def main() -> None:
         kube = await Kube.connect(args.kubeconfig)
         try:
-            await NodeAgent(config, kube, nvml).run()
+            service = NodeService(
+                config, kube, nvml, plugin, registry=registry, fault=_crash_at(args.crash_at)
+            )
+            if metrics is not None:
+                try:
+                    server, _thread = start_http_server(metrics[1], metrics[0], registry=registry)
+                except OSError as e:
+                    raise SystemExit(
+                        f"gpudra node: --metrics-address {args.metrics_address}: {e}"
+                    ) from None
+            try:
+                await _run_until_signalled(service)
+            finally:
+                if metrics is not None:
+                    server.shutdown()
         finally:
             await kube.close()
 

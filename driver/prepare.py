@@ -87,6 +87,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 __all__ = [
     "ALLOCATION_CONFIG_PATH",
     "MPS_PIPE_DIR_IN_CONTAINER",
+    "PREPARE_STEPS",
     "ClaimPreparer",
     "MigError",
     "RecoveryReport",
@@ -137,6 +138,25 @@ class RecoveryReport:
     orphaned_mps_dirs: tuple[str, ...] = ()
     temp_files: int = 0
     errors: tuple[str, ...] = ()
+
+
+# The points of a prepare, in order, at which a fault hook runs: each follows a
+# durable step (a checkpoint write or a side effect), so a crash there is one the
+# recovery code must handle. Steps a claim does not need are skipped.
+PREPARE_STEPS: Final = (
+    "prepare-started",
+    "mig-recorded",
+    "mig-gpu-instance-created",
+    "mig-created",
+    "time-slice-recorded",
+    "time-slice-applied",
+    "compute-mode-recorded",
+    "compute-mode-applied",
+    "mps-recorded",
+    "mps-started",
+    "cdi-written",
+    "prepare-completed",
+)
 
 
 # --- MIG capability device nodes -------------------------------------------------------
@@ -606,8 +626,10 @@ class ClaimPreparer:
         mig_strategy: MigStrategy = MigStrategy.STATIC,
         registry: CollectorRegistry | None = None,
         api_timeout_s: float = 10.0,
+        fault: Callable[[str], None] | None = None,
     ) -> None:
         self._driver = driver_name
+        self._fault = fault
         self._node = node_name
         self._kube = kube
         self._nvml = nvml
@@ -674,6 +696,11 @@ class ClaimPreparer:
         if self._dev_root == Path("/"):
             return DeviceNode(path=path)
         return DeviceNode(path=path, host_path=str(self._dev_root / path.lstrip("/")))
+
+    def _at(self, step: str) -> None:
+        """A named point of a prepare, where tests inject crashes (see `PREPARE_STEPS`)."""
+        if self._fault is not None:
+            self._fault(step)
 
     # --- the ClaimHandler interface ---
 
@@ -778,6 +805,7 @@ class ClaimPreparer:
                     f"{_describe(ref)}: {exc}; that claim must be unprepared first (it is "
                     "cleaned up once its ResourceClaim is deleted)"
                 ) from None
+            self._at("prepare-started")
             try:
                 devices = await self._setup(ref, cp, entries)
             except Exception as exc:
@@ -1070,9 +1098,10 @@ class ClaimPreparer:
     async def _setup(
         self, ref: ClaimRef, cp: Checkpoint, entries: Sequence[_Entry]
     ) -> list[PreparedDevice]:
-        async def progress() -> None:
+        async def progress(step: str) -> None:
             records = [e.record(self._node) for e in entries]
             await self._locked(lambda: cp.record_progress(ref.uid, records))
+            self._at(step)
 
         for entry in entries:
             if entry.create_mig:
@@ -1083,12 +1112,12 @@ class ClaimPreparer:
                 # GPU refused needs no reset, and a failing reset must not pin the claim.
                 step = {"uuid": entry.uuid, "interval": entry.time_slice, "applied": False}
                 entry.details["timeSlice"] = step
-                await progress()
+                await progress("time-slice-recorded")
                 await anyio.to_thread.run_sync(
                     self._sharing.set_time_slice, entry.uuid, entry.time_slice
                 )
                 step["applied"] = True
-                await progress()
+                await progress("time-slice-applied")
         members = [e for e in entries if e.mps]
         daemon: MpsDaemon | None = None
         if members:
@@ -1107,10 +1136,12 @@ class ClaimPreparer:
         await anyio.to_thread.run_sync(
             functools.partial(self._cdi.write_claim, ref.uid, cdi_devices, common_edits=common)
         )
+        self._at("cdi-written")
         for entry, cdi_device in zip(entries, cdi_devices, strict=True):
             entry.cdi_ids = tuple(self._cdi.device_ids(ref.uid, cdi_device))
         records = [e.record(self._node) for e in entries]
         final = await self._locked(lambda: cp.complete_prepare(ref.uid, records))
+        self._at("prepare-completed")
         self._track(final, cp)
         log.info(
             "claim prepared",
@@ -1125,7 +1156,7 @@ class ClaimPreparer:
         )
         return _result_from_record(final).devices
 
-    async def _create_mig(self, entry: _Entry, progress: Callable[[], Any]) -> None:
+    async def _create_mig(self, entry: _Entry, progress: Callable[[str], Any]) -> None:
         placement = entry.device.placement
         assert placement is not None
         mig: dict[str, Any] = {
@@ -1137,20 +1168,20 @@ class ClaimPreparer:
         }
         # Recorded before creating, so a crash right after creation is still undone.
         entry.details["mig"] = mig
-        await progress()
+        await progress("mig-recorded")
         mig["gi"] = await anyio.to_thread.run_sync(
             _create_gpu_instance, self._nvml, entry.gpu.uuid, placement
         )
-        await progress()
+        await progress("mig-gpu-instance-created")
         ci, uuid = await anyio.to_thread.run_sync(
             _create_compute_instance, self._nvml, entry.gpu.uuid, int(mig["gi"])
         )
         mig["ci"] = ci
         entry.details["uuid"] = uuid
-        await progress()
+        await progress("mig-created")
 
     async def _start_mps(
-        self, ref: ClaimRef, members: Sequence[_Entry], progress: Callable[[], Any]
+        self, ref: ClaimRef, members: Sequence[_Entry], progress: Callable[[str], Any]
     ) -> MpsDaemon:
         # A whole GPU given to one claim runs MPS clients only, as upstream does; a
         # shared GPU keeps its mode, since other claims' daemons use it too.
@@ -1163,12 +1194,12 @@ class ClaimPreparer:
                 continue
             step = {"uuid": uuid, "previous": previous, "applied": False}
             entry.details["computeMode"] = step
-            await progress()
+            await progress("compute-mode-recorded")
             await anyio.to_thread.run_sync(
                 _set_compute_mode, self._nvml, uuid, pynvml.NVML_COMPUTEMODE_EXCLUSIVE_PROCESS
             )
             step["applied"] = True
-            await progress()
+            await progress("compute-mode-applied")
         percentage = None
         for entry in members:
             _, _, mps = _sharing_of(entry.config)
@@ -1190,8 +1221,9 @@ class ClaimPreparer:
                 "logDir": str(log_dir),
                 "uuids": list(uuids),
             }
-        await progress()
+        await progress("mps-recorded")
         await anyio.to_thread.run_sync(self._sharing.start_mps, daemon)
+        self._at("mps-started")
         return daemon
 
     async def _common_edits(self) -> ContainerEdits:

@@ -174,12 +174,20 @@ class KubeletStandin:
             raise NotRegistered(msg)
         return regs[-1]
 
-    async def wait_for_driver(self, driver: str, *, timeout_s: float = 30.0) -> Registration:
-        """Wait until a plugin of `driver` is registered and return the active one."""
+    async def wait_for_driver(
+        self, driver: str, *, timeout_s: float = 30.0, replacing: Registration | None = None
+    ) -> Registration:
+        """Wait until a plugin of `driver` is registered and return the active one.
+
+        With `replacing`, wait for a registration other than that one: after a plugin
+        restarts, the old one stays active until the next scan notices its socket went.
+        """
         with anyio.fail_after(timeout_s):
-            while not self._registrations.get(driver):
+            while True:
+                regs = self._registrations.get(driver)
+                if regs and regs[-1] is not replacing:
+                    return regs[-1]
                 await self._wait_changed()
-        return self.active(driver)
 
     async def wait_for_registration(self, socket: Path, *, timeout_s: float = 30.0) -> Registration:
         """Wait until the plugin behind one registration socket is registered."""

@@ -1,0 +1,197 @@
+"""One node's whole driver: inventory and slices, the kubelet plugin, housekeeping.
+
+`NodeService` wires the pieces that `gpudra node` runs in one process, in the order
+that keeps the kubelet's view consistent:
+
+1. the agent discovers the GPUs (nothing is published before a complete scan);
+2. the preparer rolls back what a crash interrupted (`recover`) before any socket
+   exists, so the kubelet never sees half-prepared claims;
+3. the kubelet plugin serves; its health stream reads the agent's health state,
+   restricted to the devices the slices publish;
+4. a periodic sweep unprepares claims deleted from the API while the kubelet was
+   not looking.
+
+Prometheus metrics (the preparer's) are served on a plain HTTP port, next to
+`/healthz` for probes that cannot speak gRPC.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import anyio
+import anyio.abc
+from gpudra.common.kube import Kube
+from gpudra.driver.agent import AgentConfig, NodeAgent
+from gpudra.driver.cdi import DEFAULT_CDI_ROOT, CdiSpecStore, find_toolkit_spec
+from gpudra.driver.checkpoint import DEFAULT_BOOT_ID_PATH
+from gpudra.driver.nvml import NvmlLibrary
+from gpudra.driver.plugin import (
+    DEFAULT_KUBELET_ROOT,
+    DeviceHealth,
+    HealthSnapshot,
+    KubeletPlugin,
+)
+from gpudra.driver.prepare import ClaimPreparer
+from gpudra.driver.sharing import NvidiaSharing
+from prometheus_client import CollectorRegistry
+
+__all__ = ["AgentHealth", "NodeService", "PluginConfig"]
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT_FILE = "checkpoint.json"
+DEFAULT_STATE_DIR = Path("/var/lib/gpudra")
+
+
+@dataclass(frozen=True)
+class PluginConfig:
+    """Where the kubelet plugin finds the host, and how it behaves."""
+
+    kubelet_root: Path = DEFAULT_KUBELET_ROOT
+    cdi_root: Path = DEFAULT_CDI_ROOT
+    state_dir: Path = DEFAULT_STATE_DIR
+    driver_root: Path = Path("/")
+    dev_root: Path = Path("/")
+    proc_root: Path = Path("/proc")
+    host_root: Path = Path("/")
+    boot_id_path: Path = DEFAULT_BOOT_ID_PATH
+    pod_uid: str | None = None
+    nvidia_smi: Path | None = None
+    mps_control: Path | None = None
+    toolkit_spec: bool = True
+    driver_libraries: tuple[str, ...] = ()
+    cleanup_interval_s: float = 60.0
+
+    @property
+    def checkpoint_path(self) -> Path:
+        return self.state_dir / CHECKPOINT_FILE
+
+
+class AgentHealth:
+    """The agent's health state as the kubelet health stream reads it (`HealthSource`).
+
+    Only devices the slices publish are listed: the kubelet matches health by pool
+    and device name, and a name it never saw allocated would only be noise. Before
+    the first discovery the list is empty at generation 0; afterwards generations
+    are the health state's plus one, so they only grow.
+    """
+
+    def __init__(self, agent: NodeAgent) -> None:
+        self._agent = agent
+
+    def snapshot(self) -> HealthSnapshot:
+        agent = self._agent
+        health, inventory = agent.health, agent.inventory
+        if health is None or inventory is None:
+            return HealthSnapshot(0, ())
+        report = health.report()
+        published = {d.name for d in inventory.devices(agent.config.mig_strategy)}
+        pool = agent.config.node_name
+        devices = tuple(
+            DeviceHealth(
+                pool_name=pool,
+                device_name=name,
+                healthy=state.healthy,
+                updated_at=state.updated_at,
+                message=state.message,
+            )
+            for name, state in sorted(report.devices.items())
+            if name in published
+        )
+        return HealthSnapshot(report.generation + 1, devices)
+
+    async def wait_for_change(self, generation: int) -> None:
+        await self._agent.ready.wait()
+        health = self._agent.health
+        assert health is not None
+        if generation == 0:
+            return
+        await health.wait_for_change(generation - 1)
+
+
+class NodeService:
+    """Runs the agent and, with a `PluginConfig`, the kubelet plugin beside it."""
+
+    def __init__(
+        self,
+        agent_config: AgentConfig,
+        kube: Kube,
+        nvml: NvmlLibrary,
+        plugin: PluginConfig | None = None,
+        *,
+        registry: CollectorRegistry | None = None,
+        fault: Callable[[str], None] | None = None,
+    ) -> None:
+        self.agent = NodeAgent(agent_config, kube, nvml)
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.ready = anyio.Event()
+        self._plugin_config = plugin
+        self.preparer: ClaimPreparer | None = None
+        self.plugin: KubeletPlugin | None = None
+        if plugin is None:
+            return
+        toolkit = find_toolkit_spec() if plugin.toolkit_spec else None
+        self.preparer = ClaimPreparer(
+            driver_name=agent_config.driver_name,
+            node_name=agent_config.node_name,
+            kube=kube,
+            nvml=nvml,
+            inventory=lambda: self.agent.inventory,
+            cdi=CdiSpecStore(plugin.cdi_root),
+            checkpoint_path=plugin.checkpoint_path,
+            sharing=NvidiaSharing(
+                driver_root=plugin.driver_root,
+                nvidia_smi=plugin.nvidia_smi,
+                mps_control=plugin.mps_control,
+            ),
+            driver_root=plugin.driver_root,
+            dev_root=plugin.dev_root,
+            proc_root=plugin.proc_root,
+            state_dir=plugin.state_dir,
+            boot_id_path=plugin.boot_id_path,
+            driver_libraries=plugin.driver_libraries,
+            host_view=plugin.host_root,
+            toolkit=toolkit,
+            mig_strategy=agent_config.mig_strategy,
+            registry=self.registry,
+            fault=fault,
+        )
+        self.plugin = KubeletPlugin(
+            agent_config.driver_name,
+            self.preparer,
+            kubelet_root=plugin.kubelet_root,
+            pod_uid=plugin.pod_uid,
+            health=AgentHealth(self.agent),
+        )
+
+    async def run(
+        self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+    ) -> None:
+        async with anyio.create_task_group() as tg:
+            await tg.start(self.agent.run)
+            if self.preparer is not None and self.plugin is not None:
+                report = await self.preparer.recover()
+                log.info("recovered from the checkpoint", extra={"fields": {"report": str(report)}})
+                try:
+                    await self.plugin.start()
+                    self.ready.set()
+                    task_status.started()
+                    await self._sweep_deleted_claims()
+                finally:
+                    await self.plugin.stop()
+            else:
+                self.ready.set()
+                task_status.started()
+
+    async def _sweep_deleted_claims(self) -> None:
+        assert self.preparer is not None and self._plugin_config is not None
+        while True:
+            await anyio.sleep(self._plugin_config.cleanup_interval_s)
+            try:
+                await self.preparer.cleanup_deleted_claims()
+            except Exception:
+                log.exception("cleanup of deleted claims failed; retrying later")

@@ -1,0 +1,439 @@
+"""`gpudra node` with its kubelet plugin, as a process, driven like a kubelet would.
+
+The real scheduler allocates claims against the slices the process publishes; the
+kubelet stand-in registers the plugin from its socket and prepares the claims of
+pods bound to the node over the real gRPC protocols. Crash tests SIGKILL the process
+at every step of a prepare and check that a restart gives the same answer and that
+nothing stays behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import urllib.request
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.to_thread
+import grpc
+import pytest
+from gpudra.common.kube import Kube as AsyncKube
+from gpudra.driver.checkpoint import load as load_checkpoint
+from gpudra.driver.plugin import ClaimRef
+from gpudra.driver.prepare import PREPARE_STEPS
+
+from e2e.cluster.harness import REPO, Cluster
+from e2e.cluster.kube import Kube, wait_for
+from e2e.kubelet_pods import PodClaimsDriver
+from e2e.kubelet_standin import KubeletStandin
+
+pytestmark = [pytest.mark.cluster, pytest.mark.anyio]
+
+NODE = "worker-1"
+FAKEBIN = REPO / "tests" / "driver" / "fakebin"
+CONTROL_NODES = ("nvidiactl", "nvidia-uvm", "nvidia-uvm-tools")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+@dataclass
+class NodeDirs:
+    """The host folders one node process uses; short, for unix socket path limits."""
+
+    root: Path
+
+    @property
+    def kubelet(self) -> Path:
+        return self.root / "k"
+
+    @property
+    def cdi(self) -> Path:
+        return self.root / "cdi"
+
+    @property
+    def state(self) -> Path:
+        return self.root / "state"
+
+    @property
+    def host(self) -> Path:
+        return self.root / "host"
+
+    @property
+    def boot_id(self) -> Path:
+        return self.root / "boot_id"
+
+    @property
+    def tools_log(self) -> Path:
+        return self.root / "tools.log"
+
+    def tool_calls(self) -> list[str]:
+        return self.tools_log.read_text().splitlines() if self.tools_log.exists() else []
+
+    def cdi_specs(self) -> list[Path]:
+        return sorted(self.cdi.glob("*.json")) if self.cdi.is_dir() else []
+
+    def prepared_claims(self) -> list[str]:
+        cp = load_checkpoint(self.state / "checkpoint.json", boot_id_path=self.boot_id)
+        return [r.uid for r in cp.claims()]
+
+
+@dataclass
+class NodeProcess:
+    cluster: Cluster
+    driver: str
+    dirs: NodeDirs
+    metrics_port: int = field(default_factory=_free_port)
+    proc: subprocess.Popen[str] | None = None
+
+    def start(self, *extra: str) -> None:
+        env = {
+            **os.environ,
+            "KUBECONFIG": str(self.cluster.layout.admin_kubeconfig),
+            "NODE_NAME": NODE,
+            "GPUDRA_FAKEBIN_LOG": str(self.dirs.tools_log),
+        }
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "gpudra.cli",
+                "node",
+                "--nvml",
+                "emulated:h100-80gb-hbm3-x8",
+                "--driver-name",
+                self.driver,
+                "--kubelet-root",
+                str(self.dirs.kubelet),
+                "--cdi-root",
+                str(self.dirs.cdi),
+                "--state-dir",
+                str(self.dirs.state),
+                "--dev-root",
+                str(self.dirs.host),
+                "--nvidia-smi",
+                str(FAKEBIN / "nvidia-smi"),
+                "--mps-control",
+                str(FAKEBIN / "nvidia-cuda-mps-control"),
+                "--no-toolkit-cdi",
+                "--metrics-address",
+                f"127.0.0.1:{self.metrics_port}",
+                "--cleanup-interval",
+                "2",
+                *extra,
+            ],
+            cwd=REPO,
+            env=env,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+
+    def stop(self) -> int:
+        assert self.proc is not None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        code = self.proc.wait(timeout=30)
+        assert self.proc.stderr is not None
+        self.proc.stderr.close()
+        self.proc = None
+        return code
+
+    def wait_exit(self) -> int:
+        assert self.proc is not None
+        code = self.proc.wait(timeout=60)
+        assert self.proc.stderr is not None
+        self.proc.stderr.close()
+        self.proc = None
+        return code
+
+    def metrics(self) -> str:
+        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        with urllib.request.urlopen(url, timeout=5) as response:
+            text: str = response.read().decode()
+            return text
+
+
+@dataclass
+class Setup:
+    kube: Kube
+    driver: str
+    namespace: str
+    node: NodeProcess
+
+    def pod(self, name: str, claim: dict[str, Any]) -> dict[str, Any]:
+        """A pod on the node with one claim from a template (owned by the pod)."""
+        self.kube.create(
+            {
+                "apiVersion": "resource.k8s.io/v1",
+                "kind": "ResourceClaimTemplate",
+                "metadata": {"name": name, "namespace": self.namespace},
+                "spec": {"spec": claim},
+            }
+        )
+        pod: dict[str, Any] = self.kube.create(
+            {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "metadata": {"name": name, "namespace": self.namespace},
+                "spec": {
+                    "nodeSelector": {"kubernetes.io/hostname": NODE},
+                    "resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": name}],
+                    "containers": [
+                        {
+                            "name": "main",
+                            "image": "registry.k8s.io/pause:3.10",
+                            "resources": {"claims": [{"name": "gpu"}]},
+                        }
+                    ],
+                },
+            }
+        )
+        return pod
+
+    def allocated_claim(self, name: str, claim: dict[str, Any]) -> dict[str, Any]:
+        """A claim the real scheduler allocated for a pod on the node."""
+        self.kube.create(
+            {
+                "apiVersion": "resource.k8s.io/v1",
+                "kind": "ResourceClaim",
+                "metadata": {"name": name, "namespace": self.namespace},
+                "spec": claim,
+            }
+        )
+        self.kube.create(
+            {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "metadata": {"name": name, "namespace": self.namespace},
+                "spec": {
+                    "nodeSelector": {"kubernetes.io/hostname": NODE},
+                    "resourceClaims": [{"name": "gpu", "resourceClaimName": name}],
+                    "containers": [
+                        {
+                            "name": "main",
+                            "image": "registry.k8s.io/pause:3.10",
+                            "resources": {"claims": [{"name": "gpu"}]},
+                        }
+                    ],
+                },
+            }
+        )
+
+        def allocated() -> dict[str, Any] | None:
+            got = self.kube.get("ResourceClaim", name, self.namespace)
+            return got if (got.get("status") or {}).get("allocation") else None
+
+        result: dict[str, Any] = wait_for(f"claim {name} allocated", allocated, timeout=60)
+        return result
+
+
+def _gpu_claim(driver: str, config: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    devices: dict[str, Any] = {
+        "requests": [
+            {
+                "name": "gpu",
+                "exactly": {
+                    "deviceClassName": driver,
+                    "selectors": [
+                        {"cel": {"expression": 'device.attributes["' + driver + '"].type == "gpu"'}}
+                    ],
+                },
+            }
+        ]
+    }
+    if config:
+        devices["config"] = config
+    return {"devices": devices}
+
+
+@pytest.fixture
+def node_dirs() -> Iterator[NodeDirs]:
+    root = Path(tempfile.mkdtemp(prefix="gd-"))
+    dirs = NodeDirs(root)
+    dev = dirs.host / "dev"
+    dev.mkdir(parents=True)
+    for name in (*CONTROL_NODES, *(f"nvidia{i}" for i in range(8))):
+        (dev / name).touch()
+    dirs.boot_id.write_text("3f2b0c4e-0000-4000-8000-00000000b007\n")
+    yield dirs
+    shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture
+async def setup(cluster: Cluster, kube: Kube, node_dirs: NodeDirs) -> AsyncIterator[Setup]:
+    driver = f"n{secrets.token_hex(4)}.gpudra.dev"
+    namespace = f"node-{secrets.token_hex(3)}"
+
+    def create() -> None:
+        kube.create({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}})
+        kube.create(
+            {
+                "apiVersion": "resource.k8s.io/v1",
+                "kind": "DeviceClass",
+                "metadata": {"name": driver},
+                "spec": {"selectors": [{"cel": {"expression": f'device.driver == "{driver}"'}}]},
+            }
+        )
+        wait_for(
+            f"service account in {namespace}",
+            lambda: kube.request("GET", f"/api/v1/namespaces/{namespace}/serviceaccounts/default"),
+            timeout=60,
+        )
+
+    await anyio.to_thread.run_sync(create)
+    node = NodeProcess(cluster, driver, node_dirs)
+    s = Setup(kube, driver, namespace, node)
+    try:
+        yield s
+    finally:
+        if node.proc is not None:
+            node.stop()
+
+        def cleanup() -> None:
+            for pod in kube.list("Pod", namespace):
+                kube.delete("Pod", pod["metadata"]["name"], namespace, grace=0)
+            for o in kube.list("ResourceSlice", fieldSelector=f"spec.driver={driver}"):
+                kube.delete("ResourceSlice", o["metadata"]["name"])
+            kube.delete("DeviceClass", driver)
+            kube.delete("Namespace", namespace)
+
+        await anyio.to_thread.run_sync(cleanup)
+
+
+async def _wait_published(kube: Kube, driver: str) -> None:
+    def published() -> bool:
+        items = kube.list("ResourceSlice", fieldSelector=f"spec.driver={driver}")
+        return sum(len(o["spec"].get("devices", [])) for o in items) == 8
+
+    await anyio.to_thread.run_sync(lambda: wait_for("the node's slices", published, timeout=60))
+
+
+async def test_pod_claims_are_prepared_through_the_running_node(
+    setup: Setup, cluster: Cluster, node_dirs: NodeDirs
+) -> None:
+    kube, driver = setup.kube, setup.driver
+    setup.node.start()
+    akube = await AsyncKube.connect(str(cluster.layout.admin_kubeconfig))
+    try:
+        async with KubeletStandin(node_dirs.kubelet) as kubelet:
+            registration = await kubelet.wait_for_driver(driver, timeout_s=60)
+            assert registration.dra_version == "v1.DRAPlugin"
+            assert registration.health
+            await _wait_published(kube, driver)
+            pods = PodClaimsDriver(akube, kubelet, NODE, (driver,))
+            async with anyio.create_task_group() as tg:
+                await tg.start(pods.run)
+                pod = await anyio.to_thread.run_sync(setup.pod, "trainer", _gpu_claim(driver))
+                done = await pods.wait_for(pod["metadata"]["uid"])
+                assert done.error is None
+                [cdi_id] = done.cdi_ids()
+                [spec_file] = node_dirs.cdi_specs()
+                spec = json.loads(spec_file.read_text())
+                [claim_ref] = done.claims[driver]
+                claim = await anyio.to_thread.run_sync(
+                    lambda: kube.get("ResourceClaim", claim_ref.name, setup.namespace)
+                )
+                device = claim["status"]["allocation"]["devices"]["results"][0]["device"]
+                minor = int(device.removeprefix("gpu-"))
+                paths = [
+                    n["path"] for d in spec["devices"] for n in d["containerEdits"]["deviceNodes"]
+                ]
+                assert paths == [f"/dev/nvidia{minor}"]
+                assert cdi_id.endswith(f"={claim_ref.uid}-{device}")
+
+                metrics = setup.node.metrics()
+                assert 'gpudra_claim_operations_total{operation="prepare"} 1.0' in metrics
+                assert 'pod="trainer"' in metrics
+                assert f'claim="{claim_ref.name}"' in metrics
+
+                async with kubelet.watch_health(driver) as updates:
+                    health = await anext(updates)
+                assert sorted(h.device_name for h in health) == [f"gpu-{i}" for i in range(8)]
+                assert all(h.healthy for h in health)
+
+                await anyio.to_thread.run_sync(
+                    lambda: kube.delete("Pod", "trainer", setup.namespace, grace=0)
+                )
+                gone = await pods.wait_for(pod["metadata"]["uid"], unprepared=True)
+                assert gone.error is None
+                assert node_dirs.cdi_specs() == []
+                assert node_dirs.prepared_claims() == []
+                tg.cancel_scope.cancel()
+            assert setup.node.stop() == 0
+            await kubelet.wait_for_deregistration(registration.registration_socket, timeout_s=30)
+    finally:
+        await akube.close()
+
+
+async def test_kill_at_every_prepare_step_then_restart_gives_the_same_result(
+    setup: Setup, node_dirs: NodeDirs
+) -> None:
+    """Whole GPU with time-slicing: the steps a claim of that shape goes through."""
+    driver = setup.driver
+    config = [
+        {
+            "opaque": {
+                "driver": driver,
+                "parameters": {
+                    "apiVersion": "resource.nvidia.com/v1beta1",
+                    "kind": "GpuConfig",
+                    "sharing": {
+                        "strategy": "TimeSlicing",
+                        "timeSlicingConfig": {"interval": "Long"},
+                    },
+                },
+            }
+        }
+    ]
+    steps = [s for s in PREPARE_STEPS if not s.startswith(("mig-", "mps-", "compute-mode-"))]
+    assert steps == [
+        "prepare-started",
+        "time-slice-recorded",
+        "time-slice-applied",
+        "cdi-written",
+        "prepare-completed",
+    ]
+    setup.node.start()
+    await _wait_published(setup.kube, driver)
+    claim = await anyio.to_thread.run_sync(
+        setup.allocated_claim, "crashy", _gpu_claim(driver, config)
+    )
+    ref = ClaimRef(setup.namespace, claim["metadata"]["uid"], "crashy")
+    async with KubeletStandin(node_dirs.kubelet) as kubelet:
+        reg = await kubelet.wait_for_driver(driver, timeout_s=60)
+        reference = (await kubelet.prepare(driver, [ref]))[ref.uid]
+        assert reference.error is None
+        assert await kubelet.unprepare(driver, [ref]) == {ref.uid: None}
+        for step in steps:
+            assert setup.node.stop() == 0
+            setup.node.start("--crash-at", step)
+            reg = await kubelet.wait_for_driver(driver, timeout_s=60, replacing=reg)
+            with pytest.raises(grpc.aio.AioRpcError):  # the process dies mid-call
+                await kubelet.prepare(driver, [ref])
+            assert setup.node.wait_exit() == -signal.SIGKILL, step
+            setup.node.start()
+            reg = await kubelet.wait_for_driver(driver, timeout_s=60, replacing=reg)
+            again = (await kubelet.prepare(driver, [ref]))[ref.uid]
+            assert again == reference, step
+            assert await kubelet.unprepare(driver, [ref]) == {ref.uid: None}, step
+            assert node_dirs.cdi_specs() == [], step
+            assert node_dirs.prepared_claims() == [], step
+    calls = [c for c in node_dirs.tool_calls() if c.startswith("nvidia-smi compute-policy")]
+    assert any(not c.endswith("--set-timeslice 0") for c in calls)
+    # Whatever a crashed process applied was reset afterwards: nothing is left set.
+    assert calls[-1].endswith("--set-timeslice 0")
