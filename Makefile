@@ -48,4 +48,7 @@ demo: cluster-up
 bench-slices: cluster-up
 	$(VPY) -m bench.slices
 
-bench: bench-slices
+bench-prepare: cluster-up
+	$(VPY) -m bench.prepare
+
+bench: bench-slices bench-prepare

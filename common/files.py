@@ -8,10 +8,14 @@ import tempfile
 from pathlib import Path
 
 
-def atomic_write(path: Path, data: bytes, *, mode: int = 0o644) -> None:
+def atomic_write(path: Path, data: bytes, *, mode: int = 0o644, durable: bool = True) -> None:
     """Replace `path` with `data` so that readers see the old or the new content only.
 
     On any failure the temp file is removed and the old file is left untouched.
+    `durable` also makes the new content survive a power loss (fsync of the file and
+    its folder); without it the replacement is still atomic for every reader and
+    survives a crash of this process, which is all that files rebuilt after a
+    reboot need.
     The temp name does not end in `.json`/`.yaml`, so CDI loaders watching the
     directory never pick up a file that is still being written.
     """
@@ -23,13 +27,15 @@ def atomic_write(path: Path, data: bytes, *, mode: int = 0o644) -> None:
             handle.write(data)
             handle.flush()
             os.fchmod(handle.fileno(), mode)
-            os.fsync(handle.fileno())
+            if durable:
+                os.fsync(handle.fileno())
         tmp.replace(path)
     except BaseException:
         with contextlib.suppress(OSError):
             tmp.unlink()
         raise
-    fsync_dir(directory)
+    if durable:
+        fsync_dir(directory)
 
 
 def fsync_dir(directory: Path) -> None:

@@ -428,7 +428,13 @@ class CdiSpecStore:
     vendors' specs in the same directory are never touched.
     """
 
-    def __init__(self, root: Path = DEFAULT_CDI_ROOT, *, kind: str = DEFAULT_KIND) -> None:
+    def __init__(
+        self, root: Path = DEFAULT_CDI_ROOT, *, kind: str = DEFAULT_KIND, durable: bool = False
+    ) -> None:
+        # Specs are not fsynced by default: the default root (/var/run/cdi) is a tmpfs,
+        # and after a reboot the kubelet prepares every claim again, writing them anew.
+        # Atomic replacement is all the runtime needs; the checkpoint is what is durable.
+        self._durable = durable
         self._vendor, self._class = _split_kind(kind)
         self._root = root
         self._kind = kind
@@ -478,7 +484,7 @@ class CdiSpecStore:
         path = self.spec_path(claim_uid)
         data = json.dumps(spec, indent=2).encode() + b"\n"
         self._root.mkdir(mode=0o755, parents=True, exist_ok=True)
-        atomic_write(path, data, mode=0o644)
+        atomic_write(path, data, mode=0o644, durable=self._durable)
         return path
 
     def write_claim(
@@ -499,7 +505,8 @@ class CdiSpecStore:
             path.unlink()
         except FileNotFoundError:
             return False
-        fsync_dir(self._root)
+        if self._durable:
+            fsync_dir(self._root)
         return True
 
     def list_claim_uids(self) -> list[str]:

@@ -429,13 +429,20 @@ class Checkpoint:
 
     # --- mutations ---
 
-    def begin_prepare(self, claim: ClaimRef, devices: Sequence[DeviceRecord] = ()) -> ClaimRecord:
+    def begin_prepare(
+        self, claim: ClaimRef, devices: Sequence[DeviceRecord] = (), *, persist: bool = True
+    ) -> ClaimRecord:
         """Record that a prepare starts, before anything on the node changes.
 
         An existing record is returned unchanged and nothing is written: a
         completed one is the answer to a repeated prepare, an unfinished one
         must be rolled back first. `devices` (planned, possibly partial) are
         checked against other claims' exclusive devices.
+
+        `persist=False` reserves the devices in memory only, for prepares whose
+        only effect on the node is a CDI spec: a crash before `complete_prepare`
+        then leaves no record, and the start-up sweep removes the orphaned spec.
+        That saves one fsynced write per prepare.
         """
         existing = self._claims.get(claim.uid)
         if existing is not None:
@@ -449,7 +456,10 @@ class Checkpoint:
             state=ClaimState.PREPARE_STARTED,
             devices=detached,
         )
-        self._save(claims={**self._claims, claim.uid: record})
+        if persist:
+            self._save(claims={**self._claims, claim.uid: record})
+        else:
+            self._claims = {**self._claims, claim.uid: record}
         return record
 
     def record_progress(self, uid: str, devices: Sequence[DeviceRecord]) -> ClaimRecord:
@@ -535,7 +545,8 @@ class Checkpoint:
         previous_boot: Sequence[ClaimRecord] | None = None,
         unreadable: Mapping[str, Any] | None = None,
     ) -> None:
-        """Write the new state, then adopt it in memory, so memory never runs ahead of disk."""
+        """Write the new state, then adopt it in memory, so memory never runs ahead of
+        disk (but for the in-memory reservations of `begin_prepare(persist=False)`)."""
         new_claims = dict(self._claims if claims is None else claims)
         new_previous = tuple(self._previous_boot if previous_boot is None else previous_boot)
         new_unreadable = dict(self._unreadable if unreadable is None else unreadable)

@@ -798,8 +798,11 @@ class ClaimPreparer:
             claim = await self._fetch(ref)
             entries = self._plan(ref, claim, cp)
             planned = [e.record(self._node) for e in entries]
+            # Only prepares that change the node beyond the CDI spec need the started
+            # record on disk before they begin; see Checkpoint.begin_prepare.
+            persist = any(e.create_mig or e.time_slice is not None or e.mps for e in entries)
             try:
-                await self._locked(lambda: cp.begin_prepare(ref, planned))
+                await self._locked(lambda: cp.begin_prepare(ref, planned, persist=persist))
             except DeviceConflictError as exc:
                 raise _ClaimFailure(
                     f"{_describe(ref)}: {exc}; that claim must be unprepared first (it is "

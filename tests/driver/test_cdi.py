@@ -287,7 +287,7 @@ def test_failed_rename_leaves_previous_spec_and_no_temp_file(
 
 
 def test_failed_first_write_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    store = CdiSpecStore(tmp_path)
+    store = CdiSpecStore(tmp_path, durable=True)
 
     def broken_fsync(fd: int) -> None:
         raise OSError(5, "Input/output error")

@@ -2,6 +2,7 @@
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -344,6 +345,30 @@ def test_failed_write_changes_neither_disk_nor_memory(
     record = checkpoint.get(CLAIM_1.uid)
     assert record is not None and not record.completed
     assert checkpoint.get(CLAIM_2.uid) is None
+
+
+def test_full_disk_gives_a_clear_error_and_keeps_the_old_checkpoint(
+    small_fs: Path, fill_small_fs: Callable[[], None], boot: Path
+) -> None:
+    path = small_fs / "state" / "checkpoint.json"
+    checkpoint = _load(path, boot)
+    checkpoint.begin_prepare(CLAIM_1)
+    checkpoint.complete_prepare(CLAIM_1.uid, [_gpu()])
+    before = path.read_bytes()
+    fill_small_fs()
+
+    big = _gpu("gpu-1", details={"note": "x" * 8192})
+    with pytest.raises(CheckpointError) as error:
+        checkpoint.begin_prepare(CLAIM_2, [big])
+    assert str(path) in str(error.value)
+    assert "No space left on device" in str(error.value)
+    assert path.read_bytes() == before
+    assert sorted(p.name for p in path.parent.iterdir()) == [path.name]  # no temp file
+    assert checkpoint.get(CLAIM_2.uid) is None
+    # Once there is room again, the next write succeeds.
+    (small_fs / "filler").unlink()
+    checkpoint.begin_prepare(CLAIM_2, [big])
+    assert _load(path, boot).get(CLAIM_2.uid) is not None
 
 
 def test_unserialisable_details_are_rejected_before_writing(cp_path: Path, boot: Path) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import secrets
 import uuid as uuidlib
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -340,6 +340,7 @@ def make_preparer(
     strategy: MigStrategy = MigStrategy.STATIC,
     registry: CollectorRegistry | None = None,
     toolkit: ToolkitSpec | None = None,
+    fault: Callable[[str], None] | None = None,
 ) -> ClaimPreparer:
     return ClaimPreparer(
         driver_name=env.driver,
@@ -356,6 +357,7 @@ def make_preparer(
         mig_strategy=strategy,
         registry=registry,
         toolkit=toolkit,
+        fault=fault,
     )
 
 
@@ -748,6 +750,41 @@ async def test_time_slicing_is_applied_and_reset(env: Env, node: Node, akube: As
 
     assert await preparer.unprepare([ref]) == {ref.uid: None}
     assert node.tool_calls()[2:] == [f"nvidia-smi compute-policy -i {gpu_uuid} --set-timeslice 0"]
+
+
+@pytest.mark.cluster
+@pytest.mark.anyio
+async def test_started_record_is_on_disk_only_for_prepares_with_side_effects(
+    env: Env, node: Node, akube: AsyncKube
+) -> None:
+    """A prepare that only writes a CDI spec saves one checkpoint write: a crash
+    before completion leaves an orphaned spec, which recover() removes. A prepare
+    that changes the GPU records its start on disk before the change."""
+    emu = h100()
+    env.publish(discover(emu))
+    sliced = {
+        "apiVersion": "resource.nvidia.com/v1beta1",
+        "kind": "GpuConfig",
+        "sharing": {"strategy": "TimeSlicing", "timeSlicingConfig": {"interval": "Short"}},
+    }
+    plain = _ref(env.allocated("plain"))
+    shared = _ref(env.allocated("shared", config=[env.config(sliced)]))
+    on_disk_at_start: dict[str, list[str]] = {}
+    current: list[str] = []
+
+    def fault(step: str) -> None:
+        if step == "prepare-started":
+            cp = load_checkpoint(node.checkpoint, boot_id_path=node.boot_id)
+            on_disk_at_start[current[0]] = [r.uid for r in cp.claims()]
+
+    preparer = make_preparer(env, node, akube, emu, fault=fault)
+    for ref in (plain, shared):
+        current[:] = [ref.uid]
+        assert (await preparer.prepare([ref]))[ref.uid].error is None
+
+    assert on_disk_at_start == {plain.uid: [], shared.uid: [plain.uid, shared.uid]}
+    cp = load_checkpoint(node.checkpoint, boot_id_path=node.boot_id)
+    assert sorted(r.uid for r in cp.claims() if r.completed) == sorted([plain.uid, shared.uid])
 
 
 @pytest.mark.cluster
