@@ -104,7 +104,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         action="append",
         default=[],
         metavar="PATH",
-        help="a driver library or utility (path in the driver root) to mount; repeatable",
+        help="a driver library or utility (path in the driver root) to mount; repeatable "
+        "(default: the driver's libraries and utilities found under --driver-root)",
     )
     k.add_argument("--nvidia-smi", type=Path, default=None, help="path of nvidia-smi")
     k.add_argument("--mps-control", type=Path, default=None, help="path of nvidia-cuda-mps-control")

@@ -37,6 +37,7 @@ __all__ = [
     "DEFAULT_CDI_ROOT",
     "DEFAULT_KIND",
     "DEFAULT_TOOLKIT_SPEC_PATHS",
+    "DRIVER_UTILITIES",
     "LIBRARY_MOUNT_OPTIONS",
     "TOOLKIT_KIND",
     "CdiError",
@@ -50,6 +51,7 @@ __all__ = [
     "build_spec",
     "cdi_device_name",
     "driver_common_edits",
+    "find_driver_files",
     "find_toolkit_spec",
     "minimum_cdi_version",
     "qualified_id",
@@ -72,6 +74,38 @@ DEFAULT_TOOLKIT_SPEC_PATHS: Final = (
 CONTROL_DEVICE_NODES: Final = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools")
 # What the container toolkit uses for driver libraries.
 LIBRARY_MOUNT_OPTIONS: Final = ("ro", "nosuid", "nodev", "rbind", "rprivate")
+# Where a driver installs its user-space files (Debian/Ubuntu, RHEL/SUSE, others), and
+# which of them a container needs: the set the NVIDIA container toolkit mounts for
+# compute and utility workloads.
+DRIVER_LIBRARY_DIRS: Final = (
+    "usr/lib/x86_64-linux-gnu",
+    "usr/lib/aarch64-linux-gnu",
+    "usr/lib64",
+    "usr/lib",
+    "lib64",
+)
+DRIVER_LIBRARY_PATTERNS: Final = (
+    "libcuda.so.*",
+    "libcudadebugger.so.*",
+    "libnvidia-ml.so.*",
+    "libnvidia-ptxjitcompiler.so.*",
+    "libnvidia-nvvm.so.*",
+    "libnvidia-cfg.so.*",
+    "libnvidia-opencl.so.*",
+    "libnvidia-gpucomp.so.*",
+    "libnvidia-allocator.so.*",
+    "libnvidia-pkcs11*.so.*",
+)
+DRIVER_UTILITY_DIRS: Final = ("usr/bin", "bin")
+DRIVER_UTILITIES: Final = (
+    "nvidia-smi",
+    "nvidia-debugdump",
+    "nvidia-persistenced",
+    "nvidia-cuda-mps-control",
+    "nvidia-cuda-mps-server",
+)
+# Searched after the driver's own library folders: CUDA images expect the driver there.
+_LEGACY_LIBRARY_PATH: Final = ("/usr/local/nvidia/lib", "/usr/local/nvidia/lib64")
 
 HookName: TypeAlias = Literal[
     "createRuntime", "createContainer", "startContainer", "poststart", "poststop", "prestart"
@@ -378,6 +412,31 @@ def build_spec(
     return spec
 
 
+def find_driver_files(
+    driver_root: Path = Path("/"), *, host_view: Path = Path("/")
+) -> tuple[str, ...]:
+    """The driver's libraries and utilities, as absolute paths inside `driver_root`.
+
+    Versioned names and their soname links are both listed (a bind mount of a link
+    mounts its target's content under the link's name), so programs linked against
+    either find them. Nothing found (no driver installed) gives an empty tuple.
+    """
+    base = host_view / str(driver_root).lstrip("/")
+    found: list[str] = []
+    for folder in DRIVER_LIBRARY_DIRS:
+        where = base / folder
+        if not where.is_dir():
+            continue
+        names = {p.name for pattern in DRIVER_LIBRARY_PATTERNS for p in where.glob(pattern)}
+        found.extend(f"/{folder}/{name}" for name in sorted(names))
+    for name in DRIVER_UTILITIES:
+        for folder in DRIVER_UTILITY_DIRS:  # the first only: /bin is often /usr/bin
+            if (base / folder / name).is_file():
+                found.append(f"/{folder}/{name}")
+                break
+    return tuple(found)
+
+
 def driver_common_edits(
     *,
     driver_root: Path = Path("/"),
@@ -393,7 +452,11 @@ def driver_common_edits(
     inside it, mounted at the same path in the container. `dev_root` holds the
     `/dev` with the NVIDIA nodes. `host_view` is where this process sees the
     host's `/` (None: do not check); nodes and files missing there are left
-    out, as `nvidia-uvm-tools` often is.
+    out, as `nvidia-uvm-tools` often is. With libraries, `LD_LIBRARY_PATH` lists
+    their folders, so the container's linker finds them even where the image's
+    linker cache does not cover the host's library folder (a Debian image on a
+    RHEL host); it replaces the image's value, so the CUDA images' folders are
+    kept at its end.
     """
 
     def present(host_path: PurePosixPath) -> bool:
@@ -414,7 +477,15 @@ def driver_common_edits(
             mounts.append(Mount(str(host), str(lib), LIBRARY_MOUNT_OPTIONS))
         else:
             log.warning("driver library not found", extra={"fields": {"path": str(host)}})
-    return ContainerEdits(device_nodes=tuple(nodes), mounts=tuple(mounts), hooks=tuple(hooks))
+    folders = dict.fromkeys(
+        str(PurePosixPath(m.container_path).parent)
+        for m in mounts
+        if ".so" in PurePosixPath(m.container_path).name
+    )
+    env = {"LD_LIBRARY_PATH": ":".join([*folders, *_LEGACY_LIBRARY_PATH])} if folders else {}
+    return ContainerEdits(
+        env=env, device_nodes=tuple(nodes), mounts=tuple(mounts), hooks=tuple(hooks)
+    )
 
 
 # --- files ------------------------------------------------------------------------------------

@@ -26,7 +26,12 @@ import anyio
 import anyio.abc
 from gpudra.common.kube import Kube
 from gpudra.driver.agent import AgentConfig, NodeAgent
-from gpudra.driver.cdi import DEFAULT_CDI_ROOT, CdiSpecStore, find_toolkit_spec
+from gpudra.driver.cdi import (
+    DEFAULT_CDI_ROOT,
+    CdiSpecStore,
+    find_driver_files,
+    find_toolkit_spec,
+)
 from gpudra.driver.checkpoint import DEFAULT_BOOT_ID_PATH
 from gpudra.driver.nvml import NvmlLibrary
 from gpudra.driver.plugin import (
@@ -63,6 +68,7 @@ class PluginConfig:
     nvidia_smi: Path | None = None
     mps_control: Path | None = None
     toolkit_spec: bool = True
+    # Empty: find the driver's libraries and utilities under driver_root.
     driver_libraries: tuple[str, ...] = ()
     cleanup_interval_s: float = 60.0
 
@@ -135,6 +141,13 @@ class NodeService:
         if plugin is None:
             return
         toolkit = find_toolkit_spec() if plugin.toolkit_spec else None
+        libraries = plugin.driver_libraries or find_driver_files(
+            plugin.driver_root, host_view=plugin.host_root
+        )
+        log.info(
+            "driver files to mount",
+            extra={"fields": {"driver_root": str(plugin.driver_root), "files": list(libraries)}},
+        )
         self.preparer = ClaimPreparer(
             driver_name=agent_config.driver_name,
             node_name=agent_config.node_name,
@@ -153,7 +166,7 @@ class NodeService:
             proc_root=plugin.proc_root,
             state_dir=plugin.state_dir,
             boot_id_path=plugin.boot_id_path,
-            driver_libraries=plugin.driver_libraries,
+            driver_libraries=libraries,
             host_view=plugin.host_root,
             toolkit=toolkit,
             mig_strategy=agent_config.mig_strategy,

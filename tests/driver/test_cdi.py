@@ -20,6 +20,7 @@ from gpudra.driver.cdi import (
     build_spec,
     cdi_device_name,
     driver_common_edits,
+    find_driver_files,
     find_toolkit_spec,
     minimum_cdi_version,
     qualified_id,
@@ -391,6 +392,37 @@ def test_driver_common_edits_skip_missing_nodes_and_libraries(tmp_path: Path) ->
             LIBRARY_MOUNT_OPTIONS,
         ),
     )
+
+
+def test_driver_files_are_found_under_the_driver_root(tmp_path: Path) -> None:
+    host = _host(
+        tmp_path,
+        "/run/nvidia/driver/usr/lib64/libcuda.so.580.65.06",
+        "/run/nvidia/driver/usr/lib64/libnvidia-ml.so.580.65.06",
+        "/run/nvidia/driver/usr/lib64/libfoo.so.1",
+        "/run/nvidia/driver/usr/bin/nvidia-smi",
+        "/run/nvidia/driver/bin/nvidia-smi",
+        "/run/nvidia/driver/usr/bin/bash",
+    )
+    lib64 = host / "run/nvidia/driver/usr/lib64"
+    (lib64 / "libcuda.so.1").symlink_to("libcuda.so.580.65.06")
+    root = Path("/run/nvidia/driver")
+
+    files = find_driver_files(root, host_view=host)
+
+    assert files == (
+        "/usr/lib64/libcuda.so.1",
+        "/usr/lib64/libcuda.so.580.65.06",
+        "/usr/lib64/libnvidia-ml.so.580.65.06",
+        "/usr/bin/nvidia-smi",
+    )
+    edits = driver_common_edits(driver_root=root, libraries=files, host_view=host)
+    assert [m.container_path for m in edits.mounts] == list(files)
+    assert edits.mounts[0].host_path == "/run/nvidia/driver/usr/lib64/libcuda.so.1"
+    assert edits.env == {
+        "LD_LIBRARY_PATH": "/usr/lib64:/usr/local/nvidia/lib:/usr/local/nvidia/lib64"
+    }
+    assert find_driver_files(Path("/opt/none"), host_view=host) == ()
 
 
 def test_driver_common_edits_with_separate_dev_root_use_host_path(tmp_path: Path) -> None:
