@@ -29,7 +29,11 @@ import anyio.to_thread
 import grpc
 import pytest
 from gpudra.common.kube import Kube as AsyncKube
+from gpudra.driver.agent import AgentConfig
 from gpudra.driver.checkpoint import load as load_checkpoint
+from gpudra.driver.health import HealthPolicy
+from gpudra.driver.node import NodeService, PluginConfig
+from gpudra.driver.nvml import NvmlEmulator, load_nvml
 from gpudra.driver.plugin import ClaimRef
 from gpudra.driver.prepare import PREPARE_STEPS
 
@@ -437,3 +441,59 @@ async def test_kill_at_every_prepare_step_then_restart_gives_the_same_result(
     assert any(not c.endswith("--set-timeslice 0") for c in calls)
     # Whatever a crashed process applied was reset afterwards: nothing is left set.
     assert calls[-1].endswith("--set-timeslice 0")
+
+
+async def test_health_stream_follows_xids_and_recovery(
+    setup: Setup, cluster: Cluster, node_dirs: NodeDirs
+) -> None:
+    """The kubelet's health stream carries the agent's health state: a critical XID
+    makes the device unhealthy, an application XID does not, recovery clears it."""
+    driver = setup.driver
+    emu = load_nvml("emulated:h100-80gb-hbm3-x8")
+    assert isinstance(emu, NvmlEmulator)
+    config = AgentConfig(
+        node_name=NODE,
+        driver_name=driver,
+        health=HealthPolicy(driver_name=driver, recovery_after_s=2.0),
+    )
+    plugin = PluginConfig(
+        kubelet_root=node_dirs.kubelet,
+        cdi_root=node_dirs.cdi,
+        state_dir=node_dirs.state,
+        dev_root=node_dirs.host,
+        boot_id_path=node_dirs.boot_id,
+        toolkit_spec=False,
+    )
+    akube = await AsyncKube.connect(str(cluster.layout.admin_kubeconfig))
+    try:
+        service = NodeService(config, akube, emu, plugin)
+        async with anyio.create_task_group() as tg:
+            await tg.start(service.run)
+            async with KubeletStandin(node_dirs.kubelet) as kubelet:
+                await kubelet.wait_for_driver(driver, timeout_s=60)
+                async with kubelet.watch_health(driver) as updates:
+
+                    async def next_state() -> dict[str, tuple[bool | None, str]]:
+                        with anyio.fail_after(30):
+                            health = await anext(updates)
+                        return {h.device_name: (h.healthy, h.message) for h in health}
+
+                    first = await next_state()
+                    assert sorted(first) == [f"gpu-{i}" for i in range(8)]
+                    assert all(healthy for healthy, _ in first.values())
+
+                    emu.inject_xid(3, 13)  # application error: no taint effect
+                    emu.inject_xid(2, 79)  # critical
+                    state = await next_state()
+                    while state["gpu-2"][0]:
+                        state = await next_state()
+                    assert state["gpu-2"] == (False, "XID 79 (critical error)")
+                    assert state["gpu-3"][0] is True
+                    assert all(state[f"gpu-{i}"][0] for i in (0, 1, 4, 5, 6, 7))
+
+                    while not state["gpu-2"][0]:  # recovery_after_s without new errors
+                        state = await next_state()
+                    assert all(healthy for healthy, _ in state.values())
+            tg.cancel_scope.cancel()
+    finally:
+        await akube.close()
