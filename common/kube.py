@@ -67,6 +67,8 @@ class Kube:
         request_timeout: float | aiohttp.ClientTimeout | None,
     ) -> Any:
         headers = {"Accept": "application/json", "Content-Type": content_type}
+        if body is not None:
+            return await self._send_body(method, path, body, query, headers, request_timeout)
         return await self.api.call_api(
             path,
             method,
@@ -76,6 +78,38 @@ class Kube:
             auth_settings=["BearerToken"],
             _preload_content=False,
             _request_timeout=request_timeout,
+        )
+
+    async def _send_body(
+        self,
+        method: str,
+        path: str,
+        body: Any,
+        query: dict[str, str] | None,
+        headers: dict[str, str],
+        request_timeout: float | aiohttp.ClientTimeout | None,
+    ) -> Any:
+        """Send a body serialised once, compactly, straight through the ApiClient's session.
+
+        `call_api` walks every value of a body to "sanitise" it and then encodes it
+        again; for a ResourceSlice of 64 devices that is most of a write's CPU time.
+        Auth, TLS and connection pooling are still the ApiClient's.
+        """
+        queries = list((query or {}).items())
+        await self.api.update_params_for_auth(headers, queries, ["BearerToken"])
+        if isinstance(request_timeout, aiohttp.ClientTimeout):
+            timeout = request_timeout
+        else:
+            timeout = aiohttp.ClientTimeout(total=request_timeout)
+        data = body if isinstance(body, bytes) else json.dumps(body, separators=(",", ":"))
+        session: aiohttp.ClientSession = self.api.rest_client.pool_manager
+        return await session.request(
+            method,
+            f"{self.api.configuration.host}{path}",
+            params=queries,
+            data=data,
+            headers=headers,
+            timeout=timeout,
         )
 
     async def request(

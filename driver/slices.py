@@ -214,8 +214,16 @@ class SliceController:
         self._synced = False
         self._published: _Published | None = None
         self._node_uid: str | None = None
+        self._plan: tuple[list[dict[str, Any]], str] | None = None
 
     def trigger(self) -> None:
+        """The desired content may have changed: rebuild it at the next reconcile."""
+        self._plan = None
+        self._dirty.set()
+
+    def _observed_changed(self) -> None:
+        # Only the slices on the server moved: the desired content is unchanged, so
+        # the next reconcile reuses the plan instead of rebuilding and validating it.
         self._dirty.set()
 
     @property
@@ -240,7 +248,7 @@ class SliceController:
                 listing = await self.kube.request("GET", SLICES, query=selector)
                 self._cache = {o["metadata"]["name"]: o for o in listing["items"]}
                 self._synced = True
-                self.trigger()
+                self._observed_changed()
                 rv = listing["metadata"]["resourceVersion"]
                 query = {**selector, "resourceVersion": rv, "allowWatchBookmarks": "true"}
                 async for ev in self.kube.watch(SLICES, query):
@@ -254,7 +262,7 @@ class SliceController:
                         self._cache.pop(name, None)
                     else:
                         self._cache[name] = obj
-                    self.trigger()
+                    self._observed_changed()
                 backoff = 0.2
             except (ApiError, OSError, TimeoutError, ValueError, KeyError) as e:
                 log.warning(
@@ -339,10 +347,12 @@ class SliceController:
 
     async def reconcile_once(self) -> None:
         self.reconciles += 1
-        content = self.source()
-        limits = await self._limits()
-        bodies = plan_slices(content, limits)
-        content_hash = _digest(bodies)
+        if self._plan is None:
+            content = self.source()
+            limits = await self._limits()
+            bodies = plan_slices(content, limits)
+            self._plan = (bodies, _digest(bodies))
+        bodies, content_hash = self._plan
         observed = dict(self._cache)
         max_gen = max((o["spec"]["pool"]["generation"] for o in observed.values()), default=0)
         pub = self._published
