@@ -23,4 +23,11 @@ def device_classes(driver: str = DEFAULT_DRIVER) -> list[dict[str, Any]]:
             "spec": {"selectors": [{"cel": {"expression": expr}}]},
         }
 
-    return [cls("gpu.nvidia.com", "gpu"), cls("mig.nvidia.com", "mig")]
+    # gpu-shared.nvidia.com selects the same full GPUs; the webhook's converted
+    # nvidia.com/gpu.shared claims request it, so a GpuTenant can allow or quota shared
+    # GPUs apart from exclusive ones.
+    return [
+        cls("gpu.nvidia.com", "gpu"),
+        cls("mig.nvidia.com", "mig"),
+        cls("gpu-shared.nvidia.com", "gpu"),
+    ]

@@ -54,10 +54,23 @@ async def webhook(cluster: Cluster, kube: SyncKube, tmp_path: Path) -> AsyncIter
         akube,
         load_nvml("emulated:h100-80gb-hbm3-x8", uuid_salt="wh"),
     )
+    # A second node with MIG devices (1g.5gb, 2g.10gb, 3g.20gb, ...) for MIG pods.
+    mig_agent = NodeAgent(
+        AgentConfig(
+            node_name="worker-2",
+            driver_name=DRIVER,
+            mig_strategy=MigStrategy.STATIC,
+            health_events=False,
+        ),
+        akube,
+        load_nvml("emulated:a100-40gb-mig-mixed", uuid_salt="wh-mig"),
+    )
     async with anyio.create_task_group() as tg:
         port = await tg.start(server.serve)
         await tg.start(agent.run)
+        await tg.start(mig_agent.run)
         await agent.slices.converged.wait()
+        await mig_agent.slices.converged.wait()
         await registration.apply(
             akube,
             registration.mutating_configuration(
@@ -146,4 +159,45 @@ async def test_non_gpu_pods_never_reach_the_webhook(webhook: None, kube: SyncKub
     ns = smoke.make_namespace(kube, "plain")
     pod = await anyio.to_thread.run_sync(kube.create, legacy_pod(ns, "p", {"cpu": "1"}))
     assert "resourceClaims" not in pod["spec"]
+    kube.delete("Namespace", ns)
+
+
+async def test_mig_pod_gets_a_device_of_its_profile(webhook: None, kube: SyncKube) -> None:
+    ns = smoke.make_namespace(kube, "mig")
+    created = await anyio.to_thread.run_sync(
+        kube.create, legacy_pod(ns, "mig", {"nvidia.com/mig-1g.5gb": "1"})
+    )
+    (pod_claim,) = created["spec"]["resourceClaims"]
+    assert pod_claim["resourceClaimTemplateName"] == "gpudra-mig-1g5gb-1"
+    (result,) = await allocated(kube, ns, "mig")
+    assert result["pool"] == "worker-2"
+    slices = [s for s in kube.list("ResourceSlice") if s["spec"]["pool"]["name"] == "worker-2"]
+    device = next(
+        d for s in slices for d in s["spec"].get("devices", []) if d["name"] == result["device"]
+    )
+    assert device["attributes"]["profile"]["string"] == "1g.5gb"
+    kube.delete("Namespace", ns)
+
+
+async def test_init_containers_reuse_the_app_containers_devices(
+    webhook: None, kube: SyncKube
+) -> None:
+    ns = smoke.make_namespace(kube, "init")
+    pod = legacy_pod(ns, "init", {"nvidia.com/gpu": "1"})
+    app = pod["spec"]["containers"][0]
+    pod["spec"]["containers"] = [{**app, "name": "a"}, {**app, "name": "b"}]
+    pod["spec"]["initContainers"] = [
+        {**app, "name": "setup", "resources": {"limits": {"nvidia.com/gpu": "2"}}}
+    ]
+    created = await anyio.to_thread.run_sync(kube.create, pod)
+    spec = created["spec"]
+    (pod_claim,) = spec["resourceClaims"]
+    name = pod_claim["name"]
+    assert spec["initContainers"][0]["resources"]["claims"] == [{"name": name}]
+    assert spec["containers"][0]["resources"]["claims"] == [{"name": name, "request": "part-0"}]
+    assert spec["containers"][1]["resources"]["claims"] == [{"name": name, "request": "part-1"}]
+    # Device-plugin semantics: max(init 2, app 1 + 1) = 2 devices, not 4.
+    results = await allocated(kube, ns, "init")
+    assert sorted(r["request"] for r in results) == ["part-0", "part-1"]
+    assert len({r["device"] for r in results}) == 2
     kube.delete("Namespace", ns)

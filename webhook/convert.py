@@ -66,6 +66,7 @@ from fractions import Fraction
 from typing import Any, Final
 
 from gpudra.api.quantity import QuantityError, parse_quantity
+from gpudra.api.tenants import MIG_PROFILE_RE
 
 __all__ = [
     "DEFAULT_POLICY",
@@ -96,15 +97,11 @@ _MAX_NAME: Final = 63
 _HASH_LEN: Final = 8
 _CONFIG_API_VERSION: Final = "resource.nvidia.com/v1beta1"
 _TIME_SLICE_INTERVALS: Final = frozenset({"Default", "Short", "Medium", "Long"})
+_SHARED_STRATEGIES: Final = frozenset({"TimeSlicing", "MPS"})
 _DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
 
-# GPU-instance profiles as the device plugin names them ("1g.10gb", "3g.40gb", "1g.10gb+me",
-# "1g.24gb-me", "1g.24gb+me.all", "1g.24gb+gfx"), optionally with a compute-instance
-# prefix ("1c.3g.40gb").
-_MIG_PROFILE = re.compile(
-    r"(?:(?P<ci>[1-7])c\.)?(?P<gi>[1-7])g\.(?P<mem>[1-9][0-9]{0,3})gb"
-    r"(?P<suffix>\+me\.all|\+me|\+gfx|-me)?"
-)
+# GPU-instance profiles as the device plugin names them; one pattern shared with GpuTenant.
+_MIG_PROFILE = MIG_PROFILE_RE
 # Readable, injective name tokens for the profile suffixes.
 _SUFFIX_TOKENS: Final = {"+me": "me", "+me.all": "meall", "+gfx": "gfx", "-me": "nome"}
 
@@ -133,14 +130,34 @@ class ConversionPolicy:
     shared_class: str = "gpu-shared.nvidia.com"
     driver: str = "gpu.nvidia.com"
     time_slice_interval: str = "Default"
+    shared_strategy: str = "TimeSlicing"
+    """How shared GPUs are shared between the pod's containers: TimeSlicing or MPS."""
     name_prefix: str = "gpudra"
     max_devices_per_claim: int = MAX_DEVICES_PER_CLAIM
+    native_resources: frozenset[str] = frozenset()
+    """Legacy names a DeviceClass maps itself (`extendedResourceName`): the scheduler
+    allocates those, so the webhook leaves them in the pod untouched."""
+
+    def device_class(self, kind: DeviceKind) -> str:
+        """The DeviceClass a converted claim of `kind` requests."""
+        if kind is DeviceKind.GPU:
+            return self.gpu_class
+        return self.shared_class if kind is DeviceKind.SHARED else self.mig_class
+
+    def sharing(self, kind: DeviceKind) -> str:
+        """The sharing mode of a converted device: Exclusive, TimeSlicing or MPS."""
+        return self.shared_strategy if kind is DeviceKind.SHARED else "Exclusive"
 
     def __post_init__(self) -> None:
         if self.gpu_resource_kind not in (DeviceKind.GPU, DeviceKind.SHARED):
             raise ValueError(
                 f"gpu_resource_kind must be {DeviceKind.GPU!s} or {DeviceKind.SHARED!s}, "
                 f"not {self.gpu_resource_kind!s}: a MIG profile cannot be inferred"
+            )
+        if self.shared_strategy not in _SHARED_STRATEGIES:
+            raise ValueError(
+                f"shared_strategy {self.shared_strategy!r} must be one of "
+                f"{sorted(_SHARED_STRATEGIES)}"
             )
         if self.time_slice_interval not in _TIME_SLICE_INTERVALS:
             raise ValueError(
@@ -187,6 +204,11 @@ class ConvertedClaim:
     kind: DeviceKind
     profile: str
     devices: int
+    device_class: str = ""
+    resources: tuple[str, ...] = ()
+    """The legacy resource names behind this claim, sorted."""
+    containers: tuple[tuple[str, int], ...] = ()
+    """(container name, devices it asked for), in pod order (init containers first)."""
 
 
 @dataclass(frozen=True)
@@ -207,6 +229,7 @@ class Conversion:
 @dataclass(frozen=True)
 class _Container:
     label: str  # for messages: 'container "app"', 'init container "setup"'
+    name: str  # the container's name ("" when missing)
     pointer: str  # JSON pointer: /spec/containers/0
     role: str  # "app" | "sidecar" | "init"
     demands: dict[_DeviceType, int]
@@ -329,7 +352,13 @@ def _read_container(
     demands: dict[_DeviceType, int] = {}
     legacy: list[tuple[str, str]] = []
     sources: dict[_DeviceType, set[str]] = {}
-    names = sorted({n for n in (*limits, *requests) if is_legacy_resource(str(n))})
+    names = sorted(
+        {
+            n
+            for n in (*limits, *requests)
+            if is_legacy_resource(str(n)) and str(n) not in policy.native_resources
+        }
+    )
     for resource in names:
         device_type = _device_type(resource, label, policy)
         if resource not in limits:
@@ -357,8 +386,10 @@ def _read_container(
             )
         demands[device_type] = demands.get(device_type, 0) + count
         sources.setdefault(device_type, set()).add(resource)
+    name = raw.get("name")
     return _Container(
         label=label,
+        name=name if isinstance(name, str) else "",
         pointer=pointer,
         role=role,
         demands=demands,
@@ -433,9 +464,8 @@ def _plan_claim(
     intervals.extend(init_intervals)
     used = [(c, start, count) for c, start, count in intervals if count > 0]
     total = max(start + count for _, start, count in used)
-    resource = " and ".join(
-        f'"{name}"' for name in sorted({n for c, _, _ in used for n in c.sources[device_type]})
-    )
+    resource_names = sorted({n for c, _, _ in used for n in c.sources[device_type]})
+    resource = " and ".join(f'"{name}"' for name in resource_names)
     if total > policy.max_devices_per_claim:
         raise ConversionError(
             f"the pod needs {total} devices for {resource} (the larger of the biggest "
@@ -468,6 +498,13 @@ def _plan_claim(
         kind=device_type.kind,
         profile=device_type.profile,
         devices=total,
+        device_class=policy.device_class(device_type.kind),
+        resources=tuple(resource_names),
+        containers=tuple(
+            (c.name or c.pointer, c.demands[device_type])
+            for c in containers
+            if c.demands.get(device_type, 0) > 0
+        ),
     )
     return claim, template, refs
 
@@ -477,11 +514,7 @@ def _claim_spec(
 ) -> dict[str, Any]:
     """The ResourceClaimSpec (resource.k8s.io/v1) for one device type and piece layout."""
     requests: list[dict[str, Any]] = []
-    device_class = {
-        DeviceKind.GPU: policy.gpu_class,
-        DeviceKind.SHARED: policy.shared_class,
-        DeviceKind.MIG: policy.mig_class,
-    }[device_type.kind]
+    device_class = policy.device_class(device_type.kind)
     for index, count in enumerate(segments):
         exactly: dict[str, Any] = {
             "deviceClassName": device_class,
@@ -494,6 +527,9 @@ def _claim_spec(
         requests.append({"name": f"part-{index}", "exactly": exactly})
     devices: dict[str, Any] = {"requests": requests}
     if device_type.kind is DeviceKind.SHARED:
+        sharing: dict[str, Any] = {"strategy": policy.shared_strategy}
+        if policy.shared_strategy == "TimeSlicing":
+            sharing["timeSlicingConfig"] = {"interval": policy.time_slice_interval}
         devices["config"] = [
             {
                 "opaque": {
@@ -501,10 +537,7 @@ def _claim_spec(
                     "parameters": {
                         "apiVersion": _CONFIG_API_VERSION,
                         "kind": "GpuConfig",
-                        "sharing": {
-                            "strategy": "TimeSlicing",
-                            "timeSlicingConfig": {"interval": policy.time_slice_interval},
-                        },
+                        "sharing": sharing,
                     },
                 }
             }

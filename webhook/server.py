@@ -48,11 +48,14 @@ from gpudra.webhook.convert import (
     ConversionPolicy,
     convert_pod,
 )
+from gpudra.webhook.tenants import TenantState
+from gpudra.webhook.validate import driver_classes, validate_claim_object
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram
 from prometheus_client.exposition import generate_latest
 
 __all__ = [
     "MUTATE_PATH",
+    "VALIDATE_CLAIMS_PATH",
     "ReloadingTLSContext",
     "ServerConfig",
     "TemplateEnsurer",
@@ -62,8 +65,14 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 MUTATE_PATH: Final = "/mutate-pods"
+VALIDATE_CLAIMS_PATH: Final = "/validate-claims"
 _ADMISSION_API_VERSION: Final = "admission.k8s.io/v1"
-_KNOWN_PATHS: Final = frozenset({MUTATE_PATH, "/healthz", "/readyz", "/metrics"})
+_KNOWN_PATHS: Final = frozenset(
+    {MUTATE_PATH, VALIDATE_CLAIMS_PATH, "/healthz", "/readyz", "/metrics"}
+)
+_POD_KIND: Final = ("", "v1", "Pod")
+_CLAIM_KIND: Final = ("resource.k8s.io", "v1", "ResourceClaim")
+_TEMPLATE_KIND: Final = ("resource.k8s.io", "v1", "ResourceClaimTemplate")
 _REASONS: Final = {
     100: "Continue",
     200: "OK",
@@ -127,6 +136,9 @@ class ServerConfig:
     """Address to bind; None listens on every interface (IPv4 and IPv6)."""
     port: int = 8443
     policy: ConversionPolicy = DEFAULT_POLICY
+    extra_device_classes: tuple[str, ...] = ()
+    """DeviceClasses of the driver beyond the policy's three (admin-made classes that
+    select its devices): tenant class rules and claim validation cover them too."""
     max_body_bytes: int = 3 * 1024 * 1024
     max_header_bytes: int = 16 * 1024
     handshake_timeout: float = 10.0
@@ -312,10 +324,13 @@ class WebhookServer:
         *,
         registry: CollectorRegistry | None = None,
         ready: Callable[[], bool] | None = None,
+        tenants: TenantState | None = None,
     ) -> None:
         self._config = config
         self._ensure = ensure_templates
         self._ready_check = ready
+        self._tenants = tenants
+        self._classes = driver_classes(config.policy, config.extra_device_classes)
         self.registry = registry if registry is not None else CollectorRegistry()
         self._metrics = _Metrics(self.registry)
         self._tls = ReloadingTLSContext(
@@ -480,6 +495,10 @@ class WebhookServer:
             if method != "POST":
                 return _text(405, f"{path} accepts POST only", "bad_request")
             return await self._mutate(body)
+        if path == VALIDATE_CLAIMS_PATH:
+            if method != "POST":
+                return _text(405, f"{path} accepts POST only", "bad_request")
+            return self._validate_claims(body)
         if path not in _KNOWN_PATHS:
             return _text(404, f"no handler for {path}", "not_found")
         if method != "GET":
@@ -496,6 +515,40 @@ class WebhookServer:
         if not self._serving or self._draining:
             return False
         return self._ready_check() if self._ready_check else True
+
+    def _validate_claims(self, body: bytes) -> _Response:
+        """Hand-written ResourceClaims and templates: tenant rules and opaque configs."""
+        try:
+            uid, request = _read_review(body, (_CLAIM_KIND, _TEMPLATE_KIND))
+        except _BadReview as exc:
+            return _text(400, str(exc), "bad_request")
+        if request.get("operation", "CREATE") != "CREATE":
+            return _review(uid, allowed=True, result="allowed")
+        obj = request.get("object")
+        namespace = request.get("namespace")
+        if not isinstance(obj, dict) or not isinstance(namespace, str) or not namespace:
+            return _text(400, "request.object and request.namespace are required", "bad_request")
+        lookup = self._tenants.lookup(namespace) if self._tenants is not None else None
+        kind = request["kind"]["kind"]
+        verdict = validate_claim_object(
+            obj,
+            template=kind == "ResourceClaimTemplate",
+            policy=self._config.policy,
+            classes=self._classes,
+            rules=lookup.rules if lookup is not None else None,
+            denial=lookup.denial if lookup is not None else "",
+        )
+        if verdict.allowed:
+            return _review(uid, allowed=True, result="allowed")
+        self._metrics.denials.labels("invalid_config" if verdict.invalid else "tenant").inc()
+        name = (obj.get("metadata") or {}).get("name") or "(generated name)"
+        message = f"{kind} {name}: {verdict.message}"
+        logger.info(
+            "denied claim",
+            extra={"fields": {"uid": uid, "namespace": namespace, "error": message}},
+        )
+        code = 400 if verdict.invalid else 403
+        return _review(uid, allowed=False, code=code, message=message, result="denied")
 
     async def _mutate(self, body: bytes) -> _Response:
         try:
@@ -515,14 +568,29 @@ class WebhookServer:
             return _text(400, "request.namespace is missing", "bad_request")
         dry_run = request.get("dryRun") is True
         fields = {"uid": uid, "namespace": namespace, "dry_run": dry_run}
+        policy = self._config.policy
+        lookup = self._tenants.lookup(namespace) if self._tenants is not None else None
+        if lookup is not None and lookup.rules is not None:
+            policy = lookup.rules.policy
         try:
-            conversion = convert_pod(pod, self._config.policy)
+            conversion = convert_pod(pod, policy)
         except ConversionError as exc:
             self._metrics.denials.labels("invalid").inc()
             logger.info("denied pod", extra={"fields": {**fields, "error": str(exc)}})
             return _review(uid, allowed=False, code=400, message=str(exc), result="denied")
         if not conversion.changed:
             return _review(uid, allowed=True, result="allowed")
+        if lookup is not None:
+            assert self._tenants is not None
+            reason = lookup.denial or (
+                lookup.rules.check_pod(conversion, namespace, self._tenants.quota_usage(namespace))
+                if lookup.rules is not None
+                else None
+            )
+            if reason:
+                self._metrics.denials.labels("tenant").inc()
+                logger.info("denied pod", extra={"fields": {**fields, "error": reason}})
+                return _review(uid, allowed=False, code=403, message=reason, result="denied")
         if conversion.templates:
             try:
                 with anyio.fail_after(self._config.ensure_timeout):
@@ -589,8 +657,11 @@ def _parse_head(head: bytes) -> _Request:
     )
 
 
-def _read_review(body: bytes) -> tuple[str, Mapping[str, Any]]:
-    """Validate the AdmissionReview envelope; returns (uid, request)."""
+def _read_review(
+    body: bytes, kinds: tuple[tuple[str, str, str], ...] = (_POD_KIND,)
+) -> tuple[str, Mapping[str, Any]]:
+    """Validate the AdmissionReview envelope for one of `kinds` (group, version, kind);
+    returns (uid, request)."""
     try:
         review = json.loads(body)
     except (ValueError, RecursionError) as exc:
@@ -611,14 +682,19 @@ def _read_review(body: bytes) -> tuple[str, Mapping[str, Any]]:
     if not isinstance(uid, str) or not uid:
         raise _BadReview("AdmissionReview request.uid is missing")
     resource_kind = request.get("kind")
-    if not isinstance(resource_kind, dict) or (
-        resource_kind.get("group", ""),
-        resource_kind.get("version"),
-        resource_kind.get("kind"),
-    ) != ("", "v1", "Pod"):
+    if (
+        not isinstance(resource_kind, dict)
+        or (
+            resource_kind.get("group", ""),
+            resource_kind.get("version"),
+            resource_kind.get("kind"),
+        )
+        not in kinds
+    ):
+        wanted = ", ".join(f"{g or 'core'}/{v} {k}" for g, v, k in kinds)
         raise _BadReview(
-            f"unsupported resource kind {resource_kind!r}: this webhook admits core/v1 "
-            "Pods only; restrict the webhook rules to pods"
+            f"unsupported resource kind {resource_kind!r}: this path admits {wanted} only; "
+            "restrict the webhook rules to those resources"
         )
     return uid, request
 
@@ -638,7 +714,7 @@ def _review(
         response["status"] = {
             "status": "Failure",
             "code": code,
-            "reason": "BadRequest" if code == 400 else "InternalError",
+            "reason": {400: "BadRequest", 403: "Forbidden"}.get(code, "InternalError"),
             "message": message,
         }
     if conversion is not None and conversion.patch:

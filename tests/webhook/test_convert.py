@@ -6,6 +6,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import pytest
+from gpudra.webhook import registration
 from gpudra.webhook.convert import (
     OPT_OUT_LABEL,
     ConversionError,
@@ -510,3 +511,32 @@ def test_malformed_pods(mutate: Callable[[dict[str, Any]], None], expected: str)
     p = copy.deepcopy(pod(container("a", {"nvidia.com/gpu": "1"})))
     mutate(p)
     assert expected in _error(p)
+
+
+def test_resources_a_device_class_maps_itself_are_left_to_the_scheduler(
+    apply_patch: Patcher,
+) -> None:
+    native = ConversionPolicy(native_resources=frozenset({"nvidia.com/gpu"}))
+    only_native = pod(container("a", {"nvidia.com/gpu": "1"}))
+    assert not convert_pod(only_native, native).changed
+
+    mixed = pod(container("a", {"nvidia.com/gpu": "1", "nvidia.com/mig-1g.10gb": "1"}))
+    result, out = converted(mixed, apply_patch, native)
+    assert [c.kind for c in result.claims] == [DeviceKind.MIG]
+    assert out["spec"]["containers"][0]["resources"]["limits"] == {"nvidia.com/gpu": "1"}
+
+
+def test_registration_skips_pods_that_only_ask_for_native_resources() -> None:
+    config = registration.mutating_configuration(
+        ca_bundle_b64="",
+        own_namespace="gpudra",
+        url="https://127.0.0.1:1",
+        native_resources=["nvidia.com/gpu"],
+    )
+    [condition] = config["webhooks"][0]["matchConditions"]
+    assert "k != 'nvidia.com/gpu'" in condition["expression"]
+    assert condition["expression"].count("k.startsWith('nvidia.com/')") == 3
+    default = registration.mutating_configuration(
+        ca_bundle_b64="", own_namespace="gpudra", url="https://127.0.0.1:1"
+    )
+    assert default["webhooks"][0]["matchConditions"][0]["expression"] == registration.GPU_POD_CEL

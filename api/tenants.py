@@ -1,0 +1,460 @@
+"""GpuTenant (``gpudra.io/v1alpha1``): per-tenant GPU rules for the admission webhook.
+
+A cluster-scoped object selects namespaces (``namespaceSelector`` and/or an explicit
+``namespaces`` list) and sets what pods and claims there may ask for: devices per pod,
+DeviceClasses, MIG profiles, sharing modes, what ``nvidia.com/gpu`` means, and an
+aggregate device quota per DeviceClass.
+
+The pydantic models here are the one definition: the webhook parses tenants with them
+(strict types, unknown fields rejected, every error names its field path) and
+`crd_manifest` derives the CRD's OpenAPI v3 structural schema from them, so the schema
+the API server enforces cannot drift from what the webhook accepts. The rendered CRD is
+committed as ``api/crds/gpudra.io_gputenants.yaml`` for the Helm chart; regenerate it
+with ``python -m gpudra.api.tenants > api/crds/gpudra.io_gputenants.yaml``.
+
+Overlapping tenants resolve by specificity (see `GpuTenantSpec.selects`): a tenant
+that names a namespace in ``namespaces`` wins over one that only selects it by label;
+two tenants of equal specificity are a conflict, and the webhook then denies GPU pods
+and claims there with a message naming both (no rule set is silently picked).
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Annotated, Any, Final, Literal, Self, TypeAlias, get_args
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+__all__ = [
+    "API_VERSION",
+    "GROUP",
+    "KIND",
+    "MIG_PROFILE_RE",
+    "PLURAL",
+    "QUOTA_RESOURCE_SUFFIX",
+    "SHARING_MODES",
+    "VERSION",
+    "GpuResourceMapping",
+    "GpuTenantSpec",
+    "LabelSelector",
+    "LabelSelectorRequirement",
+    "SharingMode",
+    "Specificity",
+    "Tenant",
+    "TenantError",
+    "crd_manifest",
+    "crd_yaml",
+    "parse_tenant",
+    "quota_key",
+]
+
+GROUP: Final = "gpudra.io"
+VERSION: Final = "v1alpha1"
+API_VERSION: Final = f"{GROUP}/{VERSION}"
+KIND: Final = "GpuTenant"
+PLURAL: Final = "gputenants"
+SINGULAR: Final = "gputenant"
+# ResourceQuota counts the devices that claims in a namespace request per DeviceClass
+# under "<class>.deviceclass.resource.k8s.io/devices" (checked on the real API server).
+QUOTA_RESOURCE_SUFFIX: Final = ".deviceclass.resource.k8s.io/devices"
+# A claim holds at most 32 devices; the quota counts allocationMode All as 32.
+MAX_DEVICES_PER_CLAIM: Final = 32
+MAX_QUOTA: Final = 1_000_000
+
+SharingMode: TypeAlias = Literal["Exclusive", "TimeSlicing", "MPS"]
+SHARING_MODES: Final[tuple[SharingMode, ...]] = get_args(SharingMode)
+TimeSliceInterval: TypeAlias = Literal["Default", "Short", "Medium", "Long"]
+
+# GPU-instance profiles as the device plugin names them ("1g.10gb", "1g.10gb+me",
+# "1g.24gb-me", "1g.24gb+me.all", "1g.24gb+gfx"), optionally with a compute-instance
+# prefix ("1c.3g.40gb"). The conversion webhook uses the same pattern.
+MIG_PROFILE_RE: Final = re.compile(
+    r"(?:(?P<ci>[1-7])c\.)?(?P<gi>[1-7])g\.(?P<mem>[1-9][0-9]{0,3})gb"
+    r"(?P<suffix>\+me\.all|\+me|\+gfx|-me)?"
+)
+_DNS_LABEL: Final = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+_DNS_SUBDOMAIN: Final = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+# Schema patterns take no named groups.
+_MIG_PROFILE_PATTERN: Final = "^" + re.sub(r"\?P<\w+>", "?:", MIG_PROFILE_RE.pattern) + "$"
+_MAX_MAP_KEYS: Final = 64
+
+NamespaceName = Annotated[str, Field(pattern=_DNS_LABEL, max_length=63)]
+DeviceClassName = Annotated[str, Field(pattern=_DNS_SUBDOMAIN, max_length=253)]
+MigProfile = Annotated[str, Field(pattern=_MIG_PROFILE_PATTERN, max_length=32)]
+
+
+def quota_key(device_class: str) -> str:
+    """The ResourceQuota resource name that counts `device_class` devices."""
+    return device_class + QUOTA_RESOURCE_SUFFIX
+
+
+class TenantError(ValueError):
+    """An invalid GpuTenant; one line per problem, each naming its field path."""
+
+    def __init__(self, name: str, issues: list[str]) -> None:
+        self.name = name
+        self.issues = tuple(issues)
+        super().__init__(f"GpuTenant {name}: " + "; ".join(issues))
+
+
+class _Model(BaseModel):
+    """Wire model: camelCase names only, strict JSON types, unknown fields rejected."""
+
+    model_config = ConfigDict(
+        extra="forbid",
+        frozen=True,
+        strict=True,
+        validate_by_alias=True,
+        validate_by_name=False,
+        serialize_by_alias=True,
+    )
+
+
+class LabelSelectorRequirement(_Model):
+    """One matchExpressions entry, as in a Kubernetes LabelSelector."""
+
+    key: str = Field(min_length=1, max_length=317)
+    operator: Literal["In", "NotIn", "Exists", "DoesNotExist"]
+    values: list[str] | None = None
+
+    @model_validator(mode="after")
+    def _values_fit_operator(self) -> Self:
+        if self.operator in ("In", "NotIn") and not self.values:
+            raise ValueError(f"operator {self.operator} needs a non-empty values list")
+        if self.operator in ("Exists", "DoesNotExist") and self.values:
+            raise ValueError(f"operator {self.operator} takes no values; remove values")
+        return self
+
+    def matches(self, labels: Mapping[str, str]) -> bool:
+        if self.operator == "Exists":
+            return self.key in labels
+        if self.operator == "DoesNotExist":
+            return self.key not in labels
+        inside = self.key in labels and labels[self.key] in (self.values or ())
+        return inside if self.operator == "In" else not inside
+
+
+class LabelSelector(_Model):
+    """Kubernetes LabelSelector semantics: all terms must hold; empty selects everything."""
+
+    match_labels: dict[str, str] | None = Field(default=None, alias="matchLabels")
+    match_expressions: list[LabelSelectorRequirement] | None = Field(
+        default=None, alias="matchExpressions"
+    )
+
+    def matches(self, labels: Mapping[str, str]) -> bool:
+        for key, value in (self.match_labels or {}).items():
+            if labels.get(key) != value:
+                return False
+        return all(r.matches(labels) for r in self.match_expressions or ())
+
+
+class GpuResourceMapping(_Model):
+    """What a legacy ``nvidia.com/gpu: N`` request becomes in the tenant's namespaces."""
+
+    sharing: SharingMode = Field(
+        default="Exclusive",
+        description="Exclusive: N whole GPUs; TimeSlicing or MPS: N GPUs shared between "
+        "the pod's containers with that strategy (also applies to nvidia.com/gpu.shared).",
+    )
+    time_slicing_interval: TimeSliceInterval | None = Field(
+        default=None,
+        alias="timeSlicingInterval",
+        description="Time slice for sharing TimeSlicing (default: Default).",
+    )
+
+    @model_validator(mode="after")
+    def _interval_needs_time_slicing(self) -> Self:
+        if self.time_slicing_interval is not None and self.sharing != "TimeSlicing":
+            raise ValueError(
+                f"timeSlicingInterval only applies to sharing TimeSlicing (sharing is "
+                f"{self.sharing}); remove it or set sharing: TimeSlicing"
+            )
+        return self
+
+
+class Specificity(IntEnum):
+    """How a tenant selects a namespace; the higher value wins an overlap."""
+
+    LABEL = 1
+    NAME = 2
+
+
+class GpuTenantSpec(_Model):
+    """Which namespaces belong to the tenant and what GPU use is allowed there."""
+
+    namespace_selector: LabelSelector | None = Field(
+        default=None,
+        alias="namespaceSelector",
+        description="Namespaces whose labels match belong to the tenant ({} selects all).",
+    )
+    namespaces: list[NamespaceName] | None = Field(
+        default=None,
+        description="Namespaces that belong to the tenant by name; a namespace listed here "
+        "wins over tenants that only select it by label.",
+    )
+    max_devices_per_pod: int | None = Field(
+        default=None,
+        alias="maxDevicesPerPod",
+        ge=1,
+        le=MAX_DEVICES_PER_CLAIM * 8,
+        description="Most devices one pod may ask for through nvidia.com/* resources, and "
+        "one hand-written ResourceClaim or ResourceClaimTemplate may request.",
+    )
+    allowed_device_classes: list[DeviceClassName] | None = Field(
+        default=None,
+        alias="allowedDeviceClasses",
+        description="The driver's DeviceClasses the tenant may use (unset: all).",
+    )
+    allowed_mig_profiles: list[MigProfile] | None = Field(
+        default=None,
+        alias="allowedMigProfiles",
+        description="MIG profiles the tenant may use, e.g. 1g.10gb (unset: all; empty: none).",
+    )
+    allowed_sharing: list[SharingMode] | None = Field(
+        default=None,
+        alias="allowedSharing",
+        description="Sharing modes the tenant may use: Exclusive, TimeSlicing, MPS (unset: all).",
+    )
+    gpu_resource: GpuResourceMapping | None = Field(
+        default=None,
+        alias="gpuResource",
+        description="What nvidia.com/gpu maps to (default: whole, exclusive GPUs).",
+    )
+    device_quota: dict[DeviceClassName, Annotated[int, Field(ge=0, le=MAX_QUOTA)]] | None = Field(
+        default=None,
+        alias="deviceQuota",
+        description="Most devices per DeviceClass that claims in each selected namespace "
+        "may request together; enforced by a ResourceQuota the webhook keeps there.",
+    )
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Self:
+        if self.namespace_selector is None and self.namespaces is None:
+            raise ValueError(
+                "selects no namespace: set namespaceSelector (a label selector) or "
+                "namespaces (a list of names)"
+            )
+        mapped = self.gpu_resource.sharing if self.gpu_resource else "Exclusive"
+        if self.allowed_sharing is not None and mapped not in self.allowed_sharing:
+            raise ValueError(
+                f"gpuResource.sharing is {mapped} but allowedSharing is "
+                f"[{', '.join(self.allowed_sharing)}], so every nvidia.com/gpu pod would be "
+                f"denied: add {mapped} to allowedSharing or change gpuResource.sharing"
+            )
+        return self
+
+    def selects(self, namespace: str, labels: Mapping[str, str]) -> Specificity | None:
+        """How this tenant selects `namespace` (None: not at all)."""
+        if self.namespaces is not None and namespace in self.namespaces:
+            return Specificity.NAME
+        if self.namespace_selector is not None and self.namespace_selector.matches(labels):
+            return Specificity.LABEL
+        return None
+
+    @property
+    def gpu_sharing(self) -> SharingMode:
+        return self.gpu_resource.sharing if self.gpu_resource else "Exclusive"
+
+    def allows_sharing(self, mode: str) -> bool:
+        return self.allowed_sharing is None or mode in self.allowed_sharing
+
+    def allows_class(self, device_class: str) -> bool:
+        return self.allowed_device_classes is None or device_class in self.allowed_device_classes
+
+    def allows_mig_profile(self, profile: str) -> bool:
+        return self.allowed_mig_profiles is None or profile in self.allowed_mig_profiles
+
+
+@dataclass(frozen=True)
+class Tenant:
+    """A parsed GpuTenant object."""
+
+    name: str
+    spec: GpuTenantSpec
+    generation: int = 0
+
+    @property
+    def label(self) -> str:
+        """How messages name it: ``tenant "team-a" (GpuTenant team-a)``."""
+        return f'tenant "{self.name}" ({KIND} {self.name})'
+
+
+def parse_tenant(obj: Mapping[str, Any]) -> Tenant:
+    """Validate a GpuTenant API object; raises TenantError naming each bad field."""
+    metadata = obj.get("metadata")
+    name = metadata.get("name") if isinstance(metadata, Mapping) else None
+    if not isinstance(name, str) or not name:
+        raise TenantError("<unnamed>", ["metadata.name: required field is missing"])
+    if obj.get("apiVersion") != API_VERSION or obj.get("kind") != KIND:
+        raise TenantError(
+            name,
+            [
+                f"apiVersion/kind must be {API_VERSION} {KIND}, got {obj.get('apiVersion')!r} "
+                f"{obj.get('kind')!r}"
+            ],
+        )
+    raw_spec = obj.get("spec")
+    if not isinstance(raw_spec, Mapping):
+        raise TenantError(name, ["spec: required object is missing"])
+    try:
+        spec = GpuTenantSpec.model_validate(raw_spec)
+    except ValidationError as exc:
+        raise TenantError(name, _issues(exc)) from None
+    generation = metadata.get("generation", 0) if isinstance(metadata, Mapping) else 0
+    return Tenant(name, spec, generation if isinstance(generation, int) else 0)
+
+
+def _issues(exc: ValidationError) -> list[str]:
+    issues: list[str] = []
+    for error in exc.errors(include_url=False):
+        path = "spec"
+        for part in error["loc"]:
+            path += f"[{part}]" if isinstance(part, int) else f".{part}"
+        if error["type"] == "extra_forbidden":
+            message = "unknown field; remove it (see the GpuTenant CRD for the accepted fields)"
+        else:
+            message = error["msg"].removeprefix("Value error, ")
+            if error["type"] != "value_error" and "input" in error:
+                message += f" (got {error['input']!r})"
+        issues.append(f"{path}: {message}")
+    return issues
+
+
+# --- CRD ----------------------------------------------------------------------------------
+
+# JSON-schema keys a CRD structural schema keeps; everything else (titles, defaults that
+# would be written into stored objects, additionalProperties: false) is dropped.
+_KEEP: Final = frozenset(
+    {"type", "description", "enum", "pattern", "minimum", "maximum", "minLength", "maxLength"}
+)
+
+
+def _structural(node: Mapping[str, Any], defs: Mapping[str, Any]) -> dict[str, Any]:
+    """Turn pydantic's JSON schema into an OpenAPI v3 structural schema (no refs, no
+    anyOf with null, every node typed)."""
+    if "$ref" in node:
+        target = defs[node["$ref"].rsplit("/", 1)[-1]]
+        merged = {**target, **{k: v for k, v in node.items() if k != "$ref"}}
+        return _structural(merged, defs)
+    if "anyOf" in node:
+        options = [o for o in node["anyOf"] if o.get("type") != "null"]
+        if len(options) != 1:
+            raise ValueError(f"cannot express {node} in a structural schema")
+        rest = {k: v for k, v in node.items() if k not in ("anyOf", "default")}
+        return _structural({**options[0], **rest}, defs)
+    if "const" in node:
+        node = {**node, "enum": [node["const"]]}
+    out = {k: v for k, v in node.items() if k in _KEEP}
+    if "enum" in node and "type" not in out:
+        out["type"] = "string"
+    kind = out.get("type")
+    if kind == "object":
+        properties = node.get("properties")
+        if properties:
+            out["properties"] = {k: _structural(v, defs) for k, v in properties.items()}
+            if node.get("required"):
+                out["required"] = list(node["required"])
+        extra = node.get("additionalProperties")
+        if isinstance(extra, Mapping):
+            out["additionalProperties"] = _structural(extra, defs)
+        keyed = node.get("patternProperties")
+        if keyed:
+            # Constrained map keys: CRDs have no patternProperties, so the key rule becomes
+            # a CEL validation and the value schema the additionalProperties.
+            ((key_pattern, value_schema),) = keyed.items()
+            out["additionalProperties"] = _structural(value_schema, defs)
+            out["maxProperties"] = _MAX_MAP_KEYS
+            out["x-kubernetes-validations"] = [
+                {
+                    "rule": f"self.all(k, k.matches(r'{key_pattern}'))",
+                    "message": "keys must be DeviceClass names (lowercase DNS subdomains)",
+                }
+            ]
+    elif kind == "array":
+        out["items"] = _structural(node["items"], defs)
+    return out
+
+
+def crd_manifest() -> dict[str, Any]:
+    """The GpuTenant CustomResourceDefinition (apiextensions.k8s.io/v1)."""
+    schema = GpuTenantSpec.model_json_schema(by_alias=True, mode="validation")
+    spec_schema = _structural(schema, schema.get("$defs", {}))
+    spec_schema["x-kubernetes-validations"] = [
+        {
+            "rule": "has(self.namespaceSelector) || has(self.namespaces)",
+            "message": "selects no namespace: set namespaceSelector or namespaces",
+        }
+    ]
+    spec_schema["description"] = (
+        "Which namespaces belong to the tenant and what GPU use is allowed there. Set "
+        "namespaceSelector and/or namespaces."
+    )
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {"name": f"{PLURAL}.{GROUP}"},
+        "spec": {
+            "group": GROUP,
+            "names": {
+                "kind": KIND,
+                "listKind": f"{KIND}List",
+                "plural": PLURAL,
+                "singular": SINGULAR,
+            },
+            "scope": "Cluster",
+            "versions": [
+                {
+                    "name": VERSION,
+                    "served": True,
+                    "storage": True,
+                    "schema": {
+                        "openAPIV3Schema": {
+                            "type": "object",
+                            "description": "GPU rules and device quota for a set of "
+                            "namespaces, enforced by the gpudra admission webhook.",
+                            "required": ["spec"],
+                            "properties": {
+                                "apiVersion": {"type": "string"},
+                                "kind": {"type": "string"},
+                                "metadata": {"type": "object"},
+                                "spec": spec_schema,
+                            },
+                        }
+                    },
+                    "additionalPrinterColumns": [
+                        {
+                            "name": "Max/Pod",
+                            "type": "integer",
+                            "jsonPath": ".spec.maxDevicesPerPod",
+                        },
+                        {
+                            "name": "GPU",
+                            "type": "string",
+                            "jsonPath": ".spec.gpuResource.sharing",
+                        },
+                        {
+                            "name": "Age",
+                            "type": "date",
+                            "jsonPath": ".metadata.creationTimestamp",
+                        },
+                    ],
+                }
+            ],
+        },
+    }
+
+
+def crd_yaml() -> str:
+    """The CRD as the committed YAML file holds it."""
+    header = "# Generated by `python -m gpudra.api.tenants` from api/tenants.py; do not edit.\n"
+    return header + yaml.safe_dump(crd_manifest(), sort_keys=False, width=100)
+
+
+if __name__ == "__main__":
+    sys.stdout.write(crd_yaml())

@@ -1,0 +1,207 @@
+"""GpuTenant model: strict parsing with field paths, selection, and the generated CRD."""
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from gpudra.api.tenants import (
+    API_VERSION,
+    GpuTenantSpec,
+    LabelSelector,
+    Specificity,
+    TenantError,
+    crd_manifest,
+    crd_yaml,
+    parse_tenant,
+    quota_key,
+)
+
+CRD_FILE = Path(__file__).resolve().parents[2] / "api" / "crds" / "gpudra.io_gputenants.yaml"
+
+
+def tenant(name: str = "team-a", **spec: Any) -> dict[str, Any]:
+    return {
+        "apiVersion": API_VERSION,
+        "kind": "GpuTenant",
+        "metadata": {"name": name},
+        "spec": spec,
+    }
+
+
+def errors(obj: dict[str, Any]) -> str:
+    with pytest.raises(TenantError) as err:
+        parse_tenant(obj)
+    return str(err.value)
+
+
+def test_full_tenant_parses() -> None:
+    t = parse_tenant(
+        tenant(
+            namespaceSelector={"matchLabels": {"team": "a"}},
+            namespaces=["ml-a"],
+            maxDevicesPerPod=4,
+            allowedDeviceClasses=["gpu.nvidia.com", "mig.nvidia.com"],
+            allowedMigProfiles=["1g.10gb", "3g.40gb"],
+            allowedSharing=["Exclusive", "TimeSlicing"],
+            gpuResource={"sharing": "TimeSlicing", "timeSlicingInterval": "Long"},
+            deviceQuota={"gpu.nvidia.com": 4, "mig.nvidia.com": 0},
+        )
+    )
+    spec = t.spec
+    assert t.name == "team-a"
+    assert t.label == 'tenant "team-a" (GpuTenant team-a)'
+    assert spec.max_devices_per_pod == 4
+    assert spec.gpu_sharing == "TimeSlicing"
+    assert spec.device_quota == {"gpu.nvidia.com": 4, "mig.nvidia.com": 0}
+    assert spec.allows_class("mig.nvidia.com") and not spec.allows_class("other.example.com")
+    assert spec.allows_mig_profile("1g.10gb") and not spec.allows_mig_profile("7g.80gb")
+    assert spec.allows_sharing("Exclusive") and not spec.allows_sharing("MPS")
+
+
+def test_unset_lists_allow_everything_and_empty_lists_nothing() -> None:
+    spec = parse_tenant(tenant(namespaces=["a"])).spec
+    assert spec.allows_class("x.example.com") and spec.allows_sharing("MPS")
+    assert spec.allows_mig_profile("7g.80gb")
+    none = parse_tenant(tenant(namespaces=["a"], allowedMigProfiles=[])).spec
+    assert not none.allows_mig_profile("1g.10gb")
+
+
+@pytest.mark.parametrize(
+    ("spec", "expected"),
+    [
+        (
+            {"namespaces": ["a"], "allowedSharing": ["Exclusive", "Shared"]},
+            "spec.allowedSharing[1]: Input should be 'Exclusive', 'TimeSlicing' or 'MPS'",
+        ),
+        ({"namespaces": ["a"], "maxDevicePerPod": 4}, "spec.maxDevicePerPod: unknown field"),
+        ({"namespaces": ["a"], "maxDevicesPerPod": "4"}, "spec.maxDevicesPerPod: Input should"),
+        ({"namespaces": ["a"], "maxDevicesPerPod": 0}, "spec.maxDevicesPerPod: Input should be"),
+        ({"namespaces": ["a"], "deviceQuota": {"gpu.nvidia.com": -1}}, "spec.deviceQuota."),
+        ({"namespaces": ["Team_A"]}, "spec.namespaces[0]: String should match pattern"),
+        ({"namespaces": ["a"], "allowedMigProfiles": ["9g.80gb"]}, "spec.allowedMigProfiles[0]"),
+        ({"maxDevicesPerPod": 2}, "spec: selects no namespace: set namespaceSelector"),
+        (
+            {"namespaces": ["a"], "gpuResource": {"sharing": "MPS", "timeSlicingInterval": "Long"}},
+            "spec.gpuResource: timeSlicingInterval only applies to sharing TimeSlicing",
+        ),
+        (
+            {
+                "namespaces": ["a"],
+                "allowedSharing": ["Exclusive"],
+                "gpuResource": {"sharing": "MPS"},
+            },
+            "gpuResource.sharing is MPS but allowedSharing is [Exclusive]",
+        ),
+        (
+            {"namespaceSelector": {"matchExpressions": [{"key": "k", "operator": "In"}]}},
+            "spec.namespaceSelector.matchExpressions[0]: operator In needs a non-empty values",
+        ),
+    ],
+)
+def test_errors_name_the_field(spec: dict[str, Any], expected: str) -> None:
+    message = errors(tenant(**spec))
+    assert message.startswith("GpuTenant team-a: ")
+    assert expected in message
+
+
+def test_wrong_kind_and_missing_spec_are_errors() -> None:
+    assert "apiVersion/kind must be gpudra.io/v1alpha1 GpuTenant" in errors(
+        {**tenant(namespaces=["a"]), "kind": "Tenant"}
+    )
+    obj = tenant()
+    del obj["spec"]
+    assert "spec: required object is missing" in errors(obj)
+
+
+def test_label_selector_semantics() -> None:
+    sel = LabelSelector.model_validate(
+        {
+            "matchLabels": {"team": "a"},
+            "matchExpressions": [
+                {"key": "env", "operator": "In", "values": ["dev", "prod"]},
+                {"key": "frozen", "operator": "DoesNotExist"},
+            ],
+        }
+    )
+    assert sel.matches({"team": "a", "env": "dev"})
+    assert not sel.matches({"team": "a", "env": "test"})
+    assert not sel.matches({"team": "a", "env": "dev", "frozen": "1"})
+    assert not sel.matches({"team": "b", "env": "dev"})
+    assert LabelSelector.model_validate({}).matches({"anything": "x"})
+    not_in = LabelSelector.model_validate(
+        {"matchExpressions": [{"key": "tier", "operator": "NotIn", "values": ["gold"]}]}
+    )
+    assert not_in.matches({}) and not not_in.matches({"tier": "gold"})
+
+
+def test_selection_specificity() -> None:
+    spec = GpuTenantSpec.model_validate(
+        {"namespaces": ["ml-a"], "namespaceSelector": {"matchLabels": {"team": "a"}}}
+    )
+    assert spec.selects("ml-a", {}) is Specificity.NAME
+    assert spec.selects("other", {"team": "a"}) is Specificity.LABEL
+    assert spec.selects("other", {"team": "b"}) is None
+    assert Specificity.NAME > Specificity.LABEL
+
+
+def test_quota_key_matches_the_api_server_resource_name() -> None:
+    assert quota_key("gpu.nvidia.com") == "gpu.nvidia.com.deviceclass.resource.k8s.io/devices"
+
+
+def test_committed_crd_is_the_generated_one() -> None:
+    assert CRD_FILE.read_text() == crd_yaml(), (
+        "api/crds/gpudra.io_gputenants.yaml is stale: regenerate it with "
+        "`python -m gpudra.api.tenants > api/crds/gpudra.io_gputenants.yaml`"
+    )
+    assert yaml.safe_load(CRD_FILE.read_text()) == crd_manifest()
+
+
+def _walk(node: Any, path: str = "schema") -> list[str]:
+    """Nodes that break the structural-schema rules the API server enforces."""
+    problems: list[str] = []
+    if not isinstance(node, dict):
+        return problems
+    for banned in ("$ref", "anyOf", "oneOf", "allOf", "patternProperties", "title", "default"):
+        if banned in node:
+            problems.append(f"{path}: {banned}")
+    if "type" not in node:
+        problems.append(f"{path}: no type")
+    if "properties" in node and "additionalProperties" in node:
+        problems.append(f"{path}: properties with additionalProperties")
+    for key, child in (node.get("properties") or {}).items():
+        problems += _walk(child, f"{path}.{key}")
+    if isinstance(node.get("items"), dict):
+        problems += _walk(node["items"], f"{path}[]")
+    if isinstance(node.get("additionalProperties"), dict):
+        problems += _walk(node["additionalProperties"], f"{path}{{}}")
+    return problems
+
+
+def test_crd_schema_is_structural_and_complete() -> None:
+    crd = crd_manifest()
+    assert crd["metadata"]["name"] == "gputenants.gpudra.io"
+    assert crd["spec"]["scope"] == "Cluster"
+    (version,) = crd["spec"]["versions"]
+    assert version["name"] == "v1alpha1" and version["served"] and version["storage"]
+    schema = version["schema"]["openAPIV3Schema"]
+    assert _walk(schema) == []
+    spec = schema["properties"]["spec"]["properties"]
+    assert set(spec) == {
+        "namespaceSelector",
+        "namespaces",
+        "maxDevicesPerPod",
+        "allowedDeviceClasses",
+        "allowedMigProfiles",
+        "allowedSharing",
+        "gpuResource",
+        "deviceQuota",
+    }
+    assert spec["allowedSharing"]["items"]["enum"] == ["Exclusive", "TimeSlicing", "MPS"]
+    assert spec["maxDevicesPerPod"]["minimum"] == 1
+    assert spec["deviceQuota"]["additionalProperties"] == {
+        "maximum": 1_000_000,
+        "minimum": 0,
+        "type": "integer",
+    }
+    assert "?P<" not in spec["allowedMigProfiles"]["items"]["pattern"]

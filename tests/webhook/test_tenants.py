@@ -1,0 +1,273 @@
+"""Tenant resolution, per-tenant conversion policy, pod rule checks and desired quotas."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gpudra.api.tenants import API_VERSION, parse_tenant
+from gpudra.webhook.convert import DeviceKind, convert_pod
+from gpudra.webhook.tenants import (
+    MANAGED_BY_LABEL,
+    MANAGED_BY_VALUE,
+    QUOTA_NAME,
+    TENANT_LABEL,
+    QuotaUsage,
+    TenantRules,
+    TenantState,
+    policy_for,
+)
+
+KEY = "gpu.nvidia.com.deviceclass.resource.k8s.io/devices"
+
+
+def tenant(name: str, **spec: Any) -> dict[str, Any]:
+    return {
+        "apiVersion": API_VERSION,
+        "kind": "GpuTenant",
+        "metadata": {"name": name},
+        "spec": spec,
+    }
+
+
+def namespace(name: str, phase: str = "Active", **labels: str) -> dict[str, Any]:
+    return {"metadata": {"name": name, "labels": labels}, "status": {"phase": phase}}
+
+
+def quota(ns: str, owner: str, hard: int, used: int = 0) -> dict[str, Any]:
+    return {
+        "metadata": {
+            "name": QUOTA_NAME,
+            "namespace": ns,
+            "uid": f"uid-{ns}",
+            "labels": {MANAGED_BY_LABEL: MANAGED_BY_VALUE, TENANT_LABEL: owner},
+        },
+        "spec": {"hard": {KEY: str(hard)}},
+        "status": {"hard": {KEY: str(hard)}, "used": {KEY: str(used)}},
+    }
+
+
+def state(
+    tenants: list[dict[str, Any]],
+    namespaces: list[dict[str, Any]],
+    quotas: list[dict[str, Any]] = (),  # type: ignore[assignment]
+) -> TenantState:
+    s = TenantState()
+    s.replace("tenants", tenants)
+    s.replace("namespaces", namespaces)
+    s.replace("quotas", quotas)
+    return s
+
+
+def rules(**spec: Any) -> TenantRules:
+    t = parse_tenant(tenant("team-a", namespaces=["ns"], **spec))
+    return TenantRules(t, policy_for(t))
+
+
+def pod(*containers: tuple[str, dict[str, str]], init: tuple[str, dict[str, str]] | None = None):
+    def c(name: str, limits: dict[str, str]) -> dict[str, Any]:
+        return {"name": name, "image": "cuda", "resources": {"limits": limits}}
+
+    p: dict[str, Any] = {
+        "metadata": {"name": "p", "namespace": "ns"},
+        "spec": {"containers": [c(n, lim) for n, lim in containers]},
+    }
+    if init:
+        p["spec"]["initContainers"] = [c(*init)]
+    return p
+
+
+def test_nothing_applies_without_tenants() -> None:
+    s = state([], [namespace("ns")])
+    assert s.lookup("ns").rules is None and not s.lookup("ns").denial
+    assert s.desired_quotas() == {}
+
+
+def test_denied_until_every_watch_listed() -> None:
+    s = TenantState()
+    s.replace("tenants", [])
+    s.replace("namespaces", [])
+    assert "has not loaded the GpuTenant rules" in s.lookup("ns").denial
+    s.replace("quotas", [])
+    assert s.lookup("ns").denial == ""
+
+
+def test_label_and_name_selection() -> None:
+    s = state(
+        [tenant("team-a", namespaceSelector={"matchLabels": {"team": "a"}})],
+        [namespace("a1", team="a"), namespace("b1", team="b")],
+    )
+    a1 = s.lookup("a1").rules
+    assert a1 is not None and a1.tenant.name == "team-a"
+    assert s.lookup("b1").rules is None
+    assert "not in the gpudra webhook's cache yet" in s.lookup("unknown").denial
+
+
+def test_listed_namespace_wins_over_label_selection() -> None:
+    s = state(
+        [
+            tenant("broad", namespaceSelector={}),
+            tenant("narrow", namespaces=["special"]),
+        ],
+        [namespace("special"), namespace("other")],
+    )
+    special, other = s.lookup("special").rules, s.lookup("other").rules
+    assert special is not None and special.tenant.name == "narrow"
+    assert other is not None and other.tenant.name == "broad"
+
+
+def test_equal_specificity_is_a_conflict_naming_both() -> None:
+    s = state(
+        [
+            tenant("team-b", namespaceSelector={"matchLabels": {"gpu": "yes"}}),
+            tenant("team-a", namespaceSelector={}, deviceQuota={"gpu.nvidia.com": 8}),
+        ],
+        [namespace("shared", gpu="yes")],
+    )
+    found = s.lookup("shared")
+    assert found.rules is None
+    assert 'GpuTenants "team-a" and "team-b" with equal specificity' in found.denial
+
+
+def test_conflict_quota_takes_the_smallest_limit() -> None:
+    s = state(
+        [
+            tenant("team-a", namespaces=["shared"], deviceQuota={"gpu.nvidia.com": 8}),
+            tenant(
+                "team-b",
+                namespaces=["shared"],
+                deviceQuota={"gpu.nvidia.com": 2, "mig.nvidia.com": 5},
+            ),
+        ],
+        [namespace("shared")],
+    )
+    hard, owner = s.desired_quotas()["shared"]
+    assert hard == {KEY: "2", "mig.nvidia.com.deviceclass.resource.k8s.io/devices": "5"}
+    assert owner == "team-a.team-b"
+
+
+def test_desired_quotas_follow_selection_and_skip_terminating() -> None:
+    s = state(
+        [
+            tenant(
+                "team-a",
+                namespaceSelector={"matchLabels": {"team": "a"}},
+                deviceQuota={"gpu.nvidia.com": 4},
+            )
+        ],
+        [namespace("a1", team="a"), namespace("a2", "Terminating", team="a"), namespace("b")],
+    )
+    assert s.desired_quotas() == {"a1": ({KEY: "4"}, "team-a")}
+    assert s.lookup("a1").rules is not None
+    s.event("namespaces", "MODIFIED", namespace("a1", team="b"))
+    assert s.desired_quotas() == {}
+    assert s.lookup("a1").rules is None
+    s.event("namespaces", "MODIFIED", namespace("a1", team="a"))
+    s.event("tenants", "DELETED", tenant("team-a"))
+    assert s.desired_quotas() == {}
+
+
+def test_invalid_tenant_keeps_its_quota_and_fails_closed() -> None:
+    bad = tenant("team-a", namespaces=["a1"], maxDevicesPerPod="four")
+    s = state([bad], [namespace("a1")], [quota("a1", "team-a", 4)])
+    assert "team-a" in s.invalid and "spec.maxDevicesPerPod" in s.invalid["team-a"]
+    assert s.desired_quotas() == {"a1": ({KEY: "4"}, "team-a")}
+    assert "belongs to GpuTenant team-a, which is invalid" in s.lookup("a1").denial
+
+
+def test_quota_usage_from_status() -> None:
+    s = state(
+        [tenant("team-a", namespaces=["a1"])], [namespace("a1")], [quota("a1", "team-a", 4, 3)]
+    )
+    assert s.quota_usage("a1") == QuotaUsage({"gpu.nvidia.com": 4}, {"gpu.nvidia.com": 3})
+    assert s.quota_usage("other") is None
+    s.event("quotas", "MODIFIED", quota("a1", "team-a", 4, 4))
+    assert s.quota_usage("a1") == QuotaUsage({"gpu.nvidia.com": 4}, {"gpu.nvidia.com": 4})
+
+
+def test_max_devices_per_pod_message_names_rule_limit_and_containers() -> None:
+    r = rules(maxDevicesPerPod=4)
+    conversion = convert_pod(pod(("a", {"nvidia.com/gpu": "4"}), ("b", {"nvidia.com/gpu": "2"})))
+    assert r.check_pod(conversion, "ns", None) == (
+        'tenant "team-a" (GpuTenant team-a): maxDevicesPerPod is 4, this pod asks for 6 '
+        "devices (nvidia.com/gpu in containers a=4, b=2)"
+    )
+    ok = convert_pod(pod(("a", {"nvidia.com/gpu": "2"}), ("b", {"nvidia.com/gpu": "2"})))
+    assert r.check_pod(ok, "ns", None) is None
+
+
+def test_max_devices_counts_init_containers_like_the_device_plugin() -> None:
+    # init (3) reuses the app containers' devices: the pod needs max(3, 1 + 1) = 3.
+    conversion = convert_pod(
+        pod(
+            ("a", {"nvidia.com/gpu": "1"}),
+            ("b", {"nvidia.com/gpu": "1"}),
+            init=("setup", {"nvidia.com/gpu": "3"}),
+        )
+    )
+    assert rules(maxDevicesPerPod=3).check_pod(conversion, "ns", None) is None
+    message = rules(maxDevicesPerPod=2).check_pod(conversion, "ns", None)
+    assert message is not None
+    assert "this pod asks for 3 devices (nvidia.com/gpu in containers setup=3, a=1, b=1)" in message
+
+
+def test_quota_precheck_message() -> None:
+    r = rules(deviceQuota={"gpu.nvidia.com": 4})
+    conversion = convert_pod(pod(("a", {"nvidia.com/gpu": "1"})))
+    usage = QuotaUsage({"gpu.nvidia.com": 4}, {"gpu.nvidia.com": 4})
+    assert r.check_pod(conversion, "ns", usage) == (
+        'tenant "team-a" (GpuTenant team-a): quota gpu.nvidia.com in namespace ns: limit 4, '
+        "used 4, this pod asks for 1"
+    )
+    room = QuotaUsage({"gpu.nvidia.com": 4}, {"gpu.nvidia.com": 3})
+    assert r.check_pod(conversion, "ns", room) is None
+
+
+def test_mig_profile_sharing_and_class_rules() -> None:
+    mig = convert_pod(pod(("a", {"nvidia.com/mig-3g.40gb": "1"})))
+    message = rules(allowedMigProfiles=["1g.10gb"]).check_pod(mig, "ns", None)
+    assert message is not None
+    assert "MIG profile 3g.40gb is not allowed; allowed profiles: 1g.10gb" in message
+    assert "(nvidia.com/mig-3g.40gb in container a=1)" in message
+
+    shared = convert_pod(pod(("a", {"nvidia.com/gpu.shared": "1"})))
+    message = rules(allowedSharing=["Exclusive"]).check_pod(shared, "ns", None)
+    assert message is not None and "sharing mode TimeSlicing is not allowed" in message
+
+    gpu = convert_pod(pod(("a", {"nvidia.com/gpu": "1"})))
+    message = rules(allowedDeviceClasses=["mig.nvidia.com"]).check_pod(gpu, "ns", None)
+    assert message is not None
+    assert "device class gpu.nvidia.com is not allowed; allowed classes: mig.nvidia.com" in message
+
+
+def test_tenant_maps_gpu_to_time_sliced_shared_gpu() -> None:
+    r = rules(gpuResource={"sharing": "TimeSlicing", "timeSlicingInterval": "Long"})
+    assert r.policy.gpu_resource_kind is DeviceKind.SHARED
+    conversion = convert_pod(pod(("a", {"nvidia.com/gpu": "1"})), r.policy)
+    (claim,) = conversion.claims
+    assert claim.kind is DeviceKind.SHARED and claim.device_class == "gpu-shared.nvidia.com"
+    devices = conversion.templates[0]["spec"]["spec"]["devices"]
+    assert devices["config"][0]["opaque"]["parameters"]["sharing"] == {
+        "strategy": "TimeSlicing",
+        "timeSlicingConfig": {"interval": "Long"},
+    }
+    # Content differs from the default, so the template name carries a hash.
+    assert conversion.templates[0]["metadata"]["name"].startswith("gpudra-gpu-shared-1-")
+
+
+def test_tenant_maps_gpu_to_mps() -> None:
+    r = rules(gpuResource={"sharing": "MPS"})
+    conversion = convert_pod(pod(("a", {"nvidia.com/gpu": "2"})), r.policy)
+    params = conversion.templates[0]["spec"]["spec"]["devices"]["config"][0]["opaque"]["parameters"]
+    assert params["sharing"] == {"strategy": "MPS"}
+    assert r.check_pod(conversion, "ns", None) is None
+
+
+def test_only_the_own_quota_counts() -> None:
+    s = state([tenant("team-a", namespaces=["a1"])], [namespace("a1")], [quota("a1", "team-a", 4)])
+    other = quota("a1", "team-a", 9)
+    other["metadata"]["name"] = "something-else"
+    s.event("quotas", "ADDED", other)
+    s.event("quotas", "DELETED", other)
+    assert s.quota_usage("a1") == QuotaUsage({"gpu.nvidia.com": 4}, {"gpu.nvidia.com": 0})
+    s.event("quotas", "DELETED", quota("a1", "team-a", 4))
+    assert s.quota_usage("a1") is None

@@ -1,0 +1,308 @@
+"""Hand-written claims and templates: opaque configs and tenant rules, and the
+/validate-claims path of the server over real HTTPS."""
+
+from __future__ import annotations
+
+import json
+import ssl
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+from anyio.streams.buffered import BufferedByteStream
+from gpudra.api.tenants import API_VERSION, parse_tenant
+from gpudra.webhook.certs import ensure_pki, service_dns_names
+from gpudra.webhook.convert import DEFAULT_POLICY, convert_pod
+from gpudra.webhook.server import ServerConfig, WebhookServer
+from gpudra.webhook.tenants import TenantRules, TenantState, policy_for
+from gpudra.webhook.validate import ClaimVerdict, driver_classes, validate_claim_object
+
+CONFIG_API = "resource.nvidia.com/v1beta1"
+CLASSES = driver_classes(DEFAULT_POLICY)
+
+
+def claim(*requests: dict[str, Any], config: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    devices: dict[str, Any] = {"requests": list(requests)}
+    if config is not None:
+        devices["config"] = config
+    return {"metadata": {"name": "c", "namespace": "ns"}, "spec": {"devices": devices}}
+
+
+def template(obj: dict[str, Any]) -> dict[str, Any]:
+    return {"metadata": obj["metadata"], "spec": {"spec": obj["spec"]}}
+
+
+def req(name: str, cls: str = "gpu.nvidia.com", count: int = 1, **extra: Any) -> dict[str, Any]:
+    return {"name": name, "exactly": {"deviceClassName": cls, "count": count, **extra}}
+
+
+def opaque(params: dict[str, Any], driver: str = "gpu.nvidia.com", **entry: Any) -> dict[str, Any]:
+    return {"opaque": {"driver": driver, "parameters": params}, **entry}
+
+
+def gpu_config(**sharing: Any) -> dict[str, Any]:
+    return {
+        "apiVersion": CONFIG_API,
+        "kind": "GpuConfig",
+        **({"sharing": sharing} if sharing else {}),
+    }
+
+
+def rules(**spec: Any) -> TenantRules:
+    t = parse_tenant(
+        {
+            "apiVersion": API_VERSION,
+            "kind": "GpuTenant",
+            "metadata": {"name": "team-a"},
+            "spec": {"namespaces": ["ns"], **spec},
+        }
+    )
+    return TenantRules(t, policy_for(t))
+
+
+def check(obj: dict[str, Any], r: TenantRules | None = None, **kw: Any) -> ClaimVerdict:
+    return validate_claim_object(
+        obj,
+        template=kw.pop("template", False),
+        policy=DEFAULT_POLICY,
+        classes=CLASSES,
+        rules=r,
+        **kw,
+    )
+
+
+def test_valid_claim_passes_without_tenant() -> None:
+    obj = claim(req("gpu"), config=[opaque(gpu_config(strategy="TimeSlicing"))])
+    assert check(obj).allowed
+    assert check(template(obj), template=True).allowed
+
+
+def test_invalid_opaque_config_names_the_path_and_accepted_values() -> None:
+    obj = claim(req("gpu"), config=[opaque(gpu_config(strategy="Sliced"))])
+    verdict = check(obj)
+    assert verdict.invalid == [
+        "spec.devices.config[0].opaque.parameters.sharing.strategy: unknown value 'Sliced'; "
+        "accepted values: TimeSlicing, MPS"
+    ]
+    tpl = check(template(obj), template=True)
+    assert tpl.invalid[0].startswith("spec.spec.devices.config[0].opaque.parameters.sharing")
+
+
+def test_unknown_config_field_and_kind_are_reported() -> None:
+    obj = claim(
+        req("gpu"),
+        config=[
+            opaque({"apiVersion": CONFIG_API, "kind": "GpuConfig", "sharring": {}}),
+            opaque({"apiVersion": CONFIG_API, "kind": "TpuConfig"}),
+        ],
+    )
+    message = check(obj).message
+    assert "spec.devices.config[0].opaque.parameters.sharring: unknown field" in message
+    assert "spec.devices.config[1].opaque.parameters.kind: unknown 'TpuConfig'" in message
+
+
+def test_other_drivers_configs_are_ignored() -> None:
+    obj = claim(req("gpu"), config=[opaque({"whatever": True}, driver="nic.example.com")])
+    assert check(obj).allowed
+
+
+def test_config_bound_to_a_mig_request_must_be_mig_config() -> None:
+    obj = claim(
+        req("mig", "mig.nvidia.com"),
+        config=[opaque(gpu_config(strategy="TimeSlicing"), requests=["mig"])],
+    )
+    message = check(obj).message
+    assert "spec.devices.config[0].opaque.parameters.kind: GpuConfig cannot configure" in message
+
+
+def test_disallowed_class_is_forbidden_with_accepted_values() -> None:
+    verdict = check(
+        claim(req("m", "mig.nvidia.com")), rules(allowedDeviceClasses=["gpu.nvidia.com"])
+    )
+    assert verdict.forbidden == [
+        'spec.devices.requests[0].exactly.deviceClassName: tenant "team-a" (GpuTenant team-a) '
+        "does not allow device class mig.nvidia.com; accepted values: gpu.nvidia.com"
+    ]
+    # Other vendors' classes are not the tenant's concern here.
+    assert check(claim(req("n", "nic.example.com")), rules(allowedDeviceClasses=[])).allowed
+
+
+def test_sharing_mode_rules_point_at_the_config() -> None:
+    r = rules(allowedSharing=["Exclusive", "TimeSlicing"])
+    mps = claim(req("gpu"), config=[opaque(gpu_config(strategy="MPS"))])
+    (line,) = check(mps, r).forbidden
+    assert line.startswith("spec.devices.config[0].opaque.parameters.sharing.strategy: ")
+    assert "does not allow sharing mode MPS; accepted values: Exclusive, TimeSlicing" in line
+    only_shared = rules(allowedSharing=["TimeSlicing"], gpuResource={"sharing": "TimeSlicing"})
+    (line,) = check(claim(req("gpu")), only_shared).forbidden
+    assert "spec.devices.requests[0].exactly (no sharing config: Exclusive)" in line
+
+
+def test_mig_profile_must_be_pinned_to_an_allowed_one() -> None:
+    r = rules(allowedMigProfiles=["1g.10gb"])
+    sel = [{"cel": {"expression": 'device.attributes["gpu.nvidia.com"].profile == "1g.10gb"'}}]
+    assert check(claim(req("m", "mig.nvidia.com", selectors=sel)), r).allowed
+    bad = [{"cel": {"expression": 'device.attributes["gpu.nvidia.com"].profile == "7g.80gb"'}}]
+    (line,) = check(claim(req("m", "mig.nvidia.com", selectors=bad)), r).forbidden
+    assert "selectors: " in line and "does not allow MIG profile 7g.80gb" in line
+    (line,) = check(claim(req("m", "mig.nvidia.com")), r).forbidden
+    assert "must select one with a CEL selector of the form" in line
+
+
+def test_devices_per_claim_limit() -> None:
+    r = rules(maxDevicesPerPod=4)
+    (line,) = check(claim(req("a", count=3), req("b", count=3)), r).forbidden
+    assert "maxDevicesPerPod is 4, this claim asks for 6 devices" in line
+    all_mode = claim(
+        {"name": "a", "exactly": {"deviceClassName": "gpu.nvidia.com", "allocationMode": "All"}}
+    )
+    assert "asks for 32 devices" in check(all_mode, r).forbidden[0]
+    first = claim(
+        {
+            "name": "a",
+            "firstAvailable": [
+                {"name": "big", "deviceClassName": "gpu.nvidia.com", "count": 4},
+                {"name": "small", "deviceClassName": "gpu.nvidia.com", "count": 2},
+            ],
+        }
+    )
+    assert check(first, r).allowed
+
+
+def test_namespace_denial_applies_to_driver_claims_only() -> None:
+    assert check(claim(req("gpu")), denial="ambiguous").forbidden == ["ambiguous"]
+    assert check(claim(req("n", "nic.example.com")), denial="ambiguous").allowed
+
+
+def test_converted_templates_pass_their_own_tenant_rules() -> None:
+    r = rules(
+        allowedSharing=["TimeSlicing"],
+        gpuResource={"sharing": "TimeSlicing", "timeSlicingInterval": "Short"},
+        maxDevicesPerPod=2,
+    )
+    pod = {
+        "metadata": {"name": "p"},
+        "spec": {"containers": [{"name": "a", "resources": {"limits": {"nvidia.com/gpu": "2"}}}]},
+    }
+    (tpl,) = convert_pod(pod, r.policy).templates
+    assert check(tpl, r, template=True).allowed
+
+
+# -- through the server ------------------------------------------------------------------
+
+
+async def post(port: int, ca: bytes, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    context = ssl.create_default_context(cadata=ca.decode())
+    tls = await anyio.connect_tcp(
+        "127.0.0.1", port, tls=True, ssl_context=context, tls_hostname="127.0.0.1"
+    )
+    stream = BufferedByteStream(tls)
+    data = json.dumps(body).encode()
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: w\r\nContent-Length: {len(data)}\r\n"
+        "Connection: close\r\n\r\n"
+    )
+    await stream.send(head.encode() + data)
+    raw = await stream.receive_until(b"\r\n\r\n", 65536)
+    length = next(
+        int(line.split(b":")[1])
+        for line in raw.split(b"\r\n")
+        if line.lower().startswith(b"content-length")
+    )
+    payload = await stream.receive_exactly(length)
+    await anyio.aclose_forcefully(stream)
+    result: dict[str, Any] = json.loads(payload)["response"]
+    return result
+
+
+def claim_review(obj: dict[str, Any], kind: str = "ResourceClaim") -> dict[str, Any]:
+    return {
+        "apiVersion": "admission.k8s.io/v1",
+        "kind": "AdmissionReview",
+        "request": {
+            "uid": "u1",
+            "kind": {"group": "resource.k8s.io", "version": "v1", "kind": kind},
+            "namespace": "ns",
+            "operation": "CREATE",
+            "object": obj,
+        },
+    }
+
+
+def pod_review(limits: dict[str, str]) -> dict[str, Any]:
+    pod = {
+        "metadata": {"name": "p", "namespace": "ns"},
+        "spec": {"containers": [{"name": "a", "resources": {"limits": limits}}]},
+    }
+    return {
+        "apiVersion": "admission.k8s.io/v1",
+        "kind": "AdmissionReview",
+        "request": {
+            "uid": "u2",
+            "kind": {"group": "", "version": "v1", "kind": "Pod"},
+            "namespace": "ns",
+            "operation": "CREATE",
+            "object": pod,
+        },
+    }
+
+
+class NoTemplates:
+    async def __call__(self, namespace: str, templates: Any, dry_run: bool) -> None:
+        return None
+
+
+@pytest.mark.anyio
+async def test_server_applies_tenant_rules_and_validates_claims(tmp_path: Path) -> None:
+    pki, _ = ensure_pki(tmp_path / "pki", service_dns_names("gpudra-webhook", "gpudra"))
+    tenants = TenantState()
+    tenants.replace(
+        "tenants",
+        [
+            {
+                "apiVersion": API_VERSION,
+                "kind": "GpuTenant",
+                "metadata": {"name": "team-a"},
+                "spec": {"namespaces": ["ns"], "maxDevicesPerPod": 2, "allowedMigProfiles": []},
+            }
+        ],
+    )
+    tenants.replace("namespaces", [{"metadata": {"name": "ns"}}])
+    config = ServerConfig(
+        cert_file=tmp_path / "pki" / "tls.crt",
+        key_file=tmp_path / "pki" / "tls.key",
+        host="127.0.0.1",
+        port=0,
+    )
+    server = WebhookServer(config, NoTemplates(), tenants=tenants)
+    async with anyio.create_task_group() as tg:
+        port = await tg.start(server.serve)
+        # Quotas not listed yet: GPU pods are denied, not admitted without rules.
+        early = await post(port, pki.ca_bundle, "/mutate-pods", pod_review({"nvidia.com/gpu": "1"}))
+        assert not early["allowed"] and "has not loaded" in early["status"]["message"]
+        tenants.replace("quotas", [])
+
+        ok = await post(port, pki.ca_bundle, "/mutate-pods", pod_review({"nvidia.com/gpu": "2"}))
+        assert ok["allowed"] and ok["patchType"] == "JSONPatch"
+        big = await post(port, pki.ca_bundle, "/mutate-pods", pod_review({"nvidia.com/gpu": "3"}))
+        assert not big["allowed"] and big["status"]["code"] == 403
+        assert big["status"]["reason"] == "Forbidden"
+        assert "maxDevicesPerPod is 2, this pod asks for 3 devices" in big["status"]["message"]
+
+        bad = claim(req("gpu"), config=[opaque(gpu_config(strategy="Sliced"))])
+        denied = await post(port, pki.ca_bundle, "/validate-claims", claim_review(bad))
+        assert not denied["allowed"] and denied["status"]["code"] == 400
+        assert (
+            "spec.devices.config[0].opaque.parameters.sharing.strategy"
+            in denied["status"]["message"]
+        )
+        mig = template(claim(req("m", "mig.nvidia.com")))
+        denied = await post(
+            port, pki.ca_bundle, "/validate-claims", claim_review(mig, "ResourceClaimTemplate")
+        )
+        assert not denied["allowed"] and denied["status"]["code"] == 403
+        assert denied["status"]["message"].startswith("ResourceClaimTemplate c: spec.spec.devices")
+        good = await post(port, pki.ca_bundle, "/validate-claims", claim_review(claim(req("gpu"))))
+        assert good["allowed"]
+        tg.cancel_scope.cancel()
