@@ -8,12 +8,16 @@ Rotation keeps clients on a known issuer at every moment:
 - the CA is long-lived (10 years) and replaced only when less than a third of its life
   remains; the old CA then stays in the bundle (``previous_ca``) until it expires;
 - serving certificates (1 year, replaced with a third left) are signed by the newest CA
-  only once it has been in the bundle for `CA_PROPAGATION`, so the bundle that trusts
-  it has reached the API server before any client meets it; until then the previous CA
-  signs. A serving certificate never outlives its issuer.
+  only once the bundle holding both CAs has been confirmed in every webhook
+  configuration for `CA_PROPAGATION` (the ``ca_published`` callback, which the caBundle
+  controller in `gpudra.webhook.cabundle` answers), so every API server trusts the new
+  CA before any client meets it; until then the previous CA signs. Without a callback
+  the bundle is assumed published when the CA was made. A serving certificate never
+  outlives its issuer.
 
 `reconcile_pki` is pure (the caller publishes ``ca_bundle`` when it changed);
 `ensure_pki` adds atomic file storage in the layout of a ``kubernetes.io/tls`` Secret.
+`check_serving_files` validates such a directory filled by someone else (cert-manager).
 Keys are ECDSA P-256: cheap to generate and fast to handshake.
 """
 
@@ -23,7 +27,7 @@ import base64
 import datetime as dt
 import ipaddress
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -42,9 +46,11 @@ __all__ = [
     "CA_VALIDITY",
     "LOOPBACK_IPS",
     "SERVING_VALIDITY",
+    "BundlePublished",
     "CertKeyPair",
     "WebhookPki",
     "ca_bundle",
+    "check_serving_files",
     "ensure_pki",
     "generate_ca",
     "generate_serving_cert",
@@ -52,6 +58,7 @@ __all__ = [
     "needs_rotation",
     "reconcile_pki",
     "service_dns_names",
+    "store_pki",
     "write_atomic",
 ]
 
@@ -71,6 +78,10 @@ PREVIOUS_CA_KEY: Final = "ca-previous.key"
 CA_BUNDLE: Final = "ca-bundle.crt"
 TLS_CERT: Final = "tls.crt"
 TLS_KEY: Final = "tls.key"
+
+BundlePublished = Callable[[bytes], dt.datetime | None]
+"""Given a CA bundle (PEM), when it was confirmed in every webhook configuration;
+None while it is not (yet)."""
 
 
 @dataclass(frozen=True)
@@ -122,6 +133,11 @@ class WebhookPki:
     def ca_bundle(self) -> bytes:
         """PEM for the webhook configuration's ``caBundle``: every CA still trusted."""
         return ca_bundle(self.ca, *([self.previous_ca] if self.previous_ca else []))
+
+    def serving_signed_by_ca(self) -> bool:
+        """False during a CA rotation while the previous CA still signs the serving
+        certificate (waiting for the new bundle to propagate)."""
+        return _issued_by(self.serving, self.ca)
 
     def ca_bundle_base64(self) -> str:
         """``caBundle`` as the API's JSON wants it (base64 of the PEM)."""
@@ -299,8 +315,13 @@ def reconcile_pki(
     ca_validity: dt.timedelta = CA_VALIDITY,
     serving_validity: dt.timedelta = SERVING_VALIDITY,
     ca_propagation: dt.timedelta = CA_PROPAGATION,
+    ca_published: BundlePublished | None = None,
 ) -> WebhookPki:
-    """The PKI that should exist now; returns `current` itself when nothing is due."""
+    """The PKI that should exist now; returns `current` itself when nothing is due.
+
+    During a CA rotation the new CA signs only once `ca_published` reports the bundle
+    with both CAs published at least `ca_propagation` ago.
+    """
     now = now or _now()
     if current is None:
         ca = generate_ca(validity=ca_validity, now=now)
@@ -314,8 +335,14 @@ def reconcile_pki(
     if needs_rotation(ca, now=now):
         previous = ca if ca.not_after > now else None
         ca = generate_ca(validity=ca_validity, now=now)
-    propagated = now - (ca.not_before + _BACKDATE) >= ca_propagation
-    signer = ca if previous is None or propagated else previous
+    signer = ca
+    if previous is not None:
+        if ca_published is None:
+            since: dt.datetime | None = ca.not_before + _BACKDATE
+        else:
+            since = ca_published(ca_bundle(ca, previous))
+        if since is None or now - since < ca_propagation:
+            signer = previous
     serving = current.serving
     if _reissue(serving, signer, dns_names, ip_addresses, now):
         serving = generate_serving_cert(
@@ -345,13 +372,33 @@ def ensure_pki(
     *,
     ip_addresses: Sequence[str] = LOOPBACK_IPS,
     now: dt.datetime | None = None,
+    ca_validity: dt.timedelta = CA_VALIDITY,
+    serving_validity: dt.timedelta = SERVING_VALIDITY,
+    ca_propagation: dt.timedelta = CA_PROPAGATION,
+    ca_published: BundlePublished | None = None,
 ) -> tuple[WebhookPki, bool]:
     """Load, rotate what is due and write back atomically; (pki, changed)."""
     directory.mkdir(parents=True, exist_ok=True)
     current = load_pki(directory)
-    pki = reconcile_pki(current, dns_names, ip_addresses=ip_addresses, now=now)
+    pki = reconcile_pki(
+        current,
+        dns_names,
+        ip_addresses=ip_addresses,
+        now=now,
+        ca_validity=ca_validity,
+        serving_validity=serving_validity,
+        ca_propagation=ca_propagation,
+        ca_published=ca_published,
+    )
     if pki is current:
         return pki, False
+    store_pki(directory, pki)
+    return pki, True
+
+
+def store_pki(directory: Path, pki: WebhookPki) -> None:
+    """Write `pki` in the order that keeps every intermediate state servable."""
+    directory.mkdir(parents=True, exist_ok=True)
     files = pki.files()
     # The bundle goes first so no certificate appears before the CA that trusts it;
     # the key before the certificate, so a reader that loads the new certificate
@@ -363,7 +410,37 @@ def ensure_pki(
             )
         else:
             (directory / name).unlink(missing_ok=True)
-    return pki, True
+
+
+def check_serving_files(directory: Path) -> WebhookPki | None:
+    """Validate a serving certificate directory filled by someone else (the Secret
+    cert-manager writes: tls.crt, tls.key, ca.crt); returns what could be read as a
+    `WebhookPki` when ca.crt is there (its key is not: the issuer keeps it), else None.
+
+    ValueError names the missing or broken file and the fix.
+    """
+    missing = [n for n in (TLS_CERT, TLS_KEY) if not (directory / n).is_file()]
+    if missing:
+        raise ValueError(
+            f"{directory} has no {' or '.join(missing)}: with --cert-source=files mount the "
+            "Secret that cert-manager fills (type kubernetes.io/tls) at --cert-dir"
+        )
+    serving = CertKeyPair((directory / TLS_CERT).read_bytes(), (directory / TLS_KEY).read_bytes())
+    serving.check(str(directory / TLS_CERT))
+    ca_file = directory / CA_CERT
+    if not ca_file.is_file():
+        return None
+    ca = CertKeyPair(ca_file.read_bytes(), b"")
+    try:
+        ca.certificate  # noqa: B018 (parses the PEM)
+    except ValueError as exc:
+        raise ValueError(f"{ca_file}: unreadable certificate: {exc}") from None
+    if not _issued_by(serving, ca):
+        raise ValueError(
+            f"{directory / TLS_CERT} is not signed by {ca_file}; the caBundle cert-manager "
+            "injects would not trust it: check the Certificate's issuer"
+        )
+    return WebhookPki(ca=ca, serving=serving)
 
 
 def write_atomic(path: Path, data: bytes, *, mode: int = 0o600) -> None:
@@ -380,9 +457,7 @@ def _reissue(
 ) -> bool:
     if needs_rotation(serving, now=now):
         return True
-    try:
-        serving.certificate.verify_directly_issued_by(signer.certificate)
-    except (ValueError, TypeError, InvalidSignature):
+    if not _issued_by(serving, signer):
         return True
     try:
         sans = serving.certificate.extensions.get_extension_for_class(
@@ -395,6 +470,14 @@ def _reissue(
         set(sans.get_values_for_type(x509.DNSName)) != set(dns_names)
         or set(sans.get_values_for_type(x509.IPAddress)) != wanted_ips
     )
+
+
+def _issued_by(cert: CertKeyPair, ca: CertKeyPair) -> bool:
+    try:
+        cert.certificate.verify_directly_issued_by(ca.certificate)
+    except (ValueError, TypeError, InvalidSignature):
+        return False
+    return True
 
 
 def _pair(cert: x509.Certificate, key: ec.EllipticCurvePrivateKey) -> CertKeyPair:

@@ -3,17 +3,24 @@ from __future__ import annotations
 import base64
 import datetime as dt
 import ipaddress
+import json
 import ssl
 import stat
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
+import anyio
 import pytest
+from anyio.streams.buffered import BufferedByteStream
+from anyio.streams.tls import TLSAttribute
 from cryptography import x509
 from gpudra.webhook.certs import (
     CA_PROPAGATION,
     CertKeyPair,
     WebhookPki,
     ca_bundle,
+    check_serving_files,
     ensure_pki,
     generate_ca,
     generate_serving_cert,
@@ -23,6 +30,7 @@ from gpudra.webhook.certs import (
     service_dns_names,
     write_atomic,
 )
+from gpudra.webhook.server import ServerConfig, WebhookServer
 
 NAMES = service_dns_names("gpudra-webhook", "gpudra")
 T0 = dt.datetime(2027, 1, 1, tzinfo=dt.UTC)
@@ -242,3 +250,207 @@ def test_write_atomic_replaces_without_leftovers(tmp_path: Path) -> None:
     assert [p.name for p in tmp_path.iterdir()] == ["f"]
     with pytest.raises(FileNotFoundError):
         write_atomic(tmp_path / "missing-dir" / "f", b"x")
+
+
+# -- --cert-source=files: a cert-manager Secret mounted as a volume --------------------
+
+
+def write_secret_volume(directory: Path, files: dict[str, bytes], generation: int) -> None:
+    """Update `directory` the way the kubelet updates a Secret volume: the files go in a
+    fresh hidden directory and the ``..data`` symlink is swapped to it atomically."""
+    directory.mkdir(exist_ok=True)
+    payload = directory / f"..gen_{generation}"
+    payload.mkdir()
+    for name, data in files.items():
+        (payload / name).write_bytes(data)
+    tmp_link = directory / "..data_tmp"
+    tmp_link.symlink_to(payload.name)
+    tmp_link.replace(directory / "..data")
+    for name in files:
+        if not (directory / name).is_symlink():
+            (directory / name).symlink_to(f"..data/{name}")
+    for old in directory.glob("..gen_*"):
+        if old != payload:
+            for f in old.iterdir():
+                f.unlink()
+            old.rmdir()
+
+
+def secret_files(ca: CertKeyPair) -> dict[str, bytes]:
+    serving = generate_serving_cert(ca, NAMES)
+    return {"ca.crt": ca.cert_pem, "tls.crt": serving.cert_pem, "tls.key": serving.key_pem}
+
+
+def admission_request() -> bytes:
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "p", "namespace": "team-a"},
+        "spec": {"containers": [{"name": "c", "resources": {"limits": {"nvidia.com/gpu": "1"}}}]},
+    }
+    review = {
+        "apiVersion": "admission.k8s.io/v1",
+        "kind": "AdmissionReview",
+        "request": {
+            "uid": "u1",
+            "kind": {"group": "", "version": "v1", "kind": "Pod"},
+            "namespace": "team-a",
+            "operation": "CREATE",
+            "object": pod,
+        },
+    }
+    body = json.dumps(review).encode()
+    head = f"POST /mutate-pods HTTP/1.1\r\nHost: w\r\nContent-Length: {len(body)}\r\n\r\n"
+    return head.encode() + body
+
+
+class Client:
+    """One keep-alive HTTPS connection that trusts only `ca`."""
+
+    def __init__(self, stream: BufferedByteStream, der: bytes) -> None:
+        self.stream = stream
+        self.certificate = der
+
+    @classmethod
+    async def connect(cls, port: int, ca: bytes) -> Client:
+        context = ssl.create_default_context(cadata=ca.decode())
+        tls = await anyio.connect_tcp(
+            "127.0.0.1",
+            port,
+            tls=True,
+            ssl_context=context,
+            tls_hostname=NAMES[0],
+            tls_standard_compatible=False,
+        )
+        der = tls.extra(TLSAttribute.peer_certificate_binary)
+        assert der is not None
+        return cls(BufferedByteStream(tls), der)
+
+    async def admit(self) -> bool:
+        await self.stream.send(admission_request())
+        head = await self.stream.receive_until(b"\r\n\r\n", 65536)
+        length = next(
+            int(line.split(b":", 1)[1])
+            for line in head.split(b"\r\n")
+            if line.lower().startswith(b"content-length:")
+        )
+        body = json.loads(await self.stream.receive_exactly(length))
+        return head.startswith(b"HTTP/1.1 200") and body["response"]["allowed"] is True
+
+    async def aclose(self) -> None:
+        # The client hangs up like the API server does: no close_notify round trip.
+        await anyio.aclose_forcefully(self.stream)
+
+
+class KnownTemplates:
+    async def __call__(
+        self, namespace: str, templates: Sequence[Mapping[str, Any]], dry_run: bool
+    ) -> None:
+        return None
+
+
+@pytest.mark.anyio
+async def test_files_source_rotation_while_requests_flow_fails_nothing(tmp_path: Path) -> None:
+    ca = generate_ca()
+    secret = tmp_path / "secret"
+    write_secret_volume(secret, secret_files(ca), 0)
+    assert check_serving_files(secret) is not None
+    config = ServerConfig(
+        cert_file=secret / "tls.crt",
+        key_file=secret / "tls.key",
+        host="127.0.0.1",
+        port=0,
+        cert_check_interval=0.01,
+    )
+    server = WebhookServer(config, KnownTemplates())
+    ok, failures = 0, []
+    seen: set[bytes] = set()
+    rotations = 8
+
+    async def keep_alive(port: int, stop: anyio.Event) -> None:
+        nonlocal ok
+        client = await Client.connect(port, ca.cert_pem)
+        try:
+            while not stop.is_set():
+                if await client.admit():
+                    ok += 1
+                else:
+                    failures.append("denied on a kept-alive connection")
+        finally:
+            await client.aclose()
+
+    async def fresh_connections(port: int, stop: anyio.Event) -> None:
+        nonlocal ok
+        while not stop.is_set():
+            try:
+                client = await Client.connect(port, ca.cert_pem)
+                try:
+                    allowed = await client.admit()
+                finally:
+                    await client.aclose()
+            except (OSError, ssl.SSLError, anyio.EndOfStream) as exc:
+                failures.append(repr(exc))
+                continue
+            seen.add(client.certificate)
+            ok += 1 if allowed else 0
+            if not allowed:
+                failures.append("denied on a new connection")
+
+    with anyio.fail_after(60):  # hang guard only
+        async with anyio.create_task_group() as tg:
+            port = await tg.start(server.serve)
+            stop = anyio.Event()
+            for _ in range(2):
+                tg.start_soon(keep_alive, port, stop)
+                tg.start_soon(fresh_connections, port, stop)
+            for generation in range(1, rotations + 1):
+                await anyio.sleep(0.1)
+                write_secret_volume(secret, secret_files(ca), generation)
+            await anyio.sleep(0.2)
+            stop.set()
+            last = (secret / "tls.crt").read_bytes()
+            client = await Client.connect(port, ca.cert_pem)
+            assert await client.admit()
+            await client.aclose()
+            tg.cancel_scope.cancel()
+
+    assert failures == []
+    assert ok > 0
+    # New connections met the rotated certificates while requests flowed, ending on the last.
+    assert len(seen) > 1
+    assert x509.load_der_x509_certificate(client.certificate) == x509.load_pem_x509_certificate(
+        last
+    )
+
+
+def test_check_serving_files_names_the_problem(tmp_path: Path) -> None:
+    ca = generate_ca()
+    with pytest.raises(ValueError, match=r"no tls\.crt or tls\.key: with --cert-source=files"):
+        check_serving_files(tmp_path)
+    files = secret_files(ca)
+    write_secret_volume(tmp_path, {k: v for k, v in files.items() if k != "ca.crt"}, 0)
+    assert check_serving_files(tmp_path) is None  # ca.crt is optional
+    other = secret_files(generate_ca())
+    write_secret_volume(tmp_path, {**files, "ca.crt": other["ca.crt"]}, 1)
+    with pytest.raises(ValueError, match=r"tls\.crt is not signed by .*ca\.crt"):
+        check_serving_files(tmp_path)
+    write_secret_volume(tmp_path, {**files, "tls.key": other["tls.key"]}, 2)
+    with pytest.raises(ValueError, match="private key does not belong"):
+        check_serving_files(tmp_path)
+
+
+def test_new_ca_signs_only_after_its_bundle_is_published_for_the_propagation_time() -> None:
+    pki = reconcile_pki(None, NAMES, now=T0)
+    t1 = T0 + dt.timedelta(days=2500)
+    published: dict[bytes, dt.datetime] = {}
+    step1 = reconcile_pki(pki, NAMES, now=t1, ca_published=published.get)
+    assert step1.previous_ca == pki.ca and issued_by(step1.serving, pki.ca)
+    # Long after the CA was made, but the bundle was never confirmed: the old CA signs.
+    later = t1 + CA_PROPAGATION * 10
+    assert reconcile_pki(step1, NAMES, now=later, ca_published=published.get) is step1
+    published[step1.ca_bundle] = later
+    too_soon = later + CA_PROPAGATION - dt.timedelta(seconds=1)
+    assert reconcile_pki(step1, NAMES, now=too_soon, ca_published=published.get) is step1
+    done = reconcile_pki(step1, NAMES, now=later + CA_PROPAGATION, ca_published=published.get)
+    assert issued_by(done.serving, step1.ca) and done.ca == step1.ca
+    assert done.serving_signed_by_ca() and not step1.serving_signed_by_ca()

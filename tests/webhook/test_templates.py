@@ -1,0 +1,85 @@
+"""ResourceClaimTemplate creation against the real API server, and its TTL cache."""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import AsyncIterator
+from typing import Any
+
+import anyio.to_thread
+import pytest
+from gpudra.common.kube import Kube as AsyncKube
+from gpudra.webhook.templates import ApiTemplateEnsurer
+
+from e2e.cluster.harness import Cluster
+from e2e.cluster.kube import Kube
+
+pytestmark = [pytest.mark.cluster, pytest.mark.anyio]
+
+
+def _template(name: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaimTemplate",
+        "metadata": {"name": name},
+        "spec": {
+            "spec": {
+                "devices": {
+                    "requests": [{"name": "gpu", "exactly": {"deviceClassName": "gpu.nvidia.com"}}]
+                }
+            }
+        },
+    }
+
+
+@pytest.fixture
+async def akube(cluster: Cluster) -> AsyncIterator[AsyncKube]:
+    k = await AsyncKube.connect(str(cluster.layout.admin_kubeconfig))
+    yield k
+    await k.close()
+
+
+@pytest.fixture
+async def namespace(kube: Kube) -> AsyncIterator[str]:
+    name = f"tpl-{secrets.token_hex(3)}"
+    await anyio.to_thread.run_sync(
+        lambda: kube.create({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}})
+    )
+    yield name
+    await anyio.to_thread.run_sync(lambda: kube.delete("Namespace", name))
+
+
+async def test_known_templates_are_not_posted_again_until_the_ttl_passes(
+    akube: AsyncKube, kube: Kube, namespace: str
+) -> None:
+    now = [1000.0]
+    ensure = ApiTemplateEnsurer(akube, ttl_s=60, clock=lambda: now[0])
+
+    def exists() -> bool:
+        return kube.get_or_none("ResourceClaimTemplate", "shape-a", namespace) is not None
+
+    await ensure(namespace, [_template("shape-a")], False)
+    assert await anyio.to_thread.run_sync(exists)
+
+    # Deleted behind its back: inside the TTL the ensurer trusts its memory ...
+    await anyio.to_thread.run_sync(
+        lambda: kube.delete("ResourceClaimTemplate", "shape-a", namespace)
+    )
+    now[0] += 30
+    await ensure(namespace, [_template("shape-a")], False)
+    assert not await anyio.to_thread.run_sync(exists)
+
+    # ... and after it, the next pod re-creates the template.
+    now[0] += 31
+    await ensure(namespace, [_template("shape-a")], False)
+    assert await anyio.to_thread.run_sync(exists)
+
+
+async def test_dry_runs_create_nothing_and_are_not_remembered(
+    akube: AsyncKube, kube: Kube, namespace: str
+) -> None:
+    ensure = ApiTemplateEnsurer(akube)
+    await ensure(namespace, [_template("shape-b")], True)
+    assert kube.get_or_none("ResourceClaimTemplate", "shape-b", namespace) is None
+    await ensure(namespace, [_template("shape-b")], False)
+    assert kube.get_or_none("ResourceClaimTemplate", "shape-b", namespace) is not None

@@ -1,0 +1,378 @@
+"""Keeps the ``caBundle`` of the webhook's configurations equal to its CA bundle.
+
+Why a controller and not a one-off apply: the API server trusts the webhook only
+through ``webhooks[*].clientConfig.caBundle``, and that field is lost whenever someone
+edits the configuration or a chart re-applies it with an empty bundle; every admission
+call then fails (``failurePolicy: Fail``). Each named configuration (mutating or
+validating) is watched, so a wrong bundle is put back within a watch round trip, and a
+new bundle (`CABundleController.set_bundle`, called right after a rotation) is written
+at once. Patches are JSON patches guarded by the observed ``resourceVersion``, so a
+concurrent edit is re-read instead of overwritten with stale webhooks.
+
+The controller also tells the rotation when a bundle is live everywhere
+(`CABundleController.published_at`, the ``ca_published`` callback of
+`gpudra.webhook.certs.reconcile_pki`): a serving certificate from a new CA is only
+served once the bundle trusting both the old and the new CA has been confirmed in every
+configuration for ``CA_PROPAGATION``. A configuration that does not exist calls nobody
+and counts as up to date; it is patched as soon as it appears.
+
+`SelfSignedRotation` is the loop of ``--cert-source=self``: it rotates the files with
+`gpudra.webhook.certs.ensure_pki` and hands every bundle to the controller. With
+``--cert-source=files`` (cert-manager) neither runs: cert-manager's CA injector owns
+the bundle.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime as dt
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from pathlib import Path
+from typing import Any, Final
+
+import anyio
+import anyio.to_thread
+from anyio.abc import TaskStatus
+from gpudra.common.kube import ApiError, Kube
+from gpudra.webhook.certs import (
+    CA_PROPAGATION,
+    CA_VALIDITY,
+    LOOPBACK_IPS,
+    SERVING_VALIDITY,
+    WebhookPki,
+    ensure_pki,
+)
+
+__all__ = ["CABundleController", "ConfigurationKind", "SelfSignedRotation", "WebhookConfiguration"]
+
+logger = logging.getLogger(__name__)
+
+_API: Final = "/apis/admissionregistration.k8s.io/v1"
+_WATCH_TIMEOUT_S: Final = 290
+_RETRY_S: Final = (0.2, 0.5, 1.0, 2.0, 5.0)
+
+
+class ConfigurationKind(StrEnum):
+    MUTATING = "mutatingwebhookconfigurations"
+    VALIDATING = "validatingwebhookconfigurations"
+
+
+@dataclass(frozen=True)
+class WebhookConfiguration:
+    """One webhook configuration whose every webhook gets our bundle."""
+
+    kind: ConfigurationKind
+    name: str
+
+    @property
+    def collection(self) -> str:
+        return f"{_API}/{self.kind.value}"
+
+    @property
+    def path(self) -> str:
+        return f"{self.collection}/{self.name}"
+
+    def __str__(self) -> str:
+        return f"{self.kind.value}/{self.name}"
+
+
+@dataclass(frozen=True)
+class _Observed:
+    """What the API server last showed of one configuration (None: it does not exist)."""
+
+    object: dict[str, Any] | None
+
+    def stale_indices(self, bundle_b64: str) -> list[int]:
+        if self.object is None:
+            return []
+        webhooks = self.object.get("webhooks") or []
+        return [
+            i
+            for i, w in enumerate(webhooks)
+            if (w.get("clientConfig") or {}).get("caBundle") != bundle_b64
+        ]
+
+
+class CABundleController:
+    """Watches the given configurations and writes `bundle` into each of their webhooks."""
+
+    def __init__(self, kube: Kube, configurations: Sequence[WebhookConfiguration]) -> None:
+        if not configurations:
+            raise ValueError("configurations must name at least one webhook configuration")
+        self._kube = kube
+        self._configurations = tuple(dict.fromkeys(configurations))
+        self._bundle: bytes | None = None
+        self._bundle_b64 = ""
+        self._observed: dict[WebhookConfiguration, _Observed] = {}
+        # (bundle, when it was first seen in every configuration); replaced, never mutated,
+        # so the rotation thread reads a consistent pair.
+        self._published: tuple[bytes, dt.datetime] | None = None
+        self._wake = {c: anyio.Event() for c in self._configurations}
+        self._progress = anyio.Event()
+        self.patches = 0
+        """Patches written (tests and metrics read it)."""
+
+    @property
+    def bundle(self) -> bytes | None:
+        return self._bundle
+
+    def set_bundle(self, bundle: bytes) -> None:
+        """Make `bundle` (PEM) the desired ``caBundle``; written at once."""
+        if not bundle.strip():
+            raise ValueError("bundle must hold at least one PEM certificate")
+        if bundle == self._bundle:
+            return
+        self._bundle = bundle
+        self._bundle_b64 = base64.b64encode(bundle).decode("ascii")
+        logger.info(
+            "new caBundle for the webhook configurations",
+            extra={"fields": {"certificates": bundle.count(b"-----BEGIN CERTIFICATE-----")}},
+        )
+        self._check_published()
+        for event in self._wake.values():
+            event.set()
+
+    def published_at(self, bundle: bytes) -> dt.datetime | None:
+        """When `bundle` was first seen in every configuration; None if it is not."""
+        published = self._published
+        if published is None or published[0] != bundle:
+            return None
+        return published[1]
+
+    async def wait_published(self, bundle: bytes) -> dt.datetime:
+        """Wait until `bundle` is the desired bundle and is in every configuration."""
+        while (at := self.published_at(bundle)) is None:
+            await self._progress.wait()
+        return at
+
+    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Watch and repair until cancelled; started once every configuration was read."""
+        async with anyio.create_task_group() as tg:
+            for config in self._configurations:
+                await tg.start(self._watch, config)
+                tg.start_soon(self._repair, config)
+            task_status.started()
+
+    async def _watch(self, config: WebhookConfiguration, *, task_status: TaskStatus[None]) -> None:
+        started = False
+        failures = 0
+        while True:
+            try:
+                version = await self._list(config)
+                if not started:
+                    started = True
+                    task_status.started()
+                failures = 0
+                query = {
+                    "fieldSelector": f"metadata.name={config.name}",
+                    "resourceVersion": version,
+                    "allowWatchBookmarks": "true",
+                }
+                async for event in self._kube.watch(config.collection, query, _WATCH_TIMEOUT_S):
+                    kind, obj = event.get("type"), event.get("object") or {}
+                    if kind in ("ADDED", "MODIFIED"):
+                        self._observe(config, obj)
+                    elif kind == "DELETED":
+                        self._observe(config, None)
+                    elif kind == "ERROR":
+                        break  # usually 410 Gone: list again
+            except (ApiError, OSError, TimeoutError, ValueError) as exc:
+                delay = _RETRY_S[min(failures, len(_RETRY_S) - 1)]
+                failures += 1
+                logger.warning(
+                    "watching a webhook configuration failed; retrying",
+                    extra={"fields": {"configuration": str(config), "error": str(exc)}},
+                )
+                await anyio.sleep(delay)
+            except Exception as exc:
+                # aiohttp raises its own errors on a dropped stream; never give up.
+                delay = _RETRY_S[min(failures, len(_RETRY_S) - 1)]
+                failures += 1
+                logger.warning(
+                    "webhook configuration watch ended unexpectedly; retrying",
+                    extra={"fields": {"configuration": str(config), "error": repr(exc)}},
+                )
+                await anyio.sleep(delay)
+
+    async def _list(self, config: WebhookConfiguration) -> str:
+        listed = await self._kube.request(
+            "GET", config.collection, query={"fieldSelector": f"metadata.name={config.name}"}
+        )
+        items = listed.get("items") or []
+        self._observe(config, items[0] if items else None)
+        version: str = listed["metadata"]["resourceVersion"]
+        return version
+
+    def _observe(self, config: WebhookConfiguration, obj: dict[str, Any] | None) -> None:
+        self._observed[config] = _Observed(obj)
+        self._check_published()
+        if self._bundle is not None and self._observed[config].stale_indices(self._bundle_b64):
+            self._wake[config].set()
+
+    def _check_published(self) -> None:
+        bundle = self._bundle
+        if (
+            bundle is not None
+            and (self._published is None or self._published[0] != bundle)
+            and all(
+                c in self._observed and not self._observed[c].stale_indices(self._bundle_b64)
+                for c in self._configurations
+            )
+        ):
+            self._published = (bundle, dt.datetime.now(dt.UTC))
+            logger.info(
+                "caBundle is in every webhook configuration",
+                extra={"fields": {"configurations": [str(c) for c in self._configurations]}},
+            )
+        progress, self._progress = self._progress, anyio.Event()
+        progress.set()
+
+    async def _repair(self, config: WebhookConfiguration) -> None:
+        failures = 0
+        while True:
+            await self._wake[config].wait()
+            self._wake[config] = anyio.Event()
+            try:
+                await self._patch(config)
+                failures = 0
+            except (ApiError, OSError, TimeoutError) as exc:
+                delay = _RETRY_S[min(failures, len(_RETRY_S) - 1)]
+                failures += 1
+                logger.warning(
+                    "could not write the caBundle; retrying",
+                    extra={"fields": {"configuration": str(config), "error": str(exc)}},
+                )
+                await anyio.sleep(delay)
+                self._wake[config].set()
+
+    async def _patch(self, config: WebhookConfiguration) -> None:
+        observed = self._observed.get(config)
+        if self._bundle is None or observed is None or observed.object is None:
+            return
+        stale = observed.stale_indices(self._bundle_b64)
+        if not stale:
+            return
+        obj = observed.object
+        patch: list[dict[str, Any]] = [
+            {
+                "op": "test",
+                "path": "/metadata/resourceVersion",
+                "value": obj["metadata"]["resourceVersion"],
+            }
+        ]
+        patch += [
+            {"op": "add", "path": f"/webhooks/{i}/clientConfig/caBundle", "value": self._bundle_b64}
+            for i in stale
+        ]
+        try:
+            updated = await self._kube.request(
+                "PATCH", config.path, patch, content_type="application/json-patch+json"
+            )
+        except ApiError as exc:
+            if exc.status == 404:
+                self._observe(config, None)
+                return
+            if exc.status in (409, 422):
+                # The object changed under us (the test op failed): read it again.
+                self._observe(config, await self._get(config))
+                return
+            raise
+        self.patches += 1
+        logger.info(
+            "caBundle written",
+            extra={"fields": {"configuration": str(config), "webhooks": len(stale)}},
+        )
+        self._observe(config, updated)
+
+    async def _get(self, config: WebhookConfiguration) -> dict[str, Any] | None:
+        try:
+            obj: dict[str, Any] = await self._kube.request("GET", config.path)
+        except ApiError as exc:
+            if exc.status == 404:
+                return None
+            raise
+        return obj
+
+
+class SelfSignedRotation:
+    """``--cert-source=self``: keep the files in `directory` rotated and the bundle
+    published. The server reloads the files itself (`ReloadingTLSContext`)."""
+
+    def __init__(
+        self,
+        directory: Path,
+        dns_names: Sequence[str],
+        controller: CABundleController,
+        *,
+        ip_addresses: Sequence[str] = LOOPBACK_IPS,
+        check_interval_s: float = 3600.0,
+        ca_validity: dt.timedelta = CA_VALIDITY,
+        serving_validity: dt.timedelta = SERVING_VALIDITY,
+        ca_propagation: dt.timedelta = CA_PROPAGATION,
+    ) -> None:
+        self._directory = directory
+        self._dns_names = tuple(dns_names)
+        self._ip_addresses = tuple(ip_addresses)
+        self._controller = controller
+        self._check_interval_s = check_interval_s
+        self._ca_validity = ca_validity
+        self._serving_validity = serving_validity
+        self._ca_propagation = ca_propagation
+        self._wake = anyio.Event()
+
+    def rotate_now(self) -> None:
+        """Run a rotation check at once (after files changed, or to force one)."""
+        self._wake.set()
+
+    async def reconcile(self) -> WebhookPki:
+        """One rotation check; the resulting bundle goes to the controller."""
+        pki, changed = await anyio.to_thread.run_sync(
+            lambda: ensure_pki(
+                self._directory,
+                self._dns_names,
+                ip_addresses=self._ip_addresses,
+                ca_validity=self._ca_validity,
+                serving_validity=self._serving_validity,
+                ca_propagation=self._ca_propagation,
+                ca_published=self._controller.published_at,
+            )
+        )
+        if changed:
+            logger.info(
+                "webhook certificates rotated",
+                extra={
+                    "fields": {
+                        "serving_not_after": pki.serving.not_after.isoformat(),
+                        "ca_not_after": pki.ca.not_after.isoformat(),
+                        "previous_ca": pki.previous_ca is not None,
+                    }
+                },
+            )
+        self._controller.set_bundle(pki.ca_bundle)
+        return pki
+
+    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Check now, then every `check_interval_s`; during a CA rotation, again as soon
+        as the new bundle has been published for ``ca_propagation``."""
+        pki = await self.reconcile()
+        task_status.started()
+        while True:
+            with anyio.move_on_after(self._check_interval_s):
+                if pki.serving_signed_by_ca():
+                    await self._wake.wait()
+                else:
+                    at = await self._controller.wait_published(pki.ca_bundle)
+                    due = at + self._ca_propagation - dt.datetime.now(dt.UTC)
+                    with anyio.move_on_after(max(0.0, due.total_seconds()) + 0.05):
+                        await self._wake.wait()
+            self._wake = anyio.Event()
+            try:
+                pki = await self.reconcile()
+            except (OSError, ValueError) as exc:
+                logger.error(
+                    "webhook certificate rotation failed; serving the current files",
+                    extra={"fields": {"directory": str(self._directory), "error": str(exc)}},
+                )
