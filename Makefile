@@ -35,6 +35,14 @@ cluster-env: venv
 cluster-status: venv
 	@$(VPY) -m e2e.cluster status
 
+# A real kubelet + containerd node `real-1` next to the local control plane (root, cgroups).
+.PHONY: node-up node-down
+node-up: cluster-up
+	@$(VPY) -m e2e.node up
+
+node-down: venv
+	@$(VPY) -m e2e.node down
+
 unit: venv
 	$(VPY) e2e/run_pytest.py -m "not cluster"
 
@@ -45,10 +53,36 @@ test: lint typecheck
 demo: cluster-up
 	@$(VPY) -m e2e.demo
 
+# Helm chart: helm is built from the Go module proxy and cached like the Kubernetes binaries.
+.PHONY: helm chart-lint chart-crds image e2e-kind
+helm:
+	@bash e2e/tools/build-helm.sh
+
+chart-crds:
+	@mkdir -p charts/gpudra/files/crds
+	@rm -f charts/gpudra/files/crds/*.yaml
+	@if ls api/crds/*.yaml >/dev/null 2>&1; then cp api/crds/*.yaml charts/gpudra/files/crds/; fi
+
+# lint, render and schema checks; the server-side dry-run is e2e/test_chart.py.
+chart-lint: venv
+	$(VPY) -m pytest -q tests/chart
+
+# The one image, as an OCI archive in dist/, without a container engine (root, debootstrap).
+image: venv
+	$(VPY) e2e/image/build.py
+
+# kind cluster with DRA gates and CDI, the chart with emulated GPUs, the e2e suite (needs Docker).
+e2e-kind: venv
+	$(VPY) -m e2e.kind up
+	GPUDRA_CLUSTER_PROVIDER=kind $(VPY) e2e/run_pytest.py -m cluster e2e
+
 bench-slices: cluster-up
 	$(VPY) -m bench.slices
+
+bench-webhook: cluster-up
+	$(VPY) -m bench.webhook
 
 bench-prepare: cluster-up
 	$(VPY) -m bench.prepare
 
-bench: bench-slices bench-prepare
+bench: bench-slices bench-webhook bench-prepare

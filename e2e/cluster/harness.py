@@ -130,7 +130,8 @@ class State:
 
 
 def default_layout() -> Layout:
-    return Layout(Path(os.environ.get("GPUDRA_CLUSTER_DIR", REPO / ".cluster")))
+    # Absolute: processes run with the cluster dir as their working directory.
+    return Layout(Path(os.environ.get("GPUDRA_CLUSTER_DIR", REPO / ".cluster")).resolve())
 
 
 def node_names() -> list[str]:
@@ -241,6 +242,10 @@ class Cluster:
         return state
 
     def down(self, log: Any = print, keep_logs: bool = False) -> None:
+        # Real nodes (e2e/node) need the API server to drain, so they go first.
+        from e2e.node.realnode import stop_all  # noqa: PLC0415 (it imports this module)
+
+        stop_all(self, log=log)
         state = State.load(self.layout.state)
         if state is None:
             log("no cluster state found; nothing to stop")
@@ -322,7 +327,7 @@ class Cluster:
 
     def _spawn(self, state: State, name: str, argv: list[str]) -> subprocess.Popen[bytes]:
         logf = (self.layout.logs / f"{name}.log").open("ab")
-        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        env = {**os.environ, "PYTHONPATH": str(REPO), "GPUDRA_CLUSTER_DIR": str(self.layout.root)}
         proc = subprocess.Popen(
             argv,
             stdout=logf,
@@ -426,6 +431,8 @@ class Cluster:
                 f"--client-ca-file={pk / 'ca.crt'}",
                 f"--kubelet-client-certificate={pk / 'apiserver-kubelet-client.crt'}",
                 f"--kubelet-client-key={pk / 'apiserver-kubelet-client.key'}",
+                # A real node (e2e/node) is named `real-1`: only its InternalIP resolves.
+                "--kubelet-preferred-address-types=InternalIP,Hostname",
                 "--service-cluster-ip-range=10.0.0.0/24",
                 "--allow-privileged=true",
                 "--authorization-mode=Node,RBAC",

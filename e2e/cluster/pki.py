@@ -55,6 +55,15 @@ def make_ca(directory: Path) -> tuple[x509.Certificate, ec.EllipticCurvePrivateK
     return cert, key
 
 
+def load_ca(directory: Path) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
+    """The CA that `make_ca` wrote, for certificates issued after the cluster is up."""
+    cert = x509.load_pem_x509_certificate((directory / "ca.crt").read_bytes())
+    key = serialization.load_pem_private_key((directory / "ca.key").read_bytes(), None)
+    if not isinstance(key, ec.EllipticCurvePrivateKey):
+        raise TypeError(f"{directory / 'ca.key'} is not an EC key")
+    return cert, key
+
+
 def issue(
     directory: Path,
     stem: str,

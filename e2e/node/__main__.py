@@ -1,0 +1,35 @@
+"""`python -m e2e.node up|down|status` (used by the Makefile): a real kubelet +
+containerd node next to the local control plane, which must be up first."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from e2e.cluster.harness import Cluster, ClusterError
+from e2e.node.realnode import NodeError, RealNode
+
+
+def main(argv: list[str]) -> int:
+    cmd = argv[0] if argv else "status"
+    node = RealNode(Cluster())
+    try:
+        if cmd == "up":
+            node.up()
+        elif cmd == "down":
+            node.down()
+        elif cmd == "status":
+            print(json.dumps(node.status(), indent=2))
+        else:
+            print(f"unknown command {cmd!r}: use up, down or status", file=sys.stderr)
+            return 2
+    except (NodeError, ClusterError) as e:
+        print(f"node-{cmd}: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

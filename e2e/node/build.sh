@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Builds containerd 2.x (containerd, ctr, containerd-shim-runc-v2) from the Go module
+# proxy into a per-version cache outside the repository, and installs runc and the CNI
+# plugins from Debian when they are missing. Prints the containerd bin directory.
+#
+# Why from the proxy: no registry or release download is reachable here, but the
+# proxy is, and containerd's module has no replace directives, so `go install
+# module@version` builds it unchanged.
+set -euo pipefail
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+# shellcheck source=versions.env
+. "$here/versions.env"
+
+die() { echo "build: $*" >&2; exit 2; }
+
+version=${CONTAINERD_VERSION}
+case "$version" in v2.*) ;; *) die "CONTAINERD_VERSION '$version' is not a 2.x release: set it to v2.Y.Z in e2e/node/versions.env" ;; esac
+cache=${GPUDRA_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/gpudra}/containerd/$version
+bin=$cache/bin
+cmds=(containerd ctr containerd-shim-runc-v2)
+all_present() { local c; for c in "${cmds[@]}"; do [ -x "$bin/$c" ] || return 1; done; }
+
+# runc and the CNI plugins come from Debian: the kubelet only talks to containerd, and
+# containerd execs these, so the packaged versions are enough.
+need=()
+command -v runc >/dev/null || need+=(runc)
+[ -x /usr/lib/cni/bridge ] || [ -x /opt/cni/bin/bridge ] || need+=(containernetworking-plugins)
+if [ ${#need[@]} -gt 0 ]; then
+  [ "$(id -u)" = 0 ] || die "${need[*]} missing and installing needs root: run \`apt-get install ${need[*]}\` as root"
+  command -v apt-get >/dev/null || die "${need[*]} missing and there is no apt-get: install ${need[*]} with the system's package manager"
+  echo "build: installing ${need[*]} from Debian" >&2
+  { apt-get install -y --no-install-recommends "${need[@]}" >&2 \
+    || { apt-get update >&2 && apt-get install -y --no-install-recommends "${need[@]}" >&2; }; } \
+    || die "apt-get could not install ${need[*]}: check that the Debian repositories are reachable (apt-get update)"
+fi
+
+if all_present; then echo "$bin"; exit 0; fi
+command -v go >/dev/null || die "no Go toolchain on PATH: install Go 1.26 or newer (https://go.dev/doc/install), then run again"
+
+export GOTOOLCHAIN=local GOWORK=off GOSUMDB=${GOSUMDB:-off} CGO_ENABLED=0 GOFLAGS=
+mkdir -p "$bin"
+# A failed build leaves no half-filled version directory that looks cached.
+trap 'all_present || rm -rf "$cache"' EXIT
+start=$(date +%s)
+echo "build: containerd $version into $bin (first build takes a few minutes)" >&2
+pkg=github.com/containerd/containerd/v2
+ld="-s -w -X $pkg/version.Version=$version -X $pkg/version.Package=$pkg"
+# Tags as in containerd's own static builds: no cgo-only snapshotters.
+tags=no_btrfs,no_devmapper,no_zfs
+for c in "${cmds[@]}"; do
+  GOBIN=$bin go install -trimpath -tags "$tags" -ldflags "$ld" "$pkg/cmd/$c@$version" >&2 \
+    || die "go install of $c $version failed (see above); check that the Go module proxy serves $pkg@$version"
+done
+all_present || die "build finished but binaries are missing under $bin"
+echo "build: done in $(( $(date +%s) - start ))s" >&2
+echo "$bin"
