@@ -14,8 +14,15 @@ from e2e.cluster.kube import Kube
 @pytest.fixture(scope="session")
 def cluster() -> Iterator[Cluster]:
     """Reuses a running cluster; one started here is stopped at the end of the run
-    unless GPUDRA_KEEP_CLUSTER=1."""
-    c = Cluster()
+    unless GPUDRA_KEEP_CLUSTER=1. GPUDRA_CLUSTER_PROVIDER=kind runs on kind instead of
+    the local control plane (`make e2e-kind`)."""
+    c: Cluster
+    if os.environ.get("GPUDRA_CLUSTER_PROVIDER") == "kind":
+        from e2e.kind.cluster import KindCluster  # noqa: PLC0415 - only with Docker
+
+        c = KindCluster()  # type: ignore[assignment]
+    else:
+        c = Cluster()
     started = not c.is_up()
     if started:
         c.up(log=lambda _m: None)

@@ -1,0 +1,55 @@
+"""Liveness for the kubelet plugin: one real call to each of its gRPC services.
+
+GetInfo on the registration socket and an empty NodePrepareResources on the DRA socket
+prove that both servers accept connections and answer, which a process check cannot.
+Only grpc is needed: empty protobuf messages serialize to no bytes.
+Usage: probe.py <kubelet root> <driver name> [<pod uid>]; exit 0 when both answer.
+"""
+
+import sys
+from pathlib import Path
+
+import grpc
+
+CALLS = (
+    ("plugins_registry/{driver}{suffix}-reg.sock", "/pluginregistration.Registration/GetInfo"),
+    (
+        "plugins/{driver}/dra{suffix}.sock",
+        "/k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin/NodePrepareResources",
+    ),
+)
+
+
+def socket_path(root: Path, pattern: str, driver: str, pod_uid: str) -> Path:
+    """The per-pod socket (rolling updates) when it exists, else the plain one."""
+    if pod_uid:
+        path = root / pattern.format(driver=driver, suffix=f"-{pod_uid}")
+        if path.exists():
+            return path
+    return root / pattern.format(driver=driver, suffix="")
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) not in (2, 3):
+        print("usage: probe.py <kubelet root> <driver name> [<pod uid>]", file=sys.stderr)
+        return 2
+    root, driver = Path(argv[0]), argv[1]
+    pod_uid = argv[2] if len(argv) == 3 else ""
+    for pattern, method in CALLS:
+        path = socket_path(root, pattern, driver, pod_uid)
+        try:
+            with grpc.insecure_channel(f"unix://{path}") as channel:
+                call = channel.unary_unary(
+                    method,
+                    request_serializer=lambda _: b"",
+                    response_deserializer=lambda data: data,
+                )
+                call(None, timeout=5)
+        except grpc.RpcError as e:
+            print(f"{method} on {path} failed: {e.code().name} {e.details()}", file=sys.stderr)
+            return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

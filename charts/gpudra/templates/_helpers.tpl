@@ -1,0 +1,74 @@
+{{/* Common names and labels. Names are fixed per release so the webhook's own
+registration (in the code) and the chart agree on them. */}}
+
+{{- define "gpudra.name" -}}gpudra{{- end -}}
+
+{{- define "gpudra.fullname" -}}
+{{- if contains "gpudra" .Release.Name -}}
+{{- .Release.Name | trunc 40 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-gpudra" .Release.Name | trunc 40 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "gpudra.labels" -}}
+app.kubernetes.io/name: gpudra
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+{{- with .Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{- define "gpudra.selectorLabels" -}}
+app.kubernetes.io/name: gpudra
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "gpudra.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
+{{- end -}}
+
+{{- define "gpudra.node.fullname" -}}{{ include "gpudra.fullname" . }}-node{{- end -}}
+{{- define "gpudra.webhook.fullname" -}}{{ include "gpudra.fullname" . }}-webhook{{- end -}}
+{{- define "gpudra.node.serviceAccount" -}}{{ include "gpudra.node.fullname" . }}{{- end -}}
+{{- define "gpudra.webhook.serviceAccount" -}}{{ include "gpudra.webhook.fullname" . }}{{- end -}}
+{{/* The Service the API server calls; the webhook's --service flag names the same. */}}
+{{- define "gpudra.webhook.service" -}}{{ include "gpudra.webhook.fullname" . }}{{- end -}}
+
+{{/* Webhook TLS: the Secret the pods mount for sources 'helm' and 'secret'. */}}
+{{- define "gpudra.webhook.tlsSecret" -}}
+{{- if eq .Values.webhook.tls.source "secret" -}}
+{{- .Values.webhook.tls.secretName -}}
+{{- else -}}
+{{- include "gpudra.webhook.fullname" . }}-tls
+{{- end -}}
+{{- end -}}
+
+{{/* The legacy-pod matchCondition; the same CEL as gpudra.webhook.registration.GPU_POD_CEL
+(tests/chart compares them). With an extended resource name mapped to a DeviceClass,
+pods asking only for that resource are left to the scheduler. */}}
+{{- define "gpudra.webhook.gpuPodCel" -}}
+{{- $cel := include "gpudra.webhook.baseGpuPodCel" . -}}
+{{- with .Values.deviceClasses.gpu.extendedResourceName -}}
+{{- $cel = replace "k.startsWith('nvidia.com/')" (printf "(k.startsWith('nvidia.com/') && k != '%s')" .) $cel -}}
+{{- end -}}
+{{- $cel -}}
+{{- end -}}
+
+{{- define "gpudra.webhook.baseGpuPodCel" -}}
+object.spec.containers.exists(c, has(c.resources) && ((has(c.resources.limits) && c.resources.limits.exists(k, k.startsWith('nvidia.com/'))) || (has(c.resources.requests) && c.resources.requests.exists(k, k.startsWith('nvidia.com/'))))) || (has(object.spec.initContainers) && object.spec.initContainers.exists(c, has(c.resources) && has(c.resources.limits) && c.resources.limits.exists(k, k.startsWith('nvidia.com/'))))
+{{- end -}}
+
+{{/* CEL: the object's devices (a CEL path) request one of the classes or carry an opaque
+config for the driver; the same text as gpudra.webhook.registration.claim_cel. */}}
+{{- define "gpudra.webhook.claimCel" -}}
+{{- $d := index . 0 -}}
+{{- $quoted := list -}}
+{{- range (index . 1) }}{{ $quoted = append $quoted (printf "'%s'" .) }}{{ end -}}
+{{- $classes := printf "[%s]" (join ", " $quoted) -}}
+{{- $drivers := printf "['%s']" (index . 2) -}}
+{{- printf "has(%[1]s) && ((has(%[1]s.requests) && %[1]s.requests.exists(r, (has(r.exactly) && r.exactly.deviceClassName in %[2]s) || (has(r.firstAvailable) && r.firstAvailable.exists(s, s.deviceClassName in %[2]s)))) || (has(%[1]s.config) && %[1]s.config.exists(c, has(c.opaque) && c.opaque.driver in %[3]s)))" $d $classes $drivers -}}
+{{- end -}}

@@ -1,0 +1,1 @@
+"""Builds the gpudra image without a container engine (`make image`)."""

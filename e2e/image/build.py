@@ -1,0 +1,415 @@
+"""Builds the gpudra image as an OCI archive without a container engine (`make image`).
+
+The same layout as the Dockerfile: Debian (bookworm, minimal) with its python3 as the
+base layer, and a virtual environment in /opt/gpudra holding the wheel and its
+dependencies from PyPI as the second layer; default user 65532, entry point `gpudra`.
+containerd loads the result: `ctr -n k8s.io images import <archive>`.
+
+Why our own OCI writer: an image layout is a few JSON files and gzip'd tars named by
+their sha256, so the stdlib writes it; no daemon, no registry, no extra tools. Only
+debootstrap (Debian package) is needed, for the base; the base layer is cached outside
+the repository and rebuilt only when its inputs change.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+import tomllib
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+SUITE = "bookworm"
+PYTHON = "3.11"  # bookworm's python3; wheels are chosen for it
+BASE_PACKAGES = ("python3", "ca-certificates")
+DEFAULT_MIRROR = "http://deb.debian.org/debian"
+# Wheels bookworm's glibc (2.36) can load, newest first.
+PLATFORMS = (
+    "manylinux_2_36_x86_64",
+    "manylinux_2_34_x86_64",
+    "manylinux_2_28_x86_64",
+    "manylinux_2_17_x86_64",
+    "manylinux2014_x86_64",
+)
+USER = "65532:65532"
+ENV = (
+    "PATH=/opt/gpudra/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+    "PYTHONUNBUFFERED=1",
+    "PYTHONDONTWRITEBYTECODE=1",
+)
+ENTRYPOINT = ("gpudra",)
+CMD = ("--help",)
+# Left out of the base layer: runtime mounts, caches and documentation (as in -slim).
+BASE_EXCLUDE = (
+    "dev/",
+    "proc/",
+    "sys/",
+    "run/",
+    "tmp/",
+    "var/cache/apt/",
+    "var/lib/apt/lists/",
+    "var/log/",
+    "usr/share/doc/",
+    "usr/share/man/",
+    "usr/share/info/",
+    "usr/share/locale/",
+)
+MEDIA_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
+MEDIA_CONFIG = "application/vnd.oci.image.config.v1+json"
+MEDIA_LAYER = "application/vnd.oci.image.layer.v1.tar+gzip"
+MEDIA_INDEX = "application/vnd.oci.image.index.v1+json"
+
+
+class BuildError(Exception):
+    """A one-line reason the image could not be built, with the fix."""
+
+
+@dataclass(frozen=True)
+class Layer:
+    """A gzip'd layer tar: `digest` names the blob, `diff_id` the uncompressed tar."""
+
+    path: Path
+    digest: str
+    diff_id: str
+    size: int
+    comment: str
+
+
+def log(msg: str) -> None:
+    print(f"image: {msg}", file=sys.stderr, flush=True)
+
+
+# --- layers ---------------------------------------------------------------------------------
+
+
+def _walk(root: Path, exclude: Sequence[str]) -> Iterator[Path]:
+    """Every path under root in sorted order; excluded folders are kept but emptied."""
+    for dirpath, dirnames, filenames in os.walk(root):
+        rel = Path(dirpath).relative_to(root).as_posix()
+        prefix = "" if rel == "." else rel + "/"
+        if prefix and any(prefix.startswith(e) for e in exclude):
+            dirnames.clear()
+            continue
+        dirnames.sort()
+        entries = sorted([*dirnames, *filenames])
+        for name in entries:
+            yield Path(dirpath) / name
+
+
+def write_layer(
+    root: Path, out: Path, comment: str, exclude: Sequence[str] = (), mtime: int | None = None
+) -> Layer:
+    """A reproducible layer of everything under `root` (owned by root; `mtime` fixes times)."""
+
+    def normalize(info: tarfile.TarInfo) -> tarfile.TarInfo:
+        info.uid = info.gid = 0
+        info.uname = info.gname = "root"
+        if mtime is not None:
+            info.mtime = mtime
+        return info
+
+    raw = out.with_suffix(".tar.tmp")
+    with tarfile.open(raw, "w", format=tarfile.GNU_FORMAT) as tar:
+        for path in _walk(root, exclude):
+            arcname = path.relative_to(root).as_posix()
+            info = tar.gettarinfo(str(path), arcname)
+            if info.ischr() or info.isblk() or info.isfifo():
+                continue
+            info = normalize(info)
+            if info.isreg():
+                with path.open("rb") as f:
+                    tar.addfile(info, f)
+            else:
+                tar.addfile(info)
+    diff = hashlib.sha256()
+    packed = hashlib.sha256()
+    with raw.open("rb") as src, out.open("wb") as dst:
+        hashing = _HashingWriter(dst, packed)
+        with gzip.GzipFile(fileobj=hashing, mode="wb", mtime=0, compresslevel=6) as gz:
+            while chunk := src.read(1 << 20):
+                diff.update(chunk)
+                gz.write(chunk)
+    raw.unlink()
+    return Layer(
+        out,
+        f"sha256:{packed.hexdigest()}",
+        f"sha256:{diff.hexdigest()}",
+        out.stat().st_size,
+        comment,
+    )
+
+
+class _HashingWriter:
+    """A file-like sink that hashes what gzip writes to the blob."""
+
+    def __init__(self, dst: Any, digest: Any) -> None:
+        self.dst = dst
+        self.digest = digest
+
+    def write(self, data: bytes) -> int:
+        self.digest.update(data)
+        return int(self.dst.write(data))
+
+    def flush(self) -> None:
+        self.dst.flush()
+
+
+# --- OCI layout -------------------------------------------------------------------------------
+
+
+def _blob(layout: Path, data: bytes) -> dict[str, Any]:
+    digest = "sha256:" + hashlib.sha256(data).hexdigest()
+    path = layout / "blobs" / "sha256" / digest.removeprefix("sha256:")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+    return {"digest": digest, "size": len(data)}
+
+
+def write_oci_archive(layers: Sequence[Layer], out: Path, name: str, created: str) -> str:
+    """Writes an OCI image layout as a tar archive at `out`; returns the manifest digest."""
+    config = {
+        "architecture": "amd64",
+        "os": "linux",
+        "created": created,
+        "config": {
+            "User": USER,
+            "Env": list(ENV),
+            "Entrypoint": list(ENTRYPOINT),
+            "Cmd": list(CMD),
+            "WorkingDir": "/",
+        },
+        "rootfs": {"type": "layers", "diff_ids": [la.diff_id for la in layers]},
+        "history": [{"created": created, "comment": la.comment} for la in layers],
+    }
+    with tempfile.TemporaryDirectory(prefix="oci-", dir=out.parent) as tmp:
+        layout = Path(tmp)
+        blobs = layout / "blobs" / "sha256"
+        blobs.mkdir(parents=True)
+        for la in layers:
+            shutil.copyfile(la.path, blobs / la.digest.removeprefix("sha256:"))
+        cfg = _blob(layout, json.dumps(config, sort_keys=True).encode())
+        manifest = {
+            "schemaVersion": 2,
+            "mediaType": MEDIA_MANIFEST,
+            "config": {"mediaType": MEDIA_CONFIG, **cfg},
+            "layers": [
+                {"mediaType": MEDIA_LAYER, "digest": la.digest, "size": la.size} for la in layers
+            ],
+        }
+        man = _blob(layout, json.dumps(manifest, sort_keys=True).encode())
+        tag = name.rsplit(":", 1)[1] if ":" in name.rsplit("/", 1)[-1] else "latest"
+        index = {
+            "schemaVersion": 2,
+            "mediaType": MEDIA_INDEX,
+            "manifests": [
+                {
+                    "mediaType": MEDIA_MANIFEST,
+                    **man,
+                    "annotations": {
+                        "org.opencontainers.image.ref.name": tag,
+                        "io.containerd.image.name": name,
+                    },
+                }
+            ],
+        }
+        (layout / "index.json").write_text(json.dumps(index, sort_keys=True))
+        (layout / "oci-layout").write_text(json.dumps({"imageLayoutVersion": "1.0.0"}))
+        partial = out.with_suffix(".partial")
+        with tarfile.open(partial, "w", format=tarfile.GNU_FORMAT) as tar:
+            for path in sorted(layout.rglob("*")):
+                info = tar.gettarinfo(str(path), path.relative_to(layout).as_posix())
+                info.uid = info.gid = 0
+                info.uname = info.gname = "root"
+                info.mtime = 0
+                if info.isreg():
+                    with path.open("rb") as f:
+                        tar.addfile(info, f)
+                else:
+                    tar.addfile(info)
+        partial.replace(out)
+    return str(man["digest"])
+
+
+# --- the base and the application ---------------------------------------------------------
+
+
+def _cache_root() -> Path:
+    explicit = os.environ.get("GPUDRA_CACHE")
+    if explicit:
+        return Path(explicit)
+    xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(xdg) / "gpudra"
+
+
+def base_layer(mirror: str) -> Layer:
+    """Debian minbase with python3, cached by its inputs; debootstrap runs only when missing."""
+    key = hashlib.sha256(f"{SUITE} {mirror} {' '.join(BASE_PACKAGES)}".encode()).hexdigest()[:12]
+    cache = _cache_root() / "image" / f"base-{SUITE}-{key}"
+    meta = cache / "layer.json"
+    if meta.exists():
+        data = json.loads(meta.read_text())
+        return Layer(**{**data, "path": cache / "layer.tar.gz"})
+    if shutil.which("debootstrap") is None:
+        raise BuildError(
+            "debootstrap is not installed: `apt-get install debootstrap` "
+            "(or, with a Docker engine, `docker build -t gpudra .`)"
+        )
+    if os.geteuid() != 0:
+        raise BuildError("debootstrap needs root: run `make image` as root")
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f"base-{SUITE}-", dir=cache.parent))
+    try:
+        rootfs = tmp / "rootfs"
+        log(f"debootstrap {SUITE} from {mirror} (first build only)")
+        proc = subprocess.run(
+            [
+                "debootstrap",
+                "--variant=minbase",
+                f"--include={','.join(BASE_PACKAGES)}",
+                SUITE,
+                str(rootfs),
+                mirror,
+            ],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if proc.returncode != 0:
+            tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:]
+            raise BuildError(f"debootstrap failed: {' '.join(tail)}; check the mirror {mirror}")
+        if not (rootfs / "usr" / "bin" / f"python{PYTHON}").exists():
+            raise BuildError(
+                f"{SUITE} did not install python{PYTHON}; update PYTHON in this script"
+            )
+        layer = write_layer(
+            rootfs, tmp / "layer.tar.gz", f"debian {SUITE} minbase + python3", BASE_EXCLUDE
+        )
+        shutil.rmtree(rootfs)
+        (tmp / "layer.json").write_text(
+            json.dumps({k: v for k, v in asdict(layer).items() if k != "path"})
+        )
+        if cache.exists():
+            shutil.rmtree(cache)
+        tmp.rename(cache)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+    return Layer(**{**asdict(layer), "path": cache / "layer.tar.gz"})
+
+
+def app_layer(work: Path) -> Layer:
+    """/opt/gpudra: a virtual environment for bookworm's python3 with the wheel installed."""
+    wheels = work / "wheel"
+    _pip("wheel", "--quiet", "--no-deps", "-w", str(wheels), str(REPO))
+    (wheel,) = wheels.glob("gpudra-*.whl")
+    root = work / "app"
+    venv = root / "opt" / "gpudra"
+    site = venv / "lib" / f"python{PYTHON}" / "site-packages"
+    platforms = [arg for p in PLATFORMS for arg in ("--platform", p)]
+    _pip(
+        "install",
+        "--quiet",
+        "--no-compile",
+        "--disable-pip-version-check",
+        "--target",
+        str(site),
+        "--only-binary=:all:",
+        "--implementation",
+        "cp",
+        "--python-version",
+        PYTHON,
+        *platforms,
+        str(wheel),
+    )
+    shutil.rmtree(site / "bin", ignore_errors=True)  # scripts with this machine's shebang
+    bin_dir = venv / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python3").symlink_to(f"/usr/bin/python{PYTHON}")
+    (bin_dir / "python").symlink_to("python3")
+    (venv / "lib64").symlink_to("lib")
+    (venv / "pyvenv.cfg").write_text(
+        f"home = /usr/bin\ninclude-system-site-packages = false\nversion = {PYTHON}\n"
+    )
+    script = bin_dir / "gpudra"
+    script.write_text(
+        "#!/opt/gpudra/bin/python3\nimport sys\n\nfrom gpudra.cli import main\n\n"
+        "if __name__ == '__main__':\n    sys.exit(main())\n"
+    )
+    script.chmod(0o755)
+    if sys.version_info[:2] == tuple(int(x) for x in PYTHON.split(".")):
+        # Bytecode in the image: the read-only root filesystem cannot cache it at run time.
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "compileall",
+                "-q",
+                "--invalidation-mode",
+                "unchecked-hash",
+                "-s",
+                str(root),
+                "-p",
+                "/",
+                str(venv),
+            ],
+            check=True,
+        )
+    else:
+        log(f"no bytecode: this Python is not {PYTHON}, so modules compile at start")
+    return write_layer(root, work / "app.tar.gz", "gpudra wheel in /opt/gpudra", mtime=0)
+
+
+def _pip(*args: str) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "pip", *args], capture_output=True, text=True, check=False
+    )
+    if proc.returncode != 0:
+        detail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+        raise BuildError(
+            f"pip {args[0]} failed: {' | '.join(detail)}; check that PyPI is reachable"
+        )
+
+
+def project_version() -> str:
+    return str(tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"])
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    version = project_version()
+    parser = argparse.ArgumentParser(description="Build the gpudra image as an OCI archive.")
+    parser.add_argument("--out", type=Path, default=REPO / "dist" / f"gpudra-{version}.oci.tar")
+    parser.add_argument("--name", default=f"ghcr.io/gpudra/gpudra:{version}")
+    parser.add_argument("--mirror", default=os.environ.get("GPUDRA_DEBIAN_MIRROR", DEFAULT_MIRROR))
+    args = parser.parse_args(argv)
+    start = time.monotonic()
+    try:
+        base = base_layer(args.mirror)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(prefix="gpudra-image-") as tmp:
+            app = app_layer(Path(tmp))
+            digest = write_oci_archive(
+                [base, app], args.out, args.name, created="1970-01-01T00:00:00Z"
+            )
+    except BuildError as e:
+        print(f"image: {e}", file=sys.stderr)
+        return 2
+    mib = args.out.stat().st_size / (1 << 20)
+    log(f"{args.name} ({digest}) -> {args.out} ({mib:.0f} MiB) in {time.monotonic() - start:.0f}s")
+    log(f"load it into containerd: ctr -n k8s.io images import {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""The kind cluster provider for the end-to-end suite (`make e2e-kind`, needs Docker)."""

@@ -1,0 +1,341 @@
+"""The chart against the real API server: every rendered object passes a server-side
+dry-run apply, the node-scoped slice policy really denies other nodes' slices, and
+`helm install` stops before creating anything on bad values or a device plugin."""
+
+from __future__ import annotations
+
+import functools
+import json
+import ssl
+import subprocess
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from e2e.cluster.harness import Cluster, State
+from e2e.cluster.kube import Kube, wait_for
+from e2e.tools import helm as h
+
+pytestmark = pytest.mark.cluster
+NAMESPACE = "gpudra-chart-e2e"
+CRD_PATH = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions"
+SLICES = "/apis/resource.k8s.io/v1/resourceslices"
+
+
+@pytest.fixture(scope="module")
+def helm() -> Path:
+    try:
+        return h.helm_binary()
+    except h.HelmUnavailable as e:
+        pytest.skip(f"helm could not be built: {e}")
+
+
+@pytest.fixture(scope="module")
+def kubectl(cluster: Cluster) -> list[str]:
+    state = State.load(cluster.layout.state)
+    assert state is not None
+    return [
+        str(Path(state.bin_dir) / "kubectl"),
+        "--kubeconfig",
+        str(cluster.layout.admin_kubeconfig),
+    ]
+
+
+@pytest.fixture(scope="module")
+def namespace(kube: Kube) -> Iterator[str]:
+    kube.apply({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NAMESPACE}})
+    yield NAMESPACE
+    kube.delete("Namespace", NAMESPACE)
+
+
+def fake_node(kube: Kube, name: str, gpus: int = 0, labels: dict[str, str] | None = None) -> None:
+    """A Node object (no kubelet); `gpus` > 0 makes it look like a device-plugin node."""
+    kube.apply(
+        {
+            "apiVersion": "v1",
+            "kind": "Node",
+            "metadata": {
+                "name": name,
+                "labels": {"gpudra.dev/chart-e2e": "true", **(labels or {})},
+            },
+        }
+    )
+    if gpus:
+        capacity = {"cpu": "8", "memory": "32Gi", "pods": "110", "nvidia.com/gpu": str(gpus)}
+        kube.patch_status("Node", name, {"status": {"capacity": capacity, "allocatable": capacity}})
+
+
+def apply(kubectl: list[str], objects: list[dict[str, Any]], *flags: str) -> str:
+    stream = "\n---\n".join(yaml.safe_dump(o) for o in objects)
+    proc = subprocess.run(
+        [*kubectl, "apply", "--server-side", "--field-manager=helm", *flags, "-f", "-"],
+        input=stream,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+def delete(kubectl: list[str], objects: list[dict[str, Any]]) -> None:
+    stream = "\n---\n".join(yaml.safe_dump(o) for o in objects)
+    proc = subprocess.run(
+        [*kubectl, "delete", "--ignore-not-found", "-f", "-"],
+        input=stream,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+
+
+def install_crds(kube: Kube, kubectl: list[str], objects: list[dict[str, Any]]) -> None:
+    """Custom resources can only be dry-run once their CRD is served: create CRDs for real."""
+    apply(kubectl, objects)
+
+    def established(name: str) -> bool:
+        conditions = kube.request("GET", f"{CRD_PATH}/{name}").get("status", {})
+        return any(
+            c["type"] == "Established" and c["status"] == "True"
+            for c in conditions.get("conditions", [])
+        )
+
+    for crd in objects:
+        name = crd["metadata"]["name"]
+        wait_for(f"CRD {name} Established", functools.partial(established, name))
+
+
+@pytest.mark.parametrize("values", ["default", "full"])
+def test_every_rendered_object_passes_server_side_dry_run(
+    helm: Path, kube: Kube, kubectl: list[str], namespace: str, values: str
+) -> None:
+    files = [] if values == "default" else [h.FULL_VALUES]
+    objects = h.template(helm, *files, namespace=namespace)
+    crds = [o for o in objects if o["kind"] == "CustomResourceDefinition"]
+    assert crds, "the chart renders the GpuTenant CRD"
+    rest = [o for o in objects if o["kind"] != "CustomResourceDefinition"]
+    try:
+        install_crds(kube, kubectl, crds)
+        out = apply(kubectl, rest, "--dry-run=server")
+    finally:
+        delete(kubectl, crds)  # helm refuses to adopt objects it did not create
+    applied = [ln for ln in out.splitlines() if "serverside-applied (server dry run)" in ln]
+    assert len(applied) == len(rest), out
+    # A dry run stores nothing.
+    daemonsets = kube.request("GET", f"/apis/apps/v1/namespaces/{namespace}/daemonsets")
+    assert daemonsets["items"] == []
+
+
+class Token:
+    """Requests as the node agent would make them, with a pod-bound ServiceAccount token."""
+
+    def __init__(self, cluster: Cluster, kube: Kube, token: str) -> None:
+        self.base = f"https://{kube.creds.host}:{kube.creds.port}"
+        self.ctx = ssl.create_default_context(cafile=str(kube.creds.ca))
+        self.token = token
+
+    def request(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
+        req = urllib.request.Request(
+            self.base + path,
+            method=method,
+            data=None if body is None else json.dumps(body).encode(),
+            headers={"Authorization": f"Bearer {self.token}", "Content-Type": "application/json"},
+        )
+        try:
+            with urllib.request.urlopen(req, context=self.ctx, timeout=30) as resp:
+                return resp.status, json.loads(resp.read() or b"null")
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read() or b"null")
+
+
+def slice_for(node: str, name: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceSlice",
+        "metadata": {"name": name},
+        "spec": {
+            "driver": "gpu.nvidia.com",
+            "nodeName": node,
+            "pool": {"name": node, "generation": 1, "resourceSliceCount": 1},
+            "devices": [{"name": "gpu-0"}],
+        },
+    }
+
+
+@pytest.fixture
+def node_agent_token(
+    helm: Path, cluster: Cluster, kube: Kube, kubectl: list[str], namespace: str
+) -> Iterator[Token]:
+    """The chart's node RBAC and admission policy for real, and a token bound to a pod on
+    node chart-e2e-a, as the DaemonSet's pod would have."""
+    objects = h.template(helm, namespace=namespace)
+    wanted = {
+        "ServiceAccount",
+        "ClusterRole",
+        "ClusterRoleBinding",
+        "ValidatingAdmissionPolicy",
+        "ValidatingAdmissionPolicyBinding",
+    }
+    node_objects = [
+        o
+        for o in objects
+        if o["kind"] in wanted
+        and o["metadata"]["labels"].get("app.kubernetes.io/component") == "node"
+    ]
+    apply(kubectl, node_objects)
+    fake_node(kube, "chart-e2e-a")
+    fake_node(kube, "chart-e2e-b")
+    pod = kube.create(
+        {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": "node-agent", "namespace": namespace},
+            "spec": {
+                "nodeName": "chart-e2e-a",
+                "serviceAccountName": "gpudra-node",
+                "containers": [{"name": "agent", "image": "gpudra:test"}],
+            },
+        }
+    )
+    token = kube.request(
+        "POST",
+        f"/api/v1/namespaces/{namespace}/serviceaccounts/gpudra-node/token",
+        {
+            "apiVersion": "authentication.k8s.io/v1",
+            "kind": "TokenRequest",
+            "spec": {
+                "expirationSeconds": 600,
+                "boundObjectRef": {
+                    "apiVersion": "v1",
+                    "kind": "Pod",
+                    "name": "node-agent",
+                    "uid": pod["metadata"]["uid"],
+                },
+            },
+        },
+    )["status"]["token"]
+    yield Token(cluster, kube, token)
+    kube.delete("Pod", "node-agent", namespace, grace=0)
+    for name in ("chart-e2e-a-gpu", "chart-e2e-b-gpu"):
+        kube.delete("ResourceSlice", name)
+    for node in ("chart-e2e-a", "chart-e2e-b"):
+        kube.delete("Node", node)
+    delete(kubectl, node_objects)
+
+
+def test_node_agent_writes_only_its_own_nodes_slices(kube: Kube, node_agent_token: Token) -> None:
+    agent = node_agent_token
+    kube.create(slice_for("chart-e2e-b", "chart-e2e-b-gpu"))  # another node's, by the admin
+
+    # The policy is enforced once the API server has loaded it.
+    def denied() -> Any:
+        status, body = agent.request("POST", SLICES, slice_for("chart-e2e-b", "chart-e2e-x"))
+        return body if status == 403 else None
+
+    body = wait_for("the admission policy to deny another node's slice", denied, timeout=30)
+    assert "may only write ResourceSlices of its own node" in body["message"]
+    assert "of node chart-e2e-b" in body["message"]
+
+    status, created = agent.request("POST", SLICES, slice_for("chart-e2e-a", "chart-e2e-a-gpu"))
+    assert status == 201, created
+    created["spec"]["devices"].append({"name": "gpu-1"})
+    status, body = agent.request("PUT", f"{SLICES}/chart-e2e-a-gpu", created)
+    assert status == 200, body
+
+    other = kube.get("ResourceSlice", "chart-e2e-b-gpu")
+    other["spec"]["devices"].append({"name": "gpu-1"})
+    status, body = agent.request("PUT", f"{SLICES}/chart-e2e-b-gpu", other)
+    assert status == 403, body
+    status, body = agent.request("DELETE", f"{SLICES}/chart-e2e-b-gpu")
+    assert status == 403, body
+    # Moving its own slice to another node is a write to that node too.
+    mine = kube.get("ResourceSlice", "chart-e2e-a-gpu")
+    mine["spec"]["nodeName"] = "chart-e2e-b"
+    status, body = agent.request("PUT", f"{SLICES}/chart-e2e-a-gpu", mine)
+    assert status in (403, 422), body  # nodeName is also immutable in recent versions
+    status, body = agent.request("DELETE", f"{SLICES}/chart-e2e-a-gpu")
+    assert status == 200, body
+
+
+def helm_env(cluster: Cluster) -> dict[str, str]:
+    return {"KUBECONFIG": str(cluster.layout.admin_kubeconfig)}
+
+
+def released_objects(kube: Kube, release: str) -> list[str]:
+    selector = f"app.kubernetes.io/instance={release}"
+    found = [
+        f"ClusterRole/{o['metadata']['name']}"
+        for o in kube.request(
+            "GET",
+            "/apis/rbac.authorization.k8s.io/v1/clusterroles",
+            query={"labelSelector": selector},
+        )["items"]
+    ]
+    found += [
+        f"Secret/{o['metadata']['name']}"
+        for o in kube.request(
+            "GET", f"/api/v1/namespaces/{NAMESPACE}/secrets", query={"labelSelector": "owner=helm"}
+        )["items"]
+    ]
+    return found
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"deviceClasses": {"shared": {"strategy": "Spatial"}}}, "/deviceClasses/shared/strategy"),
+        ({"node": {"driverRoot": "run/nvidia/driver"}}, "/node/driverRoot"),
+        ({"webhook": {"port": 70000}}, "/webhook/port"),
+    ],
+    ids=["sharing-mode", "driver-root", "webhook-port"],
+)
+def test_install_with_bad_values_creates_nothing(
+    helm: Path,
+    cluster: Cluster,
+    kube: Kube,
+    namespace: str,
+    values: dict[str, Any],
+    message: str,
+    tmp_path: Path,
+) -> None:
+    with pytest.raises(h.HelmFailed) as failure:
+        h.run(
+            helm,
+            "install",
+            "bad",
+            str(h.CHART),
+            "--namespace",
+            namespace,
+            *h.values_args([values], tmp_path),
+            env=helm_env(cluster),
+        )
+    assert message in str(failure.value)
+    assert released_objects(kube, "bad") == []
+
+
+def test_install_refuses_a_device_plugin_node(
+    helm: Path, cluster: Cluster, kube: Kube, namespace: str
+) -> None:
+    fake_node(kube, "chart-e2e-plugin", gpus=4, labels={"pool": "legacy"})
+    fake_node(kube, "chart-e2e-dra", labels={"pool": "dra"})
+    try:
+        base = ["install", "gpu", str(h.CHART), "--namespace", namespace, "--dry-run=server"]
+        with pytest.raises(h.HelmFailed) as failure:
+            h.run(helm, *base, env=helm_env(cluster))
+        assert "nodes chart-e2e-plugin advertise nvidia.com/gpu" in str(failure.value)
+        assert "devicePlugin.allowCoexistence=true" in str(failure.value)
+        # Narrowed to nodes without the device plugin, or explicitly allowed: installs.
+        h.run(helm, *base, "--set", "node.nodeSelector.pool=dra", env=helm_env(cluster))
+        h.run(helm, *base, "--set", "devicePlugin.allowCoexistence=true", env=helm_env(cluster))
+    finally:
+        kube.delete("Node", "chart-e2e-plugin")
+        kube.delete("Node", "chart-e2e-dra")
+    assert released_objects(kube, "gpu") == []

@@ -1,0 +1,1 @@
+"""Tools built from the Go module proxy for the chart checks (helm)."""

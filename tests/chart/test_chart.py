@@ -1,0 +1,388 @@
+"""The Helm chart through the real helm binary: lint, schema, rendering, and agreement with
+the objects the code builds (webhook configuration, DeviceClasses, CRDs)."""
+
+from __future__ import annotations
+
+import base64
+import copy
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from gpudra.api.config import GpuConfig, parse_opaque_config
+from gpudra.api.deviceclasses import device_classes
+from gpudra.cli.main import build_parser
+from gpudra.webhook import registration
+from gpudra.webhook.convert import DEFAULT_POLICY, OPT_OUT_LABEL
+from gpudra.webhook.validate import driver_classes
+
+from e2e.tools import helm as h
+
+REPO = Path(__file__).resolve().parents[2]
+API_CRDS = REPO / "api" / "crds"
+CHART_CRDS = h.CHART / "files" / "crds"
+
+
+@pytest.fixture(scope="module")
+def helm() -> Path:
+    try:
+        return h.helm_binary()
+    except h.HelmUnavailable as e:
+        pytest.skip(f"helm could not be built: {e}")
+
+
+@pytest.fixture(scope="module")
+def default(helm: Path) -> list[dict[str, Any]]:
+    return h.template(helm)
+
+
+@pytest.fixture(scope="module")
+def full(helm: Path) -> list[dict[str, Any]]:
+    return h.template(helm, h.FULL_VALUES, namespace="gpu-system", release="gpu")
+
+
+def strip_chart_metadata(obj: dict[str, Any]) -> dict[str, Any]:
+    """The chart adds labels (and cert-manager annotations); the code does not."""
+    out = copy.deepcopy(obj)
+    out["metadata"].pop("labels", None)
+    out["metadata"].pop("annotations", None)
+    return out
+
+
+@pytest.mark.parametrize("values", [[], [h.FULL_VALUES]], ids=["default", "full"])
+def test_lint_strict(helm: Path, values: list[Path]) -> None:
+    out = h.run(helm, "lint", "--strict", str(h.CHART), *h.values_args(values, Path()))
+    assert "0 chart(s) failed" in out
+
+
+def test_default_renders_every_component(default: list[dict[str, Any]]) -> None:
+    kinds = sorted(f"{o['kind']}/{o['metadata']['name']}" for o in default)
+    for expected in (
+        "DaemonSet/gpudra-node",
+        "Deployment/gpudra-webhook",
+        "Service/gpudra-webhook",
+        "PodDisruptionBudget/gpudra-webhook",
+        "MutatingWebhookConfiguration/gpudra-pod-conversion",
+        "DeviceClass/gpu.nvidia.com",
+        "DeviceClass/mig.nvidia.com",
+        "DeviceClass/gpu-shared.nvidia.com",
+        "ClusterRole/gpudra-node",
+        "ClusterRole/gpudra-webhook",
+        "ServiceAccount/gpudra-node",
+        "ServiceAccount/gpudra-webhook",
+        "ValidatingAdmissionPolicy/gpudra-node-own-node-slices",
+        "ValidatingAdmissionPolicyBinding/gpudra-node-own-node-slices",
+        "ValidatingWebhookConfiguration/gpudra-claim-validation",
+        "CustomResourceDefinition/gputenants.gpudra.io",
+    ):
+        assert expected in kinds
+
+
+@pytest.mark.parametrize(
+    ("values", "namespace", "port", "ca_from_chart"),
+    [
+        ([], "gpudra", 8443, False),
+        ([{"webhook": {"tls": {"source": "helm"}, "port": 9443}}], "gpu-system", 9443, True),
+    ],
+    ids=["self-signed", "chart-tls"],
+)
+def test_webhook_configurations_match_the_code(
+    helm: Path, values: list[Any], namespace: str, port: int, ca_from_chart: bool
+) -> None:
+    objects = h.template(helm, *values, namespace=namespace)
+    service = ("gpudra-webhook", namespace, port)
+    expected = [
+        registration.mutating_configuration(
+            ca_bundle_b64="", own_namespace=namespace, service=service
+        ),
+        registration.validating_configuration(
+            ca_bundle_b64="",
+            own_namespace=namespace,
+            device_classes=sorted(driver_classes(DEFAULT_POLICY)),
+            driver=DEFAULT_POLICY.driver,
+            service=service,
+        ),
+    ]
+    bundles = set()
+    for want in expected:
+        rendered = strip_chart_metadata(h.find(objects, want["kind"]))
+        for hook in [*rendered["webhooks"], *want["webhooks"]]:
+            bundles.add(hook["clientConfig"].pop("caBundle", ""))
+        assert rendered == want
+    bundles.discard("")
+    if ca_from_chart:
+        # The bundle the API server trusts is the CA in the Secret the pods mount.
+        secret = h.find(objects, "Secret", "gpudra-webhook-tls")
+        assert bundles == {secret["data"]["ca.crt"]}
+        assert base64.b64decode(secret["data"]["ca.crt"]).startswith(b"-----BEGIN CERTIFICATE-----")
+        deployment = h.find(objects, "Deployment")
+        volumes = deployment["spec"]["template"]["spec"]["volumes"]
+        assert {"name": "certs", "secret": {"secretName": "gpudra-webhook-tls"}} in volumes
+    else:
+        assert bundles == set()  # the webhook registers its own caBundle
+
+
+def test_optional_webhook_features_switch_the_flags(helm: Path) -> None:
+    objects = h.template(
+        helm, {"webhook": {"validation": {"enabled": False}}, "tenants": {"enabled": False}}
+    )
+    assert not [o for o in objects if o["kind"] == "ValidatingWebhookConfiguration"]
+    args = h.find(objects, "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert {"--no-validate-claims", "--no-tenants"} <= set(args)
+    rules = h.find(objects, "ClusterRole", "gpudra-webhook")["rules"]
+    assert not any("resourcequotas" in r["resources"] for r in rules)
+
+
+def test_extended_resource_opt_in(helm: Path, default: list[dict[str, Any]]) -> None:
+    assert "extendedResourceName" not in h.find(default, "DeviceClass", "gpu.nvidia.com")["spec"]
+    objects = h.template(
+        helm, {"deviceClasses": {"gpu": {"extendedResourceName": "nvidia.com/gpu"}}}
+    )
+    assert (
+        h.find(objects, "DeviceClass", "gpu.nvidia.com")["spec"]["extendedResourceName"]
+        == "nvidia.com/gpu"
+    )
+    # The webhook steps aside: pods asking only for nvidia.com/gpu are not sent to it, and
+    # it is told to leave that resource to the scheduler.
+    cel = h.find(objects, "MutatingWebhookConfiguration")["webhooks"][0]["matchConditions"][0]
+    assert "k != 'nvidia.com/gpu'" in cel["expression"]
+    assert cel["expression"].count("k.startsWith('nvidia.com/')") == registration.GPU_POD_CEL.count(
+        "k.startsWith('nvidia.com/')"
+    )
+    args = h.find(objects, "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--extended-resource-name=nvidia.com/gpu" in args
+
+
+@pytest.mark.parametrize("driver", ["gpu.nvidia.com", "gpu.example.com"])
+def test_device_classes_match_the_code(helm: Path, driver: str) -> None:
+    objects = h.template(helm, {"driverName": driver})
+    rendered_names = {o["metadata"]["name"] for o in objects if o["kind"] == "DeviceClass"}
+    assert rendered_names == {c["metadata"]["name"] for c in device_classes(driver)}
+    for expected in device_classes(driver):
+        rendered = strip_chart_metadata(
+            h.find(objects, "DeviceClass", expected["metadata"]["name"])
+        )
+        # The chart's one addition: the shared class's sharing mode for hand-written
+        # claims (checked below); converted pods' claims carry their own config.
+        if expected["metadata"]["name"] == "gpu-shared.nvidia.com":
+            rendered["spec"].pop("config")
+        assert rendered == expected
+
+
+@pytest.mark.parametrize(
+    ("shared", "expected"),
+    [
+        ({"strategy": "TimeSlicing", "timeSlicing": {"interval": "Long"}}, ("TimeSlicing", "Long")),
+        (
+            {"strategy": "MPS", "mps": {"defaultActiveThreadPercentage": 25}},
+            ("MPS", 25),
+        ),
+    ],
+    ids=["time-slicing", "mps"],
+)
+def test_shared_class_config_is_valid_for_the_driver(
+    helm: Path, shared: dict[str, Any], expected: tuple[str, Any]
+) -> None:
+    objects = h.template(helm, {"deviceClasses": {"shared": shared}})
+    cls = h.find(objects, "DeviceClass", "gpu-shared.nvidia.com")
+    gpu = h.find(objects, "DeviceClass", "gpu.nvidia.com")
+    assert cls["spec"]["selectors"] == gpu["spec"]["selectors"]
+    (entry,) = cls["spec"]["config"]
+    assert entry["opaque"]["driver"] == "gpu.nvidia.com"
+    config = parse_opaque_config(entry["opaque"]["parameters"])  # the driver's own parser
+    assert isinstance(config, GpuConfig)
+    assert config.sharing is not None
+    assert config.sharing.strategy == expected[0]
+    if expected[0] == "TimeSlicing":
+        assert config.sharing.time_slicing_config is not None
+        assert config.sharing.time_slicing_config.interval == expected[1]
+    else:
+        assert config.sharing.mps_config is not None
+        assert config.sharing.mps_config.default_active_thread_percentage == expected[1]
+
+
+def test_node_daemonset(default: list[dict[str, Any]], full: list[dict[str, Any]]) -> None:
+    ds = h.find(default, "DaemonSet")
+    pod = ds["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    assert c["command"] == ["gpudra"]
+    assert c["args"][:3] == ["node", "--node-name=$(NODE_NAME)", "--driver-name=gpu.nvidia.com"]
+    assert "--nvml=real" in c["args"]
+    assert "--host-root=/host" in c["args"]
+    assert c["securityContext"]["privileged"] is True  # real GPUs need device access
+    host_paths = {v["hostPath"]["path"] for v in pod["volumes"] if "hostPath" in v}
+    assert host_paths == {
+        "/var/lib/kubelet/plugins_registry",
+        "/var/lib/kubelet/plugins/gpu.nvidia.com",
+        "/var/run/cdi",
+        "/var/lib/gpudra",
+        "/",
+    }
+    # Sockets are mounted at their host path: the kubelet dials the path GetInfo returns.
+    mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+    assert mounts["plugins"] == "/var/lib/kubelet/plugins/gpu.nvidia.com"
+    assert mounts["cdi"] == "/var/run/cdi"
+    probe = c["livenessProbe"]["exec"]["command"]
+    assert probe[:2] == ["python3", "/etc/gpudra/probe/probe.py"]
+    configmap = h.find(default, "ConfigMap", "gpudra-node-probe")
+    assert configmap["data"]["probe.py"] == (h.CHART / "files" / "probe.py").read_text()
+
+    emulated = h.find(full, "DaemonSet")["spec"]["template"]["spec"]
+    (ec,) = emulated["containers"]
+    assert "--nvml=emulated:h100-80gb-hbm3-x8-mig" in ec["args"]
+    assert "--application-xids=13,31" in ec["args"]
+    assert "--driver-root=/run/nvidia/driver" in ec["args"]
+    assert "--metrics-address=0.0.0.0:9500" in ec["args"]
+    assert not any(a.startswith("--host-root") for a in ec["args"])
+    assert ec["securityContext"]["privileged"] is False  # no devices to reach
+    assert ec["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+    assert emulated["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+
+
+def test_webhook_runs_as_non_root(full: list[dict[str, Any]]) -> None:
+    pod = h.find(full, "Deployment")["spec"]["template"]["spec"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["runAsUser"] != 0
+    (c,) = pod["containers"]
+    assert c["securityContext"]["allowPrivilegeEscalation"] is False
+    assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "https", "scheme": "HTTPS"}
+    assert "--cert-source=files" in c["args"]
+    assert "--namespace=gpu-system" in c["args"]
+    assert "--port=9443" in c["args"]
+    assert h.find(full, "Deployment")["spec"]["replicas"] == 2
+    assert h.find(full, "Service")["spec"]["ports"][0]["port"] == 9443
+
+
+def test_least_privilege_rbac(default: list[dict[str, Any]]) -> None:
+    node = h.find(default, "ClusterRole", "gpudra-node")["rules"]
+    node_resources = {r for rule in node for r in rule["resources"]}
+    assert node_resources == {"resourceslices", "resourceclaims", "nodes", "events"}
+    claims = next(r for r in node if r["resources"] == ["resourceclaims"])
+    assert claims["verbs"] == ["get"]  # read-only: the scheduler owns allocation
+    webhook = h.find(default, "ClusterRole", "gpudra-webhook")["rules"]
+    for rule in webhook:
+        if "admissionregistration.k8s.io" in rule["apiGroups"]:
+            assert rule["resourceNames"], "webhook configurations are writable only by name"
+    for role in (node, webhook):
+        assert not any("*" in rule["verbs"] or "*" in rule["resources"] for rule in role)
+        assert not any("secrets" in rule["resources"] for rule in role)
+
+
+def test_admission_policy_names_the_node_agent(default: list[dict[str, Any]]) -> None:
+    policy = h.find(default, "ValidatingAdmissionPolicy")
+    (condition,) = policy["spec"]["matchConditions"]
+    assert "system:serviceaccount:gpudra:gpudra-node" in condition["expression"]
+    binding = h.find(default, "ValidatingAdmissionPolicyBinding")
+    assert binding["spec"]["policyName"] == policy["metadata"]["name"]
+    assert binding["spec"]["validationActions"] == ["Deny"]
+
+
+def test_webhook_skips_its_own_namespace_and_opted_out_pods(full: list[dict[str, Any]]) -> None:
+    hook = h.find(full, "MutatingWebhookConfiguration")["webhooks"][0]
+    assert hook["namespaceSelector"]["matchExpressions"][0]["values"] == [
+        "kube-system",
+        "gpu-system",
+    ]
+    assert hook["objectSelector"]["matchExpressions"][0]["key"] == OPT_OUT_LABEL
+    for validating in h.find(full, "ValidatingWebhookConfiguration")["webhooks"]:
+        assert validating["clientConfig"]["service"]["port"] == 9443
+        assert validating["clientConfig"]["caBundle"] == hook["clientConfig"]["caBundle"]
+
+
+def test_crds_are_copies_of_the_api(default: list[dict[str, Any]]) -> None:
+    """files/crds must equal api/crds (`make chart-crds` copies them)."""
+    api = {p.name: p.read_text() for p in API_CRDS.glob("*.yaml")} if API_CRDS.is_dir() else {}
+    chart = {p.name: p.read_text() for p in CHART_CRDS.glob("*.yaml")}
+    assert chart == api, "charts/gpudra/files/crds differs from api/crds: run `make chart-crds`"
+    rendered = [o for o in default if o["kind"] == "CustomResourceDefinition"]
+    assert sorted(o["metadata"]["name"] for o in rendered) == sorted(
+        yaml.safe_load(text)["metadata"]["name"] for text in api.values()
+    )
+    for crd in rendered:
+        assert crd["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+
+
+def test_notes_tell_how_to_check(helm: Path) -> None:
+    out = h.run(helm, "install", "gpudra", str(h.CHART), "--dry-run=client", "-n", "gpudra")
+    assert "kubectl get resourceslices --field-selector spec.driver=gpu.nvidia.com" in out
+    assert "rollout status daemonset/gpudra-node" in out
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"deviceClasses": {"shared": {"strategy": "Spatial"}}}, "/deviceClasses/shared/strategy"),
+        ({"node": {"driverRoot": "run/nvidia/driver"}}, "/node/driverRoot"),
+        ({"node": {"kubeletRoot": "var/lib/kubelet"}}, "/node/kubeletRoot"),
+        ({"webhook": {"port": 70000}}, "/webhook/port"),
+        ({"webhook": {"port": 0}}, "/webhook/port"),
+        ({"node": {"nvml": "fake"}}, "/node/nvml"),
+        ({"node": {"migStrategy": "mixed"}}, "/node/migStrategy"),
+        ({"webhook": {"prot": 8443}}, "prot"),
+        ({"driverName": "GPU"}, "/driverName"),
+        ({"webhook": {"tls": {"source": "vault"}}}, "/webhook/tls/source"),
+        ({"webhook": {"replicas": 2}}, "webhook.replicas=2 needs webhook.tls.source"),
+        ({"webhook": {"tls": {"source": "secret"}}}, "webhook.tls.secretName"),
+        (
+            {"webhook": {"tls": {"source": "secret", "secretName": "tls"}}},
+            "webhook.tls.caBundle",
+        ),
+    ],
+    ids=lambda v: v if isinstance(v, str) else "",
+)
+def test_bad_values_fail_naming_the_value(helm: Path, values: dict[str, Any], message: str) -> None:
+    with pytest.raises(h.HelmFailed) as failure:
+        h.template(helm, values)
+    assert message in str(failure.value)
+
+
+def test_full_values_cover_every_schema_property() -> None:
+    """A property the full values file never sets is a branch no test renders."""
+    schema = yaml.safe_load((h.CHART / "values.schema.json").read_text())
+    full = yaml.safe_load(h.FULL_VALUES.read_text())
+
+    def leaves(node: dict[str, Any], prefix: str = "") -> set[str]:
+        out: set[str] = set()
+        for key, sub in node.get("properties", {}).items():
+            path = f"{prefix}{key}"
+            out |= leaves(sub, path + ".") if "properties" in sub else {path}
+        return out
+
+    def present(data: Any, path: str) -> bool:
+        for part in path.split("."):
+            if not isinstance(data, dict) or part not in data:
+                return False
+            data = data[part]
+        return True
+
+    # Shapes the full file cannot hold at once (one TLS source, one sharing strategy)
+    # are rendered by their own tests above.
+    alternatives = re.compile(
+        r"^(global|node\.(affinity|tolerations|priorityClassName|resources|livenessProbe|"
+        r"updateStrategy)|webhook\.(enabled|affinity|tolerations|nodeSelector|resources|"
+        r"podAnnotations|extraArgs|tls\.(secretName|caBundle|injectCAFrom))|"
+        r"deviceClasses\.shared\.timeSlicing)"
+    )
+    missing = sorted(
+        p for p in leaves(schema) if not present(full, p) and not alternatives.match(p)
+    )
+    assert missing == []
+
+
+@pytest.mark.parametrize(
+    "values",
+    [[], [h.FULL_VALUES, {"deviceClasses": {"gpu": {"extendedResourceName": ""}}}]],
+    ids=["default", "full"],
+)
+def test_rendered_args_are_accepted_by_the_cli(helm: Path, values: list[Any]) -> None:
+    """Every flag the chart passes exists in `gpudra`, with a valid value."""
+    objects = h.template(helm, *values)
+    parser = build_parser()
+    for kind in ("DaemonSet", "Deployment"):
+        (container,) = h.find(objects, kind)["spec"]["template"]["spec"]["containers"]
+        assert container["command"] == ["gpudra"]
+        args = [a.replace("$(NODE_NAME)", "node-1") for a in container["args"]]
+        parsed = parser.parse_args(args)
+        assert parsed.command == args[0]

@@ -1,0 +1,69 @@
+"""The DaemonSet's liveness probe (charts/gpudra/files/probe.py) against the real kubelet
+plugin servers: it passes while both gRPC services answer and fails once they stop."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import anyio
+import anyio.to_thread
+import pytest
+from gpudra.driver.claims import ClaimRef
+from gpudra.driver.plugin import KubeletPlugin, PrepareResult
+
+PROBE = Path(__file__).resolve().parents[2] / "charts" / "gpudra" / "files" / "probe.py"
+DRIVER = "gpu.nvidia.com"
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+class NoClaims:
+    """A device layer with nothing to prepare: the probe sends no claims."""
+
+    async def prepare(self, claims: list[ClaimRef]) -> dict[str, PrepareResult]:
+        assert claims == [], "the probe must never prepare a claim"
+        return {}
+
+    async def unprepare(self, claims: list[ClaimRef]) -> dict[str, str | None]:
+        return {}
+
+
+def probe(root: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(PROBE), str(root), DRIVER, *extra],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=60,
+    )
+
+
+async def test_probe_follows_the_plugin() -> None:
+    # A short root: unix socket paths are limited to 107 bytes.
+    with tempfile.TemporaryDirectory(prefix="kl-") as tmp:
+        root = Path(tmp)
+        async with KubeletPlugin(DRIVER, NoClaims(), kubelet_root=root):
+            ok = await anyio.to_thread.run_sync(probe, root)
+            assert ok.returncode == 0, ok.stderr
+        stopped = await anyio.to_thread.run_sync(probe, root)
+    assert stopped.returncode == 1
+    assert "/pluginregistration.Registration/GetInfo" in stopped.stderr
+
+
+async def test_probe_uses_the_pods_sockets_during_a_rolling_update() -> None:
+    with tempfile.TemporaryDirectory(prefix="kl-") as tmp:
+        root = Path(tmp)
+        async with KubeletPlugin(DRIVER, NoClaims(), kubelet_root=root, pod_uid="pod-new"):
+            ok = await anyio.to_thread.run_sync(probe, root, "pod-new")
+            assert ok.returncode == 0, ok.stderr
+            # Another pod's sockets (the old pod of the update) are not this pod's health.
+            other = await anyio.to_thread.run_sync(probe, root, "pod-old")
+            assert other.returncode == 1
