@@ -38,6 +38,14 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="'real', 'emulated:<profile>' or 'emulated:<file.json>' (default: real)",
     )
     p.add_argument(
+        "--nvml-state",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="emulated GPUs only: keep their MIG instances and modes in FILE across "
+        "restarts, as real GPUs keep them",
+    )
+    p.add_argument(
         "--kubeconfig", default=None, help="kubeconfig file (default: $KUBECONFIG, else in-cluster)"
     )
     p.add_argument(
@@ -211,7 +219,7 @@ def run(args: argparse.Namespace) -> int:
     if not args.node_name:
         raise SystemExit("gpudra node: --node-name is required (or set NODE_NAME)")
     try:
-        nvml = load_nvml(args.nvml)
+        nvml = load_nvml(args.nvml, state_path=args.nvml_state)
     except (NvmlLoadError, ProfileError) as e:
         raise SystemExit(f"gpudra node: --nvml: {e}") from None
     policy = HealthPolicy(

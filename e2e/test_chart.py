@@ -102,10 +102,10 @@ def install_crds(kube: Kube, kubectl: list[str], objects: list[dict[str, Any]]) 
     apply(kubectl, objects)
 
     def established(name: str) -> bool:
-        conditions = kube.request("GET", f"{CRD_PATH}/{name}").get("status", {})
+        conditions = kube.request("GET", f"{CRD_PATH}/{name}").get("status") or {}
         return any(
             c["type"] == "Established" and c["status"] == "True"
-            for c in conditions.get("conditions", [])
+            for c in conditions.get("conditions") or []
         )
 
     for crd in objects:
@@ -328,6 +328,10 @@ def test_install_refuses_a_device_plugin_node(
     fake_node(kube, "chart-e2e-dra", labels={"pool": "dra"})
     try:
         base = ["install", "gpu", str(h.CHART), "--namespace", namespace, "--dry-run=server"]
+        # Other tests may have created the driver's DeviceClasses outside Helm; an
+        # install would refuse to adopt them, which is not what this test is about.
+        for kind in ("gpu", "mig", "shared"):
+            base += ["--set", f"deviceClasses.{kind}.enabled=false"]
         with pytest.raises(h.HelmFailed) as failure:
             h.run(helm, *base, env=helm_env(cluster))
         assert "nodes chart-e2e-plugin advertise nvidia.com/gpu" in str(failure.value)

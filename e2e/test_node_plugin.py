@@ -30,6 +30,7 @@ import grpc
 import pytest
 from gpudra.common.kube import Kube as AsyncKube
 from gpudra.driver.agent import AgentConfig
+from gpudra.driver.checkpoint import DEFAULT_BOOT_ID_PATH
 from gpudra.driver.checkpoint import load as load_checkpoint
 from gpudra.driver.health import HealthPolicy
 from gpudra.driver.node import NodeService, PluginConfig
@@ -92,8 +93,11 @@ class NodeDirs:
     def cdi_specs(self) -> list[Path]:
         return sorted(self.cdi.glob("*.json")) if self.cdi.is_dir() else []
 
-    def prepared_claims(self) -> list[str]:
-        cp = load_checkpoint(self.state / "checkpoint.json", boot_id_path=self.boot_id)
+    def prepared_claims(self, boot_id_path: Path = DEFAULT_BOOT_ID_PATH) -> list[str]:
+        """Claims in the checkpoint (the node process reads the machine's boot ID)."""
+        path = self.state / "checkpoint.json"
+        assert path.exists()
+        cp = load_checkpoint(path, boot_id_path=boot_id_path)
         return [r.uid for r in cp.claims()]
 
 
@@ -104,6 +108,7 @@ class NodeProcess:
     dirs: NodeDirs
     metrics_port: int = field(default_factory=_free_port)
     proc: subprocess.Popen[str] | None = None
+    nvml: tuple[str, ...] = ("--nvml", "emulated:h100-80gb-hbm3-x8")
 
     def start(self, *extra: str) -> None:
         env = {
@@ -118,8 +123,7 @@ class NodeProcess:
                 "-m",
                 "gpudra.cli",
                 "node",
-                "--nvml",
-                "emulated:h100-80gb-hbm3-x8",
+                *self.nvml,
                 "--driver-name",
                 self.driver,
                 "--kubelet-root",
@@ -319,10 +323,10 @@ async def setup(cluster: Cluster, kube: Kube, node_dirs: NodeDirs) -> AsyncItera
         await anyio.to_thread.run_sync(cleanup)
 
 
-async def _wait_published(kube: Kube, driver: str) -> None:
+async def _wait_published(kube: Kube, driver: str, devices: int = 8) -> None:
     def published() -> bool:
         items = kube.list("ResourceSlice", fieldSelector=f"spec.driver={driver}")
-        return sum(len(o["spec"].get("devices", [])) for o in items) == 8
+        return sum(len(o["spec"].get("devices", [])) for o in items) >= devices
 
     await anyio.to_thread.run_sync(lambda: wait_for("the node's slices", published, timeout=60))
 
@@ -347,6 +351,7 @@ async def test_pod_claims_are_prepared_through_the_running_node(
                 assert done.error is None
                 [cdi_id] = done.cdi_ids()
                 [spec_file] = node_dirs.cdi_specs()
+                assert node_dirs.prepared_claims() == [c.uid for c in done.claims[driver]]
                 spec = json.loads(spec_file.read_text())
                 [claim_ref] = done.claims[driver]
                 claim = await anyio.to_thread.run_sync(
@@ -384,44 +389,74 @@ async def test_pod_claims_are_prepared_through_the_running_node(
         await akube.close()
 
 
+def _gpu_config(driver: str, sharing: dict[str, Any]) -> list[dict[str, Any]]:
+    parameters = {"apiVersion": "resource.nvidia.com/v1beta1", "kind": "GpuConfig", **sharing}
+    return [{"opaque": {"driver": driver, "parameters": parameters}}]
+
+
+def _mig_claim(driver: str) -> dict[str, Any]:
+    cel = (
+        f'device.attributes["{driver}"].type == "mig" && '
+        f'device.attributes["{driver}"].profile == "1g.10gb"'
+    )
+    request = {"deviceClassName": driver, "selectors": [{"cel": {"expression": cel}}]}
+    return {"devices": {"requests": [{"name": "mig", "exactly": request}]}}
+
+
+def _gpu_state(node_dirs: NodeDirs) -> list[dict[str, Any]]:
+    state: list[dict[str, Any]] = json.loads((node_dirs.root / "gpus.json").read_text())["gpus"]
+    return state
+
+
+# (shape, the node's NVML flags, the steps that shape goes through)
+CRASH_SHAPES = {
+    "time-sliced-gpu": (
+        ("--nvml", "emulated:h100-80gb-hbm3-x8"),
+        ["prepare-started", "time-slice-recorded", "time-slice-applied"],
+    ),
+    "mps-gpu": (
+        ("--nvml", "emulated:h100-80gb-hbm3-x8"),
+        ["compute-mode-recorded", "compute-mode-applied", "mps-recorded", "mps-started"],
+    ),
+    "dynamic-mig": (
+        ("--nvml", "emulated:h100-80gb-hbm3-x8-mig", "--mig-strategy", "dynamic"),
+        ["mig-recorded", "mig-gpu-instance-created", "mig-created", "cdi-written"],
+    ),
+}
+
+
+@pytest.mark.parametrize("shape", sorted(CRASH_SHAPES))
 async def test_kill_at_every_prepare_step_then_restart_gives_the_same_result(
-    setup: Setup, node_dirs: NodeDirs
+    setup: Setup, node_dirs: NodeDirs, shape: str
 ) -> None:
-    """Whole GPU with time-slicing: the steps a claim of that shape goes through."""
+    """SIGKILL right after each durable step of a prepare, restart, prepare again:
+    the same answer, and after unprepare nothing is left on the node or the GPUs
+    (the emulated GPUs keep their state in a file, as real ones outlive the process).
+    Every step of PREPARE_STEPS is covered by one of the shapes."""
     driver = setup.driver
-    config = [
-        {
-            "opaque": {
-                "driver": driver,
-                "parameters": {
-                    "apiVersion": "resource.nvidia.com/v1beta1",
-                    "kind": "GpuConfig",
-                    "sharing": {
-                        "strategy": "TimeSlicing",
-                        "timeSlicingConfig": {"interval": "Long"},
-                    },
-                },
-            }
+    nvml, steps = CRASH_SHAPES[shape]
+    steps = [*steps, "prepare-completed"]
+    setup.node.nvml = (*nvml, "--nvml-state", str(node_dirs.root / "gpus.json"))
+    if shape == "time-sliced-gpu":
+        sharing = {
+            "sharing": {"strategy": "TimeSlicing", "timeSlicingConfig": {"interval": "Long"}}
         }
-    ]
-    steps = [s for s in PREPARE_STEPS if not s.startswith(("mig-", "mps-", "compute-mode-"))]
-    assert steps == [
-        "prepare-started",
-        "time-slice-recorded",
-        "time-slice-applied",
-        "cdi-written",
-        "prepare-completed",
-    ]
+        claim_spec = _gpu_claim(driver, _gpu_config(driver, sharing))
+    elif shape == "mps-gpu":
+        mps = {"defaultActiveThreadPercentage": 50}
+        sharing = {"sharing": {"strategy": "MPS", "mpsConfig": mps}}
+        claim_spec = _gpu_claim(driver, _gpu_config(driver, sharing))
+    else:
+        claim_spec = _mig_claim(driver)
     setup.node.start()
     await _wait_published(setup.kube, driver)
-    claim = await anyio.to_thread.run_sync(
-        setup.allocated_claim, "crashy", _gpu_claim(driver, config)
-    )
+    claim = await anyio.to_thread.run_sync(setup.allocated_claim, "crashy", claim_spec)
     ref = ClaimRef(setup.namespace, claim["metadata"]["uid"], "crashy")
     async with KubeletStandin(node_dirs.kubelet) as kubelet:
         reg = await kubelet.wait_for_driver(driver, timeout_s=60)
         reference = (await kubelet.prepare(driver, [ref]))[ref.uid]
         assert reference.error is None
+        assert node_dirs.prepared_claims() == [ref.uid]
         assert await kubelet.unprepare(driver, [ref]) == {ref.uid: None}
         for step in steps:
             assert setup.node.stop() == 0
@@ -437,10 +472,23 @@ async def test_kill_at_every_prepare_step_then_restart_gives_the_same_result(
             assert await kubelet.unprepare(driver, [ref]) == {ref.uid: None}, step
             assert node_dirs.cdi_specs() == [], step
             assert node_dirs.prepared_claims() == [], step
-    calls = [c for c in node_dirs.tool_calls() if c.startswith("nvidia-smi compute-policy")]
-    assert any(not c.endswith("--set-timeslice 0") for c in calls)
-    # Whatever a crashed process applied was reset afterwards: nothing is left set.
-    assert calls[-1].endswith("--set-timeslice 0")
+            gpus = _gpu_state(node_dirs)
+            assert [g["gpuInstances"] for g in gpus] == [[]] * len(gpus), step
+            assert {g["computeMode"] for g in gpus} == {0}, step
+    mps_dirs = node_dirs.state / "mps"
+    assert not mps_dirs.exists() or not any(mps_dirs.iterdir())
+    if shape == "time-sliced-gpu":
+        calls = [c for c in node_dirs.tool_calls() if c.startswith("nvidia-smi compute-policy")]
+        # Whatever a crashed process applied was reset afterwards: nothing is left set.
+        assert calls[-1].endswith("--set-timeslice 0")
+    if shape == "mps-gpu":
+        starts = [c for c in node_dirs.tool_calls() if c.startswith("mps-control -d")]
+        assert len(starts) >= len(steps)  # a daemon per prepare, each one gone again
+
+
+def test_crash_shapes_cover_every_prepare_step() -> None:
+    covered = {step for _, steps in CRASH_SHAPES.values() for step in steps}
+    assert covered | {"prepare-completed"} == set(PREPARE_STEPS)
 
 
 async def test_health_stream_follows_xids_and_recovery(

@@ -74,10 +74,10 @@ def apply_crd(kube: SyncKube) -> None:
     )
 
     def established() -> bool:
-        status = kube.request("GET", f"{CRD_PATH}/{name}").get("status", {})
+        status = kube.request("GET", f"{CRD_PATH}/{name}").get("status") or {}
         return any(
             c["type"] == "Established" and c["status"] == "True"
-            for c in status.get("conditions", [])
+            for c in status.get("conditions") or []
         )
 
     wait_for("the GpuTenant CRD to be established", established)

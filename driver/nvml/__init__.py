@@ -152,7 +152,9 @@ def _real_nvml() -> NvmlLibrary:
     return library
 
 
-def load_nvml(spec: str, *, uuid_salt: str | None = None) -> NvmlLibrary:
+def load_nvml(
+    spec: str, *, uuid_salt: str | None = None, state_path: Path | None = None
+) -> NvmlLibrary:
     """Return the NVML named by `spec`.
 
     - `"real"`: the `pynvml` module, after checking that libnvidia-ml loads.
@@ -160,9 +162,13 @@ def load_nvml(spec: str, *, uuid_salt: str | None = None) -> NvmlLibrary:
     - `"emulated:<path.json>"`: an emulator with a profile or recording from a file.
 
     `uuid_salt` (emulated only) derives distinct GPU UUIDs, so many simulated nodes
-    from one profile do not share UUIDs.
+    from one profile do not share UUIDs. `state_path` (emulated only) keeps the
+    GPUs' MIG instances and modes in a file across processes, as a real GPU does.
     """
     if spec == "real":
+        if state_path is not None:
+            msg = "a state file is for emulated GPUs only; a real GPU keeps its own state"
+            raise NvmlLoadError(msg)
         return _real_nvml()
     if not spec.startswith(_EMULATED):
         msg = f"unknown NVML {spec!r}: use 'real', 'emulated:<profile>' or 'emulated:<file.json>'"
@@ -173,5 +179,9 @@ def load_nvml(spec: str, *, uuid_salt: str | None = None) -> NvmlLibrary:
         raise NvmlLoadError(msg)
     if target.endswith(".json") or "/" in target:
         path = Path(target)
-        return NvmlEmulator(load_profile_file(path), uuid_salt=uuid_salt, source=str(path))
-    return NvmlEmulator(load_builtin_profile(target), uuid_salt=uuid_salt, source=target)
+        return NvmlEmulator(
+            load_profile_file(path), uuid_salt=uuid_salt, source=str(path), state_path=state_path
+        )
+    return NvmlEmulator(
+        load_builtin_profile(target), uuid_salt=uuid_salt, source=target, state_path=state_path
+    )

@@ -35,6 +35,7 @@ from types import MappingProxyType
 from typing import Annotated, Any, Concatenate, Literal, ParamSpec, TypeVar
 
 import pynvml
+from gpudra.common.files import atomic_write
 from pydantic import (
     BaseModel,
     BeforeValidator,
@@ -523,16 +524,23 @@ R = TypeVar("R")
 
 
 def _nvml(
-    *, counted: bool = True, needs_init: bool = True
+    *, counted: bool = True, needs_init: bool = True, mutates: bool = False
 ) -> Callable[[Callable[Concatenate[Any, P], R]], Callable[Concatenate[Any, P], R]]:
-    """Mark an emulated NVML entry point: lock, init check, call counting, injected failure."""
+    """Mark an emulated NVML entry point: lock, init check, call counting, injected failure.
+
+    `mutates`: the call changes GPU state that outlives a process (modes, MIG
+    instances), saved to the state file if there is one.
+    """
 
     def wrap(fn: Callable[Concatenate[Any, P], R]) -> Callable[Concatenate[Any, P], R]:
         @functools.wraps(fn)
         def inner(self: NvmlEmulator, /, *args: P.args, **kwargs: P.kwargs) -> R:
             with self._lock:
                 self._enter(counted=counted, needs_init=needs_init)
-                return fn(self, *args, **kwargs)
+                result = fn(self, *args, **kwargs)
+                if mutates:
+                    self._save_state()
+                return result
 
         return inner
 
@@ -563,8 +571,16 @@ class NvmlEmulator:
         *,
         uuid_salt: str | None = None,
         source: str = "<profile>",
+        state_path: Path | None = None,
     ) -> None:
-        """Build the machine; `uuid_salt` gives every simulated node its own UUIDs."""
+        """Build the machine; `uuid_salt` gives every simulated node its own UUIDs.
+
+        With `state_path`, the state a real GPU keeps when the process using it
+        dies (MIG mode, MIG instances, compute mode) is saved there after every
+        change and restored from it here, so a restarted process finds what a
+        crashed one left behind, as it would on a real node.
+        """
+        self._state_path: Path | None = None
         self._lock = threading.RLock()
         self._cond = threading.Condition(self._lock)
         self._profile = profile
@@ -606,6 +622,13 @@ class NvmlEmulator:
                         f"{describe_nvml_error(err)}"
                     )
                     raise ProfileError(msg) from None
+        if state_path is not None:
+            existed = state_path.exists()
+            if existed:
+                self._load_state(state_path)
+            self._state_path = state_path
+            if not existed:
+                self._save_state()
         self.pci_topology = EmulatedTopology(
             roots=MappingProxyType(
                 {_normalise_bus_id(g.busId): g.pcieRoot for g in profile.gpus if g.pcieRoot}
@@ -655,6 +678,70 @@ class NvmlEmulator:
         else:
             ci_profile = mig.computeInstanceProfileId
         self._create_compute_instance(gi, ci_profile, mig.computeInstanceId, mig.uuid)
+
+    # --- state that outlives a process ---------------------------------------------------
+
+    def _save_state(self) -> None:
+        if self._state_path is None:
+            return
+        gpus = [
+            {
+                "uuid": gpu.uuid,
+                "migCurrent": gpu.mig_current,
+                "migPending": gpu.mig_pending,
+                "computeMode": gpu.compute_mode,
+                "migSerial": gpu.mig_serial,
+                "gpuInstances": [
+                    {
+                        "id": gi.id,
+                        "profileId": gi.profile.id,
+                        "start": gi.start,
+                        "computeInstances": [
+                            {"id": ci.id, "profileId": ci.profile_id, "uuid": ci.uuid}
+                            for ci in sorted(gi.compute_instances.values(), key=lambda c: c.id)
+                        ],
+                    }
+                    for gi in sorted(gpu.gpu_instances.values(), key=lambda g: g.id)
+                ],
+            }
+            for gpu in self._gpus
+        ]
+        data = json.dumps({"version": 1, "gpus": gpus}, indent=1).encode()
+        atomic_write(self._state_path, data, mode=0o600, durable=False)
+
+    def _load_state(self, path: Path) -> None:
+        try:
+            gpus = json.loads(path.read_text())["gpus"]
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            msg = f"emulated GPU state file {path}: {err}; remove it to start afresh"
+            raise ProfileError(msg) from None
+        if [g.get("uuid") for g in gpus] != [g.uuid for g in self._gpus]:
+            msg = f"emulated GPU state file {path} is another machine's (GPU UUIDs differ)"
+            raise ProfileError(msg)
+        try:
+            for gpu, saved in zip(self._gpus, gpus, strict=True):
+                for gi in list(gpu.gpu_instances.values()):
+                    for ci in list(gi.compute_instances.values()):
+                        del self._ci_by_address[ci.ci_address]
+                        del self._mig_by_address[ci.mig_address]
+                    self._remove_gpu_instance(gi)
+                gpu.mig_current = int(saved["migCurrent"])
+                gpu.mig_pending = int(saved["migPending"])
+                gpu.compute_mode = int(saved["computeMode"])
+                for gi_doc in saved["gpuInstances"]:
+                    profile = self._gi_profile_by_id(gpu, int(gi_doc["profileId"]))
+                    gi = self._create_gpu_instance(
+                        gpu, profile, int(gi_doc["start"]), int(gi_doc["id"])
+                    )
+                    for ci_doc in gi_doc["computeInstances"]:
+                        ci = self._create_compute_instance(
+                            gi, int(ci_doc["profileId"]), int(ci_doc["id"])
+                        )
+                        ci.uuid = str(ci_doc["uuid"])
+                gpu.mig_serial = int(saved["migSerial"])
+        except (OSError, ValueError, KeyError, TypeError, pynvml.NVMLError) as err:
+            msg = f"emulated GPU state file {path}: {err}; remove it to start afresh"
+            raise ProfileError(msg) from None
 
     # --- controls for tests and simulations ----------------------------------------------
 
@@ -1216,7 +1303,7 @@ class NvmlEmulator:
     def nvmlDeviceGetComputeMode(self, handle: Any) -> int:
         return self._gpu(handle).compute_mode
 
-    @_nvml()
+    @_nvml(mutates=True)
     def nvmlDeviceSetComputeMode(self, handle: Any, mode: int) -> None:
         gpu = self._gpu(handle)
         if not isinstance(mode, int) or not 0 <= mode < pynvml.NVML_COMPUTEMODE_COUNT:
@@ -1232,7 +1319,7 @@ class NvmlEmulator:
         gpu = self._mig_gpu(device)
         return [gpu.mig_current, gpu.mig_pending]
 
-    @_nvml()
+    @_nvml(mutates=True)
     def nvmlDeviceSetMigMode(self, device: Any, mode: int) -> int:
         gpu = self._mig_gpu(device)
         if mode not in (pynvml.NVML_DEVICE_MIG_DISABLE, pynvml.NVML_DEVICE_MIG_ENABLE):
@@ -1367,13 +1454,13 @@ class NvmlEmulator:
                 added = (*added, (profile, placement.start))
         return len(added)
 
-    @_nvml()
+    @_nvml(mutates=True)
     def nvmlDeviceCreateGpuInstance(self, device: Any, profileId: int) -> Any:
         gpu = self._mig_enabled_gpu(device)
         gi = self._create_gpu_instance(gpu, self._gi_profile_by_id(gpu, profileId), None)
         return ctypes.cast(gi.address, pynvml.c_nvmlGpuInstance_t)
 
-    @_nvml()
+    @_nvml(mutates=True)
     def nvmlDeviceCreateGpuInstanceWithPlacement(
         self, device: Any, profileId: int, placement: Any
     ) -> Any:
@@ -1391,7 +1478,7 @@ class NvmlEmulator:
         del gi.gpu.gpu_instances[gi.id]
         del self._gi_by_address[gi.address]
 
-    @_nvml()
+    @_nvml(mutates=True)
     def nvmlGpuInstanceDestroy(self, gpuInstance: Any) -> int:
         gi = self._gpu_instance(gpuInstance)
         if gi.compute_instances:
@@ -1498,7 +1585,7 @@ class NvmlEmulator:
             if not used & set(range(start, start + slices))
         )
 
-    @_nvml()
+    @_nvml(mutates=True)
     def nvmlGpuInstanceCreateComputeInstance(self, gpuInstance: Any, profileId: int) -> Any:
         gi = self._gpu_instance(gpuInstance)
         ci = self._create_compute_instance(gi, profileId)
@@ -1549,7 +1636,7 @@ class NvmlEmulator:
     def nvmlComputeInstanceGetInfo(self, computeInstance: Any) -> Any:
         return self.nvmlComputeInstanceGetInfo_v2(computeInstance)
 
-    @_nvml()
+    @_nvml(mutates=True)
     def nvmlComputeInstanceDestroy(self, computeInstance: Any) -> int:
         ci = self._compute_instance(computeInstance)
         del ci.gpu_instance.compute_instances[ci.id]

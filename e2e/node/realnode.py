@@ -894,7 +894,7 @@ def _pods_on(kube: Kube, node: str) -> list[Any]:
 
 def _node_ready(kube: Kube, name: str) -> bool:
     node = kube.get_or_none("Node", name)
-    conds = (node or {}).get("status", {}).get("conditions", [])
+    conds = ((node or {}).get("status") or {}).get("conditions") or []
     return any(c["type"] == "Ready" and c["status"] == "True" for c in conds)
 
 

@@ -397,3 +397,50 @@ def test_real_nvml_without_library_gives_a_clear_error() -> None:
         assert "emulated:" in message or "kernel driver" in message
     else:  # a machine with a GPU driver: the real module is returned
         assert nvml is pynvml
+
+
+def test_state_file_keeps_mig_instances_and_modes_across_processes(tmp_path: Path) -> None:
+    state = tmp_path / "gpus.json"
+
+    def machine() -> NvmlEmulator:
+        nvml = load_nvml("emulated:h100-80gb-hbm3-x8", state_path=state)
+        assert isinstance(nvml, NvmlEmulator)
+        nvml.nvmlInit()
+        return nvml
+
+    first = machine()
+    handle = first.nvmlDeviceGetHandleByIndex(0)
+    first.nvmlDeviceSetMigMode(handle, pynvml.NVML_DEVICE_MIG_ENABLE)
+    first.nvmlDeviceSetComputeMode(
+        first.nvmlDeviceGetHandleByIndex(1), pynvml.NVML_COMPUTEMODE_EXCLUSIVE_PROCESS
+    )
+    gi = create(first, handle, 9, 4, 4)
+    first.nvmlGpuInstanceCreateComputeInstance(gi, pynvml.NVML_COMPUTE_INSTANCE_PROFILE_3_SLICE)
+    uuid = first.nvmlDeviceGetUUID(first.nvmlDeviceGetMigDeviceHandleByIndex(handle, 0))
+
+    # A new process (the first one crashed) sees the same GPUs.
+    second = machine()
+    handle = second.nvmlDeviceGetHandleByIndex(0)
+    assert second.nvmlDeviceGetMigMode(handle) == [1, 1]
+    mig = second.nvmlDeviceGetMigDeviceHandleByIndex(handle, 0)
+    assert second.nvmlDeviceGetUUID(mig) == uuid
+    gi = second.nvmlDeviceGetGpuInstanceById(handle, second.nvmlDeviceGetGpuInstanceId(mig))
+    assert second.nvmlGpuInstanceGetInfo(gi).placement.start == 4
+    assert (
+        second.nvmlDeviceGetComputeMode(second.nvmlDeviceGetHandleByIndex(1))
+        == pynvml.NVML_COMPUTEMODE_EXCLUSIVE_PROCESS
+    )
+    ci_id = second.nvmlDeviceGetComputeInstanceId(mig)
+    ci = second.nvmlGpuInstanceGetComputeInstanceById(gi, ci_id)
+    second.nvmlComputeInstanceDestroy(ci)
+    second.nvmlGpuInstanceDestroy(gi)
+
+    third = machine()
+    with pytest.raises(pynvml.NVMLError_NotFound):
+        third.nvmlDeviceGetMigDeviceHandleByIndex(third.nvmlDeviceGetHandleByIndex(0), 0)
+
+    with pytest.raises(ProfileError, match="another machine"):
+        load_nvml("emulated:l4", state_path=state)
+    state.write_text("{")
+    with pytest.raises(ProfileError, match="remove it to start afresh"):
+        load_nvml("emulated:h100-80gb-hbm3-x8", state_path=state)
