@@ -35,7 +35,7 @@ pytestmark = pytest.mark.cluster
 
 @pytest.fixture(scope="module")
 def node(cluster: Cluster) -> Iterator[RealNode]:
-    """The session cluster is shared with other modules: the node lives only here."""
+    """The test run's cluster is shared with other modules: the node lives only here."""
     reason = unavailable_reason()
     if reason:
         pytest.skip(f"no real node on this machine: {reason}")
