@@ -26,6 +26,7 @@ import anyio
 from gpudra.common.files import atomic_write
 from gpudra.driver.plugin import ClaimRef
 
+from e2e.claims import pod_with_claim, wait_allocated
 from e2e.cluster.harness import REPO, Cluster
 from e2e.cluster.kube import Kube, wait_for
 from e2e.kubelet_standin import KubeletStandin
@@ -57,33 +58,11 @@ def allocated_claims(kube: Kube, driver: str, namespace: str) -> list[ClaimRef]:
                 },
             }
         )
-        kube.create(
-            {
-                "apiVersion": "v1",
-                "kind": "Pod",
-                "metadata": {"name": name, "namespace": namespace},
-                "spec": {
-                    "nodeSelector": {"kubernetes.io/hostname": NODE},
-                    "resourceClaims": [{"name": "gpu", "resourceClaimName": name}],
-                    "containers": [
-                        {
-                            "name": "main",
-                            "image": "registry.k8s.io/pause:3.10",
-                            "resources": {"claims": [{"name": "gpu"}]},
-                        }
-                    ],
-                },
-            }
-        )
+        kube.create(pod_with_claim(name, namespace, NODE, claim=name))
     refs = []
     for i in range(GPUS):
         name = f"bench-{i}"
-
-        def allocated(name: str = name) -> dict[str, Any] | None:
-            claim = kube.get("ResourceClaim", name, namespace)
-            return claim if (claim.get("status") or {}).get("allocation") else None
-
-        claim = wait_for(f"claim {name} allocated", allocated, timeout=120)
+        claim = wait_allocated(kube, name, namespace, timeout=120)
         refs.append(ClaimRef(namespace, claim["metadata"]["uid"], name))
     return refs
 

@@ -11,8 +11,8 @@ that keeps the kubelet's view consistent:
 4. a periodic sweep unprepares claims deleted from the API while the kubelet was
    not looking.
 
-Prometheus metrics (the preparer's) are served on a plain HTTP port, next to
-`/healthz` for probes that cannot speak gRPC.
+The preparer's Prometheus metrics go to `registry`; `gpudra node` serves them on
+its metrics address.
 """
 
 from __future__ import annotations

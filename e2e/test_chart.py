@@ -18,12 +18,11 @@ import pytest
 import yaml
 
 from e2e.cluster.harness import Cluster, State
-from e2e.cluster.kube import Kube, wait_for
+from e2e.cluster.kube import Kube, crd_established, wait_for
 from e2e.tools import helm as h
 
 pytestmark = pytest.mark.cluster
 NAMESPACE = "gpudra-chart-e2e"
-CRD_PATH = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions"
 SLICES = "/apis/resource.k8s.io/v1/resourceslices"
 
 
@@ -100,17 +99,9 @@ def delete(kubectl: list[str], objects: list[dict[str, Any]]) -> None:
 def install_crds(kube: Kube, kubectl: list[str], objects: list[dict[str, Any]]) -> None:
     """Custom resources can only be dry-run once their CRD is served: create CRDs for real."""
     apply(kubectl, objects)
-
-    def established(name: str) -> bool:
-        conditions = kube.request("GET", f"{CRD_PATH}/{name}").get("status") or {}
-        return any(
-            c["type"] == "Established" and c["status"] == "True"
-            for c in conditions.get("conditions") or []
-        )
-
     for crd in objects:
         name = crd["metadata"]["name"]
-        wait_for(f"CRD {name} Established", functools.partial(established, name))
+        wait_for(f"CRD {name} Established", functools.partial(crd_established, kube, name))
 
 
 @pytest.mark.parametrize("values", ["default", "full"])

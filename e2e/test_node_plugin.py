@@ -38,6 +38,7 @@ from gpudra.driver.nvml import NvmlEmulator, load_nvml
 from gpudra.driver.plugin import ClaimRef
 from gpudra.driver.prepare import PREPARE_STEPS
 
+from e2e.claims import pod_with_claim, wait_allocated
 from e2e.cluster.harness import REPO, Cluster
 from e2e.cluster.kube import Kube, wait_for
 from e2e.kubelet_pods import PodClaimsDriver
@@ -194,22 +195,7 @@ class Setup:
             }
         )
         pod: dict[str, Any] = self.kube.create(
-            {
-                "apiVersion": "v1",
-                "kind": "Pod",
-                "metadata": {"name": name, "namespace": self.namespace},
-                "spec": {
-                    "nodeSelector": {"kubernetes.io/hostname": NODE},
-                    "resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": name}],
-                    "containers": [
-                        {
-                            "name": "main",
-                            "image": "registry.k8s.io/pause:3.10",
-                            "resources": {"claims": [{"name": "gpu"}]},
-                        }
-                    ],
-                },
-            }
+            pod_with_claim(name, self.namespace, NODE, template=name)
         )
         return pod
 
@@ -223,31 +209,8 @@ class Setup:
                 "spec": claim,
             }
         )
-        self.kube.create(
-            {
-                "apiVersion": "v1",
-                "kind": "Pod",
-                "metadata": {"name": name, "namespace": self.namespace},
-                "spec": {
-                    "nodeSelector": {"kubernetes.io/hostname": NODE},
-                    "resourceClaims": [{"name": "gpu", "resourceClaimName": name}],
-                    "containers": [
-                        {
-                            "name": "main",
-                            "image": "registry.k8s.io/pause:3.10",
-                            "resources": {"claims": [{"name": "gpu"}]},
-                        }
-                    ],
-                },
-            }
-        )
-
-        def allocated() -> dict[str, Any] | None:
-            got = self.kube.get("ResourceClaim", name, self.namespace)
-            return got if (got.get("status") or {}).get("allocation") else None
-
-        result: dict[str, Any] = wait_for(f"claim {name} allocated", allocated, timeout=60)
-        return result
+        self.kube.create(pod_with_claim(name, self.namespace, NODE, claim=name))
+        return wait_allocated(self.kube, name, self.namespace)
 
 
 def _gpu_claim(driver: str, config: list[dict[str, Any]] | None = None) -> dict[str, Any]:

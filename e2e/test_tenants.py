@@ -28,12 +28,11 @@ from gpudra.webhook.validate import driver_classes
 
 from e2e import smoke
 from e2e.cluster.harness import Cluster
-from e2e.cluster.kube import ApiError, wait_for
+from e2e.cluster.kube import CRD_PATH, ApiError, crd_established, wait_for
 from e2e.cluster.kube import Kube as SyncKube
 
 pytestmark = [pytest.mark.cluster, pytest.mark.anyio]
 DRIVER = "gpu.nvidia.com"
-CRD_PATH = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions"
 TENANTS = f"/apis/{API_VERSION}/gputenants"
 QUOTA_KEY = "gpu.nvidia.com.deviceclass.resource.k8s.io/devices"
 T = TypeVar("T")
@@ -72,15 +71,7 @@ def apply_crd(kube: SyncKube) -> None:
         content_type="application/apply-patch+yaml",
         query={"fieldManager": "gpudra-e2e", "force": "true"},
     )
-
-    def established() -> bool:
-        status = kube.request("GET", f"{CRD_PATH}/{name}").get("status") or {}
-        return any(
-            c["type"] == "Established" and c["status"] == "True"
-            for c in status.get("conditions") or []
-        )
-
-    wait_for("the GpuTenant CRD to be established", established)
+    wait_for("the GpuTenant CRD to be established", lambda: crd_established(kube, name))
 
 
 @pytest.fixture

@@ -722,8 +722,7 @@ class NvmlEmulator:
             for gpu, saved in zip(self._gpus, gpus, strict=True):
                 for gi in list(gpu.gpu_instances.values()):
                     for ci in list(gi.compute_instances.values()):
-                        del self._ci_by_address[ci.ci_address]
-                        del self._mig_by_address[ci.mig_address]
+                        self._remove_compute_instance(ci)
                     self._remove_gpu_instance(gi)
                 gpu.mig_current = int(saved["migCurrent"])
                 gpu.mig_pending = int(saved["migPending"])
@@ -1638,11 +1637,13 @@ class NvmlEmulator:
 
     @_nvml(mutates=True)
     def nvmlComputeInstanceDestroy(self, computeInstance: Any) -> int:
-        ci = self._compute_instance(computeInstance)
+        self._remove_compute_instance(self._compute_instance(computeInstance))
+        return int(pynvml.NVML_SUCCESS)
+
+    def _remove_compute_instance(self, ci: _ComputeInstance) -> None:
         del ci.gpu_instance.compute_instances[ci.id]
         del self._ci_by_address[ci.ci_address]
         del self._mig_by_address[ci.mig_address]
-        return int(pynvml.NVML_SUCCESS)
 
     # --- events -------------------------------------------------------------------------------
 

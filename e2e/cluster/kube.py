@@ -156,6 +156,17 @@ class Kube:
         )
 
 
+CRD_PATH = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions"
+
+
+def crd_established(kube: Kube, name: str) -> bool:
+    """True once the API server serves CRD `name`; a new CRD's conditions may be null."""
+    status = kube.request("GET", f"{CRD_PATH}/{name}").get("status") or {}
+    return any(
+        c["type"] == "Established" and c["status"] == "True" for c in status.get("conditions") or []
+    )
+
+
 def wait_for(
     what: str, probe: Callable[[], Any], timeout: float = 60.0, interval: float = 0.2
 ) -> Any:

@@ -33,6 +33,7 @@ from gpudra.driver.prepare import ClaimPreparer, mig_capability_minors
 from gpudra.driver.sharing import MpsDaemon, NvidiaSharing, SharingError
 from prometheus_client import CollectorRegistry
 
+from e2e.claims import pod_with_claim, wait_allocated
 from e2e.cluster.harness import Cluster
 from e2e.cluster.kube import Kube, wait_for
 
@@ -153,24 +154,7 @@ class Env:
 
     def pod_for(self, claim: str, pod: str | None = None, on: str = NODE) -> str:
         name = pod or f"pod-{claim}"
-        self.kube.create(
-            {
-                "apiVersion": "v1",
-                "kind": "Pod",
-                "metadata": {"name": name, "namespace": self.namespace},
-                "spec": {
-                    "nodeSelector": {"kubernetes.io/hostname": on},
-                    "resourceClaims": [{"name": "gpu", "resourceClaimName": claim}],
-                    "containers": [
-                        {
-                            "name": "main",
-                            "image": "registry.k8s.io/pause:3.10",
-                            "resources": {"claims": [{"name": "gpu"}]},
-                        }
-                    ],
-                },
-            }
-        )
+        self.kube.create(pod_with_claim(name, self.namespace, on, claim=claim))
         return name
 
     def allocated(
@@ -184,12 +168,7 @@ class Env:
         """A claim the real scheduler allocated for a pod on node `on`."""
         self.claim(name, requests, config)
         self.pod_for(name, on=on)
-        claim: dict[str, Any] = wait_for(
-            f"the scheduler to allocate claim {name}",
-            lambda: _if_allocated(self.kube.get("ResourceClaim", name, self.namespace)),
-            timeout=60,
-        )
-        return claim
+        return wait_allocated(self.kube, name, self.namespace)
 
     def delete_claim(self, name: str) -> None:
         """Delete the claim's pod and the claim, and wait until the claim is gone."""
@@ -209,10 +188,6 @@ class Env:
         for name in (self.driver, *self.classes):
             self.kube.delete("DeviceClass", name)
         self.kube.delete("Namespace", self.namespace)
-
-
-def _if_allocated(claim: dict[str, Any]) -> dict[str, Any] | None:
-    return claim if (claim.get("status") or {}).get("allocation") else None
 
 
 def _ref(claim: dict[str, Any]) -> ClaimRef:

@@ -1,0 +1,44 @@
+"""ResourceClaim fixtures shared by tests and benchmarks: a pod that holds a claim on
+one node (the real scheduler allocates the claim when it schedules the pod)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from e2e.cluster.kube import Kube, wait_for
+
+
+def pod_with_claim(
+    name: str, namespace: str, node: str, *, claim: str = "", template: str = ""
+) -> dict[str, Any]:
+    """A pause pod pinned to `node` using ResourceClaim `claim` or one from `template`."""
+    if bool(claim) == bool(template):
+        raise ValueError("give exactly one of claim or template")
+    source = {"resourceClaimName": claim} if claim else {"resourceClaimTemplateName": template}
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {
+            "nodeSelector": {"kubernetes.io/hostname": node},
+            "resourceClaims": [{"name": "gpu", **source}],
+            "containers": [
+                {
+                    "name": "main",
+                    "image": "registry.k8s.io/pause:3.10",
+                    "resources": {"claims": [{"name": "gpu"}]},
+                }
+            ],
+        },
+    }
+
+
+def wait_allocated(kube: Kube, name: str, namespace: str, timeout: float = 60) -> dict[str, Any]:
+    """The claim, once the scheduler has written its allocation."""
+
+    def allocated() -> dict[str, Any] | None:
+        claim: dict[str, Any] = kube.get("ResourceClaim", name, namespace)
+        return claim if (claim.get("status") or {}).get("allocation") else None
+
+    result: dict[str, Any] = wait_for(f"claim {name} allocated", allocated, timeout=timeout)
+    return result
