@@ -19,9 +19,15 @@ Design choices, and why:
   `clear_previous_boot`, so a crash during cleanup loses nothing) and reported
   for cleanup of anything that may outlive a boot, such as MIG instances.
 
-Concurrency: a Checkpoint has a single owner that serialises every call (the
-kubelet plugin holds one lock around prepare and unprepare); it is not safe to
-share between threads or processes without that.
+- One claim per line, each encoded once and reused until the claim changes: a
+  write costs the claims that changed, not the whole file.
+
+Concurrency: a Checkpoint has a single owner. Called directly, every mutation
+writes before it returns, and the owner must serialise the calls. Through a
+`GroupCommit`, concurrent tasks of one event loop change it in memory at once and
+share writes: while one write and fsync run, the changes made meanwhile queue up
+and go to disk together in the next one, and each task resumes only once a write
+holding its change has finished. The file is never shared between processes.
 """
 
 from __future__ import annotations
@@ -29,11 +35,14 @@ from __future__ import annotations
 import copy
 import json
 import logging
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from pathlib import Path
-from typing import Any, Final, NamedTuple
+from typing import Any, Final, NamedTuple, TypeVar
+
+import anyio
+import anyio.to_thread
 
 __all__ = [
     "CHECKPOINT_VERSION",
@@ -46,6 +55,7 @@ __all__ = [
     "DeviceConflictError",
     "DeviceKey",
     "DeviceRecord",
+    "GroupCommit",
     "load",
     "read_boot_id",
 ]
@@ -54,6 +64,8 @@ from gpudra.common.files import atomic_write
 from gpudra.driver.claims import ClaimRef
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 CHECKPOINT_VERSION: Final = 1
 DEFAULT_BOOT_ID_PATH: Final = Path("/proc/sys/kernel/random/boot_id")
@@ -272,7 +284,8 @@ def _detached(devices: Iterable[DeviceRecord]) -> tuple[DeviceRecord, ...]:
 
 
 class Checkpoint:
-    """Prepared claims of this node; every mutating method persists before it returns."""
+    """Prepared claims of this node; every mutating method persists before it returns
+    (through a `GroupCommit`: before the GroupCommit returns)."""
 
     def __init__(
         self,
@@ -292,6 +305,15 @@ class Checkpoint:
         self._unreadable: dict[str, Any] = dict(unreadable or {})
         self._extra: dict[str, Any] = dict(extra or {})
         self._file_version = file_version
+        # Every dict and tuple above is replaced, never changed in place, so a
+        # snapshot is a set of references that a writer thread can encode safely.
+        # Encoded claims by UID, reused while the record is the same object.
+        self._encoded: dict[str, tuple[ClaimRecord, str]] = {}
+        # Set by GroupCommit while it applies a change: `_save` then only stages.
+        self._staging = False
+        # Changes staged so far, and what each replaced, for undo of a failed write.
+        self._seq = 0
+        self._journal: list[_Change] = []
 
     @classmethod
     def load(cls, path: Path, *, boot_id_path: Path = DEFAULT_BOOT_ID_PATH) -> Checkpoint:
@@ -521,22 +543,44 @@ class Checkpoint:
         if problems:
             raise DeviceConflictError("; ".join(problems))
 
-    def _document(
-        self,
-        claims: Mapping[str, ClaimRecord],
-        previous_boot: Sequence[ClaimRecord],
-        unreadable: Mapping[str, Any],
-    ) -> dict[str, Any]:
-        doc = dict(self._extra)
-        doc["version"] = CHECKPOINT_VERSION
+    def _snapshot(self) -> _Snapshot:
+        return _Snapshot(self._seq, self._claims, self._previous_boot, self._unreadable)
+
+    def _encode(self, snap: _Snapshot) -> bytes:
+        """The file for `snap`: one claim per line, unchanged claims not re-encoded."""
+        top = dict(self._extra)
+        top["version"] = CHECKPOINT_VERSION
         if self._boot_id is not None:
-            doc["bootId"] = self._boot_id
-        all_claims: dict[str, Any] = dict(unreadable)
-        all_claims.update({uid: _claim_to_json(c) for uid, c in claims.items()})
-        doc["claims"] = all_claims
-        if previous_boot:
-            doc["previousBoot"] = [_claim_to_json(c) for c in previous_boot]
-        return doc
+            top["bootId"] = self._boot_id
+        lines = [
+            f"{json.dumps(uid)}: {json.dumps(raw)}"
+            for uid, raw in snap.unreadable.items()
+            if uid not in snap.claims
+        ]
+        previous = self._encoded
+        encoded: dict[str, tuple[ClaimRecord, str]] = {}
+        for uid, record in snap.claims.items():
+            cached = previous.get(uid)
+            if cached is None or cached[0] is not record:
+                cached = (record, json.dumps(_claim_to_json(record)))
+            encoded[uid] = cached
+            lines.append(f"{json.dumps(uid)}: {cached[1]}")
+        self._encoded = encoded
+        claims = "{\n" + ",\n".join(lines) + "\n}" if lines else "{}"
+        text = json.dumps(top)[:-1] + f', "claims": {claims}'
+        if snap.previous_boot:
+            text += (
+                f', "previousBoot": {json.dumps([_claim_to_json(c) for c in snap.previous_boot])}'
+            )
+        return (text + "}\n").encode()
+
+    def _write(self, snap: _Snapshot) -> None:
+        data = self._encode(snap)
+        try:
+            self._path.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write(self._path, data, mode=0o600)
+        except OSError as exc:
+            raise CheckpointError(f"cannot write checkpoint {self._path}: {exc}") from exc
 
     def _save(
         self,
@@ -546,22 +590,179 @@ class Checkpoint:
         unreadable: Mapping[str, Any] | None = None,
     ) -> None:
         """Write the new state, then adopt it in memory, so memory never runs ahead of
-        disk (but for the in-memory reservations of `begin_prepare(persist=False)`)."""
+        disk (but for the in-memory reservations of `begin_prepare(persist=False)`).
+        While staging for a GroupCommit, adopt it at once and journal what it replaced;
+        the GroupCommit writes it before the caller goes on, or undoes it."""
         new_claims = dict(self._claims if claims is None else claims)
         new_previous = tuple(self._previous_boot if previous_boot is None else previous_boot)
         new_unreadable = dict(self._unreadable if unreadable is None else unreadable)
-        data = json.dumps(
-            self._document(new_claims, new_previous, new_unreadable), indent=2
-        ).encode()
-        self._path.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            atomic_write(self._path, data + b"\n", mode=0o600)
-        except OSError as exc:
-            raise CheckpointError(f"cannot write checkpoint {self._path}: {exc}") from exc
+        if self._staging:
+            self._seq += 1
+            self._journal.append(
+                _Change(
+                    self._seq,
+                    _diff(self._claims, new_claims),
+                    _diff(self._unreadable, new_unreadable),
+                    None if new_previous == self._previous_boot else self._previous_boot,
+                    new_previous,
+                )
+            )
+        else:
+            self._write(_Snapshot(self._seq, new_claims, new_previous, new_unreadable))
+            self._file_version = CHECKPOINT_VERSION
         self._claims = new_claims
         self._previous_boot = new_previous
         self._unreadable = new_unreadable
+
+    def _written(self, seq: int) -> None:
+        """Changes up to `seq` are on disk: their undo entries can go."""
+        self._journal = [c for c in self._journal if c.seq > seq]
         self._file_version = CHECKPOINT_VERSION
+
+    def _revert(self, after: int, upto: int) -> None:
+        """Undo the staged changes numbered (after, upto], newest first, where no later
+        change has replaced them since (those keep their own, later value)."""
+        undone = [c for c in self._journal if after < c.seq <= upto]
+        claims, unreadable = dict(self._claims), dict(self._unreadable)
+        for change in reversed(undone):
+            _undo(claims, change.claims)
+            _undo(unreadable, change.unreadable)
+            if change.previous_before is not None and self._previous_boot is change.previous_after:
+                self._previous_boot = change.previous_before
+        self._claims, self._unreadable = claims, unreadable
+        self._journal = [c for c in self._journal if not after < c.seq <= upto]
+
+
+_MISSING: Final = object()
+
+
+@dataclass(frozen=True, slots=True)
+class _Snapshot:
+    seq: int
+    claims: Mapping[str, ClaimRecord]
+    previous_boot: tuple[ClaimRecord, ...]
+    unreadable: Mapping[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class _Change:
+    """One staged change: per key, the value before and after (`_MISSING`: absent)."""
+
+    seq: int
+    claims: dict[str, tuple[Any, Any]]
+    unreadable: dict[str, tuple[Any, Any]]
+    previous_before: tuple[ClaimRecord, ...] | None
+    previous_after: tuple[ClaimRecord, ...]
+
+
+def _diff(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, tuple[Any, Any]]:
+    changed: dict[str, tuple[Any, Any]] = {}
+    for key in old.keys() | new.keys():
+        before, after = old.get(key, _MISSING), new.get(key, _MISSING)
+        if before is not after:
+            changed[key] = (before, after)
+    return changed
+
+
+def _undo(current: dict[str, Any], changed: Mapping[str, tuple[Any, Any]]) -> None:
+    for key, (before, after) in changed.items():
+        if current.get(key, _MISSING) is not after:
+            continue
+        if before is _MISSING:
+            del current[key]
+        else:
+            current[key] = before
+
+
+@dataclass(eq=False, slots=True)
+class _Batch:
+    upto: int
+    done: anyio.Event = field(default_factory=anyio.Event)
+    error: CheckpointError | None = None
+
+
+class GroupCommit:
+    """Applies checkpoint changes of concurrent tasks and lets them share writes.
+
+    Each change is made in memory at once, so the next change's conflict checks see
+    it, and its caller waits until a write that includes it has finished. The first
+    waiter writes (in a worker thread); changes made meanwhile wait for the write
+    after it, which carries them all: with many claims in flight, far fewer than one
+    write and fsync per change. Writes are whole-file snapshots taken in order, so
+    the file never goes back to an older state, and a caller never resumes before
+    its change is durable, even when cancelled. A failed write undoes the changes it
+    carried (unless a later change replaced them) and raises CheckpointError in
+    their callers. Route every change through one GroupCommit, from one event loop;
+    `lock`, when given, is held around each write (to keep file cleanups out).
+    """
+
+    def __init__(self, checkpoint: Checkpoint, *, lock: anyio.Lock | None = None) -> None:
+        self._cp = checkpoint
+        self._lock = lock
+        self._written = checkpoint._seq
+        self._batch: _Batch | None = None
+        self.writes = 0
+
+    @property
+    def checkpoint(self) -> Checkpoint:
+        return self._cp
+
+    async def apply(self, change: Callable[[Checkpoint], T]) -> T:
+        """Run `change` (Checkpoint mutations) now; return its result once durable.
+
+        Whatever `change` raises leaves nothing staged, as with a direct call. A
+        change that changes nothing still waits for pending writes of what it saw.
+        """
+        cp = self._cp
+        cp._staging = True
+        try:
+            result = change(cp)
+        finally:
+            cp._staging = False
+        with anyio.CancelScope(shield=True):
+            await self._durable(cp._seq)
+        return result
+
+    async def _durable(self, seq: int) -> None:
+        while self._written < seq:
+            batch = self._batch
+            if batch is None:
+                batch = await self._write_batch()
+            else:
+                await batch.done.wait()
+            if batch.error is not None and seq <= batch.upto:
+                raise batch.error
+
+    async def _write_batch(self) -> _Batch:
+        cp = self._cp
+        batch = self._batch = _Batch(cp._seq)
+        try:
+            if self._lock is None:
+                await self._write(batch)
+            else:
+                async with self._lock:
+                    await self._write(batch)
+        finally:
+            self._batch = None
+            batch.done.set()
+        return batch
+
+    async def _write(self, batch: _Batch) -> None:
+        cp = self._cp
+        snap = cp._snapshot()  # taken now: changes staged while waiting for the lock too
+        batch.upto = snap.seq
+        try:
+            await anyio.to_thread.run_sync(cp._write, snap)
+        except CheckpointError as exc:
+            batch.error = exc
+        except Exception as exc:
+            batch.error = CheckpointError(f"cannot write checkpoint {cp.path}: {exc}")
+        self.writes += 1
+        if batch.error is None:
+            self._written = snap.seq
+            cp._written(snap.seq)
+        else:
+            cp._revert(self._written, snap.seq)
 
 
 def load(path: Path, *, boot_id_path: Path = DEFAULT_BOOT_ID_PATH) -> Checkpoint:

@@ -14,10 +14,11 @@ prepared. Whatever a crash or a failed step leaves behind is undone from that
 record: at once on failure, at the next prepare of the claim, or by `recover()` at
 start. Undo steps are idempotent, so undoing twice is harmless.
 
-Concurrency: one `anyio.Lock` serialises checkpoint changes; a per-claim lock keeps
-two calls for the same claim (a kubelet retry, a cleanup) from interleaving while
-different claims proceed in parallel. NVML calls, tools and file I/O run in worker
-threads so the event loop keeps answering the kubelet.
+Concurrency: checkpoint changes go through one `GroupCommit`, so claims prepared at
+the same time share checkpoint writes instead of queueing for one fsync each; a
+per-claim lock keeps two calls for the same claim (a kubelet retry, a cleanup) from
+interleaving while different claims proceed in parallel. NVML calls, tools and file
+I/O run in worker threads so the event loop keeps answering the kubelet.
 
 Nothing here knows gRPC or HTTP; the protocol layer calls `prepare`/`unprepare`
 (see `gpudra.driver.plugin.ClaimHandler`).
@@ -33,7 +34,7 @@ import logging
 import re
 import shutil
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final, TypeVar
@@ -74,6 +75,7 @@ from gpudra.driver.checkpoint import (
     ClaimRecord,
     DeviceConflictError,
     DeviceRecord,
+    GroupCommit,
 )
 from gpudra.driver.checkpoint import load as load_checkpoint
 from gpudra.driver.claims import ClaimRef
@@ -82,7 +84,9 @@ from gpudra.driver.nvml import NvmlLibrary
 from gpudra.driver.nvml.emulator import describe_nvml_error
 from gpudra.driver.plugin import PreparedDevice, PrepareResult
 from gpudra.driver.sharing import MpsDaemon, SharingBackend
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 __all__ = [
     "ALLOCATION_CONFIG_PATH",
@@ -526,7 +530,9 @@ def _env_key(name: str) -> str:
 
 
 class _Metrics:
-    def __init__(self, registry: CollectorRegistry) -> None:
+    def __init__(
+        self, registry: CollectorRegistry, prepared: Callable[[], Checkpoint | None], pool: str
+    ) -> None:
         self.operations = Counter(
             "gpudra_claim_operations",
             "Claims the kubelet asked to prepare or unprepare.",
@@ -546,39 +552,77 @@ class _Metrics:
             buckets=_LATENCY_BUCKETS,
             registry=registry,
         )
-        self.claims_per_device = Gauge(
-            "gpudra_device_prepared_claims",
-            "Prepared claims holding each device (more than one: shared or admin access).",
-            ["device"],
-            registry=registry,
-        )
-        self.device_info = Info(
+        registry.register(_PreparedDevices(prepared, pool))
+        # Labelled once (this also exports zeros before the first call): a lookup per
+        # claim would cost a lock and a label check each time.
+        self.prepare = _OpMetrics(self, "prepare")
+        self.unprepare = _OpMetrics(self, "unprepare")
+
+
+class _OpMetrics:
+    """The per-claim metrics of one operation."""
+
+    def __init__(self, metrics: _Metrics, operation: str) -> None:
+        self.operations = metrics.operations.labels(operation)
+        self.errors = metrics.errors.labels(operation)
+        self.latency = metrics.latency.labels(operation)
+
+
+_INFO_LABELS: Final = ("namespace", "pod", "claim", "request", "device", "uuid")
+
+
+class _PreparedDevices(Collector):
+    """The prepared devices, read from the checkpoint when scraped.
+
+    Kept per claim in labelled children instead, every prepare and unprepare would
+    create and drop metric objects; a scrape reads the same state far less often.
+    The scrape runs in the metrics server's thread: it only reads the checkpoint's
+    claims, which are replaced, never changed in place.
+    """
+
+    def __init__(self, prepared: Callable[[], Checkpoint | None], pool: str) -> None:
+        self._prepared = prepared
+        self._pool = pool
+
+    def describe(self) -> Iterator[Metric]:
+        yield from self._families()
+
+    def collect(self) -> Iterator[Metric]:
+        cp = self._prepared()
+        yield from self._families(cp.claims() if cp is not None else ())
+
+    def _families(self, claims: Iterable[ClaimRecord] = ()) -> tuple[Metric, Metric]:
+        info = InfoMetricFamily(
             "gpudra_prepared_device",
             "A device prepared for a claim; pod is the first pod the claim is reserved for.",
-            ["namespace", "pod", "claim", "request", "device", "uuid"],
-            registry=registry,
+            labels=_INFO_LABELS,
         )
-        for operation in ("prepare", "unprepare"):  # export zeros before the first call
-            self.operations.labels(operation)
-            self.errors.labels(operation)
-
-
-def _info_labels(record: ClaimRecord) -> list[tuple[str, ...]]:
-    labels: list[tuple[str, ...]] = []
-    for device in record.devices:
-        details = device.details
-        for request in device.request_names or ("",):
-            labels.append(
-                (
-                    record.namespace,
-                    str(details.get("pod") or ""),
-                    record.name,
-                    request,
-                    device.device,
-                    str(details.get("uuid") or ""),
-                )
-            )
-    return labels
+        holders: dict[str, set[str]] = {}
+        for record in claims:
+            if not record.completed:
+                continue
+            for device in record.devices:
+                if device.pool == self._pool:
+                    holders.setdefault(device.device, set()).add(record.uid)
+                details = device.details
+                for request in device.request_names or ("",):
+                    labels = (
+                        record.namespace,
+                        str(details.get("pod") or ""),
+                        record.name,
+                        request,
+                        device.device,
+                        str(details.get("uuid") or ""),
+                    )
+                    info.add_metric(labels, {})
+        per_device = GaugeMetricFamily(
+            "gpudra_device_prepared_claims",
+            "Prepared claims holding each device (more than one: shared or admin access).",
+            labels=("device",),
+        )
+        for name, uids in sorted(holders.items()):
+            per_device.add_metric((name,), len(uids))
+        return info, per_device
 
 
 # --- the preparer -------------------------------------------------------------------------
@@ -649,10 +693,15 @@ class ClaimPreparer:
         self._toolkit = toolkit
         self._mig_strategy = mig_strategy
         self._api_timeout_s = api_timeout_s
-        self._metrics = _Metrics(registry if registry is not None else CollectorRegistry())
+        self._metrics = _Metrics(
+            registry if registry is not None else CollectorRegistry(),
+            lambda: self._commit.checkpoint if self._commit is not None else None,
+            node_name,
+        )
+        # Held while the checkpoint loads or is written, and while its temp files are swept.
         self._lock = anyio.Lock()
         self._guards: dict[str, _Guard] = {}
-        self._checkpoint_obj: Checkpoint | None = None
+        self._commit: GroupCommit | None = None
         self._common: ContainerEdits | None = None
 
     # --- plumbing ---
@@ -660,19 +709,23 @@ class ClaimPreparer:
     async def _checkpoint(self) -> Checkpoint:
         """Loaded once; afterwards the in-memory copy is authoritative (it is written
         through on every change), so no prepare re-reads the file."""
-        if self._checkpoint_obj is None:
+        return (await self._committer()).checkpoint
+
+    async def _committer(self) -> GroupCommit:
+        if self._commit is None:
             async with self._lock:
-                if self._checkpoint_obj is None:
-                    self._checkpoint_obj = await anyio.to_thread.run_sync(
+                if self._commit is None:
+                    cp = await anyio.to_thread.run_sync(
                         functools.partial(
                             load_checkpoint, self._checkpoint_path, boot_id_path=self._boot_id_path
                         )
                     )
-        return self._checkpoint_obj
+                    self._commit = GroupCommit(cp, lock=self._lock)
+        return self._commit
 
-    async def _locked(self, fn: Callable[[], T]) -> T:
-        async with self._lock:
-            return await anyio.to_thread.run_sync(fn)
+    async def _persist(self, change: Callable[[Checkpoint], T]) -> T:
+        """Apply a checkpoint change; returns once it is on disk."""
+        return await (await self._committer()).apply(change)
 
     @contextlib.asynccontextmanager
     async def _guard(self, uid: str) -> AsyncIterator[None]:
@@ -734,7 +787,8 @@ class ClaimPreparer:
 
     async def _prepare_timed(self, ref: ClaimRef) -> PrepareResult:
         started = time.perf_counter()
-        self._metrics.operations.labels("prepare").inc()
+        metrics = self._metrics.prepare
+        metrics.operations.inc()
         try:
             result = await self._prepare_claim(ref)
         except _ClaimFailure as exc:
@@ -745,17 +799,18 @@ class ClaimPreparer:
                 error=f"{_describe(ref)}: prepare failed: {type(exc).__name__}: {exc}"
             )
         if result.error:
-            self._metrics.errors.labels("prepare").inc()
+            metrics.errors.inc()
             log.warning(
                 "claim not prepared",
                 extra={"fields": {"claim": ref.uid, "error": result.error}},
             )
-        self._metrics.latency.labels("prepare").observe(time.perf_counter() - started)
+        metrics.latency.observe(time.perf_counter() - started)
         return result
 
     async def _unprepare_timed(self, ref: ClaimRef) -> str | None:
         started = time.perf_counter()
-        self._metrics.operations.labels("unprepare").inc()
+        metrics = self._metrics.unprepare
+        metrics.operations.inc()
         error: str | None
         try:
             error = await self._unprepare_claim(ref)
@@ -765,11 +820,11 @@ class ClaimPreparer:
             log.exception("unprepare failed", extra={"fields": {"claim": ref.uid}})
             error = f"{_describe(ref)}: unprepare failed: {type(exc).__name__}: {exc}"
         if error:
-            self._metrics.errors.labels("unprepare").inc()
+            metrics.errors.inc()
             log.warning(
                 "claim not unprepared", extra={"fields": {"claim": ref.uid, "error": error}}
             )
-        self._metrics.latency.labels("unprepare").observe(time.perf_counter() - started)
+        metrics.latency.observe(time.perf_counter() - started)
         return error
 
     # --- prepare ---
@@ -802,7 +857,10 @@ class ClaimPreparer:
             # record on disk before they begin; see Checkpoint.begin_prepare.
             persist = any(e.create_mig or e.time_slice is not None or e.mps for e in entries)
             try:
-                await self._locked(lambda: cp.begin_prepare(ref, planned, persist=persist))
+                if persist:
+                    await self._persist(lambda c: c.begin_prepare(ref, planned))
+                else:
+                    cp.begin_prepare(ref, planned, persist=False)  # memory only: no I/O
             except DeviceConflictError as exc:
                 raise _ClaimFailure(
                     f"{_describe(ref)}: {exc}; that claim must be unprepared first (it is "
@@ -1103,7 +1161,7 @@ class ClaimPreparer:
     ) -> list[PreparedDevice]:
         async def progress(step: str) -> None:
             records = [e.record(self._node) for e in entries]
-            await self._locked(lambda: cp.record_progress(ref.uid, records))
+            await self._persist(lambda c: c.record_progress(ref.uid, records))
             self._at(step)
 
         for entry in entries:
@@ -1143,9 +1201,8 @@ class ClaimPreparer:
         for entry, cdi_device in zip(entries, cdi_devices, strict=True):
             entry.cdi_ids = tuple(self._cdi.device_ids(ref.uid, cdi_device))
         records = [e.record(self._node) for e in entries]
-        final = await self._locked(lambda: cp.complete_prepare(ref.uid, records))
+        final = await self._persist(lambda c: c.complete_prepare(ref.uid, records))
         self._at("prepare-completed")
-        self._track(final, cp)
         log.info(
             "claim prepared",
             extra={
@@ -1280,28 +1337,6 @@ class ClaimPreparer:
             nodes.append(node)
         return nodes
 
-    # --- metrics bookkeeping ---
-
-    def _track(self, record: ClaimRecord, cp: Checkpoint) -> None:
-        for labels in _info_labels(record):
-            self._metrics.device_info.labels(*labels).info({})
-        self._refresh_devices({d.device for d in record.devices}, cp)
-
-    def _untrack(self, record: ClaimRecord, cp: Checkpoint) -> None:
-        for labels in _info_labels(record):
-            with contextlib.suppress(KeyError):
-                self._metrics.device_info.remove(*labels)
-        self._refresh_devices({d.device for d in record.devices}, cp)
-
-    def _refresh_devices(self, names: set[str], cp: Checkpoint) -> None:
-        for name in names:
-            holders = {c.uid for c, _ in cp.holders((self._node, name)) if c.completed}
-            if holders:
-                self._metrics.claims_per_device.labels(name).set(len(holders))
-            else:
-                with contextlib.suppress(KeyError):
-                    self._metrics.claims_per_device.remove(name)
-
     # --- undo ---
 
     async def _unprepare_claim(self, ref: ClaimRef) -> str | None:
@@ -1425,8 +1460,7 @@ class ClaimPreparer:
                 f"ResourceClaim {record.namespace}/{record.name} ({record.uid}): {why}: "
                 + "; ".join(errors)
             )
-        await self._locked(lambda: cp.remove(record.uid))
-        self._untrack(record, cp)
+        await self._persist(lambda c: c.remove(record.uid))
         log.info(
             "claim unprepared",
             extra={"fields": {"claim": record.uid, "reason": why}},
@@ -1465,9 +1499,6 @@ class ClaimPreparer:
         previous = [r.uid for r in cp.previous_boot()]
         errors.extend(await self._clean_previous_boot(cp))
         orphan_specs, orphan_dirs, temp_files = await self._remove_orphans(cp, errors)
-        for record in cp.claims():
-            if record.completed:
-                self._track(record, cp)
         report = RecoveryReport(
             rolled_back=tuple(rolled_back),
             previous_boot=tuple(previous),
@@ -1506,7 +1537,7 @@ class ClaimPreparer:
                             functools.partial(shutil.rmtree, pipe.parent, ignore_errors=True)
                         )
         if not errors and cp.previous_boot():
-            await self._locked(cp.clear_previous_boot)
+            await self._persist(lambda c: c.clear_previous_boot())
         return errors
 
     async def _remove_orphans(

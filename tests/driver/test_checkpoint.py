@@ -6,8 +6,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 from gpudra.common.files import atomic_write
+from gpudra.driver import checkpoint as checkpoint_module
 from gpudra.driver.checkpoint import (
     CHECKPOINT_VERSION,
     Checkpoint,
@@ -17,6 +19,7 @@ from gpudra.driver.checkpoint import (
     DeviceConflictError,
     DeviceKey,
     DeviceRecord,
+    GroupCommit,
     load,
 )
 
@@ -396,3 +399,128 @@ def test_atomic_write_replaces_content_and_sets_mode(tmp_path: Path) -> None:
     assert target.read_bytes() == b"two"
     assert target.stat().st_mode & 0o777 == 0o600
     assert [p.name for p in tmp_path.iterdir()] == ["f.json"]
+
+
+# --- group commit: concurrent changes share writes ---
+
+
+def _claim(i: int) -> ClaimRef:
+    return ClaimRef(namespace="ns", uid=f"{i:08d}-0000-4000-8000-000000000000", name=f"c-{i}")
+
+
+def _lines(path: Path) -> list[str]:
+    return path.read_text().splitlines()
+
+
+def _count_writes(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
+    """Record every checkpoint write (each is one fsynced temp file and rename)."""
+    writes: list[Path] = []
+
+    def counting(path: Path, data: bytes, **kwargs: Any) -> None:
+        writes.append(path)
+        atomic_write(path, data, **kwargs)
+
+    monkeypatch.setattr(checkpoint_module, "atomic_write", counting)
+    return writes
+
+
+@pytest.mark.anyio
+async def test_concurrent_changes_share_writes_and_are_durable_on_return(
+    cp_path: Path, boot: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    writes = _count_writes(monkeypatch)
+    commit = GroupCommit(_load(cp_path, boot))
+    durable: list[str] = []
+
+    async def prepare(i: int) -> None:
+        ref = _claim(i)
+        await commit.apply(lambda cp: cp.begin_prepare(ref, [_gpu(f"gpu-{i}")]))
+        # On disk before the caller goes on, as with a direct call.
+        assert _load(cp_path, boot).get(ref.uid) is not None
+        await commit.apply(lambda cp: cp.complete_prepare(ref.uid, [_gpu(f"gpu-{i}")]))
+        reread = _load(cp_path, boot).get(ref.uid)
+        assert reread is not None and reread.completed
+        durable.append(ref.uid)
+
+    async with anyio.create_task_group() as group:
+        for i in range(8):
+            group.start_soon(prepare, i)
+
+    assert len(durable) == 8
+    # 16 changes; one write carries whatever queued up behind the one before it.
+    assert 2 <= len(writes) < 8
+    assert commit.writes == len(writes)
+    assert sorted(c.uid for c in _load(cp_path, boot).claims()) == sorted(durable)
+
+
+@pytest.mark.anyio
+async def test_conflicting_changes_in_one_batch_are_refused(cp_path: Path, boot: Path) -> None:
+    commit = GroupCommit(_load(cp_path, boot))
+    outcomes: dict[str, str] = {}
+
+    async def reserve(ref: ClaimRef) -> None:
+        try:
+            await commit.apply(lambda cp: cp.begin_prepare(ref, [_gpu("gpu-0")]))
+        except DeviceConflictError:
+            outcomes[ref.uid] = "refused"
+        else:
+            outcomes[ref.uid] = "reserved"
+
+    async with anyio.create_task_group() as group:
+        for ref in (CLAIM_1, CLAIM_2, CLAIM_3):
+            group.start_soon(reserve, ref)
+
+    assert sorted(outcomes.values()) == ["refused", "refused", "reserved"]
+    [holder] = [uid for uid, outcome in outcomes.items() if outcome == "reserved"]
+    assert [c.uid for c in _load(cp_path, boot).claims()] == [holder]
+
+
+@pytest.mark.anyio
+async def test_failed_group_write_undoes_its_changes_and_fails_their_callers(
+    small_fs: Path, fill_small_fs: Callable[[], None], boot: Path
+) -> None:
+    path = small_fs / "checkpoint.json"
+    checkpoint = _load(path, boot)
+    commit = GroupCommit(checkpoint)
+    await commit.apply(lambda cp: cp.begin_prepare(CLAIM_1, [_gpu("gpu-0")]))
+    big = _gpu("gpu-1", details={"blob": "x" * 4096})
+    fill_small_fs()
+    errors: list[str] = []
+
+    async def change(fn: Callable[[Checkpoint], object]) -> None:
+        try:
+            await commit.apply(fn)
+        except CheckpointError as exc:
+            errors.append(str(exc))
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(change, lambda cp: cp.begin_prepare(CLAIM_2, [big]))
+        group.start_soon(change, lambda cp: cp.remove(CLAIM_1.uid))
+
+    assert len(errors) == 2 and all("cannot write checkpoint" in e for e in errors)
+    # Memory is back to what is on disk: CLAIM_1 still holds its device, CLAIM_2 is gone.
+    assert checkpoint.get(CLAIM_2.uid) is None
+    assert checkpoint.get(CLAIM_1.uid) is not None
+    assert [c.uid for c in _load(path, boot).claims()] == [CLAIM_1.uid]
+
+    (small_fs / "filler").unlink()
+    await commit.apply(lambda cp: cp.begin_prepare(CLAIM_2, [big]))
+    assert sorted(c.uid for c in _load(path, boot).claims()) == sorted([CLAIM_1.uid, CLAIM_2.uid])
+
+
+@pytest.mark.anyio
+async def test_unchanged_claims_are_written_back_verbatim(cp_path: Path, boot: Path) -> None:
+    commit = GroupCommit(_load(cp_path, boot))
+    await commit.apply(lambda cp: cp.begin_prepare(CLAIM_1, [_gpu("gpu-0")]))
+    await commit.apply(lambda cp: cp.begin_prepare(CLAIM_2, [_gpu("gpu-1")]))
+    first = _lines(cp_path)
+    await commit.apply(lambda cp: cp.complete_prepare(CLAIM_2.uid, [_gpu("gpu-1")]))
+    second = _lines(cp_path)
+    # One claim per line: only CLAIM_2's line changed.
+    assert [line for line in first if CLAIM_1.uid in line] == [
+        line for line in second if CLAIM_1.uid in line
+    ]
+    assert [line for line in first if CLAIM_2.uid in line] != [
+        line for line in second if CLAIM_2.uid in line
+    ]
+    assert _doc(cp_path)["claims"][CLAIM_2.uid]["state"] == "PrepareCompleted"
