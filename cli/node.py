@@ -13,7 +13,7 @@ from pathlib import Path
 import anyio
 from gpudra.common.kube import Kube
 from gpudra.driver.agent import AgentConfig
-from gpudra.driver.devices import MigStrategy
+from gpudra.driver.devices import SHARED_GPUS_FORMS, MigStrategy, SharedGpus, SharedGpusError
 from gpudra.driver.health import HealthPolicy, TaintEffect
 from gpudra.driver.node import DEFAULT_STATE_DIR, NodeService, PluginConfig
 from gpudra.driver.nvml import NvmlLoadError, ProfileError, load_nvml
@@ -53,6 +53,13 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         choices=[s.value for s in MigStrategy],
         default="dynamic",
         help="publish existing MIG devices (static) or every placement (dynamic)",
+    )
+    p.add_argument(
+        "--shared-gpus",
+        default="none",
+        metavar="GPUS",
+        help=f"whole GPUs to publish shareable, handed out in memory slices: {SHARED_GPUS_FORMS}"
+        " (default: none)",
     )
     p.add_argument(
         "--critical-xid-effect",
@@ -155,6 +162,18 @@ def _xids(raw: str) -> frozenset[int]:
         ) from None
 
 
+def _shared_gpus(raw: str) -> SharedGpus:
+    try:
+        return SharedGpus.parse(raw)
+    except SharedGpusError as e:
+        raise SystemExit(f"gpudra node: --shared-gpus {raw!r}: {e}") from None
+
+
+def _first(group: BaseExceptionGroup[BaseException]) -> BaseException:
+    inner = group.exceptions[0]
+    return _first(inner) if isinstance(inner, BaseExceptionGroup) else inner
+
+
 def _metrics_address(raw: str) -> tuple[str, int] | None:
     if not raw:
         return None
@@ -176,6 +195,22 @@ def _crash_at(step: str | None) -> Callable[[str], None] | None:
             os.kill(os.getpid(), signal.SIGKILL)
 
     return fault
+
+
+def _agent_config(args: argparse.Namespace) -> AgentConfig:
+    policy = HealthPolicy(
+        driver_name=args.driver_name,
+        critical_effect=TaintEffect(args.critical_xid_effect),
+        extra_application_xids=_xids(args.application_xids),
+        recovery_after_s=args.recovery_after,
+    )
+    return AgentConfig(
+        node_name=args.node_name,
+        driver_name=args.driver_name,
+        mig_strategy=MigStrategy(args.mig_strategy),
+        health=policy,
+        shared_gpus=_shared_gpus(args.shared_gpus),
+    )
 
 
 def _plugin_config(args: argparse.Namespace) -> PluginConfig:
@@ -218,22 +253,11 @@ async def _run_until_signalled(service: NodeService) -> None:
 def run(args: argparse.Namespace) -> int:
     if not args.node_name:
         raise SystemExit("gpudra node: --node-name is required (or set NODE_NAME)")
+    config = _agent_config(args)  # flag values first: they need no NVML
     try:
         nvml = load_nvml(args.nvml, state_path=args.nvml_state)
     except (NvmlLoadError, ProfileError) as e:
         raise SystemExit(f"gpudra node: --nvml: {e}") from None
-    policy = HealthPolicy(
-        driver_name=args.driver_name,
-        critical_effect=TaintEffect(args.critical_xid_effect),
-        extra_application_xids=_xids(args.application_xids),
-        recovery_after_s=args.recovery_after,
-    )
-    config = AgentConfig(
-        node_name=args.node_name,
-        driver_name=args.driver_name,
-        mig_strategy=MigStrategy(args.mig_strategy),
-        health=policy,
-    )
 
     plugin = _plugin_config(args) if args.kubelet_plugin else None
     metrics = _metrics_address(args.metrics_address)
@@ -260,5 +284,16 @@ def run(args: argparse.Namespace) -> int:
         finally:
             await kube.close()
 
-    anyio.run(main)
+    try:
+        anyio.run(main)
+    except BaseExceptionGroup as group:
+        # Checked against the first inventory, deep in the agent's task groups.
+        shared, _rest = group.split(SharedGpusError)
+        if shared is None:
+            raise
+        raise SystemExit(
+            f"gpudra node: --shared-gpus {args.shared_gpus!r}: {_first(shared)}"
+        ) from None
+    except SharedGpusError as e:
+        raise SystemExit(f"gpudra node: --shared-gpus {args.shared_gpus!r}: {e}") from None
     return 0

@@ -3,6 +3,11 @@
 Discovery runs in a worker thread (NVML blocks). The published pool is always built
 from one complete inventory: a scan that fails keeps the last good one, and before
 the first good scan nothing is published at all.
+
+`--shared-gpus` is checked against the first complete inventory: a GPU it names that
+the node lacks (or cannot share) stops the agent, since the admin asked for something
+that would silently not happen. Later scans only warn, so a GPU that drops off the bus
+does not take the rest of the node's pool with it.
 """
 
 from __future__ import annotations
@@ -15,7 +20,14 @@ import anyio
 import anyio.abc
 import anyio.to_thread
 from gpudra.common.kube import Kube
-from gpudra.driver.devices import DiscoveryError, Inventory, MigStrategy, discover
+from gpudra.driver.devices import (
+    DiscoveryError,
+    Inventory,
+    MigStrategy,
+    SharedGpus,
+    SharedGpusError,
+    discover,
+)
 from gpudra.driver.health import HealthPolicy, HealthState, NvmlHealthWatcher
 from gpudra.driver.nvml import NvmlLibrary
 from gpudra.driver.publish import pool_content
@@ -33,6 +45,8 @@ class AgentConfig:
     health: HealthPolicy = field(default_factory=HealthPolicy)
     health_events: bool = True
     slice_limits: SliceLimits | None = None
+    # Whole GPUs published shareable, handed out in memory slices.
+    shared_gpus: SharedGpus = field(default_factory=SharedGpus)
 
 
 class NodeAgent:
@@ -51,6 +65,7 @@ class NodeAgent:
         self.nvml = nvml
         self._clock = clock
         self.inventory: Inventory | None = None
+        self.shared: frozenset[str] = frozenset()  # device names published shareable
         self.health: HealthState | None = None
         self.ready = anyio.Event()
         self.slices = SliceController(
@@ -64,11 +79,20 @@ class NodeAgent:
     def _content(self) -> PoolContent:
         if self.inventory is None or self.health is None:
             raise DiscoveryError("no complete GPU inventory yet")
-        return pool_content(self.inventory, self.config.mig_strategy, self.health.report())
+        return pool_content(
+            self.inventory,
+            self.config.mig_strategy,
+            self.health.report(),
+            shared=self.shared,
+            driver=self.config.driver_name,
+        )
 
     async def scan(self) -> Inventory:
+        """Discover; raises `SharedGpusError` when the first inventory cannot honour
+        `--shared-gpus`."""
         inv = await anyio.to_thread.run_sync(discover, self.nvml)
         if inv != self.inventory:
+            self.shared = self._shared(inv, first=self.inventory is None)
             self.inventory = inv
             if self.health is None:
                 self.health = (
@@ -80,6 +104,24 @@ class NodeAgent:
                 self.health.update_inventory(inv)
             self.slices.trigger()
         return inv
+
+    def _shared(self, inv: Inventory, *, first: bool) -> frozenset[str]:
+        names, problems = self.config.shared_gpus.resolve(inv)
+        fields = {
+            "node": self.config.node_name,
+            "sharedGpus": str(self.config.shared_gpus),
+            "shared": sorted(names),
+        }
+        if problems and first:
+            raise SharedGpusError("; ".join(problems))
+        if problems:
+            log.error(
+                "--shared-gpus names GPUs this node cannot share; publishing the rest",
+                extra={"fields": {**fields, "problems": list(problems)}},
+            )
+        elif names != self.shared:
+            log.info("GPUs published for memory slices", extra={"fields": fields})
+        return names
 
     async def run(
         self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED

@@ -16,6 +16,10 @@ How GPUs are shown:
   published together because a static MIG device and the placement it occupies have
   the same name.
 
+Which whole GPUs are shareable by memory (`SharedGpus`, from `gpudra node --shared-gpus`)
+is the admin's choice, not NVML's: discovery reads the same inventory either way, and
+`SharedGpus.resolve` picks the device names the publisher marks shareable.
+
 Discovery is all-or-nothing: any NVML failure raises `DiscoveryError` naming the GPU
 index and the call, so a caller can never publish a partial inventory.
 """
@@ -309,6 +313,125 @@ class Inventory:
                 if device.name == name:
                     return device
         return None
+
+
+MEMORY_SLICE_MIN = _GIB
+_GPU_UUID = re.compile(r"^GPU-[0-9a-f]{8}(-[0-9a-f]{4}){3}-[0-9a-f]{12}$", re.IGNORECASE)
+SHARED_GPUS_FORMS = (
+    "none, all, or a comma-separated list of GPU indices and/or GPU UUIDs "
+    "(e.g. 0,3 or GPU-86737bf0-609a-5b5b-b9e7-de8873112c51)"
+)
+
+
+class SharedGpusError(ValueError):
+    """`--shared-gpus` is malformed or names a GPU this node cannot share."""
+
+
+@dataclass(frozen=True, slots=True)
+class SharedGpus:
+    """Which whole GPUs are published with `allowMultipleAllocations` (memory slices).
+
+    An admin choice per node, so it is configuration, not discovery: the same GPUs are
+    discovered either way. `all` shares every GPU that can be shared and skips the rest;
+    naming a GPU that cannot be shared (absent, MIG-enabled, no memory size) is an error,
+    since the admin asked for something that would silently not happen.
+    """
+
+    every: bool = False
+    indices: frozenset[int] = frozenset()
+    uuids: frozenset[str] = frozenset()
+
+    def __post_init__(self) -> None:
+        # NVML spells UUIDs in lower case; people copy them from anywhere.
+        object.__setattr__(self, "uuids", frozenset(u.lower() for u in self.uuids))
+
+    @classmethod
+    def parse(cls, raw: str) -> SharedGpus:
+        """`none`, `all`, or `0,3,GPU-<uuid>`; raises `SharedGpusError` naming the problem."""
+        text = raw.strip()
+        if text.lower() == "none":
+            return cls()
+        if text.lower() == "all":
+            return cls(every=True)
+        indices: set[int] = set()
+        uuids: set[str] = set()
+        for item in (part.strip() for part in text.split(",")):
+            if item.isascii() and item.isdigit():
+                indices.add(int(item))
+            elif _GPU_UUID.match(item):
+                uuids.add(item.lower())
+            elif not item:
+                raise SharedGpusError(f"empty entry in {raw!r}; give {SHARED_GPUS_FORMS}")
+            elif item.upper().startswith("MIG-"):
+                raise SharedGpusError(
+                    f"{item!r} is a MIG device; only whole GPUs can be shared by memory"
+                )
+            elif item.lower() in ("none", "all"):
+                raise SharedGpusError(f"{item!r} cannot be combined with other entries")
+            else:
+                raise SharedGpusError(
+                    f"{item!r} is neither a GPU index nor a GPU UUID; give {SHARED_GPUS_FORMS}"
+                )
+        return cls(indices=frozenset(indices), uuids=frozenset(uuids))
+
+    def __str__(self) -> str:
+        if self.every:
+            return "all"
+        if not self.indices and not self.uuids:
+            return "none"
+        return ",".join([*(str(i) for i in sorted(self.indices)), *sorted(self.uuids)])
+
+    def resolve(self, inventory: Inventory) -> tuple[frozenset[str], tuple[str, ...]]:
+        """The names of the whole-GPU devices to publish shared, and what could not be.
+
+        A GPU with MIG mode enabled is never offered whole (see the module docstring),
+        so it cannot be handed out in memory slices either; one whose memory NVML does
+        not report (or below the smallest slice) has nothing to slice.
+        """
+        names: set[str] = set()
+        problems: list[str] = []
+        wanted = [g for g in inventory.gpus if self.every or self._names(g)]
+        for gpu in wanted:
+            why = _unshareable(gpu)
+            if why is None:
+                names.add(gpu.device.name)
+            elif not self.every:
+                problems.append(f"GPU index {gpu.index} ({gpu.uuid}) {why}")
+        indices = {g.index for g in inventory.gpus}
+        for index in sorted(self.indices - indices):
+            problems.append(
+                f"GPU index {index} does not exist on this node "
+                f"(it has {len(indices)} GPUs{_index_range(indices)})"
+            )
+        known = {g.uuid.lower() for g in inventory.gpus}
+        for uuid in sorted(self.uuids - known):
+            problems.append(f"no GPU with UUID {uuid} on this node")
+        return frozenset(names), tuple(problems)
+
+    def _names(self, gpu: Gpu) -> bool:
+        return gpu.index in self.indices or gpu.uuid.lower() in self.uuids
+
+
+def _unshareable(gpu: Gpu) -> str | None:
+    if gpu.mig_enabled:
+        return (
+            "has MIG mode enabled, so it is never offered whole and cannot be shared by "
+            "memory; disable MIG mode on it or leave it out of --shared-gpus"
+        )
+    memory = gpu.device.capacity.get("memory")
+    if memory is None:
+        return "has no memory size from NVML, so there is no memory to share"
+    if memory < MEMORY_SLICE_MIN:
+        return f"has {memory} bytes of memory, less than one {MEMORY_SLICE_MIN}-byte slice"
+    return None
+
+
+def _index_range(indices: set[int]) -> str:
+    if not indices:
+        return ""
+    if len(indices) == 1:
+        return f": index {min(indices)}"
+    return f": indices {min(indices)}-{max(indices)}"
 
 
 class PciTopology(Protocol):

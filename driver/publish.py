@@ -3,6 +3,16 @@
 Attribute keys stay unqualified (they mean the driver's own domain, as in the
 upstream driver), so `device.attributes["gpu.nvidia.com"].productName` selects the
 same devices here; the `resource.kubernetes.io/...` keys are already qualified.
+
+A GPU chosen for memory slices (`gpudra node --shared-gpus`) is the same device with
+`allowMultipleAllocations: true` and a request policy on its memory capacity (see
+`memory_request_policy`); the scheduler then hands it to several claims, each with a
+`shareID` and the memory it consumes, and the kubelet plugin enforces that amount with
+the MPS pinned-memory limit. That capacity alone is published qualified, as
+`<driver>/memory`: the scheduler matches `capacity.requests` names literally (a request
+for `gpu.nvidia.com/memory` never matches a capacity named `memory`, nor the reverse),
+so claims ask for `<driver>/memory`, and such a request fits no exclusive GPU, whose
+capacity stays `memory` as upstream publishes it.
 """
 
 from __future__ import annotations
@@ -10,7 +20,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from gpudra.driver.devices import AttributeValue, Device, Inventory, MigStrategy, Version
+from gpudra.driver.devices import (
+    MEMORY_SLICE_MIN,
+    AttributeValue,
+    Device,
+    Inventory,
+    MigStrategy,
+    Version,
+)
 from gpudra.driver.health import HealthReport, Taint
 from gpudra.driver.slices import PoolContent
 
@@ -40,12 +57,52 @@ def _counters(values: Mapping[str, int]) -> dict[str, dict[str, str]]:
     return {k: {"value": str(v)} for k, v in values.items()}
 
 
-def device(dev: Device, taints: tuple[Taint, ...] = ()) -> dict[str, Any]:
+def memory_request_policy(memory: int) -> dict[str, Any]:
+    """How claims consume a shared GPU's memory (bytes in, `requestPolicy` JSON out).
+
+    - min 1Gi: smaller slices are not worth an MPS daemon each;
+    - no step: the API wants `max` on the step grid, and GPU memory is rarely whole
+      GiB (an H100 80GB reports 79.65 GiB), so a 1Gi step would put the last partial
+      GiB out of reach; requests are consumed exactly (MPS takes whole MiB);
+    - default = all of it: the scheduler gives a request that names no memory amount
+      (an ordinary whole-GPU claim) a share with the default, so the default is the
+      whole GPU: such a claim gets the GPU only while no slice is on it, and no slice
+      fits beside it. A 1Gi default would turn "a GPU" into a 1Gi slice silently.
+    """
+    return {
+        "default": str(memory),
+        "validRange": {"min": _quantity(MEMORY_SLICE_MIN), "max": str(memory)},
+    }
+
+
+def _quantity(amount: int) -> str:
+    """Whole GiB as `NGi` (how people read and write them), anything else in bytes."""
+    gib = 1024**3
+    return f"{amount // gib}Gi" if amount and amount % gib == 0 else str(amount)
+
+
+def memory_capacity(driver: str) -> str:
+    """The name a shared GPU's memory is published (and requested) under."""
+    return f"{driver}/memory"
+
+
+def device(
+    dev: Device, taints: tuple[Taint, ...] = (), *, shared_by: str | None = None
+) -> dict[str, Any]:
+    """One device; `shared_by` (the driver name) publishes it for memory slices."""
     out: dict[str, Any] = {
         "name": dev.name,
         "attributes": {k: attribute(v) for k, v in dev.attributes.items()},
         "capacity": {k: {"value": str(v)} for k, v in dev.capacity.items()},
     }
+    if shared_by is not None:
+        memory = dev.capacity["memory"]
+        out["allowMultipleAllocations"] = True
+        del out["capacity"]["memory"]
+        out["capacity"][memory_capacity(shared_by)] = {
+            "value": str(memory),
+            "requestPolicy": memory_request_policy(memory),
+        }
     if dev.consumes_counters:
         out["consumesCounters"] = [
             {"counterSet": c.counter_set, "counters": _counters(c.counters)}
@@ -57,10 +114,24 @@ def device(dev: Device, taints: tuple[Taint, ...] = ()) -> dict[str, Any]:
 
 
 def pool_content(
-    inventory: Inventory, strategy: MigStrategy, health: HealthReport | None = None
+    inventory: Inventory,
+    strategy: MigStrategy,
+    health: HealthReport | None = None,
+    *,
+    shared: frozenset[str] = frozenset(),
+    driver: str | None = None,
 ) -> PoolContent:
+    """The pool; devices named in `shared` (from `SharedGpus.resolve`) are published for
+    memory slices of `driver`, which names their memory capacity."""
+    if shared and driver is None:
+        raise ValueError("shared devices need the driver name for their memory capacity")
     devices = [
-        device(d, health.taints(d.name) if health else ()) for d in inventory.devices(strategy)
+        device(
+            d,
+            health.taints(d.name) if health else (),
+            shared_by=driver if d.name in shared else None,
+        )
+        for d in inventory.devices(strategy)
     ]
     sets = [
         {"name": cs.name, "counters": _counters(cs.counters)}

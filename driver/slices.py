@@ -76,6 +76,13 @@ def validate_device(dev: dict[str, Any], limits: SliceLimits) -> None:
             f"device {name}: {len(attrs)} attributes + {len(caps)} capacities exceed "
             f"the API limit of {MAX_ATTRS_AND_CAPACITIES}; drop some attributes"
         )
+    if not dev.get("allowMultipleAllocations"):
+        for key, cap in caps.items():
+            if isinstance(cap, dict) and "requestPolicy" in cap:
+                raise PoolError(
+                    f"device {name}: capacity {key} has a requestPolicy, which the API "
+                    "allows only on a device with allowMultipleAllocations"
+                )
     for key, val in attrs.items():
         if not QUALIFIED_NAME.match(key):
             raise PoolError(f"device {name}: attribute name {key!r} is not a qualified name")
@@ -159,6 +166,20 @@ def plan_slices(content: PoolContent, limits: SliceLimits) -> list[dict[str, Any
         bodies.append({"sharedCounters": [sets[name]], "devices": devs})
     bodies += [{"devices": c} for c in _chunks(loose, limits.max_devices)]
     return bodies
+
+
+def unshared_by_server(sent: dict[str, Any], stored: dict[str, Any]) -> list[str]:
+    """Devices sent with `allowMultipleAllocations` that the server stored without it.
+
+    An API server without the DRAConsumableCapacity gate drops the field (and the
+    request policies) silently, so the GPU is published exclusive: worth saying once.
+    """
+    kept = {d.get("name") for d in stored.get("devices", []) if d.get("allowMultipleAllocations")}
+    return [
+        d["name"]
+        for d in sent.get("devices", [])
+        if d.get("allowMultipleAllocations") and d["name"] not in kept
+    ]
 
 
 def slice_name(node: str, driver: str, index: int) -> str:
@@ -388,6 +409,14 @@ class SliceController:
                 resp = await self._write("PUT", f"{SLICES}/{name}", body)
             pub.specs[name] = resp["spec"]
             self._cache[name] = resp
+            dropped = unshared_by_server(spec, resp["spec"])
+            if dropped:
+                log.warning(
+                    "the API server dropped allowMultipleAllocations: these GPUs are "
+                    "published exclusive; enable the DRAConsumableCapacity feature gate "
+                    "on the API server and the scheduler for memory slices",
+                    extra={"fields": {**self.fields, "slice": name, "devices": dropped}},
+                )
         for name in observed.keys() - desired.keys():
             self.writes += 1
             try:

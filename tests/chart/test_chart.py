@@ -14,6 +14,7 @@ import yaml
 from gpudra.api.config import GpuConfig, parse_opaque_config
 from gpudra.api.deviceclasses import device_classes
 from gpudra.cli.main import build_parser
+from gpudra.driver.devices import SharedGpus
 from gpudra.webhook import registration
 from gpudra.webhook.convert import DEFAULT_POLICY, OPT_OUT_LABEL
 from gpudra.webhook.validate import driver_classes
@@ -241,6 +242,27 @@ def test_node_daemonset(default: list[dict[str, Any]], full: list[dict[str, Any]
     assert emulated["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
 
 
+@pytest.mark.parametrize(
+    ("value", "flag"),
+    [
+        (None, "--shared-gpus=none"),
+        ("all", "--shared-gpus=all"),
+        ("0,3", "--shared-gpus=0,3"),
+        (3, "--shared-gpus=3"),
+        (
+            [1, "GPU-86737bf0-609a-5b5b-b9e7-de8873112c51"],
+            "--shared-gpus=1,GPU-86737bf0-609a-5b5b-b9e7-de8873112c51",
+        ),
+    ],
+    ids=["default", "all", "string", "index", "list"],
+)
+def test_shared_gpus_reach_the_node_agent(helm: Path, value: Any, flag: str) -> None:
+    objects = h.template(helm, {"node": {"sharedGpus": value}} if value is not None else {})
+    (c,) = h.find(objects, "DaemonSet")["spec"]["template"]["spec"]["containers"]
+    assert [a for a in c["args"] if a.startswith("--shared-gpus")] == [flag]
+    SharedGpus.parse(flag.partition("=")[2])  # a value the agent takes
+
+
 def test_webhook_runs_as_non_root(full: list[dict[str, Any]]) -> None:
     pod = h.find(full, "Deployment")["spec"]["template"]["spec"]
     assert pod["securityContext"]["runAsNonRoot"] is True
@@ -320,6 +342,13 @@ def test_notes_tell_how_to_check(helm: Path) -> None:
         ({"webhook": {"port": 0}}, "/webhook/port"),
         ({"node": {"nvml": "fake"}}, "/node/nvml"),
         ({"node": {"migStrategy": "mixed"}}, "/node/migStrategy"),
+        ({"node": {"sharedGpus": "some"}}, "/node/sharedGpus"),
+        ({"node": {"sharedGpus": "0,,1"}}, "/node/sharedGpus"),
+        ({"node": {"sharedGpus": "all,0"}}, "/node/sharedGpus"),
+        ({"node": {"sharedGpus": [-1]}}, "/node/sharedGpus"),
+        ({"node": {"sharedGpus": -2}}, "/node/sharedGpus"),
+        ({"node": {"sharedGpus": []}}, "/node/sharedGpus"),
+        ({"node": {"sharedGpus": ["MIG-86737bf0"]}}, "/node/sharedGpus"),
         ({"webhook": {"prot": 8443}}, "prot"),
         ({"driverName": "GPU"}, "/driverName"),
         ({"webhook": {"tls": {"source": "vault"}}}, "/webhook/tls/source"),
@@ -386,3 +415,5 @@ def test_rendered_args_are_accepted_by_the_cli(helm: Path, values: list[Any]) ->
         args = [a.replace("$(NODE_NAME)", "node-1") for a in container["args"]]
         parsed = parser.parse_args(args)
         assert parsed.command == args[0]
+        if kind == "DaemonSet":
+            SharedGpus.parse(parsed.shared_gpus)  # the value, too, is one the agent takes

@@ -47,3 +47,26 @@ def test_node_name_required() -> None:
 def test_webhook_port_range() -> None:
     proc = run("webhook", "--cert-dir", "/nonexistent", "--port", "70000")
     assert proc.stderr.strip() == "gpudra webhook: --port 70000 is out of range (1-65535)"
+
+
+def test_bad_shared_gpus_is_one_line_naming_the_flag_and_the_forms() -> None:
+    proc = run("node", "--node-name", "n1", "--nvml", "emulated:l4", "--shared-gpus", "first")
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines() == [
+        "gpudra node: --shared-gpus 'first': 'first' is neither a GPU index nor a GPU UUID; "
+        "give none, all, or a comma-separated list of GPU indices and/or GPU UUIDs "
+        "(e.g. 0,3 or GPU-86737bf0-609a-5b5b-b9e7-de8873112c51)"
+    ]
+
+
+def test_shared_gpus_reach_the_agent_config() -> None:
+    from gpudra.cli.node import _agent_config  # noqa: PLC0415 - the unit under test
+    from gpudra.driver.devices import SharedGpus  # noqa: PLC0415
+
+    parser = build_parser()
+    default = _agent_config(parser.parse_args(["node", "--node-name", "n1"]))
+    assert default.shared_gpus == SharedGpus()
+    args = parser.parse_args(["node", "--node-name", "n1", "--shared-gpus", "0,5"])
+    assert _agent_config(args).shared_gpus == SharedGpus(indices=frozenset({0, 5}))
+    args = parser.parse_args(["node", "--node-name", "n1", "--shared-gpus", "all"])
+    assert _agent_config(args).shared_gpus.every

@@ -1,0 +1,244 @@
+"""Memory slices end to end: `gpudra node --shared-gpus` publishes a GPU the real
+scheduler hands to several claims, each with its own shareID and memory amount."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from e2e.claims import pod_with_claim, wait_allocated
+from e2e.cluster.harness import REPO, Cluster, State, known_gates
+from e2e.cluster.kube import ApiError, Kube, wait_for
+
+pytestmark = pytest.mark.cluster
+DRIVER = "shared.gpudra.dev"
+NODE = "worker-1"
+PROFILE = "emulated:h100-80gb-hbm3-x8"
+GATE = "DRAConsumableCapacity"
+SHARED = "gpu-0"
+MEMORY = f"{DRIVER}/memory"
+# A slice claim asks for memory on a device that allows multiple allocations: without
+# the selector the scheduler may give it an exclusive GPU whole.
+SLICE_SELECTOR = "device.allowMultipleAllocations"
+
+
+@pytest.fixture(scope="module")
+def consumable_capacity(cluster: Cluster, kube: Kube) -> None:
+    """Skips unless the API server and the scheduler know DRAConsumableCapacity."""
+    state = State.load(cluster.layout.state)
+    if state is not None and state.bin_dir:
+        for component in ("kube-apiserver", "kube-scheduler"):
+            if GATE not in known_gates(Path(state.bin_dir) / component):
+                pytest.skip(f"{component} {state.version} does not know the {GATE} gate")
+    probe = {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceSlice",
+        "metadata": {"name": f"{DRIVER}-gate-probe"},
+        "spec": {
+            "driver": DRIVER,
+            "nodeName": NODE,
+            "pool": {"name": "gate-probe", "generation": 1, "resourceSliceCount": 1},
+            "devices": [
+                {
+                    "name": "probe",
+                    "allowMultipleAllocations": True,
+                    "capacity": {"m": {"value": "1"}},
+                }
+            ],
+        },
+    }
+    stored = kube.create(probe, dryRun="All")
+    if not stored["spec"]["devices"][0].get("allowMultipleAllocations"):
+        pytest.skip(f"the API server drops allowMultipleAllocations: {GATE} is off")
+
+
+@pytest.fixture
+def namespace(cluster: Cluster, kube: Kube, consumable_capacity: None) -> Iterator[str]:
+    ns = f"shared-{secrets.token_hex(3)}"
+    kube.create({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}})
+    expr = f'device.driver == "{DRIVER}" && device.attributes["{DRIVER}"].type == "gpu"'
+    kube.apply(
+        {
+            "apiVersion": "resource.k8s.io/v1",
+            "kind": "DeviceClass",
+            "metadata": {"name": DRIVER},
+            "spec": {"selectors": [{"cel": {"expression": expr}}]},
+        }
+    )
+    yield ns
+    for pod in kube.list("Pod", ns):
+        kube.delete("Pod", pod["metadata"]["name"], ns, grace=0)
+    for claim in kube.list("ResourceClaim", ns):
+        kube.delete("ResourceClaim", claim["metadata"]["name"], ns)
+    kube.delete("Namespace", ns)
+    kube.delete("DeviceClass", DRIVER)
+    for o in kube.list("ResourceSlice", fieldSelector=f"spec.driver={DRIVER}"):
+        kube.delete("ResourceSlice", o["metadata"]["name"])
+
+
+def node_command(cluster: Cluster, *flags: str) -> subprocess.Popen[str]:
+    env = {**os.environ, "KUBECONFIG": str(cluster.layout.admin_kubeconfig), "NODE_NAME": NODE}
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "gpudra.cli",
+            "node",
+            "--nvml",
+            PROFILE,
+            "--driver-name",
+            DRIVER,
+            "--no-kubelet-plugin",
+            "--metrics-address",
+            "",
+            *flags,
+        ],
+        cwd=REPO,
+        env=env,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+@contextmanager
+def agent(cluster: Cluster, *flags: str) -> Iterator[subprocess.Popen[str]]:
+    proc = node_command(cluster, *flags)
+    try:
+        yield proc
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=120)
+
+
+def published(kube: Kube) -> dict[str, dict[str, Any]] | None:
+    """Our node's devices by name, once the whole pool of one generation is there."""
+    items = kube.list("ResourceSlice", fieldSelector=f"spec.driver={DRIVER}")
+    items = [o for o in items if o["spec"]["pool"]["name"] == NODE]
+    if not items:
+        return None
+    pools = {
+        (o["spec"]["pool"]["generation"], o["spec"]["pool"]["resourceSliceCount"]) for o in items
+    }
+    if len(pools) != 1 or next(iter(pools))[1] != len(items):
+        return None
+    return {d["name"]: d for o in items for d in o["spec"].get("devices", [])}
+
+
+def wait_published(kube: Kube, what: str, shared: set[str]) -> dict[str, dict[str, Any]]:
+    def ready() -> dict[str, dict[str, Any]] | None:
+        devices = published(kube)
+        if devices is None or len(devices) != 8:
+            return None
+        now = {n for n, d in devices.items() if d.get("allowMultipleAllocations")}
+        return devices if now == shared else None
+
+    result: dict[str, dict[str, Any]] = wait_for(what, ready, timeout=180)
+    return result
+
+
+def claim(kube: Kube, ns: str, name: str, memory: str | None, selector: str | None) -> None:
+    exactly: dict[str, Any] = {"deviceClassName": DRIVER}
+    if memory is not None:
+        exactly["capacity"] = {"requests": {MEMORY: memory}}
+    if selector is not None:
+        exactly["selectors"] = [{"cel": {"expression": selector}}]
+    kube.create(
+        {
+            "apiVersion": "resource.k8s.io/v1",
+            "kind": "ResourceClaim",
+            "metadata": {"name": name, "namespace": ns},
+            "spec": {"devices": {"requests": [{"name": "gpu", "exactly": exactly}]}},
+        }
+    )
+    kube.create(pod_with_claim(f"pod-{name}", ns, NODE, claim=name))
+
+
+def result_of(claim: dict[str, Any]) -> dict[str, Any]:
+    (result,) = claim["status"]["allocation"]["devices"]["results"]
+    assert isinstance(result, dict)
+    return result
+
+
+def unschedulable(kube: Kube, ns: str, pod: str) -> bool:
+    conditions = kube.get("Pod", pod, ns).get("status", {}).get("conditions") or []
+    return any(
+        c["type"] == "PodScheduled"
+        and c["status"] == "False"
+        and c.get("reason") == "Unschedulable"
+        for c in conditions
+    )
+
+
+def test_memory_slices_share_one_gpu_until_the_option_is_removed(
+    cluster: Cluster, kube: Kube, namespace: str
+) -> None:
+    ns = namespace
+    with agent(cluster, "--shared-gpus", "0"):
+        devices = wait_published(kube, f"{SHARED} published shared", {SHARED})
+        # Qualified, as claims ask for it: the scheduler matches the names literally.
+        memory = devices[SHARED]["capacity"][MEMORY]
+        total = int(memory["value"])
+        assert all(set(d["capacity"]) == {"memory"} for n, d in devices.items() if n != SHARED)
+        assert memory["requestPolicy"] == {
+            "default": str(total),
+            "validRange": {"min": "1Gi", "max": str(total)},
+        }
+
+        # Two 10Gi slices: the same GPU, each its own share of it.
+        for name in ("slice-a", "slice-b"):
+            claim(kube, ns, name, "10Gi", SLICE_SELECTOR)
+        results = [
+            result_of(wait_allocated(kube, n, ns, timeout=180)) for n in ("slice-a", "slice-b")
+        ]
+        assert {r["device"] for r in results} == {SHARED}
+        assert all(r["pool"] == NODE and r["driver"] == DRIVER for r in results)
+        assert len({r["shareID"] for r in results}) == 2
+        assert [r["consumedCapacity"] for r in results] == [{MEMORY: "10Gi"}] * 2
+
+        # More memory than the GPU has: no device can take it.
+        claim(kube, ns, "too-big", f"{total // 1024**3 + 1}Gi", SLICE_SELECTOR)
+        wait_for("pod-too-big to be unschedulable", lambda: unschedulable(kube, ns, "pod-too-big"))
+        assert "allocation" not in (kube.get("ResourceClaim", "too-big", ns).get("status") or {})
+
+        # An ordinary claim names no memory, so it would consume all of it: it never
+        # lands on the GPU the slices hold, and gets an exclusive GPU whole.
+        claim(kube, ns, "whole", None, None)
+        whole = result_of(wait_allocated(kube, "whole", ns, timeout=180))
+        assert whole["device"] != SHARED
+        assert "shareID" not in whole
+
+    # Restarted without the option: the same GPU is exclusive again.
+    with agent(cluster):
+        devices = wait_published(kube, f"{SHARED} republished exclusive", set())
+        assert devices[SHARED]["capacity"] == {"memory": {"value": str(total)}}
+
+
+def test_a_gpu_the_node_lacks_stops_the_agent(
+    cluster: Cluster, kube: Kube, consumable_capacity: None
+) -> None:
+    proc = node_command(cluster, "--shared-gpus", "1,9")
+    try:
+        _, stderr = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 1
+    assert stderr.strip().splitlines()[-1] == (
+        "gpudra node: --shared-gpus '1,9': GPU index 9 does not exist on this node "
+        "(it has 8 GPUs: indices 0-7)"
+    )
+    try:
+        items = kube.list("ResourceSlice", fieldSelector=f"spec.driver={DRIVER}")
+    except ApiError:
+        items = []
+    assert items == []  # nothing was published from a configuration it could not honour
