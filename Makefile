@@ -6,7 +6,7 @@ VPY := $(VENV)/bin/python
 PKGS := -p gpudra.api -p gpudra.cli -p gpudra.common -p gpudra.driver -p gpudra.webhook
 export K8S_VERSION ?= 1.36
 
-.PHONY: venv lint typecheck unit test cluster-build cluster-up cluster-down cluster-env cluster-status demo bench
+.PHONY: venv lint typecheck unit test cluster-build cluster-up cluster-down cluster-env cluster-status demo demo-down bench
 
 venv: $(VENV)/.stamp
 $(VENV)/.stamp: pyproject.toml e2e/bootstrap_venv.py
@@ -52,6 +52,9 @@ test: lint typecheck
 
 demo: cluster-up
 	@$(VPY) -m e2e.demo
+
+demo-down: venv
+	@$(VPY) -m e2e.demo down
 
 # Helm chart: helm is built from the Go module proxy and cached like the Kubernetes binaries.
 .PHONY: helm chart-lint chart-crds image e2e-kind

@@ -1,42 +1,186 @@
-"""`make demo`: bring-up already done by the Makefile; run the sample scenarios and
-print pod -> claim -> device."""
+"""`make demo`: the local control plane (brought up by the Makefile), a real node with
+emulated GPUs, gpudra's node agent and webhook, and the sample workloads of demo/;
+then a table of pod, container, device and how it is shared, as the containers see it.
+
+Where the machine cannot run a real node (not root, no cgroups), the demo says why and
+shows the scheduler's side only: a claim allocated from the emulated GPUs of a
+simulated node.
+"""
 
 from __future__ import annotations
 
 import sys
+import time
+from typing import Any
+
+import yaml
 
 from e2e import smoke
-from e2e.cluster.harness import Cluster, ClusterError
+from e2e.cluster.harness import REPO, Cluster, ClusterError
+from e2e.cluster.kube import ApiError, Kube, wait_for
+from e2e.node.gpus import GpuStack
+from e2e.node.realnode import NodeError, RealNode, unavailable_reason
+
+DEMO = REPO / "demo"
+NAMESPACE = "gpudra-demo"
+
+
+def workloads() -> list[dict[str, Any]]:
+    out = []
+    for path in sorted(DEMO.glob("*.yaml")):
+        out.extend(obj for obj in yaml.safe_load_all(path.read_text()) if obj)
+    return out
+
+
+def apply_all(kube: Kube, objects: list[dict[str, Any]]) -> list[str]:
+    """Creates what is missing (pods are immutable: an existing one is kept)."""
+    pods = []
+    for obj in objects:
+        meta = obj["metadata"]
+        if obj["kind"] == "Pod":
+            pods.append(meta["name"])
+        if kube.get_or_none(obj["kind"], meta["name"], meta.get("namespace")) is None:
+            kube.create(obj)
+    return pods
+
+
+def _claim_of(pod: dict[str, Any], ref: str) -> str:
+    for entry in pod["spec"].get("resourceClaims") or ():
+        if entry["name"] == ref and entry.get("resourceClaimName"):
+            return str(entry["resourceClaimName"])
+    for status in pod["status"].get("resourceClaimStatuses") or ():
+        if status["name"] == ref:
+            return str(status["resourceClaimName"])
+    return ""
+
+
+def _sharing(claim: dict[str, Any], result: dict[str, Any], device: dict[str, Any]) -> str:
+    attrs = device.get("attributes", {})
+    kind = next(iter(attrs.get("type", {}).values()), "gpu")
+    if kind == "mig":
+        return f"MIG {next(iter(attrs['profile'].values()))}, dynamic"
+    if result.get("shareID"):
+        memory = next(
+            (v for k, v in (result.get("consumedCapacity") or {}).items() if "memory" in k), "?"
+        )
+        return f"memory slice {memory} (MPS)"
+    users = len(claim["status"].get("reservedFor") or ())
+    for config in claim["spec"]["devices"].get("config") or ():
+        sharing = (config.get("opaque") or {}).get("parameters", {}).get("sharing") or {}
+        if sharing.get("strategy") == "TimeSlicing":
+            interval = (sharing.get("timeSlicingConfig") or {}).get("interval", "Default")
+            return f"time-sliced ({interval}), {users} pods"
+        if sharing.get("strategy") == "MPS":
+            return f"MPS, {users} pods"
+    return "exclusive"
+
+
+def rows(cluster: Cluster, kube: Kube, pods: list[str]) -> list[tuple[str, ...]]:
+    devices = {
+        d["name"]: d
+        for s in kube.list("ResourceSlice", fieldSelector="spec.nodeName=real-1")
+        for d in s["spec"].get("devices") or ()
+    }
+    out = []
+    for name in pods:
+        pod = kube.get("Pod", name, NAMESPACE)
+        for container in pod["spec"]["containers"]:
+            refs = [c["name"] for c in (container.get("resources") or {}).get("claims") or ()]
+            seen = cluster.kubectl(
+                "exec",
+                "-n",
+                NAMESPACE,
+                name,
+                "-c",
+                container["name"],
+                "--",
+                "sh",
+                "-c",
+                "cd /dev && ls -d nvidia[0-9]* nvidia-caps/* 2>/dev/null",
+            ).stdout.split()
+            for ref in refs:
+                claim = kube.get("ResourceClaim", _claim_of(pod, ref), NAMESPACE)
+                for result in claim["status"]["allocation"]["devices"]["results"]:
+                    device = devices.get(result["device"], {})
+                    out.append(
+                        (
+                            name,
+                            container["name"],
+                            result["device"],
+                            _sharing(claim, result, device),
+                            " ".join(f"/dev/{n}" for n in seen),
+                        )
+                    )
+    return out
+
+
+def print_table(table: list[tuple[str, ...]]) -> None:
+    header = ("POD", "CONTAINER", "DEVICE", "SHARING", "CONTAINER SEES")
+    widths = [max(len(r[i]) for r in [header, *table]) for i in range(len(header))]
+    for r in [header, *table]:
+        print("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
+
+
+def real_node_demo(cluster: Cluster, kube: Kube) -> None:
+    start = time.monotonic()
+    node = RealNode(cluster)
+    print("== a real node: kubelet, containerd and runc, with emulated GPUs")
+    node.up(log=lambda m: print(f"  {m}"))
+    GpuStack(node).up(log=lambda m: print(f"  {m}"))
+    print(f"== the sample workloads ({DEMO.relative_to(REPO)}/)")
+    pods = apply_all(kube, workloads())
+    for name in pods:
+        wait_for(
+            f"pod {name} Running",
+            lambda n=name: (
+                (kube.get("Pod", n, NAMESPACE).get("status") or {}).get("phase") == "Running"
+            ),
+            timeout=120,
+        )
+    print(f"  {len(pods)} pods Running in {time.monotonic() - start:.1f}s\n")
+    print_table(rows(cluster, kube, pods))
+    print(
+        "\nLook around: `make cluster-env` prints how to reach the cluster, "
+        f"`kubectl -n {NAMESPACE} logs legacy-gpu` shows what a container saw, "
+        "`make demo-down` removes everything."
+    )
+
+
+def scheduler_only_demo(kube: Kube) -> None:
+    print("== smoke: the real scheduler allocates a ResourceClaim from a template")
+    res = smoke.run(kube, node="worker-1", log=lambda m: print(f"  {m}"))
+    print_table(
+        [(f"{res.namespace}/{res.pod}", "main", f"{res.pool}/{res.device}", "exclusive", "-")]
+    )
+    smoke.teardown(kube, res)
+    print("  deleted the pod: the controller-manager deleted its claim")
 
 
 def main() -> int:
+    cluster = Cluster()
     try:
-        kube = Cluster().kube()
-    except ClusterError as e:
+        kube = cluster.kube()
+        reason = unavailable_reason()
+        if reason:
+            print(f"demo: no real node on this machine ({reason}); showing allocation only")
+            scheduler_only_demo(kube)
+        else:
+            real_node_demo(cluster, kube)
+    except (ClusterError, NodeError, ApiError, TimeoutError) as e:
         print(f"demo: {e}", file=sys.stderr)
         return 1
-    print("== smoke: the real scheduler allocates a ResourceClaim from a template")
-    res = smoke.run(kube, node="worker-1", log=lambda m: print(f"  {m}"))
-    rows = [
-        ("POD", "NODE", "CLAIM (owner)", "DRIVER/POOL/DEVICE"),
-        (
-            f"{res.namespace}/{res.pod}",
-            res.node,
-            f"{res.claim} ({res.claim_owner})",
-            f"{smoke.DRIVER}/{res.pool}/{res.device}",
-        ),
-    ]
-    widths = [max(len(r[i]) for r in rows) for i in range(4)]
-    for r in rows:
-        print("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)))
-    smoke.teardown(kube, res)
-    print("  deleted the pod: the controller-manager deleted its claim")
-    print(
-        "\nThe cluster stays up: `make cluster-env` prints how to reach it, "
-        "`make cluster-down` stops it."
-    )
+    return 0
+
+
+def down() -> int:
+    """`make demo-down`: the workloads, the real node and the control plane."""
+    cluster = Cluster()
+    if cluster.is_up():
+        kube = cluster.kube()
+        kube.delete("Namespace", NAMESPACE)
+    cluster.down()
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(down() if sys.argv[1:] == ["down"] else main())

@@ -8,11 +8,8 @@ writable cgroups, no namespaces) or the node's parts cannot be built.
 
 from __future__ import annotations
 
-import os
-import subprocess
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -72,19 +69,6 @@ def _running(kube: Kube, name: str) -> Any:
     return pod if pod and pod.get("status", {}).get("phase") == "Running" else None
 
 
-def _kubectl(cluster: Cluster, *args: str) -> subprocess.CompletedProcess[str]:
-    state = State.load(cluster.layout.state)
-    assert state is not None
-    return subprocess.run(
-        [str(Path(state.bin_dir) / "kubectl"), *args],
-        env={**os.environ, "KUBECONFIG": str(cluster.layout.admin_kubeconfig)},
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-
-
 @pytest.fixture
 def pod(node: RealNode, kube: Kube) -> Iterator[str]:
     name = f"hello-{uuid.uuid4().hex[:6]}"
@@ -120,10 +104,10 @@ def test_pod_runs_with_logs_and_exec(
     assert logs, "no container log file under the node's pod-logs dir"
     wait_for("hello in the log file", lambda: "hello" in logs[0].read_text())
     # API server -> kubelet: logs and exec.
-    out = _kubectl(cluster, "logs", pod)
+    out = cluster.kubectl("logs", pod)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "hello"
-    out = _kubectl(cluster, "exec", pod, "--", "sh", "-c", "cat /etc/hostname; ls /bin/env; env")
+    out = cluster.kubectl("exec", pod, "--", "sh", "-c", "cat /etc/hostname; ls /bin/env; env")
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert lines[0] == pod

@@ -28,7 +28,7 @@ from gpudra.webhook.validate import driver_classes
 
 from e2e import smoke
 from e2e.cluster.harness import Cluster
-from e2e.cluster.kube import CRD_PATH, ApiError, crd_established, wait_for
+from e2e.cluster.kube import ApiError, apply_crd
 from e2e.cluster.kube import Kube as SyncKube
 
 pytestmark = [pytest.mark.cluster, pytest.mark.anyio]
@@ -61,24 +61,11 @@ class Env:
     kube: SyncKube
 
 
-def apply_crd(kube: SyncKube) -> None:
-    crd = crd_manifest()
-    name = crd["metadata"]["name"]
-    kube.request(
-        "PATCH",
-        f"{CRD_PATH}/{name}",
-        crd,
-        content_type="application/apply-patch+yaml",
-        query={"fieldManager": "gpudra-e2e", "force": "true"},
-    )
-    wait_for("the GpuTenant CRD to be established", lambda: crd_established(kube, name))
-
-
 @pytest.fixture
 async def env(cluster: Cluster, kube: SyncKube, tmp_path: Path) -> AsyncIterator[Env]:
     for dc in device_classes(DRIVER):
         kube.apply(dc)
-    apply_crd(kube)
+    apply_crd(kube, crd_manifest())
     akube = await Kube.connect(str(cluster.layout.admin_kubeconfig))
     pki, _ = ensure_pki(tmp_path / "pki", service_dns_names("gpudra-webhook", "gpudra"))
     config = ServerConfig(

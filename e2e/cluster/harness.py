@@ -265,6 +265,18 @@ class Cluster:
         self.layout.admin_kubeconfig.unlink(missing_ok=True)
         log("cluster stopped")
 
+    def kubectl(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+        """The cluster's own kubectl with the admin kubeconfig; never raises on failure."""
+        state = self._require_state()
+        return subprocess.run(
+            [str(Path(state.bin_dir) / "kubectl"), *args],
+            env={**os.environ, "KUBECONFIG": str(self.layout.admin_kubeconfig)},
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
+
     def env(self) -> str:
         state = self._require_state()
         return (

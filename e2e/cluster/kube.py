@@ -46,6 +46,16 @@ RESOURCES: dict[str, tuple[str, str, bool]] = {
     "ResourceSlice": ("/apis/resource.k8s.io/v1", "resourceslices", False),
     "ResourceClaim": ("/apis/resource.k8s.io/v1", "resourceclaims", True),
     "ResourceClaimTemplate": ("/apis/resource.k8s.io/v1", "resourceclaimtemplates", True),
+    "MutatingWebhookConfiguration": (
+        "/apis/admissionregistration.k8s.io/v1",
+        "mutatingwebhookconfigurations",
+        False,
+    ),
+    "ValidatingWebhookConfiguration": (
+        "/apis/admissionregistration.k8s.io/v1",
+        "validatingwebhookconfigurations",
+        False,
+    ),
 }
 
 
@@ -165,6 +175,19 @@ def crd_established(kube: Kube, name: str) -> bool:
     return any(
         c["type"] == "Established" and c["status"] == "True" for c in status.get("conditions") or []
     )
+
+
+def apply_crd(kube: Kube, crd: dict[str, Any]) -> None:
+    """Server-side apply of a CRD, then wait until the API server serves it."""
+    name = crd["metadata"]["name"]
+    kube.request(
+        "PATCH",
+        f"{CRD_PATH}/{name}",
+        crd,
+        content_type="application/apply-patch+yaml",
+        query={"fieldManager": "gpudra-e2e", "force": "true"},
+    )
+    wait_for(f"the CRD {name} to be established", lambda: crd_established(kube, name))
 
 
 def wait_for(

@@ -1,5 +1,6 @@
-"""`python -m e2e.node up|down|status` (used by the Makefile): a real kubelet +
-containerd node next to the local control plane, which must be up first."""
+"""`python -m e2e.node up [--gpus]|down|status` (used by the Makefile): a real kubelet
++ containerd node next to the local control plane, which must be up first. With
+`--gpus`, gpudra's node agent (emulated GPUs) and webhook run for it as host processes."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 import sys
 
 from e2e.cluster.harness import Cluster, ClusterError
+from e2e.node.gpus import GpuStack
 from e2e.node.realnode import NodeError, RealNode
 
 
@@ -16,6 +18,8 @@ def main(argv: list[str]) -> int:
     try:
         if cmd == "up":
             node.up()
+            if "--gpus" in argv[1:]:
+                GpuStack(node).up()
         elif cmd == "down":
             node.down()
         elif cmd == "status":

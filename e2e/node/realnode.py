@@ -38,6 +38,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gpudra.webhook import registration
+
 from e2e.cluster import pki
 from e2e.cluster.harness import (
     REPO,
@@ -83,6 +85,10 @@ HOST_DIRS = (
     Path("/run/containerd"),
 )
 CAP_SYS_RESOURCE = 24
+WEBHOOK_CONFIGURATIONS = (
+    ("MutatingWebhookConfiguration", registration.NAME),
+    ("ValidatingWebhookConfiguration", registration.VALIDATING_NAME),
+)
 
 
 class NodeError(Exception):
@@ -453,6 +459,11 @@ class RealNode:
             self._drain(kube, state)
         if "kubelet" in state.pids:
             _stop_pid(state.pids["kubelet"], state.cmdlines.get("kubelet", ""))
+        # The driver's processes (gpudra node, webhook) outlive the kubelet's drain,
+        # which still needs the plugin to unprepare.
+        for name, pid in state.pids.items():
+            if name not in ("kubelet", "containerd"):
+                _stop_pid(pid, state.cmdlines.get(name, ""))
         _kill_cgroup_tree(state.cgroup_root)
         for pid in _shim_pids(self.layout.containerd_sock):
             _stop_pid(pid, "containerd-shim", timeout=3)
@@ -463,7 +474,7 @@ class RealNode:
         _restore_sysctls(state.sysctls)
         self._clean_host_paths(state)
         if kube is not None:
-            self._forget(kube)
+            self._forget(kube, state)
         if stuck:
             raise NodeError(
                 f"could not unmount {stuck[0]} (and {len(stuck) - 1} more); kept "
@@ -493,6 +504,15 @@ class RealNode:
             "cdi_dir": str(self.layout.cdi),
             "containerd_socket": str(self.layout.containerd_sock),
         }
+
+    def restart_kubelet(self) -> None:
+        """Stops the kubelet (SIGTERM, as systemd does) and starts it again; its
+        containers keep running under containerd meanwhile."""
+        state = NodeState.load(self.layout.state)
+        if state is None or not state.ready:
+            raise NodeError(f"node {self.name} is not up: run `make node-up` first")
+        _stop_pid(state.pids["kubelet"], state.cmdlines.get("kubelet", ""))
+        self._start_kubelet(state, self.cluster.kube(), NodePorts.from_env())
 
     # -- internals -----------------------------------------------------------
     def _check_apiserver(self) -> None:
@@ -524,8 +544,15 @@ class RealNode:
         return kube is not None and _node_ready(kube, self.name)
 
     def _spawn(
-        self, state: NodeState, name: str, argv: list[str], env: dict[str, str] | None = None
+        self,
+        state: NodeState,
+        name: str,
+        argv: list[str],
+        env: dict[str, str] | None = None,
+        hint: str | None = None,
     ) -> subprocess.Popen[bytes]:
+        """Started in its own session, logging to `logs/<name>.log`, and recorded with
+        `hint` (default argv[0]), the part of its command line that tells it apart."""
         logf = (self.layout.logs / f"{name}.log").open("ab")
         proc = subprocess.Popen(
             argv,
@@ -538,7 +565,7 @@ class RealNode:
         )
         logf.close()
         state.pids[name] = proc.pid
-        state.cmdlines[name] = argv[0]
+        state.cmdlines[name] = hint or argv[0]
         state.save(self.layout.state)
         return proc
 
@@ -814,11 +841,17 @@ imports = []
                     timeout=30,
                 )
 
-    def _forget(self, kube: Kube) -> None:
+    def _forget(self, kube: Kube, state: NodeState) -> None:
         with contextlib.suppress(ApiError, OSError):
             for pod in _pods_on(kube, self.name):
                 meta = pod["metadata"]
                 kube.delete("Pod", meta["name"], meta["namespace"], grace=0)
+            for o in kube.list("ResourceSlice", fieldSelector=f"spec.nodeName={self.name}"):
+                kube.delete("ResourceSlice", o["metadata"]["name"])
+            if "gpudra-webhook" in state.pids:
+                # A registration whose server is gone would fail every GPU pod.
+                for kind, name in WEBHOOK_CONFIGURATIONS:
+                    kube.delete(kind, name)
             kube.delete("Node", self.name)
             kube.delete("Lease", self.name, "kube-node-lease")
 

@@ -1,0 +1,570 @@
+"""GPU pods on the real node: the real scheduler allocates, the real kubelet calls the
+plugin of `gpudra node` (emulated GPUs, real character devices), containerd injects
+the CDI spec and runc starts the container. Each test looks inside the containers.
+
+The sample workloads in demo/ are the scenarios: a legacy `nvidia.com/gpu` pod the
+webhook converts, a claim with a CEL selector, a dynamic MIG device and a time-sliced
+GPU shared by two pods. Then exclusivity, faults (kubelet restart, agent killed in the
+middle of a prepare, slices deleted under running pods) and bad input.
+
+Skips with the exact reason when the machine cannot run a real node.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from e2e.cluster.harness import REPO, Cluster
+from e2e.cluster.kube import ApiError, Kube, wait_for
+from e2e.node import images
+from e2e.node.gpus import DRIVER, MIG_COMPUTE_INSTANCES, MIG_FIRST_MINOR, GpuStack
+from e2e.node.realnode import RealNode, unavailable_reason
+
+pytestmark = pytest.mark.cluster
+DEMO = REPO / "demo"
+NODE = "real-1"
+OWN_NAMESPACE = "gpudra"  # the webhook's own namespace, which it never intercepts
+SHOW = "ls /dev /dev/nvidia-caps 2>/dev/null | grep nvidia; env | grep -E '^(GPUDRA|NVIDIA|LD_)'"
+
+
+@pytest.fixture(scope="module")
+def stack(cluster: Cluster) -> Iterator[GpuStack]:
+    reason = unavailable_reason()
+    if reason:
+        pytest.skip(f"no real node on this machine: {reason}")
+    node = RealNode(cluster)
+    node.up(log=lambda _m: None)
+    gpus = GpuStack(node)
+    try:
+        gpus.up(log=lambda _m: None)
+        yield gpus
+    finally:
+        node.down(log=lambda _m: None)
+
+
+@pytest.fixture
+def ns(stack: GpuStack, kube: Kube) -> Iterator[str]:
+    name = f"gpu-{uuid.uuid4().hex[:6]}"
+    kube.create({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}})
+    yield name
+    for pod in kube.list("Pod", name):
+        kube.delete("Pod", pod["metadata"]["name"], name, grace=0)
+    wait_for(f"pods of {name} gone", lambda: not kube.list("Pod", name), timeout=60)
+    kube.delete("Namespace", name)
+
+
+@pytest.fixture
+def own_ns(stack: GpuStack, kube: Kube) -> Iterator[None]:
+    if kube.get_or_none("Namespace", OWN_NAMESPACE) is None:
+        kube.create({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": OWN_NAMESPACE}})
+    yield
+    for kind in ("Pod", "ResourceClaim", "ResourceClaimTemplate"):
+        for obj in kube.list(kind, OWN_NAMESPACE):
+            kube.delete(kind, obj["metadata"]["name"], OWN_NAMESPACE, grace=0)
+    wait_for("its pods gone", lambda: not kube.list("Pod", OWN_NAMESPACE), timeout=60)
+
+
+# --- helpers ---------------------------------------------------------------------------
+
+
+def demo_objects(namespace: str) -> list[dict[str, Any]]:
+    """demo/*.yaml, moved into `namespace` (the namespace file itself is skipped)."""
+    out = []
+    for path in sorted(DEMO.glob("*.yaml")):
+        for obj in yaml.safe_load_all(path.read_text()):
+            if obj and obj["kind"] != "Namespace":
+                obj["metadata"]["namespace"] = namespace
+                out.append(obj)
+    return out
+
+
+def gpu_pod(name: str, namespace: str, claim: str = "", template: str = "") -> dict[str, Any]:
+    source = {"resourceClaimName": claim} if claim else {"resourceClaimTemplateName": template}
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {
+            "terminationGracePeriodSeconds": 1,
+            "nodeSelector": {"gpudra.dev/real-node": "true"},
+            "resourceClaims": [{"name": "gpu", **source}],
+            "containers": [
+                {
+                    "name": "c",
+                    "image": images.TEST_IMAGE,
+                    "imagePullPolicy": "Never",
+                    "command": ["sh", "-c", "sleep 86400"],
+                    "resources": {"claims": [{"name": "gpu"}]},
+                }
+            ],
+        },
+    }
+
+
+def whole_gpu_template(namespace: str, name: str = "whole", count: int = 1) -> dict[str, Any]:
+    """One (or `count`) exclusive whole GPUs; memory-slice GPUs are left out."""
+    return {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaimTemplate",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {
+            "spec": {
+                "devices": {
+                    "requests": [
+                        {
+                            "name": "gpu",
+                            "exactly": {
+                                "deviceClassName": "gpu.nvidia.com",
+                                "count": count,
+                                "allocationMode": "ExactCount",
+                                "selectors": [
+                                    {"cel": {"expression": "!device.allowMultipleAllocations"}}
+                                ],
+                            },
+                        }
+                    ]
+                }
+            }
+        },
+    }
+
+
+def running(kube: Kube, namespace: str, name: str) -> dict[str, Any] | None:
+    pod = kube.get_or_none("Pod", name, namespace)
+    ok = pod and pod.get("status", {}).get("phase") == "Running"
+    return pod if ok else None
+
+
+def wait_running(kube: Kube, namespace: str, *names: str, timeout: float = 120) -> None:
+    for name in names:
+        wait_for(f"pod {name} Running", lambda n=name: running(kube, namespace, n), timeout)
+
+
+def seen(cluster: Cluster, namespace: str, pod: str) -> tuple[set[str], dict[str, str]]:
+    """The NVIDIA device nodes (under /dev and /dev/nvidia-caps) and the environment
+    variables the container sees."""
+    out = cluster.kubectl("exec", "-n", namespace, pod, "--", "sh", "-c", SHOW)
+    assert out.returncode == 0, out.stderr
+    nodes, env = set(), {}
+    for line in out.stdout.splitlines():
+        if "=" in line:
+            key, _, value = line.partition("=")
+            env[key] = value
+        else:
+            nodes.add(line.strip())
+    return nodes, env
+
+
+def gpu_minors(nodes: set[str]) -> set[int]:
+    return {int(n.removeprefix("nvidia")) for n in nodes if n.removeprefix("nvidia").isdigit()}
+
+
+def cap_nodes(nodes: set[str]) -> set[str]:
+    return {n for n in nodes if n.startswith("nvidia-cap") and n != "nvidia-caps"}
+
+
+def claim_of(kube: Kube, namespace: str, pod: str) -> str:
+    """The name of the pod's (single) claim: named, or made from its template."""
+    obj = kube.get("Pod", pod, namespace)
+    name: str = obj["spec"]["resourceClaims"][0].get("resourceClaimName") or ""
+    return name or str(obj["status"]["resourceClaimStatuses"][0]["resourceClaimName"])
+
+
+def allocation(kube: Kube, namespace: str, pod: str) -> list[dict[str, Any]]:
+    """The allocation results of the pod's (single) claim."""
+    claim = claim_of(kube, namespace, pod)
+    results: list[dict[str, Any]] = kube.get("ResourceClaim", claim, namespace)["status"][
+        "allocation"
+    ]["devices"]["results"]
+    return results
+
+
+def claim_uid(kube: Kube, namespace: str, pod: str) -> str:
+    claim = claim_of(kube, namespace, pod)
+    uid: str = kube.get("ResourceClaim", claim, namespace)["metadata"]["uid"]
+    return uid
+
+
+def published(kube: Kube) -> dict[str, dict[str, Any]]:
+    """Device name -> device of the real node's pool."""
+    out = {}
+    for s in kube.list("ResourceSlice", fieldSelector=f"spec.nodeName={NODE}"):
+        for device in s["spec"].get("devices") or ():
+            out[device["name"]] = device
+    return out
+
+
+def attr(device: dict[str, Any], name: str) -> Any:
+    value = device["attributes"][name]
+    return next(iter(value.values()))
+
+
+def minor_of(stack: GpuStack) -> dict[str, int]:
+    """GPU UUID -> device minor, from the node's emulated profile."""
+    profile = json.loads((stack.root / "profile.json").read_text())
+    return {g["uuid"]: int(g["minor"]) for g in profile["gpus"]}
+
+
+def cdi_specs(stack: GpuStack) -> set[str]:
+    return {p.name for p in stack.node.layout.cdi.glob("k8s.gpu.nvidia.com-claim_*.json")}
+
+
+def spec_of(uid: str) -> str:
+    return f"k8s.gpu.nvidia.com-claim_{uid}.json"
+
+
+def checkpoint(stack: GpuStack) -> dict[str, Any]:
+    claims: dict[str, Any] = json.loads((stack.state_dir / "checkpoint.json").read_text())["claims"]
+    return claims
+
+
+def events(kube: Kube, namespace: str, pod: str) -> list[str]:
+    return [
+        f"{e['reason']}: {e.get('message', '')}"
+        for e in kube.list("Event", namespace)
+        if e["involvedObject"].get("name") == pod
+    ]
+
+
+def common_view_ok(nodes: set[str], env: dict[str, str]) -> None:
+    assert {"nvidiactl", "nvidia-uvm", "nvidia-uvm-tools"} <= nodes
+    assert env["NVIDIA_VISIBLE_DEVICES"] == "void"
+    assert env["LD_LIBRARY_PATH"].startswith("/usr/lib/x86_64-linux-gnu:")
+
+
+# --- the demo's workloads ----------------------------------------------------------------
+
+
+def test_demo_workloads_see_exactly_their_devices(
+    stack: GpuStack, kube: Kube, cluster: Cluster, ns: str
+) -> None:
+    for obj in demo_objects(ns):
+        kube.create(obj)
+    pods = [o["metadata"]["name"] for o in demo_objects(ns) if o["kind"] == "Pod"]
+    wait_running(kube, ns, *pods)
+    devices = published(kube)
+    views = {p: seen(cluster, ns, p) for p in pods}
+    gpu_of: dict[str, str] = {}
+    for pod in pods:
+        nodes, env = views[pod]
+        common_view_ok(nodes, env)
+        (result,) = allocation(kube, ns, pod)
+        device = devices[result["device"]]
+        uuid_env = [v for k, v in env.items() if k.startswith("GPUDRA_DEVICE_")]
+        if attr(device, "type") == "mig":
+            # A dynamic MIG device gets its UUID when the plugin creates it.
+            assert len(uuid_env) == 1 and uuid_env[0].startswith("MIG-"), pod
+            parent = attr(device, "parentUUID")
+        else:
+            assert uuid_env == [attr(device, "uuid")], pod
+            parent = attr(device, "uuid")
+        # Exactly the allocated GPU (the MIG device's parent) and no other.
+        assert gpu_minors(nodes) == {minor_of(stack)[parent]}, (pod, nodes)
+        gpu_of[pod] = result["device"]
+    # The converted legacy pod and the CEL-selected pod hold different exclusive GPUs.
+    assert gpu_of["legacy-gpu"] != gpu_of["cel-selected"]
+    assert attr(devices[gpu_of["cel-selected"]], "productName").startswith("NVIDIA H100")
+    # The MIG pod sees its GPU-instance and compute-instance access nodes, nothing else.
+    mig_nodes = cap_nodes(views["mig-1g"][0])
+    assert not any(cap_nodes(v[0]) for p, v in views.items() if p != "mig-1g")
+    mig = devices[gpu_of["mig-1g"]]
+    assert attr(mig, "profile") == "1g.10gb"
+    assert len(mig_nodes) == 2
+    first = min(int(n.removeprefix("nvidia-cap")) for n in mig_nodes)
+    assert (first - MIG_FIRST_MINOR) % (1 + MIG_COMPUTE_INSTANCES) == 0  # a GI access node
+    # Both time-sliced pods see the same GPU, with the long time slice applied once.
+    assert gpu_of["sliced-a"] == gpu_of["sliced-b"]
+    assert gpu_minors(views["sliced-a"][0]) == gpu_minors(views["sliced-b"][0])
+    sliced_uuid = attr(devices[gpu_of["sliced-a"]], "uuid")
+    calls = stack.tools_log.read_text().splitlines()
+    assert calls.count(f"nvidia-smi compute-policy -i {sliced_uuid} --set-timeslice 3") == 1
+    # Two memory slices of one shared GPU: distinct shares, each pinned to 10 GiB.
+    slices = [allocation(kube, ns, p)[0] for p in ("slice-a", "slice-b")]
+    assert (
+        gpu_of["slice-a"] == gpu_of["slice-b"] not in (gpu_of["legacy-gpu"], gpu_of["cel-selected"])
+    )
+    assert devices[gpu_of["slice-a"]].get("allowMultipleAllocations") is True
+    assert slices[0]["shareID"] != slices[1]["shareID"]
+    shared_uuid = attr(devices[gpu_of["slice-a"]], "uuid")
+    pinned = f"set_default_device_pinned_mem_limit {shared_uuid} 10240M"
+    assert sum(pinned in c for c in stack.tools_log.read_text().splitlines()) == 2
+    # The driver's libraries are mounted where LD_LIBRARY_PATH says.
+    out = cluster.kubectl("exec", "-n", ns, "legacy-gpu", "--", "ls", "/usr/lib/x86_64-linux-gnu")
+    assert "libcuda.so.580.95.05" in out.stdout.split()
+
+    uids = {claim_uid(kube, ns, p) for p in pods}
+    assert {spec_of(u) for u in uids} <= cdi_specs(stack)
+    for pod in pods:
+        kube.delete("Pod", pod, ns)
+    # Deleting the pods unprepares every claim: no spec, no record, MIG instance gone,
+    # the time slice reset.
+    wait_for(
+        "the demo's CDI specs removed",
+        lambda: not {spec_of(u) for u in uids} & cdi_specs(stack),
+        timeout=90,
+    )
+    wait_for("the demo's claims out of the checkpoint", lambda: not uids & set(checkpoint(stack)))
+    wait_for(
+        "the time slice reset",
+        lambda: (
+            f"nvidia-smi compute-policy -i {sliced_uuid} --set-timeslice 0"
+            in stack.tools_log.read_text()
+        ),
+    )
+    state = json.loads((stack.root / "nvml-state.json").read_text())
+    assert all(not g["gpuInstances"] for g in state["gpus"])
+
+
+def test_exclusive_gpus_are_never_shared(
+    stack: GpuStack, kube: Kube, cluster: Cluster, ns: str
+) -> None:
+    devices = published(kube)
+    whole = [
+        n
+        for n, d in devices.items()
+        if attr(d, "type") == "gpu" and not d.get("allowMultipleAllocations")
+    ]
+    kube.create(whole_gpu_template(ns))
+    pods = [f"x-{i}" for i in range(len(whole) + 1)]
+    for pod in pods[:-1]:
+        kube.create(gpu_pod(pod, ns, template="whole"))
+    wait_running(kube, ns, *pods[:-1])
+    minors = {p: gpu_minors(seen(cluster, ns, p)[0]) for p in pods[:-1]}
+    assert all(len(m) == 1 for m in minors.values())
+    assert len(set().union(*minors.values())) == len(whole), minors
+    # One more: no GPU left, so it stays Pending and says why.
+    kube.create(gpu_pod(pods[-1], ns, template="whole"))
+    wait_for(
+        "the extra pod's scheduling failure",
+        lambda: any("cannot allocate all claims" in e for e in events(kube, ns, pods[-1])),
+        timeout=60,
+    )
+    assert kube.get("Pod", pods[-1], ns)["status"]["phase"] == "Pending"
+    # Deleting one pod unprepares its claim and hands its GPU to the waiting pod.
+    freed = minors[pods[0]]
+    uid = claim_uid(kube, ns, pods[0])
+    kube.delete("Pod", pods[0], ns)
+    wait_for("its CDI spec removed", lambda: spec_of(uid) not in cdi_specs(stack), timeout=60)
+    wait_running(kube, ns, pods[-1])
+    assert gpu_minors(seen(cluster, ns, pods[-1])[0]) == freed
+
+
+# --- faults -----------------------------------------------------------------------------
+
+
+def test_kubelet_restart_keeps_running_pods_and_starts_new_ones(
+    stack: GpuStack, kube: Kube, cluster: Cluster, ns: str
+) -> None:
+    kube.create(whole_gpu_template(ns))
+    kube.create(gpu_pod("before", ns, template="whole"))
+    wait_running(kube, ns, "before")
+    container = kube.get("Pod", "before", ns)["status"]["containerStatuses"][0]
+    view = seen(cluster, ns, "before")
+    uid = claim_uid(kube, ns, "before")
+    mark = stack.kubelet_log_size()
+    stack.node.restart_kubelet()
+    wait_for("the plugin registered again", lambda: stack.plugin_registered(mark), timeout=60)
+    kube.create(gpu_pod("after", ns, template="whole"))
+    wait_running(kube, ns, "after")
+    # The running pod kept its container and its devices; its claim is prepared once.
+    now = kube.get("Pod", "before", ns)["status"]["containerStatuses"][0]
+    assert (now["containerID"], now["restartCount"]) == (container["containerID"], 0)
+    assert seen(cluster, ns, "before") == view
+    assert checkpoint(stack)[uid]["state"] == "PrepareCompleted"
+    assert gpu_minors(seen(cluster, ns, "after")[0]).isdisjoint(gpu_minors(view[0]))
+
+
+def test_agent_killed_mid_prepare_recovers_without_leaks(
+    stack: GpuStack, kube: Kube, cluster: Cluster, ns: str
+) -> None:
+    """SIGKILL right after the CDI spec is written (the kubelet's call fails), then a
+    normal restart: the kubelet retries, the pod starts, one record, one spec."""
+    kube.create(whole_gpu_template(ns))
+    stack.stop_agent()
+    crashing = stack.start_agent("--crash-at", "cdi-written")
+    try:
+        kube.create(gpu_pod("crash", ns, template="whole"))
+        crashing.wait(timeout=120)
+        assert crashing.returncode == -signal.SIGKILL
+    finally:
+        if crashing.poll() is None:
+            crashing.kill()
+    assert kube.get("Pod", "crash", ns)["status"]["phase"] == "Pending"
+    mark = stack.kubelet_log_size()
+    stack.start_agent()
+    wait_for("the plugin registered again", lambda: stack.plugin_registered(mark), timeout=60)
+    wait_running(kube, ns, "crash")
+    uid = claim_uid(kube, ns, "crash")
+    assert checkpoint(stack)[uid]["state"] == "PrepareCompleted"
+    assert [s for s in cdi_specs(stack) if uid in s] == [spec_of(uid)]
+    assert len(gpu_minors(seen(cluster, ns, "crash")[0])) == 1
+    kube.delete("Pod", "crash", ns)
+    wait_for("its CDI spec removed", lambda: spec_of(uid) not in cdi_specs(stack), timeout=60)
+    wait_for("the claim out of the checkpoint", lambda: uid not in checkpoint(stack))
+
+
+def test_deleted_slices_come_back_and_running_pods_keep_their_gpus(
+    stack: GpuStack, kube: Kube, cluster: Cluster, ns: str
+) -> None:
+    kube.create(whole_gpu_template(ns))
+    kube.create(gpu_pod("keeps", ns, template="whole"))
+    wait_running(kube, ns, "keeps")
+    view = seen(cluster, ns, "keeps")
+    before = published(kube)
+    for s in kube.list("ResourceSlice", fieldSelector=f"spec.nodeName={NODE}"):
+        kube.delete("ResourceSlice", s["metadata"]["name"])
+    wait_for("the pool restored", lambda: published(kube).keys() == before.keys(), timeout=60)
+    kube.create(gpu_pod("next", ns, template="whole"))
+    wait_running(kube, ns, "next")
+    assert running(kube, ns, "keeps")
+    assert seen(cluster, ns, "keeps") == view
+    # The allocator still knew the running pod's GPU was taken.
+    assert gpu_minors(seen(cluster, ns, "next")[0]).isdisjoint(gpu_minors(view[0]))
+
+
+# --- bad input ---------------------------------------------------------------------------
+
+
+def test_more_gpus_than_the_node_has_stays_pending_and_the_node_stays_healthy(
+    stack: GpuStack, kube: Kube, ns: str
+) -> None:
+    kube.create(whole_gpu_template(ns, "too-many", count=8))
+    kube.create(gpu_pod("greedy", ns, template="too-many"))
+    wait_for(
+        "the greedy pod's scheduling failure",
+        lambda: any("cannot allocate all claims" in e for e in events(kube, ns, "greedy")),
+        timeout=60,
+    )
+    kube.create(whole_gpu_template(ns))
+    kube.create(gpu_pod("modest", ns, template="whole"))
+    wait_running(kube, ns, "modest")
+    assert kube.get("Pod", "greedy", ns)["status"]["phase"] == "Pending"
+
+
+def test_invalid_claim_config_is_refused_with_the_field(stack: GpuStack, kube: Kube) -> None:
+    claim = {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaim",
+        "metadata": {"name": "bad-config", "namespace": "default"},
+        "spec": {
+            "devices": {
+                "requests": [{"name": "gpu", "exactly": {"deviceClassName": "gpu.nvidia.com"}}],
+                "config": [
+                    {
+                        "opaque": {
+                            "driver": DRIVER,
+                            "parameters": {
+                                "apiVersion": "resource.nvidia.com/v1beta1",
+                                "kind": "GpuConfig",
+                                "sharing": {"strategy": "Sometimes"},
+                            },
+                        }
+                    }
+                ],
+            }
+        },
+    }
+    with pytest.raises(ApiError) as caught:
+        kube.create(claim)
+    assert caught.value.status in (400, 403)
+    assert "sharing.strategy" in str(caught.value.body)
+    assert "TimeSlicing" in str(caught.value.body)
+
+
+def test_invalid_config_that_reaches_the_node_fails_the_pod_with_an_event(
+    stack: GpuStack, kube: Kube, own_ns: None
+) -> None:
+    """A claim the webhook never saw (the driver's own namespace, which it leaves
+    alone): the plugin refuses it per claim, the kubelet's event names the field, and
+    the node keeps serving other pods."""
+    ns = OWN_NAMESPACE
+    claim = {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaim",
+        "metadata": {"name": "bad", "namespace": ns},
+        "spec": {
+            "devices": {
+                "requests": [{"name": "gpu", "exactly": {"deviceClassName": "gpu.nvidia.com"}}],
+                "config": [
+                    {
+                        "opaque": {
+                            "driver": DRIVER,
+                            "parameters": {
+                                "apiVersion": "resource.nvidia.com/v1beta1",
+                                "kind": "GpuConfig",
+                                "sharing": {
+                                    "strategy": "TimeSlicing",
+                                    "timeSlicingConfig": {"interval": "Forever"},
+                                },
+                            },
+                        }
+                    }
+                ],
+            }
+        },
+    }
+    kube.create(claim)
+    kube.create(gpu_pod("refused", ns, claim="bad"))
+    wait_for(
+        "the kubelet's prepare failure event",
+        lambda: [e for e in events(kube, ns, "refused") if "FailedPrepare" in e],
+        timeout=90,
+    )
+    (failure,) = {e for e in events(kube, ns, "refused") if "FailedPrepare" in e}
+    assert "sharing.timeSlicingConfig.interval: unknown value 'Forever'" in failure
+    assert "accepted values: Default, Short, Medium, Long" in failure
+    kube.create(whole_gpu_template(ns))
+    kube.create(gpu_pod("fine", ns, template="whole"))
+    wait_running(kube, ns, "fine")
+    assert kube.get("Pod", "refused", ns)["status"]["phase"] == "Pending"
+    assert spec_of(kube.get("ResourceClaim", "bad", ns)["metadata"]["uid"]) not in cdi_specs(stack)
+
+
+def test_agent_without_the_api_fails_prepares_with_the_cause(
+    stack: GpuStack, kube: Kube, ns: str, tmp_path: Path
+) -> None:
+    """The agent's API server address is wrong: GPU pods wait with an event that says
+    so, ordinary pods keep running, and the fixed agent starts the waiting pod."""
+    broken = json.loads(stack.node.cluster.layout.admin_kubeconfig.read_text())
+    for c in broken["clusters"]:
+        c["cluster"]["server"] = "https://127.0.0.1:1"
+    bad = tmp_path / "unreachable.kubeconfig"
+    bad.write_text(json.dumps(broken))
+    kube.create(whole_gpu_template(ns))
+    stack.stop_agent()
+    mark = stack.kubelet_log_size()
+    agent = stack.node._spawn(
+        stack._state(),
+        "gpudra-node",
+        [*stack.agent_argv(), "--kubeconfig", str(bad)],
+        hint="gpudra.cli node",
+    )
+    try:
+        wait_for("the plugin registered", lambda: stack.plugin_registered(mark), timeout=60)
+        kube.create(gpu_pod("waits", ns, template="whole"))
+        wait_for(
+            "the prepare failure event",
+            lambda: [e for e in events(kube, ns, "waits") if "FailedPrepare" in e],
+            timeout=90,
+        )
+        plain = gpu_pod("plain", ns, template="whole")
+        del plain["spec"]["resourceClaims"]
+        del plain["spec"]["containers"][0]["resources"]
+        kube.create(plain)
+        wait_running(kube, ns, "plain")
+        assert kube.get("Pod", "waits", ns)["status"]["phase"] == "Pending"
+    finally:
+        stack.stop_agent()
+        agent.wait(timeout=30)
+    mark = stack.kubelet_log_size()
+    stack.start_agent()
+    wait_for("the plugin registered again", lambda: stack.plugin_registered(mark), timeout=60)
+    wait_running(kube, ns, "waits")
