@@ -550,11 +550,12 @@ def test_agent_without_the_api_fails_prepares_with_the_cause(
     try:
         wait_for("the plugin registered", lambda: stack.plugin_registered(mark), timeout=60)
         kube.create(gpu_pod("waits", ns, template="whole"))
-        wait_for(
+        failure = wait_for(
             "the prepare failure event",
             lambda: [e for e in events(kube, ns, "waits") if "FailedPrepare" in e],
             timeout=90,
         )
+        assert "reading it from the API server failed" in failure[0]
         plain = gpu_pod("plain", ns, template="whole")
         del plain["spec"]["resourceClaims"]
         del plain["spec"]["containers"][0]["resources"]

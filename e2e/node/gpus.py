@@ -27,10 +27,12 @@ import json
 import os
 import shutil
 import socket
+import ssl
 import stat
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -302,10 +304,14 @@ class GpuStack:
         proc = self.node._spawn(
             state, WEBHOOK, argv, env={**os.environ, "PYTHONPATH": str(REPO)}, hint="gpudra.cli"
         )
+        # Registered, and ready: it refuses GPU objects until its tenant rules load.
         self.node._wait(
             WEBHOOK,
             proc,
-            lambda: _registered(kube, "MutatingWebhookConfiguration", MUTATING_NAME),
+            lambda: (
+                _registered(kube, "MutatingWebhookConfiguration", MUTATING_NAME)
+                and _ready(port, self.root / "webhook-pki" / "ca.crt")
+            ),
             timeout=60,
         )
 
@@ -314,6 +320,15 @@ class GpuStack:
         if state is None or not state.ready:
             raise NodeError(f"node {self.node.name} is not up: run `make node-up` first")
         return state
+
+
+def _ready(port: int, ca: Path) -> bool:
+    context = ssl.create_default_context(cafile=str(ca))
+    context.check_hostname = False
+    with urllib.request.urlopen(
+        f"https://127.0.0.1:{port}/readyz", context=context, timeout=5
+    ) as resp:
+        return bool(resp.status == 200)
 
 
 def _registered(kube: Kube, kind: str, name: str) -> bool:
