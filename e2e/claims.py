@@ -42,3 +42,34 @@ def wait_allocated(kube: Kube, name: str, namespace: str, timeout: float = 60) -
 
     result: dict[str, Any] = wait_for(f"claim {name} allocated", allocated, timeout=timeout)
     return result
+
+
+def claim_name(pod: dict[str, Any], ref: str) -> str:
+    """The ResourceClaim behind the pod's claim entry `ref`: named in the spec, or made
+    from its template (then in the pod's status, once the controller made it)."""
+    for entry in pod["spec"].get("resourceClaims") or ():
+        if entry["name"] == ref and entry.get("resourceClaimName"):
+            return str(entry["resourceClaimName"])
+    for status in (pod.get("status") or {}).get("resourceClaimStatuses") or ():
+        if status["name"] == ref:
+            return str(status["resourceClaimName"])
+    return ""
+
+
+def node_devices(kube: Kube, node: str) -> dict[str, dict[str, Any]]:
+    """Device name -> device, over every ResourceSlice of `node`."""
+    return {
+        device["name"]: device
+        for s in kube.list("ResourceSlice", fieldSelector=f"spec.nodeName={node}")
+        for device in s["spec"].get("devices") or ()
+    }
+
+
+def running(kube: Kube, namespace: str, name: str) -> dict[str, Any] | None:
+    pod: dict[str, Any] | None = kube.get_or_none("Pod", name, namespace)
+    return pod if pod and (pod.get("status") or {}).get("phase") == "Running" else None
+
+
+def wait_running(kube: Kube, namespace: str, *names: str, timeout: float = 120) -> None:
+    for name in names:
+        wait_for(f"pod {name} Running", lambda n=name: running(kube, namespace, n), timeout)

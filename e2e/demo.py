@@ -16,16 +16,18 @@ from typing import Any
 import yaml
 
 from e2e import smoke
+from e2e.claims import claim_name, node_devices, wait_running
 from e2e.cluster.harness import REPO, Cluster, ClusterError
-from e2e.cluster.kube import ApiError, Kube, wait_for
+from e2e.cluster.kube import ApiError, Kube
 from e2e.node.gpus import GpuStack
-from e2e.node.realnode import NodeError, RealNode, unavailable_reason
+from e2e.node.realnode import DEFAULT_NODE, NodeError, RealNode, unavailable_reason
 
 DEMO = REPO / "demo"
 NAMESPACE = "gpudra-demo"
 
 
 def workloads() -> list[dict[str, Any]]:
+    """Every object of demo/*.yaml, in file order."""
     out = []
     for path in sorted(DEMO.glob("*.yaml")):
         out.extend(obj for obj in yaml.safe_load_all(path.read_text()) if obj)
@@ -42,16 +44,6 @@ def apply_all(kube: Kube, objects: list[dict[str, Any]]) -> list[str]:
         if kube.get_or_none(obj["kind"], meta["name"], meta.get("namespace")) is None:
             kube.create(obj)
     return pods
-
-
-def _claim_of(pod: dict[str, Any], ref: str) -> str:
-    for entry in pod["spec"].get("resourceClaims") or ():
-        if entry["name"] == ref and entry.get("resourceClaimName"):
-            return str(entry["resourceClaimName"])
-    for status in pod["status"].get("resourceClaimStatuses") or ():
-        if status["name"] == ref:
-            return str(status["resourceClaimName"])
-    return ""
 
 
 def _sharing(claim: dict[str, Any], result: dict[str, Any], device: dict[str, Any]) -> str:
@@ -76,11 +68,7 @@ def _sharing(claim: dict[str, Any], result: dict[str, Any], device: dict[str, An
 
 
 def rows(cluster: Cluster, kube: Kube, pods: list[str]) -> list[tuple[str, ...]]:
-    devices = {
-        d["name"]: d
-        for s in kube.list("ResourceSlice", fieldSelector="spec.nodeName=real-1")
-        for d in s["spec"].get("devices") or ()
-    }
+    devices = node_devices(kube, DEFAULT_NODE)
     out = []
     for name in pods:
         pod = kube.get("Pod", name, NAMESPACE)
@@ -99,7 +87,7 @@ def rows(cluster: Cluster, kube: Kube, pods: list[str]) -> list[tuple[str, ...]]
                 "cd /dev && ls -d nvidia[0-9]* nvidia-caps/* 2>/dev/null",
             ).stdout.split()
             for ref in refs:
-                claim = kube.get("ResourceClaim", _claim_of(pod, ref), NAMESPACE)
+                claim = kube.get("ResourceClaim", claim_name(pod, ref), NAMESPACE)
                 for result in claim["status"]["allocation"]["devices"]["results"]:
                     device = devices.get(result["device"], {})
                     out.append(
@@ -129,14 +117,7 @@ def real_node_demo(cluster: Cluster, kube: Kube) -> None:
     GpuStack(node).up(log=lambda m: print(f"  {m}"))
     print(f"== the sample workloads ({DEMO.relative_to(REPO)}/)")
     pods = apply_all(kube, workloads())
-    for name in pods:
-        wait_for(
-            f"pod {name} Running",
-            lambda n=name: (
-                (kube.get("Pod", n, NAMESPACE).get("status") or {}).get("phase") == "Running"
-            ),
-            timeout=120,
-        )
+    wait_running(kube, NAMESPACE, *pods)
     print(f"  {len(pods)} pods Running in {time.monotonic() - start:.1f}s\n")
     print_table(rows(cluster, kube, pods))
     print(

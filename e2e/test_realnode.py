@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from e2e.claims import running
 from e2e.cluster.harness import Cluster, State, _alive
 from e2e.cluster.kube import Kube, wait_for
 from e2e.node import images
@@ -64,11 +65,6 @@ def _pod(name: str, command: str) -> dict[str, Any]:
     }
 
 
-def _running(kube: Kube, name: str) -> Any:
-    pod = kube.get_or_none("Pod", name, "default")
-    return pod if pod and pod.get("status", {}).get("phase") == "Running" else None
-
-
 @pytest.fixture
 def pod(node: RealNode, kube: Kube) -> Iterator[str]:
     name = f"hello-{uuid.uuid4().hex[:6]}"
@@ -96,7 +92,7 @@ def test_node_registers_and_goes_ready(node: RealNode, kube: Kube, cluster: Clus
 def test_pod_runs_with_logs_and_exec(
     node: RealNode, kube: Kube, cluster: Cluster, pod: str
 ) -> None:
-    obj = wait_for(f"pod {pod} Running", lambda: _running(kube, pod), timeout=90)
+    obj = wait_for(f"pod {pod} Running", lambda: running(kube, "default", pod), timeout=90)
     assert obj["spec"]["nodeName"] == "real-1"
     assert obj["status"]["podIP"]
     # The container log file the kubelet writes, under the node's own directory.
@@ -118,9 +114,9 @@ def test_pod_runs_with_logs_and_exec(
 def test_deleted_pod_is_cleaned_up(node: RealNode, kube: Kube) -> None:
     name = f"bye-{uuid.uuid4().hex[:6]}"
     kube.create(_pod(name, "sleep 3600"))
-    uid = wait_for(f"pod {name} Running", lambda: _running(kube, name), timeout=90)["metadata"][
-        "uid"
-    ]
+    uid = wait_for(f"pod {name} Running", lambda: running(kube, "default", name), timeout=90)[
+        "metadata"
+    ]["uid"]
     state = node.status()
     pod_cgroups = [
         p for d in cgroup_dirs(state["cgroup_root"]) for p in d.rglob(f"pod{uid}") if p.is_dir()

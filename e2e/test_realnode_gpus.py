@@ -20,16 +20,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
-from e2e.cluster.harness import REPO, Cluster
+from e2e.claims import claim_name, node_devices, pod_with_claim, running, wait_running
+from e2e.cluster.harness import Cluster
 from e2e.cluster.kube import ApiError, Kube, wait_for
+from e2e.demo import workloads
 from e2e.node import images
 from e2e.node.gpus import DRIVER, MIG_COMPUTE_INSTANCES, MIG_FIRST_MINOR, GpuStack
 from e2e.node.realnode import RealNode, unavailable_reason
 
 pytestmark = pytest.mark.cluster
-DEMO = REPO / "demo"
 NODE = "real-1"
 OWN_NAMESPACE = "gpudra"  # the webhook's own namespace, which it never intercepts
 SHOW = "ls /dev /dev/nvidia-caps 2>/dev/null | grep nvidia; env | grep -E '^(GPUDRA|NVIDIA|LD_)'"
@@ -76,37 +76,21 @@ def own_ns(stack: GpuStack, kube: Kube) -> Iterator[None]:
 
 
 def demo_objects(namespace: str) -> list[dict[str, Any]]:
-    """demo/*.yaml, moved into `namespace` (the namespace file itself is skipped)."""
-    out = []
-    for path in sorted(DEMO.glob("*.yaml")):
-        for obj in yaml.safe_load_all(path.read_text()):
-            if obj and obj["kind"] != "Namespace":
-                obj["metadata"]["namespace"] = namespace
-                out.append(obj)
+    """The demo's workloads, moved into `namespace` (its Namespace object left out)."""
+    out = [o for o in workloads() if o["kind"] != "Namespace"]
+    for obj in out:
+        obj["metadata"]["namespace"] = namespace
     return out
 
 
 def gpu_pod(name: str, namespace: str, claim: str = "", template: str = "") -> dict[str, Any]:
-    source = {"resourceClaimName": claim} if claim else {"resourceClaimTemplateName": template}
-    return {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {"name": name, "namespace": namespace},
-        "spec": {
-            "terminationGracePeriodSeconds": 1,
-            "nodeSelector": {"gpudra.dev/real-node": "true"},
-            "resourceClaims": [{"name": "gpu", **source}],
-            "containers": [
-                {
-                    "name": "c",
-                    "image": images.TEST_IMAGE,
-                    "imagePullPolicy": "Never",
-                    "command": ["sh", "-c", "sleep 86400"],
-                    "resources": {"claims": [{"name": "gpu"}]},
-                }
-            ],
-        },
-    }
+    """A busybox pod on the real node that holds the claim and sleeps."""
+    pod = pod_with_claim(name, namespace, NODE, claim=claim, template=template)
+    pod["spec"]["terminationGracePeriodSeconds"] = 1
+    pod["spec"]["containers"][0].update(
+        image=images.TEST_IMAGE, imagePullPolicy="Never", command=["sh", "-c", "sleep 86400"]
+    )
+    return pod
 
 
 def whole_gpu_template(namespace: str, name: str = "whole", count: int = 1) -> dict[str, Any]:
@@ -137,17 +121,6 @@ def whole_gpu_template(namespace: str, name: str = "whole", count: int = 1) -> d
     }
 
 
-def running(kube: Kube, namespace: str, name: str) -> dict[str, Any] | None:
-    pod = kube.get_or_none("Pod", name, namespace)
-    ok = pod and pod.get("status", {}).get("phase") == "Running"
-    return pod if ok else None
-
-
-def wait_running(kube: Kube, namespace: str, *names: str, timeout: float = 120) -> None:
-    for name in names:
-        wait_for(f"pod {name} Running", lambda n=name: running(kube, namespace, n), timeout)
-
-
 def seen(cluster: Cluster, namespace: str, pod: str) -> tuple[set[str], dict[str, str]]:
     """The NVIDIA device nodes (under /dev and /dev/nvidia-caps) and the environment
     variables the container sees."""
@@ -171,11 +144,28 @@ def cap_nodes(nodes: set[str]) -> set[str]:
     return {n for n in nodes if n.startswith("nvidia-cap") and n != "nvidia-caps"}
 
 
+def configured_claim(name: str, namespace: str, sharing: dict[str, Any]) -> dict[str, Any]:
+    """A claim for one whole GPU with a GpuConfig of the given `sharing`."""
+    parameters = {"apiVersion": "resource.nvidia.com/v1beta1", "kind": "GpuConfig"}
+    return {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaim",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {
+            "devices": {
+                "requests": [{"name": "gpu", "exactly": {"deviceClassName": "gpu.nvidia.com"}}],
+                "config": [
+                    {"opaque": {"driver": DRIVER, "parameters": {**parameters, "sharing": sharing}}}
+                ],
+            }
+        },
+    }
+
+
 def claim_of(kube: Kube, namespace: str, pod: str) -> str:
-    """The name of the pod's (single) claim: named, or made from its template."""
+    """The name of the pod's (single) claim."""
     obj = kube.get("Pod", pod, namespace)
-    name: str = obj["spec"]["resourceClaims"][0].get("resourceClaimName") or ""
-    return name or str(obj["status"]["resourceClaimStatuses"][0]["resourceClaimName"])
+    return claim_name(obj, obj["spec"]["resourceClaims"][0]["name"])
 
 
 def allocation(kube: Kube, namespace: str, pod: str) -> list[dict[str, Any]]:
@@ -191,15 +181,6 @@ def claim_uid(kube: Kube, namespace: str, pod: str) -> str:
     claim = claim_of(kube, namespace, pod)
     uid: str = kube.get("ResourceClaim", claim, namespace)["metadata"]["uid"]
     return uid
-
-
-def published(kube: Kube) -> dict[str, dict[str, Any]]:
-    """Device name -> device of the real node's pool."""
-    out = {}
-    for s in kube.list("ResourceSlice", fieldSelector=f"spec.nodeName={NODE}"):
-        for device in s["spec"].get("devices") or ():
-            out[device["name"]] = device
-    return out
 
 
 def attr(device: dict[str, Any], name: str) -> Any:
@@ -250,7 +231,7 @@ def test_demo_workloads_see_exactly_their_devices(
         kube.create(obj)
     pods = [o["metadata"]["name"] for o in demo_objects(ns) if o["kind"] == "Pod"]
     wait_running(kube, ns, *pods)
-    devices = published(kube)
+    devices = node_devices(kube, NODE)
     views = {p: seen(cluster, ns, p) for p in pods}
     gpu_of: dict[str, str] = {}
     for pod in pods:
@@ -326,7 +307,7 @@ def test_demo_workloads_see_exactly_their_devices(
 def test_exclusive_gpus_are_never_shared(
     stack: GpuStack, kube: Kube, cluster: Cluster, ns: str
 ) -> None:
-    devices = published(kube)
+    devices = node_devices(kube, NODE)
     whole = [
         n
         for n, d in devices.items()
@@ -418,10 +399,12 @@ def test_deleted_slices_come_back_and_running_pods_keep_their_gpus(
     kube.create(gpu_pod("keeps", ns, template="whole"))
     wait_running(kube, ns, "keeps")
     view = seen(cluster, ns, "keeps")
-    before = published(kube)
+    before = node_devices(kube, NODE)
     for s in kube.list("ResourceSlice", fieldSelector=f"spec.nodeName={NODE}"):
         kube.delete("ResourceSlice", s["metadata"]["name"])
-    wait_for("the pool restored", lambda: published(kube).keys() == before.keys(), timeout=60)
+    wait_for(
+        "the pool restored", lambda: node_devices(kube, NODE).keys() == before.keys(), timeout=60
+    )
     kube.create(gpu_pod("next", ns, template="whole"))
     wait_running(kube, ns, "next")
     assert running(kube, ns, "keeps")
@@ -450,28 +433,7 @@ def test_more_gpus_than_the_node_has_stays_pending_and_the_node_stays_healthy(
 
 
 def test_invalid_claim_config_is_refused_with_the_field(stack: GpuStack, kube: Kube) -> None:
-    claim = {
-        "apiVersion": "resource.k8s.io/v1",
-        "kind": "ResourceClaim",
-        "metadata": {"name": "bad-config", "namespace": "default"},
-        "spec": {
-            "devices": {
-                "requests": [{"name": "gpu", "exactly": {"deviceClassName": "gpu.nvidia.com"}}],
-                "config": [
-                    {
-                        "opaque": {
-                            "driver": DRIVER,
-                            "parameters": {
-                                "apiVersion": "resource.nvidia.com/v1beta1",
-                                "kind": "GpuConfig",
-                                "sharing": {"strategy": "Sometimes"},
-                            },
-                        }
-                    }
-                ],
-            }
-        },
-    }
+    claim = configured_claim("bad-config", "default", {"strategy": "Sometimes"})
     with pytest.raises(ApiError) as caught:
         kube.create(claim)
     assert caught.value.status in (400, 403)
@@ -486,39 +448,17 @@ def test_invalid_config_that_reaches_the_node_fails_the_pod_with_an_event(
     alone): the plugin refuses it per claim, the kubelet's event names the field, and
     the node keeps serving other pods."""
     ns = OWN_NAMESPACE
-    claim = {
-        "apiVersion": "resource.k8s.io/v1",
-        "kind": "ResourceClaim",
-        "metadata": {"name": "bad", "namespace": ns},
-        "spec": {
-            "devices": {
-                "requests": [{"name": "gpu", "exactly": {"deviceClassName": "gpu.nvidia.com"}}],
-                "config": [
-                    {
-                        "opaque": {
-                            "driver": DRIVER,
-                            "parameters": {
-                                "apiVersion": "resource.nvidia.com/v1beta1",
-                                "kind": "GpuConfig",
-                                "sharing": {
-                                    "strategy": "TimeSlicing",
-                                    "timeSlicingConfig": {"interval": "Forever"},
-                                },
-                            },
-                        }
-                    }
-                ],
-            }
-        },
-    }
+    claim = configured_claim(
+        "bad", ns, {"strategy": "TimeSlicing", "timeSlicingConfig": {"interval": "Forever"}}
+    )
     kube.create(claim)
     kube.create(gpu_pod("refused", ns, claim="bad"))
-    wait_for(
+    failures = wait_for(
         "the kubelet's prepare failure event",
         lambda: [e for e in events(kube, ns, "refused") if "FailedPrepare" in e],
         timeout=90,
     )
-    (failure,) = {e for e in events(kube, ns, "refused") if "FailedPrepare" in e}
+    (failure,) = set(failures)
     assert "sharing.timeSlicingConfig.interval: unknown value 'Forever'" in failure
     assert "accepted values: Default, Short, Medium, Long" in failure
     kube.create(whole_gpu_template(ns))

@@ -69,9 +69,14 @@ def gpu_count() -> int:
     return int(raw)
 
 
+def mig_count(gpus: int) -> int:
+    """How many of the node's GPUs (the last ones) are in MIG mode: a third."""
+    return gpus // 3
+
+
 def node_profile(gpus: int) -> dict[str, Any]:
     """The first `gpus` H100s; the last third in MIG mode, the others whole."""
-    mig = gpus // 3
+    mig = mig_count(gpus)
     profile = load_builtin_profile(PROFILE).model_dump(mode="json", exclude_none=True)
     profile["description"] = (
         f"{gpus}x NVIDIA H100 80GB HBM3 for the real node: {gpus - mig} whole, {mig} in MIG mode"
@@ -226,7 +231,7 @@ class GpuStack:
     def _shared(self) -> list[str]:
         """The last whole GPU hands out memory slices when there are two or more."""
         gpus = gpu_count()
-        whole = gpus - gpus // 3
+        whole = gpus - mig_count(gpus)
         return ["--shared-gpus", str(whole - 1)] if whole >= 2 else []
 
     def start_agent(self, *extra: str) -> subprocess.Popen[bytes]:

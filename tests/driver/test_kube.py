@@ -1,7 +1,7 @@
 """The API client's transport: the ApiClient's TLS, pool and auth, without per-request
 environment lookups, which cost two worker-thread hops per call."""
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -13,12 +13,15 @@ from kubernetes_asyncio.client import ApiClient, Configuration
 
 
 @asynccontextmanager
-async def _server(seen: list[dict[str, Any]]) -> AsyncIterator[str]:
-    """An HTTP server answering every path with {"ok": true}; records each request."""
+async def _server(
+    seen: list[dict[str, Any]], reply: Callable[[], web.Response] | None = None
+) -> AsyncIterator[str]:
+    """An HTTP server answering every path with `reply()` (default {"ok": true});
+    records each request."""
 
     async def answer(request: web.Request) -> web.Response:
         seen.append({"url": str(request.url), "headers": dict(request.headers)})
-        return web.json_response({"ok": True})
+        return reply() if reply is not None else web.json_response({"ok": True})
 
     app = web.Application()
     app.router.add_route("*", "/{tail:.*}", answer)
@@ -99,21 +102,15 @@ async def test_plain_text_errors_become_api_errors() -> None:
     """An API group that is not served (a CRD not installed) answers `404 page not
     found` as text; callers tell it apart by the status, so it must not be a JSON error."""
 
-    async def answer(request: web.Request) -> web.Response:
+    def not_found() -> web.Response:
         return web.Response(status=404, text="404 page not found\n")
 
-    app = web.Application()
-    app.router.add_route("*", "/{tail:.*}", answer)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    kube = _kube(f"http://127.0.0.1:{runner.addresses[0][1]}")
-    try:
-        with pytest.raises(ApiError) as caught:
-            await kube.request("GET", "/apis/gpudra.io/v1alpha1/gputenants")
-        assert caught.value.status == 404
-        assert "404 page not found" in str(caught.value)
-    finally:
-        await kube.close()
-        await runner.cleanup()
+    async with _server([], not_found) as host:
+        kube = _kube(host)
+        try:
+            with pytest.raises(ApiError) as caught:
+                await kube.request("GET", "/apis/gpudra.io/v1alpha1/gputenants")
+            assert caught.value.status == 404
+            assert "404 page not found" in str(caught.value)
+        finally:
+            await kube.close()
