@@ -4,6 +4,7 @@ the kubelet plugin that prepares claims on the node."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import signal
@@ -16,12 +17,18 @@ from gpudra.driver.agent import AgentConfig
 from gpudra.driver.devices import SHARED_GPUS_FORMS, MigStrategy, SharedGpus, SharedGpusError
 from gpudra.driver.health import HealthPolicy, TaintEffect
 from gpudra.driver.node import DEFAULT_STATE_DIR, NodeService, PluginConfig
-from gpudra.driver.nvml import NvmlLoadError, ProfileError, load_nvml
+from gpudra.driver.nvml import NvmlLibrary, NvmlLoadError, ProfileError, load_nvml
+from gpudra.driver.nvml.standin import TOOLS_LOG_ENV, device_numbers, install_driver_root
 from gpudra.driver.plugin import DEFAULT_KUBELET_ROOT
 from gpudra.driver.prepare import PREPARE_STEPS
 from prometheus_client import CollectorRegistry, start_http_server
 
 log = logging.getLogger(__name__)
+
+# Emulated GPUs: what the agent keeps under --state-dir.
+EMULATED_NVML_STATE = "emulated-nvml.json"
+EMULATED_DRIVER_ROOT = "emulated-driver"
+EMULATED_TOOLS_LOG = "emulated-tools.log"
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -35,7 +42,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument(
         "--nvml",
         default="real",
-        help="'real', 'emulated:<profile>' or 'emulated:<file.json>' (default: real)",
+        help="'real', 'emulated:<profile>' or 'emulated:<file.json>' (default: real). "
+        "Emulated GPUs need no NVIDIA driver on the node: without --driver-root the "
+        "kubelet plugin installs a stand-in driver root under --state-dir, and CDI specs "
+        "carry device numbers instead of host /dev nodes",
     )
     p.add_argument(
         "--nvml-state",
@@ -43,7 +53,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         default=None,
         metavar="FILE",
         help="emulated GPUs only: keep their MIG instances and modes in FILE across "
-        "restarts, as real GPUs keep them",
+        "restarts, as real GPUs keep them (default with the kubelet plugin: "
+        f"<state-dir>/{EMULATED_NVML_STATE})",
     )
     p.add_argument(
         "--kubeconfig", default=None, help="kubeconfig file (default: $KUBECONFIG, else in-cluster)"
@@ -193,6 +204,9 @@ def _crash_at(step: str | None) -> Callable[[str], None] | None:
         if at == step:
             log.warning("crashing on request", extra={"fields": {"step": at}})
             os.kill(os.getpid(), signal.SIGKILL)
+            # Still here: we are PID 1 of a PID namespace, which ignores SIGKILL from
+            # inside. Exit as abruptly (no cleanup), with the status SIGKILL gives.
+            os._exit(128 + signal.SIGKILL)
 
     return fault
 
@@ -211,6 +225,47 @@ def _agent_config(args: argparse.Namespace) -> AgentConfig:
         health=policy,
         shared_gpus=_shared_gpus(args.shared_gpus),
     )
+
+
+def _emulated(args: argparse.Namespace) -> bool:
+    return str(args.nvml).startswith("emulated:")
+
+
+def _nvml_state(args: argparse.Namespace) -> Path | None:
+    """Emulated GPUs keep their MIG instances across agent restarts, as real ones do,
+    so instances a crash left behind are found and cleaned at the next start."""
+    if args.nvml_state is None and _emulated(args) and args.kubelet_plugin:
+        return Path(args.state_dir) / EMULATED_NVML_STATE
+    return args.nvml_state  # type: ignore[no-any-return]
+
+
+def _emulated_driver(
+    args: argparse.Namespace, nvml: NvmlLibrary, plugin: PluginConfig
+) -> PluginConfig:
+    """What emulated GPUs need on a node without the NVIDIA driver: device numbers in
+    the specs, the tools' call log, and (unless --driver-root names one) a stand-in
+    driver root under the state dir, seen at the same path on the host."""
+    log_path = os.environ.get(TOOLS_LOG_ENV) or str(plugin.state_dir / EMULATED_TOOLS_LOG)
+    plugin = dataclasses.replace(
+        plugin, device_numbers=device_numbers, tool_env={TOOLS_LOG_ENV: log_path}
+    )
+    if plugin.driver_root != Path("/") or plugin.driver_libraries:
+        return plugin
+    nvml.nvmlInit()
+    try:
+        version = nvml.nvmlSystemGetDriverVersion()
+    finally:
+        nvml.nvmlShutdown()
+    root = plugin.state_dir / EMULATED_DRIVER_ROOT
+    try:
+        install_driver_root(root, version)
+    except OSError as e:
+        raise SystemExit(
+            f"gpudra node: --state-dir {str(plugin.state_dir)!r}: cannot install the emulated "
+            f"driver root there ({e}); give a writable --state-dir or an existing --driver-root"
+        ) from None
+    log.info("emulated driver root installed", extra={"fields": {"path": str(root)}})
+    return dataclasses.replace(plugin, driver_root=root, host_root=Path("/"))
 
 
 def _plugin_config(args: argparse.Namespace) -> PluginConfig:
@@ -254,12 +309,13 @@ def run(args: argparse.Namespace) -> int:
     if not args.node_name:
         raise SystemExit("gpudra node: --node-name is required (or set NODE_NAME)")
     config = _agent_config(args)  # flag values first: they need no NVML
+    plugin = _plugin_config(args) if args.kubelet_plugin else None
     try:
-        nvml = load_nvml(args.nvml, state_path=args.nvml_state)
+        nvml = load_nvml(args.nvml, state_path=_nvml_state(args))
     except (NvmlLoadError, ProfileError) as e:
         raise SystemExit(f"gpudra node: --nvml: {e}") from None
-
-    plugin = _plugin_config(args) if args.kubelet_plugin else None
+    if plugin is not None and _emulated(args):
+        plugin = _emulated_driver(args, nvml, plugin)
     metrics = _metrics_address(args.metrics_address)
     registry = CollectorRegistry()
 

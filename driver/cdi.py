@@ -25,7 +25,7 @@ import importlib
 import json
 import logging
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any, Final, Literal, TypeAlias
@@ -44,6 +44,7 @@ __all__ = [
     "CdiSpecStore",
     "ContainerEdits",
     "DeviceNode",
+    "DeviceNumbers",
     "Hook",
     "Mount",
     "PreparedDevice",
@@ -54,6 +55,7 @@ __all__ = [
     "find_driver_files",
     "find_toolkit_spec",
     "minimum_cdi_version",
+    "numbered",
     "qualified_id",
     "toolkit_device_ids",
     "validate_claim_uid",
@@ -145,6 +147,18 @@ class DeviceNode:
     permissions: str | None = None
     uid: int | None = None
     gid: int | None = None
+
+
+# (major, minor) of a device node the host may lack (emulated GPUs); None: unknown.
+DeviceNumbers: TypeAlias = Callable[[str], tuple[int, int] | None]
+
+
+def numbered(path: str, host_path: str | None, numbers: tuple[int, int] | None) -> DeviceNode:
+    """A character device node, with its numbers when known: the runtime then makes
+    the node in the container without looking at the host."""
+    if numbers is None:
+        return DeviceNode(path=path, host_path=host_path)
+    return DeviceNode(path=path, host_path=host_path, type="c", major=numbers[0], minor=numbers[1])
 
 
 @dataclass(frozen=True, slots=True)
@@ -444,6 +458,7 @@ def driver_common_edits(
     libraries: Sequence[str] = (),
     hooks: Sequence[Hook] = (),
     host_view: Path | None = Path("/"),
+    device_numbers: DeviceNumbers | None = None,
 ) -> ContainerEdits:
     """Control device nodes and driver library mounts shared by all GPUs of a claim.
 
@@ -456,7 +471,8 @@ def driver_common_edits(
     their folders, so the container's linker finds them even where the image's
     linker cache does not cover the host's library folder (a Debian image on a
     RHEL host); it replaces the image's value, so the CUDA images' folders are
-    kept at its end.
+    kept at its end. `device_numbers` (emulated GPUs) gives a node's numbers, so
+    it is listed with them whether or not the host has it.
     """
 
     def present(host_path: PurePosixPath) -> bool:
@@ -465,8 +481,9 @@ def driver_common_edits(
     nodes: list[DeviceNode] = []
     for path in CONTROL_DEVICE_NODES:
         host = PurePosixPath(dev_root) / path.lstrip("/")
-        if present(host):
-            nodes.append(DeviceNode(path=path, host_path=None if str(host) == path else str(host)))
+        numbers = device_numbers(path) if device_numbers is not None else None
+        if numbers is not None or present(host):
+            nodes.append(numbered(path, None if str(host) == path else str(host), numbers))
     mounts: list[Mount] = []
     for library in libraries:
         lib = PurePosixPath(_absolute(library, "driver library"))

@@ -18,8 +18,8 @@ its metrics address.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import anyio
@@ -29,6 +29,7 @@ from gpudra.driver.agent import AgentConfig, NodeAgent
 from gpudra.driver.cdi import (
     DEFAULT_CDI_ROOT,
     CdiSpecStore,
+    DeviceNumbers,
     find_driver_files,
     find_toolkit_spec,
 )
@@ -71,6 +72,9 @@ class PluginConfig:
     # Empty: find the driver's libraries and utilities under driver_root.
     driver_libraries: tuple[str, ...] = ()
     cleanup_interval_s: float = 60.0
+    # Emulated GPUs: device node numbers for the CDI specs, and the tools' environment.
+    device_numbers: DeviceNumbers | None = None
+    tool_env: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def checkpoint_path(self) -> Path:
@@ -160,6 +164,7 @@ class NodeService:
                 driver_root=plugin.driver_root,
                 nvidia_smi=plugin.nvidia_smi,
                 mps_control=plugin.mps_control,
+                env=plugin.tool_env,
             ),
             driver_root=plugin.driver_root,
             dev_root=plugin.dev_root,
@@ -171,6 +176,7 @@ class NodeService:
             toolkit=toolkit,
             mig_strategy=agent_config.mig_strategy,
             registry=self.registry,
+            device_numbers=plugin.device_numbers,
             fault=fault,
         )
         self.plugin = KubeletPlugin(

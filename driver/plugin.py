@@ -8,6 +8,7 @@ never sees protobuf or gRPC.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import tempfile
@@ -152,6 +153,18 @@ class HealthBoard:
 
 
 # --- Socket handling ----------------------------------------------------------------
+
+
+def _socket_suffix(kubelet_root: Path, driver_name: str, pod_uid: str | None) -> str:
+    """`-<pod UID>`, or `-<12 hex digits of its SHA-256>` where the full UID would push
+    the registration socket past the unix path limit (a long kubelet root): old and
+    new pods of a rolling update still get different names."""
+    if not pod_uid:
+        return ""
+    full = kubelet_root / "plugins_registry" / f"{driver_name}-{pod_uid}-reg.sock"
+    if len(os.fsencode(full)) <= _MAX_UNIX_PATH:
+        return f"-{pod_uid}"
+    return "-" + hashlib.sha256(pod_uid.encode()).hexdigest()[:12]
 
 
 def _check_socket_path(path: Path, what: str) -> None:
@@ -472,7 +485,7 @@ class KubeletPlugin:
         self._dispatcher = _Dispatcher(handler)
         self._health = health
         self._stop_grace_s = stop_grace_s
-        suffix = f"-{pod_uid}" if pod_uid else ""
+        suffix = _socket_suffix(self.kubelet_root, driver_name, pod_uid)
         self.registration_socket = (
             self.kubelet_root / "plugins_registry" / f"{driver_name}{suffix}-reg.sock"
         )

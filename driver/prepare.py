@@ -63,9 +63,11 @@ from gpudra.driver.cdi import (
     CdiSpecStore,
     ContainerEdits,
     DeviceNode,
+    DeviceNumbers,
     Mount,
     ToolkitSpec,
     driver_common_edits,
+    numbered,
     validate_claim_uid,
 )
 from gpudra.driver.cdi import PreparedDevice as CdiDevice
@@ -460,6 +462,14 @@ class _Entry:
         )
 
 
+def _whole_memory(entry: _Entry) -> bool:
+    """The allocation consumed the GPU's whole memory."""
+    total = entry.device.capacity.get("memory")
+    return (
+        entry.consumed_memory is not None and total is not None and entry.consumed_memory >= total
+    )
+
+
 def _describe(ref: ClaimRef) -> str:
     return f"ResourceClaim {ref.namespace}/{ref.name} ({ref.uid})"
 
@@ -645,7 +655,8 @@ class ClaimPreparer:
     sees at the same path, because the container runtime mounts the pipe folder
     from there. `dev_root`, `driver_root` and `proc_root` are where the host's
     /dev, driver files and /proc are; `host_view` is where this process sees the
-    host's `/`. Call `recover()` once before serving.
+    host's `/`. `device_numbers` (emulated GPUs) numbers the device nodes in the
+    specs, for hosts that lack them. Call `recover()` once before serving.
     """
 
     def __init__(
@@ -670,6 +681,7 @@ class ClaimPreparer:
         mig_strategy: MigStrategy = MigStrategy.STATIC,
         registry: CollectorRegistry | None = None,
         api_timeout_s: float = 10.0,
+        device_numbers: DeviceNumbers | None = None,
         fault: Callable[[str], None] | None = None,
     ) -> None:
         self._driver = driver_name
@@ -686,6 +698,7 @@ class ClaimPreparer:
         self._sharing = sharing
         self._driver_root = driver_root
         self._dev_root = dev_root
+        self._device_numbers = device_numbers
         self._proc_root = proc_root
         self._mps_root = (state_dir or checkpoint_path.parent) / "mps"
         self._libraries = tuple(driver_libraries)
@@ -746,9 +759,9 @@ class ClaimPreparer:
         return base / "pipe", base / "log"
 
     def _node_path(self, path: str) -> DeviceNode:
-        if self._dev_root == Path("/"):
-            return DeviceNode(path=path)
-        return DeviceNode(path=path, host_path=str(self._dev_root / path.lstrip("/")))
+        host = None if self._dev_root == Path("/") else str(self._dev_root / path.lstrip("/"))
+        numbers = self._device_numbers(path) if self._device_numbers is not None else None
+        return numbered(path, host, numbers)
 
     def _at(self, step: str) -> None:
         """A named point of a prepare, where tests inject crashes (see `PREPARE_STEPS`)."""
@@ -1039,7 +1052,11 @@ class ClaimPreparer:
         if entry.admin:
             return entry  # monitoring beside the owner: nothing on the device changes
         uses_mps, time_slice, _ = _sharing_of(config)
-        if time_slice is not None and entry.share_id is not None:
+        # A share that consumed all of the GPU's memory (a plain claim: the request
+        # policy defaults to the whole memory) leaves no room for another claim, so it
+        # holds the GPU alone, as an exclusive claim does.
+        sliced = entry.share_id is not None and not _whole_memory(entry)
+        if time_slice is not None and sliced:
             raise _ClaimFailure(
                 f"{_describe(ref)}: {join_path(entry.config_path, 'sharing.strategy')}: "
                 f"TimeSlicing cannot apply to {where} (shareID {entry.share_id}): the "
@@ -1048,7 +1065,7 @@ class ClaimPreparer:
             )
         entry.time_slice = time_slice
         # A slice of a shared GPU always gets an MPS daemon: it enforces the memory.
-        entry.mps = uses_mps or entry.share_id is not None
+        entry.mps = uses_mps or sliced
         return entry
 
     def _consumed_memory(self, ref: ClaimRef, where: str, result: Mapping[str, Any]) -> int | None:
@@ -1296,6 +1313,7 @@ class ClaimPreparer:
                     dev_root=self._dev_root,
                     libraries=self._libraries,
                     host_view=self._host_view,
+                    device_numbers=self._device_numbers,
                 )
             )
             self._common = dataclasses.replace(
@@ -1330,7 +1348,7 @@ class ClaimPreparer:
         nodes = []
         for minor, mode in mig_capability_minors(self._proc_root, gpu_minor, gi, ci):
             node = self._node_path(f"/dev/nvidia-caps/nvidia-cap{minor}")
-            if major is not None:
+            if major is not None and node.major is None:
                 # With the numbers the runtime can create the node even where
                 # nvidia-modprobe has not made it on the host yet.
                 node = dataclasses.replace(node, type="c", major=major, minor=minor, file_mode=mode)

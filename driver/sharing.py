@@ -125,6 +125,7 @@ class NvidiaSharing:
     Paths given explicitly win; otherwise each tool is looked up on first use (see
     `find_tool`), so a node without MPS tools still serves claims that do not ask
     for MPS, and the error appears only on a claim that needs the missing tool.
+    `env` is added to every tool's environment.
     """
 
     def __init__(
@@ -133,10 +134,12 @@ class NvidiaSharing:
         driver_root: Path = Path("/"),
         nvidia_smi: Path | None = None,
         mps_control: Path | None = None,
+        env: Mapping[str, str] | None = None,
         timeout_s: float = 30.0,
         ready_timeout_s: float = 10.0,
     ) -> None:
         self._driver_root = driver_root
+        self._env = dict(env or {})
         self._paths: dict[str, Path | None] = {NVIDIA_SMI: nvidia_smi, MPS_CONTROL: mps_control}
         self._timeout_s = timeout_s
         self._ready_timeout_s = ready_timeout_s
@@ -161,8 +164,7 @@ class NvidiaSharing:
         env: Mapping[str, str] | None = None,
         stdin: str | None = None,
     ) -> str:
-        full_env = dict(os.environ)
-        full_env.update(env or {})
+        full_env = {**os.environ, **self._env, **(env or {})}
         try:
             done = subprocess.run(
                 list(argv),

@@ -35,6 +35,7 @@ from gpudra.driver.checkpoint import load as load_checkpoint
 from gpudra.driver.health import HealthPolicy
 from gpudra.driver.node import NodeService, PluginConfig
 from gpudra.driver.nvml import NvmlEmulator, load_nvml
+from gpudra.driver.nvml.standin import FAKEBIN
 from gpudra.driver.plugin import ClaimRef
 from gpudra.driver.prepare import PREPARE_STEPS
 
@@ -47,7 +48,6 @@ from e2e.kubelet_standin import KubeletStandin
 pytestmark = [pytest.mark.cluster, pytest.mark.anyio]
 
 NODE = "worker-1"
-FAKEBIN = REPO / "tests" / "driver" / "fakebin"
 CONTROL_NODES = ("nvidiactl", "nvidia-uvm", "nvidia-uvm-tools")
 
 

@@ -11,13 +11,16 @@ What stands in for the GPU machine, all under `<node dir>/gpudra/`:
   `nvidia-caps/nvidia-cap<N>` MIG access nodes, made with mknod (major 195 as the
   kernel driver uses; no driver answers them, but runc creates them in the container
   from their numbers and the cgroup allows exactly them). The agent's `--dev-root`.
-- `driver/`: a driver root with the library and utility names the plugin mounts
-  (`libcuda.so.<version>`, `libnvidia-ml.so.<version>`, `nvidia-smi`).
+- `driver/`: the emulated GPUs' stand-in driver root (`gpudra.driver.nvml.standin`):
+  `libcuda.so.<version>`, `libnvidia-ml.so.<version>` and the NVIDIA tools.
 - `profile.json`: the first N (default 6) GPUs of the 8x H100 profile, the last third
   in MIG mode, so whole GPUs and dynamic MIG both exist on one node; the last whole
   GPU is published for memory slices (`--shared-gpus`).
-- the NVIDIA tools the agent runs (nvidia-smi, nvidia-cuda-mps-control) are the test
-  stand-ins that record their calls in `tools.log`.
+- the NVIDIA tools the agent runs (nvidia-smi, nvidia-cuda-mps-control) are those
+  stand-ins, recording their calls in `tools.log`.
+
+This is the agent with every host path given explicitly, as on a GPU node; the chart
+on the same node (`e2e/node/chart.py`) covers the emulated defaults instead.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
+import signal
 import socket
 import ssl
 import stat
@@ -33,13 +36,21 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from gpudra.api.deviceclasses import device_classes
 from gpudra.api.tenants import crd_manifest
 from gpudra.driver.nvml.emulator import load_builtin_profile
+from gpudra.driver.nvml.standin import (
+    CAPS_MAJOR,
+    FAKEBIN,
+    NVIDIA_MAJOR,
+    NVIDIACTL_MINOR,
+    UVM_MAJOR,
+    install_driver_root,
+)
 from gpudra.webhook.registration import NAME as MUTATING_NAME
 
 from e2e.cluster.harness import REPO, _alive, _stop_pid
@@ -48,12 +59,6 @@ from e2e.node.realnode import NodeError, NodeState, RealNode
 
 DRIVER = "gpu.nvidia.com"
 PROFILE = "h100-80gb-hbm3-x8-mig"
-FAKEBIN = REPO / "tests" / "driver" / "fakebin"
-NVIDIA_MAJOR = 195
-# Character majors the kernel hands out dynamically; these are free on a machine
-# without the NVIDIA driver, and the container only needs the node to exist.
-UVM_MAJOR = 510
-CAPS_MAJOR = 511
 # The kernel driver's fixed MIG capability table: 3 + minor*135 + gi*9 (+1+ci).
 MIG_FIRST_MINOR = 3
 MIG_GPU_INSTANCES = 15
@@ -103,26 +108,10 @@ def make_device_nodes(dev_root: Path, minors: list[int]) -> None:
         first = MIG_FIRST_MINOR + minor * MIG_GPU_INSTANCES * (1 + MIG_COMPUTE_INSTANCES)
         for cap in range(first, first + MIG_GPU_INSTANCES * (1 + MIG_COMPUTE_INSTANCES)):
             _mknod(dev / "nvidia-caps" / f"nvidia-cap{cap}", CAPS_MAJOR, cap)
-    _mknod(dev / "nvidiactl", NVIDIA_MAJOR, 255)
+    _mknod(dev / "nvidiactl", NVIDIA_MAJOR, NVIDIACTL_MINOR)
     _mknod(dev / "nvidia-uvm", UVM_MAJOR, 0)
     _mknod(dev / "nvidia-uvm-tools", UVM_MAJOR, 1)
     (dev / "shm").mkdir(exist_ok=True)
-
-
-def make_driver_root(root: Path, version: str) -> list[str]:
-    """A driver root with what the plugin mounts; returns the in-root paths."""
-    lib = root / "usr/lib/x86_64-linux-gnu"
-    lib.mkdir(parents=True, exist_ok=True)
-    files = []
-    for name in (f"libcuda.so.{version}", f"libnvidia-ml.so.{version}"):
-        (lib / name).write_text(f"stand-in for {name}\n")
-        files.append(f"/usr/lib/x86_64-linux-gnu/{name}")
-    bin_dir = root / "usr/bin"
-    bin_dir.mkdir(parents=True, exist_ok=True)
-    shutil.copy(FAKEBIN / "nvidia-smi", bin_dir / "nvidia-smi")
-    (bin_dir / "nvidia-smi").chmod(0o755)
-    files.append("/usr/bin/nvidia-smi")
-    return files
 
 
 def _free_port() -> int:
@@ -131,11 +120,135 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-class GpuStack:
-    """The driver's node agent (and optionally the webhook) for one real node."""
+class NodeGpus:
+    """What the GPU-pod tests see of gpudra on the real node, however it was
+    installed: its files on the node, the kubelet's view of the plugin, and the
+    faults the tests inject. `GpuStack` (host processes) and `ChartStack` (the Helm
+    chart, e2e/node/chart.py) fill in where the files are and how the agent runs."""
+
+    name = "abstract"
 
     def __init__(self, node: RealNode) -> None:
         self.node = node
+
+    # Where the agent keeps what the tests read.
+    @property
+    def state_dir(self) -> Path:
+        raise NotImplementedError
+
+    @property
+    def tools_log(self) -> Path:
+        raise NotImplementedError
+
+    @property
+    def nvml_state_path(self) -> Path:
+        raise NotImplementedError
+
+    def up(self, *, webhook: bool = True, log: Callable[[str], None] = print) -> None:
+        raise NotImplementedError
+
+    def down(self, log: Callable[[str], None] = print) -> None:
+        """Removes what `up` installed that the node's own `down` does not."""
+
+    def crashing_at(self, step: str) -> contextlib.AbstractContextManager[Callable[[], None]]:
+        """The agent SIGKILLs itself right after `step` of a prepare while inside; the
+        callable waits for that crash. Leaving starts the normal agent again and
+        returns once the kubelet has reconnected to it."""
+        raise NotImplementedError
+
+    def api_unreachable(self) -> contextlib.AbstractContextManager[None]:
+        """Inside, the agent talks to a wrong API server address; leaving restores it
+        and returns once the kubelet has reconnected to it."""
+        raise NotImplementedError
+
+    # The same for every installation.
+    def profile(self) -> dict[str, Any]:
+        return node_profile(gpu_count())
+
+    def gpu_minors(self) -> dict[str, int]:
+        """GPU UUID -> device minor."""
+        return {g["uuid"]: int(g["minor"]) for g in self.profile()["gpus"]}
+
+    def shared_gpus(self) -> str:
+        """The last whole GPU hands out memory slices when there are two or more."""
+        gpus = gpu_count()
+        whole = gpus - mig_count(gpus)
+        return str(whole - 1) if whole >= 2 else "none"
+
+    @property
+    def cdi_root(self) -> Path:
+        return self.node.layout.cdi
+
+    @property
+    def node_name(self) -> str:
+        return str(self.node.name)
+
+    # How the node's files are read: directly here, through the container on kind.
+    def read_file(self, path: Path) -> str | None:
+        return path.read_text() if path.exists() else None
+
+    def list_names(self, folder: Path) -> list[str]:
+        return [p.name for p in folder.iterdir()] if folder.is_dir() else []
+
+    def cdi_specs(self) -> set[str]:
+        prefix = f"k8s.{DRIVER}-claim_"
+        return {n for n in self.list_names(self.cdi_root) if n.startswith(prefix)}
+
+    def checkpoint(self) -> dict[str, Any]:
+        text = self.read_file(self.state_dir / "checkpoint.json")
+        claims: dict[str, Any] = json.loads(text)["claims"] if text else {}
+        return claims
+
+    def tool_calls(self) -> list[str]:
+        return (self.read_file(self.tools_log) or "").splitlines()
+
+    def nvml_state(self) -> dict[str, Any]:
+        state: dict[str, Any] = json.loads(self.read_file(self.nvml_state_path) or "{}")
+        return state
+
+    def restart_kubelet(self) -> None:
+        """Restarts the node's kubelet; returns once it has reconnected to the plugin."""
+        mark = self.kubelet_log_size()
+        self.node.restart_kubelet()
+        self.wait_registered(mark)
+
+    def kubelet_log_size(self) -> int:
+        return (self.node.layout.logs / "kubelet.log").stat().st_size
+
+    def kubelet_log(self, since: int) -> str:
+        with (self.node.layout.logs / "kubelet.log").open("rb") as f:
+            f.seek(since)
+            return f.read().decode(errors="replace")
+
+    def plugin_registered(self, since: int = 0) -> bool:
+        """The kubelet connected to our plugin (after byte `since` of its log)."""
+        text = self.kubelet_log(since)
+        return any(
+            '"Connection changed"' in line
+            and f'driverName="{DRIVER}"' in line
+            and "connected=true" in line
+            for line in text.splitlines()
+        )
+
+    def wait_registered(self, since: int, timeout: float = 90) -> None:
+        wait_for(
+            f"the kubelet of {self.node.name} to connect to {DRIVER}",
+            lambda: self.plugin_registered(since),
+            timeout=timeout,
+        )
+
+    def published(self, kube: Kube) -> bool:
+        items = kube.list("ResourceSlice", fieldSelector=f"spec.nodeName={self.node.name}")
+        return any(o["spec"]["driver"] == DRIVER and o["spec"].get("devices") for o in items)
+
+
+class GpuStack(NodeGpus):
+    """The driver's node agent (and optionally the webhook) for one real node."""
+
+    name = "processes"
+
+    def __init__(self, node: RealNode) -> None:
+        super().__init__(node)
         self.root = node.layout.root / "gpudra"
 
     @property
@@ -155,6 +268,10 @@ class GpuStack:
         return self.root / "tools.log"
 
     @property
+    def nvml_state_path(self) -> Path:
+        return self.root / "nvml-state.json"
+
+    @property
     def agent_log(self) -> Path:
         return self.node.layout.logs / f"{AGENT}.log"
 
@@ -165,11 +282,11 @@ class GpuStack:
         kube = self.node.cluster.kube()
         start = time.monotonic()
         gpus = gpu_count()
-        profile = node_profile(gpus)
+        profile = self.profile()
         self.root.mkdir(parents=True, exist_ok=True)
         (self.root / "profile.json").write_text(json.dumps(profile, indent=2))
         make_device_nodes(self.dev_root, [int(g["minor"]) for g in profile["gpus"]])
-        make_driver_root(self.driver_root, str(profile["driverVersion"]))
+        install_driver_root(self.driver_root, str(profile["driverVersion"]))
         for dc in device_classes(DRIVER):
             kube.apply(dc)
         apply_crd(kube, crd_manifest())
@@ -177,11 +294,7 @@ class GpuStack:
             self.start_agent()
         if webhook and not _alive(state.pids.get(WEBHOOK, 0), state.cmdlines.get(WEBHOOK, "-")):
             self._start_webhook(kube)
-        wait_for(
-            f"the kubelet of {self.node.name} to register {DRIVER}",
-            self.plugin_registered,
-            timeout=60,
-        )
+        self.wait_registered(0, timeout=60)
         log(
             f"gpudra on {self.node.name}: {gpus} emulated H100s published and the plugin "
             f"registered in {time.monotonic() - start:.1f}s"
@@ -202,7 +315,7 @@ class GpuStack:
             "--nvml",
             f"emulated:{self.root / 'profile.json'}",
             "--nvml-state",
-            str(self.root / "nvml-state.json"),
+            str(self.nvml_state_path),
             "--kubeconfig",
             str(self.node.cluster.layout.admin_kubeconfig),
             "--kubelet-root",
@@ -224,15 +337,10 @@ class GpuStack:
             "5",
             "--metrics-address",
             "",
-            *self._shared(),
+            "--shared-gpus",
+            self.shared_gpus(),
             *extra,
         ]
-
-    def _shared(self) -> list[str]:
-        """The last whole GPU hands out memory slices when there are two or more."""
-        gpus = gpu_count()
-        whole = gpus - mig_count(gpus)
-        return ["--shared-gpus", str(whole - 1)] if whole >= 2 else []
 
     def start_agent(self, *extra: str) -> subprocess.Popen[bytes]:
         """`gpudra node` for this node; `extra` flags (e.g. a crash point) are appended."""
@@ -252,7 +360,7 @@ class GpuStack:
         self.node._wait(
             AGENT,
             proc,
-            lambda: self._published(kube) and self.plugin_registered(mark),
+            lambda: self.published(kube) and self.plugin_registered(mark),
             timeout=90,
         )
         return proc
@@ -268,24 +376,45 @@ class GpuStack:
             os.kill(pid, sig)
             wait_for("the agent to exit", lambda: not _alive(pid, hint), timeout=10)
 
-    def kubelet_log_size(self) -> int:
-        return (self.node.layout.logs / "kubelet.log").stat().st_size
+    @contextlib.contextmanager
+    def crashing_at(self, step: str) -> Iterator[Callable[[], None]]:
+        self.stop_agent()
+        crashing = self.start_agent("--crash-at", step)
 
-    def plugin_registered(self, since: int = 0) -> bool:
-        """The kubelet connected to our plugin (after byte `since` of its log)."""
-        with (self.node.layout.logs / "kubelet.log").open("rb") as f:
-            f.seek(since)
-            text = f.read().decode(errors="replace")
-        return any(
-            '"Connection changed"' in line
-            and f'driverName="{DRIVER}"' in line
-            and "connected=true" in line
-            for line in text.splitlines()
-        )
+        def crashed() -> None:
+            crashing.wait(timeout=120)
+            assert crashing.returncode == -signal.SIGKILL, crashing.returncode
 
-    def _published(self, kube: Kube) -> bool:
-        items = kube.list("ResourceSlice", fieldSelector=f"spec.nodeName={self.node.name}")
-        return any(o["spec"]["driver"] == DRIVER and o["spec"].get("devices") for o in items)
+        try:
+            yield crashed
+        finally:
+            if crashing.poll() is None:
+                crashing.kill()
+                crashing.wait(timeout=30)
+        mark = self.kubelet_log_size()
+        self.start_agent()
+        self.wait_registered(mark)
+
+    @contextlib.contextmanager
+    def api_unreachable(self) -> Iterator[None]:
+        broken = json.loads(self.node.cluster.layout.admin_kubeconfig.read_text())
+        for c in broken["clusters"]:
+            c["cluster"]["server"] = "https://127.0.0.1:1"
+        bad = self.root / "unreachable.kubeconfig"
+        bad.write_text(json.dumps(broken))
+        self.stop_agent()
+        mark = self.kubelet_log_size()
+        argv = [*self.agent_argv(), "--kubeconfig", str(bad)]
+        agent = self.node._spawn(self._state(), AGENT, argv, hint="gpudra.cli node")
+        try:
+            self.wait_registered(mark)
+            yield
+        finally:
+            self.stop_agent()
+            agent.wait(timeout=30)
+        mark = self.kubelet_log_size()
+        self.start_agent()
+        self.wait_registered(mark)
 
     def _start_webhook(self, kube: Kube) -> None:
         state = self._state()

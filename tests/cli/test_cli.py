@@ -3,10 +3,24 @@ gets one clear line."""
 
 from __future__ import annotations
 
+import os
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
+import pytest
 from gpudra.cli.main import build_parser
+from gpudra.cli.node import (
+    EMULATED_DRIVER_ROOT,
+    EMULATED_NVML_STATE,
+    EMULATED_TOOLS_LOG,
+    _emulated_driver,
+    _nvml_state,
+    _plugin_config,
+)
+from gpudra.driver.nvml import load_nvml
+from gpudra.driver.nvml.standin import TOOLS_LOG_ENV
 
 
 def run(*args: str) -> subprocess.CompletedProcess[str]:
@@ -70,3 +84,49 @@ def test_shared_gpus_reach_the_agent_config() -> None:
     assert _agent_config(args).shared_gpus == SharedGpus(indices=frozenset({0, 5}))
     args = parser.parse_args(["node", "--node-name", "n1", "--shared-gpus", "all"])
     assert _agent_config(args).shared_gpus.every
+
+
+def test_emulated_gpus_get_a_stand_in_driver_and_numbered_nodes(tmp_path: Path) -> None:
+    """No NVIDIA driver on the node: the plugin installs its own driver root under the
+    state dir, numbers the device nodes, logs the tools' calls there, and keeps the
+    emulated MIG state there; an explicit --driver-root is kept."""
+    parser = build_parser()
+    argv = ["node", "--node-name", "n1", "--nvml", "emulated:h100-80gb-hbm3-x8"]
+    args = parser.parse_args([*argv, "--state-dir", str(tmp_path)])
+    assert _nvml_state(args) == tmp_path / EMULATED_NVML_STATE
+    nvml = load_nvml(args.nvml, state_path=_nvml_state(args))
+    plugin = _emulated_driver(args, nvml, _plugin_config(args))
+    assert plugin.driver_root == tmp_path / EMULATED_DRIVER_ROOT
+    assert (plugin.driver_root / "usr/bin/nvidia-smi").is_file()
+    assert plugin.device_numbers is not None
+    assert plugin.device_numbers("/dev/nvidia0") == (195, 0)
+    assert plugin.tool_env == {TOOLS_LOG_ENV: str(tmp_path / EMULATED_TOOLS_LOG)}
+
+    given = parser.parse_args(
+        [*argv, "--state-dir", str(tmp_path / "b"), "--driver-root", "/run/nvidia/driver"]
+    )
+    kept = _emulated_driver(given, nvml, _plugin_config(given))
+    assert kept.driver_root == Path("/run/nvidia/driver")
+    assert not (tmp_path / "b" / EMULATED_DRIVER_ROOT).exists()
+    # Real GPUs keep their own state; without the plugin nothing is written.
+    real = parser.parse_args(["node", "--node-name", "n1", "--state-dir", str(tmp_path)])
+    assert _nvml_state(real) is None
+    slices_only = parser.parse_args([*argv, "--no-kubelet-plugin"])
+    assert _nvml_state(slices_only) is None
+
+
+def test_crash_point_kills_even_as_pid_1() -> None:
+    """In a container the agent may be PID 1, which ignores SIGKILL sent from inside its
+    PID namespace; the test hook still ends the process at once, with SIGKILL's status."""
+    if shutil.which("unshare") is None or os.geteuid() != 0:
+        pytest.skip("needs root and unshare to start a process as PID 1")
+    code = "from gpudra.cli.node import _crash_at; _crash_at('x')('x'); print('survived')"
+    proc = subprocess.run(
+        ["unshare", "--pid", "--fork", sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert proc.returncode == 128 + 9, proc.stderr
+    assert "survived" not in proc.stdout

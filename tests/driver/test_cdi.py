@@ -517,3 +517,24 @@ def test_missing_broken_or_foreign_toolkit_specs_are_ignored(tmp_path: Path) -> 
     good = tmp_path / "nvidia.yaml"
     good.write_text(TOOLKIT_YAML)
     assert toolkit_device_ids(GPU_UUID, paths=[*paths, good]) == [f"nvidia.com/gpu={GPU_UUID}"]
+
+
+def test_numbered_nodes_are_listed_without_host_nodes(tmp_path: Path) -> None:
+    """Emulated GPUs: the host has no /dev/nvidia*, so the spec carries each node's
+    type and numbers and the runtime makes the node itself."""
+    host = _host(tmp_path)  # nothing under /dev
+    numbers = {"/dev/nvidiactl": (195, 255), "/dev/nvidia-uvm": (510, 0)}
+    edits = driver_common_edits(host_view=host, device_numbers=numbers.get)
+    assert edits.device_nodes == (
+        DeviceNode("/dev/nvidiactl", type="c", major=195, minor=255),
+        DeviceNode("/dev/nvidia-uvm", type="c", major=510, minor=0),
+    )
+    spec = build_spec(UID_LETTER, [_gpu_device()], common_edits=edits)
+    assert spec["containerEdits"]["deviceNodes"][0] == {
+        "path": "/dev/nvidiactl",
+        "type": "c",
+        "major": 195,
+        "minor": 255,
+    }
+    # Without numbers, missing nodes are still left out.
+    assert driver_common_edits(host_view=host).device_nodes == ()

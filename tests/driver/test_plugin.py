@@ -226,6 +226,23 @@ async def test_rolling_update_sockets_include_pod_uid_and_coexist(root: Path) ->
             assert not old.registration_socket.exists()
 
 
+def test_rolling_update_names_stay_under_the_socket_limit_with_a_long_kubelet_root() -> None:
+    """A pod UID (36 characters) under a long kubelet root would pass the 107-byte
+    unix path limit; a digest of it keeps the names short and still distinct."""
+    long_root = Path("/" + "k" * 40) / "kubelet"
+    uids = ("a464f592-31c6-49a5-b251-e04b7587c836", "0f2d7a1e-9c7b-4e57-8a5e-3b9d2f6c1a00")
+    plugins = [
+        KubeletPlugin(DRIVER, RecordingHandler(), kubelet_root=long_root, pod_uid=u) for u in uids
+    ]
+    names = {p.registration_socket for p in plugins} | {p.dra_socket for p in plugins}
+    assert len(names) == 4
+    assert all(len(bytes(n)) <= 107 for n in names)
+    assert all(uids[0] not in str(n) and uids[1] not in str(n) for n in names)
+    # Where the full UID fits it is used as is.
+    short = KubeletPlugin(DRIVER, RecordingHandler(), kubelet_root=Path("/k"), pod_uid=uids[0])
+    assert short.registration_socket.name == f"{DRIVER}-{uids[0]}-reg.sock"
+
+
 # --- sockets --------------------------------------------------------------------------
 
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 from gpudra.common.kube import Kube as AsyncKube
-from gpudra.driver.cdi import CdiSpecStore, ToolkitSpec, find_toolkit_spec
+from gpudra.driver.cdi import CdiSpecStore, DeviceNumbers, ToolkitSpec, find_toolkit_spec
 from gpudra.driver.checkpoint import load as load_checkpoint
 from gpudra.driver.claims import ClaimRef
 from gpudra.driver.devices import (
@@ -29,7 +29,15 @@ from gpudra.driver.devices import (
     discover,
 )
 from gpudra.driver.nvml import NvmlEmulator
+from gpudra.driver.nvml.standin import (
+    CAPS_MAJOR,
+    FAKEBIN,
+    NVIDIA_MAJOR,
+    UVM_MAJOR,
+    device_numbers,
+)
 from gpudra.driver.prepare import ClaimPreparer, mig_capability_minors
+from gpudra.driver.publish import memory_request_policy
 from gpudra.driver.sharing import MpsDaemon, NvidiaSharing, SharingError
 from prometheus_client import CollectorRegistry
 
@@ -38,7 +46,6 @@ from e2e.cluster.harness import Cluster
 from e2e.cluster.kube import Kube, wait_for
 
 NODE = "worker-1"
-FAKEBIN = Path(__file__).parent / "fakebin"
 BOOT_A = "5f1c7a52-0c1d-4c57-9a5e-00000000000a"
 BOOT_B = "5f1c7a52-0c1d-4c57-9a5e-00000000000b"
 EXCLUSIVE_PROCESS = 3
@@ -77,7 +84,8 @@ class Env:
             for device in devices:
                 device["allowMultipleAllocations"] = True
                 memory = device["capacity"][f"{self.driver}/memory"]
-                memory["requestPolicy"] = {"default": "1Gi", "validRange": {"min": "1Gi"}}
+                # The agent's own policy: a request without an amount takes it all.
+                memory["requestPolicy"] = memory_request_policy(int(memory["value"]))
         sets = [counter_set_to_api(c) for c in inventory.counter_sets(strategy)] if counters else []
         if not sets:
             for device in devices:
@@ -316,6 +324,7 @@ def make_preparer(
     registry: CollectorRegistry | None = None,
     toolkit: ToolkitSpec | None = None,
     fault: Callable[[str], None] | None = None,
+    device_numbers: DeviceNumbers | None = None,
 ) -> ClaimPreparer:
     return ClaimPreparer(
         driver_name=env.driver,
@@ -333,6 +342,7 @@ def make_preparer(
         registry=registry,
         toolkit=toolkit,
         fault=fault,
+        device_numbers=device_numbers,
     )
 
 
@@ -609,6 +619,48 @@ async def test_subrequest_result_reports_the_base_request_and_gets_its_config(
     assert result.devices[0].request_names == ["gpu"]
     gpu_uuid = discover(emu).gpus[int(_device(claim).removeprefix("gpu-"))].uuid
     assert f"nvidia-smi compute-policy -i {gpu_uuid} --set-timeslice 3" in node.tool_calls()
+
+
+@pytest.mark.cluster
+@pytest.mark.anyio
+async def test_plain_claim_on_an_idle_shared_gpu_holds_it_alone(
+    env: Env, node: Node, akube: AsyncKube
+) -> None:
+    """A claim without a capacity request consumes a shared GPU's whole memory (the
+    request policy's default), so nothing else fits beside it: it is prepared like an
+    exclusive GPU (its time-slicing config applies, no MPS daemon). A 10Gi slice of
+    the same GPU cannot be time-sliced: other claims share the GPU."""
+    emu = h100()
+    env.publish(discover(emu), only=("gpu-5",), shared=True)
+    sliced = {
+        "apiVersion": "resource.nvidia.com/v1beta1",
+        "kind": "GpuConfig",
+        "sharing": {"strategy": "TimeSlicing", "timeSlicingConfig": {"interval": "Short"}},
+    }
+    whole = env.allocated("whole", config=[env.config(sliced)])
+    result = whole["status"]["allocation"]["devices"]["results"][0]
+    assert result["device"] == "gpu-5" and result.get("shareID")
+    preparer = make_preparer(env, node, akube, emu)
+    gpu_uuid = discover(emu).gpus[5].uuid
+
+    prepared = (await preparer.prepare([_ref(whole)]))[_ref(whole).uid]
+
+    assert prepared.error is None
+    assert f"nvidia-smi compute-policy -i {gpu_uuid} --set-timeslice 1" in node.tool_calls()
+    assert not [c for c in node.tool_calls() if c.startswith("mps-control")]
+    assert await preparer.unprepare([_ref(whole)]) == {_ref(whole).uid: None}
+    env.delete_claim("whole")
+
+    memory = f"{env.driver}/memory"
+    part = env.allocated(
+        "part",
+        requests=[env.request("mem", capacity={"requests": {memory: "10Gi"}})],
+        config=[env.config(sliced)],
+    )
+    refused = (await preparer.prepare([_ref(part)]))[_ref(part).uid]
+    assert refused.error is not None
+    assert "sharing.strategy: TimeSlicing cannot apply" in refused.error
+    assert not node.has_spec(_ref(part).uid)
 
 
 @pytest.mark.cluster
@@ -918,6 +970,39 @@ async def test_dynamic_mig_instance_is_created_at_prepare_and_destroyed_at_unpre
     assert await preparer.unprepare([ref]) == {ref.uid: None}
     assert mig_devices(emu) == {}
     assert not node.has_spec(ref.uid)
+
+
+@pytest.mark.cluster
+@pytest.mark.anyio
+async def test_emulated_gpus_get_numbered_nodes_the_host_lacks(
+    env: Env, node: Node, akube: AsyncKube
+) -> None:
+    """With the emulator's device numbers every node of the spec carries its type and
+    numbers (a MIG device's two capability nodes included), so a runtime starts the
+    container on a host without /dev/nvidia*."""
+    emu = h100_mig()
+    env.publish(discover(emu), MigStrategy.DYNAMIC)
+    profile = f'device.attributes["{env.driver}"].profile == "1g.10gb"'
+    claim = env.allocated("mig", requests=[env.request("mig", cel=profile)])
+    ref = _ref(claim)
+    preparer = make_preparer(
+        env, node, akube, emu, strategy=MigStrategy.DYNAMIC, device_numbers=device_numbers
+    )
+
+    assert (await preparer.prepare([ref]))[ref.uid].error is None
+
+    spec = node.spec(ref.uid)
+    nodes = spec["devices"][0]["containerEdits"]["deviceNodes"]
+    assert [(n["path"], n["type"], n["major"]) for n in nodes] == [
+        ("/dev/nvidia0", "c", NVIDIA_MAJOR),
+        (nodes[1]["path"], "c", CAPS_MAJOR),
+        (nodes[2]["path"], "c", CAPS_MAJOR),
+    ]
+    assert all(n["minor"] == int(n["path"].rsplit("cap", 1)[-1]) for n in nodes[1:])
+    control = {n["path"]: (n["major"], n["minor"]) for n in spec["containerEdits"]["deviceNodes"]}
+    assert control["/dev/nvidiactl"] == (NVIDIA_MAJOR, 255)
+    assert control["/dev/nvidia-uvm"] == (UVM_MAJOR, 0)
+    assert await preparer.unprepare([ref]) == {ref.uid: None}
 
 
 @pytest.mark.cluster
