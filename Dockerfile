@@ -28,12 +28,13 @@ RUN python3 -m venv /opt/gpudra \
 # --- runtime: Debian's python3 and the environment, nothing else ---------------------------
 FROM debian:${DEBIAN_SUITE}-slim
 RUN apt-get update \
- && apt-get install -y --no-install-recommends python3 \
+ && apt-get install -y --no-install-recommends python3 tini \
  && rm -rf /var/lib/apt/lists/* /var/cache/apt/* /var/log/apt /var/log/dpkg.log
 COPY --from=build /opt/gpudra /opt/gpudra
 ENV PATH=/opt/gpudra/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1
 USER 65532:65532
-ENTRYPOINT ["gpudra"]
+# tini reaps what the agent's children leave behind (MPS control daemons daemonize).
+ENTRYPOINT ["tini", "--", "gpudra"]
 CMD ["--help"]

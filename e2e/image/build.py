@@ -33,7 +33,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[2]
 SUITE = "bookworm"
 PYTHON = "3.11"  # bookworm's python3; wheels are chosen for it
-BASE_PACKAGES = ("python3", "ca-certificates")
+# tini: PID 1 of the node agent's container, reaping the MPS daemons it starts.
+BASE_PACKAGES = ("python3", "ca-certificates", "tini")
 DEFAULT_MIRROR = "http://deb.debian.org/debian"
 # Wheels bookworm's glibc (2.36) can load, newest first.
 PLATFORMS = (
@@ -49,7 +50,7 @@ ENV = (
     "PYTHONUNBUFFERED=1",
     "PYTHONDONTWRITEBYTECODE=1",
 )
-ENTRYPOINT = ("gpudra",)
+ENTRYPOINT = ("tini", "--", "gpudra")
 CMD = ("--help",)
 # Left out of the base layer: runtime mounts, caches and documentation (as in -slim).
 BASE_EXCLUDE = (

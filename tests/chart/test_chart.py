@@ -208,7 +208,7 @@ def test_node_daemonset(default: list[dict[str, Any]], full: list[dict[str, Any]
     ds = h.find(default, "DaemonSet")
     pod = ds["spec"]["template"]["spec"]
     (c,) = pod["containers"]
-    assert c["command"] == ["gpudra"]
+    assert c["command"] == ["tini", "--", "gpudra"]  # an init that reaps MPS daemons
     assert c["args"][:3] == ["node", "--node-name=$(NODE_NAME)", "--driver-name=gpu.nvidia.com"]
     assert "--nvml=real" in c["args"]
     assert "--host-root=/host" in c["args"]
@@ -226,7 +226,9 @@ def test_node_daemonset(default: list[dict[str, Any]], full: list[dict[str, Any]
     assert mounts["plugins"] == "/var/lib/kubelet/plugins/gpu.nvidia.com"
     assert mounts["cdi"] == "/var/run/cdi"
     probe = c["livenessProbe"]["exec"]["command"]
-    assert probe[:2] == ["python3", "/etc/gpudra/probe/probe.py"]
+    assert probe == ["python3", "/etc/gpudra/probe/probe.py", "/var/lib/kubelet", "gpu.nvidia.com"]
+    # The kubelet does not expand $(VAR) in exec probes: the probe reads $POD_UID itself.
+    assert not any("$(" in arg for arg in probe)
     configmap = h.find(default, "ConfigMap", "gpudra-node-probe")
     assert configmap["data"]["probe.py"] == (h.CHART / "files" / "probe.py").read_text()
 
@@ -236,10 +238,104 @@ def test_node_daemonset(default: list[dict[str, Any]], full: list[dict[str, Any]
     assert "--application-xids=13,31" in ec["args"]
     assert "--driver-root=/run/nvidia/driver" in ec["args"]
     assert "--metrics-address=0.0.0.0:9500" in ec["args"]
-    assert not any(a.startswith("--host-root") for a in ec["args"])
+    assert "--host-root=/host" in ec["args"]  # a driver root other than / is used as given
     assert ec["securityContext"]["privileged"] is False  # no devices to reach
     assert ec["securityContext"]["capabilities"] == {"drop": ["ALL"]}
     assert emulated["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+
+
+def pod_spec(objects: list[dict[str, Any]], kind: str) -> dict[str, Any]:
+    spec: dict[str, Any] = h.find(objects, kind)["spec"]["template"]["spec"]
+    return spec
+
+
+def driver_root_of(objects: list[dict[str, Any]]) -> tuple[list[str], Any, Any]:
+    """The node agent's driver-root flags, the driver-root mount and volume (None if absent)."""
+    pod = pod_spec(objects, "DaemonSet")
+    (c,) = pod["containers"]
+    flags = [a for a in c["args"] if a.startswith(("--driver-root", "--host-root"))]
+    mount = next((m for m in c["volumeMounts"] if m["name"] == "driver-root"), None)
+    volume = next((v for v in pod["volumes"] if v["name"] == "driver-root"), None)
+    return flags, mount, volume
+
+
+@pytest.mark.parametrize(
+    ("nvml", "driver_root", "mount_path"),
+    [
+        ("real", "/", "/host"),
+        ("real", "/run/nvidia/driver", "/host/run/nvidia/driver"),
+        ("emulated:l4", "/", None),
+        ("emulated:l4", "/run/nvidia/driver", "/host/run/nvidia/driver"),
+    ],
+    ids=["real", "real-driver-container", "emulated", "emulated-driver-container"],
+)
+def test_driver_root_is_mounted_unless_emulated_without_one(
+    helm: Path, nvml: str, driver_root: str, mount_path: str | None
+) -> None:
+    """Emulated GPUs with driver root / get nothing: the agent installs a stand-in driver
+    root under its state dir. Any other combination mounts the root and passes both flags."""
+    objects = h.template(helm, {"node": {"nvml": nvml, "driverRoot": driver_root}})
+    flags, mount, volume = driver_root_of(objects)
+    if mount_path is None:
+        assert (flags, mount, volume) == ([], None, None)
+    else:
+        assert flags == [f"--driver-root={driver_root}", "--host-root=/host"]
+        assert mount == {
+            "name": "driver-root",
+            "mountPath": mount_path,
+            "readOnly": True,
+            "mountPropagation": "HostToContainer",
+        }
+        assert volume == {
+            "name": "driver-root",
+            "hostPath": {"path": driver_root, "type": "Directory"},
+        }
+    (c,) = pod_spec(objects, "DaemonSet")["containers"]
+    assert c["securityContext"]["privileged"] is (nvml == "real")  # follows nvml alone
+
+
+API_ENV = ("KUBERNETES_SERVICE_HOST", "KUBERNETES_SERVICE_PORT")
+
+
+def api_env(objects: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Each component's KUBERNETES_SERVICE_* entries, by workload kind."""
+    out = {}
+    for kind in ("DaemonSet", "Deployment"):
+        (c,) = pod_spec(objects, kind)["containers"]
+        out[kind] = {e["name"]: e.get("value") for e in c.get("env", []) if e["name"] in API_ENV}
+    return out
+
+
+@pytest.mark.parametrize("host", ["10.0.0.1", "api.example.com", "fd00:10::1"])
+def test_kubernetes_api_address_reaches_both_components(
+    helm: Path, default: list[dict[str, Any]], host: str
+) -> None:
+    assert api_env(default) == {"DaemonSet": {}, "Deployment": {}}  # the kubelet's, by default
+    objects = h.template(helm, {"kubernetesApi": {"host": host, "port": 6443}})
+    want = {"KUBERNETES_SERVICE_HOST": host, "KUBERNETES_SERVICE_PORT": "6443"}
+    assert api_env(objects) == {"DaemonSet": want, "Deployment": want}
+    # The node agent's downward-API variables are still there.
+    (c,) = pod_spec(objects, "DaemonSet")["containers"]
+    assert [e["name"] for e in c["env"]][:3] == ["NODE_NAME", "POD_UID", "POD_NAMESPACE"]
+
+
+@pytest.mark.parametrize(
+    ("component", "kind", "other"),
+    [("node", "DaemonSet", "Deployment"), ("webhook", "Deployment", "DaemonSet")],
+    ids=["node", "webhook"],
+)
+def test_host_network_per_component(
+    helm: Path, default: list[dict[str, Any]], component: str, kind: str, other: str
+) -> None:
+    for k in ("DaemonSet", "Deployment"):
+        pod = pod_spec(default, k)
+        assert "hostNetwork" not in pod and "dnsPolicy" not in pod
+    objects = h.template(helm, {component: {"hostNetwork": True}})
+    pod = pod_spec(objects, kind)
+    assert pod["hostNetwork"] is True
+    assert pod["dnsPolicy"] == "ClusterFirstWithHostNet"  # cluster DNS still resolves
+    untouched = pod_spec(objects, other)
+    assert "hostNetwork" not in untouched and "dnsPolicy" not in untouched
 
 
 @pytest.mark.parametrize(
@@ -340,6 +436,21 @@ def test_notes_tell_how_to_check(helm: Path) -> None:
         ({"node": {"kubeletRoot": "var/lib/kubelet"}}, "/node/kubeletRoot"),
         ({"webhook": {"port": 70000}}, "/webhook/port"),
         ({"webhook": {"port": 0}}, "/webhook/port"),
+        ({"kubernetesApi": {"port": 0}}, "/kubernetesApi/port"),
+        ({"kubernetesApi": {"port": 70000}}, "/kubernetesApi/port"),
+        (
+            {"kubernetesApi": {"host": "https://10.0.0.1"}},
+            "kubernetesApi.host=https://10.0.0.1: give the host only",
+        ),
+        (
+            {"kubernetesApi": {"host": "10.0.0.1:6443"}},
+            "put the port in kubernetesApi.port: here kubernetesApi.host=10.0.0.1 and "
+            "kubernetesApi.port=6443",
+        ),
+        ({"kubernetesApi": {"host": "[fd00::1]"}}, "here kubernetesApi.host=fd00::1"),
+        ({"kubernetesApi": {"host": "api..example"}}, "kubernetesApi.host=api..example is not"),
+        ({"kubernetesApi": {"host": "300.0.0.1"}}, "kubernetesApi.host=300.0.0.1 is not"),
+        ({"kubernetesApi": {"host": "api server"}}, "/kubernetesApi/host"),
         ({"node": {"nvml": "fake"}}, "/node/nvml"),
         ({"node": {"migStrategy": "mixed"}}, "/node/migStrategy"),
         ({"node": {"sharedGpus": "some"}}, "/node/sharedGpus"),
@@ -402,8 +513,12 @@ def test_full_values_cover_every_schema_property() -> None:
 
 @pytest.mark.parametrize(
     "values",
-    [[], [h.FULL_VALUES, {"deviceClasses": {"gpu": {"extendedResourceName": ""}}}]],
-    ids=["default", "full"],
+    [
+        [],
+        [{"node": {"nvml": "emulated:l4"}}],
+        [h.FULL_VALUES, {"deviceClasses": {"gpu": {"extendedResourceName": ""}}}],
+    ],
+    ids=["default", "emulated", "full"],
 )
 def test_rendered_args_are_accepted_by_the_cli(helm: Path, values: list[Any]) -> None:
     """Every flag the chart passes exists in `gpudra`, with a valid value."""
@@ -411,7 +526,7 @@ def test_rendered_args_are_accepted_by_the_cli(helm: Path, values: list[Any]) ->
     parser = build_parser()
     for kind in ("DaemonSet", "Deployment"):
         (container,) = h.find(objects, kind)["spec"]["template"]["spec"]["containers"]
-        assert container["command"] == ["gpudra"]
+        assert container["command"][-1] == "gpudra"
         args = [a.replace("$(NODE_NAME)", "node-1") for a in container["args"]]
         parsed = parser.parse_args(args)
         assert parsed.command == args[0]

@@ -115,4 +115,4 @@ def test_oci_archive_is_a_valid_image_layout(tmp_path: Path) -> None:
     config = json.loads(blob(manifest["config"]["digest"]))
     assert config["rootfs"]["diff_ids"] == [first.diff_id]
     assert config["config"]["User"] == "65532:65532"
-    assert config["config"]["Entrypoint"] == ["gpudra"]
+    assert config["config"]["Entrypoint"] == ["tini", "--", "gpudra"]

@@ -3,6 +3,8 @@ plugin servers: it passes while both gRPC services answer and fails once they st
 
 from __future__ import annotations
 
+import functools
+import os
 import subprocess
 import sys
 import tempfile
@@ -36,13 +38,16 @@ class NoClaims:
         return {}
 
 
-def probe(root: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+def probe(
+    root: Path, *extra: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, str(PROBE), str(root), DRIVER, *extra],
         capture_output=True,
         text=True,
         check=False,
         timeout=60,
+        env={k: v for k, v in os.environ.items() if k != "POD_UID"} | (env or {}),
     )
 
 
@@ -67,3 +72,31 @@ async def test_probe_uses_the_pods_sockets_during_a_rolling_update() -> None:
             # Another pod's sockets (the old pod of the update) are not this pod's health.
             other = await anyio.to_thread.run_sync(probe, root, "pod-old")
             assert other.returncode == 1
+
+
+async def test_probe_finds_the_shortened_sockets_under_a_long_kubelet_root() -> None:
+    """Under a long kubelet root the plugin names its sockets after a digest of the
+    pod UID (the full UID would pass the unix path limit); the probe follows."""
+    uid = "a464f592-31c6-49a5-b251-e04b7587c836"
+    with tempfile.TemporaryDirectory(prefix="kl-") as tmp:
+        root = Path(tmp) / ("k" * 30)
+        async with KubeletPlugin(DRIVER, NoClaims(), kubelet_root=root, pod_uid=uid) as plugin:
+            assert uid not in plugin.registration_socket.name
+            ok = await anyio.to_thread.run_sync(probe, root, uid)
+            assert ok.returncode == 0, ok.stderr
+
+
+async def test_probe_takes_the_pod_uid_from_the_environment() -> None:
+    """The kubelet runs an exec probe's command unexpanded (a `$(POD_UID)` argument
+    stays literal) but with the container's environment, so the chart passes no UID
+    and the probe reads $POD_UID."""
+    uid = "a464f592-31c6-49a5-b251-e04b7587c836"
+    with tempfile.TemporaryDirectory(prefix="kl-") as tmp:
+        root = Path(tmp)
+        async with KubeletPlugin(DRIVER, NoClaims(), kubelet_root=root, pod_uid=uid):
+            ok = await anyio.to_thread.run_sync(
+                functools.partial(probe, root, env={"POD_UID": uid})
+            )
+            assert ok.returncode == 0, ok.stderr
+            without = await anyio.to_thread.run_sync(probe, root)
+            assert without.returncode == 1

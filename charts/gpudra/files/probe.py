@@ -4,8 +4,12 @@ GetInfo on the registration socket and an empty NodePrepareResources on the DRA 
 prove that both servers accept connections and answer, which a process check cannot.
 Only grpc is needed: empty protobuf messages serialize to no bytes.
 Usage: probe.py <kubelet root> <driver name> [<pod uid>]; exit 0 when both answer.
+The pod UID defaults to $POD_UID: the kubelet does not expand `$(VAR)` in an exec
+probe's command, but runs it with the container's environment.
 """
 
+import hashlib
+import os
 import sys
 from pathlib import Path
 
@@ -21,11 +25,15 @@ CALLS = (
 
 
 def socket_path(root: Path, pattern: str, driver: str, pod_uid: str) -> Path:
-    """The per-pod socket (rolling updates) when it exists, else the plain one."""
+    """The per-pod socket (rolling updates) when it exists, else the plain one. The
+    plugin names it after the pod UID, or after 12 hex digits of the UID's SHA-256
+    where the full UID would not fit the unix socket path limit."""
     if pod_uid:
-        path = root / pattern.format(driver=driver, suffix=f"-{pod_uid}")
-        if path.exists():
-            return path
+        digest = hashlib.sha256(pod_uid.encode()).hexdigest()[:12]
+        for suffix in (f"-{pod_uid}", f"-{digest}"):
+            path = root / pattern.format(driver=driver, suffix=suffix)
+            if path.exists():
+                return path
     return root / pattern.format(driver=driver, suffix="")
 
 
@@ -34,7 +42,7 @@ def main(argv: list[str]) -> int:
         print("usage: probe.py <kubelet root> <driver name> [<pod uid>]", file=sys.stderr)
         return 2
     root, driver = Path(argv[0]), argv[1]
-    pod_uid = argv[2] if len(argv) == 3 else ""
+    pod_uid = argv[2] if len(argv) == 3 else os.environ.get("POD_UID", "")
     for pattern, method in CALLS:
         path = socket_path(root, pattern, driver, pod_uid)
         try:

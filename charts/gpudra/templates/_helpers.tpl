@@ -72,3 +72,46 @@ config for the driver; the same text as gpudra.webhook.registration.claim_cel. *
 {{- $drivers := printf "['%s']" (index . 2) -}}
 {{- printf "has(%[1]s) && ((has(%[1]s.requests) && %[1]s.requests.exists(r, (has(r.exactly) && r.exactly.deviceClassName in %[2]s) || (has(r.firstAvailable) && r.firstAvailable.exists(s, s.deviceClassName in %[2]s)))) || (has(%[1]s.config) && %[1]s.config.exists(c, has(c.opaque) && c.opaque.driver in %[3]s)))" $d $classes $drivers -}}
 {{- end -}}
+
+{{/* "true" when the string is a DNS name (RFC 1123), an IPv4 address or an IPv6 address
+without brackets: what KUBERNETES_SERVICE_HOST may hold (the client adds the brackets). */}}
+{{- define "gpudra.isHost" -}}
+{{- $h4 := `[0-9A-Fa-f]{1,4}` -}}
+{{- $v4 := `((25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])\.){3}(25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])` -}}
+{{- $v6 := list
+  (printf `(%[1]s:){7}%[1]s` $h4)
+  (printf `(%[1]s:){1,7}:` $h4)
+  (printf `(%[1]s:){1,6}:%[1]s` $h4)
+  (printf `(%[1]s:){1,5}(:%[1]s){1,2}` $h4)
+  (printf `(%[1]s:){1,4}(:%[1]s){1,3}` $h4)
+  (printf `(%[1]s:){1,3}(:%[1]s){1,4}` $h4)
+  (printf `(%[1]s:){1,2}(:%[1]s){1,5}` $h4)
+  (printf `%[1]s:(:%[1]s){1,6}` $h4)
+  (printf `:((:%[1]s){1,7}|:)` $h4)
+  (printf `(%[1]s:){6}%[2]s` $h4 $v4)
+  (printf `::(%[1]s:){0,5}%[2]s` $h4 $v4)
+  (printf `(%[1]s:){1}:(%[1]s:){0,4}%[2]s` $h4 $v4)
+  (printf `(%[1]s:){2}:(%[1]s:){0,3}%[2]s` $h4 $v4)
+  (printf `(%[1]s:){3}:(%[1]s:){0,2}%[2]s` $h4 $v4)
+  (printf `(%[1]s:){4}:(%[1]s:){0,1}%[2]s` $h4 $v4)
+  (printf `(%[1]s:){5}:%[2]s` $h4 $v4)
+-}}
+{{- $label := `[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?` -}}
+{{- $dns := printf `^%[1]s(\.%[1]s)*$` $label -}}
+{{- if or (regexMatch (printf `^%s$` $v4) .) (regexMatch (printf `^(%s)$` (join "|" $v6)) .) -}}
+true
+{{- else if and (le (len .) 253) (regexMatch $dns .) (not (regexMatch `^[0-9.]+$` .)) -}}
+true
+{{- end -}}
+{{- end -}}
+
+{{/* The API server's address for the in-cluster client, when kubernetesApi.host is set:
+explicit env wins over the kubelet's service variables. */}}
+{{- define "gpudra.kubernetesApiEnv" -}}
+{{- with .Values.kubernetesApi.host -}}
+- name: KUBERNETES_SERVICE_HOST
+  value: {{ . | quote }}
+- name: KUBERNETES_SERVICE_PORT
+  value: {{ $.Values.kubernetesApi.port | toString | quote }}
+{{- end -}}
+{{- end -}}
