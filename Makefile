@@ -74,7 +74,8 @@ chart-lint: venv
 image: venv
 	$(VPY) e2e/image/build.py
 
-# kind cluster with DRA gates and CDI, the chart with emulated GPUs, the e2e suite (needs Docker).
+# kind cluster with DRA gates and CDI, then the e2e suite; its GPU-pod tests install the
+# chart with emulated GPUs on a worker, as they do on the local real node (needs Docker).
 e2e-kind: venv
 	$(VPY) -m e2e.kind up
 	GPUDRA_CLUSTER_PROVIDER=kind $(VPY) e2e/run_pytest.py -m cluster e2e

@@ -16,7 +16,13 @@ import pytest
 from e2e.cluster.harness import REPO, Cluster, Layout, _port_free
 from e2e.cluster.kube import wait_for
 
-pytestmark = pytest.mark.cluster
+pytestmark = [
+    pytest.mark.cluster,
+    pytest.mark.skipif(
+        os.environ.get("GPUDRA_CLUSTER_PROVIDER") == "kind",
+        reason="tests the local control-plane harness itself",
+    ),
+]
 BUILD = REPO / "e2e" / "cluster" / "build.sh"
 ALT_PORTS = {
     "ETCD": 33790,

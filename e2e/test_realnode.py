@@ -8,6 +8,7 @@ writable cgroups, no namespaces) or the node's parts cannot be built.
 
 from __future__ import annotations
 
+import os
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -28,7 +29,13 @@ from e2e.node.realnode import (
     unavailable_reason,
 )
 
-pytestmark = pytest.mark.cluster
+pytestmark = [
+    pytest.mark.cluster,
+    pytest.mark.skipif(
+        os.environ.get("GPUDRA_CLUSTER_PROVIDER") == "kind",
+        reason="the real node joins only the local control plane",
+    ),
+]
 
 
 @pytest.fixture(scope="module")

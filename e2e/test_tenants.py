@@ -71,7 +71,7 @@ async def env(cluster: Cluster, kube: SyncKube, tmp_path: Path) -> AsyncIterator
     config = ServerConfig(
         cert_file=tmp_path / "pki" / TLS_CERT,
         key_file=tmp_path / "pki" / TLS_KEY,
-        host="127.0.0.1",
+        host=cluster.webhook_host(),
         port=0,
     )
     controller = TenantController(akube, config.policy)
@@ -91,7 +91,7 @@ async def env(cluster: Cluster, kube: SyncKube, tmp_path: Path) -> AsyncIterator
         await tg.start(controller.run)
         await tg.start(agent.run)
         await agent.slices.converged.wait()
-        url = f"https://127.0.0.1:{port}"
+        url = f"https://{cluster.webhook_host()}:{port}"
         await registration.apply(
             akube,
             registration.mutating_configuration(

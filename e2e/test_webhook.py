@@ -39,7 +39,7 @@ async def webhook(cluster: Cluster, kube: SyncKube, tmp_path: Path) -> AsyncIter
         ServerConfig(
             cert_file=tmp_path / "pki" / TLS_CERT,
             key_file=tmp_path / "pki" / TLS_KEY,
-            host="127.0.0.1",
+            host=cluster.webhook_host(),
             port=0,
         ),
         ApiTemplateEnsurer(akube),
@@ -76,7 +76,7 @@ async def webhook(cluster: Cluster, kube: SyncKube, tmp_path: Path) -> AsyncIter
             registration.mutating_configuration(
                 ca_bundle_b64=pki.ca_bundle_base64(),
                 own_namespace="gpudra",
-                url=f"https://127.0.0.1:{port}",
+                url=f"https://{cluster.webhook_host()}:{port}",
             ),
         )
         yield

@@ -116,11 +116,11 @@ def issued_by(cert: CertKeyPair | x509.Certificate, ca: CertKeyPair) -> bool:
     return True
 
 
-async def served_certificate(port: int, trust: bytes) -> x509.Certificate:
+async def served_certificate(host: str, port: int, trust: bytes) -> x509.Certificate:
     """The certificate a new connection gets, verified against `trust` only."""
     context = ssl.create_default_context(cadata=trust.decode())
     stream = await anyio.connect_tcp(
-        "127.0.0.1",
+        host,
         port,
         tls=True,
         ssl_context=context,
@@ -137,6 +137,7 @@ async def served_certificate(port: int, trust: bytes) -> x509.Certificate:
 
 @dataclass
 class Webhook:
+    host: str
     port: int
     directory: Path
     before: WebhookPki
@@ -153,7 +154,7 @@ async def webhook(cluster: Cluster, tmp_path: Path) -> AsyncIterator[Webhook]:
         ServerConfig(
             cert_file=directory / TLS_CERT,
             key_file=directory / TLS_KEY,
-            host="127.0.0.1",
+            host=cluster.webhook_host(),
             port=0,
             cert_check_interval=0.1,
         ),
@@ -172,12 +173,12 @@ async def webhook(cluster: Cluster, tmp_path: Path) -> AsyncIterator[Webhook]:
             registration.mutating_configuration(
                 ca_bundle_b64=before.ca_bundle_base64(),
                 own_namespace="gpudra",
-                url=f"https://127.0.0.1:{port}",
+                url=f"https://{cluster.webhook_host()}:{port}",
             ),
         )
         controller.set_bundle(before.ca_bundle)
         await tg.start(controller.run)
-        yield Webhook(port, directory, before, controller, rotation)
+        yield Webhook(cluster.webhook_host(), port, directory, before, controller, rotation)
         await registration.delete(akube)
         tg.cancel_scope.cancel()
     await akube.close()
@@ -204,7 +205,7 @@ async def test_serving_and_ca_rotation_under_load_fail_no_request(
         # Once the bundle with both CAs is in the configuration, the new CA signs.
         with anyio.fail_after(GUARD):
             while not issued_by(
-                await served_certificate(webhook.port, during.ca_bundle), during.ca
+                await served_certificate(webhook.host, webhook.port, during.ca_bundle), during.ca
             ):
                 assert not load.failures, load.failures[:3]
                 await anyio.sleep(0.1)
@@ -217,7 +218,7 @@ async def test_serving_and_ca_rotation_under_load_fail_no_request(
     assert during is not None and after is not None
     assert after.ca == during.ca and after.previous_ca == before.ca
     # New connections get the new certificate, verified with the new CA alone.
-    served = await served_certificate(webhook.port, after.ca.cert_pem)
+    served = await served_certificate(webhook.host, webhook.port, after.ca.cert_pem)
     assert served == after.serving.certificate
     assert issued_by(served, after.ca) and not issued_by(served, before.ca)
     config = await anyio.to_thread.run_sync(

@@ -202,6 +202,11 @@ class Cluster:
         self.layout = layout or default_layout()
 
     # -- public --------------------------------------------------------------
+    def webhook_host(self) -> str:
+        """The address a webhook served on this machine listens on and is registered
+        with, so that the API server reaches it (kind's is in a container)."""
+        return "127.0.0.1"
+
     def kube(self) -> Kube:
         state = self._require_state()
         return Kube(self.layout.credentials(state.ports["apiserver"]))
@@ -446,6 +451,9 @@ class Cluster:
                 # A real node (e2e/node) is named `real-1`: only its InternalIP resolves.
                 "--kubelet-preferred-address-types=InternalIP,Hostname",
                 "--service-cluster-ip-range=10.0.0.0/24",
+                # No kube-proxy routes ClusterIPs here, so webhooks behind a Service
+                # (the chart on the real node) are called at their endpoint address.
+                "--enable-aggregator-routing=true",
                 "--allow-privileged=true",
                 "--authorization-mode=Node,RBAC",
                 "--enable-admission-plugins=NodeRestriction",

@@ -56,6 +56,13 @@ RESOURCES: dict[str, tuple[str, str, bool]] = {
         "validatingwebhookconfigurations",
         False,
     ),
+    "Deployment": ("/apis/apps/v1", "deployments", True),
+    "DaemonSet": ("/apis/apps/v1", "daemonsets", True),
+    "CustomResourceDefinition": (
+        "/apis/apiextensions.k8s.io/v1",
+        "customresourcedefinitions",
+        False,
+    ),
 }
 
 

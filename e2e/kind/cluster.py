@@ -1,6 +1,9 @@
-"""The kind cluster provider: a Docker-based cluster with the chart installed, offering
-the same surface as the local harness's `Cluster` (`up`, `down`, `is_up`, `kube`,
-`layout.admin_kubeconfig`), so the end-to-end suite runs unchanged on either.
+"""The kind cluster provider: a Docker-based cluster offering the same surface as the
+local harness's `Cluster` (`up`, `down`, `is_up`, `kube`, `kubectl`,
+`layout.admin_kubeconfig`), so the end-to-end suite runs unchanged on either. The
+GPU-pod suite (e2e/test_realnode_gpus.py) installs the chart on a worker itself,
+through `KindGpus` (e2e/kind/gpus.py), the same code that installs it on the local
+cluster's real node.
 
 It needs a Docker engine; the machines the suite usually runs on have none, which is
 why the kind config is validated by tests/chart/test_kind_config.py instead.
@@ -12,7 +15,6 @@ import base64
 import os
 import shutil
 import subprocess
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,13 +23,12 @@ from typing import Any
 import yaml
 
 from e2e.cluster.kube import Credentials, Kube
-from e2e.tools import helm as h
+from e2e.node import images
 
 REPO = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 CONFIG = HERE / "cluster.yaml"
 VALUES = HERE / "values.yaml"
-NAMESPACE = "gpudra"
 
 
 class KindError(Exception):
@@ -111,31 +112,61 @@ class KindCluster:
         config = self._run(kind, "get", "kubeconfig", "--name", self.name).stdout
         self.layout.admin_kubeconfig.write_text(config)
         self._write_credentials(config)
-        log("kind: building the image (make image)")
-        image = REPO / "dist" / "gpudra-kind.oci.tar"
-        tag = "gpudra.local/gpudra:e2e"
-        self._run(
-            sys.executable, str(REPO / "e2e" / "image" / "build.py"),
-            "--out", str(image), "--name", tag,
-        )  # fmt: skip
-        self._run(kind, "load", "image-archive", str(image), "--name", self.name)
-        log("kind: installing the chart with emulated GPUs")
-        h.run(
-            h.helm_binary(),
-            "upgrade", "--install", "gpudra", str(h.CHART),
-            "--namespace", NAMESPACE, "--create-namespace",
-            "-f", str(VALUES),
-            "--set", "image.repository=gpudra.local/gpudra", "--set", "image.tag=e2e",
-            "--wait", "--timeout", "5m",
-            env={"KUBECONFIG": str(self.layout.admin_kubeconfig)},
-            timeout=360,
-        )  # fmt: skip
+        # The GPU pods' test image; the gpudra image is loaded by KindGpus.
+        test_image = images.build_test_image(images.cache_dir())
+        self._run(kind, "load", "image-archive", str(test_image), "--name", self.name)
 
     def down(self, log: Callable[[str], None] = print) -> None:
         if shutil.which("docker") is None:
             return
         self._run(self._kind(), "delete", "cluster", "--name", self.name)
         log(f"kind: deleted cluster {self.name}")
+
+    def kubectl(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+        """kubectl of the node image's Kubernetes version; never raises on failure."""
+        proc = subprocess.run(
+            ["bash", str(REPO / "e2e" / "cluster" / "build.sh")],
+            capture_output=True,
+            text=True,
+            check=False,
+            env={**os.environ, "K8S_VERSION": node_image().rsplit(":", 1)[1].removeprefix("v")},
+        )
+        if proc.returncode != 0:
+            raise KindError(f"building kubectl failed: {proc.stderr.strip()[-300:]}")
+        kubectl = Path(proc.stdout.strip().splitlines()[-1]) / "kubectl"
+        return subprocess.run(
+            [str(kubectl), *args],
+            env={**os.environ, "KUBECONFIG": str(self.layout.admin_kubeconfig)},
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
+
+    def docker_exec(
+        self, node: str, *argv: str, stdin: str | None = None
+    ) -> subprocess.CompletedProcess[str]:
+        """A command inside a kind node's container; never raises on failure."""
+        return subprocess.run(
+            ["docker", "exec", *(["-i"] if stdin is not None else []), node, *argv],
+            input=stdin,
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=120,
+        )
+
+    def webhook_host(self) -> str:
+        """The host's address on kind's Docker network, which the API server in the
+        control-plane container reaches (its 127.0.0.1 is the container itself)."""
+        proc = self._run(
+            "docker", "network", "inspect", "kind",
+            "--format", "{{range .IPAM.Config}}{{.Gateway}} {{end}}",
+        )  # fmt: skip
+        gateways = [g for g in proc.stdout.split() if ":" not in g]
+        if not gateways:
+            raise KindError("kind's Docker network has no IPv4 gateway for webhooks to listen on")
+        return gateways[0]
 
     def kube(self) -> Kube:
         server = yaml.safe_load(self.layout.admin_kubeconfig.read_text())["clusters"][0]

@@ -2,24 +2,32 @@
 the real components accept: every feature gate must be one the pinned Kubernetes
 binaries know and that is not GA (a GA or unknown gate stops kind's control plane),
 and it must be exactly the set the local harness enables, so both providers test the
-same features. CDI must be on where the chart writes its specs."""
+same features. CDI must be on where the chart writes its specs. The file as a whole is
+decoded by e2e/kind/validate, built against the pinned kind's own config types, so a
+misspelt field, a wrong type or an unknown node role fails here and not at `kind
+create cluster`."""
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import tomllib
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
 
 from e2e.cluster.harness import BUILD_SCRIPT, WANTED_GATES, known_gates
-from e2e.kind.cluster import CONFIG, VALUES, node_image
+from e2e.kind.cluster import CONFIG, VALUES, KindCluster, node_image
+from e2e.kind.gpus import KindGpus, KindNode
 from e2e.tools import helm as h
 
 KIND = yaml.safe_load(CONFIG.read_text())
 COMPONENTS = ("kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubelet")
+REPO = Path(__file__).resolve().parents[2]
+VALIDATE_BUILD = REPO / "e2e" / "tools" / "build-kind-validate.sh"
 
 
 @pytest.fixture(scope="module")
@@ -85,3 +93,138 @@ def test_kind_values_render() -> None:
     ds = h.find(objects, "DaemonSet")["spec"]["template"]["spec"]
     assert "--nvml=emulated:h100-80gb-hbm3-x8" in ds["containers"][0]["args"]
     assert ds["containers"][0]["securityContext"]["privileged"] is False
+
+
+def test_kind_gpu_node_values_pin_one_worker_with_the_node_profile(tmp_path: Path) -> None:
+    """What the GPU-pod suite installs on kind (KindGpus), rendered by the real helm:
+    the chart's defaults for host paths and networking, the image the suite loads,
+    one worker, and the GPU profile the suite writes into the agent's state dir."""
+    try:
+        helm = h.helm_binary()
+    except h.HelmUnavailable as e:
+        pytest.skip(f"helm could not be built: {e}")
+    gpus = KindGpus(KindNode(KindCluster(root=tmp_path), "gpudra-e2e-worker"))
+    crashing = gpus.values(node_args=["--crash-at=cdi-written"], api_port=1)
+    objects = h.template(helm, gpus.values())
+    spec = h.find(objects, "DaemonSet")["spec"]["template"]["spec"]
+    (agent,) = spec["containers"]
+    assert spec["nodeSelector"] == {"kubernetes.io/hostname": "gpudra-e2e-worker"}
+    assert "hostNetwork" not in spec  # kind has kube-proxy and a pod network
+    assert agent["image"] == "gpudra.local/gpudra:e2e"
+    assert "--nvml=emulated:/var/lib/gpudra/profile.json" in agent["args"]
+    assert "--kubelet-root=/var/lib/kubelet" in agent["args"]
+    assert not [a for a in agent["args"] if a.startswith(("--driver-root", "--host-root"))]
+    assert not [e for e in agent["env"] if e["name"].startswith("KUBERNETES_SERVICE")]
+    # The fault variants: a crash point, and an API server address that answers nothing.
+    (agent,) = h.find(h.template(helm, crashing), "DaemonSet")["spec"]["template"]["spec"][
+        "containers"
+    ]
+    assert "--crash-at=cdi-written" in agent["args"]
+    env = {e["name"]: e.get("value") for e in agent["env"]}
+    assert (env["KUBERNETES_SERVICE_HOST"], env["KUBERNETES_SERVICE_PORT"]) == ("127.0.0.1", "1")
+
+
+@pytest.fixture(scope="module")
+def kind_validate() -> Path:
+    """e2e/kind/validate built against the pinned kind (cached, built once)."""
+    proc = subprocess.run(
+        ["bash", str(VALIDATE_BUILD)], capture_output=True, text=True, check=False
+    )
+    if proc.returncode != 0:
+        lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("build-kind-validate:")]
+        reason = lines[-1] if lines else proc.stderr.strip()[-300:]
+        pytest.skip(f"kind config validator could not be built: {reason}")
+    return Path(proc.stdout.strip().splitlines()[-1])
+
+
+def validate(binary: Path, config: Path) -> tuple[int, list[str]]:
+    proc = subprocess.run(
+        [str(binary), str(config)], capture_output=True, text=True, check=False, timeout=60
+    )
+    assert proc.stderr == "", proc.stderr
+    return proc.returncode, proc.stdout.splitlines()
+
+
+def test_validator_requires_the_pinned_kind() -> None:
+    versions = dict(
+        line.split("=", 1)
+        for line in (REPO / "e2e" / "tools" / "versions.env").read_text().splitlines()
+        if "=" in line and not line.startswith("#")
+    )
+    go_mod = (REPO / "e2e" / "kind" / "validate" / "go.mod").read_text()
+    assert re.search(
+        rf"^\s*sigs\.k8s\.io/kind {re.escape(versions['KIND_VERSION'])}$", go_mod, re.M
+    )
+
+
+def test_config_is_valid_for_the_pinned_kind(kind_validate: Path) -> None:
+    assert validate(kind_validate, CONFIG) == (0, ["ok"])
+
+
+def _misspelt_key(cfg: dict[str, Any]) -> None:
+    cfg["featureGate"] = cfg.pop("featureGates")
+
+
+def _unknown_role(cfg: dict[str, Any]) -> None:
+    worker = next(n for n in cfg["nodes"] if n["role"] == "worker")
+    worker["role"] = "wroker"
+
+
+def _string_gate(cfg: dict[str, Any]) -> None:
+    gate = next(iter(cfg["featureGates"]))
+    cfg["featureGates"][gate] = "true"
+
+
+def _not_toml(cfg: dict[str, Any]) -> None:
+    cfg["containerdConfigPatches"][0] = cfg["containerdConfigPatches"][0].replace("]", "", 1)
+
+
+def _wrong_api_version(cfg: dict[str, Any]) -> None:
+    cfg["apiVersion"] = "kind.x-k8s.io/v1alpha3"
+
+
+FIRST_GATE = re.escape(next(iter(KIND["featureGates"])))
+FIRST_WORKER = next(i for i, n in enumerate(KIND["nodes"]) if n["role"] == "worker")
+BROKEN = {
+    "misspelt-top-level-key": (
+        _misspelt_key,
+        r'featureGate: unknown field, v1alpha4\.Cluster has no "featureGate"'
+        r' \(did you mean "featureGates"\?\)',
+    ),
+    "unknown-node-role": (
+        _unknown_role,
+        rf'nodes\[{FIRST_WORKER}\]\.role: "wroker" is not one of control-plane, worker',
+    ),
+    "feature-gate-string": (
+        _string_gate,
+        rf"featureGates\.{FIRST_GATE}: cannot unmarshal !!str `true` into bool",
+    ),
+    "containerd-patch-not-toml": (_not_toml, r"containerdConfigPatches\[0\]: not valid TOML: .+"),
+    "wrong-api-version": (
+        _wrong_api_version,
+        r'apiVersion: "kind\.x-k8s\.io/v1alpha3" is not kind\.x-k8s\.io/v1alpha4, .+',
+    ),
+}
+
+
+def test_an_unchanged_copy_is_valid(kind_validate: Path, tmp_path: Path) -> None:
+    """The broken copies below are written the same way; this one, unbroken, passes."""
+    copy = tmp_path / "cluster.yaml"
+    copy.write_text(yaml.safe_dump(KIND, sort_keys=False))
+    assert validate(kind_validate, copy) == (0, ["ok"])
+
+
+@pytest.mark.parametrize("case", sorted(BROKEN))
+def test_a_broken_copy_fails_naming_the_field(
+    kind_validate: Path, tmp_path: Path, case: str
+) -> None:
+    breaks, expected = BROKEN[case]
+    cfg = yaml.safe_load(CONFIG.read_text())
+    breaks(cfg)
+    assert cfg != KIND, "the edit did not change the config"
+    broken = tmp_path / "cluster.yaml"
+    broken.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    rc, lines = validate(kind_validate, broken)
+    assert rc == 1, lines
+    assert len(lines) == 1, lines
+    assert re.fullmatch(rf"{expected}( \(line \d+\))?", lines[0]), lines

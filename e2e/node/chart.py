@@ -1,0 +1,350 @@
+"""gpudra on the real node as a platform team installs it: the image `make image`
+builds, imported into the node's containerd, and the Helm chart's node DaemonSet and
+webhook Deployment running as pods on `real-1`.
+
+This is the path `make e2e-kind` takes on kind (e2e/kind), run where no Docker engine
+exists: the same chart, the same image, the agent's emulated-GPU defaults (numbered
+device nodes in the CDI specs, a stand-in driver root under its state dir), the
+chart's RBAC and its ValidatingAdmissionPolicy checked against the agent's real
+service-account token. What differs from kind, and why (`ChartStack.values`):
+- no kube-proxy runs here, so both components use `hostNetwork` and reach the API
+  server at the address `kubernetesApi` gives; the API server calls the webhook at
+  its endpoint (the harness routes to endpoints);
+- the node's own kubelet root and CDI folder; a state dir under the node's folder;
+- the node's GPU profile (the same as the host-process installation's) is read from
+  the state dir, which the agent sees at the same path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from gpudra.cli.node import EMULATED_NVML_STATE, EMULATED_TOOLS_LOG
+
+from e2e.cluster.harness import REPO
+from e2e.cluster.kube import ApiError, Kube, wait_for
+from e2e.node.gpus import DRIVER, NodeGpus, _free_port
+from e2e.node.realnode import NodeError, NodeState
+from e2e.node.realnode import build as build_containerd
+from e2e.tools import helm as h
+
+RELEASE = "gpudra"
+NAMESPACE = "gpudra"
+IMAGE_REPOSITORY = "gpudra.local/gpudra"
+IMAGE_TAG = "e2e"
+# What a Helm release adopts when the host-process installation made it before.
+ADOPTED = (
+    ("DeviceClass", "gpu.nvidia.com"),
+    ("DeviceClass", "mig.nvidia.com"),
+    ("DeviceClass", "gpu-shared.nvidia.com"),
+    ("CustomResourceDefinition", "gputenants.gpudra.io"),
+)
+SIGKILL_EXIT = 128 + 9
+
+
+def chart_unavailable_reason() -> str | None:
+    """Why the chart cannot be installed here (helm or the image cannot be built)."""
+    try:
+        h.helm_binary()
+    except h.HelmUnavailable as e:
+        return f"helm: {e}"
+    if shutil.which("debootstrap") is None and not _base_cached():
+        return "the image needs debootstrap for its base layer: apt-get install debootstrap"
+    return None
+
+
+def _base_cached() -> bool:
+    from e2e.image import build as image  # noqa: PLC0415 - only to look at its cache
+
+    return any((image._cache_root() / "image").glob("base-*/layer.json"))
+
+
+class ChartStack(NodeGpus):
+    """The chart's release `gpudra` on the real node, with emulated GPUs."""
+
+    name = "chart"
+
+    def __init__(self, node: Any) -> None:
+        super().__init__(node)
+        self.root = node.layout.root / "gpudra-chart"
+        self._ports: dict[str, int] = {}
+
+    @property
+    def state_dir(self) -> Path:
+        return self.root / "state"
+
+    @property
+    def tools_log(self) -> Path:
+        return self.state_dir / EMULATED_TOOLS_LOG
+
+    @property
+    def nvml_state_path(self) -> Path:
+        return self.state_dir / EMULATED_NVML_STATE
+
+    @property
+    def ports(self) -> dict[str, int]:
+        """The webhook's and the agent's metrics port: on the host's network."""
+        if not self._ports:
+            saved = self.root / "ports.json"
+            if saved.exists():
+                self._ports = json.loads(saved.read_text())
+            else:
+                self._ports = {"webhook": _free_port(), "metrics": _free_port()}
+                self.root.mkdir(parents=True, exist_ok=True)
+                saved.write_text(json.dumps(self._ports))
+        return self._ports
+
+    def values(
+        self, *, node_args: list[str] | None = None, api_port: int | None = None
+    ) -> dict[str, Any]:
+        cluster = self.node.cluster
+        lay = self.node.layout
+        pin = {"kubernetes.io/hostname": self.node.name}
+        return {
+            "image": {"repository": IMAGE_REPOSITORY, "tag": IMAGE_TAG, "pullPolicy": "Never"},
+            "kubernetesApi": {
+                "host": "127.0.0.1",
+                "port": api_port or cluster._require_state().ports["apiserver"],
+            },
+            "node": {
+                "nvml": f"emulated:{self.state_dir / 'profile.json'}",
+                "sharedGpus": self.shared_gpus(),
+                "kubeletRoot": str(lay.kubelet_root),
+                "cdiRoot": str(lay.cdi),
+                "stateDir": str(self.state_dir),
+                "hostNetwork": True,
+                "metricsPort": self.ports["metrics"],
+                "nodeSelector": pin,
+                "extraArgs": ["--cleanup-interval=5", *(node_args or [])],
+            },
+            "webhook": {
+                "hostNetwork": True,
+                "port": self.ports["webhook"],
+                "nodeSelector": pin,
+            },
+        }
+
+    # --- lifecycle -----------------------------------------------------------------
+
+    def up(self, *, webhook: bool = True, log: Callable[[str], None] = print) -> None:
+        """Image into containerd, profile into the state dir, then `helm upgrade
+        --install --wait`; returns once the pool is published, the kubelet has the
+        plugin and the webhook is registered."""
+        del webhook  # the chart always runs it
+        start = time.monotonic()
+        kube = self.node.cluster.kube()
+        self.root.mkdir(parents=True, exist_ok=True)
+        # A release an interrupted run left behind has other ports and values.
+        self.down(log=lambda _m: None)
+        self.prepare_node()
+        self._adopt(kube)
+        mark = self.kubelet_log_size()
+        self._helm_upgrade(self.values(), wait=True)
+        wait_for(f"{self.node.name}'s pool published", lambda: self.published(kube), timeout=90)
+        self.wait_registered(mark)
+        wait_for("the webhook registered", lambda: _webhook_ready(kube), timeout=90)
+        log(
+            f"gpudra chart on {self.node.name}: pods running, pool published and the "
+            f"plugin registered in {time.monotonic() - start:.1f}s"
+        )
+
+    def down(self, log: Callable[[str], None] = print) -> None:
+        """Uninstalls the release, if there is one, and waits for its pods to go."""
+        kube = self.node.cluster.kube()
+        if not self._installed():
+            return
+        self._helm("uninstall", RELEASE, "--namespace", NAMESPACE, "--wait", "--timeout", "2m")
+        wait_for(
+            "the chart's pods gone",
+            lambda: not [p for p in kube.list("Pod", NAMESPACE) if _chart_pod(p)],
+            timeout=120,
+        )
+        log(f"gpudra chart removed from {self.node.name}")
+
+    @contextlib.contextmanager
+    def crashing_at(self, step: str) -> Iterator[Callable[[], None]]:
+        kube = self.node.cluster.kube()
+        self._roll(self.values(node_args=[f"--crash-at={step}"]))
+        before = self._agent_restarts(kube)
+
+        def crashed() -> None:
+            wait_for(
+                "the agent container SIGKILLed",
+                lambda: self._agent_restarts(kube) > before,
+                timeout=120,
+            )
+            status = self._agent_pod(kube)["status"]["containerStatuses"][0]
+            assert status["lastState"]["terminated"]["exitCode"] == SIGKILL_EXIT, status
+
+        try:
+            yield crashed
+        finally:
+            self._roll(self.values())
+
+    @contextlib.contextmanager
+    def api_unreachable(self) -> Iterator[None]:
+        self._roll(self.values(api_port=1))
+        try:
+            yield
+        finally:
+            self._roll(self.values())
+
+    # --- what differs on kind (e2e/kind/gpus.py) -----------------------------------
+
+    def prepare_node(self) -> None:
+        """The image in the node's containerd, the GPU profile in the state dir."""
+        self._import_image(self._node_state())
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        (self.state_dir / "profile.json").write_text(json.dumps(self.profile(), indent=2))
+
+    # --- internals -----------------------------------------------------------------
+
+    def _node_state(self) -> NodeState:
+        state = NodeState.load(self.node.layout.state)
+        if state is None or not state.ready:
+            raise NodeError(f"node {self.node.name} is not up: run `make node-up` first")
+        return state
+
+    def _import_image(self, state: NodeState) -> None:
+        ctr = build_containerd()
+        archive = self.build_image()
+        self.node._ctr(ctr, "images", "import", "--snapshotter", state.snapshotter, str(archive))
+
+    def build_image(self) -> Path:
+        """The one image, as `make image` builds it, tagged for the chart's values."""
+        archive = self.root / "gpudra.oci.tar"
+        proc = subprocess.run(
+            [
+                sys.executable,
+                str(REPO / "e2e" / "image" / "build.py"),
+                "--out",
+                str(archive),
+                "--name",
+                f"{IMAGE_REPOSITORY}:{IMAGE_TAG}",
+            ],
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=600,
+        )
+        if proc.returncode != 0:
+            raise NodeError(f"building the image failed: {proc.stderr.strip()[-500:]}")
+        return archive
+
+    def _helm(self, *args: str, timeout: float = 360) -> str:
+        env = {"KUBECONFIG": str(self.node.cluster.layout.admin_kubeconfig)}
+        return h.run(h.helm_binary(), *args, env=env, timeout=timeout)
+
+    def _installed(self) -> bool:
+        try:
+            self._helm("status", RELEASE, "--namespace", NAMESPACE)
+        except h.HelmFailed:
+            return False
+        return True
+
+    def _helm_upgrade(self, values: dict[str, Any], *, wait: bool) -> None:
+        values_file = self.root / "values.json"
+        values_file.write_text(json.dumps(values, indent=2))
+        self._helm(
+            "upgrade", "--install", RELEASE, str(h.CHART),
+            "--namespace", NAMESPACE, "--create-namespace",
+            "-f", str(values_file),
+            *(["--wait", "--timeout", "5m"] if wait else []),
+        )  # fmt: skip
+
+    def _roll(self, values: dict[str, Any]) -> None:
+        """Upgrade the release and wait for the agent pod with exactly these
+        arguments to run and the kubelet to connect to it."""
+        kube = self.node.cluster.kube()
+        mark = self.kubelet_log_size()
+        self._helm_upgrade(values, wait=False)
+        api = values.get("kubernetesApi", {})
+        env = {"KUBERNETES_SERVICE_PORT": str(api["port"]) if api.get("host") else None}
+
+        def rolled() -> bool:
+            pods = [p for p in kube.list("Pod", NAMESPACE) if _agent(p)]
+            if len(pods) != 1 or pods[0]["metadata"].get("deletionTimestamp"):
+                return False
+            container = pods[0]["spec"]["containers"][0]
+            got = {e["name"]: e.get("value") for e in container.get("env", [])}
+            return (
+                all(a in container["args"] for a in values["node"]["extraArgs"])
+                and all(got.get(k) == v for k, v in env.items())
+                and pods[0]["status"].get("phase") == "Running"
+            )
+
+        wait_for("the agent pod rolled", rolled, timeout=180)
+        self.wait_registered(mark)
+
+    def _agent_pod(self, kube: Kube) -> dict[str, Any]:
+        pods = [p for p in kube.list("Pod", NAMESPACE) if _agent(p)]
+        if len(pods) != 1:
+            raise AssertionError(f"expected one agent pod, found {len(pods)}")
+        return pods[0]
+
+    def _agent_restarts(self, kube: Kube) -> int:
+        statuses = self._agent_pod(kube)["status"].get("containerStatuses") or [{}]
+        return int(statuses[0].get("restartCount", 0))
+
+    def _adopt(self, kube: Kube) -> None:
+        """Objects the host-process installation created get the release's ownership
+        metadata, as `helm install` requires to take over existing objects."""
+        meta = {
+            "labels": {"app.kubernetes.io/managed-by": "Helm"},
+            "annotations": {
+                "meta.helm.sh/release-name": RELEASE,
+                "meta.helm.sh/release-namespace": NAMESPACE,
+            },
+        }
+        for kind, name in ADOPTED:
+            with contextlib.suppress(ApiError):
+                if kube.get_or_none(kind, name) is not None:
+                    kube.request(
+                        "PATCH",
+                        kube.path(kind, None, name),
+                        {"metadata": meta},
+                        content_type="application/merge-patch+json",
+                    )
+
+
+def _chart_pod(pod: dict[str, Any]) -> bool:
+    return pod["metadata"].get("labels", {}).get("app.kubernetes.io/instance") == RELEASE
+
+
+def _agent(pod: dict[str, Any]) -> bool:
+    return (
+        _chart_pod(pod) and pod["metadata"]["labels"].get("app.kubernetes.io/component") == "node"
+    )
+
+
+def _webhook_ready(kube: Kube) -> bool:
+    """Its configuration carries the CA (tls.source self) and a replica is ready."""
+    deployments = [
+        d
+        for d in kube.list("Deployment", NAMESPACE)
+        if d["metadata"].get("labels", {}).get("app.kubernetes.io/component") == "webhook"
+    ]
+    ready = bool(deployments) and all(
+        d.get("status", {}).get("readyReplicas", 0) >= 1 for d in deployments
+    )
+    configs = [
+        c
+        for c in kube.list("MutatingWebhookConfiguration")
+        if c["metadata"].get("labels", {}).get("app.kubernetes.io/instance") == RELEASE
+    ]
+    return (
+        ready
+        and bool(configs)
+        and all(w["clientConfig"].get("caBundle") for c in configs for w in c.get("webhooks", []))
+    )
+
+
+__all__ = ["DRIVER", "ChartStack", "chart_unavailable_reason"]
