@@ -310,8 +310,16 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("gpudra node: --node-name is required (or set NODE_NAME)")
     config = _agent_config(args)  # flag values first: they need no NVML
     plugin = _plugin_config(args) if args.kubelet_plugin else None
+    state_path = _nvml_state(args)
     try:
-        nvml = load_nvml(args.nvml, state_path=_nvml_state(args))
+        if state_path is not None:
+            state_path.parent.mkdir(parents=True, exist_ok=True)
+        nvml = load_nvml(args.nvml, state_path=state_path)
+    except OSError as e:
+        raise SystemExit(
+            f"gpudra node: --nvml-state {str(state_path)!r}: {e.strerror}; give a writable "
+            "--state-dir or --nvml-state"
+        ) from None
     except (NvmlLoadError, ProfileError) as e:
         raise SystemExit(f"gpudra node: --nvml: {e}") from None
     if plugin is not None and _emulated(args):

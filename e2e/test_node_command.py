@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
 
@@ -18,6 +21,8 @@ DRIVER = "cli.gpudra.dev"
 
 
 def test_node_command_publishes_and_stops_on_sigterm(cluster: Cluster, kube: Kube) -> None:
+    # Short: the plugin's unix socket paths under it must stay within 107 bytes.
+    scratch = Path(tempfile.mkdtemp(prefix="gpudra-node-"))
     env = {
         **os.environ,
         "KUBECONFIG": str(cluster.layout.admin_kubeconfig),
@@ -33,6 +38,11 @@ def test_node_command_publishes_and_stops_on_sigterm(cluster: Cluster, kube: Kub
             "emulated:l4",
             "--driver-name",
             DRIVER,
+            # Its own folders, not the host's /var/lib/kubelet and /var/lib/gpudra.
+            "--kubelet-root",
+            str(scratch / "kubelet"),
+            "--state-dir",
+            str(scratch / "state"),
         ],
         cwd=REPO,
         env=env,
@@ -55,3 +65,4 @@ def test_node_command_publishes_and_stops_on_sigterm(cluster: Cluster, kube: Kub
         assert time.monotonic() - t0 < 30
         for o in kube.list("ResourceSlice", fieldSelector=f"spec.driver={DRIVER}"):
             kube.delete("ResourceSlice", o["metadata"]["name"])
+        shutil.rmtree(scratch, ignore_errors=True)
