@@ -156,6 +156,23 @@ def _alive(pid: int, cmdline_hint: str) -> bool:
     return cmdline_hint in cmd
 
 
+def spawn_logged(
+    argv: list[str], log: Path, cwd: Path, env: dict[str, str] | None
+) -> subprocess.Popen[bytes]:
+    """A background process in its own session (a signal to us does not reach it), its
+    output appended to `log`; the caller records its PID."""
+    with log.open("ab") as logf:
+        return subprocess.Popen(
+            argv,
+            stdout=logf,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            cwd=cwd,
+            env=env,
+        )
+
+
 def _stop_pid(pid: int, hint: str, timeout: float = 10.0) -> None:
     if not _alive(pid, hint):
         return
@@ -343,18 +360,8 @@ class Cluster:
             d.mkdir(parents=True, exist_ok=True, mode=0o700)
 
     def _spawn(self, state: State, name: str, argv: list[str]) -> subprocess.Popen[bytes]:
-        logf = (self.layout.logs / f"{name}.log").open("ab")
         env = {**os.environ, "PYTHONPATH": str(REPO), "GPUDRA_CLUSTER_DIR": str(self.layout.root)}
-        proc = subprocess.Popen(
-            argv,
-            stdout=logf,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-            cwd=self.layout.root,
-            env=env,
-        )
-        logf.close()
+        proc = spawn_logged(argv, self.layout.logs / f"{name}.log", self.layout.root, env)
         state.pids[name] = proc.pid
         state.cmdlines[name] = argv[0]
         state.save(self.layout.state)

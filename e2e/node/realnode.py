@@ -49,6 +49,7 @@ from e2e.cluster.harness import (
     _port_free,
     _stop_pid,
     known_gates,
+    spawn_logged,
 )
 from e2e.cluster.kube import ApiError, Kube, wait_for
 from e2e.node import images
@@ -553,17 +554,7 @@ class RealNode:
     ) -> subprocess.Popen[bytes]:
         """Started in its own session, logging to `logs/<name>.log`, and recorded with
         `hint` (default argv[0]), the part of its command line that tells it apart."""
-        logf = (self.layout.logs / f"{name}.log").open("ab")
-        proc = subprocess.Popen(
-            argv,
-            stdout=logf,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-            cwd=self.layout.root,
-            env=env,
-        )
-        logf.close()
+        proc = spawn_logged(argv, self.layout.logs / f"{name}.log", self.layout.root, env)
         state.pids[name] = proc.pid
         state.cmdlines[name] = hint or argv[0]
         state.save(self.layout.state)
