@@ -33,7 +33,9 @@ from typing import Any
 import anyio
 import anyio.to_thread
 from gpudra.common.files import atomic_write
-from gpudra.driver.plugin import ClaimRef
+from gpudra.common.kube import RESOURCE_API
+from gpudra.common.kube import Kube as KubeAsync
+from gpudra.driver.plugin import ClaimRef, KubeletPlugin, PreparedDevice, PrepareResult
 
 from e2e.claims import pod_with_claim, wait_allocated
 from e2e.cluster.harness import REPO, Cluster, State
@@ -141,6 +143,81 @@ async def drive_go(binary: Path, socket: Path, refs: list[ClaimRef], cycles: int
     return Run(out["prepare_ms"], out["unprepare_ms"], out["wall_s"], out["errors"], out["cpu_s"])
 
 
+def tmpfs_folder() -> Path | None:
+    """A tmpfs to hold the CDI specs, as /var/run/cdi is on a node (None: there is none)."""
+    try:
+        mounts = Path("/proc/mounts").read_text().splitlines()
+    except OSError:
+        return None
+    for line in mounts:
+        fields = line.split()
+        if len(fields) > 2 and fields[1] == "/dev/shm" and fields[2] == "tmpfs":
+            return Path("/dev/shm") if os.access("/dev/shm", os.W_OK) else None
+    return None
+
+
+class GetOnly:
+    """A claim handler that only GETs each claim and answers one device for it.
+
+    Served from this process with the same Go client, it measures the part of a
+    cycle that any plugin pays: the kubelet's gRPC calls and the API server read.
+    """
+
+    def __init__(self, kube: KubeAsync, driver: str) -> None:
+        self._kube = kube
+        self._driver = driver
+
+    async def prepare(self, claims: list[ClaimRef]) -> dict[str, PrepareResult]:
+        out = {}
+        for ref in claims:
+            path = f"{RESOURCE_API}/namespaces/{ref.namespace}/resourceclaims/{ref.name}"
+            claim = await self._kube.request("GET", path)
+            result = claim["status"]["allocation"]["devices"]["results"][0]
+            out[ref.uid] = PrepareResult(
+                devices=[
+                    PreparedDevice(
+                        request_names=[result["request"]],
+                        pool_name=result["pool"],
+                        device_name=result["device"],
+                        cdi_device_ids=[f"{self._driver}/gpu={ref.uid}-{result['device']}"],
+                    )
+                ]
+            )
+        return out
+
+    async def unprepare(self, claims: list[ClaimRef]) -> dict[str, str | None]:
+        return {ref.uid: None for ref in claims}
+
+
+async def floor_run(
+    binary: Path,
+    kubeconfig: Path,
+    driver: str,
+    refs: list[ClaimRef],
+    cycles: int,
+    control_plane: dict[str, int],
+) -> dict[str, Any]:
+    """The same cycles against `GetOnly`: what is left with no node work at all."""
+    kube = await KubeAsync.connect(str(kubeconfig))
+    root = Path(tempfile.mkdtemp(prefix="gdb-floor-", dir=os.environ.get("BENCH_DIR")))
+    try:
+        async with KubeletPlugin(driver, GetOnly(kube, driver), kubelet_root=root) as plugin:
+            await drive_go(binary, plugin.dra_socket, refs, max(cycles // 10, 40))
+            meter = CpuMeter({"plugin": os.getpid(), **control_plane})
+            run = await drive_go(binary, plugin.dra_socket, refs, cycles)
+            cpu_ms = meter.per_cycle_ms(cycles)
+    finally:
+        await kube.close()
+        shutil.rmtree(root, ignore_errors=True)
+    return {
+        "p50_ms": round(statistics.median(run.prepare_ms), 2),
+        "p99_ms": round(percentile(run.prepare_ms, 99), 2),
+        "claims_per_s": round(cycles / run.wall_s, 1),
+        "errors": run.errors,
+        "cpu_ms_per_cycle": {**cpu_ms, "client": round((run.client_cpu_s or 0) * 1000 / cycles, 3)},
+    }
+
+
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     index = min(len(ordered) - 1, max(0, round(q / 100 * len(ordered)) - 1))
@@ -216,6 +293,9 @@ async def main() -> dict[str, Any]:
     driver = f"bench{secrets.token_hex(3)}.gpudra.dev"
     namespace = f"bench-prepare-{secrets.token_hex(3)}"
     root = Path(tempfile.mkdtemp(prefix="gdb-", dir=os.environ.get("BENCH_DIR")))
+    # The checkpoint and state stay on disk; the specs go where a node keeps them.
+    shm = tmpfs_folder()
+    cdi_root = Path(tempfile.mkdtemp(prefix="gdb-cdi-", dir=shm)) if shm else root / "cdi"
     dev = root / "host" / "dev"
     dev.mkdir(parents=True)
     for name in (
@@ -263,7 +343,7 @@ async def main() -> dict[str, Any]:
             "--kubelet-root",
             str(root / "k"),
             "--cdi-root",
-            str(root / "cdi"),
+            str(cdi_root),
             "--state-dir",
             str(root / "state"),
             "--dev-root",
@@ -275,6 +355,7 @@ async def main() -> dict[str, Any]:
         cwd=REPO,
         env=env,
     )
+    floor: dict[str, Any] | None = None
     try:
         async with KubeletStandin(root / "k") as kubelet:
             registration = await kubelet.wait_for_driver(driver, timeout_s=120)
@@ -293,9 +374,17 @@ async def main() -> dict[str, Any]:
             cpu_ms = meter.per_cycle_ms(cycles)
             if run.client_cpu_s is not None:
                 cpu_ms["client"] = round(run.client_cpu_s * 1000 / cycles, 3)
-    finally:
+        # The agent is stopped first, so that it does not compete with the floor run.
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=30)
+        if binary is not None and os.environ.get("BENCH_FLOOR", "1") != "0":
+            floor = await floor_run(
+                binary, cluster.layout.admin_kubeconfig, driver, refs, cycles, control_plane
+            )
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=30)
         for pod in kube.list("Pod", namespace):
             kube.delete("Pod", pod["metadata"]["name"], namespace, grace=0)
         for o in kube.list("ResourceSlice", fieldSelector=f"spec.driver={driver}"):
@@ -303,6 +392,7 @@ async def main() -> dict[str, Any]:
         kube.delete("DeviceClass", driver)
         kube.delete("Namespace", namespace)
         shutil.rmtree(root, ignore_errors=True)
+        shutil.rmtree(cdi_root, ignore_errors=True)
     return {
         "cycles": cycles,
         "in_flight": GPUS,
@@ -318,6 +408,10 @@ async def main() -> dict[str, Any]:
         "cpu_ms_per_cycle": cpu_ms,
         "target_p50_ms": 5,
         "target_p99_ms": 20,
+        # The same client and claims against a plugin that only GETs each claim:
+        # gRPC plus the API server read, which every prepare pays before any node work.
+        "floor_get_only": floor,
+        "cdi_root_on_tmpfs": shm is not None,
         "cpus": os.cpu_count(),
         "load_avg_1m_at_end": round(os.getloadavg()[0], 2),
     }

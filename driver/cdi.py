@@ -533,6 +533,11 @@ class CdiSpecStore:
         return self._root
 
     @property
+    def durable(self) -> bool:
+        """Whether writes and removals fsync (then they belong in a worker thread)."""
+        return self._durable
+
+    @property
     def kind(self) -> str:
         return self._kind
 
@@ -570,9 +575,15 @@ class CdiSpecStore:
         if spec.get("kind") != self._kind:
             raise CdiError(f"spec kind {spec.get('kind')!r} is not this store's {self._kind!r}")
         path = self.spec_path(claim_uid)
-        data = json.dumps(spec, indent=2).encode() + b"\n"
-        self._root.mkdir(mode=0o755, parents=True, exist_ok=True)
-        atomic_write(path, data, mode=0o644, durable=self._durable)
+        # Compact: written and parsed by machines on every prepare (jq reads it too).
+        data = json.dumps(spec, separators=(",", ":")).encode() + b"\n"
+        try:
+            atomic_write(path, data, mode=0o644, durable=self._durable)
+        except FileNotFoundError:
+            # The folder is created on first use (and again if someone removed it),
+            # not checked on every write.
+            self._root.mkdir(mode=0o755, parents=True, exist_ok=True)
+            atomic_write(path, data, mode=0o644, durable=self._durable)
         return path
 
     def write_claim(

@@ -269,6 +269,26 @@ def test_write_is_complete_json_with_no_temp_file_left(tmp_path: Path) -> None:
     assert _no_temp_files(root)
 
 
+def test_spec_mode_is_exact_whatever_the_umask(tmp_path: Path) -> None:
+    previous = os.umask(0o077)
+    try:
+        path = CdiSpecStore(tmp_path).write_claim(UID, [_gpu_device()])
+    finally:
+        os.umask(previous)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o644
+
+
+def test_write_recreates_a_removed_cdi_folder(tmp_path: Path) -> None:
+    root = tmp_path / "cdi"
+    store = CdiSpecStore(root)
+    store.write_claim(UID, [_gpu_device()])
+    store.remove(UID)
+    root.rmdir()  # e.g. a tmpfs remounted under a running agent
+    path = store.write_claim(UID, [_gpu_device()])
+    assert json.loads(path.read_text())["devices"][0]["name"] == f"{UID}-gpu-0"
+    assert stat.S_IMODE(root.stat().st_mode) == 0o755
+
+
 def test_failed_rename_leaves_previous_spec_and_no_temp_file(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -392,6 +392,16 @@ def test_records_are_detached_from_caller_data(cp_path: Path, boot: Path) -> Non
     assert record is not None and record.devices[0].details == {"pid": 1}
 
 
+def test_write_recreates_a_removed_state_folder(cp_path: Path, boot: Path) -> None:
+    checkpoint = _load(cp_path, boot)
+    checkpoint.begin_prepare(CLAIM_1, [_gpu()])
+    cp_path.unlink()
+    cp_path.parent.rmdir()
+    checkpoint.complete_prepare(CLAIM_1.uid, [_gpu()])
+    record = _load(cp_path, boot).get(CLAIM_1.uid)
+    assert record is not None and record.completed
+
+
 def test_atomic_write_replaces_content_and_sets_mode(tmp_path: Path) -> None:
     target = tmp_path / "f.json"
     atomic_write(target, b"one", mode=0o600)
