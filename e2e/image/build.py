@@ -5,16 +5,16 @@ base layer, and a virtual environment in /opt/gpudra holding the wheel and its
 dependencies from PyPI as the second layer; default user 65532, entry point `gpudra`.
 containerd loads the result: `ctr -n k8s.io images import <archive>`.
 
-Why our own OCI writer: an image layout is a few JSON files and gzip'd tars named by
-their sha256, so the stdlib writes it; no daemon, no registry, no extra tools. Only
-debootstrap (Debian package) is needed, for the base; the base layer is cached outside
-the repository and rebuilt only when its inputs change.
+Why our own OCI writer (`e2e.image.oci`, shared with the real node's images): an image
+layout is a few JSON files and gzip'd tars named by their sha256, so the stdlib writes
+it; no daemon, no registry, no extra tools. Only debootstrap (Debian package) is needed,
+for the base; the base layer is cached outside the repository and rebuilt only when its
+inputs change.
 """
 
 from __future__ import annotations
 
 import argparse
-import gzip
 import hashlib
 import json
 import os
@@ -26,11 +26,13 @@ import tempfile
 import time
 import tomllib
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
+if __name__ == "__main__":  # run as a file (`make image`): `e2e` imports from the root
+    sys.path.insert(0, str(REPO))
+from e2e.image import oci  # noqa: E402
+
 SUITE = "bookworm"
 PYTHON = "3.11"  # bookworm's python3; wheels are chosen for it
 # tini: PID 1 of the node agent's container, reaping the MPS daemons it starts.
@@ -52,6 +54,9 @@ ENV = (
 )
 ENTRYPOINT = ("tini", "--", "gpudra")
 CMD = ("--help",)
+CREATED = "1970-01-01T00:00:00Z"  # fixed, so the same inputs give the same image digest
+BASE_COMMENT = f"debian {SUITE} minbase + python3"
+APP_COMMENT = "gpudra wheel in /opt/gpudra"
 # Left out of the base layer: runtime mounts, caches and documentation (as in -slim).
 BASE_EXCLUDE = (
     "dev/",
@@ -67,25 +72,10 @@ BASE_EXCLUDE = (
     "usr/share/info/",
     "usr/share/locale/",
 )
-MEDIA_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
-MEDIA_CONFIG = "application/vnd.oci.image.config.v1+json"
-MEDIA_LAYER = "application/vnd.oci.image.layer.v1.tar+gzip"
-MEDIA_INDEX = "application/vnd.oci.image.index.v1+json"
 
 
 class BuildError(Exception):
     """A one-line reason the image could not be built, with the fix."""
-
-
-@dataclass(frozen=True)
-class Layer:
-    """A gzip'd layer tar: `digest` names the blob, `diff_id` the uncompressed tar."""
-
-    path: Path
-    digest: str
-    diff_id: str
-    size: int
-    comment: str
 
 
 def log(msg: str) -> None:
@@ -110,9 +100,10 @@ def _walk(root: Path, exclude: Sequence[str]) -> Iterator[Path]:
 
 
 def write_layer(
-    root: Path, out: Path, comment: str, exclude: Sequence[str] = (), mtime: int | None = None
-) -> Layer:
-    """A reproducible layer of everything under `root` (owned by root; `mtime` fixes times)."""
+    root: Path, out: Path, exclude: Sequence[str] = (), mtime: int | None = None
+) -> oci.Layer:
+    """A reproducible gzip'd layer of everything under `root` (owned by root; `mtime`
+    fixes times)."""
 
     def normalize(info: tarfile.TarInfo) -> tarfile.TarInfo:
         info.uid = info.gid = 0
@@ -134,113 +125,23 @@ def write_layer(
                     tar.addfile(info, f)
             else:
                 tar.addfile(info)
-    diff = hashlib.sha256()
-    packed = hashlib.sha256()
-    with raw.open("rb") as src, out.open("wb") as dst:
-        hashing = _HashingWriter(dst, packed)
-        with gzip.GzipFile(fileobj=hashing, mode="wb", mtime=0, compresslevel=6) as gz:
-            while chunk := src.read(1 << 20):
-                diff.update(chunk)
-                gz.write(chunk)
+    layer = oci.gzip_layer(raw, out)
     raw.unlink()
-    return Layer(
-        out,
-        f"sha256:{packed.hexdigest()}",
-        f"sha256:{diff.hexdigest()}",
-        out.stat().st_size,
-        comment,
-    )
+    return layer
 
 
-class _HashingWriter:
-    """A file-like sink that hashes what gzip writes to the blob."""
-
-    def __init__(self, dst: Any, digest: Any) -> None:
-        self.dst = dst
-        self.digest = digest
-
-    def write(self, data: bytes) -> int:
-        self.digest.update(data)
-        return int(self.dst.write(data))
-
-    def flush(self) -> None:
-        self.dst.flush()
-
-
-# --- OCI layout -------------------------------------------------------------------------------
-
-
-def _blob(layout: Path, data: bytes) -> dict[str, Any]:
-    digest = "sha256:" + hashlib.sha256(data).hexdigest()
-    path = layout / "blobs" / "sha256" / digest.removeprefix("sha256:")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(data)
-    return {"digest": digest, "size": len(data)}
-
-
-def write_oci_archive(layers: Sequence[Layer], out: Path, name: str, created: str) -> str:
-    """Writes an OCI image layout as a tar archive at `out`; returns the manifest digest."""
+def write_image(out: Path, name: str, base: oci.Layer, app: oci.Layer) -> str:
+    """The archive `make image` writes, under the Dockerfile's runtime config; returns the
+    manifest digest."""
     config = {
-        "architecture": "amd64",
-        "os": "linux",
-        "created": created,
-        "config": {
-            "User": USER,
-            "Env": list(ENV),
-            "Entrypoint": list(ENTRYPOINT),
-            "Cmd": list(CMD),
-            "WorkingDir": "/",
-        },
-        "rootfs": {"type": "layers", "diff_ids": [la.diff_id for la in layers]},
-        "history": [{"created": created, "comment": la.comment} for la in layers],
+        "User": USER,
+        "Env": list(ENV),
+        "Entrypoint": list(ENTRYPOINT),
+        "Cmd": list(CMD),
+        "WorkingDir": "/",
     }
-    with tempfile.TemporaryDirectory(prefix="oci-", dir=out.parent) as tmp:
-        layout = Path(tmp)
-        blobs = layout / "blobs" / "sha256"
-        blobs.mkdir(parents=True)
-        for la in layers:
-            shutil.copyfile(la.path, blobs / la.digest.removeprefix("sha256:"))
-        cfg = _blob(layout, json.dumps(config, sort_keys=True).encode())
-        manifest = {
-            "schemaVersion": 2,
-            "mediaType": MEDIA_MANIFEST,
-            "config": {"mediaType": MEDIA_CONFIG, **cfg},
-            "layers": [
-                {"mediaType": MEDIA_LAYER, "digest": la.digest, "size": la.size} for la in layers
-            ],
-        }
-        man = _blob(layout, json.dumps(manifest, sort_keys=True).encode())
-        tag = name.rsplit(":", 1)[1] if ":" in name.rsplit("/", 1)[-1] else "latest"
-        index = {
-            "schemaVersion": 2,
-            "mediaType": MEDIA_INDEX,
-            "manifests": [
-                {
-                    "mediaType": MEDIA_MANIFEST,
-                    **man,
-                    "annotations": {
-                        "org.opencontainers.image.ref.name": tag,
-                        "io.containerd.image.name": name,
-                    },
-                }
-            ],
-        }
-        (layout / "index.json").write_text(json.dumps(index, sort_keys=True))
-        (layout / "oci-layout").write_text(json.dumps({"imageLayoutVersion": "1.0.0"}))
-        partial = out.with_suffix(".partial")
-        with tarfile.open(partial, "w", format=tarfile.GNU_FORMAT) as tar:
-            for path in sorted(layout.rglob("*")):
-                info = tar.gettarinfo(str(path), path.relative_to(layout).as_posix())
-                info.uid = info.gid = 0
-                info.uname = info.gname = "root"
-                info.mtime = 0
-                if info.isreg():
-                    with path.open("rb") as f:
-                        tar.addfile(info, f)
-                else:
-                    tar.addfile(info)
-        partial.replace(out)
-    return str(man["digest"])
+    history = [{"created": CREATED, "comment": c} for c in (BASE_COMMENT, APP_COMMENT)]
+    return oci.write_oci_archive(out, name, [base, app], config, history, created=CREATED)
 
 
 # --- the base and the application ---------------------------------------------------------
@@ -254,14 +155,13 @@ def _cache_root() -> Path:
     return Path(xdg) / "gpudra"
 
 
-def base_layer(mirror: str) -> Layer:
+def base_layer(mirror: str) -> oci.Layer:
     """Debian minbase with python3, cached by its inputs; debootstrap runs only when missing."""
     key = hashlib.sha256(f"{SUITE} {mirror} {' '.join(BASE_PACKAGES)}".encode()).hexdigest()[:12]
     cache = _cache_root() / "image" / f"base-{SUITE}-{key}"
     meta = cache / "layer.json"
     if meta.exists():
-        data = json.loads(meta.read_text())
-        return Layer(**{**data, "path": cache / "layer.tar.gz"})
+        return _cached_layer(cache)
     if shutil.which("debootstrap") is None:
         raise BuildError(
             "debootstrap is not installed: `apt-get install debootstrap` "
@@ -294,23 +194,30 @@ def base_layer(mirror: str) -> Layer:
             raise BuildError(
                 f"{SUITE} did not install python{PYTHON}; update PYTHON in this script"
             )
-        layer = write_layer(
-            rootfs, tmp / "layer.tar.gz", f"debian {SUITE} minbase + python3", BASE_EXCLUDE
-        )
+        layer = write_layer(rootfs, tmp / "layer.tar.gz", BASE_EXCLUDE)
         shutil.rmtree(rootfs)
-        (tmp / "layer.json").write_text(
-            json.dumps({k: v for k, v in asdict(layer).items() if k != "path"})
-        )
+        # The keys older checkouts read too (they share the cache): comment included.
+        record = {"digest": layer.digest, "diff_id": layer.diff_id, "size": layer.size}
+        (tmp / "layer.json").write_text(json.dumps({**record, "comment": BASE_COMMENT}))
         if cache.exists():
             shutil.rmtree(cache)
         tmp.rename(cache)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp)
-    return Layer(**{**asdict(layer), "path": cache / "layer.tar.gz"})
+    return _cached_layer(cache)
 
 
-def app_layer(work: Path) -> Layer:
+def _cached_layer(cache: Path) -> oci.Layer:
+    """The base layer from its cache folder; layer.json keeps the digests so that a build
+    does not hash hundreds of MiB again."""
+    data = json.loads((cache / "layer.json").read_text())
+    return oci.Layer(
+        oci.MEDIA_LAYER_GZIP, data["digest"], data["diff_id"], data["size"], cache / "layer.tar.gz"
+    )
+
+
+def app_layer(work: Path) -> oci.Layer:
     """/opt/gpudra: a virtual environment for bookworm's python3 with the wheel installed."""
     wheels = work / "wheel"
     _pip("wheel", "--quiet", "--no-deps", "-w", str(wheels), str(REPO))
@@ -369,7 +276,7 @@ def app_layer(work: Path) -> Layer:
         )
     else:
         log(f"no bytecode: this Python is not {PYTHON}, so modules compile at start")
-    return write_layer(root, work / "app.tar.gz", "gpudra wheel in /opt/gpudra", mtime=0)
+    return write_layer(root, work / "app.tar.gz", mtime=0)
 
 
 def _pip(*args: str) -> None:
@@ -400,9 +307,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(prefix="gpudra-image-") as tmp:
             app = app_layer(Path(tmp))
-            digest = write_oci_archive(
-                [base, app], args.out, args.name, created="1970-01-01T00:00:00Z"
-            )
+            digest = write_image(args.out, args.name, base, app)
     except BuildError as e:
         print(f"image: {e}", file=sys.stderr)
         return 2

@@ -3,8 +3,8 @@
 No registry is reachable, so the pod sandbox (`pause`) and the test image are built
 here from what the machine has: a static `pause` compiled with gcc, and busybox from
 Debian's `busybox-static` package (`sh`, `ls`, `cat`, `env`, `sleep`, ... as applet
-links). Each is written as an OCI image-layout archive by a small writer of our own
-(uncompressed tar layer, config, manifest, index), cached next to the other build
+links). Each is written as an OCI image-layout archive with one uncompressed layer by
+`e2e.image.oci` (the writer `make image` uses too), cached next to the other build
 outputs and imported with `ctr images import`. The writer is deterministic (fixed
 mtimes and owners), so a rebuild gives the same digests.
 """
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import io
-import json
 import os
 import shutil
 import subprocess
@@ -23,16 +22,13 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from e2e.image import oci
+
 HERE = Path(__file__).resolve().parent
 PAUSE_SOURCE = HERE / "pause.c"
 PAUSE_IMAGE = "gpudra.local/pause:1"
 TEST_IMAGE = "gpudra.local/busybox:1"
 BUSYBOX_PACKAGE = "busybox-static"
-
-MEDIA_INDEX = "application/vnd.oci.image.index.v1+json"
-MEDIA_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
-MEDIA_CONFIG = "application/vnd.oci.image.config.v1+json"
-MEDIA_LAYER = "application/vnd.oci.image.layer.v1.tar"
 
 
 class ImageError(Exception):
@@ -80,59 +76,10 @@ def _layer(entries: Iterable[Entry]) -> bytes:
     return buf.getvalue()
 
 
-def _blob(blobs: dict[str, bytes], data: bytes) -> dict[str, object]:
-    digest = "sha256:" + hashlib.sha256(data).hexdigest()
-    blobs[digest] = data
-    return {"digest": digest, "size": len(data)}
-
-
-def write_oci_archive(
-    out: Path, name: str, entries: list[Entry], config: dict[str, object]
-) -> None:
-    """An OCI image-layout tar with one layer; `io.containerd.image.name` names it on
-    import, so no `--base-name` is needed."""
-    blobs: dict[str, bytes] = {}
-    layer = _layer(entries)
-    layer_desc = {"mediaType": MEDIA_LAYER, **_blob(blobs, layer)}
-    image_config = {
-        "architecture": "amd64",
-        "os": "linux",
-        "config": config,
-        "rootfs": {"type": "layers", "diff_ids": [layer_desc["digest"]]},
-        "history": [{"created_by": "gpudra e2e/node/images.py"}],
-    }
-    config_desc = {
-        "mediaType": MEDIA_CONFIG,
-        **_blob(blobs, json.dumps(image_config, sort_keys=True).encode()),
-    }
-    manifest = {
-        "schemaVersion": 2,
-        "mediaType": MEDIA_MANIFEST,
-        "config": config_desc,
-        "layers": [layer_desc],
-    }
-    manifest_desc = {
-        "mediaType": MEDIA_MANIFEST,
-        **_blob(blobs, json.dumps(manifest, sort_keys=True).encode()),
-        "platform": {"architecture": "amd64", "os": "linux"},
-        "annotations": {
-            "io.containerd.image.name": name,
-            "org.opencontainers.image.ref.name": name.rsplit(":", 1)[1],
-        },
-    }
-    index = {"schemaVersion": 2, "mediaType": MEDIA_INDEX, "manifests": [manifest_desc]}
-    files = {
-        "oci-layout": json.dumps({"imageLayoutVersion": "1.0.0"}).encode(),
-        "index.json": json.dumps(index, sort_keys=True).encode(),
-        **{f"blobs/sha256/{d.removeprefix('sha256:')}": b for d, b in blobs.items()},
-    }
-    tmp = out.with_suffix(".tmp")
-    with tarfile.open(tmp, mode="w") as tar:
-        for path, data in files.items():
-            info = tarfile.TarInfo(path)
-            info.size, info.mode, info.mtime = len(data), 0o644, 0
-            tar.addfile(info, io.BytesIO(data))
-    tmp.replace(out)
+def _write(out: Path, name: str, entries: list[Entry], config: dict[str, object]) -> None:
+    """One uncompressed layer and no creation time, so the same inputs give the same digest."""
+    layer = oci.tar_layer(_layer(entries))
+    oci.write_oci_archive(out, name, [layer], config, [{"created_by": "gpudra e2e/node/images.py"}])
 
 
 def _skeleton() -> list[Entry]:
@@ -163,7 +110,7 @@ def build_pause(cache: Path) -> Path:
             )
         entries = [*_skeleton(), Entry("pause", binary.read_bytes())]
     cache.mkdir(parents=True, exist_ok=True)
-    write_oci_archive(out, PAUSE_IMAGE, entries, {"Entrypoint": ["/pause"]})
+    _write(out, PAUSE_IMAGE, entries, {"Entrypoint": ["/pause"]})
     return out
 
 
@@ -218,9 +165,7 @@ def build_test_image(cache: Path) -> Path:
             Entry("root", mode=0o700),
         ]
     cache.mkdir(parents=True, exist_ok=True)
-    write_oci_archive(
-        out, TEST_IMAGE, entries, {"Env": ["PATH=/bin"], "Cmd": ["sh"], "WorkingDir": "/"}
-    )
+    _write(out, TEST_IMAGE, entries, {"Env": ["PATH=/bin"], "Cmd": ["sh"], "WorkingDir": "/"})
     return out
 
 

@@ -1,5 +1,5 @@
-"""The image build files: the Dockerfile's shape, and the engine-free OCI archive writer
-that `make image` uses (its layout must be what containerd imports)."""
+"""The image build files: the Dockerfile's shape, and the engine-free OCI archive that
+`make image` writes (its layout must be what containerd imports)."""
 
 from __future__ import annotations
 
@@ -7,11 +7,13 @@ import gzip
 import hashlib
 import json
 import re
+import subprocess
+import sys
 import tarfile
 import tomllib
 from pathlib import Path
 
-from e2e.image import build
+from e2e.image import build, oci
 
 REPO = Path(__file__).resolve().parents[2]
 DOCKERFILE = (REPO / "Dockerfile").read_text()
@@ -71,29 +73,33 @@ def test_every_package_folder_reaches_the_build() -> None:
         assert f"!{folder}/" in ignore or f"!{folder}" in ignore
 
 
-def test_oci_archive_is_a_valid_image_layout(tmp_path: Path) -> None:
+def test_make_image_archive_is_a_valid_image_layout(tmp_path: Path) -> None:
     root = tmp_path / "root"
     (root / "opt" / "gpudra" / "bin").mkdir(parents=True)
     (root / "opt" / "gpudra" / "bin" / "gpudra").write_text("#!/bin/sh\n")
     (root / "opt" / "gpudra" / "bin" / "python3").symlink_to("/usr/bin/python3.11")
     (root / "tmp").mkdir()
     (root / "tmp" / "left-out").write_text("x")
-    first = build.write_layer(root, tmp_path / "a.tar.gz", "app", exclude=("tmp/",), mtime=0)
-    again = build.write_layer(root, tmp_path / "b.tar.gz", "app", exclude=("tmp/",), mtime=0)
+    first = build.write_layer(root, tmp_path / "a.tar.gz", exclude=("tmp/",), mtime=0)
+    again = build.write_layer(root, tmp_path / "b.tar.gz", exclude=("tmp/",), mtime=0)
     assert first.digest == again.digest  # reproducible
+    assert first.media_type == oci.MEDIA_LAYER_GZIP
+    assert isinstance(first.blob, Path)
+    assert not list(tmp_path.glob("*.tmp"))  # the uncompressed tar is gone
 
-    raw = gzip.decompress(first.path.read_bytes())
+    raw = gzip.decompress(first.blob.read_bytes())
     assert first.diff_id == "sha256:" + hashlib.sha256(raw).hexdigest()
-    with tarfile.open(first.path) as layer:
+    with tarfile.open(first.blob) as layer:
         names = layer.getnames()
         assert "opt/gpudra/bin/python3" in names
         assert "tmp" in names and "tmp/left-out" not in names
         assert all(m.uid == 0 and m.mtime == 0 for m in layer.getmembers())
 
+    (tmp_path / "base" / "usr" / "bin").mkdir(parents=True)
+    (tmp_path / "base" / "usr" / "bin" / "python3.11").write_text("")
+    base = build.write_layer(tmp_path / "base", tmp_path / "base.tar.gz", mtime=0)
     archive = tmp_path / "image.oci.tar"
-    digest = build.write_oci_archive(
-        [first], archive, "ghcr.io/gpudra/gpudra:9.9", "1970-01-01T00:00:00Z"
-    )
+    digest = build.write_image(archive, "ghcr.io/gpudra/gpudra:9.9", base, first)
     out = tmp_path / "layout"
     with tarfile.open(archive) as tar:
         tar.extractall(out, filter="data")
@@ -109,10 +115,25 @@ def test_oci_archive_is_a_valid_image_layout(tmp_path: Path) -> None:
         return data
 
     manifest = json.loads(blob(digest))
-    assert manifest["mediaType"] == build.MEDIA_MANIFEST
-    (layer,) = manifest["layers"]
-    assert (layer["digest"], layer["size"]) == (first.digest, len(blob(first.digest)))
+    assert manifest["mediaType"] == oci.MEDIA_MANIFEST
+    assert [(la["mediaType"], la["digest"], la["size"]) for la in manifest["layers"]] == [
+        (oci.MEDIA_LAYER_GZIP, la.digest, len(blob(la.digest))) for la in (base, first)
+    ]
     config = json.loads(blob(manifest["config"]["digest"]))
-    assert config["rootfs"]["diff_ids"] == [first.diff_id]
+    assert config["rootfs"]["diff_ids"] == [base.diff_id, first.diff_id]
+    assert config["created"] == build.CREATED
+    assert [h["comment"] for h in config["history"]] == [build.BASE_COMMENT, build.APP_COMMENT]
     assert config["config"]["User"] == "65532:65532"
     assert config["config"]["Entrypoint"] == ["tini", "--", "gpudra"]
+
+
+def test_make_image_runs_as_a_file() -> None:
+    """`make image` and the real node's chart run build.py by path, not as a module."""
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "e2e" / "image" / "build.py"), "--help"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "--out" in proc.stdout
