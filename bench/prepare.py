@@ -4,7 +4,14 @@
 on disk) against the real API server. Eight claims, each allocated one whole GPU by
 the real scheduler, are prepared and unprepared over the DRA gRPC socket, one
 claim per GPU in flight at a time, like eight pods starting and stopping at once.
-Each prepare includes the plugin's GET of the claim. Writes bench/results/prepare.json.
+Each prepare includes the plugin's GET of the claim. The CDI specs go on a tmpfs where
+there is one (as /var/run/cdi is on a node); the checkpoint stays on disk, fsynced.
+Writes bench/results/prepare.json.
+
+`floor_get_only` repeats the cycles against a plugin served from this process that only
+GETs each claim and answers: the gRPC calls and the API server read that every prepare
+pays, so that the agent's own share can be told from what no agent can avoid.
+BENCH_FLOOR=0 skips it.
 
 The calls come from a small Go client (bench/kubeletclient, the kubelet's own DRA
 stubs and grpc-go), built from the Go module proxy and cached under
@@ -39,8 +46,9 @@ from gpudra.driver.plugin import ClaimRef, KubeletPlugin, PreparedDevice, Prepar
 
 from e2e.claims import pod_with_claim, wait_allocated
 from e2e.cluster.harness import REPO, Cluster, State
-from e2e.cluster.kube import Kube, wait_for
+from e2e.cluster.kube import Kube
 from e2e.kubelet_standin import KubeletStandin
+from e2e.node_process import NodeDirs, create_driver_namespace, delete_driver_namespace
 
 HERE = Path(__file__).resolve().parent
 OUT = HERE / "results" / "prepare.json"
@@ -295,30 +303,10 @@ async def main() -> dict[str, Any]:
     root = Path(tempfile.mkdtemp(prefix="gdb-", dir=os.environ.get("BENCH_DIR")))
     # The checkpoint and state stay on disk; the specs go where a node keeps them.
     shm = tmpfs_folder()
-    cdi_root = Path(tempfile.mkdtemp(prefix="gdb-cdi-", dir=shm)) if shm else root / "cdi"
-    dev = root / "host" / "dev"
-    dev.mkdir(parents=True)
-    for name in (
-        "nvidiactl",
-        "nvidia-uvm",
-        "nvidia-uvm-tools",
-        *(f"nvidia{i}" for i in range(GPUS)),
-    ):
-        (dev / name).touch()
-    kube.create({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}})
-    kube.create(
-        {
-            "apiVersion": "resource.k8s.io/v1",
-            "kind": "DeviceClass",
-            "metadata": {"name": driver},
-            "spec": {"selectors": [{"cel": {"expression": f'device.driver == "{driver}"'}}]},
-        }
-    )
-    wait_for(
-        "the namespace's service account",
-        lambda: kube.request("GET", f"/api/v1/namespaces/{namespace}/serviceaccounts/default"),
-        timeout=60,
-    )
+    cdi_root = Path(tempfile.mkdtemp(prefix="gdb-cdi-", dir=shm)) if shm else None
+    dirs = NodeDirs(root, cdi_root)
+    dirs.make_dev(GPUS)
+    create_driver_namespace(kube, driver, namespace)
     state = State.load(cluster.layout.state)
     control_plane = {
         name: pid
@@ -330,34 +318,13 @@ async def main() -> dict[str, Any]:
     profile = os.environ.get("BENCH_PROFILE")
     runner = ["-m", "cProfile", "-o", profile] if profile else []
     proc = subprocess.Popen(  # noqa: ASYNC220 - started once, before the measurement
-        [
-            sys.executable,
-            *runner,
-            "-m",
-            "gpudra.cli",
-            "node",
-            "--nvml",
-            "emulated:h100-80gb-hbm3-x8",
-            "--driver-name",
-            driver,
-            "--kubelet-root",
-            str(root / "k"),
-            "--cdi-root",
-            str(cdi_root),
-            "--state-dir",
-            str(root / "state"),
-            "--dev-root",
-            str(root / "host"),
-            "--no-toolkit-cdi",
-            "--metrics-address",
-            "",
-        ],
+        dirs.command(driver, "--metrics-address", "", runner=runner),
         cwd=REPO,
         env=env,
     )
     floor: dict[str, Any] | None = None
     try:
-        async with KubeletStandin(root / "k") as kubelet:
+        async with KubeletStandin(dirs.kubelet) as kubelet:
             registration = await kubelet.wait_for_driver(driver, timeout_s=120)
             refs = await anyio.to_thread.run_sync(allocated_claims, kube, driver, namespace)
             if binary is not None:
@@ -385,14 +352,9 @@ async def main() -> dict[str, Any]:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
             proc.wait(timeout=30)
-        for pod in kube.list("Pod", namespace):
-            kube.delete("Pod", pod["metadata"]["name"], namespace, grace=0)
-        for o in kube.list("ResourceSlice", fieldSelector=f"spec.driver={driver}"):
-            kube.delete("ResourceSlice", o["metadata"]["name"])
-        kube.delete("DeviceClass", driver)
-        kube.delete("Namespace", namespace)
+        delete_driver_namespace(kube, driver, namespace)
         shutil.rmtree(root, ignore_errors=True)
-        shutil.rmtree(cdi_root, ignore_errors=True)
+        shutil.rmtree(dirs.cdi, ignore_errors=True)
     return {
         "cycles": cycles,
         "in_flight": GPUS,

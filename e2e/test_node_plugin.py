@@ -16,7 +16,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import urllib.request
 from collections.abc import AsyncIterator, Iterator
@@ -30,8 +29,6 @@ import grpc
 import pytest
 from gpudra.common.kube import Kube as AsyncKube
 from gpudra.driver.agent import AgentConfig
-from gpudra.driver.checkpoint import DEFAULT_BOOT_ID_PATH
-from gpudra.driver.checkpoint import load as load_checkpoint
 from gpudra.driver.health import HealthPolicy
 from gpudra.driver.node import NodeService, PluginConfig
 from gpudra.driver.nvml import NvmlEmulator, load_nvml
@@ -44,11 +41,16 @@ from e2e.cluster.harness import REPO, Cluster
 from e2e.cluster.kube import Kube, wait_for
 from e2e.kubelet_pods import PodClaimsDriver
 from e2e.kubelet_standin import KubeletStandin
+from e2e.node_process import (
+    EMULATED_H100,
+    NodeDirs,
+    create_driver_namespace,
+    delete_driver_namespace,
+)
 
 pytestmark = [pytest.mark.cluster, pytest.mark.anyio]
 
 NODE = "worker-1"
-CONTROL_NODES = ("nvidiactl", "nvidia-uvm", "nvidia-uvm-tools")
 
 
 def _free_port() -> int:
@@ -59,57 +61,13 @@ def _free_port() -> int:
 
 
 @dataclass
-class NodeDirs:
-    """The host folders one node process uses; short, for unix socket path limits."""
-
-    root: Path
-
-    @property
-    def kubelet(self) -> Path:
-        return self.root / "k"
-
-    @property
-    def cdi(self) -> Path:
-        return self.root / "cdi"
-
-    @property
-    def state(self) -> Path:
-        return self.root / "state"
-
-    @property
-    def host(self) -> Path:
-        return self.root / "host"
-
-    @property
-    def boot_id(self) -> Path:
-        return self.root / "boot_id"
-
-    @property
-    def tools_log(self) -> Path:
-        return self.root / "tools.log"
-
-    def tool_calls(self) -> list[str]:
-        return self.tools_log.read_text().splitlines() if self.tools_log.exists() else []
-
-    def cdi_specs(self) -> list[Path]:
-        return sorted(self.cdi.glob("*.json")) if self.cdi.is_dir() else []
-
-    def prepared_claims(self, boot_id_path: Path = DEFAULT_BOOT_ID_PATH) -> list[str]:
-        """Claims in the checkpoint (the node process reads the machine's boot ID)."""
-        path = self.state / "checkpoint.json"
-        assert path.exists()
-        cp = load_checkpoint(path, boot_id_path=boot_id_path)
-        return [r.uid for r in cp.claims()]
-
-
-@dataclass
 class NodeProcess:
     cluster: Cluster
     driver: str
     dirs: NodeDirs
     metrics_port: int = field(default_factory=_free_port)
     proc: subprocess.Popen[str] | None = None
-    nvml: tuple[str, ...] = ("--nvml", "emulated:h100-80gb-hbm3-x8")
+    nvml: tuple[str, ...] = EMULATED_H100
 
     def start(self, *extra: str) -> None:
         env = {
@@ -119,33 +77,19 @@ class NodeProcess:
             "GPUDRA_FAKEBIN_LOG": str(self.dirs.tools_log),
         }
         self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "gpudra.cli",
-                "node",
-                *self.nvml,
-                "--driver-name",
+            self.dirs.command(
                 self.driver,
-                "--kubelet-root",
-                str(self.dirs.kubelet),
-                "--cdi-root",
-                str(self.dirs.cdi),
-                "--state-dir",
-                str(self.dirs.state),
-                "--dev-root",
-                str(self.dirs.host),
                 "--nvidia-smi",
                 str(FAKEBIN / "nvidia-smi"),
                 "--mps-control",
                 str(FAKEBIN / "nvidia-cuda-mps-control"),
-                "--no-toolkit-cdi",
                 "--metrics-address",
                 f"127.0.0.1:{self.metrics_port}",
                 "--cleanup-interval",
                 "2",
                 *extra,
-            ],
+                nvml=self.nvml,
+            ),
             cwd=REPO,
             env=env,
             stderr=subprocess.PIPE,
@@ -236,10 +180,7 @@ def _gpu_claim(driver: str, config: list[dict[str, Any]] | None = None) -> dict[
 def node_dirs() -> Iterator[NodeDirs]:
     root = Path(tempfile.mkdtemp(prefix="gd-"))
     dirs = NodeDirs(root)
-    dev = dirs.host / "dev"
-    dev.mkdir(parents=True)
-    for name in (*CONTROL_NODES, *(f"nvidia{i}" for i in range(8))):
-        (dev / name).touch()
+    dirs.make_dev()
     dirs.boot_id.write_text("3f2b0c4e-0000-4000-8000-00000000b007\n")
     yield dirs
     shutil.rmtree(root, ignore_errors=True)
@@ -250,23 +191,7 @@ async def setup(cluster: Cluster, kube: Kube, node_dirs: NodeDirs) -> AsyncItera
     driver = f"n{secrets.token_hex(4)}.gpudra.dev"
     namespace = f"node-{secrets.token_hex(3)}"
 
-    def create() -> None:
-        kube.create({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}})
-        kube.create(
-            {
-                "apiVersion": "resource.k8s.io/v1",
-                "kind": "DeviceClass",
-                "metadata": {"name": driver},
-                "spec": {"selectors": [{"cel": {"expression": f'device.driver == "{driver}"'}}]},
-            }
-        )
-        wait_for(
-            f"service account in {namespace}",
-            lambda: kube.request("GET", f"/api/v1/namespaces/{namespace}/serviceaccounts/default"),
-            timeout=60,
-        )
-
-    await anyio.to_thread.run_sync(create)
+    await anyio.to_thread.run_sync(create_driver_namespace, kube, driver, namespace)
     node = NodeProcess(cluster, driver, node_dirs)
     s = Setup(kube, driver, namespace, node)
     try:
@@ -274,16 +199,7 @@ async def setup(cluster: Cluster, kube: Kube, node_dirs: NodeDirs) -> AsyncItera
     finally:
         if node.proc is not None:
             node.stop()
-
-        def cleanup() -> None:
-            for pod in kube.list("Pod", namespace):
-                kube.delete("Pod", pod["metadata"]["name"], namespace, grace=0)
-            for o in kube.list("ResourceSlice", fieldSelector=f"spec.driver={driver}"):
-                kube.delete("ResourceSlice", o["metadata"]["name"])
-            kube.delete("DeviceClass", driver)
-            kube.delete("Namespace", namespace)
-
-        await anyio.to_thread.run_sync(cleanup)
+        await anyio.to_thread.run_sync(delete_driver_namespace, kube, driver, namespace)
 
 
 async def _wait_published(kube: Kube, driver: str, devices: int = 8) -> None:

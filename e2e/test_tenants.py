@@ -16,12 +16,8 @@ import pytest
 from gpudra.api.deviceclasses import device_classes
 from gpudra.api.tenants import API_VERSION, crd_manifest
 from gpudra.common.kube import Kube
-from gpudra.driver.agent import AgentConfig, NodeAgent
-from gpudra.driver.devices import MigStrategy
-from gpudra.driver.nvml import load_nvml
 from gpudra.webhook import registration
-from gpudra.webhook.certs import TLS_CERT, TLS_KEY, ensure_pki, service_dns_names
-from gpudra.webhook.server import ServerConfig, WebhookServer
+from gpudra.webhook.server import WebhookServer
 from gpudra.webhook.templates import ApiTemplateEnsurer
 from gpudra.webhook.tenants import MANAGED_BY_LABEL, QUOTA_NAME, TenantController
 from gpudra.webhook.validate import driver_classes
@@ -30,6 +26,7 @@ from e2e import smoke
 from e2e.cluster.harness import Cluster
 from e2e.cluster.kube import ApiError, apply_crd
 from e2e.cluster.kube import Kube as SyncKube
+from e2e.webhook_env import EmulatedNode, delete_slices, serving_config, start_emulated_nodes
 
 pytestmark = [pytest.mark.cluster, pytest.mark.anyio]
 DRIVER = "gpu.nvidia.com"
@@ -67,30 +64,14 @@ async def env(cluster: Cluster, kube: SyncKube, tmp_path: Path) -> AsyncIterator
         kube.apply(dc)
     apply_crd(kube, crd_manifest())
     akube = await Kube.connect(str(cluster.layout.admin_kubeconfig))
-    pki, _ = ensure_pki(tmp_path / "pki", service_dns_names("gpudra-webhook", "gpudra"))
-    config = ServerConfig(
-        cert_file=tmp_path / "pki" / TLS_CERT,
-        key_file=tmp_path / "pki" / TLS_KEY,
-        host=cluster.webhook_host(),
-        port=0,
-    )
+    pki, config = serving_config(cluster, tmp_path / "pki")
     controller = TenantController(akube, config.policy)
     server = WebhookServer(config, ApiTemplateEnsurer(akube), tenants=controller.state)
-    agent = NodeAgent(
-        AgentConfig(
-            node_name="worker-1",
-            driver_name=DRIVER,
-            mig_strategy=MigStrategy.STATIC,
-            health_events=False,
-        ),
-        akube,
-        load_nvml("emulated:h100-80gb-hbm3-x8", uuid_salt="tenants"),
-    )
+    node = EmulatedNode("worker-1", "emulated:h100-80gb-hbm3-x8", uuid_salt="tenants")
     async with anyio.create_task_group() as tg:
         port = await tg.start(server.serve)
         await tg.start(controller.run)
-        await tg.start(agent.run)
-        await agent.slices.converged.wait()
+        await start_emulated_nodes(tg, akube, DRIVER, [node])
         url = f"https://{cluster.webhook_host()}:{port}"
         await registration.apply(
             akube,
@@ -112,9 +93,7 @@ async def env(cluster: Cluster, kube: SyncKube, tmp_path: Path) -> AsyncIterator
         await registration.delete(akube)
         await registration.delete(akube, registration.VALIDATING_NAME, validating=True)
         tg.cancel_scope.cancel()
-    for o in kube.list("ResourceSlice"):
-        if o["spec"]["driver"] == DRIVER:
-            kube.delete("ResourceSlice", o["metadata"]["name"])
+    delete_slices(kube, DRIVER)
     await akube.close()
 
 

@@ -12,18 +12,15 @@ import anyio.to_thread
 import pytest
 from gpudra.api.deviceclasses import device_classes
 from gpudra.common.kube import Kube
-from gpudra.driver.agent import AgentConfig, NodeAgent
-from gpudra.driver.devices import MigStrategy
-from gpudra.driver.nvml import load_nvml
 from gpudra.webhook import registration
-from gpudra.webhook.certs import TLS_CERT, TLS_KEY, ensure_pki, service_dns_names
-from gpudra.webhook.server import ServerConfig, WebhookServer
+from gpudra.webhook.server import WebhookServer
 from gpudra.webhook.templates import ApiTemplateEnsurer
 
 from e2e import smoke
 from e2e.cluster.harness import Cluster
 from e2e.cluster.kube import ApiError
 from e2e.cluster.kube import Kube as SyncKube
+from e2e.webhook_env import EmulatedNode, delete_slices, serving_config, start_emulated_nodes
 
 pytestmark = [pytest.mark.cluster, pytest.mark.anyio]
 DRIVER = "gpu.nvidia.com"
@@ -34,43 +31,16 @@ async def webhook(cluster: Cluster, kube: SyncKube, tmp_path: Path) -> AsyncIter
     for dc in device_classes(DRIVER):
         kube.apply(dc)
     akube = await Kube.connect(str(cluster.layout.admin_kubeconfig))
-    pki, _ = ensure_pki(tmp_path / "pki", service_dns_names("gpudra-webhook", "gpudra"))
-    server = WebhookServer(
-        ServerConfig(
-            cert_file=tmp_path / "pki" / TLS_CERT,
-            key_file=tmp_path / "pki" / TLS_KEY,
-            host=cluster.webhook_host(),
-            port=0,
-        ),
-        ApiTemplateEnsurer(akube),
-    )
-    agent = NodeAgent(
-        AgentConfig(
-            node_name="worker-1",
-            driver_name=DRIVER,
-            mig_strategy=MigStrategy.STATIC,
-            health_events=False,
-        ),
-        akube,
-        load_nvml("emulated:h100-80gb-hbm3-x8", uuid_salt="wh"),
-    )
-    # A second node with MIG devices (1g.5gb, 2g.10gb, 3g.20gb, ...) for MIG pods.
-    mig_agent = NodeAgent(
-        AgentConfig(
-            node_name="worker-2",
-            driver_name=DRIVER,
-            mig_strategy=MigStrategy.STATIC,
-            health_events=False,
-        ),
-        akube,
-        load_nvml("emulated:a100-40gb-mig-mixed", uuid_salt="wh-mig"),
-    )
+    pki, config = serving_config(cluster, tmp_path / "pki")
+    server = WebhookServer(config, ApiTemplateEnsurer(akube))
+    nodes = [
+        EmulatedNode("worker-1", "emulated:h100-80gb-hbm3-x8", uuid_salt="wh"),
+        # A second node with MIG devices (1g.5gb, 2g.10gb, 3g.20gb, ...) for MIG pods.
+        EmulatedNode("worker-2", "emulated:a100-40gb-mig-mixed", uuid_salt="wh-mig"),
+    ]
     async with anyio.create_task_group() as tg:
         port = await tg.start(server.serve)
-        await tg.start(agent.run)
-        await tg.start(mig_agent.run)
-        await agent.slices.converged.wait()
-        await mig_agent.slices.converged.wait()
+        await start_emulated_nodes(tg, akube, DRIVER, nodes)
         await registration.apply(
             akube,
             registration.mutating_configuration(
@@ -82,9 +52,7 @@ async def webhook(cluster: Cluster, kube: SyncKube, tmp_path: Path) -> AsyncIter
         yield
         await registration.delete(akube)
         tg.cancel_scope.cancel()
-    for o in kube.list("ResourceSlice"):
-        if o["spec"]["driver"] == DRIVER:
-            kube.delete("ResourceSlice", o["metadata"]["name"])
+    delete_slices(kube, DRIVER)
     await akube.close()
 
 

@@ -44,6 +44,7 @@ from prometheus_client import CollectorRegistry
 from e2e.claims import pod_with_claim, wait_allocated
 from e2e.cluster.harness import Cluster
 from e2e.cluster.kube import Kube, wait_for
+from e2e.node_process import create_driver_namespace
 
 NODE = "worker-1"
 BOOT_A = "5f1c7a52-0c1d-4c57-9a5e-00000000000a"
@@ -212,29 +213,9 @@ def _device(claim: dict[str, Any], index: int = 0) -> str:
 def env(kube: Kube) -> Iterator[Env]:
     driver = f"t{secrets.token_hex(4)}.gpudra.dev"
     namespace = f"prep-{secrets.token_hex(3)}"
-    kube.create(
-        {
-            "apiVersion": "v1",
-            "kind": "Namespace",
-            # Admin access is allowed only in namespaces labelled for it.
-            "metadata": {
-                "name": namespace,
-                "labels": {"resource.kubernetes.io/admin-access": "true"},
-            },
-        }
-    )
-    kube.create(
-        {
-            "apiVersion": "resource.k8s.io/v1",
-            "kind": "DeviceClass",
-            "metadata": {"name": driver},
-            "spec": {"selectors": [{"cel": {"expression": f'device.driver == "{driver}"'}}]},
-        }
-    )
-    wait_for(
-        f"service account in {namespace}",
-        lambda: kube.request("GET", f"/api/v1/namespaces/{namespace}/serviceaccounts/default"),
-        timeout=60,
+    # Admin access is allowed only in namespaces labelled for it.
+    create_driver_namespace(
+        kube, driver, namespace, labels={"resource.kubernetes.io/admin-access": "true"}
     )
     e = Env(kube=kube, driver=driver, namespace=namespace)
     yield e

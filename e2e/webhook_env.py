@@ -1,0 +1,75 @@
+"""What the webhook tests serve against: the webhook's TLS serving config that the
+API server trusts, and nodes of emulated GPUs whose slices the scheduler allocates
+the converted pods' claims from."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from anyio.abc import TaskGroup
+from gpudra.common.kube import Kube
+from gpudra.driver.agent import AgentConfig, NodeAgent
+from gpudra.driver.devices import MigStrategy
+from gpudra.driver.nvml import load_nvml
+from gpudra.webhook.certs import TLS_CERT, TLS_KEY, WebhookPki, ensure_pki, service_dns_names
+from gpudra.webhook.server import ServerConfig
+
+from e2e.cluster.harness import Cluster
+from e2e.cluster.kube import Kube as SyncKube
+
+
+def serving_config(cluster: Cluster, pki_dir: Path) -> tuple[WebhookPki, ServerConfig]:
+    """The PKI in `pki_dir` (made when missing) and a server on a free port where the
+    cluster's API server reaches it; the PKI's CA bundle goes into the registration."""
+    pki, _ = ensure_pki(pki_dir, service_dns_names("gpudra-webhook", "gpudra"))
+    config = ServerConfig(
+        cert_file=pki_dir / TLS_CERT,
+        key_file=pki_dir / TLS_KEY,
+        host=cluster.webhook_host(),
+        port=0,
+    )
+    return pki, config
+
+
+@dataclass(frozen=True)
+class EmulatedNode:
+    """A node name, its emulated NVML spec and a UUID salt that keeps its GPUs apart
+    from those other tests publish."""
+
+    name: str
+    nvml: str
+    uuid_salt: str
+
+
+async def start_emulated_nodes(
+    tg: TaskGroup, akube: Kube, driver: str, nodes: Sequence[EmulatedNode]
+) -> None:
+    """Agents publishing the nodes' slices, run in `tg` beside the webhook; returns once
+    every slice is published, so that the scheduler can allocate at once."""
+    agents = [
+        NodeAgent(
+            AgentConfig(
+                node_name=node.name,
+                driver_name=driver,
+                mig_strategy=MigStrategy.STATIC,
+                health_events=False,
+            ),
+            akube,
+            load_nvml(node.nvml, uuid_salt=node.uuid_salt),
+        )
+        for node in nodes
+    ]
+    for agent in agents:
+        await tg.start(agent.run)
+    for agent in agents:
+        await agent.slices.converged.wait()
+
+
+def delete_slices(kube: SyncKube, driver: str) -> None:
+    """The driver's slices, once its agents are stopped, so that later tests do not
+    allocate from nodes nobody serves."""
+    for o in kube.list("ResourceSlice"):
+        if o["spec"]["driver"] == driver:
+            kube.delete("ResourceSlice", o["metadata"]["name"])
