@@ -8,7 +8,14 @@ import secrets
 from pathlib import Path
 
 
-def atomic_write(path: Path, data: bytes, *, mode: int = 0o644, durable: bool = True) -> None:
+def atomic_write(
+    path: Path,
+    data: bytes,
+    *,
+    mode: int = 0o644,
+    durable: bool = True,
+    folder_mode: int | None = None,
+) -> None:
     """Replace `path` with `data` so that readers see the old or the new content only.
 
     On any failure the temp file is removed and the old file is left untouched.
@@ -18,12 +25,21 @@ def atomic_write(path: Path, data: bytes, *, mode: int = 0o644, durable: bool = 
     reboot need.
     The temp name does not end in `.json`/`.yaml`, so CDI loaders watching the
     directory never pick up a file that is still being written.
+    With `folder_mode`, a missing folder is created (with that mode) when the first
+    open fails, rather than checked before every write.
     """
     directory = path.parent
     # Plain os calls: on the prepare path this runs on every claim, and mkstemp,
     # a buffered file object and Path methods cost more than the writes themselves.
     tmp = f"{directory}/.{path.name}.{secrets.token_hex(6)}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+    try:
+        fd = os.open(tmp, flags, 0o600)
+    except FileNotFoundError:
+        if folder_mode is None:
+            raise
+        directory.mkdir(mode=folder_mode, parents=True, exist_ok=True)
+        fd = os.open(tmp, flags, 0o600)
     try:
         try:
             view = memoryview(data)

@@ -577,13 +577,8 @@ class CdiSpecStore:
         path = self.spec_path(claim_uid)
         # Compact: written and parsed by machines on every prepare (jq reads it too).
         data = json.dumps(spec, separators=(",", ":")).encode() + b"\n"
-        try:
-            atomic_write(path, data, mode=0o644, durable=self._durable)
-        except FileNotFoundError:
-            # The folder is created on first use (and again if someone removed it),
-            # not checked on every write.
-            self._root.mkdir(mode=0o755, parents=True, exist_ok=True)
-            atomic_write(path, data, mode=0o644, durable=self._durable)
+        # The folder is created on first use (and again if someone removed it).
+        atomic_write(path, data, mode=0o644, durable=self._durable, folder_mode=0o755)
         return path
 
     def write_claim(

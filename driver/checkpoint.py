@@ -305,7 +305,6 @@ class Checkpoint:
         self._unreadable: dict[str, Any] = dict(unreadable or {})
         self._extra: dict[str, Any] = dict(extra or {})
         self._file_version = file_version
-        self._folder_made = False
         # Every dict and tuple above is replaced, never changed in place, so a
         # snapshot is a set of references that a writer thread can encode safely.
         # Encoded claims by UID, reused while the record is the same object.
@@ -578,14 +577,8 @@ class Checkpoint:
     def _write(self, snap: _Snapshot) -> None:
         data = self._encode(snap)
         try:
-            if not self._folder_made:  # once, not on every write
-                self._path.parent.mkdir(parents=True, exist_ok=True)
-                self._folder_made = True
-            try:
-                atomic_write(self._path, data, mode=0o600)
-            except FileNotFoundError:  # the folder was removed under us
-                self._path.parent.mkdir(parents=True, exist_ok=True)
-                atomic_write(self._path, data, mode=0o600)
+            # The folder is created on first use (and again if someone removed it).
+            atomic_write(self._path, data, mode=0o600, folder_mode=0o777)
         except OSError as exc:
             raise CheckpointError(f"cannot write checkpoint {self._path}: {exc}") from exc
 

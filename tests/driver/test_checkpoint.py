@@ -411,6 +411,22 @@ def test_atomic_write_replaces_content_and_sets_mode(tmp_path: Path) -> None:
     assert [p.name for p in tmp_path.iterdir()] == ["f.json"]
 
 
+def test_atomic_write_creates_a_missing_folder_only_when_asked(tmp_path: Path) -> None:
+    target = tmp_path / "a" / "b" / "f.json"
+    with pytest.raises(FileNotFoundError):
+        atomic_write(target, b"one")
+    assert list(tmp_path.iterdir()) == []
+    atomic_write(target, b"one", folder_mode=0o750)
+    assert target.read_bytes() == b"one"
+    assert (target.parent.stat().st_mode & 0o777) == 0o750 & ~_umask()
+
+
+def _umask() -> int:
+    current = os.umask(0)
+    os.umask(current)
+    return current
+
+
 # --- group commit: concurrent changes share writes ---
 
 
