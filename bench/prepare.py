@@ -40,8 +40,8 @@ from typing import Any
 import anyio
 import anyio.to_thread
 from gpudra.common.files import atomic_write
-from gpudra.common.kube import RESOURCE_API
 from gpudra.common.kube import Kube as KubeAsync
+from gpudra.common.kube import claim_path
 from gpudra.driver.plugin import ClaimRef, KubeletPlugin, PreparedDevice, PrepareResult
 
 from e2e.claims import pod_with_claim, wait_allocated
@@ -137,6 +137,13 @@ class Run:
     errors: int
     client_cpu_s: float | None = None
 
+    def cpu_per_cycle(self, meter: CpuMeter, cycles: int) -> dict[str, float]:
+        """The metered processes' CPU per cycle, with the Go client's own report."""
+        cpu_ms = meter.per_cycle_ms(cycles)
+        if self.client_cpu_s is not None:
+            cpu_ms["client"] = round(self.client_cpu_s * 1000 / cycles, 3)
+        return cpu_ms
+
 
 async def drive_go(binary: Path, socket: Path, refs: list[ClaimRef], cycles: int) -> Run:
     claims = [{"namespace": r.namespace, "uid": r.uid, "name": r.name} for r in refs]
@@ -178,8 +185,7 @@ class GetOnly:
     async def prepare(self, claims: list[ClaimRef]) -> dict[str, PrepareResult]:
         out = {}
         for ref in claims:
-            path = f"{RESOURCE_API}/namespaces/{ref.namespace}/resourceclaims/{ref.name}"
-            claim = await self._kube.request("GET", path)
+            claim = await self._kube.request("GET", claim_path(ref.namespace, ref.name))
             result = claim["status"]["allocation"]["devices"]["results"][0]
             out[ref.uid] = PrepareResult(
                 devices=[
@@ -203,6 +209,7 @@ async def floor_run(
     driver: str,
     refs: list[ClaimRef],
     cycles: int,
+    warmup: int,
     control_plane: dict[str, int],
 ) -> dict[str, Any]:
     """The same cycles against `GetOnly`: what is left with no node work at all."""
@@ -210,10 +217,10 @@ async def floor_run(
     root = Path(tempfile.mkdtemp(prefix="gdb-floor-", dir=os.environ.get("BENCH_DIR")))
     try:
         async with KubeletPlugin(driver, GetOnly(kube, driver), kubelet_root=root) as plugin:
-            await drive_go(binary, plugin.dra_socket, refs, max(cycles // 10, 40))
+            await drive_go(binary, plugin.dra_socket, refs, warmup)
             meter = CpuMeter({"plugin": os.getpid(), **control_plane})
             run = await drive_go(binary, plugin.dra_socket, refs, cycles)
-            cpu_ms = meter.per_cycle_ms(cycles)
+            cpu_ms = run.cpu_per_cycle(meter, cycles)
     finally:
         await kube.close()
         shutil.rmtree(root, ignore_errors=True)
@@ -222,7 +229,7 @@ async def floor_run(
         "p99_ms": round(percentile(run.prepare_ms, 99), 2),
         "claims_per_s": round(cycles / run.wall_s, 1),
         "errors": run.errors,
-        "cpu_ms_per_cycle": {**cpu_ms, "client": round((run.client_cpu_s or 0) * 1000 / cycles, 3)},
+        "cpu_ms_per_cycle": cpu_ms,
     }
 
 
@@ -338,15 +345,19 @@ async def main() -> dict[str, Any]:
                 meter = CpuMeter({"node": proc.pid, "client": os.getpid(), **control_plane})
                 run = await drive(kubelet, driver, refs, cycles)
                 run.errors += warm.errors
-            cpu_ms = meter.per_cycle_ms(cycles)
-            if run.client_cpu_s is not None:
-                cpu_ms["client"] = round(run.client_cpu_s * 1000 / cycles, 3)
+            cpu_ms = run.cpu_per_cycle(meter, cycles)
         # The agent is stopped first, so that it does not compete with the floor run.
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=30)
         if binary is not None and os.environ.get("BENCH_FLOOR", "1") != "0":
             floor = await floor_run(
-                binary, cluster.layout.admin_kubeconfig, driver, refs, cycles, control_plane
+                binary,
+                cluster.layout.admin_kubeconfig,
+                driver,
+                refs,
+                cycles,
+                warmup,
+                control_plane,
             )
     finally:
         if proc.poll() is None:

@@ -26,6 +26,11 @@ log = logging.getLogger(__name__)
 RESOURCE_API = "/apis/resource.k8s.io/v1"
 
 
+def claim_path(namespace: str, name: str) -> str:
+    """The API path of one ResourceClaim."""
+    return f"{RESOURCE_API}/namespaces/{namespace}/resourceclaims/{name}"
+
+
 class ApiError(Exception):
     """An HTTP error from the API server, with its Status message."""
 

@@ -57,7 +57,7 @@ from gpudra.api.config import (
     DeviceType as ConfigDeviceType,
 )
 from gpudra.api.quantity import QuantityError, parse_quantity
-from gpudra.common.kube import RESOURCE_API, ApiError, Kube
+from gpudra.common.kube import ApiError, Kube, claim_path
 from gpudra.driver.cdi import (
     CdiError,
     CdiSpecStore,
@@ -910,7 +910,7 @@ class ClaimPreparer:
             return PrepareResult(devices=devices)
 
     async def _fetch(self, ref: ClaimRef) -> Mapping[str, Any]:
-        path = f"{RESOURCE_API}/namespaces/{ref.namespace}/resourceclaims/{ref.name}"
+        path = claim_path(ref.namespace, ref.name)
         try:
             claim = await self._kube.request("GET", path, request_timeout_s=self._api_timeout_s)
         except ApiError as exc:
@@ -1641,7 +1641,7 @@ class ClaimPreparer:
         cp = await self._checkpoint()
         cleaned: list[str] = []
         for record in cp.claims():
-            path = f"{RESOURCE_API}/namespaces/{record.namespace}/resourceclaims/{record.name}"
+            path = claim_path(record.namespace, record.name)
             try:
                 claim = await self._kube.request("GET", path, request_timeout_s=self._api_timeout_s)
             except ApiError as exc:
