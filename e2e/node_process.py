@@ -136,7 +136,13 @@ def delete_driver_namespace(kube: Kube, driver: str, namespace: str) -> None:
     driver's slices, the DeviceClass and the namespace."""
     for pod in kube.list("Pod", namespace):
         kube.delete("Pod", pod["metadata"]["name"], namespace, grace=0)
-    for o in kube.list("ResourceSlice", fieldSelector=f"spec.driver={driver}"):
-        kube.delete("ResourceSlice", o["metadata"]["name"])
+    delete_slices(kube, driver)
     kube.delete("DeviceClass", driver)
     kube.delete("Namespace", namespace)
+
+
+def delete_slices(kube: Kube, driver: str) -> None:
+    """The driver's slices, once its agents are stopped, so that later tests do not
+    allocate from nodes nobody serves."""
+    for o in kube.list("ResourceSlice", fieldSelector=f"spec.driver={driver}"):
+        kube.delete("ResourceSlice", o["metadata"]["name"])

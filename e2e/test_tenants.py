@@ -26,7 +26,8 @@ from e2e import smoke
 from e2e.cluster.harness import Cluster
 from e2e.cluster.kube import ApiError, apply_crd
 from e2e.cluster.kube import Kube as SyncKube
-from e2e.webhook_env import EmulatedNode, delete_slices, serving_config, start_emulated_nodes
+from e2e.node_process import delete_slices
+from e2e.webhook_env import EmulatedNode, serving_config, start_emulated_nodes
 
 pytestmark = [pytest.mark.cluster, pytest.mark.anyio]
 DRIVER = "gpu.nvidia.com"

@@ -17,7 +17,6 @@ from gpudra.webhook.certs import TLS_CERT, TLS_KEY, WebhookPki, ensure_pki, serv
 from gpudra.webhook.server import ServerConfig
 
 from e2e.cluster.harness import Cluster
-from e2e.cluster.kube import Kube as SyncKube
 
 
 def serving_config(cluster: Cluster, pki_dir: Path) -> tuple[WebhookPki, ServerConfig]:
@@ -65,11 +64,3 @@ async def start_emulated_nodes(
         await tg.start(agent.run)
     for agent in agents:
         await agent.slices.converged.wait()
-
-
-def delete_slices(kube: SyncKube, driver: str) -> None:
-    """The driver's slices, once its agents are stopped, so that later tests do not
-    allocate from nodes nobody serves."""
-    for o in kube.list("ResourceSlice"):
-        if o["spec"]["driver"] == driver:
-            kube.delete("ResourceSlice", o["metadata"]["name"])
