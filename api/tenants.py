@@ -28,6 +28,7 @@ from enum import IntEnum
 from typing import Annotated, Any, Final, Literal, Self, TypeAlias, get_args
 
 import yaml
+from gpudra.api.names import DnsLabel, DnsSubdomain
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 __all__ = [
@@ -77,14 +78,12 @@ MIG_PROFILE_RE: Final = re.compile(
     r"(?:(?P<ci>[1-7])c\.)?(?P<gi>[1-7])g\.(?P<mem>[1-9][0-9]{0,3})gb"
     r"(?P<suffix>\+me\.all|\+me|\+gfx|-me)?"
 )
-_DNS_LABEL: Final = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
-_DNS_SUBDOMAIN: Final = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
 # Schema patterns take no named groups.
 _MIG_PROFILE_PATTERN: Final = "^" + re.sub(r"\?P<\w+>", "?:", MIG_PROFILE_RE.pattern) + "$"
 _MAX_MAP_KEYS: Final = 64
 
-NamespaceName = Annotated[str, Field(pattern=_DNS_LABEL, max_length=63)]
-DeviceClassName = Annotated[str, Field(pattern=_DNS_SUBDOMAIN, max_length=253)]
+NamespaceName: TypeAlias = DnsLabel
+DeviceClassName: TypeAlias = DnsSubdomain
 MigProfile = Annotated[str, Field(pattern=_MIG_PROFILE_PATTERN, max_length=32)]
 
 

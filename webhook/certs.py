@@ -26,7 +26,6 @@ from __future__ import annotations
 import base64
 import datetime as dt
 import ipaddress
-import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -39,6 +38,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from cryptography.hazmat.primitives.asymmetric.types import CertificateIssuerPrivateKeyTypes
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+from gpudra.api.names import check_dns_label
 from gpudra.common.files import atomic_write
 
 __all__ = [
@@ -69,7 +69,6 @@ ROTATE_REMAINING: Final = 1 / 3
 LOOPBACK_IPS: Final = ("127.0.0.1",)
 # Certificates start a little in the past so a peer with a slow clock accepts them.
 _BACKDATE: Final = dt.timedelta(minutes=5)
-_DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
 
 CA_CERT: Final = "ca.crt"
 CA_KEY: Final = "ca.key"
@@ -178,11 +177,8 @@ def service_dns_names(
     service: str, namespace: str, cluster_domain: str = "cluster.local"
 ) -> tuple[str, ...]:
     """The names the API server uses to reach a webhook Service."""
-    for field, value in (("service", service), ("namespace", namespace)):
-        if not _DNS_LABEL.fullmatch(value):
-            raise ValueError(
-                f"{field} {value!r} must be a DNS label (lowercase letters, digits, '-')"
-            )
+    check_dns_label(service, "service")
+    check_dns_label(namespace, "namespace")
     return (
         f"{service}.{namespace}.svc",
         f"{service}.{namespace}.svc.{cluster_domain}",

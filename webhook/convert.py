@@ -58,13 +58,13 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from fractions import Fraction
 from typing import Any, Final
 
+from gpudra.api.names import DNS_LABEL_MAX, check_dns_label
 from gpudra.api.quantity import QuantityError, parse_quantity
 from gpudra.api.tenants import MIG_PROFILE_RE
 
@@ -93,12 +93,12 @@ MANAGED_BY_VALUE: Final = "gpudra-webhook"
 
 # resource.k8s.io/v1 limit: at most 32 devices allocated to one claim.
 MAX_DEVICES_PER_CLAIM: Final = 32
-_MAX_NAME: Final = 63
 _HASH_LEN: Final = 8
+# Names are `<prefix>-<device type>[-...]`: a short prefix leaves room for the rest.
+_MAX_PREFIX: Final = 20
 _CONFIG_API_VERSION: Final = "resource.nvidia.com/v1beta1"
 _TIME_SLICE_INTERVALS: Final = frozenset({"Default", "Short", "Medium", "Long"})
 _SHARED_STRATEGIES: Final = frozenset({"TimeSlicing", "MPS"})
-_DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
 
 # GPU-instance profiles as the device plugin names them; one pattern shared with GpuTenant.
 _MIG_PROFILE = MIG_PROFILE_RE
@@ -164,11 +164,7 @@ class ConversionPolicy:
                 f"time_slice_interval {self.time_slice_interval!r} must be one of "
                 f"{sorted(_TIME_SLICE_INTERVALS)}"
             )
-        if len(self.name_prefix) > 20 or not _DNS_LABEL.fullmatch(self.name_prefix):
-            raise ValueError(
-                f"name_prefix {self.name_prefix!r} must be a DNS label of at most 20 "
-                "characters (lowercase letters, digits, '-')"
-            )
+        check_dns_label(self.name_prefix, "name_prefix", max_length=_MAX_PREFIX)
         if not 1 <= self.max_devices_per_claim <= MAX_DEVICES_PER_CLAIM:
             raise ValueError(f"max_devices_per_claim must be between 1 and {MAX_DEVICES_PER_CLAIM}")
 
@@ -554,11 +550,11 @@ def _template_name(
     """Readable shape name; content-hashed when the content is not the default's."""
     readable = f"{policy.name_prefix}-{device_type.token}-{'-'.join(map(str, segments))}"
     default_content = _claim_spec(device_type, segments, DEFAULT_POLICY) == spec
-    if default_content and len(readable) <= _MAX_NAME:
+    if default_content and len(readable) <= DNS_LABEL_MAX:
         return readable
     canonical = json.dumps(spec, sort_keys=True, separators=(",", ":")).encode()
     digest = hashlib.sha256(canonical).hexdigest()[:_HASH_LEN]
-    return f"{readable[: _MAX_NAME - _HASH_LEN - 1].rstrip('-')}-{digest}"
+    return f"{readable[: DNS_LABEL_MAX - _HASH_LEN - 1].rstrip('-')}-{digest}"
 
 
 def _mapping(value: object, where: str) -> Mapping[str, Any]:

@@ -6,6 +6,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import pytest
+from gpudra.api.names import is_dns_label
 from gpudra.webhook import registration
 from gpudra.webhook.convert import (
     OPT_OUT_LABEL,
@@ -17,7 +18,6 @@ from gpudra.webhook.convert import (
 )
 
 Patcher = Callable[[Any, Sequence[dict[str, Any]]], Any]
-DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
 
 
 def container(name: str, limits: dict[str, Any] | None = None, **extra: Any) -> dict[str, Any]:
@@ -371,10 +371,10 @@ def test_names_stay_dns_labels_within_63_characters() -> None:
     for template in result.templates:
         name = template["metadata"]["name"]
         assert len(name) <= 63
-        assert DNS_LABEL.fullmatch(name)
+        assert is_dns_label(name)
     assert len(result.templates[0]["spec"]["spec"]["devices"]["requests"]) == 30
     for entry in result.claims:
-        assert DNS_LABEL.fullmatch(entry.pod_claim_name)
+        assert is_dns_label(entry.pod_claim_name)
 
 
 def test_custom_prefix_is_used_for_names_and_detection(apply_patch: Patcher) -> None:
