@@ -33,12 +33,12 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
-from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import pynvml
 from gpudra.driver.nvml import NvmlLibrary
-from gpudra.driver.nvml.emulator import NvmlEmulator, describe_nvml_error
+from gpudra.driver.nvml.codes import describe_nvml_error
+from gpudra.driver.nvml.topology import PciTopology, pci_topology
 
 logger = logging.getLogger(__name__)
 
@@ -434,49 +434,6 @@ def _index_range(indices: set[int]) -> str:
     return f": indices {min(indices)}-{max(indices)}"
 
 
-class PciTopology(Protocol):
-    """Where a PCI device sits: sysfs on a real node, the profile on an emulated one."""
-
-    def pcie_root(self, bus_id: str) -> str | None: ...
-
-    def numa_node(self, bus_id: str) -> int | None: ...
-
-
-@dataclass(frozen=True, slots=True)
-class SysfsTopology:
-    """PCIe root complex and NUMA node from sysfs, as the Kubernetes helpers read them."""
-
-    root: Path = Path("/sys")
-
-    def pcie_root(self, bus_id: str) -> str | None:
-        link = self.root / "bus" / "pci" / "devices" / bus_id
-        try:
-            target = link.resolve(strict=True)
-            devices = (self.root / "devices").resolve(strict=True)
-        except OSError:
-            return None
-        try:
-            first = target.relative_to(devices).parts[0]
-        except (ValueError, IndexError):
-            return None
-        return first if first.startswith("pci") else None
-
-    def numa_node(self, bus_id: str) -> int | None:
-        path = self.root / "bus" / "pci" / "devices" / bus_id / "numa_node"
-        try:
-            node = int(path.read_text(encoding="ascii").strip())
-        except (OSError, ValueError):
-            return None
-        return node if node >= 0 else None
-
-
-def default_topology(nvml: object) -> PciTopology:
-    """The emulator's own topology for an emulated node, sysfs otherwise."""
-    if isinstance(nvml, NvmlEmulator):
-        return nvml.pci_topology
-    return SysfsTopology()
-
-
 # --- naming and value helpers ------------------------------------------------------------
 
 
@@ -693,7 +650,7 @@ def discover(nvml: NvmlLibrary, *, topology: PciTopology | None = None) -> Inven
     NVML is initialised for the scan and shut down afterwards (NVML reference-counts, so
     a caller that initialised NVML itself stays initialised).
     """
-    topo = topology if topology is not None else default_topology(nvml)
+    topo = topology if topology is not None else pci_topology(nvml)
     scan = _Scanner(nvml)
     scan.call(None, "nvmlInit")
     try:

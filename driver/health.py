@@ -37,7 +37,7 @@ import pynvml
 from anyio.abc import TaskStatus
 from gpudra.driver.devices import Inventory, mig_device_name
 from gpudra.driver.nvml import NvmlLibrary
-from gpudra.driver.nvml.emulator import FULL_GPU_INSTANCE_ID
+from gpudra.driver.nvml.codes import FULL_GPU_INSTANCE_ID
 
 logger = logging.getLogger(__name__)
 

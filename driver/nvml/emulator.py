@@ -36,6 +36,7 @@ from typing import Annotated, Any, Concatenate, Literal, ParamSpec, TypeVar
 
 import pynvml
 from gpudra.common.files import atomic_write
+from gpudra.driver.nvml.codes import FULL_GPU_INSTANCE_ID, constant_names, describe_nvml_error
 from pydantic import (
     BaseModel,
     BeforeValidator,
@@ -48,9 +49,6 @@ from pydantic import (
 )
 
 PROFILE_FORMAT = "gpudra.nvml-profile/v1"
-
-# gpuInstanceId/computeInstanceId of an event that concerns the whole GPU.
-FULL_GPU_INSTANCE_ID = 0xFFFFFFFF
 
 _MIB = 1024 * 1024
 _DEFAULT_EVENT_TYPES = (
@@ -85,24 +83,7 @@ def _nvml_error(code: int) -> Exception:
     return err
 
 
-def describe_nvml_error(err: BaseException) -> str:
-    """`str(err)` plus the NVML_ERROR_* name: pynvml can only spell some codes itself."""
-    code = getattr(err, "value", None)
-    name = _constant_names("NVML_ERROR_").get(code) if isinstance(code, int) else None
-    return f"{err} ({name})" if name else str(err)
-
-
 # --- Profile schema -------------------------------------------------------------------
-
-
-def _constant_names(prefix: str) -> Mapping[int, str]:
-    names: dict[int, str] = {}
-    for name in sorted(dir(pynvml)):
-        if name.startswith(prefix) and not name.endswith("_COUNT"):
-            value = getattr(pynvml, name)
-            if isinstance(value, int):
-                names.setdefault(value, name)
-    return MappingProxyType(names)
 
 
 def _parse_constant(prefix: str) -> Callable[[object], object]:
@@ -128,7 +109,7 @@ def _parse_constant(prefix: str) -> Callable[[object], object]:
 
 def _constant_serializer(prefix: str) -> Callable[[int], int | str]:
     """Write a known value back as its pynvml constant name, so profiles stay readable."""
-    names = _constant_names(prefix)
+    names = constant_names(prefix)
 
     def serialize(value: int) -> int | str:
         return names.get(value, value)

@@ -25,9 +25,9 @@ from pathlib import Path
 from typing import Any
 
 import pynvml
-from gpudra.driver.devices import SysfsTopology
 from gpudra.driver.nvml import NvmlLibrary, load_nvml
 from gpudra.driver.nvml.emulator import PROFILE_FORMAT, parse_profile
+from gpudra.driver.nvml.topology import SysfsTopology
 
 _UNAVAILABLE = frozenset(
     {

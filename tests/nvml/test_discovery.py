@@ -21,7 +21,6 @@ from gpudra.driver.devices import (
     DiscoveryError,
     Inventory,
     MigStrategy,
-    SysfsTopology,
     Version,
     counter_set_to_api,
     device_to_api,
@@ -32,6 +31,7 @@ from gpudra.driver.devices import (
 )
 from gpudra.driver.nvml import load_nvml
 from gpudra.driver.nvml.emulator import NvmlEmulator, load_builtin_profile
+from gpudra.driver.nvml.topology import SysfsTopology
 
 H100_PROFILES = {  # GI profile ID -> (name, placements)
     19: ("1g.10gb", 7),
