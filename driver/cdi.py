@@ -40,6 +40,7 @@ __all__ = [
     "DRIVER_UTILITIES",
     "LIBRARY_MOUNT_OPTIONS",
     "TOOLKIT_KIND",
+    "CdiDevice",
     "CdiError",
     "CdiSpecStore",
     "ContainerEdits",
@@ -47,7 +48,6 @@ __all__ = [
     "DeviceNumbers",
     "Hook",
     "Mount",
-    "PreparedDevice",
     "ToolkitSpec",
     "build_spec",
     "cdi_device_name",
@@ -193,8 +193,9 @@ class ContainerEdits:
 
 
 @dataclass(frozen=True, slots=True)
-class PreparedDevice:
-    """One device of a claim as it goes into the spec.
+class CdiDevice:
+    """One device of a claim as it goes into the CDI spec (the kubelet is told only its
+    qualified ID, in a `plugin.PreparedDevice`).
 
     `toolkit_ids` are the container toolkit's CDI IDs for the same device; when
     set, the device's nodes and the driver files come from the toolkit's spec.
@@ -385,7 +386,7 @@ def minimum_cdi_version(spec: Mapping[str, Any]) -> str:
 
 def build_spec(
     claim_uid: str,
-    devices: Sequence[PreparedDevice],
+    devices: Sequence[CdiDevice],
     *,
     kind: str = DEFAULT_KIND,
     common_edits: ContainerEdits | None = None,
@@ -550,14 +551,14 @@ class CdiSpecStore:
     def qualified_id(self, name: str) -> str:
         return qualified_id(name, self._kind)
 
-    def device_ids(self, claim_uid: str, device: PreparedDevice) -> list[str]:
+    def device_ids(self, claim_uid: str, device: CdiDevice) -> list[str]:
         """CDI IDs for the kubelet: ours first, then the toolkit's for the same device."""
         return [self.qualified_id(cdi_device_name(claim_uid, device.name)), *device.toolkit_ids]
 
     def build(
         self,
         claim_uid: str,
-        devices: Sequence[PreparedDevice],
+        devices: Sequence[CdiDevice],
         *,
         common_edits: ContainerEdits | None = None,
         annotations: Mapping[str, str] | None = None,
@@ -584,7 +585,7 @@ class CdiSpecStore:
     def write_claim(
         self,
         claim_uid: str,
-        devices: Sequence[PreparedDevice],
+        devices: Sequence[CdiDevice],
         *,
         common_edits: ContainerEdits | None = None,
         annotations: Mapping[str, str] | None = None,

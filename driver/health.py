@@ -157,8 +157,9 @@ HealthEvent = XidEvent | EccEvent | GpuLostEvent | GpuRecoveredEvent | Unmonitor
 
 
 @dataclass(frozen=True, slots=True)
-class DeviceHealth:
-    """One device's health for the kubelet stream and its taints for the ResourceSlice.
+class DeviceHealthState:
+    """One device's health state: its taints for the ResourceSlice, and what the kubelet
+    health stream reports (as a `plugin.DeviceHealth` message) from it.
 
     `healthy` is False while any taint has effect NoSchedule or NoExecute.
     `updated_at` is the unix time of the device's last change.
@@ -177,7 +178,7 @@ class HealthReport:
     """Every known device's health at one generation; generations only grow."""
 
     generation: int
-    devices: Mapping[str, DeviceHealth]
+    devices: Mapping[str, DeviceHealthState]
 
     def taints(self, name: str) -> tuple[Taint, ...]:
         device = self.devices.get(name)
@@ -385,10 +386,10 @@ class HealthState:
             self._changed.set()
             self._changed = None
 
-    def _device_health(self, name: str, record: _Record) -> DeviceHealth:
+    def _device_health(self, name: str, record: _Record) -> DeviceHealthState:
         taints = tuple(a.taint for a in record.active.values())
         healthy = all(t.effect is TaintEffect.NONE for t in taints)
-        return DeviceHealth(
+        return DeviceHealthState(
             name=name,
             gpu_uuid=record.gpu_uuid,
             healthy=healthy,

@@ -10,13 +10,13 @@ import pytest
 from gpudra.driver.cdi import (
     DEFAULT_KIND,
     LIBRARY_MOUNT_OPTIONS,
+    CdiDevice,
     CdiError,
     CdiSpecStore,
     ContainerEdits,
     DeviceNode,
     Hook,
     Mount,
-    PreparedDevice,
     build_spec,
     cdi_device_name,
     driver_common_edits,
@@ -34,8 +34,8 @@ GPU_UUID = "GPU-4a2e1b5c-8a3d-4f61-9e0e-000000000001"
 MIG_UUID = "MIG-5b3f2c6d-9b4e-5a72-8f1f-000000000002"
 
 
-def _gpu_device(name: str = "gpu-0", minor: int = 0) -> PreparedDevice:
-    return PreparedDevice(
+def _gpu_device(name: str = "gpu-0", minor: int = 0) -> CdiDevice:
+    return CdiDevice(
         name=name,
         edits=ContainerEdits(
             env={"NVIDIA_VISIBLE_DEVICES": "void"},
@@ -97,7 +97,7 @@ def test_all_container_edit_fields_are_written_with_cdi_names() -> None:
         hooks=(Hook("createContainer", "/usr/bin/hook", ("hook", "x"), ("A=1",), 5),),
         additional_gids=(44,),
     )
-    spec = build_spec(UID, [PreparedDevice("gpu-0", edits, annotations={"a.b/c": "d"})])
+    spec = build_spec(UID, [CdiDevice("gpu-0", edits, annotations={"a.b/c": "d"})])
     device = spec["devices"][0]
     assert device["annotations"] == {"a.b/c": "d"}
     assert device["containerEdits"] == {
@@ -149,26 +149,26 @@ def test_all_container_edit_fields_are_written_with_cdi_names() -> None:
 def test_cdi_version_is_the_lowest_the_fields_need(
     uid: str, edits: ContainerEdits, annotations: dict[str, str] | None, expected: str
 ) -> None:
-    spec = build_spec(uid, [PreparedDevice("gpu-0", edits)], annotations=annotations)
+    spec = build_spec(uid, [CdiDevice("gpu-0", edits)], annotations=annotations)
     assert spec["cdiVersion"] == expected
 
 
 def test_cdi_version_counts_top_level_edits_and_dotted_class() -> None:
     top_gids = build_spec(
         UID_LETTER,
-        [PreparedDevice("d", ContainerEdits(env={"A": "1"}))],
+        [CdiDevice("d", ContainerEdits(env={"A": "1"}))],
         common_edits=ContainerEdits(additional_gids=(1,)),
     )
     assert top_gids["cdiVersion"] == "0.7.0"
     dotted = build_spec(
-        UID_LETTER, [PreparedDevice("d", ContainerEdits(env={"A": "1"}))], kind="v.example/a.b"
+        UID_LETTER, [CdiDevice("d", ContainerEdits(env={"A": "1"}))], kind="v.example/a.b"
     )
     assert dotted["cdiVersion"] == "0.6.0"
     assert minimum_cdi_version({"kind": "a/b", "devices": [{"name": "x"}]}) == "0.3.0"
 
 
 def test_toolkit_device_without_edits_gets_a_marker_so_the_spec_stays_valid() -> None:
-    device = PreparedDevice("gpu-0", toolkit_ids=(f"nvidia.com/gpu={GPU_UUID}",))
+    device = CdiDevice("gpu-0", toolkit_ids=(f"nvidia.com/gpu={GPU_UUID}",))
     spec = build_spec(UID, [device])
     assert spec["devices"][0]["containerEdits"] == {"env": ["GPUDRA_DEVICE_GPU_0=gpu-0"]}
     assert "containerEdits" not in spec
@@ -177,19 +177,19 @@ def test_toolkit_device_without_edits_gets_a_marker_so_the_spec_stays_valid() ->
 @pytest.mark.parametrize(
     "device",
     [
-        PreparedDevice("gpu 0", ContainerEdits(env={"A": "1"})),
-        PreparedDevice("gpu/0", ContainerEdits(env={"A": "1"})),
-        PreparedDevice("gpu-", ContainerEdits(env={"A": "1"})),
-        PreparedDevice("gpu-0", ContainerEdits(device_nodes=(DeviceNode("dev/nvidia0"),))),
-        PreparedDevice("gpu-0", ContainerEdits(mounts=(Mount("/a", "relative"),))),
-        PreparedDevice("gpu-0", ContainerEdits(env={"A=B": "1"})),
-        PreparedDevice("gpu-0", ContainerEdits(hooks=(Hook("preStart", "/bin/x"),))),  # type: ignore[arg-type]
-        PreparedDevice("gpu-0", ContainerEdits(device_nodes=(DeviceNode("/d", type="x"),))),  # type: ignore[arg-type]
-        PreparedDevice("gpu-0", ContainerEdits(device_nodes=(DeviceNode("/d", permissions="rx"),))),
-        PreparedDevice("gpu-0", ContainerEdits(env={"A": "1"}), annotations={"bad key!": "v"}),
+        CdiDevice("gpu 0", ContainerEdits(env={"A": "1"})),
+        CdiDevice("gpu/0", ContainerEdits(env={"A": "1"})),
+        CdiDevice("gpu-", ContainerEdits(env={"A": "1"})),
+        CdiDevice("gpu-0", ContainerEdits(device_nodes=(DeviceNode("dev/nvidia0"),))),
+        CdiDevice("gpu-0", ContainerEdits(mounts=(Mount("/a", "relative"),))),
+        CdiDevice("gpu-0", ContainerEdits(env={"A=B": "1"})),
+        CdiDevice("gpu-0", ContainerEdits(hooks=(Hook("preStart", "/bin/x"),))),  # type: ignore[arg-type]
+        CdiDevice("gpu-0", ContainerEdits(device_nodes=(DeviceNode("/d", type="x"),))),  # type: ignore[arg-type]
+        CdiDevice("gpu-0", ContainerEdits(device_nodes=(DeviceNode("/d", permissions="rx"),))),
+        CdiDevice("gpu-0", ContainerEdits(env={"A": "1"}), annotations={"bad key!": "v"}),
     ],
 )
-def test_invalid_device_input_is_rejected(device: PreparedDevice) -> None:
+def test_invalid_device_input_is_rejected(device: CdiDevice) -> None:
     with pytest.raises(CdiError):
         build_spec(UID, [device])
 
@@ -213,7 +213,7 @@ def test_qualified_ids() -> None:
     assert qualified_id(name) == f"k8s.gpu.nvidia.com/claim={UID}-gpu-0"
     assert qualified_id("x", "v.example/c") == "v.example/c=x"
     store = CdiSpecStore(Path("/nonexistent"))
-    device = PreparedDevice("gpu-0", toolkit_ids=(f"nvidia.com/gpu={GPU_UUID}",))
+    device = CdiDevice("gpu-0", toolkit_ids=(f"nvidia.com/gpu={GPU_UUID}",))
     assert store.device_ids(UID, device) == [
         f"k8s.gpu.nvidia.com/claim={UID}-gpu-0",
         f"nvidia.com/gpu={GPU_UUID}",
