@@ -46,8 +46,16 @@ ATTRIBUTE_ID_MAX: Final = 32
 # checks with the functions below, which say which part of a name is wrong.
 DNS_LABEL_PATTERN: Final = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 DNS_SUBDOMAIN_PATTERN: Final = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+# Valid names take one regex match (publishing checks every key of every device); the
+# step-by-step checks run only to explain a refusal.
+_LABEL: Final = re.compile(DNS_LABEL_PATTERN)
+_SUBDOMAIN: Final = re.compile(DNS_SUBDOMAIN_PATTERN)
+_ATTRIBUTE_NAME: Final = re.compile(
+    r"(?:[a-zA-Z0-9](?:[-a-zA-Z0-9]*[a-zA-Z0-9])?(?:\.[a-zA-Z0-9](?:[-a-zA-Z0-9]*[a-zA-Z0-9])?)*/)?"
+    r"[A-Za-z_][A-Za-z0-9_]*"
+)
 _LABEL_CHARS: Final = re.compile(r"[^-a-z0-9]")
-_C_IDENTIFIER: Final = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_C_IDENTIFIER: Final = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 _LABEL_RULE: Final = (
     "lower-case letters, digits and '-', starting and ending with a letter or digit"
@@ -85,28 +93,20 @@ def dns_label_problem(value: str, *, max_length: int = DNS_LABEL_MAX) -> str | N
 
     `max_length` may only tighten the rule (for a caller that appends to the name).
     """
-    if len(value) > max_length:
-        flaw: str | None = f"has {len(value)} characters"
-    else:
-        flaw = _label_flaw(value)
-    if flaw is None:
+    if len(value) <= max_length and _LABEL.fullmatch(value):
         return None
+    flaw = f"has {len(value)} characters" if len(value) > max_length else _label_flaw(value)
     return f"must be a DNS label of at most {max_length} {_LABEL_RULE} (it {flaw})"
 
 
 def dns_subdomain_problem(value: str, *, max_length: int = DNS_SUBDOMAIN_MAX) -> str | None:
     """Why `value` is not an RFC 1123 subdomain of at most `max_length` characters, or None."""
-    where, flaw = "it", None
-    if len(value) > max_length:
-        flaw = f"has {len(value)} characters"
-    else:
-        for part in value.split("."):
-            flaw = _label_flaw(part)
-            if flaw is not None:
-                where = "it" if part == value else f"part {part!r}"
-                break
-    if flaw is None:
+    if len(value) <= max_length and _SUBDOMAIN.fullmatch(value):
         return None
+    where, flaw = "it", f"has {len(value)} characters"
+    if len(value) <= max_length:
+        part, flaw = next((p, f) for p in value.split(".") if (f := _label_flaw(p)) is not None)
+        where = "it" if part == value else f"part {part!r}"
     return (
         f"must be a DNS subdomain of at most {max_length} characters: dot-separated parts "
         f"of {_LABEL_RULE} ({where} {flaw})"
@@ -121,13 +121,19 @@ def attribute_name_problem(value: str) -> str | None:
     case-insensitively, as the API checks driver names).
     """
     domain, slash, ident = value.rpartition("/")
+    if (
+        len(domain) <= ATTRIBUTE_DOMAIN_MAX
+        and len(ident) <= ATTRIBUTE_ID_MAX
+        and _ATTRIBUTE_NAME.fullmatch(value)
+    ):
+        return None
     if slash:
         if not domain:
             return "has an empty domain before '/'; drop the '/' or name the domain"
         problem = dns_subdomain_problem(domain.lower(), max_length=ATTRIBUTE_DOMAIN_MAX)
         if problem is not None:
             return f"has domain {domain!r}, which {problem}"
-    if len(ident) > ATTRIBUTE_ID_MAX or not _C_IDENTIFIER.match(ident):
+    if len(ident) > ATTRIBUTE_ID_MAX or not _C_IDENTIFIER.fullmatch(ident):
         return (
             f"has name {ident!r}, which must be a C identifier (letters, digits and '_', "
             f"not starting with a digit) of at most {ATTRIBUTE_ID_MAX} characters"

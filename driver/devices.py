@@ -42,24 +42,9 @@ from gpudra.driver.nvml.topology import PciTopology, pci_topology
 
 logger = logging.getLogger(__name__)
 
-# Limits of resource.k8s.io/v1 (see ResourceSlice validation).
-MAX_STRING_ATTRIBUTE = 64
-MAX_ATTRIBUTES_AND_CAPACITIES = 32
-MAX_COUNTERS_PER_SET = 32
-MAX_DEVICE_NAME = 63
-
 PCI_BUS_ID_ATTRIBUTE = "resource.kubernetes.io/pciBusID"
 PCIE_ROOT_ATTRIBUTE = "resource.kubernetes.io/pcieRoot"
 NUMA_NODE_ATTRIBUTE = "resource.kubernetes.io/numaNode"
-
-_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
-_C_IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
-_SEMVER = re.compile(
-    r"^(0|[1-9]\d*)\.(0|[1-9]\d*)\.(0|[1-9]\d*)"
-    r"(?:-((?:0|[1-9]\d*|\d*[a-zA-Z-][0-9a-zA-Z-]*)(?:\.(?:0|[1-9]\d*|\d*[a-zA-Z-][0-9a-zA-Z-]*))*))?"
-    r"(?:\+([0-9a-zA-Z-]+(?:\.[0-9a-zA-Z-]+)*))?$"
-)
 
 # go-nvlib's brand and architecture spellings, which upstream publishes.
 _BRANDS: Mapping[int, str] = {
@@ -124,25 +109,6 @@ _COUNTER_NAMES: Mapping[str, str] = {
     "ofaEngines": "ofa-engines",
     "memory": "memory",
 }
-# Keys discovery itself writes; known valid, so validation skips them (it runs per device).
-_KNOWN_KEYS = frozenset(
-    {
-        "type",
-        "uuid",
-        "parentUUID",
-        "profile",
-        "productName",
-        "brand",
-        "architecture",
-        "cudaComputeCapability",
-        "driverVersion",
-        "cudaDriverVersion",
-        PCI_BUS_ID_ATTRIBUTE,
-        PCIE_ROOT_ATTRIBUTE,
-        NUMA_NODE_ATTRIBUTE,
-        *_COUNTER_NAMES,
-    }
-)
 _MIB = 1024 * 1024
 _GIB = 1024 * 1024 * 1024
 
@@ -166,15 +132,6 @@ class DiscoveryError(RuntimeError):
         self.gpu_index = gpu_index
         self.call = call
         self.nvml_error = nvml_error
-
-
-class DeviceLimitError(DiscoveryError):
-    """A device would break a ResourceSlice API limit; names the device and the field."""
-
-    def __init__(self, device: str, field_name: str, problem: str) -> None:
-        super().__init__(f"device {device}: {field_name}: {problem}")
-        self.device = device
-        self.field = field_name
 
 
 class DeviceType(StrEnum):
@@ -512,77 +469,6 @@ def _lower_bus_id(bus_id: str) -> str:
     return lowered.removeprefix("0000") if lowered != "0000" else lowered
 
 
-# --- validation against API limits -------------------------------------------------------
-
-
-def _check_key(device: str, key: str, what: str) -> None:
-    if key in _KNOWN_KEYS:
-        return
-    domain, _, ident = key.rpartition("/")
-    if domain and (len(domain) > 63 or not _DNS_SUBDOMAIN.match(domain)):
-        raise DeviceLimitError(device, f"{what} {key}", "domain is not a DNS subdomain of <=63")
-    if len(ident) > 32 or not _C_IDENTIFIER.match(ident):
-        raise DeviceLimitError(
-            device, f"{what} {key}", "name must be a C identifier of at most 32 characters"
-        )
-
-
-def validate_device(device: Device) -> None:
-    """Raise `DeviceLimitError` if `device` breaks a resource.k8s.io/v1 limit."""
-    name = device.name
-    if len(name) > MAX_DEVICE_NAME or not _DNS_LABEL.match(name):
-        raise DeviceLimitError(name, "name", f"must be a DNS label of at most {MAX_DEVICE_NAME}")
-    total = len(device.attributes) + len(device.capacity)
-    if total > MAX_ATTRIBUTES_AND_CAPACITIES:
-        raise DeviceLimitError(
-            name,
-            "attributes+capacity",
-            f"{total} entries, the API allows at most {MAX_ATTRIBUTES_AND_CAPACITIES}",
-        )
-    for key, value in device.attributes.items():
-        _check_key(name, key, "attribute")
-        if isinstance(value, str) and len(value) > MAX_STRING_ATTRIBUTE:
-            raise DeviceLimitError(
-                name,
-                f"attribute {key}",
-                f"string value is {len(value)} characters, the API allows at most "
-                f"{MAX_STRING_ATTRIBUTE}: {value!r}",
-            )
-        if isinstance(value, Version) and (
-            len(value.value) > MAX_STRING_ATTRIBUTE or not _SEMVER.match(value.value)
-        ):
-            raise DeviceLimitError(
-                name, f"attribute {key}", f"{value.value!r} is not a semantic version"
-            )
-    for key, amount in device.capacity.items():
-        _check_key(name, key, "capacity")
-        if amount < 0:
-            raise DeviceLimitError(name, f"capacity {key}", "must not be negative")
-    if len(device.consumes_counters) > 2:
-        raise DeviceLimitError(name, "consumesCounters", "at most 2 counter sets per device")
-    for consumption in device.consumes_counters:
-        if len(consumption.counters) > MAX_COUNTERS_PER_SET:
-            raise DeviceLimitError(
-                name,
-                f"consumesCounters {consumption.counter_set}",
-                f"{len(consumption.counters)} counters, at most {MAX_COUNTERS_PER_SET}",
-            )
-
-
-def _validate_counter_set(counter_set: CounterSet) -> None:
-    if len(counter_set.name) > MAX_DEVICE_NAME or not _DNS_LABEL.match(counter_set.name):
-        raise DeviceLimitError(counter_set.name, "name", "counter set name must be a DNS label")
-    if len(counter_set.counters) > MAX_COUNTERS_PER_SET:
-        raise DeviceLimitError(
-            counter_set.name,
-            "counters",
-            f"{len(counter_set.counters)} counters, at most {MAX_COUNTERS_PER_SET}",
-        )
-    for counter in counter_set.counters:
-        if len(counter) > MAX_DEVICE_NAME or not _DNS_LABEL.match(counter):
-            raise DeviceLimitError(counter_set.name, f"counter {counter}", "must be a DNS label")
-
-
 # --- the scan ------------------------------------------------------------------------------
 
 
@@ -735,7 +621,6 @@ def _discover_gpu(
         attributes={"type": DeviceType.GPU.value, "uuid": uuid, **parent_attrs},
         capacity={"memory": total_memory} if total_memory is not None else {},
     )
-    validate_device(whole)
     gpu = Gpu(
         index=index,
         minor=minor,
@@ -850,13 +735,11 @@ def _partitions(
                 consumes_counters=(CounterConsumption(set_name, consumed),),
                 placement=MigPlacement(profile.name, profile.id, start, size),
             )
-            validate_device(device)
             devices.append(device)
     if not devices:
         return (), None
     totals.update({memory_slice_counter(s): 1 for s in range(slice_count)})
     counter_set = CounterSet(set_name, totals)
-    _validate_counter_set(counter_set)
     return tuple(devices), counter_set
 
 
@@ -913,57 +796,5 @@ def _existing_migs(
             gpu_instance_id=gi_id,
             compute_instance_id=ci_id,
         )
-        validate_device(device)
         devices.append(device)
     return tuple(sorted(devices, key=lambda d: d.name))
-
-
-# --- resource.k8s.io/v1 shapes -----------------------------------------------------------
-
-
-def _qualify(key: str, driver_name: str) -> str:
-    return key if "/" in key else f"{driver_name}/{key}"
-
-
-def attribute_to_api(value: AttributeValue) -> dict[str, Any]:
-    """One DeviceAttribute in its JSON form (exactly one of int/bool/string/version)."""
-    if isinstance(value, Version):
-        return {"version": value.value}
-    if isinstance(value, bool):
-        return {"bool": value}
-    if isinstance(value, int):
-        return {"int": value}
-    return {"string": value}
-
-
-def device_to_api(device: Device, *, driver_name: str) -> dict[str, Any]:
-    """A resource.k8s.io/v1 Device (JSON form) with keys qualified by `driver_name`.
-
-    Taints are not included: they come from the health state.
-    """
-    api: dict[str, Any] = {
-        "name": device.name,
-        "attributes": {
-            _qualify(k, driver_name): attribute_to_api(v) for k, v in device.attributes.items()
-        },
-        "capacity": {
-            _qualify(k, driver_name): {"value": str(v)} for k, v in device.capacity.items()
-        },
-    }
-    if device.consumes_counters:
-        api["consumesCounters"] = [
-            {
-                "counterSet": c.counter_set,
-                "counters": {k: {"value": str(v)} for k, v in c.counters.items()},
-            }
-            for c in device.consumes_counters
-        ]
-    return api
-
-
-def counter_set_to_api(counter_set: CounterSet) -> dict[str, Any]:
-    """A resource.k8s.io/v1 CounterSet (JSON form) for `sharedCounters`."""
-    return {
-        "name": counter_set.name,
-        "counters": {k: {"value": str(v)} for k, v in counter_set.counters.items()},
-    }

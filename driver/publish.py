@@ -1,5 +1,8 @@
 """What one node publishes: the inventory and its health, as ResourceSlice JSON.
 
+The one serializer of devices: the agent publishes through it, and `slices.plan_slices`
+checks its output against the API's limits before anything is written.
+
 Attribute keys stay unqualified (they mean the driver's own domain, as in the
 upstream driver), so `device.attributes["gpu.nvidia.com"].productName` selects the
 same devices here; the `resource.kubernetes.io/...` keys are already qualified.
@@ -23,6 +26,7 @@ from typing import Any
 from gpudra.driver.devices import (
     MEMORY_SLICE_MIN,
     AttributeValue,
+    CounterSet,
     Device,
     Inventory,
     MigStrategy,
@@ -55,6 +59,11 @@ def taint(t: Taint) -> dict[str, Any]:
 
 def _counters(values: Mapping[str, int]) -> dict[str, dict[str, str]]:
     return {k: {"value": str(v)} for k, v in values.items()}
+
+
+def counter_set(cs: CounterSet) -> dict[str, Any]:
+    """A `sharedCounters` entry: what one physical GPU can hand out."""
+    return {"name": cs.name, "counters": _counters(cs.counters)}
 
 
 def memory_request_policy(memory: int) -> dict[str, Any]:
@@ -133,8 +142,5 @@ def pool_content(
         )
         for d in inventory.devices(strategy)
     ]
-    sets = [
-        {"name": cs.name, "counters": _counters(cs.counters)}
-        for cs in inventory.counter_sets(strategy)
-    ]
+    sets = [counter_set(cs) for cs in inventory.counter_sets(strategy)]
     return PoolContent(devices=devices, counter_sets=sets)

@@ -20,21 +20,32 @@ from typing import Any
 
 import anyio
 import anyio.abc
+from gpudra.api.names import attribute_name_problem, dns_label_problem
 from gpudra.common.kube import RESOURCE_API, ApiError, Kube
 
 log = logging.getLogger(__name__)
 
 SLICES = f"{RESOURCE_API}/resourceslices"
-MAX_ATTRS_AND_CAPACITIES = 32
-MAX_STRING = 64
-QUALIFIED_NAME = re.compile(
-    r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$"
+# The API's semantic version rule for `version` attributes (semver.org 2.0.0).
+_SEMVER = re.compile(
+    r"^(0|[1-9]\d*)\.(0|[1-9]\d*)\.(0|[1-9]\d*)"
+    r"(?:-((?:0|[1-9]\d*|\d*[a-zA-Z-][0-9a-zA-Z-]*)(?:\.(?:0|[1-9]\d*|\d*[a-zA-Z-][0-9a-zA-Z-]*))*))?"
+    r"(?:\+([0-9a-zA-Z-]+(?:\.[0-9a-zA-Z-]+)*))?$"
 )
-DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+_ATTRIBUTE_KINDS = frozenset({"int", "bool", "string", "version"})
 
 
 class PoolError(ValueError):
     """The pool cannot be published as described; nothing is written."""
+
+
+class DeviceLimitError(PoolError):
+    """A device breaks a resource.k8s.io/v1 rule; names the device and the field."""
+
+    def __init__(self, device: str, field_name: str, problem: str) -> None:
+        super().__init__(f"device {device}: {field_name} {problem}")
+        self.device = device
+        self.field = field_name
 
 
 @dataclass(frozen=True)
@@ -47,6 +58,8 @@ class PoolContent:
 
 @dataclass(frozen=True)
 class SliceLimits:
+    """The API server's ResourceSlice limits; `for_server` picks a version's."""
+
     max_devices: int = 128
     # 1.35+: a slice whose devices carry taints or consume counters holds fewer.
     max_devices_constrained: int = 64
@@ -54,6 +67,8 @@ class SliceLimits:
     max_counters_per_set: int = 32
     max_consumes_per_device: int = 2
     max_taints: int = 16
+    max_attributes_and_capacities: int = 32
+    max_attribute_string: int = 64
     # 1.35+: a slice has devices or sharedCounters, never both.
     separate_counters: bool = True
 
@@ -64,48 +79,131 @@ class SliceLimits:
         return cls()
 
 
-def validate_device(dev: dict[str, Any], limits: SliceLimits) -> None:
-    """Rejects what the API server would reject, naming the device and the field."""
+@dataclass
+class KnownNames:
+    """Names already found valid in one pool. The same attribute, capacity and counter
+    names repeat on every device, so `plan_slices` checks each once (publishing a large
+    node checks thousands of keys otherwise)."""
+
+    qualified: set[str] = field(default_factory=set)  # attribute and capacity names
+    counters: set[str] = field(default_factory=set)
+
+
+def validate_device(
+    dev: dict[str, Any], limits: SliceLimits, known: KnownNames | None = None
+) -> None:
+    """Rejects what the API server would reject, naming the device and the field.
+
+    Raises `DeviceLimitError`. The one check of a published device: it runs on the
+    JSON that goes on the wire, so what passes here is what the server receives.
+    """
+    known = KnownNames() if known is None else known
     name = dev.get("name", "")
-    if not DNS_LABEL.match(name):
-        raise PoolError(f"device {name!r}: name must be a DNS label (a-z, 0-9, '-', <= 63)")
+    problem = dns_label_problem(name)
+    if problem is not None:
+        raise DeviceLimitError(name or "''", "name", problem)
     attrs = dev.get("attributes", {})
     caps = dev.get("capacity", {})
-    if len(attrs) + len(caps) > MAX_ATTRS_AND_CAPACITIES:
-        raise PoolError(
-            f"device {name}: {len(attrs)} attributes + {len(caps)} capacities exceed "
-            f"the API limit of {MAX_ATTRS_AND_CAPACITIES}; drop some attributes"
+    if len(attrs) + len(caps) > limits.max_attributes_and_capacities:
+        raise DeviceLimitError(
+            name,
+            "attributes+capacity",
+            f"has {len(attrs)} attributes and {len(caps)} capacities, over the API limit of "
+            f"{limits.max_attributes_and_capacities} together; drop some attributes",
         )
-    if not dev.get("allowMultipleAllocations"):
-        for key, cap in caps.items():
-            if isinstance(cap, dict) and "requestPolicy" in cap:
-                raise PoolError(
-                    f"device {name}: capacity {key} has a requestPolicy, which the API "
-                    "allows only on a device with allowMultipleAllocations"
-                )
     for key, val in attrs.items():
-        if not QUALIFIED_NAME.match(key):
-            raise PoolError(f"device {name}: attribute name {key!r} is not a qualified name")
-        if not isinstance(val, dict) or len(val) != 1:
-            raise PoolError(
-                f"device {name}: attribute {key} must have exactly one of int, bool, "
-                f"string, version (got {val!r})"
+        _check_name(name, f"attribute {key}", key, known)
+        _check_attribute(name, key, val, limits)
+    shared = bool(dev.get("allowMultipleAllocations"))
+    for key, cap in caps.items():
+        _check_name(name, f"capacity {key}", key, known)
+        if not isinstance(cap, dict) or "value" not in cap:
+            raise DeviceLimitError(name, f"capacity {key}", f"must be {{value: ...}} (got {cap!r})")
+        if not shared and "requestPolicy" in cap:
+            raise DeviceLimitError(
+                name,
+                f"capacity {key}",
+                "has a requestPolicy, which the API allows only on a device with "
+                "allowMultipleAllocations",
             )
-        s = val.get("string")
-        if s is not None and len(s) > MAX_STRING:
-            raise PoolError(
-                f"device {name}: attribute {key} is {len(s)} characters, over the API "
-                f"limit of {MAX_STRING}: {s[:20]!r}..."
-            )
-    if len(dev.get("consumesCounters", [])) > limits.max_consumes_per_device:
-        raise PoolError(
-            f"device {name}: consumesCounters has {len(dev['consumesCounters'])} entries, "
-            f"over the limit of {limits.max_consumes_per_device}"
+    uses = dev.get("consumesCounters", [])
+    if len(uses) > limits.max_consumes_per_device:
+        raise DeviceLimitError(
+            name,
+            "consumesCounters",
+            f"has {len(uses)} entries, over the limit of {limits.max_consumes_per_device}",
         )
-    if len(dev.get("taints", [])) > limits.max_taints:
-        raise PoolError(
-            f"device {name}: {len(dev['taints'])} taints, over the limit of {limits.max_taints}"
+    for use in uses:
+        _check_counters(name, f"consumesCounters {use.get('counterSet')}", use, limits, known)
+    taints = dev.get("taints", [])
+    if len(taints) > limits.max_taints:
+        raise DeviceLimitError(
+            name, "taints", f"has {len(taints)} taints, over the limit of {limits.max_taints}"
         )
+
+
+def validate_counter_set(counter_set: dict[str, Any], limits: SliceLimits) -> None:
+    """A `sharedCounters` entry: a DNS-label name and at most the API's counters."""
+    name = counter_set.get("name", "")
+    problem = dns_label_problem(name)
+    if problem is not None:
+        raise PoolError(f"counter set {name!r}: name {problem}")
+    counters = counter_set.get("counters", {})
+    if len(counters) > limits.max_counters_per_set:
+        raise PoolError(
+            f"counter set {name}: {len(counters)} counters, over the limit "
+            f"of {limits.max_counters_per_set}"
+        )
+    for counter in counters:
+        problem = dns_label_problem(counter)
+        if problem is not None:
+            raise PoolError(f"counter set {name}: counter {counter!r} {problem}")
+
+
+def _check_name(device: str, field_name: str, key: str, known: KnownNames) -> None:
+    if key in known.qualified:
+        return
+    problem = attribute_name_problem(key)
+    if problem is not None:
+        raise DeviceLimitError(device, field_name, problem)
+    known.qualified.add(key)
+
+
+def _check_attribute(device: str, key: str, val: Any, limits: SliceLimits) -> None:
+    where = f"attribute {key}"
+    if not isinstance(val, dict) or len(val) != 1 or not _ATTRIBUTE_KINDS.issuperset(val):
+        raise DeviceLimitError(
+            device, where, f"must have exactly one of int, bool, string, version (got {val!r})"
+        )
+    text = val.get("string", val.get("version"))
+    if isinstance(text, str) and len(text) > limits.max_attribute_string:
+        raise DeviceLimitError(
+            device,
+            where,
+            f"is {len(text)} characters, over the API limit of {limits.max_attribute_string}: "
+            f"{text[:20]!r}...",
+        )
+    if "version" in val and not _SEMVER.match(str(val["version"])):
+        raise DeviceLimitError(
+            device, where, f"{val['version']!r} is not a semantic version (e.g. 1.2.3)"
+        )
+
+
+def _check_counters(
+    device: str, where: str, use: dict[str, Any], limits: SliceLimits, known: KnownNames
+) -> None:
+    counters = use.get("counters", {})
+    if len(counters) > limits.max_counters_per_set:
+        raise DeviceLimitError(
+            device,
+            where,
+            f"has {len(counters)} counters, over the limit of {limits.max_counters_per_set}",
+        )
+    for counter in counters.keys() - known.counters:
+        problem = dns_label_problem(counter)
+        if problem is not None:
+            raise DeviceLimitError(device, f"{where}: counter {counter!r}", problem)
+        known.counters.add(counter)
 
 
 def _constrained(dev: dict[str, Any]) -> bool:
@@ -123,18 +221,15 @@ def plan_slices(content: PoolContent, limits: SliceLimits) -> list[dict[str, Any
     so an unchanged inventory never causes a write.
     """
     seen: set[str] = set()
+    known = KnownNames()
     for dev in content.devices:
-        validate_device(dev, limits)
+        validate_device(dev, limits, known)
         if dev["name"] in seen:
             raise PoolError(f"device {dev['name']}: name used twice in the pool")
         seen.add(dev["name"])
-    sets = {cs["name"]: cs for cs in content.counter_sets}
     for cs in content.counter_sets:
-        if len(cs.get("counters", {})) > limits.max_counters_per_set:
-            raise PoolError(
-                f"counter set {cs['name']}: {len(cs['counters'])} counters, over the limit "
-                f"of {limits.max_counters_per_set}"
-            )
+        validate_counter_set(cs, limits)
+    sets = {cs["name"]: cs for cs in content.counter_sets}
     for dev in content.devices:
         for use in dev.get("consumesCounters", []):
             if use["counterSet"] not in sets:

@@ -18,14 +18,13 @@ from typing import Any
 
 import pytest
 from gpudra.common.kube import Kube as AsyncKube
+from gpudra.driver import publish
 from gpudra.driver.cdi import CdiSpecStore, DeviceNumbers, ToolkitSpec, find_toolkit_spec
 from gpudra.driver.checkpoint import load as load_checkpoint
 from gpudra.driver.claims import ClaimRef
 from gpudra.driver.devices import (
     Inventory,
     MigStrategy,
-    counter_set_to_api,
-    device_to_api,
     discover,
 )
 from gpudra.driver.nvml import NvmlEmulator
@@ -37,7 +36,6 @@ from gpudra.driver.nvml.standin import (
     device_numbers,
 )
 from gpudra.driver.prepare import ClaimPreparer, mig_capability_minors
-from gpudra.driver.publish import memory_request_policy
 from gpudra.driver.sharing import MpsDaemon, NvidiaSharing, SharingError
 from prometheus_client import CollectorRegistry
 
@@ -76,18 +74,16 @@ class Env:
         counters: bool = True,
     ) -> None:
         """The inventory as ResourceSlices of node `on`'s pool (counters in their own slice)."""
+        # The agent's own serializer; `shared` publishes for memory slices with its policy
+        # (a request without an amount takes the whole GPU).
         devices = [
-            device_to_api(d, driver_name=self.driver)
+            publish.device(d, shared_by=self.driver if shared else None)
             for d in inventory.devices(strategy)
             if not only or d.name in only
         ]
-        if shared:
-            for device in devices:
-                device["allowMultipleAllocations"] = True
-                memory = device["capacity"][f"{self.driver}/memory"]
-                # The agent's own policy: a request without an amount takes it all.
-                memory["requestPolicy"] = memory_request_policy(int(memory["value"]))
-        sets = [counter_set_to_api(c) for c in inventory.counter_sets(strategy)] if counters else []
+        sets = (
+            [publish.counter_set(c) for c in inventory.counter_sets(strategy)] if counters else []
+        )
         if not sets:
             for device in devices:
                 device.pop("consumesCounters", None)

@@ -10,20 +10,18 @@ from typing import Any
 
 import pynvml
 import pytest
+from gpudra.driver import publish
 from gpudra.driver.devices import (
     NUMA_NODE_ATTRIBUTE,
     PCI_BUS_ID_ATTRIBUTE,
     PCIE_ROOT_ATTRIBUTE,
     CounterSet,
     Device,
-    DeviceLimitError,
     DeviceType,
     DiscoveryError,
     Inventory,
     MigStrategy,
     Version,
-    counter_set_to_api,
-    device_to_api,
     discover,
     mig_profile_name,
     semver_from_cuda_version,
@@ -32,6 +30,7 @@ from gpudra.driver.devices import (
 from gpudra.driver.nvml import load_nvml
 from gpudra.driver.nvml.emulator import NvmlEmulator, load_builtin_profile
 from gpudra.driver.nvml.topology import SysfsTopology
+from gpudra.driver.slices import DeviceLimitError, SliceLimits, plan_slices, validate_device
 
 H100_PROFILES = {  # GI profile ID -> (name, placements)
     19: ("1g.10gb", 7),
@@ -283,8 +282,9 @@ def test_attribute_over_the_api_limit_names_device_and_field(tmp_path: Path) -> 
         data["products"]["l4"]["name"] = "NVIDIA L4 " + "x" * 60
 
     nvml = load_nvml(f"emulated:{_profile_file(tmp_path, 'l4', long_name)}")
+    content = publish.pool_content(discover(nvml), MigStrategy.STATIC)
     with pytest.raises(DeviceLimitError) as err:
-        discover(nvml)
+        plan_slices(content, SliceLimits())
     assert err.value.device == "gpu-0"
     assert err.value.field == "attribute productName"
     assert "64" in str(err.value)
@@ -339,18 +339,21 @@ def test_discovery_keeps_nvml_initialised_for_its_caller() -> None:
     assert nvml.nvmlDeviceGetCount() == 1  # still initialised
 
 
-def test_api_shapes_qualify_keys() -> None:
+def test_api_shapes_keep_driver_keys_unqualified() -> None:
+    """The published form: keys of the driver's own domain go out bare, as upstream
+    publishes them; the standard `resource.kubernetes.io/` ones carry their domain."""
     inventory = discover(emulated("a100-40gb-mig-mixed"))
     device = inventory.devices(MigStrategy.DYNAMIC)[0]
-    api = device_to_api(device, driver_name="gpu.nvidia.com")
+    api = publish.device(device)
     assert api["name"] == device.name
-    assert api["attributes"]["gpu.nvidia.com/type"] == {"string": "mig"}
-    assert api["attributes"]["gpu.nvidia.com/driverVersion"] == {"version": "570.172.8"}
+    assert api["attributes"]["type"] == {"string": "mig"}
+    assert api["attributes"]["driverVersion"] == {"version": "570.172.8"}
     assert api["attributes"][NUMA_NODE_ATTRIBUTE] == {"int": 0}
-    assert api["capacity"]["gpu.nvidia.com/memory"] == {"value": str(4864 * 1024 * 1024)}
+    assert api["capacity"]["memory"] == {"value": str(4864 * 1024 * 1024)}
     assert api["consumesCounters"][0]["counterSet"] == "gpu-0-counter-set"
     assert api["consumesCounters"][0]["counters"]["memory-slice-0"] == {"value": "1"}
-    counter_set = counter_set_to_api(inventory.counter_sets(MigStrategy.DYNAMIC)[0])
+    validate_device(api, SliceLimits())
+    counter_set = publish.counter_set(inventory.counter_sets(MigStrategy.DYNAMIC)[0])
     assert counter_set["counters"]["multiprocessors"] == {"value": "98"}
 
 
