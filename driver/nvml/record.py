@@ -27,7 +27,7 @@ from typing import Any
 import pynvml
 from gpudra.driver.nvml import NvmlLibrary, load_nvml
 from gpudra.driver.nvml.emulator import PROFILE_FORMAT, parse_profile
-from gpudra.driver.nvml.topology import SysfsTopology
+from gpudra.driver.nvml.topology import PciTopology, SysfsTopology
 
 _UNAVAILABLE = frozenset(
     {
@@ -58,7 +58,7 @@ def _slug(name: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "gpu"
 
 
-def _pcie_root(bus_id: str, topology: Any) -> str | None:
+def _pcie_root(bus_id: str, topology: PciTopology | None) -> str | None:
     lowered = bus_id.lower()
     short = lowered.removeprefix("0000") if lowered != "0000" else lowered
     root = topology.pcie_root(short) if topology is not None else None
@@ -144,7 +144,9 @@ def _mig_instances(read: _Reader, handle: Any, max_count: int) -> list[dict[str,
     return instances
 
 
-def _record_gpu(read: _Reader, index: int, topology: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+def _record_gpu(
+    read: _Reader, index: int, topology: PciTopology | None
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """(product facts, per-GPU facts) of GPU `index`."""
     nvml = read.nvml
     handle = nvml.nvmlDeviceGetHandleByIndex(index)
@@ -213,13 +215,13 @@ def _record_gpu(read: _Reader, index: int, topology: Any) -> tuple[dict[str, Any
 
 
 def record(
-    nvml: NvmlLibrary, *, topology: Any = None, description: str = "recorded node"
+    nvml: NvmlLibrary, *, topology: PciTopology | None = None, description: str = "recorded node"
 ) -> dict[str, Any]:
     """Read every GPU through NVML and return a profile document (JSON-ready dict).
 
-    `topology` supplies PCIe roots (anything with `pcie_root(bus_id)`; on a real node pass
-    `gpudra.driver.devices.SysfsTopology()`). NVML errors other than "not supported"
-    propagate: a half-read recording would replay a machine that never existed.
+    `topology` supplies PCIe roots (on a real node pass `SysfsTopology()`). NVML errors
+    other than "not supported" propagate: a half-read recording would replay a machine
+    that never existed.
     """
     read = _Reader(nvml)
     nvml.nvmlInit()
