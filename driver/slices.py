@@ -21,7 +21,10 @@ from typing import Any
 import anyio
 import anyio.abc
 from gpudra.api.names import attribute_name_problem, dns_label_problem
+from gpudra.common.backoff import Backoff
 from gpudra.common.kube import RESOURCE_API, ApiError, Kube
+from gpudra.common.reconcile import ReconcileLoop
+from gpudra.common.watch import EventType, Reflector
 
 log = logging.getLogger(__name__)
 
@@ -324,23 +327,35 @@ class SliceController:
         self.writes = 0
         self.reconciles = 0
         self.converged = anyio.Event()
-        self.last_error: str | None = None
-        self._dirty = anyio.Event()
         self._cache: dict[str, dict[str, Any]] = {}
         self._synced = False
         self._published: _Published | None = None
         self._node_uid: str | None = None
         self._plan: tuple[list[dict[str, Any]], str] | None = None
+        # Bad inventory (PoolError) is not retried in a loop; the next change retries it.
+        self._reconciler = ReconcileLoop(
+            self.reconcile_once,
+            backoff=Backoff(max_s=backoff_max_s),
+            permanent=(PoolError,),
+            ready=lambda: self._synced,
+            fields=self.fields,
+        )
+
+    @property
+    def last_error(self) -> str | None:
+        """Why the latest reconcile failed; None once one succeeds."""
+        error = self._reconciler.last_error
+        return None if error is None else str(error)
 
     def trigger(self) -> None:
         """The desired content may have changed: rebuild it at the next reconcile."""
         self._plan = None
-        self._dirty.set()
+        self._reconciler.poke()
 
     def _observed_changed(self) -> None:
         # Only the slices on the server moved: the desired content is unchanged, so
         # the next reconcile reuses the plan instead of rebuilding and validating it.
-        self._dirty.set()
+        self._reconciler.poke()
 
     @property
     def fields(self) -> dict[str, str]:
@@ -349,51 +364,34 @@ class SliceController:
     async def run(
         self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
     ) -> None:
+        reflector = Reflector(
+            self.kube,
+            SLICES,
+            query={"fieldSelector": f"spec.nodeName={self.node},spec.driver={self.driver}"},
+            on_list=self._listed,
+            on_event=self._watched,
+            backoff=Backoff(max_s=self.backoff_max_s),
+            fields=self.fields,
+        )
         async with anyio.create_task_group() as tg:
-            tg.start_soon(self._watch_loop)
+            tg.start_soon(reflector.run)
             tg.start_soon(self._resync_loop)
             task_status.started()
-            await self._reconcile_loop()
+            await self._reconciler.run()
 
     # -- watch ---------------------------------------------------------------
-    async def _watch_loop(self) -> None:
-        selector = {"fieldSelector": f"spec.nodeName={self.node},spec.driver={self.driver}"}
-        backoff = 0.2
-        while True:
-            try:
-                listing = await self.kube.request("GET", SLICES, query=selector)
-                self._cache = {o["metadata"]["name"]: o for o in listing["items"]}
-                self._synced = True
-                self._observed_changed()
-                rv = listing["metadata"]["resourceVersion"]
-                query = {**selector, "resourceVersion": rv, "allowWatchBookmarks": "true"}
-                async for ev in self.kube.watch(SLICES, query):
-                    kind, obj = ev.get("type"), ev.get("object", {})
-                    if kind == "ERROR":
-                        break  # usually 410 Gone: relist
-                    if kind == "BOOKMARK":
-                        continue
-                    name = obj["metadata"]["name"]
-                    if kind == "DELETED":
-                        self._cache.pop(name, None)
-                    else:
-                        self._cache[name] = obj
-                    self._observed_changed()
-                backoff = 0.2
-            except (ApiError, OSError, TimeoutError, ValueError, KeyError) as e:
-                log.warning(
-                    "slice watch failed; retrying",
-                    extra={"fields": {**self.fields, "error": str(e), "retry_s": backoff}},
-                )
-                await anyio.sleep(backoff)
-                backoff = min(backoff * 2, self.backoff_max_s)
-            except Exception as e:  # aiohttp errors are not OSErrors; never die on them
-                log.warning(
-                    "slice watch interrupted; retrying",
-                    extra={"fields": {**self.fields, "error": repr(e), "retry_s": backoff}},
-                )
-                await anyio.sleep(backoff)
-                backoff = min(backoff * 2, self.backoff_max_s)
+    def _listed(self, items: list[dict[str, Any]]) -> None:
+        self._cache = {o["metadata"]["name"]: o for o in items}
+        self._synced = True
+        self._observed_changed()
+
+    def _watched(self, kind: EventType, obj: dict[str, Any]) -> None:
+        name = obj["metadata"]["name"]
+        if kind == "DELETED":
+            self._cache.pop(name, None)
+        else:
+            self._cache[name] = obj
+        self._observed_changed()
 
     async def _resync_loop(self) -> None:
         while True:
@@ -401,31 +399,6 @@ class SliceController:
             self.trigger()
 
     # -- reconcile -----------------------------------------------------------
-    async def _reconcile_loop(self) -> None:
-        backoff = 0.2
-        while True:
-            await self._dirty.wait()
-            self._dirty = anyio.Event()
-            if not self._synced:
-                continue
-            try:
-                await self.reconcile_once()
-                self.last_error = None
-                backoff = 0.2
-            except PoolError as e:
-                # Bad inventory is not retried in a loop; the next change retries it.
-                self.last_error = str(e)
-                log.error("pool not published", extra={"fields": {**self.fields, "error": str(e)}})
-            except Exception as e:
-                self.last_error = str(e)
-                log.warning(
-                    "reconcile failed; retrying",
-                    extra={"fields": {**self.fields, "error": repr(e), "retry_s": backoff}},
-                )
-                await anyio.sleep(backoff)
-                backoff = min(backoff * 2, self.backoff_max_s)
-                self.trigger()
-
     async def _limits(self) -> SliceLimits:
         if self.limits is None:
             self.limits = SliceLimits.for_server(await self.kube.server_minor())

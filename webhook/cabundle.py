@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import base64
 import datetime as dt
+import functools
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -36,7 +37,10 @@ from typing import Any, Final
 import anyio
 import anyio.to_thread
 from anyio.abc import TaskStatus
+from gpudra.common.backoff import Backoff
 from gpudra.common.kube import ApiError, Kube
+from gpudra.common.reconcile import ReconcileLoop
+from gpudra.common.watch import EventType, Reflector
 from gpudra.webhook.certs import (
     CA_PROPAGATION,
     CA_VALIDITY,
@@ -52,7 +56,7 @@ logger = logging.getLogger(__name__)
 
 _API: Final = "/apis/admissionregistration.k8s.io/v1"
 _WATCH_TIMEOUT_S: Final = 290
-_RETRY_S: Final = (0.2, 0.5, 1.0, 2.0, 5.0)
+_BACKOFF: Final = Backoff(max_s=5.0)
 
 
 class ConfigurationKind(StrEnum):
@@ -110,7 +114,14 @@ class CABundleController:
         # (bundle, when it was first seen in every configuration); replaced, never mutated,
         # so the rotation thread reads a consistent pair.
         self._published: tuple[bytes, dt.datetime] | None = None
-        self._wake = {c: anyio.Event() for c in self._configurations}
+        self._repairs = {
+            c: ReconcileLoop(
+                functools.partial(self._patch, c),
+                backoff=_BACKOFF,
+                fields={"configuration": str(c)},
+            )
+            for c in self._configurations
+        }
         self._progress = anyio.Event()
         self.patches = 0
         """Patches written (tests and metrics read it)."""
@@ -132,8 +143,8 @@ class CABundleController:
             extra={"fields": {"certificates": bundle.count(b"-----BEGIN CERTIFICATE-----")}},
         )
         self._check_published()
-        for event in self._wake.values():
-            event.set()
+        for repair in self._repairs.values():
+            repair.poke()
 
     def published_at(self, bundle: bytes) -> dt.datetime | None:
         """When `bundle` was first seen in every configuration; None if it is not."""
@@ -152,65 +163,33 @@ class CABundleController:
         """Watch and repair until cancelled; started once every configuration was read."""
         async with anyio.create_task_group() as tg:
             for config in self._configurations:
-                await tg.start(self._watch, config)
-                tg.start_soon(self._repair, config)
+                await tg.start(self._reflector(config).run)
+                tg.start_soon(self._repairs[config].run)
             task_status.started()
 
-    async def _watch(self, config: WebhookConfiguration, *, task_status: TaskStatus[None]) -> None:
-        started = False
-        failures = 0
-        while True:
-            try:
-                version = await self._list(config)
-                if not started:
-                    started = True
-                    task_status.started()
-                failures = 0
-                query = {
-                    "fieldSelector": f"metadata.name={config.name}",
-                    "resourceVersion": version,
-                    "allowWatchBookmarks": "true",
-                }
-                async for event in self._kube.watch(config.collection, query, _WATCH_TIMEOUT_S):
-                    kind, obj = event.get("type"), event.get("object") or {}
-                    if kind in ("ADDED", "MODIFIED"):
-                        self._observe(config, obj)
-                    elif kind == "DELETED":
-                        self._observe(config, None)
-                    elif kind == "ERROR":
-                        break  # usually 410 Gone: list again
-            except (ApiError, OSError, TimeoutError, ValueError) as exc:
-                delay = _RETRY_S[min(failures, len(_RETRY_S) - 1)]
-                failures += 1
-                logger.warning(
-                    "watching a webhook configuration failed; retrying",
-                    extra={"fields": {"configuration": str(config), "error": str(exc)}},
-                )
-                await anyio.sleep(delay)
-            except Exception as exc:
-                # aiohttp raises its own errors on a dropped stream; never give up.
-                delay = _RETRY_S[min(failures, len(_RETRY_S) - 1)]
-                failures += 1
-                logger.warning(
-                    "webhook configuration watch ended unexpectedly; retrying",
-                    extra={"fields": {"configuration": str(config), "error": repr(exc)}},
-                )
-                await anyio.sleep(delay)
+    def _reflector(self, config: WebhookConfiguration) -> Reflector:
+        def listed(items: list[dict[str, Any]]) -> None:
+            self._observe(config, items[0] if items else None)
 
-    async def _list(self, config: WebhookConfiguration) -> str:
-        listed = await self._kube.request(
-            "GET", config.collection, query={"fieldSelector": f"metadata.name={config.name}"}
+        def watched(kind: EventType, obj: dict[str, Any]) -> None:
+            self._observe(config, None if kind == "DELETED" else obj)
+
+        return Reflector(
+            self._kube,
+            config.collection,
+            query={"fieldSelector": f"metadata.name={config.name}"},
+            on_list=listed,
+            on_event=watched,
+            backoff=_BACKOFF,
+            watch_timeout_s=_WATCH_TIMEOUT_S,
+            fields={"configuration": str(config)},
         )
-        items = listed.get("items") or []
-        self._observe(config, items[0] if items else None)
-        version: str = listed["metadata"]["resourceVersion"]
-        return version
 
     def _observe(self, config: WebhookConfiguration, obj: dict[str, Any] | None) -> None:
         self._observed[config] = _Observed(obj)
         self._check_published()
         if self._bundle is not None and self._observed[config].stale_indices(self._bundle_b64):
-            self._wake[config].set()
+            self._repairs[config].poke()
 
     def _check_published(self) -> None:
         bundle = self._bundle
@@ -229,24 +208,6 @@ class CABundleController:
             )
         progress, self._progress = self._progress, anyio.Event()
         progress.set()
-
-    async def _repair(self, config: WebhookConfiguration) -> None:
-        failures = 0
-        while True:
-            await self._wake[config].wait()
-            self._wake[config] = anyio.Event()
-            try:
-                await self._patch(config)
-                failures = 0
-            except (ApiError, OSError, TimeoutError) as exc:
-                delay = _RETRY_S[min(failures, len(_RETRY_S) - 1)]
-                failures += 1
-                logger.warning(
-                    "could not write the caBundle; retrying",
-                    extra={"fields": {"configuration": str(config), "error": str(exc)}},
-                )
-                await anyio.sleep(delay)
-                self._wake[config].set()
 
     async def _patch(self, config: WebhookConfiguration) -> None:
         observed = self._observed.get(config)

@@ -33,6 +33,7 @@ left alone and reported.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 from collections.abc import Awaitable, Callable, Iterable, Mapping
@@ -53,7 +54,10 @@ from gpudra.api.tenants import (
     parse_tenant,
     quota_key,
 )
+from gpudra.common.backoff import Backoff
 from gpudra.common.kube import ApiError, Kube
+from gpudra.common.reconcile import ReconcileLoop
+from gpudra.common.watch import Reflector
 from gpudra.webhook.convert import (
     DEFAULT_POLICY,
     Conversion,
@@ -84,6 +88,8 @@ TENANT_LABEL: Final = "gpudra.io/tenant"
 TENANTS_PATH: Final = f"/apis/{GROUP}/{VERSION}/{PLURAL}"
 NAMESPACES_PATH: Final = "/api/v1/namespaces"
 QUOTAS_PATH: Final = "/api/v1/resourcequotas"
+_WATCH_BACKOFF: Final = Backoff(max_s=30.0)
+_NO_CRD_RETRY_S: Final = 30.0
 
 
 def policy_for(tenant: Tenant, base: ConversionPolicy = DEFAULT_POLICY) -> ConversionPolicy:
@@ -453,67 +459,6 @@ def _by_class(values: Mapping[str, Any]) -> dict[str, int]:
     return result
 
 
-class _Reflector:
-    """List, then watch, one collection into `TenantState`; relists after a watch ends."""
-
-    def __init__(
-        self,
-        kube: Kube,
-        state: TenantState,
-        kind: str,
-        path: str,
-        query: Mapping[str, str],
-        *,
-        missing_ok: bool = False,
-        backoff_max_s: float = 30.0,
-    ) -> None:
-        self.kube = kube
-        self.state = state
-        self.kind = kind
-        self.path = path
-        self.query = dict(query)
-        self.missing_ok = missing_ok
-        self.backoff_max_s = backoff_max_s
-
-    async def run(self) -> None:
-        backoff = 0.2
-        while True:
-            try:
-                try:
-                    listing = await self.kube.request("GET", self.path, query=self.query)
-                except ApiError as exc:
-                    if not (self.missing_ok and exc.status == 404):
-                        raise
-                    # No GpuTenant CRD: no tenant can exist. Check again later.
-                    self.state.replace(self.kind, ())
-                    log.warning(
-                        "GpuTenant CRD not installed; tenant rules are off until it is",
-                        extra={"fields": {"path": self.path}},
-                    )
-                    await anyio.sleep(self.backoff_max_s)
-                    continue
-                self.state.replace(self.kind, listing["items"])
-                query = {
-                    **self.query,
-                    "resourceVersion": listing["metadata"]["resourceVersion"],
-                    "allowWatchBookmarks": "true",
-                }
-                async for ev in self.kube.watch(self.path, query):
-                    event_type, obj = ev.get("type"), ev.get("object") or {}
-                    if event_type == "ERROR":
-                        break  # usually 410 Gone: relist
-                    if event_type in ("ADDED", "MODIFIED", "DELETED"):
-                        self.state.event(self.kind, event_type, obj)
-                backoff = 0.2
-            except Exception as exc:  # aiohttp errors are not OSErrors; never die on them
-                log.warning(
-                    "watch failed; retrying",
-                    extra={"fields": {"kind": self.kind, "error": repr(exc), "retry_s": backoff}},
-                )
-                await anyio.sleep(backoff)
-                backoff = min(backoff * 2, self.backoff_max_s)
-
-
 class TenantController:
     """Watches GpuTenants, Namespaces and owned ResourceQuotas; keeps the quotas."""
 
@@ -527,14 +472,24 @@ class TenantController:
         self.kube = kube
         self.backoff_max_s = backoff_max_s
         self.writes = 0
-        self.last_error: str | None = None
-        self._dirty = anyio.Event()
-        self.state = TenantState(base_policy=base_policy, on_change=self._mark_dirty)
+        self._reconciler = ReconcileLoop(
+            self.reconcile_once,
+            backoff=Backoff(max_s=backoff_max_s),
+            ready=lambda: self.state.ready,
+            fields={"controller": "tenant quotas"},
+        )
+        self.state = TenantState(base_policy=base_policy, on_change=self._reconciler.poke)
         self._foreign: set[str] = set()
 
     @property
     def ready(self) -> bool:
         return self.state.ready
+
+    @property
+    def last_error(self) -> str | None:
+        """Why the latest quota reconcile failed; None once one succeeds."""
+        error = self._reconciler.last_error
+        return None if error is None else repr(error)
 
     async def run(
         self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
@@ -542,43 +497,31 @@ class TenantController:
         """Watch and reconcile until cancelled; reports started once every watch listed."""
         selector = {"labelSelector": f"{MANAGED_BY_LABEL}={MANAGED_BY_VALUE}"}
         reflectors = [
-            _Reflector(self.kube, self.state, "tenants", TENANTS_PATH, {}, missing_ok=True),
-            _Reflector(self.kube, self.state, "namespaces", NAMESPACES_PATH, {}),
-            _Reflector(self.kube, self.state, "quotas", QUOTAS_PATH, selector),
+            # No GpuTenant CRD: no tenant can exist; tenant rules are off until it is.
+            self._reflector("tenants", TENANTS_PATH, {}, absent_retry_s=_NO_CRD_RETRY_S),
+            self._reflector("namespaces", NAMESPACES_PATH, {}),
+            self._reflector("quotas", QUOTAS_PATH, selector),
         ]
         async with anyio.create_task_group() as tg:
             for reflector in reflectors:
                 tg.start_soon(reflector.run)
-            while not self.state.ready:
-                await self._wait_dirty()
+            await tg.start(self._reconciler.run)
             task_status.started()
-            self._dirty.set()
-            await self._reconcile_loop()
 
-    def _mark_dirty(self) -> None:
-        self._dirty.set()
-
-    async def _wait_dirty(self) -> None:
-        await self._dirty.wait()
-        self._dirty = anyio.Event()
-
-    async def _reconcile_loop(self) -> None:
-        backoff = 0.2
-        while True:
-            await self._wait_dirty()
-            try:
-                await self.reconcile_once()
-                self.last_error = None
-                backoff = 0.2
-            except Exception as exc:
-                self.last_error = repr(exc)
-                log.warning(
-                    "quota reconcile failed; retrying",
-                    extra={"fields": {"error": repr(exc), "retry_s": backoff}},
-                )
-                await anyio.sleep(backoff)
-                backoff = min(backoff * 2, self.backoff_max_s)
-                self._dirty.set()
+    def _reflector(
+        self, kind: str, path: str, query: Mapping[str, str], absent_retry_s: float | None = None
+    ) -> Reflector:
+        """List, then watch, one collection into `TenantState`."""
+        return Reflector(
+            self.kube,
+            path,
+            query=query,
+            on_list=functools.partial(self.state.replace, kind),
+            on_event=functools.partial(self.state.event, kind),
+            backoff=_WATCH_BACKOFF,
+            absent_retry_s=absent_retry_s,
+            fields={"kind": kind},
+        )
 
     async def reconcile_once(self) -> int:
         """Bring the owned ResourceQuotas to the desired state; returns the writes made."""
