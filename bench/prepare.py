@@ -9,8 +9,9 @@ there is one (as /var/run/cdi is on a node); the checkpoint stays on disk, fsync
 Writes bench/results/prepare.json.
 
 `floor_get_only` repeats the cycles against a plugin served from this process that only
-GETs each claim and answers: the gRPC calls and the API server read that every prepare
-pays, so that the agent's own share can be told from what no agent can avoid.
+reads and checks each claim (the plugin's own claim read, a GET) and answers: the gRPC
+calls and the API server read that every prepare pays, so that the agent's own share
+can be told from what no agent can avoid.
 BENCH_FLOOR=0 skips it.
 
 The calls come from a small Go client (bench/kubeletclient, the kubelet's own DRA
@@ -41,8 +42,9 @@ import anyio
 import anyio.to_thread
 from gpudra.common.files import atomic_write
 from gpudra.common.kube import Kube as KubeAsync
-from gpudra.common.kube import claim_path
-from gpudra.driver.plugin import ClaimRef, KubeletPlugin, PreparedDevice, PrepareResult
+from gpudra.driver.claimreader import ApiClaims
+from gpudra.driver.claims import Claim, ClaimRef
+from gpudra.driver.plugin import KubeletPlugin, PreparedDevice, PrepareResult
 
 from e2e.claims import pod_with_claim, wait_allocated
 from e2e.cluster.harness import REPO, Cluster, State
@@ -172,28 +174,27 @@ def tmpfs_folder() -> Path | None:
 
 
 class GetOnly:
-    """A claim handler that only GETs each claim and answers one device for it.
+    """A claim handler that answers one device for each claim the plugin read.
 
-    Served from this process with the same Go client, it measures the part of a
-    cycle that any plugin pays: the kubelet's gRPC calls and the API server read.
+    Served from this process behind the plugin's own claim read (`ApiClaims`) with
+    the same Go client, it measures the part of a cycle that any plugin pays: the
+    kubelet's gRPC calls and the API server read.
     """
 
-    def __init__(self, kube: KubeAsync, driver: str) -> None:
-        self._kube = kube
+    def __init__(self, driver: str) -> None:
         self._driver = driver
 
-    async def prepare(self, claims: list[ClaimRef]) -> dict[str, PrepareResult]:
+    async def prepare(self, claims: list[Claim]) -> dict[str, PrepareResult]:
         out = {}
-        for ref in claims:
-            claim = await self._kube.request("GET", claim_path(ref.namespace, ref.name))
-            result = claim["status"]["allocation"]["devices"]["results"][0]
-            out[ref.uid] = PrepareResult(
+        for claim in claims:
+            result = claim.devices[0]
+            out[claim.uid] = PrepareResult(
                 devices=[
                     PreparedDevice(
-                        request_names=[result["request"]],
-                        pool_name=result["pool"],
-                        device_name=result["device"],
-                        cdi_device_ids=[f"{self._driver}/gpu={ref.uid}-{result['device']}"],
+                        request_names=[result.request],
+                        pool_name=NODE,
+                        device_name=result.device,
+                        cdi_device_ids=[f"{self._driver}/gpu={claim.uid}-{result.device}"],
                     )
                 ]
             )
@@ -215,8 +216,11 @@ async def floor_run(
     """The same cycles against `GetOnly`: what is left with no node work at all."""
     kube = await KubeAsync.connect(str(kubeconfig))
     root = Path(tempfile.mkdtemp(prefix="gdb-floor-", dir=os.environ.get("BENCH_DIR")))
+    claims = ApiClaims(kube, driver=driver, pool=NODE)
     try:
-        async with KubeletPlugin(driver, GetOnly(kube, driver), kubelet_root=root) as plugin:
+        async with KubeletPlugin(
+            driver, GetOnly(driver), claims=claims, kubelet_root=root
+        ) as plugin:
             await drive_go(binary, plugin.dra_socket, refs, warmup)
             meter = CpuMeter({"plugin": os.getpid(), **control_plane})
             run = await drive_go(binary, plugin.dra_socket, refs, cycles)

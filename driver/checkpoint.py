@@ -14,6 +14,9 @@ Design choices, and why:
   fields it does not know are kept verbatim and written back, so a downgrade
   followed by an upgrade loses nothing. A record it cannot interpret is kept as
   is and reported, never fatal.
+- Device details are typed records in memory (`gpudra.driver.records`) and keep
+  the JSON shape of version 1 on disk, so the version is still 1: releases from
+  before the typed records read this release's files and the other way round.
 - Tied to the boot ID: after a reboot the devices a prepare set up are gone, so
   the old boot's claims are moved to `previousBoot` (kept until the owner calls
   `clear_previous_boot`, so a crash during cleanup loses nothing) and reported
@@ -62,6 +65,7 @@ __all__ = [
 
 from gpudra.common.files import atomic_write
 from gpudra.driver.claims import ClaimRef
+from gpudra.driver.records import DeviceDetails, details_from_json, details_to_json
 
 log = logging.getLogger(__name__)
 
@@ -123,9 +127,9 @@ class DeviceRecord:
 
     `exclusive` is False for a device shared on purpose (time-slicing, MPS,
     consumable capacity); `admin_access` devices never block or are blocked.
-    `details` is free-form JSON for rollback and unprepare: created MIG GI/CI IDs,
-    MPS daemon info, the compute mode to restore. `extra` holds fields written by
-    another release and is written back unchanged.
+    `details` says what the device is and records each side effect of its
+    prepare, for rollback and unprepare (see `gpudra.driver.records`). `extra`
+    holds fields written by another release and is written back unchanged.
     """
 
     pool: str
@@ -135,7 +139,7 @@ class DeviceRecord:
     share_id: str | None = None
     admin_access: bool = False
     exclusive: bool = True
-    details: Mapping[str, Any] = field(default_factory=dict)
+    details: DeviceDetails = field(default_factory=DeviceDetails)
     extra: Mapping[str, Any] = field(default_factory=dict, repr=False)
 
     @property
@@ -206,7 +210,7 @@ def _device_from_json(obj: Any) -> DeviceRecord:
         share_id=share_id,
         admin_access=_bool(obj, "adminAccess", False),
         exclusive=_bool(obj, "exclusive", True),
-        details=details,
+        details=details_from_json(details),
         extra={k: v for k, v in obj.items() if k not in _DEVICE_KEYS},
     )
 
@@ -220,7 +224,7 @@ def _device_to_json(device: DeviceRecord) -> dict[str, Any]:
         cdiDeviceIds=list(device.cdi_device_ids),
         adminAccess=device.admin_access,
         exclusive=device.exclusive,
-        details=dict(device.details),
+        details=details_to_json(device.details),
     )
     if device.share_id is not None:
         out["shareId"] = device.share_id
@@ -440,8 +444,8 @@ class Checkpoint:
     def previous_boot(self) -> list[ClaimRecord]:
         """Claims prepared before the last reboot, kept until `clear_previous_boot`.
 
-        Their devices are gone, but `details` may name things that need cleanup
-        (MIG instances of a GPU whose MIG mode persists).
+        Their devices are gone, but their details may name things that need
+        cleanup (MIG instances of a GPU whose MIG mode persists).
         """
         return list(self._previous_boot)
 

@@ -6,13 +6,14 @@ that keeps the kubelet's view consistent:
 1. the agent discovers the GPUs (nothing is published before a complete scan);
 2. the preparer rolls back what a crash interrupted (`recover`) before any socket
    exists, so the kubelet never sees half-prepared claims;
-3. the kubelet plugin serves; its health stream reads the agent's health state,
-   restricted to the devices the slices publish;
+3. the kubelet plugin serves: it reads and checks each claim from the API server
+   (`ApiClaims`) and hands it to the preparer; its health stream reads the agent's
+   health state, restricted to the devices the slices publish;
 4. a periodic sweep unprepares claims deleted from the API while the kubelet was
    not looking.
 
-The preparer's Prometheus metrics go to `registry`; `gpudra node` serves them on
-its metrics address.
+The plugin's Prometheus metrics go to `registry`; `gpudra node` serves them on its
+metrics address.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ from gpudra.driver.cdi import (
     find_toolkit_spec,
 )
 from gpudra.driver.checkpoint import DEFAULT_BOOT_ID_PATH
+from gpudra.driver.claimreader import ApiClaims
+from gpudra.driver.metrics import ClaimMetrics
 from gpudra.driver.nvml import NvmlLibrary
 from gpudra.driver.plugin import (
     DEFAULT_KUBELET_ROOT,
@@ -142,6 +145,7 @@ class NodeService:
         self._plugin_config = plugin
         self.preparer: ClaimPreparer | None = None
         self.plugin: KubeletPlugin | None = None
+        self._claims = ApiClaims(kube, driver=agent_config.driver_name, pool=agent_config.node_name)
         if plugin is None:
             return
         toolkit = find_toolkit_spec() if plugin.toolkit_spec else None
@@ -153,9 +157,7 @@ class NodeService:
             extra={"fields": {"driver_root": str(plugin.driver_root), "files": list(libraries)}},
         )
         self.preparer = ClaimPreparer(
-            driver_name=agent_config.driver_name,
             node_name=agent_config.node_name,
-            kube=kube,
             nvml=nvml,
             inventory=lambda: self.agent.inventory,
             cdi=CdiSpecStore(plugin.cdi_root),
@@ -182,6 +184,8 @@ class NodeService:
         self.plugin = KubeletPlugin(
             agent_config.driver_name,
             self.preparer,
+            claims=self._claims,
+            metrics=ClaimMetrics(self.registry),
             kubelet_root=plugin.kubelet_root,
             pod_uid=plugin.pod_uid,
             health=AgentHealth(self.agent),
@@ -211,6 +215,6 @@ class NodeService:
         while True:
             await anyio.sleep(self._plugin_config.cleanup_interval_s)
             try:
-                await self.preparer.cleanup_deleted_claims()
+                await self.preparer.cleanup_deleted_claims(self._claims)
             except Exception:
                 log.exception("cleanup of deleted claims failed; retrying later")

@@ -1,9 +1,11 @@
 """The kubelet plugin protocol layer: registration, DRA v1/v1beta1 and device health.
 
-This module only speaks the kubelet's gRPC protocols over unix sockets. What a claim
-means and how devices are prepared lives behind `ClaimHandler`; device health comes
-from a `HealthSource`. Both take and return plain Python types, so the device layer
-never sees protobuf or gRPC.
+This module only speaks the kubelet's gRPC protocols over unix sockets. As the
+upstream kubeletplugin library does, it reads and checks the claims the kubelet names
+(through a `ClaimSource`) before the device layer sees them: what a claim means and
+how devices are prepared lives behind `ClaimHandler`, which gets checked claims;
+device health comes from a `HealthSource`. All of them take and return plain Python
+types, so the device layer never sees protobuf, gRPC or the API server.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import hashlib
 import logging
 import os
 import tempfile
+import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,7 +23,7 @@ from typing import Any, Protocol, Self, TypeVar
 
 import anyio
 import grpc
-from gpudra.driver.claims import ClaimRef
+from gpudra.driver.claims import Claim, ClaimError, ClaimRef
 from gpudra.driver.proto import (
     dra_health_v1alpha1_pb2,
     dra_health_v1alpha1_pb2_grpc,
@@ -46,6 +49,7 @@ _MAX_UNIX_PATH = 107
 _SOCKET_MODE = 0o600
 
 R = TypeVar("R")
+C = TypeVar("C", ClaimRef, Claim)
 
 
 # --- Plain types shared with the device layer -------------------------------------
@@ -74,16 +78,31 @@ class PrepareResult:
 class ClaimHandler(Protocol):
     """What the protocol layer needs from the device layer.
 
-    Both methods get every claim of one kubelet call (one pod) and return results
-    keyed by claim UID. They must be idempotent: the kubelet retries, and when a call
-    raises, each claim is retried alone so one bad claim cannot fail the others.
+    Both methods get the claims of one kubelet call (one pod) and return results
+    keyed by claim UID; `prepare` gets only claims that were read and checked. They
+    must be idempotent: the kubelet retries, and when a call raises, each claim is
+    retried alone so one bad claim cannot fail the others.
     """
 
-    async def prepare(self, claims: list[ClaimRef]) -> dict[str, PrepareResult]: ...
+    async def prepare(self, claims: list[Claim]) -> dict[str, PrepareResult]: ...
 
     async def unprepare(self, claims: list[ClaimRef]) -> dict[str, str | None]:
         """Map each claim UID to None on success or to an error message."""
         ...
+
+
+class ClaimSource(Protocol):
+    """Where the claims the kubelet names are read and checked (the API server)."""
+
+    async def read(self, ref: ClaimRef) -> Claim:
+        """The claim, checked; raises ClaimError with the message for the kubelet."""
+        ...
+
+
+class CallMetrics(Protocol):
+    """Told of every claim the plugin answers, with the time its call took."""
+
+    def observe(self, operation: str, seconds: float, *, failed: bool) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -231,8 +250,8 @@ def _claim_refs(claims: Iterable[Any]) -> list[ClaimRef]:
 
 async def _answer_each(
     op: str,
-    claims: list[ClaimRef],
-    call: Callable[[list[ClaimRef]], Awaitable[Mapping[str, R]]],
+    claims: list[C],
+    call: Callable[[list[C]], Awaitable[Mapping[str, R]]],
     failed: Callable[[str], R],
 ) -> dict[str, R]:
     """Call the handler for the batch and make sure every claim gets exactly one answer.
@@ -294,17 +313,66 @@ def _unprepare_failed(message: str) -> str | None:
     return message
 
 
-class _Dispatcher:
-    """Shared by both DRA versions so they reach the handler the same way."""
+class ClaimDispatcher:
+    """What both DRA versions do with the claims of a call, without the sockets.
 
-    def __init__(self, handler: ClaimHandler) -> None:
+    Prepare reads and checks each claim first (as the upstream library does), answers
+    the ones that fail with their error and hands the rest to the handler; every
+    claim gets exactly one answer, and `metrics` hears of each with its call's time.
+    """
+
+    def __init__(
+        self, handler: ClaimHandler, claims: ClaimSource, metrics: CallMetrics | None = None
+    ) -> None:
         self._handler = handler
+        self._claims = claims
+        self._metrics = metrics
 
-    async def prepare(self, claims: list[ClaimRef]) -> dict[str, PrepareResult]:
-        return await _answer_each("prepare", claims, self._handler.prepare, _prepare_failed)
+    async def prepare(self, refs: list[ClaimRef]) -> dict[str, PrepareResult]:
+        started = time.perf_counter()
+        unread: dict[str, PrepareResult] = {}
+        read: list[Claim] = []
 
-    async def unprepare(self, claims: list[ClaimRef]) -> dict[str, str | None]:
-        return await _answer_each("unprepare", claims, self._handler.unprepare, _unprepare_failed)
+        async def read_one(ref: ClaimRef) -> None:
+            try:
+                read.append(await self._claims.read(ref))
+            except ClaimError as exc:
+                unread[ref.uid] = _prepare_failed(str(exc))
+            except Exception as exc:
+                log.exception("reading a claim failed", extra={"fields": {"claim": ref.uid}})
+                unread[ref.uid] = _prepare_failed(f"prepare failed: {_describe(exc)}")
+
+        if len(refs) == 1:
+            await read_one(refs[0])
+        else:
+            async with anyio.create_task_group() as group:
+                for ref in refs:
+                    group.start_soon(read_one, ref)
+        for uid, result in unread.items():
+            log.warning(
+                "claim not prepared", extra={"fields": {"claim": uid, "error": result.error}}
+            )
+        answered: dict[str, PrepareResult] = {}
+        if read:
+            order = {ref.uid: i for i, ref in enumerate(refs)}
+            read.sort(key=lambda c: order[c.uid])
+            answered = await _answer_each("prepare", read, self._handler.prepare, _prepare_failed)
+        results = {r.uid: unread[r.uid] if r.uid in unread else answered[r.uid] for r in refs}
+        self._observe("prepare", started, [bool(r.error) for r in results.values()])
+        return results
+
+    async def unprepare(self, refs: list[ClaimRef]) -> dict[str, str | None]:
+        started = time.perf_counter()
+        results = await _answer_each("unprepare", refs, self._handler.unprepare, _unprepare_failed)
+        self._observe("unprepare", started, [bool(e) for e in results.values()])
+        return results
+
+    def _observe(self, operation: str, started: float, failed: list[bool]) -> None:
+        if self._metrics is None:
+            return
+        seconds = time.perf_counter() - started
+        for one in failed:
+            self._metrics.observe(operation, seconds, failed=one)
 
 
 def _conversion_failed(op: str, uid: str, exc: Exception) -> str:
@@ -319,7 +387,9 @@ class _DraServicer:
     """Serves one DRA API version. v1 and v1beta1 carry the same messages in different
     protobuf packages; only v1 has `share_id`."""
 
-    def __init__(self, dispatcher: _Dispatcher, messages: ModuleType, *, share_id: bool) -> None:
+    def __init__(
+        self, dispatcher: ClaimDispatcher, messages: ModuleType, *, share_id: bool
+    ) -> None:
         self._dispatcher = dispatcher
         self._pb = messages
         self._share_id = share_id
@@ -457,8 +527,10 @@ def _add(add_to_server: Callable[[Any, Any], None], servicer: object, server: An
 class KubeletPlugin:
     """Serves the kubelet plugin protocols for one driver on one node.
 
-    `start` serves the DRA socket first and the registration socket last, so that
-    by the time the kubelet sees the plugin, the endpoint it advertises answers.
+    Claims to prepare are read and checked through `claims` before `handler` gets
+    them; `metrics` hears of every claim answered. `start` serves the DRA socket
+    first and the registration socket last, so that by the time the kubelet sees
+    the plugin, the endpoint it advertises answers.
     `stop` does the reverse. With `pod_uid`, socket names include it, which lets an
     old and a new plugin pod run side by side during a rolling update.
     """
@@ -468,6 +540,8 @@ class KubeletPlugin:
         driver_name: str,
         handler: ClaimHandler,
         *,
+        claims: ClaimSource,
+        metrics: CallMetrics | None = None,
         kubelet_root: Path = DEFAULT_KUBELET_ROOT,
         pod_uid: str | None = None,
         health: HealthSource | None = None,
@@ -482,7 +556,7 @@ class KubeletPlugin:
         self.driver_name = driver_name
         self.kubelet_root = Path(kubelet_root).absolute()
         self.pod_uid = pod_uid
-        self._dispatcher = _Dispatcher(handler)
+        self._dispatcher = ClaimDispatcher(handler, claims, metrics)
         self._health = health
         self._stop_grace_s = stop_grace_s
         suffix = _socket_suffix(self.kubelet_root, driver_name, pod_uid)

@@ -13,7 +13,7 @@ from pathlib import Path
 import anyio
 import anyio.to_thread
 import pytest
-from gpudra.driver.claims import ClaimRef
+from gpudra.driver.claims import Claim, ClaimRef
 from gpudra.driver.plugin import KubeletPlugin, PrepareResult
 
 PROBE = Path(__file__).resolve().parents[2] / "charts" / "gpudra" / "files" / "probe.py"
@@ -30,7 +30,10 @@ def anyio_backend() -> str:
 class NoClaims:
     """A device layer with nothing to prepare: the probe sends no claims."""
 
-    async def prepare(self, claims: list[ClaimRef]) -> dict[str, PrepareResult]:
+    async def read(self, ref: ClaimRef) -> Claim:
+        raise AssertionError("the probe must never prepare a claim")
+
+    async def prepare(self, claims: list[Claim]) -> dict[str, PrepareResult]:
         assert claims == [], "the probe must never prepare a claim"
         return {}
 
@@ -55,7 +58,7 @@ async def test_probe_follows_the_plugin() -> None:
     # A short root: unix socket paths are limited to 107 bytes.
     with tempfile.TemporaryDirectory(prefix="kl-") as tmp:
         root = Path(tmp)
-        async with KubeletPlugin(DRIVER, NoClaims(), kubelet_root=root):
+        async with KubeletPlugin(DRIVER, NoClaims(), claims=NoClaims(), kubelet_root=root):
             ok = await anyio.to_thread.run_sync(probe, root)
             assert ok.returncode == 0, ok.stderr
         stopped = await anyio.to_thread.run_sync(probe, root)
@@ -66,7 +69,9 @@ async def test_probe_follows_the_plugin() -> None:
 async def test_probe_uses_the_pods_sockets_during_a_rolling_update() -> None:
     with tempfile.TemporaryDirectory(prefix="kl-") as tmp:
         root = Path(tmp)
-        async with KubeletPlugin(DRIVER, NoClaims(), kubelet_root=root, pod_uid="pod-new"):
+        async with KubeletPlugin(
+            DRIVER, NoClaims(), claims=NoClaims(), kubelet_root=root, pod_uid="pod-new"
+        ):
             ok = await anyio.to_thread.run_sync(probe, root, "pod-new")
             assert ok.returncode == 0, ok.stderr
             # Another pod's sockets (the old pod of the update) are not this pod's health.
@@ -80,7 +85,9 @@ async def test_probe_finds_the_shortened_sockets_under_a_long_kubelet_root() -> 
     uid = "a464f592-31c6-49a5-b251-e04b7587c836"
     with tempfile.TemporaryDirectory(prefix="kl-") as tmp:
         root = Path(tmp) / ("k" * 30)
-        async with KubeletPlugin(DRIVER, NoClaims(), kubelet_root=root, pod_uid=uid) as plugin:
+        async with KubeletPlugin(
+            DRIVER, NoClaims(), claims=NoClaims(), kubelet_root=root, pod_uid=uid
+        ) as plugin:
             assert uid not in plugin.registration_socket.name
             ok = await anyio.to_thread.run_sync(probe, root, uid)
             assert ok.returncode == 0, ok.stderr
@@ -93,7 +100,9 @@ async def test_probe_takes_the_pod_uid_from_the_environment() -> None:
     uid = "a464f592-31c6-49a5-b251-e04b7587c836"
     with tempfile.TemporaryDirectory(prefix="kl-") as tmp:
         root = Path(tmp)
-        async with KubeletPlugin(DRIVER, NoClaims(), kubelet_root=root, pod_uid=uid):
+        async with KubeletPlugin(
+            DRIVER, NoClaims(), claims=NoClaims(), kubelet_root=root, pod_uid=uid
+        ):
             ok = await anyio.to_thread.run_sync(
                 functools.partial(probe, root, env={"POD_UID": uid})
             )

@@ -22,6 +22,7 @@ from gpudra.driver.checkpoint import (
     GroupCommit,
     load,
 )
+from gpudra.driver.records import CreatedMig, DeviceDetails, MpsStarted
 
 BOOT_A = "6c0ff6d4-1b2d-4a3e-9f00-00000000000a"
 BOOT_B = "6c0ff6d4-1b2d-4a3e-9f00-00000000000b"
@@ -78,10 +79,11 @@ def test_prepare_lifecycle_is_persisted_at_each_step(cp_path: Path, boot: Path) 
     assert started.state is ClaimState.PREPARE_STARTED
     assert _load(cp_path, boot).get(CLAIM_1.uid) == started
 
-    partial = [_gpu(details={"mig": {"parentUUID": "GPU-1", "gi": 3, "ci": 0}})]
+    mig = CreatedMig(profile_id=9, profile="3g.40gb", start=0, size=4, gi=3)
+    partial = [_gpu(details=DeviceDetails(gpu_uuid="GPU-1", mig=mig))]
     checkpoint.record_progress(CLAIM_1.uid, partial)
     reread = _load(cp_path, boot).get(CLAIM_1.uid)
-    assert reread is not None and reread.devices[0].details["mig"]["gi"] == 3
+    assert reread is not None and reread.devices[0].details.mig == mig
     assert reread.state is ClaimState.PREPARE_STARTED
 
     done = checkpoint.complete_prepare(CLAIM_1.uid, [_gpu(share_id="s-1")])
@@ -223,6 +225,76 @@ def test_unreadable_record_is_kept_and_reported(cp_path: Path, boot: Path) -> No
     assert CLAIM_3.uid not in _doc(cp_path)["claims"]
 
 
+def test_unknown_details_survive_a_rewrite_down_to_each_record(cp_path: Path, boot: Path) -> None:
+    doc = _foreign_file(cp_path, CHECKPOINT_VERSION + 1)
+    details = {
+        "type": "mig",
+        "parentUuid": "GPU-1",
+        "futureDetail": [1],
+        "mig": {"profileId": 9, "start": 0, "size": 4, "created": True, "gi": 1, "slices": 4},
+        "mps": {"pipeDir": "/s/mps/p", "uuids": ["GPU-1"], "futureSetting": True},
+    }
+    doc["claims"][CLAIM_1.uid]["devices"][0]["details"] = details
+    cp_path.write_text(json.dumps(doc))
+    checkpoint = _load(cp_path, boot)
+    record = checkpoint.get(CLAIM_1.uid)
+    assert record is not None
+    read = record.devices[0].details
+    assert read.mig == CreatedMig(9, "", start=0, size=4, gi=1, extra={"slices": 4})
+    assert read.mps == MpsStarted(
+        Path("/s/mps/p"), Path("/s/mps/p"), ("GPU-1",), extra={"futureSetting": True}
+    )
+    assert read.problems == {}
+
+    checkpoint.begin_prepare(CLAIM_2)  # any rewrite
+
+    written = _doc(cp_path)["claims"][CLAIM_1.uid]["devices"][0]["details"]
+    assert written["futureDetail"] == [1]
+    assert written["mig"]["slices"] == 4
+    assert written["mps"]["futureSetting"] is True
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "problem"),
+    [
+        ("computeMode", {"uuid": "GPU-1", "previous": None}, "previous must be an integer"),
+        ("computeMode", {"uuid": "GPU-1", "previous": "abc"}, "previous must be an integer"),
+        ("timeSlice", {"interval": 3}, "uuid must be a non-empty string"),
+        ("mps", ["not", "an", "object"], "must be an object"),
+        ("mig", {"created": True, "start": 0}, "profileId must be an integer"),
+    ],
+)
+def test_an_unreadable_side_effect_is_kept_verbatim_as_the_records_problem(
+    cp_path: Path, boot: Path, key: str, value: Any, problem: str
+) -> None:
+    doc = _foreign_file(cp_path, CHECKPOINT_VERSION)
+    details = {"parentUuid": "GPU-1", "pod": 5, key: value}  # pod: merely descriptive
+    doc["claims"][CLAIM_1.uid]["devices"][0]["details"] = details
+    cp_path.write_text(json.dumps(doc))
+    checkpoint = _load(cp_path, boot)
+    record = checkpoint.get(CLAIM_1.uid)
+    assert record is not None  # the claim still holds its device
+    assert list(record.devices[0].details.problems) == [key]
+    assert problem in record.devices[0].details.problems[key]
+    assert checkpoint.holders(DeviceKey("node-a", "gpu-0")) == [(record, record.devices[0])]
+
+    checkpoint.begin_prepare(CLAIM_2)  # any rewrite
+
+    assert _doc(cp_path)["claims"][CLAIM_1.uid]["devices"][0]["details"] == details
+
+
+def test_a_created_mig_instance_needs_its_gpu(cp_path: Path, boot: Path) -> None:
+    doc = _foreign_file(cp_path, CHECKPOINT_VERSION)
+    mig = {"profileId": 9, "start": 0, "size": 4, "created": True, "gi": 1}
+    doc["claims"][CLAIM_1.uid]["devices"][0]["details"] = {"mig": mig}
+    cp_path.write_text(json.dumps(doc))
+    record = _load(cp_path, boot).get(CLAIM_1.uid)
+    assert record is not None
+    assert (
+        "details.parentUuid: must name the GPU" in record.devices[0].details.problems["parentUuid"]
+    )
+
+
 @pytest.mark.parametrize("content", ["{truncated", "[]", "", '"x"'])
 def test_corrupt_file_is_an_error_and_left_alone(cp_path: Path, boot: Path, content: str) -> None:
     cp_path.parent.mkdir(parents=True)
@@ -239,9 +311,10 @@ def test_reboot_discards_prepared_claims_but_reports_them(
     cp_path: Path, boot: Path, tmp_path: Path
 ) -> None:
     checkpoint = _load(cp_path, boot)
-    mig = {"mig": {"parentUUID": "GPU-1", "gi": 3, "ci": 0}}
+    mig = CreatedMig(profile_id=19, profile="1g.10gb", start=0, size=1, gi=3, ci=0)
+    details = DeviceDetails(type="mig", gpu_uuid="GPU-1", mig=mig)
     checkpoint.begin_prepare(CLAIM_1)
-    checkpoint.complete_prepare(CLAIM_1.uid, [_gpu("gpu-0-mig-1g10gb-19-0", details=mig)])
+    checkpoint.complete_prepare(CLAIM_1.uid, [_gpu("gpu-0-mig-1g10gb-19-0", details=details)])
     checkpoint.begin_prepare(CLAIM_2, [_gpu("gpu-1")])
 
     boot.write_text(BOOT_B + "\n")
@@ -250,8 +323,8 @@ def test_reboot_discards_prepared_claims_but_reports_them(
     assert after.holders(DeviceKey("node-a", "gpu-1")) == []
     previous = after.previous_boot()
     assert sorted(c.uid for c in previous) == sorted([CLAIM_1.uid, CLAIM_2.uid])
-    migs = [d.details["mig"] for c in previous for d in c.devices if "mig" in d.details]
-    assert migs == [mig["mig"]]
+    migs = [d.details.mig for c in previous for d in c.devices if d.details.mig is not None]
+    assert migs == [mig]
 
     # persisted at once: the new boot ID is on disk and the old claims are kept aside
     doc = _doc(cp_path)
@@ -360,7 +433,7 @@ def test_full_disk_gives_a_clear_error_and_keeps_the_old_checkpoint(
     before = path.read_bytes()
     fill_small_fs()
 
-    big = _gpu("gpu-1", details={"note": "x" * 8192})
+    big = _gpu("gpu-1", details=DeviceDetails(pod="x" * 8192))
     with pytest.raises(CheckpointError) as error:
         checkpoint.begin_prepare(CLAIM_2, [big])
     assert str(path) in str(error.value)
@@ -379,17 +452,19 @@ def test_unserialisable_details_are_rejected_before_writing(cp_path: Path, boot:
     checkpoint.begin_prepare(CLAIM_1)
     before = cp_path.read_bytes()
     with pytest.raises(CheckpointError, match="JSON"):
-        checkpoint.complete_prepare(CLAIM_1.uid, [_gpu(details={"x": object()})])
+        checkpoint.complete_prepare(
+            CLAIM_1.uid, [_gpu(details=DeviceDetails(extra={"x": object()}))]
+        )
     assert cp_path.read_bytes() == before
 
 
 def test_records_are_detached_from_caller_data(cp_path: Path, boot: Path) -> None:
     checkpoint = _load(cp_path, boot)
-    details: dict[str, Any] = {"pid": 1}
-    checkpoint.begin_prepare(CLAIM_1, [_gpu(details=details)])
-    details["pid"] = 2
+    extra: dict[str, Any] = {"pid": 1}
+    checkpoint.begin_prepare(CLAIM_1, [_gpu(details=DeviceDetails(extra=extra))])
+    extra["pid"] = 2
     record = checkpoint.get(CLAIM_1.uid)
-    assert record is not None and record.devices[0].details == {"pid": 1}
+    assert record is not None and record.devices[0].details.extra == {"pid": 1}
 
 
 def test_write_recreates_a_removed_state_folder(cp_path: Path, boot: Path) -> None:
@@ -509,7 +584,7 @@ async def test_failed_group_write_undoes_its_changes_and_fails_their_callers(
     checkpoint = _load(path, boot)
     commit = GroupCommit(checkpoint)
     await commit.apply(lambda cp: cp.begin_prepare(CLAIM_1, [_gpu("gpu-0")]))
-    big = _gpu("gpu-1", details={"blob": "x" * 4096})
+    big = _gpu("gpu-1", details=DeviceDetails(pod="x" * 4096))
     fill_small_fs()
     errors: list[str] = []
 

@@ -20,6 +20,8 @@ from typing import Any
 import anyio
 import grpc
 import pytest
+from gpudra.driver.claims import AllocatedDevice, Claim, ClaimError
+from gpudra.driver.metrics import ClaimMetrics
 from gpudra.driver.plugin import (
     DRA_V1,
     DRA_V1BETA1,
@@ -41,6 +43,7 @@ from gpudra.driver.proto import (
     pluginregistration_v1_pb2,
     pluginregistration_v1_pb2_grpc,
 )
+from prometheus_client import CollectorRegistry
 
 from e2e.kubelet_standin import KubeletStandin
 
@@ -70,12 +73,12 @@ class RecordingHandler:
         self.prepare_calls: list[list[ClaimRef]] = []
         self.unprepare_calls: list[list[ClaimRef]] = []
 
-    async def prepare(self, claims: list[ClaimRef]) -> dict[str, PrepareResult]:
-        self.prepare_calls.append(list(claims))
+    async def prepare(self, claims: list[Claim]) -> dict[str, PrepareResult]:
+        self.prepare_calls.append([c.ref for c in claims])
         for claim in claims:
             if claim.uid in self.fail:
                 raise RuntimeError(f"cannot prepare {claim.name}")
-        out = {c.uid: self.result(c) for c in claims if c.uid not in self.skip}
+        out = {c.uid: self.result(c.ref) for c in claims if c.uid not in self.skip}
         out.update(self.extra)
         return out
 
@@ -106,6 +109,24 @@ class RecordingHandler:
             if claim.uid in self.fail:
                 raise RuntimeError(f"cannot unprepare {claim.name}")
         return {c.uid: self.errors.get(c.uid) for c in claims if c.uid not in self.skip}
+
+
+class Allocated:
+    """The API side: every claim reads as allocated one GPU, except those in `missing`
+    (gone from the API) and `broken` (the read itself fails)."""
+
+    def __init__(
+        self, missing: frozenset[str] = frozenset(), broken: frozenset[str] = frozenset()
+    ) -> None:
+        self.missing = missing
+        self.broken = broken
+
+    async def read(self, ref: ClaimRef) -> Claim:
+        if ref.uid in self.missing:
+            raise ClaimError(f"{ref.describe()} does not exist in the API server")
+        if ref.uid in self.broken:
+            raise RuntimeError(f"reader bug for {ref.name}")
+        return Claim(ref=ref, devices=(AllocatedDevice(index=0, request="gpu", device="gpu-0"),))
 
 
 def claim(name: str) -> ClaimRef:
@@ -140,7 +161,9 @@ async def get_info(plugin: KubeletPlugin) -> Any:
 
 
 async def test_get_info_advertises_driver_endpoint_and_versions_v1_first(root: Path) -> None:
-    async with KubeletPlugin(DRIVER, RecordingHandler(), kubelet_root=root) as plugin:
+    async with KubeletPlugin(
+        DRIVER, RecordingHandler(), claims=Allocated(), kubelet_root=root
+    ) as plugin:
         info = await get_info(plugin)
     assert info.type == "DRAPlugin"
     assert info.name == DRIVER
@@ -152,7 +175,7 @@ async def test_get_info_advertises_driver_endpoint_and_versions_v1_first(root: P
 
 async def test_get_info_lists_health_service_only_with_a_health_source(root: Path) -> None:
     async with KubeletPlugin(
-        DRIVER, RecordingHandler(), kubelet_root=root, health=HealthBoard()
+        DRIVER, RecordingHandler(), claims=Allocated(), kubelet_root=root, health=HealthBoard()
     ) as plugin:
         info = await get_info(plugin)
     assert list(info.supported_versions) == [DRA_V1, DRA_V1BETA1, HEALTH_V1ALPHA1]
@@ -160,7 +183,7 @@ async def test_get_info_lists_health_service_only_with_a_health_source(root: Pat
 
 async def test_health_service_is_not_served_without_a_health_source(root: Path) -> None:
     async with (
-        KubeletPlugin(DRIVER, RecordingHandler(), kubelet_root=root) as plugin,
+        KubeletPlugin(DRIVER, RecordingHandler(), claims=Allocated(), kubelet_root=root) as plugin,
         channel(plugin.dra_socket) as ch,
     ):
         client = stub(dra_health_v1alpha1_pb2_grpc.DRAResourceHealthStub, ch)
@@ -172,7 +195,7 @@ async def test_health_service_is_not_served_without_a_health_source(root: Path) 
 
 async def test_kubelet_registration_sets_registered_and_picks_v1(root: Path) -> None:
     async with (
-        KubeletPlugin(DRIVER, RecordingHandler(), kubelet_root=root) as plugin,
+        KubeletPlugin(DRIVER, RecordingHandler(), claims=Allocated(), kubelet_root=root) as plugin,
         KubeletStandin(root) as kubelet,
     ):
         reg = await kubelet.wait_for_driver(DRIVER, timeout_s=WAIT_S)
@@ -185,7 +208,7 @@ async def test_kubelet_registration_sets_registered_and_picks_v1(root: Path) -> 
 
 async def test_older_kubelet_picks_v1beta1(root: Path) -> None:
     async with (
-        KubeletPlugin(DRIVER, RecordingHandler(), kubelet_root=root),
+        KubeletPlugin(DRIVER, RecordingHandler(), claims=Allocated(), kubelet_root=root),
         KubeletStandin(root, dra_versions=(DRA_V1BETA1,)) as kubelet,
     ):
         reg = await kubelet.wait_for_driver(DRIVER, timeout_s=WAIT_S)
@@ -194,7 +217,7 @@ async def test_older_kubelet_picks_v1beta1(root: Path) -> None:
 
 async def test_refused_registration_is_recorded(root: Path) -> None:
     async with (
-        KubeletPlugin(DRIVER, RecordingHandler(), kubelet_root=root) as plugin,
+        KubeletPlugin(DRIVER, RecordingHandler(), claims=Allocated(), kubelet_root=root) as plugin,
         KubeletStandin(root, dra_versions=("v2.DRAPlugin",)) as kubelet,
     ):
         rejection = await kubelet.wait_for_rejection(plugin.registration_socket, timeout_s=WAIT_S)
@@ -205,8 +228,8 @@ async def test_refused_registration_is_recorded(root: Path) -> None:
 
 async def test_rolling_update_sockets_include_pod_uid_and_coexist(root: Path) -> None:
     handler = RecordingHandler()
-    old = KubeletPlugin(DRIVER, handler, kubelet_root=root, pod_uid="pod-old")
-    new = KubeletPlugin(DRIVER, handler, kubelet_root=root, pod_uid="pod-new")
+    old = KubeletPlugin(DRIVER, handler, claims=Allocated(), kubelet_root=root, pod_uid="pod-old")
+    new = KubeletPlugin(DRIVER, handler, claims=Allocated(), kubelet_root=root, pod_uid="pod-new")
     assert old.registration_socket == root / "plugins_registry" / f"{DRIVER}-pod-old-reg.sock"
     assert old.dra_socket == root / "plugins" / DRIVER / "dra-pod-old.sock"
     async with old, KubeletStandin(root) as kubelet:
@@ -232,14 +255,19 @@ def test_rolling_update_names_stay_under_the_socket_limit_with_a_long_kubelet_ro
     long_root = Path("/" + "k" * 40) / "kubelet"
     uids = ("a464f592-31c6-49a5-b251-e04b7587c836", "0f2d7a1e-9c7b-4e57-8a5e-3b9d2f6c1a00")
     plugins = [
-        KubeletPlugin(DRIVER, RecordingHandler(), kubelet_root=long_root, pod_uid=u) for u in uids
+        KubeletPlugin(
+            DRIVER, RecordingHandler(), claims=Allocated(), kubelet_root=long_root, pod_uid=u
+        )
+        for u in uids
     ]
     names = {p.registration_socket for p in plugins} | {p.dra_socket for p in plugins}
     assert len(names) == 4
     assert all(len(bytes(n)) <= 107 for n in names)
     assert all(uids[0] not in str(n) and uids[1] not in str(n) for n in names)
     # Where the full UID fits it is used as is.
-    short = KubeletPlugin(DRIVER, RecordingHandler(), kubelet_root=Path("/k"), pod_uid=uids[0])
+    short = KubeletPlugin(
+        DRIVER, RecordingHandler(), claims=Allocated(), kubelet_root=Path("/k"), pod_uid=uids[0]
+    )
     assert short.registration_socket.name == f"{DRIVER}-{uids[0]}-reg.sock"
 
 
@@ -247,7 +275,9 @@ def test_rolling_update_names_stay_under_the_socket_limit_with_a_long_kubelet_ro
 
 
 async def test_sockets_are_owner_only(root: Path) -> None:
-    async with KubeletPlugin(DRIVER, RecordingHandler(), kubelet_root=root) as plugin:
+    async with KubeletPlugin(
+        DRIVER, RecordingHandler(), claims=Allocated(), kubelet_root=root
+    ) as plugin:
         for path in (plugin.registration_socket, plugin.dra_socket):
             mode = path.stat().st_mode
             assert stat.S_ISSOCK(mode), path
@@ -260,7 +290,7 @@ async def test_sockets_are_owner_only(root: Path) -> None:
 
 
 async def test_stale_sockets_are_replaced(root: Path) -> None:
-    plugin = KubeletPlugin(DRIVER, RecordingHandler(), kubelet_root=root)
+    plugin = KubeletPlugin(DRIVER, RecordingHandler(), claims=Allocated(), kubelet_root=root)
     plugin.dra_socket.parent.mkdir(parents=True)
     plugin.registration_socket.parent.mkdir(parents=True)
     # A socket file left by a crashed run: nothing listens on it any more.
@@ -275,7 +305,7 @@ async def test_stale_sockets_are_replaced(root: Path) -> None:
 
 
 async def test_stop_removes_sockets(root: Path) -> None:
-    plugin = KubeletPlugin(DRIVER, RecordingHandler(), kubelet_root=root)
+    plugin = KubeletPlugin(DRIVER, RecordingHandler(), claims=Allocated(), kubelet_root=root)
     await plugin.start()
     assert plugin.registration_socket.exists()
     assert plugin.dra_socket.exists()
@@ -285,8 +315,8 @@ async def test_stop_removes_sockets(root: Path) -> None:
 
 
 async def test_stop_leaves_a_socket_that_another_instance_took_over(root: Path) -> None:
-    first = KubeletPlugin(DRIVER, RecordingHandler(), kubelet_root=root)
-    second = KubeletPlugin(DRIVER, RecordingHandler(), kubelet_root=root)
+    first = KubeletPlugin(DRIVER, RecordingHandler(), claims=Allocated(), kubelet_root=root)
+    second = KubeletPlugin(DRIVER, RecordingHandler(), claims=Allocated(), kubelet_root=root)
     async with first, second:
         await first.stop()
         assert (await get_info(second)).name == DRIVER
@@ -295,7 +325,9 @@ async def test_stop_leaves_a_socket_that_another_instance_took_over(root: Path) 
 
 
 async def test_too_long_socket_path_is_refused_with_the_fix(root: Path) -> None:
-    plugin = KubeletPlugin(DRIVER, RecordingHandler(), kubelet_root=root / ("x" * 120))
+    plugin = KubeletPlugin(
+        DRIVER, RecordingHandler(), claims=Allocated(), kubelet_root=root / ("x" * 120)
+    )
     with pytest.raises(ValueError, match="kubelet root"):
         await plugin.start()
 
@@ -331,7 +363,7 @@ async def prepare_v1beta1(
 
 async def test_v1_and_v1beta1_reach_the_same_handler(root: Path) -> None:
     handler = RecordingHandler()
-    async with KubeletPlugin(DRIVER, handler, kubelet_root=root) as plugin:
+    async with KubeletPlugin(DRIVER, handler, claims=Allocated(), kubelet_root=root) as plugin:
         v1 = await prepare_v1(plugin, [claim("a"), claim("b")])
         beta = await prepare_v1beta1(plugin, [claim("c")])
     assert handler.prepare_calls == [[claim("a"), claim("b")], [claim("c")]]
@@ -349,7 +381,9 @@ async def test_v1_and_v1beta1_reach_the_same_handler(root: Path) -> None:
 
 
 async def test_share_id_is_sent_on_v1_only(root: Path) -> None:
-    async with KubeletPlugin(DRIVER, RecordingHandler(), kubelet_root=root) as plugin:
+    async with KubeletPlugin(
+        DRIVER, RecordingHandler(), claims=Allocated(), kubelet_root=root
+    ) as plugin:
         v1 = await prepare_v1(plugin, [claim("a")])
         beta = await prepare_v1beta1(plugin, [claim("a")])
     with_share, without_share = v1["uid-a"].devices
@@ -365,7 +399,7 @@ async def test_share_id_is_sent_on_v1_only(root: Path) -> None:
 async def test_unprepare_via_both_versions(root: Path) -> None:
     handler = RecordingHandler(errors={"uid-b": "device busy"})
     async with (
-        KubeletPlugin(DRIVER, handler, kubelet_root=root) as plugin,
+        KubeletPlugin(DRIVER, handler, claims=Allocated(), kubelet_root=root) as plugin,
         channel(plugin.dra_socket) as ch,
     ):
         v1 = await stub(dra_v1_pb2_grpc.DRAPluginStub, ch).NodeUnprepareResources(
@@ -389,7 +423,7 @@ async def test_one_claim_raising_does_not_fail_the_others(root: Path) -> None:
     handler = RecordingHandler(fail=frozenset({"uid-bad"}))
     claims = [claim("a"), claim("bad"), claim("b")]
     async with (
-        KubeletPlugin(DRIVER, handler, kubelet_root=root),
+        KubeletPlugin(DRIVER, handler, claims=Allocated(), kubelet_root=root),
         KubeletStandin(root) as kubelet,
     ):
         await kubelet.wait_for_driver(DRIVER, timeout_s=WAIT_S)
@@ -409,18 +443,59 @@ async def test_one_claim_raising_does_not_fail_the_others(root: Path) -> None:
 
 async def test_per_claim_errors_are_passed_through(root: Path) -> None:
     handler = RecordingHandler(errors={"uid-b": "claim not allocated to this node"})
-    async with KubeletPlugin(DRIVER, handler, kubelet_root=root) as plugin:
+    async with KubeletPlugin(DRIVER, handler, claims=Allocated(), kubelet_root=root) as plugin:
         out = await prepare_v1(plugin, [claim("a"), claim("b")])
     assert out["uid-b"].error == "claim not allocated to this node"
     assert list(out["uid-b"].devices) == []
     assert out["uid-a"].error == ""
 
 
+async def test_claims_that_cannot_be_read_fail_alone_and_never_reach_the_handler(
+    root: Path,
+) -> None:
+    handler = RecordingHandler()
+    claims = Allocated(missing=frozenset({"uid-gone"}), broken=frozenset({"uid-odd"}))
+    async with KubeletPlugin(DRIVER, handler, claims=claims, kubelet_root=root) as plugin:
+        out = await prepare_v1(plugin, [claim("a"), claim("gone"), claim("odd"), claim("b")])
+    assert handler.prepare_calls == [[claim("a"), claim("b")]]
+    assert out["uid-a"].error == "" and out["uid-b"].error == ""
+    assert (
+        out["uid-gone"].error
+        == "ResourceClaim default/gone (uid-gone) does not exist in the API server"
+    )
+    assert list(out["uid-gone"].devices) == []
+    assert "reader bug for odd" in out["uid-odd"].error
+
+
+async def test_metrics_count_every_claim_answered_read_failures_included(root: Path) -> None:
+    registry = CollectorRegistry()
+    handler = RecordingHandler(errors={"uid-b": "device busy"})
+    claims = Allocated(missing=frozenset({"uid-gone"}))
+    async with (
+        KubeletPlugin(
+            DRIVER, handler, claims=claims, metrics=ClaimMetrics(registry), kubelet_root=root
+        ),
+        KubeletStandin(root) as kubelet,
+    ):
+        await kubelet.wait_for_driver(DRIVER, timeout_s=WAIT_S)
+        await kubelet.prepare(DRIVER, [claim("a"), claim("b"), claim("gone")])
+        await kubelet.unprepare(DRIVER, [claim("a"), claim("b")])
+
+    def sample(name: str, operation: str) -> float | None:
+        return registry.get_sample_value(name, {"operation": operation})
+
+    assert sample("gpudra_claim_operations_total", "prepare") == 3.0
+    assert sample("gpudra_claim_operation_errors_total", "prepare") == 2.0
+    assert sample("gpudra_claim_operation_duration_seconds_count", "prepare") == 3.0
+    assert sample("gpudra_claim_operations_total", "unprepare") == 2.0
+    assert sample("gpudra_claim_operation_errors_total", "unprepare") == 1.0
+
+
 async def test_unanswered_claim_becomes_an_error_and_strays_are_dropped(root: Path) -> None:
     stray = {"uid-stray": PrepareResult()}
     handler = RecordingHandler(skip=frozenset({"uid-b"}), extra=stray)
     async with (
-        KubeletPlugin(DRIVER, handler, kubelet_root=root),
+        KubeletPlugin(DRIVER, handler, claims=Allocated(), kubelet_root=root),
         KubeletStandin(root) as kubelet,
     ):
         await kubelet.wait_for_driver(DRIVER, timeout_s=WAIT_S)
@@ -446,7 +521,7 @@ async def test_invalid_handler_result_fails_only_its_claim(root: Path) -> None:
         ]
     )
     handler = RecordingHandler(extra={"uid-x": broken})
-    async with KubeletPlugin(DRIVER, handler, kubelet_root=root) as plugin:
+    async with KubeletPlugin(DRIVER, handler, claims=Allocated(), kubelet_root=root) as plugin:
         out = await prepare_v1(plugin, [claim("a"), claim("x")])
     assert out["uid-a"].error == ""
     assert "invalid result" in out["uid-x"].error
@@ -470,7 +545,9 @@ def gpu(name: str, healthy: bool | None, message: str = "") -> DeviceHealth:
 async def test_health_stream_sends_the_full_list_on_every_change(root: Path) -> None:
     board = HealthBoard([gpu("gpu-0", True), gpu("gpu-1", None)])
     async with (
-        KubeletPlugin(DRIVER, RecordingHandler(), kubelet_root=root, health=board) as plugin,
+        KubeletPlugin(
+            DRIVER, RecordingHandler(), claims=Allocated(), kubelet_root=root, health=board
+        ) as plugin,
         KubeletStandin(root) as kubelet,
     ):
         await kubelet.wait_for_driver(DRIVER, timeout_s=WAIT_S)

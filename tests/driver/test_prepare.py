@@ -21,12 +21,15 @@ from gpudra.common.kube import Kube as AsyncKube
 from gpudra.driver import publish
 from gpudra.driver.cdi import CdiSpecStore, DeviceNumbers, ToolkitSpec, find_toolkit_spec
 from gpudra.driver.checkpoint import load as load_checkpoint
-from gpudra.driver.claims import ClaimRef
+from gpudra.driver.claimreader import ApiClaims
+from gpudra.driver.claims import Claim, ClaimRef, checked_claim
 from gpudra.driver.devices import (
     Inventory,
     MigStrategy,
     discover,
 )
+from gpudra.driver.metrics import ClaimMetrics
+from gpudra.driver.mig import create_compute_instance, create_gpu_instance, mig_capability_minors
 from gpudra.driver.nvml import NvmlEmulator
 from gpudra.driver.nvml.standin import (
     CAPS_MAJOR,
@@ -35,7 +38,9 @@ from gpudra.driver.nvml.standin import (
     UVM_MAJOR,
     device_numbers,
 )
-from gpudra.driver.prepare import ClaimPreparer, mig_capability_minors
+from gpudra.driver.plugin import ClaimDispatcher, PrepareResult
+from gpudra.driver.prepare import ClaimPreparer, RecoveryReport
+from gpudra.driver.records import CreatedMig
 from gpudra.driver.sharing import MpsDaemon, NvidiaSharing, SharingError
 from prometheus_client import CollectorRegistry
 
@@ -291,10 +296,47 @@ def fake_sharing() -> NvidiaSharing:
     )
 
 
+@dataclass
+class Plugin:
+    """The preparer behind the plugin's claim handling, wired as `gpudra node` wires
+    them but for the sockets: a prepare reads and checks each claim from the API
+    server, then hands it to the preparer."""
+
+    preparer: ClaimPreparer
+    claims: ApiClaims
+    calls: ClaimDispatcher
+
+    async def prepare(self, refs: list[ClaimRef]) -> dict[str, PrepareResult]:
+        return await self.calls.prepare(refs)
+
+    async def unprepare(self, refs: list[ClaimRef]) -> dict[str, str | None]:
+        return await self.calls.unprepare(refs)
+
+    async def recover(self) -> RecoveryReport:
+        return await self.preparer.recover()
+
+    async def cleanup_deleted_claims(self) -> list[str]:
+        return await self.preparer.cleanup_deleted_claims(self.claims)
+
+
 def make_preparer(
     env: Env,
     node: Node,
     akube: AsyncKube,
+    nvml: Any,
+    *,
+    registry: CollectorRegistry | None = None,
+    **options: Any,
+) -> Plugin:
+    """`node_preparer` (same options) behind the plugin's claim reads and metrics."""
+    registry = registry if registry is not None else CollectorRegistry()
+    preparer = node_preparer(node, nvml, registry=registry, **options)
+    claims = ApiClaims(akube, driver=env.driver, pool=NODE)
+    return Plugin(preparer, claims, ClaimDispatcher(preparer, claims, ClaimMetrics(registry)))
+
+
+def node_preparer(
+    node: Node,
     nvml: Any,
     *,
     strategy: MigStrategy = MigStrategy.STATIC,
@@ -302,13 +344,13 @@ def make_preparer(
     toolkit: ToolkitSpec | None = None,
     fault: Callable[[str], None] | None = None,
     device_numbers: DeviceNumbers | None = None,
+    inventory: Callable[[], Inventory | None] | None = None,
 ) -> ClaimPreparer:
+    """The device layer on this test's node: its folders, the emulated GPUs, fake tools."""
     return ClaimPreparer(
-        driver_name=env.driver,
         node_name=NODE,
-        kube=akube,
         nvml=nvml,
-        inventory=lambda: discover(nvml),
+        inventory=inventory or (lambda: discover(nvml)),
         cdi=CdiSpecStore(node.cdi_dir),
         checkpoint_path=node.checkpoint,
         sharing=fake_sharing(),
@@ -451,17 +493,7 @@ async def test_prepare_before_the_first_discovery_asks_for_a_retry(
     emu = h100()
     env.publish(discover(emu))
     ref = _ref(env.allocated("early"))
-    preparer = ClaimPreparer(
-        driver_name=env.driver,
-        node_name=NODE,
-        kube=akube,
-        nvml=emu,
-        inventory=lambda: None,
-        cdi=CdiSpecStore(node.cdi_dir),
-        checkpoint_path=node.checkpoint,
-        sharing=fake_sharing(),
-        boot_id_path=node.boot_id,
-    )
+    preparer = make_preparer(env, node, akube, emu, inventory=lambda: None)
 
     result = (await preparer.prepare([ref]))[ref.uid]
 
@@ -936,8 +968,9 @@ async def test_dynamic_mig_instance_is_created_at_prepare_and_destroyed_at_unpre
     assert cdi_env(spec)[f"GPUDRA_DEVICE_{name.upper().replace('-', '_')}_UUID"] == created[name]
     record = load_checkpoint(node.checkpoint, boot_id_path=node.boot_id).get(ref.uid)
     assert record is not None
-    mig = record.devices[0].details["mig"]
-    gi, ci = mig_capability_minors(node.proc, 0, mig["gi"], mig["ci"])
+    mig = record.devices[0].details.mig
+    assert isinstance(mig, CreatedMig) and mig.gi is not None and mig.ci is not None
+    gi, ci = mig_capability_minors(node.proc, 0, mig.gi, mig.ci)
     assert node_paths(spec["devices"][0]["containerEdits"]) == [
         "/dev/nvidia0",
         f"/dev/nvidia-caps/nvidia-cap{gi[0]}",
@@ -1272,3 +1305,204 @@ def test_stopping_an_mps_daemon_that_died_only_removes_its_files(tmp_path: Path)
     daemon = MpsDaemon("x", pipe, tmp_path / "log", ("GPU-1",))
     fake_sharing().stop_mps(daemon)
     assert not pipe.exists()
+
+
+# --- upgrades and unreadable records ----------------------------------------------------------
+
+FIXTURES = Path(__file__).parent / "fixtures"
+# The claims of fixtures/checkpoint-v1.json, in the order they were prepared: name,
+# allocation results (device, request, extra fields), config. Those under a step
+# were stopped right after it (the process "died"), so they are PrepareStarted.
+_TS = {"strategy": "TimeSlicing", "timeSlicingConfig": {"interval": "Long"}}
+_MPS = {
+    "strategy": "MPS",
+    "mpsConfig": {"defaultActiveThreadPercentage": 50, "defaultPinnedDeviceMemoryLimit": "20Gi"},
+}
+_SHARE_A = {
+    "shareID": "8b3f6a52-1c55-4c0e-b0c7-1f0ad1a2b3c4",
+    "consumedCapacity": {"memory": "10Gi"},
+}
+_SHARE_B = {
+    "shareID": "a2d94c7e-6e1f-4b8e-9d1c-5a6b7c8d9e0f",
+    "consumedCapacity": {"memory": "20Gi"},
+}
+FIXTURE_CLAIMS: list[tuple[str, str | None, list[tuple[str, str, dict[str, Any]]], Any]] = [
+    ("whole", None, [("gpu-1", "gpu", {})], None),
+    ("sliced", None, [("gpu-2", "gpu", {})], _TS),
+    ("mps", None, [("gpu-3", "gpu", {})], _MPS),
+    ("slice-a", None, [("gpu-5", "mem", _SHARE_A)], None),
+    ("slice-b", None, [("gpu-5", "mem", _SHARE_B)], None),
+    ("mig", None, [("gpu-0-mig-3g40gb-9-0", "mig", {})], None),
+    ("mig-admin", None, [("gpu-0-mig-3g40gb-9-0", "watch", {"adminAccess": True})], None),
+    ("gpu-and-mig", None, [("gpu-6", "gpu", {}), ("gpu-0-mig-1g10gb-19-6", "mig", {})], None),
+    ("mig-crash-early", "mig-recorded", [("gpu-0-mig-1g10gb-me-20-6", "mig", {})], None),
+    ("mig-crash-gi", "mig-gpu-instance-created", [("gpu-0-mig-2g20gb-14-4", "mig", {})], None),
+    ("ts-crash", "time-slice-recorded", [("gpu-4", "gpu", {})], _TS),
+    ("mps-crash", "compute-mode-recorded", [("gpu-7", "gpu", {})], _MPS),
+]
+FIXTURE_DRIVER = "gpu.nvidia.com"
+FIXTURE_STATE = "/var/lib/gpudra"
+
+
+def _fixture_claim(index: int) -> Claim:
+    """Claim `index` of FIXTURE_CLAIMS, checked from its ResourceClaim as the plugin does."""
+    name, _, results, sharing = FIXTURE_CLAIMS[index]
+    ref = ClaimRef("team-a", f"00000000-0000-4000-8000-{index + 1:012d}", name)
+    config = []
+    if sharing is not None:
+        parameters = {"apiVersion": "resource.nvidia.com/v1beta1", "kind": "GpuConfig"}
+        opaque = {"driver": FIXTURE_DRIVER, "parameters": {**parameters, "sharing": sharing}}
+        config.append({"source": "FromClaim", "opaque": opaque})
+    obj = {
+        "metadata": {"name": name, "namespace": ref.namespace, "uid": ref.uid},
+        "status": {
+            "allocation": {
+                "devices": {
+                    "results": [
+                        {"driver": FIXTURE_DRIVER, "pool": NODE, "device": d, "request": r, **x}
+                        for d, r, x in results
+                    ],
+                    "config": config,
+                }
+            },
+            "reservedFor": [{"resource": "pods", "name": f"pod-{name}", "uid": "x"}],
+        },
+    }
+    return checked_claim(ref, obj, driver=FIXTURE_DRIVER, pool=NODE)
+
+
+def _fixture(node: Node) -> dict[str, Any]:
+    """The fixture as it would be on this test's node."""
+    text = (FIXTURES / "checkpoint-v1.json").read_text()
+    doc: dict[str, Any] = json.loads(text.replace(FIXTURE_STATE, str(node.checkpoint.parent)))
+    node.boot_id.write_text(doc["bootId"] + "\n")
+    return doc
+
+
+@pytest.mark.anyio
+async def test_records_keep_the_shape_the_previous_release_wrote(node: Node) -> None:
+    """fixtures/checkpoint-v1.json was written by the release before the device records
+    were typed (f154488), preparing FIXTURE_CLAIMS like this test on the same emulated
+    node, its state folder then renamed to a node's: this release writes the same file,
+    so either release reads what the other wrote."""
+    expected = _fixture(node)
+    crash: list[str | None] = [None]
+
+    def fault(step: str) -> None:
+        if step == crash[0]:
+            raise SimulatedCrash(step)
+
+    preparer = node_preparer(node, h100_mig(), strategy=MigStrategy.DYNAMIC, fault=fault)
+    for index, (_, step, _, _) in enumerate(FIXTURE_CLAIMS):
+        claim = _fixture_claim(index)
+        crash[0] = step
+        if step is None:
+            assert (await preparer.prepare([claim]))[claim.uid].error is None
+        else:
+            with pytest.raises(SimulatedCrash):
+                await preparer.prepare([claim])
+
+    assert json.loads(node.checkpoint.read_text()) == expected
+
+
+@pytest.mark.anyio
+async def test_an_upgrade_undoes_what_the_previous_release_recorded(node: Node) -> None:
+    """The previous release's checkpoint (see the test above) with the GPUs as it left
+    them: recover() rolls back its interrupted prepares and unprepare undoes the rest."""
+    doc = _fixture(node)
+    node.checkpoint.parent.mkdir(parents=True)
+    node.checkpoint.write_text(json.dumps(doc))
+    emu = h100_mig()
+    partitions = {d.name: d for d in discover(emu).gpus[0].partitions}
+    gpu0, gpu3 = discover(emu).gpus[0].uuid, discover(emu).gpus[3].uuid
+    made = []
+    for name, with_ci in (
+        ("gpu-0-mig-3g40gb-9-0", True),
+        ("gpu-0-mig-1g10gb-19-6", True),
+        ("gpu-0-mig-2g20gb-14-4", False),  # the crash came before its compute instance
+    ):
+        placement = partitions[name].placement
+        assert placement is not None
+        gi = create_gpu_instance(emu, gpu0, placement)
+        if with_ci:
+            create_compute_instance(emu, gpu0, gi)
+        made.append(gi)
+    assert made == [1, 2, 3]  # the IDs the checkpoint recorded
+    emu.nvmlInit()
+    emu.nvmlDeviceSetComputeMode(emu.nvmlDeviceGetHandleByUUID(gpu3), EXCLUSIVE_PROCESS)
+    emu.nvmlShutdown()
+    preparer = node_preparer(node, emu, strategy=MigStrategy.DYNAMIC)
+
+    report = await preparer.recover()
+
+    started = [uid for uid, c in doc["claims"].items() if c["state"] == "PrepareStarted"]
+    assert sorted(report.rolled_back) == sorted(started)
+    assert report.errors == ()
+    assert sorted(mig_devices(emu)) == ["gpu-0-mig-1g10gb-19-6", "gpu-0-mig-3g40gb-9-0"]
+    refs = [ClaimRef(c["namespace"], c["uid"], c["name"]) for c in doc["claims"].values()]
+    done = [r for r in refs if r.uid not in started]
+    assert await preparer.unprepare(done) == {r.uid: None for r in done}
+    assert mig_devices(emu) == {}
+    emu.nvmlInit()
+    parent = emu.nvmlDeviceGetHandleByIndex(0)
+    assert emu.nvmlDeviceGetGpuInstanceRemainingCapacity(parent, 14) == 3  # no instance left
+    assert emu.nvmlDeviceGetComputeMode(emu.nvmlDeviceGetHandleByUUID(gpu3)) == DEFAULT_MODE
+    emu.nvmlShutdown()
+    assert load_checkpoint(node.checkpoint, boot_id_path=node.boot_id).claims() == []
+    assert not (node.checkpoint.parent / "mps").exists() or not any(
+        (node.checkpoint.parent / "mps").iterdir()
+    )
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(("previous", "shown"), [(None, "null"), ("abc", "'abc'")])
+async def test_unreadable_record_is_its_claims_error_and_never_stops_recovery(
+    node: Node, previous: Any, shown: str
+) -> None:
+    """A compute mode record whose previous mode is not a number cannot be restored:
+    recover() undoes the rest of that claim, reports it and keeps its record for a
+    retry, and goes on with the other claims."""
+    emu = h100()
+    gpus = discover(emu).gpus
+    broken = ClaimRef("team-a", str(uuidlib.uuid4()), "broken")
+    fine = ClaimRef("team-a", str(uuidlib.uuid4()), "fine")
+
+    def record(ref: ClaimRef, gpu: int, details: dict[str, Any]) -> dict[str, Any]:
+        uuid = gpus[gpu].uuid
+        details = {"type": "gpu", "request": "gpu", "parentUuid": uuid, "uuid": uuid, **details}
+        device = {"pool": NODE, "device": f"gpu-{gpu}", "requestNames": ["gpu"], "details": details}
+        return {
+            "uid": ref.uid,
+            "namespace": ref.namespace,
+            "name": ref.name,
+            "state": "PrepareStarted",
+            "devices": [device],
+        }
+
+    mode = {"uuid": gpus[2].uuid, "previous": previous, "applied": True}
+    slices = {"uuid": gpus[2].uuid, "interval": 3, "applied": True}
+    claims = {
+        broken.uid: record(broken, 2, {"timeSlice": slices, "computeMode": mode}),
+        fine.uid: record(fine, 3, {"timeSlice": {**slices, "uuid": gpus[3].uuid}}),
+    }
+    node.checkpoint.parent.mkdir(parents=True)
+    node.checkpoint.write_text(json.dumps({"version": 1, "bootId": BOOT_A, "claims": claims}))
+    preparer = node_preparer(node, emu)
+
+    report = await preparer.recover()
+
+    assert report.rolled_back == (fine.uid,)
+    [error] = report.errors
+    assert broken.describe() in error
+    assert f"details.computeMode: previous must be an integer, not {shown}" in error
+    assert str(node.checkpoint) in error
+    # The rest of the broken claim was undone all the same.
+    resets = [f"nvidia-smi compute-policy -i {gpus[i].uuid} --set-timeslice 0" for i in (2, 3)]
+    assert sorted(c for c in node.tool_calls() if "--set-timeslice 0" in c) == sorted(resets)
+    # Its record stays, as written, and unprepare reports the same until it is fixed.
+    cp = load_checkpoint(node.checkpoint, boot_id_path=node.boot_id)
+    assert [c.uid for c in cp.claims()] == [broken.uid]
+    written = json.loads(node.checkpoint.read_text())["claims"][broken.uid]
+    assert written["devices"][0]["details"]["computeMode"] == mode
+    again = (await preparer.unprepare([broken]))[broken.uid]
+    assert again is not None and "details.computeMode" in again

@@ -1,0 +1,68 @@
+"""Reading the ResourceClaims the kubelet names from the API server.
+
+What the upstream kubeletplugin library does before it calls a driver: GET each
+claim and check it (`gpudra.driver.claims.checked_claim`), every failure becoming
+that claim's error. The GET is a consistent read (no resourceVersion=0): a claim
+deleted and re-created a moment ago must not be answered from a watch cache that
+still has the old one. The sweep for claims deleted behind the kubelet's back asks
+the same object for a claim's current UID.
+
+This is the only place the node reads claims from the API; the device layer sees
+neither HTTP nor API objects.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from gpudra.common.kube import ApiError, Kube, claim_path
+from gpudra.driver.claims import Claim, ClaimError, ClaimRef, check_ref, checked_claim
+
+__all__ = ["ApiClaims"]
+
+
+class ApiClaims:
+    """The claims of `driver` in `pool` (this node), as the API server has them.
+
+    A `ClaimSource` for the kubelet plugin and a `ClaimLookup` for the preparer's
+    sweep of deleted claims.
+    """
+
+    def __init__(self, kube: Kube, *, driver: str, pool: str, timeout_s: float = 10.0) -> None:
+        self._kube = kube
+        self._driver = driver
+        self._pool = pool
+        self._timeout_s = timeout_s
+
+    async def read(self, ref: ClaimRef) -> Claim:
+        """The claim `ref` names, checked; raises ClaimError with the kubelet's message."""
+        check_ref(ref)
+        path = claim_path(ref.namespace, ref.name)
+        try:
+            obj = await self._kube.request("GET", path, request_timeout_s=self._timeout_s)
+        except ApiError as exc:
+            if exc.status == 404:
+                raise ClaimError(
+                    f"{ref.describe()} does not exist in the API server (deleted?); nothing "
+                    "to prepare"
+                ) from None
+            raise ClaimError(f"{ref.describe()}: reading it failed: {exc}") from None
+        except Exception as exc:
+            raise ClaimError(
+                f"{ref.describe()}: reading it from the API server failed: "
+                f"{type(exc).__name__}: {exc}"
+            ) from None
+        return checked_claim(ref, obj, driver=self._driver, pool=self._pool)
+
+    async def current_uid(self, ref: ClaimRef) -> str | None:
+        """The UID of the claim now at `ref`'s namespace and name; None when there is
+        none. Raises when the API server cannot tell."""
+        path = claim_path(ref.namespace, ref.name)
+        try:
+            obj = await self._kube.request("GET", path, request_timeout_s=self._timeout_s)
+        except ApiError as exc:
+            if exc.status == 404:
+                return None
+            raise
+        uid = (obj.get("metadata") or {}).get("uid") if isinstance(obj, Mapping) else None
+        return uid if isinstance(uid, str) else None

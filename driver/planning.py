@@ -1,0 +1,316 @@
+"""Planning a prepare: what each allocated device of a checked claim needs.
+
+For every device of the claim: find it in the view the slices were published with,
+resolve its config (class configs before claim configs, a subrequest's own binding
+included) and decide what its prepare does: create a MIG instance, set the GPU's
+time-slice, join the claim's MPS daemon. Every refusal a claim's content can cause
+happens here, before anything on the node changes.
+
+Pure: the inventory and the checkpoint (who holds a device) are read, nothing is
+written; errors are the claim's (`ClaimError`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+from gpudra.api.config import (
+    BoundConfig,
+    ConfigError,
+    DeviceConfig,
+    GpuConfig,
+    MpsConfig,
+    interval_value,
+    join_path,
+    resolve_config,
+)
+from gpudra.api.config import DeviceType as ConfigDeviceType
+from gpudra.driver.checkpoint import Checkpoint, DeviceRecord
+from gpudra.driver.claims import AllocatedDevice, Claim, ClaimError, config_error
+from gpudra.driver.devices import Device, DeviceType, Gpu, Inventory, MigStrategy
+from gpudra.driver.records import DeviceDetails, UsedMig
+
+__all__ = ["Entry", "mps_limits", "mps_percentage", "plan"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Entry:
+    """One device of the claim being prepared; `details` grows a record for each
+    side effect as the prepare makes it (see `gpudra.driver.records`)."""
+
+    allocated: AllocatedDevice
+    gpu: Gpu
+    device: Device
+    config: DeviceConfig
+    config_path: str
+    details: DeviceDetails
+    create_mig: bool = False
+    mps: bool = False
+    time_slice: int | None = None
+    cdi_ids: tuple[str, ...] = ()
+
+    @property
+    def share_id(self) -> str | None:
+        return self.allocated.share_id
+
+    @property
+    def admin(self) -> bool:
+        return self.allocated.admin_access
+
+    @property
+    def base_request(self) -> str:
+        return self.allocated.request.split("/", 1)[0]
+
+    @property
+    def uuid(self) -> str | None:
+        return self.details.uuid
+
+    @property
+    def cdi_name(self) -> str:
+        return self.device.name if self.share_id is None else f"{self.device.name}-{self.share_id}"
+
+    def record(self, pool: str) -> DeviceRecord:
+        return DeviceRecord(
+            pool=pool,
+            device=self.device.name,
+            request_names=(self.base_request,),
+            cdi_device_ids=self.cdi_ids,
+            share_id=self.share_id,
+            admin_access=self.admin,
+            exclusive=self.share_id is None,
+            details=self.details,
+        )
+
+
+def plan(
+    claim: Claim,
+    *,
+    inventory: Inventory | None,
+    checkpoint: Checkpoint,
+    pool: str,
+    mig_strategy: MigStrategy,
+) -> list[Entry]:
+    """The entries of `claim`'s devices, checked; raises ClaimError."""
+    ref = claim.ref
+    if inventory is None:
+        raise ClaimError(
+            f"{ref.describe()}: this node's GPUs have not been discovered yet; the "
+            "kubelet retries the prepare"
+        )
+    entries = [
+        _entry(claim, allocated, inventory, checkpoint, pool, mig_strategy)
+        for allocated in claim.devices
+    ]
+    names = [e.cdi_name for e in entries]
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise ClaimError(
+            f"{ref.describe()}: device {', '.join(duplicates)} is allocated twice to "
+            "this claim without a shareID"
+        )
+    _check_mps(claim, entries)
+    return entries
+
+
+def _lookup(inventory: Inventory, name: str, strategy: MigStrategy) -> tuple[Gpu, Device] | None:
+    """The device of `name` in the view the slices were published with."""
+    for gpu in inventory.gpus:
+        if gpu.device.name == name:
+            return gpu, gpu.device
+        view = gpu.partitions if strategy is MigStrategy.DYNAMIC else gpu.mig_devices
+        for device in view:
+            if device.name == name:
+                return gpu, device
+    return None
+
+
+def _config_path(
+    config: DeviceConfig, class_configs: Sequence[BoundConfig], claim_configs: Sequence[BoundConfig]
+) -> str:
+    for bound in (*class_configs, *claim_configs):
+        if bound.config is config:
+            return bound.path
+    return ""
+
+
+def _entry(
+    claim: Claim,
+    allocated: AllocatedDevice,
+    inventory: Inventory,
+    checkpoint: Checkpoint,
+    pool: str,
+    strategy: MigStrategy,
+) -> Entry:
+    ref, where, name = claim.ref, allocated.path, allocated.device
+    found = _lookup(inventory, name, strategy)
+    if found is None:
+        raise ClaimError(
+            f"{ref.describe()}: {where}.device: {name!r} is not a device of this node "
+            f"({pool}); the ResourceSlice it was allocated from is stale: delete "
+            "the pod so that the claim is allocated again"
+        )
+    gpu, device = found
+    if device.type is DeviceType.GPU and gpu.mig_enabled:
+        raise ClaimError(
+            f"{ref.describe()}: {where}.device: GPU {name} has MIG mode enabled and "
+            "cannot be used whole; request one of its MIG devices"
+        )
+    device_type: ConfigDeviceType = "gpu" if device.type is DeviceType.GPU else "mig"
+    try:
+        # The full "req/sub" name: a config may be bound to the subrequest itself.
+        config = resolve_config(
+            device_type, claim.class_configs, claim.claim_configs, allocated.request
+        )
+    except ConfigError as exc:
+        raise config_error(ref, exc) from None
+    entry = Entry(
+        allocated=allocated,
+        gpu=gpu,
+        device=device,
+        config=config,
+        config_path=_config_path(config, claim.class_configs, claim.claim_configs),
+        details=DeviceDetails(
+            type=device_type,
+            request=allocated.request,
+            gpu_uuid=gpu.uuid,
+            gpu_minor=gpu.minor,
+            uuid=device.uuid,
+            pod=claim.pod,
+        ),
+    )
+    if device.type is DeviceType.MIG:
+        _plan_mig(claim, checkpoint, pool, entry)
+    if entry.admin:
+        return entry  # monitoring beside the owner: nothing on the device changes
+    uses_mps, time_slice, _ = sharing_of(config)
+    # A share that consumed all of the GPU's memory (a plain claim: the request
+    # policy defaults to the whole memory) leaves no room for another claim, so it
+    # holds the GPU alone, as an exclusive claim does.
+    sliced = entry.share_id is not None and not _whole_memory(entry)
+    if time_slice is not None and sliced:
+        raise ClaimError(
+            f"{ref.describe()}: {join_path(entry.config_path, 'sharing.strategy')}: "
+            f"TimeSlicing cannot apply to {where} (shareID {entry.share_id}): the "
+            "time-slice is a setting of the whole GPU, which other claims share; use "
+            "strategy MPS or no sharing config"
+        )
+    entry.time_slice = time_slice
+    # A slice of a shared GPU always gets an MPS daemon: it enforces the memory.
+    entry.mps = uses_mps or sliced
+    return entry
+
+
+def _whole_memory(entry: Entry) -> bool:
+    """The allocation consumed the GPU's whole memory."""
+    consumed = entry.allocated.consumed_memory
+    total = entry.device.capacity.get("memory")
+    return consumed is not None and total is not None and consumed >= total
+
+
+def _plan_mig(claim: Claim, checkpoint: Checkpoint, pool: str, entry: Entry) -> None:
+    ref, device, where = claim.ref, entry.device, entry.allocated.path
+    if device.uuid is not None:
+        mig = UsedMig(gi=device.gpu_instance_id, ci=device.compute_instance_id)
+        entry.details = replace(entry.details, mig=mig)
+        return
+    if device.placement is None:
+        raise ClaimError(
+            f"{ref.describe()}: {where}.device: MIG device {device.name} has neither a "
+            "UUID nor a placement"
+        )
+    if not entry.admin:
+        entry.create_mig = True
+        return
+    # Admin access to a dynamic partition: it exists only if its owner created it.
+    for holder, held in checkpoint.holders((pool, device.name)):
+        theirs = held.details.mig
+        if not held.admin_access and theirs is not None and theirs.ci is not None:
+            entry.details = replace(
+                entry.details, uuid=held.details.uuid, mig=UsedMig(gi=theirs.gi, ci=theirs.ci)
+            )
+            log.debug(
+                "admin access beside the owner",
+                extra={"fields": {"claim": ref.uid, "owner": holder.uid}},
+            )
+            return
+    raise ClaimError(
+        f"{ref.describe()}: {where}.device: MIG device {device.name} does not exist yet "
+        "(no claim on this node created it); admin access can only monitor an existing "
+        "device"
+    )
+
+
+def sharing_of(config: DeviceConfig) -> tuple[bool, int | None, MpsConfig | None]:
+    """(uses MPS, time-slice value or None, MPS settings) of a resolved config."""
+    sharing = config.sharing
+    if sharing is None:
+        return False, None, None
+    if sharing.strategy == "MPS":
+        return True, None, sharing.mps_config
+    if isinstance(config, GpuConfig) and config.sharing is not None:
+        interval = config.sharing.effective_interval()
+        return False, None if interval is None else interval_value(interval), None
+    return False, None, None  # MIG devices have no time-slice setting
+
+
+def _check_mps(claim: Claim, entries: Sequence[Entry]) -> None:
+    """Check MPS settings before anything changes on the node."""
+    members = [e for e in entries if e.mps]
+    if not members:
+        return
+    percentages: dict[int, str] = {}
+    for entry in members:
+        _, _, mps = sharing_of(entry.config)
+        if mps is not None and mps.default_active_thread_percentage is not None:
+            percentages.setdefault(mps.default_active_thread_percentage, entry.config_path)
+    if len(percentages) > 1:
+        where = ", ".join(
+            f"{join_path(path, 'sharing.mpsConfig.defaultActiveThreadPercentage')}={value}"
+            for value, path in percentages.items()
+        )
+        raise ClaimError(
+            f"{claim.ref.describe()}: one MPS daemon serves the claim, but its configs ask "
+            f"for different active thread percentages ({where}); use one value"
+        )
+    # UUIDs of MIG devices created later are unknown yet; index keys still resolve.
+    try:
+        mps_limits(members, placeholder=True)
+    except ConfigError as exc:
+        raise config_error(claim.ref, exc) from None
+
+
+def mps_percentage(members: Sequence[Entry]) -> int | None:
+    """The claim's MPS active thread percentage (`plan` made sure there is one)."""
+    percentage = None
+    for entry in members:
+        _, _, mps = sharing_of(entry.config)
+        if mps is not None and mps.default_active_thread_percentage is not None:
+            percentage = mps.default_active_thread_percentage
+    return percentage
+
+
+def mps_limits(members: Sequence[Entry], *, placeholder: bool = False) -> dict[str, int]:
+    """Pinned memory limit per device UUID: the config's, capped at a slice's memory."""
+    limits: dict[str, int] = {}
+    groups: dict[int, list[Entry]] = {}
+    for entry in members:
+        groups.setdefault(id(entry.config), []).append(entry)
+    for group in groups.values():
+        _, _, mps = sharing_of(group[0].config)
+        if mps is None:
+            continue
+        uuids = [e.uuid or (f"<{e.device.name}>" if placeholder else "") for e in group]
+        try:
+            limits.update(mps.pinned_memory_limits(uuids))
+        except ConfigError as exc:
+            raise exc.with_prefix(join_path(group[0].config_path, "sharing.mpsConfig")) from None
+    for entry in members:
+        consumed = entry.allocated.consumed_memory
+        if consumed is not None:
+            key = entry.uuid or f"<{entry.device.name}>"
+            limits[key] = min(limits.get(key, consumed), consumed)
+    return limits
