@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import anyio
 import anyio.abc
 import anyio.to_thread
+from gpudra.common.backoff import Backoff
 from gpudra.common.kube import Kube
 from gpudra.driver.devices import (
     DiscoveryError,
@@ -127,7 +128,7 @@ class NodeAgent:
         self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
     ) -> None:
         fields = {"node": self.config.node_name, "driver": self.config.driver_name}
-        backoff = 1.0
+        delays = Backoff(first_s=1.0, max_s=60.0).delays()
         while self.inventory is None:
             try:
                 inv = await self.scan()
@@ -142,12 +143,12 @@ class NodeAgent:
                     },
                 )
             except DiscoveryError as e:
+                delay = next(delays)
                 log.error(
                     "discovery failed; nothing published",
-                    extra={"fields": {**fields, "error": str(e), "retry_s": backoff}},
+                    extra={"fields": {**fields, "error": str(e), "retry_s": delay}},
                 )
-                await anyio.sleep(backoff)
-                backoff = min(backoff * 2, 60.0)
+                await anyio.sleep(delay)
         async with anyio.create_task_group() as tg:
             await tg.start(self.slices.run)
             if self.config.health_events:
