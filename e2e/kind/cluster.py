@@ -1,7 +1,7 @@
 """The kind cluster provider: a Docker-based cluster offering the same surface as the
 local harness's `Cluster` (`up`, `down`, `is_up`, `kube`, `kubectl`,
 `layout.admin_kubeconfig`), so the end-to-end suite runs unchanged on either. The
-GPU-pod suite (e2e/test_realnode_gpus.py) installs the chart on a worker itself,
+GPU-pod suite (e2e/tests/test_realnode_gpus.py) installs the chart on a worker itself,
 through `KindGpus` (e2e/kind/gpus.py), the same code that installs it on the local
 cluster's real node.
 
