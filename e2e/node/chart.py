@@ -31,9 +31,10 @@ from gpudra.cli.node import EMULATED_NVML_STATE, EMULATED_TOOLS_LOG
 
 from e2e.cluster.harness import REPO
 from e2e.cluster.kube import ApiError, Kube, wait_for
-from e2e.node.gpus import DRIVER, NodeGpus, _free_port
+from e2e.node.gpus import DRIVER, NodeGpus
 from e2e.node.realnode import NodeError, NodeState
 from e2e.node.realnode import build as build_containerd
+from e2e.processes import free_port
 from e2e.tools import helm as h
 
 RELEASE = "gpudra"
@@ -97,7 +98,7 @@ class ChartStack(NodeGpus):
             if saved.exists():
                 self._ports = json.loads(saved.read_text())
             else:
-                self._ports = {"webhook": _free_port(), "metrics": _free_port()}
+                self._ports = {"webhook": free_port(), "metrics": free_port()}
                 self.root.mkdir(parents=True, exist_ok=True)
                 saved.write_text(json.dumps(self._ports))
         return self._ports
@@ -112,7 +113,7 @@ class ChartStack(NodeGpus):
             "image": {"repository": IMAGE_REPOSITORY, "tag": IMAGE_TAG, "pullPolicy": "Never"},
             "kubernetesApi": {
                 "host": "127.0.0.1",
-                "port": api_port or cluster._require_state().ports["apiserver"],
+                "port": api_port or cluster.require_state().ports["apiserver"],
             },
             "node": {
                 "nvml": f"emulated:{self.state_dir / 'profile.json'}",
@@ -216,7 +217,7 @@ class ChartStack(NodeGpus):
     def _import_image(self, state: NodeState) -> None:
         ctr = build_containerd()
         archive = self.build_image()
-        self.node._ctr(ctr, "images", "import", "--snapshotter", state.snapshotter, str(archive))
+        self.node.ctr(ctr, "images", "import", "--snapshotter", state.snapshotter, str(archive))
 
     def build_image(self) -> Path:
         """The one image, as `make image` builds it, tagged for the chart's values."""
