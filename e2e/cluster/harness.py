@@ -28,6 +28,7 @@ from gpudra.common.files import atomic_write
 from e2e.cluster import pki
 from e2e.cluster.kube import ApiError, Credentials, Kube, wait_for
 from e2e.processes import alive, port_free, spawn_logged, stop_pid
+from e2e.progress import BuildFailed, build_script
 
 REPO = Path(__file__).resolve().parents[2]
 BUILD_SCRIPT = REPO / "e2e" / "cluster" / "build.sh"
@@ -306,22 +307,13 @@ class Cluster:
             record.unlink(missing_ok=True)
 
     def _build(self) -> str:
-        proc = subprocess.run(
-            ["bash", str(BUILD_SCRIPT)],
-            capture_output=True,
-            text=True,
-            check=False,
-        )
-        if proc.returncode != 0:
-            lines = [ln for ln in proc.stderr.strip().splitlines() if ln.startswith("build:")]
-            if proc.stderr.strip():
-                sys.stderr.write(proc.stderr if not lines else "")
-            raise ClusterError(
-                lines[-1].removeprefix("build: ")
-                if lines
-                else "building the Kubernetes binaries failed (see above)"
+        """The Kubernetes bin dir, built on the first run (its progress on stderr)."""
+        try:
+            return str(
+                build_script(BUILD_SCRIPT, prefix="build", what="building the Kubernetes binaries")
             )
-        return proc.stdout.strip().splitlines()[-1]
+        except BuildFailed as e:
+            raise ClusterError(str(e)) from e
 
     def _check_ports(self, ports: Ports) -> None:
         for name, port in ports.__dict__.items():

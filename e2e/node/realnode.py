@@ -45,6 +45,7 @@ from e2e.cluster.harness import REPO, WANTED_GATES, Cluster, known_gates
 from e2e.cluster.kube import ApiError, Kube, wait_for
 from e2e.node import images
 from e2e.processes import alive, port_free, spawn_logged, stop_pid
+from e2e.progress import BuildFailed, build_script
 
 BUILD_SCRIPT = REPO / "e2e" / "node" / "build.sh"
 DEFAULT_NODE = "real-1"
@@ -235,15 +236,10 @@ def _overlay_works(scratch: Path) -> bool:
 
 def build() -> Path:
     """containerd's bin dir (built when missing); runc and CNI plugins installed."""
-    proc = subprocess.run(["bash", str(BUILD_SCRIPT)], capture_output=True, text=True, check=False)
-    if proc.returncode != 0:
-        lines = [ln for ln in proc.stderr.strip().splitlines() if ln.startswith("build:")]
-        if not lines:
-            sys.stderr.write(proc.stderr)
-        raise NodeError(
-            lines[-1].removeprefix("build: ") if lines else "building containerd failed"
-        )
-    return Path(proc.stdout.strip().splitlines()[-1])
+    try:
+        return build_script(BUILD_SCRIPT, prefix="build", what="building containerd")
+    except BuildFailed as e:
+        raise NodeError(str(e)) from e
 
 
 def prepare() -> tuple[Path, dict[str, Path]]:
