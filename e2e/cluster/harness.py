@@ -240,7 +240,9 @@ class Cluster:
                 time.sleep(0.1)
             if not port_free(port):
                 log(f"warning: port {port} ({name}) is still in use")
-        for sub in ("data", "pki") if keep_logs else ("data", "logs", "pki"):
+        for sub in (
+            ("attached", "data", "pki") if keep_logs else ("attached", "data", "logs", "pki")
+        ):
             subprocess.run(["rm", "-rf", str(self.layout.root / sub)], check=False)
         self.layout.state.unlink(missing_ok=True)
         self.layout.admin_kubeconfig.unlink(missing_ok=True)
