@@ -31,7 +31,7 @@ def main() -> int:
     with step(
         "installing the development environment in .venv",
         "gpudra's dependencies and the dev tools from PyPI (again when pyproject.toml changes)",
-        "1-2 minutes",
+        "about a minute",
     ):
         if not python.exists():
             venv.EnvBuilder(with_pip=True, clear=False).create(env_dir)

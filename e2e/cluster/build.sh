@@ -81,7 +81,7 @@ ld="-s -w -X k8s.io/component-base/version.gitVersion=$version -X k8s.io/compone
 pkgs=(); for c in "${cmds[@]}"; do pkgs+=("k8s.io/kubernetes/cmd/$c"); done
 progress_run "building Kubernetes $version" \
   "${cmds[*]} for the local control plane and nodes, cached in $bin for later runs" \
-  "5-15 minutes (fewer with more cores)" \
+  "5-10 minutes on 2 cores" \
   in_src go build -tags=selinux,notest -trimpath -ldflags "$ld" -o "$bin/" "${pkgs[@]}" \
   || die "go build of Kubernetes $version failed (see above)"
 progress_run "building etcd" "the control plane's store, from the same module graph as the API server" \

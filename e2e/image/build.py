@@ -180,7 +180,7 @@ def base_layer(mirror: str) -> oci.Layer:
         with step(
             f"building the image's Debian {SUITE} base layer",
             f"debootstrap from {mirror}, cached in {cache.parent} for later builds",
-            "3-10 minutes, with the mirror's speed",
+            "3-5 minutes, more with a slow mirror",
         ):
             proc = subprocess.run(
                 [

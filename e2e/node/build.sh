@@ -58,7 +58,7 @@ install_all() {
   done
 }
 progress_run "building containerd $version" \
-  "${cmds[*]} for the real node, cached in $bin for later runs" "2-5 minutes" install_all \
+  "${cmds[*]} for the real node, cached in $bin for later runs" "3-5 minutes" install_all \
   || die "building containerd $version failed (see above)"
 all_present || die "build finished but binaries are missing under $bin"
 echo "$bin"

@@ -32,7 +32,7 @@ mkdir -p "$cache/bin"
 trap '[ -x "$bin" ] || rm -rf "$cache"' EXIT
 ld="-s -w -X helm.sh/helm/${module##*/}/internal/version.version=$version"
 progress_run "building helm $version" "the chart's tests render and install with it; cached in $bin" \
-  "1-3 minutes" env GOBIN="$cache/bin" go install -trimpath -ldflags "$ld" "$module/cmd/helm@$version" >&2 \
+  "5-8 minutes" env GOBIN="$cache/bin" go install -trimpath -ldflags "$ld" "$module/cmd/helm@$version" >&2 \
   || die "go install $module/cmd/helm@$version failed (see above); check that the Go module proxy is reachable and serves that version"
 [ -x "$bin" ] || die "build finished but $bin is missing"
 echo "$bin"
