@@ -22,6 +22,7 @@ from typing import Any
 
 import yaml
 
+from e2e.cluster.harness import BUILD_SCRIPT
 from e2e.cluster.kube import Credentials, Kube
 from e2e.node import images
 from e2e.progress import BuildFailed, build_script
@@ -30,7 +31,6 @@ REPO = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 CONFIG = HERE / "cluster.yaml"
 VALUES = HERE / "values.yaml"
-K8S_BUILD = REPO / "e2e" / "cluster" / "build.sh"
 KIND_BUILD = REPO / "e2e" / "tools" / "build-kind.sh"
 
 
@@ -124,7 +124,7 @@ class KindCluster:
         """kubectl of the node image's Kubernetes version; never raises on failure."""
         env = {**os.environ, "K8S_VERSION": node_image().rsplit(":", 1)[1].removeprefix("v")}
         try:
-            bin_dir = build_script(K8S_BUILD, prefix="build", what="building kubectl", env=env)
+            bin_dir = build_script(BUILD_SCRIPT, prefix="build", what="building kubectl", env=env)
         except BuildFailed as e:
             raise KindError(f"building kubectl failed: {e}") from e
         kubectl = bin_dir / "kubectl"
