@@ -66,7 +66,7 @@ chart-crds:
 	@rm -f charts/gpudra/files/crds/*.yaml
 	@if ls api/crds/*.yaml >/dev/null 2>&1; then cp api/crds/*.yaml charts/gpudra/files/crds/; fi
 
-# lint, render and schema checks; the server-side dry-run is e2e/test_chart.py.
+# lint, render and schema checks; the server-side dry-run is e2e/tests/test_chart.py.
 chart-lint: venv
 	$(VPY) -m pytest -q tests/chart
 
@@ -78,7 +78,7 @@ image: venv
 # chart with emulated GPUs on a worker, as they do on the local real node (needs Docker).
 e2e-kind: venv
 	$(VPY) -m e2e.kind up
-	GPUDRA_CLUSTER_PROVIDER=kind $(VPY) e2e/run_pytest.py -m cluster e2e
+	GPUDRA_CLUSTER_PROVIDER=kind $(VPY) e2e/run_pytest.py -m cluster e2e/tests
 
 bench-slices: cluster-up
 	$(VPY) -m bench.slices

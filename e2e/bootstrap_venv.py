@@ -15,28 +15,37 @@ import tomllib
 import venv
 from pathlib import Path
 
+ROOT = Path(__file__).resolve().parent.parent
+if __name__ == "__main__":  # run as a file by system python3: `e2e` imports from the root
+    sys.path.insert(0, str(ROOT))
+from e2e.progress import step  # noqa: E402 - standard library only, usable before the venv
+
 SUBPACKAGES = ("api", "cli", "common", "driver", "webhook")
 
 
 def main() -> int:
-    root = Path(__file__).resolve().parent.parent
-    env_dir = root / ".venv"
-    if not (env_dir / "bin" / "python").exists():
-        venv.EnvBuilder(with_pip=True, clear=False).create(env_dir)
+    env_dir = ROOT / ".venv"
     python = env_dir / "bin" / "python"
-    project = tomllib.loads((root / "pyproject.toml").read_text())["project"]
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     reqs = [*project["dependencies"], *project["optional-dependencies"]["dev"]]
-    subprocess.run(
-        [str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check", *reqs],
-        check=True,
-    )
+    with step(
+        "installing the development environment in .venv",
+        "gpudra's dependencies and the dev tools from PyPI (again when pyproject.toml changes)",
+        "about a minute",
+    ):
+        if not python.exists():
+            venv.EnvBuilder(with_pip=True, clear=False).create(env_dir)
+        subprocess.run(
+            [str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check", *reqs],
+            check=True,
+        )
     src = env_dir / "src" / "gpudra"
     src.mkdir(parents=True, exist_ok=True)
     for sub in SUBPACKAGES:
         link = src / sub
         if link.is_symlink() or link.exists():
             link.unlink()
-        link.symlink_to(root / sub, target_is_directory=True)
+        link.symlink_to(ROOT / sub, target_is_directory=True)
     purelib = subprocess.run(
         [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
         check=True,

@@ -11,6 +11,8 @@ set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 # shellcheck source=versions.env
 . "$here/versions.env"
+# shellcheck source=../progress.sh
+. "$here/../progress.sh"
 
 die() { echo "build: $*" >&2; exit 2; }
 
@@ -38,45 +40,54 @@ src=$cache/src
 rm -rf "$src" && mkdir -p "$src" "$bin"
 # A failed build leaves no half-filled version directory that looks cached.
 trap 'all_present || rm -rf "$cache"' EXIT
-start=$(date +%s)
-echo "build: Kubernetes $version into $bin (first build takes a while)" >&2
+resolve_modules() {
+  local info err modfile staging_ver goline c
+  info=$(go mod download -json "k8s.io/kubernetes@$version" 2>&1) || true
+  err=$(printf '%s\n' "$info" | sed -n 's/.*"Error": "\([^"\\]*\).*/\1/p' | head -1)
+  [ -z "$err" ] || die "the Go module proxy cannot serve k8s.io/kubernetes@$version ($err); pick another K8S_VERSION"
+  modfile=$(printf '%s\n' "$info" | sed -n 's/.*"GoMod": "\(.*\)".*/\1/p')
+  [ -n "$modfile" ] || die "could not resolve k8s.io/kubernetes@$version from the Go module proxy: $info"
+  staging_ver="v0.${version#v1.}"
+  goline=$(grep -m1 -E '^go [0-9]' "$modfile") || die "no go directive in $modfile"
+  {
+    echo "module gpudra.local/k8sbuild"
+    echo
+    echo "$goline"
+    echo
+    echo "require k8s.io/kubernetes $version"
+    echo
+    awk -v v="$staging_ver" '$1 ~ /^k8s\.io\// && $2 == "v0.0.0" {print "replace " $1 " => " $1 " " v}' "$modfile"
+  } > "$src/go.mod"
+  {
+    echo "//go:build tools"
+    echo
+    echo "package tools"
+    echo
+    echo "import ("
+    for c in "${cmds[@]}"; do echo "	_ \"k8s.io/kubernetes/cmd/$c\""; done
+    echo "	_ \"go.etcd.io/etcd/server/v3\""
+    echo ")"
+  } > "$src/tools.go"
+  (cd "$src" && go mod tidy >&2) || die "resolving modules for $version failed (see above); check that the Go module proxy is reachable"
+}
+in_src() { (cd "$src" && "$@" >&2); }
 
-info=$(go mod download -json "k8s.io/kubernetes@$version" 2>&1) || true
-err=$(printf '%s\n' "$info" | sed -n 's/.*"Error": "\([^"\\]*\).*/\1/p' | head -1)
-[ -z "$err" ] || die "the Go module proxy cannot serve k8s.io/kubernetes@$version ($err); pick another K8S_VERSION"
-modfile=$(printf '%s\n' "$info" | sed -n 's/.*"GoMod": "\(.*\)".*/\1/p')
-[ -n "$modfile" ] || die "could not resolve k8s.io/kubernetes@$version from the Go module proxy: $info"
-staging_ver="v0.${version#v1.}"
-goline=$(grep -m1 -E '^go [0-9]' "$modfile")
-{
-  echo "module gpudra.local/k8sbuild"
-  echo
-  echo "$goline"
-  echo
-  echo "require k8s.io/kubernetes $version"
-  echo
-  awk -v v="$staging_ver" '$1 ~ /^k8s\.io\// && $2 == "v0.0.0" {print "replace " $1 " => " $1 " " v}' "$modfile"
-} > "$src/go.mod"
-{
-  echo "//go:build tools"
-  echo
-  echo "package tools"
-  echo
-  echo "import ("
-  for c in "${cmds[@]}"; do echo "	_ \"k8s.io/kubernetes/cmd/$c\""; done
-  echo "	_ \"go.etcd.io/etcd/server/v3\""
-  echo ")"
-} > "$src/tools.go"
-(cd "$src" && go mod tidy >&2) || die "resolving modules for $version failed (see above); check that the Go module proxy is reachable"
-
+progress_run "fetching the Kubernetes $version sources" \
+  "the Go module proxy's k8s.io/kubernetes and its dependencies, kept in Go's module cache" \
+  "1-3 minutes" resolve_modules || die "fetching the Kubernetes $version sources failed (see above)"
 
 minor=${version#v1.}; minor=${minor%%.*}
 ld="-s -w -X k8s.io/component-base/version.gitVersion=$version -X k8s.io/component-base/version.gitMajor=1 -X k8s.io/component-base/version.gitMinor=$minor -X k8s.io/component-base/version.gitTreeState=clean -X k8s.io/client-go/pkg/version.gitVersion=$version -X k8s.io/component-base/version.buildDate=1970-01-01T00:00:00Z"
 pkgs=(); for c in "${cmds[@]}"; do pkgs+=("k8s.io/kubernetes/cmd/$c"); done
-(cd "$src" && go build -tags=selinux,notest -trimpath -ldflags "$ld" -o "$bin/" "${pkgs[@]}" >&2) || die "go build of Kubernetes $version failed (see above)"
-(cd "$src" && go build -trimpath -ldflags "-s -w" -o "$bin/etcd" go.etcd.io/etcd/server/v3 >&2) || die "go build of etcd failed (see above)"
+progress_run "building Kubernetes $version" \
+  "${cmds[*]} for the local control plane and nodes, cached in $bin for later runs" \
+  "5-10 minutes on 2 cores" \
+  in_src go build -tags=selinux,notest -trimpath -ldflags "$ld" -o "$bin/" "${pkgs[@]}" \
+  || die "go build of Kubernetes $version failed (see above)"
+progress_run "building etcd" "the control plane's store, from the same module graph as the API server" \
+  "about a minute" in_src go build -trimpath -ldflags "-s -w" -o "$bin/etcd" go.etcd.io/etcd/server/v3 \
+  || die "go build of etcd failed (see above)"
 
 all_present || die "build finished but binaries are missing under $bin"
-echo "build: done in $(( $(date +%s) - start ))s" >&2
 du -sh "$cache" >&2 || true
 echo "$bin"

@@ -10,12 +10,10 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
-import errno
 import json
 import os
 import re
-import signal
-import socket
+import shlex
 import ssl
 import subprocess
 import sys
@@ -25,8 +23,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gpudra.common.files import atomic_write
+
 from e2e.cluster import pki
 from e2e.cluster.kube import ApiError, Credentials, Kube, wait_for
+from e2e.processes import alive, port_free, spawn_logged, stop_pid
+from e2e.progress import BuildFailed, build_script
 
 REPO = Path(__file__).resolve().parents[2]
 BUILD_SCRIPT = REPO / "e2e" / "cluster" / "build.sh"
@@ -98,6 +100,11 @@ class Layout:
     def admin_kubeconfig(self) -> Path:
         return self.root / "admin.kubeconfig"
 
+    @property
+    def attached(self) -> Path:
+        """One `<name>.json` per thing attached to this control plane (see `attach`)."""
+        return self.root / "attached"
+
     def credentials(self, port: int) -> Credentials:
         return Credentials(
             "127.0.0.1", port, self.pki / "ca.crt", self.pki / "admin.crt", self.pki / "admin.key"
@@ -141,63 +148,7 @@ def node_names() -> list[str]:
     return [f"worker-{i}" for i in range(1, int(raw) + 1)]
 
 
-# -- processes ---------------------------------------------------------------
-
-
-def _alive(pid: int, cmdline_hint: str) -> bool:
-    """True if `pid` runs and is still the process we started (PIDs get reused)."""
-    try:
-        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    if stat.rsplit(")", 1)[-1].split()[0] == "Z":
-        return False
-    return cmdline_hint in cmd
-
-
-def spawn_logged(
-    argv: list[str], log: Path, cwd: Path, env: dict[str, str] | None
-) -> subprocess.Popen[bytes]:
-    """A background process in its own session (a signal to us does not reach it), its
-    output appended to `log`; the caller records its PID."""
-    with log.open("ab") as logf:
-        return subprocess.Popen(
-            argv,
-            stdout=logf,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-            cwd=cwd,
-            env=env,
-        )
-
-
-def _stop_pid(pid: int, hint: str, timeout: float = 10.0) -> None:
-    if not _alive(pid, hint):
-        return
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and _alive(pid, hint):
-        with contextlib.suppress(ChildProcessError):
-            os.waitpid(pid, os.WNOHANG)
-        time.sleep(0.05)
-    if _alive(pid, hint):
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-
-
-def _port_free(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError as e:
-            if e.errno == errno.EADDRINUSE:
-                return False
-            raise
-    return True
+# -- feature gates -----------------------------------------------------------
 
 
 def known_gates(binary: Path) -> dict[str, str]:
@@ -225,7 +176,7 @@ class Cluster:
         return "127.0.0.1"
 
     def kube(self) -> Kube:
-        state = self._require_state()
+        state = self.require_state()
         return Kube(self.layout.credentials(state.ports["apiserver"]))
 
     def is_up(self) -> bool:
@@ -263,25 +214,35 @@ class Cluster:
         log(f"  export KUBECONFIG={self.layout.admin_kubeconfig}")
         return state
 
-    def down(self, log: Any = print, keep_logs: bool = False) -> None:
-        # Real nodes (e2e/node) need the API server to drain, so they go first.
-        from e2e.node.realnode import stop_all  # noqa: PLC0415 (it imports this module)
+    def attach(self, name: str, stop: list[str]) -> None:
+        """Records the command that stops something running against this control plane
+        (a real node), so that `down` runs it first, while the API server can still
+        drain it. The harness knows nothing else of what it stops."""
+        record = self.layout.attached / f"{name}.json"
+        atomic_write(record, json.dumps({"stop": stop}).encode(), durable=False, folder_mode=0o700)
 
-        stop_all(self, log=log)
+    def detach(self, name: str) -> None:
+        """Forgets `name` once it stopped by itself."""
+        (self.layout.attached / f"{name}.json").unlink(missing_ok=True)
+
+    def down(self, log: Any = print, keep_logs: bool = False) -> None:
+        self._stop_attached(log)
         state = State.load(self.layout.state)
         if state is None:
             log("no cluster state found; nothing to stop")
             return
         # Reverse start order: heartbeat, scheduler, controller-manager, apiserver, etcd.
         for name in reversed(list(state.pids)):
-            _stop_pid(state.pids[name], state.cmdlines.get(name, ""))
+            stop_pid(state.pids[name], state.cmdlines.get(name, ""))
         for name, port in state.ports.items():
             deadline = time.monotonic() + 10
-            while not _port_free(port) and time.monotonic() < deadline:
+            while not port_free(port) and time.monotonic() < deadline:
                 time.sleep(0.1)
-            if not _port_free(port):
+            if not port_free(port):
                 log(f"warning: port {port} ({name}) is still in use")
-        for sub in ("data", "pki") if keep_logs else ("data", "logs", "pki"):
+        for sub in (
+            ("attached", "data", "pki") if keep_logs else ("attached", "data", "logs", "pki")
+        ):
             subprocess.run(["rm", "-rf", str(self.layout.root / sub)], check=False)
         self.layout.state.unlink(missing_ok=True)
         self.layout.admin_kubeconfig.unlink(missing_ok=True)
@@ -289,7 +250,7 @@ class Cluster:
 
     def kubectl(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
         """The cluster's own kubectl with the admin kubeconfig; never raises on failure."""
-        state = self._require_state()
+        state = self.require_state()
         return subprocess.run(
             [str(Path(state.bin_dir) / "kubectl"), *args],
             env={**os.environ, "KUBECONFIG": str(self.layout.admin_kubeconfig)},
@@ -300,7 +261,7 @@ class Cluster:
         )
 
     def env(self) -> str:
-        state = self._require_state()
+        state = self.require_state()
         return (
             f"export KUBECONFIG={self.layout.admin_kubeconfig}\nexport PATH={state.bin_dir}:$PATH\n"
         )
@@ -309,7 +270,7 @@ class Cluster:
         state = State.load(self.layout.state)
         if state is None:
             return {"up": False}
-        procs = {n: _alive(p, state.cmdlines.get(n, "")) for n, p in state.pids.items()}
+        procs = {n: alive(p, state.cmdlines.get(n, "")) for n, p in state.pids.items()}
         return {
             "up": state.ready and self._healthy(state),
             "version": state.version,
@@ -318,34 +279,47 @@ class Cluster:
             "nodes": state.nodes,
         }
 
-    # -- internals -----------------------------------------------------------
-    def _require_state(self) -> State:
+    def require_state(self) -> State:
+        """The state of a cluster that is up; ClusterError with the fix otherwise."""
         state = State.load(self.layout.state)
         if state is None or not state.ready:
             raise ClusterError("the local cluster is not up: run `make cluster-up` first")
         return state
 
-    def _build(self) -> str:
-        proc = subprocess.run(
-            ["bash", str(BUILD_SCRIPT)],
-            capture_output=True,
-            text=True,
-            check=False,
-        )
-        if proc.returncode != 0:
-            lines = [ln for ln in proc.stderr.strip().splitlines() if ln.startswith("build:")]
-            if proc.stderr.strip():
-                sys.stderr.write(proc.stderr if not lines else "")
-            raise ClusterError(
-                lines[-1].removeprefix("build: ")
-                if lines
-                else "building the Kubernetes binaries failed (see above)"
+    # -- internals -----------------------------------------------------------
+    def _stop_attached(self, log: Any) -> None:
+        """Runs each attached stop command (`attach`); one that fails keeps the control
+        plane up, since what it failed to stop still needs the API server."""
+        if not self.layout.attached.is_dir():
+            return
+        env = {**os.environ, "PYTHONPATH": str(REPO), "GPUDRA_CLUSTER_DIR": str(self.layout.root)}
+        for record in sorted(self.layout.attached.glob("*.json")):
+            stop = json.loads(record.read_text())["stop"]
+            proc = subprocess.run(
+                stop, capture_output=True, text=True, cwd=REPO, env=env, check=False
             )
-        return proc.stdout.strip().splitlines()[-1]
+            for line in proc.stdout.splitlines():
+                log(line)
+            if proc.returncode != 0:
+                last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+                raise ClusterError(
+                    f"stopping {record.stem} failed: {last}; the control plane stays up "
+                    f"until `{shlex.join(stop)}` succeeds, then run down again"
+                )
+            record.unlink(missing_ok=True)
+
+    def _build(self) -> str:
+        """The Kubernetes bin dir, built on the first run (its progress on stderr)."""
+        try:
+            return str(
+                build_script(BUILD_SCRIPT, prefix="build", what="building the Kubernetes binaries")
+            )
+        except BuildFailed as e:
+            raise ClusterError(str(e)) from e
 
     def _check_ports(self, ports: Ports) -> None:
         for name, port in ports.__dict__.items():
-            if not _port_free(port):
+            if not port_free(port):
                 env = f"GPUDRA_{name.upper()}_PORT"
                 raise ClusterError(
                     f"port {port} for {name.replace('_', '-')} is already in use "
@@ -578,7 +552,7 @@ class Cluster:
 
     def _healthy(self, state: State) -> bool:
         if not state.pids or not all(
-            _alive(p, state.cmdlines.get(n, "")) for n, p in state.pids.items()
+            alive(p, state.cmdlines.get(n, "")) for n, p in state.pids.items()
         ):
             return False
         try:

@@ -31,7 +31,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 if __name__ == "__main__":  # run as a file (`make image`): `e2e` imports from the root
     sys.path.insert(0, str(REPO))
+from e2e.cache import cache_root  # noqa: E402
 from e2e.image import oci  # noqa: E402
+from e2e.progress import step  # noqa: E402
 
 SUITE = "bookworm"
 PYTHON = "3.11"  # bookworm's python3; wheels are chosen for it
@@ -147,18 +149,20 @@ def write_image(out: Path, name: str, base: oci.Layer, app: oci.Layer) -> str:
 # --- the base and the application ---------------------------------------------------------
 
 
-def _cache_root() -> Path:
-    explicit = os.environ.get("GPUDRA_CACHE")
-    if explicit:
-        return Path(explicit)
-    xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(xdg) / "gpudra"
+def bases_dir() -> Path:
+    """Where base layers are cached, one folder per set of inputs."""
+    return cache_root() / "image"
+
+
+def base_cached() -> bool:
+    """Whether any base layer is cached, so a build needs no debootstrap."""
+    return any(bases_dir().glob("base-*/layer.json"))
 
 
 def base_layer(mirror: str) -> oci.Layer:
     """Debian minbase with python3, cached by its inputs; debootstrap runs only when missing."""
     key = hashlib.sha256(f"{SUITE} {mirror} {' '.join(BASE_PACKAGES)}".encode()).hexdigest()[:12]
-    cache = _cache_root() / "image" / f"base-{SUITE}-{key}"
+    cache = bases_dir() / f"base-{SUITE}-{key}"
     meta = cache / "layer.json"
     if meta.exists():
         return _cached_layer(cache)
@@ -173,28 +177,32 @@ def base_layer(mirror: str) -> oci.Layer:
     tmp = Path(tempfile.mkdtemp(prefix=f"base-{SUITE}-", dir=cache.parent))
     try:
         rootfs = tmp / "rootfs"
-        log(f"debootstrap {SUITE} from {mirror} (first build only)")
-        proc = subprocess.run(
-            [
-                "debootstrap",
-                "--variant=minbase",
-                f"--include={','.join(BASE_PACKAGES)}",
-                SUITE,
-                str(rootfs),
-                mirror,
-            ],
-            capture_output=True,
-            text=True,
-            check=False,
-        )
-        if proc.returncode != 0:
-            tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:]
-            raise BuildError(f"debootstrap failed: {' '.join(tail)}; check the mirror {mirror}")
-        if not (rootfs / "usr" / "bin" / f"python{PYTHON}").exists():
-            raise BuildError(
-                f"{SUITE} did not install python{PYTHON}; update PYTHON in this script"
+        with step(
+            f"building the image's Debian {SUITE} base layer",
+            f"debootstrap from {mirror}, cached in {cache.parent} for later builds",
+            "3-5 minutes, more with a slow mirror",
+        ):
+            proc = subprocess.run(
+                [
+                    "debootstrap",
+                    "--variant=minbase",
+                    f"--include={','.join(BASE_PACKAGES)}",
+                    SUITE,
+                    str(rootfs),
+                    mirror,
+                ],
+                capture_output=True,
+                text=True,
+                check=False,
             )
-        layer = write_layer(rootfs, tmp / "layer.tar.gz", BASE_EXCLUDE)
+            if proc.returncode != 0:
+                tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:]
+                raise BuildError(f"debootstrap failed: {' '.join(tail)}; check the mirror {mirror}")
+            if not (rootfs / "usr" / "bin" / f"python{PYTHON}").exists():
+                raise BuildError(
+                    f"{SUITE} did not install python{PYTHON}; update PYTHON in this script"
+                )
+            layer = write_layer(rootfs, tmp / "layer.tar.gz", BASE_EXCLUDE)
         shutil.rmtree(rootfs)
         # The keys older checkouts read too (they share the cache): comment included.
         record = {"digest": layer.digest, "diff_id": layer.diff_id, "size": layer.size}
@@ -305,7 +313,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         base = base_layer(args.mirror)
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(prefix="gpudra-image-") as tmp:
+        with (
+            tempfile.TemporaryDirectory(prefix="gpudra-image-") as tmp,
+            step(
+                "installing gpudra into the image",
+                f"its wheel and the dependencies' wheels for Python {PYTHON} from PyPI",
+                "about a minute",
+            ),
+        ):
             app = app_layer(Path(tmp))
             digest = write_image(args.out, args.name, base, app)
     except BuildError as e:

@@ -1,7 +1,7 @@
 """The kind cluster provider: a Docker-based cluster offering the same surface as the
 local harness's `Cluster` (`up`, `down`, `is_up`, `kube`, `kubectl`,
 `layout.admin_kubeconfig`), so the end-to-end suite runs unchanged on either. The
-GPU-pod suite (e2e/test_realnode_gpus.py) installs the chart on a worker itself,
+GPU-pod suite (e2e/tests/test_realnode_gpus.py) installs the chart on a worker itself,
 through `KindGpus` (e2e/kind/gpus.py), the same code that installs it on the local
 cluster's real node.
 
@@ -22,13 +22,16 @@ from typing import Any
 
 import yaml
 
+from e2e.cluster.harness import BUILD_SCRIPT
 from e2e.cluster.kube import Credentials, Kube
 from e2e.node import images
+from e2e.progress import BuildFailed, build_script
 
 REPO = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 CONFIG = HERE / "cluster.yaml"
 VALUES = HERE / "values.yaml"
+KIND_BUILD = REPO / "e2e" / "tools" / "build-kind.sh"
 
 
 class KindError(Exception):
@@ -71,15 +74,10 @@ class KindCluster:
         self.layout = KindLayout(root or REPO / ".cluster-kind")
 
     def _kind(self) -> str:
-        proc = subprocess.run(
-            ["bash", str(REPO / "e2e" / "tools" / "build-kind.sh")],
-            capture_output=True,
-            text=True,
-            check=False,
-        )
-        if proc.returncode != 0:
-            raise KindError(proc.stderr.strip().splitlines()[-1])
-        return proc.stdout.strip().splitlines()[-1]
+        try:
+            return str(build_script(KIND_BUILD, prefix="build-kind", what="building kind"))
+        except BuildFailed as e:
+            raise KindError(str(e)) from e
 
     def _run(self, *argv: str, **kw: Any) -> subprocess.CompletedProcess[str]:
         proc = subprocess.run(argv, capture_output=True, text=True, check=False, **kw)
@@ -124,16 +122,12 @@ class KindCluster:
 
     def kubectl(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
         """kubectl of the node image's Kubernetes version; never raises on failure."""
-        proc = subprocess.run(
-            ["bash", str(REPO / "e2e" / "cluster" / "build.sh")],
-            capture_output=True,
-            text=True,
-            check=False,
-            env={**os.environ, "K8S_VERSION": node_image().rsplit(":", 1)[1].removeprefix("v")},
-        )
-        if proc.returncode != 0:
-            raise KindError(f"building kubectl failed: {proc.stderr.strip()[-300:]}")
-        kubectl = Path(proc.stdout.strip().splitlines()[-1]) / "kubectl"
+        env = {**os.environ, "K8S_VERSION": node_image().rsplit(":", 1)[1].removeprefix("v")}
+        try:
+            bin_dir = build_script(BUILD_SCRIPT, prefix="build", what="building kubectl", env=env)
+        except BuildFailed as e:
+            raise KindError(f"building kubectl failed: {e}") from e
+        kubectl = bin_dir / "kubectl"
         return subprocess.run(
             [str(kubectl), *args],
             env={**os.environ, "KUBECONFIG": str(self.layout.admin_kubeconfig)},

@@ -1,6 +1,7 @@
-"""`python -m e2e.node up [--gpus]|down|status` (used by the Makefile): a real kubelet
-+ containerd node next to the local control plane, which must be up first. With
-`--gpus`, gpudra's node agent (emulated GPUs) and webhook run for it as host processes."""
+"""`python -m e2e.node up [--gpus]|down|status [NAME]` (used by the Makefile): a real
+kubelet + containerd node next to the local control plane, which must be up first. With
+`--gpus`, gpudra's node agent (emulated GPUs) and webhook run for it as host processes.
+NAME defaults to `real-1`; the control plane's `down` runs `down NAME` for each node."""
 
 from __future__ import annotations
 
@@ -9,12 +10,13 @@ import sys
 
 from e2e.cluster.harness import Cluster, ClusterError
 from e2e.node.gpus import GpuStack
-from e2e.node.realnode import NodeError, RealNode
+from e2e.node.realnode import DEFAULT_NODE, NodeError, RealNode
 
 
 def main(argv: list[str]) -> int:
     cmd = argv[0] if argv else "status"
-    node = RealNode(Cluster())
+    names = [a for a in argv[1:] if not a.startswith("--")]
+    node = RealNode(Cluster(), names[0] if names else DEFAULT_NODE)
     try:
         if cmd == "up":
             node.up()

@@ -10,6 +10,8 @@ set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 # shellcheck source=versions.env
 . "$here/versions.env"
+# shellcheck source=../progress.sh
+. "$here/../progress.sh"
 
 die() { echo "build: $*" >&2; exit 2; }
 
@@ -28,9 +30,12 @@ command -v runc >/dev/null || need+=(runc)
 if [ ${#need[@]} -gt 0 ]; then
   [ "$(id -u)" = 0 ] || die "${need[*]} missing and installing needs root: run \`apt-get install ${need[*]}\` as root"
   command -v apt-get >/dev/null || die "${need[*]} missing and there is no apt-get: install ${need[*]} with the system's package manager"
-  echo "build: installing ${need[*]} from Debian" >&2
-  { apt-get install -y --no-install-recommends "${need[@]}" >&2 \
-    || { apt-get update >&2 && apt-get install -y --no-install-recommends "${need[@]}" >&2; }; } \
+  install_packages() {
+    apt-get install -y --no-install-recommends "${need[@]}" >&2 \
+      || { apt-get update >&2 && apt-get install -y --no-install-recommends "${need[@]}" >&2; }
+  }
+  progress_run "installing ${need[*]} from Debian" "the real node's container runtime and pod network" \
+    "under a minute" install_packages \
     || die "apt-get could not install ${need[*]}: check that the Debian repositories are reachable (apt-get update)"
 fi
 
@@ -41,16 +46,19 @@ export GOTOOLCHAIN=local GOWORK=off GOSUMDB=${GOSUMDB:-off} CGO_ENABLED=0 GOFLAG
 mkdir -p "$bin"
 # A failed build leaves no half-filled version directory that looks cached.
 trap 'all_present || rm -rf "$cache"' EXIT
-start=$(date +%s)
-echo "build: containerd $version into $bin (first build takes a few minutes)" >&2
 pkg=github.com/containerd/containerd/v2
 ld="-s -w -X $pkg/version.Version=$version -X $pkg/version.Package=$pkg"
 # Tags as in containerd's own static builds: no cgo-only snapshotters.
 tags=no_btrfs,no_devmapper,no_zfs
-for c in "${cmds[@]}"; do
-  GOBIN=$bin go install -trimpath -tags "$tags" -ldflags "$ld" "$pkg/cmd/$c@$version" >&2 \
-    || die "go install of $c $version failed (see above); check that the Go module proxy serves $pkg@$version"
-done
+install_all() {
+  local c
+  for c in "${cmds[@]}"; do
+    GOBIN=$bin go install -trimpath -tags "$tags" -ldflags "$ld" "$pkg/cmd/$c@$version" >&2 \
+      || die "go install of $c $version failed (see above); check that the Go module proxy serves $pkg@$version"
+  done
+}
+progress_run "building containerd $version" \
+  "${cmds[*]} for the real node, cached in $bin for later runs" "3-5 minutes" install_all \
+  || die "building containerd $version failed (see above)"
 all_present || die "build finished but binaries are missing under $bin"
-echo "build: done in $(( $(date +%s) - start ))s" >&2
 echo "$bin"

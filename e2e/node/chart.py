@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import json
 import shutil
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -31,9 +30,12 @@ from gpudra.cli.node import EMULATED_NVML_STATE, EMULATED_TOOLS_LOG
 
 from e2e.cluster.harness import REPO
 from e2e.cluster.kube import ApiError, Kube, wait_for
-from e2e.node.gpus import DRIVER, NodeGpus, _free_port
+from e2e.image import build as image
+from e2e.node.gpus import DRIVER, NodeGpus
 from e2e.node.realnode import NodeError, NodeState
 from e2e.node.realnode import build as build_containerd
+from e2e.processes import free_port
+from e2e.progress import BuildFailed, run_build
 from e2e.tools import helm as h
 
 RELEASE = "gpudra"
@@ -56,15 +58,9 @@ def chart_unavailable_reason() -> str | None:
         h.helm_binary()
     except h.HelmUnavailable as e:
         return f"helm: {e}"
-    if shutil.which("debootstrap") is None and not _base_cached():
+    if shutil.which("debootstrap") is None and not image.base_cached():
         return "the image needs debootstrap for its base layer: apt-get install debootstrap"
     return None
-
-
-def _base_cached() -> bool:
-    from e2e.image import build as image  # noqa: PLC0415 - only to look at its cache
-
-    return any((image._cache_root() / "image").glob("base-*/layer.json"))
 
 
 class ChartStack(NodeGpus):
@@ -97,7 +93,7 @@ class ChartStack(NodeGpus):
             if saved.exists():
                 self._ports = json.loads(saved.read_text())
             else:
-                self._ports = {"webhook": _free_port(), "metrics": _free_port()}
+                self._ports = {"webhook": free_port(), "metrics": free_port()}
                 self.root.mkdir(parents=True, exist_ok=True)
                 saved.write_text(json.dumps(self._ports))
         return self._ports
@@ -112,7 +108,7 @@ class ChartStack(NodeGpus):
             "image": {"repository": IMAGE_REPOSITORY, "tag": IMAGE_TAG, "pullPolicy": "Never"},
             "kubernetesApi": {
                 "host": "127.0.0.1",
-                "port": api_port or cluster._require_state().ports["apiserver"],
+                "port": api_port or cluster.require_state().ports["apiserver"],
             },
             "node": {
                 "nvml": f"emulated:{self.state_dir / 'profile.json'}",
@@ -216,27 +212,23 @@ class ChartStack(NodeGpus):
     def _import_image(self, state: NodeState) -> None:
         ctr = build_containerd()
         archive = self.build_image()
-        self.node._ctr(ctr, "images", "import", "--snapshotter", state.snapshotter, str(archive))
+        self.node.ctr(ctr, "images", "import", "--snapshotter", state.snapshotter, str(archive))
 
     def build_image(self) -> Path:
         """The one image, as `make image` builds it, tagged for the chart's values."""
         archive = self.root / "gpudra.oci.tar"
-        proc = subprocess.run(
-            [
-                sys.executable,
-                str(REPO / "e2e" / "image" / "build.py"),
-                "--out",
-                str(archive),
-                "--name",
-                f"{IMAGE_REPOSITORY}:{IMAGE_TAG}",
-            ],
-            capture_output=True,
-            text=True,
-            check=False,
-            timeout=600,
-        )
-        if proc.returncode != 0:
-            raise NodeError(f"building the image failed: {proc.stderr.strip()[-500:]}")
+        argv = [
+            sys.executable,
+            str(REPO / "e2e" / "image" / "build.py"),
+            "--out",
+            str(archive),
+            "--name",
+            f"{IMAGE_REPOSITORY}:{IMAGE_TAG}",
+        ]
+        try:
+            run_build(argv, prefix="image", what="building the image", timeout=600)
+        except BuildFailed as e:
+            raise NodeError(f"building the image failed: {e}") from e
         return archive
 
     def _helm(self, *args: str, timeout: float = 360) -> str:

@@ -29,7 +29,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import ssl
 import stat
 import subprocess
@@ -53,9 +52,10 @@ from gpudra.driver.nvml.standin import (
 )
 from gpudra.webhook.registration import NAME as MUTATING_NAME
 
-from e2e.cluster.harness import REPO, _alive, _stop_pid
+from e2e.cluster.harness import REPO
 from e2e.cluster.kube import Kube, apply_crd, wait_for
 from e2e.node.realnode import NodeError, NodeState, RealNode
+from e2e.processes import alive, free_port, stop_pid
 
 DRIVER = "gpu.nvidia.com"
 PROFILE = "h100-80gb-hbm3-x8-mig"
@@ -112,12 +112,6 @@ def make_device_nodes(dev_root: Path, minors: list[int]) -> None:
     _mknod(dev / "nvidia-uvm", UVM_MAJOR, 0)
     _mknod(dev / "nvidia-uvm-tools", UVM_MAJOR, 1)
     (dev / "shm").mkdir(exist_ok=True)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class NodeGpus:
@@ -290,9 +284,9 @@ class GpuStack(NodeGpus):
         for dc in device_classes(DRIVER):
             kube.apply(dc)
         apply_crd(kube, crd_manifest())
-        if not _alive(state.pids.get(AGENT, 0), state.cmdlines.get(AGENT, "-")):
+        if not alive(state.pids.get(AGENT, 0), state.cmdlines.get(AGENT, "-")):
             self.start_agent()
-        if webhook and not _alive(state.pids.get(WEBHOOK, 0), state.cmdlines.get(WEBHOOK, "-")):
+        if webhook and not alive(state.pids.get(WEBHOOK, 0), state.cmdlines.get(WEBHOOK, "-")):
             self._start_webhook(kube)
         self.wait_registered(0, timeout=60)
         log(
@@ -371,10 +365,10 @@ class GpuStack(NodeGpus):
         pid = state.pids.get(AGENT, 0)
         hint = state.cmdlines.get(AGENT, "-")
         if sig is None:
-            _stop_pid(pid, hint)
-        elif _alive(pid, hint):
+            stop_pid(pid, hint)
+        elif alive(pid, hint):
             os.kill(pid, sig)
-            wait_for("the agent to exit", lambda: not _alive(pid, hint), timeout=10)
+            wait_for("the agent to exit", lambda: not alive(pid, hint), timeout=10)
 
     @contextlib.contextmanager
     def crashing_at(self, step: str) -> Iterator[Callable[[], None]]:
@@ -418,7 +412,7 @@ class GpuStack(NodeGpus):
 
     def _start_webhook(self, kube: Kube) -> None:
         state = self._state()
-        port = _free_port()
+        port = free_port()
         argv = [
             sys.executable,
             "-m",

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import io
-import os
 import shutil
 import subprocess
 import tarfile
@@ -22,6 +21,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from e2e.cache import cache_root
 from e2e.image import oci
 
 HERE = Path(__file__).resolve().parent
@@ -47,10 +47,7 @@ class Entry:
 
 def cache_dir() -> Path:
     """Same cache root as the Kubernetes and containerd builds."""
-    base = os.environ.get("GPUDRA_CACHE") or str(
-        Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "gpudra"
-    )
-    return Path(base) / "node-images"
+    return cache_root() / "node-images"
 
 
 def _layer(entries: Iterable[Entry]) -> bytes:

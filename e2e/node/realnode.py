@@ -41,18 +41,11 @@ from typing import Any
 from gpudra.webhook import registration
 
 from e2e.cluster import pki
-from e2e.cluster.harness import (
-    REPO,
-    WANTED_GATES,
-    Cluster,
-    _alive,
-    _port_free,
-    _stop_pid,
-    known_gates,
-    spawn_logged,
-)
+from e2e.cluster.harness import REPO, WANTED_GATES, Cluster, known_gates
 from e2e.cluster.kube import ApiError, Kube, wait_for
 from e2e.node import images
+from e2e.processes import alive, port_free, spawn_logged, stop_pid
+from e2e.progress import BuildFailed, build_script
 
 BUILD_SCRIPT = REPO / "e2e" / "node" / "build.sh"
 DEFAULT_NODE = "real-1"
@@ -243,15 +236,10 @@ def _overlay_works(scratch: Path) -> bool:
 
 def build() -> Path:
     """containerd's bin dir (built when missing); runc and CNI plugins installed."""
-    proc = subprocess.run(["bash", str(BUILD_SCRIPT)], capture_output=True, text=True, check=False)
-    if proc.returncode != 0:
-        lines = [ln for ln in proc.stderr.strip().splitlines() if ln.startswith("build:")]
-        if not lines:
-            sys.stderr.write(proc.stderr)
-        raise NodeError(
-            lines[-1].removeprefix("build: ") if lines else "building containerd failed"
-        )
-    return Path(proc.stdout.strip().splitlines()[-1])
+    try:
+        return build_script(BUILD_SCRIPT, prefix="build", what="building containerd")
+    except BuildFailed as e:
+        raise NodeError(str(e)) from e
 
 
 def prepare() -> tuple[Path, dict[str, Path]]:
@@ -418,7 +406,7 @@ class RealNode:
                 ports.healthz,
             ),
         ):
-            if not _port_free(port):
+            if not port_free(port):
                 raise NodeError(
                     f"port {port} for the kubelet is already in use: stop that process or "
                     f"set {what} to a free port"
@@ -432,11 +420,13 @@ class RealNode:
         state = NodeState(self.name, f"/gpudra-{digest}", snapshotter, sysctls=_read_sysctls())
         state.created_host_dirs = [str(d) for d in HOST_DIRS if not d.exists()]
         state.save(lay.state)
+        # From here on the control plane's `down` stops this node first.
+        self.cluster.attach(self.name, [sys.executable, "-m", "e2e.node", "down", self.name])
         try:
             _make_cgroups(state.cgroup_root)
             self._start_containerd(state, ctr_bin)
             for archive in archives.values():
-                self._ctr(ctr_bin, "images", "import", "--snapshotter", snapshotter, str(archive))
+                self.ctr(ctr_bin, "images", "import", "--snapshotter", snapshotter, str(archive))
             self._start_kubelet(state, kube, ports)
         except BaseException:
             self.down(log=lambda _m: None, keep_logs=True)
@@ -453,23 +443,24 @@ class RealNode:
     def down(self, log: Any = print, keep_logs: bool = False) -> None:
         state = NodeState.load(self.layout.state)
         if state is None:
+            self.cluster.detach(self.name)
             log(f"no state for node {self.name}; nothing to stop")
             return
         kube = self._kube_or_none()
         if kube is not None and "kubelet" in state.pids:
             self._drain(kube, state)
         if "kubelet" in state.pids:
-            _stop_pid(state.pids["kubelet"], state.cmdlines.get("kubelet", ""))
+            stop_pid(state.pids["kubelet"], state.cmdlines.get("kubelet", ""))
         # The driver's processes (gpudra node, webhook) outlive the kubelet's drain,
         # which still needs the plugin to unprepare.
         for name, pid in state.pids.items():
             if name not in ("kubelet", "containerd"):
-                _stop_pid(pid, state.cmdlines.get(name, ""))
+                stop_pid(pid, state.cmdlines.get(name, ""))
         _kill_cgroup_tree(state.cgroup_root)
         for pid in _shim_pids(self.layout.containerd_sock):
-            _stop_pid(pid, "containerd-shim", timeout=3)
+            stop_pid(pid, "containerd-shim", timeout=3)
         if "containerd" in state.pids:
-            _stop_pid(state.pids["containerd"], state.cmdlines.get("containerd", ""))
+            stop_pid(state.pids["containerd"], state.cmdlines.get("containerd", ""))
         stuck = _unmount_all(self.layout.root)
         left = _remove_cgroups(state.cgroup_root)
         _restore_sysctls(state.sysctls)
@@ -487,6 +478,7 @@ class RealNode:
                     subprocess.run(["rm", "-rf", str(child)], check=False)
         else:
             subprocess.run(["rm", "-rf", str(self.layout.root)], check=False)
+        self.cluster.detach(self.name)
         if left:
             log(f"warning: cgroups still busy: {', '.join(left)}")
         log(f"node {self.name} stopped")
@@ -498,7 +490,7 @@ class RealNode:
         return {
             "up": state.ready and self._healthy(state),
             "name": self.name,
-            "processes": {n: _alive(p, state.cmdlines.get(n, "")) for n, p in state.pids.items()},
+            "processes": {n: alive(p, state.cmdlines.get(n, "")) for n, p in state.pids.items()},
             "snapshotter": state.snapshotter,
             "cgroup_root": state.cgroup_root,
             "kubelet_root": str(self.layout.kubelet_root),
@@ -512,13 +504,13 @@ class RealNode:
         state = NodeState.load(self.layout.state)
         if state is None or not state.ready:
             raise NodeError(f"node {self.name} is not up: run `make node-up` first")
-        _stop_pid(state.pids["kubelet"], state.cmdlines.get("kubelet", ""))
+        stop_pid(state.pids["kubelet"], state.cmdlines.get("kubelet", ""))
         self._start_kubelet(state, self.cluster.kube(), NodePorts.from_env())
 
     # -- internals -----------------------------------------------------------
     def _check_apiserver(self) -> None:
         """A control plane started before real-node support cannot reach the kubelet."""
-        state = self.cluster._require_state()
+        state = self.cluster.require_state()
         pid = state.pids.get("kube-apiserver", 0)
         with contextlib.suppress(OSError):
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
@@ -538,7 +530,7 @@ class RealNode:
 
     def _healthy(self, state: NodeState) -> bool:
         if not state.pids or not all(
-            _alive(p, state.cmdlines.get(n, "")) for n, p in state.pids.items()
+            alive(p, state.cmdlines.get(n, "")) for n, p in state.pids.items()
         ):
             return False
         kube = self._kube_or_none()
@@ -579,7 +571,8 @@ class RealNode:
         errors = [ln for ln in text.splitlines() if " E" in ln[:6] or "level=error" in ln]
         return " | ".join((errors or text.strip().splitlines())[-3:])
 
-    def _ctr(self, ctr_bin: Path, *args: str) -> str:
+    def ctr(self, ctr_bin: Path, *args: str) -> str:
+        """`ctr` on this node's containerd in the kubelet's namespace (image imports)."""
         proc = subprocess.run(
             [
                 str(ctr_bin / "ctr"),
@@ -687,14 +680,14 @@ imports = []
         self._wait(
             "containerd",
             proc,
-            lambda: lay.containerd_sock.exists() and self._ctr(ctr_bin, "version"),
+            lambda: lay.containerd_sock.exists() and self.ctr(ctr_bin, "version"),
             timeout=60,
         )
 
     def _start_kubelet(self, state: NodeState, kube: Kube, ports: NodePorts) -> None:
         lay, name = self.layout, self.name
         cl = self.cluster.layout
-        cluster_state = self.cluster._require_state()
+        cluster_state = self.cluster.require_state()
         kubelet = Path(cluster_state.bin_dir) / "kubelet"
         ip = node_ip()
         ca = pki.load_ca(cl.pki)
@@ -819,7 +812,7 @@ imports = []
 
     def _drain(self, kube: Kube, state: NodeState) -> None:
         """Let the kubelet stop pods itself (CNI DEL, volume unmounts) while it runs."""
-        if not _alive(state.pids["kubelet"], state.cmdlines.get("kubelet", "")):
+        if not alive(state.pids["kubelet"], state.cmdlines.get("kubelet", "")):
             return
         with contextlib.suppress(ApiError, OSError):
             for pod in _pods_on(kube, self.name):
@@ -920,12 +913,3 @@ def _node_ready(kube: Kube, name: str) -> bool:
     node = kube.get_or_none("Node", name)
     conds = ((node or {}).get("status") or {}).get("conditions") or []
     return any(c["type"] == "Ready" and c["status"] == "True" for c in conds)
-
-
-def stop_all(cluster: Cluster, log: Any = print) -> None:
-    """Stops every real node of this cluster (the harness calls it from `down`)."""
-    root = cluster.layout.root
-    if not root.is_dir():
-        return
-    for state_file in sorted(root.glob("*/node.json")):
-        RealNode(cluster, state_file.parent.name).down(log=log)

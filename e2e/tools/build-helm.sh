@@ -9,6 +9,8 @@ set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 # shellcheck source=versions.env
 . "$here/versions.env"
+# shellcheck source=../progress.sh
+. "$here/../progress.sh"
 
 die() { echo "build-helm: $*" >&2; exit 2; }
 
@@ -28,11 +30,9 @@ export GOTOOLCHAIN=local GOWORK=off GOSUMDB=${GOSUMDB:-off} CGO_ENABLED=0 GOFLAG
 mkdir -p "$cache/bin"
 # A failed build leaves no half-filled version directory that looks cached.
 trap '[ -x "$bin" ] || rm -rf "$cache"' EXIT
-start=$(date +%s)
-echo "build-helm: helm $version into $bin" >&2
 ld="-s -w -X helm.sh/helm/${module##*/}/internal/version.version=$version"
-GOBIN=$cache/bin go install -trimpath -ldflags "$ld" "$module/cmd/helm@$version" >&2 \
+progress_run "building helm $version" "the chart's tests render and install with it; cached in $bin" \
+  "5-8 minutes" env GOBIN="$cache/bin" go install -trimpath -ldflags "$ld" "$module/cmd/helm@$version" >&2 \
   || die "go install $module/cmd/helm@$version failed (see above); check that the Go module proxy is reachable and serves that version"
 [ -x "$bin" ] || die "build finished but $bin is missing"
-echo "build-helm: done in $(( $(date +%s) - start ))s" >&2
 echo "$bin"

@@ -6,6 +6,8 @@ set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 # shellcheck source=versions.env
 . "$here/versions.env"
+# shellcheck source=../progress.sh
+. "$here/../progress.sh"
 
 die() { echo "build-kind-validate: $*" >&2; exit 2; }
 
@@ -28,7 +30,9 @@ export GOTOOLCHAIN=local GOWORK=off GOSUMDB=${GOSUMDB:-off} CGO_ENABLED=0 GOFLAG
 mkdir -p "$cache/bin"
 tmp=$(mktemp "$cache/bin/.kind-validate.XXXXXX")
 trap 'rm -f "$tmp"; [ -x "$bin" ] || rm -rf "$cache"' EXIT
-(cd "$src" && go build -trimpath -ldflags "-s -w" -o "$tmp" .) >&2 \
+build_validator() { (cd "$src" && go build -trimpath -ldflags "-s -w" -o "$tmp" .) >&2; }
+progress_run "building the kind config validator" "checks e2e/kind/cluster.yaml against kind $version's own types" \
+  "about a minute" build_validator \
   || die "go build of e2e/kind/validate failed (see above); check that the Go module proxy is reachable"
 mv -f "$tmp" "$bin"  # atomic, so a concurrent run never sees a half-written binary
 echo "$bin"

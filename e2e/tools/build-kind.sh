@@ -5,6 +5,8 @@ set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 # shellcheck source=versions.env
 . "$here/versions.env"
+# shellcheck source=../progress.sh
+. "$here/../progress.sh"
 
 die() { echo "build-kind: $*" >&2; exit 2; }
 
@@ -16,6 +18,7 @@ command -v go >/dev/null || die "no Go toolchain on PATH: install Go 1.26 or new
 export GOTOOLCHAIN=local GOWORK=off GOSUMDB=${GOSUMDB:-off} CGO_ENABLED=0 GOFLAGS=-mod=mod
 mkdir -p "$cache/bin"
 trap '[ -x "$bin" ] || rm -rf "$cache"' EXIT
-GOBIN=$cache/bin go install -trimpath -ldflags "-s -w" "sigs.k8s.io/kind@$version" >&2 \
+progress_run "building kind $version" "\`make e2e-kind\` creates its cluster with it; cached in $bin" \
+  "1-2 minutes" env GOBIN="$cache/bin" go install -trimpath -ldflags "-s -w" "sigs.k8s.io/kind@$version" >&2 \
   || die "go install sigs.k8s.io/kind@$version failed (see above); check that the Go module proxy is reachable"
 echo "$bin"

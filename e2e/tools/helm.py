@@ -16,6 +16,8 @@ from typing import Any
 
 import yaml
 
+from e2e.progress import BuildFailed, build_script
+
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "gpudra"
 FULL_VALUES = CHART / "ci" / "full-values.yaml"
@@ -32,11 +34,10 @@ class HelmFailed(Exception):
 
 def helm_binary() -> Path:
     """The cached helm binary, built on first use."""
-    proc = subprocess.run(["bash", str(BUILD_SCRIPT)], capture_output=True, text=True, check=False)
-    if proc.returncode != 0:
-        lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("build-helm:")]
-        raise HelmUnavailable(lines[-1] if lines else proc.stderr.strip()[-500:])
-    return Path(proc.stdout.strip().splitlines()[-1])
+    try:
+        return build_script(BUILD_SCRIPT, prefix="build-helm", what="building helm")
+    except BuildFailed as e:
+        raise HelmUnavailable(f"build-helm: {e}") from e
 
 
 def run(helm: Path, *args: str, env: Mapping[str, str] | None = None, timeout: float = 120) -> str:

@@ -14,7 +14,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import urllib.request
@@ -47,17 +46,11 @@ from e2e.node_process import (
     create_driver_namespace,
     delete_driver_namespace,
 )
+from e2e.processes import free_port
 
 pytestmark = [pytest.mark.cluster, pytest.mark.anyio]
 
 NODE = "worker-1"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 @dataclass
@@ -65,7 +58,7 @@ class NodeProcess:
     cluster: Cluster
     driver: str
     dirs: NodeDirs
-    metrics_port: int = field(default_factory=_free_port)
+    metrics_port: int = field(default_factory=free_port)
     proc: subprocess.Popen[str] | None = None
     nvml: tuple[str, ...] = EMULATED_H100
 

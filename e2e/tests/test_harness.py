@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from e2e.cluster.harness import REPO, Cluster, Layout, _port_free
+from e2e.cluster.harness import REPO, Cluster, Layout
 from e2e.cluster.kube import wait_for
+from e2e.processes import port_free
 
 pytestmark = [
     pytest.mark.cluster,
@@ -97,7 +98,7 @@ def test_busy_port_starts_nothing(tmp_path: Path, cluster: Cluster) -> None:
         "process or set GPUDRA_APISERVER_PORT to a free port"
     )
     assert not (tmp_path / "c" / "state.json").exists()
-    assert _port_free(ALT_PORTS["ETCD"])
+    assert port_free(ALT_PORTS["ETCD"])
 
 
 def test_crash_is_cleaned_and_down_frees_everything(tmp_path: Path, cluster: Cluster) -> None:
@@ -132,7 +133,7 @@ def test_crash_is_cleaned_and_down_frees_everything(tmp_path: Path, cluster: Clu
             not Path(f"/proc/{pid}").exists()
             or Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[0] == "Z"
         )
-    assert all(_port_free(p) for p in ALT_PORTS.values())
+    assert all(port_free(p) for p in ALT_PORTS.values())
     # The shared test cluster is untouched.
     assert cluster.is_up()
 

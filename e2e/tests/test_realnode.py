@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from e2e.claims import running
-from e2e.cluster.harness import Cluster, State, _alive
+from e2e.cluster.harness import Cluster, State
 from e2e.cluster.kube import Kube, wait_for
 from e2e.node import images
 from e2e.node.realnode import (
@@ -28,6 +28,7 @@ from e2e.node.realnode import (
     mounts_under,
     unavailable_reason,
 )
+from e2e.processes import alive
 
 pytestmark = [
     pytest.mark.cluster,
@@ -143,7 +144,7 @@ def test_down_leaves_nothing_behind(node: RealNode, kube: Kube) -> None:
     saved = NodeState.load(node.layout.state)
     assert saved is not None
     node.down(log=lambda _m: None)
-    assert not any(_alive(pid, saved.cmdlines[n]) for n, pid in saved.pids.items())
+    assert not any(alive(pid, saved.cmdlines[n]) for n, pid in saved.pids.items())
     assert not node.layout.root.exists()
     assert not [d for d in cgroup_dirs(status["cgroup_root"]) if d.exists()]
     assert not mounts_under(node.layout.root)
