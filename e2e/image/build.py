@@ -154,6 +154,27 @@ def bases_dir() -> Path:
     return cache_root() / "image"
 
 
+def debootstrap_installable() -> bool:
+    """Whether the base layer can be built here: debootstrap is there, or root can install it."""
+    if shutil.which("debootstrap") is not None:
+        return True
+    return os.geteuid() == 0 and shutil.which("apt-get") is not None
+
+
+def ensure_debootstrap() -> None:
+    """Installs debootstrap from Debian when it is missing, as the real node's build
+    installs runc: `make test` on a fresh machine must not skip the chart for want of it."""
+    if shutil.which("debootstrap") is not None:
+        return
+    script = REPO / "e2e" / "tools" / "apt-install.sh"
+    why = "it builds the image's Debian base layer"
+    if subprocess.run(["bash", str(script), why, "debootstrap"], check=False).returncode != 0:
+        raise BuildError(
+            "debootstrap is not installed and could not be: `apt-get install debootstrap` "
+            "(or, with a Docker engine, `docker build -t gpudra .`)"
+        )
+
+
 def base_cached() -> bool:
     """Whether any base layer is cached, so a build needs no debootstrap."""
     return any(bases_dir().glob("base-*/layer.json"))
@@ -166,13 +187,9 @@ def base_layer(mirror: str) -> oci.Layer:
     meta = cache / "layer.json"
     if meta.exists():
         return _cached_layer(cache)
-    if shutil.which("debootstrap") is None:
-        raise BuildError(
-            "debootstrap is not installed: `apt-get install debootstrap` "
-            "(or, with a Docker engine, `docker build -t gpudra .`)"
-        )
     if os.geteuid() != 0:
         raise BuildError("debootstrap needs root: run `make image` as root")
+    ensure_debootstrap()
     cache.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f"base-{SUITE}-", dir=cache.parent))
     try:

@@ -28,15 +28,7 @@ need=()
 command -v runc >/dev/null || need+=(runc)
 [ -x /usr/lib/cni/bridge ] || [ -x /opt/cni/bin/bridge ] || need+=(containernetworking-plugins)
 if [ ${#need[@]} -gt 0 ]; then
-  [ "$(id -u)" = 0 ] || die "${need[*]} missing and installing needs root: run \`apt-get install ${need[*]}\` as root"
-  command -v apt-get >/dev/null || die "${need[*]} missing and there is no apt-get: install ${need[*]} with the system's package manager"
-  install_packages() {
-    apt-get install -y --no-install-recommends "${need[@]}" >&2 \
-      || { apt-get update >&2 && apt-get install -y --no-install-recommends "${need[@]}" >&2; }
-  }
-  progress_run "installing ${need[*]} from Debian" "the real node's container runtime and pod network" \
-    "under a minute" install_packages \
-    || die "apt-get could not install ${need[*]}: check that the Debian repositories are reachable (apt-get update)"
+  bash "$here/../tools/apt-install.sh" "the real node's container runtime and pod network" "${need[@]}"
 fi
 
 if all_present; then echo "$bin"; exit 0; fi

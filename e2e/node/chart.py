@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import shutil
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -58,7 +57,7 @@ def chart_unavailable_reason() -> str | None:
         h.helm_binary()
     except h.HelmUnavailable as e:
         return f"helm: {e}"
-    if shutil.which("debootstrap") is None and not image.base_cached():
+    if not image.base_cached() and not image.debootstrap_installable():
         return "the image needs debootstrap for its base layer: apt-get install debootstrap"
     return None
 
