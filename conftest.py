@@ -1,11 +1,13 @@
-"""Shared pytest fixtures: a ready local control plane for tests marked `cluster`."""
+"""Shared pytest fixtures: a ready local control plane for tests marked `cluster`, and
+clients of it (the harness's synchronous one, gpudra's own async one)."""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 
 import pytest
+from gpudra.common.kube import Kube as AsyncKube
 
 from e2e.cluster.harness import Cluster
 from e2e.cluster.kube import Kube
@@ -34,3 +36,11 @@ def cluster() -> Iterator[Cluster]:
 @pytest.fixture(scope="session")
 def kube(cluster: Cluster) -> Kube:
     return cluster.kube()
+
+
+@pytest.fixture
+async def akube(cluster: Cluster) -> AsyncIterator[AsyncKube]:
+    """gpudra's own API client, as its components use it, with admin credentials."""
+    k = await AsyncKube.connect(str(cluster.layout.admin_kubeconfig))
+    yield k
+    await k.close()

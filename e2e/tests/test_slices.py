@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import secrets
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -18,13 +17,6 @@ from e2e.proxy import Proxy
 
 pytestmark = [pytest.mark.cluster, pytest.mark.anyio]
 NODE = "worker-2"
-
-
-@pytest.fixture
-async def akube(cluster: Cluster) -> AsyncIterator[Kube]:
-    k = await Kube.connect(str(cluster.layout.admin_kubeconfig))
-    yield k
-    await k.close()
 
 
 def gpus(n: int, product: str = "NVIDIA H100 80GB HBM3") -> list[dict[str, Any]]:

@@ -73,13 +73,6 @@ def probes(kube: SyncKube) -> Iterator[str]:
 
 
 @pytest.fixture
-async def akube(cluster: Cluster) -> AsyncIterator[Kube]:
-    k = await Kube.connect(str(cluster.layout.admin_kubeconfig))
-    yield k
-    await k.close()
-
-
-@pytest.fixture
 def label() -> str:
     """A label value of this test's own objects; the reflector selects only them."""
     return secrets.token_hex(4)

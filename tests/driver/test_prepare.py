@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import secrets
 import uuid as uuidlib
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,7 +45,6 @@ from gpudra.driver.sharing import MpsDaemon, NvidiaSharing, SharingError
 from prometheus_client import CollectorRegistry
 
 from e2e.claims import pod_with_claim, wait_allocated
-from e2e.cluster.harness import Cluster
 from e2e.cluster.kube import Kube, wait_for
 from e2e.node_process import create_driver_namespace
 
@@ -221,13 +220,6 @@ def env(kube: Kube) -> Iterator[Env]:
     e = Env(kube=kube, driver=driver, namespace=namespace)
     yield e
     e.cleanup()
-
-
-@pytest.fixture
-async def akube(cluster: Cluster) -> AsyncIterator[AsyncKube]:
-    k = await AsyncKube.connect(str(cluster.layout.admin_kubeconfig))
-    yield k
-    await k.close()
 
 
 # --- the node side: emulated GPUs, folders, tools --------------------------------------------

@@ -6,7 +6,7 @@ import base64
 import contextlib
 import datetime as dt
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +29,6 @@ from gpudra.webhook.certs import (
     store_pki,
 )
 
-from e2e.cluster.harness import Cluster
 from e2e.cluster.kube import Kube as SyncKube
 
 pytestmark = [pytest.mark.cluster, pytest.mark.anyio]
@@ -115,13 +114,6 @@ class Configs:
         for ref in self.created:
             with contextlib.suppress(Exception):  # best-effort cleanup
                 self.kube.request("DELETE", f"{API}/{ref.kind.value}/{ref.name}")
-
-
-@pytest.fixture
-async def akube(cluster: Cluster) -> AsyncIterator[Kube]:
-    k = await Kube.connect(str(cluster.layout.admin_kubeconfig))
-    yield k
-    await k.close()
 
 
 @pytest.fixture

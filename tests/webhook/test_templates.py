@@ -11,7 +11,6 @@ import pytest
 from gpudra.common.kube import Kube as AsyncKube
 from gpudra.webhook.templates import ApiTemplateEnsurer
 
-from e2e.cluster.harness import Cluster
 from e2e.cluster.kube import Kube
 
 pytestmark = [pytest.mark.cluster, pytest.mark.anyio]
@@ -30,13 +29,6 @@ def _template(name: str) -> dict[str, Any]:
             }
         },
     }
-
-
-@pytest.fixture
-async def akube(cluster: Cluster) -> AsyncIterator[AsyncKube]:
-    k = await AsyncKube.connect(str(cluster.layout.admin_kubeconfig))
-    yield k
-    await k.close()
 
 
 @pytest.fixture
