@@ -48,7 +48,7 @@ from gpudra.webhook.convert import (
     ConversionPolicy,
     convert_pod,
 )
-from gpudra.webhook.tenants import TenantState
+from gpudra.webhook.tenant_state import TenantState
 from gpudra.webhook.validate import driver_classes, validate_claim_object
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram
 from prometheus_client.exposition import generate_latest
