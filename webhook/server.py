@@ -29,7 +29,7 @@ from gpudra.webhook.metrics import WebhookMetrics
 from gpudra.webhook.reviews import ReviewError, encode_review
 from gpudra.webhook.tenant_state import TenantState
 from gpudra.webhook.tls import ReloadingTLSContext
-from gpudra.webhook.transport import Endpoint, HttpConfig, HttpServer, Reply
+from gpudra.webhook.transport import Endpoint, HttpConfig, HttpServer, Reply, text_reply
 from prometheus_client import CollectorRegistry
 
 __all__ = [
@@ -110,7 +110,7 @@ def http_endpoint(handler: ReviewHandler) -> Endpoint:
         try:
             decision = await handler(body)
         except ReviewError as exc:
-            return Reply(400, f"{exc}\n".encode(), "bad_request", "text/plain; charset=utf-8")
+            return text_reply(400, str(exc))
         return Reply(200, encode_review(decision.response), decision.result)
 
     return endpoint

@@ -45,7 +45,7 @@ from gpudra.webhook.tls import ReloadingTLSContext
 from prometheus_client import CONTENT_TYPE_LATEST
 from prometheus_client.exposition import generate_latest
 
-__all__ = ["Endpoint", "HttpConfig", "HttpServer", "Reply"]
+__all__ = ["Endpoint", "HttpConfig", "HttpServer", "Reply", "text_reply"]
 
 logger = logging.getLogger(__name__)
 
@@ -94,7 +94,10 @@ Endpoint = Callable[[bytes], Awaitable[Reply]]
 """A POST endpoint: the request body in, the reply out."""
 
 
-def _text(status: int, message: str, result: str = "bad_request", *, close: bool = False) -> Reply:
+def text_reply(
+    status: int, message: str, result: str = "bad_request", *, close: bool = False
+) -> Reply:
+    """A plain-text reply: the body is `message` and a newline."""
     return Reply(status, (message + "\n").encode(), result, _TEXT, close)
 
 
@@ -171,7 +174,7 @@ class HttpServer:
             reply = await self._route(request, path)
         except Exception:
             logger.exception("unexpected error answering a webhook request")
-            reply = _text(500, "internal error", "error", close=True)
+            reply = text_reply(500, "internal error", "error", close=True)
         keep_alive = request.keep_alive and not reply.close and not self._draining
         connection.request_done(keep_alive)
         response = web.Response(
@@ -197,22 +200,26 @@ class HttpServer:
         method = request.method
         if request.version not in (HttpVersion11, HttpVersion10):
             version = f"HTTP/{request.version.major}.{request.version.minor}"
-            return _text(400, f"unsupported protocol version {version}; use HTTP/1.1", close=True)
+            return text_reply(
+                400, f"unsupported protocol version {version}; use HTTP/1.1", close=True
+            )
         endpoint = self._endpoints.get(path)
         if endpoint is not None:
             if method != "POST":
-                return _text(405, f"{path} accepts POST only")
+                return text_reply(405, f"{path} accepts POST only")
             body = await self._read_body(request)
             return body if isinstance(body, Reply) else await endpoint(body)
         if path not in _SERVICE_PATHS:
-            return _text(404, f"no handler for {path}", "not_found")
+            return text_reply(404, f"no handler for {path}", "not_found")
         if method != "GET":
-            return _text(405, f"{path} accepts GET only")
+            return text_reply(405, f"{path} accepts GET only")
         if path == "/healthz":
-            return _text(200, "ok", "ok")
+            return text_reply(200, "ok", "ok")
         if path == "/readyz":
             return (
-                _text(200, "ok", "ok") if self._ready() else _text(503, "not ready", "unavailable")
+                text_reply(200, "ok", "ok")
+                if self._ready()
+                else text_reply(503, "not ready", "unavailable")
             )
         return Reply(200, generate_latest(self._metrics.registry), "ok", CONTENT_TYPE_LATEST)
 
@@ -221,16 +228,16 @@ class HttpServer:
         cfg = self._config
         if "Transfer-Encoding" in request.headers:
             message = "Transfer-Encoding is not supported; send Content-Length"
-            return _text(501, message, close=True)
+            return text_reply(501, message, close=True)
         length = request.content_length
         if length is None:
-            return _text(411, "POST needs a Content-Length header", close=True)
+            return text_reply(411, "POST needs a Content-Length header", close=True)
         if length > cfg.max_body_bytes:
             message = (
                 f"request body of {length} bytes exceeds the limit of "
                 f"{cfg.max_body_bytes} bytes; AdmissionReviews of Pods are far smaller"
             )
-            return _text(400, message, close=True)
+            return text_reply(400, message, close=True)
         if not length:
             return b""
         if request.headers.get("Expect", "").lower() == "100-continue":
@@ -243,9 +250,9 @@ class HttpServer:
             with anyio.fail_after(cfg.body_timeout):
                 return await content.readexactly(length)
         except TimeoutError:
-            return _text(408, "request body not received in time", close=True)
+            return text_reply(408, "request body not received in time", close=True)
         except asyncio.IncompleteReadError:
-            return _text(400, "request body ended before Content-Length bytes", close=True)
+            return text_reply(400, "request body ended before Content-Length bytes", close=True)
 
     def _ready(self) -> bool:
         if not self._serving or self._draining:
