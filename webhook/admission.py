@@ -139,9 +139,10 @@ class Admission:
             failure = await self._ensure_templates(namespace, conversion, dry_run, fields)
             if failure:
                 return self._deny(uid, 500, failure, "templates")
-        self._metrics.conversions.labels("true" if dry_run else "false").inc()
+        metrics = self._metrics
+        metrics.inc(metrics.conversions, "true" if dry_run else "false")
         for claim in conversion.claims:
-            self._metrics.converted_claims.labels(claim.kind.value).inc()
+            metrics.inc(metrics.converted_claims, claim.kind.value)
         logger.info(
             "converted pod",
             extra={"fields": {**fields, "claims": [c.template_name for c in conversion.claims]}},
@@ -220,7 +221,7 @@ class Admission:
         return None
 
     def _deny(self, uid: str, code: int, message: str, reason: str) -> Decision:
-        self._metrics.denials.labels(reason).inc()
+        self._metrics.inc(self._metrics.denials, reason)
         return Decision(deny(uid, code, message), "denied")
 
 

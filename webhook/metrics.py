@@ -7,7 +7,7 @@ knowing the other, and tests read a fresh registry per server.
 
 from __future__ import annotations
 
-from typing import Final
+from typing import Any, Final
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
@@ -69,3 +69,22 @@ class WebhookMetrics:
             ["result"],
             registry=registry,
         )
+        # Label children, cached: labels() costs more than the increment, and every
+        # label set is small (known paths or "other", fixed results and reasons).
+        self._children: dict[tuple[Counter, tuple[str, ...]], Any] = {}
+        self._latency_children: dict[str, Any] = {}
+
+    def inc(self, counter: Counter, *labels: str) -> None:
+        """Add one to `counter` (one of these metrics) for `labels`."""
+        child = self._children.get((counter, labels))
+        if child is None:
+            child = self._children[counter, labels] = counter.labels(*labels)
+        child.inc()
+
+    def observe_request(self, path: str, result: str, seconds: float) -> None:
+        """Count one answered request and its time from head to answer."""
+        self.inc(self.requests, path, result)
+        histogram = self._latency_children.get(path)
+        if histogram is None:
+            histogram = self._latency_children[path] = self.latency.labels(path)
+        histogram.observe(seconds)

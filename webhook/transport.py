@@ -192,8 +192,7 @@ class HttpServer:
                 "rejected malformed webhook request",
                 extra={"fields": {"status": reply.status, "error": reply.body.decode().strip()}},
             )
-        self._metrics.requests.labels(label, reply.result).inc()
-        self._metrics.latency.labels(label).observe(time.perf_counter() - started)
+        self._metrics.observe_request(label, reply.result, time.perf_counter() - started)
         return response
 
     async def _route(self, request: web.BaseRequest, path: str) -> Reply:
@@ -261,7 +260,9 @@ class HttpServer:
 
     def _rejected(self, status: int, message: str) -> None:
         """Count and log a request refused before it had a path."""
-        self._metrics.requests.labels("other", "bad_request" if status < 500 else "error").inc()
+        self._metrics.inc(
+            self._metrics.requests, "other", "bad_request" if status < 500 else "error"
+        )
         logger.info(
             "rejected malformed webhook request",
             extra={"fields": {"status": status, "error": message}},
