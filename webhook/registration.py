@@ -12,6 +12,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from gpudra.common.kube import ApiError, Kube
+from gpudra.webhook.admission import MUTATE_PATH, VALIDATE_CLAIMS_PATH
 from gpudra.webhook.convert import OPT_OUT_LABEL
 
 NAME = "gpudra-pod-conversion"
@@ -84,7 +85,7 @@ def validating_configuration(
     """Checks hand-written ResourceClaims and ResourceClaimTemplates at creation (their
     specs are immutable, so CREATE is enough and updates of metadata never depend on the
     webhook). `url` for loopback tests, `service` (name, namespace, port) in a cluster."""
-    client = _client(ca_bundle_b64, url, service, "/validate-claims")
+    client = _client(ca_bundle_b64, url, service, VALIDATE_CLAIMS_PATH)
 
     def webhook(resource: str, devices: str) -> dict[str, Any]:
         return {
@@ -159,7 +160,7 @@ def mutating_configuration(
 
     Pods whose only nvidia.com requests are `native_resources` never reach the webhook.
     """
-    client = _client(ca_bundle_b64, url, service, "/mutate-pods")
+    client = _client(ca_bundle_b64, url, service, MUTATE_PATH)
     return {
         "apiVersion": "admissionregistration.k8s.io/v1",
         "kind": "MutatingWebhookConfiguration",

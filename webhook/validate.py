@@ -27,7 +27,7 @@ from gpudra.api.config import (
 )
 from gpudra.api.tenants import MAX_DEVICES_PER_CLAIM
 from gpudra.webhook.convert import ConversionPolicy
-from gpudra.webhook.tenants import TenantRules
+from gpudra.webhook.tenant_rules import TenantRules
 
 __all__ = ["ClaimVerdict", "driver_classes", "validate_claim_object"]
 

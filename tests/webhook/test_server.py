@@ -302,8 +302,8 @@ async def test_keep_alive_serves_many_requests_on_one_connection(tmp_path: Path)
         body = json.dumps(review(gpu_pod(), uid="p1")).encode()
         body2 = json.dumps(review(gpu_pod(), uid="p2")).encode()
         await c.send(
-            b"POST /mutate-pods HTTP/1.1\r\nContent-Length: %d\r\n\r\n%s"
-            b"POST /mutate-pods HTTP/1.1\r\nContent-Length: %d\r\n\r\n%s"
+            b"POST /mutate-pods HTTP/1.1\r\nHost: w\r\nContent-Length: %d\r\n\r\n%s"
+            b"POST /mutate-pods HTTP/1.1\r\nHost: w\r\nContent-Length: %d\r\n\r\n%s"
             % (len(body), body, len(body2), body2)
         )
         assert (await c.response()).json()["response"]["uid"] == "p1"
@@ -366,7 +366,9 @@ async def test_oversized_body_is_refused_before_it_is_read(tmp_path: Path) -> No
 
 async def test_default_body_cap_is_3_mib(tmp_path: Path) -> None:
     async with running(tmp_path) as h, client(h) as c:
-        await c.send(b"POST /mutate-pods HTTP/1.1\r\nContent-Length: %d\r\n\r\n" % (3 * 2**20 + 1))
+        await c.send(
+            b"POST /mutate-pods HTTP/1.1\r\nHost: w\r\nContent-Length: %d\r\n\r\n" % (3 * 2**20 + 1)
+        )
         resp = await c.response()
         assert resp.status == 400
         assert "3145728" in resp.body.decode()
@@ -378,19 +380,33 @@ async def test_default_body_cap_is_3_mib(tmp_path: Path) -> None:
         (b"GARBAGE\r\n\r\n", 400, "malformed request line"),
         (b"GET /healthz HTTP/2.0\r\n\r\n", 400, "unsupported protocol version"),
         (b"GET /healthz HTTP/1.1\r\nno colon here\r\n\r\n", 400, "malformed header"),
-        (b"POST /mutate-pods HTTP/1.1\r\nContent-Length: -5\r\n\r\n", 400, "Content-Length"),
         (
-            b"POST /mutate-pods HTTP/1.1\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\n",
+            b"POST /mutate-pods HTTP/1.1\r\nHost: w\r\nContent-Length: -5\r\n\r\n",
+            400,
+            "Content-Length",
+        ),
+        (
+            b"POST /mutate-pods HTTP/1.1\r\nHost: w\r\n"
+            b"Content-Length: 1\r\nContent-Length: 2\r\n\r\n",
             400,
             "conflicting Content-Length",
         ),
-        (b"POST /mutate-pods HTTP/1.1\r\n\r\n", 411, "Content-Length"),
+        (b"POST /mutate-pods HTTP/1.1\r\nHost: w\r\n\r\n", 411, "Content-Length"),
         (
-            b"POST /mutate-pods HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n",
+            b"POST /mutate-pods HTTP/1.1\r\nHost: w\r\nTransfer-Encoding: chunked\r\n\r\n",
             501,
             "Transfer-Encoding",
         ),
         (b"GET / HTTP/1.1\r\nX: " + b"a" * 20_000 + b"\r\n\r\n", 400, "request head exceeds"),
+        (
+            b"GET /healthz HTTP/1.1\r\nHost: w\r\n"
+            + b"".join(b"X-%d: 1\r\n" % i for i in range(40))
+            + b"\r\n",
+            400,
+            "exceeds 32 header lines",
+        ),
+        # HTTP/1.1 requires Host (RFC 9112); the API server always sends it.
+        (b"POST /mutate-pods HTTP/1.1\r\nContent-Length: 0\r\n\r\n", 400, "missing Host"),
     ],
 )
 async def test_malformed_http_gets_an_error_and_a_closed_connection(
@@ -417,8 +433,8 @@ async def test_expect_100_continue(tmp_path: Path) -> None:
     async with running(tmp_path) as h, client(h) as c:
         body = json.dumps(review(gpu_pod())).encode()
         await c.send(
-            b"POST /mutate-pods HTTP/1.1\r\nExpect: 100-continue\r\nContent-Length: %d\r\n\r\n"
-            % len(body)
+            b"POST /mutate-pods HTTP/1.1\r\nHost: w\r\n"
+            b"Expect: 100-continue\r\nContent-Length: %d\r\n\r\n" % len(body)
         )
         assert await c.stream.receive_until(b"\r\n\r\n", 1000) == b"HTTP/1.1 100 Continue"
         await c.send(body)
@@ -432,9 +448,13 @@ async def test_slow_and_bad_clients_do_not_hold_up_a_good_request(tmp_path: Path
         client(h) as slow_body,
         client(h) as huge,
     ):
-        await slow_head.send(b"POST /mutate-pods HTTP/1.1\r\nContent-Le")
-        await slow_body.send(b"POST /mutate-pods HTTP/1.1\r\nContent-Length: 100000\r\n\r\n{")
-        await huge.send(b"POST /mutate-pods HTTP/1.1\r\nContent-Length: 999999999\r\n\r\n")
+        await slow_head.send(b"POST /mutate-pods HTTP/1.1\r\nHost: w\r\nContent-Le")
+        await slow_body.send(
+            b"POST /mutate-pods HTTP/1.1\r\nHost: w\r\nContent-Length: 100000\r\n\r\n{"
+        )
+        await huge.send(
+            b"POST /mutate-pods HTTP/1.1\r\nHost: w\r\nContent-Length: 999999999\r\n\r\n"
+        )
         await huge.send(b"x" * 65536)
         async with client(h) as good:
             with anyio.fail_after(GUARD):
@@ -451,13 +471,13 @@ async def test_slow_and_bad_clients_do_not_hold_up_a_good_request(tmp_path: Path
 async def test_stalled_requests_time_out(tmp_path: Path) -> None:
     async with running(tmp_path, header_timeout=0.2, body_timeout=0.2) as h:
         async with client(h) as c:
-            await c.send(b"POST /mutate-pods HTTP/1.1\r\nContent-Le")
+            await c.send(b"POST /mutate-pods HTTP/1.1\r\nHost: w\r\nContent-Le")
             with anyio.fail_after(GUARD):
                 resp = await c.response()
             assert resp.status == 408
             assert "head" in resp.body.decode()
         async with client(h) as c:
-            await c.send(b"POST /mutate-pods HTTP/1.1\r\nContent-Length: 10\r\n\r\n{")
+            await c.send(b"POST /mutate-pods HTTP/1.1\r\nHost: w\r\nContent-Length: 10\r\n\r\n{")
             with anyio.fail_after(GUARD):
                 resp = await c.response()
             assert resp.status == 408
@@ -466,6 +486,21 @@ async def test_stalled_requests_time_out(tmp_path: Path) -> None:
             # A silent connection is closed without an answer.
             with anyio.fail_after(GUARD), pytest.raises((anyio.EndOfStream, anyio.IncompleteRead)):
                 await c.stream.receive()
+
+
+async def test_head_deadline_runs_from_the_first_byte_of_a_later_request(tmp_path: Path) -> None:
+    async with running(tmp_path, header_timeout=0.2) as h, client(h) as c:
+        assert (await c.request("GET", "/healthz")).status == 200
+        # Idle between requests is bounded by the keep-alive timeout, not the head's.
+        await anyio.sleep(0.5)
+        assert (await c.request("GET", "/healthz")).status == 200
+        await c.send(b"POST /mutate-pods HTTP/1.1\r\nHost: w\r\nContent-Le")
+        with anyio.fail_after(GUARD):
+            resp = await c.response()
+        assert resp.status == 408
+        assert "head" in resp.body.decode()
+        assert resp.headers["connection"] == "close"
+        assert metric(h, "gpudra_webhook_requests_total", path="other", result="bad_request") == 1
 
 
 async def test_garbage_instead_of_a_tls_handshake_leaves_the_server_up(tmp_path: Path) -> None:

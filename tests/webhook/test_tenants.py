@@ -6,16 +6,9 @@ from typing import Any
 
 from gpudra.api.tenants import API_VERSION, parse_tenant
 from gpudra.webhook.convert import DeviceKind, convert_pod
-from gpudra.webhook.tenants import (
-    MANAGED_BY_LABEL,
-    MANAGED_BY_VALUE,
-    QUOTA_NAME,
-    TENANT_LABEL,
-    QuotaUsage,
-    TenantRules,
-    TenantState,
-    policy_for,
-)
+from gpudra.webhook.tenant_rules import QuotaUsage, TenantRules, policy_for
+from gpudra.webhook.tenant_state import QUOTA_NAME, TENANT_LABEL, TenantState
+from gpudra.webhook.tenants import MANAGED_BY_LABEL, MANAGED_BY_VALUE
 
 KEY = "gpu.nvidia.com.deviceclass.resource.k8s.io/devices"
 

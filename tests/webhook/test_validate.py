@@ -15,7 +15,8 @@ from gpudra.api.tenants import API_VERSION, parse_tenant
 from gpudra.webhook.certs import ensure_pki, service_dns_names
 from gpudra.webhook.convert import DEFAULT_POLICY, convert_pod
 from gpudra.webhook.server import ServerConfig, WebhookServer
-from gpudra.webhook.tenants import TenantRules, TenantState, policy_for
+from gpudra.webhook.tenant_rules import TenantRules, policy_for
+from gpudra.webhook.tenant_state import TenantState
 from gpudra.webhook.validate import ClaimVerdict, driver_classes, validate_claim_object
 
 CONFIG_API = "resource.nvidia.com/v1beta1"

@@ -1,0 +1,239 @@
+"""Admission decisions: an AdmissionReview body in, an AdmissionReview response out.
+
+Two endpoints. `MUTATE_PATH` converts pods that ask for device-plugin GPU resources to
+DRA claims (``convert.py``) under their namespace's tenant rules; `VALIDATE_CLAIMS_PATH`
+holds hand-written ResourceClaims and ResourceClaimTemplates to the same rules and to
+the driver's config parser (``validate.py``). Both read the tenant rules from the
+in-memory `TenantState`, so a decision is computation over the request and that view.
+
+The one write, creating the ResourceClaimTemplates a converted pod refers to, goes
+through the injected `TemplateEnsurer`, which owns all API-server writes. Dry runs
+create nothing: the dry-run flag is passed on to it. Nothing here knows HTTP: a body
+that is not a usable review raises `ReviewError`, which the transport answers with 400.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Final, Protocol
+
+import anyio
+from gpudra.webhook.convert import (
+    DEFAULT_POLICY,
+    OPT_OUT_LABEL,
+    Conversion,
+    ConversionError,
+    ConversionPolicy,
+    convert_pod,
+)
+from gpudra.webhook.metrics import WebhookMetrics
+from gpudra.webhook.reviews import (
+    AdmissionRequest,
+    AdmissionResponse,
+    ResourceKind,
+    ReviewError,
+    allow,
+    deny,
+    parse_review,
+)
+from gpudra.webhook.tenant_rules import Lookup
+from gpudra.webhook.tenant_state import TenantState
+from gpudra.webhook.validate import driver_classes, validate_claim_object
+
+__all__ = [
+    "MUTATE_PATH",
+    "VALIDATE_CLAIMS_PATH",
+    "Admission",
+    "Decision",
+    "ReviewHandler",
+    "TemplateEnsurer",
+]
+
+logger = logging.getLogger(__name__)
+
+MUTATE_PATH: Final = "/mutate-pods"
+VALIDATE_CLAIMS_PATH: Final = "/validate-claims"
+POD: Final = ResourceKind("", "v1", "Pod")
+CLAIM: Final = ResourceKind("resource.k8s.io", "v1", "ResourceClaim")
+CLAIM_TEMPLATE: Final = ResourceKind("resource.k8s.io", "v1", "ResourceClaimTemplate")
+
+
+class TemplateEnsurer(Protocol):
+    """Makes sure the ResourceClaimTemplates a converted pod refers to exist.
+
+    Called before the patch is returned, so the controller-manager finds the template
+    when it creates the pod's claim. The templates carry no namespace: they belong in
+    `namespace`, and one that already exists under the name is reused (a name always
+    stands for the same content). With ``dry_run`` it must not write anything. Raising (or
+    exceeding the admission's ``ensure_timeout``) denies the pod.
+    """
+
+    async def __call__(
+        self, namespace: str, templates: Sequence[Mapping[str, Any]], dry_run: bool
+    ) -> None: ...
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The answer to one review, and how it went for the requests metric."""
+
+    response: AdmissionResponse
+    result: str
+    """``allowed`` (unchanged), ``patched`` or ``denied``."""
+
+
+ReviewHandler = Callable[[bytes], Awaitable[Decision]]
+"""One endpoint: an AdmissionReview body in, a decision out; raises `ReviewError`."""
+
+
+class Admission:
+    """The webhook's endpoints over the conversion policy and the tenant view."""
+
+    def __init__(
+        self,
+        ensure_templates: TemplateEnsurer,
+        metrics: WebhookMetrics,
+        *,
+        policy: ConversionPolicy = DEFAULT_POLICY,
+        extra_device_classes: Sequence[str] = (),
+        tenants: TenantState | None = None,
+        ensure_timeout: float = 5.0,
+    ) -> None:
+        self._ensure = ensure_templates
+        self._metrics = metrics
+        self._policy = policy
+        self._classes = driver_classes(policy, extra_device_classes)
+        self._tenants = tenants
+        self._ensure_timeout = ensure_timeout
+
+    def endpoints(self) -> dict[str, ReviewHandler]:
+        """Path -> handler, for the transport to route to."""
+        return {MUTATE_PATH: self.mutate_pod, VALIDATE_CLAIMS_PATH: self.validate_claim}
+
+    async def mutate_pod(self, body: bytes) -> Decision:
+        """Convert a pod's device-plugin GPU resources to DRA claims (or deny it)."""
+        request = parse_review(body, (POD,))
+        uid = request["uid"]
+        if request.get("operation", "CREATE") != "CREATE":
+            return Decision(allow(uid), "allowed")
+        pod, namespace = _pod_and_namespace(request)
+        dry_run = request.get("dryRun", False)
+        fields = {"uid": uid, "namespace": namespace, "dry_run": dry_run}
+        lookup = self._lookup(namespace)
+        policy = lookup.rules.policy if lookup and lookup.rules else self._policy
+        try:
+            conversion = convert_pod(pod, policy)
+        except ConversionError as exc:
+            logger.info("denied pod", extra={"fields": {**fields, "error": str(exc)}})
+            return self._deny(uid, 400, str(exc), "invalid")
+        if not conversion.changed:
+            return Decision(allow(uid), "allowed")
+        if lookup is not None:
+            reason = self._tenant_denial(lookup, conversion, namespace)
+            if reason:
+                logger.info("denied pod", extra={"fields": {**fields, "error": reason}})
+                return self._deny(uid, 403, reason, "tenant")
+        if conversion.templates:
+            failure = await self._ensure_templates(namespace, conversion, dry_run, fields)
+            if failure:
+                return self._deny(uid, 500, failure, "templates")
+        metrics = self._metrics
+        metrics.inc(metrics.conversions, "true" if dry_run else "false")
+        for claim in conversion.claims:
+            metrics.inc(metrics.converted_claims, claim.kind.value)
+        logger.info(
+            "converted pod",
+            extra={"fields": {**fields, "claims": [c.template_name for c in conversion.claims]}},
+        )
+        warnings = [
+            f"gpudra: converted device-plugin GPU resources to DRA claim {c.pod_claim_name} "
+            f"(template {c.template_name}, {c.devices} device(s))"
+            for c in conversion.claims
+        ]
+        return Decision(allow(uid, patch=conversion.patch, warnings=warnings), "patched")
+
+    async def validate_claim(self, body: bytes) -> Decision:
+        """Hand-written ResourceClaims and templates: tenant rules and opaque configs."""
+        request = parse_review(body, (CLAIM, CLAIM_TEMPLATE))
+        uid = request["uid"]
+        if request.get("operation", "CREATE") != "CREATE":
+            return Decision(allow(uid), "allowed")
+        obj = request.get("object")
+        namespace = request.get("namespace")
+        if not isinstance(obj, dict) or not namespace:
+            raise ReviewError("request.object and request.namespace are required")
+        lookup = self._lookup(namespace)
+        kind = request["kind"]["kind"]
+        verdict = validate_claim_object(
+            obj,
+            template=kind == CLAIM_TEMPLATE.kind,
+            policy=self._policy,
+            classes=self._classes,
+            rules=lookup.rules if lookup is not None else None,
+            denial=lookup.denial if lookup is not None else "",
+        )
+        if verdict.allowed:
+            return Decision(allow(uid), "allowed")
+        name = (obj.get("metadata") or {}).get("name") or "(generated name)"
+        message = f"{kind} {name}: {verdict.message}"
+        logger.info(
+            "denied claim",
+            extra={"fields": {"uid": uid, "namespace": namespace, "error": message}},
+        )
+        if verdict.invalid:
+            return self._deny(uid, 400, message, "invalid_config")
+        return self._deny(uid, 403, message, "tenant")
+
+    def _lookup(self, namespace: str) -> Lookup | None:
+        return self._tenants.lookup(namespace) if self._tenants is not None else None
+
+    def _tenant_denial(self, lookup: Lookup, conversion: Conversion, namespace: str) -> str | None:
+        if lookup.denial or lookup.rules is None:
+            return lookup.denial or None
+        assert self._tenants is not None  # a lookup comes from it
+        return lookup.rules.check_pod(conversion, namespace, self._tenants.quota_usage(namespace))
+
+    async def _ensure_templates(
+        self, namespace: str, conversion: Conversion, dry_run: bool, fields: dict[str, Any]
+    ) -> str | None:
+        """Create the pod's templates; the denial message when that failed."""
+        try:
+            with anyio.fail_after(self._ensure_timeout):
+                await self._ensure(namespace, conversion.templates, dry_run)
+        except Exception as exc:
+            names = ", ".join(t["metadata"]["name"] for t in conversion.templates)
+            logger.warning(
+                "could not ensure ResourceClaimTemplates",
+                exc_info=True,
+                extra={"fields": {**fields, "templates": names}},
+            )
+            if isinstance(exc, TimeoutError):
+                reason = f"no answer within {self._ensure_timeout:g}s"
+            else:
+                reason = str(exc) or type(exc).__name__
+            return (
+                f"could not create ResourceClaimTemplates {names} in namespace "
+                f"{namespace}: {reason}; retry, or label the pod "
+                f'{OPT_OUT_LABEL}="false" to skip conversion'
+            )
+        return None
+
+    def _deny(self, uid: str, code: int, message: str, reason: str) -> Decision:
+        self._metrics.inc(self._metrics.denials, reason)
+        return Decision(deny(uid, code, message), "denied")
+
+
+def _pod_and_namespace(request: AdmissionRequest) -> tuple[dict[str, Any], str]:
+    """The pod under review and its namespace (the request's, else the pod's own)."""
+    pod = request.get("object")
+    if not isinstance(pod, dict):
+        raise ReviewError("request.object must be the Pod being admitted")
+    metadata = pod.get("metadata")
+    namespace = request.get("namespace") or (
+        metadata.get("namespace") if isinstance(metadata, dict) else None
+    )
+    if not isinstance(namespace, str) or not namespace:
+        raise ReviewError("request.namespace is missing")
+    return pod, namespace

@@ -1,0 +1,90 @@
+"""The webhook's Prometheus metrics, registered on one registry per server.
+
+One object holds them so the transport (requests, latency, certificate reloads) and the
+admission logic (denials, conversions) count into the same registry without either
+knowing the other, and tests read a fresh registry per server.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Final
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+__all__ = ["WebhookMetrics"]
+
+_LATENCY_BUCKETS: Final = (
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+)
+
+
+class WebhookMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+        self.requests = Counter(
+            "gpudra_webhook_requests",
+            "HTTP requests by path and result.",
+            ["path", "result"],
+            registry=registry,
+        )
+        self.denials = Counter(
+            "gpudra_webhook_denials",
+            "Admission denials by reason.",
+            ["reason"],
+            registry=registry,
+        )
+        self.conversions = Counter(
+            "gpudra_webhook_conversions",
+            "Pods converted from device-plugin resources to DRA claims.",
+            ["dry_run"],
+            registry=registry,
+        )
+        self.converted_claims = Counter(
+            "gpudra_webhook_converted_claims",
+            "Pod claims added by conversion, by device kind.",
+            ["kind"],
+            registry=registry,
+        )
+        self.latency = Histogram(
+            "gpudra_webhook_request_duration_seconds",
+            "Time from a complete request head to the response being written.",
+            ["path"],
+            buckets=_LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.cert_reloads = Counter(
+            "gpudra_webhook_certificate_reloads",
+            "Serving certificate reload attempts by result.",
+            ["result"],
+            registry=registry,
+        )
+        # Label children, cached: labels() costs more than the increment, and every
+        # label set is small (known paths or "other", fixed results and reasons).
+        self._children: dict[tuple[Counter, tuple[str, ...]], Any] = {}
+        self._latency_children: dict[str, Any] = {}
+
+    def inc(self, counter: Counter, *labels: str) -> None:
+        """Add one to `counter` (one of these metrics) for `labels`."""
+        child = self._children.get((counter, labels))
+        if child is None:
+            child = self._children[counter, labels] = counter.labels(*labels)
+        child.inc()
+
+    def observe_request(self, path: str, result: str, seconds: float) -> None:
+        """Count one answered request and its time from head to answer."""
+        self.inc(self.requests, path, result)
+        histogram = self._latency_children.get(path)
+        if histogram is None:
+            histogram = self._latency_children[path] = self.latency.labels(path)
+        histogram.observe(seconds)

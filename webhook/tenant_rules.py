@@ -1,0 +1,157 @@
+"""What a GpuTenant allows, and a converted pod checked against it: pure rules.
+
+A tenant's rules are built once per tenant change (`TenantRules`: the tenant with the
+conversion policy its ``gpuResource`` mapping gives), so an admission only evaluates
+them. The quota check here exists only to deny early with a readable message naming the
+tenant, the limit and the usage; the native ResourceQuota the controller keeps
+(``tenants.py``) is what holds under concurrency. Hand-written claims are checked
+against the same rules by ``validate.py``.
+
+No I/O: `TenantState` (``tenant_state.py``) resolves which rules apply in a namespace.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from gpudra.api.quantity import QuantityError, parse_quantity
+from gpudra.api.tenants import QUOTA_RESOURCE_SUFFIX, Tenant
+from gpudra.webhook.convert import (
+    DEFAULT_POLICY,
+    Conversion,
+    ConversionPolicy,
+    ConvertedClaim,
+    DeviceKind,
+)
+
+__all__ = ["Lookup", "QuotaUsage", "TenantRules", "policy_for"]
+
+
+def policy_for(tenant: Tenant, base: ConversionPolicy = DEFAULT_POLICY) -> ConversionPolicy:
+    """The conversion policy of `tenant`'s namespaces: `base` with its gpuResource mapping."""
+    mapping = tenant.spec.gpu_resource
+    sharing = tenant.spec.gpu_sharing
+    if sharing == "Exclusive":
+        return dataclasses.replace(base, gpu_resource_kind=DeviceKind.GPU)
+    interval = mapping.time_slicing_interval if mapping else None
+    return dataclasses.replace(
+        base,
+        gpu_resource_kind=DeviceKind.SHARED,
+        shared_strategy=sharing,
+        time_slice_interval=interval or base.time_slice_interval,
+    )
+
+
+@dataclass(frozen=True)
+class QuotaUsage:
+    """A namespace's device quota per DeviceClass, from the owned ResourceQuota's status."""
+
+    hard: Mapping[str, int]
+    used: Mapping[str, int]
+
+    @classmethod
+    def of(cls, quota: Mapping[str, Any] | None) -> QuotaUsage | None:
+        """The usage a ResourceQuota object reports (None: no quota)."""
+        if quota is None:
+            return None
+        status = quota.get("status") or {}
+        spec_hard = (quota.get("spec") or {}).get("hard") or {}
+        hard = _by_class(status.get("hard") or spec_hard)
+        used = _by_class(status.get("used") or {})
+        return cls(hard, used)
+
+
+@dataclass(frozen=True)
+class TenantRules:
+    """A tenant with its conversion policy, built once per tenant change."""
+
+    tenant: Tenant
+    policy: ConversionPolicy
+
+    @property
+    def label(self) -> str:
+        return self.tenant.label
+
+    def check_pod(
+        self, conversion: Conversion, namespace: str, usage: QuotaUsage | None
+    ) -> str | None:
+        """The reason a converted pod breaks the tenant's rules, or None."""
+        spec = self.tenant.spec
+        for claim in conversion.claims:
+            where = _where(claim)
+            if not spec.allows_class(claim.device_class):
+                return (
+                    f"{self.label}: device class {claim.device_class} is not allowed; allowed "
+                    f"classes: {_listing(spec.allowed_device_classes)} ({where})"
+                )
+            if claim.kind is DeviceKind.MIG and not spec.allows_mig_profile(claim.profile):
+                return (
+                    f"{self.label}: MIG profile {claim.profile} is not allowed; allowed "
+                    f"profiles: {_listing(spec.allowed_mig_profiles)} ({where})"
+                )
+            mode = self.policy.sharing(claim.kind)
+            if not spec.allows_sharing(mode):
+                return (
+                    f"{self.label}: sharing mode {mode} is not allowed; allowed modes: "
+                    f"{_listing(spec.allowed_sharing)} ({where})"
+                )
+        total = sum(c.devices for c in conversion.claims)
+        limit = spec.max_devices_per_pod
+        if limit is not None and total > limit:
+            breakdown = "; ".join(_where(c) for c in conversion.claims)
+            return (
+                f"{self.label}: maxDevicesPerPod is {limit}, this pod asks for {total} "
+                f"devices ({breakdown})"
+            )
+        if usage is not None:
+            asks: dict[str, int] = {}
+            for claim in conversion.claims:
+                asks[claim.device_class] = asks.get(claim.device_class, 0) + claim.devices
+            for device_class, count in sorted(asks.items()):
+                hard = usage.hard.get(device_class)
+                if hard is None:
+                    continue
+                used = usage.used.get(device_class, 0)
+                if used + count > hard:
+                    return (
+                        f"{self.label}: quota {device_class} in namespace {namespace}: limit "
+                        f"{hard}, used {used}, this pod asks for {count}"
+                    )
+        return None
+
+
+def _where(claim: ConvertedClaim) -> str:
+    resources = " and ".join(claim.resources)
+    noun = "container" if len(claim.containers) == 1 else "containers"
+    counts = ", ".join(f"{name}={count}" for name, count in claim.containers)
+    return f"{resources} in {noun} {counts}"
+
+
+def _listing(values: Iterable[str] | None) -> str:
+    items = list(values or ())
+    return ", ".join(items) if items else "none"
+
+
+@dataclass(frozen=True)
+class Lookup:
+    """What admission should apply in a namespace: rules, nothing, or a denial."""
+
+    rules: TenantRules | None = None
+    denial: str = ""
+
+
+def _by_class(values: Mapping[str, Any]) -> dict[str, int]:
+    result: dict[str, int] = {}
+    for key, value in values.items():
+        if not key.endswith(QUOTA_RESOURCE_SUFFIX):
+            continue
+        try:
+            amount = parse_quantity(str(value)).amount
+        except QuantityError:
+            continue
+        result[key.removesuffix(QUOTA_RESOURCE_SUFFIX)] = math.ceil(amount)
+    return result
