@@ -162,3 +162,7 @@ def test_a_tenant_that_fakes_its_mps_daemons_files_cannot_keep_the_gpu(
     (again,) = claim_of(kube, ns, "tenant-b")["status"]["allocation"]["devices"]["results"]
     assert again["device"] == result["device"]
     assert "left-by-tenant-a" not in in_pod(cluster, ns, "tenant-b", "ls -a /dev/shm")
+    uid = claim_of(kube, ns, "tenant-b")["metadata"]["uid"]
+    kube.delete("Pod", "tenant-b", ns)
+    # Its daemon outlives the agent as a real one would: unprepared before the node goes.
+    wait_for("the next claim unprepared", lambda: uid not in stack.checkpoint(), timeout=90)
