@@ -3,9 +3,10 @@
 Each device gets its GPU's device node and, for a MIG device, the nodes of its GPU
 instance's and compute instance's access capabilities; an environment variable
 with its UUID; and, when it joins the claim's MPS daemon, the daemon's pipe folder
-and /dev/shm. The driver's control nodes and libraries are common to all devices
-and found once. When the container toolkit's own spec knows every device of the
-claim, the devices refer to it instead and carry no nodes of their own.
+and the claim's own /dev/shm folder. The driver's control nodes and libraries are
+common to all devices and found once. When the container toolkit's own spec knows
+every device of the claim, the devices refer to it instead and carry no nodes of
+their own.
 """
 
 from __future__ import annotations
@@ -118,10 +119,11 @@ class ClaimSpecs:
         mounts: tuple[Mount, ...] = ()
         if entry.mps and daemon is not None:
             env["CUDA_MPS_PIPE_DIRECTORY"] = MPS_PIPE_DIR_IN_CONTAINER
-            mounts = (
-                Mount(str(daemon.pipe_dir), MPS_PIPE_DIR_IN_CONTAINER, _RW_BIND),
-                Mount(str(self._dev_root / "dev/shm"), "/dev/shm", _RW_BIND),
-            )
+            # The claim's own /dev/shm, never the host's: MPS clients and their
+            # daemon share memory through it, and no one else may.
+            mounts = (Mount(str(daemon.pipe_dir), MPS_PIPE_DIR_IN_CONTAINER, _RW_BIND),)
+            if daemon.shm_dir is not None:
+                mounts += (Mount(str(daemon.shm_dir), "/dev/shm", _RW_BIND),)
         toolkit_ids: tuple[str, ...] = ()
         if self._toolkit is not None and entry.uuid:
             toolkit_ids = tuple(self._toolkit.device_ids(entry.uuid))

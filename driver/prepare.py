@@ -258,9 +258,16 @@ class ClaimPreparer:
             if guard.users == 0:
                 del self._guards[uid]
 
-    def _mps_dirs(self, uid: str) -> tuple[Path, Path]:
+    def _mps_daemon(self, uid: str) -> MpsDaemon:
+        """The claim's daemon folders: pipe, log and its own /dev/shm."""
         base = self._mps_root / validate_claim_uid(uid)
-        return base / "pipe", base / "log"
+        return MpsDaemon(
+            name=uid,
+            pipe_dir=base / "pipe",
+            log_dir=base / "log",
+            device_uuids=(),
+            shm_dir=base / "shm",
+        )
 
     async def _cdi_io(self, fn: Callable[[], T]) -> T:
         """Run a CDI spec write or removal.
@@ -484,23 +491,27 @@ class ClaimPreparer:
             await anyio.to_thread.run_sync(set_compute_mode, self._nvml, uuid, exclusive)
             entry.details = replace(entry.details, compute_mode=replace(step, applied=True))
             await progress("compute-mode-applied")
-        pipe_dir, log_dir = self._mps_dirs(ref.uid)
         uuids = tuple(dict.fromkeys(e.uuid for e in members if e.uuid))
-        daemon = MpsDaemon(
-            name=ref.uid,
-            pipe_dir=pipe_dir,
-            log_dir=log_dir,
+        daemon = replace(
+            self._mps_daemon(ref.uid),
             device_uuids=uuids,
             active_thread_percentage=mps_percentage(members),
             pinned_memory_limits=mps_limits(members),
         )
-        started = MpsStarted(pipe_dir=pipe_dir, log_dir=log_dir, uuids=uuids)
+        started = MpsStarted(
+            pipe_dir=daemon.pipe_dir, log_dir=daemon.log_dir, uuids=uuids, shm_dir=daemon.shm_dir
+        )
         for entry in members:
             entry.details = replace(entry.details, mps=started)
         await progress("mps-recorded")
-        await anyio.to_thread.run_sync(self._sharing.start_mps, daemon)
-        self._at("mps-started")
-        return daemon
+        identity = await anyio.to_thread.run_sync(self._sharing.start_mps, daemon)
+        # The daemon is named in the checkpoint, which only this process writes,
+        # before any container can reach its pipe folder.
+        started = replace(started, daemon=identity)
+        for entry in members:
+            entry.details = replace(entry.details, mps=started)
+        await progress("mps-started")
+        return replace(daemon, identity=identity)
 
     # --- undo ---
 
@@ -595,6 +606,8 @@ class ClaimPreparer:
                 pipe_dir=started.pipe_dir,
                 log_dir=started.log_dir,
                 device_uuids=started.uuids,
+                shm_dir=started.shm_dir,
+                identity=started.daemon,
             )
             await attempt(
                 f"stopping MPS daemon {daemon.pipe_dir}",
@@ -740,14 +753,13 @@ class ClaimPreparer:
                 if cp.get(name) is not None or name in cp.unreadable():
                     continue
                 try:
-                    pipe_dir, log_dir = self._mps_dirs(name)
+                    daemon = self._mps_daemon(name)
                 except CdiError:
                     continue  # not a folder of ours
-                daemon = MpsDaemon(name=name, pipe_dir=pipe_dir, log_dir=log_dir, device_uuids=())
                 try:
                     await anyio.to_thread.run_sync(self._stop_mps, daemon)
                 except Exception as exc:
-                    errors.append(f"stopping orphaned MPS daemon {pipe_dir}: {exc}")
+                    errors.append(f"stopping orphaned MPS daemon {daemon.pipe_dir}: {exc}")
                 else:
                     removed_dirs.append(name)
 

@@ -8,7 +8,8 @@ yet) and again right after it:
 - `CreatedMig`: a MIG instance the claim creates at its allocated placement;
 - `TimeSliceSet`: the GPU's time-slice, reset at undo;
 - `ComputeModeSet`: the GPU's compute mode, restored to `previous` at undo;
-- `MpsStarted`: the claim's MPS control daemon, stopped at undo.
+- `MpsStarted`: the claim's MPS control daemon (and its /dev/shm folder),
+  stopped at undo.
 
 `UsedMig` names a MIG device that already existed (static MIG, admin access),
 which undo leaves alone. The CDI spec needs no record: undo removes the claim's
@@ -31,6 +32,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final, TypeVar
+
+from gpudra.driver.processes import ProcessIdentity
 
 __all__ = [
     "ComputeModeSet",
@@ -102,11 +105,18 @@ class ComputeModeSet:
 @dataclass(frozen=True, slots=True)
 class MpsStarted:
     """The claim's MPS control daemon, recorded before it starts; one per claim,
-    so every member device of the claim carries the same record."""
+    so every member device of the claim carries the same record.
+
+    `shm_dir` is the claim's own /dev/shm (None in records older than it);
+    `daemon` is the daemon process, recorded once it runs: only this record, which
+    the claim's containers cannot write, says which process undo may stop.
+    """
 
     pipe_dir: Path
     log_dir: Path
     uuids: tuple[str, ...] = ()
+    shm_dir: Path | None = None
+    daemon: ProcessIdentity | None = None
     extra: Mapping[str, Any] = field(default_factory=dict, repr=False)
 
 
@@ -142,7 +152,9 @@ _EFFECT_KEYS: Final = ("mig", "timeSlice", "computeMode", "mps")
 _MIG_KEYS: Final = frozenset({"profileId", "profile", "start", "size", "created", "gi", "ci"})
 _TIME_SLICE_KEYS: Final = frozenset({"uuid", "interval", "applied"})
 _COMPUTE_MODE_KEYS: Final = frozenset({"uuid", "previous", "applied"})
-_MPS_KEYS: Final = frozenset({"pipeDir", "logDir", "uuids"})
+_MPS_KEYS: Final = frozenset(
+    {"pipeDir", "logDir", "uuids", "shmDir", "daemonPid", "daemonStartTime"}
+)
 
 
 class _Unreadable(ValueError):
@@ -224,10 +236,16 @@ def _mps(obj: Mapping[str, Any]) -> MpsStarted:
     uuids = obj.get("uuids") or []
     if not isinstance(uuids, list) or not all(isinstance(u, str) for u in uuids):
         raise _Unreadable(f"uuids must be a list of strings, not {_shown(uuids)}")
+    shm_dir = obj.get("shmDir")
+    daemon = None
+    if obj.get("daemonPid") is not None or obj.get("daemonStartTime") is not None:
+        daemon = ProcessIdentity(_int(obj, "daemonPid"), _int(obj, "daemonStartTime"))
     return MpsStarted(
         pipe_dir=Path(pipe_dir),
         log_dir=Path(obj.get("logDir") or pipe_dir),
         uuids=tuple(uuids),
+        shm_dir=None if shm_dir is None else Path(_text(obj, "shmDir")),
+        daemon=daemon,
         extra=_rest(obj, _MPS_KEYS),
     )
 
@@ -350,4 +368,8 @@ def details_to_json(details: DeviceDetails) -> dict[str, Any]:
             "logDir": str(mps.log_dir),
             "uuids": list(mps.uuids),
         }
+        if mps.shm_dir is not None:
+            out["mps"]["shmDir"] = str(mps.shm_dir)
+        if mps.daemon is not None:
+            out["mps"].update(daemonPid=mps.daemon.pid, daemonStartTime=mps.daemon.start_time)
     return out

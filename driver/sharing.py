@@ -10,10 +10,17 @@ NVIDIA's own tools:
   driver; on older GPUs (Turing and before) nvidia-smi refuses it, and the error
   says so rather than leaving the GPU silently unchanged.
 - MPS: one control daemon per claim, `nvidia-cuda-mps-control -d` with its own
-  `CUDA_MPS_PIPE_DIRECTORY`/`CUDA_MPS_LOG_DIRECTORY`, so claims never share a
-  daemon; defaults (`set_default_active_thread_percentage`,
-  `set_default_device_pinned_mem_limit`) are sent through its control pipe, and
-  `quit` stops it.
+  `CUDA_MPS_PIPE_DIRECTORY`/`CUDA_MPS_LOG_DIRECTORY` and its own /dev/shm (a
+  tmpfs per claim, as upstream mounts one), so claims never share a daemon nor
+  shared memory with each other or the host; defaults
+  (`set_default_active_thread_percentage`, `set_default_device_pinned_mem_limit`)
+  are sent through its control pipe, and `quit` stops it.
+
+The pipe folder is mounted writable into the claim's containers, so nothing in it
+is trusted at stop: the daemon is the process `start_mps` returned (PID and start
+time, which the caller records), a control file that is not a FIFO or socket means
+no daemon listens, and a daemon that does not quit is signalled, never another
+process.
 
 Every call blocks (it runs a process) and is meant for a worker thread. Nothing here
 knows about claims beyond the names it is given, nor about Kubernetes or gRPC.
@@ -21,15 +28,20 @@ knows about claims beyond the names it is given, nor about Kubernetes or gRPC.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import shutil
+import signal
+import stat
 import subprocess
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final, Protocol
+
+from gpudra.driver.processes import ProcessIdentity
 
 __all__ = [
     "MPS_CONTROL",
@@ -40,6 +52,7 @@ __all__ = [
     "SharingBackend",
     "SharingError",
     "find_tool",
+    "may_mount",
 ]
 
 log = logging.getLogger(__name__)
@@ -55,6 +68,11 @@ _MIB: Final = 1024 * 1024
 _CONTROL_PIPE: Final = "control"
 _PID_FILE: Final = "nvidia-cuda-mps-control.pid"
 _OUTPUT_TAIL: Final = 500
+# The claim's /dev/shm, mounted as the host's usually is; tmpfs's default size is
+# half the memory, as upstream sets it.
+_SHM_OPTIONS: Final = "rw,nosuid,nodev,noexec,mode=1777"
+# CAP_SYS_ADMIN's bit in /proc/self/status CapEff: mount and unshare need it.
+_CAP_SYS_ADMIN: Final = 21
 
 
 class SharingError(RuntimeError):
@@ -67,6 +85,8 @@ class MpsDaemon:
 
     `pinned_memory_limits` are bytes per device UUID; MPS takes whole MiB, so they
     are rounded down (the config layer refuses limits below 1 MiB).
+    `identity` is what stop trusts; without it (older records) a PID file that
+    checks out (see `NvidiaSharing.stop_mps`) stands in.
     """
 
     name: str
@@ -75,6 +95,10 @@ class MpsDaemon:
     device_uuids: tuple[str, ...]
     active_thread_percentage: int | None = None
     pinned_memory_limits: Mapping[str, int] = field(default_factory=dict)
+    # The claim's /dev/shm; None only for daemons recorded before it existed.
+    shm_dir: Path | None = None
+    # The running daemon, as `start_mps` returned it; None: not known.
+    identity: ProcessIdentity | None = None
 
 
 class SharingBackend(Protocol):
@@ -89,13 +113,14 @@ class SharingBackend(Protocol):
         """Put the GPU back to the default time-slice."""
         ...
 
-    def start_mps(self, daemon: MpsDaemon) -> None:
-        """Start the daemon (or adopt one already running in its pipe dir) and apply
-        its defaults."""
+    def start_mps(self, daemon: MpsDaemon) -> ProcessIdentity:
+        """Start the daemon (or adopt one already running in its pipe dir), apply
+        its defaults, and return the daemon process, for the caller to record."""
         ...
 
     def stop_mps(self, daemon: MpsDaemon) -> None:
-        """Stop the daemon if it runs and remove its directories."""
+        """Stop the daemon if it runs and remove its directories; completes whatever
+        the claim's containers left in the pipe folder."""
         ...
 
 
@@ -112,6 +137,17 @@ def find_tool(name: str, driver_root: Path = Path("/")) -> Path | None:
             return candidate
     found = shutil.which(name)
     return Path(found) if found else None
+
+
+def may_mount(status: Path = Path("/proc/self/status")) -> bool:
+    """Whether this process may mount and make mount namespaces (CAP_SYS_ADMIN)."""
+    try:
+        for line in status.read_text(encoding="ascii").splitlines():
+            if line.startswith("CapEff:"):
+                return bool(int(line.split()[1], 16) >> _CAP_SYS_ADMIN & 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    return False
 
 
 def _tail(text: str) -> str:
@@ -237,38 +273,106 @@ class NvidiaSharing:
         return self._run([tool], purpose, env=self._mps_env(daemon), stdin=command + "\n")
 
     @staticmethod
-    def _alive(daemon: MpsDaemon) -> bool | None:
-        """Whether the daemon's recorded process exists (None: no PID file to tell)."""
+    def _host_tool(name: str, purpose: str) -> str:
+        found = shutil.which(name)
+        if found is None:
+            raise SharingError(f"{purpose}: {name} not found on PATH; install util-linux")
+        return found
+
+    def _make_shm(self, shm: Path, purpose: str) -> None:
+        """The claim's own /dev/shm: a fresh tmpfs where this process may mount one
+        (as upstream does), else a plain folder, which still keeps claims apart."""
+        shm.mkdir(parents=True, exist_ok=True)
+        if may_mount() and not os.path.ismount(shm):
+            mount = self._host_tool("mount", purpose)
+            self._run([mount, "-t", "tmpfs", "-o", _SHM_OPTIONS, "shm", str(shm)], purpose)
+        shm.chmod(0o1777)  # as /dev/shm: every user of the claim's containers may use it
+
+    def _remove_shm(self, shm: Path, purpose: str) -> None:
+        """Unmount (lazily: a process still holding it cannot keep the claim) and remove."""
+        if os.path.ismount(shm):
+            umount = self._host_tool("umount", purpose)
+            self._run([umount, "--lazy", str(shm)], purpose)
+        shutil.rmtree(shm, ignore_errors=True)
+
+    def _daemonize(self, daemon: MpsDaemon, tool: str, purpose: str) -> None:
+        """`tool -d` with the claim's shm folder as the daemon's /dev/shm.
+
+        The daemon and the MPS servers it starts inherit a private mount namespace
+        in which /dev/shm is the claim's folder, the one its containers get too.
+        Without the right to make one (emulated GPUs run unprivileged) the daemon
+        keeps this process's /dev/shm; the containers still get the claim's folder.
+        """
+        argv = [tool, "-d"]
+        if daemon.shm_dir is not None and may_mount():
+            argv = [
+                self._host_tool("unshare", purpose),
+                "--mount",
+                "--propagation",
+                "private",
+                "--",
+                "sh",
+                "-c",
+                '"$1" --bind "$2" /dev/shm && exec "$3" -d',
+                "mps-start",
+                self._host_tool("mount", purpose),
+                str(daemon.shm_dir),
+                tool,
+            ]
+        elif daemon.shm_dir is not None:
+            log.warning(
+                "MPS daemon keeps this process's /dev/shm: a private one needs CAP_SYS_ADMIN",
+                extra={"fields": {"daemon": daemon.name}},
+            )
+        self._run(argv, purpose, env=self._mps_env(daemon))
+
+    @staticmethod
+    def _control_listens(daemon: MpsDaemon) -> bool:
+        """Whether the control file is one a daemon could listen on. The pipe folder
+        is the containers' to write: anything else there means no daemon answers."""
+        try:
+            mode = (daemon.pipe_dir / _CONTROL_PIPE).lstat().st_mode
+        except OSError:
+            return False
+        return stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode)
+
+    @staticmethod
+    def _from_pid_file(daemon: MpsDaemon) -> ProcessIdentity | None:
+        """The daemon the PID file names, if it checks out: a live process started
+        for this very pipe folder (its environment says so). Trusted at start, when
+        no container has seen the folder yet, and for records that predate the
+        recorded identity; never a reason to signal anything else."""
         try:
             pid = int((daemon.pipe_dir / _PID_FILE).read_text(encoding="ascii").strip())
         except (OSError, ValueError):
             return None
+        identity = ProcessIdentity.of(pid)
+        if identity is None or pid in (1, os.getpid()):
+            return None
         try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            return None
+        wanted = f"CUDA_MPS_PIPE_DIRECTORY={daemon.pipe_dir}".encode()
+        return identity if wanted in environ and identity.alive() else None
 
-    def _running(self, daemon: MpsDaemon) -> bool:
-        """A control pipe whose daemon has not died (a crash or reboot leaves stale pipes)."""
-        return (daemon.pipe_dir / _CONTROL_PIPE).exists() and self._alive(daemon) is not False
-
-    def start_mps(self, daemon: MpsDaemon) -> None:
+    def start_mps(self, daemon: MpsDaemon) -> ProcessIdentity:
         gpus = ", ".join(daemon.device_uuids)
         purpose = f"starting the MPS control daemon {daemon.name} for {gpus}"
         tool = str(self._tool(MPS_CONTROL, purpose))
         for folder in (daemon.pipe_dir, daemon.log_dir):
             folder.mkdir(mode=0o755, parents=True, exist_ok=True)
-        if self._running(daemon):
+        if daemon.shm_dir is not None:
+            self._make_shm(daemon.shm_dir, purpose)
+        identity = daemon.identity or self._from_pid_file(daemon)
+        if identity is not None and identity.alive() and self._control_listens(daemon):
             # A retry after a crash: the daemon from the first attempt still listens.
             log.info("adopting running MPS daemon", extra={"fields": {"daemon": daemon.name}})
         else:
             for stale in (_CONTROL_PIPE, _PID_FILE):
                 (daemon.pipe_dir / stale).unlink(missing_ok=True)
-            self._run([tool, "-d"], purpose, env=self._mps_env(daemon))
-            self._wait_for_pipe(daemon, purpose)
+            self._daemonize(daemon, tool, purpose)
+            identity = self._wait_for_daemon(daemon, purpose)
         try:
             if daemon.active_thread_percentage is not None:
                 self._control(
@@ -283,28 +387,38 @@ class NvidiaSharing:
                     f"setting the MPS pinned memory limit of {uuid}",
                 )
         except SharingError:
-            self._quit_quietly(daemon)
+            self._stop_quietly(dataclasses.replace(daemon, identity=identity))
             raise
         log.info(
             "MPS daemon started",
-            extra={"fields": {"daemon": daemon.name, "pipeDir": str(daemon.pipe_dir)}},
+            extra={
+                "fields": {
+                    "daemon": daemon.name,
+                    "pipeDir": str(daemon.pipe_dir),
+                    "pid": identity.pid,
+                }
+            },
         )
+        return identity
 
-    def _wait_for_pipe(self, daemon: MpsDaemon, purpose: str) -> None:
+    def _wait_for_daemon(self, daemon: MpsDaemon, purpose: str) -> ProcessIdentity:
         """`-d` returns once the daemon forked; it listens a moment later."""
         deadline = time.monotonic() + self._ready_timeout_s
-        while not (daemon.pipe_dir / _CONTROL_PIPE).exists():
+        while True:
+            identity = self._from_pid_file(daemon)
+            if identity is not None and self._control_listens(daemon):
+                return identity
             if time.monotonic() >= deadline:
                 raise SharingError(
                     f"{purpose}: the daemon did not create its control pipe "
-                    f"{daemon.pipe_dir / _CONTROL_PIPE} within {self._ready_timeout_s:.0f}s; "
-                    f"see the logs in {daemon.log_dir}"
+                    f"{daemon.pipe_dir / _CONTROL_PIPE} and PID file within "
+                    f"{self._ready_timeout_s:.0f}s; see the logs in {daemon.log_dir}"
                 )
             time.sleep(0.02)
 
-    def _quit_quietly(self, daemon: MpsDaemon) -> None:
+    def _stop_quietly(self, daemon: MpsDaemon) -> None:
         try:
-            self._control(daemon, "quit", f"stopping MPS daemon {daemon.name}")
+            self.stop_mps(daemon)
         except SharingError as exc:
             log.warning(
                 "could not stop MPS daemon after a failed start",
@@ -312,18 +426,44 @@ class NvidiaSharing:
             )
 
     def stop_mps(self, daemon: MpsDaemon) -> None:
+        """Ask the daemon to quit, then make sure it did, then remove its folders.
+
+        Only the recorded identity (or, for records without one, a PID file that
+        checks out) decides which process is the daemon; what the claim's
+        containers can write (the control file, the PID file) never makes this
+        fail or wait without bound, nor signal another process.
+        """
         purpose = f"stopping the MPS control daemon {daemon.name}"
-        if self._running(daemon):
-            try:
-                self._control(daemon, "quit", purpose)
-            except SharingError:
-                if self._alive(daemon):
-                    raise
-                # Nothing answers and no live process is recorded: it died already.
-                log.warning(
-                    "MPS daemon did not answer and is not running; removing its files",
-                    extra={"fields": {"daemon": daemon.name}},
-                )
+        identity = daemon.identity or self._from_pid_file(daemon)
+        if identity is not None and identity.alive():
+            if self._control_listens(daemon):
+                try:
+                    self._control(daemon, "quit", purpose)
+                except SharingError as exc:
+                    log.warning(
+                        "MPS daemon did not take quit; signalling it",
+                        extra={"fields": {"daemon": daemon.name, "error": str(exc)}},
+                    )
+            self._end(identity, daemon, purpose)
+        else:
+            log.info(
+                "MPS daemon not running; removing its files",
+                extra={"fields": {"daemon": daemon.name}},
+            )
+        if daemon.shm_dir is not None:
+            self._remove_shm(daemon.shm_dir, purpose)
         for folder in (daemon.pipe_dir, daemon.log_dir):
             shutil.rmtree(folder, ignore_errors=True)
         log.info("MPS daemon stopped", extra={"fields": {"daemon": daemon.name}})
+
+    def _end(self, identity: ProcessIdentity, daemon: MpsDaemon, purpose: str) -> None:
+        """Wait for the daemon to exit, then TERM, then KILL it."""
+        for signum in (None, signal.SIGTERM, signal.SIGKILL):
+            if signum is not None:
+                identity.signal(signum)
+            if identity.wait_gone(self._ready_timeout_s):
+                return
+        raise SharingError(
+            f"{purpose}: process {identity.pid} still runs after SIGKILL; it is stuck in "
+            "the kernel, check the GPU driver's state on the node"
+        )

@@ -9,7 +9,9 @@ emulator, and nvidia-smi / nvidia-cuda-mps-control are the stand-ins in
 from __future__ import annotations
 
 import json
+import os
 import secrets
+import subprocess
 import uuid as uuidlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -40,8 +42,9 @@ from gpudra.driver.nvml.standin import (
 )
 from gpudra.driver.plugin import ClaimDispatcher, PrepareResult
 from gpudra.driver.prepare import ClaimPreparer, RecoveryReport
+from gpudra.driver.processes import ProcessIdentity
 from gpudra.driver.records import CreatedMig
-from gpudra.driver.sharing import MpsDaemon, NvidiaSharing, SharingError
+from gpudra.driver.sharing import MpsDaemon, NvidiaSharing, SharingError, may_mount
 from prometheus_client import CollectorRegistry
 
 from e2e.claims import pod_with_claim, wait_allocated
@@ -266,7 +269,7 @@ class Node:
 
 
 @pytest.fixture
-def node(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Node:
+def node(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Node]:
     n = Node(root=tmp_path, tools_log=tmp_path / "tools.log")
     for name in ("nvidiactl", "nvidia-uvm", "nvidia-uvm-tools"):
         path = n.dev_root / "dev" / name
@@ -277,7 +280,19 @@ def node(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Node:
     monkeypatch.setenv("GPUDRA_FAKEBIN_LOG", str(n.tools_log))
     monkeypatch.delenv("GPUDRA_FAKE_MPS_FAIL", raising=False)
     monkeypatch.delenv("GPUDRA_FAKE_SMI_FAIL", raising=False)
-    return n
+    yield n
+    # Daemons of claims a test left prepared run on, as real ones would: stop them
+    # (and unmount their shm) the way recovery stops orphans.
+    mps = n.checkpoint.parent / "mps"
+    for base in sorted(mps.iterdir()) if mps.is_dir() else []:
+        fake_sharing().stop_mps(_daemon_in(base))
+
+
+def _daemon_in(base: Path, identity: ProcessIdentity | None = None) -> MpsDaemon:
+    """The daemon whose folders are under `base`, as the preparer lays them out."""
+    return MpsDaemon(
+        base.name, base / "pipe", base / "log", (), shm_dir=base / "shm", identity=identity
+    )
 
 
 def fake_sharing() -> NvidiaSharing:
@@ -879,7 +894,10 @@ async def test_mps_starts_one_daemon_per_claim_and_stops_it(
     edits = spec["devices"][0]["containerEdits"]
     assert cdi_env(spec)["CUDA_MPS_PIPE_DIRECTORY"] == "/tmp/nvidia-mps"
     mounts = {m["containerPath"]: m["hostPath"] for m in edits["mounts"]}
-    assert mounts == {"/tmp/nvidia-mps": str(pipe), "/dev/shm": f"{node.dev_root}/dev/shm"}
+    # The claim's own /dev/shm: the host's, asserted here before, let tenants share
+    # POSIX shared memory with each other and with the host.
+    shm = node.checkpoint.parent / "mps" / ref.uid / "shm"
+    assert mounts == {"/tmp/nvidia-mps": str(pipe), "/dev/shm": str(shm)}
     emu.nvmlInit()
     handle = emu.nvmlDeviceGetHandleByIndex(index)
     assert emu.nvmlDeviceGetComputeMode(handle) == EXCLUSIVE_PROCESS
@@ -1336,10 +1354,11 @@ FIXTURE_DRIVER = "gpu.nvidia.com"
 FIXTURE_STATE = "/var/lib/gpudra"
 
 
-def _fixture_claim(index: int) -> Claim:
-    """Claim `index` of FIXTURE_CLAIMS, checked from its ResourceClaim as the plugin does."""
+def _fixture_claim(index: int, uid: str | None = None) -> Claim:
+    """Claim `index` of FIXTURE_CLAIMS (under another UID when given), checked from
+    its ResourceClaim as the plugin does."""
     name, _, results, sharing = FIXTURE_CLAIMS[index]
-    ref = ClaimRef("team-a", f"00000000-0000-4000-8000-{index + 1:012d}", name)
+    ref = ClaimRef("team-a", uid or f"00000000-0000-4000-8000-{index + 1:012d}", name)
     config = []
     if sharing is not None:
         parameters = {"apiVersion": "resource.nvidia.com/v1beta1", "kind": "GpuConfig"}
@@ -1394,7 +1413,18 @@ async def test_records_keep_the_shape_the_previous_release_wrote(node: Node) -> 
             with pytest.raises(SimulatedCrash):
                 await preparer.prepare([claim])
 
-    assert json.loads(node.checkpoint.read_text()) == expected
+    written = json.loads(node.checkpoint.read_text())
+    # Added since: each MPS record names the claim's shm folder and the daemon (its
+    # PID varies); the previous release keeps such keys as it reads them.
+    for claim in written["claims"].values():
+        for device in claim["devices"]:
+            mps = device["details"].get("mps", {})
+            shm = mps.pop("shmDir", None)
+            if shm is not None:
+                assert shm == str(node.checkpoint.parent / "mps" / claim["uid"] / "shm")
+                assert isinstance(mps.pop("daemonPid"), int)
+                assert isinstance(mps.pop("daemonStartTime"), int)
+    assert written == expected
 
 
 @pytest.mark.anyio
@@ -1498,3 +1528,186 @@ async def test_unreadable_record_is_its_claims_error_and_never_stops_recovery(
     assert written["devices"][0]["details"]["computeMode"] == mode
     again = (await preparer.unprepare([broken]))[broken.uid]
     assert again is not None and "details.computeMode" in again
+
+
+# --- MPS and hostile tenants ------------------------------------------------------------------
+# A tenant controls its containers, and so everything they can write: the MPS pipe
+# folder and the claim's /dev/shm. Nothing there may decide what unprepare does.
+
+_MPS_CLAIM = 2  # FIXTURE_CLAIMS' MPS claim on gpu-3
+_NEXT_TENANT = "00000000-0000-4000-8000-0000000000ff"
+
+
+def _mps_base(node: Node, uid: str) -> Path:
+    return node.checkpoint.parent / "mps" / uid
+
+
+def _recorded_daemon(node: Node, uid: str) -> ProcessIdentity:
+    record = load_checkpoint(node.checkpoint, boot_id_path=node.boot_id).get(uid)
+    assert record is not None
+    mps = record.devices[0].details.mps
+    assert mps is not None and mps.daemon is not None
+    return mps.daemon
+
+
+@pytest.fixture
+def signals(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
+    """Every signal the code under test sends, sent on after being noted."""
+    sent: list[tuple[int, int]] = []
+    real_kill = os.kill
+
+    def kill(pid: int, signum: int) -> None:
+        sent.append((pid, signum))
+        real_kill(pid, signum)
+
+    monkeypatch.setattr(os, "kill", kill)
+    return sent
+
+
+@pytest.mark.anyio
+async def test_an_mps_claim_gets_its_own_shm_shared_with_its_daemon_only(node: Node) -> None:
+    """The claim's containers and its daemon share a /dev/shm of their own (a tmpfs
+    where the agent may mount, as upstream's), never the host's; unprepare removes it."""
+    preparer = node_preparer(node, h100_mig(), strategy=MigStrategy.DYNAMIC)
+    claim = _fixture_claim(_MPS_CLAIM)
+
+    assert (await preparer.prepare([claim]))[claim.uid].error is None
+
+    shm = _mps_base(node, claim.uid) / "shm"
+    mounts = {
+        m["containerPath"]: m["hostPath"]
+        for m in node.spec(claim.uid)["devices"][0]["containerEdits"]["mounts"]
+    }
+    assert mounts["/dev/shm"] == str(shm)
+    daemon = _recorded_daemon(node, claim.uid)
+    assert daemon.alive()
+    if may_mount():
+        assert shm.is_mount()
+        # The stand-in daemon marks the /dev/shm it sees: the claim's.
+        assert (shm / f"gpudra-standin-mps.{daemon.pid}").exists()
+    record = json.loads(node.checkpoint.read_text())["claims"][claim.uid]
+    assert record["devices"][0]["details"]["mps"]["shmDir"] == str(shm)
+
+    assert await preparer.unprepare([claim.ref]) == {claim.uid: None}
+
+    assert not daemon.alive()
+    assert not shm.is_mount()
+    assert not _mps_base(node, claim.uid).exists()
+
+
+@pytest.mark.anyio
+async def test_recovery_unmounts_the_shm_of_a_prepare_a_crash_interrupted(node: Node) -> None:
+    def crash(step: str) -> None:
+        if step == "mps-started":
+            raise SimulatedCrash(step)
+
+    claim = _fixture_claim(_MPS_CLAIM)
+    with pytest.raises(SimulatedCrash):
+        await node_preparer(node, h100_mig(), strategy=MigStrategy.DYNAMIC, fault=crash).prepare(
+            [claim]
+        )
+    daemon = _recorded_daemon(node, claim.uid)
+
+    report = await node_preparer(node, h100_mig(), strategy=MigStrategy.DYNAMIC).recover()
+
+    assert report.rolled_back == (claim.uid,)
+    assert not daemon.alive()
+    assert not (_mps_base(node, claim.uid) / "shm").is_mount()
+    assert not _mps_base(node, claim.uid).exists()
+
+
+@pytest.mark.anyio
+async def test_a_tenant_that_fakes_its_daemons_files_cannot_keep_its_claim_prepared(
+    node: Node, signals: list[tuple[int, int]]
+) -> None:
+    """The attack: a root container quits the daemon, replaces the control FIFO with
+    a plain file and writes 1 into the PID file. Unprepare still completes, signals
+    nothing, and frees the GPU for the next claim."""
+    preparer = node_preparer(node, h100_mig(), strategy=MigStrategy.DYNAMIC)
+    claim = _fixture_claim(_MPS_CLAIM)
+    assert (await preparer.prepare([claim]))[claim.uid].error is None
+    daemon = _recorded_daemon(node, claim.uid)
+    pipe = _mps_base(node, claim.uid) / "pipe"
+
+    # What the tenant's container does through its mount of the pipe folder.
+    with (pipe / "control").open("w") as control:
+        control.write("quit\n")
+    assert daemon.wait_gone(10.0)
+    (pipe / "control").unlink(missing_ok=True)
+    (pipe / "control").write_text("not a pipe\n")
+    (pipe / "nvidia-cuda-mps-control.pid").write_text("1\n")
+
+    assert await preparer.unprepare([claim.ref]) == {claim.uid: None}
+
+    assert signals == []
+    assert not node.has_spec(claim.uid)
+    assert load_checkpoint(node.checkpoint, boot_id_path=node.boot_id).get(claim.uid) is None
+    assert not _mps_base(node, claim.uid).exists()
+    following = _fixture_claim(_MPS_CLAIM, uid=_NEXT_TENANT)
+    assert (await preparer.prepare([following]))[following.uid].error is None
+    assert await preparer.unprepare([following.ref]) == {following.uid: None}
+
+
+def test_a_recycled_pid_is_never_signalled(tmp_path: Path, signals: list[tuple[int, int]]) -> None:
+    """The recorded daemon is gone and its PID now belongs to another process (same
+    PID, other start time); nor does a PID file naming that process, in a record
+    without the daemon's identity, make it the daemon."""
+    other = subprocess.Popen(["sleep", "60"])
+    try:
+        now = ProcessIdentity.of(other.pid)
+        assert now is not None
+        for recorded in (ProcessIdentity(other.pid, now.start_time - 1), None):
+            base = tmp_path / ("recorded" if recorded else "legacy")
+            daemon = _daemon_in(base, recorded)
+            daemon.pipe_dir.mkdir(parents=True)
+            os.mkfifo(daemon.pipe_dir / "control")  # nothing reads it
+            (daemon.pipe_dir / "nvidia-cuda-mps-control.pid").write_text(f"{other.pid}\n")
+
+            fake_sharing().stop_mps(daemon)
+
+            assert not base.exists() or not any(base.iterdir())
+        assert signals == []
+        assert now.alive()
+    finally:
+        other.kill()
+        other.wait()
+
+
+@pytest.mark.anyio
+async def test_a_control_fifo_nobody_reads_does_not_hang_unprepare(node: Node) -> None:
+    """The tenant swaps the daemon's control FIFO for one nobody reads: asking the
+    daemon to quit times out (bounded), and the recorded daemon is then signalled."""
+    preparer = node_preparer(node, h100_mig(), strategy=MigStrategy.DYNAMIC)
+    claim = _fixture_claim(_MPS_CLAIM)
+    assert (await preparer.prepare([claim]))[claim.uid].error is None
+    daemon = _recorded_daemon(node, claim.uid)
+    control = _mps_base(node, claim.uid) / "pipe" / "control"
+    control.unlink()
+    os.mkfifo(control)
+    sharing = NvidiaSharing(
+        nvidia_smi=FAKEBIN / "nvidia-smi",
+        mps_control=FAKEBIN / "nvidia-cuda-mps-control",
+        timeout_s=1.0,
+        ready_timeout_s=1.0,
+    )
+    base = _mps_base(node, claim.uid)
+
+    sharing.stop_mps(_daemon_in(base, daemon))
+
+    assert not daemon.alive()
+    assert not base.exists() or not any(base.iterdir())
+
+
+def test_a_control_fifo_without_a_daemon_is_not_written(node: Node) -> None:
+    """No live daemon behind the FIFO: nothing is asked of it (a write would block)."""
+    base = node.root / "mps" / "gone"
+    gone = ProcessIdentity.of(os.getpid())
+    assert gone is not None
+    daemon = _daemon_in(base, ProcessIdentity(gone.pid, gone.start_time + 1))
+    daemon.pipe_dir.mkdir(parents=True)
+    os.mkfifo(daemon.pipe_dir / "control")
+
+    fake_sharing().stop_mps(daemon)
+
+    assert node.tool_calls() == []
+    assert not daemon.pipe_dir.exists()

@@ -1,0 +1,168 @@
+"""A hostile tenant against the node agent, on the real node.
+
+The tenant controls its pods and claims and every file its containers can write.
+An MPS claim's container can write the daemon's pipe folder and its /dev/shm;
+nothing it leaves there may keep the claim prepared at unprepare, nor reach the
+next tenant of the same GPU.
+
+Runs like e2e/tests/test_realnode_gpus.py (the real kubelet, containerd and runc,
+gpudra as host processes or from the chart, emulated GPUs); skips with the reason
+when the machine cannot run a real node.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from gpudra.driver.processes import ProcessIdentity
+
+from e2e.claims import claim_name, node_devices, pod_with_claim, wait_running
+from e2e.cluster.harness import Cluster
+from e2e.cluster.kube import Kube, wait_for
+from e2e.node import images
+from e2e.node.chart import ChartStack, chart_unavailable_reason
+from e2e.node.gpus import DRIVER, GpuStack, NodeGpus
+from e2e.node.realnode import RealNode, unavailable_reason
+
+pytestmark = pytest.mark.cluster
+
+PIPE = "/tmp/nvidia-mps"  # where the claim's containers see the daemon's pipe folder
+# The attack, as root in the container: leave a file in the claim's /dev/shm, quit
+# the daemon through its control FIFO, put a plain file where the FIFO was and
+# make the PID file name PID 1.
+TAMPER = f"""
+echo tenant-a > /dev/shm/left-by-tenant-a
+echo quit > {PIPE}/control
+i=0
+while [ -e {PIPE}/nvidia-cuda-mps-control.pid ] && [ $i -lt 100 ]; do
+    sleep 0.1; i=$((i + 1))
+done
+rm -f {PIPE}/control
+echo 'not a pipe' > {PIPE}/control
+echo 1 > {PIPE}/nvidia-cuda-mps-control.pid
+touch /tmp/tampered
+sleep 86400
+"""
+
+
+@pytest.fixture(scope="module", params=["processes", "chart"])
+def stack(cluster: Cluster, request: pytest.FixtureRequest) -> Iterator[NodeGpus]:
+    reason = unavailable_reason()
+    if reason:
+        pytest.skip(f"no real node on this machine: {reason}")
+    if request.param == "chart" and (reason := chart_unavailable_reason()):
+        pytest.skip(f"the chart cannot be installed here: {reason}")
+    node = RealNode(cluster)
+    node.up(log=lambda _m: None)
+    if request.param == "processes" and chart_unavailable_reason() is None:
+        ChartStack(node).down()  # a release an interrupted run left would take the node's webhook
+    gpus = GpuStack(node) if request.param == "processes" else ChartStack(node)
+    try:
+        gpus.up(log=lambda _m: None)
+        yield gpus
+    finally:
+        gpus.down(log=lambda _m: None)
+        node.down(log=lambda _m: None)
+
+
+@pytest.fixture
+def ns(stack: NodeGpus, kube: Kube) -> Iterator[str]:
+    name = f"escape-{uuid.uuid4().hex[:6]}"
+    kube.create({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}})
+    yield name
+    for pod in kube.list("Pod", name):
+        kube.delete("Pod", pod["metadata"]["name"], name, grace=0)
+    wait_for(f"pods of {name} gone", lambda: not kube.list("Pod", name), timeout=60)
+    kube.delete("Namespace", name)
+
+
+def mps_template(namespace: str, name: str, selector: str) -> dict[str, Any]:
+    """One GPU with the MPS strategy, chosen by the CEL `selector`."""
+    parameters = {
+        "apiVersion": "resource.nvidia.com/v1beta1",
+        "kind": "GpuConfig",
+        "sharing": {"strategy": "MPS"},
+    }
+    request = {
+        "deviceClassName": "gpu.nvidia.com",
+        "selectors": [{"cel": {"expression": selector}}],
+    }
+    return {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaimTemplate",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {
+            "spec": {
+                "devices": {
+                    "requests": [{"name": "gpu", "exactly": request}],
+                    "config": [{"opaque": {"driver": DRIVER, "parameters": parameters}}],
+                }
+            }
+        },
+    }
+
+
+def pod(stack: NodeGpus, name: str, namespace: str, template: str, script: str) -> dict[str, Any]:
+    obj = pod_with_claim(name, namespace, stack.node_name, template=template)
+    obj["spec"]["terminationGracePeriodSeconds"] = 1
+    obj["spec"]["containers"][0].update(
+        image=images.TEST_IMAGE, imagePullPolicy="Never", command=["sh", "-c", script]
+    )
+    return obj
+
+
+def claim_of(kube: Kube, namespace: str, pod_name: str) -> dict[str, Any]:
+    obj = kube.get("Pod", pod_name, namespace)
+    name = claim_name(obj, obj["spec"]["resourceClaims"][0]["name"])
+    claim: dict[str, Any] = kube.get("ResourceClaim", name, namespace)
+    return claim
+
+
+def in_pod(cluster: Cluster, namespace: str, pod_name: str, script: str) -> str:
+    out = cluster.kubectl("exec", "-n", namespace, pod_name, "--", "sh", "-c", script)
+    assert out.returncode == 0, out.stderr
+    return str(out.stdout)
+
+
+def test_a_tenant_that_fakes_its_mps_daemons_files_cannot_keep_the_gpu(
+    stack: NodeGpus, kube: Kube, cluster: Cluster, ns: str
+) -> None:
+    kube.create(mps_template(ns, "mps", "!device.allowMultipleAllocations"))
+    kube.create(pod(stack, "tenant-a", ns, "mps", TAMPER))
+    wait_running(kube, ns, "tenant-a")
+    wait_for(
+        "the tenant's tampering done",
+        lambda: "yes" in in_pod(cluster, ns, "tenant-a", "test -e /tmp/tampered && echo yes || :"),
+        timeout=30,
+    )
+    claim = claim_of(kube, ns, "tenant-a")
+    uid = claim["metadata"]["uid"]
+    (result,) = claim["status"]["allocation"]["devices"]["results"]
+    mps = stack.checkpoint()[uid]["devices"][0]["details"]["mps"]
+    daemon = ProcessIdentity(mps["daemonPid"], mps["daemonStartTime"])
+    device = node_devices(kube, stack.node_name)[result["device"]]
+    gpu_uuid = next(iter(device["attributes"]["uuid"].values()))
+
+    kube.delete("Pod", "tenant-a", ns)
+
+    spec = f"k8s.{DRIVER}-claim_{uid}.json"
+    wait_for("the claim's CDI spec removed", lambda: spec not in stack.cdi_specs(), timeout=90)
+    wait_for("the claim out of the checkpoint", lambda: uid not in stack.checkpoint(), timeout=30)
+    assert uid not in stack.list_names(stack.state_dir / "mps")  # pipe, log and shm folders
+    if isinstance(stack, GpuStack):  # the agent's PIDs are this machine's
+        assert not daemon.alive()
+    # The next tenant gets that very GPU, and a /dev/shm with nothing of the first.
+    selector = f'device.attributes["{DRIVER}"].uuid == "{gpu_uuid}"'
+    kube.create(mps_template(ns, "same-gpu", selector))
+    kube.create(pod(stack, "tenant-b", ns, "same-gpu", "sleep 86400"))
+    wait_running(kube, ns, "tenant-b")
+    (again,) = claim_of(kube, ns, "tenant-b")["status"]["allocation"]["devices"]["results"]
+    assert again["device"] == result["device"]
+    assert "left-by-tenant-a" not in in_pod(cluster, ns, "tenant-b", "ls -a /dev/shm")
+    uid = claim_of(kube, ns, "tenant-b")["metadata"]["uid"]
+    kube.delete("Pod", "tenant-b", ns)
+    # Its daemon outlives the agent as a real one would: unprepared before the node goes.
+    wait_for("the next claim unprepared", lambda: uid not in stack.checkpoint(), timeout=90)
