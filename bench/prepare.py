@@ -46,6 +46,7 @@ from gpudra.driver.claimreader import ApiClaims
 from gpudra.driver.claims import Claim, ClaimRef
 from gpudra.driver.plugin import KubeletPlugin, PreparedDevice, PrepareResult
 
+from e2e.cache import cache_root
 from e2e.claims import pod_with_claim, wait_allocated
 from e2e.cluster.harness import REPO, Cluster, State
 from e2e.cluster.kube import Kube
@@ -100,11 +101,7 @@ def go_client() -> Path | None:
     digest = hashlib.sha256()
     for name in ("go.mod", "go.sum", "main.go"):
         digest.update((GO_CLIENT / name).read_bytes())
-    cache = Path(
-        os.environ.get("GPUDRA_CACHE")
-        or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "gpudra"
-    )
-    binary = cache / "bench-kubeletclient" / digest.hexdigest()[:16] / "kubeletclient"
+    binary = cache_root() / "bench-kubeletclient" / digest.hexdigest()[:16] / "kubeletclient"
     if binary.is_file():
         return binary
     binary.parent.mkdir(parents=True, exist_ok=True)
