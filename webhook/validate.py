@@ -97,7 +97,7 @@ def class_configs(device_class: Mapping[str, Any], driver: str) -> ClassConfigs:
     if not isinstance(entries, list):
         return ClassConfigs()
     try:
-        parsed = _parse(_ConfigList, {"config": entries}, "")
+        parsed = _parse(_ConfigList, {"config": entries}, f"DeviceClass {name} spec")
         configs = bound_configs(
             [e.wire() for e in parsed.config or ()],
             driver=driver,
