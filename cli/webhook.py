@@ -32,6 +32,7 @@ from gpudra.webhook.certs import (
     service_dns_names,
 )
 from gpudra.webhook.convert import ConversionPolicy
+from gpudra.webhook.device_classes import DeviceClassCache
 from gpudra.webhook.server import ServerConfig, WebhookServer
 from gpudra.webhook.templates import ApiTemplateEnsurer
 from gpudra.webhook.tenants import TenantController
@@ -125,14 +126,18 @@ def run(args: argparse.Namespace) -> int:
             policy=ConversionPolicy(native_resources=frozenset(args.extended_resource_name)),
         )
         tenants = TenantController(kube, config.policy) if args.tenants else None
+        classes = DeviceClassCache(config.policy.driver)
         server = WebhookServer(
             config,
             ApiTemplateEnsurer(kube),
             tenants=tenants.state if tenants else None,
-            # Not ready (no traffic from the Service) until the tenant rules are loaded.
-            ready=(lambda: tenants.ready) if tenants else None,
+            # Not ready (no traffic from the Service) until the tenant rules and the
+            # DeviceClasses' configs (claim validation resolves with them) are loaded.
+            ready=lambda: classes.ready and (tenants is None or tenants.ready),
+            device_classes=classes.configs,
         )
         async with anyio.create_task_group() as tg:
+            tg.start_soon(classes.run, kube)
             if tenants is not None:
                 tg.start_soon(tenants.run)
             await tg.start(server.serve)

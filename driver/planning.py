@@ -16,17 +16,9 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from gpudra.api.config import (
-    BoundConfig,
-    ConfigError,
-    DeviceConfig,
-    GpuConfig,
-    MpsConfig,
-    interval_value,
-    join_path,
-    resolve_config,
-)
+from gpudra.api.config import ConfigError, DeviceConfig, join_path
 from gpudra.api.config import DeviceType as ConfigDeviceType
+from gpudra.api.sharing import resolve_sharing, sharing_of
 from gpudra.driver.checkpoint import Checkpoint, DeviceRecord
 from gpudra.driver.claims import AllocatedDevice, Claim, ClaimError, config_error
 from gpudra.driver.devices import Device, DeviceType, Gpu, Inventory, MigStrategy
@@ -128,15 +120,6 @@ def _lookup(inventory: Inventory, name: str, strategy: MigStrategy) -> tuple[Gpu
     return None
 
 
-def _config_path(
-    config: DeviceConfig, class_configs: Sequence[BoundConfig], claim_configs: Sequence[BoundConfig]
-) -> str:
-    for bound in (*class_configs, *claim_configs):
-        if bound.config is config:
-            return bound.path
-    return ""
-
-
 def _entry(
     claim: Claim,
     allocated: AllocatedDevice,
@@ -160,10 +143,20 @@ def _entry(
             "cannot be used whole; request one of its MIG devices"
         )
     device_type: ConfigDeviceType = "gpu" if device.type is DeviceType.GPU else "mig"
+    # A share that consumed all of the GPU's memory (a plain claim: the request
+    # policy defaults to the whole memory) leaves no room for another claim, so it
+    # holds the GPU alone, as an exclusive claim does.
+    share_id = allocated.share_id
+    sliced = share_id is not None and not _whole_memory(allocated, device)
     try:
         # The full "req/sub" name: a config may be bound to the subrequest itself.
-        config = resolve_config(
-            device_type, claim.class_configs, claim.claim_configs, allocated.request
+        sharing = resolve_sharing(
+            device_type,
+            claim.class_configs,
+            claim.claim_configs,
+            allocated.request,
+            memory_slice=sliced and not allocated.admin_access,
+            where=f"{where} (shareID {share_id})" if sliced else where,
         )
     except ConfigError as exc:
         raise config_error(ref, exc) from None
@@ -171,8 +164,8 @@ def _entry(
         allocated=allocated,
         gpu=gpu,
         device=device,
-        config=config,
-        config_path=_config_path(config, claim.class_configs, claim.claim_configs),
+        config=sharing.config,
+        config_path=sharing.path,
         details=DeviceDetails(
             type=device_type,
             request=allocated.request,
@@ -186,28 +179,15 @@ def _entry(
         _plan_mig(claim, checkpoint, pool, entry)
     if entry.admin:
         return entry  # monitoring beside the owner: nothing on the device changes
-    uses_mps, time_slice, _ = sharing_of(config)
-    # A share that consumed all of the GPU's memory (a plain claim: the request
-    # policy defaults to the whole memory) leaves no room for another claim, so it
-    # holds the GPU alone, as an exclusive claim does.
-    sliced = entry.share_id is not None and not _whole_memory(entry)
-    if time_slice is not None and sliced:
-        raise ClaimError(
-            f"{ref.describe()}: {join_path(entry.config_path, 'sharing.strategy')}: "
-            f"TimeSlicing cannot apply to {where} (shareID {entry.share_id}): the "
-            "time-slice is a setting of the whole GPU, which other claims share; use "
-            "strategy MPS or no sharing config"
-        )
-    entry.time_slice = time_slice
-    # A slice of a shared GPU always gets an MPS daemon: it enforces the memory.
-    entry.mps = uses_mps or sliced
+    entry.time_slice = sharing.time_slice
+    entry.mps = sharing.mps
     return entry
 
 
-def _whole_memory(entry: Entry) -> bool:
+def _whole_memory(allocated: AllocatedDevice, device: Device) -> bool:
     """The allocation consumed the GPU's whole memory."""
-    consumed = entry.allocated.consumed_memory
-    total = entry.device.capacity.get("memory")
+    consumed = allocated.consumed_memory
+    total = device.capacity.get("memory")
     return consumed is not None and total is not None and consumed >= total
 
 
@@ -242,19 +222,6 @@ def _plan_mig(claim: Claim, checkpoint: Checkpoint, pool: str, entry: Entry) -> 
         "(no claim on this node created it); admin access can only monitor an existing "
         "device"
     )
-
-
-def sharing_of(config: DeviceConfig) -> tuple[bool, int | None, MpsConfig | None]:
-    """(uses MPS, time-slice value or None, MPS settings) of a resolved config."""
-    sharing = config.sharing
-    if sharing is None:
-        return False, None, None
-    if sharing.strategy == "MPS":
-        return True, None, sharing.mps_config
-    if isinstance(config, GpuConfig) and config.sharing is not None:
-        interval = config.sharing.effective_interval()
-        return False, None if interval is None else interval_value(interval), None
-    return False, None, None  # MIG devices have no time-slice setting
 
 
 def _check_mps(claim: Claim, entries: Sequence[Entry]) -> None:

@@ -40,7 +40,7 @@ from gpudra.webhook.reviews import (
 )
 from gpudra.webhook.tenant_rules import Lookup
 from gpudra.webhook.tenant_state import TenantState
-from gpudra.webhook.validate import driver_classes, validate_claim_object
+from gpudra.webhook.validate import ClassConfigs, driver_classes, validate_claim_object
 
 __all__ = [
     "MUTATE_PATH",
@@ -100,6 +100,7 @@ class Admission:
         extra_device_classes: Sequence[str] = (),
         tenants: TenantState | None = None,
         ensure_timeout: float = 5.0,
+        device_classes: Mapping[str, ClassConfigs] | None = None,
     ) -> None:
         self._ensure = ensure_templates
         self._metrics = metrics
@@ -107,6 +108,8 @@ class Admission:
         self._classes = driver_classes(policy, extra_device_classes)
         self._tenants = tenants
         self._ensure_timeout = ensure_timeout
+        # Live view (a `DeviceClassCache`'s mapping): read at each decision.
+        self._device_classes = device_classes
 
     def endpoints(self) -> dict[str, ReviewHandler]:
         """Path -> handler, for the transport to route to."""
@@ -173,10 +176,11 @@ class Admission:
             classes=self._classes,
             rules=lookup.rules if lookup is not None else None,
             denial=lookup.denial if lookup is not None else "",
+            device_classes=self._device_classes,
         )
         if verdict.allowed:
             return Decision(allow(uid), "allowed")
-        name = (obj.get("metadata") or {}).get("name") or "(generated name)"
+        name = verdict.name or "(generated name)"
         message = f"{kind} {name}: {verdict.message}"
         logger.info(
             "denied claim",

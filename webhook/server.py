@@ -12,7 +12,7 @@ Throughput and latency targets are checked by the benchmark (``make bench-webhoo
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import anyio
@@ -30,6 +30,7 @@ from gpudra.webhook.reviews import ReviewError, encode_review
 from gpudra.webhook.tenant_state import TenantState
 from gpudra.webhook.tls import ReloadingTLSContext
 from gpudra.webhook.transport import Endpoint, HttpConfig, HttpServer, Reply, text_reply
+from gpudra.webhook.validate import ClassConfigs
 from prometheus_client import CollectorRegistry
 
 __all__ = [
@@ -64,6 +65,7 @@ class WebhookServer:
         registry: CollectorRegistry | None = None,
         ready: Callable[[], bool] | None = None,
         tenants: TenantState | None = None,
+        device_classes: Mapping[str, ClassConfigs] | None = None,
     ) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         metrics = WebhookMetrics(self.registry)
@@ -74,6 +76,7 @@ class WebhookServer:
             extra_device_classes=config.extra_device_classes,
             tenants=tenants,
             ensure_timeout=config.ensure_timeout,
+            device_classes=device_classes,
         )
         self._endpoints = {
             path: http_endpoint(handler) for path, handler in admission.endpoints().items()

@@ -2,12 +2,18 @@
 
 Claims that bypass the pod conversion are held to the same rules: the namespace's
 GpuTenant (device classes, MIG profiles, sharing modes, devices per claim) and the
-strict opaque-config parser the kubelet plugin uses (`gpudra.api.config`), so a config
+resolution prepare runs (`gpudra.api.sharing.resolve_sharing`: the DeviceClass's
+configs, then the claim's, then the memory-slice rule), so a claim the webhook admits
+can be prepared and its sharing mode is counted as the node will set it up. A config
 that would fail at prepare time is refused at creation, with its field path and the
 accepted values. Opaque configs addressed to other drivers are not ours to judge and are
 skipped; so are requests for DeviceClasses that are not the driver's.
 
-Pure functions, no I/O: the admission server passes the object and the tenant rules.
+The object is parsed into typed models first, so a field of the wrong type (a config
+entry that is null, `requests: 5`) is an error naming that field, not a crash.
+
+Pure functions, no I/O: the admission server passes the object, the DeviceClasses'
+configs and the tenant rules.
 """
 
 from __future__ import annotations
@@ -15,21 +21,30 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any, Final, Literal, TypeVar
 
 from gpudra.api.config import (
     BoundConfig,
     ConfigError,
-    DeviceConfig,
+    ConfigIssue,
     DeviceType,
     bound_configs,
-    resolve_config,
+    join_path,
 )
+from gpudra.api.sharing import Sharing, resolve_sharing
 from gpudra.api.tenants import MAX_DEVICES_PER_CLAIM
 from gpudra.webhook.convert import ConversionPolicy
 from gpudra.webhook.tenant_rules import TenantRules
+from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic.alias_generators import to_camel
 
-__all__ = ["ClaimVerdict", "driver_classes", "validate_claim_object"]
+__all__ = [
+    "ClaimVerdict",
+    "ClassConfigs",
+    "class_configs",
+    "driver_classes",
+    "validate_claim_object",
+]
 
 # The one selector form that pins a MIG request to a profile, as the conversion writes it.
 _PROFILE_SELECTOR: Final = re.compile(
@@ -39,10 +54,12 @@ _PROFILE_SELECTOR: Final = re.compile(
 
 @dataclass
 class ClaimVerdict:
-    """Problems found: `invalid` (malformed configs) and `forbidden` (tenant rules)."""
+    """Problems found: `invalid` (malformed objects or configs) and `forbidden` (tenant
+    rules); `name` is the object's metadata.name, for the denial message."""
 
     invalid: list[str] = field(default_factory=list)
     forbidden: list[str] = field(default_factory=list)
+    name: str = ""
 
     @property
     def allowed(self) -> bool:
@@ -58,6 +75,153 @@ def driver_classes(policy: ConversionPolicy, extra: Sequence[str] = ()) -> froze
     return frozenset({policy.gpu_class, policy.mig_class, policy.shared_class, *extra})
 
 
+@dataclass(frozen=True, slots=True)
+class ClassConfigs:
+    """A DeviceClass's opaque configs for the driver, or why they cannot be parsed.
+
+    The allocation copies them into every claim of the class, and prepare applies them
+    before the claim's own; a claim of a class whose configs are invalid cannot be
+    prepared.
+    """
+
+    configs: tuple[BoundConfig, ...] = ()
+    error: ConfigError | None = None
+
+
+def class_configs(device_class: Mapping[str, Any], driver: str) -> ClassConfigs:
+    """The driver's configs in a DeviceClass object (as the API server returns it)."""
+    metadata = device_class.get("metadata")
+    name = metadata.get("name", "") if isinstance(metadata, Mapping) else ""
+    spec = device_class.get("spec")
+    entries = spec.get("config") if isinstance(spec, Mapping) else None
+    if not isinstance(entries, list):
+        return ClassConfigs()
+    try:
+        parsed = _parse(_ConfigList, {"config": entries}, f"DeviceClass {name} spec")
+        configs = bound_configs(
+            [e.wire() for e in parsed.config or ()],
+            driver=driver,
+            prefix=f"DeviceClass {name} spec.config",
+        )
+    except _Invalid as exc:
+        return ClassConfigs(error=ConfigError([ConfigIssue("", issue) for issue in exc.issues]))
+    except ConfigError as exc:
+        return ClassConfigs(error=exc)
+    return ClassConfigs(tuple(configs))
+
+
+# --- typed claim objects ------------------------------------------------------------------
+# Only the fields validation reads; the API server checks the rest of the schema. Strict:
+# a string where a number belongs is an error, as in the API server's decoder.
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(
+        extra="ignore", frozen=True, strict=True, alias_generator=to_camel, validate_by_alias=True
+    )
+
+
+class _Cel(_Model):
+    expression: str = ""
+
+
+class _Selector(_Model):
+    cel: _Cel | None = None
+
+
+class _Capacity(_Model):
+    requests: dict[str, str | int | float] | None = None
+
+
+class _Exact(_Model):
+    device_class_name: str = ""
+    allocation_mode: Literal["ExactCount", "All"] | None = None
+    count: int | None = None
+    selectors: list[_Selector] | None = None
+    admin_access: bool | None = None
+    capacity: _Capacity | None = None
+
+
+class _Sub(_Exact):
+    name: str = ""
+
+
+class _RequestSpec(_Model):
+    name: str = ""
+    exactly: _Exact | None = None
+    first_available: list[_Sub] | None = None
+
+
+class _Opaque(_Model):
+    driver: str = ""
+    parameters: Any = None
+
+
+class _ConfigEntry(_Model):
+    requests: list[str] | None = None
+    opaque: _Opaque | None = None
+
+    def wire(self) -> dict[str, Any]:
+        """The entry as `bound_configs` reads it."""
+        entry: dict[str, Any] = {"requests": list(self.requests or ())}
+        if self.opaque is not None:
+            entry["opaque"] = {"driver": self.opaque.driver, "parameters": self.opaque.parameters}
+        return entry
+
+
+class _ConfigList(_Model):
+    config: list[_ConfigEntry] | None = None
+
+
+class _Devices(_ConfigList):
+    requests: list[_RequestSpec] | None = None
+
+
+class _ClaimSpec(_Model):
+    devices: _Devices | None = None
+
+
+class _Metadata(_Model):
+    name: str = ""
+
+
+class _Claim(_Model):
+    metadata: _Metadata | None = None
+    spec: _ClaimSpec | None = None
+
+
+class _TemplateSpec(_Model):
+    spec: _ClaimSpec | None = None
+
+
+class _Template(_Model):
+    metadata: _Metadata | None = None
+    spec: _TemplateSpec | None = None
+
+
+_M = TypeVar("_M", bound=_Model)
+
+
+class _Invalid(Exception):
+    def __init__(self, issues: list[str]) -> None:
+        super().__init__("; ".join(issues))
+        self.issues = issues
+
+
+def _parse(model: type[_M], obj: object, prefix: str) -> _M:
+    """`obj` as `model`; raises _Invalid with one line per field of the wrong type."""
+    try:
+        return model.model_validate(obj)
+    except ValidationError as exc:
+        issues = []
+        for error in exc.errors(include_url=False):
+            path = prefix
+            for part in error["loc"]:
+                path = join_path(path, f"[{part}]" if isinstance(part, int) else str(part))
+            issues.append(f"{path or '(object)'}: {error['msg']} (got {error['input']!r:.60})")
+        raise _Invalid(issues) from None
+
+
 @dataclass(frozen=True)
 class _Request:
     path: str  # spec.devices.requests[0].exactly or ...firstAvailable[1]
@@ -65,6 +229,8 @@ class _Request:
     device_class: str
     count: int
     selectors: tuple[str, ...]
+    memory_slice: bool  # capacity requests: part of a shared GPU's memory
+    admin: bool
 
 
 def validate_claim_object(
@@ -75,104 +241,135 @@ def validate_claim_object(
     classes: frozenset[str],
     rules: TenantRules | None,
     denial: str = "",
+    device_classes: Mapping[str, ClassConfigs] | None = None,
 ) -> ClaimVerdict:
     """Check one ResourceClaim (or, with `template`, ResourceClaimTemplate) object.
 
     `denial` is a namespace-wide reason (tenant conflict, rules not loaded) that forbids
-    any claim for the driver's classes.
+    any claim for the driver's classes; `device_classes` holds the configs of the
+    DeviceClasses by name (a class not in it has none).
     """
     verdict = ClaimVerdict()
-    prefix = "spec.spec" if template else "spec"
-    spec = obj.get("spec")
-    if template and isinstance(spec, Mapping):
-        spec = spec.get("spec")
-    devices = spec.get("devices") if isinstance(spec, Mapping) else None
-    if not isinstance(devices, Mapping):
+    try:
+        if template:
+            parsed_template = _parse(_Template, obj, "")
+            metadata = parsed_template.metadata
+            spec = parsed_template.spec.spec if parsed_template.spec else None
+        else:
+            parsed_claim = _parse(_Claim, obj, "")
+            metadata, spec = parsed_claim.metadata, parsed_claim.spec
+    except _Invalid as exc:
+        verdict.invalid.extend(exc.issues)
         return verdict
-    base = f"{prefix}.devices"
-    entries = devices.get("config") or []
+    verdict.name = metadata.name if metadata is not None else ""
+    devices = spec.devices if spec is not None else None
+    if devices is None:
+        return verdict
+    base = f"{'spec.spec' if template else 'spec'}.devices"
     configs: list[BoundConfig] = []
-    if isinstance(entries, list):
-        try:
-            configs = bound_configs(entries, driver=policy.driver, prefix=f"{base}.config")
-        except ConfigError as exc:
-            verdict.invalid.extend(str(issue) for issue in exc.issues)
-    requests = _requests(devices.get("requests"), base)
+    try:
+        configs = bound_configs(
+            [entry.wire() for entry in devices.config or ()],
+            driver=policy.driver,
+            prefix=f"{base}.config",
+        )
+    except ConfigError as exc:
+        verdict.invalid.extend(str(issue) for issue in exc.issues)
+    requests = _requests(devices.requests or (), base)
     ours = [r for r in requests if r.device_class in classes]
     if ours and denial:
         verdict.forbidden.append(denial)
         return verdict
-    if not verdict.invalid:
-        _check_config_kinds(ours, configs, policy, verdict)
+    # Resolution needs every config parsed; what failed to parse is reported already.
+    resolved = (
+        {} if verdict.invalid else _resolve(ours, configs, policy, device_classes or {}, verdict)
+    )
     if rules is not None:
-        _check_rules(ours, configs, policy, rules, verdict)
+        _check_rules(ours, resolved, policy, rules, verdict)
     return verdict
 
 
-def _requests(raw: object, base: str) -> list[_Request]:
+def _requests(raw: Sequence[_RequestSpec], base: str) -> list[_Request]:
     result: list[_Request] = []
-    if not isinstance(raw, list):
-        return result
     for index, request in enumerate(raw):
-        if not isinstance(request, Mapping):
-            continue
-        name = str(request.get("name", ""))
-        exactly = request.get("exactly")
-        if isinstance(exactly, Mapping):
-            result.append(_one(exactly, f"{base}.requests[{index}].exactly", name))
-        subs = request.get("firstAvailable")
-        if isinstance(subs, list):
-            for sub_index, sub in enumerate(subs):
-                if isinstance(sub, Mapping):
-                    path = f"{base}.requests[{index}].firstAvailable[{sub_index}]"
-                    result.append(_one(sub, path, f"{name}/{sub.get('name', '')}"))
+        if request.exactly is not None:
+            result.append(_one(request.exactly, f"{base}.requests[{index}].exactly", request.name))
+        for sub_index, sub in enumerate(request.first_available or ()):
+            path = f"{base}.requests[{index}].firstAvailable[{sub_index}]"
+            result.append(_one(sub, path, f"{request.name}/{sub.name}"))
     return result
 
 
-def _one(raw: Mapping[str, Any], path: str, name: str) -> _Request:
-    mode = raw.get("allocationMode", "ExactCount")
-    count = raw.get("count", 1)
-    devices = MAX_DEVICES_PER_CLAIM if mode == "All" else count if isinstance(count, int) else 1
-    selectors = tuple(
-        str((s.get("cel") or {}).get("expression", ""))
-        for s in raw.get("selectors") or ()
-        if isinstance(s, Mapping)
+def _one(raw: _Exact, path: str, name: str) -> _Request:
+    count = raw.count if raw.count is not None else 1
+    devices = MAX_DEVICES_PER_CLAIM if raw.allocation_mode == "All" else count
+    selectors = tuple(s.cel.expression for s in raw.selectors or () if s.cel is not None)
+    capacity = raw.capacity.requests if raw.capacity is not None else None
+    return _Request(
+        path,
+        name,
+        raw.device_class_name,
+        devices,
+        selectors,
+        memory_slice=bool(capacity),
+        admin=raw.admin_access is True,
     )
-    return _Request(path, name, str(raw.get("deviceClassName", "")), devices, selectors)
 
 
 def _device_type(request: _Request, policy: ConversionPolicy) -> DeviceType:
     return "mig" if request.device_class == policy.mig_class else "gpu"
 
 
-def _check_config_kinds(
+def _resolve(
     requests: Sequence[_Request],
     configs: Sequence[BoundConfig],
     policy: ConversionPolicy,
+    device_classes: Mapping[str, ClassConfigs],
     verdict: ClaimVerdict,
-) -> None:
-    """A config bound to a request by name must fit its device type (as at prepare)."""
+) -> dict[str, Sharing]:
+    """Each request's sharing as prepare will resolve it; prepare's refusals are invalid."""
+    resolved: dict[str, Sharing] = {}
     for request in requests:
+        found = device_classes.get(request.device_class, ClassConfigs())
+        if found.error is not None:
+            verdict.invalid.extend(
+                f"{request.path}.deviceClassName: {issue}; the cluster admin must fix the "
+                "DeviceClass"
+                for issue in found.error.issues
+            )
+            continue
         try:
-            resolve_config(_device_type(request, policy), (), configs, request.name)
+            resolved[request.path] = resolve_sharing(
+                _device_type(request, policy),
+                found.configs,
+                configs,
+                request.name,
+                memory_slice=request.memory_slice and not request.admin,
+                where=f"{request.path} (capacity.requests)",
+            )
         except ConfigError as exc:
             verdict.invalid.extend(str(issue) for issue in exc.issues)
+    return resolved
 
 
-def _sharing(config: DeviceConfig) -> str:
-    return config.sharing.strategy if config.sharing is not None else "Exclusive"
+def _sharing_source(request: _Request, sharing: Sharing) -> str:
+    """The field that sets `request`'s sharing mode, for a denial to name."""
+    if request.memory_slice and not request.admin and sharing.config.sharing is None:
+        return f"{request.path}.capacity.requests (a memory slice of a shared GPU runs under MPS)"
+    if sharing.path:
+        return join_path(sharing.path, "sharing.strategy")
+    return f"{request.path} (no sharing config: Exclusive)"
 
 
 def _check_rules(
     requests: Sequence[_Request],
-    configs: Sequence[BoundConfig],
+    resolved: Mapping[str, Sharing],
     policy: ConversionPolicy,
     rules: TenantRules,
     verdict: ClaimVerdict,
 ) -> None:
     spec = rules.tenant.spec
     label = rules.label
-    total = 0
     # firstAvailable alternatives: the largest one counts against the limit.
     largest: dict[str, int] = {}
     for request in requests:
@@ -184,21 +381,15 @@ def _check_rules(
                 f"{request.device_class}; accepted values: "
                 f"{', '.join(spec.allowed_device_classes or ()) or 'none'}"
             )
-        device_type = _device_type(request, policy)
-        if device_type == "mig" and spec.allowed_mig_profiles is not None:
+        if _device_type(request, policy) == "mig" and spec.allowed_mig_profiles is not None:
             _check_profile(request, policy, rules, verdict)
-        try:
-            config = resolve_config(device_type, (), configs, request.name)
-        except ConfigError:
+        sharing = resolved.get(request.path)
+        if sharing is None:
             continue  # reported as invalid already
-        mode = _sharing(config)
-        if not spec.allows_sharing(mode):
-            where = next(
-                (f"{b.path}.sharing.strategy" for b in reversed(configs) if b.config is config),
-                f"{request.path} (no sharing config: Exclusive)",
-            )
+        if not spec.allows_sharing(sharing.mode):
             verdict.forbidden.append(
-                f"{where}: {label} does not allow sharing mode {mode}; accepted values: "
+                f"{_sharing_source(request, sharing)}: {label} does not allow sharing mode "
+                f"{sharing.mode}; accepted values: "
                 f"{', '.join(spec.allowed_sharing or ()) or 'none'}"
             )
     total = sum(largest.values())

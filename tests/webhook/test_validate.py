@@ -11,13 +11,18 @@ from typing import Any
 import anyio
 import pytest
 from anyio.streams.buffered import BufferedByteStream
+from gpudra.api.deviceclasses import device_classes
 from gpudra.api.tenants import API_VERSION, parse_tenant
+from gpudra.webhook.admission import VALIDATE_CLAIMS_PATH, Admission
 from gpudra.webhook.certs import ensure_pki, service_dns_names
 from gpudra.webhook.convert import DEFAULT_POLICY, convert_pod
+from gpudra.webhook.device_classes import DeviceClassCache
+from gpudra.webhook.metrics import WebhookMetrics
 from gpudra.webhook.server import ServerConfig, WebhookServer
 from gpudra.webhook.tenant_rules import TenantRules, policy_for
 from gpudra.webhook.tenant_state import TenantState
 from gpudra.webhook.validate import ClaimVerdict, driver_classes, validate_claim_object
+from prometheus_client import CollectorRegistry
 
 CONFIG_API = "resource.nvidia.com/v1beta1"
 CLASSES = driver_classes(DEFAULT_POLICY)
@@ -188,6 +193,137 @@ def test_converted_templates_pass_their_own_tenant_rules() -> None:
     }
     (tpl,) = convert_pod(pod, r.policy).templates
     assert check(tpl, r, template=True).allowed
+
+
+# -- sharing resolved as prepare resolves it -----------------------------------------------
+
+SHARED = "gpu-shared.nvidia.com"
+
+
+def shared_class(**sharing: Any) -> dict[str, Any]:
+    """The shared DeviceClass with a sharing config, as the chart renders it."""
+    (dc,) = (c for c in device_classes() if c["metadata"]["name"] == SHARED)
+    dc["spec"]["config"] = [opaque(gpu_config(**sharing))]
+    return dc
+
+
+def class_view(*objects: dict[str, Any]) -> DeviceClassCache:
+    cache = DeviceClassCache(DEFAULT_POLICY.driver)
+    cache.replace([*device_classes(), *objects])
+    return cache
+
+
+def memory_slice(name: str = "slice", **extra: Any) -> dict[str, Any]:
+    return req(name, SHARED, capacity={"requests": {"memory": "10Gi"}}, **extra)
+
+
+def test_shared_class_config_decides_the_sharing_mode() -> None:
+    classes = class_view(shared_class(strategy="TimeSlicing")).configs
+    obj = claim(req("gpu", SHARED))
+    (line,) = check(obj, rules(allowedSharing=["Exclusive"]), device_classes=classes).forbidden
+    assert line.startswith(
+        "DeviceClass gpu-shared.nvidia.com spec.config[0].opaque.parameters.sharing.strategy: "
+    )
+    assert "does not allow sharing mode TimeSlicing; accepted values: Exclusive" in line
+    only_shared = rules(allowedSharing=["TimeSlicing"], gpuResource={"sharing": "TimeSlicing"})
+    assert check(obj, only_shared, device_classes=classes).allowed
+
+
+def test_a_memory_slice_counts_as_mps() -> None:
+    classes = class_view(shared_class(strategy="MPS")).configs
+    (line,) = check(
+        claim(memory_slice()), rules(allowedSharing=["Exclusive"]), device_classes=classes
+    ).forbidden
+    assert "does not allow sharing mode MPS" in line
+    # Even on a class with no config: the slice's memory is enforced by an MPS daemon.
+    plain = req("slice", "gpu.nvidia.com", capacity={"requests": {"memory": "10Gi"}})
+    (line,) = check(claim(plain), rules(allowedSharing=["Exclusive"])).forbidden
+    assert line.startswith("spec.devices.requests[0].exactly.capacity.requests (a memory slice")
+    assert "does not allow sharing mode MPS" in line
+
+
+def test_time_slicing_on_a_memory_slice_is_refused_as_prepare_refuses_it() -> None:
+    obj = claim(memory_slice(), config=[opaque(gpu_config(strategy="TimeSlicing"))])
+    (line,) = check(obj).invalid
+    assert line.startswith("spec.devices.config[0].opaque.parameters.sharing.strategy: ")
+    assert "TimeSlicing cannot apply to spec.devices.requests[0].exactly" in line
+    # The class's own time-slicing config reaches the slice too.
+    classes = class_view(shared_class(strategy="TimeSlicing")).configs
+    (line,) = check(claim(memory_slice()), device_classes=classes).invalid
+    assert "DeviceClass gpu-shared.nvidia.com spec.config[0]" in line
+    assert "TimeSlicing cannot apply" in line
+    mps = claim(memory_slice(), config=[opaque(gpu_config(strategy="MPS"))])
+    assert check(mps, device_classes=classes).allowed
+
+
+def test_an_invalid_class_config_refuses_claims_of_that_class() -> None:
+    broken = shared_class(strategy="Sliced")
+    classes = class_view(broken).configs
+    (line,) = check(claim(req("gpu", SHARED)), device_classes=classes).invalid
+    assert line.startswith("spec.devices.requests[0].exactly.deviceClassName: DeviceClass ")
+    assert "unknown value 'Sliced'" in line and "cluster admin must fix" in line
+    assert check(claim(req("gpu")), device_classes=classes).allowed
+
+
+def test_device_class_cache_follows_events() -> None:
+    cache = class_view()
+    assert cache.ready and cache.configs[SHARED].configs == ()
+    cache.event("MODIFIED", shared_class(strategy="MPS"))
+    assert cache.configs[SHARED].configs[0].config.sharing is not None
+    cache.event("DELETED", shared_class(strategy="MPS"))
+    assert SHARED not in cache.configs
+
+
+# -- type-confused objects ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("devices", "field"),
+    [
+        ({"requests": [], "config": [None]}, "spec.devices.config[0]"),
+        ({"requests": [], "config": ["x"]}, "spec.devices.config[0]"),
+        ({"requests": [], "config": [{"requests": 5}]}, "spec.devices.config[0].requests"),
+        ({"requests": 5}, "spec.devices.requests"),
+        (
+            {"requests": [{"name": "a", "exactly": {"deviceClassName": "x", "selectors": True}}]},
+            "spec.devices.requests[0].exactly.selectors",
+        ),
+        (
+            {"requests": [{"name": "a", "exactly": {"selectors": [{"cel": "x"}]}}]},
+            "spec.devices.requests[0].exactly.selectors[0].cel",
+        ),
+        (
+            {"requests": [{"name": "a", "exactly": {"count": "2"}}]},
+            "spec.devices.requests[0].exactly.count",
+        ),
+    ],
+)
+def test_a_field_of_the_wrong_type_is_invalid_naming_it(devices: Any, field: str) -> None:
+    obj = {"metadata": {"name": "c"}, "spec": {"devices": devices}}
+    verdict = check(obj, rules(allowedSharing=["Exclusive"]))
+    assert not verdict.allowed
+    assert any(line.startswith(f"{field}: ") for line in verdict.invalid), verdict.invalid
+
+
+@pytest.mark.anyio
+async def test_type_confused_claims_are_answered_400_naming_the_field() -> None:
+    endpoints = Admission(_NoTemplates(), WebhookMetrics(CollectorRegistry())).endpoints()
+    validate = endpoints[VALIDATE_CLAIMS_PATH]
+    bad = claim(req("gpu"), config=[opaque(gpu_config(strategy="Sliced"))])
+    bad["metadata"] = ["c"]
+    decision = await validate(json.dumps(claim_review(bad)).encode())
+    status = decision.response["status"]
+    assert (decision.result, status["code"]) == ("denied", 400)
+    assert "metadata: " in status["message"]
+    null_entry = claim(req("gpu"), config=[None])  # type: ignore[list-item]
+    decision = await validate(json.dumps(claim_review(null_entry)).encode())
+    assert decision.response["status"]["code"] == 400
+    assert "spec.devices.config[0]: " in decision.response["status"]["message"]
+
+
+class _NoTemplates:
+    async def __call__(self, namespace: str, templates: Any, dry_run: bool) -> None:
+        raise AssertionError("claim validation writes nothing")
 
 
 # -- through the server ------------------------------------------------------------------

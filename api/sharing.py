@@ -1,0 +1,113 @@
+"""How one request's devices are shared: the effective config and sharing mode.
+
+The kubelet plugin (`gpudra.driver.planning`) decides this for each allocated device,
+and the validating webhook (`gpudra.webhook.validate`) for each request of a claim
+before it is created. Both call `resolve_sharing`, so the webhook cannot admit a claim
+that prepare would refuse, nor count a tenant's sharing mode differently from what the
+node will set up:
+
+1. the config: the DeviceClass's configs, then the claim's, last match wins
+   (`resolve_config`);
+2. a memory slice (a request with capacity requests: the scheduler gives it part of a
+   shared GPU) always runs under an MPS daemon, which enforces its memory; a
+   time-slice, a setting of the whole GPU that other claims share, cannot apply to it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Final, Literal, TypeAlias, get_args
+
+from gpudra.api.config import (
+    BoundConfig,
+    ConfigError,
+    ConfigIssue,
+    DeviceConfig,
+    DeviceType,
+    GpuConfig,
+    MpsConfig,
+    interval_value,
+    join_path,
+    resolve_config,
+)
+
+__all__ = ["SHARING_MODES", "Sharing", "SharingMode", "resolve_sharing", "sharing_of"]
+
+SharingMode: TypeAlias = Literal["Exclusive", "TimeSlicing", "MPS"]
+SHARING_MODES: Final[tuple[SharingMode, ...]] = get_args(SharingMode)
+
+
+@dataclass(frozen=True, slots=True)
+class Sharing:
+    """The resolved config of one request's device and what it makes prepare do.
+
+    `path` is where the config was found (empty: the driver default), so errors and
+    denials can name the field to change.
+    """
+
+    config: DeviceConfig
+    path: str
+    mode: SharingMode
+    time_slice: int | None = None
+
+    @property
+    def mps(self) -> bool:
+        """The device joins the claim's MPS daemon."""
+        return self.mode == "MPS"
+
+    @property
+    def mps_config(self) -> MpsConfig | None:
+        return sharing_of(self.config)[2]
+
+
+def sharing_of(config: DeviceConfig) -> tuple[bool, int | None, MpsConfig | None]:
+    """(uses MPS, time-slice value or None, MPS settings) of a resolved config."""
+    sharing = config.sharing
+    if sharing is None:
+        return False, None, None
+    if sharing.strategy == "MPS":
+        return True, None, sharing.mps_config
+    if isinstance(config, GpuConfig) and config.sharing is not None:
+        interval = config.sharing.effective_interval()
+        return False, None if interval is None else interval_value(interval), None
+    return False, None, None  # MIG devices have no time-slice setting
+
+
+def resolve_sharing(
+    device_type: DeviceType,
+    class_configs: Sequence[BoundConfig],
+    claim_configs: Sequence[BoundConfig],
+    request_name: str,
+    *,
+    memory_slice: bool,
+    where: str,
+) -> Sharing:
+    """The effective config and sharing mode of the device `request_name` gets.
+
+    `request_name` is the full "req/sub" name (a config may be bound to the
+    subrequest); `memory_slice` says the device is part of a shared GPU's memory;
+    `where` names the request or result in errors. Raises ConfigError, with paths
+    anchored where the configs were found.
+    """
+    config = resolve_config(device_type, class_configs, claim_configs, request_name)
+    path = next((b.path for b in (*class_configs, *claim_configs) if b.config is config), "")
+    uses_mps, time_slice, _ = sharing_of(config)
+    if memory_slice and time_slice is not None:
+        raise ConfigError(
+            [
+                ConfigIssue(
+                    join_path(path, "sharing.strategy"),
+                    f"TimeSlicing cannot apply to {where}: it is a memory slice of a shared "
+                    "GPU, and the time-slice is a setting of the whole GPU, which other "
+                    "claims share; use strategy MPS or no sharing config",
+                    ("MPS",),
+                )
+            ]
+        )
+    if uses_mps or memory_slice:
+        # A slice of a shared GPU always gets an MPS daemon: it enforces the memory.
+        return Sharing(config, path, "MPS")
+    if config.sharing is not None and config.sharing.strategy == "TimeSlicing":
+        return Sharing(config, path, "TimeSlicing", time_slice)
+    return Sharing(config, path, "Exclusive")

@@ -1,0 +1,289 @@
+"""Escape attempts with hand-written claims: a tenant user (a ServiceAccount with `edit`
+in its own namespace only, its requests made with its own token) writes the claims
+that used to slip past its GpuTenant's `allowedSharing` or past validation into a
+prepare that fails. The real API server calls the webhook, which resolves each claim's
+sharing from the real DeviceClasses as the kubelet plugin will."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import ssl
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+from anyio.to_thread import run_sync
+from gpudra.api.deviceclasses import device_classes
+from gpudra.api.tenants import API_VERSION, crd_manifest
+from gpudra.common.kube import Kube
+from gpudra.webhook import registration
+from gpudra.webhook.device_classes import DeviceClassCache
+from gpudra.webhook.server import WebhookServer
+from gpudra.webhook.templates import ApiTemplateEnsurer
+from gpudra.webhook.tenants import TenantController
+from gpudra.webhook.validate import driver_classes
+
+from e2e import smoke
+from e2e.cluster.harness import Cluster
+from e2e.cluster.kube import ApiError, Credentials, apply_crd, wait_for
+from e2e.cluster.kube import Kube as SyncKube
+from e2e.webhook_env import serving_config
+
+pytestmark = [pytest.mark.cluster, pytest.mark.anyio]
+DRIVER = "gpu.nvidia.com"
+SHARED = "gpu-shared.nvidia.com"
+TENANTS = f"/apis/{API_VERSION}/gputenants"
+CONFIG_API = "resource.nvidia.com/v1beta1"
+
+
+class TenantUser:
+    """Requests made with a ServiceAccount's own bearer token, as a tenant would."""
+
+    def __init__(self, creds: Credentials, token: str) -> None:
+        self._creds = creds
+        self._token = token
+        self._ctx = ssl.create_default_context(cafile=str(creds.ca))
+
+    def create(self, obj: dict[str, Any]) -> Any:
+        path = SyncKube.path(obj["kind"], obj["metadata"]["namespace"])
+        conn = http.client.HTTPSConnection(
+            self._creds.host, self._creds.port, context=self._ctx, timeout=30
+        )
+        try:
+            headers = {
+                "Authorization": f"Bearer {self._token}",
+                "Content-Type": "application/json",
+                "Accept": "application/json",
+            }
+            conn.request("POST", path, body=json.dumps(obj).encode(), headers=headers)
+            resp = conn.getresponse()
+            body: Any = json.loads(resp.read() or b"null")
+        finally:
+            conn.close()
+        if resp.status >= 400:
+            raise ApiError(resp.status, body, "POST", path)
+        return body
+
+
+def tenant_user(kube: SyncKube, ns: str) -> TenantUser:
+    """A ServiceAccount bound to `edit` in `ns` only, and a client with its token."""
+    sa = "tenant"
+    kube.request(
+        "POST",
+        f"/api/v1/namespaces/{ns}/serviceaccounts",
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": sa}},
+    )
+    kube.request(
+        "POST",
+        f"/apis/rbac.authorization.k8s.io/v1/namespaces/{ns}/rolebindings",
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "RoleBinding",
+            "metadata": {"name": "tenant-edit"},
+            "roleRef": {
+                "apiGroup": "rbac.authorization.k8s.io",
+                "kind": "ClusterRole",
+                "name": "edit",
+            },
+            "subjects": [{"kind": "ServiceAccount", "name": sa, "namespace": ns}],
+        },
+    )
+    issued = kube.request(
+        "POST",
+        f"/api/v1/namespaces/{ns}/serviceaccounts/{sa}/token",
+        {
+            "apiVersion": "authentication.k8s.io/v1",
+            "kind": "TokenRequest",
+            "spec": {"expirationSeconds": 600},
+        },
+    )
+    return TenantUser(kube.creds, issued["status"]["token"])
+
+
+def shared_class_as_the_chart_renders_it() -> dict[str, Any]:
+    """gpu-shared.nvidia.com with the chart's default sharing config (TimeSlicing)."""
+    (dc,) = (c for c in device_classes(DRIVER) if c["metadata"]["name"] == SHARED)
+    params: dict[str, Any] = {
+        "apiVersion": CONFIG_API,
+        "kind": "GpuConfig",
+        "sharing": {"strategy": "TimeSlicing", "timeSlicingConfig": {"interval": "Default"}},
+    }
+    dc["spec"]["config"] = [{"opaque": {"driver": DRIVER, "parameters": params}}]
+    return dc
+
+
+@dataclass
+class Env:
+    controller: TenantController
+    classes: DeviceClassCache
+
+
+@pytest.fixture
+async def env(cluster: Cluster, kube: SyncKube, tmp_path: Path) -> AsyncIterator[Env]:
+    for dc in device_classes(DRIVER):
+        kube.apply(dc)
+    kube.apply(shared_class_as_the_chart_renders_it())
+    apply_crd(kube, crd_manifest())
+    akube = await Kube.connect(str(cluster.layout.admin_kubeconfig))
+    pki, config = serving_config(cluster, tmp_path / "pki")
+    controller = TenantController(akube, config.policy)
+    classes = DeviceClassCache(DRIVER)
+    server = WebhookServer(
+        config,
+        ApiTemplateEnsurer(akube),
+        tenants=controller.state,
+        device_classes=classes.configs,
+    )
+    async with anyio.create_task_group() as tg:
+        port = await tg.start(server.serve)
+        await tg.start(controller.run)
+        await tg.start(classes.run, akube)
+        await registration.apply(
+            akube,
+            registration.validating_configuration(
+                ca_bundle_b64=pki.ca_bundle_base64(),
+                own_namespace="gpudra",
+                device_classes=sorted(driver_classes(config.policy)),
+                driver=DRIVER,
+                url=f"https://{cluster.webhook_host()}:{port}",
+            ),
+        )
+        yield Env(controller, classes)
+        await registration.delete(akube, registration.VALIDATING_NAME, validating=True)
+        tg.cancel_scope.cancel()
+    for dc in device_classes(DRIVER):
+        kube.apply(dc)  # the shared class without the config again, as other tests expect
+    await akube.close()
+
+
+@pytest.fixture
+def namespace(kube: SyncKube) -> Iterator[str]:
+    ns = smoke.make_namespace(kube, "escape-claims")
+    yield ns
+    kube.delete("Namespace", ns)
+
+
+def with_tenant(kube: SyncKube, ns: str, **spec: Any) -> str:
+    name = f"t-{ns}"
+    body = {"apiVersion": API_VERSION, "kind": "GpuTenant", "metadata": {"name": name}}
+    kube.request("POST", TENANTS, {**body, "spec": {"namespaces": [ns], **spec}})
+    return name
+
+
+def drop_tenant(kube: SyncKube, name: str) -> None:
+    try:
+        kube.request("DELETE", f"{TENANTS}/{name}")
+    except ApiError as e:
+        if e.status != 404:
+            raise
+
+
+def claim(ns: str, name: str, request: dict[str, Any], *config: dict[str, Any]) -> dict[str, Any]:
+    devices: dict[str, Any] = {"requests": [{"name": "gpu", "exactly": request}]}
+    if config:
+        devices["config"] = list(config)
+    return {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaim",
+        "metadata": {"namespace": ns, "name": name},
+        "spec": {"devices": devices},
+    }
+
+
+def gpu_config(strategy: str) -> dict[str, Any]:
+    params = {"apiVersion": CONFIG_API, "kind": "GpuConfig", "sharing": {"strategy": strategy}}
+    return {"opaque": {"driver": DRIVER, "parameters": params}}
+
+
+SHARED_GPU = {"deviceClassName": SHARED}
+MEMORY_SLICE = {
+    "deviceClassName": SHARED,
+    "capacity": {"requests": {f"{DRIVER}/memory": "10Gi"}},
+}
+
+
+async def denied(user: TenantUser, obj: dict[str, Any]) -> str:
+    with pytest.raises(ApiError) as err:
+        await run_sync(user.create, obj)
+    return str(err.value)
+
+
+async def tenant_rules_loaded(env: Env, ns: str) -> None:
+    await run_sync(
+        wait_for,
+        "the webhook to see the tenant",
+        lambda: env.controller.state.lookup(ns).rules is not None,
+    )
+
+
+async def skip_without_capacity_requests(user: TenantUser, ns: str) -> None:
+    """The API server drops `capacity` without DRAConsumableCapacity: no slices to test."""
+    stored = await run_sync(user.create, claim(ns, "probe", MEMORY_SLICE, gpu_config("MPS")))
+    if "capacity" not in stored["spec"]["devices"]["requests"][0]["exactly"]:
+        pytest.skip("the API server drops capacity requests: DRAConsumableCapacity is off")
+
+
+async def test_shared_class_sharing_counts_against_allowed_sharing(
+    env: Env, kube: SyncKube, namespace: str
+) -> None:
+    user = await run_sync(tenant_user, kube, namespace)
+    await run_sync(wait_for, "the DeviceClasses' configs", lambda: SHARED in env.classes.configs)
+    tenant = await run_sync(lambda: with_tenant(kube, namespace, allowedSharing=["Exclusive"]))
+    try:
+        await tenant_rules_loaded(env, namespace)
+        message = await denied(user, claim(namespace, "shared", SHARED_GPU))
+        assert "HTTP 403" in message
+        assert f"DeviceClass {SHARED} spec.config[0].opaque.parameters.sharing.strategy" in message
+        assert "does not allow sharing mode TimeSlicing; accepted values: Exclusive" in message
+    finally:
+        await run_sync(drop_tenant, kube, tenant)
+    await run_sync(
+        wait_for, "the tenant to go", lambda: env.controller.state.lookup(namespace).rules is None
+    )
+    tenant = await run_sync(
+        lambda: with_tenant(
+            kube, namespace, allowedSharing=["TimeSlicing"], gpuResource={"sharing": "TimeSlicing"}
+        )
+    )
+    try:
+        await tenant_rules_loaded(env, namespace)
+        created = await run_sync(user.create, claim(namespace, "shared", SHARED_GPU))
+        assert created["metadata"]["name"] == "shared"
+    finally:
+        await run_sync(drop_tenant, kube, tenant)
+
+
+async def test_memory_slices_count_as_mps(env: Env, kube: SyncKube, namespace: str) -> None:
+    user = await run_sync(tenant_user, kube, namespace)
+    await skip_without_capacity_requests(user, namespace)
+    tenant = await run_sync(
+        lambda: with_tenant(
+            kube, namespace, allowedSharing=["TimeSlicing"], gpuResource={"sharing": "TimeSlicing"}
+        )
+    )
+    try:
+        await tenant_rules_loaded(env, namespace)
+        message = await denied(user, claim(namespace, "slice", MEMORY_SLICE, gpu_config("MPS")))
+        assert "does not allow sharing mode MPS; accepted values: TimeSlicing" in message
+    finally:
+        await run_sync(drop_tenant, kube, tenant)
+
+
+async def test_time_slicing_on_a_memory_slice_is_refused_at_admission(
+    env: Env, kube: SyncKube, namespace: str
+) -> None:
+    user = await run_sync(tenant_user, kube, namespace)
+    await skip_without_capacity_requests(user, namespace)
+    # The claim's own TimeSlicing config, and the class's one it would inherit.
+    own = await denied(user, claim(namespace, "own", MEMORY_SLICE, gpu_config("TimeSlicing")))
+    assert "HTTP 400" in own
+    assert (
+        "spec.devices.config[0].opaque.parameters.sharing.strategy: TimeSlicing cannot apply" in own
+    )
+    inherited = await denied(user, claim(namespace, "inherited", MEMORY_SLICE))
+    assert f"DeviceClass {SHARED} spec.config[0].opaque.parameters.sharing.strategy" in inherited
+    assert "TimeSlicing cannot apply" in inherited
