@@ -17,6 +17,7 @@ from gpudra.cli.main import build_parser
 from gpudra.driver.devices import SharedGpus
 from gpudra.webhook import registration
 from gpudra.webhook.convert import DEFAULT_POLICY, OPT_OUT_LABEL
+from gpudra.webhook.tenant_state import QUOTA_NAME
 from gpudra.webhook.validate import driver_classes
 
 from e2e.tools import helm as h
@@ -383,6 +384,15 @@ def test_least_privilege_rbac(default: list[dict[str, Any]]) -> None:
     for rule in webhook:
         if "admissionregistration.k8s.io" in rule["apiGroups"]:
             assert rule["resourceNames"], "webhook configurations are writable only by name"
+    # ResourceQuotas: only the one it owns may be read, changed or deleted by name;
+    # create, list and watch cannot be limited by name in RBAC.
+    quota_rules = [r for r in webhook if "resourcequotas" in r["resources"]]
+    for rule in quota_rules:
+        if rule.get("resourceNames"):
+            assert rule["resourceNames"] == [QUOTA_NAME]
+        else:
+            assert set(rule["verbs"]) <= {"create", "list", "watch"}
+    assert {v for r in quota_rules for v in r["verbs"]} >= {"get", "update", "delete", "create"}
     for role in (node, webhook):
         assert not any("*" in rule["verbs"] or "*" in rule["resources"] for rule in role)
         assert not any("secrets" in rule["resources"] for rule in role)
