@@ -14,8 +14,19 @@ import argparse
 import base64
 import logging
 from pathlib import Path
+from typing import Any
 
 import anyio
+from gpudra.api.config import (
+    API_VERSION,
+    GPU_CONFIG_KIND,
+    INTERVALS,
+    STRATEGIES,
+    ConfigError,
+    GpuConfig,
+    parse_opaque_config,
+)
+from gpudra.api.names import DNS_LABEL_MAX, dns_subdomain_problem
 from gpudra.common.kube import Kube
 from gpudra.webhook import registration
 from gpudra.webhook.cabundle import (
@@ -31,7 +42,7 @@ from gpudra.webhook.certs import (
     ensure_pki,
     service_dns_names,
 )
-from gpudra.webhook.convert import ConversionPolicy
+from gpudra.webhook.convert import DEFAULT_POLICY, ConversionPolicy
 from gpudra.webhook.server import ServerConfig, WebhookServer
 from gpudra.webhook.templates import ApiTemplateEnsurer
 from gpudra.webhook.tenants import TenantController
@@ -98,12 +109,110 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="another DeviceClass that selects this driver's devices (repeatable); tenant "
         "class rules and claim validation cover it too",
     )
+    p.add_argument(
+        "--driver-name",
+        default=DEFAULT_POLICY.driver,
+        help="the DRA driver name (the node agent's --driver-name): converted MIG "
+        "selectors, converted configs, config validation and the tenant sharing check "
+        f"use it (default: {DEFAULT_POLICY.driver})",
+    )
+    p.add_argument(
+        "--shared-strategy",
+        choices=STRATEGIES,
+        default=DEFAULT_POLICY.shared_strategy,
+        help="how converted shared GPUs (nvidia.com/gpu.shared) are shared, the shared "
+        "DeviceClass's strategy; a GpuTenant's gpuResource mapping overrides it in its "
+        f"namespaces (default: {DEFAULT_POLICY.shared_strategy})",
+    )
+    p.add_argument(
+        "--time-slice-interval",
+        choices=INTERVALS,
+        default=DEFAULT_POLICY.time_slice_interval,
+        help="time-slice interval of converted TimeSlicing GPUs, the shared DeviceClass's "
+        f"(default: {DEFAULT_POLICY.time_slice_interval})",
+    )
+    p.add_argument(
+        "--mps-default-active-thread-percentage",
+        type=int,
+        default=None,
+        metavar="PERCENT",
+        help="with --shared-strategy=MPS: the shared DeviceClass's "
+        "mpsConfig.defaultActiveThreadPercentage, carried by converted MPS claims "
+        "(default: the driver's)",
+    )
+    p.add_argument(
+        "--mps-default-pinned-device-memory-limit",
+        default=None,
+        metavar="QUANTITY",
+        help="with --shared-strategy=MPS: the shared DeviceClass's "
+        "mpsConfig.defaultPinnedDeviceMemoryLimit (e.g. 10Gi), carried by converted MPS "
+        "claims (default: the driver's)",
+    )
     p.set_defaults(func=run)
+
+
+def conversion_policy(args: argparse.Namespace) -> ConversionPolicy:
+    """The base conversion policy the flags describe (tenants layer their rules on it)."""
+    # resource.k8s.io limits driver names to 63 characters.
+    if problem := dns_subdomain_problem(args.driver_name, max_length=DNS_LABEL_MAX):
+        raise SystemExit(
+            f"gpudra webhook: --driver-name {args.driver_name!r} {problem}: give the node "
+            "agent's driver name, e.g. gpu.nvidia.com"
+        )
+    return ConversionPolicy(
+        driver=args.driver_name,
+        shared_strategy=args.shared_strategy,
+        time_slice_interval=args.time_slice_interval,
+        mps_config=_mps_config(args),
+        native_resources=frozenset(args.extended_resource_name),
+    )
+
+
+def _mps_config(args: argparse.Namespace) -> tuple[tuple[str, Any], ...]:
+    """The MPS defaults as the driver's own config parser accepts them, so a value the
+    kubelet plugin would refuse fails here, at start, naming the flag."""
+    flags = {
+        "defaultActiveThreadPercentage": (
+            "--mps-default-active-thread-percentage",
+            args.mps_default_active_thread_percentage,
+        ),
+        "defaultPinnedDeviceMemoryLimit": (
+            "--mps-default-pinned-device-memory-limit",
+            args.mps_default_pinned_device_memory_limit,
+        ),
+    }
+    given = {wire: value for wire, (_, value) in flags.items() if value not in (None, "")}
+    if not given:
+        return ()
+    if args.shared_strategy != "MPS":
+        raise SystemExit(
+            f"gpudra webhook: {', '.join(flags[w][0] for w in given)}: MPS settings apply "
+            "only with --shared-strategy=MPS; drop them or add --shared-strategy=MPS"
+        )
+    raw = {
+        "apiVersion": API_VERSION,
+        "kind": GPU_CONFIG_KIND,
+        "sharing": {"strategy": "MPS", "mpsConfig": given},
+    }
+    try:
+        config = parse_opaque_config(raw)
+    except ConfigError as exc:
+        problems = [
+            f"{flags[issue.path.rsplit('.', 1)[-1]][0]} {given[issue.path.rsplit('.', 1)[-1]]!r}: "
+            f"{issue.message}"
+            if issue.path.rsplit(".", 1)[-1] in given
+            else str(issue)
+            for issue in exc.issues
+        ]
+        raise SystemExit(f"gpudra webhook: {'; '.join(problems)}") from None
+    assert isinstance(config, GpuConfig) and config.sharing and config.sharing.mps_config
+    return tuple(sorted(config.sharing.mps_config.to_wire().items()))
 
 
 def run(args: argparse.Namespace) -> int:
     if not 0 < args.port < 65536:
         raise SystemExit(f"gpudra webhook: --port {args.port} is out of range (1-65535)")
+    policy = conversion_policy(args)
     names = service_dns_names(args.service, args.namespace)
     try:
         if args.cert_source == "files":
@@ -122,7 +231,7 @@ def run(args: argparse.Namespace) -> int:
             host=args.host,
             port=args.port,
             extra_device_classes=tuple(args.device_class),
-            policy=ConversionPolicy(native_resources=frozenset(args.extended_resource_name)),
+            policy=policy,
         )
         tenants = TenantController(kube, config.policy) if args.tenants else None
         server = WebhookServer(

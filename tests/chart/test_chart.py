@@ -14,9 +14,10 @@ import yaml
 from gpudra.api.config import GpuConfig, parse_opaque_config
 from gpudra.api.deviceclasses import device_classes
 from gpudra.cli.main import build_parser
+from gpudra.cli.webhook import conversion_policy
 from gpudra.driver.devices import SharedGpus
 from gpudra.webhook import registration
-from gpudra.webhook.convert import DEFAULT_POLICY, OPT_OUT_LABEL
+from gpudra.webhook.convert import DEFAULT_POLICY, OPT_OUT_LABEL, ConversionPolicy
 from gpudra.webhook.tenant_state import QUOTA_NAME
 from gpudra.webhook.validate import driver_classes
 
@@ -542,3 +543,69 @@ def test_rendered_args_are_accepted_by_the_cli(helm: Path, values: list[Any]) ->
         assert parsed.command == args[0]
         if kind == "DaemonSet":
             SharedGpus.parse(parsed.shared_gpus)  # the value, too, is one the agent takes
+        else:
+            conversion_policy(parsed)  # and the webhook's values, one it starts with
+
+
+def webhook_policy(objects: list[dict[str, Any]]) -> tuple[list[str], ConversionPolicy]:
+    """The webhook container's args and the conversion policy `gpudra webhook` makes of them."""
+    (container,) = h.find(objects, "Deployment")["spec"]["template"]["spec"]["containers"]
+    args = container["args"]
+    return args, conversion_policy(build_parser().parse_args(args))
+
+
+@pytest.mark.parametrize(
+    ("values", "flags", "field", "expected"),
+    [
+        (
+            {"driverName": "gpu.example.com"},
+            ["--driver-name=gpu.example.com"],
+            "driver",
+            "gpu.example.com",
+        ),
+        (
+            {"deviceClasses": {"shared": {"strategy": "MPS"}}},
+            ["--shared-strategy=MPS"],
+            "shared_strategy",
+            "MPS",
+        ),
+        (
+            {"deviceClasses": {"shared": {"timeSlicing": {"interval": "Short"}}}},
+            ["--time-slice-interval=Short"],
+            "time_slice_interval",
+            "Short",
+        ),
+        (
+            {
+                "deviceClasses": {
+                    "shared": {"strategy": "MPS", "mps": {"defaultActiveThreadPercentage": 30}}
+                }
+            },
+            ["--mps-default-active-thread-percentage=30"],
+            "mps_config",
+            (("defaultActiveThreadPercentage", 30),),
+        ),
+        (
+            {
+                "deviceClasses": {
+                    "shared": {"strategy": "MPS", "mps": {"defaultPinnedDeviceMemoryLimit": "4Gi"}}
+                }
+            },
+            ["--mps-default-pinned-device-memory-limit=4Gi"],
+            "mps_config",
+            (("defaultPinnedDeviceMemoryLimit", "4Gi"),),
+        ),
+    ],
+    ids=["driverName", "shared.strategy", "timeSlicing.interval", "mps.threads", "mps.pinned"],
+)
+def test_values_that_change_conversion_reach_the_webhook(
+    helm: Path, values: dict[str, Any], flags: list[str], field: str, expected: Any
+) -> None:
+    """Each value the DeviceClasses or node agent act on is also a webhook flag, so
+    converted claims and validation agree with them (the flags' effect on conversion is
+    tested in tests/cli/test_webhook_flags.py)."""
+    _, default_policy = webhook_policy(h.template(helm))
+    assert getattr(default_policy, field) != expected
+    args, policy = webhook_policy(h.template(helm, values))
+    assert set(flags) <= set(args)
+    assert getattr(policy, field) == expected
