@@ -1,11 +1,15 @@
-"""`gpudra webhook`: the admission webhook, with its own certificates or cert-manager's.
+"""`gpudra webhook`: the admission webhook, with its own certificates, the chart's CA, or
+cert-manager's.
 
 ``--cert-source=self`` (default) makes and rotates a private CA and serving certificate
 in ``--cert-dir`` and keeps the configurations' ``caBundle`` current through
-`gpudra.webhook.cabundle`. ``--cert-source=files`` serves tls.crt/tls.key from a
-mounted cert-manager Secret (reloaded when it changes) and leaves the configurations
-and their ``caBundle`` to the chart and cert-manager's CA injector
-(``cert-manager.io/inject-ca-from``).
+`gpudra.webhook.cabundle`; the pod is ready only once that bundle is in every
+configuration, so a restarted pod gets no traffic the API server cannot verify.
+``--cert-source=ca`` signs and renews the serving certificate in ``--cert-dir`` from the
+CA the chart keeps in its Secret (``--ca-dir``, `gpudra.webhook.renewal`); the chart owns
+the ``caBundle``. ``--cert-source=files`` serves tls.crt/tls.key from a mounted
+cert-manager Secret (reloaded when it changes) and leaves the configurations and their
+``caBundle`` to the chart and cert-manager's CA injector (``cert-manager.io/inject-ca-from``).
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from gpudra.webhook.certs import (
     service_dns_names,
 )
 from gpudra.webhook.convert import DEFAULT_POLICY, ConversionPolicy
+from gpudra.webhook.renewal import ServingRenewal
 from gpudra.webhook.server import ServerConfig, WebhookServer
 from gpudra.webhook.templates import ApiTemplateEnsurer
 from gpudra.webhook.tenants import TenantController
@@ -57,16 +62,25 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "--cert-dir",
         type=Path,
         required=True,
-        help="directory for the CA and serving certificate (created and rotated), or "
-        "where the cert-manager Secret is mounted with --cert-source=files",
+        help="directory for the CA and serving certificate (created and rotated), for the "
+        "serving certificate alone with --cert-source=ca, or where the cert-manager Secret "
+        "is mounted with --cert-source=files",
     )
     p.add_argument(
         "--cert-source",
-        choices=["self", "files"],
+        choices=["self", "ca", "files"],
         default="self",
         help="self: make and rotate a private CA and keep the caBundle current (default); "
+        "ca: sign and renew the serving certificate from the CA in --ca-dir (the chart's "
+        "Secret), whose caBundle the chart registers; "
         "files: serve the tls.crt/tls.key cert-manager writes, reload on change, and leave "
         "the configurations and their caBundle to the chart and cert-manager's CA injector",
+    )
+    p.add_argument(
+        "--ca-dir",
+        type=Path,
+        default=None,
+        help="with --cert-source=ca: where ca.crt and ca.key are mounted",
     )
     p.add_argument("--host", default="0.0.0.0", help="listen address")  # noqa: S104
     p.add_argument(
@@ -212,16 +226,26 @@ def _mps_config(args: argparse.Namespace) -> tuple[tuple[str, Any], ...]:
 def run(args: argparse.Namespace) -> int:
     if not 0 < args.port < 65536:
         raise SystemExit(f"gpudra webhook: --port {args.port} is out of range (1-65535)")
+    if (args.ca_dir is not None) != (args.cert_source == "ca"):
+        raise SystemExit(
+            "gpudra webhook: --ca-dir and --cert-source=ca go together: give both or neither"
+        )
     policy = conversion_policy(args)
     names = service_dns_names(args.service, args.namespace)
+    renewal = (
+        ServingRenewal(args.ca_dir, args.cert_dir, names) if args.cert_source == "ca" else None
+    )
     try:
+        # The server loads the files when it is built: check or make them first.
         if args.cert_source == "files":
             check_serving_files(args.cert_dir)
+        elif renewal is not None:
+            renewal.renew()
         else:
-            # The server loads the files when it is built: make them first.
             ensure_pki(args.cert_dir, names)
     except (OSError, ValueError) as exc:
-        raise SystemExit(f"gpudra webhook: --cert-dir: {exc}") from None
+        flag = "--ca-dir" if renewal is not None else "--cert-dir"
+        raise SystemExit(f"gpudra webhook: {flag}: {exc}") from None
 
     async def main() -> None:
         kube = await Kube.connect(args.kubeconfig)
@@ -234,27 +258,35 @@ def run(args: argparse.Namespace) -> int:
             policy=policy,
         )
         tenants = TenantController(kube, config.policy) if args.tenants else None
+        configurations = [WebhookConfiguration(ConfigurationKind.MUTATING, registration.NAME)]
+        if args.validate_claims:
+            configurations.append(
+                WebhookConfiguration(ConfigurationKind.VALIDATING, registration.VALIDATING_NAME)
+            )
+        bundles = CABundleController(kube, configurations) if args.cert_source == "self" else None
+
+        # Not ready (no traffic from the Service) until the tenant rules are loaded and,
+        # with its own CA, until the API server trusts it: a restarted pod makes a new CA.
+        def ready() -> bool:
+            return (tenants is None or tenants.ready) and (bundles is None or bundles.trusted)
+
         server = WebhookServer(
             config,
             ApiTemplateEnsurer(kube),
             tenants=tenants.state if tenants else None,
-            # Not ready (no traffic from the Service) until the tenant rules are loaded.
-            ready=(lambda: tenants.ready) if tenants else None,
+            ready=ready,
         )
         async with anyio.create_task_group() as tg:
             if tenants is not None:
                 tg.start_soon(tenants.run)
             await tg.start(server.serve)
-            if args.cert_source == "files":
-                # cert-manager renews the files (the server reloads them) and injects
-                # the caBundle into the chart's configurations: nothing to manage here.
+            if bundles is None:
+                # The chart (or cert-manager's CA injector) owns the configurations and
+                # their caBundle; the server reloads the serving files when they change.
+                if renewal is not None:
+                    await renewal.run()
                 await anyio.sleep_forever()
-            configurations = [WebhookConfiguration(ConfigurationKind.MUTATING, registration.NAME)]
-            if args.validate_claims:
-                configurations.append(
-                    WebhookConfiguration(ConfigurationKind.VALIDATING, registration.VALIDATING_NAME)
-                )
-            bundles = CABundleController(kube, configurations)
+                return
             # Rotation (hourly, sooner during a CA rollover) hands each new bundle to the
             # controller, which writes it at once and puts it back after foreign edits.
             await tg.start(SelfSignedRotation(args.cert_dir, names, bundles).run)

@@ -17,6 +17,8 @@ Rotation keeps clients on a known issuer at every moment:
 
 `reconcile_pki` is pure (the caller publishes ``ca_bundle`` when it changed);
 `ensure_pki` adds atomic file storage in the layout of a ``kubernetes.io/tls`` Secret.
+`ensure_serving_from_ca` renews only the serving pair from a CA someone else keeps and
+publishes (the chart's, ``--cert-source=ca``); both share `reconcile_serving`.
 `check_serving_files` validates such a directory filled by someone else (cert-manager).
 Keys are ECDSA P-256: cheap to generate and fast to handshake.
 """
@@ -52,11 +54,13 @@ __all__ = [
     "ca_bundle",
     "check_serving_files",
     "ensure_pki",
+    "ensure_serving_from_ca",
     "generate_ca",
     "generate_serving_cert",
     "load_pki",
     "needs_rotation",
     "reconcile_pki",
+    "reconcile_serving",
     "service_dns_names",
     "store_pki",
     "write_atomic",
@@ -339,13 +343,77 @@ def reconcile_pki(
             since = ca_published(ca_bundle(ca, previous))
         if since is None or now - since < ca_propagation:
             signer = previous
-    serving = current.serving
-    if _reissue(serving, signer, dns_names, ip_addresses, now):
-        serving = generate_serving_cert(
-            signer, dns_names, ip_addresses=ip_addresses, validity=serving_validity, now=now
-        )
+    serving = reconcile_serving(
+        signer,
+        current.serving,
+        dns_names,
+        ip_addresses=ip_addresses,
+        now=now,
+        validity=serving_validity,
+    )
     result = WebhookPki(ca=ca, serving=serving, previous_ca=previous)
     return current if result == current else result
+
+
+def reconcile_serving(
+    signer: CertKeyPair,
+    serving: CertKeyPair | None,
+    dns_names: Sequence[str],
+    *,
+    ip_addresses: Sequence[str] = LOOPBACK_IPS,
+    now: dt.datetime | None = None,
+    validity: dt.timedelta = SERVING_VALIDITY,
+) -> CertKeyPair:
+    """The serving pair `signer` should have issued now; `serving` itself when it is
+    still good (same issuer and names, more than a third of its life left)."""
+    now = now or _now()
+    if serving is not None and not _reissue(serving, signer, dns_names, ip_addresses, now):
+        return serving
+    return generate_serving_cert(
+        signer, dns_names, ip_addresses=ip_addresses, validity=validity, now=now
+    )
+
+
+def ensure_serving_from_ca(
+    ca_dir: Path,
+    cert_dir: Path,
+    dns_names: Sequence[str],
+    *,
+    ip_addresses: Sequence[str] = LOOPBACK_IPS,
+    now: dt.datetime | None = None,
+    validity: dt.timedelta = SERVING_VALIDITY,
+) -> tuple[CertKeyPair, bool]:
+    """Keep tls.crt/tls.key in `cert_dir` issued by the CA in `ca_dir` (ca.crt, ca.key:
+    the chart's Secret) and renewed before expiry; (serving pair, changed).
+
+    The CA, and so the ``caBundle``, stays the chart's: only the serving certificate is
+    made here, so no API write is needed and each replica renews its own.
+    """
+    missing = [n for n in (CA_CERT, CA_KEY) if not (ca_dir / n).is_file()]
+    if missing:
+        raise ValueError(
+            f"{ca_dir} has no {' or '.join(missing)}: with --cert-source=ca mount the chart's "
+            "webhook TLS Secret (it keeps the CA key) at --ca-dir"
+        )
+    ca = CertKeyPair((ca_dir / CA_CERT).read_bytes(), (ca_dir / CA_KEY).read_bytes())
+    ca.check(str(ca_dir / CA_CERT))
+    current = None
+    if (cert_dir / TLS_CERT).is_file() and (cert_dir / TLS_KEY).is_file():
+        current = CertKeyPair((cert_dir / TLS_CERT).read_bytes(), (cert_dir / TLS_KEY).read_bytes())
+        try:
+            current.check(str(cert_dir / TLS_CERT))
+        except ValueError:
+            current = None  # a half-written pair of ours: issue a new one
+    serving = reconcile_serving(
+        ca, current, dns_names, ip_addresses=ip_addresses, now=now, validity=validity
+    )
+    if serving is current:
+        return serving, False
+    cert_dir.mkdir(parents=True, exist_ok=True)
+    # The key first: a reader that loads the new certificate finds its key already there.
+    write_atomic(cert_dir / TLS_KEY, serving.key_pem)
+    write_atomic(cert_dir / TLS_CERT, serving.cert_pem, mode=0o644)
+    return serving, True
 
 
 def load_pki(directory: Path) -> WebhookPki | None:

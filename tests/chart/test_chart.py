@@ -123,6 +123,14 @@ def test_webhook_configurations_match_the_code(
         deployment = h.find(objects, "Deployment")
         volumes = deployment["spec"]["template"]["spec"]["volumes"]
         assert {"name": "certs", "secret": {"secretName": "gpudra-webhook-tls"}} in volumes
+        # It keeps the CA key, so the webhook renews its serving certificate from it.
+        assert base64.b64decode(secret["data"]["ca.key"]).startswith(b"-----BEGIN")
+        assert secret["metadata"]["annotations"]["gpudra.nvidia.com/ca-renew-after"]
+        (container,) = deployment["spec"]["template"]["spec"]["containers"]
+        mounts = {m["name"]: m for m in container["volumeMounts"]}
+        assert mounts["certs"]["readOnly"] is True
+        assert f"--ca-dir={mounts['certs']['mountPath']}" in container["args"]
+        assert f"--cert-dir={mounts['serving']['mountPath']}" in container["args"]
     else:
         assert bundles == set()  # the webhook registers its own caBundle
 
@@ -368,7 +376,8 @@ def test_webhook_runs_as_non_root(full: list[dict[str, Any]]) -> None:
     (c,) = pod["containers"]
     assert c["securityContext"]["allowPrivilegeEscalation"] is False
     assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "https", "scheme": "HTTPS"}
-    assert "--cert-source=files" in c["args"]
+    # tls.source=helm: the chart's CA, the serving certificate renewed by the webhook.
+    assert {"--cert-source=ca", "--ca-dir=/etc/gpudra/webhook-ca"} <= set(c["args"])
     assert "--namespace=gpu-system" in c["args"]
     assert "--port=9443" in c["args"]
     assert h.find(full, "Deployment")["spec"]["replicas"] == 2

@@ -4,11 +4,12 @@ policy, so converted claims and validation agree with the DeviceClasses and node
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
 from gpudra.cli.main import build_parser
-from gpudra.cli.webhook import conversion_policy
+from gpudra.cli.webhook import conversion_policy, run
 from gpudra.webhook.convert import ConversionPolicy, convert_pod
 from gpudra.webhook.validate import driver_classes, validate_claim_object
 
@@ -135,3 +136,21 @@ def test_bad_values_name_the_flag(flags: list[str], message: str) -> None:
 def test_choices_are_the_drivers(flag: str) -> None:
     with pytest.raises(SystemExit):
         policy(flag)
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--ca-dir=ca"], "--ca-dir and --cert-source=ca go together"),
+        (["--cert-source=ca"], "--ca-dir and --cert-source=ca go together"),
+        (["--cert-source=ca", "--ca-dir={tmp}"], "--ca-dir: {tmp} has no ca.crt or ca.key"),
+    ],
+)
+def test_chart_ca_source_needs_the_ca_directory(
+    tmp_path: Path, flags: list[str], message: str
+) -> None:
+    args = [f.format(tmp=tmp_path) for f in flags]
+    parsed = build_parser().parse_args(["webhook", f"--cert-dir={tmp_path / 'serving'}", *args])
+    with pytest.raises(SystemExit) as exit_:
+        run(parsed)
+    assert message.format(tmp=tmp_path) in str(exit_.value)
