@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import base64
 import logging
+import ssl
 from pathlib import Path
 from typing import Any
 
@@ -83,6 +84,21 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="with --cert-source=ca: where ca.crt and ca.key are mounted",
     )
     p.add_argument("--host", default="0.0.0.0", help="listen address")  # noqa: S104
+    p.add_argument(
+        "--client-ca-file",
+        type=Path,
+        default=None,
+        help="refuse every connection to --port without a client certificate signed by "
+        "this CA (PEM): the one that signs the certificate the API server presents from "
+        "its admission kubeConfigFile; /healthz, /readyz and /metrics move to --health-port",
+    )
+    p.add_argument(
+        "--health-port",
+        type=int,
+        default=None,
+        help="with --client-ca-file: a port serving /healthz, /readyz and /metrics "
+        "without client certificates, for the kubelet's probes and metrics scrapers",
+    )
     p.add_argument(
         "--extended-resource-name",
         action="append",
@@ -226,6 +242,18 @@ def _mps_config(args: argparse.Namespace) -> tuple[tuple[str, Any], ...]:
 def run(args: argparse.Namespace) -> int:
     if not 0 < args.port < 65536:
         raise SystemExit(f"gpudra webhook: --port {args.port} is out of range (1-65535)")
+    if (args.client_ca_file is None) != (args.health_port is None):
+        raise SystemExit(
+            "gpudra webhook: --client-ca-file and --health-port go together: the kubelet's "
+            "probes present no client certificate, so they need a port of their own"
+        )
+    if args.health_port is not None and not (
+        0 < args.health_port < 65536 and args.health_port != args.port
+    ):
+        raise SystemExit(
+            f"gpudra webhook: --health-port {args.health_port} must be 1-65535 and differ "
+            f"from --port {args.port}"
+        )
     if (args.ca_dir is not None) != (args.cert_source == "ca"):
         raise SystemExit(
             "gpudra webhook: --ca-dir and --cert-source=ca go together: give both or neither"
@@ -276,10 +304,19 @@ def run(args: argparse.Namespace) -> int:
             tenants=tenants.state if tenants else None,
             ready=ready,
         )
+        health = None
+        if args.client_ca_file is not None:
+            try:
+                server.tls.require_client_certificates(args.client_ca_file)
+            except (OSError, ssl.SSLError) as exc:
+                raise SystemExit(f"gpudra webhook: --client-ca-file: {exc}") from None
+            health = server.health_server(args.health_port)
         async with anyio.create_task_group() as tg:
             if tenants is not None:
                 tg.start_soon(tenants.run)
             await tg.start(server.serve)
+            if health is not None:
+                await tg.start(health.serve)
             if bundles is None:
                 # The chart (or cert-manager's CA injector) owns the configurations and
                 # their caBundle; the server reloads the serving files when they change.

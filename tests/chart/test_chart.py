@@ -17,6 +17,7 @@ from gpudra.cli.main import build_parser
 from gpudra.cli.webhook import conversion_policy
 from gpudra.driver.devices import SharedGpus
 from gpudra.webhook import registration
+from gpudra.webhook.certs import generate_ca
 from gpudra.webhook.convert import DEFAULT_POLICY, OPT_OUT_LABEL, ConversionPolicy
 from gpudra.webhook.tenant_state import QUOTA_NAME
 from gpudra.webhook.validate import driver_classes
@@ -26,6 +27,7 @@ from e2e.tools import helm as h
 REPO = Path(__file__).resolve().parents[2]
 API_CRDS = REPO / "api" / "crds"
 CHART_CRDS = h.CHART / "files" / "crds"
+CLIENT_CA = generate_ca().cert_pem.decode()
 
 
 @pytest.fixture(scope="module")
@@ -486,6 +488,31 @@ def test_notes_tell_how_to_check(helm: Path) -> None:
         ({"webhook": {"replicas": 2}}, "webhook.replicas=2 needs webhook.tls.source"),
         ({"webhook": {"tls": {"source": "secret"}}}, "webhook.tls.secretName"),
         (
+            {"webhook": {"clientAuth": {"enabled": True}}},
+            "webhook.clientAuth.enabled needs webhook.clientAuth.caCert",
+        ),
+        (
+            {"webhook": {"clientAuth": {"enabled": True, "caCert": CLIENT_CA, "healthPort": 8443}}},
+            "webhook.clientAuth.healthPort=8443 must differ from webhook.port",
+        ),
+        (
+            {"webhook": {"networkPolicy": {"enabled": True}}},
+            "webhook.networkPolicy.enabled needs webhook.networkPolicy.controlPlaneCIDRs",
+        ),
+        (
+            {
+                "webhook": {
+                    "hostNetwork": True,
+                    "networkPolicy": {"enabled": True, "controlPlaneCIDRs": ["10.0.0.0/24"]},
+                }
+            },
+            "webhook.networkPolicy.enabled has no effect with webhook.hostNetwork=true",
+        ),
+        (
+            {"webhook": {"networkPolicy": {"controlPlaneCIDRs": ["10.0.0.0"]}}},
+            "/webhook/networkPolicy/controlPlaneCIDRs/0",
+        ),
+        (
             {"webhook": {"tls": {"source": "secret", "secretName": "tls"}}},
             "webhook.tls.caBundle",
         ),
@@ -522,7 +549,8 @@ def test_full_values_cover_every_schema_property() -> None:
     alternatives = re.compile(
         r"^(global|node\.(affinity|tolerations|priorityClassName|resources|livenessProbe|"
         r"updateStrategy)|webhook\.(enabled|affinity|tolerations|nodeSelector|resources|"
-        r"podAnnotations|extraArgs|tls\.(secretName|caBundle|injectCAFrom))|"
+        r"podAnnotations|extraArgs|tls\.(secretName|caBundle|injectCAFrom)|clientAuth|"
+        r"networkPolicy)|"
         r"deviceClasses\.shared\.timeSlicing)"
     )
     missing = sorted(
@@ -618,3 +646,60 @@ def test_values_that_change_conversion_reach_the_webhook(
     args, policy = webhook_policy(h.template(helm, values))
     assert set(flags) <= set(args)
     assert getattr(policy, field) == expected
+
+
+def test_client_certificate_authentication_reaches_the_webhook(
+    helm: Path, default: list[dict[str, Any]]
+) -> None:
+    (container,) = h.find(default, "Deployment")["spec"]["template"]["spec"]["containers"]
+    assert not any(a.startswith(("--client-ca-file", "--health-port")) for a in container["args"])
+    objects = h.template(
+        helm,
+        {"webhook": {"clientAuth": {"enabled": True, "caCert": CLIENT_CA, "healthPort": 9444}}},
+    )
+    pod = h.find(objects, "Deployment")["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    args = build_parser().parse_args(container["args"])
+    # The CA the ConfigMap holds is the file the webhook is told to trust.
+    (mount,) = [m for m in container["volumeMounts"] if m["name"] == "client-ca"]
+    assert str(args.client_ca_file) == f"{mount['mountPath']}/ca.crt"
+    (volume,) = [v for v in pod["volumes"] if v["name"] == "client-ca"]
+    config_map = h.find(objects, "ConfigMap", volume["configMap"]["name"])
+    assert config_map["data"]["ca.crt"].strip() == CLIENT_CA.strip()
+    # The kubelet's probes, which present no client certificate, use the health port.
+    assert args.health_port == 9444
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports == {"https": 8443, "health": 9444}
+    for probe in ("readinessProbe", "livenessProbe"):
+        assert container[probe]["httpGet"]["port"] == "health"
+
+
+def test_network_policy_admits_only_the_control_plane(
+    helm: Path, default: list[dict[str, Any]]
+) -> None:
+    assert not [o for o in default if o["kind"] == "NetworkPolicy"]  # off by default
+    scraper = {"from": [{"namespaceSelector": {}}], "ports": [{"port": 8444}]}
+    objects = h.template(
+        helm,
+        {
+            "webhook": {
+                "port": 9443,
+                "networkPolicy": {
+                    "enabled": True,
+                    "controlPlaneCIDRs": ["10.0.0.0/24", "fd00::/64"],
+                    "extraIngress": [scraper],
+                },
+            }
+        },
+    )
+    spec = h.find(objects, "NetworkPolicy")["spec"]
+    deployment = h.find(objects, "Deployment")
+    assert spec["podSelector"]["matchLabels"] == deployment["spec"]["selector"]["matchLabels"]
+    assert spec["policyTypes"] == ["Ingress"]
+    control_plane, extra = spec["ingress"]
+    assert control_plane["from"] == [
+        {"ipBlock": {"cidr": "10.0.0.0/24"}},
+        {"ipBlock": {"cidr": "fd00::/64"}},
+    ]
+    assert control_plane["ports"] == [{"port": 9443, "protocol": "TCP"}]
+    assert extra == scraper
