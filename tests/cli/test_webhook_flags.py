@@ -144,11 +144,15 @@ def test_choices_are_the_drivers(flag: str) -> None:
         (["--ca-dir=ca"], "--ca-dir and --cert-source=ca go together"),
         (["--cert-source=ca"], "--ca-dir and --cert-source=ca go together"),
         (["--cert-source=ca", "--ca-dir={tmp}"], "--ca-dir: {tmp} has no ca.crt or ca.key"),
+        (["--client-ca-file=ca.crt"], "--client-ca-file and --health-port go together"),
+        (["--health-port=8444"], "--client-ca-file and --health-port go together"),
+        (
+            ["--client-ca-file=ca.crt", "--health-port=8443"],
+            "--health-port 8443 must be 1-65535 and differ from --port 8443",
+        ),
     ],
 )
-def test_chart_ca_source_needs_the_ca_directory(
-    tmp_path: Path, flags: list[str], message: str
-) -> None:
+def test_certificate_flags_that_go_together(tmp_path: Path, flags: list[str], message: str) -> None:
     args = [f.format(tmp=tmp_path) for f in flags]
     parsed = build_parser().parse_args(["webhook", f"--cert-dir={tmp_path / 'serving'}", *args])
     with pytest.raises(SystemExit) as exit_:

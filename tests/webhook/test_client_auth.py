@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import socket
 import ssl
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -155,3 +157,72 @@ async def test_unreadable_client_ca_is_refused_at_start(tmp_path: Path) -> None:
         server.tls.require_client_certificates(tmp_path / "garbage.crt")
     with pytest.raises(OSError):
         server.tls.require_client_certificates(tmp_path / "missing.crt")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+async def test_gpudra_webhook_wires_client_auth_and_the_charts_ca(tmp_path: Path) -> None:
+    """`gpudra webhook` as the chart runs it with tls.source=helm and clientAuth: the
+    serving certificate signed from the mounted CA, the API server's certificate
+    required on the admission port, the probes answered on the health port."""
+    chart_ca, api_ca = generate_ca(), generate_ca()
+    ca_dir = tmp_path / "chart-secret"
+    ca_dir.mkdir()
+    (ca_dir / "ca.crt").write_bytes(chart_ca.cert_pem)
+    (ca_dir / "ca.key").write_bytes(chart_ca.key_pem)
+    (tmp_path / "client-ca.crt").write_bytes(api_ca.cert_pem)
+    # Nothing here calls the API server (no tenants, no GPU pods): an address that is
+    # never dialled is enough.
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(
+        json.dumps(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "clusters": [{"name": "c", "cluster": {"server": "https://127.0.0.1:1"}}],
+                "users": [{"name": "u", "user": {"token": "t"}}],
+                "contexts": [{"name": "x", "context": {"cluster": "c", "user": "u"}}],
+                "current-context": "x",
+            }
+        )
+    )
+    port, health_port = free_port(), free_port()
+    command = [
+        sys.executable,
+        "-m",
+        "gpudra.cli",
+        "webhook",
+        "--host=127.0.0.1",
+        f"--port={port}",
+        "--cert-source=ca",
+        f"--ca-dir={ca_dir}",
+        f"--cert-dir={tmp_path / 'serving'}",
+        f"--client-ca-file={tmp_path / 'client-ca.crt'}",
+        f"--health-port={health_port}",
+        f"--kubeconfig={kubeconfig}",
+        "--no-tenants",
+        "--no-validate-claims",
+    ]
+    ready = b"GET /readyz HTTP/1.1\r\nHost: w\r\n\r\n"
+    ca = chart_ca.cert_pem
+    async with await anyio.open_process(command) as process:
+        try:
+            with anyio.fail_after(GUARD):
+                while True:
+                    try:
+                        if await call(health_port, ca, tmp_path, ready) == b"HTTP/1.1 200 OK":
+                            break
+                    except REFUSED:
+                        pass
+                    assert process.returncode is None, "gpudra webhook exited"
+                    await anyio.sleep(0.1)
+                assert await _served(port, ca, tmp_path, client_cert(api_ca))
+                with pytest.raises(REFUSED):
+                    await call(port, ca, tmp_path, review())
+        finally:
+            process.terminate()
