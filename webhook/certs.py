@@ -389,21 +389,17 @@ def ensure_serving_from_ca(
     The CA, and so the ``caBundle``, stays the chart's: only the serving certificate is
     made here, so no API write is needed and each replica renews its own.
     """
-    missing = [n for n in (CA_CERT, CA_KEY) if not (ca_dir / n).is_file()]
-    if missing:
-        raise ValueError(
-            f"{ca_dir} has no {' or '.join(missing)}: with --cert-source=ca mount the chart's "
-            "webhook TLS Secret (it keeps the CA key) at --ca-dir"
-        )
-    ca = CertKeyPair((ca_dir / CA_CERT).read_bytes(), (ca_dir / CA_KEY).read_bytes())
-    ca.check(str(ca_dir / CA_CERT))
-    current = None
-    if (cert_dir / TLS_CERT).is_file() and (cert_dir / TLS_KEY).is_file():
-        current = CertKeyPair((cert_dir / TLS_CERT).read_bytes(), (cert_dir / TLS_KEY).read_bytes())
-        try:
-            current.check(str(cert_dir / TLS_CERT))
-        except ValueError:
-            current = None  # a half-written pair of ours: issue a new one
+    ca = _read_pair(
+        ca_dir,
+        CA_CERT,
+        CA_KEY,
+        "with --cert-source=ca mount the chart's webhook TLS Secret (it keeps the CA key) "
+        "at --ca-dir",
+    )
+    try:
+        current: CertKeyPair | None = _read_pair(cert_dir, TLS_CERT, TLS_KEY, "")
+    except ValueError:
+        current = None  # none yet, or a half-written pair of ours: issue a new one
     serving = reconcile_serving(
         ca, current, dns_names, ip_addresses=ip_addresses, now=now, validity=validity
     )
@@ -483,14 +479,13 @@ def check_serving_files(directory: Path) -> WebhookPki | None:
 
     ValueError names the missing or broken file and the fix.
     """
-    missing = [n for n in (TLS_CERT, TLS_KEY) if not (directory / n).is_file()]
-    if missing:
-        raise ValueError(
-            f"{directory} has no {' or '.join(missing)}: with --cert-source=files mount the "
-            "Secret that cert-manager fills (type kubernetes.io/tls) at --cert-dir"
-        )
-    serving = CertKeyPair((directory / TLS_CERT).read_bytes(), (directory / TLS_KEY).read_bytes())
-    serving.check(str(directory / TLS_CERT))
+    serving = _read_pair(
+        directory,
+        TLS_CERT,
+        TLS_KEY,
+        "with --cert-source=files mount the Secret that cert-manager fills "
+        "(type kubernetes.io/tls) at --cert-dir",
+    )
     ca_file = directory / CA_CERT
     if not ca_file.is_file():
         return None
@@ -510,6 +505,16 @@ def check_serving_files(directory: Path) -> WebhookPki | None:
 def write_atomic(path: Path, data: bytes, *, mode: int = 0o600) -> None:
     """`atomic_write` with an owner-only default: most of these files are keys."""
     atomic_write(path, data, mode=mode)
+
+
+def _read_pair(directory: Path, cert: str, key: str, fix: str) -> CertKeyPair:
+    """The pair in `directory`, checked; ValueError naming what is missing or broken."""
+    missing = [n for n in (cert, key) if not (directory / n).is_file()]
+    if missing:
+        raise ValueError(f"{directory} has no {' or '.join(missing)}: {fix}")
+    pair = CertKeyPair((directory / cert).read_bytes(), (directory / key).read_bytes())
+    pair.check(str(directory / cert))
+    return pair
 
 
 def _reissue(

@@ -351,20 +351,43 @@ class KnownTemplates:
         return None
 
 
+async def admit_on_a_new_connection(port: int, ca: bytes, failures: list[str]) -> bytes | None:
+    """One admission on a fresh connection: the certificate served when it was allowed,
+    else None with the failure recorded."""
+    try:
+        client = await Client.connect(port, ca)
+        try:
+            allowed = await client.admit()
+        finally:
+            await client.aclose()
+    except (OSError, ssl.SSLError, anyio.EndOfStream) as exc:
+        failures.append(repr(exc))
+        return None
+    if not allowed:
+        failures.append("denied on a new connection")
+        return None
+    return client.certificate
+
+
+def loopback_server(directory: Path, cert_check_interval: float) -> WebhookServer:
+    """A webhook on a free loopback port serving tls.crt/tls.key from `directory`."""
+    config = ServerConfig(
+        cert_file=directory / "tls.crt",
+        key_file=directory / "tls.key",
+        host="127.0.0.1",
+        port=0,
+        cert_check_interval=cert_check_interval,
+    )
+    return WebhookServer(config, KnownTemplates())
+
+
 @pytest.mark.anyio
 async def test_files_source_rotation_while_requests_flow_fails_nothing(tmp_path: Path) -> None:
     ca = generate_ca()
     secret = tmp_path / "secret"
     write_secret_volume(secret, secret_files(ca), 0)
     assert check_serving_files(secret) is not None
-    config = ServerConfig(
-        cert_file=secret / "tls.crt",
-        key_file=secret / "tls.key",
-        host="127.0.0.1",
-        port=0,
-        cert_check_interval=0.01,
-    )
-    server = WebhookServer(config, KnownTemplates())
+    server = loopback_server(secret, cert_check_interval=0.01)
     ok, failures = 0, []
     seen: set[bytes] = set()
     rotations = 8
@@ -384,19 +407,10 @@ async def test_files_source_rotation_while_requests_flow_fails_nothing(tmp_path:
     async def fresh_connections(port: int, stop: anyio.Event) -> None:
         nonlocal ok
         while not stop.is_set():
-            try:
-                client = await Client.connect(port, ca.cert_pem)
-                try:
-                    allowed = await client.admit()
-                finally:
-                    await client.aclose()
-            except (OSError, ssl.SSLError, anyio.EndOfStream) as exc:
-                failures.append(repr(exc))
-                continue
-            seen.add(client.certificate)
-            ok += 1 if allowed else 0
-            if not allowed:
-                failures.append("denied on a new connection")
+            certificate = await admit_on_a_new_connection(port, ca.cert_pem, failures)
+            if certificate is not None:
+                seen.add(certificate)
+                ok += 1
 
     with anyio.fail_after(60):  # hang guard only
         async with anyio.create_task_group() as tg:
@@ -510,14 +524,7 @@ async def test_short_lived_serving_certificates_renew_without_a_failed_request(
         ca_dir, cert_dir, NAMES, check_interval_s=0.2, validity=dt.timedelta(seconds=3)
     )
     first, _ = renewal.renew()
-    config = ServerConfig(
-        cert_file=cert_dir / "tls.crt",
-        key_file=cert_dir / "tls.key",
-        host="127.0.0.1",
-        port=0,
-        cert_check_interval=0.05,
-    )
-    server = WebhookServer(config, KnownTemplates())
+    server = loopback_server(cert_dir, cert_check_interval=0.05)
     failures: list[str] = []
     seen: set[bytes] = set()
     with anyio.fail_after(60):  # hang guard only
@@ -526,24 +533,17 @@ async def test_short_lived_serving_certificates_renew_without_a_failed_request(
             await tg.start(renewal.run)
             kept = await Client.connect(port, ca.cert_pem)
             while dt.datetime.now(dt.UTC) < first.not_after + dt.timedelta(seconds=1):
-                try:
-                    client = await Client.connect(port, ca.cert_pem)
-                    try:
-                        if not await client.admit():
-                            failures.append("denied on a new connection")
-                    finally:
-                        await client.aclose()
-                except (OSError, ssl.SSLError, anyio.EndOfStream) as exc:
-                    failures.append(repr(exc))
+                certificate = await admit_on_a_new_connection(port, ca.cert_pem, failures)
+                if certificate is None:
                     continue
-                seen.add(client.certificate)
+                seen.add(certificate)
+                last = x509.load_der_x509_certificate(certificate)
                 if not await kept.admit():
                     failures.append("denied on a kept-alive connection")
                 await anyio.sleep(0.05)
             await kept.aclose()
             tg.cancel_scope.cancel()
     assert failures == []
-    last = x509.load_der_x509_certificate(client.certificate)
     # Past the first certificate's end, a renewed one from the same CA was served.
     assert last.not_valid_after_utc > first.not_after
     last.verify_directly_issued_by(ca.certificate)
