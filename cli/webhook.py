@@ -227,13 +227,11 @@ def _mps_config(args: argparse.Namespace) -> tuple[tuple[str, Any], ...]:
     try:
         config = parse_opaque_config(raw)
     except ConfigError as exc:
-        problems = [
-            f"{flags[issue.path.rsplit('.', 1)[-1]][0]} {given[issue.path.rsplit('.', 1)[-1]]!r}: "
-            f"{issue.message}"
-            if issue.path.rsplit(".", 1)[-1] in given
-            else str(issue)
-            for issue in exc.issues
-        ]
+        problems = []
+        for issue in exc.issues:
+            wire = issue.path.rsplit(".", 1)[-1]  # sharing.mpsConfig.<wire name>
+            flag = f"{flags[wire][0]} {given[wire]!r}" if wire in given else issue.path
+            problems.append(f"{flag}: {issue.message}")
         raise SystemExit(f"gpudra webhook: {'; '.join(problems)}") from None
     assert isinstance(config, GpuConfig) and config.sharing and config.sharing.mps_config
     return tuple(sorted(config.sharing.mps_config.to_wire().items()))
