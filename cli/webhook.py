@@ -1,11 +1,15 @@
-"""`gpudra webhook`: the admission webhook, with its own certificates or cert-manager's.
+"""`gpudra webhook`: the admission webhook, with its own certificates, the chart's CA, or
+cert-manager's.
 
 ``--cert-source=self`` (default) makes and rotates a private CA and serving certificate
 in ``--cert-dir`` and keeps the configurations' ``caBundle`` current through
-`gpudra.webhook.cabundle`. ``--cert-source=files`` serves tls.crt/tls.key from a
-mounted cert-manager Secret (reloaded when it changes) and leaves the configurations
-and their ``caBundle`` to the chart and cert-manager's CA injector
-(``cert-manager.io/inject-ca-from``).
+`gpudra.webhook.cabundle`; the pod is ready only once that bundle is in every
+configuration, so a restarted pod gets no traffic the API server cannot verify.
+``--cert-source=ca`` signs and renews the serving certificate in ``--cert-dir`` from the
+CA the chart keeps in its Secret (``--ca-dir``, `gpudra.webhook.renewal`); the chart owns
+the ``caBundle``. ``--cert-source=files`` serves tls.crt/tls.key from a mounted
+cert-manager Secret (reloaded when it changes) and leaves the configurations and their
+``caBundle`` to the chart and cert-manager's CA injector (``cert-manager.io/inject-ca-from``).
 """
 
 from __future__ import annotations
@@ -13,9 +17,21 @@ from __future__ import annotations
 import argparse
 import base64
 import logging
+import ssl
 from pathlib import Path
+from typing import Any
 
 import anyio
+from gpudra.api.config import (
+    API_VERSION,
+    GPU_CONFIG_KIND,
+    INTERVALS,
+    STRATEGIES,
+    ConfigError,
+    GpuConfig,
+    parse_opaque_config,
+)
+from gpudra.api.names import DNS_LABEL_MAX, dns_subdomain_problem
 from gpudra.common.kube import Kube
 from gpudra.webhook import registration
 from gpudra.webhook.cabundle import (
@@ -31,8 +47,9 @@ from gpudra.webhook.certs import (
     ensure_pki,
     service_dns_names,
 )
-from gpudra.webhook.convert import ConversionPolicy
+from gpudra.webhook.convert import DEFAULT_POLICY, ConversionPolicy
 from gpudra.webhook.device_classes import DeviceClassCache
+from gpudra.webhook.renewal import ServingRenewal
 from gpudra.webhook.server import ServerConfig, WebhookServer
 from gpudra.webhook.templates import ApiTemplateEnsurer
 from gpudra.webhook.tenants import TenantController
@@ -47,18 +64,42 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "--cert-dir",
         type=Path,
         required=True,
-        help="directory for the CA and serving certificate (created and rotated), or "
-        "where the cert-manager Secret is mounted with --cert-source=files",
+        help="directory for the CA and serving certificate (created and rotated), for the "
+        "serving certificate alone with --cert-source=ca, or where the cert-manager Secret "
+        "is mounted with --cert-source=files",
     )
     p.add_argument(
         "--cert-source",
-        choices=["self", "files"],
+        choices=["self", "ca", "files"],
         default="self",
         help="self: make and rotate a private CA and keep the caBundle current (default); "
+        "ca: sign and renew the serving certificate from the CA in --ca-dir (the chart's "
+        "Secret), whose caBundle the chart registers; "
         "files: serve the tls.crt/tls.key cert-manager writes, reload on change, and leave "
         "the configurations and their caBundle to the chart and cert-manager's CA injector",
     )
+    p.add_argument(
+        "--ca-dir",
+        type=Path,
+        default=None,
+        help="with --cert-source=ca: where ca.crt and ca.key are mounted",
+    )
     p.add_argument("--host", default="0.0.0.0", help="listen address")  # noqa: S104
+    p.add_argument(
+        "--client-ca-file",
+        type=Path,
+        default=None,
+        help="refuse every connection to --port without a client certificate signed by "
+        "this CA (PEM): the one that signs the certificate the API server presents from "
+        "its admission kubeConfigFile; /healthz, /readyz and /metrics move to --health-port",
+    )
+    p.add_argument(
+        "--health-port",
+        type=int,
+        default=None,
+        help="with --client-ca-file: a port serving /healthz, /readyz and /metrics "
+        "without client certificates, for the kubelet's probes and metrics scrapers",
+    )
     p.add_argument(
         "--extended-resource-name",
         action="append",
@@ -99,21 +140,139 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="another DeviceClass that selects this driver's devices (repeatable); tenant "
         "class rules and claim validation cover it too",
     )
+    p.add_argument(
+        "--driver-name",
+        default=DEFAULT_POLICY.driver,
+        help="the DRA driver name (the node agent's --driver-name): converted MIG "
+        "selectors, converted configs, config validation and the tenant sharing check "
+        f"use it (default: {DEFAULT_POLICY.driver})",
+    )
+    p.add_argument(
+        "--shared-strategy",
+        choices=STRATEGIES,
+        default=DEFAULT_POLICY.shared_strategy,
+        help="how converted shared GPUs (nvidia.com/gpu.shared) are shared, the shared "
+        "DeviceClass's strategy; a GpuTenant's gpuResource mapping overrides it in its "
+        f"namespaces (default: {DEFAULT_POLICY.shared_strategy})",
+    )
+    p.add_argument(
+        "--time-slice-interval",
+        choices=INTERVALS,
+        default=DEFAULT_POLICY.time_slice_interval,
+        help="time-slice interval of converted TimeSlicing GPUs, the shared DeviceClass's "
+        f"(default: {DEFAULT_POLICY.time_slice_interval})",
+    )
+    p.add_argument(
+        "--mps-default-active-thread-percentage",
+        type=int,
+        default=None,
+        metavar="PERCENT",
+        help="with --shared-strategy=MPS: the shared DeviceClass's "
+        "mpsConfig.defaultActiveThreadPercentage, carried by converted MPS claims "
+        "(default: the driver's)",
+    )
+    p.add_argument(
+        "--mps-default-pinned-device-memory-limit",
+        default=None,
+        metavar="QUANTITY",
+        help="with --shared-strategy=MPS: the shared DeviceClass's "
+        "mpsConfig.defaultPinnedDeviceMemoryLimit (e.g. 10Gi), carried by converted MPS "
+        "claims (default: the driver's)",
+    )
     p.set_defaults(func=run)
+
+
+def conversion_policy(args: argparse.Namespace) -> ConversionPolicy:
+    """The base conversion policy the flags describe (tenants layer their rules on it)."""
+    # resource.k8s.io limits driver names to 63 characters.
+    if problem := dns_subdomain_problem(args.driver_name, max_length=DNS_LABEL_MAX):
+        raise SystemExit(
+            f"gpudra webhook: --driver-name {args.driver_name!r} {problem}: give the node "
+            "agent's driver name, e.g. gpu.nvidia.com"
+        )
+    return ConversionPolicy(
+        driver=args.driver_name,
+        shared_strategy=args.shared_strategy,
+        time_slice_interval=args.time_slice_interval,
+        mps_config=_mps_config(args),
+        native_resources=frozenset(args.extended_resource_name),
+    )
+
+
+def _mps_config(args: argparse.Namespace) -> tuple[tuple[str, Any], ...]:
+    """The MPS defaults as the driver's own config parser accepts them, so a value the
+    kubelet plugin would refuse fails here, at start, naming the flag."""
+    flags = {
+        "defaultActiveThreadPercentage": (
+            "--mps-default-active-thread-percentage",
+            args.mps_default_active_thread_percentage,
+        ),
+        "defaultPinnedDeviceMemoryLimit": (
+            "--mps-default-pinned-device-memory-limit",
+            args.mps_default_pinned_device_memory_limit,
+        ),
+    }
+    given = {wire: value for wire, (_, value) in flags.items() if value not in (None, "")}
+    if not given:
+        return ()
+    if args.shared_strategy != "MPS":
+        raise SystemExit(
+            f"gpudra webhook: {', '.join(flags[w][0] for w in given)}: MPS settings apply "
+            "only with --shared-strategy=MPS; drop them or add --shared-strategy=MPS"
+        )
+    raw = {
+        "apiVersion": API_VERSION,
+        "kind": GPU_CONFIG_KIND,
+        "sharing": {"strategy": "MPS", "mpsConfig": given},
+    }
+    try:
+        config = parse_opaque_config(raw)
+    except ConfigError as exc:
+        problems = []
+        for issue in exc.issues:
+            wire = issue.path.rsplit(".", 1)[-1]  # sharing.mpsConfig.<wire name>
+            flag = f"{flags[wire][0]} {given[wire]!r}" if wire in given else issue.path
+            problems.append(f"{flag}: {issue.message}")
+        raise SystemExit(f"gpudra webhook: {'; '.join(problems)}") from None
+    assert isinstance(config, GpuConfig) and config.sharing and config.sharing.mps_config
+    return tuple(sorted(config.sharing.mps_config.to_wire().items()))
 
 
 def run(args: argparse.Namespace) -> int:
     if not 0 < args.port < 65536:
         raise SystemExit(f"gpudra webhook: --port {args.port} is out of range (1-65535)")
+    if (args.client_ca_file is None) != (args.health_port is None):
+        raise SystemExit(
+            "gpudra webhook: --client-ca-file and --health-port go together: the kubelet's "
+            "probes present no client certificate, so they need a port of their own"
+        )
+    if args.health_port is not None and not (
+        0 < args.health_port < 65536 and args.health_port != args.port
+    ):
+        raise SystemExit(
+            f"gpudra webhook: --health-port {args.health_port} must be 1-65535 and differ "
+            f"from --port {args.port}"
+        )
+    if (args.ca_dir is not None) != (args.cert_source == "ca"):
+        raise SystemExit(
+            "gpudra webhook: --ca-dir and --cert-source=ca go together: give both or neither"
+        )
+    policy = conversion_policy(args)
     names = service_dns_names(args.service, args.namespace)
+    renewal = (
+        ServingRenewal(args.ca_dir, args.cert_dir, names) if args.cert_source == "ca" else None
+    )
     try:
+        # The server loads the files when it is built: check or make them first.
         if args.cert_source == "files":
             check_serving_files(args.cert_dir)
+        elif renewal is not None:
+            renewal.renew()
         else:
-            # The server loads the files when it is built: make them first.
             ensure_pki(args.cert_dir, names)
     except (OSError, ValueError) as exc:
-        raise SystemExit(f"gpudra webhook: --cert-dir: {exc}") from None
+        flag = "--ca-dir" if renewal is not None else "--cert-dir"
+        raise SystemExit(f"gpudra webhook: {flag}: {exc}") from None
 
     async def main() -> None:
         kube = await Kube.connect(args.kubeconfig)
@@ -123,34 +282,57 @@ def run(args: argparse.Namespace) -> int:
             host=args.host,
             port=args.port,
             extra_device_classes=tuple(args.device_class),
-            policy=ConversionPolicy(native_resources=frozenset(args.extended_resource_name)),
+            policy=policy,
         )
         tenants = TenantController(kube, config.policy) if args.tenants else None
-        classes = DeviceClassCache(config.policy.driver)
+        # Only claim validation resolves sharing with the DeviceClasses' configs.
+        classes = DeviceClassCache(config.policy.driver) if args.validate_claims else None
+        configurations = [WebhookConfiguration(ConfigurationKind.MUTATING, registration.NAME)]
+        if args.validate_claims:
+            configurations.append(
+                WebhookConfiguration(ConfigurationKind.VALIDATING, registration.VALIDATING_NAME)
+            )
+        bundles = CABundleController(kube, configurations) if args.cert_source == "self" else None
+
+        # Not ready (no traffic from the Service) until the tenant rules and the
+        # DeviceClasses' configs (claim validation resolves with them) are loaded and,
+        # with its own CA, until the API server trusts it: a restarted pod makes a new CA.
+        def ready() -> bool:
+            return (
+                (classes is None or classes.ready)
+                and (tenants is None or tenants.ready)
+                and (bundles is None or bundles.trusted)
+            )
+
         server = WebhookServer(
             config,
             ApiTemplateEnsurer(kube),
             tenants=tenants.state if tenants else None,
-            # Not ready (no traffic from the Service) until the tenant rules and the
-            # DeviceClasses' configs (claim validation resolves with them) are loaded.
-            ready=lambda: classes.ready and (tenants is None or tenants.ready),
-            device_classes=classes.configs,
+            ready=ready,
+            device_classes=classes.configs if classes is not None else None,
         )
+        health = None
+        if args.client_ca_file is not None:
+            try:
+                server.tls.require_client_certificates(args.client_ca_file)
+            except (OSError, ssl.SSLError) as exc:
+                raise SystemExit(f"gpudra webhook: --client-ca-file: {exc}") from None
+            health = server.health_server(args.health_port)
         async with anyio.create_task_group() as tg:
-            tg.start_soon(classes.run, kube)
+            if classes is not None:
+                tg.start_soon(classes.run, kube)
             if tenants is not None:
                 tg.start_soon(tenants.run)
             await tg.start(server.serve)
-            if args.cert_source == "files":
-                # cert-manager renews the files (the server reloads them) and injects
-                # the caBundle into the chart's configurations: nothing to manage here.
+            if health is not None:
+                await tg.start(health.serve)
+            if bundles is None:
+                # The chart (or cert-manager's CA injector) owns the configurations and
+                # their caBundle; the server reloads the serving files when they change.
+                if renewal is not None:
+                    await renewal.run()
                 await anyio.sleep_forever()
-            configurations = [WebhookConfiguration(ConfigurationKind.MUTATING, registration.NAME)]
-            if args.validate_claims:
-                configurations.append(
-                    WebhookConfiguration(ConfigurationKind.VALIDATING, registration.VALIDATING_NAME)
-                )
-            bundles = CABundleController(kube, configurations)
+                return
             # Rotation (hourly, sooner during a CA rollover) hands each new bundle to the
             # controller, which writes it at once and puts it back after foreign edits.
             await tg.start(SelfSignedRotation(args.cert_dir, names, bundles).run)

@@ -114,6 +114,7 @@ class CABundleController:
         # (bundle, when it was first seen in every configuration); replaced, never mutated,
         # so the rotation thread reads a consistent pair.
         self._published: tuple[bytes, dt.datetime] | None = None
+        self._trusted = False
         self._repairs = {
             c: ReconcileLoop(
                 functools.partial(self._patch, c),
@@ -145,6 +146,14 @@ class CABundleController:
         self._check_published()
         for repair in self._repairs.values():
             repair.poke()
+
+    @property
+    def trusted(self) -> bool:
+        """True once a bundle set here has been in every configuration: from then on the
+        API server trusts the serving certificate (a new CA signs only after its bundle is
+        published), so the pod may report ready. It stays True through CA rotations,
+        which keep the old CA in the bundle, so a single replica never drops out."""
+        return self._trusted
 
     def published_at(self, bundle: bytes) -> dt.datetime | None:
         """When `bundle` was first seen in every configuration; None if it is not."""
@@ -202,6 +211,7 @@ class CABundleController:
             )
         ):
             self._published = (bundle, dt.datetime.now(dt.UTC))
+            self._trusted = True
             logger.info(
                 "caBundle is in every webhook configuration",
                 extra={"fields": {"configurations": [str(c) for c in self._configurations]}},

@@ -17,6 +17,8 @@ Rotation keeps clients on a known issuer at every moment:
 
 `reconcile_pki` is pure (the caller publishes ``ca_bundle`` when it changed);
 `ensure_pki` adds atomic file storage in the layout of a ``kubernetes.io/tls`` Secret.
+`ensure_serving_from_ca` renews only the serving pair from a CA someone else keeps and
+publishes (the chart's, ``--cert-source=ca``); both share `reconcile_serving`.
 `check_serving_files` validates such a directory filled by someone else (cert-manager).
 Keys are ECDSA P-256: cheap to generate and fast to handshake.
 """
@@ -52,11 +54,13 @@ __all__ = [
     "ca_bundle",
     "check_serving_files",
     "ensure_pki",
+    "ensure_serving_from_ca",
     "generate_ca",
     "generate_serving_cert",
     "load_pki",
     "needs_rotation",
     "reconcile_pki",
+    "reconcile_serving",
     "service_dns_names",
     "store_pki",
     "write_atomic",
@@ -339,13 +343,73 @@ def reconcile_pki(
             since = ca_published(ca_bundle(ca, previous))
         if since is None or now - since < ca_propagation:
             signer = previous
-    serving = current.serving
-    if _reissue(serving, signer, dns_names, ip_addresses, now):
-        serving = generate_serving_cert(
-            signer, dns_names, ip_addresses=ip_addresses, validity=serving_validity, now=now
-        )
+    serving = reconcile_serving(
+        signer,
+        current.serving,
+        dns_names,
+        ip_addresses=ip_addresses,
+        now=now,
+        validity=serving_validity,
+    )
     result = WebhookPki(ca=ca, serving=serving, previous_ca=previous)
     return current if result == current else result
+
+
+def reconcile_serving(
+    signer: CertKeyPair,
+    serving: CertKeyPair | None,
+    dns_names: Sequence[str],
+    *,
+    ip_addresses: Sequence[str] = LOOPBACK_IPS,
+    now: dt.datetime | None = None,
+    validity: dt.timedelta = SERVING_VALIDITY,
+) -> CertKeyPair:
+    """The serving pair `signer` should have issued now; `serving` itself when it is
+    still good (same issuer and names, more than a third of its life left)."""
+    now = now or _now()
+    if serving is not None and not _reissue(serving, signer, dns_names, ip_addresses, now):
+        return serving
+    return generate_serving_cert(
+        signer, dns_names, ip_addresses=ip_addresses, validity=validity, now=now
+    )
+
+
+def ensure_serving_from_ca(
+    ca_dir: Path,
+    cert_dir: Path,
+    dns_names: Sequence[str],
+    *,
+    ip_addresses: Sequence[str] = LOOPBACK_IPS,
+    now: dt.datetime | None = None,
+    validity: dt.timedelta = SERVING_VALIDITY,
+) -> tuple[CertKeyPair, bool]:
+    """Keep tls.crt/tls.key in `cert_dir` issued by the CA in `ca_dir` (ca.crt, ca.key:
+    the chart's Secret) and renewed before expiry; (serving pair, changed).
+
+    The CA, and so the ``caBundle``, stays the chart's: only the serving certificate is
+    made here, so no API write is needed and each replica renews its own.
+    """
+    ca = _read_pair(
+        ca_dir,
+        CA_CERT,
+        CA_KEY,
+        "with --cert-source=ca mount the chart's webhook TLS Secret (it keeps the CA key) "
+        "at --ca-dir",
+    )
+    try:
+        current: CertKeyPair | None = _read_pair(cert_dir, TLS_CERT, TLS_KEY, "")
+    except ValueError:
+        current = None  # none yet, or a half-written pair of ours: issue a new one
+    serving = reconcile_serving(
+        ca, current, dns_names, ip_addresses=ip_addresses, now=now, validity=validity
+    )
+    if serving is current:
+        return serving, False
+    cert_dir.mkdir(parents=True, exist_ok=True)
+    # The key first: a reader that loads the new certificate finds its key already there.
+    write_atomic(cert_dir / TLS_KEY, serving.key_pem)
+    write_atomic(cert_dir / TLS_CERT, serving.cert_pem, mode=0o644)
+    return serving, True
 
 
 def load_pki(directory: Path) -> WebhookPki | None:
@@ -415,14 +479,13 @@ def check_serving_files(directory: Path) -> WebhookPki | None:
 
     ValueError names the missing or broken file and the fix.
     """
-    missing = [n for n in (TLS_CERT, TLS_KEY) if not (directory / n).is_file()]
-    if missing:
-        raise ValueError(
-            f"{directory} has no {' or '.join(missing)}: with --cert-source=files mount the "
-            "Secret that cert-manager fills (type kubernetes.io/tls) at --cert-dir"
-        )
-    serving = CertKeyPair((directory / TLS_CERT).read_bytes(), (directory / TLS_KEY).read_bytes())
-    serving.check(str(directory / TLS_CERT))
+    serving = _read_pair(
+        directory,
+        TLS_CERT,
+        TLS_KEY,
+        "with --cert-source=files mount the Secret that cert-manager fills "
+        "(type kubernetes.io/tls) at --cert-dir",
+    )
     ca_file = directory / CA_CERT
     if not ca_file.is_file():
         return None
@@ -442,6 +505,16 @@ def check_serving_files(directory: Path) -> WebhookPki | None:
 def write_atomic(path: Path, data: bytes, *, mode: int = 0o600) -> None:
     """`atomic_write` with an owner-only default: most of these files are keys."""
     atomic_write(path, data, mode=mode)
+
+
+def _read_pair(directory: Path, cert: str, key: str, fix: str) -> CertKeyPair:
+    """The pair in `directory`, checked; ValueError naming what is missing or broken."""
+    missing = [n for n in (cert, key) if not (directory / n).is_file()]
+    if missing:
+        raise ValueError(f"{directory} has no {' or '.join(missing)}: {fix}")
+    pair = CertKeyPair((directory / cert).read_bytes(), (directory / key).read_bytes())
+    pair.check(str(directory / cert))
+    return pair
 
 
 def _reissue(

@@ -132,6 +132,9 @@ class ConversionPolicy:
     time_slice_interval: str = "Default"
     shared_strategy: str = "TimeSlicing"
     """How shared GPUs are shared between the pod's containers: TimeSlicing or MPS."""
+    mps_config: tuple[tuple[str, Any], ...] = ()
+    """The shared class's ``mpsConfig`` fields (wire name, value), carried by converted MPS
+    claims: their own config replaces the class's, so the cluster's defaults must be in it."""
     name_prefix: str = "gpudra"
     max_devices_per_claim: int = MAX_DEVICES_PER_CLAIM
     native_resources: frozenset[str] = frozenset()
@@ -526,6 +529,8 @@ def _claim_spec(
         sharing: dict[str, Any] = {"strategy": policy.shared_strategy}
         if policy.shared_strategy == "TimeSlicing":
             sharing["timeSlicingConfig"] = {"interval": policy.time_slice_interval}
+        elif policy.mps_config:
+            sharing["mpsConfig"] = dict(policy.mps_config)
         devices["config"] = [
             {
                 "opaque": {

@@ -12,6 +12,7 @@ Throughput and latency targets are checked by the benchmark (``make bench-webhoo
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -82,6 +83,14 @@ class WebhookServer:
             path: http_endpoint(handler) for path, handler in admission.endpoints().items()
         }
         self._http = HttpServer(config, self._endpoints, metrics, ready=ready)
+        self._config, self._metrics, self._ready = config, metrics, ready
+
+    def health_server(self, port: int) -> HttpServer:
+        """A second listener on `port` with only /healthz, /readyz and /metrics and no
+        client certificate check: the kubelet's probes and metrics scrapers present
+        none, while the admission port may require the API server's."""
+        config = dataclasses.replace(self._config, port=port)
+        return HttpServer(config, {}, self._metrics, ready=self._ready)
 
     @property
     def port(self) -> int:

@@ -8,6 +8,11 @@ restart, no dropped requests. The listener gets one context for its whole life
 ClientHello, with or without a server name) moves the connection to the newest loaded
 context, so the swap costs one attribute write per handshake and never touches an open
 connection.
+
+With `require_client_certificates` every handshake must also present a client
+certificate signed by the given CA (the API server's, from its admission
+``kubeConfigFile``), so only the API server can send reviews; a client without one is
+refused before any HTTP. The CA file is reloaded like the serving files.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ class ReloadingTLSContext:
     ) -> None:
         self._cert_file = cert_file
         self._key_file = key_file
+        self._client_ca_file: Path | None = None
         self._on_reload = on_reload
         self._signature = self._stat()
         self._context = self._build()
@@ -57,6 +63,22 @@ class ReloadingTLSContext:
     def listener_context(self) -> ssl.SSLContext:
         """The context to give the listener: it hands each handshake to `context`."""
         return self._listener
+
+    @property
+    def client_ca_file(self) -> Path | None:
+        """The CA client certificates must be signed by; None when none is asked for."""
+        return self._client_ca_file
+
+    def require_client_certificates(self, ca_file: Path) -> None:
+        """From now on, refuse every handshake without a client certificate signed by the
+        CA in `ca_file`. Call before serving; OSError or ssl.SSLError when unreadable."""
+        self._client_ca_file = ca_file
+        # OpenSSL keeps the verify mode of the context a connection was accepted on, and
+        # verifies against the store of the one the SNI callback moved it to: set both.
+        _require_client_certificates(self._listener, ca_file)
+        self._signature = self._stat()
+        self._context = self._build()
+        self._failed = None
 
     def reload_if_changed(self) -> bool:
         """Reload when the files changed since the last load; True when reloaded."""
@@ -104,9 +126,11 @@ class ReloadingTLSContext:
 
     def _stat(self) -> tuple[tuple[int, ...], ...]:
         # stat() follows symlinks, so a Secret volume's atomic ..data swap is seen.
+        files = [self._cert_file, self._key_file]
+        if self._client_ca_file is not None:
+            files.append(self._client_ca_file)
         return tuple(
-            (s.st_mtime_ns, s.st_size, s.st_ino, s.st_dev)
-            for s in (self._cert_file.stat(), self._key_file.stat())
+            (s.st_mtime_ns, s.st_size, s.st_ino, s.st_dev) for s in (f.stat() for f in files)
         )
 
     def _build(self) -> ssl.SSLContext:
@@ -115,4 +139,11 @@ class ReloadingTLSContext:
         context.load_cert_chain(self._cert_file, self._key_file)
         # Only HTTP/1.1: the API server must not try HTTP/2 on this listener.
         context.set_alpn_protocols(["http/1.1"])
+        if self._client_ca_file is not None:
+            _require_client_certificates(context, self._client_ca_file)
         return context
+
+
+def _require_client_certificates(context: ssl.SSLContext, ca_file: Path) -> None:
+    context.load_verify_locations(cafile=ca_file)
+    context.verify_mode = ssl.CERT_REQUIRED

@@ -4,6 +4,8 @@ dry-run apply, the node-scoped slice policy really denies other nodes' slices, a
 
 from __future__ import annotations
 
+import base64
+import contextlib
 import functools
 import json
 import ssl
@@ -16,14 +18,19 @@ from typing import Any
 
 import pytest
 import yaml
+from cryptography import x509
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives.serialization import Encoding
+from gpudra.webhook.certs import CertKeyPair, ensure_serving_from_ca, service_dns_names
 
 from e2e.cluster.harness import Cluster, State
-from e2e.cluster.kube import Kube, crd_established, wait_for
+from e2e.cluster.kube import ApiError, Kube, crd_established, wait_for
 from e2e.tools import helm as h
 
 pytestmark = pytest.mark.cluster
 NAMESPACE = "gpudra-chart-e2e"
 SLICES = "/apis/resource.k8s.io/v1/resourceslices"
+NAMES = service_dns_names("gpudra-webhook", NAMESPACE)
 
 
 @pytest.fixture(scope="module")
@@ -334,3 +341,122 @@ def test_install_refuses_a_device_plugin_node(
         kube.delete("Node", "chart-e2e-plugin")
         kube.delete("Node", "chart-e2e-dra")
     assert released_objects(kube, "gpu") == []
+
+
+# -- webhook.tls.source=helm across upgrades: the chart's `lookup` of its own Secret ----
+
+
+TLS_SECRET = "gpudra-webhook-tls"
+
+
+def render_chart_tls(
+    helm: Path, cluster: Cluster, namespace: str
+) -> tuple[dict[str, bytes], dict[str, Any], list[x509.Certificate]]:
+    """Render tls.source=helm with the API server's objects visible to `lookup`, as an
+    upgrade does: the Secret's files, its metadata, and the caBundle's certificates."""
+    objects = h.template(
+        helm,
+        {"webhook": {"tls": {"source": "helm"}}},
+        namespace=namespace,
+        extra=["--dry-run=server", "--kubeconfig", str(cluster.layout.admin_kubeconfig)],
+    )
+    secret = h.find(objects, "Secret", TLS_SECRET)
+    files = {k: base64.b64decode(v) for k, v in secret["data"].items()}
+    (hook,) = h.find(objects, "MutatingWebhookConfiguration")["webhooks"]
+    bundle = x509.load_pem_x509_certificates(base64.b64decode(hook["clientConfig"]["caBundle"]))
+    return files, secret["metadata"], bundle
+
+
+def delete_secret(kube: Kube, namespace: str) -> None:
+    with contextlib.suppress(ApiError):  # already gone
+        kube.request("DELETE", f"/api/v1/namespaces/{namespace}/secrets/{TLS_SECRET}")
+
+
+def put_secret(kube: Kube, namespace: str, files: dict[str, bytes], renew_after: str = "") -> None:
+    delete_secret(kube, namespace)
+    # Owned by the release, as after an install, so the render is an upgrade's.
+    annotations = {
+        "meta.helm.sh/release-name": "gpudra",
+        "meta.helm.sh/release-namespace": namespace,
+    }
+    if renew_after:
+        annotations["gpudra.nvidia.com/ca-renew-after"] = renew_after
+    metadata: dict[str, Any] = {
+        "name": TLS_SECRET,
+        "namespace": namespace,
+        "labels": {"app.kubernetes.io/managed-by": "Helm"},
+        "annotations": annotations,
+    }
+    kube.request(
+        "POST",
+        f"/api/v1/namespaces/{namespace}/secrets",
+        {
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "type": "kubernetes.io/tls",
+            "metadata": metadata,
+            "data": {k: base64.b64encode(v).decode() for k, v in files.items()},
+        },
+    )
+
+
+def serves_from(files: dict[str, bytes], tmp: Path) -> CertKeyPair:
+    """What the webhook (--cert-source=ca) serves when that Secret is mounted."""
+    secret = tmp / "secret"
+    secret.mkdir(parents=True)
+    for name, data in files.items():
+        (secret / name).write_bytes(data)
+    serving, _ = ensure_serving_from_ca(secret, tmp / "serving", NAMES)
+    return serving
+
+
+def trusted_by(cert: CertKeyPair | bytes, bundle: list[x509.Certificate]) -> bool:
+    leaf = x509.load_pem_x509_certificate(cert if isinstance(cert, bytes) else cert.cert_pem)
+    for ca in bundle:
+        try:
+            leaf.verify_directly_issued_by(ca)
+        except (ValueError, TypeError, InvalidSignature):
+            continue
+        return True
+    return False
+
+
+def test_chart_ca_is_kept_renewed_and_rotated_across_upgrades(
+    helm: Path, cluster: Cluster, kube: Kube, namespace: str, tmp_path: Path
+) -> None:
+    try:
+        # First install: a CA with its key, which the webhook signs its certificate from.
+        first, meta, bundle = render_chart_tls(helm, cluster, namespace)
+        assert {"ca.crt", "ca.key", "tls.crt", "tls.key"} <= set(first)
+        assert trusted_by(serves_from(first, tmp_path / "a"), bundle)
+        renew_after = meta["annotations"]["gpudra.nvidia.com/ca-renew-after"]
+
+        # An upgrade keeps the CA (no caBundle change under running pods) and re-signs
+        # the Secret's serving certificate.
+        put_secret(kube, namespace, first, renew_after)
+        kept, _, kept_bundle = render_chart_tls(helm, cluster, namespace)
+        assert kept["ca.crt"] == first["ca.crt"] and kept["ca.key"] == first["ca.key"]
+        assert kept["tls.crt"] != first["tls.crt"]
+        assert [c.public_bytes(Encoding.PEM) for c in kept_bundle] == [
+            c.public_bytes(Encoding.PEM) for c in bundle
+        ]
+
+        # Two thirds into the CA's life: a new CA; the old one stays in the bundle so
+        # pods still serving from it are trusted until they follow.
+        put_secret(kube, namespace, first, "2000-01-01T00:00:00Z")
+        rotated, _, rotated_bundle = render_chart_tls(helm, cluster, namespace)
+        assert rotated["ca.crt"] != first["ca.crt"]
+        assert rotated["ca-previous.crt"] == first["ca.crt"]
+        assert trusted_by(serves_from(first, tmp_path / "b"), rotated_bundle)
+        assert trusted_by(serves_from(rotated, tmp_path / "c"), rotated_bundle)
+
+        # A Secret from a chart version that kept no CA key: a new CA the webhook can
+        # renew from, the old serving certificate still trusted.
+        legacy = {k: v for k, v in first.items() if k in ("ca.crt", "tls.crt", "tls.key")}
+        put_secret(kube, namespace, legacy)
+        upgraded, _, upgraded_bundle = render_chart_tls(helm, cluster, namespace)
+        assert "ca.key" in upgraded and upgraded["ca-previous.crt"] == legacy["ca.crt"]
+        assert trusted_by(legacy["tls.crt"], upgraded_bundle)
+        assert trusted_by(serves_from(upgraded, tmp_path / "d"), upgraded_bundle)
+    finally:
+        delete_secret(kube, namespace)

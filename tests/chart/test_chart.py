@@ -14,9 +14,12 @@ import yaml
 from gpudra.api.config import GpuConfig, parse_opaque_config
 from gpudra.api.deviceclasses import device_classes
 from gpudra.cli.main import build_parser
+from gpudra.cli.webhook import conversion_policy
 from gpudra.driver.devices import SharedGpus
 from gpudra.webhook import registration
-from gpudra.webhook.convert import DEFAULT_POLICY, OPT_OUT_LABEL
+from gpudra.webhook.certs import generate_ca
+from gpudra.webhook.convert import DEFAULT_POLICY, OPT_OUT_LABEL, ConversionPolicy
+from gpudra.webhook.tenant_state import QUOTA_NAME
 from gpudra.webhook.validate import driver_classes
 
 from e2e.tools import helm as h
@@ -24,6 +27,7 @@ from e2e.tools import helm as h
 REPO = Path(__file__).resolve().parents[2]
 API_CRDS = REPO / "api" / "crds"
 CHART_CRDS = h.CHART / "files" / "crds"
+CLIENT_CA = generate_ca().cert_pem.decode()
 
 
 @pytest.fixture(scope="module")
@@ -121,6 +125,14 @@ def test_webhook_configurations_match_the_code(
         deployment = h.find(objects, "Deployment")
         volumes = deployment["spec"]["template"]["spec"]["volumes"]
         assert {"name": "certs", "secret": {"secretName": "gpudra-webhook-tls"}} in volumes
+        # It keeps the CA key, so the webhook renews its serving certificate from it.
+        assert base64.b64decode(secret["data"]["ca.key"]).startswith(b"-----BEGIN")
+        assert secret["metadata"]["annotations"]["gpudra.nvidia.com/ca-renew-after"]
+        (container,) = deployment["spec"]["template"]["spec"]["containers"]
+        mounts = {m["name"]: m for m in container["volumeMounts"]}
+        assert mounts["certs"]["readOnly"] is True
+        assert f"--ca-dir={mounts['certs']['mountPath']}" in container["args"]
+        assert f"--cert-dir={mounts['serving']['mountPath']}" in container["args"]
     else:
         assert bundles == set()  # the webhook registers its own caBundle
 
@@ -366,7 +378,8 @@ def test_webhook_runs_as_non_root(full: list[dict[str, Any]]) -> None:
     (c,) = pod["containers"]
     assert c["securityContext"]["allowPrivilegeEscalation"] is False
     assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "https", "scheme": "HTTPS"}
-    assert "--cert-source=files" in c["args"]
+    # tls.source=helm: the chart's CA, the serving certificate renewed by the webhook.
+    assert {"--cert-source=ca", "--ca-dir=/etc/gpudra/webhook-ca"} <= set(c["args"])
     assert "--namespace=gpu-system" in c["args"]
     assert "--port=9443" in c["args"]
     assert h.find(full, "Deployment")["spec"]["replicas"] == 2
@@ -383,6 +396,15 @@ def test_least_privilege_rbac(default: list[dict[str, Any]]) -> None:
     for rule in webhook:
         if "admissionregistration.k8s.io" in rule["apiGroups"]:
             assert rule["resourceNames"], "webhook configurations are writable only by name"
+    # ResourceQuotas: only the one it owns may be read, changed or deleted by name;
+    # create, list and watch cannot be limited by name in RBAC.
+    quota_rules = [r for r in webhook if "resourcequotas" in r["resources"]]
+    for rule in quota_rules:
+        if rule.get("resourceNames"):
+            assert rule["resourceNames"] == [QUOTA_NAME]
+        else:
+            assert set(rule["verbs"]) <= {"create", "list", "watch"}
+    assert {v for r in quota_rules for v in r["verbs"]} >= {"get", "update", "delete", "create"}
     for role in (node, webhook):
         assert not any("*" in rule["verbs"] or "*" in rule["resources"] for rule in role)
         assert not any("secrets" in rule["resources"] for rule in role)
@@ -466,6 +488,31 @@ def test_notes_tell_how_to_check(helm: Path) -> None:
         ({"webhook": {"replicas": 2}}, "webhook.replicas=2 needs webhook.tls.source"),
         ({"webhook": {"tls": {"source": "secret"}}}, "webhook.tls.secretName"),
         (
+            {"webhook": {"clientAuth": {"enabled": True}}},
+            "webhook.clientAuth.enabled needs webhook.clientAuth.caCert",
+        ),
+        (
+            {"webhook": {"clientAuth": {"enabled": True, "caCert": CLIENT_CA, "healthPort": 8443}}},
+            "webhook.clientAuth.healthPort=8443 must differ from webhook.port",
+        ),
+        (
+            {"webhook": {"networkPolicy": {"enabled": True}}},
+            "webhook.networkPolicy.enabled needs webhook.networkPolicy.controlPlaneCIDRs",
+        ),
+        (
+            {
+                "webhook": {
+                    "hostNetwork": True,
+                    "networkPolicy": {"enabled": True, "controlPlaneCIDRs": ["10.0.0.0/24"]},
+                }
+            },
+            "webhook.networkPolicy.enabled has no effect with webhook.hostNetwork=true",
+        ),
+        (
+            {"webhook": {"networkPolicy": {"controlPlaneCIDRs": ["10.0.0.0"]}}},
+            "/webhook/networkPolicy/controlPlaneCIDRs/0",
+        ),
+        (
             {"webhook": {"tls": {"source": "secret", "secretName": "tls"}}},
             "webhook.tls.caBundle",
         ),
@@ -502,7 +549,8 @@ def test_full_values_cover_every_schema_property() -> None:
     alternatives = re.compile(
         r"^(global|node\.(affinity|tolerations|priorityClassName|resources|livenessProbe|"
         r"updateStrategy)|webhook\.(enabled|affinity|tolerations|nodeSelector|resources|"
-        r"podAnnotations|extraArgs|tls\.(secretName|caBundle|injectCAFrom))|"
+        r"podAnnotations|extraArgs|tls\.(secretName|caBundle|injectCAFrom)|clientAuth|"
+        r"networkPolicy)|"
         r"deviceClasses\.shared\.timeSlicing)"
     )
     missing = sorted(
@@ -532,3 +580,126 @@ def test_rendered_args_are_accepted_by_the_cli(helm: Path, values: list[Any]) ->
         assert parsed.command == args[0]
         if kind == "DaemonSet":
             SharedGpus.parse(parsed.shared_gpus)  # the value, too, is one the agent takes
+        else:
+            conversion_policy(parsed)  # and the webhook's values, one it starts with
+
+
+def webhook_policy(objects: list[dict[str, Any]]) -> tuple[list[str], ConversionPolicy]:
+    """The webhook container's args and the conversion policy `gpudra webhook` makes of them."""
+    (container,) = h.find(objects, "Deployment")["spec"]["template"]["spec"]["containers"]
+    args = container["args"]
+    return args, conversion_policy(build_parser().parse_args(args))
+
+
+@pytest.mark.parametrize(
+    ("values", "flags", "field", "expected"),
+    [
+        (
+            {"driverName": "gpu.example.com"},
+            ["--driver-name=gpu.example.com"],
+            "driver",
+            "gpu.example.com",
+        ),
+        (
+            {"deviceClasses": {"shared": {"strategy": "MPS"}}},
+            ["--shared-strategy=MPS"],
+            "shared_strategy",
+            "MPS",
+        ),
+        (
+            {"deviceClasses": {"shared": {"timeSlicing": {"interval": "Short"}}}},
+            ["--time-slice-interval=Short"],
+            "time_slice_interval",
+            "Short",
+        ),
+        (
+            {
+                "deviceClasses": {
+                    "shared": {"strategy": "MPS", "mps": {"defaultActiveThreadPercentage": 30}}
+                }
+            },
+            ["--mps-default-active-thread-percentage=30"],
+            "mps_config",
+            (("defaultActiveThreadPercentage", 30),),
+        ),
+        (
+            {
+                "deviceClasses": {
+                    "shared": {"strategy": "MPS", "mps": {"defaultPinnedDeviceMemoryLimit": "4Gi"}}
+                }
+            },
+            ["--mps-default-pinned-device-memory-limit=4Gi"],
+            "mps_config",
+            (("defaultPinnedDeviceMemoryLimit", "4Gi"),),
+        ),
+    ],
+    ids=["driverName", "shared.strategy", "timeSlicing.interval", "mps.threads", "mps.pinned"],
+)
+def test_values_that_change_conversion_reach_the_webhook(
+    helm: Path, values: dict[str, Any], flags: list[str], field: str, expected: Any
+) -> None:
+    """Each value the DeviceClasses or node agent act on is also a webhook flag, so
+    converted claims and validation agree with them (the flags' effect on conversion is
+    tested in tests/cli/test_webhook_flags.py)."""
+    _, default_policy = webhook_policy(h.template(helm))
+    assert getattr(default_policy, field) != expected
+    args, policy = webhook_policy(h.template(helm, values))
+    assert set(flags) <= set(args)
+    assert getattr(policy, field) == expected
+
+
+def test_client_certificate_authentication_reaches_the_webhook(
+    helm: Path, default: list[dict[str, Any]]
+) -> None:
+    (container,) = h.find(default, "Deployment")["spec"]["template"]["spec"]["containers"]
+    assert not any(a.startswith(("--client-ca-file", "--health-port")) for a in container["args"])
+    objects = h.template(
+        helm,
+        {"webhook": {"clientAuth": {"enabled": True, "caCert": CLIENT_CA, "healthPort": 9444}}},
+    )
+    pod = h.find(objects, "Deployment")["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    args = build_parser().parse_args(container["args"])
+    # The CA the ConfigMap holds is the file the webhook is told to trust.
+    (mount,) = [m for m in container["volumeMounts"] if m["name"] == "client-ca"]
+    assert str(args.client_ca_file) == f"{mount['mountPath']}/ca.crt"
+    (volume,) = [v for v in pod["volumes"] if v["name"] == "client-ca"]
+    config_map = h.find(objects, "ConfigMap", volume["configMap"]["name"])
+    assert config_map["data"]["ca.crt"].strip() == CLIENT_CA.strip()
+    # The kubelet's probes, which present no client certificate, use the health port.
+    assert args.health_port == 9444
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports == {"https": 8443, "health": 9444}
+    for probe in ("readinessProbe", "livenessProbe"):
+        assert container[probe]["httpGet"]["port"] == "health"
+
+
+def test_network_policy_admits_only_the_control_plane(
+    helm: Path, default: list[dict[str, Any]]
+) -> None:
+    assert not [o for o in default if o["kind"] == "NetworkPolicy"]  # off by default
+    scraper = {"from": [{"namespaceSelector": {}}], "ports": [{"port": 8444}]}
+    objects = h.template(
+        helm,
+        {
+            "webhook": {
+                "port": 9443,
+                "networkPolicy": {
+                    "enabled": True,
+                    "controlPlaneCIDRs": ["10.0.0.0/24", "fd00::/64"],
+                    "extraIngress": [scraper],
+                },
+            }
+        },
+    )
+    spec = h.find(objects, "NetworkPolicy")["spec"]
+    deployment = h.find(objects, "Deployment")
+    assert spec["podSelector"]["matchLabels"] == deployment["spec"]["selector"]["matchLabels"]
+    assert spec["policyTypes"] == ["Ingress"]
+    control_plane, extra = spec["ingress"]
+    assert control_plane["from"] == [
+        {"ipBlock": {"cidr": "10.0.0.0/24"}},
+        {"ipBlock": {"cidr": "fd00::/64"}},
+    ]
+    assert control_plane["ports"] == [{"port": 9443, "protocol": "TCP"}]
+    assert extra == scraper

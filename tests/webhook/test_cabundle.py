@@ -175,6 +175,31 @@ async def test_configuration_created_later_gets_the_bundle(akube: Kube, configs:
         tg.cancel_scope.cancel()
 
 
+async def test_trusted_only_once_the_bundle_is_in_every_configuration(
+    akube: Kube, configs: Configs
+) -> None:
+    """Readiness of a pod with its own CA: a restarted pod makes a new CA, and must get
+    no traffic until the API server has it; a later CA rotation keeps it ready."""
+    mutating = configs.ref(ConfigurationKind.MUTATING)
+    validating = configs.ref(ConfigurationKind.VALIDATING)
+    previous_pod = b64(generate_ca().cert_pem)
+    await configs.create(mutating, ca_bundle=previous_pod)
+    await configs.create(validating, ca_bundle=previous_pod)
+    bundle = generate_ca().cert_pem
+    controller = CABundleController(akube, [mutating, validating])
+    controller.set_bundle(bundle)
+    assert not controller.trusted
+    async with anyio.create_task_group() as tg:
+        await tg.start(controller.run)
+        await wait_until(lambda: controller.trusted)
+        # What the API server holds when the pod turns ready: its bundle, everywhere.
+        assert await configs.bundles(mutating) == [b64(bundle)] * 2
+        assert await configs.bundles(validating) == [b64(bundle)] * 2
+        controller.set_bundle(generate_ca().cert_pem + bundle)
+        assert controller.trusted
+        tg.cancel_scope.cancel()
+
+
 def issued_by(cert: Any, ca: Any) -> bool:
     try:
         cert.certificate.verify_directly_issued_by(ca.certificate)

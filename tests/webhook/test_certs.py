@@ -22,6 +22,7 @@ from gpudra.webhook.certs import (
     ca_bundle,
     check_serving_files,
     ensure_pki,
+    ensure_serving_from_ca,
     generate_ca,
     generate_serving_cert,
     load_pki,
@@ -30,6 +31,7 @@ from gpudra.webhook.certs import (
     service_dns_names,
     write_atomic,
 )
+from gpudra.webhook.renewal import ServingRenewal
 from gpudra.webhook.server import ServerConfig, WebhookServer
 
 NAMES = service_dns_names("gpudra-webhook", "gpudra")
@@ -349,20 +351,43 @@ class KnownTemplates:
         return None
 
 
+async def admit_on_a_new_connection(port: int, ca: bytes, failures: list[str]) -> bytes | None:
+    """One admission on a fresh connection: the certificate served when it was allowed,
+    else None with the failure recorded."""
+    try:
+        client = await Client.connect(port, ca)
+        try:
+            allowed = await client.admit()
+        finally:
+            await client.aclose()
+    except (OSError, ssl.SSLError, anyio.EndOfStream) as exc:
+        failures.append(repr(exc))
+        return None
+    if not allowed:
+        failures.append("denied on a new connection")
+        return None
+    return client.certificate
+
+
+def loopback_server(directory: Path, cert_check_interval: float) -> WebhookServer:
+    """A webhook on a free loopback port serving tls.crt/tls.key from `directory`."""
+    config = ServerConfig(
+        cert_file=directory / "tls.crt",
+        key_file=directory / "tls.key",
+        host="127.0.0.1",
+        port=0,
+        cert_check_interval=cert_check_interval,
+    )
+    return WebhookServer(config, KnownTemplates())
+
+
 @pytest.mark.anyio
 async def test_files_source_rotation_while_requests_flow_fails_nothing(tmp_path: Path) -> None:
     ca = generate_ca()
     secret = tmp_path / "secret"
     write_secret_volume(secret, secret_files(ca), 0)
     assert check_serving_files(secret) is not None
-    config = ServerConfig(
-        cert_file=secret / "tls.crt",
-        key_file=secret / "tls.key",
-        host="127.0.0.1",
-        port=0,
-        cert_check_interval=0.01,
-    )
-    server = WebhookServer(config, KnownTemplates())
+    server = loopback_server(secret, cert_check_interval=0.01)
     ok, failures = 0, []
     seen: set[bytes] = set()
     rotations = 8
@@ -382,19 +407,10 @@ async def test_files_source_rotation_while_requests_flow_fails_nothing(tmp_path:
     async def fresh_connections(port: int, stop: anyio.Event) -> None:
         nonlocal ok
         while not stop.is_set():
-            try:
-                client = await Client.connect(port, ca.cert_pem)
-                try:
-                    allowed = await client.admit()
-                finally:
-                    await client.aclose()
-            except (OSError, ssl.SSLError, anyio.EndOfStream) as exc:
-                failures.append(repr(exc))
-                continue
-            seen.add(client.certificate)
-            ok += 1 if allowed else 0
-            if not allowed:
-                failures.append("denied on a new connection")
+            certificate = await admit_on_a_new_connection(port, ca.cert_pem, failures)
+            if certificate is not None:
+                seen.add(certificate)
+                ok += 1
 
     with anyio.fail_after(60):  # hang guard only
         async with anyio.create_task_group() as tg:
@@ -454,3 +470,81 @@ def test_new_ca_signs_only_after_its_bundle_is_published_for_the_propagation_tim
     done = reconcile_pki(step1, NAMES, now=later + CA_PROPAGATION, ca_published=published.get)
     assert issued_by(done.serving, step1.ca) and done.ca == step1.ca
     assert done.serving_signed_by_ca() and not step1.serving_signed_by_ca()
+
+
+# -- --cert-source=ca: the chart's CA, the serving certificate renewed by the webhook ------
+
+
+def chart_secret(directory: Path, ca: CertKeyPair, generation: int) -> None:
+    """The chart's Secret as mounted: it keeps the CA key since the webhook renews."""
+    write_secret_volume(directory, {**secret_files(ca), "ca.key": ca.key_pem}, generation)
+
+
+def test_serving_from_the_charts_ca_is_renewed_before_expiry(tmp_path: Path) -> None:
+    ca_dir, cert_dir = tmp_path / "secret", tmp_path / "serving"
+    ca = generate_ca(now=T0)
+    chart_secret(ca_dir, ca, 0)
+    first, changed = ensure_serving_from_ca(ca_dir, cert_dir, NAMES, now=T0)
+    assert changed and issued_by(first, ca)
+    assert (cert_dir / "tls.crt").read_bytes() == first.cert_pem
+    assert stat.S_IMODE((cert_dir / "tls.key").stat().st_mode) == 0o600
+    assert ensure_serving_from_ca(ca_dir, cert_dir, NAMES, now=T0 + dt.timedelta(days=200)) == (
+        first,
+        False,
+    )
+    # A third of the year left: renewed, months before it would have expired.
+    renew_at = T0 + dt.timedelta(days=250)
+    assert renew_at < first.not_after - dt.timedelta(days=100)
+    renewed, changed = ensure_serving_from_ca(ca_dir, cert_dir, NAMES, now=renew_at)
+    assert changed and renewed != first and issued_by(renewed, ca)
+    assert not needs_rotation(renewed, now=renew_at)
+    # The chart replaced its CA (the old one stays in its caBundle): the next check follows.
+    new_ca = generate_ca(now=renew_at)
+    chart_secret(ca_dir, new_ca, 1)
+    followed, changed = ensure_serving_from_ca(ca_dir, cert_dir, NAMES, now=renew_at)
+    assert changed and issued_by(followed, new_ca)
+
+
+def test_serving_from_ca_names_a_missing_ca_key(tmp_path: Path) -> None:
+    write_secret_volume(tmp_path / "secret", secret_files(generate_ca()), 0)
+    with pytest.raises(ValueError, match=r"has no ca\.key: with --cert-source=ca mount"):
+        ensure_serving_from_ca(tmp_path / "secret", tmp_path / "serving", NAMES)
+
+
+@pytest.mark.anyio
+async def test_short_lived_serving_certificates_renew_without_a_failed_request(
+    tmp_path: Path,
+) -> None:
+    """Certificates valid for seconds, renewed by the running webhook: requests keep
+    succeeding past the first certificate's expiry, on new and kept-alive connections."""
+    ca = generate_ca()
+    ca_dir, cert_dir = tmp_path / "secret", tmp_path / "serving"
+    chart_secret(ca_dir, ca, 0)
+    renewal = ServingRenewal(
+        ca_dir, cert_dir, NAMES, check_interval_s=0.2, validity=dt.timedelta(seconds=3)
+    )
+    first, _ = renewal.renew()
+    server = loopback_server(cert_dir, cert_check_interval=0.05)
+    failures: list[str] = []
+    seen: set[bytes] = set()
+    with anyio.fail_after(60):  # hang guard only
+        async with anyio.create_task_group() as tg:
+            port = await tg.start(server.serve)
+            await tg.start(renewal.run)
+            kept = await Client.connect(port, ca.cert_pem)
+            while dt.datetime.now(dt.UTC) < first.not_after + dt.timedelta(seconds=1):
+                certificate = await admit_on_a_new_connection(port, ca.cert_pem, failures)
+                if certificate is None:
+                    continue
+                seen.add(certificate)
+                last = x509.load_der_x509_certificate(certificate)
+                if not await kept.admit():
+                    failures.append("denied on a kept-alive connection")
+                await anyio.sleep(0.05)
+            await kept.aclose()
+            tg.cancel_scope.cancel()
+    assert failures == []
+    # Past the first certificate's end, a renewed one from the same CA was served.
+    assert last.not_valid_after_utc > first.not_after
+    last.verify_directly_issued_by(ca.certificate)
+    assert len(seen) > 1

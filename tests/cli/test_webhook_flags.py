@@ -1,0 +1,160 @@
+"""`gpudra webhook` flags that change what the webhook writes and checks: the driver name,
+the shared class's strategy, time-slice interval and MPS defaults reach the conversion
+policy, so converted claims and validation agree with the DeviceClasses and node agent."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from gpudra.cli.main import build_parser
+from gpudra.cli.webhook import conversion_policy, run
+from gpudra.webhook.convert import ConversionPolicy, convert_pod
+from gpudra.webhook.validate import driver_classes, validate_claim_object
+
+
+def policy(*flags: str) -> ConversionPolicy:
+    return conversion_policy(build_parser().parse_args(["webhook", "--cert-dir=certs", *flags]))
+
+
+def pod(resource: str) -> dict[str, Any]:
+    return {
+        "metadata": {"name": "p", "namespace": "ns"},
+        "spec": {"containers": [{"name": "c", "resources": {"limits": {resource: "1"}}}]},
+    }
+
+
+def template_spec(conversion_policy: ConversionPolicy, resource: str) -> dict[str, Any]:
+    (template,) = convert_pod(pod(resource), conversion_policy).templates
+    spec: dict[str, Any] = template["spec"]["spec"]
+    return spec
+
+
+def shared_sharing(conversion_policy: ConversionPolicy) -> dict[str, Any]:
+    (entry,) = template_spec(conversion_policy, "nvidia.com/gpu.shared")["devices"]["config"]
+    sharing: dict[str, Any] = entry["opaque"]["parameters"]["sharing"]
+    return sharing
+
+
+def test_defaults_are_the_upstream_driver_and_time_slicing() -> None:
+    assert policy() == ConversionPolicy()
+
+
+def test_driver_name_reaches_mig_selectors_and_configs() -> None:
+    custom = policy("--driver-name=gpu.example.com")
+    (request,) = template_spec(custom, "nvidia.com/mig-1g.10gb")["devices"]["requests"]
+    (selector,) = request["exactly"]["selectors"]
+    assert selector["cel"]["expression"] == (
+        'device.attributes["gpu.example.com"].profile == "1g.10gb"'
+    )
+    (entry,) = template_spec(custom, "nvidia.com/gpu.shared")["devices"]["config"]
+    assert entry["opaque"]["driver"] == "gpu.example.com"
+
+
+def test_driver_name_reaches_config_validation() -> None:
+    bad = {
+        "metadata": {"name": "c", "namespace": "ns"},
+        "spec": {
+            "devices": {
+                "requests": [{"name": "r", "exactly": {"deviceClassName": "gpu.nvidia.com"}}],
+                "config": [
+                    {
+                        "opaque": {
+                            "driver": "gpu.example.com",
+                            "parameters": {"apiVersion": "resource.nvidia.com/v1beta1"},
+                        }
+                    }
+                ],
+            }
+        },
+    }
+
+    def verdict(p: ConversionPolicy) -> bool:
+        return validate_claim_object(
+            bad, template=False, policy=p, classes=driver_classes(p), rules=None
+        ).allowed
+
+    assert verdict(policy())  # another driver's config: not ours to judge
+    assert not verdict(policy("--driver-name=gpu.example.com"))
+
+
+def test_shared_strategy_mps_replaces_the_time_slicing_config() -> None:
+    assert shared_sharing(policy()) == {
+        "strategy": "TimeSlicing",
+        "timeSlicingConfig": {"interval": "Default"},
+    }
+    assert shared_sharing(policy("--shared-strategy=MPS")) == {"strategy": "MPS"}
+
+
+def test_time_slice_interval_reaches_converted_claims() -> None:
+    sharing = shared_sharing(policy("--time-slice-interval=Long"))
+    assert sharing["timeSlicingConfig"] == {"interval": "Long"}
+
+
+def test_mps_defaults_reach_converted_claims() -> None:
+    """A converted claim's config replaces the class's: it must carry the defaults."""
+    sharing = shared_sharing(
+        policy(
+            "--shared-strategy=MPS",
+            "--mps-default-active-thread-percentage=25",
+            "--mps-default-pinned-device-memory-limit=10Gi",
+        )
+    )
+    assert sharing["mpsConfig"] == {
+        "defaultActiveThreadPercentage": 25,
+        "defaultPinnedDeviceMemoryLimit": "10Gi",
+    }
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--driver-name=GPU"], "--driver-name 'GPU' must be a DNS subdomain"),
+        (["--driver-name=" + "a." * 32 + "io"], "at most 63 characters"),
+        (
+            ["--mps-default-active-thread-percentage=20"],
+            "MPS settings apply only with --shared-strategy=MPS",
+        ),
+        (
+            ["--shared-strategy=MPS", "--mps-default-active-thread-percentage=500"],
+            "--mps-default-active-thread-percentage 500: must be between",
+        ),
+        (
+            ["--shared-strategy=MPS", "--mps-default-pinned-device-memory-limit=lots"],
+            "--mps-default-pinned-device-memory-limit 'lots': 'lots' is not a quantity",
+        ),
+    ],
+)
+def test_bad_values_name_the_flag(flags: list[str], message: str) -> None:
+    with pytest.raises(SystemExit, match="gpudra webhook: ") as exit_:
+        policy(*flags)
+    assert message in str(exit_.value)
+
+
+@pytest.mark.parametrize("flag", ["--shared-strategy=Spatial", "--time-slice-interval=Forever"])
+def test_choices_are_the_drivers(flag: str) -> None:
+    with pytest.raises(SystemExit):
+        policy(flag)
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--ca-dir=ca"], "--ca-dir and --cert-source=ca go together"),
+        (["--cert-source=ca"], "--ca-dir and --cert-source=ca go together"),
+        (["--cert-source=ca", "--ca-dir={tmp}"], "--ca-dir: {tmp} has no ca.crt or ca.key"),
+        (["--client-ca-file=ca.crt"], "--client-ca-file and --health-port go together"),
+        (["--health-port=8444"], "--client-ca-file and --health-port go together"),
+        (
+            ["--client-ca-file=ca.crt", "--health-port=8443"],
+            "--health-port 8443 must be 1-65535 and differ from --port 8443",
+        ),
+    ],
+)
+def test_certificate_flags_that_go_together(tmp_path: Path, flags: list[str], message: str) -> None:
+    args = [f.format(tmp=tmp_path) for f in flags]
+    parsed = build_parser().parse_args(["webhook", f"--cert-dir={tmp_path / 'serving'}", *args])
+    with pytest.raises(SystemExit) as exit_:
+        run(parsed)
+    assert message.format(tmp=tmp_path) in str(exit_.value)

@@ -1,0 +1,228 @@
+"""Client-certificate authentication of the API server, over real HTTPS: with a client CA
+only a caller presenting a certificate it signed is served; the health listener stays
+open to the kubelet's probes, which present none."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import socket
+import ssl
+import sys
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+from anyio.streams.buffered import BufferedByteStream
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+from gpudra.webhook.certs import CertKeyPair, ensure_pki, generate_ca, service_dns_names
+from gpudra.webhook.server import ServerConfig, WebhookServer
+
+pytestmark = pytest.mark.anyio
+NAMES = service_dns_names("gpudra-webhook", "gpudra")
+GUARD = 30  # seconds: a hang guard, never a speed check
+# What a refused handshake looks like to the client: TLS 1.3 reports the server's alert
+# on the first read, earlier versions during the handshake.
+REFUSED = (ssl.SSLError, OSError, anyio.EndOfStream, anyio.BrokenResourceError)
+
+
+def client_cert(ca: CertKeyPair, name: str = "kube-apiserver") -> CertKeyPair:
+    """A client certificate as the API server's admission kubeConfigFile holds one."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = dt.datetime.now(dt.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
+        .issuer_name(ca.certificate.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - dt.timedelta(minutes=5))
+        .not_valid_after(now + dt.timedelta(days=1))
+        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
+        .sign(ca.private_key, hashes.SHA256())
+    )
+    return CertKeyPair(
+        cert.public_bytes(serialization.Encoding.PEM),
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        ),
+    )
+
+
+class NoTemplates:
+    async def __call__(self, namespace: str, templates: Any, dry_run: bool) -> None:
+        return None
+
+
+def review() -> bytes:
+    pod = {"metadata": {"name": "p", "namespace": "a"}, "spec": {"containers": [{"name": "c"}]}}
+    body = json.dumps(
+        {
+            "apiVersion": "admission.k8s.io/v1",
+            "kind": "AdmissionReview",
+            "request": {
+                "uid": "u1",
+                "kind": {"group": "", "version": "v1", "kind": "Pod"},
+                "namespace": "a",
+                "operation": "CREATE",
+                "object": pod,
+            },
+        }
+    ).encode()
+    head = f"POST /mutate-pods HTTP/1.1\r\nHost: w\r\nContent-Length: {len(body)}\r\n\r\n"
+    return head.encode() + body
+
+
+async def call(
+    port: int, server_ca: bytes, tmp: Path, request: bytes, identity: CertKeyPair | None = None
+) -> bytes:
+    """One request on a fresh connection; the status line of the answer."""
+    context = ssl.create_default_context(cadata=server_ca.decode())
+    if identity is not None:
+        (tmp / "client.crt").write_bytes(identity.cert_pem)
+        (tmp / "client.key").write_bytes(identity.key_pem)
+        context.load_cert_chain(tmp / "client.crt", tmp / "client.key")
+    stream = await anyio.connect_tcp(
+        "127.0.0.1", port, tls=True, ssl_context=context, tls_hostname=NAMES[0]
+    )
+    try:
+        buffered = BufferedByteStream(stream)
+        await buffered.send(request)
+        head = await buffered.receive_until(b"\r\n", 4096)
+    finally:
+        await anyio.aclose_forcefully(stream)
+    return head
+
+
+async def test_only_a_client_certificate_from_the_ca_is_served(tmp_path: Path) -> None:
+    pki, _ = ensure_pki(tmp_path / "serving", NAMES)
+    api_ca, other_ca = generate_ca(), generate_ca()
+    client_ca_file = tmp_path / "client-ca.crt"
+    client_ca_file.write_bytes(api_ca.cert_pem)
+    config = ServerConfig(
+        cert_file=tmp_path / "serving" / "tls.crt",
+        key_file=tmp_path / "serving" / "tls.key",
+        host="127.0.0.1",
+        port=0,
+        cert_check_interval=0.05,
+    )
+    server = WebhookServer(config, NoTemplates())
+    server.tls.require_client_certificates(client_ca_file)
+    health = server.health_server(0)
+    ca = pki.ca.cert_pem
+    with anyio.fail_after(GUARD):
+        async with anyio.create_task_group() as tg:
+            port = await tg.start(server.serve)
+            health_port = await tg.start(health.serve)
+
+            assert await call(port, ca, tmp_path, review(), client_cert(api_ca)) == (
+                b"HTTP/1.1 200 OK"
+            )
+            for stranger in (None, client_cert(other_ca)):
+                with pytest.raises(REFUSED):
+                    await call(port, ca, tmp_path, review(), stranger)
+            # The probes' port: no client certificate, no admission endpoints.
+            ready = b"GET /readyz HTTP/1.1\r\nHost: w\r\n\r\n"
+            assert await call(health_port, ca, tmp_path, ready) == b"HTTP/1.1 200 OK"
+            status = await call(health_port, ca, tmp_path, review())
+            assert status.startswith(b"HTTP/1.1 404")
+
+            # The API server's CA is replaced: the file is reloaded like the serving files.
+            new_api_ca = generate_ca()
+            client_ca_file.write_bytes(new_api_ca.cert_pem)
+            while not await _served(port, ca, tmp_path, client_cert(new_api_ca)):
+                await anyio.sleep(0.05)
+            tg.cancel_scope.cancel()
+
+
+async def _served(port: int, ca: bytes, tmp: Path, identity: CertKeyPair) -> bool:
+    try:
+        return await call(port, ca, tmp, review(), identity) == b"HTTP/1.1 200 OK"
+    except REFUSED:
+        return False
+
+
+async def test_unreadable_client_ca_is_refused_at_start(tmp_path: Path) -> None:
+    ensure_pki(tmp_path, NAMES)
+    config = ServerConfig(cert_file=tmp_path / "tls.crt", key_file=tmp_path / "tls.key")
+    server = WebhookServer(config, NoTemplates())
+    (tmp_path / "garbage.crt").write_text("not a certificate")
+    with pytest.raises(ssl.SSLError):
+        server.tls.require_client_certificates(tmp_path / "garbage.crt")
+    with pytest.raises(OSError):
+        server.tls.require_client_certificates(tmp_path / "missing.crt")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+async def test_gpudra_webhook_wires_client_auth_and_the_charts_ca(tmp_path: Path) -> None:
+    """`gpudra webhook` as the chart runs it with tls.source=helm and clientAuth: the
+    serving certificate signed from the mounted CA, the API server's certificate
+    required on the admission port, the probes answered on the health port."""
+    chart_ca, api_ca = generate_ca(), generate_ca()
+    ca_dir = tmp_path / "chart-secret"
+    ca_dir.mkdir()
+    (ca_dir / "ca.crt").write_bytes(chart_ca.cert_pem)
+    (ca_dir / "ca.key").write_bytes(chart_ca.key_pem)
+    (tmp_path / "client-ca.crt").write_bytes(api_ca.cert_pem)
+    # Nothing here calls the API server (no tenants, no GPU pods): an address that is
+    # never dialled is enough.
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(
+        json.dumps(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "clusters": [{"name": "c", "cluster": {"server": "https://127.0.0.1:1"}}],
+                "users": [{"name": "u", "user": {"token": "t"}}],
+                "contexts": [{"name": "x", "context": {"cluster": "c", "user": "u"}}],
+                "current-context": "x",
+            }
+        )
+    )
+    port, health_port = free_port(), free_port()
+    command = [
+        sys.executable,
+        "-m",
+        "gpudra.cli",
+        "webhook",
+        "--host=127.0.0.1",
+        f"--port={port}",
+        "--cert-source=ca",
+        f"--ca-dir={ca_dir}",
+        f"--cert-dir={tmp_path / 'serving'}",
+        f"--client-ca-file={tmp_path / 'client-ca.crt'}",
+        f"--health-port={health_port}",
+        f"--kubeconfig={kubeconfig}",
+        "--no-tenants",
+        "--no-validate-claims",
+    ]
+    ready = b"GET /readyz HTTP/1.1\r\nHost: w\r\n\r\n"
+    ca = chart_ca.cert_pem
+    async with await anyio.open_process(command) as process:
+        try:
+            with anyio.fail_after(GUARD):
+                while True:
+                    try:
+                        if await call(health_port, ca, tmp_path, ready) == b"HTTP/1.1 200 OK":
+                            break
+                    except REFUSED:
+                        pass
+                    assert process.returncode is None, "gpudra webhook exited"
+                    await anyio.sleep(0.1)
+                assert await _served(port, ca, tmp_path, client_cert(api_ca))
+                with pytest.raises(REFUSED):
+                    await call(port, ca, tmp_path, review())
+        finally:
+            process.terminate()
