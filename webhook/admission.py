@@ -27,6 +27,7 @@ from gpudra.webhook.convert import (
     ConversionError,
     ConversionPolicy,
     convert_pod,
+    generated_template_name,
 )
 from gpudra.webhook.metrics import WebhookMetrics
 from gpudra.webhook.reviews import (
@@ -166,6 +167,15 @@ class Admission:
             raise ReviewError("request.object and request.namespace are required")
         lookup = self._lookup(namespace)
         kind = request["kind"]["kind"]
+        if kind == CLAIM_TEMPLATE.kind:
+            policy = lookup.rules.policy if lookup and lookup.rules else self._policy
+            forged = _forged_template(obj, policy)
+            if forged:
+                logger.info(
+                    "denied claim",
+                    extra={"fields": {"uid": uid, "namespace": namespace, "error": forged}},
+                )
+                return self._deny(uid, 403, forged, "tenant")
         verdict = validate_claim_object(
             obj,
             template=kind == CLAIM_TEMPLATE.kind,
@@ -223,6 +233,29 @@ class Admission:
     def _deny(self, uid: str, code: int, message: str, reason: str) -> Decision:
         self._metrics.inc(self._metrics.denials, reason)
         return Decision(deny(uid, code, message), "denied")
+
+
+def _forged_template(obj: dict[str, Any], policy: ConversionPolicy) -> str | None:
+    """Why a template under a name the conversion generates is not the conversion's.
+
+    Converted pods refer to templates by generated name, so a name in that space is bound
+    to the one content the conversion writes for it; anything else there would be used
+    in place of what the tenant check counted.
+    """
+    metadata = obj.get("metadata")
+    name = metadata.get("name") if isinstance(metadata, dict) else None
+    prefix = f"{policy.name_prefix}-"
+    if not isinstance(name, str) or not name.startswith(prefix):
+        return None
+    spec = obj.get("spec")
+    inner = spec.get("spec") if isinstance(spec, dict) else None
+    if generated_template_name(inner, policy) == name:
+        return None
+    return (
+        f"ResourceClaimTemplate {name}: names starting with {prefix} are reserved for the "
+        "templates gpudra generates for converted pods, and this content is not the one "
+        "gpudra writes under that name; choose a name without that prefix"
+    )
 
 
 def _pod_and_namespace(request: AdmissionRequest) -> tuple[dict[str, Any], str]:

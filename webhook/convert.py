@@ -80,8 +80,10 @@ __all__ = [
     "ConvertedClaim",
     "DeviceKind",
     "convert_pod",
+    "generated_template_name",
     "is_legacy_resource",
     "parse_mig_profile",
+    "same_claim_spec",
 ]
 
 GPU_RESOURCE: Final = "nvidia.com/gpu"
@@ -555,6 +557,81 @@ def _template_name(
     canonical = json.dumps(spec, sort_keys=True, separators=(",", ":")).encode()
     digest = hashlib.sha256(canonical).hexdigest()[:_HASH_LEN]
     return f"{readable[: DNS_LABEL_MAX - _HASH_LEN - 1].rstrip('-')}-{digest}"
+
+
+def generated_template_name(spec: object, policy: ConversionPolicy) -> str | None:
+    """The name the conversion gives a template of exactly this ResourceClaimSpec, or None.
+
+    This binds a generated name to its content: a template whose name starts with the
+    policy prefix is the webhook's only if this returns its name, so one written by hand
+    under such a name (asking for more devices, another class, other configs) is told
+    apart from ours by content, never trusted for its name.
+    """
+    if not isinstance(spec, Mapping):
+        return None
+    devices = spec.get("devices")
+    requests = devices.get("requests") if isinstance(devices, Mapping) else None
+    if not isinstance(requests, list) or not requests:
+        return None
+    first = requests[0].get("exactly") if isinstance(requests[0], Mapping) else None
+    if not isinstance(first, Mapping):
+        return None
+    kinds = {policy.gpu_class: DeviceKind.GPU, policy.shared_class: DeviceKind.SHARED}
+    kinds[policy.mig_class] = DeviceKind.MIG
+    kind = kinds.get(str(first.get("deviceClassName")))
+    if kind is None:
+        return None
+    profile = ""
+    if kind is DeviceKind.MIG:
+        selectors = first.get("selectors")
+        expression = ""
+        if isinstance(selectors, list) and selectors and isinstance(selectors[0], Mapping):
+            expression = str((selectors[0].get("cel") or {}).get("expression", ""))
+        prefix = f'device.attributes["{policy.driver}"].profile == "'
+        profile = expression.removeprefix(prefix).removesuffix('"')
+        if not expression.startswith(prefix) or not _MIG_PROFILE.fullmatch(profile):
+            return None
+    segments: list[int] = []
+    for request in requests:
+        exactly = request.get("exactly") if isinstance(request, Mapping) else None
+        count = exactly.get("count") if isinstance(exactly, Mapping) else None
+        if isinstance(count, bool) or not isinstance(count, int):
+            return None
+        if not 1 <= count <= policy.max_devices_per_claim:
+            return None
+        segments.append(count)
+    if sum(segments) > policy.max_devices_per_claim:
+        return None
+    device_type = _DeviceType(kind, profile)
+    expected = _claim_spec(device_type, segments, policy)
+    if not same_claim_spec(spec, expected):
+        return None
+    return _template_name(device_type, segments, expected, policy)
+
+
+def same_claim_spec(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
+    """Two ResourceClaimSpecs are equal once the API server's defaults are filled in.
+
+    The API server stores ``allocationMode: ExactCount`` and ``count: 1`` where a
+    request leaves them out, so a spec read back is compared in that form.
+    """
+    return _defaulted(a) == _defaulted(b)
+
+
+def _defaulted(spec: Mapping[str, Any]) -> Any:
+    result = json.loads(json.dumps(spec))
+    devices = result.get("devices") if isinstance(result, dict) else None
+    requests = devices.get("requests") if isinstance(devices, dict) else None
+    for request in requests if isinstance(requests, list) else ():
+        if not isinstance(request, dict):
+            continue
+        subs = request.get("firstAvailable")
+        for exact in [request.get("exactly"), *(subs if isinstance(subs, list) else ())]:
+            if isinstance(exact, dict):
+                exact.setdefault("allocationMode", "ExactCount")
+                if exact["allocationMode"] == "ExactCount":
+                    exact.setdefault("count", 1)
+    return result
 
 
 def _mapping(value: object, where: str) -> Mapping[str, Any]:

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 from gpudra.webhook.admission import MUTATE_PATH, VALIDATE_CLAIMS_PATH, Admission
+from gpudra.webhook.convert import convert_pod
 from gpudra.webhook.metrics import WebhookMetrics
 from gpudra.webhook.reviews import ReviewError
 from prometheus_client import CollectorRegistry
@@ -77,3 +78,30 @@ async def test_an_unusable_review_raises_naming_the_field() -> None:
         await endpoints[VALIDATE_CLAIMS_PATH](review(CLAIM, None))
     with pytest.raises(ReviewError, match="unsupported resource kind"):
         await endpoints[VALIDATE_CLAIMS_PATH](review(POD, GPU_POD))
+
+
+TEMPLATE = {"group": "resource.k8s.io", "version": "v1", "kind": "ResourceClaimTemplate"}
+
+
+def _generated_templates(pod: Mapping[str, Any]) -> list[dict[str, Any]]:
+    return list(convert_pod(pod).templates)
+
+
+async def test_a_template_under_a_generated_name_must_have_the_generated_content() -> None:
+    endpoints = Admission(Templates(), WebhookMetrics(CollectorRegistry())).endpoints()
+    ours = _generated_templates(GPU_POD)[0]
+    assert ours["metadata"]["name"] == "gpudra-gpu-1"
+    decision = await endpoints[VALIDATE_CLAIMS_PATH](review(TEMPLATE, ours))
+    assert decision.result == "allowed"
+
+    forged = json.loads(json.dumps(ours))
+    forged["spec"]["spec"]["devices"]["requests"][0]["exactly"]["count"] = 4
+    decision = await endpoints[VALIDATE_CLAIMS_PATH](review(TEMPLATE, forged))
+    assert decision.result == "denied"
+    assert "reserved for the templates gpudra generates" in decision.response["status"]["message"]
+
+    # A prefixed name no conversion generates is refused too; other names are not ours.
+    other = {**ours, "metadata": {"name": "gpudra-mine"}}
+    assert (await endpoints[VALIDATE_CLAIMS_PATH](review(TEMPLATE, other))).result == "denied"
+    other = {**forged, "metadata": {"name": "mine"}}
+    assert (await endpoints[VALIDATE_CLAIMS_PATH](review(TEMPLATE, other))).result == "allowed"
