@@ -33,7 +33,7 @@ from gpudra.webhook.certs import (
 )
 from gpudra.webhook.convert import ConversionPolicy
 from gpudra.webhook.server import ServerConfig, WebhookServer
-from gpudra.webhook.templates import ApiTemplateEnsurer
+from gpudra.webhook.templates import ApiClaimReader, ApiTemplateEnsurer
 from gpudra.webhook.tenants import TenantController
 from gpudra.webhook.validate import driver_classes
 
@@ -129,6 +129,7 @@ def run(args: argparse.Namespace) -> int:
             config,
             ApiTemplateEnsurer(kube),
             tenants=tenants.state if tenants else None,
+            read_claims=ApiClaimReader(kube),
             # Not ready (no traffic from the Service) until the tenant rules are loaded.
             ready=(lambda: tenants.ready) if tenants else None,
         )

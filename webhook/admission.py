@@ -6,6 +6,11 @@ holds hand-written ResourceClaims and ResourceClaimTemplates to the same rules a
 the driver's config parser (``validate.py``). Both read the tenant rules from the
 in-memory `TenantState`, so a decision is computation over the request and that view.
 
+A pod in a namespace whose tenant limits devices per pod is counted whole: besides the
+converted claims, every ResourceClaim and template it refers to is read through the
+injected `ClaimReader` and counted (``tenant_rules.claim_devices``), so hand-written and
+shared claims cannot add devices past the limit one claim at a time.
+
 The one write, creating the ResourceClaimTemplates a converted pod refers to, goes
 through the injected `TemplateEnsurer`, which owns all API-server writes. Dry runs
 create nothing: the dry-run flag is passed on to it. Nothing here knows HTTP: a body
@@ -20,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Final, Protocol
 
 import anyio
+from gpudra.api.names import is_dns_subdomain
 from gpudra.webhook.convert import (
     DEFAULT_POLICY,
     OPT_OUT_LABEL,
@@ -39,7 +45,7 @@ from gpudra.webhook.reviews import (
     deny,
     parse_review,
 )
-from gpudra.webhook.tenant_rules import Lookup
+from gpudra.webhook.tenant_rules import Lookup, ReferencedClaim, TenantRules, claim_devices
 from gpudra.webhook.tenant_state import TenantState
 from gpudra.webhook.validate import driver_classes, validate_claim_object
 
@@ -47,6 +53,7 @@ __all__ = [
     "MUTATE_PATH",
     "VALIDATE_CLAIMS_PATH",
     "Admission",
+    "ClaimReader",
     "Decision",
     "ReviewHandler",
     "TemplateEnsurer",
@@ -76,6 +83,16 @@ class TemplateEnsurer(Protocol):
     ) -> None: ...
 
 
+class ClaimReader(Protocol):
+    """Reads the spec of a claim or template a pod refers to, for counting its devices.
+
+    `kind` is ``ResourceClaim`` or ``ResourceClaimTemplate``; the answer is the
+    ResourceClaimSpec (a template's ``spec.spec``), or None when there is no such object.
+    """
+
+    async def __call__(self, namespace: str, kind: str, name: str) -> Mapping[str, Any] | None: ...
+
+
 @dataclass(frozen=True)
 class Decision:
     """The answer to one review, and how it went for the requests metric."""
@@ -101,6 +118,7 @@ class Admission:
         extra_device_classes: Sequence[str] = (),
         tenants: TenantState | None = None,
         ensure_timeout: float = 5.0,
+        read_claims: ClaimReader | None = None,
     ) -> None:
         self._ensure = ensure_templates
         self._metrics = metrics
@@ -108,6 +126,7 @@ class Admission:
         self._classes = driver_classes(policy, extra_device_classes)
         self._tenants = tenants
         self._ensure_timeout = ensure_timeout
+        self._read_claims = read_claims
 
     def endpoints(self) -> dict[str, ReviewHandler]:
         """Path -> handler, for the transport to route to."""
@@ -129,13 +148,13 @@ class Admission:
         except ConversionError as exc:
             logger.info("denied pod", extra={"fields": {**fields, "error": str(exc)}})
             return self._deny(uid, 400, str(exc), "invalid")
-        if not conversion.changed:
-            return Decision(allow(uid), "allowed")
         if lookup is not None:
-            reason = self._tenant_denial(lookup, conversion, namespace)
+            reason = await self._tenant_denial(lookup, pod, conversion, namespace, dry_run)
             if reason:
                 logger.info("denied pod", extra={"fields": {**fields, "error": reason}})
                 return self._deny(uid, 403, reason, "tenant")
+        if not conversion.changed:
+            return Decision(allow(uid), "allowed")
         if conversion.templates:
             failure = await self._ensure_templates(namespace, conversion, dry_run, fields)
             if failure:
@@ -199,11 +218,71 @@ class Admission:
     def _lookup(self, namespace: str) -> Lookup | None:
         return self._tenants.lookup(namespace) if self._tenants is not None else None
 
-    def _tenant_denial(self, lookup: Lookup, conversion: Conversion, namespace: str) -> str | None:
+    async def _tenant_denial(
+        self,
+        lookup: Lookup,
+        pod: Mapping[str, Any],
+        conversion: Conversion,
+        namespace: str,
+        dry_run: bool,
+    ) -> str | None:
         if lookup.denial or lookup.rules is None:
-            return lookup.denial or None
+            return (lookup.denial or None) if conversion.changed else None
+        referenced: list[ReferencedClaim] = []
+        if lookup.rules.tenant.spec.max_devices_per_pod is not None:
+            found = await self._referenced(lookup.rules, pod, namespace, dry_run)
+            if isinstance(found, str):
+                return found
+            referenced = found
+        if not conversion.changed and not referenced:
+            return None
         assert self._tenants is not None  # a lookup comes from it
-        return lookup.rules.check_pod(conversion, namespace, self._tenants.quota_usage(namespace))
+        usage = self._tenants.quota_usage(namespace) if conversion.changed else None
+        return lookup.rules.check_pod(conversion, namespace, usage, referenced)
+
+    async def _referenced(
+        self, rules: TenantRules, pod: Mapping[str, Any], namespace: str, dry_run: bool
+    ) -> list[ReferencedClaim] | str:
+        """The pod's own claims and templates with their device counts, or a denial."""
+        spec = pod.get("spec")
+        entries = spec.get("resourceClaims") if isinstance(spec, Mapping) else None
+        result: list[ReferencedClaim] = []
+        limit = f"{rules.label}: maxDevicesPerPod is {rules.tenant.spec.max_devices_per_pod}"
+        for index, entry in enumerate(entries if isinstance(entries, list) else ()):
+            if not isinstance(entry, Mapping):
+                continue
+            reference = _reference(entry)
+            if reference is None:
+                continue
+            kind, name = reference
+            pod_claim = str(entry.get("name", f"spec.resourceClaims[{index}]"))
+            source = f"{kind} {name}"
+            if not is_dns_subdomain(name):
+                return f"spec.resourceClaims[{index}]: {source} is not a valid object name"
+            if self._read_claims is None:
+                return f"{limit}, and this webhook cannot read pod claim {pod_claim} ({source})"
+            try:
+                with anyio.fail_after(self._ensure_timeout):
+                    claim_spec = await self._read_claims(namespace, kind, name)
+            except Exception as exc:
+                logger.warning(
+                    "could not read a pod's claim",
+                    exc_info=True,
+                    extra={"fields": {"namespace": namespace, "claim": source}},
+                )
+                reason = "no answer in time" if isinstance(exc, TimeoutError) else str(exc)
+                return f"{limit}; could not read {source} to count its devices: {reason}; retry"
+            if claim_spec is None:
+                if dry_run:
+                    continue  # nothing is stored, and a dry run's templates do not exist
+                return (
+                    f"{limit}; pod claim {pod_claim} refers to {source}, which does not "
+                    f"exist, so its devices cannot be counted: create it before the pod"
+                )
+            devices = claim_devices(claim_spec, self._classes)
+            if devices:
+                result.append(ReferencedClaim(pod_claim, source, devices))
+        return result
 
     async def _ensure_templates(
         self, namespace: str, conversion: Conversion, dry_run: bool, fields: dict[str, Any]
@@ -233,6 +312,17 @@ class Admission:
     def _deny(self, uid: str, code: int, message: str, reason: str) -> Decision:
         self._metrics.inc(self._metrics.denials, reason)
         return Decision(deny(uid, code, message), "denied")
+
+
+def _reference(entry: Mapping[str, Any]) -> tuple[str, str] | None:
+    """What a ``spec.resourceClaims`` entry refers to: (kind, name), or nothing."""
+    claim = entry.get("resourceClaimName")
+    if isinstance(claim, str) and claim:
+        return CLAIM.kind, claim
+    template = entry.get("resourceClaimTemplateName")
+    if isinstance(template, str) and template:
+        return CLAIM_TEMPLATE.kind, template
+    return None
 
 
 def _forged_template(obj: dict[str, Any], policy: ConversionPolicy) -> str | None:

@@ -615,7 +615,7 @@ def same_claim_spec(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
     The API server stores ``allocationMode: ExactCount`` and ``count: 1`` where a
     request leaves them out, so a spec read back is compared in that form.
     """
-    return _defaulted(a) == _defaulted(b)
+    return bool(_defaulted(a) == _defaulted(b))
 
 
 def _defaulted(spec: Mapping[str, Any]) -> Any:

@@ -1,6 +1,7 @@
 """The webhook configurations: pod conversion (mutating) and claim checks (validating).
 
-`matchConditions` send only pods that ask for `nvidia.com/*` resources, and only claims
+`matchConditions` send only pods that ask for `nvidia.com/*` resources or refer to
+ResourceClaims (every device a pod gets counts against its tenant's limit), and only claims
 and templates that request one of the driver's DeviceClasses or carry an opaque config
 for its driver, so `failurePolicy: Fail` can never block anything else; kube-system and
 the driver's own namespace are excluded so a broken webhook cannot block its own recovery.
@@ -25,7 +26,8 @@ GPU_POD_CEL = (
     "(has(c.resources.requests) && c.resources.requests.exists(k, k.startsWith('nvidia.com/')))"
     ")) || (has(object.spec.initContainers) && object.spec.initContainers.exists(c, "
     "has(c.resources) && has(c.resources.limits) && "
-    "c.resources.limits.exists(k, k.startsWith('nvidia.com/'))))"
+    "c.resources.limits.exists(k, k.startsWith('nvidia.com/')))) || "
+    "has(object.spec.resourceClaims)"
 )
 
 

@@ -21,6 +21,7 @@ from gpudra.webhook.admission import (
     MUTATE_PATH,
     VALIDATE_CLAIMS_PATH,
     Admission,
+    ClaimReader,
     ReviewHandler,
     TemplateEnsurer,
 )
@@ -64,6 +65,7 @@ class WebhookServer:
         registry: CollectorRegistry | None = None,
         ready: Callable[[], bool] | None = None,
         tenants: TenantState | None = None,
+        read_claims: ClaimReader | None = None,
     ) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         metrics = WebhookMetrics(self.registry)
@@ -74,6 +76,7 @@ class WebhookServer:
             extra_device_classes=config.extra_device_classes,
             tenants=tenants,
             ensure_timeout=config.ensure_timeout,
+            read_claims=read_claims,
         )
         self._endpoints = {
             path: http_endpoint(handler) for path, handler in admission.endpoints().items()

@@ -83,3 +83,31 @@ class ApiTemplateEnsurer:
             if len(self._known) >= _MAX_ENTRIES:
                 self._known.clear()
         self._known[key] = now + self._ttl_s
+
+
+class ApiClaimReader:
+    """Reads the claims and templates a pod refers to (admission's `ClaimReader`).
+
+    Not cached: a claim can be deleted and re-created with other content under its name,
+    and only pods in namespaces with a per-pod device limit that name claims by hand
+    pay the round trip.
+    """
+
+    def __init__(self, kube: Kube) -> None:
+        self.kube = kube
+
+    async def __call__(self, namespace: str, kind: str, name: str) -> Mapping[str, Any] | None:
+        template = kind == "ResourceClaimTemplate"
+        resource = "resourceclaimtemplates" if template else "resourceclaims"
+        try:
+            obj = await self.kube.request(
+                "GET", f"{RESOURCE_API}/namespaces/{namespace}/{resource}/{name}"
+            )
+        except ApiError as e:
+            if e.status == 404:
+                return None
+            raise
+        spec = obj.get("spec") if isinstance(obj, dict) else None
+        if template and isinstance(spec, dict):
+            spec = spec.get("spec")
+        return spec if isinstance(spec, dict) else {}

@@ -18,7 +18,7 @@ from gpudra.api.tenants import API_VERSION, crd_manifest
 from gpudra.common.kube import Kube
 from gpudra.webhook import registration
 from gpudra.webhook.server import WebhookServer
-from gpudra.webhook.templates import ApiTemplateEnsurer
+from gpudra.webhook.templates import ApiClaimReader, ApiTemplateEnsurer
 from gpudra.webhook.tenants import MANAGED_BY_LABEL, QUOTA_NAME, TenantController
 from gpudra.webhook.validate import driver_classes
 
@@ -67,7 +67,12 @@ async def env(cluster: Cluster, kube: SyncKube, tmp_path: Path) -> AsyncIterator
     akube = await Kube.connect(str(cluster.layout.admin_kubeconfig))
     pki, config = serving_config(cluster, tmp_path / "pki")
     controller = TenantController(akube, config.policy)
-    server = WebhookServer(config, ApiTemplateEnsurer(akube), tenants=controller.state)
+    server = WebhookServer(
+        config,
+        ApiTemplateEnsurer(akube),
+        tenants=controller.state,
+        read_claims=ApiClaimReader(akube),
+    )
     node = EmulatedNode("worker-1", "emulated:h100-80gb-hbm3-x8", uuid_salt="tenants")
     async with anyio.create_task_group() as tg:
         port = await tg.start(server.serve)

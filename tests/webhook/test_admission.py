@@ -7,10 +7,12 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import pytest
+from gpudra.api.tenants import API_VERSION
 from gpudra.webhook.admission import MUTATE_PATH, VALIDATE_CLAIMS_PATH, Admission
 from gpudra.webhook.convert import convert_pod
 from gpudra.webhook.metrics import WebhookMetrics
 from gpudra.webhook.reviews import ReviewError
+from gpudra.webhook.tenant_state import TenantState
 from prometheus_client import CollectorRegistry
 
 pytestmark = pytest.mark.anyio
@@ -105,3 +107,83 @@ async def test_a_template_under_a_generated_name_must_have_the_generated_content
     assert (await endpoints[VALIDATE_CLAIMS_PATH](review(TEMPLATE, other))).result == "denied"
     other = {**forged, "metadata": {"name": "mine"}}
     assert (await endpoints[VALIDATE_CLAIMS_PATH](review(TEMPLATE, other))).result == "allowed"
+
+
+def one_gpu_spec(count: int = 1) -> dict[str, Any]:
+    exactly = {"deviceClassName": "gpu.nvidia.com", "allocationMode": "ExactCount", "count": count}
+    return {"devices": {"requests": [{"name": "gpu", "exactly": exactly}]}}
+
+
+class Claims:
+    """The objects a pod may refer to, as the API would return their specs."""
+
+    def __init__(self, **specs: dict[str, Any]) -> None:
+        self.specs = specs
+        self.reads: list[tuple[str, str]] = []
+
+    async def __call__(self, namespace: str, kind: str, name: str) -> Mapping[str, Any] | None:
+        self.reads.append((kind, name))
+        return self.specs.get(name)
+
+
+def limited_admission(claims: Claims, limit: int = 1) -> Admission:
+    state = TenantState()
+    state.replace(
+        "tenants",
+        [
+            {
+                "apiVersion": API_VERSION,
+                "kind": "GpuTenant",
+                "metadata": {"name": "team-a"},
+                "spec": {"namespaces": ["ns"], "maxDevicesPerPod": limit},
+            }
+        ],
+    )
+    state.replace("namespaces", [{"metadata": {"name": "ns"}, "status": {"phase": "Active"}}])
+    state.replace("quotas", [])
+    return Admission(
+        Templates(), WebhookMetrics(CollectorRegistry()), tenants=state, read_claims=claims
+    )
+
+
+def claim_pod(gpus: int, *refs: dict[str, str]) -> dict[str, Any]:
+    resources: dict[str, Any] = {"claims": [{"name": r["name"]} for r in refs]}
+    if gpus:
+        resources["limits"] = {"nvidia.com/gpu": str(gpus)}
+    return {
+        "metadata": {"name": "p"},
+        "spec": {
+            "containers": [{"name": "c", "resources": resources}],
+            "resourceClaims": list(refs),
+        },
+    }
+
+
+async def test_max_devices_per_pod_counts_every_claim_the_pod_refers_to() -> None:
+    claims = Claims(one=one_gpu_spec(), two=one_gpu_spec(), tpl=one_gpu_spec())
+    admission = limited_admission(claims)
+
+    # Two hand-written one-GPU claims: each fits alone, the pod does not.
+    pod = claim_pod(
+        0, {"name": "a", "resourceClaimName": "one"}, {"name": "b", "resourceClaimName": "two"}
+    )
+    decision = await admission.mutate_pod(review(POD, pod))
+    assert decision.result == "denied"
+    message = decision.response["status"]["message"]
+    assert "maxDevicesPerPod is 1, this pod asks for 2 devices" in message
+    assert "claim a (ResourceClaim one): 1" in message
+
+    # nvidia.com/gpu: 1 plus one hand-written template.
+    pod = claim_pod(1, {"name": "a", "resourceClaimTemplateName": "tpl"})
+    decision = await admission.mutate_pod(review(POD, pod))
+    assert decision.result == "denied"
+    assert "this pod asks for 2 devices" in decision.response["status"]["message"]
+    assert ("ResourceClaimTemplate", "tpl") in claims.reads
+
+    # One claim alone is within the limit; a missing one cannot be counted.
+    pod = claim_pod(0, {"name": "a", "resourceClaimName": "one"})
+    assert (await admission.mutate_pod(review(POD, pod))).result == "allowed"
+    pod = claim_pod(0, {"name": "a", "resourceClaimName": "later"})
+    decision = await admission.mutate_pod(review(POD, pod))
+    assert decision.result == "denied"
+    assert "does not exist" in decision.response["status"]["message"]

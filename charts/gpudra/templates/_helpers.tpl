@@ -59,7 +59,7 @@ pods asking only for that resource are left to the scheduler. */}}
 {{- end -}}
 
 {{- define "gpudra.webhook.baseGpuPodCel" -}}
-object.spec.containers.exists(c, has(c.resources) && ((has(c.resources.limits) && c.resources.limits.exists(k, k.startsWith('nvidia.com/'))) || (has(c.resources.requests) && c.resources.requests.exists(k, k.startsWith('nvidia.com/'))))) || (has(object.spec.initContainers) && object.spec.initContainers.exists(c, has(c.resources) && has(c.resources.limits) && c.resources.limits.exists(k, k.startsWith('nvidia.com/'))))
+object.spec.containers.exists(c, has(c.resources) && ((has(c.resources.limits) && c.resources.limits.exists(k, k.startsWith('nvidia.com/'))) || (has(c.resources.requests) && c.resources.requests.exists(k, k.startsWith('nvidia.com/'))))) || (has(object.spec.initContainers) && object.spec.initContainers.exists(c, has(c.resources) && has(c.resources.limits) && c.resources.limits.exists(k, k.startsWith('nvidia.com/')))) || has(object.spec.resourceClaims)
 {{- end -}}
 
 {{/* CEL: the object's devices (a CEL path) request one of the classes or carry an opaque
