@@ -45,7 +45,13 @@ from gpudra.webhook.reviews import (
     deny,
     parse_review,
 )
-from gpudra.webhook.tenant_rules import Lookup, ReferencedClaim, TenantRules, claim_devices
+from gpudra.webhook.tenant_rules import (
+    Lookup,
+    ReferencedClaim,
+    TenantRules,
+    claim_devices,
+    rules_view,
+)
 from gpudra.webhook.tenant_state import TenantState
 from gpudra.webhook.validate import driver_classes, validate_claim_object
 
@@ -149,7 +155,16 @@ class Admission:
             logger.info("denied pod", extra={"fields": {**fields, "error": str(exc)}})
             return self._deny(uid, 400, str(exc), "invalid")
         if lookup is not None:
-            reason = await self._tenant_denial(lookup, pod, conversion, namespace, dry_run)
+            view = conversion
+            if (lookup.rules or lookup.denial) and (
+                policy.native_resources or not conversion.changed
+            ):
+                try:
+                    view = rules_view(pod, policy)
+                except ConversionError as exc:
+                    logger.info("denied pod", extra={"fields": {**fields, "error": str(exc)}})
+                    return self._deny(uid, 400, str(exc), "invalid")
+            reason = await self._tenant_denial(lookup, pod, view, namespace, dry_run)
             if reason:
                 logger.info("denied pod", extra={"fields": {**fields, "error": reason}})
                 return self._deny(uid, 403, reason, "tenant")
@@ -226,18 +241,19 @@ class Admission:
         namespace: str,
         dry_run: bool,
     ) -> str | None:
+        """`conversion` is the rules' view of the pod (`rules_view`), patched or not."""
         if lookup.denial or lookup.rules is None:
-            return (lookup.denial or None) if conversion.changed else None
+            return (lookup.denial or None) if conversion.claims else None
         referenced: list[ReferencedClaim] = []
         if lookup.rules.tenant.spec.max_devices_per_pod is not None:
             found = await self._referenced(lookup.rules, pod, namespace, dry_run)
             if isinstance(found, str):
                 return found
             referenced = found
-        if not conversion.changed and not referenced:
+        if not conversion.claims and not referenced:
             return None
         assert self._tenants is not None  # a lookup comes from it
-        usage = self._tenants.quota_usage(namespace) if conversion.changed else None
+        usage = self._tenants.quota_usage(namespace) if conversion.claims else None
         return lookup.rules.check_pod(conversion, namespace, usage, referenced)
 
     async def _referenced(

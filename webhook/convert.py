@@ -47,9 +47,11 @@ immutable, so when the policy changes their content (class names, time-slice int
 the name gets a content hash suffix; a name longer than 63 characters is cut and hashed.
 
 Pods left alone (empty patch): those labelled ``gpudra.nvidia.com/convert: "false"``
-(a label, so the webhook's ``objectSelector`` can also skip them without a call), those
-with a pod claim whose name starts with the policy prefix (already converted, which
-makes reinvocation a no-op), and those without legacy GPU resources. Hand-written claims
+(a label, so the webhook's ``objectSelector`` can also skip them without a call; the
+chart allows it only in namespaces the cluster admin names), those with a pod claim
+exactly as the conversion writes it (already converted, which makes reinvocation a
+no-op; other claims under the prefix are the author's and change nothing), and those
+without legacy GPU resources. Hand-written claims
 under other names are kept and ours are added beside them.
 """
 
@@ -58,6 +60,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
@@ -104,6 +107,9 @@ _SHARED_STRATEGIES: Final = frozenset({"TimeSlicing", "MPS"})
 
 # GPU-instance profiles as the device plugin names them; one pattern shared with GpuTenant.
 _MIG_PROFILE = MIG_PROFILE_RE
+# A converted pod claim's name after the prefix, and its template's name after the claim's.
+_CLAIM_TOKEN: Final = re.compile(r"gpu|gpu-shared|mig-[0-9a-z]+")
+_TEMPLATE_COUNTS: Final = re.compile(r"[0-9]+(-[0-9]+)*(-[0-9a-f]{8})?|[0-9a-z-]*-[0-9a-f]{8}")
 # Readable, injective name tokens for the profile suffixes.
 _SUFFIX_TOKENS: Final = {"+me": "me", "+me.all": "meall", "+gfx": "gfx", "-me": "nome"}
 
@@ -252,8 +258,13 @@ def parse_mig_profile(profile: str) -> str:
     return profile
 
 
-def convert_pod(pod: Mapping[str, Any], policy: ConversionPolicy = DEFAULT_POLICY) -> Conversion:
+def convert_pod(
+    pod: Mapping[str, Any], policy: ConversionPolicy = DEFAULT_POLICY, *, every_pod: bool = False
+) -> Conversion:
     """Compute the JSON patch and ResourceClaimTemplates that move `pod` to DRA.
+
+    `every_pod` converts opted-out and seemingly converted pods too: the tenant rules
+    look at what every pod asks for, whether or not the webhook will patch it.
 
     Raises `ConversionError` for pods that ask for legacy GPUs in a way the device
     plugin would not have accepted either (the admission server turns it into a denial).
@@ -262,16 +273,14 @@ def convert_pod(pod: Mapping[str, Any], policy: ConversionPolicy = DEFAULT_POLIC
         raise ConversionError("the admitted object must be a Pod object")
     metadata = _mapping(pod.get("metadata"), "metadata")
     labels = _mapping(metadata.get("labels"), "metadata.labels")
-    if labels.get(OPT_OUT_LABEL) == "false":
+    if labels.get(OPT_OUT_LABEL) == "false" and not every_pod:
         return Conversion(skipped=f'opted out by label {OPT_OUT_LABEL}="false"')
     spec = _mapping(pod.get("spec"), "spec")
     existing_claims = spec.get("resourceClaims")
     if existing_claims is not None and not isinstance(existing_claims, list):
         raise ConversionError("spec.resourceClaims must be a list")
-    ours = f"{policy.name_prefix}-"
-    for claim in existing_claims or ():
-        if isinstance(claim, Mapping) and str(claim.get("name", "")).startswith(ours):
-            return Conversion(skipped="already converted")
+    if not every_pod and any(_is_converted(c, policy) for c in existing_claims or ()):
+        return Conversion(skipped="already converted")
 
     containers = _read_containers(spec, policy)
     if not any(c.legacy for c in containers):
@@ -314,6 +323,23 @@ def convert_pod(pod: Mapping[str, Any], policy: ConversionPolicy = DEFAULT_POLIC
         else:
             patch.append({"op": "add", "path": "/spec/resourceClaims", "value": entries})
     return Conversion(patch=tuple(patch), templates=tuple(templates), claims=tuple(converted))
+
+
+def _is_converted(entry: object, policy: ConversionPolicy) -> bool:
+    """A pod claim exactly as the conversion writes it: a generated claim name referring
+    to a template of that claim's generated name shape. Any other ``<prefix>-`` claim is
+    the pod author's, and does not stop the conversion (or the tenant rules)."""
+    if not isinstance(entry, Mapping):
+        return False
+    name = entry.get("name")
+    template = entry.get("resourceClaimTemplateName")
+    if not isinstance(name, str) or not isinstance(template, str):
+        return False
+    token = name.removeprefix(f"{policy.name_prefix}-")
+    if token == name or not _CLAIM_TOKEN.fullmatch(token):
+        return False
+    counts = template.removeprefix(f"{name}-")
+    return counts != template and bool(_TEMPLATE_COUNTS.fullmatch(counts))
 
 
 def _read_containers(spec: Mapping[str, Any], policy: ConversionPolicy) -> list[_Container]:

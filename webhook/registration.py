@@ -31,6 +31,9 @@ GPU_POD_CEL = (
 )
 
 
+OPT_OUT_CEL = f"object.metadata.?labels[?'{OPT_OUT_LABEL}'].orValue('') == 'false'"
+
+
 def _client(
     ca_bundle_b64: str, url: str | None, service: tuple[str, str, int] | None, path: str
 ) -> dict[str, Any]:
@@ -140,13 +143,85 @@ def _not_system(own_namespace: str) -> dict[str, Any]:
 
 
 def gpu_pod_cel(native_resources: Iterable[str] = ()) -> str:
-    """GPU_POD_CEL, minus the resources a DeviceClass maps itself (the chart's rule too)."""
+    """GPU_POD_CEL, with the resources a DeviceClass maps itself (the chart's rule too).
+
+    Those are not converted, but the tenant rules still count them, so pods that ask
+    for them are sent too, by a clause of their own (`native_pod_cel`).
+    """
+    names = sorted(native_resources)
     cel = GPU_POD_CEL
-    for name in sorted(native_resources):
+    for name in names:
         cel = cel.replace(
             "k.startsWith('nvidia.com/')", f"(k.startsWith('nvidia.com/') && k != '{name}')"
         )
-    return cel
+    return f"{cel} || {native_pod_cel(names)}" if names else cel
+
+
+def native_pod_cel(native_resources: Sequence[str]) -> str:
+    """CEL: a container or init container has a limit on one of `native_resources`."""
+    names = _cel_string_list(native_resources)
+    has_limit = (
+        f"has(c.resources) && has(c.resources.limits) && c.resources.limits.exists(k, k in {names})"
+    )
+    return (
+        f"object.spec.containers.exists(c, {has_limit}) || "
+        f"(has(object.spec.initContainers) && object.spec.initContainers.exists(c, {has_limit}))"
+    )
+
+
+OPT_OUT_POLICY_NAME = "gpudra-opt-out-namespaces"
+OPT_OUT_POLICY_PATH = "/apis/admissionregistration.k8s.io/v1/validatingadmissionpolicies"
+OPT_OUT_BINDING_PATH = "/apis/admissionregistration.k8s.io/v1/validatingadmissionpolicybindings"
+
+
+def opt_out_policy(namespaces: Sequence[str]) -> list[dict[str, Any]]:
+    """A ValidatingAdmissionPolicy and its binding: the opt-out label only where allowed.
+
+    Anyone who may create pods can set a label, so without this the opt-out would let
+    any pod skip the webhook and with it every tenant rule. The cluster admin names the
+    namespaces where it may be used (the chart's ``webhook.optOutNamespaces``, the same
+    policy); everywhere else a pod carrying it is refused at creation.
+    """
+    allowed = _cel_string_list(sorted(set(namespaces)))
+    message = (
+        f'\'the label {OPT_OUT_LABEL}="false" skips the GPU webhook and the GpuTenant '
+        "rules, so it is allowed only in namespaces the cluster admin names "
+        f"(webhook.optOutNamespaces: {', '.join(sorted(set(namespaces))) or 'none'}); ' + "
+        "'namespace ' + request.namespace + ' is not one: remove the label'"
+    )
+    policy = {
+        "apiVersion": "admissionregistration.k8s.io/v1",
+        "kind": "ValidatingAdmissionPolicy",
+        "metadata": {"name": OPT_OUT_POLICY_NAME},
+        "spec": {
+            "failurePolicy": "Fail",
+            "matchConstraints": {
+                "resourceRules": [
+                    {
+                        "apiGroups": [""],
+                        "apiVersions": ["v1"],
+                        "operations": ["CREATE"],
+                        "resources": ["pods"],
+                    }
+                ]
+            },
+            "matchConditions": [{"name": "opts-out", "expression": OPT_OUT_CEL}],
+            "validations": [
+                {
+                    "expression": f"request.namespace in {allowed}",
+                    "messageExpression": message,
+                    "reason": "Forbidden",
+                }
+            ],
+        },
+    }
+    binding = {
+        "apiVersion": "admissionregistration.k8s.io/v1",
+        "kind": "ValidatingAdmissionPolicyBinding",
+        "metadata": {"name": OPT_OUT_POLICY_NAME},
+        "spec": {"policyName": OPT_OUT_POLICY_NAME, "validationActions": ["Deny"]},
+    }
+    return [policy, binding]
 
 
 def mutating_configuration(
@@ -203,8 +278,13 @@ def mutating_configuration(
 
 
 async def apply(kube: Kube, config: dict[str, Any]) -> None:
-    """Server-side apply (mutating or validating), so the caBundle is kept current."""
-    base = VALIDATING_PATH if config["kind"] == "ValidatingWebhookConfiguration" else PATH
+    """Server-side apply (a webhook configuration, so the caBundle is kept current, or the
+    opt-out policy and its binding)."""
+    base = {
+        "ValidatingWebhookConfiguration": VALIDATING_PATH,
+        "ValidatingAdmissionPolicy": OPT_OUT_POLICY_PATH,
+        "ValidatingAdmissionPolicyBinding": OPT_OUT_BINDING_PATH,
+    }.get(config["kind"], PATH)
     await kube.request(
         "PATCH",
         f"{base}/{config['metadata']['name']}",

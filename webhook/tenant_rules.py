@@ -25,10 +25,12 @@ from gpudra.api.quantity import QuantityError, parse_quantity
 from gpudra.api.tenants import MAX_DEVICES_PER_CLAIM, QUOTA_RESOURCE_SUFFIX, Tenant
 from gpudra.webhook.convert import (
     DEFAULT_POLICY,
+    GPU_RESOURCE,
     Conversion,
     ConversionPolicy,
     ConvertedClaim,
     DeviceKind,
+    convert_pod,
 )
 
 __all__ = [
@@ -38,6 +40,7 @@ __all__ = [
     "TenantRules",
     "claim_devices",
     "policy_for",
+    "rules_view",
 ]
 
 
@@ -54,6 +57,21 @@ def policy_for(tenant: Tenant, base: ConversionPolicy = DEFAULT_POLICY) -> Conve
         shared_strategy=sharing,
         time_slice_interval=interval or base.time_slice_interval,
     )
+
+
+def rules_view(pod: Mapping[str, Any], policy: ConversionPolicy) -> Conversion:
+    """What `pod`'s legacy GPU resources amount to, however it asks, for the tenant rules.
+
+    The webhook patches only some pods, but the rules hold for all: an opted-out pod, one
+    that merely looks converted, and one whose ``nvidia.com/gpu`` a DeviceClass's
+    ``extendedResourceName`` serves are counted as if converted. Native resources are
+    allocated from the GPU class (Exclusive), so the view maps them there.
+    """
+    native = policy.native_resources
+    if native:
+        kind = DeviceKind.GPU if GPU_RESOURCE in native else policy.gpu_resource_kind
+        policy = dataclasses.replace(policy, native_resources=frozenset(), gpu_resource_kind=kind)
+    return convert_pod(pod, policy, every_pod=True)
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from gpudra.api.tenants import API_VERSION
 from gpudra.webhook.admission import MUTATE_PATH, VALIDATE_CLAIMS_PATH, Admission
-from gpudra.webhook.convert import convert_pod
+from gpudra.webhook.convert import DEFAULT_POLICY, OPT_OUT_LABEL, ConversionPolicy, convert_pod
 from gpudra.webhook.metrics import WebhookMetrics
 from gpudra.webhook.reviews import ReviewError
 from gpudra.webhook.tenant_state import TenantState
@@ -126,8 +126,10 @@ class Claims:
         return self.specs.get(name)
 
 
-def limited_admission(claims: Claims, limit: int = 1) -> Admission:
-    state = TenantState()
+def limited_admission(
+    claims: Claims, limit: int = 1, policy: ConversionPolicy = DEFAULT_POLICY
+) -> Admission:
+    state = TenantState(base_policy=policy)
     state.replace(
         "tenants",
         [
@@ -142,7 +144,11 @@ def limited_admission(claims: Claims, limit: int = 1) -> Admission:
     state.replace("namespaces", [{"metadata": {"name": "ns"}, "status": {"phase": "Active"}}])
     state.replace("quotas", [])
     return Admission(
-        Templates(), WebhookMetrics(CollectorRegistry()), tenants=state, read_claims=claims
+        Templates(),
+        WebhookMetrics(CollectorRegistry()),
+        policy=policy,
+        tenants=state,
+        read_claims=claims,
     )
 
 
@@ -187,3 +193,58 @@ async def test_max_devices_per_pod_counts_every_claim_the_pod_refers_to() -> Non
     decision = await admission.mutate_pod(review(POD, pod))
     assert decision.result == "denied"
     assert "does not exist" in decision.response["status"]["message"]
+
+
+def gpu_pod(limits: dict[str, str], labels: dict[str, str] | None = None, **spec: Any) -> Any:
+    container = {"name": "c", "resources": {"limits": limits}}
+    return {
+        "metadata": {"name": "p", "labels": labels or {}},
+        "spec": {"containers": [container], **spec},
+    }
+
+
+async def test_tenant_rules_hold_for_pods_the_webhook_does_not_convert() -> None:
+    admission = limited_admission(Claims(tpl=one_gpu_spec()))
+    two = {"nvidia.com/gpu": "2"}
+    # (b) the opt-out label skips the conversion, not the rules.
+    opted_out = gpu_pod(two, labels={OPT_OUT_LABEL: "false"})
+    decision = await admission.mutate_pod(review(POD, opted_out))
+    assert decision.result == "denied"
+    assert (
+        "maxDevicesPerPod is 1, this pod asks for 2 devices"
+        in decision.response["status"]["message"]
+    )
+    assert (
+        await admission.mutate_pod(
+            review(POD, gpu_pod({"nvidia.com/gpu": "1"}, labels={OPT_OUT_LABEL: "false"}))
+        )
+    ).result == "allowed"
+
+    # (c) a claim that merely looks like the conversion's does not make the pod "converted";
+    # one exactly as the conversion writes it does, and its template is counted.
+    looks_ours = gpu_pod(two, resourceClaims=[{"name": "gpudra-mine", "resourceClaimName": "x"}])
+    assert convert_pod(looks_ours).changed
+    exact = gpu_pod(
+        {"nvidia.com/gpu": "1"},
+        resourceClaims=[{"name": "gpudra-gpu", "resourceClaimTemplateName": "tpl"}],
+    )
+    assert convert_pod(exact).skipped != "already converted"  # "tpl" is no generated name
+    exact["spec"]["resourceClaims"][0]["resourceClaimTemplateName"] = "gpudra-gpu-1"
+    assert convert_pod(exact).skipped == "already converted"
+    admission = limited_admission(Claims(**{"gpudra-gpu-1": one_gpu_spec()}))
+    decision = await admission.mutate_pod(review(POD, exact))
+    assert decision.result == "denied"
+    assert "this pod asks for 2 devices" in decision.response["status"]["message"]
+
+
+async def test_tenant_rules_count_resources_a_device_class_serves_itself() -> None:
+    native = ConversionPolicy(native_resources=frozenset({"nvidia.com/gpu"}))
+    admission = limited_admission(Claims(), policy=native)
+    decision = await admission.mutate_pod(review(POD, gpu_pod({"nvidia.com/gpu": "2"})))
+    assert decision.result == "denied"
+    assert (
+        "maxDevicesPerPod is 1, this pod asks for 2 devices"
+        in decision.response["status"]["message"]
+    )
+    decision = await admission.mutate_pod(review(POD, gpu_pod({"nvidia.com/gpu": "1"})))
+    assert (decision.result, decision.response.get("patch")) == ("allowed", None)
