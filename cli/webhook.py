@@ -123,6 +123,7 @@ def run(args: argparse.Namespace) -> int:
             port=args.port,
             extra_device_classes=tuple(args.device_class),
             policy=ConversionPolicy(native_resources=frozenset(args.extended_resource_name)),
+            own_namespace=args.namespace,
         )
         tenants = TenantController(kube, config.policy) if args.tenants else None
         server = WebhookServer(

@@ -57,6 +57,7 @@ from gpudra.webhook.validate import driver_classes, validate_claim_object
 
 __all__ = [
     "MUTATE_PATH",
+    "SYSTEM_NAMESPACES",
     "VALIDATE_CLAIMS_PATH",
     "Admission",
     "ClaimReader",
@@ -69,6 +70,9 @@ logger = logging.getLogger(__name__)
 
 MUTATE_PATH: Final = "/mutate-pods"
 VALIDATE_CLAIMS_PATH: Final = "/validate-claims"
+SYSTEM_NAMESPACES: Final = ("kube-system",)
+"""Never sent to the webhook (with its own namespace), so a broken webhook cannot block
+its own recovery; a review for one is forged or misrouted and gets no write."""
 POD: Final = ResourceKind("", "v1", "Pod")
 CLAIM: Final = ResourceKind("resource.k8s.io", "v1", "ResourceClaim")
 CLAIM_TEMPLATE: Final = ResourceKind("resource.k8s.io", "v1", "ResourceClaimTemplate")
@@ -125,6 +129,7 @@ class Admission:
         tenants: TenantState | None = None,
         ensure_timeout: float = 5.0,
         read_claims: ClaimReader | None = None,
+        own_namespace: str = "gpudra",
     ) -> None:
         self._ensure = ensure_templates
         self._metrics = metrics
@@ -133,6 +138,7 @@ class Admission:
         self._tenants = tenants
         self._ensure_timeout = ensure_timeout
         self._read_claims = read_claims
+        self._excluded = frozenset({*SYSTEM_NAMESPACES, own_namespace})
 
     def endpoints(self) -> dict[str, ReviewHandler]:
         """Path -> handler, for the transport to route to."""
@@ -147,6 +153,10 @@ class Admission:
         pod, namespace = _pod_and_namespace(request)
         dry_run = request.get("dryRun", False)
         fields = {"uid": uid, "namespace": namespace, "dry_run": dry_run}
+        if namespace in self._excluded:
+            # The registration never sends these: nothing is converted or written here.
+            logger.warning("review for an excluded namespace ignored", extra={"fields": fields})
+            return Decision(allow(uid), "allowed")
         lookup = self._lookup(namespace)
         policy = lookup.rules.policy if lookup and lookup.rules else self._policy
         try:

@@ -13,7 +13,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from gpudra.common.kube import ApiError, Kube
-from gpudra.webhook.admission import MUTATE_PATH, VALIDATE_CLAIMS_PATH
+from gpudra.webhook.admission import MUTATE_PATH, SYSTEM_NAMESPACES, VALIDATE_CLAIMS_PATH
 from gpudra.webhook.convert import OPT_OUT_LABEL
 
 NAME = "gpudra-pod-conversion"
@@ -136,7 +136,7 @@ def _not_system(own_namespace: str) -> dict[str, Any]:
             {
                 "key": "kubernetes.io/metadata.name",
                 "operator": "NotIn",
-                "values": ["kube-system", own_namespace],
+                "values": [*SYSTEM_NAMESPACES, own_namespace],
             }
         ]
     }

@@ -52,6 +52,9 @@ class ServerConfig(HttpConfig):
     select its devices): tenant class rules and claim validation cover them too."""
     ensure_timeout: float = 5.0
     """How long template creation may take before the pod is denied."""
+    own_namespace: str = "gpudra"
+    """The driver's namespace: excluded from the webhook like kube-system, so no review
+    for it ever makes the webhook write there."""
 
 
 class WebhookServer:
@@ -77,6 +80,7 @@ class WebhookServer:
             tenants=tenants,
             ensure_timeout=config.ensure_timeout,
             read_claims=read_claims,
+            own_namespace=config.own_namespace,
         )
         self._endpoints = {
             path: http_endpoint(handler) for path, handler in admission.endpoints().items()

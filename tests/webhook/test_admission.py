@@ -248,3 +248,16 @@ async def test_tenant_rules_count_resources_a_device_class_serves_itself() -> No
     )
     decision = await admission.mutate_pod(review(POD, gpu_pod({"nvidia.com/gpu": "1"})))
     assert (decision.result, decision.response.get("patch")) == ("allowed", None)
+
+
+async def test_a_review_for_an_excluded_namespace_writes_nothing() -> None:
+    templates = Templates()
+    admission = Admission(
+        templates, WebhookMetrics(CollectorRegistry()), own_namespace="gpu-system"
+    )
+    for namespace in ("kube-system", "gpu-system"):
+        decision = await admission.mutate_pod(review(POD, GPU_POD, namespace=namespace))
+        assert decision.response == {"uid": "u1", "allowed": True}
+    assert templates.names == []
+    assert (await admission.mutate_pod(review(POD, GPU_POD))).result == "patched"
+    assert templates.names == ["gpudra-gpu-1"]
