@@ -37,8 +37,8 @@ from gpudra.webhook.validate import driver_classes
 
 from e2e import smoke
 from e2e.cluster.harness import Cluster
+from e2e.cluster.kube import ApiError, apply_crd, wait_for
 from e2e.cluster.kube import Kube as SyncKube
-from e2e.cluster.kube import apply_crd
 from e2e.webhook_env import serving_config
 
 pytestmark = [pytest.mark.cluster, pytest.mark.anyio]
@@ -148,6 +148,8 @@ async def escape(cluster: Cluster, kube: SyncKube, tmp_path: Path) -> AsyncItera
         )
         for obj in registration.opt_out_policy([]):
             await registration.apply(akube, obj)
+        probe = pod(ns, "probe", {"nvidia.com/gpu": "1"}, labels={OPT_OUT_LABEL: "false"})
+        await call(opt_out_policy_active, kube, probe)
         try:
             await call(
                 lambda: kube.request(
@@ -181,6 +183,19 @@ async def escape(cluster: Cluster, kube: SyncKube, tmp_path: Path) -> AsyncItera
             await call(kube.delete, "Namespace", ns)
             tg.cancel_scope.cancel()
     await akube.close()
+
+
+def opt_out_policy_active(kube: SyncKube, probe: dict[str, Any]) -> None:
+    """The API server loads admission policies asynchronously: wait until it enforces."""
+
+    def refused() -> bool:
+        try:
+            kube.create(probe, dryRun="All")
+        except ApiError as e:
+            return "optOutNamespaces" in str(e)
+        return False
+
+    wait_for("the opt-out policy to be enforced", refused, timeout=60)
 
 
 def gpu_claim(ns: str, name: str, count: int = 1) -> dict[str, Any]:
