@@ -10,7 +10,6 @@ to the webhook's port.
 
 from __future__ import annotations
 
-import base64
 import json
 import ssl
 from collections.abc import AsyncIterator, Callable
@@ -30,16 +29,17 @@ from gpudra.common.kube import Kube
 from gpudra.webhook import registration
 from gpudra.webhook.admission import MUTATE_PATH
 from gpudra.webhook.convert import OPT_OUT_LABEL, convert_pod
-from gpudra.webhook.server import WebhookServer
-from gpudra.webhook.templates import ApiClaimReader, ApiTemplateEnsurer
-from gpudra.webhook.tenants import TenantController
-from gpudra.webhook.validate import driver_classes
 
 from e2e import smoke
 from e2e.cluster.harness import Cluster
 from e2e.cluster.kube import ApiError, apply_crd, wait_for
 from e2e.cluster.kube import Kube as SyncKube
-from e2e.webhook_env import serving_config
+from e2e.webhook_env import (
+    register_webhook,
+    serving_config,
+    tenant_webhook,
+    unregister_webhook,
+)
 
 pytestmark = [pytest.mark.cluster, pytest.mark.anyio]
 DRIVER = "gpu.nvidia.com"
@@ -115,13 +115,7 @@ async def escape(cluster: Cluster, kube: SyncKube, tmp_path: Path) -> AsyncItera
     apply_crd(kube, crd_manifest())
     akube = await Kube.connect(str(cluster.layout.admin_kubeconfig))
     pki, config = serving_config(cluster, tmp_path / "pki")
-    controller = TenantController(akube, config.policy)
-    server = WebhookServer(
-        config,
-        ApiTemplateEnsurer(akube),
-        tenants=controller.state,
-        read_claims=ApiClaimReader(akube),
-    )
+    controller, server = tenant_webhook(akube, config)
     ns = await call(smoke.make_namespace, kube, "escape")
     tenant_name = f"escape-{ns}"
     tenant: Kube | None = None
@@ -129,23 +123,7 @@ async def escape(cluster: Cluster, kube: SyncKube, tmp_path: Path) -> AsyncItera
         port = await tg.start(server.serve)
         await tg.start(controller.run)
         url = f"https://{cluster.webhook_host()}:{port}"
-        bundle = pki.ca_bundle_base64()
-        await registration.apply(
-            akube,
-            registration.mutating_configuration(
-                ca_bundle_b64=bundle, own_namespace="gpudra", url=url
-            ),
-        )
-        await registration.apply(
-            akube,
-            registration.validating_configuration(
-                ca_bundle_b64=bundle,
-                own_namespace="gpudra",
-                device_classes=sorted(driver_classes(config.policy)),
-                driver=DRIVER,
-                url=url,
-            ),
-        )
+        await register_webhook(akube, pki, config, url)
         for obj in registration.opt_out_policy([]):
             await registration.apply(akube, obj)
         probe = pod(ns, "probe", {"nvidia.com/gpu": "1"}, labels={OPT_OUT_LABEL: "false"})
@@ -167,12 +145,11 @@ async def escape(cluster: Cluster, kube: SyncKube, tmp_path: Path) -> AsyncItera
                 while controller.state.lookup(ns).rules is None:
                     await anyio.sleep(0.1)
             tenant = await tenant_client(kube, cluster, ns, tmp_path)
-            yield Escape(ns, tenant, url, base64.b64decode(bundle))
+            yield Escape(ns, tenant, url, pki.ca_bundle)
         finally:
             if tenant is not None:
                 await tenant.close()
-            await registration.delete(akube)
-            await registration.delete(akube, registration.VALIDATING_NAME, validating=True)
+            await unregister_webhook(akube)
             await akube.request(
                 "DELETE", f"{registration.OPT_OUT_BINDING_PATH}/{registration.OPT_OUT_POLICY_NAME}"
             )
