@@ -51,7 +51,7 @@ from gpudra.webhook.convert import DEFAULT_POLICY, ConversionPolicy
 from gpudra.webhook.device_classes import DeviceClassCache
 from gpudra.webhook.renewal import ServingRenewal
 from gpudra.webhook.server import ServerConfig, WebhookServer
-from gpudra.webhook.templates import ApiTemplateEnsurer
+from gpudra.webhook.templates import ApiClaimReader, ApiTemplateEnsurer
 from gpudra.webhook.tenants import TenantController
 from gpudra.webhook.validate import driver_classes
 
@@ -283,6 +283,7 @@ def run(args: argparse.Namespace) -> int:
             port=args.port,
             extra_device_classes=tuple(args.device_class),
             policy=policy,
+            own_namespace=args.namespace,
         )
         tenants = TenantController(kube, config.policy) if args.tenants else None
         # Only claim validation resolves sharing with the DeviceClasses' configs.
@@ -308,6 +309,7 @@ def run(args: argparse.Namespace) -> int:
             config,
             ApiTemplateEnsurer(kube),
             tenants=tenants.state if tenants else None,
+            read_claims=ApiClaimReader(kube),
             ready=ready,
             device_classes=classes.configs if classes is not None else None,
         )

@@ -13,8 +13,12 @@ from gpudra.common.kube import Kube
 from gpudra.driver.agent import AgentConfig, NodeAgent
 from gpudra.driver.devices import MigStrategy
 from gpudra.driver.nvml import load_nvml
+from gpudra.webhook import registration
 from gpudra.webhook.certs import TLS_CERT, TLS_KEY, WebhookPki, ensure_pki, service_dns_names
-from gpudra.webhook.server import ServerConfig
+from gpudra.webhook.server import ServerConfig, WebhookServer
+from gpudra.webhook.templates import ApiClaimReader, ApiTemplateEnsurer
+from gpudra.webhook.tenants import TenantController
+from gpudra.webhook.validate import driver_classes
 
 from e2e.cluster.harness import Cluster
 
@@ -30,6 +34,42 @@ def serving_config(cluster: Cluster, pki_dir: Path) -> tuple[WebhookPki, ServerC
         port=0,
     )
     return pki, config
+
+
+def tenant_webhook(akube: Kube, config: ServerConfig) -> tuple[TenantController, WebhookServer]:
+    """The webhook with tenant rules, wired as `gpudra webhook --tenants` wires it."""
+    controller = TenantController(akube, config.policy)
+    server = WebhookServer(
+        config,
+        ApiTemplateEnsurer(akube),
+        tenants=controller.state,
+        read_claims=ApiClaimReader(akube),
+    )
+    return controller, server
+
+
+async def register_webhook(akube: Kube, pki: WebhookPki, config: ServerConfig, url: str) -> None:
+    """Both webhook configurations, pointing the API server at `url`."""
+    bundle = pki.ca_bundle_base64()
+    await registration.apply(
+        akube,
+        registration.mutating_configuration(ca_bundle_b64=bundle, own_namespace="gpudra", url=url),
+    )
+    await registration.apply(
+        akube,
+        registration.validating_configuration(
+            ca_bundle_b64=bundle,
+            own_namespace="gpudra",
+            device_classes=sorted(driver_classes(config.policy)),
+            driver=config.policy.driver,
+            url=url,
+        ),
+    )
+
+
+async def unregister_webhook(akube: Kube) -> None:
+    await registration.delete(akube)
+    await registration.delete(akube, registration.VALIDATING_NAME, validating=True)
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,11 @@ holds hand-written ResourceClaims and ResourceClaimTemplates to the same rules a
 the driver's config parser (``validate.py``). Both read the tenant rules from the
 in-memory `TenantState`, so a decision is computation over the request and that view.
 
+A pod in a namespace whose tenant limits devices per pod is counted whole: besides the
+converted claims, every ResourceClaim and template it refers to is read through the
+injected `ClaimReader` and counted (``tenant_rules.claim_devices``), so hand-written and
+shared claims cannot add devices past the limit one claim at a time.
+
 The one write, creating the ResourceClaimTemplates a converted pod refers to, goes
 through the injected `TemplateEnsurer`, which owns all API-server writes. Dry runs
 create nothing: the dry-run flag is passed on to it. Nothing here knows HTTP: a body
@@ -20,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Final, Protocol
 
 import anyio
+from gpudra.api.names import is_dns_subdomain
 from gpudra.webhook.convert import (
     DEFAULT_POLICY,
     OPT_OUT_LABEL,
@@ -27,6 +33,7 @@ from gpudra.webhook.convert import (
     ConversionError,
     ConversionPolicy,
     convert_pod,
+    generated_template_name,
 )
 from gpudra.webhook.metrics import WebhookMetrics
 from gpudra.webhook.reviews import (
@@ -38,14 +45,22 @@ from gpudra.webhook.reviews import (
     deny,
     parse_review,
 )
-from gpudra.webhook.tenant_rules import Lookup
+from gpudra.webhook.tenant_rules import (
+    Lookup,
+    ReferencedClaim,
+    TenantRules,
+    claim_devices,
+    rules_view,
+)
 from gpudra.webhook.tenant_state import TenantState
 from gpudra.webhook.validate import ClassConfigs, driver_classes, validate_claim_object
 
 __all__ = [
     "MUTATE_PATH",
+    "SYSTEM_NAMESPACES",
     "VALIDATE_CLAIMS_PATH",
     "Admission",
+    "ClaimReader",
     "Decision",
     "ReviewHandler",
     "TemplateEnsurer",
@@ -55,6 +70,9 @@ logger = logging.getLogger(__name__)
 
 MUTATE_PATH: Final = "/mutate-pods"
 VALIDATE_CLAIMS_PATH: Final = "/validate-claims"
+SYSTEM_NAMESPACES: Final = ("kube-system",)
+"""Never sent to the webhook (with its own namespace), so a broken webhook cannot block
+its own recovery; a review for one is forged or misrouted and gets no write."""
 POD: Final = ResourceKind("", "v1", "Pod")
 CLAIM: Final = ResourceKind("resource.k8s.io", "v1", "ResourceClaim")
 CLAIM_TEMPLATE: Final = ResourceKind("resource.k8s.io", "v1", "ResourceClaimTemplate")
@@ -73,6 +91,16 @@ class TemplateEnsurer(Protocol):
     async def __call__(
         self, namespace: str, templates: Sequence[Mapping[str, Any]], dry_run: bool
     ) -> None: ...
+
+
+class ClaimReader(Protocol):
+    """Reads the spec of a claim or template a pod refers to, for counting its devices.
+
+    `kind` is ``ResourceClaim`` or ``ResourceClaimTemplate``; the answer is the
+    ResourceClaimSpec (a template's ``spec.spec``), or None when there is no such object.
+    """
+
+    async def __call__(self, namespace: str, kind: str, name: str) -> Mapping[str, Any] | None: ...
 
 
 @dataclass(frozen=True)
@@ -101,6 +129,8 @@ class Admission:
         tenants: TenantState | None = None,
         ensure_timeout: float = 5.0,
         device_classes: Mapping[str, ClassConfigs] | None = None,
+        read_claims: ClaimReader | None = None,
+        own_namespace: str = "gpudra",
     ) -> None:
         self._ensure = ensure_templates
         self._metrics = metrics
@@ -110,6 +140,8 @@ class Admission:
         self._ensure_timeout = ensure_timeout
         # Live view (a `DeviceClassCache`'s mapping): read at each decision.
         self._device_classes = device_classes
+        self._read_claims = read_claims
+        self._excluded = frozenset({*SYSTEM_NAMESPACES, own_namespace})
 
     def endpoints(self) -> dict[str, ReviewHandler]:
         """Path -> handler, for the transport to route to."""
@@ -124,6 +156,10 @@ class Admission:
         pod, namespace = _pod_and_namespace(request)
         dry_run = request.get("dryRun", False)
         fields = {"uid": uid, "namespace": namespace, "dry_run": dry_run}
+        if namespace in self._excluded:
+            # The registration never sends these: nothing is converted or written here.
+            logger.warning("review for an excluded namespace ignored", extra={"fields": fields})
+            return Decision(allow(uid), "allowed")
         lookup = self._lookup(namespace)
         policy = lookup.rules.policy if lookup and lookup.rules else self._policy
         try:
@@ -131,13 +167,22 @@ class Admission:
         except ConversionError as exc:
             logger.info("denied pod", extra={"fields": {**fields, "error": str(exc)}})
             return self._deny(uid, 400, str(exc), "invalid")
-        if not conversion.changed:
-            return Decision(allow(uid), "allowed")
         if lookup is not None:
-            reason = self._tenant_denial(lookup, conversion, namespace)
+            view = conversion
+            if (lookup.rules or lookup.denial) and (
+                policy.native_resources or not conversion.changed
+            ):
+                try:
+                    view = rules_view(pod, policy)
+                except ConversionError as exc:
+                    logger.info("denied pod", extra={"fields": {**fields, "error": str(exc)}})
+                    return self._deny(uid, 400, str(exc), "invalid")
+            reason = await self._tenant_denial(lookup, pod, view, namespace, dry_run)
             if reason:
                 logger.info("denied pod", extra={"fields": {**fields, "error": reason}})
                 return self._deny(uid, 403, reason, "tenant")
+        if not conversion.changed:
+            return Decision(allow(uid), "allowed")
         if conversion.templates:
             failure = await self._ensure_templates(namespace, conversion, dry_run, fields)
             if failure:
@@ -169,6 +214,15 @@ class Admission:
             raise ReviewError("request.object and request.namespace are required")
         lookup = self._lookup(namespace)
         kind = request["kind"]["kind"]
+        if kind == CLAIM_TEMPLATE.kind:
+            policy = lookup.rules.policy if lookup and lookup.rules else self._policy
+            forged = _forged_template(obj, policy)
+            if forged:
+                logger.info(
+                    "denied claim",
+                    extra={"fields": {"uid": uid, "namespace": namespace, "error": forged}},
+                )
+                return self._deny(uid, 403, forged, "tenant")
         verdict = validate_claim_object(
             obj,
             template=kind == CLAIM_TEMPLATE.kind,
@@ -193,11 +247,72 @@ class Admission:
     def _lookup(self, namespace: str) -> Lookup | None:
         return self._tenants.lookup(namespace) if self._tenants is not None else None
 
-    def _tenant_denial(self, lookup: Lookup, conversion: Conversion, namespace: str) -> str | None:
+    async def _tenant_denial(
+        self,
+        lookup: Lookup,
+        pod: Mapping[str, Any],
+        conversion: Conversion,
+        namespace: str,
+        dry_run: bool,
+    ) -> str | None:
+        """`conversion` is the rules' view of the pod (`rules_view`), patched or not."""
         if lookup.denial or lookup.rules is None:
-            return lookup.denial or None
+            return (lookup.denial or None) if conversion.claims else None
+        referenced: list[ReferencedClaim] = []
+        if lookup.rules.tenant.spec.max_devices_per_pod is not None:
+            found = await self._referenced(lookup.rules, pod, namespace, dry_run)
+            if isinstance(found, str):
+                return found
+            referenced = found
+        if not conversion.claims and not referenced:
+            return None
         assert self._tenants is not None  # a lookup comes from it
-        return lookup.rules.check_pod(conversion, namespace, self._tenants.quota_usage(namespace))
+        usage = self._tenants.quota_usage(namespace) if conversion.claims else None
+        return lookup.rules.check_pod(conversion, namespace, usage, referenced)
+
+    async def _referenced(
+        self, rules: TenantRules, pod: Mapping[str, Any], namespace: str, dry_run: bool
+    ) -> list[ReferencedClaim] | str:
+        """The pod's own claims and templates with their device counts, or a denial."""
+        spec = pod.get("spec")
+        entries = spec.get("resourceClaims") if isinstance(spec, Mapping) else None
+        result: list[ReferencedClaim] = []
+        limit = f"{rules.label}: maxDevicesPerPod is {rules.tenant.spec.max_devices_per_pod}"
+        for index, entry in enumerate(entries if isinstance(entries, list) else ()):
+            if not isinstance(entry, Mapping):
+                continue
+            reference = _reference(entry)
+            if reference is None:
+                continue
+            kind, name = reference
+            pod_claim = str(entry.get("name", f"spec.resourceClaims[{index}]"))
+            source = f"{kind} {name}"
+            if not is_dns_subdomain(name):
+                return f"spec.resourceClaims[{index}]: {source} is not a valid object name"
+            if self._read_claims is None:
+                return f"{limit}, and this webhook cannot read pod claim {pod_claim} ({source})"
+            try:
+                with anyio.fail_after(self._ensure_timeout):
+                    claim_spec = await self._read_claims(namespace, kind, name)
+            except Exception as exc:
+                logger.warning(
+                    "could not read a pod's claim",
+                    exc_info=True,
+                    extra={"fields": {"namespace": namespace, "claim": source}},
+                )
+                reason = "no answer in time" if isinstance(exc, TimeoutError) else str(exc)
+                return f"{limit}; could not read {source} to count its devices: {reason}; retry"
+            if claim_spec is None:
+                if dry_run:
+                    continue  # nothing is stored, and a dry run's templates do not exist
+                return (
+                    f"{limit}; pod claim {pod_claim} refers to {source}, which does not "
+                    f"exist, so its devices cannot be counted: create it before the pod"
+                )
+            devices = claim_devices(claim_spec, self._classes)
+            if devices:
+                result.append(ReferencedClaim(pod_claim, source, devices))
+        return result
 
     async def _ensure_templates(
         self, namespace: str, conversion: Conversion, dry_run: bool, fields: dict[str, Any]
@@ -227,6 +342,40 @@ class Admission:
     def _deny(self, uid: str, code: int, message: str, reason: str) -> Decision:
         self._metrics.inc(self._metrics.denials, reason)
         return Decision(deny(uid, code, message), "denied")
+
+
+def _reference(entry: Mapping[str, Any]) -> tuple[str, str] | None:
+    """What a ``spec.resourceClaims`` entry refers to: (kind, name), or nothing."""
+    claim = entry.get("resourceClaimName")
+    if isinstance(claim, str) and claim:
+        return CLAIM.kind, claim
+    template = entry.get("resourceClaimTemplateName")
+    if isinstance(template, str) and template:
+        return CLAIM_TEMPLATE.kind, template
+    return None
+
+
+def _forged_template(obj: dict[str, Any], policy: ConversionPolicy) -> str | None:
+    """Why a template under a name the conversion generates is not the conversion's.
+
+    Converted pods refer to templates by generated name, so a name in that space is bound
+    to the one content the conversion writes for it; anything else there would be used
+    in place of what the tenant check counted.
+    """
+    metadata = obj.get("metadata")
+    name = metadata.get("name") if isinstance(metadata, dict) else None
+    prefix = f"{policy.name_prefix}-"
+    if not isinstance(name, str) or not name.startswith(prefix):
+        return None
+    spec = obj.get("spec")
+    inner = spec.get("spec") if isinstance(spec, dict) else None
+    if generated_template_name(inner, policy) == name:
+        return None
+    return (
+        f"ResourceClaimTemplate {name}: names starting with {prefix} are reserved for the "
+        "templates gpudra generates for converted pods, and this content is not the one "
+        "gpudra writes under that name; choose a name without that prefix"
+    )
 
 
 def _pod_and_namespace(request: AdmissionRequest) -> tuple[dict[str, Any], str]:

@@ -47,9 +47,11 @@ immutable, so when the policy changes their content (class names, time-slice int
 the name gets a content hash suffix; a name longer than 63 characters is cut and hashed.
 
 Pods left alone (empty patch): those labelled ``gpudra.nvidia.com/convert: "false"``
-(a label, so the webhook's ``objectSelector`` can also skip them without a call), those
-with a pod claim whose name starts with the policy prefix (already converted, which
-makes reinvocation a no-op), and those without legacy GPU resources. Hand-written claims
+(a label, so the webhook's ``objectSelector`` can also skip them without a call; the
+chart allows it only in namespaces the cluster admin names), those with a pod claim
+exactly as the conversion writes it (already converted, which makes reinvocation a
+no-op; other claims under the prefix are the author's and change nothing), and those
+without legacy GPU resources. Hand-written claims
 under other names are kept and ours are added beside them.
 """
 
@@ -58,6 +60,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
@@ -80,8 +83,10 @@ __all__ = [
     "ConvertedClaim",
     "DeviceKind",
     "convert_pod",
+    "generated_template_name",
     "is_legacy_resource",
     "parse_mig_profile",
+    "same_claim_spec",
 ]
 
 GPU_RESOURCE: Final = "nvidia.com/gpu"
@@ -102,6 +107,9 @@ _SHARED_STRATEGIES: Final = frozenset({"TimeSlicing", "MPS"})
 
 # GPU-instance profiles as the device plugin names them; one pattern shared with GpuTenant.
 _MIG_PROFILE = MIG_PROFILE_RE
+# A converted pod claim's name after the prefix, and its template's name after the claim's.
+_CLAIM_TOKEN: Final = re.compile(r"gpu|gpu-shared|mig-[0-9a-z]+")
+_TEMPLATE_COUNTS: Final = re.compile(r"[0-9]+(-[0-9]+)*(-[0-9a-f]{8})?|[0-9a-z-]*-[0-9a-f]{8}")
 # Readable, injective name tokens for the profile suffixes.
 _SUFFIX_TOKENS: Final = {"+me": "me", "+me.all": "meall", "+gfx": "gfx", "-me": "nome"}
 
@@ -253,8 +261,13 @@ def parse_mig_profile(profile: str) -> str:
     return profile
 
 
-def convert_pod(pod: Mapping[str, Any], policy: ConversionPolicy = DEFAULT_POLICY) -> Conversion:
+def convert_pod(
+    pod: Mapping[str, Any], policy: ConversionPolicy = DEFAULT_POLICY, *, every_pod: bool = False
+) -> Conversion:
     """Compute the JSON patch and ResourceClaimTemplates that move `pod` to DRA.
+
+    `every_pod` converts opted-out and seemingly converted pods too: the tenant rules
+    look at what every pod asks for, whether or not the webhook will patch it.
 
     Raises `ConversionError` for pods that ask for legacy GPUs in a way the device
     plugin would not have accepted either (the admission server turns it into a denial).
@@ -263,16 +276,14 @@ def convert_pod(pod: Mapping[str, Any], policy: ConversionPolicy = DEFAULT_POLIC
         raise ConversionError("the admitted object must be a Pod object")
     metadata = _mapping(pod.get("metadata"), "metadata")
     labels = _mapping(metadata.get("labels"), "metadata.labels")
-    if labels.get(OPT_OUT_LABEL) == "false":
+    if labels.get(OPT_OUT_LABEL) == "false" and not every_pod:
         return Conversion(skipped=f'opted out by label {OPT_OUT_LABEL}="false"')
     spec = _mapping(pod.get("spec"), "spec")
     existing_claims = spec.get("resourceClaims")
     if existing_claims is not None and not isinstance(existing_claims, list):
         raise ConversionError("spec.resourceClaims must be a list")
-    ours = f"{policy.name_prefix}-"
-    for claim in existing_claims or ():
-        if isinstance(claim, Mapping) and str(claim.get("name", "")).startswith(ours):
-            return Conversion(skipped="already converted")
+    if not every_pod and any(_is_converted(c, policy) for c in existing_claims or ()):
+        return Conversion(skipped="already converted")
 
     containers = _read_containers(spec, policy)
     if not any(c.legacy for c in containers):
@@ -315,6 +326,23 @@ def convert_pod(pod: Mapping[str, Any], policy: ConversionPolicy = DEFAULT_POLIC
         else:
             patch.append({"op": "add", "path": "/spec/resourceClaims", "value": entries})
     return Conversion(patch=tuple(patch), templates=tuple(templates), claims=tuple(converted))
+
+
+def _is_converted(entry: object, policy: ConversionPolicy) -> bool:
+    """A pod claim exactly as the conversion writes it: a generated claim name referring
+    to a template of that claim's generated name shape. Any other ``<prefix>-`` claim is
+    the pod author's, and does not stop the conversion (or the tenant rules)."""
+    if not isinstance(entry, Mapping):
+        return False
+    name = entry.get("name")
+    template = entry.get("resourceClaimTemplateName")
+    if not isinstance(name, str) or not isinstance(template, str):
+        return False
+    token = name.removeprefix(f"{policy.name_prefix}-")
+    if token == name or not _CLAIM_TOKEN.fullmatch(token):
+        return False
+    counts = template.removeprefix(f"{name}-")
+    return counts != template and bool(_TEMPLATE_COUNTS.fullmatch(counts))
 
 
 def _read_containers(spec: Mapping[str, Any], policy: ConversionPolicy) -> list[_Container]:
@@ -560,6 +588,81 @@ def _template_name(
     canonical = json.dumps(spec, sort_keys=True, separators=(",", ":")).encode()
     digest = hashlib.sha256(canonical).hexdigest()[:_HASH_LEN]
     return f"{readable[: DNS_LABEL_MAX - _HASH_LEN - 1].rstrip('-')}-{digest}"
+
+
+def generated_template_name(spec: object, policy: ConversionPolicy) -> str | None:
+    """The name the conversion gives a template of exactly this ResourceClaimSpec, or None.
+
+    This binds a generated name to its content: a template whose name starts with the
+    policy prefix is the webhook's only if this returns its name, so one written by hand
+    under such a name (asking for more devices, another class, other configs) is told
+    apart from ours by content, never trusted for its name.
+    """
+    if not isinstance(spec, Mapping):
+        return None
+    devices = spec.get("devices")
+    requests = devices.get("requests") if isinstance(devices, Mapping) else None
+    if not isinstance(requests, list) or not requests:
+        return None
+    first = requests[0].get("exactly") if isinstance(requests[0], Mapping) else None
+    if not isinstance(first, Mapping):
+        return None
+    kinds = {policy.gpu_class: DeviceKind.GPU, policy.shared_class: DeviceKind.SHARED}
+    kinds[policy.mig_class] = DeviceKind.MIG
+    kind = kinds.get(str(first.get("deviceClassName")))
+    if kind is None:
+        return None
+    profile = ""
+    if kind is DeviceKind.MIG:
+        selectors = first.get("selectors")
+        expression = ""
+        if isinstance(selectors, list) and selectors and isinstance(selectors[0], Mapping):
+            expression = str((selectors[0].get("cel") or {}).get("expression", ""))
+        prefix = f'device.attributes["{policy.driver}"].profile == "'
+        profile = expression.removeprefix(prefix).removesuffix('"')
+        if not expression.startswith(prefix) or not _MIG_PROFILE.fullmatch(profile):
+            return None
+    segments: list[int] = []
+    for request in requests:
+        exactly = request.get("exactly") if isinstance(request, Mapping) else None
+        count = exactly.get("count") if isinstance(exactly, Mapping) else None
+        if isinstance(count, bool) or not isinstance(count, int):
+            return None
+        if not 1 <= count <= policy.max_devices_per_claim:
+            return None
+        segments.append(count)
+    if sum(segments) > policy.max_devices_per_claim:
+        return None
+    device_type = _DeviceType(kind, profile)
+    expected = _claim_spec(device_type, segments, policy)
+    if not same_claim_spec(spec, expected):
+        return None
+    return _template_name(device_type, segments, expected, policy)
+
+
+def same_claim_spec(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
+    """Two ResourceClaimSpecs are equal once the API server's defaults are filled in.
+
+    The API server stores ``allocationMode: ExactCount`` and ``count: 1`` where a
+    request leaves them out, so a spec read back is compared in that form.
+    """
+    return bool(_defaulted(a) == _defaulted(b))
+
+
+def _defaulted(spec: Mapping[str, Any]) -> Any:
+    result = json.loads(json.dumps(spec))
+    devices = result.get("devices") if isinstance(result, dict) else None
+    requests = devices.get("requests") if isinstance(devices, dict) else None
+    for request in requests if isinstance(requests, list) else ():
+        if not isinstance(request, dict):
+            continue
+        subs = request.get("firstAvailable")
+        for exact in [request.get("exactly"), *(subs if isinstance(subs, list) else ())]:
+            if isinstance(exact, dict):
+                exact.setdefault("allocationMode", "ExactCount")
+                if exact["allocationMode"] == "ExactCount":
+                    exact.setdefault("count", 1)
+    return result
 
 
 def _mapping(value: object, where: str) -> Mapping[str, Any]:

@@ -1,6 +1,7 @@
 """The webhook configurations: pod conversion (mutating) and claim checks (validating).
 
-`matchConditions` send only pods that ask for `nvidia.com/*` resources, and only claims
+`matchConditions` send only pods that ask for `nvidia.com/*` resources or refer to
+ResourceClaims (every device a pod gets counts against its tenant's limit), and only claims
 and templates that request one of the driver's DeviceClasses or carry an opaque config
 for its driver, so `failurePolicy: Fail` can never block anything else; kube-system and
 the driver's own namespace are excluded so a broken webhook cannot block its own recovery.
@@ -12,7 +13,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from gpudra.common.kube import ApiError, Kube
-from gpudra.webhook.admission import MUTATE_PATH, VALIDATE_CLAIMS_PATH
+from gpudra.webhook.admission import MUTATE_PATH, SYSTEM_NAMESPACES, VALIDATE_CLAIMS_PATH
 from gpudra.webhook.convert import OPT_OUT_LABEL
 
 NAME = "gpudra-pod-conversion"
@@ -25,8 +26,12 @@ GPU_POD_CEL = (
     "(has(c.resources.requests) && c.resources.requests.exists(k, k.startsWith('nvidia.com/')))"
     ")) || (has(object.spec.initContainers) && object.spec.initContainers.exists(c, "
     "has(c.resources) && has(c.resources.limits) && "
-    "c.resources.limits.exists(k, k.startsWith('nvidia.com/'))))"
+    "c.resources.limits.exists(k, k.startsWith('nvidia.com/')))) || "
+    "has(object.spec.resourceClaims)"
 )
+
+
+OPT_OUT_CEL = f"object.metadata.?labels[?'{OPT_OUT_LABEL}'].orValue('') == 'false'"
 
 
 def _client(
@@ -131,20 +136,92 @@ def _not_system(own_namespace: str) -> dict[str, Any]:
             {
                 "key": "kubernetes.io/metadata.name",
                 "operator": "NotIn",
-                "values": ["kube-system", own_namespace],
+                "values": [*SYSTEM_NAMESPACES, own_namespace],
             }
         ]
     }
 
 
 def gpu_pod_cel(native_resources: Iterable[str] = ()) -> str:
-    """GPU_POD_CEL, minus the resources a DeviceClass maps itself (the chart's rule too)."""
+    """GPU_POD_CEL, with the resources a DeviceClass maps itself (the chart's rule too).
+
+    Those are not converted, but the tenant rules still count them, so pods that ask
+    for them are sent too, by a clause of their own (`native_pod_cel`).
+    """
+    names = sorted(native_resources)
     cel = GPU_POD_CEL
-    for name in sorted(native_resources):
+    for name in names:
         cel = cel.replace(
             "k.startsWith('nvidia.com/')", f"(k.startsWith('nvidia.com/') && k != '{name}')"
         )
-    return cel
+    return f"{cel} || {native_pod_cel(names)}" if names else cel
+
+
+def native_pod_cel(native_resources: Sequence[str]) -> str:
+    """CEL: a container or init container has a limit on one of `native_resources`."""
+    names = _cel_string_list(native_resources)
+    has_limit = (
+        f"has(c.resources) && has(c.resources.limits) && c.resources.limits.exists(k, k in {names})"
+    )
+    return (
+        f"object.spec.containers.exists(c, {has_limit}) || "
+        f"(has(object.spec.initContainers) && object.spec.initContainers.exists(c, {has_limit}))"
+    )
+
+
+OPT_OUT_POLICY_NAME = "gpudra-opt-out-namespaces"
+OPT_OUT_POLICY_PATH = "/apis/admissionregistration.k8s.io/v1/validatingadmissionpolicies"
+OPT_OUT_BINDING_PATH = "/apis/admissionregistration.k8s.io/v1/validatingadmissionpolicybindings"
+
+
+def opt_out_policy(namespaces: Sequence[str]) -> list[dict[str, Any]]:
+    """A ValidatingAdmissionPolicy and its binding: the opt-out label only where allowed.
+
+    Anyone who may create pods can set a label, so without this the opt-out would let
+    any pod skip the webhook and with it every tenant rule. The cluster admin names the
+    namespaces where it may be used (the chart's ``webhook.optOutNamespaces``, the same
+    policy); everywhere else a pod carrying it is refused at creation.
+    """
+    allowed = _cel_string_list(sorted(set(namespaces)))
+    message = (
+        f'\'the label {OPT_OUT_LABEL}="false" skips the GPU webhook and the GpuTenant '
+        "rules, so it is allowed only in namespaces the cluster admin names "
+        f"(webhook.optOutNamespaces: {', '.join(sorted(set(namespaces))) or 'none'}); ' + "
+        "'namespace ' + request.namespace + ' is not one: remove the label'"
+    )
+    policy = {
+        "apiVersion": "admissionregistration.k8s.io/v1",
+        "kind": "ValidatingAdmissionPolicy",
+        "metadata": {"name": OPT_OUT_POLICY_NAME},
+        "spec": {
+            "failurePolicy": "Fail",
+            "matchConstraints": {
+                "resourceRules": [
+                    {
+                        "apiGroups": [""],
+                        "apiVersions": ["v1"],
+                        "operations": ["CREATE"],
+                        "resources": ["pods"],
+                    }
+                ]
+            },
+            "matchConditions": [{"name": "opts-out", "expression": OPT_OUT_CEL}],
+            "validations": [
+                {
+                    "expression": f"request.namespace in {allowed}",
+                    "messageExpression": message,
+                    "reason": "Forbidden",
+                }
+            ],
+        },
+    }
+    binding = {
+        "apiVersion": "admissionregistration.k8s.io/v1",
+        "kind": "ValidatingAdmissionPolicyBinding",
+        "metadata": {"name": OPT_OUT_POLICY_NAME},
+        "spec": {"policyName": OPT_OUT_POLICY_NAME, "validationActions": ["Deny"]},
+    }
+    return [policy, binding]
 
 
 def mutating_configuration(
@@ -201,8 +278,13 @@ def mutating_configuration(
 
 
 async def apply(kube: Kube, config: dict[str, Any]) -> None:
-    """Server-side apply (mutating or validating), so the caBundle is kept current."""
-    base = VALIDATING_PATH if config["kind"] == "ValidatingWebhookConfiguration" else PATH
+    """Server-side apply (a webhook configuration, so the caBundle is kept current, or the
+    opt-out policy and its binding)."""
+    base = {
+        "ValidatingWebhookConfiguration": VALIDATING_PATH,
+        "ValidatingAdmissionPolicy": OPT_OUT_POLICY_PATH,
+        "ValidatingAdmissionPolicyBinding": OPT_OUT_BINDING_PATH,
+    }.get(config["kind"], PATH)
     await kube.request(
         "PATCH",
         f"{base}/{config['metadata']['name']}",

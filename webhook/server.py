@@ -22,6 +22,7 @@ from gpudra.webhook.admission import (
     MUTATE_PATH,
     VALIDATE_CLAIMS_PATH,
     Admission,
+    ClaimReader,
     ReviewHandler,
     TemplateEnsurer,
 )
@@ -53,6 +54,9 @@ class ServerConfig(HttpConfig):
     select its devices): tenant class rules and claim validation cover them too."""
     ensure_timeout: float = 5.0
     """How long template creation may take before the pod is denied."""
+    own_namespace: str = "gpudra"
+    """The driver's namespace: excluded from the webhook like kube-system, so no review
+    for it ever makes the webhook write there."""
 
 
 class WebhookServer:
@@ -67,6 +71,7 @@ class WebhookServer:
         ready: Callable[[], bool] | None = None,
         tenants: TenantState | None = None,
         device_classes: Mapping[str, ClassConfigs] | None = None,
+        read_claims: ClaimReader | None = None,
     ) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         metrics = WebhookMetrics(self.registry)
@@ -78,6 +83,8 @@ class WebhookServer:
             tenants=tenants,
             ensure_timeout=config.ensure_timeout,
             device_classes=device_classes,
+            read_claims=read_claims,
+            own_namespace=config.own_namespace,
         )
         self._endpoints = {
             path: http_endpoint(handler) for path, handler in admission.endpoints().items()

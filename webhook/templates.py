@@ -1,8 +1,11 @@
 """Creates the ResourceClaimTemplates converted pods refer to, through the API server.
 
-Creation is idempotent (AlreadyExists is success: a template name always stands for
-the same content) and dry-run admission requests are passed on as dry-run creates,
-so they are validated but nothing is stored.
+Creation is idempotent, but a template that already exists is used only when its
+content is what the conversion wrote: anyone who may create templates in the namespace
+could otherwise pre-create ``gpudra-gpu-1`` asking for more devices than the tenant
+check counted. A mismatch is refused (`TemplateConflict`), so the pod is denied with a
+message naming the template; the webhook never deletes what it did not write. Dry-run
+admission requests are passed on as dry-run creates, so they are validated but nothing is stored.
 
 Templates known to exist are remembered for `ttl_s`, so a burst of pods of one
 shape costs one API call, not one per pod: the webhook's latency budget (p99 under
@@ -19,9 +22,14 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from gpudra.common.kube import RESOURCE_API, ApiError, Kube
+from gpudra.webhook.convert import same_claim_spec
 
 DEFAULT_TTL_S = 60.0
 _MAX_ENTRIES = 10_000
+
+
+class TemplateConflict(ValueError):
+    """A template exists under a generated name with content the conversion did not write."""
 
 
 class ApiTemplateEnsurer:
@@ -53,8 +61,21 @@ class ApiTemplateEnsurer:
             except ApiError as e:
                 if e.status != 409:
                     raise
+                await self._check_existing(f"{path}/{key[1]}", key, tpl)
             if not dry_run:
                 self._remember(key, now)
+
+    async def _check_existing(
+        self, path: str, key: tuple[str, str], tpl: Mapping[str, Any]
+    ) -> None:
+        existing = await self.kube.request("GET", path)
+        spec = (existing.get("spec") or {}).get("spec") if isinstance(existing, dict) else None
+        if isinstance(spec, Mapping) and same_claim_spec(spec, tpl["spec"]["spec"]):
+            return
+        raise TemplateConflict(
+            f"ResourceClaimTemplate {key[1]} in namespace {key[0]} exists with other content "
+            f"than gpudra writes under that name; delete it so the webhook can create its own"
+        )
 
     def _remember(self, key: tuple[str, str], now: float) -> None:
         if len(self._known) >= _MAX_ENTRIES:
@@ -62,3 +83,31 @@ class ApiTemplateEnsurer:
             if len(self._known) >= _MAX_ENTRIES:
                 self._known.clear()
         self._known[key] = now + self._ttl_s
+
+
+class ApiClaimReader:
+    """Reads the claims and templates a pod refers to (admission's `ClaimReader`).
+
+    Not cached: a claim can be deleted and re-created with other content under its name,
+    and only pods in namespaces with a per-pod device limit that name claims by hand
+    pay the round trip.
+    """
+
+    def __init__(self, kube: Kube) -> None:
+        self.kube = kube
+
+    async def __call__(self, namespace: str, kind: str, name: str) -> Mapping[str, Any] | None:
+        template = kind == "ResourceClaimTemplate"
+        resource = "resourceclaimtemplates" if template else "resourceclaims"
+        try:
+            obj = await self.kube.request(
+                "GET", f"{RESOURCE_API}/namespaces/{namespace}/{resource}/{name}"
+            )
+        except ApiError as e:
+            if e.status == 404:
+                return None
+            raise
+        spec = obj.get("spec") if isinstance(obj, dict) else None
+        if template and isinstance(spec, dict):
+            spec = spec.get("spec")
+        return spec if isinstance(spec, dict) else {}

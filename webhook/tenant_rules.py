@@ -2,7 +2,10 @@
 
 A tenant's rules are built once per tenant change (`TenantRules`: the tenant with the
 conversion policy its ``gpuResource`` mapping gives), so an admission only evaluates
-them. The quota check here exists only to deny early with a readable message naming the
+them. `maxDevicesPerPod` counts every device a pod will get: the converted claims plus
+each claim and template the pod refers to by hand (`ReferencedClaim`, counted by
+`claim_devices`; the admission layer reads them), shared claims included. The quota
+check here exists only to deny early with a readable message naming the
 tenant, the limit and the usage; the native ResourceQuota the controller keeps
 (``tenants.py``) is what holds under concurrency. Hand-written claims are checked
 against the same rules by ``validate.py``.
@@ -14,21 +17,31 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from gpudra.api.quantity import QuantityError, parse_quantity
-from gpudra.api.tenants import QUOTA_RESOURCE_SUFFIX, Tenant
+from gpudra.api.tenants import MAX_DEVICES_PER_CLAIM, QUOTA_RESOURCE_SUFFIX, Tenant
 from gpudra.webhook.convert import (
     DEFAULT_POLICY,
+    GPU_RESOURCE,
     Conversion,
     ConversionPolicy,
     ConvertedClaim,
     DeviceKind,
+    convert_pod,
 )
 
-__all__ = ["Lookup", "QuotaUsage", "TenantRules", "policy_for"]
+__all__ = [
+    "Lookup",
+    "QuotaUsage",
+    "ReferencedClaim",
+    "TenantRules",
+    "claim_devices",
+    "policy_for",
+    "rules_view",
+]
 
 
 def policy_for(tenant: Tenant, base: ConversionPolicy = DEFAULT_POLICY) -> ConversionPolicy:
@@ -44,6 +57,21 @@ def policy_for(tenant: Tenant, base: ConversionPolicy = DEFAULT_POLICY) -> Conve
         shared_strategy=sharing,
         time_slice_interval=interval or base.time_slice_interval,
     )
+
+
+def rules_view(pod: Mapping[str, Any], policy: ConversionPolicy) -> Conversion:
+    """What `pod`'s legacy GPU resources amount to, however it asks, for the tenant rules.
+
+    The webhook patches only some pods, but the rules hold for all: an opted-out pod, one
+    that merely looks converted, and one whose ``nvidia.com/gpu`` a DeviceClass's
+    ``extendedResourceName`` serves are counted as if converted. Native resources are
+    allocated from the GPU class (Exclusive), so the view maps them there.
+    """
+    native = policy.native_resources
+    if native:
+        kind = DeviceKind.GPU if GPU_RESOURCE in native else policy.gpu_resource_kind
+        policy = dataclasses.replace(policy, native_resources=frozenset(), gpu_resource_kind=kind)
+    return convert_pod(pod, policy, every_pod=True)
 
 
 @dataclass(frozen=True)
@@ -66,6 +94,47 @@ class QuotaUsage:
 
 
 @dataclass(frozen=True)
+class ReferencedClaim:
+    """A claim a pod refers to that the conversion did not write, with its device count."""
+
+    pod_claim_name: str
+    source: str
+    """What it refers to, for messages: ``ResourceClaim x`` or ``ResourceClaimTemplate y``."""
+    devices: int
+
+
+def claim_devices(spec: object, classes: frozenset[str]) -> int:
+    """How many devices of the driver's `classes` a ResourceClaimSpec can be allocated.
+
+    ``allocationMode: All`` counts as the most one claim may hold, and of a request's
+    ``firstAvailable`` alternatives the largest counts: the limit must hold whichever
+    the scheduler picks. Malformed parts count nothing here; the API server and the
+    claim validation refuse them.
+    """
+    devices = spec.get("devices") if isinstance(spec, Mapping) else None
+    requests = devices.get("requests") if isinstance(devices, Mapping) else None
+    total = 0
+    for request in requests if isinstance(requests, list) else ():
+        if not isinstance(request, Mapping):
+            continue
+        subs = request.get("firstAvailable")
+        options = [request.get("exactly"), *(subs if isinstance(subs, list) else ())]
+        total += max((_request_devices(o, classes) for o in options), default=0)
+    return total
+
+
+def _request_devices(request: object, classes: frozenset[str]) -> int:
+    if not isinstance(request, Mapping) or request.get("deviceClassName") not in classes:
+        return 0
+    if request.get("allocationMode", "ExactCount") == "All":
+        return MAX_DEVICES_PER_CLAIM
+    count = request.get("count", 1)
+    if isinstance(count, bool) or not isinstance(count, int):
+        return 1
+    return max(count, 0)
+
+
+@dataclass(frozen=True)
 class TenantRules:
     """A tenant with its conversion policy, built once per tenant change."""
 
@@ -77,9 +146,17 @@ class TenantRules:
         return self.tenant.label
 
     def check_pod(
-        self, conversion: Conversion, namespace: str, usage: QuotaUsage | None
+        self,
+        conversion: Conversion,
+        namespace: str,
+        usage: QuotaUsage | None,
+        referenced: Sequence[ReferencedClaim] = (),
     ) -> str | None:
-        """The reason a converted pod breaks the tenant's rules, or None."""
+        """The reason a pod breaks the tenant's rules, or None.
+
+        `referenced` are the pod's other claims (hand-written or shared), which count
+        towards ``maxDevicesPerPod`` with the converted ones.
+        """
         spec = self.tenant.spec
         for claim in conversion.claims:
             where = _where(claim)
@@ -99,10 +176,13 @@ class TenantRules:
                     f"{self.label}: sharing mode {mode} is not allowed; allowed modes: "
                     f"{_listing(spec.allowed_sharing)} ({where})"
                 )
-        total = sum(c.devices for c in conversion.claims)
+        total = sum(c.devices for c in conversion.claims) + sum(r.devices for r in referenced)
         limit = spec.max_devices_per_pod
         if limit is not None and total > limit:
-            breakdown = "; ".join(_where(c) for c in conversion.claims)
+            breakdown = "; ".join(
+                [_where(c) for c in conversion.claims]
+                + [f"claim {r.pod_claim_name} ({r.source}): {r.devices}" for r in referenced]
+            )
             return (
                 f"{self.label}: maxDevicesPerPod is {limit}, this pod asks for {total} "
                 f"devices ({breakdown})"

@@ -16,18 +16,21 @@ import pytest
 from gpudra.api.deviceclasses import device_classes
 from gpudra.api.tenants import API_VERSION, crd_manifest
 from gpudra.common.kube import Kube
-from gpudra.webhook import registration
-from gpudra.webhook.server import WebhookServer
-from gpudra.webhook.templates import ApiTemplateEnsurer
 from gpudra.webhook.tenants import MANAGED_BY_LABEL, QUOTA_NAME, TenantController
-from gpudra.webhook.validate import driver_classes
 
 from e2e import smoke
 from e2e.cluster.harness import Cluster
 from e2e.cluster.kube import ApiError, apply_crd
 from e2e.cluster.kube import Kube as SyncKube
 from e2e.node_process import delete_slices
-from e2e.webhook_env import EmulatedNode, serving_config, start_emulated_nodes
+from e2e.webhook_env import (
+    EmulatedNode,
+    register_webhook,
+    serving_config,
+    start_emulated_nodes,
+    tenant_webhook,
+    unregister_webhook,
+)
 
 pytestmark = [pytest.mark.cluster, pytest.mark.anyio]
 DRIVER = "gpu.nvidia.com"
@@ -66,33 +69,15 @@ async def env(cluster: Cluster, kube: SyncKube, tmp_path: Path) -> AsyncIterator
     apply_crd(kube, crd_manifest())
     akube = await Kube.connect(str(cluster.layout.admin_kubeconfig))
     pki, config = serving_config(cluster, tmp_path / "pki")
-    controller = TenantController(akube, config.policy)
-    server = WebhookServer(config, ApiTemplateEnsurer(akube), tenants=controller.state)
+    controller, server = tenant_webhook(akube, config)
     node = EmulatedNode("worker-1", "emulated:h100-80gb-hbm3-x8", uuid_salt="tenants")
     async with anyio.create_task_group() as tg:
         port = await tg.start(server.serve)
         await tg.start(controller.run)
         await start_emulated_nodes(tg, akube, DRIVER, [node])
-        url = f"https://{cluster.webhook_host()}:{port}"
-        await registration.apply(
-            akube,
-            registration.mutating_configuration(
-                ca_bundle_b64=pki.ca_bundle_base64(), own_namespace="gpudra", url=url
-            ),
-        )
-        await registration.apply(
-            akube,
-            registration.validating_configuration(
-                ca_bundle_b64=pki.ca_bundle_base64(),
-                own_namespace="gpudra",
-                device_classes=sorted(driver_classes(config.policy)),
-                driver=DRIVER,
-                url=url,
-            ),
-        )
+        await register_webhook(akube, pki, config, f"https://{cluster.webhook_host()}:{port}")
         yield Env(controller, kube)
-        await registration.delete(akube)
-        await registration.delete(akube, registration.VALIDATING_NAME, validating=True)
+        await unregister_webhook(akube)
         tg.cancel_scope.cancel()
     delete_slices(kube, DRIVER)
     await akube.close()

@@ -411,10 +411,10 @@ def test_least_privilege_rbac(default: list[dict[str, Any]]) -> None:
 
 
 def test_admission_policy_names_the_node_agent(default: list[dict[str, Any]]) -> None:
-    policy = h.find(default, "ValidatingAdmissionPolicy")
+    policy = h.find(default, "ValidatingAdmissionPolicy", "gpudra-node-own-node-slices")
     (condition,) = policy["spec"]["matchConditions"]
     assert "system:serviceaccount:gpudra:gpudra-node" in condition["expression"]
-    binding = h.find(default, "ValidatingAdmissionPolicyBinding")
+    binding = h.find(default, "ValidatingAdmissionPolicyBinding", "gpudra-node-own-node-slices")
     assert binding["spec"]["policyName"] == policy["metadata"]["name"]
     assert binding["spec"]["validationActions"] == ["Deny"]
 
@@ -703,3 +703,20 @@ def test_network_policy_admits_only_the_control_plane(
     ]
     assert control_plane["ports"] == [{"port": 9443, "protocol": "TCP"}]
     assert extra == scraper
+
+
+@pytest.mark.parametrize("allowed", [[], ["kube-public", "gpu-operator"]], ids=["none", "named"])
+def test_opt_out_policy_matches_the_code(helm: Path, allowed: list[str]) -> None:
+    objects = h.template(helm, {"webhook": {"optOutNamespaces": allowed}})
+    for want in registration.opt_out_policy(allowed):
+        rendered = strip_chart_metadata(h.find(objects, want["kind"], want["metadata"]["name"]))
+        assert rendered == want
+
+
+def test_native_resource_pods_are_sent_for_the_tenant_rules(helm: Path) -> None:
+    objects = h.template(
+        helm, {"deviceClasses": {"gpu": {"extendedResourceName": "nvidia.com/gpu"}}}
+    )
+    cel = h.find(objects, "MutatingWebhookConfiguration")["webhooks"][0]["matchConditions"][0]
+    assert cel["expression"] == registration.gpu_pod_cel(["nvidia.com/gpu"])
+    assert "k in ['nvidia.com/gpu']" in cel["expression"]

@@ -7,9 +7,12 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import pytest
+from gpudra.api.tenants import API_VERSION
 from gpudra.webhook.admission import MUTATE_PATH, VALIDATE_CLAIMS_PATH, Admission
+from gpudra.webhook.convert import DEFAULT_POLICY, OPT_OUT_LABEL, ConversionPolicy, convert_pod
 from gpudra.webhook.metrics import WebhookMetrics
 from gpudra.webhook.reviews import ReviewError
+from gpudra.webhook.tenant_state import TenantState
 from prometheus_client import CollectorRegistry
 
 pytestmark = pytest.mark.anyio
@@ -77,3 +80,184 @@ async def test_an_unusable_review_raises_naming_the_field() -> None:
         await endpoints[VALIDATE_CLAIMS_PATH](review(CLAIM, None))
     with pytest.raises(ReviewError, match="unsupported resource kind"):
         await endpoints[VALIDATE_CLAIMS_PATH](review(POD, GPU_POD))
+
+
+TEMPLATE = {"group": "resource.k8s.io", "version": "v1", "kind": "ResourceClaimTemplate"}
+
+
+def _generated_templates(pod: Mapping[str, Any]) -> list[dict[str, Any]]:
+    return list(convert_pod(pod).templates)
+
+
+async def test_a_template_under_a_generated_name_must_have_the_generated_content() -> None:
+    endpoints = Admission(Templates(), WebhookMetrics(CollectorRegistry())).endpoints()
+    ours = _generated_templates(GPU_POD)[0]
+    assert ours["metadata"]["name"] == "gpudra-gpu-1"
+    decision = await endpoints[VALIDATE_CLAIMS_PATH](review(TEMPLATE, ours))
+    assert decision.result == "allowed"
+
+    forged = json.loads(json.dumps(ours))
+    forged["spec"]["spec"]["devices"]["requests"][0]["exactly"]["count"] = 4
+    decision = await endpoints[VALIDATE_CLAIMS_PATH](review(TEMPLATE, forged))
+    assert decision.result == "denied"
+    assert "reserved for the templates gpudra generates" in decision.response["status"]["message"]
+
+    # A prefixed name no conversion generates is refused too; other names are not ours.
+    other = {**ours, "metadata": {"name": "gpudra-mine"}}
+    assert (await endpoints[VALIDATE_CLAIMS_PATH](review(TEMPLATE, other))).result == "denied"
+    other = {**forged, "metadata": {"name": "mine"}}
+    assert (await endpoints[VALIDATE_CLAIMS_PATH](review(TEMPLATE, other))).result == "allowed"
+
+
+def one_gpu_spec(count: int = 1) -> dict[str, Any]:
+    exactly = {"deviceClassName": "gpu.nvidia.com", "allocationMode": "ExactCount", "count": count}
+    return {"devices": {"requests": [{"name": "gpu", "exactly": exactly}]}}
+
+
+class Claims:
+    """The objects a pod may refer to, as the API would return their specs."""
+
+    def __init__(self, **specs: dict[str, Any]) -> None:
+        self.specs = specs
+        self.reads: list[tuple[str, str]] = []
+
+    async def __call__(self, namespace: str, kind: str, name: str) -> Mapping[str, Any] | None:
+        self.reads.append((kind, name))
+        return self.specs.get(name)
+
+
+def limited_admission(
+    claims: Claims, limit: int = 1, policy: ConversionPolicy = DEFAULT_POLICY
+) -> Admission:
+    state = TenantState(base_policy=policy)
+    state.replace(
+        "tenants",
+        [
+            {
+                "apiVersion": API_VERSION,
+                "kind": "GpuTenant",
+                "metadata": {"name": "team-a"},
+                "spec": {"namespaces": ["ns"], "maxDevicesPerPod": limit},
+            }
+        ],
+    )
+    state.replace("namespaces", [{"metadata": {"name": "ns"}, "status": {"phase": "Active"}}])
+    state.replace("quotas", [])
+    return Admission(
+        Templates(),
+        WebhookMetrics(CollectorRegistry()),
+        policy=policy,
+        tenants=state,
+        read_claims=claims,
+    )
+
+
+def claim_pod(gpus: int, *refs: dict[str, str]) -> dict[str, Any]:
+    resources: dict[str, Any] = {"claims": [{"name": r["name"]} for r in refs]}
+    if gpus:
+        resources["limits"] = {"nvidia.com/gpu": str(gpus)}
+    return {
+        "metadata": {"name": "p"},
+        "spec": {
+            "containers": [{"name": "c", "resources": resources}],
+            "resourceClaims": list(refs),
+        },
+    }
+
+
+async def test_max_devices_per_pod_counts_every_claim_the_pod_refers_to() -> None:
+    claims = Claims(one=one_gpu_spec(), two=one_gpu_spec(), tpl=one_gpu_spec())
+    admission = limited_admission(claims)
+
+    # Two hand-written one-GPU claims: each fits alone, the pod does not.
+    pod = claim_pod(
+        0, {"name": "a", "resourceClaimName": "one"}, {"name": "b", "resourceClaimName": "two"}
+    )
+    decision = await admission.mutate_pod(review(POD, pod))
+    assert decision.result == "denied"
+    message = decision.response["status"]["message"]
+    assert "maxDevicesPerPod is 1, this pod asks for 2 devices" in message
+    assert "claim a (ResourceClaim one): 1" in message
+
+    # nvidia.com/gpu: 1 plus one hand-written template.
+    pod = claim_pod(1, {"name": "a", "resourceClaimTemplateName": "tpl"})
+    decision = await admission.mutate_pod(review(POD, pod))
+    assert decision.result == "denied"
+    assert "this pod asks for 2 devices" in decision.response["status"]["message"]
+    assert ("ResourceClaimTemplate", "tpl") in claims.reads
+
+    # One claim alone is within the limit; a missing one cannot be counted.
+    pod = claim_pod(0, {"name": "a", "resourceClaimName": "one"})
+    assert (await admission.mutate_pod(review(POD, pod))).result == "allowed"
+    pod = claim_pod(0, {"name": "a", "resourceClaimName": "later"})
+    decision = await admission.mutate_pod(review(POD, pod))
+    assert decision.result == "denied"
+    assert "does not exist" in decision.response["status"]["message"]
+
+
+def gpu_pod(limits: dict[str, str], labels: dict[str, str] | None = None, **spec: Any) -> Any:
+    container = {"name": "c", "resources": {"limits": limits}}
+    return {
+        "metadata": {"name": "p", "labels": labels or {}},
+        "spec": {"containers": [container], **spec},
+    }
+
+
+async def test_tenant_rules_hold_for_pods_the_webhook_does_not_convert() -> None:
+    admission = limited_admission(Claims(tpl=one_gpu_spec()))
+    two = {"nvidia.com/gpu": "2"}
+    # (b) the opt-out label skips the conversion, not the rules.
+    opted_out = gpu_pod(two, labels={OPT_OUT_LABEL: "false"})
+    decision = await admission.mutate_pod(review(POD, opted_out))
+    assert decision.result == "denied"
+    assert (
+        "maxDevicesPerPod is 1, this pod asks for 2 devices"
+        in decision.response["status"]["message"]
+    )
+    assert (
+        await admission.mutate_pod(
+            review(POD, gpu_pod({"nvidia.com/gpu": "1"}, labels={OPT_OUT_LABEL: "false"}))
+        )
+    ).result == "allowed"
+
+    # (c) a claim that merely looks like the conversion's does not make the pod "converted";
+    # one exactly as the conversion writes it does, and its template is counted.
+    looks_ours = gpu_pod(two, resourceClaims=[{"name": "gpudra-mine", "resourceClaimName": "x"}])
+    assert convert_pod(looks_ours).changed
+    exact = gpu_pod(
+        {"nvidia.com/gpu": "1"},
+        resourceClaims=[{"name": "gpudra-gpu", "resourceClaimTemplateName": "tpl"}],
+    )
+    assert convert_pod(exact).skipped != "already converted"  # "tpl" is no generated name
+    exact["spec"]["resourceClaims"][0]["resourceClaimTemplateName"] = "gpudra-gpu-1"
+    assert convert_pod(exact).skipped == "already converted"
+    admission = limited_admission(Claims(**{"gpudra-gpu-1": one_gpu_spec()}))
+    decision = await admission.mutate_pod(review(POD, exact))
+    assert decision.result == "denied"
+    assert "this pod asks for 2 devices" in decision.response["status"]["message"]
+
+
+async def test_tenant_rules_count_resources_a_device_class_serves_itself() -> None:
+    native = ConversionPolicy(native_resources=frozenset({"nvidia.com/gpu"}))
+    admission = limited_admission(Claims(), policy=native)
+    decision = await admission.mutate_pod(review(POD, gpu_pod({"nvidia.com/gpu": "2"})))
+    assert decision.result == "denied"
+    assert (
+        "maxDevicesPerPod is 1, this pod asks for 2 devices"
+        in decision.response["status"]["message"]
+    )
+    decision = await admission.mutate_pod(review(POD, gpu_pod({"nvidia.com/gpu": "1"})))
+    assert (decision.result, decision.response.get("patch")) == ("allowed", None)
+
+
+async def test_a_review_for_an_excluded_namespace_writes_nothing() -> None:
+    templates = Templates()
+    admission = Admission(
+        templates, WebhookMetrics(CollectorRegistry()), own_namespace="gpu-system"
+    )
+    for namespace in ("kube-system", "gpu-system"):
+        decision = await admission.mutate_pod(review(POD, GPU_POD, namespace=namespace))
+        assert decision.response == {"uid": "u1", "allowed": True}
+    assert templates.names == []
+    assert (await admission.mutate_pod(review(POD, GPU_POD))).result == "patched"
+    assert templates.names == ["gpudra-gpu-1"]

@@ -9,11 +9,13 @@ import pytest
 from gpudra.api.names import is_dns_label
 from gpudra.webhook import registration
 from gpudra.webhook.convert import (
+    DEFAULT_POLICY,
     OPT_OUT_LABEL,
     ConversionError,
     ConversionPolicy,
     DeviceKind,
     convert_pod,
+    generated_template_name,
     parse_mig_profile,
 )
 
@@ -540,3 +542,25 @@ def test_registration_skips_pods_that_only_ask_for_native_resources() -> None:
         ca_bundle_b64="", own_namespace="gpudra", url="https://127.0.0.1:1"
     )
     assert default["webhooks"][0]["matchConditions"][0]["expression"] == registration.GPU_POD_CEL
+
+
+def test_generated_template_names_are_bound_to_their_content() -> None:
+    pod = {
+        "metadata": {"name": "p"},
+        "spec": {
+            "containers": [
+                {"name": "a", "resources": {"limits": {"nvidia.com/gpu": "1"}}},
+                {"name": "b", "resources": {"limits": {"nvidia.com/mig-1g.10gb": "2"}}},
+                {"name": "c", "resources": {"limits": {"nvidia.com/gpu.shared": "1"}}},
+            ]
+        },
+    }
+    for template in convert_pod(pod).templates:
+        spec = template["spec"]["spec"]
+        assert generated_template_name(spec, DEFAULT_POLICY) == template["metadata"]["name"]
+        bigger = copy.deepcopy(spec)
+        bigger["devices"]["requests"][0]["exactly"]["count"] += 1
+        assert generated_template_name(bigger, DEFAULT_POLICY) != template["metadata"]["name"]
+        extra = copy.deepcopy(spec)
+        extra["devices"]["requests"][0]["exactly"]["adminAccess"] = True
+        assert generated_template_name(extra, DEFAULT_POLICY) is None

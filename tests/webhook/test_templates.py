@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import secrets
 from collections.abc import AsyncIterator
 from typing import Any
@@ -9,7 +10,8 @@ from typing import Any
 import anyio.to_thread
 import pytest
 from gpudra.common.kube import Kube as AsyncKube
-from gpudra.webhook.templates import ApiTemplateEnsurer
+from gpudra.webhook.convert import convert_pod
+from gpudra.webhook.templates import ApiTemplateEnsurer, TemplateConflict
 
 from e2e.cluster.kube import Kube
 
@@ -75,3 +77,29 @@ async def test_dry_runs_create_nothing_and_are_not_remembered(
     assert kube.get_or_none("ResourceClaimTemplate", "shape-b", namespace) is None
     await ensure(namespace, [_template("shape-b")], False)
     assert kube.get_or_none("ResourceClaimTemplate", "shape-b", namespace) is not None
+
+
+async def test_a_template_pre_created_under_a_generated_name_is_used_only_if_identical(
+    akube: AsyncKube, kube: Kube, namespace: str
+) -> None:
+    [ours] = convert_pod(
+        {"spec": {"containers": [{"name": "c", "resources": {"limits": {"nvidia.com/gpu": "1"}}}]}}
+    ).templates
+    name = ours["metadata"]["name"]
+    forged = copy.deepcopy(ours)
+    forged["metadata"]["namespace"] = namespace
+    forged["spec"]["spec"]["devices"]["requests"][0]["exactly"]["count"] = 4
+    await anyio.to_thread.run_sync(lambda: kube.create(forged))
+
+    with pytest.raises(TemplateConflict, match=f"ResourceClaimTemplate {name} in namespace"):
+        await ApiTemplateEnsurer(akube)(namespace, [ours], False)
+    with pytest.raises(TemplateConflict):
+        await ApiTemplateEnsurer(akube)(namespace, [ours], True)
+
+    # The same content, as the API server stores it (defaults filled in), is reused.
+    await anyio.to_thread.run_sync(lambda: kube.delete("ResourceClaimTemplate", name, namespace))
+    same = copy.deepcopy(ours)
+    same["metadata"]["namespace"] = namespace
+    del same["spec"]["spec"]["devices"]["requests"][0]["exactly"]["allocationMode"]
+    await anyio.to_thread.run_sync(lambda: kube.create(same))
+    await ApiTemplateEnsurer(akube)(namespace, [ours], False)

@@ -6,7 +6,7 @@ from typing import Any
 
 from gpudra.api.tenants import API_VERSION, parse_tenant
 from gpudra.webhook.convert import DeviceKind, convert_pod
-from gpudra.webhook.tenant_rules import QuotaUsage, TenantRules, policy_for
+from gpudra.webhook.tenant_rules import QuotaUsage, TenantRules, claim_devices, policy_for
 from gpudra.webhook.tenant_state import QUOTA_NAME, TENANT_LABEL, TenantState
 from gpudra.webhook.tenants import MANAGED_BY_LABEL, MANAGED_BY_VALUE
 
@@ -264,3 +264,26 @@ def test_only_the_own_quota_counts() -> None:
     assert s.quota_usage("a1") == QuotaUsage({"gpu.nvidia.com": 4}, {"gpu.nvidia.com": 0})
     s.event("quotas", "DELETED", quota("a1", "team-a", 4))
     assert s.quota_usage("a1") is None
+
+
+def test_claim_devices_counts_the_driver_classes_the_largest_alternative_and_all() -> None:
+    classes = frozenset({"gpu.nvidia.com", "mig.nvidia.com"})
+    spec = {
+        "devices": {
+            "requests": [
+                {"name": "a", "exactly": {"deviceClassName": "gpu.nvidia.com", "count": 2}},
+                {"name": "b", "exactly": {"deviceClassName": "nic.example.com", "count": 5}},
+                {
+                    "name": "c",
+                    "firstAvailable": [
+                        {"name": "x", "deviceClassName": "mig.nvidia.com", "count": 3},
+                        {"name": "y", "deviceClassName": "gpu.nvidia.com"},
+                    ],
+                },
+            ]
+        }
+    }
+    assert claim_devices(spec, classes) == 5
+    everything = {"deviceClassName": "gpu.nvidia.com", "allocationMode": "All"}
+    assert claim_devices({"devices": {"requests": [{"exactly": everything}]}}, classes) == 32
+    assert claim_devices({"devices": {"requests": "x"}}, classes) == 0

@@ -49,17 +49,19 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 
 {{/* The legacy-pod matchCondition; the same CEL as gpudra.webhook.registration.GPU_POD_CEL
 (tests/chart compares them). With an extended resource name mapped to a DeviceClass,
-pods asking only for that resource are left to the scheduler. */}}
+that resource is left to the scheduler, but its pods are still sent for the tenant rules. */}}
 {{- define "gpudra.webhook.gpuPodCel" -}}
 {{- $cel := include "gpudra.webhook.baseGpuPodCel" . -}}
 {{- with .Values.deviceClasses.gpu.extendedResourceName -}}
 {{- $cel = replace "k.startsWith('nvidia.com/')" (printf "(k.startsWith('nvidia.com/') && k != '%s')" .) $cel -}}
+{{- $limit := printf "has(c.resources) && has(c.resources.limits) && c.resources.limits.exists(k, k in ['%s'])" . -}}
+{{- $cel = printf "%s || object.spec.containers.exists(c, %s) || (has(object.spec.initContainers) && object.spec.initContainers.exists(c, %s))" $cel $limit $limit -}}
 {{- end -}}
 {{- $cel -}}
 {{- end -}}
 
 {{- define "gpudra.webhook.baseGpuPodCel" -}}
-object.spec.containers.exists(c, has(c.resources) && ((has(c.resources.limits) && c.resources.limits.exists(k, k.startsWith('nvidia.com/'))) || (has(c.resources.requests) && c.resources.requests.exists(k, k.startsWith('nvidia.com/'))))) || (has(object.spec.initContainers) && object.spec.initContainers.exists(c, has(c.resources) && has(c.resources.limits) && c.resources.limits.exists(k, k.startsWith('nvidia.com/'))))
+object.spec.containers.exists(c, has(c.resources) && ((has(c.resources.limits) && c.resources.limits.exists(k, k.startsWith('nvidia.com/'))) || (has(c.resources.requests) && c.resources.requests.exists(k, k.startsWith('nvidia.com/'))))) || (has(object.spec.initContainers) && object.spec.initContainers.exists(c, has(c.resources) && has(c.resources.limits) && c.resources.limits.exists(k, k.startsWith('nvidia.com/')))) || has(object.spec.resourceClaims)
 {{- end -}}
 
 {{/* CEL: the object's devices (a CEL path) request one of the classes or carry an opaque

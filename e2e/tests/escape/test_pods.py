@@ -1,0 +1,359 @@
+"""Escape attempts on the pod path: a tenant user tries to get more GPUs than its GpuTenant
+allows, or to make the webhook write where it should not.
+
+The tenant is a ServiceAccount with the built-in `edit` ClusterRole bound in its own
+namespace only, and every attempt is made with its own token (TokenRequest API), as a
+real user of a shared cluster would. Each attempt is denied with a message naming the
+rule, or shown harmless by what the test reads back. Forged AdmissionReviews go straight
+to the webhook's port.
+"""
+
+from __future__ import annotations
+
+import json
+import ssl
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import aiohttp
+import anyio
+import anyio.to_thread
+import pytest
+import yaml
+from gpudra.api.deviceclasses import device_classes
+from gpudra.api.tenants import API_VERSION, crd_manifest
+from gpudra.common.kube import ApiError as AsyncApiError
+from gpudra.common.kube import Kube
+from gpudra.webhook import registration
+from gpudra.webhook.admission import MUTATE_PATH
+from gpudra.webhook.convert import OPT_OUT_LABEL, convert_pod
+
+from e2e import smoke
+from e2e.cluster.harness import Cluster
+from e2e.cluster.kube import ApiError, apply_crd, wait_for
+from e2e.cluster.kube import Kube as SyncKube
+from e2e.webhook_env import (
+    register_webhook,
+    serving_config,
+    tenant_webhook,
+    unregister_webhook,
+)
+
+pytestmark = [pytest.mark.cluster, pytest.mark.anyio]
+DRIVER = "gpu.nvidia.com"
+TENANTS = f"/apis/{API_VERSION}/gputenants"
+RESOURCE = "/apis/resource.k8s.io/v1"
+T = TypeVar("T")
+
+
+async def call(fn: Callable[..., T], *args: Any) -> T:
+    """Blocking admin calls leave the event loop free to serve the webhook."""
+    return await anyio.to_thread.run_sync(fn, *args)
+
+
+@dataclass
+class Escape:
+    ns: str
+    tenant: Kube
+    """The tenant user's client: its own token, `edit` in `ns` only."""
+    webhook_url: str
+    webhook_ca: bytes
+
+
+async def tenant_client(kube: SyncKube, cluster: Cluster, ns: str, tmp_path: Path) -> Kube:
+    """A client for a ServiceAccount with `edit` in `ns`, using its own bound token."""
+    kube.request(
+        "POST",
+        f"/api/v1/namespaces/{ns}/serviceaccounts",
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "tenant"}},
+    )
+    kube.request(
+        "POST",
+        f"/apis/rbac.authorization.k8s.io/v1/namespaces/{ns}/rolebindings",
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "RoleBinding",
+            "metadata": {"name": "tenant-edit"},
+            "roleRef": {
+                "apiGroup": "rbac.authorization.k8s.io",
+                "kind": "ClusterRole",
+                "name": "edit",
+            },
+            "subjects": [{"kind": "ServiceAccount", "name": "tenant", "namespace": ns}],
+        },
+    )
+    token = kube.request(
+        "POST",
+        f"/api/v1/namespaces/{ns}/serviceaccounts/tenant/token",
+        {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest", "spec": {}},
+    )["status"]["token"]
+    admin = yaml.safe_load(cluster.layout.admin_kubeconfig.read_text())
+    config = {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": admin["clusters"],
+        "users": [{"name": "tenant", "user": {"token": token}}],
+        "contexts": [
+            {
+                "name": "tenant",
+                "context": {"cluster": admin["clusters"][0]["name"], "user": "tenant"},
+            }
+        ],
+        "current-context": "tenant",
+    }
+    path = tmp_path / "tenant.kubeconfig"
+    path.write_text(yaml.safe_dump(config))
+    return await Kube.connect(str(path))
+
+
+@pytest.fixture
+async def escape(cluster: Cluster, kube: SyncKube, tmp_path: Path) -> AsyncIterator[Escape]:
+    for dc in device_classes(DRIVER):
+        kube.apply(dc)
+    apply_crd(kube, crd_manifest())
+    akube = await Kube.connect(str(cluster.layout.admin_kubeconfig))
+    pki, config = serving_config(cluster, tmp_path / "pki")
+    controller, server = tenant_webhook(akube, config)
+    ns = await call(smoke.make_namespace, kube, "escape")
+    tenant_name = f"escape-{ns}"
+    tenant: Kube | None = None
+    async with anyio.create_task_group() as tg:
+        port = await tg.start(server.serve)
+        await tg.start(controller.run)
+        url = f"https://{cluster.webhook_host()}:{port}"
+        await register_webhook(akube, pki, config, url)
+        for obj in registration.opt_out_policy([]):
+            await registration.apply(akube, obj)
+        probe = pod(ns, "probe", {"nvidia.com/gpu": "1"}, labels={OPT_OUT_LABEL: "false"})
+        await call(opt_out_policy_active, kube, probe)
+        try:
+            await call(
+                lambda: kube.request(
+                    "POST",
+                    TENANTS,
+                    {
+                        "apiVersion": API_VERSION,
+                        "kind": "GpuTenant",
+                        "metadata": {"name": tenant_name},
+                        "spec": {"namespaces": [ns], "maxDevicesPerPod": 1},
+                    },
+                )
+            )
+            with anyio.fail_after(60):
+                while controller.state.lookup(ns).rules is None:
+                    await anyio.sleep(0.1)
+            tenant = await tenant_client(kube, cluster, ns, tmp_path)
+            yield Escape(ns, tenant, url, pki.ca_bundle)
+        finally:
+            if tenant is not None:
+                await tenant.close()
+            await unregister_webhook(akube)
+            await akube.request(
+                "DELETE", f"{registration.OPT_OUT_BINDING_PATH}/{registration.OPT_OUT_POLICY_NAME}"
+            )
+            await akube.request(
+                "DELETE", f"{registration.OPT_OUT_POLICY_PATH}/{registration.OPT_OUT_POLICY_NAME}"
+            )
+            await call(lambda: kube.request("DELETE", f"{TENANTS}/{tenant_name}"))
+            await call(kube.delete, "Namespace", ns)
+            tg.cancel_scope.cancel()
+    await akube.close()
+
+
+def opt_out_policy_active(kube: SyncKube, probe: dict[str, Any]) -> None:
+    """The API server loads admission policies asynchronously: wait until it enforces."""
+
+    def refused() -> bool:
+        try:
+            kube.create(probe, dryRun="All")
+        except ApiError as e:
+            return "optOutNamespaces" in str(e)
+        return False
+
+    wait_for("the opt-out policy to be enforced", refused, timeout=60)
+
+
+def gpu_claim(ns: str, name: str, count: int = 1) -> dict[str, Any]:
+    exactly = {"deviceClassName": "gpu.nvidia.com", "allocationMode": "ExactCount", "count": count}
+    return {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaim",
+        "metadata": {"namespace": ns, "name": name},
+        "spec": {"devices": {"requests": [{"name": "gpu", "exactly": exactly}]}},
+    }
+
+
+def pod(
+    ns: str,
+    name: str,
+    limits: dict[str, str] | None = None,
+    claims: dict[str, dict[str, str]] | None = None,
+    labels: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    """A pod with legacy `limits` and pod `claims` (pod claim name -> its source)."""
+    resources: dict[str, Any] = {}
+    if limits:
+        resources["limits"] = limits
+    if claims:
+        resources["claims"] = [{"name": n} for n in claims]
+    spec: dict[str, Any] = {
+        "containers": [
+            {"name": "cuda", "image": "registry.k8s.io/pause:3.10", "resources": resources}
+        ]
+    }
+    if claims:
+        spec["resourceClaims"] = [{"name": n, **source} for n, source in claims.items()]
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"namespace": ns, "name": name, "labels": labels or {}},
+        "spec": spec,
+    }
+
+
+async def create(client: Kube, obj: dict[str, Any]) -> Any:
+    plural = {"Pod": "/api/v1/namespaces/{}/pods"}.get(
+        obj["kind"], RESOURCE + "/namespaces/{}/" + obj["kind"].lower() + "s"
+    )
+    return await client.request("POST", plural.format(obj["metadata"]["namespace"]), obj)
+
+
+async def refused(client: Kube, obj: dict[str, Any]) -> str:
+    """The message the API server refused `obj` with (fails when it was created)."""
+    with pytest.raises(AsyncApiError) as err:
+        await create(client, obj)
+    assert err.value.status in (400, 403, 422), err.value
+    return str(err.value)
+
+
+async def test_hand_written_claims_count_towards_the_pod_limit(escape: Escape) -> None:
+    ns, tenant = escape.ns, escape.tenant
+    await create(tenant, gpu_claim(ns, "one"))
+    await create(tenant, gpu_claim(ns, "two"))
+    two_claims = pod(
+        ns,
+        "two-claims",
+        claims={"a": {"resourceClaimName": "one"}, "b": {"resourceClaimName": "two"}},
+    )
+    message = await refused(tenant, two_claims)
+    assert "maxDevicesPerPod is 1, this pod asks for 2 devices" in message
+
+    mixed = pod(ns, "mixed", {"nvidia.com/gpu": "1"}, {"a": {"resourceClaimName": "one"}})
+    message = await refused(tenant, mixed)
+    assert "maxDevicesPerPod is 1, this pod asks for 2 devices" in message
+
+    # A claim that does not exist yet cannot be counted, so it cannot be filled in later.
+    later = pod(
+        ns, "later", claims={"a": {"resourceClaimName": "later"}, "b": {"resourceClaimName": "one"}}
+    )
+    assert "does not exist" in await refused(tenant, later)
+
+    # Within the limit, the pod is admitted.
+    await create(tenant, pod(ns, "fits", claims={"a": {"resourceClaimName": "one"}}))
+
+
+async def test_the_opt_out_label_is_refused_outside_the_named_namespaces(escape: Escape) -> None:
+    opted = pod(escape.ns, "opted", {"nvidia.com/gpu": "2"}, labels={OPT_OUT_LABEL: "false"})
+    message = await refused(escape.tenant, opted)
+    assert "webhook.optOutNamespaces" in message
+
+
+async def test_a_claim_under_the_generated_prefix_does_not_skip_the_rules(escape: Escape) -> None:
+    ns, tenant = escape.ns, escape.tenant
+    await create(tenant, gpu_claim(ns, "mine"))
+    looks_ours = pod(
+        ns, "prefixed", {"nvidia.com/gpu": "1"}, {"gpudra-x": {"resourceClaimName": "mine"}}
+    )
+    assert "maxDevicesPerPod is 1, this pod asks for 2 devices" in await refused(tenant, looks_ours)
+
+
+async def test_a_template_planted_under_a_generated_name_is_refused(escape: Escape) -> None:
+    ns, tenant = escape.ns, escape.tenant
+    [ours] = convert_pod(pod(ns, "p", {"nvidia.com/gpu": "1"})).templates
+    forged = json.loads(json.dumps(ours))
+    forged["metadata"]["namespace"] = ns
+    forged["spec"]["spec"]["devices"]["requests"][0]["exactly"]["count"] = 4
+    message = await refused(tenant, forged)
+    assert "reserved for the templates gpudra generates" in message
+
+    # A converted pod then gets the template with exactly the generated content.
+    created = await create(tenant, pod(ns, "converted", {"nvidia.com/gpu": "1"}))
+    name = created["spec"]["resourceClaims"][0]["resourceClaimTemplateName"]
+    template = await tenant.request(
+        "GET", f"{RESOURCE}/namespaces/{ns}/resourceclaimtemplates/{name}"
+    )
+    assert template["spec"]["spec"]["devices"]["requests"][0]["exactly"]["count"] == 1
+
+
+async def test_pods_cannot_gain_claims_after_admission(escape: Escape) -> None:
+    ns, tenant = escape.ns, escape.tenant
+    await create(tenant, gpu_claim(ns, "extra"))
+    await create(tenant, pod(ns, "running", {"nvidia.com/gpu": "1"}))
+    path = f"/api/v1/namespaces/{ns}/pods/running"
+    extra = {"name": "extra", "resourceClaimName": "extra"}
+    with pytest.raises(AsyncApiError) as err:
+        await tenant.request(
+            "PATCH",
+            path,
+            {"spec": {"resourceClaims": [extra]}},
+            content_type="application/strategic-merge-patch+json",
+        )
+    assert err.value.status in (403, 422)
+
+    ephemeral = {
+        "name": "debug",
+        "image": "registry.k8s.io/pause:3.10",
+        "resources": {"claims": [{"name": "extra"}]},
+    }
+    with pytest.raises(AsyncApiError) as err:
+        await tenant.request(
+            "PATCH",
+            f"{path}/ephemeralcontainers",
+            {"spec": {"ephemeralContainers": [ephemeral]}},
+            content_type="application/strategic-merge-patch+json",
+        )
+    assert err.value.status in (403, 422)
+    after = await tenant.request("GET", path)
+    assert [c["name"] for c in after["spec"]["resourceClaims"]] == ["gpudra-gpu"]
+    assert not after["spec"].get("ephemeralContainers")
+
+
+async def test_forged_reviews_make_the_webhook_write_nothing(
+    escape: Escape, kube: SyncKube
+) -> None:
+    context = ssl.create_default_context(cadata=escape.webhook_ca.decode())
+
+    def review(namespace: str, dry_run: bool, uid: str) -> dict[str, Any]:
+        legacy = pod(namespace, "forged", {"nvidia.com/gpu": "7", "nvidia.com/mig-7g.999gb": "3"})
+        return {
+            "apiVersion": "admission.k8s.io/v1",
+            "kind": "AdmissionReview",
+            "request": {
+                "uid": uid,
+                "kind": {"group": "", "version": "v1", "kind": "Pod"},
+                "resource": {"group": "", "version": "v1", "resource": "pods"},
+                "namespace": namespace,
+                "operation": "CREATE",
+                "object": legacy,
+                "dryRun": dry_run,
+            },
+        }
+
+    async with aiohttp.ClientSession() as session:
+        for namespace, dry_run in (("kube-system", False), ("gpudra", False), ("default", True)):
+            async with session.post(
+                escape.webhook_url + MUTATE_PATH,
+                json=review(namespace, dry_run, f"forged-{namespace}"),
+                ssl=context,
+            ) as resp:
+                assert resp.status == 200
+                answer = await resp.json()
+            assert answer["response"]["allowed"] is True
+            assert "patch" not in answer["response"] or dry_run
+
+    for namespace in ("kube-system", "gpudra", "default"):
+        templates = await call(kube.list, "ResourceClaimTemplate", namespace)
+        names = [t["metadata"]["name"] for t in templates]
+        assert [n for n in names if n.startswith("gpudra-")] == []
