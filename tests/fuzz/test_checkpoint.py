@@ -12,7 +12,7 @@ import pytest
 from gpudra.driver.checkpoint import CheckpointError, load
 from gpudra.driver.claims import ClaimRef
 from gpudra.driver.records import DeviceDetails, details_from_json, details_to_json
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from tests.fuzz.strategies import JSON, mutated
@@ -79,11 +79,17 @@ DETAILS = [device["details"] for claim in SEED["claims"].values() for device in 
 
 
 @given(st.sampled_from(DETAILS).flatmap(lambda d: mutated(d, max_mutations=2)))
+@example({"mps": {"pipeDir": "/run/mps/pipe", "logDir": 5}})
+@example({"mps": {"pipeDir": "/run/mps/pipe", "logDir": ["x"]}})
+@example({"type": "gpu", "request": False, "uuid": 7})
 def test_mutated_device_details_read_and_write_back(details: dict[str, Any]) -> None:
     """One record's details, a field of it the wrong type: read without raising, a
     side effect that cannot be read named in `problems`, and written back as read."""
     typed = details_from_json(details)
     _assert_written_back(typed)
+    for key in ("request", "uuid"):
+        if key in details and not isinstance(details[key], str):
+            assert details_to_json(typed)[key] == details[key]  # kept as it was
     for problem in typed.problems.values():
         assert problem.startswith("details.")
 

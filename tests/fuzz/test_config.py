@@ -17,7 +17,7 @@ from gpudra.api.config import (
     parse_opaque_config,
     resolve_config,
 )
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from tests.fuzz.strategies import JSON, mutated
@@ -107,6 +107,8 @@ ENTRIES = st.lists(ENTRY, max_size=3).flatmap(lambda e: mutated(e, values=JSON, 
 
 
 @given(ENTRIES, st.sampled_from(("gpu", "mig")), st.sampled_from(("gpu", "mig", "a/b", "x")))
+@example([None], "gpu", "gpu")
+@example([{"requests": 5, "opaque": {"driver": DRIVER, "parameters": {}}}], "gpu", "gpu")
 def test_config_entries_bind_and_resolve_or_name_the_field(
     entries: Any, device_type: Any, request: str
 ) -> None:
