@@ -50,6 +50,13 @@ class Recorder:
 
     tests: dict[str, _Test] = field(default_factory=dict)
 
+    def pytest_sessionstart(self, session: pytest.Session) -> None:
+        # Imported once pytest has set up assertion rewriting for hypothesis's plugin.
+        from hypothesis.internal import observability  # noqa: PLC0415
+
+        # Per-case line coverage is for other consumers of observations, and slow on 3.11.
+        observability.OBSERVABILITY_COLLECT_COVERAGE = False
+
     def _test(self, nodeid: str) -> _Test:
         return self.tests.setdefault(nodeid, _Test())
 
@@ -144,10 +151,6 @@ def main() -> int:
     # Read by tests/fuzz/conftest.py when it registers the profiles.
     os.environ["GPUDRA_FUZZ_PROFILE"] = "long"
     os.environ["GPUDRA_FUZZ_EXAMPLES"] = str(args.examples)
-    from hypothesis.internal import observability  # noqa: PLC0415
-
-    # Per-case line coverage is for other consumers of observations, and slow on 3.11.
-    observability.OBSERVABILITY_COLLECT_COVERAGE = False
     # The parsers log every bad record they keep; the webhook tests collect errors
     # themselves. Nothing else needs the records, nor stderr full of them.
     logging.getLogger().addHandler(logging.NullHandler())

@@ -20,36 +20,13 @@ from gpudra.api.config import (
 from hypothesis import example, given
 from hypothesis import strategies as st
 
+from tests.api.test_config import UPSTREAM_EXAMPLES
 from tests.fuzz.strategies import JSON, mutated
 
 DRIVER = "gpu.nvidia.com"
 
-VALID_CONFIGS: list[dict[str, Any]] = [
-    {"apiVersion": API_VERSION, "kind": "GpuConfig"},
-    {
-        "apiVersion": API_VERSION,
-        "kind": "GpuConfig",
-        "sharing": {"strategy": "TimeSlicing", "timeSlicingConfig": {"interval": "Long"}},
-    },
-    {
-        "apiVersion": API_VERSION,
-        "kind": "GpuConfig",
-        "sharing": {
-            "strategy": "MPS",
-            "mpsConfig": {
-                "defaultActiveThreadPercentage": 50,
-                "defaultPinnedDeviceMemoryLimit": "10Gi",
-                "defaultPerDevicePinnedMemoryLimit": {"0": "5Gi", "GPU-1234": "1Gi"},
-            },
-        },
-    },
-    {
-        "apiVersion": API_VERSION,
-        "kind": "MigDeviceConfig",
-        "sharing": {"strategy": "MPS", "mpsConfig": {"defaultActiveThreadPercentage": 25}},
-    },
-    {"apiVersion": API_VERSION, "kind": "MigDeviceConfig", "sharing": {"strategy": "TimeSlicing"}},
-]
+# The upstream driver's demo configs, as the API server stores them, are the seeds.
+VALID_CONFIGS = UPSTREAM_EXAMPLES
 
 CONFIGS = st.sampled_from(VALID_CONFIGS).flatmap(lambda c: mutated(c, values=JSON))
 
