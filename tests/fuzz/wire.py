@@ -4,7 +4,6 @@ half-close, and a handle on a running server with what it logged and counted."""
 from __future__ import annotations
 
 import gc
-import json
 import logging
 import socket
 import ssl
@@ -18,6 +17,8 @@ from typing import Any
 from gpudra.webhook.server import WebhookServer
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
+
+from tests.webhook.test_server import Response
 
 GUARD = 15.0
 """Seconds one exchange may take before it counts as a hang: a hang guard, never a
@@ -34,16 +35,6 @@ FUZZ_LIMITS: Mapping[str, Any] = {
 
 class Hang(AssertionError):
     """The server neither answered nor closed within `GUARD`."""
-
-
-@dataclass
-class Response:
-    status: int
-    headers: dict[str, str]
-    body: bytes
-
-    def json(self) -> Any:
-        return json.loads(self.body)
 
 
 class TlsClient:
