@@ -90,3 +90,11 @@ bench-prepare: cluster-up
 	$(VPY) -m bench.prepare
 
 bench: bench-slices bench-webhook bench-prepare
+
+# Long property-based fuzzing of the webhook (over HTTPS), the parsers and recover():
+# fresh random cases, FUZZ_EXAMPLES per test; writes bench/results/fuzz.json.
+# `make test` runs the same tests with a fixed seed and a few dozen cases.
+.PHONY: fuzz
+FUZZ_EXAMPLES ?= 2000
+fuzz: venv
+	$(VPY) -m bench.fuzz --examples $(FUZZ_EXAMPLES)

@@ -474,14 +474,14 @@ def _decode(raw: object) -> Any:
             raise _too_large(size)
         try:
             return json.loads(data)
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:  # nesting deeper than the decoder goes
             raise ConfigError(
                 [ConfigIssue("", f"must be a JSON object: {exc}", ACCEPTED_KINDS)]
             ) from None
     if isinstance(raw, Mapping):
         try:
             size = len(json.dumps(raw, separators=(",", ":"), ensure_ascii=False).encode())
-        except (TypeError, ValueError) as exc:
+        except (TypeError, ValueError, RecursionError) as exc:
             raise ConfigError([ConfigIssue("", f"must be plain JSON data: {exc}")]) from None
         if size > MAX_PARAMETERS_BYTES:
             raise _too_large(size)
@@ -582,7 +582,7 @@ def default_config(device_type: DeviceType) -> DeviceConfig:
 
 
 def bound_configs(
-    entries: Sequence[Mapping[str, Any]],
+    entries: Sequence[object],
     *,
     driver: str,
     prefix: str,
@@ -598,19 +598,37 @@ def bound_configs(
     result: list[BoundConfig] = []
     issues: list[ConfigIssue] = []
     for index, entry in enumerate(entries):
+        if not isinstance(entry, Mapping):
+            # Not ours to skip: without an object no driver is named, so say so.
+            issues.append(
+                ConfigIssue(
+                    f"{prefix}[{index}]",
+                    f"must be an object with opaque.driver and opaque.parameters "
+                    f"(got {type(entry).__name__})",
+                )
+            )
+            continue
         if source is not None and entry.get("source") != source:
             continue
         opaque = entry.get("opaque")
         if not isinstance(opaque, Mapping) or opaque.get("driver") != driver:
             continue
         path = f"{prefix}[{index}].opaque.parameters"
-        requests = entry.get("requests") or ()
+        requests = entry.get("requests") or []
+        if not isinstance(requests, list) or not all(isinstance(r, str) for r in requests):
+            issues.append(
+                ConfigIssue(
+                    f"{prefix}[{index}].requests",
+                    f"must be a list of request names, not {requests!r}",
+                )
+            )
+            continue
         try:
             config = parse_opaque_config(opaque.get("parameters"))
         except ConfigError as exc:
             issues.extend(exc.with_prefix(path).issues)
             continue
-        result.append(BoundConfig(config, tuple(str(r) for r in requests), path))
+        result.append(BoundConfig(config, tuple(requests), path))
     if issues:
         raise ConfigError(issues)
     return result

@@ -335,7 +335,7 @@ class Checkpoint:
             raise CheckpointError(f"cannot read checkpoint {path}: {exc}") from exc
         try:
             doc = json.loads(raw)
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:  # RecursionError: absurdly deep nesting
             raise CheckpointError(
                 f"checkpoint {path} is not valid JSON ({exc}); move it aside to start "
                 "empty, after releasing the devices it lists"

@@ -233,6 +233,8 @@ def _compute_mode(obj: Mapping[str, Any]) -> ComputeModeSet:
 
 def _mps(obj: Mapping[str, Any]) -> MpsStarted:
     pipe_dir = _text(obj, "pipeDir")
+    # Absent (or empty) means the pipe folder, as the first records were written.
+    log_dir = _text(obj, "logDir", pipe_dir) if obj.get("logDir") not in (None, "") else pipe_dir
     uuids = obj.get("uuids") or []
     if not isinstance(uuids, list) or not all(isinstance(u, str) for u in uuids):
         raise _Unreadable(f"uuids must be a list of strings, not {_shown(uuids)}")
@@ -242,7 +244,7 @@ def _mps(obj: Mapping[str, Any]) -> MpsStarted:
         daemon = ProcessIdentity(_int(obj, "daemonPid"), _int(obj, "daemonStartTime"))
     return MpsStarted(
         pipe_dir=Path(pipe_dir),
-        log_dir=Path(obj.get("logDir") or pipe_dir),
+        log_dir=Path(log_dir),
         uuids=tuple(uuids),
         shm_dir=None if shm_dir is None else Path(_text(obj, "shmDir")),
         daemon=daemon,
@@ -341,7 +343,8 @@ def details_to_json(details: DeviceDetails) -> dict[str, Any]:
     }
     # A planned device (it has a type) lists all of these, as every release wrote
     # them; for other records only what is set, so a record is written back as read.
-    out.update((k, v) for k, v in info.items() if d.type or v not in (None, ""))
+    # A value of the wrong type was kept in `extra` and is written back as it was.
+    out.update((k, v) for k, v in info.items() if k not in out and (d.type or v not in (None, "")))
     if d.mig is not None:
         out["mig"] = _mig_to_json(d.mig)
     if d.time_slice is not None:
