@@ -252,6 +252,10 @@ class HttpServer:
             return text_reply(408, "request body not received in time", close=True)
         except asyncio.IncompleteReadError:
             return text_reply(400, "request body ended before Content-Length bytes", close=True)
+        except ConnectionError:
+            # The client went away (FIN, close_notify, reset) while its body was read: its
+            # error, not ours, so it is answered (if anyone listens) and counted as a 400.
+            return text_reply(400, "connection closed before the request body arrived", close=True)
 
     def _ready(self) -> bool:
         if not self._serving or self._draining:

@@ -184,38 +184,6 @@ def review(kind: dict[str, str], obj: Any, **request: Any) -> dict[str, Any]:
     }
 
 
-def _known_claim_finding(doc: Any) -> bool:
-    """The type-confused claims that /validate-claims still answers with a 500 in this
-    branch (`selectors` not a list, a selector's `cel` not an object, `metadata` not an
-    object on a denied claim): fixed with validate.py's typed parsing, kept out of the
-    property tests here and pinned by `test_known_type_confused_claims`."""
-    request = doc.get("request") if isinstance(doc, dict) else None
-    obj = request.get("object") if isinstance(request, dict) else None
-    if not isinstance(obj, dict):
-        return False
-    if obj.get("metadata") and not isinstance(obj.get("metadata"), dict):
-        return True
-    text = json.dumps(obj)
-    if '"selectors"' not in text:
-        return False
-
-    def walk(node: Any) -> bool:
-        if isinstance(node, dict):
-            selectors = node.get("selectors")
-            if selectors and not isinstance(selectors, list | dict | str):
-                return True
-            if isinstance(selectors, list):
-                for s in selectors:
-                    if isinstance(s, dict) and s.get("cel") and not isinstance(s["cel"], dict):
-                        return True
-            return any(walk(v) for v in node.values())
-        if isinstance(node, list):
-            return any(walk(v) for v in node)
-        return False
-
-    return walk(obj)
-
-
 def admit(webhook: Webhook, path: str, body: bytes) -> None:
     """One review over its own connection: a 200 with a decision for its uid, or a 400."""
     response = webhook.exchange(post(path, body))
@@ -245,11 +213,7 @@ def test_pod_reviews(webhook: Webhook, doc: Any) -> None:
     admit(webhook, "/mutate-pods", json.dumps(doc).encode())
 
 
-@given(
-    (_reviews(CLAIM, CLAIMS) | _reviews(TEMPLATE, TEMPLATES)).filter(
-        lambda d: not _known_claim_finding(d)
-    )
-)
+@given(_reviews(CLAIM, CLAIMS) | _reviews(TEMPLATE, TEMPLATES))
 def test_claim_reviews(webhook: Webhook, doc: Any) -> None:
     admit(webhook, "/validate-claims", json.dumps(doc).encode())
 
@@ -289,9 +253,6 @@ def _claim(devices: dict[str, Any], **top: Any) -> dict[str, Any]:
 
 GPU_REQUEST = {"name": "gpu", "exactly": {"deviceClassName": "gpu.nvidia.com"}}
 BAD_CONFIG = {"opaque": {"driver": "gpu.nvidia.com", "parameters": {"kind": "Nope"}}}
-KNOWN = pytest.mark.xfail(
-    strict=False, reason="type-confused claim bodies: fixed with validate.py's typed parsing"
-)
 
 
 @pytest.mark.parametrize(
@@ -311,7 +272,6 @@ KNOWN = pytest.mark.xfail(
                 }
             ),
             id="selectors-true",
-            marks=KNOWN,
         ),
         pytest.param(
             _claim(
@@ -325,12 +285,10 @@ KNOWN = pytest.mark.xfail(
                 }
             ),
             id="cel-x",
-            marks=KNOWN,
         ),
         pytest.param(
             _claim({"requests": [GPU_REQUEST], "config": [BAD_CONFIG]}, metadata=["c"]),
             id="metadata-list-denied",
-            marks=KNOWN,
         ),
     ],
 )

@@ -202,22 +202,14 @@ def test_a_slow_body_ends_with_408_or_its_answer(webhook: Webhook) -> None:
     webhook.assert_healthy()
 
 
-GONE_MID_BODY = pytest.mark.xfail(
-    strict=False,
-    reason="transport: a client gone while its body is read (ConnectionResetError in "
-    "_read_body) is logged as an unexpected error and counted as a 500; reported to the "
-    "transport's owner",
-)
-
-
 @pytest.mark.parametrize(
     "cut",
     [
         0,
         10,
         30,
-        pytest.param("head", marks=GONE_MID_BODY),
-        pytest.param("body", marks=GONE_MID_BODY),
+        "head",
+        "body",
     ],
 )
 @pytest.mark.parametrize("how", ["fin", "close_notify"])
