@@ -6,9 +6,6 @@ sharing from the real DeviceClasses as the kubelet plugin will."""
 
 from __future__ import annotations
 
-import http.client
-import json
-import ssl
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,8 +26,9 @@ from gpudra.webhook.validate import driver_classes
 
 from e2e import smoke
 from e2e.cluster.harness import Cluster
-from e2e.cluster.kube import ApiError, Credentials, apply_crd, wait_for
+from e2e.cluster.kube import ApiError, apply_crd, wait_for
 from e2e.cluster.kube import Kube as SyncKube
+from e2e.tenant_user import TenantUser, tenant_user
 from e2e.webhook_env import serving_config
 
 pytestmark = [pytest.mark.cluster, pytest.mark.anyio]
@@ -38,70 +36,6 @@ DRIVER = "gpu.nvidia.com"
 SHARED = "gpu-shared.nvidia.com"
 TENANTS = f"/apis/{API_VERSION}/gputenants"
 CONFIG_API = "resource.nvidia.com/v1beta1"
-
-
-class TenantUser:
-    """Requests made with a ServiceAccount's own bearer token, as a tenant would."""
-
-    def __init__(self, creds: Credentials, token: str) -> None:
-        self._creds = creds
-        self._token = token
-        self._ctx = ssl.create_default_context(cafile=str(creds.ca))
-
-    def create(self, obj: dict[str, Any]) -> Any:
-        path = SyncKube.path(obj["kind"], obj["metadata"]["namespace"])
-        conn = http.client.HTTPSConnection(
-            self._creds.host, self._creds.port, context=self._ctx, timeout=30
-        )
-        try:
-            headers = {
-                "Authorization": f"Bearer {self._token}",
-                "Content-Type": "application/json",
-                "Accept": "application/json",
-            }
-            conn.request("POST", path, body=json.dumps(obj).encode(), headers=headers)
-            resp = conn.getresponse()
-            body: Any = json.loads(resp.read() or b"null")
-        finally:
-            conn.close()
-        if resp.status >= 400:
-            raise ApiError(resp.status, body, "POST", path)
-        return body
-
-
-def tenant_user(kube: SyncKube, ns: str) -> TenantUser:
-    """A ServiceAccount bound to `edit` in `ns` only, and a client with its token."""
-    sa = "tenant"
-    kube.request(
-        "POST",
-        f"/api/v1/namespaces/{ns}/serviceaccounts",
-        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": sa}},
-    )
-    kube.request(
-        "POST",
-        f"/apis/rbac.authorization.k8s.io/v1/namespaces/{ns}/rolebindings",
-        {
-            "apiVersion": "rbac.authorization.k8s.io/v1",
-            "kind": "RoleBinding",
-            "metadata": {"name": "tenant-edit"},
-            "roleRef": {
-                "apiGroup": "rbac.authorization.k8s.io",
-                "kind": "ClusterRole",
-                "name": "edit",
-            },
-            "subjects": [{"kind": "ServiceAccount", "name": sa, "namespace": ns}],
-        },
-    )
-    issued = kube.request(
-        "POST",
-        f"/api/v1/namespaces/{ns}/serviceaccounts/{sa}/token",
-        {
-            "apiVersion": "authentication.k8s.io/v1",
-            "kind": "TokenRequest",
-            "spec": {"expirationSeconds": 600},
-        },
-    )
-    return TenantUser(kube.creds, issued["status"]["token"])
 
 
 def shared_class_as_the_chart_renders_it() -> dict[str, Any]:

@@ -1,0 +1,153 @@
+"""Escape attempts that the API server itself must stop, before gpudra sees anything.
+
+gpudra relies on three Kubernetes rules that a platform team could get wrong: a
+DeviceClass is cluster-scoped and only the cluster admin writes it, `adminAccess`
+requests are refused outside namespaces the admin labelled
+`resource.kubernetes.io/admin-access: "true"`, and a pod can only name claims of its
+own namespace. A tenant user (a ServiceAccount with the built-in `edit` ClusterRole
+bound in its own namespace only, each request made with its own token) tries each
+way around them; every attempt is denied with a message naming the reason, or shown
+harmless by what the test reads back. No webhook runs here: these guarantees must
+hold whether or not gpudra's webhook is reachable.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from gpudra.api.deviceclasses import device_classes
+
+from e2e import smoke
+from e2e.cluster.kube import ApiError
+from e2e.cluster.kube import Kube as SyncKube
+from e2e.tenant_user import tenant_user
+
+pytestmark = pytest.mark.cluster
+DRIVER = "gpu.nvidia.com"
+ADMIN_ACCESS_LABEL = "resource.kubernetes.io/admin-access"
+
+
+@pytest.fixture
+def namespaces(kube: SyncKube) -> Iterator[tuple[str, str]]:
+    """The tenant's namespace and another tenant's, with the driver's DeviceClasses."""
+    for dc in device_classes(DRIVER):
+        kube.apply(dc)
+    mine = smoke.make_namespace(kube, "escape-rbac")
+    other = smoke.make_namespace(kube, "escape-rbac-other")
+    yield mine, other
+    kube.delete("Namespace", mine)
+    kube.delete("Namespace", other)
+
+
+def claim(ns: str, name: str, **exactly: Any) -> dict[str, Any]:
+    request = {"deviceClassName": DRIVER, **exactly}
+    return {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaim",
+        "metadata": {"namespace": ns, "name": name},
+        "spec": {"devices": {"requests": [{"name": "gpu", "exactly": request}]}},
+    }
+
+
+def pod_with_claim(ns: str, name: str, source: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"namespace": ns, "name": name},
+        "spec": {
+            "containers": [
+                {
+                    "name": "cuda",
+                    "image": "registry.k8s.io/pause:3.10",
+                    "resources": {"claims": [{"name": "gpu"}]},
+                }
+            ],
+            "resourceClaims": [{"name": "gpu", **source}],
+        },
+    }
+
+
+def denied(attempt: Any, *args: Any) -> ApiError:
+    with pytest.raises(ApiError) as err:
+        attempt(*args)
+    return err.value
+
+
+def test_admin_access_is_refused_outside_labelled_namespaces(
+    kube: SyncKube, namespaces: tuple[str, str]
+) -> None:
+    ns, _ = namespaces
+    user = tenant_user(kube, ns)
+    err = denied(user.create, claim(ns, "admin", adminAccess=True))
+    assert err.status == 422, err
+    assert "spec.devices.requests[0].adminAccess: Forbidden" in str(err)
+    assert f"requires the `{ADMIN_ACCESS_LABEL}: true` label" in str(err)
+    assert kube.get_or_none("ResourceClaim", "admin", ns) is None
+
+    # Nor can the tenant give its own namespace the label that would allow it.
+    label = {"metadata": {"labels": {ADMIN_ACCESS_LABEL: "true"}}}
+    err = denied(user.request, "PATCH", f"/api/v1/namespaces/{ns}", label)
+    assert err.status == 403, err
+    assert f'User "{user.name}" cannot patch resource "namespaces"' in str(err)
+    labels = kube.get("Namespace", ns)["metadata"].get("labels", {})
+    assert ADMIN_ACCESS_LABEL not in labels
+
+
+def test_a_tenant_cannot_write_device_classes(kube: SyncKube, namespaces: tuple[str, str]) -> None:
+    ns, _ = namespaces
+    user = tenant_user(kube, ns)
+    own = {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "DeviceClass",
+        "metadata": {"name": f"mine-{ns}"},
+        "spec": {"selectors": [{"cel": {"expression": "true"}}]},
+    }
+    err = denied(user.create, own)
+    assert err.status == 403, err
+    assert f'User "{user.name}" cannot create resource "deviceclasses"' in str(err)
+    assert kube.get_or_none("DeviceClass", f"mine-{ns}") is None
+
+    # Nor widen the driver's own class to match every device.
+    widened = {"spec": {"selectors": [{"cel": {"expression": "true"}}]}}
+    path = SyncKube.path("DeviceClass", name=DRIVER)
+    err = denied(user.request, "PATCH", path, widened)
+    assert err.status == 403, err
+    assert f'User "{user.name}" cannot patch resource "deviceclasses"' in str(err)
+    kept = kube.get("DeviceClass", DRIVER)["spec"]["selectors"]
+    assert kept == next(
+        c["spec"]["selectors"] for c in device_classes(DRIVER) if c["metadata"]["name"] == DRIVER
+    )
+
+
+def test_a_pod_cannot_name_another_namespaces_claim(
+    kube: SyncKube, namespaces: tuple[str, str]
+) -> None:
+    ns, other = namespaces
+    user = tenant_user(kube, ns)
+    kube.create(claim(other, "theirs"))
+
+    # The tenant cannot even read the other namespace's claim.
+    err = denied(user.request, "GET", SyncKube.path("ResourceClaim", other, "theirs"))
+    assert err.status == 403, err
+    assert f'User "{user.name}" cannot get resource "resourceclaims"' in str(err)
+
+    # A claim name is a name, not a path: "other/theirs" is no valid name.
+    err = denied(
+        user.create, pod_with_claim(ns, "by-path", {"resourceClaimName": f"{other}/theirs"})
+    )
+    assert err.status == 422, err
+    assert "spec.resourceClaims[0].resourceClaimName: Invalid value" in str(err)
+
+    # A namespace next to the name is no field of a pod claim: it is dropped, and the
+    # name resolves in the pod's own namespace, where no such claim exists.
+    sneaky = pod_with_claim(ns, "sneaky", {"resourceClaimName": "theirs", "namespace": other})
+    stored = user.create(sneaky)
+    assert stored["spec"]["resourceClaims"] == [{"name": "gpu", "resourceClaimName": "theirs"}]
+    assert stored["metadata"]["namespace"] == ns
+    theirs = kube.get("ResourceClaim", "theirs", other)
+    reserved = theirs.get("status", {}).get("reservedFor", [])
+    assert stored["metadata"]["uid"] not in [r.get("uid") for r in reserved]
+    assert kube.get_or_none("ResourceClaim", "theirs", ns) is None
+    kube.delete("Pod", "sneaky", ns, grace=0)
