@@ -281,17 +281,19 @@ class _Connection(RequestHandler):
     first byte of any later one (idle time between requests is aiohttp's keep-alive
     timeout). It stops when the head is complete: the handler calls `head_received`.
     A head still partial at the deadline is answered 408; a connection that never sent
-    a byte is closed without an answer.
+    a byte is closed without an answer. (The head of a pipelined request whose first
+    bytes came while the previous request was being answered has only the keep-alive
+    bound: the API server does not pipeline.)
     """
 
     __slots__ = (
         "_closing",
         "_config",
+        "_event_loop",
         "_head_timer",
         "_heard",
         "_in_request",
         "_on_reject",
-        "_timers",
     )
 
     def __init__(
@@ -315,7 +317,7 @@ class _Connection(RequestHandler):
             # Bodies are read as sent: Content-Length bounds what is read.
             auto_decompress=False,
         )
-        self._timers = loop
+        self._event_loop = loop
         self._config = config
         self._on_reject = on_reject
         self._head_timer: asyncio.TimerHandle | None = None
@@ -370,7 +372,9 @@ class _Connection(RequestHandler):
     def _arm(self) -> None:
         self._disarm()
         self._heard = False
-        self._head_timer = self._timers.call_later(self._config.header_timeout, self._head_expired)
+        self._head_timer = self._event_loop.call_later(
+            self._config.header_timeout, self._head_expired
+        )
 
     def _disarm(self) -> None:
         if self._head_timer is not None:
