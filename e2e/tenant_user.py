@@ -49,9 +49,8 @@ class TenantUser:
         return self.request("POST", path, obj)
 
 
-def tenant_user(kube: SyncKube, ns: str) -> TenantUser:
-    """A ServiceAccount bound to `edit` in `ns` only, and a client with its token."""
-    sa = "tenant"
+def tenant_token(kube: SyncKube, ns: str, sa: str = "tenant") -> str:
+    """A ServiceAccount `sa` bound to `edit` in `ns` only; returns its own bound token."""
     kube.request(
         "POST",
         f"/api/v1/namespaces/{ns}/serviceaccounts",
@@ -63,7 +62,7 @@ def tenant_user(kube: SyncKube, ns: str) -> TenantUser:
         {
             "apiVersion": "rbac.authorization.k8s.io/v1",
             "kind": "RoleBinding",
-            "metadata": {"name": "tenant-edit"},
+            "metadata": {"name": f"{sa}-edit"},
             "roleRef": {
                 "apiGroup": "rbac.authorization.k8s.io",
                 "kind": "ClusterRole",
@@ -81,4 +80,11 @@ def tenant_user(kube: SyncKube, ns: str) -> TenantUser:
             "spec": {"expirationSeconds": 600},
         },
     )
-    return TenantUser(kube.creds, issued["status"]["token"], f"system:serviceaccount:{ns}:{sa}")
+    token: str = issued["status"]["token"]
+    return token
+
+
+def tenant_user(kube: SyncKube, ns: str) -> TenantUser:
+    """A ServiceAccount bound to `edit` in `ns` only, and a client with its token."""
+    sa = "tenant"
+    return TenantUser(kube.creds, tenant_token(kube, ns, sa), f"system:serviceaccount:{ns}:{sa}")

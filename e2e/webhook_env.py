@@ -4,10 +4,12 @@ the converted pods' claims from."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, TypeVar
 
+import anyio.to_thread
 from anyio.abc import TaskGroup
 from gpudra.common.kube import Kube
 from gpudra.driver.agent import AgentConfig, NodeAgent
@@ -21,6 +23,13 @@ from gpudra.webhook.tenants import TenantController
 from gpudra.webhook.validate import driver_classes
 
 from e2e.cluster.harness import Cluster
+
+T = TypeVar("T")
+
+
+async def call(fn: Callable[..., T], *args: Any) -> T:
+    """Blocking calls of the harness's client, off the event loop that serves the webhook."""
+    return await anyio.to_thread.run_sync(fn, *args)
 
 
 def serving_config(cluster: Cluster, pki_dir: Path) -> tuple[WebhookPki, ServerConfig]:

@@ -19,8 +19,6 @@ Skips with the exact reason when the machine cannot run a real node.
 
 from __future__ import annotations
 
-import os
-import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -31,60 +29,11 @@ from e2e.cluster.harness import Cluster
 from e2e.cluster.kube import ApiError, Kube, wait_for
 from e2e.demo import workloads
 from e2e.node import images
-from e2e.node.chart import ChartStack, chart_unavailable_reason
-from e2e.node.gpus import DRIVER, MIG_COMPUTE_INSTANCES, MIG_FIRST_MINOR, GpuStack, NodeGpus
-from e2e.node.realnode import RealNode, unavailable_reason
+from e2e.node.gpus import DRIVER, MIG_COMPUTE_INSTANCES, MIG_FIRST_MINOR, NodeGpus
 
 pytestmark = pytest.mark.cluster
 OWN_NAMESPACE = "gpudra"  # the webhook's own namespace, which it never intercepts
 SHOW = "ls /dev /dev/nvidia-caps 2>/dev/null | grep nvidia; env | grep -E '^(GPUDRA|NVIDIA|LD_)'"
-
-
-# kind has no real node to add; its GPU node is a worker with the chart (make e2e-kind).
-PROVIDERS = (
-    ["kind"] if os.environ.get("GPUDRA_CLUSTER_PROVIDER") == "kind" else ["processes", "chart"]
-)
-
-
-@pytest.fixture(scope="module", params=PROVIDERS)
-def stack(cluster: Cluster, request: pytest.FixtureRequest) -> Iterator[NodeGpus]:
-    if request.param == "kind":
-        from e2e.kind.gpus import KindGpus, gpu_worker  # noqa: PLC0415 - only with Docker
-
-        yield from _installed(KindGpus(gpu_worker(cluster)))  # type: ignore[arg-type]
-        return
-    reason = unavailable_reason()
-    if reason:
-        pytest.skip(f"no real node on this machine: {reason}")
-    if request.param == "chart" and (reason := chart_unavailable_reason()):
-        pytest.skip(f"the chart cannot be installed here: {reason}")
-    node = RealNode(cluster)
-    node.up(log=lambda _m: None)
-    if request.param == "processes" and chart_unavailable_reason() is None:
-        ChartStack(node).down()  # a release an interrupted run left would take the node's webhook
-    try:
-        yield from _installed(GpuStack(node) if request.param == "processes" else ChartStack(node))
-    finally:
-        node.down(log=lambda _m: None)
-
-
-def _installed(gpus: NodeGpus) -> Iterator[NodeGpus]:
-    try:
-        gpus.up(log=lambda _m: None)
-        yield gpus
-    finally:
-        gpus.down(log=lambda _m: None)
-
-
-@pytest.fixture
-def ns(stack: NodeGpus, kube: Kube) -> Iterator[str]:
-    name = f"gpu-{uuid.uuid4().hex[:6]}"
-    kube.create({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}})
-    yield name
-    for pod in kube.list("Pod", name):
-        kube.delete("Pod", pod["metadata"]["name"], name, grace=0)
-    wait_for(f"pods of {name} gone", lambda: not kube.list("Pod", name), timeout=60)
-    kube.delete("Namespace", name)
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ import re
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import anyio
 import anyio.to_thread
@@ -25,6 +25,7 @@ from e2e.cluster.kube import Kube as SyncKube
 from e2e.node_process import delete_slices
 from e2e.webhook_env import (
     EmulatedNode,
+    call,
     register_webhook,
     serving_config,
     start_emulated_nodes,
@@ -36,12 +37,6 @@ pytestmark = [pytest.mark.cluster, pytest.mark.anyio]
 DRIVER = "gpu.nvidia.com"
 TENANTS = f"/apis/{API_VERSION}/gputenants"
 QUOTA_KEY = "gpu.nvidia.com.deviceclass.resource.k8s.io/devices"
-T = TypeVar("T")
-
-
-async def call(fn: Callable[..., T], *args: Any) -> T:
-    """Blocking API calls leave the event loop free to serve the webhook."""
-    return await anyio.to_thread.run_sync(fn, *args)
 
 
 async def until(what: str, probe: Callable[[], Any], within_s: float = 90) -> Any:

@@ -12,8 +12,6 @@ when the machine cannot run a real node.
 
 from __future__ import annotations
 
-import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -23,9 +21,7 @@ from e2e.claims import claim_name, node_devices, pod_with_claim, wait_running
 from e2e.cluster.harness import Cluster
 from e2e.cluster.kube import Kube, wait_for
 from e2e.node import images
-from e2e.node.chart import ChartStack, chart_unavailable_reason
 from e2e.node.gpus import DRIVER, GpuStack, NodeGpus
-from e2e.node.realnode import RealNode, unavailable_reason
 
 pytestmark = pytest.mark.cluster
 
@@ -46,37 +42,6 @@ echo 1 > {PIPE}/nvidia-cuda-mps-control.pid
 touch /tmp/tampered
 sleep 86400
 """
-
-
-@pytest.fixture(scope="module", params=["processes", "chart"])
-def stack(cluster: Cluster, request: pytest.FixtureRequest) -> Iterator[NodeGpus]:
-    reason = unavailable_reason()
-    if reason:
-        pytest.skip(f"no real node on this machine: {reason}")
-    if request.param == "chart" and (reason := chart_unavailable_reason()):
-        pytest.skip(f"the chart cannot be installed here: {reason}")
-    node = RealNode(cluster)
-    node.up(log=lambda _m: None)
-    if request.param == "processes" and chart_unavailable_reason() is None:
-        ChartStack(node).down()  # a release an interrupted run left would take the node's webhook
-    gpus = GpuStack(node) if request.param == "processes" else ChartStack(node)
-    try:
-        gpus.up(log=lambda _m: None)
-        yield gpus
-    finally:
-        gpus.down(log=lambda _m: None)
-        node.down(log=lambda _m: None)
-
-
-@pytest.fixture
-def ns(stack: NodeGpus, kube: Kube) -> Iterator[str]:
-    name = f"escape-{uuid.uuid4().hex[:6]}"
-    kube.create({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}})
-    yield name
-    for pod in kube.list("Pod", name):
-        kube.delete("Pod", pod["metadata"]["name"], name, grace=0)
-    wait_for(f"pods of {name} gone", lambda: not kube.list("Pod", name), timeout=60)
-    kube.delete("Namespace", name)
 
 
 def mps_template(namespace: str, name: str, selector: str) -> dict[str, Any]:

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import json
 import ssl
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import aiohttp
 import anyio
@@ -34,7 +34,9 @@ from e2e import smoke
 from e2e.cluster.harness import Cluster
 from e2e.cluster.kube import ApiError, apply_crd, wait_for
 from e2e.cluster.kube import Kube as SyncKube
+from e2e.tenant_user import tenant_token
 from e2e.webhook_env import (
+    call,
     register_webhook,
     serving_config,
     tenant_webhook,
@@ -45,12 +47,6 @@ pytestmark = [pytest.mark.cluster, pytest.mark.anyio]
 DRIVER = "gpu.nvidia.com"
 TENANTS = f"/apis/{API_VERSION}/gputenants"
 RESOURCE = "/apis/resource.k8s.io/v1"
-T = TypeVar("T")
-
-
-async def call(fn: Callable[..., T], *args: Any) -> T:
-    """Blocking admin calls leave the event loop free to serve the webhook."""
-    return await anyio.to_thread.run_sync(fn, *args)
 
 
 @dataclass
@@ -64,31 +60,7 @@ class Escape:
 
 async def tenant_client(kube: SyncKube, cluster: Cluster, ns: str, tmp_path: Path) -> Kube:
     """A client for a ServiceAccount with `edit` in `ns`, using its own bound token."""
-    kube.request(
-        "POST",
-        f"/api/v1/namespaces/{ns}/serviceaccounts",
-        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "tenant"}},
-    )
-    kube.request(
-        "POST",
-        f"/apis/rbac.authorization.k8s.io/v1/namespaces/{ns}/rolebindings",
-        {
-            "apiVersion": "rbac.authorization.k8s.io/v1",
-            "kind": "RoleBinding",
-            "metadata": {"name": "tenant-edit"},
-            "roleRef": {
-                "apiGroup": "rbac.authorization.k8s.io",
-                "kind": "ClusterRole",
-                "name": "edit",
-            },
-            "subjects": [{"kind": "ServiceAccount", "name": "tenant", "namespace": ns}],
-        },
-    )
-    token = kube.request(
-        "POST",
-        f"/api/v1/namespaces/{ns}/serviceaccounts/tenant/token",
-        {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest", "spec": {}},
-    )["status"]["token"]
+    token = tenant_token(kube, ns)
     admin = yaml.safe_load(cluster.layout.admin_kubeconfig.read_text())
     config = {
         "apiVersion": "v1",
