@@ -354,9 +354,12 @@ def render_chart_tls(
 ) -> tuple[dict[str, bytes], dict[str, Any], list[x509.Certificate]]:
     """Render tls.source=helm with the API server's objects visible to `lookup`, as an
     upgrade does: the Secret's files, its metadata, and the caBundle's certificates."""
+    # Other tests may have created the driver's DeviceClasses outside Helm; a server
+    # dry run would refuse to adopt them, which is not what the TLS tests are about.
+    classes = {kind: {"enabled": False} for kind in ("gpu", "mig", "shared")}
     objects = h.template(
         helm,
-        {"webhook": {"tls": {"source": "helm"}}},
+        {"webhook": {"tls": {"source": "helm"}}, "deviceClasses": classes},
         namespace=namespace,
         extra=["--dry-run=server", "--kubeconfig", str(cluster.layout.admin_kubeconfig)],
     )
