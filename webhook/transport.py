@@ -32,7 +32,7 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Final, cast
+from typing import Any, Final, cast
 
 import anyio
 from aiohttp import web
@@ -44,6 +44,7 @@ from gpudra.webhook.metrics import WebhookMetrics
 from gpudra.webhook.tls import ReloadingTLSContext
 from prometheus_client import CONTENT_TYPE_LATEST
 from prometheus_client.exposition import generate_latest
+from yarl import URL
 
 __all__ = ["Endpoint", "HttpConfig", "HttpServer", "Reply", "text_reply"]
 
@@ -197,6 +198,8 @@ class HttpServer:
 
     async def _route(self, request: web.BaseRequest, path: str) -> Reply:
         method = request.method
+        if not path.startswith("/"):
+            return text_reply(400, "malformed request line: no request target", close=True)
         if request.version not in (HttpVersion11, HttpVersion10):
             version = f"HTTP/{request.version.major}.{request.version.minor}"
             return text_reply(
@@ -320,6 +323,19 @@ class _Connection(RequestHandler):
         self._event_loop = loop
         self._config = config
         self._on_reject = on_reject
+        # aiohttp's C parser hands over a request line without a target (`CONNECT   `) as
+        # a message with no URL, and building the request from it then fails in a task
+        # nobody awaits, leaving the client without an answer. An empty target instead:
+        # routing answers it 400.
+        make_request = self._request_factory
+        assert make_request is not None
+
+        def request_factory(message: Any, *args: Any) -> web.BaseRequest:
+            if getattr(message, "url", True) is None:
+                message = message._replace(url=URL(""), path="")
+            return make_request(message, *args)
+
+        self._request_factory = request_factory
         self._head_timer: asyncio.TimerHandle | None = None
         self._heard = False
         self._in_request = False

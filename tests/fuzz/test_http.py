@@ -13,7 +13,7 @@ import json
 import time
 
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from tests.fuzz.wire import FUZZ_LIMITS, Response, Webhook, post
@@ -110,6 +110,10 @@ def requests(draw: st.DrawFn) -> bytes:
 
 
 @given(requests())
+# aiohttp's parser gave this request line a message without a URL, and the request
+# failed in a task nobody awaited, leaving the client without an answer.
+@example(raw=b"CONNECT   \r\n\r\n")
+@example(raw=b"GET  HTTP/1.1\r\nHost: w\r\n\r\n")
 def test_raw_requests_never_get_a_5xx_or_hang(webhook: Webhook, raw: bytes) -> None:
     _check(webhook, webhook.exchange(raw), raw)
 
