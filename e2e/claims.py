@@ -9,18 +9,20 @@ from e2e.cluster.kube import Kube, wait_for
 
 
 def pod_with_claim(
-    name: str, namespace: str, node: str, *, claim: str = "", template: str = ""
+    name: str, namespace: str, node: str | None, *, claim: str = "", template: str = ""
 ) -> dict[str, Any]:
-    """A pause pod pinned to `node` using ResourceClaim `claim` or one from `template`."""
+    """A pause pod using ResourceClaim `claim` or one from `template`, pinned to `node`
+    unless it is None."""
     if bool(claim) == bool(template):
         raise ValueError("give exactly one of claim or template")
     source = {"resourceClaimName": claim} if claim else {"resourceClaimTemplateName": template}
+    pinned = {"nodeSelector": {"kubernetes.io/hostname": node}} if node is not None else {}
     return {
         "apiVersion": "v1",
         "kind": "Pod",
         "metadata": {"name": name, "namespace": namespace},
         "spec": {
-            "nodeSelector": {"kubernetes.io/hostname": node},
+            **pinned,
             "resourceClaims": [{"name": "gpu", **source}],
             "containers": [
                 {

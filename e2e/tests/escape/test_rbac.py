@@ -20,6 +20,7 @@ import pytest
 from gpudra.api.deviceclasses import device_classes
 
 from e2e import smoke
+from e2e.claims import pod_with_claim
 from e2e.cluster.kube import ApiError
 from e2e.cluster.kube import Kube as SyncKube
 from e2e.tenant_user import tenant_user
@@ -48,24 +49,6 @@ def claim(ns: str, name: str, **exactly: Any) -> dict[str, Any]:
         "kind": "ResourceClaim",
         "metadata": {"namespace": ns, "name": name},
         "spec": {"devices": {"requests": [{"name": "gpu", "exactly": request}]}},
-    }
-
-
-def pod_with_claim(ns: str, name: str, source: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {"namespace": ns, "name": name},
-        "spec": {
-            "containers": [
-                {
-                    "name": "cuda",
-                    "image": "registry.k8s.io/pause:3.10",
-                    "resources": {"claims": [{"name": "gpu"}]},
-                }
-            ],
-            "resourceClaims": [{"name": "gpu", **source}],
-        },
     }
 
 
@@ -134,15 +117,14 @@ def test_a_pod_cannot_name_another_namespaces_claim(
     assert f'User "{user.name}" cannot get resource "resourceclaims"' in str(err)
 
     # A claim name is a name, not a path: "other/theirs" is no valid name.
-    err = denied(
-        user.create, pod_with_claim(ns, "by-path", {"resourceClaimName": f"{other}/theirs"})
-    )
+    err = denied(user.create, pod_with_claim("by-path", ns, None, claim=f"{other}/theirs"))
     assert err.status == 422, err
     assert "spec.resourceClaims[0].resourceClaimName: Invalid value" in str(err)
 
     # A namespace next to the name is no field of a pod claim: it is dropped, and the
     # name resolves in the pod's own namespace, where no such claim exists.
-    sneaky = pod_with_claim(ns, "sneaky", {"resourceClaimName": "theirs", "namespace": other})
+    sneaky = pod_with_claim("sneaky", ns, None, claim="theirs")
+    sneaky["spec"]["resourceClaims"][0]["namespace"] = other
     stored = user.create(sneaky)
     assert stored["spec"]["resourceClaims"] == [{"name": "gpu", "resourceClaimName": "theirs"}]
     assert stored["metadata"]["namespace"] == ns
