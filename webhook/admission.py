@@ -9,7 +9,11 @@ in-memory `TenantState`, so a decision is computation over the request and that 
 A pod in a namespace whose tenant limits devices per pod is counted whole: besides the
 converted claims, every ResourceClaim and template it refers to is read through the
 injected `ClaimReader` and counted (``tenant_rules.claim_devices``), so hand-written and
-shared claims cannot add devices past the limit one claim at a time.
+shared claims cannot add devices past the limit one claim at a time. The count is made
+again when a claim is created in such a namespace, for every pod that will use it (those
+naming it, and the pod a template's claim is generated for): a claim deleted and created
+again under its name with more devices, while its pod waits to be scheduled, would
+otherwise give the pod what its admission never counted.
 
 The one write, creating the ResourceClaimTemplates a converted pod refers to, goes
 through the injected `TemplateEnsurer`, which owns all API-server writes. Dry runs
@@ -94,13 +98,17 @@ class TemplateEnsurer(Protocol):
 
 
 class ClaimReader(Protocol):
-    """Reads the spec of a claim or template a pod refers to, for counting its devices.
+    """Reads what counting a pod's devices needs: its claims and templates, and pods.
 
     `kind` is ``ResourceClaim`` or ``ResourceClaimTemplate``; the answer is the
     ResourceClaimSpec (a template's ``spec.spec``), or None when there is no such object.
+    `pods` lists the namespace's pods that have not terminated, to find those that will
+    use a claim being created.
     """
 
     async def __call__(self, namespace: str, kind: str, name: str) -> Mapping[str, Any] | None: ...
+
+    async def pods(self, namespace: str) -> Sequence[Mapping[str, Any]]: ...
 
 
 @dataclass(frozen=True)
@@ -232,6 +240,16 @@ class Admission:
             denial=lookup.denial if lookup is not None else "",
             device_classes=self._device_classes,
         )
+        if verdict.allowed and kind == CLAIM.kind and lookup is not None and lookup.rules:
+            reason = await self._users_over_limit(lookup.rules, obj, namespace)
+            if reason:
+                name = verdict.name or "(generated name)"
+                message = f"{kind} {name}: {reason}"
+                logger.info(
+                    "denied claim",
+                    extra={"fields": {"uid": uid, "namespace": namespace, "error": message}},
+                )
+                return self._deny(uid, 403, message, "tenant")
         if verdict.allowed:
             return Decision(allow(uid), "allowed")
         name = verdict.name or "(generated name)"
@@ -270,10 +288,67 @@ class Admission:
         usage = self._tenants.quota_usage(namespace) if conversion.claims else None
         return lookup.rules.check_pod(conversion, namespace, usage, referenced)
 
+    async def _users_over_limit(
+        self, rules: TenantRules, claim: Mapping[str, Any], namespace: str
+    ) -> str | None:
+        """Why a claim being created would give a pod more devices than its tenant allows.
+
+        The pods that will use it are those naming it and, for a claim generated from a
+        template, the pod that owns it; each is counted whole with this claim's devices
+        in place of the entry it fills. Fails closed: pods that cannot be listed deny.
+        """
+        limit = rules.tenant.spec.max_devices_per_pod
+        if limit is None:
+            return None
+        devices = claim_devices(claim.get("spec"), self._classes)
+        if not devices:
+            return None
+        heading = f"{rules.label}: maxDevicesPerPod is {limit}"
+        if self._read_claims is None:
+            return f"{heading}, and this webhook cannot read the pods that use this claim"
+        try:
+            with anyio.fail_after(self._ensure_timeout):
+                pods = await self._read_claims.pods(namespace)
+        except Exception as exc:
+            logger.warning(
+                "could not list pods", exc_info=True, extra={"fields": {"namespace": namespace}}
+            )
+            reason = "no answer in time" if isinstance(exc, TimeoutError) else str(exc)
+            return f"{heading}; could not list the pods that use this claim: {reason}; retry"
+        for pod in pods:
+            entry = _entry_filled_by(pod, claim)
+            if entry is None:
+                continue
+            found = await self._referenced(
+                rules, pod, namespace, dry_run=False, filled=(entry, devices)
+            )
+            if isinstance(found, str):
+                return found
+            total = sum(r.devices for r in found)
+            if total > limit:
+                counts = "; ".join(
+                    f"claim {r.pod_claim_name} ({r.source}): {r.devices}" for r in found
+                )
+                return (
+                    f"{heading}, and pod {_name_of(pod)} uses this claim: with its "
+                    f"{devices} device(s) the pod would get {total} devices ({counts}); "
+                    "ask for fewer devices or delete the pod first"
+                )
+        return None
+
     async def _referenced(
-        self, rules: TenantRules, pod: Mapping[str, Any], namespace: str, dry_run: bool
+        self,
+        rules: TenantRules,
+        pod: Mapping[str, Any],
+        namespace: str,
+        dry_run: bool,
+        filled: tuple[str, int] | None = None,
     ) -> list[ReferencedClaim] | str:
-        """The pod's own claims and templates with their device counts, or a denial."""
+        """The pod's own claims and templates with their device counts, or a denial.
+
+        `filled` is a claim being created: the name of the pod's entry it fills and its
+        device count, used instead of reading that entry.
+        """
         spec = pod.get("spec")
         entries = spec.get("resourceClaims") if isinstance(spec, Mapping) else None
         result: list[ReferencedClaim] = []
@@ -287,6 +362,9 @@ class Admission:
             kind, name = reference
             pod_claim = str(entry.get("name", f"spec.resourceClaims[{index}]"))
             source = f"{kind} {name}"
+            if filled is not None and entry.get("name") == filled[0]:
+                result.append(ReferencedClaim(pod_claim, f"ResourceClaim {name} (new)", filled[1]))
+                continue
             if not is_dns_subdomain(name):
                 return f"spec.resourceClaims[{index}]: {source} is not a valid object name"
             if self._read_claims is None:
@@ -353,6 +431,50 @@ def _reference(entry: Mapping[str, Any]) -> tuple[str, str] | None:
     if isinstance(template, str) and template:
         return CLAIM_TEMPLATE.kind, template
     return None
+
+
+POD_CLAIM_NAME_ANNOTATION: Final = "resource.kubernetes.io/pod-claim-name"
+"""Set by the resourceclaim controller on a claim it generates from a pod's template:
+the name of the pod's ``spec.resourceClaims`` entry the claim fills."""
+
+
+def _entry_filled_by(pod: Mapping[str, Any], claim: Mapping[str, Any]) -> str | None:
+    """The name of `pod`'s claim entry that `claim` fills, or None when it fills none.
+
+    A pod entry naming the claim is filled by it; so is the entry the annotation names
+    when the pod owns the claim (the controller generated it from that entry's template).
+    """
+    spec = pod.get("spec")
+    entries = spec.get("resourceClaims") if isinstance(spec, Mapping) else None
+    entries = [e for e in entries if isinstance(e, Mapping)] if isinstance(entries, list) else []
+    metadata = claim.get("metadata")
+    metadata = metadata if isinstance(metadata, Mapping) else {}
+    name = metadata.get("name")
+    for entry in entries:
+        if name and entry.get("resourceClaimName") == name:
+            return str(entry.get("name", ""))
+    pod_meta = pod.get("metadata")
+    uid = pod_meta.get("uid") if isinstance(pod_meta, Mapping) else None
+    owners = metadata.get("ownerReferences")
+    owned = uid is not None and any(
+        isinstance(o, Mapping) and o.get("kind") == "Pod" and o.get("uid") == uid
+        for o in (owners if isinstance(owners, list) else ())
+    )
+    annotations = metadata.get("annotations")
+    wanted = (
+        annotations.get(POD_CLAIM_NAME_ANNOTATION) if isinstance(annotations, Mapping) else None
+    )
+    if owned and wanted:
+        for entry in entries:
+            if entry.get("name") == wanted and entry.get("resourceClaimTemplateName"):
+                return str(wanted)
+    return None
+
+
+def _name_of(obj: Mapping[str, Any]) -> str:
+    metadata = obj.get("metadata")
+    name = metadata.get("name") if isinstance(metadata, Mapping) else None
+    return str(name) if name else "(unnamed)"
 
 
 def _forged_template(obj: dict[str, Any], policy: ConversionPolicy) -> str | None:

@@ -111,3 +111,13 @@ class ApiClaimReader:
         if template and isinstance(spec, dict):
             spec = spec.get("spec")
         return spec if isinstance(spec, dict) else {}
+
+    async def pods(self, namespace: str) -> Sequence[Mapping[str, Any]]:
+        """The namespace's pods that may still start containers (not Succeeded or Failed)."""
+        listing = await self.kube.request(
+            "GET",
+            f"/api/v1/namespaces/{namespace}/pods",
+            query={"fieldSelector": "status.phase!=Succeeded,status.phase!=Failed"},
+        )
+        items = listing.get("items") if isinstance(listing, dict) else None
+        return [p for p in items if isinstance(p, dict)] if isinstance(items, list) else []

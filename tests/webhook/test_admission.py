@@ -120,10 +120,14 @@ class Claims:
     def __init__(self, **specs: dict[str, Any]) -> None:
         self.specs = specs
         self.reads: list[tuple[str, str]] = []
+        self.live_pods: list[dict[str, Any]] = []
 
     async def __call__(self, namespace: str, kind: str, name: str) -> Mapping[str, Any] | None:
         self.reads.append((kind, name))
         return self.specs.get(name)
+
+    async def pods(self, namespace: str) -> list[dict[str, Any]]:
+        return self.live_pods
 
 
 def limited_admission(
@@ -261,3 +265,62 @@ async def test_a_review_for_an_excluded_namespace_writes_nothing() -> None:
     assert templates.names == []
     assert (await admission.mutate_pod(review(POD, GPU_POD))).result == "patched"
     assert templates.names == ["gpudra-gpu-1"]
+
+
+def claim_object(name: str, count: int, **metadata: Any) -> dict[str, Any]:
+    return {"metadata": {"name": name, **metadata}, "spec": one_gpu_spec(count)}
+
+
+async def test_a_claim_created_again_bigger_is_counted_with_the_pods_that_use_it() -> None:
+    # The pod was admitted with claim "one" of one device; the claim is then deleted and
+    # created again under its name with two devices while the pod waits.
+    claims = Claims(other=one_gpu_spec())
+    admission = limited_admission(claims, limit=2)
+    waiting = claim_pod(
+        0, {"name": "a", "resourceClaimName": "one"}, {"name": "b", "resourceClaimName": "other"}
+    )
+    claims.live_pods = [waiting]
+
+    decision = await admission.validate_claim(review(CLAIM, claim_object("one", 2)))
+    assert decision.result == "denied"
+    message = decision.response["status"]["message"]
+    assert "maxDevicesPerPod is 2, and pod p uses this claim" in message
+    assert "would get 3 devices" in message
+    assert "claim a (ResourceClaim one (new)): 2" in message
+
+    # The same size again is fine, and so is a bigger claim no pod uses.
+    assert (
+        await admission.validate_claim(review(CLAIM, claim_object("one", 1)))
+    ).result == "allowed"
+    assert (
+        await admission.validate_claim(review(CLAIM, claim_object("lone", 2)))
+    ).result == "allowed"
+
+
+async def test_a_generated_claim_is_counted_with_the_pod_that_owns_it() -> None:
+    # The template was swapped for a bigger one between the pod's admission and the
+    # controller generating the pod's claim from it.
+    claims = Claims(tpl=one_gpu_spec(), other=one_gpu_spec())
+    admission = limited_admission(claims, limit=2)
+    pod = claim_pod(
+        0,
+        {"name": "a", "resourceClaimTemplateName": "tpl"},
+        {"name": "b", "resourceClaimName": "other"},
+    )
+    pod["metadata"]["uid"] = "pod-uid"
+    claims.live_pods = [pod]
+    generated = claim_object(
+        "p-a-x1y2z",
+        2,
+        annotations={"resource.kubernetes.io/pod-claim-name": "a"},
+        ownerReferences=[{"apiVersion": "v1", "kind": "Pod", "name": "p", "uid": "pod-uid"}],
+    )
+    decision = await admission.validate_claim(review(CLAIM, generated))
+    assert decision.result == "denied"
+    assert "would get 3 devices" in decision.response["status"]["message"]
+    # The template itself was not read for entry "a": the new claim fills it.
+    assert ("ResourceClaimTemplate", "tpl") not in claims.reads
+
+    # Another pod's claim under the same annotation is not this pod's.
+    stranger = {**generated, "metadata": {**generated["metadata"], "ownerReferences": []}}
+    assert (await admission.validate_claim(review(CLAIM, stranger))).result == "allowed"

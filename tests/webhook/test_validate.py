@@ -390,6 +390,16 @@ class NoTemplates:
         return None
 
 
+class NoClaims:
+    """An empty namespace: no claims, templates or pods to count."""
+
+    async def __call__(self, namespace: str, kind: str, name: str) -> None:
+        return None
+
+    async def pods(self, namespace: str) -> list[dict[str, Any]]:
+        return []
+
+
 @pytest.mark.anyio
 async def test_server_applies_tenant_rules_and_validates_claims(tmp_path: Path) -> None:
     pki, _ = ensure_pki(tmp_path / "pki", service_dns_names("gpudra-webhook", "gpudra"))
@@ -412,7 +422,7 @@ async def test_server_applies_tenant_rules_and_validates_claims(tmp_path: Path) 
         host="127.0.0.1",
         port=0,
     )
-    server = WebhookServer(config, NoTemplates(), tenants=tenants)
+    server = WebhookServer(config, NoTemplates(), tenants=tenants, read_claims=NoClaims())
     async with anyio.create_task_group() as tg:
         port = await tg.start(server.serve)
         # Quotas not listed yet: GPU pods are denied, not admitted without rules.

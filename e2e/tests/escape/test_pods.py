@@ -226,6 +226,67 @@ async def test_hand_written_claims_count_towards_the_pod_limit(escape: Escape) -
     await create(tenant, pod(ns, "fits", claims={"a": {"resourceClaimName": "one"}}))
 
 
+async def test_a_claim_swapped_for_a_bigger_one_under_a_waiting_pod_is_refused(
+    escape: Escape, kube: SyncKube
+) -> None:
+    """The pod is admitted with two one-device claims and waits (no GPU node here); the
+    tenant deletes one and creates it again asking for two devices, each claim within
+    the limit of two, the pod not."""
+    ns, tenant = escape.ns, escape.tenant
+    await call(
+        lambda: kube.request(
+            "PATCH",
+            f"{TENANTS}/escape-{ns}",
+            {"spec": {"maxDevicesPerPod": 2}},
+            content_type="application/merge-patch+json",
+        )
+    )
+    with anyio.fail_after(60):  # the webhook sees the new limit
+        while True:
+            try:
+                await tenant.request(
+                    "POST",
+                    f"{RESOURCE}/namespaces/{ns}/resourceclaims",
+                    gpu_claim(ns, "probe", count=2),
+                    query={"dryRun": "All"},
+                )
+                break
+            except AsyncApiError:
+                await anyio.sleep(0.2)
+    await create(tenant, gpu_claim(ns, "swap"))
+    await create(tenant, gpu_claim(ns, "keep"))
+    both = {"a": {"resourceClaimName": "swap"}, "b": {"resourceClaimName": "keep"}}
+    await create(tenant, pod(ns, "waits", claims=both))
+    await tenant.request("DELETE", f"{RESOURCE}/namespaces/{ns}/resourceclaims/swap")
+    message = await refused(tenant, gpu_claim(ns, "swap", count=2))
+    assert "maxDevicesPerPod is 2, and pod waits uses this claim" in message
+    assert "would get 3 devices" in message
+
+    # The claim the resourceclaim controller generates from a template is counted with
+    # the pod that owns it: a template swapped before generation gains nothing.
+    template = {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaimTemplate",
+        "metadata": {"namespace": ns, "name": "tpl"},
+        "spec": {"spec": gpu_claim(ns, "x")["spec"]},
+    }
+    await create(tenant, template)
+    claims = {"g": {"resourceClaimTemplateName": "tpl"}, "b": {"resourceClaimName": "keep"}}
+    owner = await create(tenant, pod(ns, "owner", claims=claims))
+    generated = gpu_claim(ns, "owner-g-swapped", count=2)
+    generated["metadata"]["annotations"] = {"resource.kubernetes.io/pod-claim-name": "g"}
+    generated["metadata"]["ownerReferences"] = [
+        {"apiVersion": "v1", "kind": "Pod", "name": "owner", "uid": owner["metadata"]["uid"]}
+    ]
+    # Created with the controller's rights (the tenant cannot plant it in its place).
+    with pytest.raises(ApiError) as err:
+        await call(kube.create, generated)
+    assert "pod owner uses this claim" in str(err.value)
+
+    # The same size again is admitted: nothing here stops a plain re-creation.
+    await create(tenant, gpu_claim(ns, "swap"))
+
+
 async def test_the_opt_out_label_is_refused_outside_the_named_namespaces(escape: Escape) -> None:
     opted = pod(escape.ns, "opted", {"nvidia.com/gpu": "2"}, labels={OPT_OUT_LABEL: "false"})
     message = await refused(escape.tenant, opted)

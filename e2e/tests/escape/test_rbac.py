@@ -21,7 +21,7 @@ from gpudra.api.deviceclasses import device_classes
 
 from e2e import smoke
 from e2e.claims import pod_with_claim
-from e2e.cluster.kube import ApiError
+from e2e.cluster.kube import ApiError, wait_for
 from e2e.cluster.kube import Kube as SyncKube
 from e2e.tenant_user import tenant_user
 
@@ -123,13 +123,46 @@ def test_a_pod_cannot_name_another_namespaces_claim(
 
     # A namespace next to the name is no field of a pod claim: it is dropped, and the
     # name resolves in the pod's own namespace, where no such claim exists.
+    # Their claim is allocated and in use, as a claim worth taking would be.
+    allocate(kube, other, "theirs")
     sneaky = pod_with_claim("sneaky", ns, None, claim="theirs")
     sneaky["spec"]["resourceClaims"][0]["namespace"] = other
     stored = user.create(sneaky)
     assert stored["spec"]["resourceClaims"] == [{"name": "gpu", "resourceClaimName": "theirs"}]
     assert stored["metadata"]["namespace"] == ns
-    theirs = kube.get("ResourceClaim", "theirs", other)
-    reserved = theirs.get("status", {}).get("reservedFor", [])
-    assert stored["metadata"]["uid"] not in [r.get("uid") for r in reserved]
     assert kube.get_or_none("ResourceClaim", "theirs", ns) is None
+
+    # The scheduler looks for the claim in the pod's namespace only: the pod waits for
+    # one there (no attempt is made before it exists), tries it once it does, and their
+    # claim stays reserved for their pod alone.
+    user.create(claim(ns, "theirs"))
+
+    def waiting() -> str | None:
+        pod = kube.get("Pod", "sneaky", ns)
+        for condition in pod.get("status", {}).get("conditions", []):
+            if condition.get("type") == "PodScheduled" and condition.get("status") == "False":
+                return str(condition.get("message", ""))
+        return None
+
+    wait_for("the scheduler to try the pod", waiting, timeout=60)
+    assert not kube.get("Pod", "sneaky", ns)["spec"].get("nodeName")
+    theirs = kube.get("ResourceClaim", "theirs", other)
+    assert [r["name"] for r in theirs["status"]["reservedFor"]] == ["owner"]
     kube.delete("Pod", "sneaky", ns, grace=0)
+
+
+def allocate(kube: SyncKube, ns: str, name: str) -> None:
+    """Mark a claim allocated and reserved for its pod `owner`, as the scheduler would."""
+    owner = kube.create(pod_with_claim("owner", ns, None, claim=name))
+    claim = kube.get("ResourceClaim", name, ns)
+    claim["status"] = {
+        "allocation": {
+            "devices": {
+                "results": [
+                    {"request": "gpu", "driver": DRIVER, "pool": "node-x", "device": "gpu-0"}
+                ]
+            }
+        },
+        "reservedFor": [{"resource": "pods", "name": "owner", "uid": owner["metadata"]["uid"]}],
+    }
+    kube.request("PUT", SyncKube.path("ResourceClaim", ns, name) + "/status", claim)
