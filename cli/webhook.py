@@ -15,7 +15,6 @@ cert-manager Secret (reloaded when it changes) and leaves the configurations and
 from __future__ import annotations
 
 import argparse
-import base64
 import logging
 import ssl
 from pathlib import Path
@@ -35,6 +34,7 @@ from gpudra.api.names import DNS_LABEL_MAX, dns_subdomain_problem
 from gpudra.common.kube import Kube
 from gpudra.webhook import registration
 from gpudra.webhook.cabundle import (
+    ROLLOUT_OVERLAP_S,
     CABundleController,
     ConfigurationKind,
     SelfSignedRotation,
@@ -293,7 +293,12 @@ def run(args: argparse.Namespace) -> int:
             configurations.append(
                 WebhookConfiguration(ConfigurationKind.VALIDATING, registration.VALIDATING_NAME)
             )
-        bundles = CABundleController(kube, configurations) if args.cert_source == "self" else None
+        # A restarted pod keeps the CA of the pod it replaces while that one terminates.
+        bundles = (
+            CABundleController(kube, configurations, keep_foreign_s=ROLLOUT_OVERLAP_S)
+            if args.cert_source == "self"
+            else None
+        )
 
         # Not ready (no traffic from the Service) until the tenant rules and the
         # DeviceClasses' configs (claim validation resolves with them) are loaded and,
@@ -338,11 +343,13 @@ def run(args: argparse.Namespace) -> int:
             # Rotation (hourly, sooner during a CA rollover) hands each new bundle to the
             # controller, which writes it at once and puts it back after foreign edits.
             await tg.start(SelfSignedRotation(args.cert_dir, names, bundles).run)
-            watching = False
+            # Watching starts before the first apply, so the CA of a pod still serving
+            # (a rollout) is seen, and kept, before the configurations are replaced.
+            await tg.start(bundles.run)
             while True:
                 # The whole configurations are re-applied hourly so other drift is undone.
                 assert bundles.bundle is not None  # set by the rotation's first check
-                bundle_b64 = base64.b64encode(bundles.bundle).decode("ascii")
+                bundle_b64 = bundles.desired_b64()
                 target = (
                     {"url": args.url}
                     if args.url
@@ -368,9 +375,6 @@ def run(args: argparse.Namespace) -> int:
                             **target,
                         ),
                     )
-                if not watching:
-                    await tg.start(bundles.run)
-                    watching = True
                 await anyio.sleep(3600)
 
     anyio.run(main)

@@ -16,6 +16,13 @@ served once the bundle trusting both the old and the new CA has been confirmed i
 configuration for ``CA_PROPAGATION``. A configuration that does not exist calls nobody
 and counts as up to date; it is patched as soon as it appears.
 
+Rollouts: a restarted pod (``--cert-source=self``) makes a new CA while the old pod
+still serves until it has terminated. With ``keep_foreign_s`` the controller keeps each
+certificate it finds in a configuration that is not its own for that long after first
+seeing it, so the bundle trusts both pods during the overlap; both pods write the same
+canonical bundle (certificates sorted), so they do not fight, and the old CA is dropped
+once the window has passed. Only parseable certificates are kept.
+
 `SelfSignedRotation` is the loop of ``--cert-source=self``: it rotates the files with
 `gpudra.webhook.certs.ensure_pki` and hands every bundle to the controller. With
 ``--cert-source=files`` (cert-manager) neither runs: cert-manager's CA injector owns
@@ -28,6 +35,8 @@ import base64
 import datetime as dt
 import functools
 import logging
+import re
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
@@ -37,6 +46,8 @@ from typing import Any, Final
 import anyio
 import anyio.to_thread
 from anyio.abc import TaskStatus
+from cryptography import x509
+from cryptography.hazmat.primitives import serialization
 from gpudra.common.backoff import Backoff
 from gpudra.common.kube import ApiError, Kube
 from gpudra.common.reconcile import ReconcileLoop
@@ -50,13 +61,48 @@ from gpudra.webhook.certs import (
     ensure_pki,
 )
 
-__all__ = ["CABundleController", "ConfigurationKind", "SelfSignedRotation", "WebhookConfiguration"]
+__all__ = [
+    "ROLLOUT_OVERLAP_S",
+    "CABundleController",
+    "ConfigurationKind",
+    "SelfSignedRotation",
+    "WebhookConfiguration",
+    "certificates",
+]
 
 logger = logging.getLogger(__name__)
 
 _API: Final = "/apis/admissionregistration.k8s.io/v1"
 _WATCH_TIMEOUT_S: Final = 290
 _BACKOFF: Final = Backoff(max_s=5.0)
+_PEM_BLOCK: Final = re.compile(rb"-----BEGIN CERTIFICATE-----.+?-----END CERTIFICATE-----", re.S)
+_MAX_FOREIGN: Final = 64
+ROLLOUT_OVERLAP_S: Final = 600.0
+"""How long a restarted pod keeps the CA of the pod it replaces: longer than that pod's
+termination (the chart's grace period plus endpoint propagation)."""
+
+
+def certificates(bundle: bytes) -> list[bytes]:
+    """The parseable certificates of a PEM bundle, each in canonical PEM; junk is dropped."""
+    found: list[bytes] = []
+    for block in _PEM_BLOCK.findall(bundle):
+        try:
+            cert = x509.load_pem_x509_certificate(block)
+        except ValueError:
+            continue
+        pem = cert.public_bytes(serialization.Encoding.PEM)
+        if pem not in found:
+            found.append(pem)
+    return found
+
+
+def _decoded(bundle_b64: object) -> bytes:
+    if not isinstance(bundle_b64, str):
+        return b""
+    try:
+        return base64.b64decode(bundle_b64, validate=True)
+    except ValueError:
+        return b""
 
 
 class ConfigurationKind(StrEnum):
@@ -89,27 +135,49 @@ class _Observed:
 
     object: dict[str, Any] | None
 
-    def stale_indices(self, bundle_b64: str) -> list[int]:
+    def bundles(self) -> list[Any]:
+        """Each webhook's ``caBundle`` as stored (base64, or whatever is there)."""
         if self.object is None:
             return []
-        webhooks = self.object.get("webhooks") or []
         return [
-            i
-            for i, w in enumerate(webhooks)
-            if (w.get("clientConfig") or {}).get("caBundle") != bundle_b64
+            (w.get("clientConfig") or {}).get("caBundle") for w in self.object.get("webhooks") or []
         ]
+
+    def stale_indices(self, bundle_b64: str) -> list[int]:
+        return [i for i, b in enumerate(self.bundles()) if b != bundle_b64]
+
+    def trusts(self, certs: Sequence[bytes]) -> bool:
+        """Every webhook's bundle holds all of `certs`."""
+        return all(set(certs) <= set(certificates(_decoded(b))) for b in self.bundles())
 
 
 class CABundleController:
-    """Watches the given configurations and writes `bundle` into each of their webhooks."""
+    """Watches the given configurations and writes `bundle` into each of their webhooks.
 
-    def __init__(self, kube: Kube, configurations: Sequence[WebhookConfiguration]) -> None:
+    With `keep_foreign_s`, certificates found there that are not in `bundle` stay for that
+    long after they were first seen (see the module's rollout notes).
+    """
+
+    def __init__(
+        self,
+        kube: Kube,
+        configurations: Sequence[WebhookConfiguration],
+        *,
+        keep_foreign_s: float = 0.0,
+    ) -> None:
         if not configurations:
             raise ValueError("configurations must name at least one webhook configuration")
         self._kube = kube
         self._configurations = tuple(dict.fromkeys(configurations))
         self._bundle: bytes | None = None
         self._bundle_b64 = ""
+        self._keep_foreign_s = keep_foreign_s
+        # Foreign certificate -> monotonic time it stops being kept. Expired entries stay,
+        # so a certificate put back after its window is not kept again.
+        self._foreign: dict[bytes, float] = {}
+        # Every certificate this pod has published: one it rotated out is never foreign.
+        self._owned: set[bytes] = set()
+        self._foreign_added = anyio.Event()
         self._observed: dict[WebhookConfiguration, _Observed] = {}
         # (bundle, when it was first seen in every configuration); replaced, never mutated,
         # so the rotation thread reads a consistent pair.
@@ -131,6 +199,11 @@ class CABundleController:
     def bundle(self) -> bytes | None:
         return self._bundle
 
+    def desired_b64(self) -> str:
+        """What every webhook's ``caBundle`` should hold now (base64): the bundle, plus
+        the foreign certificates still inside their window, in canonical order."""
+        return self._bundle_b64
+
     def set_bundle(self, bundle: bytes) -> None:
         """Make `bundle` (PEM) the desired ``caBundle``; written at once."""
         if not bundle.strip():
@@ -138,7 +211,8 @@ class CABundleController:
         if bundle == self._bundle:
             return
         self._bundle = bundle
-        self._bundle_b64 = base64.b64encode(bundle).decode("ascii")
+        self._owned.update(certificates(bundle))
+        self._refresh_desired()
         logger.info(
             "new caBundle for the webhook configurations",
             extra={"fields": {"certificates": bundle.count(b"-----BEGIN CERTIFICATE-----")}},
@@ -174,6 +248,8 @@ class CABundleController:
             for config in self._configurations:
                 await tg.start(self._reflector(config).run)
                 tg.start_soon(self._repairs[config].run)
+            if self._keep_foreign_s > 0:
+                tg.start_soon(self._expire_foreign)
             task_status.started()
 
     def _reflector(self, config: WebhookConfiguration) -> Reflector:
@@ -194,8 +270,51 @@ class CABundleController:
             fields={"configuration": str(config)},
         )
 
+    def _refresh_desired(self) -> None:
+        """Recompute the desired bundle: ours, then the foreign ones still kept."""
+        if self._bundle is None:
+            return
+        now = time.monotonic()
+        kept = [c for c, until in self._foreign.items() if until > now]
+        desired = b"".join(sorted({*certificates(self._bundle), *kept})) if kept else self._bundle
+        self._bundle_b64 = base64.b64encode(desired).decode("ascii")
+
+    def _note_foreign(self, observed: _Observed) -> None:
+        if self._keep_foreign_s <= 0 or self._bundle is None:
+            return
+        until = time.monotonic() + self._keep_foreign_s
+        for stored in observed.bundles():
+            for cert in certificates(_decoded(stored)):
+                if cert not in self._owned and cert not in self._foreign:
+                    if len(self._foreign) >= _MAX_FOREIGN:
+                        return
+                    self._foreign[cert] = until
+                    self._foreign_added.set()
+                    logger.info(
+                        "keeping another CA in the caBundle for a rollout",
+                        extra={"fields": {"keep_s": self._keep_foreign_s}},
+                    )
+
+    async def _expire_foreign(self) -> None:
+        """Drop foreign certificates when their window ends, and write the bundle."""
+        while True:
+            now = time.monotonic()
+            pending = [until for until in self._foreign.values() if until > now]
+            added = self._foreign_added
+            with anyio.move_on_after(min(pending) - now + 0.01 if pending else None):
+                await added.wait()
+            if added.is_set():
+                self._foreign_added = anyio.Event()
+            before = self._bundle_b64
+            self._refresh_desired()
+            if self._bundle_b64 != before:
+                for repair in self._repairs.values():
+                    repair.poke()
+
     def _observe(self, config: WebhookConfiguration, obj: dict[str, Any] | None) -> None:
         self._observed[config] = _Observed(obj)
+        self._note_foreign(self._observed[config])
+        self._refresh_desired()
         self._check_published()
         if self._bundle is not None and self._observed[config].stale_indices(self._bundle_b64):
             self._repairs[config].poke()
@@ -206,7 +325,7 @@ class CABundleController:
             bundle is not None
             and (self._published is None or self._published[0] != bundle)
             and all(
-                c in self._observed and not self._observed[c].stale_indices(self._bundle_b64)
+                c in self._observed and self._observed[c].trusts(certificates(bundle))
                 for c in self._configurations
             )
         ):

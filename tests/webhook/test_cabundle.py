@@ -19,6 +19,7 @@ from gpudra.webhook.cabundle import (
     ConfigurationKind,
     SelfSignedRotation,
     WebhookConfiguration,
+    certificates,
 )
 from gpudra.webhook.certs import (
     WebhookPki,
@@ -197,6 +198,50 @@ async def test_trusted_only_once_the_bundle_is_in_every_configuration(
         assert await configs.bundles(validating) == [b64(bundle)] * 2
         controller.set_bundle(generate_ca().cert_pem + bundle)
         assert controller.trusted
+        tg.cancel_scope.cancel()
+
+
+async def test_a_rollout_trusts_the_old_and_the_new_pod_until_the_window_ends(
+    akube: Kube, configs: Configs
+) -> None:
+    """``tls.source=self`` rollout: the new pod (B) makes a new CA while the old pod (A)
+    still serves. Both CAs stay trusted while A terminates, A and B write the same bundle
+    instead of fighting, and A's CA goes once the window has passed."""
+    window = 10.0
+    mutating = configs.ref(ConfigurationKind.MUTATING)
+    validating = configs.ref(ConfigurationKind.VALIDATING)
+    old, new = generate_ca().cert_pem, generate_ca().cert_pem
+    await configs.create(mutating, ca_bundle=b64(old))
+    await configs.create(validating, ca_bundle=b64(old))
+    both = b64(b"".join(sorted([*certificates(old), *certificates(new)])))
+    a = CABundleController(akube, [mutating, validating], keep_foreign_s=window)
+    b = CABundleController(akube, [mutating, validating], keep_foreign_s=window)
+    a.set_bundle(old)
+    b.set_bundle(new)
+    async with anyio.create_task_group() as tg:
+        old_pod = anyio.CancelScope()
+
+        async def run_a() -> None:
+            with old_pod:
+                await a.run()
+
+        tg.start_soon(run_a)
+        await wait_until(lambda: a.trusted)
+        await tg.start(b.run)
+        await wait_until(lambda: b.trusted)
+        await configs.wait_bundles(mutating, both)
+        await configs.wait_bundles(validating, both)
+        assert a.desired_b64() == b.desired_b64() == both
+        # Settled: neither writes again while both run.
+        patches = a.patches + b.patches
+        await anyio.sleep(1.0)
+        assert a.patches + b.patches == patches
+        assert await configs.bundles(mutating) == [both, both]
+
+        old_pod.cancel()  # A has terminated; B drops its CA when the window ends
+        await configs.wait_bundles(mutating, b64(new))
+        await configs.wait_bundles(validating, b64(new))
+        assert b.trusted
         tg.cancel_scope.cancel()
 
 
