@@ -74,6 +74,9 @@ def test_discovery_on_every_branch(name: str) -> None:
     variants = {i: n for i, n in gpu.mig_profiles.items() if i in NEW_VARIANTS}
     if name.startswith("h100") and branch >= 575:
         assert variants == NEW_VARIANTS
+        # Published under upstream's names: the profile without dots, ID and start.
+        for profile_id, suffix in ((67, "1g10gb-me"), (65, "1g10gb-meall"), (64, "2g20gb-meall")):
+            assert f"gpu-{gpu.minor}-mig-{suffix}-{profile_id}-0" in names
     else:
         assert variants == {}
     assert gpu.publishable(MigStrategy.DYNAMIC) == gpu.partitions
