@@ -6,10 +6,13 @@ from __future__ import annotations
 import ctypes
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import cast
 
 import anyio
 import pynvml
 import pytest
+from gpudra.common.kube import Kube
+from gpudra.driver.agent import AgentConfig, NodeAgent
 from gpudra.driver.devices import Device, DiscoveryError, MigStrategy, discover
 from gpudra.driver.health import HealthPolicy, HealthState, NvmlHealthWatcher
 from gpudra.driver.mig import create_compute_instance, create_gpu_instance, destroy_mig
@@ -150,14 +153,25 @@ async def test_health_on_every_branch(name: str) -> None:
         assert state.lost_gpus == {last.uuid}
 
 
-def test_a_driver_older_than_the_oldest_branch_is_named() -> None:
+@pytest.mark.anyio
+async def test_a_driver_older_than_the_oldest_branch_is_named_and_retried() -> None:
+    """The agent publishes nothing from a too old driver, and takes the node's GPUs once
+    the driver is upgraded (its run loop retries every DiscoveryError)."""
     profile = load_builtin_profile("a100-40gb-mig-r535")
-    nvml = NvmlEmulator(profile.model_copy(update={"driverVersion": "470.256.02"}))
+    old = NvmlEmulator(
+        profile.model_copy(update={"driverVersion": "470.256.02", "cudaDriverVersion": 11040})
+    )
+    config = AgentConfig(node_name="n1", health_events=False)
+    agent = NodeAgent(config, cast(Kube, object()), old)
     with pytest.raises(DiscoveryError) as err:
-        discover(nvml)
+        await agent.scan()
     message = str(err.value)
-    assert "470.256.02" in message and "R470" in message
+    assert "NVML library version 11.470.256.02" in message
+    assert "driver 470.256.02 (branch R470)" in message
     assert f"R{OLDEST_SUPPORTED_BRANCH} and newer" in message
+    assert agent.inventory is None
+    agent.nvml = NvmlEmulator(profile)  # the driver was upgraded
+    assert len((await agent.scan()).gpus) == 2
 
 
 def test_event_registration_refuses_an_empty_mask() -> None:
