@@ -637,17 +637,23 @@ _NO_LIBRARY = frozenset({pynvml.NVML_ERROR_LIBRARY_NOT_FOUND, pynvml.NVML_ERROR_
 
 
 def _init(scan: _Scanner) -> None:
-    """nvmlInit, with a missing or unusable library named as such."""
+    """nvmlInit, with a missing library or kernel driver named as such."""
     try:
         scan.call(None, "nvmlInit")
     except DiscoveryError as err:
-        if getattr(err.nvml_error, "value", None) not in _NO_LIBRARY:
+        code = getattr(err.nvml_error, "value", None)
+        if code in _NO_LIBRARY:
+            problem = "no usable NVML library: loading libnvidia-ml.so.1 failed"
+            fix = "install it on the node, or mount the driver root and add its library "
+            fix += "folder to LD_LIBRARY_PATH"
+        elif code == pynvml.NVML_ERROR_DRIVER_NOT_LOADED:
+            problem = "the NVIDIA kernel driver is not loaded"
+            fix = "load it (modprobe nvidia) or finish its installation"
+        else:
             raise
         msg = (
-            f"no usable NVML library: loading libnvidia-ml.so.1 failed "
-            f"({describe_nvml_error(err.nvml_error or err)}); gpudra needs the NVIDIA driver "
-            f"of branch R{OLDEST_SUPPORTED_BRANCH} or newer: install it on the node, or mount "
-            "the driver root and add its library folder to LD_LIBRARY_PATH"
+            f"{problem} ({describe_nvml_error(err.nvml_error or err)}); gpudra needs the "
+            f"NVIDIA driver of branch R{OLDEST_SUPPORTED_BRANCH} or newer: {fix}"
         )
         raise DiscoveryError(msg, call="nvmlInit", nvml_error=err.nvml_error) from err
 

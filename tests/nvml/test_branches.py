@@ -174,6 +174,22 @@ async def test_a_driver_older_than_the_oldest_branch_is_named_and_retried() -> N
     assert len((await agent.scan()).gpus) == 2
 
 
+@pytest.mark.parametrize(
+    ("code", "named"),
+    [
+        (pynvml.NVML_ERROR_LIBRARY_NOT_FOUND, "loading libnvidia-ml.so.1 failed"),
+        (pynvml.NVML_ERROR_DRIVER_NOT_LOADED, "the NVIDIA kernel driver is not loaded"),
+    ],
+)
+def test_a_missing_library_or_kernel_driver_is_named(code: int, named: str) -> None:
+    nvml = emulated("t4")
+    nvml.fail_after(0, code)  # nvmlInit itself fails
+    with pytest.raises(DiscoveryError) as err:
+        discover(nvml)
+    assert named in str(err.value)
+    assert f"R{OLDEST_SUPPORTED_BRANCH} or newer" in str(err.value)
+
+
 def test_event_registration_refuses_an_empty_mask() -> None:
     nvml = emulated("h100-80gb-mig-r535")
     nvml.nvmlInit()
