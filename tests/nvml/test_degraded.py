@@ -5,16 +5,25 @@ are still served."""
 from __future__ import annotations
 
 import logging
+from typing import cast
 
 import pynvml
 import pytest
+from gpudra.common.kube import Kube
+from gpudra.driver.agent import AgentConfig
 from gpudra.driver.devices import MIG_MONITOR_PRIVILEGE, MigStrategy, discover
 from gpudra.driver.metrics import DiscoveryGaps
 from gpudra.driver.mig import compute_mode, create_compute_instance, create_gpu_instance
+from gpudra.driver.node import NodeService
 from gpudra.driver.nvml import load_nvml
 from gpudra.driver.nvml.emulator import NvmlEmulator
 from gpudra.driver.nvml.handles import device_handle
 from prometheus_client import CollectorRegistry
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
 
 
 def emulated(name: str) -> NvmlEmulator:
@@ -107,3 +116,22 @@ def test_no_permission_on_existing_mig_devices_skips_them_only() -> None:
         assert "migDevices" in {gap.field for gap in gpu.gaps}
     # The GPUs themselves are still known, with the same identity.
     assert [g.uuid for g in inventory.gpus] == [g.uuid for g in privileged.gpus]
+
+
+@pytest.mark.anyio
+async def test_the_node_service_serves_the_gap_metric() -> None:
+    service = NodeService(
+        AgentConfig(node_name="n1", health_events=False),
+        cast(Kube, object()),
+        unprivileged_mixed_node(),
+    )
+    families = {m.name: m for m in service.registry.collect()}
+    assert families["gpudra_discovery_gap"].samples == []  # no inventory yet
+    inventory = await service.agent.scan()
+    labels = {
+        "gpu": inventory.gpus[0].uuid,
+        "field": "memory",
+        "call": "nvmlDeviceGetMemoryInfo",
+        "privilege": MIG_MONITOR_PRIVILEGE,
+    }
+    assert service.registry.get_sample_value("gpudra_discovery_gap", labels) == 1
