@@ -31,6 +31,7 @@ from gpudra.driver.nvml.handles import device_handle, gpu_instance_profile, nvml
 from gpudra.driver.records import CreatedMig
 
 __all__ = [
+    "MIG_CONFIG_PRIVILEGE",
     "MigError",
     "caps_major",
     "compute_mode",
@@ -153,8 +154,18 @@ def _nvml_open(nvml: NvmlLibrary) -> Iterator[None]:
             log.warning("nvmlShutdown failed", extra={"fields": {"error": str(err)}})
 
 
+# What NVML needs to create and destroy MIG instances (and to set modes).
+MIG_CONFIG_PRIVILEGE = (
+    "the MIG config capability (access to /dev/nvidia-caps/nvidia-cap1, granted by "
+    "/proc/driver/nvidia/capabilities/mig/config), or root"
+)
+
+
 def _mig_error(step: str, gpu_uuid: str, err: BaseException) -> MigError:
-    return MigError(f"{step} on GPU {gpu_uuid}: {describe_nvml_error(err)}")
+    msg = f"{step} on GPU {gpu_uuid}: {describe_nvml_error(err)}"
+    if nvml_code(err) == pynvml.NVML_ERROR_NO_PERMISSION:
+        msg += f"; the node agent needs {MIG_CONFIG_PRIVILEGE}"
+    return MigError(msg)
 
 
 def create_gpu_instance(nvml: NvmlLibrary, gpu_uuid: str, placement: MigPlacement) -> int:

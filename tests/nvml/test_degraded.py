@@ -13,7 +13,13 @@ from gpudra.common.kube import Kube
 from gpudra.driver.agent import AgentConfig
 from gpudra.driver.devices import MIG_MONITOR_PRIVILEGE, MigStrategy, discover
 from gpudra.driver.metrics import DiscoveryGaps
-from gpudra.driver.mig import compute_mode, create_compute_instance, create_gpu_instance
+from gpudra.driver.mig import (
+    MIG_CONFIG_PRIVILEGE,
+    MigError,
+    compute_mode,
+    create_compute_instance,
+    create_gpu_instance,
+)
 from gpudra.driver.node import NodeService
 from gpudra.driver.nvml import load_nvml
 from gpudra.driver.nvml.emulator import NvmlEmulator
@@ -135,3 +141,15 @@ async def test_the_node_service_serves_the_gap_metric() -> None:
         "privilege": MIG_MONITOR_PRIVILEGE,
     }
     assert service.registry.get_sample_value("gpudra_discovery_gap", labels) == 1
+
+
+def test_creating_a_mig_instance_without_privilege_names_the_privilege() -> None:
+    nvml = emulated("h100-80gb-mig-r535")
+    gpu = discover(nvml).gpus[0]
+    placement = gpu.partitions[0].placement
+    assert placement is not None
+    nvml.set_privileged(False)
+    with pytest.raises(MigError) as err:
+        create_gpu_instance(nvml, gpu.uuid, placement)
+    assert "NVML_ERROR_NO_PERMISSION" in str(err.value)
+    assert str(err.value).endswith(f"the node agent needs {MIG_CONFIG_PRIVILEGE}")
