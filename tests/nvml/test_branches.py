@@ -200,6 +200,19 @@ def test_event_registration_refuses_an_empty_mask() -> None:
     nvml.nvmlShutdown()
 
 
+def test_compute_mode_is_refused_on_a_mig_enabled_gpu() -> None:
+    nvml = emulated("h100-80gb-mig-r535")
+    nvml.nvmlInit()
+    handle = nvml.nvmlDeviceGetHandleByIndex(0)
+    exclusive = pynvml.NVML_COMPUTEMODE_EXCLUSIVE_PROCESS
+    with pytest.raises(pynvml.NVMLError_NotSupported):
+        nvml.nvmlDeviceSetComputeMode(handle, exclusive)
+    nvml.nvmlDeviceSetMigMode(handle, pynvml.NVML_DEVICE_MIG_DISABLE)
+    nvml.nvmlDeviceSetComputeMode(handle, exclusive)
+    assert nvml.nvmlDeviceGetComputeMode(handle) == exclusive
+    nvml.nvmlShutdown()
+
+
 def test_placements_with_mig_disabled_from_r570_on() -> None:
     for branch in EMULATED_BRANCHES:
         nvml = emulated(f"h100-80gb-mig-r{branch}")
