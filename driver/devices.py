@@ -21,7 +21,15 @@ is the admin's choice, not NVML's: discovery reads the same inventory either way
 `SharedGpus.resolve` picks the device names the publisher marks shareable.
 
 Discovery is all-or-nothing: any NVML failure raises `DiscoveryError` naming the GPU
-index and the call, so a caller can never publish a partial inventory.
+index and the call, so a caller can never publish a partial inventory. So is a driver
+older than the oldest supported branch, or no NVML library at all: the error names what
+was found and what is needed, and the agent keeps retrying.
+
+The one exception is NVML_ERROR_NO_PERMISSION, which depends on how the agent runs,
+not on the GPU: a MIG-enabled GPU's total memory, its placements and its MIG instances
+need the MIG monitor capability. A field that answers so is left out of that GPU only
+(`Gpu.gaps` says which, why and which privilege is missing; the log line and the
+`gpudra_discovery_gap` metric repeat it), and the rest is published.
 """
 
 from __future__ import annotations
@@ -37,6 +45,7 @@ from typing import Any
 
 import pynvml
 from gpudra.driver.nvml import NvmlLibrary
+from gpudra.driver.nvml.branches import OLDEST_SUPPORTED_BRANCH, BranchError, driver_branch
 from gpudra.driver.nvml.codes import describe_nvml_error
 from gpudra.driver.nvml.topology import PciTopology, pci_topology
 
@@ -203,6 +212,23 @@ class Device:
     compute_instance_id: int | None = None
 
 
+# What NVML needs to answer the calls that may say NO_PERMISSION, for the log and metric.
+MIG_MONITOR_PRIVILEGE = (
+    "the MIG monitor capability (read access to /dev/nvidia-caps/nvidia-cap2, "
+    "granted by /proc/driver/nvidia/capabilities/mig/monitor), or root"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class FieldGap:
+    """A field of one GPU that NVML refused to read, and the privilege it needs."""
+
+    field: str  # "memory", "placements", "migDevices"
+    call: str
+    privilege: str
+    effect: str  # what is published without it
+
+
 @dataclass(frozen=True, slots=True)
 class Gpu:
     """Everything discovery learnt about one physical GPU."""
@@ -219,6 +245,7 @@ class Gpu:
     partitions: tuple[Device, ...] = ()  # every possible placement (MIG enabled only)
     counter_set: CounterSet | None = None  # what partitions consume from
     mig_profiles: Mapping[int, str] = field(default_factory=dict)  # GI profile ID -> name
+    gaps: tuple[FieldGap, ...] = ()  # fields NVML refused for lack of privilege
 
     def publishable(self, strategy: MigStrategy) -> tuple[Device, ...]:
         if not self.mig_enabled:
@@ -477,6 +504,34 @@ class _Scanner:
 
     def __init__(self, nvml: NvmlLibrary) -> None:
         self.nvml = nvml
+        self.gaps: dict[int, list[FieldGap]] = {}
+
+    def privileged(
+        self, index: int, field_name: str, effect: str, name: str, *args: Any, ok: frozenset[int]
+    ) -> tuple[Any, bool]:
+        """Like `optional`; NO_PERMISSION gives (None, False) and records the gap."""
+        try:
+            return self.optional(index, name, *args, ok=ok), True
+        except DiscoveryError as err:
+            if getattr(err.nvml_error, "value", None) != pynvml.NVML_ERROR_NO_PERMISSION:
+                raise
+        gap = FieldGap(field_name, name, MIG_MONITOR_PRIVILEGE, effect)
+        gaps = self.gaps.setdefault(index, [])
+        if gap not in gaps:
+            gaps.append(gap)
+            logger.warning(
+                "NVML refused a field for lack of privilege; publishing the GPU without it",
+                extra={
+                    "fields": {
+                        "gpuIndex": index,
+                        "field": field_name,
+                        "call": name,
+                        "needs": MIG_MONITOR_PRIVILEGE,
+                        "effect": effect,
+                    }
+                },
+            )
+        return None, False
 
     def call(self, index: int | None, name: str, *args: Any) -> Any:
         try:
@@ -501,6 +556,7 @@ class _Scanner:
 
 
 _UNSUPPORTED = frozenset({pynvml.NVML_ERROR_NOT_SUPPORTED, pynvml.NVML_ERROR_FUNCTION_NOT_FOUND})
+_NOTHING: frozenset[int] = frozenset()
 _ABSENT = frozenset({pynvml.NVML_ERROR_NOT_SUPPORTED, pynvml.NVML_ERROR_INVALID_ARGUMENT})
 _NO_MIG_AT_INDEX = frozenset({pynvml.NVML_ERROR_NOT_FOUND, pynvml.NVML_ERROR_INVALID_ARGUMENT})
 
@@ -538,9 +594,10 @@ def discover(nvml: NvmlLibrary, *, topology: PciTopology | None = None) -> Inven
     """
     topo = topology if topology is not None else pci_topology(nvml)
     scan = _Scanner(nvml)
-    scan.call(None, "nvmlInit")
+    _init(scan)
     try:
         raw_driver = scan.call(None, "nvmlSystemGetDriverVersion")
+        _check_branch(scan, str(raw_driver))
         cuda = int(scan.call(None, "nvmlSystemGetCudaDriverVersion"))
         common: dict[str, AttributeValue] = {
             "driverVersion": Version(semver_from_driver_version(raw_driver)),
@@ -576,6 +633,49 @@ def discover(nvml: NvmlLibrary, *, topology: PciTopology | None = None) -> Inven
     return inventory
 
 
+_NO_LIBRARY = frozenset({pynvml.NVML_ERROR_LIBRARY_NOT_FOUND, pynvml.NVML_ERROR_FUNCTION_NOT_FOUND})
+
+
+def _init(scan: _Scanner) -> None:
+    """nvmlInit, with a missing library or kernel driver named as such."""
+    try:
+        scan.call(None, "nvmlInit")
+    except DiscoveryError as err:
+        code = getattr(err.nvml_error, "value", None)
+        if code in _NO_LIBRARY:
+            problem = "no usable NVML library: loading libnvidia-ml.so.1 failed"
+            fix = "install it on the node, or mount the driver root and add its library "
+            fix += "folder to LD_LIBRARY_PATH"
+        elif code == pynvml.NVML_ERROR_DRIVER_NOT_LOADED:
+            problem = "the NVIDIA kernel driver is not loaded"
+            fix = "load it (modprobe nvidia) or finish its installation"
+        else:
+            raise
+        msg = (
+            f"{problem} ({describe_nvml_error(err.nvml_error or err)}); gpudra needs the "
+            f"NVIDIA driver of branch R{OLDEST_SUPPORTED_BRANCH} or newer: {fix}"
+        )
+        raise DiscoveryError(msg, call="nvmlInit", nvml_error=err.nvml_error) from err
+
+
+def _check_branch(scan: _Scanner, raw_driver: str) -> None:
+    """Refuse a driver older than every supported path (nothing is published)."""
+    try:
+        branch = driver_branch(raw_driver)
+    except BranchError as err:
+        raise DiscoveryError(str(err), call="nvmlSystemGetDriverVersion") from None
+    if branch >= OLDEST_SUPPORTED_BRANCH:
+        return
+    library = scan.optional(None, "nvmlSystemGetNVMLVersion", ok=_UNSUPPORTED)
+    found = f"NVML library version {library}" if library is not None else "an NVML library"
+    msg = (
+        f"found {found} of NVIDIA driver {raw_driver} (branch R{branch}); gpudra supports "
+        f"driver branch R{OLDEST_SUPPORTED_BRANCH} and newer: upgrade the NVIDIA driver on "
+        "this node (nothing is published until then)"
+    )
+    raise DiscoveryError(msg, call="nvmlSystemGetDriverVersion")
+
+
 def _discover_gpu(
     scan: _Scanner, topo: PciTopology, index: int, common: Mapping[str, AttributeValue]
 ) -> Gpu:
@@ -586,7 +686,14 @@ def _discover_gpu(
     brand_code = int(scan.call(index, "nvmlDeviceGetBrand", handle))
     arch_code = int(scan.call(index, "nvmlDeviceGetArchitecture", handle))
     major, minor_cc = scan.call(index, "nvmlDeviceGetCudaComputeCapability", handle)
-    memory = scan.optional(index, "nvmlDeviceGetMemoryInfo", handle, ok=_UNSUPPORTED)
+    memory, _ = scan.privileged(
+        index,
+        "memory",
+        "memory size taken from the largest MIG profile",
+        "nvmlDeviceGetMemoryInfo",
+        handle,
+        ok=_UNSUPPORTED,
+    )
     pci = scan.call(index, "nvmlDeviceGetPciInfo_v3", handle)
     nvml_bus_id = str(pci.busId)
     bus_id = _lower_bus_id(nvml_bus_id)
@@ -634,6 +741,10 @@ def _discover_gpu(
     if not mig_enabled:
         return gpu
     if total_memory is None:
+        # A MIG-enabled GPU without its aggregate memory (no privilege): the largest
+        # profile spans the GPU and gives the names the same sizes.
+        total_memory = _largest_profile_memory(scan, index, handle)
+    if total_memory is None:
         msg = f"GPU index {index} has MIG enabled but NVML reports no memory size"
         raise DiscoveryError(msg, gpu_index=index, call="nvmlDeviceGetMemoryInfo")
 
@@ -654,7 +765,22 @@ def _discover_gpu(
         partitions=partitions,
         counter_set=counter_set,
         mig_profiles={p.id: p.name for p in profiles.values()},
+        gaps=tuple(scan.gaps.get(index, ())),
     )
+
+
+def _largest_profile_memory(scan: _Scanner, index: int, handle: Any) -> int | None:
+    sizes = [
+        int(info.memorySizeMB) * _MIB
+        for profile_index in range(pynvml.NVML_GPU_INSTANCE_PROFILE_COUNT)
+        if (
+            info := scan.optional(
+                index, "nvmlDeviceGetGpuInstanceProfileInfo", handle, profile_index, ok=_ABSENT
+            )
+        )
+        is not None
+    ]
+    return max(sizes, default=None)
 
 
 def _gi_profiles(
@@ -670,8 +796,10 @@ def _gi_profiles(
             continue
         profile_id = int(info.id)
         count = ctypes.c_uint(0)
-        got = scan.optional(
+        got, _ = scan.privileged(
             index,
+            "placements",
+            "no MIG partitions of this GPU for dynamic MIG",
             "nvmlDeviceGetGpuInstancePossiblePlacements",
             handle,
             profile_id,
@@ -758,7 +886,17 @@ def _existing_migs(
             continue
         gi_id = int(scan.call(index, "nvmlDeviceGetGpuInstanceId", mig))
         ci_id = int(scan.call(index, "nvmlDeviceGetComputeInstanceId", mig))
-        gi = scan.call(index, "nvmlDeviceGetGpuInstanceById", handle, gi_id)
+        gi, allowed = scan.privileged(
+            index,
+            "migDevices",
+            "existing MIG devices of this GPU not published (static MIG)",
+            "nvmlDeviceGetGpuInstanceById",
+            handle,
+            gi_id,
+            ok=_NOTHING,
+        )
+        if not allowed:
+            continue
         gi_info = scan.call(index, "nvmlGpuInstanceGetInfo", gi)
         mig_uuid = str(scan.call(index, "nvmlDeviceGetUUID", mig))
         attrs = scan.call(index, "nvmlDeviceGetAttributes", mig)

@@ -19,6 +19,11 @@ problems:
   injectable so tests need no sleeping.
 An event on a whole GPU taints every device carved from it; an event on a MIG device
 taints that MIG device only.
+
+Which GPU is lost is decided per GPU from calls scoped to it (on the handle taken when
+its events were registered), never from a lookup by UUID: that lookup answers
+GPU_IS_LOST for every GPU while any one is lost (nvml.h). NVML's "a GPU is lost" from
+the event wait is re-checked the same way, so one lost GPU taints its own devices only.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from anyio.abc import TaskStatus
 from gpudra.driver.devices import Inventory, mig_device_name
 from gpudra.driver.nvml import NvmlLibrary
 from gpudra.driver.nvml.codes import FULL_GPU_INSTANCE_ID
+from gpudra.driver.nvml.handles import device_handle
 
 logger = logging.getLogger(__name__)
 
@@ -452,6 +458,7 @@ class NvmlHealthWatcher:
         self._mask = event_mask
         self._event_set: Any = None
         self._lost: set[str] = set()  # worker-thread view of lost GPUs
+        self._handles: dict[str, Any] = {}  # GPU UUID -> handle, for GPU-scoped probes
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """Watch until cancelled; `task_status.started()` fires once events are registered."""
@@ -489,9 +496,20 @@ class NvmlHealthWatcher:
 
     def _register(self, uuid: str) -> HealthEvent | None:
         try:
-            handle = self._nvml.nvmlDeviceGetHandleByUUID(uuid)
+            handle = self._handles.get(uuid)
+            if handle is None:
+                handle = device_handle(self._nvml, uuid)
+                self._handles[uuid] = handle
             supported = self._nvml.nvmlDeviceGetSupportedEventTypes(handle)
-            self._nvml.nvmlDeviceRegisterEvents(handle, self._mask & supported, self._event_set)
+            mask = self._mask & supported
+            if not mask:  # NVML refuses an empty mask; nothing we watch exists here
+                reason = "the GPU supports none of the watched event types"
+                logger.warning(
+                    "cannot watch GPU health events",
+                    extra={"fields": {"uuid": uuid, "error": reason}},
+                )
+                return UnmonitoredEvent(uuid, reason)
+            self._nvml.nvmlDeviceRegisterEvents(handle, mask, self._event_set)
         except pynvml.NVMLError_GpuIsLost:
             self._lost.add(uuid)
             return GpuLostEvent(uuid)
@@ -567,7 +585,7 @@ class NvmlHealthWatcher:
                 return mig.name
         # A MIG device created after discovery (dynamic MIG): ask NVML where it sits.
         try:
-            parent = self._nvml.nvmlDeviceGetHandleByUUID(uuid)
+            parent = self._handles.get(uuid) or device_handle(self._nvml, uuid)
             instance = self._nvml.nvmlDeviceGetGpuInstanceById(parent, gi)
             info = self._nvml.nvmlGpuInstanceGetInfo(instance)
         except pynvml.NVMLError:
@@ -578,9 +596,14 @@ class NvmlHealthWatcher:
         return mig_device_name(gpu.minor, profile, int(info.profileId), int(info.placement.start))
 
     def _gpu_answers(self, uuid: str) -> bool:
+        """Whether the GPU itself answers, asked through calls scoped to it."""
         try:
-            handle = self._nvml.nvmlDeviceGetHandleByUUID(uuid)
+            handle = self._handles.get(uuid)
+            if handle is None:
+                handle = device_handle(self._nvml, uuid)
+                self._handles[uuid] = handle
             self._nvml.nvmlDeviceGetUUID(handle)
+            self._nvml.nvmlDeviceGetPciInfo_v3(handle)
         except pynvml.NVMLError_GpuIsLost:
             return False
         except pynvml.NVMLError:
@@ -588,18 +611,23 @@ class NvmlHealthWatcher:
         return True
 
     def _find_lost(self) -> list[HealthEvent]:
-        """NVML said a GPU is lost without saying which: probe them all."""
+        """NVML said a GPU is lost without saying which: ask each GPU, twice.
+
+        A GPU counts as lost only if it fails its own probe and the re-check; if
+        none does, nothing is tainted (the next wait or probe will tell again)
+        instead of tainting every GPU of the node for one GPU's fault.
+        """
         events: list[HealthEvent] = []
         candidates = [g.uuid for g in self._state.inventory.gpus if g.uuid not in self._lost]
         for uuid in candidates:
-            if not self._gpu_answers(uuid):
+            if not self._gpu_answers(uuid) and not self._gpu_answers(uuid):
                 self._lost.add(uuid)
                 events.append(GpuLostEvent(uuid))
-        if not events and candidates and not self._lost:
-            # Nobody admits it: assume the worst for every GPU, as upstream does.
-            for uuid in candidates:
-                self._lost.add(uuid)
-                events.append(GpuLostEvent(uuid))
+        if not events and candidates:
+            logger.warning(
+                "NVML reported a lost GPU, but every GPU answers its own probes",
+                extra={"fields": {"gpus": len(candidates)}},
+            )
         return events
 
     def _probe_lost(self) -> list[HealthEvent]:

@@ -3,7 +3,8 @@
 `ClaimMetrics` counts and times each claim of the kubelet's prepare and unprepare
 calls, where the plugin answers them (reading the claim from the API included), so
 a claim that fails before it reaches the device layer is counted too.
-`PreparedDevices` reports what the checkpoint holds when scraped.
+`PreparedDevices` reports what the checkpoint holds when scraped, `DiscoveryGaps` the
+GPU fields discovery had to leave out for lack of privilege.
 """
 
 from __future__ import annotations
@@ -12,11 +13,12 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Final
 
 from gpudra.driver.checkpoint import Checkpoint, ClaimRecord
+from gpudra.driver.devices import Inventory
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-__all__ = ["ClaimMetrics", "PreparedDevices"]
+__all__ = ["ClaimMetrics", "DiscoveryGaps", "PreparedDevices"]
 
 _LATENCY_BUCKETS: Final = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 2.5, 10.0)
 _OPERATIONS: Final = ("prepare", "unprepare")
@@ -122,3 +124,30 @@ class PreparedDevices(Collector):
         for name, uids in sorted(holders.items()):
             per_device.add_metric((name,), len(uids))
         return info, per_device
+
+
+class DiscoveryGaps(Collector):
+    """`gpudra_discovery_gap`: 1 per GPU field NVML refused (NO_PERMISSION), labelled
+    with the field, the call and the privilege that is missing, read from the current
+    inventory when scraped."""
+
+    def __init__(self, inventory: Callable[[], Inventory | None]) -> None:
+        self._inventory = inventory
+
+    def describe(self) -> Iterator[Metric]:
+        yield self._family(None)
+
+    def collect(self) -> Iterator[Metric]:
+        yield self._family(self._inventory())
+
+    @staticmethod
+    def _family(inventory: Inventory | None) -> Metric:
+        family = GaugeMetricFamily(
+            "gpudra_discovery_gap",
+            "A GPU field NVML refused to read for lack of privilege (published without it).",
+            labels=("gpu", "field", "call", "privilege"),
+        )
+        for gpu in inventory.gpus if inventory is not None else ():
+            for gap in gpu.gaps:
+                family.add_metric((gpu.uuid, gap.field, gap.call, gap.privilege), 1)
+        return family

@@ -9,7 +9,9 @@ the same kind, so it lives here too.
 
 Every NVML call runs in the caller's thread and opens NVML for itself (NVML counts
 init/shutdown, so a caller that holds NVML open is unaffected); errors name the
-GPU and the step.
+GPU and the step. Only calls that every supported driver branch has are used (R535
+has no nvmlDeviceGetGpuInstanceProfileInfoById), and a GPU is looked up so that
+another GPU falling off the bus does not fail it (`nvml.handles`).
 """
 
 from __future__ import annotations
@@ -25,9 +27,11 @@ import pynvml
 from gpudra.driver.devices import MigPlacement
 from gpudra.driver.nvml import NvmlLibrary
 from gpudra.driver.nvml.codes import describe_nvml_error
+from gpudra.driver.nvml.handles import device_handle, gpu_instance_profile, nvml_code
 from gpudra.driver.records import CreatedMig
 
 __all__ = [
+    "MIG_CONFIG_PRIVILEGE",
     "MigError",
     "caps_major",
     "compute_mode",
@@ -137,11 +141,6 @@ def caps_major(proc_root: Path) -> int | None:
 # --- NVML: MIG instances and compute mode ------------------------------------------------
 
 
-def _code(err: BaseException) -> int | None:
-    value = getattr(err, "value", None)
-    return value if isinstance(value, int) else None
-
-
 @contextlib.contextmanager
 def _nvml_open(nvml: NvmlLibrary) -> Iterator[None]:
     """NVML counts init/shutdown, so a caller that initialised NVML itself is unaffected."""
@@ -155,8 +154,18 @@ def _nvml_open(nvml: NvmlLibrary) -> Iterator[None]:
             log.warning("nvmlShutdown failed", extra={"fields": {"error": str(err)}})
 
 
+# What NVML needs to create and destroy MIG instances (and to set modes).
+MIG_CONFIG_PRIVILEGE = (
+    "the MIG config capability (access to /dev/nvidia-caps/nvidia-cap1, granted by "
+    "/proc/driver/nvidia/capabilities/mig/config), or root"
+)
+
+
 def _mig_error(step: str, gpu_uuid: str, err: BaseException) -> MigError:
-    return MigError(f"{step} on GPU {gpu_uuid}: {describe_nvml_error(err)}")
+    msg = f"{step} on GPU {gpu_uuid}: {describe_nvml_error(err)}"
+    if nvml_code(err) == pynvml.NVML_ERROR_NO_PERMISSION:
+        msg += f"; the node agent needs {MIG_CONFIG_PRIVILEGE}"
+    return MigError(msg)
 
 
 def create_gpu_instance(nvml: NvmlLibrary, gpu_uuid: str, placement: MigPlacement) -> int:
@@ -167,7 +176,7 @@ def create_gpu_instance(nvml: NvmlLibrary, gpu_uuid: str, placement: MigPlacemen
     )
     with _nvml_open(nvml):
         try:
-            parent = nvml.nvmlDeviceGetHandleByUUID(gpu_uuid)
+            parent = device_handle(nvml, gpu_uuid)
             where = pynvml.c_nvmlGpuInstancePlacement_t(placement.start, placement.size)
             gi = nvml.nvmlDeviceCreateGpuInstanceWithPlacement(
                 parent, placement.profile_id, ctypes.byref(where)
@@ -182,7 +191,7 @@ def _mig_uuid(nvml: NvmlLibrary, parent: Any, gi_id: int, ci_id: int) -> str | N
         try:
             handle = nvml.nvmlDeviceGetMigDeviceHandleByIndex(parent, index)
         except pynvml.NVMLError as err:
-            if _code(err) in (pynvml.NVML_ERROR_NOT_FOUND, pynvml.NVML_ERROR_INVALID_ARGUMENT):
+            if nvml_code(err) in (pynvml.NVML_ERROR_NOT_FOUND, pynvml.NVML_ERROR_INVALID_ARGUMENT):
                 continue
             raise
         if (
@@ -201,7 +210,7 @@ def _ci_profiles(nvml: NvmlLibrary, gi: Any) -> Iterator[Any]:
                 gi, index, pynvml.NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED
             )
         except pynvml.NVMLError as err:
-            if _code(err) not in _SKIP_PROFILE:
+            if nvml_code(err) not in _SKIP_PROFILE:
                 raise
 
 
@@ -210,12 +219,10 @@ def create_compute_instance(nvml: NvmlLibrary, gpu_uuid: str, gi_id: int) -> tup
     step = f"creating the compute instance in MIG GPU instance {gi_id}"
     with _nvml_open(nvml):
         try:
-            parent = nvml.nvmlDeviceGetHandleByUUID(gpu_uuid)
+            parent = device_handle(nvml, gpu_uuid)
             gi = nvml.nvmlDeviceGetGpuInstanceById(parent, gi_id)
             gi_info = nvml.nvmlGpuInstanceGetInfo(gi)
-            slices = int(
-                nvml.nvmlDeviceGetGpuInstanceProfileInfoById(parent, gi_info.profileId).sliceCount
-            )
+            slices = int(gpu_instance_profile(nvml, parent, int(gi_info.profileId)).sliceCount)
             ci_profile = next(
                 (int(p.id) for p in _ci_profiles(nvml, gi) if int(p.sliceCount) == slices), None
             )
@@ -238,14 +245,14 @@ def _find_gpu_instance(nvml: NvmlLibrary, parent: Any, mig: CreatedMig) -> Any |
         try:
             gi = nvml.nvmlDeviceGetGpuInstanceById(parent, mig.gi)
         except pynvml.NVMLError as err:
-            if _code(err) in _NOT_FOUND:
+            if nvml_code(err) in _NOT_FOUND:
                 return None
             raise
         info = nvml.nvmlGpuInstanceGetInfo(gi)
         if int(info.profileId) == mig.profile_id and int(info.placement.start) == mig.start:
             return gi
         return None
-    profile = nvml.nvmlDeviceGetGpuInstanceProfileInfoById(parent, mig.profile_id)
+    profile = gpu_instance_profile(nvml, parent, mig.profile_id)
     capacity = int(profile.instanceCount)
     found = (pynvml.c_nvmlGpuInstance_t * max(capacity, 1))()
     count = ctypes.c_uint(0)
@@ -271,7 +278,7 @@ def destroy_mig(nvml: NvmlLibrary, gpu_uuid: str, mig: CreatedMig) -> bool:
     step = f"destroying MIG GPU instance {gi_id} (profile {mig.profile_id})"
     with _nvml_open(nvml):
         try:
-            parent = nvml.nvmlDeviceGetHandleByUUID(gpu_uuid)
+            parent = device_handle(nvml, gpu_uuid)
             gi = _find_gpu_instance(nvml, parent, mig)
             if gi is None:
                 return False
@@ -285,7 +292,7 @@ def destroy_mig(nvml: NvmlLibrary, gpu_uuid: str, mig: CreatedMig) -> bool:
 def compute_mode(nvml: NvmlLibrary, gpu_uuid: str) -> int:
     with _nvml_open(nvml):
         try:
-            return int(nvml.nvmlDeviceGetComputeMode(nvml.nvmlDeviceGetHandleByUUID(gpu_uuid)))
+            return int(nvml.nvmlDeviceGetComputeMode(device_handle(nvml, gpu_uuid)))
         except pynvml.NVMLError as err:
             raise _mig_error("reading the compute mode", gpu_uuid, err) from err
 
@@ -293,6 +300,6 @@ def compute_mode(nvml: NvmlLibrary, gpu_uuid: str) -> int:
 def set_compute_mode(nvml: NvmlLibrary, gpu_uuid: str, mode: int) -> None:
     with _nvml_open(nvml):
         try:
-            nvml.nvmlDeviceSetComputeMode(nvml.nvmlDeviceGetHandleByUUID(gpu_uuid), mode)
+            nvml.nvmlDeviceSetComputeMode(device_handle(nvml, gpu_uuid), mode)
         except pynvml.NVMLError as err:
             raise _mig_error(f"setting compute mode {mode}", gpu_uuid, err) from err

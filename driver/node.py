@@ -36,7 +36,7 @@ from gpudra.driver.cdi import (
 )
 from gpudra.driver.checkpoint import DEFAULT_BOOT_ID_PATH
 from gpudra.driver.claimreader import ApiClaims
-from gpudra.driver.metrics import ClaimMetrics
+from gpudra.driver.metrics import ClaimMetrics, DiscoveryGaps
 from gpudra.driver.nvml import NvmlLibrary
 from gpudra.driver.plugin import (
     DEFAULT_KUBELET_ROOT,
@@ -141,6 +141,7 @@ class NodeService:
     ) -> None:
         self.agent = NodeAgent(agent_config, kube, nvml)
         self.registry = registry if registry is not None else CollectorRegistry()
+        self.registry.register(DiscoveryGaps(lambda: self.agent.inventory))
         self.ready = anyio.Event()
         self._plugin_config = plugin
         self.preparer: ClaimPreparer | None = None

@@ -127,27 +127,17 @@ class NvmlLibrary(Protocol):
 
 
 def _real_nvml() -> NvmlLibrary:
+    """The `pynvml` module, without loading libnvidia-ml yet.
+
+    A node whose driver is missing, not loaded yet or too old is not a reason to exit:
+    discovery says what it found and which branch it needs (`devices.discover`), the
+    agent publishes nothing and retries, and picks the driver up once it is there.
+    """
     try:
         pynvml: Any = importlib.import_module("pynvml")
     except ImportError as err:  # pragma: no cover - nvidia-ml-py is a dependency
         msg = "the pynvml module (package nvidia-ml-py) is not installed"
         raise NvmlLoadError(msg) from err
-    # Initialising once proves that libnvidia-ml.so.1 loads and the kernel driver answers;
-    # the library keeps itself loaded, and callers init/shutdown around their own use.
-    try:
-        pynvml.nvmlInit()
-    except pynvml.NVMLError_LibraryNotFound:
-        msg = (
-            "NVML library libnvidia-ml.so.1 not found: install the NVIDIA driver on the "
-            "node, or mount the driver root into the container and add its library "
-            "folder to LD_LIBRARY_PATH; for a machine without GPUs use "
-            f"--nvml emulated:<profile> (profiles: {', '.join(builtin_profile_names())})"
-        )
-        raise NvmlLoadError(msg) from None
-    except pynvml.NVMLError as err:
-        msg = f"NVML initialisation failed: {err}; is the NVIDIA kernel driver loaded?"
-        raise NvmlLoadError(msg) from None
-    pynvml.nvmlShutdown()
     library: NvmlLibrary = pynvml
     return library
 
@@ -157,7 +147,7 @@ def load_nvml(
 ) -> NvmlLibrary:
     """Return the NVML named by `spec`.
 
-    - `"real"`: the `pynvml` module, after checking that libnvidia-ml loads.
+    - `"real"`: the `pynvml` module; libnvidia-ml is loaded by the first `nvmlInit`.
     - `"emulated:<name>"`: an emulator with a built-in product profile.
     - `"emulated:<path.json>"`: an emulator with a profile or recording from a file.
 

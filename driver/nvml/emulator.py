@@ -10,9 +10,16 @@ works here works against libnvidia-ml.
 Behaviour that the driver relies on follows the NVML documentation: MIG calls need MIG
 mode (NOT_SUPPORTED otherwise), GPU instances are placed on memory slices and may not
 overlap (INSUFFICIENT_RESOURCES), a GPU instance with compute instances cannot be
-destroyed (IN_USE), and calls on a lost GPU raise GPU_IS_LOST. Where the documentation
-leaves a detail open (GPU instance IDs, MIG device UUIDs) the emulator picks a stable,
-deterministic rule.
+destroyed (IN_USE), calls on a lost GPU raise GPU_IS_LOST, and so do the handle
+lookups by UUID and PCI bus ID while any GPU is lost (they walk every GPU). Without
+privilege (`set_privileged(False)`) the calls NVML reserves for root answer
+NO_PERMISSION.
+
+The emulator answers as the driver branch its profile names (`branches`): functions
+the branch lacks raise FUNCTION_NOT_FOUND, profile indices it does not know are
+INVALID_ARGUMENT, and profile variants it does not offer are hidden. Where the
+documentation leaves a detail open (GPU instance IDs, MIG device UUIDs) the emulator
+picks a stable, deterministic rule.
 
 All calls take one re-entrant lock: the health watcher blocks in `nvmlEventSetWait_v2` in
 a worker thread while discovery or MIG changes run in another.
@@ -36,6 +43,13 @@ from typing import Annotated, Any, Concatenate, Literal, ParamSpec, TypeVar
 
 import pynvml
 from gpudra.common.files import atomic_write
+from gpudra.driver.nvml.branches import (
+    PLACEMENTS_WITHOUT_MIG_SINCE,
+    BranchError,
+    driver_branch,
+    has_function,
+    has_gpu_instance_profile,
+)
 from gpudra.driver.nvml.codes import FULL_GPU_INSTANCE_ID, constant_names, describe_nvml_error
 from pydantic import (
     BaseModel,
@@ -316,6 +330,20 @@ class ProfileSpec(_Spec):
     products: dict[str, ProductSpec]
     gpus: tuple[GpuSpec, ...]
 
+    @field_validator("driverVersion")
+    @classmethod
+    def _names_a_branch(cls, value: str) -> str:
+        try:
+            driver_branch(value)
+        except BranchError as err:
+            raise ValueError(str(err)) from None
+        return value
+
+    @property
+    def branch(self) -> int:
+        """The driver branch whose NVML the emulator answers as (see `branches`)."""
+        return driver_branch(self.driverVersion)
+
     @model_validator(mode="after")
     def _cross_references(self) -> ProfileSpec:
         for field_name in ("uuid", "minor", "busId"):
@@ -517,6 +545,9 @@ def _nvml(
         @functools.wraps(fn)
         def inner(self: NvmlEmulator, /, *args: P.args, **kwargs: P.kwargs) -> R:
             with self._lock:
+                if not has_function(self._profile.branch, fn.__name__):
+                    # pynvml looks the symbol up first: an older libnvidia-ml lacks it.
+                    raise _nvml_error(pynvml.NVML_ERROR_FUNCTION_NOT_FOUND)
                 self._enter(counted=counted, needs_init=needs_init)
                 result = fn(self, *args, **kwargs)
                 if mutates:
@@ -577,6 +608,7 @@ class NvmlEmulator:
         self._calls = 0
         self._fail_remaining: int | None = None
         self._fail_code = pynvml.NVML_ERROR_UNKNOWN
+        self._privileged = True
         for index, spec in enumerate(profile.gpus):
             mig_capable = profile.products[spec.product].mig is not None
             enabled = 1 if spec.migEnabled else 0
@@ -748,6 +780,13 @@ class NvmlEmulator:
         with self._lock:
             self._fail_remaining = None
 
+    def set_privileged(self, privileged: bool) -> None:
+        """Run as root (True, the default) or as an unprivileged process without access
+        to /dev/nvidia-caps: then MIG instance and placement calls, settings, and the
+        aggregate memory of a MIG-enabled GPU answer NO_PERMISSION."""
+        with self._lock:
+            self._privileged = privileged
+
     def inject_xid(
         self,
         index: int,
@@ -847,6 +886,15 @@ class NvmlEmulator:
         if gpu.lost:
             raise _nvml_error(pynvml.NVML_ERROR_GPU_IS_LOST)
 
+    def _check_all_alive(self) -> None:
+        """Lookups that walk every GPU fail while any GPU is lost (nvml.h)."""
+        if any(gpu.lost for gpu in self._gpus):
+            raise _nvml_error(pynvml.NVML_ERROR_GPU_IS_LOST)
+
+    def _check_privileged(self) -> None:
+        if not self._privileged:
+            raise _nvml_error(pynvml.NVML_ERROR_NO_PERMISSION)
+
     def _resolve(self, handle: object) -> tuple[_Gpu, _ComputeInstance | None]:
         """A GPU handle or a MIG device handle -> (GPU, MIG device or None)."""
         address = self._address(handle)
@@ -927,22 +975,28 @@ class NvmlEmulator:
 
     # --- MIG model ------------------------------------------------------------------------
 
-    @staticmethod
-    def _gi_profile_by_id(gpu: _Gpu, profile_id: int) -> GpuInstanceProfileSpec:
+    def _offered(self, gpu: _Gpu) -> tuple[GpuInstanceProfileSpec, ...]:
+        """The product's GPU instance profiles that this driver branch offers."""
+        if gpu.product.mig is None:
+            return ()
+        branch = self._profile.branch
+        return tuple(
+            p
+            for p in gpu.product.mig.gpuInstanceProfiles
+            if has_gpu_instance_profile(branch, p.index)
+        )
+
+    def _gi_profile_by_id(self, gpu: _Gpu, profile_id: int) -> GpuInstanceProfileSpec:
         if gpu.product.mig is None:
             raise _nvml_error(pynvml.NVML_ERROR_NOT_SUPPORTED)
-        for profile in gpu.product.mig.gpuInstanceProfiles:
+        for profile in self._offered(gpu):
             if profile.id == profile_id:
                 return profile
         raise _nvml_error(pynvml.NVML_ERROR_NOT_SUPPORTED)
 
-    @staticmethod
-    def _full_profile(gpu: _Gpu) -> GpuInstanceProfileSpec:
+    def _full_profile(self, gpu: _Gpu) -> GpuInstanceProfileSpec:
         """The profile spanning the whole GPU: its engine counts are the GPU's pools."""
-        assert gpu.product.mig is not None
-        return max(
-            gpu.product.mig.gpuInstanceProfiles, key=lambda p: (p.sliceCount, p.memorySizeMB)
-        )
+        return max(self._offered(gpu), key=lambda p: (p.sliceCount, p.memorySizeMB))
 
     def _fits(
         self,
@@ -1141,6 +1195,7 @@ class NvmlEmulator:
     @_nvml()
     def nvmlDeviceGetHandleByUUID(self, uuid: str | bytes) -> Any:
         wanted = self._text(uuid)
+        self._check_all_alive()
         for gpu in self._gpus:
             if gpu.uuid == wanted:
                 self._check_alive(gpu)
@@ -1154,6 +1209,7 @@ class NvmlEmulator:
     @_nvml()
     def nvmlDeviceGetHandleByPciBusId(self, pciBusId: str | bytes) -> Any:
         wanted = _normalise_bus_id(self._text(pciBusId))
+        self._check_all_alive()
         for gpu in self._gpus:
             if gpu.spec.busId == wanted:
                 self._check_alive(gpu)
@@ -1199,6 +1255,9 @@ class NvmlEmulator:
     @_nvml()
     def nvmlDeviceGetMemoryInfo(self, handle: Any, version: int | None = None) -> Any:
         gpu, mig = self._resolve(handle)
+        if mig is None and gpu.mig_current == pynvml.NVML_DEVICE_MIG_ENABLE:
+            # nvml.h: a MIG-enabled parent's aggregate needs privilege.
+            self._check_privileged()
         if mig is None:
             total = gpu.product.memoryTotal
             reserved = gpu.product.memoryReserved
@@ -1290,6 +1349,10 @@ class NvmlEmulator:
             raise _nvml_error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
         if mode == pynvml.NVML_COMPUTEMODE_EXCLUSIVE_THREAD:
             raise _nvml_error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        self._check_privileged()
+        if gpu.mig_current == pynvml.NVML_DEVICE_MIG_ENABLE:
+            # A MIG-enabled GPU has no compute mode of its own to set.
+            raise _nvml_error(pynvml.NVML_ERROR_NOT_SUPPORTED)
         gpu.compute_mode = mode
 
     # --- MIG mode and MIG devices ---------------------------------------------------------
@@ -1304,6 +1367,7 @@ class NvmlEmulator:
         gpu = self._mig_gpu(device)
         if mode not in (pynvml.NVML_DEVICE_MIG_DISABLE, pynvml.NVML_DEVICE_MIG_ENABLE):
             raise _nvml_error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        self._check_privileged()
         if mode == pynvml.NVML_DEVICE_MIG_DISABLE and gpu.gpu_instances:
             raise _nvml_error(pynvml.NVML_ERROR_IN_USE)
         gpu.mig_pending = mode
@@ -1316,6 +1380,8 @@ class NvmlEmulator:
     def nvmlDeviceGetMaxMigDeviceCount(self, device: Any) -> int:
         gpu = self._mig_gpu(device)
         assert gpu.product.mig is not None
+        if gpu.mig_current != pynvml.NVML_DEVICE_MIG_ENABLE:
+            return 0  # nvml.h: zero while MIG is not enabled
         return gpu.product.mig.maxMigDeviceCount
 
     @_nvml()
@@ -1387,10 +1453,10 @@ class NvmlEmulator:
         if (
             not isinstance(profile, int)
             or not 0 <= profile < pynvml.NVML_GPU_INSTANCE_PROFILE_COUNT
+            or not has_gpu_instance_profile(self._profile.branch, profile)
         ):
             raise _nvml_error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
-        assert gpu.product.mig is not None
-        for spec in gpu.product.mig.gpuInstanceProfiles:
+        for spec in self._offered(gpu):
             if spec.index == profile:
                 return self._gi_profile_info(spec, version)
         raise _nvml_error(pynvml.NVML_ERROR_NOT_SUPPORTED)
@@ -1412,7 +1478,13 @@ class NvmlEmulator:
     def nvmlDeviceGetGpuInstancePossiblePlacements(
         self, device: Any, profileId: int, placementsRef: Any, countRef: Any
     ) -> int:
-        gpu = self._mig_enabled_gpu(device)
+        gpu = self._mig_gpu(device)
+        if (
+            gpu.mig_current != pynvml.NVML_DEVICE_MIG_ENABLE
+            and self._profile.branch < PLACEMENTS_WITHOUT_MIG_SINCE
+        ):
+            raise _nvml_error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        self._check_privileged()
         profile = self._gi_profile_by_id(gpu, profileId)
         count = self._out_uint(countRef)
         if placementsRef is not None:
@@ -1437,6 +1509,7 @@ class NvmlEmulator:
     @_nvml(mutates=True)
     def nvmlDeviceCreateGpuInstance(self, device: Any, profileId: int) -> Any:
         gpu = self._mig_enabled_gpu(device)
+        self._check_privileged()
         gi = self._create_gpu_instance(gpu, self._gi_profile_by_id(gpu, profileId), None)
         return ctypes.cast(gi.address, pynvml.c_nvmlGpuInstance_t)
 
@@ -1445,6 +1518,7 @@ class NvmlEmulator:
         self, device: Any, profileId: int, placement: Any
     ) -> Any:
         gpu = self._mig_enabled_gpu(device)
+        self._check_privileged()
         profile = self._gi_profile_by_id(gpu, profileId)
         wanted = _deref(placement)
         if not isinstance(wanted, pynvml.c_nvmlGpuInstancePlacement_t):
@@ -1461,6 +1535,7 @@ class NvmlEmulator:
     @_nvml(mutates=True)
     def nvmlGpuInstanceDestroy(self, gpuInstance: Any) -> int:
         gi = self._gpu_instance(gpuInstance)
+        self._check_privileged()
         if gi.compute_instances:
             raise _nvml_error(pynvml.NVML_ERROR_IN_USE)
         self._remove_gpu_instance(gi)
@@ -1471,6 +1546,7 @@ class NvmlEmulator:
         self, device: Any, profileId: int, gpuInstancesRef: Any, countRef: Any
     ) -> int:
         gpu = self._mig_enabled_gpu(device)
+        self._check_privileged()
         self._gi_profile_by_id(gpu, profileId)
         count = self._out_uint(countRef)
         found = sorted(
@@ -1488,6 +1564,7 @@ class NvmlEmulator:
     @_nvml()
     def nvmlDeviceGetGpuInstanceById(self, device: Any, gpuInstanceId: int) -> Any:
         gpu = self._mig_enabled_gpu(device)
+        self._check_privileged()
         gi = gpu.gpu_instances.get(gpuInstanceId)
         if gi is None:
             raise _nvml_error(pynvml.NVML_ERROR_NOT_FOUND)
@@ -1568,6 +1645,7 @@ class NvmlEmulator:
     @_nvml(mutates=True)
     def nvmlGpuInstanceCreateComputeInstance(self, gpuInstance: Any, profileId: int) -> Any:
         gi = self._gpu_instance(gpuInstance)
+        self._check_privileged()
         ci = self._create_compute_instance(gi, profileId)
         return ctypes.cast(ci.ci_address, pynvml.c_nvmlComputeInstance_t)
 
@@ -1618,7 +1696,9 @@ class NvmlEmulator:
 
     @_nvml(mutates=True)
     def nvmlComputeInstanceDestroy(self, computeInstance: Any) -> int:
-        self._remove_compute_instance(self._compute_instance(computeInstance))
+        ci = self._compute_instance(computeInstance)
+        self._check_privileged()
+        self._remove_compute_instance(ci)
         return int(pynvml.NVML_SUCCESS)
 
     def _remove_compute_instance(self, ci: _ComputeInstance) -> None:
@@ -1655,6 +1735,8 @@ class NvmlEmulator:
         supported = gpu.product.supportedEventTypes
         if gpu.product.mig is not None:
             supported |= pynvml.nvmlEventMigConfigChange
+        if not isinstance(eventTypes, int) or eventTypes <= 0:
+            raise _nvml_error(pynvml.NVML_ERROR_INVALID_ARGUMENT)  # nvml.h: invalid types
         if eventTypes & ~supported:
             raise _nvml_error(pynvml.NVML_ERROR_NOT_SUPPORTED)
         event_set.gpus[gpu.index] = event_set.gpus.get(gpu.index, 0) | eventTypes

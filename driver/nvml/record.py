@@ -6,8 +6,9 @@ calls discovery uses and produces a `ProfileSpec` document, and the emulator loa
 any product profile.
 
 Recording is strictly read-only: no MIG mode change, no instance creation, no setting of
-any kind. On a GPU with MIG disabled NVML does not list placements, so such a recording
-replays whole GPUs only.
+any kind. A GPU with MIG disabled answers as drivers do then: no MIG devices (a maximum
+MIG device count of 0), and placements only from R570 on; the recording keeps what the
+GPU offers (its profiles, and placements where listed) and replays it MIG-disabled.
 
 Run on a GPU node: `python -m gpudra.driver.nvml.record node.json`.
 """
@@ -200,7 +201,9 @@ def _record_gpu(
         profiles = _gi_profiles(read, handle)
         if profiles:
             product["mig"] = {
-                "maxMigDeviceCount": max_count,
+                # NVML says 0 while MIG is disabled; the product's real maximum is
+                # the instance count of its smallest profile (7 on A100 and H100).
+                "maxMigDeviceCount": max_count or max(p["instanceCount"] for p in profiles),
                 # Not reported by NVML: Hopper and newer switch without a reset.
                 "toggleWithoutReset": arch >= pynvml.NVML_DEVICE_ARCH_HOPPER
                 and arch != pynvml.NVML_DEVICE_ARCH_UNKNOWN,

@@ -33,6 +33,7 @@ from gpudra.driver.devices import (
 from gpudra.driver.metrics import ClaimMetrics
 from gpudra.driver.mig import create_compute_instance, create_gpu_instance, mig_capability_minors
 from gpudra.driver.nvml import NvmlEmulator
+from gpudra.driver.nvml.branches import EMULATED_BRANCHES
 from gpudra.driver.nvml.standin import (
     CAPS_MAJOR,
     FAKEBIN,
@@ -1474,6 +1475,32 @@ async def test_an_upgrade_undoes_what_the_previous_release_recorded(node: Node) 
     assert not (node.checkpoint.parent / "mps").exists() or not any(
         (node.checkpoint.parent / "mps").iterdir()
     )
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("branch", EMULATED_BRANCHES)
+async def test_dynamic_mig_works_on_every_driver_branch(node: Node, branch: int) -> None:
+    """R535 to R570 have no nvmlDeviceGetGpuInstanceProfileInfoById: prepare, unprepare,
+    and the roll-back of a crash before the GPU instance's ID was recorded (found by
+    profile and placement) work without it."""
+    emu = NvmlEmulator.from_builtin(f"h100-80gb-mig-r{branch}")
+    claim = _fixture_claim(5)  # gpu-0-mig-3g40gb-9-0
+    crashing = node_preparer(node, CrashAfterGpuInstance(emu), strategy=MigStrategy.DYNAMIC)
+    with pytest.raises(SimulatedCrash):
+        await crashing.prepare([claim])
+    preparer = node_preparer(node, emu, strategy=MigStrategy.DYNAMIC)
+
+    report = await preparer.recover()
+
+    assert (report.rolled_back, report.errors) == ((claim.uid,), ())
+    assert (await preparer.prepare([claim]))[claim.uid].error is None
+    assert list(mig_devices(emu)) == ["gpu-0-mig-3g40gb-9-0"]
+    assert await preparer.unprepare([claim.ref]) == {claim.uid: None}
+    assert mig_devices(emu) == {}
+    emu.nvmlInit()
+    parent = emu.nvmlDeviceGetHandleByIndex(0)
+    assert emu.nvmlDeviceGetGpuInstanceRemainingCapacity(parent, 9) == 2
+    emu.nvmlShutdown()
 
 
 @pytest.mark.anyio

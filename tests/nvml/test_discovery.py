@@ -202,18 +202,22 @@ def _fits(used: dict[str, int], totals: dict[str, int], wanted: dict[str, int]) 
 
 
 @pytest.mark.parametrize("seed", range(40))
-def test_counters_never_allow_what_nvml_refuses(seed: int) -> None:
-    """A scheduler honouring the counters only picks layouts NVML can create, and vice versa."""
-    nvml = h100_with_mig()
+@pytest.mark.parametrize("profile", [None, "h100-80gb-mig-r580", "a100-40gb-mig-r535"])
+def test_counters_never_allow_what_nvml_refuses(profile: str | None, seed: int) -> None:
+    """A scheduler honouring the counters only picks layouts NVML can create, and vice
+    versa; on R580 with the NO_ME and ALL_ME variants (an ALL_ME instance takes every
+    media engine) too."""
+    nvml = h100_with_mig() if profile is None else emulated(profile)
     inventory = discover(nvml)
-    gpu = inventory.gpus[0]
+    gpu = inventory.gpus[0 if profile is None else -1]
+    assert not gpu.mig_devices
     assert gpu.counter_set is not None
     totals = dict(gpu.counter_set.counters)
     order = list(gpu.partitions)
     random.Random(seed).shuffle(order)
     used: dict[str, int] = {}
     nvml.nvmlInit()
-    handle = nvml.nvmlDeviceGetHandleByIndex(0)
+    handle = nvml.nvmlDeviceGetHandleByUUID(gpu.uuid)
     created = 0
     for device in order:
         wanted = _consumption(device)

@@ -11,10 +11,24 @@ from typing import Any
 
 import pynvml
 import pytest
+from gpudra.driver.devices import DiscoveryError, discover
 from gpudra.driver.nvml import NvmlLoadError, ProfileError, builtin_profile_names, load_nvml
+from gpudra.driver.nvml.branches import EMULATED_BRANCHES, OLDEST_SUPPORTED_BRANCH
 from gpudra.driver.nvml.emulator import NvmlEmulator, load_builtin_profile
 
-BUILTINS = ["a100-40gb-mig-mixed", "h100-80gb-hbm3-x8", "h100-80gb-hbm3-x8-mig", "l4", "t4"]
+BRANCH_PROFILES = [
+    f"{gpu}-mig-r{b}" for gpu in ("a100-40gb", "h100-80gb") for b in EMULATED_BRANCHES
+]
+BUILTINS = sorted(
+    [
+        "a100-40gb-mig-mixed",
+        "h100-80gb-hbm3-x8",
+        "h100-80gb-hbm3-x8-mig",
+        "l4",
+        "t4",
+        *BRANCH_PROFILES,
+    ]
+)
 
 
 def emulator(name: str) -> NvmlEmulator:
@@ -149,8 +163,10 @@ def test_mig_calls_need_mig_mode() -> None:
     nvml = emulator("h100-80gb-hbm3-x8")
     handle = nvml.nvmlDeviceGetHandleByIndex(0)
     count = ctypes.c_uint(0)
-    with pytest.raises(pynvml.NVMLError_NotSupported):
-        nvml.nvmlDeviceGetGpuInstancePossiblePlacements(handle, 19, None, ctypes.byref(count))
+    # R580 lists placements with MIG off (older branches do not: test_branches.py).
+    nvml.nvmlDeviceGetGpuInstancePossiblePlacements(handle, 19, None, ctypes.byref(count))
+    assert count.value == 7
+    assert nvml.nvmlDeviceGetMaxMigDeviceCount(handle) == 0
     with pytest.raises(pynvml.NVMLError_NotSupported):
         create(nvml, handle, 19, 0, 1)
     with pytest.raises(pynvml.NVMLError_NotFound):
@@ -389,14 +405,19 @@ def test_malformed_profile_names_file_and_field(tmp_path: Path) -> None:
 
 
 def test_real_nvml_without_library_gives_a_clear_error() -> None:
+    """Loading never exits on a node without a driver; discovery names what is missing."""
+    nvml = load_nvml("real")
+    assert nvml is pynvml
     try:
-        nvml = load_nvml("real")
-    except NvmlLoadError as err:
-        message = str(err)
-        assert "libnvidia-ml.so.1 not found" in message or "initialisation failed" in message
-        assert "emulated:" in message or "kernel driver" in message
-    else:  # a machine with a GPU driver: the real module is returned
-        assert nvml is pynvml
+        pynvml.nvmlInit()
+    except pynvml.NVMLError_LibraryNotFound:
+        with pytest.raises(DiscoveryError) as err:
+            discover(nvml)
+        message = str(err.value)
+        assert "libnvidia-ml.so.1" in message
+        assert f"R{OLDEST_SUPPORTED_BRANCH} or newer" in message
+    else:  # pragma: no cover - a machine with a GPU driver
+        pynvml.nvmlShutdown()
 
 
 def test_state_file_keeps_mig_instances_and_modes_across_processes(tmp_path: Path) -> None:

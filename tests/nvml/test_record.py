@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 from gpudra.driver.devices import Inventory, MigStrategy, discover
 from gpudra.driver.nvml import builtin_profile_names, load_nvml
+from gpudra.driver.nvml.branches import EMULATED_BRANCHES, PLACEMENTS_WITHOUT_MIG_SINCE
 from gpudra.driver.nvml.emulator import NvmlEmulator, parse_profile
 from gpudra.driver.nvml.record import dumps, record, write_recording
 
@@ -121,3 +122,22 @@ def test_replay_fixture(path: Path) -> None:
         assert {d.uuid for d in gpu.mig_devices} == mig_uuids
     again = record(nvml, topology=nvml.pci_topology, description=document.get("description", ""))
     assert again == document
+
+
+@pytest.mark.parametrize("branch", EMULATED_BRANCHES)
+def test_recording_a_gpu_with_mig_off_on_every_branch(branch: int) -> None:
+    """MIG off: NVML answers a maximum of 0 MIG devices, and placements only from R570 on
+    (older branches: NOT_SUPPORTED); the recording still validates and replays."""
+    original = emulated(f"h100-80gb-mig-r{branch}")
+    original.nvmlInit()
+    for index in range(original.nvmlDeviceGetCount()):
+        original.nvmlDeviceSetMigMode(original.nvmlDeviceGetHandleByIndex(index), 0)
+    original.nvmlShutdown()
+    document = record(original, topology=original.pci_topology)
+    (product,) = document["products"].values()
+    assert product["mig"]["maxMigDeviceCount"] == 7
+    placements = [p["placements"] for p in product["mig"]["gpuInstanceProfiles"]]
+    assert all(placements) if branch >= PLACEMENTS_WITHOUT_MIG_SINCE else not any(placements)
+    replay = NvmlEmulator(parse_profile(document), source="recording")
+    assert summary(discover(replay)) == summary(discover(original))
+    assert record(replay, topology=replay.pci_topology) == document

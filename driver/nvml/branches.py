@@ -1,0 +1,90 @@
+"""What each NVIDIA driver branch's NVML offers, for the emulator and the driver alike.
+
+libnvidia-ml grows with every driver branch: functions appear (calling one on an older
+driver gives NVML_ERROR_FUNCTION_NOT_FOUND, pynvml's `NVMLError_FunctionNotFound`), and
+enums gain values (an index an older driver does not know is NVML_ERROR_INVALID_ARGUMENT).
+The emulator answers as the branch its profile names; the driver checks here which
+branch it may rely on and refuses, with a message naming the library it found, a
+branch older than the oldest one it supports.
+
+The table holds only what the driver (or a recording) calls and is newer than the
+oldest supported branch; everything else the driver calls exists on R535.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Final
+
+import pynvml
+
+__all__ = [
+    "EMULATED_BRANCHES",
+    "FUNCTIONS_SINCE",
+    "GPU_INSTANCE_PROFILES_SINCE",
+    "OLDEST_SUPPORTED_BRANCH",
+    "PLACEMENTS_WITHOUT_MIG_SINCE",
+    "BranchError",
+    "driver_branch",
+    "has_function",
+    "has_gpu_instance_profile",
+]
+
+# The oldest production branch gpudra supports (R535, long-term support until 2026).
+OLDEST_SUPPORTED_BRANCH: Final = 535
+# The branches the emulator has profiles of (docs/gpus.md lists what works on each).
+EMULATED_BRANCHES: Final = (535, 550, 570, 580)
+
+# NVML entry points newer than OLDEST_SUPPORTED_BRANCH, by the first branch that has them.
+FUNCTIONS_SINCE: Final[Mapping[str, int]] = MappingProxyType(
+    {
+        "nvmlDeviceGetGpuInstanceProfileInfoById": 580,
+        "nvmlDeviceGetGpuInstanceProfileInfoByIdV": 580,
+    }
+)
+
+# GPU-instance profile indices (NVML_GPU_INSTANCE_PROFILE_*) newer than R535: the
+# graphics variants and the "no media engine" / "all media engines" variants (R575).
+GPU_INSTANCE_PROFILES_SINCE: Final[Mapping[int, int]] = MappingProxyType(
+    {
+        pynvml.NVML_GPU_INSTANCE_PROFILE_1_SLICE_GFX: 575,
+        pynvml.NVML_GPU_INSTANCE_PROFILE_2_SLICE_GFX: 575,
+        pynvml.NVML_GPU_INSTANCE_PROFILE_3_SLICE_GFX: 575,
+        pynvml.NVML_GPU_INSTANCE_PROFILE_4_SLICE_GFX: 575,
+        pynvml.NVML_GPU_INSTANCE_PROFILE_1_SLICE_NO_ME: 575,
+        pynvml.NVML_GPU_INSTANCE_PROFILE_2_SLICE_NO_ME: 575,
+        pynvml.NVML_GPU_INSTANCE_PROFILE_1_SLICE_ALL_ME: 575,
+        pynvml.NVML_GPU_INSTANCE_PROFILE_2_SLICE_ALL_ME: 575,
+    }
+)
+
+# From this branch on, NVML lists a GPU instance profile's placements while MIG mode is
+# disabled; older branches answer NOT_SUPPORTED. Modelled, not yet seen on a recording.
+PLACEMENTS_WITHOUT_MIG_SINCE: Final = 570
+
+_VERSION = re.compile(r"^\s*(\d+)(?:\.\d+){0,2}\s*$")
+
+
+class BranchError(ValueError):
+    """A driver version string that names no branch."""
+
+
+def driver_branch(version: str) -> int:
+    """The branch (major number) of a driver version: `535.261.03` -> 535."""
+    match = _VERSION.match(version)
+    if match is None:
+        msg = f"driver version {version!r} is not of the form MAJOR[.MINOR[.PATCH]]"
+        raise BranchError(msg)
+    return int(match.group(1))
+
+
+def has_function(branch: int, name: str) -> bool:
+    """Whether libnvidia-ml of `branch` exports NVML entry point `name`."""
+    return branch >= FUNCTIONS_SINCE.get(name, 0)
+
+
+def has_gpu_instance_profile(branch: int, index: int) -> bool:
+    """Whether `branch` knows GPU-instance profile index `index`."""
+    return branch >= GPU_INSTANCE_PROFILES_SINCE.get(index, 0)

@@ -1,0 +1,77 @@
+"""Find a GPU's NVML handle and GPU-instance profile on every supported driver branch.
+
+Two NVML habits would otherwise break a healthy GPU because of another one, or a
+driver that is older than the call:
+- `nvmlDeviceGetHandleByUUID` walks every GPU and answers GPU_IS_LOST when *any* GPU
+  has fallen off the bus (nvml.h), so it says nothing about the GPU asked for. The
+  lookup by index is scoped to its target: `device_handle` falls back to it and
+  decides from the GPU itself.
+- `nvmlDeviceGetGpuInstanceProfileInfoById` exists from R580 only;
+  `gpu_instance_profile` finds a profile by ID through the per-index query every
+  MIG-capable branch has.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pynvml
+from gpudra.driver.nvml import NvmlLibrary
+
+__all__ = ["device_handle", "gpu_instance_profile", "gpu_instance_profiles", "nvml_code"]
+
+# Answers of nvmlDeviceGetGpuInstanceProfileInfo for an index the GPU or branch lacks.
+_NO_PROFILE = frozenset({pynvml.NVML_ERROR_NOT_SUPPORTED, pynvml.NVML_ERROR_INVALID_ARGUMENT})
+
+
+def nvml_code(err: BaseException) -> int | None:
+    """The NVML_ERROR_* value of a pynvml error, None for anything else."""
+    value = getattr(err, "value", None)
+    return value if isinstance(value, int) else None
+
+
+def device_handle(nvml: NvmlLibrary, uuid: str) -> Any:
+    """The handle of the GPU (or MIG device) with `uuid`.
+
+    Raises GPU_IS_LOST only when that GPU itself is lost; NOT_FOUND when no GPU has
+    the UUID; other NVML errors as they come.
+    """
+    try:
+        return nvml.nvmlDeviceGetHandleByUUID(uuid)
+    except pynvml.NVMLError_GpuIsLost:
+        pass
+    lost = False
+    for index in range(int(nvml.nvmlDeviceGetCount())):
+        try:
+            handle = nvml.nvmlDeviceGetHandleByIndex(index)
+            if str(nvml.nvmlDeviceGetUUID(handle)) == uuid:
+                return handle
+        except pynvml.NVMLError_GpuIsLost:
+            lost = True  # this index is the lost GPU, or one of them
+    # Not among the GPUs that answer: either it is the lost one, or it is a MIG
+    # device (whose lookup needs the walk that failed), or it does not exist.
+    if lost:
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_GPU_IS_LOST)
+    raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_FOUND)
+
+
+def gpu_instance_profiles(nvml: NvmlLibrary, parent: Any) -> dict[int, tuple[int, Any]]:
+    """Every GPU-instance profile the GPU offers: profile ID -> (profile index, info)."""
+    found: dict[int, tuple[int, Any]] = {}
+    for index in range(pynvml.NVML_GPU_INSTANCE_PROFILE_COUNT):
+        try:
+            info = nvml.nvmlDeviceGetGpuInstanceProfileInfo(parent, index)
+        except pynvml.NVMLError as err:
+            if nvml_code(err) in _NO_PROFILE:
+                continue
+            raise
+        found.setdefault(int(info.id), (index, info))
+    return found
+
+
+def gpu_instance_profile(nvml: NvmlLibrary, parent: Any, profile_id: int) -> Any:
+    """The profile info of GPU-instance profile `profile_id` (NOT_SUPPORTED if none)."""
+    match = gpu_instance_profiles(nvml, parent).get(profile_id)
+    if match is None:
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+    return match[1]
