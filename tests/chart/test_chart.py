@@ -371,6 +371,25 @@ def test_shared_gpus_reach_the_node_agent(helm: Path, value: Any, flag: str) -> 
     SharedGpus.parse(flag.partition("=")[2])  # a value the agent takes
 
 
+def test_node_selectors_from_set_render_as_strings(helm: Path) -> None:
+    """`--set k=true` gives a boolean (the install command in docs/install.md): the schema
+    takes it and the label value reaches the pods as the string a nodeSelector needs."""
+    objects = h.template(
+        helm,
+        extra=[
+            "--set",
+            # What the shell passes for node.nodeSelector."nvidia\.com/gpu\.present"=true.
+            "node.nodeSelector.nvidia\\.com/gpu\\.present=true",
+            "--set",
+            "webhook.nodeSelector.pool=7",
+        ],
+    )
+    node = h.find(objects, "DaemonSet")["spec"]["template"]["spec"]["nodeSelector"]
+    webhook = h.find(objects, "Deployment")["spec"]["template"]["spec"]["nodeSelector"]
+    assert node == {"nvidia.com/gpu.present": "true"}
+    assert webhook == {"pool": "7"}
+
+
 def test_webhook_runs_as_non_root(full: list[dict[str, Any]]) -> None:
     pod = h.find(full, "Deployment")["spec"]["template"]["spec"]
     assert pod["securityContext"]["runAsNonRoot"] is True
