@@ -398,9 +398,10 @@ def test_shared_gpus_reach_the_node_agent(helm: Path, value: Any, flag: str) -> 
     SharedGpus.parse(flag.partition("=")[2])  # a value the agent takes
 
 
-def test_node_selectors_from_set_render_as_strings(helm: Path) -> None:
+def test_string_maps_from_set_render_as_strings(helm: Path) -> None:
     """`--set k=true` gives a boolean (the install command in docs/install.md): the schema
-    takes it and the label value reaches the pods as the string a nodeSelector needs."""
+    takes it in every map of labels or annotations, and the value reaches the objects as
+    the string Kubernetes needs."""
     objects = h.template(
         helm,
         extra=[
@@ -409,12 +410,21 @@ def test_node_selectors_from_set_render_as_strings(helm: Path) -> None:
             "node.nodeSelector.nvidia\\.com/gpu\\.present=true",
             "--set",
             "webhook.nodeSelector.pool=7",
+            "--set",
+            "commonLabels.team=true",
+            "--set",
+            "node.podAnnotations.scrape=true",
+            "--set",
+            "webhook.podAnnotations.weight=3",
         ],
     )
-    node = h.find(objects, "DaemonSet")["spec"]["template"]["spec"]["nodeSelector"]
-    webhook = h.find(objects, "Deployment")["spec"]["template"]["spec"]["nodeSelector"]
-    assert node == {"nvidia.com/gpu.present": "true"}
-    assert webhook == {"pool": "7"}
+    node = h.find(objects, "DaemonSet")["spec"]["template"]
+    webhook = h.find(objects, "Deployment")["spec"]["template"]
+    assert node["spec"]["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    assert webhook["spec"]["nodeSelector"] == {"pool": "7"}
+    assert node["metadata"]["annotations"]["scrape"] == "true"
+    assert webhook["metadata"]["annotations"] == {"weight": "3"}
+    assert {o["metadata"]["labels"].get("team") for o in objects} == {"true"}
 
 
 def test_webhook_runs_as_non_root(full: list[dict[str, Any]]) -> None:
