@@ -28,6 +28,7 @@ from typing import Any, Final, Literal
 import yaml
 from gpudra.api.tenants import API_VERSION as TENANT_API_VERSION
 from gpudra.api.tenants import KIND as TENANT_KIND
+from gpudra.webhook.admission import SYSTEM_NAMESPACES
 from gpudra.webhook.convert import (
     GPU_RESOURCE,
     MIG_RESOURCE_PREFIX,
@@ -327,9 +328,12 @@ def _pod_change(
     meta = pod.get("metadata") or {}
     if (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
         return None
+    if meta.get("namespace") in SYSTEM_NAMESPACES:
+        return None  # the webhook never sees them (registration.conversion_namespaces)
     change = PodChange(str(meta.get("namespace", "")), str(meta.get("name", "")), "")
     try:
-        conversion = convert_pod(pod, policy, every_pod=True)
+        # As the webhook would: opted-out and already converted pods stay as they are.
+        conversion = convert_pod(pod, policy)
     except ConversionError as exc:
         return _with(change, f"the webhook would deny it: {exc}")
     reasons: list[str] = []

@@ -231,3 +231,13 @@ def test_ignored_fields_are_said_once_not_refused() -> None:
     assert parsed.sharing.replicas == 2
     assert any(n.startswith("resources:") for n in parsed.notes)
     assert any("devices: ignored" in n for n in parsed.notes)
+
+
+def test_pods_the_webhook_never_converts_are_not_reported() -> None:
+    shared = {"nvidia.com/gpu.shared": 1}
+    system = pod("dp", **shared)
+    system["metadata"]["namespace"] = "kube-system"
+    opted_out = pod("opted-out", **shared)
+    opted_out["metadata"]["labels"] = {"gpudra.nvidia.com/convert": "false"}
+    result = plan(parse_config("version: v1\n"), [system, opted_out, pod("moved", **shared)])
+    assert [c.name for c in result.pods] == ["moved"]
