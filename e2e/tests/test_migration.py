@@ -10,17 +10,24 @@ device plugin's GPUs) and the real node running gpudra. No pod is stranded:
   (`extendedResourceName`), the scheduler serves the same unconverted request from the
   device plugin on one node and from gpudra's devices on the other.
 
+And `gpudra migrate` reads the device plugin's ConfigMap and the pods from the API.
+
 Skips with the exact reason when the machine cannot run a real node.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from gpudra.api.deviceclasses import device_classes
 
 from e2e.claims import running
@@ -173,3 +180,54 @@ def test_the_scheduler_serves_nvidia_gpu_per_node_with_the_class_mapping(
     # Served by DRA: the claim the scheduler made for the extended resource.
     assert not pod["spec"].get("resourceClaims")
     assert pod["status"].get("extendedResourceClaimStatus", {}).get("resourceClaimName")
+
+
+def test_migrate_reads_the_device_plugin_configmap_and_pods(
+    cluster: Cluster, kube: Kube, tmp_path: Path
+) -> None:
+    """`gpudra migrate --configmap --cluster-pods` against the API: the device plugin
+    chart's ConfigMap (one config per node label value) and the cluster's pods."""
+    ns = f"dp-{uuid.uuid4().hex[:6]}"
+    kube.create({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}})
+    try:
+        config = (
+            "version: v1\nsharing:\n  timeSlicing:\n    renameByDefault: true\n"
+            "    resources:\n    - {name: nvidia.com/gpu, replicas: 4}\n"
+        )
+        configmap = {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": {"name": "nvidia-device-plugin-configs", "namespace": ns},
+            "data": {"default": "version: v1\n", "shared": config},
+        }
+        kube.request("POST", f"/api/v1/namespaces/{ns}/configmaps", configmap)
+        # Written for the renamed device plugin: nvidia.com/gpu was no longer advertised.
+        kube.create(legacy_pod("whole", ns))
+        out = tmp_path / "plan"
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "gpudra.cli",
+                "migrate",
+                f"--configmap={ns}/nvidia-device-plugin-configs",
+                "--config-key=shared",
+                "--cluster-pods",
+                f"--out={out}",
+            ],
+            env={**os.environ, "KUBECONFIG": str(cluster.layout.admin_kubeconfig)},
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert proc.returncode == 0, proc.stderr
+        assert yaml.safe_load((out / "values.yaml").read_text())["node"] == {"gpuShares": 4}
+        assert not (out / "tenants.yaml").exists()  # renamed: nvidia.com/gpu stays whole
+        assert f"#   {ns}/whole: asks for nvidia.com/gpu, which nodes with renameByDefault" in (
+            proc.stdout
+        )
+    finally:
+        for pod in kube.list("Pod", ns):
+            kube.delete("Pod", pod["metadata"]["name"], ns, grace=0)
+        kube.delete("Namespace", ns)
