@@ -89,6 +89,8 @@ class ReplicatedResource:
 
 @dataclass(frozen=True)
 class DevicePluginConfig:
+    """What of a device plugin config decides what pods get; the rest does not carry over."""
+
     mig_strategy: str = "none"
     sharing: ReplicatedResource | None = None
     notes: tuple[str, ...] = ()
@@ -97,6 +99,8 @@ class DevicePluginConfig:
 
 @dataclass(frozen=True)
 class PodChange:
+    """A pod that would get something else once converted, and why."""
+
     namespace: str
     name: str
     reason: str
@@ -104,6 +108,8 @@ class PodChange:
 
 @dataclass(frozen=True)
 class Plan:
+    """Chart values and GpuTenants to apply, notes to read first, pods to look at."""
+
     values: dict[str, Any]
     tenants: list[dict[str, Any]]
     notes: list[str] = field(default_factory=list)
