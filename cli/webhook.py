@@ -31,6 +31,7 @@ from gpudra.api.config import (
     parse_opaque_config,
 )
 from gpudra.api.names import DNS_LABEL_MAX, dns_subdomain_problem
+from gpudra.api.tenants import LabelSelector
 from gpudra.common.kube import Kube
 from gpudra.webhook import registration
 from gpudra.webhook.cabundle import (
@@ -54,6 +55,7 @@ from gpudra.webhook.server import ServerConfig, WebhookServer
 from gpudra.webhook.templates import ApiClaimReader, ApiTemplateEnsurer
 from gpudra.webhook.tenants import TenantController
 from gpudra.webhook.validate import driver_classes
+from pydantic import ValidationError
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +109,15 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         metavar="NAME",
         help="a legacy resource a DeviceClass maps itself (extendedResourceName, e.g. "
         "nvidia.com/gpu): pods asking for it are left to the scheduler; repeatable",
+    )
+    p.add_argument(
+        "--conversion-namespace-selector",
+        type=_label_selector,
+        default=None,
+        metavar="JSON",
+        help='a LabelSelector as JSON, e.g. \'{"matchLabels":{"gpudra.nvidia.com/dra":"true"}}\': '
+        "only pods in the namespaces it picks reach the pod webhook (converted, tenant "
+        "rules); pods elsewhere stay on the device plugin during a migration (default: all)",
     )
     p.add_argument("--port", type=int, default=8443, help="listen port")
     p.add_argument("--service", default="gpudra-webhook", help="the webhook's Service name")
@@ -180,6 +191,21 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "claims (default: the driver's)",
     )
     p.set_defaults(func=run)
+
+
+def _label_selector(raw: str) -> dict[str, Any]:
+    """--conversion-namespace-selector, checked by the model GpuTenant selectors use."""
+    try:
+        selector = LabelSelector.model_validate_json(raw)
+    except ValidationError as exc:
+        error = exc.errors(include_url=False)[0]
+        where = ".".join(str(p) for p in error["loc"]) or "the selector"
+        raise argparse.ArgumentTypeError(
+            f"{where}: {error['msg']}; give a LabelSelector as JSON, e.g. "
+            '\'{"matchLabels":{"gpudra.nvidia.com/dra":"true"}}\''
+        ) from None
+    dumped: dict[str, Any] = selector.model_dump(exclude_none=True)
+    return dumped
 
 
 def conversion_policy(args: argparse.Namespace) -> ConversionPolicy:
@@ -361,6 +387,7 @@ def run(args: argparse.Namespace) -> int:
                         ca_bundle_b64=bundle_b64,
                         own_namespace=args.namespace,
                         native_resources=args.extended_resource_name,
+                        namespace_selector=args.conversion_namespace_selector,
                         **target,
                     ),
                 )

@@ -5,11 +5,16 @@ ResourceClaims (every device a pod gets counts against its tenant's limit), and 
 and templates that request one of the driver's DeviceClasses or carry an opaque config
 for its driver, so `failurePolicy: Fail` can never block anything else; kube-system and
 the driver's own namespace are excluded so a broken webhook cannot block its own recovery.
+
+During a migration the pod webhook can be limited to the namespaces a label selector
+picks (`conversion_namespaces`): pods elsewhere keep their `nvidia.com/*` requests and go
+to the nodes the device plugin still serves, so no pod is converted before its namespace
+is ready for DRA.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from gpudra.common.kube import ApiError, Kube
@@ -142,6 +147,20 @@ def _not_system(own_namespace: str) -> dict[str, Any]:
     }
 
 
+def conversion_namespaces(
+    own_namespace: str, selector: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
+    """The pod webhook's namespaceSelector: never the system namespaces, and only those
+    `selector` (a LabelSelector; None or empty: all) picks. Its terms are added to the
+    exclusion, which the API server ANDs, so a selector can narrow but never widen it."""
+    out = _not_system(own_namespace)
+    if selector:
+        if selector.get("matchLabels"):
+            out["matchLabels"] = dict(selector["matchLabels"])
+        out["matchExpressions"] += [dict(e) for e in selector.get("matchExpressions") or ()]
+    return out
+
+
 def gpu_pod_cel(native_resources: Iterable[str] = ()) -> str:
     """GPU_POD_CEL, with the resources a DeviceClass maps itself (the chart's rule too).
 
@@ -232,10 +251,12 @@ def mutating_configuration(
     service: tuple[str, str, int] | None = None,
     timeout_s: int = 10,
     native_resources: Iterable[str] = (),
+    namespace_selector: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """`url` for loopback tests, `service` (name, namespace, port) in a cluster.
 
-    Pods whose only nvidia.com requests are `native_resources` never reach the webhook.
+    Pods whose only nvidia.com requests are `native_resources` never reach the webhook,
+    nor do pods outside the namespaces `namespace_selector` picks (`conversion_namespaces`).
     """
     client = _client(ca_bundle_b64, url, service, MUTATE_PATH)
     return {
@@ -260,7 +281,7 @@ def mutating_configuration(
                         "scope": "Namespaced",
                     }
                 ],
-                "namespaceSelector": _not_system(own_namespace),
+                "namespaceSelector": conversion_namespaces(own_namespace, namespace_selector),
                 "objectSelector": {
                     "matchExpressions": [
                         {"key": OPT_OUT_LABEL, "operator": "NotIn", "values": ["false"]}

@@ -410,7 +410,12 @@ class GpuStack(NodeGpus):
         self.start_agent()
         self.wait_registered(mark)
 
-    def _start_webhook(self, kube: Kube) -> None:
+    def start_webhook(self, *extra: str) -> None:
+        """`gpudra webhook` with `extra` flags (after `up(webhook=False)`); returns once
+        it registered itself and is ready."""
+        self._start_webhook(self.node.cluster.kube(), *extra)
+
+    def _start_webhook(self, kube: Kube, *extra: str) -> None:
         state = self._state()
         port = free_port()
         argv = [
@@ -428,6 +433,7 @@ class GpuStack(NodeGpus):
             f"https://127.0.0.1:{port}",
             "--kubeconfig",
             str(self.node.cluster.layout.admin_kubeconfig),
+            *extra,
         ]
         proc = self.node._spawn(
             state, WEBHOOK, argv, env={**os.environ, "PYTHONPATH": str(REPO)}, hint="gpudra.cli"

@@ -137,6 +137,33 @@ def test_webhook_configurations_match_the_code(
         assert bundles == set()  # the webhook registers its own caBundle
 
 
+def test_conversion_namespace_selector_matches_the_code(helm: Path) -> None:
+    """The chart's pod webhook and the one `gpudra webhook` re-applies from the chart's
+    flag are the same: conversion narrowed to the selected namespaces, never widened."""
+    selector = {
+        "matchLabels": {"gpudra.nvidia.com/dra": True},  # as `--set ...=true` gives it
+        "matchExpressions": [{"key": "team", "operator": "In", "values": ["a", "b"]}],
+    }
+    objects = h.template(helm, {"webhook": {"conversion": {"namespaceSelector": selector}}})
+    args, _ = webhook_policy(objects)
+    flag = build_parser().parse_args(args).conversion_namespace_selector
+    assert flag == {**selector, "matchLabels": {"gpudra.nvidia.com/dra": "true"}}
+    want = registration.mutating_configuration(
+        ca_bundle_b64="",
+        own_namespace="gpudra",
+        service=("gpudra-webhook", "gpudra", 8443),
+        namespace_selector=flag,
+    )
+    rendered = strip_chart_metadata(h.find(objects, "MutatingWebhookConfiguration"))
+    want["webhooks"][0]["clientConfig"].pop("caBundle")  # self: the webhook writes it
+    assert rendered == want
+    (hook,) = rendered["webhooks"]
+    assert hook["namespaceSelector"]["matchExpressions"][0]["values"] == ["kube-system", "gpudra"]
+    # Unset: every namespace but the system ones, and no flag.
+    default_args, _ = webhook_policy(h.template(helm))
+    assert not [a for a in default_args if a.startswith("--conversion-namespace-selector")]
+
+
 def test_optional_webhook_features_switch_the_flags(helm: Path) -> None:
     objects = h.template(
         helm, {"webhook": {"validation": {"enabled": False}}, "tenants": {"enabled": False}}
@@ -369,6 +396,35 @@ def test_shared_gpus_reach_the_node_agent(helm: Path, value: Any, flag: str) -> 
     (c,) = h.find(objects, "DaemonSet")["spec"]["template"]["spec"]["containers"]
     assert [a for a in c["args"] if a.startswith("--shared-gpus")] == [flag]
     SharedGpus.parse(flag.partition("=")[2])  # a value the agent takes
+
+
+def test_string_maps_from_set_render_as_strings(helm: Path) -> None:
+    """`--set k=true` gives a boolean (the install command in docs/install.md): the schema
+    takes it in every map of labels or annotations, and the value reaches the objects as
+    the string Kubernetes needs."""
+    objects = h.template(
+        helm,
+        extra=[
+            "--set",
+            # What the shell passes for node.nodeSelector."nvidia\.com/gpu\.present"=true.
+            "node.nodeSelector.nvidia\\.com/gpu\\.present=true",
+            "--set",
+            "webhook.nodeSelector.pool=7",
+            "--set",
+            "commonLabels.team=true",
+            "--set",
+            "node.podAnnotations.scrape=true",
+            "--set",
+            "webhook.podAnnotations.weight=3",
+        ],
+    )
+    node = h.find(objects, "DaemonSet")["spec"]["template"]
+    webhook = h.find(objects, "Deployment")["spec"]["template"]
+    assert node["spec"]["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    assert webhook["spec"]["nodeSelector"] == {"pool": "7"}
+    assert node["metadata"]["annotations"]["scrape"] == "true"
+    assert webhook["metadata"]["annotations"] == {"weight": "3"}
+    assert {o["metadata"]["labels"].get("team") for o in objects} == {"true"}
 
 
 def test_webhook_runs_as_non_root(full: list[dict[str, Any]]) -> None:

@@ -158,3 +158,25 @@ def test_certificate_flags_that_go_together(tmp_path: Path, flags: list[str], me
     with pytest.raises(SystemExit) as exit_:
         run(parsed)
     assert message.format(tmp=tmp_path) in str(exit_.value)
+
+
+def test_conversion_namespace_selector_is_a_checked_label_selector(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    parser = build_parser()
+    raw = '{"matchExpressions":[{"key":"team","operator":"Exists"}]}'
+    args = parser.parse_args(["webhook", "--cert-dir=c", f"--conversion-namespace-selector={raw}"])
+    assert args.conversion_namespace_selector == {
+        "matchExpressions": [{"key": "team", "operator": "Exists"}]
+    }
+    with pytest.raises(SystemExit):
+        parser.parse_args(
+            [
+                "webhook",
+                "--cert-dir=c",
+                '--conversion-namespace-selector={"matchExpressions":[{"key":"t","operator":"In"}]}',
+            ]
+        )
+    err = capsys.readouterr().err
+    assert "--conversion-namespace-selector: matchExpressions.0:" in err
+    assert "operator In needs a non-empty values list" in err

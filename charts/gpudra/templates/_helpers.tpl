@@ -18,7 +18,7 @@ app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
 app.kubernetes.io/managed-by: {{ .Release.Service }}
 helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- with .Values.commonLabels }}
-{{ toYaml . }}
+{{ include "gpudra.stringMap" . | trim }}
 {{- end }}
 {{- end -}}
 
@@ -116,4 +116,12 @@ explicit env wins over the kubelet's service variables. */}}
 - name: KUBERNETES_SERVICE_PORT
   value: {{ $.Values.kubernetesApi.port | toString | quote }}
 {{- end -}}
+{{- end -}}
+
+{{- /* Label or annotation values, quoted: `--set k=true` gives a boolean or a number, and
+Kubernetes takes only strings there. The schema lets all three through for that. */ -}}
+{{- define "gpudra.stringMap" -}}
+{{- range $k, $v := . }}
+{{ $k | quote }}: {{ toString $v | quote }}
+{{- end }}
 {{- end -}}
