@@ -254,6 +254,25 @@ class MigSupportSpec(_Spec):
                 raise ValueError(msg)
         return value
 
+    @field_validator("gpuInstanceProfiles")
+    @classmethod
+    def _placements_form_a_tree(
+        cls, value: tuple[GpuInstanceProfileSpec, ...]
+    ) -> tuple[GpuInstanceProfileSpec, ...]:
+        # GPU-instance IDs are nodes of the binary tree of memory slots (see
+        # `gpu_instance_id_for_placement`), so every placement must be one such node.
+        slots = placement_slots(value)
+        for profile in value:
+            for p in profile.placements:
+                if p.size & (p.size - 1) or p.start % p.size or p.start + p.size > slots:
+                    msg = (
+                        f"placement {p.start}:{p.size} of {profile.name!r} is not an aligned "
+                        f"power-of-two block of the GPU's {slots} memory slots; real MIG "
+                        "placements always are, so copy them from `nvidia-smi mig -lgipp`"
+                    )
+                    raise ValueError(msg)
+        return value
+
 
 class ProductSpec(_Spec):
     """What every GPU of one product model answers, independent of its slot."""
@@ -375,6 +394,30 @@ class ProfileSpec(_Spec):
 
 class ProfileError(ValueError):
     """A profile that cannot be loaded; the message names the file and the field."""
+
+
+def placement_slots(profiles: tuple[GpuInstanceProfileSpec, ...]) -> int:
+    """Memory slots of a MIG GPU: the size of its widest placement (8 on A100 and H100).
+
+    The whole-GPU profile's placement spans them all, one more than the usable memory
+    slices on 7-slice GPUs.
+    """
+    return max((p.size for profile in profiles for p in profile.placements), default=1)
+
+
+def gpu_instance_id_for_placement(slots: int, start: int, size: int) -> int:
+    """The GPU-instance ID the driver gives the placement `start`:`size`.
+
+    Real drivers number a GPU instance by where it sits, not by the lowest free number:
+    the IDs are the nodes of the binary tree over the memory slots, breadth first. On
+    an 8-slot GPU (A100, H100) the whole GPU is 0, halves (starts 0, 4) 1-2, quarters
+    (0, 2, 4, 6) 3-6, single slices (0..6) 7-13; on a 4-slot GPU (A30) the whole GPU
+    is 0, halves 1-2 and quarters 3-6. Published `nvidia-smi mig -lgi` output shows
+    this numbering; some GPUs map placements onto the tree differently (halves
+    swapped, a fused-off slice skipped, so slices 7-14), which is why the driver code
+    never derives a placement from an ID or the reverse.
+    """
+    return slots // size - 1 + start // size
 
 
 def _format_validation_error(source: str, err: ValidationError) -> str:
@@ -843,6 +886,22 @@ class NvmlEmulator:
                 raise _nvml_error(pynvml.NVML_ERROR_IN_USE)
             gpu.mig_current = gpu.mig_pending
 
+    def create_gpu_instance_numbered(
+        self, index: int, profile_id: int, start: int, gpu_instance_id: int
+    ) -> None:
+        """Create a GPU instance at placement `start` under an ID of the caller's choosing.
+
+        NVML derives the ID from the placement (`gpu_instance_id_for_placement`); this
+        sets a GPU up as records made under another numbering describe it: a previous
+        release's checkpoint written against the lowest-free numbering, or a GPU that
+        numbers its halves mirrored.
+        """
+        with self._lock:
+            gpu = self._gpu_at(index)
+            profile = self._gi_profile_by_id(gpu, profile_id)
+            self._create_gpu_instance(gpu, profile, start, gpu_instance_id)
+            self._save_state()
+
     def _gpu_at(self, index: int) -> _Gpu:
         if not 0 <= index < len(self._gpus):
             msg = f"no GPU at index {index}; this node has {len(self._gpus)}"
@@ -1057,10 +1116,13 @@ class NvmlEmulator:
             if wanted_id in gpu.gpu_instances:
                 raise _nvml_error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
             gi_id = wanted_id
-        elif profile is self._full_profile(gpu):
-            gi_id = 0
         else:
-            gi_id = next(i for i in range(1, 1 << 16) if i not in gpu.gpu_instances)
+            slots = placement_slots(self._offered(gpu))
+            gi_id = gpu_instance_id_for_placement(slots, start, profile.placements[0].size)
+            if gi_id in gpu.gpu_instances:
+                # Only a replayed recording can hold it (existing placements never
+                # overlap): its GPU mapped placements differently. Any free ID will do.
+                gi_id = next(i for i in range(1, 1 << 16) if i not in gpu.gpu_instances)
         gi = _GpuInstance(
             gpu=gpu, id=gi_id, profile=profile, start=start, address=self._new_address()
         )

@@ -27,6 +27,7 @@ from gpudra.driver.claimreader import ApiClaims
 from gpudra.driver.claims import Claim, ClaimRef, checked_claim
 from gpudra.driver.devices import (
     Inventory,
+    MigPlacement,
     MigStrategy,
     discover,
 )
@@ -34,6 +35,7 @@ from gpudra.driver.metrics import ClaimMetrics
 from gpudra.driver.mig import create_compute_instance, create_gpu_instance, mig_capability_minors
 from gpudra.driver.nvml import NvmlEmulator
 from gpudra.driver.nvml.branches import EMULATED_BRANCHES
+from gpudra.driver.nvml.emulator import gpu_instance_id_for_placement
 from gpudra.driver.nvml.standin import (
     CAPS_MAJOR,
     FAKEBIN,
@@ -1391,6 +1393,47 @@ def _fixture(node: Node) -> dict[str, Any]:
     return doc
 
 
+def _gpu_instance_as_recorded(
+    emu: NvmlEmulator, gpu_uuid: str, placement: MigPlacement, gi: int
+) -> None:
+    """A GPU instance at `placement` under the ID a record names. Where NVML would give
+    that ID, prepare's own call makes it; the fixture's other IDs come from the lowest
+    free numbering of the emulator of its day, so the emulator is told them."""
+    if gi == gpu_instance_id_for_placement(8, placement.start, placement.size):
+        assert create_gpu_instance(emu, gpu_uuid, placement) == gi
+        return
+    index = next(i for i, g in enumerate(discover(emu).gpus) if g.uuid == gpu_uuid)
+    emu.create_gpu_instance_numbered(index, placement.profile_id, placement.start, gi)
+
+
+def _numbered_by_appearance(doc: Any, names: dict[object, str] | None = None) -> Any:
+    """`doc` with the values NVML assigns (GPU-instance IDs, and the MIG UUIDs the
+    emulator derives from them) replaced by their order of first appearance.
+
+    The fixture's were assigned by the emulator of its day, which gave the lowest free
+    ID; NVML numbers by placement, as the emulator now does. The records' shape, and
+    which records name the same instance, must stay the same; the numbers may not.
+    """
+    names = {} if names is None else names
+
+    def label(kind: str, value: object) -> str:
+        return names.setdefault((kind, value), f"{kind}-{sum(k == kind for k, _ in names)}")
+
+    if isinstance(doc, list):
+        return [_numbered_by_appearance(v, names) for v in doc]
+    if isinstance(doc, str) and doc.startswith("MIG-"):
+        return label("MIG", doc)
+    if not isinstance(doc, dict):
+        return doc
+    out = {}
+    for key, value in sorted(doc.items()):
+        if key == "mig" and isinstance(value, dict) and "gi" in value:
+            out[key] = _numbered_by_appearance({**value, "gi": label("gi", value["gi"])}, names)
+        else:
+            out[key] = _numbered_by_appearance(value, names)
+    return out
+
+
 @pytest.mark.anyio
 async def test_records_keep_the_shape_the_previous_release_wrote(node: Node) -> None:
     """fixtures/checkpoint-v1.json was written by the release before the device records
@@ -1425,7 +1468,12 @@ async def test_records_keep_the_shape_the_previous_release_wrote(node: Node) -> 
                 assert shm == str(node.checkpoint.parent / "mps" / claim["uid"] / "shm")
                 assert isinstance(mps.pop("daemonPid"), int)
                 assert isinstance(mps.pop("daemonStartTime"), int)
-    assert written == expected
+    for claim in written["claims"].values():
+        for device in claim["devices"]:
+            mig = device["details"].get("mig", {})
+            if "gi" in mig and "start" in mig:
+                assert mig["gi"] == gpu_instance_id_for_placement(8, mig["start"], mig["size"])
+    assert _numbered_by_appearance(written) == _numbered_by_appearance(expected)
 
 
 @pytest.mark.anyio
@@ -1438,19 +1486,16 @@ async def test_an_upgrade_undoes_what_the_previous_release_recorded(node: Node) 
     emu = h100_mig()
     partitions = {d.name: d for d in discover(emu).gpus[0].partitions}
     gpu0, gpu3 = discover(emu).gpus[0].uuid, discover(emu).gpus[3].uuid
-    made = []
-    for name, with_ci in (
-        ("gpu-0-mig-3g40gb-9-0", True),
-        ("gpu-0-mig-1g10gb-19-6", True),
-        ("gpu-0-mig-2g20gb-14-4", False),  # the crash came before its compute instance
+    for name, gi, with_ci in (
+        ("gpu-0-mig-3g40gb-9-0", 1, True),
+        ("gpu-0-mig-1g10gb-19-6", 2, True),
+        ("gpu-0-mig-2g20gb-14-4", 3, False),  # the crash came before its compute instance
     ):
         placement = partitions[name].placement
         assert placement is not None
-        gi = create_gpu_instance(emu, gpu0, placement)
+        _gpu_instance_as_recorded(emu, gpu0, placement, gi)
         if with_ci:
             create_compute_instance(emu, gpu0, gi)
-        made.append(gi)
-    assert made == [1, 2, 3]  # the IDs the checkpoint recorded
     emu.nvmlInit()
     emu.nvmlDeviceSetComputeMode(emu.nvmlDeviceGetHandleByUUID(gpu3), EXCLUSIVE_PROCESS)
     emu.nvmlShutdown()

@@ -14,7 +14,7 @@ import pytest
 from gpudra.driver.devices import DiscoveryError, discover
 from gpudra.driver.nvml import NvmlLoadError, ProfileError, builtin_profile_names, load_nvml
 from gpudra.driver.nvml.branches import EMULATED_BRANCHES, OLDEST_SUPPORTED_BRANCH
-from gpudra.driver.nvml.emulator import NvmlEmulator, load_builtin_profile
+from gpudra.driver.nvml.emulator import NvmlEmulator, load_builtin_profile, parse_profile
 
 BRANCH_PROFILES = [
     f"{gpu}-mig-r{b}" for gpu in ("a100-40gb", "h100-80gb") for b in EMULATED_BRANCHES
@@ -157,6 +157,64 @@ def test_placements_use_memory_slice_semantics() -> None:
     too_small = (pynvml.c_nvmlGpuInstancePlacement_t * 2)()
     with pytest.raises(pynvml.NVMLError_InsufficientSize):
         nvml.nvmlDeviceGetGpuInstancePossiblePlacements(handle, 19, too_small, ctypes.byref(small))
+
+
+def test_gpu_instance_ids_follow_the_placement_as_the_driver_numbers_them() -> None:
+    """Published `nvidia-smi mig -lgi` output of A100s and H100s: the whole GPU is GI 0,
+    halves 1-2, quarters 3-6 and single slices 7-13, whatever was created before."""
+    expected = {
+        0: {0: 0},  # 7g
+        5: {0: 1},  # 4g
+        9: {0: 1, 4: 2},  # 3g
+        14: {0: 3, 2: 4, 4: 5},  # 2g
+        15: {0: 3, 2: 4, 4: 5, 6: 6},  # 1g.20gb, two memory slices
+        19: {s: 7 + s for s in range(7)},  # 1g
+    }
+    for name, index in (("h100-80gb-hbm3-x8", 0), ("a100-40gb-mig-r570", 1)):
+        nvml = emulator(name)
+        handle = nvml.nvmlDeviceGetHandleByIndex(index)
+        nvml.nvmlDeviceSetMigMode(handle, pynvml.NVML_DEVICE_MIG_ENABLE)
+        for profile_id, ids in expected.items():
+            size = placements(nvml, handle, profile_id)[0][1]
+            # Highest placement first: the lowest free number would differ.
+            for start, gi_id in sorted(ids.items(), reverse=True):
+                gi = create(nvml, handle, profile_id, start, size)
+                assert nvml.nvmlGpuInstanceGetInfo(gi).id == gi_id, (name, profile_id, start)
+            for gi_id in ids.values():
+                nvml.nvmlGpuInstanceDestroy(nvml.nvmlDeviceGetGpuInstanceById(handle, gi_id))
+
+
+def test_static_mig_devices_get_the_ids_a_real_a100_showed() -> None:
+    """The A100 profiles' static layout is the one NVIDIA/DCGM issue 138 lists from a
+    real A100 (`nvidia-smi mig -lgi`): 2g at 0 is GI 3, 1g at 2 and 3 are GIs 9 and 10,
+    3g at 4 is GI 2."""
+    migs = discover(emulator("a100-40gb-mig-r570")).gpus[0].mig_devices
+    placed = {
+        (d.placement.profile_id, d.placement.start): d.gpu_instance_id for d in migs if d.placement
+    }
+    assert placed == {(14, 0): 3, (19, 2): 9, (19, 3): 10, (9, 4): 2}
+
+
+def test_a_gpu_set_up_with_other_ids_keeps_them_and_numbers_the_rest() -> None:
+    """A replayed record may hold an ID the placement would not give (a GPU numbering
+    its halves mirrored): that instance keeps it, a new one takes a free ID."""
+    nvml, handle = h100_with_mig()
+    nvml.create_gpu_instance_numbered(0, 9, 4, 1)  # 3g at start 4, numbered mirrored
+    mirrored = nvml.nvmlGpuInstanceGetInfo(nvml.nvmlDeviceGetGpuInstanceById(handle, 1))
+    assert mirrored.placement.start == 4
+    other = nvml.nvmlGpuInstanceGetInfo(create(nvml, handle, 9, 0, 4))
+    assert (other.placement.start, other.id) == (0, 2)
+    with pytest.raises(pynvml.NVMLError_InsufficientResources):
+        nvml.create_gpu_instance_numbered(0, 19, 4, 11)  # the slot is taken
+
+
+def test_a_placement_off_the_slot_tree_is_refused_when_loading() -> None:
+    doc = load_builtin_profile("h100-80gb-hbm3-x8").model_dump(mode="json")
+    product = next(iter(doc["products"].values()))
+    gip = next(p for p in product["mig"]["gpuInstanceProfiles"] if p["id"] == 14)
+    gip["placements"] = [{"start": 1, "size": 2}]
+    with pytest.raises(ProfileError, match=r"placement 1:2 of 'MIG 2g.20gb' is not an aligned"):
+        parse_profile(doc)
 
 
 def test_mig_calls_need_mig_mode() -> None:
