@@ -242,3 +242,73 @@ def test_a_gpu_the_node_lacks_stops_the_agent(
     except ApiError:
         items = []
     assert items == []  # nothing was published from a configuration it could not honour
+
+
+def share_claim(kube: Kube, ns: str, name: str, shares: int | None) -> None:
+    """A claim for `shares` integer shares (None: ask for none, a whole GPU)."""
+    exactly: dict[str, Any] = {"deviceClassName": DRIVER}
+    if shares is not None:
+        exactly["capacity"] = {"requests": {"shares": str(shares)}}
+    kube.create(
+        {
+            "apiVersion": "resource.k8s.io/v1",
+            "kind": "ResourceClaim",
+            "metadata": {"name": name, "namespace": ns},
+            "spec": {"devices": {"requests": [{"name": "gpu", "exactly": exactly}]}},
+        }
+    )
+    kube.create(pod_with_claim(f"pod-{name}", ns, NODE, claim=name))
+
+
+def test_integer_shares_pack_pods_onto_as_few_gpus_as_the_shares_allow(
+    cluster: Cluster, kube: Kube, namespace: str
+) -> None:
+    """`--gpu-shares 2`, the device plugin's `replicas: 2`: two one-share claims on one
+    GPU, the third on the next, and a whole-GPU claim on none that has a share taken."""
+    ns = namespace
+    every = {f"gpu-{i}" for i in range(8)}
+    with agent(cluster, "--gpu-shares", "2"):
+        devices = wait_published(kube, "every GPU published with 2 shares", every)
+        assert devices["gpu-0"]["capacity"]["shares"] == {
+            "value": "2",
+            "requestPolicy": {"default": "2", "validRange": {"min": "1", "max": "2", "step": "1"}},
+        }
+        names = ("share-a", "share-b", "share-c")
+        for name in names:
+            share_claim(kube, ns, name, 1)
+            wait_allocated(kube, name, ns, timeout=180)  # one at a time: a stable order
+        results = [result_of(wait_allocated(kube, n, ns, timeout=180)) for n in names]
+        by_gpu: dict[str, int] = {}
+        for r in results:
+            assert r["consumedCapacity"]["shares"] == "1"
+            by_gpu[r["device"]] = by_gpu.get(r["device"], 0) + 1
+        assert sorted(by_gpu.values()) == [1, 2]  # as few GPUs as two shares each allow
+        assert len({r["shareID"] for r in results}) == 3
+
+        # A claim that asks for no shares takes all of them: never a GPU with one taken.
+        share_claim(kube, ns, "whole", None)
+        whole = result_of(wait_allocated(kube, "whole", ns, timeout=180))
+        assert whole["device"] not in by_gpu
+        assert whole["consumedCapacity"]["shares"] == "2"
+
+        # A third share fits beside the lone one, not beside the whole GPU.
+        share_claim(kube, ns, "share-d", 1)
+        lone = next(gpu for gpu, n in by_gpu.items() if n == 1)
+        assert result_of(wait_allocated(kube, "share-d", ns, timeout=180))["device"] == lone
+
+
+def test_shares_on_a_gpu_shared_by_memory_stop_the_agent(
+    cluster: Cluster, kube: Kube, consumable_capacity: None
+) -> None:
+    proc = node_command(cluster, "--gpu-shares", "4", "--shared-gpus", "2")
+    try:
+        _, stderr = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 1
+    line = stderr.strip().splitlines()[-1]
+    assert line.startswith("gpudra node: GPU index 2 (GPU-")
+    assert "is in --shared-gpus (memory slices) and cannot also have integer shares" in line
+    assert line.endswith("; --gpu-shares 4")
