@@ -21,6 +21,7 @@ from typing import Any, Final
 from gpudra.api.config import BoundConfig, ConfigError, bound_configs
 from gpudra.api.names import is_dns_label, is_dns_subdomain
 from gpudra.api.quantity import QuantityError, parse_quantity
+from gpudra.api.sharing import SHARES_CAPACITY
 from gpudra.driver.cdi import CdiError, validate_claim_uid
 
 __all__ = [
@@ -186,7 +187,7 @@ def _allocated(
 ) -> AllocatedDevice:
     share_id = result.get("shareID")
     consumed = result.get("consumedCapacity") or {}
-    shares = _shares(ref, index, consumed.get("shares"))
+    shares = _shares(ref, index, consumed.get(SHARES_CAPACITY))
     raw = consumed.get("memory", consumed.get(f"{driver}/memory"))
     memory: int | None = None
     if raw is not None and shares is None:

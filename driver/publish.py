@@ -32,6 +32,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from gpudra.api.sharing import SHARES_CAPACITY
 from gpudra.driver.devices import (
     MEMORY_SLICE_MIN,
     AttributeValue,
@@ -99,7 +100,6 @@ def _quantity(amount: int) -> str:
     return f"{amount // gib}Gi" if amount and amount % gib == 0 else str(amount)
 
 
-SHARES_CAPACITY = "shares"
 _MIB = 1024**2
 
 
