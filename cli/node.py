@@ -89,6 +89,13 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="--gpu-shares for the node named NODE (repeatable)",
     )
     p.add_argument(
+        "--gpu-shares-gpus",
+        default="all",
+        metavar="GPUS",
+        help=f"the GPUs --gpu-shares applies to: {SHARED_GPUS_FORMS}; all (the default) "
+        "leaves out MIG-enabled GPUs and those in --shared-gpus, naming one is refused",
+    )
+    p.add_argument(
         "--critical-xid-effect",
         choices=["NoSchedule", "NoExecute"],
         default="NoSchedule",
@@ -199,7 +206,10 @@ def _shared_gpus(raw: str) -> SharedGpus:
 def _gpu_shares(args: argparse.Namespace) -> GpuShares:
     try:
         overrides = dict(parse_node_override(raw) for raw in args.gpu_shares_node)
-        return GpuShares(default=args.gpu_shares, by_node=overrides)
+        gpus = SharedGpus.parse(args.gpu_shares_gpus)
+        return GpuShares(default=args.gpu_shares, by_node=overrides, gpus=gpus)
+    except SharedGpusError as e:
+        raise SystemExit(f"gpudra node: --gpu-shares-gpus {args.gpu_shares_gpus!r}: {e}") from None
     except GpuSharesError as e:
         raise SystemExit(f"gpudra node: {e}") from None
 

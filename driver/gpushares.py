@@ -1,17 +1,20 @@
 """Which whole GPUs of this node are published with integer shares, and how many.
 
 The device plugin's time-slicing `replicas: N` made every GPU of a node N
-`nvidia.com/gpu`; `gpudra node --gpu-shares N` does the same the DRA way: every whole
-GPU of the node is published with N shares (see `gpudra.driver.publish`), so up to N
+`nvidia.com/gpu`; `gpudra node --gpu-shares N` does the same the DRA way: the node's
+whole GPUs are published with N shares (see `gpudra.driver.publish`), so up to N
 claims of one share each run on it. Like the device plugin, the choice is per node,
 not per GPU: one number for the cluster (the chart's `node.gpuShares`) with a
 per-node override (`node.gpuSharesByNode`, passed as `--gpu-shares-node NAME=N`).
 
-A GPU is shared one way only. A node with shares cannot also hand a GPU out in
-memory slices (`--shared-gpus`) or as MIG devices (MIG mode enabled): the first
-inventory with such a GPU stops the agent with one line naming the GPU and the
-setting, since half of what the admin asked for would silently not happen. Later
-scans only log it and publish the GPU without shares.
+Which GPUs get them is `--gpu-shares-gpus` (the chart's `node.gpuSharesGpus`), in
+`--shared-gpus`'s forms; `all`, the default, means every GPU that serves no other kind
+of claim: those with MIG mode enabled (they serve MIG claims) and those handed out in
+memory slices (`--shared-gpus`) are left out, as the device plugin's time-slicing
+left MIG devices alone. A GPU is shared one way only, so naming one of those in
+`--gpu-shares-gpus` stops the agent at the first inventory with one line naming the GPU
+and the setting, since half of what the admin asked for would silently not happen.
+Later scans only log it and publish the GPU without shares.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from gpudra.driver.devices import Gpu, Inventory
+from gpudra.driver.devices import Gpu, Inventory, SharedGpus
 
 __all__ = ["GpuShares", "GpuSharesError", "parse_node_override"]
 
@@ -32,10 +35,12 @@ class GpuSharesError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class GpuShares:
-    """Shares per GPU: `default` for every node, `by_node` overriding it by node name."""
+    """Shares per GPU: `default` for every node, `by_node` overriding it by node name,
+    on the GPUs `gpus` selects (`--gpu-shares-gpus`)."""
 
     default: int = 0
     by_node: Mapping[str, int] = field(default_factory=dict)
+    gpus: SharedGpus = field(default_factory=lambda: SharedGpus(every=True))
 
     def __post_init__(self) -> None:
         for where, value in (("--gpu-shares", self.default), *self._overrides()):
@@ -68,12 +73,16 @@ class GpuShares:
             return {}, ()
         shares: dict[str, int] = {}
         problems: list[str] = []
-        for gpu in inventory.gpus:
+        for gpu in filter(self.gpus.selects, inventory.gpus):
             why = _conflict(gpu, memory_shared)
             if why is None:
                 shares[gpu.device.name] = count
-            else:
-                problems.append(f"GPU index {gpu.index} ({gpu.uuid}) {why}; {self.flag(node)}")
+            elif not self.gpus.every:  # `all` leaves out GPUs that serve other claims
+                problems.append(
+                    f"GPU index {gpu.index} ({gpu.uuid}) {why}; "
+                    f"--gpu-shares-gpus {self.gpus} with {self.flag(node)}"
+                )
+        problems += (f"--gpu-shares-gpus {self.gpus}: {p}" for p in self.gpus.absent(inventory))
         return shares, tuple(problems)
 
 
@@ -81,12 +90,12 @@ def _conflict(gpu: Gpu, memory_shared: frozenset[str]) -> str | None:
     if gpu.mig_enabled:
         return (
             "has MIG mode enabled (it serves MIG claims) and cannot also be shared whole: "
-            "disable MIG mode on it or give this node 0 shares"
+            "disable MIG mode on it or leave it out of --gpu-shares-gpus"
         )
     if gpu.device.name in memory_shared:
         return (
             "is in --shared-gpus (memory slices) and cannot also have integer shares: "
-            "leave it out of --shared-gpus or give this node 0 shares"
+            "leave it out of one of --shared-gpus and --gpu-shares-gpus"
         )
     return None
 

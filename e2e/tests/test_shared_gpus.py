@@ -300,7 +300,9 @@ def test_integer_shares_pack_pods_onto_as_few_gpus_as_the_shares_allow(
 def test_shares_on_a_gpu_shared_by_memory_stop_the_agent(
     cluster: Cluster, kube: Kube, consumable_capacity: None
 ) -> None:
-    proc = node_command(cluster, "--gpu-shares", "4", "--shared-gpus", "2")
+    proc = node_command(
+        cluster, "--gpu-shares", "4", "--gpu-shares-gpus", "1,2", "--shared-gpus", "2"
+    )
     try:
         _, stderr = proc.communicate(timeout=180)
     finally:
@@ -311,4 +313,4 @@ def test_shares_on_a_gpu_shared_by_memory_stop_the_agent(
     line = stderr.strip().splitlines()[-1]
     assert line.startswith("gpudra node: GPU index 2 (GPU-")
     assert "is in --shared-gpus (memory slices) and cannot also have integer shares" in line
-    assert line.endswith("; --gpu-shares 4")
+    assert line.endswith("; --gpu-shares-gpus 1,2 with --gpu-shares 4")
