@@ -14,6 +14,7 @@ import yaml
 from gpudra.api.config import GpuConfig, parse_opaque_config
 from gpudra.api.deviceclasses import device_classes
 from gpudra.cli.main import build_parser
+from gpudra.cli.node import _agent_config
 from gpudra.cli.webhook import conversion_policy
 from gpudra.driver.devices import SharedGpus
 from gpudra.webhook import registration
@@ -371,6 +372,36 @@ def test_shared_gpus_reach_the_node_agent(helm: Path, value: Any, flag: str) -> 
     SharedGpus.parse(flag.partition("=")[2])  # a value the agent takes
 
 
+@pytest.mark.parametrize(
+    ("node", "flags"),
+    [
+        ({}, ["--gpu-shares=0", "--gpu-shares-gpus=all"]),
+        (
+            {"gpuShares": 4, "gpuSharesByNode": {"big-1": 8, "cpu-1": 0}},
+            [
+                "--gpu-shares=4",
+                "--gpu-shares-gpus=all",
+                "--gpu-shares-node=big-1=8",
+                "--gpu-shares-node=cpu-1=0",
+            ],
+        ),
+        ({"gpuShares": 2, "gpuSharesGpus": [0, 3]}, ["--gpu-shares=2", "--gpu-shares-gpus=0,3"]),
+    ],
+    ids=["default", "per-node", "some-gpus"],
+)
+def test_gpu_shares_reach_the_node_agent(
+    helm: Path, node: dict[str, Any], flags: list[str]
+) -> None:
+    objects = h.template(helm, {"node": node})
+    (c,) = h.find(objects, "DaemonSet")["spec"]["template"]["spec"]["containers"]
+    args = [a.replace("$(NODE_NAME)", "big-1") for a in c["args"]]
+    assert [a for a in args if a.startswith("--gpu-shares")] == flags
+    shares = _agent_config(build_parser().parse_args(args)).gpu_shares  # what the agent runs
+    assert shares.for_node("big-1") == node.get("gpuSharesByNode", {}).get(
+        "big-1", node.get("gpuShares", 0)
+    )
+
+
 def test_webhook_runs_as_non_root(full: list[dict[str, Any]]) -> None:
     pod = h.find(full, "Deployment")["spec"]["template"]["spec"]
     assert pod["securityContext"]["runAsNonRoot"] is True
@@ -482,6 +513,11 @@ def test_notes_tell_how_to_check(helm: Path) -> None:
         ({"node": {"sharedGpus": -2}}, "/node/sharedGpus"),
         ({"node": {"sharedGpus": []}}, "/node/sharedGpus"),
         ({"node": {"sharedGpus": ["MIG-86737bf0"]}}, "/node/sharedGpus"),
+        ({"node": {"gpuShares": -1}}, "/node/gpuShares"),
+        ({"node": {"gpuShares": 1025}}, "/node/gpuShares"),
+        ({"node": {"gpuSharesByNode": {"n1": "four"}}}, "/node/gpuSharesByNode/n1"),
+        ({"node": {"gpuSharesByNode": {"N_1": 4}}}, "invalid propertyName 'N_1'"),
+        ({"node": {"gpuSharesGpus": "none"}}, "/node/gpuSharesGpus"),
         ({"webhook": {"prot": 8443}}, "prot"),
         ({"driverName": "GPU"}, "/driverName"),
         ({"webhook": {"tls": {"source": "vault"}}}, "/webhook/tls/source"),
