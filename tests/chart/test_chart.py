@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import yaml
 from gpudra.api.config import GpuConfig, parse_opaque_config
-from gpudra.api.deviceclasses import device_classes
+from gpudra.api.deviceclasses import DEFAULT_SHARED_SHARING, device_classes
 from gpudra.cli.main import build_parser
 from gpudra.cli.node import _agent_config
 from gpudra.cli.webhook import conversion_policy
@@ -169,20 +169,48 @@ def test_extended_resource_opt_in(helm: Path, default: list[dict[str, Any]]) -> 
     assert "--extended-resource-name=nvidia.com/gpu" in args
 
 
-@pytest.mark.parametrize("driver", ["gpu.nvidia.com", "gpu.example.com"])
-def test_device_classes_match_the_code(helm: Path, driver: str) -> None:
-    objects = h.template(helm, {"driverName": driver})
-    rendered_names = {o["metadata"]["name"] for o in objects if o["kind"] == "DeviceClass"}
-    assert rendered_names == {c["metadata"]["name"] for c in device_classes(driver)}
-    for expected in device_classes(driver):
-        rendered = strip_chart_metadata(
-            h.find(objects, "DeviceClass", expected["metadata"]["name"])
-        )
-        # The chart's one addition: the shared class's sharing mode for hand-written
-        # claims (checked below); converted pods' claims carry their own config.
-        if expected["metadata"]["name"] == "gpu-shared.nvidia.com":
-            rendered["spec"].pop("config")
-        assert rendered == expected
+@pytest.mark.parametrize(
+    ("values", "driver", "sharing"),
+    [
+        ({}, "gpu.nvidia.com", DEFAULT_SHARED_SHARING),
+        ({"driverName": "gpu.example.com"}, "gpu.example.com", DEFAULT_SHARED_SHARING),
+        (
+            {"deviceClasses": {"shared": {"timeSlicing": {"interval": "Long"}}}},
+            "gpu.nvidia.com",
+            {"strategy": "TimeSlicing", "timeSlicingConfig": {"interval": "Long"}},
+        ),
+        (
+            {
+                "deviceClasses": {
+                    "shared": {
+                        "strategy": "MPS",
+                        "mps": {
+                            "defaultActiveThreadPercentage": 25,
+                            "defaultPinnedDeviceMemoryLimit": "10Gi",
+                        },
+                    }
+                }
+            },
+            "gpu.nvidia.com",
+            {
+                "strategy": "MPS",
+                "mpsConfig": {
+                    "defaultActiveThreadPercentage": 25,
+                    "defaultPinnedDeviceMemoryLimit": "10Gi",
+                },
+            },
+        ),
+    ],
+    ids=["default", "driver", "interval", "mps"],
+)
+def test_device_classes_match_the_code(
+    helm: Path, values: dict[str, Any], driver: str, sharing: dict[str, Any]
+) -> None:
+    """The chart renders exactly `api.deviceclasses`, which the demo and the tests apply:
+    any difference, the shared class's config included, fails here."""
+    objects = h.template(helm, values)
+    rendered = [strip_chart_metadata(o) for o in objects if o["kind"] == "DeviceClass"]
+    assert rendered == device_classes(driver, sharing)
 
 
 @pytest.mark.parametrize(
