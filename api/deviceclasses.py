@@ -12,10 +12,22 @@ import copy
 from collections.abc import Mapping
 from typing import Any, Final
 
-__all__ = ["DEFAULT_DRIVER", "DEFAULT_SHARED_SHARING", "SHARED_CLASS", "device_classes"]
+__all__ = [
+    "CLASS_TYPES",
+    "DEFAULT_DRIVER",
+    "DEFAULT_SHARED_SHARING",
+    "SHARED_CLASS",
+    "device_classes",
+]
 
 DEFAULT_DRIVER = "gpu.nvidia.com"
 SHARED_CLASS: Final = "gpu-shared.nvidia.com"
+CLASS_TYPES: Final[Mapping[str, str]] = {
+    "gpu.nvidia.com": "gpu",
+    "mig.nvidia.com": "mig",
+    SHARED_CLASS: "gpu",
+}
+"""Each class and the device `type` attribute its selector matches."""
 DEFAULT_SHARED_SHARING: Final[Mapping[str, Any]] = {
     "strategy": "TimeSlicing",
     "timeSlicingConfig": {"interval": "Default"},
@@ -43,11 +55,11 @@ def device_classes(
     # gpu-shared.nvidia.com selects the same full GPUs; the webhook's converted
     # nvidia.com/gpu.shared claims request it, so a GpuTenant can allow or quota shared
     # GPUs apart from exclusive ones. Its config makes every device it allocates shared.
-    shared = cls(SHARED_CLASS, "gpu")
+    gpu, mig, shared = (cls(name, device_type) for name, device_type in CLASS_TYPES.items())
     parameters = {
         "apiVersion": "resource.nvidia.com/v1beta1",
         "kind": "GpuConfig",
         "sharing": copy.deepcopy(dict(shared_sharing)),  # callers may edit what they get
     }
     shared["spec"]["config"] = [{"opaque": {"driver": driver, "parameters": parameters}}]
-    return [cls("gpu.nvidia.com", "gpu"), cls("mig.nvidia.com", "mig"), shared]
+    return [gpu, mig, shared]
