@@ -19,6 +19,9 @@ Skips with the exact reason when the machine cannot run a real node.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -320,6 +323,29 @@ def legacy_pod(stack: NodeGpus, name: str, namespace: str, resource: str) -> dic
     return pod
 
 
+HOLDERS = (
+    "custom-columns=NAMESPACE:.metadata.namespace,CLAIM:.metadata.name,"
+    "POD:.status.reservedFor[*].name,NODE:.status.allocation.devices.results[*].pool,"
+    "DEVICE:.status.allocation.devices.results[*].device,"
+    "SHARES:.status.allocation.devices.results[*].consumedCapacity.shares,"
+    "SHARING:.status.allocation.devices.config[*].opaque.parameters.sharing.strategy"
+)
+
+
+def gpudra_devices(cluster: Cluster, node: str) -> str:
+    """`gpudra devices --node NODE` against the cluster, as an admin runs it."""
+    out = subprocess.run(
+        [sys.executable, "-m", "gpudra.cli", "devices", "--node", node],
+        env={**os.environ, "KUBECONFIG": str(cluster.layout.admin_kubeconfig)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
 def test_legacy_shared_pods_pack_onto_gpus_by_integer_shares(
     stack: NodeGpus, kube: Kube, cluster: Cluster, ns: str
 ) -> None:
@@ -348,6 +374,17 @@ def test_legacy_shared_pods_pack_onto_gpus_by_integer_shares(
         minors = {p: gpu_minors(seen(cluster, ns, p)[0]) for p in pods}
         assert minors["share-a"] == minors["share-b"] != minors["share-c"]
         assert len(minors["share-a"]) == 1
+
+        # What docs/troubleshooting.md shows: which pod holds which device, how shared.
+        out = cluster.kubectl("get", "resourceclaims", "-n", ns, "-o", HOLDERS)
+        assert out.returncode == 0, out.stderr
+        rows = {r.split()[2]: r.split() for r in out.stdout.splitlines()[1:]}
+        sharing = "TimeSlicing,TimeSlicing"  # the class's config, then the claim's
+        assert rows["share-a"][3:] == [stack.node_name, gpu_of["share-a"], "1", sharing]
+        out = gpudra_devices(cluster, stack.node_name)
+        (line,) = [r for r in out.splitlines() if r.split()[1:2] == [gpu_of["share-a"]]]
+        assert "full: 2/2 shares taken" in line and f"{ns}/" in line, out
+        assert "(pod share-a, TimeSlicing, 1 share)" in line, out
 
         # A whole GPU takes all of a GPU's shares: never one with a share taken.
         plain = whole_gpu_template(ns, "plain")
