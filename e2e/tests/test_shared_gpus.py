@@ -151,6 +151,11 @@ def claim(kube: Kube, ns: str, name: str, memory: str | None, selector: str | No
         exactly["capacity"] = {"requests": {MEMORY: memory}}
     if selector is not None:
         exactly["selectors"] = [{"cel": {"expression": selector}}]
+    claim_and_pod(kube, ns, name, exactly)
+
+
+def claim_and_pod(kube: Kube, ns: str, name: str, exactly: dict[str, Any]) -> None:
+    """A one-request claim and a pod on the node that holds it."""
     kube.create(
         {
             "apiVersion": "resource.k8s.io/v1",
@@ -249,15 +254,7 @@ def share_claim(kube: Kube, ns: str, name: str, shares: int | None) -> None:
     exactly: dict[str, Any] = {"deviceClassName": DRIVER}
     if shares is not None:
         exactly["capacity"] = {"requests": {"shares": str(shares)}}
-    kube.create(
-        {
-            "apiVersion": "resource.k8s.io/v1",
-            "kind": "ResourceClaim",
-            "metadata": {"name": name, "namespace": ns},
-            "spec": {"devices": {"requests": [{"name": "gpu", "exactly": exactly}]}},
-        }
-    )
-    kube.create(pod_with_claim(f"pod-{name}", ns, NODE, claim=name))
+    claim_and_pod(kube, ns, name, exactly)
 
 
 def test_integer_shares_pack_pods_onto_as_few_gpus_as_the_shares_allow(
