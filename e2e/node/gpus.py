@@ -247,9 +247,10 @@ class GpuStack(NodeGpus):
 
     name = "processes"
 
-    def __init__(self, node: RealNode) -> None:
+    def __init__(self, node: RealNode, *, flags: tuple[str, ...] = ()) -> None:
         super().__init__(node)
         self.root = node.layout.root / "gpudra"
+        self.flags = flags  # on every start of the agent (the demo's shares)
 
     @property
     def dev_root(self) -> Path:
@@ -339,6 +340,7 @@ class GpuStack(NodeGpus):
             "",
             "--shared-gpus",
             self.shared_gpus(),
+            *self.flags,
             *extra,
         ]
 

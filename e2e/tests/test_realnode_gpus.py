@@ -65,7 +65,9 @@ def own_ns(stack: NodeGpus, kube: Kube) -> Iterator[None]:
 
 def demo_objects(namespace: str) -> list[dict[str, Any]]:
     """The demo's workloads, moved into `namespace` (its Namespace object left out)."""
-    out = [o for o in workloads() if o["kind"] != "Namespace"]
+    # The shared Deployment needs the demo's 8 GPUs with shares; the shares test below
+    # runs its pods (legacy `nvidia.com/gpu.shared: 1`) on this node.
+    out = [o for o in workloads() if o["kind"] not in ("Namespace", "Deployment")]
     for obj in out:
         obj["metadata"]["namespace"] = namespace
     return out
