@@ -227,10 +227,9 @@ def test_memory_slices_share_one_gpu_until_the_option_is_removed(
         assert devices[SHARED]["capacity"] == {"memory": {"value": str(total)}}
 
 
-def test_a_gpu_the_node_lacks_stops_the_agent(
-    cluster: Cluster, kube: Kube, consumable_capacity: None
-) -> None:
-    proc = node_command(cluster, "--shared-gpus", "1,9")
+def refusal(cluster: Cluster, *flags: str) -> str:
+    """The last line `gpudra node` prints when it refuses to start with these flags."""
+    proc = node_command(cluster, *flags)
     try:
         _, stderr = proc.communicate(timeout=180)
     finally:
@@ -238,7 +237,13 @@ def test_a_gpu_the_node_lacks_stops_the_agent(
             proc.kill()
             proc.wait()
     assert proc.returncode == 1
-    assert stderr.strip().splitlines()[-1] == (
+    return stderr.strip().splitlines()[-1]
+
+
+def test_a_gpu_the_node_lacks_stops_the_agent(
+    cluster: Cluster, kube: Kube, consumable_capacity: None
+) -> None:
+    assert refusal(cluster, "--shared-gpus", "1,9") == (
         "gpudra node: --shared-gpus '1,9': GPU index 9 does not exist on this node "
         "(it has 8 GPUs: indices 0-7)"
     )
@@ -297,17 +302,7 @@ def test_integer_shares_pack_pods_onto_as_few_gpus_as_the_shares_allow(
 def test_shares_on_a_gpu_shared_by_memory_stop_the_agent(
     cluster: Cluster, kube: Kube, consumable_capacity: None
 ) -> None:
-    proc = node_command(
-        cluster, "--gpu-shares", "4", "--gpu-shares-gpus", "1,2", "--shared-gpus", "2"
-    )
-    try:
-        _, stderr = proc.communicate(timeout=180)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert proc.returncode == 1
-    line = stderr.strip().splitlines()[-1]
+    line = refusal(cluster, "--gpu-shares", "4", "--gpu-shares-gpus", "1,2", "--shared-gpus", "2")
     assert line.startswith("gpudra node: GPU index 2 (GPU-")
     assert "is in --shared-gpus (memory slices) and cannot also have integer shares" in line
     assert line.endswith("; --gpu-shares-gpus 1,2 with --gpu-shares 4")
