@@ -8,14 +8,15 @@ node will set up:
 
 1. the config: the DeviceClass's configs, then the claim's, last match wins
    (`resolve_config`);
-2. a memory slice (a request with capacity requests: the scheduler gives it part of a
-   shared GPU) always runs under an MPS daemon, which enforces its memory; a
-   time-slice, a setting of the whole GPU that other claims share, cannot apply to it.
+2. a memory slice (a request with capacity requests, none of them integer shares:
+   the scheduler gives it part of a shared GPU's memory) always runs under an MPS
+   daemon, which enforces its memory; a time-slice, a setting of the whole GPU that
+   other claims share, cannot apply to it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Final, Literal, TypeAlias, get_args
 
@@ -32,10 +33,30 @@ from gpudra.api.config import (
     resolve_config,
 )
 
-__all__ = ["SHARING_MODES", "Sharing", "SharingMode", "resolve_sharing", "sharing_of"]
+__all__ = [
+    "SHARES_CAPACITY",
+    "SHARING_MODES",
+    "Sharing",
+    "SharingMode",
+    "is_memory_slice",
+    "resolve_sharing",
+    "sharing_of",
+]
 
 SharingMode: TypeAlias = Literal["Exclusive", "TimeSlicing", "MPS"]
 SHARING_MODES: Final[tuple[SharingMode, ...]] = get_args(SharingMode)
+SHARES_CAPACITY: Final = "shares"
+"""The capacity of a GPU published with integer shares (the upstream driver's name)."""
+
+
+def is_memory_slice(capacity_requests: Collection[str]) -> bool:
+    """A request with these capacity names is a memory slice of a shared GPU.
+
+    A request for integer shares is not, whatever memory it names: the GPU is
+    time-sliced (or runs MPS) between the claims holding its shares, and the memory
+    they name is the scheduler's bookkeeping only.
+    """
+    return bool(capacity_requests) and SHARES_CAPACITY not in capacity_requests
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,6 +15,7 @@ import anyio
 from gpudra.common.kube import Kube
 from gpudra.driver.agent import AgentConfig
 from gpudra.driver.devices import SHARED_GPUS_FORMS, MigStrategy, SharedGpus, SharedGpusError
+from gpudra.driver.gpushares import GpuShares, GpuSharesError, parse_node_override
 from gpudra.driver.health import HealthPolicy, TaintEffect
 from gpudra.driver.node import DEFAULT_STATE_DIR, NodeService, PluginConfig
 from gpudra.driver.nvml import NvmlLibrary, NvmlLoadError, ProfileError, load_nvml
@@ -71,6 +72,28 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         metavar="GPUS",
         help=f"whole GPUs to publish shareable, handed out in memory slices: {SHARED_GPUS_FORMS}"
         " (default: none)",
+    )
+    p.add_argument(
+        "--gpu-shares",
+        type=int,
+        default=0,
+        metavar="N",
+        help="publish every whole GPU with N integer shares, so up to N claims of one share "
+        "each run on it (the device plugin's time-slicing replicas; default: 0, none)",
+    )
+    p.add_argument(
+        "--gpu-shares-node",
+        action="append",
+        default=[],
+        metavar="NODE=N",
+        help="--gpu-shares for the node named NODE (repeatable)",
+    )
+    p.add_argument(
+        "--gpu-shares-gpus",
+        default="all",
+        metavar="GPUS",
+        help=f"the GPUs --gpu-shares applies to: {SHARED_GPUS_FORMS}; all (the default) "
+        "leaves out MIG-enabled GPUs and those in --shared-gpus, naming one is refused",
     )
     p.add_argument(
         "--critical-xid-effect",
@@ -180,9 +203,27 @@ def _shared_gpus(raw: str) -> SharedGpus:
         raise SystemExit(f"gpudra node: --shared-gpus {raw!r}: {e}") from None
 
 
+def _gpu_shares(args: argparse.Namespace) -> GpuShares:
+    try:
+        overrides = dict(parse_node_override(raw) for raw in args.gpu_shares_node)
+        gpus = SharedGpus.parse(args.gpu_shares_gpus)
+        return GpuShares(default=args.gpu_shares, by_node=overrides, gpus=gpus)
+    except SharedGpusError as e:
+        raise SystemExit(f"gpudra node: --gpu-shares-gpus {args.gpu_shares_gpus!r}: {e}") from None
+    except GpuSharesError as e:
+        raise SystemExit(f"gpudra node: {e}") from None
+
+
 def _first(group: BaseExceptionGroup[BaseException]) -> BaseException:
     inner = group.exceptions[0]
     return _first(inner) if isinstance(inner, BaseExceptionGroup) else inner
+
+
+def _start_refused(args: argparse.Namespace, error: BaseException) -> str:
+    """One line: the first inventory cannot honour the sharing settings."""
+    if isinstance(error, GpuSharesError):
+        return f"gpudra node: {error}"  # names the GPU and the setting itself
+    return f"gpudra node: --shared-gpus {args.shared_gpus!r}: {error}"
 
 
 def _metrics_address(raw: str) -> tuple[str, int] | None:
@@ -224,6 +265,7 @@ def _agent_config(args: argparse.Namespace) -> AgentConfig:
         mig_strategy=MigStrategy(args.mig_strategy),
         health=policy,
         shared_gpus=_shared_gpus(args.shared_gpus),
+        gpu_shares=_gpu_shares(args),
     )
 
 
@@ -352,12 +394,10 @@ def run(args: argparse.Namespace) -> int:
         anyio.run(main)
     except BaseExceptionGroup as group:
         # Checked against the first inventory, deep in the agent's task groups.
-        shared, _rest = group.split(SharedGpusError)
+        shared, _rest = group.split((SharedGpusError, GpuSharesError))
         if shared is None:
             raise
-        raise SystemExit(
-            f"gpudra node: --shared-gpus {args.shared_gpus!r}: {_first(shared)}"
-        ) from None
-    except SharedGpusError as e:
-        raise SystemExit(f"gpudra node: --shared-gpus {args.shared_gpus!r}: {e}") from None
+        raise SystemExit(_start_refused(args, _first(shared))) from None
+    except (SharedGpusError, GpuSharesError) as e:
+        raise SystemExit(_start_refused(args, e)) from None
     return 0

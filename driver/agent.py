@@ -29,6 +29,7 @@ from gpudra.driver.devices import (
     SharedGpusError,
     discover,
 )
+from gpudra.driver.gpushares import GpuShares, GpuSharesError
 from gpudra.driver.health import HealthPolicy, HealthState, NvmlHealthWatcher
 from gpudra.driver.nvml import NvmlLibrary
 from gpudra.driver.publish import pool_content
@@ -48,6 +49,8 @@ class AgentConfig:
     slice_limits: SliceLimits | None = None
     # Whole GPUs published shareable, handed out in memory slices.
     shared_gpus: SharedGpus = field(default_factory=SharedGpus)
+    # Integer shares per whole GPU (`gpudra.driver.gpushares`).
+    gpu_shares: GpuShares = field(default_factory=GpuShares)
 
 
 class NodeAgent:
@@ -67,6 +70,7 @@ class NodeAgent:
         self._clock = clock
         self.inventory: Inventory | None = None
         self.shared: frozenset[str] = frozenset()  # device names published shareable
+        self.shares: dict[str, int] = {}  # device name -> integer shares published
         self.health: HealthState | None = None
         self.ready = anyio.Event()
         self.slices = SliceController(
@@ -86,14 +90,17 @@ class NodeAgent:
             self.health.report(),
             shared=self.shared,
             driver=self.config.driver_name,
+            shares=self.shares,
         )
 
     async def scan(self) -> Inventory:
-        """Discover; raises `SharedGpusError` when the first inventory cannot honour
-        `--shared-gpus`."""
+        """Discover; raises `SharedGpusError` or `GpuSharesError` when the first
+        inventory cannot honour `--shared-gpus` or `--gpu-shares`."""
         inv = await anyio.to_thread.run_sync(discover, self.nvml)
         if inv != self.inventory:
-            self.shared = self._shared(inv, first=self.inventory is None)
+            first = self.inventory is None
+            self.shared = self._shared(inv, first=first)
+            self.shares = self._shares(inv, first=first)
             self.inventory = inv
             if self.health is None:
                 self.health = (
@@ -123,6 +130,21 @@ class NodeAgent:
         elif names != self.shared:
             log.info("GPUs published for memory slices", extra={"fields": fields})
         return names
+
+    def _shares(self, inv: Inventory, *, first: bool) -> dict[str, int]:
+        node = self.config.node_name
+        shares, problems = self.config.gpu_shares.resolve(inv, node, self.shared)
+        if problems and first:
+            raise GpuSharesError(problems[0])
+        fields = {"node": node, "shares": shares}
+        if problems:
+            log.error(
+                "GPUs that cannot have shares are published without them",
+                extra={"fields": {**fields, "problems": list(problems)}},
+            )
+        elif shares != self.shares:
+            log.info("GPUs published with integer shares", extra={"fields": fields})
+        return shares
 
     async def run(
         self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED

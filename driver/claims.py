@@ -21,6 +21,7 @@ from typing import Any, Final
 from gpudra.api.config import BoundConfig, ConfigError, bound_configs
 from gpudra.api.names import is_dns_label, is_dns_subdomain
 from gpudra.api.quantity import QuantityError, parse_quantity
+from gpudra.api.sharing import SHARES_CAPACITY
 from gpudra.driver.cdi import CdiError, validate_claim_uid
 
 __all__ = [
@@ -62,7 +63,8 @@ class AllocatedDevice:
 
     `index` is the result's position in `status.allocation.devices.results`, so an
     error can name the field; `consumed_memory` is the memory the scheduler took
-    from a shared device, in bytes.
+    from a shared device, in bytes; `consumed_shares` the integer shares it took from
+    a GPU published with shares (then memory is not a slice: it is not enforced).
     """
 
     index: int
@@ -71,6 +73,7 @@ class AllocatedDevice:
     share_id: str | None = None
     admin_access: bool = False
     consumed_memory: int | None = None
+    consumed_shares: int | None = None
 
     @property
     def path(self) -> str:
@@ -184,9 +187,10 @@ def _allocated(
 ) -> AllocatedDevice:
     share_id = result.get("shareID")
     consumed = result.get("consumedCapacity") or {}
+    shares = _shares(ref, index, consumed.get(SHARES_CAPACITY))
     raw = consumed.get("memory", consumed.get(f"{driver}/memory"))
     memory: int | None = None
-    if raw is not None:
+    if raw is not None and shares is None:
         try:
             memory = parse_quantity(str(raw).strip()).value()
         except QuantityError as exc:
@@ -207,7 +211,26 @@ def _allocated(
         share_id=str(share_id) if share_id else None,
         admin_access=result.get("adminAccess") is True,
         consumed_memory=memory,
+        consumed_shares=shares,
     )
+
+
+def _shares(ref: ClaimRef, index: int, raw: object) -> int | None:
+    """Integer shares consumed from a GPU published with shares (`publish.shares_capacity`)."""
+    if raw is None:
+        return None
+    try:
+        amount = parse_quantity(str(raw).strip()).amount
+    except QuantityError as exc:
+        raise ClaimError(
+            f"{ref.describe()}: {_RESULTS_PATH}[{index}].consumedCapacity.shares: {exc}"
+        ) from None
+    if amount.denominator != 1 or amount < 1:
+        raise ClaimError(
+            f"{ref.describe()}: {_RESULTS_PATH}[{index}].consumedCapacity.shares is {raw}; "
+            "a GPU's shares are whole numbers from 1: ask for capacity shares of at least 1"
+        )
+    return int(amount)
 
 
 def _pod_name(claim: Mapping[str, Any]) -> str:

@@ -374,26 +374,29 @@ class SharedGpus:
         """
         names: set[str] = set()
         problems: list[str] = []
-        wanted = [g for g in inventory.gpus if self.every or self._names(g)]
-        for gpu in wanted:
+        for gpu in filter(self.selects, inventory.gpus):
             why = _unshareable(gpu)
             if why is None:
                 names.add(gpu.device.name)
             elif not self.every:
                 problems.append(f"GPU index {gpu.index} ({gpu.uuid}) {why}")
-        indices = {g.index for g in inventory.gpus}
-        for index in sorted(self.indices - indices):
-            problems.append(
-                f"GPU index {index} does not exist on this node "
-                f"(it has {len(indices)} GPUs{_index_range(indices)})"
-            )
-        known = {g.uuid.lower() for g in inventory.gpus}
-        for uuid in sorted(self.uuids - known):
-            problems.append(f"no GPU with UUID {uuid} on this node")
-        return frozenset(names), tuple(problems)
+        return frozenset(names), (*problems, *self.absent(inventory))
 
-    def _names(self, gpu: Gpu) -> bool:
-        return gpu.index in self.indices or gpu.uuid.lower() in self.uuids
+    def selects(self, gpu: Gpu) -> bool:
+        """`all`, or the GPU is named by index or UUID."""
+        return self.every or gpu.index in self.indices or gpu.uuid.lower() in self.uuids
+
+    def absent(self, inventory: Inventory) -> list[str]:
+        """The named GPUs this node does not have, one problem each."""
+        indices = {g.index for g in inventory.gpus}
+        problems = [
+            f"GPU index {index} does not exist on this node "
+            f"(it has {len(indices)} GPUs{_index_range(indices)})"
+            for index in sorted(self.indices - indices)
+        ]
+        known = {g.uuid.lower() for g in inventory.gpus}
+        problems += [f"no GPU with UUID {uuid} on this node" for uuid in sorted(self.uuids - known)]
+        return problems
 
 
 def _unshareable(gpu: Gpu) -> str | None:

@@ -145,9 +145,14 @@ def _entry(
     device_type: ConfigDeviceType = "gpu" if device.type is DeviceType.GPU else "mig"
     # A share that consumed all of the GPU's memory (a plain claim: the request
     # policy defaults to the whole memory) leaves no room for another claim, so it
-    # holds the GPU alone, as an exclusive claim does.
+    # holds the GPU alone, as an exclusive claim does. A share of a GPU published
+    # with integer shares is no memory slice: its claim's config decides its sharing.
     share_id = allocated.share_id
-    sliced = share_id is not None and not _whole_memory(allocated, device)
+    sliced = (
+        share_id is not None
+        and allocated.consumed_shares is None
+        and not _whole_memory(allocated, device)
+    )
     try:
         # The full "req/sub" name: a config may be bound to the subrequest itself.
         sharing = resolve_sharing(
@@ -181,7 +186,26 @@ def _entry(
         return entry  # monitoring beside the owner: nothing on the device changes
     entry.time_slice = sharing.time_slice
     entry.mps = sharing.mps
+    if entry.time_slice is not None:
+        _check_time_slice(claim, checkpoint, pool, entry)
     return entry
+
+
+def _check_time_slice(claim: Claim, checkpoint: Checkpoint, pool: str, entry: Entry) -> None:
+    """Claims sharing one GPU share its one time-slice setting, so they must agree on it
+    (the upstream driver refuses differing configs on a shared device too)."""
+    for holder, held in checkpoint.holders((pool, entry.device.name)):
+        theirs = held.details.time_slice
+        if holder.uid == claim.uid or theirs is None or theirs.interval == entry.time_slice:
+            continue
+        raise ClaimError(
+            f"{claim.ref.describe()}: {entry.allocated.path}: GPU {entry.device.name} is "
+            f"time-sliced with interval {theirs.interval} for claim "
+            f"{holder.namespace}/{holder.name}, and this claim's config "
+            f"({join_path(entry.config_path, 'sharing.timeSlicingConfig.interval')}) asks "
+            f"for {entry.time_slice}; claims sharing a GPU need the same interval: use the "
+            "same class or config for them"
+        )
 
 
 def _whole_memory(allocated: AllocatedDevice, device: Device) -> bool:

@@ -145,6 +145,21 @@ def _result_from_record(record: ClaimRecord) -> PrepareResult:
     )
 
 
+def _time_slice_users(cp: Checkpoint, gpu_uuid: str, *, excluding: str) -> list[str]:
+    """Claims other than `excluding` that rely on the time-slice they set on the GPU."""
+    return [
+        record.uid
+        for record in cp.claims()
+        if record.uid != excluding
+        and any(
+            d.details.time_slice is not None
+            and d.details.time_slice.applied
+            and d.details.time_slice.uuid == gpu_uuid
+            for d in record.devices
+        )
+    ]
+
+
 @dataclass(slots=True)
 class _Guard:
     lock: anyio.Lock = field(default_factory=anyio.Lock)
@@ -219,6 +234,8 @@ class ClaimPreparer:
         # Held while the checkpoint loads or is written, and while its temp files are swept.
         self._lock = anyio.Lock()
         self._guards: dict[str, _Guard] = {}
+        # Orders setting and resetting time-slices, which claims sharing a GPU share.
+        self._time_slice_lock = anyio.Lock()
         self._commit: GroupCommit | None = None
 
     # --- plumbing ---
@@ -411,16 +428,7 @@ class ClaimPreparer:
                 await self._create_mig(entry, progress)
         for entry in entries:
             if entry.time_slice is not None and entry.uuid is not None:
-                # Recorded as not applied first: a setting the GPU refused needs no
-                # reset, and a failing reset must not pin the claim.
-                step = TimeSliceSet(uuid=entry.uuid, interval=entry.time_slice, applied=False)
-                entry.details = replace(entry.details, time_slice=step)
-                await progress("time-slice-recorded")
-                await anyio.to_thread.run_sync(
-                    self._sharing.set_time_slice, entry.uuid, entry.time_slice
-                )
-                entry.details = replace(entry.details, time_slice=replace(step, applied=True))
-                await progress("time-slice-applied")
+                await self._set_time_slice(ref, entry, progress)
         members = [e for e in entries if e.mps]
         daemon: MpsDaemon | None = None
         if members:
@@ -447,6 +455,37 @@ class ClaimPreparer:
             },
         )
         return _result_from_record(final).devices
+
+    async def _set_time_slice(
+        self, ref: ClaimRef, entry: Entry, progress: Callable[[str], Any]
+    ) -> None:
+        """Set the GPU's time-slice once for all the claims sharing it.
+
+        Every claim relying on the setting records it, so the checkpoint counts the
+        GPU's users: the first sets it, later shares find it applied (planning made
+        sure they agree on the interval), and undo resets it only when the last one
+        goes (`_undo`). One lock orders these, so two shares never both set or both
+        skip a reset.
+        """
+        uuid, interval = entry.uuid, entry.time_slice
+        assert uuid is not None and interval is not None
+        async with self._time_slice_lock:
+            cp = await self._checkpoint()
+            users = _time_slice_users(cp, uuid, excluding=ref.uid)
+            # Recorded as not applied first: a setting the GPU refused needs no
+            # reset, and a failing reset must not pin the claim.
+            step = TimeSliceSet(uuid=uuid, interval=interval, applied=False)
+            entry.details = replace(entry.details, time_slice=step)
+            await progress("time-slice-recorded")
+            if not users:
+                await anyio.to_thread.run_sync(self._sharing.set_time_slice, uuid, interval)
+            else:
+                log.debug(
+                    "time-slice already set for the GPU's other shares",
+                    extra={"fields": {"claim": ref.uid, "gpu": uuid, "users": users}},
+                )
+            entry.details = replace(entry.details, time_slice=replace(step, applied=True))
+            await progress("time-slice-applied")
 
     async def _create_mig(self, entry: Entry, progress: Callable[[str], Any]) -> None:
         placement = entry.device.placement
@@ -613,12 +652,20 @@ class ClaimPreparer:
                 f"stopping MPS daemon {daemon.pipe_dir}",
                 functools.partial(self._stop_mps, daemon),
             )
-        for uuid, applied in time_slices.items():
-            await attempt(
-                f"resetting the time-slice of {uuid}",
-                functools.partial(self._sharing.reset_time_slice, uuid),
-                required=applied,
-            )
+        async with self._time_slice_lock:
+            for uuid, applied in time_slices.items():
+                users = _time_slice_users(cp, uuid, excluding=record.uid)
+                if users:
+                    log.info(
+                        "time-slice kept for the GPU's other shares",
+                        extra={"fields": {"claim": record.uid, "gpu": uuid, "users": users}},
+                    )
+                    continue
+                await attempt(
+                    f"resetting the time-slice of {uuid}",
+                    functools.partial(self._sharing.reset_time_slice, uuid),
+                    required=applied,
+                )
         for uuid, mode in modes.items():
             await attempt(
                 f"restoring compute mode {mode.previous} of {uuid}",

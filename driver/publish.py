@@ -16,6 +16,15 @@ the MPS pinned-memory limit. That capacity alone is published qualified, as
 for `gpu.nvidia.com/memory` never matches a capacity named `memory`, nor the reverse),
 so claims ask for `<driver>/memory`, and such a request fits no exclusive GPU, whose
 capacity stays `memory` as upstream publishes it.
+
+A GPU published with integer shares (`gpudra node --gpu-shares N`, the device
+plugin's time-slicing `replicas`) is the same device with `allowMultipleAllocations`
+and the upstream driver's `--consumable-shares=N` capacities: `shares` (value N, one
+per request step) and `memory` with a zero default, so a request for `shares: 1`
+takes one of N places and no memory. Unlike upstream, a request that names no
+shares takes all N (the `shares` default): a whole-GPU claim gets the GPU only while
+no share is taken, and keeps every share off it. Claims written for upstream's
+integer shares ask `capacity.requests: {shares: 1}` and behave the same here.
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from gpudra.api.sharing import SHARES_CAPACITY
 from gpudra.driver.devices import (
     MEMORY_SLICE_MIN,
     AttributeValue,
@@ -90,15 +100,52 @@ def _quantity(amount: int) -> str:
     return f"{amount // gib}Gi" if amount and amount % gib == 0 else str(amount)
 
 
+_MIB = 1024**2
+
+
+def shares_capacity(memory: int, shares: int) -> dict[str, Any]:
+    """The capacities of a GPU published with `shares` integer shares (upstream's names).
+
+    `memory` keeps the upstream policy for integer shares (default 0, 1Mi steps, the
+    maximum rounded down to the step grid, as the API wants), so a share consumes no
+    memory unless it asks; `shares` defaults to all of them, so a claim that asks for
+    no shares is a whole GPU (see the module docstring).
+    """
+    if shares < 1:
+        raise ValueError(f"shares must be at least 1, not {shares}")
+    top = memory // _MIB * _MIB
+    return {
+        "memory": {
+            "value": str(top),
+            "requestPolicy": {
+                "default": "0",
+                "validRange": {"min": "0", "max": str(top), "step": "1Mi"},
+            },
+        },
+        SHARES_CAPACITY: {
+            "value": str(shares),
+            "requestPolicy": {
+                "default": str(shares),
+                "validRange": {"min": "1", "max": str(shares), "step": "1"},
+            },
+        },
+    }
+
+
 def memory_capacity(driver: str) -> str:
     """The name a shared GPU's memory is published (and requested) under."""
     return f"{driver}/memory"
 
 
 def device(
-    dev: Device, taints: tuple[Taint, ...] = (), *, shared_by: str | None = None
+    dev: Device,
+    taints: tuple[Taint, ...] = (),
+    *,
+    shared_by: str | None = None,
+    shares: int = 0,
 ) -> dict[str, Any]:
-    """One device; `shared_by` (the driver name) publishes it for memory slices."""
+    """One device; `shared_by` (the driver name) publishes it for memory slices,
+    `shares` > 0 for that many integer shares."""
     out: dict[str, Any] = {
         "name": dev.name,
         "attributes": {k: attribute(v) for k, v in dev.attributes.items()},
@@ -112,6 +159,9 @@ def device(
             "value": str(memory),
             "requestPolicy": memory_request_policy(memory),
         }
+    elif shares > 0:
+        out["allowMultipleAllocations"] = True
+        out["capacity"].update(shares_capacity(dev.capacity["memory"], shares))
     if dev.consumes_counters:
         out["consumesCounters"] = [
             {"counterSet": c.counter_set, "counters": _counters(c.counters)}
@@ -129,9 +179,11 @@ def pool_content(
     *,
     shared: frozenset[str] = frozenset(),
     driver: str | None = None,
+    shares: Mapping[str, int] | None = None,
 ) -> PoolContent:
     """The pool; devices named in `shared` (from `SharedGpus.resolve`) are published for
-    memory slices of `driver`, which names their memory capacity."""
+    memory slices of `driver`, which names their memory capacity; those in `shares`
+    (from `GpuShares.resolve`) with that many integer shares."""
     if shared and driver is None:
         raise ValueError("shared devices need the driver name for their memory capacity")
     devices = [
@@ -139,6 +191,7 @@ def pool_content(
             d,
             health.taints(d.name) if health else (),
             shared_by=driver if d.name in shared else None,
+            shares=(shares or {}).get(d.name, 0),
         )
         for d in inventory.devices(strategy)
     ]

@@ -9,6 +9,7 @@ simulated node.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from typing import Any
@@ -18,12 +19,16 @@ import yaml
 from e2e import smoke
 from e2e.claims import claim_name, node_devices, wait_running
 from e2e.cluster.harness import REPO, Cluster, ClusterError
-from e2e.cluster.kube import ApiError, Kube
+from e2e.cluster.kube import ApiError, Kube, wait_for
 from e2e.node.gpus import GpuStack
 from e2e.node.realnode import DEFAULT_NODE, NodeError, RealNode, unavailable_reason
 
 DEMO = REPO / "demo"
 NAMESPACE = "gpudra-demo"
+# The device plugin's time-slicing `replicas: 2`, for the shared Deployment.
+GPU_SHARES = "--gpu-shares=2"
+# Three whole GPUs, a memory-sliced one and two shared ones, besides the MIG GPUs.
+DEMO_GPUS = "8"
 
 
 def workloads() -> list[dict[str, Any]]:
@@ -46,12 +51,31 @@ def apply_all(kube: Kube, objects: list[dict[str, Any]]) -> list[str]:
     return pods
 
 
+def workload_pods(kube: Kube, objects: list[dict[str, Any]]) -> list[str]:
+    """The demo's pods: its Pods, then those of its Deployments (once all exist)."""
+    pods = [o["metadata"]["name"] for o in objects if o["kind"] == "Pod"]
+    for deployment in (o for o in objects if o["kind"] == "Deployment"):
+        labels = deployment["spec"]["selector"]["matchLabels"]
+        selector = ",".join(f"{k}={v}" for k, v in labels.items())
+
+        def made(want: int = deployment["spec"]["replicas"], sel: str = selector) -> list[str]:
+            names = [p["metadata"]["name"] for p in kube.list("Pod", NAMESPACE, labelSelector=sel)]
+            return sorted(names) if len(names) == want else []
+
+        pods += wait_for(f"the pods of Deployment {deployment['metadata']['name']}", made)
+    return pods
+
+
 def _sharing(claim: dict[str, Any], result: dict[str, Any], device: dict[str, Any]) -> str:
     attrs = device.get("attributes", {})
     kind = next(iter(attrs.get("type", {}).values()), "gpu")
     if kind == "mig":
         return f"MIG {next(iter(attrs['profile'].values()))}, dynamic"
-    if result.get("shareID"):
+    shares = (result.get("consumedCapacity") or {}).get("shares")
+    published = device.get("capacity", {}).get("shares", {}).get("value")
+    if shares is not None and shares != published:  # all of them: the GPU whole
+        return f"{shares} of {published} shares, time-sliced"
+    if result.get("shareID") and shares is None:
         memory = next(
             (v for k, v in (result.get("consumedCapacity") or {}).items() if "memory" in k), "?"
         )
@@ -113,10 +137,13 @@ def real_node_demo(cluster: Cluster, kube: Kube) -> None:
     start = time.monotonic()
     node = RealNode(cluster)
     print("== a real node: kubelet, containerd and runc, with emulated GPUs")
+    os.environ.setdefault("GPUDRA_REAL_NODE_GPUS", DEMO_GPUS)
     node.up(log=lambda m: print(f"  {m}"))
-    GpuStack(node).up(log=lambda m: print(f"  {m}"))
+    GpuStack(node, flags=(GPU_SHARES,)).up(log=lambda m: print(f"  {m}"))
     print(f"== the sample workloads ({DEMO.relative_to(REPO)}/)")
-    pods = apply_all(kube, workloads())
+    objects = workloads()
+    apply_all(kube, objects)
+    pods = workload_pods(kube, objects)
     wait_running(kube, NAMESPACE, *pods)
     print(f"  {len(pods)} pods Running in {time.monotonic() - start:.1f}s\n")
     print_table(rows(cluster, kube, pods))

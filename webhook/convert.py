@@ -41,6 +41,22 @@ claim to be cut into requests along container boundaries:
 Example: init container (2), app containers a (1) and b (1) -> requests part-0 (1),
 part-1 (1); a uses part-0, b part-1, the init container both: two GPUs in total.
 
+Shared GPUs
+-----------
+A shared device (``nvidia.com/gpu.shared``, or ``nvidia.com/gpu`` under a policy that
+maps it to TimeSlicing or MPS) is one share of a GPU, as a device-plugin time-slicing
+replica was: each request is ``firstAvailable`` of a ``share`` subrequest for one
+integer share per device (``capacity.requests: {shares: 1}``, which only GPUs
+published with shares offer; see ``gpudra node --gpu-shares``) and a ``gpu``
+subrequest for whole GPUs, which the scheduler tries only when no GPU has a share
+free, so pods still run on nodes that publish no shares, as before. Both carry the
+sharing config. Up to N pods share a GPU with N shares, pod N+1 gets a share of the
+next GPU, and a whole-GPU claim never fits a GPU with a share taken. Two shares of
+one pod may land on the same GPU, as two device-plugin replicas could.
+
+Each converted pod carries the annotation ``gpudra.nvidia.com/converted``: per claim,
+which legacy resources it replaced, with the claim, template, class and sharing.
+
 Templates are named by type and piece counts (``gpudra-gpu-2``, ``gpudra-gpu-1-1``,
 ``gpudra-mig-1g10gb-1``), so pods of the same shape share one template. Templates are
 immutable, so when the policy changes their content (class names, time-slice interval)
@@ -69,9 +85,11 @@ from typing import Any, Final
 
 from gpudra.api.names import DNS_LABEL_MAX, check_dns_label
 from gpudra.api.quantity import QuantityError, parse_quantity
+from gpudra.api.sharing import SHARES_CAPACITY
 from gpudra.api.tenants import MIG_PROFILE_RE
 
 __all__ = [
+    "CONVERTED_ANNOTATION",
     "DEFAULT_POLICY",
     "GPU_RESOURCE",
     "MIG_RESOURCE_PREFIX",
@@ -93,6 +111,10 @@ GPU_RESOURCE: Final = "nvidia.com/gpu"
 SHARED_RESOURCE: Final = "nvidia.com/gpu.shared"
 MIG_RESOURCE_PREFIX: Final = "nvidia.com/mig-"
 OPT_OUT_LABEL: Final = "gpudra.nvidia.com/convert"
+CONVERTED_ANNOTATION: Final = "gpudra.nvidia.com/converted"
+# The subrequests of a shared device's request: one share first, else a whole GPU.
+SHARE_SUBREQUEST: Final = "share"
+WHOLE_SUBREQUEST: Final = "gpu"
 MANAGED_BY_LABEL: Final = "app.kubernetes.io/managed-by"
 MANAGED_BY_VALUE: Final = "gpudra-webhook"
 
@@ -159,6 +181,11 @@ class ConversionPolicy:
         """The sharing mode of a converted device: Exclusive, TimeSlicing or MPS."""
         return self.shared_strategy if kind is DeviceKind.SHARED else "Exclusive"
 
+    def sharing_label(self, kind: DeviceKind) -> str:
+        """The sharing mode with its interval, as the converted annotation shows it."""
+        mode = self.sharing(kind)
+        return f"{mode}/{self.time_slice_interval}" if mode == "TimeSlicing" else mode
+
     def __post_init__(self) -> None:
         if self.gpu_resource_kind not in (DeviceKind.GPU, DeviceKind.SHARED):
             raise ValueError(
@@ -216,6 +243,21 @@ class ConvertedClaim:
     """The legacy resource names behind this claim, sorted."""
     containers: tuple[tuple[str, int], ...] = ()
     """(container name, devices it asked for), in pod order (init containers first)."""
+    sharing: str = "Exclusive"
+    """How its devices are shared: ``Exclusive``, ``TimeSlicing/<interval>`` or ``MPS``."""
+    requested: tuple[tuple[str, int], ...] = ()
+    """(legacy resource, the pod's total of it), sorted by resource."""
+
+    def describe(self) -> str:
+        """One line of the converted annotation: what became what."""
+        asked = ", ".join(f"{name}: {count}" for name, count in self.requested)
+        unit = "one share each" if self.kind is DeviceKind.SHARED else "whole"
+        what = "MIG device" if self.kind is DeviceKind.MIG else "GPU"
+        plural = "" if self.devices == 1 else "s"
+        return (
+            f"{asked} -> claim {self.pod_claim_name} (template {self.template_name}, class "
+            f"{self.device_class}, {self.devices} {what}{plural} {unit}, sharing {self.sharing})"
+        )
 
 
 @dataclass(frozen=True)
@@ -243,6 +285,7 @@ class _Container:
     legacy: list[tuple[str, str]]  # (section, resource) pairs to remove
     sources: dict[_DeviceType, set[str]]  # legacy resource names behind each type
     has_claims_list: bool
+    counts: dict[str, int]  # legacy resource name -> count asked for
 
 
 def is_legacy_resource(name: str) -> bool:
@@ -315,6 +358,7 @@ def convert_pod(
                 )
             else:
                 patch.append({"op": "add", "path": claims_path, "value": container_refs})
+    patch.append(_annotation_patch(metadata, converted))
     entries = [
         {"name": c.pod_claim_name, "resourceClaimTemplateName": c.template_name} for c in converted
     ]
@@ -326,6 +370,18 @@ def convert_pod(
         else:
             patch.append({"op": "add", "path": "/spec/resourceClaims", "value": entries})
     return Conversion(patch=tuple(patch), templates=tuple(templates), claims=tuple(converted))
+
+
+def _annotation_patch(
+    metadata: Mapping[str, Any], converted: Sequence[ConvertedClaim]
+) -> dict[str, Any]:
+    """Marks the pod with what was converted into what (`CONVERTED_ANNOTATION`)."""
+    value = "; ".join(c.describe() for c in converted)
+    annotations = _mapping(metadata.get("annotations"), "metadata.annotations")
+    if annotations:
+        path = f"/metadata/annotations/{_escape(CONVERTED_ANNOTATION)}"
+        return {"op": "add", "path": path, "value": value}
+    return {"op": "add", "path": "/metadata/annotations", "value": {CONVERTED_ANNOTATION: value}}
 
 
 def _is_converted(entry: object, policy: ConversionPolicy) -> bool:
@@ -379,6 +435,7 @@ def _read_container(
     demands: dict[_DeviceType, int] = {}
     legacy: list[tuple[str, str]] = []
     sources: dict[_DeviceType, set[str]] = {}
+    counts: dict[str, int] = {}
     names = sorted(
         {
             n
@@ -412,6 +469,7 @@ def _read_container(
                 f"{policy.max_devices_per_claim} fit in one claim: lower the count"
             )
         demands[device_type] = demands.get(device_type, 0) + count
+        counts[resource] = count
         sources.setdefault(device_type, set()).add(resource)
     name = raw.get("name")
     return _Container(
@@ -423,6 +481,7 @@ def _read_container(
         legacy=legacy,
         sources=sources,
         has_claims_list=isinstance(claims, list),
+        counts=counts,
     )
 
 
@@ -532,6 +591,10 @@ def _plan_claim(
             for c in containers
             if c.demands.get(device_type, 0) > 0
         ),
+        sharing=policy.sharing_label(device_type.kind),
+        requested=tuple(
+            (name, sum(c.counts.get(name, 0) for c, _, _ in used)) for name in resource_names
+        ),
     )
     return claim, template, refs
 
@@ -551,6 +614,15 @@ def _claim_spec(
         if device_type.kind is DeviceKind.MIG:
             expression = f'device.attributes["{policy.driver}"].profile == "{device_type.profile}"'
             exactly["selectors"] = [{"cel": {"expression": expression}}]
+        if device_type.kind is DeviceKind.SHARED:
+            share = {
+                "name": SHARE_SUBREQUEST,
+                **exactly,
+                "capacity": {"requests": {SHARES_CAPACITY: "1"}},
+            }
+            whole = {"name": WHOLE_SUBREQUEST, **exactly}
+            requests.append({"name": f"part-{index}", "firstAvailable": [share, whole]})
+            continue
         requests.append({"name": f"part-{index}", "exactly": exactly})
     devices: dict[str, Any] = {"requests": requests}
     if device_type.kind is DeviceKind.SHARED:
@@ -604,7 +676,7 @@ def generated_template_name(spec: object, policy: ConversionPolicy) -> str | Non
     requests = devices.get("requests") if isinstance(devices, Mapping) else None
     if not isinstance(requests, list) or not requests:
         return None
-    first = requests[0].get("exactly") if isinstance(requests[0], Mapping) else None
+    first = _first_exact(requests[0])
     if not isinstance(first, Mapping):
         return None
     kinds = {policy.gpu_class: DeviceKind.GPU, policy.shared_class: DeviceKind.SHARED}
@@ -624,7 +696,7 @@ def generated_template_name(spec: object, policy: ConversionPolicy) -> str | Non
             return None
     segments: list[int] = []
     for request in requests:
-        exactly = request.get("exactly") if isinstance(request, Mapping) else None
+        exactly = _first_exact(request)
         count = exactly.get("count") if isinstance(exactly, Mapping) else None
         if isinstance(count, bool) or not isinstance(count, int):
             return None
@@ -638,6 +710,19 @@ def generated_template_name(spec: object, policy: ConversionPolicy) -> str | Non
     if not same_claim_spec(spec, expected):
         return None
     return _template_name(device_type, segments, expected, policy)
+
+
+def _first_exact(request: object) -> Mapping[str, Any] | None:
+    """A request's `exactly`, or its first `firstAvailable` subrequest (shared devices)."""
+    if not isinstance(request, Mapping):
+        return None
+    exactly = request.get("exactly")
+    if exactly is not None:
+        return exactly if isinstance(exactly, Mapping) else None
+    subs = request.get("firstAvailable")
+    if isinstance(subs, list) and subs and isinstance(subs[0], Mapping):
+        return subs[0]
+    return None
 
 
 def same_claim_spec(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:

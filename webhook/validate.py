@@ -31,7 +31,7 @@ from gpudra.api.config import (
     bound_configs,
     join_path,
 )
-from gpudra.api.sharing import Sharing, resolve_sharing
+from gpudra.api.sharing import Sharing, is_memory_slice, resolve_sharing
 from gpudra.api.tenants import MAX_DEVICES_PER_CLAIM
 from gpudra.webhook.convert import ConversionPolicy
 from gpudra.webhook.tenant_rules import TenantRules
@@ -229,7 +229,7 @@ class _Request:
     device_class: str
     count: int
     selectors: tuple[str, ...]
-    memory_slice: bool  # capacity requests: part of a shared GPU's memory
+    memory_slice: bool  # capacity requests other than shares: part of a GPU's memory
     admin: bool
 
 
@@ -311,7 +311,7 @@ def _one(raw: _Exact, path: str, name: str) -> _Request:
         raw.device_class_name,
         devices,
         selectors,
-        memory_slice=bool(capacity),
+        memory_slice=is_memory_slice(capacity or {}),
         admin=raw.admin_access is True,
     )
 

@@ -185,6 +185,14 @@ class ChartStack(NodeGpus):
             self._roll(self.values())
 
     @contextlib.contextmanager
+    def agent_flags(self, *flags: str) -> Iterator[None]:
+        self._roll(self.values(node_args=list(flags)))
+        try:
+            yield
+        finally:
+            self._roll(self.values())
+
+    @contextlib.contextmanager
     def api_unreachable(self) -> Iterator[None]:
         self._roll(self.values(api_port=1))
         try:

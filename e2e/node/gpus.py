@@ -155,6 +155,12 @@ class NodeGpus:
         and returns once the kubelet has reconnected to it."""
         raise NotImplementedError
 
+    def agent_flags(self, *flags: str) -> contextlib.AbstractContextManager[None]:
+        """Inside, the agent runs with these `gpudra node` flags added (e.g.
+        `--gpu-shares=2`); leaving restores it. Both return once the kubelet is
+        connected to the agent that runs."""
+        raise NotImplementedError
+
     # The same for every installation.
     def profile(self) -> dict[str, Any]:
         return node_profile(gpu_count())
@@ -241,9 +247,10 @@ class GpuStack(NodeGpus):
 
     name = "processes"
 
-    def __init__(self, node: RealNode) -> None:
+    def __init__(self, node: RealNode, *, flags: tuple[str, ...] = ()) -> None:
         super().__init__(node)
         self.root = node.layout.root / "gpudra"
+        self.flags = flags  # on every start of the agent (the demo's shares)
 
     @property
     def dev_root(self) -> Path:
@@ -333,6 +340,7 @@ class GpuStack(NodeGpus):
             "",
             "--shared-gpus",
             self.shared_gpus(),
+            *self.flags,
             *extra,
         ]
 
@@ -388,6 +396,16 @@ class GpuStack(NodeGpus):
         mark = self.kubelet_log_size()
         self.start_agent()
         self.wait_registered(mark)
+
+    @contextlib.contextmanager
+    def agent_flags(self, *flags: str) -> Iterator[None]:
+        self.stop_agent()
+        self.start_agent(*flags)
+        try:
+            yield
+        finally:
+            self.stop_agent()
+            self.start_agent()
 
     @contextlib.contextmanager
     def api_unreachable(self) -> Iterator[None]:

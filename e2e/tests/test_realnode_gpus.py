@@ -19,10 +19,14 @@ Skips with the exact reason when the machine cannot run a real node.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from gpudra.webhook.convert import CONVERTED_ANNOTATION as CONVERTED
 
 from e2e.claims import claim_name, node_devices, pod_with_claim, running, wait_running
 from e2e.cluster.harness import Cluster
@@ -61,7 +65,9 @@ def own_ns(stack: NodeGpus, kube: Kube) -> Iterator[None]:
 
 def demo_objects(namespace: str) -> list[dict[str, Any]]:
     """The demo's workloads, moved into `namespace` (its Namespace object left out)."""
-    out = [o for o in workloads() if o["kind"] != "Namespace"]
+    # The shared Deployment needs the demo's 8 GPUs with shares; the shares test below
+    # runs its pods (legacy `nvidia.com/gpu.shared: 1`) on this node.
+    out = [o for o in workloads() if o["kind"] not in ("Namespace", "Deployment")]
     for obj in out:
         obj["metadata"]["namespace"] = namespace
     return out
@@ -307,6 +313,108 @@ def test_exclusive_gpus_are_never_shared(
     wait_for("its CDI spec removed", lambda: spec_of(uid) not in stack.cdi_specs(), timeout=60)
     wait_running(kube, ns, pods[-1])
     assert gpu_minors(seen(cluster, ns, pods[-1])[0]) == freed
+
+
+def legacy_pod(stack: NodeGpus, name: str, namespace: str, resource: str) -> dict[str, Any]:
+    """A pod written for the device plugin, asking for one `resource`: the webhook
+    converts it."""
+    pod = gpu_pod(stack, name, namespace, template="none")
+    del pod["spec"]["resourceClaims"]
+    (container,) = pod["spec"]["containers"]
+    container["resources"] = {"limits": {resource: "1"}}
+    return pod
+
+
+HOLDERS = (
+    "custom-columns=NAMESPACE:.metadata.namespace,CLAIM:.metadata.name,"
+    "POD:.status.reservedFor[*].name,NODE:.status.allocation.devices.results[*].pool,"
+    "DEVICE:.status.allocation.devices.results[*].device,"
+    "SHARES:.status.allocation.devices.results[*].consumedCapacity.shares,"
+    "SHARING:.status.allocation.devices.config[*].opaque.parameters.sharing.strategy"
+)
+
+
+def gpudra_devices(cluster: Cluster, node: str) -> str:
+    """`gpudra devices --node NODE` against the cluster, as an admin runs it."""
+    out = subprocess.run(
+        [sys.executable, "-m", "gpudra.cli", "devices", "--node", node],
+        env={**os.environ, "KUBECONFIG": str(cluster.layout.admin_kubeconfig)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def test_legacy_shared_pods_pack_onto_gpus_by_integer_shares(
+    stack: NodeGpus, kube: Kube, cluster: Cluster, ns: str
+) -> None:
+    """`gpudra node --gpu-shares=2`, the device plugin's `replicas: 2`: pods asking
+    `nvidia.com/gpu.shared: 1` get one share each, two see the same GPU, the third the
+    next one; a whole-GPU claim goes to no GPU with a share taken; the GPU's time-slice
+    is set once for both shares and reset when the last one goes."""
+    with stack.agent_flags("--gpu-shares=2"):
+        devices = node_devices(kube, stack.node_name)
+        with_shares = {n for n, d in devices.items() if "shares" in d.get("capacity", {})}
+        assert len(with_shares) >= 2, devices.keys()
+        calls_before = len(stack.tool_calls())
+        pods = ["share-a", "share-b", "share-c"]
+        for pod in pods:  # one at a time: the scheduler fills a GPU before the next
+            kube.create(legacy_pod(stack, pod, ns, "nvidia.com/gpu.shared"))
+            wait_running(kube, ns, pod)
+        converted = kube.get("Pod", "share-a", ns)["metadata"]["annotations"]
+        assert "one share each, sharing TimeSlicing/Default" in converted[CONVERTED]
+        results = {p: allocation(kube, ns, p)[0] for p in pods}
+        assert all(r["request"] == "part-0/share" for r in results.values()), results
+        assert all(r["consumedCapacity"]["shares"] == "1" for r in results.values())
+        gpu_of = {p: r["device"] for p, r in results.items()}
+        assert gpu_of["share-a"] == gpu_of["share-b"] != gpu_of["share-c"]
+        assert {gpu_of["share-a"], gpu_of["share-c"]} <= with_shares
+        # Separate claims, the same device in both containers.
+        minors = {p: gpu_minors(seen(cluster, ns, p)[0]) for p in pods}
+        assert minors["share-a"] == minors["share-b"] != minors["share-c"]
+        assert len(minors["share-a"]) == 1
+
+        # What docs/troubleshooting.md shows: which pod holds which device, how shared.
+        out = cluster.kubectl("get", "resourceclaims", "-n", ns, "-o", HOLDERS)
+        assert out.returncode == 0, out.stderr
+        rows = {r.split()[2]: r.split() for r in out.stdout.splitlines()[1:]}
+        sharing = "TimeSlicing,TimeSlicing"  # the class's config, then the claim's
+        assert rows["share-a"][3:] == [stack.node_name, gpu_of["share-a"], "1", sharing]
+        out = gpudra_devices(cluster, stack.node_name)
+        (line,) = [r for r in out.splitlines() if r.split()[1:2] == [gpu_of["share-a"]]]
+        assert "full: 2/2 shares taken" in line and f"{ns}/" in line, out
+        assert "(pod share-a, TimeSlicing, 1 share)" in line, out
+
+        # A whole GPU takes all of a GPU's shares: never one with a share taken.
+        plain = whole_gpu_template(ns, "plain")
+        del plain["spec"]["spec"]["devices"]["requests"][0]["exactly"]["selectors"]
+        kube.create(plain)
+        kube.create(gpu_pod(stack, "whole", ns, template="plain"))
+        wait_running(kube, ns, "whole")
+        assert allocation(kube, ns, "whole")[0]["device"] not in set(gpu_of.values())
+
+        # The time-slice of the GPU two shares hold: set once, kept while one remains,
+        # reset with the last.
+        uuid = attr(devices[gpu_of["share-a"]], "uuid")
+
+        def settings() -> list[str]:
+            mark = f"nvidia-smi compute-policy -i {uuid} --set-timeslice"
+            return [c for c in stack.tool_calls()[calls_before:] if c.startswith(mark)]
+
+        assert len(settings()) == 1
+        uid = claim_uid(kube, ns, "share-a")
+        kube.delete("Pod", "share-a", ns)
+        wait_for("share-a unprepared", lambda: spec_of(uid) not in stack.cdi_specs(), timeout=60)
+        assert len(settings()) == 1
+        kube.delete("Pod", "share-b", ns)
+        wait_for("the time-slice reset with the last share", lambda: len(settings()) == 2)
+        assert settings()[-1].endswith("--set-timeslice 0")
+        for pod in ("share-c", "whole"):
+            kube.delete("Pod", pod, ns, grace=0)
+        wait_for("the pods gone", lambda: not kube.list("Pod", ns), timeout=60)
 
 
 # --- faults -----------------------------------------------------------------------------

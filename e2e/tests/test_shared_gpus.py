@@ -151,6 +151,11 @@ def claim(kube: Kube, ns: str, name: str, memory: str | None, selector: str | No
         exactly["capacity"] = {"requests": {MEMORY: memory}}
     if selector is not None:
         exactly["selectors"] = [{"cel": {"expression": selector}}]
+    claim_and_pod(kube, ns, name, exactly)
+
+
+def claim_and_pod(kube: Kube, ns: str, name: str, exactly: dict[str, Any]) -> None:
+    """A one-request claim and a pod on the node that holds it."""
     kube.create(
         {
             "apiVersion": "resource.k8s.io/v1",
@@ -222,10 +227,9 @@ def test_memory_slices_share_one_gpu_until_the_option_is_removed(
         assert devices[SHARED]["capacity"] == {"memory": {"value": str(total)}}
 
 
-def test_a_gpu_the_node_lacks_stops_the_agent(
-    cluster: Cluster, kube: Kube, consumable_capacity: None
-) -> None:
-    proc = node_command(cluster, "--shared-gpus", "1,9")
+def refusal(cluster: Cluster, *flags: str) -> str:
+    """The last line `gpudra node` prints when it refuses to start with these flags."""
+    proc = node_command(cluster, *flags)
     try:
         _, stderr = proc.communicate(timeout=180)
     finally:
@@ -233,7 +237,13 @@ def test_a_gpu_the_node_lacks_stops_the_agent(
             proc.kill()
             proc.wait()
     assert proc.returncode == 1
-    assert stderr.strip().splitlines()[-1] == (
+    return stderr.strip().splitlines()[-1]
+
+
+def test_a_gpu_the_node_lacks_stops_the_agent(
+    cluster: Cluster, kube: Kube, consumable_capacity: None
+) -> None:
+    assert refusal(cluster, "--shared-gpus", "1,9") == (
         "gpudra node: --shared-gpus '1,9': GPU index 9 does not exist on this node "
         "(it has 8 GPUs: indices 0-7)"
     )
@@ -242,3 +252,57 @@ def test_a_gpu_the_node_lacks_stops_the_agent(
     except ApiError:
         items = []
     assert items == []  # nothing was published from a configuration it could not honour
+
+
+def share_claim(kube: Kube, ns: str, name: str, shares: int | None) -> None:
+    """A claim for `shares` integer shares (None: ask for none, a whole GPU)."""
+    exactly: dict[str, Any] = {"deviceClassName": DRIVER}
+    if shares is not None:
+        exactly["capacity"] = {"requests": {"shares": str(shares)}}
+    claim_and_pod(kube, ns, name, exactly)
+
+
+def test_integer_shares_pack_pods_onto_as_few_gpus_as_the_shares_allow(
+    cluster: Cluster, kube: Kube, namespace: str
+) -> None:
+    """`--gpu-shares 2`, the device plugin's `replicas: 2`: two one-share claims on one
+    GPU, the third on the next, and a whole-GPU claim on none that has a share taken."""
+    ns = namespace
+    every = {f"gpu-{i}" for i in range(8)}
+    with agent(cluster, "--gpu-shares", "2"):
+        devices = wait_published(kube, "every GPU published with 2 shares", every)
+        assert devices["gpu-0"]["capacity"]["shares"] == {
+            "value": "2",
+            "requestPolicy": {"default": "2", "validRange": {"min": "1", "max": "2", "step": "1"}},
+        }
+        names = ("share-a", "share-b", "share-c")
+        for name in names:
+            share_claim(kube, ns, name, 1)
+            wait_allocated(kube, name, ns, timeout=180)  # one at a time: a stable order
+        results = [result_of(wait_allocated(kube, n, ns, timeout=180)) for n in names]
+        by_gpu: dict[str, int] = {}
+        for r in results:
+            assert r["consumedCapacity"]["shares"] == "1"
+            by_gpu[r["device"]] = by_gpu.get(r["device"], 0) + 1
+        assert sorted(by_gpu.values()) == [1, 2]  # as few GPUs as two shares each allow
+        assert len({r["shareID"] for r in results}) == 3
+
+        # A claim that asks for no shares takes all of them: never a GPU with one taken.
+        share_claim(kube, ns, "whole", None)
+        whole = result_of(wait_allocated(kube, "whole", ns, timeout=180))
+        assert whole["device"] not in by_gpu
+        assert whole["consumedCapacity"]["shares"] == "2"
+
+        # A third share fits beside the lone one, not beside the whole GPU.
+        share_claim(kube, ns, "share-d", 1)
+        lone = next(gpu for gpu, n in by_gpu.items() if n == 1)
+        assert result_of(wait_allocated(kube, "share-d", ns, timeout=180))["device"] == lone
+
+
+def test_shares_on_a_gpu_shared_by_memory_stop_the_agent(
+    cluster: Cluster, kube: Kube, consumable_capacity: None
+) -> None:
+    line = refusal(cluster, "--gpu-shares", "4", "--gpu-shares-gpus", "1,2", "--shared-gpus", "2")
+    assert line.startswith("gpudra node: GPU index 2 (GPU-")
+    assert "is in --shared-gpus (memory slices) and cannot also have integer shares" in line
+    assert line.endswith("; --gpu-shares-gpus 1,2 with --gpu-shares 4")

@@ -240,7 +240,10 @@ async def test_tenant_rules_for_pods(env: Env, kube: SyncKube) -> None:
             kube.get, "ResourceClaimTemplate", pod_claim["resourceClaimTemplateName"], ns
         )
         devices = tpl["spec"]["spec"]["devices"]
-        assert devices["requests"][0]["exactly"]["deviceClassName"] == "gpu-shared.nvidia.com"
+        # One share of a GPU published with shares, else a whole GPU (no node here has shares).
+        share, whole = devices["requests"][0]["firstAvailable"]
+        assert share["capacity"] == {"requests": {"shares": "1"}}
+        assert share["deviceClassName"] == whole["deviceClassName"] == "gpu-shared.nvidia.com"
         assert devices["config"][0]["opaque"]["parameters"]["sharing"] == {
             "strategy": "TimeSlicing",
             "timeSlicingConfig": {"interval": "Short"},
@@ -257,7 +260,8 @@ async def test_tenant_rules_for_pods(env: Env, kube: SyncKube) -> None:
             return await until("the shared GPU claim to be allocated", probe)  # type: ignore[no-any-return]
 
         allocation = await pod_claim_allocated()
-        assert len(allocation["devices"]["results"]) == 1
+        (result,) = allocation["devices"]["results"]
+        assert result["request"] == "part-0/gpu"  # the whole-GPU fallback
         assert (
             allocation["devices"]["config"][0]["opaque"]["parameters"]["sharing"]["strategy"]
             == "TimeSlicing"

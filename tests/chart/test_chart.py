@@ -12,8 +12,9 @@ from typing import Any
 import pytest
 import yaml
 from gpudra.api.config import GpuConfig, parse_opaque_config
-from gpudra.api.deviceclasses import device_classes
+from gpudra.api.deviceclasses import DEFAULT_SHARED_SHARING, device_classes
 from gpudra.cli.main import build_parser
+from gpudra.cli.node import _agent_config
 from gpudra.cli.webhook import conversion_policy
 from gpudra.driver.devices import SharedGpus
 from gpudra.webhook import registration
@@ -195,20 +196,48 @@ def test_extended_resource_opt_in(helm: Path, default: list[dict[str, Any]]) -> 
     assert "--extended-resource-name=nvidia.com/gpu" in args
 
 
-@pytest.mark.parametrize("driver", ["gpu.nvidia.com", "gpu.example.com"])
-def test_device_classes_match_the_code(helm: Path, driver: str) -> None:
-    objects = h.template(helm, {"driverName": driver})
-    rendered_names = {o["metadata"]["name"] for o in objects if o["kind"] == "DeviceClass"}
-    assert rendered_names == {c["metadata"]["name"] for c in device_classes(driver)}
-    for expected in device_classes(driver):
-        rendered = strip_chart_metadata(
-            h.find(objects, "DeviceClass", expected["metadata"]["name"])
-        )
-        # The chart's one addition: the shared class's sharing mode for hand-written
-        # claims (checked below); converted pods' claims carry their own config.
-        if expected["metadata"]["name"] == "gpu-shared.nvidia.com":
-            rendered["spec"].pop("config")
-        assert rendered == expected
+@pytest.mark.parametrize(
+    ("values", "driver", "sharing"),
+    [
+        ({}, "gpu.nvidia.com", DEFAULT_SHARED_SHARING),
+        ({"driverName": "gpu.example.com"}, "gpu.example.com", DEFAULT_SHARED_SHARING),
+        (
+            {"deviceClasses": {"shared": {"timeSlicing": {"interval": "Long"}}}},
+            "gpu.nvidia.com",
+            {"strategy": "TimeSlicing", "timeSlicingConfig": {"interval": "Long"}},
+        ),
+        (
+            {
+                "deviceClasses": {
+                    "shared": {
+                        "strategy": "MPS",
+                        "mps": {
+                            "defaultActiveThreadPercentage": 25,
+                            "defaultPinnedDeviceMemoryLimit": "10Gi",
+                        },
+                    }
+                }
+            },
+            "gpu.nvidia.com",
+            {
+                "strategy": "MPS",
+                "mpsConfig": {
+                    "defaultActiveThreadPercentage": 25,
+                    "defaultPinnedDeviceMemoryLimit": "10Gi",
+                },
+            },
+        ),
+    ],
+    ids=["default", "driver", "interval", "mps"],
+)
+def test_device_classes_match_the_code(
+    helm: Path, values: dict[str, Any], driver: str, sharing: dict[str, Any]
+) -> None:
+    """The chart renders exactly `api.deviceclasses`, which the demo and the tests apply:
+    any difference, the shared class's config included, fails here."""
+    objects = h.template(helm, values)
+    rendered = [strip_chart_metadata(o) for o in objects if o["kind"] == "DeviceClass"]
+    assert rendered == device_classes(driver, sharing)
 
 
 @pytest.mark.parametrize(
@@ -427,6 +456,36 @@ def test_string_maps_from_set_render_as_strings(helm: Path) -> None:
     assert {o["metadata"]["labels"].get("team") for o in objects} == {"true"}
 
 
+@pytest.mark.parametrize(
+    ("node", "flags"),
+    [
+        ({}, ["--gpu-shares=0", "--gpu-shares-gpus=all"]),
+        (
+            {"gpuShares": 4, "gpuSharesByNode": {"big-1": 8, "cpu-1": 0}},
+            [
+                "--gpu-shares=4",
+                "--gpu-shares-gpus=all",
+                "--gpu-shares-node=big-1=8",
+                "--gpu-shares-node=cpu-1=0",
+            ],
+        ),
+        ({"gpuShares": 2, "gpuSharesGpus": [0, 3]}, ["--gpu-shares=2", "--gpu-shares-gpus=0,3"]),
+    ],
+    ids=["default", "per-node", "some-gpus"],
+)
+def test_gpu_shares_reach_the_node_agent(
+    helm: Path, node: dict[str, Any], flags: list[str]
+) -> None:
+    objects = h.template(helm, {"node": node})
+    (c,) = h.find(objects, "DaemonSet")["spec"]["template"]["spec"]["containers"]
+    args = [a.replace("$(NODE_NAME)", "big-1") for a in c["args"]]
+    assert [a for a in args if a.startswith("--gpu-shares")] == flags
+    shares = _agent_config(build_parser().parse_args(args)).gpu_shares  # what the agent runs
+    assert shares.for_node("big-1") == node.get("gpuSharesByNode", {}).get(
+        "big-1", node.get("gpuShares", 0)
+    )
+
+
 def test_webhook_runs_as_non_root(full: list[dict[str, Any]]) -> None:
     pod = h.find(full, "Deployment")["spec"]["template"]["spec"]
     assert pod["securityContext"]["runAsNonRoot"] is True
@@ -538,6 +597,11 @@ def test_notes_tell_how_to_check(helm: Path) -> None:
         ({"node": {"sharedGpus": -2}}, "/node/sharedGpus"),
         ({"node": {"sharedGpus": []}}, "/node/sharedGpus"),
         ({"node": {"sharedGpus": ["MIG-86737bf0"]}}, "/node/sharedGpus"),
+        ({"node": {"gpuShares": -1}}, "/node/gpuShares"),
+        ({"node": {"gpuShares": 1025}}, "/node/gpuShares"),
+        ({"node": {"gpuSharesByNode": {"n1": "four"}}}, "/node/gpuSharesByNode/n1"),
+        ({"node": {"gpuSharesByNode": {"N_1": 4}}}, "invalid propertyName 'N_1'"),
+        ({"node": {"gpuSharesGpus": "none"}}, "/node/gpuSharesGpus"),
         ({"webhook": {"prot": 8443}}, "prot"),
         ({"driverName": "GPU"}, "/driverName"),
         ({"webhook": {"tls": {"source": "vault"}}}, "/webhook/tls/source"),

@@ -79,6 +79,7 @@ class Env:
         strategy: MigStrategy = MigStrategy.STATIC,
         *,
         shared: bool = False,
+        shares: int = 0,
         only: tuple[str, ...] = (),
         on: str = NODE,
         counters: bool = True,
@@ -87,7 +88,7 @@ class Env:
         # The agent's own serializer; `shared` publishes for memory slices with its policy
         # (a request without an amount takes the whole GPU).
         devices = [
-            publish.device(d, shared_by=self.driver if shared else None)
+            publish.device(d, shared_by=self.driver if shared else None, shares=shares)
             for d in inventory.devices(strategy)
             if not only or d.name in only
         ]
@@ -951,6 +952,54 @@ async def test_memory_slices_return_share_ids_and_pin_the_memory(
     assert emu.nvmlDeviceGetComputeMode(emu.nvmlDeviceGetHandleByIndex(5)) == DEFAULT_MODE
     emu.nvmlShutdown()
     assert await preparer.unprepare(refs) == {r.uid: None for r in refs}
+
+
+@pytest.mark.cluster
+@pytest.mark.anyio
+async def test_integer_shares_set_the_time_slice_once_and_reset_it_with_the_last(
+    env: Env, node: Node, akube: AsyncKube
+) -> None:
+    """Claims holding shares of one GPU share its one time-slice setting: the first
+    sets it, the last resets it, and a claim asking another interval is refused."""
+    emu = h100()
+    env.publish(discover(emu), only=("gpu-4",), shares=3)
+
+    def sliced(interval: str) -> list[dict[str, Any]]:
+        parameters = {
+            "apiVersion": "resource.nvidia.com/v1beta1",
+            "kind": "GpuConfig",
+            "sharing": {"strategy": "TimeSlicing", "timeSlicingConfig": {"interval": interval}},
+        }
+        return [env.config(parameters)]
+
+    one_share = [env.request(capacity={"requests": {"shares": "1"}})]
+    claims = [
+        env.allocated(name, requests=one_share, config=sliced(interval))
+        for name, interval in (("a", "Long"), ("b", "Long"), ("short", "Short"))
+    ]
+    results = [c["status"]["allocation"]["devices"]["results"][0] for c in claims]
+    assert {r["device"] for r in results} == {"gpu-4"}
+    assert [r["consumedCapacity"]["shares"] for r in results] == ["1", "1", "1"]
+    a, b, short = (_ref(c) for c in claims)
+    gpu_uuid = discover(emu).gpus[4].uuid
+    setting = f"nvidia-smi compute-policy -i {gpu_uuid} --set-timeslice"
+    preparer = make_preparer(env, node, akube, emu)
+
+    prepared = await preparer.prepare([a, b])
+    assert [prepared[r.uid].error for r in (a, b)] == [None, None]
+    assert [c for c in node.tool_calls() if c.startswith(setting)] == [f"{setting} 3"]
+    refused = (await preparer.prepare([short]))[short.uid].error
+    assert refused is not None
+    assert f"time-sliced with interval 3 for claim {env.namespace}/" in refused
+    assert "claims sharing a GPU need the same interval" in refused
+
+    assert await preparer.unprepare([a]) == {a.uid: None}
+    assert [c for c in node.tool_calls() if c.startswith(setting)] == [f"{setting} 3"]
+    assert await preparer.unprepare([b]) == {b.uid: None}
+    assert [c for c in node.tool_calls() if c.startswith(setting)] == [
+        f"{setting} 3",
+        f"{setting} 0",
+    ]
 
 
 # --- MIG -----------------------------------------------------------------------------------

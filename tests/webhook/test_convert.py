@@ -223,7 +223,27 @@ def test_shared_gpu_gets_time_slicing_config(apply_patch: Patcher) -> None:
     (template,) = result.templates
     assert template["metadata"]["name"] == "gpudra-gpu-shared-1"
     devices = template["spec"]["spec"]["devices"]
-    assert devices["requests"][0]["exactly"]["deviceClassName"] == "gpu-shared.nvidia.com"
+    # One share of a GPU published with shares first; a whole GPU only where none is free.
+    assert devices["requests"] == [
+        {
+            "name": "part-0",
+            "firstAvailable": [
+                {
+                    "name": "share",
+                    "deviceClassName": "gpu-shared.nvidia.com",
+                    "allocationMode": "ExactCount",
+                    "count": 1,
+                    "capacity": {"requests": {"shares": "1"}},
+                },
+                {
+                    "name": "gpu",
+                    "deviceClassName": "gpu-shared.nvidia.com",
+                    "allocationMode": "ExactCount",
+                    "count": 1,
+                },
+            ],
+        }
+    ]
     assert devices["config"] == [
         {
             "opaque": {
@@ -240,6 +260,44 @@ def test_shared_gpu_gets_time_slicing_config(apply_patch: Patcher) -> None:
         }
     ]
     assert claims(out["spec"]["containers"][0]) == [{"name": "gpudra-gpu-shared"}]
+    assert generated_template_name(template["spec"]["spec"], DEFAULT_POLICY) == (
+        "gpudra-gpu-shared-1"
+    )
+
+
+def test_converted_pods_say_what_became_what(apply_patch: Patcher) -> None:
+    _, out = converted(
+        pod(
+            container("a", {"nvidia.com/gpu": "2"}),
+            container("b", {"nvidia.com/gpu.shared": "1", "nvidia.com/mig-1g.10gb": "1"}),
+            container("c", {"nvidia.com/gpu.shared": "2"}),
+        ),
+        apply_patch,
+    )
+    assert out["metadata"]["annotations"] == {
+        "gpudra.nvidia.com/converted": (
+            "nvidia.com/gpu: 2 -> claim gpudra-gpu (template gpudra-gpu-2, class "
+            "gpu.nvidia.com, 2 GPUs whole, sharing Exclusive); "
+            "nvidia.com/mig-1g.10gb: 1 -> claim gpudra-mig-1g10gb (template "
+            "gpudra-mig-1g10gb-1, class mig.nvidia.com, 1 MIG device whole, sharing Exclusive); "
+            "nvidia.com/gpu.shared: 3 -> claim gpudra-gpu-shared (template "
+            "gpudra-gpu-shared-1-2, class gpu-shared.nvidia.com, 3 GPUs one share each, "
+            "sharing TimeSlicing/Default)"
+        )
+    }
+    # Annotations the pod already has are kept.
+    p = pod(container("a", {"nvidia.com/gpu.shared": "1"}))
+    p["metadata"]["annotations"] = {"team": "ml"}
+    policy = ConversionPolicy(gpu_resource_kind=DeviceKind.SHARED, shared_strategy="MPS")
+    _, out = converted(p, apply_patch, policy)
+    assert out["metadata"]["annotations"] == {
+        "team": "ml",
+        "gpudra.nvidia.com/converted": (
+            "nvidia.com/gpu.shared: 1 -> claim gpudra-gpu-shared (template "
+            f"{out['spec']['resourceClaims'][0]['resourceClaimTemplateName']}, class "
+            "gpu-shared.nvidia.com, 1 GPU one share each, sharing MPS)"
+        ),
+    }
 
 
 def test_policy_can_map_plain_gpus_to_shared() -> None:
@@ -559,8 +617,18 @@ def test_generated_template_names_are_bound_to_their_content() -> None:
         spec = template["spec"]["spec"]
         assert generated_template_name(spec, DEFAULT_POLICY) == template["metadata"]["name"]
         bigger = copy.deepcopy(spec)
-        bigger["devices"]["requests"][0]["exactly"]["count"] += 1
+        first_exact(bigger)["count"] += 1
         assert generated_template_name(bigger, DEFAULT_POLICY) != template["metadata"]["name"]
         extra = copy.deepcopy(spec)
-        extra["devices"]["requests"][0]["exactly"]["adminAccess"] = True
+        first_exact(extra)["adminAccess"] = True
         assert generated_template_name(extra, DEFAULT_POLICY) is None
+        if "firstAvailable" in spec["devices"]["requests"][0]:
+            # A shared device's share without its whole-GPU fallback is not ours either.
+            alone = copy.deepcopy(spec)
+            del alone["devices"]["requests"][0]["firstAvailable"][1]
+            assert generated_template_name(alone, DEFAULT_POLICY) is None
+
+
+def first_exact(spec: dict[str, Any]) -> dict[str, Any]:
+    request: dict[str, Any] = spec["devices"]["requests"][0]
+    return request["exactly"] if "exactly" in request else request["firstAvailable"][0]

@@ -226,6 +226,10 @@ async def test_admission_review_round_trip(tmp_path: Path, apply_patch: Patcher)
         "requests": {"cpu": "1"},
         "claims": [{"name": "gpudra-gpu"}],
     }
+    expected["metadata"]["annotations"] = {
+        "gpudra.nvidia.com/converted": "nvidia.com/gpu: 2 -> claim gpudra-gpu (template "
+        "gpudra-gpu-2, class gpu.nvidia.com, 2 GPUs whole, sharing Exclusive)"
+    }
     assert patched == expected
     ((namespace, templates, dry_run),) = h.ensure.calls
     assert (namespace, dry_run) == ("team-a", False)

@@ -267,9 +267,16 @@ def test_an_invalid_class_config_refuses_claims_of_that_class() -> None:
 
 def test_device_class_cache_follows_events() -> None:
     cache = class_view()
-    assert cache.ready and cache.configs[SHARED].configs == ()
+    assert cache.ready and cache.configs["gpu.nvidia.com"].configs == ()
+
+    def strategy() -> str:
+        sharing = cache.configs[SHARED].configs[0].config.sharing
+        assert sharing is not None
+        return sharing.strategy
+
+    assert strategy() == "TimeSlicing"  # the class as installed
     cache.event("MODIFIED", shared_class(strategy="MPS"))
-    assert cache.configs[SHARED].configs[0].config.sharing is not None
+    assert strategy() == "MPS"
     cache.event("DELETED", shared_class(strategy="MPS"))
     assert SHARED not in cache.configs
 

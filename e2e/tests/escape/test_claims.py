@@ -41,12 +41,6 @@ CONFIG_API = "resource.nvidia.com/v1beta1"
 def shared_class_as_the_chart_renders_it() -> dict[str, Any]:
     """gpu-shared.nvidia.com with the chart's default sharing config (TimeSlicing)."""
     (dc,) = (c for c in device_classes(DRIVER) if c["metadata"]["name"] == SHARED)
-    params: dict[str, Any] = {
-        "apiVersion": CONFIG_API,
-        "kind": "GpuConfig",
-        "sharing": {"strategy": "TimeSlicing", "timeSlicingConfig": {"interval": "Default"}},
-    }
-    dc["spec"]["config"] = [{"opaque": {"driver": DRIVER, "parameters": params}}]
     return dc
 
 
