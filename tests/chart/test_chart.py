@@ -13,7 +13,9 @@ import pytest
 import yaml
 from gpudra.api.config import GpuConfig, parse_opaque_config
 from gpudra.api.deviceclasses import DEFAULT_SHARED_SHARING, device_classes
+from gpudra.api.tenants import parse_tenant
 from gpudra.cli.main import build_parser
+from gpudra.cli.main import main as cli_main
 from gpudra.cli.node import _agent_config
 from gpudra.cli.webhook import conversion_policy
 from gpudra.driver.devices import SharedGpus
@@ -484,6 +486,26 @@ def test_gpu_shares_reach_the_node_agent(
     assert shares.for_node("big-1") == node.get("gpuSharesByNode", {}).get(
         "big-1", node.get("gpuShares", 0)
     )
+
+
+def test_the_migration_plan_installs_as_written(helm: Path, tmp_path: Path) -> None:
+    """What `gpudra migrate --out` writes is what docs/migration.md installs: the chart takes
+    its values.yaml and the agent gets the shares; its GpuTenants parse as the controller's."""
+    (tmp_path / "config.yaml").write_text(
+        "version: v1\nsharing:\n  timeSlicing:\n    renameByDefault: false\n"
+        "    resources:\n    - name: nvidia.com/gpu\n      replicas: 4\n"
+    )
+    plan = tmp_path / "plan"
+    assert cli_main(["migrate", f"--config={tmp_path / 'config.yaml'}", f"--out={plan}"]) == 0
+    values = yaml.safe_load((plan / "values.yaml").read_text())
+    objects = h.template(helm, values)
+    (c,) = h.find(objects, "DaemonSet")["spec"]["template"]["spec"]["containers"]
+    args = [a.replace("$(NODE_NAME)", "node-1") for a in c["args"]]
+    assert _agent_config(build_parser().parse_args(args)).gpu_shares.for_node("node-1") == 4
+    tenants = list(yaml.safe_load_all((plan / "tenants.yaml").read_text()))
+    assert tenants
+    for tenant in tenants:
+        parse_tenant(tenant)
 
 
 def test_webhook_runs_as_non_root(full: list[dict[str, Any]]) -> None:
