@@ -14,11 +14,24 @@ from pathlib import Path
 import anyio
 from gpudra.common.kube import Kube
 from gpudra.driver.agent import AgentConfig
-from gpudra.driver.devices import SHARED_GPUS_FORMS, MigStrategy, SharedGpus, SharedGpusError
+from gpudra.driver.devices import (
+    SHARED_GPUS_FORMS,
+    DiscoveryError,
+    Inventory,
+    MigStrategy,
+    SharedGpus,
+    SharedGpusError,
+    discover,
+)
 from gpudra.driver.health import HealthPolicy, TaintEffect
 from gpudra.driver.node import DEFAULT_STATE_DIR, NodeService, PluginConfig
 from gpudra.driver.nvml import NvmlLibrary, NvmlLoadError, ProfileError, load_nvml
-from gpudra.driver.nvml.standin import TOOLS_LOG_ENV, device_numbers, install_driver_root
+from gpudra.driver.nvml.standin import (
+    TOOLS_LOG_ENV,
+    SmiGpu,
+    device_numbers,
+    install_driver_root,
+)
 from gpudra.driver.plugin import DEFAULT_KUBELET_ROOT
 from gpudra.driver.prepare import PREPARE_STEPS
 from prometheus_client import CollectorRegistry, start_http_server
@@ -254,11 +267,18 @@ def _emulated_driver(
     nvml.nvmlInit()
     try:
         version = nvml.nvmlSystemGetDriverVersion()
+        cuda = nvml.nvmlSystemGetCudaDriverVersion()
     finally:
         nvml.nvmlShutdown()
+    try:
+        gpus = _smi_gpus(discover(nvml))
+    except DiscoveryError as e:
+        raise SystemExit(f"gpudra node: --nvml {args.nvml}: {e}") from None
     root = plugin.state_dir / EMULATED_DRIVER_ROOT
     try:
-        install_driver_root(root, version)
+        install_driver_root(
+            root, version, cuda_version=f"{cuda // 1000}.{cuda % 1000 // 10}", gpus=gpus
+        )
     except OSError as e:
         raise SystemExit(
             f"gpudra node: --state-dir {str(plugin.state_dir)!r}: cannot install the emulated "
@@ -266,6 +286,29 @@ def _emulated_driver(
         ) from None
     log.info("emulated driver root installed", extra={"fields": {"path": str(root)}})
     return dataclasses.replace(plugin, driver_root=root, host_root=Path("/"))
+
+
+def _smi_gpus(inventory: Inventory) -> list[SmiGpu]:
+    """What the stand-in nvidia-smi shows of each GPU: the discovered inventory."""
+    mib = 1024 * 1024
+    return [
+        SmiGpu(
+            minor=gpu.minor,
+            uuid=gpu.uuid,
+            name=gpu.product_name,
+            memory_mib=gpu.device.capacity.get("memory", 0) // mib,
+            bus_id=gpu.pci_bus_id,
+            mig_profiles={
+                d.placement.profile_id: (
+                    d.placement.profile,
+                    d.capacity.get("memory", 0) // mib,
+                )
+                for d in (*gpu.partitions, *gpu.mig_devices)
+                if d.placement is not None
+            },
+        )
+        for gpu in inventory.gpus
+    ]
 
 
 def _plugin_config(args: argparse.Namespace) -> PluginConfig:
