@@ -13,6 +13,7 @@ from pathlib import Path
 
 import anyio
 from gpudra.common.kube import Kube
+from gpudra.driver.accounting import DEFAULT_IDLE_BELOW
 from gpudra.driver.agent import AgentConfig
 from gpudra.driver.devices import (
     SHARED_GPUS_FORMS,
@@ -34,6 +35,7 @@ from gpudra.driver.nvml.standin import (
 )
 from gpudra.driver.plugin import DEFAULT_KUBELET_ROOT
 from gpudra.driver.prepare import PREPARE_STEPS
+from gpudra.driver.sampling import DEFAULT_INTERVAL_S
 from prometheus_client import CollectorRegistry, start_http_server
 
 log = logging.getLogger(__name__)
@@ -171,6 +173,23 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         default="0.0.0.0:9477",
         metavar="HOST:PORT",
         help="serve Prometheus metrics here; empty: off",
+    )
+    k.add_argument(
+        "--sample-interval",
+        type=float,
+        default=DEFAULT_INTERVAL_S,
+        metavar="SECONDS",
+        help="read every device's utilization, memory, temperature, power, clocks and ECC "
+        "this often for the device metrics and accounting; 0: off "
+        f"(default: {DEFAULT_INTERVAL_S:g})",
+    )
+    k.add_argument(
+        "--idle-threshold",
+        type=float,
+        default=DEFAULT_IDLE_BELOW,
+        metavar="PERCENT",
+        help="an allocated device whose utilization is under this counts as idle "
+        f"(default: {DEFAULT_IDLE_BELOW:g})",
     )
     # Test hook: SIGKILL this process right after the named step of a prepare.
     k.add_argument("--crash-at", choices=PREPARE_STEPS, default=None, help=argparse.SUPPRESS)
@@ -320,6 +339,14 @@ def _plugin_config(args: argparse.Namespace) -> PluginConfig:
             )
     if args.cleanup_interval <= 0:
         raise SystemExit("gpudra node: --cleanup-interval must be positive")
+    if args.sample_interval < 0:
+        raise SystemExit(
+            f"gpudra node: --sample-interval {args.sample_interval:g}: give seconds, or 0 for off"
+        )
+    if not 0 <= args.idle_threshold <= 100:
+        raise SystemExit(
+            f"gpudra node: --idle-threshold {args.idle_threshold:g}: give a percentage, 0 to 100"
+        )
     return PluginConfig(
         kubelet_root=args.kubelet_root,
         cdi_root=args.cdi_root,
@@ -333,6 +360,8 @@ def _plugin_config(args: argparse.Namespace) -> PluginConfig:
         toolkit_spec=args.toolkit_cdi,
         driver_libraries=tuple(args.driver_library),
         cleanup_interval_s=args.cleanup_interval,
+        sample_interval_s=args.sample_interval,
+        idle_below=args.idle_threshold,
     )
 
 

@@ -10,7 +10,9 @@ that keeps the kubelet's view consistent:
    (`ApiClaims`) and hands it to the preparer; its health stream reads the agent's
    health state, restricted to the devices the slices publish;
 4. a periodic sweep unprepares claims deleted from the API while the kubelet was
-   not looking.
+   not looking;
+5. with the plugin, the sampler reads every device's NVML telemetry on an interval
+   for the device metrics and accounting (`gpudra.driver.sampling`).
 
 The plugin's Prometheus metrics go to `registry`; `gpudra node` serves them on its
 metrics address.
@@ -26,6 +28,7 @@ from pathlib import Path
 import anyio
 import anyio.abc
 from gpudra.common.kube import Kube
+from gpudra.driver.accounting import DEFAULT_IDLE_BELOW, Accounting
 from gpudra.driver.agent import AgentConfig, NodeAgent
 from gpudra.driver.cdi import (
     DEFAULT_CDI_ROOT,
@@ -34,9 +37,10 @@ from gpudra.driver.cdi import (
     find_driver_files,
     find_toolkit_spec,
 )
-from gpudra.driver.checkpoint import DEFAULT_BOOT_ID_PATH
+from gpudra.driver.checkpoint import DEFAULT_BOOT_ID_PATH, ClaimRecord
 from gpudra.driver.claimreader import ApiClaims
-from gpudra.driver.metrics import ClaimMetrics
+from gpudra.driver.holders import ClaimInfos
+from gpudra.driver.metrics import ClaimMetrics, DeviceMetrics
 from gpudra.driver.nvml import NvmlLibrary
 from gpudra.driver.plugin import (
     DEFAULT_KUBELET_ROOT,
@@ -45,6 +49,7 @@ from gpudra.driver.plugin import (
     KubeletPlugin,
 )
 from gpudra.driver.prepare import ClaimPreparer
+from gpudra.driver.sampling import DEFAULT_INTERVAL_S, Sampler
 from gpudra.driver.sharing import NvidiaSharing
 from prometheus_client import CollectorRegistry
 
@@ -75,6 +80,9 @@ class PluginConfig:
     # Empty: find the driver's libraries and utilities under driver_root.
     driver_libraries: tuple[str, ...] = ()
     cleanup_interval_s: float = 60.0
+    # Device telemetry for metrics and accounting: every this many seconds; 0: off.
+    sample_interval_s: float = DEFAULT_INTERVAL_S
+    idle_below: float = DEFAULT_IDLE_BELOW  # utilization percent under which a device idles
     # Emulated GPUs: device node numbers for the CDI specs, and the tools' environment.
     device_numbers: DeviceNumbers | None = None
     tool_env: Mapping[str, str] = field(default_factory=dict)
@@ -145,7 +153,11 @@ class NodeService:
         self._plugin_config = plugin
         self.preparer: ClaimPreparer | None = None
         self.plugin: KubeletPlugin | None = None
-        self._claims = ApiClaims(kube, driver=agent_config.driver_name, pool=agent_config.node_name)
+        self.sampler: Sampler | None = None
+        self._infos = ClaimInfos()
+        self._claims = ApiClaims(
+            kube, driver=agent_config.driver_name, pool=agent_config.node_name, infos=self._infos
+        )
         if plugin is None:
             return
         toolkit = find_toolkit_spec() if plugin.toolkit_spec else None
@@ -190,6 +202,29 @@ class NodeService:
             pod_uid=plugin.pod_uid,
             health=AgentHealth(self.agent),
         )
+        if plugin.sample_interval_s > 0:
+            self.sampler = self._sampler(self.preparer, plugin)
+
+    def _sampler(self, preparer: ClaimPreparer, plugin: PluginConfig) -> Sampler:
+        accounting = Accounting(idle_below=plugin.idle_below)
+
+        def prepared() -> tuple[ClaimRecord, ...]:
+            cp = preparer.checkpoint_now()
+            claims = tuple(cp.claims()) if cp is not None else ()
+            self._infos.retain(c.uid for c in claims)
+            return claims
+
+        sampler = Sampler(
+            self.agent.nvml,
+            pool=self.agent.config.node_name,
+            inventory=lambda: self.agent.inventory,
+            prepared=prepared,
+            claim_info=self._infos.snapshot,
+            interval_s=plugin.sample_interval_s,
+            on_sample=(accounting.observe,),
+        )
+        self.registry.register(DeviceMetrics(sampler, accounting, lambda: self.agent.health))
+        return sampler
 
     async def run(
         self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
@@ -201,6 +236,8 @@ class NodeService:
                 log.info("recovered from the checkpoint", extra={"fields": {"report": str(report)}})
                 try:
                     await self.plugin.start()
+                    if self.sampler is not None:
+                        await tg.start(self.sampler.run)
                     self.ready.set()
                     task_status.started()
                     await self._sweep_deleted_claims()
