@@ -1,0 +1,113 @@
+"""The chart's GPU alerts (PrometheusRule): rendered by the real helm, shaped as the
+Prometheus Operator reads them, tuned by the values, and asking only for series the
+node agent and the webhook export.
+
+No PromQL parser or promtool is available offline, so expressions are checked for the
+metric names they use, not parsed."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+from gpudra.driver.accounting import Accounting
+from gpudra.driver.metrics import ClaimMetrics, DeviceMetrics
+from gpudra.driver.nvml.emulator import NvmlEmulator, load_builtin_profile
+from gpudra.driver.sampling import Sampler
+from gpudra.webhook.metrics import WebhookMetrics
+from prometheus_client import CollectorRegistry
+
+from e2e.tools import helm as h
+
+ENABLED = {"monitoring": {"prometheusRule": {"enabled": True, "labels": {"release": "kps"}}}}
+
+
+@pytest.fixture(scope="module")
+def helm() -> Path:
+    try:
+        return h.helm_binary()
+    except h.HelmUnavailable as e:
+        pytest.skip(f"helm could not be built: {e}")
+
+
+def rules_of(objs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    (rule,) = [o for o in objs if o["kind"] == "PrometheusRule"]
+    assert rule["apiVersion"] == "monitoring.coreos.com/v1"
+    assert rule["metadata"]["labels"]["release"] == "kps"
+    return {r["alert"]: r for group in rule["spec"]["groups"] for r in group["rules"]}
+
+
+def exported_series() -> set[str]:
+    """Every series name the agent's and the webhook's registries expose."""
+    registry = CollectorRegistry()
+    ClaimMetrics(registry)
+    WebhookMetrics(registry)
+    sampler = Sampler(
+        NvmlEmulator(load_builtin_profile("l4")),
+        pool="n",
+        inventory=lambda: None,
+        prepared=lambda: (),
+    )
+    registry.register(DeviceMetrics(sampler, Accounting(), lambda: None))
+    names: set[str] = set()
+    for family in registry.collect():
+        names.add(f"{family.name}_total" if family.type == "counter" else family.name)
+    return names
+
+
+def test_off_by_default(helm: Path) -> None:
+    assert not [o for o in h.template(helm) if o["kind"] == "PrometheusRule"]
+
+
+def test_every_alert_is_complete_and_asks_for_exported_series(helm: Path) -> None:
+    rules = rules_of(h.template(helm, ENABLED))
+    assert set(rules) == {
+        "GpuLowUtilization",
+        "GpuAllocatedIdle",
+        "GpuMemoryHigh",
+        "GpuTemperatureHigh",
+        "GpuXidError",
+        "GpuDeviceTainted",
+        "GpudraPrepareErrors",
+        "GpudraWebhookDenialsRising",
+    }
+    exported = exported_series()
+    for name, rule in rules.items():
+        assert rule["labels"]["severity"] in {"info", "warning", "critical"}, name
+        assert rule["annotations"]["summary"], name
+        if "for" in rule:
+            assert re.fullmatch(r"[0-9]+[smhd]", rule["for"]), name
+        used = set(re.findall(r"\bgpudra_[a-z_]+", rule["expr"]))
+        assert used, name
+        assert used <= exported, f"{name} uses series nobody exports: {used - exported}"
+
+
+def test_thresholds_come_from_the_values(helm: Path) -> None:
+    tuned = {
+        "monitoring": {
+            "prometheusRule": {
+                **ENABLED["monitoring"]["prometheusRule"],
+                "lowUtilizationPercent": 30,
+                "lowUtilizationFor": "2h",
+                "memoryUsedRatio": 0.8,
+                "temperatureCelsius": 80,
+                "idleSeconds": 1800,
+            }
+        }
+    }
+    rules = rules_of(h.template(helm, tuned))
+    assert rules["GpuLowUtilization"]["expr"].endswith("< 30")
+    assert rules["GpuLowUtilization"]["for"] == "2h"
+    assert rules["GpuMemoryHigh"]["expr"].endswith("> 0.8")
+    assert rules["GpuTemperatureHigh"]["expr"].endswith("> 80")
+    assert rules["GpuAllocatedIdle"]["expr"].endswith("> 1800")
+
+
+def test_the_sampling_values_reach_the_agent(helm: Path) -> None:
+    values = {"node": {"sampleIntervalSeconds": 0, "idleThresholdPercent": 10}}
+    (ds,) = [o for o in h.template(helm, values) if o["kind"] == "DaemonSet"]
+    args = ds["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--sample-interval=0" in args
+    assert "--idle-threshold=10" in args
