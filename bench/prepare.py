@@ -14,6 +14,9 @@ calls and the API server read that every prepare pays, so that the agent's own s
 can be told from what no agent can avoid.
 BENCH_FLOOR=0 skips it.
 
+BENCH_SAMPLE_INTERVAL=<seconds> sets the agent's device sampling interval (0: off;
+default: the agent's own), to show that sampling does not slow prepares.
+
 The calls come from a small Go client (bench/kubeletclient, the kubelet's own DRA
 stubs and grpc-go), built from the Go module proxy and cached under
 ~/.cache/gpudra, so that the two cores measure the plugin rather than a Python gRPC
@@ -325,8 +328,10 @@ async def main() -> dict[str, Any]:
     # Optional: BENCH_PROFILE=<file> writes a cProfile of the node process.
     profile = os.environ.get("BENCH_PROFILE")
     runner = ["-m", "cProfile", "-o", profile] if profile else []
+    sampling = os.environ.get("BENCH_SAMPLE_INTERVAL")
+    options = ("--sample-interval", sampling) if sampling else ()
     proc = subprocess.Popen(  # noqa: ASYNC220 - started once, before the measurement
-        dirs.command(driver, "--metrics-address", "", runner=runner),
+        dirs.command(driver, "--metrics-address", "", *options, runner=runner),
         cwd=REPO,
         env=env,
     )
@@ -385,6 +390,7 @@ async def main() -> dict[str, Any]:
         # The same client and claims against a plugin that only GETs each claim:
         # gRPC plus the API server read, which every prepare pays before any node work.
         "floor_get_only": floor,
+        "sample_interval_s": float(sampling) if sampling else None,
         "cdi_root_on_tmpfs": shm is not None,
         "cpus": os.cpu_count(),
         "load_avg_1m_at_end": round(os.getloadavg()[0], 2),

@@ -72,6 +72,14 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         f"<state-dir>/{EMULATED_NVML_STATE})",
     )
     p.add_argument(
+        "--nvml-script",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="emulated GPUs only: a JSON telemetry script (GPU index or UUID -> values such "
+        'as {"utilization": 3}), re-read whenever it changes',
+    )
+    p.add_argument(
         "--kubeconfig", default=None, help="kubeconfig file (default: $KUBECONFIG, else in-cluster)"
     )
     p.add_argument(
@@ -386,7 +394,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         if state_path is not None:
             state_path.parent.mkdir(parents=True, exist_ok=True)
-        nvml = load_nvml(args.nvml, state_path=state_path)
+        nvml = load_nvml(args.nvml, state_path=state_path, script_path=args.nvml_script)
     except OSError as e:
         raise SystemExit(
             f"gpudra node: --nvml-state {str(state_path)!r}: {e.strerror}; give a writable "
