@@ -11,7 +11,6 @@ import re
 from pathlib import Path
 from typing import Any
 
-import pytest
 from gpudra.driver.accounting import Accounting
 from gpudra.driver.metrics import ClaimMetrics, DeviceMetrics
 from gpudra.driver.nvml.emulator import NvmlEmulator, load_builtin_profile
@@ -22,14 +21,6 @@ from prometheus_client import CollectorRegistry
 from e2e.tools import helm as h
 
 ENABLED = {"monitoring": {"prometheusRule": {"enabled": True, "labels": {"release": "kps"}}}}
-
-
-@pytest.fixture(scope="module")
-def helm() -> Path:
-    try:
-        return h.helm_binary()
-    except h.HelmUnavailable as e:
-        pytest.skip(f"helm could not be built: {e}")
 
 
 def rules_of(objs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
