@@ -102,3 +102,19 @@ def test_the_sampling_values_reach_the_agent(helm: Path) -> None:
     args = ds["spec"]["template"]["spec"]["containers"][0]["args"]
     assert "--sample-interval=0" in args
     assert "--idle-threshold=10" in args
+
+
+def test_the_pod_monitor_scrapes_the_agents_metrics_port(helm: Path) -> None:
+    values = {"monitoring": {"podMonitor": {"enabled": True, "interval": "15s"}}}
+    objs = h.template(helm, values)
+    (monitor,) = [o for o in objs if o["kind"] == "PodMonitor"]
+    (ds,) = [o for o in objs if o["kind"] == "DaemonSet"]
+    pod_labels = ds["spec"]["template"]["metadata"]["labels"]
+    selector = monitor["spec"]["selector"]["matchLabels"]
+    assert selector.items() <= pod_labels.items()
+    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+    ports = ds["spec"]["template"]["spec"]["containers"][0]["ports"]
+    assert endpoint["port"] in [p["name"] for p in ports]
+    assert endpoint["interval"] == "15s"
+    no_port = {**values, "node": {"metricsPort": 0}}
+    assert not [o for o in h.template(helm, no_port) if o["kind"] == "PodMonitor"]
