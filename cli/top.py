@@ -10,20 +10,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
-import urllib.error
-import urllib.parse
-import urllib.request
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Final, TextIO
 
+from gpudra.cli.scrape import agent_endpoint, fetch, parse_duration
 from prometheus_client.parser import text_string_to_metric_families
 
-__all__ = ["DeviceRow", "parse_duration", "register", "rows_from_metrics"]
+__all__ = ["DeviceRow", "register", "rows_from_metrics"]
 
-_DURATION: Final = re.compile(r"(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?")
 _SORT_KEYS: Final = ("node", "utilization", "memory", "idle")
 _RED: Final = "\033[31m"
 _YELLOW: Final = "\033[33m"
@@ -55,16 +51,6 @@ class DeviceRow:
         if len(self.holders) == 1:
             return f"held by {self.holders[0]}"
         return f"shared by {len(self.holders)} pods"
-
-
-def parse_duration(raw: str) -> float:
-    """'90s', '30m', '1h30m' -> seconds; raises ValueError naming the forms."""
-    match = _DURATION.fullmatch(raw.strip())
-    if not raw.strip() or match is None or not any(match.groups()):
-        msg = f"{raw!r} is not a duration; give e.g. 90s, 30m, 1h or 1h30m"
-        raise ValueError(msg)
-    hours, minutes, seconds = (int(g or 0) for g in match.groups())
-    return float(hours * 3600 + minutes * 60 + seconds)
 
 
 def rows_from_metrics(node: str, text: str) -> list[DeviceRow]:
@@ -105,26 +91,6 @@ def rows_from_metrics(node: str, text: str) -> list[DeviceRow]:
             elif sample.name == "gpudra_gpu_healthy":
                 device.healthy = sample.value > 0
     return sorted(rows.values(), key=lambda r: r.device)
-
-
-def _node_and_url(raw: str) -> tuple[str, str]:
-    node, sep, url = raw.partition("=")
-    if not sep:
-        url = raw
-        node = urllib.parse.urlparse(url).hostname or url
-    if not url.startswith(("http://", "https://")):
-        msg = f"--metrics {raw!r}: give http://HOST:PORT/metrics, or NODE=URL"
-        raise SystemExit(f"gpudra top: {msg}")
-    return node, url
-
-
-def _fetch(url: str, timeout_s: float) -> str:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as response:  # noqa: S310
-            return str(response.read().decode())
-    except (urllib.error.URLError, OSError) as e:
-        reason = getattr(e, "reason", e)
-        raise SystemExit(f"gpudra top: {url} did not answer: {reason}") from None
 
 
 def _gib(value: float | None) -> str:
@@ -190,8 +156,8 @@ def run(args: argparse.Namespace) -> int:
             raise SystemExit(f"gpudra top: --idle: {e}") from None
     rows: list[DeviceRow] = []
     for raw in args.metrics:
-        node, url = _node_and_url(raw)
-        rows += rows_from_metrics(node, _fetch(url, args.timeout))
+        node, url = agent_endpoint(raw, command="top")
+        rows += rows_from_metrics(node, fetch(url, args.timeout, command="top"))
     selected = _select(rows, args)
     if args.output == "json":
         doc = [{**asdict(r), "state": r.state} for r in selected]

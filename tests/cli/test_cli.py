@@ -37,7 +37,7 @@ def test_help_lists_only_registered_commands() -> None:
     parser = build_parser()
     sub = next(a for a in parser._actions if a.dest == "command")
     registered = set(sub.choices)  # type: ignore[arg-type]
-    assert registered == {"node", "webhook", "top"}
+    assert registered == {"node", "webhook", "top", "report"}
     out = run("--help").stdout
     for name in registered:
         assert f"    {name} " in out
