@@ -18,9 +18,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 from gpudra.common.kube import Kube as AsyncKube
 from gpudra.driver import publish
+from gpudra.driver.accounting import Accounting
 from gpudra.driver.cdi import CdiSpecStore, DeviceNumbers, ToolkitSpec, find_toolkit_spec
 from gpudra.driver.checkpoint import load as load_checkpoint
 from gpudra.driver.claimreader import ApiClaims
@@ -30,7 +32,8 @@ from gpudra.driver.devices import (
     MigStrategy,
     discover,
 )
-from gpudra.driver.metrics import ClaimMetrics
+from gpudra.driver.holders import ClaimInfos
+from gpudra.driver.metrics import ClaimMetrics, DeviceMetrics
 from gpudra.driver.mig import create_compute_instance, create_gpu_instance, mig_capability_minors
 from gpudra.driver.nvml import NvmlEmulator
 from gpudra.driver.nvml.standin import (
@@ -44,8 +47,9 @@ from gpudra.driver.plugin import ClaimDispatcher, PrepareResult
 from gpudra.driver.prepare import ClaimPreparer, RecoveryReport
 from gpudra.driver.processes import ProcessIdentity
 from gpudra.driver.records import CreatedMig
+from gpudra.driver.sampling import Sampler
 from gpudra.driver.sharing import MpsDaemon, NvidiaSharing, SharingError, may_mount
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, generate_latest
 
 from e2e.claims import pod_with_claim, wait_allocated
 from e2e.cluster.kube import Kube, wait_for
@@ -1711,3 +1715,59 @@ def test_a_control_fifo_without_a_daemon_is_not_written(node: Node) -> None:
 
     assert node.tool_calls() == []
     assert not daemon.pipe_dir.exists()
+
+
+@pytest.mark.cluster
+@pytest.mark.anyio
+async def test_a_dynamic_mig_device_is_sampled_with_its_holder_while_a_prepare_holds_the_lock(
+    env: Env, node: Node, akube: AsyncKube
+) -> None:
+    """The sampler finds a MIG device a prepare created (before any rediscovery) and
+    labels it with the claim; it reads the checkpoint without the preparer's lock."""
+    emu = h100_mig()
+    inventory = discover(emu)
+    env.publish(inventory, MigStrategy.DYNAMIC)
+    profile = f'device.attributes["{env.driver}"].profile == "1g.10gb"'
+    claim = env.allocated("mig", requests=[env.request("mig", cel=profile)])
+    ref = _ref(claim)
+    registry = CollectorRegistry()
+    preparer = node_preparer(node, emu, strategy=MigStrategy.DYNAMIC, registry=registry)
+    infos = ClaimInfos()
+    claims = ApiClaims(akube, driver=env.driver, pool=NODE, infos=infos)
+    calls = ClaimDispatcher(preparer, claims, ClaimMetrics(registry))
+    assert (await calls.prepare([ref]))[ref.uid].error is None
+    [mig_uuid] = mig_devices(emu).values()
+
+    now = [0.0]
+    accounting = Accounting()
+    sampler = Sampler(
+        emu,
+        pool=NODE,
+        inventory=lambda: inventory,  # discovered before the MIG device existed
+        prepared=lambda: cp.claims() if (cp := preparer.checkpoint_now()) else (),
+        claim_info=infos.snapshot,
+        on_sample=(accounting.observe,),
+        clock=lambda: now[0],
+    )
+    registry.register(DeviceMetrics(sampler, accounting, lambda: None))
+    async with preparer._lock:  # a prepare in progress
+        with anyio.fail_after(30):
+            await sampler.sample_once()
+            now[0] += 60
+            await sampler.sample_once()
+
+    text = generate_latest(registry).decode()
+    [memory] = [
+        ln
+        for ln in text.splitlines()
+        if ln.startswith("gpudra_gpu_memory_total_bytes{") and f'uuid="{mig_uuid}"' in ln
+    ]
+    assert f'claim="{ref.name}"' in memory
+    assert f'namespace="{env.namespace}"' in memory
+    assert 'utilization_scope="unavailable"' in memory
+    [billed] = [
+        ln for ln in text.splitlines() if ln.startswith("gpudra_allocated_device_seconds_total{")
+    ]
+    assert f'device_class="{env.driver}"' in billed
+    assert billed.endswith(" 60.0")
+    assert await calls.unprepare([ref]) == {ref.uid: None}
