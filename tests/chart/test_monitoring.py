@@ -1,12 +1,14 @@
-"""The chart's GPU alerts (PrometheusRule): rendered by the real helm, shaped as the
-Prometheus Operator reads them, tuned by the values, and asking only for series the
-node agent and the webhook export.
+"""The chart's monitoring pieces (PrometheusRule, PodMonitor, Grafana dashboard):
+rendered by the real helm, shaped as the Prometheus Operator and Grafana's sidecar read
+them, tuned by the values, and asking only for series the node agent and the webhook
+export.
 
 No PromQL parser or promtool is available offline, so expressions are checked for the
-metric names they use, not parsed."""
+metric names they use (and balanced parentheses), not parsed."""
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from typing import Any
@@ -118,3 +120,29 @@ def test_the_pod_monitor_scrapes_the_agents_metrics_port(helm: Path) -> None:
     assert endpoint["interval"] == "15s"
     no_port = {**values, "node": {"metricsPort": 0}}
     assert not [o for o in h.template(helm, no_port) if o["kind"] == "PodMonitor"]
+
+
+def test_the_dashboard_loads_in_the_sidecar_and_queries_exported_series(helm: Path) -> None:
+    values = {"monitoring": {"dashboard": {"enabled": True, "namespace": "grafana"}}}
+    (cm,) = [
+        o
+        for o in h.template(helm, values)
+        if o["kind"] == "ConfigMap" and "dashboard" in o["metadata"]["name"]
+    ]
+    assert cm["metadata"]["namespace"] == "grafana"
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    dashboard = json.loads(cm["data"]["gpudra-gpus.json"])
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", ())]
+    exprs += [v["query"]["query"] for v in dashboard["templating"]["list"] if v["type"] == "query"]
+    assert len(exprs) >= 10
+    exported = exported_series()
+    for expr in exprs:
+        assert expr.count("(") == expr.count(")"), expr
+        used = set(re.findall(r"\bgpudra_[a-z_]+", expr))
+        assert used, expr
+        assert used <= exported, f"{expr} uses series nobody exports: {used - exported}"
+    assert not [
+        o
+        for o in h.template(helm)
+        if o["kind"] == "ConfigMap" and "dashboard" in o["metadata"]["name"]
+    ]
