@@ -15,7 +15,6 @@ from typing import Final
 
 from gpudra.driver.accounting import Accounting
 from gpudra.driver.checkpoint import Checkpoint, ClaimRecord
-from gpudra.driver.health import HealthState
 from gpudra.driver.holders import Holder
 from gpudra.driver.sampling import Reading, SampledDevice, Sampler
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -178,26 +177,19 @@ class DeviceMetrics(Collector):
     `max by (uuid)`, not `sum`. A MIG device whose utilization NVML does not give
     has `utilization_scope="unavailable"` and no utilization series, never its
     GPU's. Every value NVML refused is in `gpudra_gpu_metric_unavailable` with the
-    reason. Runs in the metrics server's thread: it only reads replaced-whole state.
+    reason. Runs in the metrics server's thread: it reads only the sampler's latest
+    sample (replaced whole, health included) and the accounting's copies.
     """
 
-    def __init__(
-        self,
-        sampler: Sampler,
-        accounting: Accounting,
-        health: Callable[[], HealthState | None],
-    ) -> None:
+    def __init__(self, sampler: Sampler, accounting: Accounting) -> None:
         self._sampler = sampler
         self._accounting = accounting
-        self._health = health
 
     def describe(self) -> Iterator[Metric]:
         return iter(())  # the families depend on what was sampled
 
     def collect(self) -> Iterator[Metric]:
         sample = self._sampler.latest
-        health = self._health()
-        report = health.report() if health is not None else None
         labels = (*DEVICE_LABELS, *HOLDER_LABELS)
         gauges = {key: GaugeMetricFamily(name, doc, labels=labels) for key, name, doc in _GAUGES}
         ecc = CounterMetricFamily(
@@ -229,7 +221,7 @@ class DeviceMetrics(Collector):
             )
             rows = [(*base, *_holder_labels(h)) for h in held.holders] if held else []
             rows = rows or [(*base, *_NO_HOLDER)]
-            state = report.devices.get(device.name) if report is not None else None
+            healthy_now = sample.healthy.get(device.name) if sample is not None else None
             for row in rows:
                 for key, gauge in gauges.items():
                     if key in reading.values:
@@ -237,24 +229,21 @@ class DeviceMetrics(Collector):
                 for key, kind in _ECC:
                     if key in reading.values:
                         ecc.add_metric((*row, kind), reading.values[key])
-                if state is not None:
-                    healthy.add_metric(row, 1.0 if state.healthy else 0.0)
+                if healthy_now is not None:
+                    healthy.add_metric(row, 1.0 if healthy_now else 0.0)
             for metric, reason in sorted(reading.missing.items()):
                 unavailable.add_metric((device.name, device.uuid, metric, reason), 1.0)
         yield from gauges.values()
         yield from (ecc, healthy, unavailable)
-        yield self._xids(health)
-        yield from self._accounts()
-
-    def _xids(self, health: HealthState | None) -> Metric:
         xids = CounterMetricFamily(
             "gpudra_gpu_xid_errors",
             "XID events each GPU raised since the agent started.",
             labels=("gpu_uuid", "xid"),
         )
-        for (uuid, xid), count in sorted((health.xid_counts() if health else {}).items()):
+        for (uuid, xid), count in sorted((sample.xids if sample is not None else {}).items()):
             xids.add_metric((uuid, str(xid)), count)
-        return xids
+        yield xids
+        yield from self._accounts()
 
     def _accounts(self) -> Iterator[Metric]:
         allocated = CounterMetricFamily(

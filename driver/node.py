@@ -220,10 +220,11 @@ class NodeService:
             inventory=lambda: self.agent.inventory,
             prepared=prepared,
             claim_info=self._infos.snapshot,
+            health=lambda: self.agent.health,
             interval_s=plugin.sample_interval_s,
             on_sample=(accounting.observe,),
         )
-        self.registry.register(DeviceMetrics(sampler, accounting, lambda: self.agent.health))
+        self.registry.register(DeviceMetrics(sampler, accounting))
         return sampler
 
     async def run(

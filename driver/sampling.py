@@ -26,6 +26,7 @@ import anyio.to_thread
 import pynvml
 from gpudra.driver.checkpoint import ClaimRecord
 from gpudra.driver.devices import Inventory
+from gpudra.driver.health import HealthState
 from gpudra.driver.holders import ClaimInfo, HeldDevice, held_devices
 from gpudra.driver.nvml import NvmlLibrary
 from gpudra.driver.nvml.codes import constant_names
@@ -70,11 +71,17 @@ class Reading:
 
 @dataclass(frozen=True, slots=True)
 class Sample:
-    """What one sampling pass saw: each device's reading and who held it."""
+    """What one sampling pass saw: each device's reading, who held it, and the health
+    state then (taken on the event loop, so a scrape never reads live health state).
+
+    `healthy` maps device names to health; `xids` (GPU UUID, XID) to events seen.
+    """
 
     at: float  # the sampler's clock
     devices: tuple[tuple[SampledDevice, Reading], ...] = ()
     held: Mapping[str, HeldDevice] = field(default_factory=dict)
+    healthy: Mapping[str, bool] = field(default_factory=dict)
+    xids: Mapping[tuple[str, int], int] = field(default_factory=dict)
 
 
 def _reason(err: BaseException) -> str:
@@ -160,8 +167,8 @@ class Sampler:
 
     `inventory` and `prepared` are read each pass (the agent's latest inventory; the
     preparer's completed claims, read without its lock); `claim_info` gives what the
-    checkpoint does not keep of a claim. `on_sample` (accounting) is called on the
-    event loop with each new sample.
+    checkpoint does not keep of a claim; `health` the agent's health state. `on_sample`
+    (accounting) is called on the event loop with each new sample.
     """
 
     def __init__(
@@ -172,6 +179,7 @@ class Sampler:
         inventory: Callable[[], Inventory | None],
         prepared: Callable[[], Iterable[ClaimRecord]],
         claim_info: Callable[[], Mapping[str, ClaimInfo]] = dict,
+        health: Callable[[], HealthState | None] = lambda: None,
         interval_s: float = DEFAULT_INTERVAL_S,
         on_sample: Iterable[Callable[[Sample], None]] = (),
         clock: Callable[[], float] = time.monotonic,
@@ -181,6 +189,7 @@ class Sampler:
         self._inventory = inventory
         self._prepared = prepared
         self._claim_info = claim_info
+        self._health = health
         self.interval_s = interval_s
         self._on_sample = tuple(on_sample)
         self._clock = clock
@@ -210,7 +219,15 @@ class Sampler:
         held = held_devices(self._prepared(), self._pool, self._claim_info())
         devices = devices_to_sample(self._inventory(), held)
         readings = await anyio.to_thread.run_sync(self._read_all, devices)
-        sample = Sample(self._clock(), tuple(readings), held)
+        health = self._health()
+        report = health.report() if health is not None else None
+        sample = Sample(
+            self._clock(),
+            tuple(readings),
+            held,
+            healthy={n: d.healthy for n, d in report.devices.items()} if report else {},
+            xids=health.xid_counts() if health is not None else {},
+        )
         self.latest = sample
         for callback in self._on_sample:
             callback(sample)

@@ -43,7 +43,7 @@ def exported_series() -> set[str]:
         inventory=lambda: None,
         prepared=lambda: (),
     )
-    registry.register(DeviceMetrics(sampler, Accounting(), lambda: None))
+    registry.register(DeviceMetrics(sampler, Accounting()))
     names: set[str] = set()
     for family in registry.collect():
         names.add(f"{family.name}_total" if family.type == "counter" else family.name)

@@ -57,7 +57,7 @@ def endpoint() -> Iterator[str]:
 
     anyio.run(two_samples)
     registry = CollectorRegistry()
-    registry.register(DeviceMetrics(sampler, accounting, lambda: None))
+    registry.register(DeviceMetrics(sampler, accounting))
     server, thread = start_http_server(0, "127.0.0.1", registry=registry)
     try:
         yield f"node-a=http://127.0.0.1:{server.server_port}/metrics"

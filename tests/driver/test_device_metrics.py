@@ -104,11 +104,12 @@ class Node:
             inventory=lambda: self.inventory,
             prepared=lambda: self.claims,
             claim_info=infos.snapshot,
+            health=lambda: health,
             on_sample=(self.accounting.observe,),
             clock=self.clock,
         )
         self.registry = CollectorRegistry()
-        self.registry.register(DeviceMetrics(self.sampler, self.accounting, lambda: health))
+        self.registry.register(DeviceMetrics(self.sampler, self.accounting))
 
     def scrape(self) -> list[tuple[str, dict[str, str], float]]:
         server, thread = start_http_server(0, "127.0.0.1", registry=self.registry)

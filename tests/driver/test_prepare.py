@@ -1749,7 +1749,7 @@ async def test_a_dynamic_mig_device_is_sampled_with_its_holder_while_a_prepare_h
         on_sample=(accounting.observe,),
         clock=lambda: now[0],
     )
-    registry.register(DeviceMetrics(sampler, accounting, lambda: None))
+    registry.register(DeviceMetrics(sampler, accounting))
     async with preparer._lock:  # a prepare in progress
         with anyio.fail_after(30):
             await sampler.sample_once()
