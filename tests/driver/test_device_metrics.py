@@ -5,19 +5,24 @@ from __future__ import annotations
 
 import urllib.request
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import pynvml
 import pytest
+from gpudra.common.kube import Kube
 from gpudra.driver.accounting import Accounting
+from gpudra.driver.agent import AgentConfig
 from gpudra.driver.checkpoint import ClaimRecord, ClaimState, DeviceRecord
 from gpudra.driver.devices import Inventory, discover
 from gpudra.driver.health import HealthState, XidEvent
 from gpudra.driver.holders import ClaimInfo, ClaimInfos
 from gpudra.driver.metrics import DeviceMetrics
+from gpudra.driver.node import NodeService, PluginConfig
 from gpudra.driver.nvml.emulator import NvmlEmulator, load_builtin_profile, parse_profile
 from gpudra.driver.records import DeviceDetails, TimeSliceSet
 from gpudra.driver.sampling import Sampler
+from kubernetes_asyncio.client import ApiClient
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -309,3 +314,24 @@ async def test_time_sliced_holders_split_a_gpu_equally() -> None:
 def test_the_idle_threshold_must_be_a_percentage() -> None:
     with pytest.raises(ValueError, match="percentage"):
         Accounting(idle_below=150)
+
+
+@pytest.mark.parametrize(("interval", "sampled"), [(10.0, True), (0.0, False)])
+async def test_the_node_samples_and_exports_device_metrics_unless_switched_off(
+    tmp_path: Path, interval: float, sampled: bool
+) -> None:
+    nvml = emulator("l4")
+    config = PluginConfig(
+        kubelet_root=tmp_path / "kubelet",
+        cdi_root=tmp_path / "cdi",
+        state_dir=tmp_path / "state",
+        toolkit_spec=False,
+        driver_libraries=("usr/lib/libnvidia-ml.so.1",),
+        sample_interval_s=interval,
+    )
+    async with ApiClient() as api:
+        service = NodeService(AgentConfig(node_name=POOL), Kube(api), nvml, config)
+        names = {family.name for family in service.registry.collect()}
+    assert (service.sampler is not None) is sampled
+    assert ("gpudra_gpu_utilization_percent" in names) is sampled
+    assert "gpudra_claim_operations" in names
