@@ -199,6 +199,14 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="an allocated device whose utilization is under this counts as idle "
         f"(default: {DEFAULT_IDLE_BELOW:g})",
     )
+    k.add_argument(
+        "--claim-status",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="show in each prepared ResourceClaim's status.devices what its devices are "
+        "(GPU and MIG UUIDs, sharing, slice memory); needs patch on resourceclaims/status "
+        "(default: off)",
+    )
     # Test hook: SIGKILL this process right after the named step of a prepare.
     k.add_argument("--crash-at", choices=PREPARE_STEPS, default=None, help=argparse.SUPPRESS)
     p.set_defaults(func=run)
@@ -370,6 +378,7 @@ def _plugin_config(args: argparse.Namespace) -> PluginConfig:
         cleanup_interval_s=args.cleanup_interval,
         sample_interval_s=args.sample_interval,
         idle_below=args.idle_threshold,
+        claim_status=args.claim_status,
     )
 
 

@@ -12,7 +12,9 @@ that keeps the kubelet's view consistent:
 4. a periodic sweep unprepares claims deleted from the API while the kubelet was
    not looking;
 5. with the plugin, the sampler reads every device's NVML telemetry on an interval
-   for the device metrics and accounting (`gpudra.driver.sampling`).
+   for the device metrics and accounting (`gpudra.driver.sampling`), and the claim
+   status writer shows in each prepared claim what its devices really are
+   (`gpudra.driver.claimstatus`); neither is on a prepare's path.
 
 The plugin's Prometheus metrics go to `registry`; `gpudra node` serves them on its
 metrics address.
@@ -39,6 +41,7 @@ from gpudra.driver.cdi import (
 )
 from gpudra.driver.checkpoint import DEFAULT_BOOT_ID_PATH, ClaimRecord
 from gpudra.driver.claimreader import ApiClaims
+from gpudra.driver.claimstatus import ClaimStatusWriter
 from gpudra.driver.holders import ClaimInfos
 from gpudra.driver.metrics import ClaimMetrics, DeviceMetrics
 from gpudra.driver.nvml import NvmlLibrary
@@ -83,6 +86,7 @@ class PluginConfig:
     # Device telemetry for metrics and accounting: every this many seconds; 0: off.
     sample_interval_s: float = DEFAULT_INTERVAL_S
     idle_below: float = DEFAULT_IDLE_BELOW  # utilization percent under which a device idles
+    claim_status: bool = False  # write status.devices of prepared claims
     # Emulated GPUs: device node numbers for the CDI specs, and the tools' environment.
     device_numbers: DeviceNumbers | None = None
     tool_env: Mapping[str, str] = field(default_factory=dict)
@@ -154,6 +158,7 @@ class NodeService:
         self.preparer: ClaimPreparer | None = None
         self.plugin: KubeletPlugin | None = None
         self.sampler: Sampler | None = None
+        self.status_writer: ClaimStatusWriter | None = None
         self._infos = ClaimInfos()
         self._claims = ApiClaims(
             kube, driver=agent_config.driver_name, pool=agent_config.node_name, infos=self._infos
@@ -203,22 +208,31 @@ class NodeService:
             health=AgentHealth(self.agent),
         )
         if plugin.sample_interval_s > 0:
-            self.sampler = self._sampler(self.preparer, plugin)
+            self.sampler = self._sampler(plugin)
+        if plugin.claim_status:
+            self.status_writer = ClaimStatusWriter(
+                kube,
+                driver=agent_config.driver_name,
+                pool=agent_config.node_name,
+                prepared=self._prepared_claims,
+                claim_info=self._infos.snapshot,
+            )
 
-    def _sampler(self, preparer: ClaimPreparer, plugin: PluginConfig) -> Sampler:
+    def _prepared_claims(self) -> tuple[ClaimRecord, ...]:
+        """The preparer's claims now, read without its lock; what the claim reader
+        remembered of claims no longer prepared is dropped."""
+        cp = self.preparer.checkpoint_now() if self.preparer is not None else None
+        claims = tuple(cp.claims()) if cp is not None else ()
+        self._infos.retain(c.uid for c in claims)
+        return claims
+
+    def _sampler(self, plugin: PluginConfig) -> Sampler:
         accounting = Accounting(idle_below=plugin.idle_below)
-
-        def prepared() -> tuple[ClaimRecord, ...]:
-            cp = preparer.checkpoint_now()
-            claims = tuple(cp.claims()) if cp is not None else ()
-            self._infos.retain(c.uid for c in claims)
-            return claims
-
         sampler = Sampler(
             self.agent.nvml,
             pool=self.agent.config.node_name,
             inventory=lambda: self.agent.inventory,
-            prepared=prepared,
+            prepared=self._prepared_claims,
             claim_info=self._infos.snapshot,
             health=lambda: self.agent.health,
             interval_s=plugin.sample_interval_s,
@@ -239,6 +253,8 @@ class NodeService:
                     await self.plugin.start()
                     if self.sampler is not None:
                         await tg.start(self.sampler.run)
+                    if self.status_writer is not None:
+                        await tg.start(self.status_writer.run)
                     self.ready.set()
                     task_status.started()
                     await self._sweep_deleted_claims()

@@ -424,11 +424,11 @@ async def test_device_metrics_name_the_pod_holding_an_idle_gpu(
     setup: Setup, cluster: Cluster, node_dirs: NodeDirs
 ) -> None:
     """The agent samples the emulated GPUs (scripted idle) and labels the held one's
-    series with its pod; `gpudra top --idle` finds it."""
+    series with its pod; `gpudra top --idle` finds it; the claim's status shows the GPU."""
     kube, driver = setup.kube, setup.driver
     script = node_dirs.root / "telemetry.json"
     script.write_text(json.dumps({str(i): {"utilization": 2} for i in range(8)}))
-    setup.node.start("--sample-interval", "0.2", "--nvml-script", str(script))
+    setup.node.start("--sample-interval", "0.2", "--nvml-script", str(script), "--claim-status")
     akube = await AsyncKube.connect(str(cluster.layout.admin_kubeconfig))
     try:
         async with KubeletStandin(node_dirs.kubelet) as kubelet:
@@ -467,6 +467,21 @@ async def test_device_metrics_name_the_pod_holding_an_idle_gpu(
                 assert top.returncode == 0, top.stderr
                 [_header, row] = top.stdout.decode().splitlines()
                 assert f"held by {setup.namespace}/idler" in row
+
+                [claim_ref] = done.claims[driver]
+
+                def status_devices() -> list[dict[str, Any]]:
+                    claim = kube.get("ResourceClaim", claim_ref.name, setup.namespace)
+                    devices: list[dict[str, Any]] = claim["status"].get("devices") or []
+                    return devices
+
+                await anyio.to_thread.run_sync(
+                    lambda: wait_for("the claim's status.devices", status_devices, timeout=30)
+                )
+                [entry] = status_devices()
+                assert entry["driver"] == driver
+                assert entry["data"]["sharing"] == "Exclusive"
+                assert entry["data"]["gpuUUID"].startswith("GPU-")
                 tg.cancel_scope.cancel()
             assert setup.node.stop() == 0
     finally:

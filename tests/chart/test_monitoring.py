@@ -146,3 +146,19 @@ def test_the_dashboard_loads_in_the_sidecar_and_queries_exported_series(helm: Pa
         for o in h.template(helm)
         if o["kind"] == "ConfigMap" and "dashboard" in o["metadata"]["name"]
     ]
+
+
+def test_claim_status_is_opt_in_with_its_one_extra_permission(helm: Path) -> None:
+    def rendered(values: dict[str, Any]) -> tuple[list[str], list[dict[str, Any]]]:
+        objs = h.template(helm, values)
+        (ds,) = [o for o in objs if o["kind"] == "DaemonSet"]
+        role = h.find(objs, "ClusterRole", "gpudra-node")["rules"]
+        return ds["spec"]["template"]["spec"]["containers"][0]["args"], role
+
+    args, role = rendered({})
+    assert "--claim-status" not in args
+    assert not [r for r in role if "resourceclaims/status" in r["resources"]]
+    args, role = rendered({"node": {"claimStatus": True}})
+    assert "--claim-status" in args
+    [status] = [r for r in role if "resourceclaims/status" in r["resources"]]
+    assert (status["resources"], status["verbs"]) == (["resourceclaims/status"], ["patch"])

@@ -150,6 +150,9 @@ def test_sampling_flags_reach_the_plugin_config_and_bad_ones_name_the_flag() -> 
     parser = build_parser()
     config = _plugin_config(parser.parse_args(["node", "--node-name", "n1"]))
     assert (config.sample_interval_s, config.idle_below) == (10.0, 5.0)
+    assert not config.claim_status
+    claim_status = ["node", "--node-name", "n1", "--claim-status"]
+    assert _plugin_config(parser.parse_args(claim_status)).claim_status
     args = ["node", "--node-name", "n1", "--sample-interval", "0", "--idle-threshold", "12"]
     config = _plugin_config(parser.parse_args(args))
     assert (config.sample_interval_s, config.idle_below) == (0.0, 12.0)

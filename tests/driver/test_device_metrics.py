@@ -317,7 +317,7 @@ def test_the_idle_threshold_must_be_a_percentage() -> None:
 
 
 @pytest.mark.parametrize(("interval", "sampled"), [(10.0, True), (0.0, False)])
-async def test_the_node_samples_and_exports_device_metrics_unless_switched_off(
+async def test_the_node_samples_and_writes_claim_status_only_when_switched_on(
     tmp_path: Path, interval: float, sampled: bool
 ) -> None:
     nvml = emulator("l4")
@@ -328,10 +328,12 @@ async def test_the_node_samples_and_exports_device_metrics_unless_switched_off(
         toolkit_spec=False,
         driver_libraries=("usr/lib/libnvidia-ml.so.1",),
         sample_interval_s=interval,
+        claim_status=sampled,
     )
     async with ApiClient() as api:
         service = NodeService(AgentConfig(node_name=POOL), Kube(api), nvml, config)
         names = {family.name for family in service.registry.collect()}
     assert (service.sampler is not None) is sampled
+    assert (service.status_writer is not None) is sampled
     assert ("gpudra_gpu_utilization_percent" in names) is sampled
     assert "gpudra_claim_operations" in names

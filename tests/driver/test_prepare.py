@@ -27,6 +27,7 @@ from gpudra.driver.cdi import CdiSpecStore, DeviceNumbers, ToolkitSpec, find_too
 from gpudra.driver.checkpoint import load as load_checkpoint
 from gpudra.driver.claimreader import ApiClaims
 from gpudra.driver.claims import Claim, ClaimRef, checked_claim
+from gpudra.driver.claimstatus import ClaimStatusWriter
 from gpudra.driver.devices import (
     Inventory,
     MigStrategy,
@@ -1771,3 +1772,39 @@ async def test_a_dynamic_mig_device_is_sampled_with_its_holder_while_a_prepare_h
     assert f'device_class="{env.driver}"' in billed
     assert billed.endswith(" 60.0")
     assert await calls.unprepare([ref]) == {ref.uid: None}
+
+
+@pytest.mark.cluster
+@pytest.mark.anyio
+async def test_claim_status_shows_the_created_mig_device_until_unprepare(
+    env: Env, node: Node, akube: AsyncKube
+) -> None:
+    emu = h100_mig()
+    env.publish(discover(emu), MigStrategy.DYNAMIC)
+    profile = f'device.attributes["{env.driver}"].profile == "1g.10gb"'
+    claim = env.allocated("mig", requests=[env.request("mig", cel=profile)])
+    ref = _ref(claim)
+    plugin = make_preparer(env, node, akube, emu, strategy=MigStrategy.DYNAMIC)
+    writer = ClaimStatusWriter(
+        akube,
+        driver=env.driver,
+        pool=NODE,
+        prepared=lambda: cp.claims() if (cp := plugin.preparer.checkpoint_now()) else (),
+    )
+    assert (await plugin.prepare([ref]))[ref.uid].error is None
+    [(name, mig_uuid)] = mig_devices(emu).items()
+
+    await writer.sync_once()
+    status = env.kube.get("ResourceClaim", ref.name, env.namespace)["status"]
+    [entry] = status["devices"]
+    assert (entry["driver"], entry["pool"], entry["device"]) == (env.driver, NODE, name)
+    assert entry["data"]["migUUID"] == mig_uuid
+    assert entry["data"]["gpuUUID"] == discover(emu).gpus[0].uuid
+    assert entry["data"]["sharing"] == "Exclusive"
+    assert status["allocation"]  # the scheduler's part is left alone
+
+    assert await plugin.unprepare([ref]) == {ref.uid: None}
+    await writer.sync_once()
+    status = env.kube.get("ResourceClaim", ref.name, env.namespace)["status"]
+    assert not status.get("devices")
+    assert status["allocation"]
