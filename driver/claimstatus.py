@@ -104,9 +104,15 @@ class ClaimStatusWriter:
                 request_timeout_s=10.0,
             )
         except ApiError as err:
-            if err.status in (404, 409) and not entries:
-                return True  # the claim is gone or re-created: nothing of ours is left
             fields = {"claim": f"{namespace}/{name}", "uid": uid, "error": str(err)}
+            if not entries and 400 <= err.status < 500:
+                # Gone or re-created (404, 409): nothing of ours is left. Refused: give up.
+                if err.status not in (404, 409):
+                    log.warning(
+                        "the API server refused removing the claim's device status",
+                        extra={"fields": fields},
+                    )
+                return True
             if err.status in (400, 403, 404, 409, 422):
                 self._refused.add(uid)
                 log.warning(
