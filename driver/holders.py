@@ -161,12 +161,12 @@ def sharing_of(record: DeviceRecord) -> str:
     details = record.details
     if record.admin_access:
         return ADMIN
+    if record.share_id is not None:  # a memory slice, which MPS also serves
+        return MEMORY_SLICE
     if details.mps is not None:
         return MPS
     if details.time_slice is not None:
         return TIME_SLICING
-    if record.share_id is not None:
-        return MEMORY_SLICE
     return EXCLUSIVE
 
 

@@ -24,6 +24,7 @@ from gpudra.common.kube import Kube as AsyncKube
 from gpudra.driver import publish
 from gpudra.driver.accounting import Accounting
 from gpudra.driver.cdi import CdiSpecStore, DeviceNumbers, ToolkitSpec, find_toolkit_spec
+from gpudra.driver.checkpoint import ClaimRecord
 from gpudra.driver.checkpoint import load as load_checkpoint
 from gpudra.driver.claimreader import ApiClaims
 from gpudra.driver.claims import Claim, ClaimRef, checked_claim
@@ -1808,3 +1809,59 @@ async def test_claim_status_shows_the_created_mig_device_until_unprepare(
     status = env.kube.get("ResourceClaim", ref.name, env.namespace)["status"]
     assert not status.get("devices")
     assert status["allocation"]
+
+
+@pytest.mark.cluster
+@pytest.mark.anyio
+async def test_memory_slices_are_billed_by_the_memory_the_scheduler_gave_them(
+    env: Env, node: Node, akube: AsyncKube
+) -> None:
+    """The claim reader remembers each slice's memory; accounting and claim status use it."""
+    emu = h100()
+    env.publish(discover(emu), only=("gpu-5",), shared=True)
+    memory = f"{env.driver}/memory"
+    sizes = {"slice-a": "10Gi", "slice-b": "30Gi"}
+    slices = [
+        env.allocated(name, requests=[env.request("mem", capacity={"requests": {memory: size}})])
+        for name, size in sizes.items()
+    ]
+    refs = [_ref(c) for c in slices]
+    registry = CollectorRegistry()
+    preparer = node_preparer(node, emu, registry=registry)
+    infos = ClaimInfos()
+    claims = ApiClaims(akube, driver=env.driver, pool=NODE, infos=infos)
+    calls = ClaimDispatcher(preparer, claims, ClaimMetrics(registry))
+    assert all(r.error is None for r in (await calls.prepare(refs)).values())
+
+    def prepared() -> list[ClaimRecord]:
+        cp = preparer.checkpoint_now()
+        return cp.claims() if cp is not None else []
+
+    now = [0.0]
+    accounting = Accounting()
+    sampler = Sampler(
+        emu,
+        pool=NODE,
+        inventory=lambda: discover(emu),
+        prepared=prepared,
+        claim_info=infos.snapshot,
+        on_sample=(accounting.observe,),
+        clock=lambda: now[0],
+    )
+    await sampler.sample_once()
+    now[0] += 100
+    sample = await sampler.sample_once()
+    [total] = [r.values["memory_total"] for d, r in sample.devices if d.name == "gpu-5"]
+    billed = {k.sharing: v for k, v in accounting.allocated().items()}
+    assert list(billed) == ["MemorySlice"]
+    assert billed["MemorySlice"] == pytest.approx(100 * 40 * 1024**3 / total)
+
+    writer = ClaimStatusWriter(
+        akube, driver=env.driver, pool=NODE, prepared=prepared, claim_info=infos.snapshot
+    )
+    await writer.sync_once()
+    for ref, size in zip(refs, (10, 30), strict=True):
+        [entry] = env.kube.get("ResourceClaim", ref.name, env.namespace)["status"]["devices"]
+        assert entry["data"]["memoryLimit"] == size * 1024**3
+        assert entry["data"]["sharing"] == "MemorySlice"
+    assert await calls.unprepare(refs) == {r.uid: None for r in refs}
