@@ -16,7 +16,8 @@ The fair split, used wherever device-seconds are divided among holders:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import time
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -62,21 +63,42 @@ class ClaimInfo:
 class ClaimInfos:
     """The `ClaimInfo` of each claim read from the API server, by claim UID.
 
-    The claim reader remembers each claim it reads for a prepare; the sampler keeps
-    only those still prepared. Replaced whole on change, so any thread may read it.
+    The claim reader remembers each claim it reads for a prepare; `retain`, called
+    with the checkpoint's claims, forgets a claim once it has left the checkpoint. A
+    claim read but not yet in the checkpoint (its prepare is under way) is kept, for
+    `pending_s`, so a pass between the read and the checkpoint write loses nothing.
+    Replaced whole on change, so any thread may read it.
     """
 
-    def __init__(self) -> None:
+    def __init__(
+        self, *, pending_s: float = 600.0, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self._infos: Mapping[str, ClaimInfo] = {}
+        self._read_at: dict[str, float] = {}
+        self._seen: set[str] = set()  # in the checkpoint at the last `retain`
+        self._pending_s = pending_s
+        self._clock = clock
 
     def remember(self, uid: str, info: ClaimInfo) -> None:
+        self._read_at[uid] = self._clock()
         self._infos = {**self._infos, uid: info}
 
     def retain(self, uids: Iterable[str]) -> None:
-        keep = set(uids)
-        if keep.issuperset(self._infos):
-            return
-        self._infos = {uid: info for uid, info in self._infos.items() if uid in keep}
+        """Forget claims that left the checkpoint, and reads whose claim never got there."""
+        current = set(uids)
+        now = self._clock()
+        self._seen = (self._seen | current) & set(self._infos)
+        gone = {
+            uid
+            for uid in self._infos
+            if uid not in current
+            and (uid in self._seen or now - self._read_at.get(uid, now) > self._pending_s)
+        }
+        self._seen &= current
+        if gone:
+            self._infos = {uid: i for uid, i in self._infos.items() if uid not in gone}
+            for uid in gone:
+                self._read_at.pop(uid, None)
 
     def snapshot(self) -> Mapping[str, ClaimInfo]:
         return self._infos

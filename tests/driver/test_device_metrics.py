@@ -337,3 +337,20 @@ async def test_the_node_samples_and_writes_claim_status_only_when_switched_on(
     assert (service.status_writer is not None) is sampled
     assert ("gpudra_gpu_utilization_percent" in names) is sampled
     assert "gpudra_claim_operations" in names
+
+
+def test_claim_infos_outlive_a_pass_between_the_read_and_the_checkpoint() -> None:
+    now = [0.0]
+    infos = ClaimInfos(pending_s=60, clock=lambda: now[0])
+    infos.remember("u1", ClaimInfo(tenant="t"))
+    infos.retain([])  # the prepare has not written the checkpoint yet
+    assert "u1" in infos.snapshot()
+    infos.retain(["u1"])  # prepared
+    infos.retain(["u1"])
+    assert "u1" in infos.snapshot()
+    infos.retain([])  # unprepared
+    assert "u1" not in infos.snapshot()
+    infos.remember("u2", ClaimInfo())  # read, but its prepare failed before the checkpoint
+    now[0] += 61
+    infos.retain([])
+    assert infos.snapshot() == {}
