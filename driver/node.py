@@ -41,6 +41,7 @@ from gpudra.driver.cdi import (
 )
 from gpudra.driver.checkpoint import DEFAULT_BOOT_ID_PATH, ClaimRecord
 from gpudra.driver.claimreader import ApiClaims
+from gpudra.driver.claims import ClaimError
 from gpudra.driver.claimstatus import ClaimStatusWriter
 from gpudra.driver.holders import ClaimInfos
 from gpudra.driver.metrics import ClaimMetrics, DeviceMetrics
@@ -251,6 +252,8 @@ class NodeService:
                 log.info("recovered from the checkpoint", extra={"fields": {"report": str(report)}})
                 try:
                     await self.plugin.start()
+                    if self.sampler is not None or self.status_writer is not None:
+                        tg.start_soon(self._reread_prepared_claims)
                     if self.sampler is not None:
                         await tg.start(self.sampler.run)
                     if self.status_writer is not None:
@@ -263,6 +266,20 @@ class NodeService:
             else:
                 self.ready.set()
                 task_status.started()
+
+    async def _reread_prepared_claims(self) -> None:
+        """Read the claims prepared before this start again, for what the checkpoint does
+        not keep (DeviceClass, slice memory), so their accounting survives a restart."""
+        known = self._infos.snapshot()
+        for record in self._prepared_claims():
+            if record.completed and record.uid not in known:
+                try:
+                    await self._claims.read(record.ref)
+                except ClaimError as e:
+                    log.info(
+                        "a prepared claim could not be read again; billed without its class",
+                        extra={"fields": {"claim": record.ref.describe(), "error": str(e)}},
+                    )
 
     async def _sweep_deleted_claims(self) -> None:
         assert self.preparer is not None and self._plugin_config is not None

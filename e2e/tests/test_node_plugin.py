@@ -428,7 +428,8 @@ async def test_device_metrics_name_the_pod_holding_an_idle_gpu(
     kube, driver = setup.kube, setup.driver
     script = node_dirs.root / "telemetry.json"
     script.write_text(json.dumps({str(i): {"utilization": 2} for i in range(8)}))
-    setup.node.start("--sample-interval", "0.2", "--nvml-script", str(script), "--claim-status")
+    options = ("--sample-interval", "0.2", "--nvml-script", str(script), "--claim-status")
+    setup.node.start(*options)
     akube = await AsyncKube.connect(str(cluster.layout.admin_kubeconfig))
     try:
         async with KubeletStandin(node_dirs.kubelet) as kubelet:
@@ -441,11 +442,12 @@ async def test_device_metrics_name_the_pod_holding_an_idle_gpu(
                 done = await pods.wait_for(pod["metadata"]["uid"])
                 assert done.error is None
 
-                def idle_series() -> bool:
-                    return "gpudra_device_idle_seconds{" in setup.node.metrics()
+                def billed() -> bool:
+                    """Billed to the claim's DeviceClass (read from the claim)."""
+                    return f'device_class="{driver}"' in setup.node.metrics()
 
                 await anyio.to_thread.run_sync(
-                    lambda: wait_for("the idle series", idle_series, timeout=30)
+                    lambda: wait_for("the claim's device-seconds", billed, timeout=30)
                 )
                 metrics = setup.node.metrics()
                 held = [
@@ -482,6 +484,13 @@ async def test_device_metrics_name_the_pod_holding_an_idle_gpu(
                 assert entry["driver"] == driver
                 assert entry["data"]["sharing"] == "Exclusive"
                 assert entry["data"]["gpuUUID"].startswith("GPU-")
+
+                # A restart reads the prepared claim again: still billed to its class.
+                assert setup.node.stop() == 0
+                setup.node.start(*options)
+                await anyio.to_thread.run_sync(
+                    lambda: wait_for("the claim billed after a restart", billed, timeout=30)
+                )
                 tg.cancel_scope.cancel()
             assert setup.node.stop() == 0
     finally:
