@@ -14,6 +14,11 @@ calls and the API server read that every prepare pays, so that the agent's own s
 can be told from what no agent can avoid.
 BENCH_FLOOR=0 skips it.
 
+BENCH_SAMPLE_INTERVAL=<seconds> sets the agent's device sampling interval (0: off;
+default: the agent's own). BENCH_SAMPLE_INTERVAL=0,0.2 (several values) measures each
+in turn, in one run, a fresh agent each, and writes bench/results/prepare-sampling.json:
+whether device sampling slows prepares.
+
 The calls come from a small Go client (bench/kubeletclient, the kubelet's own DRA
 stubs and grpc-go), built from the Go module proxy and cached under
 ~/.cache/gpudra, so that the two cores measure the plugin rather than a Python gRPC
@@ -55,6 +60,7 @@ from e2e.node_process import NodeDirs, create_driver_namespace, delete_driver_na
 
 HERE = Path(__file__).resolve().parent
 OUT = HERE / "results" / "prepare.json"
+OUT_SAMPLING = HERE / "results" / "prepare-sampling.json"
 GO_CLIENT = HERE / "kubeletclient"
 NODE = "worker-1"
 GPUS = 8
@@ -293,7 +299,7 @@ async def drive(kubelet: KubeletStandin, driver: str, refs: list[ClaimRef], cycl
     return Run(prepare_ms, unprepare_ms, time.perf_counter() - started, errors)
 
 
-async def main() -> dict[str, Any]:
+async def main(sampling: str | None = None) -> dict[str, Any]:
     cycles = int(os.environ.get("BENCH_CYCLES", "1000"))
     warmup = int(os.environ.get("BENCH_WARMUP", "40"))
     client = os.environ.get("BENCH_CLIENT", "auto")
@@ -325,8 +331,9 @@ async def main() -> dict[str, Any]:
     # Optional: BENCH_PROFILE=<file> writes a cProfile of the node process.
     profile = os.environ.get("BENCH_PROFILE")
     runner = ["-m", "cProfile", "-o", profile] if profile else []
+    options = ("--sample-interval", sampling) if sampling else ()
     proc = subprocess.Popen(  # noqa: ASYNC220 - started once, before the measurement
-        dirs.command(driver, "--metrics-address", "", runner=runner),
+        dirs.command(driver, "--metrics-address", "", *options, runner=runner),
         cwd=REPO,
         env=env,
     )
@@ -385,14 +392,29 @@ async def main() -> dict[str, Any]:
         # The same client and claims against a plugin that only GETs each claim:
         # gRPC plus the API server read, which every prepare pays before any node work.
         "floor_get_only": floor,
+        "sample_interval_s": float(sampling) if sampling else None,
         "cdi_root_on_tmpfs": shm is not None,
         "cpus": os.cpu_count(),
         "load_avg_1m_at_end": round(os.getloadavg()[0], 2),
     }
 
 
+def compare_sampling(intervals: list[str]) -> dict[str, Any]:
+    """The same bench with each device sampling interval, one after the other."""
+    runs = {interval: anyio.run(main, interval) for interval in intervals}
+    return {"by_sample_interval_s": runs}
+
+
 if __name__ == "__main__":
-    result = anyio.run(main)
+    sampling = os.environ.get("BENCH_SAMPLE_INTERVAL") or None
+    if sampling is not None and "," in sampling:
+        compared = compare_sampling([s.strip() for s in sampling.split(",")])
+        OUT_SAMPLING.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(OUT_SAMPLING, (json.dumps(compared, indent=2) + "\n").encode())
+        print(json.dumps(compared, indent=2))
+        runs = compared["by_sample_interval_s"].values()
+        sys.exit(0 if all(r["errors"] == 0 for r in runs) else 1)
+    result = anyio.run(main, sampling)
     OUT.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(OUT, (json.dumps(result, indent=2) + "\n").encode())
     print(json.dumps(result, indent=2))

@@ -43,9 +43,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _registrations() -> list[Registrar]:
     # Imported here so `gpudra --help` does not pay for every component's imports.
-    from gpudra.cli import devices, migrate, node, webhook  # noqa: PLC0415
+    from gpudra.cli import devices, migrate, node, report, top, webhook  # noqa: PLC0415
 
-    return [node.register, webhook.register, migrate.register, devices.register]
+    return [
+        node.register,
+        webhook.register,
+        migrate.register,
+        devices.register,
+        top.register,
+        report.register,
+    ]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -13,15 +13,30 @@ from pathlib import Path
 
 import anyio
 from gpudra.common.kube import Kube
+from gpudra.driver.accounting import DEFAULT_IDLE_BELOW
 from gpudra.driver.agent import AgentConfig
-from gpudra.driver.devices import SHARED_GPUS_FORMS, MigStrategy, SharedGpus, SharedGpusError
+from gpudra.driver.devices import (
+    SHARED_GPUS_FORMS,
+    DiscoveryError,
+    Inventory,
+    MigStrategy,
+    SharedGpus,
+    SharedGpusError,
+    discover,
+)
 from gpudra.driver.gpushares import GpuShares, GpuSharesError, parse_node_override
 from gpudra.driver.health import HealthPolicy, TaintEffect
 from gpudra.driver.node import DEFAULT_STATE_DIR, NodeService, PluginConfig
 from gpudra.driver.nvml import NvmlLibrary, NvmlLoadError, ProfileError, load_nvml
-from gpudra.driver.nvml.standin import TOOLS_LOG_ENV, device_numbers, install_driver_root
+from gpudra.driver.nvml.standin import (
+    TOOLS_LOG_ENV,
+    SmiGpu,
+    device_numbers,
+    install_driver_root,
+)
 from gpudra.driver.plugin import DEFAULT_KUBELET_ROOT
 from gpudra.driver.prepare import PREPARE_STEPS
+from gpudra.driver.sampling import DEFAULT_INTERVAL_S
 from prometheus_client import CollectorRegistry, start_http_server
 
 log = logging.getLogger(__name__)
@@ -56,6 +71,14 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="emulated GPUs only: keep their MIG instances and modes in FILE across "
         "restarts, as real GPUs keep them (default with the kubelet plugin: "
         f"<state-dir>/{EMULATED_NVML_STATE})",
+    )
+    p.add_argument(
+        "--nvml-script",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="emulated GPUs only: a JSON telemetry script (GPU index or UUID -> values such "
+        'as {"utilization": 3}), re-read whenever it changes',
     )
     p.add_argument(
         "--kubeconfig", default=None, help="kubeconfig file (default: $KUBECONFIG, else in-cluster)"
@@ -182,6 +205,31 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         metavar="HOST:PORT",
         help="serve Prometheus metrics here; empty: off",
     )
+    k.add_argument(
+        "--sample-interval",
+        type=float,
+        default=DEFAULT_INTERVAL_S,
+        metavar="SECONDS",
+        help="read every device's utilization, memory, temperature, power, clocks and ECC "
+        "this often for the device metrics and accounting; 0: off "
+        f"(default: {DEFAULT_INTERVAL_S:g})",
+    )
+    k.add_argument(
+        "--idle-threshold",
+        type=float,
+        default=DEFAULT_IDLE_BELOW,
+        metavar="PERCENT",
+        help="an allocated device whose utilization is under this counts as idle "
+        f"(default: {DEFAULT_IDLE_BELOW:g})",
+    )
+    k.add_argument(
+        "--claim-status",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="show in each prepared ResourceClaim's status.devices what its devices are "
+        "(GPU and MIG UUIDs, sharing, slice memory); needs patch on resourceclaims/status "
+        "(default: off)",
+    )
     # Test hook: SIGKILL this process right after the named step of a prepare.
     k.add_argument("--crash-at", choices=PREPARE_STEPS, default=None, help=argparse.SUPPRESS)
     p.set_defaults(func=run)
@@ -296,11 +344,18 @@ def _emulated_driver(
     nvml.nvmlInit()
     try:
         version = nvml.nvmlSystemGetDriverVersion()
+        cuda = nvml.nvmlSystemGetCudaDriverVersion()
     finally:
         nvml.nvmlShutdown()
+    try:
+        gpus = _smi_gpus(discover(nvml))
+    except DiscoveryError as e:
+        raise SystemExit(f"gpudra node: --nvml {args.nvml}: {e}") from None
     root = plugin.state_dir / EMULATED_DRIVER_ROOT
     try:
-        install_driver_root(root, version)
+        install_driver_root(
+            root, version, cuda_version=f"{cuda // 1000}.{cuda % 1000 // 10}", gpus=gpus
+        )
     except OSError as e:
         raise SystemExit(
             f"gpudra node: --state-dir {str(plugin.state_dir)!r}: cannot install the emulated "
@@ -308,6 +363,29 @@ def _emulated_driver(
         ) from None
     log.info("emulated driver root installed", extra={"fields": {"path": str(root)}})
     return dataclasses.replace(plugin, driver_root=root, host_root=Path("/"))
+
+
+def _smi_gpus(inventory: Inventory) -> list[SmiGpu]:
+    """What the stand-in nvidia-smi shows of each GPU: the discovered inventory."""
+    mib = 1024 * 1024
+    return [
+        SmiGpu(
+            minor=gpu.minor,
+            uuid=gpu.uuid,
+            name=gpu.product_name,
+            memory_mib=gpu.device.capacity.get("memory", 0) // mib,
+            bus_id=gpu.pci_bus_id,
+            mig_profiles={
+                d.placement.profile_id: (
+                    d.placement.profile,
+                    d.capacity.get("memory", 0) // mib,
+                )
+                for d in (*gpu.partitions, *gpu.mig_devices)
+                if d.placement is not None
+            },
+        )
+        for gpu in inventory.gpus
+    ]
 
 
 def _plugin_config(args: argparse.Namespace) -> PluginConfig:
@@ -319,6 +397,14 @@ def _plugin_config(args: argparse.Namespace) -> PluginConfig:
             )
     if args.cleanup_interval <= 0:
         raise SystemExit("gpudra node: --cleanup-interval must be positive")
+    if args.sample_interval < 0:
+        raise SystemExit(
+            f"gpudra node: --sample-interval {args.sample_interval:g}: give seconds, or 0 for off"
+        )
+    if not 0 <= args.idle_threshold <= 100:
+        raise SystemExit(
+            f"gpudra node: --idle-threshold {args.idle_threshold:g}: give a percentage, 0 to 100"
+        )
     return PluginConfig(
         kubelet_root=args.kubelet_root,
         cdi_root=args.cdi_root,
@@ -332,6 +418,9 @@ def _plugin_config(args: argparse.Namespace) -> PluginConfig:
         toolkit_spec=args.toolkit_cdi,
         driver_libraries=tuple(args.driver_library),
         cleanup_interval_s=args.cleanup_interval,
+        sample_interval_s=args.sample_interval,
+        idle_below=args.idle_threshold,
+        claim_status=args.claim_status,
     )
 
 
@@ -356,7 +445,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         if state_path is not None:
             state_path.parent.mkdir(parents=True, exist_ok=True)
-        nvml = load_nvml(args.nvml, state_path=state_path)
+        nvml = load_nvml(args.nvml, state_path=state_path, script_path=args.nvml_script)
     except OSError as e:
         raise SystemExit(
             f"gpudra node: --nvml-state {str(state_path)!r}: {e.strerror}; give a writable "

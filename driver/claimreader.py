@@ -17,6 +17,7 @@ from collections.abc import Mapping
 
 from gpudra.common.kube import ApiError, Kube, claim_path
 from gpudra.driver.claims import Claim, ClaimError, ClaimRef, check_ref, checked_claim
+from gpudra.driver.holders import ClaimInfos, claim_info
 
 __all__ = ["ApiClaims"]
 
@@ -28,7 +29,18 @@ class ApiClaims:
     sweep of deleted claims.
     """
 
-    def __init__(self, kube: Kube, *, driver: str, pool: str, timeout_s: float = 10.0) -> None:
+    def __init__(
+        self,
+        kube: Kube,
+        *,
+        driver: str,
+        pool: str,
+        timeout_s: float = 10.0,
+        infos: ClaimInfos | None = None,
+    ) -> None:
+        """`infos` remembers what the metrics need of each claim read (DeviceClass,
+        slice memory) that the checkpoint does not keep."""
+        self._infos = infos
         self._kube = kube
         self._driver = driver
         self._pool = pool
@@ -52,7 +64,10 @@ class ApiClaims:
                 f"{ref.describe()}: reading it from the API server failed: "
                 f"{type(exc).__name__}: {exc}"
             ) from None
-        return checked_claim(ref, obj, driver=self._driver, pool=self._pool)
+        claim = checked_claim(ref, obj, driver=self._driver, pool=self._pool)
+        if self._infos is not None and isinstance(obj, Mapping):
+            self._infos.remember(ref.uid, claim_info(obj, claim))
+        return claim
 
     async def current_uid(self, ref: ClaimRef) -> str | None:
         """The UID of the claim now at `ref`'s namespace and name; None when there is

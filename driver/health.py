@@ -238,6 +238,8 @@ class HealthState:
         self._inventory = inventory
         self._index(inventory)
         self._report: HealthReport | None = None
+        # (GPU UUID, XID) -> events seen; replaced whole, so the metrics thread reads one.
+        self._xid_counts: Mapping[tuple[str, int], int] = {}
 
     @property
     def policy(self) -> HealthPolicy:
@@ -254,6 +256,10 @@ class HealthState:
     @property
     def lost_gpus(self) -> frozenset[str]:
         return frozenset(self._lost)
+
+    def xid_counts(self) -> Mapping[tuple[str, int], int]:
+        """How many events of each XID each GPU raised since the agent started."""
+        return self._xid_counts
 
     def _index(self, inventory: Inventory) -> None:
         now = self._wall_clock().timestamp()
@@ -306,6 +312,8 @@ class HealthState:
         changed = False
         match event:
             case XidEvent(xid=xid, device=device):
+                key = (event.gpu_uuid, xid)
+                self._xid_counts = {**self._xid_counts, key: self._xid_counts.get(key, 0) + 1}
                 targets = (device,) if device is not None and device in names else names
                 effect = (
                     TaintEffect.NONE if policy.is_application_xid(xid) else policy.critical_effect

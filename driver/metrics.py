@@ -5,6 +5,8 @@ calls, where the plugin answers them (reading the claim from the API included), 
 a claim that fails before it reaches the device layer is counted too.
 `PreparedDevices` reports what the checkpoint holds when scraped, `DiscoveryGaps` the
 GPU fields discovery had to leave out for lack of privilege.
+`DeviceMetrics` exports the sampler's latest readings of every device, labelled with
+its holders, the accounting counters, and the devices' health and XID counts.
 """
 
 from __future__ import annotations
@@ -12,13 +14,23 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 from typing import Final
 
+from gpudra.driver.accounting import Accounting
 from gpudra.driver.checkpoint import Checkpoint, ClaimRecord
 from gpudra.driver.devices import Inventory
+from gpudra.driver.holders import Holder
+from gpudra.driver.sampling import Reading, SampledDevice, Sampler
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-__all__ = ["ClaimMetrics", "DiscoveryGaps", "PreparedDevices"]
+__all__ = [
+    "DEVICE_LABELS",
+    "HOLDER_LABELS",
+    "ClaimMetrics",
+    "DeviceMetrics",
+    "DiscoveryGaps",
+    "PreparedDevices",
+]
 
 _LATENCY_BUCKETS: Final = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 2.5, 10.0)
 _OPERATIONS: Final = ("prepare", "unprepare")
@@ -151,3 +163,153 @@ class DiscoveryGaps(Collector):
             for gap in gpu.gaps:
                 family.add_metric((gpu.uuid, gap.field, gap.call, gap.privilege), 1)
         return family
+
+
+DEVICE_LABELS: Final = ("device", "uuid", "gpu_uuid", "mig_uuid", "model", "utilization_scope")
+HOLDER_LABELS: Final = ("namespace", "pod", "claim", "request", "tenant", "sharing")
+_ACCOUNT_LABELS: Final = ("namespace", "tenant", "device_class", "sharing")
+# Reading value -> (metric name, help).
+_GAUGES: Final = (
+    ("utilization", "gpudra_gpu_utilization_percent", "GPU (SM) utilization, percent."),
+    (
+        "memory_utilization",
+        "gpudra_gpu_memory_utilization_percent",
+        "Memory bandwidth utilization, percent.",
+    ),
+    ("memory_used", "gpudra_gpu_memory_used_bytes", "Device memory in use, bytes."),
+    ("memory_total", "gpudra_gpu_memory_total_bytes", "Device memory, bytes."),
+    ("temperature", "gpudra_gpu_temperature_celsius", "GPU temperature, degrees Celsius."),
+    ("power", "gpudra_gpu_power_watts", "Power draw, watts."),
+    ("sm_clock", "gpudra_gpu_sm_clock_mhz", "SM clock, MHz."),
+)
+_ECC: Final = (("ecc_corrected", "corrected"), ("ecc_uncorrected", "uncorrected"))
+_NO_HOLDER: Final = ("",) * len(HOLDER_LABELS)
+
+
+def _holder_labels(holder: Holder) -> tuple[str, ...]:
+    return (
+        holder.namespace,
+        holder.pod,
+        holder.claim,
+        holder.request,
+        holder.tenant,
+        holder.sharing,
+    )
+
+
+def _scope(device: SampledDevice, reading: Reading) -> str:
+    """What the utilization of a device measures: itself, or nothing it can tell."""
+    if "utilization" not in reading.values:
+        return "unavailable"
+    return "mig_instance" if device.mig else "device"
+
+
+class DeviceMetrics(Collector):
+    """Device series from the sampler's latest pass, with accounting and health.
+
+    Each device series carries `DEVICE_LABELS` and, once per holder while the device
+    is prepared, `HOLDER_LABELS` (empty when nobody holds it): a shared device has
+    one series per holder with the device's value, so aggregate devices with
+    `max by (uuid)`, not `sum`. A MIG device whose utilization NVML does not give
+    has `utilization_scope="unavailable"` and no utilization series, never its
+    GPU's. Every value NVML refused is in `gpudra_gpu_metric_unavailable` with the
+    reason. Runs in the metrics server's thread: it reads only the sampler's latest
+    sample (replaced whole, health included) and the accounting's copies.
+    """
+
+    def __init__(self, sampler: Sampler, accounting: Accounting) -> None:
+        self._sampler = sampler
+        self._accounting = accounting
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())  # the families depend on what was sampled
+
+    def collect(self) -> Iterator[Metric]:
+        sample = self._sampler.latest
+        labels = (*DEVICE_LABELS, *HOLDER_LABELS)
+        gauges = {key: GaugeMetricFamily(name, doc, labels=labels) for key, name, doc in _GAUGES}
+        ecc = CounterMetricFamily(
+            "gpudra_gpu_ecc_errors",
+            "ECC errors since the driver loaded (NVML volatile counts).",
+            labels=(*labels, "type"),
+        )
+        healthy = GaugeMetricFamily(
+            "gpudra_gpu_healthy",
+            "1 while the device has no NoSchedule or NoExecute health taint.",
+            labels=labels,
+        )
+        unavailable = GaugeMetricFamily(
+            "gpudra_gpu_metric_unavailable",
+            "A value NVML did not give for a device, and why (NVML error).",
+            labels=("device", "uuid", "metric", "reason"),
+        )
+        for device, reading in sample.devices if sample is not None else ():
+            held = sample.held.get(device.name) if sample is not None else None
+            if held is not None and device.mig and held.uuid != device.uuid:
+                held = None  # another MIG device of the same placement name
+            base = (
+                device.name,
+                device.uuid,
+                device.gpu_uuid,
+                device.uuid if device.mig else "",
+                device.model,
+                _scope(device, reading),
+            )
+            rows = [(*base, *_holder_labels(h)) for h in held.holders] if held else []
+            rows = rows or [(*base, *_NO_HOLDER)]
+            healthy_now = sample.healthy.get(device.name) if sample is not None else None
+            for row in rows:
+                for key, gauge in gauges.items():
+                    if key in reading.values:
+                        gauge.add_metric(row, reading.values[key])
+                for key, kind in _ECC:
+                    if key in reading.values:
+                        ecc.add_metric((*row, kind), reading.values[key])
+                if healthy_now is not None:
+                    healthy.add_metric(row, 1.0 if healthy_now else 0.0)
+            for metric, reason in sorted(reading.missing.items()):
+                unavailable.add_metric((device.name, device.uuid, metric, reason), 1.0)
+        yield from gauges.values()
+        yield from (ecc, healthy, unavailable)
+        xids = CounterMetricFamily(
+            "gpudra_gpu_xid_errors",
+            "XID events each GPU raised since the agent started.",
+            labels=("gpu_uuid", "xid"),
+        )
+        for (uuid, xid), count in sorted((sample.xids if sample is not None else {}).items()):
+            xids.add_metric((uuid, str(xid)), count)
+        yield xids
+        yield from self._accounts()
+
+    def _accounts(self) -> Iterator[Metric]:
+        allocated = CounterMetricFamily(
+            "gpudra_allocated_device_seconds",
+            "Device-seconds allocated to claims, shared devices split among their holders.",
+            labels=_ACCOUNT_LABELS,
+        )
+        idle = CounterMetricFamily(
+            "gpudra_idle_device_seconds",
+            "Allocated device-seconds while the device's utilization was under the idle threshold.",
+            labels=_ACCOUNT_LABELS,
+        )
+        idle_seconds = self._accounting.idle()
+        for key, seconds in sorted(self._accounting.allocated().items()):
+            row = (key.namespace, key.tenant, key.device_class, key.sharing)
+            allocated.add_metric(row, seconds)
+            idle.add_metric(row, idle_seconds.get(key, 0.0))
+        idle_for = GaugeMetricFamily(
+            "gpudra_device_idle_seconds",
+            "How long each allocated device has been under the idle threshold.",
+            labels=("device", "uuid", *HOLDER_LABELS),
+        )
+        for device in self._accounting.idle_devices():
+            for holder in device.holders:
+                idle_for.add_metric(
+                    (device.device, device.uuid, *_holder_labels(holder)), device.seconds
+                )
+        threshold = GaugeMetricFamily(
+            "gpudra_idle_threshold_percent",
+            "Utilization under which an allocated device counts as idle.",
+        )
+        threshold.add_metric((), self._accounting.idle_below)
+        yield from (allocated, idle, idle_for, threshold)

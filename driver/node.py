@@ -10,7 +10,11 @@ that keeps the kubelet's view consistent:
    (`ApiClaims`) and hands it to the preparer; its health stream reads the agent's
    health state, restricted to the devices the slices publish;
 4. a periodic sweep unprepares claims deleted from the API while the kubelet was
-   not looking.
+   not looking;
+5. with the plugin, the sampler reads every device's NVML telemetry on an interval
+   for the device metrics and accounting (`gpudra.driver.sampling`), and the claim
+   status writer shows in each prepared claim what its devices really are
+   (`gpudra.driver.claimstatus`); neither is on a prepare's path.
 
 The plugin's Prometheus metrics go to `registry`; `gpudra node` serves them on its
 metrics address.
@@ -26,6 +30,7 @@ from pathlib import Path
 import anyio
 import anyio.abc
 from gpudra.common.kube import Kube
+from gpudra.driver.accounting import DEFAULT_IDLE_BELOW, Accounting
 from gpudra.driver.agent import AgentConfig, NodeAgent
 from gpudra.driver.cdi import (
     DEFAULT_CDI_ROOT,
@@ -34,9 +39,12 @@ from gpudra.driver.cdi import (
     find_driver_files,
     find_toolkit_spec,
 )
-from gpudra.driver.checkpoint import DEFAULT_BOOT_ID_PATH
+from gpudra.driver.checkpoint import DEFAULT_BOOT_ID_PATH, ClaimRecord
 from gpudra.driver.claimreader import ApiClaims
-from gpudra.driver.metrics import ClaimMetrics, DiscoveryGaps
+from gpudra.driver.claims import ClaimError
+from gpudra.driver.claimstatus import ClaimStatusWriter
+from gpudra.driver.holders import ClaimInfos
+from gpudra.driver.metrics import ClaimMetrics, DeviceMetrics, DiscoveryGaps
 from gpudra.driver.nvml import NvmlLibrary
 from gpudra.driver.plugin import (
     DEFAULT_KUBELET_ROOT,
@@ -45,6 +53,7 @@ from gpudra.driver.plugin import (
     KubeletPlugin,
 )
 from gpudra.driver.prepare import ClaimPreparer
+from gpudra.driver.sampling import DEFAULT_INTERVAL_S, Sampler
 from gpudra.driver.sharing import NvidiaSharing
 from prometheus_client import CollectorRegistry
 
@@ -75,6 +84,10 @@ class PluginConfig:
     # Empty: find the driver's libraries and utilities under driver_root.
     driver_libraries: tuple[str, ...] = ()
     cleanup_interval_s: float = 60.0
+    # Device telemetry for metrics and accounting: every this many seconds; 0: off.
+    sample_interval_s: float = DEFAULT_INTERVAL_S
+    idle_below: float = DEFAULT_IDLE_BELOW  # utilization percent under which a device idles
+    claim_status: bool = False  # write status.devices of prepared claims
     # Emulated GPUs: device node numbers for the CDI specs, and the tools' environment.
     device_numbers: DeviceNumbers | None = None
     tool_env: Mapping[str, str] = field(default_factory=dict)
@@ -146,7 +159,12 @@ class NodeService:
         self._plugin_config = plugin
         self.preparer: ClaimPreparer | None = None
         self.plugin: KubeletPlugin | None = None
-        self._claims = ApiClaims(kube, driver=agent_config.driver_name, pool=agent_config.node_name)
+        self.sampler: Sampler | None = None
+        self.status_writer: ClaimStatusWriter | None = None
+        self._infos = ClaimInfos()
+        self._claims = ApiClaims(
+            kube, driver=agent_config.driver_name, pool=agent_config.node_name, infos=self._infos
+        )
         if plugin is None:
             return
         toolkit = find_toolkit_spec() if plugin.toolkit_spec else None
@@ -191,6 +209,39 @@ class NodeService:
             pod_uid=plugin.pod_uid,
             health=AgentHealth(self.agent),
         )
+        if plugin.sample_interval_s > 0:
+            self.sampler = self._sampler(plugin)
+        if plugin.claim_status:
+            self.status_writer = ClaimStatusWriter(
+                kube,
+                driver=agent_config.driver_name,
+                pool=agent_config.node_name,
+                prepared=self._prepared_claims,
+                claim_info=self._infos.snapshot,
+            )
+
+    def _prepared_claims(self) -> tuple[ClaimRecord, ...]:
+        """The preparer's claims now, read without its lock; what the claim reader
+        remembered of claims no longer prepared is dropped."""
+        cp = self.preparer.checkpoint_now() if self.preparer is not None else None
+        claims = tuple(cp.claims()) if cp is not None else ()
+        self._infos.retain(c.uid for c in claims)
+        return claims
+
+    def _sampler(self, plugin: PluginConfig) -> Sampler:
+        accounting = Accounting(idle_below=plugin.idle_below)
+        sampler = Sampler(
+            self.agent.nvml,
+            pool=self.agent.config.node_name,
+            inventory=lambda: self.agent.inventory,
+            prepared=self._prepared_claims,
+            claim_info=self._infos.snapshot,
+            health=lambda: self.agent.health,
+            interval_s=plugin.sample_interval_s,
+            on_sample=(accounting.observe,),
+        )
+        self.registry.register(DeviceMetrics(sampler, accounting))
+        return sampler
 
     async def run(
         self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
@@ -202,6 +253,12 @@ class NodeService:
                 log.info("recovered from the checkpoint", extra={"fields": {"report": str(report)}})
                 try:
                     await self.plugin.start()
+                    if self.sampler is not None or self.status_writer is not None:
+                        tg.start_soon(self._reread_prepared_claims)
+                    if self.sampler is not None:
+                        await tg.start(self.sampler.run)
+                    if self.status_writer is not None:
+                        await tg.start(self.status_writer.run)
                     self.ready.set()
                     task_status.started()
                     await self._sweep_deleted_claims()
@@ -210,6 +267,20 @@ class NodeService:
             else:
                 self.ready.set()
                 task_status.started()
+
+    async def _reread_prepared_claims(self) -> None:
+        """Read the claims prepared before this start again, for what the checkpoint does
+        not keep (DeviceClass, slice memory), so their accounting survives a restart."""
+        known = self._infos.snapshot()
+        for record in self._prepared_claims():
+            if record.completed and record.uid not in known:
+                try:
+                    await self._claims.read(record.ref)
+                except ClaimError as e:
+                    log.info(
+                        "a prepared claim could not be read again; billed without its class",
+                        extra={"fields": {"claim": record.ref.describe(), "error": str(e)}},
+                    )
 
     async def _sweep_deleted_claims(self) -> None:
         assert self.preparer is not None and self._plugin_config is not None

@@ -226,10 +226,7 @@ class ClaimPreparer:
         self._mps_root = (state_dir or checkpoint_path.parent) / "mps"
         self._mig_strategy = mig_strategy
         (registry if registry is not None else CollectorRegistry()).register(
-            PreparedDevices(
-                lambda: self._commit.checkpoint if self._commit is not None else None,
-                node_name,
-            )
+            PreparedDevices(self.checkpoint_now, node_name)
         )
         # Held while the checkpoint loads or is written, and while its temp files are swept.
         self._lock = anyio.Lock()
@@ -237,6 +234,12 @@ class ClaimPreparer:
         # Orders setting and resetting time-slices, which claims sharing a GPU share.
         self._time_slice_lock = anyio.Lock()
         self._commit: GroupCommit | None = None
+
+    def checkpoint_now(self) -> Checkpoint | None:
+        """The in-memory checkpoint as it is now, without the lock (None before it is
+        loaded): for readers such as metrics, which must never wait for a prepare. Its
+        claims are replaced on change, never changed in place."""
+        return self._commit.checkpoint if self._commit is not None else None
 
     # --- plumbing ---
 

@@ -118,6 +118,11 @@ class NvmlLibrary(Protocol):
     def nvmlComputeInstanceGetInfo_v2(self, computeInstance: Any) -> Any: ...
     def nvmlComputeInstanceGetInfo(self, computeInstance: Any) -> Any: ...
     def nvmlComputeInstanceDestroy(self, computeInstance: Any) -> int: ...
+    def nvmlDeviceGetUtilizationRates(self, handle: Any) -> Any: ...
+    def nvmlDeviceGetTemperature(self, handle: Any, sensor: int) -> int: ...
+    def nvmlDeviceGetPowerUsage(self, handle: Any) -> int: ...
+    def nvmlDeviceGetClockInfo(self, handle: Any, type: int) -> int: ...
+    def nvmlDeviceGetTotalEccErrors(self, handle: Any, errorType: int, counterType: int) -> int: ...
     def nvmlEventSetCreate(self) -> Any: ...
     def nvmlDeviceGetSupportedEventTypes(self, handle: Any) -> int: ...
     def nvmlDeviceRegisterEvents(self, handle: Any, eventTypes: int, eventSet: Any) -> None: ...
@@ -143,7 +148,11 @@ def _real_nvml() -> NvmlLibrary:
 
 
 def load_nvml(
-    spec: str, *, uuid_salt: str | None = None, state_path: Path | None = None
+    spec: str,
+    *,
+    uuid_salt: str | None = None,
+    state_path: Path | None = None,
+    script_path: Path | None = None,
 ) -> NvmlLibrary:
     """Return the NVML named by `spec`.
 
@@ -154,10 +163,12 @@ def load_nvml(
     `uuid_salt` (emulated only) derives distinct GPU UUIDs, so many simulated nodes
     from one profile do not share UUIDs. `state_path` (emulated only) keeps the
     GPUs' MIG instances and modes in a file across processes, as a real GPU does.
+    `script_path` (emulated only) is a telemetry script file that another process
+    may write (see `gpudra.driver.nvml.series`).
     """
     if spec == "real":
-        if state_path is not None:
-            msg = "a state file is for emulated GPUs only; a real GPU keeps its own state"
+        if state_path is not None or script_path is not None:
+            msg = "a state or script file is for emulated GPUs only; a real GPU has its own"
             raise NvmlLoadError(msg)
         return _real_nvml()
     if not spec.startswith(_EMULATED):
@@ -170,8 +181,16 @@ def load_nvml(
     if target.endswith(".json") or "/" in target:
         path = Path(target)
         return NvmlEmulator(
-            load_profile_file(path), uuid_salt=uuid_salt, source=str(path), state_path=state_path
+            load_profile_file(path),
+            uuid_salt=uuid_salt,
+            source=str(path),
+            state_path=state_path,
+            script_path=script_path,
         )
     return NvmlEmulator(
-        load_builtin_profile(target), uuid_salt=uuid_salt, source=target, state_path=state_path
+        load_builtin_profile(target),
+        uuid_salt=uuid_salt,
+        source=target,
+        state_path=state_path,
+        script_path=script_path,
     )

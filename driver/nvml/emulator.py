@@ -51,6 +51,7 @@ from gpudra.driver.nvml.branches import (
     has_gpu_instance_profile,
 )
 from gpudra.driver.nvml.codes import FULL_GPU_INSTANCE_ID, constant_names, describe_nvml_error
+from gpudra.driver.nvml.series import ScriptError, Telemetry, TelemetrySpec
 from pydantic import (
     BaseModel,
     BeforeValidator,
@@ -332,6 +333,7 @@ class GpuSpec(_Spec):
     migPendingEnabled: bool | None = None  # None: same as migEnabled
     migInstances: tuple[MigInstanceSpec, ...] = ()
     computeMode: Annotated[int, Field(ge=0, lt=pynvml.NVML_COMPUTEMODE_COUNT)] = 0
+    telemetry: TelemetrySpec | None = None  # None: defaults; see gpudra.driver.nvml.series
 
 
 class ProfileSpec(_Spec):
@@ -617,7 +619,8 @@ class NvmlEmulator:
 
     Besides the pynvml entry points (all methods named `nvml*`) it has controls that a
     test or a simulated node uses to make things happen: `inject_xid`, `inject_ecc`,
-    `lose_gpu`, `recover_gpu`, `reset_gpu`, `fail_after` and `clear_failure`.
+    `lose_gpu`, `recover_gpu`, `reset_gpu`, `fail_after` and `clear_failure`; and
+    `telemetry.script` sets utilization, memory, temperature, power, clock and ECC counts.
     """
 
     def __init__(
@@ -627,8 +630,11 @@ class NvmlEmulator:
         uuid_salt: str | None = None,
         source: str = "<profile>",
         state_path: Path | None = None,
+        script_path: Path | None = None,
     ) -> None:
         """Build the machine; `uuid_salt` gives every simulated node its own UUIDs.
+
+        `script_path` is a telemetry script file (see `gpudra.driver.nvml.series`).
 
         With `state_path`, the state a real GPU keeps when the process using it
         dies (MIG mode, MIG instances, compute mode) is saved there after every
@@ -678,6 +684,17 @@ class NvmlEmulator:
                         f"{describe_nvml_error(err)}"
                     )
                     raise ProfileError(msg) from None
+        self.telemetry = Telemetry(
+            {gpu.uuid: gpu.spec.telemetry or TelemetrySpec() for gpu in self._gpus},
+            index={gpu.index: gpu.uuid for gpu in self._gpus},
+            product_memory_used={gpu.uuid: gpu.product.memoryUsed for gpu in self._gpus},
+            script_path=script_path,
+        )
+        if script_path is not None:
+            try:
+                self.telemetry.check_file()
+            except ScriptError as err:
+                raise ProfileError(f"{source}: telemetry script: {err}") from None
         if state_path is not None:
             existed = state_path.exists()
             if existed:
@@ -860,6 +877,7 @@ class NvmlEmulator:
         )
         with self._lock:
             gpu = self._gpu_at(index)
+            self.telemetry.count_ecc(gpu.uuid, uncorrected=double_bit)
             self._deliver(
                 _PendingEvent(gpu, event_type, 0, FULL_GPU_INSTANCE_ID, FULL_GPU_INSTANCE_ID)
             )
@@ -1323,11 +1341,11 @@ class NvmlEmulator:
         if mig is None:
             total = gpu.product.memoryTotal
             reserved = gpu.product.memoryReserved
-            used = gpu.product.memoryUsed
         else:
             total = mig.gpu_instance.profile.memorySizeMB * _MIB
             reserved = 0
-            used = 0
+        scripted = self.telemetry.value(gpu.uuid, "memoryUsed", None if mig is None else mig.uuid)
+        used = min(int(scripted), total - reserved)
         if not version:
             info = pynvml.c_nvmlMemory_t()
             info.total = total
@@ -1341,6 +1359,48 @@ class NvmlEmulator:
         info.used = used
         info.free = total - used - reserved
         return info
+
+    # --- telemetry (values from gpudra.driver.nvml.series) ---------------------------------
+
+    def _telemetry(self, handle: Any, name: str) -> float:
+        gpu, mig = self._resolve(handle)
+        return self.telemetry.value(gpu.uuid, name, None if mig is None else mig.uuid)
+
+    @_nvml()
+    def nvmlDeviceGetUtilizationRates(self, handle: Any) -> Any:
+        rates = pynvml.c_nvmlUtilization_t()
+        rates.gpu = round(self._telemetry(handle, "utilization"))
+        rates.memory = round(self._telemetry(handle, "memoryUtilization"))
+        return rates
+
+    @_nvml()
+    def nvmlDeviceGetTemperature(self, handle: Any, sensor: int) -> int:
+        if sensor != pynvml.NVML_TEMPERATURE_GPU:
+            raise _nvml_error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        return round(self._telemetry(handle, "temperature"))
+
+    @_nvml()
+    def nvmlDeviceGetPowerUsage(self, handle: Any) -> int:
+        return round(self._telemetry(handle, "power") * 1000)
+
+    @_nvml()
+    def nvmlDeviceGetClockInfo(self, handle: Any, type: int) -> int:
+        if type != pynvml.NVML_CLOCK_SM:
+            raise _nvml_error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        return round(self._telemetry(handle, "smClock"))
+
+    @_nvml()
+    def nvmlDeviceGetTotalEccErrors(self, handle: Any, errorType: int, counterType: int) -> int:
+        names = {
+            pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED: "eccCorrected",
+            pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED: "eccUncorrected",
+        }
+        if errorType not in names or counterType not in (
+            pynvml.NVML_VOLATILE_ECC,
+            pynvml.NVML_AGGREGATE_ECC,
+        ):
+            raise _nvml_error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        return round(self._telemetry(handle, names[errorType]))
 
     @_nvml()
     def nvmlDeviceGetPciInfo_v3(self, handle: Any) -> Any:

@@ -15,6 +15,8 @@ import contextlib
 import re
 import shutil
 import tempfile
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
 
@@ -26,6 +28,7 @@ __all__ = [
     "TOOLS",
     "TOOLS_LOG_ENV",
     "UVM_MAJOR",
+    "SmiGpu",
     "device_numbers",
     "install_driver_root",
 ]
@@ -64,10 +67,62 @@ def device_numbers(path: str) -> tuple[int, int] | None:
     return None
 
 
-def install_driver_root(root: Path, driver_version: str) -> None:
+@dataclass(frozen=True)
+class SmiGpu:
+    """What the stand-in `nvidia-smi` tells of one GPU (`-L` and the default table).
+
+    `mig_profiles` maps each GPU instance profile ID to its name and memory in MiB,
+    so a container holding a MIG device is shown its profile.
+    """
+
+    minor: int
+    uuid: str
+    name: str
+    memory_mib: int
+    bus_id: str
+    mig_profiles: Mapping[int, tuple[str, int]] = field(default_factory=dict)
+
+
+def _smi_text(value: object) -> str:
+    """A value safe inside the script's single-quoted, '|'-separated table."""
+    return re.sub(r"['|\n\\]", " ", str(value))
+
+
+def _smi_script(driver_version: str, cuda_version: str, gpus: Sequence[SmiGpu]) -> str:
+    rows: list[str] = []
+    for gpu in gpus:
+        rows.append(
+            "|".join(
+                _smi_text(v)
+                for v in ("gpu", gpu.minor, gpu.uuid, gpu.name, gpu.memory_mib, gpu.bus_id)
+            )
+        )
+        for profile_id, (name, memory) in sorted(gpu.mig_profiles.items()):
+            rows.append(
+                "|".join(_smi_text(v) for v in ("mig", gpu.minor, profile_id, name, memory))
+            )
+    text = (FAKEBIN / "nvidia-smi").read_text()
+    values = {
+        "DRIVER_VERSION": _smi_text(driver_version),
+        "CUDA_VERSION": _smi_text(cuda_version),
+        "GPUS": "\n".join(rows),
+    }
+    for var, value in values.items():
+        text = text.replace(f"\n{var}=''\n", f"\n{var}='{value}'\n", 1)
+    return text
+
+
+def install_driver_root(
+    root: Path,
+    driver_version: str,
+    *,
+    cuda_version: str = "",
+    gpus: Sequence[SmiGpu] = (),
+) -> None:
     """Make `root` a driver root for `driver_version`: the libraries (with soname
-    links) and the stand-in tools. Rebuilt in a sibling folder and swapped in, so an
-    agent that dies half-way leaves either the old root or the new one."""
+    links) and the stand-in tools, `nvidia-smi` knowing `gpus`. Rebuilt in a sibling
+    folder and swapped in, so an agent that dies half-way leaves either the old root
+    or the new one."""
     if not re.fullmatch(r"[0-9][0-9A-Za-z.\-]*", driver_version):
         raise ValueError(f"driver version {driver_version!r} is not a version number")
     root.parent.mkdir(parents=True, exist_ok=True)
@@ -81,7 +136,10 @@ def install_driver_root(root: Path, driver_version: str) -> None:
         tools = build / "usr/bin"
         tools.mkdir(parents=True)
         for tool in TOOLS:
-            shutil.copyfile(FAKEBIN / tool, tools / tool)
+            if tool == "nvidia-smi":
+                (tools / tool).write_text(_smi_script(driver_version, cuda_version, gpus))
+            else:
+                shutil.copyfile(FAKEBIN / tool, tools / tool)
             (tools / tool).chmod(0o755)
         build.chmod(0o755)
         old = root.with_name(f".{root.name}-old")

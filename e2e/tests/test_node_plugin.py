@@ -15,6 +15,7 @@ import secrets
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import urllib.request
 from collections.abc import AsyncIterator, Iterator
@@ -415,5 +416,82 @@ async def test_health_stream_follows_xids_and_recovery(
                         state = await next_state()
                     assert all(healthy for healthy, _ in state.values())
             tg.cancel_scope.cancel()
+    finally:
+        await akube.close()
+
+
+async def test_device_metrics_name_the_pod_holding_an_idle_gpu(
+    setup: Setup, cluster: Cluster, node_dirs: NodeDirs
+) -> None:
+    """The agent samples the emulated GPUs (scripted idle) and labels the held one's
+    series with its pod; `gpudra top --idle` finds it; the claim's status shows the GPU."""
+    kube, driver = setup.kube, setup.driver
+    script = node_dirs.root / "telemetry.json"
+    script.write_text(json.dumps({str(i): {"utilization": 2} for i in range(8)}))
+    options = ("--sample-interval", "0.2", "--nvml-script", str(script), "--claim-status")
+    setup.node.start(*options)
+    akube = await AsyncKube.connect(str(cluster.layout.admin_kubeconfig))
+    try:
+        async with KubeletStandin(node_dirs.kubelet) as kubelet:
+            await kubelet.wait_for_driver(driver, timeout_s=60)
+            await _wait_published(kube, driver)
+            pods = PodClaimsDriver(akube, kubelet, NODE, (driver,))
+            async with anyio.create_task_group() as tg:
+                await tg.start(pods.run)
+                pod = await anyio.to_thread.run_sync(setup.pod, "idler", _gpu_claim(driver))
+                done = await pods.wait_for(pod["metadata"]["uid"])
+                assert done.error is None
+
+                def billed() -> bool:
+                    """Billed to the claim's DeviceClass (read from the claim)."""
+                    return f'device_class="{driver}"' in setup.node.metrics()
+
+                await anyio.to_thread.run_sync(
+                    lambda: wait_for("the claim's device-seconds", billed, timeout=30)
+                )
+                metrics = setup.node.metrics()
+                held = [
+                    ln
+                    for ln in metrics.splitlines()
+                    if ln.startswith("gpudra_gpu_utilization_percent{") and 'pod="idler"' in ln
+                ]
+                assert len(held) == 1
+                assert f'namespace="{setup.namespace}"' in held[0]
+                assert "gpudra_device_idle_seconds{" in metrics
+                assert held[0].endswith(" 2.0")
+
+                url = f"{NODE}=http://127.0.0.1:{setup.node.metrics_port}/metrics"
+                top = await anyio.run_process(
+                    [sys.executable, "-m", "gpudra.cli", "top", "--metrics", url, "--idle", "0s"],
+                    cwd=REPO,
+                    check=False,
+                )
+                assert top.returncode == 0, top.stderr
+                [_header, row] = top.stdout.decode().splitlines()
+                assert f"held by {setup.namespace}/idler" in row
+
+                [claim_ref] = done.claims[driver]
+
+                def status_devices() -> list[dict[str, Any]]:
+                    claim = kube.get("ResourceClaim", claim_ref.name, setup.namespace)
+                    devices: list[dict[str, Any]] = claim["status"].get("devices") or []
+                    return devices
+
+                await anyio.to_thread.run_sync(
+                    lambda: wait_for("the claim's status.devices", status_devices, timeout=30)
+                )
+                [entry] = status_devices()
+                assert entry["driver"] == driver
+                assert entry["data"]["sharing"] == "Exclusive"
+                assert entry["data"]["gpuUUID"].startswith("GPU-")
+
+                # A restart reads the prepared claim again: still billed to its class.
+                assert setup.node.stop() == 0
+                setup.node.start(*options)
+                await anyio.to_thread.run_sync(
+                    lambda: wait_for("the claim billed after a restart", billed, timeout=30)
+                )
+                tg.cancel_scope.cancel()
+            assert setup.node.stop() == 0
     finally:
         await akube.close()

@@ -34,14 +34,6 @@ CLIENT_CA = generate_ca().cert_pem.decode()
 
 
 @pytest.fixture(scope="module")
-def helm() -> Path:
-    try:
-        return h.helm_binary()
-    except h.HelmUnavailable as e:
-        pytest.skip(f"helm could not be built: {e}")
-
-
-@pytest.fixture(scope="module")
 def default(helm: Path) -> list[dict[str, Any]]:
     return h.template(helm)
 

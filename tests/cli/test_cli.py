@@ -37,7 +37,7 @@ def test_help_lists_only_registered_commands() -> None:
     parser = build_parser()
     sub = next(a for a in parser._actions if a.dest == "command")
     registered = set(sub.choices)  # type: ignore[arg-type]
-    assert registered == {"devices", "migrate", "node", "webhook"}
+    assert registered == {"devices", "migrate", "node", "report", "top", "webhook"}
     out = run("--help").stdout
     for name in registered:
         assert f"    {name} " in out
@@ -146,3 +146,29 @@ def test_emulated_state_goes_into_a_state_dir_that_does_not_exist_yet(tmp_path: 
     assert "nvml-state" not in proc.stderr
     assert (state / EMULATED_NVML_STATE).is_file()
     assert (state / EMULATED_DRIVER_ROOT / "usr/bin/nvidia-smi").is_file()
+
+
+def test_sampling_flags_reach_the_plugin_config_and_bad_ones_name_the_flag() -> None:
+    parser = build_parser()
+    config = _plugin_config(parser.parse_args(["node", "--node-name", "n1"]))
+    assert (config.sample_interval_s, config.idle_below) == (10.0, 5.0)
+    assert not config.claim_status
+    claim_status = ["node", "--node-name", "n1", "--claim-status"]
+    assert _plugin_config(parser.parse_args(claim_status)).claim_status
+    args = ["node", "--node-name", "n1", "--sample-interval", "0", "--idle-threshold", "12"]
+    config = _plugin_config(parser.parse_args(args))
+    assert (config.sample_interval_s, config.idle_below) == (0.0, 12.0)
+    with pytest.raises(SystemExit, match="--sample-interval -1: give seconds, or 0 for off"):
+        _plugin_config(parser.parse_args(["node", "--node-name", "n1", "--sample-interval", "-1"]))
+    with pytest.raises(SystemExit, match="--idle-threshold 101: give a percentage"):
+        _plugin_config(parser.parse_args(["node", "--node-name", "n1", "--idle-threshold", "101"]))
+
+
+def test_a_bad_telemetry_script_is_one_line_naming_the_value(tmp_path: Path) -> None:
+    script = tmp_path / "script.json"
+    script.write_text('{"0": {"utilization": 300}}')
+    proc = run("node", "--node-name", "n1", "--nvml", "emulated:l4", "--nvml-script", str(script))
+    assert proc.returncode == 1
+    [line] = proc.stderr.strip().splitlines()
+    assert line.startswith("gpudra node: --nvml: l4: telemetry script: ")
+    assert line.endswith("utilization: 300 is not a percentage (0 to 100)")

@@ -18,20 +18,25 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 from gpudra.common.kube import Kube as AsyncKube
 from gpudra.driver import publish
+from gpudra.driver.accounting import Accounting
 from gpudra.driver.cdi import CdiSpecStore, DeviceNumbers, ToolkitSpec, find_toolkit_spec
+from gpudra.driver.checkpoint import ClaimRecord
 from gpudra.driver.checkpoint import load as load_checkpoint
 from gpudra.driver.claimreader import ApiClaims
 from gpudra.driver.claims import Claim, ClaimRef, checked_claim
+from gpudra.driver.claimstatus import ClaimStatusWriter
 from gpudra.driver.devices import (
     Inventory,
     MigPlacement,
     MigStrategy,
     discover,
 )
-from gpudra.driver.metrics import ClaimMetrics
+from gpudra.driver.holders import ClaimInfos
+from gpudra.driver.metrics import ClaimMetrics, DeviceMetrics
 from gpudra.driver.mig import create_compute_instance, create_gpu_instance, mig_capability_minors
 from gpudra.driver.nvml import NvmlEmulator
 from gpudra.driver.nvml.branches import EMULATED_BRANCHES
@@ -47,8 +52,9 @@ from gpudra.driver.plugin import ClaimDispatcher, PrepareResult
 from gpudra.driver.prepare import ClaimPreparer, RecoveryReport
 from gpudra.driver.processes import ProcessIdentity
 from gpudra.driver.records import CreatedMig
+from gpudra.driver.sampling import Sampler
 from gpudra.driver.sharing import MpsDaemon, NvidiaSharing, SharingError, may_mount
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, generate_latest
 
 from e2e.claims import pod_with_claim, wait_allocated
 from e2e.cluster.kube import Kube, wait_for
@@ -1832,3 +1838,151 @@ def test_a_control_fifo_without_a_daemon_is_not_written(node: Node) -> None:
 
     assert node.tool_calls() == []
     assert not daemon.pipe_dir.exists()
+
+
+@pytest.mark.cluster
+@pytest.mark.anyio
+async def test_a_dynamic_mig_device_is_sampled_with_its_holder_while_a_prepare_holds_the_lock(
+    env: Env, node: Node, akube: AsyncKube
+) -> None:
+    """The sampler finds a MIG device a prepare created (before any rediscovery) and
+    labels it with the claim; it reads the checkpoint without the preparer's lock."""
+    emu = h100_mig()
+    inventory = discover(emu)
+    env.publish(inventory, MigStrategy.DYNAMIC)
+    profile = f'device.attributes["{env.driver}"].profile == "1g.10gb"'
+    claim = env.allocated("mig", requests=[env.request("mig", cel=profile)])
+    ref = _ref(claim)
+    registry = CollectorRegistry()
+    preparer = node_preparer(node, emu, strategy=MigStrategy.DYNAMIC, registry=registry)
+    infos = ClaimInfos()
+    claims = ApiClaims(akube, driver=env.driver, pool=NODE, infos=infos)
+    calls = ClaimDispatcher(preparer, claims, ClaimMetrics(registry))
+    assert (await calls.prepare([ref]))[ref.uid].error is None
+    [mig_uuid] = mig_devices(emu).values()
+
+    now = [0.0]
+    accounting = Accounting()
+    sampler = Sampler(
+        emu,
+        pool=NODE,
+        inventory=lambda: inventory,  # discovered before the MIG device existed
+        prepared=lambda: cp.claims() if (cp := preparer.checkpoint_now()) else (),
+        claim_info=infos.snapshot,
+        on_sample=(accounting.observe,),
+        clock=lambda: now[0],
+    )
+    registry.register(DeviceMetrics(sampler, accounting))
+    async with preparer._lock:  # a prepare in progress
+        with anyio.fail_after(30):
+            await sampler.sample_once()
+            now[0] += 60
+            await sampler.sample_once()
+
+    text = generate_latest(registry).decode()
+    [memory] = [
+        ln
+        for ln in text.splitlines()
+        if ln.startswith("gpudra_gpu_memory_total_bytes{") and f'uuid="{mig_uuid}"' in ln
+    ]
+    assert f'claim="{ref.name}"' in memory
+    assert f'namespace="{env.namespace}"' in memory
+    assert 'utilization_scope="unavailable"' in memory
+    [billed] = [
+        ln for ln in text.splitlines() if ln.startswith("gpudra_allocated_device_seconds_total{")
+    ]
+    assert f'device_class="{env.driver}"' in billed
+    assert billed.endswith(" 60.0")
+    assert await calls.unprepare([ref]) == {ref.uid: None}
+
+
+@pytest.mark.cluster
+@pytest.mark.anyio
+async def test_claim_status_shows_the_created_mig_device_until_unprepare(
+    env: Env, node: Node, akube: AsyncKube
+) -> None:
+    emu = h100_mig()
+    env.publish(discover(emu), MigStrategy.DYNAMIC)
+    profile = f'device.attributes["{env.driver}"].profile == "1g.10gb"'
+    claim = env.allocated("mig", requests=[env.request("mig", cel=profile)])
+    ref = _ref(claim)
+    plugin = make_preparer(env, node, akube, emu, strategy=MigStrategy.DYNAMIC)
+    writer = ClaimStatusWriter(
+        akube,
+        driver=env.driver,
+        pool=NODE,
+        prepared=lambda: cp.claims() if (cp := plugin.preparer.checkpoint_now()) else (),
+    )
+    assert (await plugin.prepare([ref]))[ref.uid].error is None
+    [(name, mig_uuid)] = mig_devices(emu).items()
+
+    await writer.sync_once()
+    status = env.kube.get("ResourceClaim", ref.name, env.namespace)["status"]
+    [entry] = status["devices"]
+    assert (entry["driver"], entry["pool"], entry["device"]) == (env.driver, NODE, name)
+    assert entry["data"]["migUUID"] == mig_uuid
+    assert entry["data"]["gpuUUID"] == discover(emu).gpus[0].uuid
+    assert entry["data"]["sharing"] == "Exclusive"
+    assert status["allocation"]  # the scheduler's part is left alone
+
+    assert await plugin.unprepare([ref]) == {ref.uid: None}
+    await writer.sync_once()
+    status = env.kube.get("ResourceClaim", ref.name, env.namespace)["status"]
+    assert not status.get("devices")
+    assert status["allocation"]
+
+
+@pytest.mark.cluster
+@pytest.mark.anyio
+async def test_memory_slices_are_billed_by_the_memory_the_scheduler_gave_them(
+    env: Env, node: Node, akube: AsyncKube
+) -> None:
+    """The claim reader remembers each slice's memory; accounting and claim status use it."""
+    emu = h100()
+    env.publish(discover(emu), only=("gpu-5",), shared=True)
+    memory = f"{env.driver}/memory"
+    sizes = {"slice-a": "10Gi", "slice-b": "30Gi"}
+    slices = [
+        env.allocated(name, requests=[env.request("mem", capacity={"requests": {memory: size}})])
+        for name, size in sizes.items()
+    ]
+    refs = [_ref(c) for c in slices]
+    registry = CollectorRegistry()
+    preparer = node_preparer(node, emu, registry=registry)
+    infos = ClaimInfos()
+    claims = ApiClaims(akube, driver=env.driver, pool=NODE, infos=infos)
+    calls = ClaimDispatcher(preparer, claims, ClaimMetrics(registry))
+    assert all(r.error is None for r in (await calls.prepare(refs)).values())
+
+    def prepared() -> list[ClaimRecord]:
+        cp = preparer.checkpoint_now()
+        return cp.claims() if cp is not None else []
+
+    now = [0.0]
+    accounting = Accounting()
+    sampler = Sampler(
+        emu,
+        pool=NODE,
+        inventory=lambda: discover(emu),
+        prepared=prepared,
+        claim_info=infos.snapshot,
+        on_sample=(accounting.observe,),
+        clock=lambda: now[0],
+    )
+    await sampler.sample_once()
+    now[0] += 100
+    sample = await sampler.sample_once()
+    [total] = [r.values["memory_total"] for d, r in sample.devices if d.name == "gpu-5"]
+    billed = {k.sharing: v for k, v in accounting.allocated().items()}
+    assert list(billed) == ["MemorySlice"]
+    assert billed["MemorySlice"] == pytest.approx(100 * 40 * 1024**3 / total)
+
+    writer = ClaimStatusWriter(
+        akube, driver=env.driver, pool=NODE, prepared=prepared, claim_info=infos.snapshot
+    )
+    await writer.sync_once()
+    for ref, size in zip(refs, (10, 30), strict=True):
+        [entry] = env.kube.get("ResourceClaim", ref.name, env.namespace)["status"]["devices"]
+        assert entry["data"]["memoryLimit"] == size * 1024**3
+        assert entry["data"]["sharing"] == "MemorySlice"
+    assert await calls.unprepare(refs) == {r.uid: None for r in refs}

@@ -14,6 +14,7 @@ from gpudra.driver.nvml.standin import (
     NVIDIA_MAJOR,
     TOOLS_LOG_ENV,
     UVM_MAJOR,
+    SmiGpu,
     device_numbers,
     install_driver_root,
 )
@@ -61,3 +62,49 @@ def test_bad_version_changes_nothing(tmp_path: Path) -> None:
         install_driver_root(root, "../../etc")
     assert (root / "usr/lib/x86_64-linux-gnu/libcuda.so.580.95.05").exists()
     assert [p.name for p in tmp_path.iterdir()] == ["emulated-driver"]
+
+
+def _smi(root: Path, *args: str, env: dict[str, str]) -> str:
+    return subprocess.run(
+        [root / "usr/bin/nvidia-smi", *args],
+        env={"PATH": os.environ["PATH"], **env},
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+
+
+GPU0 = SmiGpu(0, "GPU-aaaa", "NVIDIA A100-SXM4-40GB", 40960, "0000:07:00.0", {19: ("1g.5gb", 4864)})
+GPU1 = SmiGpu(
+    1, "GPU-bbbb", "NVIDIA A100-SXM4-40GB", 40960, "0000:0F:00.0", {20: ("1g.5gb+me", 4864)}
+)
+
+
+def test_nvidia_smi_lists_exactly_the_devices_the_container_holds(tmp_path: Path) -> None:
+    root = tmp_path / "emulated-driver"
+    install_driver_root(root, "580.95.05", cuda_version="13.0", gpus=[GPU0, GPU1])
+    held = {
+        # A memory slice of GPU 1 twice (two shares), and a MIG device of GPU 1.
+        "GPUDRA_DEVICE_GPU_1_MIG_1G5GB_ME_20_6_UUID": "MIG-cccc",
+        "GPUDRA_DEVICE_GPU_0_UUID": "GPU-aaaa",
+        "GPUDRA_DEVICE_GPU_0_8A2F_UUID": "GPU-aaaa",
+        "OTHER": "x",
+    }
+    assert _smi(root, "-L", env=held).splitlines() == [
+        "GPU 0: NVIDIA A100-SXM4-40GB (UUID: GPU-aaaa)",
+        "GPU 1: NVIDIA A100-SXM4-40GB (UUID: GPU-bbbb)",
+        "  MIG 1g.5gb+me    Device  0: (UUID: MIG-cccc)",
+    ]
+    table = _smi(root, env={"GPUDRA_DEVICE_GPU_1_MIG_1G5GB_ME_20_6_UUID": "MIG-cccc"})
+    assert "Driver Version: 580.95.05" in table and "CUDA Version: 13.0" in table
+    assert "MIG 1g.5gb+me" in table and "4864MiB" in table
+    assert "NVIDIA A100" not in table  # the GPU this container does not hold
+
+
+def test_nvidia_smi_outside_a_container_lists_every_gpu(tmp_path: Path) -> None:
+    root = tmp_path / "emulated-driver"
+    install_driver_root(root, "580.95.05", gpus=[GPU0, GPU1])
+    assert _smi(root, "-L", env={}).splitlines() == [
+        "GPU 0: NVIDIA A100-SXM4-40GB (UUID: GPU-aaaa)",
+        "GPU 1: NVIDIA A100-SXM4-40GB (UUID: GPU-bbbb)",
+    ]

@@ -41,6 +41,7 @@ def test_console_entry_point(wheel: zipfile.ZipFile) -> None:
     (ep,) = [n for n in wheel.namelist() if n.endswith("entry_points.txt")]
     text = wheel.read(ep).decode()
     assert "gpudra = gpudra.cli:main" in text
+    assert "kubectl-gpudra = gpudra.cli:main" in text
 
 
 def test_dependencies_have_lower_bounds(wheel: zipfile.ZipFile) -> None:

@@ -1,0 +1,145 @@
+"""`gpudra report`: GPU-hours allocated and idle per namespace and tenant.
+
+With `--prometheus URL` it asks Prometheus for the increase of the agents' accounting
+counters over `--since`; without, it reads the counters straight from the agents'
+metrics endpoints, which count since each agent started (the report says so). The
+accounting rules (fair split of shared devices, the idle threshold) are in
+docs/monitoring.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import urllib.parse
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass
+from typing import Final
+
+from gpudra.cli.scrape import agent_endpoint, fetch, parse_duration
+from prometheus_client.parser import text_string_to_metric_families
+
+__all__ = ["Usage", "register", "usage_from_metrics", "usage_from_prometheus"]
+
+_ALLOCATED: Final = "gpudra_allocated_device_seconds_total"
+_IDLE: Final = "gpudra_idle_device_seconds_total"
+
+
+@dataclass(frozen=True)
+class Usage:
+    """GPU-hours of one namespace and tenant."""
+
+    namespace: str
+    tenant: str
+    allocated_hours: float
+    idle_hours: float
+
+    @property
+    def used_hours(self) -> float:
+        return self.allocated_hours - self.idle_hours
+
+
+def _usage(
+    allocated: Mapping[tuple[str, str], float], idle: Mapping[tuple[str, str], float]
+) -> list[Usage]:
+    return [
+        Usage(ns, tenant, seconds / 3600, idle.get((ns, tenant), 0.0) / 3600)
+        for (ns, tenant), seconds in sorted(allocated.items())
+    ]
+
+
+def usage_from_metrics(texts: Iterable[str]) -> list[Usage]:
+    """Sum the agents' counters (since each started) per namespace and tenant."""
+    sums: dict[str, dict[tuple[str, str], float]] = {_ALLOCATED: {}, _IDLE: {}}
+    for text in texts:
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name in sums:
+                    key = (sample.labels.get("namespace", ""), sample.labels.get("tenant", ""))
+                    sums[sample.name][key] = sums[sample.name].get(key, 0.0) + sample.value
+    return _usage(sums[_ALLOCATED], sums[_IDLE])
+
+
+def _query(base: str, promql: str, timeout_s: float) -> dict[tuple[str, str], float]:
+    url = f"{base.rstrip('/')}/api/v1/query?{urllib.parse.urlencode({'query': promql})}"
+    body = fetch(url, timeout_s, command="report")
+    problem = f"gpudra report: {base} is not a Prometheus query API"
+    try:
+        doc = json.loads(body)
+        if doc.get("status") != "success":
+            raise SystemExit(f"{problem}: {doc.get('error') or 'no result'}")
+        return {
+            (r["metric"].get("namespace", ""), r["metric"].get("tenant", "")): float(r["value"][1])
+            for r in doc["data"]["result"]
+        }
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
+        raise SystemExit(f"{problem}: {e}") from None
+
+
+def usage_from_prometheus(base: str, since_s: float, timeout_s: float = 10.0) -> list[Usage]:
+    """Ask Prometheus for the counters' increase over the last `since_s` seconds."""
+    window = f"{int(since_s)}s"
+
+    def promql(name: str) -> str:
+        return f"sum by (namespace, tenant) (increase({name}[{window}]))"
+
+    return _usage(
+        _query(base, promql(_ALLOCATED), timeout_s), _query(base, promql(_IDLE), timeout_s)
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        since = parse_duration(args.since)
+    except ValueError as e:
+        raise SystemExit(f"gpudra report: --since: {e}") from None
+    if args.prometheus:
+        rows = usage_from_prometheus(args.prometheus, since, args.timeout)
+        span = f"last {args.since}"
+    elif args.metrics:
+        texts = [
+            fetch(agent_endpoint(raw, command="report")[1], args.timeout, command="report")
+            for raw in args.metrics
+        ]
+        rows = usage_from_metrics(texts)
+        span = "since each agent started (give --prometheus for --since)"
+    else:
+        raise SystemExit("gpudra report: give --prometheus URL or --metrics URL (repeatable)")
+    if args.output == "json":
+        doc = [{**asdict(r), "used_hours": r.used_hours} for r in rows]
+        sys.stdout.write(json.dumps({"span": span, "usage": doc}, indent=2) + "\n")
+        return 0
+    header = ("NAMESPACE", "TENANT", "GPU-H ALLOCATED", "GPU-H USED", "GPU-H IDLE")
+    cells = [
+        (
+            r.namespace,
+            r.tenant or "-",
+            f"{r.allocated_hours:.2f}",
+            f"{r.used_hours:.2f}",
+            f"{r.idle_hours:.2f}",
+        )
+        for r in rows
+    ]
+    widths = [max(len(c) for c in col) for col in zip(header, *cells, strict=False)]
+    sys.stdout.write(f"GPU-hours, {span}\n")
+    for line in (header, *cells):
+        sys.stdout.write("  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip())
+        sys.stdout.write("\n")
+    return 0
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("report", help="GPU-hours allocated, used and idle per namespace and tenant")
+    p.add_argument("--prometheus", default=None, metavar="URL", help="Prometheus to ask")
+    p.add_argument(
+        "--metrics",
+        action="append",
+        default=[],
+        metavar="[NODE=]URL",
+        help="without --prometheus: a node agent's metrics endpoint; repeatable",
+    )
+    p.add_argument("--since", default="24h", metavar="DURATION", help="with --prometheus: span")
+    p.add_argument("-o", "--output", choices=("table", "json"), default="table")
+    p.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for each answer")
+    p.set_defaults(func=run)

@@ -1,0 +1,232 @@
+"""Who holds each prepared device, and each holder's fair share of it.
+
+Device metrics, accounting and claim status all ask the same question of the
+checkpoint: which claims (namespace, pod, claim, request) hold this device, shared
+how? The checkpoint answers most of it; what it does not keep (the DeviceClass of a
+request, the memory a slice took, the tenant) comes from the claim object read from
+the API server (`ClaimInfo`), and is simply empty until that read has happened.
+
+The fair split, used wherever device-seconds are divided among holders:
+- a device with one holder: all of it;
+- memory slices of one GPU: each holder its share of the GPU's memory (a slice of
+  20 GiB of an 80 GiB GPU holds a quarter of it);
+- time-sliced and MPS holders, and slices whose size is not known: equal parts;
+- admin-access holders (monitoring, debugging) hold nothing: they are shown, not billed.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+from gpudra.driver.checkpoint import ClaimRecord, DeviceRecord
+from gpudra.driver.claims import Claim
+
+__all__ = [
+    "ADMIN",
+    "EXCLUSIVE",
+    "MEMORY_SLICE",
+    "MPS",
+    "TIME_SLICING",
+    "ClaimInfo",
+    "ClaimInfos",
+    "HeldDevice",
+    "Holder",
+    "claim_info",
+    "held_devices",
+    "sharing_of",
+]
+
+EXCLUSIVE: Final = "Exclusive"
+TIME_SLICING: Final = "TimeSlicing"
+MPS: Final = "MPS"
+MEMORY_SLICE: Final = "MemorySlice"
+ADMIN: Final = "AdminAccess"
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimInfo:
+    """What the checkpoint does not keep of a claim, read from its API object.
+
+    Both map an allocated device (device name, share ID) to what it was allocated
+    with: `device_classes` the DeviceClass of its request (or subrequest), `memory`
+    the bytes a memory slice took.
+    """
+
+    device_classes: Mapping[tuple[str, str | None], str] = field(default_factory=dict)
+    memory: Mapping[tuple[str, str | None], int] = field(default_factory=dict)
+    tenant: str = ""
+
+
+class ClaimInfos:
+    """The `ClaimInfo` of each claim read from the API server, by claim UID.
+
+    The claim reader remembers each claim it reads for a prepare; `retain`, called
+    with the checkpoint's claims, forgets a claim once it has left the checkpoint. A
+    claim read but not yet in the checkpoint (its prepare is under way) is kept, for
+    `pending_s`, so a pass between the read and the checkpoint write loses nothing.
+    Replaced whole on change, so any thread may read it.
+    """
+
+    def __init__(
+        self, *, pending_s: float = 600.0, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self._infos: Mapping[str, ClaimInfo] = {}
+        self._read_at: dict[str, float] = {}
+        self._seen: set[str] = set()  # in the checkpoint at the last `retain`
+        self._pending_s = pending_s
+        self._clock = clock
+
+    def remember(self, uid: str, info: ClaimInfo) -> None:
+        self._read_at[uid] = self._clock()
+        self._infos = {**self._infos, uid: info}
+
+    def retain(self, uids: Iterable[str]) -> None:
+        """Forget claims that left the checkpoint, and reads whose claim never got there."""
+        current = set(uids)
+        now = self._clock()
+        self._seen = (self._seen | current) & set(self._infos)
+        gone = {
+            uid
+            for uid in self._infos
+            if uid not in current
+            and (uid in self._seen or now - self._read_at.get(uid, now) > self._pending_s)
+        }
+        self._seen &= current
+        if gone:
+            self._infos = {uid: i for uid, i in self._infos.items() if uid not in gone}
+            for uid in gone:
+                self._read_at.pop(uid, None)
+
+    def snapshot(self) -> Mapping[str, ClaimInfo]:
+        return self._infos
+
+
+def _requests(spec: Mapping[str, Any]) -> Iterable[tuple[str, str]]:
+    """(request name, DeviceClass) of a claim spec, in v1 and v1beta1 shapes."""
+    for request in (spec.get("devices") or {}).get("requests") or ():
+        if not isinstance(request, Mapping):
+            continue
+        name = str(request.get("name") or "")
+        exactly = request.get("exactly") or {}
+        device_class = exactly.get("deviceClassName") or request.get("deviceClassName")
+        if device_class:
+            yield name, str(device_class)
+        for sub in request.get("firstAvailable") or ():
+            if isinstance(sub, Mapping) and sub.get("deviceClassName"):
+                yield f"{name}/{sub.get('name') or ''}", str(sub["deviceClassName"])
+
+
+def claim_info(obj: Mapping[str, Any], claim: Claim, *, tenant: str = "") -> ClaimInfo:
+    """The `ClaimInfo` of a claim object and its checked form (`checked_claim`)."""
+    classes = dict(_requests(obj.get("spec") or {}))
+    return ClaimInfo(
+        device_classes={
+            (d.device, d.share_id): classes[d.request]
+            for d in claim.devices
+            if d.request in classes
+        },
+        memory={
+            (d.device, d.share_id): d.consumed_memory
+            for d in claim.devices
+            if d.consumed_memory is not None
+        },
+        tenant=tenant,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Holder:
+    """One claim's hold on one device. `memory`: bytes of a memory slice, else None."""
+
+    namespace: str
+    pod: str
+    claim: str
+    claim_uid: str
+    request: str
+    sharing: str
+    device_class: str = ""
+    tenant: str = ""
+    memory: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class HeldDevice:
+    """A prepared device of this node's pool and its holders.
+
+    `uuid` is the device's own (the GPU's, or the MIG device's once created);
+    `gpu_uuid` the GPU it is or is part of.
+    """
+
+    device: str
+    gpu_uuid: str
+    uuid: str
+    mig: bool
+    holders: tuple[Holder, ...]
+
+    def shares(self, memory_total: float | None) -> list[tuple[Holder, float]]:
+        """Each billed holder and its fraction of the device (see the module docstring)."""
+        billed = [h for h in self.holders if h.sharing != ADMIN]
+        if not billed:
+            return []
+        if len(billed) == 1 and billed[0].memory is None:
+            return [(billed[0], 1.0)]
+        if memory_total and all(h.memory is not None for h in billed):
+            return [(h, min(1.0, (h.memory or 0) / memory_total)) for h in billed]
+        return [(h, 1.0 / len(billed)) for h in billed]
+
+
+def sharing_of(record: DeviceRecord) -> str:
+    """The sharing mode of one prepared device, as the metrics label it."""
+    details = record.details
+    if record.admin_access:
+        return ADMIN
+    if record.share_id is not None:  # a memory slice, which MPS also serves
+        return MEMORY_SLICE
+    if details.mps is not None:
+        return MPS
+    if details.time_slice is not None:
+        return TIME_SLICING
+    return EXCLUSIVE
+
+
+def held_devices(
+    claims: Iterable[ClaimRecord], pool: str, info: Mapping[str, ClaimInfo]
+) -> dict[str, HeldDevice]:
+    """Device name -> its holders, for the completed claims' devices in `pool`."""
+    holders: dict[str, list[Holder]] = {}
+    identity: dict[str, tuple[str, str, bool]] = {}
+    for record in claims:
+        if not record.completed:
+            continue
+        extra = info.get(record.uid, ClaimInfo())
+        for device in record.devices:
+            if device.pool != pool:
+                continue
+            details = device.details
+            gpu_uuid = details.gpu_uuid or details.uuid or ""
+            identity.setdefault(
+                device.device, (gpu_uuid, details.uuid or "", details.mig is not None)
+            )
+            sharing = sharing_of(device)
+            key = (device.device, device.share_id)
+            for request in device.request_names or ("",):
+                holders.setdefault(device.device, []).append(
+                    Holder(
+                        namespace=record.namespace,
+                        pod=details.pod,
+                        claim=record.name,
+                        claim_uid=record.uid,
+                        request=request,
+                        sharing=sharing,
+                        device_class=extra.device_classes.get(key, ""),
+                        tenant=extra.tenant,
+                        memory=extra.memory.get(key) if sharing == MEMORY_SLICE else None,
+                    )
+                )
+    return {
+        name: HeldDevice(name, *identity[name], holders=tuple(found))
+        for name, found in sorted(holders.items())
+    }

@@ -1,0 +1,282 @@
+"""Scriptable telemetry of emulated GPUs: utilization, memory, temperature, power, clock, ECC.
+
+Monitoring and accounting read these values through the very NVML calls they make on a
+real node (`nvmlDeviceGetUtilizationRates`, `nvmlDeviceGetMemoryInfo`, ...), so every
+metric and alert is tested through the production code path. Each GPU's values come from
+three places, the later winning:
+
+1. the profile: a GPU's `telemetry` field (`TelemetrySpec`), where each value is a
+   number or a list of `[seconds, value]` steps counted from the emulator's start;
+2. `Telemetry.script`: a test in the same process sets values (by GPU index, GPU UUID
+   or MIG device UUID);
+3. a script file (`--nvml-script`): a JSON object mapping those same keys to values,
+   re-read whenever it changes, so a test can script an agent running in another
+   process (an idle GPU held by a pod, a hot one).
+
+What NVML does not answer for a device is answered the NVML way, so the caller's
+handling of it is tested too: a MIG device has its own memory figures but no
+utilization, temperature, power or clock of its own (NOT_SUPPORTED, never the parent's
+numbers), and `unsupported` makes a GPU refuse a call as older GPUs do.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Annotated, Final, Literal, TypeAlias
+
+import pynvml
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+__all__ = [
+    "SCRIPTABLE",
+    "ScriptError",
+    "Telemetry",
+    "TelemetrySpec",
+]
+
+Quantity: TypeAlias = Annotated[float, Field(ge=0)]
+Step: TypeAlias = tuple[Annotated[float, Field(ge=0)], Quantity]
+Signal: TypeAlias = Quantity | tuple[Step, ...]
+# What a test or the profile may set; the NVML call each value answers is in its comment.
+Scriptable: TypeAlias = Literal[
+    "utilization",  # nvmlDeviceGetUtilizationRates().gpu, percent
+    "memoryUtilization",  # nvmlDeviceGetUtilizationRates().memory, percent
+    "memoryUsed",  # nvmlDeviceGetMemoryInfo().used, bytes
+    "temperature",  # nvmlDeviceGetTemperature(NVML_TEMPERATURE_GPU), degrees C
+    "power",  # nvmlDeviceGetPowerUsage(), watts (NVML answers milliwatts)
+    "smClock",  # nvmlDeviceGetClockInfo(NVML_CLOCK_SM), MHz
+    "eccCorrected",  # nvmlDeviceGetTotalEccErrors(CORRECTED, VOLATILE)
+    "eccUncorrected",  # nvmlDeviceGetTotalEccErrors(UNCORRECTED, VOLATILE)
+]
+SCRIPTABLE: Final[tuple[str, ...]] = (
+    "utilization",
+    "memoryUtilization",
+    "memoryUsed",
+    "temperature",
+    "power",
+    "smClock",
+    "eccCorrected",
+    "eccUncorrected",
+)
+_PERCENT: Final = frozenset({"utilization", "memoryUtilization"})
+# What a MIG device answers itself; every other value is the parent GPU's alone.
+_PER_MIG: Final = frozenset({"memoryUsed"})
+
+
+class TelemetrySpec(BaseModel):
+    """One GPU's telemetry in a profile: a number each, or `[seconds, value]` steps.
+
+    Steps hold from their time (seconds since the emulator started) until the next
+    one; the last holds for ever. `memoryUsed` unset: the product's `memoryUsed`.
+    `unsupported` lists values whose NVML call answers NOT_SUPPORTED on this GPU.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    utilization: Signal = 0.0
+    memoryUtilization: Signal = 0.0
+    memoryUsed: Signal | None = None
+    temperature: Signal = 35.0
+    power: Signal = 60.0
+    smClock: Signal = 1410.0
+    eccCorrected: Annotated[int, Field(ge=0)] = 0
+    eccUncorrected: Annotated[int, Field(ge=0)] = 0
+    unsupported: tuple[Scriptable, ...] = ()
+
+    @field_validator("utilization", "memoryUtilization")
+    @classmethod
+    def _percent(cls, value: Signal) -> Signal:
+        values = [value] if isinstance(value, float | int) else [v for _t, v in value]
+        if any(v > 100 for v in values):
+            msg = "a utilization is a percentage: 0 to 100"
+            raise ValueError(msg)
+        return value
+
+    @field_validator(
+        "utilization", "memoryUtilization", "memoryUsed", "temperature", "power", "smClock"
+    )
+    @classmethod
+    def _steps_in_order(cls, value: Signal | None) -> Signal | None:
+        if isinstance(value, tuple):
+            if not value:
+                msg = "give a number or at least one [seconds, value] step"
+                raise ValueError(msg)
+            times = [t for t, _v in value]
+            if times != sorted(times) or len(set(times)) != len(times):
+                msg = f"step times must increase, got {times}"
+                raise ValueError(msg)
+        return value
+
+
+class ScriptError(ValueError):
+    """A script (call or file) that cannot be applied; the message names the key and value."""
+
+
+def _at(signal: Signal, elapsed: float) -> float:
+    if not isinstance(signal, tuple):
+        return float(signal)
+    current = signal[0][1]
+    for when, value in signal:
+        if when > elapsed:
+            break
+        current = value
+    return float(current)
+
+
+def _not_supported() -> Exception:
+    err: Exception = pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+    return err
+
+
+class Telemetry:
+    """The live telemetry of one emulated node; the emulator answers NVML from it.
+
+    Thread-safe on its own lock, so the emulator's NVML calls and a test's `script`
+    may come from any thread.
+    """
+
+    def __init__(
+        self,
+        gpus: Mapping[str, TelemetrySpec],
+        *,
+        index: Mapping[int, str] | None = None,
+        product_memory_used: Mapping[str, int] | None = None,
+        script_path: Path | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """`gpus` maps each GPU UUID to its spec; `index` GPU index -> UUID, so scripts
+        may name GPUs by index."""
+        self._specs = dict(gpus)
+        self._index = dict(index or {})
+        self._product_used = dict(product_memory_used or {})
+        self._clock = clock
+        self._start = clock()
+        self._lock = threading.Lock()
+        self._scripted: dict[str, dict[str, float]] = {}
+        self._ecc_events: dict[str, dict[str, int]] = {}
+        self._script_path = script_path
+        self._file_stamp: tuple[int, int] | None = None
+        self._from_file: dict[str, dict[str, float]] = {}
+
+    # --- controls -----------------------------------------------------------------------
+
+    def script(self, key: int | str, **values: float) -> None:
+        """Set values of the GPU at index `key`, or the GPU or MIG device with UUID `key`.
+
+        Names are those of `TelemetrySpec` (`SCRIPTABLE`); a MIG device takes
+        `memoryUsed` only, since NVML answers nothing else for it on its own.
+        """
+        checked = self._checked(key, values, where="script")
+        with self._lock:
+            self._scripted.setdefault(checked[0], {}).update(checked[1])
+
+    def count_ecc(self, gpu_uuid: str, *, uncorrected: bool) -> None:
+        """An ECC error happened on the GPU (the emulator's `inject_ecc`)."""
+        name = "eccUncorrected" if uncorrected else "eccCorrected"
+        with self._lock:
+            counts = self._ecc_events.setdefault(gpu_uuid, {})
+            counts[name] = counts.get(name, 0) + 1
+
+    def _checked(
+        self, key: int | str, values: Mapping[str, object], *, where: str
+    ) -> tuple[str, dict[str, float]]:
+        uuid = self._index.get(key) if isinstance(key, int) else key
+        if uuid is None:
+            msg = f"{where}: no GPU at index {key}; this node has {len(self._index)}"
+            raise ScriptError(msg)
+        is_mig = uuid.startswith("MIG-")
+        if not is_mig and uuid not in self._specs:
+            msg = f"{where}: {uuid!r} is no GPU of this node (give an index, GPU or MIG UUID)"
+            raise ScriptError(msg)
+        out: dict[str, float] = {}
+        for name, raw in values.items():
+            if name not in SCRIPTABLE:
+                msg = f"{where}: {uuid}: unknown value {name!r}; known: {', '.join(SCRIPTABLE)}"
+                raise ScriptError(msg)
+            if is_mig and name not in _PER_MIG:
+                msg = f"{where}: {uuid}: a MIG device has no {name} of its own; script its GPU"
+                raise ScriptError(msg)
+            if isinstance(raw, bool) or not isinstance(raw, int | float) or raw < 0:
+                msg = f"{where}: {uuid}.{name}: {raw!r} is not a non-negative number"
+                raise ScriptError(msg)
+            if name in _PERCENT and raw > 100:
+                msg = f"{where}: {uuid}.{name}: {raw} is not a percentage (0 to 100)"
+                raise ScriptError(msg)
+            out[name] = float(raw)
+        return uuid, out
+
+    def _reload(self) -> None:
+        """Re-read the script file when it changed; a bad file keeps the last good one."""
+        if self._script_path is None:
+            return
+        try:
+            stat = self._script_path.stat()
+        except FileNotFoundError:
+            self._from_file, self._file_stamp = {}, None
+            return
+        stamp = (stat.st_mtime_ns, stat.st_size)
+        if stamp == self._file_stamp:
+            return
+        self._file_stamp = stamp
+        try:
+            doc = json.loads(self._script_path.read_text(encoding="utf-8"))
+            if not isinstance(doc, dict):
+                msg = f"{self._script_path}: want an object of GPU index or UUID -> values"
+                raise ScriptError(msg)
+            parsed: dict[str, dict[str, float]] = {}
+            for key, values in doc.items():
+                if not isinstance(values, dict):
+                    msg = f"{self._script_path}: {key}: want an object of values"
+                    raise ScriptError(msg)
+                target: int | str = int(key) if key.isdigit() else key
+                uuid, checked = self._checked(target, values, where=str(self._script_path))
+                parsed.setdefault(uuid, {}).update(checked)
+        except (OSError, ValueError) as err:  # ScriptError and JSON errors are ValueErrors
+            raise ScriptError(str(err)) from None
+        self._from_file = parsed
+
+    # --- what NVML answers --------------------------------------------------------------
+
+    def value(self, gpu_uuid: str, name: str, mig_uuid: str | None = None) -> float:
+        """The current value of `name` for a GPU or one of its MIG devices.
+
+        Raises pynvml's NOT_SUPPORTED where NVML would: a value the GPU lists as
+        unsupported, or one a MIG device has no figure of its own for.
+        """
+        spec = self._specs.get(gpu_uuid, TelemetrySpec())
+        if name in spec.unsupported or (mig_uuid is not None and name not in _PER_MIG):
+            raise _not_supported()
+        with self._lock:
+            # A bad file keeps the last good script: the agent must not fail on a typo.
+            with contextlib.suppress(ScriptError):
+                self._reload()
+            key = mig_uuid or gpu_uuid
+            for source in (self._from_file, self._scripted):
+                if name in source.get(key, {}):
+                    scripted = source[key][name]
+                    break
+            else:
+                scripted = None
+            events = self._ecc_events.get(gpu_uuid, {}).get(name, 0)
+        if scripted is not None:
+            return scripted + events
+        if mig_uuid is not None:
+            return 0.0
+        if name in ("eccCorrected", "eccUncorrected"):
+            return float(getattr(spec, name) + events)
+        signal: Signal | None = getattr(spec, name)
+        if signal is None:
+            return float(self._product_used.get(gpu_uuid, 0))
+        return _at(signal, self._clock() - self._start)
+
+    def check_file(self) -> None:
+        """Raise `ScriptError` if the script file cannot be applied (for a clear start-up
+        error; later changes that fail are ignored until fixed)."""
+        with self._lock:
+            self._file_stamp = None
+            self._reload()

@@ -1,0 +1,245 @@
+"""Periodic NVML sampling of every device the node serves, for metrics and accounting.
+
+The sampler reads each GPU and each existing MIG device (those discovered, and those
+a prepare created since) every `interval_s` seconds. All NVML calls run in a worker
+thread (`anyio.to_thread`), and the sampler reads the prepared claims from the
+preparer's in-memory checkpoint without its lock, so sampling never waits for, nor
+delays, a prepare.
+
+A value NVML does not give for a device (NOT_SUPPORTED on an older GPU, no per-instance
+utilization on a MIG device, a GPU that fell off the bus) is absent from that device's
+`Reading`, and `missing` says why: the metrics export a reason series instead, and a
+failing call never stops the sampling of other values or devices.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+import anyio
+import anyio.abc
+import anyio.to_thread
+import pynvml
+from gpudra.driver.checkpoint import ClaimRecord
+from gpudra.driver.devices import Inventory
+from gpudra.driver.health import HealthState
+from gpudra.driver.holders import ClaimInfo, HeldDevice, held_devices
+from gpudra.driver.nvml import NvmlLibrary
+from gpudra.driver.nvml.codes import constant_names
+
+__all__ = [
+    "DEFAULT_INTERVAL_S",
+    "Reading",
+    "Sample",
+    "SampledDevice",
+    "Sampler",
+    "devices_to_sample",
+    "read_device",
+]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_INTERVAL_S: Final = 10.0
+
+
+@dataclass(frozen=True, slots=True)
+class SampledDevice:
+    """A device to sample: its published name, own UUID and the GPU it is or is part of."""
+
+    name: str
+    uuid: str
+    gpu_uuid: str
+    model: str
+    mig: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Reading:
+    """One device's values at one sample (see `read_device` for names and units).
+
+    `missing` maps each value NVML did not give to the reason (the NVML error name,
+    lower case without the prefix: "not_supported", "gpu_is_lost", ...).
+    """
+
+    values: Mapping[str, float] = field(default_factory=dict)
+    missing: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    """What one sampling pass saw: each device's reading, who held it, and the health
+    state then (taken on the event loop, so a scrape never reads live health state).
+
+    `healthy` maps device names to health; `xids` (GPU UUID, XID) to events seen.
+    """
+
+    at: float  # the sampler's clock
+    devices: tuple[tuple[SampledDevice, Reading], ...] = ()
+    held: Mapping[str, HeldDevice] = field(default_factory=dict)
+    healthy: Mapping[str, bool] = field(default_factory=dict)
+    xids: Mapping[tuple[str, int], int] = field(default_factory=dict)
+
+
+def _reason(err: BaseException) -> str:
+    code = getattr(err, "value", None)
+    name = constant_names("NVML_ERROR_").get(code) if isinstance(code, int) else None
+    return name.removeprefix("NVML_ERROR_").lower() if name else type(err).__name__
+
+
+def read_device(nvml: NvmlLibrary, handle: Any) -> Reading:
+    """Read one device: each value from its own call, so one failing call loses one value.
+
+    Names and units: utilization and memory_utilization (percent), memory_used and
+    memory_total (bytes), temperature (degrees C), power (watts), sm_clock (MHz),
+    ecc_corrected and ecc_uncorrected (volatile counts since the driver loaded).
+    """
+    values: dict[str, float] = {}
+    missing: dict[str, str] = {}
+
+    def take(names: tuple[str, ...], call: Callable[[], tuple[float, ...]]) -> None:
+        try:
+            got = call()
+        except pynvml.NVMLError as err:
+            missing.update(dict.fromkeys(names, _reason(err)))
+            return
+        values.update(zip(names, got, strict=True))
+
+    def rates() -> tuple[float, float]:
+        r = nvml.nvmlDeviceGetUtilizationRates(handle)
+        return float(r.gpu), float(r.memory)
+
+    def memory() -> tuple[float, float]:
+        # v2 counts the driver's reserved memory apart from `used`; older drivers lack it.
+        try:
+            m = nvml.nvmlDeviceGetMemoryInfo(handle, version=pynvml.nvmlMemory_v2)
+        except pynvml.NVMLError:
+            m = nvml.nvmlDeviceGetMemoryInfo(handle)
+        return float(m.used), float(m.total)
+
+    def ecc(kind: int) -> tuple[float]:
+        return (float(nvml.nvmlDeviceGetTotalEccErrors(handle, kind, pynvml.NVML_VOLATILE_ECC)),)
+
+    take(("utilization", "memory_utilization"), rates)
+    take(("memory_used", "memory_total"), memory)
+    take(
+        ("temperature",),
+        lambda: (float(nvml.nvmlDeviceGetTemperature(handle, pynvml.NVML_TEMPERATURE_GPU)),),
+    )
+    take(("power",), lambda: (nvml.nvmlDeviceGetPowerUsage(handle) / 1000.0,))
+    take(("sm_clock",), lambda: (float(nvml.nvmlDeviceGetClockInfo(handle, pynvml.NVML_CLOCK_SM)),))
+    take(("ecc_corrected",), lambda: ecc(pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED))
+    take(("ecc_uncorrected",), lambda: ecc(pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED))
+    return Reading(values, missing)
+
+
+def devices_to_sample(
+    inventory: Inventory | None, held: Mapping[str, HeldDevice]
+) -> list[SampledDevice]:
+    """Every GPU and existing MIG device of the inventory, and the MIG devices that
+    prepares created after the last discovery (the held ones with a UUID)."""
+    found: dict[str, SampledDevice] = {}
+    models: dict[str, str] = {}
+    for gpu in inventory.gpus if inventory is not None else ():
+        models[gpu.uuid] = gpu.product_name
+        found[gpu.uuid] = SampledDevice(
+            gpu.device.name, gpu.uuid, gpu.uuid, gpu.product_name, False
+        )
+        for mig in gpu.mig_devices:
+            if mig.uuid:
+                found[mig.uuid] = SampledDevice(
+                    mig.name, mig.uuid, gpu.uuid, gpu.product_name, True
+                )
+    for device in held.values():
+        if device.mig and device.uuid and device.uuid not in found:
+            model = models.get(device.gpu_uuid, "")
+            found[device.uuid] = SampledDevice(
+                device.device, device.uuid, device.gpu_uuid, model, True
+            )
+    return sorted(found.values(), key=lambda d: (d.gpu_uuid, d.mig, d.name))
+
+
+class Sampler:
+    """Samples every device on an interval and keeps the latest `Sample`.
+
+    `inventory` and `prepared` are read each pass (the agent's latest inventory; the
+    preparer's completed claims, read without its lock); `claim_info` gives what the
+    checkpoint does not keep of a claim; `health` the agent's health state. `on_sample`
+    (accounting) is called on the event loop with each new sample.
+    """
+
+    def __init__(
+        self,
+        nvml: NvmlLibrary,
+        *,
+        pool: str,
+        inventory: Callable[[], Inventory | None],
+        prepared: Callable[[], Iterable[ClaimRecord]],
+        claim_info: Callable[[], Mapping[str, ClaimInfo]] = dict,
+        health: Callable[[], HealthState | None] = lambda: None,
+        interval_s: float = DEFAULT_INTERVAL_S,
+        on_sample: Iterable[Callable[[Sample], None]] = (),
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._nvml = nvml
+        self._pool = pool
+        self._inventory = inventory
+        self._prepared = prepared
+        self._claim_info = claim_info
+        self._health = health
+        self.interval_s = interval_s
+        self._on_sample = tuple(on_sample)
+        self._clock = clock
+        self.latest: Sample | None = None  # replaced whole, so a scrape reads one pass
+
+    def _read_all(self, devices: list[SampledDevice]) -> list[tuple[SampledDevice, Reading]]:
+        out: list[tuple[SampledDevice, Reading]] = []
+        try:
+            self._nvml.nvmlInit()
+        except pynvml.NVMLError as err:
+            reason = _reason(err)
+            return [(d, Reading(missing={"init": reason})) for d in devices]
+        try:
+            for device in devices:
+                try:
+                    handle = self._nvml.nvmlDeviceGetHandleByUUID(device.uuid)
+                except pynvml.NVMLError as err:
+                    out.append((device, Reading(missing={"handle": _reason(err)})))
+                    continue
+                out.append((device, read_device(self._nvml, handle)))
+        finally:
+            self._nvml.nvmlShutdown()
+        return out
+
+    async def sample_once(self) -> Sample:
+        """One pass: read every device in a worker thread, then tell `on_sample`."""
+        held = held_devices(self._prepared(), self._pool, self._claim_info())
+        devices = devices_to_sample(self._inventory(), held)
+        readings = await anyio.to_thread.run_sync(self._read_all, devices)
+        health = self._health()
+        report = health.report() if health is not None else None
+        sample = Sample(
+            self._clock(),
+            tuple(readings),
+            held,
+            healthy={n: d.healthy for n, d in report.devices.items()} if report else {},
+            xids=health.xid_counts() if health is not None else {},
+        )
+        self.latest = sample
+        for callback in self._on_sample:
+            callback(sample)
+        return sample
+
+    async def run(
+        self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+    ) -> None:
+        task_status.started()
+        while True:
+            try:
+                await self.sample_once()
+            except Exception:
+                log.exception("device sampling failed; trying again next interval")
+            await anyio.sleep(self.interval_s)

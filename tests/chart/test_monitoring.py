@@ -1,0 +1,164 @@
+"""The chart's monitoring pieces (PrometheusRule, PodMonitor, Grafana dashboard):
+rendered by the real helm, shaped as the Prometheus Operator and Grafana's sidecar read
+them, tuned by the values, and asking only for series the node agent and the webhook
+export.
+
+No PromQL parser or promtool is available offline, so expressions are checked for the
+metric names they use (and balanced parentheses), not parsed."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+from gpudra.driver.accounting import Accounting
+from gpudra.driver.metrics import ClaimMetrics, DeviceMetrics
+from gpudra.driver.nvml.emulator import NvmlEmulator, load_builtin_profile
+from gpudra.driver.sampling import Sampler
+from gpudra.webhook.metrics import WebhookMetrics
+from prometheus_client import CollectorRegistry
+
+from e2e.tools import helm as h
+
+ENABLED = {"monitoring": {"prometheusRule": {"enabled": True, "labels": {"release": "kps"}}}}
+
+
+def rules_of(objs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    (rule,) = [o for o in objs if o["kind"] == "PrometheusRule"]
+    assert rule["apiVersion"] == "monitoring.coreos.com/v1"
+    assert rule["metadata"]["labels"]["release"] == "kps"
+    return {r["alert"]: r for group in rule["spec"]["groups"] for r in group["rules"]}
+
+
+def exported_series() -> set[str]:
+    """Every series name the agent's and the webhook's registries expose."""
+    registry = CollectorRegistry()
+    ClaimMetrics(registry)
+    WebhookMetrics(registry)
+    sampler = Sampler(
+        NvmlEmulator(load_builtin_profile("l4")),
+        pool="n",
+        inventory=lambda: None,
+        prepared=lambda: (),
+    )
+    registry.register(DeviceMetrics(sampler, Accounting()))
+    names: set[str] = set()
+    for family in registry.collect():
+        names.add(f"{family.name}_total" if family.type == "counter" else family.name)
+    return names
+
+
+def test_off_by_default(helm: Path) -> None:
+    assert not [o for o in h.template(helm) if o["kind"] == "PrometheusRule"]
+
+
+def test_every_alert_is_complete_and_asks_for_exported_series(helm: Path) -> None:
+    rules = rules_of(h.template(helm, ENABLED))
+    assert set(rules) == {
+        "GpuLowUtilization",
+        "GpuAllocatedIdle",
+        "GpuMemoryHigh",
+        "GpuTemperatureHigh",
+        "GpuXidError",
+        "GpuDeviceTainted",
+        "GpudraPrepareErrors",
+        "GpudraWebhookDenialsRising",
+    }
+    exported = exported_series()
+    for name, rule in rules.items():
+        assert rule["labels"]["severity"] in {"info", "warning", "critical"}, name
+        assert rule["annotations"]["summary"], name
+        if "for" in rule:
+            assert re.fullmatch(r"[0-9]+[smhd]", rule["for"]), name
+        used = set(re.findall(r"\bgpudra_[a-z_]+", rule["expr"]))
+        assert used, name
+        assert used <= exported, f"{name} uses series nobody exports: {used - exported}"
+
+
+def test_thresholds_come_from_the_values(helm: Path) -> None:
+    tuned = {
+        "monitoring": {
+            "prometheusRule": {
+                **ENABLED["monitoring"]["prometheusRule"],
+                "lowUtilizationPercent": 30,
+                "lowUtilizationFor": "2h",
+                "memoryUsedRatio": 0.8,
+                "temperatureCelsius": 80,
+                "idleSeconds": 1800,
+            }
+        }
+    }
+    rules = rules_of(h.template(helm, tuned))
+    assert rules["GpuLowUtilization"]["expr"].endswith("< 30")
+    assert rules["GpuLowUtilization"]["for"] == "2h"
+    assert rules["GpuMemoryHigh"]["expr"].endswith("> 0.8")
+    assert rules["GpuTemperatureHigh"]["expr"].endswith("> 80")
+    assert rules["GpuAllocatedIdle"]["expr"].endswith("> 1800")
+
+
+def test_the_sampling_values_reach_the_agent(helm: Path) -> None:
+    values = {"node": {"sampleIntervalSeconds": 0, "idleThresholdPercent": 10}}
+    (ds,) = [o for o in h.template(helm, values) if o["kind"] == "DaemonSet"]
+    args = ds["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--sample-interval=0" in args
+    assert "--idle-threshold=10" in args
+
+
+def test_the_pod_monitor_scrapes_the_agents_metrics_port(helm: Path) -> None:
+    values = {"monitoring": {"podMonitor": {"enabled": True, "interval": "15s"}}}
+    objs = h.template(helm, values)
+    (monitor,) = [o for o in objs if o["kind"] == "PodMonitor"]
+    (ds,) = [o for o in objs if o["kind"] == "DaemonSet"]
+    pod_labels = ds["spec"]["template"]["metadata"]["labels"]
+    selector = monitor["spec"]["selector"]["matchLabels"]
+    assert selector.items() <= pod_labels.items()
+    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+    ports = ds["spec"]["template"]["spec"]["containers"][0]["ports"]
+    assert endpoint["port"] in [p["name"] for p in ports]
+    assert endpoint["interval"] == "15s"
+    no_port = {**values, "node": {"metricsPort": 0}}
+    assert not [o for o in h.template(helm, no_port) if o["kind"] == "PodMonitor"]
+
+
+def test_the_dashboard_loads_in_the_sidecar_and_queries_exported_series(helm: Path) -> None:
+    values = {"monitoring": {"dashboard": {"enabled": True, "namespace": "grafana"}}}
+    (cm,) = [
+        o
+        for o in h.template(helm, values)
+        if o["kind"] == "ConfigMap" and "dashboard" in o["metadata"]["name"]
+    ]
+    assert cm["metadata"]["namespace"] == "grafana"
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    dashboard = json.loads(cm["data"]["gpudra-gpus.json"])
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", ())]
+    exprs += [v["query"]["query"] for v in dashboard["templating"]["list"] if v["type"] == "query"]
+    assert len(exprs) >= 10
+    exported = exported_series()
+    for expr in exprs:
+        assert expr.count("(") == expr.count(")"), expr
+        used = set(re.findall(r"\bgpudra_[a-z_]+", expr))
+        assert used, expr
+        assert used <= exported, f"{expr} uses series nobody exports: {used - exported}"
+    assert not [
+        o
+        for o in h.template(helm)
+        if o["kind"] == "ConfigMap" and "dashboard" in o["metadata"]["name"]
+    ]
+
+
+def test_claim_status_is_opt_in_with_its_one_extra_permission(helm: Path) -> None:
+    def rendered(values: dict[str, Any]) -> tuple[list[str], list[dict[str, Any]]]:
+        objs = h.template(helm, values)
+        (ds,) = [o for o in objs if o["kind"] == "DaemonSet"]
+        role = h.find(objs, "ClusterRole", "gpudra-node")["rules"]
+        return ds["spec"]["template"]["spec"]["containers"][0]["args"], role
+
+    args, role = rendered({})
+    assert "--claim-status" not in args
+    assert not [r for r in role if "resourceclaims/status" in r["resources"]]
+    args, role = rendered({"node": {"claimStatus": True}})
+    assert "--claim-status" in args
+    [status] = [r for r in role if "resourceclaims/status" in r["resources"]]
+    assert (status["resources"], status["verbs"]) == (["resourceclaims/status"], ["patch"])

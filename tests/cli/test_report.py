@@ -1,0 +1,110 @@
+"""`gpudra report`: GPU-hours from the agents' counters, or from Prometheus's query API
+(a stand-in server answering as Prometheus does)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import urllib.parse
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, HTTPServer
+
+import pytest
+
+
+def report(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "gpudra.cli", "report", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+def test_from_the_agents_counters(endpoint: str) -> None:
+    done = report("--metrics", endpoint, "-o", "json")
+    assert done.returncode == 0, done.stderr
+    doc = json.loads(done.stdout)
+    assert "since each agent started" in doc["span"]
+    [team] = doc["usage"]
+    assert team["namespace"] == "team-a"
+    assert team["allocated_hours"] == pytest.approx(1200 / 3600)
+    assert team["idle_hours"] == pytest.approx(1200 / 3600)
+    assert team["used_hours"] == pytest.approx(0)
+
+
+class PrometheusServer(HTTPServer):
+    """Answers /api/v1/query as Prometheus does, and keeps the queries asked."""
+
+    def __init__(self) -> None:
+        super().__init__(("127.0.0.1", 0), Prometheus)
+        self.queries: list[str] = []
+
+
+class Prometheus(BaseHTTPRequestHandler):
+    server: PrometheusServer
+
+    def do_GET(self) -> None:
+        query = urllib.parse.parse_qs(urllib.parse.urlparse(self.path).query)["query"][0]
+        self.server.queries.append(query)
+        value = "7200" if "allocated" in query else "1800"
+        body = {
+            "status": "success",
+            "data": {
+                "resultType": "vector",
+                "result": [
+                    {"metric": {"namespace": "team-a", "tenant": "research"}, "value": [0, value]}
+                ],
+            },
+        }
+        data = json.dumps(body).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def prometheus() -> Iterator[PrometheusServer]:
+    server = PrometheusServer()
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server
+    finally:
+        server.shutdown()
+        thread.join()
+
+
+def test_from_prometheus_over_the_span(prometheus: PrometheusServer) -> None:
+    url = f"http://127.0.0.1:{prometheus.server_port}"
+    done = report("--prometheus", url, "--since", "24h")
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == "GPU-hours, last 24h"
+    assert lines[2].split() == ["team-a", "research", "2.00", "1.50", "0.50"]
+    assert prometheus.queries == [
+        "sum by (namespace, tenant) (increase(gpudra_allocated_device_seconds_total[86400s]))",
+        "sum by (namespace, tenant) (increase(gpudra_idle_device_seconds_total[86400s]))",
+    ]
+
+
+def test_a_prometheus_that_does_not_answer_is_one_line_and_a_failure() -> None:
+    done = report("--prometheus", "http://127.0.0.1:9", "--timeout", "2")
+    assert done.returncode != 0
+    [line] = done.stderr.strip().splitlines()
+    assert line.startswith("gpudra report: http://127.0.0.1:9/api/v1/query?")
+    assert "did not answer" in line
+
+
+def test_nothing_to_ask_says_what_to_give() -> None:
+    done = report()
+    assert done.returncode != 0
+    assert "--prometheus URL or --metrics URL" in done.stderr

@@ -1,0 +1,76 @@
+"""Claim status entries, and a writer that degrades cleanly where the API server
+refuses them (the real API server's acceptance is in test_prepare and the e2e tests)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from gpudra.common.kube import ApiError, Kube
+from gpudra.driver.checkpoint import ClaimRecord, ClaimState, DeviceRecord
+from gpudra.driver.claimstatus import ClaimStatusWriter, device_statuses
+from gpudra.driver.holders import ClaimInfo
+from gpudra.driver.records import DeviceDetails
+
+pytestmark = pytest.mark.anyio
+
+GPU = "GPU-4f5e0000-0000-0000-0000-000000000001"
+
+
+def slice_claim(uid: str = "u1") -> ClaimRecord:
+    return ClaimRecord(
+        uid=uid,
+        namespace="team-a",
+        name="c1",
+        state=ClaimState.PREPARE_COMPLETED,
+        devices=(
+            DeviceRecord(
+                pool="node-a",
+                device="gpu-0",
+                share_id="7f3e",
+                exclusive=False,
+                details=DeviceDetails(type="gpu", gpu_uuid=GPU, uuid=GPU),
+            ),
+            DeviceRecord(pool="other-node", device="gpu-3"),
+        ),
+    )
+
+
+def test_a_memory_slice_entry_names_its_share_and_memory() -> None:
+    info = ClaimInfo(memory={("gpu-0", "7f3e"): 20 * 1024**3})
+    [entry] = device_statuses(slice_claim(), driver="gpu.nvidia.com", pool="node-a", info=info)
+    assert entry == {
+        "driver": "gpu.nvidia.com",
+        "pool": "node-a",
+        "device": "gpu-0",
+        "shareID": "7f3e",
+        "data": {"sharing": "MemorySlice", "gpuUUID": GPU, "memoryLimit": 20 * 1024**3},
+    }
+
+
+class RefusingKube(Kube):
+    """An API server without the field: every status write answers 422."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str, Any]] = []
+
+    async def request(self, method: str, path: str, body: Any = None, **_: Any) -> Any:
+        self.calls.append((method, path, body))
+        raise ApiError(422, "status.devices: field not declared in schema", method, path)
+
+
+async def test_a_refusing_api_server_is_asked_once_per_claim_and_nothing_fails() -> None:
+    kube = RefusingKube()
+    claims = [slice_claim()]
+    writer = ClaimStatusWriter(
+        kube, driver="gpu.nvidia.com", pool="node-a", prepared=lambda: claims
+    )
+    await writer.sync_once()
+    await writer.sync_once()
+    [(method, path, body)] = kube.calls
+    assert method == "PATCH"
+    assert path.endswith("/namespaces/team-a/resourceclaims/c1/status")
+    assert body["metadata"]["uid"] == "u1"
+    claims.clear()  # unprepared: nothing was written, so nothing to remove
+    await writer.sync_once()
+    assert len(kube.calls) == 1

@@ -1,0 +1,356 @@
+"""Device metrics and accounting: emulated telemetry read by the sampler through NVML,
+scraped from the real metrics HTTP endpoint."""
+
+from __future__ import annotations
+
+import urllib.request
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import pynvml
+import pytest
+from gpudra.common.kube import Kube
+from gpudra.driver.accounting import Accounting
+from gpudra.driver.agent import AgentConfig
+from gpudra.driver.checkpoint import ClaimRecord, ClaimState, DeviceRecord
+from gpudra.driver.devices import Inventory, discover
+from gpudra.driver.health import HealthState, XidEvent
+from gpudra.driver.holders import ClaimInfo, ClaimInfos
+from gpudra.driver.metrics import DeviceMetrics
+from gpudra.driver.node import NodeService, PluginConfig
+from gpudra.driver.nvml.emulator import NvmlEmulator, load_builtin_profile, parse_profile
+from gpudra.driver.records import DeviceDetails, TimeSliceSet
+from gpudra.driver.sampling import Sampler
+from kubernetes_asyncio.client import ApiClient
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.parser import text_string_to_metric_families
+
+pytestmark = pytest.mark.anyio
+
+POOL = "node-a"
+GIB = 1024**3
+
+
+def emulator(name: str, telemetry: dict[str, Any] | None = None) -> NvmlEmulator:
+    doc = load_builtin_profile(name).model_dump(mode="json")
+    if telemetry is not None:
+        doc["gpus"][0]["telemetry"] = telemetry
+    return NvmlEmulator(parse_profile(doc))
+
+
+def inventory_of(nvml: NvmlEmulator) -> Inventory:
+    return discover(nvml)
+
+
+def claim(
+    uid: str,
+    namespace: str,
+    pod: str,
+    device: str,
+    uuid: str,
+    *,
+    share_id: str | None = None,
+    time_slice: bool = False,
+) -> ClaimRecord:
+    details = DeviceDetails(
+        type="gpu",
+        gpu_uuid=uuid,
+        uuid=uuid,
+        pod=pod,
+        time_slice=TimeSliceSet(uuid, 1) if time_slice else None,
+    )
+    return ClaimRecord(
+        uid=uid,
+        namespace=namespace,
+        name=f"claim-{uid}",
+        state=ClaimState.PREPARE_COMPLETED,
+        devices=(
+            DeviceRecord(
+                pool=POOL,
+                device=device,
+                request_names=("gpu",),
+                share_id=share_id,
+                exclusive=share_id is None and not time_slice,
+                details=details,
+            ),
+        ),
+    )
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Node:
+    """A sampler, accounting and device metrics wired as `NodeService` wires them,
+    served on a real metrics endpoint."""
+
+    def __init__(
+        self,
+        nvml: NvmlEmulator,
+        claims: Sequence[ClaimRecord] = (),
+        infos: ClaimInfos | None = None,
+        health: HealthState | None = None,
+    ) -> None:
+        self.nvml = nvml
+        self.inventory = inventory_of(nvml)
+        self.claims = list(claims)
+        self.clock = Clock()
+        self.accounting = Accounting(idle_below=5)
+        infos = infos or ClaimInfos()
+        self.sampler = Sampler(
+            nvml,
+            pool=POOL,
+            inventory=lambda: self.inventory,
+            prepared=lambda: self.claims,
+            claim_info=infos.snapshot,
+            health=lambda: health,
+            on_sample=(self.accounting.observe,),
+            clock=self.clock,
+        )
+        self.registry = CollectorRegistry()
+        self.registry.register(DeviceMetrics(self.sampler, self.accounting))
+
+    def scrape(self) -> list[tuple[str, dict[str, str], float]]:
+        server, thread = start_http_server(0, "127.0.0.1", registry=self.registry)
+        try:
+            url = f"http://127.0.0.1:{server.server_port}/metrics"
+            with urllib.request.urlopen(url, timeout=10) as response:
+                text = response.read().decode()
+        finally:
+            server.shutdown()
+            thread.join()
+        return [
+            (s.name, s.labels, s.value)
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+        ]
+
+
+def values(
+    samples: list[tuple[str, dict[str, str], float]], name: str, **labels: str
+) -> list[float]:
+    return [
+        v
+        for n, lab, v in samples
+        if n == name and all(lab.get(k) == want for k, want in labels.items())
+    ]
+
+
+def only(samples: Any, name: str, **labels: str) -> float:
+    found = values(samples, name, **labels)
+    assert len(found) == 1, (name, labels, found)
+    return found[0]
+
+
+@pytest.fixture
+def l4() -> Iterator[NvmlEmulator]:
+    yield emulator(
+        "l4",
+        {
+            "utilization": 3,
+            "memoryUtilization": 1,
+            "temperature": 88,
+            "power": 41.5,
+            "smClock": 2040,
+            "memoryUsed": 2 * GIB,
+            "eccCorrected": 4,
+        },
+    )
+
+
+async def test_a_held_gpu_reports_its_values_labelled_with_its_holder(l4: NvmlEmulator) -> None:
+    uuid = inventory_of(l4).gpus[0].uuid
+    infos = ClaimInfos()
+    infos.remember("u1", ClaimInfo(device_classes={("gpu-0", None): "gpu.nvidia.com"}))
+    health = HealthState(inventory_of(l4))
+    health.apply(XidEvent(uuid, 79))
+    node = Node(l4, [claim("u1", "team-a", "trainer", "gpu-0", uuid)], infos, health)
+    await node.sampler.sample_once()
+    got = node.scrape()
+    holder = {"device": "gpu-0", "uuid": uuid, "namespace": "team-a", "pod": "trainer"}
+    assert only(got, "gpudra_gpu_utilization_percent", **holder, sharing="Exclusive") == 3
+    assert only(got, "gpudra_gpu_memory_used_bytes", **holder) == 2 * GIB
+    assert only(got, "gpudra_gpu_temperature_celsius", **holder) == 88
+    assert only(got, "gpudra_gpu_power_watts", **holder) == 41.5
+    assert only(got, "gpudra_gpu_sm_clock_mhz", **holder) == 2040
+    assert only(got, "gpudra_gpu_ecc_errors_total", **holder, type="corrected") == 4
+    assert only(got, "gpudra_gpu_healthy", **holder) == 0
+    assert only(got, "gpudra_gpu_xid_errors_total", gpu_uuid=uuid, xid="79") == 1
+    assert only(got, "gpudra_gpu_utilization_percent", **holder, utilization_scope="device") == 3
+
+    node.claims = []  # unprepared: the series lose their holder labels
+    await node.sampler.sample_once()
+    got = node.scrape()
+    assert only(got, "gpudra_gpu_utilization_percent", uuid=uuid, namespace="", pod="") == 3
+
+
+async def test_a_mig_device_says_it_has_no_utilization_of_its_own() -> None:
+    nvml = emulator("a100-40gb-mig-mixed", {"utilization": 97})
+    inventory = inventory_of(nvml)
+    gpu = inventory.gpus[0]
+    mig = gpu.mig_devices[0]
+    assert mig.uuid is not None
+    nvml.telemetry.script(mig.uuid, memoryUsed=GIB)
+    node = Node(nvml)
+    await node.sampler.sample_once()
+    got = node.scrape()
+    assert only(got, "gpudra_gpu_utilization_percent", uuid=gpu.uuid) == 97
+    # Never the parent's 97: absent, with the reason, and the scope label says so.
+    assert values(got, "gpudra_gpu_utilization_percent", uuid=mig.uuid) == []
+    assert (
+        only(
+            got,
+            "gpudra_gpu_memory_used_bytes",
+            uuid=mig.uuid,
+            mig_uuid=mig.uuid,
+            gpu_uuid=gpu.uuid,
+            utilization_scope="unavailable",
+        )
+        == GIB
+    )
+    reason = {"uuid": mig.uuid, "metric": "utilization", "reason": "not_supported"}
+    assert only(got, "gpudra_gpu_metric_unavailable", **reason) == 1
+
+
+async def test_a_value_the_gpu_does_not_support_is_absent_with_a_reason() -> None:
+    nvml = emulator("l4", {"unsupported": ["power", "smClock"]})
+    node = Node(nvml)
+    await node.sampler.sample_once()
+    got = node.scrape()
+    uuid = node.inventory.gpus[0].uuid
+    assert values(got, "gpudra_gpu_power_watts") == []
+    assert only(got, "gpudra_gpu_metric_unavailable", uuid=uuid, metric="power") == 1
+    assert only(got, "gpudra_gpu_metric_unavailable", uuid=uuid, metric="sm_clock") == 1
+    assert only(got, "gpudra_gpu_temperature_celsius", uuid=uuid) == 35
+
+
+async def test_a_lost_gpu_loses_its_series_not_the_sampler() -> None:
+    nvml = emulator("h100-80gb-hbm3-x8")
+    node = Node(nvml)
+    lost = node.inventory.gpus[1].uuid
+    nvml.lose_gpu(1)
+    await node.sampler.sample_once()
+    got = node.scrape()
+    assert values(got, "gpudra_gpu_utilization_percent", uuid=lost) == []
+    assert len(values(got, "gpudra_gpu_utilization_percent")) == 7
+    assert values(got, "gpudra_gpu_metric_unavailable", uuid=lost)
+
+
+async def test_memory_slices_are_billed_by_their_share_and_idle_while_under_threshold() -> None:
+    nvml = emulator("l4", {"utilization": 2})
+    gpu = inventory_of(nvml).gpus[0]
+    nvml.nvmlInit()
+    total = nvml.nvmlDeviceGetMemoryInfo(
+        nvml.nvmlDeviceGetHandleByIndex(0), version=pynvml.nvmlMemory_v2
+    ).total
+    nvml.nvmlShutdown()
+    infos = ClaimInfos()
+    for uid, share, size in (("u1", "s1", total // 4), ("u2", "s2", total // 2)):
+        infos.remember(
+            uid,
+            ClaimInfo(
+                device_classes={("gpu-0", share): "gpu-slice.nvidia.com"},
+                memory={("gpu-0", share): size},
+                tenant="research",
+            ),
+        )
+    node = Node(
+        nvml,
+        [
+            claim("u1", "team-a", "a", "gpu-0", gpu.uuid, share_id="s1"),
+            claim("u2", "team-b", "b", "gpu-0", gpu.uuid, share_id="s2"),
+        ],
+        infos,
+    )
+    await node.sampler.sample_once()
+    node.clock.now += 100
+    await node.sampler.sample_once()
+    got = node.scrape()
+    a = {"namespace": "team-a", "tenant": "research", "sharing": "MemorySlice"}
+    b = {"namespace": "team-b", "tenant": "research", "sharing": "MemorySlice"}
+    assert only(got, "gpudra_allocated_device_seconds_total", **a) == pytest.approx(25)
+    assert only(got, "gpudra_allocated_device_seconds_total", **b) == pytest.approx(50)
+    assert only(got, "gpudra_idle_device_seconds_total", **a) == pytest.approx(25)
+    assert only(
+        got, "gpudra_allocated_device_seconds_total", device_class="gpu-slice.nvidia.com", **b
+    ) == pytest.approx(50)
+    assert only(got, "gpudra_device_idle_seconds", pod="a") == 100
+
+    nvml.telemetry.script(0, utilization=80)  # busy: billed, not idle, idle gauge gone
+    node.clock.now += 100
+    await node.sampler.sample_once()
+    got = node.scrape()
+    assert only(got, "gpudra_allocated_device_seconds_total", **a) == pytest.approx(50)
+    assert only(got, "gpudra_idle_device_seconds_total", **a) == pytest.approx(25)
+    assert values(got, "gpudra_device_idle_seconds") == []
+
+
+async def test_time_sliced_holders_split_a_gpu_equally() -> None:
+    nvml = emulator("l4", {"utilization": 60})
+    uuid = inventory_of(nvml).gpus[0].uuid
+    node = Node(
+        nvml,
+        [
+            claim(uid, f"ns-{uid}", uid, "gpu-0", uuid, time_slice=True)
+            for uid in ("u1", "u2", "u3", "u4")
+        ],
+    )
+    await node.sampler.sample_once()
+    node.clock.now += 40
+    await node.sampler.sample_once()
+    got = node.scrape()
+    billed = values(got, "gpudra_allocated_device_seconds_total", sharing="TimeSlicing")
+    assert billed == [pytest.approx(10)] * 4
+    assert values(got, "gpudra_idle_device_seconds_total") == [0.0] * 4
+    assert len(values(got, "gpudra_gpu_utilization_percent", uuid=uuid)) == 4
+
+
+def test_the_idle_threshold_must_be_a_percentage() -> None:
+    with pytest.raises(ValueError, match="percentage"):
+        Accounting(idle_below=150)
+
+
+@pytest.mark.parametrize(("interval", "sampled"), [(10.0, True), (0.0, False)])
+async def test_the_node_samples_and_writes_claim_status_only_when_switched_on(
+    tmp_path: Path, interval: float, sampled: bool
+) -> None:
+    nvml = emulator("l4")
+    config = PluginConfig(
+        kubelet_root=tmp_path / "kubelet",
+        cdi_root=tmp_path / "cdi",
+        state_dir=tmp_path / "state",
+        toolkit_spec=False,
+        driver_libraries=("usr/lib/libnvidia-ml.so.1",),
+        sample_interval_s=interval,
+        claim_status=sampled,
+    )
+    async with ApiClient() as api:
+        service = NodeService(AgentConfig(node_name=POOL), Kube(api), nvml, config)
+        names = {family.name for family in service.registry.collect()}
+    assert (service.sampler is not None) is sampled
+    assert (service.status_writer is not None) is sampled
+    assert ("gpudra_gpu_utilization_percent" in names) is sampled
+    assert "gpudra_claim_operations" in names
+
+
+def test_claim_infos_outlive_a_pass_between_the_read_and_the_checkpoint() -> None:
+    now = [0.0]
+    infos = ClaimInfos(pending_s=60, clock=lambda: now[0])
+    infos.remember("u1", ClaimInfo(tenant="t"))
+    infos.retain([])  # the prepare has not written the checkpoint yet
+    assert "u1" in infos.snapshot()
+    infos.retain(["u1"])  # prepared
+    infos.retain(["u1"])
+    assert "u1" in infos.snapshot()
+    infos.retain([])  # unprepared
+    assert "u1" not in infos.snapshot()
+    infos.remember("u2", ClaimInfo())  # read, but its prepare failed before the checkpoint
+    now[0] += 61
+    infos.retain([])
+    assert infos.snapshot() == {}
