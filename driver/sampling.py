@@ -30,6 +30,7 @@ from gpudra.driver.health import HealthState
 from gpudra.driver.holders import ClaimInfo, HeldDevice, held_devices
 from gpudra.driver.nvml import NvmlLibrary
 from gpudra.driver.nvml.codes import constant_names
+from gpudra.driver.nvml.handles import device_handle
 
 __all__ = [
     "DEFAULT_INTERVAL_S",
@@ -205,7 +206,9 @@ class Sampler:
         try:
             for device in devices:
                 try:
-                    handle = self._nvml.nvmlDeviceGetHandleByUUID(device.uuid)
+                    # Not the plain lookup by UUID: it fails for every GPU while any
+                    # one is lost, and one lost GPU must not blank the others' series.
+                    handle = device_handle(self._nvml, device.uuid)
                 except pynvml.NVMLError as err:
                     out.append((device, Reading(missing={"handle": _reason(err)})))
                     continue
