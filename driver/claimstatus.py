@@ -25,6 +25,7 @@ from typing import Any, Final
 import anyio
 import anyio.abc
 from gpudra.common.kube import ApiError, Kube, claim_path
+from gpudra.common.periodic import run_every
 from gpudra.driver.checkpoint import ClaimRecord
 from gpudra.driver.holders import MEMORY_SLICE, ClaimInfo, sharing_of
 
@@ -150,9 +151,9 @@ class ClaimStatusWriter:
         self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
     ) -> None:
         task_status.started()
-        while True:
-            try:
-                await self.sync_once()
-            except Exception:
-                log.exception("claim device status sync failed; trying again")
-            await anyio.sleep(self.interval_s)
+        await run_every(
+            self.interval_s,
+            self.sync_once,
+            failed="claim device status sync failed; trying again",
+            logger=log,
+        )

@@ -24,6 +24,7 @@ import anyio
 import anyio.abc
 import anyio.to_thread
 import pynvml
+from gpudra.common.periodic import run_every
 from gpudra.driver.checkpoint import ClaimRecord
 from gpudra.driver.devices import Inventory
 from gpudra.driver.health import HealthState
@@ -240,9 +241,9 @@ class Sampler:
         self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
     ) -> None:
         task_status.started()
-        while True:
-            try:
-                await self.sample_once()
-            except Exception:
-                log.exception("device sampling failed; trying again next interval")
-            await anyio.sleep(self.interval_s)
+        await run_every(
+            self.interval_s,
+            self.sample_once,
+            failed="device sampling failed; trying again next interval",
+            logger=log,
+        )
