@@ -169,8 +169,9 @@ class Sampler:
 
     `inventory` and `prepared` are read each pass (the agent's latest inventory; the
     preparer's completed claims, read without its lock); `claim_info` gives what the
-    checkpoint does not keep of a claim; `health` the agent's health state. `on_sample`
-    (accounting) is called on the event loop with each new sample.
+    checkpoint does not keep of a claim; `tenant_of` a namespace's tenant; `health` the
+    agent's health state. `on_sample` (accounting) is called on the event loop with each
+    new sample.
     """
 
     def __init__(
@@ -181,6 +182,7 @@ class Sampler:
         inventory: Callable[[], Inventory | None],
         prepared: Callable[[], Iterable[ClaimRecord]],
         claim_info: Callable[[], Mapping[str, ClaimInfo]] = dict,
+        tenant_of: Callable[[str], str] = lambda _namespace: "",
         health: Callable[[], HealthState | None] = lambda: None,
         interval_s: float = DEFAULT_INTERVAL_S,
         on_sample: Iterable[Callable[[Sample], None]] = (),
@@ -191,6 +193,7 @@ class Sampler:
         self._inventory = inventory
         self._prepared = prepared
         self._claim_info = claim_info
+        self._tenant_of = tenant_of
         self._health = health
         self.interval_s = interval_s
         self._on_sample = tuple(on_sample)
@@ -220,7 +223,7 @@ class Sampler:
 
     async def sample_once(self) -> Sample:
         """One pass: read every device in a worker thread, then tell `on_sample`."""
-        held = held_devices(self._prepared(), self._pool, self._claim_info())
+        held = held_devices(self._prepared(), self._pool, self._claim_info(), self._tenant_of)
         devices = devices_to_sample(self._inventory(), held)
         readings = await anyio.to_thread.run_sync(self._read_all, devices)
         health = self._health()
