@@ -316,3 +316,81 @@ def test_every_dashboard_query_parses(helm: Path, prometheus_bin: Path, tmp_path
     path = p.write_yaml(tmp_path / "dashboard-rules.yaml", p.recording_rules(exprs))
     out = p.promtool(prometheus_bin, "check", "rules", str(path))
     assert f"SUCCESS: {len(exprs)} rules found" in out
+
+
+def documented_dcgm_join() -> str:
+    """The PromQL docs/monitoring.md gives for joining dcgm-exporter's series."""
+    text = (h.REPO / "docs" / "monitoring.md").read_text()
+    section = text.split("## Beside dcgm-exporter", 1)[1].split("\n## ", 1)[0]
+    (query,) = re.findall(r"```promql\n(.*?)```", section, flags=re.DOTALL)
+    return query.strip()
+
+
+def test_the_documented_dcgm_join_gives_each_pod_its_tenant(
+    prometheus_bin: Path, tmp_path: Path
+) -> None:
+    """dcgm-exporter's DRA labels joined to gpudra's holder labels: each pod's DCGM
+    value with its tenant and sharing mode, once per pod even on a shared GPU."""
+    dcgm = {"UUID": "GPU-aaaa", "gpu": "0", "dra_driver_name": "gpu.nvidia.com"}
+    shared = {**DEVICE, **HOLDER, "sharing": "TimeSlicing"}
+    other = {**shared, "pod": "eval", "claim": "eval-gpu", "tenant": "vision"}
+    unit = {
+        "rule_files": [],
+        "tests": [
+            {
+                "interval": "1m",
+                "input_series": [
+                    {
+                        "series": p.series(
+                            "DCGM_FI_PROF_SM_ACTIVE", {**dcgm, "namespace": "team-a", "pod": pod}
+                        ),
+                        "values": value,
+                    }
+                    for pod, value in (("trainer", "0.75x5"), ("eval", "0.25x5"))
+                ]
+                + [
+                    {
+                        "series": p.series("gpudra_gpu_utilization_percent", {**SCRAPE, **holder}),
+                        "values": "50x5",
+                    }
+                    for holder in (shared, other)
+                ],
+                "promql_expr_test": [
+                    {
+                        "expr": documented_dcgm_join(),
+                        "eval_time": "2m",
+                        "exp_samples": [
+                            {
+                                "labels": p.series(
+                                    "",
+                                    {
+                                        "namespace": "team-a",
+                                        "pod": "trainer",
+                                        "UUID": "GPU-aaaa",
+                                        "tenant": "research",
+                                        "sharing": "TimeSlicing",
+                                    },
+                                ),
+                                "value": 0.75,
+                            },
+                            {
+                                "labels": p.series(
+                                    "",
+                                    {
+                                        "namespace": "team-a",
+                                        "pod": "eval",
+                                        "UUID": "GPU-aaaa",
+                                        "tenant": "vision",
+                                        "sharing": "TimeSlicing",
+                                    },
+                                ),
+                                "value": 0.25,
+                            },
+                        ],
+                    }
+                ],
+            }
+        ],
+    }
+    p.write_yaml(tmp_path / "tests.yaml", unit)
+    assert "SUCCESS" in p.promtool(prometheus_bin, "test", "rules", "tests.yaml", cwd=tmp_path)
