@@ -418,3 +418,45 @@ async def test_holders_are_labelled_with_their_namespaces_tenant_as_it_changes()
     await node.sampler.sample_once()
     assert tenant_label() == "vision"  # an invalid tenant counts for nothing
     assert only(node.scrape(), "gpudra_allocated_device_seconds_total", tenant="vision") == 10
+
+
+async def test_a_hopper_mig_device_reports_its_own_utilization_through_gpm() -> None:
+    """H100: GPM measures each MIG instance's SMs, from the second pass on (two samples
+    make a figure), never the parent's value; the samples of a destroyed MIG device are
+    freed."""
+    doc = load_builtin_profile("h100-80gb-mig-r580").model_dump(mode="json")
+    doc["gpus"][0]["telemetry"] = {"utilization": 97}
+    doc["gpus"][0]["migInstances"] = [
+        {"profileId": 19, "placementStart": 0},
+        {"profileId": 19, "placementStart": 1},
+    ]
+    nvml = NvmlEmulator(parse_profile(doc))
+    gpu = inventory_of(nvml).gpus[0]
+    busy, quiet = (m.uuid for m in gpu.mig_devices)
+    assert busy is not None and quiet is not None
+    nvml.telemetry.script(busy, utilization=64)
+    node = Node(nvml)
+    await node.sampler.sample_once()
+    got = node.scrape()
+    assert values(got, "gpudra_gpu_utilization_percent", mig_uuid=busy) == []
+    first = {"uuid": busy, "metric": "utilization", "reason": "first_gpm_sample"}
+    assert only(got, "gpudra_gpu_metric_unavailable", **first) == 1
+
+    node.clock.now += 10
+    await node.sampler.sample_once()
+    got = node.scrape()
+    mine = {"utilization_scope": "mig_instance", "gpu_uuid": gpu.uuid}
+    assert only(got, "gpudra_gpu_utilization_percent", mig_uuid=busy, **mine) == 64
+    # Not scripted on its own: GPM measures the instance as the GPU's load, 97 here.
+    assert only(got, "gpudra_gpu_utilization_percent", mig_uuid=quiet, **mine) == 97
+    assert values(got, "gpudra_gpu_metric_unavailable", metric="utilization") == []
+
+    nvml.telemetry.script(busy, utilization=3)
+    await node.sampler.sample_once()
+    assert only(node.scrape(), "gpudra_gpu_utilization_percent", mig_uuid=busy) == 3
+
+    assert nvml.gpm_samples_held() == 2  # the last one of each MIG device
+    # The MIG devices gone from the inventory (destroyed): their samples are freed.
+    node.inventory = inventory_of(NvmlEmulator(load_builtin_profile("h100-80gb-mig-r580")))
+    await node.sampler.sample_once()
+    assert nvml.gpm_samples_held() == 0
