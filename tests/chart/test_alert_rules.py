@@ -291,10 +291,10 @@ def test_each_alert_fires_when_it_should_and_only_then(
 
 def grafana_to_promql(query: str) -> str:
     """A dashboard query as Grafana sends it: variables substituted, and the
-    `label_values(series, label)` helper reduced to the series it lists."""
-    helper = re.fullmatch(r"label_values\((.+), *\w+\)", query)
-    if helper:
-        query = helper.group(1)
+    `label_values(series, label)` query function reduced to the series it lists."""
+    listing = re.fullmatch(r"label_values\((.+), *\w+\)", query)
+    if listing:
+        query = listing.group(1)
     query = query.replace("$__rate_interval", "1m").replace("$__range", "1h")
     return re.sub(r"\$\w+", ".*", query)
 
