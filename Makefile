@@ -57,9 +57,13 @@ demo-down: venv
 	@$(VPY) -m e2e.demo down
 
 # Helm chart: helm is built from the Go module proxy and cached like the Kubernetes binaries.
-.PHONY: helm chart-lint chart-crds image e2e-kind
+.PHONY: helm prometheus chart-lint chart-crds image e2e-kind
 helm:
 	@bash e2e/tools/build-helm.sh
+
+# promtool and prometheus for the alert-rule and end-to-end monitoring tests, the same way.
+prometheus:
+	@bash e2e/tools/build-prometheus.sh
 
 chart-crds:
 	@mkdir -p charts/gpudra/files/crds

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import re
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import Annotated, Any, Final, Literal, Self, TypeAlias, get_args
@@ -36,6 +36,7 @@ __all__ = [
     "GROUP",
     "KIND",
     "MIG_PROFILE_RE",
+    "PATH",
     "PLURAL",
     "QUOTA_RESOURCE_SUFFIX",
     "SHARING_MODES",
@@ -52,6 +53,7 @@ __all__ = [
     "crd_yaml",
     "parse_tenant",
     "quota_key",
+    "winning_tenants",
 ]
 
 GROUP: Final = "gpudra.io"
@@ -60,6 +62,8 @@ API_VERSION: Final = f"{GROUP}/{VERSION}"
 KIND: Final = "GpuTenant"
 PLURAL: Final = "gputenants"
 SINGULAR: Final = "gputenant"
+PATH: Final = f"/apis/{GROUP}/{VERSION}/{PLURAL}"
+"""The collection's API path, for list and watch."""
 # ResourceQuota counts the devices that claims in a namespace request per DeviceClass
 # under "<class>.deviceclass.resource.k8s.io/devices" (checked on the real API server).
 QUOTA_RESOURCE_SUFFIX: Final = ".deviceclass.resource.k8s.io/devices"
@@ -282,6 +286,38 @@ class Tenant:
     def label(self) -> str:
         """How messages name it: ``tenant "team-a" (GpuTenant team-a)``."""
         return f'tenant "{self.name}" ({KIND} {self.name})'
+
+
+def winning_tenants(
+    namespace: str, labels: Mapping[str, str] | None, tenants: Iterable[Tenant]
+) -> list[Tenant] | None:
+    """The tenants of highest specificity that select `namespace`, in `tenants`' order.
+
+    The one rule for which tenant a namespace belongs to, shared by the webhook (whose
+    rules apply) and the node agent (whose name labels the metrics): one winner is the
+    tenant; none, no tenant; several, a conflict the caller reports. `labels` None: the
+    namespace is not known yet, so the answer is None wherever labels would decide.
+    """
+    best: Specificity | None = None
+    winners: list[Tenant] = []
+    for tenant in tenants:
+        spec = tenant.spec
+        if labels is None:
+            if spec.namespaces is not None and namespace in spec.namespaces:
+                how: Specificity | None = Specificity.NAME
+            elif spec.namespace_selector is not None:
+                return None
+            else:
+                how = None
+        else:
+            how = spec.selects(namespace, labels)
+        if how is None:
+            continue
+        if best is None or how > best:
+            best, winners = how, [tenant]
+        elif how == best:
+            winners.append(tenant)
+    return winners
 
 
 def parse_tenant(obj: Mapping[str, Any]) -> Tenant:

@@ -3,8 +3,9 @@
 Device metrics, accounting and claim status all ask the same question of the
 checkpoint: which claims (namespace, pod, claim, request) hold this device, shared
 how? The checkpoint answers most of it; what it does not keep (the DeviceClass of a
-request, the memory a slice took, the tenant) comes from the claim object read from
-the API server (`ClaimInfo`), and is simply empty until that read has happened.
+request, the memory a slice took) comes from the claim object read from the API server
+(`ClaimInfo`), and is simply empty until that read has happened. The tenant is the
+namespace's, looked up when asked (`gpudra.driver.tenancy`).
 
 The fair split, used wherever device-seconds are divided among holders:
 - a device with one holder: all of it;
@@ -57,7 +58,6 @@ class ClaimInfo:
 
     device_classes: Mapping[tuple[str, str | None], str] = field(default_factory=dict)
     memory: Mapping[tuple[str, str | None], int] = field(default_factory=dict)
-    tenant: str = ""
 
 
 class ClaimInfos:
@@ -119,7 +119,7 @@ def _requests(spec: Mapping[str, Any]) -> Iterable[tuple[str, str]]:
                 yield f"{name}/{sub.get('name') or ''}", str(sub["deviceClassName"])
 
 
-def claim_info(obj: Mapping[str, Any], claim: Claim, *, tenant: str = "") -> ClaimInfo:
+def claim_info(obj: Mapping[str, Any], claim: Claim) -> ClaimInfo:
     """The `ClaimInfo` of a claim object and its checked form (`checked_claim`)."""
     classes = dict(_requests(obj.get("spec") or {}))
     return ClaimInfo(
@@ -133,7 +133,6 @@ def claim_info(obj: Mapping[str, Any], claim: Claim, *, tenant: str = "") -> Cla
             for d in claim.devices
             if d.consumed_memory is not None
         },
-        tenant=tenant,
     )
 
 
@@ -193,15 +192,20 @@ def sharing_of(record: DeviceRecord) -> str:
 
 
 def held_devices(
-    claims: Iterable[ClaimRecord], pool: str, info: Mapping[str, ClaimInfo]
+    claims: Iterable[ClaimRecord],
+    pool: str,
+    info: Mapping[str, ClaimInfo],
+    tenant_of: Callable[[str], str] = lambda _namespace: "",
 ) -> dict[str, HeldDevice]:
-    """Device name -> its holders, for the completed claims' devices in `pool`."""
+    """Device name -> its holders, for the completed claims' devices in `pool`;
+    `tenant_of` names a namespace's tenant ("" for none)."""
     holders: dict[str, list[Holder]] = {}
     identity: dict[str, tuple[str, str, bool]] = {}
     for record in claims:
         if not record.completed:
             continue
         extra = info.get(record.uid, ClaimInfo())
+        tenant = tenant_of(record.namespace)
         for device in record.devices:
             if device.pool != pool:
                 continue
@@ -222,7 +226,7 @@ def held_devices(
                         request=request,
                         sharing=sharing,
                         device_class=extra.device_classes.get(key, ""),
-                        tenant=extra.tenant,
+                        tenant=tenant,
                         memory=extra.memory.get(key) if sharing == MEMORY_SLICE else None,
                     )
                 )

@@ -14,7 +14,9 @@ that keeps the kubelet's view consistent:
 5. with the plugin, the sampler reads every device's NVML telemetry on an interval
    for the device metrics and accounting (`gpudra.driver.sampling`), and the claim
    status writer shows in each prepared claim what its devices really are
-   (`gpudra.driver.claimstatus`); neither is on a prepare's path.
+   (`gpudra.driver.claimstatus`); neither is on a prepare's path. The sampler labels
+   holders with their namespace's GpuTenant, watched as the webhook watches it
+   (`gpudra.driver.tenancy`).
 
 The plugin's Prometheus metrics go to `registry`; `gpudra node` serves them on its
 metrics address.
@@ -55,6 +57,7 @@ from gpudra.driver.plugin import (
 from gpudra.driver.prepare import ClaimPreparer
 from gpudra.driver.sampling import DEFAULT_INTERVAL_S, Sampler
 from gpudra.driver.sharing import NvidiaSharing
+from gpudra.driver.tenancy import NamespaceTenants
 from prometheus_client import CollectorRegistry
 
 __all__ = ["AgentHealth", "NodeService", "PluginConfig"]
@@ -161,6 +164,8 @@ class NodeService:
         self.plugin: KubeletPlugin | None = None
         self.sampler: Sampler | None = None
         self.status_writer: ClaimStatusWriter | None = None
+        self.tenants = NamespaceTenants()
+        self._kube = kube
         self._infos = ClaimInfos()
         self._claims = ApiClaims(
             kube, driver=agent_config.driver_name, pool=agent_config.node_name, infos=self._infos
@@ -236,6 +241,7 @@ class NodeService:
             inventory=lambda: self.agent.inventory,
             prepared=self._prepared_claims,
             claim_info=self._infos.snapshot,
+            tenant_of=self.tenants.tenant_of,
             health=lambda: self.agent.health,
             interval_s=plugin.sample_interval_s,
             on_sample=(accounting.observe,),
@@ -256,6 +262,7 @@ class NodeService:
                     if self.sampler is not None or self.status_writer is not None:
                         tg.start_soon(self._reread_prepared_claims)
                     if self.sampler is not None:
+                        await tg.start(self.tenants.run, self._kube)
                         await tg.start(self.sampler.run)
                     if self.status_writer is not None:
                         await tg.start(self.status_writer.run)

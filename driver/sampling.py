@@ -6,10 +6,12 @@ thread (`anyio.to_thread`), and the sampler reads the prepared claims from the
 preparer's in-memory checkpoint without its lock, so sampling never waits for, nor
 delays, a prepare.
 
-A value NVML does not give for a device (NOT_SUPPORTED on an older GPU, no per-instance
-utilization on a MIG device, a GPU that fell off the bus) is absent from that device's
-`Reading`, and `missing` says why: the metrics export a reason series instead, and a
-failing call never stops the sampling of other values or devices.
+A MIG device's utilization comes from GPM where the GPU has it (Hopper and newer,
+`gpudra.driver.gpm`). A value NVML does not give for a device (NOT_SUPPORTED on an older
+GPU, no per-instance utilization on an older MIG device, a GPU that fell off the bus) is
+absent from that device's `Reading`, and `missing` says why: the metrics export a
+reason series instead, and a failing call never stops the sampling of other values or
+devices.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import pynvml
 from gpudra.common.periodic import run_every
 from gpudra.driver.checkpoint import ClaimRecord
 from gpudra.driver.devices import Inventory
+from gpudra.driver.gpm import MigUtilization
 from gpudra.driver.health import HealthState
 from gpudra.driver.holders import ClaimInfo, HeldDevice, held_devices
 from gpudra.driver.nvml import NvmlLibrary
@@ -169,8 +172,9 @@ class Sampler:
 
     `inventory` and `prepared` are read each pass (the agent's latest inventory; the
     preparer's completed claims, read without its lock); `claim_info` gives what the
-    checkpoint does not keep of a claim; `health` the agent's health state. `on_sample`
-    (accounting) is called on the event loop with each new sample.
+    checkpoint does not keep of a claim; `tenant_of` a namespace's tenant; `health` the
+    agent's health state. `on_sample` (accounting) is called on the event loop with each
+    new sample.
     """
 
     def __init__(
@@ -181,6 +185,7 @@ class Sampler:
         inventory: Callable[[], Inventory | None],
         prepared: Callable[[], Iterable[ClaimRecord]],
         claim_info: Callable[[], Mapping[str, ClaimInfo]] = dict,
+        tenant_of: Callable[[str], str] = lambda _namespace: "",
         health: Callable[[], HealthState | None] = lambda: None,
         interval_s: float = DEFAULT_INTERVAL_S,
         on_sample: Iterable[Callable[[Sample], None]] = (),
@@ -191,11 +196,13 @@ class Sampler:
         self._inventory = inventory
         self._prepared = prepared
         self._claim_info = claim_info
+        self._tenant_of = tenant_of
         self._health = health
         self.interval_s = interval_s
         self._on_sample = tuple(on_sample)
         self._clock = clock
         self.latest: Sample | None = None  # replaced whole, so a scrape reads one pass
+        self._gpm = MigUtilization()  # used by one pass at a time, in its worker thread
 
     def _read_all(self, devices: list[SampledDevice]) -> list[tuple[SampledDevice, Reading]]:
         out: list[tuple[SampledDevice, Reading]] = []
@@ -213,14 +220,31 @@ class Sampler:
                 except pynvml.NVMLError as err:
                     out.append((device, Reading(missing={"handle": _reason(err)})))
                     continue
-                out.append((device, read_device(self._nvml, handle)))
+                reading = read_device(self._nvml, handle)
+                if device.mig and "utilization" not in reading.values:
+                    reading = self._mig_utilization(device, handle, reading)
+                out.append((device, reading))
+            self._gpm.retain(self._nvml, (d.uuid for d in devices if d.mig))
         finally:
             self._nvml.nvmlShutdown()
         return out
 
+    def _mig_utilization(self, device: SampledDevice, handle: Any, reading: Reading) -> Reading:
+        """`reading` with the MIG device's own SM utilization from GPM where the GPU
+        has it; else the reason stays (`not_supported`), or says GPM has only one
+        sample of the device yet."""
+        try:
+            value = self._gpm.read(self._nvml, handle, device.uuid)
+        except pynvml.NVMLError as err:
+            return Reading(reading.values, {**reading.missing, "utilization": _reason(err)})
+        if value is None:
+            return Reading(reading.values, {**reading.missing, "utilization": "first_gpm_sample"})
+        missing = {k: v for k, v in reading.missing.items() if k != "utilization"}
+        return Reading({**reading.values, "utilization": value}, missing)
+
     async def sample_once(self) -> Sample:
         """One pass: read every device in a worker thread, then tell `on_sample`."""
-        held = held_devices(self._prepared(), self._pool, self._claim_info())
+        held = held_devices(self._prepared(), self._pool, self._claim_info(), self._tenant_of)
         devices = devices_to_sample(self._inventory(), held)
         readings = await anyio.to_thread.run_sync(self._read_all, devices)
         health = self._health()

@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from gpudra.api.tenants import Specificity, TenantError, parse_tenant, quota_key
+from gpudra.api.tenants import TenantError, parse_tenant, quota_key, winning_tenants
 from gpudra.webhook.convert import DEFAULT_POLICY, ConversionPolicy
 from gpudra.webhook.tenant_rules import Lookup, QuotaUsage, TenantRules, policy_for
 
@@ -222,27 +222,9 @@ class TenantState:
 
     def _select(self, namespace: str) -> list[TenantRules] | None:
         ns = self.namespaces.get(namespace)
-        best: Specificity | None = None
-        winners: list[TenantRules] = []
-        for name in sorted(self.tenants):
-            rules = self.tenants[name]
-            spec = rules.tenant.spec
-            if ns is None:
-                if spec.namespaces is not None and namespace in spec.namespaces:
-                    how: Specificity | None = Specificity.NAME
-                elif spec.namespace_selector is not None:
-                    return None
-                else:
-                    how = None
-            else:
-                how = spec.selects(namespace, ns.labels)
-            if how is None:
-                continue
-            if best is None or how > best:
-                best, winners = how, [rules]
-            elif how == best:
-                winners.append(rules)
-        return winners
+        ordered = (self.tenants[name].tenant for name in sorted(self.tenants))
+        winners = winning_tenants(namespace, ns.labels if ns is not None else None, ordered)
+        return None if winners is None else [self.tenants[t.name] for t in winners]
 
     # -- quota ----------------------------------------------------------------------------
     def desired_quotas(self) -> dict[str, tuple[dict[str, str], str]]:

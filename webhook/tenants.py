@@ -30,7 +30,7 @@ from typing import Any, Final
 
 import anyio
 import anyio.abc
-from gpudra.api.tenants import GROUP, PLURAL, VERSION
+from gpudra.api.tenants import PATH
 from gpudra.common.backoff import Backoff
 from gpudra.common.kube import ApiError, Kube
 from gpudra.common.reconcile import ReconcileLoop
@@ -50,7 +50,6 @@ log = logging.getLogger(__name__)
 
 MANAGED_BY_LABEL: Final = "app.kubernetes.io/managed-by"
 MANAGED_BY_VALUE: Final = "gpudra"
-TENANTS_PATH: Final = f"/apis/{GROUP}/{VERSION}/{PLURAL}"
 NAMESPACES_PATH: Final = "/api/v1/namespaces"
 QUOTAS_PATH: Final = "/api/v1/resourcequotas"
 _WATCH_BACKOFF: Final = Backoff(max_s=30.0)
@@ -96,7 +95,7 @@ class TenantController:
         selector = {"labelSelector": f"{MANAGED_BY_LABEL}={MANAGED_BY_VALUE}"}
         reflectors = [
             # No GpuTenant CRD: no tenant can exist; tenant rules are off until it is.
-            self._reflector("tenants", TENANTS_PATH, {}, absent_retry_s=_NO_CRD_RETRY_S),
+            self._reflector("tenants", PATH, {}, absent_retry_s=_NO_CRD_RETRY_S),
             self._reflector("namespaces", NAMESPACES_PATH, {}),
             self._reflector("quotas", QUOTAS_PATH, selector),
         ]

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from types import MappingProxyType
-from typing import Annotated, Any, Concatenate, Literal, ParamSpec, TypeVar
+from typing import Annotated, Any, Concatenate, Final, Literal, ParamSpec, TypeVar
 
 import pynvml
 from gpudra.common.files import atomic_write
@@ -573,6 +573,15 @@ def _normalise_bus_id(bus_id: str) -> str:
         return bus_id
 
 
+_FREED: Final = object()
+
+
+def _gpm_capable(gpu: _Gpu) -> bool:
+    """GPM (nvmlGpm*) works on Hopper and newer GPUs."""
+    hopper: int = pynvml.NVML_DEVICE_ARCH_HOPPER
+    return gpu.product.architecture >= hopper
+
+
 P = ParamSpec("P")
 R = TypeVar("R")
 
@@ -653,6 +662,8 @@ class NvmlEmulator:
         self._ci_by_address: dict[int, _ComputeInstance] = {}
         self._mig_by_address: dict[int, _ComputeInstance] = {}
         self._event_sets: dict[int, _EventSet] = {}
+        # GPM samples by address: None until taken, then (GPU instance, SM utilization).
+        self._gpm_samples: dict[int, tuple[_GpuInstance, float] | None] = {}
         self._init_count = 0
         self._calls = 0
         self._fail_remaining: int | None = None
@@ -1401,6 +1412,62 @@ class NvmlEmulator:
         ):
             raise _nvml_error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
         return round(self._telemetry(handle, names[errorType]))
+
+    # --- GPU performance metrics (GPM): a MIG instance's own SM utilization -------------
+    # Hopper and newer only; the SM utilization between two samples is the instance's
+    # scripted utilization when the second was taken (`Telemetry.mig_sm_utilization`).
+
+    def gpm_samples_held(self) -> int:
+        """GPM samples allocated and not freed (a test's leak check)."""
+        with self._lock:
+            return len(self._gpm_samples)
+
+    @_nvml()
+    def nvmlGpmQueryDeviceSupport(self, device: Any) -> Any:
+        gpu = self._gpu(device)
+        support = pynvml.c_nvmlGpmSupport_t()
+        support.version = pynvml.NVML_GPM_SUPPORT_VERSION
+        support.isSupportedDevice = int(_gpm_capable(gpu))
+        return support
+
+    @_nvml()
+    def nvmlGpmSampleAlloc(self) -> Any:
+        address = self._new_address()
+        self._gpm_samples[address] = None
+        return ctypes.cast(address, pynvml.c_nvmlGpmSample_t)
+
+    @_nvml()
+    def nvmlGpmSampleFree(self, gpmSample: Any) -> None:
+        if self._gpm_samples.pop(self._address(gpmSample), _FREED) is _FREED:
+            raise _nvml_error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+
+    @_nvml()
+    def nvmlGpmMigSampleGet(self, device: Any, gpuInstanceId: int, gpmSample: Any) -> Any:
+        gpu = self._gpu(device)
+        if not _gpm_capable(gpu):
+            raise _nvml_error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        address = self._address(gpmSample)
+        gi = gpu.gpu_instances.get(gpuInstanceId)
+        if address not in self._gpm_samples or gi is None:
+            raise _nvml_error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        migs = [ci.uuid for ci in gi.compute_instances.values()]
+        self._gpm_samples[address] = (gi, self.telemetry.mig_sm_utilization(gpu.uuid, migs))
+        return gpmSample
+
+    @_nvml()
+    def nvmlGpmMetricsGet(self, metricsGet: Any) -> Any:
+        first = self._gpm_samples.get(self._address(metricsGet.sample1))
+        second = self._gpm_samples.get(self._address(metricsGet.sample2))
+        if first is None or second is None or first[0] is not second[0]:
+            raise _nvml_error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        for i in range(metricsGet.numMetrics):
+            metric = metricsGet.metrics[i]
+            if metric.metricId == pynvml.NVML_GPM_METRIC_SM_UTIL:
+                metric.value = second[1]
+                metric.nvmlReturn = pynvml.NVML_SUCCESS
+            else:
+                metric.nvmlReturn = pynvml.NVML_ERROR_NOT_SUPPORTED
+        return metricsGet
 
     @_nvml()
     def nvmlDeviceGetPciInfo_v3(self, handle: Any) -> Any:

@@ -16,7 +16,8 @@ three places, the later winning:
 What NVML does not answer for a device is answered the NVML way, so the caller's
 handling of it is tested too: a MIG device has its own memory figures but no
 utilization, temperature, power or clock of its own (NOT_SUPPORTED, never the parent's
-numbers), and `unsupported` makes a GPU refuse a call as older GPUs do.
+numbers), and `unsupported` makes a GPU refuse a call as older GPUs do. A MIG device's
+own SM utilization comes only through GPM on Hopper and newer, as on real GPUs.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import contextlib
 import json
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Annotated, Final, Literal, TypeAlias
 
@@ -66,6 +67,9 @@ SCRIPTABLE: Final[tuple[str, ...]] = (
 _PERCENT: Final = frozenset({"utilization", "memoryUtilization"})
 # What a MIG device answers itself; every other value is the parent GPU's alone.
 _PER_MIG: Final = frozenset({"memoryUsed"})
+# What a MIG device may be scripted with besides: its SM utilization, which NVML gives
+# only through GPM (`nvmlGpmMigSampleGet`, Hopper and newer), never the plain call.
+_GPM_PER_MIG: Final = frozenset({"utilization"})
 
 
 class TelemetrySpec(BaseModel):
@@ -169,7 +173,8 @@ class Telemetry:
         """Set values of the GPU at index `key`, or the GPU or MIG device with UUID `key`.
 
         Names are those of `TelemetrySpec` (`SCRIPTABLE`); a MIG device takes
-        `memoryUsed` only, since NVML answers nothing else for it on its own.
+        `memoryUsed`, which NVML answers for it, and `utilization`, which only GPM
+        measures of it (Hopper and newer).
         """
         checked = self._checked(key, values, where="script")
         with self._lock:
@@ -198,7 +203,7 @@ class Telemetry:
             if name not in SCRIPTABLE:
                 msg = f"{where}: {uuid}: unknown value {name!r}; known: {', '.join(SCRIPTABLE)}"
                 raise ScriptError(msg)
-            if is_mig and name not in _PER_MIG:
+            if is_mig and name not in _PER_MIG | _GPM_PER_MIG:
                 msg = f"{where}: {uuid}: a MIG device has no {name} of its own; script its GPU"
                 raise ScriptError(msg)
             if isinstance(raw, bool) or not isinstance(raw, int | float) or raw < 0:
@@ -255,13 +260,7 @@ class Telemetry:
             # A bad file keeps the last good script: the agent must not fail on a typo.
             with contextlib.suppress(ScriptError):
                 self._reload()
-            key = mig_uuid or gpu_uuid
-            for source in (self._from_file, self._scripted):
-                if name in source.get(key, {}):
-                    scripted = source[key][name]
-                    break
-            else:
-                scripted = None
+            scripted = self._scripted_value(mig_uuid or gpu_uuid, name)
             events = self._ecc_events.get(gpu_uuid, {}).get(name, 0)
         if scripted is not None:
             return scripted + events
@@ -273,6 +272,26 @@ class Telemetry:
         if signal is None:
             return float(self._product_used.get(gpu_uuid, 0))
         return _at(signal, self._clock() - self._start)
+
+    def mig_sm_utilization(self, gpu_uuid: str, mig_uuids: Iterable[str]) -> float:
+        """What GPM measures of a GPU instance's SMs: the utilization scripted for one of
+        its MIG devices, else its GPU's."""
+        with self._lock:
+            with contextlib.suppress(ScriptError):
+                self._reload()
+            for mig_uuid in mig_uuids:
+                scripted = self._scripted_value(mig_uuid, "utilization")
+                if scripted is not None:
+                    return scripted
+        return self.value(gpu_uuid, "utilization")
+
+    def _scripted_value(self, key: str, name: str) -> float | None:
+        """A value the script file or a test set for GPU or MIG device `key` (the file
+        first); call with the lock held."""
+        for source in (self._from_file, self._scripted):
+            if name in source.get(key, {}):
+                return source[key][name]
+        return None
 
     def check_file(self) -> None:
         """Raise `ScriptError` if the script file cannot be applied (for a clear start-up

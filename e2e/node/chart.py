@@ -85,6 +85,10 @@ class ChartStack(NodeGpus):
         return self.state_dir / EMULATED_NVML_STATE
 
     @property
+    def metrics_port(self) -> int:
+        return self.ports["metrics"]
+
+    @property
     def ports(self) -> dict[str, int]:
         """The webhook's and the agent's metrics port: on the host's network."""
         if not self._ports:

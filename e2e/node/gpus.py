@@ -138,6 +138,18 @@ class NodeGpus:
     def nvml_state_path(self) -> Path:
         raise NotImplementedError
 
+    @property
+    def metrics_port(self) -> int:
+        """Where the agent serves its metrics on the host's loopback, once started with
+        `--metrics-address=127.0.0.1:<this port>` (`agent_flags`)."""
+        raise NotImplementedError
+
+    @property
+    def telemetry_script(self) -> Path:
+        """A file for the agent's `--nvml-script` (scripted telemetry of the emulated
+        GPUs), at a path the agent sees as the test does."""
+        return self.state_dir / "telemetry.json"
+
     def up(self, *, webhook: bool = True, log: Callable[[str], None] = print) -> None:
         raise NotImplementedError
 
@@ -251,6 +263,7 @@ class GpuStack(NodeGpus):
         super().__init__(node)
         self.root = node.layout.root / "gpudra"
         self.flags = flags  # on every start of the agent (the demo's shares)
+        self._metrics_port: int | None = None
 
     @property
     def dev_root(self) -> Path:
@@ -275,6 +288,12 @@ class GpuStack(NodeGpus):
     @property
     def agent_log(self) -> Path:
         return self.node.layout.logs / f"{AGENT}.log"
+
+    @property
+    def metrics_port(self) -> int:
+        if self._metrics_port is None:
+            self._metrics_port = free_port()
+        return self._metrics_port
 
     def up(self, *, webhook: bool = True, log: Callable[[str], None] = print) -> None:
         """Device nodes, driver root, DeviceClasses, then the agent (and webhook);

@@ -27,6 +27,9 @@ import anyio
 import anyio.to_thread
 import grpc
 import pytest
+from gpudra.api.tenants import API_VERSION as TENANT_API
+from gpudra.api.tenants import PATH as TENANTS
+from gpudra.api.tenants import crd_manifest
 from gpudra.common.kube import Kube as AsyncKube
 from gpudra.driver.agent import AgentConfig
 from gpudra.driver.health import HealthPolicy
@@ -38,7 +41,7 @@ from gpudra.driver.prepare import PREPARE_STEPS
 
 from e2e.claims import pod_with_claim, wait_allocated
 from e2e.cluster.harness import REPO, Cluster
-from e2e.cluster.kube import Kube, wait_for
+from e2e.cluster.kube import ApiError, Kube, apply_crd, wait_for
 from e2e.kubelet_pods import PodClaimsDriver
 from e2e.kubelet_standin import KubeletStandin
 from e2e.node_process import (
@@ -424,10 +427,15 @@ async def test_device_metrics_name_the_pod_holding_an_idle_gpu(
     setup: Setup, cluster: Cluster, node_dirs: NodeDirs
 ) -> None:
     """The agent samples the emulated GPUs (scripted idle) and labels the held one's
-    series with its pod; `gpudra top --idle` finds it; the claim's status shows the GPU."""
+    series with its pod and the GpuTenant its namespace belongs to (watched from the API
+    server); `gpudra top --idle` finds it; the claim's status shows the GPU."""
     kube, driver = setup.kube, setup.driver
     script = node_dirs.root / "telemetry.json"
     script.write_text(json.dumps({str(i): {"utilization": 2} for i in range(8)}))
+    tenant = f"t-{setup.namespace}"
+    await anyio.to_thread.run_sync(apply_crd, kube, crd_manifest())
+    tenant_body = {"apiVersion": TENANT_API, "kind": "GpuTenant", "metadata": {"name": tenant}}
+    kube.request("POST", TENANTS, {**tenant_body, "spec": {"namespaces": [setup.namespace]}})
     options = ("--sample-interval", "0.2", "--nvml-script", str(script), "--claim-status")
     setup.node.start(*options)
     akube = await AsyncKube.connect(str(cluster.layout.admin_kubeconfig))
@@ -457,6 +465,7 @@ async def test_device_metrics_name_the_pod_holding_an_idle_gpu(
                 ]
                 assert len(held) == 1
                 assert f'namespace="{setup.namespace}"' in held[0]
+                assert f'tenant="{tenant}"' in held[0]
                 assert "gpudra_device_idle_seconds{" in metrics
                 assert held[0].endswith(" 2.0")
 
@@ -495,3 +504,8 @@ async def test_device_metrics_name_the_pod_holding_an_idle_gpu(
             assert setup.node.stop() == 0
     finally:
         await akube.close()
+        try:
+            kube.request("DELETE", f"{TENANTS}/{tenant}")
+        except ApiError as e:
+            if e.status != 404:
+                raise

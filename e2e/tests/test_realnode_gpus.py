@@ -19,10 +19,12 @@ Skips with the exact reason when the machine cannot run a real node.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -34,6 +36,8 @@ from e2e.cluster.kube import ApiError, Kube, wait_for
 from e2e.demo import workloads
 from e2e.node import images
 from e2e.node.gpus import DRIVER, MIG_COMPUTE_INSTANCES, MIG_FIRST_MINOR, NodeGpus
+from e2e.tools import helm as h
+from e2e.tools import prometheus as p
 
 pytestmark = pytest.mark.cluster
 OWN_NAMESPACE = "gpudra"  # the webhook's own namespace, which it never intercepts
@@ -559,3 +563,57 @@ def test_agent_without_the_api_fails_prepares_with_the_cause(
         wait_running(kube, ns, "plain")
         assert kube.get("Pod", "waits", ns)["status"]["phase"] == "Pending"
     wait_running(kube, ns, "waits")
+
+
+def test_prometheus_fires_the_idle_alert_for_the_pod_whose_gpu_idles(
+    stack: NodeGpus, kube: Kube, ns: str, tmp_path: Path
+) -> None:
+    """A real Prometheus scrapes the node agent and evaluates the chart's alert rules
+    (rendered by helm with short thresholds): of two pods holding a whole GPU each, the
+    one whose GPU is scripted idle gets GpuAllocatedIdle and GpuLowUtilization naming
+    it; the busy one gets no alert, not even pending."""
+    if stack.name == "kind":
+        pytest.skip("Prometheus runs on the host, which cannot reach a kind worker's agent")
+    try:
+        helm, prometheus = h.helm_binary(), p.bin_dir()
+    except (h.HelmUnavailable, p.PrometheusUnavailable) as e:
+        pytest.skip(str(e))
+    values = {"enabled": True, "idleSeconds": 3, "lowUtilizationFor": "5s"}
+    objects = h.template(helm, {"monitoring": {"prometheusRule": values}})
+    (rule,) = [o for o in objects if o["kind"] == "PrometheusRule"]
+    gpus = list(stack.gpu_minors())
+    script = stack.telemetry_script
+
+    def utilization(idle: set[str]) -> None:
+        script.write_text(json.dumps({u: {"utilization": 1 if u in idle else 90} for u in gpus}))
+
+    script.parent.mkdir(parents=True, exist_ok=True)
+    utilization(set())
+    port = stack.metrics_port
+    flags = (f"--metrics-address=127.0.0.1:{port}", "--sample-interval=1")
+    with stack.agent_flags(*flags, f"--nvml-script={script}"):
+        kube.create(whole_gpu_template(ns))
+        for pod in ("idler", "busy"):
+            kube.create(gpu_pod(stack, pod, ns, template="whole"))
+        wait_running(kube, ns, "idler", "busy")
+        devices = node_devices(kube, stack.node_name)
+        idle_uuid = attr(devices[allocation(kube, ns, "idler")[0]["device"]], "uuid")
+        utilization({idle_uuid})
+        targets = [f"127.0.0.1:{port}"]
+        with p.serve(prometheus, tmp_path, targets=targets, rules=p.rule_groups(rule)) as prom:
+
+            def firing() -> dict[str, dict[str, Any]]:
+                found = {
+                    a["labels"]["alertname"]: a
+                    for a in prom.alerts()
+                    if a["state"] == "firing" and a["labels"].get("pod") == "idler"
+                }
+                return found if {"GpuAllocatedIdle", "GpuLowUtilization"} <= found.keys() else {}
+
+            alerts = wait_for("the idle pod's alerts firing", firing, timeout=120)
+            assert prom.targets_up(), prom.log_tail()
+            idle = alerts["GpuAllocatedIdle"]
+            assert idle["labels"]["namespace"] == ns
+            assert idle["labels"]["uuid"] == idle_uuid
+            assert idle["annotations"]["summary"].startswith(f"{ns}/idler holds ")
+            assert not [a for a in prom.alerts() if a["labels"].get("pod") == "busy"]

@@ -15,6 +15,7 @@ from gpudra.api.tenants import (
     crd_yaml,
     parse_tenant,
     quota_key,
+    winning_tenants,
 )
 
 CRD_FILE = Path(__file__).resolve().parents[2] / "api" / "crds" / "gpudra.io_gputenants.yaml"
@@ -143,6 +144,20 @@ def test_selection_specificity() -> None:
     assert spec.selects("other", {"team": "a"}) is Specificity.LABEL
     assert spec.selects("other", {"team": "b"}) is None
     assert Specificity.NAME > Specificity.LABEL
+
+
+def test_the_most_specific_tenant_wins_and_equals_conflict() -> None:
+    by_label = parse_tenant(tenant("by-label", namespaceSelector={"matchLabels": {"team": "a"}}))
+    by_name = parse_tenant(tenant("by-name", namespaces=["ml-a"]))
+    also_label = parse_tenant(tenant("also", namespaceSelector={}))
+    team_a = {"team": "a"}
+    assert winning_tenants("ml-a", team_a, [by_label, by_name, also_label]) == [by_name]
+    assert winning_tenants("ml-b", team_a, [by_label, by_name]) == [by_label]
+    assert winning_tenants("ml-b", team_a, [also_label, by_label]) == [also_label, by_label]
+    assert winning_tenants("ml-b", {}, [by_label, by_name]) == []
+    # Labels not known yet: a name decides, a selector cannot.
+    assert winning_tenants("ml-a", None, [by_name]) == [by_name]
+    assert winning_tenants("ml-a", None, [by_name, by_label]) is None
 
 
 def test_quota_key_matches_the_api_server_resource_name() -> None:

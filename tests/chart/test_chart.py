@@ -518,7 +518,18 @@ def test_webhook_runs_as_non_root(full: list[dict[str, Any]]) -> None:
 def test_least_privilege_rbac(default: list[dict[str, Any]]) -> None:
     node = h.find(default, "ClusterRole", "gpudra-node")["rules"]
     node_resources = {r for rule in node for r in rule["resources"]}
-    assert node_resources == {"resourceslices", "resourceclaims", "nodes", "events"}
+    # gputenants and namespaces: read-only, for the tenant label of device accounting.
+    assert node_resources == {
+        "resourceslices",
+        "resourceclaims",
+        "nodes",
+        "events",
+        "gputenants",
+        "namespaces",
+    }
+    for rule in node:
+        if {"gputenants", "namespaces"} & set(rule["resources"]):
+            assert rule["verbs"] == ["list", "watch"]
     claims = next(r for r in node if r["resources"] == ["resourceclaims"])
     assert claims["verbs"] == ["get"]  # read-only: the scheduler owns allocation
     webhook = h.find(default, "ClusterRole", "gpudra-webhook")["rules"]

@@ -3,8 +3,8 @@ rendered by the real helm, shaped as the Prometheus Operator and Grafana's sidec
 them, tuned by the values, and asking only for series the node agent and the webhook
 export.
 
-No PromQL parser or promtool is available offline, so expressions are checked for the
-metric names they use (and balanced parentheses), not parsed."""
+Here expressions are checked for the metric names they use; `test_alert_rules.py` parses
+them and runs the alerts with the real promtool."""
 
 from __future__ import annotations
 
@@ -162,3 +162,21 @@ def test_claim_status_is_opt_in_with_its_one_extra_permission(helm: Path) -> Non
     assert "--claim-status" in args
     [status] = [r for r in role if "resourceclaims/status" in r["resources"]]
     assert (status["resources"], status["verbs"]) == (["resourceclaims/status"], ["patch"])
+
+
+def test_the_agent_may_watch_tenants_and_namespaces_only_while_it_samples(helm: Path) -> None:
+    def watched(values: dict[str, Any]) -> list[tuple[str, ...]]:
+        role = h.find(h.template(helm, values), "ClusterRole", "gpudra-node")["rules"]
+        return sorted(
+            (group, resource, *r["verbs"])
+            for r in role
+            for group in r["apiGroups"]
+            for resource in r["resources"]
+            if resource in {"gputenants", "namespaces"}
+        )
+
+    assert watched({}) == [
+        ("", "namespaces", "list", "watch"),
+        ("gpudra.io", "gputenants", "list", "watch"),
+    ]
+    assert watched({"node": {"sampleIntervalSeconds": 0}}) == []

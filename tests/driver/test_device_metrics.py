@@ -22,6 +22,7 @@ from gpudra.driver.node import NodeService, PluginConfig
 from gpudra.driver.nvml.emulator import NvmlEmulator, load_builtin_profile, parse_profile
 from gpudra.driver.records import DeviceDetails, TimeSliceSet
 from gpudra.driver.sampling import Sampler
+from gpudra.driver.tenancy import NamespaceTenants
 from kubernetes_asyncio.client import ApiClient
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.parser import text_string_to_metric_families
@@ -78,6 +79,22 @@ def claim(
     )
 
 
+ORG = {"org": "research"}
+
+
+def gpu_tenant(name: str, **spec: Any) -> dict[str, Any]:
+    return {
+        "apiVersion": "gpudra.io/v1alpha1",
+        "kind": "GpuTenant",
+        "metadata": {"name": name},
+        "spec": spec,
+    }
+
+
+def namespace(name: str, labels: dict[str, str]) -> dict[str, Any]:
+    return {"metadata": {"name": name, "labels": labels}}
+
+
 class Clock:
     def __init__(self) -> None:
         self.now = 1000.0
@@ -96,6 +113,7 @@ class Node:
         claims: Sequence[ClaimRecord] = (),
         infos: ClaimInfos | None = None,
         health: HealthState | None = None,
+        tenants: NamespaceTenants | None = None,
     ) -> None:
         self.nvml = nvml
         self.inventory = inventory_of(nvml)
@@ -109,6 +127,7 @@ class Node:
             inventory=lambda: self.inventory,
             prepared=lambda: self.claims,
             claim_info=infos.snapshot,
+            tenant_of=(tenants or NamespaceTenants()).tenant_of,
             health=lambda: health,
             on_sample=(self.accounting.observe,),
             clock=self.clock,
@@ -257,9 +276,11 @@ async def test_memory_slices_are_billed_by_their_share_and_idle_while_under_thre
             ClaimInfo(
                 device_classes={("gpu-0", share): "gpu-slice.nvidia.com"},
                 memory={("gpu-0", share): size},
-                tenant="research",
             ),
         )
+    tenants = NamespaceTenants()  # team-a and team-b are research's by their label
+    tenants.list_tenants([gpu_tenant("research", namespaceSelector={"matchLabels": ORG})])
+    tenants.list_namespaces([namespace("team-a", ORG), namespace("team-b", ORG)])
     node = Node(
         nvml,
         [
@@ -267,6 +288,7 @@ async def test_memory_slices_are_billed_by_their_share_and_idle_while_under_thre
             claim("u2", "team-b", "b", "gpu-0", gpu.uuid, share_id="s2"),
         ],
         infos,
+        tenants=tenants,
     )
     await node.sampler.sample_once()
     node.clock.now += 100
@@ -342,7 +364,7 @@ async def test_the_node_samples_and_writes_claim_status_only_when_switched_on(
 def test_claim_infos_outlive_a_pass_between_the_read_and_the_checkpoint() -> None:
     now = [0.0]
     infos = ClaimInfos(pending_s=60, clock=lambda: now[0])
-    infos.remember("u1", ClaimInfo(tenant="t"))
+    infos.remember("u1", ClaimInfo())
     infos.retain([])  # the prepare has not written the checkpoint yet
     assert "u1" in infos.snapshot()
     infos.retain(["u1"])  # prepared
@@ -354,3 +376,87 @@ def test_claim_infos_outlive_a_pass_between_the_read_and_the_checkpoint() -> Non
     now[0] += 61
     infos.retain([])
     assert infos.snapshot() == {}
+
+
+async def test_holders_are_labelled_with_their_namespaces_tenant_as_it_changes() -> None:
+    """The tenant is the namespace's now: set by a GpuTenant created while the claim
+    is held, changed by a relabel, and empty when two tenants claim it equally."""
+    nvml = emulator("l4", {"utilization": 50})
+    uuid = inventory_of(nvml).gpus[0].uuid
+    tenants = NamespaceTenants()
+    node = Node(nvml, [claim("u1", "team-a", "a", "gpu-0", uuid)], tenants=tenants)
+
+    def tenant_label() -> str:
+        [labels] = [
+            lab
+            for name, lab, _ in node.scrape()
+            if name == "gpudra_gpu_utilization_percent" and lab["pod"] == "a"
+        ]
+        return labels["tenant"]
+
+    await node.sampler.sample_once()
+    assert tenant_label() == ""  # nothing watched yet
+    tenants.list_namespaces([namespace("team-a", ORG)])
+    tenants.list_tenants([])
+    await node.sampler.sample_once()
+    assert tenant_label() == ""
+    tenants.tenant_event("ADDED", gpu_tenant("research", namespaceSelector={"matchLabels": ORG}))
+    await node.sampler.sample_once()
+    assert tenant_label() == "research"
+    tenants.namespace_event("MODIFIED", namespace("team-a", {"org": "vision"}))
+    await node.sampler.sample_once()
+    assert tenant_label() == ""
+    tenants.tenant_event("ADDED", gpu_tenant("vision", namespaces=["team-a"]))
+    await node.sampler.sample_once()
+    assert tenant_label() == "vision"  # named beats selected by label
+    tenants.tenant_event("ADDED", gpu_tenant("other", namespaces=["team-a"]))
+    await node.sampler.sample_once()
+    assert tenant_label() == ""  # ambiguous: billed to nobody
+    tenants.tenant_event("ADDED", gpu_tenant("broken", namespaces=["team-a"], maxDevicesPerPod=0))
+    tenants.tenant_event("DELETED", gpu_tenant("other", namespaces=["team-a"]))
+    node.clock.now += 10
+    await node.sampler.sample_once()
+    assert tenant_label() == "vision"  # an invalid tenant counts for nothing
+    assert only(node.scrape(), "gpudra_allocated_device_seconds_total", tenant="vision") == 10
+
+
+async def test_a_hopper_mig_device_reports_its_own_utilization_through_gpm() -> None:
+    """H100: GPM measures each MIG instance's SMs, from the second pass on (two samples
+    make a figure), never the parent's value; the samples of a destroyed MIG device are
+    freed."""
+    doc = load_builtin_profile("h100-80gb-mig-r580").model_dump(mode="json")
+    doc["gpus"][0]["telemetry"] = {"utilization": 97}
+    doc["gpus"][0]["migInstances"] = [
+        {"profileId": 19, "placementStart": 0},
+        {"profileId": 19, "placementStart": 1},
+    ]
+    nvml = NvmlEmulator(parse_profile(doc))
+    gpu = inventory_of(nvml).gpus[0]
+    busy, quiet = (m.uuid for m in gpu.mig_devices)
+    assert busy is not None and quiet is not None
+    nvml.telemetry.script(busy, utilization=64)
+    node = Node(nvml)
+    await node.sampler.sample_once()
+    got = node.scrape()
+    assert values(got, "gpudra_gpu_utilization_percent", mig_uuid=busy) == []
+    first = {"uuid": busy, "metric": "utilization", "reason": "first_gpm_sample"}
+    assert only(got, "gpudra_gpu_metric_unavailable", **first) == 1
+
+    node.clock.now += 10
+    await node.sampler.sample_once()
+    got = node.scrape()
+    mine = {"utilization_scope": "mig_instance", "gpu_uuid": gpu.uuid}
+    assert only(got, "gpudra_gpu_utilization_percent", mig_uuid=busy, **mine) == 64
+    # Not scripted on its own: GPM measures the instance as the GPU's load, 97 here.
+    assert only(got, "gpudra_gpu_utilization_percent", mig_uuid=quiet, **mine) == 97
+    assert values(got, "gpudra_gpu_metric_unavailable", metric="utilization") == []
+
+    nvml.telemetry.script(busy, utilization=3)
+    await node.sampler.sample_once()
+    assert only(node.scrape(), "gpudra_gpu_utilization_percent", mig_uuid=busy) == 3
+
+    assert nvml.gpm_samples_held() == 2  # the last one of each MIG device
+    # The MIG devices gone from the inventory (destroyed): their samples are freed.
+    node.inventory = inventory_of(NvmlEmulator(load_builtin_profile("h100-80gb-mig-r580")))
+    await node.sampler.sample_once()
+    assert nvml.gpm_samples_held() == 0

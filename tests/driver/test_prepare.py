@@ -1887,7 +1887,7 @@ async def test_a_dynamic_mig_device_is_sampled_with_its_holder_while_a_prepare_h
     ]
     assert f'claim="{ref.name}"' in memory
     assert f'namespace="{env.namespace}"' in memory
-    assert 'utilization_scope="unavailable"' in memory
+    assert 'utilization_scope="mig_instance"' in memory  # an H100: GPM measures it
     [billed] = [
         ln for ln in text.splitlines() if ln.startswith("gpudra_allocated_device_seconds_total{")
     ]

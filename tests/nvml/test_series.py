@@ -99,8 +99,59 @@ def test_a_mig_device_has_its_own_memory_and_no_other_figures() -> None:
     ):
         with pytest.raises(pynvml.NVMLError_NotSupported):
             call()
-    with pytest.raises(ScriptError, match="no utilization of its own"):
-        nvml.telemetry.script(nvml.nvmlDeviceGetUUID(mig), utilization=1)
+    with pytest.raises(ScriptError, match="no temperature of its own"):
+        nvml.telemetry.script(nvml.nvmlDeviceGetUUID(mig), temperature=1)
+    # Its SM utilization may be scripted (GPM measures it on Hopper), yet the plain
+    # call still has none.
+    nvml.telemetry.script(nvml.nvmlDeviceGetUUID(mig), utilization=1)
+    with pytest.raises(pynvml.NVMLError_NotSupported):
+        nvml.nvmlDeviceGetUtilizationRates(mig)
+
+
+def gpm_utilization(nvml: NvmlEmulator, gpu: Any, instance: int) -> float:
+    first, second = nvml.nvmlGpmSampleAlloc(), nvml.nvmlGpmSampleAlloc()
+    nvml.nvmlGpmMigSampleGet(gpu, instance, first)
+    nvml.nvmlGpmMigSampleGet(gpu, instance, second)
+    request = pynvml.c_nvmlGpmMetricsGet_t()
+    request.version = pynvml.NVML_GPM_METRICS_GET_VERSION
+    request.numMetrics = 2
+    request.sample1, request.sample2 = first, second
+    request.metrics[0].metricId = pynvml.NVML_GPM_METRIC_SM_UTIL
+    request.metrics[1].metricId = pynvml.NVML_GPM_METRIC_SM_OCCUPANCY
+    nvml.nvmlGpmMetricsGet(request)
+    assert request.metrics[1].nvmlReturn == pynvml.NVML_ERROR_NOT_SUPPORTED
+    nvml.nvmlGpmSampleFree(first)
+    nvml.nvmlGpmSampleFree(second)
+    with pytest.raises(pynvml.NVMLError_InvalidArgument):
+        nvml.nvmlGpmSampleFree(second)
+    assert request.metrics[0].nvmlReturn == pynvml.NVML_SUCCESS
+    return float(request.metrics[0].value)
+
+
+def test_gpm_measures_a_hopper_mig_instance_and_refuses_on_ampere() -> None:
+    doc = load_builtin_profile("h100-80gb-mig-r580").model_dump(mode="json")
+    doc["gpus"][0]["telemetry"] = {"utilization": 40}
+    doc["gpus"][0]["migInstances"] = [{"profileId": 19, "placementStart": 0}]
+    nvml = started(NvmlEmulator(parse_profile(doc)))
+    gpu = nvml.nvmlDeviceGetHandleByIndex(0)
+    mig = nvml.nvmlDeviceGetMigDeviceHandleByIndex(gpu, 0)
+    instance = nvml.nvmlDeviceGetGpuInstanceId(mig)
+    assert nvml.nvmlGpmQueryDeviceSupport(gpu).isSupportedDevice == 1
+    assert gpm_utilization(nvml, gpu, instance) == 40  # the GPU's load, unless scripted
+    nvml.telemetry.script(nvml.nvmlDeviceGetUUID(mig), utilization=7)
+    assert gpm_utilization(nvml, gpu, instance) == 7
+    assert nvml.gpm_samples_held() == 0
+    with pytest.raises(pynvml.NVMLError_InvalidArgument):  # no such GPU instance
+        nvml.nvmlGpmMigSampleGet(gpu, instance + 100, nvml.nvmlGpmSampleAlloc())
+
+    ampere = started(load_nvml("emulated:a100-40gb-mig-mixed"))
+    a100 = ampere.nvmlDeviceGetHandleByIndex(0)
+    assert ampere.nvmlGpmQueryDeviceSupport(a100).isSupportedDevice == 0
+    a100_mig = ampere.nvmlDeviceGetMigDeviceHandleByIndex(a100, 0)
+    with pytest.raises(pynvml.NVMLError_NotSupported):
+        ampere.nvmlGpmMigSampleGet(
+            a100, ampere.nvmlDeviceGetGpuInstanceId(a100_mig), ampere.nvmlGpmSampleAlloc()
+        )
 
 
 def test_unsupported_values_answer_not_supported() -> None:

@@ -1,0 +1,167 @@
+"""Runs the pinned promtool and prometheus (built by build-prometheus.sh, cached) for the
+tests: the chart's alert rules under `promtool test rules`, and a real Prometheus that
+scrapes the node agent end to end.
+
+Why the real binaries: PromQL, rule evaluation, `for:` holds and alert templating behave
+exactly as in a user's Prometheus; a hand-written checker would only test itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import subprocess
+import time
+import urllib.request
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from e2e.processes import free_port, spawn_logged, stop_pid
+from e2e.progress import BuildFailed, build_script
+
+BUILD_SCRIPT = Path(__file__).resolve().parent / "build-prometheus.sh"
+
+
+class PrometheusUnavailable(Exception):
+    """prometheus/promtool could not be built (no Go toolchain, proxy unreachable)."""
+
+
+class PromtoolFailed(Exception):
+    """promtool ran and exited non-zero; the message is its output."""
+
+
+def bin_dir() -> Path:
+    """The cached folder holding `prometheus` and `promtool`, built on first use."""
+    try:
+        return build_script(BUILD_SCRIPT, prefix="build-prometheus", what="building prometheus")
+    except BuildFailed as e:
+        raise PrometheusUnavailable(f"build-prometheus: {e}") from e
+
+
+def promtool(bin_path: Path, *args: str, cwd: Path | None = None, timeout: float = 120) -> str:
+    """Runs promtool; its combined output, or PromtoolFailed with it."""
+    proc = subprocess.run(
+        [str(bin_path / "promtool"), *args],
+        capture_output=True,
+        text=True,
+        check=False,
+        cwd=cwd,
+        timeout=timeout,
+    )
+    out = (proc.stdout + proc.stderr).strip()
+    if proc.returncode != 0:
+        raise PromtoolFailed(out)
+    return out
+
+
+def rule_groups(prometheus_rule: Mapping[str, Any]) -> dict[str, Any]:
+    """A Prometheus rules file of a PrometheusRule object: what the Operator hands
+    Prometheus (its `spec`)."""
+    return {"groups": list(prometheus_rule["spec"]["groups"])}
+
+
+def write_yaml(path: Path, doc: object) -> Path:
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return path
+
+
+def series(name: str, labels: Mapping[str, str]) -> str:
+    """A series in promtool's input notation: `name{a="x",b="y"}`."""
+    inner = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+    return f"{name}{{{inner}}}"
+
+
+def recording_rules(exprs: Sequence[str]) -> dict[str, Any]:
+    """A rules file with each expression as a recording rule, so `promtool check rules`
+    parses every one with Prometheus's own PromQL parser."""
+    return {
+        "groups": [
+            {
+                "name": "parse",
+                "rules": [{"record": f"check:expr_{i}", "expr": e} for i, e in enumerate(exprs)],
+            }
+        ]
+    }
+
+
+@dataclass(frozen=True)
+class Server:
+    """A running Prometheus: its HTTP API, and its log for failure messages."""
+
+    url: str
+    log: Path
+
+    def get(self, path: str) -> Any:
+        with urllib.request.urlopen(f"{self.url}{path}", timeout=10) as response:
+            body = json.loads(response.read())
+        if body.get("status") != "success":
+            raise RuntimeError(f"prometheus {path}: {body}")
+        return body["data"]
+
+    def alerts(self) -> list[dict[str, Any]]:
+        """Every pending and firing alert, each with `labels`, `annotations`, `state`."""
+        alerts: list[dict[str, Any]] = self.get("/api/v1/alerts")["alerts"]
+        return alerts
+
+    def targets_up(self) -> bool:
+        active = self.get("/api/v1/targets")["activeTargets"]
+        return bool(active) and all(t["health"] == "up" for t in active)
+
+    def log_tail(self, lines: int = 20) -> str:
+        text = self.log.read_text(errors="replace") if self.log.exists() else ""
+        return "\n".join(text.splitlines()[-lines:])
+
+
+@contextlib.contextmanager
+def serve(
+    bin_path: Path,
+    workdir: Path,
+    *,
+    targets: Sequence[str],
+    rules: Mapping[str, Any],
+    interval: str = "1s",
+) -> Iterator[Server]:
+    """Prometheus scraping `targets` (host:port, path /metrics) and evaluating `rules`
+    every `interval`, on a free loopback port with its data under `workdir`; stopped
+    (and waited for) on exit, whatever happened inside."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    write_yaml(workdir / "rules.yaml", dict(rules))
+    config = {
+        "global": {"scrape_interval": interval, "evaluation_interval": interval},
+        "rule_files": ["rules.yaml"],
+        "scrape_configs": [
+            {"job_name": "gpudra-node", "static_configs": [{"targets": list(targets)}]}
+        ],
+    }
+    write_yaml(workdir / "prometheus.yml", config)
+    port = free_port()
+    argv = [
+        str(bin_path / "prometheus"),
+        f"--config.file={workdir / 'prometheus.yml'}",
+        f"--storage.tsdb.path={workdir / 'data'}",
+        f"--web.listen-address=127.0.0.1:{port}",
+    ]
+    log = workdir / "prometheus.log"
+    proc = spawn_logged(argv, log, workdir, None)
+    server = Server(f"http://127.0.0.1:{port}", log)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"prometheus exited with {proc.returncode}: {server.log_tail()}")
+            with (
+                contextlib.suppress(OSError),
+                urllib.request.urlopen(f"{server.url}/-/ready", timeout=2),
+            ):
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"prometheus not ready in 60s: {server.log_tail()}")
+            time.sleep(0.2)
+        yield server
+    finally:
+        stop_pid(proc.pid, str(bin_path / "prometheus"))
+        proc.wait(timeout=30)

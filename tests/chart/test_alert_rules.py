@@ -1,0 +1,396 @@
+"""The chart's alerts and dashboard queries under Prometheus's own tools.
+
+The PrometheusRule rendered by the real helm goes through `promtool check rules` and
+`promtool test rules` with series written here in the node agent's and the webhook's
+label shapes (`DEVICE_LABELS`, `HOLDER_LABELS`): each alert fires, with the labels and
+text an operator reads, when its condition holds long enough, and stays silent when it
+does not (below the threshold, too short, or a device nobody holds). Every dashboard
+query is parsed by promtool as a recording rule, with Grafana's variables replaced by
+what Grafana substitutes.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from gpudra.driver.metrics import DEVICE_LABELS, HOLDER_LABELS
+
+from e2e.tools import helm as h
+from e2e.tools import prometheus as p
+
+ENABLED = {"monitoring": {"prometheusRule": {"enabled": True}}}
+SCRAPE = {"instance": "10.0.0.7:8080", "job": "gpudra-node", "node": "gpu-node-1"}
+DEVICE = {
+    "device": "gpu-0",
+    "uuid": "GPU-aaaa",
+    "gpu_uuid": "GPU-aaaa",
+    "mig_uuid": "",
+    "model": "NVIDIA L4",
+    "utilization_scope": "device",
+}
+HOLDER = {
+    "namespace": "team-a",
+    "pod": "trainer",
+    "claim": "trainer-gpu",
+    "request": "gpu",
+    "tenant": "research",
+    "sharing": "Exclusive",
+}
+NO_HOLDER = dict.fromkeys(HOLDER_LABELS, "")
+OTHER = {**DEVICE, "device": "gpu-1", "uuid": "GPU-bbbb", "gpu_uuid": "GPU-bbbb"}
+BUSY = {**HOLDER, "pod": "busy", "claim": "busy-gpu"}
+
+
+def device_series(name: str, device: Mapping[str, str], holder: Mapping[str, str]) -> str:
+    labels = {**SCRAPE, **device, **holder}
+    assert set(DEVICE_LABELS) | set(HOLDER_LABELS) <= labels.keys()
+    return p.series(name, labels)
+
+
+def alert(labels: Mapping[str, str], severity: str, **annotations: str) -> dict[str, Any]:
+    """An expected alert; empty labels are absent in Prometheus, as on a real scrape."""
+    return {
+        "exp_labels": {**{k: v for k, v in labels.items() if v}, "severity": severity},
+        "exp_annotations": annotations,
+    }
+
+
+def rendered_rules(helm: Path, tmp_path: Path) -> Path:
+    (rule,) = [o for o in h.template(helm, ENABLED) if o["kind"] == "PrometheusRule"]
+    return p.write_yaml(tmp_path / "rules.yaml", p.rule_groups(rule))
+
+
+def test_the_rules_pass_promtool_check(helm: Path, prometheus_bin: Path, tmp_path: Path) -> None:
+    out = p.promtool(prometheus_bin, "check", "rules", str(rendered_rules(helm, tmp_path)))
+    assert "SUCCESS: 8 rules found" in out
+
+
+def test_each_alert_fires_when_it_should_and_only_then(
+    helm: Path, prometheus_bin: Path, tmp_path: Path
+) -> None:
+    rendered_rules(helm, tmp_path)
+    util = "gpudra_gpu_utilization_percent"
+    low = {**SCRAPE, **DEVICE, **HOLDER}
+    idle = {**SCRAPE, "device": "gpu-0", "uuid": "GPU-aaaa", **HOLDER}
+    mem = {**SCRAPE, **DEVICE, **NO_HOLDER}
+    xid = {**SCRAPE, "gpu_uuid": "GPU-aaaa", "xid": "79"}
+    prepare = {**SCRAPE, "operation": "prepare"}
+    tests: list[dict[str, Any]] = [
+        {
+            "name": "a held GPU under 50% for an hour, per holder; busy and unheld ones never",
+            "interval": "1m",
+            "input_series": [
+                {"series": device_series(util, DEVICE, HOLDER), "values": "30x90"},
+                {"series": device_series(util, OTHER, BUSY), "values": "80x90"},
+                {
+                    "series": device_series(util, {**OTHER, "device": "gpu-2"}, NO_HOLDER),
+                    "values": "0x90",
+                },
+            ],
+            "alert_rule_test": [
+                {"eval_time": "50m", "alertname": "GpuLowUtilization", "exp_alerts": []},
+                {
+                    "eval_time": "61m",
+                    "alertname": "GpuLowUtilization",
+                    "exp_alerts": [
+                        alert(
+                            low,
+                            "info",
+                            summary="team-a/trainer uses gpu-0 under 50%",
+                            description="GPU GPU-aaaa (NVIDIA L4) held by claim trainer-gpu "
+                            "has stayed under 50% utilization for 1h.",
+                        )
+                    ],
+                },
+            ],
+        },
+        {
+            "name": "a device allocated and idle past idleSeconds",
+            "interval": "1m",
+            "input_series": [
+                {
+                    "series": p.series("gpudra_device_idle_seconds", idle),
+                    "values": "0+60x90",
+                },
+            ],
+            "alert_rule_test": [
+                {"eval_time": "59m", "alertname": "GpuAllocatedIdle", "exp_alerts": []},
+                {
+                    "eval_time": "70m",
+                    "alertname": "GpuAllocatedIdle",
+                    "exp_alerts": [
+                        alert(
+                            idle,
+                            "warning",
+                            summary="team-a/trainer holds gpu-0 and does nothing",
+                            description="Device GPU-aaaa has been allocated and idle for "
+                            "1h 10m 0s.",
+                        )
+                    ],
+                },
+            ],
+        },
+        {
+            "name": "memory over 90% and temperature over 85 C, held for 5m",
+            "interval": "1m",
+            "input_series": [
+                {
+                    "series": device_series("gpudra_gpu_memory_total_bytes", DEVICE, NO_HOLDER),
+                    "values": "100x20",
+                },
+                {
+                    "series": device_series("gpudra_gpu_memory_used_bytes", DEVICE, NO_HOLDER),
+                    "values": "50x4 95x15",
+                },
+                {
+                    "series": device_series("gpudra_gpu_memory_total_bytes", OTHER, NO_HOLDER),
+                    "values": "100x20",
+                },
+                {
+                    "series": device_series("gpudra_gpu_memory_used_bytes", OTHER, NO_HOLDER),
+                    "values": "90x20",
+                },
+                {
+                    "series": device_series("gpudra_gpu_temperature_celsius", DEVICE, NO_HOLDER),
+                    "values": "70x4 90x15",
+                },
+                {
+                    "series": device_series("gpudra_gpu_temperature_celsius", OTHER, NO_HOLDER),
+                    "values": "85x20",
+                },
+            ],
+            "alert_rule_test": [
+                {"eval_time": "7m", "alertname": "GpuMemoryHigh", "exp_alerts": []},
+                {"eval_time": "7m", "alertname": "GpuTemperatureHigh", "exp_alerts": []},
+                {
+                    "eval_time": "10m",
+                    "alertname": "GpuMemoryHigh",
+                    "exp_alerts": [
+                        alert(
+                            mem,
+                            "warning",
+                            summary="gpu-0 on 10.0.0.7:8080 has used over 90% of its memory",
+                        )
+                    ],
+                },
+                {
+                    "eval_time": "10m",
+                    "alertname": "GpuTemperatureHigh",
+                    "exp_alerts": [
+                        alert(mem, "warning", summary="gpu-0 on 10.0.0.7:8080 is at 90 C")
+                    ],
+                },
+            ],
+        },
+        {
+            "name": "an XID, a tainted device and a failed prepare fire at once; quiet ones never",
+            "interval": "1m",
+            "input_series": [
+                {"series": p.series("gpudra_gpu_xid_errors_total", xid), "values": "0x5 1x20"},
+                {
+                    "series": p.series(
+                        "gpudra_gpu_xid_errors_total", {**xid, "gpu_uuid": "GPU-bbbb"}
+                    ),
+                    "values": "3x25",
+                },
+                {
+                    "series": device_series("gpudra_gpu_healthy", DEVICE, NO_HOLDER),
+                    "values": "1x5 0x20",
+                },
+                {"series": device_series("gpudra_gpu_healthy", OTHER, NO_HOLDER), "values": "1x25"},
+                {
+                    "series": p.series("gpudra_claim_operation_errors_total", prepare),
+                    "values": "0x5 2x20",
+                },
+                {
+                    "series": p.series(
+                        "gpudra_claim_operation_errors_total", {**prepare, "operation": "unprepare"}
+                    ),
+                    "values": "0x5 2x20",
+                },
+            ],
+            "alert_rule_test": [
+                *(
+                    {"eval_time": "4m", "alertname": name, "exp_alerts": []}
+                    for name in ("GpuXidError", "GpuDeviceTainted", "GpudraPrepareErrors")
+                ),
+                {
+                    "eval_time": "8m",
+                    "alertname": "GpuXidError",
+                    "exp_alerts": [alert(xid, "warning", summary="GPU GPU-aaaa raised XID 79")],
+                },
+                {
+                    "eval_time": "8m",
+                    "alertname": "GpuDeviceTainted",
+                    "exp_alerts": [
+                        alert(
+                            mem,
+                            "critical",
+                            summary="gpu-0 on 10.0.0.7:8080 is tainted unhealthy "
+                            "(critical XID, ECC or lost)",
+                        )
+                    ],
+                },
+                {
+                    "eval_time": "8m",
+                    "alertname": "GpudraPrepareErrors",
+                    "exp_alerts": [
+                        alert(
+                            prepare, "warning", summary="Claims failed to prepare on 10.0.0.7:8080"
+                        )
+                    ],
+                },
+                {"eval_time": "25m", "alertname": "GpuXidError", "exp_alerts": []},
+            ],
+        },
+        {
+            "name": "webhook denials at ten times last hour's rate, for 10m",
+            "interval": "1m",
+            "input_series": [
+                {
+                    "series": p.series(
+                        "gpudra_webhook_denials_total", {**SCRAPE, "reason": "quota"}
+                    ),
+                    "values": "0+1x120 130+10x40",
+                },
+                {
+                    "series": p.series(
+                        "gpudra_webhook_denials_total", {**SCRAPE, "reason": "class"}
+                    ),
+                    "values": "0+1x160",
+                },
+            ],
+            "alert_rule_test": [
+                {"eval_time": "115m", "alertname": "GpudraWebhookDenialsRising", "exp_alerts": []},
+                {
+                    "eval_time": "150m",
+                    "alertname": "GpudraWebhookDenialsRising",
+                    "exp_alerts": [
+                        alert(
+                            {"reason": "quota"},
+                            "info",
+                            summary="GPU admission denials for quota are rising",
+                        )
+                    ],
+                },
+            ],
+        },
+    ]
+    tested = {t["alertname"] for case in tests for t in case["alert_rule_test"]}
+    rules = (tmp_path / "rules.yaml").read_text()
+    assert tested == set(re.findall(r"alert: (\w+)", rules)), "every alert has a case"
+    unit = {"rule_files": ["rules.yaml"], "evaluation_interval": "1m", "tests": tests}
+    p.write_yaml(tmp_path / "tests.yaml", unit)
+    out = p.promtool(prometheus_bin, "test", "rules", "tests.yaml", cwd=tmp_path)
+    assert "SUCCESS" in out
+
+
+def grafana_to_promql(query: str) -> str:
+    """A dashboard query as Grafana sends it: variables substituted, and the
+    `label_values(series, label)` query function reduced to the series it lists."""
+    listing = re.fullmatch(r"label_values\((.+), *\w+\)", query)
+    if listing:
+        query = listing.group(1)
+    query = query.replace("$__rate_interval", "1m").replace("$__range", "1h")
+    return re.sub(r"\$\w+", ".*", query)
+
+
+def test_every_dashboard_query_parses(helm: Path, prometheus_bin: Path, tmp_path: Path) -> None:
+    values = {"monitoring": {"dashboard": {"enabled": True}}}
+    (cm,) = [
+        o
+        for o in h.template(helm, values)
+        if o["kind"] == "ConfigMap" and "dashboard" in o["metadata"]["name"]
+    ]
+    dashboard = json.loads(cm["data"]["gpudra-gpus.json"])
+    queries = [t["expr"] for panel in dashboard["panels"] for t in panel.get("targets", ())]
+    queries += [
+        v["query"]["query"] for v in dashboard["templating"]["list"] if v["type"] == "query"
+    ]
+    exprs = [grafana_to_promql(q) for q in queries]
+    assert not [e for e in exprs if "$" in e]
+    path = p.write_yaml(tmp_path / "dashboard-rules.yaml", p.recording_rules(exprs))
+    out = p.promtool(prometheus_bin, "check", "rules", str(path))
+    assert f"SUCCESS: {len(exprs)} rules found" in out
+
+
+def documented_dcgm_join() -> str:
+    """The PromQL docs/monitoring.md gives for joining dcgm-exporter's series."""
+    text = (h.REPO / "docs" / "monitoring.md").read_text()
+    section = text.split("## Beside dcgm-exporter", 1)[1].split("\n## ", 1)[0]
+    (query,) = re.findall(r"```promql\n(.*?)```", section, flags=re.DOTALL)
+    return query.strip()
+
+
+def test_the_documented_dcgm_join_gives_each_pod_its_tenant(
+    prometheus_bin: Path, tmp_path: Path
+) -> None:
+    """dcgm-exporter's DRA labels joined to gpudra's holder labels: each pod's DCGM
+    value with its tenant and sharing mode, once per pod even on a shared GPU."""
+    dcgm = {"UUID": "GPU-aaaa", "gpu": "0", "dra_driver_name": "gpu.nvidia.com"}
+    shared = {**DEVICE, **HOLDER, "sharing": "TimeSlicing"}
+    other = {**shared, "pod": "eval", "claim": "eval-gpu", "tenant": "vision"}
+    unit = {
+        "rule_files": [],
+        "tests": [
+            {
+                "interval": "1m",
+                "input_series": [
+                    {
+                        "series": p.series(
+                            "DCGM_FI_PROF_SM_ACTIVE", {**dcgm, "namespace": "team-a", "pod": pod}
+                        ),
+                        "values": value,
+                    }
+                    for pod, value in (("trainer", "0.75x5"), ("eval", "0.25x5"))
+                ]
+                + [
+                    {
+                        "series": p.series("gpudra_gpu_utilization_percent", {**SCRAPE, **holder}),
+                        "values": "50x5",
+                    }
+                    for holder in (shared, other)
+                ],
+                "promql_expr_test": [
+                    {
+                        "expr": documented_dcgm_join(),
+                        "eval_time": "2m",
+                        "exp_samples": [
+                            {
+                                "labels": p.series(
+                                    "",
+                                    {
+                                        "namespace": "team-a",
+                                        "pod": "trainer",
+                                        "UUID": "GPU-aaaa",
+                                        "tenant": "research",
+                                        "sharing": "TimeSlicing",
+                                    },
+                                ),
+                                "value": 0.75,
+                            },
+                            {
+                                "labels": p.series(
+                                    "",
+                                    {
+                                        "namespace": "team-a",
+                                        "pod": "eval",
+                                        "UUID": "GPU-aaaa",
+                                        "tenant": "vision",
+                                        "sharing": "TimeSlicing",
+                                    },
+                                ),
+                                "value": 0.25,
+                            },
+                        ],
+                    }
+                ],
+            }
+        ],
+    }
+    p.write_yaml(tmp_path / "tests.yaml", unit)
+    assert "SUCCESS" in p.promtool(prometheus_bin, "test", "rules", "tests.yaml", cwd=tmp_path)
