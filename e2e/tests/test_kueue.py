@@ -34,6 +34,7 @@ from e2e.node.realnode import RealNode, unavailable_reason
 
 pytestmark = [pytest.mark.cluster, pytest.mark.kueue]
 TEAMS = ("team-a", "team-b")
+FRAMEWORKS = ["batch/job", "pod"]
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +45,7 @@ def kueue(cluster: Cluster) -> Iterator[KueueManager]:
         pytest.skip(f"Kueue cannot be built here: {e}")
     manager = KueueManager(cluster)
     started = not manager.is_up()
-    manager.up(frameworks=["batch/job"], log=lambda _m: None)
+    manager.up(frameworks=FRAMEWORKS, log=lambda _m: None)
     try:
         yield manager
     finally:
@@ -54,14 +55,16 @@ def kueue(cluster: Cluster) -> Iterator[KueueManager]:
 
 @pytest.fixture
 def queues(kueue: KueueManager, kube: Kube) -> Iterator[None]:
-    """The flavor, ClusterQueue and LocalQueues of demo/kueue/00-queues.yaml; the Jobs a
-    test left are deleted with their pods."""
+    """The flavor, ClusterQueue and LocalQueues of demo/kueue/00-queues.yaml; the Jobs and
+    pods a test left are deleted."""
     for obj in jobs.load(jobs.QUEUES):
         kube.apply(obj)
     yield
     for team in TEAMS:
         for job in kube.list("Job", team):
             jobs.delete_job(kube, team, job["metadata"]["name"])
+        for pod in kube.list("Pod", team):  # plain pods, queued by Kueue's Pod integration
+            kube.delete("Pod", pod["metadata"]["name"], team, grace=0)
     for team in TEAMS:
         wait_for(
             f"the Jobs and pods of {team} gone",
@@ -99,7 +102,7 @@ def test_release_webhooks_are_called_by_url_with_the_served_ca() -> None:
 def test_up_is_idempotent_and_down_removes_the_webhooks(kueue: KueueManager, kube: Kube) -> None:
     pid = kueue.status()["pid"]
     said: list[str] = []
-    kueue.up(frameworks=["batch/job"], log=said.append)
+    kueue.up(frameworks=FRAMEWORKS, log=said.append)
     assert kueue.status()["pid"] == pid
     assert said == ["Kueue already up (v0.19.2)"]
     name = "kueue-mutating-webhook-configuration"
@@ -108,7 +111,7 @@ def test_up_is_idempotent_and_down_removes_the_webhooks(kueue: KueueManager, kub
     kueue.down(log=said.append)
     assert said[1:] == ["Kueue stopped", "Kueue was not running; nothing to stop"]
     assert kube.get_or_none("MutatingWebhookConfiguration", name) is None
-    kueue.up(frameworks=["batch/job"], log=said.append)
+    kueue.up(frameworks=FRAMEWORKS, log=said.append)
     assert kueue.is_up()
 
 
@@ -282,3 +285,61 @@ def test_native_and_legacy_jobs_share_one_quota(kube: Kube, gpus: NodeGpus, queu
     assert wl is not None
     usage = wl["status"]["admission"]["podSetAssignments"][0]["resourceUsage"]
     assert usage == {"nvidia.com/gpu": "1"}, usage
+
+
+def test_plain_pods_are_counted_after_conversion(kube: Kube, gpus: NodeGpus, queues: None) -> None:
+    """Kueue's Pod integration reads the pod as stored, after gpudra's webhook converted
+    it: the legacy `nvidia.com/gpu: 1` pod becomes a claim on gpu.nvidia.com, which
+    deviceClassMappings count as `nvidia.com/gpu` again, so the quota holds for pods."""
+    job = jobs.job_from(
+        jobs.LEGACY_JOB,
+        "unused",
+        "team-a",
+        image=images.TEST_IMAGE,
+        command=WORK,
+        node=gpus.node_name,
+    )
+    template = job["spec"]["template"]
+    names = [f"plain-{i}" for i in range(3)]
+    for name in names:
+        kube.create(
+            {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "metadata": {
+                    "name": name,
+                    "namespace": "team-a",
+                    "labels": {jobs.QUEUE_LABEL: "gpus"},
+                },
+                "spec": template["spec"],
+            }
+        )
+
+    def workload(name: str) -> dict[str, Any] | None:
+        for wl in kube.list("Workload", "team-a"):
+            owners = wl["metadata"].get("ownerReferences") or ()
+            if any(o["kind"] == "Pod" and o["name"] == name for o in owners):
+                found: dict[str, Any] = wl
+                return found
+        return None
+
+    def is_admitted(name: str) -> bool:
+        c = jobs.condition(workload(name), "Admitted")
+        return bool(c and c["status"] == "True")
+
+    with AllocationWatcher(kube, TEAMS) as watcher:
+        wait_for("two pods admitted", lambda: sum(map(is_admitted, names)) == 2)
+        for name in names:
+            wait_for(
+                f"pod {name} succeeded",
+                lambda n=name: kube.get("Pod", n, "team-a")["status"].get("phase") == "Succeeded",
+                timeout=240,
+            )
+    for name in names:
+        pod = kube.get("Pod", name, "team-a")
+        assert CONVERTED in pod["metadata"].get("annotations", {})
+        wl = workload(name)
+        assert wl is not None
+        usage = wl["status"]["admission"]["podSetAssignments"][0]["resourceUsage"]
+        assert usage == {"nvidia.com/gpu": "1"}, usage
+    assert max(watcher.samples) <= 2, watcher.samples
