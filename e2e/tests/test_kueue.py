@@ -150,6 +150,23 @@ def test_jobs_are_admitted_up_to_the_quota_and_the_rest_wait(
     assert len(admitted_now()) == 2
 
 
+def test_a_job_larger_than_the_quota_stays_suspended_with_kueues_reason(
+    kueue: KueueManager, kube: Kube, queues: None
+) -> None:
+    """Three GPUs against a quota of two: never admitted, no pod and so no claim made."""
+    job = jobs.job_from(jobs.LEGACY_JOB, "too-big", "team-a")
+    job["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"] = {"nvidia.com/gpu": 3}
+    kube.create(job)
+    reserved = wait_for(
+        "Kueue's reason on the Workload",
+        lambda: jobs.condition(jobs.workload_of(kube, "team-a", "too-big"), "QuotaReserved"),
+    )
+    assert reserved["status"] == "False"
+    assert "nvidia.com/gpu" in reserved["message"], reserved
+    assert kube.get("Job", "too-big", "team-a")["spec"]["suspend"] is True
+    assert not kube.list("Pod", "team-a") and not kube.list("ResourceClaim", "team-a")
+
+
 # --- on the real node ------------------------------------------------------------------
 
 
