@@ -167,6 +167,37 @@ def test_a_job_larger_than_the_quota_stays_suspended_with_kueues_reason(
     assert not kube.list("Pod", "team-a") and not kube.list("ResourceClaim", "team-a")
 
 
+def test_a_mapping_of_a_class_gpudra_does_not_serve_leaves_native_jobs_waiting(
+    kueue: KueueManager, kube: Kube, queues: None
+) -> None:
+    """Kueue configured with a class that is not gpudra's: a native Job's claim on
+    gpu.nvidia.com maps to no quota, so Kueue keeps it suspended with its reason."""
+    kueue.up(
+        frameworks=FRAMEWORKS,
+        mappings={"nvidia.com/gpu": ["gpu.example.com"]},
+        log=lambda _m: None,
+    )
+    try:
+        template = jobs.one(jobs.load(jobs.NATIVE_JOB), "ResourceClaimTemplate")
+        kube.apply(template)
+        kube.create(jobs.job_from(jobs.NATIVE_JOB, "unmapped", "team-b"))
+        wl = wait_for(
+            "Kueue's verdict on the Workload",
+            lambda: (
+                (w := jobs.workload_of(kube, "team-b", "unmapped"))
+                and (jobs.condition(w, "QuotaReserved") or jobs.condition(w, "Inadmissible"))
+                and w
+            ),
+        )
+        assert kube.get("Job", "unmapped", "team-b")["spec"]["suspend"] is True
+        reasons = [c.get("message", "") for c in wl["status"]["conditions"]]
+        assert any("gpu.nvidia.com" in m for m in reasons), wl["status"]
+        assert not kube.list("ResourceClaim", "team-b")
+    finally:
+        kueue.down(log=lambda _m: None)
+        kueue.up(frameworks=FRAMEWORKS, log=lambda _m: None)
+
+
 # --- on the real node ------------------------------------------------------------------
 
 
