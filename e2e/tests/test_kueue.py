@@ -16,12 +16,18 @@ Run with `make test-kueue` (kept out of `make test`: see README.md).
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
+import anyio
+import anyio.to_thread
 import pytest
+from gpudra.api.deviceclasses import device_classes
+from gpudra.common.kube import Kube as AsyncKube
 from gpudra.webhook.convert import CONVERTED_ANNOTATION as CONVERTED
+from gpudra.webhook.server import WebhookServer
+from gpudra.webhook.templates import ApiTemplateEnsurer
 
 from e2e.cluster.harness import Cluster
 from e2e.cluster.kube import ApiError, Kube, wait_for
@@ -29,8 +35,16 @@ from e2e.kueue import jobs
 from e2e.kueue.manager import KueueError, KueueManager, frameworks_from_env, kueue_home
 from e2e.kueue.manifests import Endpoint, crds, webhook_configurations
 from e2e.node import images
-from e2e.node.gpus import GpuStack, NodeGpus
+from e2e.node.gpus import DRIVER, GpuStack, NodeGpus
 from e2e.node.realnode import RealNode, unavailable_reason
+from e2e.node_process import delete_slices
+from e2e.webhook_env import (
+    EmulatedNode,
+    register_webhook,
+    serving_config,
+    start_emulated_nodes,
+    unregister_webhook,
+)
 
 pytestmark = [pytest.mark.cluster, pytest.mark.kueue]
 TEAMS = ("team-a", "team-b")
@@ -198,6 +212,85 @@ def test_a_mapping_of_a_class_gpudra_does_not_serve_leaves_native_jobs_waiting(
         kueue.up(frameworks=FRAMEWORKS, log=lambda _m: None)
 
 
+@pytest.fixture
+async def converting(cluster: Cluster, kube: Kube, tmp_path: Path) -> AsyncIterator[None]:
+    """gpudra's webhook served from this event loop, emulated GPUs published on the fake
+    node worker-1: converted pods get claims the scheduler allocates, without a real
+    node (their containers never run)."""
+    for dc in device_classes(DRIVER):
+        kube.apply(dc)
+    akube = await AsyncKube.connect(str(cluster.layout.admin_kubeconfig))
+    pki, config = serving_config(cluster, tmp_path / "pki")
+    server = WebhookServer(config, ApiTemplateEnsurer(akube))
+    node = EmulatedNode("worker-1", "emulated:h100-80gb-hbm3-x8", uuid_salt="kueue")
+    async with anyio.create_task_group() as tg:
+        port = await tg.start(server.serve)
+        await start_emulated_nodes(tg, akube, DRIVER, [node])
+        await register_webhook(akube, pki, config, f"https://{cluster.webhook_host()}:{port}")
+        yield
+        await unregister_webhook(akube)
+        tg.cancel_scope.cancel()
+    delete_slices(kube, DRIVER)
+    await akube.close()
+
+
+def plain_pod(
+    name: str, namespace: str, node: str, command: list[str] | None = None
+) -> dict[str, Any]:
+    """The legacy Job's pod template as a plain pod in the queue."""
+    job = jobs.job_from(jobs.LEGACY_JOB, name, namespace, node=node, command=command)
+    spec = job["spec"]["template"]["spec"]
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": namespace, "labels": {jobs.QUEUE_LABEL: "gpus"}},
+        "spec": spec,
+    }
+
+
+def pod_workload(kube: Kube, namespace: str, pod: str) -> dict[str, Any] | None:
+    for wl in kube.list("Workload", namespace):
+        owners = wl["metadata"].get("ownerReferences") or ()
+        if any(o["kind"] == "Pod" and o["name"] == pod for o in owners):
+            found: dict[str, Any] = wl
+            return found
+    return None
+
+
+def pod_admitted(kube: Kube, namespace: str, pod: str) -> bool:
+    c = jobs.condition(pod_workload(kube, namespace, pod), "Admitted")
+    return bool(c and c["status"] == "True")
+
+
+@pytest.mark.anyio
+async def test_plain_pods_are_counted_after_conversion_without_a_node(
+    kueue: KueueManager, kube: Kube, queues: None, converting: None
+) -> None:
+    """Kueue's Pod integration reads the pod as stored, after gpudra's webhook converted
+    it: each legacy pod's Workload counts `nvidia.com/gpu: 1` (its claim on
+    gpu.nvidia.com, mapped back), two are admitted under quota 2, the third is held."""
+
+    def scenario() -> None:
+        names = [f"plain-{i}" for i in range(3)]
+        for name in names:
+            created = kube.create(plain_pod(name, "team-a", "worker-1"))
+            assert created["spec"]["resourceClaims"], created["spec"]
+        wait_for(
+            "two pods admitted", lambda: sum(pod_admitted(kube, "team-a", n) for n in names) == 2
+        )
+        for name in names:
+            wl = wait_for(f"the Workload of {name}", lambda n=name: pod_workload(kube, "team-a", n))
+            assert wl["spec"]["podSets"][0]["template"]["spec"]["resourceClaims"]
+            if pod_admitted(kube, "team-a", name):
+                usage = wl["status"]["admission"]["podSetAssignments"][0]["resourceUsage"]
+                assert usage == {"nvidia.com/gpu": "1"}, usage
+            else:
+                gates = kube.get("Pod", name, "team-a")["spec"].get("schedulingGates")
+                assert gates, "the waiting pod is not held by Kueue"
+
+    await anyio.to_thread.run_sync(scenario)
+
+
 # --- on the real node ------------------------------------------------------------------
 
 
@@ -339,44 +432,16 @@ def test_plain_pods_are_counted_after_conversion(kube: Kube, gpus: NodeGpus, que
     """Kueue's Pod integration reads the pod as stored, after gpudra's webhook converted
     it: the legacy `nvidia.com/gpu: 1` pod becomes a claim on gpu.nvidia.com, which
     deviceClassMappings count as `nvidia.com/gpu` again, so the quota holds for pods."""
-    job = jobs.job_from(
-        jobs.LEGACY_JOB,
-        "unused",
-        "team-a",
-        image=images.TEST_IMAGE,
-        command=WORK,
-        node=gpus.node_name,
-    )
-    template = job["spec"]["template"]
     names = [f"plain-{i}" for i in range(3)]
     for name in names:
-        kube.create(
-            {
-                "apiVersion": "v1",
-                "kind": "Pod",
-                "metadata": {
-                    "name": name,
-                    "namespace": "team-a",
-                    "labels": {jobs.QUEUE_LABEL: "gpus"},
-                },
-                "spec": template["spec"],
-            }
-        )
-
-    def workload(name: str) -> dict[str, Any] | None:
-        for wl in kube.list("Workload", "team-a"):
-            owners = wl["metadata"].get("ownerReferences") or ()
-            if any(o["kind"] == "Pod" and o["name"] == name for o in owners):
-                found: dict[str, Any] = wl
-                return found
-        return None
-
-    def is_admitted(name: str) -> bool:
-        c = jobs.condition(workload(name), "Admitted")
-        return bool(c and c["status"] == "True")
+        pod = plain_pod(name, "team-a", gpus.node_name, command=WORK)
+        pod["spec"]["containers"][0].update(image=images.TEST_IMAGE, imagePullPolicy="Never")
+        kube.create(pod)
 
     with AllocationWatcher(kube, TEAMS) as watcher:
-        wait_for("two pods admitted", lambda: sum(map(is_admitted, names)) == 2)
+        wait_for(
+            "two pods admitted", lambda: sum(pod_admitted(kube, "team-a", n) for n in names) == 2
+        )
         for name in names:
             wait_for(
                 f"pod {name} succeeded",
@@ -386,7 +451,7 @@ def test_plain_pods_are_counted_after_conversion(kube: Kube, gpus: NodeGpus, que
     for name in names:
         pod = kube.get("Pod", name, "team-a")
         assert CONVERTED in pod["metadata"].get("annotations", {})
-        wl = workload(name)
+        wl = pod_workload(kube, "team-a", name)
         assert wl is not None
         usage = wl["status"]["admission"]["podSetAssignments"][0]["resourceUsage"]
         assert usage == {"nvidia.com/gpu": "1"}, usage
