@@ -19,7 +19,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -111,10 +111,12 @@ class KueueManager:
         self,
         *,
         frameworks: Sequence[str] | None = None,
-        mappings: dict[str, list[str]] | None = None,
+        mappings: Mapping[str, Sequence[str]] | None = None,
         log: Callable[[str], None] = print,
     ) -> KueueState:
-        """Idempotent: a healthy manager with the same integrations is kept."""
+        """Idempotent: a healthy manager with the same integrations is kept. `mappings`
+        (quota name -> device classes) replaces the default deviceClassMappings and
+        always restarts the manager."""
         self.cluster.require_state()
         chosen = list(frameworks) if frameworks is not None else frameworks_from_env()
         home = kueue_home()
@@ -134,7 +136,7 @@ class KueueManager:
             health_port=health_port,
             cert_dir=self.pki_dir,
             frameworks=chosen,
-            **({"mappings": mappings} if mappings is not None else {}),
+            mappings=manifests.DEFAULT_MAPPINGS if mappings is None else mappings,
         )
         config_path = self.root / "config.yaml"
         config_path.write_text(json.dumps(config, indent=2))
