@@ -60,11 +60,13 @@ def job_from(
     return job
 
 
-def workload_of(kube: Kube, namespace: str, job: str) -> dict[str, Any] | None:
-    """The Workload Kueue made for Job `job` (owned by it), or None yet."""
+def workload_of(
+    kube: Kube, namespace: str, owner: str, owner_kind: str = "Job"
+) -> dict[str, Any] | None:
+    """The Workload Kueue made for Job (or plain Pod) `owner`, owned by it, or None yet."""
     for wl in kube.list("Workload", namespace):
         owners = wl["metadata"].get("ownerReferences") or ()
-        if any(o["kind"] == "Job" and o["name"] == job for o in owners):
+        if any(o["kind"] == owner_kind and o["name"] == owner for o in owners):
             result: dict[str, Any] = wl
             return result
     return None
@@ -78,13 +80,17 @@ def condition(obj: dict[str, Any] | None, kind: str) -> dict[str, Any] | None:
     return None
 
 
+def workload_admitted(kube: Kube, namespace: str, owner: str, owner_kind: str = "Job") -> bool:
+    c = condition(workload_of(kube, namespace, owner, owner_kind), "Admitted")
+    return bool(c and c["status"] == "True")
+
+
 def admitted(kube: Kube, namespace: str, job: str) -> bool:
     """Kueue admitted the Job's Workload and unsuspended the Job."""
     obj = kube.get_or_none("Job", job, namespace)
     if obj is None or obj["spec"].get("suspend", False):
         return False
-    c = condition(workload_of(kube, namespace, job), "Admitted")
-    return bool(c and c["status"] == "True")
+    return workload_admitted(kube, namespace, job)
 
 
 def job_finished(kube: Kube, namespace: str, job: str) -> bool:

@@ -248,18 +248,8 @@ def plain_pod(
     }
 
 
-def pod_workload(kube: Kube, namespace: str, pod: str) -> dict[str, Any] | None:
-    for wl in kube.list("Workload", namespace):
-        owners = wl["metadata"].get("ownerReferences") or ()
-        if any(o["kind"] == "Pod" and o["name"] == pod for o in owners):
-            found: dict[str, Any] = wl
-            return found
-    return None
-
-
-def pod_admitted(kube: Kube, namespace: str, pod: str) -> bool:
-    c = jobs.condition(pod_workload(kube, namespace, pod), "Admitted")
-    return bool(c and c["status"] == "True")
+def pods_admitted(kube: Kube, names: list[str]) -> int:
+    return sum(jobs.workload_admitted(kube, "team-a", n, "Pod") for n in names)
 
 
 @pytest.mark.anyio
@@ -275,13 +265,14 @@ async def test_plain_pods_are_counted_after_conversion_without_a_node(
         for name in names:
             created = kube.create(plain_pod(name, "team-a", "worker-1"))
             assert created["spec"]["resourceClaims"], created["spec"]
-        wait_for(
-            "two pods admitted", lambda: sum(pod_admitted(kube, "team-a", n) for n in names) == 2
-        )
+        wait_for("two pods admitted", lambda: pods_admitted(kube, names) == 2)
         for name in names:
-            wl = wait_for(f"the Workload of {name}", lambda n=name: pod_workload(kube, "team-a", n))
+            wl = wait_for(
+                f"the Workload of {name}",
+                lambda n=name: jobs.workload_of(kube, "team-a", n, "Pod"),
+            )
             assert wl["spec"]["podSets"][0]["template"]["spec"]["resourceClaims"]
-            if pod_admitted(kube, "team-a", name):
+            if jobs.workload_admitted(kube, "team-a", name, "Pod"):
                 usage = wl["status"]["admission"]["podSetAssignments"][0]["resourceUsage"]
                 assert usage == {"nvidia.com/gpu": "1"}, usage
             else:
@@ -439,9 +430,7 @@ def test_plain_pods_are_counted_after_conversion(kube: Kube, gpus: NodeGpus, que
         kube.create(pod)
 
     with AllocationWatcher(kube, TEAMS) as watcher:
-        wait_for(
-            "two pods admitted", lambda: sum(pod_admitted(kube, "team-a", n) for n in names) == 2
-        )
+        wait_for("two pods admitted", lambda: pods_admitted(kube, names) == 2)
         for name in names:
             wait_for(
                 f"pod {name} succeeded",
@@ -451,7 +440,7 @@ def test_plain_pods_are_counted_after_conversion(kube: Kube, gpus: NodeGpus, que
     for name in names:
         pod = kube.get("Pod", name, "team-a")
         assert CONVERTED in pod["metadata"].get("annotations", {})
-        wl = pod_workload(kube, "team-a", name)
+        wl = jobs.workload_of(kube, "team-a", name, "Pod")
         assert wl is not None
         usage = wl["status"]["admission"]["podSetAssignments"][0]["resourceUsage"]
         assert usage == {"nvidia.com/gpu": "1"}, usage
