@@ -43,12 +43,33 @@ node-up: cluster-up
 node-down: venv
 	@$(VPY) -m e2e.node down
 
+# Kueue (pinned in e2e/tools/versions.env, built from the Go module proxy and cached) as a
+# host process against the local control plane; `make cluster-down` stops it too.
+.PHONY: kueue kueue-up kueue-down kueue-status
+kueue:
+	@bash e2e/tools/build-kueue.sh >/dev/null
+
+kueue-up: cluster-up
+	@$(VPY) -m e2e.kueue up
+
+kueue-down: venv
+	@$(VPY) -m e2e.kueue down
+
+kueue-status: venv
+	@$(VPY) -m e2e.kueue status
+
 unit: venv
 	$(VPY) e2e/run_pytest.py -m "not cluster"
 
-# lint, types, then every test (unit and end-to-end on the real control plane).
+# lint, types, then every test (unit and end-to-end on the real control plane) but the
+# Kueue ones: their first run builds Kueue (minutes), so they run in `make test-kueue`.
 test: lint typecheck
-	$(VPY) e2e/run_pytest.py
+	$(VPY) e2e/run_pytest.py -m "not kueue"
+
+# Kueue queueing GPU Jobs beside gpudra (e2e/tests/test_kueue.py; real-node parts skip
+# with the reason where the machine cannot run a node).
+test-kueue: venv
+	$(VPY) e2e/run_pytest.py -m kueue e2e/tests/test_kueue.py
 
 demo: cluster-up
 	@$(VPY) -m e2e.demo

@@ -40,6 +40,9 @@ RESOURCES: dict[str, tuple[str, str, bool]] = {
     "Namespace": ("/api/v1", "namespaces", False),
     "Pod": ("/api/v1", "pods", True),
     "Event": ("/api/v1", "events", True),
+    "Secret": ("/api/v1", "secrets", True),
+    "Job": ("/apis/batch/v1", "jobs", True),
+    "PriorityClass": ("/apis/scheduling.k8s.io/v1", "priorityclasses", False),
     "ResourceQuota": ("/api/v1", "resourcequotas", True),
     "Lease": ("/apis/coordination.k8s.io/v1", "leases", True),
     "DeviceClass": ("/apis/resource.k8s.io/v1", "deviceclasses", False),
@@ -63,6 +66,10 @@ RESOURCES: dict[str, tuple[str, str, bool]] = {
         "customresourcedefinitions",
         False,
     ),
+    "ResourceFlavor": ("/apis/kueue.x-k8s.io/v1beta2", "resourceflavors", False),
+    "ClusterQueue": ("/apis/kueue.x-k8s.io/v1beta2", "clusterqueues", False),
+    "LocalQueue": ("/apis/kueue.x-k8s.io/v1beta2", "localqueues", True),
+    "Workload": ("/apis/kueue.x-k8s.io/v1beta2", "workloads", True),
 }
 
 

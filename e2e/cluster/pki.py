@@ -12,15 +12,18 @@ from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 VALIDITY = dt.timedelta(days=365)
+CaKey = ec.EllipticCurvePrivateKey | rsa.RSAPrivateKey
 
 
-def _write_key(path: Path, key: ec.EllipticCurvePrivateKey | rsa.RSAPrivateKey) -> None:
+def _write_key(path: Path, key: CaKey, *, pkcs1: bool = False) -> None:
+    """PKCS#8, or PKCS#1 for an RSA key a reader takes only in that form (Kueue's rotator)."""
+    fmt = (
+        serialization.PrivateFormat.TraditionalOpenSSL
+        if pkcs1
+        else serialization.PrivateFormat.PKCS8
+    )
     path.write_bytes(
-        key.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        )
+        key.private_bytes(serialization.Encoding.PEM, fmt, serialization.NoEncryption())
     )
     path.chmod(0o600)
 
@@ -32,13 +35,25 @@ def _name(cn: str, org: str | None = None) -> x509.Name:
     return x509.Name(attrs)
 
 
-def make_ca(directory: Path) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
-    key = ec.generate_private_key(ec.SECP256R1())
+def make_ca(
+    directory: Path,
+    cn: str = "gpudra-local-ca",
+    *,
+    dns: tuple[str, ...] = (),
+    rsa_key: bool = False,
+) -> tuple[x509.Certificate, CaKey]:
+    """A CA in `directory`. For Kueue's certificate rotator, which keeps a CA only if it
+    is valid for its name (`dns`) and its key is RSA (`rsa_key`), written as PKCS#1."""
+    key: CaKey = (
+        rsa.generate_private_key(public_exponent=65537, key_size=2048)
+        if rsa_key
+        else ec.generate_private_key(ec.SECP256R1())
+    )
     now = dt.datetime.now(dt.UTC)
-    cert = (
+    builder = (
         x509.CertificateBuilder()
-        .subject_name(_name("gpudra-local-ca"))
-        .issuer_name(_name("gpudra-local-ca"))
+        .subject_name(_name(cn))
+        .issuer_name(_name(cn))
         .public_key(key.public_key())
         .serial_number(x509.random_serial_number())
         .not_valid_before(now - dt.timedelta(minutes=5))
@@ -48,10 +63,14 @@ def make_ca(directory: Path) -> tuple[x509.Certificate, ec.EllipticCurvePrivateK
             x509.KeyUsage(False, False, False, False, False, True, True, False, False),
             critical=True,
         )
-        .sign(key, hashes.SHA256())
     )
+    if dns:
+        builder = builder.add_extension(
+            x509.SubjectAlternativeName([x509.DNSName(d) for d in dns]), critical=False
+        )
+    cert = builder.sign(key, hashes.SHA256())
     (directory / "ca.crt").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    _write_key(directory / "ca.key", key)
+    _write_key(directory / "ca.key", key, pkcs1=rsa_key)
     return cert, key
 
 
@@ -67,7 +86,7 @@ def load_ca(directory: Path) -> tuple[x509.Certificate, ec.EllipticCurvePrivateK
 def issue(
     directory: Path,
     stem: str,
-    ca: tuple[x509.Certificate, ec.EllipticCurvePrivateKey],
+    ca: tuple[x509.Certificate, CaKey],
     cn: str,
     *,
     org: str | None = None,

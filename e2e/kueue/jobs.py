@@ -1,0 +1,110 @@
+"""The queueing manifests of demo/kueue/ and what tests, the demo and the benchmark read
+of a queued Job: its Workload, whether Kueue admitted it, and why not.
+
+One source for the manifests: docs/kueue.md shows these files, the tests and the demo
+apply them, so what is documented is what was tested.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from e2e.cluster.harness import REPO
+from e2e.cluster.kube import ApiError, Kube
+
+MANIFESTS = REPO / "demo" / "kueue"
+QUEUES = MANIFESTS / "00-queues.yaml"
+LEGACY_JOB = MANIFESTS / "01-legacy-job.yaml"
+NATIVE_JOB = MANIFESTS / "02-native-job.yaml"
+QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+
+
+def load(path: Path) -> list[dict[str, Any]]:
+    return [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
+
+
+def one(objects: Iterable[dict[str, Any]], kind: str) -> dict[str, Any]:
+    """A copy of the one object of `kind` (a file's Job, its template)."""
+    hits = [o for o in objects if o["kind"] == kind]
+    if len(hits) != 1:
+        raise LookupError(f"expected one {kind}, found {len(hits)}")
+    return copy.deepcopy(hits[0])
+
+
+def job_from(
+    path: Path,
+    name: str,
+    namespace: str,
+    *,
+    image: str | None = None,
+    command: list[str] | None = None,
+    node: str | None = None,
+) -> dict[str, Any]:
+    """The file's Job renamed, moved, and (for a node without a registry) given a local
+    image, a command and a node to run on; what Kueue and gpudra read is unchanged."""
+    job = one(load(path), "Job")
+    job["metadata"].update(name=name, namespace=namespace)
+    pod = job["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    if image is not None:
+        container.update(image=image, imagePullPolicy="Never")
+    if command is not None:
+        container["command"] = command
+    if node is not None:
+        pod["nodeSelector"] = {"kubernetes.io/hostname": node}
+    return job
+
+
+def workload_of(
+    kube: Kube, namespace: str, owner: str, owner_kind: str = "Job"
+) -> dict[str, Any] | None:
+    """The Workload Kueue made for Job (or plain Pod) `owner`, owned by it, or None yet."""
+    for wl in kube.list("Workload", namespace):
+        owners = wl["metadata"].get("ownerReferences") or ()
+        if any(o["kind"] == owner_kind and o["name"] == owner for o in owners):
+            result: dict[str, Any] = wl
+            return result
+    return None
+
+
+def condition(obj: dict[str, Any] | None, kind: str) -> dict[str, Any] | None:
+    for c in ((obj or {}).get("status") or {}).get("conditions") or ():
+        if c["type"] == kind:
+            found: dict[str, Any] = c
+            return found
+    return None
+
+
+def workload_admitted(kube: Kube, namespace: str, owner: str, owner_kind: str = "Job") -> bool:
+    c = condition(workload_of(kube, namespace, owner, owner_kind), "Admitted")
+    return bool(c and c["status"] == "True")
+
+
+def admitted(kube: Kube, namespace: str, job: str) -> bool:
+    """Kueue admitted the Job's Workload and unsuspended the Job."""
+    obj = kube.get_or_none("Job", job, namespace)
+    if obj is None or obj["spec"].get("suspend", False):
+        return False
+    return workload_admitted(kube, namespace, job)
+
+
+def job_finished(kube: Kube, namespace: str, job: str) -> bool:
+    obj = kube.get_or_none("Job", job, namespace)
+    status = (obj or {}).get("status") or {}
+    return bool(status.get("succeeded")) or bool(status.get("failed"))
+
+
+def delete_job(kube: Kube, namespace: str, job: str) -> None:
+    """With its pods (the API's default for Jobs orphans them)."""
+    try:
+        kube.request(
+            "DELETE", Kube.path("Job", namespace, job), {"propagationPolicy": "Background"}
+        )
+    except ApiError as e:
+        if e.status != 404:
+            raise

@@ -1,0 +1,447 @@
+"""Kueue (pinned, e2e/tools/versions.env) queueing GPU Jobs beside gpudra.
+
+The manager runs as a host process against the local control plane with its release's
+CRDs and webhooks (`make kueue-up`, e2e/kueue/). The manifests are demo/kueue/*.yaml,
+the ones docs/kueue.md shows.
+
+- Admission against a ClusterQueue's `nvidia.com/gpu` quota, Jobs exactly as written for
+  the device plugin, on the fake nodes (no GPU needed: Kueue counts the pod template).
+- On the real node (skipped with the reason where the machine cannot run one): legacy
+  Jobs converted by gpudra's webhook and native ResourceClaimTemplate Jobs run on
+  emulated GPUs, and a watcher checks that allocated GPUs never exceed the quota.
+
+Run with `make test-kueue` (kept out of `make test`: see README.md).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.to_thread
+import pytest
+from gpudra.api.deviceclasses import device_classes
+from gpudra.common.kube import Kube as AsyncKube
+from gpudra.webhook.convert import CONVERTED_ANNOTATION as CONVERTED
+from gpudra.webhook.server import WebhookServer
+from gpudra.webhook.templates import ApiTemplateEnsurer
+
+from e2e.cluster.harness import Cluster
+from e2e.cluster.kube import ApiError, Kube, wait_for
+from e2e.kueue import jobs
+from e2e.kueue.manager import KueueError, KueueManager, frameworks_from_env, kueue_home
+from e2e.kueue.manifests import Endpoint, crds, webhook_configurations
+from e2e.node import images
+from e2e.node.gpus import DRIVER, GpuStack, NodeGpus
+from e2e.node.realnode import RealNode, unavailable_reason
+from e2e.node_process import delete_slices
+from e2e.webhook_env import (
+    EmulatedNode,
+    register_webhook,
+    serving_config,
+    start_emulated_nodes,
+    unregister_webhook,
+)
+
+pytestmark = [pytest.mark.cluster, pytest.mark.kueue]
+TEAMS = ("team-a", "team-b")
+FRAMEWORKS = ["batch/job", "pod"]
+
+
+@pytest.fixture(scope="module")
+def kueue(cluster: Cluster) -> Iterator[KueueManager]:
+    try:
+        kueue_home()
+    except KueueError as e:
+        pytest.skip(f"Kueue cannot be built here: {e}")
+    manager = KueueManager(cluster)
+    started = not manager.is_up()
+    manager.up(frameworks=FRAMEWORKS, log=lambda _m: None)
+    try:
+        yield manager
+    finally:
+        if started:
+            manager.down(log=lambda _m: None)
+
+
+@pytest.fixture
+def queues(kueue: KueueManager, kube: Kube) -> Iterator[None]:
+    """The flavor, ClusterQueue and LocalQueues of demo/kueue/00-queues.yaml; the Jobs and
+    pods a test left are deleted."""
+    for obj in jobs.load(jobs.QUEUES):
+        kube.apply(obj)
+    yield
+    for team in TEAMS:
+        for job in kube.list("Job", team):
+            jobs.delete_job(kube, team, job["metadata"]["name"])
+        for pod in kube.list("Pod", team):  # plain pods, queued by Kueue's Pod integration
+            kube.delete("Pod", pod["metadata"]["name"], team, grace=0)
+    for team in TEAMS:
+        wait_for(
+            f"the Jobs and pods of {team} gone",
+            lambda t=team: not kube.list("Job", t) and not kube.list("Pod", t),
+            timeout=90,
+        )
+
+
+def test_release_webhooks_are_called_by_url_with_the_served_ca() -> None:
+    """Every webhook of the release is rewritten to the loopback URL (the API server has
+    no route to a Service here); the integrations left out have none."""
+    home = kueue_home()
+    endpoint = Endpoint(url="https://127.0.0.1:1", ca_bundle_b64="Q0E=")
+    configs = webhook_configurations(home / "config", endpoint, ["batch/job"])
+    hooks = [h for c in configs for h in c["webhooks"]]
+    assert {c["metadata"]["name"] for c in configs} == {
+        "kueue-mutating-webhook-configuration",
+        "kueue-validating-webhook-configuration",
+    }
+    assert {h["name"] for h in hooks} >= {"mjob.kb.io", "vjob.kb.io", "mworkload.kb.io"}
+    assert not {h["name"] for h in hooks} & {"mpod.kb.io", "mdeployment.kb.io"}
+    assert all(
+        set(h["clientConfig"]) == {"url", "caBundle"}
+        and h["clientConfig"]["url"].startswith(endpoint.url + "/")
+        for h in hooks
+    )
+    converted = [c for c in crds(home / "config", endpoint) if "conversion" in c["spec"]]
+    assert {c["metadata"]["name"] for c in converted} >= {"workloads.kueue.x-k8s.io"}
+    assert all(
+        c["spec"]["conversion"]["webhook"]["clientConfig"]["url"] == f"{endpoint.url}/convert"
+        for c in converted
+    )
+
+
+def test_up_is_idempotent_and_down_removes_the_webhooks(kueue: KueueManager, kube: Kube) -> None:
+    pid = kueue.status()["pid"]
+    said: list[str] = []
+    kueue.up(frameworks=FRAMEWORKS, log=said.append)
+    assert kueue.status()["pid"] == pid
+    assert said == ["Kueue already up (v0.19.2)"]
+    name = "kueue-mutating-webhook-configuration"
+    assert kube.get_or_none("MutatingWebhookConfiguration", name)
+    kueue.down(log=said.append)
+    kueue.down(log=said.append)
+    assert said[1:] == ["Kueue stopped", "Kueue was not running; nothing to stop"]
+    assert kube.get_or_none("MutatingWebhookConfiguration", name) is None
+    kueue.up(frameworks=FRAMEWORKS, log=said.append)
+    assert kueue.is_up()
+
+
+def test_unknown_integration_is_refused_with_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GPUDRA_KUEUE_FRAMEWORKS", "batch/job,ray.io/rayjob")
+    with pytest.raises(KueueError, match=r"GPUDRA_KUEUE_FRAMEWORKS=.*'ray.io/rayjob'.*batch/job"):
+        frameworks_from_env()
+
+
+def test_jobs_are_admitted_up_to_the_quota_and_the_rest_wait(
+    kueue: KueueManager, kube: Kube, queues: None
+) -> None:
+    """Quota 2 `nvidia.com/gpu`, three one-GPU Jobs from two teams: two admitted, the
+    third suspended with Kueue's reason until an admitted one goes."""
+    names = [("team-a", "fill-0"), ("team-b", "fill-1"), ("team-a", "fill-2")]
+    for ns, name in names:
+        kube.create(jobs.job_from(jobs.LEGACY_JOB, name, ns))
+
+    def admitted_now() -> list[tuple[str, str]]:
+        return [(ns, n) for ns, n in names if jobs.admitted(kube, ns, n)]
+
+    first = wait_for("two Jobs admitted", lambda: len(admitted_now()) == 2 and admitted_now())
+    (waiting,) = [j for j in names if j not in first]
+    wl = wait_for("the waiting Job's Workload", lambda: jobs.workload_of(kube, *waiting))
+    reserved = wait_for(
+        "Kueue's reason on the waiting Workload",
+        lambda: jobs.condition(jobs.workload_of(kube, *waiting), "QuotaReserved"),
+    )
+    assert reserved["status"] == "False"
+    assert "nvidia.com/gpu" in reserved["message"], reserved
+    assert kube.get("Job", waiting[1], waiting[0])["spec"]["suspend"] is True
+    assert wl["spec"]["queueName"] == "gpus"
+
+    jobs.delete_job(kube, *first[0])
+    wait_for("the waiting Job admitted", lambda: jobs.admitted(kube, *waiting), timeout=60)
+    assert len(admitted_now()) == 2
+
+
+def test_a_job_larger_than_the_quota_stays_suspended_with_kueues_reason(
+    kueue: KueueManager, kube: Kube, queues: None
+) -> None:
+    """Three GPUs against a quota of two: never admitted, no pod and so no claim made."""
+    job = jobs.job_from(jobs.LEGACY_JOB, "too-big", "team-a")
+    job["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"] = {"nvidia.com/gpu": 3}
+    kube.create(job)
+    reserved = wait_for(
+        "Kueue's reason on the Workload",
+        lambda: jobs.condition(jobs.workload_of(kube, "team-a", "too-big"), "QuotaReserved"),
+    )
+    assert reserved["status"] == "False"
+    assert "nvidia.com/gpu" in reserved["message"], reserved
+    assert kube.get("Job", "too-big", "team-a")["spec"]["suspend"] is True
+    assert not kube.list("Pod", "team-a") and not kube.list("ResourceClaim", "team-a")
+
+
+def test_a_mapping_of_a_class_gpudra_does_not_serve_leaves_native_jobs_waiting(
+    kueue: KueueManager, kube: Kube, queues: None
+) -> None:
+    """Kueue configured with a class that is not gpudra's: a native Job's claim on
+    gpu.nvidia.com maps to no quota, so Kueue keeps it suspended with its reason."""
+    kueue.up(
+        frameworks=FRAMEWORKS,
+        mappings={"nvidia.com/gpu": ["gpu.example.com"]},
+        log=lambda _m: None,
+    )
+    try:
+        template = jobs.one(jobs.load(jobs.NATIVE_JOB), "ResourceClaimTemplate")
+        kube.apply(template)
+        kube.create(jobs.job_from(jobs.NATIVE_JOB, "unmapped", "team-b"))
+        wl = wait_for(
+            "Kueue's verdict on the Workload",
+            lambda: (
+                (w := jobs.workload_of(kube, "team-b", "unmapped"))
+                and (jobs.condition(w, "QuotaReserved") or jobs.condition(w, "Inadmissible"))
+                and w
+            ),
+        )
+        assert kube.get("Job", "unmapped", "team-b")["spec"]["suspend"] is True
+        reasons = [c.get("message", "") for c in wl["status"]["conditions"]]
+        assert any("gpu.nvidia.com" in m for m in reasons), wl["status"]
+        assert not kube.list("ResourceClaim", "team-b")
+    finally:
+        kueue.down(log=lambda _m: None)
+        kueue.up(frameworks=FRAMEWORKS, log=lambda _m: None)
+
+
+@pytest.fixture
+async def converting(cluster: Cluster, kube: Kube, tmp_path: Path) -> AsyncIterator[None]:
+    """gpudra's webhook served from this event loop, emulated GPUs published on the fake
+    node worker-1: converted pods get claims the scheduler allocates, without a real
+    node (their containers never run)."""
+    for dc in device_classes(DRIVER):
+        kube.apply(dc)
+    akube = await AsyncKube.connect(str(cluster.layout.admin_kubeconfig))
+    pki, config = serving_config(cluster, tmp_path / "pki")
+    server = WebhookServer(config, ApiTemplateEnsurer(akube))
+    node = EmulatedNode("worker-1", "emulated:h100-80gb-hbm3-x8", uuid_salt="kueue")
+    async with anyio.create_task_group() as tg:
+        port = await tg.start(server.serve)
+        await start_emulated_nodes(tg, akube, DRIVER, [node])
+        await register_webhook(akube, pki, config, f"https://{cluster.webhook_host()}:{port}")
+        yield
+        await unregister_webhook(akube)
+        tg.cancel_scope.cancel()
+    delete_slices(kube, DRIVER)
+    await akube.close()
+
+
+def plain_pod(
+    name: str, namespace: str, node: str, command: list[str] | None = None
+) -> dict[str, Any]:
+    """The legacy Job's pod template as a plain pod in the queue."""
+    job = jobs.job_from(jobs.LEGACY_JOB, name, namespace, node=node, command=command)
+    spec = job["spec"]["template"]["spec"]
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": namespace, "labels": {jobs.QUEUE_LABEL: "gpus"}},
+        "spec": spec,
+    }
+
+
+def pods_admitted(kube: Kube, names: list[str]) -> int:
+    return sum(jobs.workload_admitted(kube, "team-a", n, "Pod") for n in names)
+
+
+@pytest.mark.anyio
+async def test_plain_pods_are_counted_after_conversion_without_a_node(
+    kueue: KueueManager, kube: Kube, queues: None, converting: None
+) -> None:
+    """Kueue's Pod integration reads the pod as stored, after gpudra's webhook converted
+    it: each legacy pod's Workload counts `nvidia.com/gpu: 1` (its claim on
+    gpu.nvidia.com, mapped back), two are admitted under quota 2, the third is held."""
+
+    def scenario() -> None:
+        names = [f"plain-{i}" for i in range(3)]
+        for name in names:
+            created = kube.create(plain_pod(name, "team-a", "worker-1"))
+            assert created["spec"]["resourceClaims"], created["spec"]
+        wait_for("two pods admitted", lambda: pods_admitted(kube, names) == 2)
+        for name in names:
+            wl = wait_for(
+                f"the Workload of {name}",
+                lambda n=name: jobs.workload_of(kube, "team-a", n, "Pod"),
+            )
+            assert wl["spec"]["podSets"][0]["template"]["spec"]["resourceClaims"]
+            if jobs.workload_admitted(kube, "team-a", name, "Pod"):
+                usage = wl["status"]["admission"]["podSetAssignments"][0]["resourceUsage"]
+                assert usage == {"nvidia.com/gpu": "1"}, usage
+            else:
+                gates = kube.get("Pod", name, "team-a")["spec"].get("schedulingGates")
+                assert gates, "the waiting pod is not held by Kueue"
+
+    await anyio.to_thread.run_sync(scenario)
+
+
+# --- on the real node ------------------------------------------------------------------
+
+
+class AllocationWatcher:
+    """Samples, in a thread for the whole test, how many devices the claims in the teams'
+    namespaces hold, so an excess between two checks of the test is seen too."""
+
+    def __init__(self, kube: Kube, namespaces: tuple[str, ...]) -> None:
+        self.kube = kube
+        self.namespaces = namespaces
+        self.samples: list[int] = []
+        self.errors: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="allocations", daemon=True)
+
+    def allocated(self) -> int:
+        return sum(
+            len(claim["status"]["allocation"]["devices"]["results"])
+            for ns in self.namespaces
+            for claim in self.kube.list("ResourceClaim", ns)
+            if (claim.get("status") or {}).get("allocation")
+        )
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.2):
+            try:
+                self.samples.append(self.allocated())
+            except (ApiError, OSError) as e:
+                self.errors.append(str(e))
+
+    def __enter__(self) -> AllocationWatcher:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+@pytest.fixture(scope="module")
+def gpus(cluster: Cluster, kueue: KueueManager) -> Iterator[NodeGpus]:
+    """The real node with gpudra's agent and webhook as host processes."""
+    reason = unavailable_reason()
+    if reason:
+        pytest.skip(f"no real node on this machine: {reason}")
+    node = RealNode(cluster)
+    node.up(log=lambda _m: None)
+    stack = GpuStack(node)
+    try:
+        stack.up(log=lambda _m: None)
+        yield stack
+    finally:
+        stack.down(log=lambda _m: None)
+        node.down(log=lambda _m: None)
+
+
+def quota(kube: Kube) -> int:
+    cq = kube.get("ClusterQueue", "gpus")
+    (resource,) = cq["spec"]["resourceGroups"][0]["flavors"][0]["resources"]
+    return int(resource["nominalQuota"])
+
+
+def run_queued(kube: Kube, gpus: NodeGpus, specs: list[tuple[Path, str, str]]) -> list[int]:
+    """Creates the Jobs (file, namespace, name) at once, checks that Kueue admits no more
+    than the quota allows while the rest stay suspended, and waits until all succeeded;
+    returns what the watcher saw."""
+    limit = quota(kube)
+    for path, ns, name in specs:
+        if path == jobs.NATIVE_JOB:
+            template = jobs.one(jobs.load(path), "ResourceClaimTemplate")
+            template["metadata"]["namespace"] = ns
+            kube.apply(template)
+        kube.create(
+            jobs.job_from(
+                path, name, ns, image=images.TEST_IMAGE, command=WORK, node=gpus.node_name
+            )
+        )
+    with AllocationWatcher(kube, TEAMS) as watcher:
+        wait_for(
+            f"{limit} Jobs admitted",
+            lambda: sum(jobs.admitted(kube, ns, n) for _p, ns, n in specs) == limit,
+        )
+        suspended = [n for _p, ns, n in specs if kube.get("Job", n, ns)["spec"]["suspend"]]
+        assert len(suspended) == len(specs) - limit, suspended
+        for _path, ns, name in specs:
+            wait_for(
+                f"Job {ns}/{name} finished",
+                lambda ns=ns, name=name: jobs.job_finished(kube, ns, name),
+                timeout=240,
+            )
+    assert not watcher.errors, watcher.errors
+    for _path, ns, name in specs:
+        assert kube.get("Job", name, ns)["status"].get("succeeded") == 1, name
+    assert watcher.samples, "the watcher took no sample"
+    assert max(watcher.samples) <= limit, watcher.samples
+    assert limit in watcher.samples, f"never {limit} GPUs in use at once: {watcher.samples}"
+    return watcher.samples
+
+
+WORK = ["sh", "-c", "ls /dev | grep -q '^nvidia[0-9]' && sleep 4"]
+"""Succeeds only where the container sees a GPU device node."""
+
+
+def job_pods(kube: Kube, ns: str, job: str) -> list[dict[str, Any]]:
+    return kube.list("Pod", ns, labelSelector=f"job-name={job}")
+
+
+def test_legacy_jobs_queue_convert_and_run_within_the_quota(
+    kube: Kube, gpus: NodeGpus, queues: None
+) -> None:
+    """Jobs exactly as written for the device plugin: Kueue admits them against the
+    `nvidia.com/gpu` quota, gpudra's webhook converts their pods to claims, they run on
+    the node's GPUs, and the next is admitted when one completes."""
+    specs = [(jobs.LEGACY_JOB, TEAMS[i % 2], f"legacy-{i}") for i in range(4)]
+    run_queued(kube, gpus, specs)
+    for _path, ns, name in specs:
+        (pod,) = job_pods(kube, ns, name)
+        assert CONVERTED in pod["metadata"].get("annotations", {}), pod["metadata"]
+        assert pod["spec"]["resourceClaims"], pod["spec"]
+
+
+def test_native_and_legacy_jobs_share_one_quota(kube: Kube, gpus: NodeGpus, queues: None) -> None:
+    """ResourceClaimTemplate Jobs on gpu.nvidia.com count against the same
+    `nvidia.com/gpu` quota through Kueue's deviceClassMappings."""
+    specs = [
+        (jobs.NATIVE_JOB, "team-b", "native-0"),
+        (jobs.LEGACY_JOB, "team-a", "legacy-0"),
+        (jobs.NATIVE_JOB, "team-b", "native-1"),
+        (jobs.NATIVE_JOB, "team-b", "native-2"),
+    ]
+    run_queued(kube, gpus, specs)
+    wl = jobs.workload_of(kube, "team-b", "native-0")
+    assert wl is not None
+    usage = wl["status"]["admission"]["podSetAssignments"][0]["resourceUsage"]
+    assert usage == {"nvidia.com/gpu": "1"}, usage
+
+
+def test_plain_pods_are_counted_after_conversion(kube: Kube, gpus: NodeGpus, queues: None) -> None:
+    """Kueue's Pod integration reads the pod as stored, after gpudra's webhook converted
+    it: the legacy `nvidia.com/gpu: 1` pod becomes a claim on gpu.nvidia.com, which
+    deviceClassMappings count as `nvidia.com/gpu` again, so the quota holds for pods."""
+    names = [f"plain-{i}" for i in range(3)]
+    for name in names:
+        pod = plain_pod(name, "team-a", gpus.node_name, command=WORK)
+        pod["spec"]["containers"][0].update(image=images.TEST_IMAGE, imagePullPolicy="Never")
+        kube.create(pod)
+
+    with AllocationWatcher(kube, TEAMS) as watcher:
+        wait_for("two pods admitted", lambda: pods_admitted(kube, names) == 2)
+        for name in names:
+            wait_for(
+                f"pod {name} succeeded",
+                lambda n=name: kube.get("Pod", n, "team-a")["status"].get("phase") == "Succeeded",
+                timeout=240,
+            )
+    for name in names:
+        pod = kube.get("Pod", name, "team-a")
+        assert CONVERTED in pod["metadata"].get("annotations", {})
+        wl = jobs.workload_of(kube, "team-a", name, "Pod")
+        assert wl is not None
+        usage = wl["status"]["admission"]["podSetAssignments"][0]["resourceUsage"]
+        assert usage == {"nvidia.com/gpu": "1"}, usage
+    assert max(watcher.samples) <= 2, watcher.samples
