@@ -213,6 +213,7 @@ def test_rows_come_from_the_cluster_with_each_agents_measurements(
     assert shared["utilization"] is None
     assert rows[("worker-2", "gpu-2")]["state"] == f"held by {world.namespace}/claim waiting"
     assert rows[("worker-2", "gpu-3")]["state"] == "tainted"
+    assert rows[("worker-2", "gpu-3")]["model"] == "NVIDIA H100 80GB HBM3"  # from the slice
     assert rows[("worker-2", "gpu-3")]["taints"] == ["gpu.nvidia.com/xid:NoSchedule"]
 
     idle = json.loads(top(cluster, world, "-o", "json", "--idle", "10m").stdout)
