@@ -329,21 +329,6 @@ def legacy_pod(stack: NodeGpus, name: str, namespace: str, resource: str) -> dic
     return pod
 
 
-def gpudra_top(cluster: Cluster, *args: str) -> list[dict[str, Any]]:
-    """`gpudra top -o json` against the cluster, as an admin runs it."""
-    out = subprocess.run(
-        [sys.executable, "-m", "gpudra.cli", "top", "-o", "json", *args],
-        env={**os.environ, "KUBECONFIG": str(cluster.layout.admin_kubeconfig)},
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-    assert out.returncode == 0, out.stderr
-    rows: list[dict[str, Any]] = json.loads(out.stdout)
-    return rows
-
-
 HOLDERS = (
     "custom-columns=NAMESPACE:.metadata.namespace,CLAIM:.metadata.name,"
     "POD:.status.reservedFor[*].name,NODE:.status.allocation.devices.results[*].pool,"
@@ -353,10 +338,10 @@ HOLDERS = (
 )
 
 
-def gpudra_devices(cluster: Cluster, node: str) -> str:
-    """`gpudra devices --node NODE` against the cluster, as an admin runs it."""
+def gpudra(cluster: Cluster, *args: str) -> str:
+    """`gpudra ARGS` against the cluster, as an admin runs it: its output."""
     out = subprocess.run(
-        [sys.executable, "-m", "gpudra.cli", "devices", "--node", node],
+        [sys.executable, "-m", "gpudra.cli", *args],
         env={**os.environ, "KUBECONFIG": str(cluster.layout.admin_kubeconfig)},
         capture_output=True,
         text=True,
@@ -365,6 +350,17 @@ def gpudra_devices(cluster: Cluster, node: str) -> str:
     )
     assert out.returncode == 0, out.stderr
     return out.stdout
+
+
+def gpudra_devices(cluster: Cluster, node: str) -> str:
+    """`gpudra devices --node NODE`."""
+    return gpudra(cluster, "devices", "--node", node)
+
+
+def gpudra_top(cluster: Cluster, *args: str) -> list[dict[str, Any]]:
+    """`gpudra top -o json ARGS`, its rows."""
+    rows: list[dict[str, Any]] = json.loads(gpudra(cluster, "top", "-o", "json", *args))
+    return rows
 
 
 def test_legacy_shared_pods_pack_onto_gpus_by_integer_shares(
