@@ -24,7 +24,7 @@ from gpudra.api.quantity import QuantityError, parse_quantity
 from gpudra.api.sharing import SHARES_CAPACITY
 from gpudra.common.kube import Kube
 
-__all__ = ["Device", "Holder", "devices", "register", "render"]
+__all__ = ["Device", "Holder", "devices", "read", "register", "render"]
 
 SLICES = "/apis/resource.k8s.io/v1/resourceslices"
 CLAIMS = "/apis/resource.k8s.io/v1/resourceclaims"
@@ -55,6 +55,7 @@ class Device:
     pool: str
     name: str
     type: str
+    model: str = ""  # the productName attribute
     shares: Fraction | None = None  # published integer shares
     memory: Fraction | None = None  # memory a sliced GPU hands out
     multiple: bool = False  # allowMultipleAllocations
@@ -138,6 +139,14 @@ def devices(
     return sorted(found.values(), key=lambda d: (d.node, d.type, _natural(d.name)))
 
 
+async def read(kube: Kube, driver: str, node: str = "") -> list[Device]:
+    """The devices of `driver` as the API server has them (only `node`'s if given)."""
+    query = {"fieldSelector": f"spec.nodeName={node}"} if node else None
+    slices = await kube.request("GET", SLICES, query=query)
+    claims = await kube.request("GET", CLAIMS)
+    return devices(slices.get("items") or [], claims.get("items") or [], driver)
+
+
 def _counters(entry: Mapping[str, Any]) -> dict[str, Fraction]:
     return {
         name: amount
@@ -149,6 +158,7 @@ def _counters(entry: Mapping[str, Any]) -> dict[str, Fraction]:
 def _device(raw: Mapping[str, Any], node: str, pool: str, driver: str) -> Device:
     attributes = raw.get("attributes") or {}
     kind = next(iter((attributes.get("type") or {}).values()), "")
+    model = next(iter((attributes.get("productName") or {}).values()), "")
     capacity = raw.get("capacity") or {}
     shares = _amount(capacity.get(SHARES_CAPACITY))
     memory = _amount(capacity.get(f"{driver}/memory") or capacity.get("memory"))
@@ -157,6 +167,7 @@ def _device(raw: Mapping[str, Any], node: str, pool: str, driver: str) -> Device
         pool=pool,
         name=str(raw.get("name", "")),
         type=str(kind),
+        model=str(model),
         shares=shares,
         memory=memory,
         multiple=raw.get("allowMultipleAllocations") is True,
@@ -267,13 +278,9 @@ def run(args: argparse.Namespace) -> int:
     async def main() -> str:
         kube = await Kube.connect(args.kubeconfig)
         try:
-            query = {"fieldSelector": f"spec.nodeName={args.node}"} if args.node else None
-            slices = await kube.request("GET", SLICES, query=query)
-            claims = await kube.request("GET", CLAIMS)
+            return render(await read(kube, args.driver_name, args.node))
         finally:
             await kube.close()
-        found = devices(slices.get("items") or [], claims.get("items") or [], args.driver_name)
-        return render(found)
 
     print(anyio.run(main))
     return 0

@@ -9,7 +9,7 @@ import urllib.parse
 import urllib.request
 from typing import Final
 
-__all__ = ["agent_endpoint", "fetch", "parse_duration"]
+__all__ = ["Unanswered", "agent_endpoint", "fetch", "get", "parse_duration"]
 
 _DURATION: Final = re.compile(r"(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?")
 
@@ -36,11 +36,23 @@ def agent_endpoint(raw: str, *, command: str) -> tuple[str, str]:
     return node, url
 
 
-def fetch(url: str, timeout_s: float, *, command: str) -> str:
-    """The body at `url`; one line naming it and the reason when it does not answer."""
+class Unanswered(Exception):
+    """An endpoint that did not answer; the message names it and the reason."""
+
+
+def get(url: str, timeout_s: float) -> str:
+    """The body at `url`, or `Unanswered` for a caller that goes on without it."""
     try:
         with urllib.request.urlopen(url, timeout=timeout_s) as response:  # noqa: S310
             return str(response.read().decode())
     except (urllib.error.URLError, OSError) as e:
         reason = getattr(e, "reason", e)
-        raise SystemExit(f"gpudra {command}: {url} did not answer: {reason}") from None
+        raise Unanswered(f"{url} did not answer: {reason}") from None
+
+
+def fetch(url: str, timeout_s: float, *, command: str) -> str:
+    """The body at `url`; one line naming it and the reason when it does not answer."""
+    try:
+        return get(url, timeout_s)
+    except Unanswered as e:
+        raise SystemExit(f"gpudra {command}: {e}") from None

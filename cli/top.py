@@ -1,9 +1,13 @@
-"""`gpudra top`: every GPU the node agents serve, who holds it, and how busy it is.
+"""`gpudra top`: every GPU the driver publishes, who holds it, and how busy it is.
 
-Reads the agents' metrics endpoints (the device series of `gpudra.driver.metrics`),
-so it shows exactly what Prometheus would scrape, without needing a Prometheus. One
-row per device: node, device, model, state (free, held by namespace/pod, shared by k
-pods, tainted), utilization, memory, and how long an allocated device has been idle.
+The rows come from the API server (ResourceSlices and the allocations in
+ResourceClaims, read as `gpudra devices` reads them), so a device shows even where
+its agent is down; each node's agent metrics endpoint, found from the agent pods,
+adds utilization, memory and idle time (the device series of
+`gpudra.driver.metrics`: exactly what Prometheus would scrape, without needing a
+Prometheus). One row per device: node, device, model, state (free, held by
+namespace/pod, shared by k pods, tainted), utilization, memory, and how long an
+allocated device has been idle.
 """
 
 from __future__ import annotations
@@ -15,10 +19,17 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Final, TextIO
 
-from gpudra.cli.scrape import agent_endpoint, fetch, parse_duration
+import aiohttp
+import anyio
+from gpudra.api.deviceclasses import DEFAULT_DRIVER
+from gpudra.cli import agents
+from gpudra.cli import devices as published
+from gpudra.cli.scrape import Unanswered, agent_endpoint, get, parse_duration
+from gpudra.common.kube import ApiError, Kube
+from kubernetes_asyncio.config import ConfigException
 from prometheus_client.parser import text_string_to_metric_families
 
-__all__ = ["DeviceRow", "register", "rows_from_metrics"]
+__all__ = ["DeviceRow", "merge", "register", "rows_from_devices", "rows_from_metrics"]
 
 _SORT_KEYS: Final = ("node", "utilization", "memory", "idle")
 _RED: Final = "\033[31m"
@@ -37,6 +48,7 @@ class DeviceRow:
     holders: list[str] = field(default_factory=list)  # namespace/pod
     namespaces: list[str] = field(default_factory=list)
     healthy: bool = True
+    taints: list[str] = field(default_factory=list)  # key:effect, from the slice
     utilization: float | None = None  # None: NVML gives none for this device
     memory_used: float | None = None
     memory_total: float | None = None
@@ -44,7 +56,7 @@ class DeviceRow:
 
     @property
     def state(self) -> str:
-        if not self.healthy:
+        if not self.healthy or self.taints:
             return "tainted"
         if not self.holders:
             return "free"
@@ -91,6 +103,45 @@ def rows_from_metrics(node: str, text: str) -> list[DeviceRow]:
             elif sample.name == "gpudra_gpu_healthy":
                 device.healthy = sample.value > 0
     return sorted(rows.values(), key=lambda r: r.device)
+
+
+def rows_from_devices(found: Iterable[published.Device]) -> list[DeviceRow]:
+    """The published devices with their holders: the pods a claim is reserved for, or
+    the claim itself while no pod has it yet."""
+    rows = []
+    for d in found:
+        row = DeviceRow(d.node, d.name, "", d.model, taints=list(d.taints))
+        for holder in d.holders:
+            namespace, _, claim = holder.claim.partition("/")
+            for pod in holder.pods or (f"claim {claim}",):
+                if f"{namespace}/{pod}" not in row.holders:
+                    row.holders.append(f"{namespace}/{pod}")
+            if namespace not in row.namespaces:
+                row.namespaces.append(namespace)
+        rows.append(row)
+    return rows
+
+
+def merge(api: Sequence[DeviceRow], measured: Iterable[DeviceRow]) -> list[DeviceRow]:
+    """The API's rows with each device's measurements from its node's agent.
+
+    Who holds a device and its taints come from the API server, which decides them;
+    the agent adds what only it knows (UUID, utilization, memory, idle time, health).
+    A device only an agent reports (given by URL, or not yet published) keeps its row."""
+    rows = {(r.node, r.device): r for r in api}
+    extra = []
+    for m in measured:
+        row = rows.get((m.node, m.device))
+        if row is None:
+            extra.append(m)
+            continue
+        row.uuid = row.uuid or m.uuid
+        row.model = row.model or m.model
+        row.healthy = row.healthy and m.healthy
+        row.utilization = m.utilization
+        row.memory_used, row.memory_total = m.memory_used, m.memory_total
+        row.idle_seconds = m.idle_seconds
+    return [*rows.values(), *extra]
 
 
 def _gib(value: float | None) -> str:
@@ -149,35 +200,99 @@ def _select(rows: Iterable[DeviceRow], args: argparse.Namespace) -> list[DeviceR
 
 
 def run(args: argparse.Namespace) -> int:
+    """The table; exit status 1 when an agent did not answer (its devices are still
+    shown, without measurements), else 0."""
     if args.idle:
         try:
             parse_duration(args.idle)
         except ValueError as e:
             raise SystemExit(f"gpudra top: --idle: {e}") from None
-    rows: list[DeviceRow] = []
-    for raw in args.metrics:
-        node, url = agent_endpoint(raw, command="top")
-        rows += rows_from_metrics(node, fetch(url, args.timeout, command="top"))
-    selected = _select(rows, args)
+    overrides = dict(agent_endpoint(raw, command="top") for raw in args.metrics or ())
+    api: list[DeviceRow] = []
+    endpoints: dict[str, str] = {}
+    if args.no_api:
+        if not overrides:
+            raise SystemExit("gpudra top: --no-api needs --metrics NODE=URL (repeatable)")
+    else:
+        api, endpoints = anyio.run(_from_cluster, args)
+    endpoints.update(overrides)
+    measured: list[DeviceRow] = []
+    failed = False
+    for node, url in sorted(endpoints.items()):
+        if args.node and node != args.node:
+            continue
+        try:
+            measured += rows_from_metrics(node, get(url, args.timeout))
+        except Unanswered as e:
+            failed = True
+            _warn(f"node {node}: {e}; its devices show no measurements")
+    for node in sorted({r.node for r in api} - endpoints.keys()):
+        _warn(
+            f"node {node}: no agent metrics endpoint (no pod matching {args.agent_selector} "
+            f"with a port named metrics); give --metrics {node}=URL"
+        )
+    selected = _select(merge(api, measured), args)
     if args.output == "json":
         doc = [{**asdict(r), "state": r.state} for r in selected]
         sys.stdout.write(json.dumps(doc, indent=2) + "\n")
     else:
         _table(selected, sys.stdout, colour=sys.stdout.isatty())
-    return 0
+    return 1 if failed else 0
+
+
+def _warn(message: str) -> None:
+    sys.stderr.write(f"gpudra top: {message}\n")
+
+
+async def _from_cluster(args: argparse.Namespace) -> tuple[list[DeviceRow], dict[str, str]]:
+    """The published devices with their holders, and each node's agent endpoint."""
+    try:
+        kube = await Kube.connect(args.kubeconfig)
+    except (ConfigException, OSError) as e:
+        raise SystemExit(
+            f"gpudra top: no cluster to read ({e}); give --kubeconfig, "
+            "or --no-api with --metrics NODE=URL"
+        ) from None
+    try:
+        found = await published.read(kube, args.driver_name, args.node or "")
+        try:
+            endpoints = await agents.read(kube, args.agent_selector)
+        except ApiError as e:
+            _warn(f"cannot list the agent pods ({e}); give --metrics NODE=URL")
+            endpoints = {}
+    except (ApiError, aiohttp.ClientError, OSError) as e:
+        raise SystemExit(f"gpudra top: reading the cluster failed: {e}") from None
+    finally:
+        await kube.close()
+    return rows_from_devices(found), endpoints
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
-        "top", help="show every GPU the node agents serve: holder, utilization, memory, idle"
+        "top", help="show every published GPU: holder, utilization, memory, idle time"
+    )
+    p.add_argument(
+        "--kubeconfig", default=None, help="kubeconfig file (default: $KUBECONFIG, else in-cluster)"
+    )
+    p.add_argument("--driver-name", default=DEFAULT_DRIVER, help="the DRA driver name")
+    p.add_argument(
+        "--agent-selector",
+        default=agents.AGENT_SELECTOR,
+        metavar="LABELS",
+        help="label selector of the node agent pods, whose port named metrics is scraped",
     )
     p.add_argument(
         "--metrics",
         action="append",
-        required=True,
+        default=None,
         metavar="[NODE=]URL",
-        help="a node agent's metrics endpoint, e.g. http://10.0.0.5:9477/metrics; repeatable "
-        "(NODE names its rows, default: the URL's host)",
+        help="a node agent's metrics endpoint, e.g. http://10.0.0.5:9477/metrics, used "
+        "instead of the one found for NODE; repeatable (NODE default: the URL's host)",
+    )
+    p.add_argument(
+        "--no-api",
+        action="store_true",
+        help="read only the --metrics endpoints, not the cluster (holders as the agents know them)",
     )
     p.add_argument("--namespace", "-n", default=None, help="only devices held in this namespace")
     p.add_argument("--node", default=None, help="only this node's devices")

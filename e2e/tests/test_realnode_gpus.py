@@ -338,10 +338,10 @@ HOLDERS = (
 )
 
 
-def gpudra_devices(cluster: Cluster, node: str) -> str:
-    """`gpudra devices --node NODE` against the cluster, as an admin runs it."""
+def gpudra(cluster: Cluster, *args: str) -> str:
+    """`gpudra ARGS` against the cluster, as an admin runs it: its output."""
     out = subprocess.run(
-        [sys.executable, "-m", "gpudra.cli", "devices", "--node", node],
+        [sys.executable, "-m", "gpudra.cli", *args],
         env={**os.environ, "KUBECONFIG": str(cluster.layout.admin_kubeconfig)},
         capture_output=True,
         text=True,
@@ -350,6 +350,17 @@ def gpudra_devices(cluster: Cluster, node: str) -> str:
     )
     assert out.returncode == 0, out.stderr
     return out.stdout
+
+
+def gpudra_devices(cluster: Cluster, node: str) -> str:
+    """`gpudra devices --node NODE`."""
+    return gpudra(cluster, "devices", "--node", node)
+
+
+def gpudra_top(cluster: Cluster, *args: str) -> list[dict[str, Any]]:
+    """`gpudra top -o json ARGS`, its rows."""
+    rows: list[dict[str, Any]] = json.loads(gpudra(cluster, "top", "-o", "json", *args))
+    return rows
 
 
 def test_legacy_shared_pods_pack_onto_gpus_by_integer_shares(
@@ -566,7 +577,7 @@ def test_agent_without_the_api_fails_prepares_with_the_cause(
 
 
 def test_prometheus_fires_the_idle_alert_for_the_pod_whose_gpu_idles(
-    stack: NodeGpus, kube: Kube, ns: str, tmp_path: Path
+    stack: NodeGpus, kube: Kube, ns: str, tmp_path: Path, cluster: Cluster
 ) -> None:
     """A real Prometheus scrapes the node agent and evaluates the chart's alert rules
     (rendered by helm with short thresholds): of two pods holding a whole GPU each, the
@@ -617,3 +628,21 @@ def test_prometheus_fires_the_idle_alert_for_the_pod_whose_gpu_idles(
             assert idle["labels"]["uuid"] == idle_uuid
             assert idle["annotations"]["summary"].startswith(f"{ns}/idler holds ")
             assert not [a for a in prom.alerts() if a["labels"].get("pod") == "busy"]
+        # `gpudra top` joins the same agent's series to the cluster's claims.
+        url = f"{stack.node_name}=http://127.0.0.1:{port}/metrics"
+        rows = {
+            r["device"]: r for r in gpudra_top(cluster, "--node", stack.node_name, "--metrics", url)
+        }
+        idler = rows[allocation(kube, ns, "idler")[0]["device"]]
+        busy = rows[allocation(kube, ns, "busy")[0]["device"]]
+        assert (idler["state"], idler["uuid"], idler["utilization"]) == (
+            f"held by {ns}/idler",
+            idle_uuid,
+            1,
+        )
+        assert idler["idle_seconds"] is not None
+        assert (busy["state"], busy["utilization"], busy["idle_seconds"]) == (
+            f"held by {ns}/busy",
+            90,
+            None,
+        )
