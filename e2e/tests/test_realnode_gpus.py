@@ -628,6 +628,20 @@ def test_prometheus_fires_the_idle_alert_for_the_pod_whose_gpu_idles(
             assert idle["labels"]["uuid"] == idle_uuid
             assert idle["annotations"]["summary"].startswith(f"{ns}/idler holds ")
             assert not [a for a in prom.alerts() if a["labels"].get("pod") == "busy"]
+
+            # `gpudra report` asks the same Prometheus for the namespace's GPU-hours: two
+            # GPUs allocated, one of them idle, so some of the hours are idle ones.
+            def billed() -> dict[str, Any] | None:
+                out = gpudra(
+                    cluster, "report", "--prometheus", prom.url, "--since", "5m", "-o", "json"
+                )
+                mine = [u for u in json.loads(out)["usage"] if u["namespace"] == ns]
+                if mine and mine[0]["allocated_hours"] > 0 and mine[0]["idle_hours"] > 0:
+                    return dict(mine[0])
+                return None
+
+            usage = wait_for("the namespace's GPU-hours from Prometheus", billed, timeout=90)
+            assert usage["idle_hours"] < usage["allocated_hours"]
         # `gpudra top` joins the same agent's series to the cluster's claims.
         url = f"{stack.node_name}=http://127.0.0.1:{port}/metrics"
         rows = {
