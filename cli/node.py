@@ -15,6 +15,7 @@ import anyio
 from gpudra.common.kube import Kube
 from gpudra.driver.accounting import DEFAULT_IDLE_BELOW
 from gpudra.driver.agent import AgentConfig
+from gpudra.driver.checkpoint import CheckpointError
 from gpudra.driver.devices import (
     SHARED_GPUS_FORMS,
     DiscoveryError,
@@ -482,11 +483,18 @@ def run(args: argparse.Namespace) -> int:
     try:
         anyio.run(main)
     except BaseExceptionGroup as group:
+        # A checkpoint this release cannot read stops recovery before any socket is
+        # served; the file is left as it is.
+        unreadable, _rest = group.split(CheckpointError)
+        if unreadable is not None:
+            raise SystemExit(f"gpudra node: {_first(unreadable)}") from None
         # Checked against the first inventory, deep in the agent's task groups.
         shared, _rest = group.split((SharedGpusError, GpuSharesError))
         if shared is None:
             raise
         raise SystemExit(_start_refused(args, _first(shared))) from None
+    except CheckpointError as e:
+        raise SystemExit(f"gpudra node: {e}") from None
     except (SharedGpusError, GpuSharesError) as e:
         raise SystemExit(_start_refused(args, e)) from None
     return 0
