@@ -50,6 +50,14 @@ unit: venv
 test: lint typecheck
 	$(VPY) e2e/run_pytest.py
 
+# The end-to-end suites that touch the API on every pinned Kubernetes version, one after
+# another (each built on first use), then a table: version, passed, failed, skipped with
+# the reason. VERSIONS=1.34,1.37 picks some; not part of `make test` (see README).
+.PHONY: test-versions
+VERSIONS ?=
+test-versions: venv
+	$(VPY) -m e2e.versions --versions "$(VERSIONS)"
+
 demo: cluster-up
 	@$(VPY) -m e2e.demo
 

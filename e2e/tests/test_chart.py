@@ -122,7 +122,9 @@ def test_every_rendered_object_passes_server_side_dry_run(
     rest = [o for o in objects if o["kind"] != "CustomResourceDefinition"]
     try:
         install_crds(kube, kubectl, crds)
-        out = apply(kubectl, rest, "--dry-run=server")
+        # Forced: DeviceClasses another suite applied (under its own field manager) must
+        # not turn a validation check into an ownership conflict.
+        out = apply(kubectl, rest, "--dry-run=server", "--force-conflicts")
     finally:
         delete(kubectl, crds)  # helm refuses to adopt objects it did not create
     applied = [ln for ln in out.splitlines() if "serverside-applied (server dry run)" in ln]
