@@ -35,7 +35,7 @@ from gpudra.driver.nvml.standin import (
     device_numbers,
     install_driver_root,
 )
-from gpudra.driver.plugin import DEFAULT_KUBELET_ROOT
+from gpudra.driver.plugin import DEFAULT_KUBELET_ROOT, DRA_APIS
 from gpudra.driver.prepare import PREPARE_STEPS
 from gpudra.driver.sampling import DEFAULT_INTERVAL_S
 from prometheus_client import CollectorRegistry, start_http_server
@@ -233,6 +233,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     # Test hook: SIGKILL this process right after the named step of a prepare.
     k.add_argument("--crash-at", choices=PREPARE_STEPS, default=None, help=argparse.SUPPRESS)
+    # Tests only: offer the kubelet one DRA API, to check each release's kubelet with it.
+    k.add_argument(
+        "--dra-api", action="append", choices=DRA_APIS, default=None, help=argparse.SUPPRESS
+    )
     p.set_defaults(func=run)
 
 
@@ -422,6 +426,7 @@ def _plugin_config(args: argparse.Namespace) -> PluginConfig:
         sample_interval_s=args.sample_interval,
         idle_below=args.idle_threshold,
         claim_status=args.claim_status,
+        dra_apis=tuple(args.dra_api or DRA_APIS),
     )
 
 

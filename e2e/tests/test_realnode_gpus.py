@@ -23,13 +23,15 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
+from gpudra.driver.plugin import DRA_APIS
 from gpudra.webhook.convert import CONVERTED_ANNOTATION as CONVERTED
 
 from e2e.claims import claim_name, node_devices, pod_with_claim, running, wait_running
-from e2e.cluster.harness import Cluster
+from e2e.cluster.harness import Cluster, State, known_gates
 from e2e.cluster.kube import ApiError, Kube, wait_for
 from e2e.demo import workloads
 from e2e.node import images
@@ -438,6 +440,41 @@ def test_kubelet_restart_keeps_running_pods_and_starts_new_ones(
     assert seen(cluster, ns, "before") == view
     assert stack.checkpoint()[uid]["state"] == "PrepareCompleted"
     assert gpu_minors(seen(cluster, ns, "after")[0]).isdisjoint(gpu_minors(view[0]))
+
+
+@pytest.mark.parametrize("api", DRA_APIS)
+def test_the_kubelet_prepares_over_each_dra_api_and_streams_health(
+    stack: NodeGpus, kube: Kube, cluster: Cluster, ns: str, api: str
+) -> None:
+    """This release's own kubelet, offered one DRA gRPC API only (the other is not even
+    served): it registers the plugin, the pod starts with its GPU and is cleaned up, and
+    the kubelet reads the device's health from the health service into the pod status."""
+    state = State.load(cluster.layout.state)
+    assert state is not None
+    with stack.agent_flags("--dra-api", api):
+        kube.create(whole_gpu_template(ns))
+        kube.create(gpu_pod(stack, "p", ns, template="whole"))
+        wait_running(kube, ns, "p")
+        uid = claim_uid(kube, ns, "p")
+        assert len(gpu_minors(seen(cluster, ns, "p")[0])) == 1
+        if "ResourceHealthStatus" in known_gates(Path(state.bin_dir) / "kubelet"):
+
+            def health() -> list[tuple[str, str]]:
+                status = kube.get("Pod", "p", ns)["status"]["containerStatuses"][0]
+                return [
+                    (r.get("resourceID", ""), r.get("health", ""))
+                    for entry in status.get("allocatedResourcesStatus") or []
+                    for r in entry.get("resources") or []
+                ]
+
+            # The kubelet names the device by the first CDI ID the plugin returned.
+            wait_for("the kubelet to report the GPU Healthy", health)
+            ((resource_id, healthy),) = health()
+            assert resource_id.startswith("k8s.gpu.nvidia.com/claim=") and uid in resource_id
+            assert healthy == "Healthy"
+        kube.delete("Pod", "p", ns, grace=0)
+        wait_for("the claim unprepared", lambda: uid not in stack.checkpoint(), timeout=60)
+        assert spec_of(uid) not in stack.cdi_specs()
 
 
 def test_agent_killed_mid_prepare_recovers_without_leaks(
