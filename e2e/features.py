@@ -97,6 +97,18 @@ def device_taints(kube: Kube) -> str | None:
     return "the API server drops ResourceSlice device taints: DRADeviceTaints is off"
 
 
+def informational_taints(kube: Kube) -> str | None:
+    """None when a device taint may have effect None (1.35 and newer)."""
+    taint = {"key": "example.com/probe", "effect": "None"}
+    try:
+        _dry_run(kube, _probe_slice({"taints": [taint]}))
+    except ApiError as e:
+        if e.status == 422:
+            return "the API server knows no device taint effect None (Kubernetes 1.35 added it)"
+        raise
+    return None
+
+
 def device_taint_rules(kube: Kube) -> str | None:
     """None when some `resource.k8s.io` version serves DeviceTaintRule."""
     if served_versions(kube, "devicetaintrules"):

@@ -16,7 +16,7 @@ from gpudra.driver.devices import MigStrategy
 from gpudra.driver.health import HealthPolicy
 from gpudra.driver.nvml import load_nvml
 
-from e2e import smoke
+from e2e import features, smoke
 from e2e.cluster.harness import Cluster
 from e2e.cluster.kube import Kube as SyncKube
 
@@ -217,12 +217,36 @@ async def test_xid_taint_steers_scheduler_and_clears(
 
 
 async def test_application_xid_is_informational(nodes: dict[str, Node], kube: SyncKube) -> None:
+    if reason := features.informational_taints(kube):
+        pytest.skip(reason)
     nodes["worker-1"].nvml.inject_xid(5, 13)
     with anyio.fail_after(30):
         while not published(kube, "worker-1")["gpu-5"].get("taints"):
             await anyio.sleep(0.1)
     (taint,) = published(kube, "worker-1")["gpu-5"]["taints"]
     assert taint["effect"] == "None" and taint["value"] == "13"
+
+
+async def test_an_informational_taint_never_holds_up_the_slice(
+    nodes: dict[str, Node], kube: SyncKube
+) -> None:
+    """Where the server has no effect None (1.34) the informational taint stays in the
+    agent and the slice still takes the next critical one; elsewhere both are published."""
+    nodes["worker-1"].nvml.inject_xid(2, 13)
+    nodes["worker-1"].nvml.inject_xid(1, 79)
+    with anyio.fail_after(30):
+        while not published(kube, "worker-1")["gpu-1"].get("taints"):
+            await anyio.sleep(0.1)
+    (critical,) = published(kube, "worker-1")["gpu-1"]["taints"]
+    assert (critical["value"], critical["effect"]) == ("79", "NoSchedule")
+    # Both XIDs are handled in order, so the first was dealt with by now.
+    if features.informational_taints(kube):
+        assert not published(kube, "worker-1")["gpu-2"].get("taints")
+        return
+    with anyio.fail_after(30):
+        while not (informational := published(kube, "worker-1")["gpu-2"].get("taints")):
+            await anyio.sleep(0.1)
+    assert [(t["value"], t["effect"]) for t in informational] == [("13", "None")]
 
 
 async def test_gpu_lost_is_no_execute(nodes: dict[str, Node], kube: SyncKube) -> None:
