@@ -5,7 +5,7 @@ different set of DRA features (an API version, a field behind a gate that is off
 unknown). A test of such a feature skips with the reason this module finds, so
 `make test-versions` shows per version what works, and a server where a gate is off
 (a managed cluster, kind) reads the same. Nothing here knows version numbers: a field
-the server drops on a dry-run create, or a resource discovery does not list, is missing.
+the server drops, or a value it refuses, on a dry-run create is missing.
 """
 
 from __future__ import annotations
@@ -17,24 +17,6 @@ from e2e.cluster.kube import ApiError, Kube
 GROUP = "resource.k8s.io"
 PROBE_DRIVER = "probe.gpudra.dev"
 PROBE_NODE = "probe-node"
-
-
-def served_versions(kube: Kube, resource: str) -> list[str]:
-    """The `resource.k8s.io` versions whose discovery lists `resource` (a plural), newest
-    preferred first as the server orders them."""
-    try:
-        group = kube.request("GET", f"/apis/{GROUP}")
-    except ApiError as e:
-        if e.status == 404:
-            return []
-        raise
-    found = []
-    for entry in group.get("versions", []):
-        version = entry["version"]
-        listed = kube.request("GET", f"/apis/{GROUP}/{version}")
-        if any(r.get("name") == resource for r in listed.get("resources", [])):
-            found.append(version)
-    return found
 
 
 def _dry_run(kube: Kube, obj: dict[str, Any]) -> Any:
@@ -53,29 +35,6 @@ def _probe_slice(device: dict[str, Any]) -> dict[str, Any]:
             "devices": [{"name": "probe", **device}],
         },
     }
-
-
-def resource_v1(kube: Kube) -> str | None:
-    """None when `resource.k8s.io/v1` is served, else why not."""
-    if "v1" in served_versions(kube, "resourceclaims"):
-        return None
-    return f"the API server does not serve {GROUP}/v1 (Kubernetes 1.34 or newer serves it)"
-
-
-def extended_resource_mapping(kube: Kube) -> str | None:
-    """None when a DeviceClass keeps `extendedResourceName` (DRAExtendedResource)."""
-    stored = _dry_run(
-        kube,
-        {
-            "apiVersion": f"{GROUP}/v1",
-            "kind": "DeviceClass",
-            "metadata": {"name": f"{PROBE_DRIVER}-probe"},
-            "spec": {"extendedResourceName": "example.com/probe"},
-        },
-    )
-    if stored["spec"].get("extendedResourceName"):
-        return None
-    return "the API server drops DeviceClass extendedResourceName: DRAExtendedResource is off"
 
 
 def consumable_capacity(kube: Kube) -> str | None:
@@ -107,10 +66,3 @@ def informational_taints(kube: Kube) -> str | None:
             return "the API server knows no device taint effect None (Kubernetes 1.35 added it)"
         raise
     return None
-
-
-def device_taint_rules(kube: Kube) -> str | None:
-    """None when some `resource.k8s.io` version serves DeviceTaintRule."""
-    if served_versions(kube, "devicetaintrules"):
-        return None
-    return "the API server serves no DeviceTaintRule: DRADeviceTaintRules is off"

@@ -182,6 +182,8 @@ async def test_deleted_slice_is_restored(nodes: dict[str, Node], kube: SyncKube)
 async def test_xid_taint_steers_scheduler_and_clears(
     nodes: dict[str, Node], kube: SyncKube
 ) -> None:
+    if reason := features.device_taints(kube):
+        pytest.skip(reason)
     node = nodes["worker-1"]
     uuid = published(kube, "worker-1")["gpu-3"]["attributes"]["uuid"]["string"]
     node.nvml.inject_xid(3, 79)  # GPU fell off the bus: critical
@@ -250,6 +252,8 @@ async def test_an_informational_taint_never_holds_up_the_slice(
 
 
 async def test_gpu_lost_is_no_execute(nodes: dict[str, Node], kube: SyncKube) -> None:
+    if reason := features.device_taints(kube):
+        pytest.skip(reason)
     nodes["worker-1"].nvml.lose_gpu(6)
     with anyio.fail_after(30):
         while not published(kube, "worker-1")["gpu-6"].get("taints"):
