@@ -19,6 +19,27 @@ PROBE_DRIVER = "probe.gpudra.dev"
 PROBE_NODE = "probe-node"
 
 
+def served_versions(kube: Kube, resource: str) -> list[str]:
+    """The `resource.k8s.io` versions whose discovery lists `resource` (a plural), in the
+    server's order (preferred first)."""
+    group = kube.request("GET", f"/apis/{GROUP}")
+    found = []
+    for entry in group.get("versions", []):
+        listed = kube.request("GET", f"/apis/{GROUP}/{entry['version']}")
+        if any(r.get("name") == resource for r in listed.get("resources", [])):
+            found.append(entry["version"])
+    return found
+
+
+def device_taint_rules(kube: Kube) -> tuple[str, str | None]:
+    """The version DeviceTaintRules are served at (the one it moves to between releases:
+    v1alpha3 in 1.34, later beta), or "" with why none is."""
+    versions = served_versions(kube, "devicetaintrules")
+    if versions:
+        return versions[0], None
+    return "", "the API server serves no DeviceTaintRule: DRADeviceTaints(Rules) is off"
+
+
 def _dry_run(kube: Kube, obj: dict[str, Any]) -> Any:
     return kube.create(obj, dryRun="All")
 

@@ -218,6 +218,38 @@ async def test_xid_taint_steers_scheduler_and_clears(
     kube.delete("Namespace", ns)
 
 
+async def test_a_device_taint_rule_keeps_new_pods_off_a_device_for_maintenance(
+    nodes: dict[str, Node], kube: SyncKube
+) -> None:
+    """A DeviceTaintRule at whatever version this release serves it: NoSchedule keeps a
+    new pod off the device until the rule is deleted."""
+    version, reason = features.device_taint_rules(kube)
+    if reason:
+        pytest.skip(reason)
+    uuid = published(kube, "worker-1")["gpu-4"]["attributes"]["uuid"]["string"]
+    rules = f"/apis/resource.k8s.io/{version}/devicetaintrules"
+    rule = {
+        "apiVersion": f"resource.k8s.io/{version}",
+        "kind": "DeviceTaintRule",
+        "metadata": {"name": "maintenance-gpu-4"},
+        "spec": {
+            "deviceSelector": {"driver": DRIVER, "pool": "worker-1", "device": "gpu-4"},
+            "taint": {"key": "example.com/maintenance", "effect": "NoSchedule"},
+        },
+    }
+    kube.request("POST", rules, rule)
+    try:
+        ns = smoke.make_namespace(kube, "rule")
+        sel = {"cel": {"expression": f'device.attributes["{DRIVER}"].uuid == "{uuid}"'}}
+        claim_pod(kube, ns, "p", {"deviceClassName": "gpu.nvidia.com", "selectors": [sel]})
+        assert await unschedulable(kube, ns, "p")
+    finally:
+        kube.request("DELETE", f"{rules}/maintenance-gpu-4")
+    res = await allocation(kube, ns, "p")
+    assert (res["pool"], res["device"]) == ("worker-1", "gpu-4")
+    kube.delete("Namespace", ns)
+
+
 async def test_application_xid_is_informational(nodes: dict[str, Node], kube: SyncKube) -> None:
     if reason := features.informational_taints(kube):
         pytest.skip(reason)
