@@ -18,6 +18,7 @@ from gpudra.driver.nvml import load_nvml
 
 from e2e import features, smoke
 from e2e.cluster.harness import Cluster
+from e2e.cluster.kube import ApiError
 from e2e.cluster.kube import Kube as SyncKube
 
 pytestmark = [pytest.mark.cluster, pytest.mark.anyio]
@@ -248,6 +249,40 @@ async def test_a_device_taint_rule_keeps_new_pods_off_a_device_for_maintenance(
     res = await allocation(kube, ns, "p")
     assert (res["pool"], res["device"]) == ("worker-1", "gpu-4")
     kube.delete("Namespace", ns)
+
+
+ADMIN_LABEL = "resource.kubernetes.io/admin-access"
+
+
+async def test_admin_access_needs_the_namespace_label_and_reaches_a_gpu_in_use(
+    nodes: dict[str, Node], kube: SyncKube
+) -> None:
+    """A monitoring claim with adminAccess gets a GPU another pod holds, but only in a
+    namespace labelled for it; elsewhere the API server refuses the template."""
+    uuid = published(kube, "worker-1")["gpu-7"]["attributes"]["uuid"]["string"]
+    sel = {"cel": {"expression": f'device.attributes["{DRIVER}"].uuid == "{uuid}"'}}
+    exactly: dict[str, Any] = {"deviceClassName": "gpu.nvidia.com", "selectors": [sel]}
+    users = smoke.make_namespace(kube, "user")
+    claim_pod(kube, users, "user", exactly)
+    assert (await allocation(kube, users, "user"))["device"] == "gpu-7"
+    admin = {**exactly, "adminAccess": True}
+    with pytest.raises(ApiError) as refused:
+        claim_pod(kube, users, "admin", admin)
+    assert refused.value.status == 422
+    assert f"requires the `{ADMIN_LABEL}: true` label" in str(refused.value.body)
+    monitoring = smoke.make_namespace(kube, "monitor")
+    kube.apply(
+        {
+            "apiVersion": "v1",
+            "kind": "Namespace",
+            "metadata": {"name": monitoring, "labels": {ADMIN_LABEL: "true"}},
+        }
+    )
+    claim_pod(kube, monitoring, "admin", admin)
+    res = await allocation(kube, monitoring, "admin")
+    assert (res["device"], res.get("adminAccess")) == ("gpu-7", True)
+    for ns in (users, monitoring):
+        kube.delete("Namespace", ns)
 
 
 async def test_application_xid_is_informational(nodes: dict[str, Node], kube: SyncKube) -> None:

@@ -448,12 +448,23 @@ def test_the_kubelet_prepares_over_each_dra_api_and_streams_health(
 ) -> None:
     """This release's own kubelet, offered one DRA gRPC API only (the other is not even
     served): it registers the plugin, the pod starts with its GPU and is cleaned up, and
-    the kubelet reads the device's health from the health service into the pod status."""
+    the kubelet reads the device's health from the health service into the pod status.
+
+    The claim has the name the pod refers to it by: the 1.34 kubelet matches health to a
+    container's claims by that name only, so it reports none for template-made claims."""
     state = State.load(cluster.layout.state)
     assert state is not None
     with stack.agent_flags("--dra-api", api):
-        kube.create(whole_gpu_template(ns))
-        kube.create(gpu_pod(stack, "p", ns, template="whole"))
+        claim = whole_gpu_template(ns)["spec"]
+        kube.create(
+            {
+                "apiVersion": "resource.k8s.io/v1",
+                "kind": "ResourceClaim",
+                "metadata": {"name": "gpu", "namespace": ns},
+                **claim,
+            }
+        )
+        kube.create(gpu_pod(stack, "p", ns, claim="gpu"))
         wait_running(kube, ns, "p")
         uid = claim_uid(kube, ns, "p")
         assert len(gpu_minors(seen(cluster, ns, "p")[0])) == 1
@@ -467,11 +478,14 @@ def test_the_kubelet_prepares_over_each_dra_api_and_streams_health(
                     for r in entry.get("resources") or []
                 ]
 
-            # The kubelet names the device by the first CDI ID the plugin returned.
-            wait_for("the kubelet to report the GPU Healthy", health)
-            ((resource_id, healthy),) = health()
+            # Unknown until the health stream's first report reaches the kubelet. The
+            # kubelet names the device by the first CDI ID the plugin returned.
+            ((resource_id, _),) = wait_for(
+                "the kubelet to report the GPU Healthy",
+                lambda: [h for h in health() if h[1] == "Healthy"],
+            )
+            assert len(health()) == 1
             assert resource_id.startswith("k8s.gpu.nvidia.com/claim=") and uid in resource_id
-            assert healthy == "Healthy"
         kube.delete("Pod", "p", ns, grace=0)
         wait_for("the claim unprepared", lambda: uid not in stack.checkpoint(), timeout=60)
         assert spec_of(uid) not in stack.cdi_specs()
