@@ -447,48 +447,56 @@ def test_the_kubelet_prepares_over_each_dra_api_and_streams_health(
     stack: NodeGpus, kube: Kube, cluster: Cluster, ns: str, api: str
 ) -> None:
     """This release's own kubelet, offered one DRA gRPC API only (the other is not even
-    served): it registers the plugin, the pod starts with its GPU and is cleaned up, and
-    the kubelet reads the device's health from the health service into the pod status.
+    served): it registers the plugin, pods start with their GPUs and are cleaned up, and
+    the kubelet reads the devices' health from the health service into the pod status.
 
-    The claim has the name the pod refers to it by: the 1.34 kubelet matches health to a
-    container's claims by that name only, so it reports none for template-made claims."""
+    One pod's claim comes from a template, the other's is named as the pod refers to it:
+    the 1.34 kubelet reports health only for the second kind, 1.35 only for the first,
+    later ones for both, so at least one of them must show its GPU Healthy."""
     state = State.load(cluster.layout.state)
     assert state is not None
     with stack.agent_flags("--dra-api", api):
-        claim = whole_gpu_template(ns)["spec"]
+        kube.create(whole_gpu_template(ns))
         kube.create(
             {
                 "apiVersion": "resource.k8s.io/v1",
                 "kind": "ResourceClaim",
                 "metadata": {"name": "gpu", "namespace": ns},
-                **claim,
+                **whole_gpu_template(ns)["spec"],
             }
         )
-        kube.create(gpu_pod(stack, "p", ns, claim="gpu"))
-        wait_running(kube, ns, "p")
-        uid = claim_uid(kube, ns, "p")
-        assert len(gpu_minors(seen(cluster, ns, "p")[0])) == 1
+        kube.create(gpu_pod(stack, "from-template", ns, template="whole"))
+        kube.create(gpu_pod(stack, "named", ns, claim="gpu"))
+        pods = ("from-template", "named")
+        wait_running(kube, ns, *pods)
+        uids = {pod: claim_uid(kube, ns, pod) for pod in pods}
+        for pod in pods:
+            assert len(gpu_minors(seen(cluster, ns, pod)[0])) == 1
         if "ResourceHealthStatus" in known_gates(Path(state.bin_dir) / "kubelet"):
 
-            def health() -> list[tuple[str, str]]:
-                status = kube.get("Pod", "p", ns)["status"]["containerStatuses"][0]
-                return [
-                    (r.get("resourceID", ""), r.get("health", ""))
-                    for entry in status.get("allocatedResourcesStatus") or []
-                    for r in entry.get("resources") or []
-                ]
+            def healthy() -> list[tuple[str, str]]:
+                """(pod, resourceID) of each GPU the kubelet reports Healthy; it shows
+                Unknown until the health stream's first report reaches it."""
+                found = []
+                for pod in pods:
+                    status = kube.get("Pod", pod, ns)["status"]["containerStatuses"][0]
+                    found += [
+                        (pod, r.get("resourceID", ""))
+                        for entry in status.get("allocatedResourcesStatus") or []
+                        for r in entry.get("resources") or []
+                        if r.get("health") == "Healthy"
+                    ]
+                return found
 
-            # Unknown until the health stream's first report reaches the kubelet. The
-            # kubelet names the device by the first CDI ID the plugin returned.
-            ((resource_id, _),) = wait_for(
-                "the kubelet to report the GPU Healthy",
-                lambda: [h for h in health() if h[1] == "Healthy"],
-            )
-            assert len(health()) == 1
-            assert resource_id.startswith("k8s.gpu.nvidia.com/claim=") and uid in resource_id
-        kube.delete("Pod", "p", ns, grace=0)
-        wait_for("the claim unprepared", lambda: uid not in stack.checkpoint(), timeout=60)
-        assert spec_of(uid) not in stack.cdi_specs()
+            # The kubelet names the device by the first CDI ID the plugin returned.
+            for pod, resource_id in wait_for("the kubelet to report a GPU Healthy", healthy):
+                assert resource_id.startswith("k8s.gpu.nvidia.com/claim=")
+                assert uids[pod] in resource_id
+        for pod in pods:
+            kube.delete("Pod", pod, ns, grace=0)
+        for uid in uids.values():
+            wait_for("the claim unprepared", lambda u=uid: u not in stack.checkpoint(), timeout=60)
+            assert spec_of(uid) not in stack.cdi_specs()
 
 
 def test_agent_killed_mid_prepare_recovers_without_leaks(
