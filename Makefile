@@ -71,6 +71,14 @@ test: lint typecheck
 test-kueue: venv
 	$(VPY) e2e/run_pytest.py -m kueue e2e/tests/test_kueue.py
 
+# The end-to-end suites that touch the API on every pinned Kubernetes version, one after
+# another (each built on first use), then a table: version, passed, failed, skipped with
+# the reason. VERSIONS=1.34,1.37 picks some; not part of `make test` (see README).
+.PHONY: test-versions
+VERSIONS ?=
+test-versions: venv
+	$(VPY) -m e2e.versions --versions "$(VERSIONS)"
+
 demo: cluster-up
 	@$(VPY) -m e2e.demo
 

@@ -15,6 +15,7 @@ import anyio
 from gpudra.common.kube import Kube
 from gpudra.driver.accounting import DEFAULT_IDLE_BELOW
 from gpudra.driver.agent import AgentConfig
+from gpudra.driver.checkpoint import CheckpointError
 from gpudra.driver.devices import (
     SHARED_GPUS_FORMS,
     DiscoveryError,
@@ -34,7 +35,7 @@ from gpudra.driver.nvml.standin import (
     device_numbers,
     install_driver_root,
 )
-from gpudra.driver.plugin import DEFAULT_KUBELET_ROOT
+from gpudra.driver.plugin import DEFAULT_KUBELET_ROOT, DRA_APIS
 from gpudra.driver.prepare import PREPARE_STEPS
 from gpudra.driver.sampling import DEFAULT_INTERVAL_S
 from prometheus_client import CollectorRegistry, start_http_server
@@ -232,6 +233,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     # Test hook: SIGKILL this process right after the named step of a prepare.
     k.add_argument("--crash-at", choices=PREPARE_STEPS, default=None, help=argparse.SUPPRESS)
+    # Tests only: offer the kubelet one DRA API, to check each release's kubelet with it.
+    k.add_argument(
+        "--dra-api", action="append", choices=DRA_APIS, default=None, help=argparse.SUPPRESS
+    )
     p.set_defaults(func=run)
 
 
@@ -421,6 +426,7 @@ def _plugin_config(args: argparse.Namespace) -> PluginConfig:
         sample_interval_s=args.sample_interval,
         idle_below=args.idle_threshold,
         claim_status=args.claim_status,
+        dra_apis=tuple(args.dra_api or DRA_APIS),
     )
 
 
@@ -482,11 +488,18 @@ def run(args: argparse.Namespace) -> int:
     try:
         anyio.run(main)
     except BaseExceptionGroup as group:
+        # A checkpoint this release cannot read stops recovery before any socket is
+        # served; the file is left as it is.
+        unreadable, _rest = group.split(CheckpointError)
+        if unreadable is not None:
+            raise SystemExit(f"gpudra node: {_first(unreadable)}") from None
         # Checked against the first inventory, deep in the agent's task groups.
         shared, _rest = group.split((SharedGpusError, GpuSharesError))
         if shared is None:
             raise
         raise SystemExit(_start_refused(args, _first(shared))) from None
+    except CheckpointError as e:
+        raise SystemExit(f"gpudra node: {e}") from None
     except (SharedGpusError, GpuSharesError) as e:
         raise SystemExit(_start_refused(args, e)) from None
     return 0

@@ -14,6 +14,10 @@ Design choices, and why:
   fields it does not know are kept verbatim and written back, so a downgrade
   followed by an upgrade loses nothing. A record it cannot interpret is kept as
   is and reported, never fatal.
+- `majorVersion` (absent: 1) is raised only by a change an older release would
+  misread (an existing field with a new meaning), never by an addition. A release
+  that finds a higher one refuses to load the file and leaves it untouched: guessing
+  would unprepare or double-book devices that running pods hold.
 - Device details are typed records in memory (`gpudra.driver.records`) and keep
   the JSON shape of version 1 on disk, so the version is still 1: releases from
   before the typed records read this release's files and the other way round.
@@ -48,10 +52,12 @@ import anyio
 import anyio.to_thread
 
 __all__ = [
+    "CHECKPOINT_MAJOR_VERSION",
     "CHECKPOINT_VERSION",
     "DEFAULT_BOOT_ID_PATH",
     "Checkpoint",
     "CheckpointError",
+    "CheckpointTooNewError",
     "ClaimRecord",
     "ClaimRef",
     "ClaimState",
@@ -72,6 +78,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 CHECKPOINT_VERSION: Final = 1
+CHECKPOINT_MAJOR_VERSION: Final = 1
 DEFAULT_BOOT_ID_PATH: Final = Path("/proc/sys/kernel/random/boot_id")
 
 _DEVICE_KEYS: Final = frozenset(
@@ -105,6 +112,10 @@ def read_boot_id(path: Path = DEFAULT_BOOT_ID_PATH) -> str | None:
 
 class CheckpointError(Exception):
     """The checkpoint cannot be read or a change to it is not allowed."""
+
+
+class CheckpointTooNewError(CheckpointError):
+    """The file's `majorVersion` is one this release cannot read."""
 
 
 class DeviceConflictError(CheckpointError):
@@ -343,6 +354,19 @@ class Checkpoint:
         if not isinstance(doc, dict):
             raise CheckpointError(f"checkpoint {path} must hold a JSON object")
 
+        major = doc.get("majorVersion", CHECKPOINT_MAJOR_VERSION)
+        if not isinstance(major, int) or isinstance(major, bool) or major < 1:
+            raise CheckpointError(
+                f"checkpoint {path}: majorVersion {major!r} is not a positive whole number; "
+                "the file is left as is: restore it from the release that wrote it"
+            )
+        if major > CHECKPOINT_MAJOR_VERSION:
+            raise CheckpointTooNewError(
+                f"checkpoint {path} has majorVersion {major}, written by a newer gpudra "
+                f"release; this release reads majorVersion {CHECKPOINT_MAJOR_VERSION} only. "
+                "The file is left as is: run that release or a newer one on this node "
+                "(or drain the node, then move the file aside)"
+            )
         version = doc.get("version")
         file_version = version if isinstance(version, int) else None
         if file_version is not None and file_version > CHECKPOINT_VERSION:

@@ -50,6 +50,7 @@ from gpudra.driver.metrics import ClaimMetrics, DeviceMetrics, DiscoveryGaps
 from gpudra.driver.nvml import NvmlLibrary
 from gpudra.driver.plugin import (
     DEFAULT_KUBELET_ROOT,
+    DRA_APIS,
     DeviceHealth,
     HealthSnapshot,
     KubeletPlugin,
@@ -94,6 +95,8 @@ class PluginConfig:
     # Emulated GPUs: device node numbers for the CDI specs, and the tools' environment.
     device_numbers: DeviceNumbers | None = None
     tool_env: Mapping[str, str] = field(default_factory=dict)
+    # The DRA gRPC APIs offered to the kubelet (tests hold a kubelet to one of them).
+    dra_apis: tuple[str, ...] = DRA_APIS
 
     @property
     def checkpoint_path(self) -> Path:
@@ -213,6 +216,7 @@ class NodeService:
             kubelet_root=plugin.kubelet_root,
             pod_uid=plugin.pod_uid,
             health=AgentHealth(self.agent),
+            dra_apis=plugin.dra_apis,
         )
         if plugin.sample_interval_s > 0:
             self.sampler = self._sampler(plugin)

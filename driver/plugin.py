@@ -15,7 +15,7 @@ import logging
 import os
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType, TracebackType
@@ -42,6 +42,7 @@ PLUGIN_TYPE = "DRAPlugin"
 DRA_V1 = "v1.DRAPlugin"
 DRA_V1BETA1 = "v1beta1.DRAPlugin"
 HEALTH_V1ALPHA1 = "v1alpha1.DRAResourceHealth"
+DRA_APIS = (DRA_V1, DRA_V1BETA1)
 # The kubelet truncates longer messages; doing it here keeps what it shows predictable.
 MAX_HEALTH_MESSAGE = 1024
 # sun_path is 108 bytes including the terminating NUL.
@@ -546,6 +547,7 @@ class KubeletPlugin:
         pod_uid: str | None = None,
         health: HealthSource | None = None,
         stop_grace_s: float = 5.0,
+        dra_apis: Sequence[str] = DRA_APIS,
     ) -> None:
         for name, value in (("driver_name", driver_name), ("pod_uid", pod_uid)):
             if value is not None and (not value or "/" in value or value.startswith(".")):
@@ -564,7 +566,14 @@ class KubeletPlugin:
             self.kubelet_root / "plugins_registry" / f"{driver_name}{suffix}-reg.sock"
         )
         self.dra_socket = self.kubelet_root / "plugins" / driver_name / f"dra{suffix}.sock"
-        versions = [DRA_V1, DRA_V1BETA1]
+        unknown = [a for a in dra_apis if a not in DRA_APIS]
+        if unknown or not dra_apis:
+            msg = f"dra_apis {list(dra_apis)!r}: give one or more of {list(DRA_APIS)}"
+            raise ValueError(msg)
+        # Offered (and served) in our order of preference, v1 first: the kubelet takes
+        # the first it knows. Serving only some lets a test hold each release's kubelet
+        # to each API it still speaks.
+        versions = [a for a in DRA_APIS if a in dra_apis]
         if health is not None:
             versions.append(HEALTH_V1ALPHA1)
         self.supported_versions: tuple[str, ...] = tuple(versions)
@@ -603,16 +612,18 @@ class KubeletPlugin:
         self.registration_error = None
         try:
             dra = grpc.aio.server()
-            _add(
-                dra_v1_pb2_grpc.add_DRAPluginServicer_to_server,
-                _DraServicer(self._dispatcher, dra_v1_pb2, share_id=True),
-                dra,
-            )
-            _add(
-                dra_v1beta1_pb2_grpc.add_DRAPluginServicer_to_server,
-                _DraServicer(self._dispatcher, dra_v1beta1_pb2, share_id=False),
-                dra,
-            )
+            if DRA_V1 in self.supported_versions:
+                _add(
+                    dra_v1_pb2_grpc.add_DRAPluginServicer_to_server,
+                    _DraServicer(self._dispatcher, dra_v1_pb2, share_id=True),
+                    dra,
+                )
+            if DRA_V1BETA1 in self.supported_versions:
+                _add(
+                    dra_v1beta1_pb2_grpc.add_DRAPluginServicer_to_server,
+                    _DraServicer(self._dispatcher, dra_v1beta1_pb2, share_id=False),
+                    dra,
+                )
             if self._health is not None:
                 _add(
                     dra_health_v1alpha1_pb2_grpc.add_DRAResourceHealthServicer_to_server,

@@ -74,12 +74,34 @@ class SliceLimits:
     max_attribute_string: int = 64
     # 1.35+: a slice has devices or sharedCounters, never both.
     separate_counters: bool = True
+    # 1.35+: a device taint may have effect None (informational). 1.34 refuses the whole
+    # slice for one, so there such taints stay in the agent (health, metrics) unpublished.
+    informational_taints: bool = True
 
     @classmethod
     def for_server(cls, minor: int) -> SliceLimits:
         if minor <= 34:
-            return cls(max_devices_constrained=128, max_taints=4, separate_counters=False)
+            return cls(
+                max_devices_constrained=128,
+                max_taints=4,
+                separate_counters=False,
+                informational_taints=False,
+            )
         return cls()
+
+
+def _publishable(dev: dict[str, Any], limits: SliceLimits) -> dict[str, Any]:
+    """`dev` as this server accepts it: without effect-None taints where it has none."""
+    taints = dev.get("taints")
+    if limits.informational_taints or not taints:
+        return dev
+    kept = [t for t in taints if t.get("effect") != "None"]
+    if len(kept) == len(taints):
+        return dev
+    out = {k: v for k, v in dev.items() if k != "taints"}
+    if kept:
+        out["taints"] = kept
+    return out
 
 
 @dataclass
@@ -223,6 +245,7 @@ def plan_slices(content: PoolContent, limits: SliceLimits) -> list[dict[str, Any
     Deterministic: the same content always gives the same slices in the same order,
     so an unchanged inventory never causes a write.
     """
+    content = PoolContent([_publishable(d, limits) for d in content.devices], content.counter_sets)
     seen: set[str] = set()
     known = KnownNames()
     for dev in content.devices:

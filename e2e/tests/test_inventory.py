@@ -16,8 +16,9 @@ from gpudra.driver.devices import MigStrategy
 from gpudra.driver.health import HealthPolicy
 from gpudra.driver.nvml import load_nvml
 
-from e2e import smoke
+from e2e import features, smoke
 from e2e.cluster.harness import Cluster
+from e2e.cluster.kube import ApiError
 from e2e.cluster.kube import Kube as SyncKube
 
 pytestmark = [pytest.mark.cluster, pytest.mark.anyio]
@@ -182,6 +183,8 @@ async def test_deleted_slice_is_restored(nodes: dict[str, Node], kube: SyncKube)
 async def test_xid_taint_steers_scheduler_and_clears(
     nodes: dict[str, Node], kube: SyncKube
 ) -> None:
+    if reason := features.device_taints(kube):
+        pytest.skip(reason)
     node = nodes["worker-1"]
     uuid = published(kube, "worker-1")["gpu-3"]["attributes"]["uuid"]["string"]
     node.nvml.inject_xid(3, 79)  # GPU fell off the bus: critical
@@ -216,7 +219,75 @@ async def test_xid_taint_steers_scheduler_and_clears(
     kube.delete("Namespace", ns)
 
 
+async def test_a_device_taint_rule_keeps_new_pods_off_a_device_for_maintenance(
+    nodes: dict[str, Node], kube: SyncKube
+) -> None:
+    """A DeviceTaintRule at whatever version this release serves it: NoSchedule keeps a
+    new pod off the device until the rule is deleted."""
+    version, reason = features.device_taint_rules(kube)
+    if reason:
+        pytest.skip(reason)
+    uuid = published(kube, "worker-1")["gpu-4"]["attributes"]["uuid"]["string"]
+    rules = f"/apis/resource.k8s.io/{version}/devicetaintrules"
+    rule = {
+        "apiVersion": f"resource.k8s.io/{version}",
+        "kind": "DeviceTaintRule",
+        "metadata": {"name": "maintenance-gpu-4"},
+        "spec": {
+            "deviceSelector": {"driver": DRIVER, "pool": "worker-1", "device": "gpu-4"},
+            "taint": {"key": "example.com/maintenance", "effect": "NoSchedule"},
+        },
+    }
+    kube.request("POST", rules, rule)
+    try:
+        ns = smoke.make_namespace(kube, "rule")
+        sel = {"cel": {"expression": f'device.attributes["{DRIVER}"].uuid == "{uuid}"'}}
+        claim_pod(kube, ns, "p", {"deviceClassName": "gpu.nvidia.com", "selectors": [sel]})
+        assert await unschedulable(kube, ns, "p")
+    finally:
+        kube.request("DELETE", f"{rules}/maintenance-gpu-4")
+    res = await allocation(kube, ns, "p")
+    assert (res["pool"], res["device"]) == ("worker-1", "gpu-4")
+    kube.delete("Namespace", ns)
+
+
+ADMIN_LABEL = "resource.kubernetes.io/admin-access"
+
+
+async def test_admin_access_needs_the_namespace_label_and_reaches_a_gpu_in_use(
+    nodes: dict[str, Node], kube: SyncKube
+) -> None:
+    """A monitoring claim with adminAccess gets a GPU another pod holds, but only in a
+    namespace labelled for it; elsewhere the API server refuses the template."""
+    uuid = published(kube, "worker-1")["gpu-7"]["attributes"]["uuid"]["string"]
+    sel = {"cel": {"expression": f'device.attributes["{DRIVER}"].uuid == "{uuid}"'}}
+    exactly: dict[str, Any] = {"deviceClassName": "gpu.nvidia.com", "selectors": [sel]}
+    users = smoke.make_namespace(kube, "user")
+    claim_pod(kube, users, "user", exactly)
+    assert (await allocation(kube, users, "user"))["device"] == "gpu-7"
+    admin = {**exactly, "adminAccess": True}
+    with pytest.raises(ApiError) as refused:
+        claim_pod(kube, users, "admin", admin)
+    assert refused.value.status == 422
+    assert f"requires the `{ADMIN_LABEL}: true` label" in str(refused.value.body)
+    monitoring = smoke.make_namespace(kube, "monitor")
+    kube.apply(
+        {
+            "apiVersion": "v1",
+            "kind": "Namespace",
+            "metadata": {"name": monitoring, "labels": {ADMIN_LABEL: "true"}},
+        }
+    )
+    claim_pod(kube, monitoring, "admin", admin)
+    res = await allocation(kube, monitoring, "admin")
+    assert (res["device"], res.get("adminAccess")) == ("gpu-7", True)
+    for ns in (users, monitoring):
+        kube.delete("Namespace", ns)
+
+
 async def test_application_xid_is_informational(nodes: dict[str, Node], kube: SyncKube) -> None:
+    if reason := features.informational_taints(kube):
+        pytest.skip(reason)
     nodes["worker-1"].nvml.inject_xid(5, 13)
     with anyio.fail_after(30):
         while not published(kube, "worker-1")["gpu-5"].get("taints"):
@@ -225,7 +296,31 @@ async def test_application_xid_is_informational(nodes: dict[str, Node], kube: Sy
     assert taint["effect"] == "None" and taint["value"] == "13"
 
 
+async def test_an_informational_taint_never_holds_up_the_slice(
+    nodes: dict[str, Node], kube: SyncKube
+) -> None:
+    """Where the server has no effect None (1.34) the informational taint stays in the
+    agent and the slice still takes the next critical one; elsewhere both are published."""
+    nodes["worker-1"].nvml.inject_xid(2, 13)
+    nodes["worker-1"].nvml.inject_xid(1, 79)
+    with anyio.fail_after(30):
+        while not published(kube, "worker-1")["gpu-1"].get("taints"):
+            await anyio.sleep(0.1)
+    (critical,) = published(kube, "worker-1")["gpu-1"]["taints"]
+    assert (critical["value"], critical["effect"]) == ("79", "NoSchedule")
+    # Both XIDs are handled in order, so the first was dealt with by now.
+    if features.informational_taints(kube):
+        assert not published(kube, "worker-1")["gpu-2"].get("taints")
+        return
+    with anyio.fail_after(30):
+        while not (informational := published(kube, "worker-1")["gpu-2"].get("taints")):
+            await anyio.sleep(0.1)
+    assert [(t["value"], t["effect"]) for t in informational] == [("13", "None")]
+
+
 async def test_gpu_lost_is_no_execute(nodes: dict[str, Node], kube: SyncKube) -> None:
+    if reason := features.device_taints(kube):
+        pytest.skip(reason)
     nodes["worker-1"].nvml.lose_gpu(6)
     with anyio.fail_after(30):
         while not published(kube, "worker-1")["gpu-6"].get("taints"):

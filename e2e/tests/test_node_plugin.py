@@ -111,6 +111,13 @@ class NodeProcess:
         self.proc = None
         return code
 
+    def wait_exit_with_stderr(self) -> tuple[int, str]:
+        assert self.proc is not None
+        _, stderr = self.proc.communicate(timeout=60)
+        code = self.proc.returncode
+        self.proc = None
+        return code, stderr
+
     def metrics(self) -> str:
         url = f"http://127.0.0.1:{self.metrics_port}/metrics"
         with urllib.request.urlopen(url, timeout=5) as response:
@@ -197,6 +204,29 @@ async def setup(cluster: Cluster, kube: Kube, node_dirs: NodeDirs) -> AsyncItera
         if node.proc is not None:
             node.stop()
         await anyio.to_thread.run_sync(delete_driver_namespace, kube, driver, namespace)
+
+
+async def test_a_checkpoint_of_a_future_major_version_stops_the_node_untouched(
+    setup: Setup, node_dirs: NodeDirs
+) -> None:
+    """A downgrade onto a node whose checkpoint a newer release wrote in a format this
+    release cannot read: one line, exit 1, the file byte for byte as it was."""
+    path = node_dirs.state / "checkpoint.json"
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"version": 9, "majorVersion": 2, "claims": {"u": {"x": 1}}}))
+    before = path.read_bytes()
+    setup.node.start()
+    code = await anyio.to_thread.run_sync(setup.node.wait_exit_with_stderr)
+    assert code[0] == 1
+    assert code[1].strip().splitlines()[-1] == (
+        f"gpudra node: checkpoint {path} has majorVersion 2, written by a newer gpudra release; "
+        "this release reads majorVersion 1 only. The file is left as is: run that release "
+        "or a newer one on this node (or drain the node, then move the file aside)"
+    )
+    assert path.read_bytes() == before
+    assert sorted(p.name for p in path.parent.iterdir() if p.name.startswith("checkpoint")) == [
+        "checkpoint.json"
+    ]
 
 
 async def _wait_published(kube: Kube, driver: str, devices: int = 8) -> None:

@@ -28,10 +28,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from gpudra.driver.plugin import DRA_APIS
 from gpudra.webhook.convert import CONVERTED_ANNOTATION as CONVERTED
 
 from e2e.claims import claim_name, node_devices, pod_with_claim, running, wait_running
-from e2e.cluster.harness import Cluster
+from e2e.cluster.harness import Cluster, State, known_gates
 from e2e.cluster.kube import ApiError, Kube, wait_for
 from e2e.demo import workloads
 from e2e.node import images
@@ -453,6 +454,63 @@ def test_kubelet_restart_keeps_running_pods_and_starts_new_ones(
     assert seen(cluster, ns, "before") == view
     assert stack.checkpoint()[uid]["state"] == "PrepareCompleted"
     assert gpu_minors(seen(cluster, ns, "after")[0]).isdisjoint(gpu_minors(view[0]))
+
+
+@pytest.mark.parametrize("api", DRA_APIS)
+def test_the_kubelet_prepares_over_each_dra_api_and_streams_health(
+    stack: NodeGpus, kube: Kube, cluster: Cluster, ns: str, api: str
+) -> None:
+    """This release's own kubelet, offered one DRA gRPC API only (the other is not even
+    served): it registers the plugin, pods start with their GPUs and are cleaned up, and
+    the kubelet reads the devices' health from the health service into the pod status.
+
+    One pod's claim comes from a template, the other's is named as the pod refers to it:
+    the 1.34 kubelet reports health only for the second kind, 1.35 only for the first,
+    later ones for both, so at least one of them must show its GPU Healthy."""
+    state = State.load(cluster.layout.state)
+    assert state is not None
+    with stack.agent_flags("--dra-api", api):
+        kube.create(whole_gpu_template(ns))
+        kube.create(
+            {
+                "apiVersion": "resource.k8s.io/v1",
+                "kind": "ResourceClaim",
+                "metadata": {"name": "gpu", "namespace": ns},
+                **whole_gpu_template(ns)["spec"],
+            }
+        )
+        kube.create(gpu_pod(stack, "from-template", ns, template="whole"))
+        kube.create(gpu_pod(stack, "named", ns, claim="gpu"))
+        pods = ("from-template", "named")
+        wait_running(kube, ns, *pods)
+        uids = {pod: claim_uid(kube, ns, pod) for pod in pods}
+        for pod in pods:
+            assert len(gpu_minors(seen(cluster, ns, pod)[0])) == 1
+        if "ResourceHealthStatus" in known_gates(Path(state.bin_dir) / "kubelet"):
+
+            def healthy() -> list[tuple[str, str]]:
+                """(pod, resourceID) of each GPU the kubelet reports Healthy; it shows
+                Unknown until the health stream's first report reaches it."""
+                found = []
+                for pod in pods:
+                    status = kube.get("Pod", pod, ns)["status"]["containerStatuses"][0]
+                    found += [
+                        (pod, r.get("resourceID", ""))
+                        for entry in status.get("allocatedResourcesStatus") or []
+                        for r in entry.get("resources") or []
+                        if r.get("health") == "Healthy"
+                    ]
+                return found
+
+            # The kubelet names the device by the first CDI ID the plugin returned.
+            for pod, resource_id in wait_for("the kubelet to report a GPU Healthy", healthy):
+                assert resource_id.startswith("k8s.gpu.nvidia.com/claim=")
+                assert uids[pod] in resource_id
+        for pod in pods:
+            kube.delete("Pod", pod, ns, grace=0)
+        for uid in uids.values():
+            wait_for("the claim unprepared", lambda u=uid: u not in stack.checkpoint(), timeout=60)
+            assert spec_of(uid) not in stack.cdi_specs()
 
 
 def test_agent_killed_mid_prepare_recovers_without_leaks(

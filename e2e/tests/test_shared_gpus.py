@@ -10,20 +10,19 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import pytest
 
+from e2e import features
 from e2e.claims import pod_with_claim, wait_allocated
-from e2e.cluster.harness import REPO, Cluster, State, known_gates
+from e2e.cluster.harness import REPO, Cluster
 from e2e.cluster.kube import ApiError, Kube, wait_for
 
 pytestmark = pytest.mark.cluster
 DRIVER = "shared.gpudra.dev"
 NODE = "worker-1"
 PROFILE = "emulated:h100-80gb-hbm3-x8"
-GATE = "DRAConsumableCapacity"
 SHARED = "gpu-0"
 MEMORY = f"{DRIVER}/memory"
 # A slice claim asks for memory on a device that allows multiple allocations: without
@@ -32,33 +31,10 @@ SLICE_SELECTOR = "device.allowMultipleAllocations"
 
 
 @pytest.fixture(scope="module")
-def consumable_capacity(cluster: Cluster, kube: Kube) -> None:
-    """Skips unless the API server and the scheduler know DRAConsumableCapacity."""
-    state = State.load(cluster.layout.state)
-    if state is not None and state.bin_dir:
-        for component in ("kube-apiserver", "kube-scheduler"):
-            if GATE not in known_gates(Path(state.bin_dir) / component):
-                pytest.skip(f"{component} {state.version} does not know the {GATE} gate")
-    probe = {
-        "apiVersion": "resource.k8s.io/v1",
-        "kind": "ResourceSlice",
-        "metadata": {"name": f"{DRIVER}-gate-probe"},
-        "spec": {
-            "driver": DRIVER,
-            "nodeName": NODE,
-            "pool": {"name": "gate-probe", "generation": 1, "resourceSliceCount": 1},
-            "devices": [
-                {
-                    "name": "probe",
-                    "allowMultipleAllocations": True,
-                    "capacity": {"m": {"value": "1"}},
-                }
-            ],
-        },
-    }
-    stored = kube.create(probe, dryRun="All")
-    if not stored["spec"]["devices"][0].get("allowMultipleAllocations"):
-        pytest.skip(f"the API server drops allowMultipleAllocations: {GATE} is off")
+def consumable_capacity(kube: Kube) -> None:
+    """Skips unless the API server keeps allowMultipleAllocations (DRAConsumableCapacity)."""
+    if reason := features.consumable_capacity(kube):
+        pytest.skip(reason)
 
 
 @pytest.fixture

@@ -164,6 +164,14 @@ def test_sampling_flags_reach_the_plugin_config_and_bad_ones_name_the_flag() -> 
         _plugin_config(parser.parse_args(["node", "--node-name", "n1", "--idle-threshold", "101"]))
 
 
+def test_the_dra_api_flag_narrows_what_the_plugin_offers() -> None:
+    parser = build_parser()
+    config = _plugin_config(parser.parse_args(["node", "--node-name", "n1"]))
+    assert config.dra_apis == ("v1.DRAPlugin", "v1beta1.DRAPlugin")
+    args = ["node", "--node-name", "n1", "--dra-api", "v1beta1.DRAPlugin"]
+    assert _plugin_config(parser.parse_args(args)).dra_apis == ("v1beta1.DRAPlugin",)
+
+
 def test_a_bad_telemetry_script_is_one_line_naming_the_value(tmp_path: Path) -> None:
     script = tmp_path / "script.json"
     script.write_text('{"0": {"utilization": 300}}')

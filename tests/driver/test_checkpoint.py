@@ -11,9 +11,11 @@ import pytest
 from gpudra.common.files import atomic_write
 from gpudra.driver import checkpoint as checkpoint_module
 from gpudra.driver.checkpoint import (
+    CHECKPOINT_MAJOR_VERSION,
     CHECKPOINT_VERSION,
     Checkpoint,
     CheckpointError,
+    CheckpointTooNewError,
     ClaimRef,
     ClaimState,
     DeviceConflictError,
@@ -183,6 +185,39 @@ def test_unknown_fields_survive_a_rewrite(cp_path: Path, boot: Path, version: in
     assert claim["futureClaimField"] == "keep me"
     assert claim["devices"][0]["futureDeviceField"] == {"a": 1}
     assert CLAIM_2.uid in doc["claims"]
+
+
+def test_a_future_major_version_is_refused_and_left_untouched(cp_path: Path, boot: Path) -> None:
+    doc = _foreign_file(cp_path, CHECKPOINT_VERSION + 1)
+    doc["majorVersion"] = CHECKPOINT_MAJOR_VERSION + 1
+    cp_path.write_text(json.dumps(doc))
+    before = cp_path.read_bytes()
+    with pytest.raises(CheckpointTooNewError) as refused:
+        _load(cp_path, boot)
+    line = str(refused.value)
+    assert "\n" not in line
+    assert f"has majorVersion {CHECKPOINT_MAJOR_VERSION + 1}, written by a newer" in line
+    assert "run that release or a newer one on this node" in line
+    assert cp_path.read_bytes() == before
+    assert [p.name for p in cp_path.parent.iterdir()] == [cp_path.name]
+
+
+@pytest.mark.parametrize("major", ["2", 0, True])
+def test_a_malformed_major_version_is_refused(cp_path: Path, boot: Path, major: Any) -> None:
+    doc = _foreign_file(cp_path, CHECKPOINT_VERSION)
+    doc["majorVersion"] = major
+    cp_path.write_text(json.dumps(doc))
+    with pytest.raises(CheckpointError, match=r"majorVersion .* is not a positive whole number"):
+        _load(cp_path, boot)
+
+
+def test_the_current_major_version_is_read_and_kept(cp_path: Path, boot: Path) -> None:
+    doc = _foreign_file(cp_path, CHECKPOINT_VERSION)
+    doc["majorVersion"] = CHECKPOINT_MAJOR_VERSION
+    cp_path.write_text(json.dumps(doc))
+    checkpoint = _load(cp_path, boot)
+    checkpoint.begin_prepare(CLAIM_2)
+    assert _doc(cp_path)["majorVersion"] == CHECKPOINT_MAJOR_VERSION
 
 
 def test_claim_level_unknown_fields_survive_completion(cp_path: Path, boot: Path) -> None:

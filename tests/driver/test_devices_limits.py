@@ -112,6 +112,20 @@ def test_counters_consumed_and_taints_within_the_server_limits() -> None:
     assert refusal(gpu(taints=[taint] * 5), SliceLimits.for_server(34)).field == "taints"
 
 
+def test_informational_taints_stay_unpublished_where_the_server_has_no_effect_none() -> None:
+    """1.34 refuses a whole slice for one taint of effect None; 1.35 and newer take it."""
+    info = {"key": "gpu.nvidia.com/xid", "value": "13", "effect": "None"}
+    critical = {"key": "gpu.nvidia.com/xid", "value": "79", "effect": "NoSchedule"}
+    content = PoolContent(
+        devices=[gpu(taints=[info]), {**gpu(taints=[info, critical]), "name": "gpu-1"}]
+    )
+    (old,) = plan_slices(content, SliceLimits.for_server(34))
+    assert [d.get("taints") for d in old["devices"]] == [None, [critical]]
+    (new,) = plan_slices(content, SliceLimits.for_server(35))
+    assert [d.get("taints") for d in new["devices"]] == [[info], [info, critical]]
+    assert content.devices[0]["taints"] == [info]  # the agent's own view is untouched
+
+
 def test_counter_sets() -> None:
     validate_counter_set({"name": "gpu-0-counter-set", "counters": {"a": {"value": "1"}}}, LIMITS)
     with pytest.raises(PoolError, match="counter set 'Set-0': name must be a DNS label"):

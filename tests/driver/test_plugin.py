@@ -215,6 +215,42 @@ async def test_older_kubelet_picks_v1beta1(root: Path) -> None:
     assert reg.dra_version == DRA_V1BETA1
 
 
+@pytest.mark.parametrize(
+    ("offered", "unserved"),
+    [
+        (DRA_V1, dra_v1beta1_pb2_grpc.DRAPluginStub),
+        (DRA_V1BETA1, dra_v1_pb2_grpc.DRAPluginStub),
+    ],
+)
+async def test_one_dra_api_is_offered_and_served_alone(
+    root: Path, offered: str, unserved: Callable[[Any], Any]
+) -> None:
+    """What a test of a release's kubelet relies on: the other API is not there to fall
+    back on, so a working prepare proves the offered one works."""
+    async with (
+        KubeletPlugin(
+            DRIVER, RecordingHandler(), claims=Allocated(), kubelet_root=root, dra_apis=[offered]
+        ) as plugin,
+        KubeletStandin(root) as kubelet,
+        channel(plugin.dra_socket) as ch,
+    ):
+        reg = await kubelet.wait_for_driver(DRIVER, timeout_s=WAIT_S)
+        assert list((await get_info(plugin)).supported_versions) == [offered]
+        request = dra_v1_pb2.NodeUnprepareResourcesRequest()
+        if unserved is dra_v1beta1_pb2_grpc.DRAPluginStub:
+            request = dra_v1beta1_pb2.NodeUnprepareResourcesRequest()
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub(unserved, ch).NodeUnprepareResources(request)
+    assert reg.dra_version == offered
+    assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+@pytest.mark.parametrize("apis", [[], ["v2.DRAPlugin"]])
+def test_an_unknown_or_empty_dra_api_list_is_refused(root: Path, apis: list[str]) -> None:
+    with pytest.raises(ValueError, match=r"dra_apis .*: give one or more of \['v1.DRAPlugin'"):
+        KubeletPlugin(DRIVER, RecordingHandler(), claims=Allocated(), dra_apis=apis)
+
+
 async def test_refused_registration_is_recorded(root: Path) -> None:
     async with (
         KubeletPlugin(DRIVER, RecordingHandler(), claims=Allocated(), kubelet_root=root) as plugin,
