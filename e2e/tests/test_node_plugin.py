@@ -501,13 +501,18 @@ async def test_device_metrics_name_the_pod_holding_an_idle_gpu(
 
                 url = f"{NODE}=http://127.0.0.1:{setup.node.metrics_port}/metrics"
                 top = await anyio.run_process(
-                    [sys.executable, "-m", "gpudra.cli", "top", "--metrics", url, "--idle", "0s"],
+                    [
+                        *(sys.executable, "-m", "gpudra.cli", "top", "--idle", "0s", "-o", "json"),
+                        *("--kubeconfig", str(cluster.layout.admin_kubeconfig)),
+                        *("--driver-name", driver, "--node", NODE, "--metrics", url),
+                    ],
                     cwd=REPO,
                     check=False,
                 )
                 assert top.returncode == 0, top.stderr
-                [_header, row] = top.stdout.decode().splitlines()
-                assert f"held by {setup.namespace}/idler" in row
+                [row] = json.loads(top.stdout)
+                assert row["state"] == f"held by {setup.namespace}/idler"
+                assert row["utilization"] == 2
 
                 [claim_ref] = done.claims[driver]
 
