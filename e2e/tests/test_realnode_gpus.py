@@ -502,8 +502,11 @@ def test_the_kubelet_prepares_over_each_dra_api_and_streams_health(
                     ]
                 return found
 
-            # The kubelet names the device by the first CDI ID the plugin returned.
-            for pod, resource_id in wait_for("the kubelet to report a GPU Healthy", healthy):
+            # The kubelet names the device by the first CDI ID the plugin returned. A hang
+            # guard only: after the agent's restart the kubelet reopens the health stream
+            # on its own schedule, once seen to take over a minute on a loaded machine.
+            reported = wait_for("the kubelet to report a GPU Healthy", healthy, timeout=240)
+            for pod, resource_id in reported:
                 assert resource_id.startswith("k8s.gpu.nvidia.com/claim=")
                 assert uids[pod] in resource_id
         for pod in pods:
