@@ -25,12 +25,14 @@ pytestmark = [
     ),
 ]
 BUILD = REPO / "e2e" / "cluster" / "build.sh"
+# Below the kernel's ephemeral range (32768 and up), so no client connection or
+# OS-chosen test port can hold one of them while these tests run.
 ALT_PORTS = {
-    "ETCD": 33790,
-    "ETCD_PEER": 33800,
-    "APISERVER": 36443,
-    "CONTROLLER_MANAGER": 30257,
-    "SCHEDULER": 30259,
+    "ETCD": 24790,
+    "ETCD_PEER": 24800,
+    "APISERVER": 27443,
+    "CONTROLLER_MANAGER": 21257,
+    "SCHEDULER": 21259,
 }
 
 
