@@ -1,4 +1,5 @@
-"""make bench-prepare: prepare/unprepare cycles through the real kubelet plugin socket.
+"""make bench-prepare: prepare/unprepare cycles through the real kubelet plugin socket,
+gpudra beside the Go reference driver and the floor, in one run.
 
 `gpudra node` runs as its own process (emulated 8x H100, checkpoint and CDI specs
 on disk) against the real API server. Eight claims, each allocated one whole GPU by
@@ -8,29 +9,40 @@ Each prepare includes the plugin's GET of the claim. The CDI specs go on a tmpfs
 there is one (as /var/run/cdi is on a node); the checkpoint stays on disk, fsynced.
 Writes bench/results/prepare.json.
 
+`peer` is the kubelet plugin of sigs.k8s.io/dra-example-driver (bench/peers.py), the
+reference implementation on the upstream plugin helper, driven the same way: the same
+Go client, eight claims allocated by the scheduler on the devices it publishes itself,
+its CDI specs on the same tmpfs, its checkpoint on the same disk. BENCH_PEER=0 skips it.
+
 `floor_get_only` repeats the cycles against a plugin served from this process that only
 reads and checks each claim (the plugin's own claim read, a GET) and answers: the gRPC
 calls and the API server read that every prepare pays, so that the agent's own share
-can be told from what no agent can avoid.
-BENCH_FLOOR=0 skips it.
+can be told from what no agent can avoid. BENCH_FLOOR=0 skips it.
+
+The three are measured in BENCH_ROUNDS interleaved rounds (default 3), each taking its
+share of BENCH_CYCLES in turn, so that noise on a shared machine hits all of them
+alike. `ratio_to_peer` and `ratio_to_floor` divide gpudra's numbers by theirs;
+`targets` says whether gpudra is no worse than the peer and within 1.3x of the floor.
 
 BENCH_SAMPLE_INTERVAL=<seconds> sets the agent's device sampling interval (0: off;
 default: the agent's own). BENCH_SAMPLE_INTERVAL=0,0.2 (several values) measures each
-in turn, in one run, a fresh agent each, and writes bench/results/prepare-sampling.json:
-whether device sampling slows prepares.
+in turn, in one run, a fresh agent each, gpudra alone, and writes
+bench/results/prepare-sampling.json: whether device sampling slows prepares.
 
 The calls come from a small Go client (bench/kubeletclient, the kubelet's own DRA
 stubs and grpc-go), built from the Go module proxy and cached under
 ~/.cache/gpudra, so that the two cores measure the plugin rather than a Python gRPC
-client. Without Go the Python kubelet stand-in makes the calls; `client` in the
-results says which. BENCH_CLIENT=python|go forces one.
+client. Without Go the Python kubelet stand-in makes the calls (gpudra alone, no peer
+or floor); `client` in the results says which. BENCH_CLIENT=python|go forces one.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
+import pstats
 import secrets
 import shutil
 import signal
@@ -39,7 +51,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -51,10 +63,11 @@ from gpudra.driver.claimreader import ApiClaims
 from gpudra.driver.claims import Claim, ClaimRef
 from gpudra.driver.plugin import KubeletPlugin, PreparedDevice, PrepareResult
 
+from bench import peers
 from e2e.cache import cache_root
 from e2e.claims import pod_with_claim, wait_allocated
 from e2e.cluster.harness import REPO, Cluster, State
-from e2e.cluster.kube import Kube
+from e2e.cluster.kube import ApiError, Kube
 from e2e.kubelet_standin import KubeletStandin
 from e2e.node_process import NodeDirs, create_driver_namespace, delete_driver_namespace
 
@@ -207,39 +220,6 @@ class GetOnly:
         return {ref.uid: None for ref in claims}
 
 
-async def floor_run(
-    binary: Path,
-    kubeconfig: Path,
-    driver: str,
-    refs: list[ClaimRef],
-    cycles: int,
-    warmup: int,
-    control_plane: dict[str, int],
-) -> dict[str, Any]:
-    """The same cycles against `GetOnly`: what is left with no node work at all."""
-    kube = await KubeAsync.connect(str(kubeconfig))
-    root = Path(tempfile.mkdtemp(prefix="gdb-floor-", dir=os.environ.get("BENCH_DIR")))
-    claims = ApiClaims(kube, driver=driver, pool=NODE)
-    try:
-        async with KubeletPlugin(
-            driver, GetOnly(driver), claims=claims, kubelet_root=root
-        ) as plugin:
-            await drive_go(binary, plugin.dra_socket, refs, warmup)
-            meter = CpuMeter({"plugin": os.getpid(), **control_plane})
-            run = await drive_go(binary, plugin.dra_socket, refs, cycles)
-            cpu_ms = run.cpu_per_cycle(meter, cycles)
-    finally:
-        await kube.close()
-        shutil.rmtree(root, ignore_errors=True)
-    return {
-        "p50_ms": round(statistics.median(run.prepare_ms), 2),
-        "p99_ms": round(percentile(run.prepare_ms, 99), 2),
-        "claims_per_s": round(cycles / run.wall_s, 1),
-        "errors": run.errors,
-        "cpu_ms_per_cycle": cpu_ms,
-    }
-
-
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     index = min(len(ordered) - 1, max(0, round(q / 100 * len(ordered)) - 1))
@@ -299,21 +279,143 @@ async def drive(kubelet: KubeletStandin, driver: str, refs: list[ClaimRef], cycl
     return Run(prepare_ms, unprepare_ms, time.perf_counter() - started, errors)
 
 
-async def main(sampling: str | None = None) -> dict[str, Any]:
+@dataclass
+class Subject:
+    """One plugin measured in rounds: its DRA socket, its claims, the processes whose CPU
+    counts as its own, and what each round measured."""
+
+    name: str
+    socket: Path
+    refs: list[ClaimRef]
+    pids: dict[str, int]
+    runs: list[Run] = field(default_factory=list)
+    cpu: list[dict[str, float]] = field(default_factory=list)
+
+    async def measure(self, binary: Path, cycles: int, control_plane: dict[str, int]) -> None:
+        meter = CpuMeter({**self.pids, **control_plane})
+        run = await drive_go(binary, self.socket, self.refs, cycles)
+        self.runs.append(run)
+        self.cpu.append(run.cpu_per_cycle(meter, cycles))
+
+    def summary(self) -> dict[str, Any]:
+        """All rounds together: latencies pooled, CPU per cycle averaged over rounds."""
+        prepare = [ms for run in self.runs for ms in run.prepare_ms]
+        unprepare = [ms for run in self.runs for ms in run.unprepare_ms]
+        names = {name for cpu in self.cpu for name in cpu}
+        return {
+            "p50_ms": round(statistics.median(prepare), 2),
+            "p99_ms": round(percentile(prepare, 99), 2),
+            "max_ms": round(max(prepare), 2),
+            "unprepare_p50_ms": round(statistics.median(unprepare), 2),
+            "unprepare_p99_ms": round(percentile(unprepare, 99), 2),
+            "claims_per_s": round(len(prepare) / sum(run.wall_s for run in self.runs), 1),
+            "errors": sum(run.errors for run in self.runs),
+            "cpu_ms_per_cycle": {
+                name: round(statistics.fmean(c[name] for c in self.cpu if name in c), 3)
+                for name in sorted(names)
+            },
+            "by_round_p50_ms": [round(statistics.median(r.prepare_ms), 2) for r in self.runs],
+        }
+
+
+def ratios(ours: dict[str, Any], other: dict[str, Any], plugin: str, theirs: str) -> dict[str, Any]:
+    """gpudra's numbers over another's: below 1 is better for latency and CPU, above 1
+    for claims per second."""
+
+    def ratio(a: float, b: float) -> float | None:
+        return round(a / b, 3) if b else None
+
+    return {
+        "p50": ratio(ours["p50_ms"], other["p50_ms"]),
+        "p99": ratio(ours["p99_ms"], other["p99_ms"]),
+        "claims_per_s": ratio(ours["claims_per_s"], other["claims_per_s"]),
+        "plugin_cpu": ratio(
+            ours["cpu_ms_per_cycle"].get(plugin, 0.0),
+            other["cpu_ms_per_cycle"].get(theirs, 0.0),
+        ),
+    }
+
+
+def targets(to_peer: dict[str, Any] | None, to_floor: dict[str, Any] | None) -> dict[str, Any]:
+    """The relative targets: no worse than the peer, within 1.3x of the floor."""
+
+    def met(value: float | None, limit: float, higher_is_better: bool = False) -> bool | None:
+        if value is None:
+            return None
+        return value >= limit if higher_is_better else value <= limit
+
+    out: dict[str, Any] = {}
+    if to_peer is not None:
+        out["p50_vs_peer"] = {
+            "limit": 1.0,
+            "value": to_peer["p50"],
+            "met": met(to_peer["p50"], 1.0),
+        }
+        out["p99_vs_peer"] = {
+            "limit": 1.0,
+            "value": to_peer["p99"],
+            "met": met(to_peer["p99"], 1.0),
+        }
+        out["claims_per_s_vs_peer"] = {
+            "limit": 1.0,
+            "value": to_peer["claims_per_s"],
+            "met": met(to_peer["claims_per_s"], 1.0, higher_is_better=True),
+        }
+    if to_floor is not None:
+        out["p50_vs_floor"] = {
+            "limit": 1.3,
+            "value": to_floor["p50"],
+            "met": met(to_floor["p50"], 1.3),
+        }
+    return out
+
+
+def run_context(kube: Kube) -> dict[str, Any]:
+    """What a results file records about where it was measured."""
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short=12", "HEAD"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    try:
+        k8s = kube.request("GET", "/version").get("gitVersion", "")
+    except (ApiError, OSError, AttributeError):  # a record of the run, never a reason to fail it
+        k8s = ""
+    return {
+        "commit": commit.stdout.strip() if commit.returncode == 0 else "",
+        "kubernetes_version": k8s,
+        "cpus": os.cpu_count(),
+    }
+
+
+async def main(
+    sampling: str | None = None, compare: bool = True, profile: str | None = None
+) -> dict[str, Any]:
+    """gpudra's agent, the Go peer and the GET-only floor, measured in interleaved rounds
+    (`BENCH_ROUNDS`, default 3) so that noise on this shared machine hits all three
+    alike. `compare=False` measures gpudra alone (the sampling comparison, the profile
+    pass); `profile` names a file for a cProfile of the node process."""
     cycles = int(os.environ.get("BENCH_CYCLES", "1000"))
     warmup = int(os.environ.get("BENCH_WARMUP", "40"))
+    rounds = max(1, int(os.environ.get("BENCH_ROUNDS", "3")))
     client = os.environ.get("BENCH_CLIENT", "auto")
     if client not in ("auto", "go", "python"):
         raise SystemExit(f"BENCH_CLIENT={client!r}: use go, python or leave it unset")
     binary = await anyio.to_thread.run_sync(go_client) if client != "python" else None
     if client == "go" and binary is None:
         raise SystemExit("BENCH_CLIENT=go: the Go kubelet client is not available")
+    with_floor = compare and binary is not None and os.environ.get("BENCH_FLOOR", "1") != "0"
+    with_peer = compare and binary is not None and os.environ.get("BENCH_PEER", "1") != "0"
+    peer_bins = await anyio.to_thread.run_sync(peers.bin_dir) if with_peer else None
     cluster = Cluster()
     if not cluster.is_up():
         cluster.up()
     kube = cluster.kube()
     driver = f"bench{secrets.token_hex(3)}.gpudra.dev"
     namespace = f"bench-prepare-{secrets.token_hex(3)}"
+    peer_namespace = f"bench-peer-{secrets.token_hex(3)}"
     root = Path(tempfile.mkdtemp(prefix="gdb-", dir=os.environ.get("BENCH_DIR")))
     # The checkpoint and state stay on disk; the specs go where a node keeps them.
     shm = tmpfs_folder()
@@ -321,6 +423,9 @@ async def main(sampling: str | None = None) -> dict[str, Any]:
     dirs = NodeDirs(root, cdi_root)
     dirs.make_dev(GPUS)
     create_driver_namespace(kube, driver, namespace)
+    if peer_bins is not None:
+        create_driver_namespace(kube, peers.PEER_DRIVER, peer_namespace)
+    started_load = os.getloadavg()[0]
     state = State.load(cluster.layout.state)
     control_plane = {
         name: pid
@@ -329,7 +434,7 @@ async def main(sampling: str | None = None) -> dict[str, Any]:
     }
     env = {**os.environ, "KUBECONFIG": str(cluster.layout.admin_kubeconfig), "NODE_NAME": NODE}
     # Optional: BENCH_PROFILE=<file> writes a cProfile of the node process.
-    profile = os.environ.get("BENCH_PROFILE")
+    profile = profile or os.environ.get("BENCH_PROFILE")
     runner = ["-m", "cProfile", "-o", profile] if profile else []
     options = ("--sample-interval", sampling) if sampling else ()
     proc = subprocess.Popen(  # noqa: ASYNC220 - started once, before the measurement
@@ -337,71 +442,161 @@ async def main(sampling: str | None = None) -> dict[str, Any]:
         cwd=REPO,
         env=env,
     )
-    floor: dict[str, Any] | None = None
+    result: dict[str, Any] = {}
     try:
-        async with KubeletStandin(dirs.kubelet) as kubelet:
+        async with contextlib.AsyncExitStack() as stack:
+            kubelet = await stack.enter_async_context(KubeletStandin(dirs.kubelet))
             registration = await kubelet.wait_for_driver(driver, timeout_s=120)
             refs = await anyio.to_thread.run_sync(allocated_claims, kube, driver, namespace)
-            if binary is not None:
-                socket = registration.endpoint
-                warm = await drive_go(binary, socket, refs, warmup)
-                meter = CpuMeter({"node": proc.pid, **control_plane})
-                run = await drive_go(binary, socket, refs, cycles)
-                run.errors += warm.errors
-            else:
+            if binary is None:
                 warm = await drive(kubelet, driver, refs, warmup)
                 meter = CpuMeter({"node": proc.pid, "client": os.getpid(), **control_plane})
                 run = await drive(kubelet, driver, refs, cycles)
                 run.errors += warm.errors
-            cpu_ms = run.cpu_per_cycle(meter, cycles)
-        # The agent is stopped first, so that it does not compete with the floor run.
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=30)
-        if binary is not None and os.environ.get("BENCH_FLOOR", "1") != "0":
-            floor = await floor_run(
-                binary,
-                cluster.layout.admin_kubeconfig,
-                driver,
-                refs,
-                cycles,
-                warmup,
-                control_plane,
-            )
+                gpudra = Subject("gpudra", registration.endpoint, refs, {"node": proc.pid})
+                gpudra.runs.append(run)
+                gpudra.cpu.append(run.cpu_per_cycle(meter, cycles))
+                subjects = [gpudra]
+            else:
+                subjects = [Subject("gpudra", registration.endpoint, refs, {"node": proc.pid})]
+                if peer_bins is not None:
+                    plugin = stack.enter_context(
+                        peers.kubelet_plugin(
+                            peer_bins,
+                            root / "peer",
+                            (cdi_root or root) / "peer",
+                            cluster.layout.admin_kubeconfig,
+                            NODE,
+                            GPUS,
+                        )
+                    )
+                    peer_refs = await anyio.to_thread.run_sync(
+                        allocated_claims, kube, peers.PEER_DRIVER, peer_namespace
+                    )
+                    subjects.append(
+                        Subject("peer", plugin.socket, peer_refs, {"plugin": plugin.pid})
+                    )
+                if with_floor:
+                    floor_kube = await KubeAsync.connect(str(cluster.layout.admin_kubeconfig))
+                    stack.push_async_callback(floor_kube.close)
+                    floor_root = root / "floor"
+                    floor_root.mkdir()
+                    floor_plugin = await stack.enter_async_context(
+                        KubeletPlugin(
+                            driver,
+                            GetOnly(driver),
+                            claims=ApiClaims(floor_kube, driver=driver, pool=NODE),
+                            kubelet_root=floor_root,
+                        )
+                    )
+                    subjects.append(
+                        Subject("floor", floor_plugin.dra_socket, refs, {"plugin": os.getpid()})
+                    )
+                for subject in subjects:
+                    warm = await drive_go(binary, subject.socket, subject.refs, warmup)
+                    if warm.errors:
+                        print(
+                            f"bench-prepare: {subject.name}: {warm.errors} warm-up errors",
+                            file=sys.stderr,
+                        )
+                per_round = [
+                    cycles // rounds + (1 if i < cycles % rounds else 0) for i in range(rounds)
+                ]
+                for count in per_round:
+                    for subject in subjects:
+                        await subject.measure(binary, count, control_plane)
+            summaries = {subject.name: subject.summary() for subject in subjects}
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
             proc.wait(timeout=30)
         delete_driver_namespace(kube, driver, namespace)
+        if peer_bins is not None:
+            delete_driver_namespace(kube, peers.PEER_DRIVER, peer_namespace)
         shutil.rmtree(root, ignore_errors=True)
         shutil.rmtree(dirs.cdi, ignore_errors=True)
-    return {
+    ours = summaries["gpudra"]
+    peer, floor = summaries.get("peer"), summaries.get("floor")
+    to_peer = ratios(ours, peer, "node", "plugin") if peer else None
+    to_floor = ratios(ours, floor, "node", "plugin") if floor else None
+    result = {
         "cycles": cycles,
+        "rounds": rounds if binary is not None else 1,
         "in_flight": GPUS,
         "client": "python" if binary is None else "go",
-        "p50_ms": round(statistics.median(run.prepare_ms), 2),
-        "p99_ms": round(percentile(run.prepare_ms, 99), 2),
-        "max_ms": round(max(run.prepare_ms), 2),
-        "unprepare_p50_ms": round(statistics.median(run.unprepare_ms), 2),
-        "unprepare_p99_ms": round(percentile(run.unprepare_ms, 99), 2),
-        "claims_per_s": round(cycles / run.wall_s, 1),
-        "errors": run.errors,
-        # CPU time per prepare+unprepare cycle, by process.
-        "cpu_ms_per_cycle": cpu_ms,
-        "target_p50_ms": 5,
-        "target_p99_ms": 20,
+        **{k: v for k, v in ours.items() if k != "by_round_p50_ms"},
+        "by_round_p50_ms": ours["by_round_p50_ms"],
         # The same client and claims against a plugin that only GETs each claim:
         # gRPC plus the API server read, which every prepare pays before any node work.
         "floor_get_only": floor,
+        "peer": (
+            {
+                "name": peers.PEER_NAME,
+                "version": peers.version(),
+                **peer,
+                "differences": list(peers.PEER_DIFFERENCES),
+            }
+            if peer
+            else None
+        ),
+        "ratio_to_peer": to_peer,
+        "ratio_to_floor": to_floor,
+        "targets": targets(to_peer, to_floor),
         "sample_interval_s": float(sampling) if sampling else None,
         "cdi_root_on_tmpfs": shm is not None,
-        "cpus": os.cpu_count(),
+        **run_context(kube),
+        "load_avg_1m_at_start": round(started_load, 2),
         "load_avg_1m_at_end": round(os.getloadavg()[0], 2),
     }
+    return result
+
+
+def missed(result: dict[str, Any]) -> list[str]:
+    """The targets gpudra missed in this run."""
+    return [name for name, target in result["targets"].items() if target["met"] is False]
+
+
+def profile_summary(path: Path, cycles: int, top: int = 15) -> list[dict[str, Any]]:
+    """The node process's functions that took the most CPU of their own, per cycle.
+
+    The profile covers the whole life of the process, start included, so the run that
+    writes it is long enough for the cycles to dominate."""
+    stats = pstats.Stats(str(path))
+    rows = []
+    for (file, line, name), (_, calls, own, total, _) in stats.stats.items():  # type: ignore[attr-defined]
+        rows.append(
+            {
+                "function": f"{Path(file).name}:{line}({name})",
+                "calls_per_cycle": round(calls / cycles, 2),
+                "own_ms_per_cycle": round(own * 1000 / cycles, 4),
+                "cumulative_ms_per_cycle": round(total * 1000 / cycles, 4),
+            }
+        )
+    rows.sort(key=lambda row: row["own_ms_per_cycle"], reverse=True)
+    return rows[:top]
+
+
+def profile_on_miss(result: dict[str, Any], sampling: str | None) -> None:
+    """Where gpudra misses a target, a second pass of gpudra alone under cProfile says
+    where the node process's CPU goes (`profile_node` in the results)."""
+    if not missed(result) or os.environ.get("BENCH_PROFILE_ON_MISS", "1") == "0":
+        return
+    with tempfile.TemporaryDirectory(prefix="gdb-profile-") as folder:
+        path = Path(folder) / "node.prof"
+        profiled = anyio.run(main, sampling, False, str(path))
+        cycles = profiled["cycles"] + int(os.environ.get("BENCH_WARMUP", "40"))
+        result["profile_node"] = {
+            "missed": missed(result),
+            "cycles": cycles,
+            "note": "cProfile of the agent in a separate pass of gpudra alone (the "
+            "profiler slows it); per cycle, start of the process included",
+            "top_own_cpu": profile_summary(path, cycles) if path.exists() else [],
+        }
 
 
 def compare_sampling(intervals: list[str]) -> dict[str, Any]:
     """The same bench with each device sampling interval, one after the other."""
-    runs = {interval: anyio.run(main, interval) for interval in intervals}
+    runs = {interval: anyio.run(main, interval, False) for interval in intervals}
     return {"by_sample_interval_s": runs}
 
 
@@ -415,6 +610,7 @@ if __name__ == "__main__":
         runs = compared["by_sample_interval_s"].values()
         sys.exit(0 if all(r["errors"] == 0 for r in runs) else 1)
     result = anyio.run(main, sampling)
+    profile_on_miss(result, sampling)
     OUT.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(OUT, (json.dumps(result, indent=2) + "\n").encode())
     print(json.dumps(result, indent=2))

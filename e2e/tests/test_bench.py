@@ -1,0 +1,56 @@
+"""The benchmarks run and write the fields their comparisons need (short runs; a
+benchmark's numbers are never asserted, only that it measured what it says)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+
+from bench import peers, prepare
+from e2e.cluster.harness import Cluster
+
+pytestmark = [
+    pytest.mark.cluster,
+    pytest.mark.anyio,
+    pytest.mark.skipif(
+        os.environ.get("GPUDRA_CLUSTER_PROVIDER") == "kind",
+        reason="the benchmark runs the node agent and the peer as host processes",
+    ),
+    pytest.mark.skipif(shutil.which("go") is None, reason="the Go client and peer need Go"),
+]
+
+
+async def test_bench_prepare_measures_gpudra_the_peer_and_the_floor_in_rounds(
+    cluster: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name, value in {"BENCH_CYCLES": "24", "BENCH_WARMUP": "8", "BENCH_ROUNDS": "2"}.items():
+        monkeypatch.setenv(name, value)
+    result = await prepare.main()
+
+    assert result["client"] == "go"
+    assert (result["errors"], result["floor_get_only"]["errors"]) == (0, 0)
+    peer = result["peer"]
+    assert (peer["name"], peer["version"], peer["errors"]) == (
+        peers.PEER_NAME,
+        peers.version(),
+        0,
+    )
+    # Every subject is measured in each round, interleaved.
+    for subject in (result, peer, result["floor_get_only"]):
+        assert len(subject["by_round_p50_ms"]) == 2
+    assert peer["cpu_ms_per_cycle"]["plugin"] > 0
+    assert result["cpu_ms_per_cycle"]["node"] > 0
+    for ratios in (result["ratio_to_peer"], result["ratio_to_floor"]):
+        assert set(ratios) == {"p50", "p99", "claims_per_s", "plugin_cpu"}
+        assert all(value > 0 for value in ratios.values())
+    assert result["ratio_to_peer"]["p50"] == round(result["p50_ms"] / peer["p50_ms"], 3)
+    assert {k: v["limit"] for k, v in result["targets"].items()} == {
+        "p50_vs_peer": 1.0,
+        "p99_vs_peer": 1.0,
+        "claims_per_s_vs_peer": 1.0,
+        "p50_vs_floor": 1.3,
+    }
+    assert result["kubernetes_version"].startswith("v1.")
+    assert result["commit"] and result["cpus"] == os.cpu_count()
