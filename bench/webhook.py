@@ -35,6 +35,7 @@ import platform
 import pstats
 import random
 import signal
+import socket
 import ssl
 import subprocess
 import sys
@@ -51,13 +52,22 @@ from gpudra.cli import logs
 from gpudra.common.files import atomic_write
 from gpudra.common.kube import Kube
 from gpudra.webhook.certs import TLS_CERT, TLS_KEY, ensure_pki, service_dns_names
-from gpudra.webhook.server import MUTATE_PATH, ServerConfig, WebhookServer
+from gpudra.webhook.server import (
+    MUTATE_PATH,
+    VALIDATE_CLAIMS_PATH,
+    ServerConfig,
+    WebhookServer,
+)
 from gpudra.webhook.templates import ApiTemplateEnsurer
 
+from bench import peers
 from e2e.cluster.harness import Cluster
+from e2e.processes import free_port
 
 OUT = Path(__file__).resolve().parent / "results" / "webhook.json"
 HOSTNAME = "gpudra-webhook.gpudra.svc"
+# The peer's validating endpoint (its claims and templates, decoded and validated).
+PEER_VALIDATE_PATH = "/validate-resource-claim-parameters"
 NAMESPACES = tuple(f"bench-webhook-{i}" for i in range(4))
 LATENCY_RATE = 200
 SUSTAIN_P99_MS = 50.0
@@ -224,9 +234,9 @@ def review_body(kind: str, rng: random.Random) -> bytes:
     return json.dumps(review, separators=(",", ":")).encode()
 
 
-def http_request(body: bytes) -> bytes:
+def http_request(body: bytes, path: str = MUTATE_PATH) -> bytes:
     head = (
-        f"POST {MUTATE_PATH}?timeout=10s HTTP/1.1\r\n"
+        f"POST {path}?timeout=10s HTTP/1.1\r\n"
         f"Host: {HOSTNAME}:443\r\n"
         "User-Agent: kube-apiserver-admission\r\n"
         "Content-Type: application/json\r\n"
@@ -235,6 +245,117 @@ def http_request(body: bytes) -> bytes:
         f"Content-Length: {len(body)}\r\n\r\n"
     )
     return head.encode() + body
+
+
+# -- claim validation bodies: the same claims for gpudra and the peer ----------------------
+
+# The opaque config each driver validates: the same time-slicing setting, spelled in
+# each driver's API group (gpudra's is upstream's resource.nvidia.com/v1beta1).
+CLAIM_CONFIGS = {
+    "gpudra": ("gpu.nvidia.com", "resource.nvidia.com/v1beta1"),
+    "peer": ("gpu.example.com", "gpu.resource.example.com/v1alpha1"),
+}
+CLAIM_MIX = {"claim": 60, "template": 40}
+
+
+def claim_spec(driver: str, api_version: str, requests: int) -> dict[str, Any]:
+    """A claim spec with `requests` GPU requests, each with its own opaque config."""
+    names = [f"gpu-{i}" for i in range(requests)]
+    return {
+        "devices": {
+            "requests": [
+                {
+                    "name": name,
+                    "exactly": {
+                        "deviceClassName": driver,
+                        "allocationMode": "ExactCount",
+                        "count": 1,
+                    },
+                }
+                for name in names
+            ],
+            "config": [
+                {
+                    "requests": [name],
+                    "opaque": {
+                        "driver": driver,
+                        "parameters": {
+                            "apiVersion": api_version,
+                            "kind": "GpuConfig",
+                            "sharing": {
+                                "strategy": "TimeSlicing",
+                                "timeSlicingConfig": {"interval": "Long"},
+                            },
+                        },
+                    },
+                }
+                for name in names
+            ],
+        }
+    }
+
+
+def claim_review_body(subject: str, kind: str, rng: random.Random) -> bytes:
+    """An AdmissionReview of a ResourceClaim or ResourceClaimTemplate being created,
+    the same shape for each subject, only the driver's config names differ."""
+    driver, api_version = CLAIM_CONFIGS[subject]
+    namespace = rng.choice(NAMESPACES)
+    spec = claim_spec(driver, api_version, rng.choice((1, 2, 4)))
+    resource = "resourceclaims" if kind == "claim" else "resourceclaimtemplates"
+    kind_name = "ResourceClaim" if kind == "claim" else "ResourceClaimTemplate"
+    obj: dict[str, Any] = {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": kind_name,
+        "metadata": {
+            "name": f"train-{rng.getrandbits(32):08x}",
+            "namespace": namespace,
+            "creationTimestamp": None,
+            "labels": {"app": "training", "team": namespace},
+            "managedFields": [
+                {
+                    "manager": "kubectl-client-side-apply",
+                    "operation": "Update",
+                    "apiVersion": "resource.k8s.io/v1",
+                    "time": "2026-01-01T00:00:00Z",
+                    "fieldsType": "FieldsV1",
+                    "fieldsV1": {"f:spec": {"f:devices": {".": {}}}},
+                }
+            ],
+        },
+        "spec": spec if kind == "claim" else {"spec": spec},
+    }
+    gvk = {"group": "resource.k8s.io", "version": "v1", "kind": kind_name}
+    gvr = {"group": "resource.k8s.io", "version": "v1", "resource": resource}
+    review = {
+        "kind": "AdmissionReview",
+        "apiVersion": "admission.k8s.io/v1",
+        "request": {
+            "uid": str(uuid.UUID(int=rng.getrandbits(128))),
+            "kind": gvk,
+            "resource": gvr,
+            "requestKind": gvk,
+            "requestResource": gvr,
+            "name": obj["metadata"]["name"],
+            "namespace": namespace,
+            "operation": "CREATE",
+            "userInfo": {"username": "alice", "groups": ["system:authenticated"]},
+            "object": obj,
+            "oldObject": None,
+            "dryRun": False,
+            "options": {"kind": "CreateOptions", "apiVersion": "meta.k8s.io/v1"},
+        },
+    }
+    return json.dumps(review, separators=(",", ":")).encode()
+
+
+def build_claim_requests(subject: str, path: str, count: int, seed: int = 11) -> list[bytes]:
+    """`count` claim reviews for `subject`; the same seed gives both subjects the same
+    sequence of shapes (kinds, request counts, namespaces)."""
+    rng = random.Random(seed)
+    kinds = [k for k, weight in CLAIM_MIX.items() for _ in range(weight)]
+    chosen = [kinds[i % len(kinds)] for i in range(count)]
+    rng.shuffle(chosen)
+    return [http_request(claim_review_body(subject, k, rng), path) for k in chosen]
 
 
 def build_requests(count: int, seed: int = 7) -> tuple[list[bytes], dict[str, int]]:
@@ -504,12 +625,51 @@ async def load(port: int, ca_pem: bytes, pid: int, requests: Sequence[bytes]) ->
     return {"latency": steady.summary(), "steps": steps}
 
 
+def start_peer(workdir: Path, bins: Path) -> tuple[subprocess.Popen[bytes], int]:
+    """The peer's validating webhook on the same certificate, limited to one core from
+    its start (so the Go runtime sizes itself for one, as a pod with a 1-CPU limit)."""
+    port = free_port()
+    log = (workdir / "webhook-peer.log").open("wb")
+    proc = subprocess.Popen(
+        [
+            str(bins / "dra-example-webhook"),
+            f"--port={port}",
+            f"--tls-cert-file={workdir / 'pki' / TLS_CERT}",
+            f"--tls-private-key-file={workdir / 'pki' / TLS_KEY}",
+        ],
+        stderr=log,
+        stdout=log,
+        env={**os.environ, "GOMAXPROCS": "1"},
+        preexec_fn=(lambda: os.sched_setaffinity(0, {0})) if (os.cpu_count() or 1) >= 2 else None,  # noqa: PLW1509 - affinity only, before exec
+    )
+    deadline = time.monotonic() + 30
+    while not port_open(port):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise SystemExit(f"the peer's webhook did not start; see its log in {workdir}")
+        time.sleep(0.05)
+    return proc, port
+
+
+def port_open(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
 def measure(
-    cluster: Cluster, workdir: Path, ensurer: str, requests: Sequence[bytes], profile: Path | None
+    cluster: Cluster,
+    workdir: Path,
+    ensurer: str,
+    requests: Sequence[bytes],
+    profile: Path | None,
+    peer: Path | None = None,
 ) -> dict[str, Any]:
-    """One server process with `ensurer`: the 200 requests/s phase, then the rate steps."""
+    """One server process (gpudra's with `ensurer`, or the peer's from `peer`, a bin
+    folder): the 200 requests/s phase, then the rate steps."""
     pki, _ = ensure_pki(workdir / "pki", service_dns_names("gpudra-webhook", "gpudra"))
-    proc, port = start_server(workdir, cluster.layout.admin_kubeconfig, ensurer, profile)
+    if peer is not None:
+        proc, port = start_peer(workdir, peer)
+    else:
+        proc, port = start_server(workdir, cluster.layout.admin_kubeconfig, ensurer, profile)
     pinned = (os.cpu_count() or 1) >= 2 and pin(proc.pid, 0) and pin(0, 1)
     try:
         result = anyio.run(load, port, pki.ca_bundle, proc.pid, requests)
@@ -531,6 +691,54 @@ def measure(
         "pinned": {"webhook_core": 0, "load_core": 1} if pinned else None,
         "latency_phase": latency,
         "steps": result["steps"],
+    }
+
+
+def claims_comparison(cluster: Cluster, workdir: Path, count: int = 400) -> dict[str, Any] | None:
+    """gpudra's `/validate-claims` and the peer's validating webhook on the same claim
+    bodies (opaque configs in each driver's names), the same TLS, core and load: the
+    same work, side by side. None where the peer cannot be built."""
+    bins = peers.bin_dir()
+    if bins is None:
+        return None
+    ours = measure(
+        cluster,
+        workdir / "claims-gpudra",
+        "known",
+        build_claim_requests("gpudra", VALIDATE_CLAIMS_PATH, count),
+        None,
+    )
+    theirs = measure(
+        cluster,
+        workdir / "claims-peer",
+        "known",
+        build_claim_requests("peer", PEER_VALIDATE_PATH, count),
+        None,
+        peer=bins,
+    )
+
+    def ratio(a: float | None, b: float | None) -> float | None:
+        return round(a / b, 3) if a is not None and b else None
+
+    to_peer = {
+        "p50": ratio(ours["p50_ms"], theirs["p50_ms"]),
+        "p99": ratio(ours["p99_ms"], theirs["p99_ms"]),
+        "max_rps": ratio(ours["max_rps"], theirs["max_rps"]),
+    }
+    return {
+        "gpudra": ours,
+        "peer": {"name": peers.PEER_NAME, "version": peers.version(), **theirs},
+        "ratio_to_peer": to_peer,
+        "target": "gpudra at least as fast as the peer: p50 and p99 ratios <= 1, max_rps >= 1",
+        "met": (to_peer["p50"] or 9) <= 1.0
+        and (to_peer["p99"] or 9) <= 1.0
+        and (to_peer["max_rps"] or 0) >= 1.0,
+        "mix": CLAIM_MIX,
+        "notes": (
+            "Each claim or template has 1, 2 or 4 requests, each with an opaque time-slicing "
+            "config for the server's driver; both decode and validate every config. "
+            "Both servers are pinned to core 0, the load generator to core 1."
+        ),
     }
 
 
@@ -570,13 +778,20 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="bench-webhook-") as tmp:
         real = measure(cluster, Path(tmp) / "api", "api", requests, None)
         server_only = measure(cluster, Path(tmp) / "known", "known", requests, None)
+        claims = (
+            claims_comparison(cluster, Path(tmp))
+            if os.environ.get("BENCH_PEER", "1") != "0"
+            else None
+        )
     load_after = os.getloadavg()
     sizes = sorted(len(r) for r in requests)
     out: dict[str, Any] = {
         "p50_ms": real["p50_ms"],
         "p99_ms": real["p99_ms"],
         "max_rps": real["max_rps"],
-        "errors": real["errors"] + server_only["errors"],
+        "errors": real["errors"]
+        + server_only["errors"]
+        + (claims["gpudra"]["errors"] + claims["peer"]["errors"] if claims else 0),
         "rate_rps": LATENCY_RATE,
         "targets": {"p99_ms_at_200_rps": 10, "max_rps_one_core": 1000},
         "met": {
@@ -587,6 +802,8 @@ def main() -> int:
         },
         "with_api_template_ensurer": real,
         "server_only": server_only,
+        # Claim validation, gpudra beside the Go reference webhook on the same claims.
+        "claims_vs_peer": claims,
         "notes": (
             "Top-level p50/p99/max_rps: the server with ApiTemplateEnsurer, one POST per "
             "template to the local API server for every converted pod (409 once it exists). "
@@ -611,6 +828,11 @@ def main() -> int:
     atomic_write(OUT, (json.dumps(out, indent=2) + "\n").encode(), mode=0o644)
     summary = {k: out[k] for k in ("p50_ms", "p99_ms", "max_rps", "errors", "met")}
     summary["server_only"] = {k: server_only[k] for k in ("p50_ms", "p99_ms", "max_rps")}
+    if claims:
+        summary["claims_vs_peer"] = {
+            name: {k: claims[name][k] for k in ("p50_ms", "p99_ms", "max_rps")}
+            for name in ("gpudra", "peer")
+        } | {"ratio_to_peer": claims["ratio_to_peer"], "met": claims["met"]}
     print(json.dumps(summary, indent=2))
     return 0 if out["errors"] == 0 else 1
 

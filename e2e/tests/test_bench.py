@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 
-from bench import peers, prepare
+from bench import peers, prepare, webhook
 from e2e.cluster.harness import Cluster
 
 pytestmark = [
@@ -54,3 +55,36 @@ async def test_bench_prepare_measures_gpudra_the_peer_and_the_floor_in_rounds(
     }
     assert result["kubernetes_version"].startswith("v1.")
     assert result["commit"] and result["cpus"] == os.cpu_count()
+
+
+def test_bench_webhook_compares_claim_validation_with_the_peer_on_the_same_claims(
+    cluster: Cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("BENCH_LATENCY_S", "1")
+    monkeypatch.setenv("BENCH_STEP_S", "0.5")
+    monkeypatch.setattr(webhook, "STEPS", (400,))
+    result = webhook.claims_comparison(cluster, tmp_path, count=40)
+
+    assert result is not None
+    # Both servers allowed every (valid) claim: a denial or an HTTP error counts as one.
+    assert (result["gpudra"]["errors"], result["peer"]["errors"]) == (0, 0)
+    assert result["peer"]["version"] == peers.version()
+    for name in ("gpudra", "peer"):
+        assert result[name]["latency_phase"]["completed"] > 0
+        assert [step["rate"] for step in result[name]["steps"]] == [400]
+    assert set(result["ratio_to_peer"]) == {"p50", "p99", "max_rps"}
+    assert isinstance(result["met"], bool)
+
+
+def test_the_claim_bodies_differ_only_in_the_drivers_config_names() -> None:
+    ours = webhook.build_claim_requests("gpudra", webhook.VALIDATE_CLAIMS_PATH, 20)
+    theirs = webhook.build_claim_requests("peer", webhook.PEER_VALIDATE_PATH, 20)
+    for a, b in zip(ours, theirs, strict=True):
+        body_a, body_b = a.split(b"\r\n\r\n", 1)[1], b.split(b"\r\n\r\n", 1)[1]
+        for name, (driver, api_version) in webhook.CLAIM_CONFIGS.items():
+            assert (name == "gpudra") == (driver.encode() in body_a)
+            assert (name == "peer") == (api_version.encode() in body_b)
+        swapped = body_b.replace(
+            b"gpu.resource.example.com/v1alpha1", b"resource.nvidia.com/v1beta1"
+        )
+        assert swapped.replace(b"gpu.example.com", b"gpu.nvidia.com") == body_a
