@@ -2,9 +2,10 @@
 
 With `--prometheus URL` it asks Prometheus for the increase of the agents' accounting
 counters over `--since`; without, it reads the counters straight from the agents'
-metrics endpoints, which count since each agent started (the report says so). The
-accounting rules (fair split of shared devices, the idle threshold) are in
-docs/monitoring.md.
+metrics endpoints, which count since each agent started (the report says so): those
+given with `--metrics`, else every agent found in the cluster as `gpudra top` finds
+them (`gpudra.cli.agents`). The accounting rules (fair split of shared devices, the
+idle threshold) are in docs/monitoring.md.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Final
 
+import anyio
+from gpudra.cli import agents
 from gpudra.cli.scrape import agent_endpoint, fetch, parse_duration
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -89,27 +92,44 @@ def usage_from_prometheus(base: str, since_s: float, timeout_s: float = 10.0) ->
     )
 
 
+def _from_agents(args: argparse.Namespace) -> tuple[list[Usage], bool]:
+    """The agents' counters summed, and whether an agent did not answer (one line on
+    stderr names each; the report is then of the others)."""
+    if args.metrics:
+        found = dict(agent_endpoint(raw, command="report") for raw in args.metrics)
+    else:
+        found = anyio.run(
+            lambda: agents.find(
+                args.kubeconfig,
+                args.agent_selector,
+                command="report",
+                otherwise="--metrics NODE=URL or --prometheus URL",
+            )
+        )
+    texts, failed = agents.scrape(found, args.timeout)
+    for node, why in failed.items():
+        sys.stderr.write(f"gpudra report: node {node}: {why}; its counters are left out\n")
+    return usage_from_metrics(texts.values()), bool(failed)
+
+
 def run(args: argparse.Namespace) -> int:
+    """The report; exit status 1 when an agent did not answer, else 0."""
     try:
         since = parse_duration(args.since)
     except ValueError as e:
         raise SystemExit(f"gpudra report: --since: {e}") from None
+    failed = False
     if args.prometheus:
         rows = usage_from_prometheus(args.prometheus, since, args.timeout)
         span = f"last {args.since}"
-    elif args.metrics:
-        texts = [
-            fetch(agent_endpoint(raw, command="report")[1], args.timeout, command="report")
-            for raw in args.metrics
-        ]
-        rows = usage_from_metrics(texts)
-        span = "since each agent started (give --prometheus for --since)"
     else:
-        raise SystemExit("gpudra report: give --prometheus URL or --metrics URL (repeatable)")
+        rows, failed = _from_agents(args)
+        span = "since each agent started (give --prometheus for --since)"
+    status = 1 if failed else 0
     if args.output == "json":
         doc = [{**asdict(r), "used_hours": r.used_hours} for r in rows]
         sys.stdout.write(json.dumps({"span": span, "usage": doc}, indent=2) + "\n")
-        return 0
+        return status
     header = ("NAMESPACE", "TENANT", "GPU-H ALLOCATED", "GPU-H USED", "GPU-H IDLE")
     cells = [
         (
@@ -126,19 +146,28 @@ def run(args: argparse.Namespace) -> int:
     for line in (header, *cells):
         sys.stdout.write("  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip())
         sys.stdout.write("\n")
-    return 0
+    return status
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("report", help="GPU-hours allocated, used and idle per namespace and tenant")
+    p = sub.add_parser(
+        "report",
+        help="GPU-hours allocated, used and idle per namespace and tenant",
+        description="GPU-hours allocated, used and idle per namespace and tenant: from "
+        "Prometheus with --prometheus; else from the node agents' counters (since each "
+        "agent started), at the --metrics endpoints given, else at every agent found in "
+        "the cluster as `gpudra top` finds them.",
+    )
     p.add_argument("--prometheus", default=None, metavar="URL", help="Prometheus to ask")
     p.add_argument(
         "--metrics",
         action="append",
         default=[],
         metavar="[NODE=]URL",
-        help="without --prometheus: a node agent's metrics endpoint; repeatable",
+        help="without --prometheus: a node agent's metrics endpoint, read instead of the "
+        "agents found in the cluster; repeatable",
     )
+    agents.add_arguments(p)
     p.add_argument("--since", default="24h", metavar="DURATION", help="with --prometheus: span")
     p.add_argument("-o", "--output", choices=("table", "json"), default="table")
     p.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for each answer")

@@ -24,9 +24,8 @@ import anyio
 from gpudra.api.deviceclasses import DEFAULT_DRIVER
 from gpudra.cli import agents
 from gpudra.cli import devices as published
-from gpudra.cli.scrape import Unanswered, agent_endpoint, get, parse_duration
-from gpudra.common.kube import ApiError, Kube
-from kubernetes_asyncio.config import ConfigException
+from gpudra.cli.scrape import agent_endpoint, parse_duration
+from gpudra.common.kube import ApiError
 from prometheus_client.parser import text_string_to_metric_families
 
 __all__ = ["DeviceRow", "merge", "register", "rows_from_devices", "rows_from_metrics"]
@@ -216,16 +215,11 @@ def run(args: argparse.Namespace) -> int:
     else:
         api, endpoints = anyio.run(_from_cluster, args)
     endpoints.update(overrides)
-    measured: list[DeviceRow] = []
-    failed = False
-    for node, url in sorted(endpoints.items()):
-        if args.node and node != args.node:
-            continue
-        try:
-            measured += rows_from_metrics(node, get(url, args.timeout))
-        except Unanswered as e:
-            failed = True
-            _warn(f"node {node}: {e}; its devices show no measurements")
+    wanted = {n: u for n, u in endpoints.items() if not args.node or n == args.node}
+    texts, failed = agents.scrape(wanted, args.timeout)
+    measured = [row for node, text in texts.items() for row in rows_from_metrics(node, text)]
+    for node, why in failed.items():
+        _warn(f"node {node}: {why}; its devices show no measurements")
     for node in sorted({r.node for r in api} - endpoints.keys()):
         _warn(
             f"node {node}: no agent metrics endpoint (no pod matching {args.agent_selector} "
@@ -246,13 +240,9 @@ def _warn(message: str) -> None:
 
 async def _from_cluster(args: argparse.Namespace) -> tuple[list[DeviceRow], dict[str, str]]:
     """The published devices with their holders, and each node's agent endpoint."""
-    try:
-        kube = await Kube.connect(args.kubeconfig)
-    except (ConfigException, OSError) as e:
-        raise SystemExit(
-            f"gpudra top: no cluster to read ({e}); give --kubeconfig, "
-            "or --no-api with --metrics NODE=URL"
-        ) from None
+    kube = await agents.connect(
+        args.kubeconfig, command="top", otherwise="--no-api with --metrics NODE=URL"
+    )
     try:
         found = await published.read(kube, args.driver_name, args.node or "")
         try:
@@ -271,16 +261,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "top", help="show every published GPU: holder, utilization, memory, idle time"
     )
-    p.add_argument(
-        "--kubeconfig", default=None, help="kubeconfig file (default: $KUBECONFIG, else in-cluster)"
-    )
+    agents.add_arguments(p)
     p.add_argument("--driver-name", default=DEFAULT_DRIVER, help="the DRA driver name")
-    p.add_argument(
-        "--agent-selector",
-        default=agents.AGENT_SELECTOR,
-        metavar="LABELS",
-        help="label selector of the node agent pods, whose port named metrics is scraped",
-    )
     p.add_argument(
         "--metrics",
         action="append",

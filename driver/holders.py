@@ -149,6 +149,7 @@ class Holder:
     device_class: str = ""
     tenant: str = ""
     memory: int | None = None
+    container: str = ""  # the pod's containers using it, "," between (`podclaims`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,9 +197,11 @@ def held_devices(
     pool: str,
     info: Mapping[str, ClaimInfo],
     tenant_of: Callable[[str], str] = lambda _namespace: "",
+    containers: Mapping[str, Mapping[str, str]] | None = None,
 ) -> dict[str, HeldDevice]:
     """Device name -> its holders, for the completed claims' devices in `pool`;
-    `tenant_of` names a namespace's tenant ("" for none)."""
+    `tenant_of` names a namespace's tenant ("" for none), `containers` the container
+    label of each claim's requests by claim UID (`gpudra.driver.podclaims`)."""
     holders: dict[str, list[Holder]] = {}
     identity: dict[str, tuple[str, str, bool]] = {}
     for record in claims:
@@ -206,6 +209,7 @@ def held_devices(
             continue
         extra = info.get(record.uid, ClaimInfo())
         tenant = tenant_of(record.namespace)
+        labels = (containers or {}).get(record.uid, {})
         for device in record.devices:
             if device.pool != pool:
                 continue
@@ -228,6 +232,7 @@ def held_devices(
                         device_class=extra.device_classes.get(key, ""),
                         tenant=tenant,
                         memory=extra.memory.get(key) if sharing == MEMORY_SLICE else None,
+                        container=labels.get(request, ""),
                     )
                 )
     return {

@@ -166,7 +166,7 @@ class DiscoveryGaps(Collector):
 
 
 DEVICE_LABELS: Final = ("device", "uuid", "gpu_uuid", "mig_uuid", "model", "utilization_scope")
-HOLDER_LABELS: Final = ("namespace", "pod", "claim", "request", "tenant", "sharing")
+HOLDER_LABELS: Final = ("namespace", "pod", "container", "claim", "request", "tenant", "sharing")
 _ACCOUNT_LABELS: Final = ("namespace", "tenant", "device_class", "sharing")
 # Reading value -> (metric name, help).
 _GAUGES: Final = (
@@ -190,6 +190,7 @@ def _holder_labels(holder: Holder) -> tuple[str, ...]:
     return (
         holder.namespace,
         holder.pod,
+        holder.container,
         holder.claim,
         holder.request,
         holder.tenant,

@@ -16,7 +16,8 @@ that keeps the kubelet's view consistent:
    status writer shows in each prepared claim what its devices really are
    (`gpudra.driver.claimstatus`); neither is on a prepare's path. The sampler labels
    holders with their namespace's GpuTenant, watched as the webhook watches it
-   (`gpudra.driver.tenancy`).
+   (`gpudra.driver.tenancy`), and with the containers that use each claim, read from
+   its pod on the same interval (`gpudra.driver.podclaims`).
 
 The plugin's Prometheus metrics go to `registry`; `gpudra node` serves them on its
 metrics address.
@@ -32,6 +33,7 @@ from pathlib import Path
 import anyio
 import anyio.abc
 from gpudra.common.kube import Kube
+from gpudra.common.periodic import run_every
 from gpudra.driver.accounting import DEFAULT_IDLE_BELOW, Accounting
 from gpudra.driver.agent import AgentConfig, NodeAgent
 from gpudra.driver.cdi import (
@@ -55,6 +57,7 @@ from gpudra.driver.plugin import (
     HealthSnapshot,
     KubeletPlugin,
 )
+from gpudra.driver.podclaims import ClaimContainers
 from gpudra.driver.prepare import ClaimPreparer
 from gpudra.driver.sampling import DEFAULT_INTERVAL_S, Sampler
 from gpudra.driver.sharing import NvidiaSharing
@@ -168,6 +171,7 @@ class NodeService:
         self.sampler: Sampler | None = None
         self.status_writer: ClaimStatusWriter | None = None
         self.tenants = NamespaceTenants()
+        self.containers = ClaimContainers(kube)
         self._kube = kube
         self._infos = ClaimInfos()
         self._claims = ApiClaims(
@@ -246,6 +250,7 @@ class NodeService:
             prepared=self._prepared_claims,
             claim_info=self._infos.snapshot,
             tenant_of=self.tenants.tenant_of,
+            containers=self.containers.snapshot,
             health=lambda: self.agent.health,
             interval_s=plugin.sample_interval_s,
             on_sample=(accounting.observe,),
@@ -267,6 +272,7 @@ class NodeService:
                         tg.start_soon(self._reread_prepared_claims)
                     if self.sampler is not None:
                         await tg.start(self.tenants.run, self._kube)
+                        tg.start_soon(self._read_holding_pods, self.sampler.interval_s)
                         await tg.start(self.sampler.run)
                     if self.status_writer is not None:
                         await tg.start(self.status_writer.run)
@@ -292,6 +298,15 @@ class NodeService:
                         "a prepared claim could not be read again; billed without its class",
                         extra={"fields": {"claim": record.ref.describe(), "error": str(e)}},
                     )
+
+    async def _read_holding_pods(self, interval_s: float) -> None:
+        """Read, on the sampling interval, which containers use each prepared claim."""
+        await run_every(
+            interval_s,
+            lambda: self.containers.refresh(self._prepared_claims()),
+            failed="reading the pods of prepared claims failed; trying again next interval",
+            logger=log,
+        )
 
     async def _sweep_deleted_claims(self) -> None:
         assert self.preparer is not None and self._plugin_config is not None

@@ -172,7 +172,8 @@ class Sampler:
 
     `inventory` and `prepared` are read each pass (the agent's latest inventory; the
     preparer's completed claims, read without its lock); `claim_info` gives what the
-    checkpoint does not keep of a claim; `tenant_of` a namespace's tenant; `health` the
+    checkpoint does not keep of a claim; `tenant_of` a namespace's tenant; `containers`
+    the container label of each claim's requests (`gpudra.driver.podclaims`); `health` the
     agent's health state. `on_sample` (accounting) is called on the event loop with each
     new sample.
     """
@@ -186,6 +187,7 @@ class Sampler:
         prepared: Callable[[], Iterable[ClaimRecord]],
         claim_info: Callable[[], Mapping[str, ClaimInfo]] = dict,
         tenant_of: Callable[[str], str] = lambda _namespace: "",
+        containers: Callable[[], Mapping[str, Mapping[str, str]]] = dict,
         health: Callable[[], HealthState | None] = lambda: None,
         interval_s: float = DEFAULT_INTERVAL_S,
         on_sample: Iterable[Callable[[Sample], None]] = (),
@@ -197,6 +199,7 @@ class Sampler:
         self._prepared = prepared
         self._claim_info = claim_info
         self._tenant_of = tenant_of
+        self._containers = containers
         self._health = health
         self.interval_s = interval_s
         self._on_sample = tuple(on_sample)
@@ -244,7 +247,9 @@ class Sampler:
 
     async def sample_once(self) -> Sample:
         """One pass: read every device in a worker thread, then tell `on_sample`."""
-        held = held_devices(self._prepared(), self._pool, self._claim_info(), self._tenant_of)
+        held = held_devices(
+            self._prepared(), self._pool, self._claim_info(), self._tenant_of, self._containers()
+        )
         devices = devices_to_sample(self._inventory(), held)
         readings = await anyio.to_thread.run_sync(self._read_all, devices)
         health = self._health()

@@ -457,8 +457,9 @@ async def test_device_metrics_name_the_pod_holding_an_idle_gpu(
     setup: Setup, cluster: Cluster, node_dirs: NodeDirs
 ) -> None:
     """The agent samples the emulated GPUs (scripted idle) and labels the held one's
-    series with its pod and the GpuTenant its namespace belongs to (watched from the API
-    server); `gpudra top --idle` finds it; the claim's status shows the GPU."""
+    series with its pod, the container using the claim (read from the pod) and the
+    GpuTenant its namespace belongs to (watched from the API server); `gpudra top --idle`
+    finds it; the claim's status shows the GPU."""
     kube, driver = setup.kube, setup.driver
     script = node_dirs.root / "telemetry.json"
     script.write_text(json.dumps({str(i): {"utilization": 2} for i in range(8)}))
@@ -484,8 +485,16 @@ async def test_device_metrics_name_the_pod_holding_an_idle_gpu(
                     """Billed to the claim's DeviceClass (read from the claim)."""
                     return f'device_class="{driver}"' in setup.node.metrics()
 
+                def contained() -> bool:
+                    """The container using the claim, read from the pod (its status names
+                    the claim generated from the template)."""
+                    return 'container="main"' in setup.node.metrics()
+
                 await anyio.to_thread.run_sync(
                     lambda: wait_for("the claim's device-seconds", billed, timeout=30)
+                )
+                await anyio.to_thread.run_sync(
+                    lambda: wait_for("the holder's container label", contained, timeout=30)
                 )
                 metrics = setup.node.metrics()
                 held = [
@@ -496,6 +505,7 @@ async def test_device_metrics_name_the_pod_holding_an_idle_gpu(
                 assert len(held) == 1
                 assert f'namespace="{setup.namespace}"' in held[0]
                 assert f'tenant="{tenant}"' in held[0]
+                assert 'container="main"' in held[0]
                 assert "gpudra_device_idle_seconds{" in metrics
                 assert held[0].endswith(" 2.0")
 

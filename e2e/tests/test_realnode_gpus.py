@@ -90,6 +90,17 @@ def gpu_pod(
     return pod
 
 
+def with_sidecars(pod: dict[str, Any]) -> dict[str, Any]:
+    """`pod` with a sidecar that uses its claim too, and a container that does not."""
+    main = pod["spec"]["containers"][0]
+    sleeper = {k: main[k] for k in ("image", "imagePullPolicy", "command")}
+    pod["spec"]["initContainers"] = [
+        {**sleeper, "name": "watcher", "restartPolicy": "Always", "resources": main["resources"]}
+    ]
+    pod["spec"]["containers"].append({**sleeper, "name": "shipper"})
+    return pod
+
+
 def whole_gpu_template(namespace: str, name: str = "whole", count: int = 1) -> dict[str, Any]:
     """One (or `count`) exclusive whole GPUs; memory-slice GPUs are left out."""
     return {
@@ -665,8 +676,8 @@ def test_prometheus_fires_the_idle_alert_for_the_pod_whose_gpu_idles(
     flags = (f"--metrics-address=127.0.0.1:{port}", "--sample-interval=1")
     with stack.agent_flags(*flags, f"--nvml-script={script}"):
         kube.create(whole_gpu_template(ns))
-        for pod in ("idler", "busy"):
-            kube.create(gpu_pod(stack, pod, ns, template="whole"))
+        kube.create(with_sidecars(gpu_pod(stack, "idler", ns, template="whole")))
+        kube.create(gpu_pod(stack, "busy", ns, template="whole"))
         wait_running(kube, ns, "idler", "busy")
         devices = node_devices(kube, stack.node_name)
         idle_uuid = attr(devices[allocation(kube, ns, "idler")[0]["device"]], "uuid")
@@ -678,7 +689,9 @@ def test_prometheus_fires_the_idle_alert_for_the_pod_whose_gpu_idles(
                 found = {
                     a["labels"]["alertname"]: a
                     for a in prom.alerts()
-                    if a["state"] == "firing" and a["labels"].get("pod") == "idler"
+                    if a["state"] == "firing"
+                    and a["labels"].get("pod") == "idler"
+                    and a["labels"].get("container")  # once the agent has read the pod
                 }
                 return found if {"GpuAllocatedIdle", "GpuLowUtilization"} <= found.keys() else {}
 
@@ -687,6 +700,10 @@ def test_prometheus_fires_the_idle_alert_for_the_pod_whose_gpu_idles(
             idle = alerts["GpuAllocatedIdle"]
             assert idle["labels"]["namespace"] == ns
             assert idle["labels"]["uuid"] == idle_uuid
+            # The claim came from a template (named through the pod's status); the
+            # sidecar uses it too, the log shipper does not.
+            assert idle["labels"]["container"] == "main,watcher"
+            assert alerts["GpuLowUtilization"]["labels"]["container"] == "main,watcher"
             assert idle["annotations"]["summary"].startswith(f"{ns}/idler holds ")
             assert not [a for a in prom.alerts() if a["labels"].get("pod") == "busy"]
 

@@ -35,6 +35,7 @@ DEVICE = {
 HOLDER = {
     "namespace": "team-a",
     "pod": "trainer",
+    "container": "main",
     "claim": "trainer-gpu",
     "request": "gpu",
     "tenant": "research",

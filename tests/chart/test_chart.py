@@ -518,7 +518,8 @@ def test_webhook_runs_as_non_root(full: list[dict[str, Any]]) -> None:
 def test_least_privilege_rbac(default: list[dict[str, Any]]) -> None:
     node = h.find(default, "ClusterRole", "gpudra-node")["rules"]
     node_resources = {r for rule in node for r in rule["resources"]}
-    # gputenants and namespaces: read-only, for the tenant label of device accounting.
+    # gputenants and namespaces: read-only, for the tenant label of device accounting;
+    # pods: get only, for the container label.
     assert node_resources == {
         "resourceslices",
         "resourceclaims",
@@ -526,10 +527,13 @@ def test_least_privilege_rbac(default: list[dict[str, Any]]) -> None:
         "events",
         "gputenants",
         "namespaces",
+        "pods",
     }
     for rule in node:
         if {"gputenants", "namespaces"} & set(rule["resources"]):
             assert rule["verbs"] == ["list", "watch"]
+        if "pods" in rule["resources"]:
+            assert (rule["resources"], rule["verbs"]) == (["pods"], ["get"])
     claims = next(r for r in node if r["resources"] == ["resourceclaims"])
     assert claims["verbs"] == ["get"]  # read-only: the scheduler owns allocation
     webhook = h.find(default, "ClusterRole", "gpudra-webhook")["rules"]

@@ -164,7 +164,9 @@ def test_claim_status_is_opt_in_with_its_one_extra_permission(helm: Path) -> Non
     assert (status["resources"], status["verbs"]) == (["resourceclaims/status"], ["patch"])
 
 
-def test_the_agent_may_watch_tenants_and_namespaces_only_while_it_samples(helm: Path) -> None:
+def test_the_agent_may_read_tenants_namespaces_and_pods_only_while_it_samples(
+    helm: Path,
+) -> None:
     def watched(values: dict[str, Any]) -> list[tuple[str, ...]]:
         role = h.find(h.template(helm, values), "ClusterRole", "gpudra-node")["rules"]
         return sorted(
@@ -172,11 +174,12 @@ def test_the_agent_may_watch_tenants_and_namespaces_only_while_it_samples(helm: 
             for r in role
             for group in r["apiGroups"]
             for resource in r["resources"]
-            if resource in {"gputenants", "namespaces"}
+            if resource in {"gputenants", "namespaces", "pods"}
         )
 
     assert watched({}) == [
         ("", "namespaces", "list", "watch"),
+        ("", "pods", "get"),
         ("gpudra.io", "gputenants", "list", "watch"),
     ]
     assert watched({"node": {"sampleIntervalSeconds": 0}}) == []

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -104,7 +105,27 @@ def test_a_prometheus_that_does_not_answer_is_one_line_and_a_failure() -> None:
     assert "did not answer" in line
 
 
-def test_nothing_to_ask_says_what_to_give() -> None:
-    done = report()
+def test_no_cluster_to_find_the_agents_in_says_what_to_give() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "KUBECONFIG"}  # and not in a pod
+    done = subprocess.run(
+        [sys.executable, "-m", "gpudra.cli", "report"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        env=env,
+    )
     assert done.returncode != 0
-    assert "--prometheus URL or --metrics URL" in done.stderr
+    [line] = done.stderr.splitlines()
+    assert line.startswith("gpudra report: no cluster to read")
+    assert "give --kubeconfig, or --metrics NODE=URL or --prometheus URL" in line
+
+
+def test_an_agent_that_does_not_answer_is_one_line_naming_it_and_a_failure(
+    endpoint: str,
+) -> None:
+    done = report("--metrics", endpoint, "--metrics", "node-b=http://127.0.0.1:9/metrics")
+    assert done.returncode == 1
+    [line] = done.stderr.splitlines()
+    assert line.startswith("gpudra report: node node-b: http://127.0.0.1:9/metrics did not")
+    assert "team-a" in done.stdout  # the agents that answered are still reported

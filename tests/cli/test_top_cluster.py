@@ -1,7 +1,7 @@
-"""`gpudra top` against the real API server: the devices the agent publishes (built by
-the agent's own `pool_content`), claims allocated and reserved as the scheduler and
-kubelet leave them, and agent pods whose `metrics` port leads to a real metrics
-endpoint on one node and to nothing on the other."""
+"""`gpudra top` and `gpudra report` against the real API server: the devices the agent
+publishes (built by the agent's own `pool_content`), claims allocated and reserved as
+the scheduler and kubelet leave them, and agent pods whose `metrics` port leads to a
+real metrics endpoint on one node and to nothing on the other."""
 
 from __future__ import annotations
 
@@ -155,16 +155,20 @@ def world(kube: Kube) -> Iterator[World]:
 
 
 def top(cluster: Cluster, world: World, *args: str) -> subprocess.CompletedProcess[str]:
+    return gpudra(cluster, world, "top", "--driver-name", world.driver, *args)
+
+
+def gpudra(
+    cluster: Cluster, world: World, command: str, *args: str
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [
             sys.executable,
             "-m",
             "gpudra.cli",
-            "top",
+            command,
             "--kubeconfig",
             str(cluster.layout.admin_kubeconfig),
-            "--driver-name",
-            world.driver,
             "--agent-selector",
             world.selector,
             "--timeout",
@@ -257,3 +261,35 @@ def test_a_node_without_an_agent_endpoint_is_one_warning(cluster: Cluster, world
     assert done.stderr.count("\n") == 1
     assert "--metrics worker-1=URL" in done.stderr
     assert {r["utilization"] for r in json.loads(done.stdout)} == {None}
+
+
+def test_report_reads_the_counters_of_the_agents_found_in_the_cluster(
+    cluster: Cluster, world: World, endpoint: str
+) -> None:
+    port = int(endpoint.rsplit(":", 1)[1].split("/", maxsplit=1)[0])
+    world.agent("worker-1", port)
+    world.agent("worker-2", 9)  # nothing listens there
+
+    done = gpudra(cluster, world, "report", "-o", "json")
+
+    # worker-2's agent does not answer: one line naming it, a failure, and the others.
+    assert done.returncode == 1
+    [line] = done.stderr.splitlines()
+    assert line.startswith("gpudra report: node worker-2: ")
+    assert "did not answer" in line
+    doc = json.loads(done.stdout)
+    assert "since each agent started" in doc["span"]
+    [team] = doc["usage"]
+    assert (team["namespace"], team["allocated_hours"]) == ("team-a", 1200 / 3600)
+
+
+def test_report_without_agents_in_the_cluster_says_how_to_fix_it(
+    cluster: Cluster, world: World
+) -> None:
+    done = gpudra(cluster, world, "report")
+
+    assert done.returncode != 0
+    [line] = done.stderr.splitlines()
+    assert line.startswith("gpudra report: no node agent found")
+    assert world.selector in line
+    assert "--metrics NODE=URL or --prometheus URL" in line

@@ -114,6 +114,7 @@ class Node:
         infos: ClaimInfos | None = None,
         health: HealthState | None = None,
         tenants: NamespaceTenants | None = None,
+        containers: dict[str, dict[str, str]] | None = None,
     ) -> None:
         self.nvml = nvml
         self.inventory = inventory_of(nvml)
@@ -128,6 +129,7 @@ class Node:
             prepared=lambda: self.claims,
             claim_info=infos.snapshot,
             tenant_of=(tenants or NamespaceTenants()).tenant_of,
+            containers=lambda: containers or {},
             health=lambda: health,
             on_sample=(self.accounting.observe,),
             clock=self.clock,
@@ -189,10 +191,20 @@ async def test_a_held_gpu_reports_its_values_labelled_with_its_holder(l4: NvmlEm
     infos.remember("u1", ClaimInfo(device_classes={("gpu-0", None): "gpu.nvidia.com"}))
     health = HealthState(inventory_of(l4))
     health.apply(XidEvent(uuid, 79))
-    node = Node(l4, [claim("u1", "team-a", "trainer", "gpu-0", uuid)], infos, health)
+    # A container name is the pod's to choose: the exposition escapes what it holds.
+    containers = {"u1": {"gpu": 'main,x"}\n'}}
+    node = Node(
+        l4, [claim("u1", "team-a", "trainer", "gpu-0", uuid)], infos, health, None, containers
+    )
     await node.sampler.sample_once()
     got = node.scrape()
-    holder = {"device": "gpu-0", "uuid": uuid, "namespace": "team-a", "pod": "trainer"}
+    holder = {
+        "device": "gpu-0",
+        "uuid": uuid,
+        "namespace": "team-a",
+        "pod": "trainer",
+        "container": 'main,x"}\n',
+    }
     assert only(got, "gpudra_gpu_utilization_percent", **holder, sharing="Exclusive") == 3
     assert only(got, "gpudra_gpu_memory_used_bytes", **holder) == 2 * GIB
     assert only(got, "gpudra_gpu_temperature_celsius", **holder) == 88

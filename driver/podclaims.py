@@ -1,0 +1,144 @@
+"""Which containers of a pod use a claim: the `container` label of device metrics.
+
+The checkpoint knows the pod a claim is reserved for, not the containers that use
+it; only the pod says that. A container names a pod-level claim entry in
+`resources.claims` (optionally narrowed to one `request` of the claim), and the entry
+names the ResourceClaim either directly (`resourceClaimName`) or through a template,
+whose generated claim name the resourceclaim controller records in the pod's
+`status.resourceClaimStatuses`. Init containers count like the others: a sidecar (an
+init container with `restartPolicy: Always`) holds the device for the pod's life, a
+plain one while the pod starts.
+
+`containers_using` is that mapping, pure. `ClaimContainers` reads each holding pod
+once, after the claim is prepared and never on a prepare's path, and keeps the label
+per claim and request: the container names sorted and joined with ",", empty where
+unknown (the pod could not be read, or no container names the claim).
+"""
+
+from __future__ import annotations
+
+import logging
+import urllib.parse
+from collections.abc import Iterable, Mapping
+from typing import Any, Final
+
+from gpudra.common.kube import ApiError, Kube
+from gpudra.driver.checkpoint import ClaimRecord
+
+__all__ = ["ClaimContainers", "container_label", "containers_using"]
+
+log = logging.getLogger(__name__)
+
+_CONTAINER_KINDS: Final = ("initContainers", "containers")
+_GIVE_UP: Final = frozenset({401, 403, 404})  # asking again changes nothing
+
+
+def _items(value: Any) -> list[Mapping[str, Any]]:
+    return [v for v in value if isinstance(v, Mapping)] if isinstance(value, list) else []
+
+
+def _mapping(value: Any) -> Mapping[str, Any]:
+    return value if isinstance(value, Mapping) else {}
+
+
+def containers_using(pod: Mapping[str, Any], claim: str, request: str) -> tuple[str, ...]:
+    """The names, sorted, of `pod`'s containers (init containers included) that use the
+    ResourceClaim named `claim` for `request`.
+
+    A container whose claim entry names no request uses every request of the claim;
+    one that names a request uses only that one. `request` may be a subrequest
+    ("gpu/big"), which its parent request's name stands for; "" matches any request.
+    """
+    spec = _mapping(pod.get("spec"))
+    generated = {
+        str(s.get("name")): s.get("resourceClaimName")
+        for s in _items(_mapping(pod.get("status")).get("resourceClaimStatuses"))
+    }
+    entries = {
+        str(e.get("name"))
+        for e in _items(spec.get("resourceClaims"))
+        if claim and claim in (e.get("resourceClaimName"), generated.get(str(e.get("name"))))
+    }
+    wanted = request.split("/", 1)[0]
+    found = {
+        str(container.get("name"))
+        for kind in _CONTAINER_KINDS
+        for container in _items(spec.get(kind))
+        for ref in _items(_mapping(container.get("resources")).get("claims"))
+        if ref.get("name") in entries and (not wanted or ref.get("request") in (None, "", wanted))
+    }
+    return tuple(sorted(found))
+
+
+def container_label(names: Iterable[str]) -> str:
+    """The `container` label value of a holder: the names joined with ","."""
+    return ",".join(names)
+
+
+class ClaimContainers:
+    """Claim UID -> request -> `container` label, for the prepared claims' pods.
+
+    `refresh` (the agent calls it on the sampling interval, apart from prepares) reads
+    the pod of each prepared claim it has no answer for yet. A read that fails is
+    logged once per claim; it is tried again next time unless the answer cannot
+    change (the pod is gone, or the agent may not read pods), in which case the label
+    stays empty. The answers are replaced whole, so any thread may read `snapshot`.
+    """
+
+    def __init__(self, kube: Kube, *, timeout_s: float = 5.0) -> None:
+        self._kube = kube
+        self._timeout_s = timeout_s
+        self._known: Mapping[str, tuple[str, Mapping[str, str]]] = {}  # uid -> (pod, labels)
+        self._logged: set[str] = set()
+
+    def snapshot(self) -> Mapping[str, Mapping[str, str]]:
+        return {uid: labels for uid, (_pod, labels) in self._known.items()}
+
+    async def refresh(self, claims: Iterable[ClaimRecord]) -> None:
+        """Read the pods of `claims` not known yet; forget claims no longer given."""
+        current = [c for c in claims if c.completed]
+        known = {
+            c.uid: self._known[c.uid]
+            for c in current
+            if c.uid in self._known and self._known[c.uid][0] == _pod_of(c)
+        }
+        for record in current:
+            pod = _pod_of(record)
+            if record.uid in known or not pod:
+                continue
+            labels = await self._read(record, pod)
+            if labels is not None:
+                known[record.uid] = (pod, labels)
+        self._known = known
+        self._logged &= {c.uid for c in current}
+
+    async def _read(self, record: ClaimRecord, pod: str) -> Mapping[str, str] | None:
+        """The labels of `record`'s requests; {} where they cannot be known; None to
+        ask again next time."""
+        path = f"/api/v1/namespaces/{record.namespace}/pods/{urllib.parse.quote(pod, safe='')}"
+        try:
+            obj = await self._kube.request("GET", path, request_timeout_s=self._timeout_s)
+        except Exception as exc:
+            final = isinstance(exc, ApiError) and exc.status in _GIVE_UP
+            if record.uid not in self._logged:
+                self._logged.add(record.uid)
+                log.warning(
+                    "could not read a claim's pod; its device series have no container label"
+                    + ("" if final else " until a later read succeeds"),
+                    extra={
+                        "fields": {
+                            "claim": record.ref.describe(),
+                            "pod": pod,
+                            "error": f"{type(exc).__name__}: {exc}",
+                        }
+                    },
+                )
+            return {} if final else None
+        pod_obj = _mapping(obj)
+        requests = {r for d in record.devices for r in d.request_names}
+        return {r: container_label(containers_using(pod_obj, record.name, r)) for r in requests}
+
+
+def _pod_of(record: ClaimRecord) -> str:
+    """The pod the claim was prepared for (the first it is reserved for)."""
+    return next((d.details.pod for d in record.devices if d.details.pod), "")
