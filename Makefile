@@ -122,7 +122,10 @@ bench-webhook: cluster-up
 bench-prepare: cluster-up
 	$(VPY) -m bench.prepare
 
-bench: bench-slices bench-webhook bench-prepare
+bench-schedule: cluster-up
+	$(VPY) -m bench.schedule
+
+bench: bench-slices bench-webhook bench-prepare bench-schedule
 
 # Long property-based fuzzing of the webhook (over HTTPS), the parsers and recover():
 # fresh random cases, FUZZ_EXAMPLES per test; writes bench/results/fuzz.json.

@@ -19,6 +19,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -598,7 +599,12 @@ def _micro_now() -> str:
     return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
-def register_node(kube: Kube, name: str) -> None:
+def register_node(
+    kube: Kube,
+    name: str,
+    capacity: Mapping[str, str] = NODE_CAPACITY,
+    labels: Mapping[str, str] | None = None,
+) -> None:
     kube.apply(
         {
             "apiVersion": "v1",
@@ -610,24 +616,26 @@ def register_node(kube: Kube, name: str) -> None:
                     "kubernetes.io/os": "linux",
                     "kubernetes.io/arch": "amd64",
                     "gpudra.dev/fake-node": "true",
+                    **(labels or {}),
                 },
             },
         },
         manager="gpudra-harness",
     )
-    heartbeat(kube, name)
+    heartbeat(kube, name, capacity)
 
 
-def heartbeat(kube: Kube, name: str) -> None:
-    """What a kubelet reports: Ready with capacity, plus a renewed node Lease."""
+def heartbeat(kube: Kube, name: str, capacity: Mapping[str, str] = NODE_CAPACITY) -> None:
+    """What a kubelet reports: Ready with capacity (a device plugin's resources
+    included, where a caller adds them), plus a renewed node Lease."""
     now = _now()
     kube.patch_status(
         "Node",
         name,
         {
             "status": {
-                "capacity": NODE_CAPACITY,
-                "allocatable": NODE_CAPACITY,
+                "capacity": dict(capacity),
+                "allocatable": dict(capacity),
                 "conditions": [
                     {
                         "type": "Ready",

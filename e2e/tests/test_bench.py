@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import peers, prepare, webhook
+from bench import peers, prepare, schedule, webhook
 from e2e.cluster.harness import Cluster
 
 pytestmark = [
@@ -88,3 +88,40 @@ def test_the_claim_bodies_differ_only_in_the_drivers_config_names() -> None:
             b"gpu.resource.example.com/v1alpha1", b"resource.nvidia.com/v1beta1"
         )
         assert swapped.replace(b"gpu.example.com", b"gpu.nvidia.com") == body_a
+
+
+async def test_bench_schedule_binds_every_pod_each_of_the_four_ways(
+    cluster: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("BENCH_SCHED_NODES", "2")
+    monkeypatch.setenv("BENCH_SCHED_PODS", "12")
+    result = await schedule.main()
+
+    assert set(result["ways"]) == set(schedule.WAYS)
+    for name, way in result["ways"].items():
+        if "skipped" in way:
+            assert name == "class_extended_resource", way
+            continue
+        assert (way["pods"], way["bound"], way["create_errors"]) == (12, 12, {}), name
+        assert (
+            way["pods_per_s"] > 0 and way["create_to_bound_p99_ms"] >= way["create_to_bound_p50_ms"]
+        )
+    target = result["targets"]["converted_legacy_to_native_claims"]
+    assert (
+        target["limit"] == 0.9
+        and target["value"] == result["ratios"]["converted_legacy_to_native_claims"]
+    )
+    # Nothing of the bench is left: its nodes; its namespaces are empty and going.
+    kube = cluster.kube()
+    assert not [n for n in kube.list("Node") if n["metadata"]["name"].startswith("sched-")]
+    for ns in kube.list("Namespace"):
+        if ns["metadata"]["name"].startswith("sched-"):
+            assert ns["status"]["phase"] == "Terminating"
+            assert not kube.list("Pod", ns["metadata"]["name"])
+
+
+async def test_bench_schedule_refuses_more_pods_than_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("BENCH_SCHED_NODES", "2")
+    monkeypatch.setenv("BENCH_SCHED_PODS", "17")
+    with pytest.raises(SystemExit, match="BENCH_SCHED_PODS=17 is more than the 16 GPUs"):
+        await schedule.main()
