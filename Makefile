@@ -6,7 +6,7 @@ VPY := $(VENV)/bin/python
 PKGS := -p gpudra.api -p gpudra.cli -p gpudra.common -p gpudra.driver -p gpudra.webhook
 export K8S_VERSION ?= 1.36
 
-.PHONY: venv lint typecheck unit test cluster-build cluster-up cluster-down cluster-env cluster-status demo demo-down bench
+.PHONY: venv lint typecheck unit test cluster-build cluster-up cluster-down cluster-env cluster-status demo demo-down bench bench-slices bench-webhook bench-prepare bench-schedule bench-compare
 
 venv: $(VENV)/.stamp
 $(VENV)/.stamp: pyproject.toml e2e/bootstrap_venv.py
@@ -126,6 +126,10 @@ bench-schedule: cluster-up
 	$(VPY) -m bench.schedule
 
 bench: bench-slices bench-webhook bench-prepare bench-schedule
+
+# Every side-by-side benchmark, then one table of gpudra against its peer or floor.
+bench-compare: cluster-up
+	$(VPY) -m bench.compare
 
 # Long property-based fuzzing of the webhook (over HTTPS), the parsers and recover():
 # fresh random cases, FUZZ_EXAMPLES per test; writes bench/results/fuzz.json.

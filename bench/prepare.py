@@ -64,10 +64,11 @@ from gpudra.driver.claims import Claim, ClaimRef
 from gpudra.driver.plugin import KubeletPlugin, PreparedDevice, PrepareResult
 
 from bench import peers
+from bench.runinfo import run_context
 from e2e.cache import cache_root
 from e2e.claims import pod_with_claim, wait_allocated
 from e2e.cluster.harness import REPO, Cluster, State
-from e2e.cluster.kube import ApiError, Kube
+from e2e.cluster.kube import Kube
 from e2e.kubelet_standin import KubeletStandin
 from e2e.node_process import NodeDirs, create_driver_namespace, delete_driver_namespace
 
@@ -368,26 +369,6 @@ def targets(to_peer: dict[str, Any] | None, to_floor: dict[str, Any] | None) -> 
             "met": met(to_floor["p50"], 1.3),
         }
     return out
-
-
-def run_context(kube: Kube) -> dict[str, Any]:
-    """What a results file records about where it was measured."""
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short=12", "HEAD"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    try:
-        k8s = kube.request("GET", "/version").get("gitVersion", "")
-    except (ApiError, OSError, AttributeError):  # a record of the run, never a reason to fail it
-        k8s = ""
-    return {
-        "commit": commit.stdout.strip() if commit.returncode == 0 else "",
-        "kubernetes_version": k8s,
-        "cpus": os.cpu_count(),
-    }
 
 
 async def main(

@@ -46,7 +46,8 @@ from gpudra.common.kube import Kube as AsyncKube
 from gpudra.webhook import registration
 from gpudra.webhook.certs import ensure_pki, service_dns_names
 
-from bench.prepare import percentile, run_context
+from bench.prepare import percentile
+from bench.runinfo import run_context
 from bench.webhook import start_server
 from e2e.cluster.harness import NODE_CAPACITY, Cluster, heartbeat, register_node
 from e2e.cluster.kube import Kube, wait_for

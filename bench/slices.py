@@ -23,6 +23,7 @@ from gpudra.driver.agent import AgentConfig, NodeAgent
 from gpudra.driver.devices import MigStrategy
 from gpudra.driver.nvml import load_nvml
 
+from bench.runinfo import load_avg, run_context
 from e2e.cluster.harness import Cluster, register_node
 
 DRIVER = "gpu.nvidia.com"
@@ -41,6 +42,7 @@ async def main() -> dict[str, Any]:
     if not cluster.is_up():
         cluster.up()
     sync = cluster.kube()
+    load_start = load_avg()
     names = [f"bench-{i:04d}" for i in range(n_nodes)]
     for n in names:
         register_node(sync, n)
@@ -104,7 +106,9 @@ async def main() -> dict[str, Any]:
         "rss_mb": rss_mb(),
         "target_converge_s": 30,
         "profile": profile,
-        "cpus": os.cpu_count(),
+        **run_context(sync),
+        "load_avg_1m_at_start": load_start,
+        "load_avg_1m_at_end": load_avg(),
     }
 
 

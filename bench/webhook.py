@@ -61,6 +61,7 @@ from gpudra.webhook.server import (
 from gpudra.webhook.templates import ApiTemplateEnsurer
 
 from bench import peers
+from bench.runinfo import run_context
 from e2e.cluster.harness import Cluster
 from e2e.processes import free_port
 
@@ -814,6 +815,7 @@ def main() -> int:
         "mix": mix,
         "request_bytes": {"min": sizes[0], "median": sizes[len(sizes) // 2], "max": sizes[-1]},
         "connections": POOL,
+        **run_context(sync),
         "machine": {
             "cpus": os.cpu_count(),
             "python": platform.python_version(),

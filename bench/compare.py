@@ -1,0 +1,225 @@
+"""make bench-compare: every side-by-side benchmark, then one table of gpudra against
+its peer or floor: metric, gpudra, peer or floor, ratio, target, met.
+
+It runs bench-prepare, bench-webhook, bench-schedule and bench-slices in turn (each
+writes its own results file with the commit, Kubernetes version, core count and load),
+then reads the files back. `--no-run` only prints the table of the files as they are.
+Writes bench/results/compare.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from gpudra.common.files import atomic_write
+
+RESULTS = Path(__file__).resolve().parent / "results"
+OUT = RESULTS / "compare.json"
+BENCHES = ("prepare", "webhook", "schedule", "slices")
+
+
+@dataclass(frozen=True)
+class Row:
+    """One comparison; `met` is None where there is no target or nothing was measured."""
+
+    metric: str
+    gpudra: float | None
+    other: float | None
+    other_name: str
+    ratio: float | None
+    target: str
+    met: bool | None
+
+
+def _get(doc: Mapping[str, Any] | None, *keys: str) -> Any:
+    for key in keys:
+        if not isinstance(doc, Mapping):
+            return None
+        doc = doc.get(key)
+    return doc
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 3) if a is not None and b else None
+
+
+def _row(
+    metric: str,
+    ours: float | None,
+    other: float | None,
+    other_name: str,
+    limit: float | None,
+    sign: str | None,
+) -> Row:
+    """`sign` ("<=" or ">=") says which side of `limit` the ratio must be on."""
+    ratio = _ratio(ours, other)
+    if limit is None or sign is None:
+        return Row(metric, ours, other, other_name, ratio, "", None)
+    met = None if ratio is None else (ratio <= limit if sign == "<=" else ratio >= limit)
+    return Row(metric, ours, other, other_name, ratio, f"ratio {sign} {limit}", met)
+
+
+def rows(results: Mapping[str, Mapping[str, Any] | None]) -> list[Row]:
+    """The table's rows from the four results files (None: not measured)."""
+    prepare, webhook = results.get("prepare"), results.get("webhook")
+    schedule, slices = results.get("schedule"), results.get("slices")
+    peer, floor = _get(prepare, "peer"), _get(prepare, "floor_get_only")
+    claims = _get(webhook, "claims_vs_peer")
+    ways = _get(schedule, "ways") or {}
+    out = [
+        _row("prepare p50 ms", _get(prepare, "p50_ms"), _get(peer, "p50_ms"), "peer", 1.0, "<="),
+        _row("prepare p99 ms", _get(prepare, "p99_ms"), _get(peer, "p99_ms"), "peer", 1.0, "<="),
+        _row(
+            "prepare claims/s",
+            _get(prepare, "claims_per_s"),
+            _get(peer, "claims_per_s"),
+            "peer",
+            1.0,
+            ">=",
+        ),
+        _row("prepare p50 ms", _get(prepare, "p50_ms"), _get(floor, "p50_ms"), "floor", 1.3, "<="),
+        _row(
+            "claim admission p50 ms at 200/s",
+            _get(claims, "gpudra", "p50_ms"),
+            _get(claims, "peer", "p50_ms"),
+            "peer",
+            1.0,
+            "<=",
+        ),
+        _row(
+            "claim admission p99 ms at 200/s",
+            _get(claims, "gpudra", "p99_ms"),
+            _get(claims, "peer", "p99_ms"),
+            "peer",
+            1.0,
+            "<=",
+        ),
+        _row(
+            "claim admission max req/s, one core",
+            _get(claims, "gpudra", "max_rps"),
+            _get(claims, "peer", "max_rps"),
+            "peer",
+            1.0,
+            ">=",
+        ),
+        _row(
+            "schedule pods/s, converted legacy",
+            _get(ways, "converted_legacy", "pods_per_s"),
+            _get(ways, "native_claims", "pods_per_s"),
+            "native claims",
+            0.9,
+            ">=",
+        ),
+        _row(
+            "schedule pods/s, native claims",
+            _get(ways, "native_claims", "pods_per_s"),
+            _get(ways, "extended_resource", "pods_per_s"),
+            "extended resource",
+            None,
+            None,
+        ),
+        _row(
+            "slices converge s",
+            _get(slices, "converge_s"),
+            _get(slices, "floor", "converge_s"),
+            "floor",
+            1.2,
+            "<=",
+        ),
+    ]
+    steady = _get(slices, "steady_writes")
+    out.append(
+        Row(
+            "slice writes at rest",
+            steady,
+            None,
+            "",
+            None,
+            "0",
+            None if steady is None else steady == 0,
+        )
+    )
+    rss = _get(slices, "agent_rss_mib")
+    out.append(
+        Row(
+            "agent RSS MiB, one node",
+            rss,
+            None,
+            "",
+            None,
+            "< 100",
+            None if rss is None else rss < 100,
+        )
+    )
+    return out
+
+
+def table(lines: list[Row]) -> str:
+    """A fixed-width table, one row per comparison."""
+
+    def cell(value: object) -> str:
+        if value is None:
+            return "-"
+        if isinstance(value, bool):
+            return "yes" if value else "NO"
+        if isinstance(value, float):
+            return f"{value:g}"
+        return str(value)
+
+    header = ("METRIC", "GPUDRA", "PEER/FLOOR", "OF", "RATIO", "TARGET", "MET")
+    cells = [
+        tuple(
+            cell(v) for v in (r.metric, r.gpudra, r.other, r.other_name, r.ratio, r.target, r.met)
+        )
+        for r in lines
+    ]
+    widths = [max(len(c) for c in column) for column in zip(header, *cells, strict=False)]
+    return "\n".join(
+        "  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip()
+        for line in (header, *cells)
+    )
+
+
+def load(name: str) -> dict[str, Any] | None:
+    path = RESULTS / f"{name}.json"
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.compare")
+    parser.add_argument("--no-run", action="store_true", help="only tabulate the results files")
+    args = parser.parse_args()
+    failed = []
+    if not args.no_run:
+        for name in BENCHES:
+            print(f"bench-compare: running bench-{name}", file=sys.stderr, flush=True)
+            if subprocess.run([sys.executable, "-m", f"bench.{name}"], check=False).returncode:
+                failed.append(name)
+    results = {name: load(name) for name in BENCHES}
+    lines = rows(results)
+    context = {
+        name: {k: doc.get(k) for k in ("commit", "kubernetes_version", "cpus")}
+        for name, doc in results.items()
+        if doc
+    }
+    doc = {"rows": [asdict(r) for r in lines], "runs": context, "failed": failed}
+    atomic_write(OUT, (json.dumps(doc, indent=2) + "\n").encode(), mode=0o644)
+    print(table(lines))
+    if failed:
+        print(f"bench-compare: these benchmarks failed: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
