@@ -33,6 +33,7 @@ __all__ = [
     "check_ref",
     "checked_claim",
     "config_error",
+    "reserved_pods",
 ]
 
 ALLOCATION_CONFIG_PATH: Final = "status.allocation.devices.config"
@@ -233,13 +234,20 @@ def _shares(ref: ClaimRef, index: int, raw: object) -> int | None:
     return int(amount)
 
 
+def reserved_pods(claim: Mapping[str, Any]) -> dict[str, str]:
+    """The Pods a claim object is reserved for, name -> UID, in `reservedFor`'s order.
+
+    The UID tells a pod from one re-created under the same name while the claim is held.
+    """
+    return {
+        str(consumer.get("name") or ""): str(consumer.get("uid") or "")
+        for consumer in (claim.get("status") or {}).get("reservedFor") or ()
+        if isinstance(consumer, Mapping)
+        and consumer.get("resource") == "pods"
+        and not consumer.get("apiGroup")
+    }
+
+
 def _pod_name(claim: Mapping[str, Any]) -> str:
     """The first Pod the claim is reserved for."""
-    for consumer in (claim.get("status") or {}).get("reservedFor") or ():
-        if (
-            isinstance(consumer, Mapping)
-            and consumer.get("resource") == "pods"
-            and not consumer.get("apiGroup")
-        ):
-            return str(consumer.get("name") or "")
-    return ""
+    return next(iter(reserved_pods(claim)), "")

@@ -12,8 +12,9 @@ pays no API call for it. Writes are server-side apply with the driver name as fi
 manager, so entries of other drivers on the same claim are left alone, and with the
 claim's UID, so a claim re-created under the same name is not written to. Where the
 API server refuses the field (too old, or the status subresource not allowed to this
-agent) the writer logs it once per claim and goes on: status is a view, never a
-reason to fail a pod.
+agent) or drops it (the DRAResourceClaimDeviceStatus gate off: the write succeeds and
+the stored claim has no entry), the writer logs it once per claim and goes on: status
+is a view, never a reason to fail a pod.
 """
 
 from __future__ import annotations
@@ -63,6 +64,21 @@ def device_statuses(
     return out
 
 
+def _kept(stored: Any, entries: list[dict[str, Any]]) -> bool:
+    """Whether the claim the API server returned from the write has every entry written
+    (by driver, pool, device and share ID; the server may normalize `data`)."""
+    status = stored.get("status") if isinstance(stored, Mapping) else None
+    devices = status.get("devices") if isinstance(status, Mapping) else None
+
+    def key(entry: Mapping[str, Any]) -> tuple[Any, ...]:
+        return tuple(entry.get(k) for k in ("driver", "pool", "device", "shareID"))
+
+    have = (
+        {key(d) for d in devices if isinstance(d, Mapping)} if isinstance(devices, list) else set()
+    )
+    return all(key(e) in have for e in entries)
+
+
 class ClaimStatusWriter:
     """Keeps `status.devices` of the claims this node prepared (see the module docstring)."""
 
@@ -96,7 +112,7 @@ class ClaimStatusWriter:
             "status": {"devices": entries},
         }
         try:
-            await self._kube.request(
+            stored = await self._kube.request(
                 "PATCH",
                 f"{claim_path(namespace, name)}/status",
                 body,
@@ -123,6 +139,14 @@ class ClaimStatusWriter:
                 return False
             log.warning(
                 "writing the claim's device status failed; retrying", extra={"fields": fields}
+            )
+            return False
+        if entries and not _kept(stored, entries):
+            self._refused.add(uid)
+            log.warning(
+                "the API server dropped the claim's device status (is the "
+                "DRAResourceClaimDeviceStatus feature gate off?); not writing it",
+                extra={"fields": {"claim": f"{namespace}/{name}", "uid": uid}},
             )
             return False
         return True

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 from gpudra.driver.checkpoint import ClaimRecord, DeviceRecord
-from gpudra.driver.claims import Claim
+from gpudra.driver.claims import Claim, reserved_pods
 
 __all__ = [
     "ADMIN",
@@ -53,11 +53,14 @@ class ClaimInfo:
 
     Both map an allocated device (device name, share ID) to what it was allocated
     with: `device_classes` the DeviceClass of its request (or subrequest), `memory`
-    the bytes a memory slice took.
+    the bytes a memory slice took. `pods` are the pods the claim was reserved for,
+    name -> UID: the checkpoint keeps only the holding pod's name, and the UID tells
+    that pod from one re-created under its name (`gpudra.driver.podclaims`).
     """
 
     device_classes: Mapping[tuple[str, str | None], str] = field(default_factory=dict)
     memory: Mapping[tuple[str, str | None], int] = field(default_factory=dict)
+    pods: Mapping[str, str] = field(default_factory=dict)
 
 
 class ClaimInfos:
@@ -133,6 +136,7 @@ def claim_info(obj: Mapping[str, Any], claim: Claim) -> ClaimInfo:
             for d in claim.devices
             if d.consumed_memory is not None
         },
+        pods=reserved_pods(obj),
     )
 
 

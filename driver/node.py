@@ -303,7 +303,7 @@ class NodeService:
         """Read, on the sampling interval, which containers use each prepared claim."""
         await run_every(
             interval_s,
-            lambda: self.containers.refresh(self._prepared_claims()),
+            lambda: self.containers.refresh(self._prepared_claims(), self._infos.snapshot()),
             failed="reading the pods of prepared claims failed; trying again next interval",
             logger=log,
         )

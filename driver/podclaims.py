@@ -12,7 +12,11 @@ plain one while the pod starts.
 `containers_using` is that mapping, pure. `ClaimContainers` reads each holding pod
 once, after the claim is prepared and never on a prepare's path, and keeps the label
 per claim and request: the container names sorted and joined with ",", empty where
-unknown (the pod could not be read, or no container names the claim).
+unknown (the pod could not be read, or no container names the claim). The checkpoint
+keeps the pod's name only, so the read pod's UID is compared with the one the claim
+was reserved for (remembered from the claim read for the prepare, `ClaimInfo.pods`):
+a pod re-created under the same name while the claim is held is another pod, and
+labelling its containers would name the wrong ones.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from typing import Any, Final
 
 from gpudra.common.kube import ApiError, Kube
 from gpudra.driver.checkpoint import ClaimRecord
+from gpudra.driver.holders import ClaimInfo
 
 __all__ = ["ClaimContainers", "container_label", "containers_using"]
 
@@ -79,10 +84,12 @@ class ClaimContainers:
     """Claim UID -> request -> `container` label, for the prepared claims' pods.
 
     `refresh` (the agent calls it on the sampling interval, apart from prepares) reads
-    the pod of each prepared claim it has no answer for yet. A read that fails is
-    logged once per claim; it is tried again next time unless the answer cannot
-    change (the pod is gone, or the agent may not read pods), in which case the label
-    stays empty. The answers are replaced whole, so any thread may read `snapshot`.
+    the pod of each prepared claim it has no answer for yet, once the claim's reserved
+    pods are known (`ClaimInfo.pods`). A read that fails is logged once per claim; it
+    is tried again next time unless the answer cannot change (the pod is gone or is
+    another pod of the same name, or the agent may not read pods), in which case the
+    label stays empty. The answers are replaced whole, so any thread may read
+    `snapshot`.
     """
 
     def __init__(self, kube: Kube, *, timeout_s: float = 5.0) -> None:
@@ -94,8 +101,9 @@ class ClaimContainers:
     def snapshot(self) -> Mapping[str, Mapping[str, str]]:
         return {uid: labels for uid, (_pod, labels) in self._known.items()}
 
-    async def refresh(self, claims: Iterable[ClaimRecord]) -> None:
-        """Read the pods of `claims` not known yet; forget claims no longer given."""
+    async def refresh(self, claims: Iterable[ClaimRecord], infos: Mapping[str, ClaimInfo]) -> None:
+        """Read the pods of `claims` not known yet; forget claims no longer given.
+        `infos`: the claims as read from the API server, by UID, for the pods' UIDs."""
         current = [c for c in claims if c.completed]
         known = {
             c.uid: self._known[c.uid]
@@ -104,17 +112,18 @@ class ClaimContainers:
         }
         for record in current:
             pod = _pod_of(record)
-            if record.uid in known or not pod:
-                continue
-            labels = await self._read(record, pod)
+            info = infos.get(record.uid)
+            if record.uid in known or not pod or info is None:
+                continue  # without the claim's read, the pod's UID is not known yet
+            labels = await self._read(record, pod, info.pods.get(pod, ""))
             if labels is not None:
                 known[record.uid] = (pod, labels)
         self._known = known
         self._logged &= {c.uid for c in current}
 
-    async def _read(self, record: ClaimRecord, pod: str) -> Mapping[str, str] | None:
+    async def _read(self, record: ClaimRecord, pod: str, pod_uid: str) -> Mapping[str, str] | None:
         """The labels of `record`'s requests; {} where they cannot be known; None to
-        ask again next time."""
+        ask again next time. `pod_uid`: the UID the claim was reserved for."""
         path = f"/api/v1/namespaces/{record.namespace}/pods/{urllib.parse.quote(pod, safe='')}"
         try:
             obj = await self._kube.request("GET", path, request_timeout_s=self._timeout_s)
@@ -135,6 +144,21 @@ class ClaimContainers:
                 )
             return {} if final else None
         pod_obj = _mapping(obj)
+        found = _mapping(pod_obj.get("metadata")).get("uid")
+        if not pod_uid or found != pod_uid:
+            log.warning(
+                "the claim's pod was re-created under the same name (or is no longer the "
+                "one the claim is reserved for); its device series have no container label",
+                extra={
+                    "fields": {
+                        "claim": record.ref.describe(),
+                        "pod": pod,
+                        "reserved_for_uid": pod_uid,
+                        "pod_uid": found,
+                    }
+                },
+            )
+            return {}
         requests = {r for d in record.devices for r in d.request_names}
         return {r: container_label(containers_using(pod_obj, record.name, r)) for r in requests}
 

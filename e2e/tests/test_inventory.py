@@ -3,27 +3,38 @@ publish slices; the real scheduler allocates against them; health taints steer i
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import anyio
 import pytest
+import yaml
 from gpudra.api.deviceclasses import device_classes
 from gpudra.common.kube import Kube
 from gpudra.driver.agent import AgentConfig, NodeAgent
+from gpudra.driver.checkpoint import ClaimRecord, ClaimState, DeviceRecord
+from gpudra.driver.claimreader import ApiClaims
+from gpudra.driver.claims import ClaimRef
+from gpudra.driver.claimstatus import ClaimStatusWriter
 from gpudra.driver.devices import MigStrategy
 from gpudra.driver.health import HealthPolicy
+from gpudra.driver.holders import ClaimInfos
 from gpudra.driver.nvml import load_nvml
+from gpudra.driver.records import DeviceDetails
 
 from e2e import features, smoke
 from e2e.cluster.harness import Cluster
 from e2e.cluster.kube import ApiError
 from e2e.cluster.kube import Kube as SyncKube
+from e2e.tools import helm
 
 pytestmark = [pytest.mark.cluster, pytest.mark.anyio]
 DRIVER = "gpu.nvidia.com"
 SLICES = "/apis/resource.k8s.io/v1/resourceslices"
+RBAC = "/apis/rbac.authorization.k8s.io/v1"
 
 
 @dataclass
@@ -328,3 +339,174 @@ async def test_gpu_lost_is_no_execute(nodes: dict[str, Node], kube: SyncKube) ->
     effects = {t["effect"] for t in published(kube, "worker-1")["gpu-6"]["taints"]}
     assert "NoExecute" in effects
     nodes["worker-1"].nvml.recover_gpu(6)
+
+
+def agent_kubeconfig(
+    kube: SyncKube, ns: str, node: str, path: Path, *, sa: str, claim_status: bool
+) -> Path:
+    """A kubeconfig of ServiceAccount `sa` holding the node agent's ClusterRole as the
+    chart renders it with `node.claimStatus=claim_status`, with a token bound to a pod
+    on `node` as the agent's is, so the API server's authorization of the status write
+    is the one a deployed agent meets (the admin certificate would pass everything)."""
+    try:
+        objects = helm.template(helm.helm_binary(), {"node": {"claimStatus": claim_status}})
+    except helm.HelmUnavailable as e:
+        pytest.skip(str(e))
+    role = helm.find(objects, "ClusterRole", "gpudra-node")
+    role["metadata"] = {"name": f"{ns}-{sa}"}
+    kube.request("POST", f"{RBAC}/clusterroles", role)
+    sas = f"/api/v1/namespaces/{ns}/serviceaccounts"
+    kube.request(
+        "POST", sas, {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": sa}}
+    )
+    kube.request(
+        "POST",
+        f"{RBAC}/clusterrolebindings",
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "ClusterRoleBinding",
+            "metadata": {"name": f"{ns}-{sa}"},
+            "roleRef": {
+                "apiGroup": "rbac.authorization.k8s.io",
+                "kind": "ClusterRole",
+                "name": f"{ns}-{sa}",
+            },
+            "subjects": [{"kind": "ServiceAccount", "name": sa, "namespace": ns}],
+        },
+    )
+    agent = kube.create(
+        {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": f"agent-{sa}", "namespace": ns},
+            "spec": {
+                "nodeName": node,
+                "serviceAccountName": sa,
+                "containers": [{"name": "agent", "image": "gpudra:test"}],
+            },
+        }
+    )
+    bound = {"kind": "Pod", "apiVersion": "v1", "name": f"agent-{sa}"}
+    issued = kube.request(
+        "POST",
+        f"{sas}/{sa}/token",
+        {
+            "apiVersion": "authentication.k8s.io/v1",
+            "kind": "TokenRequest",
+            "spec": {"boundObjectRef": {**bound, "uid": agent["metadata"]["uid"]}},
+        },
+    )
+    token = issued["status"]["token"]
+    creds = kube.creds
+    config = {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [
+            {
+                "name": "c",
+                "cluster": {
+                    "server": f"https://{creds.host}:{creds.port}",
+                    "certificate-authority": str(creds.ca),
+                },
+            }
+        ],
+        "users": [{"name": sa, "user": {"token": token}}],
+        "contexts": [{"name": "c", "context": {"cluster": "c", "user": sa}}],
+        "current-context": "c",
+    }
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+async def test_claim_status_is_written_and_removed_where_the_server_keeps_it(
+    nodes: dict[str, Node], kube: SyncKube, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The agent's claim status writer, with the chart's RBAC, on a claim the scheduler
+    allocated: where the server keeps `status.devices` the entry is there while prepared
+    and gone after unprepare; where it drops or refuses it (always: with the RBAC of a
+    chart without `node.claimStatus`), one log line and nothing else changes (the claim
+    reads and checks as before), and the rest skips with what the server did."""
+    ns = smoke.make_namespace(kube, "status")
+    claim_pod(kube, ns, "held", {"deviceClassName": "gpu.nvidia.com"})
+    result = await allocation(kube, ns, "held")
+    pool, device = result["pool"], result["device"]
+    name = kube.get("Pod", "held", ns)["status"]["resourceClaimStatuses"][0]["resourceClaimName"]
+    obj = kube.get("ResourceClaim", name, ns)
+    uuid = published(kube, pool)[device]["attributes"]["uuid"]["string"]
+    config = tmp_path / "node.kubeconfig"
+    akube = await Kube.connect(
+        str(agent_kubeconfig(kube, ns, pool, config, sa="node", claim_status=True))
+    )
+    config = tmp_path / "plain.kubeconfig"
+    plain = await Kube.connect(
+        str(agent_kubeconfig(kube, ns, pool, config, sa="plain", claim_status=False))
+    )
+    try:
+        # As the agent: the claim reader reads it for the prepare, the checkpoint then
+        # holds it, and the writer reconciles the checkpoint with the claims' status.
+        infos = ClaimInfos()
+        ref = ClaimRef(namespace=ns, uid=obj["metadata"]["uid"], name=name)
+        claim = await ApiClaims(akube, driver=DRIVER, pool=pool, infos=infos).read(ref)
+        record = ClaimRecord(
+            uid=ref.uid,
+            namespace=ns,
+            name=name,
+            state=ClaimState.PREPARE_COMPLETED,
+            devices=(
+                DeviceRecord(
+                    pool=pool,
+                    device=device,
+                    request_names=(result["request"],),
+                    details=DeviceDetails(type="gpu", gpu_uuid=uuid, uuid=uuid, pod=claim.pod),
+                ),
+            ),
+        )
+        prepared = [record]
+
+        def refused_once() -> str:
+            """The one line a refusing or dropping server costs; the claim is untouched."""
+            [line] = caplog.records  # once, however often the writer runs
+            caplog.clear()
+            stored = kube.get("ResourceClaim", name, ns)["status"]
+            assert not stored.get("devices")
+            assert stored["allocation"] == obj["status"]["allocation"]
+            return f"{line.getMessage()} {getattr(line, 'fields', {}).get('error', '')}"
+
+        denied = ClaimStatusWriter(
+            plain, driver=DRIVER, pool=pool, prepared=lambda: prepared, claim_info=infos.snapshot
+        )
+        with caplog.at_level(logging.WARNING, logger="gpudra.driver.claimstatus"):
+            await denied.sync_once()
+            await denied.sync_once()
+        assert "refused" in refused_once()
+        assert await ApiClaims(plain, driver=DRIVER, pool=pool).read(ref) == claim
+
+        writer = ClaimStatusWriter(
+            akube, driver=DRIVER, pool=pool, prepared=lambda: prepared, claim_info=infos.snapshot
+        )
+        with caplog.at_level(logging.WARNING, logger="gpudra.driver.claimstatus"):
+            await writer.sync_once()
+            await writer.sync_once()
+        if caplog.records:
+            why = refused_once()
+            assert await ApiClaims(akube, driver=DRIVER, pool=pool).read(ref) == claim
+            pytest.skip(f"the API server kept no status.devices: {why}".strip())
+        stored = kube.get("ResourceClaim", name, ns)["status"]
+        assert stored["allocation"] == obj["status"]["allocation"]
+        [entry] = stored["devices"]
+        assert (entry["driver"], entry["pool"], entry["device"]) == (DRIVER, pool, device)
+        assert entry["data"] == {"sharing": "Exclusive", "gpuUUID": uuid}
+
+        prepared.clear()  # unprepared
+        await writer.sync_once()
+        stored = kube.get("ResourceClaim", name, ns)["status"]
+        assert not stored.get("devices")
+        assert stored["allocation"] == obj["status"]["allocation"]
+        assert caplog.records == []
+    finally:
+        await akube.close()
+        await plain.close()
+        for kind in ("clusterrolebindings", "clusterroles"):
+            for sa in ("node", "plain"):
+                kube.request("DELETE", f"{RBAC}/{kind}/{ns}-{sa}")
+        kube.delete("Namespace", ns)

@@ -158,10 +158,15 @@ def test_claim_status_is_opt_in_with_its_one_extra_permission(helm: Path) -> Non
     args, role = rendered({})
     assert "--claim-status" not in args
     assert not [r for r in role if "resourceclaims/status" in r["resources"]]
+    assert not [r for r in role if "resourceclaims/driver" in r["resources"]]
     args, role = rendered({"node": {"claimStatus": True}})
     assert "--claim-status" in args
     [status] = [r for r in role if "resourceclaims/status" in r["resources"]]
     assert (status["resources"], status["verbs"]) == (["resourceclaims/status"], ["patch"])
+    # 1.36+ also asks for the driver's own entries on claims of the agent's node.
+    [driver] = [r for r in role if "resourceclaims/driver" in r["resources"]]
+    assert driver["resourceNames"] == ["gpu.nvidia.com"]
+    assert driver["verbs"] == ["associated-node:patch", "associated-node:update"]
 
 
 def test_the_agent_may_read_tenants_namespaces_and_pods_only_while_it_samples(

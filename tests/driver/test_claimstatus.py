@@ -74,3 +74,34 @@ async def test_a_refusing_api_server_is_asked_once_per_claim_and_nothing_fails()
     claims.clear()  # unprepared: nothing was written, so nothing to remove
     await writer.sync_once()
     assert len(kube.calls) == 1
+
+
+class DroppingKube(Kube):
+    """An API server with the DRAResourceClaimDeviceStatus gate off: the write succeeds
+    and the stored claim has no `status.devices`."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str, Any]] = []
+
+    async def request(self, method: str, path: str, body: Any = None, **_: Any) -> Any:
+        self.calls.append((method, path, body))
+        return {"metadata": body["metadata"], "status": {"allocation": {"devices": {}}}}
+
+
+async def test_a_server_that_drops_the_field_is_logged_once_and_not_asked_again(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    kube = DroppingKube()
+    claims = [slice_claim()]
+    writer = ClaimStatusWriter(
+        kube, driver="gpu.nvidia.com", pool="node-a", prepared=lambda: claims
+    )
+    with caplog.at_level("WARNING", logger="gpudra.driver.claimstatus"):
+        await writer.sync_once()
+        await writer.sync_once()
+    [record] = caplog.records
+    assert "dropped" in record.getMessage()
+    assert len(kube.calls) == 1
+    claims.clear()  # nothing stored, so nothing to remove at unprepare
+    await writer.sync_once()
+    assert len(kube.calls) == 1

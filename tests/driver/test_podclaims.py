@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 from gpudra.common.kube import ApiError, Kube
 from gpudra.driver.checkpoint import ClaimRecord, ClaimState, DeviceRecord
+from gpudra.driver.holders import ClaimInfo
 from gpudra.driver.podclaims import ClaimContainers, containers_using
 from gpudra.driver.records import DeviceDetails
 
@@ -145,17 +146,18 @@ async def test_a_pod_that_cannot_be_read_leaves_the_label_empty_and_is_logged_on
     kube = UnreachableKube()
     containers = ClaimContainers(kube)
     claims = [claim_record("u1", "team-a", "big", "trainer")]
+    infos = {"u1": ClaimInfo(pods={"trainer": "pod-uid-1"})}
     with caplog.at_level(logging.WARNING, logger="gpudra.driver.podclaims"):
-        await containers.refresh(claims)
-        await containers.refresh(claims)
+        await containers.refresh(claims, infos)
+        await containers.refresh(claims, infos)
     assert containers.snapshot() == {}
     assert kube.calls == 2  # the API server may come back: asked again
     assert len(caplog.records) == 1
 
     forbidden = UnreachableKube(403)
     containers = ClaimContainers(forbidden)
-    await containers.refresh(claims)
-    await containers.refresh(claims)
+    await containers.refresh(claims, infos)
+    await containers.refresh(claims, infos)
     assert containers.snapshot() == {"u1": {}}
     assert forbidden.calls == 1  # no permission: asking again changes nothing
 
@@ -181,7 +183,7 @@ async def test_the_pod_is_read_from_the_api_server_once_per_claim(
     del p["status"]
     p["metadata"] = {"name": "trainer", "namespace": namespace}
     path = f"/api/v1/namespaces/{namespace}/pods"
-    await akube.request("POST", path, p)
+    created = await akube.request("POST", path, p)
     status = {"status": {"resourceClaimStatuses": [{"name": "gpu", "resourceClaimName": "gen"}]}}
     await akube.request(
         "PATCH",
@@ -195,11 +197,54 @@ async def test_the_pod_is_read_from_the_api_server_once_per_claim(
         claim_record("u2", namespace, "gen", "gone"),  # no such pod: known to be unknown
     ]
 
-    await containers.refresh(claims)
+    infos = {
+        "u1": ClaimInfo(pods={"trainer": created["metadata"]["uid"]}),
+        "u2": ClaimInfo(pods={"gone": "uid-of-gone"}),
+    }
+
+    await containers.refresh(claims, infos)
 
     assert containers.snapshot() == {
         "u1": {"gpu": "main,proxy", "spare": "proxy"},
         "u2": {},
     }
-    await containers.refresh(claims[:1])  # unprepared claims are forgotten
+    await containers.refresh(claims[:1], infos)  # unprepared claims are forgotten
     assert set(containers.snapshot()) == {"u1"}
+
+
+class PodKube(Kube):
+    """An API server that has one pod, `trainer`, with the given UID."""
+
+    def __init__(self, uid: str) -> None:
+        self.calls = 0
+        self.uid = uid
+
+    async def request(self, method: str, path: str, body: Any = None, **_: Any) -> Any:
+        self.calls += 1
+        p = pod([{"name": "gpu", "resourceClaimName": "big"}], [container("main", {"name": "gpu"})])
+        p["metadata"]["uid"] = self.uid
+        return p
+
+
+@pytest.mark.anyio
+async def test_a_pod_re_created_under_the_same_name_gets_no_container_label(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    claims = [claim_record("u1", "team-a", "big", "trainer")]
+    reserved = {"u1": ClaimInfo(pods={"trainer": "uid-of-the-first"})}
+
+    same = ClaimContainers(PodKube("uid-of-the-first"))
+    await same.refresh(claims, reserved)
+    assert same.snapshot() == {"u1": {"gpu": "main", "spare": "main"}}
+
+    kube = PodKube("uid-of-a-new-pod")
+    containers = ClaimContainers(kube)
+    await containers.refresh(claims, {})  # the claim not read yet: the UID is not known
+    assert kube.calls == 0 and containers.snapshot() == {}
+    with caplog.at_level(logging.WARNING, logger="gpudra.driver.podclaims"):
+        await containers.refresh(claims, reserved)
+        await containers.refresh(claims, reserved)
+    assert containers.snapshot() == {"u1": {}}
+    assert kube.calls == 1  # another pod: asking again changes nothing
+    [record] = caplog.records
+    assert "re-created" in record.getMessage()
