@@ -312,6 +312,14 @@ async def main() -> dict[str, Any]:
                 "met": None if converted_to_native is None else converted_to_native >= 0.9,
             }
         },
+        "notes": (
+            "The control plane runs with its components' default client limits, as a "
+            "cluster does unless tuned: kube-scheduler 50 QPS (burst 100), "
+            "kube-controller-manager 20 QPS (burst 30). A DRA pod costs more API writes "
+            "than an extended-resource pod (the claim made from the template, its "
+            "allocation in status, then the bind), so those limits weigh on (b) to (d) "
+            "more than on (a)."
+        ),
         **run_context(sync),
         "load_avg_1m_at_start": round(load_start, 2),
         "load_avg_1m_at_end": round(os.getloadavg()[0], 2),

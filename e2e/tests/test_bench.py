@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import peers, prepare, schedule, webhook
+from bench import peers, prepare, schedule, slices, webhook
 from e2e.cluster.harness import Cluster
 
 pytestmark = [
@@ -125,3 +125,28 @@ async def test_bench_schedule_refuses_more_pods_than_gpus(monkeypatch: pytest.Mo
     monkeypatch.setenv("BENCH_SCHED_PODS", "17")
     with pytest.raises(SystemExit, match="BENCH_SCHED_PODS=17 is more than the 16 GPUs"):
         await schedule.main()
+
+
+def test_bench_slices_runs_nodes_in_worker_processes_and_measures_the_floor(
+    cluster: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name, value in {"BENCH_NODES": "4", "BENCH_PROCESSES": "2", "BENCH_STEADY_S": "2"}.items():
+        monkeypatch.setenv(name, value)
+    result = slices.main()
+
+    assert (result["nodes"], result["processes"]) == (4, 2)
+    # Every placement of 8 MIG-capable H100s, on each of the 4 nodes, one write per slice.
+    assert result["devices"] > 0 and result["slices"] >= 4
+    assert result["writes_to_converge"] >= result["slices"]
+    assert (result["steady_writes"], result["steady_changed_slices"]) == (0, 0)
+    floor = result["floor"]
+    assert floor["writes_needed"] == result["slices"]
+    assert floor["control_plane_cpu_ms_per_write"] > 0 and floor["converge_s"] > 0
+    assert result["ratio_to_floor"] == pytest.approx(
+        result["converge_s"] / floor["converge_s"], rel=0.05
+    )
+    assert result["agent_rss_mib"] > 0
+    assert set(result["targets"]) == {"converge_vs_floor", "steady_writes", "agent_rss_mib"}
+    # Nothing of the bench is left.
+    kube = cluster.kube()
+    assert not [n for n in kube.list("Node") if n["metadata"]["name"].startswith("bench-")]
