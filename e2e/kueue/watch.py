@@ -89,13 +89,20 @@ class Timeline:
     kube: Kube
     names: list[tuple[str, str]]  # (namespace, job)
     first_seen: dict[tuple[str, str], dict[str, float]] = field(default_factory=dict)
+    polled_at: list[float] = field(default_factory=list)
 
     def poll(self) -> list[JobRow]:
         rows = [row_of(self.kube, ns, name) for ns, name in self.names]
         now = time.monotonic()
+        self.polled_at.append(now)
         for r in rows:
             self.first_seen.setdefault((r.namespace, r.job), {}).setdefault(r.state, now)
         return rows
+
+    def resolution_s(self) -> float:
+        """The mean time between two polls: how finely the first-seen times are known."""
+        gaps = [b - a for a, b in zip(self.polled_at, self.polled_at[1:], strict=False)]
+        return round(sum(gaps) / len(gaps), 3) if gaps else 0.0
 
     def finished(self, rows: list[JobRow]) -> bool:
         return all(r.state in FINISHED for r in rows)

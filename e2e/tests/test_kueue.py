@@ -16,6 +16,7 @@ Run with `make test-kueue` (kept out of `make test`: see README.md).
 from __future__ import annotations
 
 import contextlib
+import json
 import threading
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
@@ -34,7 +35,8 @@ from gpudra.webhook.server import WebhookServer
 from gpudra.webhook.templates import ApiTemplateEnsurer
 from gpudra.webhook.tenants import TenantController
 
-from e2e.claims import node_devices, running, wait_running
+from bench import kueue as bench_kueue
+from e2e.claims import claim_template, node_devices, pod_with_claim, running, wait_running
 from e2e.cluster.harness import Cluster
 from e2e.cluster.kube import ApiError, Kube, apply_crd, wait_for
 from e2e.kueue import jobs
@@ -314,27 +316,31 @@ def job_events(kube: Kube, ns: str, job: str, reason: str) -> list[str]:
 TENANT = "kueue-team-a"
 
 
-@contextlib.contextmanager
-def one_device_per_pod(kube: Kube, controller: TenantController) -> Iterator[None]:
-    """A GpuTenant for team-a allowing one device per pod, seen by the webhook."""
-    kube.request(
-        "POST",
-        f"/apis/{TENANT_API}/gputenants",
-        {
-            "apiVersion": TENANT_API,
-            "kind": "GpuTenant",
-            "metadata": {"name": TENANT},
-            "spec": {"namespaces": ["team-a"], "maxDevicesPerPod": 1},
-        },
-    )
-    try:
-        wait_for(
-            "the webhook to see the tenant",
-            lambda: controller.state.lookup("team-a").rules is not None,
-        )
-        yield
-    finally:
-        kube.request("DELETE", f"/apis/{TENANT_API}/gputenants/{TENANT}")
+@pytest.fixture
+async def one_device_per_pod(cluster: Cluster, kube: Kube, tmp_path: Path) -> AsyncIterator[None]:
+    """gpudra's webhook with its tenant rules, and a GpuTenant for team-a allowing one
+    device per pod, seen by the webhook."""
+    body = {
+        "apiVersion": TENANT_API,
+        "kind": "GpuTenant",
+        "metadata": {"name": TENANT},
+        "spec": {"namespaces": ["team-a"], "maxDevicesPerPod": 1},
+    }
+    async with gpudra_webhook(cluster, kube, tmp_path / "pki", tenants=True) as controller:
+        assert controller is not None
+        await anyio.to_thread.run_sync(kube.request, "POST", f"/apis/{TENANT_API}/gputenants", body)
+        try:
+            await anyio.to_thread.run_sync(
+                lambda: wait_for(
+                    "the webhook to see the tenant",
+                    lambda: controller.state.lookup("team-a").rules is not None,
+                )
+            )
+            yield
+        finally:
+            await anyio.to_thread.run_sync(
+                kube.request, "DELETE", f"/apis/{TENANT_API}/gputenants/{TENANT}"
+            )
 
 
 def refused_job(kube: Kube) -> None:
@@ -366,60 +372,54 @@ def next_job_waits(kube: Kube) -> None:
 
 @pytest.mark.anyio
 async def test_a_job_whose_pods_break_a_tenant_rule_fails_creating_them_with_the_rule(
-    cluster: Cluster, kueue: KueueManager, kube: Kube, queues: None, tmp_path: Path
+    kueue: KueueManager, kube: Kube, queues: None, one_device_per_pod: None
 ) -> None:
     """Kueue admits a two-GPU Job within its quota; the GpuTenant of team-a allows one
     device per pod, so gpudra's webhook refuses each pod the Job controller creates and
     the Job carries FailedCreate events naming the tenant and the rule. Kueue does not
     see pods that were never created: with Kueue's defaults the Workload stays admitted
     and holds its quota (a one-GPU Job of team-b waits) until the Job is deleted."""
-    async with gpudra_webhook(cluster, kube, tmp_path / "pki", tenants=True) as controller:
-        assert controller is not None
 
-        def scenario() -> None:
-            with one_device_per_pod(kube, controller):
-                refused_job(kube)
-                next_job_waits(kube)
-                assert jobs.workload_admitted(kube, "team-a", "too-wide")
-                jobs.delete_job(kube, "team-a", "too-wide")
-                wait_for("the next Job admitted", lambda: jobs.admitted(kube, "team-b", "next"))
+    def scenario() -> None:
+        refused_job(kube)
+        next_job_waits(kube)
+        assert jobs.workload_admitted(kube, "team-a", "too-wide")
+        jobs.delete_job(kube, "team-a", "too-wide")
+        wait_for("the next Job admitted", lambda: jobs.admitted(kube, "team-b", "next"))
 
-        await anyio.to_thread.run_sync(scenario)
+    await anyio.to_thread.run_sync(scenario)
 
 
 @pytest.mark.anyio
 async def test_wait_for_pods_ready_gives_back_the_quota_of_a_refused_job(
-    cluster: Cluster, kueue: KueueManager, kube: Kube, queues: None, tmp_path: Path
+    kueue: KueueManager, kube: Kube, queues: None, one_device_per_pod: None
 ) -> None:
     """With Kueue's waitForPodsReady (here 10 s, no requeuing), the Workload whose pods
     the tenant rule refuses is evicted when its pods are not ready in time and, past the
-    requeuing limit, deactivated; its Job is suspended again, and the Job waiting behind it is admitted without anyone deleting
-    anything."""
-    kueue.up(frameworks=FRAMEWORKS, pods_ready_timeout_s=10, log=lambda _m: None)
-    try:
-        async with gpudra_webhook(cluster, kube, tmp_path / "pki", tenants=True) as controller:
-            assert controller is not None
+    requeuing limit, deactivated; its Job is suspended again, and the Job waiting behind
+    it is admitted without anyone deleting anything."""
 
-            def scenario() -> None:
-                with one_device_per_pod(kube, controller):
-                    refused_job(kube)
-                    next_job_waits(kube)
-                    wait_for(
-                        "the next Job admitted once the refused one is evicted",
-                        lambda: jobs.admitted(kube, "team-b", "next"),
-                        timeout=90,
-                    )
-                    wl = jobs.workload_of(kube, "team-a", "too-wide")
-                    evicted = jobs.condition(wl, "Evicted")
-                    assert evicted, wl
-                    assert evicted["reason"] == "DeactivatedDueToRequeuingLimitExceeded", evicted
-                    assert wl is not None and wl["spec"].get("active") is False, wl["spec"]
-                    assert kube.get("Job", "too-wide", "team-a")["spec"]["suspend"] is True
+    def scenario() -> None:
+        kueue.up(frameworks=FRAMEWORKS, pods_ready_timeout_s=10, log=lambda _m: None)
+        try:
+            refused_job(kube)
+            next_job_waits(kube)
+            wait_for(
+                "the next Job admitted once the refused one is evicted",
+                lambda: jobs.admitted(kube, "team-b", "next"),
+                timeout=90,
+            )
+            wl = jobs.workload_of(kube, "team-a", "too-wide")
+            evicted = jobs.condition(wl, "Evicted")
+            assert evicted, wl
+            assert evicted["reason"] == "DeactivatedDueToRequeuingLimitExceeded", evicted
+            assert wl is not None and wl["spec"].get("active") is False, wl["spec"]
+            assert kube.get("Job", "too-wide", "team-a")["spec"]["suspend"] is True
+        finally:
+            kueue.down(log=lambda _m: None)
+            kueue.up(frameworks=FRAMEWORKS, log=lambda _m: None)
 
-            await anyio.to_thread.run_sync(scenario)
-    finally:
-        kueue.down(log=lambda _m: None)
-        kueue.up(frameworks=FRAMEWORKS, log=lambda _m: None)
+    await anyio.to_thread.run_sync(scenario)
 
 
 @pytest.mark.anyio
@@ -779,47 +779,12 @@ def exclusive_gpu(kube: Kube, node: str) -> tuple[str, str]:
 
 def pinned_pod(name: str, ns: str, node: str, uuid: str, priority: str) -> list[dict[str, Any]]:
     """A pod of `priority` whose claim can only get the GPU `uuid`."""
-    template = {
-        "apiVersion": "resource.k8s.io/v1",
-        "kind": "ResourceClaimTemplate",
-        "metadata": {"name": name, "namespace": ns},
-        "spec": {
-            "spec": {
-                "devices": {
-                    "requests": [
-                        {
-                            "name": "gpu",
-                            "exactly": {
-                                "deviceClassName": "gpu.nvidia.com",
-                                "selectors": [{"cel": {"expression": f"{UUID_ATTR} == {uuid!r}"}}],
-                            },
-                        }
-                    ]
-                }
-            }
-        },
-    }
-    pod = {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {"name": name, "namespace": ns},
-        "spec": {
-            "priorityClassName": priority,
-            "terminationGracePeriodSeconds": 1,
-            "nodeSelector": {"kubernetes.io/hostname": node},
-            "resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": name}],
-            "containers": [
-                {
-                    "name": "main",
-                    "image": images.TEST_IMAGE,
-                    "imagePullPolicy": "Never",
-                    "command": HOLD,
-                    "resources": {"claims": [{"name": "gpu"}]},
-                }
-            ],
-        },
-    }
-    return [template, pod]
+    pod = pod_with_claim(name, ns, node, template=name)
+    pod["spec"].update(priorityClassName=priority, terminationGracePeriodSeconds=1)
+    pod["spec"]["containers"][0].update(
+        image=images.TEST_IMAGE, imagePullPolicy="Never", command=HOLD
+    )
+    return [claim_template(name, ns, f"{UUID_ATTR} == {uuid!r}"), pod]
 
 
 def scheduling_failures(kube: Kube, ns: str, pod: str) -> list[str]:
@@ -852,6 +817,7 @@ def test_the_scheduler_alone_does_not_preempt_for_a_claim(
             "the scheduler's verdict on the high-priority pod",
             lambda: scheduling_failures(kube, ns, "urgent"),
         )
+        print("TEMP-EVENT", message)  # TEMP
         assert "cannot allocate all claims" in message, message
         assert "Preemption is not helpful for scheduling" in message, message
         assert running(kube, ns, "holder"), "the low-priority pod was preempted"
@@ -869,3 +835,19 @@ def test_the_scheduler_alone_does_not_preempt_for_a_claim(
         for name in ("holder", "urgent"):
             kube.delete("Pod", name, ns, grace=0)
             kube.delete("ResourceClaimTemplate", name, ns)
+
+
+def test_bench_writes_admission_to_running_per_job(
+    kube: Kube, gpus: NodeGpus, queues: None, tmp_path: Path
+) -> None:
+    """`make bench-kueue` with one Job of each kind: every Job ran and has its time."""
+    out = tmp_path / "kueue.json"
+    bench_kueue.measure(kube, gpus, 1, out)
+    result = json.loads(out.read_text())
+    assert set(result) >= {"kueue", "quota_gpus", "resolution_s", "summary", "jobs"}
+    assert result["kueue"] == "v0.19.2"
+    assert {j["kind"] for j in result["jobs"]} == {"legacy", "native"}
+    for job in result["jobs"]:
+        assert job["state"] == "Succeeded", job
+        assert isinstance(job["admitted_to_running_s"], float), job
+    assert {k: v["jobs"] for k, v in result["summary"].items()} == {"legacy": 1, "native": 1}
