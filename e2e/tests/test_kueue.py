@@ -817,7 +817,6 @@ def test_the_scheduler_alone_does_not_preempt_for_a_claim(
             "the scheduler's verdict on the high-priority pod",
             lambda: scheduling_failures(kube, ns, "urgent"),
         )
-        print("TEMP-EVENT", message)  # TEMP
         assert "cannot allocate all claims" in message, message
         assert "Preemption is not helpful for scheduling" in message, message
         assert running(kube, ns, "holder"), "the low-priority pod was preempted"
