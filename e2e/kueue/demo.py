@@ -103,8 +103,8 @@ def main() -> int:
         print(f"demo-kueue: {e}", file=sys.stderr)
         return 1
     print(
-        "\nEvery Job ran on a GPU, never more than two at once. `make kueue-down` stops "
-        "Kueue, `make demo-down` removes everything."
+        "\nEach Job succeeded, which its command does only where the container sees a GPU. "
+        "`make kueue-down` stops Kueue, `make demo-down` removes everything."
     )
     return 0
 
