@@ -45,7 +45,7 @@ node-down: venv
 
 # Kueue (pinned in e2e/tools/versions.env, built from the Go module proxy and cached) as a
 # host process against the local control plane; `make cluster-down` stops it too.
-.PHONY: kueue kueue-up kueue-down kueue-status
+.PHONY: kueue kueue-up kueue-down kueue-status demo-kueue bench-kueue
 kueue:
 	@bash e2e/tools/build-kueue.sh >/dev/null
 
@@ -84,6 +84,10 @@ demo: cluster-up
 
 demo-down: venv
 	@$(VPY) -m e2e.demo down
+
+# Kueue queueing GPU Jobs on the real node: a table of Job, queue, state, pods, devices.
+demo-kueue: cluster-up
+	@$(VPY) -m e2e.kueue.demo
 
 # Helm chart: helm is built from the Go module proxy and cached like the Kubernetes binaries.
 .PHONY: helm prometheus chart-lint chart-crds image e2e-kind
@@ -124,6 +128,10 @@ bench-prepare: cluster-up
 
 bench-schedule: cluster-up
 	$(VPY) -m bench.schedule
+
+# Admission to Running per Job under Kueue, legacy and native (real node; BENCH_KUEUE_JOBS).
+bench-kueue: cluster-up
+	$(VPY) -m bench.kueue
 
 bench: bench-slices bench-webhook bench-prepare bench-schedule
 

@@ -35,6 +35,34 @@ def pod_with_claim(
     }
 
 
+def claim_template(
+    name: str, namespace: str, cel: str, *, count: int = 1, device_class: str = "gpu.nvidia.com"
+) -> dict[str, Any]:
+    """A ResourceClaimTemplate for `count` devices of `device_class` that match `cel`."""
+    return {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaimTemplate",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {
+            "spec": {
+                "devices": {
+                    "requests": [
+                        {
+                            "name": "gpu",
+                            "exactly": {
+                                "deviceClassName": device_class,
+                                "count": count,
+                                "allocationMode": "ExactCount",
+                                "selectors": [{"cel": {"expression": cel}}],
+                            },
+                        }
+                    ]
+                }
+            }
+        },
+    }
+
+
 def wait_allocated(kube: Kube, name: str, namespace: str, timeout: float = 60) -> dict[str, Any]:
     """The claim, once the scheduler has written its allocation."""
 

@@ -126,20 +126,30 @@ def rows(cluster: Cluster, kube: Kube, pods: list[str]) -> list[tuple[str, ...]]
     return out
 
 
-def print_table(table: list[tuple[str, ...]]) -> None:
-    header = ("POD", "CONTAINER", "DEVICE", "SHARING", "CONTAINER SEES")
+TABLE_HEADER = ("POD", "CONTAINER", "DEVICE", "SHARING", "CONTAINER SEES")
+
+
+def print_table(table: list[tuple[str, ...]], header: tuple[str, ...] = TABLE_HEADER) -> None:
     widths = [max(len(r[i]) for r in [header, *table]) for i in range(len(header))]
     for r in [header, *table]:
         print("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
 
 
-def real_node_demo(cluster: Cluster, kube: Kube) -> None:
-    start = time.monotonic()
+def start_gpu_node(cluster: Cluster, flags: tuple[str, ...] = ()) -> GpuStack:
+    """The real node with emulated GPUs and gpudra's agent and webhook (kept where they
+    run already)."""
     node = RealNode(cluster)
     print("== a real node: kubelet, containerd and runc, with emulated GPUs")
     os.environ.setdefault("GPUDRA_REAL_NODE_GPUS", DEMO_GPUS)
     node.up(log=lambda m: print(f"  {m}"))
-    GpuStack(node, flags=(GPU_SHARES,)).up(log=lambda m: print(f"  {m}"))
+    stack = GpuStack(node, flags=flags)
+    stack.up(log=lambda m: print(f"  {m}"))
+    return stack
+
+
+def real_node_demo(cluster: Cluster, kube: Kube) -> None:
+    start = time.monotonic()
+    start_gpu_node(cluster, flags=(GPU_SHARES,))
     print(f"== the sample workloads ({DEMO.relative_to(REPO)}/)")
     objects = workloads()
     apply_all(kube, objects)

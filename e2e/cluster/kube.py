@@ -70,6 +70,7 @@ RESOURCES: dict[str, tuple[str, str, bool]] = {
     "ClusterQueue": ("/apis/kueue.x-k8s.io/v1beta2", "clusterqueues", False),
     "LocalQueue": ("/apis/kueue.x-k8s.io/v1beta2", "localqueues", True),
     "Workload": ("/apis/kueue.x-k8s.io/v1beta2", "workloads", True),
+    "WorkloadPriorityClass": ("/apis/kueue.x-k8s.io/v1beta2", "workloadpriorityclasses", False),
 }
 
 

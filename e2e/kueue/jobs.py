@@ -21,7 +21,11 @@ MANIFESTS = REPO / "demo" / "kueue"
 QUEUES = MANIFESTS / "00-queues.yaml"
 LEGACY_JOB = MANIFESTS / "01-legacy-job.yaml"
 NATIVE_JOB = MANIFESTS / "02-native-job.yaml"
+PRIORITIES = MANIFESTS / "03-priorities.yaml"
+MEMORY_SLICE_JOB = MANIFESTS / "04-memory-slice-job.yaml"
+MIG_JOB = MANIFESTS / "05-mig-job.yaml"
 QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+PRIORITY_LABEL = "kueue.x-k8s.io/priority-class"
 
 
 def load(path: Path) -> list[dict[str, Any]]:
@@ -44,12 +48,18 @@ def job_from(
     image: str | None = None,
     command: list[str] | None = None,
     node: str | None = None,
+    priority: str | None = None,
 ) -> dict[str, Any]:
     """The file's Job renamed, moved, and (for a node without a registry) given a local
-    image, a command and a node to run on; what Kueue and gpudra read is unchanged."""
+    image, a command and a node to run on; what Kueue and gpudra read is unchanged.
+    `priority` names both the WorkloadPriorityClass and the PriorityClass (the
+    03-priorities.yaml pairs)."""
     job = one(load(path), "Job")
     job["metadata"].update(name=name, namespace=namespace)
     pod = job["spec"]["template"]["spec"]
+    if priority is not None:
+        job["metadata"]["labels"][PRIORITY_LABEL] = priority
+        pod["priorityClassName"] = priority
     container = pod["containers"][0]
     if image is not None:
         container.update(image=image, imagePullPolicy="Never")
@@ -58,6 +68,34 @@ def job_from(
     if node is not None:
         pod["nodeSelector"] = {"kubernetes.io/hostname": node}
     return job
+
+
+def submit(kube: Kube, path: Path, name: str, namespace: str, **options: Any) -> None:
+    """Creates the file's Job as `job_from` makes it, after the ResourceClaimTemplates
+    of the file, moved to `namespace` too (kept where they exist)."""
+    for template in (o for o in load(path) if o["kind"] == "ResourceClaimTemplate"):
+        template["metadata"]["namespace"] = namespace
+        kube.apply(template)
+    kube.create(job_from(path, name, namespace, **options))
+
+
+def classes(path: Path = PRIORITIES) -> list[dict[str, Any]]:
+    """The file's objects but its example Jobs: the priority classes."""
+    return [o for o in load(path) if o["kind"] != "Job"]
+
+
+def pods_of(kube: Kube, namespace: str, job: str) -> list[dict[str, Any]]:
+    return kube.list("Pod", namespace, labelSelector=f"job-name={job}")
+
+
+def running_pods(kube: Kube, namespace: str, job: str) -> list[dict[str, Any]]:
+    """The Job's pods in phase Running, not being deleted."""
+    return [
+        p
+        for p in pods_of(kube, namespace, job)
+        if (p.get("status") or {}).get("phase") == "Running"
+        and not p["metadata"].get("deletionTimestamp")
+    ]
 
 
 def workload_of(

@@ -49,6 +49,7 @@ class KueueState:
     webhook_port: int
     health_port: int
     frameworks: list[str]
+    custom: bool = False  # started with mappings or waitForPodsReady of a test's own
 
     def save(self, path: Path) -> None:
         tmp = path.with_suffix(".tmp")
@@ -112,17 +113,21 @@ class KueueManager:
         *,
         frameworks: Sequence[str] | None = None,
         mappings: Mapping[str, Sequence[str]] | None = None,
+        pods_ready_timeout_s: int | None = None,
         log: Callable[[str], None] = print,
     ) -> KueueState:
         """Idempotent: a healthy manager with the same integrations is kept. `mappings`
-        (quota name -> device classes) replaces the default deviceClassMappings and
-        always restarts the manager."""
+        (quota name -> device classes) replaces the default deviceClassMappings, and
+        `pods_ready_timeout_s` turns on waitForPodsReady; either always restarts the
+        manager."""
         self.cluster.require_state()
         chosen = list(frameworks) if frameworks is not None else frameworks_from_env()
         home = kueue_home()
         state = KueueState.load(self.state_path)
         if state is not None:
-            if self._healthy(state) and state.frameworks == chosen and mappings is None:
+            default = mappings is None and pods_ready_timeout_s is None
+            same = state.frameworks == chosen and default and not state.custom
+            if self._healthy(state) and same:
                 log(f"Kueue already up ({state.version})")
                 return state
             self.down(log=lambda _m: None)
@@ -137,6 +142,7 @@ class KueueManager:
             cert_dir=self.pki_dir,
             frameworks=chosen,
             mappings=manifests.DEFAULT_MAPPINGS if mappings is None else mappings,
+            pods_ready_timeout_s=pods_ready_timeout_s,
         )
         config_path = self.root / "config.yaml"
         config_path.write_text(json.dumps(config, indent=2))
@@ -161,6 +167,7 @@ class KueueManager:
             webhook_port=webhook_port,
             health_port=health_port,
             frameworks=chosen,
+            custom=mappings is not None or pods_ready_timeout_s is not None,
         )
         state.save(self.state_path)
         self._wait_ready(proc, state, endpoint)

@@ -124,19 +124,24 @@ def configuration(
     cert_dir: Path,
     frameworks: Sequence[str],
     mappings: Mapping[str, Sequence[str]] = DEFAULT_MAPPINGS,
+    pods_ready_timeout_s: int | None = None,
 ) -> dict[str, Any]:
     """Kueue's Configuration (config.kueue.x-k8s.io/v1beta2) for a manager on loopback.
 
     Its certificate management stays on, as in the release; the harness pre-creates the
     secret it keeps, with a serving certificate valid for loopback too, so the rotator
     keeps it and the API server can verify the `url` webhooks. The visibility server and
-    metrics are off: they listen on fixed ports and nothing here reads them."""
+    metrics are off: they listen on fixed ports and nothing here reads them.
+
+    `pods_ready_timeout_s` turns on waitForPodsReady: an admitted Workload whose pods are
+    not all ready by then is evicted, and with `backoffLimitCount: 0` deactivated, so a
+    Job whose pods can never be created gives its quota back instead of holding it."""
     unknown = sorted(set(frameworks) - set(FRAMEWORK_PATHS))
     if unknown:
         raise ValueError(
             f"integrations {unknown} are not wired here: use some of {sorted(FRAMEWORK_PATHS)}"
         )
-    return {
+    config: dict[str, Any] = {
         "apiVersion": "config.kueue.x-k8s.io/v1beta2",
         "kind": "Configuration",
         "namespace": NAMESPACE,
@@ -158,3 +163,9 @@ def configuration(
             ]
         },
     }
+    if pods_ready_timeout_s is not None:
+        config["waitForPodsReady"] = {
+            "timeout": f"{pods_ready_timeout_s}s",
+            "requeuingStrategy": {"backoffLimitCount": 0},
+        }
+    return config

@@ -31,7 +31,14 @@ import pytest
 from gpudra.driver.plugin import DRA_APIS
 from gpudra.webhook.convert import CONVERTED_ANNOTATION as CONVERTED
 
-from e2e.claims import claim_name, node_devices, pod_with_claim, running, wait_running
+from e2e.claims import (
+    claim_name,
+    claim_template,
+    node_devices,
+    pod_with_claim,
+    running,
+    wait_running,
+)
 from e2e.cluster.harness import Cluster, State, known_gates
 from e2e.cluster.kube import ApiError, Kube, wait_for
 from e2e.demo import workloads
@@ -103,30 +110,7 @@ def with_sidecars(pod: dict[str, Any]) -> dict[str, Any]:
 
 def whole_gpu_template(namespace: str, name: str = "whole", count: int = 1) -> dict[str, Any]:
     """One (or `count`) exclusive whole GPUs; memory-slice GPUs are left out."""
-    return {
-        "apiVersion": "resource.k8s.io/v1",
-        "kind": "ResourceClaimTemplate",
-        "metadata": {"name": name, "namespace": namespace},
-        "spec": {
-            "spec": {
-                "devices": {
-                    "requests": [
-                        {
-                            "name": "gpu",
-                            "exactly": {
-                                "deviceClassName": "gpu.nvidia.com",
-                                "count": count,
-                                "allocationMode": "ExactCount",
-                                "selectors": [
-                                    {"cel": {"expression": "!device.allowMultipleAllocations"}}
-                                ],
-                            },
-                        }
-                    ]
-                }
-            }
-        },
-    }
+    return claim_template(name, namespace, "!device.allowMultipleAllocations", count=count)
 
 
 def seen(cluster: Cluster, namespace: str, pod: str) -> tuple[set[str], dict[str, str]]:

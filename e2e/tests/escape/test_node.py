@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from gpudra.driver.processes import ProcessIdentity
 
-from e2e.claims import claim_name, node_devices, pod_with_claim, wait_running
+from e2e.claims import claim_name, claim_template, node_devices, pod_with_claim, wait_running
 from e2e.cluster.harness import Cluster
 from e2e.cluster.kube import Kube, wait_for
 from e2e.node import images
@@ -51,23 +51,11 @@ def mps_template(namespace: str, name: str, selector: str) -> dict[str, Any]:
         "kind": "GpuConfig",
         "sharing": {"strategy": "MPS"},
     }
-    request = {
-        "deviceClassName": "gpu.nvidia.com",
-        "selectors": [{"cel": {"expression": selector}}],
-    }
-    return {
-        "apiVersion": "resource.k8s.io/v1",
-        "kind": "ResourceClaimTemplate",
-        "metadata": {"name": name, "namespace": namespace},
-        "spec": {
-            "spec": {
-                "devices": {
-                    "requests": [{"name": "gpu", "exactly": request}],
-                    "config": [{"opaque": {"driver": DRIVER, "parameters": parameters}}],
-                }
-            }
-        },
-    }
+    template = claim_template(name, namespace, selector)
+    template["spec"]["spec"]["devices"]["config"] = [
+        {"opaque": {"driver": DRIVER, "parameters": parameters}}
+    ]
+    return template
 
 
 def pod(stack: NodeGpus, name: str, namespace: str, template: str, script: str) -> dict[str, Any]:
