@@ -88,7 +88,13 @@ async def worker(kubeconfig: str, names: list[str], profile: str, steady_s: floa
         for a in agents:
             await a.slices.converged.wait()
         writes = sum(a.slices.writes for a in agents)
-        report = {"converged": time.time(), "writes": writes, "rss_mb": rss_mb()}
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        report = {
+            "converged": time.time(),
+            "writes": writes,
+            "rss_mb": rss_mb(),
+            "cpu_s": usage.ru_utime + usage.ru_stime,
+        }
         print(json.dumps(report), flush=True)
         await anyio.sleep(steady_s)
         print(
@@ -254,6 +260,12 @@ def main() -> dict[str, Any]:
         "slices": len(items),
         "converge_s": round(converge_s, 2),
         "writes_to_converge": writes,
+        # Where the cores went until convergence: the simulated nodes' processes (start,
+        # discovery, slice building) and the control plane.
+        "cpu_s_to_converge": {
+            "node_workers": round(sum(r["cpu_s"] for r in reports), 2),
+            "control_plane": round(cpu_converge, 2),
+        },
         "steady_window_s": steady_s,
         "steady_writes": steady_writes,
         "steady_changed_slices": changed,
