@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
 
+from gpudra.api.sharing import SharingMode
 from gpudra.driver.checkpoint import ClaimRecord, DeviceRecord
 from gpudra.driver.claims import Claim, reserved_pods
 
@@ -40,9 +41,11 @@ __all__ = [
     "sharing_of",
 ]
 
-EXCLUSIVE: Final = "Exclusive"
-TIME_SLICING: Final = "TimeSlicing"
-MPS: Final = "MPS"
+# The `sharing` label: the config's sharing mode (typed by the API's own names), or one
+# of two holders that no sharing config names: a memory slice and admin access.
+EXCLUSIVE: Final[SharingMode] = "Exclusive"
+TIME_SLICING: Final[SharingMode] = "TimeSlicing"
+MPS: Final[SharingMode] = "MPS"
 MEMORY_SLICE: Final = "MemorySlice"
 ADMIN: Final = "AdminAccess"
 
