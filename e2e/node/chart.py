@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import sys
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +36,7 @@ from e2e.node.gpus import DRIVER, NodeGpus
 from e2e.node.realnode import NodeError, NodeState
 from e2e.node.realnode import build as build_containerd
 from e2e.processes import free_port
-from e2e.progress import BuildFailed, run_build
+from e2e.progress import BuildFailed, build_script, run_build
 from e2e.tools import helm as h
 
 RELEASE = "gpudra"
@@ -49,6 +51,39 @@ ADOPTED = (
     ("CustomResourceDefinition", "gputenants.gpudra.io"),
 )
 SIGKILL_EXIT = 128 + 9
+RELEASE_BUILD = REPO / "e2e" / "tools" / "build-release.sh"
+
+
+@dataclass(frozen=True)
+class ChartBuild:
+    """Which gpudra the release installs: a chart folder and the image its values name.
+    `archive` is that image, built already; None builds the working tree's at install."""
+
+    chart: Path
+    tag: str
+    archive: Path | None = None
+
+
+WORKING_TREE = ChartBuild(h.CHART, IMAGE_TAG)
+
+
+def previous_release() -> ChartBuild:
+    """The release pinned in e2e/tools/versions.env, exported from git and its image
+    built by its own build script on first use (cached per commit)."""
+    try:
+        cache = build_script(
+            RELEASE_BUILD,
+            prefix="build-release",
+            what="building the previous release",
+            env={**os.environ, "PYTHON": sys.executable},
+        )
+    except BuildFailed as e:
+        raise NodeError(f"the previous release could not be built: {e}") from e
+    return ChartBuild(
+        cache / "src" / "charts" / "gpudra",
+        (cache / "tag").read_text().strip(),
+        cache / "gpudra.oci.tar",
+    )
 
 
 def chart_unavailable_reason() -> str | None:
@@ -67,9 +102,10 @@ class ChartStack(NodeGpus):
 
     name = "chart"
 
-    def __init__(self, node: Any) -> None:
+    def __init__(self, node: Any, build: ChartBuild = WORKING_TREE) -> None:
         super().__init__(node)
         self.root = node.layout.root / "gpudra-chart"
+        self.build = build
         self._ports: dict[str, int] = {}
 
     @property
@@ -108,7 +144,7 @@ class ChartStack(NodeGpus):
         lay = self.node.layout
         pin = {"kubernetes.io/hostname": self.node.name}
         return {
-            "image": {"repository": IMAGE_REPOSITORY, "tag": IMAGE_TAG, "pullPolicy": "Never"},
+            "image": {"repository": IMAGE_REPOSITORY, "tag": self.build.tag, "pullPolicy": "Never"},
             "kubernetesApi": {
                 "host": "127.0.0.1",
                 "port": api_port or cluster.require_state().ports["apiserver"],
@@ -168,6 +204,23 @@ class ChartStack(NodeGpus):
         )
         log(f"gpudra chart removed from {self.node.name}")
 
+    def upgrade_to(self, build: ChartBuild) -> None:
+        """`helm upgrade` of the running release to `build`'s chart and image, values
+        unchanged, as a platform team upgrades (or rolls back) with GPU pods running;
+        returns once every pod of the release is ready, the agent pod runs that image
+        and the kubelet has connected to it."""
+        self.build = build
+        self._import_image(self._node_state())
+        self._roll(self.values(), wait=True)
+        wait_for("the webhook registered", lambda: _webhook_ready(self.node.cluster.kube()))
+
+    def agent_log(self) -> str:
+        """The agent container's log, as `kubectl logs` shows it."""
+        pod = self._agent_pod(self.node.cluster.kube())["metadata"]["name"]
+        out = self.node.cluster.kubectl("logs", "-n", NAMESPACE, pod)
+        assert out.returncode == 0, out.stderr
+        return str(out.stdout)
+
     @contextlib.contextmanager
     def crashing_at(self, step: str) -> Iterator[Callable[[], None]]:
         kube = self.node.cluster.kube()
@@ -222,7 +275,7 @@ class ChartStack(NodeGpus):
 
     def _import_image(self, state: NodeState) -> None:
         ctr = build_containerd()
-        archive = self.build_image()
+        archive = self.build.archive or self.build_image()
         self.node.ctr(ctr, "images", "import", "--snapshotter", state.snapshotter, str(archive))
 
     def build_image(self) -> Path:
@@ -257,18 +310,20 @@ class ChartStack(NodeGpus):
         values_file = self.root / "values.json"
         values_file.write_text(json.dumps(values, indent=2))
         self._helm(
-            "upgrade", "--install", RELEASE, str(h.CHART),
+            "upgrade", "--install", RELEASE, str(self.build.chart),
             "--namespace", NAMESPACE, "--create-namespace",
             "-f", str(values_file),
             *(["--wait", "--timeout", "5m"] if wait else []),
         )  # fmt: skip
 
-    def _roll(self, values: dict[str, Any]) -> None:
-        """Upgrade the release and wait for the agent pod with exactly these
-        arguments to run and the kubelet to connect to it."""
+    def _roll(self, values: dict[str, Any], *, wait: bool = False) -> None:
+        """Upgrade the release (`wait`: until all its pods are ready) and wait for the
+        agent pod with exactly these arguments and image to run and the kubelet to
+        connect to it."""
         kube = self.node.cluster.kube()
         mark = self.kubelet_log_size()
-        self._helm_upgrade(values, wait=False)
+        self._helm_upgrade(values, wait=wait)
+        image = f"{values['image']['repository']}:{values['image']['tag']}"
         api = values.get("kubernetesApi", {})
         env = {"KUBERNETES_SERVICE_PORT": str(api["port"]) if api.get("host") else None}
 
@@ -279,7 +334,8 @@ class ChartStack(NodeGpus):
             container = pods[0]["spec"]["containers"][0]
             got = {e["name"]: e.get("value") for e in container.get("env", [])}
             return (
-                all(a in container["args"] for a in values["node"]["extraArgs"])
+                container["image"] == image
+                and all(a in container["args"] for a in values["node"]["extraArgs"])
                 and all(got.get(k) == v for k, v in env.items())
                 and pods[0]["status"].get("phase") == "Running"
             )
@@ -350,4 +406,11 @@ def _webhook_ready(kube: Kube) -> bool:
     )
 
 
-__all__ = ["DRIVER", "ChartStack", "chart_unavailable_reason"]
+__all__ = [
+    "DRIVER",
+    "WORKING_TREE",
+    "ChartBuild",
+    "ChartStack",
+    "chart_unavailable_reason",
+    "previous_release",
+]

@@ -5,13 +5,13 @@ namespace of the test's own on it."""
 from __future__ import annotations
 
 import os
-import uuid
 from collections.abc import Iterator
 
 import pytest
 
 from e2e.cluster.harness import Cluster
-from e2e.cluster.kube import Kube, wait_for
+from e2e.cluster.kube import Kube
+from e2e.gpu_pods import scratch_namespace
 from e2e.node.chart import ChartStack, chart_unavailable_reason
 from e2e.node.gpus import GpuStack, NodeGpus
 from e2e.node.realnode import RealNode, unavailable_reason
@@ -61,10 +61,4 @@ def _installed(gpus: NodeGpus) -> Iterator[NodeGpus]:
 
 @pytest.fixture
 def ns(stack: NodeGpus, kube: Kube) -> Iterator[str]:
-    name = f"gpu-{uuid.uuid4().hex[:6]}"
-    kube.create({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}})
-    yield name
-    for pod in kube.list("Pod", name):
-        kube.delete("Pod", pod["metadata"]["name"], name, grace=0)
-    wait_for(f"pods of {name} gone", lambda: not kube.list("Pod", name), timeout=60)
-    kube.delete("Namespace", name)
+    yield from scratch_namespace(kube, "gpu")

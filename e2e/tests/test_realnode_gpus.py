@@ -31,25 +31,26 @@ import pytest
 from gpudra.driver.plugin import DRA_APIS
 from gpudra.webhook.convert import CONVERTED_ANNOTATION as CONVERTED
 
-from e2e.claims import (
-    claim_name,
-    claim_template,
-    node_devices,
-    pod_with_claim,
-    running,
-    wait_running,
-)
+from e2e.claims import node_devices, running, wait_running
 from e2e.cluster.harness import Cluster, State, known_gates
 from e2e.cluster.kube import ApiError, Kube, wait_for
-from e2e.demo import workloads
-from e2e.node import images
+from e2e.gpu_pods import (
+    allocation,
+    claim_uid,
+    demo_objects,
+    gpu_minors,
+    gpu_pod,
+    seen,
+    spec_of,
+    wait_unprepared,
+    whole_gpu_template,
+)
 from e2e.node.gpus import DRIVER, MIG_COMPUTE_INSTANCES, MIG_FIRST_MINOR, NodeGpus
 from e2e.tools import helm as h
 from e2e.tools import prometheus as p
 
 pytestmark = pytest.mark.cluster
 OWN_NAMESPACE = "gpudra"  # the webhook's own namespace, which it never intercepts
-SHOW = "ls /dev /dev/nvidia-caps 2>/dev/null | grep nvidia; env | grep -E '^(GPUDRA|NVIDIA|LD_)'"
 
 
 @pytest.fixture
@@ -75,28 +76,6 @@ def own_ns(stack: NodeGpus, kube: Kube) -> Iterator[None]:
 # --- helpers ---------------------------------------------------------------------------
 
 
-def demo_objects(namespace: str) -> list[dict[str, Any]]:
-    """The demo's workloads, moved into `namespace` (its Namespace object left out)."""
-    # The shared Deployment needs the demo's 8 GPUs with shares; the shares test below
-    # runs its pods (legacy `nvidia.com/gpu.shared: 1`) on this node.
-    out = [o for o in workloads() if o["kind"] not in ("Namespace", "Deployment")]
-    for obj in out:
-        obj["metadata"]["namespace"] = namespace
-    return out
-
-
-def gpu_pod(
-    stack: NodeGpus, name: str, namespace: str, claim: str = "", template: str = ""
-) -> dict[str, Any]:
-    """A busybox pod on the GPU node that holds the claim and sleeps."""
-    pod = pod_with_claim(name, namespace, stack.node_name, claim=claim, template=template)
-    pod["spec"]["terminationGracePeriodSeconds"] = 1
-    pod["spec"]["containers"][0].update(
-        image=images.TEST_IMAGE, imagePullPolicy="Never", command=["sh", "-c", "sleep 86400"]
-    )
-    return pod
-
-
 def with_sidecars(pod: dict[str, Any]) -> dict[str, Any]:
     """`pod` with a sidecar that uses its claim too, and a container that does not."""
     main = pod["spec"]["containers"][0]
@@ -106,30 +85,6 @@ def with_sidecars(pod: dict[str, Any]) -> dict[str, Any]:
     ]
     pod["spec"]["containers"].append({**sleeper, "name": "shipper"})
     return pod
-
-
-def whole_gpu_template(namespace: str, name: str = "whole", count: int = 1) -> dict[str, Any]:
-    """One (or `count`) exclusive whole GPUs; memory-slice GPUs are left out."""
-    return claim_template(name, namespace, "!device.allowMultipleAllocations", count=count)
-
-
-def seen(cluster: Cluster, namespace: str, pod: str) -> tuple[set[str], dict[str, str]]:
-    """The NVIDIA device nodes (under /dev and /dev/nvidia-caps) and the environment
-    variables the container sees."""
-    out = cluster.kubectl("exec", "-n", namespace, pod, "--", "sh", "-c", SHOW)
-    assert out.returncode == 0, out.stderr
-    nodes, env = set(), {}
-    for line in out.stdout.splitlines():
-        if "=" in line:
-            key, _, value = line.partition("=")
-            env[key] = value
-        else:
-            nodes.add(line.strip())
-    return nodes, env
-
-
-def gpu_minors(nodes: set[str]) -> set[int]:
-    return {int(n.removeprefix("nvidia")) for n in nodes if n.removeprefix("nvidia").isdigit()}
 
 
 def cap_nodes(nodes: set[str]) -> set[str]:
@@ -154,34 +109,9 @@ def configured_claim(name: str, namespace: str, sharing: dict[str, Any]) -> dict
     }
 
 
-def claim_of(kube: Kube, namespace: str, pod: str) -> str:
-    """The name of the pod's (single) claim."""
-    obj = kube.get("Pod", pod, namespace)
-    return claim_name(obj, obj["spec"]["resourceClaims"][0]["name"])
-
-
-def allocation(kube: Kube, namespace: str, pod: str) -> list[dict[str, Any]]:
-    """The allocation results of the pod's (single) claim."""
-    claim = claim_of(kube, namespace, pod)
-    results: list[dict[str, Any]] = kube.get("ResourceClaim", claim, namespace)["status"][
-        "allocation"
-    ]["devices"]["results"]
-    return results
-
-
-def claim_uid(kube: Kube, namespace: str, pod: str) -> str:
-    claim = claim_of(kube, namespace, pod)
-    uid: str = kube.get("ResourceClaim", claim, namespace)["metadata"]["uid"]
-    return uid
-
-
 def attr(device: dict[str, Any], name: str) -> Any:
     value = device["attributes"][name]
     return next(iter(value.values()))
-
-
-def spec_of(uid: str) -> str:
-    return f"k8s.gpu.nvidia.com-claim_{uid}.json"
 
 
 def events(kube: Kube, namespace: str, pod: str) -> list[str]:
@@ -266,19 +196,13 @@ def test_demo_workloads_see_exactly_their_devices(
         kube.delete("Pod", pod, ns)
     # Deleting the pods unprepares every claim: no spec, no record, MIG instance gone,
     # the time slice reset.
-    wait_for(
-        "the demo's CDI specs removed",
-        lambda: not {spec_of(u) for u in uids} & stack.cdi_specs(),
-        timeout=90,
-    )
-    wait_for("the demo's claims out of the checkpoint", lambda: not uids & set(stack.checkpoint()))
+    wait_unprepared(stack, uids, "the demo's claims")
     wait_for(
         "the time slice reset",
         lambda: (
             f"nvidia-smi compute-policy -i {sliced_uuid} --set-timeslice 0" in stack.tool_calls()
         ),
     )
-    assert all(not g["gpuInstances"] for g in stack.nvml_state()["gpus"])
 
 
 def test_exclusive_gpus_are_never_shared(

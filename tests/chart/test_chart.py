@@ -400,6 +400,19 @@ def test_host_network_per_component(
     assert "hostNetwork" not in untouched and "dnsPolicy" not in untouched
 
 
+def test_a_webhook_on_the_host_network_rolls_without_a_surge_pod(
+    helm: Path, default: list[dict[str, Any]]
+) -> None:
+    """A surge pod could not bind the port the old pod holds on the node: the rollout
+    of `helm upgrade` would wait for it forever."""
+    assert "strategy" not in h.find(default, "Deployment")["spec"]
+    objects = h.template(helm, {"webhook": {"hostNetwork": True}})
+    assert h.find(objects, "Deployment")["spec"]["strategy"] == {
+        "type": "RollingUpdate",
+        "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1},
+    }
+
+
 @pytest.mark.parametrize(
     ("value", "flag"),
     [

@@ -17,10 +17,10 @@ from typing import Any
 import pytest
 from gpudra.driver.processes import ProcessIdentity
 
-from e2e.claims import claim_name, claim_template, node_devices, pod_with_claim, wait_running
+from e2e.claims import claim_name, node_devices, wait_running
 from e2e.cluster.harness import Cluster
 from e2e.cluster.kube import Kube, wait_for
-from e2e.node import images
+from e2e.gpu_pods import gpu_pod, mps_template
 from e2e.node.gpus import DRIVER, GpuStack, NodeGpus
 
 pytestmark = pytest.mark.cluster
@@ -44,29 +44,6 @@ sleep 86400
 """
 
 
-def mps_template(namespace: str, name: str, selector: str) -> dict[str, Any]:
-    """One GPU with the MPS strategy, chosen by the CEL `selector`."""
-    parameters = {
-        "apiVersion": "resource.nvidia.com/v1beta1",
-        "kind": "GpuConfig",
-        "sharing": {"strategy": "MPS"},
-    }
-    template = claim_template(name, namespace, selector)
-    template["spec"]["spec"]["devices"]["config"] = [
-        {"opaque": {"driver": DRIVER, "parameters": parameters}}
-    ]
-    return template
-
-
-def pod(stack: NodeGpus, name: str, namespace: str, template: str, script: str) -> dict[str, Any]:
-    obj = pod_with_claim(name, namespace, stack.node_name, template=template)
-    obj["spec"]["terminationGracePeriodSeconds"] = 1
-    obj["spec"]["containers"][0].update(
-        image=images.TEST_IMAGE, imagePullPolicy="Never", command=["sh", "-c", script]
-    )
-    return obj
-
-
 def claim_of(kube: Kube, namespace: str, pod_name: str) -> dict[str, Any]:
     obj = kube.get("Pod", pod_name, namespace)
     name = claim_name(obj, obj["spec"]["resourceClaims"][0]["name"])
@@ -84,7 +61,7 @@ def test_a_tenant_that_fakes_its_mps_daemons_files_cannot_keep_the_gpu(
     stack: NodeGpus, kube: Kube, cluster: Cluster, ns: str
 ) -> None:
     kube.create(mps_template(ns, "mps", "!device.allowMultipleAllocations"))
-    kube.create(pod(stack, "tenant-a", ns, "mps", TAMPER))
+    kube.create(gpu_pod(stack, "tenant-a", ns, template="mps", script=TAMPER))
     wait_running(kube, ns, "tenant-a")
     wait_for(
         "the tenant's tampering done",
@@ -110,7 +87,7 @@ def test_a_tenant_that_fakes_its_mps_daemons_files_cannot_keep_the_gpu(
     # The next tenant gets that very GPU, and a /dev/shm with nothing of the first.
     selector = f'device.attributes["{DRIVER}"].uuid == "{gpu_uuid}"'
     kube.create(mps_template(ns, "same-gpu", selector))
-    kube.create(pod(stack, "tenant-b", ns, "same-gpu", "sleep 86400"))
+    kube.create(gpu_pod(stack, "tenant-b", ns, template="same-gpu", script="sleep 86400"))
     wait_running(kube, ns, "tenant-b")
     (again,) = claim_of(kube, ns, "tenant-b")["status"]["allocation"]["devices"]["results"]
     assert again["device"] == result["device"]

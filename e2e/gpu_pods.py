@@ -1,0 +1,135 @@
+"""GPU pods on the real node, shared by the test files that run them: the demo's
+workloads in a namespace of the test's own, busybox pods that hold a claim, the claim
+templates they use, and what a container sees of its devices.
+
+One place, so the suites that start pods of every kind (the GPU-pod suite, the escape
+tests, the upgrade tests) ask for and inspect them the same way.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+from e2e.claims import claim_name, claim_template, pod_with_claim
+from e2e.cluster.harness import Cluster
+from e2e.cluster.kube import Kube, wait_for
+from e2e.demo import workloads
+from e2e.node import images
+from e2e.node.gpus import DRIVER, NodeGpus
+
+SHOW = "ls /dev /dev/nvidia-caps 2>/dev/null | grep nvidia; env | grep -E '^(GPUDRA|NVIDIA|LD_)'"
+
+
+def demo_objects(namespace: str) -> list[dict[str, Any]]:
+    """The demo's workloads, moved into `namespace` (its Namespace object left out)."""
+    # The shared Deployment needs the demo's 8 GPUs with shares; the shares test of
+    # test_realnode_gpus.py runs its pods (legacy `nvidia.com/gpu.shared: 1`) on this node.
+    out = [o for o in workloads() if o["kind"] not in ("Namespace", "Deployment")]
+    for obj in out:
+        obj["metadata"]["namespace"] = namespace
+    return out
+
+
+def gpu_pod(
+    stack: NodeGpus,
+    name: str,
+    namespace: str,
+    claim: str = "",
+    template: str = "",
+    script: str = "sleep 86400",
+) -> dict[str, Any]:
+    """A busybox pod on the GPU node that holds the claim and runs `script` (sleeps)."""
+    pod = pod_with_claim(name, namespace, stack.node_name, claim=claim, template=template)
+    pod["spec"]["terminationGracePeriodSeconds"] = 1
+    pod["spec"]["containers"][0].update(
+        image=images.TEST_IMAGE, imagePullPolicy="Never", command=["sh", "-c", script]
+    )
+    return pod
+
+
+def whole_gpu_template(namespace: str, name: str = "whole", count: int = 1) -> dict[str, Any]:
+    """One (or `count`) exclusive whole GPUs; memory-slice GPUs are left out."""
+    return claim_template(name, namespace, "!device.allowMultipleAllocations", count=count)
+
+
+def mps_template(namespace: str, name: str, selector: str) -> dict[str, Any]:
+    """One GPU with the MPS strategy, chosen by the CEL `selector`."""
+    parameters = {
+        "apiVersion": "resource.nvidia.com/v1beta1",
+        "kind": "GpuConfig",
+        "sharing": {"strategy": "MPS"},
+    }
+    template = claim_template(name, namespace, selector)
+    template["spec"]["spec"]["devices"]["config"] = [
+        {"opaque": {"driver": DRIVER, "parameters": parameters}}
+    ]
+    return template
+
+
+def seen(cluster: Cluster, namespace: str, pod: str) -> tuple[set[str], dict[str, str]]:
+    """The NVIDIA device nodes (under /dev and /dev/nvidia-caps) and the environment
+    variables the container sees."""
+    out = cluster.kubectl("exec", "-n", namespace, pod, "--", "sh", "-c", SHOW)
+    assert out.returncode == 0, out.stderr
+    nodes, env = set(), {}
+    for line in out.stdout.splitlines():
+        if "=" in line:
+            key, _, value = line.partition("=")
+            env[key] = value
+        else:
+            nodes.add(line.strip())
+    return nodes, env
+
+
+def gpu_minors(nodes: set[str]) -> set[int]:
+    return {int(n.removeprefix("nvidia")) for n in nodes if n.removeprefix("nvidia").isdigit()}
+
+
+def claim_of(kube: Kube, namespace: str, pod: str) -> str:
+    """The name of the pod's (single) claim."""
+    obj = kube.get("Pod", pod, namespace)
+    return claim_name(obj, obj["spec"]["resourceClaims"][0]["name"])
+
+
+def allocation(kube: Kube, namespace: str, pod: str) -> list[dict[str, Any]]:
+    """The allocation results of the pod's (single) claim."""
+    claim = claim_of(kube, namespace, pod)
+    results: list[dict[str, Any]] = kube.get("ResourceClaim", claim, namespace)["status"][
+        "allocation"
+    ]["devices"]["results"]
+    return results
+
+
+def claim_uid(kube: Kube, namespace: str, pod: str) -> str:
+    claim = claim_of(kube, namespace, pod)
+    uid: str = kube.get("ResourceClaim", claim, namespace)["metadata"]["uid"]
+    return uid
+
+
+def spec_of(uid: str) -> str:
+    return f"k8s.{DRIVER}-claim_{uid}.json"
+
+
+def scratch_namespace(kube: Kube, prefix: str) -> Iterator[str]:
+    """A namespace of the test's own (`prefix-<random>`); its pods are deleted at once
+    and awaited before the namespace goes, so the next test finds their devices free."""
+    name = f"{prefix}-{uuid.uuid4().hex[:6]}"
+    kube.create({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}})
+    yield name
+    for pod in kube.list("Pod", name):
+        kube.delete("Pod", pod["metadata"]["name"], name, grace=0)
+    wait_for(f"pods of {name} gone", lambda: not kube.list("Pod", name), timeout=60)
+    kube.delete("Namespace", name)
+
+
+def wait_unprepared(stack: NodeGpus, uids: set[str], what: str) -> None:
+    """Waits until the agent has unprepared these claims: no CDI spec, no checkpoint
+    record, no MPS folders; and asserts no MIG instance is left on any GPU."""
+    specs = {spec_of(u) for u in uids}
+    wait_for(f"{what}: CDI specs removed", lambda: not specs & stack.cdi_specs(), timeout=90)
+    wait_for(f"{what}: out of the checkpoint", lambda: not uids & set(stack.checkpoint()))
+    left = uids & set(stack.list_names(stack.state_dir / "mps"))
+    assert not left, f"{what}: MPS folders left for {sorted(left)}"
+    assert all(not g["gpuInstances"] for g in stack.nvml_state()["gpus"])

@@ -1,0 +1,233 @@
+"""Upgrading and downgrading gpudra with GPU pods running, on the real node.
+
+The previous release (pinned in e2e/tools/versions.env, exported from git and built by
+its own image script) and the working tree are each installed from their own chart and
+image; with pods of every kind running (an exclusive GPU through the webhook, a
+time-sliced GPU shared by two pods, an MPS GPU, two memory slices of one GPU, a
+dynamic MIG device), `helm upgrade` goes to the other one. Then:
+- every running pod keeps its container (same ID, no restart) and sees the same devices;
+- nothing is prepared twice: the new agent answers no prepare for them, its checkpoint
+  records are the old agent's, byte for byte, and no tool ran again for them;
+- new pods start under the new agent (a memory slice and a MIG device, which start an
+  MPS daemon and create a MIG instance);
+- pods deleted afterwards are unprepared completely: CDI spec, checkpoint record, MPS
+  folders, MIG instance, time-slice.
+The MPS control daemons of the running claims run in the old agent's container and stop
+with it, which is why docs/install.md asks to drain MPS and memory-slice pods first; the
+test holds that statement to what happens.
+
+The downgrade reads a checkpoint the newer agent really wrote; after the older agent has
+rewritten it (prepares of its own), the newer agent's records of the running claims are
+still there as they were written, unknown fields included, and nothing in the older
+agent's log calls them unreadable.
+
+Skips with the reason where the machine cannot run a real node or build the release.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from e2e.claims import wait_running
+from e2e.cluster.harness import Cluster
+from e2e.cluster.kube import Kube
+from e2e.gpu_pods import (
+    claim_uid,
+    demo_objects,
+    gpu_pod,
+    mps_template,
+    scratch_namespace,
+    seen,
+    wait_unprepared,
+)
+from e2e.node.chart import (
+    WORKING_TREE,
+    ChartBuild,
+    ChartStack,
+    chart_unavailable_reason,
+    previous_release,
+)
+from e2e.node.realnode import NodeError, RealNode, unavailable_reason
+
+pytestmark = pytest.mark.cluster
+# The demo's workloads but the CEL-selected pod, so that a whole GPU is left for MPS.
+LEFT_OUT = {"cel-selected", "h100-40g"}
+SLICED = ("sliced-a", "sliced-b")
+
+
+@pytest.fixture(scope="module")
+def node(cluster: Cluster) -> Iterator[RealNode]:
+    if reason := unavailable_reason():
+        pytest.skip(f"no real node on this machine: {reason}")
+    if reason := chart_unavailable_reason():
+        pytest.skip(f"the chart cannot be installed here: {reason}")
+    real = RealNode(cluster)
+    real.up(log=lambda _m: None)
+    try:
+        yield real
+    finally:
+        real.down(log=lambda _m: None)
+
+
+@pytest.fixture(scope="module")
+def release() -> ChartBuild:
+    try:
+        return previous_release()
+    except NodeError as e:
+        if "not in this clone" in str(e):
+            pytest.skip(str(e))
+        raise
+
+
+@pytest.fixture
+def ns(node: RealNode, kube: Kube) -> Iterator[str]:
+    yield from scratch_namespace(kube, "upgrade")
+
+
+# --- what the tests compare before and after ------------------------------------------
+
+
+def start_every_kind(stack: ChartStack, kube: Kube, ns: str) -> list[str]:
+    """Pods of every kind, running; returns their names."""
+    objects = [o for o in demo_objects(ns) if o["metadata"]["name"] not in LEFT_OUT]
+    objects.append(mps_template(ns, "mps", "!device.allowMultipleAllocations"))
+    objects.append(gpu_pod(stack, "mps", ns, template="mps"))
+    for obj in objects:
+        kube.create(obj)
+    pods = [o["metadata"]["name"] for o in objects if o["kind"] == "Pod"]
+    wait_running(kube, ns, *pods)
+    return pods
+
+
+def containers(kube: Kube, ns: str, pod: str) -> list[tuple[str, int]]:
+    """Each container's ID and restart count."""
+    statuses = kube.get("Pod", pod, ns)["status"]["containerStatuses"]
+    return [(s["containerID"], s["restartCount"]) for s in statuses]
+
+
+def mps_daemons(stack: ChartStack) -> int:
+    return sum("mps-control -d " in c for c in stack.tool_calls())
+
+
+def mig_instances(stack: ChartStack) -> int:
+    return sum(len(g["gpuInstances"]) for g in stack.nvml_state()["gpus"])
+
+
+def prepares(stack: ChartStack) -> float:
+    """Claims the running agent was asked to prepare since it started."""
+    url = f"http://127.0.0.1:{stack.metrics_port}/metrics"
+    with urllib.request.urlopen(url, timeout=5) as response:
+        text = response.read().decode()
+    return sum(
+        s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == "gpudra_claim_operations_total" and s.labels.get("operation") == "prepare"
+    )
+
+
+def daemon_alive(pipe_dir: str) -> bool:
+    """A stand-in MPS daemon for this pipe folder runs on the machine (any namespace)."""
+    for proc in Path("/proc").iterdir():
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"nvidia-cuda-mps-daemon" in argv and pipe_dir.encode() in argv:
+            return True
+    return False
+
+
+def checkpoint_warnings(log: str) -> list[dict[str, Any]]:
+    """What the agent's checkpoint and record readers warned about (a record unreadable,
+    an unknown state, a value of an unexpected type)."""
+    entries = [json.loads(line) for line in log.splitlines() if line.startswith("{")]
+    return [
+        e
+        for e in entries
+        if e.get("level") in ("warning", "error")
+        and e.get("logger") in ("gpudra.driver.checkpoint", "gpudra.driver.records")
+    ]
+
+
+def roll_with_pods_running(
+    cluster: Cluster, kube: Kube, node: RealNode, ns: str, start: ChartBuild, to: ChartBuild
+) -> dict[str, dict[str, str]]:
+    """Installs `start`, runs pods of every kind, upgrades to `to` and checks that the
+    running pods were left alone, new pods start and every pod is cleaned up after.
+    Returns the checkpoint records of the running claims as `start` wrote them and as
+    they are once `to` has rewritten the file."""
+    stack = ChartStack(node, start)
+    stack.up(log=lambda _m: None)
+    try:
+        pods = start_every_kind(stack, kube, ns)
+        uids = {p: claim_uid(kube, ns, p) for p in pods}
+        before = {p: (containers(kube, ns, p), seen(cluster, ns, p)) for p in pods}
+        written = {u: json.dumps(r, sort_keys=True) for u, r in stack.checkpoint().items()}
+        assert set(uids.values()) <= written.keys()
+        daemons, instances = mps_daemons(stack), mig_instances(stack)
+        pipes = {
+            u: d["details"]["mps"]["pipeDir"]
+            for u, r in stack.checkpoint().items()
+            for d in r["devices"]
+            if "mps" in d["details"]
+        }
+        assert len(pipes) == 3 and all(daemon_alive(p) for p in pipes.values())
+
+        stack.upgrade_to(to)
+
+        for pod in pods:
+            assert (containers(kube, ns, pod), seen(cluster, ns, pod)) == before[pod], pod
+        assert prepares(stack) == 0  # the kubelet asked the new agent for none of them
+        read = {u: json.dumps(r, sort_keys=True) for u, r in stack.checkpoint().items()}
+        assert read == written
+        assert (mps_daemons(stack), mig_instances(stack)) == (daemons, instances)
+        # The MPS daemons (the MPS pod's, the memory slices') ran in the old agent's
+        # container and stopped with it: docs/install.md says to drain such pods first.
+        assert not any(daemon_alive(p) for p in pipes.values())
+
+        # New pods under the new agent: a memory slice (its own MPS daemon) and a MIG
+        # device (a new instance); both rewrite the checkpoint.
+        kube.create(gpu_pod(stack, "slice-c", ns, template="memory-10g"))
+        kube.create(gpu_pod(stack, "mig-2", ns, template="mig-1g10gb"))
+        wait_running(kube, ns, "slice-c", "mig-2")
+        assert mps_daemons(stack) == daemons + 1
+        assert mig_instances(stack) == instances + 1
+        assert prepares(stack) == 2
+        rewritten = {u: json.dumps(r, sort_keys=True) for u, r in stack.checkpoint().items()}
+        for pod in (*pods, "slice-c", "mig-2"):
+            uids[pod] = claim_uid(kube, ns, pod)
+        assert not checkpoint_warnings(stack.agent_log())
+
+        for pod in uids:
+            kube.delete("Pod", pod, ns)
+        wait_unprepared(stack, set(uids.values()), "every pod's claim")
+        sliced = {c for c in stack.tool_calls() if "--set-timeslice" in c}
+        assert any(c.endswith("--set-timeslice 0") for c in sliced), sliced
+        return {"written": written, "rewritten": rewritten}
+    finally:
+        stack.down(log=lambda _m: None)
+
+
+def test_upgrade_from_the_previous_release_leaves_running_gpu_pods_alone(
+    cluster: Cluster, kube: Kube, node: RealNode, ns: str, release: ChartBuild
+) -> None:
+    roll_with_pods_running(cluster, kube, node, ns, release, WORKING_TREE)
+
+
+def test_downgrade_to_the_previous_release_keeps_the_newer_checkpoint(
+    cluster: Cluster, kube: Kube, node: RealNode, ns: str, release: ChartBuild
+) -> None:
+    records = roll_with_pods_running(cluster, kube, node, ns, WORKING_TREE, release)
+    # The older agent rewrote the file with prepares of its own; the records the newer
+    # agent wrote for the claims that kept running are there as written, every field
+    # the older release does not know included.
+    written, rewritten = records["written"], records["rewritten"]
+    assert {u: rewritten.get(u) for u in written} == written
