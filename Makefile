@@ -64,12 +64,18 @@ unit: venv
 # lint, types, then every test (unit and end-to-end on the real control plane) but the
 # Kueue ones: their first run builds Kueue (minutes), so they run in `make test-kueue`.
 test: lint typecheck
-	$(VPY) e2e/run_pytest.py -m "not kueue"
+	$(VPY) e2e/run_pytest.py -m "not kueue and not upgrade"
 
 # Kueue queueing GPU Jobs beside gpudra (e2e/tests/test_kueue.py; real-node parts skip
 # with the reason where the machine cannot run a node).
 test-kueue: venv
 	$(VPY) e2e/run_pytest.py -m kueue e2e/tests/test_kueue.py
+
+# Upgrade and downgrade between the previous release (e2e/tools/versions.env) and the
+# working tree with GPU pods of every kind running on the real node (about 4 minutes warm;
+# the first run also builds the release's image).
+test-upgrade: venv
+	$(VPY) e2e/run_pytest.py -m upgrade e2e/tests/test_upgrade.py
 
 # The end-to-end suites that touch the API on every pinned Kubernetes version, one after
 # another (each built on first use), then a table: version, passed, failed, skipped with

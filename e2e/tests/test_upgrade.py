@@ -56,7 +56,9 @@ from e2e.node.chart import (
 )
 from e2e.node.realnode import NodeError, RealNode, unavailable_reason
 
-pytestmark = pytest.mark.cluster
+# Four minutes on a warm machine, plus the previous release's image build on a cold one:
+# run by `make test-upgrade`, kept out of `make test` so that CI stays well under an hour.
+pytestmark = [pytest.mark.cluster, pytest.mark.upgrade]
 # The demo's workloads but the CEL-selected pod, so that a whole GPU is left for MPS.
 LEFT_OUT = {"cel-selected", "h100-40g"}
 SLICED = ("sliced-a", "sliced-b")
