@@ -27,7 +27,7 @@ from typing import Any
 import anyio
 import anyio.to_thread
 import pytest
-from gpudra.api.deviceclasses import device_classes
+from gpudra.api.deviceclasses import device_classes, mig_profile_class
 from gpudra.api.tenants import API_VERSION as TENANT_API
 from gpudra.api.tenants import crd_manifest as tenant_crd
 from gpudra.common.kube import Kube as AsyncKube
@@ -658,7 +658,11 @@ class ProfileWatcher(AllocationWatcher):
 @pytest.fixture
 def profile_classes(kube: Kube, queues: None) -> Iterator[None]:
     """The per-profile MIG classes (deviceClasses.mig.profiles) and their queue."""
-    extra = device_classes(DRIVER, mig_profiles=MIG_PROFILES)[2:-1]
+    own = {mig_profile_class(p) for p in MIG_PROFILES}
+    extra = [
+        c for c in device_classes(DRIVER, mig_profiles=MIG_PROFILES) if c["metadata"]["name"] in own
+    ]
+    assert len(extra) == len(MIG_PROFILES)
     for obj in [*extra, *jobs.load(jobs.MIG_PROFILE_QUEUE)]:
         kube.apply(obj)
     yield

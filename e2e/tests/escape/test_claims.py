@@ -15,7 +15,7 @@ from typing import Any
 import anyio
 import pytest
 from anyio.to_thread import run_sync
-from gpudra.api.deviceclasses import device_classes
+from gpudra.api.deviceclasses import device_classes, mig_profile_class
 from gpudra.api.tenants import API_VERSION, crd_manifest
 from gpudra.common.kube import Kube
 from gpudra.webhook import registration
@@ -90,8 +90,8 @@ async def env(cluster: Cluster, kube: SyncKube, tmp_path: Path) -> AsyncIterator
         tg.cancel_scope.cancel()
     for dc in device_classes(DRIVER):
         kube.apply(dc)  # the shared class without the config again, as other tests expect
-    for dc in device_classes(DRIVER, mig_profiles=MIG_PROFILES)[2:4]:
-        kube.delete("DeviceClass", dc["metadata"]["name"])
+    for profile in MIG_PROFILES:
+        kube.delete("DeviceClass", mig_profile_class(profile))
     await akube.close()
 
 
