@@ -3,7 +3,9 @@
 The one definition: the demo and the tests apply these objects, and the Helm chart's
 template must render exactly them for the same values (tests/chart compares them
 field by field, the shared class's config included), so a selector or a sharing
-config cannot drift between what is demonstrated, tested and installed.
+config cannot drift between what is demonstrated, tested and installed. The opt-in
+per-profile MIG classes (`mig_profile_class`) are named here once; the webhook converts
+to them and reads their profile for the tenant rules by the same rule.
 """
 
 from __future__ import annotations
