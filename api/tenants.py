@@ -36,6 +36,7 @@ __all__ = [
     "GROUP",
     "KIND",
     "MIG_PROFILE_RE",
+    "MIG_SUFFIX_TOKENS",
     "PATH",
     "PLURAL",
     "QUOTA_RESOURCE_SUFFIX",
@@ -82,6 +83,13 @@ MIG_PROFILE_RE: Final = re.compile(
     r"(?:(?P<ci>[1-7])c\.)?(?P<gi>[1-7])g\.(?P<mem>[1-9][0-9]{0,3})gb"
     r"(?P<suffix>\+me\.all|\+me|\+gfx|-me)?"
 )
+MIG_SUFFIX_TOKENS: Final[Mapping[str, str]] = {
+    "+me": "me",
+    "+me.all": "meall",
+    "+gfx": "gfx",
+    "-me": "nome",
+}
+"""Readable, injective name tokens for the profile suffixes (in claim and class names)."""
 # Schema patterns take no named groups.
 _MIG_PROFILE_PATTERN: Final = "^" + re.sub(r"\?P<\w+>", "?:", MIG_PROFILE_RE.pattern) + "$"
 _MAX_MAP_KEYS: Final = 64

@@ -30,6 +30,7 @@ from gpudra.api.config import (
     GpuConfig,
     parse_opaque_config,
 )
+from gpudra.api.deviceclasses import mig_profile_class
 from gpudra.api.names import DNS_LABEL_MAX, dns_subdomain_problem
 from gpudra.api.tenants import LabelSelector
 from gpudra.common.kube import Kube
@@ -152,6 +153,16 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "class rules and claim validation cover it too",
     )
     p.add_argument(
+        "--mig-profile-class",
+        action="append",
+        default=[],
+        metavar="PROFILE",
+        help="a MIG profile served by its own DeviceClass, mig-<profile>.nvidia.com "
+        "(repeatable; the chart's deviceClasses.mig.profiles): converted "
+        "nvidia.com/mig-<profile> claims request it, and tenant MIG-profile rules read the "
+        "profile from it",
+    )
+    p.add_argument(
         "--driver-name",
         default=DEFAULT_POLICY.driver,
         help="the DRA driver name (the node agent's --driver-name): converted MIG "
@@ -222,7 +233,18 @@ def conversion_policy(args: argparse.Namespace) -> ConversionPolicy:
         time_slice_interval=args.time_slice_interval,
         mps_config=_mps_config(args),
         native_resources=frozenset(args.extended_resource_name),
+        mig_profile_classes=tuple(_mig_profiles(args.mig_profile_class)),
     )
+
+
+def _mig_profiles(profiles: list[str]) -> list[str]:
+    """The --mig-profile-class values, each a MIG profile whose class name is valid."""
+    for profile in profiles:
+        try:
+            mig_profile_class(profile)
+        except ValueError as exc:
+            raise SystemExit(f"gpudra webhook: --mig-profile-class: {exc}") from None
+    return profiles
 
 
 def _mps_config(args: argparse.Namespace) -> tuple[tuple[str, Any], ...]:

@@ -83,10 +83,11 @@ from enum import StrEnum
 from fractions import Fraction
 from typing import Any, Final
 
+from gpudra.api.deviceclasses import mig_profile_class, mig_profile_selector
 from gpudra.api.names import DNS_LABEL_MAX, check_dns_label
 from gpudra.api.quantity import QuantityError, parse_quantity
 from gpudra.api.sharing import SHARES_CAPACITY
-from gpudra.api.tenants import MIG_PROFILE_RE
+from gpudra.api.tenants import MIG_PROFILE_RE, MIG_SUFFIX_TOKENS
 
 __all__ = [
     "CONVERTED_ANNOTATION",
@@ -132,8 +133,6 @@ _MIG_PROFILE = MIG_PROFILE_RE
 # A converted pod claim's name after the prefix, and its template's name after the claim's.
 _CLAIM_TOKEN: Final = re.compile(r"gpu|gpu-shared|mig-[0-9a-z]+")
 _TEMPLATE_COUNTS: Final = re.compile(r"[0-9]+(-[0-9]+)*(-[0-9a-f]{8})?|[0-9a-z-]*-[0-9a-f]{8}")
-# Readable, injective name tokens for the profile suffixes.
-_SUFFIX_TOKENS: Final = {"+me": "me", "+me.all": "meall", "+gfx": "gfx", "-me": "nome"}
 
 
 class DeviceKind(StrEnum):
@@ -170,12 +169,25 @@ class ConversionPolicy:
     native_resources: frozenset[str] = frozenset()
     """Legacy names a DeviceClass maps itself (`extendedResourceName`): the scheduler
     allocates those, so the webhook leaves them in the pod untouched."""
+    mig_profile_classes: tuple[str, ...] = ()
+    """MIG profiles served by their own DeviceClass (`mig_profile_class`, the chart's
+    `deviceClasses.mig.profiles`): converted ``nvidia.com/mig-<profile>`` claims request
+    it, so a quota per class (Kueue's, a GpuTenant's) counts them under their profile."""
 
-    def device_class(self, kind: DeviceKind) -> str:
-        """The DeviceClass a converted claim of `kind` requests."""
+    def device_class(self, kind: DeviceKind, profile: str = "") -> str:
+        """The DeviceClass a converted claim of `kind` (and MIG `profile`) requests."""
         if kind is DeviceKind.GPU:
             return self.gpu_class
-        return self.shared_class if kind is DeviceKind.SHARED else self.mig_class
+        if kind is DeviceKind.SHARED:
+            return self.shared_class
+        if profile in self.mig_profile_classes:
+            return mig_profile_class(profile)
+        return self.mig_class
+
+    @property
+    def profile_classes(self) -> Mapping[str, str]:
+        """Each per-profile MIG class and its profile."""
+        return {mig_profile_class(p): p for p in self.mig_profile_classes}
 
     def sharing(self, kind: DeviceKind) -> str:
         """The sharing mode of a converted device: Exclusive, TimeSlicing or MPS."""
@@ -203,6 +215,8 @@ class ConversionPolicy:
                 f"{sorted(_TIME_SLICE_INTERVALS)}"
             )
         check_dns_label(self.name_prefix, "name_prefix", max_length=_MAX_PREFIX)
+        for profile in self.mig_profile_classes:
+            mig_profile_class(profile)  # a clear error for a profile that is not one
         if not 1 <= self.max_devices_per_claim <= MAX_DEVICES_PER_CLAIM:
             raise ValueError(f"max_devices_per_claim must be between 1 and {MAX_DEVICES_PER_CLAIM}")
 
@@ -225,7 +239,7 @@ class _DeviceType:
         match = _MIG_PROFILE.fullmatch(self.profile)
         assert match is not None  # validated by parse_mig_profile
         ci = f"{match['ci']}c" if match["ci"] else ""
-        suffix = _SUFFIX_TOKENS.get(match["suffix"] or "", "")
+        suffix = MIG_SUFFIX_TOKENS.get(match["suffix"] or "", "")
         return f"mig-{ci}{match['gi']}g{match['mem']}gb{suffix}"
 
 
@@ -584,7 +598,7 @@ def _plan_claim(
         kind=device_type.kind,
         profile=device_type.profile,
         devices=total,
-        device_class=policy.device_class(device_type.kind),
+        device_class=policy.device_class(device_type.kind, device_type.profile),
         resources=tuple(resource_names),
         containers=tuple(
             (c.name or c.pointer, c.demands[device_type])
@@ -604,7 +618,7 @@ def _claim_spec(
 ) -> dict[str, Any]:
     """The ResourceClaimSpec (resource.k8s.io/v1) for one device type and piece layout."""
     requests: list[dict[str, Any]] = []
-    device_class = policy.device_class(device_type.kind)
+    device_class = policy.device_class(device_type.kind, device_type.profile)
     for index, count in enumerate(segments):
         exactly: dict[str, Any] = {
             "deviceClassName": device_class,
@@ -612,7 +626,7 @@ def _claim_spec(
             "count": count,
         }
         if device_type.kind is DeviceKind.MIG:
-            expression = f'device.attributes["{policy.driver}"].profile == "{device_type.profile}"'
+            expression = mig_profile_selector(policy.driver, device_type.profile)
             exactly["selectors"] = [{"cel": {"expression": expression}}]
         if device_type.kind is DeviceKind.SHARED:
             share = {
@@ -681,6 +695,7 @@ def generated_template_name(spec: object, policy: ConversionPolicy) -> str | Non
         return None
     kinds = {policy.gpu_class: DeviceKind.GPU, policy.shared_class: DeviceKind.SHARED}
     kinds[policy.mig_class] = DeviceKind.MIG
+    kinds.update(dict.fromkeys(policy.profile_classes, DeviceKind.MIG))
     kind = kinds.get(str(first.get("deviceClassName")))
     if kind is None:
         return None
@@ -690,7 +705,7 @@ def generated_template_name(spec: object, policy: ConversionPolicy) -> str | Non
         expression = ""
         if isinstance(selectors, list) and selectors and isinstance(selectors[0], Mapping):
             expression = str((selectors[0].get("cel") or {}).get("expression", ""))
-        prefix = f'device.attributes["{policy.driver}"].profile == "'
+        prefix = mig_profile_selector(policy.driver, "").removesuffix('"')
         profile = expression.removeprefix(prefix).removesuffix('"')
         if not expression.startswith(prefix) or not _MIG_PROFILE.fullmatch(profile):
             return None

@@ -31,6 +31,7 @@ from gpudra.api.config import (
     bound_configs,
     join_path,
 )
+from gpudra.api.deviceclasses import mig_profile_selector
 from gpudra.api.sharing import Sharing, is_memory_slice, resolve_sharing
 from gpudra.api.tenants import MAX_DEVICES_PER_CLAIM
 from gpudra.webhook.convert import ConversionPolicy
@@ -71,8 +72,11 @@ class ClaimVerdict:
 
 
 def driver_classes(policy: ConversionPolicy, extra: Sequence[str] = ()) -> frozenset[str]:
-    """The DeviceClasses that are the driver's: the policy's three plus `extra`."""
-    return frozenset({policy.gpu_class, policy.mig_class, policy.shared_class, *extra})
+    """The DeviceClasses that are the driver's: the policy's three, its per-profile MIG
+    classes, plus `extra`."""
+    return frozenset(
+        {policy.gpu_class, policy.mig_class, policy.shared_class, *policy.profile_classes, *extra}
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -317,7 +321,8 @@ def _one(raw: _Exact, path: str, name: str) -> _Request:
 
 
 def _device_type(request: _Request, policy: ConversionPolicy) -> DeviceType:
-    return "mig" if request.device_class == policy.mig_class else "gpu"
+    mig = request.device_class == policy.mig_class or request.device_class in policy.profile_classes
+    return "mig" if mig else "gpu"
 
 
 def _resolve(
@@ -404,8 +409,20 @@ def _check_rules(
 def _check_profile(
     request: _Request, policy: ConversionPolicy, rules: TenantRules, verdict: ClaimVerdict
 ) -> None:
-    """MIG requests must pin an allowed profile with the selector form the conversion uses."""
+    """MIG requests must pin an allowed profile: with a per-profile class, or with the
+    selector form the conversion uses. A per-profile class pins its profile whatever the
+    selectors say, so it is checked first: a selector naming an allowed profile on the
+    class of another must not pass."""
     allowed = rules.tenant.spec.allowed_mig_profiles or []
+    pinned = policy.profile_classes.get(request.device_class)
+    if pinned is not None:
+        if pinned not in allowed:
+            verdict.forbidden.append(
+                f"{request.path}.deviceClassName: {rules.label} does not allow MIG profile "
+                f"{pinned} (device class {request.device_class}); accepted values: "
+                f"{', '.join(allowed) or 'none'}"
+            )
+        return
     for selector in request.selectors:
         match = _PROFILE_SELECTOR.fullmatch(selector)
         if match and match["driver"] == policy.driver:
@@ -416,9 +433,7 @@ def _check_profile(
                 f"{match['profile']}; accepted values: {', '.join(allowed) or 'none'}"
             )
             return
-    example = (
-        f'device.attributes["{policy.driver}"].profile == "{allowed[0] if allowed else "1g.10gb"}"'
-    )
+    example = mig_profile_selector(policy.driver, allowed[0] if allowed else "1g.10gb")
     verdict.forbidden.append(
         f"{request.path}.selectors: {rules.label} allows only MIG profiles "
         f"{', '.join(allowed) or 'none'}, so a {request.device_class} request must select one "

@@ -24,6 +24,8 @@ NATIVE_JOB = MANIFESTS / "02-native-job.yaml"
 PRIORITIES = MANIFESTS / "03-priorities.yaml"
 MEMORY_SLICE_JOB = MANIFESTS / "04-memory-slice-job.yaml"
 MIG_JOB = MANIFESTS / "05-mig-job.yaml"
+MIG_PROFILE_QUEUE = MANIFESTS / "06-mig-profile-queue.yaml"
+MIG_PROFILE_JOB = MANIFESTS / "07-mig-profile-job.yaml"
 QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 PRIORITY_LABEL = "kueue.x-k8s.io/priority-class"
 

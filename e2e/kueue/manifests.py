@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Final
 
 import yaml
-from gpudra.api.deviceclasses import SHARED_CLASS
+from gpudra.api.deviceclasses import SHARED_CLASS, mig_profile_class
 
 NAMESPACE: Final = "kueue-system"
 SERVICE: Final = "kueue-webhook-service"
@@ -32,13 +32,17 @@ FRAMEWORK_PATHS: Final[Mapping[str, str]] = {
 them; webhooks of other integrations are left out, so a pod or Deployment outside a
 queue never waits on Kueue."""
 
+MIG_PROFILES: Final = ("1g.10gb", "3g.40gb")
+"""The profiles with classes of their own here (the chart's deviceClasses.mig.profiles)."""
 DEFAULT_MAPPINGS: Final[Mapping[str, Sequence[str]]] = {
     "nvidia.com/gpu": ("gpu.nvidia.com",),
     "nvidia.com/gpu.shared": (SHARED_CLASS,),
     "mig.nvidia.com": ("mig.nvidia.com",),
+    **{f"nvidia.com/mig-{p}": (mig_profile_class(p),) for p in MIG_PROFILES},
 }
 """Quota names for gpudra's classes. Whole GPUs count as `nvidia.com/gpu`, the name a
-legacy Job requests, so one ClusterQueue quota covers legacy and native Jobs alike."""
+legacy Job requests, so one ClusterQueue quota covers legacy and native Jobs alike; each
+per-profile MIG class counts as `nvidia.com/mig-<profile>` for the same reason."""
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import json
 import threading
+from collections import Counter
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +27,7 @@ from typing import Any
 import anyio
 import anyio.to_thread
 import pytest
-from gpudra.api.deviceclasses import device_classes
+from gpudra.api.deviceclasses import device_classes, mig_profile_class
 from gpudra.api.tenants import API_VERSION as TENANT_API
 from gpudra.api.tenants import crd_manifest as tenant_crd
 from gpudra.common.kube import Kube as AsyncKube
@@ -41,7 +42,7 @@ from e2e.cluster.harness import Cluster
 from e2e.cluster.kube import ApiError, Kube, apply_crd, wait_for
 from e2e.kueue import jobs
 from e2e.kueue.manager import KueueError, KueueManager, frameworks_from_env, kueue_home
-from e2e.kueue.manifests import Endpoint, crds, webhook_configurations
+from e2e.kueue.manifests import MIG_PROFILES, Endpoint, crds, webhook_configurations
 from e2e.node import images
 from e2e.node.gpus import DRIVER, GpuStack, NodeGpus
 from e2e.node.realnode import RealNode, unavailable_reason
@@ -627,6 +628,106 @@ def test_plain_pods_are_counted_after_conversion(kube: Kube, gpus: NodeGpus, que
         usage = wl["status"]["admission"]["podSetAssignments"][0]["resourceUsage"]
         assert usage == {"nvidia.com/gpu": "1"}, usage
     assert max(watcher.samples) <= 2, watcher.samples
+
+
+def mig_profiles_allocated(kube: Kube) -> Counter[str]:
+    """Allocated MIG devices in team-b per profile, read from the device names
+    (`gpu-<minor>-mig-<profile without dots>-...`)."""
+    counts: Counter[str] = Counter()
+    for claim in kube.list("ResourceClaim", "team-b"):
+        allocation = (claim.get("status") or {}).get("allocation") or {}
+        for result in allocation.get("devices", {}).get("results", ()):
+            for profile in MIG_PROFILES:
+                counts[profile] += f"-mig-{profile.replace('.', '')}-" in result["device"]
+    return counts
+
+
+class ProfileWatcher(AllocationWatcher):
+    """Also keeps each sample's MIG devices per profile."""
+
+    def __init__(self, kube: Kube) -> None:
+        super().__init__(kube, ("team-b",))
+        self.by_profile: list[Counter[str]] = []
+
+    def allocated(self) -> int:
+        counts = mig_profiles_allocated(self.kube)
+        self.by_profile.append(counts)
+        return sum(counts.values())
+
+
+@pytest.fixture
+def profile_classes(kube: Kube, queues: None) -> Iterator[None]:
+    """The per-profile MIG classes (deviceClasses.mig.profiles) and their queue."""
+    own = {mig_profile_class(p) for p in MIG_PROFILES}
+    extra = [
+        c for c in device_classes(DRIVER, mig_profiles=MIG_PROFILES) if c["metadata"]["name"] in own
+    ]
+    assert len(extra) == len(MIG_PROFILES)
+    for obj in [*extra, *jobs.load(jobs.MIG_PROFILE_QUEUE)]:
+        kube.apply(obj)
+    yield
+    for job in kube.list("Job", "team-b"):
+        jobs.delete_job(kube, "team-b", job["metadata"]["name"])
+    wait_for("the Jobs of team-b gone", lambda: not kube.list("Pod", "team-b"), timeout=90)
+    for obj in reversed(jobs.load(jobs.MIG_PROFILE_QUEUE)):
+        kube.delete(obj["kind"], obj["metadata"]["name"], obj["metadata"].get("namespace"))
+    for dc in extra:
+        kube.delete("DeviceClass", dc["metadata"]["name"])
+
+
+def test_a_quota_per_mig_profile(kube: Kube, gpus: NodeGpus, profile_classes: None) -> None:
+    """Quota 2 `nvidia.com/mig-1g.10gb` and 1 `nvidia.com/mig-3g.40gb`: three 1g.10gb Jobs
+    (two on the profile's own class, one asking `nvidia.com/mig-1g.10gb` the device-plugin
+    way) and two on the 3g.40gb class. Kueue admits two and one, keeps two suspended, and
+    admits them as others complete; all run on MIG devices of their profile, and per
+    profile no more devices than its quota are ever allocated."""
+    on_node: dict[str, Any] = {"image": images.TEST_IMAGE, "command": WORK, "node": gpus.node_name}
+    small = ["small-0", "small-1"]
+    for name in small:
+        jobs.submit(kube, jobs.MIG_PROFILE_JOB, name, "team-b", **on_node)
+    legacy = jobs.job_from(jobs.LEGACY_JOB, "small-legacy", "team-b", **on_node)
+    legacy["metadata"]["labels"][jobs.QUEUE_LABEL] = "mig-profiles"
+    legacy["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"] = {
+        "nvidia.com/mig-1g.10gb": 1
+    }
+    kube.create(legacy)
+    large = ["large-0", "large-1"]
+    for name in large:
+        job = jobs.job_from(jobs.MIG_PROFILE_JOB, name, "team-b", **on_node)
+        job["spec"]["template"]["spec"]["resourceClaims"][0]["resourceClaimTemplateName"] = (
+            "one-3g40gb"
+        )
+        kube.create(job)
+    names = [*small, "small-legacy", *large]
+    watcher = ProfileWatcher(kube)
+    with watcher:
+        wait_for(
+            "two 1g.10gb Jobs and one 3g.40gb Job admitted",
+            lambda: sum(jobs.admitted(kube, "team-b", n) for n in names) == 3,
+        )
+        suspended = [n for n in names if kube.get("Job", n, "team-b")["spec"]["suspend"]]
+        assert len(suspended) == 2, suspended
+        assert sum(n in suspended for n in large) == 1, suspended
+        for name in names:
+            wait_for(
+                f"Job {name} finished",
+                lambda n=name: jobs.job_finished(kube, "team-b", n),
+                timeout=240,
+            )
+    assert not watcher.errors, watcher.errors
+    for name in names:
+        assert kube.get("Job", name, "team-b")["status"].get("succeeded") == 1, name
+    peak = {p: max(c[p] for c in watcher.by_profile) for p in MIG_PROFILES}
+    assert peak == {"1g.10gb": 2, "3g.40gb": 1}, peak
+    for name, resource in (
+        ("small-0", "nvidia.com/mig-1g.10gb"),
+        ("small-legacy", "nvidia.com/mig-1g.10gb"),
+        ("large-0", "nvidia.com/mig-3g.40gb"),
+    ):
+        wl = jobs.workload_of(kube, "team-b", name)
+        assert wl is not None
+        usage = wl["status"]["admission"]["podSetAssignments"][0]["resourceUsage"]
+        assert usage == {resource: "1"}, (name, usage)
 
 
 # --- priorities --------------------------------------------------------------------------

@@ -13,7 +13,7 @@ import pytest
 import yaml
 from gpudra.api.config import GpuConfig, parse_opaque_config
 from gpudra.api.deviceclasses import DEFAULT_SHARED_SHARING, device_classes
-from gpudra.api.tenants import parse_tenant
+from gpudra.api.tenants import MigProfile, parse_tenant
 from gpudra.cli.main import build_parser
 from gpudra.cli.main import main as cli_main
 from gpudra.cli.node import _agent_config
@@ -24,6 +24,7 @@ from gpudra.webhook.certs import generate_ca
 from gpudra.webhook.convert import DEFAULT_POLICY, OPT_OUT_LABEL, ConversionPolicy
 from gpudra.webhook.tenant_state import QUOTA_NAME
 from gpudra.webhook.validate import driver_classes
+from pydantic import TypeAdapter
 
 from e2e.tools import helm as h
 
@@ -232,6 +233,47 @@ def test_device_classes_match_the_code(
     objects = h.template(helm, values)
     rendered = [strip_chart_metadata(o) for o in objects if o["kind"] == "DeviceClass"]
     assert rendered == device_classes(driver, sharing)
+
+
+EVERY_SUFFIX = [
+    "1g.10gb",
+    "1g.10gb+me",
+    "1g.20gb+me.all",
+    "1g.10gb+gfx",
+    "1g.10gb-me",
+    "1c.2g.20gb",
+]
+"""MIG profiles with every suffix the class name rule rewrites, and a compute-instance one."""
+
+
+@pytest.mark.parametrize("driver", ["gpu.nvidia.com", "gpu.example.com"])
+def test_per_profile_mig_classes_match_the_code(helm: Path, driver: str) -> None:
+    """`deviceClasses.mig.profiles` renders exactly the classes `api.deviceclasses` builds,
+    named by its one name rule, and the validating webhook covers them as the code's."""
+    values = {"driverName": driver, "deviceClasses": {"mig": {"profiles": EVERY_SUFFIX}}}
+    objects = h.template(helm, values)
+    rendered = [strip_chart_metadata(o) for o in objects if o["kind"] == "DeviceClass"]
+    assert rendered == device_classes(driver, DEFAULT_SHARED_SHARING, EVERY_SUFFIX)
+    _, policy = webhook_policy(objects)
+    want = registration.validating_configuration(
+        ca_bundle_b64="",
+        own_namespace="gpudra",
+        device_classes=sorted(driver_classes(policy)),
+        driver=driver,
+        service=("gpudra-webhook", "gpudra", 8443),
+    )
+    validating = strip_chart_metadata(h.find(objects, "ValidatingWebhookConfiguration"))
+    for hook in [*validating["webhooks"], *want["webhooks"]]:
+        hook["clientConfig"].pop("caBundle", None)
+    assert validating == want
+    assert "mig-1g.10gb-nome.nvidia.com" in driver_classes(policy)
+
+
+def test_the_profile_schema_is_the_tenants_profile_rule() -> None:
+    """The chart's profile pattern is GpuTenant's allowedMigProfiles pattern."""
+    schema = yaml.safe_load((h.CHART / "values.schema.json").read_text())
+    items = schema["properties"]["deviceClasses"]["properties"]["mig"]["properties"]["profiles"]
+    assert items["items"]["pattern"] == TypeAdapter(MigProfile).json_schema()["pattern"]
 
 
 @pytest.mark.parametrize(
@@ -632,6 +674,8 @@ def test_notes_tell_how_to_check(helm: Path) -> None:
         ({"kubernetesApi": {"host": "api server"}}, "/kubernetesApi/host"),
         ({"node": {"nvml": "fake"}}, "/node/nvml"),
         ({"node": {"migStrategy": "mixed"}}, "/node/migStrategy"),
+        ({"deviceClasses": {"mig": {"profiles": ["1g.10gb+ME"]}}}, "/deviceClasses/mig/profiles/0"),
+        ({"deviceClasses": {"mig": {"profiles": ["1g.10gb", "1g.10gb"]}}}, "/deviceClasses/mig"),
         ({"node": {"sharedGpus": "some"}}, "/node/sharedGpus"),
         ({"node": {"sharedGpus": "0,,1"}}, "/node/sharedGpus"),
         ({"node": {"sharedGpus": "all,0"}}, "/node/sharedGpus"),
@@ -794,8 +838,21 @@ def webhook_policy(objects: list[dict[str, Any]]) -> tuple[list[str], Conversion
             "mps_config",
             (("defaultPinnedDeviceMemoryLimit", "4Gi"),),
         ),
+        (
+            {"deviceClasses": {"mig": {"profiles": ["1g.10gb", "3g.40gb"]}}},
+            ["--mig-profile-class=1g.10gb", "--mig-profile-class=3g.40gb"],
+            "mig_profile_classes",
+            ("1g.10gb", "3g.40gb"),
+        ),
     ],
-    ids=["driverName", "shared.strategy", "timeSlicing.interval", "mps.threads", "mps.pinned"],
+    ids=[
+        "driverName",
+        "shared.strategy",
+        "timeSlicing.interval",
+        "mps.threads",
+        "mps.pinned",
+        "mig.profiles",
+    ],
 )
 def test_values_that_change_conversion_reach_the_webhook(
     helm: Path, values: dict[str, Any], flags: list[str], field: str, expected: Any

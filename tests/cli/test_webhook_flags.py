@@ -52,6 +52,15 @@ def test_driver_name_reaches_mig_selectors_and_configs() -> None:
     assert entry["opaque"]["driver"] == "gpu.example.com"
 
 
+def test_mig_profile_classes_reach_converted_claims_and_validation() -> None:
+    custom = policy("--mig-profile-class=1g.10gb")
+    (request,) = template_spec(custom, "nvidia.com/mig-1g.10gb")["devices"]["requests"]
+    assert request["exactly"]["deviceClassName"] == "mig-1g.10gb.nvidia.com"
+    (request,) = template_spec(custom, "nvidia.com/mig-3g.40gb")["devices"]["requests"]
+    assert request["exactly"]["deviceClassName"] == "mig.nvidia.com"
+    assert "mig-1g.10gb.nvidia.com" in driver_classes(custom)
+
+
 def test_driver_name_reaches_config_validation() -> None:
     bad = {
         "metadata": {"name": "c", "namespace": "ns"},
@@ -123,6 +132,10 @@ def test_mps_defaults_reach_converted_claims() -> None:
         (
             ["--shared-strategy=MPS", "--mps-default-pinned-device-memory-limit=lots"],
             "--mps-default-pinned-device-memory-limit 'lots': 'lots' is not a quantity",
+        ),
+        (
+            ["--mig-profile-class=1g.10gb", "--mig-profile-class=mig-3g.40gb"],
+            "--mig-profile-class: 'mig-3g.40gb' is not a MIG profile",
         ),
     ],
 )

@@ -218,6 +218,24 @@ def test_mig_profile_suffixes_get_distinct_names(profile: str, claim_name: str) 
     assert result.templates[0]["metadata"]["name"] == f"{claim_name}-1"
 
 
+def test_a_profile_with_its_own_class_is_converted_to_that_class(apply_patch: Patcher) -> None:
+    """With per-profile MIG classes, a converted MIG claim requests its profile's class,
+    so a quota per class (Kueue's deviceClassMappings) counts it under that profile;
+    other profiles keep the MIG class, and the template is still recognised as ours."""
+    policy = ConversionPolicy(mig_profile_classes=("1g.10gb", "1g.10gb+me"))
+    limits = {"nvidia.com/mig-1g.10gb+me": "1", "nvidia.com/mig-3g.40gb": "1"}
+    result, _out = converted(pod(container("infer", limits)), apply_patch, policy)
+    classes = {c.profile: c.device_class for c in result.claims}
+    assert classes == {"1g.10gb+me": "mig-1g.10gb-me.nvidia.com", "3g.40gb": "mig.nvidia.com"}
+    for template in result.templates:
+        (request,) = template["spec"]["spec"]["devices"]["requests"]
+        assert request["exactly"]["deviceClassName"] in classes.values()
+        spec = template["spec"]["spec"]
+        assert generated_template_name(spec, policy) == template["metadata"]["name"]
+    with pytest.raises(ValueError, match=r"'1g\.10gb\+ME' is not a MIG profile"):
+        ConversionPolicy(mig_profile_classes=("1g.10gb+ME",))
+
+
 def test_shared_gpu_gets_time_slicing_config(apply_patch: Patcher) -> None:
     result, out = converted(pod(container("nb", {"nvidia.com/gpu.shared": "1"})), apply_patch)
     (template,) = result.templates

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import ssl
 from pathlib import Path
@@ -154,6 +155,31 @@ def test_mig_profile_must_be_pinned_to_an_allowed_one() -> None:
     assert "selectors: " in line and "does not allow MIG profile 7g.80gb" in line
     (line,) = check(claim(req("m", "mig.nvidia.com")), r).forbidden
     assert "must select one with a CEL selector of the form" in line
+
+
+def test_a_per_profile_class_pins_its_profile_for_the_tenant_rule() -> None:
+    """A claim on a per-profile MIG class is a MIG request of that profile whatever its
+    selectors say: a tenant allowed 1g.10gb only cannot take 3g.40gb through its class,
+    with or without a selector naming the allowed profile."""
+    policy = dataclasses.replace(DEFAULT_POLICY, mig_profile_classes=("1g.10gb", "3g.40gb"))
+    classes = driver_classes(policy)
+    assert {"mig-1g.10gb.nvidia.com", "mig-3g.40gb.nvidia.com"} <= classes
+    tenant = rules(allowedMigProfiles=["1g.10gb"])
+
+    def verdict(obj: dict[str, Any]) -> ClaimVerdict:
+        return validate_claim_object(
+            obj, template=False, policy=policy, classes=classes, rules=tenant
+        )
+
+    assert verdict(claim(req("m", "mig-1g.10gb.nvidia.com"))).allowed
+    sel = [{"cel": {"expression": 'device.attributes["gpu.nvidia.com"].profile == "1g.10gb"'}}]
+    for selectors in ([], sel):
+        (line,) = verdict(claim(req("m", "mig-3g.40gb.nvidia.com", selectors=selectors))).forbidden
+        assert line == (
+            'spec.devices.requests[0].exactly.deviceClassName: tenant "team-a" (GpuTenant '
+            "team-a) does not allow MIG profile 3g.40gb (device class "
+            "mig-3g.40gb.nvidia.com); accepted values: 1g.10gb"
+        )
 
 
 def test_devices_per_claim_limit() -> None:

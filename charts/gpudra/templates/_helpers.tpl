@@ -125,3 +125,13 @@ Kubernetes takes only strings there. The schema lets all three through for that.
 {{ $k | quote }}: {{ toString $v | quote }}
 {{- end }}
 {{- end -}}
+
+{{- /* The DeviceClass of one MIG profile, as gpudra.api.deviceclasses.mig_profile_class
+names it (tests/chart renders every suffix): the suffix becomes a token after a dash,
+`1g.10gb+me` -> mig-1g.10gb-me.nvidia.com, `1g.10gb-me` -> mig-1g.10gb-nome.nvidia.com. */ -}}
+{{- define "gpudra.migProfileClass" -}}
+{{- $p := . -}}
+{{- if hasSuffix "-me" $p }}{{ $p = printf "%s-nome" (trimSuffix "-me" $p) }}{{ end -}}
+{{- $p = $p | replace "+me.all" "-meall" | replace "+me" "-me" | replace "+gfx" "-gfx" -}}
+{{- printf "mig-%s.nvidia.com" $p -}}
+{{- end -}}

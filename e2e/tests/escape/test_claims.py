@@ -6,6 +6,7 @@ sharing from the real DeviceClasses as the kubelet plugin will."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,7 +15,7 @@ from typing import Any
 import anyio
 import pytest
 from anyio.to_thread import run_sync
-from gpudra.api.deviceclasses import device_classes
+from gpudra.api.deviceclasses import device_classes, mig_profile_class
 from gpudra.api.tenants import API_VERSION, crd_manifest
 from gpudra.common.kube import Kube
 from gpudra.webhook import registration
@@ -36,6 +37,8 @@ DRIVER = "gpu.nvidia.com"
 SHARED = "gpu-shared.nvidia.com"
 TENANTS = f"/apis/{API_VERSION}/gputenants"
 CONFIG_API = "resource.nvidia.com/v1beta1"
+MIG_PROFILES = ("1g.10gb", "3g.40gb")
+"""Served with classes of their own too (the chart's deviceClasses.mig.profiles)."""
 
 
 def shared_class_as_the_chart_renders_it() -> dict[str, Any]:
@@ -52,12 +55,14 @@ class Env:
 
 @pytest.fixture
 async def env(cluster: Cluster, kube: SyncKube, tmp_path: Path) -> AsyncIterator[Env]:
-    for dc in device_classes(DRIVER):
+    for dc in device_classes(DRIVER, mig_profiles=MIG_PROFILES):
         kube.apply(dc)
     kube.apply(shared_class_as_the_chart_renders_it())
     apply_crd(kube, crd_manifest())
     akube = await Kube.connect(str(cluster.layout.admin_kubeconfig))
-    pki, config = serving_config(cluster, tmp_path / "pki")
+    pki, served = serving_config(cluster, tmp_path / "pki")
+    policy = dataclasses.replace(served.policy, mig_profile_classes=MIG_PROFILES)
+    config = dataclasses.replace(served, policy=policy)
     controller = TenantController(akube, config.policy)
     classes = DeviceClassCache(DRIVER)
     server = WebhookServer(
@@ -85,6 +90,8 @@ async def env(cluster: Cluster, kube: SyncKube, tmp_path: Path) -> AsyncIterator
         tg.cancel_scope.cancel()
     for dc in device_classes(DRIVER):
         kube.apply(dc)  # the shared class without the config again, as other tests expect
+    for profile in MIG_PROFILES:
+        kube.delete("DeviceClass", mig_profile_class(profile))
     await akube.close()
 
 
@@ -215,3 +222,36 @@ async def test_time_slicing_on_a_memory_slice_is_refused_at_admission(
     inherited = await denied(user, claim(namespace, "inherited", MEMORY_SLICE))
     assert f"DeviceClass {SHARED} spec.config[0].opaque.parameters.sharing.strategy" in inherited
     assert "TimeSlicing cannot apply" in inherited
+
+
+async def test_a_per_profile_class_does_not_get_around_allowed_mig_profiles(
+    env: Env, kube: SyncKube, namespace: str
+) -> None:
+    """A tenant allowed MIG profile 1g.10gb asks for the 3g.40gb class, bare and with a
+    selector naming the allowed profile: the class pins its profile, so both are denied;
+    the allowed profile's class is accepted."""
+    user = await run_sync(tenant_user, kube, namespace)
+    tenant = await run_sync(lambda: with_tenant(kube, namespace, allowedMigProfiles=["1g.10gb"]))
+    allowed = f'device.attributes["{DRIVER}"].profile == "1g.10gb"'
+    try:
+        await tenant_rules_loaded(env, namespace)
+        for name, request in (
+            ("bare", {"deviceClassName": "mig-3g.40gb.nvidia.com"}),
+            (
+                "disguised",
+                {
+                    "deviceClassName": "mig-3g.40gb.nvidia.com",
+                    "selectors": [{"cel": {"expression": allowed}}],
+                },
+            ),
+        ):
+            message = await denied(user, claim(namespace, name, request))
+            assert "HTTP 403" in message, message
+            assert "does not allow MIG profile 3g.40gb (device class mig-3g.40gb.nvidia.com)" in (
+                message
+            )
+        ok = {"deviceClassName": "mig-1g.10gb.nvidia.com"}
+        created = await run_sync(user.create, claim(namespace, "ok", ok))
+        assert created["metadata"]["name"] == "ok"
+    finally:
+        await run_sync(drop_tenant, kube, tenant)
