@@ -4,7 +4,7 @@ publish slices; the real scheduler allocates against them; health taints steer i
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import anyio
@@ -99,6 +99,15 @@ async def unschedulable(kube: SyncKube, ns: str, pod: str, limit_s: float = 60) 
             await anyio.sleep(0.2)
 
 
+def scheduler_error(kube: SyncKube, ns: str, pod: str) -> str:
+    """The message of the pod's `SchedulerError` condition: a filter failed, rather than
+    no node fitting (a CEL runtime error, for one); "" while there is none."""
+    for c in kube.get("Pod", pod, ns).get("status", {}).get("conditions") or []:
+        if c["type"] == "PodScheduled" and c.get("reason") == "SchedulerError":
+            return str(c.get("message", ""))
+    return ""
+
+
 def published(kube: SyncKube, node: str) -> dict[str, dict[str, Any]]:
     items = kube.request(
         "GET", SLICES, query={"fieldSelector": f"spec.nodeName={node},spec.driver={DRIVER}"}
@@ -168,6 +177,35 @@ async def test_static_mig_device_from_a100_profile_is_allocated(
     res = await allocation(kube, ns, "mig")
     assert res["pool"] == "worker-2"
     assert migs[res["device"]]["attributes"]["profile"]["string"] == profile
+    kube.delete("Namespace", ns)
+
+
+# Upstream's quickstart (demo/specs/quickstart/v1/gpu-test6.yaml) selects on `index`,
+# which upstream published until v25.8.0 and gpudra publishes with --legacy-attributes.
+QUICKSTART_INDEX_SELECTOR = "device.attributes['gpu.nvidia.com'].index == 0"
+
+
+async def test_a_selector_on_the_legacy_index_needs_the_option(
+    nodes: dict[str, Node], kube: SyncKube
+) -> None:
+    """Off by default, the quickstart's `index == 0` matches no device and its pod waits;
+    once the node publishes with `--legacy-attributes` the scheduler gives it GPU index 0."""
+    ns = smoke.make_namespace(kube, "legacy")
+    sel = {"cel": {"expression": QUICKSTART_INDEX_SELECTOR}}
+    claim_pod(kube, ns, "p", {"deviceClassName": "gpu.nvidia.com", "selectors": [sel]})
+    # Not merely unschedulable: the scheduler's CEL evaluation fails on the missing key,
+    # and says so on the pod, which is what a user of such a manifest sees.
+    with anyio.fail_after(60):
+        while not (why := scheduler_error(kube, ns, "p")):
+            await anyio.sleep(0.2)
+    assert "no such key: index" in why
+    assert not kube.get("Pod", "p", ns)["spec"].get("nodeName")
+    agent = nodes["worker-1"].agent
+    agent.config = replace(agent.config, legacy_attributes=True)  # as after a restart with it
+    agent.slices.trigger()
+    res = await allocation(kube, ns, "p")
+    assert (res["pool"], res["device"]) == ("worker-1", "gpu-0")
+    assert published(kube, "worker-1")["gpu-0"]["attributes"]["index"] == {"int": 0}
     kube.delete("Namespace", ns)
 
 
