@@ -9,9 +9,12 @@ from typing import Any
 
 import anyio
 import pytest
+from gpudra.api.config import GpuConfig
 from gpudra.api.deviceclasses import device_classes
+from gpudra.api.sharing import resolve_sharing
 from gpudra.common.kube import Kube
 from gpudra.driver.agent import AgentConfig, NodeAgent
+from gpudra.driver.claims import ClaimRef, checked_claim
 from gpudra.driver.devices import MigStrategy
 from gpudra.driver.health import HealthPolicy
 from gpudra.driver.nvml import load_nvml
@@ -286,6 +289,109 @@ async def test_a_device_taint_rule_keeps_new_pods_off_a_device_for_maintenance(
         kube.request("DELETE", f"{rules}/maintenance-gpu-4")
     res = await allocation(kube, ns, "p")
     assert (res["pool"], res["device"]) == ("worker-1", "gpu-4")
+    kube.delete("Namespace", ns)
+
+
+async def test_a_no_execute_device_taint_rule_evicts_the_pod_using_the_device(
+    nodes: dict[str, Node], kube: SyncKube
+) -> None:
+    """Maintenance that cannot wait: a NoExecute rule makes the controller-manager evict
+    the pod holding the device (its claim goes with it), and keeps new pods off it."""
+    version, reason = features.device_taint_rules(kube)
+    if reason:
+        pytest.skip(reason)
+    uuid = published(kube, "worker-1")["gpu-2"]["attributes"]["uuid"]["string"]
+    sel = {"cel": {"expression": f'device.attributes["{DRIVER}"].uuid == "{uuid}"'}}
+    exactly = {"deviceClassName": "gpu.nvidia.com", "selectors": [sel]}
+    ns = smoke.make_namespace(kube, "evict")
+    claim_pod(kube, ns, "user", exactly)
+    assert (await allocation(kube, ns, "user"))["device"] == "gpu-2"
+    claim = kube.get("Pod", "user", ns)["status"]["resourceClaimStatuses"][0]["resourceClaimName"]
+    rules = f"/apis/resource.k8s.io/{version}/devicetaintrules"
+    rule = {
+        "apiVersion": f"resource.k8s.io/{version}",
+        "kind": "DeviceTaintRule",
+        "metadata": {"name": "drain-gpu-2"},
+        "spec": {
+            "deviceSelector": {"driver": DRIVER, "pool": "worker-1", "device": "gpu-2"},
+            "taint": {"key": "example.com/maintenance", "effect": "NoExecute"},
+        },
+    }
+    kube.request("POST", rules, rule)
+    try:
+        with anyio.fail_after(90):
+            while kube.get_or_none("Pod", "user", ns) is not None:
+                await anyio.sleep(0.2)
+            while kube.get_or_none("ResourceClaim", claim, ns) is not None:
+                await anyio.sleep(0.2)
+        claim_pod(kube, ns, "next", exactly)
+        assert await unschedulable(kube, ns, "next")
+    finally:
+        kube.request("DELETE", f"{rules}/drain-gpu-2")
+    assert (await allocation(kube, ns, "next"))["device"] == "gpu-2"
+    kube.delete("Namespace", ns)
+
+
+async def test_a_prioritized_list_result_gets_the_config_named_for_its_parent_request(
+    nodes: dict[str, Node], kube: SyncKube
+) -> None:
+    """The scheduler names the result `gpu/any`; a config bound to `gpu` applies to it
+    (every subrequest), one bound to the subrequest not chosen does not."""
+    if reason := features.prioritized_list(kube):
+        pytest.skip(reason)
+    ns = smoke.make_namespace(kube, "first")
+    a100 = f'device.attributes["{DRIVER}"].productName.lowerAscii().matches("a100")'
+
+    def config(requests: list[str], sharing: dict[str, Any]) -> dict[str, Any]:
+        parameters = {"apiVersion": "resource.nvidia.com/v1beta1", "kind": "GpuConfig"}
+        return {
+            "requests": requests,
+            "opaque": {"driver": DRIVER, "parameters": {**parameters, "sharing": sharing}},
+        }
+
+    long = {"strategy": "TimeSlicing", "timeSlicingConfig": {"interval": "Long"}}
+    spec = {
+        "devices": {
+            "requests": [
+                {
+                    "name": "gpu",
+                    "firstAvailable": [
+                        # worker-2's A100s are MIG-enabled: no whole A100 to be had.
+                        {
+                            "name": "a100",
+                            "deviceClassName": "gpu.nvidia.com",
+                            "selectors": [{"cel": {"expression": a100}}],
+                        },
+                        {"name": "any", "deviceClassName": "gpu.nvidia.com"},
+                    ],
+                }
+            ],
+            "config": [config(["gpu"], long), config(["gpu/a100"], {"strategy": "MPS"})],
+        }
+    }
+    kube.create(
+        {
+            "apiVersion": "resource.k8s.io/v1",
+            "kind": "ResourceClaimTemplate",
+            "metadata": {"name": "p", "namespace": ns},
+            "spec": {"spec": spec},
+        }
+    )
+    kube.create(smoke.pod_with_template(ns, "p", "p"))
+    res = await allocation(kube, ns, "p")
+    assert res["request"] == "gpu/any"
+    name = kube.get("Pod", "p", ns)["status"]["resourceClaimStatuses"][0]["resourceClaimName"]
+    obj = kube.get("ResourceClaim", name, ns)
+    ref = ClaimRef(ns, obj["metadata"]["uid"], name)
+    # What the kubelet plugin makes of the allocated claim.
+    got = checked_claim(ref, obj, driver=DRIVER, pool=res["pool"])
+    (device,) = got.devices
+    sharing = resolve_sharing(
+        "gpu", got.class_configs, got.claim_configs, device.request, memory_slice=False, where="p"
+    )
+    assert isinstance(sharing.config, GpuConfig) and sharing.mode == "TimeSlicing"
+    assert sharing.time_slice == 3  # Long
+    assert sharing.path == "status.allocation.devices.config[0].opaque.parameters"
     kube.delete("Namespace", ns)
 
 
