@@ -3,7 +3,8 @@ publish slices; the real scheduler allocates against them; health taints steer i
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -260,33 +261,47 @@ async def test_xid_taint_steers_scheduler_and_clears(
     kube.delete("Namespace", ns)
 
 
-async def test_a_device_taint_rule_keeps_new_pods_off_a_device_for_maintenance(
-    nodes: dict[str, Node], kube: SyncKube
-) -> None:
-    """A DeviceTaintRule at whatever version this release serves it: NoSchedule keeps a
-    new pod off the device until the rule is deleted."""
+def on_worker_1_gpu(kube: SyncKube, device: str) -> dict[str, Any]:
+    """A request for exactly that whole GPU of worker-1, selected by its UUID."""
+    uuid = published(kube, "worker-1")[device]["attributes"]["uuid"]["string"]
+    sel = {"cel": {"expression": f'device.attributes["{DRIVER}"].uuid == "{uuid}"'}}
+    return {"deviceClassName": "gpu.nvidia.com", "selectors": [sel]}
+
+
+@contextmanager
+def taint_rule(kube: SyncKube, device: str, effect: str) -> Iterator[None]:
+    """A maintenance DeviceTaintRule on that device of worker-1, at whatever version this
+    release serves it (it moves between releases), deleted on the way out; skips the
+    test where the server serves none."""
     version, reason = features.device_taint_rules(kube)
     if reason:
         pytest.skip(reason)
-    uuid = published(kube, "worker-1")["gpu-4"]["attributes"]["uuid"]["string"]
+    name = f"maintenance-{device}"
     rules = f"/apis/resource.k8s.io/{version}/devicetaintrules"
     rule = {
         "apiVersion": f"resource.k8s.io/{version}",
         "kind": "DeviceTaintRule",
-        "metadata": {"name": "maintenance-gpu-4"},
+        "metadata": {"name": name},
         "spec": {
-            "deviceSelector": {"driver": DRIVER, "pool": "worker-1", "device": "gpu-4"},
-            "taint": {"key": "example.com/maintenance", "effect": "NoSchedule"},
+            "deviceSelector": {"driver": DRIVER, "pool": "worker-1", "device": device},
+            "taint": {"key": "example.com/maintenance", "effect": effect},
         },
     }
     kube.request("POST", rules, rule)
     try:
-        ns = smoke.make_namespace(kube, "rule")
-        sel = {"cel": {"expression": f'device.attributes["{DRIVER}"].uuid == "{uuid}"'}}
-        claim_pod(kube, ns, "p", {"deviceClassName": "gpu.nvidia.com", "selectors": [sel]})
-        assert await unschedulable(kube, ns, "p")
+        yield
     finally:
-        kube.request("DELETE", f"{rules}/maintenance-gpu-4")
+        kube.request("DELETE", f"{rules}/{name}")
+
+
+async def test_a_device_taint_rule_keeps_new_pods_off_a_device_for_maintenance(
+    nodes: dict[str, Node], kube: SyncKube
+) -> None:
+    """NoSchedule keeps a new pod off the device until the rule is deleted."""
+    ns = smoke.make_namespace(kube, "rule")
+    with taint_rule(kube, "gpu-4", "NoSchedule"):
+        claim_pod(kube, ns, "p", on_worker_1_gpu(kube, "gpu-4"))
+        assert await unschedulable(kube, ns, "p")
     res = await allocation(kube, ns, "p")
     assert (res["pool"], res["device"]) == ("worker-1", "gpu-4")
     kube.delete("Namespace", ns)
@@ -297,28 +312,12 @@ async def test_a_no_execute_device_taint_rule_evicts_the_pod_using_the_device(
 ) -> None:
     """Maintenance that cannot wait: a NoExecute rule makes the controller-manager evict
     the pod holding the device (its claim goes with it), and keeps new pods off it."""
-    version, reason = features.device_taint_rules(kube)
-    if reason:
-        pytest.skip(reason)
-    uuid = published(kube, "worker-1")["gpu-2"]["attributes"]["uuid"]["string"]
-    sel = {"cel": {"expression": f'device.attributes["{DRIVER}"].uuid == "{uuid}"'}}
-    exactly = {"deviceClassName": "gpu.nvidia.com", "selectors": [sel]}
+    exactly = on_worker_1_gpu(kube, "gpu-2")
     ns = smoke.make_namespace(kube, "evict")
     claim_pod(kube, ns, "user", exactly)
     assert (await allocation(kube, ns, "user"))["device"] == "gpu-2"
     claim = kube.get("Pod", "user", ns)["status"]["resourceClaimStatuses"][0]["resourceClaimName"]
-    rules = f"/apis/resource.k8s.io/{version}/devicetaintrules"
-    rule = {
-        "apiVersion": f"resource.k8s.io/{version}",
-        "kind": "DeviceTaintRule",
-        "metadata": {"name": "drain-gpu-2"},
-        "spec": {
-            "deviceSelector": {"driver": DRIVER, "pool": "worker-1", "device": "gpu-2"},
-            "taint": {"key": "example.com/maintenance", "effect": "NoExecute"},
-        },
-    }
-    kube.request("POST", rules, rule)
-    try:
+    with taint_rule(kube, "gpu-2", "NoExecute"):
         with anyio.fail_after(90):
             while kube.get_or_none("Pod", "user", ns) is not None:
                 await anyio.sleep(0.2)
@@ -326,8 +325,6 @@ async def test_a_no_execute_device_taint_rule_evicts_the_pod_using_the_device(
                 await anyio.sleep(0.2)
         claim_pod(kube, ns, "next", exactly)
         assert await unschedulable(kube, ns, "next")
-    finally:
-        kube.request("DELETE", f"{rules}/drain-gpu-2")
     assert (await allocation(kube, ns, "next"))["device"] == "gpu-2"
     kube.delete("Namespace", ns)
 
