@@ -241,13 +241,17 @@ def _chunks(items: list[Any], size: int) -> list[list[Any]]:
 
 def _loose_chunks(devices: list[dict[str, Any]], size: int) -> list[list[Any]]:
     """Devices that consume no counters, shareable ones (`allowMultipleAllocations`) in
-    slices of their own: the 1.34 scheduler never allocates a shareable device listed
-    after an exclusive one in the same slice (the claim stays "cannot allocate all
-    claims"), while alone, or ahead of the others, it is allocated. Measured on
-    v1.34.12; 1.35 and later do not mind, and the split costs them nothing."""
+    slices of their own, after the exclusive ones.
+
+    Their own slices: the 1.34 scheduler never allocates a shareable device listed after
+    an exclusive one in the same slice (its claim stays "cannot allocate all claims"),
+    while alone in a slice it is (measured on v1.34.12; 1.35 and later do not mind, and
+    the split costs them nothing). After: the scheduler takes the first device that
+    fits, so a claim for a whole GPU gets an exclusive one before it takes all of a
+    shared GPU's memory and shuts the memory slices out."""
     shared = [d for d in devices if d.get("allowMultipleAllocations")]
     exclusive = [d for d in devices if not d.get("allowMultipleAllocations")]
-    return _chunks(shared, size) + _chunks(exclusive, size)
+    return _chunks(exclusive, size) + _chunks(shared, size)
 
 
 def plan_slices(content: PoolContent, limits: SliceLimits) -> list[dict[str, Any]]:
