@@ -120,6 +120,14 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "leaves out MIG-enabled GPUs and those in --shared-gpus, naming one is refused",
     )
     p.add_argument(
+        "--legacy-attributes",
+        action="store_true",
+        help="also publish the attributes the upstream driver removed in v25.8.0: 'index' "
+        "and 'minor' on GPUs, 'index' and 'parentIndex' on MIG devices, for selectors "
+        "written for older releases. Off by default: NVML indices and minor numbers can "
+        "change across reboots and driver reloads, so such a selector may pick another GPU",
+    )
+    p.add_argument(
         "--critical-xid-effect",
         choices=["NoSchedule", "NoExecute"],
         default="NoSchedule",
@@ -319,6 +327,7 @@ def _agent_config(args: argparse.Namespace) -> AgentConfig:
         health=policy,
         shared_gpus=_shared_gpus(args.shared_gpus),
         gpu_shares=_gpu_shares(args),
+        legacy_attributes=args.legacy_attributes,
     )
 
 

@@ -51,6 +51,8 @@ class AgentConfig:
     shared_gpus: SharedGpus = field(default_factory=SharedGpus)
     # Integer shares per whole GPU (`gpudra.driver.gpushares`).
     gpu_shares: GpuShares = field(default_factory=GpuShares)
+    # Upstream's `index`/`minor` attributes of before v25.8.0 (`publish` says why off).
+    legacy_attributes: bool = False
 
 
 class NodeAgent:
@@ -91,6 +93,7 @@ class NodeAgent:
             shared=self.shared,
             driver=self.config.driver_name,
             shares=self.shares,
+            legacy=self.config.legacy_attributes,
         )
 
     async def scan(self) -> Inventory:

@@ -55,6 +55,15 @@ PCI_BUS_ID_ATTRIBUTE = "resource.kubernetes.io/pciBusID"
 PCIE_ROOT_ATTRIBUTE = "resource.kubernetes.io/pcieRoot"
 NUMA_NODE_ATTRIBUTE = "resource.kubernetes.io/numaNode"
 
+# What the upstream driver published up to v25.3 and removed in v25.8.0 (September
+# 2025), all ints: on a GPU its NVML `index` and device `minor` number; on a MIG device
+# its NVML MIG `index` on the parent and the parent's NVML index, `parentIndex`. Neither
+# number is stable (NVML's order changes with CUDA_VISIBLE_DEVICES, a driver reload or
+# a GPU that drops off the bus; minor numbers are handed out at driver load), so a
+# selector on them may pick another GPU after a reboot: they are off by default and
+# offered only so manifests written for those releases keep working (docs/gpus.md).
+LEGACY_ATTRIBUTES = ("index", "minor", "parentIndex")
+
 # go-nvlib's brand and architecture spellings, which upstream publishes.
 _BRANDS: Mapping[int, str] = {
     pynvml.NVML_BRAND_UNKNOWN: "Unknown",
@@ -197,6 +206,8 @@ class Device:
 
     `uuid` is None for a placement that does not exist yet (dynamic MIG).
     `gpu_instance_id`/`compute_instance_id` are set for MIG devices that exist.
+    `legacy_attributes` are upstream's attributes from before v25.8.0 (`LEGACY_ATTRIBUTES`),
+    published only when the admin asks (`gpudra node --legacy-attributes`).
     """
 
     name: str
@@ -210,6 +221,7 @@ class Device:
     placement: MigPlacement | None = None
     gpu_instance_id: int | None = None
     compute_instance_id: int | None = None
+    legacy_attributes: Mapping[str, AttributeValue] = field(default_factory=dict)
 
 
 # What NVML needs to answer the calls that may say NO_PERMISSION, for the log and metric.
@@ -730,6 +742,7 @@ def _discover_gpu(
         uuid=uuid,
         attributes={"type": DeviceType.GPU.value, "uuid": uuid, **parent_attrs},
         capacity={"memory": total_memory} if total_memory is not None else {},
+        legacy_attributes={"index": index, "minor": minor},
     )
     gpu = Gpu(
         index=index,
@@ -865,6 +878,8 @@ def _partitions(
                 capacity=dict(profile.capacity),
                 consumes_counters=(CounterConsumption(set_name, consumed),),
                 placement=MigPlacement(profile.name, profile.id, start, size),
+                # A placement has no MIG index until it is created.
+                legacy_attributes={"parentIndex": ctx.index},
             )
             devices.append(device)
     if not devices:
@@ -936,6 +951,7 @@ def _existing_migs(
             placement=MigPlacement(profile.name, profile.id, start, size),
             gpu_instance_id=gi_id,
             compute_instance_id=ci_id,
+            legacy_attributes={"index": j, "parentIndex": index},
         )
         devices.append(device)
     return tuple(sorted(devices, key=lambda d: d.name))

@@ -25,6 +25,12 @@ takes one of N places and no memory. Unlike upstream, a request that names no
 shares takes all N (the `shares` default): a whole-GPU claim gets the GPU only while
 no share is taken, and keeps every share off it. Claims written for upstream's
 integer shares ask `capacity.requests: {shares: 1}` and behave the same here.
+
+`legacy` (`gpudra node --legacy-attributes`) adds the attributes upstream removed in
+v25.8.0 (`devices.LEGACY_ATTRIBUTES`: `index`, `minor`, `parentIndex`), so a selector
+written for older releases, such as upstream's quickstart
+`device.attributes['gpu.nvidia.com'].index == 0`, still matches. Off by default: those
+numbers are not stable across reboots and driver reloads (docs/gpus.md).
 """
 
 from __future__ import annotations
@@ -143,12 +149,14 @@ def device(
     *,
     shared_by: str | None = None,
     shares: int = 0,
+    legacy: bool = False,
 ) -> dict[str, Any]:
     """One device; `shared_by` (the driver name) publishes it for memory slices,
-    `shares` > 0 for that many integer shares."""
+    `shares` > 0 for that many integer shares, `legacy` with upstream's old attributes."""
+    attributes = {**dev.attributes, **(dev.legacy_attributes if legacy else {})}
     out: dict[str, Any] = {
         "name": dev.name,
-        "attributes": {k: attribute(v) for k, v in dev.attributes.items()},
+        "attributes": {k: attribute(v) for k, v in attributes.items()},
         "capacity": {k: {"value": str(v)} for k, v in dev.capacity.items()},
     }
     if shared_by is not None:
@@ -180,10 +188,12 @@ def pool_content(
     shared: frozenset[str] = frozenset(),
     driver: str | None = None,
     shares: Mapping[str, int] | None = None,
+    legacy: bool = False,
 ) -> PoolContent:
     """The pool; devices named in `shared` (from `SharedGpus.resolve`) are published for
     memory slices of `driver`, which names their memory capacity; those in `shares`
-    (from `GpuShares.resolve`) with that many integer shares."""
+    (from `GpuShares.resolve`) with that many integer shares; `legacy` adds upstream's
+    old attributes to every device."""
     if shared and driver is None:
         raise ValueError("shared devices need the driver name for their memory capacity")
     devices = [
@@ -192,6 +202,7 @@ def pool_content(
             health.taints(d.name) if health else (),
             shared_by=driver if d.name in shared else None,
             shares=(shares or {}).get(d.name, 0),
+            legacy=legacy,
         )
         for d in inventory.devices(strategy)
     ]

@@ -239,6 +239,21 @@ def _chunks(items: list[Any], size: int) -> list[list[Any]]:
     return [items[i : i + size] for i in range(0, len(items), size)]
 
 
+def _loose_chunks(devices: list[dict[str, Any]], size: int) -> list[list[Any]]:
+    """Devices that consume no counters, shareable ones (`allowMultipleAllocations`) in
+    slices of their own, after the exclusive ones.
+
+    Their own slices: the 1.34 scheduler never allocates a shareable device listed after
+    an exclusive one in the same slice (its claim stays "cannot allocate all claims"),
+    while alone in a slice it is (measured on v1.34.12; 1.35 and later do not mind, and
+    the split costs them nothing). After: the scheduler takes the first device that
+    fits, so a claim for a whole GPU gets an exclusive one before it takes all of a
+    shared GPU's memory and shuts the memory slices out."""
+    shared = [d for d in devices if d.get("allowMultipleAllocations")]
+    exclusive = [d for d in devices if not d.get("allowMultipleAllocations")]
+    return _chunks(exclusive, size) + _chunks(shared, size)
+
+
 def plan_slices(content: PoolContent, limits: SliceLimits) -> list[dict[str, Any]]:
     """Splits the pool into slice bodies (`devices` / `sharedCounters` only).
 
@@ -269,7 +284,7 @@ def plan_slices(content: PoolContent, limits: SliceLimits) -> list[dict[str, Any
             bodies.append({"sharedCounters": group})
         plain = [d for d in content.devices if not _constrained(d)]
         constrained = [d for d in content.devices if _constrained(d)]
-        bodies += [{"devices": c} for c in _chunks(plain, limits.max_devices)]
+        bodies += [{"devices": c} for c in _loose_chunks(plain, limits.max_devices)]
         bodies += [{"devices": c} for c in _chunks(constrained, limits.max_devices_constrained)]
         return bodies
     # 1.34: devices live in the slice that holds the counter sets they consume.
@@ -285,7 +300,7 @@ def plan_slices(content: PoolContent, limits: SliceLimits) -> list[dict[str, Any
         if len(devs) > limits.max_devices:
             raise PoolError(f"counter set {name}: {len(devs)} devices exceed one slice")
         bodies.append({"sharedCounters": [sets[name]], "devices": devs})
-    bodies += [{"devices": c} for c in _chunks(loose, limits.max_devices)]
+    bodies += [{"devices": c} for c in _loose_chunks(loose, limits.max_devices)]
     return bodies
 
 

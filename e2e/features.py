@@ -87,3 +87,29 @@ def informational_taints(kube: Kube) -> str | None:
             return "the API server knows no device taint effect None (Kubernetes 1.35 added it)"
         raise
     return None
+
+
+def prioritized_list(kube: Kube) -> str | None:
+    """None when a claim's request may list alternatives (`firstAvailable`,
+    DRAPrioritizedList)."""
+    claim = {
+        "apiVersion": f"{GROUP}/v1",
+        "kind": "ResourceClaim",
+        "metadata": {"name": "probe-first-available", "namespace": "default"},
+        "spec": {
+            "devices": {
+                "requests": [
+                    {"name": "r", "firstAvailable": [{"name": "s", "deviceClassName": "probe"}]}
+                ]
+            }
+        },
+    }
+    try:
+        stored = _dry_run(kube, claim)
+    except ApiError as e:
+        if e.status == 422:
+            return "the API server refuses firstAvailable: DRAPrioritizedList is off"
+        raise
+    if stored["spec"]["devices"]["requests"][0].get("firstAvailable"):
+        return None
+    return "the API server drops firstAvailable: DRAPrioritizedList is off"

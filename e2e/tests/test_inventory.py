@@ -4,20 +4,23 @@ publish slices; the real scheduler allocates against them; health taints steer i
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import anyio
 import pytest
 import yaml
+from gpudra.api.config import GpuConfig
 from gpudra.api.deviceclasses import device_classes
+from gpudra.api.sharing import resolve_sharing
 from gpudra.common.kube import Kube
 from gpudra.driver.agent import AgentConfig, NodeAgent
 from gpudra.driver.checkpoint import ClaimRecord, ClaimState, DeviceRecord
 from gpudra.driver.claimreader import ApiClaims
-from gpudra.driver.claims import ClaimRef
+from gpudra.driver.claims import ClaimRef, checked_claim
 from gpudra.driver.claimstatus import ClaimStatusWriter
 from gpudra.driver.devices import MigStrategy
 from gpudra.driver.health import HealthPolicy
@@ -110,6 +113,15 @@ async def unschedulable(kube: SyncKube, ns: str, pod: str, limit_s: float = 60) 
             await anyio.sleep(0.2)
 
 
+def scheduler_error(kube: SyncKube, ns: str, pod: str) -> str:
+    """The message of the pod's `SchedulerError` condition: a filter failed, rather than
+    no node fitting (a CEL runtime error, for one); "" while there is none."""
+    for c in kube.get("Pod", pod, ns).get("status", {}).get("conditions") or []:
+        if c["type"] == "PodScheduled" and c.get("reason") == "SchedulerError":
+            return str(c.get("message", ""))
+    return ""
+
+
 def published(kube: SyncKube, node: str) -> dict[str, dict[str, Any]]:
     items = kube.request(
         "GET", SLICES, query={"fieldSelector": f"spec.nodeName={node},spec.driver={DRIVER}"}
@@ -182,6 +194,35 @@ async def test_static_mig_device_from_a100_profile_is_allocated(
     kube.delete("Namespace", ns)
 
 
+# Upstream's quickstart (demo/specs/quickstart/v1/gpu-test6.yaml) selects on `index`,
+# which upstream published until v25.8.0 and gpudra publishes with --legacy-attributes.
+QUICKSTART_INDEX_SELECTOR = "device.attributes['gpu.nvidia.com'].index == 0"
+
+
+async def test_a_selector_on_the_legacy_index_needs_the_option(
+    nodes: dict[str, Node], kube: SyncKube
+) -> None:
+    """Off by default, the quickstart's `index == 0` matches no device and its pod waits;
+    once the node publishes with `--legacy-attributes` the scheduler gives it GPU index 0."""
+    ns = smoke.make_namespace(kube, "legacy")
+    sel = {"cel": {"expression": QUICKSTART_INDEX_SELECTOR}}
+    claim_pod(kube, ns, "p", {"deviceClassName": "gpu.nvidia.com", "selectors": [sel]})
+    # Not merely unschedulable: the scheduler's CEL evaluation fails on the missing key,
+    # and says so on the pod, which is what a user of such a manifest sees.
+    with anyio.fail_after(60):
+        while not (why := scheduler_error(kube, ns, "p")):
+            await anyio.sleep(0.2)
+    assert "no such key: index" in why
+    assert not kube.get("Pod", "p", ns)["spec"].get("nodeName")
+    agent = nodes["worker-1"].agent
+    agent.config = replace(agent.config, legacy_attributes=True)  # as after a restart with it
+    agent.slices.trigger()
+    res = await allocation(kube, ns, "p")
+    assert (res["pool"], res["device"]) == ("worker-1", "gpu-0")
+    assert published(kube, "worker-1")["gpu-0"]["attributes"]["index"] == {"int": 0}
+    kube.delete("Namespace", ns)
+
+
 async def test_deleted_slice_is_restored(nodes: dict[str, Node], kube: SyncKube) -> None:
     items = kube.request("GET", SLICES, query={"fieldSelector": "spec.nodeName=worker-1"})["items"]
     victim = next(o for o in items if o["spec"]["driver"] == DRIVER)["metadata"]["name"]
@@ -230,35 +271,134 @@ async def test_xid_taint_steers_scheduler_and_clears(
     kube.delete("Namespace", ns)
 
 
-async def test_a_device_taint_rule_keeps_new_pods_off_a_device_for_maintenance(
-    nodes: dict[str, Node], kube: SyncKube
-) -> None:
-    """A DeviceTaintRule at whatever version this release serves it: NoSchedule keeps a
-    new pod off the device until the rule is deleted."""
+def on_worker_1_gpu(kube: SyncKube, device: str) -> dict[str, Any]:
+    """A request for exactly that whole GPU of worker-1, selected by its UUID."""
+    uuid = published(kube, "worker-1")[device]["attributes"]["uuid"]["string"]
+    sel = {"cel": {"expression": f'device.attributes["{DRIVER}"].uuid == "{uuid}"'}}
+    return {"deviceClassName": "gpu.nvidia.com", "selectors": [sel]}
+
+
+@contextmanager
+def taint_rule(kube: SyncKube, device: str, effect: str) -> Iterator[None]:
+    """A maintenance DeviceTaintRule on that device of worker-1, at whatever version this
+    release serves it (it moves between releases), deleted on the way out; skips the
+    test where the server serves none."""
     version, reason = features.device_taint_rules(kube)
     if reason:
         pytest.skip(reason)
-    uuid = published(kube, "worker-1")["gpu-4"]["attributes"]["uuid"]["string"]
+    name = f"maintenance-{device}"
     rules = f"/apis/resource.k8s.io/{version}/devicetaintrules"
     rule = {
         "apiVersion": f"resource.k8s.io/{version}",
         "kind": "DeviceTaintRule",
-        "metadata": {"name": "maintenance-gpu-4"},
+        "metadata": {"name": name},
         "spec": {
-            "deviceSelector": {"driver": DRIVER, "pool": "worker-1", "device": "gpu-4"},
-            "taint": {"key": "example.com/maintenance", "effect": "NoSchedule"},
+            "deviceSelector": {"driver": DRIVER, "pool": "worker-1", "device": device},
+            "taint": {"key": "example.com/maintenance", "effect": effect},
         },
     }
     kube.request("POST", rules, rule)
     try:
-        ns = smoke.make_namespace(kube, "rule")
-        sel = {"cel": {"expression": f'device.attributes["{DRIVER}"].uuid == "{uuid}"'}}
-        claim_pod(kube, ns, "p", {"deviceClassName": "gpu.nvidia.com", "selectors": [sel]})
-        assert await unschedulable(kube, ns, "p")
+        yield
     finally:
-        kube.request("DELETE", f"{rules}/maintenance-gpu-4")
+        kube.request("DELETE", f"{rules}/{name}")
+
+
+async def test_a_device_taint_rule_keeps_new_pods_off_a_device_for_maintenance(
+    nodes: dict[str, Node], kube: SyncKube
+) -> None:
+    """NoSchedule keeps a new pod off the device until the rule is deleted."""
+    ns = smoke.make_namespace(kube, "rule")
+    with taint_rule(kube, "gpu-4", "NoSchedule"):
+        claim_pod(kube, ns, "p", on_worker_1_gpu(kube, "gpu-4"))
+        assert await unschedulable(kube, ns, "p")
     res = await allocation(kube, ns, "p")
     assert (res["pool"], res["device"]) == ("worker-1", "gpu-4")
+    kube.delete("Namespace", ns)
+
+
+async def test_a_no_execute_device_taint_rule_evicts_the_pod_using_the_device(
+    nodes: dict[str, Node], kube: SyncKube
+) -> None:
+    """Maintenance that cannot wait: a NoExecute rule makes the controller-manager evict
+    the pod holding the device (its claim goes with it), and keeps new pods off it."""
+    exactly = on_worker_1_gpu(kube, "gpu-2")
+    ns = smoke.make_namespace(kube, "evict")
+    claim_pod(kube, ns, "user", exactly)
+    assert (await allocation(kube, ns, "user"))["device"] == "gpu-2"
+    claim = kube.get("Pod", "user", ns)["status"]["resourceClaimStatuses"][0]["resourceClaimName"]
+    with taint_rule(kube, "gpu-2", "NoExecute"):
+        with anyio.fail_after(90):
+            while kube.get_or_none("Pod", "user", ns) is not None:
+                await anyio.sleep(0.2)
+            while kube.get_or_none("ResourceClaim", claim, ns) is not None:
+                await anyio.sleep(0.2)
+        claim_pod(kube, ns, "next", exactly)
+        assert await unschedulable(kube, ns, "next")
+    assert (await allocation(kube, ns, "next"))["device"] == "gpu-2"
+    kube.delete("Namespace", ns)
+
+
+async def test_a_prioritized_list_result_gets_the_config_named_for_its_parent_request(
+    nodes: dict[str, Node], kube: SyncKube
+) -> None:
+    """The scheduler names the result `gpu/any`; a config bound to `gpu` applies to it
+    (every subrequest), one bound to the subrequest not chosen does not."""
+    if reason := features.prioritized_list(kube):
+        pytest.skip(reason)
+    ns = smoke.make_namespace(kube, "first")
+    a100 = f'device.attributes["{DRIVER}"].productName.lowerAscii().matches("a100")'
+
+    def config(requests: list[str], sharing: dict[str, Any]) -> dict[str, Any]:
+        parameters = {"apiVersion": "resource.nvidia.com/v1beta1", "kind": "GpuConfig"}
+        return {
+            "requests": requests,
+            "opaque": {"driver": DRIVER, "parameters": {**parameters, "sharing": sharing}},
+        }
+
+    long = {"strategy": "TimeSlicing", "timeSlicingConfig": {"interval": "Long"}}
+    spec = {
+        "devices": {
+            "requests": [
+                {
+                    "name": "gpu",
+                    "firstAvailable": [
+                        # worker-2's A100s are MIG-enabled: no whole A100 to be had.
+                        {
+                            "name": "a100",
+                            "deviceClassName": "gpu.nvidia.com",
+                            "selectors": [{"cel": {"expression": a100}}],
+                        },
+                        {"name": "any", "deviceClassName": "gpu.nvidia.com"},
+                    ],
+                }
+            ],
+            "config": [config(["gpu"], long), config(["gpu/a100"], {"strategy": "MPS"})],
+        }
+    }
+    kube.create(
+        {
+            "apiVersion": "resource.k8s.io/v1",
+            "kind": "ResourceClaimTemplate",
+            "metadata": {"name": "p", "namespace": ns},
+            "spec": {"spec": spec},
+        }
+    )
+    kube.create(smoke.pod_with_template(ns, "p", "p"))
+    res = await allocation(kube, ns, "p")
+    assert res["request"] == "gpu/any"
+    name = kube.get("Pod", "p", ns)["status"]["resourceClaimStatuses"][0]["resourceClaimName"]
+    obj = kube.get("ResourceClaim", name, ns)
+    ref = ClaimRef(ns, obj["metadata"]["uid"], name)
+    # What the kubelet plugin makes of the allocated claim.
+    got = checked_claim(ref, obj, driver=DRIVER, pool=res["pool"])
+    (device,) = got.devices
+    sharing = resolve_sharing(
+        "gpu", got.class_configs, got.claim_configs, device.request, memory_slice=False, where="p"
+    )
+    assert isinstance(sharing.config, GpuConfig) and sharing.mode == "TimeSlicing"
+    assert sharing.time_slice == 3  # Long
+    assert sharing.path == "status.allocation.devices.config[0].opaque.parameters"
     kube.delete("Namespace", ns)
 
 

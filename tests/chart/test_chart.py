@@ -535,6 +535,15 @@ def test_gpu_shares_reach_the_node_agent(
     )
 
 
+@pytest.mark.parametrize("legacy", [False, True])
+def test_legacy_attributes_reach_the_node_agent_only_when_asked(helm: Path, legacy: bool) -> None:
+    values = {"node": {"legacyAttributes": True}} if legacy else {}
+    (c,) = h.find(h.template(helm, values), "DaemonSet")["spec"]["template"]["spec"]["containers"]
+    args = [a.replace("$(NODE_NAME)", "n1") for a in c["args"]]
+    assert ("--legacy-attributes" in args) is legacy
+    assert _agent_config(build_parser().parse_args(args)).legacy_attributes is legacy
+
+
 def test_the_migration_plan_installs_as_written(helm: Path, tmp_path: Path) -> None:
     """What `gpudra migrate --out` writes is what docs/migration.md installs: the chart takes
     its values.yaml and the agent gets the shares; its GpuTenants parse as the controller's."""

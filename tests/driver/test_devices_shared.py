@@ -3,8 +3,10 @@ node's GPUs, and the ResourceSlice JSON of a shared GPU."""
 
 from __future__ import annotations
 
+import json
 import logging
 import re
+from pathlib import Path
 from typing import Any, cast
 
 import pytest
@@ -19,6 +21,7 @@ from gpudra.driver.devices import (
     discover,
 )
 from gpudra.driver.nvml import load_nvml
+from gpudra.driver.nvml.emulator import load_builtin_profile
 from gpudra.driver.publish import memory_request_policy, pool_content
 from gpudra.driver.slices import PoolError, SliceLimits, plan_slices, validate_device
 from gpudra.driver.slices import unshared_by_server as dropped
@@ -147,6 +150,31 @@ def test_shared_devices_need_the_driver_name() -> None:
 def test_request_policy_default_is_the_whole_gpu() -> None:
     """A claim naming no memory amount consumes everything: a whole GPU, never a 1Gi share."""
     assert memory_request_policy(85520809984)["default"] == "85520809984"
+
+
+@pytest.mark.parametrize("server", [34, 36])
+def test_a_shared_gpu_never_shares_a_slice_with_an_exclusive_device(
+    server: int, tmp_path: Path
+) -> None:
+    """The 1.34 scheduler never allocates a shareable device listed after an exclusive one
+    in its slice; alone in a slice it is. The real node's mix: whole GPUs, one of them
+    shared, beside MIG GPUs whose placements consume counters."""
+    profile = load_builtin_profile("h100-80gb-hbm3-x8-mig").model_dump(mode="json")
+    for gpu in profile["gpus"][:4]:
+        gpu["migEnabled"] = False
+        gpu.pop("migPendingEnabled", None)
+    path = tmp_path / "mixed.json"
+    path.write_text(json.dumps(profile))
+    inv = inventory(f"emulated:{path}")
+    content = pool_content(inv, MigStrategy.DYNAMIC, shared=frozenset({"gpu-3"}), driver=DRIVER)
+    bodies = plan_slices(content, SliceLimits.for_server(server))
+    holding = [b for b in bodies if any(d["name"] == "gpu-3" for d in b.get("devices", []))]
+    assert [[d["name"] for d in b["devices"]] for b in holding] == [["gpu-3"]]
+    # After the exclusive GPUs: the scheduler takes the first device that fits, and a
+    # whole-GPU claim on the shared one would take all its memory.
+    order = [d["name"] for b in bodies for d in b.get("devices", [])]
+    assert max(order.index(f"gpu-{i}") for i in range(3)) < order.index("gpu-3")
+    assert sum(len(b.get("devices", [])) for b in bodies) == len(content.devices)
 
 
 def test_shared_pool_passes_the_api_limits() -> None:

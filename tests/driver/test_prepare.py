@@ -616,9 +616,12 @@ async def test_admin_access_is_prepared_beside_the_owner(
 
 @pytest.mark.cluster
 @pytest.mark.anyio
+@pytest.mark.parametrize("bound_to", ["gpu/any", "gpu"], ids=["subrequest", "parent"])
 async def test_subrequest_result_reports_the_base_request_and_gets_its_config(
-    env: Env, node: Node, akube: AsyncKube
+    env: Env, node: Node, akube: AsyncKube, bound_to: str
 ) -> None:
+    """A config bound to the subrequest applies to its result, and so does one bound to
+    the parent request (it covers every subrequest), as the API defines `requests`."""
     emu = h100()
     env.publish(discover(emu))
     long_slices = {
@@ -634,7 +637,7 @@ async def test_subrequest_result_reports_the_base_request_and_gets_its_config(
                 "firstAvailable": [{"name": "any", "deviceClassName": env.driver}],
             }
         ],
-        config=[env.config(long_slices, "gpu/any")],
+        config=[env.config(long_slices, bound_to)],
     )
     assert claim["status"]["allocation"]["devices"]["results"][0]["request"] == "gpu/any"
     ref = _ref(claim)
