@@ -45,6 +45,8 @@ HEALTH_V1ALPHA1 = "v1alpha1.DRAResourceHealth"
 DRA_APIS = (DRA_V1, DRA_V1BETA1)
 # The kubelet truncates longer messages; doing it here keeps what it shows predictable.
 MAX_HEALTH_MESSAGE = 1024
+# A third of the kubelet's default per-device health timeout (30 s): see `_Health`.
+HEALTH_REFRESH_S = 10.0
 # sun_path is 108 bytes including the terminating NUL.
 _MAX_UNIX_PATH = 107
 _SOCKET_MODE = 0o600
@@ -469,9 +471,21 @@ def health_response(
 
 
 class _Health(dra_health_v1alpha1_pb2_grpc.DRAResourceHealthServicer):
-    def __init__(self, source: HealthSource, streams: set[anyio.CancelScope]) -> None:
+    """Streams the device list on every change and again every `refresh_s` without one.
+
+    The kubelet stamps each device with the time it heard of it and reads it as Unknown
+    once that is older than the device's timeout (30 s by default, fixed on 1.34), with
+    no notice to the pods: a pod started a minute after the last change would show its
+    GPU Unknown for good. Resending the unchanged list keeps the stamps fresh; the
+    kubelet treats an unchanged device as no news, so this costs no pod updates.
+    """
+
+    def __init__(
+        self, source: HealthSource, streams: set[anyio.CancelScope], refresh_s: float
+    ) -> None:
         self._source = source
         self._streams = streams
+        self._refresh_s = refresh_s
 
     async def NodeWatchResources(
         self, request: dra_health_v1alpha1_pb2.NodeWatchResourcesRequest, context: Any
@@ -481,13 +495,11 @@ class _Health(dra_health_v1alpha1_pb2_grpc.DRAResourceHealthServicer):
         with anyio.CancelScope() as scope:
             self._streams.add(scope)
             try:
-                sent: int | None = None
                 while True:
                     snapshot = self._source.snapshot()
-                    if snapshot.generation != sent:
-                        await context.write(health_response(snapshot.devices))
-                        sent = snapshot.generation
-                    await self._source.wait_for_change(snapshot.generation)
+                    await context.write(health_response(snapshot.devices))
+                    with anyio.move_on_after(self._refresh_s):
+                        await self._source.wait_for_change(snapshot.generation)
             finally:
                 self._streams.discard(scope)
 
@@ -548,6 +560,7 @@ class KubeletPlugin:
         health: HealthSource | None = None,
         stop_grace_s: float = 5.0,
         dra_apis: Sequence[str] = DRA_APIS,
+        health_refresh_s: float = HEALTH_REFRESH_S,
     ) -> None:
         for name, value in (("driver_name", driver_name), ("pod_uid", pod_uid)):
             if value is not None and (not value or "/" in value or value.startswith(".")):
@@ -560,6 +573,10 @@ class KubeletPlugin:
         self.pod_uid = pod_uid
         self._dispatcher = ClaimDispatcher(handler, claims, metrics)
         self._health = health
+        if health_refresh_s <= 0:
+            msg = f"health_refresh_s {health_refresh_s!r} must be positive (seconds)"
+            raise ValueError(msg)
+        self._health_refresh_s = health_refresh_s
         self._stop_grace_s = stop_grace_s
         suffix = _socket_suffix(self.kubelet_root, driver_name, pod_uid)
         self.registration_socket = (
@@ -627,7 +644,7 @@ class KubeletPlugin:
             if self._health is not None:
                 _add(
                     dra_health_v1alpha1_pb2_grpc.add_DRAResourceHealthServicer_to_server,
-                    _Health(self._health, self._health_streams),
+                    _Health(self._health, self._health_streams, self._health_refresh_s),
                     dra,
                 )
             await self._serve(dra, self.dra_socket)

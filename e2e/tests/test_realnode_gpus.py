@@ -421,9 +421,10 @@ def test_the_kubelet_prepares_over_each_dra_api_and_streams_health(
                     ]
                 return found
 
-            # The kubelet names the device by the first CDI ID the plugin returned. A hang
-            # guard only: after the agent's restart the kubelet reopens the health stream
-            # on its own schedule, once seen to take over a minute on a loaded machine.
+            # The kubelet names the device by the first CDI ID the plugin returned. Pods
+            # that start long after the stream's last change (seen after a kubelet
+            # restart) still read Healthy only because the agent repeats the list within
+            # the kubelet's timeout. The wait is a hang guard.
             reported = wait_for("the kubelet to report a GPU Healthy", healthy, timeout=240)
             for pod, resource_id in reported:
                 assert resource_id.startswith("k8s.gpu.nvidia.com/claim=")

@@ -617,6 +617,42 @@ async def test_health_stream_sends_the_full_list_on_every_change(root: Path) -> 
             assert rest == []
 
 
+async def test_health_stream_resends_an_unchanged_list_before_the_kubelet_forgets_it(
+    root: Path,
+) -> None:
+    """The kubelet reads a device as Unknown once it has heard nothing of it for its
+    timeout (30 s by default), so a quiet stream must repeat itself in time."""
+    board = HealthBoard([gpu("gpu-0", True)])
+    async with (
+        KubeletPlugin(
+            DRIVER,
+            RecordingHandler(),
+            claims=Allocated(),
+            kubelet_root=root,
+            health=board,
+            health_refresh_s=0.2,
+        ),
+        KubeletStandin(root) as kubelet,
+    ):
+        await kubelet.wait_for_driver(DRIVER, timeout_s=WAIT_S)
+        async with kubelet.watch_health(DRIVER) as updates:
+            with anyio.fail_after(WAIT_S):
+                reports = [await anext(updates) for _ in range(3)]
+    assert [[(d.device_name, d.healthy) for d in r] for r in reports] == [[("gpu-0", True)]] * 3
+
+
+def test_health_refresh_must_be_positive(root: Path) -> None:
+    with pytest.raises(ValueError, match="health_refresh_s 0 must be positive"):
+        KubeletPlugin(
+            DRIVER,
+            RecordingHandler(),
+            claims=Allocated(),
+            kubelet_root=root,
+            health=HealthBoard(),
+            health_refresh_s=0,
+        )
+
+
 # --- generated code -------------------------------------------------------------------
 
 
