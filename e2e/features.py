@@ -10,7 +10,11 @@ the server drops, or a value it refuses, on a dry-run create is missing.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
+
+import pytest
 
 from e2e.cluster.kube import ApiError, Kube
 
@@ -38,6 +42,33 @@ def device_taint_rules(kube: Kube) -> tuple[str, str | None]:
     if versions:
         return versions[0], None
     return "", "the API server serves no DeviceTaintRule: DRADeviceTaints(Rules) is off"
+
+
+@contextmanager
+def device_taint_rule(
+    kube: Kube, driver: str, pool: str, device: str, effect: str
+) -> Iterator[None]:
+    """A maintenance DeviceTaintRule on one device, at whatever version this server serves
+    it, deleted on the way out; skips the test where the server serves none."""
+    version, reason = device_taint_rules(kube)
+    if reason:
+        pytest.skip(reason)
+    name = f"maintenance-{pool}-{device}"
+    rules = f"/apis/{GROUP}/{version}/devicetaintrules"
+    rule = {
+        "apiVersion": f"{GROUP}/{version}",
+        "kind": "DeviceTaintRule",
+        "metadata": {"name": name},
+        "spec": {
+            "deviceSelector": {"driver": driver, "pool": pool, "device": device},
+            "taint": {"key": "example.com/maintenance", "effect": effect},
+        },
+    }
+    kube.request("POST", rules, rule)
+    try:
+        yield
+    finally:
+        kube.request("DELETE", f"{rules}/{name}")
 
 
 def _dry_run(kube: Kube, obj: dict[str, Any]) -> Any:

@@ -4,8 +4,8 @@ publish slices; the real scheduler allocates against them; health taints steer i
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -278,30 +278,9 @@ def on_worker_1_gpu(kube: SyncKube, device: str) -> dict[str, Any]:
     return {"deviceClassName": "gpu.nvidia.com", "selectors": [sel]}
 
 
-@contextmanager
-def taint_rule(kube: SyncKube, device: str, effect: str) -> Iterator[None]:
-    """A maintenance DeviceTaintRule on that device of worker-1, at whatever version this
-    release serves it (it moves between releases), deleted on the way out; skips the
-    test where the server serves none."""
-    version, reason = features.device_taint_rules(kube)
-    if reason:
-        pytest.skip(reason)
-    name = f"maintenance-{device}"
-    rules = f"/apis/resource.k8s.io/{version}/devicetaintrules"
-    rule = {
-        "apiVersion": f"resource.k8s.io/{version}",
-        "kind": "DeviceTaintRule",
-        "metadata": {"name": name},
-        "spec": {
-            "deviceSelector": {"driver": DRIVER, "pool": "worker-1", "device": device},
-            "taint": {"key": "example.com/maintenance", "effect": effect},
-        },
-    }
-    kube.request("POST", rules, rule)
-    try:
-        yield
-    finally:
-        kube.request("DELETE", f"{rules}/{name}")
+def taint_rule(kube: SyncKube, device: str, effect: str) -> AbstractContextManager[None]:
+    """A maintenance DeviceTaintRule on that device of worker-1."""
+    return features.device_taint_rule(kube, DRIVER, "worker-1", device, effect)
 
 
 async def test_a_device_taint_rule_keeps_new_pods_off_a_device_for_maintenance(

@@ -31,6 +31,7 @@ import pytest
 from gpudra.driver.plugin import DRA_APIS
 from gpudra.webhook.convert import CONVERTED_ANNOTATION as CONVERTED
 
+from e2e import features
 from e2e.claims import node_devices, running, wait_running
 from e2e.cluster.harness import Cluster, State, known_gates
 from e2e.cluster.kube import ApiError, Kube, wait_for
@@ -477,6 +478,27 @@ def test_deleted_slices_come_back_and_running_pods_keep_their_gpus(
     assert seen(cluster, ns, "keeps") == view
     # The allocator still knew the running pod's GPU was taken.
     assert gpu_minors(seen(cluster, ns, "next")[0]).isdisjoint(gpu_minors(view[0]))
+
+
+def test_a_no_execute_taint_rule_evicts_the_pod_and_the_node_unprepares_its_claim(
+    stack: NodeGpus, kube: Kube, cluster: Cluster, ns: str
+) -> None:
+    """Maintenance that cannot wait, through a real kubelet: the controller-manager evicts
+    the pod holding the tainted GPU, the kubelet stops it and asks the agent to
+    unprepare, and the claim leaves the node with nothing behind (no spec, no record);
+    a new pod gets another GPU while the rule stands."""
+    kube.create(whole_gpu_template(ns))
+    kube.create(gpu_pod(stack, "user", ns, template="whole"))
+    wait_running(kube, ns, "user")
+    (result,) = allocation(kube, ns, "user")
+    uid = claim_uid(kube, ns, "user")
+    assert uid in stack.checkpoint()
+    with features.device_taint_rule(kube, DRIVER, stack.node_name, result["device"], "NoExecute"):
+        wait_for("the pod evicted", lambda: kube.get_or_none("Pod", "user", ns) is None, timeout=90)
+        wait_unprepared(stack, {uid}, "the evicted pod's claim")
+        kube.create(gpu_pod(stack, "next", ns, template="whole"))
+        wait_running(kube, ns, "next")
+        assert allocation(kube, ns, "next")[0]["device"] != result["device"]
 
 
 # --- bad input ---------------------------------------------------------------------------
