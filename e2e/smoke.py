@@ -90,6 +90,20 @@ def pod_with_template(ns: str, name: str, template: str) -> dict[str, Any]:
     }
 
 
+def worker_node(kube: Kube) -> str:
+    """The first node that is not a control plane (the local harness's `worker-1`, kind's
+    `gpudra-e2e-worker`), so the scenario runs on either provider."""
+    control = "node-role.kubernetes.io/control-plane"
+    names = sorted(
+        n["metadata"]["name"]
+        for n in kube.list("Node")
+        if control not in n["metadata"].get("labels", {})
+    )
+    if not names:
+        raise RuntimeError("the cluster has no worker node for the smoke pod")
+    return names[0]
+
+
 def run(kube: Kube, node: str, log: Any = None) -> SmokeResult:
     say = log or (lambda _m: None)
     setup_inventory(kube, node)
