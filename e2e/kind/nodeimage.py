@@ -235,7 +235,7 @@ def base_tar() -> Path:
         step(
             f"building kind's Debian {SUITE} node base",
             f"debootstrap from {mirror()} with kind's packages, cached in {out.parent}",
-            "4-8 minutes, more with a slow mirror",
+            "about a minute, more with a slow mirror",
         ),
     ):
         rootfs = Path(tmp) / "rootfs"
@@ -413,7 +413,7 @@ def ensure(engine: Docker, version: str, log: Callable[[str], None] = print) -> 
             f"building kind's node image for Kubernetes {version}",
             "Debian base, containerd, kubelet, kubeadm and the control-plane images "
             f"preloaded; kept in the engine as {image}",
-            "3-5 minutes",
+            "under a minute",
         ),
         tempfile.TemporaryDirectory(prefix="kind-node-", dir=cache_dir()) as tmp,
     ):
