@@ -64,11 +64,10 @@ class KindLayout:
 
 
 def _pinned(name: str, file: Path) -> str:
-    for line in file.read_text().splitlines():
-        key, _, value = line.partition("=")
-        if key == name:
-            return value.strip()
-    raise KindError(f"{name} is not set in {file.relative_to(REPO)}")
+    try:
+        return nodeimage.pinned(name, file)
+    except nodeimage.NodeImageError as e:
+        raise KindError(str(e)) from e
 
 
 def k8s_pin() -> str:

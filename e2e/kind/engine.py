@@ -25,6 +25,7 @@ cgroup parent, removes the bridges and cgroups and any host folder the engine cr
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import shutil
@@ -45,7 +46,6 @@ APT_INSTALL = REPO / "e2e" / "tools" / "apt-install.sh"
 CAPFILTER = Path(__file__).resolve().parent / "capfilter.py"
 PACKAGE = "docker.io"
 RUNTIME = "gpudra-capfilter"
-CGROUP_PARENT = "gpudra-kind"
 # Global sysctls a kind node can write through its privileged /proc/sys: the kubelet's
 # kernel tunables (the real node's list) and what systemd-sysctl would set, were it not
 # masked in our node image (kind's official image runs it). `stop` puts them back.
@@ -99,6 +99,12 @@ class EngineLayout:
         return self.root / "runtime"
 
     @property
+    def cgroup_parent(self) -> str:
+        """The cgroup of every container, named by the root: `stop` kills what is in it,
+        and must never reach another engine's containers."""
+        return f"gpudra-kind-{hashlib.sha256(str(self.root).encode()).hexdigest()[:8]}"
+
+    @property
     def sysctls(self) -> Path:
         """The host's global sysctls before the engine started, restored by `stop`."""
         return self.root / "sysctls.json"
@@ -119,7 +125,7 @@ def daemon_config(layout: EngineLayout) -> dict[str, object]:
     return {
         "runtimes": {RUNTIME: {"path": str(layout.runtime)}},
         "default-runtime": RUNTIME,
-        "cgroup-parent": f"/{CGROUP_PARENT}",
+        "cgroup-parent": f"/{layout.cgroup_parent}",
         "exec-opts": ["native.cgroupdriver=cgroupfs"],
         "log-driver": "json-file",
         "log-opts": {"max-size": "10m", "max-file": "2"},
@@ -273,7 +279,7 @@ class Engine(Docker):
             stop_pid(pid, str(self.layout.exec_root), timeout=20)
         for pid in self._leftover_pids():
             stop_pid(pid, str(self.layout.root), timeout=5)
-        kill_cgroup(CGROUP_PARENT)
+        kill_cgroup(self.layout.cgroup_parent)
         for bridge in bridges:
             subprocess.run(["ip", "link", "delete", bridge], capture_output=True, check=False)
         for d in self._created():

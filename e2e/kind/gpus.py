@@ -100,7 +100,9 @@ class KindGpus(ChartStack):
             kind, "load", "image-archive", str(archive), "--name", self.node.cluster.name
         )
         profile = json.dumps(self.profile(), indent=2)
-        script = f"mkdir -p {STATE_DIR} && cat > {STATE_DIR / 'profile.json'}"
+        # A fresh state dir, as a new real node has: a reused cluster would otherwise
+        # keep the last run's emulated GPU state and tool-call log.
+        script = f"rm -rf {STATE_DIR} && mkdir -p {STATE_DIR} && cat > {STATE_DIR / 'profile.json'}"
         proc = self.node.run("sh", "-c", script, stdin=profile)
         if proc.returncode != 0:
             raise KindError(f"writing the GPU profile on {self.node.name}: {proc.stderr.strip()}")

@@ -70,7 +70,9 @@ def snapshot(layout: eng.EngineLayout) -> dict[str, object]:
         "links": _links(),
         "mounts under the engine": [ln for ln in mounts.splitlines() if str(layout.root) in ln],
         "cgroups": [
-            str(m / eng.CGROUP_PARENT) for m in cgroup_mounts() if (m / eng.CGROUP_PARENT).exists()
+            str(m / layout.cgroup_parent)
+            for m in cgroup_mounts()
+            if (m / layout.cgroup_parent).exists()
         ],
         "bind sources": [str(p) for p in eng.HOST_BIND_SOURCES if p.exists()],
         "engine processes": _engine_processes(layout.root),

@@ -21,3 +21,4 @@ def test_template_claim_is_allocated_bound_and_deleted_with_pod(kube: Kube) -> N
     assert claim["status"]["reservedFor"][0]["name"] == res.pod
     smoke.teardown(kube, res)
     assert kube.get_or_none("ResourceClaim", res.claim, res.namespace) is None
+    assert kube.get_or_none("ResourceSlice", f"{node}-{smoke.DRIVER}") is None

@@ -50,7 +50,39 @@ def test_the_capability_filter_is_the_default_runtime(tmp_path: Path) -> None:
     runtimes = config["runtimes"]
     assert isinstance(runtimes, dict)
     assert runtimes[config["default-runtime"]] == {"path": str(layout.runtime)}
-    assert config["cgroup-parent"] == f"/{eng.CGROUP_PARENT}"
+    assert config["cgroup-parent"] == f"/{layout.cgroup_parent}"
+    assert layout.cgroup_parent != eng.EngineLayout(tmp_path / "other").cgroup_parent
+
+
+def test_a_dockerd_that_fails_to_start_leaves_nothing_behind(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stand-in dockerd that exits at once: one line with its error and the log's
+    place, and no socket, process, cgroup or bind source left."""
+    if problem := eng.start_problem():
+        pytest.skip(f"the engine cannot start here at all: {problem}")
+    fake = tmp_path / "bin" / "dockerd"
+    fake.parent.mkdir()
+    fake.write_text("#!/bin/sh\necho 'level=error msg=\"no storage driver\"' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake.parent}:{os.environ['PATH']}")
+    layout = eng.EngineLayout(tmp_path / "engine")
+    bind_sources = [p for p in eng.HOST_BIND_SOURCES if p.exists()]
+    with pytest.raises(eng.EngineError, match="no storage driver") as failed:
+        eng.Engine(layout).start(log=lambda _m: None)
+    assert "\n" not in str(failed.value) and str(layout.log) in str(failed.value)
+    assert not layout.socket.exists() and not layout.pidfile.exists()
+    assert [p for p in eng.HOST_BIND_SOURCES if p.exists()] == bind_sources
+    assert not any((m / layout.cgroup_parent).exists() for m in eng.cgroup_mounts())
+    needle = str(layout.root).encode()
+    assert not [p for p in Path("/proc").glob("[0-9]*") if needle in _cmdline(p)]
+
+
+def _cmdline(proc: Path) -> bytes:
+    try:
+        return (proc / "cmdline").read_bytes()
+    except OSError:
+        return b""
 
 
 def test_engine_env_points_docker_at_its_own_socket(tmp_path: Path) -> None:
