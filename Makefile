@@ -64,7 +64,7 @@ unit: venv
 # lint, types, then every test (unit and end-to-end on the real control plane) but the
 # Kueue ones: their first run builds Kueue (minutes), so they run in `make test-kueue`.
 test: lint typecheck
-	$(VPY) e2e/run_pytest.py -m "not kueue and not upgrade"
+	$(VPY) e2e/run_pytest.py -m "not kueue and not upgrade and not kind"
 
 # Kueue queueing GPU Jobs beside gpudra (e2e/tests/test_kueue.py; real-node parts skip
 # with the reason where the machine cannot run a node).
@@ -96,7 +96,7 @@ demo-kueue: cluster-up
 	@$(VPY) -m e2e.kueue.demo
 
 # Helm chart: helm is built from the Go module proxy and cached like the Kubernetes binaries.
-.PHONY: helm prometheus chart-lint chart-crds image e2e-kind
+.PHONY: helm prometheus chart-lint chart-crds image e2e-kind e2e-kind-down test-kind
 helm:
 	@bash e2e/tools/build-helm.sh
 
@@ -118,10 +118,20 @@ image: venv
 	$(VPY) e2e/image/build.py
 
 # kind cluster with DRA gates and CDI, then the e2e suite; its GPU-pod tests install the
-# chart with emulated GPUs on a worker, as they do on the local real node (needs Docker).
+# chart with emulated GPUs on a worker, as they do on the local real node. Without a
+# Docker engine it starts a private one (root) and builds the node image offline
+# (e2e/kind/engine.py, e2e/kind/nodeimage.py); `make e2e-kind-down` removes it all.
 e2e-kind: venv
 	$(VPY) -m e2e.kind up
-	GPUDRA_CLUSTER_PROVIDER=kind $(VPY) e2e/run_pytest.py -m cluster e2e/tests
+	GPUDRA_CLUSTER_PROVIDER=kind $(VPY) e2e/run_pytest.py -m "cluster and not kind" e2e/tests
+
+e2e-kind-down: venv
+	$(VPY) -m e2e.kind down
+
+# kind up and down on the private engine leave the host's /run, sysctls and firewall as
+# they were (e2e/tests/test_kind_host.py; a few minutes, not part of `make test`).
+test-kind: venv
+	$(VPY) e2e/run_pytest.py -m kind e2e/tests/test_kind_host.py
 
 bench-slices: cluster-up
 	$(VPY) -m bench.slices

@@ -90,6 +90,21 @@ def pod_with_template(ns: str, name: str, template: str) -> dict[str, Any]:
     }
 
 
+def worker_node(kube: Kube) -> str:
+    """A node that is not a control plane: the local harness's `worker-1` (a Node with
+    no kubelet, so nothing tries to start the pod) where it exists, else the first, as
+    kind's `gpudra-e2e-worker`; so the scenario runs on either provider."""
+    control = "node-role.kubernetes.io/control-plane"
+    names = sorted(
+        n["metadata"]["name"]
+        for n in kube.list("Node")
+        if control not in n["metadata"].get("labels", {})
+    )
+    if not names:
+        raise RuntimeError("the cluster has no worker node for the smoke pod")
+    return "worker-1" if "worker-1" in names else names[0]
+
+
 def run(kube: Kube, node: str, log: Any = None) -> SmokeResult:
     say = log or (lambda _m: None)
     setup_inventory(kube, node)
@@ -135,7 +150,8 @@ def run(kube: Kube, node: str, log: Any = None) -> SmokeResult:
 
 
 def teardown(kube: Kube, res: SmokeResult) -> None:
-    """Deletes the pod and waits until the controller-manager deleted its claim."""
+    """Deletes the pod and waits until the controller-manager deleted its claim; then
+    the scenario's slice and class, which on kind sit on a real worker beside its GPUs."""
     kube.delete("Pod", res.pod, res.namespace)
     wait_for(
         "the generated claim to be deleted with its pod",
@@ -143,3 +159,5 @@ def teardown(kube: Kube, res: SmokeResult) -> None:
         timeout=60,
     )
     kube.delete("Namespace", res.namespace)
+    kube.delete("ResourceSlice", f"{res.node}-{DRIVER}")
+    kube.delete("DeviceClass", DRIVER)

@@ -30,16 +30,29 @@ version=$(resolve_version "${K8S_VERSION:-$K8S_DEFAULT_MINOR}")
 cache=${GPUDRA_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/gpudra}/k8s/$version
 bin=$cache/bin
 cmds=(kube-apiserver kube-controller-manager kube-scheduler kubectl kubelet)
+# K8S_EXTRA_COMMANDS adds commands of k8s.io/kubernetes/cmd to the same bin directory
+# (kind's node image needs kubeadm and kube-proxy); a version already cached builds only
+# the missing ones, so the local harness's binaries are never rebuilt for them.
+read -r -a extra <<<"${K8S_EXTRA_COMMANDS:-}"
+cmds+=("${extra[@]}")
 all_present() { local c; for c in "${cmds[@]}" etcd; do [ -x "$bin/$c" ] || return 1; done; }
 if all_present; then echo "$bin"; exit 0; fi
+missing=(); for c in "${cmds[@]}"; do [ -x "$bin/$c" ] || missing+=("$c"); done
 
 command -v go >/dev/null || die "no Go toolchain on PATH: install Go 1.25 or newer (https://go.dev/doc/install), then run again"
 
 export GOTOOLCHAIN=local GOWORK=off GOSUMDB=${GOSUMDB:-off} CGO_ENABLED=0 GOFLAGS=-mod=mod
 src=$cache/src
+cached_before=false; [ -x "$bin/etcd" ] && cached_before=true
 rm -rf "$src" && mkdir -p "$src" "$bin"
-# A failed build leaves no half-filled version directory that looks cached.
-trap 'all_present || rm -rf "$cache"' EXIT
+# A failed build leaves no half-filled version directory that looks cached; a failed build
+# of extra commands for a cached version removes only what it was building.
+cleanup() {
+  all_present && return
+  if $cached_before; then local c; for c in "${missing[@]}"; do rm -f "$bin/$c"; done
+  else rm -rf "$cache"; fi
+}
+trap cleanup EXIT
 resolve_modules() {
   local info err modfile staging_ver goline c
   info=$(go mod download -json "k8s.io/kubernetes@$version" 2>&1) || true
@@ -78,15 +91,19 @@ progress_run "fetching the Kubernetes $version sources" \
 
 minor=${version#v1.}; minor=${minor%%.*}
 ld="-s -w -X k8s.io/component-base/version.gitVersion=$version -X k8s.io/component-base/version.gitMajor=1 -X k8s.io/component-base/version.gitMinor=$minor -X k8s.io/component-base/version.gitTreeState=clean -X k8s.io/client-go/pkg/version.gitVersion=$version -X k8s.io/component-base/version.buildDate=1970-01-01T00:00:00Z"
-pkgs=(); for c in "${cmds[@]}"; do pkgs+=("k8s.io/kubernetes/cmd/$c"); done
-progress_run "building Kubernetes $version" \
-  "${cmds[*]} for the local control plane and nodes, cached in $bin for later runs" \
-  "5-10 minutes on 2 cores" \
-  in_src go build -tags=selinux,notest -trimpath -ldflags "$ld" -o "$bin/" "${pkgs[@]}" \
-  || die "go build of Kubernetes $version failed (see above)"
-progress_run "building etcd" "the control plane's store, from the same module graph as the API server" \
-  "about a minute" in_src go build -trimpath -ldflags "-s -w" -o "$bin/etcd" go.etcd.io/etcd/server/v3 \
-  || die "go build of etcd failed (see above)"
+pkgs=(); for c in "${missing[@]}"; do pkgs+=("k8s.io/kubernetes/cmd/$c"); done
+if [ ${#pkgs[@]} -gt 0 ]; then
+  progress_run "building Kubernetes $version" \
+    "${missing[*]} for the local control plane and nodes, cached in $bin for later runs" \
+    "5-10 minutes on 2 cores" \
+    in_src go build -tags=selinux,notest -trimpath -ldflags "$ld" -o "$bin/" "${pkgs[@]}" \
+    || die "go build of Kubernetes $version failed (see above)"
+fi
+if [ ! -x "$bin/etcd" ]; then
+  progress_run "building etcd" "the control plane's store, from the same module graph as the API server" \
+    "about a minute" in_src go build -trimpath -ldflags "-s -w" -o "$bin/etcd" go.etcd.io/etcd/server/v3 \
+    || die "go build of etcd failed (see above)"
+fi
 
 all_present || die "build finished but binaries are missing under $bin"
 du -sh "$cache" >&2 || true

@@ -5,8 +5,14 @@ GPU-pod suite (e2e/tests/test_realnode_gpus.py) installs the chart on a worker i
 through `KindGpus` (e2e/kind/gpus.py), the same code that installs it on the local
 cluster's real node.
 
-It needs a Docker engine; the machines the suite usually runs on have none, which is
-why the kind config is validated by tests/chart/test_kind_config.py instead.
+Which Docker engine and node image (GPUDRA_KIND_ENGINE, GPUDRA_KIND_NODE):
+- the engine: one already running (DOCKER_HOST, or the default socket) when there is
+  one, else a private one this starts (e2e/kind/engine.py, root);
+- the node image: KIND_NODE_IMAGE when set; kind's official `kindest/node` of the pinned
+  Kubernetes version where the engine can pull it; else one built here from the
+  binaries the local harness builds (e2e/kind/nodeimage.py). Each run says which.
+Pod networking is ours on every engine (e2e/kind/network.py): kindnet cannot be built
+offline, and one network for both images keeps the two providers alike.
 """
 
 from __future__ import annotations
@@ -23,7 +29,9 @@ from typing import Any
 import yaml
 
 from e2e.cluster.harness import BUILD_SCRIPT
-from e2e.cluster.kube import Credentials, Kube
+from e2e.cluster.kube import Credentials, Kube, wait_for
+from e2e.kind import network, nodeimage
+from e2e.kind.engine import Docker, Engine, EngineError, engine_step
 from e2e.node import images
 from e2e.progress import BuildFailed, build_script
 
@@ -47,31 +55,89 @@ class KindLayout:
         return self.root / "admin.kubeconfig"
 
     @property
+    def kind_kubeconfig(self) -> Path:
+        return self.root / "kind.kubeconfig"
+
+    @property
     def pki(self) -> Path:
         return self.root / "pki"
 
 
 def _pinned(name: str, file: Path) -> str:
-    for line in file.read_text().splitlines():
-        key, _, value = line.partition("=")
-        if key == name:
-            return value.strip()
-    raise KindError(f"{name} is not set in {file.relative_to(REPO)}")
+    try:
+        return nodeimage.pinned(name, file)
+    except nodeimage.NodeImageError as e:
+        raise KindError(str(e)) from e
+
+
+def k8s_pin() -> str:
+    """The Kubernetes pin (v1.Y.Z) of K8S_VERSION's minor, or the harness's default, so
+    both providers test the same version."""
+    versions = REPO / "e2e" / "cluster" / "versions.env"
+    minor = os.environ.get("K8S_VERSION") or _pinned("K8S_DEFAULT_MINOR", versions)
+    return _pinned(f"K8S_PIN_{minor.removeprefix('v').replace('.', '_')}", versions)
 
 
 def node_image() -> str:
-    """kindest/node for the harness's default Kubernetes pin, so both providers test
-    the same version (override with KIND_NODE_IMAGE)."""
-    versions = REPO / "e2e" / "cluster" / "versions.env"
-    minor = os.environ.get("K8S_VERSION") or _pinned("K8S_DEFAULT_MINOR", versions)
-    pin = _pinned(f"K8S_PIN_{minor.removeprefix('v').replace('.', '_')}", versions)
-    return os.environ.get("KIND_NODE_IMAGE", f"kindest/node:{pin}")
+    """kindest/node for the pinned version (override with KIND_NODE_IMAGE)."""
+    return os.environ.get("KIND_NODE_IMAGE", f"kindest/node:{k8s_pin()}")
+
+
+ENGINE_CHOICES = ("private", "existing")
+NODE_CHOICES = ("official", "built")
+NODES_READY_TIMEOUT = 240.0
+
+
+def _choice(var: str, allowed: tuple[str, ...]) -> str | None:
+    value = os.environ.get(var, "").strip()
+    if value and value not in allowed:
+        raise KindError(f"{var}={value!r} is not one of {', '.join(allowed)}: set one or unset it")
+    return value or None
+
+
+def _default_engine_answers() -> bool:
+    """Whether `docker` reaches an engine as the environment stands (DOCKER_HOST or the
+    default socket)."""
+    if shutil.which("docker") is None:
+        return False
+    try:
+        proc = subprocess.run(
+            ["docker", "version", "--format", "{{.Server.Version}}"],
+            capture_output=True, text=True, timeout=10, check=False,
+        )  # fmt: skip
+    except subprocess.TimeoutExpired:
+        return False
+    return proc.returncode == 0
 
 
 class KindCluster:
     def __init__(self, name: str = "gpudra-e2e", root: Path | None = None) -> None:
         self.name = name
         self.layout = KindLayout(root or REPO / ".cluster-kind")
+        self._engine: Engine | None = None
+        self._env: dict[str, str] | None = None
+
+    # -- the engine ------------------------------------------------------------------------
+
+    def _select_engine(self) -> tuple[dict[str, str], Engine | None]:
+        """The docker environment, and the private engine when that is the one used."""
+        choice = _choice("GPUDRA_KIND_ENGINE", ENGINE_CHOICES)
+        private = Engine()
+        if choice == "private" or (choice is None and private.is_running()):
+            return private.env(), private
+        if choice == "existing" or os.environ.get("DOCKER_HOST") or _default_engine_answers():
+            return dict(os.environ), None
+        return private.env(), private
+
+    def env(self) -> dict[str, str]:
+        """The environment every docker and kind call of this cluster runs with."""
+        if self._env is None:
+            self._env, self._engine = self._select_engine()
+        return self._env
+
+    def private_engine(self) -> Engine | None:
+        self.env()
+        return self._engine
 
     def _kind(self) -> str:
         try:
@@ -80,7 +146,9 @@ class KindCluster:
             raise KindError(str(e)) from e
 
     def _run(self, *argv: str, **kw: Any) -> subprocess.CompletedProcess[str]:
-        proc = subprocess.run(argv, capture_output=True, text=True, check=False, **kw)
+        proc = subprocess.run(
+            argv, capture_output=True, text=True, check=False, env=self.env(), **kw
+        )
         if proc.returncode != 0:
             raise KindError(f"{' '.join(argv[:3])} failed: {proc.stderr.strip()[-500:]}")
         return proc
@@ -88,41 +156,113 @@ class KindCluster:
     def is_up(self) -> bool:
         if shutil.which("docker") is None or not self.layout.admin_kubeconfig.exists():
             return False
+        engine = self.private_engine()
+        if engine is not None and not engine.is_running():
+            return False
         out = subprocess.run(
-            [self._kind(), "get", "clusters"], capture_output=True, text=True, check=False
-        )
+            [self._kind(), "get", "clusters"],
+            capture_output=True, text=True, check=False, env=self.env(),
+        )  # fmt: skip
         return self.name in out.stdout.split()
 
     def up(self, log: Callable[[str], None] = print) -> None:
+        """Creates the cluster (or reuses it); on failure removes what this call made:
+        the engine when it started it, else the cluster when it created it."""
         if shutil.which("docker") is None:
             raise KindError(
-                "make e2e-kind needs a Docker engine (kind runs nodes as containers); "
-                "without one, use the local cluster: make test"
+                "make e2e-kind needs the docker CLI (kind runs nodes as containers): "
+                "apt-get install docker.io, or use the local cluster: make test"
             )
-        kind = self._kind()
-        if not self.is_up():
-            log(f"kind: creating cluster {self.name} ({node_image()})")
-            self._run(
-                kind, "create", "cluster", "--name", self.name, "--config", str(CONFIG),
-                "--image", node_image(), "--wait", "120s",
+        engine = self.private_engine()
+        started = engine is not None and not engine.is_running()
+        created = False
+        try:
+            if engine is not None:
+                engine_step(engine, log)
+            kind = self._kind()
+            if not self.is_up():
+                created = True
+                self._create(kind, engine, log)
+            self._after_create(kind)
+        except (KindError, EngineError, nodeimage.NodeImageError, TimeoutError) as e:
+            if engine is not None and started:
+                engine.stop(log=lambda _m: None)
+            elif created:
+                self._delete(kind)
+            raise KindError(str(e)) from e
+
+    def _image(self, engine: Engine | None, log: Callable[[str], None]) -> str:
+        """The node image by GPUDRA_KIND_NODE / KIND_NODE_IMAGE, else by what is reachable."""
+        choice = _choice("GPUDRA_KIND_NODE", NODE_CHOICES)
+        if os.environ.get("KIND_NODE_IMAGE") and choice != "built":
+            return node_image()
+        if choice != "built" and (choice == "official" or engine is None):
+            official = node_image()
+            pulled = subprocess.run(
+                ["docker", "pull", official], capture_output=True, text=True, check=False,
+                env=self.env(), timeout=600,
             )  # fmt: skip
+            if pulled.returncode == 0:
+                log(f"kind: node image {official} (kind's official image, pulled)")
+                return official
+            if choice == "official":
+                raise KindError(
+                    f"docker pull {official} failed ({pulled.stderr.strip()[-200:]}): "
+                    "unset GPUDRA_KIND_NODE to build the node image here"
+                )
+            log(f"kind: {official} cannot be pulled; building the node image here")
+        builder = engine or Docker(self.env())
+        image = nodeimage.ensure(builder, k8s_pin(), log)
+        log(f"kind: node image {image} (built here from the local harness's binaries)")
+        return image
+
+    def _create(self, kind: str, engine: Engine | None, log: Callable[[str], None]) -> None:
+        image = self._image(engine, log)
+        log(f"kind: creating cluster {self.name} ({image})")
+        # Without --wait: the nodes are Ready only once the pod network is configured.
+        self._run(
+            kind, "create", "cluster", "--name", self.name, "--config", str(CONFIG),
+            "--image", image, "--kubeconfig", str(self.layout.kind_kubeconfig),
+        )  # fmt: skip
+
+    def _delete(self, kind: str) -> None:
+        """kind's own kubeconfig is ours (kind would edit ~/.kube/config otherwise)."""
+        self._run(kind, "delete", "cluster", "--name", self.name,
+                  "--kubeconfig", str(self.layout.kind_kubeconfig))  # fmt: skip
+
+    def _after_create(self, kind: str) -> None:
         self.layout.root.mkdir(parents=True, exist_ok=True)
         config = self._run(kind, "get", "kubeconfig", "--name", self.name).stdout
         self.layout.admin_kubeconfig.write_text(config)
         self._write_credentials(config)
+        kube = self.kube()
+        nets = wait_for("every kind node's pod CIDR", lambda: _node_nets(kube), timeout=120)
+        network.configure(nets, self._node_shell)
+        wait_for("every kind node Ready", lambda: _all_ready(kube), timeout=NODES_READY_TIMEOUT)
         # The GPU pods' test image; the gpudra image is loaded by KindGpus.
         test_image = images.build_test_image(images.cache_dir())
         self._run(kind, "load", "image-archive", str(test_image), "--name", self.name)
 
+    def _node_shell(self, node: str, script: str, stdin: str) -> str | None:
+        proc = self.docker_exec(node, "sh", "-c", script, stdin=stdin)
+        return None if proc.returncode == 0 else (proc.stderr.strip() or "exit status nonzero")
+
     def down(self, log: Callable[[str], None] = print) -> None:
+        """Deletes the cluster and, when it ran on the private engine, stops that engine
+        (removing its networks, mounts and processes)."""
         if shutil.which("docker") is None:
             return
-        self._run(self._kind(), "delete", "cluster", "--name", self.name)
-        log(f"kind: deleted cluster {self.name}")
+        engine = self.private_engine()
+        if engine is None or engine.is_running():
+            self._delete(self._kind())
+            log(f"kind: deleted cluster {self.name}")
+        if engine is not None:
+            engine.stop(log=log)
+        shutil.rmtree(self.layout.root, ignore_errors=True)
 
     def kubectl(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
         """kubectl of the node image's Kubernetes version; never raises on failure."""
-        env = {**os.environ, "K8S_VERSION": node_image().rsplit(":", 1)[1].removeprefix("v")}
+        env = {**os.environ, "K8S_VERSION": k8s_pin().removeprefix("v")}
         try:
             bin_dir = build_script(BUILD_SCRIPT, prefix="build", what="building kubectl", env=env)
         except BuildFailed as e:
@@ -148,6 +288,7 @@ class KindCluster:
             text=True,
             check=False,
             timeout=120,
+            env=self.env(),
         )
 
     def webhook_host(self) -> str:
@@ -183,3 +324,18 @@ class KindCluster:
             path = self.layout.pki / name
             path.write_bytes(base64.b64decode(data))
             path.chmod(0o600)
+
+
+def _node_nets(kube: Kube) -> list[network.NodeNet] | None:
+    try:
+        return network.node_nets(kube.list("Node"))
+    except ValueError:
+        return None
+
+
+def _all_ready(kube: Kube) -> bool:
+    nodes = kube.list("Node")
+    return bool(nodes) and all(
+        any(c["type"] == "Ready" and c["status"] == "True" for c in n["status"]["conditions"])
+        for n in nodes
+    )

@@ -95,12 +95,14 @@ class KindGpus(ChartStack):
     def prepare_node(self) -> None:
         archive = self.build_image()
         kind = self.node.cluster._kind()
+        # Into every node: the chart's webhook may land on any of them.
         self.node.cluster._run(
-            kind, "load", "image-archive", str(archive),
-            "--name", self.node.cluster.name, "--nodes", self.node.name,
-        )  # fmt: skip
+            kind, "load", "image-archive", str(archive), "--name", self.node.cluster.name
+        )
         profile = json.dumps(self.profile(), indent=2)
-        script = f"mkdir -p {STATE_DIR} && cat > {STATE_DIR / 'profile.json'}"
+        # A fresh state dir, as a new real node has: a reused cluster would otherwise
+        # keep the last run's emulated GPU state and tool-call log.
+        script = f"rm -rf {STATE_DIR} && mkdir -p {STATE_DIR} && cat > {STATE_DIR / 'profile.json'}"
         proc = self.node.run("sh", "-c", script, stdin=profile)
         if proc.returncode != 0:
             raise KindError(f"writing the GPU profile on {self.node.name}: {proc.stderr.strip()}")

@@ -33,7 +33,7 @@ from gpudra.webhook.convert import CONVERTED_ANNOTATION as CONVERTED
 
 from e2e import features
 from e2e.claims import node_devices, running, wait_running
-from e2e.cluster.harness import Cluster, State, known_gates
+from e2e.cluster.harness import BUILD_SCRIPT, Cluster, known_gates
 from e2e.cluster.kube import ApiError, Kube, wait_for
 from e2e.gpu_pods import (
     allocation,
@@ -47,6 +47,7 @@ from e2e.gpu_pods import (
     whole_gpu_template,
 )
 from e2e.node.gpus import DRIVER, MIG_COMPUTE_INSTANCES, MIG_FIRST_MINOR, NodeGpus
+from e2e.progress import build_script
 from e2e.tools import helm as h
 from e2e.tools import prometheus as p
 
@@ -376,6 +377,14 @@ def test_kubelet_restart_keeps_running_pods_and_starts_new_ones(
     assert gpu_minors(seen(cluster, ns, "after")[0]).isdisjoint(gpu_minors(view[0]))
 
 
+def kubelet_binary(kube: Kube, node: str) -> Path:
+    """The kubelet of the version `node` runs, from the harness's build cache: the
+    same binary on the local real node and in a kind node image built here."""
+    version = kube.get("Node", node)["status"]["nodeInfo"]["kubeletVersion"]
+    env = {**os.environ, "K8S_VERSION": version.removeprefix("v")}
+    return build_script(BUILD_SCRIPT, prefix="build", what="the kubelet", env=env) / "kubelet"
+
+
 @pytest.mark.parametrize("api", DRA_APIS)
 def test_the_kubelet_prepares_over_each_dra_api_and_streams_health(
     stack: NodeGpus, kube: Kube, cluster: Cluster, ns: str, api: str
@@ -387,8 +396,7 @@ def test_the_kubelet_prepares_over_each_dra_api_and_streams_health(
     One pod's claim comes from a template, the other's is named as the pod refers to it:
     the 1.34 kubelet reports health only for the second kind, 1.35 only for the first,
     later ones for both, so at least one of them must show its GPU Healthy."""
-    state = State.load(cluster.layout.state)
-    assert state is not None
+    kubelet = kubelet_binary(kube, stack.node.name)
     with stack.agent_flags("--dra-api", api):
         kube.create(whole_gpu_template(ns))
         kube.create(
@@ -406,7 +414,7 @@ def test_the_kubelet_prepares_over_each_dra_api_and_streams_health(
         uids = {pod: claim_uid(kube, ns, pod) for pod in pods}
         for pod in pods:
             assert len(gpu_minors(seen(cluster, ns, pod)[0])) == 1
-        if "ResourceHealthStatus" in known_gates(Path(state.bin_dir) / "kubelet"):
+        if "ResourceHealthStatus" in known_gates(kubelet):
 
             def healthy() -> list[tuple[str, str]]:
                 """(pod, resourceID) of each GPU the kubelet reports Healthy; it shows
