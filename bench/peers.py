@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from e2e.cluster.harness import REPO
+from e2e.pins import TOOL_VERSIONS, pinned
 from e2e.processes import spawn_logged, stop_pid
 from e2e.progress import BuildFailed, build_script
 
@@ -45,10 +46,7 @@ PEER_DIFFERENCES = (
 
 def version() -> str:
     """The pinned release, read from the one place that pins it."""
-    for line in (REPO / "e2e" / "tools" / "versions.env").read_text().splitlines():
-        if line.startswith("DRA_EXAMPLE_DRIVER_VERSION="):
-            return line.split("=", 1)[1].strip()
-    raise RuntimeError("DRA_EXAMPLE_DRIVER_VERSION is missing from e2e/tools/versions.env")
+    return pinned("DRA_EXAMPLE_DRIVER_VERSION", TOOL_VERSIONS)
 
 
 def bin_dir() -> Path | None:

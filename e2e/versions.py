@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from e2e.cluster.harness import BUILD_SCRIPT, REPO
+from e2e.pins import CLUSTER_VERSIONS
 from e2e.progress import BuildFailed, build_script, duration
 
-VERSIONS_ENV = REPO / "e2e" / "cluster" / "versions.env"
 STATE = REPO / ".cluster-versions"
 # The suites that talk to the API server (and, on the real node, the kubelet).
 SUITES = (
@@ -54,7 +54,7 @@ class Row:
 def pinned() -> dict[str, str]:
     """`1.NN` -> pinned patch, in version order, from the one file that pins them."""
     pins = {}
-    for line in VERSIONS_ENV.read_text().splitlines():
+    for line in CLUSTER_VERSIONS.read_text().splitlines():
         if m := PIN_LINE.match(line):
             pins[f"1.{m.group(1)}"] = m.group(2)
     return dict(sorted(pins.items(), key=lambda kv: int(kv[0].split(".")[1])))

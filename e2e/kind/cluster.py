@@ -33,6 +33,7 @@ from e2e.cluster.kube import Credentials, Kube, wait_for
 from e2e.kind import network, nodeimage
 from e2e.kind.engine import Docker, Engine, EngineError, engine_step
 from e2e.node import images
+from e2e.pins import CLUSTER_VERSIONS, PinMissing, pinned
 from e2e.progress import BuildFailed, build_script
 
 REPO = Path(__file__).resolve().parents[2]
@@ -63,19 +64,14 @@ class KindLayout:
         return self.root / "pki"
 
 
-def _pinned(name: str, file: Path) -> str:
-    try:
-        return nodeimage.pinned(name, file)
-    except nodeimage.NodeImageError as e:
-        raise KindError(str(e)) from e
-
-
 def k8s_pin() -> str:
     """The Kubernetes pin (v1.Y.Z) of K8S_VERSION's minor, or the harness's default, so
     both providers test the same version."""
-    versions = REPO / "e2e" / "cluster" / "versions.env"
-    minor = os.environ.get("K8S_VERSION") or _pinned("K8S_DEFAULT_MINOR", versions)
-    return _pinned(f"K8S_PIN_{minor.removeprefix('v').replace('.', '_')}", versions)
+    try:
+        minor = os.environ.get("K8S_VERSION") or pinned("K8S_DEFAULT_MINOR", CLUSTER_VERSIONS)
+        return pinned(f"K8S_PIN_{minor.removeprefix('v').replace('.', '_')}", CLUSTER_VERSIONS)
+    except PinMissing as e:
+        raise KindError(str(e)) from e
 
 
 def node_image() -> str:

@@ -41,13 +41,13 @@ from e2e.image import oci
 from e2e.image.build import DEFAULT_MIRROR, ensure_debootstrap, write_layer
 from e2e.kind.engine import Docker
 from e2e.node import images
+from e2e.pins import TOOL_VERSIONS, PinMissing, pinned
 from e2e.progress import BuildFailed, build_script, step
 
 REPO = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 CONTAINERD_BUILD = REPO / "e2e" / "node" / "build.sh"
 COREDNS_BUILD = REPO / "e2e" / "tools" / "build-coredns.sh"
-TOOL_VERSIONS = REPO / "e2e" / "tools" / "versions.env"
 SUITE = "bookworm"
 # kind's base Dockerfile (images/base), less what only storage tests and rootless
 # engines use; plus Debian's runc and CNI plugins (kind builds its own) and dbus.
@@ -144,14 +144,6 @@ def cache_dir() -> Path:
     return cache_root() / "kind-node"
 
 
-def pinned(name: str, file: Path) -> str:
-    for line in file.read_text().splitlines():
-        key, _, value = line.partition("=")
-        if key == name:
-            return value.strip()
-    raise NodeImageError(f"{name} is not set in {file.relative_to(REPO)}")
-
-
 # -- inputs ----------------------------------------------------------------------------
 
 
@@ -208,7 +200,11 @@ def gather(version: str) -> Inputs:
         "build-coredns",
         {**os.environ, "COREDNS_VERSION": coredns_tag},
     )
-    kind_base = kind_module(pinned("KIND_VERSION", TOOL_VERSIONS))
+    try:
+        kind_version = pinned("KIND_VERSION", TOOL_VERSIONS)
+    except PinMissing as e:
+        raise NodeImageError(str(e)) from e
+    kind_base = kind_module(kind_version)
     return Inputs(version, k8s_bin, containerd_bin, coredns, kind_base, wanted)
 
 
