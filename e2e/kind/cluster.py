@@ -97,10 +97,7 @@ def _default_engine_answers() -> bool:
     if shutil.which("docker") is None:
         return False
     try:
-        proc = subprocess.run(
-            ["docker", "version", "--format", "{{.Server.Version}}"],
-            capture_output=True, text=True, timeout=10, check=False,
-        )  # fmt: skip
+        proc = Docker().docker("version", "--format", "{{.Server.Version}}", timeout=10)
     except subprocess.TimeoutExpired:
         return False
     return proc.returncode == 0
@@ -194,10 +191,7 @@ class KindCluster:
             return node_image()
         if choice != "built" and (choice == "official" or engine is None):
             official = node_image()
-            pulled = subprocess.run(
-                ["docker", "pull", official], capture_output=True, text=True, check=False,
-                env=self.env(), timeout=600,
-            )  # fmt: skip
+            pulled = Docker(self.env()).docker("pull", official, timeout=600)
             if pulled.returncode == 0:
                 log(f"kind: node image {official} (kind's official image, pulled)")
                 return official
@@ -277,15 +271,8 @@ class KindCluster:
         self, node: str, *argv: str, stdin: str | None = None
     ) -> subprocess.CompletedProcess[str]:
         """A command inside a kind node's container; never raises on failure."""
-        return subprocess.run(
-            ["docker", "exec", *(["-i"] if stdin is not None else []), node, *argv],
-            input=stdin,
-            capture_output=True,
-            text=True,
-            check=False,
-            timeout=120,
-            env=self.env(),
-        )
+        interactive = ["-i"] if stdin is not None else []
+        return Docker(self.env()).docker("exec", *interactive, node, *argv, stdin=stdin)
 
     def webhook_host(self) -> str:
         """The host's address on kind's Docker network, which the API server in the
