@@ -27,6 +27,7 @@ from gpudra.driver.devices import (
 )
 from gpudra.driver.gpushares import GpuShares, GpuSharesError, parse_node_override
 from gpudra.driver.health import HealthPolicy, TaintEffect
+from gpudra.driver.mpspods import PodTemplateError, load_template
 from gpudra.driver.node import DEFAULT_STATE_DIR, NodeService, PluginConfig
 from gpudra.driver.nvml import NvmlLibrary, NvmlLoadError, ProfileError, load_nvml
 from gpudra.driver.nvml.standin import (
@@ -190,6 +191,20 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     k.add_argument("--nvidia-smi", type=Path, default=None, help="path of nvidia-smi")
     k.add_argument("--mps-control", type=Path, default=None, help="path of nvidia-cuda-mps-control")
+    k.add_argument(
+        "--mps-daemon-pod-template",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="run each MPS control daemon in a pod of its own made from this JSON Pod "
+        "template (the chart renders it), so daemons outlive this process's container; "
+        "default: daemons are this process's children",
+    )
+    k.add_argument(
+        "--namespace",
+        default=os.environ.get("POD_NAMESPACE") or "",
+        help="namespace of the MPS daemon pods (default: $POD_NAMESPACE)",
+    )
     k.add_argument(
         "--toolkit-cdi",
         action=argparse.BooleanOptionalAction,
@@ -419,6 +434,17 @@ def _plugin_config(args: argparse.Namespace) -> PluginConfig:
         raise SystemExit(
             f"gpudra node: --idle-threshold {args.idle_threshold:g}: give a percentage, 0 to 100"
         )
+    template = None
+    if args.mps_daemon_pod_template is not None:
+        if not args.namespace:
+            raise SystemExit(
+                "gpudra node: --mps-daemon-pod-template needs --namespace (or $POD_NAMESPACE) "
+                "for the daemon pods"
+            )
+        try:
+            template = load_template(args.mps_daemon_pod_template)
+        except PodTemplateError as exc:
+            raise SystemExit(f"gpudra node: --mps-daemon-pod-template {exc}") from None
     return PluginConfig(
         kubelet_root=args.kubelet_root,
         cdi_root=args.cdi_root,
@@ -436,6 +462,8 @@ def _plugin_config(args: argparse.Namespace) -> PluginConfig:
         idle_below=args.idle_threshold,
         claim_status=args.claim_status,
         dra_apis=tuple(args.dra_api or DRA_APIS),
+        mps_pod_template=template,
+        namespace=args.namespace,
     )
 
 

@@ -29,6 +29,7 @@ import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import anyio
 import anyio.abc
@@ -49,6 +50,7 @@ from gpudra.driver.claims import ClaimError
 from gpudra.driver.claimstatus import ClaimStatusWriter
 from gpudra.driver.holders import ClaimInfos
 from gpudra.driver.metrics import ClaimMetrics, DeviceMetrics, DiscoveryGaps
+from gpudra.driver.mpspods import MpsDaemonPods
 from gpudra.driver.nvml import NvmlLibrary
 from gpudra.driver.plugin import (
     DEFAULT_KUBELET_ROOT,
@@ -100,6 +102,10 @@ class PluginConfig:
     tool_env: Mapping[str, str] = field(default_factory=dict)
     # The DRA gRPC APIs offered to the kubelet (tests hold a kubelet to one of them).
     dra_apis: tuple[str, ...] = DRA_APIS
+    # MPS control daemons in pods of their own (`gpudra.driver.mpspods`), made from
+    # this Pod template in `namespace`; None: daemons are this process's children.
+    mps_pod_template: Mapping[str, Any] | None = None
+    namespace: str = ""
 
     @property
     def checkpoint_path(self) -> Path:
@@ -198,6 +204,14 @@ class NodeService:
                 nvidia_smi=plugin.nvidia_smi,
                 mps_control=plugin.mps_control,
                 env=plugin.tool_env,
+                pods=None
+                if plugin.mps_pod_template is None
+                else MpsDaemonPods(
+                    kube,
+                    namespace=plugin.namespace,
+                    node_name=agent_config.node_name,
+                    template=plugin.mps_pod_template,
+                ),
             ),
             driver_root=plugin.driver_root,
             dev_root=plugin.dev_root,

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any, Final, TypeVar
 
 from gpudra.driver.processes import ProcessIdentity
+from gpudra.driver.sharing import DaemonPod
 
 __all__ = [
     "ComputeModeSet",
@@ -108,15 +109,15 @@ class MpsStarted:
     so every member device of the claim carries the same record.
 
     `shm_dir` is the claim's own /dev/shm (None in records older than it);
-    `daemon` is the daemon process, recorded once it runs: only this record, which
-    the claim's containers cannot write, says which process undo may stop.
+    `daemon` is the daemon process or pod, recorded once it runs: only this record,
+    which the claim's containers cannot write, says which process or pod undo may stop.
     """
 
     pipe_dir: Path
     log_dir: Path
     uuids: tuple[str, ...] = ()
     shm_dir: Path | None = None
-    daemon: ProcessIdentity | None = None
+    daemon: ProcessIdentity | DaemonPod | None = None
     extra: Mapping[str, Any] = field(default_factory=dict, repr=False)
 
 
@@ -153,7 +154,16 @@ _MIG_KEYS: Final = frozenset({"profileId", "profile", "start", "size", "created"
 _TIME_SLICE_KEYS: Final = frozenset({"uuid", "interval", "applied"})
 _COMPUTE_MODE_KEYS: Final = frozenset({"uuid", "previous", "applied"})
 _MPS_KEYS: Final = frozenset(
-    {"pipeDir", "logDir", "uuids", "shmDir", "daemonPid", "daemonStartTime"}
+    {
+        "pipeDir",
+        "logDir",
+        "uuids",
+        "shmDir",
+        "daemonPid",
+        "daemonStartTime",
+        "daemonPod",
+        "daemonPodUid",
+    }
 )
 
 
@@ -239,8 +249,10 @@ def _mps(obj: Mapping[str, Any]) -> MpsStarted:
     if not isinstance(uuids, list) or not all(isinstance(u, str) for u in uuids):
         raise _Unreadable(f"uuids must be a list of strings, not {_shown(uuids)}")
     shm_dir = obj.get("shmDir")
-    daemon = None
-    if obj.get("daemonPid") is not None or obj.get("daemonStartTime") is not None:
+    daemon: ProcessIdentity | DaemonPod | None = None
+    if obj.get("daemonPod") is not None or obj.get("daemonPodUid") is not None:
+        daemon = DaemonPod(_text(obj, "daemonPod"), _text(obj, "daemonPodUid"))
+    elif obj.get("daemonPid") is not None or obj.get("daemonStartTime") is not None:
         daemon = ProcessIdentity(_int(obj, "daemonPid"), _int(obj, "daemonStartTime"))
     return MpsStarted(
         pipe_dir=Path(pipe_dir),
@@ -373,6 +385,8 @@ def details_to_json(details: DeviceDetails) -> dict[str, Any]:
         }
         if mps.shm_dir is not None:
             out["mps"]["shmDir"] = str(mps.shm_dir)
-        if mps.daemon is not None:
+        if isinstance(mps.daemon, DaemonPod):
+            out["mps"].update(daemonPod=mps.daemon.name, daemonPodUid=mps.daemon.uid)
+        elif mps.daemon is not None:
             out["mps"].update(daemonPid=mps.daemon.pid, daemonStartTime=mps.daemon.start_time)
     return out

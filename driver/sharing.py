@@ -9,12 +9,19 @@ NVIDIA's own tools:
   claim is unprepared. `compute-policy` needs an Ampere or newer GPU and a recent
   driver; on older GPUs (Turing and before) nvidia-smi refuses it, and the error
   says so rather than leaving the GPU silently unchanged.
-- MPS: one control daemon per claim, `nvidia-cuda-mps-control -d` with its own
+- MPS: one control daemon per claim, `nvidia-cuda-mps-control` with its own
   `CUDA_MPS_PIPE_DIRECTORY`/`CUDA_MPS_LOG_DIRECTORY` and its own /dev/shm (a
   tmpfs per claim, as upstream mounts one), so claims never share a daemon nor
   shared memory with each other or the host; defaults
   (`set_default_active_thread_percentage`, `set_default_device_pinned_mem_limit`)
   are sent through its control pipe, and `quit` stops it.
+
+Where the daemon runs is the caller's choice. Given `DaemonPods`, each daemon runs
+in a pod of its own on this node (`nvidia-cuda-mps-control -f`, as upstream runs it),
+so it outlives the agent's container: a new agent (an upgrade, a crash) takes over
+claims whose clients still talk to it. Without, it is a child of this process
+(`-d`), which is what an agent run as a host process (tests, demos) wants, and what
+dies with a containerised agent.
 
 The pipe folder is mounted writable into the claim's containers, so nothing in it
 is trusted at stop: the daemon is the process `start_mps` returned (PID and start
@@ -47,6 +54,8 @@ __all__ = [
     "MPS_CONTROL",
     "NVIDIA_SMI",
     "TOOL_DIRS",
+    "DaemonPod",
+    "DaemonPods",
     "MpsDaemon",
     "NvidiaSharing",
     "SharingBackend",
@@ -73,10 +82,53 @@ _OUTPUT_TAIL: Final = 500
 _SHM_OPTIONS: Final = "rw,nosuid,nodev,noexec,mode=1777"
 # CAP_SYS_ADMIN's bit in /proc/self/status CapEff: mount and unshare need it.
 _CAP_SYS_ADMIN: Final = 21
+# A daemon pod's command, the tool's path as $0: the daemon in the foreground, ended
+# with the pod (TERM) or once its pipe folder is removed; the pod ends with it.
+_POD_SCRIPT: Final = (
+    'trap \'kill "$d" 2>/dev/null\' TERM INT; "$0" -f & d=$!; '
+    'while kill -0 "$d" 2>/dev/null; do '
+    '[ -d "$CUDA_MPS_PIPE_DIRECTORY" ] || kill "$d" 2>/dev/null; sleep 2 & wait $!; done; '
+    'wait "$d"'
+)
 
 
 class SharingError(RuntimeError):
     """A sharing setting could not be applied or undone; the message names the GPU."""
+
+
+@dataclass(frozen=True, slots=True)
+class DaemonPod:
+    """A daemon's pod: its name and the UID of the very pod created, so that a pod
+    made later under the same name is never taken for it."""
+
+    name: str
+    uid: str
+
+
+class DaemonPods(Protocol):
+    """Runs daemons in pods of their own on this node. Calls block (worker threads).
+
+    A pod gets `argv` and `env`, the agent's image, mounts and privileges (so the
+    daemon sees the tools, folders and devices the agent sees at the same paths),
+    and `shm_dir` as its /dev/shm when given.
+    """
+
+    def run(
+        self, name: str, argv: Sequence[str], env: Mapping[str, str], shm_dir: Path | None
+    ) -> DaemonPod:
+        """Create the pod `name` (replacing a leftover of that name) and return it
+        once created; whether the daemon started is the caller's to see."""
+        ...
+
+    def problem(self, pod: DaemonPod) -> str | None:
+        """Why the pod cannot run or no longer runs (gone, ended, image or mount
+        errors), or None while it runs or starts normally."""
+        ...
+
+    def remove(self, name: str, uid: str | None, timeout_s: float) -> None:
+        """Delete the pod (only that very pod when `uid` is given) and wait until it
+        is gone; a pod that outlives its grace period is deleted at once."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,7 +150,7 @@ class MpsDaemon:
     # The claim's /dev/shm; None only for daemons recorded before it existed.
     shm_dir: Path | None = None
     # The running daemon, as `start_mps` returned it; None: not known.
-    identity: ProcessIdentity | None = None
+    identity: ProcessIdentity | DaemonPod | None = None
 
 
 class SharingBackend(Protocol):
@@ -113,9 +165,9 @@ class SharingBackend(Protocol):
         """Put the GPU back to the default time-slice."""
         ...
 
-    def start_mps(self, daemon: MpsDaemon) -> ProcessIdentity:
+    def start_mps(self, daemon: MpsDaemon) -> ProcessIdentity | DaemonPod:
         """Start the daemon (or adopt one already running in its pipe dir), apply
-        its defaults, and return the daemon process, for the caller to record."""
+        its defaults, and return the daemon process or pod, for the caller to record."""
         ...
 
     def stop_mps(self, daemon: MpsDaemon) -> None:
@@ -173,12 +225,18 @@ class NvidiaSharing:
         env: Mapping[str, str] | None = None,
         timeout_s: float = 30.0,
         ready_timeout_s: float = 10.0,
+        pods: DaemonPods | None = None,
+        pod_ready_timeout_s: float = 60.0,
     ) -> None:
         self._driver_root = driver_root
         self._env = dict(env or {})
         self._paths: dict[str, Path | None] = {NVIDIA_SMI: nvidia_smi, MPS_CONTROL: mps_control}
         self._timeout_s = timeout_s
         self._ready_timeout_s = ready_timeout_s
+        self._pods = pods
+        # A pod's image is normally on the node already (it is the agent's), but the
+        # kubelet still sets up a sandbox: seconds, not the moment a fork takes.
+        self._pod_ready_timeout_s = pod_ready_timeout_s
 
     # --- plumbing ---
 
@@ -356,7 +414,7 @@ class NvidiaSharing:
         wanted = f"CUDA_MPS_PIPE_DIRECTORY={daemon.pipe_dir}".encode()
         return identity if wanted in environ and identity.alive() else None
 
-    def start_mps(self, daemon: MpsDaemon) -> ProcessIdentity:
+    def start_mps(self, daemon: MpsDaemon) -> ProcessIdentity | DaemonPod:
         gpus = ", ".join(daemon.device_uuids)
         purpose = f"starting the MPS control daemon {daemon.name} for {gpus}"
         tool = str(self._tool(MPS_CONTROL, purpose))
@@ -364,15 +422,23 @@ class NvidiaSharing:
             folder.mkdir(mode=0o755, parents=True, exist_ok=True)
         if daemon.shm_dir is not None:
             self._make_shm(daemon.shm_dir, purpose)
-        identity = daemon.identity or self._from_pid_file(daemon)
-        if identity is not None and identity.alive() and self._control_listens(daemon):
+        identity = self._running(daemon)
+        if identity is not None:
             # A retry after a crash: the daemon from the first attempt still listens.
             log.info("adopting running MPS daemon", extra={"fields": {"daemon": daemon.name}})
         else:
+            if isinstance(daemon.identity, ProcessIdentity) and daemon.identity.alive():
+                # Recorded by a first attempt but not adoptable (it no longer listens,
+                # or this agent runs daemons in pods): never two daemons for a claim.
+                self._quit(daemon, purpose)
+                self._end(daemon.identity, daemon, purpose)
             for stale in (_CONTROL_PIPE, _PID_FILE):
                 (daemon.pipe_dir / stale).unlink(missing_ok=True)
-            self._daemonize(daemon, tool, purpose)
-            identity = self._wait_for_daemon(daemon, purpose)
+            if self._pods is not None:
+                identity = self._start_pod(self._pods, daemon, tool, purpose)
+            else:
+                self._daemonize(daemon, tool, purpose)
+                identity = self._wait_for_daemon(daemon, purpose)
         try:
             if daemon.active_thread_percentage is not None:
                 self._control(
@@ -389,17 +455,60 @@ class NvidiaSharing:
         except SharingError:
             self._stop_quietly(dataclasses.replace(daemon, identity=identity))
             raise
+        where = {"pod": identity.name} if isinstance(identity, DaemonPod) else {"pid": identity.pid}
         log.info(
             "MPS daemon started",
-            extra={
-                "fields": {
-                    "daemon": daemon.name,
-                    "pipeDir": str(daemon.pipe_dir),
-                    "pid": identity.pid,
-                }
-            },
+            extra={"fields": {"daemon": daemon.name, "pipeDir": str(daemon.pipe_dir), **where}},
         )
         return identity
+
+    def _running(self, daemon: MpsDaemon) -> ProcessIdentity | DaemonPod | None:
+        """The daemon a first attempt started, if it still runs and listens."""
+        if not self._control_listens(daemon):
+            return None
+        if isinstance(daemon.identity, DaemonPod):
+            if self._pods is not None and self._pods.problem(daemon.identity) is None:
+                return daemon.identity
+            return None
+        if self._pods is not None:
+            return None  # a process daemon cannot be adopted by an agent that runs pods
+        identity = daemon.identity or self._from_pid_file(daemon)
+        return identity if identity is not None and identity.alive() else None
+
+    def _start_pod(self, pods: DaemonPods, daemon: MpsDaemon, tool: str, purpose: str) -> DaemonPod:
+        """The daemon in a pod of its own, in the foreground under a small shell that
+        also ends it once its pipe folder is gone (an older agent that knows nothing
+        of pods removes the folder at unprepare) and passes SIGTERM on."""
+        env = {**self._env, **self._mps_env(daemon)}
+        pod = pods.run(daemon.name, ["sh", "-c", _POD_SCRIPT, tool], env, daemon.shm_dir)
+        deadline = time.monotonic() + self._pod_ready_timeout_s
+        next_look = 0.0
+        while not self._control_listens(daemon):
+            now = time.monotonic()
+            if now >= next_look:
+                if (problem := pods.problem(pod)) is not None:
+                    self._remove_pod(pods, daemon.name, pod.uid, purpose)
+                    raise SharingError(f"{purpose}: its pod {pod.name} {problem}")
+                next_look = now + 1.0
+            if now >= deadline:
+                self._remove_pod(pods, daemon.name, pod.uid, purpose)
+                raise SharingError(
+                    f"{purpose}: the daemon in pod {pod.name} did not create its control "
+                    f"pipe {daemon.pipe_dir / _CONTROL_PIPE} within "
+                    f"{self._pod_ready_timeout_s:.0f}s; see the pod's events and the logs "
+                    f"in {daemon.log_dir}"
+                )
+            time.sleep(0.05)
+        return pod
+
+    def _remove_pod(self, pods: DaemonPods, name: str, uid: str | None, purpose: str) -> None:
+        try:
+            pods.remove(name, uid, self._ready_timeout_s)
+        except SharingError as exc:
+            log.warning(
+                "could not remove MPS daemon pod",
+                extra={"fields": {"daemon": name, "purpose": purpose, "error": str(exc)}},
+            )
 
     def _wait_for_daemon(self, daemon: MpsDaemon, purpose: str) -> ProcessIdentity:
         """`-d` returns once the daemon forked; it listens a moment later."""
@@ -429,32 +538,61 @@ class NvidiaSharing:
         """Ask the daemon to quit, then make sure it did, then remove its folders.
 
         Only the recorded identity (or, for records without one, a PID file that
-        checks out) decides which process is the daemon; what the claim's
+        checks out) decides which process or pod is the daemon; what the claim's
         containers can write (the control file, the PID file) never makes this
         fail or wait without bound, nor signal another process.
         """
         purpose = f"stopping the MPS control daemon {daemon.name}"
-        identity = daemon.identity or self._from_pid_file(daemon)
-        if identity is not None and identity.alive():
-            if self._control_listens(daemon):
-                try:
-                    self._control(daemon, "quit", purpose)
-                except SharingError as exc:
-                    log.warning(
-                        "MPS daemon did not take quit; signalling it",
-                        extra={"fields": {"daemon": daemon.name, "error": str(exc)}},
-                    )
-            self._end(identity, daemon, purpose)
+        identity = daemon.identity
+        if isinstance(identity, DaemonPod):
+            if self._pods is None:
+                raise SharingError(
+                    f"{purpose}: it runs in pod {identity.name}, and this agent runs without "
+                    "daemon pods; start it with --mps-daemon-pod-template as the chart does"
+                )
+            if self._quit(daemon, purpose):
+                self._wait_pod_ended(self._pods, identity)
+            self._pods.remove(daemon.name, identity.uid, self._ready_timeout_s)
         else:
-            log.info(
-                "MPS daemon not running; removing its files",
-                extra={"fields": {"daemon": daemon.name}},
-            )
+            identity = identity or self._from_pid_file(daemon)
+            if identity is not None and identity.alive():
+                self._quit(daemon, purpose)
+                self._end(identity, daemon, purpose)
+            else:
+                log.info(
+                    "MPS daemon not running; removing its files",
+                    extra={"fields": {"daemon": daemon.name}},
+                )
+            if self._pods is not None:
+                # Created by an attempt that crashed before it could record the pod.
+                self._pods.remove(daemon.name, None, self._ready_timeout_s)
         if daemon.shm_dir is not None:
             self._remove_shm(daemon.shm_dir, purpose)
         for folder in (daemon.pipe_dir, daemon.log_dir):
             shutil.rmtree(folder, ignore_errors=True)
         log.info("MPS daemon stopped", extra={"fields": {"daemon": daemon.name}})
+
+    def _quit(self, daemon: MpsDaemon, purpose: str) -> bool:
+        """`quit` through the control pipe, if one listens; whether it was taken.
+        Bounded, and a daemon that does not take it is ended by its caller all the same."""
+        if not self._control_listens(daemon):
+            return False
+        try:
+            self._control(daemon, "quit", purpose)
+        except SharingError as exc:
+            log.warning(
+                "MPS daemon did not take quit; ending it",
+                extra={"fields": {"daemon": daemon.name, "error": str(exc)}},
+            )
+            return False
+        return True
+
+    def _wait_pod_ended(self, pods: DaemonPods, pod: DaemonPod) -> None:
+        """Give a daemon that took `quit` the time to shut its server down and end
+        its pod, rather than cutting it short with the pod's deletion."""
+        deadline = time.monotonic() + self._ready_timeout_s
+        while pods.problem(pod) is None and time.monotonic() < deadline:
+            time.sleep(0.2)
 
     def _end(self, identity: ProcessIdentity, daemon: MpsDaemon, purpose: str) -> None:
         """Wait for the daemon to exit, then TERM, then KILL it."""

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
+
+from gpudra.driver.mpspods import CLAIM_LABEL
 
 from e2e.claims import claim_name, claim_template, pod_with_claim
 from e2e.cluster.harness import Cluster
@@ -133,3 +136,41 @@ def wait_unprepared(stack: NodeGpus, uids: set[str], what: str) -> None:
     left = uids & set(stack.list_names(stack.state_dir / "mps"))
     assert not left, f"{what}: MPS folders left for {sorted(left)}"
     assert all(not g["gpuInstances"] for g in stack.nvml_state()["gpus"])
+
+
+def containers(kube: Kube, ns: str, pod: str) -> list[tuple[str, int]]:
+    """Each container's ID and restart count: the same after a change means the pod's
+    containers were left alone."""
+    statuses = kube.get("Pod", pod, ns)["status"]["containerStatuses"]
+    return [(s["containerID"], s["restartCount"]) for s in statuses]
+
+
+def mps_pipes(stack: NodeGpus) -> dict[str, str]:
+    """The MPS pipe folder of each prepared claim that has one, by claim UID."""
+    return {
+        uid: d["details"]["mps"]["pipeDir"]
+        for uid, record in stack.checkpoint().items()
+        for d in record["devices"]
+        if "mps" in d["details"]
+    }
+
+
+def daemon_alive(pipe_dir: str) -> bool:
+    """A stand-in MPS daemon for this pipe folder runs on the machine (in any
+    namespace: the agent's container, a daemon pod's, or none)."""
+    for proc in Path("/proc").iterdir():
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"nvidia-cuda-mps-daemon" in argv and pipe_dir.encode() in argv:
+            return True
+    return False
+
+
+def daemon_pods(kube: Kube, namespace: str = "gpudra") -> dict[str, str]:
+    """The MPS daemon pods in the driver's namespace: claim UID to pod UID."""
+    return {
+        p["metadata"]["labels"][CLAIM_LABEL]: p["metadata"]["uid"]
+        for p in kube.list("Pod", namespace, labelSelector=CLAIM_LABEL)
+    }

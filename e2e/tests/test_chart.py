@@ -21,6 +21,7 @@ import yaml
 from cryptography import x509
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.serialization import Encoding
+from gpudra.driver.mpspods import MpsDaemonPods
 from gpudra.webhook.certs import CertKeyPair, ensure_serving_from_ca, service_dns_names
 
 from e2e.cluster.harness import Cluster, State
@@ -183,6 +184,8 @@ def node_agent_token(
         "ServiceAccount",
         "ClusterRole",
         "ClusterRoleBinding",
+        "Role",
+        "RoleBinding",
         "ValidatingAdmissionPolicy",
         "ValidatingAdmissionPolicyBinding",
     }
@@ -265,6 +268,68 @@ def test_node_agent_writes_only_its_own_nodes_slices(kube: Kube, node_agent_toke
     assert status in (403, 422), body  # nodeName is also immutable in recent versions
     status, body = agent.request("DELETE", f"{SLICES}/chart-e2e-a-gpu")
     assert status == 200, body
+
+
+def test_node_agent_creates_only_its_own_nodes_daemon_pods(
+    helm: Path, kube: Kube, node_agent_token: Token, namespace: str
+) -> None:
+    """The agent may run pods for its MPS daemons; the admission policy holds it to
+    those: on its own node, labelled as daemon pods, the chart's image, no token."""
+    agent = node_agent_token
+    rendered = h.template(helm, namespace=namespace)
+    cm = next(
+        o for o in rendered if o["kind"] == "ConfigMap" and o["metadata"]["name"].endswith("-mps")
+    )
+    template = json.loads(cm["data"]["pod.json"])
+    pods = f"/api/v1/namespaces/{namespace}/pods"
+
+    def daemon_pod(node: str, claim: str = "claim-a") -> dict[str, Any]:
+        pods_of = MpsDaemonPods(None, namespace=namespace, node_name=node, template=template)  # type: ignore[arg-type]
+        return pods_of.manifest(claim, ["sh", "-c", "sleep 1"], {"A": "1"}, None)
+
+    def denied() -> Any:
+        status, body = agent.request("POST", pods, daemon_pod("chart-e2e-b"))
+        return body if status == 403 else None
+
+    body = wait_for("the admission policy to deny another node's pod", denied, timeout=30)
+    assert "may only create or delete pods bound to its own node" in body["message"]
+
+    other_image = daemon_pod("chart-e2e-a")
+    other_image["spec"]["containers"][0]["image"] = "busybox:latest"
+    with_token = daemon_pod("chart-e2e-a")
+    with_token["spec"]["automountServiceAccountToken"] = True
+    unlabelled = daemon_pod("chart-e2e-a")
+    del unlabelled["metadata"]["labels"]["app.kubernetes.io/component"]
+    with_init = daemon_pod("chart-e2e-a")
+    with_init["spec"]["initContainers"] = [dict(with_init["spec"]["containers"][0], name="i")]
+    for pod, message in (
+        (other_image, "runs the chart's image only"),
+        (with_token, "without init containers or a service account token"),
+        (unlabelled, "only create or delete its MPS control daemon pods"),
+        (with_init, "without init containers"),
+    ):
+        status, body = agent.request("POST", pods, pod)
+        assert status == 403 and message in body["message"], body
+
+    status, created = agent.request("POST", pods, daemon_pod("chart-e2e-a"))
+    assert status == 201, created
+    status, body = agent.request("DELETE", f"{pods}/{created['metadata']['name']}")
+    assert status == 200, body
+    # Pods it may not touch: another node's daemon pod, and a pod that is not one.
+    kube.create(daemon_pod("chart-e2e-b", "claim-b"))
+    kube.create(
+        {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": "not-a-daemon", "namespace": namespace},
+            "spec": {"nodeName": "chart-e2e-a", "containers": [{"name": "c", "image": "x"}]},
+        }
+    )
+    for name in (daemon_pod("chart-e2e-b", "claim-b")["metadata"]["name"], "not-a-daemon"):
+        status, body = agent.request("DELETE", f"{pods}/{name}")
+        assert status == 403, body
+        kube.delete("Pod", name, namespace, grace=0)
+    kube.delete("Pod", created["metadata"]["name"], namespace, grace=0)
 
 
 def helm_env(cluster: Cluster) -> dict[str, str]:

@@ -38,14 +38,20 @@ from e2e.cluster.kube import ApiError, Kube, wait_for
 from e2e.gpu_pods import (
     allocation,
     claim_uid,
+    containers,
+    daemon_alive,
+    daemon_pods,
     demo_objects,
     gpu_minors,
     gpu_pod,
+    mps_pipes,
+    mps_template,
     seen,
     spec_of,
     wait_unprepared,
     whole_gpu_template,
 )
+from e2e.node.chart import ChartStack
 from e2e.node.gpus import DRIVER, MIG_COMPUTE_INSTANCES, MIG_FIRST_MINOR, NodeGpus
 from e2e.progress import build_script
 from e2e.tools import helm as h
@@ -463,6 +469,38 @@ def test_agent_killed_mid_prepare_recovers_without_leaks(
     kube.delete("Pod", "crash", ns)
     wait_for("its CDI spec removed", lambda: spec_of(uid) not in stack.cdi_specs(), timeout=60)
     wait_for("the claim out of the checkpoint", lambda: uid not in stack.checkpoint())
+
+
+def test_mps_daemons_outlive_the_agent(
+    stack: NodeGpus, kube: Kube, cluster: Cluster, ns: str
+) -> None:
+    """Replacing the agent (the chart: a new agent pod, as an upgrade or a changed value
+    does; host processes: a new process) leaves each MPS claim's control daemon running:
+    the pod keeps its container and its daemon, the new agent starts the daemons of new
+    claims, and deleting the pods ends every daemon and removes its pod."""
+    kube.create(mps_template(ns, "mps", "!device.allowMultipleAllocations"))
+    kube.create(gpu_pod(stack, "mps-a", ns, template="mps"))
+    wait_running(kube, ns, "mps-a")
+    first = claim_uid(kube, ns, "mps-a")
+    pipes = mps_pipes(stack)
+    assert daemon_alive(pipes[first])
+    in_pods = isinstance(stack, ChartStack)
+    before = (containers(kube, ns, "mps-a"), daemon_pods(kube))
+    assert set(before[1]) == ({first} if in_pods else set())
+    with stack.agent_flags("--cleanup-interval=30"):
+        assert daemon_alive(pipes[first])
+        assert (containers(kube, ns, "mps-a"), daemon_pods(kube)) == before
+        kube.create(gpu_pod(stack, "mps-b", ns, template="mps"))
+        wait_running(kube, ns, "mps-b")
+        second = claim_uid(kube, ns, "mps-b")
+        pipes = mps_pipes(stack)
+        assert daemon_alive(pipes[second])
+        assert set(daemon_pods(kube)) == ({first, second} if in_pods else set())
+        for pod in ("mps-a", "mps-b"):
+            kube.delete("Pod", pod, ns)
+        wait_unprepared(stack, {first, second}, "the MPS pods' claims")
+        assert not any(daemon_alive(p) for p in pipes.values())
+        assert not daemon_pods(kube)
 
 
 def test_deleted_slices_come_back_and_running_pods_keep_their_gpus(

@@ -12,9 +12,12 @@ dynamic MIG device), `helm upgrade` goes to the other one. Then:
   MPS daemon and create a MIG instance);
 - pods deleted afterwards are unprepared completely: CDI spec, checkpoint record, MPS
   folders, MIG instance, time-slice.
-The MPS control daemons of the running claims run in the old agent's container and stop
-with it, which is why docs/install.md asks to drain MPS and memory-slice pods first; the
-test holds that statement to what happens.
+The MPS control daemons of the running claims: the working tree runs each in a pod of
+its own, which an upgrade or downgrade leaves running; the previous release ran them in
+its agent's container, where they stop with it, which is why docs/install.md asks to
+drain MPS and memory-slice pods before upgrading from it. The test holds both to what
+happens, and after a downgrade the older agent still ends the newer daemons (their pods
+end once their claim's folders are removed).
 
 The downgrade reads a checkpoint the newer agent really wrote; after the older agent has
 rewritten it (prepares of its own), the newer agent's records of the running claims are
@@ -29,7 +32,6 @@ from __future__ import annotations
 import json
 import urllib.request
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -37,11 +39,15 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from e2e.claims import wait_running
 from e2e.cluster.harness import Cluster
-from e2e.cluster.kube import Kube
+from e2e.cluster.kube import Kube, wait_for
 from e2e.gpu_pods import (
     claim_uid,
+    containers,
+    daemon_alive,
+    daemon_pods,
     demo_objects,
     gpu_pod,
+    mps_pipes,
     mps_template,
     scratch_namespace,
     seen,
@@ -108,14 +114,9 @@ def start_every_kind(stack: ChartStack, kube: Kube, ns: str) -> list[str]:
     return pods
 
 
-def containers(kube: Kube, ns: str, pod: str) -> list[tuple[str, int]]:
-    """Each container's ID and restart count."""
-    statuses = kube.get("Pod", pod, ns)["status"]["containerStatuses"]
-    return [(s["containerID"], s["restartCount"]) for s in statuses]
-
-
 def mps_daemons(stack: ChartStack) -> int:
-    return sum("mps-control -d " in c for c in stack.tool_calls())
+    """Daemons started: as the agent's child (-d, before daemon pods) or in a pod (-f)."""
+    return sum(("mps-control -d " in c or "mps-control -f " in c) for c in stack.tool_calls())
 
 
 def mig_instances(stack: ChartStack) -> int:
@@ -133,18 +134,6 @@ def prepares(stack: ChartStack) -> float:
         for s in family.samples
         if s.name == "gpudra_claim_operations_total" and s.labels.get("operation") == "prepare"
     )
-
-
-def daemon_alive(pipe_dir: str) -> bool:
-    """A stand-in MPS daemon for this pipe folder runs on the machine (any namespace)."""
-    for proc in Path("/proc").iterdir():
-        try:
-            argv = (proc / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"nvidia-cuda-mps-daemon" in argv and pipe_dir.encode() in argv:
-            return True
-    return False
 
 
 def checkpoint_warnings(log: str) -> list[dict[str, Any]]:
@@ -175,13 +164,13 @@ def roll_with_pods_running(
         written = {u: json.dumps(r, sort_keys=True) for u, r in stack.checkpoint().items()}
         assert set(uids.values()) <= written.keys()
         daemons, instances = mps_daemons(stack), mig_instances(stack)
-        pipes = {
-            u: d["details"]["mps"]["pipeDir"]
-            for u, r in stack.checkpoint().items()
-            for d in r["devices"]
-            if "mps" in d["details"]
-        }
+        pipes = mps_pipes(stack)
         assert len(pipes) == 3 and all(daemon_alive(p) for p in pipes.values())
+        # The working tree runs each daemon in a pod of its own; the previous release
+        # ran them in its agent's container.
+        in_pods = start is WORKING_TREE
+        pods_before = daemon_pods(kube)
+        assert set(pods_before) == (set(pipes) if in_pods else set())
 
         stack.upgrade_to(to)
 
@@ -191,9 +180,15 @@ def roll_with_pods_running(
         read = {u: json.dumps(r, sort_keys=True) for u, r in stack.checkpoint().items()}
         assert read == written
         assert (mps_daemons(stack), mig_instances(stack)) == (daemons, instances)
-        # The MPS daemons (the MPS pod's, the memory slices') ran in the old agent's
-        # container and stopped with it: docs/install.md says to drain such pods first.
-        assert not any(daemon_alive(p) for p in pipes.values())
+        if in_pods:
+            # Their pods are not the agent's: the daemons run on, untouched.
+            assert all(daemon_alive(p) for p in pipes.values())
+            assert daemon_pods(kube) == pods_before
+        else:
+            # The previous release's daemons (the MPS pod's, the memory slices') ran
+            # in its agent's container and stopped with it: docs/install.md says to
+            # drain such pods before upgrading from it.
+            assert not any(daemon_alive(p) for p in pipes.values())
 
         # New pods under the new agent: a memory slice (its own MPS daemon) and a MIG
         # device (a new instance); both rewrite the checkpoint.
@@ -211,6 +206,9 @@ def roll_with_pods_running(
         for pod in uids:
             kube.delete("Pod", pod, ns)
         wait_unprepared(stack, set(uids.values()), "every pod's claim")
+        # An older agent knows nothing of daemon pods, but removes the claim's folders,
+        # and a daemon pod ends with its folder.
+        wait_for("every MPS daemon ended", lambda: not any(map(daemon_alive, pipes.values())))
         sliced = {c for c in stack.tool_calls() if "--set-timeslice" in c}
         assert any(c.endswith("--set-timeslice 0") for c in sliced), sliced
         return {"written": written, "rewritten": rewritten}

@@ -3,6 +3,7 @@ gets one clear line."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -162,6 +163,25 @@ def test_sampling_flags_reach_the_plugin_config_and_bad_ones_name_the_flag() -> 
         _plugin_config(parser.parse_args(["node", "--node-name", "n1", "--sample-interval", "-1"]))
     with pytest.raises(SystemExit, match="--idle-threshold 101: give a percentage"):
         _plugin_config(parser.parse_args(["node", "--node-name", "n1", "--idle-threshold", "101"]))
+
+
+def test_the_mps_daemon_pod_template_is_read_and_bad_ones_name_the_field(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("POD_NAMESPACE", raising=False)
+    parser = build_parser()
+    assert _plugin_config(parser.parse_args(["node", "--node-name", "n1"])).mps_pod_template is None
+    template = tmp_path / "pod.json"
+    pod = {"kind": "Pod", "metadata": {"name": "p"}, "spec": {"containers": [{"image": "i"}]}}
+    template.write_text(json.dumps(pod))
+    flags = ["node", "--node-name", "n1", "--mps-daemon-pod-template", str(template)]
+    with pytest.raises(SystemExit, match="needs --namespace"):
+        _plugin_config(parser.parse_args(flags))
+    config = _plugin_config(parser.parse_args([*flags, "--namespace", "gpudra"]))
+    assert (config.mps_pod_template, config.namespace) == (pod, "gpudra")
+    template.write_text(json.dumps({**pod, "spec": {"containers": []}}))
+    with pytest.raises(SystemExit, match=r"spec\.containers must hold exactly one container"):
+        _plugin_config(parser.parse_args([*flags, "--namespace", "gpudra"]))
 
 
 def test_the_dra_api_flag_narrows_what_the_plugin_offers() -> None:

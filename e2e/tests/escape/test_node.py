@@ -20,7 +20,7 @@ from gpudra.driver.processes import ProcessIdentity
 from e2e.claims import claim_name, node_devices, wait_running
 from e2e.cluster.harness import Cluster
 from e2e.cluster.kube import Kube, wait_for
-from e2e.gpu_pods import gpu_pod, mps_template
+from e2e.gpu_pods import daemon_alive, daemon_pods, gpu_pod, mps_template
 from e2e.node.gpus import DRIVER, GpuStack, NodeGpus
 
 pytestmark = pytest.mark.cluster
@@ -72,7 +72,6 @@ def test_a_tenant_that_fakes_its_mps_daemons_files_cannot_keep_the_gpu(
     uid = claim["metadata"]["uid"]
     (result,) = claim["status"]["allocation"]["devices"]["results"]
     mps = stack.checkpoint()[uid]["devices"][0]["details"]["mps"]
-    daemon = ProcessIdentity(mps["daemonPid"], mps["daemonStartTime"])
     device = node_devices(kube, stack.node_name)[result["device"]]
     gpu_uuid = next(iter(device["attributes"]["uuid"].values()))
 
@@ -83,7 +82,10 @@ def test_a_tenant_that_fakes_its_mps_daemons_files_cannot_keep_the_gpu(
     wait_for("the claim out of the checkpoint", lambda: uid not in stack.checkpoint(), timeout=30)
     assert uid not in stack.list_names(stack.state_dir / "mps")  # pipe, log and shm folders
     if isinstance(stack, GpuStack):  # the agent's PIDs are this machine's
-        assert not daemon.alive()
+        assert not ProcessIdentity(mps["daemonPid"], mps["daemonStartTime"]).alive()
+    else:  # the chart's agent runs the daemon in a pod, which is gone with the claim
+        assert uid not in daemon_pods(kube)
+    assert not daemon_alive(mps["pipeDir"])
     # The next tenant gets that very GPU, and a /dev/shm with nothing of the first.
     selector = f'device.attributes["{DRIVER}"].uuid == "{gpu_uuid}"'
     kube.create(mps_template(ns, "same-gpu", selector))

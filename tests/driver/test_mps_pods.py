@@ -1,0 +1,377 @@
+"""MPS control daemons in pods of their own: the pod the agent asks for, the sharing
+backend's start, adoption and stop of a daemon pod, and the pods on a real API server.
+
+The backend tests run each pod's command as a process of its own, as the kubelet
+would run the container, with the stand-in `nvidia-cuda-mps-control`; the API side of
+the same pods is the cluster test at the end, and the real kubelet runs them in
+e2e/tests/test_realnode_gpus.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import subprocess
+import uuid
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+from gpudra.common.kube import Kube as AsyncKube
+from gpudra.driver.mpspods import (
+    CLAIM_LABEL,
+    MpsDaemonPods,
+    PodTemplateError,
+    describe_problem,
+    load_template,
+)
+from gpudra.driver.nvml.standin import FAKEBIN, TOOLS_LOG_ENV
+from gpudra.driver.processes import ProcessIdentity
+from gpudra.driver.records import DeviceDetails, MpsStarted, details_from_json, details_to_json
+from gpudra.driver.sharing import DaemonPod, MpsDaemon, NvidiaSharing, SharingError
+
+from e2e.cluster.kube import Kube
+
+TEMPLATE: dict[str, Any] = {
+    "apiVersion": "v1",
+    "kind": "Pod",
+    "metadata": {
+        "name": "gpudra-node-mps",
+        "labels": {"app.kubernetes.io/component": "mps-daemon"},
+    },
+    "spec": {
+        "automountServiceAccountToken": False,
+        "containers": [
+            {
+                "name": "mps-control-daemon",
+                "image": "gpudra:test",
+                "env": [
+                    {"name": "KEEP", "value": "1"},
+                    {"name": "CUDA_VISIBLE_DEVICES", "value": "x"},
+                ],
+                "volumeMounts": [{"name": "state", "mountPath": "/var/lib/gpudra"}],
+            }
+        ],
+        "volumes": [{"name": "state", "hostPath": {"path": "/var/lib/gpudra"}}],
+    },
+}
+
+
+class ProcessPods:
+    """`DaemonPods` without a cluster: each pod's command runs as a process of its own,
+    in its own session with only the pod's environment, as the kubelet runs a
+    container; removing a pod terminates it (TERM, then KILL), as the kubelet does."""
+
+    def __init__(self) -> None:
+        self.pods: dict[str, tuple[DaemonPod, subprocess.Popen[bytes]]] = {}
+        self.runs = 0
+
+    def run(
+        self, name: str, argv: Sequence[str], env: Mapping[str, str], shm_dir: Path | None
+    ) -> DaemonPod:
+        self.runs += 1
+        proc = subprocess.Popen(
+            list(argv), env={"PATH": os.environ["PATH"], **env}, start_new_session=True
+        )
+        pod = DaemonPod(f"mps-{name}", str(uuid.uuid4()))
+        self.pods[name] = (pod, proc)
+        return pod
+
+    def problem(self, pod: DaemonPod) -> str | None:
+        for known, proc in self.pods.values():
+            if known == pod:
+                code = proc.poll()
+                return None if code is None else f"ended (exit code {code})"
+        return "is gone"
+
+    def remove(self, name: str, uid: str | None, timeout_s: float) -> None:
+        entry = self.pods.get(name)
+        if entry is None or (uid is not None and entry[0].uid != uid):
+            return
+        proc = entry[1]
+        proc.terminate()
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        del self.pods[name]
+
+
+@pytest.fixture
+def tools_log(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    log = tmp_path / "tools.log"
+    monkeypatch.setenv(TOOLS_LOG_ENV, str(log))
+    return log
+
+
+def sharing(pods: ProcessPods | None, tools_log: Path, **env: str) -> NvidiaSharing:
+    return NvidiaSharing(
+        mps_control=FAKEBIN / "nvidia-cuda-mps-control",
+        env={TOOLS_LOG_ENV: str(tools_log), **env},
+        ready_timeout_s=5.0,
+        pods=pods,
+        pod_ready_timeout_s=10.0,
+    )
+
+
+def daemon(base: Path, identity: ProcessIdentity | DaemonPod | None = None) -> MpsDaemon:
+    return MpsDaemon(
+        "claim-1",
+        base / "pipe",
+        base / "log",
+        ("GPU-1",),
+        active_thread_percentage=50,
+        pinned_memory_limits={"GPU-1": 2 << 30},
+        shm_dir=base / "shm",
+        identity=identity,
+    )
+
+
+def calls(tools_log: Path) -> list[str]:
+    return [line.split(" pipe=")[0] for line in tools_log.read_text().splitlines()]
+
+
+def test_a_daemon_pod_runs_the_daemon_in_the_foreground_and_gets_the_defaults(
+    tmp_path: Path, tools_log: Path
+) -> None:
+    pods = ProcessPods()
+    backend = sharing(pods, tools_log)
+    identity = backend.start_mps(daemon(tmp_path))
+    assert isinstance(identity, DaemonPod) and pods.problem(identity) is None
+    assert (tmp_path / "pipe" / "control").is_fifo()
+    assert calls(tools_log) == [
+        "mps-control -f",
+        "mps-control set_default_active_thread_percentage 50",
+        "mps-control set_default_device_pinned_mem_limit GPU-1 2048M",
+    ]
+    proc = pods.pods["claim-1"][1]
+
+    backend.stop_mps(daemon(tmp_path, identity))
+    assert calls(tools_log)[-1] == "mps-control quit"
+    assert proc.poll() == 0  # the daemon quit; its pod ended with it
+    assert not pods.pods
+    assert not any((tmp_path / d).exists() for d in ("pipe", "log", "shm"))
+
+
+def test_a_daemon_pod_that_fails_is_removed_and_named(tmp_path: Path, tools_log: Path) -> None:
+    pods = ProcessPods()
+    backend = sharing(pods, tools_log, GPUDRA_FAKE_MPS_FAIL="1")
+    with pytest.raises(SharingError) as caught:
+        backend.start_mps(daemon(tmp_path))
+    assert "its pod mps-claim-1 ended (exit code 1)" in str(caught.value)
+    assert not pods.pods
+
+
+def test_a_retried_start_adopts_the_recorded_daemon_pod(tmp_path: Path, tools_log: Path) -> None:
+    pods = ProcessPods()
+    backend = sharing(pods, tools_log)
+    first = backend.start_mps(daemon(tmp_path))
+    again = backend.start_mps(daemon(tmp_path, first))
+    assert again == first and pods.runs == 1
+    backend.stop_mps(daemon(tmp_path, first))
+
+
+def test_a_start_without_a_record_replaces_a_leftover_pod(tmp_path: Path, tools_log: Path) -> None:
+    """A crash between creating the pod and recording it: the retry starts afresh."""
+    pods = ProcessPods()
+    backend = sharing(pods, tools_log)
+    first = backend.start_mps(daemon(tmp_path))
+    pods.remove("claim-1", first.uid if isinstance(first, DaemonPod) else None, 5)
+    second = backend.start_mps(daemon(tmp_path))
+    assert second != first and pods.runs == 2
+    backend.stop_mps(daemon(tmp_path))  # no record of the pod: removed by its name
+    assert not pods.pods
+
+
+def test_the_daemon_pod_ends_once_its_pipe_folder_is_removed(
+    tmp_path: Path, tools_log: Path
+) -> None:
+    """An older agent knows nothing of pods; its unprepare removes the claim's folders,
+    and the daemon must not outlive them."""
+    pods = ProcessPods()
+    backend = sharing(pods, tools_log)
+    identity = backend.start_mps(daemon(tmp_path))
+    proc = pods.pods["claim-1"][1]
+    shutil.rmtree(tmp_path / "pipe")
+    proc.wait(timeout=30)
+    assert proc.returncode is not None
+    backend.stop_mps(daemon(tmp_path, identity))  # what is left: the pod, the folders
+    assert not pods.pods and not (tmp_path / "shm").exists()
+
+
+def test_a_pod_record_needs_an_agent_that_runs_pods(tmp_path: Path, tools_log: Path) -> None:
+    with pytest.raises(SharingError) as caught:
+        sharing(None, tools_log).stop_mps(daemon(tmp_path, DaemonPod("mps-claim-1", "u-1")))
+    assert "--mps-daemon-pod-template" in str(caught.value)
+
+
+def test_an_agent_with_pods_stops_a_daemon_an_older_agent_started_as_its_child(
+    tmp_path: Path, tools_log: Path
+) -> None:
+    """After an upgrade from a release that ran daemons as its children (a host
+    process agent's outlive it), the new agent still stops them by their record."""
+    identity = sharing(None, tools_log).start_mps(daemon(tmp_path))
+    assert isinstance(identity, ProcessIdentity)
+    pods = ProcessPods()
+    sharing(pods, tools_log).stop_mps(daemon(tmp_path, identity))
+    assert not identity.alive()
+    assert calls(tools_log)[-1] == "mps-control quit" and pods.runs == 0
+
+
+def test_a_retry_in_an_agent_with_pods_ends_the_daemon_a_first_attempt_started(
+    tmp_path: Path, tools_log: Path
+) -> None:
+    """A prepare that a host-process agent began, retried by one that runs pods: the
+    first daemon is ended before the pod starts, never two daemons for one claim."""
+    first = sharing(None, tools_log).start_mps(daemon(tmp_path))
+    assert isinstance(first, ProcessIdentity)
+    pods = ProcessPods()
+    backend = sharing(pods, tools_log)
+    second = backend.start_mps(daemon(tmp_path, first))
+    assert isinstance(second, DaemonPod) and not first.alive()
+    backend.stop_mps(daemon(tmp_path, second))
+
+
+def test_a_daemon_pod_is_recorded_and_read_back() -> None:
+    started = MpsStarted(
+        pipe_dir=Path("/s/mps/u/pipe"),
+        log_dir=Path("/s/mps/u/log"),
+        uuids=("GPU-1",),
+        daemon=DaemonPod("gpudra-node-mps-u", "5d1c"),
+    )
+    wire = details_to_json(DeviceDetails(type="gpu", mps=started))
+    assert wire["mps"]["daemonPod"] == "gpudra-node-mps-u"
+    assert wire["mps"]["daemonPodUid"] == "5d1c"
+    assert "daemonPid" not in wire["mps"]
+    assert details_from_json(json.loads(json.dumps(wire))).mps == started
+
+
+# --- the pod asked for --------------------------------------------------------------------
+
+
+def test_the_pod_is_the_template_bound_to_the_node_with_the_daemons_command() -> None:
+    pods = MpsDaemonPods(None, namespace="gpudra", node_name="gpu-1", template=TEMPLATE)  # type: ignore[arg-type]
+    pod = pods.manifest(
+        "uid-1", ["sh", "-c", "x"], {"CUDA_VISIBLE_DEVICES": "GPU-1"}, Path("/s/shm")
+    )
+    assert pod["metadata"]["name"] == "gpudra-node-mps-uid-1"
+    assert pod["metadata"]["namespace"] == "gpudra"
+    assert pod["metadata"]["labels"] == {
+        "app.kubernetes.io/component": "mps-daemon",
+        CLAIM_LABEL: "uid-1",
+    }
+    spec = pod["spec"]
+    assert (spec["nodeName"], spec["restartPolicy"]) == ("gpu-1", "Never")
+    container = spec["containers"][0]
+    assert container["command"] == ["sh", "-c", "x"]
+    assert container["env"] == [
+        {"name": "KEEP", "value": "1"},
+        {"name": "CUDA_VISIBLE_DEVICES", "value": "GPU-1"},
+    ]
+    assert {"name": "claim-shm", "mountPath": "/dev/shm"} in container["volumeMounts"]
+    assert {"name": "claim-shm", "hostPath": {"path": "/s/shm", "type": "Directory"}} in spec[
+        "volumes"
+    ]
+    assert TEMPLATE["spec"]["containers"][0].get("command") is None  # the template is kept
+
+
+@pytest.mark.parametrize(
+    ("status", "problem"),
+    [
+        ({"phase": "Pending"}, None),
+        ({"phase": "Running"}, None),
+        (
+            {
+                "phase": "Pending",
+                "containerStatuses": [
+                    {"state": {"waiting": {"reason": "ErrImageNeverPull", "message": "no image"}}}
+                ],
+            },
+            "cannot start its container: ErrImageNeverPull: no image",
+        ),
+        (
+            {
+                "phase": "Failed",
+                "containerStatuses": [
+                    {"state": {"terminated": {"reason": "Error", "exitCode": 1}}}
+                ],
+            },
+            "ended (Error, exit code 1); see its log",
+        ),
+    ],
+)
+def test_a_pod_that_cannot_serve_says_why(status: dict[str, Any], problem: str | None) -> None:
+    pod = {"metadata": {"uid": "u-1"}, "status": status}
+    assert describe_problem(pod, "u-1") == problem
+
+
+def test_another_pod_under_the_name_is_not_the_daemons() -> None:
+    pod = {"metadata": {"uid": "u-2"}, "status": {"phase": "Running"}}
+    assert describe_problem(pod, "u-1") == "was replaced by another pod of the same name"
+
+
+@pytest.mark.parametrize(
+    ("content", "field"),
+    [
+        ("not json", "cannot read a JSON Pod"),
+        ('{"kind": "Deployment"}', "kind: Pod"),
+        ('{"kind": "Pod", "metadata": {}, "spec": {}}', "metadata.name"),
+        (
+            '{"kind": "Pod", "metadata": {"name": "m"}, "spec": {"containers": []}}',
+            "spec.containers",
+        ),
+        (
+            '{"kind": "Pod", "metadata": {"name": "m"}, "spec": {"containers": [{"name": "c"}]}}',
+            "spec.containers[0].image",
+        ),
+    ],
+)
+def test_a_bad_template_names_the_field(tmp_path: Path, content: str, field: str) -> None:
+    path = tmp_path / "pod.json"
+    path.write_text(content)
+    with pytest.raises(PodTemplateError) as caught:
+        load_template(path)
+    assert field in str(caught.value) and str(path) in str(caught.value)
+
+
+# --- on the API server --------------------------------------------------------------------
+
+
+@pytest.mark.cluster
+@pytest.mark.anyio
+async def test_daemon_pods_on_the_api_server(kube: Kube, akube: AsyncKube) -> None:
+    """Created bound to the node, told apart from a later pod of the same name, and
+    deleted even where no kubelet confirms it (forced after the grace wait)."""
+    ns = f"mps-pods-{secrets.token_hex(3)}"
+    kube.create({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}})
+    try:
+        pods = MpsDaemonPods(
+            akube, namespace=ns, node_name="no-kubelet-here", template=TEMPLATE, leftover_wait_s=1
+        )
+        run = pods.run
+        pod = await anyio.to_thread.run_sync(run, "uid-1", ["sleep", "1"], {"A": "1"}, None)
+        got = kube.get("Pod", pod.name, ns)
+        assert got["metadata"]["uid"] == pod.uid
+        assert got["spec"]["nodeName"] == "no-kubelet-here"
+        assert await anyio.to_thread.run_sync(pods.problem, pod) is None  # pending
+
+        # A leftover of the same name (a crash before the record) is replaced.
+        second = await anyio.to_thread.run_sync(run, "uid-1", ["sleep", "1"], {}, None)
+        assert second.uid != pod.uid
+        assert await anyio.to_thread.run_sync(pods.problem, pod) == (
+            "was replaced by another pod of the same name"
+        )
+        # The first pod's UID no longer deletes the second.
+        await anyio.to_thread.run_sync(pods.remove, "uid-1", pod.uid, 1.0)
+        assert kube.get("Pod", second.name, ns)["metadata"]["uid"] == second.uid
+
+        await anyio.to_thread.run_sync(pods.remove, "uid-1", second.uid, 1.0)
+        assert kube.get_or_none("Pod", second.name, ns) is None
+        assert await anyio.to_thread.run_sync(pods.problem, second) == "is gone"
+    finally:
+        kube.delete("Namespace", ns)
