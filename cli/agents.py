@@ -15,8 +15,7 @@ from typing import Any, Final
 
 import aiohttp
 from gpudra.cli.scrape import Unanswered, get
-from gpudra.common.kube import ApiError, Kube
-from kubernetes_asyncio.config import ConfigException
+from gpudra.common.kube import ApiError, Kube, KubeConfigError
 
 __all__ = [
     "AGENT_SELECTOR",
@@ -77,7 +76,7 @@ async def connect(kubeconfig: str | None, *, command: str, otherwise: str) -> Ku
     """The cluster's API client; one line naming the fix (`otherwise`) when there is none."""
     try:
         return await Kube.connect(kubeconfig)
-    except (ConfigException, OSError) as e:
+    except (KubeConfigError, OSError) as e:
         raise SystemExit(
             f"gpudra {command}: no cluster to read ({e}); give --kubeconfig, or {otherwise}"
         ) from None

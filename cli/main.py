@@ -7,13 +7,18 @@ appear in `--help`, so the help text cannot advertise a command that does not ex
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from collections.abc import Callable, Sequence
 from importlib.metadata import PackageNotFoundError, version
+from typing import Final
 
 from gpudra.cli import logs
 
 Registrar = Callable[["argparse._SubParsersAction[argparse.ArgumentParser]"], None]
+
+# The commands, in `--help` order; each is registered by `gpudra.cli.<command>`.
+COMMANDS: Final = ("node", "webhook", "migrate", "devices", "top", "report")
 
 
 def _version() -> str:
@@ -23,40 +28,62 @@ def _version() -> str:
         return "0.0.0+dev"
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """Every command, or only `command` when it names one.
+
+    A process imports what its parser registers, and keeps it: registering only the
+    command it runs keeps the webhook's modules and cryptography out of every node
+    agent's memory (and the node agent's out of the webhook's).
+    """
     parser = argparse.ArgumentParser(
         prog="gpudra",
         description="Kubernetes DRA driver for NVIDIA GPUs and its admission webhook.",
     )
     parser.add_argument("--version", action="version", version=f"gpudra {_version()}")
+    _add_log_level(parser)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for register in _registrations(command):
+        register(sub)
+    return parser
+
+
+def _add_log_level(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--log-level",
         default="info",
         choices=["debug", "info", "warning", "error"],
         help="log verbosity (default: info)",
     )
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for register in _registrations():
-        register(sub)
-    return parser
 
 
-def _registrations() -> list[Registrar]:
+def command_of(argv: Sequence[str]) -> str | None:
+    """The command `argv` runs; None for the top-level help, no command or a malformed
+    line, which the full parser then answers (with every command in its usage)."""
+    early = argparse.ArgumentParser(add_help=False, exit_on_error=False)
+    _add_log_level(early)
+    early.add_argument("-h", "--help", action="store_true")
+    early.add_argument("command", nargs="?")
+    early.add_argument("args", nargs=argparse.REMAINDER)  # the command's own, unparsed
+    try:
+        known, _ = early.parse_known_args(argv)
+    except argparse.ArgumentError:
+        return None
+    if known.help or known.command not in COMMANDS:
+        return None
+    command: str = known.command
+    return command
+
+
+def _registrations(command: str | None) -> list[Registrar]:
     # Imported here so `gpudra --help` does not pay for every component's imports.
-    from gpudra.cli import devices, migrate, node, report, top, webhook  # noqa: PLC0415
-
-    return [
-        node.register,
-        webhook.register,
-        migrate.register,
-        devices.register,
-        top.register,
-        report.register,
-    ]
+    names = (command,) if command in COMMANDS else COMMANDS
+    return [importlib.import_module(f"gpudra.cli.{name}").register for name in names]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+    if argv is None:
+        argv = sys.argv[1:]
+    parser = build_parser(command_of(argv))
     args = parser.parse_args(argv)
     logs.setup(args.log_level)
     result: int = args.func(args)

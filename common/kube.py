@@ -2,7 +2,10 @@
 
 The ApiClient gives us kubeconfig/in-cluster auth and TLS; we exchange plain JSON
 instead of generated model objects because a node agent (and the slice benchmark,
-200 of them in one process) spends most of its time (de)serialising otherwise.
+200 of them in one process) spends most of its time (de)serialising otherwise. Nor do
+we import those models: kubernetes_asyncio is imported only in `Kube.connect`, after
+`defer_generated_code()` (see `common/kubeimports.py`), which keeps about 1,000 unused
+generated modules out of every process.
 """
 
 from __future__ import annotations
@@ -12,14 +15,16 @@ import json
 import logging
 import os
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlencode
 
 import aiohttp
 from aiohttp.helpers import get_env_proxy_for_url
-from kubernetes_asyncio import config as kconfig
-from kubernetes_asyncio.client import ApiClient, Configuration
+from gpudra.common.kubeimports import defer_generated_code
 from yarl import URL
+
+if TYPE_CHECKING:
+    from kubernetes_asyncio.client import ApiClient
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +45,10 @@ class ApiError(Exception):
         super().__init__(f"{method} {path}: HTTP {status}: {message}")
 
 
+class KubeConfigError(Exception):
+    """Neither a usable kubeconfig nor an in-cluster service account."""
+
+
 class Kube:
     def __init__(self, api: ApiClient) -> None:
         self.api = api
@@ -54,14 +63,24 @@ class Kube:
 
         Each watch holds a connection for its lifetime, so a process that runs many
         watches (the slice benchmark) needs `max_connections` above their count.
+        Raises KubeConfigError (callers need not import kubernetes_asyncio for it).
         """
+        defer_generated_code()
+        # Imported here, after the deferral, so that no import of this module loads
+        # the client's generated code.
+        from kubernetes_asyncio import config as kconfig  # noqa: PLC0415
+        from kubernetes_asyncio.client import ApiClient, Configuration  # noqa: PLC0415
+
         cfg = Configuration()
         cfg.connection_pool_maxsize = max_connections  # type: ignore[assignment]  # None: no limit
         path = kubeconfig or os.environ.get("KUBECONFIG")
-        if path:
-            await kconfig.load_kube_config(config_file=path, client_configuration=cfg)
-        else:
-            kconfig.load_incluster_config(client_configuration=cfg)  # type: ignore[no-untyped-call]
+        try:
+            if path:
+                await kconfig.load_kube_config(config_file=path, client_configuration=cfg)
+            else:
+                kconfig.load_incluster_config(client_configuration=cfg)  # type: ignore[no-untyped-call]
+        except kconfig.ConfigException as e:
+            raise KubeConfigError(str(e)) from e
         return cls(ApiClient(configuration=cfg))
 
     async def close(self) -> None:

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from gpudra.cli.main import build_parser
+from gpudra.cli.main import COMMANDS, build_parser, command_of
 from gpudra.cli.node import (
     EMULATED_DRIVER_ROOT,
     EMULATED_NVML_STATE,
@@ -43,6 +43,36 @@ def test_help_lists_only_registered_commands() -> None:
     for name in registered:
         assert f"    {name} " in out
         assert run(name, "--help").returncode == 0
+
+
+@pytest.mark.parametrize(
+    ("argv", "command"),
+    [
+        (["node", "--nvml", "emulated:l4"], "node"),
+        (["--log-level", "debug", "webhook", "--cert-dir", "c"], "webhook"),
+        (["--log-level=debug", "top", "-h"], "top"),
+        (["--log", "debug", "report"], "report"),
+        (["node", "--log-level", "nonsense"], "node"),
+        # The full parser answers these, with every command in its usage.
+        (["-h", "node"], None),
+        (["--help"], None),
+        ([], None),
+        (["nodes"], None),
+        (["--log-level"], None),
+        (["--log-level", "nonsense", "node"], None),
+    ],
+)
+def test_only_the_command_a_line_runs_is_registered(argv: list[str], command: str | None) -> None:
+    """So `gpudra node` holds none of the other commands' code in memory."""
+    assert command_of(argv) == command
+    sub = next(a for a in build_parser(command)._actions if a.dest == "command")
+    assert set(sub.choices) == ({command} if command else set(COMMANDS))  # type: ignore[arg-type]
+
+
+def test_top_level_help_before_a_command_lists_every_command() -> None:
+    out = run("-h", "node").stdout
+    for name in COMMANDS:
+        assert f"    {name} " in out
 
 
 def test_unknown_profile_is_one_clear_line() -> None:
