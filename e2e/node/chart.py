@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from gpudra.cli.node import EMULATED_NVML_STATE, EMULATED_TOOLS_LOG
+from gpudra.driver.mpspods import CLAIM_LABEL
 
 from e2e.cluster.harness import REPO
 from e2e.cluster.kube import ApiError, Kube, wait_for
@@ -197,6 +198,10 @@ class ChartStack(NodeGpus):
         if not self._installed():
             return
         self._helm("uninstall", RELEASE, "--namespace", NAMESPACE, "--wait", "--timeout", "2m")
+        # Not Helm's: MPS daemon pods of claims still prepared when the agent went (or
+        # left as Completed by an older release that knows nothing of them).
+        for pod in kube.list("Pod", NAMESPACE, labelSelector=CLAIM_LABEL):
+            kube.delete("Pod", pod["metadata"]["name"], NAMESPACE, grace=0)
         wait_for(
             "the chart's pods gone",
             lambda: not [p for p in kube.list("Pod", NAMESPACE) if _chart_pod(p)],

@@ -35,6 +35,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from gpudra.driver.mpspods import CLAIM_LABEL
 from prometheus_client.parser import text_string_to_metric_families
 
 from e2e.claims import wait_running
@@ -54,6 +55,7 @@ from e2e.gpu_pods import (
     wait_unprepared,
 )
 from e2e.node.chart import (
+    NAMESPACE,
     WORKING_TREE,
     ChartBuild,
     ChartStack,
@@ -209,6 +211,32 @@ def roll_with_pods_running(
         # An older agent knows nothing of daemon pods, but removes the claim's folders,
         # and a daemon pod ends with its folder.
         wait_for("every MPS daemon ended", lambda: not any(map(daemon_alive, pipes.values())))
+        if in_pods and to is not WORKING_TREE:
+            # The older agent deletes no daemon pods: they ended with their claims'
+            # folders and stay Completed, and docs/install.md's command removes them.
+            left = kube.list("Pod", NAMESPACE, labelSelector=CLAIM_LABEL)
+            assert {p["metadata"]["uid"] for p in left} == set(pods_before.values())
+            wait_for(
+                "the daemon pods Completed",
+                lambda: all(
+                    kube.get("Pod", p["metadata"]["name"], NAMESPACE)["status"]["phase"]
+                    == "Succeeded"
+                    for p in left
+                ),
+            )
+            out = cluster.kubectl(
+                "-n",
+                NAMESPACE,
+                "delete",
+                "pods",
+                "-l",
+                CLAIM_LABEL,
+                "--field-selector=status.phase=Succeeded",
+            )
+            assert out.returncode == 0, out.stderr
+            wait_for("the daemon pods deleted", lambda: not daemon_pods(kube))
+        else:
+            assert not daemon_pods(kube)
         sliced = {c for c in stack.tool_calls() if "--set-timeslice" in c}
         assert any(c.endswith("--set-timeslice 0") for c in sliced), sliced
         return {"written": written, "rewritten": rewritten}
