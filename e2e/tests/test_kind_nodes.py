@@ -30,6 +30,7 @@ from e2e.gpu_pods import (
     seen,
     spec_of,
 )
+from e2e.node.gpus import installed
 
 pytestmark = [pytest.mark.cluster, pytest.mark.kind]
 
@@ -45,12 +46,7 @@ def fleet(cluster: Cluster) -> Iterator[Any]:
         pytest.skip("needs kind's GPU workers: make e2e-kind (GPUDRA_CLUSTER_PROVIDER=kind)")
     from e2e.kind.gpus import KindFleet, gpu_workers  # noqa: PLC0415 - only with Docker
 
-    gpus = KindFleet(gpu_workers(cluster))
-    gpus.up(log=lambda _m: None)
-    try:
-        yield gpus
-    finally:
-        gpus.down(log=lambda _m: None)
+    yield from installed(KindFleet(gpu_workers(cluster)))
 
 
 @pytest.fixture
