@@ -118,12 +118,15 @@ image: venv
 	$(VPY) e2e/image/build.py
 
 # kind cluster with DRA gates and CDI, then the e2e suite; its GPU-pod tests install the
-# chart with emulated GPUs on a worker, as they do on the local real node. Without a
+# chart with emulated GPUs on a worker, as they do on the local real node, and
+# e2e/tests/test_kind_nodes.py installs it on both GPU workers (H100 with MIG, L4). Without a
 # Docker engine it starts a private one (root) and builds the node image offline
 # (e2e/kind/engine.py, e2e/kind/nodeimage.py); `make e2e-kind-down` removes it all.
+# The host check (a cluster of its own) is `make test-kind`.
 e2e-kind: venv
 	$(VPY) -m e2e.kind up
-	GPUDRA_CLUSTER_PROVIDER=kind $(VPY) e2e/run_pytest.py -m "cluster and not kind" e2e/tests
+	GPUDRA_CLUSTER_PROVIDER=kind $(VPY) e2e/run_pytest.py -m cluster e2e/tests \
+		--ignore=e2e/tests/test_kind_host.py
 
 e2e-kind-down: venv
 	$(VPY) -m e2e.kind down

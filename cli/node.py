@@ -11,8 +11,10 @@ import signal
 from collections.abc import Callable
 from pathlib import Path
 
+import aiohttp
 import anyio
-from gpudra.common.kube import Kube
+from gpudra.common.backoff import Backoff
+from gpudra.common.kube import ApiError, Kube
 from gpudra.driver.accounting import DEFAULT_IDLE_BELOW
 from gpudra.driver.agent import AgentConfig
 from gpudra.driver.checkpoint import CheckpointError
@@ -29,7 +31,13 @@ from gpudra.driver.gpushares import GpuShares, GpuSharesError, parse_node_overri
 from gpudra.driver.health import HealthPolicy, TaintEffect
 from gpudra.driver.mpspods import PodTemplateError, load_template
 from gpudra.driver.node import DEFAULT_STATE_DIR, NodeService, PluginConfig
-from gpudra.driver.nvml import NvmlLibrary, NvmlLoadError, ProfileError, load_nvml
+from gpudra.driver.nvml import (
+    NvmlLibrary,
+    NvmlLoadError,
+    ProfileError,
+    labelled_nvml,
+    load_nvml,
+)
 from gpudra.driver.nvml.standin import (
     TOOLS_LOG_ENV,
     SmiGpu,
@@ -47,6 +55,8 @@ log = logging.getLogger(__name__)
 EMULATED_NVML_STATE = "emulated-nvml.json"
 EMULATED_DRIVER_ROOT = "emulated-driver"
 EMULATED_TOOLS_LOG = "emulated-tools.log"
+# Reading the node's profile label while the API server is not answering yet.
+NODE_READ_BACKOFF = Backoff(first_s=0.5, max_s=10.0)
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -64,6 +74,14 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "Emulated GPUs need no NVIDIA driver on the node: without --driver-root the "
         "kubelet plugin installs a stand-in driver root under --state-dir, and CDI specs "
         "carry device numbers instead of host /dev nodes",
+    )
+    p.add_argument(
+        "--emulated-profile-label",
+        default="",
+        metavar="LABEL",
+        help="emulated GPUs only: where this node carries the label LABEL, its value names "
+        "the node's emulated profile (a built-in one), in place of --nvml's; nodes without "
+        "it use --nvml's. Read when the agent starts (default: none)",
     )
     p.add_argument(
         "--nvml-state",
@@ -350,6 +368,53 @@ def _emulated(args: argparse.Namespace) -> bool:
     return str(args.nvml).startswith("emulated:")
 
 
+async def _node_nvml(args: argparse.Namespace) -> str:
+    """The NVML of this node by its label (`--emulated-profile-label`): its Node read
+    once, before discovery, as the profile decides every device it publishes."""
+    label, node = args.emulated_profile_label, args.node_name
+    labelled_nvml(args.nvml, label=label, node=node, labels={})  # --nvml real: before connecting
+    kube = await Kube.connect(args.kubeconfig)
+    try:
+        return await node_nvml(kube, node, args.nvml, label)
+    finally:
+        await kube.close()
+
+
+async def node_nvml(
+    kube: Kube, node: str, spec: str, label: str, backoff: Backoff = NODE_READ_BACKOFF
+) -> str:
+    """`labelled_nvml` for `node` as the API has it. An API server not answering yet
+    (the agent starts with the node) is waited for; a refusal (no RBAC, no such node)
+    stops the agent with the reason, as no retry mends it."""
+    delays = backoff.delays()
+    while True:
+        try:
+            obj = await kube.request("GET", f"/api/v1/nodes/{node}")
+            break
+        except ApiError as e:
+            if e.status < 500 and e.status != 429:  # 429: the server asks us to wait
+                raise NvmlLoadError(
+                    f"--emulated-profile-label {label}: reading node {node}: {e} (the agent "
+                    "needs get on nodes, which the chart grants, and --node-name its node)"
+                ) from None
+            problem = str(e)
+        except (aiohttp.ClientError, OSError, TimeoutError) as e:
+            problem = f"{type(e).__name__}: {e}"
+        delay = next(delays)
+        log.warning(
+            "cannot read this node's labels yet; retrying",
+            extra={"fields": {"node": node, "label": label, "error": problem, "retry_s": delay}},
+        )
+        await anyio.sleep(delay)
+    labels = obj["metadata"].get("labels") or {}
+    chosen = labelled_nvml(spec, label=label, node=node, labels=labels)
+    log.info(
+        "emulated profile chosen",
+        extra={"fields": {"node": node, "label": label, "nvml": chosen}},
+    )
+    return chosen
+
+
 def _nvml_state(args: argparse.Namespace) -> Path | None:
     """Emulated GPUs keep their MIG instances across agent restarts, as real ones do,
     so instances a crash left behind are found and cleaned at the next start."""
@@ -485,10 +550,16 @@ def run(args: argparse.Namespace) -> int:
     config = _agent_config(args)  # flag values first: they need no NVML
     plugin = _plugin_config(args) if args.kubelet_plugin else None
     state_path = _nvml_state(args)
+    spec = args.nvml
+    if args.emulated_profile_label:
+        try:
+            spec = anyio.run(_node_nvml, args)
+        except NvmlLoadError as e:
+            raise SystemExit(f"gpudra node: {e}") from None
     try:
         if state_path is not None:
             state_path.parent.mkdir(parents=True, exist_ok=True)
-        nvml = load_nvml(args.nvml, state_path=state_path, script_path=args.nvml_script)
+        nvml = load_nvml(spec, state_path=state_path, script_path=args.nvml_script)
     except OSError as e:
         raise SystemExit(
             f"gpudra node: --nvml-state {str(state_path)!r}: {e.strerror}; give a writable "

@@ -86,6 +86,12 @@ def claim_name(pod: dict[str, Any], ref: str) -> str:
     return ""
 
 
+def attr(device: dict[str, Any], name: str) -> Any:
+    """A published device's attribute `name`, whatever its type (string, int, ...)."""
+    value = device["attributes"][name]
+    return next(iter(value.values()))
+
+
 def node_devices(kube: Kube, node: str) -> dict[str, dict[str, Any]]:
     """Device name -> device, over every ResourceSlice of `node`."""
     return {

@@ -5,6 +5,9 @@ before its fence, by one marker:
 
 - ``<!-- doc-test: run -->``: `e2e/tests/test_doc_commands.py` runs it against the local
   cluster, with the blocks before it in the same file, in order, in one folder;
+- ``<!-- doc-test: kind -->``: the same test runs it against the kind cluster of `make
+  e2e-kind` (with the file's other kind blocks, in order, from the checkout), so the
+  kind walk-through in docs/install.md is what that run did;
 - ``<!-- doc-test: not runnable: <reason> -->``: the reason it cannot run there (a
   placeholder such as ``<node>``, a device plugin or a GPU node the local cluster lacks).
 
@@ -20,7 +23,9 @@ from pathlib import Path
 
 SHELL_LANGUAGES = frozenset({"sh", "bash", "shell", "console"})
 RUN = "run"
-MARKER = re.compile(r"<!-- doc-test: (?:(?P<run>run)|not runnable: (?P<reason>\S.*?)) -->")
+MARKER = re.compile(
+    r"<!-- doc-test: (?:(?P<run>run)|(?P<kind>kind)|not runnable: (?P<reason>\S.*?)) -->"
+)
 _FENCE = re.compile(r"```(?P<lang>[A-Za-z]*)\s*$")
 
 
@@ -31,6 +36,9 @@ class ShellBlock:
     """1-based line of the opening fence, for messages."""
     code: str
     runs: bool
+    """Run against the local cluster."""
+    on_kind: bool
+    """Run against the kind cluster instead."""
     reason: str
     """Why it does not run ("" when it runs, or when unmarked)."""
     marked: bool
@@ -63,6 +71,7 @@ def shell_blocks(path: Path) -> list[ShellBlock]:
                     line=i + 1,
                     code="\n".join(lines[i + 1 : end]) + "\n",
                     runs=bool(marker and marker["run"]),
+                    on_kind=bool(marker and marker["kind"]),
                     reason=(marker["reason"] or "") if marker else "",
                     marked=marker is not None,
                 )

@@ -44,7 +44,19 @@ def gpu_pod(
     script: str = "sleep 86400",
 ) -> dict[str, Any]:
     """A busybox pod on the GPU node that holds the claim and runs `script` (sleeps)."""
-    pod = pod_with_claim(name, namespace, stack.node_name, claim=claim, template=template)
+    return busybox_pod(name, namespace, stack.node_name, claim, template, script)
+
+
+def busybox_pod(
+    name: str,
+    namespace: str,
+    node: str | None,
+    claim: str = "",
+    template: str = "",
+    script: str = "sleep 86400",
+) -> dict[str, Any]:
+    """`gpu_pod` on `node`, or wherever the scheduler finds the claim's devices (None)."""
+    pod = pod_with_claim(name, namespace, node, claim=claim, template=template)
     pod["spec"]["terminationGracePeriodSeconds"] = 1
     pod["spec"]["containers"][0].update(
         image=images.TEST_IMAGE, imagePullPolicy="Never", command=["sh", "-c", script]
@@ -88,6 +100,11 @@ def seen(cluster: Cluster, namespace: str, pod: str) -> tuple[set[str], dict[str
 
 def gpu_minors(nodes: set[str]) -> set[int]:
     return {int(n.removeprefix("nvidia")) for n in nodes if n.removeprefix("nvidia").isdigit()}
+
+
+def cap_nodes(nodes: set[str]) -> set[str]:
+    """The MIG access nodes (/dev/nvidia-caps/nvidia-cap<N>) among those `seen` lists."""
+    return {n for n in nodes if n.startswith("nvidia-cap") and n != "nvidia-caps"}
 
 
 def claim_of(kube: Kube, namespace: str, pod: str) -> str:

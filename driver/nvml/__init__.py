@@ -10,6 +10,7 @@ tests, demos and benchmarks.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -27,6 +28,7 @@ __all__ = [
     "NvmlLoadError",
     "ProfileError",
     "builtin_profile_names",
+    "labelled_nvml",
     "load_nvml",
 ]
 
@@ -199,3 +201,35 @@ def load_nvml(
         state_path=state_path,
         script_path=script_path,
     )
+
+
+def labelled_nvml(spec: str, *, label: str, node: str, labels: Mapping[str, str]) -> str:
+    """The NVML `node` runs: `emulated:<value>` when it carries `label`, else `spec`.
+
+    A per-node choice of emulated product, set where platform teams already describe
+    nodes: kind's cluster config (`nodes[].labels`), a cloud node pool's labels, `kubectl
+    label`. One chart then gives an H100 node with MIG and an L4 node each their own
+    GPUs, and nodes without the label keep the chart-wide `spec`. Only built-in profile
+    names are accepted (a label value cannot hold a path), and only with an emulated
+    `spec`: the chart runs emulated agents unprivileged and without the host's driver,
+    so a label must not turn a real-GPU node's agent emulated or the other way round.
+    """
+    flag = f"--emulated-profile-label {label}"
+    if not spec.startswith(_EMULATED):
+        msg = (
+            f"{flag} needs --nvml emulated:<profile> (the profile of nodes without the "
+            f"label), not --nvml {spec}; drop the label flag to use the real GPUs"
+        )
+        raise NvmlLoadError(msg)
+    value = labels.get(label)
+    if value is None:
+        return spec
+    known = builtin_profile_names()
+    if value not in known:
+        msg = (
+            f"node {node} has label {label}={value!r} ({flag}), which names no emulated "
+            f"profile: set it to one of {', '.join(known)} (kubectl label node {node} "
+            f"{label}=<profile> --overwrite), or remove it to use --nvml {spec}"
+        )
+        raise NvmlLoadError(msg)
+    return f"{_EMULATED}{value}"

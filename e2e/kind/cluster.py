@@ -250,16 +250,18 @@ class KindCluster:
             engine.stop(log=log)
         shutil.rmtree(self.layout.root, ignore_errors=True)
 
-    def kubectl(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-        """kubectl of the node image's Kubernetes version; never raises on failure."""
+    def bin_dir(self) -> Path:
+        """Where kubectl of the node image's Kubernetes version is (built on first use)."""
         env = {**os.environ, "K8S_VERSION": k8s_pin().removeprefix("v")}
         try:
-            bin_dir = build_script(BUILD_SCRIPT, prefix="build", what="building kubectl", env=env)
+            return build_script(BUILD_SCRIPT, prefix="build", what="building kubectl", env=env)
         except BuildFailed as e:
             raise KindError(f"building kubectl failed: {e}") from e
-        kubectl = bin_dir / "kubectl"
+
+    def kubectl(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+        """kubectl of the node image's Kubernetes version; never raises on failure."""
         return subprocess.run(
-            [str(kubectl), *args],
+            [str(self.bin_dir() / "kubectl"), *args],
             env={**os.environ, "KUBECONFIG": str(self.layout.admin_kubeconfig)},
             capture_output=True,
             text=True,

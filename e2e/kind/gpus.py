@@ -4,13 +4,19 @@ node (same release, values file, fault injection). Only the node access differs:
 image goes in with `kind load`, files are read with `docker exec`, the kubelet is
 restarted with systemctl and its log read from the journal, and the chart keeps its
 default host paths and pod networking (kind has kube-proxy).
+
+`KindFleet` installs the chart as a user would with e2e/kind/values.yaml: one release
+on every labelled worker, each agent on the emulated profile its node's label names
+(`nodes[].labels` in e2e/kind/cluster.yaml), for the scheduling tests across nodes.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import subprocess
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,6 +28,9 @@ from e2e.kind.cluster import VALUES, KindCluster, KindError
 from e2e.node.chart import IMAGE_REPOSITORY, IMAGE_TAG, ChartStack
 
 EMULATED_LABEL = "gpudra.dev/emulated-gpus"
+# The label whose value names a worker's emulated profile (values.yaml's
+# node.emulatedProfileLabel, set on the workers by cluster.yaml).
+PROFILE_LABEL = "gpudra.dev/emulated-profile"
 STATE_DIR = Path("/var/lib/gpudra")
 CDI_ROOT = Path("/var/run/cdi")
 
@@ -48,14 +57,30 @@ class KindNode:
             raise KindError(f"restarting the kubelet of {self.name} failed: {proc.stderr.strip()}")
 
 
-def gpu_worker(cluster: KindCluster) -> KindNode:
-    """The first worker the kind config labels for emulated GPUs."""
+def gpu_workers(cluster: KindCluster) -> list[KindNode]:
+    """The workers the kind config labels for emulated GPUs, by name."""
     nodes = cluster.kube().list("Node", labelSelector=f"{EMULATED_LABEL}=true")
     if not nodes:
         raise KindError(
             f"no kind node is labelled {EMULATED_LABEL}=true (see e2e/kind/cluster.yaml)"
         )
-    return KindNode(cluster, sorted(n["metadata"]["name"] for n in nodes)[0])
+    return [KindNode(cluster, name) for name in sorted(n["metadata"]["name"] for n in nodes)]
+
+
+def gpu_worker(cluster: KindCluster) -> KindNode:
+    """The first worker the kind config labels for emulated GPUs."""
+    return gpu_workers(cluster)[0]
+
+
+def chart_values() -> dict[str, Any]:
+    """e2e/kind/values.yaml with the image the suite builds and loads."""
+    values: dict[str, Any] = copy.deepcopy(yaml.safe_load(VALUES.read_text()))
+    values["image"] = {
+        **values.get("image", {}),
+        "repository": IMAGE_REPOSITORY,
+        "tag": IMAGE_TAG,
+    }
+    return values
 
 
 class KindGpus(ChartStack):
@@ -74,16 +99,13 @@ class KindGpus(ChartStack):
     def values(
         self, *, node_args: list[str] | None = None, api_port: int | None = None
     ) -> dict[str, Any]:
-        """e2e/kind/values.yaml, pinned to this worker with this node's GPU profile."""
-        values: dict[str, Any] = copy.deepcopy(yaml.safe_load(VALUES.read_text()))
-        values["image"] = {
-            **values.get("image", {}),
-            "repository": IMAGE_REPOSITORY,
-            "tag": IMAGE_TAG,
-        }
+        """e2e/kind/values.yaml, pinned to this worker with this node's GPU profile (the
+        suite's own, in place of the one the worker's label names)."""
+        values = chart_values()
         node = values.setdefault("node", {})
         node.update(
             nvml=f"emulated:{STATE_DIR / 'profile.json'}",
+            emulatedProfileLabel="",
             sharedGpus=self.shared_gpus(),
             nodeSelector={"kubernetes.io/hostname": self.node.name},
             extraArgs=["--cleanup-interval=5", *(node_args or [])],
@@ -93,19 +115,18 @@ class KindGpus(ChartStack):
         return values
 
     def prepare_node(self) -> None:
+        self.load_image()
+        profile = json.dumps(self.profile(), indent=2)
+        fresh_state(self.node, f"cat > {STATE_DIR / 'profile.json'}", stdin=profile)
+
+    def load_image(self) -> None:
+        """The image `make image` builds, into every node: the chart's webhook may land
+        on any of them."""
         archive = self.build_image()
         kind = self.node.cluster._kind()
-        # Into every node: the chart's webhook may land on any of them.
         self.node.cluster._run(
             kind, "load", "image-archive", str(archive), "--name", self.node.cluster.name
         )
-        profile = json.dumps(self.profile(), indent=2)
-        # A fresh state dir, as a new real node has: a reused cluster would otherwise
-        # keep the last run's emulated GPU state and tool-call log.
-        script = f"rm -rf {STATE_DIR} && mkdir -p {STATE_DIR} && cat > {STATE_DIR / 'profile.json'}"
-        proc = self.node.run("sh", "-c", script, stdin=profile)
-        if proc.returncode != 0:
-            raise KindError(f"writing the GPU profile on {self.node.name}: {proc.stderr.strip()}")
 
     def read_file(self, path: Path) -> str | None:
         proc = self.node.run("cat", str(path))
@@ -136,3 +157,48 @@ class KindGpus(ChartStack):
             ),
             timeout=60,
         )
+
+
+def fresh_state(node: KindNode, then: str = "true", stdin: str | None = None) -> None:
+    """An empty state dir, as a new real node has (then `then`, a shell command run in
+    it): a reused cluster would otherwise keep the last run's emulated GPU state, which
+    another profile's agent refuses as another machine's, and its tool-call log."""
+    script = f"rm -rf {STATE_DIR} && mkdir -p {STATE_DIR} && {then}"
+    proc = node.run("sh", "-c", script, stdin=stdin)
+    if proc.returncode != 0:
+        raise KindError(f"preparing {STATE_DIR} on {node.name}: {proc.stderr.strip()}")
+
+
+class KindFleet(KindGpus):
+    """The chart on every labelled worker, installed with e2e/kind/values.yaml as it is
+    (no node pin, no profile of the suite's): each agent runs the emulated profile its
+    node's label names. Files and the kubelet are read on the first worker as for
+    `KindGpus`; `workers` gives each worker's own view."""
+
+    name = "kind-fleet"
+
+    def __init__(self, workers: list[KindNode]) -> None:
+        super().__init__(workers[0])
+        self.workers = [KindGpus(w) for w in workers]
+
+    def values(
+        self, *, node_args: list[str] | None = None, api_port: int | None = None
+    ) -> dict[str, Any]:
+        del node_args, api_port  # the fleet runs as installed; faults are KindGpus's
+        return chart_values()
+
+    def prepare_node(self) -> None:
+        self.load_image()
+        for worker in self.workers:
+            fresh_state(worker.node)
+
+    def up(self, *, webhook: bool = True, log: Callable[[str], None] = print) -> None:
+        """As `ChartStack.up`, and then every worker's pool published and its kubelet
+        connected to its agent (a pod admitted before that waits out a retry)."""
+        marks = [w.kubelet_log_size() for w in self.workers]
+        super().up(webhook=webhook, log=log)
+        kube = self.node.cluster.kube()
+        for worker, mark in zip(self.workers, marks, strict=True):
+            published = functools.partial(worker.published, kube)
+            wait_for(f"{worker.node_name}'s pool published", published, timeout=90)
+            worker.wait_registered(mark)

@@ -254,6 +254,16 @@ class NodeGpus:
         return any(o["spec"]["driver"] == DRIVER and o["spec"].get("devices") for o in items)
 
 
+def installed(gpus: NodeGpus) -> Iterator[NodeGpus]:
+    """`gpus` up for a fixture's lifetime, quietly; down again even when up failed
+    half-way."""
+    try:
+        gpus.up(log=lambda _m: None)
+        yield gpus
+    finally:
+        gpus.down(log=lambda _m: None)
+
+
 class GpuStack(NodeGpus):
     """The driver's node agent (and optionally the webhook) for one real node."""
 

@@ -13,7 +13,7 @@ from e2e.cluster.harness import Cluster
 from e2e.cluster.kube import Kube
 from e2e.gpu_pods import scratch_namespace
 from e2e.node.chart import ChartStack, chart_unavailable_reason
-from e2e.node.gpus import GpuStack, NodeGpus
+from e2e.node.gpus import GpuStack, NodeGpus, installed
 from e2e.node.realnode import RealNode, unavailable_reason
 
 
@@ -34,7 +34,7 @@ def stack(cluster: Cluster, request: pytest.FixtureRequest) -> Iterator[NodeGpus
     if request.param == "kind":
         from e2e.kind.gpus import KindGpus, gpu_worker  # noqa: PLC0415 - only with Docker
 
-        yield from _installed(KindGpus(gpu_worker(cluster)))  # type: ignore[arg-type]
+        yield from installed(KindGpus(gpu_worker(cluster)))  # type: ignore[arg-type]
         return
     reason = unavailable_reason()
     if reason:
@@ -46,17 +46,9 @@ def stack(cluster: Cluster, request: pytest.FixtureRequest) -> Iterator[NodeGpus
     if request.param == "processes" and chart_unavailable_reason() is None:
         ChartStack(node).down()  # a release an interrupted run left would take the node's webhook
     try:
-        yield from _installed(GpuStack(node) if request.param == "processes" else ChartStack(node))
+        yield from installed(GpuStack(node) if request.param == "processes" else ChartStack(node))
     finally:
         node.down(log=lambda _m: None)
-
-
-def _installed(gpus: NodeGpus) -> Iterator[NodeGpus]:
-    try:
-        gpus.up(log=lambda _m: None)
-        yield gpus
-    finally:
-        gpus.down(log=lambda _m: None)
 
 
 @pytest.fixture

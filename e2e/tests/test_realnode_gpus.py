@@ -32,11 +32,12 @@ from gpudra.driver.plugin import DRA_APIS
 from gpudra.webhook.convert import CONVERTED_ANNOTATION as CONVERTED
 
 from e2e import features
-from e2e.claims import node_devices, running, wait_running
+from e2e.claims import attr, node_devices, running, wait_running
 from e2e.cluster.harness import BUILD_SCRIPT, Cluster, known_gates
 from e2e.cluster.kube import ApiError, Kube, wait_for
 from e2e.gpu_pods import (
     allocation,
+    cap_nodes,
     claim_uid,
     containers,
     daemon_alive,
@@ -95,10 +96,6 @@ def with_sidecars(pod: dict[str, Any]) -> dict[str, Any]:
     return pod
 
 
-def cap_nodes(nodes: set[str]) -> set[str]:
-    return {n for n in nodes if n.startswith("nvidia-cap") and n != "nvidia-caps"}
-
-
 def configured_claim(name: str, namespace: str, sharing: dict[str, Any]) -> dict[str, Any]:
     """A claim for one whole GPU with a GpuConfig of the given `sharing`."""
     parameters = {"apiVersion": "resource.nvidia.com/v1beta1", "kind": "GpuConfig"}
@@ -115,11 +112,6 @@ def configured_claim(name: str, namespace: str, sharing: dict[str, Any]) -> dict
             }
         },
     }
-
-
-def attr(device: dict[str, Any], name: str) -> Any:
-    value = device["attributes"][name]
-    return next(iter(value.values()))
 
 
 def events(kube: Kube, namespace: str, pod: str) -> list[str]:

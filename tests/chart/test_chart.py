@@ -19,6 +19,7 @@ from gpudra.cli.main import main as cli_main
 from gpudra.cli.node import _agent_config
 from gpudra.cli.webhook import conversion_policy
 from gpudra.driver.devices import SharedGpus
+from gpudra.driver.nvml import labelled_nvml
 from gpudra.webhook import registration
 from gpudra.webhook.certs import generate_ca
 from gpudra.webhook.convert import DEFAULT_POLICY, OPT_OUT_LABEL, ConversionPolicy
@@ -535,6 +536,40 @@ def test_gpu_shares_reach_the_node_agent(
     )
 
 
+@pytest.mark.parametrize(
+    ("labels", "nvml"),
+    [
+        ({}, "emulated:h100-80gb-hbm3-x8"),
+        ({"gpudra.dev/emulated-profile": "l4"}, "emulated:l4"),
+        (
+            {"gpudra.dev/emulated-profile": "h100-80gb-hbm3-x8-mig"},
+            "emulated:h100-80gb-hbm3-x8-mig",
+        ),
+    ],
+    ids=["unlabelled", "l4", "h100-mig"],
+)
+def test_a_node_label_picks_each_nodes_emulated_profile(
+    helm: Path, labels: dict[str, str], nvml: str
+) -> None:
+    """One release, one DaemonSet: each agent runs the profile its node's label names,
+    and nodes without the label run node.nvml's."""
+    values = {
+        "node": {
+            "nvml": "emulated:h100-80gb-hbm3-x8",
+            "emulatedProfileLabel": "gpudra.dev/emulated-profile",
+        }
+    }
+    (c,) = h.find(h.template(helm, values), "DaemonSet")["spec"]["template"]["spec"]["containers"]
+    args = build_parser().parse_args([a.replace("$(NODE_NAME)", "n1") for a in c["args"]])
+    label = args.emulated_profile_label
+    assert labelled_nvml(args.nvml, label=label, node="n1", labels=labels) == nvml
+
+
+def test_no_profile_label_by_default(default: list[dict[str, Any]]) -> None:
+    (c,) = h.find(default, "DaemonSet")["spec"]["template"]["spec"]["containers"]
+    assert build_parser().parse_args(c["args"]).emulated_profile_label == ""
+
+
 @pytest.mark.parametrize("legacy", [False, True])
 def test_legacy_attributes_reach_the_node_agent_only_when_asked(helm: Path, legacy: bool) -> None:
     values = {"node": {"legacyAttributes": True}} if legacy else {}
@@ -682,6 +717,15 @@ def test_notes_tell_how_to_check(helm: Path) -> None:
         ({"kubernetesApi": {"host": "300.0.0.1"}}, "kubernetesApi.host=300.0.0.1 is not"),
         ({"kubernetesApi": {"host": "api server"}}, "/kubernetesApi/host"),
         ({"node": {"nvml": "fake"}}, "/node/nvml"),
+        (
+            {"node": {"emulatedProfileLabel": "gpudra.dev/emulated-profile"}},
+            "node.emulatedProfileLabel=gpudra.dev/emulated-profile needs "
+            "node.nvml=emulated:<profile>",
+        ),
+        (
+            {"node": {"nvml": "emulated:l4", "emulatedProfileLabel": "emulated profile"}},
+            "/node/emulatedProfileLabel",
+        ),
         ({"node": {"migStrategy": "mixed"}}, "/node/migStrategy"),
         ({"deviceClasses": {"mig": {"profiles": ["1g.10gb+ME"]}}}, "/deviceClasses/mig/profiles/0"),
         ({"deviceClasses": {"mig": {"profiles": ["1g.10gb", "1g.10gb"]}}}, "/deviceClasses/mig"),

@@ -18,10 +18,16 @@ from typing import Any
 
 import pytest
 import yaml
+from gpudra.cli.main import build_parser
+from gpudra.driver.nvml import labelled_nvml
+from gpudra.driver.nvml.emulator import load_builtin_profile
 
 from e2e.cluster.harness import BUILD_SCRIPT, WANTED_GATES, known_gates
 from e2e.kind.cluster import CONFIG, VALUES, KindCluster, node_image
-from e2e.kind.gpus import KindGpus, KindNode
+from e2e.kind.gpus import EMULATED_LABEL, PROFILE_LABEL, KindGpus, KindNode
+from e2e.kind.nodeimage import CONTAINERD_BUILD, NodeImageError, kind_module
+from e2e.pins import TOOL_VERSIONS, PinMissing, pinned
+from e2e.progress import BuildFailed, build_script
 from e2e.tools import helm as h
 
 KIND = yaml.safe_load(CONFIG.read_text())
@@ -67,10 +73,59 @@ def test_feature_gates_are_the_harness_gates(bin_dir: Path) -> None:
         assert unknown == [], f"{component} of {bin_dir.parent.name} rejects {unknown}"
 
 
-def test_cdi_is_enabled_where_the_chart_writes_specs() -> None:
+@pytest.fixture(scope="module")
+def node_containerd() -> Path:
+    """The containerd the node image built here runs (cached, built once)."""
+    try:
+        return build_script(CONTAINERD_BUILD, prefix="build", what="building containerd") / (
+            "containerd"
+        )
+    except BuildFailed as e:
+        pytest.skip(f"containerd could not be built: {e}")
+
+
+@pytest.fixture(scope="module")
+def kind_containerd_config() -> Path:
+    """kind's own containerd config, which `containerdConfigPatches` patch on each node."""
+    try:
+        base = kind_module(pinned("KIND_VERSION", TOOL_VERSIONS))
+    except (NodeImageError, PinMissing) as e:
+        pytest.skip(f"kind's module source is not at hand: {e}")
+    return base / "files" / "etc" / "containerd" / "config.toml"
+
+
+def _leaf_keys(table: dict[str, Any]) -> set[str]:
+    return {
+        leaf
+        for key, value in table.items()
+        for leaf in (_leaf_keys(value) if isinstance(value, dict) else {key})
+    }
+
+
+def test_containerd_reads_cdi_specs_where_the_chart_writes_them(
+    node_containerd: Path, kind_containerd_config: Path, tmp_path: Path
+) -> None:
+    """What decides CDI in a kind node is its containerd: 2.x injects CDI devices
+    without a switch (2.4 removed `enable_cdi` and ignores it with a warning) from the
+    folders in `cdi_spec_dirs`. So the node image's containerd loads kind's config with
+    our patch, and must know every key the patch sets and end up reading specs from
+    the chart's cdiRoot, with no switch left that could turn CDI off."""
     (patch,) = KIND["containerdConfigPatches"]
-    runtime = tomllib.loads(patch)["plugins"]["io.containerd.cri.v1.runtime"]
-    assert runtime["enable_cdi"] is True
+    # The patch adds a table kind's config lacks, so kind's merge patch is the two texts
+    # one after the other (TOML refuses a table defined twice, which a merge would not be).
+    merged = kind_containerd_config.read_text() + "\n" + patch + "\n"
+    tomllib.loads(merged)
+    config = tmp_path / "config.toml"
+    config.write_text(merged)
+    proc = subprocess.run(
+        [str(node_containerd), "--config", str(config), "config", "dump"],
+        capture_output=True, text=True, check=False, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    ignored = set(re.findall(r"Ignoring unknown key.* key=(\S+)", proc.stderr))
+    assert not ignored & _leaf_keys(tomllib.loads(patch)), proc.stderr
+    runtime = tomllib.loads(proc.stdout)["plugins"]["io.containerd.cri.v1.runtime"]
+    assert "enable_cdi" not in runtime
     chart_defaults = yaml.safe_load((h.CHART / "values.yaml").read_text())
     assert chart_defaults["node"]["cdiRoot"] in runtime["cdi_spec_dirs"]
 
@@ -92,7 +147,33 @@ def test_kind_values_render() -> None:
     objects = h.template(helm, VALUES)
     ds = h.find(objects, "DaemonSet")["spec"]["template"]["spec"]
     assert "--nvml=emulated:h100-80gb-hbm3-x8" in ds["containers"][0]["args"]
+    assert f"--emulated-profile-label={PROFILE_LABEL}" in ds["containers"][0]["args"]
     assert ds["containers"][0]["securityContext"]["privileged"] is False
+
+
+def test_each_gpu_worker_runs_the_profile_its_label_names() -> None:
+    """Two GPU workers, two products: an H100 node in MIG mode and an L4 node, as the
+    agent the kind values start (its flags, parsed by `gpudra node`) resolves each
+    worker's labels. The multi-node scheduling tests (e2e/tests/test_kind_nodes.py)
+    rely on exactly this split."""
+    values = yaml.safe_load(VALUES.read_text())
+    assert values["node"]["emulatedProfileLabel"] == PROFILE_LABEL
+    args = build_parser().parse_args(
+        ["node", "--node-name=w", f"--nvml={values['node']['nvml']}",
+         f"--emulated-profile-label={values['node']['emulatedProfileLabel']}"]
+    )  # fmt: skip
+    workers = [n.get("labels", {}) for n in KIND["nodes"] if n["role"] == "worker"]
+    chosen = [
+        labelled_nvml(args.nvml, label=args.emulated_profile_label, node="w", labels=lb)
+        for lb in workers
+        if lb.get(EMULATED_LABEL) == "true"
+    ]
+    products = [load_builtin_profile(c.removeprefix("emulated:")) for c in chosen]
+    assert len(chosen) >= 2 and len(set(chosen)) == len(chosen), chosen
+    mig = [any(g.migEnabled for g in p.gpus) for p in products]
+    names = [{p.products[g.product].name for g in p.gpus} for p in products]
+    assert mig[0] and names[0] == {"NVIDIA H100 80GB HBM3"}
+    assert not mig[1] and names[1] == {"NVIDIA L4"}
 
 
 def test_kind_gpu_node_values_pin_one_worker_with_the_node_profile(tmp_path: Path) -> None:
@@ -112,6 +193,8 @@ def test_kind_gpu_node_values_pin_one_worker_with_the_node_profile(tmp_path: Pat
     assert "hostNetwork" not in spec  # kind has kube-proxy and a pod network
     assert agent["image"] == "gpudra.local/gpudra:e2e"
     assert "--nvml=emulated:/var/lib/gpudra/profile.json" in agent["args"]
+    # The suite's own profile, not the one the worker's label names.
+    assert not [a for a in agent["args"] if a.startswith("--emulated-profile-label")]
     assert "--kubelet-root=/var/lib/kubelet" in agent["args"]
     assert not [a for a in agent["args"] if a.startswith(("--driver-root", "--host-root"))]
     assert not [e for e in agent["env"] if e["name"].startswith("KUBERNETES_SERVICE")]

@@ -22,9 +22,10 @@ def every_block() -> list[ShellBlock]:
 def test_every_shell_block_runs_or_says_why_not(block: ShellBlock) -> None:
     assert block.marked, (
         f"{block.where}: mark the block <!-- doc-test: run --> (run against the local "
-        "cluster) or <!-- doc-test: not runnable: <reason> -->"
+        "cluster), <!-- doc-test: kind --> (run against the kind cluster) or "
+        "<!-- doc-test: not runnable: <reason> -->"
     )
-    if block.runs:
+    if block.runs or block.on_kind:
         assert not PLACEHOLDER.search(block.code), f"{block.where}: a run block has a placeholder"
 
 
@@ -39,10 +40,12 @@ def test_markers_and_fences_are_read_as_written(tmp_path: Path) -> None:
         "```yaml\na: 1\n```\n"
         "<!-- doc-test: not runnable: needs a GPU -->\n```console\n$ x\n```\n"
         "```bash\nunmarked\n```\n"
+        "<!-- doc-test: kind -->\n```sh\nkind load\n```\n"
     )
     blocks = shell_blocks(doc)
-    assert [(b.line, b.code, b.runs, b.reason, b.marked) for b in blocks] == [
-        (4, "echo one\necho two\n", True, "", True),
-        (13, "$ x\n", False, "needs a GPU", True),
-        (16, "unmarked\n", False, "", False),
+    assert [(b.line, b.code, b.runs, b.on_kind, b.reason, b.marked) for b in blocks] == [
+        (4, "echo one\necho two\n", True, False, "", True),
+        (13, "$ x\n", False, False, "needs a GPU", True),
+        (16, "unmarked\n", False, False, "", False),
+        (20, "kind load\n", False, True, "", True),
     ]
