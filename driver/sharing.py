@@ -83,11 +83,13 @@ _SHM_OPTIONS: Final = "rw,nosuid,nodev,noexec,mode=1777"
 # CAP_SYS_ADMIN's bit in /proc/self/status CapEff: mount and unshare need it.
 _CAP_SYS_ADMIN: Final = 21
 # A daemon pod's command, the tool's path as $0: the daemon in the foreground, ended
-# with the pod (TERM) or once its pipe folder is removed; the pod ends with it.
+# with the pod (TERM) or once its pipe folder is removed, both a normal end (exit 0:
+# the pod Succeeded); otherwise the pod ends as the daemon does.
 _POD_SCRIPT: Final = (
-    'trap \'kill "$d" 2>/dev/null\' TERM INT; "$0" -f & d=$!; '
+    'end() { kill "$d" 2>/dev/null; wait "$d"; exit 0; }; trap end TERM INT; '
+    '"$0" -f & d=$!; '
     'while kill -0 "$d" 2>/dev/null; do '
-    '[ -d "$CUDA_MPS_PIPE_DIRECTORY" ] || kill "$d" 2>/dev/null; sleep 2 & wait $!; done; '
+    '[ -d "$CUDA_MPS_PIPE_DIRECTORY" ] || end; sleep 2 & wait $!; done; '
     'wait "$d"'
 )
 
