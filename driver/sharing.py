@@ -436,11 +436,17 @@ class NvidiaSharing:
                 self._end(daemon.identity, daemon, purpose)
             for stale in (_CONTROL_PIPE, _PID_FILE):
                 (daemon.pipe_dir / stale).unlink(missing_ok=True)
-            if self._pods is not None:
-                identity = self._start_pod(self._pods, daemon, tool, purpose)
-            else:
-                self._daemonize(daemon, tool, purpose)
-                identity = self._wait_for_daemon(daemon, purpose)
+            try:
+                if self._pods is not None:
+                    identity = self._start_pod(self._pods, daemon, tool, purpose)
+                else:
+                    self._daemonize(daemon, tool, purpose)
+                    identity = self._wait_for_daemon(daemon, purpose)
+            except SharingError:
+                # Nothing of a start that failed is left: no half-started daemon, no
+                # mounted /dev/shm, no folders (the caller's rollback finds nothing).
+                self._stop_quietly(dataclasses.replace(daemon, identity=None))
+                raise
         try:
             if daemon.active_thread_percentage is not None:
                 self._control(

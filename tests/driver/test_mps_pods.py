@@ -165,6 +165,8 @@ def test_a_daemon_pod_that_fails_is_removed_and_named(tmp_path: Path, tools_log:
         backend.start_mps(daemon(tmp_path))
     assert "its pod mps-claim-1 ended (exit code 1)" in str(caught.value)
     assert not pods.pods
+    # Nothing is left: no mounted /dev/shm, no folders.
+    assert not any((tmp_path / d).exists() for d in ("pipe", "log", "shm"))
 
 
 def test_a_retried_start_adopts_the_recorded_daemon_pod(tmp_path: Path, tools_log: Path) -> None:
