@@ -24,13 +24,14 @@ claims whose clients still talk to it. Without, it is a child of this process
 dies with a containerised agent.
 
 The pipe folder is mounted writable into the claim's containers, so nothing in it
-is trusted at stop: the daemon is the process `start_mps` returned (PID and start
-time, which the caller records), a control file that is not a FIFO or socket means
-no daemon listens, and a daemon that does not quit is signalled, never another
-process.
+is trusted at stop: the daemon is the process or pod `start_mps` returned (PID and
+start time, or pod name and UID, which the caller records), a control file that is not
+a FIFO or socket means no daemon listens, and a daemon that does not quit is signalled
+or its pod deleted, never another process or pod.
 
 Every call blocks (it runs a process) and is meant for a worker thread. Nothing here
-knows about claims beyond the names it is given, nor about Kubernetes or gRPC.
+knows about claims beyond the names it is given, nor about Kubernetes (`DaemonPods`
+is the caller's) or gRPC.
 """
 
 from __future__ import annotations
@@ -443,8 +444,9 @@ class NvidiaSharing:
                     self._daemonize(daemon, tool, purpose)
                     identity = self._wait_for_daemon(daemon, purpose)
             except SharingError:
-                # Nothing of a start that failed is left: no half-started daemon, no
-                # mounted /dev/shm, no folders (the caller's rollback finds nothing).
+                # Nothing of a start that failed is left: no half-started daemon or its
+                # pod (removed by name), no mounted /dev/shm, no folders (the caller's
+                # rollback finds nothing).
                 self._stop_quietly(dataclasses.replace(daemon, identity=None))
                 raise
         try:
@@ -495,11 +497,9 @@ class NvidiaSharing:
             now = time.monotonic()
             if now >= next_look:
                 if (problem := pods.problem(pod)) is not None:
-                    self._remove_pod(pods, daemon.name, pod.uid, purpose)
                     raise SharingError(f"{purpose}: its pod {pod.name} {problem}")
                 next_look = now + 1.0
             if now >= deadline:
-                self._remove_pod(pods, daemon.name, pod.uid, purpose)
                 raise SharingError(
                     f"{purpose}: the daemon in pod {pod.name} did not create its control "
                     f"pipe {daemon.pipe_dir / _CONTROL_PIPE} within "
@@ -508,15 +508,6 @@ class NvidiaSharing:
                 )
             time.sleep(0.05)
         return pod
-
-    def _remove_pod(self, pods: DaemonPods, name: str, uid: str | None, purpose: str) -> None:
-        try:
-            pods.remove(name, uid, self._ready_timeout_s)
-        except SharingError as exc:
-            log.warning(
-                "could not remove MPS daemon pod",
-                extra={"fields": {"daemon": name, "purpose": purpose, "error": str(exc)}},
-            )
 
     def _wait_for_daemon(self, daemon: MpsDaemon, purpose: str) -> ProcessIdentity:
         """`-d` returns once the daemon forked; it listens a moment later."""
