@@ -122,6 +122,9 @@ image: venv
 # e2e/tests/test_kind_nodes.py installs it on both GPU workers (H100 with MIG, L4). Without a
 # Docker engine it starts a private one (root) and builds the node image offline
 # (e2e/kind/engine.py, e2e/kind/nodeimage.py); `make e2e-kind-down` removes it all.
+# Beside kind's nodes, the local harness's fake nodes (a heartbeat keeps them Ready), so
+# the whole suite runs; tests that need the local harness skip with the reason, and the
+# run ends with a table per suite (README, "The suite on kind").
 # The host check (a cluster of its own) is `make test-kind`.
 e2e-kind: venv
 	$(VPY) -m e2e.kind up

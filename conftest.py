@@ -11,6 +11,7 @@ from gpudra.common.kube import Kube as AsyncKube
 
 from e2e.cluster.harness import Cluster
 from e2e.cluster.kube import Kube
+from e2e.provider import on_kind
 
 
 @pytest.fixture(scope="session")
@@ -19,7 +20,7 @@ def cluster() -> Iterator[Cluster]:
     unless GPUDRA_KEEP_CLUSTER=1. GPUDRA_CLUSTER_PROVIDER=kind runs on kind instead of
     the local control plane (`make e2e-kind`)."""
     c: Cluster
-    if os.environ.get("GPUDRA_CLUSTER_PROVIDER") == "kind":
+    if on_kind():
         from e2e.kind.cluster import KindCluster  # noqa: PLC0415 - only with Docker
 
         c = KindCluster()  # type: ignore[assignment]

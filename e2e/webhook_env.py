@@ -34,12 +34,17 @@ async def call(fn: Callable[..., T], *args: Any) -> T:
 
 def serving_config(cluster: Cluster, pki_dir: Path) -> tuple[WebhookPki, ServerConfig]:
     """The PKI in `pki_dir` (made when missing) and a server on a free port where the
-    cluster's API server reaches it; the PKI's CA bundle goes into the registration."""
-    pki, _ = ensure_pki(pki_dir, service_dns_names("gpudra-webhook", "gpudra"))
+    cluster's API server reaches it, its certificate naming that address (kind's API
+    server dials the host's address on kind's network, not 127.0.0.1); the PKI's CA
+    bundle goes into the registration."""
+    host = cluster.webhook_host()
+    pki, _ = ensure_pki(
+        pki_dir, service_dns_names("gpudra-webhook", "gpudra"), ip_addresses=(host,)
+    )
     config = ServerConfig(
         cert_file=pki_dir / TLS_CERT,
         key_file=pki_dir / TLS_KEY,
-        host=cluster.webhook_host(),
+        host=host,
         port=0,
     )
     return pki, config

@@ -176,6 +176,10 @@ class Cluster:
         with, so that the API server reaches it (kind's is in a container)."""
         return "127.0.0.1"
 
+    def bin_dir(self) -> Path:
+        """Where the cluster's Kubernetes binaries (kubectl among them) are."""
+        return Path(self.require_state().bin_dir)
+
     def kube(self) -> Kube:
         state = self.require_state()
         return Kube(self.layout.credentials(state.ports["apiserver"]))
@@ -588,6 +592,8 @@ def _https_ok(url: str) -> bool:
 
 # -- fake nodes ---------------------------------------------------------------
 
+# On each node that no kubelet runs (its status is `heartbeat`'s).
+FAKE_NODE_LABEL = "gpudra.dev/fake-node"
 NODE_CAPACITY = {"cpu": "32", "memory": "256Gi", "pods": "110", "ephemeral-storage": "500Gi"}
 
 
@@ -615,7 +621,7 @@ def register_node(
                     "kubernetes.io/hostname": name,
                     "kubernetes.io/os": "linux",
                     "kubernetes.io/arch": "amd64",
-                    "gpudra.dev/fake-node": "true",
+                    FAKE_NODE_LABEL: "true",
                     **(labels or {}),
                 },
             },
@@ -683,15 +689,21 @@ def run_heartbeat(layout: Layout) -> None:
     state = State.load(layout.state)
     if state is None:
         raise ClusterError("no cluster state")
-    kube = Kube(layout.credentials(state.ports["apiserver"]), timeout=5)
+    beat_forever(Kube(layout.credentials(state.ports["apiserver"]), timeout=5), state.nodes)
+
+
+def beat_forever(kube: Kube, nodes: list[str]) -> None:
+    """What the fake nodes' kubelets would do, until killed: Ready and a renewed Lease
+    every 10 s, and deleted pods confirmed. Both cluster providers run it (kind's fake
+    nodes sit beside its real ones, as the real node sits beside these here)."""
     last_beat = 0.0
     while True:
         try:
             if time.monotonic() - last_beat >= 10:
-                for n in state.nodes:
+                for n in nodes:
                     heartbeat(kube, n)
                 last_beat = time.monotonic()
-            finalize_terminating_pods(kube, state.nodes)
+            finalize_terminating_pods(kube, nodes)
         except (ApiError, OSError) as e:
             print(f"heartbeat: {e}", file=sys.stderr, flush=True)
         time.sleep(0.5)

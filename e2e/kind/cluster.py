@@ -21,6 +21,7 @@ import base64
 import os
 import shutil
 import subprocess
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,12 +29,13 @@ from typing import Any
 
 import yaml
 
-from e2e.cluster.harness import BUILD_SCRIPT
+from e2e.cluster.harness import BUILD_SCRIPT, FAKE_NODE_LABEL, node_names, register_node
 from e2e.cluster.kube import Credentials, Kube, wait_for
 from e2e.kind import network, nodeimage
 from e2e.kind.engine import Docker, Engine, EngineError, engine_step
 from e2e.node import images
 from e2e.pins import CLUSTER_VERSIONS, PinMissing, pinned
+from e2e.processes import alive, spawn_logged, stop_pid
 from e2e.progress import BuildFailed, build_script
 
 REPO = Path(__file__).resolve().parents[2]
@@ -41,6 +43,7 @@ HERE = Path(__file__).resolve().parent
 CONFIG = HERE / "cluster.yaml"
 VALUES = HERE / "values.yaml"
 KIND_BUILD = REPO / "e2e" / "tools" / "build-kind.sh"
+HEARTBEAT_HINT = "e2e.kind heartbeat"
 
 
 class KindError(Exception):
@@ -62,6 +65,10 @@ class KindLayout:
     @property
     def pki(self) -> Path:
         return self.root / "pki"
+
+    @property
+    def heartbeat_pid(self) -> Path:
+        return self.root / "heartbeat.pid"
 
 
 def k8s_pin() -> str:
@@ -229,9 +236,37 @@ class KindCluster:
         nets = wait_for("every kind node's pod CIDR", lambda: _node_nets(kube), timeout=120)
         network.configure(nets, self._node_shell)
         wait_for("every kind node Ready", lambda: _all_ready(kube), timeout=NODES_READY_TIMEOUT)
+        self._fake_nodes(kube)
         # The GPU pods' test image; the gpudra image is loaded by KindGpus.
         test_image = images.build_test_image(images.cache_dir())
         self._run(kind, "load", "image-archive", str(test_image), "--name", self.name)
+
+    def _fake_nodes(self, kube: Kube) -> None:
+        """The local harness's fake nodes (worker-1.., GPUDRA_NODES), beside kind's own
+        and kept Ready by a heartbeat process of this cluster, as the local harness keeps
+        them: the suites that publish emulated slices for them, or schedule pods onto
+        them, then run on kind unchanged. Nothing runs on them; deleted pods are
+        confirmed by the heartbeat."""
+        for name in node_names():
+            register_node(kube, name)
+        pid = self._heartbeat()
+        if pid is not None:
+            return
+        proc = spawn_logged(
+            [sys.executable, "-m", "e2e.kind", "heartbeat", str(self.layout.root)],
+            self.layout.root / "heartbeat.log",
+            REPO,
+            {**os.environ, "PYTHONPATH": str(REPO)},
+        )
+        self.layout.heartbeat_pid.write_text(str(proc.pid))
+
+    def _heartbeat(self) -> int | None:
+        """The running heartbeat's PID, if it runs."""
+        try:
+            pid = int(self.layout.heartbeat_pid.read_text())
+        except (OSError, ValueError):
+            return None
+        return pid if alive(pid, HEARTBEAT_HINT) else None
 
     def _node_shell(self, node: str, script: str, stdin: str) -> str | None:
         proc = self.docker_exec(node, "sh", "-c", script, stdin=stdin)
@@ -240,6 +275,8 @@ class KindCluster:
     def down(self, log: Callable[[str], None] = print) -> None:
         """Deletes the cluster and, when it ran on the private engine, stops that engine
         (removing its networks, mounts and processes)."""
+        if (pid := self._heartbeat()) is not None:
+            stop_pid(pid, HEARTBEAT_HINT)
         if shutil.which("docker") is None:
             return
         engine = self.private_engine()
@@ -311,15 +348,20 @@ class KindCluster:
             path.chmod(0o600)
 
 
+def _kind_nodes(kube: Kube) -> list[dict[str, Any]]:
+    """kind's own nodes: those with a kubelet, not the suite's fake ones."""
+    return kube.list("Node", labelSelector=f"!{FAKE_NODE_LABEL}")
+
+
 def _node_nets(kube: Kube) -> list[network.NodeNet] | None:
     try:
-        return network.node_nets(kube.list("Node"))
+        return network.node_nets(_kind_nodes(kube))
     except ValueError:
         return None
 
 
 def _all_ready(kube: Kube) -> bool:
-    nodes = kube.list("Node")
+    nodes = _kind_nodes(kube)
     return bool(nodes) and all(
         any(c["type"] == "Ready" and c["status"] == "True" for c in n["status"]["conditions"])
         for n in nodes

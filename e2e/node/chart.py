@@ -18,6 +18,7 @@ service-account token. What differs from kind, and why (`ChartStack.values`):
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import sys
@@ -377,6 +378,33 @@ class ChartStack(NodeGpus):
                         {"metadata": meta},
                         content_type="application/merge-patch+json",
                     )
+
+
+def remove_unreleased(kube: Kube) -> None:
+    """Removes what a release would have to adopt (`ADOPTED`) when no installed release
+    owns it: objects other tests applied directly, or the CRD an uninstalled release
+    kept (crds.keep). After this the cluster is, for `helm install`, one gpudra was
+    never installed on."""
+    for kind, name in ADOPTED:
+        obj = kube.get_or_none(kind, name)
+        if obj is not None and not _release_exists(kube, obj["metadata"].get("annotations")):
+            kube.delete(kind, name)
+            gone = functools.partial(_gone, kube, kind, name)
+            wait_for(f"{kind} {name} deleted", gone)
+
+
+def _gone(kube: Kube, kind: str, name: str) -> bool:
+    return kube.get_or_none(kind, name) is None
+
+
+def _release_exists(kube: Kube, annotations: dict[str, str] | None) -> bool:
+    """Whether the Helm release an object's annotations name is installed (Helm keeps a
+    Secret per release revision, labelled with the release's name)."""
+    release = (annotations or {}).get("meta.helm.sh/release-name")
+    namespace = (annotations or {}).get("meta.helm.sh/release-namespace")
+    if not release or not namespace:
+        return False
+    return bool(kube.list("Secret", namespace, labelSelector=f"owner=helm,name={release}"))
 
 
 def _chart_pod(pod: dict[str, Any]) -> bool:

@@ -4,7 +4,6 @@ namespace of the test's own on it."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 
 import pytest
@@ -15,6 +14,7 @@ from e2e.gpu_pods import scratch_namespace
 from e2e.node.chart import ChartStack, chart_unavailable_reason
 from e2e.node.gpus import GpuStack, NodeGpus, installed
 from e2e.node.realnode import RealNode, unavailable_reason
+from e2e.provider import on_kind
 
 
 @pytest.fixture
@@ -24,9 +24,7 @@ def anyio_backend() -> str:
 
 
 # kind has no real node to add; its GPU node is a worker with the chart (make e2e-kind).
-PROVIDERS = (
-    ["kind"] if os.environ.get("GPUDRA_CLUSTER_PROVIDER") == "kind" else ["processes", "chart"]
-)
+PROVIDERS = ["kind"] if on_kind() else ["processes", "chart"]
 
 
 @pytest.fixture(scope="module", params=PROVIDERS)
@@ -54,3 +52,36 @@ def stack(cluster: Cluster, request: pytest.FixtureRequest) -> Iterator[NodeGpus
 @pytest.fixture
 def ns(stack: NodeGpus, kube: Kube) -> Iterator[str]:
     yield from scratch_namespace(kube, "gpu")
+
+
+SUITE_OUTCOMES = ("passed", "failed", "error", "skipped")
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """On kind (`make e2e-kind`), one row per test file: passed, failed, errors and
+    skips, and after it each skip's reason, so a run says at a glance which suites ran
+    there and which assume the local harness (the README's kind section lists them)."""
+    if PROVIDERS != ["kind"]:
+        return
+    counts: dict[str, dict[str, int]] = {}
+    reasons: dict[str, set[str]] = {}
+    for outcome in SUITE_OUTCOMES:
+        for report in terminalreporter.stats.get(outcome, []):
+            if not isinstance(report, pytest.TestReport):
+                continue
+            suite = report.nodeid.split("::")[0]
+            row = counts.setdefault(suite, dict.fromkeys(SUITE_OUTCOMES, 0))
+            row[outcome] += 1
+            if outcome == "skipped" and isinstance(report.longrepr, tuple):
+                reasons.setdefault(suite, set()).add(report.longrepr[2].removeprefix("Skipped: "))
+    if not counts:
+        return
+    write = terminalreporter.write_line
+    width = max(len(s) for s in counts)
+    terminalreporter.section("kind: results per suite")
+    write(f"{'suite':<{width}}  " + "  ".join(f"{o:>7}" for o in SUITE_OUTCOMES))
+    for suite in sorted(counts):
+        write(f"{suite:<{width}}  " + "  ".join(f"{counts[suite][o]:>7}" for o in SUITE_OUTCOMES))
+    for suite in sorted(reasons):
+        for reason in sorted(reasons[suite]):
+            write(f"skipped in {suite}: {reason}")

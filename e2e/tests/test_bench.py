@@ -11,14 +11,12 @@ import pytest
 
 from bench import peers, prepare, schedule, slices, webhook
 from e2e.cluster.harness import Cluster
+from e2e.provider import local_only
 
 pytestmark = [
     pytest.mark.cluster,
     pytest.mark.anyio,
-    pytest.mark.skipif(
-        os.environ.get("GPUDRA_CLUSTER_PROVIDER") == "kind",
-        reason="the benchmark runs the node agent and the peer as host processes",
-    ),
+    local_only("the benchmark runs the node agent and the peer as host processes"),
     pytest.mark.skipif(shutil.which("go") is None, reason="the Go client and peer need Go"),
 ]
 

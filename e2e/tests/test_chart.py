@@ -24,7 +24,7 @@ from cryptography.hazmat.primitives.serialization import Encoding
 from gpudra.driver.mpspods import MpsDaemonPods
 from gpudra.webhook.certs import CertKeyPair, ensure_serving_from_ca, service_dns_names
 
-from e2e.cluster.harness import Cluster, State
+from e2e.cluster.harness import Cluster
 from e2e.cluster.kube import ApiError, Kube, crd_established, wait_for
 from e2e.tools import helm as h
 
@@ -44,10 +44,8 @@ def helm() -> Path:
 
 @pytest.fixture(scope="module")
 def kubectl(cluster: Cluster) -> list[str]:
-    state = State.load(cluster.layout.state)
-    assert state is not None
     return [
-        str(Path(state.bin_dir) / "kubectl"),
+        str(cluster.bin_dir() / "kubectl"),
         "--kubeconfig",
         str(cluster.layout.admin_kubeconfig),
     ]
@@ -395,10 +393,12 @@ def test_install_refuses_a_device_plugin_node(
     fake_node(kube, "chart-e2e-dra", labels={"pool": "dra"})
     try:
         base = ["install", "gpu", str(h.CHART), "--namespace", namespace, "--dry-run=server"]
-        # Other tests may have created the driver's DeviceClasses outside Helm; an
-        # install would refuse to adopt them, which is not what this test is about.
+        # Other tests may have created the driver's DeviceClasses outside Helm, and a
+        # release elsewhere keeps the GpuTenant CRD (crds.keep); an install would refuse
+        # to adopt them, which is not what this test is about.
         for kind in ("gpu", "mig", "shared"):
             base += ["--set", f"deviceClasses.{kind}.enabled=false"]
+        base += ["--set", "crds.install=false"]
         with pytest.raises(h.HelmFailed) as failure:
             h.run(helm, *base, env=helm_env(cluster))
         assert "nodes chart-e2e-plugin advertise nvidia.com/gpu" in str(failure.value)
@@ -423,12 +423,17 @@ def render_chart_tls(
 ) -> tuple[dict[str, bytes], dict[str, Any], list[x509.Certificate]]:
     """Render tls.source=helm with the API server's objects visible to `lookup`, as an
     upgrade does: the Secret's files, its metadata, and the caBundle's certificates."""
-    # Other tests may have created the driver's DeviceClasses outside Helm; a server
-    # dry run would refuse to adopt them, which is not what the TLS tests are about.
+    # Other tests may have created the driver's DeviceClasses outside Helm, and a
+    # release elsewhere keeps the GpuTenant CRD (crds.keep); a server dry run would
+    # refuse to adopt them, which is not what the TLS tests are about.
     classes = {kind: {"enabled": False} for kind in ("gpu", "mig", "shared")}
     objects = h.template(
         helm,
-        {"webhook": {"tls": {"source": "helm"}}, "deviceClasses": classes},
+        {
+            "webhook": {"tls": {"source": "helm"}},
+            "deviceClasses": classes,
+            "crds": {"install": False},
+        },
         namespace=namespace,
         extra=["--dry-run=server", "--kubeconfig", str(cluster.layout.admin_kubeconfig)],
     )

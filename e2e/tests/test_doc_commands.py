@@ -51,9 +51,8 @@ def run_blocks(blocks: list[ShellBlock], cwd: Path, env: dict[str, str]) -> None
 def test_doc_commands_run(cluster: Cluster, doc: Path, tmp_path: Path) -> None:
     if isinstance(cluster, KindCluster):
         pytest.skip("these blocks run against the local cluster; kind runs the kind blocks")
-    state = cluster.require_state()
     (tmp_path / "charts").symlink_to(REPO / "charts")  # the docs run from a checkout
-    path = os.pathsep.join([str(Path(sys.executable).parent), state.bin_dir, helm_dir()])
+    path = os.pathsep.join([str(Path(sys.executable).parent), str(cluster.bin_dir()), helm_dir()])
     env = {
         **os.environ,
         "KUBECONFIG": str(cluster.layout.admin_kubeconfig),
@@ -68,10 +67,12 @@ def test_kind_doc_commands_run(cluster: Cluster, doc: Path) -> None:
     if not isinstance(cluster, KindCluster):
         pytest.skip("these blocks run against kind: make e2e-kind")
     from e2e.kind.gpus import fresh_state, gpu_workers  # noqa: PLC0415 - only with Docker
-    from e2e.node.chart import NAMESPACE, RELEASE  # noqa: PLC0415 - after the skip
+    from e2e.node.chart import NAMESPACE, RELEASE, remove_unreleased  # noqa: PLC0415
 
+    # As a cluster just created: no node state, no gpudra object other suites left.
     for worker in gpu_workers(cluster):
-        fresh_state(worker)  # as the new nodes of a cluster just created
+        fresh_state(worker)
+    remove_unreleased(cluster.kube())
     tools = [str(Path(sys.executable).parent), str(cluster.bin_dir()), helm_dir()]
     kind = cluster._kind()
     path = os.pathsep.join([*tools, str(Path(kind).parent)])

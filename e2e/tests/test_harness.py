@@ -16,13 +16,11 @@ import pytest
 from e2e.cluster.harness import REPO, Cluster, Layout
 from e2e.cluster.kube import wait_for
 from e2e.processes import port_free
+from e2e.provider import local_only
 
 pytestmark = [
     pytest.mark.cluster,
-    pytest.mark.skipif(
-        os.environ.get("GPUDRA_CLUSTER_PROVIDER") == "kind",
-        reason="tests the local control-plane harness itself",
-    ),
+    local_only("tests the local control-plane harness itself"),
 ]
 BUILD = REPO / "e2e" / "cluster" / "build.sh"
 # Below the kernel's ephemeral range (32768 and up), so no client connection or

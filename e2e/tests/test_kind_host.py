@@ -16,9 +16,11 @@ from pathlib import Path
 
 import pytest
 
+from e2e.cluster.harness import FAKE_NODE_LABEL, node_names
 from e2e.kind import engine as eng
-from e2e.kind.cluster import KindCluster
+from e2e.kind.cluster import HEARTBEAT_HINT, KindCluster
 from e2e.node.realnode import cgroup_mounts
+from e2e.processes import alive
 
 pytestmark = [pytest.mark.cluster, pytest.mark.kind]
 
@@ -93,11 +95,16 @@ def test_up_and_down_leave_the_host_as_it_was(
     cluster = KindCluster(name="gpudra-host-check", root=tmp_path / "kind")
     try:
         cluster.up(log=lambda _m: None)
-        nodes = cluster.kube().list("Node")
+        nodes = cluster.kube().list("Node", labelSelector=f"!{FAKE_NODE_LABEL}")
         assert len(nodes) == 3
+        fake = cluster.kube().list("Node", labelSelector=FAKE_NODE_LABEL)
+        assert {n["metadata"]["name"] for n in fake} == set(node_names())
+        heartbeat = int(cluster.layout.heartbeat_pid.read_text())
+        assert alive(heartbeat, HEARTBEAT_HINT)
         assert engine.is_running()
     finally:
         cluster.down(log=lambda _m: None)
+    assert not alive(heartbeat, HEARTBEAT_HINT)
     after = snapshot(engine.layout)
     for key, value in before.items():
         assert after[key] == value, key

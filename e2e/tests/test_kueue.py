@@ -47,6 +47,7 @@ from e2e.node import images
 from e2e.node.gpus import DRIVER, GpuStack, NodeGpus
 from e2e.node.realnode import RealNode, unavailable_reason
 from e2e.node_process import delete_slices
+from e2e.provider import local_only
 from e2e.webhook_env import (
     EmulatedNode,
     register_webhook,
@@ -56,7 +57,14 @@ from e2e.webhook_env import (
     unregister_webhook,
 )
 
-pytestmark = [pytest.mark.cluster, pytest.mark.kueue]
+pytestmark = [
+    pytest.mark.cluster,
+    pytest.mark.kueue,
+    local_only(
+        "Kueue and the webhook run as host processes on the local control plane's "
+        "loopback (make test-kueue)"
+    ),
+]
 TEAMS = ("team-a", "team-b")
 FRAMEWORKS = ["batch/job", "pod"]
 

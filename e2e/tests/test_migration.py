@@ -36,8 +36,12 @@ from e2e.cluster.kube import Kube, wait_for
 from e2e.node import images
 from e2e.node.gpus import DRIVER, GpuStack
 from e2e.node.realnode import RealNode, unavailable_reason
+from e2e.provider import local_only
 
 pytestmark = pytest.mark.cluster
+ON_THE_REAL_NODE = local_only(
+    "runs gpudra's agent on the local real node beside a device-plugin node"
+)
 DP_NODE = "device-plugin-node"
 DP_GPUS = 8
 MOVED = {"gpudra.nvidia.com/dra": "true"}
@@ -134,6 +138,7 @@ def wait_running_on(kube: Kube, namespace: str, name: str, node: str) -> dict[st
     return pod
 
 
+@ON_THE_REAL_NODE
 def test_only_moved_namespaces_are_converted_and_every_pod_lands(
     gpudra_node: GpuStack, kube: Kube, namespaces: tuple[str, str]
 ) -> None:
@@ -166,6 +171,7 @@ def gpu_class_maps_the_resource(gpudra_node: GpuStack, kube: Kube) -> Iterator[N
         kube.apply(whole)
 
 
+@ON_THE_REAL_NODE
 def test_the_scheduler_serves_nvidia_gpu_per_node_with_the_class_mapping(
     gpudra_node: GpuStack,
     kube: Kube,

@@ -8,7 +8,6 @@ writable cgroups, no namespaces) or the node's parts cannot be built.
 
 from __future__ import annotations
 
-import os
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -29,13 +28,11 @@ from e2e.node.realnode import (
     unavailable_reason,
 )
 from e2e.processes import alive
+from e2e.provider import local_only
 
 pytestmark = [
     pytest.mark.cluster,
-    pytest.mark.skipif(
-        os.environ.get("GPUDRA_CLUSTER_PROVIDER") == "kind",
-        reason="the real node joins only the local control plane",
-    ),
+    local_only("the real node joins only the local control plane"),
 ]
 
 

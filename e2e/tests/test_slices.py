@@ -9,6 +9,7 @@ from typing import Any
 
 import anyio
 import pytest
+import yaml
 from gpudra.common.kube import Kube
 from gpudra.driver.slices import PoolContent, SliceController, SliceLimits
 
@@ -186,11 +187,12 @@ async def test_bad_inventory_keeps_the_published_pool(akube: Kube) -> None:
 
 async def test_rides_out_an_api_server_outage(cluster: Cluster, tmp_path: Path) -> None:
     driver = f"t{secrets.token_hex(3)}.gpudra.dev"
-    state = json.loads(cluster.layout.state.read_text())
+    # The API server's port on this machine, from the kubeconfig: kind maps it there too.
+    cfg = yaml.safe_load(cluster.layout.admin_kubeconfig.read_text())
+    server = cfg["clusters"][0]["cluster"]["server"]
     async with anyio.create_task_group() as tg:
-        proxy = Proxy(target_port=state["ports"]["apiserver"])
+        proxy = Proxy(target_port=int(server.rpartition(":")[2]))
         await proxy.start(tg)
-        cfg = json.loads(cluster.layout.admin_kubeconfig.read_text())
         cfg["clusters"][0]["cluster"]["server"] = f"https://127.0.0.1:{proxy.port}"
         (tmp_path / "kc").write_text(json.dumps(cfg))
         k = await Kube.connect(str(tmp_path / "kc"))

@@ -63,10 +63,15 @@ from e2e.node.chart import (
     previous_release,
 )
 from e2e.node.realnode import NodeError, RealNode, unavailable_reason
+from e2e.provider import local_only
 
 # Four minutes on a warm machine, plus the previous release's image build on a cold one:
 # run by `make test-upgrade`, kept out of `make test` so that CI stays well under an hour.
-pytestmark = [pytest.mark.cluster, pytest.mark.upgrade]
+pytestmark = [
+    pytest.mark.cluster,
+    pytest.mark.upgrade,
+    local_only("upgrades and downgrades releases on the local real node (make test-upgrade)"),
+]
 # The demo's workloads but the CEL-selected pod, so that a whole GPU is left for MPS.
 LEFT_OUT = {"cel-selected", "h100-40g"}
 SLICED = ("sliced-a", "sliced-b")

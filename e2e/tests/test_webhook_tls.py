@@ -96,12 +96,14 @@ class Load:
                 await anyio.sleep(0.05)
 
 
-def due_pki(directory: Path) -> WebhookPki:
+def due_pki(directory: Path, host: str) -> WebhookPki:
     """A CA two thirds through its ten years (due for rotation) and a serving
-    certificate two thirds through its year (due as well), both valid today."""
+    certificate for `host` two thirds through its year (due as well), both valid today."""
     now = dt.datetime.now(dt.UTC)
     ca = generate_ca(now=now - dt.timedelta(days=2500))
-    serving = generate_serving_cert(ca, NAMES, now=now - dt.timedelta(days=250))
+    serving = generate_serving_cert(
+        ca, NAMES, ip_addresses=(host,), now=now - dt.timedelta(days=250)
+    )
     pki = WebhookPki(ca=ca, serving=serving)
     store_pki(directory, pki)
     return pki
@@ -149,12 +151,13 @@ class Webhook:
 async def webhook(cluster: Cluster, tmp_path: Path) -> AsyncIterator[Webhook]:
     akube = await Kube.connect(str(cluster.layout.admin_kubeconfig))
     directory = tmp_path / "pki"
-    before = due_pki(directory)
+    host = cluster.webhook_host()  # kind's API server dials the host's address on its network
+    before = due_pki(directory, host)
     server = WebhookServer(
         ServerConfig(
             cert_file=directory / TLS_CERT,
             key_file=directory / TLS_KEY,
-            host=cluster.webhook_host(),
+            host=host,
             port=0,
             cert_check_interval=0.1,
         ),
@@ -164,7 +167,11 @@ async def webhook(cluster: Cluster, tmp_path: Path) -> AsyncIterator[Webhook]:
         akube, [WebhookConfiguration(ConfigurationKind.MUTATING, registration.NAME)]
     )
     rotation = SelfSignedRotation(
-        directory, NAMES, controller, ca_propagation=dt.timedelta(seconds=2)
+        directory,
+        NAMES,
+        controller,
+        ca_propagation=dt.timedelta(seconds=2),
+        ip_addresses=(host,),
     )
     async with anyio.create_task_group() as tg:
         port = await tg.start(server.serve)
@@ -173,12 +180,12 @@ async def webhook(cluster: Cluster, tmp_path: Path) -> AsyncIterator[Webhook]:
             registration.mutating_configuration(
                 ca_bundle_b64=before.ca_bundle_base64(),
                 own_namespace="gpudra",
-                url=f"https://{cluster.webhook_host()}:{port}",
+                url=f"https://{host}:{port}",
             ),
         )
         controller.set_bundle(before.ca_bundle)
         await tg.start(controller.run)
-        yield Webhook(cluster.webhook_host(), port, directory, before, controller, rotation)
+        yield Webhook(host, port, directory, before, controller, rotation)
         await registration.delete(akube)
         tg.cancel_scope.cancel()
     await akube.close()
