@@ -167,7 +167,8 @@ class KindCluster:
 
     def up(self, log: Callable[[str], None] = print) -> None:
         """Creates the cluster (or reuses it); on failure removes what this call made:
-        the engine when it started it, else the cluster when it created it."""
+        the fake nodes' heartbeat when it started it, and the engine when it started
+        it, else the cluster when it created it."""
         if shutil.which("docker") is None:
             raise KindError(
                 "make e2e-kind needs the docker CLI (kind runs nodes as containers): "
@@ -176,6 +177,7 @@ class KindCluster:
         engine = self.private_engine()
         started = engine is not None and not engine.is_running()
         created = False
+        beating = self._heartbeat() is not None
         try:
             if engine is not None:
                 engine_step(engine, log)
@@ -185,6 +187,8 @@ class KindCluster:
                 self._create(kind, engine, log)
             self._after_create(kind)
         except (KindError, EngineError, nodeimage.NodeImageError, TimeoutError) as e:
+            if not beating:
+                self._stop_heartbeat()
             if engine is not None and started:
                 engine.stop(log=lambda _m: None)
             elif created:
@@ -268,6 +272,11 @@ class KindCluster:
             return None
         return pid if alive(pid, HEARTBEAT_HINT) else None
 
+    def _stop_heartbeat(self) -> None:
+        if (pid := self._heartbeat()) is not None:
+            stop_pid(pid, HEARTBEAT_HINT)
+        self.layout.heartbeat_pid.unlink(missing_ok=True)
+
     def _node_shell(self, node: str, script: str, stdin: str) -> str | None:
         proc = self.docker_exec(node, "sh", "-c", script, stdin=stdin)
         return None if proc.returncode == 0 else (proc.stderr.strip() or "exit status nonzero")
@@ -275,8 +284,7 @@ class KindCluster:
     def down(self, log: Callable[[str], None] = print) -> None:
         """Deletes the cluster and, when it ran on the private engine, stops that engine
         (removing its networks, mounts and processes)."""
-        if (pid := self._heartbeat()) is not None:
-            stop_pid(pid, HEARTBEAT_HINT)
+        self._stop_heartbeat()
         if shutil.which("docker") is None:
             return
         engine = self.private_engine()
