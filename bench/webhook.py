@@ -57,6 +57,7 @@ from gpudra.webhook.server import (
     VALIDATE_CLAIMS_PATH,
     ServerConfig,
     WebhookServer,
+    run_event_loop,
 )
 from gpudra.webhook.templates import ApiTemplateEnsurer
 
@@ -75,7 +76,11 @@ SUSTAIN_P99_MS = 50.0
 DRAIN_S = 3.0
 POOL = 16
 MIX = {"gpu": 40, "mig": 25, "init": 20, "converted": 15}
-STEPS = (400, 600, 800, 1000, 1200, 1400, 1600, 1800, 2000, 2400, 2800, 3200)
+# Up to where a one-core Go server gives out, so that each side's maximum is found.
+STEPS = (400, 600, 800, 1000, 1200, 1400, 1600, 1800, 2000, 2400, 2800, 3200, 3600, 4000, 4800)
+ROUNDS = 4
+"""The claim comparison's 200 requests/s phase is cut into this many rounds, gpudra's
+and the peer's alternating, so that noise on the shared machine hits both alike."""
 
 
 # -- request bodies ---------------------------------------------------------------------
@@ -385,6 +390,16 @@ class Step:
         self.errors += 1
         self.error_kinds[why] = self.error_kinds.get(why, 0) + 1
 
+    def absorb(self, part: Step) -> None:
+        """Add a part measured at the same rate (one round of an interleaved phase)."""
+        self.latencies.extend(part.latencies)
+        self.errors += part.errors
+        for why, n in part.error_kinds.items():
+            self.error_kinds[why] = self.error_kinds.get(why, 0) + n
+        self.unfinished += part.unfinished
+        self.server_cpu_s += part.server_cpu_s
+        self.client_cpu_s += part.client_cpu_s
+
     def summary(self) -> dict[str, Any]:
         lat = sorted(self.latencies)
 
@@ -519,7 +534,7 @@ async def run_step(pool: Pool, requests: Sequence[bytes], step: Step, pid: int) 
 
 
 def serve(args: argparse.Namespace) -> None:
-    """Child process: the webhook server, as ``gpudra webhook`` runs it."""
+    """Child process: the webhook server, as ``gpudra webhook`` runs it (uvloop too)."""
     logs.setup("info")
     profiler = cProfile.Profile() if args.profile else None
 
@@ -549,7 +564,7 @@ def serve(args: argparse.Namespace) -> None:
             profiler.dump_stats(str(args.profile))
         await kube.close()
 
-    anyio.run(main)
+    run_event_loop(main)
 
 
 class KnownTemplates:
@@ -591,6 +606,15 @@ def start_server(
             raise SystemExit(f"webhook server did not start; see its log in {workdir}")
         time.sleep(0.05)
     return proc, int(port_file.read_text())
+
+
+def stop_server(proc: subprocess.Popen[bytes]) -> None:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def pin(pid: int, core: int) -> bool:
@@ -675,48 +699,102 @@ def measure(
     try:
         result = anyio.run(load, port, pki.ca_bundle, proc.pid, requests)
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-    latency = result["latency"]
-    max_rps = max((s["rate"] for s in result["steps"] if s["sustained"]), default=0)
+        stop_server(proc)
+    return measured(result["latency"], result["steps"], pinned)
+
+
+def measured(latency: dict[str, Any], steps: list[dict[str, Any]], pinned: bool) -> dict[str, Any]:
+    """One server's result: the 200 requests/s phase's numbers, the highest sustained
+    step, and both phases in full."""
     return {
         "p50_ms": latency["p50_ms"],
         "p99_ms": latency["p99_ms"],
         "max_ms": latency["max_ms"],
         "errors": latency["errors"],
-        "max_rps": max_rps,
+        "max_rps": max((s["rate"] for s in steps if s["sustained"]), default=0),
         "pinned": {"webhook_core": 0, "load_core": 1} if pinned else None,
         "latency_phase": latency,
-        "steps": result["steps"],
+        "steps": steps,
     }
+
+
+@dataclass
+class Subject:
+    """One of the servers compared: its process, requests and what was measured."""
+
+    name: str
+    proc: subprocess.Popen[bytes]
+    port: int
+    requests: Sequence[bytes]
+    steps: list[dict[str, Any]] = field(default_factory=list)
+    unsustained: int = 0
+
+    @property
+    def loading(self) -> bool:
+        """Two unsustained steps in a row: past its knee, it is not loaded further."""
+        return self.unsustained < 2
+
+
+async def load_interleaved(subjects: Sequence[Subject], ca_pem: bytes) -> dict[str, Step]:
+    """Both servers under the same load, alternating: the 200 requests/s phase in
+    `ROUNDS` rounds, then each rate step for one and then the other (the order flips
+    each time), so a burst of noise on the machine is not all one side's."""
+    latency_s = float(os.environ.get("BENCH_LATENCY_S", "20"))
+    step_s = float(os.environ.get("BENCH_STEP_S", "5"))
+    pools = {s.name: Pool(s.port, ca_pem, POOL) for s in subjects}
+    for subject in subjects:
+        await pools[subject.name].open()
+        await run_step(
+            pools[subject.name], subject.requests, Step(LATENCY_RATE, 2.0), subject.proc.pid
+        )
+    steady = {s.name: Step(LATENCY_RATE, latency_s) for s in subjects}
+    for index in range(ROUNDS):
+        for subject in subjects if index % 2 == 0 else subjects[::-1]:
+            part = Step(LATENCY_RATE, latency_s / ROUNDS)
+            await run_step(pools[subject.name], subject.requests, part, subject.proc.pid)
+            steady[subject.name].absorb(part)
+    for index, rate in enumerate(STEPS):
+        active = [s for s in subjects if s.loading]
+        if not active:
+            break
+        for subject in active if index % 2 == 0 else active[::-1]:
+            step = Step(rate, step_s)
+            await run_step(pools[subject.name], subject.requests, step, subject.proc.pid)
+            subject.steps.append(step.summary())
+            print(json.dumps({"server": subject.name, **subject.steps[-1]}), file=sys.stderr)
+            subject.unsustained = 0 if subject.steps[-1]["sustained"] else subject.unsustained + 1
+            await asyncio.sleep(1.0)
+    for pool in pools.values():
+        await pool.close()
+    return steady
 
 
 def claims_comparison(cluster: Cluster, workdir: Path, count: int = 400) -> dict[str, Any] | None:
     """gpudra's `/validate-claims` and the peer's validating webhook on the same claim
     bodies (opaque configs in each driver's names), the same TLS, core and load: the
-    same work, side by side. None where the peer cannot be built."""
+    same work, side by side, interleaved. None where the peer cannot be built."""
     bins = peers.bin_dir()
     if bins is None:
         return None
-    ours = measure(
-        cluster,
-        workdir / "claims-gpudra",
-        "known",
-        build_claim_requests("gpudra", VALIDATE_CLAIMS_PATH, count),
-        None,
-    )
-    theirs = measure(
-        cluster,
-        workdir / "claims-peer",
-        "known",
-        build_claim_requests("peer", PEER_VALIDATE_PATH, count),
-        None,
-        peer=bins,
-    )
+    pki, _ = ensure_pki(workdir / "pki", service_dns_names("gpudra-webhook", "gpudra"))
+    subjects: list[Subject] = []
+    try:
+        proc, port = start_server(workdir, cluster.layout.admin_kubeconfig, "known", None)
+        subjects.append(
+            Subject(
+                "gpudra", proc, port, build_claim_requests("gpudra", VALIDATE_CLAIMS_PATH, count)
+            )
+        )
+        proc, port = start_peer(workdir, bins)
+        subjects.append(
+            Subject("peer", proc, port, build_claim_requests("peer", PEER_VALIDATE_PATH, count))
+        )
+        pinned = (os.cpu_count() or 1) >= 2 and pin(subjects[0].proc.pid, 0) and pin(0, 1)
+        steady = anyio.run(load_interleaved, subjects, pki.ca_bundle)
+    finally:
+        for subject in subjects:
+            stop_server(subject.proc)
+    ours, theirs = (measured(steady[s.name].summary(), s.steps, pinned) for s in subjects)
 
     def ratio(a: float | None, b: float | None) -> float | None:
         return round(a / b, 3) if a is not None and b else None
@@ -738,8 +816,11 @@ def claims_comparison(cluster: Cluster, workdir: Path, count: int = 400) -> dict
         "notes": (
             "Each claim or template has 1, 2 or 4 requests, each with an opaque time-slicing "
             "config for the server's driver; both decode and validate every config. "
-            "Both servers are pinned to core 0, the load generator to core 1."
+            "Both servers are pinned to core 0, the load generator to core 1. Measured "
+            f"interleaved: the 200 requests/s phase in {ROUNDS} alternating rounds, then "
+            "each rate step for one server and then the other, the order flipping each step."
         ),
+        "rounds": ROUNDS,
     }
 
 

@@ -52,7 +52,7 @@ from gpudra.webhook.certs import (
 from gpudra.webhook.convert import DEFAULT_POLICY, ConversionPolicy
 from gpudra.webhook.device_classes import DeviceClassCache
 from gpudra.webhook.renewal import ServingRenewal
-from gpudra.webhook.server import ServerConfig, WebhookServer
+from gpudra.webhook.server import ServerConfig, WebhookServer, run_event_loop
 from gpudra.webhook.templates import ApiClaimReader, ApiTemplateEnsurer
 from gpudra.webhook.tenants import TenantController
 from gpudra.webhook.validate import driver_classes
@@ -426,5 +426,5 @@ def run(args: argparse.Namespace) -> int:
                     )
                 await anyio.sleep(3600)
 
-    anyio.run(main)
+    run_event_loop(main)
     return 0

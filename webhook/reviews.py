@@ -11,9 +11,10 @@ unchecked.
 from __future__ import annotations
 
 import base64
-import json
 from collections.abc import Collection, Sequence
 from typing import Any, Final, Literal, NamedTuple, NotRequired, TypedDict, cast
+
+import orjson
 
 __all__ = [
     "ADMISSION_API_VERSION",
@@ -88,8 +89,8 @@ class ReviewError(ValueError):
 def parse_review(body: bytes, kinds: Collection[ResourceKind]) -> AdmissionRequest:
     """The request of an AdmissionReview body for one of `kinds`, its fields checked."""
     try:
-        review = json.loads(body)
-    except (ValueError, RecursionError) as exc:
+        review = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
         raise ReviewError(f"request body is not valid JSON: {exc}") from None
     if not isinstance(review, dict):
         raise ReviewError("request body must be an AdmissionReview object")
@@ -137,7 +138,7 @@ def allow(
     """Admit, with the JSON patch to apply (none: unchanged) and warnings for the user."""
     response = AdmissionResponse(uid=uid, allowed=True)
     if patch:
-        encoded = json.dumps(list(patch), separators=(",", ":")).encode()
+        encoded = orjson.dumps(list(patch))
         response["patchType"] = "JSONPatch"
         response["patch"] = base64.b64encode(encoded).decode("ascii")
     if warnings:
@@ -156,4 +157,4 @@ def deny(uid: str, code: int, message: str) -> AdmissionResponse:
 def encode_review(response: AdmissionResponse) -> bytes:
     """The AdmissionReview body that carries `response` back to the API server."""
     review = {"apiVersion": ADMISSION_API_VERSION, "kind": "AdmissionReview", "response": response}
-    return json.dumps(review, separators=(",", ":")).encode()
+    return orjson.dumps(review)

@@ -1,4 +1,4 @@
-"""Webhook tests run on anyio's asyncio backend, like the webhook itself."""
+"""Webhook tests run on anyio's asyncio backend with uvloop, like the webhook itself."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ PatchApplier = Callable[[Any, Sequence[dict[str, Any]]], Any]
 
 
 @pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
+def anyio_backend() -> tuple[str, dict[str, bool]]:
+    return "asyncio", {"use_uvloop": True}
 
 
 def _apply_json_patch(document: Any, patch: Sequence[dict[str, Any]]) -> Any:

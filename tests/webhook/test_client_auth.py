@@ -225,4 +225,5 @@ async def test_gpudra_webhook_wires_client_auth_and_the_charts_ca(tmp_path: Path
                 with pytest.raises(REFUSED):
                     await call(port, ca, tmp_path, review())
         finally:
-            process.terminate()
+            if process.returncode is None:  # uvloop refuses to signal a process that ended
+                process.terminate()
