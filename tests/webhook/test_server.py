@@ -425,6 +425,104 @@ async def test_malformed_http_gets_an_error_and_a_closed_connection(
         assert resp.headers["connection"] == "close"
 
 
+async def test_a_head_line_that_never_ends_is_refused_at_the_heads_bound(tmp_path: Path) -> None:
+    # The parser keeps a header's value until its line ends; the whole head is bounded
+    # (header lines x their limit), so a line that never ends cannot grow the server.
+    async with running(tmp_path, max_header_bytes=1024, max_headers=4) as h, client(h) as c:
+        await c.send(b"GET /healthz HTTP/1.1\r\nHost: w\r\nX: ")
+        with anyio.fail_after(GUARD):
+            for _ in range(8):
+                await c.send(b"a" * 1024)
+            resp = await c.response()
+        assert resp.status == 400
+        assert "request head exceeds 5120 bytes" in resp.body.decode()
+        assert resp.headers["connection"] == "close"
+        assert metric(h, "gpudra_webhook_requests_total", path="other", result="bad_request") == 1
+
+
+async def test_transfer_encoding_is_refused_on_every_path(tmp_path: Path) -> None:
+    async with running(tmp_path) as h, client(h) as c:
+        await c.send(b"GET /healthz HTTP/1.1\r\nHost: w\r\nTransfer-Encoding: chunked\r\n\r\n")
+        resp = await c.response()
+        assert (resp.status, resp.headers["connection"]) == (501, "close")
+
+
+async def test_targets_in_absolute_form_and_escaped_paths_are_routed(tmp_path: Path) -> None:
+    async with running(tmp_path) as h, client(h) as c:
+        assert (await c.request("GET", "https://webhook/healthz?x=1")).status == 200
+        assert (await c.request("GET", "/health%7A")).status == 200
+        resp = await c.request("CONNECT", "webhook:443")
+        assert (resp.status, resp.headers["connection"]) == (400, "close")
+        assert "no request target" in resp.body.decode()
+
+
+async def test_http10_connections_close_unless_kept_alive(tmp_path: Path) -> None:
+    async with running(tmp_path) as h, client(h) as c:
+        await c.send(b"GET /healthz HTTP/1.0\r\nConnection: keep-alive\r\n\r\n")
+        assert (await c.response()).headers["connection"] == "keep-alive"
+        await c.send(b"GET /healthz HTTP/1.0\r\n\r\n")
+        resp = await c.response()
+        assert (resp.status, resp.headers["connection"]) == (200, "close")
+        with pytest.raises((anyio.EndOfStream, anyio.IncompleteRead)):
+            await c.stream.receive()
+
+
+@dataclass
+class SlowRecorder(Recorder):
+    delay: float = 0.3
+
+    async def __call__(
+        self, namespace: str, templates: Sequence[Mapping[str, Any]], dry_run: bool
+    ) -> None:
+        await super().__call__(namespace, templates, dry_run)
+        await anyio.sleep(self.delay)
+
+
+async def test_a_pipelined_head_begun_during_an_answer_has_a_deadline(tmp_path: Path) -> None:
+    slow = SlowRecorder()
+    async with running(tmp_path, header_timeout=0.2, ensure=slow) as h, client(h) as c:
+        body = json.dumps(review(gpu_pod(), uid="first")).encode()
+        await c.send(
+            b"POST /mutate-pods HTTP/1.1\r\nHost: w\r\nContent-Length: %d\r\n\r\n%s"
+            b"POST /mutate-pods HTTP/1.1\r\nHost: w\r\nContent-Le" % (len(body), body)
+        )
+        with anyio.fail_after(GUARD):
+            assert (await c.response()).json()["response"]["uid"] == "first"
+            resp = await c.response()
+        assert resp.status == 408
+        assert "head" in resp.body.decode()
+
+
+async def test_a_request_in_flight_when_the_server_stops_is_answered(tmp_path: Path) -> None:
+    pki_dir = tmp_path / "pki"
+    pki, _ = ensure_pki(pki_dir, ["localhost"])
+    config = ServerConfig(
+        cert_file=pki_dir / "tls.crt", key_file=pki_dir / "tls.key", host="127.0.0.1", port=0
+    )
+    slow = SlowRecorder()
+    server = WebhookServer(config, slow)
+    async with anyio.create_task_group() as tg:
+        port = await tg.start(server.serve)
+        c = await Client.connect(port, pki.ca_bundle)
+        idle = await Client.connect(port, pki.ca_bundle)
+        await c.send(
+            b"POST /mutate-pods HTTP/1.1\r\nHost: w\r\nContent-Length: %d\r\n\r\n%s"
+            % (len(body := json.dumps(review(gpu_pod())).encode()), body)
+        )
+        with anyio.fail_after(GUARD):
+            while not slow.calls:
+                await anyio.sleep(0.01)
+        tg.cancel_scope.cancel()
+    with anyio.fail_after(GUARD):
+        resp = await c.response()
+        assert resp.json()["response"]["allowed"] is True
+        assert resp.headers["connection"] == "close"
+        with pytest.raises((anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError)):
+            await idle.stream.receive()
+    await c.aclose()
+    await idle.aclose()
+
+
 async def test_routes(tmp_path: Path) -> None:
     async with running(tmp_path) as h, client(h) as c:
         assert (await c.request("GET", "/nope")).status == 404
