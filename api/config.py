@@ -22,14 +22,13 @@ device has no time-slice setting.
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar, Final, Literal, Self, TypeAlias, get_args, overload
 
-import orjson
+from gpudra.api import jsonbytes
 from gpudra.api.quantity import ACCEPTED_FORMS, Quantity, QuantityError, parse_quantity
 from pydantic import (
     BaseModel,
@@ -491,14 +490,14 @@ def _decode(raw: object) -> Any:
         if size > MAX_PARAMETERS_BYTES:
             raise _too_large(size)
         try:
-            return json.loads(data)
+            return jsonbytes.loads(data)
         except (ValueError, RecursionError) as exc:  # nesting deeper than the decoder goes
             raise ConfigError(
                 [ConfigIssue("", f"must be a JSON object: {exc}", ACCEPTED_KINDS)]
             ) from None
     if isinstance(raw, Mapping):
         try:
-            size = len(_encoded(raw))
+            size = len(jsonbytes.dumps(raw))
         except (TypeError, ValueError, RecursionError) as exc:
             raise ConfigError([ConfigIssue("", f"must be plain JSON data: {exc}")]) from None
         if size > MAX_PARAMETERS_BYTES:
@@ -514,18 +513,6 @@ def _decode(raw: object) -> Any:
             )
         ]
     )
-
-
-def _encoded(raw: Mapping[Any, Any]) -> bytes:
-    """`raw` as compact JSON, to measure it: orjson for the plain dicts decoded JSON
-    gives (a tenth of the standard encoder's time, on every config of every claim the
-    webhook admits), the standard encoder for any other mapping."""
-    if type(raw) is dict:
-        try:
-            return orjson.dumps(raw)
-        except orjson.JSONEncodeError:
-            pass  # a value orjson refuses (an int past 64 bits): the standard encoder decides
-    return json.dumps(raw, separators=(",", ":"), ensure_ascii=False).encode()
 
 
 def _too_large(size: int) -> ConfigError:

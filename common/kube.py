@@ -6,12 +6,16 @@ instead of generated model objects because a node agent (and the slice benchmark
 we import those models: kubernetes_asyncio is imported only in `Kube.connect`, after
 `defer_generated_code()` (see `common/kubeimports.py`), which keeps about 1,000 unused
 generated modules out of every process.
+
+The JSON itself goes through `gpudra.api.jsonbytes` (orjson): a node's slices are
+hundreds of KiB of JSON, written once and read back twice (the write's answer and the
+watch event), and the standard library's codec took several times its CPU for them,
+on cores a node shares with its workloads.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 from collections.abc import AsyncIterator
@@ -20,6 +24,7 @@ from urllib.parse import urlencode
 
 import aiohttp
 from aiohttp.helpers import get_env_proxy_for_url
+from gpudra.api import jsonbytes
 from gpudra.common.kubeimports import defer_generated_code
 from yarl import URL
 
@@ -151,7 +156,7 @@ class Kube:
             url += "?" + urlencode(queries)
         data = None
         if body is not None:
-            data = body if isinstance(body, bytes) else json.dumps(body, separators=(",", ":"))
+            data = body if isinstance(body, bytes) else jsonbytes.dumps(body)
         return await session.request(
             method, url, data=data, headers=headers, timeout=timeout, **self._options
         )
@@ -182,12 +187,12 @@ class Kube:
             # A Status object, or plain text (`404 page not found` for an API group
             # that is not served, e.g. a CRD not installed).
             try:
-                data: Any = json.loads(raw) if raw else None
+                data: Any = jsonbytes.loads(raw) if raw else None
             except ValueError:
                 data = raw.decode(errors="replace").strip()
             msg = data.get("message", "") if isinstance(data, dict) else str(data)
             raise ApiError(resp.status, msg, method, path)
-        return json.loads(raw) if raw else None
+        return jsonbytes.loads(raw) if raw else None
 
     async def watch(
         self, path: str, query: dict[str, str], timeout_s: int = 300
@@ -212,7 +217,7 @@ class Kube:
                 while b"\n" in buf:
                     line, buf = buf.split(b"\n", 1)
                     if line.strip():
-                        yield json.loads(line)
+                        yield jsonbytes.loads(line)
         finally:
             resp.release()
 

@@ -14,7 +14,7 @@ import base64
 from collections.abc import Collection, Sequence
 from typing import Any, Final, Literal, NamedTuple, NotRequired, TypedDict, cast
 
-import orjson
+from gpudra.api import jsonbytes
 
 __all__ = [
     "ADMISSION_API_VERSION",
@@ -89,8 +89,8 @@ class ReviewError(ValueError):
 def parse_review(body: bytes, kinds: Collection[ResourceKind]) -> AdmissionRequest:
     """The request of an AdmissionReview body for one of `kinds`, its fields checked."""
     try:
-        review = orjson.loads(body)
-    except orjson.JSONDecodeError as exc:
+        review = jsonbytes.loads(body)
+    except jsonbytes.DecodeError as exc:
         raise ReviewError(f"request body is not valid JSON: {exc}") from None
     if not isinstance(review, dict):
         raise ReviewError("request body must be an AdmissionReview object")
@@ -138,7 +138,7 @@ def allow(
     """Admit, with the JSON patch to apply (none: unchanged) and warnings for the user."""
     response = AdmissionResponse(uid=uid, allowed=True)
     if patch:
-        encoded = orjson.dumps(list(patch))
+        encoded = jsonbytes.dumps(list(patch))
         response["patchType"] = "JSONPatch"
         response["patch"] = base64.b64encode(encoded).decode("ascii")
     if warnings:
@@ -157,4 +157,4 @@ def deny(uid: str, code: int, message: str) -> AdmissionResponse:
 def encode_review(response: AdmissionResponse) -> bytes:
     """The AdmissionReview body that carries `response` back to the API server."""
     review = {"apiVersion": ADMISSION_API_VERSION, "kind": "AdmissionReview", "response": response}
-    return orjson.dumps(review)
+    return jsonbytes.dumps(review)

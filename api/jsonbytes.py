@@ -1,0 +1,37 @@
+"""JSON to and from bytes, the one codec for what crosses the wire: AdmissionReviews,
+opaque configs, API requests and responses, watch events.
+
+orjson does the work: a node's slices are hundreds of KiB of JSON and every admission
+decodes a review, and the standard library's codec took several times its CPU for
+both. Encoding falls back to the standard encoder for the values orjson refuses (a
+non-string key, an int past 64 bits), so whatever the standard encoder took still goes
+out, as the same JSON value. Decoding is orjson's alone: it takes UTF-8 JSON, as the
+API server and Go write it, refuses what Go's decoder refuses too (NaN, Infinity,
+invalid UTF-8), and reads an integer past 64 bits as a float, as Go does into an
+interface.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import orjson
+
+__all__ = ["DecodeError", "dumps", "loads"]
+
+DecodeError = orjson.JSONDecodeError
+"""What `loads` raises for text that is not JSON (a ValueError)."""
+
+
+def dumps(value: Any) -> bytes:
+    """`value` as compact UTF-8 JSON."""
+    try:
+        return orjson.dumps(value)
+    except orjson.JSONEncodeError:
+        return json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def loads(data: bytes | str) -> Any:
+    """The value of a JSON text; raises `DecodeError`."""
+    return orjson.loads(data)
