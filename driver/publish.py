@@ -53,6 +53,8 @@ from gpudra.driver.slices import PoolContent
 
 
 def attribute(value: AttributeValue) -> dict[str, Any]:
+    if type(value) is str:  # most attributes; a MIG node publishes thousands
+        return {"string": value}
     if isinstance(value, Version):
         return {"version": value.value}
     if isinstance(value, bool):  # before int: bool is an int subclass

@@ -9,8 +9,6 @@ editing our slices (the kubelet wipes them at its start) is just another differe
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import re
 import time
@@ -35,7 +33,6 @@ _SEMVER = re.compile(
     r"(?:-((?:0|[1-9]\d*|\d*[a-zA-Z-][0-9a-zA-Z-]*)(?:\.(?:0|[1-9]\d*|\d*[a-zA-Z-][0-9a-zA-Z-]*))*))?"
     r"(?:\+([0-9a-zA-Z-]+(?:\.[0-9a-zA-Z-]+)*))?$"
 )
-_ATTRIBUTE_KINDS = frozenset({"int", "bool", "string", "version"})
 
 
 class PoolError(ValueError):
@@ -137,11 +134,11 @@ def validate_device(
             f"{limits.max_attributes_and_capacities} together; drop some attributes",
         )
     for key, val in attrs.items():
-        _check_name(name, f"attribute {key}", key, known)
+        _check_name(name, "attribute", key, known)
         _check_attribute(name, key, val, limits)
     shared = bool(dev.get("allowMultipleAllocations"))
     for key, cap in caps.items():
-        _check_name(name, f"capacity {key}", key, known)
+        _check_name(name, "capacity", key, known)
         if not isinstance(cap, dict) or "value" not in cap:
             raise DeviceLimitError(name, f"capacity {key}", f"must be {{value: ...}} (got {cap!r})")
         if not shared and "requestPolicy" in cap:
@@ -185,33 +182,46 @@ def validate_counter_set(counter_set: dict[str, Any], limits: SliceLimits) -> No
             raise PoolError(f"counter set {name}: counter {counter!r} {problem}")
 
 
-def _check_name(device: str, field_name: str, key: str, known: KnownNames) -> None:
+def _check_name(device: str, what: str, key: str, known: KnownNames) -> None:
+    """`what` is "attribute" or "capacity"; the field is named only in an error, since
+    this runs for every key of every device."""
     if key in known.qualified:
         return
     problem = attribute_name_problem(key)
     if problem is not None:
-        raise DeviceLimitError(device, field_name, problem)
+        raise DeviceLimitError(device, f"{what} {key}", problem)
     known.qualified.add(key)
 
 
 def _check_attribute(device: str, key: str, val: Any, limits: SliceLimits) -> None:
-    where = f"attribute {key}"
-    if not isinstance(val, dict) or len(val) != 1 or not _ATTRIBUTE_KINDS.issuperset(val):
-        raise DeviceLimitError(
-            device, where, f"must have exactly one of int, bool, string, version (got {val!r})"
-        )
-    text = val.get("string", val.get("version"))
-    if isinstance(text, str) and len(text) > limits.max_attribute_string:
-        raise DeviceLimitError(
-            device,
-            where,
-            f"is {len(text)} characters, over the API limit of {limits.max_attribute_string}: "
-            f"{text[:20]!r}...",
-        )
-    if "version" in val and not _SEMVER.match(str(val["version"])):
-        raise DeviceLimitError(
-            device, where, f"{val['version']!r} is not a semantic version (e.g. 1.2.3)"
-        )
+    """Shaped as the API wants, a string within its length, a version semantic.
+
+    Runs for every attribute of every device (a MIG node publishes thousands), so the
+    common kinds return early and the messages are built only for an error."""
+    if isinstance(val, dict) and len(val) == 1:
+        [(kind, value)] = val.items()
+        if kind in {"int", "bool"}:
+            return
+        if kind in {"string", "version"}:
+            if isinstance(value, str) and len(value) > limits.max_attribute_string:
+                raise DeviceLimitError(
+                    device,
+                    f"attribute {key}",
+                    f"is {len(value)} characters, over the API limit of "
+                    f"{limits.max_attribute_string}: {value[:20]!r}...",
+                )
+            if kind == "version" and not _SEMVER.match(str(value)):
+                raise DeviceLimitError(
+                    device,
+                    f"attribute {key}",
+                    f"{value!r} is not a semantic version (e.g. 1.2.3)",
+                )
+            return
+    raise DeviceLimitError(
+        device,
+        f"attribute {key}",
+        f"must have exactly one of int, bool, string, version (got {val!r})",
+    )
 
 
 def _check_counters(
@@ -323,13 +333,12 @@ def slice_name(node: str, driver: str, index: int) -> str:
     return f"{node}-{driver}-{index}"
 
 
-def _digest(obj: Any) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
-
-
 @dataclass
 class _Published:
-    content_hash: str
+    # The slice bodies (`plan_slices`) this generation publishes. Kept whole and
+    # compared with ==, as the reconcile compares specs: a MIG node's pool is
+    # thousands of dicts, and hashing its canonical JSON cost ten times the compare.
+    bodies: list[dict[str, Any]]
     generation: int
     # name -> spec exactly as the server returned it after our last write, so
     # server-side normalisation (quantities, defaults) never reads as a change.
@@ -369,7 +378,7 @@ class SliceController:
         self._synced = False
         self._published: _Published | None = None
         self._node_uid: str | None = None
-        self._plan: tuple[list[dict[str, Any]], str] | None = None
+        self._plan: list[dict[str, Any]] | None = None
         # Bad inventory (PoolError) is not retried in a loop; the next change retries it.
         self._reconciler = ReconcileLoop(
             self.reconcile_once,
@@ -477,20 +486,19 @@ class SliceController:
         if self._plan is None:
             content = self.source()
             limits = await self._limits()
-            bodies = plan_slices(content, limits)
-            self._plan = (bodies, _digest(bodies))
-        bodies, content_hash = self._plan
+            self._plan = plan_slices(content, limits)
+        bodies = self._plan
         observed = dict(self._cache)
         max_gen = max((o["spec"]["pool"]["generation"] for o in observed.values()), default=0)
         pub = self._published
-        if pub is None or pub.content_hash != content_hash:
+        if pub is None or pub.bodies != bodies:
             generation = max_gen + 1
             if pub is None and self._adoptable(observed, bodies, max_gen):
                 generation = max_gen
-            pub = _Published(content_hash, generation, {})
+            pub = _Published(bodies, generation, {})
         elif max_gen > pub.generation:
             # Someone published a newer generation of our pool: supersede it.
-            pub = _Published(content_hash, max_gen + 1, {})
+            pub = _Published(bodies, max_gen + 1, {})
         desired = self._desired(bodies, pub.generation)
         owner = await self._owner()
         for name, spec in desired.items():
@@ -541,7 +549,7 @@ class SliceController:
         desired = self._desired(bodies, generation)
         if observed.keys() != desired.keys():
             return False
-        return all(_digest(observed[n]["spec"]) == _digest(s) for n, s in desired.items())
+        return all(observed[n]["spec"] == s for n, s in desired.items())
 
     async def _write(self, method: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
         self.writes += 1
