@@ -76,8 +76,12 @@ SUSTAIN_P99_MS = 50.0
 DRAIN_S = 3.0
 POOL = 16
 MIX = {"gpu": 40, "mig": 25, "init": 20, "converted": 15}
-# Up to where a one-core Go server gives out, so that each side's maximum is found.
-STEPS = (400, 600, 800, 1000, 1200, 1400, 1600, 1800, 2000, 2400, 2800, 3200, 3600, 4000, 4800)
+# Up to where a one-core Go server gives out, so that each side's maximum is found (the
+# load generator's core is about half busy at the top).
+STEPS = (
+    *(400, 600, 800, 1000, 1200, 1400, 1600, 1800, 2000, 2400, 2800, 3200, 3600, 4000),
+    *(4800, 5600, 6400, 7200, 8000),
+)
 ROUNDS = 4
 """The claim comparison's 200 requests/s phase is cut into this many rounds, gpudra's
 and the peer's alternating, so that noise on the shared machine hits both alike."""
