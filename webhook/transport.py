@@ -162,10 +162,6 @@ class HttpServer:
     def config(self) -> HttpConfig:
         return self._config
 
-    @property
-    def draining(self) -> bool:
-        return self._draining
-
     def begin_shutdown(self) -> None:
         """Fail readiness and close connections after their current request, so the
         Service stops routing here before the process is stopped."""
