@@ -234,10 +234,7 @@ class HttpServer:
         keep_alive = request.keep_alive and not reply.close and not self._draining
         keep_alive = keep_alive and self._serving
         if reply.close and reply.status < 500:
-            logger.info(
-                "rejected malformed webhook request",
-                extra={"fields": {"status": reply.status, "error": reply.body.decode().strip()}},
-            )
+            _log_refusal(reply.status, reply.body.decode().strip())
         self._metrics.observe_request(label, reply.result, time.perf_counter() - started)
         return reply, keep_alive
 
@@ -300,10 +297,14 @@ class HttpServer:
         self._metrics.inc(
             self._metrics.requests, "other", "bad_request" if status < 500 else "error"
         )
-        logger.info(
-            "rejected malformed webhook request",
-            extra={"fields": {"status": status, "error": message}},
-        )
+        _log_refusal(status, message)
+
+
+def _log_refusal(status: int, message: str) -> None:
+    logger.info(
+        "rejected malformed webhook request",
+        extra={"fields": {"status": status, "error": message}},
+    )
 
 
 class _Stop(Exception):
