@@ -629,31 +629,6 @@ def pin(pid: int, core: int) -> bool:
     return True
 
 
-async def load(port: int, ca_pem: bytes, pid: int, requests: Sequence[bytes]) -> dict[str, Any]:
-    latency_s = float(os.environ.get("BENCH_LATENCY_S", "20"))
-    step_s = float(os.environ.get("BENCH_STEP_S", "5"))
-    pool = Pool(port, ca_pem, POOL)
-    await pool.open()
-    # Warm up: connections, first template creations, code paths.
-    await run_step(pool, requests, Step(LATENCY_RATE, 2.0), pid)
-    steady = Step(LATENCY_RATE, latency_s)
-    await run_step(pool, requests, steady, pid)
-    steps: list[dict[str, Any]] = []
-    failures = 0
-    for rate in STEPS:
-        step = Step(rate, step_s)
-        await run_step(pool, requests, step, pid)
-        steps.append(step.summary())
-        print(json.dumps(steps[-1]), file=sys.stderr)
-        # Two unsustained steps in a row: past the knee, stop loading the machine.
-        failures = 0 if steps[-1]["sustained"] else failures + 1
-        if failures == 2:
-            break
-        await asyncio.sleep(1.0)
-    await pool.close()
-    return {"latency": steady.summary(), "steps": steps}
-
-
 def start_peer(workdir: Path, bins: Path) -> tuple[subprocess.Popen[bytes], int]:
     """The peer's validating webhook on the same certificate, limited to one core from
     its start (so the Go runtime sizes itself for one, as a pod with a 1-CPU limit)."""
@@ -690,21 +665,18 @@ def measure(
     ensurer: str,
     requests: Sequence[bytes],
     profile: Path | None,
-    peer: Path | None = None,
 ) -> dict[str, Any]:
-    """One server process (gpudra's with `ensurer`, or the peer's from `peer`, a bin
-    folder): the 200 requests/s phase, then the rate steps."""
+    """gpudra's server with `ensurer` alone: the 200 requests/s phase, then the rate
+    steps."""
     pki, _ = ensure_pki(workdir / "pki", service_dns_names("gpudra-webhook", "gpudra"))
-    if peer is not None:
-        proc, port = start_peer(workdir, peer)
-    else:
-        proc, port = start_server(workdir, cluster.layout.admin_kubeconfig, ensurer, profile)
+    proc, port = start_server(workdir, cluster.layout.admin_kubeconfig, ensurer, profile)
+    subject = Subject("gpudra", proc, port, requests)
     pinned = (os.cpu_count() or 1) >= 2 and pin(proc.pid, 0) and pin(0, 1)
     try:
-        result = anyio.run(load, port, pki.ca_bundle, proc.pid, requests)
+        steady = anyio.run(load_interleaved, [subject], pki.ca_bundle)
     finally:
         stop_server(proc)
-    return measured(result["latency"], result["steps"], pinned)
+    return measured(steady[subject.name].summary(), subject.steps, pinned)
 
 
 def measured(latency: dict[str, Any], steps: list[dict[str, Any]], pinned: bool) -> dict[str, Any]:
@@ -740,9 +712,11 @@ class Subject:
 
 
 async def load_interleaved(subjects: Sequence[Subject], ca_pem: bytes) -> dict[str, Step]:
-    """Both servers under the same load, alternating: the 200 requests/s phase in
-    `ROUNDS` rounds, then each rate step for one and then the other (the order flips
-    each time), so a burst of noise on the machine is not all one side's."""
+    """The servers under the same load, alternating: after a warm-up (connections,
+    first template creations, code paths), the 200 requests/s phase in `ROUNDS` rounds,
+    then each rate step for one and then the next (the order flips each time), so a
+    burst of noise on the machine is not all one side's. One server alone runs the same
+    phases back to back."""
     latency_s = float(os.environ.get("BENCH_LATENCY_S", "20"))
     step_s = float(os.environ.get("BENCH_STEP_S", "5"))
     pools = {s.name: Pool(s.port, ca_pem, POOL) for s in subjects}
