@@ -633,9 +633,10 @@ def register_node(
 
 def heartbeat(kube: Kube, name: str, capacity: Mapping[str, str] = NODE_CAPACITY) -> None:
     """What a kubelet reports: Ready with capacity (a device plugin's resources
-    included, where a caller adds them), plus a renewed node Lease."""
+    included, where a caller adds them), plus a renewed node Lease. The Lease is owned
+    by its Node, as the kubelet makes it, so deleting a fake node removes its Lease."""
     now = _now()
-    kube.patch_status(
+    node = kube.patch_status(
         "Node",
         name,
         {
@@ -670,7 +671,13 @@ def heartbeat(kube: Kube, name: str, capacity: Mapping[str, str] = NODE_CAPACITY
     lease = {
         "apiVersion": "coordination.k8s.io/v1",
         "kind": "Lease",
-        "metadata": {"name": name, "namespace": "kube-node-lease"},
+        "metadata": {
+            "name": name,
+            "namespace": "kube-node-lease",
+            "ownerReferences": [
+                {"apiVersion": "v1", "kind": "Node", "name": name, "uid": node["metadata"]["uid"]}
+            ],
+        },
         "spec": {"holderIdentity": name, "leaseDurationSeconds": 40, "renewTime": _micro_now()},
     }
     kube.apply(lease, manager="gpudra-harness")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from e2e.cluster.harness import REPO, Cluster, Layout
+from e2e.cluster.harness import REPO, Cluster, Layout, register_node
 from e2e.cluster.kube import wait_for
 from e2e.processes import port_free
 from e2e.provider import local_only
@@ -170,4 +170,26 @@ def test_heartbeat_renews_node_leases(cluster: Cluster) -> None:
         "the worker-1 lease to be renewed",
         lambda: kube.request("GET", path)["spec"]["renewTime"] != first,
         timeout=20,
+    )
+
+
+def test_deleting_a_fake_node_removes_its_lease(cluster: Cluster) -> None:
+    """Benchmarks register hundreds of fake nodes and delete them; their Leases must go
+    with them (owned by the Node, as the kubelet makes them), or every run leaves a
+    namespace full of them behind."""
+    kube = cluster.kube()
+    name = "harness-lease-owner"
+    register_node(kube, name)
+    lease = kube.get_or_none("Lease", name, "kube-node-lease")
+    node = kube.get_or_none("Node", name)
+    assert lease is not None and node is not None
+    owners = lease["metadata"]["ownerReferences"]
+    assert [(o["kind"], o["name"], o["uid"]) for o in owners] == [
+        ("Node", name, node["metadata"]["uid"])
+    ]
+    kube.delete("Node", name)
+    wait_for(
+        "the deleted node's Lease to be garbage-collected",
+        lambda: kube.get_or_none("Lease", name, "kube-node-lease") is None,
+        timeout=60,
     )
