@@ -57,6 +57,7 @@ from typing import Any
 
 import anyio
 import anyio.to_thread
+import gpudra
 from gpudra.common.files import atomic_write
 from gpudra.common.kube import Kube as KubeAsync
 from gpudra.driver.claimreader import ApiClaims
@@ -88,6 +89,76 @@ def cpu_seconds(pid: int) -> float | None:
         return None
     # After the command name: state is field 3, utime 14 and stime 15 (1-based).
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def thread_cpu(pid: int) -> dict[int, tuple[str, float, float]]:
+    """Each live thread of a process: thread ID -> (name, user s, system s)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except OSError:
+        return {}
+    for task in tasks:
+        try:
+            stat = (task / "stat").read_text()
+        except OSError:
+            continue  # ended meanwhile
+        name = stat[stat.index("(") + 1 : stat.rindex(")")]
+        fields = stat.rpartition(")")[2].split()
+        out[int(task.name)] = (name, int(fields[11]) / tick, int(fields[12]) / tick)
+    return out
+
+
+class ProfileWindow:
+    """The node process's CPU over the measured cycles only: the event-loop thread's
+    profile (`bench.nodeprofile`, switched on and off by signal) and each thread's user
+    and system time from /proc, grouped as the event-loop (main) thread, Python worker
+    threads (the file and NVML calls anyio hands off) and the rest by name (gRPC's
+    core threads)."""
+
+    def __init__(self, proc: subprocess.Popen[bytes], path: Path) -> None:
+        self._proc = proc
+        self._path = path
+        self._before: dict[int, tuple[str, float, float]] = {}
+        self._name = ""
+
+    def start(self) -> None:
+        self._name = Path(f"/proc/{self._proc.pid}/comm").read_text().strip()
+        self._before = thread_cpu(self._proc.pid)
+        self._proc.send_signal(signal.SIGUSR1)
+
+    async def stop(self, cycles: int) -> dict[str, dict[str, float]]:
+        """Per thread group: user and system ms per cycle; the profile is on disk after."""
+        groups = self._groups(thread_cpu(self._proc.pid), cycles)
+        self._proc.send_signal(signal.SIGUSR2)
+        with anyio.fail_after(30):
+            while not self._path.exists():  # noqa: ASYNC110 - another process writes it
+                await anyio.sleep(0.1)
+        return groups
+
+    def _groups(
+        self, after: dict[int, tuple[str, float, float]], cycles: int
+    ) -> dict[str, dict[str, float]]:
+        groups: dict[str, list[float]] = {}
+        for tid, (name, user, system) in after.items():
+            _, user0, system0 = self._before.get(tid, (name, 0.0, 0.0))
+            if tid == self._proc.pid:
+                group = "event_loop_thread"
+            elif name == self._name:
+                group = "python_worker_threads"
+            else:
+                group = name
+            total = groups.setdefault(group, [0.0, 0.0])
+            total[0] += user - user0
+            total[1] += system - system0
+        return {
+            group: {
+                "user": round(user * 1000 / cycles, 3),
+                "system": round(system * 1000 / cycles, 3),
+            }
+            for group, (user, system) in sorted(groups.items(), key=lambda kv: -sum(kv[1]))
+        }
 
 
 class CpuMeter:
@@ -414,15 +485,18 @@ async def main(
         if name in ("kube-apiserver", "etcd")
     }
     env = {**os.environ, "KUBECONFIG": str(cluster.layout.admin_kubeconfig), "NODE_NAME": NODE}
-    # Optional: BENCH_PROFILE=<file> writes a cProfile of the node process.
+    # Optional: BENCH_PROFILE=<file> writes a profile of the node's event loop over the
+    # measured cycles (ProfileWindow).
     profile = profile or os.environ.get("BENCH_PROFILE")
-    runner = ["-m", "cProfile", "-o", profile] if profile else []
+    runner = ["-m", "bench.nodeprofile", "--out", profile, "--"] if profile else []
     options = ("--sample-interval", sampling) if sampling else ()
     proc = subprocess.Popen(  # noqa: ASYNC220 - started once, before the measurement
         dirs.command(driver, "--metrics-address", "", *options, runner=runner),
         cwd=REPO,
         env=env,
     )
+    window = ProfileWindow(proc, Path(profile)) if profile else None
+    threads: dict[str, dict[str, float]] | None = None
     result: dict[str, Any] = {}
     try:
         async with contextlib.AsyncExitStack() as stack:
@@ -432,7 +506,11 @@ async def main(
             if binary is None:
                 warm = await drive(kubelet, driver, refs, warmup)
                 meter = CpuMeter({"node": proc.pid, "client": os.getpid(), **control_plane})
+                if window is not None:
+                    window.start()
                 run = await drive(kubelet, driver, refs, cycles)
+                if window is not None:
+                    threads = await window.stop(cycles)
                 run.errors += warm.errors
                 gpudra = Subject("gpudra", registration.endpoint, refs, {"node": proc.pid})
                 gpudra.runs.append(run)
@@ -483,9 +561,13 @@ async def main(
                 per_round = [
                     cycles // rounds + (1 if i < cycles % rounds else 0) for i in range(rounds)
                 ]
+                if window is not None:
+                    window.start()
                 for count in per_round:
                     for subject in subjects:
                         await subject.measure(binary, count, control_plane)
+                if window is not None:
+                    threads = await window.stop(cycles)
             summaries = {subject.name: subject.summary() for subject in subjects}
     finally:
         if proc.poll() is None:
@@ -524,6 +606,7 @@ async def main(
         "ratio_to_floor": to_floor,
         "targets": targets(to_peer, to_floor),
         "sample_interval_s": float(sampling) if sampling else None,
+        **({"node_threads_ms_per_cycle": threads} if threads is not None else {}),
         "cdi_root_on_tmpfs": shm is not None,
         **run_context(kube),
         "load_avg_1m_at_start": round(started_load, 2),
@@ -537,41 +620,64 @@ def missed(result: dict[str, Any]) -> list[str]:
     return [name for name, target in result["targets"].items() if target["met"] is False]
 
 
-def profile_summary(path: Path, cycles: int, top: int = 15) -> list[dict[str, Any]]:
-    """The node process's functions that took the most CPU of their own, per cycle.
+_WAITING = "<method 'poll' of 'select.epoll' objects>"
+"""Where the event loop waits for its next event: wall-clock time, but no CPU."""
 
-    The profile covers the whole life of the process, start included, so the run that
-    writes it is long enough for the cycles to dominate."""
+
+def profile_summary(path: Path, cycles: int, top: int = 15) -> dict[str, Any]:
+    """The event-loop thread's functions per measured cycle: those that took the most
+    time of their own, and gpudra's functions by all the time under them, which say
+    what each step of a prepare or an unprepare costs. The loop's waiting for events
+    is reported apart (`waiting_ms_per_cycle`), not as a function."""
+    package = [f"{folder}{os.sep}" for folder in gpudra.__path__]
     stats = pstats.Stats(str(path))
     rows = []
+    ours = []
+    waiting = 0.0
     for (file, line, name), (_, calls, own, total, _) in stats.stats.items():  # type: ignore[attr-defined]
-        rows.append(
-            {
-                "function": f"{Path(file).name}:{line}({name})",
-                "calls_per_cycle": round(calls / cycles, 2),
-                "own_ms_per_cycle": round(own * 1000 / cycles, 4),
-                "cumulative_ms_per_cycle": round(total * 1000 / cycles, 4),
-            }
-        )
+        if name == _WAITING:
+            waiting += own
+            continue
+        root = next((folder for folder in package if file.startswith(folder)), None)
+        where = file[len(root) :] if root else Path(file).name
+        row = {
+            "function": f"{where}:{line}({name})",
+            "calls_per_cycle": round(calls / cycles, 2),
+            "own_ms_per_cycle": round(own * 1000 / cycles, 4),
+            "cumulative_ms_per_cycle": round(total * 1000 / cycles, 4),
+        }
+        rows.append(row)
+        if root:
+            ours.append(row)
     rows.sort(key=lambda row: row["own_ms_per_cycle"], reverse=True)
-    return rows[:top]
+    ours.sort(key=lambda row: row["cumulative_ms_per_cycle"], reverse=True)
+    return {
+        "waiting_ms_per_cycle": round(waiting * 1000 / cycles, 4),
+        "top_own_time": rows[:top],
+        "top_cumulative_gpudra": ours[:top],
+    }
 
 
 def profile_on_miss(result: dict[str, Any], sampling: str | None) -> None:
-    """Where gpudra misses a target, a second pass of gpudra alone under cProfile says
-    where the node process's CPU goes (`profile_node` in the results)."""
+    """Where gpudra misses a target, a second pass of gpudra alone says where the node
+    process's CPU goes over the measured cycles (`profile_node` in the results): each
+    thread group's user and system time, and a profile of the event-loop thread."""
     if not missed(result) or os.environ.get("BENCH_PROFILE_ON_MISS", "1") == "0":
         return
     with tempfile.TemporaryDirectory(prefix="gdb-profile-") as folder:
         path = Path(folder) / "node.prof"
         profiled = anyio.run(main, sampling, False, str(path))
-        cycles = profiled["cycles"] + int(os.environ.get("BENCH_WARMUP", "40"))
+        cycles = profiled["cycles"]
         result["profile_node"] = {
             "missed": missed(result),
             "cycles": cycles,
-            "note": "cProfile of the agent in a separate pass of gpudra alone (the "
-            "profiler slows it); per cycle, start of the process included",
-            "top_own_cpu": profile_summary(path, cycles) if path.exists() else [],
+            "note": "a separate pass of gpudra alone (the profiler slows it), measured "
+            "cycles only (no start-up or warm-up); per cycle. threads_ms_per_cycle: CPU of "
+            "the node's threads from /proc; the function lists: a cProfile of the "
+            "event-loop thread (wall clock; the loop's waits are waiting_ms_per_cycle)",
+            "cpu_ms_per_cycle": profiled["cpu_ms_per_cycle"],
+            "threads_ms_per_cycle": profiled.get("node_threads_ms_per_cycle"),
+            **profile_summary(path, cycles),
         }
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -53,6 +54,30 @@ async def test_bench_prepare_measures_gpudra_the_peer_and_the_floor_in_rounds(
     }
     assert result["kubernetes_version"].startswith("v1.")
     assert result["commit"] and result["cpus"] == os.cpu_count()
+
+
+def test_profile_pass_says_where_the_node_spends_its_measured_cycles(
+    cluster: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name, value in {"BENCH_CYCLES": "40", "BENCH_WARMUP": "8", "BENCH_ROUNDS": "1"}.items():
+        monkeypatch.setenv(name, value)
+    result: dict[str, Any] = {"targets": {"p50_vs_floor": {"met": False}}}
+    prepare.profile_on_miss(result, None)
+
+    profile = result["profile_node"]
+    assert (profile["missed"], profile["cycles"]) == (["p50_vs_floor"], 40)
+    threads = profile["threads_ms_per_cycle"]
+    assert threads["event_loop_thread"]["user"] > 0
+    assert "python_worker_threads" in threads  # the checkpoint is written in one
+    # The profile covers the measured cycles only: the gRPC handlers top gpudra's
+    # functions. Over the process's whole life, start-up (the CLI's main, discovery,
+    # recovery) would outweigh 40 cycles.
+    functions = [row["function"] for row in profile["top_cumulative_gpudra"]]
+    assert functions[0].startswith("driver/plugin.py:")
+    assert any(f.endswith("(NodePrepareResources)") for f in functions)
+    assert not any(f.startswith("cli/") for f in functions)
+    assert profile["waiting_ms_per_cycle"] >= 0
+    assert all(row["own_ms_per_cycle"] >= 0 for row in profile["top_own_time"])
 
 
 def test_bench_webhook_compares_claim_validation_with_the_peer_on_the_same_claims(
