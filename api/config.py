@@ -695,7 +695,7 @@ def resolve_config(
             if not bound.applies_to(request_name):
                 continue
             if not isinstance(bound.config, wanted):
-                kind = GPU_CONFIG_KIND if wanted is GpuConfig else MIG_DEVICE_CONFIG_KIND
+                kind = wanted().kind  # an error: building the default costs nothing here
                 raise ConfigError(
                     [
                         ConfigIssue(

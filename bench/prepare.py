@@ -81,33 +81,37 @@ NODE = "worker-1"
 GPUS = 8
 
 
-def cpu_seconds(pid: int) -> float | None:
-    """User plus system CPU time of a process (all its threads), None once it is gone."""
+def _stat_times(stat: Path) -> tuple[str, float, float] | None:
+    """(name, user s, system s) from a /proc stat file of a process or a thread; None
+    once it is gone."""
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+        text = stat.read_text()
     except OSError:
         return None
+    name, _, rest = text[text.index("(") + 1 :].rpartition(")")
+    fields = rest.split()
     # After the command name: state is field 3, utime 14 and stime 15 (1-based).
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    tick = os.sysconf("SC_CLK_TCK")
+    return name, int(fields[11]) / tick, int(fields[12]) / tick
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """User plus system CPU time of a process (all its threads), None once it is gone."""
+    times = _stat_times(Path(f"/proc/{pid}/stat"))
+    return times[1] + times[2] if times is not None else None
 
 
 def thread_cpu(pid: int) -> dict[int, tuple[str, float, float]]:
     """Each live thread of a process: thread ID -> (name, user s, system s)."""
-    tick = os.sysconf("SC_CLK_TCK")
-    out = {}
     try:
         tasks = list(Path(f"/proc/{pid}/task").iterdir())
     except OSError:
         return {}
-    for task in tasks:
-        try:
-            stat = (task / "stat").read_text()
-        except OSError:
-            continue  # ended meanwhile
-        name = stat[stat.index("(") + 1 : stat.rindex(")")]
-        fields = stat.rpartition(")")[2].split()
-        out[int(task.name)] = (name, int(fields[11]) / tick, int(fields[12]) / tick)
-    return out
+    return {
+        int(task.name): times
+        for task in tasks
+        if (times := _stat_times(task / "stat")) is not None  # None: ended meanwhile
+    }
 
 
 class ProfileWindow:
