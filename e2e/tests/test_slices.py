@@ -11,7 +11,7 @@ import anyio
 import pytest
 import yaml
 from gpudra.common.kube import Kube
-from gpudra.driver.slices import PoolContent, SliceController, SliceLimits
+from gpudra.driver.slices import SLICES, PoolContent, SliceController, SliceLimits
 
 from e2e.cluster.harness import Cluster
 from e2e.proxy import Proxy
@@ -185,6 +185,23 @@ async def test_bad_inventory_keeps_the_published_pool(akube: Kube) -> None:
     await _cleanup(akube, driver)
 
 
+async def test_a_newer_generation_written_by_someone_else_is_superseded(akube: Kube) -> None:
+    driver = f"t{secrets.token_hex(3)}.gpudra.dev"
+    ctl = SliceController(akube, driver=driver, node=NODE, source=Pool(PoolContent(gpus(200))))
+    async with anyio.create_task_group() as tg:
+        await tg.start(ctl.run)
+        await eventually("publish", lambda: _ok(akube, driver, 200))
+        first, _second = await slices_of(akube, driver)
+        gen = first["spec"]["pool"]["generation"]
+        # Another writer claims the pool with a later generation in one slice: the
+        # controller republishes the whole pool above it, so no slice of ours is stale.
+        first["spec"]["pool"]["generation"] = gen + 5
+        await akube.request("PUT", f"{SLICES}/{first['metadata']['name']}", first)
+        await eventually("superseded", lambda: _at_generation(akube, driver, 200, gen + 6))
+        tg.cancel_scope.cancel()
+    await _cleanup(akube, driver)
+
+
 async def test_rides_out_an_api_server_outage(cluster: Cluster, tmp_path: Path) -> None:
     driver = f"t{secrets.token_hex(3)}.gpudra.dev"
     # The API server's port on this machine, from the kubeconfig: kind maps it there too.
@@ -214,6 +231,11 @@ async def test_rides_out_an_api_server_outage(cluster: Cluster, tmp_path: Path) 
     await _cleanup(direct, driver)
     await k.close()
     await direct.close()
+
+
+async def _at_generation(k: Kube, driver: str, n: int, generation: int) -> bool:
+    items = await slices_of(k, driver)
+    return whole_pool(items, n) and items[0]["spec"]["pool"]["generation"] == generation
 
 
 async def _true(v: Any) -> Any:
