@@ -169,6 +169,8 @@ def test_bench_slices_runs_nodes_in_worker_processes_and_measures_the_floor(
         result["converge_s"] / floor["converge_s"], rel=0.05
     )
     assert result["agent_rss_mib"] > 0
+    rss = result["control_plane_rss_mib_at_start"]
+    assert set(rss) == {"kube-apiserver", "etcd"} and all(v > 0 for v in rss.values())
     assert set(result["targets"]) == {"converge_vs_floor", "steady_writes", "agent_rss_mib"}
     # Nothing of the bench is left.
     kube = cluster.kube()
