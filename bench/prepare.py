@@ -101,6 +101,16 @@ def cpu_seconds(pid: int) -> float | None:
     return times[1] + times[2] if times is not None else None
 
 
+def control_plane_pids(cluster: Cluster) -> dict[str, int]:
+    """The pids of kube-apiserver and etcd: the control plane a floor is measured on."""
+    state = State.load(cluster.layout.state)
+    return {
+        name: pid
+        for name, pid in (state.pids if state else {}).items()
+        if name in ("kube-apiserver", "etcd")
+    }
+
+
 def thread_cpu(pid: int) -> dict[int, tuple[str, float, float]]:
     """Each live thread of a process: thread ID -> (name, user s, system s)."""
     try:
@@ -482,12 +492,7 @@ async def main(
     if peer_bins is not None:
         create_driver_namespace(kube, peers.PEER_DRIVER, peer_namespace)
     started_load = os.getloadavg()[0]
-    state = State.load(cluster.layout.state)
-    control_plane = {
-        name: pid
-        for name, pid in (state.pids if state else {}).items()
-        if name in ("kube-apiserver", "etcd")
-    }
+    control_plane = control_plane_pids(cluster)
     env = {**os.environ, "KUBECONFIG": str(cluster.layout.admin_kubeconfig), "NODE_NAME": NODE}
     # Optional: BENCH_PROFILE=<file> writes a profile of the node's event loop over the
     # measured cycles (ProfileWindow).

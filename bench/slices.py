@@ -55,9 +55,9 @@ from gpudra.driver.agent import AgentConfig, NodeAgent
 from gpudra.driver.devices import MigStrategy
 from gpudra.driver.nvml import load_nvml
 
-from bench.prepare import cpu_seconds
+from bench.prepare import control_plane_pids, cpu_seconds
 from bench.runinfo import load_avg, run_context
-from e2e.cluster.harness import REPO, Cluster, State, register_node
+from e2e.cluster.harness import REPO, Cluster, register_node
 from e2e.cluster.kube import Kube as SyncKube
 from e2e.cluster.kube import wait_for
 from e2e.node_process import NodeDirs
@@ -185,19 +185,9 @@ def release(procs: list[subprocess.Popen[str]]) -> None:
         proc.stdin.flush()
 
 
-def control_plane(cluster: Cluster) -> dict[str, int]:
-    """The pids of kube-apiserver and etcd: the floor is their CPU."""
-    state = State.load(cluster.layout.state)
-    return {
-        name: pid
-        for name, pid in (state.pids if state else {}).items()
-        if name in ("kube-apiserver", "etcd")
-    }
-
-
 def control_plane_cpu(cluster: Cluster) -> float:
     """kube-apiserver's and etcd's CPU seconds so far."""
-    return sum(cpu_seconds(pid) or 0.0 for pid in control_plane(cluster).values())
+    return sum(cpu_seconds(pid) or 0.0 for pid in control_plane_pids(cluster).values())
 
 
 def process_rss_mib(pid: int) -> float | None:
@@ -260,7 +250,7 @@ def main() -> dict[str, Any]:
     load_start = load_avg()
     # The control plane's state moves its CPU per write, and so the floor: one that
     # earlier runs left large spent 20 to 22 CPU-s on the 200-node run, a fresh one 11 to 16.
-    rss_start = {name: process_rss_mib(pid) for name, pid in control_plane(cluster).items()}
+    rss_start = {name: process_rss_mib(pid) for name, pid in control_plane_pids(cluster).items()}
     names = node_names(n_nodes)
     for n in names:
         register_node(sync, n)
