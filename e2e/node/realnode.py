@@ -295,12 +295,16 @@ def cgroup_dirs(cgroup_root: str) -> list[Path]:
 
 
 def _procs_in(cg: Path) -> set[int]:
+    """The pids in `cg` and every cgroup under it; none when it does not exist.
+
+    Containers exit while this walks, and their cgroups go with them: `os.walk` skips
+    a folder that vanished after it was listed, where `Path.rglob` raises.
+    """
     pids: set[int] = set()
-    if not cg.is_dir():
-        return pids
-    for procs in cg.rglob("cgroup.procs"):
-        with contextlib.suppress(OSError, ValueError):
-            pids.update(int(p) for p in procs.read_text().split())
+    for folder, _subfolders, files in os.walk(cg):
+        if "cgroup.procs" in files:
+            with contextlib.suppress(OSError, ValueError):
+                pids.update(int(p) for p in Path(folder, "cgroup.procs").read_text().split())
     return pids
 
 
@@ -322,9 +326,11 @@ def _remove_cgroups(cgroup_root: str) -> list[str]:
     for top in cgroup_dirs(cgroup_root):
         if not top.is_dir():
             continue
-        for d in sorted((p for p in top.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)):
-            with contextlib.suppress(OSError):
-                d.rmdir()
+        # Bottom-up: each cgroup after the ones under it; one that vanished is skipped.
+        for folder, _subfolders, _files in os.walk(top, topdown=False):
+            if folder != str(top):
+                with contextlib.suppress(OSError):
+                    Path(folder).rmdir()
         try:
             top.rmdir()
         except OSError:
