@@ -37,7 +37,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from e2e.cache import cache_root
-from e2e.node.realnode import SYSCTLS, _restore_sysctls, cgroup_mounts
+from e2e.node.realnode import (
+    SYSCTLS,
+    _restore_sysctls,
+    cgroup_mounts,
+    kill_cgroups,
+    remove_cgroups,
+)
 from e2e.processes import alive, spawn_logged, stop_pid
 from e2e.progress import step
 
@@ -331,25 +337,8 @@ def kill_cgroup(name: str, timeout: float = 10.0) -> None:
     """Kills every process under cgroup `name` in each hierarchy, then removes the
     cgroups, deepest first."""
     dirs = [mp / name for mp in cgroup_mounts() if (mp / name).is_dir()]
-    deadline = time.monotonic() + timeout
-    while dirs and time.monotonic() < deadline:
-        pids: set[int] = set()
-        for d in dirs:
-            for procs in d.rglob("cgroup.procs"):
-                with contextlib.suppress(OSError, ValueError):
-                    pids.update(int(p) for p in procs.read_text().split())
-        if not pids:
-            break
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, 9)
-        time.sleep(0.2)
-    for top in dirs:
-        for d in sorted((p for p in top.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)):
-            with contextlib.suppress(OSError):
-                d.rmdir()
-        with contextlib.suppress(OSError):
-            top.rmdir()
+    kill_cgroups(dirs, timeout)
+    remove_cgroups(dirs)
 
 
 def start_problem() -> str | None:

@@ -308,11 +308,14 @@ def _procs_in(cg: Path) -> set[int]:
     return pids
 
 
-def _kill_cgroup_tree(cgroup_root: str, timeout: float = 10.0) -> None:
-    """Every process in the node's cgroups is a container process of this node."""
+def kill_cgroups(dirs: list[Path], timeout: float = 10.0) -> None:
+    """Kills every process in `dirs` and the cgroups under them, until none is left.
+
+    For cgroups that hold only what a test node started (its containers, or a
+    private engine's), never a host's."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        pids = set().union(*(_procs_in(d) for d in cgroup_dirs(cgroup_root)))
+        pids = set().union(*(_procs_in(d) for d in dirs))
         if not pids:
             return
         for pid in pids:
@@ -321,9 +324,11 @@ def _kill_cgroup_tree(cgroup_root: str, timeout: float = 10.0) -> None:
         time.sleep(0.1)
 
 
-def _remove_cgroups(cgroup_root: str) -> list[str]:
+def remove_cgroups(dirs: list[Path]) -> list[str]:
+    """Removes `dirs` and the cgroups under them, deepest first; returns those of
+    `dirs` that could not go (a process still in them)."""
     left = []
-    for top in cgroup_dirs(cgroup_root):
+    for top in dirs:
         if not top.is_dir():
             continue
         # Bottom-up: each cgroup after the ones under it; one that vanished is skipped.
@@ -462,13 +467,13 @@ class RealNode:
         for name, pid in state.pids.items():
             if name not in ("kubelet", "containerd"):
                 stop_pid(pid, state.cmdlines.get(name, ""))
-        _kill_cgroup_tree(state.cgroup_root)
+        kill_cgroups(cgroup_dirs(state.cgroup_root))
         for pid in _shim_pids(self.layout.containerd_sock):
             stop_pid(pid, "containerd-shim", timeout=3)
         if "containerd" in state.pids:
             stop_pid(state.pids["containerd"], state.cmdlines.get("containerd", ""))
         stuck = _unmount_all(self.layout.root)
-        left = _remove_cgroups(state.cgroup_root)
+        left = remove_cgroups(cgroup_dirs(state.cgroup_root))
         _restore_sysctls(state.sysctls)
         self._clean_host_paths(state)
         if kube is not None:
