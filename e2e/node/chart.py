@@ -257,11 +257,21 @@ class ChartStack(NodeGpus):
 
     @contextlib.contextmanager
     def api_unreachable(self) -> Iterator[None]:
-        self._roll(self.values(api_port=1))
+        """Only the agent loses the API. `kubernetesApi` is the webhook's too, and its
+        pod, rolled to the wrong address, would never be ready without the API (nor
+        would the one rolled back be at once), leaving pod admission without endpoints:
+        its Deployment is paused meanwhile, and the webhook is ready again after."""
+        kube = self.node.cluster.kube()
+        _pause_webhook(kube, paused=True)
         try:
-            yield
+            self._roll(self.values(api_port=1))
+            try:
+                yield
+            finally:
+                self._roll(self.values())
         finally:
-            self._roll(self.values())
+            _pause_webhook(kube, paused=False)
+            wait_for("the webhook ready", lambda: _webhook_ready(kube), timeout=180)
 
     # --- what differs on kind (e2e/kind/gpus.py) -----------------------------------
 
@@ -417,13 +427,29 @@ def _agent(pod: dict[str, Any]) -> bool:
     )
 
 
-def _webhook_ready(kube: Kube) -> bool:
-    """Its configuration carries the CA (tls.source self) and a replica is ready."""
-    deployments = [
+def _webhook_deployments(kube: Kube) -> list[dict[str, Any]]:
+    return [
         d
         for d in kube.list("Deployment", NAMESPACE)
         if d["metadata"].get("labels", {}).get("app.kubernetes.io/component") == "webhook"
     ]
+
+
+def _pause_webhook(kube: Kube, *, paused: bool) -> None:
+    """A paused Deployment keeps its pods through template changes (helm leaves the
+    field alone: the chart does not set it)."""
+    for d in _webhook_deployments(kube):
+        kube.request(
+            "PATCH",
+            kube.path("Deployment", NAMESPACE, d["metadata"]["name"]),
+            {"spec": {"paused": paused}},
+            content_type="application/merge-patch+json",
+        )
+
+
+def _webhook_ready(kube: Kube) -> bool:
+    """Its configuration carries the CA (tls.source self) and a replica is ready."""
+    deployments = _webhook_deployments(kube)
     ready = bool(deployments) and all(
         d.get("status", {}).get("readyReplicas", 0) >= 1 for d in deployments
     )
