@@ -22,9 +22,20 @@ TLS connections, list, watch and writes. `cpu_s_to_converge.node_workers` is the
 workers' CPU inside the clock; `node_workers_setup`, what they spent before it.
 
 The floor: the API server's and etcd's CPU time per slice write, measured during the
-same convergence, times the writes the nodes need (one per slice), over the cores: how
-long convergence would take if the API server were the only work on the machine.
-Target: `converge_s` within 1.2x of it.
+same convergence, times the writes the nodes need (one per slice), over the API
+server's cores: how long convergence would take if the API server were the only work
+on its cores. Target: `converge_s` within 1.2x of it.
+
+The cores (`BENCH_CORES`): on a real cluster the agents run on their own nodes, not on
+the API server's cores. `split` (the default, with two cores or more) gives that to the
+simulated nodes: for the convergence, kube-apiserver and etcd are held to the lower
+half of the cores and everything else of the bench (the node workers, the scheduler,
+the controller-manager, the fake nodes' heartbeat and this process) to the upper half;
+the floor is then over the API server's half. `shared` leaves every process on every
+core, as the whole cluster on one small machine, and the floor over all of them: there
+the workers' CPU comes on top of the API server's on the same cores, so the ratio is
+about 1 + workers / control plane and says more about the simulation than about the
+driver. `cores` in the results names the layout and the cores each side was seen on.
 
 `agent_rss_mib` is one real `gpudra node` process on the same emulated GPUs, with its
 NVML watcher and kubelet plugin: what one node's agent costs in memory (target: under
@@ -55,9 +66,10 @@ from gpudra.driver.agent import AgentConfig, NodeAgent
 from gpudra.driver.devices import MigStrategy
 from gpudra.driver.nvml import load_nvml
 
+from bench.cores import Pinning, affinity, split_cores, usable_cores
 from bench.prepare import control_plane_pids, cpu_seconds
 from bench.runinfo import load_avg, run_context
-from e2e.cluster.harness import REPO, Cluster, register_node
+from e2e.cluster.harness import REPO, Cluster, State, register_node
 from e2e.cluster.kube import Kube as SyncKube
 from e2e.cluster.kube import wait_for
 from e2e.node_process import NodeDirs
@@ -86,7 +98,8 @@ async def worker(kubeconfig: str, names: list[str], profile: str, steady_s: floa
     hold still, report again.
 
     Reports are JSON lines on stdout: {"ready": CPU seconds so far} once the agents are
-    built; then, after a line on stdin releases the worker, {"converged": wall time,
+    built; then, after a line on stdin asks for it, {"cores": the cores it may run on};
+    then, after a line on stdin releases the worker, {"converged": wall time,
     "writes": n, "rss_mb", "cpu_s": CPU seconds since the release}, then
     {"steady_writes": n} after `steady_s` at rest."""
     kube = await Kube.connect(kubeconfig, max_connections=None)
@@ -105,6 +118,11 @@ async def worker(kubeconfig: str, names: list[str], profile: str, steady_s: floa
     print(json.dumps({"ready": setup_cpu}), flush=True)
     if not await anyio.to_thread.run_sync(sys.stdin.readline):
         await kube.close()  # stdin closed: the parent is gone, nobody waits for us
+        return
+    # Seen from inside, once the parent has placed it: what the results report.
+    print(json.dumps({"cores": sorted(os.sched_getaffinity(0))}), flush=True)
+    if not await anyio.to_thread.run_sync(sys.stdin.readline):
+        await kube.close()
         return
     start_cpu = cpu_s()
     async with anyio.create_task_group() as tg:
@@ -177,12 +195,42 @@ def wait_ready(procs: list[subprocess.Popen[str]]) -> list[float] | None:
     return setup
 
 
+def cores_seen(procs: list[subprocess.Popen[str]]) -> list[list[int]]:
+    """The cores each ready worker sees itself on, asked before the clock starts."""
+    seen = []
+    for proc in procs:
+        assert proc.stdin is not None and proc.stdout is not None
+        proc.stdin.write("cores?\n")
+        proc.stdin.flush()
+        seen.append(json.loads(proc.stdout.readline() or '{"cores": []}')["cores"])
+    return seen
+
+
 def release(procs: list[subprocess.Popen[str]]) -> None:
     """Let every ready worker start its nodes, all at once."""
     for proc in procs:
         assert proc.stdin is not None
         proc.stdin.write("go\n")
         proc.stdin.flush()
+
+
+def place(
+    pinning: Pinning, cluster: Cluster, workers: list[subprocess.Popen[str]]
+) -> tuple[frozenset[int], frozenset[int]]:
+    """Hold kube-apiserver and etcd to the lower half of the cores and the rest of the
+    bench (workers, the cluster's other processes, this one) to the upper half; the
+    module docstring says why. Returns both halves."""
+    halves = split_cores(usable_cores())
+    assert halves is not None
+    api_side, node_side = halves
+    api = control_plane_pids(cluster)
+    state = State.load(cluster.layout.state)
+    others = [pid for pid in (state.pids if state else {}).values() if pid not in api.values()]
+    for pid in api.values():
+        pinning.pin(pid, api_side)
+    for pid in [*others, *(proc.pid for proc in workers), 0]:
+        pinning.pin(pid, node_side)
+    return api_side, node_side
 
 
 def control_plane_cpu(cluster: Cluster) -> float:
@@ -242,6 +290,11 @@ def main() -> dict[str, Any]:
     processes = int(os.environ.get("BENCH_PROCESSES", "0")) or math.ceil(
         n_nodes / NODES_PER_PROCESS
     )
+    mode = os.environ.get("BENCH_CORES", "split")
+    if mode not in ("split", "shared"):
+        raise SystemExit(f"BENCH_CORES={mode!r}: use split (the default) or shared")
+    if split_cores(usable_cores()) is None:
+        mode = "shared"  # one core: nothing to split
     cluster = Cluster()
     if not cluster.is_up():
         cluster.up()
@@ -258,21 +311,26 @@ def main() -> dict[str, Any]:
         sync.delete("ResourceSlice", o["metadata"]["name"])
 
     procs = spawn_workers(kubeconfig, names, processes, profile, steady_s)
-    setup = wait_ready(procs)
-    # The clock starts at the release, not at the spawn (the module docstring says why).
-    cpu_start, t0 = control_plane_cpu(cluster), time.time()
-    reports = []
-    if setup is not None:
-        release(procs)
-        for proc in procs:
-            assert proc.stdout is not None
-            reports.append(json.loads(proc.stdout.readline() or "{}"))
+    api_pids = control_plane_pids(cluster)
+    reports: list[dict[str, Any]] = []
+    with Pinning() as pinning:
+        setup = wait_ready(procs)
+        halves = place(pinning, cluster, procs) if mode == "split" and setup is not None else None
+        workers_on = cores_seen(procs) if setup is not None else []
+        # The clock starts at the release, not at the spawn (the module docstring says why).
+        cpu_start, t0 = control_plane_cpu(cluster), time.time()
+        if setup is not None:
+            release(procs)
+            for proc in procs:
+                assert proc.stdout is not None
+                reports.append(json.loads(proc.stdout.readline() or "{}"))
+        cpu_converge = control_plane_cpu(cluster) - cpu_start
+        api_on = {name: affinity(pid) for name, pid in api_pids.items()}
     if setup is None or not all("converged" in r for r in reports):
         for proc in procs:
             proc.kill()
         raise SystemExit("bench-slices: a worker process failed before its nodes converged")
     converged_at = max(r["converged"] for r in reports)
-    cpu_converge = control_plane_cpu(cluster) - cpu_start
     converge_s = converged_at - t0
     writes = sum(r["writes"] for r in reports)
 
@@ -306,7 +364,7 @@ def main() -> dict[str, Any]:
         sync.delete("Node", n)
     agent_rss = agent_rss_mib(sync, kubeconfig, profile)
 
-    cores = os.cpu_count() or 1
+    cores = len(halves[0]) if halves else len(usable_cores())
     per_write = cpu_converge / writes if writes else None
     floor_s = per_write * len(items) / cores if per_write is not None else None
     return {
@@ -336,8 +394,17 @@ def main() -> dict[str, Any]:
             "control_plane_cpu_ms_per_write": round(per_write * 1000, 3) if per_write else None,
             "writes_needed": len(items),
             "converge_s": round(floor_s, 3) if floor_s is not None else None,
+            "cores": cores,
             "how": "kube-apiserver + etcd CPU during convergence / slice writes, times one "
-            "write per slice, over the cores",
+            "write per slice, over the API server's cores",
+        },
+        # Where each side ran during the convergence, as the processes saw it.
+        "cores": {
+            "layout": mode,
+            "api_server": sorted(halves[0]) if halves else sorted(usable_cores()),
+            "nodes": sorted(halves[1]) if halves else sorted(usable_cores()),
+            "api_server_seen": {n: sorted(c) if c else None for n, c in api_on.items()},
+            "workers_seen": workers_on,
         },
         "ratio_to_floor": round(converge_s / floor_s, 3) if floor_s else None,
         "control_plane_rss_mib_at_start": rss_start,

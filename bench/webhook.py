@@ -62,6 +62,7 @@ from gpudra.webhook.server import (
 from gpudra.webhook.templates import ApiTemplateEnsurer
 
 from bench import peers
+from bench.cores import pin_threads
 from bench.runinfo import run_context
 from e2e.cluster.harness import Cluster
 from e2e.processes import free_port
@@ -621,14 +622,6 @@ def stop_server(proc: subprocess.Popen[bytes]) -> None:
         proc.wait()
 
 
-def pin(pid: int, core: int) -> bool:
-    try:
-        os.sched_setaffinity(pid, {core})
-    except (OSError, AttributeError):
-        return False
-    return True
-
-
 def start_peer(workdir: Path, bins: Path) -> tuple[subprocess.Popen[bytes], int]:
     """The peer's validating webhook on the same certificate, limited to one core from
     its start (so the Go runtime sizes itself for one, as a pod with a 1-CPU limit)."""
@@ -671,7 +664,11 @@ def measure(
     pki, _ = ensure_pki(workdir / "pki", service_dns_names("gpudra-webhook", "gpudra"))
     proc, port = start_server(workdir, cluster.layout.admin_kubeconfig, ensurer, profile)
     subject = Subject("gpudra", proc, port, requests)
-    pinned = (os.cpu_count() or 1) >= 2 and pin(proc.pid, 0) and pin(0, 1)
+    pinned = (
+        (os.cpu_count() or 1) >= 2
+        and pin_threads(proc.pid, frozenset({0}))
+        and pin_threads(0, frozenset({1}))
+    )
     try:
         steady = anyio.run(load_interleaved, [subject], pki.ca_bundle)
     finally:
@@ -767,7 +764,11 @@ def claims_comparison(cluster: Cluster, workdir: Path, count: int = 400) -> dict
         subjects.append(
             Subject("peer", proc, port, build_claim_requests("peer", PEER_VALIDATE_PATH, count))
         )
-        pinned = (os.cpu_count() or 1) >= 2 and pin(subjects[0].proc.pid, 0) and pin(0, 1)
+        pinned = (
+            (os.cpu_count() or 1) >= 2
+            and pin_threads(subjects[0].proc.pid, frozenset({0}))
+            and pin_threads(0, frozenset({1}))
+        )
         steady = anyio.run(load_interleaved, subjects, pki.ca_bundle)
     finally:
         for subject in subjects:

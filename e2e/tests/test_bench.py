@@ -11,6 +11,8 @@ from typing import Any
 import pytest
 
 from bench import peers, prepare, schedule, slices, webhook
+from bench.cores import split_cores, usable_cores
+from bench.prepare import control_plane_pids
 from e2e.cluster.harness import Cluster
 from e2e.provider import local_only
 
@@ -150,12 +152,36 @@ async def test_bench_schedule_refuses_more_pods_than_gpus(monkeypatch: pytest.Mo
         await schedule.main()
 
 
+def thread_cores(pid: int) -> set[frozenset[int]]:
+    """The distinct core sets of a process's threads (one, unless some were moved)."""
+    return {
+        frozenset(os.sched_getaffinity(int(t.name))) for t in Path(f"/proc/{pid}/task").iterdir()
+    }
+
+
 def test_bench_slices_runs_nodes_in_worker_processes_and_measures_the_floor(
     cluster: Cluster, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     for name, value in {"BENCH_NODES": "4", "BENCH_PROCESSES": "2", "BENCH_STEADY_S": "2"}.items():
         monkeypatch.setenv(name, value)
+    api_pids = control_plane_pids(cluster)
+    before = {pid: thread_cores(pid) for pid in api_pids.values()}
     result = slices.main()
+
+    # The API server's side had its own cores during the convergence, as seen from
+    # both sides, and the floor is over those; afterwards every thread is back.
+    halves = split_cores(usable_cores())
+    cores = result["cores"]
+    if halves is None:
+        assert cores["layout"] == "shared"
+    else:
+        assert cores["layout"] == "split"
+        assert (cores["api_server"], cores["nodes"]) == tuple(sorted(h) for h in halves)
+        assert set(cores["api_server_seen"]) == {"kube-apiserver", "etcd"}
+        assert all(seen == cores["api_server"] for seen in cores["api_server_seen"].values())
+        assert cores["workers_seen"] == [cores["nodes"]] * 2
+        assert result["floor"]["cores"] == len(cores["api_server"])
+    assert {pid: thread_cores(pid) for pid in api_pids.values()} == before
 
     assert (result["nodes"], result["processes"]) == (4, 2)
     # Every placement of 8 MIG-capable H100s, on each of the 4 nodes, one write per slice.
