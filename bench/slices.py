@@ -215,22 +215,22 @@ def release(procs: list[subprocess.Popen[str]]) -> None:
 
 
 def place(
-    pinning: Pinning, cluster: Cluster, workers: list[subprocess.Popen[str]]
-) -> tuple[frozenset[int], frozenset[int]]:
-    """Hold kube-apiserver and etcd to the lower half of the cores and the rest of the
-    bench (workers, the cluster's other processes, this one) to the upper half; the
-    module docstring says why. Returns both halves."""
-    halves = split_cores(usable_cores())
-    assert halves is not None
+    pinning: Pinning,
+    cluster: Cluster,
+    workers: list[subprocess.Popen[str]],
+    halves: tuple[frozenset[int], frozenset[int]],
+) -> None:
+    """Hold kube-apiserver and etcd to the first half of the cores and the rest of the
+    bench (workers, the cluster's other processes, this one) to the second; the module
+    docstring says why."""
     api_side, node_side = halves
-    api = control_plane_pids(cluster)
+    api = set(control_plane_pids(cluster).values())
     state = State.load(cluster.layout.state)
-    others = [pid for pid in (state.pids if state else {}).values() if pid not in api.values()]
-    for pid in api.values():
+    others = [pid for pid in (state.pids if state else {}).values() if pid not in api]
+    for pid in api:
         pinning.pin(pid, api_side)
     for pid in [*others, *(proc.pid for proc in workers), 0]:
         pinning.pin(pid, node_side)
-    return api_side, node_side
 
 
 def control_plane_cpu(cluster: Cluster) -> float:
@@ -293,8 +293,8 @@ def main() -> dict[str, Any]:
     mode = os.environ.get("BENCH_CORES", "split")
     if mode not in ("split", "shared"):
         raise SystemExit(f"BENCH_CORES={mode!r}: use split (the default) or shared")
-    if split_cores(usable_cores()) is None:
-        mode = "shared"  # one core: nothing to split
+    # None: shared, or one core with nothing to split.
+    halves = split_cores(usable_cores()) if mode == "split" else None
     cluster = Cluster()
     if not cluster.is_up():
         cluster.up()
@@ -315,7 +315,8 @@ def main() -> dict[str, Any]:
     reports: list[dict[str, Any]] = []
     with Pinning() as pinning:
         setup = wait_ready(procs)
-        halves = place(pinning, cluster, procs) if mode == "split" and setup is not None else None
+        if halves is not None and setup is not None:
+            place(pinning, cluster, procs, halves)
         workers_on = cores_seen(procs) if setup is not None else []
         # The clock starts at the release, not at the spawn (the module docstring says why).
         cpu_start, t0 = control_plane_cpu(cluster), time.time()
@@ -400,7 +401,7 @@ def main() -> dict[str, Any]:
         },
         # Where each side ran during the convergence, as the processes saw it.
         "cores": {
-            "layout": mode,
+            "layout": "split" if halves else "shared",
             "api_server": sorted(halves[0]) if halves else sorted(usable_cores()),
             "nodes": sorted(halves[1]) if halves else sorted(usable_cores()),
             "api_server_seen": {n: sorted(c) if c else None for n, c in api_on.items()},
