@@ -14,10 +14,11 @@ reference implementation on the upstream plugin helper, driven the same way: the
 Go client, eight claims allocated by the scheduler on the devices it publishes itself,
 its CDI specs on the same tmpfs, its checkpoint on the same disk. BENCH_PEER=0 skips it.
 
-`floor_get_only` repeats the cycles against a plugin served from this process that only
-reads and checks each claim (the plugin's own claim read, a GET) and answers: the gRPC
-calls and the API server read that every prepare pays, so that the agent's own share
-can be told from what no agent can avoid. BENCH_FLOOR=0 skips it.
+`floor_get_only` repeats the cycles against a plugin served from this process (on the
+event loop `gpudra node` runs on) that only reads and checks each claim (the plugin's
+own claim read, a GET) and answers: the gRPC calls and the API server read that every
+prepare pays, so that the agent's own share can be told from what no agent can avoid.
+BENCH_FLOOR=0 skips it.
 
 The three are measured in BENCH_ROUNDS interleaved rounds (default 3), each taking its
 share of BENCH_CYCLES in turn, so that noise on a shared machine hits all of them
@@ -58,6 +59,7 @@ from typing import Any
 import anyio
 import anyio.to_thread
 import gpudra
+from gpudra.common.eventloop import run_event_loop
 from gpudra.common.files import atomic_write
 from gpudra.common.kube import Kube as KubeAsync
 from gpudra.driver.claimreader import ApiClaims
@@ -675,7 +677,7 @@ def profile_on_miss(result: dict[str, Any], sampling: str | None) -> None:
         return
     with tempfile.TemporaryDirectory(prefix="gdb-profile-") as folder:
         path = Path(folder) / "node.prof"
-        profiled = anyio.run(main, sampling, False, str(path))
+        profiled = run_event_loop(main, sampling, False, str(path))
         cycles = profiled["cycles"]
         result["profile_node"] = {
             "missed": missed(result),
@@ -692,7 +694,7 @@ def profile_on_miss(result: dict[str, Any], sampling: str | None) -> None:
 
 def compare_sampling(intervals: list[str]) -> dict[str, Any]:
     """The same bench with each device sampling interval, one after the other."""
-    runs = {interval: anyio.run(main, interval, False) for interval in intervals}
+    runs = {interval: run_event_loop(main, interval, False) for interval in intervals}
     return {"by_sample_interval_s": runs}
 
 
@@ -705,7 +707,7 @@ if __name__ == "__main__":
         print(json.dumps(compared, indent=2))
         runs = compared["by_sample_interval_s"].values()
         sys.exit(0 if all(r["errors"] == 0 for r in runs) else 1)
-    result = anyio.run(main, sampling)
+    result = run_event_loop(main, sampling)
     profile_on_miss(result, sampling)
     OUT.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(OUT, (json.dumps(result, indent=2) + "\n").encode())

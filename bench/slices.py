@@ -60,6 +60,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+from gpudra.common.eventloop import run_event_loop
 from gpudra.common.files import atomic_write
 from gpudra.common.kube import Kube
 from gpudra.driver.agent import AgentConfig, NodeAgent
@@ -436,7 +437,8 @@ def cli() -> int:
     args = parser.parse_args()
     if args.mode == "worker":
         names = node_names(args.first + args.count)[args.first :]
-        anyio.run(worker, args.kubeconfig, names, args.profile, args.steady_s)
+        # As `gpudra node` runs its agent.
+        run_event_loop(worker, args.kubeconfig, names, args.profile, args.steady_s)
         return 0
     result = main()
     OUT.parent.mkdir(parents=True, exist_ok=True)

@@ -49,6 +49,7 @@ from typing import Any
 
 import anyio
 from gpudra.cli import logs
+from gpudra.common.eventloop import run_event_loop
 from gpudra.common.files import atomic_write
 from gpudra.common.kube import Kube
 from gpudra.webhook.certs import TLS_CERT, TLS_KEY, ensure_pki, service_dns_names
@@ -57,7 +58,6 @@ from gpudra.webhook.server import (
     VALIDATE_CLAIMS_PATH,
     ServerConfig,
     WebhookServer,
-    run_event_loop,
 )
 from gpudra.webhook.templates import ApiTemplateEnsurer
 

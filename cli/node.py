@@ -14,6 +14,7 @@ from pathlib import Path
 import aiohttp
 import anyio
 from gpudra.common.backoff import Backoff
+from gpudra.common.eventloop import run_event_loop
 from gpudra.common.kube import ApiError, Kube
 from gpudra.driver.accounting import DEFAULT_IDLE_BELOW
 from gpudra.driver.agent import AgentConfig
@@ -594,7 +595,7 @@ def run(args: argparse.Namespace) -> int:
             await kube.close()
 
     try:
-        anyio.run(main)
+        run_event_loop(main)
     except BaseExceptionGroup as group:
         # A checkpoint this release cannot read stops recovery before any socket is
         # served; the file is left as it is.

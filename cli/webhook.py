@@ -33,6 +33,7 @@ from gpudra.api.config import (
 from gpudra.api.deviceclasses import mig_profile_class
 from gpudra.api.names import DNS_LABEL_MAX, dns_subdomain_problem
 from gpudra.api.tenants import LabelSelector
+from gpudra.common.eventloop import run_event_loop
 from gpudra.common.kube import Kube
 from gpudra.webhook import registration
 from gpudra.webhook.cabundle import (
@@ -52,7 +53,7 @@ from gpudra.webhook.certs import (
 from gpudra.webhook.convert import DEFAULT_POLICY, ConversionPolicy
 from gpudra.webhook.device_classes import DeviceClassCache
 from gpudra.webhook.renewal import ServingRenewal
-from gpudra.webhook.server import ServerConfig, WebhookServer, run_event_loop
+from gpudra.webhook.server import ServerConfig, WebhookServer
 from gpudra.webhook.templates import ApiClaimReader, ApiTemplateEnsurer
 from gpudra.webhook.tenants import TenantController
 from gpudra.webhook.validate import driver_classes

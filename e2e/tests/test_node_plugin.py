@@ -118,6 +118,13 @@ class NodeProcess:
         self.proc = None
         return code, stderr
 
+    def event_loop(self) -> str:
+        """Whose compiled event loop the running agent has loaded: only
+        `gpudra.common.eventloop` brings uvloop's into a node process."""
+        assert self.proc is not None
+        maps = Path(f"/proc/{self.proc.pid}/maps").read_text()
+        return "uvloop" if "/uvloop/loop." in maps else "asyncio"
+
     def metrics(self) -> str:
         url = f"http://127.0.0.1:{self.metrics_port}/metrics"
         with urllib.request.urlopen(url, timeout=5) as response:
@@ -275,6 +282,8 @@ async def test_pod_claims_are_prepared_through_the_running_node(
                 assert 'gpudra_claim_operations_total{operation="prepare"} 1.0' in metrics
                 assert 'pod="trainer"' in metrics
                 assert f'claim="{claim_ref.name}"' in metrics
+                # As the webhook: the agent's API and gRPC traffic runs on uvloop's loop.
+                assert setup.node.event_loop() == "uvloop"
 
                 async with kubelet.watch_health(driver) as updates:
                     health = await anext(updates)
