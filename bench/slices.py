@@ -218,14 +218,15 @@ def release(procs: list[subprocess.Popen[str]]) -> None:
 def place(
     pinning: Pinning,
     cluster: Cluster,
+    api_pids: dict[str, int],
     workers: list[subprocess.Popen[str]],
     halves: tuple[frozenset[int], frozenset[int]],
 ) -> None:
-    """Hold kube-apiserver and etcd to the first half of the cores and the rest of the
-    bench (workers, the cluster's other processes, this one) to the second; the module
-    docstring says why."""
+    """Hold kube-apiserver and etcd (`api_pids`) to the first half of the cores and the
+    rest of the bench (workers, the cluster's other processes, this one) to the second;
+    the module docstring says why."""
     api_side, node_side = halves
-    api = set(control_plane_pids(cluster).values())
+    api = set(api_pids.values())
     state = State.load(cluster.layout.state)
     others = [pid for pid in (state.pids if state else {}).values() if pid not in api]
     for pid in api:
@@ -317,7 +318,7 @@ def main() -> dict[str, Any]:
     with Pinning() as pinning:
         setup = wait_ready(procs)
         if halves is not None and setup is not None:
-            place(pinning, cluster, procs, halves)
+            place(pinning, cluster, api_pids, procs, halves)
         workers_on = cores_seen(procs) if setup is not None else []
         # The clock starts at the release, not at the spawn (the module docstring says why).
         cpu_start, t0 = control_plane_cpu(cluster), time.time()
