@@ -162,7 +162,14 @@ def _time_slice_users(cp: Checkpoint, gpu_uuid: str, *, excluding: str) -> list[
 
 @dataclass(slots=True)
 class _Guard:
-    lock: anyio.Lock = field(default_factory=anyio.Lock)
+    """Orders the calls for one claim. It is held for one prepare or unprepare and is
+    almost never contended, so a free lock is taken without the turn of the event loop
+    anyio gives by default: that turn bought no fairness here and cost every call a
+    loop iteration (measured: 0.29 to 0.30 ms of device-layer CPU per cycle against
+    0.31 to 0.33 in one process; see docs/performance.md). The checkpoint's lock keeps
+    its turn, which lets other claims' changes join a write."""
+
+    lock: anyio.Lock = field(default_factory=lambda: anyio.Lock(fast_acquire=True))
     users: int = 0
 
 
