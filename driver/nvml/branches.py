@@ -21,6 +21,7 @@ from typing import Final
 import pynvml
 
 __all__ = [
+    "AFTER_R580",
     "EMULATED_BRANCHES",
     "FUNCTIONS_SINCE",
     "GPU_INSTANCE_PROFILES_SINCE",
@@ -45,13 +46,18 @@ FUNCTIONS_SINCE: Final[Mapping[str, int]] = MappingProxyType(
     }
 )
 
+# A branch newer than every one seen: what appeared after R580, in a branch not named yet.
+AFTER_R580: Final = 581
+
 # GPU-instance profile indices (NVML_GPU_INSTANCE_PROFILE_*) newer than R535: the
 # graphics variants and the "no media engine" / "all media engines" variants (R575).
 GPU_INSTANCE_PROFILES_SINCE: Final[Mapping[int, int]] = MappingProxyType(
     {
         pynvml.NVML_GPU_INSTANCE_PROFILE_1_SLICE_GFX: 575,
         pynvml.NVML_GPU_INSTANCE_PROFILE_2_SLICE_GFX: 575,
-        pynvml.NVML_GPU_INSTANCE_PROFILE_3_SLICE_GFX: 575,
+        # Unknown to R580: 580.159.04 answers it INVALID_ARGUMENT (a recording of an
+        # H200, tests/nvml/answers). The branch that added it is not recorded yet.
+        pynvml.NVML_GPU_INSTANCE_PROFILE_3_SLICE_GFX: AFTER_R580,
         pynvml.NVML_GPU_INSTANCE_PROFILE_4_SLICE_GFX: 575,
         pynvml.NVML_GPU_INSTANCE_PROFILE_1_SLICE_NO_ME: 575,
         pynvml.NVML_GPU_INSTANCE_PROFILE_2_SLICE_NO_ME: 575,
@@ -61,7 +67,8 @@ GPU_INSTANCE_PROFILES_SINCE: Final[Mapping[int, int]] = MappingProxyType(
 )
 
 # From this branch on, NVML lists a GPU instance profile's placements while MIG mode is
-# disabled; older branches answer NOT_SUPPORTED. Modelled, not yet seen on a recording.
+# disabled; older branches answer NOT_SUPPORTED. Seen on R580: an H200 with MIG disabled
+# listed every profile's placements (tests/nvml/fixtures/recorded-h200-r580.json).
 PLACEMENTS_WITHOUT_MIG_SINCE: Final = 570
 
 _VERSION = re.compile(r"^\s*(\d+)(?:\.\d+){0,2}\s*$")

@@ -164,6 +164,8 @@ def _record_gpu(
         memory_v1 = nvml.nvmlDeviceGetMemoryInfo(handle)
         memory = {"memoryTotal": int(memory_v1.total), "memoryUsed": int(memory_v1.used)}
     pci = nvml.nvmlDeviceGetPciInfo_v3(handle)
+    # Engine counts are for MIG device handles: a whole GPU's answers NOT_SUPPORTED
+    # (seen on an H200, R580), and the recording keeps 0 for them.
     attrs = read.get("nvmlDeviceGetAttributes", handle)
     arch = int(nvml.nvmlDeviceGetArchitecture(handle))
     product: dict[str, Any] = {

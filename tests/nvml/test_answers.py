@@ -1,0 +1,78 @@
+"""The emulator answers as real GPUs did, call by call.
+
+`answers/*.json` hold what a real GPU's NVML answered to the calls the driver relies on
+(`e2e/gpu_node_check.py`, run on a GPU node): every GPU-instance profile index, offered
+or refused and with which error; a whole GPU's engine counts; GPM support; both memory
+structures; the MIG device maximum. Each names the recording of the same node in
+`fixtures/`; replaying it through the emulator must answer the same. A difference is
+the emulator being wrong about a real driver: fix the emulator, not the answers.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pynvml
+import pytest
+from gpudra.driver.nvml import NvmlEmulator, load_nvml
+
+from e2e.gpu_node_check import ReadOnlyNvml, RefusedCall, nvml_answers
+
+HERE = Path(__file__).parent
+ANSWERS = sorted((HERE / "answers").glob("*.json"))
+
+
+def without_versions(value: Any) -> Any:
+    """Structure versions echo what the caller passed (pynvml leaves some at 0)."""
+    if isinstance(value, dict):
+        return {k: without_versions(v) for k, v in value.items() if k != "version"}
+    return value
+
+
+def test_answers_are_there() -> None:
+    assert ANSWERS, "tests/nvml/answers holds at least one real GPU's answers"
+
+
+@pytest.mark.parametrize("path", ANSWERS, ids=lambda p: p.stem)
+def test_the_emulator_answers_as_the_real_gpu(path: Path) -> None:
+    document = json.loads(path.read_text(encoding="utf-8"))
+    recording = HERE / "fixtures" / document["recording"]
+    expected: dict[str, Any] = document["answers"]
+    got = without_versions(nvml_answers(ReadOnlyNvml(load_nvml(f"emulated:{recording}"))))
+    assert {key: got[key] for key in expected} == expected
+
+
+def test_a_whole_gpu_has_no_engine_counts() -> None:
+    """nvml.h: engine counts are for MIG device handles; a real H200 on R580 answers a
+    whole GPU's handle NOT_SUPPORTED, on every emulated product alike."""
+    nvml = load_nvml("emulated:h100-80gb-hbm3-x8")
+    nvml.nvmlInit()
+    with pytest.raises(pynvml.NVMLError) as raised:
+        nvml.nvmlDeviceGetAttributes(nvml.nvmlDeviceGetHandleByIndex(0))
+    assert raised.value.value == pynvml.NVML_ERROR_NOT_SUPPORTED
+
+
+def test_the_check_refuses_calls_that_change_the_gpu() -> None:
+    emulator = load_nvml("emulated:h100-80gb-mig-r580")
+    assert isinstance(emulator, NvmlEmulator)
+    guarded = ReadOnlyNvml(emulator)
+    guarded.nvmlInit()
+    handle = guarded.nvmlDeviceGetHandleByIndex(0)
+    before = emulator.nvmlDeviceGetMigMode(handle)
+    for call, args in (
+        ("nvmlDeviceSetMigMode", (handle, pynvml.NVML_DEVICE_MIG_DISABLE)),
+        ("nvmlDeviceCreateGpuInstance", (handle, 19)),
+        ("nvmlDeviceSetComputeMode", (handle, 0)),
+    ):
+        with pytest.raises(RefusedCall):
+            getattr(guarded, call)(*args)
+    assert emulator.nvmlDeviceGetMigMode(handle) == before
+    assert dict(guarded.refused) == {
+        "nvmlDeviceSetMigMode": 1,
+        "nvmlDeviceCreateGpuInstance": 1,
+        "nvmlDeviceSetComputeMode": 1,
+    }
+    # The health watcher's event set is allowed: it changes nothing on the GPU.
+    guarded.nvmlEventSetFree(guarded.nvmlEventSetCreate())
