@@ -34,6 +34,7 @@ import json
 import os
 import re
 import shlex
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -41,7 +42,7 @@ import time
 import traceback
 import uuid
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -251,6 +252,22 @@ def _processes(nvml: ReadOnlyNvml) -> Any:
         nvml.nvmlShutdown()
 
 
+async def _cost(step: Callable[[], Awaitable[object]], repeat: int) -> dict[str, float]:
+    """Wall and CPU (all threads) milliseconds of one `step`, the median of `repeat`."""
+    walls: list[float] = []
+    cpus: list[float] = []
+    for _ in range(repeat):
+        wall, cpu = time.perf_counter(), time.process_time()
+        await step()
+        walls.append((time.perf_counter() - wall) * 1e3)
+        cpus.append((time.process_time() - cpu) * 1e3)
+    return {
+        "wall_ms": round(statistics.median(walls), 3),
+        "cpu_ms": round(statistics.median(cpus), 3),
+        "repeat": repeat,
+    }
+
+
 def _driver_root() -> Path:
     """Where the driver's files are: `/`, or a containerised driver's folder."""
     for root in _DRIVER_ROOTS:
@@ -360,6 +377,10 @@ async def _check(
     registry = CollectorRegistry()
     registry.register(DeviceMetrics(sampler, accounting))
     samples: dict[str, Any] = {}
+    report["costs"] = {
+        "sampling_pass": await _cost(sampler.sample_once, args.repeat),
+        "discovery": await _cost(lambda: anyio.to_thread.run_sync(discover, nvml), args.repeat),
+    }
     watcher = NvmlHealthWatcher(nvml, health)
     async with anyio.create_task_group() as group:
         await group.start(watcher.run)
@@ -406,6 +427,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--load", default="", help="a command that keeps the GPU busy")
     parser.add_argument("--load-warmup", type=float, default=12.0, help="seconds before sampling")
     parser.add_argument("--sample-gap", type=float, default=5.0, help="seconds between samples")
+    parser.add_argument("--repeat", type=int, default=20, help="timed runs of each step")
     parser.add_argument("--health-seconds", type=float, default=60.0)
     args = parser.parse_args(argv)
     args.outdir.mkdir(parents=True, exist_ok=True)

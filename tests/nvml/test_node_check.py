@@ -21,6 +21,7 @@ def test_the_check_runs_end_to_end(tmp_path: Path) -> None:
     load = f"{sys.executable} -c pass"
     argv = [str(tmp_path), "--nvml", "emulated:h100-80gb-hbm3-x8", "--load", load]
     argv += ["--load-warmup", "0", "--sample-gap", "0.05", "--health-seconds", "0"]
+    argv += ["--repeat", "2"]
     assert main(argv) == 0
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["refused"] == {}
@@ -35,6 +36,8 @@ def test_the_check_runs_end_to_end(tmp_path: Path) -> None:
     assert [(d["device"], d["held_by"]) for d in held] == [("gpu-0", ["whole-gpu"])]
     assert report["samples"]["load_exit"] == 0
     assert report["health"]["gpu-0"]["healthy"] is True
+    assert report["costs"]["sampling_pass"]["repeat"] == 2
+    assert report["costs"]["discovery"]["cpu_ms"] > 0
     assert report["nvml_calls"]["nvmlEventSetWait_v2"] >= 1 or report["nvml_calls"].get(
         "nvmlEventSetWait"
     )
