@@ -9,8 +9,10 @@ emulator assumes can be compared with what a driver answers. Into OUTDIR it writ
 - `report.json`: discovery and the devices of each MIG strategy, the ResourceSlices
   they make, the driver files and CDI edits a claim gets, a whole-GPU claim prepared
   and unprepared through the `ClaimPreparer` (CDI spec and checkpoint in a scratch
-  folder), sampling idle and under load, the health watcher's events, and every NVML
-  call made, with counts;
+  folder), sampling idle and under load, the health watcher's events, what one
+  sampling pass and one discovery cost, NVML's raw answer to each call the emulator
+  models (`nvml_answers`, kept in `tests/nvml/answers/`), every NVML call made, with
+  counts, and the steps that failed (`errors`);
 - `metrics.txt`: the agent's device and accounting series after the load.
 
 Every NVML call goes through `ReadOnlyNvml`, which refuses those that change the
@@ -119,15 +121,14 @@ class ReadOnlyNvml:
 
 
 def _step(report: dict[str, Any], name: str, fn: Callable[[], Any]) -> Any:
-    """Run one step; its result or its error goes into the report, and the check goes on."""
+    """Run one step and time it; its error goes under `errors`, and the check goes on."""
     started = time.monotonic()
     try:
         value = fn()
     except Exception as err:  # a finding to record, not a reason to stop the others
-        report[name] = {"error": f"{type(err).__name__}: {err}", "trace": traceback.format_exc()}
+        report["errors"][name] = f"{type(err).__name__}: {err}\n{traceback.format_exc()}"
         return None
-    report[name] = value
-    report.setdefault("timings_s", {})[name] = round(time.monotonic() - started, 3)
+    report["timings_s"][name] = round(time.monotonic() - started, 3)
     return value
 
 
@@ -277,8 +278,10 @@ def _driver_root() -> Path:
 
 
 async def _check(
-    args: argparse.Namespace, nvml: ReadOnlyNvml, out: Path, report: dict[str, Any]
+    args: argparse.Namespace, nvml: ReadOnlyNvml, scratch: Path, report: dict[str, Any]
 ) -> None:
+    """Every step, in order; the CDI specs and the checkpoint go under `scratch`."""
+    out: Path = args.outdir
     # A real node's PCIe roots come from sysfs; the emulator knows its own.
     topology = SysfsTopology() if args.nvml == "real" else getattr(nvml.inner, "pci_topology", None)
     document = _step(
@@ -288,13 +291,10 @@ async def _check(
     )
     if document is not None:
         write_recording(out / "recording.json", document)
-        report["recording"] = "recording.json"
     inventory: Inventory | None = _step(report, "discovery", lambda: discover(nvml))
     if inventory is None:
         return
-    report["discovery"] = _step(report, "devices", lambda: _devices(inventory))
-    del report["devices"]
-
+    report["discovery"] = _step(report, "slices", lambda: _devices(inventory))
     report["raw_answers"] = _step(report, "raw_answers", lambda: nvml_answers(nvml))
     root = _driver_root()
     files = find_driver_files(root)
@@ -310,7 +310,6 @@ async def _check(
         "env": dict(edits.env),
     }
 
-    scratch = Path(tempfile.mkdtemp(prefix="gpudra-check-"))
     (scratch / "boot_id").write_text(f"{uuid.uuid4()}\n", encoding="ascii")
     cdi = CdiSpecStore(scratch / "cdi")
     preparer = ClaimPreparer(
@@ -351,6 +350,8 @@ async def _check(
     prepare_ms = (time.perf_counter() - started) * 1e3
     spec_path = cdi.spec_path(uid)
     spec = json.loads(spec_path.read_text()) if spec_path.exists() else None
+    if result.error:
+        report["errors"]["prepare"] = result.error
     report["prepare"] = {
         "error": result.error,
         "ms": round(prepare_ms, 2),
@@ -412,6 +413,8 @@ async def _check(
     (out / "metrics.txt").write_bytes(generate_latest(registry))
 
     unprepared = (await preparer.unprepare([ref]))[uid]
+    if unprepared or spec_path.exists() or prepared():
+        report["errors"]["unprepare"] = unprepared or "the claim's spec or record was left"
     report["unprepare"] = {
         "error": unprepared,
         "spec_left": spec_path.exists(),
@@ -431,10 +434,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--health-seconds", type=float, default=60.0)
     args = parser.parse_args(argv)
     args.outdir.mkdir(parents=True, exist_ok=True)
-    report: dict[str, Any] = {"t0": time.monotonic(), "python": sys.version}
+    report: dict[str, Any] = {
+        "t0": time.monotonic(),
+        "python": sys.version,
+        "errors": {},
+        "timings_s": {},
+    }
     nvml = ReadOnlyNvml(load_nvml(args.nvml))
     try:
-        anyio.run(_check, args, nvml, args.outdir, report)
+        with tempfile.TemporaryDirectory(prefix="gpudra-check-") as scratch:
+            anyio.run(_check, args, nvml, Path(scratch), report)
     except Exception as err:
         report["fatal"] = f"{type(err).__name__}: {err}"
         report["trace"] = traceback.format_exc()
@@ -448,7 +457,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             report["smi"] = str(err)
     report["env"] = {k: v for k, v in os.environ.items() if k.startswith(("NVIDIA", "CUDA"))}
     (args.outdir / "report.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
-    failed = [k for k, v in report.items() if isinstance(v, dict) and "error" in v and v["error"]]
+    failed = sorted(report["errors"])
     print(json.dumps({"failed_steps": failed, "refused": report.get("refused")}))
     return 1 if failed or report.get("refused") or "fatal" in report else 0
 
