@@ -4,8 +4,10 @@
 (`e2e/gpu_node_check.py`, run on a GPU node): every GPU-instance profile index, offered
 or refused and with which error; a whole GPU's engine counts; GPM support; both memory
 structures; the MIG device maximum. Each names the recording of the same node in
-`fixtures/`; replaying it through the emulator must answer the same. A difference is
-the emulator being wrong about a real driver: fix the emulator, not the answers.
+`fixtures/`; replaying it through the emulator must answer the same, and discovery on
+the replay must publish the devices the real node's discovery did (`published`). A
+difference is the emulator being wrong about a real driver: fix the emulator, not the
+answers.
 """
 
 from __future__ import annotations
@@ -16,7 +18,10 @@ from typing import Any
 
 import pynvml
 import pytest
+from gpudra.api.deviceclasses import DEFAULT_DRIVER
+from gpudra.driver.devices import MigStrategy, discover
 from gpudra.driver.nvml import NvmlEmulator, load_nvml
+from gpudra.driver.publish import pool_content
 
 from e2e.gpu_node_check import ReadOnlyNvml, RefusedCall, nvml_answers
 
@@ -42,6 +47,18 @@ def test_the_emulator_answers_as_the_real_gpu(path: Path) -> None:
     expected: dict[str, Any] = document["answers"]
     got = without_versions(nvml_answers(ReadOnlyNvml(load_nvml(f"emulated:{recording}"))))
     assert {key: got[key] for key in expected} == expected
+
+
+@pytest.mark.parametrize("path", ANSWERS, ids=lambda p: p.stem)
+def test_discovery_on_the_replay_publishes_what_the_real_node_did(path: Path) -> None:
+    """`published` is what discovery on the real node made of its GPUs, per strategy."""
+    document = json.loads(path.read_text(encoding="utf-8"))
+    inventory = discover(load_nvml(f"emulated:{HERE / 'fixtures' / document['recording']}"))
+    for strategy in MigStrategy:
+        content = pool_content(inventory, strategy, driver=DEFAULT_DRIVER)
+        published = document["published"][strategy.value]
+        assert content.devices == published["devices"], strategy
+        assert content.counter_sets == published["counterSets"], strategy
 
 
 def test_a_whole_gpu_has_no_engine_counts() -> None:
