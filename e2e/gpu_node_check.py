@@ -269,10 +269,11 @@ async def _cost(step: Callable[[], Awaitable[object]], repeat: int) -> dict[str,
     }
 
 
-def _driver_root() -> Path:
-    """Where the driver's files are: `/`, or a containerised driver's folder."""
-    for root in _DRIVER_ROOTS:
-        if any("libnvidia-ml.so" in f for f in find_driver_files(root)):
+def _driver_root(found: dict[Path, tuple[str, ...]]) -> Path:
+    """Where the driver's files are: the first root in `found` (each root's driver
+    files) that holds libnvidia-ml; `/` where none does."""
+    for root, files in found.items():
+        if any("libnvidia-ml.so" in f for f in files):
             return root
     return Path("/")
 
@@ -296,12 +297,13 @@ async def _check(
         return
     report["discovery"] = _step(report, "slices", lambda: _devices(inventory))
     report["raw_answers"] = _step(report, "raw_answers", lambda: nvml_answers(nvml))
-    root = _driver_root()
-    files = find_driver_files(root)
+    found = {root: find_driver_files(root) for root in _DRIVER_ROOTS}
+    root = _driver_root(found)
+    files = found.get(root, ())
     report["driver_files"] = {
         "driver_root": str(root),
         "files": list(files),
-        "found_under": {str(r): len(find_driver_files(r)) for r in _DRIVER_ROOTS},
+        "found_under": {str(r): len(f) for r, f in found.items()},
     }
     edits = driver_common_edits(driver_root=root, libraries=files)
     report["common_edits"] = {
