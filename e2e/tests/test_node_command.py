@@ -1,13 +1,16 @@
-"""`gpudra node` as a process: it publishes an emulated node's pool and exits cleanly."""
+"""`gpudra node` as a process: it publishes an emulated node's pool, freezes its
+start-up heap once ready, and exits cleanly."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -49,6 +52,10 @@ def test_node_command_publishes_and_stops_on_sigterm(cluster: Cluster, kube: Kub
         stderr=subprocess.PIPE,
         text=True,
     )
+    lines: list[str] = []
+    assert proc.stderr is not None
+    reader = threading.Thread(target=lambda: lines.extend(proc.stderr or ()), daemon=True)
+    reader.start()
     try:
         items = wait_for(
             "the L4 pool",
@@ -58,6 +65,14 @@ def test_node_command_publishes_and_stops_on_sigterm(cluster: Cluster, kube: Kub
         devices = [d for o in items for d in o["spec"].get("devices", [])]
         assert [d["name"] for d in devices] == ["gpu-0"]
         assert devices[0]["attributes"]["productName"] == {"string": "NVIDIA L4"}
+        # Once ready, the start-up heap leaves the collector's full passes
+        # (gpudra.common.heap): tens of thousands of objects, not a handful.
+        frozen = wait_for(
+            "the start-up heap frozen",
+            lambda: [json.loads(x) for x in list(lines) if "start-up heap frozen" in x],
+            timeout=60,
+        )
+        assert frozen[0]["objects"] > 10_000, frozen
     finally:
         proc.send_signal(signal.SIGTERM)
         t0 = time.monotonic()
