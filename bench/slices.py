@@ -8,7 +8,10 @@ touch the API server, and hundreds of them would only measure the thread pool.
 
 `BENCH_NODES` (default 200) nodes run in `BENCH_PROCESSES` worker processes (default:
 one per 250 nodes), so that 1,000 nodes fit one machine's memory and more than one
-core drives them.
+core drives them. `BENCH_PROFILE` names the emulated GPUs (default every MIG placement
+of 8 H100s; `h100-80gb-hbm3-x8`, whole GPUs), and `BENCH_OUT` the results file
+(default bench/results/slices.json): `make bench-compare` also runs 1,000 whole-GPU
+nodes into slices-1000-whole-gpus.json.
 
 `converge_s` counts from the release of the workers to the last node's slices being
 written. Each worker first starts, imports, connects (the kubeconfig is read; no
@@ -441,9 +444,10 @@ def cli() -> int:
         # As `gpudra node` runs its agent.
         run_event_loop(worker, args.kubeconfig, names, args.profile, args.steady_s)
         return 0
+    out = Path(os.environ.get("BENCH_OUT") or OUT)
     result = main()
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write(OUT, (json.dumps(result, indent=2) + "\n").encode(), mode=0o644)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(out, (json.dumps(result, indent=2) + "\n").encode(), mode=0o644)
     print(json.dumps(result, indent=2))
     return 0 if result["steady_writes"] == 0 and result["steady_changed_slices"] == 0 else 1
 

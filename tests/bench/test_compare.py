@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from bench.compare import Row, rows, table
+from bench.compare import BENCHES, RESULTS, SLICES_1000, Row, rows, table
 
 
 def test_rows_compare_gpudra_with_the_peer_and_the_floor() -> None:
@@ -22,7 +22,20 @@ def test_rows_compare_gpudra_with_the_peer_and_the_floor() -> None:
                 "converted_legacy": {"pods_per_s": 40.0},
             }
         },
-        "slices": {"converge_s": 30.0, "floor": {"converge_s": 27.0}, "steady_writes": 0},
+        "slices": {
+            "nodes": 200,
+            "profile": "h100-80gb-hbm3-x8-mig",
+            "converge_s": 30.0,
+            "floor": {"converge_s": 27.0},
+            "steady_writes": 0,
+        },
+        SLICES_1000: {
+            "nodes": 1000,
+            "profile": "h100-80gb-hbm3-x8",
+            "converge_s": 7.0,
+            "floor": {"converge_s": 5.0},
+            "steady_writes": 2,
+        },
     }
     by_metric = {(r.metric, r.other_name): r for r in rows(results)}
 
@@ -40,9 +53,32 @@ def test_rows_compare_gpudra_with_the_peer_and_the_floor() -> None:
     # The price of DRA itself is reported without a target.
     native = by_metric[("schedule pods/s, native claims", "extended resource")]
     assert (native.ratio, native.target, native.met) == (0.25, "", None)
-    assert by_metric[("slices converge s", "floor")].met is True
-    assert by_metric[("slice writes at rest", "")].met is True
+    # Each slices run is named by its scale, with its own verdicts.
+    mig = by_metric[("slices converge s, 200 nodes, every MIG placement", "floor")]
+    assert (mig.ratio, mig.met) == (1.111, True)
+    assert by_metric[("slice writes at rest, 200 nodes, every MIG placement", "")].met is True
+    whole = by_metric[("slices converge s, 1,000 nodes, whole GPUs", "floor")]
+    assert (whole.ratio, whole.met) == (1.4, False)
+    assert by_metric[("slice writes at rest, 1,000 nodes, whole GPUs", "")].met is False
     assert by_metric[("agent RSS MiB, one node", "")].met is None
+
+
+def test_a_slices_run_that_did_not_happen_still_has_its_rows_unmeasured() -> None:
+    by_metric = {r.metric: r for r in rows({})}
+    whole = by_metric["slices converge s, 1,000 nodes, whole GPUs"]
+    assert (whole.gpudra, whole.ratio, whole.met) == (None, None, None)
+    assert by_metric["slices converge s"].met is None
+
+
+def test_compare_runs_slices_at_the_issues_scale_into_a_file_of_its_own() -> None:
+    runs = {b.name: b for b in BENCHES}
+    assert set(runs) == {"prepare", "webhook", "schedule", "slices", SLICES_1000}
+    thousand = runs[SLICES_1000]
+    assert thousand.module == "bench.slices"
+    assert thousand.env["BENCH_NODES"] == "1000"
+    assert not thousand.env["BENCH_PROFILE"].endswith("-mig")
+    assert thousand.env["BENCH_OUT"] == str(RESULTS / f"{SLICES_1000}.json")
+    assert runs["slices"].env == {}
 
 
 def test_table_has_one_line_per_row_and_says_no_plainly() -> None:
