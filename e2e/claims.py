@@ -3,6 +3,7 @@ one node (the real scheduler allocates the claim when it schedules the pod)."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from e2e.cluster.kube import Kube, wait_for
@@ -108,4 +109,4 @@ def running(kube: Kube, namespace: str, name: str) -> dict[str, Any] | None:
 
 def wait_running(kube: Kube, namespace: str, *names: str, timeout: float = 120) -> None:
     for name in names:
-        wait_for(f"pod {name} Running", lambda n=name: running(kube, namespace, n), timeout)
+        wait_for(f"pod {name} Running", functools.partial(running, kube, namespace, name), timeout)

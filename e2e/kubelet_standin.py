@@ -33,12 +33,12 @@ from typing import Any, Self
 import anyio
 import grpc
 from anyio.abc import TaskGroup
+from gpudra.driver.claims import ClaimRef
 from gpudra.driver.plugin import (
     DRA_V1,
     DRA_V1BETA1,
     HEALTH_V1ALPHA1,
     PLUGIN_TYPE,
-    ClaimRef,
     DeviceHealth,
     PreparedDevice,
     PrepareResult,

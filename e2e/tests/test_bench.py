@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from gpudra.webhook.admission import VALIDATE_CLAIMS_PATH
 
 from bench import peers, prepare, schedule, slices, webhook
 from bench.cores import split_cores, usable_cores
@@ -32,7 +33,9 @@ async def test_bench_prepare_measures_gpudra_the_peer_and_the_floor_in_rounds(
     result = await prepare.main()
 
     assert result["client"] == "go"
-    assert (result["errors"], result["floor_get_only"]["errors"]) == (0, 0)
+    floors = (result["floor_get_only"], result["floor_with_files"])
+    assert (result["errors"], *(floor["errors"] for floor in floors)) == (0, 0, 0)
+    assert "journal" in result["floor_with_files"]["what"]
     peer = result["peer"]
     assert (peer["name"], peer["version"], peer["errors"]) == (
         peers.PEER_NAME,
@@ -40,11 +43,15 @@ async def test_bench_prepare_measures_gpudra_the_peer_and_the_floor_in_rounds(
         0,
     )
     # Every subject is measured in each round, interleaved.
-    for subject in (result, peer, result["floor_get_only"]):
+    for subject in (result, peer, *floors):
         assert len(subject["by_round_p50_ms"]) == 2
     assert peer["cpu_ms_per_cycle"]["plugin"] > 0
     assert result["cpu_ms_per_cycle"]["node"] > 0
-    for ratios in (result["ratio_to_peer"], result["ratio_to_floor"]):
+    for ratios in (
+        result["ratio_to_peer"],
+        result["ratio_to_floor"],
+        result["ratio_to_floor_with_files"],
+    ):
         assert set(ratios) == {"p50", "p99", "claims_per_s", "plugin_cpu"}
         assert all(value > 0 for value in ratios.values())
     assert result["ratio_to_peer"]["p50"] == round(result["p50_ms"] / peer["p50_ms"], 3)
@@ -102,7 +109,7 @@ def test_bench_webhook_compares_claim_validation_with_the_peer_on_the_same_claim
 
 
 def test_the_claim_bodies_differ_only_in_the_drivers_config_names() -> None:
-    ours = webhook.build_claim_requests("gpudra", webhook.VALIDATE_CLAIMS_PATH, 20)
+    ours = webhook.build_claim_requests("gpudra", VALIDATE_CLAIMS_PATH, 20)
     theirs = webhook.build_claim_requests("peer", webhook.PEER_VALIDATE_PATH, 20)
     for a, b in zip(ours, theirs, strict=True):
         body_a, body_b = a.split(b"\r\n\r\n", 1)[1], b.split(b"\r\n\r\n", 1)[1]

@@ -13,6 +13,7 @@ def test_rows_compare_gpudra_with_the_peer_and_the_floor() -> None:
             "claims_per_s": 600.0,
             "peer": {"p50_ms": 8.0, "p99_ms": 12.0, "claims_per_s": 500.0},
             "floor_get_only": {"p50_ms": 4.0},
+            "floor_with_files": {"p50_ms": 5.0},
         },
         "webhook": None,
         "schedule": {
@@ -45,6 +46,9 @@ def test_rows_compare_gpudra_with_the_peer_and_the_floor() -> None:
     assert by_metric[("prepare claims/s", "peer")].met is True
     assert by_metric[("prepare p50 ms", "floor")].ratio == 1.5
     assert by_metric[("prepare p50 ms", "floor")].met is False
+    # The floor with files is there to read the floor's row by, without a target.
+    files = by_metric[("prepare p50 ms", "floor with files")]
+    assert (files.other, files.ratio, files.target, files.met) == (5.0, 1.2, "", None)
     # Not measured: no ratio, no verdict.
     admission = by_metric[("claim admission p50 ms at 200/s", "peer")]
     assert (admission.gpudra, admission.ratio, admission.met) == (None, None, None)
