@@ -6,18 +6,24 @@ bench-slices again at 1,000 whole-GPU nodes (the issue's scale for slices; the d
 run publishes every MIG placement of 200 nodes). Each writes its own results file with
 the commit, Kubernetes version, core count and load; the table is read back from the
 files. `--no-run` only prints the table of the files as they are.
+
+Each row also shows what the previous table (the `compare.json` this run replaces, as
+published) had for it, and whether the ratio moved beyond the run-to-run noise of this
+machine (`NOISE`): "worse" or "better". A feature that costs a benchmark shows there
+even where the target is still met, and a change within the noise is not called one.
 Writes bench/results/compare.json.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import subprocess
 import sys
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +31,10 @@ from gpudra.common.files import atomic_write
 
 RESULTS = Path(__file__).resolve().parent / "results"
 OUT = RESULTS / "compare.json"
+NOISE = 0.2
+"""A ratio that moves by more than this fraction of the previous one has moved: the same
+code moves by 10 to 20% from run to run on the 2-core development machine
+(docs/performance.md)."""
 
 
 @dataclass(frozen=True)
@@ -56,7 +66,11 @@ BENCHES = (
 
 @dataclass(frozen=True)
 class Row:
-    """One comparison; `met` is None where there is no target or nothing was measured."""
+    """One comparison; `met` is None where there is no target or nothing was measured.
+
+    `better` says which way the ratio (or, without one, gpudra's value) improves;
+    `was` is the previous table's, and `moved` "worse" or "better" when the change
+    is larger than `NOISE`."""
 
     metric: str
     gpudra: float | None
@@ -65,6 +79,18 @@ class Row:
     ratio: float | None
     target: str
     met: bool | None
+    better: str = "lower"
+    was: float | None = None
+    moved: str = ""
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return (self.metric, self.other_name)
+
+    @property
+    def value(self) -> float | None:
+        """What is compared with the previous table: the ratio where there is one."""
+        return self.ratio if self.other is not None else self.gpudra
 
 
 def _get(doc: Mapping[str, Any] | None, *keys: str) -> Any:
@@ -86,13 +112,38 @@ def _row(
     other_name: str,
     limit: float | None,
     sign: str | None,
+    better: str = "lower",
 ) -> Row:
-    """`sign` ("<=" or ">=") says which side of `limit` the ratio must be on."""
+    """`sign` ("<=" or ">=") says which side of `limit` the ratio must be on, and so
+    which way is better; `better` says it for a row without a target."""
     ratio = _ratio(ours, other)
     if limit is None or sign is None:
-        return Row(metric, ours, other, other_name, ratio, "", None)
+        return Row(metric, ours, other, other_name, ratio, "", None, better)
     met = None if ratio is None else (ratio <= limit if sign == "<=" else ratio >= limit)
-    return Row(metric, ours, other, other_name, ratio, f"ratio {sign} {limit}", met)
+    direction = "lower" if sign == "<=" else "higher"
+    return Row(metric, ours, other, other_name, ratio, f"ratio {sign} {limit}", met, direction)
+
+
+def against(lines: list[Row], previous: Mapping[str, Any] | None) -> list[Row]:
+    """`lines` with the previous table's value of each row and whether it moved beyond
+    the noise; a row the previous table lacks, or measured nothing in, has no `was`."""
+    before: dict[tuple[str, str], float] = {}
+    for old in _get(previous, "rows") or ():
+        if not isinstance(old, Mapping):
+            continue
+        value = old.get("ratio") if old.get("other") is not None else old.get("gpudra")
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            before[(str(old.get("metric")), str(old.get("other_name")))] = float(value)
+    out = []
+    for row in lines:
+        was, now = before.get(row.key), row.value
+        moved = ""
+        if was is not None and now is not None and was > 0:
+            change = now / was - 1
+            if abs(change) > NOISE:
+                moved = "worse" if (change > 0) == (row.better == "lower") else "better"
+        out.append(replace(row, was=was, moved=moved))
+    return out
 
 
 def _slices_rows(doc: Mapping[str, Any] | None, unmeasured: str) -> list[Row]:
@@ -194,6 +245,7 @@ def rows(results: Mapping[str, Mapping[str, Any] | None]) -> list[Row]:
             "extended resource",
             None,
             None,
+            better="higher",
         ),
     ]
     out += _slices_rows(slices, "")
@@ -225,10 +277,21 @@ def table(lines: list[Row]) -> str:
             return f"{value:g}"
         return str(value)
 
-    header = ("METRIC", "GPUDRA", "PEER/FLOOR", "OF", "RATIO", "TARGET", "MET")
+    header = ("METRIC", "GPUDRA", "PEER/FLOOR", "OF", "RATIO", "TARGET", "MET", "WAS", "MOVED")
     cells = [
         tuple(
-            cell(v) for v in (r.metric, r.gpudra, r.other, r.other_name, r.ratio, r.target, r.met)
+            cell(v)
+            for v in (
+                r.metric,
+                r.gpudra,
+                r.other,
+                r.other_name,
+                r.ratio,
+                r.target,
+                r.met,
+                r.was,
+                r.moved or "-",
+            )
         )
         for r in lines
     ]
@@ -248,11 +311,52 @@ def load(name: str) -> dict[str, Any] | None:
     return doc if isinstance(doc, dict) else None
 
 
+_BASELINE_KEYS = ("metric", "other_name", "gpudra", "other", "ratio")
+
+
+def compared(
+    results: Mapping[str, Mapping[str, Any] | None],
+    previous: Mapping[str, Any] | None,
+    failed: list[str],
+) -> tuple[list[Row], dict[str, Any]]:
+    """The rows of `results` against the previous table, and the document to write.
+
+    `previous` is the table this one replaces; when it was made from these very
+    results (`--no-run` again, nothing measured since), it is a re-tabulation, and the
+    table it was compared with stays the baseline, so that what moved stays shown."""
+    digest = hashlib.sha256(json.dumps(results, sort_keys=True).encode()).hexdigest()[:16]
+    baseline = previous
+    if _get(previous, "results_sha256") == digest:
+        baseline = _get(previous, "baseline")
+    lines = against(rows(results), baseline)
+    context = {
+        name: {k: doc.get(k) for k in ("commit", "kubernetes_version", "cpus")}
+        for name, doc in results.items()
+        if doc
+    }
+    kept = [
+        {key: row.get(key) for key in _BASELINE_KEYS}
+        for row in _get(baseline, "rows") or ()
+        if isinstance(row, Mapping)
+    ]
+    doc = {
+        "rows": [asdict(r) for r in lines],
+        "runs": context,
+        "results_sha256": digest,
+        "noise": NOISE,
+        # The table the rows' `was` comes from (its rows reduced to what is compared).
+        "baseline": {"runs": _get(baseline, "runs"), "rows": kept} if baseline else None,
+        "failed": failed,
+    }
+    return lines, doc
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.compare")
     parser.add_argument("--no-run", action="store_true", help="only tabulate the results files")
     args = parser.parse_args()
     failed = []
+    previous = load("compare")  # the table as published, before this run replaces it
     if not args.no_run:
         for bench in BENCHES:
             print(f"bench-compare: running {bench.name}", file=sys.stderr, flush=True)
@@ -261,13 +365,7 @@ def main() -> int:
             if subprocess.run(command, env=env, check=False).returncode:
                 failed.append(bench.name)
     results = {bench.name: load(bench.name) for bench in BENCHES}
-    lines = rows(results)
-    context = {
-        name: {k: doc.get(k) for k in ("commit", "kubernetes_version", "cpus")}
-        for name, doc in results.items()
-        if doc
-    }
-    doc = {"rows": [asdict(r) for r in lines], "runs": context, "failed": failed}
+    lines, doc = compared(results, previous, failed)
     atomic_write(OUT, (json.dumps(doc, indent=2) + "\n").encode(), mode=0o644)
     print(table(lines))
     if failed:

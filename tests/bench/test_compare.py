@@ -2,7 +2,21 @@
 
 from __future__ import annotations
 
-from bench.compare import BENCHES, RESULTS, SLICES_1000, Row, rows, table
+import copy
+from dataclasses import asdict
+from typing import Any
+
+from bench.compare import (
+    BENCHES,
+    NOISE,
+    RESULTS,
+    SLICES_1000,
+    Row,
+    against,
+    compared,
+    rows,
+    table,
+)
 
 
 def test_rows_compare_gpudra_with_the_peer_and_the_floor() -> None:
@@ -87,10 +101,81 @@ def test_compare_runs_slices_at_the_issues_scale_into_a_file_of_its_own() -> Non
 
 def test_table_has_one_line_per_row_and_says_no_plainly() -> None:
     lines = [
-        Row("a metric", 1.0, 2.0, "peer", 0.5, "ratio <= 1.0", True),
+        Row("a metric", 1.0, 2.0, "peer", 0.5, "ratio <= 1.0", True, was=0.4, moved="worse"),
         Row("another", 3.0, None, "", None, "0", False),
     ]
     text = table(lines).splitlines()
-    assert text[0].split() == ["METRIC", "GPUDRA", "PEER/FLOOR", "OF", "RATIO", "TARGET", "MET"]
-    assert text[1].split()[-1] == "yes" and text[2].split()[-1] == "NO"
+    assert text[0].split() == [
+        "METRIC",
+        "GPUDRA",
+        "PEER/FLOOR",
+        "OF",
+        "RATIO",
+        "TARGET",
+        "MET",
+        "WAS",
+        "MOVED",
+    ]
+    assert text[1].split()[-3:] == ["yes", "0.4", "worse"]
+    assert text[2].split()[-3:] == ["NO", "-", "-"]
     assert len(text) == 3
+
+
+def _previous(results: dict[str, Any]) -> dict[str, Any]:
+    """A published compare.json of `results`, as main writes it."""
+    return {"rows": [asdict(r) for r in rows(results)], "runs": {}}
+
+
+def test_each_row_says_whether_it_moved_beyond_the_noise_since_the_last_table() -> None:
+    before: dict[str, Any] = {
+        "prepare": {
+            "p50_ms": 6.0,
+            "peer": {"p50_ms": 12.0, "p99_ms": 20.0, "claims_per_s": 500.0},
+            "p99_ms": 18.0,
+            "claims_per_s": 600.0,
+        },
+        "schedule": {
+            "ways": {
+                "extended_resource": {"pods_per_s": 40.0},
+                "native_claims": {"pods_per_s": 8.0},
+            }
+        },
+        "slices": {"agent_rss_mib": 80.0},
+    }
+    now = copy.deepcopy(before)
+    now["prepare"]["p50_ms"] = 9.0  # 0.5 -> 0.75 of the peer: a latency ratio up by half
+    now["prepare"]["p99_ms"] = 19.0  # 0.9 -> 0.95: within the noise
+    now["schedule"]["ways"]["native_claims"]["pods_per_s"] = 10.0  # 0.2 -> 0.25, higher is better
+    now["slices"]["agent_rss_mib"] = 120.0  # no ratio: gpudra's own value, lower is better
+    lines = against(rows(now), _previous(before))
+    by_metric = {r.key: r for r in lines}
+
+    p50 = by_metric[("prepare p50 ms", "peer")]
+    assert (p50.was, p50.ratio, p50.moved) == (0.5, 0.75, "worse")
+    assert by_metric[("prepare p99 ms", "peer")].moved == ""
+    assert by_metric[("schedule pods/s, native claims", "extended resource")].moved == "better"
+    assert by_metric[("agent RSS MiB, one node", "")].moved == "worse"
+    # Unmeasured then or now: nothing to compare.
+    admission = by_metric[("claim admission p50 ms at 200/s", "peer")]
+    assert (admission.was, admission.moved) == (None, "")
+
+
+def test_without_a_previous_table_no_row_has_moved() -> None:
+    lines = against(rows({"prepare": {"p50_ms": 6.0, "peer": {"p50_ms": 8.0}}}), None)
+    assert all((r.was, r.moved) == (None, "") for r in lines)
+    assert NOISE == 0.2
+
+
+def test_tabulating_the_same_results_again_keeps_the_table_they_were_compared_with() -> None:
+    old = {"prepare": {"p50_ms": 6.0, "peer": {"p50_ms": 12.0}}}
+    new = {"prepare": {"p50_ms": 9.0, "peer": {"p50_ms": 12.0}}}
+    newer = {"prepare": {"p50_ms": 9.5, "peer": {"p50_ms": 12.0}}}
+    _, first = compared(old, None, [])
+    lines, second = compared(new, first, [])
+    assert {(r.key, r.was, r.moved) for r in lines} >= {(("prepare p50 ms", "peer"), 0.5, "worse")}
+    # `--no-run` on the same files: still against the table before, not against itself.
+    again, third = compared(new, second, [])
+    assert again == lines and third["baseline"] == second["baseline"]
+    # A new measurement is compared with the last table.
+    (p50,) = [r for r in compared(newer, third, [])[0] if r.key == ("prepare p50 ms", "peer")]
+    assert (p50.was, p50.moved) == (0.75, "")
