@@ -43,6 +43,8 @@ def test_live_objects_are_frozen_and_cyclic_garbage_is_freed() -> None:
 
     assert gone() is None, "start-up's cyclic garbage was frozen instead of freed"
     assert not _tracked(kept), "a live start-up object is still walked by every collection"
-    assert frozen == gc.get_freeze_count() > 0
+    # Frozen objects freed since by their last reference going (the test's own
+    # temporaries) leave the permanent generation, so the count can only have fallen.
+    assert 0 < gc.get_freeze_count() <= frozen
     made_later = _Node()
     assert _tracked(made_later), "objects made after the freeze are collected as usual"
