@@ -89,8 +89,14 @@ class Row:
 
     @property
     def value(self) -> float | None:
-        """What is compared with the previous table: the ratio where there is one."""
-        return self.ratio if self.other is not None else self.gpudra
+        return _compared_value(asdict(self))
+
+
+def _compared_value(row: Mapping[str, Any]) -> float | None:
+    """What a row (as written to compare.json) is compared with the previous table by:
+    its ratio where it has another side, else gpudra's own value."""
+    value = row.get("ratio") if row.get("other") is not None else row.get("gpudra")
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
 
 
 def _get(doc: Mapping[str, Any] | None, *keys: str) -> Any:
@@ -129,11 +135,9 @@ def against(lines: list[Row], previous: Mapping[str, Any] | None) -> list[Row]:
     the noise; a row the previous table lacks, or measured nothing in, has no `was`."""
     before: dict[tuple[str, str], float] = {}
     for old in _get(previous, "rows") or ():
-        if not isinstance(old, Mapping):
-            continue
-        value = old.get("ratio") if old.get("other") is not None else old.get("gpudra")
-        if isinstance(value, int | float) and not isinstance(value, bool):
-            before[(str(old.get("metric")), str(old.get("other_name")))] = float(value)
+        value = _compared_value(old) if isinstance(old, Mapping) else None
+        if value is not None:
+            before[(str(old.get("metric")), str(old.get("other_name")))] = value
     out = []
     for row in lines:
         was, now = before.get(row.key), row.value

@@ -19,10 +19,10 @@ event loop `gpudra node` runs on) that only reads and checks each claim (the plu
 own claim read, a GET) and answers: the gRPC calls and the API server read that every
 prepare pays, so that the agent's own share can be told from what no agent can avoid.
 `floor_with_files` does the same and also writes what any crash-safe driver writes,
-the simplest way (`WithFiles`): a CDI spec on the same tmpfs and a durable record of
-each claim on the same disk. It tells the cost of those files from the rest of the
-agent's work when reading the floor target; it is not a target. BENCH_FLOOR=0 skips
-both.
+at their least cost (`WithFiles`): a CDI spec on the same tmpfs and a durable record
+of each claim on the same disk, its syncs shared by the claims in flight. It tells
+the cost of those files from the rest of the agent's work when reading the floor
+target; it is not a target. BENCH_FLOOR=0 skips both.
 
 All of them are measured in BENCH_ROUNDS interleaved rounds (default 3), each taking
 its share of BENCH_CYCLES in turn, so that noise on a shared machine hits them alike.
@@ -317,7 +317,9 @@ class GetOnly:
 class Journal:
     """Records appended to one file and fdatasynced once for all that wait: the least a
     durable record costs. Appends that arrive while a sync runs go to disk together in
-    the next one, and each caller returns once a sync holding its record has finished."""
+    the next one, and each caller returns once a sync holding its record has finished.
+    A failed write or sync raises in its callers and in every later one: what reached
+    the file after it is unknown."""
 
     def __init__(self, path: Path) -> None:
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
