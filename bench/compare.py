@@ -89,13 +89,13 @@ class Row:
 
     @property
     def value(self) -> float | None:
-        return _compared_value(asdict(self))
+        return _compared_value(self.ratio, self.other, self.gpudra)
 
 
-def _compared_value(row: Mapping[str, Any]) -> float | None:
-    """What a row (as written to compare.json) is compared with the previous table by:
-    its ratio where it has another side, else gpudra's own value."""
-    value = row.get("ratio") if row.get("other") is not None else row.get("gpudra")
+def _compared_value(ratio: Any, other: Any, gpudra: Any) -> float | None:
+    """What a row is compared with the previous table by: its ratio where it has
+    another side, else gpudra's own value (None where that is not a number)."""
+    value = ratio if other is not None else gpudra
     return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
 
 
@@ -135,7 +135,9 @@ def against(lines: list[Row], previous: Mapping[str, Any] | None) -> list[Row]:
     the noise; a row the previous table lacks, or measured nothing in, has no `was`."""
     before: dict[tuple[str, str], float] = {}
     for old in _get(previous, "rows") or ():
-        value = _compared_value(old) if isinstance(old, Mapping) else None
+        if not isinstance(old, Mapping):
+            continue
+        value = _compared_value(old.get("ratio"), old.get("other"), old.get("gpudra"))
         if value is not None:
             before[(str(old.get("metric")), str(old.get("other_name")))] = value
     out = []

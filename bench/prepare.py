@@ -66,7 +66,7 @@ import anyio.to_thread
 import gpudra
 from gpudra.api import jsonbytes
 from gpudra.common.eventloop import run_event_loop
-from gpudra.common.files import atomic_write
+from gpudra.common.files import atomic_write, write_all
 from gpudra.common.kube import Kube as KubeAsync
 from gpudra.driver.claimreader import ApiClaims
 from gpudra.driver.claims import Claim, ClaimRef
@@ -332,9 +332,7 @@ class Journal:
         os.close(self._fd)
 
     def _write(self, data: bytes) -> None:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(self._fd, view) :]
+        write_all(self._fd, data)
         os.fdatasync(self._fd)
 
     async def append(self, line: bytes) -> None:

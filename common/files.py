@@ -42,9 +42,7 @@ def atomic_write(
         fd = os.open(tmp, flags, 0o600)
     try:
         try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
+            write_all(fd, data)
             os.fchmod(fd, mode)  # exact, whatever the umask
             if durable:
                 os.fsync(fd)
@@ -57,6 +55,13 @@ def atomic_write(
         raise
     if durable:
         fsync_dir(directory)
+
+
+def write_all(fd: int, data: bytes) -> None:
+    """Write all of `data` to `fd`: a write may take less than it is given."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
 
 
 def fsync_dir(directory: Path) -> None:
