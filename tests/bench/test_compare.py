@@ -35,6 +35,7 @@ def test_rows_compare_gpudra_with_the_peer_and_the_floor() -> None:
                 "extended_resource": {"pods_per_s": 200.0},
                 "native_claims": {"pods_per_s": 50.0},
                 "converted_legacy": {"pods_per_s": 40.0},
+                "class_extended_resource": {"pods_per_s": 45.0},
             }
         },
         "slices": {
@@ -71,6 +72,9 @@ def test_rows_compare_gpudra_with_the_peer_and_the_floor() -> None:
     # The price of DRA itself is reported without a target.
     native = by_metric[("schedule pods/s, native claims", "extended resource")]
     assert (native.ratio, native.target, native.met) == (0.25, "", None)
+    # The DeviceClass mapping's pods beside native claims, also without a target.
+    mapped = by_metric[("schedule pods/s, DeviceClass extended resource", "native claims")]
+    assert (mapped.gpudra, mapped.ratio, mapped.target, mapped.better) == (45.0, 0.9, "", "higher")
     # Each slices run is named by its scale, with its own verdicts.
     mig = by_metric[("slices converge s, 200 nodes, every MIG placement", "floor")]
     assert (mig.ratio, mig.met) == (1.111, True)
