@@ -11,10 +11,12 @@ from bench.compare import (
     NOISE,
     RESULTS,
     SLICES_1000,
+    Bench,
     Row,
     against,
     compared,
     rows,
+    run_all,
     table,
 )
 
@@ -101,6 +103,22 @@ def test_compare_runs_slices_at_the_issues_scale_into_a_file_of_its_own() -> Non
     assert not thousand.env["BENCH_PROFILE"].endswith("-mig")
     assert thousand.env["BENCH_OUT"] == str(RESULTS / f"{SLICES_1000}.json")
     assert runs["slices"].env == {}
+
+
+def test_each_benchmark_starts_after_its_own_restart_and_failures_are_named() -> None:
+    events: list[str] = []
+
+    def run(bench: Bench) -> bool:
+        events.append(f"run {bench.name}")
+        return bench.name != "webhook"
+
+    failed = run_all(BENCHES, run, lambda: events.append("fresh"))
+    assert failed == ["webhook"]
+    assert events == [e for b in BENCHES for e in ("fresh", f"run {b.name}")]
+    # BENCH_FRESH=0: one control plane for every run.
+    events.clear()
+    assert run_all(BENCHES, run, None) == ["webhook"]
+    assert events == [f"run {b.name}" for b in BENCHES]
 
 
 def test_table_has_one_line_per_row_and_says_no_plainly() -> None:
