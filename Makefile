@@ -157,8 +157,9 @@ bench-kueue: cluster-up
 
 bench: bench-slices bench-webhook bench-prepare bench-schedule
 
-# Every side-by-side benchmark, then one table of gpudra against its peer or floor.
-bench-compare: cluster-up
+# Every side-by-side benchmark, then one table of gpudra against its peer or floor. It
+# starts each benchmark's control plane itself (a fresh one; BENCH_FRESH=0 keeps one).
+bench-compare: venv
 	$(VPY) -m bench.compare
 
 # Long property-based fuzzing of the webhook (over HTTPS), the parsers and recover():
