@@ -73,7 +73,7 @@ from gpudra.driver.claims import Claim, ClaimRef
 from gpudra.driver.plugin import KubeletPlugin, PreparedDevice, PrepareResult
 
 from bench import peers
-from bench.runinfo import run_context
+from bench.runinfo import load_avg, run_context
 from e2e.cache import cache_root
 from e2e.claims import pod_with_claim, wait_allocated
 from e2e.cluster.harness import REPO, Cluster, State
@@ -590,7 +590,7 @@ async def main(
     create_driver_namespace(kube, driver, namespace)
     if peer_bins is not None:
         create_driver_namespace(kube, peers.PEER_DRIVER, peer_namespace)
-    started_load = os.getloadavg()[0]
+    started_load = load_avg()
     control_plane = control_plane_pids(cluster)
     env = {**os.environ, "KUBECONFIG": str(cluster.layout.admin_kubeconfig), "NODE_NAME": NODE}
     # Optional: BENCH_PROFILE=<file> writes a profile of the node's event loop over the
@@ -746,9 +746,7 @@ async def main(
         "sample_interval_s": float(sampling) if sampling else None,
         **({"node_threads_ms_per_cycle": threads} if threads is not None else {}),
         "cdi_root_on_tmpfs": shm is not None,
-        **run_context(kube),
-        "load_avg_1m_at_start": round(started_load, 2),
-        "load_avg_1m_at_end": round(os.getloadavg()[0], 2),
+        **run_context(kube, started_load),
     }
     return result
 

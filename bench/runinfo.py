@@ -11,8 +11,10 @@ from e2e.cluster.harness import REPO
 from e2e.cluster.kube import ApiError, Kube
 
 
-def run_context(kube: Kube) -> dict[str, Any]:
-    """The commit, the API server's version and the core count."""
+def run_context(kube: Kube, load_at_start: float) -> dict[str, Any]:
+    """The commit, the API server's version, the core count, and the 1-minute load
+    average at the run's start (`load_at_start`, from `load_avg`) and now, at its end:
+    the fields every results file carries under the same names."""
     commit = subprocess.run(
         ["git", "rev-parse", "--short=12", "HEAD"],
         cwd=REPO,
@@ -28,6 +30,8 @@ def run_context(kube: Kube) -> dict[str, Any]:
         "commit": commit.stdout.strip() if commit.returncode == 0 else "",
         "kubernetes_version": k8s,
         "cpus": os.cpu_count(),
+        "load_avg_1m_at_start": round(load_at_start, 2),
+        "load_avg_1m_at_end": load_avg(),
     }
 
 

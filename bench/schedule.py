@@ -47,7 +47,7 @@ from gpudra.webhook import registration
 from gpudra.webhook.certs import ensure_pki, service_dns_names
 
 from bench.prepare import percentile
-from bench.runinfo import run_context
+from bench.runinfo import load_avg, run_context
 from bench.webhook import start_server
 from e2e.cluster.harness import NODE_CAPACITY, Cluster, heartbeat, register_node
 from e2e.cluster.kube import Kube, wait_for
@@ -238,7 +238,7 @@ async def main() -> dict[str, Any]:
         cluster.up()
     sync = cluster.kube()
     akube = await AsyncKube.connect(str(cluster.layout.admin_kubeconfig), max_connections=None)
-    load_start = os.getloadavg()[0]
+    load_start = load_avg()
     ways: dict[str, Any] = {}
     workdir = Path(tempfile.mkdtemp(prefix="bench-schedule-"))
     plugin_nodes = [f"sched-dp-{i:03d}" for i in range(nodes_n)]
@@ -320,9 +320,7 @@ async def main() -> dict[str, Any]:
             "allocation in status, then the bind), so those limits weigh on (b) to (d) "
             "more than on (a)."
         ),
-        **run_context(sync),
-        "load_avg_1m_at_start": round(load_start, 2),
-        "load_avg_1m_at_end": round(os.getloadavg()[0], 2),
+        **run_context(sync, load_start),
     }
 
 

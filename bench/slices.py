@@ -423,9 +423,7 @@ def main() -> dict[str, Any]:
             "agent_rss_mib": {"limit": 100, "met": agent_rss is not None and agent_rss < 100},
         },
         "profile": profile,
-        **run_context(sync),
-        "load_avg_1m_at_start": load_start,
-        "load_avg_1m_at_end": load_avg(),
+        **run_context(sync, load_start),
     }
 
 

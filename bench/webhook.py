@@ -875,7 +875,7 @@ def main() -> int:
         "mix": mix,
         "request_bytes": {"min": sizes[0], "median": sizes[len(sizes) // 2], "max": sizes[-1]},
         "connections": POOL,
-        **run_context(sync),
+        **run_context(sync, load_before[0]),
         "machine": {
             "cpus": os.cpu_count(),
             "python": platform.python_version(),

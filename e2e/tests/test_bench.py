@@ -14,6 +14,7 @@ from gpudra.webhook.admission import VALIDATE_CLAIMS_PATH
 from bench import peers, prepare, schedule, slices, webhook
 from bench.cores import split_cores, usable_cores
 from bench.prepare import control_plane_pids
+from bench.runinfo import run_context
 from e2e.cluster.harness import Cluster
 from e2e.provider import local_only
 
@@ -63,6 +64,7 @@ async def test_bench_prepare_measures_gpudra_the_peer_and_the_floor_in_rounds(
     }
     assert result["kubernetes_version"].startswith("v1.")
     assert result["commit"] and result["cpus"] == os.cpu_count()
+    assert result["load_avg_1m_at_start"] >= 0 and result["load_avg_1m_at_end"] >= 0
 
 
 def test_profile_pass_says_where_the_node_spends_its_measured_cycles(
@@ -87,6 +89,15 @@ def test_profile_pass_says_where_the_node_spends_its_measured_cycles(
     assert not any(f.startswith("cli/") for f in functions)
     assert profile["waiting_ms_per_cycle"] >= 0
     assert all(row["own_ms_per_cycle"] >= 0 for row in profile["top_own_time"])
+
+
+def test_every_results_file_records_where_and_when_it_ran(cluster: Cluster) -> None:
+    # One place gives every benchmark's results file these fields, under one set of names.
+    context = run_context(cluster.kube(), load_at_start=0.456)
+    assert context["kubernetes_version"].startswith("v1.") and context["commit"]
+    assert context["cpus"] == os.cpu_count()
+    assert context["load_avg_1m_at_start"] == 0.46
+    assert context["load_avg_1m_at_end"] >= 0
 
 
 def test_bench_webhook_compares_claim_validation_with_the_peer_on_the_same_claims(
@@ -130,6 +141,7 @@ async def test_bench_schedule_binds_every_pod_each_of_the_four_ways(
     result = await schedule.main()
 
     assert set(result["ways"]) == set(schedule.WAYS)
+    assert result["commit"] and result["load_avg_1m_at_end"] >= 0
     for name, way in result["ways"].items():
         if "skipped" in way:
             assert name == "class_extended_resource", way
@@ -191,6 +203,7 @@ def test_bench_slices_runs_nodes_in_worker_processes_and_measures_the_floor(
     assert {pid: thread_cores(pid) for pid in api_pids.values()} == before
 
     assert (result["nodes"], result["processes"]) == (4, 2)
+    assert result["commit"] and result["load_avg_1m_at_start"] >= 0
     # Every placement of 8 MIG-capable H100s, on each of the 4 nodes, one write per slice.
     assert result["devices"] > 0 and result["slices"] >= 4
     assert result["writes_to_converge"] >= result["slices"]
