@@ -18,7 +18,14 @@ Each row also shows what the previous table (the `compare.json` this run replace
 published) had for it, and whether the ratio moved beyond the run-to-run noise of this
 machine (`NOISE`): "worse" or "better". A feature that costs a benchmark shows there
 even where the target is still met, and a change within the noise is not called one.
-Writes bench/results/compare.json.
+
+One run is not enough to read a row whose ratio sits near its target: the same code
+moves by 10 to 20% from run to run here, and a prepare p99 against the peer has come
+out anywhere from 0.37 to 1.73. So every complete run (every benchmark measured, none
+failed) is kept in `compare-history.json`, and each row also shows the median, the
+range and how often the target was met over the last `WINDOW` runs, this one
+included. A `--no-run` re-tabulation records nothing and counts the results once.
+Writes bench/results/compare.json and, after a complete run, compare-history.json.
 """
 
 from __future__ import annotations
@@ -27,9 +34,10 @@ import argparse
 import hashlib
 import json
 import os
+import statistics
 import subprocess
 import sys
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -38,6 +46,11 @@ from gpudra.common.files import atomic_write
 
 RESULTS = Path(__file__).resolve().parent / "results"
 OUT = RESULTS / "compare.json"
+HISTORY = RESULTS / "compare-history.json"
+WINDOW = 5
+"""How many runs, the latest included, a row's median and range are taken over."""
+KEEP = 30
+"""How many complete runs compare-history.json keeps."""
 NOISE = 0.2
 """A ratio that moves by more than this fraction of the previous one has moved: the same
 code moves by 10 to 20% from run to run on the 2-core development machine
@@ -72,12 +85,28 @@ BENCHES = (
 
 
 @dataclass(frozen=True)
+class Across:
+    """One row over the last runs: how many measured it, the median, the range of its
+    compared value, and in how many of them the target was met (None: no target)."""
+
+    runs: int
+    median: float
+    low: float
+    high: float
+    met: int | None
+
+    def __str__(self) -> str:
+        spread = f"{self.median:g} ({self.low:g}-{self.high:g}, {self.runs} runs)"
+        return spread if self.met is None else f"{spread} met {self.met}/{self.runs}"
+
+
+@dataclass(frozen=True)
 class Row:
     """One comparison; `met` is None where there is no target or nothing was measured.
 
     `better` says which way the ratio (or, without one, gpudra's value) improves;
     `was` is the previous table's, and `moved` "worse" or "better" when the change
-    is larger than `NOISE`."""
+    is larger than `NOISE`; `across` is the row over the last runs."""
 
     metric: str
     gpudra: float | None
@@ -89,6 +118,7 @@ class Row:
     better: str = "lower"
     was: float | None = None
     moved: str = ""
+    across: Across | None = None
 
     @property
     def key(self) -> tuple[str, str]:
@@ -96,14 +126,14 @@ class Row:
 
     @property
     def value(self) -> float | None:
-        return _compared_value(self.ratio, self.other, self.gpudra)
+        return _compared_value(self.ratio, self.other_name, self.gpudra)
 
 
-def _compared_value(ratio: Any, other: Any, gpudra: Any) -> float | None:
-    """What a row is compared with the previous table by: its ratio where it has
-    another side, else gpudra's own value (None where that is not a number)."""
-    value = ratio if other is not None else gpudra
-    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+def _compared_value(ratio: Any, other_name: Any, gpudra: Any) -> float | None:
+    """What a row is compared with other runs by: its ratio where it has another side
+    (none where that side was not measured), else gpudra's own value (None where that
+    is not a number)."""
+    return _number(ratio if other_name else gpudra)
 
 
 def _get(doc: Mapping[str, Any] | None, *keys: str) -> Any:
@@ -144,7 +174,7 @@ def against(lines: list[Row], previous: Mapping[str, Any] | None) -> list[Row]:
     for old in _get(previous, "rows") or ():
         if not isinstance(old, Mapping):
             continue
-        value = _compared_value(old.get("ratio"), old.get("other"), old.get("gpudra"))
+        value = _compared_value(old.get("ratio"), old.get("other_name"), old.get("gpudra"))
         if value is not None:
             before[(str(old.get("metric")), str(old.get("other_name")))] = value
     out = []
@@ -157,6 +187,67 @@ def against(lines: list[Row], previous: Mapping[str, Any] | None) -> list[Row]:
                 moved = "worse" if (change > 0) == (row.better == "lower") else "better"
         out.append(replace(row, was=was, moved=moved))
     return out
+
+
+def across_runs(lines: list[Row], history: Sequence[Mapping[str, Any]], digest: str) -> list[Row]:
+    """`lines` with each row over the last `WINDOW` runs: the recorded runs before
+    these results, and these (recorded or not, counted once)."""
+    earlier = [run for run in history if run.get("results_sha256") != digest]
+    earlier = earlier[-(WINDOW - 1) :] if WINDOW > 1 else []
+    by_key: list[dict[tuple[str, str], Mapping[str, Any]]] = [
+        {
+            (str(old.get("metric")), str(old.get("other_name"))): old
+            for old in run.get("rows") or ()
+            if isinstance(old, Mapping)
+        }
+        for run in earlier
+    ]
+    out = []
+    for row in lines:
+        seen = [
+            (value, old.get("met"))
+            for old in (run.get(row.key) for run in by_key)
+            if old is not None and (value := _number(old.get("value"))) is not None
+        ]
+        if row.value is not None:
+            seen.append((row.value, row.met))
+        if not seen:
+            out.append(row)
+            continue
+        values = sorted(value for value, _ in seen)
+        verdicts = [met for _, met in seen if isinstance(met, bool)]
+        across = Across(
+            runs=len(values),
+            median=round(statistics.median(values), 3),
+            low=values[0],
+            high=values[-1],
+            met=sum(verdicts) if row.target and verdicts else None,
+        )
+        out.append(replace(row, across=across))
+    return out
+
+
+def recorded(history: Sequence[Mapping[str, Any]], doc: Mapping[str, Any]) -> list[Any]:
+    """`history` with the run `doc` (a table as `compared` writes it) added, unless
+    it is there already, and only the last `KEEP` runs kept."""
+    digest = doc.get("results_sha256")
+    if any(run.get("results_sha256") == digest for run in history):
+        return list(history)
+    run = {
+        "results_sha256": digest,
+        "runs": doc.get("runs"),
+        "rows": [
+            {key: row.get(key) for key in ("metric", "other_name", "met")}
+            | {"value": _compared_value(row.get("ratio"), row.get("other_name"), row.get("gpudra"))}
+            for row in doc.get("rows") or ()
+            if isinstance(row, Mapping)
+        ],
+    }
+    return [*history, run][-KEEP:]
+
+
+def _number(value: Any) -> float | None:
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
 
 
 def _slices_rows(doc: Mapping[str, Any] | None, unmeasured: str) -> list[Row]:
@@ -299,9 +390,20 @@ def table(lines: list[Row]) -> str:
             return "yes" if value else "NO"
         if isinstance(value, float):
             return f"{value:g}"
-        return str(value)
+        return str(value)  # an Across says itself
 
-    header = ("METRIC", "GPUDRA", "PEER/FLOOR", "OF", "RATIO", "TARGET", "MET", "WAS", "MOVED")
+    header = (
+        "METRIC",
+        "GPUDRA",
+        "PEER/FLOOR",
+        "OF",
+        "RATIO",
+        "TARGET",
+        "MET",
+        "WAS",
+        "MOVED",
+        "LAST RUNS",
+    )
     cells = [
         tuple(
             cell(v)
@@ -315,6 +417,7 @@ def table(lines: list[Row]) -> str:
                 r.met,
                 r.was,
                 r.moved or "-",
+                r.across,
             )
         )
         for r in lines
@@ -335,6 +438,16 @@ def load(name: str) -> dict[str, Any] | None:
     return doc if isinstance(doc, dict) else None
 
 
+def load_history() -> list[Any]:
+    """The recorded runs, oldest first; none when the file is missing or unreadable."""
+    try:
+        doc = json.loads(HISTORY.read_text())
+    except (OSError, ValueError):
+        return []
+    runs = doc.get("runs") if isinstance(doc, dict) else None
+    return [run for run in runs if isinstance(run, dict)] if isinstance(runs, list) else []
+
+
 _BASELINE_KEYS = ("metric", "other_name", "gpudra", "other", "ratio")
 
 
@@ -342,8 +455,10 @@ def compared(
     results: Mapping[str, Mapping[str, Any] | None],
     previous: Mapping[str, Any] | None,
     failed: list[str],
+    history: Sequence[Mapping[str, Any]] = (),
 ) -> tuple[list[Row], dict[str, Any]]:
-    """The rows of `results` against the previous table, and the document to write.
+    """The rows of `results` against the previous table and over the runs in
+    `history`, and the document to write.
 
     `previous` is the table this one replaces; when it was made from these very
     results (`--no-run` again, nothing measured since), it is a re-tabulation, and the
@@ -352,7 +467,7 @@ def compared(
     baseline = previous
     if _get(previous, "results_sha256") == digest:
         baseline = _get(previous, "baseline")
-    lines = against(rows(results), baseline)
+    lines = across_runs(against(rows(results), baseline), history, digest)
     context = {
         name: {k: doc.get(k) for k in ("commit", "kubernetes_version", "cpus")}
         for name, doc in results.items()
@@ -368,6 +483,7 @@ def compared(
         "runs": context,
         "results_sha256": digest,
         "noise": NOISE,
+        "window": WINDOW,
         # The table the rows' `was` comes from (its rows reduced to what is compared).
         "baseline": {"runs": _get(baseline, "runs"), "rows": kept} if baseline else None,
         "failed": failed,
@@ -420,8 +536,14 @@ def main() -> int:
         fresh = os.environ.get("BENCH_FRESH", "1") != "0"
         failed = run_all(BENCHES, _run, _fresh_control_plane if fresh else None)
     results = {bench.name: load(bench.name) for bench in BENCHES}
-    lines, doc = compared(results, previous, failed)
+    history = load_history()
+    lines, doc = compared(results, previous, failed, history)
     atomic_write(OUT, (json.dumps(doc, indent=2) + "\n").encode(), mode=0o644)
+    if not args.no_run and not failed:
+        # Only a complete run: a failed benchmark leaves its previous results file,
+        # which a recorded run would count a second time.
+        kept = {"window": WINDOW, "runs": recorded(history, doc)}
+        atomic_write(HISTORY, (json.dumps(kept, indent=2) + "\n").encode(), mode=0o644)
     print(table(lines))
     if failed:
         print(f"bench-compare: these benchmarks failed: {', '.join(failed)}", file=sys.stderr)

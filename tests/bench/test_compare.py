@@ -3,18 +3,28 @@
 from __future__ import annotations
 
 import copy
+import json
+import sys
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
+import pytest
+
+import bench.compare
 from bench.compare import (
     BENCHES,
+    KEEP,
     NOISE,
     RESULTS,
     SLICES_1000,
+    WINDOW,
+    Across,
     Bench,
     Row,
     against,
     compared,
+    recorded,
     rows,
     run_all,
     table,
@@ -123,7 +133,18 @@ def test_each_benchmark_starts_after_its_own_restart_and_failures_are_named() ->
 
 def test_table_has_one_line_per_row_and_says_no_plainly() -> None:
     lines = [
-        Row("a metric", 1.0, 2.0, "peer", 0.5, "ratio <= 1.0", True, was=0.4, moved="worse"),
+        Row(
+            "a metric",
+            1.0,
+            2.0,
+            "peer",
+            0.5,
+            "ratio <= 1.0",
+            True,
+            was=0.4,
+            moved="worse",
+            across=Across(runs=3, median=0.45, low=0.4, high=0.5, met=2),
+        ),
         Row("another", 3.0, None, "", None, "0", False),
     ]
     text = table(lines).splitlines()
@@ -137,9 +158,12 @@ def test_table_has_one_line_per_row_and_says_no_plainly() -> None:
         "MET",
         "WAS",
         "MOVED",
+        "LAST",
+        "RUNS",
     ]
-    assert text[1].split()[-3:] == ["yes", "0.4", "worse"]
-    assert text[2].split()[-3:] == ["NO", "-", "-"]
+    assert text[1].split()[-3:] == ["runs)", "met", "2/3"]
+    assert "yes  0.4  worse  0.45 (0.4-0.5, 3 runs) met 2/3" in text[1]
+    assert text[2].split()[-4:] == ["NO", "-", "-", "-"]
     assert len(text) == 3
 
 
@@ -201,3 +225,100 @@ def test_tabulating_the_same_results_again_keeps_the_table_they_were_compared_wi
     # A new measurement is compared with the last table.
     (p50,) = [r for r in compared(newer, third, [])[0] if r.key == ("prepare p50 ms", "peer")]
     assert (p50.was, p50.moved) == (0.75, "")
+
+
+def _prepare_at(p50: float, peer: float = 10.0) -> dict[str, Any]:
+    """Results with prepare measured at `p50` against the peer's `peer`."""
+    return {"prepare": {"p50_ms": p50, "peer": {"p50_ms": peer}}}
+
+
+def _history(*p50s: float) -> list[Any]:
+    """The recorded runs of prepare at each of `p50s`, in that order."""
+    history: list[Any] = []
+    for p50 in p50s:
+        history = recorded(history, compared(_prepare_at(p50), None, [])[1])
+    return history
+
+
+def test_each_row_is_read_over_the_last_runs_with_how_often_its_target_was_met() -> None:
+    # Seven recorded runs, 0.6 to 1.2 of the peer; the window takes the last ones.
+    history = _history(6.0, 7.0, 13.0, 9.0, 11.0, 12.0, 8.0)
+    lines, doc = compared(_prepare_at(10.5), None, [], history)
+    by_metric = {r.key: r for r in lines}
+    p50 = by_metric[("prepare p50 ms", "peer")]
+    # This run and the four before it: 0.9, 1.1, 1.2, 0.8 and now 1.05.
+    assert WINDOW == 5
+    assert p50.across == Across(runs=5, median=1.05, low=0.8, high=1.2, met=2)
+    assert doc["rows"][0]["across"] == asdict(p50.across)
+    # Never measured: nothing over the runs either.
+    assert by_metric[("claim admission p50 ms at 200/s", "peer")].across is None
+
+
+def test_a_row_without_a_target_has_a_range_and_no_count_of_runs_met() -> None:
+    files = {"prepare": {"p50_ms": 6.0, "floor_with_files": {"p50_ms": 5.0}}}
+    history = recorded([], compared(files, None, [])[1])
+    files["prepare"]["p50_ms"] = 7.0
+    lines, _ = compared(files, None, [], history)
+    (row,) = [r for r in lines if r.key == ("prepare p50 ms", "floor with files")]
+    assert row.across == Across(runs=2, median=1.3, low=1.2, high=1.4, met=None)
+
+
+def test_tabulating_a_recorded_run_again_counts_it_once_and_records_it_once() -> None:
+    history = _history(8.0, 12.0)
+    lines, doc = compared(_prepare_at(12.0), None, [], history)
+    (p50,) = [r for r in lines if r.key == ("prepare p50 ms", "peer")]
+    assert p50.across is not None and p50.across.runs == 2
+    assert recorded(history, doc) == history
+
+
+def test_the_history_keeps_the_last_runs_only() -> None:
+    history = _history(*(5.0 + i / 100 for i in range(KEEP + 3)))
+    assert len(history) == KEEP
+    first = history[0]["rows"][0]
+    assert (first["metric"], first["value"]) == ("prepare p50 ms", 0.503)
+
+
+def _main(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, argv: list[str], p50: float) -> Path:
+    """Run `python -m bench.compare` with `argv`, results under `tmp_path`, each
+    benchmark 'run' by writing its results file; prepare comes out at `p50`; the
+    webhook fails when the argv says so. Returns the history file."""
+    monkeypatch.setattr(bench.compare, "RESULTS", tmp_path)
+    monkeypatch.setattr(bench.compare, "OUT", tmp_path / "compare.json")
+    monkeypatch.setattr(bench.compare, "HISTORY", tmp_path / "compare-history.json")
+    monkeypatch.setattr(bench.compare, "_fresh_control_plane", lambda: None)
+    fail = "--fail-webhook" in argv
+
+    def run(one: Bench) -> bool:
+        doc = _prepare_at(p50)["prepare"] if one.name == "prepare" else {"commit": "c"}
+        (tmp_path / f"{one.name}.json").write_text(json.dumps(doc))
+        return not (fail and one.name == "webhook")
+
+    monkeypatch.setattr(bench.compare, "_run", run)
+    monkeypatch.setattr(sys, "argv", ["compare", *(a for a in argv if a != "--fail-webhook")])
+    bench.compare.main()
+    return tmp_path / "compare-history.json"
+
+
+def test_a_complete_run_is_recorded_and_a_retabulation_or_a_failed_run_is_not(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    history = _main(monkeypatch, tmp_path, [], 8.0)
+    assert len(json.loads(history.read_text())["runs"]) == 1
+    _main(monkeypatch, tmp_path, [], 9.0)
+    assert len(json.loads(history.read_text())["runs"]) == 2
+    # A failed benchmark leaves its old file, which a record would count again.
+    _main(monkeypatch, tmp_path, ["--fail-webhook"], 10.0)
+    assert len(json.loads(history.read_text())["runs"]) == 2
+    (tmp_path / "prepare.json").write_text(json.dumps(_prepare_at(11.0)["prepare"]))
+    _main(monkeypatch, tmp_path, ["--no-run"], 0.0)
+    runs = json.loads(history.read_text())["runs"]
+    assert [r["rows"][0]["value"] for r in runs] == [0.8, 0.9]
+    # The re-tabulated table still reads its rows over the recorded runs and itself.
+    table_doc = json.loads((tmp_path / "compare.json").read_text())
+    assert table_doc["rows"][0]["across"] == asdict(
+        Across(runs=3, median=0.9, low=0.8, high=1.1, met=2)
+    )
+    # A row whose other side was never measured has no ratio to read over the runs,
+    # and gpudra's own value does not stand in for one.
+    floor = next(r for r in table_doc["rows"] if r["other_name"] == "floor")
+    assert (floor["was"], floor["across"]) == (None, None)
