@@ -440,12 +440,12 @@ def load(name: str) -> dict[str, Any] | None:
 
 def load_history() -> list[Any]:
     """The recorded runs, oldest first; none when the file is missing or unreadable."""
-    try:
-        doc = json.loads(HISTORY.read_text())
-    except (OSError, ValueError):
-        return []
-    runs = doc.get("runs") if isinstance(doc, dict) else None
+    runs = _get(load(HISTORY.stem), "runs")
     return [run for run in runs if isinstance(run, dict)] if isinstance(runs, list) else []
+
+
+def _write(path: Path, doc: Mapping[str, Any]) -> None:
+    atomic_write(path, (json.dumps(doc, indent=2) + "\n").encode(), mode=0o644)
 
 
 _BASELINE_KEYS = ("metric", "other_name", "gpudra", "other", "ratio")
@@ -538,12 +538,11 @@ def main() -> int:
     results = {bench.name: load(bench.name) for bench in BENCHES}
     history = load_history()
     lines, doc = compared(results, previous, failed, history)
-    atomic_write(OUT, (json.dumps(doc, indent=2) + "\n").encode(), mode=0o644)
+    _write(OUT, doc)
     if not args.no_run and not failed:
         # Only a complete run: a failed benchmark leaves its previous results file,
         # which a recorded run would count a second time.
-        kept = {"window": WINDOW, "runs": recorded(history, doc)}
-        atomic_write(HISTORY, (json.dumps(kept, indent=2) + "\n").encode(), mode=0o644)
+        _write(HISTORY, {"window": WINDOW, "runs": recorded(history, doc)})
     print(table(lines))
     if failed:
         print(f"bench-compare: these benchmarks failed: {', '.join(failed)}", file=sys.stderr)
