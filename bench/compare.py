@@ -170,13 +170,12 @@ def _row(
 def against(lines: list[Row], previous: Mapping[str, Any] | None) -> list[Row]:
     """`lines` with the previous table's value of each row and whether it moved beyond
     the noise; a row the previous table lacks, or measured nothing in, has no `was`."""
-    before: dict[tuple[str, str], float] = {}
-    for old in _get(previous, "rows") or ():
-        if not isinstance(old, Mapping):
-            continue
-        value = _compared_value(old.get("ratio"), old.get("other_name"), old.get("gpudra"))
-        if value is not None:
-            before[(str(old.get("metric")), str(old.get("other_name")))] = value
+    before = {
+        key: value
+        for key, old in _keyed(_get(previous, "rows")).items()
+        if (value := _compared_value(old.get("ratio"), old.get("other_name"), old.get("gpudra")))
+        is not None
+    }
     out = []
     for row in lines:
         was, now = before.get(row.key), row.value
@@ -194,14 +193,7 @@ def across_runs(lines: list[Row], history: Sequence[Mapping[str, Any]], digest: 
     these results, and these (recorded or not, counted once)."""
     earlier = [run for run in history if run.get("results_sha256") != digest]
     earlier = earlier[-(WINDOW - 1) :] if WINDOW > 1 else []
-    by_key: list[dict[tuple[str, str], Mapping[str, Any]]] = [
-        {
-            (str(old.get("metric")), str(old.get("other_name"))): old
-            for old in run.get("rows") or ()
-            if isinstance(old, Mapping)
-        }
-        for run in earlier
-    ]
+    by_key = [_keyed(run.get("rows")) for run in earlier]
     out = []
     for row in lines:
         seen = [
@@ -244,6 +236,16 @@ def recorded(history: Sequence[Mapping[str, Any]], doc: Mapping[str, Any]) -> li
         ],
     }
     return [*history, run][-KEEP:]
+
+
+def _keyed(rows: Any) -> dict[tuple[str, str], Mapping[str, Any]]:
+    """The rows of a written table (or of a recorded run) by metric and other side;
+    anything that is not a row is skipped."""
+    return {
+        (str(row.get("metric")), str(row.get("other_name"))): row
+        for row in rows or ()
+        if isinstance(row, Mapping)
+    }
 
 
 def _number(value: Any) -> float | None:
