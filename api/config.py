@@ -24,9 +24,22 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Annotated, Any, ClassVar, Final, Literal, Self, TypeAlias, get_args, overload
+from types import UnionType
+from typing import (
+    Annotated,
+    Any,
+    ClassVar,
+    Final,
+    Literal,
+    Self,
+    TypeAlias,
+    Union,
+    get_args,
+    get_origin,
+    overload,
+)
 
 from gpudra.api import jsonbytes
 from gpudra.api.quantity import ACCEPTED_FORMS, Quantity, QuantityError, parse_quantity
@@ -68,6 +81,7 @@ __all__ = [
     "interval_value",
     "join_path",
     "parse_opaque_config",
+    "resolve_bound",
     "resolve_config",
 ]
 
@@ -142,19 +156,6 @@ def format_errors(prefix: str, err: ConfigError) -> list[str]:
 
 
 # --- field validators ------------------------------------------------------------------------
-
-
-def _one_of(accepted: tuple[str, ...]) -> Callable[[Any], Any]:
-    def check(value: Any) -> Any:
-        if value is None or (isinstance(value, str) and value in accepted):
-            return value
-        raise PydanticCustomError(
-            "gpudra_enum",
-            "unknown value {value}; accepted values: {values}",
-            {"value": repr(value), "values": ", ".join(accepted), "accepted": accepted},
-        )
-
-    return check
 
 
 def _percentage(value: Any) -> Any:
@@ -246,7 +247,14 @@ PinnedLimit: TypeAlias = Annotated[
 
 
 class _Strict(BaseModel):
-    """Base for wire models: camelCase aliases only, unknown fields rejected by name."""
+    """Base for wire models: camelCase aliases only, unknown fields rejected by name.
+
+    Pydantic's own checks (forbidden extra fields, required fields, literal values) do
+    the validation, with no Python called back for a valid object: the webhook checks
+    every opaque config of every claim it admits, and prepare every config it applies.
+    Only when validation fails does `_issues_from` turn pydantic's errors into ours,
+    reading the shape problems of each object from the data with `_shape_issues`.
+    """
 
     model_config = ConfigDict(
         extra="forbid",
@@ -259,77 +267,77 @@ class _Strict(BaseModel):
 
     # Extra guidance for fields that exist in a sibling type but not in this one.
     unknown_field_hints: ClassVar[Mapping[str, str]] = {}
-    # The wire names, all and required, computed once per class (`_check_fields` runs
-    # for every object of every config the webhook admits and prepare applies).
+    # Per class, from its fields, by wire name: all of them, the nested wire models
+    # (to find the model an error is in) and the values of each Literal field.
     _wire_names: ClassVar[tuple[str, ...]] = ()
-    _accepted: ClassVar[frozenset[str]] = frozenset()
-    _required: ClassVar[frozenset[str]] = frozenset()
+    _nested: ClassVar[Mapping[str, type[_Strict]]] = {}
+    _choices: ClassVar[Mapping[str, tuple[str, ...]]] = {}
 
     @classmethod
     def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:
         super().__pydantic_init_subclass__(**kwargs)
-        fields = cls.model_fields.items()
-        cls._wire_names = tuple(info.alias or name for name, info in fields)
-        cls._accepted = frozenset(cls._wire_names)
-        cls._required = frozenset(info.alias or name for name, info in fields if info.is_required())
+        fields = [(info.alias or name, info.annotation) for name, info in cls.model_fields.items()]
+        cls._wire_names = tuple(wire for wire, _ in fields)
+        cls._nested = {
+            wire: arg
+            for wire, annotation in fields
+            for arg in _union_args(annotation)
+            if isinstance(arg, type) and issubclass(arg, _Strict)
+        }
+        cls._choices = {
+            wire: tuple(str(value) for value in get_args(arg))
+            for wire, annotation in fields
+            for arg in _union_args(annotation)
+            if get_origin(arg) is Literal
+        }
 
     @classmethod
     def wire_names(cls) -> tuple[str, ...]:
         return cls._wire_names
 
-    @model_validator(mode="before")
     @classmethod
-    def _check_fields(cls, data: Any) -> Any:
-        # The common case, a dict with every required and no unknown field, in two set
-        # comparisons; the checks below only run to name what is wrong.
-        if type(data) is dict and cls._required <= data.keys() <= cls._accepted:
-            return data
-        if isinstance(data, cls):
-            return data
+    def _shape_issues(cls, data: Any) -> list[ConfigIssue]:
+        """What is wrong with `data` as a whole object of this type, paths relative to
+        it: not an object; else every unknown field; else the first missing one. Errors
+        inside an object with such a problem are not reported: they would only guess at
+        what was meant."""
         accepted = cls._wire_names
         if not isinstance(data, Mapping):
-            raise PydanticCustomError(
-                "gpudra_object",
-                "must be an object with the fields {fields} (got {value})",
-                {"fields": ", ".join(accepted), "value": repr(data), "accepted": accepted},
-            )
-        unknown = [key for key in data if key not in accepted]
+            return [
+                ConfigIssue(
+                    "",
+                    f"must be an object with the fields {', '.join(accepted)} (got {data!r})",
+                    accepted,
+                )
+            ]
+        unknown = [str(key) for key in data if key not in accepted]
         if unknown:
             hints = [cls.unknown_field_hints[k] for k in unknown if k in cls.unknown_field_hints]
-            raise PydanticCustomError(
-                "gpudra_unknown_field",
-                "unknown field{hint}; accepted fields: {fields}",
-                {
-                    "unknown": [str(k) for k in unknown],
-                    "hint": f" ({hints[0]})" if hints else "",
-                    "fields": ", ".join(accepted),
-                    "accepted": accepted,
-                },
-            )
+            hint = f" ({hints[0]})" if hints else ""
+            message = f"unknown field{hint}; accepted fields: {', '.join(accepted)}"
+            return [ConfigIssue(name, message, accepted) for name in unknown]
         for name, info in cls.model_fields.items():
             wire = info.alias or name
             if info.is_required() and wire not in data:
-                values = tuple(str(v) for v in get_args(info.annotation))
-                raise PydanticCustomError(
-                    "gpudra_missing",
-                    "required field is missing{choices}",
-                    {
-                        "field": wire,
-                        "choices": f"; accepted values: {', '.join(values)}" if values else "",
-                        "accepted": values,
-                    },
-                )
-        return data
+                values = cls._choices.get(wire, ())
+                choices = f"; accepted values: {', '.join(values)}" if values else ""
+                return [ConfigIssue(wire, f"required field is missing{choices}", values)]
+        return []
 
     def to_wire(self) -> dict[str, Any]:
         """The JSON form, as a claim would carry it."""
         return self.model_dump(mode="json", exclude_none=True)
 
 
+def _union_args(annotation: Any) -> tuple[Any, ...]:
+    """The members of `X | None` (or of any union), else the annotation itself."""
+    return get_args(annotation) if get_origin(annotation) in (Union, UnionType) else (annotation,)
+
+
 class TimeSlicingConfig(_Strict):
     """Time-slice length for CUDA contexts sharing a full GPU."""
 
-    interval: Annotated[TimeSliceInterval | None, BeforeValidator(_one_of(INTERVALS))] = None
+    interval: TimeSliceInterval | None = None
 
     def effective_interval(self) -> TimeSliceInterval:
         return self.interval or "Default"
@@ -380,7 +388,7 @@ class MpsConfig(_Strict):
 class GpuSharing(_Strict):
     """How a full GPU is shared between the containers of one claim."""
 
-    strategy: Annotated[Strategy, BeforeValidator(_one_of(STRATEGIES))]
+    strategy: Strategy
     time_slicing_config: TimeSlicingConfig | None = Field(default=None, alias="timeSlicingConfig")
     mps_config: MpsConfig | None = Field(default=None, alias="mpsConfig")
 
@@ -407,7 +415,7 @@ class MigDeviceSharing(_Strict):
         "without a config"
     }
 
-    strategy: Annotated[Strategy, BeforeValidator(_one_of(STRATEGIES))]
+    strategy: Strategy
     mps_config: MpsConfig | None = Field(default=None, alias="mpsConfig")
 
     @model_validator(mode="after")
@@ -463,24 +471,71 @@ DeviceConfig: TypeAlias = GpuConfig | MigDeviceConfig
 # --- parsing ------------------------------------------------------------------------------
 
 
-def _issues_from(exc: ValidationError) -> list[ConfigIssue]:
+# Pydantic's errors that say an object has the wrong shape, and where the object is.
+_SHAPE_ERRORS: Final = {"model_type": 0, "extra_forbidden": 1, "invalid_key": 1, "missing": 1}
+
+
+def _issues_from(model: type[_Strict], data: Any, exc: ValidationError) -> list[ConfigIssue]:
+    """Our issues for pydantic's errors validating `data` as `model`, in pydantic's order.
+
+    An object with a shape problem (not an object, an unknown field, a missing one) is
+    reported once, as `_shape_issues` reads it from the data, in place of every error
+    inside it; so is only the outermost of such objects.
+    """
+    errors = exc.errors(include_url=False)
+    broken: list[tuple[str | int, ...]] = []
+    for error in errors:
+        if error["type"] in _SHAPE_ERRORS:
+            loc = tuple(error["loc"])
+            broken.append(loc[: len(loc) - _SHAPE_ERRORS[error["type"]]])
+    outermost = [loc for loc in broken if not any(_within(loc, o) and o != loc for o in broken)]
+    reported: set[tuple[str | int, ...]] = set()
     issues: list[ConfigIssue] = []
-    for error in exc.errors(include_url=False):
-        path = ""
-        for part in error["loc"]:
-            path = join_path(path, f"[{part}]" if isinstance(part, int) else str(part))
-        ctx: Mapping[str, Any] = error.get("ctx") or {}
-        accepted = tuple(str(a) for a in ctx.get("accepted", ()))
-        if error["type"] == "gpudra_unknown_field":
-            issues.extend(
-                ConfigIssue(join_path(path, name), error["msg"], accepted)
-                for name in ctx["unknown"]
-            )
+    for error in errors:
+        loc = tuple(error["loc"])
+        outer = next((o for o in outermost if _within(loc, o)), None)
+        if outer is not None:
+            if outer not in reported:
+                reported.add(outer)
+                cls, value = _locate(model, data, outer)
+                base = _path(outer)
+                issues.extend(
+                    ConfigIssue(join_path(base, issue.path), issue.message, issue.accepted)
+                    for issue in cls._shape_issues(value)
+                )
             continue
+        path = _path(loc)
+        if error["type"] == "literal_error":
+            values = _locate(model, data, loc[:-1])[0]._choices[str(loc[-1])]
+            message = f"unknown value {error['input']!r}; accepted values: {', '.join(values)}"
+            issues.append(ConfigIssue(path, message, values))
+            continue
+        ctx: Mapping[str, Any] = error.get("ctx") or {}
         if "field" in ctx:
             path = join_path(path, str(ctx["field"]))
+        accepted = tuple(str(a) for a in ctx.get("accepted", ()))
         issues.append(ConfigIssue(path, error["msg"], accepted))
     return issues
+
+
+def _within(loc: tuple[str | int, ...], outer: tuple[str | int, ...]) -> bool:
+    return loc[: len(outer)] == outer
+
+
+def _locate(
+    model: type[_Strict], data: Any, loc: tuple[str | int, ...]
+) -> tuple[type[_Strict], Any]:
+    """The wire model at `loc` under `model`, and the part of `data` it was given."""
+    for part in loc:
+        model, data = model._nested[str(part)], data[part]
+    return model, data
+
+
+def _path(loc: tuple[str | int, ...]) -> str:
+    path = ""
+    for part in loc:
+        path = join_path(path, f"[{part}]" if isinstance(part, int) else str(part))
+    return path
 
 
 def _decode(raw: object) -> Any:
@@ -565,7 +620,7 @@ def parse_opaque_config(raw: object) -> DeviceConfig:
     try:
         return model.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(_issues_from(exc)) from None
+        raise ConfigError(_issues_from(model, data, exc)) from None
 
 
 # --- precedence ---------------------------------------------------------------------------
@@ -682,32 +737,46 @@ def resolve_config(
     claim_configs: Sequence[BoundConfig],
     request_name: str,
 ) -> DeviceConfig:
-    """The config for one allocated device: defaults < class < claim, last match wins.
+    """The config for one allocated device: defaults < class < claim, last match wins
+    (`resolve_bound`, or the driver default where no config applies)."""
+    bound = resolve_bound(device_type, class_configs, claim_configs, request_name)
+    return bound.config if bound is not None else _config_type(device_type)()
+
+
+def resolve_bound(
+    device_type: DeviceType,
+    class_configs: Sequence[BoundConfig],
+    claim_configs: Sequence[BoundConfig],
+    request_name: str,
+) -> BoundConfig | None:
+    """The config that applies to one allocated device, with where it was found: the
+    last match of the claim's configs, else of the class's; None for the driver default.
 
     A config bound to this request by name must be of the device's kind: the
     user asked for it on this device, so silently skipping it would hide a
     mistake. An unbound config of the other kind is skipped, because it is meant
     for the claim's other devices (a claim may hold GPUs and MIG devices).
     """
-    wanted = _config_type(device_type)  # the default is only built when no config applies
-    for bound in reversed((*class_configs, *claim_configs)):
-        if bound.requests:
-            if not bound.applies_to(request_name):
-                continue
-            if not isinstance(bound.config, wanted):
-                kind = wanted().kind  # an error: building the default costs nothing here
-                raise ConfigError(
-                    [
-                        ConfigIssue(
-                            join_path(bound.path, "kind"),
-                            f"{bound.config.kind} cannot configure the {device_type.upper()} "
-                            f"device allocated for request {request_name!r}; accepted kind: "
-                            f"{kind}",
-                            (kind,),
-                        )
-                    ]
-                )
-            return bound.config
-        if isinstance(bound.config, wanted):
-            return bound.config
-    return wanted()
+    wanted = _config_type(device_type)
+    for configs in (claim_configs, class_configs):
+        for bound in reversed(configs):
+            if bound.requests:
+                if not bound.applies_to(request_name):
+                    continue
+                if not isinstance(bound.config, wanted):
+                    kind = wanted().kind  # an error: building the default costs nothing here
+                    raise ConfigError(
+                        [
+                            ConfigIssue(
+                                join_path(bound.path, "kind"),
+                                f"{bound.config.kind} cannot configure the "
+                                f"{device_type.upper()} device allocated for request "
+                                f"{request_name!r}; accepted kind: {kind}",
+                                (kind,),
+                            )
+                        ]
+                    )
+                return bound
+            if isinstance(bound.config, wanted):
+                return bound
+    return None

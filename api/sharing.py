@@ -7,7 +7,7 @@ that prepare would refuse, nor count a tenant's sharing mode differently from wh
 node will set up:
 
 1. the config: the DeviceClass's configs, then the claim's, last match wins
-   (`resolve_config`);
+   (`resolve_bound`);
 2. a memory slice (a request with capacity requests, none of them integer shares:
    the scheduler gives it part of a shared GPU's memory) always runs under an MPS
    daemon, which enforces its memory; a time-slice, a setting of the whole GPU that
@@ -28,9 +28,10 @@ from gpudra.api.config import (
     DeviceType,
     GpuConfig,
     MpsConfig,
+    default_config,
     interval_value,
     join_path,
-    resolve_config,
+    resolve_bound,
 )
 
 __all__ = [
@@ -111,8 +112,9 @@ def resolve_sharing(
     `where` names the request or result in errors. Raises ConfigError, with paths
     anchored where the configs were found.
     """
-    config = resolve_config(device_type, class_configs, claim_configs, request_name)
-    path = next((b.path for b in (*class_configs, *claim_configs) if b.config is config), "")
+    bound = resolve_bound(device_type, class_configs, claim_configs, request_name)
+    config = bound.config if bound is not None else default_config(device_type)
+    path = bound.path if bound is not None else ""
     uses_mps, time_slice, _ = sharing_of(config)
     if memory_slice and time_slice is not None:
         raise ConfigError(

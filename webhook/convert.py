@@ -73,6 +73,7 @@ under other names are kept and ours are added beside them.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -184,9 +185,10 @@ class ConversionPolicy:
             return mig_profile_class(profile)
         return self.mig_class
 
-    @property
+    @functools.cached_property
     def profile_classes(self) -> Mapping[str, str]:
-        """Each per-profile MIG class and its profile."""
+        """Each per-profile MIG class and its profile (built once: validation asks for
+        each request of each claim)."""
         return {mig_profile_class(p): p for p in self.mig_profile_classes}
 
     def sharing(self, kind: DeviceKind) -> str:

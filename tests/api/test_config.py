@@ -336,6 +336,56 @@ def test_parameters_just_under_the_limit_are_measured_not_rejected() -> None:
     parse_opaque_config(raw)
 
 
+def test_null_strategy_names_the_accepted_values() -> None:
+    assert _errors(_gpu({"strategy": None})) == [
+        f"{PREFIX}.sharing.strategy: unknown value None; accepted values: TimeSlicing, MPS"
+    ]
+
+
+def test_an_object_with_unknown_fields_is_reported_once_not_what_is_inside() -> None:
+    """A misspelt or misplaced field means the object is not what the user thinks: its
+    unknown fields are named and the guesses inside it are not; siblings still count."""
+    raw = {
+        "apiVersion": API,
+        "kind": "GpuConfig",
+        "sharing": {
+            "strategy": "Fabric",
+            "timeSlicingConfig": {"interval": "Huge", "replicas": 2},
+            "mpsConfig": {"defaultActiveThreadPercentage": 500},
+        },
+    }
+    assert _errors(raw, prefix="") == [
+        "sharing.strategy: unknown value 'Fabric'; accepted values: TimeSlicing, MPS",
+        "sharing.timeSlicingConfig.replicas: unknown field; accepted fields: interval",
+        "sharing.mpsConfig.defaultActiveThreadPercentage: must be between 0 and 100 (got 500)",
+    ]
+    raw["metadata"] = {}
+    assert _errors(raw, prefix="") == [
+        "metadata: unknown field; accepted fields: apiVersion, kind, sharing"
+    ]
+
+
+def test_shape_problems_are_named_in_our_words() -> None:
+    """Not an object, a missing field, a key that is not a string (YAML's unquoted
+    numbers): each says what is accepted, never pydantic's own wording."""
+    assert _errors(_gpu({"strategy": "TimeSlicing", "timeSlicingConfig": "Long"}), "") == [
+        "sharing.timeSlicingConfig: must be an object with the fields interval (got 'Long')"
+    ]
+    assert _errors(_gpu({"mpsConfig": {}}), "") == [
+        "sharing.strategy: required field is missing; accepted values: TimeSlicing, MPS"
+    ]
+    assert _errors(_gpu({"strategy": "MPS", "mpsConfig": {3: "1Gi"}}), "") == [
+        "sharing.mpsConfig.3: unknown field; accepted fields: defaultActiveThreadPercentage, "
+        "defaultPinnedDeviceMemoryLimit, defaultPerDevicePinnedMemoryLimit"
+    ]
+    mig = {"apiVersion": API, "kind": "MigDeviceConfig", "sharing": {"strategy": "MPS"}}
+    mig["sharing"]["timeSlicingConfig"] = {}
+    assert _errors(mig, "") == [
+        "sharing.timeSlicingConfig: unknown field (MIG devices have no time-slice setting; use "
+        "strategy TimeSlicing without a config); accepted fields: strategy, mpsConfig"
+    ]
+
+
 def test_snake_case_names_are_not_accepted_on_the_wire() -> None:
     lines = _errors(_gpu({"strategy": "MPS", "mps_config": {}}))
     assert lines[0].startswith(f"{PREFIX}.sharing.mps_config: unknown field")
