@@ -36,8 +36,8 @@ from gpudra.api.sharing import Sharing, is_memory_slice, resolve_sharing
 from gpudra.api.tenants import MAX_DEVICES_PER_CLAIM
 from gpudra.webhook.convert import ConversionPolicy
 from gpudra.webhook.tenant_rules import TenantRules
-from pydantic import BaseModel, ConfigDict, ValidationError
-from pydantic.alias_generators import to_camel
+from pydantic import ConfigDict, TypeAdapter, ValidationError, with_config
+from typing_extensions import TypedDict
 
 __all__ = [
     "ClaimVerdict",
@@ -101,9 +101,9 @@ def class_configs(device_class: Mapping[str, Any], driver: str) -> ClassConfigs:
     if not isinstance(entries, list):
         return ClassConfigs()
     try:
-        parsed = _parse(_ConfigList, {"config": entries}, f"DeviceClass {name} spec")
+        parsed = _parse(_CONFIG_LIST, {"config": entries}, f"DeviceClass {name} spec")
         configs = bound_configs(
-            [e.wire() for e in parsed.config or ()],
+            parsed.get("config") or (),
             driver=driver,
             prefix=f"DeviceClass {name} spec.config",
         )
@@ -116,94 +116,108 @@ def class_configs(device_class: Mapping[str, Any], driver: str) -> ClassConfigs:
 
 # --- typed claim objects ------------------------------------------------------------------
 # Only the fields validation reads; the API server checks the rest of the schema. Strict:
-# a string where a number belongs is an error, as in the API server's decoder.
+# a string where a number belongs is an error, as in the API server's decoder. TypedDicts,
+# not models: pydantic checks the types and hands back plain dicts of the fields named
+# here, with no object built per field (the webhook parses every claim it admits), and
+# its errors say "a valid dictionary", not the name of a class of ours.
+
+_STRICT: Final = ConfigDict(strict=True, extra="ignore")
 
 
-class _Model(BaseModel):
-    model_config = ConfigDict(
-        extra="ignore", frozen=True, strict=True, alias_generator=to_camel, validate_by_alias=True
-    )
+@with_config(_STRICT)
+class _Cel(TypedDict, total=False):
+    expression: str
 
 
-class _Cel(_Model):
-    expression: str = ""
+@with_config(_STRICT)
+class _Selector(TypedDict, total=False):
+    cel: _Cel | None
 
 
-class _Selector(_Model):
-    cel: _Cel | None = None
+@with_config(_STRICT)
+class _Capacity(TypedDict, total=False):
+    requests: dict[str, str | int | float] | None
 
 
-class _Capacity(_Model):
-    requests: dict[str, str | int | float] | None = None
+@with_config(_STRICT)
+class _Exact(TypedDict, total=False):
+    deviceClassName: str
+    allocationMode: Literal["ExactCount", "All"] | None
+    count: int | None
+    selectors: list[_Selector] | None
+    adminAccess: bool | None
+    capacity: _Capacity | None
 
 
-class _Exact(_Model):
-    device_class_name: str = ""
-    allocation_mode: Literal["ExactCount", "All"] | None = None
-    count: int | None = None
-    selectors: list[_Selector] | None = None
-    admin_access: bool | None = None
-    capacity: _Capacity | None = None
+@with_config(_STRICT)
+class _Sub(_Exact, total=False):
+    name: str
 
 
-class _Sub(_Exact):
-    name: str = ""
+@with_config(_STRICT)
+class _RequestSpec(TypedDict, total=False):
+    name: str
+    exactly: _Exact | None
+    firstAvailable: list[_Sub] | None
 
 
-class _RequestSpec(_Model):
-    name: str = ""
-    exactly: _Exact | None = None
-    first_available: list[_Sub] | None = None
+@with_config(_STRICT)
+class _Opaque(TypedDict, total=False):
+    driver: str
+    parameters: Any
 
 
-class _Opaque(_Model):
-    driver: str = ""
-    parameters: Any = None
+@with_config(_STRICT)
+class _ConfigEntry(TypedDict, total=False):
+    """A `config[]` entry, in the form `bound_configs` reads."""
+
+    requests: list[str] | None
+    opaque: _Opaque | None
 
 
-class _ConfigEntry(_Model):
-    requests: list[str] | None = None
-    opaque: _Opaque | None = None
-
-    def wire(self) -> dict[str, Any]:
-        """The entry as `bound_configs` reads it."""
-        entry: dict[str, Any] = {"requests": list(self.requests or ())}
-        if self.opaque is not None:
-            entry["opaque"] = {"driver": self.opaque.driver, "parameters": self.opaque.parameters}
-        return entry
+@with_config(_STRICT)
+class _ConfigList(TypedDict, total=False):
+    config: list[_ConfigEntry] | None
 
 
-class _ConfigList(_Model):
-    config: list[_ConfigEntry] | None = None
+@with_config(_STRICT)
+class _Devices(_ConfigList, total=False):
+    requests: list[_RequestSpec] | None
 
 
-class _Devices(_ConfigList):
-    requests: list[_RequestSpec] | None = None
+@with_config(_STRICT)
+class _ClaimSpec(TypedDict, total=False):
+    devices: _Devices | None
 
 
-class _ClaimSpec(_Model):
-    devices: _Devices | None = None
+@with_config(_STRICT)
+class _Metadata(TypedDict, total=False):
+    name: str
 
 
-class _Metadata(_Model):
-    name: str = ""
+@with_config(_STRICT)
+class _Claim(TypedDict, total=False):
+    metadata: _Metadata | None
+    spec: _ClaimSpec | None
 
 
-class _Claim(_Model):
-    metadata: _Metadata | None = None
-    spec: _ClaimSpec | None = None
+@with_config(_STRICT)
+class _TemplateSpec(TypedDict, total=False):
+    spec: _ClaimSpec | None
 
 
-class _TemplateSpec(_Model):
-    spec: _ClaimSpec | None = None
+@with_config(_STRICT)
+class _Template(TypedDict, total=False):
+    metadata: _Metadata | None
+    spec: _TemplateSpec | None
 
 
-class _Template(_Model):
-    metadata: _Metadata | None = None
-    spec: _TemplateSpec | None = None
+# Built once: a TypeAdapter compiles its validator when it is made.
+_CLAIM: Final = TypeAdapter(_Claim)
+_TEMPLATE: Final = TypeAdapter(_Template)
+_CONFIG_LIST: Final = TypeAdapter(_ConfigList)
 
-
-_M = TypeVar("_M", bound=_Model)
+_T = TypeVar("_T")
 
 
 class _Invalid(Exception):
@@ -212,10 +226,11 @@ class _Invalid(Exception):
         self.issues = issues
 
 
-def _parse(model: type[_M], obj: object, prefix: str) -> _M:
-    """`obj` as `model`; raises _Invalid with one line per field of the wrong type."""
+def _parse(adapter: TypeAdapter[_T], obj: object, prefix: str) -> _T:
+    """`obj` checked by `adapter`; raises _Invalid with one line per field of the wrong
+    type."""
     try:
-        return model.model_validate(obj)
+        return adapter.validate_python(obj)
     except ValidationError as exc:
         issues = []
         for error in exc.errors(include_url=False):
@@ -256,30 +271,30 @@ def validate_claim_object(
     verdict = ClaimVerdict()
     try:
         if template:
-            parsed_template = _parse(_Template, obj, "")
-            metadata = parsed_template.metadata
-            spec = parsed_template.spec.spec if parsed_template.spec else None
+            parsed_template = _parse(_TEMPLATE, obj, "")
+            metadata = parsed_template.get("metadata")
+            spec = (parsed_template.get("spec") or {}).get("spec")
         else:
-            parsed_claim = _parse(_Claim, obj, "")
-            metadata, spec = parsed_claim.metadata, parsed_claim.spec
+            parsed_claim = _parse(_CLAIM, obj, "")
+            metadata, spec = parsed_claim.get("metadata"), parsed_claim.get("spec")
     except _Invalid as exc:
         verdict.invalid.extend(exc.issues)
         return verdict
-    verdict.name = metadata.name if metadata is not None else ""
-    devices = spec.devices if spec is not None else None
+    verdict.name = (metadata or {}).get("name", "")
+    devices = (spec or {}).get("devices")
     if devices is None:
         return verdict
     base = f"{'spec.spec' if template else 'spec'}.devices"
     configs: list[BoundConfig] = []
     try:
         configs = bound_configs(
-            [entry.wire() for entry in devices.config or ()],
+            devices.get("config") or (),
             driver=policy.driver,
             prefix=f"{base}.config",
         )
     except ConfigError as exc:
         verdict.invalid.extend(str(issue) for issue in exc.issues)
-    requests = _requests(devices.requests or (), base)
+    requests = _requests(devices.get("requests") or (), base)
     ours = [r for r in requests if r.device_class in classes]
     if ours and denial:
         verdict.forbidden.append(denial)
@@ -296,27 +311,35 @@ def validate_claim_object(
 def _requests(raw: Sequence[_RequestSpec], base: str) -> list[_Request]:
     result: list[_Request] = []
     for index, request in enumerate(raw):
-        if request.exactly is not None:
-            result.append(_one(request.exactly, f"{base}.requests[{index}].exactly", request.name))
-        for sub_index, sub in enumerate(request.first_available or ()):
+        name = request.get("name", "")
+        exactly = request.get("exactly")
+        if exactly is not None:
+            result.append(_one(exactly, f"{base}.requests[{index}].exactly", name))
+        for sub_index, sub in enumerate(request.get("firstAvailable") or ()):
             path = f"{base}.requests[{index}].firstAvailable[{sub_index}]"
-            result.append(_one(sub, path, f"{request.name}/{sub.name}"))
+            result.append(_one(sub, path, f"{name}/{sub.get('name', '')}"))
     return result
 
 
 def _one(raw: _Exact, path: str, name: str) -> _Request:
-    count = raw.count if raw.count is not None else 1
-    devices = MAX_DEVICES_PER_CLAIM if raw.allocation_mode == "All" else count
-    selectors = tuple(s.cel.expression for s in raw.selectors or () if s.cel is not None)
-    capacity = raw.capacity.requests if raw.capacity is not None else None
+    count = raw.get("count")
+    if count is None:
+        count = 1
+    devices = MAX_DEVICES_PER_CLAIM if raw.get("allocationMode") == "All" else count
+    selectors = tuple(
+        cel.get("expression", "")
+        for selector in raw.get("selectors") or ()
+        if (cel := selector.get("cel")) is not None
+    )
+    capacity = (raw.get("capacity") or {}).get("requests")
     return _Request(
         path,
         name,
-        raw.device_class_name,
+        raw.get("deviceClassName", ""),
         devices,
         selectors,
         memory_slice=is_memory_slice(capacity or {}),
-        admin=raw.admin_access is True,
+        admin=raw.get("adminAccess") is True,
     )
 
 
