@@ -119,27 +119,24 @@ def class_configs(device_class: Mapping[str, Any], driver: str) -> ClassConfigs:
 # a string where a number belongs is an error, as in the API server's decoder. TypedDicts,
 # not models: pydantic checks the types and hands back plain dicts of the fields named
 # here, with no object built per field (the webhook parses every claim it admits), and
-# its errors say "a valid dictionary", not the name of a class of ours.
+# its errors say "a valid dictionary", not the name of a class of ours. The config of the
+# three roots (`_Claim`, `_Template`, `_ConfigList`) holds for every TypedDict inside them.
 
 _STRICT: Final = ConfigDict(strict=True, extra="ignore")
 
 
-@with_config(_STRICT)
 class _Cel(TypedDict, total=False):
     expression: str
 
 
-@with_config(_STRICT)
 class _Selector(TypedDict, total=False):
     cel: _Cel | None
 
 
-@with_config(_STRICT)
 class _Capacity(TypedDict, total=False):
     requests: dict[str, str | int | float] | None
 
 
-@with_config(_STRICT)
 class _Exact(TypedDict, total=False):
     deviceClassName: str
     allocationMode: Literal["ExactCount", "All"] | None
@@ -149,25 +146,21 @@ class _Exact(TypedDict, total=False):
     capacity: _Capacity | None
 
 
-@with_config(_STRICT)
 class _Sub(_Exact, total=False):
     name: str
 
 
-@with_config(_STRICT)
 class _RequestSpec(TypedDict, total=False):
     name: str
     exactly: _Exact | None
     firstAvailable: list[_Sub] | None
 
 
-@with_config(_STRICT)
 class _Opaque(TypedDict, total=False):
     driver: str
     parameters: Any
 
 
-@with_config(_STRICT)
 class _ConfigEntry(TypedDict, total=False):
     """A `config[]` entry, in the form `bound_configs` reads."""
 
@@ -180,17 +173,14 @@ class _ConfigList(TypedDict, total=False):
     config: list[_ConfigEntry] | None
 
 
-@with_config(_STRICT)
 class _Devices(_ConfigList, total=False):
     requests: list[_RequestSpec] | None
 
 
-@with_config(_STRICT)
 class _ClaimSpec(TypedDict, total=False):
     devices: _Devices | None
 
 
-@with_config(_STRICT)
 class _Metadata(TypedDict, total=False):
     name: str
 
@@ -201,7 +191,6 @@ class _Claim(TypedDict, total=False):
     spec: _ClaimSpec | None
 
 
-@with_config(_STRICT)
 class _TemplateSpec(TypedDict, total=False):
     spec: _ClaimSpec | None
 

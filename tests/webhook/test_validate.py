@@ -22,7 +22,12 @@ from gpudra.webhook.metrics import WebhookMetrics
 from gpudra.webhook.server import ServerConfig, WebhookServer
 from gpudra.webhook.tenant_rules import TenantRules, policy_for
 from gpudra.webhook.tenant_state import TenantState
-from gpudra.webhook.validate import ClaimVerdict, driver_classes, validate_claim_object
+from gpudra.webhook.validate import (
+    ClaimVerdict,
+    class_configs,
+    driver_classes,
+    validate_claim_object,
+)
 from prometheus_client import CollectorRegistry
 
 CONFIG_API = "resource.nvidia.com/v1beta1"
@@ -336,6 +341,23 @@ def test_a_field_of_the_wrong_type_is_invalid_naming_it(devices: Any, field: str
     verdict = check(obj, rules(allowedSharing=["Exclusive"]))
     assert not verdict.allowed
     assert any(line.startswith(f"{field}: ") for line in verdict.invalid), verdict.invalid
+    # The same types hold in a template, one level down.
+    tpl = check({"spec": {"spec": {"devices": devices}}}, template=True)
+    assert any(line.startswith(f"spec.{field}: ") for line in tpl.invalid), tpl.invalid
+    # The messages say what is accepted, not the name of a class of ours.
+    assert not any("instance of" in line for line in [*verdict.invalid, *tpl.invalid])
+
+
+def test_a_device_class_config_of_the_wrong_type_is_reported_for_the_admin() -> None:
+    found = class_configs(
+        {"metadata": {"name": "gpu"}, "spec": {"config": [{"requests": "a"}, 5]}},
+        DEFAULT_POLICY.driver,
+    )
+    assert found.error is not None
+    assert [str(issue) for issue in found.error.issues] == [
+        "DeviceClass gpu spec.config[0].requests: Input should be a valid list (got 'a')",
+        "DeviceClass gpu spec.config[1]: Input should be a valid dictionary (got 5)",
+    ]
 
 
 @pytest.mark.anyio
