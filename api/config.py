@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from types import UnionType
 from typing import (
@@ -80,6 +80,7 @@ __all__ = [
     "format_errors",
     "interval_value",
     "join_path",
+    "loc_path",
     "parse_opaque_config",
     "resolve_bound",
     "resolve_config",
@@ -148,6 +149,14 @@ def join_path(prefix: str, path: str) -> str:
     if not path:
         return prefix
     return prefix + path if path.startswith("[") else f"{prefix}.{path}"
+
+
+def loc_path(prefix: str, loc: Iterable[str | int]) -> str:
+    """A pydantic error's location as a field path under `prefix` (`a.b[0]`)."""
+    path = prefix
+    for part in loc:
+        path = join_path(path, f"[{part}]" if isinstance(part, int) else str(part))
+    return path
 
 
 def format_errors(prefix: str, err: ConfigError) -> list[str]:
@@ -471,7 +480,8 @@ DeviceConfig: TypeAlias = GpuConfig | MigDeviceConfig
 # --- parsing ------------------------------------------------------------------------------
 
 
-# Pydantic's errors that say an object has the wrong shape, and where the object is.
+# Pydantic's errors that say an object has the wrong shape, each with how many parts at
+# the end of its location name a field of that object rather than the object.
 _SHAPE_ERRORS: Final = {"model_type": 0, "extra_forbidden": 1, "invalid_key": 1, "missing": 1}
 
 
@@ -498,13 +508,13 @@ def _issues_from(model: type[_Strict], data: Any, exc: ValidationError) -> list[
             if outer not in reported:
                 reported.add(outer)
                 cls, value = _locate(model, data, outer)
-                base = _path(outer)
+                base = loc_path("", outer)
                 issues.extend(
                     ConfigIssue(join_path(base, issue.path), issue.message, issue.accepted)
                     for issue in cls._shape_issues(value)
                 )
             continue
-        path = _path(loc)
+        path = loc_path("", loc)
         if error["type"] == "literal_error":
             values = _locate(model, data, loc[:-1])[0]._choices[str(loc[-1])]
             message = f"unknown value {error['input']!r}; accepted values: {', '.join(values)}"
@@ -529,13 +539,6 @@ def _locate(
     for part in loc:
         model, data = model._nested[str(part)], data[part]
     return model, data
-
-
-def _path(loc: tuple[str | int, ...]) -> str:
-    path = ""
-    for part in loc:
-        path = join_path(path, f"[{part}]" if isinstance(part, int) else str(part))
-    return path
 
 
 def _decode(raw: object) -> Any:
@@ -740,7 +743,7 @@ def resolve_config(
     """The config for one allocated device: defaults < class < claim, last match wins
     (`resolve_bound`, or the driver default where no config applies)."""
     bound = resolve_bound(device_type, class_configs, claim_configs, request_name)
-    return bound.config if bound is not None else _config_type(device_type)()
+    return bound.config if bound is not None else default_config(device_type)
 
 
 def resolve_bound(

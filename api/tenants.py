@@ -28,6 +28,7 @@ from enum import IntEnum
 from typing import Annotated, Any, Final, Literal, Self, TypeAlias, get_args
 
 import yaml
+from gpudra.api.config import loc_path
 from gpudra.api.names import DnsLabel, DnsSubdomain
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -356,9 +357,7 @@ def parse_tenant(obj: Mapping[str, Any]) -> Tenant:
 def _issues(exc: ValidationError) -> list[str]:
     issues: list[str] = []
     for error in exc.errors(include_url=False):
-        path = "spec"
-        for part in error["loc"]:
-            path += f"[{part}]" if isinstance(part, int) else f".{part}"
+        path = loc_path("spec", error["loc"])
         if error["type"] == "extra_forbidden":
             message = "unknown field; remove it (see the GpuTenant CRD for the accepted fields)"
         else:

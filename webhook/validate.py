@@ -30,6 +30,7 @@ from gpudra.api.config import (
     DeviceType,
     bound_configs,
     join_path,
+    loc_path,
 )
 from gpudra.api.deviceclasses import mig_profile_selector
 from gpudra.api.sharing import Sharing, is_memory_slice, resolve_sharing
@@ -223,9 +224,7 @@ def _parse(adapter: TypeAdapter[_T], obj: object, prefix: str) -> _T:
     except ValidationError as exc:
         issues = []
         for error in exc.errors(include_url=False):
-            path = prefix
-            for part in error["loc"]:
-                path = join_path(path, f"[{part}]" if isinstance(part, int) else str(part))
+            path = loc_path(prefix, error["loc"])
             issues.append(f"{path or '(object)'}: {error['msg']} (got {error['input']!r:.60})")
         raise _Invalid(issues) from None
 
