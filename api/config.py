@@ -301,10 +301,6 @@ class _Strict(BaseModel):
         }
 
     @classmethod
-    def wire_names(cls) -> tuple[str, ...]:
-        return cls._wire_names
-
-    @classmethod
     def _shape_issues(cls, data: Any) -> list[ConfigIssue]:
         """What is wrong with `data` as a whole object of this type, paths relative to
         it: not an object; else every unknown field; else the first missing one. Errors
