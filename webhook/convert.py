@@ -84,6 +84,7 @@ from enum import StrEnum
 from fractions import Fraction
 from typing import Any, Final
 
+from gpudra.api.config import INTERVALS, STRATEGIES
 from gpudra.api.deviceclasses import mig_profile_class, mig_profile_selector
 from gpudra.api.names import DNS_LABEL_MAX, check_dns_label
 from gpudra.api.quantity import QuantityError, parse_quantity
@@ -126,8 +127,8 @@ _HASH_LEN: Final = 8
 # Names are `<prefix>-<device type>[-...]`: a short prefix leaves room for the rest.
 _MAX_PREFIX: Final = 20
 _CONFIG_API_VERSION: Final = "resource.nvidia.com/v1beta1"
-_TIME_SLICE_INTERVALS: Final = frozenset({"Default", "Short", "Medium", "Long"})
-_SHARED_STRATEGIES: Final = frozenset({"TimeSlicing", "MPS"})
+_TIME_SLICE_INTERVALS: Final = frozenset(INTERVALS)
+_SHARED_STRATEGIES: Final = frozenset(STRATEGIES)
 
 # GPU-instance profiles as the device plugin names them; one pattern shared with GpuTenant.
 _MIG_PROFILE = MIG_PROFILE_RE
