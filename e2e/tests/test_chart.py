@@ -286,7 +286,9 @@ def test_node_agent_creates_only_its_own_nodes_daemon_pods(
         return pods_of.manifest(claim, ["sh", "-c", "sleep 1"], {"A": "1"}, None)
 
     def denied() -> Any:
-        status, body = agent.request("POST", pods, daemon_pod("chart-e2e-b"))
+        # A claim of its own: a probe sent before the policy is in force is created, and
+        # must not take the name of the pod the agent creates below (409, not 201).
+        status, body = agent.request("POST", pods, daemon_pod("chart-e2e-b", claim="probe"))
         return body if status == 403 else None
 
     body = wait_for("the admission policy to deny another node's pod", denied, timeout=30)
@@ -328,6 +330,8 @@ def test_node_agent_creates_only_its_own_nodes_daemon_pods(
         assert status == 403, body
         kube.delete("Pod", name, namespace, grace=0)
     kube.delete("Pod", created["metadata"]["name"], namespace, grace=0)
+    # The probe, if one was created before the policy was in force (404 otherwise).
+    kube.delete("Pod", daemon_pod("chart-e2e-b", claim="probe")["metadata"]["name"], namespace, 0)
 
 
 def helm_env(cluster: Cluster) -> dict[str, str]:
