@@ -35,6 +35,7 @@ from gpudra.api.names import DNS_LABEL_MAX, dns_subdomain_problem
 from gpudra.api.tenants import LabelSelector
 from gpudra.common.eventloop import run_event_loop
 from gpudra.common.kube import Kube
+from gpudra.common.openfiles import raise_open_files_limit
 from gpudra.webhook import registration
 from gpudra.webhook.cabundle import (
     ROLLOUT_OVERLAP_S,
@@ -322,6 +323,11 @@ def run(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as exc:
         flag = "--ca-dir" if renewal is not None else "--cert-dir"
         raise SystemExit(f"gpudra webhook: {flag}: {exc}") from None
+
+    # One descriptor per connection: the transport bounds connections by what this leaves.
+    before, after = raise_open_files_limit()
+    if before != after:
+        log.info("open-files limit raised", extra={"fields": {"from": before, "to": after}})
 
     async def main() -> None:
         kube = await Kube.connect(args.kubeconfig)

@@ -63,6 +63,14 @@ class WebhookMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=registry,
         )
+        self.connections_shed = Counter(
+            "gpudra_webhook_connections_shed",
+            "Connections closed at the server's connection bound: 'evicted' (the one "
+            "waiting longest, for a new one) or 'refused' (a new one, when every open "
+            "connection was having a request answered).",
+            ["action"],
+            registry=registry,
+        )
         self.cert_reloads = Counter(
             "gpudra_webhook_certificate_reloads",
             "Serving certificate reload attempts by result.",

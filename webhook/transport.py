@@ -20,6 +20,14 @@ this replaces).
 - requests on one connection (keep-alive, pipelined) are answered one at a time, in
   order; a request the server refuses before its body closes the connection after the
   answer, draining unread input for a moment so the client reads the answer first;
+- open connections are bounded (``max_connections``): anyone who reaches the port can
+  open connections and keep them (a request every two minutes keeps one alive, a slow
+  head holds one for ten seconds at a time), each about 50 KiB with its TLS state. At
+  the bound a new connection takes the place of the one that has waited longest
+  without a request being answered (idle, or still sending its request), which is
+  aborted, so a flood of held connections cannot lock the API server out nor exhaust
+  the process's memory or file descriptors. A connection whose request is being
+  answered is never closed for another; when every one is, the new one is refused;
 - health (``/healthz``), readiness (``/readyz``, failing while draining or while the
   ``ready`` hook says no) and ``/metrics``.
 
@@ -35,6 +43,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import resource
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Mapping
@@ -64,6 +73,11 @@ _LINGER_S: Final = 1.0
 """After an answer sent before the body was read, unread input is drained this long so
 that closing does not reset the connection before the client reads the answer."""
 _BACKLOG: Final = 1024
+_SPARE_FILES: Final = 64
+"""File descriptors kept free beside the connections: the listener, the certificate
+reloads, the API client's own connections, the event loop's."""
+_SHED_LOG_INTERVAL_S: Final = 60.0
+"""Connections shed at the bound are counted on every one, logged at most this often."""
 _CONTINUE: Final = b"HTTP/1.1 100 Continue\r\n\r\n"
 
 
@@ -85,6 +99,9 @@ class HttpConfig:
     body_timeout: float = 10.0
     idle_timeout: float = 120.0
     cert_check_interval: float = 1.0
+    max_connections: int = 1024
+    """Connections held open at most (see the module docstring); lowered at start to
+    what the process's open-files limit leaves room for."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,6 +169,9 @@ class HttpServer:
         self._draining = False
         self._connections: set[_Connection] = set()
         self._all_closed: anyio.Event | None = None
+        self._max_connections = config.max_connections
+        self._shed_since_log = 0
+        self._shed_logged_at: float | None = None
 
     @property
     def port(self) -> int:
@@ -171,6 +191,7 @@ class HttpServer:
         """Listen until cancelled; reports the bound port through `task_status`."""
         cfg = self._config
         loop = asyncio.get_running_loop()
+        self._max_connections = connection_bound(cfg.max_connections)
         listener = await loop.create_server(
             lambda: _Connection(self, loop),
             cfg.host,
@@ -184,7 +205,10 @@ class HttpServer:
                 tg.start_soon(self.tls.watch, cfg.cert_check_interval)
                 self._port = listener.sockets[0].getsockname()[1]
                 self._serving = True
-                logger.info("admission webhook listening", extra={"fields": {"port": self._port}})
+                logger.info(
+                    "admission webhook listening",
+                    extra={"fields": {"port": self._port, "maxConnections": self._max_connections}},
+                )
                 task_status.started(self._port)
                 await anyio.sleep_forever()
         finally:
@@ -205,8 +229,38 @@ class HttpServer:
         for connection in list(self._connections):
             connection.abort()
 
-    def connected(self, connection: _Connection) -> None:
+    def connected(self, connection: _Connection) -> bool:
+        """Take a new connection in; False when it must be closed at once (the bound is
+        reached and every open connection is having a request answered)."""
+        if len(self._connections) >= self._max_connections:
+            waiting = [c for c in self._connections if c.evictable]
+            if not waiting:
+                self._shed("refused")
+                return False
+            victim = min(waiting, key=lambda c: c.last_active)
+            self._connections.discard(victim)
+            victim.abort()
+            self._shed("evicted")
         self._connections.add(connection)
+        return True
+
+    def _shed(self, action: str) -> None:
+        self._metrics.inc(self._metrics.connections_shed, action)
+        self._shed_since_log += 1
+        now = time.monotonic()
+        if self._shed_logged_at is None or now - self._shed_logged_at >= _SHED_LOG_INTERVAL_S:
+            logger.warning(
+                "webhook connection bound reached; shedding connections (a client holding "
+                "many open? restrict who reaches the port: see docs/security.md)",
+                extra={
+                    "fields": {
+                        "maxConnections": self._max_connections,
+                        "shed": self._shed_since_log,
+                        "last": action,
+                    }
+                },
+            )
+            self._shed_logged_at, self._shed_since_log = now, 0
 
     def disconnected(self, connection: _Connection) -> None:
         self._connections.discard(connection)
@@ -353,18 +407,30 @@ class _Connection(asyncio.Protocol):
         # No more input is parsed: an answer that closes the connection is coming.
         self._stopped = False
         self._closing = False
+        self.last_active = time.monotonic()
+        """When a byte last came in or an answer last went out: at the connection bound,
+        the connection waiting longest makes room."""
+
+    @property
+    def evictable(self) -> bool:
+        """Not having a request answered: idle, or still sending one."""
+        return self._worker is None and self._transport is not None
 
     # --- asyncio.Protocol ---------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports are not asyncio.Transport subclasses, but have its methods.
         self._transport = cast(asyncio.Transport, transport)
-        self._server.connected(self)
+        if not self._server.connected(self):
+            self._stopped = True
+            self._transport.abort()
+            return
         self._arm("head", self._config.header_timeout, self._head_expired)
 
     def data_received(self, data: bytes) -> None:
         if self._stopped:
             return  # draining input after a refusal, or closing
+        self.last_active = time.monotonic()
         if not self._in_message:
             self._heard = True
             if self._timer_kind == "idle":
@@ -492,6 +558,7 @@ class _Connection(asyncio.Protocol):
                     return
         finally:
             self._worker = None
+            self.last_active = time.monotonic()
         if self._closing:
             self._finish(lingering=False)
         elif self._transport is None or self._request is not None:
@@ -535,6 +602,10 @@ class _Connection(asyncio.Protocol):
             self._finish(lingering=False)
 
     def abort(self) -> None:
+        """Close now, with no TLS shutdown: a peer that never answers one cannot keep
+        the descriptor."""
+        self._stopped = True
+        self._disarm()
         if self._transport is not None:
             self._transport.abort()
 
@@ -589,6 +660,21 @@ class _Connection(asyncio.Protocol):
         if not self._in_message and self._worker is None:
             self._stopped = True
             self._close()
+
+
+def connection_bound(configured: int) -> int:
+    """`configured`, or less where the process's open-files limit leaves room for fewer
+    connections (one descriptor each, and `_SPARE_FILES` for the rest)."""
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or configured <= soft - _SPARE_FILES:
+        return configured
+    bound = max(1, soft - _SPARE_FILES)
+    logger.warning(
+        "the open-files limit allows fewer webhook connections than configured; raise the "
+        "container's RLIMIT_NOFILE (gpudra webhook raises its soft limit to the hard one)",
+        extra={"fields": {"maxConnections": configured, "openFiles": soft, "bound": bound}},
+    )
+    return bound
 
 
 def _path_of(target: bytes) -> str:

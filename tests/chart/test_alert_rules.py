@@ -67,7 +67,7 @@ def rendered_rules(helm: Path, tmp_path: Path) -> Path:
 
 def test_the_rules_pass_promtool_check(helm: Path, prometheus_bin: Path, tmp_path: Path) -> None:
     out = p.promtool(prometheus_bin, "check", "rules", str(rendered_rules(helm, tmp_path)))
-    assert "SUCCESS: 8 rules found" in out
+    assert "SUCCESS: 9 rules found" in out
 
 
 def test_each_alert_fires_when_it_should_and_only_then(
@@ -278,6 +278,38 @@ def test_each_alert_fires_when_it_should_and_only_then(
                         )
                     ],
                 },
+            ],
+        },
+        {
+            "name": "webhook connections shed at the bound",
+            "interval": "1m",
+            "input_series": [
+                {
+                    "series": p.series(
+                        "gpudra_webhook_connections_shed_total", {**SCRAPE, "action": "evicted"}
+                    ),
+                    "values": "0x30 0+5x10 50x30",
+                },
+            ],
+            "alert_rule_test": [
+                {"eval_time": "25m", "alertname": "GpudraWebhookConnectionsShed", "exp_alerts": []},
+                {
+                    "eval_time": "35m",
+                    "alertname": "GpudraWebhookConnectionsShed",
+                    "exp_alerts": [
+                        alert(
+                            {"instance": SCRAPE["instance"], "action": "evicted"},
+                            "warning",
+                            summary="The GPU admission webhook at 10.0.0.7:8080 is shedding "
+                            "connections (evicted)",
+                            description="It holds its most connections and closes others to "
+                            "take new ones: something may be holding connections open to its "
+                            "port. Restrict who reaches it (webhook.networkPolicy or "
+                            "webhook.clientAuth).",
+                        )
+                    ],
+                },
+                {"eval_time": "65m", "alertname": "GpudraWebhookConnectionsShed", "exp_alerts": []},
             ],
         },
     ]

@@ -65,6 +65,7 @@ def test_every_alert_is_complete_and_asks_for_exported_series(helm: Path) -> Non
         "GpuDeviceTainted",
         "GpudraPrepareErrors",
         "GpudraWebhookDenialsRising",
+        "GpudraWebhookConnectionsShed",
     }
     exported = exported_series()
     for name, rule in rules.items():

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import resource
 import socket
 import ssl
 import sys
@@ -169,7 +170,9 @@ def free_port() -> int:
 async def test_gpudra_webhook_wires_client_auth_and_the_charts_ca(tmp_path: Path) -> None:
     """`gpudra webhook` as the chart runs it with tls.source=helm and clientAuth: the
     serving certificate signed from the mounted CA, the API server's certificate
-    required on the admission port, the probes answered on the health port."""
+    required on the admission port, the probes answered on the health port. Started, as
+    in many containers, with a soft open-files limit far under the hard one, it raises
+    the soft limit, so a connection flood finds its connection bound, not the limit."""
     chart_ca, api_ca = generate_ca(), generate_ca()
     ca_dir = tmp_path / "chart-secret"
     ca_dir.mkdir()
@@ -210,6 +213,9 @@ async def test_gpudra_webhook_wires_client_auth_and_the_charts_ca(tmp_path: Path
     ]
     ready = b"GET /readyz HTTP/1.1\r\nHost: w\r\n\r\n"
     ca = chart_ca.cert_pem
+    _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    low = min(256, hard)
+    command = ["bash", "-c", f'ulimit -Sn {low} && exec "$@"', "gpudra", *command]
     async with await anyio.open_process(command) as process:
         try:
             with anyio.fail_after(GUARD):
@@ -222,8 +228,18 @@ async def test_gpudra_webhook_wires_client_auth_and_the_charts_ca(tmp_path: Path
                     assert process.returncode is None, "gpudra webhook exited"
                     await anyio.sleep(0.1)
                 assert await _served(port, ca, tmp_path, client_cert(api_ca))
+                assert open_files_limits(process.pid) == (hard, hard)
                 with pytest.raises(REFUSED):
                     await call(port, ca, tmp_path, review())
         finally:
             if process.returncode is None:  # uvloop refuses to signal a process that ended
                 process.terminate()
+
+
+def open_files_limits(pid: int) -> tuple[int, int]:
+    """(soft, hard) RLIMIT_NOFILE of process `pid`, from /proc."""
+    for line in Path(f"/proc/{pid}/limits").read_text().splitlines():
+        if line.startswith("Max open files"):
+            soft, hard = line.split()[3:5]
+            return int(soft), int(hard)
+    raise AssertionError(f"no open-files line in /proc/{pid}/limits")

@@ -617,6 +617,82 @@ async def test_garbage_instead_of_a_tls_handshake_leaves_the_server_up(tmp_path:
             assert (await c.request("GET", "/healthz")).status == 200
 
 
+# --- the connection bound ---
+
+CLOSED = (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError, OSError)
+
+
+async def connect_all(h: Harness, n: int) -> list[Client]:
+    return [await Client.connect(h.port, h.pki.ca_bundle) for _ in range(n)]
+
+
+async def close_all(clients: Sequence[Client]) -> None:
+    for c in clients:
+        with anyio.CancelScope(shield=True):
+            await c.aclose()
+
+
+async def test_at_the_connection_bound_the_longest_waiting_makes_room(tmp_path: Path) -> None:
+    """A client that opens connections and keeps them cannot lock another out: at the
+    bound the new connection takes the place of the one idle longest."""
+    async with running(tmp_path, max_connections=3) as h:
+        held = await connect_all(h, 3)
+        try:
+            for c in held:  # in this order: held[0] waits longest
+                assert (await c.request("GET", "/healthz")).status == 200
+            async with client(h) as newcomer:
+                with anyio.fail_after(GUARD):
+                    resp = await admit(newcomer, review(gpu_pod()))
+                assert resp.json()["response"]["allowed"] is True
+                with anyio.fail_after(GUARD), pytest.raises(CLOSED):
+                    await held[0].stream.receive()
+                for c in held[1:]:
+                    assert (await c.request("GET", "/healthz")).status == 200
+            assert metric(h, "gpudra_webhook_connections_shed_total", action="evicted") == 1
+            assert metric(h, "gpudra_webhook_connections_shed_total", action="refused") == 0
+        finally:
+            await close_all(held)
+
+
+async def test_slow_heads_cannot_hold_the_connection_bound(tmp_path: Path) -> None:
+    async with running(tmp_path, max_connections=3, header_timeout=60) as h:
+        slow = await connect_all(h, 3)
+        try:
+            for c in slow:
+                await c.send(b"POST /mutate-pods HTTP/1.1\r\nHost: w\r\nContent-Le")
+            async with client(h) as good:
+                with anyio.fail_after(GUARD):
+                    resp = await admit(good, review(gpu_pod()))
+                assert resp.json()["response"]["allowed"] is True
+            assert metric(h, "gpudra_webhook_connections_shed_total", action="evicted") == 1
+        finally:
+            await close_all(slow)
+
+
+async def test_a_connection_being_answered_is_never_shed(tmp_path: Path) -> None:
+    """At the bound with every connection's request being answered, a new connection is
+    refused and the answers still go out; once one is answered it can make room."""
+    slow = SlowRecorder(delay=1.0)
+    async with running(tmp_path, max_connections=1, ensure=slow) as h, client(h) as busy:
+        body = json.dumps(review(gpu_pod(), uid="busy")).encode()
+        await busy.send(
+            b"POST /mutate-pods HTTP/1.1\r\nHost: w\r\nContent-Length: %d\r\n\r\n%s"
+            % (len(body), body)
+        )
+        with anyio.fail_after(GUARD):
+            while not slow.calls:
+                await anyio.sleep(0.01)
+        async with client(h) as late:
+            with anyio.fail_after(GUARD), pytest.raises(CLOSED):
+                await late.stream.receive()
+        with anyio.fail_after(GUARD):
+            assert (await busy.response()).json()["response"]["uid"] == "busy"
+        assert metric(h, "gpudra_webhook_connections_shed_total", action="refused") == 1
+        async with client(h) as after:
+            assert (await after.request("GET", "/healthz")).status == 200
+        assert metric(h, "gpudra_webhook_connections_shed_total", action="evicted") == 1
+
+
 # --- health, readiness, metrics ---
 
 

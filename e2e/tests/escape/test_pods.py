@@ -10,6 +10,7 @@ to the webhook's port.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import ssl
 from collections.abc import AsyncIterator
@@ -19,6 +20,7 @@ from typing import Any
 
 import aiohttp
 import anyio
+import anyio.abc
 import anyio.to_thread
 import pytest
 import yaml
@@ -47,6 +49,9 @@ pytestmark = [pytest.mark.cluster, pytest.mark.anyio]
 DRIVER = "gpu.nvidia.com"
 TENANTS = f"/apis/{API_VERSION}/gputenants"
 RESOURCE = "/apis/resource.k8s.io/v1"
+MAX_CONNECTIONS = 32
+"""The escape webhook's connection bound: small, so that a flood needs few connections;
+how the bound holds does not depend on its size."""
 
 
 @dataclass
@@ -87,6 +92,7 @@ async def escape(cluster: Cluster, kube: SyncKube, tmp_path: Path) -> AsyncItera
     apply_crd(kube, crd_manifest())
     akube = await Kube.connect(str(cluster.layout.admin_kubeconfig))
     pki, config = serving_config(cluster, tmp_path / "pki")
+    config = dataclasses.replace(config, max_connections=MAX_CONNECTIONS)
     controller, server = tenant_webhook(akube, config)
     ns = await call(smoke.make_namespace, kube, "escape")
     tenant_name = f"escape-{ns}"
@@ -390,3 +396,39 @@ async def test_forged_reviews_make_the_webhook_write_nothing(
         templates = await call(kube.list, "ResourceClaimTemplate", namespace)
         names = [t["metadata"]["name"] for t in templates]
         assert [n for n in names if n.startswith("gpudra-")] == []
+
+
+async def test_connections_held_open_cannot_lock_the_api_server_out(escape: Escape) -> None:
+    """A tenant that reaches the webhook's port opens twice as many connections as the
+    server holds and keeps each alive with a request: the server sheds the ones waiting
+    longest instead of holding them all, and the API server's reviews still get through,
+    so the tenant's GPU pod is admitted and converted."""
+    context = ssl.create_default_context(cadata=escape.webhook_ca.decode())
+    host, _, port = escape.webhook_url.removeprefix("https://").rpartition(":")
+    held: list[anyio.abc.ByteStream] = []
+    try:
+        with anyio.fail_after(120):
+            for _ in range(2 * MAX_CONNECTIONS):
+                stream = await anyio.connect_tcp(
+                    host, int(port), ssl_context=context, tls_standard_compatible=False
+                )
+                held.append(stream)
+                await stream.send(b"GET /healthz HTTP/1.1\r\nHost: w\r\n\r\n")
+                answer = b""
+                while not answer.endswith(b"ok\n"):
+                    answer += await stream.receive()
+        closed = 0
+        for stream in held:
+            with anyio.move_on_after(0.05):
+                try:
+                    await stream.receive()
+                except (anyio.EndOfStream, anyio.BrokenResourceError, OSError):
+                    closed += 1
+        assert closed >= len(held) - MAX_CONNECTIONS
+
+        created = await create(escape.tenant, pod(escape.ns, "flooded", {"nvidia.com/gpu": "1"}))
+        assert [c["name"] for c in created["spec"]["resourceClaims"]] == ["gpudra-gpu"]
+    finally:
+        for stream in held:
+            with anyio.CancelScope(shield=True):
+                await stream.aclose()
