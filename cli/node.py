@@ -17,6 +17,7 @@ from gpudra.common.backoff import Backoff
 from gpudra.common.eventloop import run_event_loop
 from gpudra.common.heap import freeze_startup_heap
 from gpudra.common.kube import ApiError, Kube
+from gpudra.common.metricsserver import serve_metrics
 from gpudra.driver.accounting import DEFAULT_IDLE_BELOW
 from gpudra.driver.agent import AgentConfig
 from gpudra.driver.checkpoint import CheckpointError
@@ -49,7 +50,7 @@ from gpudra.driver.nvml.standin import (
 from gpudra.driver.plugin import DEFAULT_KUBELET_ROOT, DRA_APIS
 from gpudra.driver.prepare import PREPARE_STEPS
 from gpudra.driver.sampling import DEFAULT_INTERVAL_S
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry
 
 log = logging.getLogger(__name__)
 
@@ -591,7 +592,7 @@ def run(args: argparse.Namespace) -> int:
             )
             if metrics is not None:
                 try:
-                    server, _thread = start_http_server(metrics[1], metrics[0], registry=registry)
+                    server, _thread = serve_metrics(metrics[0], metrics[1], registry)
                 except OSError as e:
                     raise SystemExit(
                         f"gpudra node: --metrics-address {args.metrics_address}: {e}"

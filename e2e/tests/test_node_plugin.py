@@ -14,6 +14,7 @@ import os
 import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -31,6 +32,7 @@ from gpudra.api.tenants import API_VERSION as TENANT_API
 from gpudra.api.tenants import PATH as TENANTS
 from gpudra.api.tenants import crd_manifest
 from gpudra.common.kube import Kube as AsyncKube
+from gpudra.common.metricsserver import MAX_CONNECTIONS as METRICS_MAX_CONNECTIONS
 from gpudra.driver.agent import AgentConfig
 from gpudra.driver.health import HealthPolicy
 from gpudra.driver.node import NodeService, PluginConfig
@@ -338,6 +340,51 @@ CRASH_SHAPES = {
         ["mig-recorded", "mig-gpu-instance-created", "mig-created", "cdi-written"],
     ),
 }
+
+
+def _threads(pid: int) -> int:
+    return sum(1 for _ in Path(f"/proc/{pid}/task").iterdir())
+
+
+async def test_connections_held_on_the_metrics_port_cannot_exhaust_the_agent(
+    setup: Setup, cluster: Cluster, node_dirs: NodeDirs
+) -> None:
+    """An escape attempt on the node agent: a tenant's pod reaches the agent's metrics
+    port, opens many connections and holds them. The agent's threads stay within the
+    metrics server's bound (a thread each before), the connections beyond it are closed
+    at once, and claims still prepare."""
+    kube, driver = setup.kube, setup.driver
+    setup.node.start()
+    akube = await AsyncKube.connect(str(cluster.layout.admin_kubeconfig))
+    held: list[socket.socket] = []
+    try:
+        async with KubeletStandin(node_dirs.kubelet) as kubelet:
+            await kubelet.wait_for_driver(driver, timeout_s=60)
+            await _wait_published(kube, driver)
+            assert setup.node.proc is not None
+            pid = setup.node.proc.pid
+            before = _threads(pid)
+            for _ in range(10 * METRICS_MAX_CONNECTIONS):
+                held.append(socket.create_connection(("127.0.0.1", setup.node.metrics_port)))
+            last = held[-1]
+            last.settimeout(10)
+            assert last.recv(1) == b""  # past the bound: closed at once
+            # Held past the bound, they would be a thread each; the agent's own worker
+            # threads come and go by a few, hence the slack.
+            after = _threads(pid)
+            assert after <= before + METRICS_MAX_CONNECTIONS + 8, (before, after)
+            pods = PodClaimsDriver(akube, kubelet, NODE, (driver,))
+            async with anyio.create_task_group() as tg:
+                await tg.start(pods.run)
+                pod = await anyio.to_thread.run_sync(setup.pod, "held", _gpu_claim(driver))
+                done = await pods.wait_for(pod["metadata"]["uid"])
+                assert done.error is None
+                assert len(done.cdi_ids()) == 1
+                tg.cancel_scope.cancel()
+    finally:
+        for s in held:
+            s.close()
+        await akube.close()
 
 
 @pytest.mark.parametrize("shape", sorted(CRASH_SHAPES))
