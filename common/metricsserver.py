@@ -32,6 +32,7 @@ from socketserver import ThreadingMixIn
 from typing import Any, Final
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
+from gpudra.common.logpace import LogPace
 from prometheus_client import CollectorRegistry, make_wsgi_app
 
 __all__ = ["MetricsServer", "serve_metrics"]
@@ -42,6 +43,8 @@ MAX_CONNECTIONS: Final = 16
 """Scrapes at once: each Prometheus replica scrapes a target one request at a time."""
 DEADLINE_S: Final = 10.0
 """Prometheus's default scrape timeout: no scrape it makes waits longer."""
+REFUSAL_LOG_INTERVAL_S: Final = 60.0
+"""Refusals at the bound are counted on every one, logged at most this often."""
 
 
 class _Handler(WSGIRequestHandler):
@@ -76,20 +79,23 @@ class MetricsServer(ThreadingMixIn, WSGIServer):
         super().__init__(address, _Handler)
         self.set_app(make_wsgi_app(registry))
         self._slots = threading.BoundedSemaphore(max_connections)
+        self._max = max_connections
         self._deadline_s = deadline_s
         self._lock = threading.Lock()
         self._open: dict[socket.socket, float] = {}  # connection -> its deadline
         self.refused = 0
         """Connections closed at once because `max_connections` were open."""
+        self._refusal_log = LogPace(REFUSAL_LOG_INTERVAL_S)  # the server thread's only
 
     def process_request(self, request: Any, client_address: Any) -> None:
         if not self._slots.acquire(blocking=False):
             self.refused += 1
-            if self.refused == 1 or self.refused % 1000 == 0:
+            refused = self._refusal_log.due()
+            if refused is not None:
                 log.warning(
                     "metrics connections at their bound; closing new ones (a client holding "
                     "many open? restrict who reaches the port)",
-                    extra={"fields": {"refused": self.refused}},
+                    extra={"fields": {"refused": refused, "maxConnections": self._max}},
                 )
             self.shutdown_request(request)
             return

@@ -56,6 +56,7 @@ from urllib.parse import unquote
 import anyio
 import httptools
 from anyio.abc import TaskStatus
+from gpudra.common.logpace import LogPace
 from gpudra.webhook.metrics import WebhookMetrics
 from gpudra.webhook.tls import ReloadingTLSContext
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -170,8 +171,7 @@ class HttpServer:
         self._connections: set[_Connection] = set()
         self._all_closed: anyio.Event | None = None
         self._max_connections = config.max_connections
-        self._shed_since_log = 0
-        self._shed_logged_at: float | None = None
+        self._shed_log = LogPace(_SHED_LOG_INTERVAL_S)
 
     @property
     def port(self) -> int:
@@ -246,21 +246,19 @@ class HttpServer:
 
     def _shed(self, action: str) -> None:
         self._metrics.inc(self._metrics.connections_shed, action)
-        self._shed_since_log += 1
-        now = time.monotonic()
-        if self._shed_logged_at is None or now - self._shed_logged_at >= _SHED_LOG_INTERVAL_S:
+        shed = self._shed_log.due()
+        if shed is not None:
             logger.warning(
                 "webhook connection bound reached; shedding connections (a client holding "
                 "many open? restrict who reaches the port: see docs/security.md)",
                 extra={
                     "fields": {
                         "maxConnections": self._max_connections,
-                        "shed": self._shed_since_log,
+                        "shed": shed,
                         "last": action,
                     }
                 },
             )
-            self._shed_logged_at, self._shed_since_log = now, 0
 
     def disconnected(self, connection: _Connection) -> None:
         self._connections.discard(connection)
