@@ -6,6 +6,7 @@ from collections.abc import Iterator
 
 import anyio
 import pytest
+from gpudra.common.metricsserver import serve_metrics
 from gpudra.driver.accounting import Accounting
 from gpudra.driver.checkpoint import ClaimRecord, ClaimState, DeviceRecord
 from gpudra.driver.devices import discover
@@ -13,7 +14,7 @@ from gpudra.driver.metrics import DeviceMetrics
 from gpudra.driver.nvml.emulator import NvmlEmulator, load_builtin_profile
 from gpudra.driver.records import DeviceDetails
 from gpudra.driver.sampling import Sampler
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry
 
 
 @pytest.fixture(scope="session")
@@ -58,7 +59,7 @@ def endpoint() -> Iterator[str]:
     anyio.run(two_samples)
     registry = CollectorRegistry()
     registry.register(DeviceMetrics(sampler, accounting))
-    server, thread = start_http_server(0, "127.0.0.1", registry=registry)
+    server, thread = serve_metrics("127.0.0.1", 0, registry)  # as the agent serves
     try:
         yield f"node-a=http://127.0.0.1:{server.server_port}/metrics"
     finally:

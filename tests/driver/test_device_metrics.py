@@ -11,6 +11,7 @@ from typing import Any
 import pynvml
 import pytest
 from gpudra.common.kube import Kube
+from gpudra.common.metricsserver import serve_metrics
 from gpudra.driver.accounting import Accounting
 from gpudra.driver.agent import AgentConfig
 from gpudra.driver.checkpoint import ClaimRecord, ClaimState, DeviceRecord
@@ -24,7 +25,7 @@ from gpudra.driver.records import DeviceDetails, TimeSliceSet
 from gpudra.driver.sampling import Sampler
 from gpudra.driver.tenancy import NamespaceTenants
 from kubernetes_asyncio.client import ApiClient
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 pytestmark = pytest.mark.anyio
@@ -138,7 +139,7 @@ class Node:
         self.registry.register(DeviceMetrics(self.sampler, self.accounting))
 
     def scrape(self) -> list[tuple[str, dict[str, str], float]]:
-        server, thread = start_http_server(0, "127.0.0.1", registry=self.registry)
+        server, thread = serve_metrics("127.0.0.1", 0, self.registry)  # as the agent serves
         try:
             url = f"http://127.0.0.1:{server.server_port}/metrics"
             with urllib.request.urlopen(url, timeout=10) as response:
