@@ -3,7 +3,7 @@
 A server shedding connections under a flood may shed thousands a second; a line for
 each would flood the logs in turn and cost the CPU the bound is there to save. The
 count goes to a metric every time; the log gets the first occurrence and then at most
-one line per interval, saying how many happened since the last.
+one line per interval (a minute unless told), saying how many happened since the last.
 """
 
 from __future__ import annotations
@@ -19,7 +19,9 @@ class LogPace:
     due now (the first one, then once `interval_s` has passed since the last line),
     else None. Not thread-safe: one owner calls it."""
 
-    def __init__(self, interval_s: float, *, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, interval_s: float = 60.0, *, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self._interval_s = interval_s
         self._clock = clock
         self._last: float | None = None

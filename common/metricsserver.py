@@ -43,8 +43,6 @@ MAX_CONNECTIONS: Final = 16
 """Scrapes at once: each Prometheus replica scrapes a target one request at a time."""
 DEADLINE_S: Final = 10.0
 """Prometheus's default scrape timeout: no scrape it makes waits longer."""
-REFUSAL_LOG_INTERVAL_S: Final = 60.0
-"""Refusals at the bound are counted on every one, logged at most this often."""
 
 
 class _Handler(WSGIRequestHandler):
@@ -78,17 +76,20 @@ class MetricsServer(ThreadingMixIn, WSGIServer):
         )[0][0]
         super().__init__(address, _Handler)
         self.set_app(make_wsgi_app(registry))
-        self._slots = threading.BoundedSemaphore(max_connections)
         self._max = max_connections
         self._deadline_s = deadline_s
         self._lock = threading.Lock()
         self._open: dict[socket.socket, float] = {}  # connection -> its deadline
         self.refused = 0
         """Connections closed at once because `max_connections` were open."""
-        self._refusal_log = LogPace(REFUSAL_LOG_INTERVAL_S)  # the server thread's only
+        self._refusal_log = LogPace()  # the server thread's only
 
     def process_request(self, request: Any, client_address: Any) -> None:
-        if not self._slots.acquire(blocking=False):
+        with self._lock:
+            full = len(self._open) >= self._max
+            if not full:
+                self._open[request] = time.monotonic() + self._deadline_s
+        if full:
             self.refused += 1
             refused = self._refusal_log.due()
             if refused is not None:
@@ -99,8 +100,6 @@ class MetricsServer(ThreadingMixIn, WSGIServer):
                 )
             self.shutdown_request(request)
             return
-        with self._lock:
-            self._open[request] = time.monotonic() + self._deadline_s
         try:
             super().process_request(request, client_address)  # starts its thread
         except BaseException:
@@ -115,9 +114,7 @@ class MetricsServer(ThreadingMixIn, WSGIServer):
 
     def _finished(self, request: socket.socket) -> None:
         with self._lock:
-            if self._open.pop(request, None) is None:
-                return
-        self._slots.release()
+            self._open.pop(request, None)
 
     def service_actions(self) -> None:
         """Shut down connections past their deadline; their threads then end."""

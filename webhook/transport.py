@@ -77,8 +77,6 @@ _BACKLOG: Final = 1024
 _SPARE_FILES: Final = 64
 """File descriptors kept free beside the connections: the listener, the certificate
 reloads, the API client's own connections, the event loop's."""
-_SHED_LOG_INTERVAL_S: Final = 60.0
-"""Connections shed at the bound are counted on every one, logged at most this often."""
 _CONTINUE: Final = b"HTTP/1.1 100 Continue\r\n\r\n"
 
 
@@ -171,7 +169,7 @@ class HttpServer:
         self._connections: set[_Connection] = set()
         self._all_closed: anyio.Event | None = None
         self._max_connections = config.max_connections
-        self._shed_log = LogPace(_SHED_LOG_INTERVAL_S)
+        self._shed_log = LogPace()  # counted on every one, logged at most once a minute
 
     @property
     def port(self) -> int:
