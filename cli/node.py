@@ -17,6 +17,8 @@ from gpudra.common.backoff import Backoff
 from gpudra.common.eventloop import run_event_loop
 from gpudra.common.heap import freeze_startup_heap
 from gpudra.common.kube import ApiError, Kube
+from gpudra.common.metricsserver import DEADLINE_S as METRICS_DEADLINE_S
+from gpudra.common.metricsserver import MAX_CONNECTIONS as METRICS_MAX_CONNECTIONS
 from gpudra.common.metricsserver import serve_metrics
 from gpudra.driver.accounting import DEFAULT_IDLE_BELOW
 from gpudra.driver.agent import AgentConfig
@@ -251,6 +253,22 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="serve Prometheus metrics here; empty: off",
     )
     k.add_argument(
+        "--metrics-max-connections",
+        type=int,
+        default=METRICS_MAX_CONNECTIONS,
+        metavar="N",
+        help="metrics connections served at once, a thread each; one more is closed at once "
+        f"(default: {METRICS_MAX_CONNECTIONS})",
+    )
+    k.add_argument(
+        "--metrics-deadline",
+        type=float,
+        default=METRICS_DEADLINE_S,
+        metavar="SECONDS",
+        help="a metrics connection is closed this long after its accept, whatever it sent "
+        f"(default: {METRICS_DEADLINE_S:g})",
+    )
+    k.add_argument(
         "--sample-interval",
         type=float,
         default=DEFAULT_INTERVAL_S,
@@ -323,7 +341,19 @@ def _start_refused(args: argparse.Namespace, error: BaseException) -> str:
     return f"gpudra node: --shared-gpus {args.shared_gpus!r}: {error}"
 
 
-def _metrics_address(raw: str) -> tuple[str, int] | None:
+def _metrics_address(args: argparse.Namespace) -> tuple[str, int] | None:
+    """The metrics listener's address, None for none; its bounds are checked with it."""
+    if args.metrics_max_connections < 1:
+        raise SystemExit(
+            f"gpudra node: --metrics-max-connections {args.metrics_max_connections}: give at "
+            f"least 1 (default: {METRICS_MAX_CONNECTIONS})"
+        )
+    if not args.metrics_deadline > 0:
+        raise SystemExit(
+            f"gpudra node: --metrics-deadline {args.metrics_deadline:g}: give seconds, more "
+            f"than 0 (default: {METRICS_DEADLINE_S:g})"
+        )
+    raw: str = args.metrics_address
     if not raw:
         return None
     host, sep, port = raw.rpartition(":")
@@ -581,7 +611,7 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"gpudra node: --nvml: {e}") from None
     if plugin is not None and _emulated(args):
         plugin = _emulated_driver(args, nvml, plugin)
-    metrics = _metrics_address(args.metrics_address)
+    metrics = _metrics_address(args)
     registry = CollectorRegistry()
 
     async def main() -> None:
@@ -592,7 +622,13 @@ def run(args: argparse.Namespace) -> int:
             )
             if metrics is not None:
                 try:
-                    server, _thread = serve_metrics(metrics[0], metrics[1], registry)
+                    server, _thread = serve_metrics(
+                        metrics[0],
+                        metrics[1],
+                        registry,
+                        max_connections=args.metrics_max_connections,
+                        deadline_s=args.metrics_deadline,
+                    )
                 except OSError as e:
                     raise SystemExit(
                         f"gpudra node: --metrics-address {args.metrics_address}: {e}"

@@ -57,6 +57,7 @@ from gpudra.webhook.renewal import ServingRenewal
 from gpudra.webhook.server import ServerConfig, WebhookServer
 from gpudra.webhook.templates import ApiClaimReader, ApiTemplateEnsurer
 from gpudra.webhook.tenants import TenantController
+from gpudra.webhook.transport import HttpConfig
 from gpudra.webhook.validate import driver_classes
 from pydantic import ValidationError
 
@@ -123,6 +124,15 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "rules); pods elsewhere stay on the device plugin during a migration (default: all)",
     )
     p.add_argument("--port", type=int, default=8443, help="listen port")
+    p.add_argument(
+        "--max-connections",
+        type=int,
+        default=HttpConfig.max_connections,
+        metavar="N",
+        help="connections held open at most on each port; at the bound a new one takes the "
+        "place of the one idle longest (lowered at start to what the open-files limit "
+        f"allows; default: {HttpConfig.max_connections})",
+    )
     p.add_argument("--service", default="gpudra-webhook", help="the webhook's Service name")
     p.add_argument("--namespace", default="gpudra", help="the driver's namespace")
     p.add_argument(
@@ -239,6 +249,20 @@ def conversion_policy(args: argparse.Namespace) -> ConversionPolicy:
     )
 
 
+def server_config(args: argparse.Namespace, policy: ConversionPolicy) -> ServerConfig:
+    """The server's listener, limits and admission settings, as the flags give them."""
+    return ServerConfig(
+        cert_file=args.cert_dir / TLS_CERT,
+        key_file=args.cert_dir / TLS_KEY,
+        host=args.host,
+        port=args.port,
+        max_connections=args.max_connections,
+        extra_device_classes=tuple(args.device_class),
+        policy=policy,
+        own_namespace=args.namespace,
+    )
+
+
 def _mig_profiles(profiles: list[str]) -> list[str]:
     """The --mig-profile-class values, each a MIG profile whose class name is valid."""
     for profile in profiles:
@@ -291,6 +315,11 @@ def _mps_config(args: argparse.Namespace) -> tuple[tuple[str, Any], ...]:
 def run(args: argparse.Namespace) -> int:
     if not 0 < args.port < 65536:
         raise SystemExit(f"gpudra webhook: --port {args.port} is out of range (1-65535)")
+    if args.max_connections < 1:
+        raise SystemExit(
+            f"gpudra webhook: --max-connections {args.max_connections}: give at least 1 "
+            f"(default: {HttpConfig.max_connections})"
+        )
     if (args.client_ca_file is None) != (args.health_port is None):
         raise SystemExit(
             "gpudra webhook: --client-ca-file and --health-port go together: the kubelet's "
@@ -331,15 +360,7 @@ def run(args: argparse.Namespace) -> int:
 
     async def main() -> None:
         kube = await Kube.connect(args.kubeconfig)
-        config = ServerConfig(
-            cert_file=args.cert_dir / TLS_CERT,
-            key_file=args.cert_dir / TLS_KEY,
-            host=args.host,
-            port=args.port,
-            extra_device_classes=tuple(args.device_class),
-            policy=policy,
-            own_namespace=args.namespace,
-        )
+        config = server_config(args, policy)
         tenants = TenantController(kube, config.policy) if args.tenants else None
         # Only claim validation resolves sharing with the DeviceClasses' configs.
         classes = DeviceClassCache(config.policy.driver) if args.validate_claims else None

@@ -131,11 +131,18 @@ class MetricsServer(ThreadingMixIn, WSGIServer):
 
 
 def serve_metrics(
-    host: str, port: int, registry: CollectorRegistry, **bounds: Any
+    host: str,
+    port: int,
+    registry: CollectorRegistry,
+    *,
+    max_connections: int = MAX_CONNECTIONS,
+    deadline_s: float = DEADLINE_S,
 ) -> tuple[MetricsServer, threading.Thread]:
     """Serve `registry` on host:port from a daemon thread; `server.shutdown()` stops it.
     Raises OSError when the address cannot be bound."""
-    server = MetricsServer((host, port), registry, **bounds)
+    server = MetricsServer(
+        (host, port), registry, max_connections=max_connections, deadline_s=deadline_s
+    )
     thread = threading.Thread(target=server.serve_forever, name="metrics", daemon=True)
     thread.start()
     return server, thread

@@ -701,6 +701,9 @@ def test_notes_tell_how_to_check(helm: Path) -> None:
         ({"node": {"kubeletRoot": "var/lib/kubelet"}}, "/node/kubeletRoot"),
         ({"webhook": {"port": 70000}}, "/webhook/port"),
         ({"webhook": {"port": 0}}, "/webhook/port"),
+        ({"webhook": {"maxConnections": 0}}, "/webhook/maxConnections"),
+        ({"node": {"metricsMaxConnections": 0}}, "/node/metricsMaxConnections"),
+        ({"node": {"metricsDeadlineSeconds": 0}}, "/node/metricsDeadlineSeconds"),
         ({"kubernetesApi": {"port": 0}}, "/kubernetesApi/port"),
         ({"kubernetesApi": {"port": 70000}}, "/kubernetesApi/port"),
         (
@@ -841,6 +844,29 @@ def test_rendered_args_are_accepted_by_the_cli(helm: Path, values: list[Any]) ->
             SharedGpus.parse(parsed.shared_gpus)  # the value, too, is one the agent takes
         else:
             conversion_policy(parsed)  # and the webhook's values, one it starts with
+
+
+def test_connection_bounds_reach_both_components(helm: Path) -> None:
+    """The bounds that keep held connections from exhausting the webhook and the agent's
+    metrics port are values, and what `gpudra` parses from the rendered args."""
+    parser = build_parser()
+
+    def parsed(objects: list[dict[str, Any]], kind: str) -> Any:
+        (container,) = h.find(objects, kind)["spec"]["template"]["spec"]["containers"]
+        return parser.parse_args([a.replace("$(NODE_NAME)", "n1") for a in container["args"]])
+
+    default = h.template(helm)
+    assert parsed(default, "Deployment").max_connections == 1024
+    agent = parsed(default, "DaemonSet")
+    assert (agent.metrics_max_connections, agent.metrics_deadline) == (16, 10.0)
+    values = {
+        "webhook": {"maxConnections": 4096},
+        "node": {"metricsMaxConnections": 64, "metricsDeadlineSeconds": 2.5},
+    }
+    raised = h.template(helm, values)
+    assert parsed(raised, "Deployment").max_connections == 4096
+    agent = parsed(raised, "DaemonSet")
+    assert (agent.metrics_max_connections, agent.metrics_deadline) == (64, 2.5)
 
 
 def webhook_policy(objects: list[dict[str, Any]]) -> tuple[list[str], ConversionPolicy]:

@@ -17,6 +17,7 @@ from gpudra.cli.node import (
     EMULATED_NVML_STATE,
     EMULATED_TOOLS_LOG,
     _emulated_driver,
+    _metrics_address,
     _nvml_state,
     _plugin_config,
 )
@@ -193,6 +194,28 @@ def test_sampling_flags_reach_the_plugin_config_and_bad_ones_name_the_flag() -> 
         _plugin_config(parser.parse_args(["node", "--node-name", "n1", "--sample-interval", "-1"]))
     with pytest.raises(SystemExit, match="--idle-threshold 101: give a percentage"):
         _plugin_config(parser.parse_args(["node", "--node-name", "n1", "--idle-threshold", "101"]))
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--metrics-max-connections", "0"], "--metrics-max-connections 0: give at least 1"),
+        (["--metrics-deadline", "0"], "--metrics-deadline 0: give seconds, more than 0"),
+        (["--metrics-deadline", "nan"], "--metrics-deadline nan: give seconds, more than 0"),
+        (["--metrics-address", "9477"], "--metrics-address '9477': give HOST:PORT"),
+    ],
+)
+def test_bad_metrics_listener_flags_name_the_flag(flags: list[str], message: str) -> None:
+    args = build_parser().parse_args(["node", "--node-name", "n1", *flags])
+    with pytest.raises(SystemExit, match=message):
+        _metrics_address(args)
+
+
+def test_the_metrics_address_and_off() -> None:
+    parser = build_parser()
+    assert _metrics_address(parser.parse_args(["node", "--node-name", "n1"])) == ("0.0.0.0", 9477)
+    off = ["node", "--node-name", "n1", "--metrics-address", ""]
+    assert _metrics_address(parser.parse_args(off)) is None
 
 
 def test_the_mps_daemon_pod_template_is_read_and_bad_ones_name_the_field(

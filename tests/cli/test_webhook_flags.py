@@ -9,8 +9,9 @@ from typing import Any
 
 import pytest
 from gpudra.cli.main import build_parser
-from gpudra.cli.webhook import conversion_policy, run
+from gpudra.cli.webhook import conversion_policy, run, server_config
 from gpudra.webhook.convert import ConversionPolicy, convert_pod
+from gpudra.webhook.transport import HttpConfig
 from gpudra.webhook.validate import driver_classes, validate_claim_object
 
 
@@ -171,6 +172,22 @@ def test_certificate_flags_that_go_together(tmp_path: Path, flags: list[str], me
     with pytest.raises(SystemExit) as exit_:
         run(parsed)
     assert message.format(tmp=tmp_path) in str(exit_.value)
+
+
+def test_max_connections_reaches_the_server_and_must_be_positive(tmp_path: Path) -> None:
+    parser = build_parser()
+
+    def config(*flags: str) -> HttpConfig:
+        args = parser.parse_args(["webhook", "--cert-dir=certs", *flags])
+        return server_config(args, conversion_policy(args))
+
+    assert config().max_connections == HttpConfig.max_connections == 1024
+    assert config("--max-connections=4096").max_connections == 4096
+    args = parser.parse_args(["webhook", f"--cert-dir={tmp_path}", "--max-connections=0"])
+    with pytest.raises(SystemExit) as exit_:
+        run(args)
+    assert "gpudra webhook: --max-connections 0: give at least 1" in str(exit_.value)
+    assert not any(tmp_path.iterdir())  # refused before any certificate was made
 
 
 def test_conversion_namespace_selector_is_a_checked_label_selector(
