@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from types import UnionType
 from typing import (
@@ -662,14 +662,17 @@ def bound_configs(
     driver: str,
     prefix: str,
     source: str | None = None,
+    parse: Callable[[object], DeviceConfig] | None = None,
 ) -> list[BoundConfig]:
     """Parse the `config[]` entries addressed to `driver`, in order.
 
     `entries` is the JSON form of a claim's `spec.devices.config`, a DeviceClass's
     `spec.config` or an allocation's `status.allocation.devices.config`; `prefix`
     is that field's path; `source` (FromClass/FromClaim) filters allocation
-    entries. Every bad entry is reported in one ConfigError.
+    entries; `parse` parses one entry's parameters (default `parse_opaque_config`; the
+    webhook's `ConfigCache.parse`). Every bad entry is reported in one ConfigError.
     """
+    parse = parse or parse_opaque_config
     result: list[BoundConfig] = []
     issues: list[ConfigIssue] = []
     for index, entry in enumerate(entries):
@@ -699,7 +702,7 @@ def bound_configs(
             )
             continue
         try:
-            config = parse_opaque_config(opaque.get("parameters"))
+            config = parse(opaque.get("parameters"))
         except ConfigError as exc:
             issues.extend(exc.with_prefix(path).issues)
             continue

@@ -18,7 +18,7 @@ from typing import Any
 
 import orjson
 
-__all__ = ["DecodeError", "dumps", "loads"]
+__all__ = ["DecodeError", "canonical", "dumps", "loads"]
 
 DecodeError = orjson.JSONDecodeError
 """What `loads` raises for text that is not JSON (a ValueError)."""
@@ -30,6 +30,16 @@ def dumps(value: Any) -> bytes:
         return orjson.dumps(value)
     except orjson.JSONEncodeError:
         return json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def canonical(value: Any) -> bytes | None:
+    """`value` as compact JSON with every object's keys sorted: the same bytes for the
+    same decoded JSON value, to key it by. None for a value orjson refuses (a
+    non-string key, an int past 64 bits), which then has no key."""
+    try:
+        return orjson.dumps(value, option=orjson.OPT_SORT_KEYS)
+    except orjson.JSONEncodeError:
+        return None
 
 
 def loads(data: bytes | str) -> Any:

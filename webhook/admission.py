@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any, Final, Protocol
 
 import anyio
+from gpudra.api.configcache import ConfigCache
 from gpudra.api.names import is_dns_subdomain
 from gpudra.webhook.convert import (
     DEFAULT_POLICY,
@@ -139,6 +140,7 @@ class Admission:
         device_classes: Mapping[str, ClassConfigs] | None = None,
         read_claims: ClaimReader | None = None,
         own_namespace: str = "gpudra",
+        configs: ConfigCache | None = None,
     ) -> None:
         self._ensure = ensure_templates
         self._metrics = metrics
@@ -150,6 +152,8 @@ class Admission:
         self._device_classes = device_classes
         self._read_claims = read_claims
         self._excluded = frozenset({*SYSTEM_NAMESPACES, own_namespace})
+        # Claims repeat their templates' configs: each is validated once (configcache).
+        self._configs = configs if configs is not None else ConfigCache()
 
     def endpoints(self) -> dict[str, ReviewHandler]:
         """Path -> handler, for the transport to route to."""
@@ -239,6 +243,7 @@ class Admission:
             rules=lookup.rules if lookup is not None else None,
             denial=lookup.denial if lookup is not None else "",
             device_classes=self._device_classes,
+            parse_config=self._configs.parse,
         )
         if verdict.allowed and kind == CLAIM.kind and lookup is not None and lookup.rules:
             reason = await self._users_over_limit(lookup.rules, obj, namespace)

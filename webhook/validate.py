@@ -19,7 +19,7 @@ configs and the tenant rules.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal, TypeVar
 
@@ -27,6 +27,7 @@ from gpudra.api.config import (
     BoundConfig,
     ConfigError,
     ConfigIssue,
+    DeviceConfig,
     DeviceType,
     bound_configs,
     join_path,
@@ -249,12 +250,14 @@ def validate_claim_object(
     rules: TenantRules | None,
     denial: str = "",
     device_classes: Mapping[str, ClassConfigs] | None = None,
+    parse_config: Callable[[object], DeviceConfig] | None = None,
 ) -> ClaimVerdict:
     """Check one ResourceClaim (or, with `template`, ResourceClaimTemplate) object.
 
     `denial` is a namespace-wide reason (tenant conflict, rules not loaded) that forbids
     any claim for the driver's classes; `device_classes` holds the configs of the
-    DeviceClasses by name (a class not in it has none).
+    DeviceClasses by name (a class not in it has none); `parse_config` parses one
+    opaque config (default `parse_opaque_config`; the webhook's `ConfigCache.parse`).
     """
     verdict = ClaimVerdict()
     try:
@@ -279,6 +282,7 @@ def validate_claim_object(
             devices.get("config") or (),
             driver=policy.driver,
             prefix=f"{base}.config",
+            parse=parse_config,
         )
     except ConfigError as exc:
         verdict.invalid.extend(str(issue) for issue in exc.issues)

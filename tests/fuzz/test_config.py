@@ -17,6 +17,7 @@ from gpudra.api.config import (
     parse_opaque_config,
     resolve_config,
 )
+from gpudra.api.configcache import ConfigCache
 from hypothesis import example, given
 from hypothesis import strategies as st
 
@@ -58,6 +59,22 @@ def _parsed(raw: Any) -> GpuConfig | MigDeviceConfig | None:
 @example(_gpu_sharing({"strategy": "MPS", "mpsConfig": {3: "1Gi"}}))
 def test_mutated_configs_parse_or_name_the_field(raw: dict[str, Any]) -> None:
     _parsed(raw)
+
+
+def _outcome(parse: Any, raw: Any) -> object:
+    try:
+        return parse(raw)
+    except ConfigError as exc:
+        return ("error", str(exc))
+
+
+@given(st.lists(CONFIGS | JSON, min_size=1, max_size=6))
+def test_the_config_cache_answers_as_the_parser(raws: list[Any]) -> None:
+    """Whatever came before it, the webhook's cache gives each config the parser's own
+    answer: the same config, or the same error."""
+    cache = ConfigCache(size=3)
+    for raw in [*raws, *reversed(raws)]:
+        assert _outcome(cache.parse, raw) == _outcome(parse_opaque_config, raw)
 
 
 @given(CONFIGS.map(json.dumps) | st.text(max_size=200) | st.binary(max_size=200))

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import ssl
@@ -12,6 +13,7 @@ from typing import Any
 import anyio
 import pytest
 from anyio.streams.buffered import BufferedByteStream
+from gpudra.api.configcache import ConfigCache
 from gpudra.api.deviceclasses import device_classes
 from gpudra.api.tenants import API_VERSION, parse_tenant
 from gpudra.webhook.admission import VALIDATE_CLAIMS_PATH, Admission
@@ -374,6 +376,29 @@ async def test_type_confused_claims_are_answered_400_naming_the_field() -> None:
     decision = await validate(json.dumps(claim_review(null_entry)).encode())
     assert decision.response["status"]["code"] == 400
     assert "spec.devices.config[0]: " in decision.response["status"]["message"]
+
+
+@pytest.mark.anyio
+async def test_claims_repeating_a_config_have_it_validated_once() -> None:
+    configs = ConfigCache()
+    admission = Admission(_NoTemplates(), WebhookMetrics(CollectorRegistry()), configs=configs)
+    validate = admission.endpoints()[VALIDATE_CLAIMS_PATH]
+    shared = opaque(gpu_config(strategy="TimeSlicing", timeSlicingConfig={"interval": "Long"}))
+    for name in ("a", "b"):
+        body = claim(req("gpu"), config=[copy.deepcopy(shared)])
+        body["metadata"] = {"name": name}
+        decision = await validate(json.dumps(claim_review(body)).encode())
+        assert decision.result == "allowed"
+    assert len(configs) == 1
+    bad = claim(req("gpu"), config=[opaque(gpu_config(strategy="Sliced"))])
+    for _ in range(2):  # refused the same way each time, and not kept
+        decision = await validate(json.dumps(claim_review(bad)).encode())
+        assert decision.response["status"]["code"] == 400
+        assert (
+            "spec.devices.config[0].opaque.parameters.sharing.strategy"
+            in (decision.response["status"]["message"])
+        )
+    assert len(configs) == 1
 
 
 class _NoTemplates:
