@@ -153,6 +153,20 @@ def test_sharing_mode_rules_point_at_the_config() -> None:
     assert "spec.devices.requests[0].exactly (no sharing config: Exclusive)" in line
 
 
+def test_a_config_admitted_elsewhere_is_still_held_to_this_tenants_rules() -> None:
+    """An escape attempt on the config cache: a config parsed (and kept) for a claim in
+    a namespace without rules is checked against the sharing rules of the next
+    namespace as if never seen; the cache holds parses, never verdicts."""
+    cache = ConfigCache()
+    mps = claim(req("gpu"), config=[opaque(gpu_config(strategy="MPS"))])
+    assert check(mps, parse_config=cache.parse).allowed
+    assert len(cache) == 1
+    r = rules(allowedSharing=["Exclusive", "TimeSlicing"])
+    (line,) = check(copy.deepcopy(mps), r, parse_config=cache.parse).forbidden
+    assert "does not allow sharing mode MPS" in line
+    assert len(cache) == 1  # the same parse, judged again
+
+
 def test_mig_profile_must_be_pinned_to_an_allowed_one() -> None:
     r = rules(allowedMigProfiles=["1g.10gb"])
     sel = [{"cel": {"expression": 'device.attributes["gpu.nvidia.com"].profile == "1g.10gb"'}}]

@@ -135,6 +135,7 @@ def gpu_config(strategy: str) -> dict[str, Any]:
 
 
 SHARED_GPU = {"deviceClassName": SHARED}
+WHOLE_GPU = {"deviceClassName": DRIVER}
 MEMORY_SLICE = {
     "deviceClassName": SHARED,
     "capacity": {"requests": {f"{DRIVER}/memory": "10Gi"}},
@@ -255,3 +256,32 @@ async def test_a_per_profile_class_does_not_get_around_allowed_mig_profiles(
         assert created["metadata"]["name"] == "ok"
     finally:
         await run_sync(drop_tenant, kube, tenant)
+
+
+async def test_a_config_admitted_in_another_namespace_is_judged_by_this_ones_rules(
+    env: Env, kube: SyncKube, namespace: str
+) -> None:
+    """The webhook keeps the parses of configs it has seen (`ConfigCache`). A tenant
+    without rules has an MPS config admitted first, so that its parse is kept; the same
+    config from a tenant whose rules forbid MPS is refused all the same: the cache holds
+    parses, never verdicts."""
+    free = await run_sync(smoke.make_namespace, kube, "escape-free")
+    try:
+        first = await run_sync(tenant_user, kube, free)
+        created = await run_sync(first.create, claim(free, "mps", WHOLE_GPU, gpu_config("MPS")))
+        assert created["metadata"]["name"] == "mps"
+        user = await run_sync(tenant_user, kube, namespace)
+        tenant = await run_sync(
+            lambda: with_tenant(kube, namespace, allowedSharing=["Exclusive", "TimeSlicing"])
+        )
+        try:
+            await tenant_rules_loaded(env, namespace)
+            message = await denied(user, claim(namespace, "mps", WHOLE_GPU, gpu_config("MPS")))
+            assert "HTTP 403" in message
+            assert "does not allow sharing mode MPS; accepted values: Exclusive, TimeSlicing" in (
+                message
+            )
+        finally:
+            await run_sync(drop_tenant, kube, tenant)
+    finally:
+        await run_sync(kube.delete, "Namespace", free)
