@@ -23,8 +23,6 @@ passes; not for concurrent use (the webhook's event loop is its one thread).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 from gpudra.api.config import DeviceConfig, parse_opaque_config
 from gpudra.api.jsonbytes import canonical
 
@@ -46,7 +44,8 @@ class ConfigCache:
 
     def parse(self, raw: object) -> DeviceConfig:
         """What `parse_opaque_config(raw)` returns, or the ConfigError it raises."""
-        key = canonical(raw) if isinstance(raw, Mapping) else None
+        # JSON text, and anything orjson cannot encode, is parsed and not kept.
+        key = canonical(raw) if isinstance(raw, dict) else None
         if key is None or len(key) > self._max_key_bytes:
             return parse_opaque_config(raw)
         config = self._parsed.pop(key, None)
