@@ -662,17 +662,16 @@ def bound_configs(
     driver: str,
     prefix: str,
     source: str | None = None,
-    parse: Callable[[object], DeviceConfig] | None = None,
+    parse: Callable[[object], DeviceConfig] = parse_opaque_config,
 ) -> list[BoundConfig]:
     """Parse the `config[]` entries addressed to `driver`, in order.
 
     `entries` is the JSON form of a claim's `spec.devices.config`, a DeviceClass's
     `spec.config` or an allocation's `status.allocation.devices.config`; `prefix`
     is that field's path; `source` (FromClass/FromClaim) filters allocation
-    entries; `parse` parses one entry's parameters (default `parse_opaque_config`; the
-    webhook's `ConfigCache.parse`). Every bad entry is reported in one ConfigError.
+    entries; `parse` parses one entry's parameters (the webhook passes its
+    `ConfigCache.parse`). Every bad entry is reported in one ConfigError.
     """
-    parse = parse or parse_opaque_config
     result: list[BoundConfig] = []
     issues: list[ConfigIssue] = []
     for index, entry in enumerate(entries):

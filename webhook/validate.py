@@ -32,6 +32,7 @@ from gpudra.api.config import (
     bound_configs,
     join_path,
     loc_path,
+    parse_opaque_config,
 )
 from gpudra.api.deviceclasses import mig_profile_selector
 from gpudra.api.sharing import Sharing, is_memory_slice, resolve_sharing
@@ -250,14 +251,14 @@ def validate_claim_object(
     rules: TenantRules | None,
     denial: str = "",
     device_classes: Mapping[str, ClassConfigs] | None = None,
-    parse_config: Callable[[object], DeviceConfig] | None = None,
+    parse_config: Callable[[object], DeviceConfig] = parse_opaque_config,
 ) -> ClaimVerdict:
     """Check one ResourceClaim (or, with `template`, ResourceClaimTemplate) object.
 
     `denial` is a namespace-wide reason (tenant conflict, rules not loaded) that forbids
     any claim for the driver's classes; `device_classes` holds the configs of the
     DeviceClasses by name (a class not in it has none); `parse_config` parses one
-    opaque config (default `parse_opaque_config`; the webhook's `ConfigCache.parse`).
+    opaque config (the webhook passes its `ConfigCache.parse`).
     """
     verdict = ClaimVerdict()
     try:
