@@ -40,6 +40,7 @@ from gpudra.webhook.convert import (
     convert_pod,
     generated_template_name,
 )
+from gpudra.webhook.extended_resources import extended_resource_claim, fills_extended_resources
 from gpudra.webhook.metrics import WebhookMetrics
 from gpudra.webhook.reviews import (
     AdmissionRequest,
@@ -278,15 +279,38 @@ class Admission:
         namespace: str,
         dry_run: bool,
     ) -> str | None:
-        """`conversion` is the rules' view of the pod (`rules_view`), patched or not."""
+        """`conversion` is the rules' view of the pod (`rules_view`), patched or not.
+
+        The claim the scheduler will create for the pod's DRA extended resources
+        (`extended_resources`) is judged as a claim and counted with the pod's others.
+        """
+        extended = extended_resource_claim(pod, self._classes)
         if lookup.denial or lookup.rules is None:
-            return (lookup.denial or None) if conversion.claims else None
+            return (lookup.denial or None) if conversion.claims or extended else None
         referenced: list[ReferencedClaim] = []
         if lookup.rules.tenant.spec.max_devices_per_pod is not None:
             found = await self._referenced(lookup.rules, pod, namespace, dry_run)
             if isinstance(found, str):
                 return found
             referenced = found
+        if extended is not None:
+            verdict = validate_claim_object(
+                {"spec": extended.spec},
+                template=False,
+                policy=self._policy,
+                classes=self._classes,
+                rules=lookup.rules,
+                device_classes=self._device_classes,
+                parse_config=self._configs.parse,
+            )
+            if not verdict.allowed:
+                return (
+                    f"the ResourceClaim the scheduler would create for this pod's extended "
+                    f"resources breaks its namespace's rules: {verdict.message} (its "
+                    f"requests: {extended.asked})"
+                )
+            devices = claim_devices(extended.spec, self._classes)
+            referenced.append(ReferencedClaim(EXTENDED_RESOURCES, extended.asked, devices))
         if not conversion.claims and not referenced:
             return None
         assert self._tenants is not None  # a lookup comes from it
@@ -395,6 +419,8 @@ class Admission:
             devices = claim_devices(claim_spec, self._classes)
             if devices:
                 result.append(ReferencedClaim(pod_claim, source, devices))
+        if filled is not None and filled[0] == EXTENDED_RESOURCES:
+            result.append(ReferencedClaim(EXTENDED_RESOURCES, "the new claim", filled[1]))
         return result
 
     async def _ensure_templates(
@@ -438,6 +464,11 @@ def _reference(entry: Mapping[str, Any]) -> tuple[str, str] | None:
     return None
 
 
+EXTENDED_RESOURCES: Final = "(extended resources)"
+"""Stands for the claim of a pod's DRA extended resources in device counts and messages:
+it fills no ``spec.resourceClaims`` entry."""
+
+
 POD_CLAIM_NAME_ANNOTATION: Final = "resource.kubernetes.io/pod-claim-name"
 """Set by the resourceclaim controller on a claim it generates from a pod's template:
 the name of the pod's ``spec.resourceClaims`` entry the claim fills."""
@@ -448,7 +479,11 @@ def _entry_filled_by(pod: Mapping[str, Any], claim: Mapping[str, Any]) -> str | 
 
     A pod entry naming the claim is filled by it; so is the entry the annotation names
     when the pod owns the claim (the controller generated it from that entry's template).
+    The claim the scheduler creates for the pod's extended resources fills no entry of
+    its own: it is `EXTENDED_RESOURCES`, counted beside the entries.
     """
+    if fills_extended_resources(claim, pod):
+        return EXTENDED_RESOURCES
     spec = pod.get("spec")
     entries = spec.get("resourceClaims") if isinstance(spec, Mapping) else None
     entries = [e for e in entries if isinstance(e, Mapping)] if isinstance(entries, list) else []

@@ -25,6 +25,12 @@ NAME = "gpudra-pod-conversion"
 PATH = "/apis/admissionregistration.k8s.io/v1/mutatingwebhookconfigurations"
 VALIDATING_NAME = "gpudra-claim-validation"
 VALIDATING_PATH = "/apis/admissionregistration.k8s.io/v1/validatingwebhookconfigurations"
+_DEVICE_CLASS_RESOURCE = "k.startsWith('deviceclass.resource.kubernetes.io/')"
+_ASKS_FOR_A_CLASS = (
+    f"has(c.resources) && ((has(c.resources.limits) && "
+    f"c.resources.limits.exists(k, {_DEVICE_CLASS_RESOURCE})) || "
+    f"(has(c.resources.requests) && c.resources.requests.exists(k, {_DEVICE_CLASS_RESOURCE})))"
+)
 GPU_POD_CEL = (
     "object.spec.containers.exists(c, has(c.resources) && ("
     "(has(c.resources.limits) && c.resources.limits.exists(k, k.startsWith('nvidia.com/'))) || "
@@ -32,8 +38,16 @@ GPU_POD_CEL = (
     ")) || (has(object.spec.initContainers) && object.spec.initContainers.exists(c, "
     "has(c.resources) && has(c.resources.limits) && "
     "c.resources.limits.exists(k, k.startsWith('nvidia.com/')))) || "
-    "has(object.spec.resourceClaims)"
+    "has(object.spec.resourceClaims) || "
+    f"object.spec.containers.exists(c, {_ASKS_FOR_A_CLASS}) || "
+    "(has(object.spec.initContainers) && "
+    f"object.spec.initContainers.exists(c, {_ASKS_FOR_A_CLASS}))"
 )
+"""Pods the conversion webhook is sent: any that names an ``nvidia.com/`` resource, refers
+to a claim, or asks for a DeviceClass as an extended resource, in limits or in requests
+alone (`extended_resources`: the tenant rules count the claim the scheduler will make for
+it; the API server takes such a name as one of its own, which may be requested without
+a limit)."""
 
 
 OPT_OUT_CEL = f"object.metadata.?labels[?'{OPT_OUT_LABEL}'].orValue('') == 'false'"

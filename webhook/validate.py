@@ -347,9 +347,17 @@ def _resolve(
     policy: ConversionPolicy,
     device_classes: Mapping[str, ClassConfigs],
     verdict: ClaimVerdict,
-) -> dict[str, Sharing]:
-    """Each request's sharing as prepare will resolve it; prepare's refusals are invalid."""
-    resolved: dict[str, Sharing] = {}
+) -> dict[str, list[tuple[bool, Sharing]]]:
+    """Each request's sharing as prepare may resolve it, by whether its device is a memory
+    slice; prepare's refusals are invalid.
+
+    A request with capacity requests other than shares becomes a slice of a shared GPU
+    when the scheduler gives it one, but a capacity request only filters a device that
+    is not shared, and one asking for a shared GPU's whole memory leaves nothing to share:
+    either way it gets a whole device, which prepare runs as its config says. Which one
+    is the scheduler's choice, so such a request is resolved both ways.
+    """
+    resolved: dict[str, list[tuple[bool, Sharing]]] = {}
     for request in requests:
         found = device_classes.get(request.device_class, ClassConfigs())
         if found.error is not None:
@@ -359,32 +367,43 @@ def _resolve(
                 for issue in found.error.issues
             )
             continue
-        try:
-            resolved[request.path] = resolve_sharing(
-                _device_type(request, policy),
-                found.configs,
-                configs,
-                request.name,
-                memory_slice=request.memory_slice and not request.admin,
-                where=f"{request.path} (capacity.requests)",
-            )
-        except ConfigError as exc:
-            verdict.invalid.extend(str(issue) for issue in exc.issues)
+        outcomes = resolved[request.path] = []
+        for sliced in (True, False) if request.memory_slice and not request.admin else (False,):
+            try:
+                sharing = resolve_sharing(
+                    _device_type(request, policy),
+                    found.configs,
+                    configs,
+                    request.name,
+                    memory_slice=sliced,
+                    where=f"{request.path} (capacity.requests)",
+                )
+            except ConfigError as exc:
+                verdict.invalid.extend(str(issue) for issue in exc.issues)
+                del resolved[request.path]
+                break
+            if all(sharing.mode != known.mode for _, known in outcomes):
+                outcomes.append((sliced, sharing))
     return resolved
 
 
-def _sharing_source(request: _Request, sharing: Sharing) -> str:
+def _sharing_source(request: _Request, sliced: bool, sharing: Sharing) -> str:
     """The field that sets `request`'s sharing mode, for a denial to name."""
-    if request.memory_slice and not request.admin and sharing.config.sharing is None:
+    if sliced and sharing.config.sharing is None:
         return f"{request.path}.capacity.requests (a memory slice of a shared GPU runs under MPS)"
     if sharing.path:
         return join_path(sharing.path, "sharing.strategy")
+    if request.memory_slice and not request.admin:
+        return (
+            f"{request.path}.capacity.requests (the scheduler may give this request a whole "
+            "device, which runs as its config says; with no sharing config: Exclusive)"
+        )
     return f"{request.path} (no sharing config: Exclusive)"
 
 
 def _check_rules(
     requests: Sequence[_Request],
-    resolved: Mapping[str, Sharing],
+    resolved: Mapping[str, Sequence[tuple[bool, Sharing]]],
     policy: ConversionPolicy,
     rules: TenantRules,
     verdict: ClaimVerdict,
@@ -404,15 +423,14 @@ def _check_rules(
             )
         if _device_type(request, policy) == "mig" and spec.allowed_mig_profiles is not None:
             _check_profile(request, policy, rules, verdict)
-        sharing = resolved.get(request.path)
-        if sharing is None:
-            continue  # reported as invalid already
-        if not spec.allows_sharing(sharing.mode):
-            verdict.forbidden.append(
-                f"{_sharing_source(request, sharing)}: {label} does not allow sharing mode "
-                f"{sharing.mode}; accepted values: "
-                f"{', '.join(spec.allowed_sharing or ()) or 'none'}"
-            )
+        # Not in `resolved`: reported as invalid already.
+        for sliced, sharing in resolved.get(request.path, ()):
+            if not spec.allows_sharing(sharing.mode):
+                verdict.forbidden.append(
+                    f"{_sharing_source(request, sliced, sharing)}: {label} does not allow "
+                    f"sharing mode {sharing.mode}; accepted values: "
+                    f"{', '.join(spec.allowed_sharing or ()) or 'none'}"
+                )
     total = sum(largest.values())
     limit = spec.max_devices_per_pod
     if limit is not None and total > limit:

@@ -16,6 +16,7 @@ import pytest
 from gpudra.api.deviceclasses import device_classes
 from gpudra.api.tenants import API_VERSION, crd_manifest
 from gpudra.common.kube import Kube
+from gpudra.webhook.extended_resources import fills_extended_resources
 from gpudra.webhook.tenants import MANAGED_BY_LABEL, QUOTA_NAME, TenantController
 
 from e2e import smoke
@@ -347,6 +348,51 @@ async def test_hand_written_claims_are_validated(env: Env, kube: SyncKube) -> No
         }
         created = await call(kube.create, claim(ns, "fine", fine))
         assert created["metadata"]["name"] == "fine"
+    finally:
+        await call(delete_tenant, kube, tenant)
+        await call(kube.delete, "Namespace", ns)
+
+
+async def test_the_schedulers_claim_for_a_device_class_asked_for_by_name(
+    env: Env, kube: SyncKube
+) -> None:
+    """`deviceclass.resource.kubernetes.io/gpu.nvidia.com` under a tenant: counted with the
+    pod's claim at its admission; the claim the real scheduler then creates for it passes
+    the claim webhook, is allocated, and is the one the webhook takes for the pod's
+    extended resources (`fills_extended_resources`) when it counts a claim with its pod."""
+    implicit = "deviceclass.resource.kubernetes.io/gpu.nvidia.com"
+    ns = await call(smoke.make_namespace, kube, "implicit")
+    tenant = f"im-{ns}"
+    try:
+        await call(lambda: make_tenant(kube, tenant, namespaces=[ns], maxDevicesPerPod=2))
+        await until(
+            "the webhook to see the tenant",
+            lambda: env.controller.state.lookup(ns).rules is not None,
+        )
+        one = {"requests": [{"name": "g", "exactly": {"deviceClassName": DRIVER}}]}
+        await call(kube.create, claim(ns, "one", one))
+
+        def pod_with(count: str, name: str) -> dict[str, Any]:
+            obj = gpu_pod(ns, name, {implicit: count})
+            obj["spec"]["containers"][0]["resources"]["claims"] = [{"name": "a"}]
+            obj["spec"]["resourceClaims"] = [{"name": "a", "resourceClaimName": "one"}]
+            return obj
+
+        with pytest.raises(ApiError) as err:
+            await call(kube.create, pod_with("2", "over"))
+        assert "maxDevicesPerPod is 2, this pod asks for 3 devices" in str(err.value)
+        created = await call(kube.create, pod_with("1", "fits"))
+
+        def extended_claim() -> Any:
+            pod = kube.get("Pod", "fits", ns)
+            status = pod.get("status", {}).get("extendedResourceClaimStatus") or {}
+            name = status.get("resourceClaimName")
+            return name and kube.get("ResourceClaim", name, ns)
+
+        made = await until("the scheduler's claim for the extended resource", extended_claim)
+        assert (made.get("status") or {}).get("allocation")
+        assert fills_extended_resources(made, created)
+        await call(lambda: kube.delete("Pod", "fits", ns, grace=0))
     finally:
         await call(delete_tenant, kube, tenant)
         await call(kube.delete, "Namespace", ns)

@@ -1011,6 +1011,13 @@ def test_opt_out_policy_matches_the_code(helm: Path, allowed: list[str]) -> None
         assert rendered == want
 
 
+def test_the_pod_rule_is_the_codes(default: list[dict[str, Any]]) -> None:
+    """Pods asking for a DeviceClass as an extended resource are sent too."""
+    cel = h.find(default, "MutatingWebhookConfiguration")["webhooks"][0]["matchConditions"][0]
+    assert cel["expression"] == registration.GPU_POD_CEL
+    assert "k.startsWith('deviceclass.resource.kubernetes.io/')" in cel["expression"]
+
+
 def test_native_resource_pods_are_sent_for_the_tenant_rules(helm: Path) -> None:
     objects = h.template(
         helm, {"deviceClasses": {"gpu": {"extendedResourceName": "nvidia.com/gpu"}}}

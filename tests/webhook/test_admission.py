@@ -324,3 +324,107 @@ async def test_a_generated_claim_is_counted_with_the_pod_that_owns_it() -> None:
     # Another pod's claim under the same annotation is not this pod's.
     stranger = {**generated, "metadata": {**generated["metadata"], "ownerReferences": []}}
     assert (await admission.validate_claim(review(CLAIM, stranger))).result == "allowed"
+
+
+IMPLICIT_GPU = "deviceclass.resource.kubernetes.io/gpu.nvidia.com"
+"""gpu.nvidia.com asked for as an extended resource (DRAExtendedResource): the scheduler
+creates the pod's claim for it."""
+
+
+def extended_resource_claim(pod_name: str, pod_uid: str, count: int) -> dict[str, Any]:
+    """The claim kube-scheduler creates for a pod's extended resources, as it writes it."""
+    claim = claim_object("", count)
+    claim["metadata"] = {
+        "generateName": f"{pod_name}-extended-resources-",
+        "annotations": {"resource.kubernetes.io/extended-resource-claim": "true"},
+        "ownerReferences": [
+            {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "name": pod_name,
+                "uid": pod_uid,
+                "controller": True,
+                "blockOwnerDeletion": True,
+            }
+        ],
+    }
+    claim["spec"]["devices"]["requests"][0]["name"] = "container-0-request-0"
+    return claim
+
+
+async def test_a_device_class_asked_for_as_an_extended_resource_counts_with_the_pod() -> None:
+    claims = Claims(one=one_gpu_spec())
+    admission = limited_admission(claims, limit=2)
+    # Converted GPUs and the claim the scheduler will create, each within the limit.
+    pod = gpu_pod({"nvidia.com/gpu": "2", IMPLICIT_GPU: "2"})
+    decision = await admission.mutate_pod(review(POD, pod))
+    assert decision.result == "denied"
+    message = decision.response["status"]["message"]
+    assert "maxDevicesPerPod is 2, this pod asks for 4 devices" in message
+    assert (
+        f'claim (extended resources) (container-0-request-0 ({IMPLICIT_GPU}=2, container "c")): 2'
+        in message
+    )
+    # A hand-written claim beside it; and requests alone, which the API server allows.
+    pod = claim_pod(0, {"name": "a", "resourceClaimName": "one"})
+    pod["spec"]["containers"][0]["resources"]["requests"] = {IMPLICIT_GPU: "2"}
+    decision = await admission.mutate_pod(review(POD, pod))
+    assert "this pod asks for 3 devices" in decision.response["status"]["message"]
+    # Alone, more than the limit: the scheduler's claim itself breaks it.
+    decision = await admission.mutate_pod(review(POD, gpu_pod({IMPLICIT_GPU: "3"})))
+    message = decision.response["status"]["message"]
+    assert message.startswith("the ResourceClaim the scheduler would create for this pod's")
+    assert "maxDevicesPerPod is 2, this claim asks for 3 devices" in message
+    # Within it, admitted and left as it is.
+    decision = await admission.mutate_pod(review(POD, gpu_pod({IMPLICIT_GPU: "2"})))
+    assert (decision.result, decision.response.get("patch")) == ("allowed", None)
+    # Another driver's class is not ours to count.
+    other = {"deviceclass.resource.kubernetes.io/fpga.example.com": "5"}
+    assert (await admission.mutate_pod(review(POD, gpu_pod(other)))).result == "allowed"
+
+
+async def test_a_device_class_asked_for_as_an_extended_resource_meets_the_claim_rules() -> None:
+    state = TenantState(base_policy=DEFAULT_POLICY)
+    spec = {"namespaces": ["ns"], "allowedDeviceClasses": ["gpu.nvidia.com"]}
+    tenant = {"apiVersion": API_VERSION, "kind": "GpuTenant", "metadata": {"name": "team-a"}}
+    state.replace("tenants", [{**tenant, "spec": spec}])
+    state.replace("namespaces", [{"metadata": {"name": "ns"}, "status": {"phase": "Active"}}])
+    state.replace("quotas", [])
+    admission = Admission(Templates(), WebhookMetrics(CollectorRegistry()), tenants=state)
+    mig = gpu_pod({"deviceclass.resource.kubernetes.io/mig.nvidia.com": "1"})
+    decision = await admission.mutate_pod(review(POD, mig))
+    assert decision.result == "denied"
+    message = decision.response["status"]["message"]
+    assert "the ResourceClaim the scheduler would create for this pod's extended" in message
+    assert "does not allow device class mig.nvidia.com" in message
+    assert (await admission.mutate_pod(review(POD, gpu_pod({IMPLICIT_GPU: "1"})))).result == (
+        "allowed"
+    )
+
+
+async def test_the_schedulers_extended_resource_claim_is_counted_with_the_pod_that_owns_it() -> (
+    None
+):
+    claims = Claims(one=one_gpu_spec())
+    admission = limited_admission(claims, limit=2)
+    pod = claim_pod(0, {"name": "a", "resourceClaimName": "one"})
+    pod["metadata"]["uid"] = "pod-uid"
+    pod["spec"]["containers"][0]["resources"]["limits"] = {IMPLICIT_GPU: "1"}
+    claims.live_pods = [pod]
+    # The scheduler's claim as the pod was admitted: one device, the pod's two in all.
+    fits = extended_resource_claim("p", "pod-uid", 1)
+    assert (await admission.validate_claim(review(CLAIM, fits))).result == "allowed"
+    # Bigger than what the pod's admission counted: two within the limit alone, not with
+    # the pod's other claim.
+    bigger = extended_resource_claim("p", "pod-uid", 2)
+    decision = await admission.validate_claim(review(CLAIM, bigger))
+    assert decision.result == "denied"
+    message = decision.response["status"]["message"]
+    assert "maxDevicesPerPod is 2, and pod p uses this claim" in message
+    assert "would get 3 devices" in message
+    assert "claim (extended resources) (the new claim): 2" in message
+    # Only the pod that controls it: not another pod's, nor an owner that is no controller.
+    for owner in ({"uid": "another"}, {"controller": False}):
+        stray = extended_resource_claim("p", "pod-uid", 2)
+        stray["metadata"]["ownerReferences"][0].update(owner)
+        assert (await admission.validate_claim(review(CLAIM, stray))).result == "allowed"

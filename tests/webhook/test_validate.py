@@ -16,6 +16,12 @@ from anyio.streams.buffered import BufferedByteStream
 from gpudra.api.configcache import ConfigCache
 from gpudra.api.deviceclasses import device_classes
 from gpudra.api.tenants import API_VERSION, parse_tenant
+from gpudra.driver.checkpoint import Checkpoint
+from gpudra.driver.claims import ClaimRef, checked_claim
+from gpudra.driver.devices import MigStrategy, discover
+from gpudra.driver.nvml import NvmlEmulator
+from gpudra.driver.nvml.emulator import load_builtin_profile
+from gpudra.driver.planning import plan
 from gpudra.webhook.admission import VALIDATE_CLAIMS_PATH, Admission
 from gpudra.webhook.certs import ensure_pki, service_dns_names
 from gpudra.webhook.convert import DEFAULT_POLICY, convert_pod
@@ -287,6 +293,47 @@ def test_a_memory_slice_counts_as_mps() -> None:
     (line,) = check(claim(plain), rules(allowedSharing=["Exclusive"])).forbidden
     assert line.startswith("spec.devices.requests[0].exactly.capacity.requests (a memory slice")
     assert "does not allow sharing mode MPS" in line
+
+
+def test_a_capacity_request_is_judged_as_a_slice_and_as_a_whole_device(tmp_path: Path) -> None:
+    """A capacity request only filters a device that is not shared, and one for a shared
+    GPU's whole memory leaves nothing beside it: the scheduler may give the request a
+    whole device, which prepare runs as the config says, not under MPS."""
+    asks_memory = req("slice", "gpu.nvidia.com", capacity={"requests": {"memory": "10Gi"}})
+    mps_only = rules(allowedSharing=["MPS"], gpuResource={"sharing": "MPS"})
+    (line,) = check(claim(asks_memory), mps_only).forbidden
+    assert line.startswith(
+        "spec.devices.requests[0].exactly.capacity.requests (the scheduler may give this "
+        "request a whole device"
+    )
+    assert "does not allow sharing mode Exclusive; accepted values: MPS" in line
+    with_mps = claim(asks_memory, config=[opaque(gpu_config(strategy="MPS"))])
+    assert check(with_mps, mps_only).allowed
+
+    # What prepare runs on a whole GPU so allocated: Exclusive without the config, MPS
+    # with it. The webhook's verdict covers both.
+    inventory = discover(NvmlEmulator(load_builtin_profile("l4")))
+    device = inventory.gpus[0].device.name
+    for obj, mode in ((claim(asks_memory), "Exclusive"), (with_mps, "MPS")):
+        result = {"request": "slice", "driver": "gpu.nvidia.com", "pool": "n", "device": device}
+        allocation = {
+            "devices": {"results": [result], "config": obj["spec"]["devices"].get("config", [])}
+        }
+        allocated = {
+            **obj,
+            "metadata": {**obj["metadata"], "uid": "u"},
+            "status": {"allocation": allocation},
+        }
+        for entry in allocation["devices"]["config"]:
+            entry["source"] = "FromClaim"
+        (planned,) = plan(
+            checked_claim(ClaimRef("ns", "u", "c"), allocated, driver="gpu.nvidia.com", pool="n"),
+            inventory=inventory,
+            checkpoint=Checkpoint(tmp_path / f"{mode}.json", boot_id="b"),
+            pool="n",
+            mig_strategy=MigStrategy.STATIC,
+        )
+        assert ("MPS" if planned.mps else "Exclusive") == mode
 
 
 def test_time_slicing_on_a_memory_slice_is_refused_as_prepare_refuses_it() -> None:

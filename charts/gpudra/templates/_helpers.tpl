@@ -61,7 +61,7 @@ that resource is left to the scheduler, but its pods are still sent for the tena
 {{- end -}}
 
 {{- define "gpudra.webhook.baseGpuPodCel" -}}
-object.spec.containers.exists(c, has(c.resources) && ((has(c.resources.limits) && c.resources.limits.exists(k, k.startsWith('nvidia.com/'))) || (has(c.resources.requests) && c.resources.requests.exists(k, k.startsWith('nvidia.com/'))))) || (has(object.spec.initContainers) && object.spec.initContainers.exists(c, has(c.resources) && has(c.resources.limits) && c.resources.limits.exists(k, k.startsWith('nvidia.com/')))) || has(object.spec.resourceClaims)
+object.spec.containers.exists(c, has(c.resources) && ((has(c.resources.limits) && c.resources.limits.exists(k, k.startsWith('nvidia.com/'))) || (has(c.resources.requests) && c.resources.requests.exists(k, k.startsWith('nvidia.com/'))))) || (has(object.spec.initContainers) && object.spec.initContainers.exists(c, has(c.resources) && has(c.resources.limits) && c.resources.limits.exists(k, k.startsWith('nvidia.com/')))) || has(object.spec.resourceClaims) || object.spec.containers.exists(c, has(c.resources) && ((has(c.resources.limits) && c.resources.limits.exists(k, k.startsWith('deviceclass.resource.kubernetes.io/'))) || (has(c.resources.requests) && c.resources.requests.exists(k, k.startsWith('deviceclass.resource.kubernetes.io/'))))) || (has(object.spec.initContainers) && object.spec.initContainers.exists(c, has(c.resources) && ((has(c.resources.limits) && c.resources.limits.exists(k, k.startsWith('deviceclass.resource.kubernetes.io/'))) || (has(c.resources.requests) && c.resources.requests.exists(k, k.startsWith('deviceclass.resource.kubernetes.io/'))))))
 {{- end -}}
 
 {{/* CEL: the object's devices (a CEL path) request one of the classes or carry an opaque

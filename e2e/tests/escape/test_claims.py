@@ -209,6 +209,29 @@ async def test_memory_slices_count_as_mps(env: Env, kube: SyncKube, namespace: s
         await run_sync(drop_tenant, kube, tenant)
 
 
+async def test_a_memory_request_counts_as_what_a_whole_device_runs_too(
+    env: Env, kube: SyncKube, namespace: str
+) -> None:
+    """A capacity request only filters a device that is not shared, so the scheduler may
+    give the request a whole GPU, which prepare runs as the config says: under a tenant
+    that allows MPS only, the request needs an MPS config, not the slice's MPS alone."""
+    user = await run_sync(tenant_user, kube, namespace)
+    await skip_without_capacity_requests(user, namespace)
+    tenant = await run_sync(
+        lambda: with_tenant(kube, namespace, allowedSharing=["MPS"], gpuResource={"sharing": "MPS"})
+    )
+    try:
+        await tenant_rules_loaded(env, namespace)
+        asks_memory = {**WHOLE_GPU, "capacity": {"requests": {"memory": "10Gi"}}}
+        message = await denied(user, claim(namespace, "memory", asks_memory))
+        assert "the scheduler may give this request a whole device" in message
+        assert "does not allow sharing mode Exclusive; accepted values: MPS" in message
+        mps = claim(namespace, "memory-mps", asks_memory, gpu_config("MPS"))
+        assert (await run_sync(user.create, mps))["metadata"]["name"] == "memory-mps"
+    finally:
+        await run_sync(drop_tenant, kube, tenant)
+
+
 async def test_time_slicing_on_a_memory_slice_is_refused_at_admission(
     env: Env, kube: SyncKube, namespace: str
 ) -> None:

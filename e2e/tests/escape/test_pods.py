@@ -293,6 +293,43 @@ async def test_a_claim_swapped_for_a_bigger_one_under_a_waiting_pod_is_refused(
     await create(tenant, gpu_claim(ns, "swap"))
 
 
+async def test_a_device_class_asked_for_as_an_extended_resource_counts_with_the_pod(
+    escape: Escape, kube: SyncKube
+) -> None:
+    """`deviceclass.resource.kubernetes.io/<class>` (DRAExtendedResource) names no claim:
+    the scheduler creates one while it schedules the pod. It is counted at the pod's
+    admission, and the scheduler's claim is counted with the pod that owns it."""
+    ns, tenant = escape.ns, escape.tenant
+    implicit = "deviceclass.resource.kubernetes.io/gpu.nvidia.com"
+    both = pod(ns, "both", {"nvidia.com/gpu": "1", implicit: "1"})
+    assert "maxDevicesPerPod is 1, this pod asks for 2 devices" in await refused(tenant, both)
+    # Requests alone (the API server takes the name as one of its own, no limit needed).
+    alone = pod(ns, "alone")
+    alone["spec"]["containers"][0]["resources"]["requests"] = {implicit: "2"}
+    message = await refused(tenant, alone)
+    assert "the ResourceClaim the scheduler would create for this pod's" in message
+    assert "maxDevicesPerPod is 1, this claim asks for 2 devices" in message
+
+    await create(tenant, gpu_claim(ns, "one"))
+    holder = await create(tenant, pod(ns, "holder", claims={"a": {"resourceClaimName": "one"}}))
+    extended = gpu_claim(ns, "holder-extended-resources-x1y2z")
+    extended["metadata"]["annotations"] = {"resource.kubernetes.io/extended-resource-claim": "true"}
+    extended["metadata"]["ownerReferences"] = [
+        {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "name": "holder",
+            "uid": holder["metadata"]["uid"],
+            "controller": True,
+        }
+    ]
+    # Created as the scheduler creates it, with its rights.
+    with pytest.raises(ApiError) as err:
+        await call(kube.create, extended)
+    assert "pod holder uses this claim" in str(err.value)
+    assert "would get 2 devices" in str(err.value)
+
+
 async def test_the_opt_out_label_is_refused_outside_the_named_namespaces(escape: Escape) -> None:
     opted = pod(escape.ns, "opted", {"nvidia.com/gpu": "2"}, labels={OPT_OUT_LABEL: "false"})
     message = await refused(escape.tenant, opted)
