@@ -1,11 +1,16 @@
-"""Crash-safe file replacement, shared by the checkpoint, CDI specs and certificates."""
+"""Crash-safe file replacement, shared by the checkpoint, CDI specs and certificates, and
+the removal of folders that untrusted processes write in."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import secrets
+import subprocess
 from pathlib import Path
+
+_RM_TIMEOUT_S = 120.0
+_RM_ERROR_LINES = 3
 
 
 def atomic_write(
@@ -71,3 +76,34 @@ def fsync_dir(directory: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def remove_tree(path: Path, *, timeout_s: float = _RM_TIMEOUT_S) -> None:
+    """Remove `path` and everything below it, where untrusted processes may write.
+
+    A claim's containers write, as root, in its MPS pipe folder and its /dev/shm, which
+    the agent removes at unprepare. `shutil.rmtree` cannot be trusted with them: on
+    Python 3.11 it recurses once per level, so a tree a thousand folders deep raises
+    RecursionError, and with ``ignore_errors`` a folder refilled while it is being
+    removed is left behind without a word. GNU rm walks any depth (openat, no
+    recursion), never follows a symlink, stays on the file system of `path`
+    (``--one-file-system``: a mount inside is not entered) and says what it could not
+    remove. Anything left is an OSError naming it, so that the caller keeps its record
+    and tries again; a missing `path` is nothing to do.
+    """
+    if not os.path.lexists(path):
+        return
+    try:
+        done = subprocess.run(
+            ["rm", "-rf", "--one-file-system", "--", str(path)],
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            check=False,
+        )
+    except subprocess.TimeoutExpired:
+        raise OSError(f"removing {path}: not done within {timeout_s:g} s") from None
+    if done.returncode != 0 or os.path.lexists(path):
+        lines = done.stderr.strip().splitlines()[:_RM_ERROR_LINES]
+        why = "; ".join(lines) or f"rm exited with {done.returncode}"
+        raise OSError(f"removing {path}: {why}")

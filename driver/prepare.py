@@ -31,7 +31,6 @@ import contextlib
 import dataclasses
 import functools
 import logging
-import shutil
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -41,6 +40,7 @@ import anyio
 import anyio.to_thread
 import pynvml
 from gpudra.api.config import ConfigError
+from gpudra.common.files import remove_tree
 from gpudra.driver.cdi import (
     CdiError,
     CdiSpecStore,
@@ -706,7 +706,7 @@ class ClaimPreparer:
         self._sharing.stop_mps(daemon)
         parent = daemon.pipe_dir.parent
         if parent.parent == self._mps_root:
-            shutil.rmtree(parent, ignore_errors=True)
+            remove_tree(parent)
 
     # --- start-up and housekeeping ---
 
@@ -772,9 +772,10 @@ class ClaimPreparer:
                 if details.mps is not None:
                     pipe = details.mps.pipe_dir
                     if pipe.parent.parent == self._mps_root:
-                        await anyio.to_thread.run_sync(
-                            functools.partial(shutil.rmtree, pipe.parent, ignore_errors=True)
-                        )
+                        try:
+                            await anyio.to_thread.run_sync(remove_tree, pipe.parent)
+                        except OSError as exc:
+                            errors.append(f"{where}: {exc}")
         if not errors and cp.previous_boot():
             await self._persist(lambda c: c.clear_previous_boot())
         return errors

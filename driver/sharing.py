@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final, Protocol
 
+from gpudra.common.files import remove_tree
 from gpudra.driver.processes import ProcessIdentity
 
 __all__ = [
@@ -77,6 +78,8 @@ _MIB: Final = 1024 * 1024
 # The control daemon creates this named pipe in its pipe directory once it listens.
 _CONTROL_PIPE: Final = "control"
 _PID_FILE: Final = "nvidia-cuda-mps-control.pid"
+_PID_FILE_BYTES: Final = 32
+"""More than any PID and its line end take: a PID file is read no further."""
 _OUTPUT_TAIL: Final = 500
 # The claim's /dev/shm, mounted as the host's usually is; tmpfs's default size is
 # half the memory, as upstream sets it.
@@ -203,6 +206,33 @@ def may_mount(status: Path = Path("/proc/self/status")) -> bool:
     except (OSError, ValueError, IndexError):
         pass
     return False
+
+
+def _read_pid_file(path: Path) -> int | None:
+    """The PID a daemon's PID file holds; None for anything else there.
+
+    The claim's containers can replace the file: a FIFO would block a plain open until
+    someone writes to it, a link could lead to /dev/zero. So it is opened without
+    following a link or waiting, read only if it is a regular file, and only as far as
+    a PID goes.
+    """
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    try:
+        fd = os.open(path, flags)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        text = os.read(fd, _PID_FILE_BYTES)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    try:
+        return int(text.decode("ascii").strip())
+    except (UnicodeDecodeError, ValueError):
+        return None
 
 
 def _tail(text: str) -> str:
@@ -354,7 +384,7 @@ class NvidiaSharing:
         if os.path.ismount(shm):
             umount = self._host_tool("umount", purpose)
             self._run([umount, "--lazy", str(shm)], purpose)
-        shutil.rmtree(shm, ignore_errors=True)
+        remove_tree(shm)
 
     def _daemonize(self, daemon: MpsDaemon, tool: str, purpose: str) -> None:
         """`tool -d` with the claim's shm folder as the daemon's /dev/shm.
@@ -403,9 +433,8 @@ class NvidiaSharing:
         for this very pipe folder (its environment says so). Trusted at start, when
         no container has seen the folder yet, and for records that predate the
         recorded identity; never a reason to signal anything else."""
-        try:
-            pid = int((daemon.pipe_dir / _PID_FILE).read_text(encoding="ascii").strip())
-        except (OSError, ValueError):
+        pid = _read_pid_file(daemon.pipe_dir / _PID_FILE)
+        if pid is None:
             return None
         identity = ProcessIdentity.of(pid)
         if identity is None or pid in (1, os.getpid()):
@@ -568,7 +597,7 @@ class NvidiaSharing:
         if daemon.shm_dir is not None:
             self._remove_shm(daemon.shm_dir, purpose)
         for folder in (daemon.pipe_dir, daemon.log_dir):
-            shutil.rmtree(folder, ignore_errors=True)
+            remove_tree(folder)
         log.info("MPS daemon stopped", extra={"fields": {"daemon": daemon.name}})
 
     def _quit(self, daemon: MpsDaemon, purpose: str) -> bool:

@@ -8,10 +8,14 @@ emulator, and nvidia-smi / nvidia-cuda-mps-control are the stand-ins in
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
+import signal
 import subprocess
+import sys
+import threading
 import uuid as uuidlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -1826,6 +1830,144 @@ async def test_a_control_fifo_nobody_reads_does_not_hang_unprepare(node: Node) -
 
     assert not daemon.alive()
     assert not base.exists() or not any(base.iterdir())
+
+
+def _deep_tree(folder: Path, depth: int = 1500) -> None:
+    """What `mkdir -p d/d/.../d` (`depth` levels) makes, as a container could."""
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for _ in range(depth):
+            os.mkdir("d", dir_fd=fd)
+            below = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+            os.close(fd)
+            fd = below
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.anyio
+async def test_a_deep_tree_in_the_pipe_folder_neither_keeps_the_claim_nor_stops_the_agent(
+    node: Node,
+) -> None:
+    """A tree deeper than Python's recursion limit in the claim's pipe folder: unprepare
+    removes it all; left over a reboot, recovery removes it and the agent starts."""
+    claim = _fixture_claim(_MPS_CLAIM)
+    try:
+        preparer = node_preparer(node, h100_mig(), strategy=MigStrategy.DYNAMIC)
+        assert (await preparer.prepare([claim]))[claim.uid].error is None
+        _deep_tree(_mps_base(node, claim.uid) / "pipe")
+
+        assert await preparer.unprepare([claim.ref]) == {claim.uid: None}
+        assert load_checkpoint(node.checkpoint, boot_id_path=node.boot_id).get(claim.uid) is None
+        assert not _mps_base(node, claim.uid).exists()
+
+        assert (await preparer.prepare([claim]))[claim.uid].error is None
+        daemon = _recorded_daemon(node, claim.uid)
+        _deep_tree(_mps_base(node, claim.uid) / "pipe")
+        # The node reboots: the daemon and the claim's tmpfs are gone, the disk is not.
+        os.kill(daemon.pid, signal.SIGKILL)
+        assert daemon.wait_gone(10.0)
+        shm = _mps_base(node, claim.uid) / "shm"
+        if shm.is_mount():
+            await anyio.run_process(["umount", "--lazy", str(shm)])
+        node.boot_id.write_text(BOOT_B + "\n")
+
+        report = await node_preparer(node, h100_mig(), strategy=MigStrategy.DYNAMIC).recover()
+
+        assert report.previous_boot == (claim.uid,)
+        assert report.errors == ()
+        assert not _mps_base(node, claim.uid).exists()
+    finally:  # a tree this deep would stop pytest's own clean-up of its temp folders
+        base = _mps_base(node, claim.uid)
+        if (base / "shm").is_mount():
+            await anyio.run_process(["umount", "--lazy", str(base / "shm")])
+        await anyio.run_process(["rm", "-rf", str(base)])
+
+
+@pytest.mark.parametrize("planted", ["fifo", "link to /dev/zero", "folder", "huge file"])
+def test_a_pid_file_the_container_replaced_is_read_without_waiting(
+    tmp_path: Path, planted: str
+) -> None:
+    """A record without the daemon's identity (from the release before it was recorded)
+    is stopped on the word of the PID file, which the container can replace: a FIFO
+    would block a plain open until written, /dev/zero would be read without end."""
+    daemon = _daemon_in(tmp_path / "legacy")
+    daemon.pipe_dir.mkdir(parents=True)
+    pid_file = daemon.pipe_dir / "nvidia-cuda-mps-control.pid"
+    if planted == "fifo":
+        os.mkfifo(pid_file)
+    elif planted == "link to /dev/zero":
+        pid_file.symlink_to("/dev/zero")
+    elif planted == "folder":
+        pid_file.mkdir()
+    else:
+        pid_file.write_bytes(b"7" * (1 << 20))
+    stopped: list[bool] = []
+    stopper = threading.Thread(
+        target=lambda: stopped.append(fake_sharing().stop_mps(daemon) is None), daemon=True
+    )
+
+    stopper.start()
+    stopper.join(timeout=30)
+
+    if stopper.is_alive():  # let a blocked open return, so that the test can end
+        os.close(os.open(pid_file, os.O_WRONLY | os.O_NONBLOCK))
+    assert stopped == [True]
+    assert not daemon.pipe_dir.exists()
+
+
+_WRITER = """
+import os, sys
+pipe, stop = sys.argv[1], sys.argv[2]
+count = 0
+while not os.path.exists(stop):
+    try:
+        os.close(os.open(f"{pipe}/f{count % 5000}", os.O_CREAT | os.O_WRONLY, 0o600))
+    except FileNotFoundError:
+        pass
+    count += 1
+"""
+"""Makes files in a pipe folder until a stop file appears, as a container could."""
+
+
+@pytest.mark.anyio
+async def test_a_container_writing_while_its_claim_is_unprepared_only_delays_it(
+    node: Node, tmp_path: Path
+) -> None:
+    """The agent's sweep unprepares a claim whose ResourceClaim is gone whatever still
+    runs. Files made in the pipe folder while it is removed keep the claim prepared
+    (an error, retried), never forgotten with its folder left behind; once the writes
+    stop, unprepare completes, and a restarted agent finds nothing to wait on."""
+    preparer = node_preparer(node, h100_mig(), strategy=MigStrategy.DYNAMIC)
+    claim = _fixture_claim(_MPS_CLAIM)
+    assert (await preparer.prepare([claim]))[claim.uid].error is None
+    pipe = _mps_base(node, claim.uid) / "pipe"
+    stop = tmp_path / "stop-writing"
+    # The claim's container, in a process of its own as it would be.
+    writer = await anyio.open_process([sys.executable, "-c", _WRITER, str(pipe), str(stop)])
+    try:
+        while not any(pipe.glob("f*")):  # the container is busy writing
+            await anyio.sleep(0.05)
+        errors = [(await preparer.unprepare([claim.ref]))[claim.uid] for _ in range(3)]
+    finally:
+        stop.touch()
+        with anyio.fail_after(30):
+            await writer.wait()
+        await writer.aclose()
+    record = load_checkpoint(node.checkpoint, boot_id_path=node.boot_id).get(claim.uid)
+    if record is not None:  # else the removal always won the race: nothing was left
+        assert any(e and "Directory not empty" in e for e in errors), errors
+        assert pipe.is_dir()
+        # What the container leaves for the next try: a FIFO for the daemon's PID file.
+        with contextlib.suppress(FileNotFoundError):
+            (pipe / "nvidia-cuda-mps-control.pid").unlink()
+        os.mkfifo(pipe / "nvidia-cuda-mps-control.pid")
+        assert await preparer.unprepare([claim.ref]) == {claim.uid: None}
+    assert load_checkpoint(node.checkpoint, boot_id_path=node.boot_id).get(claim.uid) is None
+    assert not _mps_base(node, claim.uid).exists()
+    with anyio.fail_after(30):
+        report = await node_preparer(node, h100_mig(), strategy=MigStrategy.DYNAMIC).recover()
+    assert report.errors == () and report.orphaned_mps_dirs == ()
 
 
 def test_a_control_fifo_without_a_daemon_is_not_written(node: Node) -> None:

@@ -27,8 +27,9 @@ pytestmark = pytest.mark.cluster
 
 PIPE = "/tmp/nvidia-mps"  # where the claim's containers see the daemon's pipe folder
 # The attack, as root in the container: leave a file in the claim's /dev/shm, quit
-# the daemon through its control FIFO, put a plain file where the FIFO was and
-# make the PID file name PID 1.
+# the daemon through its control FIFO, put a plain file where the FIFO was, make the
+# PID file name PID 1, and leave a tree deeper than Python's recursion limit in the
+# pipe folder (it is on the node's disk, under the agent's state folder).
 TAMPER = f"""
 echo tenant-a > /dev/shm/left-by-tenant-a
 echo quit > {PIPE}/control
@@ -39,6 +40,7 @@ done
 rm -f {PIPE}/control
 echo 'not a pipe' > {PIPE}/control
 echo 1 > {PIPE}/nvidia-cuda-mps-control.pid
+(cd {PIPE} && i=0 && while [ $i -lt 1200 ]; do mkdir d && cd d || exit 1; i=$((i + 1)); done) &&
 touch /tmp/tampered
 sleep 86400
 """
