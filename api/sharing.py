@@ -16,7 +16,7 @@ node will set up:
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Final, Literal, TypeAlias, get_args
 
@@ -40,6 +40,7 @@ __all__ = [
     "Sharing",
     "SharingMode",
     "is_memory_slice",
+    "mps_percentage_conflict",
     "resolve_sharing",
     "sharing_of",
 ]
@@ -94,6 +95,25 @@ def sharing_of(config: DeviceConfig) -> tuple[bool, int | None, MpsConfig | None
         interval = config.sharing.effective_interval()
         return False, None if interval is None else interval_value(interval), None
     return False, None, None  # MIG devices have no time-slice setting
+
+
+def mps_percentage_conflict(percentages: Mapping[int, str]) -> str | None:
+    """Why one claim's MPS daemon cannot serve configs asking for these active thread
+    percentages (each value with the path of a config asking for it), or None.
+
+    A claim has one MPS daemon, and the percentage is the daemon's setting: prepare
+    refuses a claim whose configs disagree, and admission refuses it first.
+    """
+    if len(percentages) <= 1:
+        return None
+    where = ", ".join(
+        f"{join_path(path, 'sharing.mpsConfig.defaultActiveThreadPercentage')}={value}"
+        for value, path in percentages.items()
+    )
+    return (
+        "one MPS daemon serves the claim, but its configs ask for different active thread "
+        f"percentages ({where}); use one value"
+    )
 
 
 def resolve_sharing(

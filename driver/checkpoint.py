@@ -563,10 +563,11 @@ class Checkpoint:
                 if holder.uid == uid or held.admin_access:
                     continue
                 if device.exclusive or held.exclusive:
+                    # Only the holder's UID: the error reaches the other claim's pod
+                    # events, which may be another tenant's; the admin finds it by UID.
                     problems.append(
                         f"device {device.pool}/{device.device} is already prepared "
-                        f"{'exclusively ' if held.exclusive else ''}for claim "
-                        f"{holder.namespace}/{holder.name} ({holder.uid})"
+                        f"{'exclusively ' if held.exclusive else ''}for claim {holder.uid}"
                     )
         if problems:
             raise DeviceConflictError("; ".join(problems))

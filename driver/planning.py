@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 
 from gpudra.api.config import ConfigError, DeviceConfig, join_path
 from gpudra.api.config import DeviceType as ConfigDeviceType
-from gpudra.api.sharing import resolve_sharing, sharing_of
+from gpudra.api.sharing import mps_percentage_conflict, resolve_sharing, sharing_of
 from gpudra.driver.checkpoint import Checkpoint, DeviceRecord
 from gpudra.driver.claims import AllocatedDevice, Claim, ClaimError, config_error
 from gpudra.driver.devices import Device, DeviceType, Gpu, Inventory, MigStrategy
@@ -198,10 +198,14 @@ def _check_time_slice(claim: Claim, checkpoint: Checkpoint, pool: str, entry: En
         theirs = held.details.time_slice
         if holder.uid == claim.uid or theirs is None or theirs.interval == entry.time_slice:
             continue
+        # The error reaches this claim's pod events: another tenant's claim is not named.
+        if holder.namespace == claim.ref.namespace:
+            other = f"claim {holder.namespace}/{holder.name}"
+        else:
+            other = "a claim of another namespace"
         raise ClaimError(
             f"{claim.ref.describe()}: {entry.allocated.path}: GPU {entry.device.name} is "
-            f"time-sliced with interval {theirs.interval} for claim "
-            f"{holder.namespace}/{holder.name}, and this claim's config "
+            f"time-sliced with interval {theirs.interval} for {other}, and this claim's config "
             f"({join_path(entry.config_path, 'sharing.timeSlicingConfig.interval')}) asks "
             f"for {entry.time_slice}; claims sharing a GPU need the same interval: use the "
             "same class or config for them"
@@ -258,15 +262,9 @@ def _check_mps(claim: Claim, entries: Sequence[Entry]) -> None:
         _, _, mps = sharing_of(entry.config)
         if mps is not None and mps.default_active_thread_percentage is not None:
             percentages.setdefault(mps.default_active_thread_percentage, entry.config_path)
-    if len(percentages) > 1:
-        where = ", ".join(
-            f"{join_path(path, 'sharing.mpsConfig.defaultActiveThreadPercentage')}={value}"
-            for value, path in percentages.items()
-        )
-        raise ClaimError(
-            f"{claim.ref.describe()}: one MPS daemon serves the claim, but its configs ask "
-            f"for different active thread percentages ({where}); use one value"
-        )
+    conflict = mps_percentage_conflict(percentages)
+    if conflict is not None:
+        raise ClaimError(f"{claim.ref.describe()}: {conflict}")
     # UUIDs of MIG devices created later are unknown yet; index keys still resolve.
     try:
         mps_limits(members, placeholder=True)

@@ -29,13 +29,19 @@ from gpudra.api.config import (
     ConfigIssue,
     DeviceConfig,
     DeviceType,
+    MpsConfig,
     bound_configs,
     join_path,
     loc_path,
     parse_opaque_config,
 )
 from gpudra.api.deviceclasses import mig_profile_selector
-from gpudra.api.sharing import Sharing, is_memory_slice, resolve_sharing
+from gpudra.api.sharing import (
+    Sharing,
+    is_memory_slice,
+    mps_percentage_conflict,
+    resolve_sharing,
+)
 from gpudra.api.tenants import MAX_DEVICES_PER_CLAIM
 from gpudra.webhook.convert import ConversionPolicy
 from gpudra.webhook.tenant_rules import TenantRules
@@ -296,6 +302,7 @@ def validate_claim_object(
     resolved = (
         {} if verdict.invalid else _resolve(ours, configs, policy, device_classes or {}, verdict)
     )
+    _check_mps(ours, resolved, verdict)
     if rules is not None:
         _check_rules(ours, resolved, policy, rules, verdict)
     return verdict
@@ -385,6 +392,52 @@ def _resolve(
             if all(sharing.mode != known.mode for _, known in outcomes):
                 outcomes.append((sliced, sharing))
     return resolved
+
+
+def _check_mps(
+    requests: Sequence[_Request],
+    resolved: Mapping[str, Sequence[tuple[bool, Sharing]]],
+    verdict: ClaimVerdict,
+) -> None:
+    """What prepare refuses across a claim's MPS devices, refused here first: one daemon
+    serves them all, so one active thread percentage; and a per-device pinned-memory
+    index counts into the devices its config is given, so it must be below their number.
+
+    Of a request's ``firstAvailable`` alternatives one is allocated: their percentages
+    never meet, and the largest of them counts towards a config's devices.
+    """
+    percentages: dict[str, dict[int, str]] = {}  # parent request -> value -> config path
+    devices: dict[str, dict[str, int]] = {}  # config path -> parent request -> most devices
+    settings: dict[str, MpsConfig] = {}
+    for request in requests:
+        parent = request.name.split("/", 1)[0]
+        for _, sharing in resolved.get(request.path, ()):
+            mps = sharing.mps_config
+            if not sharing.mps or mps is None:
+                continue
+            if mps.default_active_thread_percentage is not None:
+                asked = percentages.setdefault(parent, {})
+                asked.setdefault(mps.default_active_thread_percentage, sharing.path)
+            covered = devices.setdefault(sharing.path, {})
+            covered[parent] = max(covered.get(parent, 0), request.count)
+            settings[sharing.path] = mps
+    merged: dict[int, str] = {}
+    for asked in percentages.values():
+        for value, path in asked.items():
+            merged.setdefault(value, path)
+    conflict = mps_percentage_conflict(merged) if len(percentages) > 1 else None
+    if conflict is not None:
+        verdict.invalid.append(conflict)
+    for path, covered in devices.items():
+        most = sum(covered.values())
+        for key in settings[path].default_per_device_pinned_memory_limit or {}:
+            if key.isdigit() and int(key) >= most:
+                field = join_path(path, "sharing.mpsConfig.defaultPerDevicePinnedMemoryLimit")
+                verdict.invalid.append(
+                    f"{field}[{key}]: names no device this config can be given: it is given "
+                    f"at most {most} device(s), indexed from 0; use a lower index or the "
+                    "device's UUID"
+                )
 
 
 def _sharing_source(request: _Request, sliced: bool, sharing: Sharing) -> str:

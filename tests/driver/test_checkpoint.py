@@ -393,7 +393,7 @@ def test_exclusive_device_is_never_prepared_twice(cp_path: Path, boot: Path) -> 
     checkpoint = _load(cp_path, boot)
     checkpoint.begin_prepare(CLAIM_1, [_gpu("gpu-0")])
     before = cp_path.read_bytes()
-    with pytest.raises(DeviceConflictError, match=r"node-a/gpu-0.*ns/claim-1"):
+    with pytest.raises(DeviceConflictError, match=rf"node-a/gpu-0 .* for claim {CLAIM_1.uid}$"):
         checkpoint.begin_prepare(CLAIM_2, [_gpu("gpu-0")])
     assert cp_path.read_bytes() == before
     assert checkpoint.get(CLAIM_2.uid) is None

@@ -1832,6 +1832,56 @@ async def test_a_control_fifo_nobody_reads_does_not_hang_unprepare(node: Node) -
     assert not base.exists() or not any(base.iterdir())
 
 
+def _share_claim(namespace: str, interval: str, device: str) -> Claim:
+    """One share of `device`, time-sliced at `interval`, as the scheduler allocates it."""
+    uid = str(uuidlib.uuid4())
+    parameters = {
+        "apiVersion": "resource.nvidia.com/v1beta1",
+        "kind": "GpuConfig",
+        "sharing": {"strategy": "TimeSlicing", "timeSlicingConfig": {"interval": interval}},
+    }
+    result = {
+        "request": "gpu",
+        "driver": FIXTURE_DRIVER,
+        "pool": NODE,
+        "device": device,
+        "shareID": str(uuidlib.uuid4()),
+        "consumedCapacity": {"shares": "1"},
+    }
+    opaque = {"driver": FIXTURE_DRIVER, "parameters": parameters}
+    obj = {
+        "metadata": {"name": "c", "namespace": namespace, "uid": uid},
+        "status": {
+            "allocation": {
+                "devices": {
+                    "results": [result],
+                    "config": [{"source": "FromClaim", "opaque": opaque}],
+                }
+            }
+        },
+    }
+    return checked_claim(ClaimRef(namespace, uid, "c"), obj, driver=FIXTURE_DRIVER, pool=NODE)
+
+
+@pytest.mark.anyio
+async def test_a_refusal_for_another_interval_names_no_other_tenants_claim(node: Node) -> None:
+    """The refusal reaches the refused claim's pod events: a claim of another namespace on
+    the same GPU is not named there; one of the same namespace is."""
+    emu = h100()
+    preparer = node_preparer(node, emu)
+    device = discover(emu).gpus[4].device.name
+    first = _share_claim("tenant-a", "Long", device)
+    assert (await preparer.prepare([first]))[first.uid].error is None
+
+    other = _share_claim("tenant-b", "Short", device)
+    refused = (await preparer.prepare([other]))[other.uid].error
+    assert refused is not None and "for a claim of another namespace" in refused
+    assert "tenant-a" not in refused
+    same = _share_claim("tenant-a", "Short", device)
+    refused = (await preparer.prepare([same]))[same.uid].error
+    assert refused is not None and "for claim tenant-a/c" in refused
+
+
 def _deep_tree(folder: Path, depth: int = 1500) -> None:
     """What `mkdir -p d/d/.../d` (`depth` levels) makes, as a container could."""
     fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)

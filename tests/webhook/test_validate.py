@@ -336,6 +336,61 @@ def test_a_capacity_request_is_judged_as_a_slice_and_as_a_whole_device(tmp_path:
         assert ("MPS" if planned.mps else "Exclusive") == mode
 
 
+def mps_config(**settings: Any) -> dict[str, Any]:
+    return gpu_config(strategy="MPS", mpsConfig=settings)
+
+
+def test_one_claims_mps_configs_agree_on_the_thread_percentage_as_prepare_requires() -> None:
+    """One MPS daemon serves the claim: prepare refuses configs that ask for different
+    active thread percentages (`planning._check_mps`), so admission refuses them first."""
+    a, b = req("a"), req("b")
+    differ = claim(
+        a,
+        b,
+        config=[
+            opaque(mps_config(defaultActiveThreadPercentage=20), requests=["a"]),
+            opaque(mps_config(defaultActiveThreadPercentage=50), requests=["b"]),
+        ],
+    )
+    (line,) = check(differ).invalid
+    assert line.startswith("one MPS daemon serves the claim, but its configs ask for different")
+    assert "spec.devices.config[1].opaque.parameters.sharing.mpsConfig." in line
+    same = copy.deepcopy(differ)
+    same["spec"]["devices"]["config"][1]["opaque"]["parameters"] = mps_config(
+        defaultActiveThreadPercentage=20
+    )
+    assert check(same).allowed
+    # Alternatives of one request never meet: one of them is allocated.
+    alternatives = {
+        "name": "gpu",
+        "firstAvailable": [
+            {"name": "big", "deviceClassName": "gpu.nvidia.com"},
+            {"name": "small", "deviceClassName": "gpu.nvidia.com"},
+        ],
+    }
+    either = claim(
+        alternatives,
+        config=[
+            opaque(mps_config(defaultActiveThreadPercentage=20), requests=["gpu/big"]),
+            opaque(mps_config(defaultActiveThreadPercentage=50), requests=["gpu/small"]),
+        ],
+    )
+    assert check(either).allowed
+
+
+def test_a_pinned_memory_index_past_the_devices_of_its_config_is_refused() -> None:
+    """An index key counts into the devices its config is given; prepare refuses one
+    that names none of them (`MpsConfig.pinned_memory_limits`)."""
+    limits = mps_config(defaultPerDevicePinnedMemoryLimit={"1": "1Gi"})
+    (line,) = check(claim(req("gpu", count=1), config=[opaque(limits)])).invalid
+    assert line.startswith(
+        "spec.devices.config[0].opaque.parameters.sharing.mpsConfig."
+        "defaultPerDevicePinnedMemoryLimit[1]: names no device this config can be given"
+    )
+    assert check(claim(req("gpu", count=2), config=[opaque(limits)])).allowed
+    assert check(claim(req("a"), req("b"), config=[opaque(limits)])).allowed
+
+
 def test_time_slicing_on_a_memory_slice_is_refused_as_prepare_refuses_it() -> None:
     obj = claim(memory_slice(), config=[opaque(gpu_config(strategy="TimeSlicing"))])
     (line,) = check(obj).invalid
