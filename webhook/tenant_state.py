@@ -256,6 +256,7 @@ class TenantState:
             if hard:
                 desired[namespace] = (
                     {quota_key(c): str(n) for c, n in sorted(hard.items())},
-                    ".".join(r.tenant.name for r in winners)[:63].strip("."),
+                    # A label value: at most 63 characters, alphanumeric at both ends.
+                    ".".join(r.tenant.name for r in winners)[:63].strip("._-"),
                 )
         return desired

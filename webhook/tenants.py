@@ -125,41 +125,55 @@ class TenantController:
         state = self.state
         desired = state.desired_quotas()
         writes = 0
+        # One namespace's refused write never keeps the others from their quotas: each is
+        # tried, and the first failure is raised after them all, for the loop to retry.
+        failures: list[ApiError] = []
         for namespace, have in sorted(state.quotas.items()):
             if namespace not in desired:
-                await self._write(namespace, self._delete(namespace, have))
-                writes += 1
+                writes += await self._write(namespace, self._delete(namespace, have), failures)
         for namespace, (hard, tenant) in sorted(desired.items()):
             current = state.quotas.get(namespace)
             if current is None:
                 if namespace in self._foreign:
                     continue
-                await self._write(namespace, self._create(namespace, hard, tenant))
-                writes += 1
+                action = self._create(namespace, hard, tenant)
+                writes += await self._write(namespace, action, failures)
             elif (current.get("spec") or {}).get("hard") != hard or (
                 current["metadata"].get("labels") or {}
             ).get(TENANT_LABEL) != tenant:
-                await self._write(namespace, self._update(current, hard, tenant))
-                writes += 1
+                action = self._update(current, hard, tenant)
+                writes += await self._write(namespace, action, failures)
         self._foreign &= set(desired)
         self.writes += writes
+        if failures:
+            raise failures[0]
         return writes
 
-    async def _write(self, namespace: str, action: Awaitable[None]) -> None:
+    async def _write(
+        self, namespace: str, action: Awaitable[None], failures: list[ApiError]
+    ) -> int:
+        """1 when `action` wrote; a failure other than a gone or terminating namespace is
+        logged and added to `failures`."""
         try:
             await action
         except ApiError as exc:
             if exc.status == 404:  # namespace or quota already gone
                 self.state.put_quota(namespace, None)
-                return
+                return 0
             if exc.status == 403 and namespace in self.state.namespaces:
                 # Usually a terminating namespace; its deletion event follows.
                 log.info(
                     "quota write refused",
                     extra={"fields": {"namespace": namespace, "error": exc.message}},
                 )
-                return
-            raise
+                return 0
+            log.warning(
+                "quota write failed",
+                extra={"fields": {"namespace": namespace, "error": exc.message}},
+            )
+            failures.append(exc)
+            return 0
+        return 1
 
     async def _create(self, namespace: str, hard: dict[str, str], tenant: str) -> None:
         body = {

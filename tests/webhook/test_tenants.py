@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
+import pytest
 from gpudra.api.tenants import API_VERSION, parse_tenant
+from gpudra.common.kube import ApiError
 from gpudra.webhook.convert import DeviceKind, convert_pod
 from gpudra.webhook.tenant_rules import QuotaUsage, TenantRules, claim_devices, policy_for
 from gpudra.webhook.tenant_state import QUOTA_NAME, TENANT_LABEL, TenantState
-from gpudra.webhook.tenants import MANAGED_BY_LABEL, MANAGED_BY_VALUE
+from gpudra.webhook.tenants import MANAGED_BY_LABEL, MANAGED_BY_VALUE, TenantController
 
 KEY = "gpu.nvidia.com.deviceclass.resource.k8s.io/devices"
 
@@ -287,3 +290,57 @@ def test_claim_devices_counts_the_driver_classes_the_largest_alternative_and_all
     everything = {"deviceClassName": "gpu.nvidia.com", "allocationMode": "All"}
     assert claim_devices({"devices": {"requests": [{"exactly": everything}]}}, classes) == 32
     assert claim_devices({"devices": {"requests": "x"}}, classes) == 0
+
+
+LABEL_VALUE = re.compile(r"(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?")
+"""A label value as the API server takes it (apimachinery's IsValidLabelValue), <= 63."""
+
+
+class QuotaApi:
+    """Creates ResourceQuotas as the API server does, label values checked, and refuses
+    those of the namespaces in `refuse`."""
+
+    def __init__(self, refuse: frozenset[str] = frozenset()) -> None:
+        self.refuse = refuse
+        self.created: dict[str, dict[str, Any]] = {}
+
+    async def request(self, method: str, path: str, body: Any = None, **_: Any) -> Any:
+        assert method == "POST" and path.endswith("/resourcequotas"), (method, path)
+        namespace = body["metadata"]["namespace"]
+        for value in body["metadata"]["labels"].values():
+            if len(value) > 63 or not LABEL_VALUE.fullmatch(value):
+                raise ApiError(422, f"metadata.labels: Invalid value: {value!r}", method, path)
+        if namespace in self.refuse:
+            raise ApiError(500, "etcdserver: request timed out", method, path)
+        self.created[namespace] = body
+        return {**body, "metadata": {**body["metadata"], "uid": "u"}}
+
+
+def quota_tenant(name: str, ns: str) -> dict[str, Any]:
+    return tenant(name, namespaces=[ns], deviceQuota={"gpu.nvidia.com": 2})
+
+
+@pytest.mark.anyio
+async def test_a_long_tenant_name_still_makes_a_valid_quota_label() -> None:
+    long_name = "research-" + "x" * 53 + "-gpu"  # cut at 63, it would end in "-"
+    api = QuotaApi()
+    controller = TenantController(api)  # type: ignore[arg-type]
+    controller.state.replace("tenants", [quota_tenant(long_name, "a-ns")])
+    controller.state.replace("namespaces", [namespace("a-ns")])
+    controller.state.replace("quotas", [])
+    assert await controller.reconcile_once() == 1
+    label = api.created["a-ns"]["metadata"]["labels"][TENANT_LABEL]
+    assert long_name.startswith(label) and label[-1].isalnum()
+
+
+@pytest.mark.anyio
+async def test_one_namespaces_failed_quota_write_keeps_no_other_from_its_quota() -> None:
+    api = QuotaApi(refuse=frozenset({"a-ns"}))
+    controller = TenantController(api)  # type: ignore[arg-type]
+    state = controller.state
+    state.replace("tenants", [quota_tenant("team-a", "a-ns"), quota_tenant("team-b", "b-ns")])
+    state.replace("namespaces", [namespace("a-ns"), namespace("b-ns")])
+    state.replace("quotas", [])
+    with pytest.raises(ApiError, match="timed out"):  # raised for the loop to retry
+        await controller.reconcile_once()
+    assert set(api.created) == {"b-ns"}
