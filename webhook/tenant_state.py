@@ -24,7 +24,14 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from gpudra.api.tenants import TenantError, parse_tenant, quota_key, winning_tenants
+from gpudra.api.tenants import (
+    LabelSelector,
+    Specificity,
+    TenantError,
+    parse_tenant,
+    quota_key,
+    winning_tenants,
+)
 from gpudra.webhook.convert import DEFAULT_POLICY, ConversionPolicy
 from gpudra.webhook.tenant_rules import Lookup, QuotaUsage, TenantRules, policy_for
 
@@ -46,6 +53,41 @@ class _Namespace:
     terminating: bool
 
 
+@dataclass(frozen=True)
+class _Reach:
+    """Which namespaces an invalid GpuTenant would select, read from its object as far as
+    it can be: its rules are unknown, so where it would decide, admission is denied."""
+
+    names: frozenset[str]
+    selector: LabelSelector | None
+    everywhere: bool
+    """Its selector could not be read: taken to select every namespace by label."""
+
+    @classmethod
+    def of(cls, obj: Mapping[str, Any]) -> _Reach:
+        spec = obj.get("spec")
+        spec = spec if isinstance(spec, Mapping) else {}
+        names = spec.get("namespaces")
+        names = names if isinstance(names, list) else []
+        listed = frozenset(n for n in names if isinstance(n, str))
+        raw = spec.get("namespaceSelector")
+        if raw is None:
+            return cls(listed, None, everywhere=not listed)
+        try:
+            return cls(listed, LabelSelector.model_validate(raw), everywhere=False)
+        except ValueError:
+            return cls(listed, None, everywhere=True)
+
+    def selects(self, namespace: str, labels: Mapping[str, str] | None) -> Specificity | None:
+        if namespace in self.names:
+            return Specificity.NAME
+        if self.everywhere or (
+            self.selector is not None and (labels is None or self.selector.matches(labels))
+        ):
+            return Specificity.LABEL
+        return None
+
+
 @dataclass
 class TenantState:
     """The watched objects and everything derived from them, for admission and quota.
@@ -62,6 +104,7 @@ class TenantState:
     on_change: Callable[[], None] = lambda: None
     tenants: dict[str, TenantRules] = field(default_factory=dict)
     invalid: dict[str, str] = field(default_factory=dict)
+    _reach: dict[str, _Reach] = field(default_factory=dict)
     namespaces: dict[str, _Namespace] = field(default_factory=dict)
     quotas: dict[str, dict[str, Any]] = field(default_factory=dict)
     synced: dict[str, bool] = field(
@@ -82,6 +125,7 @@ class TenantState:
         if kind == "tenants":
             self.tenants.clear()
             self.invalid.clear()
+            self._reach.clear()
         elif kind == "namespaces":
             self.namespaces.clear()
         else:
@@ -100,6 +144,7 @@ class TenantState:
             if kind == "tenants":
                 self.tenants.pop(name, None)
                 self.invalid.pop(name, None)
+                self._reach.pop(name, None)
             elif kind == "namespaces":
                 self.namespaces.pop(name, None)
             elif name == QUOTA_NAME and namespace in self.quotas:
@@ -131,8 +176,10 @@ class TenantState:
                 if self.invalid.get(name) != str(exc):
                     log.error("ignoring invalid GpuTenant", extra={"fields": {"error": str(exc)}})
                 self.invalid[name] = str(exc)
+                self._reach[name] = _Reach.of(obj)
                 return
             self.invalid.pop(name, None)
+            self._reach.pop(name, None)
             self.tenants[name] = rules
         elif kind == "namespaces":
             phase = (obj.get("status") or {}).get("phase")
@@ -187,13 +234,15 @@ class TenantState:
                 denial=f"namespace {namespace} is not in the gpudra webhook's cache yet, so "
                 "its GpuTenant cannot be determined; retry in a few seconds"
             )
+        broken = self._invalid_in_reach(namespace, winners) or (
+            None if winners else self._invalid_owner(namespace)
+        )
+        if broken:
+            return Lookup(
+                denial=f"namespace {namespace} belongs to GpuTenant {broken}, which is "
+                f"invalid ({self.invalid[broken]}); fix the GpuTenant"
+            )
         if not winners:
-            broken = self._invalid_owner(namespace)
-            if broken:
-                return Lookup(
-                    denial=f"namespace {namespace} belongs to GpuTenant {broken}, which is "
-                    f"invalid ({self.invalid[broken]}); fix the GpuTenant"
-                )
             return _NO_TENANT
         if len(winners) > 1:
             names = " and ".join(f'"{r.tenant.name}"' for r in winners)
@@ -203,6 +252,20 @@ class TenantState:
                 "exactly one tenant's spec.namespaces or make the selectors disjoint"
             )
         return Lookup(rules=winners[0])
+
+    def _invalid_in_reach(self, namespace: str, winners: list[TenantRules]) -> str | None:
+        """An invalid tenant that would select `namespace` at least as specifically as the
+        valid `winners` do: it would win or conflict, so its unknown rules decide."""
+        if not self._reach:
+            return None
+        ns = self.namespaces.get(namespace)
+        labels = ns.labels if ns is not None else None
+        best = winners[0].tenant.spec.selects(namespace, labels or {}) if winners else None
+        for name in sorted(self._reach):
+            how = self._reach[name].selects(namespace, labels)
+            if how is not None and (best is None or how >= best):
+                return name
+        return None
 
     def _invalid_owner(self, namespace: str) -> str | None:
         """The invalid tenant whose quota this namespace holds, if any: its rules are

@@ -9,7 +9,7 @@ import pytest
 from gpudra.api.tenants import API_VERSION, parse_tenant
 from gpudra.common.kube import ApiError
 from gpudra.webhook.convert import DeviceKind, convert_pod
-from gpudra.webhook.tenant_rules import QuotaUsage, TenantRules, claim_devices, policy_for
+from gpudra.webhook.tenant_rules import Lookup, QuotaUsage, TenantRules, claim_devices, policy_for
 from gpudra.webhook.tenant_state import QUOTA_NAME, TENANT_LABEL, TenantState
 from gpudra.webhook.tenants import MANAGED_BY_LABEL, MANAGED_BY_VALUE, TenantController
 
@@ -344,3 +344,37 @@ async def test_one_namespaces_failed_quota_write_keeps_no_other_from_its_quota()
     with pytest.raises(ApiError, match="timed out"):  # raised for the loop to retry
         await controller.reconcile_once()
     assert set(api.created) == {"b-ns"}
+
+
+def test_an_invalid_tenant_fails_closed_wherever_it_would_decide() -> None:
+    """Its rules are unknown, so where it would select a namespace (as far as its object
+    can be read) at least as specifically as a valid tenant, admission is denied, quota
+    or no quota."""
+    # Stored by the API server, refused by the webhook's model: gpuResource defaults to
+    # Exclusive, which allowedSharing leaves out.
+    bad = tenant("team-a", namespaces=["a1"], maxDevicesPerPod=1, allowedSharing=["MPS"])
+    broad = tenant("all", namespaceSelector={"matchLabels": {"team": "a"}})
+    s = state([bad, broad], [namespace("a1", team="a"), namespace("a2", team="a")], [])
+    assert "team-a" in s.invalid
+    assert "belongs to GpuTenant team-a, which is invalid" in s.lookup("a1").denial
+    assert s.lookup("a2").rules is not None  # not the invalid tenant's: the broad one's
+
+    # By label against a valid tenant's name, the name wins; label against label conflicts.
+    by_label = tenant(
+        "team-b", namespaceSelector={"matchLabels": {"team": "b"}}, allowedSharing=["MPS"]
+    )
+    named = tenant("b1-owner", namespaces=["b1"])
+    known = [namespace("b1", team="b"), namespace("b2", team="b"), namespace("c3", team="c")]
+    s = state([by_label, named], known, [])
+    assert s.lookup("b1").rules is not None
+    assert "GpuTenant team-b, which is invalid" in s.lookup("b2").denial
+    assert s.lookup("c3") == Lookup()  # outside its selector: no tenant
+    # A namespace not yet known may be one its selector picks.
+    assert "GpuTenant team-b, which is invalid" in s.lookup("unknown").denial
+
+    # A selector that cannot be read is taken to select every namespace.
+    unreadable = tenant(
+        "team-c", namespaceSelector={"matchExpressions": [{"key": "x", "operator": "In"}]}
+    )
+    s = state([unreadable], [namespace("c1")], [])
+    assert "GpuTenant team-c, which is invalid" in s.lookup("c1").denial

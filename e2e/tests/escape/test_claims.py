@@ -232,6 +232,29 @@ async def test_a_memory_request_counts_as_what_a_whole_device_runs_too(
         await run_sync(drop_tenant, kube, tenant)
 
 
+async def test_an_invalid_tenant_without_a_quota_fails_closed(
+    env: Env, kube: SyncKube, namespace: str
+) -> None:
+    """A GpuTenant the CRD stores but the webhook refuses (gpuResource defaults to
+    Exclusive, which allowedSharing leaves out) and that sets no deviceQuota: its rules
+    are unknown, so its namespace's claims are refused, not admitted under no rules."""
+    user = await run_sync(tenant_user, kube, namespace)
+    tenant = await run_sync(
+        lambda: with_tenant(kube, namespace, maxDevicesPerPod=1, allowedSharing=["MPS"])
+    )
+    try:
+        await run_sync(
+            wait_for,
+            "the webhook to see the invalid tenant",
+            lambda: "invalid" in env.controller.state.lookup(namespace).denial,
+        )
+        message = await denied(user, claim(namespace, "two", {**WHOLE_GPU, "count": 2}))
+        assert f"belongs to GpuTenant {tenant}, which is invalid" in message
+        assert "allowedSharing" in message
+    finally:
+        await run_sync(drop_tenant, kube, tenant)
+
+
 async def test_time_slicing_on_a_memory_slice_is_refused_at_admission(
     env: Env, kube: SyncKube, namespace: str
 ) -> None:
