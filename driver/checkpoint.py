@@ -498,7 +498,7 @@ class Checkpoint:
         if existing is not None:
             return existing
         detached = _detached(devices)
-        self._check_conflicts(claim.uid, detached)
+        self._check_conflicts(claim.uid, claim.namespace, detached)
         record = ClaimRecord(
             uid=claim.uid,
             namespace=claim.namespace,
@@ -549,12 +549,12 @@ class Checkpoint:
         self, record: ClaimRecord, devices: Sequence[DeviceRecord], state: ClaimState
     ) -> ClaimRecord:
         detached = _detached(devices)
-        self._check_conflicts(record.uid, detached)
+        self._check_conflicts(record.uid, record.namespace, detached)
         updated = replace(record, state=state, devices=detached)
         self._save(claims={**self._claims, record.uid: updated})
         return updated
 
-    def _check_conflicts(self, uid: str, devices: Sequence[DeviceRecord]) -> None:
+    def _check_conflicts(self, uid: str, namespace: str, devices: Sequence[DeviceRecord]) -> None:
         problems: list[str] = []
         for device in devices:
             if device.admin_access:
@@ -563,11 +563,17 @@ class Checkpoint:
                 if holder.uid == uid or held.admin_access:
                     continue
                 if device.exclusive or held.exclusive:
-                    # Only the holder's UID: the error reaches the other claim's pod
-                    # events, which may be another tenant's; the admin finds it by UID.
+                    # The error reaches this claim's pod events: a holder of another
+                    # namespace, maybe another tenant's, is named by its UID only.
+                    name = (
+                        f"{holder.namespace}/{holder.name} "
+                        if holder.namespace == namespace
+                        else ""
+                    )
                     problems.append(
                         f"device {device.pool}/{device.device} is already prepared "
-                        f"{'exclusively ' if held.exclusive else ''}for claim {holder.uid}"
+                        f"{'exclusively ' if held.exclusive else ''}for claim "
+                        f"{name}({holder.uid})"
                     )
         if problems:
             raise DeviceConflictError("; ".join(problems))
