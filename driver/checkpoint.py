@@ -175,6 +175,12 @@ class ClaimRecord:
     def completed(self) -> bool:
         return self.state is ClaimState.PREPARE_COMPLETED
 
+    def name_seen_from(self, namespace: str) -> str | None:
+        """``namespace/name`` for a message another claim of `namespace` reads, None for
+        one of another namespace: such messages reach that claim's pod events, and another
+        namespace may be another tenant's."""
+        return f"{self.namespace}/{self.name}" if self.namespace == namespace else None
+
 
 # --- JSON mapping ---------------------------------------------------------------------------
 
@@ -563,17 +569,11 @@ class Checkpoint:
                 if holder.uid == uid or held.admin_access:
                     continue
                 if device.exclusive or held.exclusive:
-                    # The error reaches this claim's pod events: a holder of another
-                    # namespace, maybe another tenant's, is named by its UID only.
-                    name = (
-                        f"{holder.namespace}/{holder.name} "
-                        if holder.namespace == namespace
-                        else ""
-                    )
+                    name = holder.name_seen_from(namespace)
                     problems.append(
                         f"device {device.pool}/{device.device} is already prepared "
                         f"{'exclusively ' if held.exclusive else ''}for claim "
-                        f"{name}({holder.uid})"
+                        f"{f'{name} ' if name else ''}({holder.uid})"
                     )
         if problems:
             raise DeviceConflictError("; ".join(problems))

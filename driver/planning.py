@@ -198,11 +198,8 @@ def _check_time_slice(claim: Claim, checkpoint: Checkpoint, pool: str, entry: En
         theirs = held.details.time_slice
         if holder.uid == claim.uid or theirs is None or theirs.interval == entry.time_slice:
             continue
-        # The error reaches this claim's pod events: another tenant's claim is not named.
-        if holder.namespace == claim.ref.namespace:
-            other = f"claim {holder.namespace}/{holder.name}"
-        else:
-            other = "a claim of another namespace"
+        name = holder.name_seen_from(claim.ref.namespace)
+        other = f"claim {name}" if name else "a claim of another namespace"
         raise ClaimError(
             f"{claim.ref.describe()}: {entry.allocated.path}: GPU {entry.device.name} is "
             f"time-sliced with interval {theirs.interval} for {other}, and this claim's config "

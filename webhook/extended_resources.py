@@ -61,8 +61,9 @@ def extended_resource_claim(
     spec = pod.get("spec")
     if not isinstance(spec, Mapping):
         return None
-    containers = [*_items(spec.get("initContainers")), *_items(spec.get("containers"))]
-    n_init = len(_items(spec.get("initContainers")))
+    init = _items(spec.get("initContainers"))
+    containers = [*init, *_items(spec.get("containers"))]
+    n_init = len(init)
     asked = [_requests(c) for c in containers]
     # Sidecars (init containers that keep running) hold their devices as regular ones do.
     lives = [i >= n_init or c.get("restartPolicy") == "Always" for i, c in enumerate(containers)]
