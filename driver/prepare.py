@@ -145,19 +145,27 @@ def _result_from_record(record: ClaimRecord) -> PrepareResult:
     )
 
 
-def _time_slice_users(cp: Checkpoint, gpu_uuid: str, *, excluding: str) -> list[str]:
-    """Claims other than `excluding` that rely on the time-slice they set on the GPU."""
-    return [
-        record.uid
-        for record in cp.claims()
-        if record.uid != excluding
-        and any(
-            d.details.time_slice is not None
-            and d.details.time_slice.applied
-            and d.details.time_slice.uuid == gpu_uuid
-            for d in record.devices
-        )
-    ]
+def _time_slice_users(cp: Checkpoint, gpu_uuid: str, *, excluding: str) -> dict[str, TimeSliceSet]:
+    """Claims other than `excluding` that rely on the time-slice they set on the GPU,
+    each with its record of the setting."""
+    users: dict[str, TimeSliceSet] = {}
+    for record in cp.claims():
+        if record.uid == excluding:
+            continue
+        for device in record.devices:
+            step = device.details.time_slice
+            if step is not None and step.applied and step.uuid == gpu_uuid:
+                users[record.uid] = step
+                break
+    return users
+
+
+def _mode_before_time_slicing(users: dict[str, TimeSliceSet]) -> int | None:
+    """The compute mode the GPU had before its time-slicing claims, as they recorded it."""
+    return next(
+        (s.previous_compute_mode for s in users.values() if s.previous_compute_mode is not None),
+        None,
+    )
 
 
 @dataclass(slots=True)
@@ -476,23 +484,38 @@ class ClaimPreparer:
         sure they agree on the interval), and undo resets it only when the last one
         goes (`_undo`). One lock orders these, so two shares never both set or both
         skip a reset.
+
+        Time-slicing needs the GPU's compute mode at DEFAULT (several processes). The
+        first claim records the mode it replaces; each later one copies that from the
+        claims already there, so the last to leave, whichever it is, puts back the mode
+        the admin chose (an EXCLUSIVE_PROCESS GPU stays one after a time-sliced claim).
         """
         uuid, interval = entry.uuid, entry.time_slice
         assert uuid is not None and interval is not None
+        default = pynvml.NVML_COMPUTEMODE_DEFAULT
         async with self._time_slice_lock:
             cp = await self._checkpoint()
             users = _time_slice_users(cp, uuid, excluding=ref.uid)
+            if users:
+                previous = _mode_before_time_slicing(users)
+            else:
+                mode = await anyio.to_thread.run_sync(compute_mode, self._nvml, uuid)
+                previous = None if mode == default else mode
             # Recorded as not applied first: a setting the GPU refused needs no
             # reset, and a failing reset must not pin the claim.
-            step = TimeSliceSet(uuid=uuid, interval=interval, applied=False)
+            step = TimeSliceSet(
+                uuid=uuid, interval=interval, applied=False, previous_compute_mode=previous
+            )
             entry.details = replace(entry.details, time_slice=step)
             await progress("time-slice-recorded")
             if not users:
+                if previous is not None:
+                    await anyio.to_thread.run_sync(set_compute_mode, self._nvml, uuid, default)
                 await anyio.to_thread.run_sync(self._sharing.set_time_slice, uuid, interval)
             else:
                 log.debug(
                     "time-slice already set for the GPU's other shares",
-                    extra={"fields": {"claim": ref.uid, "gpu": uuid, "users": users}},
+                    extra={"fields": {"claim": ref.uid, "gpu": uuid, "users": list(users)}},
                 )
             entry.details = replace(entry.details, time_slice=replace(step, applied=True))
             await progress("time-slice-applied")
@@ -635,6 +658,7 @@ class ClaimPreparer:
         )
         daemons: dict[Path, MpsStarted] = {}
         time_slices: dict[str, bool] = {}
+        modes_before_slicing: dict[str, int] = {}
         modes: dict[str, ComputeModeSet] = {}
         migs: list[tuple[str, CreatedMig]] = []
         for device in record.devices:
@@ -645,6 +669,8 @@ class ClaimPreparer:
             if details.time_slice is not None:
                 key = details.time_slice.uuid
                 time_slices[key] = time_slices.get(key, False) or details.time_slice.applied
+                if details.time_slice.previous_compute_mode is not None:
+                    modes_before_slicing[key] = details.time_slice.previous_compute_mode
             if details.compute_mode is not None:
                 modes.setdefault(details.compute_mode.uuid, details.compute_mode)
             if isinstance(details.mig, CreatedMig) and details.gpu_uuid:
@@ -668,7 +694,7 @@ class ClaimPreparer:
                 if users:
                     log.info(
                         "time-slice kept for the GPU's other shares",
-                        extra={"fields": {"claim": record.uid, "gpu": uuid, "users": users}},
+                        extra={"fields": {"claim": record.uid, "gpu": uuid, "users": list(users)}},
                     )
                     continue
                 await attempt(
@@ -676,6 +702,13 @@ class ClaimPreparer:
                     functools.partial(self._sharing.reset_time_slice, uuid),
                     required=applied,
                 )
+                previous = modes_before_slicing.get(uuid)
+                if previous is not None:
+                    await attempt(
+                        f"restoring compute mode {previous} of {uuid}",
+                        functools.partial(set_compute_mode, self._nvml, uuid, previous),
+                        required=applied,
+                    )
         for uuid, mode in modes.items():
             await attempt(
                 f"restoring compute mode {mode.previous} of {uuid}",

@@ -6,7 +6,8 @@ before the effect (with `applied=False`, or without the IDs NVML has not returne
 yet) and again right after it:
 
 - `CreatedMig`: a MIG instance the claim creates at its allocated placement;
-- `TimeSliceSet`: the GPU's time-slice, reset at undo;
+- `TimeSliceSet`: the GPU's time-slice, reset at undo, and the compute mode that
+  time-slicing replaced with DEFAULT, restored with it;
 - `ComputeModeSet`: the GPU's compute mode, restored to `previous` at undo;
 - `MpsStarted`: the claim's MPS control daemon (and its /dev/shm folder),
   stopped at undo.
@@ -85,11 +86,17 @@ class TimeSliceSet:
 
     `applied` False: recorded before the change, which may not have happened, so
     undo resets it on a best-effort basis and a failing reset does not pin the claim.
+
+    `previous_compute_mode` is the GPU's compute mode before its first time-slicing
+    claim set it to DEFAULT (None: it was DEFAULT, or the record predates the field).
+    Claims sharing the GPU each carry it, handed on from the ones already there, so
+    whichever leaves last restores it, as it resets the time-slice.
     """
 
     uuid: str
     interval: int
     applied: bool = True
+    previous_compute_mode: int | None = None
     extra: Mapping[str, Any] = field(default_factory=dict, repr=False)
 
 
@@ -151,7 +158,7 @@ class DeviceDetails:
 _INFO_KEYS: Final = ("type", "request", "parentUuid", "gpuMinor", "uuid", "pod")
 _EFFECT_KEYS: Final = ("mig", "timeSlice", "computeMode", "mps")
 _MIG_KEYS: Final = frozenset({"profileId", "profile", "start", "size", "created", "gi", "ci"})
-_TIME_SLICE_KEYS: Final = frozenset({"uuid", "interval", "applied"})
+_TIME_SLICE_KEYS: Final = frozenset({"uuid", "interval", "applied", "previousComputeMode"})
 _COMPUTE_MODE_KEYS: Final = frozenset({"uuid", "previous", "applied"})
 _MPS_KEYS: Final = frozenset(
     {
@@ -227,6 +234,7 @@ def _time_slice(obj: Mapping[str, Any]) -> TimeSliceSet:
         uuid=_text(obj, "uuid"),
         interval=_int(obj, "interval"),
         applied=_flag(obj, "applied"),
+        previous_compute_mode=_optional_int(obj, "previousComputeMode"),
         extra=_rest(obj, _TIME_SLICE_KEYS),
     )
 
@@ -361,12 +369,15 @@ def details_to_json(details: DeviceDetails) -> dict[str, Any]:
         out["mig"] = _mig_to_json(d.mig)
     if d.time_slice is not None:
         ts = d.time_slice
-        out["timeSlice"] = {
+        time_slice: dict[str, Any] = {
             **ts.extra,
             "uuid": ts.uuid,
             "interval": ts.interval,
             "applied": ts.applied,
         }
+        if ts.previous_compute_mode is not None:
+            time_slice["previousComputeMode"] = ts.previous_compute_mode
+        out["timeSlice"] = time_slice
     if d.compute_mode is not None:
         cm = d.compute_mode
         out["computeMode"] = {

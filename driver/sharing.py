@@ -4,9 +4,10 @@ Neither goes through NVML: NVML has no call for the time-slice length, and MPS i
 daemon, not an API. So, like the upstream NVIDIA DRA driver, the backend runs
 NVIDIA's own tools:
 
-- time-slicing: `nvidia-smi -i <uuid> -c DEFAULT`, then `nvidia-smi compute-policy
-  -i <uuid> --set-timeslice <0-3>` (Default/Short/Medium/Long), reset to 0 when the
-  claim is unprepared. `compute-policy` needs an Ampere or newer GPU and a recent
+- time-slicing: `nvidia-smi compute-policy -i <uuid> --set-timeslice <0-3>`
+  (Default/Short/Medium/Long), reset to 0 when the claim is unprepared. The compute
+  mode it needs (DEFAULT) is the caller's, through NVML, which records and restores
+  the mode it replaces. `compute-policy` needs an Ampere or newer GPU and a recent
   driver; on older GPUs (Turing and before) nvidia-smi refuses it, and the error
   says so rather than leaving the GPU silently unchanged.
 - MPS: one control daemon per claim, `nvidia-cuda-mps-control` with its own
@@ -325,10 +326,6 @@ class NvidiaSharing:
                 f"{MAX_TIME_SLICE}"
             )
         smi = str(self._tool(NVIDIA_SMI, f"time-slicing GPU {gpu_uuid}"))
-        self._run(
-            [smi, "-i", gpu_uuid, "-c", "DEFAULT"],
-            f"setting compute mode DEFAULT on GPU {gpu_uuid} for time-slicing",
-        )
         try:
             self._run(
                 [smi, "compute-policy", "-i", gpu_uuid, "--set-timeslice", str(interval)],

@@ -24,7 +24,7 @@ from gpudra.driver.checkpoint import (
     GroupCommit,
     load,
 )
-from gpudra.driver.records import CreatedMig, DeviceDetails, MpsStarted
+from gpudra.driver.records import CreatedMig, DeviceDetails, MpsStarted, TimeSliceSet
 
 BOOT_A = "6c0ff6d4-1b2d-4a3e-9f00-00000000000a"
 BOOT_B = "6c0ff6d4-1b2d-4a3e-9f00-00000000000b"
@@ -295,6 +295,11 @@ def test_unknown_details_survive_a_rewrite_down_to_each_record(cp_path: Path, bo
         ("computeMode", {"uuid": "GPU-1", "previous": None}, "previous must be an integer"),
         ("computeMode", {"uuid": "GPU-1", "previous": "abc"}, "previous must be an integer"),
         ("timeSlice", {"interval": 3}, "uuid must be a non-empty string"),
+        (
+            "timeSlice",
+            {"uuid": "GPU-1", "interval": 3, "previousComputeMode": "EXCLUSIVE"},
+            "previousComputeMode must be an integer",
+        ),
         ("mps", ["not", "an", "object"], "must be an object"),
         ("mig", {"created": True, "start": 0}, "profileId must be an integer"),
     ],
@@ -316,6 +321,31 @@ def test_an_unreadable_side_effect_is_kept_verbatim_as_the_records_problem(
     checkpoint.begin_prepare(CLAIM_2)  # any rewrite
 
     assert _doc(cp_path)["claims"][CLAIM_1.uid]["devices"][0]["details"] == details
+
+
+def test_a_time_slice_record_keeps_the_compute_mode_it_replaced(cp_path: Path, boot: Path) -> None:
+    """`previousComputeMode` is read and written back; a record without it (written
+    before the field) reads as nothing to restore and is written back without it."""
+    doc = _foreign_file(cp_path, CHECKPOINT_VERSION)
+    with_mode = {"uuid": "GPU-1", "interval": 2, "applied": True, "previousComputeMode": 3}
+    without = {"uuid": "GPU-1", "interval": 2, "applied": True}
+    doc["claims"][CLAIM_1.uid]["devices"][0]["details"] = {"timeSlice": with_mode}
+    doc["claims"][CLAIM_1.uid]["devices"].append(
+        {**doc["claims"][CLAIM_1.uid]["devices"][0], "details": {"timeSlice": without}}
+    )
+    cp_path.write_text(json.dumps(doc))
+    record = _load(cp_path, boot).get(CLAIM_1.uid)
+    assert record is not None
+    read = [d.details.time_slice for d in record.devices]
+    assert read == [
+        TimeSliceSet("GPU-1", 2, applied=True, previous_compute_mode=3),
+        TimeSliceSet("GPU-1", 2, applied=True, previous_compute_mode=None),
+    ]
+
+    _load(cp_path, boot).begin_prepare(CLAIM_2)  # any rewrite
+
+    written = _doc(cp_path)["claims"][CLAIM_1.uid]["devices"]
+    assert [d["details"]["timeSlice"] for d in written] == [with_mode, without]
 
 
 def test_a_created_mig_instance_needs_its_gpu(cp_path: Path, boot: Path) -> None:

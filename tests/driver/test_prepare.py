@@ -801,15 +801,72 @@ async def test_time_slicing_is_applied_and_reset(env: Env, node: Node, akube: As
     preparer = make_preparer(env, node, akube, emu)
 
     assert (await preparer.prepare([ref]))[ref.uid].error is None
-    assert node.tool_calls() == [
-        f"nvidia-smi -i {gpu_uuid} -c DEFAULT",
-        f"nvidia-smi compute-policy -i {gpu_uuid} --set-timeslice 2",
-    ]
+    assert node.tool_calls() == [f"nvidia-smi compute-policy -i {gpu_uuid} --set-timeslice 2"]
     assert (await preparer.prepare([ref]))[ref.uid].error is None
-    assert len(node.tool_calls()) == 2  # a repeated prepare runs nothing
+    assert len(node.tool_calls()) == 1  # a repeated prepare runs nothing
 
     assert await preparer.unprepare([ref]) == {ref.uid: None}
-    assert node.tool_calls()[2:] == [f"nvidia-smi compute-policy -i {gpu_uuid} --set-timeslice 0"]
+    assert node.tool_calls()[1:] == [f"nvidia-smi compute-policy -i {gpu_uuid} --set-timeslice 0"]
+    assert _compute_mode(emu, gpu_uuid) == DEFAULT_MODE  # as it was: nothing to restore
+
+
+def _compute_mode(emu: Any, gpu_uuid: str) -> int:
+    emu.nvmlInit()
+    try:
+        return int(emu.nvmlDeviceGetComputeMode(emu.nvmlDeviceGetHandleByUUID(gpu_uuid)))
+    finally:
+        emu.nvmlShutdown()
+
+
+def _set_compute_mode(emu: Any, gpu_uuid: str, mode: int) -> None:
+    emu.nvmlInit()
+    try:
+        emu.nvmlDeviceSetComputeMode(emu.nvmlDeviceGetHandleByUUID(gpu_uuid), mode)
+    finally:
+        emu.nvmlShutdown()
+
+
+@pytest.mark.cluster
+@pytest.mark.anyio
+async def test_time_slicing_restores_the_compute_mode_it_replaced(
+    env: Env, node: Node, akube: AsyncKube
+) -> None:
+    """A GPU the admin keeps in EXCLUSIVE_PROCESS is DEFAULT while a claim time-slices
+    it (several processes), and EXCLUSIVE_PROCESS again after, also when the claim's
+    undo comes from recovery after a crash."""
+    emu = h100()
+    env.publish(discover(emu))
+    sliced = {
+        "apiVersion": "resource.nvidia.com/v1beta1",
+        "kind": "GpuConfig",
+        "sharing": {"strategy": "TimeSlicing", "timeSlicingConfig": {"interval": "Short"}},
+    }
+    claim = env.allocated("sliced", config=[env.config(sliced)])
+    ref = _ref(claim)
+    gpu_uuid = discover(emu).gpus[int(_device(claim).removeprefix("gpu-"))].uuid
+    _set_compute_mode(emu, gpu_uuid, EXCLUSIVE_PROCESS)
+    preparer = make_preparer(env, node, akube, emu)
+
+    assert (await preparer.prepare([ref]))[ref.uid].error is None
+    assert _compute_mode(emu, gpu_uuid) == DEFAULT_MODE
+    device = json.loads(node.checkpoint.read_text())["claims"][ref.uid]["devices"][0]
+    assert device["details"]["timeSlice"]["previousComputeMode"] == EXCLUSIVE_PROCESS
+
+    assert await preparer.unprepare([ref]) == {ref.uid: None}
+    assert _compute_mode(emu, gpu_uuid) == EXCLUSIVE_PROCESS
+
+    # A crash after the mode changed, before the prepare completed: recovery restores it.
+    def crash(step: str) -> None:
+        if step == "time-slice-applied":
+            raise SimulatedCrash(step)
+
+    crashing = make_preparer(env, node, akube, emu, fault=crash)
+    with pytest.raises(SimulatedCrash):
+        await crashing.prepare([ref])
+    assert _compute_mode(emu, gpu_uuid) == DEFAULT_MODE
+    report = await make_preparer(env, node, akube, emu).recover()
+    assert report.rolled_back == (ref.uid,)
+    assert _compute_mode(emu, gpu_uuid) == EXCLUSIVE_PROCESS
 
 
 @pytest.mark.cluster
@@ -862,6 +919,7 @@ async def test_time_slicing_failure_names_the_gpu_and_leaves_nothing(
     claim = env.allocated("old-gpu", config=[env.config(short)])
     ref = _ref(claim)
     gpu_uuid = discover(emu).gpus[int(_device(claim).removeprefix("gpu-"))].uuid
+    _set_compute_mode(emu, gpu_uuid, EXCLUSIVE_PROCESS)
     monkeypatch.setenv("GPUDRA_FAKE_SMI_FAIL", "1")
 
     result = (await make_preparer(env, node, akube, emu).prepare([ref]))[ref.uid]
@@ -871,6 +929,7 @@ async def test_time_slicing_failure_names_the_gpu_and_leaves_nothing(
     assert "Ampere" in result.error
     assert not node.has_spec(ref.uid)
     assert load_checkpoint(node.checkpoint, boot_id_path=node.boot_id).claims() == []
+    assert _compute_mode(emu, gpu_uuid) == EXCLUSIVE_PROCESS  # put back by the rollback
 
 
 @pytest.mark.cluster
@@ -1013,6 +1072,44 @@ async def test_integer_shares_set_the_time_slice_once_and_reset_it_with_the_last
         f"{setting} 3",
         f"{setting} 0",
     ]
+
+
+@pytest.mark.cluster
+@pytest.mark.anyio
+async def test_the_last_time_sliced_share_restores_the_compute_mode_the_first_replaced(
+    env: Env, node: Node, akube: AsyncKube
+) -> None:
+    """The first share records the GPU's EXCLUSIVE_PROCESS mode and leaves first; the
+    mode stays DEFAULT while the second runs, and the second, which found the GPU
+    DEFAULT already, puts EXCLUSIVE_PROCESS back when it goes."""
+    emu = h100()
+    env.publish(discover(emu), only=("gpu-4",), shares=2)
+    sliced = {
+        "apiVersion": "resource.nvidia.com/v1beta1",
+        "kind": "GpuConfig",
+        "sharing": {"strategy": "TimeSlicing", "timeSlicingConfig": {"interval": "Long"}},
+    }
+    one_share = [env.request(capacity={"requests": {"shares": "1"}})]
+    first, second = (
+        _ref(env.allocated(name, requests=one_share, config=[env.config(sliced)]))
+        for name in ("first", "second")
+    )
+    gpu_uuid = discover(emu).gpus[4].uuid
+    _set_compute_mode(emu, gpu_uuid, EXCLUSIVE_PROCESS)
+    preparer = make_preparer(env, node, akube, emu)
+
+    assert (await preparer.prepare([first]))[first.uid].error is None
+    assert (await preparer.prepare([second]))[second.uid].error is None
+    assert _compute_mode(emu, gpu_uuid) == DEFAULT_MODE
+    claims = json.loads(node.checkpoint.read_text())["claims"]
+    for ref in (first, second):
+        step = claims[ref.uid]["devices"][0]["details"]["timeSlice"]
+        assert step["previousComputeMode"] == EXCLUSIVE_PROCESS
+
+    assert await preparer.unprepare([first]) == {first.uid: None}
+    assert _compute_mode(emu, gpu_uuid) == DEFAULT_MODE  # the second still runs on it
+    assert await preparer.unprepare([second]) == {second.uid: None}
+    assert _compute_mode(emu, gpu_uuid) == EXCLUSIVE_PROCESS
 
 
 # --- MIG -----------------------------------------------------------------------------------
