@@ -120,8 +120,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         default=None,
         metavar="JSON",
         help='a LabelSelector as JSON, e.g. \'{"matchLabels":{"gpudra.nvidia.com/dra":"true"}}\': '
-        "only pods in the namespaces it picks reach the pod webhook (converted, tenant "
-        "rules); pods elsewhere stay on the device plugin during a migration (default: all)",
+        "only pods in the namespaces it picks are converted; pods elsewhere stay on the "
+        "device plugin during a migration (default: all). With --tenants the webhook "
+        "evaluates it and pods elsewhere still get the tenant rules; without, it narrows "
+        "the pod webhook's registration",
     )
     p.add_argument("--port", type=int, default=8443, help="listen port")
     p.add_argument(
@@ -260,6 +262,11 @@ def server_config(args: argparse.Namespace, policy: ConversionPolicy) -> ServerC
         extra_device_classes=tuple(args.device_class),
         policy=policy,
         own_namespace=args.namespace,
+        conversion_selector=(
+            LabelSelector.model_validate(args.conversion_namespace_selector)
+            if args.conversion_namespace_selector
+            else None
+        ),
     )
 
 
@@ -438,6 +445,7 @@ def run(args: argparse.Namespace) -> int:
                         own_namespace=args.namespace,
                         native_resources=args.extended_resource_name,
                         namespace_selector=args.conversion_namespace_selector,
+                        selector_in_webhook=args.tenants,
                         **target,
                     ),
                 )

@@ -63,11 +63,19 @@ def tenant_webhook(akube: Kube, config: ServerConfig) -> tuple[TenantController,
 
 
 async def register_webhook(akube: Kube, pki: WebhookPki, config: ServerConfig, url: str) -> None:
-    """Both webhook configurations, pointing the API server at `url`."""
+    """Both webhook configurations, pointing the API server at `url`; a conversion
+    selector in `config` is registered as `gpudra webhook --tenants` registers it."""
     bundle = pki.ca_bundle_base64()
+    selector = config.conversion_selector
     await registration.apply(
         akube,
-        registration.mutating_configuration(ca_bundle_b64=bundle, own_namespace="gpudra", url=url),
+        registration.mutating_configuration(
+            ca_bundle_b64=bundle,
+            own_namespace="gpudra",
+            url=url,
+            namespace_selector=selector.model_dump(exclude_none=True) if selector else None,
+            selector_in_webhook=True,
+        ),
     )
     await registration.apply(
         akube,

@@ -31,6 +31,7 @@ from typing import Any, Final, Protocol
 import anyio
 from gpudra.api.configcache import ConfigCache
 from gpudra.api.names import is_dns_subdomain
+from gpudra.api.tenants import LabelSelector
 from gpudra.webhook.convert import (
     DEFAULT_POLICY,
     OPT_OUT_LABEL,
@@ -105,10 +106,13 @@ class ClaimReader(Protocol):
     `kind` is ``ResourceClaim`` or ``ResourceClaimTemplate``; the answer is the
     ResourceClaimSpec (a template's ``spec.spec``), or None when there is no such object.
     `pods` lists the namespace's pods that have not terminated, to find those that will
-    use a claim being created.
+    use a claim being created; `namespace_labels` reads a namespace the tenant view has
+    not seen yet (None: there is no such namespace).
     """
 
     async def __call__(self, namespace: str, kind: str, name: str) -> Mapping[str, Any] | None: ...
+
+    async def namespace_labels(self, namespace: str) -> Mapping[str, str] | None: ...
 
     async def pods(self, namespace: str) -> Sequence[Mapping[str, Any]]: ...
 
@@ -142,6 +146,7 @@ class Admission:
         read_claims: ClaimReader | None = None,
         own_namespace: str = "gpudra",
         configs: ConfigCache | None = None,
+        conversion_selector: LabelSelector | None = None,
     ) -> None:
         self._ensure = ensure_templates
         self._metrics = metrics
@@ -155,6 +160,9 @@ class Admission:
         self._excluded = frozenset({*SYSTEM_NAMESPACES, own_namespace})
         # Claims repeat their templates' configs: each is validated once (configcache).
         self._configs = configs if configs is not None else ConfigCache()
+        # Evaluated here only with the tenant view, which watches the Namespaces; without
+        # it the registration's namespaceSelector narrows instead (`registration`).
+        self._conversion_selector = conversion_selector if tenants is not None else None
 
     def endpoints(self) -> dict[str, ReviewHandler]:
         """Path -> handler, for the transport to route to."""
@@ -180,6 +188,27 @@ class Admission:
         except ConversionError as exc:
             logger.info("denied pod", extra={"fields": {**fields, "error": str(exc)}})
             return self._deny(uid, 400, str(exc), "invalid")
+        if conversion.changed:
+            problem = "it was not found"
+            try:
+                with anyio.fail_after(self._ensure_timeout):
+                    selected = await self._converts_in(namespace)
+            except Exception as exc:
+                logger.warning(
+                    "could not read a namespace", exc_info=True, extra={"fields": fields}
+                )
+                selected = None
+                problem = "no answer in time" if isinstance(exc, TimeoutError) else str(exc)
+            if selected is None:
+                message = (
+                    f"could not read the labels of namespace {namespace} ({problem}), which "
+                    "say whether its pods are converted (webhook.conversion.namespaceSelector); "
+                    "retry in a few seconds"
+                )
+                logger.info("denied pod", extra={"fields": {**fields, "error": message}})
+                return self._deny(uid, 403, message, "not_ready")
+            if not selected:
+                conversion = Conversion(skipped="namespace not selected for conversion")
         if lookup is not None:
             view = conversion
             if (lookup.rules or lookup.denial) and (
@@ -267,6 +296,23 @@ class Admission:
         if verdict.invalid:
             return self._deny(uid, 400, message, "invalid_config")
         return self._deny(uid, 403, message, "tenant")
+
+    async def _converts_in(self, namespace: str) -> bool | None:
+        """Whether pods of `namespace` are converted; None when its labels are unknown.
+
+        Pods of namespaces the conversion selector leaves out keep their device-plugin
+        requests and get the tenant rules like pods that opt out; a forged review for
+        one makes the webhook write no template there. A namespace the tenant view has
+        not seen yet (made a moment ago) is read from the API server.
+        """
+        selector = self._conversion_selector
+        if selector is None:
+            return True
+        assert self._tenants is not None  # the selector is kept only with the tenant view
+        labels = self._tenants.namespace_labels(namespace)
+        if labels is None and self._read_claims is not None:
+            labels = await self._read_claims.namespace_labels(namespace)
+        return None if labels is None else selector.matches(labels)
 
     def _lookup(self, namespace: str) -> Lookup | None:
         return self._tenants.lookup(namespace) if self._tenants is not None else None

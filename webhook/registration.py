@@ -6,10 +6,14 @@ and templates that request one of the driver's DeviceClasses or carry an opaque 
 for its driver, so `failurePolicy: Fail` can never block anything else; kube-system and
 the driver's own namespace are excluded so a broken webhook cannot block its own recovery.
 
-During a migration the pod webhook can be limited to the namespaces a label selector
-picks (`conversion_namespaces`): pods elsewhere keep their `nvidia.com/*` requests and go
-to the nodes the device plugin still serves, so no pod is converted before its namespace
-is ready for DRA.
+During a migration pod conversion can be limited to the namespaces a label selector
+picks: pods elsewhere keep their `nvidia.com/*` requests and go to the nodes the device
+plugin still serves, so no pod is converted before its namespace is ready for DRA. With
+tenant rules the webhook evaluates the selector itself (it watches Namespaces for the
+rules) and is sent every namespace's GPU pods, because the rules that count a pod's
+devices together must hold where pods are not converted too; without tenant rules the
+selector narrows the registration (`conversion_namespaces`), and pods elsewhere never
+reach the webhook.
 """
 
 from __future__ import annotations
@@ -266,11 +270,14 @@ def mutating_configuration(
     timeout_s: int = 10,
     native_resources: Iterable[str] = (),
     namespace_selector: Mapping[str, Any] | None = None,
+    selector_in_webhook: bool = False,
 ) -> dict[str, Any]:
     """`url` for loopback tests, `service` (name, namespace, port) in a cluster.
 
     Pods whose only nvidia.com requests are `native_resources` never reach the webhook,
-    nor do pods outside the namespaces `namespace_selector` picks (`conversion_namespaces`).
+    nor, unless `selector_in_webhook` (the webhook runs the tenant rules and evaluates
+    the selector itself), do pods outside the namespaces `namespace_selector` picks
+    (`conversion_namespaces`).
     """
     client = _client(ca_bundle_b64, url, service, MUTATE_PATH)
     return {
@@ -295,7 +302,9 @@ def mutating_configuration(
                         "scope": "Namespaced",
                     }
                 ],
-                "namespaceSelector": conversion_namespaces(own_namespace, namespace_selector),
+                "namespaceSelector": conversion_namespaces(
+                    own_namespace, None if selector_in_webhook else namespace_selector
+                ),
                 "objectSelector": {
                     "matchExpressions": [
                         {"key": OPT_OUT_LABEL, "operator": "NotIn", "values": ["false"]}

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import anyio
 from anyio.abc import TaskStatus
+from gpudra.api.tenants import LabelSelector
 from gpudra.webhook.admission import (
     MUTATE_PATH,
     VALIDATE_CLAIMS_PATH,
@@ -58,6 +59,10 @@ class ServerConfig(HttpConfig):
     own_namespace: str = "gpudra"
     """The driver's namespace: excluded from the webhook like kube-system, so no review
     for it ever makes the webhook write there."""
+    conversion_selector: LabelSelector | None = None
+    """The namespaces whose pods are converted (a migration's selector). Evaluated by the
+    webhook itself where it watches Namespaces (with tenant rules), so that the pod
+    webhook can be sent every namespace's GPU pods and the rules hold in all of them."""
 
 
 class WebhookServer:
@@ -86,6 +91,7 @@ class WebhookServer:
             device_classes=device_classes,
             read_claims=read_claims,
             own_namespace=config.own_namespace,
+            conversion_selector=config.conversion_selector,
         )
         self._endpoints = {
             path: http_endpoint(handler) for path, handler in admission.endpoints().items()

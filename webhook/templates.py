@@ -112,6 +112,17 @@ class ApiClaimReader:
             spec = spec.get("spec")
         return spec if isinstance(spec, dict) else {}
 
+    async def namespace_labels(self, namespace: str) -> Mapping[str, str] | None:
+        """The labels of `namespace`, or None when it does not exist."""
+        try:
+            obj = await self.kube.request("GET", f"/api/v1/namespaces/{namespace}")
+        except ApiError as e:
+            if e.status == 404:
+                return None
+            raise
+        labels = (obj.get("metadata") or {}).get("labels") if isinstance(obj, dict) else None
+        return {str(k): str(v) for k, v in labels.items()} if isinstance(labels, dict) else {}
+
     async def pods(self, namespace: str) -> Sequence[Mapping[str, Any]]:
         """The namespace's pods that may still start containers (not Succeeded or Failed)."""
         listing = await self.kube.request(

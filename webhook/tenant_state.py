@@ -207,6 +207,14 @@ class TenantState:
         self.on_change()
 
     # -- admission ------------------------------------------------------------------------
+    def namespace_labels(self, namespace: str) -> Mapping[str, str] | None:
+        """The labels of `namespace` as last watched; None until the Namespaces are
+        listed, or while a new namespace's event has not arrived."""
+        if not self.synced["namespaces"]:
+            return None
+        found = self.namespaces.get(namespace)
+        return found.labels if found is not None else None
+
     def lookup(self, namespace: str) -> Lookup:
         """The tenant rules for `namespace` (memoised until the next change)."""
         found = self._memo.get(namespace)

@@ -17,7 +17,7 @@ from gpudra.api.tenants import MigProfile, parse_tenant
 from gpudra.cli.main import build_parser
 from gpudra.cli.main import main as cli_main
 from gpudra.cli.node import _agent_config
-from gpudra.cli.webhook import conversion_policy
+from gpudra.cli.webhook import conversion_policy, server_config
 from gpudra.driver.devices import SharedGpus
 from gpudra.driver.nvml import labelled_nvml
 from gpudra.webhook import registration
@@ -134,28 +134,48 @@ def test_webhook_configurations_match_the_code(
         assert bundles == set()  # the webhook registers its own caBundle
 
 
-def test_conversion_namespace_selector_matches_the_code(helm: Path) -> None:
+@pytest.mark.parametrize("tenants", [True, False])
+def test_conversion_namespace_selector_matches_the_code(helm: Path, tenants: bool) -> None:
     """The chart's pod webhook and the one `gpudra webhook` re-applies from the chart's
-    flag are the same: conversion narrowed to the selected namespaces, never widened."""
+    flags are the same. With tenant rules the registration is not narrowed (the webhook
+    evaluates the selector, so the rules reach every namespace's GPU pods); without, it
+    is narrowed to the selected namespaces, never widened."""
     selector = {
         "matchLabels": {"gpudra.nvidia.com/dra": True},  # as `--set ...=true` gives it
         "matchExpressions": [{"key": "team", "operator": "In", "values": ["a", "b"]}],
     }
-    objects = h.template(helm, {"webhook": {"conversion": {"namespaceSelector": selector}}})
+    values = {
+        "webhook": {"conversion": {"namespaceSelector": selector}},
+        "tenants": {"enabled": tenants},
+    }
+    objects = h.template(helm, values)
     args, _ = webhook_policy(objects)
-    flag = build_parser().parse_args(args).conversion_namespace_selector
+    parsed = build_parser().parse_args(args)
+    flag = parsed.conversion_namespace_selector
     assert flag == {**selector, "matchLabels": {"gpudra.nvidia.com/dra": "true"}}
+    assert parsed.tenants is tenants
     want = registration.mutating_configuration(
         ca_bundle_b64="",
         own_namespace="gpudra",
         service=("gpudra-webhook", "gpudra", 8443),
         namespace_selector=flag,
+        selector_in_webhook=parsed.tenants,
     )
     rendered = strip_chart_metadata(h.find(objects, "MutatingWebhookConfiguration"))
     want["webhooks"][0]["clientConfig"].pop("caBundle")  # self: the webhook writes it
     assert rendered == want
     (hook,) = rendered["webhooks"]
-    assert hook["namespaceSelector"]["matchExpressions"][0]["values"] == ["kube-system", "gpudra"]
+    expressions = hook["namespaceSelector"]["matchExpressions"]
+    assert expressions[0]["values"] == ["kube-system", "gpudra"]
+    if tenants:
+        assert hook["namespaceSelector"] == {"matchExpressions": [expressions[0]]}
+        config = server_config(parsed, conversion_policy(parsed))
+        assert config.conversion_selector is not None
+        assert config.conversion_selector.matches({"gpudra.nvidia.com/dra": "true", "team": "a"})
+        assert not config.conversion_selector.matches({"gpudra.nvidia.com/dra": "true"})
+    else:
+        assert hook["namespaceSelector"]["matchLabels"] == {"gpudra.nvidia.com/dra": "true"}
+        assert expressions[1:] == selector["matchExpressions"]
     # Unset: every namespace but the system ones, and no flag.
     default_args, _ = webhook_policy(h.template(helm))
     assert not [a for a in default_args if a.startswith("--conversion-namespace-selector")]

@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import pytest
-from gpudra.api.tenants import API_VERSION
+from gpudra.api.tenants import API_VERSION, LabelSelector
 from gpudra.webhook.admission import MUTATE_PATH, VALIDATE_CLAIMS_PATH, Admission
 from gpudra.webhook.convert import DEFAULT_POLICY, OPT_OUT_LABEL, ConversionPolicy, convert_pod
 from gpudra.webhook.metrics import WebhookMetrics
@@ -121,6 +121,7 @@ class Claims:
         self.specs = specs
         self.reads: list[tuple[str, str]] = []
         self.live_pods: list[dict[str, Any]] = []
+        self.namespaces: dict[str, dict[str, str]] = {}
 
     async def __call__(self, namespace: str, kind: str, name: str) -> Mapping[str, Any] | None:
         self.reads.append((kind, name))
@@ -128,6 +129,9 @@ class Claims:
 
     async def pods(self, namespace: str) -> list[dict[str, Any]]:
         return self.live_pods
+
+    async def namespace_labels(self, namespace: str) -> dict[str, str] | None:
+        return self.namespaces.get(namespace)
 
 
 def limited_admission(
@@ -239,6 +243,63 @@ async def test_tenant_rules_hold_for_pods_the_webhook_does_not_convert() -> None
     decision = await admission.mutate_pod(review(POD, exact))
     assert decision.result == "denied"
     assert "this pod asks for 2 devices" in decision.response["status"]["message"]
+
+
+async def test_a_namespace_the_conversion_selector_leaves_out_keeps_the_rules() -> None:
+    """With a migration's conversion selector, pods of a namespace it leaves out are not
+    converted (and a review for one writes no template), but the tenant rules still count
+    every device they ask for; a namespace whose labels are not known yet is refused
+    with a retry, never converted or passed unchecked by guess."""
+    claims = Claims(one=one_gpu_spec(), two=one_gpu_spec())
+    templates = Templates()
+    admission = limited_admission(claims)
+    state = admission._tenants
+    assert state is not None
+    selector = LabelSelector.model_validate({"matchLabels": {"gpudra.nvidia.com/dra": "true"}})
+    admission = Admission(
+        templates,
+        WebhookMetrics(CollectorRegistry()),
+        tenants=state,
+        read_claims=claims,
+        conversion_selector=selector,
+    )
+
+    # "ns" lacks the label: nvidia.com/gpu stays, no template is written...
+    one = gpu_pod({"nvidia.com/gpu": "1"})
+    decision = await admission.mutate_pod(review(POD, one))
+    assert decision.result == "allowed"
+    assert "patch" not in decision.response
+    assert templates.names == []
+    # ...and the rules count it, with hand-written claims and legacy GPUs alike.
+    two_claims = claim_pod(
+        0, {"name": "a", "resourceClaimName": "one"}, {"name": "b", "resourceClaimName": "two"}
+    )
+    for pod in (two_claims, gpu_pod({"nvidia.com/gpu": "2"})):
+        decision = await admission.mutate_pod(review(POD, pod))
+        assert decision.result == "denied"
+        assert (
+            "maxDevicesPerPod is 1, this pod asks for 2 devices"
+            in (decision.response["status"]["message"])
+        )
+
+    # Labelled: converted as without a selector.
+    labelled = {"name": "ns", "labels": {"gpudra.nvidia.com/dra": "true"}}
+    state.event("namespaces", "MODIFIED", {"metadata": labelled, "status": {"phase": "Active"}})
+    decision = await admission.mutate_pod(review(POD, one))
+    assert decision.result == "patched"
+    assert templates.names == ["gpudra-gpu-1"]
+
+    # A namespace not watched yet is read from the API server: labelled, it converts...
+    claims.namespaces["brand-new"] = {"gpudra.nvidia.com/dra": "true"}
+    decision = await admission.mutate_pod(review(POD, one, namespace="brand-new"))
+    assert decision.result == "patched"
+    # ...and where it cannot be read, a pod to convert is refused with a retry.
+    decision = await admission.mutate_pod(review(POD, one, namespace="unknown"))
+    assert decision.result == "denied"
+    message = decision.response["status"]["message"]
+    assert "could not read the labels of namespace unknown (it was not found)" in message
+    assert "webhook.conversion.namespaceSelector" in message
+    assert templates.names == ["gpudra-gpu-1", "gpudra-gpu-1"]
 
 
 async def test_tenant_rules_count_resources_a_device_class_serves_itself() -> None:

@@ -11,7 +11,7 @@ import anyio.to_thread
 import pytest
 from gpudra.common.kube import Kube as AsyncKube
 from gpudra.webhook.convert import convert_pod
-from gpudra.webhook.templates import ApiTemplateEnsurer, TemplateConflict
+from gpudra.webhook.templates import ApiClaimReader, ApiTemplateEnsurer, TemplateConflict
 
 from e2e.cluster.kube import Kube
 
@@ -103,3 +103,24 @@ async def test_a_template_pre_created_under_a_generated_name_is_used_only_if_ide
     del same["spec"]["spec"]["devices"]["requests"][0]["exactly"]["allocationMode"]
     await anyio.to_thread.run_sync(lambda: kube.create(same))
     await ApiTemplateEnsurer(akube)(namespace, [ours], False)
+
+
+async def test_the_api_reader_reads_a_namespaces_labels(
+    akube: AsyncKube, kube: Kube, namespace: str
+) -> None:
+    """The conversion selector's fallback for a namespace the tenant view has not seen:
+    the labels as the API server has them, None for a namespace that does not exist."""
+    reader = ApiClaimReader(akube)
+    labels = await reader.namespace_labels(namespace)
+    assert labels == {"kubernetes.io/metadata.name": namespace}
+    await anyio.to_thread.run_sync(
+        lambda: kube.request(
+            "PATCH",
+            f"/api/v1/namespaces/{namespace}",
+            {"metadata": {"labels": {"gpudra.nvidia.com/dra": "true"}}},
+            content_type="application/merge-patch+json",
+        )
+    )
+    labels = await reader.namespace_labels(namespace)
+    assert labels is not None and labels["gpudra.nvidia.com/dra"] == "true"
+    assert await reader.namespace_labels(f"{namespace}-none") is None

@@ -25,7 +25,7 @@ import anyio.to_thread
 import pytest
 import yaml
 from gpudra.api.deviceclasses import device_classes
-from gpudra.api.tenants import API_VERSION, crd_manifest
+from gpudra.api.tenants import API_VERSION, LabelSelector, crd_manifest
 from gpudra.common.kube import ApiError as AsyncApiError
 from gpudra.common.kube import Kube
 from gpudra.webhook import registration
@@ -52,6 +52,9 @@ RESOURCE = "/apis/resource.k8s.io/v1"
 MAX_CONNECTIONS = 32
 """The escape webhook's connection bound: small, so that a flood needs few connections;
 how the bound holds does not depend on its size."""
+NOT_MIGRATED = "escape.gpudra.io/not-migrated"
+"""The escape webhook converts pods only in namespaces without this label, as a migration's
+`webhook.conversion.namespaceSelector` would; the cluster admin sets it."""
 
 
 @dataclass
@@ -92,7 +95,12 @@ async def escape(cluster: Cluster, kube: SyncKube, tmp_path: Path) -> AsyncItera
     apply_crd(kube, crd_manifest())
     akube = await Kube.connect(str(cluster.layout.admin_kubeconfig))
     pki, config = serving_config(cluster, tmp_path / "pki")
-    config = dataclasses.replace(config, max_connections=MAX_CONNECTIONS)
+    not_migrated = {"matchExpressions": [{"key": NOT_MIGRATED, "operator": "DoesNotExist"}]}
+    config = dataclasses.replace(
+        config,
+        max_connections=MAX_CONNECTIONS,
+        conversion_selector=LabelSelector.model_validate(not_migrated),
+    )
     controller, server = tenant_webhook(akube, config)
     ns = await call(smoke.make_namespace, kube, "escape")
     tenant_name = f"escape-{ns}"
@@ -433,6 +441,70 @@ async def test_forged_reviews_make_the_webhook_write_nothing(
         templates = await call(kube.list, "ResourceClaimTemplate", namespace)
         names = [t["metadata"]["name"] for t in templates]
         assert [n for n in names if n.startswith("gpudra-")] == []
+
+
+async def test_a_namespace_left_out_of_conversion_keeps_the_pod_limit(
+    escape: Escape, kube: SyncKube
+) -> None:
+    """During a migration the cluster admin leaves the tenant's namespace out of the
+    conversion selector: its pods keep their device-plugin requests, but they still reach
+    the webhook, so a pod naming two one-GPU claims is refused under maxDevicesPerPod 1,
+    and a forged review for the namespace makes the webhook write no template there."""
+    ns, tenant = escape.ns, escape.tenant
+    await call(
+        lambda: kube.request(
+            "PATCH",
+            f"/api/v1/namespaces/{ns}",
+            {"metadata": {"labels": {NOT_MIGRATED: "true"}}},
+            content_type="application/merge-patch+json",
+        )
+    )
+    one_gpu = pod(ns, "legacy", {"nvidia.com/gpu": "1"})
+    pods = f"/api/v1/namespaces/{ns}/pods"
+    with anyio.fail_after(30):  # until the webhook has seen the label
+        while (await tenant.request("POST", pods, one_gpu, query={"dryRun": "All"}))["spec"].get(
+            "resourceClaims"
+        ):
+            await anyio.sleep(0.2)
+
+    await create(tenant, gpu_claim(ns, "one"))
+    await create(tenant, gpu_claim(ns, "two"))
+    two_claims = pod(
+        ns,
+        "two-claims",
+        claims={"a": {"resourceClaimName": "one"}, "b": {"resourceClaimName": "two"}},
+    )
+    message = await refused(tenant, two_claims)
+    assert "maxDevicesPerPod is 1, this pod asks for 2 devices" in message
+    message = await refused(tenant, pod(ns, "two-gpus", {"nvidia.com/gpu": "2"}))
+    assert "maxDevicesPerPod is 1, this pod asks for 2 devices" in message
+    created = await create(tenant, one_gpu)
+    assert not created["spec"].get("resourceClaims")  # left to the device plugin
+    assert created["spec"]["containers"][0]["resources"]["limits"] == {"nvidia.com/gpu": "1"}
+
+    context = ssl.create_default_context(cadata=escape.webhook_ca.decode())
+    forged = {
+        "apiVersion": "admission.k8s.io/v1",
+        "kind": "AdmissionReview",
+        "request": {
+            "uid": "forged-not-migrated",
+            "kind": {"group": "", "version": "v1", "kind": "Pod"},
+            "resource": {"group": "", "version": "v1", "resource": "pods"},
+            "namespace": ns,
+            "operation": "CREATE",
+            "object": pod(ns, "forged", {"nvidia.com/gpu": "1"}),
+        },
+    }
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(escape.webhook_url + MUTATE_PATH, json=forged, ssl=context) as resp,
+    ):
+        assert resp.status == 200
+        answer = await resp.json()
+    assert answer["response"]["allowed"] is True
+    assert "patch" not in answer["response"]
+    templates = await call(kube.list, "ResourceClaimTemplate", ns)
+    assert [t["metadata"]["name"] for t in templates] == []
 
 
 async def test_connections_held_open_cannot_lock_the_api_server_out(escape: Escape) -> None:
