@@ -216,6 +216,15 @@ class Env:
         self.kube.delete("Namespace", self.namespace)
 
 
+def time_sliced(interval: str) -> dict[str, Any]:
+    """A GpuConfig that time-slices a whole GPU with `interval`."""
+    return {
+        "apiVersion": "resource.nvidia.com/v1beta1",
+        "kind": "GpuConfig",
+        "sharing": {"strategy": "TimeSlicing", "timeSlicingConfig": {"interval": interval}},
+    }
+
+
 def _ref(claim: dict[str, Any]) -> ClaimRef:
     meta = claim["metadata"]
     return ClaimRef(namespace=meta["namespace"], uid=meta["uid"], name=meta["name"])
@@ -628,11 +637,7 @@ async def test_subrequest_result_reports_the_base_request_and_gets_its_config(
     the parent request (it covers every subrequest), as the API defines `requests`."""
     emu = h100()
     env.publish(discover(emu))
-    long_slices = {
-        "apiVersion": "resource.nvidia.com/v1beta1",
-        "kind": "GpuConfig",
-        "sharing": {"strategy": "TimeSlicing", "timeSlicingConfig": {"interval": "Long"}},
-    }
+    long_slices = time_sliced("Long")
     claim = env.allocated(
         "first-available",
         requests=[
@@ -665,11 +670,7 @@ async def test_plain_claim_on_an_idle_shared_gpu_holds_it_alone(
     the same GPU cannot be time-sliced: other claims share the GPU."""
     emu = h100()
     env.publish(discover(emu), only=("gpu-5",), shared=True)
-    sliced = {
-        "apiVersion": "resource.nvidia.com/v1beta1",
-        "kind": "GpuConfig",
-        "sharing": {"strategy": "TimeSlicing", "timeSlicingConfig": {"interval": "Short"}},
-    }
+    sliced = time_sliced("Short")
     whole = env.allocated("whole", config=[env.config(sliced)])
     result = whole["status"]["allocation"]["devices"]["results"][0]
     assert result["device"] == "gpu-5" and result.get("shareID")
@@ -719,18 +720,11 @@ async def test_claim_config_wins_over_class_config(env: Env, node: Node, akube: 
     emu = h100()
     env.publish(discover(emu), only=("gpu-1", "gpu-2"))
 
-    def slicing(interval: str) -> dict[str, Any]:
-        return {
-            "apiVersion": "resource.nvidia.com/v1beta1",
-            "kind": "GpuConfig",
-            "sharing": {"strategy": "TimeSlicing", "timeSlicingConfig": {"interval": interval}},
-        }
-
-    sliced = env.device_class("short", [env.config(slicing("Short"))])
+    sliced = env.device_class("short", [env.config(time_sliced("Short"))])
     overridden = env.allocated(
         "overridden",
         requests=[env.request(device_class=sliced)],
-        config=[env.config(slicing("Long"))],
+        config=[env.config(time_sliced("Long"))],
     )
     plain = env.allocated("from-class", requests=[env.request(device_class=sliced)])
     uuids = {g.device.name: g.uuid for g in discover(emu).gpus}
@@ -790,11 +784,7 @@ async def test_devices_in_the_toolkit_spec_reference_it_instead_of_device_nodes(
 async def test_time_slicing_is_applied_and_reset(env: Env, node: Node, akube: AsyncKube) -> None:
     emu = h100()
     env.publish(discover(emu))
-    medium = {
-        "apiVersion": "resource.nvidia.com/v1beta1",
-        "kind": "GpuConfig",
-        "sharing": {"strategy": "TimeSlicing", "timeSlicingConfig": {"interval": "Medium"}},
-    }
+    medium = time_sliced("Medium")
     claim = env.allocated("sliced", config=[env.config(medium)])
     ref = _ref(claim)
     gpu_uuid = discover(emu).gpus[int(_device(claim).removeprefix("gpu-"))].uuid
@@ -836,11 +826,7 @@ async def test_time_slicing_restores_the_compute_mode_it_replaced(
     undo comes from recovery after a crash."""
     emu = h100()
     env.publish(discover(emu))
-    sliced = {
-        "apiVersion": "resource.nvidia.com/v1beta1",
-        "kind": "GpuConfig",
-        "sharing": {"strategy": "TimeSlicing", "timeSlicingConfig": {"interval": "Short"}},
-    }
+    sliced = time_sliced("Short")
     claim = env.allocated("sliced", config=[env.config(sliced)])
     ref = _ref(claim)
     gpu_uuid = discover(emu).gpus[int(_device(claim).removeprefix("gpu-"))].uuid
@@ -879,11 +865,7 @@ async def test_started_record_is_on_disk_only_for_prepares_with_side_effects(
     that changes the GPU records its start on disk before the change."""
     emu = h100()
     env.publish(discover(emu))
-    sliced = {
-        "apiVersion": "resource.nvidia.com/v1beta1",
-        "kind": "GpuConfig",
-        "sharing": {"strategy": "TimeSlicing", "timeSlicingConfig": {"interval": "Short"}},
-    }
+    sliced = time_sliced("Short")
     plain = _ref(env.allocated("plain"))
     shared = _ref(env.allocated("shared", config=[env.config(sliced)]))
     on_disk_at_start: dict[str, list[str]] = {}
@@ -911,11 +893,7 @@ async def test_time_slicing_failure_names_the_gpu_and_leaves_nothing(
 ) -> None:
     emu = h100()
     env.publish(discover(emu))
-    short = {
-        "apiVersion": "resource.nvidia.com/v1beta1",
-        "kind": "GpuConfig",
-        "sharing": {"strategy": "TimeSlicing", "timeSlicingConfig": {"interval": "Short"}},
-    }
+    short = time_sliced("Short")
     claim = env.allocated("old-gpu", config=[env.config(short)])
     ref = _ref(claim)
     gpu_uuid = discover(emu).gpus[int(_device(claim).removeprefix("gpu-"))].uuid
@@ -1037,12 +1015,7 @@ async def test_integer_shares_set_the_time_slice_once_and_reset_it_with_the_last
     env.publish(discover(emu), only=("gpu-4",), shares=3)
 
     def sliced(interval: str) -> list[dict[str, Any]]:
-        parameters = {
-            "apiVersion": "resource.nvidia.com/v1beta1",
-            "kind": "GpuConfig",
-            "sharing": {"strategy": "TimeSlicing", "timeSlicingConfig": {"interval": interval}},
-        }
-        return [env.config(parameters)]
+        return [env.config(time_sliced(interval))]
 
     one_share = [env.request(capacity={"requests": {"shares": "1"}})]
     claims = [
@@ -1084,11 +1057,7 @@ async def test_the_last_time_sliced_share_restores_the_compute_mode_the_first_re
     DEFAULT already, puts EXCLUSIVE_PROCESS back when it goes."""
     emu = h100()
     env.publish(discover(emu), only=("gpu-4",), shares=2)
-    sliced = {
-        "apiVersion": "resource.nvidia.com/v1beta1",
-        "kind": "GpuConfig",
-        "sharing": {"strategy": "TimeSlicing", "timeSlicingConfig": {"interval": "Long"}},
-    }
+    sliced = time_sliced("Long")
     one_share = [env.request(capacity={"requests": {"shares": "1"}})]
     first, second = (
         _ref(env.allocated(name, requests=one_share, config=[env.config(sliced)]))
@@ -1932,11 +1901,7 @@ async def test_a_control_fifo_nobody_reads_does_not_hang_unprepare(node: Node) -
 def _share_claim(namespace: str, interval: str, device: str) -> Claim:
     """One share of `device`, time-sliced at `interval`, as the scheduler allocates it."""
     uid = str(uuidlib.uuid4())
-    parameters = {
-        "apiVersion": "resource.nvidia.com/v1beta1",
-        "kind": "GpuConfig",
-        "sharing": {"strategy": "TimeSlicing", "timeSlicingConfig": {"interval": interval}},
-    }
+    parameters = time_sliced(interval)
     result = {
         "request": "gpu",
         "driver": FIXTURE_DRIVER,

@@ -214,8 +214,8 @@ async def refused(client: Kube, obj: dict[str, Any]) -> str:
     return str(err.value)
 
 
-async def test_hand_written_claims_count_towards_the_pod_limit(escape: Escape) -> None:
-    ns, tenant = escape.ns, escape.tenant
+async def pod_naming_two_claims_is_refused(tenant: Kube, ns: str) -> None:
+    """The tenant makes two one-GPU claims, each fine alone, and a pod naming both."""
     await create(tenant, gpu_claim(ns, "one"))
     await create(tenant, gpu_claim(ns, "two"))
     two_claims = pod(
@@ -225,6 +225,11 @@ async def test_hand_written_claims_count_towards_the_pod_limit(escape: Escape) -
     )
     message = await refused(tenant, two_claims)
     assert "maxDevicesPerPod is 1, this pod asks for 2 devices" in message
+
+
+async def test_hand_written_claims_count_towards_the_pod_limit(escape: Escape) -> None:
+    ns, tenant = escape.ns, escape.tenant
+    await pod_naming_two_claims_is_refused(tenant, ns)
 
     mixed = pod(ns, "mixed", {"nvidia.com/gpu": "1"}, {"a": {"resourceClaimName": "one"}})
     message = await refused(tenant, mixed)
@@ -467,15 +472,7 @@ async def test_a_namespace_left_out_of_conversion_keeps_the_pod_limit(
         ):
             await anyio.sleep(0.2)
 
-    await create(tenant, gpu_claim(ns, "one"))
-    await create(tenant, gpu_claim(ns, "two"))
-    two_claims = pod(
-        ns,
-        "two-claims",
-        claims={"a": {"resourceClaimName": "one"}, "b": {"resourceClaimName": "two"}},
-    )
-    message = await refused(tenant, two_claims)
-    assert "maxDevicesPerPod is 1, this pod asks for 2 devices" in message
+    await pod_naming_two_claims_is_refused(tenant, ns)
     message = await refused(tenant, pod(ns, "two-gpus", {"nvidia.com/gpu": "2"}))
     assert "maxDevicesPerPod is 1, this pod asks for 2 devices" in message
     created = await create(tenant, one_gpu)
