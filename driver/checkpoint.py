@@ -529,6 +529,23 @@ class Checkpoint:
         """Mark the claim prepared with its final devices."""
         return self._replace_devices(self._require(uid), devices, ClaimState.PREPARE_COMPLETED)
 
+    def release_time_slice(self, uid: str, gpu_uuid: str) -> ClaimRecord | None:
+        """Drop `uid`'s time-slice steps on GPU `gpu_uuid` once its undo has reset the
+        setting or left it to the claims still relying on it, so that it no longer
+        counts as one of them while the rest of its undo runs."""
+        record = self._claims.get(uid)
+        if record is None:
+            return None
+        devices = tuple(
+            replace(d, details=replace(d.details, time_slice=None))
+            if d.details.time_slice is not None and d.details.time_slice.uuid == gpu_uuid
+            else d
+            for d in record.devices
+        )
+        updated = replace(record, devices=devices)
+        self._save(claims={**self._claims, uid: updated})
+        return updated
+
     def remove(self, uid: str) -> bool:
         """Forget a claim after unprepare or rollback; False when it was not recorded."""
         if uid not in self._claims and uid not in self._unreadable:

@@ -51,6 +51,7 @@ from gpudra.driver.cdi import (
 from gpudra.driver.checkpoint import (
     DEFAULT_BOOT_ID_PATH,
     Checkpoint,
+    CheckpointError,
     ClaimRecord,
     DeviceConflictError,
     GroupCommit,
@@ -480,10 +481,12 @@ class ClaimPreparer:
         """Set the GPU's time-slice once for all the claims sharing it.
 
         Every claim relying on the setting records it, so the checkpoint counts the
-        GPU's users: the first sets it, later shares find it applied (planning made
-        sure they agree on the interval), and undo resets it only when the last one
-        goes (`_undo`). One lock orders these, so two shares never both set or both
-        skip a reset.
+        GPU's users, and undo resets it only when the last one goes (`_undo`). Each
+        share applies it, the same setting (planning made sure they agree on the
+        interval): both calls are idempotent, so a share joining a GPU puts it right
+        whatever a failed undo left, rather than trusting the records. One lock orders
+        these, so two shares never both skip a reset nor count each other's change as
+        the admin's setting.
 
         Time-slicing needs the GPU's compute mode at DEFAULT (several processes). The
         first claim records the mode it replaces; each later one copies that from the
@@ -496,11 +499,11 @@ class ClaimPreparer:
         async with self._time_slice_lock:
             cp = await self._checkpoint()
             users = _time_slice_users(cp, uuid, excluding=ref.uid)
+            current = await anyio.to_thread.run_sync(compute_mode, self._nvml, uuid)
             if users:
                 previous = _mode_before_time_slicing(users)
             else:
-                mode = await anyio.to_thread.run_sync(compute_mode, self._nvml, uuid)
-                previous = None if mode == default else mode
+                previous = None if current == default else current
             # Recorded as not applied first: a setting the GPU refused needs no
             # reset, and a failing reset must not pin the claim.
             step = TimeSliceSet(
@@ -508,17 +511,53 @@ class ClaimPreparer:
             )
             entry.details = replace(entry.details, time_slice=step)
             await progress("time-slice-recorded")
-            if not users:
-                if previous is not None:
+            try:
+                if current != default:
                     await anyio.to_thread.run_sync(set_compute_mode, self._nvml, uuid, default)
                 await anyio.to_thread.run_sync(self._sharing.set_time_slice, uuid, interval)
-            else:
+                entry.details = replace(entry.details, time_slice=replace(step, applied=True))
+                await progress("time-slice-applied")
+            except Exception:
+                if not users:
+                    # Put back before the lock goes: a share waiting for it would
+                    # otherwise take this change for the admin's setting.
+                    await self._restore_before_time_slicing(ref.uid, uuid, previous)
+                raise
+            if users:
                 log.debug(
-                    "time-slice already set for the GPU's other shares",
+                    "time-slice joined the GPU's other shares",
                     extra={"fields": {"claim": ref.uid, "gpu": uuid, "users": list(users)}},
                 )
-            entry.details = replace(entry.details, time_slice=replace(step, applied=True))
-            await progress("time-slice-applied")
+
+    async def _restore_before_time_slicing(
+        self, uid: str, gpu_uuid: str, previous: int | None
+    ) -> list[str]:
+        """Reset GPU `gpu_uuid`'s time-slice and put back the compute mode `previous`
+        (None: leave it); the failures, each named. Call under the time-slice lock."""
+        steps: list[tuple[str, Callable[[], object]]] = [
+            (
+                f"resetting the time-slice of {gpu_uuid}",
+                functools.partial(self._sharing.reset_time_slice, gpu_uuid),
+            )
+        ]
+        if previous is not None:
+            steps.append(
+                (
+                    f"restoring compute mode {previous} of {gpu_uuid}",
+                    functools.partial(set_compute_mode, self._nvml, gpu_uuid, previous),
+                )
+            )
+        errors: list[str] = []
+        for what, fn in steps:
+            try:
+                await anyio.to_thread.run_sync(fn)
+            except Exception as exc:
+                log.warning(
+                    "undoing a time-slice step failed",
+                    extra={"fields": {"claim": uid, "step": what, "error": str(exc)}},
+                )
+                errors.append(f"{what}: {exc}")
+        return errors
 
     async def _create_mig(self, entry: Entry, progress: Callable[[str], Any]) -> None:
         placement = entry.device.placement
@@ -696,19 +735,20 @@ class ClaimPreparer:
                         "time-slice kept for the GPU's other shares",
                         extra={"fields": {"claim": record.uid, "gpu": uuid, "users": list(users)}},
                     )
-                    continue
-                await attempt(
-                    f"resetting the time-slice of {uuid}",
-                    functools.partial(self._sharing.reset_time_slice, uuid),
-                    required=applied,
-                )
-                previous = modes_before_slicing.get(uuid)
-                if previous is not None:
-                    await attempt(
-                        f"restoring compute mode {previous} of {uuid}",
-                        functools.partial(set_compute_mode, self._nvml, uuid, previous),
-                        required=applied,
+                else:
+                    failed = await self._restore_before_time_slicing(
+                        record.uid, uuid, modes_before_slicing.get(uuid)
                     )
+                    if failed and applied:
+                        # Kept, and tried again with the claim's next undo; a share
+                        # joining meanwhile applies the setting again anyway.
+                        errors.extend(failed)
+                        continue
+                # From here this claim no longer relies on the setting: a share deciding
+                # after it (its next undo step may wait, or fail) must not count it.
+                await self._persist(
+                    functools.partial(Checkpoint.release_time_slice, uid=record.uid, gpu_uuid=uuid)
+                )
         for uuid, mode in modes.items():
             await attempt(
                 f"restoring compute mode {mode.previous} of {uuid}",
@@ -764,6 +804,10 @@ class ClaimPreparer:
                     await self._undo(current, "rolling back a prepare interrupted by a restart")
                 except ClaimError as exc:
                     errors.append(str(exc))
+                except CheckpointError as exc:
+                    # The state disk full or failing: the claim keeps its record and is
+                    # rolled back at the next start; the agent still starts.
+                    errors.append(f"{current.ref.describe()}: rolling back: {exc}")
                 else:
                     rolled_back.append(record.uid)
         previous = [r.uid for r in cp.previous_boot()]
@@ -810,7 +854,10 @@ class ClaimPreparer:
                         except OSError as exc:
                             errors.append(f"{where}: {exc}")
         if not errors and cp.previous_boot():
-            await self._persist(lambda c: c.clear_previous_boot())
+            try:
+                await self._persist(lambda c: c.clear_previous_boot())
+            except CheckpointError as exc:
+                errors.append(f"forgetting the previous boot's claims: {exc}")
         return errors
 
     async def _remove_orphans(

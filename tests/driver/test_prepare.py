@@ -318,12 +318,19 @@ def _daemon_in(base: Path, identity: ProcessIdentity | None = None) -> MpsDaemon
     )
 
 
+class StandInTools(NvidiaSharing):
+    """The sharing backend running the stand-in nvidia-smi and MPS control tools."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            nvidia_smi=FAKEBIN / "nvidia-smi",
+            mps_control=FAKEBIN / "nvidia-cuda-mps-control",
+            ready_timeout_s=5.0,
+        )
+
+
 def fake_sharing() -> NvidiaSharing:
-    return NvidiaSharing(
-        nvidia_smi=FAKEBIN / "nvidia-smi",
-        mps_control=FAKEBIN / "nvidia-cuda-mps-control",
-        ready_timeout_s=5.0,
-    )
+    return StandInTools()
 
 
 @dataclass
@@ -375,6 +382,7 @@ def node_preparer(
     fault: Callable[[str], None] | None = None,
     device_numbers: DeviceNumbers | None = None,
     inventory: Callable[[], Inventory | None] | None = None,
+    sharing: NvidiaSharing | None = None,
 ) -> ClaimPreparer:
     """The device layer on this test's node: its folders, the emulated GPUs, fake tools."""
     return ClaimPreparer(
@@ -383,7 +391,7 @@ def node_preparer(
         inventory=inventory or (lambda: discover(nvml)),
         cdi=CdiSpecStore(node.cdi_dir),
         checkpoint_path=node.checkpoint,
-        sharing=fake_sharing(),
+        sharing=sharing or fake_sharing(),
         dev_root=node.dev_root,
         proc_root=node.proc,
         boot_id_path=node.boot_id,
@@ -1009,8 +1017,8 @@ async def test_memory_slices_return_share_ids_and_pin_the_memory(
 async def test_integer_shares_set_the_time_slice_once_and_reset_it_with_the_last(
     env: Env, node: Node, akube: AsyncKube
 ) -> None:
-    """Claims holding shares of one GPU share its one time-slice setting: the first
-    sets it, the last resets it, and a claim asking another interval is refused."""
+    """Claims holding shares of one GPU share its one time-slice setting: each applies
+    it (the same), the last resets it, and a claim asking another interval is refused."""
     emu = h100()
     env.publish(discover(emu), only=("gpu-4",), shares=3)
 
@@ -1032,16 +1040,17 @@ async def test_integer_shares_set_the_time_slice_once_and_reset_it_with_the_last
 
     prepared = await preparer.prepare([a, b])
     assert [prepared[r.uid].error for r in (a, b)] == [None, None]
-    assert [c for c in node.tool_calls() if c.startswith(setting)] == [f"{setting} 3"]
+    assert [c for c in node.tool_calls() if c.startswith(setting)] == [f"{setting} 3"] * 2
     refused = (await preparer.prepare([short]))[short.uid].error
     assert refused is not None
     assert f"time-sliced with interval 3 for claim {env.namespace}/" in refused
     assert "claims sharing a GPU need the same interval" in refused
 
     assert await preparer.unprepare([a]) == {a.uid: None}
-    assert [c for c in node.tool_calls() if c.startswith(setting)] == [f"{setting} 3"]
+    assert [c for c in node.tool_calls() if c.startswith(setting)] == [f"{setting} 3"] * 2
     assert await preparer.unprepare([b]) == {b.uid: None}
     assert [c for c in node.tool_calls() if c.startswith(setting)] == [
+        f"{setting} 3",
         f"{setting} 3",
         f"{setting} 0",
     ]
@@ -2243,3 +2252,278 @@ async def test_memory_slices_are_billed_by_the_memory_the_scheduler_gave_them(
         assert entry["data"]["memoryLimit"] == size * 1024**3
         assert entry["data"]["sharing"] == "MemorySlice"
     assert await calls.unprepare(refs) == {r.uid: None for r in refs}
+
+
+# --- time-slices shared by claims, without the API server -----------------------------------
+# Found by an outside review acting as hostile tenants: the setting of a GPU that claims of
+# several tenants share must follow whichever claim is really last, whatever fails.
+
+TS_LONG = {"strategy": "TimeSlicing", "timeSlicingConfig": {"interval": "Long"}}
+
+
+def offline_claim(
+    namespace: str, results: list[tuple[str, dict[str, Any]]], sharing: dict[str, Any]
+) -> Claim:
+    """A claim checked as the plugin checks it: `results` are (request, result fields),
+    `sharing` the GpuConfig sharing bound to each request."""
+    uid = str(uuidlib.uuid4())
+    config = [
+        {
+            "source": "FromClaim",
+            "requests": [request],
+            "opaque": {
+                "driver": FIXTURE_DRIVER,
+                "parameters": {
+                    "apiVersion": "resource.nvidia.com/v1beta1",
+                    "kind": "GpuConfig",
+                    "sharing": value,
+                },
+            },
+        }
+        for request, value in sharing.items()
+    ]
+    obj = {
+        "metadata": {"name": "c", "namespace": namespace, "uid": uid},
+        "status": {
+            "allocation": {
+                "devices": {
+                    "results": [
+                        {"request": r, "driver": FIXTURE_DRIVER, "pool": NODE, **x}
+                        for r, x in results
+                    ],
+                    "config": config,
+                }
+            },
+            "reservedFor": [{"resource": "pods", "name": "p", "uid": "x"}],
+        },
+    }
+    return checked_claim(ClaimRef(namespace, uid, "c"), obj, driver=FIXTURE_DRIVER, pool=NODE)
+
+
+def one_share(device: str) -> dict[str, Any]:
+    return {
+        "device": device,
+        "shareID": str(uuidlib.uuid4()),
+        "consumedCapacity": {"shares": "1"},
+    }
+
+
+def time_slice_of(node: Node, gpu_uuid: str) -> int:
+    """The GPU's time-slice as the last compute-policy call on it left it (0: default)."""
+    prefix = f"nvidia-smi compute-policy -i {gpu_uuid} --set-timeslice "
+    calls = [c for c in node.tool_calls() if c.startswith(prefix)]
+    return int(calls[-1].removeprefix(prefix)) if calls else 0
+
+
+class RemovalRacedOnce(StandInTools):
+    """The stand-in tools; the first removal of a pipe folder fails as GNU rm does when
+    the claim's container made a file in it meanwhile (the documented, retried case)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.raced = False
+
+    def stop_mps(self, daemon: MpsDaemon) -> None:
+        super().stop_mps(daemon)
+        if not self.raced:
+            self.raced = True
+            daemon.pipe_dir.mkdir(parents=True)
+            (daemon.pipe_dir / "f1").touch()
+            raise OSError(f"removing {daemon.pipe_dir}: Directory not empty")
+
+
+class TimeSliceFailsOnce(StandInTools):
+    """The stand-in tools; the first time-slice setting fails (a tool timing out)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.failed = False
+
+    def set_time_slice(self, gpu_uuid: str, interval: int) -> None:
+        if not self.failed:
+            self.failed = True
+            raise SharingError(f"setting time-slice {interval} on GPU {gpu_uuid}: timed out")
+        super().set_time_slice(gpu_uuid, interval)
+
+
+class SlowDefaultMode:
+    """The emulated GPUs, but setting GPU `gpu_uuid` to DEFAULT (an MPS claim's mode put
+    back) waits: `waiting` is set while it does, and it goes on once `go` is set."""
+
+    def __init__(self, inner: NvmlEmulator, gpu_uuid: str) -> None:
+        self._inner, self._uuid = inner, gpu_uuid
+        self.waiting, self.go = threading.Event(), threading.Event()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def nvmlDeviceSetComputeMode(self, handle: Any, mode: int) -> Any:
+        uuid = self._inner.nvmlDeviceGetUUID(handle)
+        if (uuid.decode() if isinstance(uuid, bytes) else uuid) == self._uuid and mode == 0:
+            self.waiting.set()
+            self.go.wait(10)
+        return self._inner.nvmlDeviceSetComputeMode(handle, mode)
+
+
+def _sliced_and_mps(gpu_share: str, whole: str) -> Claim:
+    """One share of a GPU time-sliced, and a whole GPU with MPS."""
+    return offline_claim(
+        "tenant-a",
+        [("ts", one_share(gpu_share)), ("mps", {"device": whole})],
+        {"ts": TS_LONG, "mps": {"strategy": "MPS"}},
+    )
+
+
+@pytest.mark.anyio
+async def test_a_failed_unprepare_does_not_keep_counting_as_a_time_slice_user(node: Node) -> None:
+    """The last share resets the GPU, then the rest of its unprepare fails (a tenant can
+    cause that: files written into its pipe folder while it is removed). Another
+    tenant's share joining the GPU meanwhile must still get its time-slice."""
+    emu = h100()
+    gpus = discover(emu).gpus
+    sliced, whole = gpus[4], gpus[3]
+    _set_compute_mode(emu, sliced.uuid, EXCLUSIVE_PROCESS)
+    preparer = node_preparer(node, emu, sharing=RemovalRacedOnce())
+    a = _sliced_and_mps(sliced.device.name, whole.device.name)
+    assert (await preparer.prepare([a]))[a.uid].error is None
+    assert (_compute_mode(emu, sliced.uuid), time_slice_of(node, sliced.uuid)) == (DEFAULT_MODE, 3)
+
+    error = (await preparer.unprepare([a.ref]))[a.uid]
+    assert error is not None and "Directory not empty" in error  # retried later
+
+    b = offline_claim("tenant-b", [("gpu", one_share(sliced.device.name))], {"gpu": TS_LONG})
+    assert (await preparer.prepare([b]))[b.uid].error is None
+    assert (_compute_mode(emu, sliced.uuid), time_slice_of(node, sliced.uuid)) == (DEFAULT_MODE, 3)
+    assert await preparer.unprepare([a.ref, b.ref]) == {a.uid: None, b.uid: None}
+    assert _compute_mode(emu, sliced.uuid) == EXCLUSIVE_PROCESS
+
+
+@pytest.mark.anyio
+async def test_a_share_prepared_while_the_last_one_unprepares_gets_its_time_slice(
+    node: Node,
+) -> None:
+    """Tenant A's unprepare has reset the GPU and waits on a later step (its MPS GPU's
+    mode put back) when tenant B's share of the GPU is prepared."""
+    emu = h100()
+    gpus = discover(emu).gpus
+    sliced, whole = gpus[4], gpus[3]
+    _set_compute_mode(emu, sliced.uuid, EXCLUSIVE_PROCESS)
+    nvml = SlowDefaultMode(emu, whole.uuid)
+    preparer = node_preparer(node, nvml, inventory=lambda: discover(emu))
+    a = _sliced_and_mps(sliced.device.name, whole.device.name)
+    assert (await preparer.prepare([a]))[a.uid].error is None
+    b = offline_claim("tenant-b", [("gpu", one_share(sliced.device.name))], {"gpu": TS_LONG})
+
+    results: dict[str, Any] = {}
+    async with anyio.create_task_group() as tg:
+
+        async def unprepare_a() -> None:
+            results["a"] = (await preparer.unprepare([a.ref]))[a.uid]
+
+        tg.start_soon(unprepare_a)
+        while not nvml.waiting.is_set():
+            await anyio.sleep(0.01)
+        results["b"] = (await preparer.prepare([b]))[b.uid].error
+        nvml.go.set()
+
+    assert results == {"a": None, "b": None}
+    assert (_compute_mode(emu, sliced.uuid), time_slice_of(node, sliced.uuid)) == (DEFAULT_MODE, 3)
+
+
+@pytest.mark.anyio
+async def test_the_last_two_shares_leaving_together_reset_the_gpu(node: Node) -> None:
+    """Two claims sharing a GPU are unprepared at once (one pod with both, or two pods
+    deleted together), one with a MIG instance to destroy after its time-slice step:
+    neither may leave the setting to the other."""
+    emu = h100_mig()
+    gpus = discover(emu).gpus
+    sliced = gpus[4]
+    partition = next(p.name for p in gpus[0].partitions if "-3g40gb-" in p.name)
+    _set_compute_mode(emu, sliced.uuid, EXCLUSIVE_PROCESS)
+    preparer = node_preparer(node, emu, strategy=MigStrategy.DYNAMIC)
+    a = offline_claim(
+        "team-a",
+        [("ts", one_share(sliced.device.name)), ("mig", {"device": partition})],
+        {"ts": TS_LONG},
+    )
+    b = offline_claim("team-a", [("ts", one_share(sliced.device.name))], {"ts": TS_LONG})
+    prepared = await preparer.prepare([a, b])
+    assert [prepared[c.uid].error for c in (a, b)] == [None, None]
+
+    assert await preparer.unprepare([a.ref, b.ref]) == {a.uid: None, b.uid: None}
+    assert load_checkpoint(node.checkpoint, boot_id_path=node.boot_id).claims() == []
+    assert (time_slice_of(node, sliced.uuid), _compute_mode(emu, sliced.uuid)) == (
+        0,
+        EXCLUSIVE_PROCESS,
+    )
+
+
+@pytest.mark.anyio
+async def test_a_failed_first_time_slice_does_not_lose_the_admins_compute_mode(
+    node: Node,
+) -> None:
+    """The first share sets DEFAULT, then its time-slice fails; a second share waiting
+    for the GPU must not take that DEFAULT for the admin's mode."""
+    emu = h100()
+    sliced = discover(emu).gpus[4]
+    _set_compute_mode(emu, sliced.uuid, EXCLUSIVE_PROCESS)
+    preparer = node_preparer(node, emu, sharing=TimeSliceFailsOnce())
+    a = offline_claim("tenant-a", [("gpu", one_share(sliced.device.name))], {"gpu": TS_LONG})
+    b = offline_claim("tenant-b", [("gpu", one_share(sliced.device.name))], {"gpu": TS_LONG})
+    results = await preparer.prepare([a, b])
+    assert results[a.uid].error is not None and "timed out" in results[a.uid].error
+    assert results[b.uid].error is None
+    assert time_slice_of(node, sliced.uuid) == 3
+
+    assert await preparer.unprepare([b.ref]) == {b.uid: None}
+    assert time_slice_of(node, sliced.uuid) == 0
+    assert _compute_mode(emu, sliced.uuid) == EXCLUSIVE_PROCESS
+
+
+@pytest.mark.anyio
+async def test_a_full_state_disk_does_not_stop_the_agents_recovery(
+    node: Node, small_fs: Path, fill_small_fs: Callable[[], None]
+) -> None:
+    """A tenant's MPS pipe folder is on the state disk and mounted writable into its
+    containers: filled while the agent is down, every checkpoint write fails. The
+    restarted agent reports the rollback it could not record as that claim's error,
+    for the next start, and starts."""
+    emu = h100()
+    gpus = discover(emu).gpus
+    checkpoint = small_fs / "plugin" / "checkpoint.json"
+    mps = offline_claim(
+        "tenant-a", [("mps", {"device": gpus[3].device.name})], {"mps": {"strategy": "MPS"}}
+    )
+    sliced = offline_claim("tenant-b", [("ts", {"device": gpus[2].device.name})], {"ts": TS_LONG})
+
+    def crash(step: str) -> None:
+        if step == "time-slice-applied":
+            raise SimulatedCrash(step)
+
+    def agent(fault: Callable[[str], None] | None = None) -> ClaimPreparer:
+        return ClaimPreparer(
+            node_name=NODE,
+            nvml=emu,
+            inventory=lambda: discover(emu),
+            cdi=CdiSpecStore(node.cdi_dir),
+            checkpoint_path=checkpoint,
+            sharing=fake_sharing(),
+            dev_root=node.dev_root,
+            proc_root=node.proc,
+            boot_id_path=node.boot_id,
+            fault=fault,
+        )
+
+    crashing = agent(crash)
+    assert (await crashing.prepare([mps]))[mps.uid].error is None
+    with pytest.raises(SimulatedCrash):
+        await crashing.prepare([sliced])
+    pipe = checkpoint.parent / "mps" / mps.uid / "pipe"
+    assert pipe.is_dir()
+    fill_small_fs()  # as the tenant's container could through its pipe folder, agent down
+    try:
+        report = await agent().recover()
+        assert [e for e in report.errors if "tenant-b" in e and "rolling back" in e]
+    finally:
+        (small_fs / "filler").unlink()
+        fake_sharing().stop_mps(_daemon_in(pipe.parent))
