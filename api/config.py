@@ -489,17 +489,19 @@ def _issues_from(model: type[_Strict], data: Any, exc: ValidationError) -> list[
     inside it; so is only the outermost of such objects.
     """
     errors = exc.errors(include_url=False)
-    broken: list[tuple[str | int, ...]] = []
+    broken: set[tuple[str | int, ...]] = set()
     for error in errors:
         if error["type"] in _SHAPE_ERRORS:
             loc = tuple(error["loc"])
-            broken.append(loc[: len(loc) - _SHAPE_ERRORS[error["type"]]])
-    outermost = [loc for loc in broken if not any(_within(loc, o) and o != loc for o in broken)]
+            broken.add(loc[: len(loc) - _SHAPE_ERRORS[error["type"]]])
+    # Found by prefix lookups, not by comparing every pair: a config may carry
+    # thousands of unknown fields, and a quadratic pass would hold the webhook.
+    outermost = {loc for loc in broken if _outer(loc, broken, proper=True) is None}
     reported: set[tuple[str | int, ...]] = set()
     issues: list[ConfigIssue] = []
     for error in errors:
         loc = tuple(error["loc"])
-        outer = next((o for o in outermost if _within(loc, o)), None)
+        outer = _outer(loc, outermost, proper=False)
         if outer is not None:
             if outer not in reported:
                 reported.add(outer)
@@ -524,8 +526,14 @@ def _issues_from(model: type[_Strict], data: Any, exc: ValidationError) -> list[
     return issues
 
 
-def _within(loc: tuple[str | int, ...], outer: tuple[str | int, ...]) -> bool:
-    return loc[: len(outer)] == outer
+def _outer(
+    loc: tuple[str | int, ...], among: set[tuple[str | int, ...]], *, proper: bool
+) -> tuple[str | int, ...] | None:
+    """The shortest of `among` that `loc` lies within (itself too, unless `proper`)."""
+    for end in range(len(loc) + (0 if proper else 1)):
+        if loc[:end] in among:
+            return loc[:end]
+    return None
 
 
 def _locate(

@@ -23,6 +23,7 @@ by the rules' view of the pod already (`tenant_rules.rules_view`).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
@@ -73,18 +74,16 @@ def extended_resource_claim(
         device_class = name.removeprefix(DEVICE_CLASS_PREFIX)
         counts = [a.get(name, 0) for a in asked]
         long_lived = [count if lives[i] else 0 for i, count in enumerate(counts)]
+        # What the long-lived containers from each one on hold (one pass: a review may
+        # carry thousands of containers, and a quadratic walk would hold the loop).
+        held_after = list(itertools.accumulate(reversed(long_lived)))[::-1]
         short_lived: list[tuple[int, int]] = []  # (count, container index)
         for index, count in enumerate(counts):
             if lives[index] or not count:
                 continue
             # What the long-lived containers from it on hold is reused first.
-            reused = 0
-            for later in long_lived[index:]:
-                reused += later
-                if reused >= count:
-                    break
-            if reused < count:
-                short_lived.append((count - reused, index))
+            if held_after[index] < count:
+                short_lived.append((count - held_after[index], index))
         chosen = [(i, n) for i, n in enumerate(long_lived) if n]
         if short_lived:
             count, index = max(short_lived, key=lambda s: s[0])

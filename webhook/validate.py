@@ -19,9 +19,10 @@ configs and the tenant rules.
 from __future__ import annotations
 
 import re
+import reprlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final, Literal, TypeVar
+from typing import Annotated, Any, Final, Literal, TypeVar
 
 from gpudra.api.config import (
     BoundConfig,
@@ -45,7 +46,7 @@ from gpudra.api.sharing import (
 from gpudra.api.tenants import MAX_DEVICES_PER_CLAIM
 from gpudra.webhook.convert import ConversionPolicy
 from gpudra.webhook.tenant_rules import TenantRules
-from pydantic import ConfigDict, TypeAdapter, ValidationError, with_config
+from pydantic import ConfigDict, Field, TypeAdapter, ValidationError, with_config
 from typing_extensions import TypedDict
 
 __all__ = [
@@ -60,6 +61,12 @@ __all__ = [
 _PROFILE_SELECTOR: Final = re.compile(
     r'\s*device\.attributes\["(?P<driver>[^"]+)"\]\.profile\s*==\s*"(?P<profile>[^"]+)"\s*'
 )
+
+
+MAX_PROBLEMS: Final = 20
+"""At most this many problems are named in one denial."""
+MAX_MESSAGE: Final = 8192
+"""And at most this many characters of them."""
 
 
 @dataclass
@@ -77,7 +84,15 @@ class ClaimVerdict:
 
     @property
     def message(self) -> str:
-        return "; ".join([*self.invalid, *self.forbidden])
+        """The problems, the first `MAX_PROBLEMS` of them: a claim with thousands of bad
+        fields gets a denial a user can read, not megabytes."""
+        problems = [*self.invalid, *self.forbidden]
+        shown = "; ".join(problems[:MAX_PROBLEMS])
+        if len(shown) > MAX_MESSAGE:
+            shown = shown[:MAX_MESSAGE] + "..."
+        if len(problems) > MAX_PROBLEMS:
+            shown += f"; and {len(problems) - MAX_PROBLEMS} more problems"
+        return shown
 
 
 def driver_classes(policy: ConversionPolicy, extra: Sequence[str] = ()) -> frozenset[str]:
@@ -159,10 +174,17 @@ class _Sub(_Exact, total=False):
     name: str
 
 
+# The API server's limits (resource.k8s.io validation), so that a review sent straight
+# to the port, which no API server checked, costs what a real claim at most costs.
+_MAX_REQUESTS: Final = 32
+_MAX_SUBREQUESTS: Final = 8
+_MAX_CONFIGS: Final = 32
+
+
 class _RequestSpec(TypedDict, total=False):
     name: str
     exactly: _Exact | None
-    firstAvailable: list[_Sub] | None
+    firstAvailable: Annotated[list[_Sub], Field(max_length=_MAX_SUBREQUESTS)] | None
 
 
 class _Opaque(TypedDict, total=False):
@@ -173,17 +195,17 @@ class _Opaque(TypedDict, total=False):
 class _ConfigEntry(TypedDict, total=False):
     """A `config[]` entry, in the form `bound_configs` reads."""
 
-    requests: list[str] | None
+    requests: Annotated[list[str], Field(max_length=_MAX_REQUESTS)] | None
     opaque: _Opaque | None
 
 
 @with_config(_STRICT)
 class _ConfigList(TypedDict, total=False):
-    config: list[_ConfigEntry] | None
+    config: Annotated[list[_ConfigEntry], Field(max_length=_MAX_CONFIGS)] | None
 
 
 class _Devices(_ConfigList, total=False):
-    requests: list[_RequestSpec] | None
+    requests: Annotated[list[_RequestSpec], Field(max_length=_MAX_REQUESTS)] | None
 
 
 class _ClaimSpec(TypedDict, total=False):
@@ -233,7 +255,9 @@ def _parse(adapter: TypeAdapter[_T], obj: object, prefix: str) -> _T:
         issues = []
         for error in exc.errors(include_url=False):
             path = loc_path(prefix, error["loc"])
-            issues.append(f"{path or '(object)'}: {error['msg']} (got {error['input']!r:.60})")
+            # reprlib: a value nested a thousand deep is shown, not a RecursionError.
+            shown = reprlib.repr(error["input"])[:60]
+            issues.append(f"{path or '(object)'}: {error['msg']} (got {shown})")
         raise _Invalid(issues) from None
 
 

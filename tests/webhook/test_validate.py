@@ -649,3 +649,53 @@ async def test_server_applies_tenant_rules_and_validates_claims(tmp_path: Path) 
         good = await post(port, pki.ca_bundle, "/validate-claims", claim_review(claim(req("gpu"))))
         assert good["allowed"]
         tg.cancel_scope.cancel()
+
+
+# --- bounded work: what a hostile review can cost (found by an outside review) -------------
+
+
+def test_a_review_past_the_api_servers_limits_is_refused_before_any_work() -> None:
+    """A review sent straight to the port was checked by no API server: past its limits
+    (32 requests, 8 subrequests, 32 configs of 32 request names) it is refused, naming
+    the field, before the configs are resolved against the requests (20,000 requests and
+    a config bound to 400,000 names held the webhook's loop for minutes)."""
+    many = claim(*(req(f"r{i}") for i in range(33)))
+    assert "spec.devices.requests: List should have at most 32 items" in check(many).message
+    subs = [{"name": f"s{i}", "deviceClassName": "gpu.nvidia.com"} for i in range(9)]
+    first_available = claim({"name": "r", "firstAvailable": subs})
+    message = check(first_available).message
+    assert "spec.devices.requests[0].firstAvailable: List should have at most 8 items" in message
+    names = claim(req("r"), config=[opaque(gpu_config(), requests=[f"r{i}" for i in range(33)])])
+    message = check(names).message
+    assert "spec.devices.config[0].requests: List should have at most 32 items" in message
+    configs = claim(req("r"), config=[opaque(gpu_config())] * 33)
+    assert "spec.devices.config: List should have at most 32 items" in check(configs).message
+    assert check(claim(*(req(f"r{i}") for i in range(32)))).allowed
+
+
+def test_a_claim_with_thousands_of_bad_fields_gets_a_denial_a_user_can_read() -> None:
+    """32 configs of 10 KiB, each with 1,400 unknown fields, as the API server stores
+    them: the denial names the first problems and counts the rest (it was 4.8 MB, and
+    finding which fields to report compared every pair of them: 17 s)."""
+    unknown = {f"x{i:04d}": 0 for i in range(1400)}
+    bad = claim(req("r"), config=[opaque({**gpu_config(), **unknown})] * 32)
+    verdict = check(bad)
+    assert not verdict.allowed
+    assert len(verdict.message) < 16 * 1024
+    assert "spec.devices.config[0].opaque.parameters" in verdict.message
+    assert verdict.message.endswith("more problems")
+
+
+def test_a_value_nested_a_thousand_deep_is_a_denial_not_a_crash() -> None:
+    """Where an object belongs, a list nested 1,000 deep (orjson decodes up to 1,024):
+    showing it in the denial must not recurse past Python's limit."""
+    deep: Any = []
+    for _ in range(1000):
+        deep = [deep]
+    for obj in (
+        claim(deep),
+        claim(req("r", capacity={"requests": {"memory": deep}})),
+        claim(req("r"), config=[{"requests": deep}]),
+    ):
+        verdict = check(obj)
+        assert verdict.invalid and "(got [[[[" in verdict.message
