@@ -30,7 +30,7 @@ from typing import Any, Final, Protocol
 
 import anyio
 from gpudra.api.configcache import ConfigCache
-from gpudra.api.names import is_dns_subdomain
+from gpudra.api.names import is_dns_label, is_dns_subdomain
 from gpudra.api.tenants import LabelSelector
 from gpudra.webhook.convert import (
     DEFAULT_POLICY,
@@ -251,9 +251,9 @@ class Admission:
         if request.get("operation", "CREATE") != "CREATE":
             return Decision(allow(uid), "allowed")
         obj = request.get("object")
-        namespace = request.get("namespace")
-        if not isinstance(obj, dict) or not namespace:
-            raise ReviewError("request.object and request.namespace are required")
+        if not isinstance(obj, dict):
+            raise ReviewError("request.object is required")
+        namespace = _namespace_of(request, obj)
         lookup = self._lookup(namespace)
         kind = request["kind"]["kind"]
         if kind == CLAIM_TEMPLATE.kind:
@@ -331,14 +331,27 @@ class Admission:
         (`extended_resources`) is judged as a claim and counted with the pod's others.
         """
         extended = extended_resource_claim(pod, self._classes)
-        if lookup.denial or lookup.rules is None:
-            return (lookup.denial or None) if conversion.claims or extended else None
-        referenced: list[ReferencedClaim] = []
-        if lookup.rules.tenant.spec.max_devices_per_pod is not None:
-            found = await self._referenced(lookup.rules, pod, namespace, dry_run)
-            if isinstance(found, str):
-                return found
-            referenced = found
+        if lookup.denial:
+            if conversion.claims or extended:
+                return lookup.denial
+            # Claims the pod names by hand: denied where any asks for the driver's
+            # devices, or cannot be read to tell (rules unknown: nothing unchecked).
+            found = await self._referenced(lookup.denial, pod, namespace, dry_run)
+            return lookup.denial if isinstance(found, str) or found else None
+        if lookup.rules is None:
+            return None
+        # Every hand-written claim the pod names is judged again under today's rules
+        # (one stored before its namespace got them, or before they were tightened, is
+        # not handed to a new pod), and counted with the pod's other devices.
+        heading = (
+            _limit(lookup.rules)
+            if lookup.rules.tenant.spec.max_devices_per_pod is not None
+            else lookup.rules.label
+        )
+        found = await self._referenced(heading, pod, namespace, dry_run, rules=lookup.rules)
+        if isinstance(found, str):
+            return found
+        referenced = found
         if extended is not None:
             verdict = validate_claim_object(
                 {"spec": extended.spec},
@@ -378,7 +391,7 @@ class Admission:
         devices = claim_devices(claim.get("spec"), self._classes)
         if not devices:
             return None
-        heading = f"{rules.label}: maxDevicesPerPod is {limit}"
+        heading = _limit(rules)
         if self._read_claims is None:
             return f"{heading}, and this webhook cannot read the pods that use this claim"
         try:
@@ -395,7 +408,7 @@ class Admission:
             if entry is None:
                 continue
             found = await self._referenced(
-                rules, pod, namespace, dry_run=False, filled=(entry, devices)
+                heading, pod, namespace, dry_run=False, filled=(entry, devices)
             )
             if isinstance(found, str):
                 return found
@@ -413,21 +426,27 @@ class Admission:
 
     async def _referenced(
         self,
-        rules: TenantRules,
+        heading: str,
         pod: Mapping[str, Any],
         namespace: str,
         dry_run: bool,
         filled: tuple[str, int] | None = None,
+        rules: TenantRules | None = None,
     ) -> list[ReferencedClaim] | str:
-        """The pod's own claims and templates with their device counts, or a denial.
+        """The pod's own claims and templates with the driver's devices, with their
+        device counts, or a denial starting with `heading` (the rule it is for).
 
         `filled` is a claim being created: the name of the pod's entry it fills and its
-        device count, used instead of reading that entry.
+        device count, used instead of reading that entry. With `rules`, each claim named
+        by hand is judged under them as at its own creation (a template's claims are, as
+        they are created). Each object is read once, and all of them within one
+        deadline: a forged review may name thousands.
         """
         spec = pod.get("spec")
         entries = spec.get("resourceClaims") if isinstance(spec, Mapping) else None
         result: list[ReferencedClaim] = []
-        limit = f"{rules.label}: maxDevicesPerPod is {rules.tenant.spec.max_devices_per_pod}"
+        read: dict[tuple[str, str], Mapping[str, Any] | None] = {}
+        deadline = anyio.current_time() + self._ensure_timeout
         for index, entry in enumerate(entries if isinstance(entries, list) else ()):
             if not isinstance(entry, Mapping):
                 continue
@@ -443,25 +462,45 @@ class Admission:
             if not is_dns_subdomain(name):
                 return f"spec.resourceClaims[{index}]: {source} is not a valid object name"
             if self._read_claims is None:
-                return f"{limit}, and this webhook cannot read pod claim {pod_claim} ({source})"
-            try:
-                with anyio.fail_after(self._ensure_timeout):
-                    claim_spec = await self._read_claims(namespace, kind, name)
-            except Exception as exc:
-                logger.warning(
-                    "could not read a pod's claim",
-                    exc_info=True,
-                    extra={"fields": {"namespace": namespace, "claim": source}},
-                )
-                reason = "no answer in time" if isinstance(exc, TimeoutError) else str(exc)
-                return f"{limit}; could not read {source} to count its devices: {reason}; retry"
+                return f"{heading}, and this webhook cannot read pod claim {pod_claim} ({source})"
+            if reference not in read:
+                try:
+                    with anyio.fail_at(deadline):
+                        read[reference] = await self._read_claims(namespace, kind, name)
+                except Exception as exc:
+                    logger.warning(
+                        "could not read a pod's claim",
+                        exc_info=True,
+                        extra={"fields": {"namespace": namespace, "claim": source}},
+                    )
+                    reason = "no answer in time" if isinstance(exc, TimeoutError) else str(exc)
+                    return (
+                        f"{heading}; could not read {source} to count its devices: {reason}; retry"
+                    )
+            claim_spec = read[reference]
             if claim_spec is None:
                 if dry_run:
                     continue  # nothing is stored, and a dry run's templates do not exist
                 return (
-                    f"{limit}; pod claim {pod_claim} refers to {source}, which does not "
+                    f"{heading}; pod claim {pod_claim} refers to {source}, which does not "
                     f"exist, so its devices cannot be counted: create it before the pod"
                 )
+            if rules is not None and kind == CLAIM.kind:
+                verdict = validate_claim_object(
+                    {"metadata": {"name": name}, "spec": claim_spec},
+                    template=False,
+                    policy=self._policy,
+                    classes=self._classes,
+                    rules=rules,
+                    device_classes=self._device_classes,
+                    parse_config=self._configs.parse,
+                )
+                if not verdict.allowed:
+                    return (
+                        f"{rules.label}: pod claim {pod_claim} refers to {source}, which "
+                        f"its namespace's rules do not allow now: {verdict.message}; "
+                        "delete it and create one they allow"
+                    )
             devices = claim_devices(claim_spec, self._classes)
             if devices:
                 result.append(ReferencedClaim(pod_claim, source, devices))
@@ -497,6 +536,11 @@ class Admission:
     def _deny(self, uid: str, code: int, message: str, reason: str) -> Decision:
         self._metrics.inc(self._metrics.denials, reason)
         return Decision(deny(uid, code, message), "denied")
+
+
+def _limit(rules: TenantRules) -> str:
+    """How denials under a tenant's per-pod device limit start."""
+    return f"{rules.label}: maxDevicesPerPod is {rules.tenant.spec.max_devices_per_pod}"
 
 
 def _reference(entry: Mapping[str, Any]) -> tuple[str, str] | None:
@@ -591,10 +635,23 @@ def _pod_and_namespace(request: AdmissionRequest) -> tuple[dict[str, Any], str]:
     pod = request.get("object")
     if not isinstance(pod, dict):
         raise ReviewError("request.object must be the Pod being admitted")
-    metadata = pod.get("metadata")
-    namespace = request.get("namespace") or (
-        metadata.get("namespace") if isinstance(metadata, dict) else None
-    )
+    return pod, _namespace_of(request, pod)
+
+
+def _namespace_of(request: AdmissionRequest, obj: Mapping[str, Any]) -> str:
+    """The namespace a review is about: the request's, else the object's own, which must
+    agree, and a valid namespace name. The API server always sends one; a forged review
+    with a path in it (``x/../kube-system``) would otherwise reach the webhook's own reads
+    and writes as part of a URL."""
+    metadata = obj.get("metadata")
+    own = metadata.get("namespace") if isinstance(metadata, Mapping) else None
+    namespace = request.get("namespace") or own
     if not isinstance(namespace, str) or not namespace:
         raise ReviewError("request.namespace is missing")
-    return pod, namespace
+    if not is_dns_label(namespace):
+        raise ReviewError(f"request.namespace {namespace[:70]!r} is not a namespace name")
+    if own not in (None, "", namespace):
+        raise ReviewError(
+            f"request.namespace {namespace!r} and the object's metadata.namespace differ"
+        )
+    return namespace

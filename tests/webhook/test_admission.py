@@ -76,10 +76,34 @@ async def test_an_unusable_review_raises_naming_the_field() -> None:
     endpoints = Admission(Templates(), WebhookMetrics(CollectorRegistry())).endpoints()
     with pytest.raises(ReviewError, match=r"request\.object must be the Pod"):
         await endpoints[MUTATE_PATH](review(POD, "a pod"))
-    with pytest.raises(ReviewError, match=r"request\.object and request\.namespace"):
+    with pytest.raises(ReviewError, match=r"request\.object is required"):
         await endpoints[VALIDATE_CLAIMS_PATH](review(CLAIM, None))
     with pytest.raises(ReviewError, match="unsupported resource kind"):
         await endpoints[VALIDATE_CLAIMS_PATH](review(POD, GPU_POD))
+
+
+async def test_a_forged_namespace_reaches_no_url() -> None:
+    """A review sent straight to the port names its namespace: one that is no namespace
+    name (a path in it) or that differs from the object's own is refused before any read
+    or write of the webhook's is made with it."""
+    templates, claims = Templates(), Claims(one=one_gpu_spec())
+    endpoints = Admission(
+        templates, WebhookMetrics(CollectorRegistry()), read_claims=claims
+    ).endpoints()
+    named = claim_pod(0, {"name": "a", "resourceClaimName": "one"})
+    for namespace in ("x/../kube-system", "../../apis", "NS", "ns?watch=1"):
+        for path, obj in ((MUTATE_PATH, GPU_POD), (MUTATE_PATH, named)):
+            with pytest.raises(ReviewError, match="is not a namespace name"):
+                await endpoints[path](review(POD, obj, namespace=namespace))
+        with pytest.raises(ReviewError, match="is not a namespace name"):
+            await endpoints[VALIDATE_CLAIMS_PATH](
+                review(CLAIM, {"metadata": {"name": "c"}}, namespace=namespace)
+            )
+    other = {**GPU_POD, "metadata": {"name": "p", "namespace": "kube-system"}}
+    with pytest.raises(ReviewError, match="differ"):
+        await endpoints[MUTATE_PATH](review(POD, other))
+    assert templates.names == []
+    assert claims.reads == []
 
 
 TEMPLATE = {"group": "resource.k8s.io", "version": "v1", "kind": "ResourceClaimTemplate"}
@@ -489,3 +513,109 @@ async def test_the_schedulers_extended_resource_claim_is_counted_with_the_pod_th
         stray = extended_resource_claim("p", "pod-uid", 2)
         stray["metadata"]["ownerReferences"][0].update(owner)
         assert (await admission.validate_claim(review(CLAIM, stray))).result == "allowed"
+
+
+def tenant_state(*tenants: dict[str, Any]) -> TenantState:
+    """The tenant view of namespace "ns" under `tenants` (GpuTenant specs by name)."""
+    state = TenantState()
+    state.replace(
+        "tenants",
+        [
+            {"apiVersion": API_VERSION, "kind": "GpuTenant", "metadata": {"name": n}, "spec": s}
+            for n, s in tenants
+        ],
+    )
+    state.replace("namespaces", [{"metadata": {"name": "ns"}, "status": {"phase": "Active"}}])
+    state.replace("quotas", [])
+    return state
+
+
+TWO_CLAIMS = claim_pod(
+    0, {"name": "a", "resourceClaimName": "one"}, {"name": "b", "resourceClaimName": "two"}
+)
+
+
+@pytest.mark.parametrize(
+    "tenants",
+    [
+        # Stored by the API server, refused by the webhook: its rules are unknown.
+        [("team-a", {"namespaces": ["ns"], "maxDevicesPerPod": 1, "allowedSharing": ["MPS"]})],
+        # Two of equal specificity: which one decides is unknown.
+        [("a", {"namespaces": ["ns"], "maxDevicesPerPod": 1}), ("b", {"namespaces": ["ns"]})],
+    ],
+)
+async def test_where_the_rules_are_unknown_a_pod_naming_gpu_claims_is_denied(
+    tenants: list[tuple[str, dict[str, Any]]],
+) -> None:
+    """Not only pods asking for GPUs as resources: one whose GPUs come from claims it
+    names is denied too, and one whose claims hold none of the driver's devices is not."""
+    state = tenant_state(*tenants)
+    assert state.lookup("ns").denial
+    other = {"devices": {"requests": [{"name": "x", "exactly": {"deviceClassName": "nic"}}]}}
+    claims = Claims(one=one_gpu_spec(), two=one_gpu_spec(), nic=other)
+    admission = Admission(
+        Templates(), WebhookMetrics(CollectorRegistry()), tenants=state, read_claims=claims
+    )
+    decision = await admission.mutate_pod(review(POD, TWO_CLAIMS))
+    assert decision.result == "denied"
+    assert decision.response["status"]["message"] == state.lookup("ns").denial
+    nic_pod = claim_pod(0, {"name": "a", "resourceClaimName": "nic"})
+    assert (await admission.mutate_pod(review(POD, nic_pod))).result == "allowed"
+
+
+@pytest.mark.parametrize("limit", [4, None])
+async def test_a_claim_stored_before_the_rules_is_not_handed_to_a_new_pod(
+    limit: int | None,
+) -> None:
+    """A hand-written claim the namespace's rules forbid now (a class, a sharing mode),
+    stored before its namespace got them or before they were tightened, is judged again
+    when a new pod names it, with or without a per-pod device limit."""
+    spec: dict[str, Any] = {
+        "namespaces": ["ns"],
+        "allowedDeviceClasses": ["gpu.nvidia.com"],
+        "allowedSharing": ["Exclusive"],
+    }
+    if limit is not None:
+        spec["maxDevicesPerPod"] = limit
+    sliced = one_gpu_spec()
+    sliced["devices"]["config"] = [
+        {
+            "opaque": {
+                "driver": "gpu.nvidia.com",
+                "parameters": {
+                    "apiVersion": "resource.nvidia.com/v1beta1",
+                    "kind": "GpuConfig",
+                    "sharing": {"strategy": "TimeSlicing"},
+                },
+            }
+        }
+    ]
+    mig = {
+        "devices": {"requests": [{"name": "g", "exactly": {"deviceClassName": "mig.nvidia.com"}}]}
+    }
+    claims = Claims(sliced=sliced, mig=mig, fine=one_gpu_spec())
+    admission = Admission(
+        Templates(),
+        WebhookMetrics(CollectorRegistry()),
+        tenants=tenant_state(("team-a", spec)),
+        read_claims=claims,
+    )
+    for name, problem in (("sliced", "TimeSlicing"), ("mig", "mig.nvidia.com")):
+        pod = claim_pod(0, {"name": "a", "resourceClaimName": name})
+        decision = await admission.mutate_pod(review(POD, pod))
+        assert decision.result == "denied"
+        message = decision.response["status"]["message"]
+        assert f"pod claim a refers to ResourceClaim {name}, which its namespace's rules" in message
+        assert problem in message
+    fine = claim_pod(0, {"name": "a", "resourceClaimName": "fine"})
+    assert (await admission.mutate_pod(review(POD, fine))).result == "allowed"
+
+
+async def test_a_claim_named_by_many_entries_is_read_once() -> None:
+    """A review may name one claim thousands of times: it is read once."""
+    claims = Claims(one=one_gpu_spec())
+    admission = limited_admission(claims, limit=4)
+    pod = claim_pod(0, *({"name": f"e{i}", "resourceClaimName": "one"} for i in range(2000)))
+    decision = await admission.mutate_pod(review(POD, pod))
+    assert decision.result == "denied"  # each entry counts: 2,000 devices
+    assert claims.reads == [("ResourceClaim", "one")]
