@@ -761,16 +761,21 @@ def resolve_bound(
     """The config that applies to one allocated device, with where it was found: the
     last match of the claim's configs, else of the class's; None for the driver default.
 
-    A config bound to this request by name must be of the device's kind: the
-    user asked for it on this device, so silently skipping it would hide a
+    A claim's config bound to this request by name must be of the device's kind:
+    the user asked for it on this device, so silently skipping it would hide a
     mistake. An unbound config of the other kind is skipped, because it is meant
-    for the claim's other devices (a claim may hold GPUs and MIG devices).
+    for the claim's other devices (a claim may hold GPUs and MIG devices). So is a
+    class's config of the other kind: the allocator binds every config of a class to
+    each request of that class, which no one asked for, and a class that gives both
+    kinds carries a config for each.
     """
     wanted = _config_type(device_type)
-    for configs in (claim_configs, class_configs):
+    for from_class, configs in ((False, claim_configs), (True, class_configs)):
         for bound in reversed(configs):
             if bound.requests:
                 if not bound.applies_to(request_name):
+                    continue
+                if not isinstance(bound.config, wanted) and from_class:
                     continue
                 if not isinstance(bound.config, wanted):
                     kind = wanted().kind  # an error: building the default costs nothing here

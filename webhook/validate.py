@@ -266,10 +266,11 @@ class _Request:
     path: str  # spec.devices.requests[0].exactly or ...firstAvailable[1]
     name: str  # "req" or "req/sub" (configs bind to the parent name)
     device_class: str
-    count: int
+    count: int  # the most devices it may get (allocationMode All: a claim's most)
     selectors: tuple[str, ...]
     memory_slice: bool  # capacity requests other than shares: part of a GPU's memory
     admin: bool
+    fewest: int = 1  # the fewest devices it gets when allocated (All: at least one)
 
 
 def validate_claim_object(
@@ -364,12 +365,19 @@ def _one(raw: _Exact, path: str, name: str) -> _Request:
         selectors,
         memory_slice=is_memory_slice(capacity or {}),
         admin=raw.get("adminAccess") is True,
+        fewest=1 if raw.get("allocationMode") == "All" else count,
     )
 
 
-def _device_type(request: _Request, policy: ConversionPolicy) -> DeviceType:
-    mig = request.device_class == policy.mig_class or request.device_class in policy.profile_classes
-    return "mig" if mig else "gpu"
+def _device_types(request: _Request, policy: ConversionPolicy) -> tuple[DeviceType, ...]:
+    """What the request's class may give: the driver's own classes one kind each; any
+    other (an admin's class named with --device-class, whose selectors are its own) a
+    whole GPU or a MIG device, so its requests are judged as both."""
+    if request.device_class == policy.mig_class or request.device_class in policy.profile_classes:
+        return ("mig",)
+    if request.device_class in (policy.gpu_class, policy.shared_class):
+        return ("gpu",)
+    return ("gpu", "mig")
 
 
 def _resolve(
@@ -399,22 +407,23 @@ def _resolve(
             )
             continue
         outcomes = resolved[request.path] = []
-        for sliced in (True, False) if request.memory_slice and not request.admin else (False,):
-            try:
-                sharing = resolve_sharing(
-                    _device_type(request, policy),
-                    found.configs,
-                    configs,
-                    request.name,
-                    memory_slice=sliced,
-                    where=f"{request.path} (capacity.requests)",
-                )
-            except ConfigError as exc:
-                verdict.invalid.extend(str(issue) for issue in exc.issues)
-                del resolved[request.path]
-                break
-            if all(sharing.mode != known.mode for _, known in outcomes):
-                outcomes.append((sliced, sharing))
+        slicings = (True, False) if request.memory_slice and not request.admin else (False,)
+        try:
+            for device_type in _device_types(request, policy):
+                for sliced in slicings if device_type == "gpu" else (False,):
+                    sharing = resolve_sharing(
+                        device_type,
+                        found.configs,
+                        configs,
+                        request.name,
+                        memory_slice=sliced,
+                        where=f"{request.path} (capacity.requests)",
+                    )
+                    if all(sharing.mode != known.mode for _, known in outcomes):
+                        outcomes.append((sliced, sharing))
+        except ConfigError as exc:
+            verdict.invalid.extend(str(issue) for issue in exc.issues)
+            del resolved[request.path]
     return resolved
 
 
@@ -428,12 +437,16 @@ def _check_mps(
     index counts into the devices its config is given, so it must be below their number.
 
     Of a request's ``firstAvailable`` alternatives one is allocated: their percentages
-    never meet, and the largest of them counts towards a config's devices.
+    never meet, and an index must name a device whichever of them using the config is
+    allocated, so the fewest devices among those count (for ``allocationMode: All``,
+    one: a node may have only one). Admin-access devices join no daemon.
     """
     percentages: dict[str, dict[int, str]] = {}  # parent request -> value -> config path
-    devices: dict[str, dict[str, int]] = {}  # config path -> parent request -> most devices
+    devices: dict[str, dict[str, int]] = {}  # config path -> parent request -> fewest devices
     settings: dict[str, MpsConfig] = {}
     for request in requests:
+        if request.admin:
+            continue
         parent = request.name.split("/", 1)[0]
         for _, sharing in resolved.get(request.path, ()):
             mps = sharing.mps_config
@@ -443,7 +456,7 @@ def _check_mps(
                 asked = percentages.setdefault(parent, {})
                 asked.setdefault(mps.default_active_thread_percentage, sharing.path)
             covered = devices.setdefault(sharing.path, {})
-            covered[parent] = max(covered.get(parent, 0), request.count)
+            covered[parent] = min(covered.get(parent, request.fewest), request.fewest)
             settings[sharing.path] = mps
     merged: dict[int, str] = {}
     for asked in percentages.values():
@@ -453,14 +466,14 @@ def _check_mps(
     if conflict is not None:
         verdict.invalid.append(conflict)
     for path, covered in devices.items():
-        most = sum(covered.values())
+        fewest = sum(covered.values())
         for key in settings[path].default_per_device_pinned_memory_limit or {}:
-            if key.isdigit() and int(key) >= most:
+            if key.isdigit() and int(key) >= fewest:
                 field = join_path(path, "sharing.mpsConfig.defaultPerDevicePinnedMemoryLimit")
                 verdict.invalid.append(
-                    f"{field}[{key}]: names no device this config can be given: it is given "
-                    f"at most {most} device(s), indexed from 0; use a lower index or the "
-                    "device's UUID"
+                    f"{field}[{key}]: names no device this config is sure to be given: it "
+                    f"may be given as few as {fewest} device(s), indexed from 0; use a lower "
+                    "index"
                 )
 
 
@@ -498,7 +511,7 @@ def _check_rules(
                 f"{request.device_class}; accepted values: "
                 f"{', '.join(spec.allowed_device_classes or ()) or 'none'}"
             )
-        if _device_type(request, policy) == "mig" and spec.allowed_mig_profiles is not None:
+        if "mig" in _device_types(request, policy) and spec.allowed_mig_profiles is not None:
             _check_profile(request, policy, rules, verdict)
         # Not in `resolved`: reported as invalid already.
         for sliced, sharing in resolved.get(request.path, ()):

@@ -17,7 +17,7 @@ from gpudra.api.configcache import ConfigCache
 from gpudra.api.deviceclasses import device_classes
 from gpudra.api.tenants import API_VERSION, parse_tenant
 from gpudra.driver.checkpoint import Checkpoint
-from gpudra.driver.claims import ClaimRef, checked_claim
+from gpudra.driver.claims import ClaimError, ClaimRef, checked_claim
 from gpudra.driver.devices import MigStrategy, discover
 from gpudra.driver.nvml import NvmlEmulator
 from gpudra.driver.nvml.emulator import load_builtin_profile
@@ -86,7 +86,7 @@ def check(obj: dict[str, Any], r: TenantRules | None = None, **kw: Any) -> Claim
         obj,
         template=kw.pop("template", False),
         policy=DEFAULT_POLICY,
-        classes=CLASSES,
+        classes=kw.pop("classes", CLASSES),
         rules=r,
         **kw,
     )
@@ -385,7 +385,7 @@ def test_a_pinned_memory_index_past_the_devices_of_its_config_is_refused() -> No
     (line,) = check(claim(req("gpu", count=1), config=[opaque(limits)])).invalid
     assert line.startswith(
         "spec.devices.config[0].opaque.parameters.sharing.mpsConfig."
-        "defaultPerDevicePinnedMemoryLimit[1]: names no device this config can be given"
+        "defaultPerDevicePinnedMemoryLimit[1]: names no device this config is sure to be given"
     )
     assert check(claim(req("gpu", count=2), config=[opaque(limits)])).allowed
     assert check(claim(req("a"), req("b"), config=[opaque(limits)])).allowed
@@ -699,3 +699,131 @@ def test_a_value_nested_a_thousand_deep_is_a_denial_not_a_crash() -> None:
     ):
         verdict = check(obj)
         assert verdict.invalid and "(got [[[[" in verdict.message
+
+
+# --- admitted means preparable: cross-checks with the node's planning ----------------------
+# Found by an outside review: each case was admitted here and refused (or run in a mode
+# the tenant may not use) by the node.
+
+
+def planned_on(
+    obj: dict[str, Any],
+    results: list[tuple[str, str]],
+    profile: str,
+    tmp_path: Path,
+    device_class: dict[str, Any] | None = None,
+) -> list[Any]:
+    """What the node plans for `obj` allocated as `results` ((request, device) pairs) on
+    an emulated `profile` node; `device_class`'s configs are bound by the allocator to
+    the requests of that class, as kube-scheduler binds them."""
+    inventory = discover(NvmlEmulator(load_builtin_profile(profile)))
+    config = [{**c, "source": "FromClaim"} for c in obj["spec"]["devices"].get("config", [])]
+    if device_class is not None:
+        name = device_class["metadata"]["name"]
+        of_class = [r["name"] for r in obj["spec"]["devices"]["requests"]]
+        of_class = [
+            n
+            for n, r in zip(of_class, obj["spec"]["devices"]["requests"], strict=True)
+            if r.get("exactly", {}).get("deviceClassName") == name
+        ]
+        config = [
+            {**c, "source": "FromClass", "requests": of_class}
+            for c in device_class["spec"].get("config", [])
+        ] + config
+    allocation = {
+        "devices": {
+            "results": [
+                {"request": r, "driver": "gpu.nvidia.com", "pool": "n", "device": d}
+                for r, d in results
+            ],
+            "config": config,
+        }
+    }
+    allocated = {
+        **obj,
+        "metadata": {**obj["metadata"], "uid": "u"},
+        "status": {"allocation": allocation},
+    }
+    return plan(
+        checked_claim(ClaimRef("ns", "u", "c"), allocated, driver="gpu.nvidia.com", pool="n"),
+        inventory=inventory,
+        checkpoint=Checkpoint(tmp_path / f"cp-{len(list(tmp_path.iterdir()))}.json", boot_id="b"),
+        pool="n",
+        mig_strategy=MigStrategy.DYNAMIC,
+    )
+
+
+def test_a_request_of_an_admins_extra_class_is_judged_as_both_kinds(tmp_path: Path) -> None:
+    """A class named with --device-class may select whole GPUs and MIG devices alike: its
+    requests are judged as both, so the MIG profile and sharing rules hold for them, and
+    a GpuConfig bound to one is refused as the node refuses it on a MIG device."""
+    extra = "any-gpu.example.com"
+    tenant = rules(
+        allowedDeviceClasses=[extra], allowedSharing=["Exclusive"], allowedMigProfiles=["1g.5gb"]
+    )
+    mig_mps = opaque(
+        {"apiVersion": CONFIG_API, "kind": "MigDeviceConfig", "sharing": {"strategy": "MPS"}}
+    )
+    verdict = check(claim(req("gpu", extra), config=[mig_mps]), tenant, classes=CLASSES | {extra})
+    assert "allows only MIG profiles 1g.5gb, so a any-gpu.example.com request" in verdict.message
+    assert "does not allow sharing mode MPS" in verdict.message
+    (planned,) = planned_on(
+        claim(req("gpu", extra), config=[mig_mps]),
+        [("gpu", "gpu-0-mig-3g20gb-9-4")],
+        "a100-40gb-mig-mixed",
+        tmp_path,
+    )
+    assert planned.mps  # what the node would have run, had it been admitted
+
+    bound = claim(req("gpu", extra), config=[opaque(gpu_config(), requests=["gpu"])])
+    verdict = check(bound, classes=CLASSES | {extra})
+    assert "GpuConfig cannot configure the MIG device" in verdict.message
+
+
+def test_a_pinned_memory_index_must_name_a_device_whatever_is_allocated(
+    tmp_path: Path,
+) -> None:
+    """An index counts into the fewest devices the config may be given: one for
+    `allocationMode: All` (a node may have one GPU), none for an admin-access request
+    (it joins no daemon), the smallest of the firstAvailable alternatives."""
+    limits = {"defaultPerDevicePinnedMemoryLimit": {"1": "1Gi"}}
+    all_mode = req("gpu", allocationMode="All")
+    del all_mode["exactly"]["count"]
+    small_last = {
+        "name": "gpu",
+        "firstAvailable": [
+            {"name": "big", "deviceClassName": "gpu.nvidia.com", "count": 4},
+            {"name": "small", "deviceClassName": "gpu.nvidia.com", "count": 1},
+        ],
+    }
+    for requests in ([all_mode], [req("watch", adminAccess=True), req("work")], [small_last]):
+        obj = claim(*requests, config=[opaque(mps_config(**limits))])
+        (line,) = check(obj).invalid
+        assert "defaultPerDevicePinnedMemoryLimit[1]: names no device this config is sure" in line
+    # What the node does with the first on a one-GPU node: refuses it.
+    obj = claim(all_mode, config=[opaque(mps_config(**limits))])
+    with pytest.raises(ClaimError, match="names no device"):
+        planned_on(obj, [("gpu", "gpu-0")], "l4", tmp_path)
+    assert check(claim(req("gpu", count=2), config=[opaque(mps_config(**limits))])).allowed
+
+
+def test_a_class_with_a_config_for_each_kind_serves_both(tmp_path: Path) -> None:
+    """The allocator binds each of a class's configs to every request of the class; the
+    node uses the one of the device's kind, as the webhook does, instead of refusing
+    the other (a class that may give GPUs and MIG devices carries one of each)."""
+    both = {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "DeviceClass",
+        "metadata": {"name": SHARED},
+        "spec": {
+            "selectors": [{"cel": {"expression": 'device.driver == "gpu.nvidia.com"'}}],
+            "config": [
+                opaque(gpu_config(strategy="TimeSlicing")),
+                opaque({"apiVersion": CONFIG_API, "kind": "MigDeviceConfig"}),
+            ],
+        },
+    }
+    obj = claim(req("a", SHARED))
+    assert check(obj, device_classes=class_view(both).configs).allowed
+    (planned,) = planned_on(obj, [("a", "gpu-0")], "h100-80gb-hbm3-x8", tmp_path, both)
+    assert planned.time_slice is not None
