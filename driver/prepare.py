@@ -161,11 +161,10 @@ def _time_slice_users(cp: Checkpoint, gpu_uuid: str, *, excluding: str) -> dict[
     return users
 
 
-def _mode_before_time_slicing(users: dict[str, TimeSliceSet]) -> int | None:
+def _mode_before_time_slicing(steps: Sequence[TimeSliceSet]) -> int | None:
     """The compute mode the GPU had before its time-slicing claims, as they recorded it."""
     return next(
-        (s.previous_compute_mode for s in users.values() if s.previous_compute_mode is not None),
-        None,
+        (s.previous_compute_mode for s in steps if s.previous_compute_mode is not None), None
     )
 
 
@@ -481,17 +480,19 @@ class ClaimPreparer:
         """Set the GPU's time-slice once for all the claims sharing it.
 
         Every claim relying on the setting records it, so the checkpoint counts the
-        GPU's users, and undo resets it only when the last one goes (`_undo`). Each
-        share applies it, the same setting (planning made sure they agree on the
-        interval): both calls are idempotent, so a share joining a GPU puts it right
-        whatever a failed undo left, rather than trusting the records. One lock orders
-        these, so two shares never both skip a reset nor count each other's change as
-        the admin's setting.
+        GPU's users: the first sets it, later shares find it applied, and undo resets it
+        only when the last one goes (`_undo`). One lock orders these, so two shares
+        never both skip a reset nor count each other's change as the admin's setting.
+        Planning compared the interval with the shares it saw; a share being prepared
+        at the same moment had not recorded its step yet, so the interval is compared
+        again here, under the lock, before anything changes.
 
         Time-slicing needs the GPU's compute mode at DEFAULT (several processes). The
         first claim records the mode it replaces; each later one copies that from the
         claims already there, so the last to leave, whichever it is, puts back the mode
         the admin chose (an EXCLUSIVE_PROCESS GPU stays one after a time-sliced claim).
+        Each share makes sure of DEFAULT (one NVML call), so a share joining a GPU whose
+        restore half failed still runs on a GPU that takes several processes.
         """
         uuid, interval = entry.uuid, entry.time_slice
         assert uuid is not None and interval is not None
@@ -499,11 +500,30 @@ class ClaimPreparer:
         async with self._time_slice_lock:
             cp = await self._checkpoint()
             users = _time_slice_users(cp, uuid, excluding=ref.uid)
+            own = cp.get(ref.uid)
+            held = [*users.values()] + [
+                d.details.time_slice
+                for d in (own.devices if own is not None else ())
+                if d.details.time_slice is not None
+                and d.details.time_slice.applied
+                and d.details.time_slice.uuid == uuid
+            ]
+            other = next((step for step in held if step.interval != interval), None)
+            if other is not None:
+                holder = next((cp.get(u) for u, step in users.items() if step is other), own)
+                name = holder.name_seen_from(ref.namespace) if holder is not None else None
+                raise ClaimError(
+                    f"{ref.describe()}: GPU {uuid} is time-sliced with interval "
+                    f"{other.interval} for {f'claim {name}' if name else 'another claim'}, "
+                    f"and this claim asks for {interval}; claims sharing a GPU need the same "
+                    "interval: use the same class or config for them"
+                )
             current = await anyio.to_thread.run_sync(compute_mode, self._nvml, uuid)
-            if users:
-                previous = _mode_before_time_slicing(users)
-            else:
+            first = not held
+            if first:
                 previous = None if current == default else current
+            else:
+                previous = _mode_before_time_slicing(held)
             # Recorded as not applied first: a setting the GPU refused needs no
             # reset, and a failing reset must not pin the claim.
             step = TimeSliceSet(
@@ -514,18 +534,21 @@ class ClaimPreparer:
             try:
                 if current != default:
                     await anyio.to_thread.run_sync(set_compute_mode, self._nvml, uuid, default)
-                await anyio.to_thread.run_sync(self._sharing.set_time_slice, uuid, interval)
+                if first:
+                    await anyio.to_thread.run_sync(self._sharing.set_time_slice, uuid, interval)
                 entry.details = replace(entry.details, time_slice=replace(step, applied=True))
                 await progress("time-slice-applied")
-            except Exception:
-                if not users:
-                    # Put back before the lock goes: a share waiting for it would
-                    # otherwise take this change for the admin's setting.
-                    await self._restore_before_time_slicing(ref.uid, uuid, previous)
+            except (Exception, anyio.get_cancelled_exc_class()):
+                if first:
+                    # Put back before the lock goes, also when cancelled (the kubelet's
+                    # deadline): a share waiting for it would otherwise take this
+                    # change for the admin's setting.
+                    with anyio.CancelScope(shield=True):
+                        await self._restore_before_time_slicing(ref.uid, uuid, previous)
                 raise
-            if users:
+            if not first:
                 log.debug(
-                    "time-slice joined the GPU's other shares",
+                    "time-slice already set for the GPU's other shares",
                     extra={"fields": {"claim": ref.uid, "gpu": uuid, "users": list(users)}},
                 )
 

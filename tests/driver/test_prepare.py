@@ -1017,8 +1017,8 @@ async def test_memory_slices_return_share_ids_and_pin_the_memory(
 async def test_integer_shares_set_the_time_slice_once_and_reset_it_with_the_last(
     env: Env, node: Node, akube: AsyncKube
 ) -> None:
-    """Claims holding shares of one GPU share its one time-slice setting: each applies
-    it (the same), the last resets it, and a claim asking another interval is refused."""
+    """Claims holding shares of one GPU share its one time-slice setting: the first
+    sets it, the last resets it, and a claim asking another interval is refused."""
     emu = h100()
     env.publish(discover(emu), only=("gpu-4",), shares=3)
 
@@ -1040,17 +1040,16 @@ async def test_integer_shares_set_the_time_slice_once_and_reset_it_with_the_last
 
     prepared = await preparer.prepare([a, b])
     assert [prepared[r.uid].error for r in (a, b)] == [None, None]
-    assert [c for c in node.tool_calls() if c.startswith(setting)] == [f"{setting} 3"] * 2
+    assert [c for c in node.tool_calls() if c.startswith(setting)] == [f"{setting} 3"]
     refused = (await preparer.prepare([short]))[short.uid].error
     assert refused is not None
     assert f"time-sliced with interval 3 for claim {env.namespace}/" in refused
     assert "claims sharing a GPU need the same interval" in refused
 
     assert await preparer.unprepare([a]) == {a.uid: None}
-    assert [c for c in node.tool_calls() if c.startswith(setting)] == [f"{setting} 3"] * 2
+    assert [c for c in node.tool_calls() if c.startswith(setting)] == [f"{setting} 3"]
     assert await preparer.unprepare([b]) == {b.uid: None}
     assert [c for c in node.tool_calls() if c.startswith(setting)] == [
-        f"{setting} 3",
         f"{setting} 3",
         f"{setting} 0",
     ]
@@ -2527,3 +2526,72 @@ async def test_a_full_state_disk_does_not_stop_the_agents_recovery(
     finally:
         (small_fs / "filler").unlink()
         fake_sharing().stop_mps(_daemon_in(pipe.parent))
+
+
+TS_SHORT = {"strategy": "TimeSlicing", "timeSlicingConfig": {"interval": "Short"}}
+
+
+@pytest.mark.anyio
+async def test_shares_asking_for_other_intervals_are_refused_also_when_prepared_at_once(
+    node: Node,
+) -> None:
+    """Planning compares the interval with the shares already recorded; two tenants'
+    shares prepared at the same moment (two kubelet calls in flight), or one claim's two
+    shares of a GPU, are compared again under the time-slice lock: one is refused, and
+    the GPU keeps the interval the other asked for."""
+    emu = h100()
+    gpu = discover(emu).gpus[4]
+    preparer = node_preparer(node, emu)
+    a = offline_claim("tenant-a", [("gpu", one_share(gpu.device.name))], {"gpu": TS_LONG})
+    b = offline_claim("tenant-b", [("gpu", one_share(gpu.device.name))], {"gpu": TS_SHORT})
+    errors: dict[str, str | None] = {}
+
+    async def prepare(claim: Claim) -> None:
+        errors[claim.uid] = (await preparer.prepare([claim]))[claim.uid].error
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(prepare, a)
+        tg.start_soon(prepare, b)
+    refused = [e for e in errors.values() if e is not None]
+    assert len(refused) == 1
+    assert "claims sharing a GPU need the same interval" in refused[0]
+    assert "a claim of another namespace" in refused[0] or "another claim" in refused[0]
+    kept = 3 if errors[a.uid] is None else 1
+    assert time_slice_of(node, gpu.uuid) == kept
+
+    other = discover(emu).gpus[5]
+    both = offline_claim(
+        "tenant-c",
+        [("x", one_share(other.device.name)), ("y", one_share(other.device.name))],
+        {"x": TS_LONG, "y": TS_SHORT},
+    )
+    error = (await preparer.prepare([both]))[both.uid].error
+    assert error is not None and "need the same interval" in error
+    assert time_slice_of(node, other.uuid) == 0  # rolled back
+
+
+@pytest.mark.anyio
+async def test_a_cancelled_first_share_puts_the_admins_compute_mode_back(node: Node) -> None:
+    """The kubelet gives up on a prepare (its deadline cancels the call) while the first
+    share sets DEFAULT: the mode is put back before another share can take the GPU, so
+    the last one to leave restores EXCLUSIVE_PROCESS."""
+    emu = h100()
+    gpu = discover(emu).gpus[4]
+    _set_compute_mode(emu, gpu.uuid, EXCLUSIVE_PROCESS)
+    nvml = SlowDefaultMode(emu, gpu.uuid)
+    preparer = node_preparer(node, nvml, inventory=lambda: discover(emu))
+    a = offline_claim("tenant-a", [("gpu", one_share(gpu.device.name))], {"gpu": TS_LONG})
+    b = offline_claim("tenant-b", [("gpu", one_share(gpu.device.name))], {"gpu": TS_LONG})
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(preparer.prepare, [a])
+        while not nvml.waiting.is_set():
+            await anyio.sleep(0.01)
+        tg.cancel_scope.cancel()  # the kubelet's deadline
+        nvml.go.set()
+    assert _compute_mode(emu, gpu.uuid) == EXCLUSIVE_PROCESS
+
+    assert (await preparer.prepare([b]))[b.uid].error is None
+    assert (await preparer.prepare([a]))[a.uid].error is None  # the kubelet retries
+    assert await preparer.unprepare([a.ref, b.ref]) == {a.uid: None, b.uid: None}
+    assert (time_slice_of(node, gpu.uuid), _compute_mode(emu, gpu.uuid)) == (0, EXCLUSIVE_PROCESS)
