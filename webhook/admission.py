@@ -343,12 +343,15 @@ class Admission:
         # Every hand-written claim the pod names is judged again under today's rules
         # (one stored before its namespace got them, or before they were tightened, is
         # not handed to a new pod), and counted with the pod's other devices.
-        heading = (
-            _limit(lookup.rules)
-            if lookup.rules.tenant.spec.max_devices_per_pod is not None
-            else lookup.rules.label
+        counted = lookup.rules.tenant.spec.max_devices_per_pod is not None
+        found = await self._referenced(
+            _limit(lookup.rules) if counted else lookup.rules.label,
+            pod,
+            namespace,
+            dry_run,
+            rules=lookup.rules,
+            count=counted,
         )
-        found = await self._referenced(heading, pod, namespace, dry_run, rules=lookup.rules)
         if isinstance(found, str):
             return found
         referenced = found
@@ -432,6 +435,7 @@ class Admission:
         dry_run: bool,
         filled: tuple[str, int] | None = None,
         rules: TenantRules | None = None,
+        count: bool = True,
     ) -> list[ReferencedClaim] | str:
         """The pod's own claims and templates with the driver's devices, with their
         device counts, or a denial starting with `heading` (the rule it is for).
@@ -439,13 +443,16 @@ class Admission:
         `filled` is a claim being created: the name of the pod's entry it fills and its
         device count, used instead of reading that entry. With `rules`, each claim named
         by hand is judged under them as at its own creation (a template's claims are, as
-        they are created). Each object is read once, and all of them within one
-        deadline: a forged review may name thousands.
+        they are created). Without `count` (no per-pod limit to count against) only that
+        judgement is made: templates are not read, and a claim not created yet is left
+        to its own admission. Each object is read and judged once, all within one
+        deadline: a pod may name thousands.
         """
         spec = pod.get("spec")
         entries = spec.get("resourceClaims") if isinstance(spec, Mapping) else None
         result: list[ReferencedClaim] = []
         read: dict[tuple[str, str], Mapping[str, Any] | None] = {}
+        judged: set[tuple[str, str]] = set()
         deadline = anyio.current_time() + self._ensure_timeout
         for index, entry in enumerate(entries if isinstance(entries, list) else ()):
             if not isinstance(entry, Mapping):
@@ -454,6 +461,8 @@ class Admission:
             if reference is None:
                 continue
             kind, name = reference
+            if not count and kind != CLAIM.kind:
+                continue
             pod_claim = str(entry.get("name", f"spec.resourceClaims[{index}]"))
             source = f"{kind} {name}"
             if filled is not None and entry.get("name") == filled[0]:
@@ -479,13 +488,14 @@ class Admission:
                     )
             claim_spec = read[reference]
             if claim_spec is None:
-                if dry_run:
+                if dry_run or not count:
                     continue  # nothing is stored, and a dry run's templates do not exist
                 return (
                     f"{heading}; pod claim {pod_claim} refers to {source}, which does not "
                     f"exist, so its devices cannot be counted: create it before the pod"
                 )
-            if rules is not None and kind == CLAIM.kind:
+            if rules is not None and kind == CLAIM.kind and reference not in judged:
+                judged.add(reference)
                 verdict = validate_claim_object(
                     {"metadata": {"name": name}, "spec": claim_spec},
                     template=False,

@@ -89,8 +89,8 @@ class ApiClaimReader:
     """Reads the claims and templates a pod refers to (admission's `ClaimReader`).
 
     Not cached: a claim can be deleted and re-created with other content under its name,
-    and only pods in namespaces with a per-pod device limit that name claims by hand
-    pay the round trip.
+    and only pods in tenant namespaces that name claims by hand pay the round trip (and
+    for templates only where a per-pod device limit counts them).
     """
 
     def __init__(self, kube: Kube) -> None:

@@ -114,16 +114,45 @@ class ClassConfigs:
 
     configs: tuple[BoundConfig, ...] = ()
     error: ConfigError | None = None
+    kinds: tuple[DeviceType, ...] | None = None
+    """The one kind of device its selectors pin (`device.attributes["<driver>"].type ==
+    "gpu"` or `"mig"`, as the chart's classes do); None where they do not say."""
+
+
+_TYPE_SELECTOR: Final = re.compile(
+    r'\s*\(?\s*device\.attributes\["(?P<driver>[^"]+)"\]\.type\s*==\s*"(?P<kind>gpu|mig)"\s*\)?\s*'
+)
+
+
+def _pinned_kind(spec: Mapping[str, Any], driver: str) -> tuple[DeviceType, ...] | None:
+    """The device kind a class's selectors pin: a selector (all must hold) that is a plain
+    conjunction with the type's equality as one of its terms. Anything else (an `||`, a
+    negation, a choice, a string that could hide an `&&`) is taken to pin nothing."""
+    selectors = spec.get("selectors")
+    for selector in selectors if isinstance(selectors, list) else ():
+        cel = selector.get("cel") if isinstance(selector, Mapping) else None
+        expression = cel.get("expression") if isinstance(cel, Mapping) else None
+        if not isinstance(expression, str) or any(c in expression for c in "|!?'\\"):
+            continue
+        for term in expression.split("&&"):
+            match = _TYPE_SELECTOR.fullmatch(term)
+            if match and match["driver"] == driver:
+                return ("gpu",) if match["kind"] == "gpu" else ("mig",)
+    return None
 
 
 def class_configs(device_class: Mapping[str, Any], driver: str) -> ClassConfigs:
-    """The driver's configs in a DeviceClass object (as the API server returns it)."""
+    """The driver's configs in a DeviceClass object (as the API server returns it), and
+    the device kind its selectors pin."""
     metadata = device_class.get("metadata")
     name = metadata.get("name", "") if isinstance(metadata, Mapping) else ""
     spec = device_class.get("spec")
-    entries = spec.get("config") if isinstance(spec, Mapping) else None
-    if not isinstance(entries, list):
+    if not isinstance(spec, Mapping):
         return ClassConfigs()
+    kinds = _pinned_kind(spec, driver)
+    entries = spec.get("config")
+    if not isinstance(entries, list):
+        return ClassConfigs(kinds=kinds)
     try:
         parsed = _parse(_CONFIG_LIST, {"config": entries}, f"DeviceClass {name} spec")
         configs = bound_configs(
@@ -132,10 +161,11 @@ def class_configs(device_class: Mapping[str, Any], driver: str) -> ClassConfigs:
             prefix=f"DeviceClass {name} spec.config",
         )
     except _Invalid as exc:
-        return ClassConfigs(error=ConfigError([ConfigIssue("", issue) for issue in exc.issues]))
+        issues = [ConfigIssue("", issue) for issue in exc.issues]
+        return ClassConfigs(error=ConfigError(issues), kinds=kinds)
     except ConfigError as exc:
-        return ClassConfigs(error=exc)
-    return ClassConfigs(tuple(configs))
+        return ClassConfigs(error=exc, kinds=kinds)
+    return ClassConfigs(tuple(configs), kinds=kinds)
 
 
 # --- typed claim objects ------------------------------------------------------------------
@@ -329,7 +359,7 @@ def validate_claim_object(
     )
     _check_mps(ours, resolved, verdict)
     if rules is not None:
-        _check_rules(ours, resolved, policy, rules, verdict)
+        _check_rules(ours, resolved, policy, rules, verdict, device_classes or {})
     return verdict
 
 
@@ -369,15 +399,18 @@ def _one(raw: _Exact, path: str, name: str) -> _Request:
     )
 
 
-def _device_types(request: _Request, policy: ConversionPolicy) -> tuple[DeviceType, ...]:
+def _device_types(
+    request: _Request, policy: ConversionPolicy, device_classes: Mapping[str, ClassConfigs]
+) -> tuple[DeviceType, ...]:
     """What the request's class may give: the driver's own classes one kind each; any
-    other (an admin's class named with --device-class, whose selectors are its own) a
-    whole GPU or a MIG device, so its requests are judged as both."""
+    other (an admin's class named with --device-class) the kind its selectors pin, else
+    a whole GPU or a MIG device, so its requests are judged as both."""
     if request.device_class == policy.mig_class or request.device_class in policy.profile_classes:
         return ("mig",)
     if request.device_class in (policy.gpu_class, policy.shared_class):
         return ("gpu",)
-    return ("gpu", "mig")
+    found = device_classes.get(request.device_class)
+    return (found.kinds if found is not None else None) or ("gpu", "mig")
 
 
 def _resolve(
@@ -409,7 +442,7 @@ def _resolve(
         outcomes = resolved[request.path] = []
         slicings = (True, False) if request.memory_slice and not request.admin else (False,)
         try:
-            for device_type in _device_types(request, policy):
+            for device_type in _device_types(request, policy, device_classes):
                 for sliced in slicings if device_type == "gpu" else (False,):
                     sharing = resolve_sharing(
                         device_type,
@@ -419,7 +452,10 @@ def _resolve(
                         memory_slice=sliced,
                         where=f"{request.path} (capacity.requests)",
                     )
-                    if all(sharing.mode != known.mode for _, known in outcomes):
+                    if all(
+                        (sharing.mode, sharing.path) != (known.mode, known.path)
+                        for _, known in outcomes
+                    ):
                         outcomes.append((sliced, sharing))
         except ConfigError as exc:
             verdict.invalid.extend(str(issue) for issue in exc.issues)
@@ -442,22 +478,27 @@ def _check_mps(
     one: a node may have only one). Admin-access devices join no daemon.
     """
     percentages: dict[str, dict[int, str]] = {}  # parent request -> value -> config path
-    devices: dict[str, dict[str, int]] = {}  # config path -> parent request -> fewest devices
     settings: dict[str, MpsConfig] = {}
+    # parent request -> each alternative's (fewest devices, MPS config paths it may use)
+    alternatives: dict[str, list[tuple[int, frozenset[str]]]] = {}
     for request in requests:
         if request.admin:
             continue
         parent = request.name.split("/", 1)[0]
-        for _, sharing in resolved.get(request.path, ()):
+        outcomes = resolved.get(request.path, ())
+        for _, sharing in outcomes:
             mps = sharing.mps_config
             if not sharing.mps or mps is None:
                 continue
             if mps.default_active_thread_percentage is not None:
                 asked = percentages.setdefault(parent, {})
                 asked.setdefault(mps.default_active_thread_percentage, sharing.path)
-            covered = devices.setdefault(sharing.path, {})
-            covered[parent] = min(covered.get(parent, request.fewest), request.fewest)
             settings[sharing.path] = mps
+        # A config is sure to get the alternative's devices only where every way the
+        # request may resolve (slice or whole, GPU or MIG device) uses it.
+        paths = {s.path if s.mps and s.mps_config is not None else None for _, s in outcomes}
+        sure = frozenset(p for p in paths if p is not None) if len(paths) == 1 else frozenset()
+        alternatives.setdefault(parent, []).append((request.fewest, sure))
     merged: dict[int, str] = {}
     for asked in percentages.values():
         for value, path in asked.items():
@@ -465,9 +506,13 @@ def _check_mps(
     conflict = mps_percentage_conflict(merged) if len(percentages) > 1 else None
     if conflict is not None:
         verdict.invalid.append(conflict)
-    for path, covered in devices.items():
-        fewest = sum(covered.values())
-        for key in settings[path].default_per_device_pinned_memory_limit or {}:
+    for path, mps in settings.items():
+        # Whichever alternative of each request is allocated: one not using the config
+        # gives it no device.
+        fewest = sum(
+            min(n if path in sure else 0 for n, sure in alts) for alts in alternatives.values()
+        )
+        for key in mps.default_per_device_pinned_memory_limit or {}:
             if key.isdigit() and int(key) >= fewest:
                 field = join_path(path, "sharing.mpsConfig.defaultPerDevicePinnedMemoryLimit")
                 verdict.invalid.append(
@@ -497,6 +542,7 @@ def _check_rules(
     policy: ConversionPolicy,
     rules: TenantRules,
     verdict: ClaimVerdict,
+    device_classes: Mapping[str, ClassConfigs],
 ) -> None:
     spec = rules.tenant.spec
     label = rules.label
@@ -511,8 +557,9 @@ def _check_rules(
                 f"{request.device_class}; accepted values: "
                 f"{', '.join(spec.allowed_device_classes or ()) or 'none'}"
             )
-        if "mig" in _device_types(request, policy) and spec.allowed_mig_profiles is not None:
-            _check_profile(request, policy, rules, verdict)
+        kinds = _device_types(request, policy, device_classes)
+        if "mig" in kinds and spec.allowed_mig_profiles is not None:
+            _check_profile(request, policy, rules, verdict, either=len(kinds) > 1)
         # Not in `resolved`: reported as invalid already.
         for sliced, sharing in resolved.get(request.path, ()):
             if not spec.allows_sharing(sharing.mode):
@@ -531,7 +578,12 @@ def _check_rules(
 
 
 def _check_profile(
-    request: _Request, policy: ConversionPolicy, rules: TenantRules, verdict: ClaimVerdict
+    request: _Request,
+    policy: ConversionPolicy,
+    rules: TenantRules,
+    verdict: ClaimVerdict,
+    *,
+    either: bool = False,
 ) -> None:
     """MIG requests must pin an allowed profile: with a per-profile class, or with the
     selector form the conversion uses. A per-profile class pins its profile whatever the
@@ -558,8 +610,14 @@ def _check_profile(
             )
             return
     example = mig_profile_selector(policy.driver, allowed[0] if allowed else "1g.10gb")
+    why = (
+        f" (device class {request.device_class} may give MIG devices: its selectors do not "
+        f'pin device.attributes["{policy.driver}"].type; the cluster admin can pin it)'
+        if either
+        else ""
+    )
     verdict.forbidden.append(
         f"{request.path}.selectors: {rules.label} allows only MIG profiles "
         f"{', '.join(allowed) or 'none'}, so a {request.device_class} request must select one "
-        f"with a CEL selector of the form {example}"
+        f"with a CEL selector of the form {example}{why}"
     )

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 from gpudra.api.tenants import API_VERSION, LabelSelector
+from gpudra.webhook import admission as admission_module
 from gpudra.webhook.admission import MUTATE_PATH, VALIDATE_CLAIMS_PATH, Admission
 from gpudra.webhook.convert import DEFAULT_POLICY, OPT_OUT_LABEL, ConversionPolicy, convert_pod
 from gpudra.webhook.metrics import WebhookMetrics
@@ -619,3 +620,47 @@ async def test_a_claim_named_by_many_entries_is_read_once() -> None:
     decision = await admission.mutate_pod(review(POD, pod))
     assert decision.result == "denied"  # each entry counts: 2,000 devices
     assert claims.reads == [("ResourceClaim", "one")]
+
+
+async def test_a_claim_named_many_times_is_judged_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Judging a stored claim again costs a validation: one per claim, not per entry (a
+    pod naming one claim 3,000 times held the webhook's loop for 10 s)."""
+    judged: list[object] = []
+    real = admission_module.validate_claim_object
+
+    def counting(obj: Any, **kw: Any) -> Any:
+        judged.append(obj)
+        return real(obj, **kw)
+
+    monkeypatch.setattr(admission_module, "validate_claim_object", counting)
+    claims = Claims(one=one_gpu_spec())
+    admission = Admission(
+        Templates(),
+        WebhookMetrics(CollectorRegistry()),
+        tenants=tenant_state(("team-a", {"namespaces": ["ns"]})),
+        read_claims=claims,
+    )
+    pod = claim_pod(0, *({"name": f"e{i}", "resourceClaimName": "one"} for i in range(3000)))
+    assert (await admission.mutate_pod(review(POD, pod))).result == "allowed"
+    assert (len(judged), claims.reads) == (1, [("ResourceClaim", "one")])
+
+
+async def test_without_a_per_pod_limit_only_stored_claims_are_judged_again() -> None:
+    """Where no maxDevicesPerPod counts a pod's devices, a template is not read, and a
+    claim not created yet is left to its own admission (the pod waits for it, as
+    `kubectl apply` of a pod before its claim does)."""
+    claims = Claims(one=one_gpu_spec())
+    admission = Admission(
+        Templates(),
+        WebhookMetrics(CollectorRegistry()),
+        tenants=tenant_state(("team-a", {"namespaces": ["ns"]})),
+        read_claims=claims,
+    )
+    pod = claim_pod(
+        0,
+        {"name": "a", "resourceClaimName": "later"},
+        {"name": "b", "resourceClaimTemplateName": "tpl"},
+        {"name": "c", "resourceClaimName": "one"},
+    )
+    assert (await admission.mutate_pod(review(POD, pod))).result == "allowed"
+    assert claims.reads == [("ResourceClaim", "later"), ("ResourceClaim", "one")]

@@ -778,6 +778,33 @@ def test_a_request_of_an_admins_extra_class_is_judged_as_both_kinds(tmp_path: Pa
     bound = claim(req("gpu", extra), config=[opaque(gpu_config(), requests=["gpu"])])
     verdict = check(bound, classes=CLASSES | {extra})
     assert "GpuConfig cannot configure the MIG device" in verdict.message
+    assert (
+        "its selectors do not pin"
+        in check(claim(req("gpu", extra)), tenant, classes=CLASSES | {extra}).message
+    )
+
+    # A class whose selectors pin whole GPUs (a class per GPU model) is judged as one.
+    def admins_class(expression: str) -> dict[str, Any]:
+        selectors = [{"cel": {"expression": expression}}]
+        return {"metadata": {"name": extra}, "spec": {"selectors": selectors}}
+
+    whole = 'device.driver == "gpu.nvidia.com" && device.attributes["gpu.nvidia.com"].type == "gpu"'
+    view = class_view(admins_class(whole)).configs
+    kw: dict[str, Any] = {"classes": CLASSES | {extra}, "device_classes": view}
+    assert check(bound, **kw).allowed
+    assert check(claim(req("gpu", extra)), tenant, **kw).allowed
+    sliced = claim(req("gpu", extra), config=[opaque(gpu_config(strategy="TimeSlicing"))])
+    time_slicing = rules(
+        allowedDeviceClasses=[extra],
+        allowedSharing=["TimeSlicing"],
+        gpuResource={"sharing": "TimeSlicing"},
+    )
+    assert check(sliced, time_slicing, **kw).allowed
+    # One it cannot read as pinning the kind (an alternative, a negation) is judged as both.
+    for loose in (f"{whole} || true", '!(device.attributes["gpu.nvidia.com"].type == "mig")'):
+        view = class_view(admins_class(loose)).configs
+        verdict = check(bound, classes=CLASSES | {extra}, device_classes=view)
+        assert "GpuConfig cannot configure the MIG device" in verdict.message
 
 
 def test_a_pinned_memory_index_must_name_a_device_whatever_is_allocated(
@@ -800,6 +827,22 @@ def test_a_pinned_memory_index_must_name_a_device_whatever_is_allocated(
         obj = claim(*requests, config=[opaque(mps_config(**limits))])
         (line,) = check(obj).invalid
         assert "defaultPerDevicePinnedMemoryLimit[1]: names no device this config is sure" in line
+    # An alternative that does not use the config gives it no device.
+    parent = {
+        "name": "a",
+        "firstAvailable": [
+            {"name": "big", "deviceClassName": "gpu.nvidia.com", "count": 2},
+            {"name": "small", "deviceClassName": "gpu.nvidia.com", "count": 1},
+        ],
+    }
+    mps = opaque(
+        mps_config(defaultPerDevicePinnedMemoryLimit={"1": "1Gi"}), requests=["a/big", "b"]
+    )
+    plain = opaque(gpu_config(), requests=["a/small"])
+    obj = claim(parent, req("b"), config=[mps, plain])
+    assert "names no device this config is sure to be given" in check(obj).message
+    with pytest.raises(ClaimError, match="names no device"):
+        planned_on(obj, [("a/small", "gpu-0"), ("b", "gpu-1")], "h100-80gb-hbm3-x8", tmp_path)
     # What the node does with the first on a one-GPU node: refuses it.
     obj = claim(all_mode, config=[opaque(mps_config(**limits))])
     with pytest.raises(ClaimError, match="names no device"):
