@@ -479,26 +479,22 @@ def _check_mps(
     """
     percentages: dict[str, dict[int, str]] = {}  # parent request -> value -> config path
     settings: dict[str, MpsConfig] = {}
-    # parent request -> each alternative's (fewest devices, MPS config paths it may use)
-    alternatives: dict[str, list[tuple[int, frozenset[str]]]] = {}
+    # request path -> the MPS config path of each way it may resolve (None: not MPS)
+    uses: dict[str, set[str | None]] = {}
     for request in requests:
         if request.admin:
             continue
         parent = request.name.split("/", 1)[0]
-        outcomes = resolved.get(request.path, ())
-        for _, sharing in outcomes:
-            mps = sharing.mps_config
-            if not sharing.mps or mps is None:
+        paths = uses[request.path] = set()
+        for _, sharing in resolved.get(request.path, ()):
+            mps = sharing.mps_config if sharing.mps else None
+            paths.add(None if mps is None else sharing.path)
+            if mps is None:
                 continue
             if mps.default_active_thread_percentage is not None:
                 asked = percentages.setdefault(parent, {})
                 asked.setdefault(mps.default_active_thread_percentage, sharing.path)
             settings[sharing.path] = mps
-        # A config is sure to get the alternative's devices only where every way the
-        # request may resolve (slice or whole, GPU or MIG device) uses it.
-        paths = {s.path if s.mps and s.mps_config is not None else None for _, s in outcomes}
-        sure = frozenset(p for p in paths if p is not None) if len(paths) == 1 else frozenset()
-        alternatives.setdefault(parent, []).append((request.fewest, sure))
     merged: dict[int, str] = {}
     for asked in percentages.values():
         for value, path in asked.items():
@@ -507,13 +503,22 @@ def _check_mps(
     if conflict is not None:
         verdict.invalid.append(conflict)
     for path, mps in settings.items():
-        # Whichever alternative of each request is allocated: one not using the config
-        # gives it no device.
-        fewest = sum(
-            min(n if path in sure else 0 for n, sure in alts) for alts in alternatives.values()
-        )
-        for key in mps.default_per_device_pinned_memory_limit or {}:
-            if key.isdigit() and int(key) >= fewest:
+        indexes = [k for k in mps.default_per_device_pinned_memory_limit or {} if k.isdigit()]
+        if not indexes:
+            continue
+        # Whichever alternative of each request is allocated: a config is sure of an
+        # alternative's devices only where every way it may resolve (slice or whole,
+        # GPU or MIG device) uses the config; one that does not gives it none.
+        fewest_of: dict[str, int] = {}
+        for request in requests:
+            if request.path not in uses:
+                continue
+            parent = request.name.split("/", 1)[0]
+            sure = request.fewest if uses[request.path] == {path} else 0
+            fewest_of[parent] = min(fewest_of.get(parent, sure), sure)
+        fewest = sum(fewest_of.values())
+        for key in indexes:
+            if int(key) >= fewest:
                 field = join_path(path, "sharing.mpsConfig.defaultPerDevicePinnedMemoryLimit")
                 verdict.invalid.append(
                     f"{field}[{key}]: names no device this config is sure to be given: it "
