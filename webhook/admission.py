@@ -60,7 +60,12 @@ from gpudra.webhook.tenant_rules import (
     rules_view,
 )
 from gpudra.webhook.tenant_state import TenantState
-from gpudra.webhook.validate import ClassConfigs, driver_classes, validate_claim_object
+from gpudra.webhook.validate import (
+    ClaimVerdict,
+    ClassConfigs,
+    driver_classes,
+    validate_claim_object,
+)
 
 __all__ = [
     "MUTATE_PATH",
@@ -356,15 +361,7 @@ class Admission:
             return found
         referenced = found
         if extended is not None:
-            verdict = validate_claim_object(
-                {"spec": extended.spec},
-                template=False,
-                policy=self._policy,
-                classes=self._classes,
-                rules=lookup.rules,
-                device_classes=self._device_classes,
-                parse_config=self._configs.parse,
-            )
+            verdict = self._judge({"spec": extended.spec}, lookup.rules)
             if not verdict.allowed:
                 return (
                     f"the ResourceClaim the scheduler would create for this pod's extended "
@@ -378,6 +375,19 @@ class Admission:
         assert self._tenants is not None  # a lookup comes from it
         usage = self._tenants.quota_usage(namespace) if conversion.claims else None
         return lookup.rules.check_pod(conversion, namespace, usage, referenced)
+
+    def _judge(self, claim: Mapping[str, Any], rules: TenantRules) -> ClaimVerdict:
+        """A claim the pod's admission met (one it names, the one the scheduler will make
+        for it) judged under `rules` as the claim's own admission judges it."""
+        return validate_claim_object(
+            claim,
+            template=False,
+            policy=self._policy,
+            classes=self._classes,
+            rules=rules,
+            device_classes=self._device_classes,
+            parse_config=self._configs.parse,
+        )
 
     async def _users_over_limit(
         self, rules: TenantRules, claim: Mapping[str, Any], namespace: str
@@ -496,15 +506,7 @@ class Admission:
                 )
             if rules is not None and kind == CLAIM.kind and reference not in judged:
                 judged.add(reference)
-                verdict = validate_claim_object(
-                    {"metadata": {"name": name}, "spec": claim_spec},
-                    template=False,
-                    policy=self._policy,
-                    classes=self._classes,
-                    rules=rules,
-                    device_classes=self._device_classes,
-                    parse_config=self._configs.parse,
-                )
+                verdict = self._judge({"metadata": {"name": name}, "spec": claim_spec}, rules)
                 if not verdict.allowed:
                     return (
                         f"{rules.label}: pod claim {pod_claim} refers to {source}, which "

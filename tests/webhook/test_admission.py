@@ -531,6 +531,15 @@ def tenant_state(*tenants: dict[str, Any]) -> TenantState:
     return state
 
 
+def tenant_admission(claims: Claims, *tenants: tuple[str, dict[str, Any]]) -> Admission:
+    return Admission(
+        Templates(),
+        WebhookMetrics(CollectorRegistry()),
+        tenants=tenant_state(*tenants),
+        read_claims=claims,
+    )
+
+
 TWO_CLAIMS = claim_pod(
     0, {"name": "a", "resourceClaimName": "one"}, {"name": "b", "resourceClaimName": "two"}
 )
@@ -634,12 +643,7 @@ async def test_a_claim_named_many_times_is_judged_once(monkeypatch: pytest.Monke
 
     monkeypatch.setattr(admission_module, "validate_claim_object", counting)
     claims = Claims(one=one_gpu_spec())
-    admission = Admission(
-        Templates(),
-        WebhookMetrics(CollectorRegistry()),
-        tenants=tenant_state(("team-a", {"namespaces": ["ns"]})),
-        read_claims=claims,
-    )
+    admission = tenant_admission(claims, ("team-a", {"namespaces": ["ns"]}))
     pod = claim_pod(0, *({"name": f"e{i}", "resourceClaimName": "one"} for i in range(3000)))
     assert (await admission.mutate_pod(review(POD, pod))).result == "allowed"
     assert (len(judged), claims.reads) == (1, [("ResourceClaim", "one")])
@@ -650,12 +654,7 @@ async def test_without_a_per_pod_limit_only_stored_claims_are_judged_again() -> 
     claim not created yet is left to its own admission (the pod waits for it, as
     `kubectl apply` of a pod before its claim does)."""
     claims = Claims(one=one_gpu_spec())
-    admission = Admission(
-        Templates(),
-        WebhookMetrics(CollectorRegistry()),
-        tenants=tenant_state(("team-a", {"namespaces": ["ns"]})),
-        read_claims=claims,
-    )
+    admission = tenant_admission(claims, ("team-a", {"namespaces": ["ns"]}))
     pod = claim_pod(
         0,
         {"name": "a", "resourceClaimName": "later"},
