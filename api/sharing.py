@@ -10,7 +10,9 @@ node will set up:
    (`resolve_bound`);
 2. a memory slice (a request with capacity requests, none of them integer shares:
    the scheduler gives it part of a shared GPU's memory) always runs under an MPS
-   daemon, which enforces its memory; a time-slice, a setting of the whole GPU that
+   daemon, which limits its memory for the clients that go through it (a container
+   that leaves MPS is not held: see docs/sharing.md); a time-slice, a setting of the
+   whole GPU that
    other claims share, cannot apply to it.
 """
 
@@ -149,7 +151,8 @@ def resolve_sharing(
             ]
         )
     if uses_mps or memory_slice:
-        # A slice of a shared GPU always gets an MPS daemon: it enforces the memory.
+        # A slice of a shared GPU always gets an MPS daemon: it limits the memory of
+        # the clients that go through it.
         return Sharing(config, path, "MPS")
     if config.sharing is not None and config.sharing.strategy == "TimeSlicing":
         return Sharing(config, path, "TimeSlicing", time_slice)

@@ -368,7 +368,11 @@ def run(args: argparse.Namespace) -> int:
     async def main() -> None:
         kube = await Kube.connect(args.kubeconfig)
         config = server_config(args, policy)
-        tenants = TenantController(kube, config.policy) if args.tenants else None
+        tenants = (
+            TenantController(kube, config.policy, extra_classes=args.device_class)
+            if args.tenants
+            else None
+        )
         # Only claim validation resolves sharing with the DeviceClasses' configs.
         classes = DeviceClassCache(config.policy.driver) if args.validate_claims else None
         configurations = [WebhookConfiguration(ConfigurationKind.MUTATING, registration.NAME)]

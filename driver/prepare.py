@@ -146,6 +146,10 @@ def _result_from_record(record: ClaimRecord) -> PrepareResult:
     )
 
 
+MPS_THREADS: Final = 8
+"""Threads MPS daemon starts and stops may hold at once, beside anyio's default 40."""
+
+
 def _time_slice_users(cp: Checkpoint, gpu_uuid: str, *, excluding: str) -> dict[str, TimeSliceSet]:
     """Claims other than `excluding` that rely on the time-slice they set on the GPU,
     each with its record of the setting."""
@@ -248,6 +252,10 @@ class ClaimPreparer:
         self._guards: dict[str, _Guard] = {}
         # Orders setting and resetting time-slices, which claims sharing a GPU share.
         self._time_slice_lock = anyio.Lock()
+        # MPS daemons start and stop in threads of their own: a stop waits on what a
+        # claim's containers left (up to the tools' timeouts), and many at once must not
+        # take the threads every other claim's checkpoint writes and NVML calls need.
+        self._mps_threads = anyio.CapacityLimiter(MPS_THREADS)
         self._commit: GroupCommit | None = None
 
     def checkpoint_now(self) -> Checkpoint | None:
@@ -638,7 +646,9 @@ class ClaimPreparer:
         for entry in members:
             entry.details = replace(entry.details, mps=started)
         await progress("mps-recorded")
-        identity = await anyio.to_thread.run_sync(self._sharing.start_mps, daemon)
+        identity = await anyio.to_thread.run_sync(
+            self._sharing.start_mps, daemon, limiter=self._mps_threads
+        )
         # The daemon is named in the checkpoint, which only this process writes,
         # before any container can reach its pipe folder.
         started = replace(started, daemon=identity)
@@ -697,13 +707,18 @@ class ClaimPreparer:
         errors: list[str] = []
 
         async def attempt(
-            what: str, fn: Callable[[], object], *, required: bool = True, cdi: bool = False
+            what: str,
+            fn: Callable[[], object],
+            *,
+            required: bool = True,
+            cdi: bool = False,
+            limiter: anyio.CapacityLimiter | None = None,
         ) -> None:
             try:
                 if cdi:
                     await self._cdi_io(fn)
                 else:
-                    await anyio.to_thread.run_sync(fn)
+                    await anyio.to_thread.run_sync(fn, limiter=limiter)
             except Exception as exc:
                 if required:
                     errors.append(f"{what}: {exc}")
@@ -749,6 +764,7 @@ class ClaimPreparer:
             await attempt(
                 f"stopping MPS daemon {daemon.pipe_dir}",
                 functools.partial(self._stop_mps, daemon),
+                limiter=self._mps_threads,
             )
         async with self._time_slice_lock:
             for uuid, applied in time_slices.items():
@@ -918,7 +934,9 @@ class ClaimPreparer:
                 except CdiError:
                     continue  # not a folder of ours
                 try:
-                    await anyio.to_thread.run_sync(self._stop_mps, daemon)
+                    await anyio.to_thread.run_sync(
+                        self._stop_mps, daemon, limiter=self._mps_threads
+                    )
                 except Exception as exc:
                     errors.append(f"stopping orphaned MPS daemon {daemon.pipe_dir}: {exc}")
                 else:

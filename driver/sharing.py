@@ -85,6 +85,8 @@ _OUTPUT_TAIL: Final = 500
 # The claim's /dev/shm, mounted as the host's usually is; tmpfs's default size is
 # half the memory, as upstream sets it.
 _SHM_OPTIONS: Final = "rw,nosuid,nodev,noexec,mode=1777"
+_CONTROL_READER_TRIES: Final = 10
+"""Looks, 0.1 s apart, for a reader of the daemon's control FIFO before `quit`."""
 # CAP_SYS_ADMIN's bit in /proc/self/status CapEff: mount and unshare need it.
 _CAP_SYS_ADMIN: Final = 21
 # A daemon pod's command, the tool's path as $0: the daemon in the foreground, ended
@@ -418,11 +420,27 @@ class NvidiaSharing:
     def _control_listens(daemon: MpsDaemon) -> bool:
         """Whether the control file is one a daemon could listen on. The pipe folder
         is the containers' to write: anything else there means no daemon answers."""
+        control = daemon.pipe_dir / _CONTROL_PIPE
         try:
-            mode = (daemon.pipe_dir / _CONTROL_PIPE).lstat().st_mode
+            mode = control.lstat().st_mode
         except OSError:
             return False
-        return stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode)
+        if stat.S_ISSOCK(mode):
+            return True
+        if not stat.S_ISFIFO(mode):
+            return False
+        # A FIFO the containers put there has no reader (they are gone by unprepare):
+        # writing `quit` to it would wait out the tool's whole timeout, holding a thread.
+        # A daemon may be between two opens of its FIFO: asked again for a second.
+        for attempt in range(_CONTROL_READER_TRIES):
+            try:
+                os.close(os.open(control, os.O_WRONLY | os.O_NONBLOCK | os.O_NOFOLLOW))
+            except OSError:  # ENXIO: nobody reads it now
+                if attempt + 1 < _CONTROL_READER_TRIES:
+                    time.sleep(0.1)
+                continue
+            return True
+        return False
 
     @staticmethod
     def _from_pid_file(daemon: MpsDaemon) -> ProcessIdentity | None:

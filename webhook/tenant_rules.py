@@ -196,6 +196,12 @@ class TenantRules:
                 if hard is None:
                     continue
                 used = usage.used.get(device_class, 0)
+                if hard == 0:
+                    return (
+                        f"{self.label}: quota {device_class} in namespace {namespace}: "
+                        "deviceQuota sets no limit for this class, so it may not be used "
+                        "here; the cluster admin adds it to the GpuTenant's deviceQuota"
+                    )
                 if used + count > hard:
                     return (
                         f"{self.label}: quota {device_class} in namespace {namespace}: limit "

@@ -102,6 +102,11 @@ class TenantState:
 
     base_policy: ConversionPolicy = DEFAULT_POLICY
     on_change: Callable[[], None] = lambda: None
+    quota_classes: frozenset[str] = frozenset()
+    """The driver's DeviceClasses: a quota written for `deviceQuota` limits each one it
+    does not name to 0. Kubernetes counts a claim's devices against its own class only,
+    and several classes give the same GPUs (the shared class, per-profile MIG classes,
+    an admin's), so a quota on one class alone would leave the others unlimited."""
     tenants: dict[str, TenantRules] = field(default_factory=dict)
     invalid: dict[str, str] = field(default_factory=dict)
     _reach: dict[str, _Reach] = field(default_factory=dict)
@@ -148,7 +153,11 @@ class TenantState:
             elif kind == "namespaces":
                 self.namespaces.pop(name, None)
             elif name == QUOTA_NAME and namespace in self.quotas:
-                self.quotas.pop(namespace)
+                # A late event of a quota deleted before the one cached now (the same
+                # name, made again) must not drop the live one.
+                cached = self.quotas[namespace]["metadata"].get("uid")
+                if cached is None or cached == meta.get("uid"):
+                    self.quotas.pop(namespace)
         else:
             self._put(kind, obj)
         self._changed(kind, namespace)
@@ -259,6 +268,17 @@ class TenantState:
                 "specificity, so which rules apply is ambiguous; list the namespace in "
                 "exactly one tenant's spec.namespaces or make the selectors disjoint"
             )
+        desired = self.desired_quotas().get(namespace)
+        if desired is not None:
+            current = self.quotas.get(namespace)
+            if current is None or (current.get("spec") or {}).get("hard") != desired[0]:
+                # Without it the API server counts nothing: refuse, as with unknown rules.
+                return Lookup(
+                    denial=f"the ResourceQuota {QUOTA_NAME} that enforces deviceQuota in "
+                    f"namespace {namespace} is not in place yet; retry in a few seconds (if "
+                    "this lasts, the gpudra webhook's log says why: a ResourceQuota of that "
+                    "name it does not manage, or a refused write)"
+                )
         return Lookup(rules=winners[0])
 
     def _invalid_in_reach(self, namespace: str, winners: list[TenantRules]) -> str | None:
@@ -325,6 +345,8 @@ class TenantState:
                 for device_class, limit in (rules.tenant.spec.device_quota or {}).items():
                     hard[device_class] = min(limit, hard.get(device_class, limit))
             if hard:
+                for device_class in self.quota_classes:
+                    hard.setdefault(device_class, 0)
                 desired[namespace] = (
                     {quota_key(c): str(n) for c, n in sorted(hard.items())},
                     # A label value: at most 63 characters, alphanumeric at both ends.

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Awaitable, Mapping
+from collections.abc import Awaitable, Mapping, Sequence
 from typing import Any, Final
 
 import anyio
@@ -37,6 +37,7 @@ from gpudra.common.reconcile import ReconcileLoop
 from gpudra.common.watch import Reflector
 from gpudra.webhook.convert import DEFAULT_POLICY, ConversionPolicy
 from gpudra.webhook.tenant_state import QUOTA_NAME, TENANT_LABEL, TenantState
+from gpudra.webhook.validate import driver_classes
 
 __all__ = [
     "MANAGED_BY_LABEL",
@@ -65,6 +66,7 @@ class TenantController:
         base_policy: ConversionPolicy = DEFAULT_POLICY,
         *,
         backoff_max_s: float = 30.0,
+        extra_classes: Sequence[str] = (),
     ) -> None:
         self.kube = kube
         self.backoff_max_s = backoff_max_s
@@ -75,7 +77,11 @@ class TenantController:
             ready=lambda: self.state.ready,
             fields={"controller": "tenant quotas"},
         )
-        self.state = TenantState(base_policy=base_policy, on_change=self._reconciler.poke)
+        self.state = TenantState(
+            base_policy=base_policy,
+            on_change=self._reconciler.poke,
+            quota_classes=driver_classes(base_policy, extra_classes),
+        )
         self._foreign: set[str] = set()
 
     @property
@@ -133,14 +139,18 @@ class TenantController:
                 writes += await self._write(namespace, self._delete(namespace, have), failures)
         for namespace, (hard, tenant) in sorted(desired.items()):
             current = state.quotas.get(namespace)
+            if current is not None:
+                # Ours after all (the answer to a create was lost, a 409 followed).
+                self._foreign.discard(namespace)
             if current is None:
                 if namespace in self._foreign:
                     continue
                 action = self._create(namespace, hard, tenant)
                 writes += await self._write(namespace, action, failures)
-            elif (current.get("spec") or {}).get("hard") != hard or (
+            elif (current.get("spec") or {}) != {"hard": hard} or (
                 current["metadata"].get("labels") or {}
             ).get(TENANT_LABEL) != tenant:
+                # The whole spec: a scope added to it would make the quota count nothing.
                 action = self._update(current, hard, tenant)
                 writes += await self._write(namespace, action, failures)
         self._foreign &= set(desired)
@@ -193,7 +203,16 @@ class TenantController:
         except ApiError as exc:
             if exc.status != 409:
                 raise
-            # Same name, not ours (ours would be in the cache): never take it over.
+            # Ours after all when it carries our label (the answer to an earlier create
+            # was lost, or the watch lags): taken into the cache, updated next time.
+            existing = await self.kube.request(
+                "GET", f"/api/v1/namespaces/{namespace}/resourcequotas/{QUOTA_NAME}"
+            )
+            labels = (existing.get("metadata") or {}).get("labels") or {}
+            if labels.get(MANAGED_BY_LABEL) == MANAGED_BY_VALUE:
+                self.state.put_quota(namespace, existing)
+                return
+            # Same name, not ours: never take it over.
             self._foreign.add(namespace)
             log.warning(
                 "a ResourceQuota of the same name exists but is not managed by gpudra; "
@@ -212,7 +231,7 @@ class TenantController:
         body = {
             **have,
             "metadata": {**meta, "labels": {**(meta.get("labels") or {}), TENANT_LABEL: tenant}},
-            "spec": {**(have.get("spec") or {}), "hard": hard},
+            "spec": {"hard": hard},
         }
         path = f"/api/v1/namespaces/{meta['namespace']}/resourcequotas/{QUOTA_NAME}"
         updated = await self.kube.request("PUT", path, body)

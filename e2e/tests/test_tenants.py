@@ -135,7 +135,9 @@ async def test_quota_holds_for_concurrent_pods(env: Env, kube: SyncKube) -> None
             "the controller's ResourceQuota with its status",
             lambda: (q := quota_of(kube, ns)) and q.get("status", {}).get("hard") and q,
         )
-        assert quota["spec"]["hard"] == {QUOTA_KEY: "4"}
+        hard = quota["spec"]["hard"]
+        assert hard[QUOTA_KEY] == "4"  # every other class of the driver: none
+        assert {v for k, v in hard.items() if k != QUOTA_KEY} == {"0"}
         assert quota["metadata"]["labels"][MANAGED_BY_LABEL] == "gpudra"
         await until(
             "the webhook's cache to see the quota status",

@@ -1883,8 +1883,10 @@ def test_a_recycled_pid_is_never_signalled(tmp_path: Path, signals: list[tuple[i
 
 @pytest.mark.anyio
 async def test_a_control_fifo_nobody_reads_does_not_hang_unprepare(node: Node) -> None:
-    """The tenant swaps the daemon's control FIFO for one nobody reads: asking the
-    daemon to quit times out (bounded), and the recorded daemon is then signalled."""
+    """The tenant swaps the daemon's control FIFO for one nobody reads: the daemon is
+    not asked to quit through it (that would wait out the tool's timeout, and a tenant
+    with many claims would hold the agent's threads), and the recorded daemon is
+    signalled instead."""
     preparer = node_preparer(node, h100_mig(), strategy=MigStrategy.DYNAMIC)
     claim = _fixture_claim(_MPS_CLAIM)
     assert (await preparer.prepare([claim]))[claim.uid].error is None
@@ -1892,7 +1894,14 @@ async def test_a_control_fifo_nobody_reads_does_not_hang_unprepare(node: Node) -
     control = _mps_base(node, claim.uid) / "pipe" / "control"
     control.unlink()
     os.mkfifo(control)
-    sharing = NvidiaSharing(
+    sent: list[str] = []
+
+    class Sending(NvidiaSharing):
+        def _control(self, daemon: MpsDaemon, command: str, purpose: str) -> str:
+            sent.append(command)
+            return super()._control(daemon, command, purpose)
+
+    sharing = Sending(
         nvidia_smi=FAKEBIN / "nvidia-smi",
         mps_control=FAKEBIN / "nvidia-cuda-mps-control",
         timeout_s=1.0,
@@ -1902,8 +1911,43 @@ async def test_a_control_fifo_nobody_reads_does_not_hang_unprepare(node: Node) -
 
     sharing.stop_mps(_daemon_in(base, daemon))
 
+    assert sent == []
     assert not daemon.alive()
     assert not base.exists() or not any(base.iterdir())
+
+
+@pytest.mark.anyio
+async def test_mps_daemons_start_and_stop_beside_the_threads_other_claims_need(
+    node: Node,
+) -> None:
+    """A daemon's stop may wait on what the claim's containers left: it holds a thread of
+    its own, never one of the pool that checkpoint writes and other claims' NVML calls
+    use, so a tenant's slow stops cannot make another tenant's prepare wait."""
+    emu = h100()
+    gpus = discover(emu).gpus
+    stopping, go = threading.Event(), threading.Event()
+
+    class SlowStop(StandInTools):
+        def stop_mps(self, daemon: MpsDaemon) -> None:
+            stopping.set()
+            go.wait(10)
+            super().stop_mps(daemon)
+
+    preparer = node_preparer(node, emu, sharing=SlowStop())
+    mps = offline_claim(
+        "tenant-a", [("gpu", {"device": gpus[3].device.name})], {"gpu": {"strategy": "MPS"}}
+    )
+    other = offline_claim("tenant-b", [("gpu", {"device": gpus[4].device.name})], {})
+    assert (await preparer.prepare([mps]))[mps.uid].error is None
+    default = anyio.to_thread.current_default_thread_limiter()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(preparer.unprepare, [mps.ref])
+        while not stopping.is_set():
+            await anyio.sleep(0.01)
+        assert default.borrowed_tokens == 0  # the stop holds a thread of its own pool
+        assert (await preparer.prepare([other]))[other.uid].error is None
+        go.set()
+    assert load_checkpoint(node.checkpoint, boot_id_path=node.boot_id).get(mps.uid) is None
 
 
 def _share_claim(namespace: str, interval: str, device: str) -> Claim:

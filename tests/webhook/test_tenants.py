@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import copy
+import itertools
 import re
 from typing import Any
 
@@ -153,6 +156,14 @@ def test_desired_quotas_follow_selection_and_skip_terminating() -> None:
         [namespace("a1", team="a"), namespace("a2", "Terminating", team="a"), namespace("b")],
     )
     assert s.desired_quotas() == {"a1": ({KEY: "4"}, "team-a")}
+    # Until the quota is in place the API server counts nothing: refused, with a retry.
+    assert "ResourceQuota gpudra-gpu-quota that enforces deviceQuota" in s.lookup("a1").denial
+    s.event("quotas", "ADDED", quota("a1", "team-a", 4))
+    assert s.lookup("a1").rules is not None
+    # A late DELETED of an earlier quota of the same name does not drop the live one.
+    stale = quota("a1", "team-a", 4)
+    stale["metadata"]["uid"] = "uid-before"
+    s.event("quotas", "DELETED", stale)
     assert s.lookup("a1").rules is not None
     s.event("namespaces", "MODIFIED", namespace("a1", team="b"))
     assert s.desired_quotas() == {}
@@ -378,3 +389,128 @@ def test_an_invalid_tenant_fails_closed_wherever_it_would_decide() -> None:
     )
     s = state([unreadable], [namespace("c1")], [])
     assert "GpuTenant team-c, which is invalid" in s.lookup("c1").denial
+
+
+class QuotaServer:
+    """ResourceQuotas as the API server keeps them (UIDs, 409 on a taken name, UID
+    preconditions); `events` is what the controller's label-selected watch would see,
+    delivered when a test says (`deliver`)."""
+
+    def __init__(self) -> None:
+        self.objs: dict[str, dict[str, Any]] = {}
+        self.events: list[tuple[str, dict[str, Any]]] = []
+        self._serial = itertools.count(1)
+        self.lose_next_create_answer = False
+
+    def _emit(self, event_type: str, obj: dict[str, Any]) -> None:
+        if (obj["metadata"].get("labels") or {}).get(MANAGED_BY_LABEL) == MANAGED_BY_VALUE:
+            self.events.append((event_type, copy.deepcopy(obj)))
+
+    async def request(self, method: str, path: str, body: Any = None, **_: Any) -> Any:
+        ns = path.strip("/").split("/")[3]
+        have = self.objs.get(ns)
+        if method == "POST":
+            if have is not None:
+                raise ApiError(409, "already exists", method, path)
+            obj = copy.deepcopy(body)
+            obj["metadata"].update(uid=f"uid-{next(self._serial)}", resourceVersion="1")
+            self.objs[ns] = obj
+            self._emit("ADDED", obj)
+            if self.lose_next_create_answer:
+                self.lose_next_create_answer = False
+                raise ApiError(504, "Timeout: request did not complete", method, path)
+            return copy.deepcopy(obj)
+        if have is None:
+            raise ApiError(404, "not found", method, path)
+        if method == "GET":
+            return copy.deepcopy(have)
+        if method == "PUT":
+            obj = copy.deepcopy(body)
+            obj["metadata"]["resourceVersion"] = str(next(self._serial))
+            self.objs[ns] = obj
+            self._emit("MODIFIED", obj)
+            return copy.deepcopy(obj)
+        if method == "DELETE":
+            del self.objs[ns]
+            self._emit("DELETED", have)
+            return {}
+        raise AssertionError(method)
+
+    def delete_by_hand(self, ns: str) -> None:
+        self._emit("DELETED", self.objs.pop(ns))
+
+
+async def settle(controller: TenantController, server: QuotaServer) -> None:
+    """Reconcile and deliver the watch's events until nothing changes."""
+    for _ in range(5):
+        with contextlib.suppress(ApiError):
+            await controller.reconcile_once()
+        while server.events:
+            event_type, obj = server.events.pop(0)
+            controller.state.event("quotas", event_type, obj)
+
+
+def quota_controller(server: QuotaServer, **quota: int) -> TenantController:
+    controller = TenantController(server)  # type: ignore[arg-type]
+    spec = {"namespaces": ["ns"], "deviceQuota": quota}
+    controller.state.replace("tenants", [tenant("team-a", **spec)])
+    controller.state.replace("namespaces", [namespace("ns")])
+    controller.state.replace("quotas", [])
+    return controller
+
+
+@pytest.mark.anyio
+async def test_the_quota_limits_the_driver_classes_deviceQuota_leaves_out_to_none() -> None:
+    """Several classes give the same GPUs and Kubernetes counts a claim against its own
+    class only: each driver class the tenant's deviceQuota does not name gets 0."""
+    server = QuotaServer()
+    controller = quota_controller(server, **{"gpu.nvidia.com": 2})
+    await settle(controller, server)
+    hard = server.objs["ns"]["spec"]["hard"]
+    assert hard.pop(KEY) == "2"
+    assert sorted(hard) == sorted(
+        f"{c}.deviceclass.resource.k8s.io/devices"
+        for c in ("gpu-shared.nvidia.com", "mig.nvidia.com")
+    )
+    assert set(hard.values()) == {"0"}
+    lookup = controller.state.lookup("ns")
+    assert lookup.rules is not None
+    pod = {"metadata": {"name": "p"}, "spec": {"containers": [{"name": "c"}]}}
+    pod["spec"]["containers"][0]["resources"] = {"limits": {"nvidia.com/gpu.shared": "1"}}
+    reason = lookup.rules.check_pod(
+        convert_pod(pod, lookup.rules.policy), "ns", controller.state.quota_usage("ns")
+    )
+    assert reason is not None and "deviceQuota sets no limit for this class" in reason
+
+
+@pytest.mark.anyio
+async def test_a_lost_create_answer_or_a_late_event_never_loses_the_quota() -> None:
+    """The create's answer is lost (the retry meets its own quota: 409), or a late
+    DELETED of an earlier quota of the same name arrives: the controller still owns the
+    quota, and puts it back when someone deletes it."""
+    server = QuotaServer()
+    server.lose_next_create_answer = True
+    controller = quota_controller(server, **{"gpu.nvidia.com": 2})
+    with pytest.raises(ApiError):
+        await controller.reconcile_once()
+    await controller.reconcile_once()  # 409: its own, by its label: taken in
+    assert controller.state.quotas["ns"]["metadata"]["uid"] == server.objs["ns"]["metadata"]["uid"]
+    server.events.clear()
+    server.delete_by_hand("ns")
+    await settle(controller, server)
+    assert "ns" in server.objs
+    assert controller.state.lookup("ns").rules is not None
+
+
+@pytest.mark.anyio
+async def test_a_scope_added_to_the_owned_quota_is_put_back() -> None:
+    """A scope would make the quota count no claim: the whole spec is kept as written."""
+    server = QuotaServer()
+    controller = quota_controller(server, **{"gpu.nvidia.com": 2})
+    await settle(controller, server)
+    edited = copy.deepcopy(server.objs["ns"])
+    edited["spec"]["scopes"] = ["Terminating"]
+    server.objs["ns"] = edited
+    controller.state.event("quotas", "MODIFIED", edited)
+    await settle(controller, server)
+    assert "scopes" not in server.objs["ns"]["spec"]

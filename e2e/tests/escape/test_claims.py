@@ -16,12 +16,13 @@ import anyio
 import pytest
 from anyio.to_thread import run_sync
 from gpudra.api.deviceclasses import device_classes, mig_profile_class
-from gpudra.api.tenants import API_VERSION, crd_manifest
+from gpudra.api.tenants import API_VERSION, crd_manifest, quota_key
 from gpudra.common.kube import Kube
 from gpudra.webhook import registration
 from gpudra.webhook.device_classes import DeviceClassCache
 from gpudra.webhook.server import WebhookServer
 from gpudra.webhook.templates import ApiTemplateEnsurer
+from gpudra.webhook.tenant_state import QUOTA_NAME
 from gpudra.webhook.tenants import TenantController
 from gpudra.webhook.validate import driver_classes
 
@@ -331,3 +332,38 @@ async def test_a_config_admitted_in_another_namespace_is_judged_by_this_ones_rul
             await run_sync(drop_tenant, kube, tenant)
     finally:
         await run_sync(kube.delete, "Namespace", free)
+
+
+async def test_device_quota_on_one_class_holds_for_the_classes_that_give_the_same_gpus(
+    env: Env, kube: SyncKube, namespace: str
+) -> None:
+    """Kubernetes counts a claim's devices against its own DeviceClass only, and the
+    shared class (and the per-profile MIG classes) give the same GPUs: with
+    `deviceQuota` naming only gpu.nvidia.com, a tenant allowed the shared class asked
+    for GPUs through it uncounted. The quota limits every driver class it does not
+    name to 0, so the API server itself refuses the claim."""
+    user = await run_sync(tenant_user, kube, namespace)
+    tenant = await run_sync(
+        lambda: with_tenant(
+            kube,
+            namespace,
+            allowedSharing=["Exclusive", "TimeSlicing"],
+            deviceQuota={DRIVER: 1},
+        )
+    )
+    try:
+        await tenant_rules_loaded(env, namespace)
+        quota = await run_sync(
+            wait_for,
+            "the tenant's quota",
+            lambda: kube.get_or_none("ResourceQuota", QUOTA_NAME, namespace),
+        )
+        hard = quota["spec"]["hard"]
+        assert hard[quota_key(DRIVER)] == "1"
+        assert hard[quota_key(SHARED)] == "0"
+        assert hard[quota_key(mig_profile_class(MIG_PROFILES[0]))] == "0"
+        message = await denied(user, claim(namespace, "shared", SHARED_GPU))
+        assert "exceeded quota" in message and SHARED in message
+        assert (await run_sync(user.create, claim(namespace, "whole", WHOLE_GPU)))["metadata"]
+    finally:
+        await run_sync(drop_tenant, kube, tenant)
