@@ -31,8 +31,8 @@ from gpudra.api.config import (
     parse_opaque_config,
 )
 from gpudra.api.deviceclasses import mig_profile_class
-from gpudra.api.names import DNS_LABEL_MAX, dns_subdomain_problem
-from gpudra.api.tenants import LabelSelector
+from gpudra.api.names import DNS_LABEL_MAX, DNS_SUBDOMAIN_MAX, dns_subdomain_problem
+from gpudra.api.tenants import LabelSelector, quota_key
 from gpudra.common.eventloop import run_event_loop
 from gpudra.common.kube import Kube
 from gpudra.common.openfiles import raise_open_files_limit
@@ -162,6 +162,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "--device-class",
         action="append",
         default=[],
+        type=_device_class_name,
         metavar="NAME",
         help="another DeviceClass that selects this driver's devices (repeatable); tenant "
         "class rules and claim validation cover it too",
@@ -216,6 +217,18 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "claims (default: the driver's)",
     )
     p.set_defaults(func=run)
+
+
+def _device_class_name(raw: str) -> str:
+    """--device-class: a DeviceClass name that also makes a valid ResourceQuota key (a
+    tenant's quota limits every class of the driver)."""
+    longest = DNS_SUBDOMAIN_MAX - len(quota_key("").split("/")[0])
+    if problem := dns_subdomain_problem(raw, max_length=longest):
+        raise argparse.ArgumentTypeError(
+            f"{raw!r} {problem}; give a DeviceClass's name (it is also part of the "
+            "tenants' quota keys)"
+        )
+    return raw
 
 
 def _label_selector(raw: str) -> dict[str, Any]:

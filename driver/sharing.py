@@ -599,8 +599,8 @@ class NvidiaSharing:
         else:
             identity = identity or self._from_pid_file(daemon)
             if identity is not None and identity.alive():
-                self._quit(daemon, purpose)
-                self._end(identity, daemon, purpose)
+                asked = self._quit(daemon, purpose)
+                self._end(identity, daemon, purpose, asked=asked)
             else:
                 log.info(
                     "MPS daemon not running; removing its files",
@@ -637,9 +637,18 @@ class NvidiaSharing:
         while pods.problem(pod) is None and time.monotonic() < deadline:
             time.sleep(0.2)
 
-    def _end(self, identity: ProcessIdentity, daemon: MpsDaemon, purpose: str) -> None:
-        """Wait for the daemon to exit, then TERM, then KILL it."""
-        for signum in (None, signal.SIGTERM, signal.SIGKILL):
+    def _end(
+        self, identity: ProcessIdentity, daemon: MpsDaemon, purpose: str, *, asked: bool = True
+    ) -> None:
+        """Wait for the daemon to exit (when it was `asked` to quit), then TERM, then KILL."""
+        for signum in (
+            (None, signal.SIGTERM, signal.SIGKILL)
+            if asked
+            else (
+                signal.SIGTERM,
+                signal.SIGKILL,
+            )
+        ):
             if signum is not None:
                 identity.signal(signum)
             if identity.wait_gone(self._ready_timeout_s):

@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
 
+from gpudra.api.quantity import QuantityError, parse_quantity
 from gpudra.api.tenants import (
     LabelSelector,
     Specificity,
@@ -45,6 +46,22 @@ TENANT_LABEL: Final = "gpudra.io/tenant"
 """On an owned quota: the tenant(s) it was made for."""
 
 _NO_TENANT: Final = Lookup()
+
+
+def quota_spec_is(quota: Mapping[str, Any], hard: Mapping[str, str]) -> bool:
+    """Whether a ResourceQuota's spec is exactly `hard`: the same keys, the same amounts
+    (the API server writes quantities in its canonical form: 1000 comes back as "1k"),
+    and nothing else (a scope would make it count no claim)."""
+    spec = quota.get("spec") or {}
+    have = spec.get("hard") or {}
+    if set(spec) - {"hard"} or set(have) != set(hard):
+        return False
+    try:
+        return all(
+            parse_quantity(str(have[k])).amount == parse_quantity(v).amount for k, v in hard.items()
+        )
+    except QuantityError:
+        return False
 
 
 @dataclass
@@ -269,9 +286,10 @@ class TenantState:
                 "exactly one tenant's spec.namespaces or make the selectors disjoint"
             )
         desired = self.desired_quotas().get(namespace)
-        if desired is not None:
+        wants_quota = any(r.tenant.spec.device_quota for r in winners)
+        if desired is not None or (wants_quota and namespace not in self.namespaces):
             current = self.quotas.get(namespace)
-            if current is None or (current.get("spec") or {}).get("hard") != desired[0]:
+            if desired is None or current is None or not quota_spec_is(current, desired[0]):
                 # Without it the API server counts nothing: refuse, as with unknown rules.
                 return Lookup(
                     denial=f"the ResourceQuota {QUOTA_NAME} that enforces deviceQuota in "

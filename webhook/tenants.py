@@ -36,7 +36,7 @@ from gpudra.common.kube import ApiError, Kube
 from gpudra.common.reconcile import ReconcileLoop
 from gpudra.common.watch import Reflector
 from gpudra.webhook.convert import DEFAULT_POLICY, ConversionPolicy
-from gpudra.webhook.tenant_state import QUOTA_NAME, TENANT_LABEL, TenantState
+from gpudra.webhook.tenant_state import QUOTA_NAME, TENANT_LABEL, TenantState, quota_spec_is
 from gpudra.webhook.validate import driver_classes
 
 __all__ = [
@@ -147,10 +147,15 @@ class TenantController:
                     continue
                 action = self._create(namespace, hard, tenant)
                 writes += await self._write(namespace, action, failures)
-            elif (current.get("spec") or {}) != {"hard": hard} or (
-                current["metadata"].get("labels") or {}
-            ).get(TENANT_LABEL) != tenant:
-                # The whole spec: a scope added to it would make the quota count nothing.
+            elif set(current.get("spec") or {}) - {"hard"}:
+                # A scope would make it count no claim, and the API server refuses to
+                # change a quota's scopes: made again (the next pass creates it).
+                action = self._delete(namespace, current)
+                writes += await self._write(namespace, action, failures)
+            elif (
+                not quota_spec_is(current, hard)
+                or (current["metadata"].get("labels") or {}).get(TENANT_LABEL) != tenant
+            ):
                 action = self._update(current, hard, tenant)
                 writes += await self._write(namespace, action, failures)
         self._foreign &= set(desired)

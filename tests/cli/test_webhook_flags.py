@@ -210,3 +210,16 @@ def test_conversion_namespace_selector_is_a_checked_label_selector(
     err = capsys.readouterr().err
     assert "--conversion-namespace-selector: matchExpressions.0:" in err
     assert "operator In needs a non-empty values list" in err
+
+
+@pytest.mark.parametrize("name", ["A100_80GB", "x" * 226 + ".io"])
+def test_a_device_class_that_would_make_no_quota_key_is_refused_at_start(
+    name: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An admin's class is limited in every tenant's quota: a name that is no valid
+    quota key would fail each quota's write and so, quota not in place, every GPU pod
+    of those namespaces; the flag is refused instead, naming it."""
+    with pytest.raises(SystemExit):
+        policy(f"--device-class={name}")
+    assert "argument --device-class" in capsys.readouterr().err
+    assert policy("--device-class=a100-80gb.example.com") is not None

@@ -9,6 +9,7 @@ import re
 from typing import Any
 
 import pytest
+from gpudra.api.quantity import parse_quantity
 from gpudra.api.tenants import API_VERSION, parse_tenant
 from gpudra.common.kube import ApiError
 from gpudra.webhook.convert import DeviceKind, convert_pod
@@ -406,13 +407,25 @@ class QuotaServer:
         if (obj["metadata"].get("labels") or {}).get(MANAGED_BY_LABEL) == MANAGED_BY_VALUE:
             self.events.append((event_type, copy.deepcopy(obj)))
 
+    @staticmethod
+    def _stored(body: dict[str, Any]) -> dict[str, Any]:
+        """As etcd keeps it: whole quantities in their canonical form (1000 as "1k")."""
+        obj = copy.deepcopy(body)
+        for key, value in (obj["spec"].get("hard") or {}).items():
+            n, suffix = int(parse_quantity(value).amount), iter(("", "k", "M", "G"))
+            unit = next(suffix)
+            while n and n % 1000 == 0:
+                n, unit = n // 1000, next(suffix)
+            obj["spec"]["hard"][key] = f"{n}{unit}"
+        return obj
+
     async def request(self, method: str, path: str, body: Any = None, **_: Any) -> Any:
         ns = path.strip("/").split("/")[3]
         have = self.objs.get(ns)
         if method == "POST":
             if have is not None:
                 raise ApiError(409, "already exists", method, path)
-            obj = copy.deepcopy(body)
+            obj = self._stored(body)
             obj["metadata"].update(uid=f"uid-{next(self._serial)}", resourceVersion="1")
             self.objs[ns] = obj
             self._emit("ADDED", obj)
@@ -425,7 +438,9 @@ class QuotaServer:
         if method == "GET":
             return copy.deepcopy(have)
         if method == "PUT":
-            obj = copy.deepcopy(body)
+            if body["spec"].get("scopes") != have["spec"].get("scopes"):
+                raise ApiError(422, "spec.scopes: field is immutable", method, path)
+            obj = self._stored(body)
             obj["metadata"]["resourceVersion"] = str(next(self._serial))
             self.objs[ns] = obj
             self._emit("MODIFIED", obj)
@@ -503,8 +518,28 @@ async def test_a_lost_create_answer_or_a_late_event_never_loses_the_quota() -> N
 
 
 @pytest.mark.anyio
+async def test_a_limit_the_api_server_writes_in_its_own_form_settles() -> None:
+    """The API server keeps 1000 as "1k": the quota is in place, not rewritten forever,
+    and the namespace's pods are admitted."""
+    server = QuotaServer()
+    controller = quota_controller(server, **{"gpu.nvidia.com": 1000})
+    await settle(controller, server)
+    assert server.objs["ns"]["spec"]["hard"][KEY] == "1k"
+    assert await controller.reconcile_once() == 0
+    assert controller.state.lookup("ns").rules is not None
+
+
+def test_a_namespace_named_by_a_tenant_is_refused_until_its_quota_is_in_place() -> None:
+    """A namespace the tenant lists by name whose watch event has not arrived (applied
+    together with its pods): its rules are known, its quota is not there yet."""
+    s = state([tenant("team-a", namespaces=["new"], deviceQuota={"gpu.nvidia.com": 2})], [])
+    assert "that enforces deviceQuota in namespace new" in s.lookup("new").denial
+
+
+@pytest.mark.anyio
 async def test_a_scope_added_to_the_owned_quota_is_put_back() -> None:
-    """A scope would make the quota count no claim: the whole spec is kept as written."""
+    """A scope would make the quota count no claim, and the API server refuses to change
+    a quota's scopes: the quota is made again, and meanwhile the namespace is refused."""
     server = QuotaServer()
     controller = quota_controller(server, **{"gpu.nvidia.com": 2})
     await settle(controller, server)
@@ -512,5 +547,7 @@ async def test_a_scope_added_to_the_owned_quota_is_put_back() -> None:
     edited["spec"]["scopes"] = ["Terminating"]
     server.objs["ns"] = edited
     controller.state.event("quotas", "MODIFIED", edited)
+    assert "not in place" in controller.state.lookup("ns").denial
     await settle(controller, server)
     assert "scopes" not in server.objs["ns"]["spec"]
+    assert controller.state.lookup("ns").rules is not None
