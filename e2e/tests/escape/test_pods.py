@@ -504,6 +504,65 @@ async def test_a_namespace_left_out_of_conversion_keeps_the_pod_limit(
     assert [t["metadata"]["name"] for t in templates] == []
 
 
+async def test_a_claim_stored_before_the_rules_tightened_is_not_handed_to_a_new_pod(
+    escape: Escape, kube: SyncKube
+) -> None:
+    """The tenant makes a MIG claim while its rules allow every class; the cluster admin
+    then allows only whole GPUs. The stored claim is judged again when a new pod names
+    it, so the pod is refused, naming the claim and the rule."""
+    ns, tenant = escape.ns, escape.tenant
+    mig = gpu_claim(ns, "early")
+    mig["spec"]["devices"]["requests"][0]["exactly"]["deviceClassName"] = "mig.nvidia.com"
+    await create(tenant, mig)
+    await call(
+        lambda: kube.request(
+            "PATCH",
+            f"{TENANTS}/escape-{ns}",
+            {"spec": {"allowedDeviceClasses": ["gpu.nvidia.com"]}},
+            content_type="application/merge-patch+json",
+        )
+    )
+    with anyio.fail_after(60):  # the webhook sees the tightened rules
+        while True:
+            try:
+                await tenant.request(
+                    "POST",
+                    f"{RESOURCE}/namespaces/{ns}/resourceclaims",
+                    mig,
+                    query={"dryRun": "All"},
+                )
+            except AsyncApiError:
+                break
+            await anyio.sleep(0.2)
+    message = await refused(tenant, pod(ns, "late", claims={"a": {"resourceClaimName": "early"}}))
+    assert "pod claim a refers to ResourceClaim early, which its namespace's rules" in message
+    assert "does not allow device class mig.nvidia.com" in message
+
+
+async def test_a_forged_namespace_is_refused_before_any_read_or_write(escape: Escape) -> None:
+    """A review sent straight to the port with a path for its namespace: answered 400,
+    and nothing is read or written with it."""
+    context = ssl.create_default_context(cadata=escape.webhook_ca.decode())
+    forged = {
+        "apiVersion": "admission.k8s.io/v1",
+        "kind": "AdmissionReview",
+        "request": {
+            "uid": "forged-path",
+            "kind": {"group": "", "version": "v1", "kind": "Pod"},
+            "resource": {"group": "", "version": "v1", "resource": "pods"},
+            "namespace": f"{escape.ns}/../kube-system",
+            "operation": "CREATE",
+            "object": pod(escape.ns, "forged", {"nvidia.com/gpu": "1"}),
+        },
+    }
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(escape.webhook_url + MUTATE_PATH, json=forged, ssl=context) as resp,
+    ):
+        assert resp.status == 400
+        assert "is not a namespace name" in await resp.text()
+
+
 async def test_connections_held_open_cannot_lock_the_api_server_out(escape: Escape) -> None:
     """A tenant that reaches the webhook's port opens twice as many connections as the
     server holds and keeps each alive with a request: the server sheds the ones waiting
