@@ -227,6 +227,32 @@ async def pod_naming_two_claims_is_refused(tenant: Kube, ns: str) -> None:
     assert "maxDevicesPerPod is 1, this pod asks for 2 devices" in message
 
 
+async def change_rules(
+    escape: Escape, kube: SyncKube, spec: dict[str, Any], probe: dict[str, Any], *, admitted: bool
+) -> None:
+    """The cluster admin changes the escape tenant's `spec`; returns once the webhook
+    judges the claim `probe` (a dry run) by the new rules: `admitted` or refused."""
+    await call(
+        lambda: kube.request(
+            "PATCH",
+            f"{TENANTS}/escape-{escape.ns}",
+            {"spec": spec},
+            content_type="application/merge-patch+json",
+        )
+    )
+    path = f"{RESOURCE}/namespaces/{escape.ns}/resourceclaims"
+    with anyio.fail_after(60):
+        while True:
+            try:
+                await escape.tenant.request("POST", path, probe, query={"dryRun": "All"})
+                if admitted:
+                    return
+            except AsyncApiError:
+                if not admitted:
+                    return
+            await anyio.sleep(0.2)
+
+
 async def test_hand_written_claims_count_towards_the_pod_limit(escape: Escape) -> None:
     ns, tenant = escape.ns, escape.tenant
     await pod_naming_two_claims_is_refused(tenant, ns)
@@ -252,26 +278,9 @@ async def test_a_claim_swapped_for_a_bigger_one_under_a_waiting_pod_is_refused(
     tenant deletes one and creates it again asking for two devices, each claim within
     the limit of two, the pod not."""
     ns, tenant = escape.ns, escape.tenant
-    await call(
-        lambda: kube.request(
-            "PATCH",
-            f"{TENANTS}/escape-{ns}",
-            {"spec": {"maxDevicesPerPod": 2}},
-            content_type="application/merge-patch+json",
-        )
+    await change_rules(
+        escape, kube, {"maxDevicesPerPod": 2}, gpu_claim(ns, "probe", count=2), admitted=True
     )
-    with anyio.fail_after(60):  # the webhook sees the new limit
-        while True:
-            try:
-                await tenant.request(
-                    "POST",
-                    f"{RESOURCE}/namespaces/{ns}/resourceclaims",
-                    gpu_claim(ns, "probe", count=2),
-                    query={"dryRun": "All"},
-                )
-                break
-            except AsyncApiError:
-                await anyio.sleep(0.2)
     await create(tenant, gpu_claim(ns, "swap"))
     await create(tenant, gpu_claim(ns, "keep"))
     both = {"a": {"resourceClaimName": "swap"}, "b": {"resourceClaimName": "keep"}}
@@ -514,26 +523,9 @@ async def test_a_claim_stored_before_the_rules_tightened_is_not_handed_to_a_new_
     mig = gpu_claim(ns, "early")
     mig["spec"]["devices"]["requests"][0]["exactly"]["deviceClassName"] = "mig.nvidia.com"
     await create(tenant, mig)
-    await call(
-        lambda: kube.request(
-            "PATCH",
-            f"{TENANTS}/escape-{ns}",
-            {"spec": {"allowedDeviceClasses": ["gpu.nvidia.com"]}},
-            content_type="application/merge-patch+json",
-        )
+    await change_rules(
+        escape, kube, {"allowedDeviceClasses": ["gpu.nvidia.com"]}, mig, admitted=False
     )
-    with anyio.fail_after(60):  # the webhook sees the tightened rules
-        while True:
-            try:
-                await tenant.request(
-                    "POST",
-                    f"{RESOURCE}/namespaces/{ns}/resourceclaims",
-                    mig,
-                    query={"dryRun": "All"},
-                )
-            except AsyncApiError:
-                break
-            await anyio.sleep(0.2)
     message = await refused(tenant, pod(ns, "late", claims={"a": {"resourceClaimName": "early"}}))
     assert "pod claim a refers to ResourceClaim early, which its namespace's rules" in message
     assert "does not allow device class mig.nvidia.com" in message
