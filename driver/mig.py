@@ -186,6 +186,17 @@ def create_gpu_instance(nvml: NvmlLibrary, gpu_uuid: str, placement: MigPlacemen
             raise _mig_error(step, gpu_uuid, err) from err
 
 
+def placement_taken(nvml: NvmlLibrary, gpu_uuid: str, mig: CreatedMig) -> bool:
+    """Whether a GPU instance of `mig`'s profile already starts at its memory slice,
+    before this claim made one: an administrator's, one of a static layout, or one a
+    lost checkpoint no longer names. Such an instance is never the claim's to destroy."""
+    with _nvml_open(nvml):
+        try:
+            return _find_gpu_instance(nvml, device_handle(nvml, gpu_uuid), mig) is not None
+        except pynvml.NVMLError as err:
+            raise _mig_error("listing MIG GPU instances", gpu_uuid, err) from err
+
+
 def _mig_uuid(nvml: NvmlLibrary, parent: Any, gi_id: int, ci_id: int) -> str | None:
     for index in range(int(nvml.nvmlDeviceGetMaxMigDeviceCount(parent))):
         try:

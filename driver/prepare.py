@@ -62,10 +62,12 @@ from gpudra.driver.claimspec import ClaimSpecs
 from gpudra.driver.devices import DeviceType, Inventory, MigStrategy
 from gpudra.driver.metrics import PreparedDevices
 from gpudra.driver.mig import (
+    MigError,
     compute_mode,
     create_compute_instance,
     create_gpu_instance,
     destroy_mig,
+    placement_taken,
     set_compute_mode,
 )
 from gpudra.driver.nvml import NvmlLibrary
@@ -97,6 +99,7 @@ T = TypeVar("T")
 PREPARE_STEPS: Final = (
     "prepare-started",
     "mig-recorded",
+    "mig-not-created",
     "mig-gpu-instance-created",
     "mig-created",
     "time-slice-recorded",
@@ -599,12 +602,28 @@ class ClaimPreparer:
             start=placement.start,
             size=placement.size,
         )
+        # Until the record has its ID, an undo finds the instance by profile and
+        # placement: one there before this claim must never be taken for its own.
+        if await anyio.to_thread.run_sync(placement_taken, self._nvml, entry.gpu.uuid, mig):
+            raise MigError(
+                f"MIG placement {placement.profile} at memory slice {placement.start} of GPU "
+                f"{entry.gpu.uuid} is taken by an instance gpudra did not create (an "
+                "administrator's or a static layout's); remove it, or publish that GPU "
+                "with the static MIG strategy"
+            )
         # Recorded before creating, so a crash right after creation is still undone.
         entry.details = replace(entry.details, mig=mig)
         await progress("mig-recorded")
-        gi = await anyio.to_thread.run_sync(
-            create_gpu_instance, self._nvml, entry.gpu.uuid, placement
-        )
+        try:
+            gi = await anyio.to_thread.run_sync(
+                create_gpu_instance, self._nvml, entry.gpu.uuid, placement
+            )
+        except MigError:
+            # NVML made nothing (another instance may have taken the placement since):
+            # forget the record, so that no undo looks for one there.
+            entry.details = replace(entry.details, mig=None)
+            await progress("mig-not-created")
+            raise
         mig = replace(mig, gi=gi)
         entry.details = replace(entry.details, mig=mig)
         await progress("mig-gpu-instance-created")

@@ -1685,6 +1685,45 @@ async def test_dynamic_mig_works_on_every_driver_branch(node: Node, branch: int)
 
 
 @pytest.mark.anyio
+@pytest.mark.parametrize("when", ["before the prepare", "while it creates"])
+async def test_a_mig_instance_the_claim_did_not_make_is_never_destroyed(
+    node: Node, when: str
+) -> None:
+    """Dynamic MIG publishes every placement, whatever instances exist. An instance
+    already at the allocated placement (an administrator's, a static layout's, or one
+    made by someone else between the check and the creation) fails the prepare, and the
+    roll-back, which finds an instance by profile and placement until its ID is
+    recorded, leaves it alone."""
+    emu = h100_mig()
+    gpu = discover(emu).gpus[0]
+    placement = {p.name: p for p in gpu.partitions}["gpu-0-mig-3g40gb-9-0"].placement
+    assert placement is not None
+
+    def theirs() -> None:
+        create_compute_instance(emu, gpu.uuid, create_gpu_instance(emu, gpu.uuid, placement))
+
+    def fault(step: str) -> None:
+        if step == "mig-recorded" and when == "while it creates":
+            theirs()
+
+    if when == "before the prepare":
+        theirs()
+    preparer = node_preparer(node, emu, strategy=MigStrategy.DYNAMIC, fault=fault)
+    claim = _fixture_claim(5)  # allocated gpu-0-mig-3g40gb-9-0
+
+    result = (await preparer.prepare([claim]))[claim.uid]
+
+    assert result.error is not None
+    if when == "before the prepare":
+        assert "is taken by an instance gpudra did not create" in result.error
+    instances = mig_devices(emu)
+    assert list(instances) == ["gpu-0-mig-3g40gb-9-0"]
+    assert load_checkpoint(node.checkpoint, boot_id_path=node.boot_id).claims() == []
+    assert (await preparer.recover()).errors == ()
+    assert mig_devices(emu) == instances
+
+
+@pytest.mark.anyio
 @pytest.mark.parametrize(("previous", "shown"), [(None, "null"), ("abc", "'abc'")])
 async def test_unreadable_record_is_its_claims_error_and_never_stops_recovery(
     node: Node, previous: Any, shown: str
