@@ -53,6 +53,7 @@ from gpudra.webhook.certs import (
 )
 from gpudra.webhook.convert import DEFAULT_POLICY, ConversionPolicy
 from gpudra.webhook.device_classes import DeviceClassCache
+from gpudra.webhook.pod_security import ENFORCE_LABEL, LEVELS, PRIVILEGED
 from gpudra.webhook.renewal import ServingRenewal
 from gpudra.webhook.server import ServerConfig, WebhookServer
 from gpudra.webhook.templates import ApiClaimReader, ApiTemplateEnsurer
@@ -150,6 +151,15 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="apply GpuTenant rules and keep their ResourceQuotas (default: on)",
+    )
+    p.add_argument(
+        "--pod-security-default",
+        choices=LEVELS,
+        default=PRIVILEGED,
+        help="the Pod Security level the API server enforces in namespaces without the "
+        f"{ENFORCE_LABEL} label (its PodSecurity admission configuration's default); "
+        "tenant namespaces at privileged are reported, since a privileged pod gets every "
+        f"GPU of its node without a claim (default: {PRIVILEGED}, Kubernetes' own)",
     )
     p.add_argument(
         "--validate-claims",
@@ -382,7 +392,12 @@ def run(args: argparse.Namespace) -> int:
         kube = await Kube.connect(args.kubeconfig)
         config = server_config(args, policy)
         tenants = (
-            TenantController(kube, config.policy, extra_classes=args.device_class)
+            TenantController(
+                kube,
+                config.policy,
+                extra_classes=args.device_class,
+                pod_security_default=args.pod_security_default,
+            )
             if args.tenants
             else None
         )

@@ -7,11 +7,14 @@ knowing the other, and tests read a fresh registry per server.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Final
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.metrics_core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
-__all__ = ["WebhookMetrics"]
+__all__ = ["PodSecurityGaps", "WebhookMetrics"]
 
 _LATENCY_BUCKETS: Final = (
     0.0005,
@@ -96,3 +99,32 @@ class WebhookMetrics:
         if histogram is None:
             histogram = self._latency_children[path] = self.latency.labels(path)
         histogram.observe(seconds)
+
+
+class PodSecurityGaps(Collector):
+    """``gpudra_webhook_tenant_namespace_without_pod_security``: 1 for each tenant
+    namespace whose Pod Security level lets pods be privileged (and so reach every GPU
+    of their node without a claim), read from the tenant state at each scrape so that a
+    namespace labelled since is gone from the next one."""
+
+    NAME: Final = "gpudra_webhook_tenant_namespace_without_pod_security"
+
+    def __init__(self, namespaces: Callable[[], Mapping[str, tuple[str, ...]]]) -> None:
+        self._namespaces = namespaces
+
+    def _family(self) -> GaugeMetricFamily:
+        return GaugeMetricFamily(
+            self.NAME,
+            "Tenant namespaces without Pod Security baseline or restricted enforced: a "
+            "privileged pod there gets its node's GPUs without a claim (docs/security.md).",
+            labels=["namespace", "tenant"],
+        )
+
+    def describe(self) -> Iterator[Metric]:
+        yield self._family()
+
+    def collect(self) -> Iterator[Metric]:
+        family = self._family()
+        for namespace, tenants in self._namespaces().items():
+            family.add_metric([namespace, ",".join(tenants)], 1)
+        yield family

@@ -19,7 +19,7 @@ reach the webhook.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, Final
 
 from gpudra.common.kube import ApiError, Kube
 from gpudra.webhook.admission import MUTATE_PATH, SYSTEM_NAMESPACES, VALIDATE_CLAIMS_PATH
@@ -257,6 +257,126 @@ def opt_out_policy(namespaces: Sequence[str]) -> list[dict[str, Any]]:
         "kind": "ValidatingAdmissionPolicyBinding",
         "metadata": {"name": OPT_OUT_POLICY_NAME},
         "spec": {"policyName": OPT_OUT_POLICY_NAME, "validationActions": ["Deny"]},
+    }
+    return [policy, binding]
+
+
+CLAIM_LINKS_POLICY_NAME = "gpudra-claim-links"
+CLAIM_LINK_ANNOTATIONS: Final = (
+    "resource.kubernetes.io/pod-claim-name",
+    "resource.kubernetes.io/extended-resource-claim",
+)
+"""What, with a claim's controlling owner, ties a claim to a pod's claim entry."""
+DELETE_PROTECTION: Final = "resource.kubernetes.io/delete-protection"
+TRUSTED_CEL: Final = (
+    "'system:masters' in request.userInfo.groups || request.userInfo.username in "
+    "['system:kube-controller-manager', 'system:kube-scheduler'] || "
+    "request.userInfo.username.startsWith('system:serviceaccount:kube-system:')"
+)
+"""Kubernetes' own controllers (with or without service-account credentials), the
+scheduler and the cluster admins."""
+
+
+def claim_links_policy(trusted_users: Sequence[str] = ()) -> list[dict[str, Any]]:
+    """A ValidatingAdmissionPolicy and its binding: only Kubernetes ties a ResourceClaim
+    to a pod, and only Kubernetes lets an allocated claim go.
+
+    The scheduler and the kubelet take a claim as a pod's when its controlling owner
+    has the pod's UID (any kind) and its name is the one the pod's status gives the
+    entry, and the resource claim controller adopts a claim the pod controls that
+    carries the pod-claim-name annotation; a claim's metadata may change after its
+    creation. So without this a tenant could make, or turn, a claim of its own into a
+    waiting pod's claim, which the webhook judged with no pod (more devices than
+    ``maxDevicesPerPod``; or a claim stored before the rules, never judged again). The
+    delete-protection finalizer keeps an allocated claim, and its devices, from being
+    released while a pod still uses it; a tenant that removed it could delete the claim
+    under a running pod, and the scheduler would hand the GPU to another tenant while
+    the first one's container still has it. Other users (`trusted_users`, e.g. an
+    operator that makes claims controlled by its own objects) are named by the admin.
+    """
+    trusted = TRUSTED_CEL
+    if trusted_users:
+        trusted += (
+            f" || request.userInfo.username in {_cel_string_list(sorted(set(trusted_users)))}"
+        )
+    links = _cel_string_list(CLAIM_LINK_ANNOTATIONS)
+
+    def owners(obj: str) -> str:
+        refs = f"{obj}.metadata.?ownerReferences.orValue([])"
+        return f"{refs}.filter(r, r.?controller.orValue(false)).map(r, r.uid)"
+
+    def annotations(obj: str) -> str:
+        return f"{links}.map(k, {obj}.metadata.?annotations[?k].orValue(''))"
+
+    update = "request.operation == 'UPDATE'"
+    none = _cel_string_list([""] * len(CLAIM_LINK_ANNOTATIONS))
+    policy = {
+        "apiVersion": "admissionregistration.k8s.io/v1",
+        "kind": "ValidatingAdmissionPolicy",
+        "metadata": {"name": CLAIM_LINKS_POLICY_NAME},
+        "spec": {
+            "failurePolicy": "Fail",
+            "matchConstraints": {
+                "resourceRules": [
+                    {
+                        "apiGroups": ["resource.k8s.io"],
+                        "apiVersions": ["*"],
+                        "operations": ["CREATE", "UPDATE"],
+                        "resources": ["resourceclaims"],
+                    }
+                ]
+            },
+            "matchConditions": [{"name": "not-kubernetes", "expression": f"!({trusted})"}],
+            "variables": [
+                {"name": "owners", "expression": owners("object")},
+                {"name": "oldOwners", "expression": f"{update} ? {owners('oldObject')} : []"},
+                {"name": "links", "expression": annotations("object")},
+                {
+                    "name": "oldLinks",
+                    "expression": f"{update} ? {annotations('oldObject')} : {none}",
+                },
+            ],
+            "validations": [
+                {
+                    "expression": "variables.owners == variables.oldOwners",
+                    "message": (
+                        "only Kubernetes' controllers set a ResourceClaim's controlling owner "
+                        "(metadata.ownerReferences with controller: true): it makes the claim "
+                        "a pod's; leave it out, or ask the cluster admin to trust your "
+                        "controller (gpudra's claimLinks.trustedUsers)"
+                    ),
+                    "reason": "Forbidden",
+                },
+                {
+                    "expression": "variables.links == variables.oldLinks",
+                    "message": (
+                        "only Kubernetes sets the annotations "
+                        + " and ".join(CLAIM_LINK_ANNOTATIONS)
+                        + " on a ResourceClaim: they make the claim a pod's; leave them out"
+                    ),
+                    "reason": "Forbidden",
+                },
+                {
+                    "expression": (
+                        f"!({update}) || !('{DELETE_PROTECTION}' in "
+                        "oldObject.metadata.?finalizers.orValue([])) || "
+                        f"'{DELETE_PROTECTION}' in object.metadata.?finalizers.orValue([])"
+                    ),
+                    "message": (
+                        f"only Kubernetes removes the finalizer {DELETE_PROTECTION}: it "
+                        "keeps the claim's devices while a pod uses them; delete the claim "
+                        "and its pods, and Kubernetes releases it"
+                    ),
+                    "reason": "Forbidden",
+                },
+            ],
+        },
+    }
+    binding = {
+        "apiVersion": "admissionregistration.k8s.io/v1",
+        "kind": "ValidatingAdmissionPolicyBinding",
+        "metadata": {"name": CLAIM_LINKS_POLICY_NAME},
+        "spec": {"policyName": CLAIM_LINKS_POLICY_NAME, "validationActions": ["Deny"]},
     }
     return [policy, binding]
 

@@ -29,7 +29,7 @@ from gpudra.webhook.admission import (
     TemplateEnsurer,
 )
 from gpudra.webhook.convert import DEFAULT_POLICY, ConversionPolicy
-from gpudra.webhook.metrics import WebhookMetrics
+from gpudra.webhook.metrics import PodSecurityGaps, WebhookMetrics
 from gpudra.webhook.reviews import ReviewError, encode_review
 from gpudra.webhook.tenant_state import TenantState
 from gpudra.webhook.tls import ReloadingTLSContext
@@ -81,6 +81,8 @@ class WebhookServer:
     ) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         metrics = WebhookMetrics(self.registry)
+        if tenants is not None:
+            self.registry.register(PodSecurityGaps(tenants.without_pod_security))
         admission = Admission(
             ensure_templates,
             metrics,

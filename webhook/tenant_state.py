@@ -34,6 +34,7 @@ from gpudra.api.tenants import (
     winning_tenants,
 )
 from gpudra.webhook.convert import DEFAULT_POLICY, ConversionPolicy
+from gpudra.webhook.pod_security import PRIVILEGED, enforce_level
 from gpudra.webhook.tenant_rules import Lookup, QuotaUsage, TenantRules, policy_for
 
 __all__ = ["QUOTA_NAME", "TENANT_LABEL", "TenantState"]
@@ -124,6 +125,9 @@ class TenantState:
     does not name to 0. Kubernetes counts a claim's devices against its own class only,
     and several classes give the same GPUs (the shared class, per-profile MIG classes,
     an admin's), so a quota on one class alone would leave the others unlimited."""
+    pod_security_default: str = PRIVILEGED
+    """The Pod Security level the API server enforces in a namespace without the
+    enforce label (``gpudra.webhook.pod_security``)."""
     tenants: dict[str, TenantRules] = field(default_factory=dict)
     invalid: dict[str, str] = field(default_factory=dict)
     _reach: dict[str, _Reach] = field(default_factory=dict)
@@ -136,6 +140,7 @@ class TenantState:
     _usage: dict[str, QuotaUsage | None] = field(default_factory=dict)
     _selected: dict[str, list[TenantRules] | None] = field(default_factory=dict)
     _desired: dict[str, tuple[dict[str, str], str]] | None = None
+    _open: dict[str, tuple[str, ...]] | None = None
 
     @property
     def ready(self) -> bool:
@@ -221,10 +226,12 @@ class TenantState:
             self._usage.clear()
             self._selected.clear()
             self._desired = None
+            self._open = None
         elif kind == "namespaces":
             self._memo.pop(namespace, None)
             self._selected.pop(namespace, None)
             self._desired = None
+            self._open = None
         else:
             self._usage.pop(namespace, None)
             self._memo.pop(namespace, None)
@@ -334,6 +341,31 @@ class TenantState:
         ordered = (self.tenants[name].tenant for name in sorted(self.tenants))
         winners = winning_tenants(namespace, ns.labels if ns is not None else None, ordered)
         return None if winners is None else [self.tenants[t.name] for t in winners]
+
+    # -- pod security ---------------------------------------------------------------------
+    def without_pod_security(self) -> dict[str, tuple[str, ...]]:
+        """Tenant namespaces where the API server lets pods be privileged (Pod Security
+        level ``privileged``): namespace -> the tenants there, valid or not (memoised
+        until a tenant or namespace changes). A privileged pod gets every GPU of its
+        node without a claim, so the tenant's rules do not hold there."""
+        if self._open is None:
+            self._open = self._compute_open()
+        return self._open
+
+    def _compute_open(self) -> dict[str, tuple[str, ...]]:
+        found: dict[str, tuple[str, ...]] = {}
+        if not self.tenants and not self._reach:
+            return found
+        for namespace, ns in sorted(self.namespaces.items()):
+            if ns.terminating or enforce_level(ns.labels, self.pod_security_default) != PRIVILEGED:
+                continue
+            names = {rules.tenant.name for rules in self._winners(namespace) or []}
+            names.update(
+                n for n, reach in self._reach.items() if reach.selects(namespace, ns.labels)
+            )
+            if names:
+                found[namespace] = tuple(sorted(names))
+        return found
 
     # -- quota ----------------------------------------------------------------------------
     def desired_quotas(self) -> dict[str, tuple[dict[str, str], str]]:

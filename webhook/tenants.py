@@ -36,6 +36,7 @@ from gpudra.common.kube import ApiError, Kube
 from gpudra.common.reconcile import ReconcileLoop
 from gpudra.common.watch import Reflector
 from gpudra.webhook.convert import DEFAULT_POLICY, ConversionPolicy
+from gpudra.webhook.pod_security import ENFORCE_LABEL, PRIVILEGED
 from gpudra.webhook.tenant_state import QUOTA_NAME, TENANT_LABEL, TenantState, quota_spec_is
 from gpudra.webhook.validate import driver_classes
 
@@ -67,6 +68,7 @@ class TenantController:
         *,
         backoff_max_s: float = 30.0,
         extra_classes: Sequence[str] = (),
+        pod_security_default: str = PRIVILEGED,
     ) -> None:
         self.kube = kube
         self.backoff_max_s = backoff_max_s
@@ -81,8 +83,10 @@ class TenantController:
             base_policy=base_policy,
             on_change=self._reconciler.poke,
             quota_classes=driver_classes(base_policy, extra_classes),
+            pod_security_default=pod_security_default,
         )
         self._foreign: set[str] = set()
+        self._reported_open: Mapping[str, tuple[str, ...]] = {}
 
     @property
     def ready(self) -> bool:
@@ -129,6 +133,7 @@ class TenantController:
     async def reconcile_once(self) -> int:
         """Bring the owned ResourceQuotas to the desired state; returns the writes made."""
         state = self.state
+        self._report_pod_security()
         desired = state.desired_quotas()
         writes = 0
         # One namespace's refused write never keeps the others from their quotas: each is
@@ -163,6 +168,28 @@ class TenantController:
         if failures:
             raise failures[0]
         return writes
+
+    def _report_pod_security(self) -> None:
+        """Warn, each time the set changes, of tenant namespaces where pods may be
+        privileged: the tenant rules bound claims, and a privileged pod needs none."""
+        found = self.state.without_pod_security()
+        if found == self._reported_open:
+            return
+        self._reported_open = found
+        if found:
+            names = sorted(found)
+            log.warning(
+                "tenant namespaces do not enforce Pod Security baseline: a privileged pod "
+                "there gets every GPU of its node without a claim, outside its tenant's "
+                f"rules; label them {ENFORCE_LABEL}=baseline (or restricted)",
+                extra={
+                    "fields": {
+                        "count": len(names),
+                        "namespaces": names[:20],
+                        "tenants": sorted({t for ts in found.values() for t in ts})[:20],
+                    }
+                },
+            )
 
     async def _write(
         self, namespace: str, action: Awaitable[None], failures: list[ApiError]

@@ -631,8 +631,12 @@ def test_prometheus_fires_the_idle_alert_for_the_pod_whose_gpu_idles(
     except (h.HelmUnavailable, p.PrometheusUnavailable) as e:
         pytest.skip(str(e))
     values = {"enabled": True, "idleSeconds": 3, "lowUtilizationFor": "5s"}
-    objects = h.template(helm, {"monitoring": {"prometheusRule": values}})
+    monitoring = {"prometheusRule": values, "podMonitor": {"enabled": True}}
+    objects = h.template(helm, {"monitoring": monitoring})
     (rule,) = [o for o in objects if o["kind"] == "PrometheusRule"]
+    # Scraped as the Prometheus Operator scrapes the chart's PodMonitor: the target's own
+    # namespace, pod and container labels must not replace the holder's.
+    (monitor,) = [o for o in objects if o["kind"] == "PodMonitor"]
     gpus = list(stack.gpu_minors())
     script = stack.telemetry_script
 
@@ -652,7 +656,10 @@ def test_prometheus_fires_the_idle_alert_for_the_pod_whose_gpu_idles(
         idle_uuid = attr(devices[allocation(kube, ns, "idler")[0]["device"]], "uuid")
         utilization({idle_uuid})
         targets = [f"127.0.0.1:{port}"]
-        with p.serve(prometheus, tmp_path, targets=targets, rules=p.rule_groups(rule)) as prom:
+        rules = p.rule_groups(rule)
+        with p.serve(
+            prometheus, tmp_path, targets=targets, rules=rules, pod_monitor=monitor
+        ) as prom:
 
             def firing() -> dict[str, dict[str, Any]]:
                 found = {

@@ -116,6 +116,31 @@ class Server:
         return "\n".join(text.splitlines()[-lines:])
 
 
+def operator_scrape(pod_monitor: Mapping[str, Any], targets: Sequence[str]) -> dict[str, Any]:
+    """The scrape job the Prometheus Operator makes of a PodMonitor's one endpoint, with
+    `targets` standing for the pods it discovers: every target carries the labels the
+    operator gives it (the pod's namespace, name and container, the endpoint's port and
+    the job), and ``honor_labels`` is the endpoint's ``honorLabels`` (default false).
+    Those labels are what a scraped series' own `namespace`, `pod` and `container`
+    collide with: without honorLabels Prometheus renames the series' to ``exported_*``."""
+    (endpoint,) = pod_monitor["spec"]["podMetricsEndpoints"]
+    meta = pod_monitor["metadata"]
+    labels = {
+        "namespace": meta["namespace"],
+        "pod": f"{meta['name']}-agent",
+        "container": "node",
+        "endpoint": endpoint["port"],
+        "job": f"{meta['namespace']}/{meta['name']}",
+        # The endpoint's relabeling puts the pod's node here (a static stand-in).
+        "node": "gpu-node",
+    }
+    return {
+        "job_name": f"podMonitor/{meta['namespace']}/{meta['name']}/0",
+        "honor_labels": bool(endpoint.get("honorLabels", False)),
+        "static_configs": [{"targets": list(targets), "labels": labels}],
+    }
+
+
 @contextlib.contextmanager
 def serve(
     bin_path: Path,
@@ -124,18 +149,24 @@ def serve(
     targets: Sequence[str],
     rules: Mapping[str, Any],
     interval: str = "1s",
+    pod_monitor: Mapping[str, Any] | None = None,
 ) -> Iterator[Server]:
     """Prometheus scraping `targets` (host:port, path /metrics) and evaluating `rules`
     every `interval`, on a free loopback port with its data under `workdir`; stopped
-    (and waited for) on exit, whatever happened inside."""
+    (and waited for) on exit, whatever happened inside. With `pod_monitor` (the chart's
+    rendered PodMonitor), the scrape is the one the Prometheus Operator makes of it."""
     workdir.mkdir(parents=True, exist_ok=True)
     write_yaml(workdir / "rules.yaml", dict(rules))
+    job: dict[str, Any] = {
+        "job_name": "gpudra-node",
+        "static_configs": [{"targets": list(targets)}],
+    }
+    if pod_monitor is not None:
+        job = operator_scrape(pod_monitor, targets)
     config = {
         "global": {"scrape_interval": interval, "evaluation_interval": interval},
         "rule_files": ["rules.yaml"],
-        "scrape_configs": [
-            {"job_name": "gpudra-node", "static_configs": [{"targets": list(targets)}]}
-        ],
+        "scrape_configs": [job],
     }
     write_yaml(workdir / "prometheus.yml", config)
     port = free_port()

@@ -67,7 +67,7 @@ def rendered_rules(helm: Path, tmp_path: Path) -> Path:
 
 def test_the_rules_pass_promtool_check(helm: Path, prometheus_bin: Path, tmp_path: Path) -> None:
     out = p.promtool(prometheus_bin, "check", "rules", str(rendered_rules(helm, tmp_path)))
-    assert "SUCCESS: 9 rules found" in out
+    assert "SUCCESS: 10 rules found" in out
 
 
 def test_each_alert_fires_when_it_should_and_only_then(
@@ -310,6 +310,48 @@ def test_each_alert_fires_when_it_should_and_only_then(
                     ],
                 },
                 {"eval_time": "65m", "alertname": "GpudraWebhookConnectionsShed", "exp_alerts": []},
+            ],
+        },
+        {
+            # Two replicas report the namespace until it is labelled at 30m: one alert.
+            "name": "a tenant namespace without Pod Security",
+            "interval": "1m",
+            "input_series": [
+                {
+                    "series": p.series(
+                        "gpudra_webhook_tenant_namespace_without_pod_security",
+                        {**SCRAPE, "instance": instance, "namespace": "team-a", "tenant": "a"},
+                    ),
+                    "values": "1x30",
+                }
+                for instance in ("10.0.0.8:8443", "10.0.0.9:8443")
+            ],
+            "alert_rule_test": [
+                {
+                    "eval_time": "5m",
+                    "alertname": "GpudraTenantNamespaceWithoutPodSecurity",
+                    "exp_alerts": [],
+                },
+                {
+                    "eval_time": "15m",
+                    "alertname": "GpudraTenantNamespaceWithoutPodSecurity",
+                    "exp_alerts": [
+                        alert(
+                            {"namespace": "team-a", "tenant": "a"},
+                            "warning",
+                            summary="Namespace team-a of GpuTenant a does not enforce Pod "
+                            "Security baseline",
+                            description="A privileged pod there gets every GPU of its node "
+                            "without a claim, outside the tenant's rules. Label the namespace "
+                            "pod-security.kubernetes.io/enforce=baseline (or restricted).",
+                        )
+                    ],
+                },
+                {
+                    "eval_time": "45m",
+                    "alertname": "GpudraTenantNamespaceWithoutPodSecurity",
+                    "exp_alerts": [],
+                },
             ],
         },
     ]

@@ -1045,3 +1045,15 @@ def test_native_resource_pods_are_sent_for_the_tenant_rules(helm: Path) -> None:
     cel = h.find(objects, "MutatingWebhookConfiguration")["webhooks"][0]["matchConditions"][0]
     assert cel["expression"] == registration.gpu_pod_cel(["nvidia.com/gpu"])
     assert "k in ['nvidia.com/gpu']" in cel["expression"]
+
+
+@pytest.mark.parametrize(
+    "trusted", [[], ["system:serviceaccount:ops:claim-maker", "alice"]], ids=["none", "named"]
+)
+def test_claim_links_policy_matches_the_code(helm: Path, trusted: list[str]) -> None:
+    objects = h.template(helm, {"claimLinks": {"trustedUsers": trusted}})
+    for want in registration.claim_links_policy(trusted):
+        rendered = strip_chart_metadata(h.find(objects, want["kind"], want["metadata"]["name"]))
+        assert rendered == want
+    off = h.template(helm, {"claimLinks": {"enabled": False}})
+    assert not [o for o in off if o["metadata"]["name"] == registration.CLAIM_LINKS_POLICY_NAME]

@@ -17,7 +17,7 @@ from gpudra.driver.accounting import Accounting
 from gpudra.driver.metrics import ClaimMetrics, DeviceMetrics
 from gpudra.driver.nvml.emulator import NvmlEmulator, load_builtin_profile
 from gpudra.driver.sampling import Sampler
-from gpudra.webhook.metrics import WebhookMetrics
+from gpudra.webhook.metrics import PodSecurityGaps, WebhookMetrics
 from prometheus_client import CollectorRegistry
 
 from e2e.tools import helm as h
@@ -37,6 +37,7 @@ def exported_series() -> set[str]:
     registry = CollectorRegistry()
     ClaimMetrics(registry)
     WebhookMetrics(registry)
+    registry.register(PodSecurityGaps(dict))
     sampler = Sampler(
         NvmlEmulator(load_builtin_profile("l4")),
         pool="n",
@@ -66,6 +67,7 @@ def test_every_alert_is_complete_and_asks_for_exported_series(helm: Path) -> Non
         "GpudraPrepareErrors",
         "GpudraWebhookDenialsRising",
         "GpudraWebhookConnectionsShed",
+        "GpudraTenantNamespaceWithoutPodSecurity",
     }
     exported = exported_series()
     for name, rule in rules.items():
@@ -119,6 +121,9 @@ def test_the_pod_monitor_scrapes_the_agents_metrics_port(helm: Path) -> None:
     ports = ds["spec"]["template"]["spec"]["containers"][0]["ports"]
     assert endpoint["port"] in [p["name"] for p in ports]
     assert endpoint["interval"] == "15s"
+    # Holder series name the holder's namespace, pod and container, which the operator's
+    # target labels of the same names would otherwise rename to exported_*.
+    assert endpoint["honorLabels"] is True
     no_port = {**values, "node": {"metricsPort": 0}}
     assert not [o for o in h.template(helm, no_port) if o["kind"] == "PodMonitor"]
 

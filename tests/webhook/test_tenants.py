@@ -13,9 +13,11 @@ from gpudra.api.quantity import parse_quantity
 from gpudra.api.tenants import API_VERSION, parse_tenant
 from gpudra.common.kube import ApiError
 from gpudra.webhook.convert import DeviceKind, convert_pod
+from gpudra.webhook.metrics import PodSecurityGaps
 from gpudra.webhook.tenant_rules import Lookup, QuotaUsage, TenantRules, claim_devices, policy_for
 from gpudra.webhook.tenant_state import QUOTA_NAME, TENANT_LABEL, TenantState
 from gpudra.webhook.tenants import MANAGED_BY_LABEL, MANAGED_BY_VALUE, TenantController
+from prometheus_client import CollectorRegistry, generate_latest
 
 KEY = "gpu.nvidia.com.deviceclass.resource.k8s.io/devices"
 
@@ -551,3 +553,74 @@ async def test_a_scope_added_to_the_owned_quota_is_put_back() -> None:
     await settle(controller, server)
     assert "scopes" not in server.objs["ns"]["spec"]
     assert controller.state.lookup("ns").rules is not None
+
+
+ENFORCE = "pod-security.kubernetes.io/enforce"
+
+
+def test_tenant_namespaces_where_pods_may_be_privileged_are_listed() -> None:
+    """A privileged pod gets every GPU of its node without a claim: tenant namespaces
+    whose Pod Security level allows it are listed with their tenants, valid or not, as
+    the API server reads the level (a label, else the cluster's default; an unknown
+    value is enforced as restricted), and the list follows label changes."""
+    bad = tenant("broken", namespaces=["b1"], allowedSharing=["MPS"])  # invalid
+    labelled = tenant("team-l", namespaceSelector={"matchLabels": {"team": "l"}})
+    known = [
+        namespace("open"),
+        namespace("privileged", **{ENFORCE: "privileged"}),
+        namespace("baseline", **{ENFORCE: "baseline"}),
+        namespace("restricted", **{ENFORCE: "restricted"}),
+        namespace("typo", **{ENFORCE: "Baseline"}),
+        namespace("l1", team="l"),
+        namespace("b1"),
+        namespace("no-tenant"),
+        namespace("leaving", phase="Terminating"),
+    ]
+    named = ["open", "privileged", "baseline", "restricted", "typo", "leaving"]
+    s = state([tenant("team-a", namespaces=named), labelled, bad], known)
+    assert s.without_pod_security() == {
+        "b1": ("broken",),
+        "l1": ("team-l",),
+        "open": ("team-a",),
+        "privileged": ("team-a",),
+    }
+
+    s.event("namespaces", "MODIFIED", namespace("open", **{ENFORCE: "baseline"}))
+    assert "open" not in s.without_pod_security()
+    s.event("namespaces", "MODIFIED", namespace("open"))
+    assert "open" in s.without_pod_security()
+
+    # Where the API server's configuration enforces baseline by default, only the
+    # namespaces labelled privileged are open.
+    s = TenantState(pod_security_default="baseline")
+    s.replace("tenants", [tenant("team-a", namespaces=named)])
+    s.replace("namespaces", known)
+    s.replace("quotas", [])
+    assert s.without_pod_security() == {"privileged": ("team-a",)}
+    assert state([], known).without_pod_security() == {}
+
+
+@pytest.mark.anyio
+async def test_the_webhook_exports_and_logs_tenant_namespaces_without_pod_security(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The series is read from the tenant state at each scrape (gone once the namespace
+    is labelled), and the controller warns once per change, naming the namespaces."""
+    server = QuotaServer()
+    controller = quota_controller(server)
+    registry = CollectorRegistry()
+    registry.register(PodSecurityGaps(controller.state.without_pod_security))
+    series = (
+        'gpudra_webhook_tenant_namespace_without_pod_security{namespace="ns",tenant="team-a"} 1.0'
+    )
+    assert series in generate_latest(registry).decode()
+
+    with caplog.at_level("WARNING", logger="gpudra.webhook.tenants"):
+        await controller.reconcile_once()
+        await controller.reconcile_once()
+    (record,) = [r for r in caplog.records if "Pod Security" in r.getMessage()]
+    assert record.fields == {"count": 1, "namespaces": ["ns"], "tenants": ["team-a"]}  # type: ignore[attr-defined]
+    assert f"label them {ENFORCE}=baseline" in record.getMessage()
+
+    controller.state.event("namespaces", "MODIFIED", namespace("ns", **{ENFORCE: "restricted"}))
+    assert "without_pod_security{" not in generate_latest(registry).decode()

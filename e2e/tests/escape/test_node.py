@@ -20,7 +20,15 @@ from gpudra.driver.processes import ProcessIdentity
 from e2e.claims import claim_name, node_devices, wait_running
 from e2e.cluster.harness import Cluster
 from e2e.cluster.kube import Kube, wait_for
-from e2e.gpu_pods import daemon_alive, daemon_pods, gpu_pod, mps_template
+from e2e.gpu_pods import (
+    daemon_alive,
+    daemon_pods,
+    gpu_minors,
+    gpu_pod,
+    mps_template,
+    seen,
+    whole_gpu_template,
+)
 from e2e.node.gpus import DRIVER, GpuStack, NodeGpus
 
 pytestmark = pytest.mark.cluster
@@ -100,3 +108,38 @@ def test_a_tenant_that_fakes_its_mps_daemons_files_cannot_keep_the_gpu(
     kube.delete("Pod", "tenant-b", ns)
     # Its daemon outlives the agent as a real one would: unprepared before the node goes.
     wait_for("the next claim unprepared", lambda: uid not in stack.checkpoint(), timeout=90)
+
+
+def test_a_pod_without_a_claim_cannot_name_another_claims_devices(
+    stack: NodeGpus, kube: Kube, cluster: Cluster, ns: str
+) -> None:
+    """The CDI specs on the node name each prepared claim's devices, and containerd
+    injects CDI devices named in a container's annotations (`cdi.k8s.io/*`). A pod
+    holding no claim names another pod's GPU that way, through a pod annotation (the
+    kubelet does not pass a pod's annotations to its containers), and through
+    `NVIDIA_VISIBLE_DEVICES` (read only by NVIDIA's container runtime, which gpudra does
+    not need): its container gets no GPU device node and none of the claim's edits,
+    while the claim's own pod keeps them."""
+    kube.create(whole_gpu_template(ns))
+    kube.create(gpu_pod(stack, "holder", ns, template="whole"))
+    wait_running(kube, ns, "holder")
+    uid = claim_of(kube, ns, "holder")["metadata"]["uid"]
+    (device,) = stack.checkpoint()[uid]["devices"]
+    cdi_id = device["cdiDeviceIds"][0]
+    held, held_env = seen(cluster, ns, "holder")
+    assert gpu_minors(held) and any(k.startswith("GPUDRA_") for k in held_env)
+
+    thief = gpu_pod(stack, "thief", ns, template="whole")
+    del thief["spec"]["resourceClaims"]
+    container = thief["spec"]["containers"][0]
+    del container["resources"]
+    uuid = next(v for k, v in held_env.items() if k.endswith("_UUID"))
+    container["env"] = [{"name": "NVIDIA_VISIBLE_DEVICES", "value": f"{uuid},all"}]
+    thief["metadata"]["annotations"] = {"cdi.k8s.io/steal": cdi_id}
+    kube.create(thief)
+    wait_running(kube, ns, "thief")
+    nodes, env = seen(cluster, ns, "thief")
+    assert not gpu_minors(nodes), nodes
+    assert not {n for n in nodes if n.startswith("nvidia")}, nodes
+    assert not [k for k in env if k.startswith("GPUDRA_")], env
+    assert seen(cluster, ns, "holder") == (held, held_env)

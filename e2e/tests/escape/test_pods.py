@@ -110,7 +110,7 @@ async def escape(cluster: Cluster, kube: SyncKube, tmp_path: Path) -> AsyncItera
         await tg.start(controller.run)
         url = f"https://{cluster.webhook_host()}:{port}"
         await register_webhook(akube, pki, config, url)
-        for obj in registration.opt_out_policy([]):
+        for obj in [*registration.opt_out_policy([]), *registration.claim_links_policy()]:
             await registration.apply(akube, obj)
         probe = pod(ns, "probe", {"nvidia.com/gpu": "1"}, labels={OPT_OUT_LABEL: "false"})
         await call(opt_out_policy_active, kube, probe)
@@ -142,6 +142,8 @@ async def escape(cluster: Cluster, kube: SyncKube, tmp_path: Path) -> AsyncItera
             await akube.request(
                 "DELETE", f"{registration.OPT_OUT_POLICY_PATH}/{registration.OPT_OUT_POLICY_NAME}"
             )
+            for base in (registration.OPT_OUT_BINDING_PATH, registration.OPT_OUT_POLICY_PATH):
+                await akube.request("DELETE", f"{base}/{registration.CLAIM_LINKS_POLICY_NAME}")
             await call(lambda: kube.request("DELETE", f"{TENANTS}/{tenant_name}"))
             await call(kube.delete, "Namespace", ns)
             tg.cancel_scope.cancel()
@@ -589,3 +591,106 @@ async def test_connections_held_open_cannot_lock_the_api_server_out(escape: Esca
         for stream in held:
             with anyio.CancelScope(shield=True):
                 await stream.aclose()
+
+
+async def test_a_tenant_namespace_open_to_privileged_pods_is_reported(
+    escape: Escape, kube: SyncKube
+) -> None:
+    """A privileged pod gets every GPU of its node without a claim, so the GpuTenant's
+    rules hold only where Pod Security keeps pods unprivileged (the API server's side is
+    in test_rbac.py). The escape tenant's namespace has no enforce label: the webhook
+    exports it, with its tenant, until the cluster admin labels it baseline."""
+    context = ssl.create_default_context(cadata=escape.webhook_ca.decode())
+
+    async def exported() -> str:
+        async with (
+            aiohttp.ClientSession() as session,
+            session.get(escape.webhook_url + "/metrics", ssl=context) as resp,
+        ):
+            assert resp.status == 200
+            return await resp.text()
+
+    series = (
+        "gpudra_webhook_tenant_namespace_without_pod_security"
+        f'{{namespace="{escape.ns}",tenant="escape-{escape.ns}"}} 1.0'
+    )
+    assert series in await exported()
+    label = {"metadata": {"labels": {"pod-security.kubernetes.io/enforce": "baseline"}}}
+    await call(
+        lambda: kube.request(
+            "PATCH",
+            f"/api/v1/namespaces/{escape.ns}",
+            label,
+            content_type="application/merge-patch+json",
+        )
+    )
+    with anyio.fail_after(30):
+        while series in await exported():
+            await anyio.sleep(0.2)
+
+
+async def test_a_tenant_cannot_make_its_own_claim_a_pods_or_release_a_held_one(
+    escape: Escape, kube: SyncKube
+) -> None:
+    """The scheduler and the kubelet take a claim as a pod's by its controlling owner's
+    UID and the name in the pod's status, and the resource claim controller adopts one
+    with the pod-claim-name annotation; a claim's metadata may change after the webhook
+    judged it with no pod. The chart's `gpudra-claim-links` policy leaves both to
+    Kubernetes, and the delete-protection finalizer too (removing it would let a tenant
+    delete a claim under its running pod and the GPU go to another tenant). The tenant
+    tries each, at creation and by update; other changes to its claims still work."""
+    ns, tenant = escape.ns, escape.tenant
+    gated = pod(ns, "waiting")
+    gated["spec"]["schedulingGates"] = [{"name": "escape.gpudra.io/hold"}]
+    waiting = await create(tenant, gated)
+    owner = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "name": "waiting",
+        "uid": waiting["metadata"]["uid"],
+        "controller": True,
+    }
+    owned = gpu_claim(ns, "owned")
+    owned["metadata"]["ownerReferences"] = [owner]
+    with anyio.fail_after(30):  # the API server loads policies asynchronously
+        while True:
+            try:
+                await create(tenant, owned)
+            except AsyncApiError as exc:
+                message = str(exc)
+                break
+            await call(kube.delete, "ResourceClaim", "owned", ns)
+            await anyio.sleep(0.5)
+    assert "only Kubernetes' controllers set a ResourceClaim's controlling owner" in message
+
+    annotated = gpu_claim(ns, "annotated")
+    annotated["metadata"]["annotations"] = {"resource.kubernetes.io/pod-claim-name": "a"}
+    assert "only Kubernetes sets the annotations" in await refused(tenant, annotated)
+
+    await create(tenant, gpu_claim(ns, "plain"))
+    path = f"{RESOURCE}/namespaces/{ns}/resourceclaims/plain"
+    merge = "application/merge-patch+json"
+    for change in (
+        {"metadata": {"ownerReferences": [owner]}},
+        {"metadata": {"annotations": {"resource.kubernetes.io/pod-claim-name": "a"}}},
+    ):
+        with pytest.raises(AsyncApiError) as err:
+            await tenant.request("PATCH", path, change, content_type=merge)
+        assert err.value.status == 403 and "only Kubernetes" in str(err.value), err.value
+    label = {"metadata": {"labels": {"team": "a"}}}
+    await tenant.request("PATCH", path, label, content_type=merge)
+
+    # As the scheduler does once it allocates the claim; the tenant cannot take it off.
+    protect = {"metadata": {"finalizers": ["resource.kubernetes.io/delete-protection"]}}
+    await call(lambda: kube.request("PATCH", path, protect, content_type=merge))
+    with pytest.raises(AsyncApiError) as err:
+        await tenant.request("PATCH", path, {"metadata": {"finalizers": []}}, content_type=merge)
+    assert err.value.status == 403, err.value
+    assert "only Kubernetes removes the finalizer" in str(err.value)
+    stored = await call(kube.get, "ResourceClaim", "plain", ns)
+    assert stored["metadata"]["labels"] == {"team": "a"}
+    assert not stored["metadata"].get("ownerReferences")
+    assert "resource.kubernetes.io/pod-claim-name" not in stored["metadata"].get("annotations", {})
+    await call(
+        lambda: kube.request("PATCH", path, {"metadata": {"finalizers": []}}, content_type=merge)
+    )

@@ -52,9 +52,9 @@ def claim(ns: str, name: str, **exactly: Any) -> dict[str, Any]:
     }
 
 
-def denied(attempt: Any, *args: Any) -> ApiError:
+def denied(attempt: Any, *args: Any, **kwargs: Any) -> ApiError:
     with pytest.raises(ApiError) as err:
-        attempt(*args)
+        attempt(*args, **kwargs)
     return err.value
 
 
@@ -166,3 +166,74 @@ def allocate(kube: SyncKube, ns: str, name: str) -> None:
         "reservedFor": [{"resource": "pods", "name": "owner", "uid": owner["metadata"]["uid"]}],
     }
     kube.request("PUT", SyncKube.path("ResourceClaim", ns, name) + "/status", claim)
+
+
+ENFORCE_LABEL = "pod-security.kubernetes.io/enforce"
+
+
+def test_pod_security_baseline_keeps_a_tenant_from_gpus_outside_claims(
+    kube: SyncKube, namespaces: tuple[str, str]
+) -> None:
+    """A privileged container gets every device node of its node, so every GPU there
+    with no claim, and a hostPath volume reaches the node agent's sockets, checkpoint
+    and CDI specs: gpudra relies on Pod Security `baseline` in tenant namespaces (the
+    webhook reports tenant namespaces without it). With the label set by the admin, each
+    way in is refused by the API server, also when added to a running pod, and the
+    tenant cannot lift the label."""
+    ns, _ = namespaces
+    kube.request(
+        "PATCH",
+        f"/api/v1/namespaces/{ns}",
+        {"metadata": {"labels": {ENFORCE_LABEL: "baseline"}}},
+        content_type="application/merge-patch+json",
+    )
+    user = tenant_user(kube, ns)
+
+    def plain(name: str) -> dict[str, Any]:
+        return {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": name, "namespace": ns},
+            "spec": {"containers": [{"name": "main", "image": "registry.k8s.io/pause:3.10"}]},
+        }
+
+    privileged = plain("privileged")
+    privileged["spec"]["containers"][0]["securityContext"] = {"privileged": True}
+    err = denied(user.create, privileged)
+    assert err.status == 403, err
+    assert 'violates PodSecurity "baseline:latest": privileged' in str(err)
+
+    for name, path in (("sockets", "/var/lib/kubelet/plugins"), ("cdi", "/var/run/cdi")):
+        mounted = plain(name)
+        mounted["spec"]["volumes"] = [{"name": "host", "hostPath": {"path": path}}]
+        err = denied(user.create, mounted)
+        assert err.status == 403, err
+        assert "hostPath volumes" in str(err)
+
+    # A pod admitted plain cannot be given a privileged ephemeral container afterwards,
+    # by the tenant, nor by anyone whose role allows adding one.
+    user.create(plain("plain"))
+    debug = {
+        "name": "debug",
+        "image": "registry.k8s.io/pause:3.10",
+        "securityContext": {"privileged": True},
+    }
+    pod = kube.get("Pod", "plain", ns)
+    pod["spec"]["ephemeralContainers"] = [debug]
+    del pod["metadata"]["resourceVersion"]  # no precondition: the pod's status moves on
+    path = SyncKube.path("Pod", ns, "plain") + "/ephemeralcontainers"
+    err = denied(user.request, "PUT", path, pod)
+    assert err.status == 403, err  # `edit` may not; where a role allows it, Pod Security:
+    err = denied(kube.request, "PUT", path, pod)
+    assert err.status == 403, err
+    assert 'violates PodSecurity "baseline:latest": privileged' in str(err)
+    assert not kube.get("Pod", "plain", ns)["spec"].get("ephemeralContainers")
+
+    # Nor can the tenant lift the level.
+    lift = {"metadata": {"labels": {ENFORCE_LABEL: "privileged"}}}
+    err = denied(user.request, "PATCH", f"/api/v1/namespaces/{ns}", lift)
+    assert err.status == 403, err
+    assert kube.get("Namespace", ns)["metadata"]["labels"][ENFORCE_LABEL] == "baseline"
+    for name in ("privileged", "sockets", "cdi"):
+        assert kube.get_or_none("Pod", name, ns) is None
+    kube.delete("Pod", "plain", ns, grace=0)
