@@ -175,6 +175,17 @@ class ClaimRecord:
     def completed(self) -> bool:
         return self.state is ClaimState.PREPARE_COMPLETED
 
+    @property
+    def pod(self) -> str:
+        """The pod the claim was prepared for (the first it was reserved for); "" when
+        not recorded."""
+        return next((d.details.pod for d in self.devices if d.details.pod), "")
+
+    @property
+    def pod_uid(self) -> str:
+        """The UID of `pod`; "" when not recorded (records of earlier releases)."""
+        return next((d.details.pod_uid for d in self.devices if d.details.pod), "")
+
     def name_seen_from(self, namespace: str) -> str | None:
         """``namespace/name`` for a message another claim of `namespace` reads, None for
         one of another namespace: such messages reach that claim's pod events, and another

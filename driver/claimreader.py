@@ -13,13 +13,22 @@ neither HTTP nor API objects.
 
 from __future__ import annotations
 
+import urllib.parse
 from collections.abc import Mapping
+from typing import Any, Final
 
 from gpudra.common.kube import ApiError, Kube, claim_path
 from gpudra.driver.claims import Claim, ClaimError, ClaimRef, check_ref, checked_claim
 from gpudra.driver.holders import ClaimInfos, claim_info
+from gpudra.driver.podclaims import entries_naming
 
 __all__ = ["ApiClaims"]
+
+_FINISHED: Final = frozenset({"Succeeded", "Failed"})
+
+
+def _mapping(value: object) -> Mapping[str, Any]:
+    return value if isinstance(value, Mapping) else {}
 
 
 class ApiClaims:
@@ -81,3 +90,29 @@ class ApiClaims:
             raise
         uid = (obj.get("metadata") or {}).get("uid") if isinstance(obj, Mapping) else None
         return uid if isinstance(uid, str) else None
+
+    async def still_used(self, ref: ClaimRef, pod: str, pod_uid: str) -> bool:
+        """Whether pod `pod` of the claim's namespace (that very pod, where its UID
+        `pod_uid` is known) still runs on this node and names the claim `ref` names, in
+        a claim entry or as its extended-resource claim: its containers may still have
+        the devices, and the kubelet unprepares the claim once that pod ends. A new pod
+        of the same name is another pod. Raises when the API server cannot tell."""
+        if not pod:
+            return False
+        name = urllib.parse.quote(pod, safe="")
+        path = f"/api/v1/namespaces/{ref.namespace}/pods/{name}"
+        try:
+            obj = await self._kube.request("GET", path, request_timeout_s=self._timeout_s)
+        except ApiError as exc:
+            if exc.status == 404:
+                return False
+            raise
+        if not isinstance(obj, Mapping):
+            return False
+        meta, spec, status = (_mapping(obj.get(k)) for k in ("metadata", "spec", "status"))
+        if pod_uid and meta.get("uid") != pod_uid:
+            return False
+        if spec.get("nodeName") != self._pool or status.get("phase") in _FINISHED:
+            return False
+        extended = _mapping(status.get("extendedResourceClaimStatus")).get("resourceClaimName")
+        return extended == ref.name or bool(entries_naming(obj, ref.name))

@@ -95,6 +95,7 @@ class Claim:
     class_configs: tuple[BoundConfig, ...] = ()
     claim_configs: tuple[BoundConfig, ...] = ()
     pod: str = ""
+    pod_uid: str = ""
 
     @property
     def uid(self) -> str:
@@ -180,6 +181,7 @@ def checked_claim(ref: ClaimRef, obj: object, *, driver: str, pool: str) -> Clai
         class_configs=tuple(class_configs),
         claim_configs=tuple(claim_configs),
         pod=_pod_name(obj),
+        pod_uid=reserved_pods(obj).get(_pod_name(obj), ""),
     )
 
 

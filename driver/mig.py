@@ -60,6 +60,10 @@ class MigError(RuntimeError):
     """An NVML MIG operation failed; the message names the GPU and the step."""
 
 
+class MigNotCreated(MigError):
+    """NVML refused to create the GPU instance: nothing was made."""
+
+
 # --- capability device nodes ------------------------------------------------------------
 
 
@@ -161,11 +165,13 @@ MIG_CONFIG_PRIVILEGE = (
 )
 
 
-def _mig_error(step: str, gpu_uuid: str, err: BaseException) -> MigError:
+def _mig_error(
+    step: str, gpu_uuid: str, err: BaseException, kind: type[MigError] = MigError
+) -> MigError:
     msg = f"{step} on GPU {gpu_uuid}: {describe_nvml_error(err)}"
     if nvml_code(err) == pynvml.NVML_ERROR_NO_PERMISSION:
         msg += f"; the node agent needs {MIG_CONFIG_PRIVILEGE}"
-    return MigError(msg)
+    return kind(msg)
 
 
 def create_gpu_instance(nvml: NvmlLibrary, gpu_uuid: str, placement: MigPlacement) -> int:
@@ -181,6 +187,9 @@ def create_gpu_instance(nvml: NvmlLibrary, gpu_uuid: str, placement: MigPlacemen
             gi = nvml.nvmlDeviceCreateGpuInstanceWithPlacement(
                 parent, placement.profile_id, ctypes.byref(where)
             )
+        except pynvml.NVMLError as err:
+            raise _mig_error(step, gpu_uuid, err, MigNotCreated) from err
+        try:  # made: a failure from here on leaves an instance an undo must find
             return int(nvml.nvmlGpuInstanceGetInfo(gi).id)
         except pynvml.NVMLError as err:
             raise _mig_error(step, gpu_uuid, err) from err

@@ -178,6 +178,7 @@ def _entry(
             gpu_minor=gpu.minor,
             uuid=device.uuid,
             pod=claim.pod,
+            pod_uid=claim.pod_uid,
         ),
     )
     if device.type is DeviceType.MIG:

@@ -30,7 +30,7 @@ from gpudra.common.kube import ApiError, Kube
 from gpudra.driver.checkpoint import ClaimRecord
 from gpudra.driver.holders import ClaimInfo
 
-__all__ = ["ClaimContainers", "container_label", "containers_using"]
+__all__ = ["ClaimContainers", "container_label", "containers_using", "entries_naming"]
 
 log = logging.getLogger(__name__)
 
@@ -55,15 +55,7 @@ def containers_using(pod: Mapping[str, Any], claim: str, request: str) -> tuple[
     ("gpu/big"), which its parent request's name stands for; "" matches any request.
     """
     spec = _mapping(pod.get("spec"))
-    generated = {
-        str(s.get("name")): s.get("resourceClaimName")
-        for s in _items(_mapping(pod.get("status")).get("resourceClaimStatuses"))
-    }
-    entries = {
-        str(e.get("name"))
-        for e in _items(spec.get("resourceClaims"))
-        if claim and claim in (e.get("resourceClaimName"), generated.get(str(e.get("name"))))
-    }
+    entries = entries_naming(pod, claim)
     wanted = request.split("/", 1)[0]
     found = {
         str(container.get("name"))
@@ -73,6 +65,21 @@ def containers_using(pod: Mapping[str, Any], claim: str, request: str) -> tuple[
         if ref.get("name") in entries and (not wanted or ref.get("request") in (None, "", wanted))
     }
     return tuple(sorted(found))
+
+
+def entries_naming(pod: Mapping[str, Any], claim: str) -> set[str]:
+    """The names of `pod`'s claim entries that stand for the ResourceClaim named
+    `claim`: by `resourceClaimName`, or through a template, by the name the resource
+    claim controller recorded in the pod's status."""
+    generated = {
+        str(s.get("name")): s.get("resourceClaimName")
+        for s in _items(_mapping(pod.get("status")).get("resourceClaimStatuses"))
+    }
+    return {
+        str(e.get("name"))
+        for e in _items(_mapping(pod.get("spec")).get("resourceClaims"))
+        if claim and claim in (e.get("resourceClaimName"), generated.get(str(e.get("name"))))
+    }
 
 
 def container_label(names: Iterable[str]) -> str:
@@ -108,10 +115,10 @@ class ClaimContainers:
         known = {
             c.uid: self._known[c.uid]
             for c in current
-            if c.uid in self._known and self._known[c.uid][0] == _pod_of(c)
+            if c.uid in self._known and self._known[c.uid][0] == c.pod
         }
         for record in current:
-            pod = _pod_of(record)
+            pod = record.pod
             info = infos.get(record.uid)
             if record.uid in known or not pod or info is None:
                 continue  # without the claim's read, the pod's UID is not known yet
@@ -161,8 +168,3 @@ class ClaimContainers:
             return {}
         requests = {r for d in record.devices for r in d.request_names}
         return {r: container_label(containers_using(pod_obj, record.name, r)) for r in requests}
-
-
-def _pod_of(record: ClaimRecord) -> str:
-    """The pod the claim was prepared for (the first it is reserved for)."""
-    return next((d.details.pod for d in record.devices if d.details.pod), "")

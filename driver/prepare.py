@@ -63,6 +63,7 @@ from gpudra.driver.devices import DeviceType, Inventory, MigStrategy
 from gpudra.driver.metrics import PreparedDevices
 from gpudra.driver.mig import (
     MigError,
+    MigNotCreated,
     compute_mode,
     create_compute_instance,
     create_gpu_instance,
@@ -95,11 +96,12 @@ T = TypeVar("T")
 
 # The points of a prepare, in order, at which a fault hook runs: each follows a
 # durable step (a checkpoint write or a side effect), so a crash there is one the
-# recovery code must handle. Steps a claim does not need are skipped.
+# recovery code must handle. Steps a claim does not need are skipped. (A failed MIG
+# creation also runs it, at "mig-not-created", once its record is cleared: nothing is
+# left there to recover.)
 PREPARE_STEPS: Final = (
     "prepare-started",
     "mig-recorded",
-    "mig-not-created",
     "mig-gpu-instance-created",
     "mig-created",
     "time-slice-recorded",
@@ -131,6 +133,12 @@ class ClaimLookup(Protocol):
     async def current_uid(self, ref: ClaimRef) -> str | None:
         """The UID of the claim now at `ref`'s namespace and name, None when there is
         none; raises when that cannot be told."""
+        ...
+
+    async def still_used(self, ref: ClaimRef, pod: str, pod_uid: str) -> bool:
+        """Whether `pod` (of UID `pod_uid`, "" when not known), the pod the claim was
+        prepared for, still runs on this node naming the claim; raises when that cannot
+        be told."""
         ...
 
 
@@ -227,6 +235,7 @@ class ClaimPreparer:
         fault: Callable[[str], None] | None = None,
     ) -> None:
         self._fault = fault
+        self._left_to_kubelet: set[str] = set()  # deleted claims whose pod runs (logged)
         self._node = node_name
         self._nvml = nvml
         self._inventory: Callable[[], Inventory | None] = (
@@ -618,7 +627,7 @@ class ClaimPreparer:
             gi = await anyio.to_thread.run_sync(
                 create_gpu_instance, self._nvml, entry.gpu.uuid, placement
             )
-        except MigError:
+        except MigNotCreated:
             # NVML made nothing (another instance may have taken the placement since):
             # forget the record, so that no undo looks for one there.
             entry.details = replace(entry.details, mig=None)
@@ -978,7 +987,10 @@ class ClaimPreparer:
     async def cleanup_deleted_claims(self, claims: ClaimLookup) -> list[str]:
         """Unprepare recorded claims whose ResourceClaim is gone or was re-created
         (other UID), as `claims` tells: the kubelet never unprepares those when it
-        missed the deletion.
+        missed the deletion. A claim whose pod still runs here is left to the kubelet,
+        which unprepares it when the pod ends: its containers may still have the
+        devices, and the scheduler, which no longer counts them, may give them to
+        another claim, which prepare then refuses rather than share them.
 
         Returns the UIDs unprepared; failures are logged and retried on the next call.
         """
@@ -986,17 +998,27 @@ class ClaimPreparer:
         cleaned: list[str] = []
         for record in cp.claims():
             try:
-                current_uid = await claims.current_uid(record.ref)
+                if await claims.current_uid(record.ref) == record.uid:
+                    continue
+                used = await claims.still_used(record.ref, record.pod, record.pod_uid)
             except Exception as exc:
                 log.warning(
                     "cannot check claim", extra={"fields": {"claim": record.uid, "error": str(exc)}}
                 )
                 continue
-            if current_uid == record.uid:
+            if used:
+                if record.uid not in self._left_to_kubelet:
+                    self._left_to_kubelet.add(record.uid)
+                    log.warning(
+                        "a claim was deleted while its pod still runs here; it stays prepared "
+                        "until the pod ends and the kubelet unprepares it",
+                        extra={"fields": {"claim": record.ref.describe(), "pod": record.pod}},
+                    )
                 continue
             error = await self._unprepare_one(record.ref)
             if error is None:
                 cleaned.append(record.uid)
+        self._left_to_kubelet &= {r.uid for r in cp.claims()}
         if cleaned:
             log.info("unprepared deleted claims", extra={"fields": {"claims": cleaned}})
         return cleaned

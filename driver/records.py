@@ -145,6 +145,9 @@ class DeviceDetails:
     gpu_minor: int | None = None
     uuid: str | None = None
     pod: str = ""
+    pod_uid: str = ""
+    """The UID of `pod` as the claim was reserved for it (records of releases before
+    this one have none)."""
     mig: UsedMig | CreatedMig | None = None
     time_slice: TimeSliceSet | None = None
     compute_mode: ComputeModeSet | None = None
@@ -155,7 +158,7 @@ class DeviceDetails:
 
 # --- JSON ---------------------------------------------------------------------------------
 
-_INFO_KEYS: Final = ("type", "request", "parentUuid", "gpuMinor", "uuid", "pod")
+_INFO_KEYS: Final = ("type", "request", "parentUuid", "gpuMinor", "uuid", "pod", "podUid")
 _EFFECT_KEYS: Final = ("mig", "timeSlice", "computeMode", "mps")
 _MIG_KEYS: Final = frozenset({"profileId", "profile", "start", "size", "created", "gi", "ci"})
 _TIME_SLICE_KEYS: Final = frozenset({"uuid", "interval", "applied", "previousComputeMode"})
@@ -325,6 +328,7 @@ def details_from_json(raw: Mapping[str, Any]) -> DeviceDetails:
         gpu_minor=_info(raw, "gpuMinor", int, kept),
         uuid=_info(raw, "uuid", str, kept),
         pod=_info(raw, "pod", str, kept) or "",
+        pod_uid=_info(raw, "podUid", str, kept) or "",
         mig=mig,
         time_slice=_effect(raw, "timeSlice", _time_slice, problems, kept),
         compute_mode=_effect(raw, "computeMode", _compute_mode, problems, kept),
@@ -360,6 +364,7 @@ def details_to_json(details: DeviceDetails) -> dict[str, Any]:
         "gpuMinor": d.gpu_minor,
         "uuid": d.uuid,
         "pod": d.pod,
+        "podUid": d.pod_uid,
     }
     # A planned device (it has a type) lists all of these, as every release wrote
     # them; for other records only what is set, so a record is written back as read.

@@ -262,11 +262,13 @@ def opt_out_policy(namespaces: Sequence[str]) -> list[dict[str, Any]]:
 
 
 CLAIM_LINKS_POLICY_NAME = "gpudra-claim-links"
+TEMPLATE_LINKS_POLICY_NAME = "gpudra-claim-template-links"
 CLAIM_LINK_ANNOTATIONS: Final = (
     "resource.kubernetes.io/pod-claim-name",
     "resource.kubernetes.io/extended-resource-claim",
 )
 """What, with a claim's controlling owner, ties a claim to a pod's claim entry."""
+KUBERNETES_ANNOTATIONS: Final = "resource.kubernetes.io/"
 DELETE_PROTECTION: Final = "resource.kubernetes.io/delete-protection"
 TRUSTED_CEL: Final = (
     "'system:masters' in request.userInfo.groups || request.userInfo.username in "
@@ -277,108 +279,166 @@ TRUSTED_CEL: Final = (
 scheduler and the cluster admins."""
 
 
+def _owners_cel(obj: str, *, controllers: bool) -> str:
+    """`obj`'s owner references (only its controlling one with `controllers`), each as
+    one string of everything that identifies it: the scheduler, the kubelet and the
+    resource claim controller match owners by UID, name or kind."""
+    refs = f"{obj}.metadata.?ownerReferences.orValue([])"
+    if controllers:
+        refs += ".filter(r, r.?controller.orValue(false))"
+    ident = "r.apiVersion + '/' + r.kind + '/' + r.name + '/' + r.uid"
+    if not controllers:
+        ident += " + '/' + string(r.?controller.orValue(false))"
+    return f"{refs}.map(r, {ident})"
+
+
 def claim_links_policy(trusted_users: Sequence[str] = ()) -> list[dict[str, Any]]:
-    """A ValidatingAdmissionPolicy and its binding: only Kubernetes ties a ResourceClaim
-    to a pod, and only Kubernetes lets an allocated claim go.
+    """ValidatingAdmissionPolicies and their bindings: only Kubernetes ties a
+    ResourceClaim to a pod, and only Kubernetes lets an allocated claim go.
 
     The scheduler and the kubelet take a claim as a pod's when its controlling owner
     has the pod's UID (any kind) and its name is the one the pod's status gives the
-    entry, and the resource claim controller adopts a claim the pod controls that
-    carries the pod-claim-name annotation; a claim's metadata may change after its
-    creation. So without this a tenant could make, or turn, a claim of its own into a
-    waiting pod's claim, which the webhook judged with no pod (more devices than
-    ``maxDevicesPerPod``; or a claim stored before the rules, never judged again). The
-    delete-protection finalizer keeps an allocated claim, and its devices, from being
-    released while a pod still uses it; a tenant that removed it could delete the claim
-    under a running pod, and the scheduler would hand the GPU to another tenant while
-    the first one's container still has it. Other users (`trusted_users`, e.g. an
-    operator that makes claims controlled by its own objects) are named by the admin.
+    entry; the resource claim controller adopts a claim the pod controls that carries
+    the pod-claim-name annotation; the scheduler takes one with the
+    extended-resource-claim annotation and the pod as an owner for the pod's
+    extended-resource claim; and a claim's metadata may change after its creation. So
+    without this a tenant could make, or turn, a claim of its own into a waiting pod's
+    claim, which the webhook judged with no pod (more devices than
+    ``maxDevicesPerPod``; or a claim stored before the rules, never judged again).
+    Hence, for everyone but Kubernetes and `trusted_users`: no controlling owner set or
+    changed; neither annotation set or changed; no owner changed at all on a claim
+    Kubernetes made for a pod (an owner without ``controller`` beside the annotation
+    crashes the 1.36 scheduler); and no ``resource.kubernetes.io/`` annotation on a
+    ResourceClaimTemplate, whose annotations the resource claim controller copies onto
+    the claims it makes. The delete-protection finalizer keeps an allocated claim, and
+    its devices, from being released while a pod still uses it; a tenant that removed it
+    could delete the claim under a running pod and the scheduler would hand the GPU to
+    another tenant while the first one's container still has it.
     """
     trusted = TRUSTED_CEL
     if trusted_users:
-        trusted += (
-            f" || request.userInfo.username in {_cel_string_list(sorted(set(trusted_users)))}"
-        )
+        names = _cel_string_list(sorted(set(trusted_users)))
+        trusted += f" || request.userInfo.username in {names}"
     links = _cel_string_list(CLAIM_LINK_ANNOTATIONS)
-
-    def owners(obj: str) -> str:
-        refs = f"{obj}.metadata.?ownerReferences.orValue([])"
-        return f"{refs}.filter(r, r.?controller.orValue(false)).map(r, r.uid)"
+    update = "request.operation == 'UPDATE'"
+    none = _cel_string_list([""] * len(CLAIM_LINK_ANNOTATIONS))
 
     def annotations(obj: str) -> str:
         return f"{links}.map(k, {obj}.metadata.?annotations[?k].orValue(''))"
 
-    update = "request.operation == 'UPDATE'"
-    none = _cel_string_list([""] * len(CLAIM_LINK_ANNOTATIONS))
-    policy = {
-        "apiVersion": "admissionregistration.k8s.io/v1",
-        "kind": "ValidatingAdmissionPolicy",
-        "metadata": {"name": CLAIM_LINKS_POLICY_NAME},
-        "spec": {
-            "failurePolicy": "Fail",
-            "matchConstraints": {
-                "resourceRules": [
-                    {
-                        "apiGroups": ["resource.k8s.io"],
-                        "apiVersions": ["*"],
-                        "operations": ["CREATE", "UPDATE"],
-                        "resources": ["resourceclaims"],
-                    }
-                ]
+    def policy(name: str, resource: str, spec: dict[str, Any]) -> list[dict[str, Any]]:
+        rules = [
+            {
+                "apiGroups": ["resource.k8s.io"],
+                "apiVersions": ["*"],
+                "operations": ["CREATE", "UPDATE"],
+                "resources": [resource],
+            }
+        ]
+        return [
+            {
+                "apiVersion": "admissionregistration.k8s.io/v1",
+                "kind": "ValidatingAdmissionPolicy",
+                "metadata": {"name": name},
+                "spec": {
+                    "failurePolicy": "Fail",
+                    "matchConstraints": {"resourceRules": rules},
+                    "matchConditions": [{"name": "not-kubernetes", "expression": f"!({trusted})"}],
+                    **spec,
+                },
             },
-            "matchConditions": [{"name": "not-kubernetes", "expression": f"!({trusted})"}],
-            "variables": [
-                {"name": "owners", "expression": owners("object")},
-                {"name": "oldOwners", "expression": f"{update} ? {owners('oldObject')} : []"},
-                {"name": "links", "expression": annotations("object")},
-                {
-                    "name": "oldLinks",
-                    "expression": f"{update} ? {annotations('oldObject')} : {none}",
-                },
-            ],
-            "validations": [
-                {
-                    "expression": "variables.owners == variables.oldOwners",
-                    "message": (
-                        "only Kubernetes' controllers set a ResourceClaim's controlling owner "
-                        "(metadata.ownerReferences with controller: true): it makes the claim "
-                        "a pod's; leave it out, or ask the cluster admin to trust your "
-                        "controller (gpudra's claimLinks.trustedUsers)"
-                    ),
-                    "reason": "Forbidden",
-                },
-                {
-                    "expression": "variables.links == variables.oldLinks",
-                    "message": (
-                        "only Kubernetes sets the annotations "
-                        + " and ".join(CLAIM_LINK_ANNOTATIONS)
-                        + " on a ResourceClaim: they make the claim a pod's; leave them out"
-                    ),
-                    "reason": "Forbidden",
-                },
-                {
-                    "expression": (
-                        f"!({update}) || !('{DELETE_PROTECTION}' in "
-                        "oldObject.metadata.?finalizers.orValue([])) || "
-                        f"'{DELETE_PROTECTION}' in object.metadata.?finalizers.orValue([])"
-                    ),
-                    "message": (
-                        f"only Kubernetes removes the finalizer {DELETE_PROTECTION}: it "
-                        "keeps the claim's devices while a pod uses them; delete the claim "
-                        "and its pods, and Kubernetes releases it"
-                    ),
-                    "reason": "Forbidden",
-                },
-            ],
-        },
+            {
+                "apiVersion": "admissionregistration.k8s.io/v1",
+                "kind": "ValidatingAdmissionPolicyBinding",
+                "metadata": {"name": name},
+                "spec": {"policyName": name, "validationActions": ["Deny"]},
+            },
+        ]
+
+    claims = {
+        "variables": [
+            {"name": "owners", "expression": _owners_cel("object", controllers=True)},
+            {
+                "name": "oldOwners",
+                "expression": f"{update} ? {_owners_cel('oldObject', controllers=True)} : []",
+            },
+            {"name": "links", "expression": annotations("object")},
+            {"name": "oldLinks", "expression": f"{update} ? {annotations('oldObject')} : {none}"},
+            {
+                "name": "madeForPod",
+                "expression": "size(variables.oldOwners) > 0 || "
+                "variables.oldLinks.exists(l, l != '')",
+            },
+        ],
+        "validations": [
+            {
+                "expression": "variables.owners == variables.oldOwners",
+                "message": (
+                    "only Kubernetes' controllers set a ResourceClaim's controlling owner "
+                    "(metadata.ownerReferences with controller: true): it makes the claim "
+                    "a pod's; leave it out, or ask the cluster admin to trust your "
+                    "controller (gpudra's claimLinks.trustedUsers)"
+                ),
+                "reason": "Forbidden",
+            },
+            {
+                "expression": "variables.links == variables.oldLinks",
+                "message": (
+                    "only Kubernetes sets the annotations "
+                    + " and ".join(CLAIM_LINK_ANNOTATIONS)
+                    + " on a ResourceClaim: they make the claim a pod's; leave them out"
+                ),
+                "reason": "Forbidden",
+            },
+            {
+                "expression": (
+                    f"!variables.madeForPod || {_owners_cel('object', controllers=False)} == "
+                    f"{_owners_cel('oldObject', controllers=False)}"
+                ),
+                "message": (
+                    "only Kubernetes changes the owners of a ResourceClaim it made for a "
+                    "pod (one with a controlling owner or a pod-claim-name or "
+                    "extended-resource-claim annotation); leave metadata.ownerReferences "
+                    "as they are"
+                ),
+                "reason": "Forbidden",
+            },
+            {
+                "expression": (
+                    f"!({update}) || !('{DELETE_PROTECTION}' in "
+                    "oldObject.metadata.?finalizers.orValue([])) || "
+                    f"'{DELETE_PROTECTION}' in object.metadata.?finalizers.orValue([])"
+                ),
+                "message": (
+                    f"only Kubernetes removes the finalizer {DELETE_PROTECTION}: it "
+                    "keeps the claim's devices while a pod uses them; delete the claim "
+                    "and its pods, and Kubernetes releases it"
+                ),
+                "reason": "Forbidden",
+            },
+        ],
     }
-    binding = {
-        "apiVersion": "admissionregistration.k8s.io/v1",
-        "kind": "ValidatingAdmissionPolicyBinding",
-        "metadata": {"name": CLAIM_LINKS_POLICY_NAME},
-        "spec": {"policyName": CLAIM_LINKS_POLICY_NAME, "validationActions": ["Deny"]},
+    templates = {
+        "validations": [
+            {
+                "expression": (
+                    "!object.spec.?metadata.?annotations.orValue({}).exists(k, "
+                    f"k.startsWith('{KUBERNETES_ANNOTATIONS}'))"
+                ),
+                "message": (
+                    f"annotations under {KUBERNETES_ANNOTATIONS} are Kubernetes' own: the "
+                    "resource claim controller copies a template's spec.metadata.annotations "
+                    "onto the claims it makes for pods, where they would tie a claim to a "
+                    "pod; leave them out"
+                ),
+                "reason": "Forbidden",
+            }
+        ],
     }
-    return [policy, binding]
+    return [
+        *policy(CLAIM_LINKS_POLICY_NAME, "resourceclaims", claims),
+        *policy(TEMPLATE_LINKS_POLICY_NAME, "resourceclaimtemplates", templates),
+    ]
 
 
 def mutating_configuration(

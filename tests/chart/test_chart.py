@@ -1048,7 +1048,9 @@ def test_native_resource_pods_are_sent_for_the_tenant_rules(helm: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    "trusted", [[], ["system:serviceaccount:ops:claim-maker", "alice"]], ids=["none", "named"]
+    "trusted",
+    [[], ["system:serviceaccount:ops:claim-maker", "o'neil@example.com", "back\\slash"]],
+    ids=["none", "named"],
 )
 def test_claim_links_policy_matches_the_code(helm: Path, trusted: list[str]) -> None:
     objects = h.template(helm, {"claimLinks": {"trustedUsers": trusted}})
@@ -1056,4 +1058,14 @@ def test_claim_links_policy_matches_the_code(helm: Path, trusted: list[str]) -> 
         rendered = strip_chart_metadata(h.find(objects, want["kind"], want["metadata"]["name"]))
         assert rendered == want
     off = h.template(helm, {"claimLinks": {"enabled": False}})
-    assert not [o for o in off if o["metadata"]["name"] == registration.CLAIM_LINKS_POLICY_NAME]
+    names = (registration.CLAIM_LINKS_POLICY_NAME, registration.TEMPLATE_LINKS_POLICY_NAME)
+    assert not [o for o in off if o["metadata"]["name"] in names]
+
+
+def test_the_node_agent_reads_pods_with_sampling_off(helm: Path) -> None:
+    """Its sweep of deleted claims asks whether a claim's pod still runs on the node;
+    without the read it could never tell, and would leave every deleted claim prepared."""
+    objects = h.template(helm, {"node": {"sampleIntervalSeconds": 0}})
+    rules = h.find(objects, "ClusterRole", "gpudra-node")["rules"]
+    assert {"apiGroups": [""], "resources": ["pods"], "verbs": ["get"]} in rules
+    assert not [r for r in rules if "gputenants" in r["resources"]]

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import pynvml
 import pytest
 from gpudra.common.kube import Kube as AsyncKube
 from gpudra.driver import publish
@@ -1390,6 +1391,48 @@ async def test_cleanup_unprepares_deleted_and_recreated_claims(
 
 @pytest.mark.cluster
 @pytest.mark.anyio
+async def test_a_claim_deleted_under_its_running_pod_stays_prepared_until_the_pod_ends(
+    env: Env, node: Node, akube: AsyncKube
+) -> None:
+    """A claim force-deleted (its delete-protection finalizer taken off) while its pod
+    still runs here: its containers may still have the GPU, and the scheduler no longer
+    counts it, so the sweep leaves it prepared (another claim for that GPU is refused,
+    not given it too) until that pod is gone, whatever pod takes its name."""
+    emu = h100()
+    env.publish(discover(emu))
+    held = env.allocated("held")
+    preparer = make_preparer(env, node, akube, emu)
+    ref = _ref(held)
+    assert (await preparer.prepare([ref]))[ref.uid].error is None
+    path = f"/apis/resource.k8s.io/v1/namespaces/{env.namespace}/resourceclaims/held"
+    unprotect = {"metadata": {"finalizers": []}}
+    env.kube.request("PATCH", path, unprotect, content_type="application/merge-patch+json")
+    env.kube.delete("ResourceClaim", "held", env.namespace)
+    wait_for(
+        "the claim gone",
+        lambda: env.kube.get_or_none("ResourceClaim", "held", env.namespace) is None,
+        timeout=60,
+    )
+
+    assert await preparer.cleanup_deleted_claims() == []
+    assert node.has_spec(ref.uid)
+    # Another pod of the same name on this node, naming a claim of the same name, is
+    # not the one the claim was prepared for.
+    env.kube.delete("Pod", "pod-held", env.namespace, grace=0)
+    wait_for(
+        "the pod gone",
+        lambda: env.kube.get_or_none("Pod", "pod-held", env.namespace) is None,
+        timeout=60,
+    )
+    successor = pod_with_claim("pod-held", env.namespace, None, claim="held")
+    successor["spec"]["nodeName"] = NODE
+    env.kube.create(successor)
+    assert await preparer.cleanup_deleted_claims() == [ref.uid]
+    assert not node.has_spec(ref.uid)
+
+
+@pytest.mark.cluster
+@pytest.mark.anyio
 async def test_recover_removes_orphaned_specs_and_temp_files(
     env: Env, node: Node, akube: AsyncKube
 ) -> None:
@@ -1604,6 +1647,11 @@ async def test_records_keep_the_shape_the_previous_release_wrote(node: Node) -> 
                 assert shm == str(node.checkpoint.parent / "mps" / claim["uid"] / "shm")
                 assert isinstance(mps.pop("daemonPid"), int)
                 assert isinstance(mps.pop("daemonStartTime"), int)
+    # Added since: the UID of the pod the claim was prepared for, which the sweep of
+    # deleted claims compares (the previous release keeps the key as it reads it).
+    for claim in written["claims"].values():
+        for device in claim["devices"]:
+            assert device["details"].pop("podUid") == "x"  # FIXTURE_CLAIMS reserve pod "x"
     for claim in written["claims"].values():
         for device in claim["devices"]:
             mig = device["details"].get("mig", {})
@@ -1721,6 +1769,46 @@ async def test_a_mig_instance_the_claim_did_not_make_is_never_destroyed(
     assert load_checkpoint(node.checkpoint, boot_id_path=node.boot_id).claims() == []
     assert (await preparer.recover()).errors == ()
     assert mig_devices(emu) == instances
+
+
+class FailAfterGpuInstance:
+    """The real emulator, except that reading a GPU instance fails once, right after
+    one is created (the instance exists; its ID was never read)."""
+
+    def __init__(self, inner: NvmlEmulator) -> None:
+        self._inner = inner
+        self._created = False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def nvmlDeviceCreateGpuInstanceWithPlacement(self, *args: Any) -> Any:
+        self._created = True
+        return self._inner.nvmlDeviceCreateGpuInstanceWithPlacement(*args)
+
+    def nvmlGpuInstanceGetInfo(self, gi: Any) -> Any:
+        if self._created:
+            self._created = False
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_UNKNOWN)
+        return self._inner.nvmlGpuInstanceGetInfo(gi)
+
+
+@pytest.mark.anyio
+async def test_an_instance_made_before_a_failure_is_destroyed_not_leaked(node: Node) -> None:
+    """Only NVML refusing the creation means nothing was made: a failure after it (here
+    reading the new instance) keeps the record, so the undo destroys the instance and
+    the placement serves the next prepare."""
+    emu = h100_mig()
+    claim = _fixture_claim(5)  # allocated gpu-0-mig-3g40gb-9-0
+    failing = node_preparer(node, FailAfterGpuInstance(emu), strategy=MigStrategy.DYNAMIC)
+
+    result = (await failing.prepare([claim]))[claim.uid]
+
+    assert result.error is not None and "creating MIG GPU instance" in result.error
+    assert mig_devices(emu) == {}
+    preparer = node_preparer(node, emu, strategy=MigStrategy.DYNAMIC)
+    assert (await preparer.prepare([claim]))[claim.uid].error is None
+    assert list(mig_devices(emu)) == ["gpu-0-mig-3g40gb-9-0"]
 
 
 @pytest.mark.anyio

@@ -142,8 +142,11 @@ async def escape(cluster: Cluster, kube: SyncKube, tmp_path: Path) -> AsyncItera
             await akube.request(
                 "DELETE", f"{registration.OPT_OUT_POLICY_PATH}/{registration.OPT_OUT_POLICY_NAME}"
             )
-            for base in (registration.OPT_OUT_BINDING_PATH, registration.OPT_OUT_POLICY_PATH):
-                await akube.request("DELETE", f"{base}/{registration.CLAIM_LINKS_POLICY_NAME}")
+            for obj in registration.claim_links_policy():
+                path = registration.OPT_OUT_POLICY_PATH
+                if obj["kind"] == "ValidatingAdmissionPolicyBinding":
+                    path = registration.OPT_OUT_BINDING_PATH
+                await akube.request("DELETE", f"{path}/{obj['metadata']['name']}")
             await call(lambda: kube.request("DELETE", f"{TENANTS}/{tenant_name}"))
             await call(kube.delete, "Namespace", ns)
             tg.cancel_scope.cancel()
@@ -694,3 +697,40 @@ async def test_a_tenant_cannot_make_its_own_claim_a_pods_or_release_a_held_one(
     await call(
         lambda: kube.request("PATCH", path, {"metadata": {"finalizers": []}}, content_type=merge)
     )
+
+    # A template's annotations are copied onto the claims made from it: none of
+    # Kubernetes' own there. And the owners of a claim Kubernetes made for a pod stay
+    # as Kubernetes set them (an owner without `controller` beside the
+    # extended-resource-claim annotation would crash the scheduler).
+    template = {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaimTemplate",
+        "metadata": {"namespace": ns, "name": "marked"},
+        "spec": {
+            "metadata": {"annotations": {"resource.kubernetes.io/extended-resource-claim": "true"}},
+            "spec": gpu_claim(ns, "x")["spec"],
+        },
+    }
+    assert "annotations under resource.kubernetes.io/ are Kubernetes' own" in await refused(
+        tenant, template
+    )
+    template["metadata"]["name"] = "plain-tpl"
+    del template["spec"]["metadata"]
+    await create(tenant, template)
+    made = pod(ns, "made", claims={"g": {"resourceClaimTemplateName": "plain-tpl"}})
+    made["spec"]["schedulingGates"] = [{"name": "escape.gpudra.io/hold"}]
+    await create(tenant, made)
+    with anyio.fail_after(60):
+        while not (
+            statuses := (await call(kube.get, "Pod", "made", ns))
+            .get("status", {})
+            .get("resourceClaimStatuses")
+        ):
+            await anyio.sleep(0.2)
+    generated = f"{RESOURCE}/namespaces/{ns}/resourceclaims/{statuses[0]['resourceClaimName']}"
+    extra = await tenant.request("GET", generated)
+    extra["metadata"]["ownerReferences"].append({**owner, "controller": False})
+    with pytest.raises(AsyncApiError) as err:
+        await tenant.request("PUT", generated, extra)
+    assert err.value.status == 403, err.value
+    assert "only Kubernetes changes the owners of a ResourceClaim it made" in str(err.value)
