@@ -81,13 +81,7 @@ class ApiClaims:
     async def current_uid(self, ref: ClaimRef) -> str | None:
         """The UID of the claim now at `ref`'s namespace and name; None when there is
         none. Raises when the API server cannot tell."""
-        path = claim_path(ref.namespace, ref.name)
-        try:
-            obj = await self._kube.request("GET", path, request_timeout_s=self._timeout_s)
-        except ApiError as exc:
-            if exc.status == 404:
-                return None
-            raise
+        obj = await self._get_or_none(claim_path(ref.namespace, ref.name))
         uid = (obj.get("metadata") or {}).get("uid") if isinstance(obj, Mapping) else None
         return uid if isinstance(uid, str) else None
 
@@ -100,13 +94,7 @@ class ApiClaims:
         if not pod:
             return False
         name = urllib.parse.quote(pod, safe="")
-        path = f"/api/v1/namespaces/{ref.namespace}/pods/{name}"
-        try:
-            obj = await self._kube.request("GET", path, request_timeout_s=self._timeout_s)
-        except ApiError as exc:
-            if exc.status == 404:
-                return False
-            raise
+        obj = await self._get_or_none(f"/api/v1/namespaces/{ref.namespace}/pods/{name}")
         if not isinstance(obj, Mapping):
             return False
         meta, spec, status = (_mapping(obj.get(k)) for k in ("metadata", "spec", "status"))
@@ -116,3 +104,12 @@ class ApiClaims:
             return False
         extended = _mapping(status.get("extendedResourceClaimStatus")).get("resourceClaimName")
         return extended == ref.name or bool(entries_naming(obj, ref.name))
+
+    async def _get_or_none(self, path: str) -> Any:
+        """The object at `path`; None when there is none (404). Raises otherwise."""
+        try:
+            return await self._kube.request("GET", path, request_timeout_s=self._timeout_s)
+        except ApiError as exc:
+            if exc.status == 404:
+                return None
+            raise
