@@ -126,11 +126,16 @@ def resolve_sharing(
     *,
     memory_slice: bool,
     where: str,
+    integer_share: bool = False,
 ) -> Sharing:
     """The effective config and sharing mode of the device `request_name` gets.
 
     `request_name` is the full "req/sub" name (a config may be bound to the
     subrequest); `memory_slice` says the device is part of a shared GPU's memory;
+    `integer_share` that it is some, not all, of the integer shares of a GPU published
+    with them, which the claims holding its other shares use too: such a device is never
+    Exclusive, whatever its config says; without MPS it is time-sliced (Default
+    interval unless its config names one), as the device plugin's replicas were.
     `where` names the request or result in errors. Raises ConfigError, with paths
     anchored where the configs were found.
     """
@@ -156,4 +161,6 @@ def resolve_sharing(
         return Sharing(config, path, "MPS")
     if config.sharing is not None and config.sharing.strategy == "TimeSlicing":
         return Sharing(config, path, "TimeSlicing", time_slice)
+    if integer_share:
+        return Sharing(config, path, "TimeSlicing", interval_value("Default"))
     return Sharing(config, path, "Exclusive")

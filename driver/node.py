@@ -197,6 +197,7 @@ class NodeService:
             node_name=agent_config.node_name,
             nvml=nvml,
             inventory=lambda: self.agent.inventory,
+            shares=lambda: self.agent.shares,
             cdi=CdiSpecStore(plugin.cdi_root),
             checkpoint_path=plugin.checkpoint_path,
             sharing=NvidiaSharing(

@@ -13,7 +13,7 @@ written; errors are the claim's (`ClaimError`).
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from gpudra.api.config import ConfigError, DeviceConfig, join_path
@@ -40,6 +40,9 @@ class Entry:
     config: DeviceConfig
     config_path: str
     details: DeviceDetails
+    alone: bool = True
+    """No other claim may hold the device beside this one: it is not shared, or this
+    claim took all of its shares or memory."""
     create_mig: bool = False
     mps: bool = False
     time_slice: int | None = None
@@ -73,7 +76,7 @@ class Entry:
             cdi_device_ids=self.cdi_ids,
             share_id=self.share_id,
             admin_access=self.admin,
-            exclusive=self.share_id is None,
+            exclusive=self.alone,
             details=self.details,
         )
 
@@ -85,8 +88,10 @@ def plan(
     checkpoint: Checkpoint,
     pool: str,
     mig_strategy: MigStrategy,
+    shares: Mapping[str, int] | None = None,
 ) -> list[Entry]:
-    """The entries of `claim`'s devices, checked; raises ClaimError."""
+    """The entries of `claim`'s devices, checked; raises ClaimError. `shares`: the
+    integer shares each GPU is published with (by device name)."""
     ref = claim.ref
     if inventory is None:
         raise ClaimError(
@@ -94,7 +99,7 @@ def plan(
             "kubelet retries the prepare"
         )
     entries = [
-        _entry(claim, allocated, inventory, checkpoint, pool, mig_strategy)
+        _entry(claim, allocated, inventory, checkpoint, pool, mig_strategy, shares or {})
         for allocated in claim.devices
     ]
     names = [e.cdi_name for e in entries]
@@ -127,6 +132,7 @@ def _entry(
     checkpoint: Checkpoint,
     pool: str,
     strategy: MigStrategy,
+    shares: Mapping[str, int],
 ) -> Entry:
     ref, where, name = claim.ref, allocated.path, allocated.device
     found = _lookup(inventory, name, strategy)
@@ -145,14 +151,18 @@ def _entry(
     device_type: ConfigDeviceType = "gpu" if device.type is DeviceType.GPU else "mig"
     # A share that consumed all of the GPU's memory (a plain claim: the request
     # policy defaults to the whole memory) leaves no room for another claim, so it
-    # holds the GPU alone, as an exclusive claim does. A share of a GPU published
-    # with integer shares is no memory slice: its claim's config decides its sharing.
+    # holds the GPU alone, as an exclusive claim does; so does one that took all of a
+    # GPU's integer shares. Some of them is no memory slice, but never Exclusive: the
+    # claims holding the other shares use the GPU too (time-sliced unless MPS). Where
+    # the GPU is not published with shares now, any shares taken count as some.
     share_id = allocated.share_id
-    sliced = (
-        share_id is not None
-        and allocated.consumed_shares is None
-        and not _whole_memory(allocated, device)
+    taken = allocated.consumed_shares
+    whole = share_id is not None and (
+        (taken is not None and taken >= shares.get(device.name, taken + 1))
+        or (taken is None and _whole_memory(allocated, device))
     )
+    sliced = share_id is not None and taken is None and not whole
+    some_shares = taken is not None and not whole
     try:
         # The full "req/sub" name: a config may be bound to the subrequest itself.
         sharing = resolve_sharing(
@@ -162,6 +172,7 @@ def _entry(
             allocated.request,
             memory_slice=sliced and not allocated.admin_access,
             where=f"{where} (shareID {share_id})" if sliced else where,
+            integer_share=some_shares and not allocated.admin_access,
         )
     except ConfigError as exc:
         raise config_error(ref, exc) from None
@@ -171,6 +182,7 @@ def _entry(
         device=device,
         config=sharing.config,
         config_path=sharing.path,
+        alone=share_id is None or whole,
         details=DeviceDetails(
             type=device_type,
             request=allocated.request,

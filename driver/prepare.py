@@ -31,7 +31,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Final, Protocol, TypeVar
@@ -233,8 +233,10 @@ class ClaimPreparer:
         registry: CollectorRegistry | None = None,
         device_numbers: DeviceNumbers | None = None,
         fault: Callable[[str], None] | None = None,
+        shares: Callable[[], Mapping[str, int]] | None = None,
     ) -> None:
         self._fault = fault
+        self._shares: Callable[[], Mapping[str, int]] = shares or dict
         self._left_to_kubelet: set[str] = set()  # deleted claims whose pod runs (logged)
         self._node = node_name
         self._nvml = nvml
@@ -419,6 +421,7 @@ class ClaimPreparer:
                 checkpoint=cp,
                 pool=self._node,
                 mig_strategy=self._mig_strategy,
+                shares=self._shares(),
             )
             planned = [e.record(self._node) for e in entries]
             # Only prepares that change the node beyond the CDI spec need the started

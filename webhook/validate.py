@@ -38,6 +38,7 @@ from gpudra.api.config import (
 )
 from gpudra.api.deviceclasses import mig_profile_selector
 from gpudra.api.sharing import (
+    SHARES_CAPACITY,
     Sharing,
     is_memory_slice,
     mps_percentage_conflict,
@@ -300,6 +301,7 @@ class _Request:
     selectors: tuple[str, ...]
     memory_slice: bool  # capacity requests other than shares: part of a GPU's memory
     admin: bool
+    shares: bool = False  # a shares request: some of a GPU's integer shares, or all
     fewest: int = 1  # the fewest devices it gets when allocated (All: at least one)
 
 
@@ -395,6 +397,7 @@ def _one(raw: _Exact, path: str, name: str) -> _Request:
         selectors,
         memory_slice=is_memory_slice(capacity or {}),
         admin=raw.get("adminAccess") is True,
+        shares=SHARES_CAPACITY in (capacity or {}),
         fewest=1 if raw.get("allocationMode") == "All" else count,
     )
 
@@ -427,7 +430,9 @@ def _resolve(
     when the scheduler gives it one, but a capacity request only filters a device that
     is not shared, and one asking for a shared GPU's whole memory leaves nothing to share:
     either way it gets a whole device, which prepare runs as its config says. Which one
-    is the scheduler's choice, so such a request is resolved both ways.
+    is the scheduler's choice, so such a request is resolved both ways. So is a request
+    for integer shares: some of a GPU's shares (time-sliced with the claims holding the
+    others, never Exclusive) or, asking for as many as the GPU has, the whole GPU.
     """
     resolved: dict[str, list[tuple[bool, Sharing]]] = {}
     for request in requests:
@@ -440,10 +445,14 @@ def _resolve(
             )
             continue
         outcomes = resolved[request.path] = []
-        slicings = (True, False) if request.memory_slice and not request.admin else (False,)
+        ways = [(False, False)]  # (a memory slice, some integer shares)
+        if request.memory_slice and not request.admin:
+            ways.insert(0, (True, False))
+        elif request.shares and not request.admin:
+            ways.insert(0, (False, True))
         try:
             for device_type in _device_types(request, policy, device_classes):
-                for sliced in slicings if device_type == "gpu" else (False,):
+                for sliced, share in ways if device_type == "gpu" else [(False, False)]:
                     sharing = resolve_sharing(
                         device_type,
                         found.configs,
@@ -451,6 +460,7 @@ def _resolve(
                         request.name,
                         memory_slice=sliced,
                         where=f"{request.path} (capacity.requests)",
+                        integer_share=share,
                     )
                     if all(
                         (sharing.mode, sharing.path) != (known.mode, known.path)
@@ -531,8 +541,18 @@ def _sharing_source(request: _Request, sliced: bool, sharing: Sharing) -> str:
     """The field that sets `request`'s sharing mode, for a denial to name."""
     if sliced and sharing.config.sharing is None:
         return f"{request.path}.capacity.requests (a memory slice of a shared GPU runs under MPS)"
+    if sharing.mode == "TimeSlicing" and not sharing.path:
+        return (
+            f"{request.path}.capacity.requests.shares (some of a GPU's integer shares are "
+            "time-sliced with the claims holding its other shares)"
+        )
     if sharing.path:
         return join_path(sharing.path, "sharing.strategy")
+    if request.shares and not request.admin:
+        return (
+            f"{request.path}.capacity.requests.shares (as many shares as the GPU has give "
+            "the whole GPU, which runs as its config says; with no sharing config: Exclusive)"
+        )
     if request.memory_slice and not request.admin:
         return (
             f"{request.path}.capacity.requests (the scheduler may give this request a whole "

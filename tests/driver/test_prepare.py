@@ -17,7 +17,7 @@ import subprocess
 import sys
 import threading
 import uuid as uuidlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -384,8 +384,10 @@ def node_preparer(
     device_numbers: DeviceNumbers | None = None,
     inventory: Callable[[], Inventory | None] | None = None,
     sharing: NvidiaSharing | None = None,
+    shares: Mapping[str, int] | None = None,
 ) -> ClaimPreparer:
-    """The device layer on this test's node: its folders, the emulated GPUs, fake tools."""
+    """The device layer on this test's node: its folders, the emulated GPUs, fake tools;
+    `shares`: the integer shares each GPU is published with."""
     return ClaimPreparer(
         node_name=NODE,
         nvml=nvml,
@@ -401,6 +403,7 @@ def node_preparer(
         toolkit=toolkit,
         fault=fault,
         device_numbers=device_numbers,
+        shares=(lambda: shares) if shares is not None else None,
     )
 
 
@@ -1769,6 +1772,83 @@ async def test_a_mig_instance_the_claim_did_not_make_is_never_destroyed(
     assert load_checkpoint(node.checkpoint, boot_id_path=node.boot_id).claims() == []
     assert (await preparer.recover()).errors == ()
     assert mig_devices(emu) == instances
+
+
+def share_claim(index: int, device: str, shares: int, config: Any = None) -> Claim:
+    """A claim of tenant `index` holding `shares` integer shares of `device`, as the
+    scheduler allocates them (a shareID, the shares consumed), with a claim config."""
+    uid = f"00000000-0000-4000-8000-{index + 100:012d}"
+    name = f"shares-{index}"
+    configs = (
+        [
+            {
+                "source": "FromClaim",
+                "opaque": {
+                    "driver": FIXTURE_DRIVER,
+                    "parameters": {
+                        "apiVersion": "resource.nvidia.com/v1beta1",
+                        "kind": "GpuConfig",
+                        **config,
+                    },
+                },
+            }
+        ]
+        if config
+        else []
+    )
+    result = {
+        "driver": FIXTURE_DRIVER,
+        "pool": NODE,
+        "device": device,
+        "request": "gpu",
+        "shareID": f"share-{index}",
+        "consumedCapacity": {"shares": str(shares), "memory": "0"},
+    }
+    obj = {
+        "metadata": {"name": name, "namespace": f"tenant-{index}", "uid": uid},
+        "status": {"allocation": {"devices": {"results": [result], "config": configs}}},
+    }
+    return checked_claim(
+        ClaimRef(f"tenant-{index}", uid, name), obj, driver=FIXTURE_DRIVER, pool=NODE
+    )
+
+
+@pytest.mark.anyio
+async def test_some_integer_shares_are_never_exclusive_and_all_of_them_are_the_whole_gpu(
+    node: Node,
+) -> None:
+    """Claims holding some of a GPU's integer shares use it together: a share with no
+    sharing config (Exclusive for a whole GPU) is time-sliced with the others, as the
+    device plugin's replicas were, and as admission judges it; one holding all of the
+    shares has the GPU alone, and no other claim is prepared beside it."""
+    emu = h100()
+    preparer = node_preparer(node, emu, shares={"gpu-4": 4, "gpu-5": 4})
+    one, sliced = (
+        share_claim(1, "gpu-4", 1),
+        share_claim(
+            2,
+            "gpu-4",
+            1,
+            {"sharing": {"strategy": "TimeSlicing", "timeSlicingConfig": {"interval": "Default"}}},
+        ),
+    )
+
+    results = await preparer.prepare([one, sliced])
+
+    assert all(r.error is None for r in results.values()), results
+    checkpoint = load_checkpoint(node.checkpoint, boot_id_path=node.boot_id)
+    for claim in (one, sliced):
+        (device,) = checkpoint.get(claim.uid).devices  # type: ignore[union-attr]
+        assert not device.exclusive
+        assert device.details.time_slice is not None  # time-sliced, one setting for both
+
+    whole = share_claim(3, "gpu-5", 4)
+    assert (await preparer.prepare([whole]))[whole.uid].error is None
+    beside = share_claim(4, "gpu-5", 1)
+    error = (await preparer.prepare([beside]))[beside.uid].error
+    assert error is not None and "already prepared exclusively" in error
+    (device,) = load_checkpoint(node.checkpoint, boot_id_path=node.boot_id).get(whole.uid).devices  # type: ignore[union-attr]
+    assert device.exclusive and device.details.time_slice is None
 
 
 class FailAfterGpuInstance:

@@ -295,6 +295,28 @@ def test_a_memory_slice_counts_as_mps() -> None:
     assert "does not allow sharing mode MPS" in line
 
 
+def test_some_integer_shares_count_as_time_slicing_and_all_of_them_as_the_whole_gpu() -> None:
+    """Claims holding some of a GPU's integer shares use it together: prepare time-slices
+    a share with no sharing config (or MPS with one), never Exclusive, so an
+    Exclusive-only tenant is refused a shares request. As many shares as the GPU has
+    give the whole GPU, which runs as the config says: a shares request is judged both
+    ways, as a memory request is."""
+    share = req("gpu", "gpu.nvidia.com", capacity={"requests": {"shares": "1"}})
+    (line,) = check(claim(share), rules(allowedSharing=["Exclusive"])).forbidden
+    assert line.startswith(
+        "spec.devices.requests[0].exactly.capacity.requests.shares (some of a GPU's integer "
+        "shares are time-sliced with the claims holding its other shares)"
+    )
+    assert "does not allow sharing mode TimeSlicing; accepted values: Exclusive" in line
+    sliced_only = rules(allowedSharing=["TimeSlicing"], gpuResource={"sharing": "TimeSlicing"})
+    (line,) = check(claim(share), sliced_only).forbidden
+    assert "capacity.requests.shares (as many shares as the GPU has give the whole GPU" in line
+    assert "does not allow sharing mode Exclusive" in line
+    assert check(claim(share), rules(allowedSharing=["Exclusive", "TimeSlicing"])).allowed
+    mps = claim(share, config=[opaque(gpu_config(strategy="MPS"))])
+    assert check(mps, rules(allowedSharing=["MPS"], gpuResource={"sharing": "MPS"})).allowed
+
+
 def test_a_capacity_request_is_judged_as_a_slice_and_as_a_whole_device(tmp_path: Path) -> None:
     """A capacity request only filters a device that is not shared, and one for a shared
     GPU's whole memory leaves nothing beside it: the scheduler may give the request a
