@@ -219,6 +219,33 @@ async def refused(client: Kube, obj: dict[str, Any]) -> str:
     return str(err.value)
 
 
+def forged_review(
+    uid: str, namespace: str, obj: dict[str, Any], *, dry_run: bool = False
+) -> dict[str, Any]:
+    """A pod's AdmissionReview as a client that reaches the webhook's port forges it."""
+    request = {
+        "uid": uid,
+        "kind": {"group": "", "version": "v1", "kind": "Pod"},
+        "resource": {"group": "", "version": "v1", "resource": "pods"},
+        "namespace": namespace,
+        "operation": "CREATE",
+        "object": obj,
+    }
+    if dry_run:
+        request["dryRun"] = True
+    return {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "request": request}
+
+
+async def send_review(escape: Escape, review: dict[str, Any]) -> tuple[int, str]:
+    """The webhook's status and body for `review`, sent straight to its port."""
+    context = ssl.create_default_context(cadata=escape.webhook_ca.decode())
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(escape.webhook_url + MUTATE_PATH, json=review, ssl=context) as resp,
+    ):
+        return resp.status, await resp.text()
+
+
 async def pod_naming_two_claims_is_refused(tenant: Kube, ns: str) -> None:
     """The tenant makes two one-GPU claims, each fine alone, and a pod naming both."""
     await create(tenant, gpu_claim(ns, "one"))
@@ -426,35 +453,16 @@ async def test_pods_cannot_gain_claims_after_admission(escape: Escape) -> None:
 async def test_forged_reviews_make_the_webhook_write_nothing(
     escape: Escape, kube: SyncKube
 ) -> None:
-    context = ssl.create_default_context(cadata=escape.webhook_ca.decode())
-
-    def review(namespace: str, dry_run: bool, uid: str) -> dict[str, Any]:
-        legacy = pod(namespace, "forged", {"nvidia.com/gpu": "7", "nvidia.com/mig-7g.999gb": "3"})
-        return {
-            "apiVersion": "admission.k8s.io/v1",
-            "kind": "AdmissionReview",
-            "request": {
-                "uid": uid,
-                "kind": {"group": "", "version": "v1", "kind": "Pod"},
-                "resource": {"group": "", "version": "v1", "resource": "pods"},
-                "namespace": namespace,
-                "operation": "CREATE",
-                "object": legacy,
-                "dryRun": dry_run,
-            },
-        }
-
-    async with aiohttp.ClientSession() as session:
-        for namespace, dry_run in (("kube-system", False), ("gpudra", False), ("default", True)):
-            async with session.post(
-                escape.webhook_url + MUTATE_PATH,
-                json=review(namespace, dry_run, f"forged-{namespace}"),
-                ssl=context,
-            ) as resp:
-                assert resp.status == 200
-                answer = await resp.json()
-            assert answer["response"]["allowed"] is True
-            assert "patch" not in answer["response"] or dry_run
+    legacy = {"nvidia.com/gpu": "7", "nvidia.com/mig-7g.999gb": "3"}
+    for namespace, dry_run in (("kube-system", False), ("gpudra", False), ("default", True)):
+        review = forged_review(
+            f"forged-{namespace}", namespace, pod(namespace, "forged", legacy), dry_run=dry_run
+        )
+        status, body = await send_review(escape, review)
+        assert status == 200
+        answer = json.loads(body)
+        assert answer["response"]["allowed"] is True
+        assert "patch" not in answer["response"] or dry_run
 
     for namespace in ("kube-system", "gpudra", "default"):
         templates = await call(kube.list, "ResourceClaimTemplate", namespace)
@@ -493,25 +501,10 @@ async def test_a_namespace_left_out_of_conversion_keeps_the_pod_limit(
     assert not created["spec"].get("resourceClaims")  # left to the device plugin
     assert created["spec"]["containers"][0]["resources"]["limits"] == {"nvidia.com/gpu": "1"}
 
-    context = ssl.create_default_context(cadata=escape.webhook_ca.decode())
-    forged = {
-        "apiVersion": "admission.k8s.io/v1",
-        "kind": "AdmissionReview",
-        "request": {
-            "uid": "forged-not-migrated",
-            "kind": {"group": "", "version": "v1", "kind": "Pod"},
-            "resource": {"group": "", "version": "v1", "resource": "pods"},
-            "namespace": ns,
-            "operation": "CREATE",
-            "object": pod(ns, "forged", {"nvidia.com/gpu": "1"}),
-        },
-    }
-    async with (
-        aiohttp.ClientSession() as session,
-        session.post(escape.webhook_url + MUTATE_PATH, json=forged, ssl=context) as resp,
-    ):
-        assert resp.status == 200
-        answer = await resp.json()
+    forged = forged_review("forged-not-migrated", ns, pod(ns, "forged", {"nvidia.com/gpu": "1"}))
+    status, body = await send_review(escape, forged)
+    assert status == 200
+    answer = json.loads(body)
     assert answer["response"]["allowed"] is True
     assert "patch" not in answer["response"]
     templates = await call(kube.list, "ResourceClaimTemplate", ns)
@@ -539,25 +532,14 @@ async def test_a_claim_stored_before_the_rules_tightened_is_not_handed_to_a_new_
 async def test_a_forged_namespace_is_refused_before_any_read_or_write(escape: Escape) -> None:
     """A review sent straight to the port with a path for its namespace: answered 400,
     and nothing is read or written with it."""
-    context = ssl.create_default_context(cadata=escape.webhook_ca.decode())
-    forged = {
-        "apiVersion": "admission.k8s.io/v1",
-        "kind": "AdmissionReview",
-        "request": {
-            "uid": "forged-path",
-            "kind": {"group": "", "version": "v1", "kind": "Pod"},
-            "resource": {"group": "", "version": "v1", "resource": "pods"},
-            "namespace": f"{escape.ns}/../kube-system",
-            "operation": "CREATE",
-            "object": pod(escape.ns, "forged", {"nvidia.com/gpu": "1"}),
-        },
-    }
-    async with (
-        aiohttp.ClientSession() as session,
-        session.post(escape.webhook_url + MUTATE_PATH, json=forged, ssl=context) as resp,
-    ):
-        assert resp.status == 400
-        assert "is not a namespace name" in await resp.text()
+    forged = forged_review(
+        "forged-path",
+        f"{escape.ns}/../kube-system",
+        pod(escape.ns, "forged", {"nvidia.com/gpu": "1"}),
+    )
+    status, body = await send_review(escape, forged)
+    assert status == 400
+    assert "is not a namespace name" in body
 
 
 async def test_connections_held_open_cannot_lock_the_api_server_out(escape: Escape) -> None:
