@@ -15,20 +15,14 @@ from __future__ import annotations
 
 import urllib.parse
 from collections.abc import Mapping
-from typing import Any, Final
+from typing import Any
 
 from gpudra.common.kube import ApiError, Kube, claim_path
 from gpudra.driver.claims import Claim, ClaimError, ClaimRef, check_ref, checked_claim
 from gpudra.driver.holders import ClaimInfos, claim_info
-from gpudra.driver.podclaims import entries_naming
+from gpudra.driver.podclaims import uses_claim_on
 
 __all__ = ["ApiClaims"]
-
-_FINISHED: Final = frozenset({"Succeeded", "Failed"})
-
-
-def _mapping(value: object) -> Mapping[str, Any]:
-    return value if isinstance(value, Mapping) else {}
 
 
 class ApiClaims:
@@ -95,15 +89,7 @@ class ApiClaims:
             return False
         name = urllib.parse.quote(pod, safe="")
         obj = await self._get_or_none(f"/api/v1/namespaces/{ref.namespace}/pods/{name}")
-        if not isinstance(obj, Mapping):
-            return False
-        meta, spec, status = (_mapping(obj.get(k)) for k in ("metadata", "spec", "status"))
-        if pod_uid and meta.get("uid") != pod_uid:
-            return False
-        if spec.get("nodeName") != self._pool or status.get("phase") in _FINISHED:
-            return False
-        extended = _mapping(status.get("extendedResourceClaimStatus")).get("resourceClaimName")
-        return extended == ref.name or bool(entries_naming(obj, ref.name))
+        return isinstance(obj, Mapping) and uses_claim_on(obj, self._pool, ref.name, pod_uid)
 
     async def _get_or_none(self, path: str) -> Any:
         """The object at `path`; None when there is none (404). Raises otherwise."""

@@ -30,11 +30,18 @@ from gpudra.common.kube import ApiError, Kube
 from gpudra.driver.checkpoint import ClaimRecord
 from gpudra.driver.holders import ClaimInfo
 
-__all__ = ["ClaimContainers", "container_label", "containers_using", "entries_naming"]
+__all__ = [
+    "ClaimContainers",
+    "container_label",
+    "containers_using",
+    "entries_naming",
+    "uses_claim_on",
+]
 
 log = logging.getLogger(__name__)
 
 _CONTAINER_KINDS: Final = ("initContainers", "containers")
+_FINISHED: Final = frozenset({"Succeeded", "Failed"})
 _GIVE_UP: Final = frozenset({401, 403, 404})  # asking again changes nothing
 
 
@@ -80,6 +87,18 @@ def entries_naming(pod: Mapping[str, Any], claim: str) -> set[str]:
         for e in _items(_mapping(pod.get("spec")).get("resourceClaims"))
         if claim and claim in (e.get("resourceClaimName"), generated.get(str(e.get("name"))))
     }
+
+
+def uses_claim_on(pod: Mapping[str, Any], node: str, claim: str, pod_uid: str = "") -> bool:
+    """Whether `pod` (of UID `pod_uid`, where known) is bound to `node`, not finished, and
+    names the ResourceClaim `claim` in a claim entry or as its extended-resource claim."""
+    meta, spec, status = (_mapping(pod.get(k)) for k in ("metadata", "spec", "status"))
+    if pod_uid and meta.get("uid") != pod_uid:
+        return False
+    if spec.get("nodeName") != node or status.get("phase") in _FINISHED:
+        return False
+    extended = _mapping(status.get("extendedResourceClaimStatus")).get("resourceClaimName")
+    return extended == claim or bool(entries_naming(pod, claim))
 
 
 def container_label(names: Iterable[str]) -> str:
