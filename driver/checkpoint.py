@@ -22,8 +22,8 @@ Design choices, and why:
   the JSON shape of version 1 on disk, so the version is still 1: releases from
   before the typed records read this release's files and the other way round.
 - Tied to the boot ID: after a reboot the devices a prepare set up are gone, so
-  the old boot's claims are moved to `previousBoot` (kept until the owner calls
-  `clear_previous_boot`, so a crash during cleanup loses nothing) and reported
+  the old boot's claims are moved to `previousBoot` (each kept until the owner calls
+  `forget_previous_boot` for it, so a crash during cleanup loses nothing) and reported
   for cleanup of anything that may outlive a boot, such as MIG instances.
 
 - One claim per line, each encoded once and reused until the claim changes: a
@@ -483,7 +483,7 @@ class Checkpoint:
         return [(c, d) for c in self._claims.values() for d in c.devices if d.key == key]
 
     def previous_boot(self) -> list[ClaimRecord]:
-        """Claims prepared before the last reboot, kept until `clear_previous_boot`.
+        """Claims prepared before the last reboot, kept until `forget_previous_boot`.
 
         Their devices are gone, but their details may name things that need
         cleanup (MIG instances of a GPU whose MIG mode persists).
@@ -566,10 +566,13 @@ class Checkpoint:
         self._save(claims=claims, unreadable=unreadable)
         return True
 
-    def clear_previous_boot(self) -> None:
-        """Forget the previous boot's claims once their leftovers are cleaned up."""
-        if self._previous_boot:
-            self._save(previous_boot=())
+    def forget_previous_boot(self, records: Iterable[ClaimRecord]) -> None:
+        """Forget these previous-boot claims once their leftovers are cleaned up; the
+        others stay. By record, not UID: after two reboots one UID may have two."""
+        gone = [id(r) for r in records]
+        kept = tuple(r for r in self._previous_boot if id(r) not in gone)
+        if len(kept) != len(self._previous_boot):
+            self._save(previous_boot=kept)
 
     # --- internals ---
 

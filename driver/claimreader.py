@@ -18,7 +18,14 @@ from collections.abc import Mapping
 from typing import Any
 
 from gpudra.common.kube import ApiError, Kube, claim_path
-from gpudra.driver.claims import Claim, ClaimError, ClaimRef, check_ref, checked_claim
+from gpudra.driver.claims import (
+    Claim,
+    ClaimError,
+    ClaimRef,
+    check_ref,
+    checked_claim,
+    reserved_pods,
+)
 from gpudra.driver.holders import ClaimInfos, claim_info
 from gpudra.driver.podclaims import uses_claim_on
 
@@ -76,8 +83,7 @@ class ApiClaims:
         """The UID of the claim now at `ref`'s namespace and name; None when there is
         none. Raises when the API server cannot tell."""
         obj = await self._get_or_none(claim_path(ref.namespace, ref.name))
-        uid = (obj.get("metadata") or {}).get("uid") if isinstance(obj, Mapping) else None
-        return uid if isinstance(uid, str) else None
+        return (_uid(obj) or None) if isinstance(obj, Mapping) else None
 
     async def still_used(self, ref: ClaimRef, pod: str, pod_uid: str) -> bool:
         """Whether pod `pod` of the claim's namespace (that very pod, where its UID
@@ -89,7 +95,17 @@ class ApiClaims:
             return False
         name = urllib.parse.quote(pod, safe="")
         obj = await self._get_or_none(f"/api/v1/namespaces/{ref.namespace}/pods/{name}")
-        return isinstance(obj, Mapping) and uses_claim_on(obj, self._pool, ref.name, pod_uid)
+        if not (isinstance(obj, Mapping) and uses_claim_on(obj, self._pool, ref.name, pod_uid)):
+            return False
+        if pod_uid:
+            return True
+        # A record of a release that kept no pod UID: a pod of that name may be a new one,
+        # naming a claim created again under the claim's name. The claim now there, if
+        # another and reserved for this pod, is the one the pod uses.
+        current = await self._get_or_none(claim_path(ref.namespace, ref.name))
+        if not isinstance(current, Mapping) or _uid(current) in ("", ref.uid):
+            return True
+        return _uid(obj) not in reserved_pods(current).values()
 
     async def _get_or_none(self, path: str) -> Any:
         """The object at `path`; None when there is none (404). Raises otherwise."""
@@ -99,3 +115,9 @@ class ApiClaims:
             if exc.status == 404:
                 return None
             raise
+
+
+def _uid(obj: Mapping[str, Any]) -> str:
+    meta = obj.get("metadata")
+    uid = meta.get("uid") if isinstance(meta, Mapping) else None
+    return uid if isinstance(uid, str) else ""

@@ -704,9 +704,16 @@ class ClaimPreparer:
         return None
 
     @staticmethod
-    def _owned_elsewhere(cp: Checkpoint, uid: str, gpu_uuid: str, mig: CreatedMig) -> str | None:
+    def _owned_elsewhere(
+        cp: Checkpoint, uid: str, gpu_uuid: str, mig: CreatedMig, *, any_id: bool = False
+    ) -> str | None:
         """Another current claim that records the same MIG instance (after a crash
-        between destroy and forget, the ID may have been handed out again)."""
+        between destroy and forget, the ID may have been handed out again).
+
+        A placement holds one instance at a time, so an ID recorded on one side only
+        (a crash before NVML gave it) does not tell them apart: the instance there is
+        the other claim's. With `any_id` (a previous boot's record, whose IDs the GPU
+        hands out afresh after a reboot) the placement alone decides."""
         for other in cp.claims():
             if other.uid == uid:
                 continue
@@ -715,7 +722,7 @@ class ClaimPreparer:
                 if (
                     isinstance(theirs, CreatedMig)
                     and device.details.gpu_uuid == gpu_uuid
-                    and theirs.gi == mig.gi
+                    and (any_id or None in (theirs.gi, mig.gi) or theirs.gi == mig.gi)
                     and theirs.start == mig.start
                     and theirs.profile_id == mig.profile_id
                 ):
@@ -896,10 +903,18 @@ class ClaimPreparer:
 
     async def _clean_previous_boot(self, cp: Checkpoint) -> list[str]:
         """MIG instances may outlive a reboot when the driver keeps them; daemons and
-        time-slices do not. The records go only once everything is cleaned."""
+        time-slices do not. Each record goes once everything it names is cleaned, so one
+        that cannot be (unreadable, or NVML refusing) is retried alone at later starts.
+
+        This boot's claims may meanwhile hold what a previous-boot record names: a MIG
+        placement the scheduler handed out again, or the MPS folders of the same claim
+        UID, which the kubelet prepares again after a reboot. Those are theirs and stay.
+        """
         errors: list[str] = []
+        cleaned: list[ClaimRecord] = []
         for record in cp.previous_boot():
             where = f"previous boot claim {record.namespace}/{record.name}"
+            failed = len(errors)
             for device in record.devices:
                 details = device.details
                 for key in ("mig", "parentUuid"):
@@ -909,23 +924,25 @@ class ClaimPreparer:
                         )
                 mig, gpu_uuid = details.mig, details.gpu_uuid
                 if isinstance(mig, CreatedMig) and gpu_uuid:
-                    if self._owned_elsewhere(cp, "", gpu_uuid, mig) is not None:
+                    if self._owned_elsewhere(cp, "", gpu_uuid, mig, any_id=True) is not None:
                         continue
                     try:
                         await anyio.to_thread.run_sync(destroy_mig, self._nvml, gpu_uuid, mig)
                     except Exception as exc:
                         gi = "?" if mig.gi is None else mig.gi
                         errors.append(f"{where}: destroying MIG instance {gi} on {gpu_uuid}: {exc}")
-                if details.mps is not None:
+                if details.mps is not None and cp.get(record.uid) is None:
                     pipe = details.mps.pipe_dir
                     if pipe.parent.parent == self._mps_root:
                         try:
                             await anyio.to_thread.run_sync(remove_tree, pipe.parent)
                         except OSError as exc:
                             errors.append(f"{where}: {exc}")
-        if not errors and cp.previous_boot():
+            if len(errors) == failed:
+                cleaned.append(record)
+        if cleaned:
             try:
-                await self._persist(lambda c: c.clear_previous_boot())
+                await self._persist(lambda c: c.forget_previous_boot(cleaned))
             except CheckpointError as exc:
                 errors.append(f"forgetting the previous boot's claims: {exc}")
         return errors

@@ -601,6 +601,10 @@ class NvidiaSharing:
             if identity is not None and identity.alive():
                 asked = self._quit(daemon, purpose)
                 self._end(identity, daemon, purpose, asked=asked)
+            elif identity is None and self._quit(daemon, purpose):
+                # A record of a release that kept no identity, its PID file gone (the
+                # containers may remove it): a daemon still read the control pipe.
+                self._wait_unread(daemon, purpose)
             else:
                 log.info(
                     "MPS daemon not running; removing its files",
@@ -629,6 +633,20 @@ class NvidiaSharing:
             )
             return False
         return True
+
+    def _wait_unread(self, daemon: MpsDaemon, purpose: str) -> None:
+        """Wait until nothing reads the control pipe of a daemon that took `quit` and
+        whose process is not known; its folders stay while one still does."""
+        deadline = time.monotonic() + self._ready_timeout_s
+        while self._control_listens(daemon):
+            if time.monotonic() >= deadline:
+                raise SharingError(
+                    f"{purpose}: a process still reads its control pipe "
+                    f"{daemon.pipe_dir / _CONTROL_PIPE} after quit, and its record (from an "
+                    "earlier release) names no process; end the nvidia-cuda-mps-control "
+                    "process using that pipe folder by hand, then the unprepare is retried"
+                )
+            time.sleep(0.1)
 
     def _wait_pod_ended(self, pods: DaemonPods, pod: DaemonPod) -> None:
         """Give a daemon that took `quit` the time to shut its server down and end

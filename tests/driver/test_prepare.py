@@ -1436,6 +1436,38 @@ async def test_a_claim_deleted_under_its_running_pod_stays_prepared_until_the_po
 
 @pytest.mark.cluster
 @pytest.mark.anyio
+async def test_the_sweep_tells_a_new_pod_from_the_one_an_older_release_recorded(
+    env: Env, node: Node, akube: AsyncKube
+) -> None:
+    """A record of a release that kept no pod UID names its pod by name only. A pod and
+    claim deleted behind the kubelet's back and created again under the same names is
+    not the pod the record was made for: the new claim is reserved for it, so the sweep
+    unprepares the old claim (else the new claim, given the same GPU, is refused for good)."""
+    emu = h100()
+    env.publish(discover(emu))
+    ref = _ref(env.allocated("held"))
+    assert (await make_preparer(env, node, akube, emu).prepare([ref]))[ref.uid].error is None
+    doc = json.loads(node.checkpoint.read_text())
+    for device in doc["claims"][ref.uid]["devices"]:
+        del device["details"]["podUid"]  # as the older release wrote it
+    node.checkpoint.write_text(json.dumps(doc))
+    upgraded = make_preparer(env, node, akube, emu)
+    await upgraded.recover()
+    env.delete_claim("held")
+    wait_for(
+        "the pod gone",
+        lambda: env.kube.get_or_none("Pod", "pod-held", env.namespace) is None,
+        timeout=60,
+    )
+    again = env.allocated("held")
+    assert again["metadata"]["uid"] != ref.uid
+
+    assert await upgraded.cleanup_deleted_claims() == [ref.uid]
+    assert not node.has_spec(ref.uid)
+
+
+@pytest.mark.cluster
+@pytest.mark.anyio
 async def test_recover_removes_orphaned_specs_and_temp_files(
     env: Env, node: Node, akube: AsyncKube
 ) -> None:
@@ -2846,3 +2878,137 @@ async def test_a_cancelled_first_share_puts_the_admins_compute_mode_back(node: N
     assert (await preparer.prepare([a]))[a.uid].error is None  # the kubelet retries
     assert await preparer.unprepare([a.ref, b.ref]) == {a.uid: None, b.uid: None}
     assert (time_slice_of(node, gpu.uuid), _compute_mode(emu, gpu.uuid)) == (0, EXCLUSIVE_PROCESS)
+
+
+def _previous_boot_record(uid: str, device: str, details: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "uid": uid,
+        "namespace": "team-old",
+        "name": "old",
+        "state": "PrepareStarted",
+        "devices": [{"pool": NODE, "device": device, "requestNames": ["gpu"], "details": details}],
+    }
+
+
+# A previous-boot record that can never be cleaned on its own: its MIG record names no GPU.
+_UNCLEANABLE = _previous_boot_record(
+    "22222222-2222-4222-8222-222222222222",
+    "gpu-0",
+    {"type": "mig", "mig": {"created": True, "profileId": 19, "start": 6, "size": 1}},
+)
+
+
+@pytest.mark.anyio
+async def test_previous_boot_cleanup_never_destroys_this_boots_mig_instance(node: Node) -> None:
+    """A previous boot's record of an instance without its ID yet (a crash before NVML
+    gave one) names only a placement, which the scheduler may hand out again in this
+    boot. A record that cannot be cleaned keeps only itself for the next start."""
+    emu = h100_mig()
+    gpu = discover(emu).gpus[0]
+    placement = next(p.placement for p in gpu.partitions if p.name == "gpu-0-mig-3g40gb-9-0")
+    crashed = _previous_boot_record(
+        "11111111-1111-4111-8111-111111111111",
+        "gpu-0-mig-3g40gb-9-0",
+        {
+            "type": "mig",
+            "parentUuid": gpu.uuid,
+            "mig": {
+                "created": True,
+                "profileId": placement.profile_id,
+                "profile": placement.profile,
+                "start": placement.start,
+                "size": placement.size,
+            },
+        },
+    )
+    node.checkpoint.parent.mkdir(parents=True)
+    node.checkpoint.write_text(
+        json.dumps(
+            {"version": 1, "bootId": BOOT_A, "claims": {}, "previousBoot": [crashed, _UNCLEANABLE]}
+        )
+    )
+    first = node_preparer(node, emu, strategy=MigStrategy.DYNAMIC)
+    report = await first.recover()
+    assert len(report.errors) == 1 and "parentUuid" in report.errors[0]
+    cp = load_checkpoint(node.checkpoint, boot_id_path=node.boot_id)
+    assert [r.uid for r in cp.previous_boot()] == [_UNCLEANABLE["uid"]]
+
+    claim = _fixture_claim(5)  # a tenant's claim of this boot on that placement
+    assert (await first.prepare([claim]))[claim.uid].error is None
+    assert list(mig_devices(emu)) == ["gpu-0-mig-3g40gb-9-0"]
+    # The same record again, as after a crash between its destroy and its forget.
+    doc = json.loads(node.checkpoint.read_text())
+    doc["previousBoot"].append(crashed)
+    node.checkpoint.write_text(json.dumps(doc))
+
+    await node_preparer(node, emu, strategy=MigStrategy.DYNAMIC).recover()  # a restart
+
+    assert list(mig_devices(emu)) == ["gpu-0-mig-3g40gb-9-0"]
+
+
+@pytest.mark.anyio
+async def test_previous_boot_cleanup_leaves_the_folders_of_a_claim_prepared_again(
+    node: Node,
+) -> None:
+    """After a reboot the kubelet prepares the same claim UIDs again: the previous boot's
+    MPS record then names the folders of this boot's live daemon."""
+    claim = _fixture_claim(_MPS_CLAIM)
+    base = _mps_base(node, claim.uid)
+    old = _previous_boot_record(
+        claim.uid,
+        "gpu-3",
+        {
+            "type": "gpu",
+            "mps": {
+                "pipeDir": str(base / "pipe"),
+                "logDir": str(base / "log"),
+                "shmDir": str(base / "shm"),
+            },
+        },
+    )
+    node.checkpoint.parent.mkdir(parents=True)
+    node.checkpoint.write_text(
+        json.dumps(
+            {"version": 1, "bootId": BOOT_A, "claims": {}, "previousBoot": [old, _UNCLEANABLE]}
+        )
+    )
+    first = node_preparer(node, h100())
+    assert (await first.recover()).errors
+    assert (await first.prepare([claim]))[claim.uid].error is None
+    daemon = _recorded_daemon(node, claim.uid)
+    try:
+        doc = json.loads(node.checkpoint.read_text())
+        doc["previousBoot"].append(old)  # as if its cleanup had not been recorded
+        node.checkpoint.write_text(json.dumps(doc))
+        await node_preparer(node, h100()).recover()  # a restart
+        assert (base / "pipe" / "control").exists()
+        assert daemon.alive()
+    finally:
+        assert await node_preparer(node, h100()).unprepare([claim.ref]) == {claim.uid: None}
+
+
+@pytest.mark.anyio
+async def test_an_mps_daemon_an_older_release_recorded_stops_without_its_pid_file(
+    node: Node,
+) -> None:
+    """Records from before the daemon's identity was kept find it by the PID file in
+    the pipe folder, which the claim's containers may remove: the daemon still reading
+    its control pipe is asked to quit all the same, and unprepare waits for it."""
+    claim = _fixture_claim(_MPS_CLAIM)
+    assert (await node_preparer(node, h100()).prepare([claim]))[claim.uid].error is None
+    daemon = _recorded_daemon(node, claim.uid)
+    try:
+        doc = json.loads(node.checkpoint.read_text())
+        for device in doc["claims"][claim.uid]["devices"]:
+            for key in ("daemonPid", "daemonStartTime"):
+                device["details"]["mps"].pop(key, None)
+        node.checkpoint.write_text(json.dumps(doc))
+        (_mps_base(node, claim.uid) / "pipe" / "nvidia-cuda-mps-control.pid").unlink()
+
+        upgraded = node_preparer(node, h100())
+        assert (await upgraded.recover()).errors == ()
+        assert await upgraded.unprepare([claim.ref]) == {claim.uid: None}
+        assert daemon.wait_gone(5.0)
+        assert not _mps_base(node, claim.uid).exists()
+    finally:
+        daemon.signal(signal.SIGKILL)
