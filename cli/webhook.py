@@ -362,6 +362,13 @@ def run(args: argparse.Namespace) -> int:
             f"gpudra webhook: --health-port {args.health_port} must be 1-65535 and differ "
             f"from --port {args.port}"
         )
+    if args.tenants and not args.validate_claims:
+        raise SystemExit(
+            "gpudra webhook: --tenants needs --validate-claims: tenant rules on classes, "
+            "sharing and MIG profiles are judged on each ResourceClaim and template as it "
+            "is created, so without claim validation those a tenant writes are admitted "
+            "unjudged. Drop --no-validate-claims, or add --no-tenants"
+        )
     if (args.ca_dir is not None) != (args.cert_source == "ca"):
         raise SystemExit(
             "gpudra webhook: --ca-dir and --cert-source=ca go together: give both or neither"

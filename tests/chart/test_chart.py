@@ -768,6 +768,10 @@ def test_notes_tell_how_to_check(helm: Path) -> None:
         ({"driverName": "GPU"}, "/driverName"),
         ({"webhook": {"tls": {"source": "vault"}}}, "/webhook/tls/source"),
         ({"webhook": {"replicas": 2}}, "webhook.replicas=2 needs webhook.tls.source"),
+        (
+            {"webhook": {"validation": {"enabled": False}}},
+            "tenants.enabled needs webhook.validation.enabled",
+        ),
         ({"webhook": {"tls": {"source": "secret"}}}, "webhook.tls.secretName"),
         (
             {"webhook": {"clientAuth": {"enabled": True}}},

@@ -158,6 +158,7 @@ def test_choices_are_the_drivers(flag: str) -> None:
         (["--ca-dir=ca"], "--ca-dir and --cert-source=ca go together"),
         (["--cert-source=ca"], "--ca-dir and --cert-source=ca go together"),
         (["--cert-source=ca", "--ca-dir={tmp}"], "--ca-dir: {tmp} has no ca.crt or ca.key"),
+        (["--no-validate-claims"], "--tenants needs --validate-claims"),
         (["--client-ca-file=ca.crt"], "--client-ca-file and --health-port go together"),
         (["--health-port=8444"], "--client-ca-file and --health-port go together"),
         (
