@@ -188,12 +188,14 @@ class Admission:
             return Decision(allow(uid), "allowed")
         lookup = self._lookup(namespace)
         policy = lookup.rules.policy if lookup and lookup.rules else self._policy
+        refused: ConversionError | None = None
         try:
             conversion = convert_pod(pod, policy)
         except ConversionError as exc:
-            logger.info("denied pod", extra={"fields": {**fields, "error": str(exc)}})
-            return self._deny(uid, 400, str(exc), "invalid")
-        if conversion.changed:
+            # Not a refusal yet: a namespace the migration leaves out keeps its pods'
+            # device-plugin requests, whether or not gpudra could convert them.
+            conversion, refused = Conversion(skipped="not convertible"), exc
+        if conversion.changed or refused is not None:
             problem = "it was not found"
             try:
                 with anyio.fail_after(self._ensure_timeout):
@@ -214,6 +216,10 @@ class Admission:
                 return self._deny(uid, 403, message, "not_ready")
             if not selected:
                 conversion = Conversion(skipped="namespace not selected for conversion")
+                refused = None
+        if refused is not None:
+            logger.info("denied pod", extra={"fields": {**fields, "error": str(refused)}})
+            return self._deny(uid, 400, str(refused), "invalid")
         if lookup is not None:
             view = conversion
             if (lookup.rules or lookup.denial) and (

@@ -327,6 +327,40 @@ async def test_a_namespace_the_conversion_selector_leaves_out_keeps_the_rules() 
     assert templates.names == ["gpudra-gpu-1", "gpudra-gpu-1"]
 
 
+@pytest.mark.parametrize(
+    "limits",
+    [
+        {"nvidia.com/mig-1g.5gb": "40"},  # more than one claim holds (56 on 8 A100s)
+        {"nvidia.com/mig-1g.5gb.shared": "1"},  # time-sliced MIG: left to the plugin
+    ],
+)
+async def test_a_pod_gpudra_cannot_convert_is_left_alone_where_conversion_is_off(
+    limits: dict[str, str],
+) -> None:
+    """A device-plugin pod of a namespace the migration leaves out keeps its requests and
+    goes to the device plugin, whether or not gpudra could convert it; moved, it is
+    refused naming why."""
+    state = TenantState()
+    state.replace("tenants", [])
+    state.replace("namespaces", [{"metadata": {"name": "ns"}, "status": {"phase": "Active"}}])
+    state.replace("quotas", [])
+    selector = LabelSelector.model_validate({"matchLabels": {"gpudra.nvidia.com/dra": "true"}})
+    templates = Templates()
+    admission = Admission(
+        templates, WebhookMetrics(CollectorRegistry()), tenants=state, conversion_selector=selector
+    )
+    pod = gpu_pod(limits)
+    decision = await admission.mutate_pod(review(POD, pod))
+    assert decision.result == "allowed"
+    assert "patch" not in decision.response
+    labelled = {"name": "ns", "labels": {"gpudra.nvidia.com/dra": "true"}}
+    state.event("namespaces", "MODIFIED", {"metadata": labelled, "status": {"phase": "Active"}})
+    decision = await admission.mutate_pod(review(POD, pod))
+    assert decision.result == "denied"
+    assert "nvidia.com/mig-1g.5gb" in decision.response["status"]["message"]
+    assert templates.names == []
+
+
 async def test_tenant_rules_count_resources_a_device_class_serves_itself() -> None:
     native = ConversionPolicy(native_resources=frozenset({"nvidia.com/gpu"}))
     admission = limited_admission(Claims(), policy=native)
