@@ -290,6 +290,28 @@ def test_per_profile_mig_classes_match_the_code(helm: Path, driver: str) -> None
     assert "mig-1g.10gb-nome.nvidia.com" in driver_classes(policy)
 
 
+def test_extra_device_classes_reach_the_webhook_and_its_registration(helm: Path) -> None:
+    """An admin's DeviceClass listed in `webhook.extraDeviceClasses` is judged by the
+    webhook (`--device-class`) and its claims are sent there, as the code registers them."""
+    extra = ["a100-80gb.example.com", "l4.example.com"]
+    objects = h.template(helm, {"webhook": {"extraDeviceClasses": extra}})
+    args, policy = webhook_policy(objects)
+    parsed = build_parser().parse_args(args)
+    assert parsed.device_class == extra
+    want = registration.validating_configuration(
+        ca_bundle_b64="",
+        own_namespace="gpudra",
+        device_classes=sorted(driver_classes(policy, parsed.device_class)),
+        driver=policy.driver,
+        service=("gpudra-webhook", "gpudra", 8443),
+    )
+    validating = strip_chart_metadata(h.find(objects, "ValidatingWebhookConfiguration"))
+    for hook in [*validating["webhooks"], *want["webhooks"]]:
+        hook["clientConfig"].pop("caBundle", None)
+    assert validating == want
+    assert all("'l4.example.com'" in str(hook["matchConditions"]) for hook in want["webhooks"])
+
+
 def test_the_profile_schema_is_the_tenants_profile_rule() -> None:
     """The chart's profile pattern is GpuTenant's allowedMigProfiles pattern."""
     schema = yaml.safe_load((h.CHART / "values.schema.json").read_text())
@@ -768,6 +790,11 @@ def test_notes_tell_how_to_check(helm: Path) -> None:
         ({"driverName": "GPU"}, "/driverName"),
         ({"webhook": {"tls": {"source": "vault"}}}, "/webhook/tls/source"),
         ({"webhook": {"replicas": 2}}, "webhook.replicas=2 needs webhook.tls.source"),
+        (
+            {"webhook": {"extraArgs": ["--device-class=l4.example.com"]}},
+            "list the class in webhook.extraDeviceClasses instead",
+        ),
+        ({"webhook": {"extraDeviceClasses": ["L4"]}}, "/webhook/extraDeviceClasses/0"),
         (
             {"webhook": {"validation": {"enabled": False}}},
             "tenants.enabled needs webhook.validation.enabled",
