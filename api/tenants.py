@@ -243,7 +243,8 @@ class GpuTenantSpec(_Model):
         alias="deviceQuota",
         description="Most devices per DeviceClass that claims in each selected namespace "
         "may request together; enforced by a ResourceQuota the webhook keeps there. The "
-        "driver's classes it does not name get 0 (several classes give the same GPUs).",
+        "driver's classes it does not name get 0 (several classes give the same GPUs); "
+        "empty, no GPUs at all.",
     )
 
     @model_validator(mode="after")

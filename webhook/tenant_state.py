@@ -293,7 +293,7 @@ class TenantState:
                 "exactly one tenant's spec.namespaces or make the selectors disjoint"
             )
         desired = self.desired_quotas().get(namespace)
-        wants_quota = any(r.tenant.spec.device_quota for r in winners)
+        wants_quota = any(r.tenant.spec.device_quota is not None for r in winners)
         if desired is not None or (wants_quota and namespace not in self.namespaces):
             current = self.quotas.get(namespace)
             if desired is None or current is None or not quota_spec_is(current, desired[0]):
@@ -390,13 +390,23 @@ class TenantState:
                     quota["metadata"]["labels"][TENANT_LABEL],
                 )
                 continue
-            hard: dict[str, int] = {}
-            for rules in winners:
-                for device_class, limit in (rules.tenant.spec.device_quota or {}).items():
-                    hard[device_class] = min(limit, hard.get(device_class, limit))
-            if hard:
-                for device_class in self.quota_classes:
-                    hard.setdefault(device_class, 0)
+            quotas = [
+                r.tenant.spec.device_quota
+                for r in winners
+                if r.tenant.spec.device_quota is not None
+            ]
+            if quotas:
+                # Each tenant alone gives the driver's classes it does not name 0 (an
+                # empty quota: no GPUs) and leaves other classes unlimited; together, the
+                # smallest of those per class, so a conflict never widens one.
+                hard: dict[str, int] = {}
+                for device_class in {*self.quota_classes, *(c for q in quotas for c in q)}:
+                    limits = [
+                        q.get(device_class, 0)
+                        for q in quotas
+                        if device_class in q or device_class in self.quota_classes
+                    ]
+                    hard[device_class] = min(limits)
                 desired[namespace] = (
                     {quota_key(c): str(n) for c, n in sorted(hard.items())},
                     # A label value: at most 63 characters, alphanumeric at both ends.

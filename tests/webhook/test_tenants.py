@@ -147,6 +147,33 @@ def test_conflict_quota_takes_the_smallest_limit() -> None:
     assert owner == "team-a.team-b"
 
 
+def test_quota_of_the_drivers_classes_a_tenant_does_not_name_is_zero_even_in_a_conflict() -> None:
+    """A deviceQuota gives the driver's classes it does not name 0, an empty one all of
+    them (no GPUs); in a conflict each class gets the smallest of what each tenant alone
+    would give it, so two quotas naming different classes never allow both."""
+    gpu, shared = "gpu.nvidia.com", "gpu-shared.nvidia.com"
+    classes = frozenset({gpu, shared, "mig.nvidia.com"})
+
+    def hard(*quotas: dict[str, int]) -> dict[str, str]:
+        s = TenantState(quota_classes=classes)
+        s.replace(
+            "tenants",
+            [tenant(f"t{i}", namespaces=["ns"], deviceQuota=q) for i, q in enumerate(quotas)],
+        )
+        s.replace("namespaces", [namespace("ns")])
+        s.replace("quotas", [])
+        return s.desired_quotas()["ns"][0]
+
+    none = {f"{c}.deviceclass.resource.k8s.io/devices": "0" for c in classes}
+    assert hard({}) == none
+    assert hard({gpu: 4}, {shared: 4}) == none
+    assert hard({gpu: 4, "other.example.com": 2}, {gpu: 6}) == {
+        **none,
+        KEY: "4",
+        "other.example.com.deviceclass.resource.k8s.io/devices": "2",
+    }
+
+
 def test_desired_quotas_follow_selection_and_skip_terminating() -> None:
     s = state(
         [
