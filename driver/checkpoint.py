@@ -494,6 +494,30 @@ class Checkpoint:
         """Claim records this release cannot interpret, by UID; kept and written back."""
         return copy.deepcopy(self._unreadable)
 
+    def unreadable_problem(self, uid: str) -> str | None:
+        """Why the record of claim `uid` cannot be interpreted (the field and what is
+        wrong with it); None when it is not an unreadable record."""
+        raw = self._unreadable.get(uid)
+        if raw is None:
+            return None
+        try:
+            _keyed_claim_from_json(uid, raw)
+        except _MalformedError as exc:
+            return str(exc)
+        return "it was not readable when loaded"
+
+    def _unreadable_holders(self, key: DeviceKey) -> list[str]:
+        """Unreadable records that name the device, as far as their pool and device can
+        be read: whatever they set up there may still be in place."""
+        holders = []
+        for uid, raw in self._unreadable.items():
+            devices = raw.get("devices") if isinstance(raw, dict) else None
+            for device in devices if isinstance(devices, list) else ():
+                if isinstance(device, dict) and (device.get("pool"), device.get("device")) == key:
+                    holders.append(uid)
+                    break
+        return holders
+
     # --- mutations ---
 
     def begin_prepare(
@@ -596,6 +620,13 @@ class Checkpoint:
         for device in devices:
             if device.admin_access:
                 continue
+            for other in self._unreadable_holders(device.key):
+                if other != uid:
+                    problems.append(
+                        f"device {device.pool}/{device.device} is named by the checkpoint "
+                        f"record of claim {other}, which cannot be read "
+                        f"({self.unreadable_problem(other)})"
+                    )
             for holder, held in self.holders(device.key):
                 if holder.uid == uid or held.admin_access:
                     continue

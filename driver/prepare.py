@@ -410,6 +410,7 @@ class ClaimPreparer:
         ref = claim.ref
         async with self._guard(ref.uid):
             cp = await self._checkpoint()
+            self._check_readable(cp, ref)
             record = cp.get(ref.uid)
             if record is not None:
                 if record.completed:
@@ -697,11 +698,26 @@ class ClaimPreparer:
             raise ClaimError(f"claim {ref.namespace}/{ref.name}: {exc}") from None
         async with self._guard(ref.uid):
             cp = await self._checkpoint()
+            self._check_readable(cp, ref)
             record = cp.get(ref.uid)
             if record is None:
                 return None
             await self._undo(record, "unprepare")
         return None
+
+    def _check_readable(self, cp: Checkpoint, ref: ClaimRef) -> None:
+        """A claim whose record cannot be read is neither prepared again (that would
+        drop the record) nor called unprepared (its devices may still be set up)."""
+        problem = cp.unreadable_problem(ref.uid)
+        if problem is not None:
+            raise ClaimError(f"{ref.describe()}: {self._unreadable_claim(problem)}")
+
+    def _unreadable_claim(self, problem: str) -> str:
+        return (
+            f"its checkpoint record cannot be read: {problem}; undo what it describes by "
+            f"hand (MIG instances, MPS daemon, compute mode) and remove it from "
+            f"{self._checkpoint_path}, then the kubelet's next try goes through"
+        )
 
     @staticmethod
     def _owned_elsewhere(
@@ -887,6 +903,9 @@ class ClaimPreparer:
                     errors.append(f"{current.ref.describe()}: rolling back: {exc}")
                 else:
                     rolled_back.append(record.uid)
+        for uid in sorted(cp.unreadable()):
+            problem = cp.unreadable_problem(uid) or ""
+            errors.append(f"claim {uid}: {self._unreadable_claim(problem)}")
         previous = [r.uid for r in cp.previous_boot()]
         errors.extend(await self._clean_previous_boot(cp))
         orphan_specs, orphan_dirs, temp_files = await self._remove_orphans(cp, errors)

@@ -1977,6 +1977,58 @@ async def test_unreadable_record_is_its_claims_error_and_never_stops_recovery(
     assert again is not None and "details.computeMode" in again
 
 
+@pytest.mark.anyio
+async def test_a_claim_whose_record_cannot_be_read_is_never_called_unprepared(node: Node) -> None:
+    """A record unreadable as a whole (a field of its own or a device's of the wrong
+    type) may describe a compute mode or instance still set up: unprepare and prepare of
+    that claim fail naming the field until it is fixed by hand, recovery reports it, and
+    the device it names is given to no other claim."""
+    emu = h100()
+    gpu = discover(emu).gpus[1].uuid
+    uid = "00000000-0000-4000-8000-0000000000aa"
+    record = {
+        "uid": uid,
+        "namespace": "team-a",
+        "name": "whole",
+        "state": "PrepareCompleted",
+        "devices": [
+            {
+                "pool": NODE,
+                "device": "gpu-1",
+                "requestNames": "gpu",  # not a list: the whole record is unreadable
+                "details": {
+                    "type": "gpu",
+                    "parentUuid": gpu,
+                    "uuid": gpu,
+                    "computeMode": {"uuid": gpu, "previous": 0, "applied": True},
+                },
+            }
+        ],
+    }
+    node.checkpoint.parent.mkdir(parents=True)
+    node.checkpoint.write_text(
+        json.dumps({"version": 1, "bootId": BOOT_A, "claims": {uid: record}})
+    )
+    _set_compute_mode(emu, gpu, EXCLUSIVE_PROCESS)
+    preparer = node_preparer(node, emu)
+
+    [error] = (await preparer.recover()).errors
+    assert uid in error and "requestNames must be a list of strings" in error
+    ref = ClaimRef("team-a", uid, "whole")
+    for answer in (
+        (await preparer.unprepare([ref]))[uid],
+        (await preparer.prepare([_fixture_claim(0, uid=uid)]))[uid].error,
+    ):
+        assert answer is not None
+        assert "requestNames must be a list of strings" in answer
+        assert str(node.checkpoint) in answer
+    other = _fixture_claim(0)  # gpu-1, another claim
+    refused = (await preparer.prepare([other]))[other.uid].error
+    assert refused is not None and f"checkpoint record of claim {uid}" in refused
+    assert _compute_mode(emu, gpu) == EXCLUSIVE_PROCESS
+    assert json.loads(node.checkpoint.read_text())["claims"][uid] == record
+
+
 # --- MPS and hostile tenants ------------------------------------------------------------------
 # A tenant controls its containers, and so everything they can write: the MPS pipe
 # folder and the claim's /dev/shm. Nothing there may decide what unprepare does.
