@@ -158,7 +158,6 @@ def test_choices_are_the_drivers(flag: str) -> None:
         (["--ca-dir=ca"], "--ca-dir and --cert-source=ca go together"),
         (["--cert-source=ca"], "--ca-dir and --cert-source=ca go together"),
         (["--cert-source=ca", "--ca-dir={tmp}"], "--ca-dir: {tmp} has no ca.crt or ca.key"),
-        (["--no-validate-claims"], "--tenants needs --validate-claims"),
         (["--client-ca-file=ca.crt"], "--client-ca-file and --health-port go together"),
         (["--health-port=8444"], "--client-ca-file and --health-port go together"),
         (
@@ -173,6 +172,17 @@ def test_certificate_flags_that_go_together(tmp_path: Path, flags: list[str], me
     with pytest.raises(SystemExit) as exit_:
         run(parsed)
     assert message.format(tmp=tmp_path) in str(exit_.value)
+
+
+def test_tenant_rules_are_refused_without_claim_validation(tmp_path: Path) -> None:
+    """Tenant rules on classes, sharing and MIG profiles are judged on each claim and
+    template as it is created: without claim validation they would not hold."""
+    parser = build_parser()
+    args = parser.parse_args(["webhook", f"--cert-dir={tmp_path}", "--no-validate-claims"])
+    with pytest.raises(SystemExit) as exit_:
+        run(args)
+    assert "--tenants needs --validate-claims" in str(exit_.value)
+    assert not any(tmp_path.iterdir())  # refused before any certificate was made
 
 
 def test_max_connections_reaches_the_server_and_must_be_positive(tmp_path: Path) -> None:
