@@ -38,12 +38,17 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="gpudra",
         description="Kubernetes DRA driver for NVIDIA GPUs and its admission webhook.",
+        allow_abbrev=False,
     )
     parser.add_argument("--version", action="version", version=f"gpudra {_version()}")
     _add_log_level(parser)
+    # Flags are spelt out in full: manifests and checks of them (the chart's) match the
+    # flags by name, which an abbreviation argparse would take gets past.
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for register in _registrations(command):
         register(sub)
+    for command_parser in sub.choices.values():
+        command_parser.allow_abbrev = False
     return parser
 
 

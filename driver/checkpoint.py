@@ -497,23 +497,27 @@ class Checkpoint:
     def unreadable_problem(self, uid: str) -> str | None:
         """Why the record of claim `uid` cannot be interpreted (the field and what is
         wrong with it); None when it is not an unreadable record."""
-        raw = self._unreadable.get(uid)
-        if raw is None:
+        if uid not in self._unreadable:
             return None
         try:
-            _keyed_claim_from_json(uid, raw)
+            _keyed_claim_from_json(uid, self._unreadable[uid])
         except _MalformedError as exc:
             return str(exc)
         return "it was not readable when loaded"
 
-    def _unreadable_holders(self, key: DeviceKey) -> list[str]:
-        """Unreadable records that name the device, as far as their pool and device can
-        be read: whatever they set up there may still be in place."""
+    def unreadable_holders(self, device_key: DeviceKey | tuple[str, str]) -> list[str]:
+        """Unreadable records that name the device (not for admin access), as far as
+        their pool and device can be read: whatever they set up may still be in place."""
+        key = DeviceKey(*device_key)
         holders = []
         for uid, raw in self._unreadable.items():
             devices = raw.get("devices") if isinstance(raw, dict) else None
             for device in devices if isinstance(devices, list) else ():
-                if isinstance(device, dict) and (device.get("pool"), device.get("device")) == key:
+                if (
+                    isinstance(device, dict)
+                    and (device.get("pool"), device.get("device")) == key
+                    and device.get("adminAccess") is not True
+                ):
                     holders.append(uid)
                     break
         return holders
@@ -620,7 +624,7 @@ class Checkpoint:
         for device in devices:
             if device.admin_access:
                 continue
-            for other in self._unreadable_holders(device.key):
+            for other in self.unreadable_holders(device.key):
                 if other != uid:
                     problems.append(
                         f"device {device.pool}/{device.device} is named by the checkpoint "

@@ -31,6 +31,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import os
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -91,6 +92,10 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+_UNDONE_DIR = "undone"
+"""Beside the checkpoint: files named by claim UID, each saying that what the claim's
+unreadable record describes was undone by hand, so the agent forgets the record."""
 
 T = TypeVar("T")
 
@@ -410,7 +415,7 @@ class ClaimPreparer:
         ref = claim.ref
         async with self._guard(ref.uid):
             cp = await self._checkpoint()
-            self._check_readable(cp, ref)
+            await self._check_readable(cp, ref)
             record = cp.get(ref.uid)
             if record is not None:
                 if record.completed:
@@ -698,26 +703,37 @@ class ClaimPreparer:
             raise ClaimError(f"claim {ref.namespace}/{ref.name}: {exc}") from None
         async with self._guard(ref.uid):
             cp = await self._checkpoint()
-            self._check_readable(cp, ref)
+            await self._check_readable(cp, ref)
             record = cp.get(ref.uid)
             if record is None:
                 return None
             await self._undo(record, "unprepare")
         return None
 
-    def _check_readable(self, cp: Checkpoint, ref: ClaimRef) -> None:
+    async def _check_readable(self, cp: Checkpoint, ref: ClaimRef) -> None:
         """A claim whose record cannot be read is neither prepared again (that would
-        drop the record) nor called unprepared (its devices may still be set up)."""
+        drop the record) nor called unprepared (its devices may still be set up), until
+        an admin says it was undone by hand."""
+        if await self._forgot_unreadable(cp, ref.uid):
+            return
         problem = cp.unreadable_problem(ref.uid)
         if problem is not None:
-            raise ClaimError(f"{ref.describe()}: {self._unreadable_claim(problem)}")
+            raise ClaimError(f"{ref.describe()}: {self._unreadable_claim(ref.uid, problem)}")
 
-    def _unreadable_claim(self, problem: str) -> str:
-        return (
-            f"its checkpoint record cannot be read: {problem}; undo what it describes by "
-            f"hand (MIG instances, MPS daemon, compute mode) and remove it from "
-            f"{self._checkpoint_path}, then the kubelet's next try goes through"
+    async def _forgot_unreadable(self, cp: Checkpoint, uid: str) -> bool:
+        """Drop the unreadable record of `uid` where an admin marked it undone."""
+        if cp.unreadable_problem(uid) is None or not self._marked_undone(uid):
+            return False
+        await self._persist(lambda c: c.remove(uid))
+        self._unmark(uid)
+        log.warning(
+            "unreadable checkpoint record forgotten: marked undone by hand",
+            extra={"fields": {"claim": uid}},
         )
+        return True
+
+    def _unreadable_claim(self, uid: str, problem: str) -> str:
+        return f"its checkpoint record cannot be read: {problem}; " + self._by_hand(uid)
 
     @staticmethod
     def _owned_elsewhere(
@@ -745,11 +761,42 @@ class ClaimPreparer:
                     return other.uid
         return None
 
-    def _unreadable(self, device: str, problem: str) -> str:
+    def _unreadable(self, uid: str, device: str, problem: str) -> str:
         return (
-            f"the checkpoint record of device {device} cannot be read: {problem}; undo what "
-            f"it describes by hand and remove it from {self._checkpoint_path}"
+            f"the checkpoint record of device {device} cannot be read: {problem}; "
+            + self._by_hand(uid)
         )
+
+    def _undone_marker(self, uid: str) -> Path | None:
+        """The file an admin creates to say that what claim `uid`'s unreadable record
+        describes was undone by hand; None for a UID no file can be named by."""
+        try:
+            return self._checkpoint_path.parent / _UNDONE_DIR / validate_claim_uid(uid)
+        except CdiError:
+            return None
+
+    def _by_hand(self, uid: str) -> str:
+        marker = self._undone_marker(uid)
+        where = (
+            f"then create the file {marker} on the node, and the agent forgets the record"
+            if marker is not None
+            else f"then, with the agent stopped, remove it from {self._checkpoint_path}"
+        )
+        return (
+            "undo what it describes by hand (MIG instances, MPS daemon, compute mode), "
+            f"{where} (the agent writes back the checkpoint it holds, so editing the file "
+            "while it runs does not stick)"
+        )
+
+    def _marked_undone(self, uid: str) -> bool:
+        marker = self._undone_marker(uid)
+        return marker is not None and os.path.lexists(marker)
+
+    def _unmark(self, uid: str) -> None:
+        marker = self._undone_marker(uid)
+        if marker is not None:
+            with contextlib.suppress(OSError):
+                marker.unlink()
 
     async def _undo(self, record: ClaimRecord, why: str) -> None:
         """Undo every recorded side effect, newest kind first, then forget the claim.
@@ -792,9 +839,14 @@ class ClaimPreparer:
         modes_before_slicing: dict[str, int] = {}
         modes: dict[str, ComputeModeSet] = {}
         migs: list[tuple[str, CreatedMig]] = []
+        undone_by_hand = self._marked_undone(record.uid)
         for device in record.devices:
             details = device.details
-            errors.extend(self._unreadable(device.device, p) for p in details.problems.values())
+            if not undone_by_hand:
+                errors.extend(
+                    self._unreadable(record.uid, device.device, p)
+                    for p in details.problems.values()
+                )
             if details.mps is not None:
                 daemons.setdefault(details.mps.pipe_dir, details.mps)
             if details.time_slice is not None:
@@ -863,6 +915,8 @@ class ClaimPreparer:
         if errors:
             raise ClaimError(f"{record.ref.describe()}: {why}: " + "; ".join(errors))
         await self._persist(lambda c: c.remove(record.uid))
+        if undone_by_hand:
+            self._unmark(record.uid)
         log.info(
             "claim unprepared",
             extra={"fields": {"claim": record.uid, "reason": why}},
@@ -904,8 +958,12 @@ class ClaimPreparer:
                 else:
                     rolled_back.append(record.uid)
         for uid in sorted(cp.unreadable()):
-            problem = cp.unreadable_problem(uid) or ""
-            errors.append(f"claim {uid}: {self._unreadable_claim(problem)}")
+            async with self._guard(uid):
+                if await self._forgot_unreadable(cp, uid):
+                    continue
+                problem = cp.unreadable_problem(uid)
+                if problem is not None:
+                    errors.append(f"claim {uid}: {self._unreadable_claim(uid, problem)}")
         previous = [r.uid for r in cp.previous_boot()]
         errors.extend(await self._clean_previous_boot(cp))
         orphan_specs, orphan_dirs, temp_files = await self._remove_orphans(cp, errors)
@@ -934,23 +992,29 @@ class ClaimPreparer:
         for record in cp.previous_boot():
             where = f"previous boot claim {record.namespace}/{record.name}"
             failed = len(errors)
+            undone_by_hand = self._marked_undone(record.uid)
+            # This boot's claims of the same UID, readable or not, hold what is theirs.
+            current = cp.get(record.uid) is not None or record.uid in cp.unreadable()
             for device in record.devices:
                 details = device.details
                 for key in ("mig", "parentUuid"):
-                    if key in details.problems:
+                    if key in details.problems and not undone_by_hand:
+                        problem = details.problems[key]
                         errors.append(
-                            f"{where}: {self._unreadable(device.device, details.problems[key])}"
+                            f"{where}: {self._unreadable(record.uid, device.device, problem)}"
                         )
                 mig, gpu_uuid = details.mig, details.gpu_uuid
                 if isinstance(mig, CreatedMig) and gpu_uuid:
-                    if self._owned_elsewhere(cp, "", gpu_uuid, mig, any_id=True) is not None:
+                    if self._owned_elsewhere(
+                        cp, "", gpu_uuid, mig, any_id=True
+                    ) is not None or cp.unreadable_holders(device.key):
                         continue
                     try:
                         await anyio.to_thread.run_sync(destroy_mig, self._nvml, gpu_uuid, mig)
                     except Exception as exc:
                         gi = "?" if mig.gi is None else mig.gi
                         errors.append(f"{where}: destroying MIG instance {gi} on {gpu_uuid}: {exc}")
-                if details.mps is not None and cp.get(record.uid) is None:
+                if details.mps is not None and not current:
                     pipe = details.mps.pipe_dir
                     if pipe.parent.parent == self._mps_root:
                         try:
@@ -959,6 +1023,8 @@ class ClaimPreparer:
                             errors.append(f"{where}: {exc}")
             if len(errors) == failed:
                 cleaned.append(record)
+                if undone_by_hand and not current:
+                    self._unmark(record.uid)
         if cleaned:
             try:
                 await self._persist(lambda c: c.forget_previous_boot(cleaned))

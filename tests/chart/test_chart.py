@@ -310,6 +310,8 @@ def test_extra_device_classes_reach_the_webhook_and_its_registration(helm: Path)
         hook["clientConfig"].pop("caBundle", None)
     assert validating == want
     assert all("'l4.example.com'" in str(hook["matchConditions"]) for hook in want["webhooks"])
+    # Values of a release from before the key (helm upgrade --reuse-values) still render.
+    h.template(helm, {"webhook": {"extraDeviceClasses": None}})
 
 
 def test_the_profile_schema_is_the_tenants_profile_rule() -> None:

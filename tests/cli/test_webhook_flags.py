@@ -185,6 +185,14 @@ def test_tenant_rules_are_refused_without_claim_validation(tmp_path: Path) -> No
     assert not any(tmp_path.iterdir())  # refused before any certificate was made
 
 
+@pytest.mark.parametrize("flag", ["--device-c=l4.example.com", "--no-validate=x"])
+def test_flags_are_taken_spelt_out_in_full_only(flag: str) -> None:
+    """Manifests and the chart's checks name flags in full; an abbreviation argparse
+    would take (`--device-c` for `--device-class`) would get past such a check."""
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["webhook", "--cert-dir=c", flag])
+
+
 def test_max_connections_reaches_the_server_and_must_be_positive(tmp_path: Path) -> None:
     parser = build_parser()
 

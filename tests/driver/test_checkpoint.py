@@ -254,10 +254,20 @@ def test_unreadable_record_is_kept_and_reported(cp_path: Path, boot: Path) -> No
     checkpoint = _load(cp_path, boot)
     assert checkpoint.unreadable() == {CLAIM_3.uid: weird}
     assert checkpoint.get(CLAIM_3.uid) is None
+    assert checkpoint.unreadable_problem(CLAIM_3.uid) == "devices must be a list"
+    assert checkpoint.unreadable_problem(CLAIM_2.uid) is None
     checkpoint.begin_prepare(CLAIM_2)
     assert _doc(cp_path)["claims"][CLAIM_3.uid] == weird
     assert checkpoint.remove(CLAIM_3.uid) is True
     assert CLAIM_3.uid not in _doc(cp_path)["claims"]
+
+
+def test_a_null_record_is_unreadable_with_its_reason(cp_path: Path, boot: Path) -> None:
+    doc = _foreign_file(cp_path, CHECKPOINT_VERSION)
+    doc["claims"][CLAIM_3.uid] = None
+    cp_path.write_text(json.dumps(doc))
+    checkpoint = _load(cp_path, boot)
+    assert checkpoint.unreadable_problem(CLAIM_3.uid) == "claim record must be an object"
 
 
 def test_unknown_details_survive_a_rewrite_down_to_each_record(cp_path: Path, boot: Path) -> None:

@@ -1964,7 +1964,7 @@ async def test_unreadable_record_is_its_claims_error_and_never_stops_recovery(
     [error] = report.errors
     assert broken.describe() in error
     assert f"details.computeMode: previous must be an integer, not {shown}" in error
-    assert str(node.checkpoint) in error
+    assert str(node.checkpoint.parent / "undone" / broken.uid) in error
     # The rest of the broken claim was undone all the same.
     resets = [f"nvidia-smi compute-policy -i {gpus[i].uuid} --set-timeslice 0" for i in (2, 3)]
     assert sorted(c for c in node.tool_calls() if "--set-timeslice 0" in c) == sorted(resets)
@@ -1975,6 +1975,14 @@ async def test_unreadable_record_is_its_claims_error_and_never_stops_recovery(
     assert written["devices"][0]["details"]["computeMode"] == mode
     again = (await preparer.unprepare([broken]))[broken.uid]
     assert again is not None and "details.computeMode" in again
+    # Undone by hand, as the error says: the file it names lets the rest go.
+    marker = node.checkpoint.parent / "undone" / broken.uid
+    assert str(marker) in again
+    marker.parent.mkdir()
+    marker.touch()
+    assert (await preparer.unprepare([broken]))[broken.uid] is None
+    assert load_checkpoint(node.checkpoint, boot_id_path=node.boot_id).claims() == []
+    assert not marker.exists()
 
 
 @pytest.mark.anyio
@@ -2021,12 +2029,69 @@ async def test_a_claim_whose_record_cannot_be_read_is_never_called_unprepared(no
     ):
         assert answer is not None
         assert "requestNames must be a list of strings" in answer
-        assert str(node.checkpoint) in answer
+        assert str(node.checkpoint.parent / "undone" / uid) in answer
     other = _fixture_claim(0)  # gpu-1, another claim
     refused = (await preparer.prepare([other]))[other.uid].error
     assert refused is not None and f"checkpoint record of claim {uid}" in refused
     assert _compute_mode(emu, gpu) == EXCLUSIVE_PROCESS
     assert json.loads(node.checkpoint.read_text())["claims"][uid] == record
+
+    # Undone by hand, as the error says: the file it names makes the agent forget it.
+    marker = node.checkpoint.parent / "undone" / uid
+    assert str(marker) in error
+    marker.parent.mkdir()
+    marker.touch()
+    assert (await preparer.unprepare([ref]))[uid] is None
+    assert uid not in json.loads(node.checkpoint.read_text())["claims"]
+    assert not marker.exists()
+    assert (await preparer.prepare([other]))[other.uid].error is None
+
+
+@pytest.mark.anyio
+async def test_previous_boot_cleanup_keeps_what_a_claim_with_an_unreadable_record_holds(
+    node: Node,
+) -> None:
+    """This boot's claim whose record cannot be read may still hold its MIG instance and
+    MPS folders: the previous boot's records naming them leave them, as the orphan sweep
+    and the other claims do."""
+    emu = h100_mig()
+    gpu = discover(emu).gpus[0]
+    placement = next(p.placement for p in gpu.partitions if p.name == "gpu-0-mig-3g40gb-9-0")
+    mig_claim, mps_claim = _fixture_claim(5), _fixture_claim(_MPS_CLAIM)
+    first = node_preparer(node, emu, strategy=MigStrategy.DYNAMIC)
+    for claim in (mig_claim, mps_claim):
+        assert (await first.prepare([claim]))[claim.uid].error is None
+    daemon = _recorded_daemon(node, mps_claim.uid)
+    base = _mps_base(node, mps_claim.uid)
+    try:
+        doc = json.loads(node.checkpoint.read_text())
+        for claim in (mig_claim, mps_claim):
+            doc["claims"][claim.uid]["devices"][0]["requestNames"] = "gpu"  # unreadable
+        mig = {
+            "created": True,
+            "profileId": placement.profile_id,
+            "profile": placement.profile,
+            "start": placement.start,
+            "size": placement.size,
+        }
+        folders = {"pipeDir": str(base / "pipe"), "logDir": str(base / "log")}
+        doc["previousBoot"] = [
+            _previous_boot_record(
+                "11111111-1111-4111-8111-111111111111",
+                "gpu-0-mig-3g40gb-9-0",
+                {"type": "mig", "parentUuid": gpu.uuid, "mig": mig},
+            ),
+            _previous_boot_record(mps_claim.uid, "gpu-3", {"type": "gpu", "mps": folders}),
+        ]
+        node.checkpoint.write_text(json.dumps(doc))
+
+        report = await node_preparer(node, emu, strategy=MigStrategy.DYNAMIC).recover()
+
+        assert sum(c.uid in e for c in (mig_claim, mps_claim) for e in report.errors) == 2
+        assert list(mig_devices(emu)) == ["gpu-0-mig-3g40gb-9-0"]
+        assert (base / "pipe" / "control").exists()
+    finally:
+        daemon.signal(signal.SIGKILL)
 
 
 # --- MPS and hostile tenants ------------------------------------------------------------------
