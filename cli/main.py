@@ -64,7 +64,7 @@ def _add_log_level(parser: argparse.ArgumentParser) -> None:
 def command_of(argv: Sequence[str]) -> str | None:
     """The command `argv` runs; None for the top-level help, no command or a malformed
     line, which the full parser then answers (with every command in its usage)."""
-    early = argparse.ArgumentParser(add_help=False, exit_on_error=False)
+    early = argparse.ArgumentParser(add_help=False, exit_on_error=False, allow_abbrev=False)
     _add_log_level(early)
     early.add_argument("-h", "--help", action="store_true")
     early.add_argument("command", nargs="?")
