@@ -207,6 +207,13 @@ class Env:
             timeout=60,
         )
 
+    def wait_pod_gone(self, name: str) -> None:
+        wait_for(
+            f"pod {name} to be gone",
+            lambda: self.kube.get_or_none("Pod", name, self.namespace) is None,
+            timeout=60,
+        )
+
     def cleanup(self) -> None:
         for pod in self.kube.list("Pod", self.namespace):
             self.kube.delete("Pod", pod["metadata"]["name"], self.namespace, grace=0)
@@ -1422,11 +1429,7 @@ async def test_a_claim_deleted_under_its_running_pod_stays_prepared_until_the_po
     # Another pod of the same name on this node, naming a claim of the same name, is
     # not the one the claim was prepared for.
     env.kube.delete("Pod", "pod-held", env.namespace, grace=0)
-    wait_for(
-        "the pod gone",
-        lambda: env.kube.get_or_none("Pod", "pod-held", env.namespace) is None,
-        timeout=60,
-    )
+    env.wait_pod_gone("pod-held")
     successor = pod_with_claim("pod-held", env.namespace, None, claim="held")
     successor["spec"]["nodeName"] = NODE
     env.kube.create(successor)
@@ -1454,11 +1457,7 @@ async def test_the_sweep_tells_a_new_pod_from_the_one_an_older_release_recorded(
     upgraded = make_preparer(env, node, akube, emu)
     await upgraded.recover()
     env.delete_claim("held")
-    wait_for(
-        "the pod gone",
-        lambda: env.kube.get_or_none("Pod", "pod-held", env.namespace) is None,
-        timeout=60,
-    )
+    env.wait_pod_gone("pod-held")
     again = env.allocated("held")
     assert again["metadata"]["uid"] != ref.uid
 
