@@ -37,6 +37,15 @@ pytestmark = [pytest.mark.cluster, pytest.mark.anyio]
 DRIVER = "gpu.nvidia.com"
 SHARED = "gpu-shared.nvidia.com"
 TENANTS = f"/apis/{API_VERSION}/gputenants"
+EXTRA = "a100-80gb.example.com"
+"""A DeviceClass an admin made that selects the driver's devices (the chart's
+webhook.extraDeviceClasses, the webhook's --device-class)."""
+EXTRA_CLASS = {
+    "apiVersion": "resource.k8s.io/v1",
+    "kind": "DeviceClass",
+    "metadata": {"name": EXTRA},
+    "spec": {"selectors": [{"cel": {"expression": f"device.driver == '{DRIVER}'"}}]},
+}
 CONFIG_API = "resource.nvidia.com/v1beta1"
 MIG_PROFILES = ("1g.10gb", "3g.40gb")
 """Served with classes of their own too (the chart's deviceClasses.mig.profiles)."""
@@ -59,12 +68,13 @@ async def env(cluster: Cluster, kube: SyncKube, tmp_path: Path) -> AsyncIterator
     for dc in device_classes(DRIVER, mig_profiles=MIG_PROFILES):
         kube.apply(dc)
     kube.apply(shared_class_as_the_chart_renders_it())
+    kube.apply(EXTRA_CLASS)
     apply_crd(kube, crd_manifest())
     akube = await Kube.connect(str(cluster.layout.admin_kubeconfig))
     pki, served = serving_config(cluster, tmp_path / "pki")
     policy = dataclasses.replace(served.policy, mig_profile_classes=MIG_PROFILES)
-    config = dataclasses.replace(served, policy=policy)
-    controller = TenantController(akube, config.policy)
+    config = dataclasses.replace(served, policy=policy, extra_device_classes=(EXTRA,))
+    controller = TenantController(akube, config.policy, extra_classes=[EXTRA])
     classes = DeviceClassCache(DRIVER)
     server = WebhookServer(
         config,
@@ -81,7 +91,7 @@ async def env(cluster: Cluster, kube: SyncKube, tmp_path: Path) -> AsyncIterator
             registration.validating_configuration(
                 ca_bundle_b64=pki.ca_bundle_base64(),
                 own_namespace="gpudra",
-                device_classes=sorted(driver_classes(config.policy)),
+                device_classes=sorted(driver_classes(config.policy, [EXTRA])),
                 driver=DRIVER,
                 url=f"https://{cluster.webhook_host()}:{port}",
             ),
@@ -91,8 +101,8 @@ async def env(cluster: Cluster, kube: SyncKube, tmp_path: Path) -> AsyncIterator
         tg.cancel_scope.cancel()
     for dc in device_classes(DRIVER):
         kube.apply(dc)  # the shared class without the config again, as other tests expect
-    for profile in MIG_PROFILES:
-        kube.delete("DeviceClass", mig_profile_class(profile))
+    for name in (*(mig_profile_class(p) for p in MIG_PROFILES), EXTRA):
+        kube.delete("DeviceClass", name)
     await akube.close()
 
 
@@ -365,5 +375,31 @@ async def test_device_quota_on_one_class_holds_for_the_classes_that_give_the_sam
         message = await denied(user, claim(namespace, "shared", SHARED_GPU))
         assert "exceeded quota" in message and SHARED in message
         assert (await run_sync(user.create, claim(namespace, "whole", WHOLE_GPU)))["metadata"]
+    finally:
+        await run_sync(drop_tenant, kube, tenant)
+
+
+async def test_an_admins_own_device_class_gets_no_way_around_the_rules(
+    env: Env, kube: SyncKube, namespace: str
+) -> None:
+    """A DeviceClass an admin made that selects the driver's devices is sent to the
+    webhook and judged like the driver's own (its claims once reached the webhook only
+    where the registration was left to the webhook, not the chart), and counts in the
+    tenant's quota."""
+    user = await run_sync(tenant_user, kube, namespace)
+    tenant = await run_sync(
+        lambda: with_tenant(kube, namespace, allowedDeviceClasses=[DRIVER], deviceQuota={})
+    )
+    try:
+        await tenant_rules_loaded(env, namespace)
+        message = await denied(user, claim(namespace, "extra", {"deviceClassName": EXTRA}))
+        assert "HTTP 403" in message and f"does not allow device class {EXTRA}" in message
+        quota = await run_sync(
+            wait_for,
+            "the tenant's quota",
+            lambda: kube.get_or_none("ResourceQuota", QUOTA_NAME, namespace),
+        )
+        assert quota["spec"]["hard"][quota_key(EXTRA)] == "0"
+        assert quota["spec"]["hard"][quota_key(DRIVER)] == "0"  # an empty quota: no GPUs
     finally:
         await run_sync(drop_tenant, kube, tenant)
