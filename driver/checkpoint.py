@@ -119,7 +119,18 @@ class CheckpointTooNewError(CheckpointError):
 
 
 class DeviceConflictError(CheckpointError):
-    """A device would be prepared for a second claim while it is held exclusively."""
+    """A device would be prepared for a second claim while it is held exclusively.
+
+    `prepared`: whether a readable record holds it (unprepare that claim);
+    `unreadable`: the claims whose unreadable records name it, each of which an admin
+    has to undo by hand: the two need different remedies in the caller's message."""
+
+    def __init__(
+        self, message: str, *, prepared: bool = False, unreadable: Sequence[str] = ()
+    ) -> None:
+        super().__init__(message)
+        self.prepared = prepared
+        self.unreadable = tuple(unreadable)
 
 
 class ClaimState(StrEnum):
@@ -621,11 +632,14 @@ class Checkpoint:
 
     def _check_conflicts(self, uid: str, namespace: str, devices: Sequence[DeviceRecord]) -> None:
         problems: list[str] = []
+        unreadable: list[str] = []
+        prepared = False
         for device in devices:
             if device.admin_access:
                 continue
             for other in self.unreadable_holders(device.key):
                 if other != uid:
+                    unreadable.append(other)
                     problems.append(
                         f"device {device.pool}/{device.device} is named by the checkpoint "
                         f"record of claim {other}, which cannot be read "
@@ -635,6 +649,7 @@ class Checkpoint:
                 if holder.uid == uid or held.admin_access:
                     continue
                 if device.exclusive or held.exclusive:
+                    prepared = True
                     name = holder.name_seen_from(namespace)
                     problems.append(
                         f"device {device.pool}/{device.device} is already prepared "
@@ -642,7 +657,9 @@ class Checkpoint:
                         f"{f'{name} ' if name else ''}({holder.uid})"
                     )
         if problems:
-            raise DeviceConflictError("; ".join(problems))
+            raise DeviceConflictError(
+                "; ".join(problems), prepared=prepared, unreadable=list(dict.fromkeys(unreadable))
+            )
 
     def _snapshot(self) -> _Snapshot:
         return _Snapshot(self._seq, self._claims, self._previous_boot, self._unreadable)

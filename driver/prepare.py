@@ -439,10 +439,7 @@ class ClaimPreparer:
                 else:
                     cp.begin_prepare(ref, planned, persist=False)  # memory only: no I/O
             except DeviceConflictError as exc:
-                raise ClaimError(
-                    f"{ref.describe()}: {exc}; that claim must be unprepared first (it is "
-                    "cleaned up once its ResourceClaim is deleted)"
-                ) from None
+                raise ClaimError(f"{ref.describe()}: {exc}; {self._conflict_remedy(exc)}") from None
             self._at("prepare-started")
             try:
                 devices = await self._setup(ref, entries)
@@ -731,6 +728,18 @@ class ClaimPreparer:
             extra={"fields": {"claim": uid}},
         )
         return True
+
+    def _conflict_remedy(self, exc: DeviceConflictError) -> str:
+        """What frees the device: a prepared claim goes with its unprepare, an
+        unreadable record only once an admin has undone it by hand."""
+        remedies = [f"for claim {uid}: {self._by_hand(uid)}" for uid in exc.unreadable]
+        if exc.prepared:
+            remedies.insert(
+                0,
+                "a claim prepared on it must be unprepared first (it is cleaned up once its "
+                "ResourceClaim is deleted)",
+            )
+        return "; ".join(remedies)
 
     def _unreadable_claim(self, uid: str, problem: str) -> str:
         return f"its checkpoint record cannot be read: {problem}; " + self._by_hand(uid)

@@ -1878,6 +1878,7 @@ async def test_some_integer_shares_are_never_exclusive_and_all_of_them_are_the_w
     beside = share_claim(4, "gpu-5", 1)
     error = (await preparer.prepare([beside]))[beside.uid].error
     assert error is not None and "already prepared exclusively" in error
+    assert "must be unprepared first" in error and "undone" not in error
     (device,) = load_checkpoint(node.checkpoint, boot_id_path=node.boot_id).get(whole.uid).devices  # type: ignore[union-attr]
     assert device.exclusive and device.details.time_slice is None
 
@@ -2032,6 +2033,9 @@ async def test_a_claim_whose_record_cannot_be_read_is_never_called_unprepared(no
     other = _fixture_claim(0)  # gpu-1, another claim
     refused = (await preparer.prepare([other]))[other.uid].error
     assert refused is not None and f"checkpoint record of claim {uid}" in refused
+    # The remedy is the by-hand one: no unprepare frees a device an unreadable record names.
+    assert str(node.checkpoint.parent / "undone" / uid) in refused
+    assert "unprepared first" not in refused
     assert _compute_mode(emu, gpu) == EXCLUSIVE_PROCESS
     assert json.loads(node.checkpoint.read_text())["claims"][uid] == record
 
