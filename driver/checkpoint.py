@@ -42,6 +42,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
@@ -348,6 +349,10 @@ class Checkpoint:
         self._unreadable: dict[str, Any] = dict(unreadable or {})
         self._extra: dict[str, Any] = dict(extra or {})
         self._file_version = file_version
+        # Writes run in worker threads; one at a time, and never an older snapshot over
+        # a newer one (see `_write`).
+        self._write_lock = threading.Lock()
+        self._on_disk_seq = -1
         # Every dict and tuple above is replaced, never changed in place, so a
         # snapshot is a set of references that a writer thread can encode safely.
         # Encoded claims by UID, reused while the record is the same object.
@@ -693,12 +698,22 @@ class Checkpoint:
         return (text + "}\n").encode()
 
     def _write(self, snap: _Snapshot) -> None:
-        data = self._encode(snap)
-        try:
-            # The folder is created on first use (and again if someone removed it).
-            atomic_write(self._path, data, mode=0o600, folder_mode=0o777)
-        except OSError as exc:
-            raise CheckpointError(f"cannot write checkpoint {self._path}: {exc}") from exc
+        """Write `snap`, unless a newer one is on disk already.
+
+        A write whose caller went away (a cancel asyncio does not let a shield stop)
+        may still be running in its thread when the next one starts: the lock keeps
+        them apart, and the older snapshot is skipped rather than put back over the
+        newer one, which holds all it held (or its undoing, for a failed write)."""
+        with self._write_lock:
+            if snap.seq < self._on_disk_seq:
+                return
+            data = self._encode(snap)
+            try:
+                # The folder is created on first use (and again if someone removed it).
+                atomic_write(self._path, data, mode=0o600, folder_mode=0o777)
+            except OSError as exc:
+                raise CheckpointError(f"cannot write checkpoint {self._path}: {exc}") from exc
+            self._on_disk_seq = snap.seq
 
     def _save(
         self,
@@ -726,6 +741,7 @@ class Checkpoint:
                 )
             )
         else:
+            self._seq += 1  # a newer state than any snapshot written before
             self._write(_Snapshot(self._seq, new_claims, new_previous, new_unreadable))
             self._file_version = CHECKPOINT_VERSION
         self._claims = new_claims

@@ -10,12 +10,13 @@ types, so the device layer never sees protobuf, gRPC or the API server.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
 import os
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType, TracebackType
@@ -378,6 +379,34 @@ class ClaimDispatcher:
             self._metrics.observe(operation, seconds, failed=one)
 
 
+class _CallsInFlight:
+    """The claim work of the DRA calls, owned by the plugin rather than by each call.
+
+    grpc.aio cancels a call's handler with a plain asyncio cancel when the kubelet's
+    deadline passes or it hangs up, and anyio's shields do not hold against that: the
+    work would stop at whatever it was waiting for while its worker threads (a
+    checkpoint write, a tool run) go on, its claim's lock released and its checkpoint
+    change neither known durable nor undone. So each call's work runs as a task of its
+    own, which the call awaits through `asyncio.shield`: the kubelet gets its deadline
+    error, and the work finishes in order under its locks. The kubelet's retry waits for
+    the claim's lock and is answered from the record. `wait` lets `stop` finish them.
+    """
+
+    def __init__(self) -> None:
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    async def run(self, work: Coroutine[Any, Any, R]) -> R:
+        task = asyncio.ensure_future(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return await asyncio.shield(task)
+
+    async def wait(self) -> None:
+        """Until every call's work has finished (its caller may be long gone)."""
+        while self._tasks:
+            await asyncio.wait(set(self._tasks))
+
+
 def _conversion_failed(op: str, uid: str, exc: Exception) -> str:
     log.exception(
         "claim result could not be encoded",
@@ -391,14 +420,20 @@ class _DraServicer:
     protobuf packages; only v1 has `share_id`."""
 
     def __init__(
-        self, dispatcher: ClaimDispatcher, messages: ModuleType, *, share_id: bool
+        self,
+        dispatcher: ClaimDispatcher,
+        messages: ModuleType,
+        *,
+        share_id: bool,
+        calls: _CallsInFlight,
     ) -> None:
         self._dispatcher = dispatcher
         self._pb = messages
         self._share_id = share_id
+        self._calls = calls
 
     async def NodePrepareResources(self, request: Any, context: Any) -> Any:
-        results = await self._dispatcher.prepare(_claim_refs(request.claims))
+        results = await self._calls.run(self._dispatcher.prepare(_claim_refs(request.claims)))
         response = self._pb.NodePrepareResourcesResponse()
         for uid, result in results.items():
             entry = response.claims[uid]
@@ -410,7 +445,7 @@ class _DraServicer:
         return response
 
     async def NodeUnprepareResources(self, request: Any, context: Any) -> Any:
-        results = await self._dispatcher.unprepare(_claim_refs(request.claims))
+        results = await self._calls.run(self._dispatcher.unprepare(_claim_refs(request.claims)))
         response = self._pb.NodeUnprepareResourcesResponse()
         for uid, error in results.items():
             entry = response.claims[uid]
@@ -572,6 +607,7 @@ class KubeletPlugin:
         self.kubelet_root = Path(kubelet_root).absolute()
         self.pod_uid = pod_uid
         self._dispatcher = ClaimDispatcher(handler, claims, metrics)
+        self._calls = _CallsInFlight()
         self._health = health
         if health_refresh_s <= 0:
             msg = f"health_refresh_s {health_refresh_s!r} must be positive (seconds)"
@@ -632,13 +668,15 @@ class KubeletPlugin:
             if DRA_V1 in self.supported_versions:
                 _add(
                     dra_v1_pb2_grpc.add_DRAPluginServicer_to_server,
-                    _DraServicer(self._dispatcher, dra_v1_pb2, share_id=True),
+                    _DraServicer(self._dispatcher, dra_v1_pb2, share_id=True, calls=self._calls),
                     dra,
                 )
             if DRA_V1BETA1 in self.supported_versions:
                 _add(
                     dra_v1beta1_pb2_grpc.add_DRAPluginServicer_to_server,
-                    _DraServicer(self._dispatcher, dra_v1beta1_pb2, share_id=False),
+                    _DraServicer(
+                        self._dispatcher, dra_v1beta1_pb2, share_id=False, calls=self._calls
+                    ),
                     dra,
                 )
             if self._health is not None:
@@ -676,7 +714,9 @@ class KubeletPlugin:
         await server.start()
 
     async def stop(self) -> None:
-        """Deregister first (remove the registration socket), then drain DRA calls."""
+        """Deregister first (remove the registration socket), then drain DRA calls;
+        the work of calls cut off by the grace period still finishes before this
+        returns, so no prepare stops half-way at shutdown."""
         with anyio.CancelScope(shield=True):
             for scope in list(self._health_streams):
                 scope.cancel()
@@ -684,6 +724,7 @@ class KubeletPlugin:
                 server, path, identity = self._serving.pop()
                 _remove_own_socket(path, identity)
                 await server.stop(self._stop_grace_s)
+            await self._calls.wait()
         log.info("kubelet plugin stopped", extra={"fields": {"driver": self.driver_name}})
 
     async def __aenter__(self) -> Self:

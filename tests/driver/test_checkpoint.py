@@ -1,7 +1,10 @@
 """Checkpoint of prepared claims: persistence, compatibility, reboots, exclusivity."""
 
+import asyncio
 import json
 import os
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -707,3 +710,35 @@ async def test_unchanged_claims_are_written_back_verbatim(cp_path: Path, boot: P
         line for line in second if CLAIM_2.uid in line
     ]
     assert _doc(cp_path)["claims"][CLAIM_2.uid]["state"] == "PrepareCompleted"
+
+
+@pytest.mark.anyio
+async def test_a_write_whose_caller_was_cancelled_never_puts_an_older_state_back(
+    cp_path: Path, boot: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """grpc.aio cuts a call with a plain asyncio cancel, which the GroupCommit's shield
+    does not stop: the write it started goes on in its thread while the next change is
+    written. When the older write lands last, it must not replace the newer file."""
+    commit = GroupCommit(_load(cp_path, boot))
+    stall, stalled = threading.Event(), threading.Event()
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:  # a disk that stalls the first write it is asked for
+        if stall.is_set() and threading.current_thread() is not threading.main_thread():
+            stall.clear()
+            stalled.set()
+            time.sleep(1.0)
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    stall.set()
+    cut = asyncio.ensure_future(commit.apply(lambda cp: cp.begin_prepare(CLAIM_1, [_gpu()])))
+    while not stalled.is_set():
+        await anyio.sleep(0.01)
+    cut.cancel()  # what grpc.aio does when the kubelet's deadline passes
+    with pytest.raises(asyncio.CancelledError):
+        await cut
+    await commit.apply(lambda cp: cp.begin_prepare(CLAIM_2, [_gpu("gpu-1")]))
+    assert sorted(c.uid for c in _load(cp_path, boot).claims()) == [CLAIM_1.uid, CLAIM_2.uid]
+    await anyio.sleep(1.5)  # the cancelled call's write has long finished
+    assert sorted(c.uid for c in _load(cp_path, boot).claims()) == [CLAIM_1.uid, CLAIM_2.uid]

@@ -455,6 +455,65 @@ async def test_unprepare_via_both_versions(root: Path) -> None:
     assert dict(beta.claims)["uid-b"].error == "device busy"
 
 
+class GatedHandler(RecordingHandler):
+    """A device layer whose work waits for `go`, and records what it finished."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.go = anyio.Event()
+        self.started = anyio.Event()
+        self.finished: list[str] = []
+
+    async def prepare(self, claims: list[Claim]) -> dict[str, PrepareResult]:
+        self.started.set()
+        await self.go.wait()
+        self.finished += [f"prepare {c.uid}" for c in claims]
+        return await super().prepare(claims)
+
+    async def unprepare(self, claims: list[ClaimRef]) -> dict[str, str | None]:
+        self.started.set()
+        await self.go.wait()
+        self.finished += [f"unprepare {c.uid}" for c in claims]
+        return await super().unprepare(claims)
+
+
+@pytest.mark.parametrize("op", ["prepare", "unprepare"])
+async def test_a_call_cut_by_the_kubelets_deadline_still_finishes_its_work(
+    root: Path, op: str
+) -> None:
+    """grpc.aio cancels a handler with a plain asyncio cancel at the deadline, which
+    anyio's shields do not stop: the device layer would be cut at whatever it awaited,
+    its worker threads going on without it and its claim's lock released. The kubelet
+    gets its deadline error; the work goes on to the end, and `stop` waits for it."""
+    handler = GatedHandler()
+    plugin = KubeletPlugin(DRIVER, handler, claims=Allocated(), kubelet_root=root)
+    await plugin.start()
+    try:
+        async with channel(plugin.dra_socket) as ch:
+            client = stub(dra_v1_pb2_grpc.DRAPluginStub, ch)
+            claims = [dra_v1_pb2.Claim(namespace="default", uid="uid-a", name="a")]
+            call = (
+                client.NodePrepareResources(
+                    dra_v1_pb2.NodePrepareResourcesRequest(claims=claims), timeout=0.5
+                )
+                if op == "prepare"
+                else client.NodeUnprepareResources(
+                    dra_v1_pb2.NodeUnprepareResourcesRequest(claims=claims), timeout=0.5
+                )
+            )
+            with pytest.raises(grpc.aio.AioRpcError) as cut:
+                await call
+            assert cut.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+            assert handler.started.is_set() and handler.finished == []
+    finally:
+        async with anyio.create_task_group() as group:
+            group.start_soon(plugin.stop)
+            await anyio.sleep(0.2)
+            assert handler.finished == []  # stop is waiting for the work
+            handler.go.set()
+    assert handler.finished == [f"{op} uid-a"]
+
+
 async def test_one_claim_raising_does_not_fail_the_others(root: Path) -> None:
     handler = RecordingHandler(fail=frozenset({"uid-bad"}))
     claims = [claim("a"), claim("bad"), claim("b")]
