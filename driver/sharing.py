@@ -85,18 +85,29 @@ _OUTPUT_TAIL: Final = 500
 # The claim's /dev/shm, mounted as the host's usually is; tmpfs's default size is
 # half the memory, as upstream sets it.
 _SHM_OPTIONS: Final = "rw,nosuid,nodev,noexec,mode=1777"
+# The claim's pipe folder: its containers write there, so it is a tmpfs of its own,
+# never a folder on the node's disk, where they could fill the file system the
+# checkpoint is written to and fail every other claim's prepare. The daemon keeps a
+# few pipes and its PID file in it; what a container writes beyond that is bounded
+# here and charged to the memory of the container that writes it.
+_PIPE_OPTIONS: Final = "rw,nosuid,nodev,noexec,size=4m,nr_inodes=4096,mode=0755"
 _CONTROL_READER_TRIES: Final = 10
 """Looks, 0.1 s apart, for a reader of the daemon's control FIFO before `quit`."""
 # CAP_SYS_ADMIN's bit in /proc/self/status CapEff: mount and unshare need it.
 _CAP_SYS_ADMIN: Final = 21
 # A daemon pod's command, the tool's path as $0: the daemon in the foreground, ended
 # with the pod (TERM) or once its pipe folder is removed, both a normal end (exit 0:
-# the pod Succeeded); otherwise the pod ends as the daemon does.
+# the pod Succeeded); otherwise the pod ends as the daemon does. An older release
+# that knows nothing of daemon pods removes the claim's folders at unprepare; the
+# pipe folder, a tmpfs of its own, then stays as an empty mount point, so the daemon's
+# control pipe missing once the daemon has had the time to make it (five rounds, about
+# ten seconds) ends the pod too.
 _POD_SCRIPT: Final = (
     'end() { kill "$d" 2>/dev/null; wait "$d"; exit 0; }; trap end TERM INT; '
-    '"$0" -f & d=$!; '
-    'while kill -0 "$d" 2>/dev/null; do '
-    '[ -d "$CUDA_MPS_PIPE_DIRECTORY" ] || end; sleep 2 & wait $!; done; '
+    '"$0" -f & d=$!; c="$CUDA_MPS_PIPE_DIRECTORY/control"; n=0; '
+    'while kill -0 "$d" 2>/dev/null; do n=$((n + 1)); '
+    '[ -d "$CUDA_MPS_PIPE_DIRECTORY" ] || end; [ -p "$c" ] || [ "$n" -le 5 ] || end; '
+    "sleep 2 & wait $!; done; "
     'wait "$d"'
 )
 
@@ -369,21 +380,29 @@ class NvidiaSharing:
             raise SharingError(f"{purpose}: {name} not found on PATH; install util-linux")
         return found
 
-    def _make_shm(self, shm: Path, purpose: str) -> None:
-        """The claim's own /dev/shm: a fresh tmpfs where this process may mount one
-        (as upstream does), else a plain folder, which still keeps claims apart."""
-        shm.mkdir(parents=True, exist_ok=True)
-        if may_mount() and not os.path.ismount(shm):
-            mount = self._host_tool("mount", purpose)
-            self._run([mount, "-t", "tmpfs", "-o", _SHM_OPTIONS, "shm", str(shm)], purpose)
-        shm.chmod(0o1777)  # as /dev/shm: every user of the claim's containers may use it
+    def _make_tmpfs(self, folder: Path, options: str, mode: int, purpose: str) -> None:
+        """A folder of the claim's that its containers may write: a fresh tmpfs where
+        this process may mount one (as upstream does for /dev/shm), else a plain
+        folder, which still keeps claims apart but not off the node's disk."""
+        folder.mkdir(mode=mode, parents=True, exist_ok=True)
+        if may_mount():
+            if not os.path.ismount(folder):
+                mount = self._host_tool("mount", purpose)
+                self._run([mount, "-t", "tmpfs", "-o", options, "gpudra-mps", str(folder)], purpose)
+        else:
+            log.warning(
+                "a claim's MPS folder is a plain folder on the node's disk, which its "
+                "containers can fill: a tmpfs of its own needs CAP_SYS_ADMIN",
+                extra={"fields": {"folder": str(folder)}},
+            )
+        folder.chmod(mode)  # exact, whatever the umask
 
-    def _remove_shm(self, shm: Path, purpose: str) -> None:
+    def _remove_tmpfs(self, folder: Path, purpose: str) -> None:
         """Unmount (lazily: a process still holding it cannot keep the claim) and remove."""
-        if os.path.ismount(shm):
+        if os.path.ismount(folder):
             umount = self._host_tool("umount", purpose)
-            self._run([umount, "--lazy", str(shm)], purpose)
-        remove_tree(shm)
+            self._run([umount, "--lazy", str(folder)], purpose)
+        remove_tree(folder)
 
     def _daemonize(self, daemon: MpsDaemon, tool: str, purpose: str) -> None:
         """`tool -d` with the claim's shm folder as the daemon's /dev/shm.
@@ -465,10 +484,11 @@ class NvidiaSharing:
         gpus = ", ".join(daemon.device_uuids)
         purpose = f"starting the MPS control daemon {daemon.name} for {gpus}"
         tool = str(self._tool(MPS_CONTROL, purpose))
-        for folder in (daemon.pipe_dir, daemon.log_dir):
-            folder.mkdir(mode=0o755, parents=True, exist_ok=True)
+        daemon.log_dir.mkdir(mode=0o755, parents=True, exist_ok=True)
+        self._make_tmpfs(daemon.pipe_dir, _PIPE_OPTIONS, 0o755, purpose)
         if daemon.shm_dir is not None:
-            self._make_shm(daemon.shm_dir, purpose)
+            # As /dev/shm: every user of the claim's containers may use it.
+            self._make_tmpfs(daemon.shm_dir, _SHM_OPTIONS, 0o1777, purpose)
         identity = self._running(daemon)
         if identity is not None:
             # A retry after a crash: the daemon from the first attempt still listens.
@@ -613,10 +633,10 @@ class NvidiaSharing:
             if self._pods is not None:
                 # Created by an attempt that crashed before it could record the pod.
                 self._pods.remove(daemon.name, None, self._ready_timeout_s)
-        if daemon.shm_dir is not None:
-            self._remove_shm(daemon.shm_dir, purpose)
-        for folder in (daemon.pipe_dir, daemon.log_dir):
-            remove_tree(folder)
+        for folder in (daemon.pipe_dir, daemon.shm_dir):
+            if folder is not None:
+                self._remove_tmpfs(folder, purpose)
+        remove_tree(daemon.log_dir)
         log.info("MPS daemon stopped", extra={"fields": {"daemon": daemon.name}})
 
     def _quit(self, daemon: MpsDaemon, purpose: str) -> bool:

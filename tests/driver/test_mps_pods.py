@@ -190,19 +190,26 @@ def test_a_start_without_a_record_replaces_a_leftover_pod(tmp_path: Path, tools_
     assert not pods.pods
 
 
+@pytest.mark.parametrize("left", ["nothing", "the empty mount point"])
 def test_the_daemon_pod_ends_once_its_pipe_folder_is_removed(
-    tmp_path: Path, tools_log: Path
+    tmp_path: Path, tools_log: Path, left: str
 ) -> None:
-    """An older agent knows nothing of pods; its unprepare removes the claim's folders,
-    and the daemon must not outlive them."""
+    """An older agent knows nothing of pods; its unprepare removes the claim's folders
+    (`shutil.rmtree`, errors ignored), and the daemon must not outlive them. Where the
+    pipe folder is a tmpfs of its own, what is left is its mount point, emptied."""
     pods = ProcessPods()
     backend = sharing(pods, tools_log)
     identity = backend.start_mps(daemon(tmp_path))
     proc = pods.pods["claim-1"][1]
-    shutil.rmtree(tmp_path / "pipe")
+    pipe = tmp_path / "pipe"
+    if left == "nothing" and pipe.is_mount():
+        subprocess.run(["umount", "--lazy", str(pipe)], check=True)
+    elif left == "the empty mount point" and not pipe.is_mount():
+        pytest.skip("the pipe folder is a tmpfs only where the agent may mount one")
+    shutil.rmtree(pipe, ignore_errors=True)
     assert proc.wait(timeout=30) == 0  # a normal end: the pod Succeeded
     backend.stop_mps(daemon(tmp_path, identity))  # what is left: the pod, the folders
-    assert not pods.pods and not (tmp_path / "shm").exists()
+    assert not pods.pods and not (tmp_path / "shm").exists() and not pipe.exists()
 
 
 def test_a_pod_record_needs_an_agent_that_runs_pods(tmp_path: Path, tools_log: Path) -> None:

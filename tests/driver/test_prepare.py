@@ -9,6 +9,7 @@ emulator, and nvidia-smi / nvidia-cuda-mps-control are the stand-ins in
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import secrets
@@ -2163,6 +2164,36 @@ async def test_an_mps_claim_gets_its_own_shm_shared_with_its_daemon_only(node: N
 
 
 @pytest.mark.anyio
+@pytest.mark.skipif(not may_mount(), reason="a tmpfs of the claim's own needs CAP_SYS_ADMIN")
+async def test_what_a_container_writes_in_its_pipe_folder_never_fills_the_nodes_disk(
+    node: Node,
+) -> None:
+    """The pipe folder is mounted writable into the claim's containers: it is a small
+    tmpfs of its own, so a tenant that fills it fills that, never the file system the
+    checkpoint is on, and the next tenant's prepare still records its claim."""
+    preparer = node_preparer(node, h100_mig(), strategy=MigStrategy.DYNAMIC)
+    claim = _fixture_claim(_MPS_CLAIM)
+    assert (await preparer.prepare([claim]))[claim.uid].error is None
+    pipe = _mps_base(node, claim.uid) / "pipe"
+    assert pipe.is_mount()
+    assert os.statvfs(pipe).f_blocks * os.statvfs(pipe).f_frsize <= 4 << 20
+
+    # What the tenant's container does through its mount of the pipe folder.
+    with pytest.raises(OSError) as full, (pipe / "filler").open("wb") as filler:
+        for _ in range(64):
+            filler.write(b"\0" * (1 << 20))
+            filler.flush()
+    assert full.value.errno == errno.ENOSPC
+    other = _fixture_claim(0)
+    assert (await preparer.prepare([other]))[other.uid].error is None
+    assert load_checkpoint(node.checkpoint, boot_id_path=node.boot_id).get(other.uid) is not None
+
+    assert await preparer.unprepare([claim.ref]) == {claim.uid: None}
+    assert not pipe.is_mount()
+    assert not _mps_base(node, claim.uid).exists()
+
+
+@pytest.mark.anyio
 async def test_recovery_unmounts_the_shm_of_a_prepare_a_crash_interrupted(node: Node) -> None:
     def crash(step: str) -> None:
         if step == "mps-started":
@@ -2386,13 +2417,16 @@ async def test_a_deep_tree_in_the_pipe_folder_neither_keeps_the_claim_nor_stops_
 
         assert (await preparer.prepare([claim]))[claim.uid].error is None
         daemon = _recorded_daemon(node, claim.uid)
-        _deep_tree(_mps_base(node, claim.uid) / "pipe")
-        # The node reboots: the daemon and the claim's tmpfs are gone, the disk is not.
+        # The node reboots: the daemon and the claim's tmpfs are gone, the disk is not,
+        # and there the tree is left (by an agent that could not mount a tmpfs).
         os.kill(daemon.pid, signal.SIGKILL)
         assert daemon.wait_gone(10.0)
-        shm = _mps_base(node, claim.uid) / "shm"
-        if shm.is_mount():
-            await anyio.run_process(["umount", "--lazy", str(shm)])
+        for folder in ("shm", "pipe"):
+            if (_mps_base(node, claim.uid) / folder).is_mount():
+                await anyio.run_process(
+                    ["umount", "--lazy", str(_mps_base(node, claim.uid) / folder)]
+                )
+        _deep_tree(_mps_base(node, claim.uid) / "pipe")
         node.boot_id.write_text(BOOT_B + "\n")
 
         report = await node_preparer(node, h100_mig(), strategy=MigStrategy.DYNAMIC).recover()
@@ -2402,8 +2436,9 @@ async def test_a_deep_tree_in_the_pipe_folder_neither_keeps_the_claim_nor_stops_
         assert not _mps_base(node, claim.uid).exists()
     finally:  # a tree this deep would stop pytest's own clean-up of its temp folders
         base = _mps_base(node, claim.uid)
-        if (base / "shm").is_mount():
-            await anyio.run_process(["umount", "--lazy", str(base / "shm")])
+        for folder in ("shm", "pipe"):
+            if (base / folder).is_mount():
+                await anyio.run_process(["umount", "--lazy", str(base / folder)])
         await anyio.run_process(["rm", "-rf", str(base)])
 
 

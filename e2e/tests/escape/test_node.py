@@ -37,7 +37,7 @@ PIPE = "/tmp/nvidia-mps"  # where the claim's containers see the daemon's pipe f
 # The attack, as root in the container: leave a file in the claim's /dev/shm, quit
 # the daemon through its control FIFO, put a plain file where the FIFO was, make the
 # PID file name PID 1, and leave a tree deeper than Python's recursion limit in the
-# pipe folder (it is on the node's disk, under the agent's state folder).
+# pipe folder (under the agent's state folder, a tmpfs of the claim's own).
 TAMPER = f"""
 echo tenant-a > /dev/shm/left-by-tenant-a
 echo quit > {PIPE}/control
@@ -108,6 +108,42 @@ def test_a_tenant_that_fakes_its_mps_daemons_files_cannot_keep_the_gpu(
     kube.delete("Pod", "tenant-b", ns)
     # Its daemon outlives the agent as a real one would: unprepared before the node goes.
     wait_for("the next claim unprepared", lambda: uid not in stack.checkpoint(), timeout=90)
+
+
+# The attack: fill the pipe folder, which the container may write, as far as it goes.
+FILL = f"""
+dd if=/dev/zero of={PIPE}/fill bs=1048576 count=256 2>/dev/null
+stat -c %s {PIPE}/fill > /tmp/filled
+sleep 86400
+"""
+
+
+def test_a_tenant_that_fills_its_mps_pipe_folder_stops_no_other_tenants_prepare(
+    stack: NodeGpus, kube: Kube, cluster: Cluster, ns: str
+) -> None:
+    """The pipe folder is mounted writable into the claim's containers, and sits under
+    the agent's state folder, beside the checkpoint. It is a small tmpfs of the claim's
+    own: a tenant that fills it fills that, and the next claim's prepare (whose
+    checkpoint write needs the state disk) goes through."""
+    kube.create(mps_template(ns, "mps", "!device.allowMultipleAllocations"))
+    kube.create(gpu_pod(stack, "tenant-a", ns, template="mps", script=FILL))
+    wait_running(kube, ns, "tenant-a")
+    wait_for(
+        "the tenant's pipe folder filled",
+        lambda: in_pod(cluster, ns, "tenant-a", "cat /tmp/filled 2>/dev/null || :").strip(),
+        timeout=60,
+    )
+    written = int(in_pod(cluster, ns, "tenant-a", "cat /tmp/filled"))
+    assert written <= 4 << 20, f"{written} bytes written to the node through the pipe folder"
+
+    kube.create(whole_gpu_template(ns))
+    kube.create(gpu_pod(stack, "tenant-b", ns, template="whole"))
+    wait_running(kube, ns, "tenant-b")
+    uids = {claim_of(kube, ns, pod)["metadata"]["uid"] for pod in ("tenant-a", "tenant-b")}
+    assert all(stack.checkpoint()[uid]["state"] == "PrepareCompleted" for uid in uids)
+    for pod in ("tenant-a", "tenant-b"):
+        kube.delete("Pod", pod, ns)
+    wait_for("both claims unprepared", lambda: not uids & stack.checkpoint().keys(), timeout=90)
 
 
 def test_a_pod_without_a_claim_cannot_name_another_claims_devices(
