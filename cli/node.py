@@ -163,11 +163,19 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="extra comma-separated XIDs treated as application errors (effect None)",
     )
     p.add_argument(
+        "--reset-xids",
+        default="",
+        help="extra comma-separated XIDs whose taint stays until the GPU is reset (create "
+        "<state-dir>/reset/<GPU UUID> after resetting it), like 48, 79, 95 and the others "
+        "NVIDIA's XID catalogue has reset",
+    )
+    p.add_argument(
         "--recovery-after",
         type=float,
         default=300.0,
         metavar="SECONDS",
-        help="remove a health taint after this long without new errors",
+        help="remove a health taint after this long without new errors (taints that wait "
+        "for a GPU reset stay until it)",
     )
     k = p.add_argument_group("kubelet plugin")
     k.add_argument(
@@ -187,7 +195,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "--state-dir",
         type=Path,
         default=DEFAULT_STATE_DIR,
-        help="checkpoint and MPS folders; a host path seen at the same path here",
+        help="checkpoint, MPS folders and GPU reset marks; a host path seen at the same path here",
     )
     k.add_argument(
         "--driver-root",
@@ -302,13 +310,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.set_defaults(func=run)
 
 
-def _xids(raw: str) -> frozenset[int]:
+def _xids(flag: str, raw: str) -> frozenset[int]:
     try:
         return frozenset(int(x) for x in raw.split(",") if x.strip())
     except ValueError:
-        raise SystemExit(
-            f"gpudra node: --application-xids {raw!r}: give integers, e.g. 13,31"
-        ) from None
+        raise SystemExit(f"gpudra node: {flag} {raw!r}: give integers, e.g. 13,31") from None
 
 
 def _shared_gpus(raw: str) -> SharedGpus:
@@ -380,17 +386,22 @@ def _crash_at(step: str | None) -> Callable[[str], None] | None:
 
 
 def _agent_config(args: argparse.Namespace) -> AgentConfig:
-    policy = HealthPolicy(
-        driver_name=args.driver_name,
-        critical_effect=TaintEffect(args.critical_xid_effect),
-        extra_application_xids=_xids(args.application_xids),
-        recovery_after_s=args.recovery_after,
-    )
+    try:
+        policy = HealthPolicy(
+            driver_name=args.driver_name,
+            critical_effect=TaintEffect(args.critical_xid_effect),
+            extra_application_xids=_xids("--application-xids", args.application_xids),
+            extra_reset_xids=_xids("--reset-xids", args.reset_xids),
+            recovery_after_s=args.recovery_after,
+        )
+    except ValueError as e:
+        raise SystemExit(f"gpudra node: {e}") from None
     return AgentConfig(
         node_name=args.node_name,
         driver_name=args.driver_name,
         mig_strategy=MigStrategy(args.mig_strategy),
         health=policy,
+        state_dir=args.state_dir,
         shared_gpus=_shared_gpus(args.shared_gpus),
         gpu_shares=_gpu_shares(args),
         legacy_attributes=args.legacy_attributes,

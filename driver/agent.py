@@ -2,12 +2,16 @@
 
 Discovery runs in a worker thread (NVML blocks). The published pool is always built
 from one complete inventory: a scan that fails keeps the last good one, and before
-the first good scan nothing is published at all.
+the first good scan nothing is published at all. A GPU that is lost (fell off the bus)
+does not fail a scan: discovery leaves it out and publishes the others, and a GPU lost
+after it was published keeps its last description (`Inventory.keeping_lost`), tainted
+by the health watcher. The periodic rescan picks a lost GPU up again once it answers.
 
 `--shared-gpus` is checked against the first complete inventory: a GPU it names that
 the node lacks (or cannot share) stops the agent, since the admin asked for something
 that would silently not happen. Later scans only warn, so a GPU that drops off the bus
-does not take the rest of the node's pool with it.
+does not take the rest of the node's pool with it; so does a first scan that found a
+lost GPU, since the GPU named may be that one.
 """
 
 from __future__ import annotations
@@ -15,12 +19,14 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import anyio
 import anyio.abc
 import anyio.to_thread
 from gpudra.common.backoff import Backoff
 from gpudra.common.kube import Kube
+from gpudra.driver.checkpoint import DEFAULT_BOOT_ID_PATH
 from gpudra.driver.devices import (
     DiscoveryError,
     Inventory,
@@ -29,6 +35,7 @@ from gpudra.driver.devices import (
     SharedGpusError,
     discover,
 )
+from gpudra.driver.gpuresets import GpuResets
 from gpudra.driver.gpushares import GpuShares, GpuSharesError
 from gpudra.driver.health import HealthPolicy, HealthState, NvmlHealthWatcher
 from gpudra.driver.nvml import NvmlLibrary
@@ -46,6 +53,10 @@ class AgentConfig:
     rescan_s: float = 60.0
     health: HealthPolicy = field(default_factory=HealthPolicy)
     health_events: bool = True
+    # Where the taints that wait for a GPU reset outlive a restart, and the admin marks
+    # GPUs reset (`gpudra.driver.gpuresets`); None: in memory only, a restart lifts them.
+    state_dir: Path | None = None
+    boot_id_path: Path = DEFAULT_BOOT_ID_PATH
     slice_limits: SliceLimits | None = None
     # Whole GPUs published shareable, handed out in memory slices.
     shared_gpus: SharedGpus = field(default_factory=SharedGpus)
@@ -74,6 +85,11 @@ class NodeAgent:
         self.shared: frozenset[str] = frozenset()  # device names published shareable
         self.shares: dict[str, int] = {}  # device name -> integer shares published
         self.health: HealthState | None = None
+        self._resets = (
+            GpuResets(config.state_dir, boot_id_path=config.boot_id_path)
+            if config.state_dir is not None and config.health_events
+            else None
+        )
         self.ready = anyio.Event()
         self.slices = SliceController(
             kube,
@@ -100,19 +116,26 @@ class NodeAgent:
         """Discover; raises `SharedGpusError` or `GpuSharesError` when the first
         inventory cannot honour `--shared-gpus` or `--gpu-shares`."""
         inv = await anyio.to_thread.run_sync(discover, self.nvml)
+        if self.inventory is not None:
+            inv = inv.keeping_lost(self.inventory)
         if inv != self.inventory:
-            first = self.inventory is None
+            first = self.inventory is None and not inv.lost
             self.shared = self._shared(inv, first=first)
             self.shares = self._shares(inv, first=first)
-            self.inventory = inv
             if self.health is None:
+                # Taints that waited for a GPU reset before a restart, raised before
+                # anything is published: a restart resets no GPU.
+                resets = self._resets
+                pending = await anyio.to_thread.run_sync(resets.load) if resets else {}
                 self.health = (
-                    HealthState(inv, self.config.health, clock=self._clock)
+                    HealthState(inv, self.config.health, clock=self._clock, resets=resets)
                     if self._clock
-                    else HealthState(inv, self.config.health)
+                    else HealthState(inv, self.config.health, resets=resets)
                 )
+                self.health.restore_resets(pending)
             else:
                 self.health.update_inventory(inv)
+            self.inventory = inv
             self.slices.trigger()
         return inv
 
@@ -178,7 +201,8 @@ class NodeAgent:
             await tg.start(self.slices.run)
             if self.config.health_events:
                 assert self.health is not None
-                await tg.start(NvmlHealthWatcher(self.nvml, self.health).run)
+                watcher = NvmlHealthWatcher(self.nvml, self.health, resets=self._resets)
+                await tg.start(watcher.run)
             tg.start_soon(self._follow_health)
             tg.start_soon(self._rescan_loop)
             self.ready.set()

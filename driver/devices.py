@@ -25,11 +25,20 @@ index and the call, so a caller can never publish a partial inventory. So is a d
 older than the oldest supported branch, or no NVML library at all: the error names what
 was found and what is needed, and the agent keeps retrying.
 
-The one exception is NVML_ERROR_NO_PERMISSION, which depends on how the agent runs,
-not on the GPU: a MIG-enabled GPU's total memory, its placements and its MIG instances
-need the MIG monitor capability. A field that answers so is left out of that GPU only
-(`Gpu.gaps` says which, why and which privilege is missing; the log line and the
-`gpudra_discovery_gap` metric repeat it), and the rest is published.
+There are two exceptions, each confined to one GPU:
+- NVML_ERROR_NO_PERMISSION depends on how the agent runs, not on the GPU: a MIG-enabled
+  GPU's total memory, its placements and its MIG instances need the MIG monitor
+  capability. A field that answers so is left out of that GPU only (`Gpu.gaps` says
+  which, why and which privilege is missing; the log line and the
+  `gpudra_discovery_gap` metric repeat it), and the rest is published.
+- NVML_ERROR_GPU_IS_LOST from a call on one GPU's own handle (or a MIG device of it)
+  means that GPU fell off the bus (XID 79), not that NVML is unusable: nvml.h gives
+  it per GPU. Such a GPU cannot be described (its minor number, hence its device names,
+  is unreadable), so it is left out (`Inventory.lost` names its index and the call;
+  a warning says so) and every other GPU is published. Discovery walks the GPUs by
+  index, never by UUID: NVML's lookup by UUID answers GPU_IS_LOST for every GPU while
+  any one is lost. A GPU lost after it was published keeps its last description in
+  the agent (`Inventory.keeping_lost`), so its health taint stays visible.
 """
 
 from __future__ import annotations
@@ -242,6 +251,19 @@ class FieldGap:
 
 
 @dataclass(frozen=True, slots=True)
+class LostGpu:
+    """A GPU whose own NVML calls answered GPU_IS_LOST: it fell off the bus.
+
+    `uuid` is known only where an earlier inventory described the GPU and the agent
+    kept that description (`Inventory.keeping_lost`); NVML cannot tell it now.
+    """
+
+    index: int  # NVML index
+    call: str  # the call that answered GPU_IS_LOST
+    uuid: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class Gpu:
     """Everything discovery learnt about one physical GPU."""
 
@@ -281,6 +303,38 @@ class Inventory:
     driver_version: str
     cuda_driver_version: int
     gpus: tuple[Gpu, ...]
+    lost: tuple[LostGpu, ...] = ()  # GPUs that answered GPU_IS_LOST (module docstring)
+
+    def keeping_lost(self, previous: Inventory) -> Inventory:
+        """This inventory with each lost GPU that `previous` described put back as it was.
+
+        A GPU that falls off the bus while published must stay published, tainted
+        `gpu-lost` by the health watcher, so that pods using it are evicted and the
+        scheduler sees why; dropping it would leave their claims on a device no slice
+        names. The lost GPU is matched by NVML index, which stays the GPU's while the
+        driver stays loaded; a description whose UUID or device names another GPU now
+        has is not kept.
+        """
+        if not self.lost:
+            return self
+        by_index = {g.index: g for g in previous.gpus}
+        uuids = {g.uuid for g in self.gpus}
+        names = {name for g in self.gpus for name in g.device_names()}
+        kept: list[Gpu] = []
+        lost: list[LostGpu] = []
+        for entry in self.lost:
+            old = by_index.get(entry.index)
+            if old is None or old.uuid in uuids or old.device_names() & names:
+                lost.append(entry)
+                continue
+            kept.append(old)
+            uuids.add(old.uuid)
+            names |= old.device_names()
+            lost.append(LostGpu(entry.index, entry.call, old.uuid))
+        if not kept:
+            return self
+        gpus = tuple(sorted((*self.gpus, *kept), key=lambda g: g.index))
+        return Inventory(self.driver_version, self.cuda_driver_version, gpus, tuple(lost))
 
     def devices(self, strategy: MigStrategy = MigStrategy.STATIC) -> tuple[Device, ...]:
         """The devices to publish under `strategy`, GPU by GPU in NVML index order."""
@@ -399,15 +453,23 @@ class SharedGpus:
         return self.every or gpu.index in self.indices or gpu.uuid.lower() in self.uuids
 
     def absent(self, inventory: Inventory) -> list[str]:
-        """The named GPUs this node does not have, one problem each."""
+        """The named GPUs this node does not have, or has lost, one problem each."""
         indices = {g.index for g in inventory.gpus}
+        lost = {entry.index for entry in inventory.lost} - indices
         problems = [
-            f"GPU index {index} does not exist on this node "
-            f"(it has {len(indices)} GPUs{_index_range(indices)})"
+            f"GPU index {index} is lost (NVML answers GPU_IS_LOST), so it is not published"
+            if index in lost
+            else f"GPU index {index} does not exist on this node "
+            f"(it has {len(indices | lost)} GPUs{_index_range(indices | lost)})"
             for index in sorted(self.indices - indices)
         ]
         known = {g.uuid.lower() for g in inventory.gpus}
-        problems += [f"no GPU with UUID {uuid} on this node" for uuid in sorted(self.uuids - known)]
+        # A lost GPU's UUID is unreadable: a UUID not found may be that GPU's.
+        where = f"among the GPUs that answer (lost, and maybe it: index {_indices(lost)})"
+        problems += [
+            f"no GPU with UUID {uuid} {where if lost else 'on this node'}"
+            for uuid in sorted(self.uuids - known)
+        ]
         return problems
 
 
@@ -423,6 +485,10 @@ def _unshareable(gpu: Gpu) -> str | None:
     if memory < MEMORY_SLICE_MIN:
         return f"has {memory} bytes of memory, less than one {MEMORY_SLICE_MIN}-byte slice"
     return None
+
+
+def _indices(indices: set[int]) -> str:
+    return ", ".join(str(i) for i in sorted(indices))
 
 
 def _index_range(indices: set[int]) -> str:
@@ -619,7 +685,15 @@ def discover(nvml: NvmlLibrary, *, topology: PciTopology | None = None) -> Inven
             "cudaDriverVersion": Version(semver_from_cuda_version(cuda)),
         }
         count = int(scan.call(None, "nvmlDeviceGetCount"))
-        gpus = tuple(_discover_gpu(scan, topo, index, common) for index in range(count))
+        gpus: list[Gpu] = []
+        lost: list[LostGpu] = []
+        for index in range(count):
+            try:
+                gpus.append(_discover_gpu(scan, topo, index, common))
+            except DiscoveryError as err:
+                if not _is_lost(err, index):
+                    raise
+                lost.append(_left_out(err, index))
     finally:
         try:
             nvml.nvmlShutdown()
@@ -634,7 +708,9 @@ def discover(nvml: NvmlLibrary, *, topology: PciTopology | None = None) -> Inven
                 msg = f"device name {name} is used by GPU index {names[name]} and {gpu.index}"
                 raise DiscoveryError(msg, gpu_index=gpu.index)
             names[name] = gpu.index
-    inventory = Inventory(driver_version=raw_driver, cuda_driver_version=cuda, gpus=gpus)
+    inventory = Inventory(
+        driver_version=raw_driver, cuda_driver_version=cuda, gpus=tuple(gpus), lost=tuple(lost)
+    )
     logger.info(
         "discovered GPUs",
         extra={
@@ -642,10 +718,35 @@ def discover(nvml: NvmlLibrary, *, topology: PciTopology | None = None) -> Inven
                 "gpus": len(gpus),
                 "migDevices": sum(len(g.mig_devices) for g in gpus),
                 "partitions": sum(len(g.partitions) for g in gpus),
+                "lostGpus": [entry.index for entry in lost],
             }
         },
     )
     return inventory
+
+
+def _is_lost(err: DiscoveryError, index: int) -> bool:
+    """Whether GPU `index` itself answered GPU_IS_LOST (every call on its handles names
+    it; a call for the whole system does not, and stays fatal)."""
+    code = getattr(err.nvml_error, "value", None)
+    return err.gpu_index == index and code == pynvml.NVML_ERROR_GPU_IS_LOST
+
+
+def _left_out(err: DiscoveryError, index: int) -> LostGpu:
+    entry = LostGpu(index, err.call or "")
+    logger.warning(
+        "GPU is lost (fell off the bus); publishing the node's other GPUs without it",
+        extra={
+            "fields": {
+                "gpuIndex": index,
+                "call": entry.call,
+                "error": describe_nvml_error(err.nvml_error or err),
+                "effect": "its devices are not published until it answers again (a GPU "
+                "reset or a reboot) and the next rescan finds it",
+            }
+        },
+    )
+    return entry
 
 
 _NO_LIBRARY = frozenset({pynvml.NVML_ERROR_LIBRARY_NOT_FOUND, pynvml.NVML_ERROR_FUNCTION_NOT_FOUND})

@@ -1,7 +1,8 @@
 """Device health: NVML events become device taints and kubelet health statuses.
 
-`HealthState` is the model: plain data, changed only through `apply` (one event) and
-`expire` (time passing), with a generation number and `wait_for_change` so that async
+`HealthState` is the model: plain data, changed only through `apply` (one event),
+`expire` (time passing), `restore_resets` (taints of before a restart) and
+`update_inventory`, with a generation number and `wait_for_change` so that async
 consumers (the ResourceSlice publisher, the kubelet health stream) wake up on change and
 never miss one. `NvmlHealthWatcher` feeds it from NVML: it blocks in
 `nvmlEventSetWait_v2` in a worker thread with a short timeout, so shutdown is prompt.
@@ -13,10 +14,19 @@ problems:
   list) are informational: effect None, the device stays healthy;
 - a double-bit ECC error taints `gpu.nvidia.com/ecc=double-bit` like a critical XID;
 - a lost GPU taints `gpu.nvidia.com/gpu-lost` with NoExecute;
-- a GPU whose events cannot be watched gets `gpu.nvidia.com/unmonitored` (effect None);
-- unlike upstream, taints go away again: a device that stays quiet for
-  `recovery_after_s` (a lost GPU: after it answers again) loses its taint. The clock is
-  injectable so tests need no sleeping.
+- a GPU whose events cannot be watched gets `gpu.nvidia.com/unmonitored` (effect None),
+  and so do the MIG devices of a GPU whose MIG instance events NVML withholds: it
+  reports them only to a caller with the MIG monitor capability (nvml.h,
+  nvmlEventSetWait_v2), which discovery found missing (`Gpu.gaps`);
+- unlike upstream, taints go away again, each on its own evidence. An XID after which
+  NVIDIA's XID catalogue has the GPU reset (or more: the node rebooted, the board
+  serviced) before reuse, `RESET_XIDS` plus a configured list, and a double-bit ECC
+  error (XID 48) stay until the GPU was reset: it was lost and answers again, or an
+  admin who reset it creates `<stateDir>/reset/<GPU UUID>` (`gpudra.driver.gpuresets`,
+  which also keeps them across agent restarts within one boot). A lost GPU's taint
+  goes `recovery_after_s` after it answers again. Any other XID's taint goes once the
+  device stayed quiet for `recovery_after_s`. The clock is injectable so tests need no
+  sleeping.
 An event on a whole GPU taints every device carved from it; an event on a MIG device
 taints that MIG device only.
 
@@ -41,6 +51,7 @@ import anyio.to_thread
 import pynvml
 from anyio.abc import TaskStatus
 from gpudra.driver.devices import Inventory, mig_device_name
+from gpudra.driver.gpuresets import GpuResets, PendingReset
 from gpudra.driver.nvml import NvmlLibrary
 from gpudra.driver.nvml.codes import FULL_GPU_INSTANCE_ID
 from gpudra.driver.nvml.handles import device_handle
@@ -48,8 +59,23 @@ from gpudra.driver.nvml.handles import device_handle
 logger = logging.getLogger(__name__)
 
 DEFAULT_DRIVER_NAME = "gpu.nvidia.com"
-# XIDs caused by applications, not hardware (NVIDIA's XID catalogue).
+# XIDs caused by applications, not hardware: NVIDIA's XID catalogue
+# (docs.nvidia.com/deploy/xid-errors, "Resolution Bucket (Immediate Action)") has the
+# application restarted (13, 31, 68) or nothing done (43; 45 follows the XID it comes
+# with). 109 (context switch timeout) is listed by upstream too and stays here although
+# the catalogue has RESET_GPU for it: a workload that does not yield raises it, so as a
+# reset-class XID any tenant could take a GPU out of service until an admin acts. An
+# admin who wants the catalogue's treatment lists it in the reset XIDs.
 APPLICATION_XIDS = frozenset({13, 31, 43, 45, 68, 109})
+# XIDs after which the same catalogue has the GPU reset or more before it is used
+# again: RESET_GPU (46, 62, 64, 95, 110, 119, 120, 136, 140, 143, 155, 156, 158),
+# RESTART_BM (79: reboot), RESTART_VM (151), CHECK_MECHANICALS (54: auxiliary power
+# not connected), CONTACT_SUPPORT (142), and 48 (double-bit ECC), whose workflow
+# NVIDIA Health Validation spells "drain: reset_gpu -> service_required". XIDs the
+# catalogue has restarted, ignored or decoded first (74, 144-150: NVLink) are not here.
+RESET_XIDS = frozenset(
+    {46, 48, 54, 62, 64, 79, 95, 110, 119, 120, 136, 140, 142, 143, 151, 155, 156, 158}
+)
 
 
 class TaintEffect(StrEnum):
@@ -84,6 +110,8 @@ class HealthPolicy:
     gpu_lost_effect: TaintEffect = TaintEffect.NO_EXECUTE
     application_xids: frozenset[int] = APPLICATION_XIDS
     extra_application_xids: frozenset[int] = frozenset()
+    reset_xids: frozenset[int] = RESET_XIDS
+    extra_reset_xids: frozenset[int] = frozenset()
     recovery_after_s: float = 300.0
 
     def __post_init__(self) -> None:
@@ -95,6 +123,13 @@ class HealthPolicy:
             raise ValueError(msg)
         if self.recovery_after_s < 0:
             msg = "recovery_after_s must be >= 0"
+            raise ValueError(msg)
+        if both := sorted(self.extra_application_xids & self.extra_reset_xids):
+            msg = (
+                f"XIDs {', '.join(map(str, both))} are listed both as application XIDs "
+                "(--application-xids) and as XIDs that need a GPU reset (--reset-xids): "
+                "list each in one of them"
+            )
             raise ValueError(msg)
 
     @property
@@ -114,7 +149,16 @@ class HealthPolicy:
         return f"{self.driver_name}/unmonitored"
 
     def is_application_xid(self, xid: int) -> bool:
+        """Informational (effect None). The admin's lists win over the built-in ones."""
+        if xid in self.extra_reset_xids:
+            return False
         return xid in self.application_xids or xid in self.extra_application_xids
+
+    def needs_reset(self, xid: int) -> bool:
+        """Its taint stays until the GPU was reset, however quiet the GPU is."""
+        if xid in self.extra_application_xids:
+            return False
+        return xid in self.reset_xids or xid in self.extra_reset_xids
 
 
 # --- events --------------------------------------------------------------------------------
@@ -143,7 +187,16 @@ class GpuLostEvent:
 
 @dataclass(frozen=True, slots=True)
 class GpuRecoveredEvent:
-    """A lost GPU answers again; its taint clears after `recovery_after_s`."""
+    """A lost GPU answers again, so it was reset: the taints that waited for that go,
+    and its gpu-lost taint clears after `recovery_after_s`."""
+
+    gpu_uuid: str
+
+
+@dataclass(frozen=True, slots=True)
+class GpuResetEvent:
+    """An admin says the GPU was reset (`<stateDir>/reset/<GPU UUID>`): the taints that
+    waited for that go."""
 
     gpu_uuid: str
 
@@ -156,7 +209,9 @@ class UnmonitoredEvent:
     reason: str
 
 
-HealthEvent = XidEvent | EccEvent | GpuLostEvent | GpuRecoveredEvent | UnmonitoredEvent
+HealthEvent = (
+    XidEvent | EccEvent | GpuLostEvent | GpuRecoveredEvent | GpuResetEvent | UnmonitoredEvent
+)
 
 
 # --- state ---------------------------------------------------------------------------------
@@ -198,6 +253,7 @@ class HealthReport:
 class _Active:
     taint: Taint
     last_seen: float  # injectable clock
+    needs_reset: bool = False  # stays until the GPU was reset, not for `recovery_after_s`
 
 
 @dataclass(slots=True)
@@ -214,8 +270,10 @@ def _now_utc() -> datetime:
 class HealthState:
     """Taints and health of every device of an inventory.
 
-    Change it from the event loop thread only (`apply`, `expire`, `update_inventory`);
-    read it from anywhere through `report()`.
+    Change it from the event loop thread only (`apply`, `expire`, `restore_resets`,
+    `update_inventory`); read it from anywhere through `report()`, `pending_resets()`
+    and `xid_counts()`. `resets` only names the admin's reset marks in the messages
+    (None: there are none, the agent keeps no state folder).
     """
 
     def __init__(
@@ -225,19 +283,25 @@ class HealthState:
         *,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], datetime] = _now_utc,
+        resets: GpuResets | None = None,
     ) -> None:
         self._policy = policy if policy is not None else HealthPolicy()
         self._clock = clock
         self._wall_clock = wall_clock
+        self._resets = resets
         self._generation = 0
         self._changed: anyio.Event | None = None
         self._lost: set[str] = set()
         self._unmonitored: set[str] = set()
+        # GPU UUID -> the privilege NVML wants before it reports its MIG instances' events.
+        self._mig_unwatched: dict[str, str] = {}
         self._records: dict[str, _Record] = {}
         self._gpu_devices: dict[str, tuple[str, ...]] = {}
         self._inventory = inventory
         self._index(inventory)
+        self._watch_mig_instances()
         self._report: HealthReport | None = None
+        self._pending: tuple[int, Mapping[str, tuple[PendingReset, ...]]] | None = None
         # (GPU UUID, XID) -> events seen; replaced whole, so the metrics thread reads one.
         self._xid_counts: Mapping[tuple[str, int], int] = {}
 
@@ -282,6 +346,7 @@ class HealthState:
         self._index(inventory)
         self._lost &= set(self._gpu_devices)
         self._unmonitored &= set(self._gpu_devices)
+        self._watch_mig_instances()
         self._bump()
 
     def report(self) -> HealthReport:
@@ -291,6 +356,21 @@ class HealthState:
                 {name: self._device_health(name, rec) for name, rec in self._records.items()},
             )
         return self._report
+
+    def pending_resets(self) -> Mapping[str, tuple[PendingReset, ...]]:
+        """The taints waiting for their GPU's reset, by GPU UUID (what survives a restart)."""
+        if self._pending is None or self._pending[0] != self._generation:
+            policy = self._policy
+            pending: dict[str, list[PendingReset]] = {}
+            for name, record in sorted(self._records.items()):
+                for key, active in record.active.items():
+                    if not active.needs_reset:
+                        continue
+                    value = active.taint.value
+                    xid = int(value) if key == policy.xid_key and value is not None else None
+                    pending.setdefault(record.gpu_uuid, []).append(PendingReset(name, xid))
+            self._pending = (self._generation, {u: tuple(p) for u, p in pending.items()})
+        return self._pending[1]
 
     async def wait_for_change(self, generation: int) -> None:
         """Return once the generation differs from `generation`."""
@@ -318,12 +398,13 @@ class HealthState:
                 effect = (
                     TaintEffect.NONE if policy.is_application_xid(xid) else policy.critical_effect
                 )
+                reset = policy.needs_reset(xid)
                 for name in targets:
-                    changed |= self._raise(name, policy.xid_key, str(xid), effect)
+                    changed |= self._raise(name, policy.xid_key, str(xid), effect, reset=reset)
             case EccEvent():
                 for name in names:
                     changed |= self._raise(
-                        name, policy.ecc_key, "double-bit", policy.critical_effect
+                        name, policy.ecc_key, "double-bit", policy.critical_effect, reset=True
                     )
             case GpuLostEvent():
                 self._lost.add(event.gpu_uuid)
@@ -338,7 +419,10 @@ class HealthState:
                         if active is not None:
                             active.last_seen = now
                             self._touch(name)
+                    self._lift_resets(event.gpu_uuid, "the GPU was lost and answers again")
                     changed = True
+            case GpuResetEvent():
+                changed = self._lift_resets(event.gpu_uuid, "an admin marked the GPU reset")
             case UnmonitoredEvent():
                 if event.gpu_uuid not in self._unmonitored:
                     self._unmonitored.add(event.gpu_uuid)
@@ -348,16 +432,52 @@ class HealthState:
             self._bump()
         return changed
 
+    def restore_resets(self, pending: Mapping[str, Iterable[PendingReset]]) -> bool:
+        """Raise again the taints that waited for a GPU reset when the agent stopped
+        (`GpuResets.load`): a restart resets no GPU. A GPU or device no longer here,
+        or an XID the policy no longer holds for a reset, is left out (logged)."""
+        policy = self._policy
+        changed = False
+        for uuid, items in sorted(pending.items()):
+            names = self._gpu_devices.get(uuid, ())
+            for item in items:
+                reset = item.xid is None or policy.needs_reset(item.xid)
+                fields = {"uuid": uuid, "device": item.device, "taint": item.taint()}
+                if item.device not in names or not reset:
+                    logger.warning(
+                        "a taint that waited for a GPU reset is not raised again: "
+                        + ("the device is gone" if reset else "the XID needs no reset now"),
+                        extra={"fields": fields},
+                    )
+                    continue
+                key, value = (
+                    (policy.ecc_key, "double-bit")
+                    if item.xid is None
+                    else (policy.xid_key, str(item.xid))
+                )
+                changed |= self._raise(item.device, key, value, policy.critical_effect, reset=True)
+                logger.warning(
+                    "a taint that waits for a GPU reset is raised again", extra={"fields": fields}
+                )
+        if changed:
+            self._bump()
+        return changed
+
     def expire(self) -> bool:
-        """Lift taints of devices that stayed quiet for `recovery_after_s`."""
+        """Lift taints that waited for time, not a reset: `recovery_after_s` of quiet."""
         now = self._clock()
         policy = self._policy
         changed = False
         for name, record in self._records.items():
+            uuid = record.gpu_uuid
             for key, active in list(record.active.items()):
-                if key == policy.gpu_lost_key and record.gpu_uuid in self._lost:
+                if active.needs_reset:
                     continue
-                if key == policy.unmonitored_key and record.gpu_uuid in self._unmonitored:
+                if key == policy.gpu_lost_key and uuid in self._lost:
+                    continue
+                if key == policy.unmonitored_key and (
+                    uuid in self._unmonitored or uuid in self._mig_unwatched
+                ):
                     continue
                 if now - active.last_seen >= policy.recovery_after_s:
                     del record.active[key]
@@ -373,23 +493,74 @@ class HealthState:
 
     # --- internals ---------------------------------------------------------------------------
 
-    def _raise(self, name: str, key: str, value: str | None, effect: TaintEffect) -> bool:
+    def _raise(
+        self, name: str, key: str, value: str | None, effect: TaintEffect, *, reset: bool = False
+    ) -> bool:
         record = self._records[name]
         now = self._clock()
         current = record.active.get(key)
         if current is not None:
+            if current.needs_reset and not reset:
+                return False  # only a reset lifts it: a kind that heals by time does not replace it
             if _SEVERITY[current.taint.effect] > _SEVERITY[effect]:
                 return False  # a milder event does not soften or prolong a worse one
             if current.taint.value == value and current.taint.effect is effect:
                 current.last_seen = now
                 return False
-        record.active[key] = _Active(Taint(key, value, effect, self._wall_clock()), now)
+        record.active[key] = _Active(Taint(key, value, effect, self._wall_clock()), now, reset)
         self._touch(name)
         logger.info(
             "device tainted",
-            extra={"fields": {"device": name, "key": key, "value": value, "effect": effect.value}},
+            extra={
+                "fields": {
+                    "device": name,
+                    "key": key,
+                    "value": value,
+                    "effect": effect.value,
+                    "needsReset": reset,
+                }
+            },
         )
         return True
+
+    def _lift_resets(self, gpu_uuid: str, why: str) -> bool:
+        """Lift the taints of `gpu_uuid`'s devices that waited for its reset."""
+        lifted: list[str] = []
+        for name in self._gpu_devices.get(gpu_uuid, ()):
+            record = self._records[name]
+            for key, active in list(record.active.items()):
+                if active.needs_reset:
+                    del record.active[key]
+                    self._touch(name)
+                    lifted.append(f"{name} {key}={active.taint.value}")
+        logger.log(
+            logging.INFO if lifted else logging.DEBUG,
+            "GPU reset: taints that waited for it lifted"
+            if lifted
+            else "GPU reset: no taint waited for it",
+            extra={"fields": {"uuid": gpu_uuid, "why": why, "lifted": lifted}},
+        )
+        return bool(lifted)
+
+    def _watch_mig_instances(self) -> None:
+        """Mark unmonitored the MIG devices of each GPU whose MIG instance events NVML
+        withholds. nvml.h, nvmlEventSetWait_v2: in MIG mode it reports the events of
+        the instances only to a caller with the privilege (the MIG monitor capability),
+        otherwise only those of the whole device; discovery records that privilege
+        missing as the GPU's gaps (NVML refused it a field with NO_PERMISSION)."""
+        gpus = [gpu for gpu in self._inventory.gpus if gpu.mig_enabled and gpu.gaps]
+        for gpu in gpus:
+            privilege = gpu.gaps[0].privilege
+            if gpu.uuid not in self._mig_unwatched:
+                logger.warning(
+                    "NVML withholds this GPU's MIG instance events: its MIG devices are "
+                    "marked unmonitored",
+                    extra={"fields": {"uuid": gpu.uuid, "needs": privilege}},
+                )
+            for name in self._gpu_devices[gpu.uuid]:
+                if name != gpu.device.name:
+                    self._raise(name, self._policy.unmonitored_key, None, TaintEffect.NONE)
+        self._mig_unwatched = {gpu.uuid: gpu.gaps[0].privilege for gpu in gpus}
 
     def _touch(self, name: str) -> None:
         self._records[name].updated_at = self._wall_clock().timestamp()
@@ -401,35 +572,52 @@ class HealthState:
             self._changed = None
 
     def _device_health(self, name: str, record: _Record) -> DeviceHealthState:
-        taints = tuple(a.taint for a in record.active.values())
+        actives = tuple(record.active.values())
+        taints = tuple(a.taint for a in actives)
         healthy = all(t.effect is TaintEffect.NONE for t in taints)
         return DeviceHealthState(
             name=name,
             gpu_uuid=record.gpu_uuid,
             healthy=healthy,
-            message="; ".join(self._describe(t, record.gpu_uuid) for t in taints),
+            message="; ".join(self._describe(a, record.gpu_uuid) for a in actives),
             taints=taints,
             updated_at=record.updated_at,
         )
 
-    def _describe(self, taint: Taint, gpu_uuid: str) -> str:
+    def _describe(self, active: _Active, gpu_uuid: str) -> str:
         policy = self._policy
+        taint = active.taint
+        reset = f": {self._reset_hint(gpu_uuid)}" if active.needs_reset else ""
         if taint.key == policy.xid_key:
             kind = (
                 "application error"
                 if taint.value is not None and policy.is_application_xid(int(taint.value))
                 else "critical error"
             )
-            return f"XID {taint.value} ({kind})"
+            return f"XID {taint.value} ({kind}){reset}"
         if taint.key == policy.ecc_key:
-            return "uncorrectable (double-bit) ECC error"
+            return f"uncorrectable (double-bit) ECC error{reset}"
         if taint.key == policy.gpu_lost_key:
             if gpu_uuid in self._lost:
                 return "GPU is lost (fell off the bus or stopped answering)"
             return "GPU was lost and answers again; waiting for it to stay healthy"
         if taint.key == policy.unmonitored_key:
-            return "health events unavailable for this GPU"
+            privilege = self._mig_unwatched.get(gpu_uuid)
+            if gpu_uuid in self._unmonitored or privilege is None:
+                return "health events unavailable for this GPU"
+            return (
+                "errors of this MIG device are not seen: NVML reports MIG instance events "
+                f"only to an agent with {privilege} (the chart runs the agent privileged for "
+                "real GPUs); errors of the whole GPU still are"
+            )
         return taint.key
+
+    def _reset_hint(self, gpu_uuid: str) -> str:
+        """What lifts a taint that waits for a reset: the admin's mark, named in full."""
+        marker = self._resets.marker(gpu_uuid) if self._resets is not None else None
+        if marker is None:
+            return "needs a GPU reset; stays until the GPU is reset and the agent restarted"
+        return f"needs a GPU reset; after resetting the GPU, create the file {marker} on the node"
 
 
 # --- the NVML watcher ------------------------------------------------------------------------
@@ -446,7 +634,9 @@ class NvmlHealthWatcher:
 
     Blocking NVML calls run in a worker thread (`anyio.to_thread`); each wait is at most
     `wait_timeout_ms`, which bounds how long cancellation takes. Between events the
-    watcher checks whether lost GPUs answer again and lets taints expire.
+    watcher checks whether lost GPUs answer again and lets taints expire. With `resets`
+    it also takes the admin's reset marks and keeps the taints that wait for a reset
+    in the state folder, so that an agent restart raises them again.
     """
 
     def __init__(
@@ -456,6 +646,7 @@ class NvmlHealthWatcher:
         *,
         wait_timeout_ms: int = 500,
         event_mask: int = _DEFAULT_EVENT_MASK,
+        resets: GpuResets | None = None,
     ) -> None:
         if wait_timeout_ms <= 0:
             msg = "wait_timeout_ms must be positive"
@@ -464,6 +655,12 @@ class NvmlHealthWatcher:
         self._state = state
         self._timeout_ms = wait_timeout_ms
         self._mask = event_mask
+        self._resets = resets
+        self._saved: Mapping[str, tuple[PendingReset, ...]] | None = None  # as on disk
+        self._save_failed = False
+        self._taken: set[str] = set()  # reset marks applied, removed once that is saved
+        self._stuck: set[str] = set()  # reset marks that could not be removed
+        self._stray_marks: frozenset[str] = frozenset()  # reset marks naming no GPU here
         self._event_set: Any = None
         self._lost: set[str] = set()  # worker-thread view of lost GPUs
         self._handles: dict[str, Any] = {}  # GPU UUID -> handle, for GPU-scoped probes
@@ -473,10 +670,12 @@ class NvmlHealthWatcher:
         events = await anyio.to_thread.run_sync(self._setup)
         try:
             self._apply(events)
+            await self._keep_resets(events)
             task_status.started()
             while True:
-                events = await anyio.to_thread.run_sync(self._wait_once)
+                events = await anyio.to_thread.run_sync(self._next_events)
                 self._apply(events)
+                await self._keep_resets(events)
         finally:
             with anyio.CancelScope(shield=True):
                 await anyio.to_thread.run_sync(self._teardown)
@@ -486,7 +685,60 @@ class NvmlHealthWatcher:
             self._state.apply(event)
         self._state.expire()
 
+    async def _keep_resets(self, events: Iterable[HealthEvent]) -> None:
+        """Write the taints that wait for a reset when they changed, then remove the
+        reset marks taken (after the write: a crash in between only finds them again)."""
+        if self._resets is None:
+            return
+        self._taken.update(e.gpu_uuid for e in events if isinstance(e, GpuResetEvent))
+        pending = self._state.pending_resets()
+        if pending != self._saved or (self._taken and not self._save_failed):
+            await anyio.to_thread.run_sync(self._write_resets, self._resets, pending)
+
     # --- worker-thread side ------------------------------------------------------------------
+
+    def _write_resets(
+        self, resets: GpuResets, pending: Mapping[str, tuple[PendingReset, ...]]
+    ) -> None:
+        if pending != self._saved:
+            self._saved = pending  # on failure: tried again at the next change, not every wait
+            try:
+                resets.save(pending)
+            except OSError as err:
+                logger.error(
+                    "cannot keep the taints that wait for a GPU reset: an agent restart "
+                    "would lift them; reset marks stay until the file is written",
+                    extra={"fields": {"path": str(resets.path), "error": str(err)}},
+                )
+                self._save_failed = True
+                return
+            self._save_failed = False
+        if self._save_failed:
+            return
+        self._stuck.update(uuid for uuid in self._taken if not resets.unmark(uuid))
+        self._taken.clear()
+
+    def _next_events(self) -> list[HealthEvent]:
+        return [*self._reset_marks(), *self._wait_once()]
+
+    def _reset_marks(self) -> list[HealthEvent]:
+        """The admin's marks of GPUs reset by hand; a mark naming no GPU here is
+        reported once and left alone."""
+        if self._resets is None:
+            return []
+        marked = self._resets.marked()
+        self._stuck &= marked
+        known = {gpu.uuid for gpu in self._state.inventory.gpus}
+        stray = marked - known
+        for name in sorted(stray - self._stray_marks):
+            logger.warning(
+                "a GPU reset mark names no GPU of this node; name it after a GPU UUID "
+                "(nvidia-smi -L)",
+                extra={"fields": {"path": str(self._resets.reset_dir / name)}},
+            )
+        self._stray_marks = stray
+        fresh = (marked & known) - self._taken - self._stuck
+        return [GpuResetEvent(uuid) for uuid in sorted(fresh)]
 
     def _setup(self) -> list[HealthEvent]:
         self._nvml.nvmlInit()

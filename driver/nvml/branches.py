@@ -39,8 +39,13 @@ OLDEST_SUPPORTED_BRANCH: Final = 535
 EMULATED_BRANCHES: Final = (535, 550, 570, 580)
 
 # NVML entry points newer than OLDEST_SUPPORTED_BRANCH, by the first branch that has them.
+# Each is first declared in the nvml.h of that branch's NVML version (NVIDIA/go-nvml keeps
+# every header: 12.4 is R550, 12.8 R570, 12.9 R575, 13.0 R580).
 FUNCTIONS_SINCE: Final[Mapping[str, int]] = MappingProxyType(
     {
+        # NVML 12.4: the R535 header (12.2) has no such entry point; discovery reads the
+        # NUMA node from sysfs there (`gpudra.driver.nvml.topology`).
+        "nvmlDeviceGetNumaNodeId": 550,
         "nvmlDeviceGetGpuInstanceProfileInfoById": 580,
         "nvmlDeviceGetGpuInstanceProfileInfoByIdV": 580,
     }
@@ -50,15 +55,17 @@ FUNCTIONS_SINCE: Final[Mapping[str, int]] = MappingProxyType(
 AFTER_R580: Final = 581
 
 # GPU-instance profile indices (NVML_GPU_INSTANCE_PROFILE_*) newer than R535: the
-# graphics variants and the "no media engine" / "all media engines" variants (R575).
+# graphics variants (NVML 12.8, R570) and the "no media engine" / "all media engines"
+# variants (NVML 12.9, R575). A branch that knows an index may still offer no profile
+# there: that is the product's (profiles), not the branch's.
 GPU_INSTANCE_PROFILES_SINCE: Final[Mapping[int, int]] = MappingProxyType(
     {
-        pynvml.NVML_GPU_INSTANCE_PROFILE_1_SLICE_GFX: 575,
-        pynvml.NVML_GPU_INSTANCE_PROFILE_2_SLICE_GFX: 575,
+        pynvml.NVML_GPU_INSTANCE_PROFILE_1_SLICE_GFX: 570,
+        pynvml.NVML_GPU_INSTANCE_PROFILE_2_SLICE_GFX: 570,
         # Unknown to R580: 580.159.04 answers it INVALID_ARGUMENT (a recording of an
         # H200, tests/nvml/answers). The branch that added it is not recorded yet.
         pynvml.NVML_GPU_INSTANCE_PROFILE_3_SLICE_GFX: AFTER_R580,
-        pynvml.NVML_GPU_INSTANCE_PROFILE_4_SLICE_GFX: 575,
+        pynvml.NVML_GPU_INSTANCE_PROFILE_4_SLICE_GFX: 570,
         pynvml.NVML_GPU_INSTANCE_PROFILE_1_SLICE_NO_ME: 575,
         pynvml.NVML_GPU_INSTANCE_PROFILE_2_SLICE_NO_ME: 575,
         pynvml.NVML_GPU_INSTANCE_PROFILE_1_SLICE_ALL_ME: 575,
@@ -67,9 +74,10 @@ GPU_INSTANCE_PROFILES_SINCE: Final[Mapping[int, int]] = MappingProxyType(
 )
 
 # From this branch on, NVML lists a GPU instance profile's placements while MIG mode is
-# disabled; older branches answer NOT_SUPPORTED. Seen on R580: an H200 with MIG disabled
+# disabled ("regardless of whether MIG is enabled or not", first in the NVML 12.4
+# header); older branches answer NOT_SUPPORTED. Seen on R580: an H200 with MIG disabled
 # listed every profile's placements (tests/nvml/fixtures/recorded-h200-r580.json).
-PLACEMENTS_WITHOUT_MIG_SINCE: Final = 570
+PLACEMENTS_WITHOUT_MIG_SINCE: Final = 550
 
 _VERSION = re.compile(r"^\s*(\d+)(?:\.\d+){0,2}\s*$")
 

@@ -491,6 +491,7 @@ class _ComputeInstance:
     uuid: str
     ci_address: int
     mig_address: int
+    compute_mode: int = pynvml.NVML_COMPUTEMODE_DEFAULT
 
 
 @dataclass(eq=False)
@@ -781,7 +782,12 @@ class NvmlEmulator:
                         "profileId": gi.profile.id,
                         "start": gi.start,
                         "computeInstances": [
-                            {"id": ci.id, "profileId": ci.profile_id, "uuid": ci.uuid}
+                            {
+                                "id": ci.id,
+                                "profileId": ci.profile_id,
+                                "uuid": ci.uuid,
+                                "computeMode": ci.compute_mode,
+                            }
                             for ci in sorted(gi.compute_instances.values(), key=lambda c: c.id)
                         ],
                     }
@@ -821,6 +827,9 @@ class NvmlEmulator:
                             gi, int(ci_doc["profileId"]), int(ci_doc["id"])
                         )
                         ci.uuid = str(ci_doc["uuid"])
+                        ci.compute_mode = int(
+                            ci_doc.get("computeMode", pynvml.NVML_COMPUTEMODE_DEFAULT)
+                        )
                 gpu.mig_serial = int(saved["migSerial"])
         except (OSError, ValueError, KeyError, TypeError, pynvml.NVMLError) as err:
             msg = f"emulated GPU state file {path}: {err}; remove it to start afresh"
@@ -854,7 +863,8 @@ class NvmlEmulator:
     def set_privileged(self, privileged: bool) -> None:
         """Run as root (True, the default) or as an unprivileged process without access
         to /dev/nvidia-caps: then MIG instance and placement calls, settings, and the
-        aggregate memory of a MIG-enabled GPU answer NO_PERMISSION."""
+        aggregate memory of a MIG-enabled GPU answer NO_PERMISSION, and events of one
+        MIG instance are not delivered (`_deliver`)."""
         with self._lock:
             self._privileged = privileged
 
@@ -938,6 +948,11 @@ class NvmlEmulator:
         return self._gpus[index]
 
     def _deliver(self, event: _PendingEvent) -> None:
+        if not self._privileged and event.gpu_instance_id != FULL_GPU_INSTANCE_ID:
+            # nvml.h, nvmlEventSetWait_v2: in MIG mode the events of the instances are
+            # reported only to a caller with the privilege; without it only those that
+            # affect the whole device.
+            return
         for event_set in self._event_sets.values():
             mask = event_set.gpus.get(event.gpu.index)
             if mask is None:
@@ -1379,6 +1394,11 @@ class NvmlEmulator:
 
     @_nvml()
     def nvmlDeviceGetUtilizationRates(self, handle: Any) -> Any:
+        gpu, mig = self._resolve(handle)
+        if mig is None and gpu.mig_current == pynvml.NVML_DEVICE_MIG_ENABLE:
+            # nvml.h: "On MIG-enabled GPUs, querying device utilization rates is not
+            # currently supported." (A MIG device has none either: `series`.)
+            raise _nvml_error(pynvml.NVML_ERROR_NOT_SUPPORTED)
         rates = pynvml.c_nvmlUtilization_t()
         rates.gpu = round(self._telemetry(handle, "utilization"))
         rates.memory = round(self._telemetry(handle, "memoryUtilization"))
@@ -1517,22 +1537,29 @@ class NvmlEmulator:
     def nvmlDeviceGetAttributes(self, device: Any) -> Any:
         return self.nvmlDeviceGetAttributes_v2(device)
 
+    def _compute_mode_holder(self, handle: Any) -> _Gpu | _ComputeInstance:
+        """What a compute mode call reads or sets. nvml.h: "If MIG is enabled on a GPU,
+        device must be MIG device handle", so a MIG-enabled GPU has no mode of its own."""
+        gpu, mig = self._resolve(handle)
+        if mig is not None:
+            return mig
+        if gpu.mig_current == pynvml.NVML_DEVICE_MIG_ENABLE:
+            raise _nvml_error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        return gpu
+
     @_nvml()
     def nvmlDeviceGetComputeMode(self, handle: Any) -> int:
-        return self._gpu(handle).compute_mode
+        return self._compute_mode_holder(handle).compute_mode
 
     @_nvml(mutates=True)
     def nvmlDeviceSetComputeMode(self, handle: Any, mode: int) -> None:
-        gpu = self._gpu(handle)
+        holder = self._compute_mode_holder(handle)
         if not isinstance(mode, int) or not 0 <= mode < pynvml.NVML_COMPUTEMODE_COUNT:
             raise _nvml_error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
         if mode == pynvml.NVML_COMPUTEMODE_EXCLUSIVE_THREAD:
             raise _nvml_error(pynvml.NVML_ERROR_NOT_SUPPORTED)
         self._check_privileged()
-        if gpu.mig_current == pynvml.NVML_DEVICE_MIG_ENABLE:
-            # A MIG-enabled GPU has no compute mode of its own to set.
-            raise _nvml_error(pynvml.NVML_ERROR_NOT_SUPPORTED)
-        gpu.compute_mode = mode
+        holder.compute_mode = mode
 
     # --- MIG mode and MIG devices ---------------------------------------------------------
 
@@ -1557,10 +1584,9 @@ class NvmlEmulator:
 
     @_nvml()
     def nvmlDeviceGetMaxMigDeviceCount(self, device: Any) -> int:
-        gpu = self._mig_gpu(device)
-        assert gpu.product.mig is not None
-        if gpu.mig_current != pynvml.NVML_DEVICE_MIG_ENABLE:
-            return 0  # nvml.h: zero while MIG is not enabled
+        gpu = self._gpu(device)
+        if gpu.product.mig is None or gpu.mig_current != pynvml.NVML_DEVICE_MIG_ENABLE:
+            return 0  # nvml.h: "zero if MIG is not supported or enabled"
         return gpu.product.mig.maxMigDeviceCount
 
     @_nvml()

@@ -59,11 +59,23 @@ def _slug(name: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "gpu"
 
 
-def _pcie_root(bus_id: str, topology: PciTopology | None) -> str | None:
+def _short_bus_id(bus_id: str) -> str:
     lowered = bus_id.lower()
-    short = lowered.removeprefix("0000") if lowered != "0000" else lowered
-    root = topology.pcie_root(short) if topology is not None else None
+    return lowered.removeprefix("0000") if lowered != "0000" else lowered
+
+
+def _pcie_root(bus_id: str, topology: PciTopology | None) -> str | None:
+    root = topology.pcie_root(_short_bus_id(bus_id)) if topology is not None else None
     return str(root) if root is not None else None
+
+
+def _numa_node(read: _Reader, handle: Any, bus_id: str, topology: PciTopology | None) -> int | None:
+    """NVML's answer, else the topology's, as discovery takes it: NVML before R550 has
+    no nvmlDeviceGetNumaNodeId, and a replay must still publish the node's NUMA node."""
+    node = read.get("nvmlDeviceGetNumaNodeId", handle)
+    if node is not None:
+        return int(node)
+    return topology.numa_node(_short_bus_id(bus_id)) if topology is not None else None
 
 
 def _gi_profiles(read: _Reader, handle: Any) -> list[dict[str, Any]]:
@@ -192,7 +204,7 @@ def _record_gpu(
         "minor": int(nvml.nvmlDeviceGetMinorNumber(handle)),
         "busId": bus_id,
         "pcieRoot": _pcie_root(bus_id, topology),
-        "numaNode": read.get("nvmlDeviceGetNumaNodeId", handle),
+        "numaNode": _numa_node(read, handle, bus_id, topology),
     }
     compute_mode = read.get("nvmlDeviceGetComputeMode", handle)
     if compute_mode is not None:
@@ -224,9 +236,9 @@ def record(
 ) -> dict[str, Any]:
     """Read every GPU through NVML and return a profile document (JSON-ready dict).
 
-    `topology` supplies PCIe roots (on a real node pass `SysfsTopology()`). NVML errors
-    other than "not supported" propagate: a half-read recording would replay a machine
-    that never existed.
+    `topology` supplies PCIe roots, and NUMA nodes where NVML has none (on a real node
+    pass `SysfsTopology()`). NVML errors other than "not supported" propagate: a
+    half-read recording would replay a machine that never existed.
     """
     read = _Reader(nvml)
     nvml.nvmlInit()

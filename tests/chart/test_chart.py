@@ -623,6 +623,32 @@ def test_legacy_attributes_reach_the_node_agent_only_when_asked(helm: Path, lega
     assert _agent_config(build_parser().parse_args(args)).legacy_attributes is legacy
 
 
+@pytest.mark.parametrize(
+    ("health", "flags"),
+    [
+        ({}, []),
+        ({"resetXids": [74, 94]}, ["--reset-xids=74,94"]),
+        (
+            {"resetXids": [94], "applicationXids": [43]},
+            ["--application-xids=43", "--reset-xids=94"],
+        ),
+    ],
+    ids=["default", "reset", "both"],
+)
+def test_reset_xids_reach_the_node_agent(
+    helm: Path, health: dict[str, Any], flags: list[str]
+) -> None:
+    """node.health.resetXids: XIDs whose taint waits for a GPU reset, on top of NVIDIA's."""
+    objects = h.template(helm, {"node": {"health": health}})
+    (c,) = h.find(objects, "DaemonSet")["spec"]["template"]["spec"]["containers"]
+    args = [a.replace("$(NODE_NAME)", "n1") for a in c["args"]]
+    assert [a for a in args if a.startswith(("--reset-xids", "--application-xids"))] == flags
+    config = _agent_config(build_parser().parse_args(args))  # what the agent runs
+    assert config.health.extra_reset_xids == frozenset(health.get("resetXids", ()))
+    assert all(config.health.needs_reset(x) for x in (48, 79, *health.get("resetXids", ())))
+    assert config.state_dir == Path("/var/lib/gpudra")  # where the reset marks go
+
+
 def test_the_migration_plan_installs_as_written(helm: Path, tmp_path: Path) -> None:
     """What `gpudra migrate --out` writes is what docs/migration.md installs: the chart takes
     its values.yaml and the agent gets the shares; its GpuTenants parse as the controller's."""
@@ -774,6 +800,11 @@ def test_notes_tell_how_to_check(helm: Path) -> None:
             "/node/emulatedProfileLabel",
         ),
         ({"node": {"migStrategy": "mixed"}}, "/node/migStrategy"),
+        ({"node": {"health": {"resetXids": ["48"]}}}, "/node/health/resetXids/0"),
+        (
+            {"node": {"health": {"applicationXids": [13, 31], "resetXids": [31, 48]}}},
+            "XIDs 31 are in both node.health.applicationXids and node.health.resetXids",
+        ),
         ({"deviceClasses": {"mig": {"profiles": ["1g.10gb+ME"]}}}, "/deviceClasses/mig/profiles/0"),
         ({"deviceClasses": {"mig": {"profiles": ["1g.10gb", "1g.10gb"]}}}, "/deviceClasses/mig"),
         ({"node": {"sharedGpus": "some"}}, "/node/sharedGpus"),

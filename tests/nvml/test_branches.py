@@ -28,8 +28,19 @@ from gpudra.driver.records import CreatedMig
 
 PRODUCTS = ("a100-40gb", "h100-80gb")
 PROFILES = [f"{product}-mig-r{branch}" for product in PRODUCTS for branch in EMULATED_BRANCHES]
-# The variants added by R575 (NO_ME, ALL_ME) and their names, on the H100.
-NEW_VARIANTS = {64: "2g.20gb+me.all", 65: "1g.10gb+me.all", 66: "2g.20gb-me", 67: "1g.10gb-me"}
+# The indices R575 added: "no media engine" and "all media engines" variants, which the
+# GH100 does not offer (a real H200 on R580 answers NOT_SUPPORTED, tests/nvml/answers).
+MEDIA_VARIANTS = (
+    pynvml.NVML_GPU_INSTANCE_PROFILE_1_SLICE_NO_ME,
+    pynvml.NVML_GPU_INSTANCE_PROFILE_2_SLICE_NO_ME,
+    pynvml.NVML_GPU_INSTANCE_PROFILE_1_SLICE_ALL_ME,
+    pynvml.NVML_GPU_INSTANCE_PROFILE_2_SLICE_ALL_ME,
+)
+GRAPHICS_VARIANTS = (
+    pynvml.NVML_GPU_INSTANCE_PROFILE_1_SLICE_GFX,
+    pynvml.NVML_GPU_INSTANCE_PROFILE_2_SLICE_GFX,
+    pynvml.NVML_GPU_INSTANCE_PROFILE_4_SLICE_GFX,
+)
 
 
 def emulated(name: str) -> NvmlEmulator:
@@ -60,9 +71,47 @@ def test_profile_answers_as_its_branch(name: str) -> None:
     else:
         assert int(nvml.nvmlDeviceGetGpuInstanceProfileInfoById(parent, 19).sliceCount) == 1
     for index, since in GPU_INSTANCE_PROFILES_SINCE.items():
-        if branch < since:  # an index the branch does not know
-            with pytest.raises(pynvml.NVMLError_InvalidArgument):
+        # An index the branch does not know, or one it knows and neither card offers.
+        unknown = pynvml.NVMLError_InvalidArgument
+        with pytest.raises(unknown if branch < since else pynvml.NVMLError_NotSupported):
+            nvml.nvmlDeviceGetGpuInstanceProfileInfo(parent, index)
+    nvml.nvmlShutdown()
+
+
+@pytest.mark.parametrize(
+    ("branch", "graphics", "media"),
+    [
+        # nvml.h of NVML 12.8 (R570) first has the GFX indices, 12.9 (R575) the -me ones.
+        (550, pynvml.NVMLError_InvalidArgument, pynvml.NVMLError_InvalidArgument),
+        (570, pynvml.NVMLError_NotSupported, pynvml.NVMLError_InvalidArgument),
+        (580, pynvml.NVMLError_NotSupported, pynvml.NVMLError_NotSupported),
+    ],
+)
+def test_variant_indices_appear_in_the_branch_that_declared_them(
+    branch: int, graphics: type[Exception], media: type[Exception]
+) -> None:
+    nvml = emulated(f"h100-80gb-mig-r{branch}")
+    nvml.nvmlInit()
+    parent = nvml.nvmlDeviceGetHandleByIndex(0)
+    for indices, error in ((GRAPHICS_VARIANTS, graphics), (MEDIA_VARIANTS, media)):
+        for index in indices:
+            with pytest.raises(error):
                 nvml.nvmlDeviceGetGpuInstanceProfileInfo(parent, index)
+    nvml.nvmlShutdown()
+
+
+@pytest.mark.parametrize("name", PROFILES)
+def test_numa_node_entry_point_from_r550_on(name: str) -> None:
+    """nvmlDeviceGetNumaNodeId is first declared in NVML 12.4 (R550)."""
+    branch = int(name.rsplit("-r", 1)[1])
+    nvml = emulated(name)
+    nvml.nvmlInit()
+    parent = nvml.nvmlDeviceGetHandleByIndex(0)
+    if branch < 550:
+        with pytest.raises(pynvml.NVMLError_FunctionNotFound):
+            nvml.nvmlDeviceGetNumaNodeId(parent)
+    else:
+        assert nvml.nvmlDeviceGetNumaNodeId(parent) == 0
     nvml.nvmlShutdown()
 
 
@@ -74,14 +123,9 @@ def test_discovery_on_every_branch(name: str) -> None:
     assert gpu.mig_enabled and gpu.gaps == ()
     names = [d.name for d in gpu.partitions]
     assert len(names) == len(set(names))
-    variants = {i: n for i, n in gpu.mig_profiles.items() if i in NEW_VARIANTS}
-    if name.startswith("h100") and branch >= 575:
-        assert variants == NEW_VARIANTS
-        # Published under upstream's names: the profile without dots, ID and start.
-        for profile_id, suffix in ((67, "1g10gb-me"), (65, "1g10gb-meall"), (64, "2g20gb-meall")):
-            assert f"gpu-{gpu.minor}-mig-{suffix}-{profile_id}-0" in names
-    else:
-        assert variants == {}
+    # Neither the A100 nor the H100 offers the -me / +me.all variants, on any branch.
+    profiles = {str(d.attributes["profile"]) for d in gpu.partitions}
+    assert not {p for p in profiles if p.endswith(("-me", "+me.all"))}, (branch, profiles)
     assert gpu.publishable(MigStrategy.DYNAMIC) == gpu.partitions
 
 
@@ -213,7 +257,8 @@ def test_compute_mode_is_refused_on_a_mig_enabled_gpu() -> None:
     nvml.nvmlShutdown()
 
 
-def test_placements_with_mig_disabled_from_r570_on() -> None:
+def test_placements_with_mig_disabled_from_r550_on() -> None:
+    """NVML 12.4 (R550) first lists placements "regardless of whether MIG is enabled"."""
     for branch in EMULATED_BRANCHES:
         nvml = emulated(f"h100-80gb-mig-r{branch}")
         nvml.nvmlInit()
@@ -221,7 +266,7 @@ def test_placements_with_mig_disabled_from_r570_on() -> None:
         nvml.nvmlDeviceSetMigMode(handle, pynvml.NVML_DEVICE_MIG_DISABLE)
         assert nvml.nvmlDeviceGetMaxMigDeviceCount(handle) == 0
         count = ctypes.c_uint(0)
-        if branch >= 570:
+        if branch >= 550:
             nvml.nvmlDeviceGetGpuInstancePossiblePlacements(handle, 19, None, ctypes.byref(count))
             assert count.value == 7
         else:

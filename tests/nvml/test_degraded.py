@@ -1,6 +1,6 @@
 """One GPU's trouble stays that GPU's: a lost GPU fails lookups of every GPU by UUID
-(nvml.h) and a missing privilege refuses some fields, yet the other GPUs and fields
-are still served."""
+(nvml.h) and cannot be described itself, and a missing privilege refuses some fields,
+yet the other GPUs and fields are still served."""
 
 from __future__ import annotations
 
@@ -10,8 +10,16 @@ from typing import cast
 import pynvml
 import pytest
 from gpudra.common.kube import Kube
-from gpudra.driver.agent import AgentConfig
-from gpudra.driver.devices import MIG_MONITOR_PRIVILEGE, MigStrategy, discover
+from gpudra.driver.agent import AgentConfig, NodeAgent
+from gpudra.driver.devices import (
+    MIG_MONITOR_PRIVILEGE,
+    DiscoveryError,
+    LostGpu,
+    MigStrategy,
+    SharedGpus,
+    discover,
+)
+from gpudra.driver.health import GpuLostEvent
 from gpudra.driver.metrics import DiscoveryGaps
 from gpudra.driver.mig import (
     MIG_CONFIG_PRIVILEGE,
@@ -53,6 +61,119 @@ def test_device_handle_answers_for_healthy_gpus_while_one_is_lost() -> None:
     with pytest.raises(pynvml.NVMLError_NotFound):
         device_handle(nvml, "GPU-00000000-0000-0000-0000-000000000000")
     nvml.nvmlShutdown()
+
+
+def test_a_lost_gpu_is_left_out_and_the_others_are_published(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """nvml.h answers GPU_IS_LOST per GPU ("if the target GPU has fallen off the bus"):
+    discovery leaves that GPU out, says so, and describes the other seven, which the
+    lookup by UUID (GPU_IS_LOST for all of them while one is lost) must not decide."""
+    nvml = emulated("h100-80gb-hbm3-x8")
+    healthy = discover(nvml)
+    nvml.lose_gpu(5)
+    with caplog.at_level(logging.WARNING, logger="gpudra.driver.devices"):
+        inventory = discover(nvml)
+    assert inventory.gpus == tuple(g for g in healthy.gpus if g.index != 5)
+    assert inventory.lost == (LostGpu(5, "nvmlDeviceGetHandleByIndex"),)
+    assert [d.name for d in inventory.devices()] == [f"gpu-{i}" for i in (0, 1, 2, 3, 4, 6, 7)]
+    [logged] = [r.__dict__["fields"] for r in caplog.records if "GPU is lost" in r.getMessage()]
+    assert (logged["gpuIndex"], logged["call"]) == (5, "nvmlDeviceGetHandleByIndex")
+    assert "NVML_ERROR_GPU_IS_LOST" in logged["error"]
+
+
+def test_a_gpu_lost_in_the_middle_of_its_scan_is_left_out_too() -> None:
+    """GPU_IS_LOST from any call on a GPU's handles (or its MIG devices') leaves that GPU
+    out, whichever call it is; from a call for the whole system nothing is published."""
+    probe = emulated("a100-40gb-mig-mixed")
+    whole = discover(probe)
+    for n in range(probe.call_count):
+        nvml = emulated("a100-40gb-mig-mixed")
+        nvml.fail_after(n, pynvml.NVML_ERROR_GPU_IS_LOST)  # this call and every later one
+        try:
+            inventory = discover(nvml)
+        except DiscoveryError as err:
+            assert err.gpu_index is None and err.call is not None
+            assert isinstance(err.nvml_error, pynvml.NVMLError_GpuIsLost)
+            continue
+        [first_lost, *later] = inventory.lost
+        assert first_lost.call.startswith("nvml")
+        assert [g.index for g in inventory.gpus] == list(range(first_lost.index))
+        assert inventory.gpus == whole.gpus[: first_lost.index]
+        assert [e.index for e in later] == list(range(first_lost.index + 1, len(whole.gpus)))
+
+
+def lost_gpu_agent(shared: str = "none") -> NodeAgent:
+    config = AgentConfig(node_name="n1", shared_gpus=SharedGpus.parse(shared), health_events=False)
+    return NodeAgent(config, cast(Kube, object()), emulated("h100-80gb-hbm3-x8"))
+
+
+def published(agent: NodeAgent) -> list[str]:
+    return [d["name"] for d in agent._content().devices]
+
+
+@pytest.mark.anyio
+async def test_the_agent_starts_with_a_lost_gpu_and_takes_it_back_once_it_answers() -> None:
+    """After an XID 79 an agent restart still publishes the healthy GPUs; the rescan
+    (what `NodeAgent` runs every `rescan_s`) adds the GPU back once it answers."""
+    agent = lost_gpu_agent()
+    assert isinstance(agent.nvml, NvmlEmulator)
+    agent.nvml.lose_gpu(5)
+    inventory = await agent.scan()  # would raise DiscoveryError if one GPU blanked the node
+    assert [entry.index for entry in inventory.lost] == [5]
+    assert published(agent) == [f"gpu-{i}" for i in (0, 1, 2, 3, 4, 6, 7)]
+    agent.nvml.recover_gpu(5)
+    inventory = await agent.scan()
+    assert inventory.lost == ()
+    assert published(agent) == [f"gpu-{i}" for i in range(8)]
+
+
+@pytest.mark.anyio
+async def test_a_gpu_lost_while_published_stays_published_tainted() -> None:
+    """The rescan keeps a published GPU that is lost as it was last described, so its
+    gpu-lost taint (NoExecute) stays on the slice instead of the device vanishing."""
+    agent = lost_gpu_agent()
+    assert isinstance(agent.nvml, NvmlEmulator)
+    before = await agent.scan()
+    lost = before.gpus[5]
+    agent.nvml.lose_gpu(5)
+    assert agent.health is not None
+    agent.health.apply(GpuLostEvent(lost.uuid))  # what the health watcher reports
+    inventory = await agent.scan()
+    assert inventory.gpus == before.gpus
+    assert inventory.lost == (LostGpu(5, "nvmlDeviceGetHandleByIndex", lost.uuid),)
+    devices = {d["name"]: d for d in agent._content().devices}
+    assert len(devices) == 8
+    assert [t["key"] for t in devices["gpu-5"]["taints"]] == ["gpu.nvidia.com/gpu-lost"]
+
+
+@pytest.mark.anyio
+async def test_shared_gpus_naming_a_lost_gpu_does_not_stop_the_agent(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The first inventory stops the agent when --shared-gpus names a GPU it lacks; a
+    lost GPU is not lacking, and stopping would blank the node again."""
+    agent = lost_gpu_agent("5")
+    assert isinstance(agent.nvml, NvmlEmulator)
+    agent.nvml.lose_gpu(5)
+    with caplog.at_level(logging.ERROR, logger="gpudra.driver.agent"):
+        await agent.scan()
+    assert agent.shared == frozenset()
+    [problems] = [r.__dict__["fields"]["problems"] for r in caplog.records]
+    assert problems == ["GPU index 5 is lost (NVML answers GPU_IS_LOST), so it is not published"]
+    agent.nvml.recover_gpu(5)
+    await agent.scan()
+    assert agent.shared == {"gpu-5"}
+
+
+def test_a_uuid_not_found_while_a_gpu_is_lost_may_be_that_gpus() -> None:
+    nvml = emulated("h100-80gb-hbm3-x8")
+    uuid = discover(nvml).gpus[5].uuid
+    nvml.lose_gpu(5)
+    inventory = discover(nvml)
+    assert SharedGpus.parse(uuid).absent(inventory) == [
+        f"no GPU with UUID {uuid.lower()} among the GPUs that answer (lost, and maybe it: index 5)"
+    ]
 
 
 def test_prepare_calls_work_on_a_healthy_gpu_while_another_is_lost() -> None:

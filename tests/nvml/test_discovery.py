@@ -6,7 +6,7 @@ import ctypes
 import json
 import random
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pynvml
 import pytest
@@ -23,11 +23,12 @@ from gpudra.driver.devices import (
     MigStrategy,
     Version,
     discover,
+    mig_device_name,
     mig_profile_name,
     semver_from_cuda_version,
     semver_from_driver_version,
 )
-from gpudra.driver.nvml import load_nvml
+from gpudra.driver.nvml import NvmlLibrary, load_nvml
 from gpudra.driver.nvml.emulator import NvmlEmulator, load_builtin_profile
 from gpudra.driver.nvml.topology import SysfsTopology
 from gpudra.driver.slices import DeviceLimitError, SliceLimits, plan_slices, validate_device
@@ -205,8 +206,7 @@ def _fits(used: dict[str, int], totals: dict[str, int], wanted: dict[str, int]) 
 @pytest.mark.parametrize("profile", [None, "h100-80gb-mig-r580", "a100-40gb-mig-r535"])
 def test_counters_never_allow_what_nvml_refuses(profile: str | None, seed: int) -> None:
     """A scheduler honouring the counters only picks layouts NVML can create, and vice
-    versa; on R580 with the NO_ME and ALL_ME variants (an ALL_ME instance takes every
-    media engine) too."""
+    versa (the +me profile takes the GPU's one OFA engine)."""
     nvml = h100_with_mig() if profile is None else emulated(profile)
     inventory = discover(nvml)
     gpu = inventory.gpus[0 if profile is None else -1]
@@ -242,6 +242,7 @@ def test_counters_never_allow_what_nvml_refuses(profile: str | None, seed: int) 
 
 
 def test_nvml_failing_mid_scan_raises_and_returns_nothing() -> None:
+    """All or nothing; a lost GPU (GPU_IS_LOST) is the exception: test_degraded.py."""
     probe = emulated("a100-40gb-mig-mixed")
     discover(probe)
     total_calls = probe.call_count
@@ -249,25 +250,39 @@ def test_nvml_failing_mid_scan_raises_and_returns_nothing() -> None:
     seen_calls = set()
     for n in range(total_calls):  # the failure hits each counted call in turn
         nvml = emulated("a100-40gb-mig-mixed")
-        nvml.fail_after(n, pynvml.NVML_ERROR_GPU_IS_LOST)
+        nvml.fail_after(n, pynvml.NVML_ERROR_UNKNOWN)
         result: Inventory | None = None
         with pytest.raises(DiscoveryError) as err:
             result = discover(nvml)
         assert result is None
         assert err.value.call is not None and err.value.call.startswith("nvml")
         assert err.value.call in str(err.value)
-        assert isinstance(err.value.nvml_error, pynvml.NVMLError_GpuIsLost)
+        assert isinstance(err.value.nvml_error, pynvml.NVMLError_Unknown)
         if err.value.gpu_index is not None:
             assert f"GPU index {err.value.gpu_index}" in str(err.value)
         seen_calls.add(err.value.call)
     assert {"nvmlDeviceGetUUID", "nvmlDeviceGetMigDeviceHandleByIndex"} <= seen_calls
 
 
+class _FailingGpu:
+    """An NVML whose GPU `index` answers `code` to its handle lookup."""
+
+    def __init__(self, nvml: NvmlEmulator, index: int, code: int) -> None:
+        self._nvml, self._index, self._code = nvml, index, code
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._nvml, name)
+
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> Any:
+        if index == self._index:
+            raise pynvml.NVMLError(self._code)
+        return self._nvml.nvmlDeviceGetHandleByIndex(index)
+
+
 def test_failure_names_the_gpu_index() -> None:
-    nvml = emulated("h100-80gb-hbm3-x8")
-    nvml.lose_gpu(5)
+    nvml = _FailingGpu(emulated("h100-80gb-hbm3-x8"), 5, pynvml.NVML_ERROR_UNKNOWN)
     with pytest.raises(DiscoveryError) as err:
-        discover(nvml)
+        discover(cast(NvmlLibrary, nvml))
     assert err.value.gpu_index == 5
     assert err.value.call == "nvmlDeviceGetHandleByIndex"
     assert "GPU index 5" in str(err.value)
@@ -318,6 +333,22 @@ def test_profile_names_follow_nvidia_smi() -> None:
     assert mig_profile_name(pynvml.NVML_GPU_INSTANCE_PROFILE_3_SLICE, 3, 1, 40448, h100) == (
         "1c.3g.40gb"
     )
+
+
+@pytest.mark.parametrize(
+    ("index", "name", "device"),
+    [
+        (pynvml.NVML_GPU_INSTANCE_PROFILE_1_SLICE_NO_ME, "1g.24gb-me", "1g24gb-me"),
+        (pynvml.NVML_GPU_INSTANCE_PROFILE_1_SLICE_ALL_ME, "1g.24gb+me.all", "1g24gb-meall"),
+        (pynvml.NVML_GPU_INSTANCE_PROFILE_1_SLICE_GFX, "1g.24gb+gfx", "1g24gb-gfx"),
+    ],
+)
+def test_variant_profile_names_follow_nvidia_smi(index: int, name: str, device: str) -> None:
+    """The variant suffixes, for a card that offers them (mig-parted's defaults list them
+    for the RTX PRO 6000 Blackwell, 96 GB in four slices; no emulated card has them)."""
+    total = 96 * 1024 * 1024 * 1024
+    assert mig_profile_name(index, 1, 1, 24576, total) == name
+    assert mig_device_name(0, name, 99, 0) == f"gpu-0-mig-{device}-99-0"
 
 
 def test_pre_ampere_and_ada_have_no_mig() -> None:
@@ -375,3 +406,28 @@ def test_sysfs_topology(tmp_path: Path) -> None:
     assert topology.pcie_root("0000:99:00.0") is None
     (device / "numa_node").write_text("-1\n")
     assert topology.numa_node("0000:18:00.0") is None
+
+
+@pytest.mark.parametrize(("branch", "gpu0_numa"), [(535, 1), (550, 0)])
+def test_numa_node_comes_from_sysfs_where_nvml_has_no_call(
+    tmp_path: Path, branch: int, gpu0_numa: int
+) -> None:
+    """R535's NVML has no nvmlDeviceGetNumaNodeId (first in NVML 12.4, R550): discovery
+    reads sysfs there (here GPU 0 on node 1, GPU 1 not listed); from R550 NVML's own
+    answer (node 0, from the profile) wins."""
+    root = tmp_path / "sys"
+    device = root / "devices" / "pci0000:00" / "0000:07:00.0"
+    device.mkdir(parents=True)
+    (device / "numa_node").write_text("1\n")
+    links = root / "bus" / "pci" / "devices"
+    links.mkdir(parents=True)
+    (links / "0000:07:00.0").symlink_to(device)
+    nvml = emulated(f"a100-40gb-mig-r{branch}")
+    gpu0, gpu1 = discover(nvml, topology=SysfsTopology(root)).gpus
+    assert gpu0.device.attributes[NUMA_NODE_ATTRIBUTE] == gpu0_numa
+    assert gpu0.device.attributes[PCIE_ROOT_ATTRIBUTE] == "pci0000:00"
+    assert all(d.attributes[NUMA_NODE_ATTRIBUTE] == gpu0_numa for d in gpu0.partitions)
+    if branch < 550:
+        assert NUMA_NODE_ATTRIBUTE not in gpu1.device.attributes
+    else:
+        assert gpu1.device.attributes[NUMA_NODE_ATTRIBUTE] == 0

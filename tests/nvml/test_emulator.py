@@ -313,6 +313,59 @@ def test_compute_mode_round_trip() -> None:
         nvml.nvmlDeviceSetComputeMode(handle, 9)
 
 
+def test_compute_mode_of_a_mig_enabled_gpu_is_its_mig_devices() -> None:
+    """nvml.h, nvmlDevice{Get,Set}ComputeMode: "If MIG is enabled on a GPU, device must
+    be MIG device handle"."""
+    nvml = emulator("a100-40gb-mig-mixed")
+    parent = nvml.nvmlDeviceGetHandleByIndex(0)
+    assert nvml.nvmlDeviceGetMigMode(parent)[0] == pynvml.NVML_DEVICE_MIG_ENABLE
+    mig = nvml.nvmlDeviceGetMigDeviceHandleByIndex(parent, 0)
+    other = nvml.nvmlDeviceGetMigDeviceHandleByIndex(parent, 1)
+    assert nvml.nvmlDeviceGetComputeMode(mig) == pynvml.NVML_COMPUTEMODE_DEFAULT
+    nvml.nvmlDeviceSetComputeMode(mig, pynvml.NVML_COMPUTEMODE_EXCLUSIVE_PROCESS)
+    assert nvml.nvmlDeviceGetComputeMode(mig) == pynvml.NVML_COMPUTEMODE_EXCLUSIVE_PROCESS
+    assert nvml.nvmlDeviceGetComputeMode(other) == pynvml.NVML_COMPUTEMODE_DEFAULT
+    for call in (
+        lambda: nvml.nvmlDeviceGetComputeMode(parent),
+        lambda: nvml.nvmlDeviceSetComputeMode(parent, pynvml.NVML_COMPUTEMODE_DEFAULT),
+    ):
+        with pytest.raises(pynvml.NVMLError_NotSupported):
+            call()
+    nvml.set_privileged(False)
+    with pytest.raises(pynvml.NVMLError_NoPermission):  # "Requires root/admin permissions"
+        nvml.nvmlDeviceSetComputeMode(mig, pynvml.NVML_COMPUTEMODE_DEFAULT)
+
+
+def test_a_mig_enabled_gpu_has_no_utilization_rates() -> None:
+    """nvml.h: "On MIG-enabled GPUs, querying device utilization rates is not currently
+    supported"; the same GPU with MIG disabled has them."""
+    nvml = emulator("a100-40gb-mig-mixed")
+    parent = nvml.nvmlDeviceGetHandleByIndex(0)
+    with pytest.raises(pynvml.NVMLError_NotSupported):
+        nvml.nvmlDeviceGetUtilizationRates(parent)
+    h100 = emulator("h100-80gb-hbm3-x8")
+    handle = h100.nvmlDeviceGetHandleByIndex(0)
+    assert h100.nvmlDeviceGetUtilizationRates(handle).gpu >= 0
+    h100.nvmlDeviceSetMigMode(handle, pynvml.NVML_DEVICE_MIG_ENABLE)
+    with pytest.raises(pynvml.NVMLError_NotSupported):
+        h100.nvmlDeviceGetUtilizationRates(handle)
+
+
+@pytest.mark.parametrize("name", ["l4", "t4"])
+def test_max_mig_device_count_is_zero_without_mig_support(name: str) -> None:
+    """nvml.h nvmlDeviceGetMaxMigDeviceCount: "Returns zero if MIG is not supported or
+    enabled" (NOT_SUPPORTED is not among its answers); discovery still offers the GPU
+    whole, with no MIG view."""
+    nvml = emulator(name)
+    handle = nvml.nvmlDeviceGetHandleByIndex(0)
+    assert nvml.nvmlDeviceGetMaxMigDeviceCount(handle) == 0
+    with pytest.raises(pynvml.NVMLError_NotSupported):  # the GPU has no MIG mode
+        nvml.nvmlDeviceGetMigMode(handle)
+    nvml.nvmlShutdown()
+    [gpu] = discover(nvml).gpus
+    assert (gpu.mig_capable, gpu.mig_devices, gpu.partitions) == (False, (), ())
+
+
 def test_events_are_delivered_to_registered_sets_only() -> None:
     nvml = emulator("h100-80gb-hbm3-x8")
     event_set = nvml.nvmlEventSetCreate()
@@ -335,6 +388,26 @@ def test_events_are_delivered_to_registered_sets_only() -> None:
     nvml.nvmlEventSetFree(event_set)
     with pytest.raises(pynvml.NVMLError_InvalidArgument):
         nvml.nvmlEventSetWait_v2(event_set, 1)
+
+
+def test_without_privilege_only_whole_gpu_events_are_delivered() -> None:
+    """nvml.h, nvmlEventSetWait_v2: in MIG mode the events of the instances come only to
+    a caller with the privilege (the MIG monitor capability); otherwise only the events
+    that affect the whole device."""
+    nvml = emulator("a100-40gb-mig-mixed")
+    event_set = nvml.nvmlEventSetCreate()
+    handle = nvml.nvmlDeviceGetHandleByIndex(0)
+    nvml.nvmlDeviceRegisterEvents(handle, pynvml.nvmlEventTypeXidCriticalError, event_set)
+    nvml.set_privileged(False)
+    nvml.inject_xid(0, 94, gpu_instance_id=1, compute_instance_id=0)
+    with pytest.raises(pynvml.NVMLError_Timeout):
+        nvml.nvmlEventSetWait_v2(event_set, 1)
+    nvml.inject_xid(0, 48)
+    assert nvml.nvmlEventSetWait_v2(event_set, 1000).eventData == 48
+    nvml.set_privileged(True)
+    nvml.inject_xid(0, 94, gpu_instance_id=1, compute_instance_id=0)
+    data = nvml.nvmlEventSetWait_v2(event_set, 1000)
+    assert (data.eventData, data.gpuInstanceId, data.computeInstanceId) == (94, 1, 0)
 
 
 def test_wait_wakes_up_when_an_event_arrives_from_another_thread() -> None:
@@ -495,7 +568,9 @@ def test_state_file_keeps_mig_instances_and_modes_across_processes(tmp_path: Pat
     )
     gi = create(first, handle, 9, 4, 4)
     first.nvmlGpuInstanceCreateComputeInstance(gi, pynvml.NVML_COMPUTE_INSTANCE_PROFILE_3_SLICE)
-    uuid = first.nvmlDeviceGetUUID(first.nvmlDeviceGetMigDeviceHandleByIndex(handle, 0))
+    first_mig = first.nvmlDeviceGetMigDeviceHandleByIndex(handle, 0)
+    uuid = first.nvmlDeviceGetUUID(first_mig)
+    first.nvmlDeviceSetComputeMode(first_mig, pynvml.NVML_COMPUTEMODE_PROHIBITED)
 
     # A new process (the first one crashed) sees the same GPUs.
     second = machine()
@@ -503,6 +578,7 @@ def test_state_file_keeps_mig_instances_and_modes_across_processes(tmp_path: Pat
     assert second.nvmlDeviceGetMigMode(handle) == [1, 1]
     mig = second.nvmlDeviceGetMigDeviceHandleByIndex(handle, 0)
     assert second.nvmlDeviceGetUUID(mig) == uuid
+    assert second.nvmlDeviceGetComputeMode(mig) == pynvml.NVML_COMPUTEMODE_PROHIBITED
     gi = second.nvmlDeviceGetGpuInstanceById(handle, second.nvmlDeviceGetGpuInstanceId(mig))
     assert second.nvmlGpuInstanceGetInfo(gi).placement.start == 4
     assert (

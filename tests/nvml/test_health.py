@@ -1,20 +1,33 @@
-"""Health: NVML events become taints and health statuses, and taints heal again."""
+"""Health: NVML events become taints and health statuses, and taints heal again, each on
+its own evidence: quiet time, a GPU that answers again, or a GPU reset."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
+from pathlib import Path
 
 import anyio
 import anyio.lowlevel
 import pytest
-from gpudra.driver.devices import Inventory, MigStrategy, discover
+from gpudra.driver.devices import (
+    MIG_MONITOR_PRIVILEGE,
+    FieldGap,
+    Inventory,
+    MigStrategy,
+    discover,
+)
+from gpudra.driver.gpuresets import GpuResets, PendingReset
 from gpudra.driver.health import (
+    APPLICATION_XIDS,
+    RESET_XIDS,
     EccEvent,
     GpuLostEvent,
     GpuRecoveredEvent,
+    GpuResetEvent,
     HealthPolicy,
     HealthState,
     NvmlHealthWatcher,
@@ -60,20 +73,21 @@ def make_state(inventory: Inventory, clock: FakeClock, **policy: object) -> Heal
 
 
 def test_critical_xid_taints_the_gpu_and_heals_after_quiet_time() -> None:
+    """XID 94 (contained memory error): NVIDIA has the application restarted, no reset."""
     nvml = emulated("h100-80gb-hbm3-x8")
     inventory = discover(nvml)
     clock = FakeClock()
     state = make_state(inventory, clock)
     uuid = inventory.gpus[3].uuid
     before = state.generation
-    assert state.apply(XidEvent(uuid, 79))
+    assert state.apply(XidEvent(uuid, 94))
     assert state.generation == before + 1
     report = state.report()
     (taint,) = report.taints("gpu-3")
-    assert (taint.key, taint.value, taint.effect) == ("gpu.nvidia.com/xid", "79", "NoSchedule")
+    assert (taint.key, taint.value, taint.effect) == ("gpu.nvidia.com/xid", "94", "NoSchedule")
     assert taint.time_added == wall()
     assert not report.devices["gpu-3"].healthy
-    assert "XID 79 (critical error)" in report.devices["gpu-3"].message
+    assert report.devices["gpu-3"].message == "XID 94 (critical error)"
     assert report.unhealthy() == ("gpu-3",)
     assert report.devices["gpu-2"].healthy and report.taints("gpu-2") == ()
 
@@ -90,9 +104,9 @@ def test_repeated_xid_restarts_the_recovery_time() -> None:
     clock = FakeClock()
     state = make_state(inventory, clock)
     uuid = inventory.gpus[0].uuid
-    state.apply(XidEvent(uuid, 48))
+    state.apply(XidEvent(uuid, 94))
     clock.now += 50
-    assert not state.apply(XidEvent(uuid, 48))  # same taint: no visible change
+    assert not state.apply(XidEvent(uuid, 94))  # same taint: no visible change
     clock.now += 50
     assert not state.expire()  # only 50 s since the last occurrence
     clock.now += 10
@@ -110,11 +124,11 @@ def test_application_xid_is_informational() -> None:
         assert (taint.value, taint.effect) == (str(xid), TaintEffect.NONE)
         assert state.report().devices["gpu-0"].healthy
     # A critical XID overrides; a later application XID neither softens nor prolongs it.
-    state.apply(XidEvent(uuid, 79))
+    state.apply(XidEvent(uuid, 94))
     clock.now += 30
     assert not state.apply(XidEvent(uuid, 13))
     (taint,) = state.report().taints("gpu-0")
-    assert (taint.value, taint.effect) == ("79", TaintEffect.NO_SCHEDULE)
+    assert (taint.value, taint.effect) == ("94", TaintEffect.NO_SCHEDULE)
     clock.now += 30
     assert state.expire()
 
@@ -203,10 +217,10 @@ async def test_watcher_turns_nvml_events_into_taints() -> None:
     state = make_state(inventory, clock)
     async with watching(nvml, state):
         seen = state.generation
-        nvml.inject_xid(2, 79)
+        nvml.inject_xid(2, 94)
         await next_change(state, seen)
         assert state.report().unhealthy() == ("gpu-2",)
-        assert state.report().taints("gpu-2")[0].value == "79"
+        assert state.report().taints("gpu-2")[0].value == "94"
 
         seen = state.generation
         nvml.inject_xid(4, 13)
@@ -281,3 +295,192 @@ async def test_watcher_is_cancelled_promptly_while_waiting() -> None:
         async with anyio.create_task_group() as tg:
             await tg.start(watcher.run)
             tg.cancel_scope.cancel()
+
+
+# --- taints that wait for a GPU reset ------------------------------------------------------
+
+
+@pytest.mark.parametrize("xid", [48, 79, 95, 119])
+def test_an_xid_that_needs_a_reset_stays_until_the_gpu_is_reset(xid: int) -> None:
+    """NVIDIA's XID catalogue has the GPU reset (79: the node rebooted) before reuse;
+    however quiet the GPU stays, only a reset lifts the taint."""
+    inventory = discover(emulated("h100-80gb-hbm3-x8"))
+    clock = FakeClock()
+    state = make_state(inventory, clock)
+    uuid = inventory.gpus[2].uuid
+    assert state.apply(XidEvent(uuid, xid))
+    clock.now += 10 * 365 * 86400
+    assert not state.expire()
+    health = state.report().devices["gpu-2"]
+    assert not health.healthy
+    assert health.message == (
+        f"XID {xid} (critical error): needs a GPU reset; stays until the GPU is reset and "
+        "the agent restarted"
+    )
+    assert state.pending_resets() == {uuid: (PendingReset("gpu-2", xid),)}
+    assert not state.apply(GpuResetEvent(inventory.gpus[3].uuid))  # another GPU's reset
+    assert state.apply(GpuResetEvent(uuid))
+    assert state.report().devices["gpu-2"].healthy
+    assert state.report().taints("gpu-2") == ()
+    assert state.pending_resets() == {}
+
+
+def test_a_double_bit_ecc_error_stays_until_the_gpu_is_reset(tmp_path: Path) -> None:
+    inventory = discover(emulated("l4"))
+    clock = FakeClock()
+    resets = GpuResets(tmp_path, boot_id_path=tmp_path / "boot_id")
+    state = HealthState(
+        inventory, HealthPolicy(recovery_after_s=60), clock=clock, wall_clock=wall, resets=resets
+    )
+    uuid = inventory.gpus[0].uuid
+    state.apply(EccEvent(uuid))
+    clock.now += 3600
+    assert not state.expire()
+    health = state.report().devices["gpu-0"]
+    assert not health.healthy
+    # The message (kubelet health stream) names the file that says the GPU was reset.
+    assert health.message == (
+        "uncorrectable (double-bit) ECC error: needs a GPU reset; after resetting the GPU, "
+        f"create the file {tmp_path}/reset/{uuid} on the node"
+    )
+    assert state.pending_resets() == {uuid: (PendingReset("gpu-0"),)}
+    assert state.apply(GpuResetEvent(uuid))
+    assert state.report().devices["gpu-0"].healthy
+
+
+def test_a_timed_xid_neither_replaces_nor_outlasts_one_that_needs_a_reset() -> None:
+    inventory = discover(emulated("l4"))
+    clock = FakeClock()
+    state = make_state(inventory, clock)
+    uuid = inventory.gpus[0].uuid
+    state.apply(XidEvent(uuid, 94))  # heals by time
+    assert state.apply(XidEvent(uuid, 95))  # needs a reset: takes over the taint
+    assert not state.apply(XidEvent(uuid, 94))  # does not hand it back to the clock
+    clock.now += 3600
+    assert not state.expire()
+    (taint,) = state.report().taints("gpu-0")
+    assert taint.value == "95"
+
+
+def test_a_lost_gpu_that_answers_again_was_reset() -> None:
+    """GPU_IS_LOST and then answering again is a reset: the XID taint goes at once, the
+    gpu-lost taint after the quiet time."""
+    inventory = discover(emulated("h100-80gb-hbm3-x8"))
+    clock = FakeClock()
+    state = make_state(inventory, clock)
+    uuid = inventory.gpus[4].uuid
+    state.apply(XidEvent(uuid, 79))
+    state.apply(GpuLostEvent(uuid))
+    assert state.apply(GpuRecoveredEvent(uuid))
+    assert [t.key for t in state.report().taints("gpu-4")] == ["gpu.nvidia.com/gpu-lost"]
+    assert state.pending_resets() == {}
+    clock.now += 60
+    assert state.expire()
+    assert state.report().devices["gpu-4"].healthy
+
+
+def test_which_xids_need_a_reset_follows_nvidia_and_the_admin() -> None:
+    default = HealthPolicy()
+    # NVIDIA's catalogue: reset (or reboot) for these, restart the application for those.
+    assert {46, 48, 62, 64, 79, 95, 110, 119, 120, 140, 143} <= RESET_XIDS
+    assert not RESET_XIDS & APPLICATION_XIDS
+    assert not any(default.needs_reset(x) for x in (8, 13, 31, 43, 45, 68, 74, 94, 109))
+    # 109 (context switch timeout): RESET_GPU in the catalogue, but any workload that
+    # does not yield raises it, so by default it is informational, as upstream has it.
+    assert default.is_application_xid(109) and not default.needs_reset(109)
+    # The admin's lists win over the built-in ones, either way.
+    mine = HealthPolicy(
+        extra_application_xids=frozenset({46}), extra_reset_xids=frozenset({13, 94, 109})
+    )
+    assert mine.is_application_xid(46) and not mine.needs_reset(46)
+    assert mine.needs_reset(109) and not mine.is_application_xid(109)
+    assert mine.needs_reset(13) and not mine.is_application_xid(13)
+    assert mine.needs_reset(94)
+    with pytest.raises(ValueError, match=r"XIDs 31, 94 are listed both .*\(--reset-xids\)"):
+        HealthPolicy(
+            extra_application_xids=frozenset({31, 94}), extra_reset_xids=frozenset({31, 94})
+        )
+
+
+def test_an_application_xid_made_one_that_needs_a_reset_is_critical() -> None:
+    inventory = discover(emulated("l4"))
+    clock = FakeClock()
+    state = make_state(inventory, clock, extra_reset_xids=frozenset({13}))
+    state.apply(XidEvent(inventory.gpus[0].uuid, 13))
+    health = state.report().devices["gpu-0"]
+    assert not health.healthy and health.message.startswith("XID 13 (critical error): needs")
+    clock.now += 3600
+    assert not state.expire()
+
+
+# --- MIG instance events need privilege ----------------------------------------------------
+
+
+def without_mig_monitor(inventory: Inventory, index: int) -> Inventory:
+    """The inventory as discovery reads it where NVML refuses GPU `index` the aggregate
+    memory only (NO_PERMISSION): its MIG devices are still known."""
+    gap = FieldGap("memory", "nvmlDeviceGetMemoryInfo", MIG_MONITOR_PRIVILEGE, "from a profile")
+    gpus = list(inventory.gpus)
+    gpus[index] = replace(gpus[index], gaps=(gap,))
+    return replace(inventory, gpus=tuple(gpus))
+
+
+def test_mig_devices_are_unmonitored_where_nvml_withholds_their_events() -> None:
+    """nvml.h, nvmlEventSetWait_v2: without the privilege only whole-GPU events come, so
+    the MIG devices of a GPU discovery found short of it are marked unmonitored."""
+    privileged = discover(emulated("a100-40gb-mig-mixed"))
+    clock = FakeClock()
+    state = make_state(without_mig_monitor(privileged, 0), clock)
+    gpu0, gpu1 = privileged.gpus
+    report = state.report()
+    mig_names = set(gpu0.device_names()) - {gpu0.device.name}
+    for name in mig_names:
+        (taint,) = report.taints(name)
+        assert (taint.key, taint.value, taint.effect) == (
+            "gpu.nvidia.com/unmonitored",
+            None,
+            TaintEffect.NONE,
+        )
+        assert report.devices[name].healthy  # unknown is not bad
+        assert MIG_MONITOR_PRIVILEGE in report.devices[name].message
+        assert "the chart runs the agent privileged" in report.devices[name].message
+    assert report.taints(gpu0.device.name) == ()
+    assert all(report.taints(n) == () for n in gpu1.device_names())
+    clock.now += 3600
+    assert not state.expire()  # stays while the privilege is missing
+    # A whole-GPU XID is still seen and shown beside it.
+    state.apply(XidEvent(gpu0.uuid, 94))
+    assert "XID 94" in state.report().devices[min(mig_names)].message
+    # Granted (the next discovery has no gap): the mark goes after the quiet time.
+    state.update_inventory(privileged)
+    clock.now += 60
+    assert state.expire()
+    assert all(state.report().taints(n) == () for n in mig_names)
+
+
+async def test_watcher_without_privilege_sees_whole_gpu_xids_only() -> None:
+    nvml = emulated("a100-40gb-mig-mixed")
+    inventory = discover(nvml)
+    mig = inventory.find("gpu-1-mig-4g20gb-5-0")
+    assert mig is not None and mig.gpu_instance_id is not None
+    assert mig.compute_instance_id is not None
+    state = make_state(inventory, FakeClock())
+    async with watching(nvml, state):
+        nvml.set_privileged(False)  # no MIG monitor capability
+        seen = state.generation
+        nvml.inject_xid(
+            1, 94, gpu_instance_id=mig.gpu_instance_id, compute_instance_id=mig.compute_instance_id
+        )
+        nvml.inject_xid(0, 94)  # the whole GPU: still reported
+        await next_change(state, seen)
+        assert set(state.report().unhealthy()) == set(inventory.gpus[0].device_names())
+
+
+def test_the_install_guide_lists_the_xids_that_need_a_reset() -> None:
+    """docs/install.md names the built-in lists; they must not drift from the code."""
+    guide = (Path(__file__).resolve().parents[2] / "docs" / "install.md").read_text()
+    (row,) = [line for line in guide.splitlines() if line.startswith("| XIDs 46, 48")]
+    listed = {int(n) for n in re.findall(r"\b(\d+)\b", row.split("|")[1])}
+    assert listed == RESET_XIDS
+    assert "Application errors (XIDs 13, 31, 43, 45, 68,\n109 and" in guide
+    assert frozenset({13, 31, 43, 45, 68, 109}) == APPLICATION_XIDS

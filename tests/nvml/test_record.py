@@ -126,8 +126,9 @@ def test_replay_fixture(path: Path) -> None:
 
 @pytest.mark.parametrize("branch", EMULATED_BRANCHES)
 def test_recording_a_gpu_with_mig_off_on_every_branch(branch: int) -> None:
-    """MIG off: NVML answers a maximum of 0 MIG devices, and placements only from R570 on
-    (older branches: NOT_SUPPORTED); the recording still validates and replays."""
+    """MIG off: NVML answers a maximum of 0 MIG devices, and placements only from R550 on
+    (older branches: NOT_SUPPORTED); the recording still validates and replays, with the
+    NUMA node that R535's NVML cannot tell taken from the topology, as discovery does."""
     original = emulated(f"h100-80gb-mig-r{branch}")
     original.nvmlInit()
     for index in range(original.nvmlDeviceGetCount()):
