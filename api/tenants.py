@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import re
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import Annotated, Any, Final, Literal, Self, TypeAlias, get_args
@@ -51,8 +51,10 @@ __all__ = [
     "Specificity",
     "Tenant",
     "TenantError",
+    "TenantReach",
     "crd_manifest",
     "crd_yaml",
+    "invalid_in_reach",
     "parse_tenant",
     "quota_key",
     "winning_tenants",
@@ -329,6 +331,61 @@ def winning_tenants(
         elif how == best:
             winners.append(tenant)
     return winners
+
+
+@dataclass(frozen=True)
+class TenantReach:
+    """Which namespaces an invalid GpuTenant would select, read from its object as far as
+    it can be. Its rules are unknown, so where it would decide (`invalid_in_reach`), no
+    valid tenant's rules may stand in for them: the webhook denies GPU pods there and the
+    node agent bills the namespace to no tenant."""
+
+    names: frozenset[str]
+    selector: LabelSelector | None
+    everywhere: bool
+    """Its selector could not be read: taken to select every namespace by label."""
+
+    @classmethod
+    def of(cls, obj: Mapping[str, Any]) -> TenantReach:
+        spec = obj.get("spec")
+        spec = spec if isinstance(spec, Mapping) else {}
+        names = spec.get("namespaces")
+        names = names if isinstance(names, list) else []
+        listed = frozenset(n for n in names if isinstance(n, str))
+        raw = spec.get("namespaceSelector")
+        if raw is None:
+            return cls(listed, None, everywhere=not listed)
+        try:
+            return cls(listed, LabelSelector.model_validate(raw), everywhere=False)
+        except ValueError:
+            return cls(listed, None, everywhere=True)
+
+    def selects(self, namespace: str, labels: Mapping[str, str] | None) -> Specificity | None:
+        """As `GpuTenantSpec.selects`; `labels` None (not known yet): a selector might."""
+        if namespace in self.names:
+            return Specificity.NAME
+        if self.everywhere or (
+            self.selector is not None and (labels is None or self.selector.matches(labels))
+        ):
+            return Specificity.LABEL
+        return None
+
+
+def invalid_in_reach(
+    namespace: str,
+    labels: Mapping[str, str] | None,
+    winners: Sequence[Tenant],
+    reach: Mapping[str, TenantReach],
+) -> str | None:
+    """The first (by name) invalid tenant in `reach` that would select `namespace` at
+    least as specifically as the valid `winners` (`winning_tenants`) do: it would win or
+    tie, so its unknown rules decide and no valid tenant's apply."""
+    best = winners[0].spec.selects(namespace, labels or {}) if winners else None
+    for name in sorted(reach):
+        how = reach[name].selects(namespace, labels)
+        if how is not None and (best is None or how >= best):
+            return name
+    return None
 
 
 def parse_tenant(obj: Mapping[str, Any]) -> Tenant:

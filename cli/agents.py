@@ -1,44 +1,69 @@
 """Where each node's agent serves its metrics, found from the cluster itself.
 
-The chart runs the agent as a DaemonSet whose pods carry
-`app.kubernetes.io/component=node` and expose the metrics endpoint as the container
-port named `metrics` (absent when metrics are off). So the pods say, per node, which
-address and port to scrape, without the user listing endpoints by hand. `gpudra top`
-and `gpudra report` both find and read the agents through this module.
+The chart runs the agent as a DaemonSet in the namespace it is installed in; its pods
+carry `app.kubernetes.io/component=node` and expose the metrics endpoint as the
+container port named `metrics` (absent when metrics are off). So the pods say, per
+node, which address and port to scrape, without the user listing endpoints by hand.
+`gpudra top` and `gpudra report` both find and read the agents through this module.
+
+Labels, a port's name and `spec.nodeName` are anyone's to write: a tenant's pod can
+carry them all, and what it served would be read as the agent's (another tenant's
+GPU-hours, the rows of `top`). So agents are looked for only in gpudra's namespace
+(`--agent-namespace`), where tenants run no pods, and only pods a DaemonSet controls
+count. Two such pods on one node leave that node out with a warning naming both:
+picking one of them would be a guess.
 """
 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
 from typing import Any, Final
 
 import aiohttp
-from gpudra.cli.scrape import Unanswered, get
+from gpudra.api.names import dns_label_problem
+from gpudra.cli.scrape import Unanswered, get, metric_samples
 from gpudra.common.kube import ApiError, Kube, KubeConfigError
+from prometheus_client.samples import Sample
 
 __all__ = [
+    "AGENT_NAMESPACE",
     "AGENT_SELECTOR",
+    "Agents",
     "add_arguments",
     "connect",
     "endpoints",
     "find",
+    "looked_for",
     "read",
     "scrape",
 ]
 
 AGENT_SELECTOR: Final = "app.kubernetes.io/name=gpudra,app.kubernetes.io/component=node"
-PODS: Final = "/api/v1/pods"
+# The namespace docs/install.md installs the chart into.
+AGENT_NAMESPACE: Final = "gpudra"
 
 
-def endpoints(pods: Iterable[Mapping[str, Any]]) -> dict[str, str]:
-    """node -> metrics URL of the running agent pods that expose a `metrics` port.
+@dataclass(frozen=True)
+class Agents:
+    """The agents the pods name: each node's metrics URL, and, for each node that more
+    than one pod claims, why it is left out (one warning line)."""
+
+    urls: dict[str, str] = field(default_factory=dict)
+    contested: dict[str, str] = field(default_factory=dict)
+
+
+def endpoints(pods: Iterable[Mapping[str, Any]]) -> Agents:
+    """The running, not terminating pods a DaemonSet controls that expose a `metrics`
+    port, by node.
 
     The pod IP is the host's under hostNetwork, so it is the address either way; the
     host IP stands in while a pod reports none."""
-    found: dict[str, str] = {}
+    claims: dict[str, list[tuple[str, str]]] = {}  # node -> [(namespace/name, URL)]
     for pod in pods:
-        spec, status = pod.get("spec") or {}, pod.get("status") or {}
+        meta, spec = pod.get("metadata") or {}, pod.get("spec") or {}
+        status = pod.get("status") or {}
         node = spec.get("nodeName") or ""
         address = status.get("podIP") or status.get("hostIP") or ""
         ports = [
@@ -47,15 +72,48 @@ def endpoints(pods: Iterable[Mapping[str, Any]]) -> dict[str, str]:
             for p in c.get("ports") or ()
             if p.get("name") == "metrics"
         ]
-        if node and address and ports and status.get("phase", "Running") == "Running":
+        running = status.get("phase", "Running") == "Running" and not meta.get("deletionTimestamp")
+        if node and address and ports and running and _daemon_pod(meta):
             host = f"[{address}]" if ":" in address else address
-            found[node] = f"http://{host}:{ports[0]}/metrics"
+            name = f"{meta.get('namespace', '')}/{meta.get('name', '')}"
+            claims.setdefault(node, []).append((name, f"http://{host}:{ports[0]}/metrics"))
+    found = Agents()
+    for node, claimed in claims.items():
+        if len(claimed) == 1:
+            found.urls[node] = claimed[0][1]
+        else:
+            names = ", ".join(sorted(name for name, _ in claimed))
+            found.contested[node] = (
+                f"pods {names} each claim to be its agent; none is read: delete the one "
+                "that is not gpudra's"
+            )
     return found
 
 
-async def read(kube: Kube, selector: str = AGENT_SELECTOR) -> dict[str, str]:
-    """node -> metrics URL of the agents matching `selector`, in every namespace."""
-    pods = await kube.request("GET", PODS, query={"labelSelector": selector})
+def _daemon_pod(meta: Mapping[str, Any]) -> bool:
+    """Whether a DaemonSet controls the pod, as it does each of the agent's."""
+    return any(
+        ref.get("kind") == "DaemonSet"
+        and ref.get("controller") is True
+        and str(ref.get("apiVersion", "")).startswith("apps/")
+        for ref in meta.get("ownerReferences") or ()
+    )
+
+
+def looked_for(namespace: str, selector: str) -> str:
+    """What counts as an agent pod, in words, for the messages that found none."""
+    return (
+        f"no running pod of a DaemonSet in namespace {namespace} matching {selector} "
+        "with a port named metrics"
+    )
+
+
+async def read(
+    kube: Kube, namespace: str = AGENT_NAMESPACE, selector: str = AGENT_SELECTOR
+) -> Agents:
+    """The agents among the pods in `namespace` matching `selector`."""
+    path = f"/api/v1/namespaces/{namespace}/pods"
+    pods = await kube.request("GET", path, query={"labelSelector": selector})
     return endpoints(pods.get("items") or [])
 
 
@@ -65,11 +123,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--kubeconfig", default=None, help="kubeconfig file (default: $KUBECONFIG, else in-cluster)"
     )
     p.add_argument(
+        "--agent-namespace",
+        default=AGENT_NAMESPACE,
+        type=_namespace,
+        metavar="NAMESPACE",
+        help="the namespace gpudra is installed in: only pods there that a DaemonSet "
+        f"controls are taken for node agents (default: {AGENT_NAMESPACE})",
+    )
+    p.add_argument(
         "--agent-selector",
         default=AGENT_SELECTOR,
         metavar="LABELS",
         help="label selector of the node agent pods, whose port named metrics is scraped",
     )
+
+
+def _namespace(raw: str) -> str:
+    if problem := dns_label_problem(raw):
+        raise argparse.ArgumentTypeError(
+            f"{raw!r} {problem}; give the namespace gpudra is installed in"
+        )
+    return raw
 
 
 async def connect(kubeconfig: str | None, *, command: str, otherwise: str) -> Kube:
@@ -83,35 +157,38 @@ async def connect(kubeconfig: str | None, *, command: str, otherwise: str) -> Ku
 
 
 async def find(
-    kubeconfig: str | None, selector: str, *, command: str, otherwise: str
-) -> dict[str, str]:
-    """node -> metrics URL of the running agents; one line and an exit when the cluster
-    cannot be read or has none."""
+    kubeconfig: str | None, namespace: str, selector: str, *, command: str, otherwise: str
+) -> Agents:
+    """The agents in `namespace`; one line and an exit when the cluster cannot be read
+    or has none."""
     kube = await connect(kubeconfig, command=command, otherwise=otherwise)
     try:
-        found = await read(kube, selector)
+        found = await read(kube, namespace, selector)
     except (ApiError, aiohttp.ClientError, OSError) as e:
         raise SystemExit(
             f"gpudra {command}: cannot list the agent pods ({e}); give {otherwise}"
         ) from None
     finally:
         await kube.close()
-    if not found:
+    if not found.urls and not found.contested:
         raise SystemExit(
-            f"gpudra {command}: no node agent found (no running pod matching {selector} with "
-            f"a port named metrics: is gpudra installed, with node.metricsPort not 0?); "
-            f"give --agent-selector, or {otherwise}"
+            f"gpudra {command}: no node agent found ({looked_for(namespace, selector)}: "
+            f"is gpudra installed in {namespace}, with node.metricsPort not 0?); give "
+            f"--agent-namespace, --agent-selector, or {otherwise}"
         )
     return found
 
 
-def scrape(found: Mapping[str, str], timeout_s: float) -> tuple[dict[str, str], dict[str, str]]:
-    """Each agent's metrics text by node, and why, by node, for each that did not answer."""
-    texts: dict[str, str] = {}
+def scrape(
+    found: Mapping[str, str], timeout_s: float, wanted: Callable[[str], bool]
+) -> tuple[dict[str, list[Sample]], dict[str, str]]:
+    """Each agent's samples that `wanted` names, by node, and why, by node, for each
+    that did not answer or answered what is not its metrics."""
+    answers: dict[str, list[Sample]] = {}
     failed: dict[str, str] = {}
     for node, url in sorted(found.items()):
         try:
-            texts[node] = get(url, timeout_s)
+            answers[node] = metric_samples(url, get(url, timeout_s), wanted)
         except Unanswered as e:
             failed[node] = str(e)
-    return texts, failed
+    return answers, failed

@@ -22,6 +22,7 @@ import anyio
 from gpudra.api.deviceclasses import CLASS_TYPES, DEFAULT_DRIVER
 from gpudra.api.quantity import QuantityError, parse_quantity
 from gpudra.api.sharing import SHARES_CAPACITY
+from gpudra.cli.terminal import printable
 from gpudra.common.kube import Kube
 
 __all__ = ["Device", "Holder", "devices", "read", "register", "render"]
@@ -254,9 +255,12 @@ def render(found: Sequence[Device]) -> str:
 
 
 def _table(rows: Sequence[Sequence[str]]) -> str:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    """The rows aligned; every cell shown as text (claims and slices hold what tenants
+    and drivers wrote: a sharing strategy, a product name)."""
+    cells = [[printable(cell) for cell in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(cells[0]))]
     return "\n".join(
-        "  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip() for r in rows
+        "  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip() for r in cells
     )
 
 

@@ -14,6 +14,7 @@ from importlib.metadata import PackageNotFoundError, version
 from typing import Final
 
 from gpudra.cli import logs
+from gpudra.cli.terminal import printable
 
 Registrar = Callable[["argparse._SubParsersAction[argparse.ArgumentParser]"], None]
 
@@ -91,7 +92,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser(command_of(argv))
     args = parser.parse_args(argv)
     logs.setup(args.log_level)
-    result: int = args.func(args)
+    try:
+        result: int = args.func(args)
+    except SystemExit as e:
+        # A command ends with one message, which may quote what the cluster or an
+        # endpoint said: shown as text, never acted on by the terminal.
+        if isinstance(e.code, str):
+            raise SystemExit(printable(e.code, newlines=True)) from None
+        raise
     return result
 
 

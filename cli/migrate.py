@@ -17,6 +17,7 @@ from typing import Any
 
 import anyio
 import yaml
+from gpudra.cli.terminal import printable
 from gpudra.common.files import atomic_write
 from gpudra.common.kube import ApiError, Kube
 from gpudra.webhook import migration
@@ -96,7 +97,8 @@ def run(args: argparse.Namespace) -> int:
             atomic_write(args.out / filename, content.encode(), durable=False)
     else:
         for filename, content in files.items():
-            print(f"# --- {filename}\n{content}", end="")
+            # The notes quote the config; the YAML itself escapes what it holds.
+            print(f"# --- {filename}\n{printable(content, newlines=True)}", end="")
     if args.pods is None and not args.cluster_pods:
         print("# pods: not checked (give --pods FILE or --cluster-pods)")
     elif not result.pods:
@@ -104,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(f"# pods whose behaviour would change ({len(result.pods)} of {len(pods)}):")
         for change in result.pods:
-            print(f"#   {change.namespace}/{change.name}: {change.reason}")
+            print(f"#   {printable(f'{change.namespace}/{change.name}: {change.reason}')}")
     return 0
 
 

@@ -20,13 +20,15 @@ from typing import Final
 
 import anyio
 from gpudra.cli import agents
-from gpudra.cli.scrape import agent_endpoint, fetch, parse_duration
-from prometheus_client.parser import text_string_to_metric_families
+from gpudra.cli.scrape import agent_endpoint, fetch, parse_duration, timeout_seconds
+from gpudra.cli.terminal import printable, warn
+from prometheus_client.samples import Sample
 
 __all__ = ["Usage", "register", "usage_from_metrics", "usage_from_prometheus"]
 
 _ALLOCATED: Final = "gpudra_allocated_device_seconds_total"
 _IDLE: Final = "gpudra_idle_device_seconds_total"
+_COUNTERS: Final = frozenset({_ALLOCATED, _IDLE})
 
 
 @dataclass(frozen=True)
@@ -52,15 +54,14 @@ def _usage(
     ]
 
 
-def usage_from_metrics(texts: Iterable[str]) -> list[Usage]:
+def usage_from_metrics(answers: Iterable[Iterable[Sample]]) -> list[Usage]:
     """Sum the agents' counters (since each started) per namespace and tenant."""
     sums: dict[str, dict[tuple[str, str], float]] = {_ALLOCATED: {}, _IDLE: {}}
-    for text in texts:
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if sample.name in sums:
-                    key = (sample.labels.get("namespace", ""), sample.labels.get("tenant", ""))
-                    sums[sample.name][key] = sums[sample.name].get(key, 0.0) + sample.value
+    for samples in answers:
+        for sample in samples:
+            if sample.name in sums:
+                key = (sample.labels.get("namespace", ""), sample.labels.get("tenant", ""))
+                sums[sample.name][key] = sums[sample.name].get(key, 0.0) + sample.value
     return _usage(sums[_ALLOCATED], sums[_IDLE])
 
 
@@ -71,7 +72,8 @@ def _query(base: str, promql: str, timeout_s: float) -> dict[tuple[str, str], fl
     try:
         doc = json.loads(body)
         if doc.get("status") != "success":
-            raise SystemExit(f"{problem}: {doc.get('error') or 'no result'}")
+            # One line, whatever the error quotes (the end of the command keeps lines).
+            raise SystemExit(f"{problem}: {printable(str(doc.get('error') or 'no result'))}")
         return {
             (r["metric"].get("namespace", ""), r["metric"].get("tenant", "")): float(r["value"][1])
             for r in doc["data"]["result"]
@@ -93,23 +95,26 @@ def usage_from_prometheus(base: str, since_s: float, timeout_s: float = 10.0) ->
 
 
 def _from_agents(args: argparse.Namespace) -> tuple[list[Usage], bool]:
-    """The agents' counters summed, and whether an agent did not answer (one line on
-    stderr names each; the report is then of the others)."""
+    """The agents' counters summed, and whether a node's are missing: its agent did not
+    answer, or two pods claim to be its agent (one line on stderr names each; the
+    report is then of the others)."""
     if args.metrics:
-        found = dict(agent_endpoint(raw, command="report") for raw in args.metrics)
+        found = agents.Agents(dict(agent_endpoint(raw, command="report") for raw in args.metrics))
     else:
         found = anyio.run(
             lambda: agents.find(
                 args.kubeconfig,
+                args.agent_namespace,
                 args.agent_selector,
                 command="report",
                 otherwise="--metrics NODE=URL or --prometheus URL",
             )
         )
-    texts, failed = agents.scrape(found, args.timeout)
-    for node, why in failed.items():
-        sys.stderr.write(f"gpudra report: node {node}: {why}; its counters are left out\n")
-    return usage_from_metrics(texts.values()), bool(failed)
+    answers, failed = agents.scrape(found.urls, args.timeout, _COUNTERS.__contains__)
+    left_out = {**failed, **found.contested}
+    for node, why in sorted(left_out.items()):
+        warn("report", f"node {node}: {why}; its counters are left out")
+    return usage_from_metrics(answers.values()), bool(left_out)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -133,8 +138,8 @@ def run(args: argparse.Namespace) -> int:
     header = ("NAMESPACE", "TENANT", "GPU-H ALLOCATED", "GPU-H USED", "GPU-H IDLE")
     cells = [
         (
-            r.namespace,
-            r.tenant or "-",
+            printable(r.namespace),
+            printable(r.tenant or "-"),
             f"{r.allocated_hours:.2f}",
             f"{r.used_hours:.2f}",
             f"{r.idle_hours:.2f}",
@@ -170,5 +175,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     agents.add_arguments(p)
     p.add_argument("--since", default="24h", metavar="DURATION", help="with --prometheus: span")
     p.add_argument("-o", "--output", choices=("table", "json"), default="table")
-    p.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for each answer")
+    p.add_argument(
+        "--timeout",
+        type=timeout_seconds,
+        default=10.0,
+        help="seconds to wait for each whole answer",
+    )
     p.set_defaults(func=run)

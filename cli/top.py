@@ -24,11 +24,19 @@ import anyio
 from gpudra.api.deviceclasses import DEFAULT_DRIVER
 from gpudra.cli import agents
 from gpudra.cli import devices as published
-from gpudra.cli.scrape import agent_endpoint, parse_duration
+from gpudra.cli.scrape import agent_endpoint, parse_duration, timeout_seconds
+from gpudra.cli.terminal import printable, warn
 from gpudra.common.kube import ApiError
-from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
 
-__all__ = ["DeviceRow", "merge", "register", "rows_from_devices", "rows_from_metrics"]
+__all__ = [
+    "DeviceRow",
+    "measured",
+    "merge",
+    "register",
+    "rows_from_devices",
+    "rows_from_metrics",
+]
 
 _SORT_KEYS: Final = ("node", "utilization", "memory", "idle")
 _RED: Final = "\033[31m"
@@ -64,8 +72,13 @@ class DeviceRow:
         return f"shared by {len(self.holders)} pods"
 
 
-def rows_from_metrics(node: str, text: str) -> list[DeviceRow]:
-    """The devices of one agent's metrics text."""
+def measured(name: str) -> bool:
+    """Whether `top` reads the series `name` from an agent: the device series."""
+    return name == "gpudra_device_idle_seconds" or name.startswith("gpudra_gpu_")
+
+
+def rows_from_metrics(node: str, samples: Iterable[Sample]) -> list[DeviceRow]:
+    """The devices of one agent's samples (of the `measured` series)."""
     rows: dict[str, DeviceRow] = {}
 
     def row(labels: dict[str, str]) -> DeviceRow:
@@ -76,31 +89,30 @@ def rows_from_metrics(node: str, text: str) -> list[DeviceRow]:
             )
         return found
 
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            labels = sample.labels
-            if "uuid" not in labels or "device" not in labels:
-                continue
-            if sample.name == "gpudra_device_idle_seconds":
-                current = row(labels).idle_seconds or 0.0
-                row(labels).idle_seconds = max(current, sample.value)
-                continue
-            if not sample.name.startswith("gpudra_gpu_") or "utilization_scope" not in labels:
-                continue
-            device = row(labels)
-            holder = f"{labels.get('namespace', '')}/{labels.get('pod', '')}"
-            if labels.get("namespace") and holder not in device.holders:
-                device.holders.append(holder)
-                if labels["namespace"] not in device.namespaces:
-                    device.namespaces.append(labels["namespace"])
-            if sample.name == "gpudra_gpu_utilization_percent":
-                device.utilization = sample.value
-            elif sample.name == "gpudra_gpu_memory_used_bytes":
-                device.memory_used = sample.value
-            elif sample.name == "gpudra_gpu_memory_total_bytes":
-                device.memory_total = sample.value
-            elif sample.name == "gpudra_gpu_healthy":
-                device.healthy = sample.value > 0
+    for sample in samples:
+        labels = sample.labels
+        if "uuid" not in labels or "device" not in labels:
+            continue
+        if sample.name == "gpudra_device_idle_seconds":
+            current = row(labels).idle_seconds or 0.0
+            row(labels).idle_seconds = max(current, sample.value)
+            continue
+        if not sample.name.startswith("gpudra_gpu_") or "utilization_scope" not in labels:
+            continue
+        device = row(labels)
+        holder = f"{labels.get('namespace', '')}/{labels.get('pod', '')}"
+        if labels.get("namespace") and holder not in device.holders:
+            device.holders.append(holder)
+            if labels["namespace"] not in device.namespaces:
+                device.namespaces.append(labels["namespace"])
+        if sample.name == "gpudra_gpu_utilization_percent":
+            device.utilization = sample.value
+        elif sample.name == "gpudra_gpu_memory_used_bytes":
+            device.memory_used = sample.value
+        elif sample.name == "gpudra_gpu_memory_total_bytes":
+            device.memory_total = sample.value
+        elif sample.name == "gpudra_gpu_healthy":
+            device.healthy = sample.value > 0
     return sorted(rows.values(), key=lambda r: r.device)
 
 
@@ -158,15 +170,18 @@ def _for(seconds: float | None) -> str:
 def _table(rows: Sequence[DeviceRow], out: TextIO, *, colour: bool) -> None:
     header = ("NODE", "DEVICE", "MODEL", "STATE", "UTIL%", "MEM GiB", "IDLE FOR")
     cells = [
-        (
-            r.node,
-            r.device,
-            r.model,
-            r.state,
-            "n/a" if r.utilization is None else f"{r.utilization:.0f}",
-            f"{_gib(r.memory_used)}/{_gib(r.memory_total)}",
-            _for(r.idle_seconds),
-        )
+        [
+            printable(cell)  # the model and the holders are what an agent or tenant wrote
+            for cell in (
+                r.node,
+                r.device,
+                r.model,
+                r.state,
+                "n/a" if r.utilization is None else f"{r.utilization:.0f}",
+                f"{_gib(r.memory_used)}/{_gib(r.memory_total)}",
+                _for(r.idle_seconds),
+            )
+        ]
         for r in rows
     ]
     widths = [max(len(c) for c in col) for col in zip(header, *cells, strict=False)]
@@ -199,8 +214,8 @@ def _select(rows: Iterable[DeviceRow], args: argparse.Namespace) -> list[DeviceR
 
 
 def run(args: argparse.Namespace) -> int:
-    """The table; exit status 1 when an agent did not answer (its devices are still
-    shown, without measurements), else 0."""
+    """The table; exit status 1 when an agent did not answer or two pods claim to be
+    one node's agent (the node's devices are still shown, without measurements), else 0."""
     if args.idle:
         try:
             parse_duration(args.idle)
@@ -208,53 +223,58 @@ def run(args: argparse.Namespace) -> int:
             raise SystemExit(f"gpudra top: --idle: {e}") from None
     overrides = dict(agent_endpoint(raw, command="top") for raw in args.metrics or ())
     api: list[DeviceRow] = []
-    endpoints: dict[str, str] = {}
+    found = agents.Agents()
     if args.no_api:
         if not overrides:
             raise SystemExit("gpudra top: --no-api needs --metrics NODE=URL (repeatable)")
     else:
-        api, endpoints = anyio.run(_from_cluster, args)
-    endpoints.update(overrides)
+        api, found = anyio.run(_from_cluster, args)
+    endpoints = {**found.urls, **overrides}
     wanted = {n: u for n, u in endpoints.items() if not args.node or n == args.node}
-    texts, failed = agents.scrape(wanted, args.timeout)
-    measured = [row for node, text in texts.items() for row in rows_from_metrics(node, text)]
+    answers, failed = agents.scrape(wanted, args.timeout, measured)
+    rows = [row for node, samples in answers.items() for row in rows_from_metrics(node, samples)]
     for node, why in failed.items():
-        _warn(f"node {node}: {why}; its devices show no measurements")
-    for node in sorted({r.node for r in api} - endpoints.keys()):
-        _warn(
-            f"node {node}: no agent metrics endpoint (no pod matching {args.agent_selector} "
-            f"with a port named metrics); give --metrics {node}=URL"
+        warn("top", f"node {node}: {why}; its devices show no measurements")
+    contested = {
+        node: why
+        for node, why in found.contested.items()
+        if node not in overrides and (not args.node or node == args.node)
+    }
+    for node, why in sorted(contested.items()):
+        warn("top", f"node {node}: {why}, or give --metrics {node}=URL")
+    for node in sorted({r.node for r in api} - endpoints.keys() - contested.keys()):
+        warn(
+            "top",
+            f"node {node}: no agent metrics endpoint "
+            f"({agents.looked_for(args.agent_namespace, args.agent_selector)}); "
+            f"give --metrics {node}=URL",
         )
-    selected = _select(merge(api, measured), args)
+    selected = _select(merge(api, rows), args)
     if args.output == "json":
         doc = [{**asdict(r), "state": r.state} for r in selected]
         sys.stdout.write(json.dumps(doc, indent=2) + "\n")
     else:
         _table(selected, sys.stdout, colour=sys.stdout.isatty())
-    return 1 if failed else 0
+    return 1 if failed or contested else 0
 
 
-def _warn(message: str) -> None:
-    sys.stderr.write(f"gpudra top: {message}\n")
-
-
-async def _from_cluster(args: argparse.Namespace) -> tuple[list[DeviceRow], dict[str, str]]:
-    """The published devices with their holders, and each node's agent endpoint."""
+async def _from_cluster(args: argparse.Namespace) -> tuple[list[DeviceRow], agents.Agents]:
+    """The published devices with their holders, and the nodes' agents."""
     kube = await agents.connect(
         args.kubeconfig, command="top", otherwise="--no-api with --metrics NODE=URL"
     )
     try:
         found = await published.read(kube, args.driver_name, args.node or "")
         try:
-            endpoints = await agents.read(kube, args.agent_selector)
+            located = await agents.read(kube, args.agent_namespace, args.agent_selector)
         except ApiError as e:
-            _warn(f"cannot list the agent pods ({e}); give --metrics NODE=URL")
-            endpoints = {}
+            warn("top", f"cannot list the agent pods ({e}); give --metrics NODE=URL")
+            located = agents.Agents()
     except (ApiError, aiohttp.ClientError, OSError) as e:
         raise SystemExit(f"gpudra top: reading the cluster failed: {e}") from None
     finally:
         await kube.close()
-    return rows_from_devices(found), endpoints
+    return rows_from_devices(found), located
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -286,5 +306,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     p.add_argument("--sort", choices=_SORT_KEYS, default="node", help="row order")
     p.add_argument("-o", "--output", choices=("table", "json"), default="table")
-    p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for each agent")
+    p.add_argument(
+        "--timeout",
+        type=timeout_seconds,
+        default=5.0,
+        help="seconds to wait for each agent's whole answer",
+    )
     p.set_defaults(func=run)

@@ -1,13 +1,22 @@
 """GPU accounting: allocated and idle device-seconds per namespace, tenant, class and sharing.
 
 Each sample (`gpudra.driver.sampling.Sample`) adds the time since the previous one to
-every device held at both, split among the device's holders by `HeldDevice.shares`
-(memory slices by their share of the GPU's memory; time-sliced and MPS holders
-equally; admin access not billed). The time also counts as idle when the device's
-utilization was under `idle_below` percent at this sample. A device whose
+every holder (a claim's request, by claim UID) of a device that held it at both
+samples, times its share of the device (`HeldDevice.shares`: memory slices by their
+share of the GPU's memory; time-sliced and MPS holders equally; admin access not
+billed). Where the device's holders changed between the two samples, its share is the
+smaller of the two it had then: the samples do not say when in the interval the change
+happened, so the time is never billed to a holder that did not hold the device (nor
+shifted from a holder that left onto one that stayed), at the cost of leaving up to one
+sampling interval per holder change unbilled. The time also counts as idle when the
+device's utilization was under `idle_below` percent at this sample. A device whose
 utilization NVML does not give (a MIG device without per-instance utilization) is
 billed as allocated and never as idle: the agent does not know, and says so with
 the `utilization_scope` label of its device series.
+
+How long a device has been idle is kept per holder: a holder's idle time starts at the
+first sample where it held the device idle, so a claim that gets a device another claim
+left idle does not inherit the other's idle time (nor its idle alert).
 
 The resolution is the sampling interval; a claim prepared and unprepared between two
 samples is not billed. Counters live in memory and restart at zero with the agent,
@@ -19,7 +28,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Final
+from typing import Final, TypeAlias
 
 from gpudra.driver.holders import Holder
 from gpudra.driver.sampling import Sample
@@ -27,6 +36,11 @@ from gpudra.driver.sampling import Sample
 __all__ = ["DEFAULT_IDLE_BELOW", "AccountKey", "Accounting", "IdleDevice"]
 
 DEFAULT_IDLE_BELOW: Final = 5.0
+
+# A holder of one device, the same from sample to sample: (claim UID, request).
+_HolderId: TypeAlias = tuple[str, str]
+# Device name -> each billed holder's labels (as of that sample) and share of it.
+_Shares: TypeAlias = dict[str, dict[_HolderId, tuple[Holder, float]]]
 
 
 @dataclass(frozen=True, slots=True, order=True)
@@ -41,12 +55,34 @@ class AccountKey:
 
 @dataclass(frozen=True, slots=True)
 class IdleDevice:
-    """A held device idle since the sampler's clock said `since`."""
+    """A held device idle for `seconds` for `holders`: since each of them first held it
+    idle (a shared device's holders that came at other times are other `IdleDevice`s)."""
 
     device: str
     uuid: str
     holders: tuple[Holder, ...]
     seconds: float
+
+
+def _holder_id(holder: Holder) -> _HolderId:
+    return holder.claim_uid, holder.request
+
+
+def _shares(sample: Sample) -> _Shares:
+    """Each held device's billed holders and their shares at `sample`."""
+    totals = {
+        device.gpu_uuid: reading.values["memory_total"]
+        for device, reading in sample.devices
+        if "memory_total" in reading.values and not device.mig
+    }
+    found: _Shares = {}
+    for name, held in sample.held.items():
+        holders = found[name] = {}
+        for holder, share in held.shares(totals.get(held.gpu_uuid)):
+            # One claim may hold two slices of a GPU for one request: one holder.
+            _, before = holders.get(_holder_id(holder), (holder, 0.0))
+            holders[_holder_id(holder)] = (holder, before + share)
+    return found
 
 
 class Accounting:
@@ -60,44 +96,49 @@ class Accounting:
         self._lock = threading.Lock()
         self._allocated: dict[AccountKey, float] = {}
         self._idle: dict[AccountKey, float] = {}
-        self._idle_since: dict[str, float] = {}
+        self._idle_since: dict[tuple[str, _HolderId], float] = {}
         self._idle_now: tuple[IdleDevice, ...] = ()
-        self._last: Sample | None = None
+        self._last: tuple[float, _Shares] | None = None
 
     def observe(self, sample: Sample) -> None:
         """Bill the time since the previous sample (a `Sampler` `on_sample` callback)."""
-        previous, self._last = self._last, sample
-        utilization: dict[str, float | None] = {}
-        totals: dict[str, float] = {}
-        for device, reading in sample.devices:
-            utilization[device.uuid] = reading.values.get("utilization")
-            if "memory_total" in reading.values and not device.mig:
-                totals[device.gpu_uuid] = reading.values["memory_total"]
-        elapsed = sample.at - previous.at if previous is not None else 0.0
-        idle_since: dict[str, float] = {}
+        shares = _shares(sample)
+        previous, self._last = self._last, (sample.at, shares)
+        elapsed = sample.at - previous[0] if previous is not None else 0.0
+        before = previous[1] if previous is not None else {}
+        utilization = {d.uuid: r.values.get("utilization") for d, r in sample.devices}
+        idle_since: dict[tuple[str, _HolderId], float] = {}
         idle_now: list[IdleDevice] = []
         with self._lock:
             for name, held in sample.held.items():
-                util = utilization.get(held.uuid or held.gpu_uuid)
+                uuid = held.uuid or held.gpu_uuid
+                util = utilization.get(uuid)
                 idle = util is not None and util < self.idle_below
                 if idle:
-                    since = self._idle_since.get(name, sample.at)
-                    idle_since[name] = since
-                    idle_now.append(
-                        IdleDevice(
-                            name, held.uuid or held.gpu_uuid, held.holders, sample.at - since
-                        )
+                    by_since: dict[float, list[Holder]] = {}
+                    for holder in held.holders:
+                        hold = (name, _holder_id(holder))
+                        if hold in idle_since:
+                            continue  # the same holder again: another slice of the GPU
+                        since = idle_since[hold] = self._idle_since.get(hold, sample.at)
+                        by_since.setdefault(since, []).append(holder)
+                    idle_now.extend(
+                        IdleDevice(name, uuid, tuple(holders), sample.at - since)
+                        for since, holders in sorted(by_since.items())
                     )
-                was_held = previous is not None and name in previous.held
-                if not was_held or elapsed <= 0:
+                if elapsed <= 0:
                     continue
-                for holder, share in held.shares(totals.get(held.gpu_uuid)):
+                held_before = before.get(name, {})
+                for ident, (holder, share) in shares[name].items():
+                    if ident not in held_before:
+                        continue  # it got the device since the previous sample
+                    seconds = elapsed * min(share, held_before[ident][1])
                     key = AccountKey(
                         holder.namespace, holder.tenant, holder.device_class, holder.sharing
                     )
-                    self._allocated[key] = self._allocated.get(key, 0.0) + elapsed * share
+                    self._allocated[key] = self._allocated.get(key, 0.0) + seconds
                     if idle:
-                        self._idle[key] = self._idle.get(key, 0.0) + elapsed * share
+                        self._idle[key] = self._idle.get(key, 0.0) + seconds
             self._idle_since = idle_since
             self._idle_now = tuple(idle_now)
 
@@ -110,5 +151,6 @@ class Accounting:
             return dict(self._idle)
 
     def idle_devices(self) -> tuple[IdleDevice, ...]:
+        """The held devices under the idle threshold at the latest sample."""
         with self._lock:
             return self._idle_now

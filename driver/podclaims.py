@@ -12,11 +12,12 @@ plain one while the pod starts.
 `containers_using` is that mapping, pure. `ClaimContainers` reads each holding pod
 once, after the claim is prepared and never on a prepare's path, and keeps the label
 per claim and request: the container names sorted and joined with ",", empty where
-unknown (the pod could not be read, or no container names the claim). The checkpoint
-keeps the pod's name only, so the read pod's UID is compared with the one the claim
-was reserved for (remembered from the claim read for the prepare, `ClaimInfo.pods`):
-a pod re-created under the same name while the claim is held is another pod, and
-labelling its containers would name the wrong ones.
+unknown (the pod could not be read, or no container names the claim), and capped
+(`container_label`: five names, 256 characters, then "+N more") since the pod spec is
+the tenant's. The checkpoint keeps the pod's name only, so the read pod's UID is
+compared with the one the claim was reserved for (remembered from the claim read for
+the prepare, `ClaimInfo.pods`): a pod re-created under the same name while the claim
+is held is another pod, and labelling its containers would name the wrong ones.
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ log = logging.getLogger(__name__)
 _CONTAINER_KINDS: Final = ("initContainers", "containers")
 _FINISHED: Final = frozenset({"Succeeded", "Failed"})
 _GIVE_UP: Final = frozenset({401, 403, 404})  # asking again changes nothing
+_LABEL_NAMES: Final = 5  # container names in one `container` label, at most
+_LABEL_CHARS: Final = 256  # a `container` label's length, at most
 
 
 def _items(value: Any) -> list[Mapping[str, Any]]:
@@ -102,8 +105,25 @@ def uses_claim_on(pod: Mapping[str, Any], node: str, claim: str, pod_uid: str = 
 
 
 def container_label(names: Iterable[str]) -> str:
-    """The `container` label value of a holder: the names joined with ","."""
-    return ",".join(names)
+    """The `container` label value of a holder: the names joined with ",", at most
+    `_LABEL_NAMES` of them and `_LABEL_CHARS` characters in all, then "+N more".
+
+    The names come from a tenant's pod spec, which may list thousands of containers;
+    the label is on every series of the holder, rendered at every scrape of the node
+    and stored by Prometheus per series, so one pod must not make it unbounded.
+    """
+    found = list(names)
+    shown: list[str] = []
+    for name in found[:_LABEL_NAMES]:
+        rest = len(found) - len(shown) - 1
+        if len(",".join([*shown, name, *_more(rest)])) > _LABEL_CHARS:
+            break
+        shown.append(name)
+    return ",".join([*shown, *_more(len(found) - len(shown))])
+
+
+def _more(count: int) -> list[str]:
+    return [f"+{count} more"] if count else []
 
 
 class ClaimContainers:

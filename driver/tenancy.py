@@ -9,8 +9,10 @@ not stored with the claim: a tenant created or changed while a claim is held tak
 effect at the next sample, and a restart needs nothing from the checkpoint.
 
 No tenant (no GpuTenant selects the namespace, the CRD is not installed, the watches
-have not listed yet) and an ambiguous one (two tenants of equal specificity, which the
-webhook denies) both read as "": device-seconds are never billed to a guess.
+have not listed yet), an ambiguous one (two tenants of equal specificity, which the
+webhook denies) and an invalid one that would win or tie (`invalid_in_reach`: the
+webhook denies GPU pods there, as its rules are unknown) all read as "": device-seconds
+are never billed to a guess, nor to a tenant whose rules did not admit the pods.
 """
 
 from __future__ import annotations
@@ -21,7 +23,15 @@ from typing import Any, Final
 
 import anyio
 import anyio.abc
-from gpudra.api.tenants import PATH, Tenant, TenantError, parse_tenant, winning_tenants
+from gpudra.api.tenants import (
+    PATH,
+    Tenant,
+    TenantError,
+    TenantReach,
+    invalid_in_reach,
+    parse_tenant,
+    winning_tenants,
+)
 from gpudra.common.kube import Kube
 from gpudra.common.watch import EventType, Reflector
 
@@ -34,7 +44,8 @@ _NO_CRD_RETRY_S: Final = 60.0
 
 
 class NamespaceTenants:
-    """The watched GpuTenants and namespace labels, and each namespace's tenant name.
+    """The watched GpuTenants (the valid ones, and how far each invalid one reaches) and
+    namespace labels, and each namespace's tenant name.
 
     Fed by two `Reflector`s (`run`); tests feed it API objects directly. Answers are
     memoised per namespace and dropped on any change that can alter them.
@@ -42,6 +53,7 @@ class NamespaceTenants:
 
     def __init__(self) -> None:
         self._tenants: dict[str, Tenant] = {}
+        self._invalid: dict[str, TenantReach] = {}
         self._labels: dict[str, Mapping[str, str]] = {}
         self._memo: dict[str, str] = {}
 
@@ -49,15 +61,23 @@ class NamespaceTenants:
         """The name of the one tenant `namespace` belongs to, else ""."""
         found = self._memo.get(namespace)
         if found is None:
-            ordered = (self._tenants[name] for name in sorted(self._tenants))
-            winners = winning_tenants(namespace, self._labels.get(namespace), ordered)
-            found = winners[0].name if winners is not None and len(winners) == 1 else ""
-            self._memo[namespace] = found
+            found = self._memo[namespace] = self._resolve(namespace)
         return found
+
+    def _resolve(self, namespace: str) -> str:
+        labels = self._labels.get(namespace)
+        ordered = (self._tenants[name] for name in sorted(self._tenants))
+        winners = winning_tenants(namespace, labels, ordered)
+        if winners is None or len(winners) != 1:
+            return ""  # labels not known yet, no tenant, or ambiguous
+        if invalid_in_reach(namespace, labels, winners, self._invalid) is not None:
+            return ""  # an invalid tenant would win or tie: its unknown rules decide
+        return winners[0].name
 
     # -- feeding ------------------------------------------------------------------------
     def list_tenants(self, items: list[dict[str, Any]]) -> None:
         self._tenants.clear()
+        self._invalid.clear()
         for obj in items:
             self._put_tenant(obj)
         self._memo.clear()
@@ -65,6 +85,7 @@ class NamespaceTenants:
     def tenant_event(self, event_type: EventType, obj: dict[str, Any]) -> None:
         if event_type == "DELETED":
             self._tenants.pop(obj["metadata"]["name"], None)
+            self._invalid.pop(obj["metadata"]["name"], None)
         else:
             self._put_tenant(obj)
         self._memo.clear()
@@ -86,9 +107,13 @@ class NamespaceTenants:
         try:
             self._tenants[name] = parse_tenant(obj)
         except TenantError as exc:
-            # The webhook reports it and denies the tenant's pods; here it bills nobody.
+            # The webhook reports it and denies GPU pods wherever it would decide; there
+            # it bills nobody, and no other tenant either.
             self._tenants.pop(name, None)
+            self._invalid[name] = TenantReach.of(obj)
             log.info("GpuTenant is invalid; not billed", extra={"fields": {"error": str(exc)}})
+        else:
+            self._invalid.pop(name, None)
 
     # -- watching -----------------------------------------------------------------------
     async def run(

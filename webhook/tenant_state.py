@@ -26,9 +26,9 @@ from typing import Any, Final
 
 from gpudra.api.quantity import QuantityError, parse_quantity
 from gpudra.api.tenants import (
-    LabelSelector,
-    Specificity,
     TenantError,
+    TenantReach,
+    invalid_in_reach,
     parse_tenant,
     quota_key,
     winning_tenants,
@@ -71,41 +71,6 @@ class _Namespace:
     terminating: bool
 
 
-@dataclass(frozen=True)
-class _Reach:
-    """Which namespaces an invalid GpuTenant would select, read from its object as far as
-    it can be: its rules are unknown, so where it would decide, admission is denied."""
-
-    names: frozenset[str]
-    selector: LabelSelector | None
-    everywhere: bool
-    """Its selector could not be read: taken to select every namespace by label."""
-
-    @classmethod
-    def of(cls, obj: Mapping[str, Any]) -> _Reach:
-        spec = obj.get("spec")
-        spec = spec if isinstance(spec, Mapping) else {}
-        names = spec.get("namespaces")
-        names = names if isinstance(names, list) else []
-        listed = frozenset(n for n in names if isinstance(n, str))
-        raw = spec.get("namespaceSelector")
-        if raw is None:
-            return cls(listed, None, everywhere=not listed)
-        try:
-            return cls(listed, LabelSelector.model_validate(raw), everywhere=False)
-        except ValueError:
-            return cls(listed, None, everywhere=True)
-
-    def selects(self, namespace: str, labels: Mapping[str, str] | None) -> Specificity | None:
-        if namespace in self.names:
-            return Specificity.NAME
-        if self.everywhere or (
-            self.selector is not None and (labels is None or self.selector.matches(labels))
-        ):
-            return Specificity.LABEL
-        return None
-
-
 @dataclass
 class TenantState:
     """The watched objects and everything derived from them, for admission and quota.
@@ -130,7 +95,7 @@ class TenantState:
     enforce label (``gpudra.webhook.pod_security``)."""
     tenants: dict[str, TenantRules] = field(default_factory=dict)
     invalid: dict[str, str] = field(default_factory=dict)
-    _reach: dict[str, _Reach] = field(default_factory=dict)
+    _reach: dict[str, TenantReach] = field(default_factory=dict)
     namespaces: dict[str, _Namespace] = field(default_factory=dict)
     quotas: dict[str, dict[str, Any]] = field(default_factory=dict)
     synced: dict[str, bool] = field(
@@ -207,7 +172,7 @@ class TenantState:
                 if self.invalid.get(name) != str(exc):
                     log.error("ignoring invalid GpuTenant", extra={"fields": {"error": str(exc)}})
                 self.invalid[name] = str(exc)
-                self._reach[name] = _Reach.of(obj)
+                self._reach[name] = TenantReach.of(obj)
                 return
             self.invalid.pop(name, None)
             self._reach.pop(name, None)
@@ -313,12 +278,7 @@ class TenantState:
             return None
         ns = self.namespaces.get(namespace)
         labels = ns.labels if ns is not None else None
-        best = winners[0].tenant.spec.selects(namespace, labels or {}) if winners else None
-        for name in sorted(self._reach):
-            how = self._reach[name].selects(namespace, labels)
-            if how is not None and (best is None or how >= best):
-                return name
-        return None
+        return invalid_in_reach(namespace, labels, [r.tenant for r in winners], self._reach)
 
     def _invalid_owner(self, namespace: str) -> str | None:
         """The invalid tenant whose quota this namespace holds, if any: its rules are

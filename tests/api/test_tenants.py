@@ -11,8 +11,10 @@ from gpudra.api.tenants import (
     LabelSelector,
     Specificity,
     TenantError,
+    TenantReach,
     crd_manifest,
     crd_yaml,
+    invalid_in_reach,
     parse_tenant,
     quota_key,
     winning_tenants,
@@ -158,6 +160,27 @@ def test_the_most_specific_tenant_wins_and_equals_conflict() -> None:
     # Labels not known yet: a name decides, a selector cannot.
     assert winning_tenants("ml-a", None, [by_name]) == [by_name]
     assert winning_tenants("ml-a", None, [by_name, by_label]) is None
+
+
+def test_an_invalid_tenant_decides_where_it_would_win_or_tie() -> None:
+    """Its rules are unknown, so where it reaches as far as the valid winner, it decides:
+    the webhook denies there and the node agent bills no tenant."""
+    by_label = parse_tenant(tenant("by-label", namespaceSelector={"matchLabels": {"team": "a"}}))
+    by_name = parse_tenant(tenant("by-name", namespaces=["ml-a"]))
+    team_a = {"team": "a"}
+    names = {"bad": TenantReach.of(tenant("bad", namespaces=["ml-a"], typo=1))}
+    assert invalid_in_reach("ml-a", team_a, [by_name], names) == "bad"  # a tie
+    assert invalid_in_reach("ml-a", team_a, [by_label], names) == "bad"  # it would win
+    assert invalid_in_reach("ml-b", team_a, [by_label], names) is None  # out of reach
+    labels = {"bad": TenantReach.of(tenant("bad", namespaceSelector={"matchLabels": team_a}))}
+    assert invalid_in_reach("ml-b", team_a, [by_label], labels) == "bad"
+    assert invalid_in_reach("ml-a", team_a, [by_name], labels) is None  # a name beats it
+    assert invalid_in_reach("ml-b", {}, [], labels) is None
+    # What cannot be read is taken to reach as far as it might.
+    for spec in ({"namespaceSelector": "team"}, {}, {"namespaces": "ml-b"}):
+        reach = {"bad": TenantReach.of(tenant("bad", **spec))}
+        assert invalid_in_reach("ml-b", {}, [by_label], reach) == "bad"
+    assert invalid_in_reach("ml-b", None, [], labels) == "bad"  # labels not known yet
 
 
 def test_quota_key_matches_the_api_server_resource_name() -> None:

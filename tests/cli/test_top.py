@@ -145,7 +145,9 @@ def test_the_api_decides_holders_and_the_agent_adds_measurements() -> None:
 def test_agent_endpoints_come_from_the_metrics_port_of_running_pods() -> None:
     def pod(node: str, ip: str, port_name: str = "metrics", phase: str = "Running") -> Any:
         ports = [{"name": port_name, "containerPort": 9477}]
+        owner = {"apiVersion": "apps/v1", "kind": "DaemonSet", "controller": True}
         return {
+            "metadata": {"name": f"agent-{node}", "ownerReferences": [owner]},
             "spec": {"nodeName": node, "containers": [{"name": "node", "ports": ports}]},
             "status": {"phase": phase, "podIP": ip, "hostIP": ip},
         }
@@ -160,7 +162,10 @@ def test_agent_endpoints_come_from_the_metrics_port_of_running_pods() -> None:
         ]
     )
 
-    assert found == {"a": "http://10.0.0.5:9477/metrics", "b": "http://[fd00::6]:9477/metrics"}
+    assert found.urls == {
+        "a": "http://10.0.0.5:9477/metrics",
+        "b": "http://[fd00::6]:9477/metrics",
+    }
 
 
 def test_no_api_without_urls_is_one_line() -> None:

@@ -1,7 +1,8 @@
 """`gpudra top` and `gpudra report` against the real API server: the devices the agent
 publishes (built by the agent's own `pool_content`), claims allocated and reserved as
-the scheduler and kubelet leave them, and agent pods whose `metrics` port leads to a
-real metrics endpoint on one node and to nothing on the other."""
+the scheduler and kubelet leave them, and agent pods (made by DaemonSets, as the
+chart's are) whose `metrics` port leads to a real metrics endpoint on one node and to
+nothing on the other."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from gpudra.driver.nvml import load_nvml
 from gpudra.driver.publish import pool_content
 
 from e2e.cluster.harness import Cluster
-from e2e.cluster.kube import Kube
+from e2e.cluster.kube import Kube, wait_for
 
 pytestmark = pytest.mark.cluster
 TAINT = {"key": "gpu.nvidia.com/xid", "value": "79", "effect": "NoSchedule"}
@@ -108,29 +109,41 @@ class World:
         return str(created["metadata"]["uid"])
 
     def agent(self, node: str, port: int) -> None:
-        """A running agent pod on `node` whose metrics port is `port` on 127.0.0.1."""
-        name = f"agent-{node}"
+        """A running agent pod on `node` whose metrics port is `port` on 127.0.0.1: the
+        pod a DaemonSet makes there (one DaemonSet per node, so that each has its port),
+        given the status a kubelet would."""
+        key, value = self.selector.split("=")
+        labels = {key: value, "gpudra-top-test-node": node}
         self.kube.create(
             {
-                "apiVersion": "v1",
-                "kind": "Pod",
-                "metadata": {
-                    "name": name,
-                    "namespace": self.namespace,
-                    "labels": {self.selector.split("=")[0]: self.selector.split("=")[1]},
-                },
+                "apiVersion": "apps/v1",
+                "kind": "DaemonSet",
+                "metadata": {"name": f"agent-{node}", "namespace": self.namespace},
                 "spec": {
-                    "nodeName": node,
-                    "containers": [
-                        {
-                            "name": "node",
-                            "image": "gpudra:test",
-                            "ports": [{"name": "metrics", "containerPort": port}],
-                        }
-                    ],
+                    "selector": {"matchLabels": labels},
+                    "template": {
+                        "metadata": {"labels": labels},
+                        "spec": {
+                            "nodeSelector": {"kubernetes.io/hostname": node},
+                            "containers": [
+                                {
+                                    "name": "node",
+                                    "image": "gpudra:test",
+                                    "ports": [{"name": "metrics", "containerPort": port}],
+                                }
+                            ],
+                        },
+                    },
                 },
             }
         )
+
+        def scheduled() -> str:
+            selector = ",".join(f"{k}={v}" for k, v in labels.items())
+            pods = self.kube.list("Pod", self.namespace, labelSelector=selector)
+            return next((p["metadata"]["name"] for p in pods if p["spec"].get("nodeName")), "")
+
+        name = wait_for(f"the DaemonSet's agent pod on {node}", scheduled)
         ip = [{"ip": "127.0.0.1"}]
         status = {
             "phase": "Running",
@@ -169,6 +182,8 @@ def gpudra(
             command,
             "--kubeconfig",
             str(cluster.layout.admin_kubeconfig),
+            "--agent-namespace",
+            world.namespace,
             "--agent-selector",
             world.selector,
             "--timeout",

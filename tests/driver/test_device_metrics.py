@@ -232,8 +232,16 @@ async def test_a_mig_device_says_it_has_no_utilization_of_its_own() -> None:
     node = Node(nvml)
     await node.sampler.sample_once()
     got = node.scrape()
-    assert only(got, "gpudra_gpu_utilization_percent", uuid=gpu.uuid) == 97
-    # Never the parent's 97: absent, with the reason, and the scope label says so.
+    # nvml.h: "On MIG-enabled GPUs, querying device utilization rates is not currently
+    # supported": the parent has no utilization either (not a 0), and says why.
+    assert values(got, "gpudra_gpu_utilization_percent", uuid=gpu.uuid) == []
+    assert values(got, "gpudra_gpu_memory_utilization_percent", uuid=gpu.uuid) == []
+    parent = {"uuid": gpu.uuid, "metric": "utilization", "reason": "not_supported"}
+    assert only(got, "gpudra_gpu_metric_unavailable", **parent) == 1
+    assert only(got, "gpudra_gpu_memory_total_bytes", uuid=gpu.uuid) > 0
+    labels = {"uuid": gpu.uuid, "utilization_scope": "unavailable"}
+    assert only(got, "gpudra_gpu_memory_total_bytes", **labels) > 0
+    # Never a made-up figure: absent, with the reason, and the scope label says so.
     assert values(got, "gpudra_gpu_utilization_percent", uuid=mig.uuid) == []
     assert (
         only(
@@ -425,12 +433,123 @@ async def test_holders_are_labelled_with_their_namespaces_tenant_as_it_changes()
     tenants.tenant_event("ADDED", gpu_tenant("other", namespaces=["team-a"]))
     await node.sampler.sample_once()
     assert tenant_label() == ""  # ambiguous: billed to nobody
-    tenants.tenant_event("ADDED", gpu_tenant("broken", namespaces=["team-a"], maxDevicesPerPod=0))
     tenants.tenant_event("DELETED", gpu_tenant("other", namespaces=["team-a"]))
+    tenants.tenant_event("ADDED", gpu_tenant("broken", namespaces=["team-b"], maxDevicesPerPod=0))
     node.clock.now += 10
     await node.sampler.sample_once()
-    assert tenant_label() == "vision"  # an invalid tenant counts for nothing
+    assert tenant_label() == "vision"  # an invalid tenant elsewhere changes nothing here
     assert only(node.scrape(), "gpudra_allocated_device_seconds_total", tenant="vision") == 10
+    tenants.tenant_event(
+        "MODIFIED", gpu_tenant("broken", namespaces=["team-a"], maxDevicesPerPod=0)
+    )
+    node.clock.now += 10
+    await node.sampler.sample_once()
+    assert tenant_label() == ""  # it names team-a too: the webhook denies, nobody is billed
+    assert only(node.scrape(), "gpudra_allocated_device_seconds_total", tenant="") == 10
+
+
+def test_an_invalid_tenant_leaves_the_namespaces_it_would_decide_to_no_tenant() -> None:
+    """As the webhook: an invalid GpuTenant's rules are unknown, so wherever it would
+    win or tie, no other tenant's rules admitted the pods, and none is billed."""
+    tenants = NamespaceTenants()
+    tenants.list_namespaces([namespace("team-a", ORG), namespace("team-b", ORG)])
+    research = gpu_tenant("research", namespaceSelector={"matchLabels": ORG})
+    tenants.list_tenants([research, gpu_tenant("team-a", namespaces=["team-a"])])
+    assert tenants.tenant_of("team-a") == "team-a"  # by name beats by label
+    # An edit makes team-a invalid (an unknown field): it names team-a, so it decides there.
+    tenants.tenant_event("MODIFIED", gpu_tenant("team-a", namespaces=["team-a"], typo=1))
+    assert tenants.tenant_of("team-a") == ""
+    assert tenants.tenant_of("team-b") == "research"  # out of its reach
+    tenants.tenant_event("MODIFIED", gpu_tenant("team-a", namespaces=["team-a"]))  # fixed
+    assert tenants.tenant_of("team-a") == "team-a"
+
+    # By label, it ties a tenant that selects by label, and loses to one that names.
+    broken = gpu_tenant("broken", namespaceSelector={"matchLabels": ORG}, typo=1)
+    tenants.list_tenants([research, broken, gpu_tenant("team-a", namespaces=["team-a"])])
+    assert tenants.tenant_of("team-b") == ""
+    assert tenants.tenant_of("team-a") == "team-a"
+    # A selector it cannot read is taken to select every namespace.
+    unreadable = gpu_tenant("broken", namespaceSelector={"matchLabels": "org"})
+    tenants.tenant_event("MODIFIED", unreadable)
+    assert tenants.tenant_of("team-b") == ""
+    tenants.tenant_event("DELETED", unreadable)
+    assert tenants.tenant_of("team-b") == "research"
+
+
+def billed(node: Node, name: str = "gpudra_allocated_device_seconds_total") -> dict[str, float]:
+    return {labels["namespace"]: v for n, labels, v in node.scrape() if n == name}
+
+
+async def test_a_claim_that_gets_a_device_is_billed_only_from_the_sample_it_held_it_at() -> None:
+    """A holder change between two samples: neither the claim that left nor the one
+    that came is billed for that interval (the samples do not say when it happened),
+    and the new claim never pays for the old one's time."""
+    nvml = emulator("l4", {"utilization": 90})
+    uuid = inventory_of(nvml).gpus[0].uuid
+    node = Node(nvml, [claim("u1", "team-a", "a", "gpu-0", uuid)])
+    await node.sampler.sample_once()
+    node.clock.now += 10
+    await node.sampler.sample_once()
+    node.clock.now += 10
+    node.claims = [claim("u2", "team-b", "b", "gpu-0", uuid)]  # team-a's pod ended
+    await node.sampler.sample_once()
+    assert billed(node) == {"team-a": pytest.approx(10)}
+    node.clock.now += 10
+    await node.sampler.sample_once()
+    assert billed(node) == {"team-a": pytest.approx(10), "team-b": pytest.approx(10)}
+    # The same namespace and pod name, another claim (a re-created pod): not the same.
+    node.clock.now += 10
+    node.claims = [claim("u3", "team-b", "b", "gpu-0", uuid)]
+    await node.sampler.sample_once()
+    assert billed(node) == {"team-a": pytest.approx(10), "team-b": pytest.approx(10)}
+
+
+async def test_a_shared_gpus_holders_keep_their_own_shares_as_others_come_and_go() -> None:
+    nvml = emulator("l4", {"utilization": 90})
+    uuid = inventory_of(nvml).gpus[0].uuid
+
+    def sliced(uid: str) -> ClaimRecord:
+        return claim(uid, f"ns-{uid}", uid, "gpu-0", uuid, time_slice=True)
+
+    node = Node(nvml, [sliced("u1"), sliced("u2")])
+    await node.sampler.sample_once()
+    node.clock.now += 10
+    node.claims = [sliced("u2")]  # u1 left: u2 still pays its half, not u1's
+    await node.sampler.sample_once()
+    assert billed(node) == {"ns-u2": pytest.approx(5)}
+    node.clock.now += 10
+    await node.sampler.sample_once()
+    assert billed(node) == {"ns-u2": pytest.approx(15)}
+    node.clock.now += 10
+    node.claims = [sliced("u2"), sliced("u3")]  # u3 came: u2 pays half, u3 nothing yet
+    await node.sampler.sample_once()
+    assert billed(node) == {"ns-u2": pytest.approx(20)}
+    node.clock.now += 10
+    await node.sampler.sample_once()
+    assert billed(node) == {"ns-u2": pytest.approx(25), "ns-u3": pytest.approx(5)}
+
+
+async def test_idle_time_is_each_holders_own() -> None:
+    """A claim that gets a device another left idle does not inherit its idle time (nor
+    its GpuAllocatedIdle alert); on a shared device each holder has its own."""
+    nvml = emulator("l4", {"utilization": 0})
+    uuid = inventory_of(nvml).gpus[0].uuid
+    node = Node(nvml, [claim("u1", "team-a", "a", "gpu-0", uuid)])
+    for _ in range(3):
+        await node.sampler.sample_once()
+        node.clock.now += 3600
+    assert billed(node, "gpudra_device_idle_seconds") == {"team-a": 7200}
+    node.claims = [claim("u2", "team-b", "b", "gpu-0", uuid)]
+    await node.sampler.sample_once()
+    assert billed(node, "gpudra_device_idle_seconds") == {"team-b": 0}
+    assert billed(node, "gpudra_idle_device_seconds_total") == {"team-a": pytest.approx(7200)}
+
+    node.claims = [claim("u1", "team-a", "a", "gpu-0", uuid, time_slice=True)]
+    await node.sampler.sample_once()
+    node.clock.now += 600
+    node.claims.append(claim("u2", "team-b", "b", "gpu-0", uuid, time_slice=True))
+    await node.sampler.sample_once()
+    assert billed(node, "gpudra_device_idle_seconds") == {"team-a": 600, "team-b": 0}
 
 
 async def test_a_hopper_mig_device_reports_its_own_utilization_through_gpm() -> None:
@@ -462,7 +581,12 @@ async def test_a_hopper_mig_device_reports_its_own_utilization_through_gpm() -> 
     assert only(got, "gpudra_gpu_utilization_percent", mig_uuid=busy, **mine) == 64
     # Not scripted on its own: GPM measures the instance as the GPU's load, 97 here.
     assert only(got, "gpudra_gpu_utilization_percent", mig_uuid=quiet, **mine) == 97
-    assert values(got, "gpudra_gpu_metric_unavailable", metric="utilization") == []
+    for mig_uuid in (busy, quiet):
+        mig_util = {"uuid": mig_uuid, "metric": "utilization"}
+        assert values(got, "gpudra_gpu_metric_unavailable", **mig_util) == []
+    # The MIG-enabled parent has none (nvml.h), and says so.
+    parent = {"uuid": gpu.uuid, "metric": "utilization", "reason": "not_supported"}
+    assert only(got, "gpudra_gpu_metric_unavailable", **parent) == 1
 
     nvml.telemetry.script(busy, utilization=3)
     await node.sampler.sample_once()

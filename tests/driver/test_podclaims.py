@@ -12,7 +12,7 @@ import pytest
 from gpudra.common.kube import ApiError, Kube
 from gpudra.driver.checkpoint import ClaimRecord, ClaimState, DeviceRecord
 from gpudra.driver.holders import ClaimInfo
-from gpudra.driver.podclaims import ClaimContainers, containers_using
+from gpudra.driver.podclaims import ClaimContainers, container_label, containers_using
 from gpudra.driver.records import DeviceDetails
 
 
@@ -213,15 +213,17 @@ async def test_the_pod_is_read_from_the_api_server_once_per_claim(
 
 
 class PodKube(Kube):
-    """An API server that has one pod, `trainer`, with the given UID."""
+    """An API server that has one pod, `trainer`, with the given UID and containers
+    (by default one, `main`, using the claim `big`)."""
 
-    def __init__(self, uid: str) -> None:
+    def __init__(self, uid: str, containers: list[dict[str, Any]] | None = None) -> None:
         self.calls = 0
         self.uid = uid
+        self.containers = containers or [container("main", {"name": "gpu"})]
 
     async def request(self, method: str, path: str, body: Any = None, **_: Any) -> Any:
         self.calls += 1
-        p = pod([{"name": "gpu", "resourceClaimName": "big"}], [container("main", {"name": "gpu"})])
+        p = pod([{"name": "gpu", "resourceClaimName": "big"}], self.containers)
         p["metadata"]["uid"] = self.uid
         return p
 
@@ -248,3 +250,30 @@ async def test_a_pod_re_created_under_the_same_name_gets_no_container_label(
     assert kube.calls == 1  # another pod: asking again changes nothing
     [record] = caplog.records
     assert "re-created" in record.getMessage()
+
+
+def test_the_container_label_names_five_containers_at_most() -> None:
+    assert container_label([]) == ""
+    assert container_label(["a", "b", "c", "d", "e"]) == "a,b,c,d,e"
+    assert container_label(["a", "b", "c", "d", "e", "f", "g"]) == "a,b,c,d,e,+2 more"
+
+
+def test_the_container_label_is_256_characters_at_most() -> None:
+    names = [f"{i}" + "x" * 62 for i in range(9)]  # 63 characters: a container name's most
+    label = container_label(names)
+    assert label == ",".join(names[:3]) + ",+6 more"  # a fourth would pass 256
+    assert len(label) <= 256
+    assert len(container_label(["y" * 300, "z"])) <= 256  # not from the API; still capped
+
+
+@pytest.mark.anyio
+async def test_a_pod_with_thousands_of_containers_gets_a_short_container_label() -> None:
+    """The pod spec is the tenant's: its label is on every series of the holder, so it
+    must not grow with the number of containers (or the node's scrape would)."""
+    many = [container(f"c{i:05d}" + "x" * 57, {"name": "gpu"}) for i in range(5000)]
+    containers = ClaimContainers(PodKube("uid-1", many))
+    reserved = {"u1": ClaimInfo(pods={"trainer": "uid-1"})}
+    await containers.refresh([claim_record("u1", "team-a", "big", "trainer")], reserved)
+    label = containers.snapshot()["u1"]["gpu"]
+    assert len(label) <= 256
+    assert label.startswith("c00000") and label.endswith(",+4997 more")
