@@ -441,6 +441,10 @@ def claim_links_policy(trusted_users: Sequence[str] = ()) -> list[dict[str, Any]
     ]
 
 
+# The label Helm sets on everything a chart renders.
+HELM_MANAGED_BY: Final = ("app.kubernetes.io/managed-by", "Helm")
+
+
 def mutating_configuration(
     *,
     ca_bundle_b64: str,
@@ -503,19 +507,53 @@ def mutating_configuration(
 
 async def apply(kube: Kube, config: dict[str, Any]) -> None:
     """Server-side apply (a webhook configuration, so the caBundle is kept current, or the
-    opt-out policy and its binding)."""
+    opt-out policy and its binding).
+
+    Where Helm manages a webhook configuration (the chart renders it, leaving the
+    caBundle out for tls.source=self), only the caBundle is applied. Applying all of it
+    with force would take the chart's fields too, and the next `helm upgrade` that
+    changes one of them (a new match condition, say) would fail with a conflict with
+    this field manager. Without Helm (`gpudra webhook` run on its own) the webhook owns
+    the whole configuration and re-applies it, undoing drift."""
     base = {
         "ValidatingWebhookConfiguration": VALIDATING_PATH,
         "ValidatingAdmissionPolicy": OPT_OUT_POLICY_PATH,
         "ValidatingAdmissionPolicyBinding": OPT_OUT_BINDING_PATH,
     }.get(config["kind"], PATH)
+    path = f"{base}/{config['metadata']['name']}"
+    if "webhooks" in config and await _helm_manages(kube, path):
+        config = _ca_bundles_only(config)
     await kube.request(
         "PATCH",
-        f"{base}/{config['metadata']['name']}",
+        path,
         config,
         query={"fieldManager": "gpudra-webhook", "force": "true"},
         content_type="application/apply-patch+yaml",
     )
+
+
+async def _helm_manages(kube: Kube, path: str) -> bool:
+    try:
+        current = await kube.request("GET", path)
+    except ApiError as e:
+        if e.status == 404:
+            return False
+        raise
+    labels = (current.get("metadata") or {}).get("labels") or {}
+    return bool(labels.get(HELM_MANAGED_BY[0]) == HELM_MANAGED_BY[1])
+
+
+def _ca_bundles_only(config: Mapping[str, Any]) -> dict[str, Any]:
+    """`config` cut down to what identifies it and each webhook's caBundle."""
+    return {
+        "apiVersion": config["apiVersion"],
+        "kind": config["kind"],
+        "metadata": {"name": config["metadata"]["name"]},
+        "webhooks": [
+            {"name": w["name"], "clientConfig": {"caBundle": w["clientConfig"]["caBundle"]}}
+            for w in config["webhooks"]
+        ],
+    }
 
 
 async def delete(kube: Kube, name: str = NAME, *, validating: bool = False) -> None:

@@ -215,9 +215,12 @@ class ChartStack(NodeGpus):
         unchanged, as a platform team upgrades (or rolls back) with GPU pods running;
         returns once every pod of the release is ready, the agent pod runs that image
         and the kubelet has connected to it."""
+        # 0.1.0's webhook applied its whole configurations with force, so the chart's
+        # changes to them conflict with it: docs/install.md has that upgrade force them.
+        force = self.build is not WORKING_TREE and build is WORKING_TREE
         self.build = build
         self._import_image(self._node_state())
-        self._roll(self.values(), wait=True)
+        self._roll(self.values(), wait=True, force_conflicts=force)
         wait_for("the webhook registered", lambda: _webhook_ready(self.node.cluster.kube()))
 
     def agent_log(self) -> str:
@@ -322,7 +325,9 @@ class ChartStack(NodeGpus):
             return False
         return True
 
-    def _helm_upgrade(self, values: dict[str, Any], *, wait: bool) -> None:
+    def _helm_upgrade(
+        self, values: dict[str, Any], *, wait: bool, force_conflicts: bool = False
+    ) -> None:
         values_file = self.root / "values.json"
         values_file.write_text(json.dumps(values, indent=2))
         self._helm(
@@ -330,15 +335,18 @@ class ChartStack(NodeGpus):
             "--namespace", NAMESPACE, "--create-namespace",
             "-f", str(values_file),
             *(["--wait", "--timeout", "5m"] if wait else []),
+            *(["--force-conflicts"] if force_conflicts else []),
         )  # fmt: skip
 
-    def _roll(self, values: dict[str, Any], *, wait: bool = False) -> None:
+    def _roll(
+        self, values: dict[str, Any], *, wait: bool = False, force_conflicts: bool = False
+    ) -> None:
         """Upgrade the release (`wait`: until all its pods are ready) and wait for the
         agent pod with exactly these arguments and image to run and the kubelet to
         connect to it."""
         kube = self.node.cluster.kube()
         mark = self.kubelet_log_size()
-        self._helm_upgrade(values, wait=wait)
+        self._helm_upgrade(values, wait=wait, force_conflicts=force_conflicts)
         image = f"{values['image']['repository']}:{values['image']['tag']}"
         api = values.get("kubernetesApi", {})
         env = {"KUBERNETES_SERVICE_PORT": str(api["port"]) if api.get("host") else None}

@@ -170,3 +170,51 @@ async def test_init_containers_reuse_the_app_containers_devices(
     assert sorted(r["request"] for r in results) == ["part-0", "part-1"]
     assert len({r["device"] for r in results}) == 2
     kube.delete("Namespace", ns)
+
+
+async def test_where_helm_manages_the_configuration_the_webhook_takes_only_its_ca_bundle(
+    cluster: Cluster,
+) -> None:
+    """With tls.source=self the chart renders the configuration without a caBundle and the
+    webhook applies it. Had the webhook applied the whole configuration with force, it
+    would own the chart's fields, and the next `helm upgrade` changing one of them (here a
+    match condition) would fail with a conflict."""
+    akube = await Kube.connect(str(cluster.layout.admin_kubeconfig))
+    path = f"{registration.PATH}/{registration.NAME}"
+
+    def chart(native: tuple[str, ...]) -> dict[str, Any]:
+        config = registration.mutating_configuration(
+            ca_bundle_b64="",
+            own_namespace="gpudra",
+            url="https://127.0.0.1:9/",
+            native_resources=native,
+        )
+        del config["webhooks"][0]["clientConfig"]["caBundle"]
+        config["metadata"]["labels"] = {"app.kubernetes.io/managed-by": "Helm"}
+        return config
+
+    async def helm_apply(config: dict[str, Any]) -> dict[str, Any]:
+        applied: dict[str, Any] = await akube.request(
+            "PATCH",
+            path,
+            config,
+            query={"fieldManager": "helm"},
+            content_type="application/apply-patch+yaml",
+        )
+        return applied
+
+    try:
+        await helm_apply(chart(()))
+        own = registration.mutating_configuration(
+            ca_bundle_b64="Y2E=", own_namespace="gpudra", url="https://127.0.0.1:9/"
+        )
+        await registration.apply(akube, own)
+        upgraded = await helm_apply(chart(("nvidia.com/gpu",)))  # no conflict
+        (hook,) = upgraded["webhooks"]
+        assert hook["clientConfig"]["caBundle"] == "Y2E="
+        assert (
+            hook["matchConditions"] == chart(("nvidia.com/gpu",))["webhooks"][0]["matchConditions"]
+        )
+    finally:
+        await registration.delete(akube)
+        await akube.close()
