@@ -21,12 +21,12 @@ problems:
 - unlike upstream, taints go away again, each on its own evidence. An XID after which
   NVIDIA's XID catalogue has the GPU reset (or more: the node rebooted, the board
   serviced) before reuse, `RESET_XIDS` plus a configured list, and a double-bit ECC
-  error (XID 48) stay until the GPU was reset: it was lost and answers again, or an
-  admin who reset it creates `<stateDir>/reset/<GPU UUID>` (`gpudra.driver.gpuresets`,
-  which also keeps them across agent restarts within one boot). A lost GPU's taint
-  goes `recovery_after_s` after it answers again. Any other XID's taint goes once the
-  device stayed quiet for `recovery_after_s`. The clock is injectable so tests need no
-  sleeping.
+  error (XID 48) stay until the GPU was reset: it was lost and answers again in full
+  (`NvmlHealthWatcher._reset_seen`), or an admin who reset it creates
+  `<stateDir>/reset/<GPU UUID>` (`gpudra.driver.gpuresets`, which also keeps them
+  across agent restarts within one boot). A lost GPU's taint goes `recovery_after_s`
+  after it answers again. Any other XID's taint goes once the device stayed quiet for
+  `recovery_after_s`. The clock is injectable so tests need no sleeping.
 An event on a whole GPU taints every device carved from it; an event on a MIG device
 taints that MIG device only.
 
@@ -633,8 +633,9 @@ class NvmlHealthWatcher:
     """Feeds a `HealthState` from NVML events until cancelled.
 
     Blocking NVML calls run in a worker thread (`anyio.to_thread`); each wait is at most
-    `wait_timeout_ms`, which bounds how long cancellation takes. Between events the
-    watcher checks whether lost GPUs answer again and lets taints expire. With `resets`
+    `wait_timeout_ms`, which bounds how long cancellation takes. Before each wait it
+    registers the events of GPUs the inventory gained (`_watch_added`); between events
+    it checks whether lost GPUs were reset and lets taints expire. With `resets`
     it also takes the admin's reset marks and keeps the taints that wait for a reset
     in the state folder, so that an agent restart raises them again.
     """
@@ -662,8 +663,12 @@ class NvmlHealthWatcher:
         self._stuck: set[str] = set()  # reset marks that could not be removed
         self._stray_marks: frozenset[str] = frozenset()  # reset marks naming no GPU here
         self._event_set: Any = None
-        self._lost: set[str] = set()  # worker-thread view of lost GPUs
+        # Worker-thread side, read and changed there only.
+        self._lost: set[str] = set()  # lost GPUs, as the watcher saw them
         self._handles: dict[str, Any] = {}  # GPU UUID -> handle, for GPU-scoped probes
+        self._watched: set[str] = set()  # GPUs whose events registration was tried
+        self._inventory_seen: Inventory | None = None  # what `_watch_added` compared last
+        self._not_reset: dict[str, str] = {}  # lost GPU -> why it is not taken as reset
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """Watch until cancelled; `task_status.started()` fires once events are registered."""
@@ -719,7 +724,7 @@ class NvmlHealthWatcher:
         self._taken.clear()
 
     def _next_events(self) -> list[HealthEvent]:
-        return [*self._reset_marks(), *self._wait_once()]
+        return [*self._reset_marks(), *self._watch_added(), *self._wait_once()]
 
     def _reset_marks(self) -> list[HealthEvent]:
         """The admin's marks of GPUs reset by hand; a mark naming no GPU here is
@@ -747,29 +752,45 @@ class NvmlHealthWatcher:
         except pynvml.NVMLError:
             self._nvml.nvmlShutdown()
             raise
+        return self._watch_added()
+
+    def _watch_added(self) -> list[HealthEvent]:
+        """Register the events of each GPU of the inventory not tried yet: at start all
+        of them, later those a rescan added. A GPU lost when the agent started is left
+        out of discovery until it answers; unregistered, its XIDs, ECC errors and next
+        loss would go unseen. A GPU the inventory dropped is forgotten, so it is
+        registered afresh should it come back. Cheap per wait: the GPUs are compared
+        only when the inventory is a new one."""
+        inventory = self._state.inventory
+        if inventory is self._inventory_seen:
+            return []
+        started = self._inventory_seen is not None
+        self._inventory_seen = inventory
+        uuids = {gpu.uuid for gpu in inventory.gpus}
+        for gone in self._watched - uuids:
+            self._handles.pop(gone, None)
+            self._lost.discard(gone)
+            self._not_reset.pop(gone, None)
+        self._watched &= uuids
         events: list[HealthEvent] = []
-        for gpu in self._state.inventory.gpus:
+        for gpu in inventory.gpus:
+            if gpu.uuid in self._watched:
+                continue
+            self._watched.add(gpu.uuid)
             event = self._register(gpu.uuid)
             if event is not None:
                 events.append(event)
+            elif started:
+                logger.info(
+                    "watching the health events of a GPU the inventory gained",
+                    extra={"fields": {"uuid": gpu.uuid, "index": gpu.index}},
+                )
         return events
 
     def _register(self, uuid: str) -> HealthEvent | None:
+        """Register the GPU's events: None once done, else the event that says why not."""
         try:
-            handle = self._handles.get(uuid)
-            if handle is None:
-                handle = device_handle(self._nvml, uuid)
-                self._handles[uuid] = handle
-            supported = self._nvml.nvmlDeviceGetSupportedEventTypes(handle)
-            mask = self._mask & supported
-            if not mask:  # NVML refuses an empty mask; nothing we watch exists here
-                reason = "the GPU supports none of the watched event types"
-                logger.warning(
-                    "cannot watch GPU health events",
-                    extra={"fields": {"uuid": uuid, "error": reason}},
-                )
-                return UnmonitoredEvent(uuid, reason)
-            self._nvml.nvmlDeviceRegisterEvents(handle, mask, self._event_set)
+            return self._register_events(uuid)
         except pynvml.NVMLError_GpuIsLost:
             self._lost.add(uuid)
             return GpuLostEvent(uuid)
@@ -779,7 +800,29 @@ class NvmlHealthWatcher:
                 extra={"fields": {"uuid": uuid, "error": str(err)}},
             )
             return UnmonitoredEvent(uuid, str(err))
+
+    def _register_events(self, uuid: str) -> UnmonitoredEvent | None:
+        """`_register`, raising NVML's errors. A GPU that supports none of the event types
+        watched answered: it is unmonitored (NVML refuses an empty mask), not failing."""
+        handle = self._handle(uuid)
+        mask = self._mask & self._nvml.nvmlDeviceGetSupportedEventTypes(handle)
+        if not mask:
+            reason = "the GPU supports none of the watched event types"
+            logger.warning(
+                "cannot watch GPU health events",
+                extra={"fields": {"uuid": uuid, "error": reason}},
+            )
+            return UnmonitoredEvent(uuid, reason)
+        self._nvml.nvmlDeviceRegisterEvents(handle, mask, self._event_set)
         return None
+
+    def _handle(self, uuid: str) -> Any:
+        """The GPU's handle, looked up once (`device_handle`) and kept for its scoped calls."""
+        handle = self._handles.get(uuid)
+        if handle is None:
+            handle = device_handle(self._nvml, uuid)
+            self._handles[uuid] = handle
+        return handle
 
     def _teardown(self) -> None:
         if self._event_set is None:
@@ -845,7 +888,7 @@ class NvmlHealthWatcher:
                 return mig.name
         # A MIG device created after discovery (dynamic MIG): ask NVML where it sits.
         try:
-            parent = self._handles.get(uuid) or device_handle(self._nvml, uuid)
+            parent = self._handle(uuid)
             instance = self._nvml.nvmlDeviceGetGpuInstanceById(parent, gi)
             info = self._nvml.nvmlGpuInstanceGetInfo(instance)
         except pynvml.NVMLError:
@@ -856,12 +899,14 @@ class NvmlHealthWatcher:
         return mig_device_name(gpu.minor, profile, int(info.profileId), int(info.placement.start))
 
     def _gpu_answers(self, uuid: str) -> bool:
-        """Whether the GPU itself answers, asked through calls scoped to it."""
+        """Whether the GPU itself answers, asked through calls scoped to it.
+
+        Lenient: it only decides that a GPU is not lost (`_find_lost`), so any error
+        but GPU_IS_LOST counts as an answer. Whether a lost GPU was reset is the strict
+        `_reset_seen`.
+        """
         try:
-            handle = self._handles.get(uuid)
-            if handle is None:
-                handle = device_handle(self._nvml, uuid)
-                self._handles[uuid] = handle
+            handle = self._handle(uuid)
             self._nvml.nvmlDeviceGetUUID(handle)
             self._nvml.nvmlDeviceGetPciInfo_v3(handle)
         except pynvml.NVMLError_GpuIsLost:
@@ -891,12 +936,47 @@ class NvmlHealthWatcher:
         return events
 
     def _probe_lost(self) -> list[HealthEvent]:
+        """Take back each lost GPU that was reset (`_reset_seen`)."""
         events: list[HealthEvent] = []
         for uuid in sorted(self._lost):
-            if self._gpu_answers(uuid):
+            found = self._reset_seen(uuid)
+            if found is not None:
                 self._lost.discard(uuid)
-                events.append(GpuRecoveredEvent(uuid))
-                again = self._register(uuid)  # a reset GPU needs its events re-registered
-                if again is not None:
-                    events.append(again)
+                events.extend(found)
         return events
+
+    def _reset_seen(self, uuid: str) -> list[HealthEvent] | None:
+        """The events of a lost GPU that answers again in full; None while it does not.
+
+        Strict, unlike `_gpu_answers`: the GpuRecoveredEvent this yields lifts the
+        taints that wait for a GPU reset, and an error is no evidence of one. The GPU
+        counts as reset once its own calls succeed under the UUID recorded for it and
+        its events are registered again (a reset drops them). Until then it stays
+        lost and is asked again at the next probe; an answer other than GPU_IS_LOST is
+        logged, once per reason.
+        """
+        try:
+            handle = self._handle(uuid)
+            answered = str(self._nvml.nvmlDeviceGetUUID(handle))
+            if answered != uuid:
+                self._handles.pop(uuid)  # not this GPU's handle now: looked up again next time
+                self._not_reset_yet(uuid, f"its handle answers as GPU {answered}")
+                return None
+            self._nvml.nvmlDeviceGetPciInfo_v3(handle)
+            unwatched = self._register_events(uuid)
+        except pynvml.NVMLError_GpuIsLost:
+            self._not_reset.pop(uuid, None)
+            return None
+        except pynvml.NVMLError as err:
+            self._not_reset_yet(uuid, str(err))
+            return None
+        self._not_reset.pop(uuid, None)
+        return [GpuRecoveredEvent(uuid), *([unwatched] if unwatched is not None else [])]
+
+    def _not_reset_yet(self, uuid: str, why: str) -> None:
+        if self._not_reset.get(uuid) != why:
+            self._not_reset[uuid] = why
+            logger.warning(
+                "a lost GPU answers, but not in full: not taken as reset, it stays lost",
+                extra={"fields": {"uuid": uuid, "error": why}},
+            )

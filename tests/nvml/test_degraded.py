@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 from typing import cast
 
+import anyio
 import pynvml
 import pytest
 from gpudra.common.kube import Kube
@@ -19,7 +20,7 @@ from gpudra.driver.devices import (
     SharedGpus,
     discover,
 )
-from gpudra.driver.health import GpuLostEvent
+from gpudra.driver.health import GpuLostEvent, HealthPolicy, NvmlHealthWatcher
 from gpudra.driver.metrics import DiscoveryGaps
 from gpudra.driver.mig import (
     MIG_CONFIG_PRIVILEGE,
@@ -126,6 +127,49 @@ async def test_the_agent_starts_with_a_lost_gpu_and_takes_it_back_once_it_answer
     inventory = await agent.scan()
     assert inventory.lost == ()
     assert published(agent) == [f"gpu-{i}" for i in range(8)]
+
+
+@pytest.mark.anyio
+async def test_a_gpu_lost_when_the_agent_starts_is_watched_once_it_is_back() -> None:
+    """The health watcher registers the events of the GPUs it starts with; a GPU the
+    rescan takes back (lost at start, so left out) is registered too, before the
+    watcher's next wait, or its XIDs, double-bit ECC errors and next loss go unseen and
+    it stays published healthy whatever it reports."""
+    nvml = emulated("h100-80gb-hbm3-x8")
+    config = AgentConfig(node_name="n1", health=HealthPolicy(recovery_after_s=600))
+    agent = NodeAgent(config, cast(Kube, object()), nvml)
+    nvml.lose_gpu(5)
+    await agent.scan()  # the agent's first scan: GPU 5 left out
+    health = agent.health
+    assert health is not None
+    watcher = NvmlHealthWatcher(nvml, health, wait_timeout_ms=20)
+    async with anyio.create_task_group() as tg:
+        await tg.start(watcher.run)
+        nvml.recover_gpu(5)
+        inventory = await agent.scan()  # the periodic rescan takes it back
+        uuid = inventory.gpus[5].uuid
+        assert inventory.gpus[5].index == 5
+        # NVML reports a GPU's events once they are registered: it keeps reporting.
+        with anyio.fail_after(5):
+            while "gpu-5" not in health.report().unhealthy():
+                nvml.inject_ecc(5)
+                await anyio.sleep(0.05)
+        assert [t.key for t in health.report().taints("gpu-5")] == ["gpu.nvidia.com/ecc"]
+
+        seen = health.generation
+        nvml.inject_xid(5, 48)
+        with anyio.fail_after(5):
+            await health.wait_for_change(seen)
+        assert ("gpu.nvidia.com/xid", "48") in {
+            (t.key, t.value) for t in health.report().taints("gpu-5")
+        }
+
+        seen = health.generation
+        nvml.lose_gpu(5)  # lost again: the watcher sees it this time
+        with anyio.fail_after(5):
+            await health.wait_for_change(seen)
+        assert health.lost_gpus == {uuid}
+        tg.cancel_scope.cancel()
 
 
 @pytest.mark.anyio

@@ -3,6 +3,8 @@ its own evidence: quiet time, a GPU that answers again, or a GPU reset."""
 
 from __future__ import annotations
 
+import json
+import logging
 import re
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -12,6 +14,7 @@ from pathlib import Path
 
 import anyio
 import anyio.lowlevel
+import pynvml
 import pytest
 from gpudra.driver.devices import (
     MIG_MONITOR_PRIVILEGE,
@@ -377,6 +380,61 @@ def test_a_lost_gpu_that_answers_again_was_reset() -> None:
     clock.now += 60
     assert state.expire()
     assert state.report().devices["gpu-4"].healthy
+
+
+async def test_a_lost_gpu_that_answers_with_an_error_was_not_reset(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Lost and answering again is evidence of a reset only when the GPU answers in
+    full. One still off the bus may answer UNKNOWN instead of GPU_IS_LOST (nvidia-smi:
+    "Unable to determine the device handle ... Unknown Error"): its XID 79 taint, its
+    pending reset on disk and its gpu-lost taint stay until its calls and the
+    registration of its events succeed."""
+    nvml = emulated("h100-80gb-hbm3-x8")
+    inventory = discover(nvml)
+    uuid = inventory.gpus[5].uuid
+    (tmp_path / "boot_id").write_text("b1\n")
+    resets = GpuResets(tmp_path / "state", boot_id_path=tmp_path / "boot_id")
+    state = HealthState(
+        inventory, HealthPolicy(recovery_after_s=600), wall_clock=wall, resets=resets
+    )
+
+    def taints() -> set[tuple[str, str | None]]:
+        return {(t.key, t.value) for t in state.report().taints("gpu-5")}
+
+    def pending_on_disk() -> bool:
+        return bool(json.loads(resets.path.read_text())["gpus"].get(uuid))
+
+    watcher = NvmlHealthWatcher(nvml, state, wait_timeout_ms=20, resets=resets)
+    async with anyio.create_task_group() as tg:
+        await tg.start(watcher.run)
+        seen = state.generation
+        nvml.inject_xid(5, 79)
+        await next_change(state, seen)
+        seen = state.generation
+        nvml.lose_gpu(5)
+        await next_change(state, seen)
+        assert taints() == {("gpu.nvidia.com/xid", "79"), ("gpu.nvidia.com/gpu-lost", None)}
+
+        nvml.fail_after(0, pynvml.NVML_ERROR_UNKNOWN)  # still lost, answering UNKNOWN
+        with caplog.at_level(logging.WARNING, logger="gpudra.driver.health"):
+            with anyio.move_on_after(2):
+                while not any("not taken as reset" in r.message for r in caplog.records):
+                    await anyio.sleep(0.01)
+            await anyio.sleep(0.1)  # more probes
+        assert taints() == {("gpu.nvidia.com/xid", "79"), ("gpu.nvidia.com/gpu-lost", None)}
+        assert state.lost_gpus == {uuid}
+        assert pending_on_disk()
+        [logged] = [r for r in caplog.records if "not taken as reset" in r.message]
+        assert logged.__dict__["fields"]["uuid"] == uuid  # once, however many probes
+
+        nvml.clear_failure()
+        nvml.recover_gpu(5)  # reset: it answers in full
+        with anyio.fail_after(10):
+            while state.lost_gpus or pending_on_disk():
+                await anyio.sleep(0.01)
+        assert taints() == {("gpu.nvidia.com/gpu-lost", None)}  # goes after the quiet time
+        tg.cancel_scope.cancel()
 
 
 def test_which_xids_need_a_reset_follows_nvidia_and_the_admin() -> None:
