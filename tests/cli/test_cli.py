@@ -24,15 +24,9 @@ from gpudra.cli.node import (
 from gpudra.driver.nvml import load_nvml
 from gpudra.driver.nvml.standin import TOOLS_LOG_ENV
 
+from tests.cli.stubs import gpudra
 
-def run(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "gpudra.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+run = gpudra  # `gpudra ARGS` as the admin runs it
 
 
 def test_help_lists_only_registered_commands() -> None:

@@ -16,7 +16,6 @@ from gpudra.driver.agent import AgentConfig, NodeAgent
 from gpudra.driver.devices import Device, DiscoveryError, MigStrategy, discover
 from gpudra.driver.health import HealthPolicy, HealthState, NvmlHealthWatcher
 from gpudra.driver.mig import create_compute_instance, create_gpu_instance, destroy_mig
-from gpudra.driver.nvml import load_nvml
 from gpudra.driver.nvml.branches import (
     EMULATED_BRANCHES,
     GPU_INSTANCE_PROFILES_SINCE,
@@ -25,6 +24,8 @@ from gpudra.driver.nvml.branches import (
 )
 from gpudra.driver.nvml.emulator import NvmlEmulator, load_builtin_profile
 from gpudra.driver.records import CreatedMig
+
+from tests.nvml.emulated import emulated
 
 PRODUCTS = ("a100-40gb", "h100-80gb")
 PROFILES = [f"{product}-mig-r{branch}" for product in PRODUCTS for branch in EMULATED_BRANCHES]
@@ -41,12 +42,6 @@ GRAPHICS_VARIANTS = (
     pynvml.NVML_GPU_INSTANCE_PROFILE_2_SLICE_GFX,
     pynvml.NVML_GPU_INSTANCE_PROFILE_4_SLICE_GFX,
 )
-
-
-def emulated(name: str) -> NvmlEmulator:
-    nvml = load_nvml(f"emulated:{name}")
-    assert isinstance(nvml, NvmlEmulator)
-    return nvml
 
 
 def one_per_profile(partitions: tuple[Device, ...]) -> list[Device]:

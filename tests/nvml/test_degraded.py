@@ -30,21 +30,16 @@ from gpudra.driver.mig import (
     create_gpu_instance,
 )
 from gpudra.driver.node import NodeService
-from gpudra.driver.nvml import load_nvml
 from gpudra.driver.nvml.emulator import NvmlEmulator
 from gpudra.driver.nvml.handles import device_handle
 from prometheus_client import CollectorRegistry
+
+from tests.nvml.emulated import emulated
 
 
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
-
-
-def emulated(name: str) -> NvmlEmulator:
-    nvml = load_nvml(f"emulated:{name}")
-    assert isinstance(nvml, NvmlEmulator)
-    return nvml
 
 
 def test_device_handle_answers_for_healthy_gpus_while_one_is_lost() -> None:

@@ -33,6 +33,8 @@ from gpudra.driver.nvml.emulator import NvmlEmulator, load_builtin_profile
 from gpudra.driver.nvml.topology import SysfsTopology
 from gpudra.driver.slices import DeviceLimitError, SliceLimits, plan_slices, validate_device
 
+from tests.nvml.emulated import emulated
+
 H100_PROFILES = {  # GI profile ID -> (name, placements)
     19: ("1g.10gb", 7),
     20: ("1g.10gb+me", 7),
@@ -42,12 +44,6 @@ H100_PROFILES = {  # GI profile ID -> (name, placements)
     5: ("4g.40gb", 1),
     0: ("7g.80gb", 1),
 }
-
-
-def emulated(name: str) -> NvmlEmulator:
-    nvml = load_nvml(f"emulated:{name}")
-    assert isinstance(nvml, NvmlEmulator)
-    return nvml
 
 
 def h100_with_mig() -> NvmlEmulator:

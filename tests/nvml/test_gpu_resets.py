@@ -17,8 +17,9 @@ from gpudra.driver.agent import AgentConfig, NodeAgent
 from gpudra.driver.devices import discover
 from gpudra.driver.gpuresets import GpuResets, PendingReset
 from gpudra.driver.health import HealthPolicy, HealthState, NvmlHealthWatcher
-from gpudra.driver.nvml import load_nvml
 from gpudra.driver.nvml.emulator import NvmlEmulator
+
+from tests.nvml.emulated import emulated
 
 pytestmark = pytest.mark.anyio
 
@@ -28,12 +29,6 @@ BOOT = "6f1e3c2a-0b8d-4f7e-9a51-2c3d4e5f6a7b"
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
-
-
-def emulated(name: str) -> NvmlEmulator:
-    nvml = load_nvml(f"emulated:{name}")
-    assert isinstance(nvml, NvmlEmulator)
-    return nvml
 
 
 def boot_id(tmp_path: Path, value: str = BOOT) -> Path:

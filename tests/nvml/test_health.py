@@ -37,8 +37,9 @@ from gpudra.driver.health import (
     TaintEffect,
     XidEvent,
 )
-from gpudra.driver.nvml import load_nvml
 from gpudra.driver.nvml.emulator import NvmlEmulator
+
+from tests.nvml.emulated import emulated
 
 pytestmark = pytest.mark.anyio
 
@@ -58,12 +59,6 @@ class FakeClock:
 
 def wall() -> datetime:
     return datetime(2026, 11, 1, 12, 0, tzinfo=UTC)
-
-
-def emulated(name: str) -> NvmlEmulator:
-    nvml = load_nvml(f"emulated:{name}")
-    assert isinstance(nvml, NvmlEmulator)
-    return nvml
 
 
 def make_state(inventory: Inventory, clock: FakeClock, **policy: object) -> HealthState:

@@ -17,6 +17,8 @@ from gpudra.driver.nvml.branches import EMULATED_BRANCHES, PLACEMENTS_WITHOUT_MI
 from gpudra.driver.nvml.emulator import NvmlEmulator, parse_profile
 from gpudra.driver.nvml.record import dumps, record, write_recording
 
+from tests.nvml.emulated import emulated
+
 FIXTURES = sorted((Path(__file__).parent / "fixtures").glob("*.json"))
 
 # NVML entry points that change the machine; a recording must never call them.
@@ -47,12 +49,6 @@ class Spy:
             return target(*args, **kwargs)
 
         return call
-
-
-def emulated(spec: str) -> NvmlEmulator:
-    nvml = load_nvml(f"emulated:{spec}")
-    assert isinstance(nvml, NvmlEmulator)
-    return nvml
 
 
 def summary(inventory: Inventory) -> list[tuple[str, object, object]]:
