@@ -308,3 +308,45 @@ def test_report_without_agents_in_the_cluster_says_how_to_fix_it(
     assert line.startswith("gpudra report: no node agent found")
     assert world.selector in line
     assert "--metrics NODE=URL or --prometheus URL" in line
+
+
+def test_a_tenants_pod_with_the_agents_labels_is_not_read_as_its_agent(
+    cluster: Cluster, world: World, endpoint: str, kube: Kube
+) -> None:
+    """Labels, a port named metrics and spec.nodeName are any tenant's to write. A
+    tenant's pod carrying the agent's, on the agent's node, in a namespace listed after
+    gpudra's, is not taken for the agent: the report has the real agent's counters."""
+    port = int(endpoint.rsplit(":", 1)[1].split("/", maxsplit=1)[0])
+    world.agent("worker-1", port)
+    tenant = f"zz-{world.namespace}"
+    kube.create({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": tenant}})
+    try:
+        key, value = world.selector.split("=")
+        kube.create(
+            {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "metadata": {"name": "fake-agent", "namespace": tenant, "labels": {key: value}},
+                "spec": {
+                    "nodeName": "worker-1",
+                    "containers": [
+                        {
+                            "name": "node",
+                            "image": "tenant:latest",
+                            "ports": [{"name": "metrics", "containerPort": 9}],
+                        }
+                    ],
+                },
+            }
+        )
+        ip = [{"ip": "127.0.0.1"}]
+        status = {"phase": "Running", "hostIP": "127.0.0.1", "podIP": "127.0.0.1", "podIPs": ip}
+        kube.patch_status("Pod", "fake-agent", {"status": status}, tenant)
+
+        done = gpudra(cluster, world, "report", "-o", "json")
+
+        assert done.returncode == 0, done.stderr
+        [team] = json.loads(done.stdout)["usage"]
+        assert (team["namespace"], team["allocated_hours"]) == ("team-a", 1200 / 3600)
+    finally:
+        kube.delete("Namespace", tenant)
