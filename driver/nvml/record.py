@@ -15,6 +15,7 @@ Run on a GPU node: `python -m gpudra.driver.nvml.record node.json`.
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import json
 import os
@@ -23,12 +24,15 @@ import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import pynvml
 from gpudra.driver.nvml import NvmlLibrary, load_nvml
+from gpudra.driver.nvml.codes import describe_nvml_error
 from gpudra.driver.nvml.emulator import PROFILE_FORMAT, parse_profile
-from gpudra.driver.nvml.topology import PciTopology, SysfsTopology
+from gpudra.driver.nvml.topology import PciTopology, pci_topology
+
+PROG: Final = "python -m gpudra.driver.nvml.record"
 
 _UNAVAILABLE = frozenset(
     {
@@ -309,14 +313,54 @@ def write_recording(path: Path, document: object) -> None:
         raise
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Record the real NVML of this machine into the file named on the command line."""
-    args = list(sys.argv[1:] if argv is None else argv)
-    if len(args) != 1:
-        sys.stderr.write("usage: python -m gpudra.driver.nvml.record OUTPUT.json\n")
-        return 2
-    document = record(load_nvml("real"), topology=SysfsTopology(), description="recorded node")
-    write_recording(Path(args[0]), document)
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="Record what this machine's NVML reports, read-only, as an emulator "
+        "profile: replay it with `--nvml emulated:OUTPUT.json`, or drop it into "
+        "tests/nvml/fixtures/.",
+        allow_abbrev=False,
+    )
+    parser.add_argument("output", metavar="OUTPUT.json", type=Path, help="the file to write")
+    return parser
+
+
+def _init(nvml: NvmlLibrary) -> None:
+    """nvmlInit, with a missing library or kernel driver named as such in one line."""
+    try:
+        nvml.nvmlInit()
+    except pynvml.NVMLError as err:
+        code = getattr(err, "value", None)
+        if code in (pynvml.NVML_ERROR_LIBRARY_NOT_FOUND, pynvml.NVML_ERROR_FUNCTION_NOT_FOUND):
+            cause = "no usable NVML library: loading libnvidia-ml.so.1 failed"
+            fix = "run it on a node with the NVIDIA driver, or add the driver's library folder "
+            fix += "to LD_LIBRARY_PATH"
+        elif code == pynvml.NVML_ERROR_DRIVER_NOT_LOADED:
+            cause = "the NVIDIA kernel driver is not loaded"
+            fix = "load it (modprobe nvidia) or finish its installation"
+        else:
+            cause = "NVML failed to start"
+            fix = "check the NVIDIA driver with nvidia-smi"
+        msg = f"{PROG}: {cause} ({describe_nvml_error(err)}); nothing was recorded: {fix}"
+        raise SystemExit(msg) from None
+
+
+def main(argv: Sequence[str] | None = None, *, nvml: NvmlLibrary | None = None) -> int:
+    """Record the real NVML of this machine (or `nvml`) into the file named on the
+    command line. A machine without NVML ends with one line naming the cause."""
+    args = _parser().parse_args(argv)
+    output: Path = args.output
+    if nvml is None:
+        nvml = load_nvml("real")
+    _init(nvml)
+    try:
+        document = record(nvml, topology=pci_topology(nvml), description="recorded node")
+    finally:
+        nvml.nvmlShutdown()
+    try:
+        write_recording(output, document)
+    except OSError as err:
+        raise SystemExit(f"{PROG}: cannot write {output}: {err.strerror or err}") from None
     return 0
 
 

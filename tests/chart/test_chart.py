@@ -500,6 +500,44 @@ def test_a_webhook_on_the_host_network_rolls_without_a_surge_pod(
     }
 
 
+SURGE = {"rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
+
+
+@pytest.mark.parametrize("surge", [1, "10%"])
+def test_a_node_agent_on_the_host_network_with_metrics_is_refused_a_surge_pod(
+    helm: Path, surge: Any
+) -> None:
+    """The surge pod binds the node's metrics port, which the old pod holds: it exits,
+    and the DaemonSet's rollout never ends."""
+    node = {"hostNetwork": True, "updateStrategy": {"rollingUpdate": {"maxSurge": surge}}}
+    with pytest.raises(h.HelmFailed) as failure:
+        h.template(helm, {"node": node})
+    (line,) = [x for x in str(failure.value).splitlines() if "maxSurge" in x]  # one line
+    assert (
+        f"node.updateStrategy.rollingUpdate.maxSurge={surge} cannot go with "
+        "node.hostNetwork=true and node.metricsPort=9477" in line
+    )
+    assert "Set node.updateStrategy.rollingUpdate.maxSurge=0" in line
+
+
+@pytest.mark.parametrize(
+    "node",
+    [
+        {"hostNetwork": True, "metricsPort": 0, "updateStrategy": SURGE},
+        {"updateStrategy": SURGE},
+        {"hostNetwork": True},
+        {"hostNetwork": True, "updateStrategy": {"rollingUpdate": {"maxSurge": "0%"}}},
+    ],
+    ids=["no-metrics-port", "pod-network", "no-surge", "zero-percent"],
+)
+def test_a_node_agent_surges_where_no_port_is_held(helm: Path, node: dict[str, Any]) -> None:
+    objects = h.template(helm, {"node": node})
+    spec = h.find(objects, "DaemonSet")["spec"]
+    assert spec["template"]["spec"].get("hostNetwork", False) is node.get("hostNetwork", False)
+    surge = node.get("updateStrategy", {}).get("rollingUpdate", {}).get("maxSurge")
+    assert spec["updateStrategy"]["rollingUpdate"].get("maxSurge") == surge
+
+
 @pytest.mark.parametrize(
     ("value", "flag"),
     [

@@ -7,15 +7,18 @@ replayed here, so a recording of a real node dropped there is checked automatica
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
+import pynvml
 import pytest
 from gpudra.driver.devices import Inventory, MigStrategy, discover
 from gpudra.driver.nvml import builtin_profile_names, load_nvml
 from gpudra.driver.nvml.branches import EMULATED_BRANCHES, PLACEMENTS_WITHOUT_MIG_SINCE
 from gpudra.driver.nvml.emulator import NvmlEmulator, parse_profile
-from gpudra.driver.nvml.record import dumps, record, write_recording
+from gpudra.driver.nvml.record import dumps, main, record, write_recording
 
 from tests.nvml.emulated import emulated
 
@@ -138,3 +141,60 @@ def test_recording_a_gpu_with_mig_off_on_every_branch(branch: int) -> None:
     replay = NvmlEmulator(parse_profile(document), source="recording")
     assert summary(discover(replay)) == summary(discover(original))
     assert record(replay, topology=replay.pci_topology) == document
+
+
+def test_help_is_help_and_writes_nothing(tmp_path: Path) -> None:
+    """`--help` and a missing file name are answered by the parser, never taken for the
+    file to write."""
+    done = subprocess.run(
+        [sys.executable, "-m", "gpudra.driver.nvml.record", "--help"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("usage: python -m gpudra.driver.nvml.record [-h] OUTPUT.json")
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(SystemExit) as usage:
+        main([])
+    assert usage.value.code == 2
+
+
+@pytest.mark.parametrize(
+    ("code", "cause"),
+    [
+        (pynvml.NVML_ERROR_LIBRARY_NOT_FOUND, "no usable NVML library: loading libnvidia-ml.so.1"),
+        (pynvml.NVML_ERROR_DRIVER_NOT_LOADED, "the NVIDIA kernel driver is not loaded"),
+        (pynvml.NVML_ERROR_NO_PERMISSION, "NVML failed to start (Insufficient Permissions"),
+    ],
+    ids=["no-library", "no-kernel-driver", "other"],
+)
+def test_an_nvml_that_cannot_start_ends_with_one_line(
+    tmp_path: Path, code: int, cause: str
+) -> None:
+    nvml = emulated("l4")
+    nvml.fail_after(0, code)  # nvmlInit itself fails, as on a machine without the driver
+    out = tmp_path / "node.json"
+    with pytest.raises(SystemExit) as failed:
+        main([str(out)], nvml=nvml)
+    message = failed.value.code
+    assert isinstance(message, str)
+    assert message.startswith(f"python -m gpudra.driver.nvml.record: {cause}")
+    assert "nothing was recorded" in message
+    assert "\n" not in message
+    assert not out.exists()
+
+
+def test_main_writes_the_recording(tmp_path: Path) -> None:
+    original = emulated("a100-40gb-mig-mixed")
+    out = tmp_path / "node.json"
+    assert main([str(out)], nvml=original) == 0
+    assert json.loads(out.read_text()) == record(original, topology=original.pci_topology)
+    with pytest.raises(SystemExit) as failed:
+        main([str(tmp_path / "missing" / "node.json")], nvml=original)
+    assert failed.value.code == (
+        f"python -m gpudra.driver.nvml.record: cannot write {tmp_path}/missing/node.json: "
+        "No such file or directory"
+    )
