@@ -55,6 +55,7 @@ from gpudra.webhook.reviews import (
 from gpudra.webhook.tenant_rules import (
     Lookup,
     ReferencedClaim,
+    StoredClaim,
     TenantRules,
     claim_devices,
     rules_view,
@@ -108,14 +109,15 @@ class TemplateEnsurer(Protocol):
 class ClaimReader(Protocol):
     """Reads what counting a pod's devices needs: its claims and templates, and pods.
 
-    `kind` is ``ResourceClaim`` or ``ResourceClaimTemplate``; the answer is the
-    ResourceClaimSpec (a template's ``spec.spec``), or None when there is no such object.
+    `kind` is ``ResourceClaim`` or ``ResourceClaimTemplate``; the answer is its
+    ResourceClaimSpec (a template's ``spec.spec``) and whether the claim is allocated,
+    or None when there is no such object.
     `pods` lists the namespace's pods that have not terminated, to find those that will
     use a claim being created; `namespace_labels` reads a namespace the tenant view has
     not seen yet (None: there is no such namespace).
     """
 
-    async def __call__(self, namespace: str, kind: str, name: str) -> Mapping[str, Any] | None: ...
+    async def __call__(self, namespace: str, kind: str, name: str) -> StoredClaim | None: ...
 
     async def namespace_labels(self, namespace: str) -> Mapping[str, str] | None: ...
 
@@ -457,8 +459,13 @@ class Admission:
         device counts, or a denial starting with `heading` (the rule it is for).
 
         `filled` is a claim being created: the name of the pod's entry it fills and its
-        device count, used instead of reading that entry. With `rules`, each claim named
-        by hand is judged under them as at its own creation (a template's claims are, as
+        device count, used instead of reading that entry; the pod's extended-resource
+        claim is counted beside it (`_extended_devices`). A template entry the
+        resourceclaim controller has already generated a claim for (the pod's
+        ``status.resourceClaimStatuses``) counts that claim, not the template stored
+        under the name now: a template deleted and created again differently changes
+        no claim already made from it. With `rules`, each claim named by hand is judged
+        under them as at its own creation, quota included (a template's claims are, as
         they are created). Without `count` (no per-pod limit to count against) only that
         judgement is made: templates are not read, and a claim not created yet is left
         to its own admission. Each object is read and judged once, all within one
@@ -466,10 +473,37 @@ class Admission:
         """
         spec = pod.get("spec")
         entries = spec.get("resourceClaims") if isinstance(spec, Mapping) else None
+        generated = _generated_claims(pod) if count else {}
         result: list[ReferencedClaim] = []
-        read: dict[tuple[str, str], Mapping[str, Any] | None] = {}
+        read: dict[tuple[str, str], StoredClaim | None] = {}
         judged: set[tuple[str, str]] = set()
         deadline = anyio.current_time() + self._ensure_timeout
+        usage = (
+            self._tenants.quota_usage(namespace)
+            if rules is not None and self._tenants is not None
+            else None
+        )
+
+        async def load(reference: tuple[str, str], pod_claim: str) -> StoredClaim | str | None:
+            """The stored object, None where there is none, or the denial."""
+            if reference in read:
+                return read[reference]
+            source = f"{reference[0]} {reference[1]}"
+            if self._read_claims is None:
+                return f"{heading}, and this webhook cannot read pod claim {pod_claim} ({source})"
+            try:
+                with anyio.fail_at(deadline):
+                    read[reference] = await self._read_claims(namespace, *reference)
+            except Exception as exc:
+                logger.warning(
+                    "could not read a pod's claim",
+                    exc_info=True,
+                    extra={"fields": {"namespace": namespace, "claim": source}},
+                )
+                reason = "no answer in time" if isinstance(exc, TimeoutError) else str(exc)
+                return f"{heading}; could not read {source} to count its devices: {reason}; retry"
+            return read[reference]
+
         for index, entry in enumerate(entries if isinstance(entries, list) else ()):
             if not isinstance(entry, Mapping):
                 continue
@@ -486,24 +520,15 @@ class Admission:
                 continue
             if not is_dns_subdomain(name):
                 return f"spec.resourceClaims[{index}]: {source} is not a valid object name"
-            if self._read_claims is None:
-                return f"{heading}, and this webhook cannot read pod claim {pod_claim} ({source})"
-            if reference not in read:
-                try:
-                    with anyio.fail_at(deadline):
-                        read[reference] = await self._read_claims(namespace, kind, name)
-                except Exception as exc:
-                    logger.warning(
-                        "could not read a pod's claim",
-                        exc_info=True,
-                        extra={"fields": {"namespace": namespace, "claim": source}},
-                    )
-                    reason = "no answer in time" if isinstance(exc, TimeoutError) else str(exc)
-                    return (
-                        f"{heading}; could not read {source} to count its devices: {reason}; retry"
-                    )
-            claim_spec = read[reference]
-            if claim_spec is None:
+            made = generated.get(pod_claim) if kind == CLAIM_TEMPLATE.kind else None
+            stored = await load((CLAIM.kind, made), pod_claim) if made is not None else None
+            if isinstance(stored, StoredClaim):
+                source = f"ResourceClaim {made} (generated from {source})"
+            elif stored is None:
+                stored = await load(reference, pod_claim)
+            if isinstance(stored, str):
+                return stored
+            if stored is None:
                 if dry_run or not count:
                     continue  # nothing is stored, and a dry run's templates do not exist
                 return (
@@ -512,19 +537,53 @@ class Admission:
                 )
             if rules is not None and kind == CLAIM.kind and reference not in judged:
                 judged.add(reference)
-                verdict = self._judge({"metadata": {"name": name}, "spec": claim_spec}, rules)
-                if not verdict.allowed:
+                verdict = self._judge({"metadata": {"name": name}, "spec": stored.spec}, rules)
+                why = (
+                    verdict.message
+                    if not verdict.allowed
+                    else rules.stored_claim_over_quota(stored, namespace, usage)
+                )
+                if why:
                     return (
                         f"{rules.label}: pod claim {pod_claim} refers to {source}, which "
-                        f"its namespace's rules do not allow now: {verdict.message}; "
+                        f"its namespace's rules do not allow now: {why}; "
                         "delete it and create one they allow"
                     )
-            devices = claim_devices(claim_spec, self._classes)
+            devices = claim_devices(stored.spec, self._classes)
             if devices:
                 result.append(ReferencedClaim(pod_claim, source, devices))
         if filled is not None and filled[0] == EXTENDED_RESOURCES:
             result.append(ReferencedClaim(EXTENDED_RESOURCES, "the new claim", filled[1]))
+        elif filled is not None:
+            extended = await self._extended_devices(pod, load)
+            if isinstance(extended, str):
+                return extended
+            if extended is not None:
+                result.append(extended)
         return result
+
+    async def _extended_devices(
+        self,
+        pod: Mapping[str, Any],
+        load: Callable[[tuple[str, str], str], Awaitable[StoredClaim | str | None]],
+    ) -> ReferencedClaim | str | None:
+        """The claim of the pod's DRA extended resources, counted beside a claim being
+        created for one of its entries: the one the scheduler stored for it, or the one
+        it would create (`extended_resource_claim`) while none is stored."""
+        name = _extended_claim_name(pod)
+        if name is not None:
+            stored = await load((CLAIM.kind, name), EXTENDED_RESOURCES)
+            if isinstance(stored, str):
+                return stored
+            if stored is not None:
+                devices = claim_devices(stored.spec, self._classes)
+                source = f"ResourceClaim {name}"
+                return ReferencedClaim(EXTENDED_RESOURCES, source, devices) if devices else None
+        extended = extended_resource_claim(pod, self._classes)
+        if extended is None:
+            return None
+        devices = claim_devices(extended.spec, self._classes)
+        return ReferencedClaim(EXTENDED_RESOURCES, extended.asked, devices) if devices else None
 
     async def _ensure_templates(
         self, namespace: str, conversion: Conversion, dry_run: bool, fields: dict[str, Any]
@@ -580,6 +639,30 @@ it fills no ``spec.resourceClaims`` entry."""
 POD_CLAIM_NAME_ANNOTATION: Final = "resource.kubernetes.io/pod-claim-name"
 """Set by the resourceclaim controller on a claim it generates from a pod's template:
 the name of the pod's ``spec.resourceClaims`` entry the claim fills."""
+
+
+def _generated_claims(pod: Mapping[str, Any]) -> dict[str, str]:
+    """The claims the resourceclaim controller generated for the pod's template entries,
+    by entry name, from ``status.resourceClaimStatuses`` (which only Kubernetes writes)."""
+    status = pod.get("status")
+    statuses = status.get("resourceClaimStatuses") if isinstance(status, Mapping) else None
+    found: dict[str, str] = {}
+    for item in statuses if isinstance(statuses, list) else ():
+        if not isinstance(item, Mapping):
+            continue
+        entry, claim = item.get("name"), item.get("resourceClaimName")
+        if isinstance(entry, str) and isinstance(claim, str) and is_dns_subdomain(claim):
+            found[entry] = claim
+    return found
+
+
+def _extended_claim_name(pod: Mapping[str, Any]) -> str | None:
+    """The claim the scheduler stored for the pod's DRA extended resources, by name, from
+    ``status.extendedResourceClaimStatus``; None before it made one."""
+    status = pod.get("status")
+    extended = status.get("extendedResourceClaimStatus") if isinstance(status, Mapping) else None
+    name = extended.get("resourceClaimName") if isinstance(extended, Mapping) else None
+    return name if isinstance(name, str) and is_dns_subdomain(name) else None
 
 
 def _entry_filled_by(pod: Mapping[str, Any], claim: Mapping[str, Any]) -> str | None:

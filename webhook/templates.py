@@ -23,6 +23,7 @@ from typing import Any
 
 from gpudra.common.kube import RESOURCE_API, ApiError, Kube
 from gpudra.webhook.convert import same_claim_spec
+from gpudra.webhook.tenant_rules import StoredClaim
 
 DEFAULT_TTL_S = 60.0
 _MAX_ENTRIES = 10_000
@@ -96,7 +97,7 @@ class ApiClaimReader:
     def __init__(self, kube: Kube) -> None:
         self.kube = kube
 
-    async def __call__(self, namespace: str, kind: str, name: str) -> Mapping[str, Any] | None:
+    async def __call__(self, namespace: str, kind: str, name: str) -> StoredClaim | None:
         template = kind == "ResourceClaimTemplate"
         resource = "resourceclaimtemplates" if template else "resourceclaims"
         try:
@@ -110,7 +111,9 @@ class ApiClaimReader:
         spec = obj.get("spec") if isinstance(obj, dict) else None
         if template and isinstance(spec, dict):
             spec = spec.get("spec")
-        return spec if isinstance(spec, dict) else {}
+        status = obj.get("status") if isinstance(obj, dict) and not template else None
+        allocated = isinstance(status, dict) and bool(status.get("allocation"))
+        return StoredClaim(spec if isinstance(spec, dict) else {}, allocated)
 
     async def namespace_labels(self, namespace: str) -> Mapping[str, str] | None:
         """The labels of `namespace`, or None when it does not exist."""

@@ -37,7 +37,9 @@ __all__ = [
     "Lookup",
     "QuotaUsage",
     "ReferencedClaim",
+    "StoredClaim",
     "TenantRules",
+    "claim_classes",
     "claim_devices",
     "policy_for",
     "rules_view",
@@ -101,6 +103,33 @@ class ReferencedClaim:
     source: str
     """What it refers to, for messages: ``ResourceClaim x`` or ``ResourceClaimTemplate y``."""
     devices: int
+
+
+@dataclass(frozen=True)
+class StoredClaim:
+    """A claim or template a pod refers to, as stored in the API."""
+
+    spec: Mapping[str, Any]
+    """The ResourceClaimSpec (a template's ``spec.spec``)."""
+    allocated: bool = False
+    """A claim with ``status.allocation``: its devices are held already, so a pod naming
+    it takes nothing more from the quota. Templates never are."""
+
+
+def claim_classes(spec: object) -> set[str]:
+    """The DeviceClasses a ResourceClaimSpec's requests and their alternatives name."""
+    devices = spec.get("devices") if isinstance(spec, Mapping) else None
+    requests = devices.get("requests") if isinstance(devices, Mapping) else None
+    names: set[str] = set()
+    for request in requests if isinstance(requests, list) else ():
+        if not isinstance(request, Mapping):
+            continue
+        subs = request.get("firstAvailable")
+        for option in [request.get("exactly"), *(subs if isinstance(subs, list) else ())]:
+            name = option.get("deviceClassName") if isinstance(option, Mapping) else None
+            if isinstance(name, str):
+                names.add(name)
+    return names
 
 
 def claim_devices(spec: object, classes: frozenset[str]) -> int:
@@ -207,6 +236,34 @@ class TenantRules:
                         f"{self.label}: quota {device_class} in namespace {namespace}: limit "
                         f"{hard}, used {used}, this pod asks for {count}"
                     )
+        return None
+
+    def stored_claim_over_quota(
+        self, claim: StoredClaim, namespace: str, usage: QuotaUsage | None
+    ) -> str | None:
+        """Why a stored claim that is not allocated yet may not be handed to a new pod
+        under the quota: a class it names has no quota here, or the namespace already
+        uses more of it than its quota allows (claims stored before the quota or before
+        it was lowered: the API server counts a claim only when it is created)."""
+        if usage is None or claim.allocated:
+            return None
+        for device_class in sorted(claim_classes(claim.spec)):
+            hard = usage.hard.get(device_class)
+            if hard is None:
+                continue
+            used = usage.used.get(device_class, 0)
+            if hard == 0:
+                return (
+                    f"quota {device_class} in namespace {namespace}: deviceQuota sets no "
+                    "limit for this class, so it may not be used here"
+                )
+            if used > hard:
+                return (
+                    f"quota {device_class} in namespace {namespace}: limit {hard}, used "
+                    f"{used}, over the limit already (claims stored before the quota or "
+                    f"before it was lowered); bring its claims of {device_class} within "
+                    "the quota"
+                )
         return None
 
 

@@ -13,8 +13,11 @@ from gpudra.webhook.admission import MUTATE_PATH, VALIDATE_CLAIMS_PATH, Admissio
 from gpudra.webhook.convert import DEFAULT_POLICY, OPT_OUT_LABEL, ConversionPolicy, convert_pod
 from gpudra.webhook.metrics import WebhookMetrics
 from gpudra.webhook.reviews import ReviewError
+from gpudra.webhook.tenant_rules import QuotaUsage, StoredClaim
 from gpudra.webhook.tenant_state import TenantState
 from prometheus_client import CollectorRegistry
+
+from tests.webhook.quotas import quota
 
 pytestmark = pytest.mark.anyio
 
@@ -144,13 +147,15 @@ class Claims:
 
     def __init__(self, **specs: dict[str, Any]) -> None:
         self.specs = specs
+        self.allocated: set[str] = set()
         self.reads: list[tuple[str, str]] = []
         self.live_pods: list[dict[str, Any]] = []
         self.namespaces: dict[str, dict[str, str]] = {}
 
-    async def __call__(self, namespace: str, kind: str, name: str) -> Mapping[str, Any] | None:
+    async def __call__(self, namespace: str, kind: str, name: str) -> StoredClaim | None:
         self.reads.append((kind, name))
-        return self.specs.get(name)
+        spec = self.specs.get(name)
+        return None if spec is None else StoredClaim(spec, name in self.allocated)
 
     async def pods(self, namespace: str) -> list[dict[str, Any]]:
         return self.live_pods
@@ -446,6 +451,111 @@ async def test_a_generated_claim_is_counted_with_the_pod_that_owns_it() -> None:
     assert (await admission.validate_claim(review(CLAIM, stranger))).result == "allowed"
 
 
+def generated_claim(entry: str, suffix: str, count: int) -> dict[str, Any]:
+    """The claim the resourceclaim controller generates for pod p's `entry`."""
+    return claim_object(
+        f"p-{entry}-{suffix}",
+        count,
+        annotations={"resource.kubernetes.io/pod-claim-name": entry},
+        ownerReferences=[
+            {"apiVersion": "v1", "kind": "Pod", "name": "p", "uid": "pod-uid", "controller": True}
+        ],
+    )
+
+
+NO_DRIVER_DEVICE = {
+    "devices": {"requests": [{"name": "x", "exactly": {"deviceClassName": "nothing.example.com"}}]}
+}
+"""A claim spec asking for another driver's device: none of ours."""
+
+
+async def test_a_template_swapped_after_its_claim_was_made_counts_the_claim_made() -> None:
+    """Two template entries, one GPU each, limit 2, the pod waiting. The tenant deletes
+    both templates and creates them again, one asking for none of the driver's devices,
+    the other for two; then deletes the first entry's claim. The controller's new claim
+    for it (two GPUs) is counted with the claim it already made for the other entry
+    (one GPU, from the old template), not with the template stored now (none)."""
+    claims = Claims(ta=one_gpu_spec(1), tb=one_gpu_spec(1))
+    admission = limited_admission(claims, limit=2)
+    pod = claim_pod(
+        0,
+        {"name": "e1", "resourceClaimTemplateName": "ta"},
+        {"name": "e2", "resourceClaimTemplateName": "tb"},
+    )
+    pod["metadata"]["uid"] = "pod-uid"
+    assert (await admission.mutate_pod(review(POD, pod))).result == "allowed"
+    claims.live_pods = [pod]
+    for entry, suffix in (("e1", "aaaaa"), ("e2", "bbbbb")):
+        made = generated_claim(entry, suffix, 1)
+        assert (await admission.validate_claim(review(CLAIM, made))).result == "allowed"
+        claims.specs[made["metadata"]["name"]] = made["spec"]
+    pod["status"] = {
+        "resourceClaimStatuses": [
+            {"name": "e1", "resourceClaimName": "p-e1-aaaaa"},
+            {"name": "e2", "resourceClaimName": "p-e2-bbbbb"},
+        ]
+    }
+    claims.specs["tb"] = NO_DRIVER_DEVICE
+    claims.specs["ta"] = one_gpu_spec(2)
+    del claims.specs["p-e1-aaaaa"]
+    claims.reads.clear()
+    decision = await admission.validate_claim(review(CLAIM, generated_claim("e1", "ccccc", 2)))
+    assert decision.result == "denied"
+    message = decision.response["status"]["message"]
+    assert "maxDevicesPerPod is 2, and pod p uses this claim" in message
+    assert "would get 3 devices" in message
+    assert "claim e2 (ResourceClaim p-e2-bbbbb (generated from ResourceClaimTemplate tb)): 1" in (
+        message
+    )
+    assert ("ResourceClaimTemplate", "tb") not in claims.reads
+
+    # The same with the tenant's own claim beside the entry: re-created bigger, refused.
+    claims.specs["x"] = one_gpu_spec(1)
+    pod["spec"]["resourceClaims"][0] = {"name": "e1", "resourceClaimName": "x"}
+    decision = await admission.validate_claim(review(CLAIM, claim_object("x", 2)))
+    assert "would get 3 devices" in decision.response["status"]["message"]
+
+    # A generated claim that is gone again counts the template it will be made from.
+    del claims.specs["p-e2-bbbbb"]
+    claims.specs["tb"] = one_gpu_spec(2)
+    decision = await admission.validate_claim(review(CLAIM, claim_object("x", 1)))
+    assert "claim e2 (ResourceClaimTemplate tb): 2" in decision.response["status"]["message"]
+
+
+async def test_a_claim_made_for_an_entry_counts_the_pods_extended_resources() -> None:
+    """A pod with a template entry and a DRA extended resource, limit 2: the entry's
+    claim made again with two GPUs is counted with the extended-resource claim the
+    scheduler will make (one), and once the scheduler made it, with the one it made."""
+    claims = Claims(t=one_gpu_spec(1))
+    admission = limited_admission(claims, limit=2)
+    pod = claim_pod(0, {"name": "e1", "resourceClaimTemplateName": "t"})
+    pod["metadata"]["uid"] = "pod-uid"
+    pod["spec"]["containers"][0]["resources"]["limits"] = {IMPLICIT_GPU: "1"}
+    assert (await admission.mutate_pod(review(POD, pod))).result == "allowed"
+    claims.live_pods = [pod]
+    assert (
+        await admission.validate_claim(review(CLAIM, generated_claim("e1", "aaaaa", 1)))
+    ).result == "allowed"
+    decision = await admission.validate_claim(review(CLAIM, generated_claim("e1", "bbbbb", 2)))
+    assert decision.result == "denied"
+    message = decision.response["status"]["message"]
+    assert "would get 3 devices" in message
+    assert f"claim (extended resources) (container-0-request-0 ({IMPLICIT_GPU}=1" in message
+
+    # The scheduler's claim is stored (with two devices, say): that one counts.
+    claims.specs["p-extended-resources-zzzzz"] = one_gpu_spec(2)
+    pod["status"] = {
+        "extendedResourceClaimStatus": {
+            "resourceClaimName": "p-extended-resources-zzzzz",
+            "requestMappings": [],
+        }
+    }
+    decision = await admission.validate_claim(review(CLAIM, generated_claim("e1", "ccccc", 1)))
+    message = decision.response["status"]["message"]
+    assert "claim (extended resources) (ResourceClaim p-extended-resources-zzzzz): 2" in message
+    assert "would get 3 devices" in message
+
+
 IMPLICIT_GPU = "deviceclass.resource.kubernetes.io/gpu.nvidia.com"
 """gpu.nvidia.com asked for as an extended resource (DRAExtendedResource): the scheduler
 creates the pod's claim for it."""
@@ -653,6 +763,53 @@ async def test_a_claim_stored_before_the_rules_is_not_handed_to_a_new_pod(
         assert problem in message
     fine = claim_pod(0, {"name": "a", "resourceClaimName": "fine"})
     assert (await admission.mutate_pod(review(POD, fine))).result == "allowed"
+
+
+async def test_a_claim_stored_beyond_the_quota_is_not_handed_to_a_new_pod() -> None:
+    """The API server counts a claim against the quota only when it is created: one stored
+    before the quota (or before it was lowered) is refused to a new pod while the namespace
+    is over its quota for the claim's class, or the class has none. An allocated claim holds
+    its devices already: a new pod sharing it takes nothing more."""
+    state = tenant_state(("team-a", {"namespaces": ["ns"], "deviceQuota": {"gpu.nvidia.com": 2}}))
+    state.replace("quotas", [quota("ns", "team-a", 2, 8)])
+    claims = Claims(big=one_gpu_spec(8), shared=one_gpu_spec(8))
+    claims.allocated.add("shared")
+    admission = Admission(
+        Templates(), WebhookMetrics(CollectorRegistry()), tenants=state, read_claims=claims
+    )
+    decision = await admission.mutate_pod(
+        review(POD, claim_pod(0, {"name": "a", "resourceClaimName": "big"}))
+    )
+    assert decision.result == "denied"
+    message = decision.response["status"]["message"]
+    assert "pod claim a refers to ResourceClaim big, which its namespace's rules" in message
+    assert "quota gpu.nvidia.com in namespace ns: " in message
+    shared = claim_pod(0, {"name": "a", "resourceClaimName": "shared"})
+    assert (await admission.mutate_pod(review(POD, shared))).result == "allowed"
+
+
+async def test_a_stored_claim_within_the_quota_is_handed_to_a_new_pod() -> None:
+    state = tenant_state(("team-a", {"namespaces": ["ns"], "deviceQuota": {"gpu.nvidia.com": 2}}))
+    state.replace("quotas", [quota("ns", "team-a", 2, 2)])
+    admission = Admission(
+        Templates(),
+        WebhookMetrics(CollectorRegistry()),
+        tenants=state,
+        read_claims=Claims(two=one_gpu_spec(2)),
+    )
+    pod = claim_pod(0, {"name": "a", "resourceClaimName": "two"})
+    assert (await admission.mutate_pod(review(POD, pod))).result == "allowed"
+
+
+def test_a_stored_claim_of_a_class_without_quota_is_over_it() -> None:
+    rules = tenant_state(("team-a", {"namespaces": ["ns"]})).lookup("ns").rules
+    assert rules is not None
+    usage = QuotaUsage(hard={"gpu.nvidia.com": 0}, used={})
+    why = rules.stored_claim_over_quota(StoredClaim(one_gpu_spec(1)), "ns", usage)
+    assert why is not None and "deviceQuota sets no limit for this class" in why
+    # Allocated already, or another class: nothing more is taken.
+    assert rules.stored_claim_over_quota(StoredClaim(one_gpu_spec(1), True), "ns", usage) is None
+    assert rules.stored_claim_over_quota(StoredClaim(NO_DRIVER_DEVICE), "ns", usage) is None
 
 
 async def test_a_claim_named_by_many_entries_is_read_once() -> None:

@@ -15,11 +15,11 @@ from gpudra.common.kube import ApiError
 from gpudra.webhook.convert import DeviceKind, convert_pod
 from gpudra.webhook.metrics import PodSecurityGaps
 from gpudra.webhook.tenant_rules import Lookup, QuotaUsage, TenantRules, claim_devices, policy_for
-from gpudra.webhook.tenant_state import QUOTA_NAME, TENANT_LABEL, TenantState
+from gpudra.webhook.tenant_state import TENANT_LABEL, TenantState
 from gpudra.webhook.tenants import MANAGED_BY_LABEL, MANAGED_BY_VALUE, TenantController
 from prometheus_client import CollectorRegistry, generate_latest
 
-KEY = "gpu.nvidia.com.deviceclass.resource.k8s.io/devices"
+from tests.webhook.quotas import KEY, quota
 
 
 def tenant(name: str, **spec: Any) -> dict[str, Any]:
@@ -33,19 +33,6 @@ def tenant(name: str, **spec: Any) -> dict[str, Any]:
 
 def namespace(name: str, phase: str = "Active", **labels: str) -> dict[str, Any]:
     return {"metadata": {"name": name, "labels": labels}, "status": {"phase": phase}}
-
-
-def quota(ns: str, owner: str, hard: int, used: int = 0) -> dict[str, Any]:
-    return {
-        "metadata": {
-            "name": QUOTA_NAME,
-            "namespace": ns,
-            "uid": f"uid-{ns}",
-            "labels": {MANAGED_BY_LABEL: MANAGED_BY_VALUE, TENANT_LABEL: owner},
-        },
-        "spec": {"hard": {KEY: str(hard)}},
-        "status": {"hard": {KEY: str(hard)}, "used": {KEY: str(used)}},
-    }
 
 
 def state(

@@ -204,11 +204,13 @@ def pod(
     }
 
 
-async def create(client: Kube, obj: dict[str, Any]) -> Any:
+async def create(client: Kube, obj: dict[str, Any], *, dry_run: bool = False) -> Any:
     plural = {"Pod": "/api/v1/namespaces/{}/pods"}.get(
         obj["kind"], RESOURCE + "/namespaces/{}/" + obj["kind"].lower() + "s"
     )
-    return await client.request("POST", plural.format(obj["metadata"]["namespace"]), obj)
+    query = {"dryRun": "All"} if dry_run else None
+    path = plural.format(obj["metadata"]["namespace"])
+    return await client.request("POST", path, obj, query=query)
 
 
 async def refused(client: Kube, obj: dict[str, Any]) -> str:
@@ -345,6 +347,68 @@ async def test_a_claim_swapped_for_a_bigger_one_under_a_waiting_pod_is_refused(
 
     # The same size again is admitted: nothing here stops a plain re-creation.
     await create(tenant, gpu_claim(ns, "swap"))
+
+
+def claim_template(ns: str, name: str, count: int, device_class: str = DRIVER) -> dict[str, Any]:
+    spec = gpu_claim(ns, name, count)["spec"]
+    spec["devices"]["requests"][0]["exactly"]["deviceClassName"] = device_class
+    return {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaimTemplate",
+        "metadata": {"namespace": ns, "name": name},
+        "spec": {"spec": spec},
+    }
+
+
+async def test_a_template_swapped_after_its_claims_were_made_gains_nothing(
+    escape: Escape, kube: SyncKube
+) -> None:
+    """The pod has two template entries of one GPU each (the limit is two) and waits
+    behind a scheduling gate; the resourceclaim controller makes its two claims. The
+    tenant deletes both templates and creates them again, one asking for another
+    driver's device, the other for two GPUs, then deletes the first entry's claim. The
+    controller's new claim for it is refused: it counts with the claim already made for
+    the other entry (one GPU), not with what that entry's template asks for now (none)."""
+    ns, tenant = escape.ns, escape.tenant
+    await change_rules(
+        escape, kube, {"maxDevicesPerPod": 2}, gpu_claim(ns, "probe", count=2), admitted=True
+    )
+    for name in ("ta", "tb"):
+        await create(tenant, claim_template(ns, name, 1))
+    entries = {"e1": {"resourceClaimTemplateName": "ta"}, "e2": {"resourceClaimTemplateName": "tb"}}
+    held = pod(ns, "held", claims=entries)
+    held["spec"]["schedulingGates"] = [{"name": "escape.gpudra.io/hold"}]
+    await create(tenant, held)
+
+    def made() -> dict[str, str] | None:
+        statuses = kube.get("Pod", "held", ns).get("status", {}).get("resourceClaimStatuses")
+        found = {s["name"]: s.get("resourceClaimName") for s in statuses or ()}
+        return found if all(found.get(e) for e in entries) else None
+
+    claims = await call(lambda: wait_for("the pod's claims to be made", made, timeout=60))
+    templates = f"{RESOURCE}/namespaces/{ns}/resourceclaimtemplates"
+    for name, count, device_class in (("tb", 1, "nic.example.com"), ("ta", 2, DRIVER)):
+        await tenant.request("DELETE", f"{templates}/{name}")
+        await create(tenant, claim_template(ns, name, count, device_class))
+    await tenant.request("DELETE", f"{RESOURCE}/namespaces/{ns}/resourceclaims/{claims['e1']}")
+
+    def refusal() -> str | None:
+        events = kube.list(
+            "Event",
+            ns,
+            fieldSelector="involvedObject.name=held,reason=FailedResourceClaimCreation",
+        )
+        messages = [e.get("message", "") for e in events]
+        return next((m for m in messages if "maxDevicesPerPod is 2" in m), None)
+
+    message = await call(lambda: wait_for("the new claim to be refused", refusal, timeout=60))
+    assert "would get 3 devices" in message
+    assert f"ResourceClaim {claims['e2']} (generated from ResourceClaimTemplate tb)): 1" in message
+    stored = await call(kube.list, "ResourceClaim", ns)
+    assert all(
+        c["metadata"].get("annotations", {}).get("resource.kubernetes.io/pod-claim-name") != "e1"
+        for c in stored
+    )
 
 
 async def test_a_device_class_asked_for_as_an_extended_resource_counts_with_the_pod(
@@ -527,6 +591,46 @@ async def test_a_claim_stored_before_the_rules_tightened_is_not_handed_to_a_new_
     message = await refused(tenant, pod(ns, "late", claims={"a": {"resourceClaimName": "early"}}))
     assert "pod claim a refers to ResourceClaim early, which its namespace's rules" in message
     assert "does not allow device class mig.nvidia.com" in message
+
+
+async def test_a_claim_stored_before_the_quota_is_not_handed_to_a_new_pod(
+    escape: Escape, kube: SyncKube
+) -> None:
+    """The tenant stores a claim for two GPUs while its rules have no quota; the cluster
+    admin then sets a deviceQuota of one. The API server counts a claim against a quota
+    only when it is created, so the stored claim is refused to a new pod while the
+    namespace is over its quota."""
+    ns, tenant = escape.ns, escape.tenant
+    await change_rules(
+        escape, kube, {"maxDevicesPerPod": 2}, gpu_claim(ns, "probe", count=2), admitted=True
+    )
+    await create(tenant, gpu_claim(ns, "early", count=2))
+    await change_rules(
+        escape,
+        kube,
+        {"deviceQuota": {DRIVER: 1}},
+        gpu_claim(ns, "probe", count=2),
+        admitted=False,
+    )
+    late = pod(ns, "late", claims={"a": {"resourceClaimName": "early"}})
+    key = f"{DRIVER}.deviceclass.resource.k8s.io/devices"
+
+    def counted() -> bool:
+        quotas = kube.list("ResourceQuota", ns)
+        return any((q.get("status") or {}).get("used", {}).get(key) == "2" for q in quotas)
+
+    await call(lambda: wait_for("the quota to count the stored claim", counted, timeout=60))
+    with anyio.fail_after(30):
+        while True:  # the webhook's view of the quota follows its watch
+            try:
+                await create(tenant, late, dry_run=True)
+            except AsyncApiError as err:
+                message = str(err)
+                break
+            await anyio.sleep(0.2)
+    assert "pod claim a refers to ResourceClaim early, which its namespace's rules" in message
+    assert f"quota {DRIVER} in namespace {ns}: limit 1, used 2, over the limit" in message
+    assert "over the limit" in await refused(tenant, late)
 
 
 async def test_a_forged_namespace_is_refused_before_any_read_or_write(escape: Escape) -> None:
