@@ -51,7 +51,7 @@ from gpudra.webhook.certs import (
     ensure_pki,
     service_dns_names,
 )
-from gpudra.webhook.convert import DEFAULT_POLICY, ConversionPolicy
+from gpudra.webhook.convert import DEFAULT_POLICY, ConversionPolicy, is_legacy_resource
 from gpudra.webhook.device_classes import DeviceClassCache
 from gpudra.webhook.pod_security import ENFORCE_LABEL, LEVELS, PRIVILEGED
 from gpudra.webhook.renewal import ServingRenewal
@@ -264,6 +264,18 @@ def conversion_policy(args: argparse.Namespace) -> ConversionPolicy:
             f"gpudra webhook: --driver-name {args.driver_name!r} {problem}: give the node "
             "agent's driver name, e.g. gpu.nvidia.com"
         )
+    for name in args.extended_resource_name:
+        if not is_legacy_resource(name):
+            # The tenant rules count the device plugin's names at a pod's admission; a
+            # name of another form would be counted only when the scheduler creates the
+            # pod's claim, after the pod was admitted.
+            raise SystemExit(
+                f"gpudra webhook: --extended-resource-name {name!r} is not a device-plugin "
+                "resource (nvidia.com/gpu, nvidia.com/gpu.shared, nvidia.com/mig-<profile>), "
+                "which the tenant rules count at a pod's admission: map nvidia.com/gpu, or "
+                "have pods ask for the DeviceClass by name "
+                "(deviceclass.resource.kubernetes.io/<class>)"
+            )
     return ConversionPolicy(
         driver=args.driver_name,
         shared_strategy=args.shared_strategy,

@@ -900,6 +900,11 @@ def test_notes_tell_how_to_check(helm: Path) -> None:
             {"webhook": {"tls": {"source": "secret", "secretName": "tls"}}},
             "webhook.tls.caBundle",
         ),
+        (
+            # The tenant rules count only the device plugin's names at a pod's admission.
+            {"deviceClasses": {"gpu": {"extendedResourceName": "example.com/gpu"}}},
+            "/deviceClasses/gpu/extendedResourceName",
+        ),
     ],
     ids=lambda v: v if isinstance(v, str) else "",
 )

@@ -138,6 +138,10 @@ def test_mps_defaults_reach_converted_claims() -> None:
             ["--mig-profile-class=1g.10gb", "--mig-profile-class=mig-3g.40gb"],
             "--mig-profile-class: 'mig-3g.40gb' is not a MIG profile",
         ),
+        (
+            ["--extended-resource-name=example.com/gpu"],
+            "--extended-resource-name 'example.com/gpu' is not a device-plugin resource",
+        ),
     ],
 )
 def test_bad_values_name_the_flag(flags: list[str], message: str) -> None:
