@@ -23,6 +23,7 @@ __all__ = [
     "DNS_LABEL_PATTERN",
     "DNS_SUBDOMAIN_MAX",
     "DNS_SUBDOMAIN_PATTERN",
+    "DRIVER_NAME_MAX",
     "DnsLabel",
     "DnsSubdomain",
     "InvalidName",
@@ -31,6 +32,7 @@ __all__ = [
     "check_dns_subdomain",
     "dns_label_problem",
     "dns_subdomain_problem",
+    "driver_name_problem",
     "is_dns_label",
     "is_dns_subdomain",
 ]
@@ -111,6 +113,23 @@ def dns_subdomain_problem(value: str, *, max_length: int = DNS_SUBDOMAIN_MAX) ->
         f"must be a DNS subdomain of at most {max_length} characters: dot-separated parts "
         f"of {_LABEL_RULE} ({where} {flaw})"
     )
+
+
+# resource.k8s.io's driver names (ValidateCSIDriverName): at most 63 characters.
+DRIVER_NAME_MAX: Final = 63
+
+
+def driver_name_problem(value: str) -> str | None:
+    """Why `value` cannot be gpudra's DRA driver name, or None.
+
+    A DNS subdomain of at most 63 characters, in lower case: the API checks driver
+    names case-insensitively, but the name also goes into ResourceSlice names
+    (`<node>-<driver>-<n>`) and device taint keys (`<driver>/xid`), which must be lower
+    case, so an upper-case driver name would be accepted and then every slice refused.
+    `gpudra node` checks its --driver-name with it; `gpudra webhook` applies the same
+    rule to its own.
+    """
+    return dns_subdomain_problem(value, max_length=DRIVER_NAME_MAX)
 
 
 def attribute_name_problem(value: str) -> str | None:

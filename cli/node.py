@@ -13,6 +13,7 @@ from pathlib import Path
 
 import aiohttp
 import anyio
+from gpudra.api.names import dns_subdomain_problem, driver_name_problem
 from gpudra.common.backoff import Backoff
 from gpudra.common.eventloop import run_event_loop
 from gpudra.common.heap import freeze_startup_heap
@@ -385,7 +386,23 @@ def _crash_at(step: str | None) -> Callable[[str], None] | None:
     return fault
 
 
+def _names(args: argparse.Namespace) -> None:
+    """--driver-name and --node-name name the slices, the pool and the taint keys: a
+    name the API refuses would fail every slice write, so the agent does not start."""
+    if problem := driver_name_problem(args.driver_name):
+        raise SystemExit(
+            f"gpudra node: --driver-name {args.driver_name!r} {problem}: give the DRA driver "
+            "name the DeviceClasses select, e.g. gpu.nvidia.com (the chart's driverName)"
+        )
+    if args.node_name and (problem := dns_subdomain_problem(args.node_name)):
+        raise SystemExit(
+            f"gpudra node: --node-name {args.node_name!r} {problem}: give this node's name "
+            "as the API has it (default: $NODE_NAME, which the chart sets from spec.nodeName)"
+        )
+
+
 def _agent_config(args: argparse.Namespace) -> AgentConfig:
+    _names(args)
     try:
         policy = HealthPolicy(
             driver_name=args.driver_name,

@@ -31,7 +31,7 @@ from gpudra.api.config import (
     parse_opaque_config,
 )
 from gpudra.api.deviceclasses import mig_profile_class
-from gpudra.api.names import DNS_LABEL_MAX, DNS_SUBDOMAIN_MAX, dns_subdomain_problem
+from gpudra.api.names import DNS_SUBDOMAIN_MAX, dns_subdomain_problem, driver_name_problem
 from gpudra.api.tenants import LabelSelector, quota_key
 from gpudra.common.eventloop import run_event_loop
 from gpudra.common.kube import Kube
@@ -258,8 +258,7 @@ def _label_selector(raw: str) -> dict[str, Any]:
 
 def conversion_policy(args: argparse.Namespace) -> ConversionPolicy:
     """The base conversion policy the flags describe (tenants layer their rules on it)."""
-    # resource.k8s.io limits driver names to 63 characters.
-    if problem := dns_subdomain_problem(args.driver_name, max_length=DNS_LABEL_MAX):
+    if problem := driver_name_problem(args.driver_name):
         raise SystemExit(
             f"gpudra webhook: --driver-name {args.driver_name!r} {problem}: give the node "
             "agent's driver name, e.g. gpu.nvidia.com"

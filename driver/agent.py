@@ -17,7 +17,7 @@ lost GPU, since the GPU named may be that one.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,6 +30,7 @@ from gpudra.driver.checkpoint import DEFAULT_BOOT_ID_PATH
 from gpudra.driver.devices import (
     DiscoveryError,
     Inventory,
+    MigKey,
     MigStrategy,
     SharedGpus,
     SharedGpusError,
@@ -76,11 +77,16 @@ class NodeAgent:
         nvml: NvmlLibrary,
         *,
         clock: Callable[[], float] | None = None,
+        own_migs: Callable[[], Container[MigKey]] | None = None,
     ) -> None:
         self.config = config
         self.kube = kube
         self.nvml = nvml
         self._clock = clock
+        # The MIG instances gpudra made for prepared claims (the kubelet plugin's
+        # checkpoint); under dynamic MIG every other instance is kept out of the pool
+        # (`Gpu.dynamic_view`). None: this agent prepares nothing, so none are its own.
+        self._own_migs = own_migs
         self.inventory: Inventory | None = None
         self.shared: frozenset[str] = frozenset()  # device names published shareable
         self.shares: dict[str, int] = {}  # device name -> integer shares published
@@ -110,6 +116,7 @@ class NodeAgent:
             driver=self.config.driver_name,
             shares=self.shares,
             legacy=self.config.legacy_attributes,
+            own_migs=self._own_migs() if self._own_migs is not None else frozenset(),
         )
 
     async def scan(self) -> Inventory:

@@ -14,7 +14,9 @@ How GPUs are shown:
   partitioning) with a per-GPU counter set so the scheduler cannot over-allocate memory
   slices or engines. `Inventory.devices(strategy)` picks one view; the two must never be
   published together because a static MIG device and the placement it occupies have
-  the same name.
+  the same name. The dynamic view leaves out what GPU instances gpudra did not create
+  hold (`Gpu.dynamic_view`): discovery reads every instance (`Gpu.gpu_instances`), and
+  the publisher names gpudra's own.
 
 Which whole GPUs are shareable by memory (`SharedGpus`, from `gpudra node --shared-gpus`)
 is the admin's choice, not NVML's: discovery reads the same inventory either way, and
@@ -47,7 +49,7 @@ import ctypes
 import logging
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Container, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -208,6 +210,27 @@ class MigPlacement:
     start: int
     size: int
 
+    @property
+    def end(self) -> int:
+        """One past the last memory slice it takes."""
+        return self.start + self.size
+
+
+# A MIG GPU instance by where it sits: (parent GPU UUID, GPU-instance profile ID,
+# placement start). A placement holds one instance at a time, so this names it whoever
+# made it; the kubelet plugin's checkpoint records the ones gpudra made the same way
+# (`gpudra.driver.mig.recorded_instances`).
+MigKey = tuple[str, int, int]
+
+
+@dataclass(frozen=True, slots=True)
+class MigInstance:
+    """A GPU instance that exists on a MIG-enabled GPU now, whoever made it (gpudra for
+    a prepared claim, or an administrator with nvidia-smi or mig-parted)."""
+
+    gpu_instance_id: int
+    placement: MigPlacement
+
 
 @dataclass(frozen=True, slots=True)
 class Device:
@@ -280,13 +303,85 @@ class Gpu:
     counter_set: CounterSet | None = None  # what partitions consume from
     mig_profiles: Mapping[int, str] = field(default_factory=dict)  # GI profile ID -> name
     gaps: tuple[FieldGap, ...] = ()  # fields NVML refused for lack of privilege
+    # Every GPU instance that exists now, with or without compute instances (MIG
+    # devices are only those with one spanning the instance); for dynamic MIG.
+    gpu_instances: tuple[MigInstance, ...] = ()
 
-    def publishable(self, strategy: MigStrategy) -> tuple[Device, ...]:
+    def publishable(
+        self, strategy: MigStrategy, own: Container[MigKey] | None = None
+    ) -> tuple[Device, ...]:
+        """The devices `strategy` publishes; `own` as in `dynamic_view`."""
         if not self.mig_enabled:
             return (self.device,)
         if strategy is MigStrategy.DYNAMIC:
-            return self.partitions
+            return self.dynamic_view(own)[0]
         return self.mig_devices
+
+    def foreign_instances(self, own: Container[MigKey]) -> tuple[MigInstance, ...]:
+        """The GPU instances `own` does not name: ones gpudra did not create."""
+        return tuple(
+            i
+            for i in self.gpu_instances
+            if (self.uuid, i.placement.profile_id, i.placement.start) not in own
+        )
+
+    def dynamic_view(
+        self, own: Container[MigKey] | None = None
+    ) -> tuple[tuple[Device, ...], CounterSet | None]:
+        """The placements dynamic MIG publishes and the counter set they consume from.
+
+        `own` names the GPU instances gpudra created for prepared claims (the kubelet
+        plugin's checkpoint); every other instance on the GPU (made with nvidia-smi or
+        mig-parted before or beside gpudra) is foreign. None: every placement, as
+        discovered, whatever exists (what a device name means to the kubelet plugin).
+
+        A foreign instance holds its memory slices and engines as an allocated device
+        would, so it is taken off the counter set, and a placement that no longer fits
+        the rest (it overlaps the instance, or needs an engine it took, such as the one
+        OFA engine of a `+me` profile) is left out: NVML would refuse to create it and
+        the claim's prepare would fail. Left out rather than tainted NoSchedule: a
+        toleration would still allocate it, and an API server without the
+        DRADeviceTaints gate (off by default up to 1.35) drops device taints silently.
+        The counters stay exact (they allow what NVML creates, no more), so no layout of
+        the published placements collides with a foreign instance. gpudra's own
+        instances are neither taken off nor hidden: their placements are allocated to
+        claims, and the scheduler counts what allocated devices consume itself.
+        """
+        counter_set = self.counter_set
+        if own is None or counter_set is None:
+            return self.partitions, counter_set
+        foreign = self.foreign_instances(own)
+        if not foreign:
+            return self.partitions, counter_set
+        held: dict[str, int] = {}
+        for instance in foreign:
+            for key, value in self._instance_counters(instance.placement).items():
+                held[key] = held.get(key, 0) + value
+        left = {k: max(v - held.get(k, 0), 0) for k, v in counter_set.counters.items()}
+        fits = tuple(
+            d
+            for d in self.partitions
+            if all(
+                v <= left.get(k, 0) for use in d.consumes_counters for k, v in use.counters.items()
+            )
+        )
+        return fits, CounterSet(counter_set.name, left)
+
+    def _instance_counters(self, placement: MigPlacement) -> Mapping[str, int]:
+        """What an instance at `placement` consumes: the placement's counters, or its
+        profile's engines with its own memory slices where NVML lists no such placement."""
+        slices = {memory_slice_counter(s): 1 for s in range(placement.start, placement.end)}
+        same_profile: Mapping[str, int] = {}
+        for device in self.partitions:
+            at = device.placement
+            if at is None or at.profile_id != placement.profile_id or not device.consumes_counters:
+                continue
+            counters = device.consumes_counters[0].counters
+            if at.start == placement.start:
+                return counters
+            same_profile = counters
+        engines = {k: v for k, v in same_profile.items() if not k.startswith(_SLICE_PREFIX)}
+        return {**engines, **slices}
 
     def device_names(self) -> frozenset[str]:
         """Every name any view uses for this GPU or a part of it."""
@@ -336,17 +431,21 @@ class Inventory:
         gpus = tuple(sorted((*self.gpus, *kept), key=lambda g: g.index))
         return Inventory(self.driver_version, self.cuda_driver_version, gpus, tuple(lost))
 
-    def devices(self, strategy: MigStrategy = MigStrategy.STATIC) -> tuple[Device, ...]:
-        """The devices to publish under `strategy`, GPU by GPU in NVML index order."""
-        return tuple(d for gpu in self.gpus for d in gpu.publishable(strategy))
+    def devices(
+        self, strategy: MigStrategy = MigStrategy.STATIC, own: Container[MigKey] | None = None
+    ) -> tuple[Device, ...]:
+        """The devices to publish under `strategy`, GPU by GPU in NVML index order;
+        `own` as in `Gpu.dynamic_view` (None: every placement)."""
+        return tuple(d for gpu in self.gpus for d in gpu.publishable(strategy, own))
 
-    def counter_sets(self, strategy: MigStrategy = MigStrategy.STATIC) -> tuple[CounterSet, ...]:
+    def counter_sets(
+        self, strategy: MigStrategy = MigStrategy.STATIC, own: Container[MigKey] | None = None
+    ) -> tuple[CounterSet, ...]:
         """The shared counter sets the devices of `strategy` consume from."""
         if strategy is not MigStrategy.DYNAMIC:
             return ()
-        return tuple(
-            gpu.counter_set for gpu in self.gpus if gpu.mig_enabled and gpu.counter_set is not None
-        )
+        sets = (gpu.dynamic_view(own)[1] for gpu in self.gpus if gpu.mig_enabled)
+        return tuple(cs for cs in sets if cs is not None)
 
     def gpu_by_uuid(self, uuid: str) -> Gpu | None:
         for gpu in self.gpus:
@@ -510,8 +609,11 @@ def counter_set_name(minor: int) -> str:
     return f"gpu-{minor}-counter-set"
 
 
+_SLICE_PREFIX = "memory-slice-"
+
+
 def memory_slice_counter(index: int) -> str:
-    return f"memory-slice-{index}"
+    return f"{_SLICE_PREFIX}{index}"
 
 
 def _rfc1123(name: str) -> str:
@@ -651,6 +753,7 @@ class _GiProfile:
     memory_mib: int
     capacity: Mapping[str, int]
     placements: tuple[tuple[int, int], ...]
+    instance_count: int = 0  # the most instances of it the GPU holds at once
 
 
 @dataclass(frozen=True, slots=True)
@@ -869,6 +972,11 @@ def _discover_gpu(
     ctx = _MigContext(index, minor, uuid, handle, parent_attrs)
     partitions, counter_set = _partitions(ctx, profiles)
     mig_devices = _existing_migs(scan, ctx, profiles)
+    gpu_instances: tuple[MigInstance, ...] | None = ()
+    if partitions:  # only the dynamic view needs them
+        gpu_instances = _gpu_instances(scan, ctx, profiles)
+    if gpu_instances is None:  # what is taken is unknown: offer no placement
+        partitions, counter_set, gpu_instances = (), None, ()
     return Gpu(
         index=index,
         minor=minor,
@@ -883,6 +991,7 @@ def _discover_gpu(
         counter_set=counter_set,
         mig_profiles={p.id: p.name for p in profiles.values()},
         gaps=tuple(scan.gaps.get(index, ())),
+        gpu_instances=gpu_instances,
     )
 
 
@@ -948,6 +1057,7 @@ def _gi_profiles(
             memory_mib=memory_mib,
             capacity=capacity,
             placements=placements,
+            instance_count=int(info.instanceCount),
         )
     return profiles
 
@@ -988,6 +1098,38 @@ def _partitions(
     totals.update({memory_slice_counter(s): 1 for s in range(slice_count)})
     counter_set = CounterSet(set_name, totals)
     return tuple(devices), counter_set
+
+
+def _gpu_instances(
+    scan: _Scanner, ctx: _MigContext, profiles: Mapping[int, _GiProfile]
+) -> tuple[MigInstance, ...] | None:
+    """Every GPU instance on the GPU now, with or without compute instances (a MIG
+    device needs one; an instance without takes its memory slices all the same); None
+    where NVML refuses to list them."""
+    index, handle = ctx.index, ctx.handle
+    instances: list[MigInstance] = []
+    for profile in profiles.values():
+        found = (pynvml.c_nvmlGpuInstance_t * max(profile.instance_count, 1))()
+        count = ctypes.c_uint(0)
+        _, allowed = scan.privileged(
+            index,
+            "placements",
+            "no MIG partitions of this GPU for dynamic MIG",
+            "nvmlDeviceGetGpuInstances",
+            handle,
+            profile.id,
+            found,
+            ctypes.byref(count),
+            ok=_ABSENT,
+        )
+        if not allowed:
+            return None
+        for gi in found[: count.value]:
+            info = scan.call(index, "nvmlGpuInstanceGetInfo", gi)
+            start, size = int(info.placement.start), int(info.placement.size)
+            placement = MigPlacement(profile.name, profile.id, start, size)
+            instances.append(MigInstance(int(info.id), placement))
+    return tuple(sorted(instances, key=lambda i: (i.placement.start, i.gpu_instance_id)))
 
 
 def _existing_migs(

@@ -19,16 +19,19 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import pynvml
-from gpudra.driver.devices import MigPlacement
+from gpudra.driver.devices import MigKey, MigPlacement
 from gpudra.driver.nvml import NvmlLibrary
 from gpudra.driver.nvml.codes import describe_nvml_error
 from gpudra.driver.nvml.handles import device_handle, gpu_instance_profile, nvml_code
 from gpudra.driver.records import CreatedMig
+
+if TYPE_CHECKING:
+    from gpudra.driver.checkpoint import ClaimRecord
 
 __all__ = [
     "MIG_CONFIG_PRIVILEGE",
@@ -39,6 +42,8 @@ __all__ = [
     "create_gpu_instance",
     "destroy_mig",
     "mig_capability_minors",
+    "placement_taken",
+    "recorded_instances",
     "set_compute_mode",
 ]
 
@@ -204,6 +209,22 @@ def placement_taken(nvml: NvmlLibrary, gpu_uuid: str, mig: CreatedMig) -> bool:
             return _find_gpu_instance(nvml, device_handle(nvml, gpu_uuid), mig) is not None
         except pynvml.NVMLError as err:
             raise _mig_error("listing MIG GPU instances", gpu_uuid, err) from err
+
+
+def recorded_instances(claims: Iterable[ClaimRecord]) -> frozenset[MigKey]:
+    """The MIG instances gpudra made for `claims` (the checkpoint's), as `MigKey`s.
+
+    Each is recorded before NVML creates it and forgotten only after it is destroyed,
+    so an instance on a GPU that no claim records is one gpudra did not create: an
+    administrator's, a static layout's, or one a lost checkpoint no longer names (as
+    `placement_taken` says at prepare). The dynamic MIG view keeps what those hold
+    out of the published counters (`Gpu.dynamic_view`)."""
+    return frozenset(
+        (device.details.gpu_uuid, mig.profile_id, mig.start)
+        for claim in claims
+        for device in claim.devices
+        if isinstance(mig := device.details.mig, CreatedMig) and device.details.gpu_uuid
+    )
 
 
 def _mig_uuid(nvml: NvmlLibrary, parent: Any, gi_id: int, ci_id: int) -> str | None:

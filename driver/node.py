@@ -48,8 +48,10 @@ from gpudra.driver.checkpoint import DEFAULT_BOOT_ID_PATH, ClaimRecord
 from gpudra.driver.claimreader import ApiClaims
 from gpudra.driver.claims import ClaimError
 from gpudra.driver.claimstatus import ClaimStatusWriter
+from gpudra.driver.devices import MigKey
 from gpudra.driver.holders import ClaimInfos
 from gpudra.driver.metrics import ClaimMetrics, DeviceMetrics, DiscoveryGaps
+from gpudra.driver.mig import recorded_instances
 from gpudra.driver.mpspods import MpsDaemonPods
 from gpudra.driver.nvml import NvmlLibrary
 from gpudra.driver.plugin import (
@@ -167,7 +169,7 @@ class NodeService:
         registry: CollectorRegistry | None = None,
         fault: Callable[[str], None] | None = None,
     ) -> None:
-        self.agent = NodeAgent(agent_config, kube, nvml)
+        self.agent = NodeAgent(agent_config, kube, nvml, own_migs=self._own_migs)
         self.registry = registry if registry is not None else CollectorRegistry()
         self.registry.register(DiscoveryGaps(lambda: self.agent.inventory))
         self.ready = anyio.Event()
@@ -248,6 +250,13 @@ class NodeService:
                 claim_info=self._infos.snapshot,
             )
 
+    def _own_migs(self) -> frozenset[MigKey]:
+        """The MIG instances the checkpoint records as gpudra's (none before it is
+        loaded: until then every instance counts as foreign, which hides a prepared
+        claim's placement for a moment but never offers a taken one)."""
+        cp = self.preparer.checkpoint_now() if self.preparer is not None else None
+        return recorded_instances(cp.claims()) if cp is not None else frozenset()
+
     def _prepared_claims(self) -> tuple[ClaimRecord, ...]:
         """The preparer's claims now, read without its lock; what the claim reader
         remembered of claims no longer prepared is dropped."""
@@ -281,6 +290,7 @@ class NodeService:
             if self.preparer is not None and self.plugin is not None:
                 report = await self.preparer.recover()
                 log.info("recovered from the checkpoint", extra={"fields": {"report": str(report)}})
+                self.agent.slices.trigger()  # the checkpoint now names gpudra's MIG instances
                 try:
                     await self.plugin.start()
                     if self.sampler is not None or self.status_writer is not None:

@@ -19,9 +19,9 @@ capacity stays `memory` as upstream publishes it.
 
 A GPU published with integer shares (`gpudra node --gpu-shares N`, the device
 plugin's time-slicing `replicas`) is the same device with `allowMultipleAllocations`
-and the upstream driver's `--consumable-shares=N` capacities: `shares` (value N, one
-per request step) and `memory` with a zero default, so a request for `shares: 1`
-takes one of N places and no memory. Unlike upstream, a request that names no
+and the upstream driver's `--consumable-shares=N` capacities: `shares` (value N,
+requested in whole shares) and `memory` with a zero default, so a request for
+`shares: 1` takes one of N places and no memory. Unlike upstream, a request that names no
 shares takes all N (the `shares` default): a whole-GPU claim gets the GPU only while
 no share is taken, and keeps every share off it. Claims written for upstream's
 integer shares ask `capacity.requests: {shares: 1}` and behave the same here.
@@ -35,7 +35,7 @@ numbers are not stable across reboots and driver reloads (docs/gpus.md).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Container, Mapping
 from typing import Any
 
 from gpudra.api.sharing import SHARES_CAPACITY
@@ -45,6 +45,7 @@ from gpudra.driver.devices import (
     CounterSet,
     Device,
     Inventory,
+    MigKey,
     MigStrategy,
     Version,
 )
@@ -130,14 +131,24 @@ def shares_capacity(memory: int, shares: int) -> dict[str, Any]:
                 "validRange": {"min": "0", "max": str(top), "step": "1Mi"},
             },
         },
-        SHARES_CAPACITY: {
-            "value": str(shares),
-            "requestPolicy": {
-                "default": str(shares),
-                "validRange": {"min": "1", "max": str(shares), "step": "1"},
-            },
-        },
+        SHARES_CAPACITY: {"value": str(shares), "requestPolicy": _shares_policy(shares)},
     }
+
+
+def _shares_policy(shares: int) -> dict[str, Any]:
+    """Whole shares from 1 to all of them, all by default.
+
+    One share has no step: the API wants `min + step` within the capacity
+    (validation.go, validateRequestPolicyRange), and 1 + 1 is more than one share, so
+    the server would refuse every slice of the pool. Without a step the scheduler
+    still hands out whole shares only: a smaller request rounds up to `min` (1), a
+    larger one is over `max` (1). So a one-share GPU is one whole allocation, and a
+    claim for `shares: 1` written for N shares still fits it.
+    """
+    valid_range = {"min": "1", "max": str(shares)}
+    if shares > 1:
+        valid_range["step"] = "1"
+    return {"default": str(shares), "validRange": valid_range}
 
 
 def memory_capacity(driver: str) -> str:
@@ -191,11 +202,14 @@ def pool_content(
     driver: str | None = None,
     shares: Mapping[str, int] | None = None,
     legacy: bool = False,
+    own_migs: Container[MigKey] = frozenset(),
 ) -> PoolContent:
     """The pool; devices named in `shared` (from `SharedGpus.resolve`) are published for
     memory slices of `driver`, which names their memory capacity; those in `shares`
     (from `GpuShares.resolve`) with that many integer shares; `legacy` adds upstream's
-    old attributes to every device."""
+    old attributes to every device. `own_migs` are the MIG instances gpudra made for
+    prepared claims (`mig.recorded_instances`): under dynamic MIG what every other
+    instance holds is kept out of the pool (`Gpu.dynamic_view`)."""
     if shared and driver is None:
         raise ValueError("shared devices need the driver name for their memory capacity")
     devices = [
@@ -206,7 +220,7 @@ def pool_content(
             shares=(shares or {}).get(d.name, 0),
             legacy=legacy,
         )
-        for d in inventory.devices(strategy)
+        for d in inventory.devices(strategy, own_migs)
     ]
-    sets = [counter_set(cs) for cs in inventory.counter_sets(strategy)]
+    sets = [counter_set(cs) for cs in inventory.counter_sets(strategy, own_migs)]
     return PoolContent(devices=devices, counter_sets=sets)

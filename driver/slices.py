@@ -9,6 +9,7 @@ editing our slices (the kubelet wipes them at its start) is just another differe
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import re
 import time
@@ -18,7 +19,13 @@ from typing import Any
 
 import anyio
 import anyio.abc
-from gpudra.api.names import attribute_name_problem, dns_label_problem
+from gpudra.api.names import (
+    DNS_SUBDOMAIN_MAX,
+    attribute_name_problem,
+    dns_label_problem,
+    dns_subdomain_problem,
+)
+from gpudra.api.quantity import Quantity, QuantityError, parse_quantity
 from gpudra.common.backoff import Backoff
 from gpudra.common.kube import RESOURCE_API, ApiError, Kube
 from gpudra.common.reconcile import ReconcileLoop
@@ -141,13 +148,18 @@ def validate_device(
         _check_name(name, "capacity", key, known)
         if not isinstance(cap, dict) or "value" not in cap:
             raise DeviceLimitError(name, f"capacity {key}", f"must be {{value: ...}} (got {cap!r})")
-        if not shared and "requestPolicy" in cap:
+        if "requestPolicy" not in cap:
+            continue
+        if not shared:
             raise DeviceLimitError(
                 name,
                 f"capacity {key}",
                 "has a requestPolicy, which the API allows only on a device with "
                 "allowMultipleAllocations",
             )
+        problems = capacity_problems(cap)
+        if problems:
+            raise DeviceLimitError(name, f"capacity {key}", "; ".join(problems))
     uses = dev.get("consumesCounters", [])
     if len(uses) > limits.max_consumes_per_device:
         raise DeviceLimitError(
@@ -162,6 +174,135 @@ def validate_device(
         raise DeviceLimitError(
             name, "taints", f"has {len(taints)} taints, over the limit of {limits.max_taints}"
         )
+
+
+# validation.go: CapacityRequestPolicyDiscreteMaxOptions.
+MAX_VALID_VALUES = 10
+
+
+def capacity_problems(cap: dict[str, Any]) -> list[str]:
+    """Why the API server refuses a capacity of a device with allowMultipleAllocations,
+    each reason as it words it; empty when it accepts it.
+
+    A port of v1.36 validation.go's `validateMultiAllocatableDeviceCapacity` and what it
+    calls (`validateRequestPolicy`, `validateRequestPolicyValidValues`,
+    `validateRequestPolicyRange`, `validateRequestPolicyRangeStep`), rule for rule:
+    quantities compare exactly, the step arithmetic uses `Value()` (rounded up to an
+    integer) as Go does, and duplicate valid values are found by `Value()` too. A step
+    whose `Value()` is 0 is refused here: Go divides by it (the write would fail).
+    """
+    try:
+        value = _quantity(cap.get("value"), "value")
+        policy = cap.get("requestPolicy")
+        if policy is None:
+            return []
+        if not isinstance(policy, dict):
+            return [f"requestPolicy must be an object (got {policy!r})"]
+        valid_values = policy.get("validValues") or []
+        valid_range = policy.get("validRange")
+        if valid_values and valid_range is not None:
+            return [
+                "requestPolicy: exactly one policy can be specified, cannot specify "
+                '"validValues" and "validRange" at the same time'
+            ]
+        raw_default = policy.get("default")
+        if valid_values:
+            if raw_default is None:
+                return ["requestPolicy.default: required when validValues is defined"]
+            options = [_quantity(v, f"validValues[{i}]") for i, v in enumerate(valid_values)]
+            return _valid_values_problems(_quantity(raw_default, "default"), value, options)
+        if valid_range is not None:
+            if raw_default is None:
+                return ["requestPolicy.default: required when validRange is defined"]
+            if not isinstance(valid_range, dict):
+                return [f"requestPolicy.validRange must be an object (got {valid_range!r})"]
+            return _range_problems(_quantity(raw_default, "default"), value, valid_range)
+        return []
+    except QuantityError as e:
+        return [str(e)]
+
+
+def _quantity(raw: Any, where: str) -> Quantity:
+    try:
+        return parse_quantity(raw, allow_negative=True)
+    except QuantityError as e:
+        raise QuantityError(f"{where} {e}") from None
+
+
+def _valid_values_problems(
+    default: Quantity, value: Quantity, options: list[Quantity]
+) -> list[str]:
+    """validateRequestPolicyValidValues: ascending, at most 10, each within the
+    capacity, no two with the same Value(), the default among them."""
+    where = "requestPolicy.validValues"
+    problems = [
+        f"{where}[{i + 1}] {options[i + 1]}: values must be sorted in ascending order"
+        for i in range(len(options) - 1)
+        if options[i].amount > options[i + 1].amount
+    ]
+    found_default = False
+    if len(options) > MAX_VALID_VALUES:
+        # validateSet stops at the size, before any item: the default is not found.
+        problems.append(
+            f"{where}: has {len(options)} values, more than the {MAX_VALID_VALUES} allowed"
+        )
+    else:
+        seen: set[int] = set()
+        for i, option in enumerate(options):
+            if option.amount > value.amount:
+                problems.append(
+                    f"{where}[{i}] {option}: option is larger than capacity value: {value}"
+                )
+            if option.amount == default.amount:
+                found_default = True
+            key = option.value()
+            if key in seen:
+                problems.append(f"{where}[{i}]: duplicate value {key}")
+            seen.add(key)
+    if not found_default:
+        problems.append(f"{where}: default {default} is not valid according to the requestPolicy")
+    return problems
+
+
+def _range_problems(default: Quantity, value: Quantity, valid_range: dict[str, Any]) -> list[str]:
+    """validateRequestPolicyRange: min required and within the capacity, the default
+    between min and max, max within the capacity, min plus one step within the capacity,
+    the default and max on the step grid from min."""
+    where = "requestPolicy.validRange"
+    if valid_range.get("min") is None:
+        return [f"{where}.min: required when validRange is defined"]
+    low = _quantity(valid_range["min"], "validRange.min")
+    problems: list[str] = []
+    if low.amount > value.amount:
+        problems.append(f"{where}.min {low}: min is larger than capacity value: {value}")
+    if default.amount < low.amount:
+        problems.append(f"{where}.min: default {default} is less than min: {low}")
+    high: Quantity | None = None
+    if valid_range.get("max") is not None:
+        high = _quantity(valid_range["max"], "validRange.max")
+        if low.amount > high.amount:
+            problems.append(f"{where}.max: min {low} is larger than max: {high}")
+        if high.amount > value.amount:
+            problems.append(f"{where}.max {high}: max is larger than capacity value: {value}")
+        if default.amount > high.amount:
+            problems.append(f"{where}.max: default {default} is more than max: {high}")
+    if valid_range.get("step") is not None:
+        step = _quantity(valid_range["step"], "validRange.step")
+        if low.amount + step.amount > value.amount:
+            problems.append(
+                f"{where}.step {step}: one step ({low} + {step}) is larger than capacity "
+                f"value: {value}"
+            )
+        if step.value() == 0:
+            problems.append(f"{where}.step {step}: must be at least 1 once rounded up")
+            return problems
+        for what, amount in (("default", default), ("max", high)):
+            if amount is not None and (amount.value() - low.value()) % step.value() != 0:
+                problems.append(
+                    f"{where}.step: {what} {amount} is not a multiple of a given step "
+                    f"({step}) from ({low})"
+                )
+    return problems
 
 
 def validate_counter_set(counter_set: dict[str, Any], limits: SliceLimits) -> None:
@@ -249,6 +390,10 @@ def _chunks(items: list[Any], size: int) -> list[list[Any]]:
     return [items[i : i + size] for i in range(0, len(items), size)]
 
 
+def _shared(dev: dict[str, Any]) -> bool:
+    return bool(dev.get("allowMultipleAllocations"))
+
+
 def _loose_chunks(devices: list[dict[str, Any]], size: int) -> list[list[Any]]:
     """Devices that consume no counters, shareable ones (`allowMultipleAllocations`) in
     slices of their own, after the exclusive ones.
@@ -259,9 +404,26 @@ def _loose_chunks(devices: list[dict[str, Any]], size: int) -> list[list[Any]]:
     the split costs them nothing). After: the scheduler takes the first device that
     fits, so a claim for a whole GPU gets an exclusive one before it takes all of a
     shared GPU's memory and shuts the memory slices out."""
-    shared = [d for d in devices if d.get("allowMultipleAllocations")]
-    exclusive = [d for d in devices if not d.get("allowMultipleAllocations")]
+    shared = [d for d in devices if _shared(d)]
+    exclusive = [d for d in devices if not _shared(d)]
     return _chunks(exclusive, size) + _chunks(shared, size)
+
+
+def _device_chunks(devices: list[dict[str, Any]], limits: SliceLimits) -> list[list[Any]]:
+    """1.35+: the devices in slices, every exclusive device before every shareable one
+    (as `_loose_chunks`, whose reasons hold here too), and in each kind the devices
+    without taints or counters (128 a slice) before the others (64 a slice).
+
+    A taint, even of effect None (an application XID, an unmonitored GPU), only lowers
+    the device count of its slice: it must not move a shareable GPU ahead of the
+    exclusive ones, where a whole-GPU claim would take all of its memory first."""
+    chunks: list[list[Any]] = []
+    for kind in ([d for d in devices if not _shared(d)], [d for d in devices if _shared(d)]):
+        plain = [d for d in kind if not _constrained(d)]
+        constrained = [d for d in kind if _constrained(d)]
+        chunks += _chunks(plain, limits.max_devices)
+        chunks += _chunks(constrained, limits.max_devices_constrained)
+    return chunks
 
 
 def plan_slices(content: PoolContent, limits: SliceLimits) -> list[dict[str, Any]]:
@@ -292,10 +454,7 @@ def plan_slices(content: PoolContent, limits: SliceLimits) -> list[dict[str, Any
     if limits.separate_counters:
         for group in _chunks(content.counter_sets, limits.max_counter_sets):
             bodies.append({"sharedCounters": group})
-        plain = [d for d in content.devices if not _constrained(d)]
-        constrained = [d for d in content.devices if _constrained(d)]
-        bodies += [{"devices": c} for c in _loose_chunks(plain, limits.max_devices)]
-        bodies += [{"devices": c} for c in _chunks(constrained, limits.max_devices_constrained)]
+        bodies += [{"devices": c} for c in _device_chunks(content.devices, limits)]
         return bodies
     # 1.34: devices live in the slice that holds the counter sets they consume.
     by_set: dict[str, list[dict[str, Any]]] = {name: [] for name in sets}
@@ -328,9 +487,68 @@ def unshared_by_server(sent: dict[str, Any], stored: dict[str, Any]) -> list[str
     ]
 
 
-def slice_name(node: str, driver: str, index: int) -> str:
-    """Deterministic names make a deleted slice easy to recognise and restore."""
-    return f"{node}-{driver}-{index}"
+def uncounted_by_server(sent: dict[str, Any], stored: dict[str, Any]) -> list[str]:
+    """Counter sets and devices sent with counters that the server stored without them.
+
+    An API server without the DRAPartitionableDevices gate (off by default up to 1.35)
+    drops `sharedCounters` and every `consumesCounters` silently (the resourceslice
+    strategy's dropDisabledDRAPartitionableDevicesFields), so the scheduler sees every
+    dynamic MIG placement as a device of its own and allocates overlapping ones.
+    """
+    kept_sets = {cs.get("name") for cs in stored.get("sharedCounters") or []}
+    dropped = [
+        f"counter set {cs['name']}"
+        for cs in sent.get("sharedCounters") or []
+        if cs["name"] not in kept_sets
+    ]
+    counted = {d.get("name") for d in stored.get("devices") or [] if d.get("consumesCounters")}
+    dropped += [
+        d["name"]
+        for d in sent.get("devices") or []
+        if d.get("consumesCounters") and d["name"] not in counted
+    ]
+    return dropped
+
+
+def without_counters(content: PoolContent) -> PoolContent:
+    """The pool less every device that consumes counters and every counter set: what a
+    node publishes where the API server drops counters (`uncounted_by_server`)."""
+    return PoolContent([d for d in content.devices if not d.get("consumesCounters")])
+
+
+# Digits kept free for the index after a shortened node name (`slice_names`).
+_INDEX_ROOM = 6
+_HASH_CHARS = 10
+
+
+def slice_names(node: str, driver: str, count: int) -> list[str]:
+    """The names of a pool's `count` slices, in the order `plan_slices` made them.
+
+    `<node>-<driver>-<index>`: deterministic, so a deleted slice is easy to recognise
+    and restore, and stable across restarts. A name must be a DNS subdomain of at most
+    253 characters, and a node name may have 253 itself (the driver name, checked at
+    start, at most 63): where the name would be longer, the node part becomes the
+    node name's head and 10 hex digits of its SHA-256, which keeps it unique per node.
+    Names that fit are left as they were, so an upgrade renames no slice.
+
+    The scheduler reads a pool's slices sorted by name, byte by byte, and takes the
+    first device that fits, so their order carries `plan_slices`'s (exclusive GPUs
+    before shared ones). Past 10 slices `-10` sorts before `-2`; rather than pad the
+    index (which would rename every slice of every node on upgrade), the indices are
+    handed out in the order their names sort: slice 2 of the plan is named `-10` when
+    there are 11 or more. The set of names is the same as before, only which slice
+    carries which one changes, and only for pools of 11 or more slices.
+    """
+    last = str(max(count - 1, 0))
+    prefix = f"{node}-{driver}-"
+    if len(prefix) + len(last) > DNS_SUBDOMAIN_MAX:
+        digest = hashlib.sha256(node.encode()).hexdigest()[:_HASH_CHARS]
+        keep = DNS_SUBDOMAIN_MAX - len(driver) - len(digest) - 3 - _INDEX_ROOM
+        # A node name's dots and dashes sit between letters or digits: a cut one would
+        # end the part on a character the API refuses before a '-'.
+        head = node[: max(keep, 0)].rstrip(".-")
+        prefix = f"{head}-{digest}-{driver}-" if head else f"{digest}-{driver}-"
+    return [prefix + index for index in sorted(str(i) for i in range(count))]
 
 
 @dataclass
@@ -351,6 +569,18 @@ class SliceController:
     `source()` returns the desired PoolContent (it may raise: then nothing is
     written and the current slices stay, rather than publishing a partial pool).
     Call `trigger()` whenever the inventory or health changes.
+
+    An API server that drops counters (`uncounted_by_server`: the DRAPartitionableDevices
+    gate is off, the default up to 1.35) would let the scheduler allocate overlapping
+    dynamic MIG placements, whose second prepare fails and leaves its pod stuck. The
+    first write that shows it stops the reconcile: the agent logs an error naming the
+    gate, and from then on publishes the pool without any device that consumes
+    counters (`without_counters`): whole GPUs stay, MIG-enabled GPUs offer nothing.
+    Not the static view (the MIG devices that exist): the kubelet plugin resolves an
+    allocated name in the strategy it was started with, and a static MIG device has
+    its placement's name, so it would try to create the instance that is already there.
+    `counters_refused` says so; enabling the gate takes an agent restart, which tries
+    counters again, or `--mig-strategy static` publishes the existing MIG devices.
     """
 
     def __init__(
@@ -379,6 +609,9 @@ class SliceController:
         self._published: _Published | None = None
         self._node_uid: str | None = None
         self._plan: list[dict[str, Any]] | None = None
+        # What the server dropped counters from (`uncounted_by_server`); once set, the
+        # pool is published without devices that consume counters (class docstring).
+        self.counters_refused: list[str] = []
         # Bad inventory (PoolError) is not retried in a loop; the next change retries it.
         self._reconciler = ReconcileLoop(
             self.reconcile_once,
@@ -467,7 +700,15 @@ class SliceController:
 
     def _desired(self, bodies: list[dict[str, Any]], generation: int) -> dict[str, dict[str, Any]]:
         out = {}
-        for i, body in enumerate(bodies):
+        names = slice_names(self.node, self.driver, len(bodies))
+        for name in names:
+            problem = dns_subdomain_problem(name)
+            if problem is not None:
+                raise PoolError(
+                    f"slice name {name!r} {problem}: check the driver name {self.driver!r} "
+                    f"and the node name {self.node!r}"
+                )
+        for name, body in zip(names, bodies, strict=True):
             spec = {
                 "driver": self.driver,
                 "nodeName": self.node,
@@ -478,13 +719,15 @@ class SliceController:
                 },
                 **body,
             }
-            out[slice_name(self.node, self.driver, i)] = spec
+            out[name] = spec
         return out
 
     async def reconcile_once(self) -> None:
         self.reconciles += 1
         if self._plan is None:
             content = self.source()
+            if self.counters_refused:
+                content = without_counters(content)
             limits = await self._limits()
             self._plan = plan_slices(content, limits)
         bodies = self._plan
@@ -531,6 +774,14 @@ class SliceController:
                     "on the API server and the scheduler for memory slices",
                     extra={"fields": {**self.fields, "slice": name, "devices": dropped}},
                 )
+            uncounted = uncounted_by_server(spec, resp["spec"])
+            if uncounted and not self.counters_refused:
+                self._refuse_counters(name, uncounted, bodies)
+                # Counter sets come first in a plan, so this is the first slice written
+                # of a new generation: the pool stays incomplete (the scheduler takes
+                # nothing from it) until the generation without counters is whole.
+                await self.reconcile_once()
+                return
         for name in observed.keys() - desired.keys():
             self.writes += 1
             try:
@@ -541,6 +792,31 @@ class SliceController:
             self._cache.pop(name, None)
         self._published = pub
         self.converged.set()
+
+    def _refuse_counters(self, name: str, dropped: list[str], bodies: list[dict[str, Any]]) -> None:
+        self.counters_refused = dropped
+        self._plan = None
+        withheld = sum(
+            1 for body in bodies for d in body.get("devices", ()) if d.get("consumesCounters")
+        )
+        log.error(
+            "the API server dropped the MIG counters (sharedCounters, consumesCounters): "
+            "its DRAPartitionableDevices feature gate is off, so the scheduler would "
+            "allocate overlapping MIG placements. Publishing no dynamic MIG placements "
+            "on this node. Fix: enable DRAPartitionableDevices on kube-apiserver and "
+            "kube-scheduler (on by default from 1.36) and restart the gpudra node "
+            "agents, or run them with --mig-strategy static (chart: node.migStrategy: "
+            "static) to publish the MIG devices that exist",
+            extra={
+                "fields": {
+                    **self.fields,
+                    "slice": name,
+                    "dropped": dropped[:8],
+                    "droppedCount": len(dropped),
+                    "withheld": withheld,
+                }
+            },
+        )
 
     def _adoptable(
         self, observed: dict[str, dict[str, Any]], bodies: list[dict[str, Any]], generation: int
