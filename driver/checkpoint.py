@@ -278,12 +278,12 @@ def _claim_from_json(obj: Any) -> ClaimRecord:
     try:
         state = ClaimState(raw_state)
     except ValueError:
-        # A state from a newer release: treat it as unfinished so it gets rolled back.
-        log.warning(
-            "unknown claim state in checkpoint; treating it as PrepareStarted",
-            extra={"fields": {"uid": obj.get("uid"), "state": raw_state}},
-        )
-        state = ClaimState.PREPARE_STARTED
+        # A newer release's state: its claim may be prepared and in use, so rolling it
+        # back could take a running pod's devices. The record is kept as it is and
+        # reported, as any record this release cannot read.
+        raise _MalformedError(
+            f"state {raw_state!r} is not one this release knows (a newer release's?)"
+        ) from None
     devices = obj.get("devices") or []
     if not isinstance(devices, list):
         raise _MalformedError("devices must be a list")
@@ -430,8 +430,13 @@ class Checkpoint:
         for raw_claim in raw_previous if isinstance(raw_previous, list) else []:
             try:
                 previous.append(_claim_from_json(raw_claim))
-            except _MalformedError:
-                log.warning("unreadable previous-boot record dropped")
+            except _MalformedError as exc:
+                # Left over a reboot, where what a record names rarely survives: dropped,
+                # with what it said, so that an admin can check for what did.
+                log.warning(
+                    "unreadable previous-boot record dropped",
+                    extra={"fields": {"path": str(path), "error": str(exc), "record": raw_claim}},
+                )
 
         stored_boot = doc.get("bootId") if isinstance(doc.get("bootId"), str) else None
         checkpoint = cls(
@@ -454,7 +459,9 @@ class Checkpoint:
                 "fields": {
                     "path": str(self._path),
                     "claims": sorted(self._claims),
-                    "unreadable": sorted(self._unreadable),
+                    # Dropped, unlike readable ones (nothing could undo them): what they
+                    # said is here for an admin to check what survived the reboot.
+                    "unreadable": self._unreadable,
                     "stored_boot_id": stored_boot,
                     "boot_id": self._boot_id,
                 }

@@ -313,8 +313,15 @@ def _destroy_compute_instances(nvml: NvmlLibrary, gi: Any) -> None:
             nvml.nvmlComputeInstanceDestroy(ci)
 
 
-def destroy_mig(nvml: NvmlLibrary, gpu_uuid: str, mig: CreatedMig) -> bool:
-    """Destroy the compute instances, then the GPU instance; False if it was gone."""
+def destroy_mig(
+    nvml: NvmlLibrary, gpu_uuid: str, mig: CreatedMig, *, mig_uuid: str | None = None
+) -> bool:
+    """Destroy the compute instances, then the GPU instance; False if it was gone.
+
+    With `mig_uuid`, only the instance whose MIG device has that UUID, the one gpudra
+    made: an instance at the same placement and GPU instance ID may be another's (after
+    a reboot the GPU hands both out afresh), and is then left, answering False.
+    """
     gi_id = "?" if mig.gi is None else mig.gi
     step = f"destroying MIG GPU instance {gi_id} (profile {mig.profile_id})"
     with _nvml_open(nvml):
@@ -323,6 +330,10 @@ def destroy_mig(nvml: NvmlLibrary, gpu_uuid: str, mig: CreatedMig) -> bool:
             gi = _find_gpu_instance(nvml, parent, mig)
             if gi is None:
                 return False
+            if mig_uuid is not None:
+                found = int(nvml.nvmlGpuInstanceGetInfo(gi).id)
+                if mig.ci is None or _mig_uuid(nvml, parent, found, mig.ci) != mig_uuid:
+                    return False
             _destroy_compute_instances(nvml, gi)
             nvml.nvmlGpuInstanceDestroy(gi)
         except pynvml.NVMLError as err:

@@ -988,9 +988,15 @@ class ClaimPreparer:
         return report
 
     async def _clean_previous_boot(self, cp: Checkpoint) -> list[str]:
-        """MIG instances may outlive a reboot when the driver keeps them; daemons and
-        time-slices do not. Each record goes once everything it names is cleaned, so one
-        that cannot be (unreadable, or NVML refusing) is retried alone at later starts.
+        """Daemons and time-slices do not outlive a reboot, and NVIDIA's MIG instances
+        do not either (only MIG mode does), though a GPU that is not reset with its host
+        (passed through to a virtual machine) may keep them. An instance at a recorded
+        placement is destroyed only where it is provably the one gpudra made, its MIG
+        device UUID the recorded one: after a reboot the placement and GPU instance ID
+        may belong to an instance made since (nvidia-mig-parted re-creating a layout at
+        boot, an admin), and a record from before NVML gave the UUID proves nothing. Each
+        record goes once everything it names is cleaned, so one that cannot be
+        (unreadable, or NVML refusing) is retried alone at later starts.
 
         This boot's claims may meanwhile hold what a previous-boot record names: a MIG
         placement the scheduler handed out again, or the MPS folders of the same claim
@@ -1018,8 +1024,18 @@ class ClaimPreparer:
                         cp, "", gpu_uuid, mig, any_id=True
                     ) is not None or cp.unreadable_holders(device.key):
                         continue
+                    if details.uuid is None:
+                        log.info(
+                            "previous boot MIG instance left: nothing proves an instance "
+                            "at its placement is the one gpudra made",
+                            extra={"fields": {"claim": record.uid, "gpu": gpu_uuid}},
+                        )
+                        continue
+                    destroy = functools.partial(
+                        destroy_mig, self._nvml, gpu_uuid, mig, mig_uuid=details.uuid
+                    )
                     try:
-                        await anyio.to_thread.run_sync(destroy_mig, self._nvml, gpu_uuid, mig)
+                        await anyio.to_thread.run_sync(destroy)
                     except Exception as exc:
                         gi = "?" if mig.gi is None else mig.gi
                         errors.append(f"{where}: destroying MIG instance {gi} on {gpu_uuid}: {exc}")

@@ -24,6 +24,11 @@ verbatim; a side-effect record it cannot interpret is also kept verbatim and
 becomes one of `problems`, which fail the claim's undo with the field named (the
 record stays for a retry), so one bad record never stops the agent. The upstream
 driver's checkpoints that a new release called corrupt are the lesson here.
+
+Descriptive values are scalars and side effects are objects, in every release: an
+object under a key this release does not know is a side effect of a kind a newer
+release made, which this one cannot undo, so it is one of `problems` too. Forgetting
+it with the record would leave what it names in place with nothing to say so.
 """
 
 from __future__ import annotations
@@ -313,7 +318,11 @@ def _info(raw: Mapping[str, Any], key: str, kind: type, kept: dict[str, Any]) ->
 def details_from_json(raw: Mapping[str, Any]) -> DeviceDetails:
     """The typed form of a device's `details`; never raises (see the module docstring)."""
     kept = {k: v for k, v in raw.items() if k not in _INFO_KEYS and k not in _EFFECT_KEYS}
-    problems: dict[str, str] = {}
+    problems: dict[str, str] = {
+        key: f"details.{key}: a side effect this release does not know (a newer release's?)"
+        for key, value in kept.items()
+        if isinstance(value, Mapping)
+    }
     gpu_uuid = _info(raw, "parentUuid", str, kept)
     mig = _effect(raw, "mig", _mig, problems, kept)
     if isinstance(mig, CreatedMig) and not gpu_uuid:

@@ -925,6 +925,19 @@ class NvmlEmulator:
                 raise _nvml_error(pynvml.NVML_ERROR_IN_USE)
             gpu.mig_current = gpu.mig_pending
 
+    def power_cycle(self) -> None:
+        """The host rebooted: a pending MIG mode takes effect and every GPU and compute
+        instance is gone (NVIDIA: only MIG mode persists across a reboot). Instances made
+        afterwards get MIG UUIDs none made before had, as the driver's do."""
+        with self._lock:
+            for gpu in self._gpus:
+                for gi in list(gpu.gpu_instances.values()):
+                    for ci in list(gi.compute_instances.values()):
+                        self._remove_compute_instance(ci)
+                    self._remove_gpu_instance(gi)
+                gpu.mig_current = gpu.mig_pending
+            self._save_state()
+
     def create_gpu_instance_numbered(
         self, index: int, profile_id: int, start: int, gpu_instance_id: int
     ) -> None:

@@ -27,7 +27,14 @@ from gpudra.driver.checkpoint import (
     GroupCommit,
     load,
 )
-from gpudra.driver.records import CreatedMig, DeviceDetails, MpsStarted, TimeSliceSet
+from gpudra.driver.records import (
+    CreatedMig,
+    DeviceDetails,
+    MpsStarted,
+    TimeSliceSet,
+    details_from_json,
+    details_to_json,
+)
 
 BOOT_A = "6c0ff6d4-1b2d-4a3e-9f00-00000000000a"
 BOOT_B = "6c0ff6d4-1b2d-4a3e-9f00-00000000000b"
@@ -242,11 +249,32 @@ def test_old_file_without_version_or_boot_id_is_read(cp_path: Path, boot: Path) 
     assert checkpoint.get(CLAIM_1.uid) is not None
 
 
-def test_unknown_state_is_treated_as_unfinished(cp_path: Path, boot: Path) -> None:
+def test_an_unknown_state_is_kept_and_reported_not_rolled_back(cp_path: Path, boot: Path) -> None:
+    """A newer release's state may mean prepared and in use: rolling the claim back could
+    take a running pod's devices, so the record is kept as it is and reported."""
     doc = _foreign_file(cp_path, CHECKPOINT_VERSION + 1)
     doc["claims"][CLAIM_1.uid]["state"] = "UnprepareStarted"
     cp_path.write_text(json.dumps(doc))
-    assert [c.uid for c in _load(cp_path, boot).incomplete()] == [CLAIM_1.uid]
+    checkpoint = _load(cp_path, boot)
+    assert checkpoint.incomplete() == []
+    assert checkpoint.get(CLAIM_1.uid) is None
+    assert checkpoint.unreadable()[CLAIM_1.uid]["state"] == "UnprepareStarted"
+    problem = checkpoint.unreadable_problem(CLAIM_1.uid)
+    assert problem is not None and "state 'UnprepareStarted' is not one this release" in problem
+    checkpoint.begin_prepare(CLAIM_2)
+    assert _doc(cp_path)["claims"][CLAIM_1.uid]["state"] == "UnprepareStarted"
+
+
+def test_a_side_effect_of_an_unknown_kind_is_a_problem() -> None:
+    """A newer release's side effect (an object under a key this one does not know)
+    cannot be undone here; a descriptive value of its is kept and ignored."""
+    details = details_from_json(
+        {"type": "gpu", "powerLimit": {"uuid": "GPU-1", "previous": 300}, "note": "x"}
+    )
+    assert list(details.problems) == ["powerLimit"]
+    assert "a side effect this release does not know" in details.problems["powerLimit"]
+    assert details_to_json(details)["powerLimit"] == {"uuid": "GPU-1", "previous": 300}
+    assert details_from_json({"type": "gpu", "note": "x"}).problems == {}
 
 
 def test_unreadable_record_is_kept_and_reported(cp_path: Path, boot: Path) -> None:

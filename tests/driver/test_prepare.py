@@ -1987,6 +1987,36 @@ async def test_unreadable_record_is_its_claims_error_and_never_stops_recovery(
 
 
 @pytest.mark.anyio
+async def test_a_newer_releases_side_effect_keeps_its_claim_until_undone_by_hand(
+    node: Node,
+) -> None:
+    """After a downgrade, a record naming a side effect this release does not know (a
+    newer release's) is not unprepared as if it were not there: unprepare fails naming
+    it, the record stays, and the `undone` file lets it go once undone by hand."""
+    emu = h100()
+    claim = _fixture_claim(0)
+    preparer = node_preparer(node, emu)
+    assert (await preparer.prepare([claim]))[claim.uid].error is None
+    doc = json.loads(node.checkpoint.read_text())
+    effect = {"uuid": "GPU-x", "previous": 300, "applied": True}
+    doc["claims"][claim.uid]["devices"][0]["details"]["powerLimit"] = effect
+    node.checkpoint.write_text(json.dumps(doc))
+    older = node_preparer(node, emu)
+
+    error = (await older.unprepare([claim]))[claim.uid]
+
+    assert error is not None and "details.powerLimit" in error
+    cp = load_checkpoint(node.checkpoint, boot_id_path=node.boot_id)
+    assert [c.uid for c in cp.claims()] == [claim.uid]
+    marker = node.checkpoint.parent / "undone" / claim.uid
+    assert str(marker) in error
+    marker.parent.mkdir()
+    marker.touch()
+    assert (await older.unprepare([claim]))[claim.uid] is None
+    assert load_checkpoint(node.checkpoint, boot_id_path=node.boot_id).claims() == []
+
+
+@pytest.mark.anyio
 async def test_a_claim_whose_record_cannot_be_read_is_never_called_unprepared(node: Node) -> None:
     """A record unreadable as a whole (a field of its own or a device's of the wrong
     type) may describe a compute mode or instance still set up: unprepare and prepare of
@@ -3099,6 +3129,38 @@ async def test_previous_boot_cleanup_never_destroys_this_boots_mig_instance(node
     await node_preparer(node, emu, strategy=MigStrategy.DYNAMIC).recover()  # a restart
 
     assert list(mig_devices(emu)) == ["gpu-0-mig-3g40gb-9-0"]
+
+
+@pytest.mark.anyio
+async def test_a_reboot_leaves_the_mig_instance_made_since_at_a_recorded_placement(
+    node: Node,
+) -> None:
+    """NVIDIA's MIG instances do not outlive a reboot; a layout tool (nvidia-mig-parted)
+    or an admin may make one at the same placement, with the same GPU instance ID, before
+    the agent starts. It is not gpudra's: the previous boot's record is forgotten and the
+    instance left. One the GPU kept (its MIG UUID the recorded one) is destroyed."""
+    emu = h100_mig()
+    claim = _fixture_claim(5)
+    first = node_preparer(node, emu, strategy=MigStrategy.DYNAMIC)
+    assert (await first.prepare([claim]))[claim.uid].error is None
+    ours = mig_devices(emu)
+    (name,) = ours
+
+    emu.power_cycle()
+    gpu = discover(emu).gpus[0]
+    placement = next(p.placement for p in gpu.partitions if p.name == name)
+    gi = create_gpu_instance(emu, gpu.uuid, placement)
+    create_compute_instance(emu, gpu.uuid, gi)
+    theirs = mig_devices(emu)
+    assert list(theirs) == [name] and theirs[name] != ours[name]
+    node.boot_id.write_text(BOOT_B + "\n")
+
+    report = await node_preparer(node, emu, strategy=MigStrategy.DYNAMIC).recover()
+
+    assert report.previous_boot == (claim.uid,)
+    assert report.errors == ()
+    assert mig_devices(emu) == theirs
+    assert load_checkpoint(node.checkpoint, boot_id_path=node.boot_id).previous_boot() == []
 
 
 @pytest.mark.anyio
