@@ -16,12 +16,56 @@ served once the bundle trusting both the old and the new CA has been confirmed i
 configuration for ``CA_PROPAGATION``. A configuration that does not exist calls nobody
 and counts as up to date; it is patched as soon as it appears.
 
-Rollouts: a restarted pod (``--cert-source=self``) makes a new CA while the old pod
-still serves until it has terminated. With ``keep_foreign_s`` the controller keeps each
-certificate it finds in a configuration that is not its own for that long after first
-seeing it, so the bundle trusts both pods during the overlap; both pods write the same
-canonical bundle (certificates sorted), so they do not fight, and the old CA is dropped
-once the window has passed. Only parseable certificates are kept.
+Several pods (``--cert-source=self``): every pod makes its own CA, and the bundle must
+trust each pod that may serve: the old pod of a rollout until it has terminated, a
+surge pod that never turns Ready, a second replica. A fixed window from first sight
+(the design before this one) cannot tell a pod that is gone from one that is alive and
+agrees: once the windows passed, two live pods dropped each other's CA, each put its own
+back, and they rewrote the configurations in a tight loop with a pod's CA missing half
+the time. Taking a CA that reappears after being dropped as a sign of life would stop
+the loop, but only after dropping it: a failed review each window. So the bundle
+follows *live writers*, through leases kept on the configurations themselves (the
+webhook already writes them by name; nothing more is granted), the way Kubernetes'
+own Lease objects work:
+
+- Each pod's controller (with ``keep_foreign_s``, the lease duration) holds a lease on
+  each certificate of its own bundle: the annotation
+  ``ca-lease.gpudra.nvidia.com/<first 128 bits of the certificate's SHA-256, hex>``,
+  whose value is a timestamp and the holder (the pod's name), e.g.
+  ``2025-06-01T10:00:00.000+00:00 gpudra-webhook-7d9f-x2x4z``. It renews its leases
+  every quarter of ``keep_foreign_s`` while another pod's lease is live (a pod alone, or
+  beside pods of an earlier release only, writes nothing on a timer). When a CA
+  rotation drops one of its certificates it marks that lease ``released`` in the same
+  write, and the others drop the certificate at once instead of keeping it against it.
+- Every other pod keeps a certificate in its bundle while that certificate's lease is
+  live: until ``keep_foreign_s`` after its value was last seen to change. A pod that
+  is gone stops renewing, and every pod drops its CA, and the lease, at most
+  ``keep_foreign_s`` after its last renewal: the old CA of a rollout stays while the old
+  pod terminates and goes once it is gone.
+- A certificate that shows up without a live lease (a pod of a release before leases,
+  a CA put back by hand, or a pod that was alone and let its stamp age) is stamped by
+  the first pod that sees it (``<time> <that pod> first-seen``) and kept for
+  ``keep_foreign_s`` from that stamp (the rollout window of old); the stamp is shared,
+  so every pod drops it at the same moment instead of each from when it happened to
+  look. If it is put back after being dropped, something alive holds it (a pod of an
+  earlier release still serving): it is stamped again and kept, not taken out again
+  and again.
+
+All pods compute the same canonical bundle (certificates sorted), so they agree and
+write nothing but renewals: four writes per configuration and pod per
+``keep_foreign_s``. A lease's timestamp is compared with this pod's clock only when the
+lease is first seen; afterwards a renewal counts from when it was seen, so a skewed
+clock costs nothing once the pods watch each other. A lease that disappears says
+nothing (it expired and was removed, or someone removed it by hand); its holder, if
+alive, writes it back.
+
+A write that keeps being undone is not repeated at once: if the configuration no
+longer holds what this controller wrote less than `_FIGHT_WINDOW_S` earlier, the next
+write waits a delay that doubles up to a minute (`gpudra.common.backoff.Backoff`), and
+the first undo of an episode is logged once, with what the other writer adds and takes
+away (certificates by subject and fingerprint, their lease holders, the last field
+manager). Such a writer is a pod of an earlier release, a GitOps tool that resets
+``caBundle``, or a person; pods of this release do not fight one another.
 
 `SelfSignedRotation` is the loop of ``--cert-source=self``: it rotates the files with
 `gpudra.webhook.certs.ensure_pki` and hands every bundle to the controller. With
@@ -35,10 +79,12 @@ import base64
 import datetime as dt
 import functools
 import logging
+import math
 import re
+import socket
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 from typing import Any, Final
@@ -47,7 +93,8 @@ import anyio
 import anyio.to_thread
 from anyio.abc import TaskStatus
 from cryptography import x509
-from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.x509.oid import NameOID
 from gpudra.common.backoff import Backoff
 from gpudra.common.kube import ApiError, Kube
 from gpudra.common.reconcile import ReconcileLoop
@@ -62,12 +109,14 @@ from gpudra.webhook.certs import (
 )
 
 __all__ = [
+    "LEASE_PREFIX",
     "ROLLOUT_OVERLAP_S",
     "CABundleController",
     "ConfigurationKind",
     "SelfSignedRotation",
     "WebhookConfiguration",
     "certificates",
+    "fingerprint",
 ]
 
 logger = logging.getLogger(__name__)
@@ -78,8 +127,15 @@ _BACKOFF: Final = Backoff(max_s=5.0)
 _PEM_BLOCK: Final = re.compile(rb"-----BEGIN CERTIFICATE-----.+?-----END CERTIFICATE-----", re.S)
 _MAX_FOREIGN: Final = 64
 ROLLOUT_OVERLAP_S: Final = 600.0
-"""How long a restarted pod keeps the CA of the pod it replaces: longer than that pod's
-termination (the chart's grace period plus endpoint propagation)."""
+"""How long a CA stays in the bundle after its pod last renewed its lease (or, without
+a lease, after it was first stamped): longer than a pod's termination (the chart's
+grace period plus endpoint propagation)."""
+LEASE_PREFIX: Final = "ca-lease.gpudra.nvidia.com/"
+"""The annotations, one per certificate, that say a live pod still serves from it."""
+_RENEWALS_PER_LEASE: Final = 4
+_FIGHT_WINDOW_S: Final = 30.0
+"""A write undone within this long is repeated only after a backoff delay."""
+_FIGHT_BACKOFF: Final = Backoff(first_s=1.0, max_s=60.0)
 
 
 def certificates(bundle: bytes) -> list[bytes]:
@@ -96,6 +152,19 @@ def certificates(bundle: bytes) -> list[bytes]:
     return found
 
 
+def fingerprint(cert_pem: bytes) -> str:
+    """The name of a certificate's lease: the first 128 bits of its SHA-256, in hex."""
+    cert = x509.load_pem_x509_certificate(cert_pem)
+    return cert.fingerprint(hashes.SHA256()).hex()[:32]
+
+
+def _describe(cert_pem: bytes) -> str:
+    cert = x509.load_pem_x509_certificate(cert_pem)
+    names = cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
+    subject = str(names[0].value) if names else cert.subject.rfc4514_string()
+    return f"CN={subject} sha256:{fingerprint(cert_pem)[:12]}"
+
+
 def _decoded(bundle_b64: object) -> bytes:
     if not isinstance(bundle_b64, str):
         return b""
@@ -103,6 +172,38 @@ def _decoded(bundle_b64: object) -> bytes:
         return base64.b64decode(bundle_b64, validate=True)
     except ValueError:
         return b""
+
+
+def _stamp(at: float, holder: str) -> str:
+    """A lease value: when, then who."""
+    when = dt.datetime.fromtimestamp(at, dt.UTC).isoformat(timespec="milliseconds")
+    return f"{when} {holder}"
+
+
+def _stamped_at(value: str) -> float | None:
+    """The time of a lease value; None if it has none that can be read."""
+    try:
+        when = dt.datetime.fromisoformat(value.split(" ", 1)[0])
+    except ValueError:
+        return None
+    return when.timestamp() if when.tzinfo is not None else None
+
+
+def _lease_note(value: str | None) -> str:
+    """Who wrote a lease, and how: ``pod-a``, ``pod-b first-seen``, ``pod-a released``."""
+    parts = (value or "").split(" ", 1)
+    return parts[1] if len(parts) > 1 else ""
+
+
+def _released(value: str | None) -> bool:
+    """A lease its holder gave up: its certificate is to go at once."""
+    return value is not None and value.endswith(" released")
+
+
+def _version(obj: dict[str, Any] | None) -> int | None:
+    """The resourceVersion as a number, where it is one (etcd's revision)."""
+    version = ((obj or {}).get("metadata") or {}).get("resourceVersion")
+    return int(version) if isinstance(version, str) and version.isdigit() else None
 
 
 class ConfigurationKind(StrEnum):
@@ -150,12 +251,74 @@ class _Observed:
         """Every webhook's bundle holds all of `certs`."""
         return all(set(certs) <= set(certificates(_decoded(b))) for b in self.bundles())
 
+    def certificates(self) -> dict[str, bytes]:
+        """Every parseable certificate of any webhook's bundle, by fingerprint."""
+        found: dict[str, bytes] = {}
+        for stored in self.bundles():
+            for cert in certificates(_decoded(stored)):
+                found.setdefault(fingerprint(cert), cert)
+        return found
+
+    def annotations(self) -> dict[str, str]:
+        if self.object is None:
+            return {}
+        found = (self.object.get("metadata") or {}).get("annotations") or {}
+        return {str(k): str(v) for k, v in found.items()} if isinstance(found, dict) else {}
+
+    def leases(self) -> dict[str, str]:
+        """The CA leases: fingerprint -> value."""
+        return {
+            k.removeprefix(LEASE_PREFIX): v
+            for k, v in self.annotations().items()
+            if k.startswith(LEASE_PREFIX)
+        }
+
+    def last_writer(self) -> str:
+        """The field manager of the latest write, from ``managedFields`` (if any)."""
+        entries = [
+            e
+            for e in ((self.object or {}).get("metadata") or {}).get("managedFields") or []
+            if isinstance(e, dict)
+        ]
+        if not entries:
+            return ""
+        last = max(entries, key=lambda e: str(e.get("time") or ""))
+        return f"{last.get('manager')} ({last.get('operation')} at {last.get('time')})"
+
+
+@dataclass
+class _Foreign:
+    """A certificate of another pod, as this controller knows it."""
+
+    pem: bytes | None = None
+    """Its PEM, once seen in a bundle (a lease names only the fingerprint)."""
+    until: float = 0.0
+    """Wall-clock time it stops being kept; kept while in the future."""
+    stamp: str | None = None
+    """The lease value this controller stamped it with (first seen without a live lease)."""
+
+
+@dataclass
+class _Writes:
+    """What this controller last wrote to one configuration, to notice a write undone."""
+
+    bundle_b64: str | None = None
+    annotations: dict[str, str] | None = None
+    at: float = -math.inf
+    """time.monotonic() of that write."""
+    delays: Iterator[float] = field(default_factory=_FIGHT_BACKOFF.delays)
+    waited: bool = False
+    """The backoff delay before the next write has been served."""
+    episode: bool = False
+    """The current episode of undone writes has been logged."""
+
 
 class CABundleController:
     """Watches the given configurations and writes `bundle` into each of their webhooks.
 
-    With `keep_foreign_s`, certificates found there that are not in `bundle` stay for that
-    long after they were first seen (see the module's rollout notes).
+    With `keep_foreign_s`, certificates of other pods found there stay while their pods
+    keep their leases, and the pod's own certificates are leased under `holder` (the
+    host name, which is the pod's name, by default); see the module's notes.
     """
 
     def __init__(
@@ -164,6 +327,7 @@ class CABundleController:
         configurations: Sequence[WebhookConfiguration],
         *,
         keep_foreign_s: float = 0.0,
+        holder: str | None = None,
     ) -> None:
         if not configurations:
             raise ValueError("configurations must name at least one webhook configuration")
@@ -172,17 +336,27 @@ class CABundleController:
         self._bundle: bytes | None = None
         self._bundle_b64 = ""
         self._keep_foreign_s = keep_foreign_s
-        # Foreign certificate -> monotonic time it stops being kept. Expired entries stay,
-        # so a certificate put back after its window is not kept again.
-        self._foreign: dict[bytes, float] = {}
-        # Every certificate this pod has published: one it rotated out is never foreign.
-        self._owned: set[bytes] = set()
-        self._foreign_added = anyio.Event()
+        self._renew_s = keep_foreign_s / _RENEWALS_PER_LEASE
+        self._holder = holder or socket.gethostname()
+        # Foreign certificate's fingerprint -> what is known of it. Entries outlive their
+        # window (so a certificate is not stamped again while it stays in the bundle)
+        # and are pruned once nothing names them.
+        self._foreign: dict[str, _Foreign] = {}
+        # The fingerprints of every certificate this pod has published (one it rotated
+        # out is never foreign), and of those in its bundle now.
+        self._owned_fps: set[str] = set()
+        self._own_fps: frozenset[str] = frozenset()
+        self._lease = ""
+        self._renewed_at = -math.inf
+        # The leases of each configuration as last seen, to tell a renewal from a repeat.
+        self._leases: dict[WebhookConfiguration, dict[str, str]] = {}
+        self._changed = anyio.Event()
         self._observed: dict[WebhookConfiguration, _Observed] = {}
         # (bundle, when it was first seen in every configuration); replaced, never mutated,
         # so the rotation thread reads a consistent pair.
         self._published: tuple[bytes, dt.datetime] | None = None
         self._trusted = False
+        self._writes = {c: _Writes() for c in self._configurations}
         self._repairs = {
             c: ReconcileLoop(
                 functools.partial(self._patch, c),
@@ -194,6 +368,8 @@ class CABundleController:
         self._progress = anyio.Event()
         self.patches = 0
         """Patches written (tests and metrics read it)."""
+        self.undone = 0
+        """Writes found undone by another writer within `_FIGHT_WINDOW_S`."""
 
     @property
     def bundle(self) -> bytes | None:
@@ -201,7 +377,7 @@ class CABundleController:
 
     def desired_b64(self) -> str:
         """What every webhook's ``caBundle`` should hold now (base64): the bundle, plus
-        the foreign certificates still inside their window, in canonical order."""
+        the foreign certificates still kept, in canonical order."""
         return self._bundle_b64
 
     def set_bundle(self, bundle: bytes) -> None:
@@ -210,8 +386,17 @@ class CABundleController:
             raise ValueError("bundle must hold at least one PEM certificate")
         if bundle == self._bundle:
             return
+        first = self._bundle is None
         self._bundle = bundle
-        self._owned.update(certificates(bundle))
+        self._own_fps = frozenset(fingerprint(c) for c in certificates(bundle))
+        self._owned_fps.update(self._own_fps)
+        for fp in self._own_fps:
+            self._foreign.pop(fp, None)
+        if self._keep_foreign_s > 0:
+            self._renew()  # a new certificate's lease starts fresh
+            if first:  # configurations seen before the bundle: their CAs are first seen now
+                for config, observed in self._observed.items():
+                    self._note_foreign(config, None, observed)
         self._refresh_desired()
         logger.info(
             "new caBundle for the webhook configurations",
@@ -249,7 +434,7 @@ class CABundleController:
                 await tg.start(self._reflector(config).run)
                 tg.start_soon(self._repairs[config].run)
             if self._keep_foreign_s > 0:
-                tg.start_soon(self._expire_foreign)
+                tg.start_soon(self._keep_time)
             task_status.started()
 
     def _reflector(self, config: WebhookConfiguration) -> Reflector:
@@ -274,49 +459,174 @@ class CABundleController:
         """Recompute the desired bundle: ours, then the foreign ones still kept."""
         if self._bundle is None:
             return
-        now = time.monotonic()
-        kept = [c for c, until in self._foreign.items() if until > now]
+        now = time.time()
+        kept = [e.pem for e in self._foreign.values() if e.pem is not None and e.until > now]
         desired = b"".join(sorted({*certificates(self._bundle), *kept})) if kept else self._bundle
         self._bundle_b64 = base64.b64encode(desired).decode("ascii")
 
-    def _note_foreign(self, observed: _Observed) -> None:
+    def _renew(self) -> None:
+        now = time.time()
+        self._lease = _stamp(now, self._holder)
+        self._renewed_at = now
+
+    def _peers_present(self) -> bool:
+        """Another pod that reads leases is alive: one of its own is live. (A pod of an
+        earlier release holds none and reads none; renewing for it is of no use.)"""
+        now = time.time()
+        for leases in self._leases.values():
+            for fp, value in leases.items():
+                entry = self._foreign.get(fp)
+                if (
+                    entry is not None
+                    and entry.until > now
+                    and value != entry.stamp
+                    and not _released(value)
+                ):
+                    return True
+        return False
+
+    def _renew_if_due(self) -> bool:
+        """Renew our leases when due: only while another pod reads them."""
+        if (
+            self._keep_foreign_s > 0
+            and self._bundle is not None
+            and time.time() >= self._renewed_at + self._renew_s
+            and self._peers_present()
+        ):
+            self._renew()
+            return True
+        return False
+
+    def _entry(self, fp: str) -> _Foreign | None:
+        """The entry of a foreign certificate, made if there is room."""
+        entry = self._foreign.get(fp)
+        if entry is None and len(self._foreign) >= _MAX_FOREIGN:
+            self._prune()
+        if entry is None and len(self._foreign) < _MAX_FOREIGN:
+            entry = self._foreign[fp] = _Foreign()
+        return entry
+
+    def _prune(self) -> None:
+        """Forget expired certificates that no configuration names any more."""
+        now = time.time()
+        named = {fp for o in self._observed.values() for fp in (*o.certificates(), *o.leases())}
+        for fp in [fp for fp, e in self._foreign.items() if e.until <= now and fp not in named]:
+            del self._foreign[fp]
+
+    def _note_foreign(
+        self, config: WebhookConfiguration, prev: _Observed | None, observed: _Observed
+    ) -> None:
+        """Update what is known of other pods' certificates from one observation."""
         if self._keep_foreign_s <= 0 or self._bundle is None:
             return
-        until = time.monotonic() + self._keep_foreign_s
-        for stored in observed.bundles():
-            for cert in certificates(_decoded(stored)):
-                if cert not in self._owned and cert not in self._foreign:
-                    if len(self._foreign) >= _MAX_FOREIGN:
-                        return
-                    self._foreign[cert] = until
-                    self._foreign_added.set()
-                    logger.info(
-                        "keeping another CA in the caBundle for a rollout",
-                        extra={"fields": {"keep_s": self._keep_foreign_s}},
-                    )
+        if observed.object is None:
+            # Deleted: no news of anyone's lease; a recreated one starts from first sight.
+            self._leases.pop(config, None)
+            return
+        now, keep = time.time(), self._keep_foreign_s
+        before = self._leases.get(config, {})
+        after = observed.leases()
+        self._leases[config] = after
+        present = observed.certificates()
+        had = prev.certificates() if prev is not None else {}
+        for fp, value in after.items():
+            if fp in self._owned_fps or (entry := self._entry(fp)) is None:
+                continue
+            if _released(value):  # its pod rotated it out: keeping it would fight that pod
+                entry.until = min(entry.until, now)
+            elif fp not in before:  # first sight: trust its stamp, never one in the future
+                stamped = _stamped_at(value)
+                if stamped is not None:
+                    entry.until = max(entry.until, min(stamped, now) + keep)
+            elif before[fp] != value:  # renewed: counts from now, whatever its clock says
+                entry.until = max(entry.until, now + keep)
+        # A lease that disappears says nothing: it was removed once expired (by this pod
+        # or another) or by hand, and its holder, if alive, writes it back.
+        for fp, cert in present.items():
+            if fp in self._owned_fps or (entry := self._entry(fp)) is None:
+                continue
+            entry.pem = cert
+            if fp not in had and entry.until <= now and not _released(after.get(fp)):
+                # New here and no live lease: stamp it, so every pod keeps it alike.
+                entry.until = now + keep
+                entry.stamp = f"{_stamp(now, self._holder)} first-seen"
+                logger.info(
+                    "keeping another CA in the caBundle",
+                    extra={
+                        "fields": {
+                            "certificate": _describe(cert),
+                            "lease": _lease_note(after.get(fp)),
+                            "keep_s": keep,
+                        }
+                    },
+                )
+        self._changed.set()
 
-    async def _expire_foreign(self) -> None:
-        """Drop foreign certificates when their window ends, and write the bundle."""
+    def _desired_annotations(self, observed: _Observed) -> dict[str, str] | None:
+        """The configuration's annotations with our leases, stamps and releases; None
+        when they need no change."""
+        if self._keep_foreign_s <= 0 or self._bundle is None or observed.object is None:
+            return None
+        now = time.time()
+        current = observed.annotations()
+        leases = observed.leases()
+        wanted = dict(current)
+        for fp in self._own_fps:
+            wanted[LEASE_PREFIX + fp] = self._lease
+        for fp in leases.keys() - self._own_fps:
+            entry = self._foreign.get(fp)
+            if fp in self._owned_fps:  # rotated out: say so, then let the mark expire
+                stamped = _stamped_at(leases[fp])
+                if not _released(leases[fp]):
+                    wanted[LEASE_PREFIX + fp] = f"{_stamp(now, self._holder)} released"
+                elif stamped is None or stamped + self._keep_foreign_s <= now:
+                    del wanted[LEASE_PREFIX + fp]
+            elif entry is not None and entry.until <= now:
+                del wanted[LEASE_PREFIX + fp]  # expired or released: let go
+        for fp, entry in self._foreign.items():
+            if entry.stamp is None or entry.until <= now:
+                continue
+            stamped = _stamped_at(leases[fp]) if fp in leases else None
+            if stamped is None or stamped + self._keep_foreign_s <= now:
+                wanted[LEASE_PREFIX + fp] = entry.stamp  # nobody else keeps it alive
+        return wanted if wanted != current else None
+
+    async def _keep_time(self) -> None:
+        """Renew our leases, and drop foreign certificates when theirs end."""
         while True:
-            now = time.monotonic()
-            pending = [until for until in self._foreign.values() if until > now]
-            added = self._foreign_added
-            with anyio.move_on_after(min(pending) - now + 0.01 if pending else None):
-                await added.wait()
-            if added.is_set():
-                self._foreign_added = anyio.Event()
-            before = self._bundle_b64
+            now = time.time()
+            deadlines = [e.until for e in self._foreign.values() if e.until > now]
+            if self._bundle is not None and self._peers_present():
+                deadlines.append(self._renewed_at + self._renew_s)
+            changed = self._changed
+            with anyio.move_on_after(max(0.0, min(deadlines) - now) + 0.01 if deadlines else None):
+                await changed.wait()
+            if changed.is_set():
+                self._changed = anyio.Event()
+            self._renew_if_due()
             self._refresh_desired()
-            if self._bundle_b64 != before:
-                for repair in self._repairs.values():
-                    repair.poke()
+            for config in self._configurations:
+                if self._needs_write(config):
+                    self._repairs[config].poke()
+
+    def _needs_write(self, config: WebhookConfiguration) -> bool:
+        observed = self._observed.get(config)
+        if self._bundle is None or observed is None or observed.object is None:
+            return False
+        return bool(observed.stale_indices(self._bundle_b64)) or (
+            self._desired_annotations(observed) is not None
+        )
 
     def _observe(self, config: WebhookConfiguration, obj: dict[str, Any] | None) -> None:
+        prev = self._observed.get(config)
+        old, new = _version(prev.object if prev else None), _version(obj)
+        if old is not None and new is not None and new < old:
+            return  # a watch event older than what a write or a read already showed
         self._observed[config] = _Observed(obj)
-        self._note_foreign(self._observed[config])
+        self._note_foreign(config, prev, self._observed[config])
         self._refresh_desired()
         self._check_published()
-        if self._bundle is not None and self._observed[config].stale_indices(self._bundle_b64):
+        if self._needs_write(config):
             self._repairs[config].poke()
 
     def _check_published(self) -> None:
@@ -338,13 +648,77 @@ class CABundleController:
         progress, self._progress = self._progress, anyio.Event()
         progress.set()
 
+    def _undone(
+        self, config: WebhookConfiguration, stale: list[int], annotations: dict[str, str] | None
+    ) -> bool:
+        """Whether this write repeats one that another writer undid a moment ago."""
+        last = self._writes[config]
+        if time.monotonic() - last.at >= _FIGHT_WINDOW_S:
+            return False
+        return bool(stale and last.bundle_b64 == self._bundle_b64) or bool(
+            annotations is not None and last.annotations == annotations
+        )
+
+    def _log_fight(self, config: WebhookConfiguration, observed: _Observed, delay: float) -> None:
+        wanted = {fingerprint(c): c for c in certificates(base64.b64decode(self._bundle_b64))}
+        found = observed.certificates()
+        leases = observed.leases()
+
+        def described(fps: set[str], certs: dict[str, bytes]) -> list[str]:
+            return sorted(
+                _describe(certs[fp])
+                + (f" (lease: {note})" if (note := _lease_note(leases.get(fp))) else "")
+                + (" (ours)" if fp in self._owned_fps else "")
+                for fp in fps
+            )
+
+        logger.warning(
+            "another writer keeps undoing the caBundle this pod writes; writing it again "
+            "only after a growing delay",
+            extra={
+                "fields": {
+                    "configuration": str(config),
+                    "it_adds": described(found.keys() - wanted.keys(), found),
+                    "it_removes": described(wanted.keys() - found.keys(), wanted),
+                    "annotations_undone": sorted(
+                        k
+                        for k, v in (self._writes[config].annotations or {}).items()
+                        if observed.annotations().get(k) != v
+                    ),
+                    "last_writer": observed.last_writer(),
+                    "retry_s": delay,
+                }
+            },
+        )
+
     async def _patch(self, config: WebhookConfiguration) -> None:
         observed = self._observed.get(config)
         if self._bundle is None or observed is None or observed.object is None:
             return
+        self._renew_if_due()
         stale = observed.stale_indices(self._bundle_b64)
-        if not stale:
+        annotations = self._desired_annotations(observed)
+        if not stale and annotations is None:
             return
+        writes = self._writes[config]
+        if writes.waited:
+            writes.waited = False  # the delay is served: write what is wanted now
+        elif self._undone(config, stale, annotations):
+            self.undone += 1
+            delay = next(writes.delays)
+            if not writes.episode:
+                writes.episode = True
+                self._log_fight(config, observed, delay)
+            writes.waited = True
+            await anyio.sleep(delay)
+            self._repairs[config].poke()
+            return
+        elif writes.episode and time.monotonic() - writes.at >= _FIGHT_WINDOW_S:
+            # Our last write stood for the whole window: the episode is over.
+            logger.info(
+                "caBundle writes no longer undone", extra={"fields": {"configuration": str(config)}}
+            )
+            self._writes[config] = writes = _Writes()
         obj = observed.object
         patch: list[dict[str, Any]] = [
             {
@@ -357,6 +731,9 @@ class CABundleController:
             {"op": "add", "path": f"/webhooks/{i}/clientConfig/caBundle", "value": self._bundle_b64}
             for i in stale
         ]
+        if annotations is not None:
+            # The whole map, so no key needs escaping; the test op above keeps it current.
+            patch.append({"op": "add", "path": "/metadata/annotations", "value": annotations})
         try:
             updated = await self._kube.request(
                 "PATCH", config.path, patch, content_type="application/json-patch+json"
@@ -366,15 +743,24 @@ class CABundleController:
                 self._observe(config, None)
                 return
             if exc.status in (409, 422):
-                # The object changed under us (the test op failed): read it again.
-                self._observe(config, await self._get(config))
-                return
+                # The object changed under us (the test op failed): read it again. If it
+                # did not, the write itself was refused: retried after a backoff.
+                current = await self._get(config)
+                self._observe(config, current)
+                if _version(current) is None or _version(current) != _version(obj):
+                    return
             raise
         self.patches += 1
-        logger.info(
-            "caBundle written",
-            extra={"fields": {"configuration": str(config), "webhooks": len(stale)}},
-        )
+        if stale:
+            writes.bundle_b64 = self._bundle_b64
+        if annotations is not None:
+            writes.annotations = annotations
+        writes.at = time.monotonic()
+        if stale:
+            logger.info(
+                "caBundle written",
+                extra={"fields": {"configuration": str(config), "webhooks": len(stale)}},
+            )
         self._observe(config, updated)
 
     async def _get(self, config: WebhookConfiguration) -> dict[str, Any] | None:

@@ -15,11 +15,13 @@ import anyio.to_thread
 import pytest
 from gpudra.common.kube import Kube
 from gpudra.webhook.cabundle import (
+    LEASE_PREFIX,
     CABundleController,
     ConfigurationKind,
     SelfSignedRotation,
     WebhookConfiguration,
     certificates,
+    fingerprint,
 )
 from gpudra.webhook.certs import (
     WebhookPki,
@@ -94,6 +96,14 @@ class Configs:
             lambda: self.kube.request("GET", f"{API}/{ref.kind.value}/{ref.name}")
         )
         return [w["clientConfig"].get("caBundle") for w in obj["webhooks"]]
+
+    async def leases(self, ref: WebhookConfiguration) -> set[str]:
+        """The fingerprints of the CA leases on the configuration."""
+        obj = await anyio.to_thread.run_sync(
+            lambda: self.kube.request("GET", f"{API}/{ref.kind.value}/{ref.name}")
+        )
+        found = obj["metadata"].get("annotations") or {}
+        return {k.removeprefix(LEASE_PREFIX) for k in found if k.startswith(LEASE_PREFIX)}
 
     async def set_bundle(self, ref: WebhookConfiguration, index: int, value: str) -> None:
         patch = [{"op": "add", "path": f"/webhooks/{index}/clientConfig/caBundle", "value": value}]
@@ -205,17 +215,18 @@ async def test_a_rollout_trusts_the_old_and_the_new_pod_until_the_window_ends(
     akube: Kube, configs: Configs
 ) -> None:
     """``tls.source=self`` rollout: the new pod (B) makes a new CA while the old pod (A)
-    still serves. Both CAs stay trusted while A terminates, A and B write the same bundle
-    instead of fighting, and A's CA goes once the window has passed."""
-    window = 10.0
+    still serves. Both CAs stay trusted while A runs, however long past the window (a
+    surge pod that never turns Ready), A and B write the same bundle instead of fighting,
+    and A's CA goes once A is gone and its lease has lapsed."""
+    window = 4.0
     mutating = configs.ref(ConfigurationKind.MUTATING)
     validating = configs.ref(ConfigurationKind.VALIDATING)
     old, new = generate_ca().cert_pem, generate_ca().cert_pem
     await configs.create(mutating, ca_bundle=b64(old))
     await configs.create(validating, ca_bundle=b64(old))
     both = b64(b"".join(sorted([*certificates(old), *certificates(new)])))
-    a = CABundleController(akube, [mutating, validating], keep_foreign_s=window)
-    b = CABundleController(akube, [mutating, validating], keep_foreign_s=window)
+    a = CABundleController(akube, [mutating, validating], keep_foreign_s=window, holder="a")
+    b = CABundleController(akube, [mutating, validating], keep_foreign_s=window, holder="b")
     a.set_bundle(old)
     b.set_bundle(new)
     async with anyio.create_task_group() as tg:
@@ -232,16 +243,24 @@ async def test_a_rollout_trusts_the_old_and_the_new_pod_until_the_window_ends(
         await configs.wait_bundles(mutating, both)
         await configs.wait_bundles(validating, both)
         assert a.desired_b64() == b.desired_b64() == both
-        # Settled: neither writes again while both run.
+        # Settled, past the window: the bundle stays; only lease renewals are written
+        # (four per window, pod and configuration).
         patches = a.patches + b.patches
-        await anyio.sleep(1.0)
-        assert a.patches + b.patches == patches
-        assert await configs.bundles(mutating) == [both, both]
+        end = anyio.current_time() + 2.5 * window
+        while anyio.current_time() < end:
+            assert await configs.bundles(mutating) == [both, both]
+            assert await configs.bundles(validating) == [both, both]
+            await anyio.sleep(0.2)
+        assert a.patches + b.patches - patches <= 2 * 2 * (4 * 3 + 1)
+        assert a.undone == b.undone == 0
+        leases = {fingerprint(certificates(pem)[0]) for pem in (old, new)}
+        assert await configs.leases(mutating) == await configs.leases(validating) == leases
 
-        old_pod.cancel()  # A has terminated; B drops its CA when the window ends
+        old_pod.cancel()  # A has terminated; B drops its CA when A's lease lapses
         await configs.wait_bundles(mutating, b64(new))
         await configs.wait_bundles(validating, b64(new))
         assert b.trusted
+        assert await configs.leases(mutating) == {fingerprint(certificates(new)[0])}
         tg.cancel_scope.cancel()
 
 
