@@ -136,6 +136,16 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "place of the one idle longest (lowered at start to what the open-files limit "
         f"allows; default: {HttpConfig.max_connections})",
     )
+    p.add_argument(
+        "--max-buffered-body-bytes",
+        type=int,
+        default=HttpConfig.max_buffered_body_bytes,
+        metavar="BYTES",
+        help="request-body bytes buffered at once over both ports; past it the bodies "
+        "received longest are answered 503, or the new request when that makes no room "
+        f"(default: {HttpConfig.max_buffered_body_bytes}; at least the largest body, "
+        f"{HttpConfig.max_body_bytes})",
+    )
     p.add_argument("--service", default="gpudra-webhook", help="the webhook's Service name")
     p.add_argument("--namespace", default="gpudra", help="the driver's namespace")
     p.add_argument(
@@ -293,6 +303,7 @@ def server_config(args: argparse.Namespace, policy: ConversionPolicy) -> ServerC
         host=args.host,
         port=args.port,
         max_connections=args.max_connections,
+        max_buffered_body_bytes=args.max_buffered_body_bytes,
         extra_device_classes=tuple(args.device_class),
         policy=policy,
         own_namespace=args.namespace,
@@ -360,6 +371,12 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(
             f"gpudra webhook: --max-connections {args.max_connections}: give at least 1 "
             f"(default: {HttpConfig.max_connections})"
+        )
+    if args.max_buffered_body_bytes < HttpConfig.max_body_bytes:
+        raise SystemExit(
+            f"gpudra webhook: --max-buffered-body-bytes {args.max_buffered_body_bytes}: give "
+            f"at least the largest request body, {HttpConfig.max_body_bytes} "
+            f"(default: {HttpConfig.max_buffered_body_bytes})"
         )
     if (args.client_ca_file is None) != (args.health_port is None):
         raise SystemExit(

@@ -104,9 +104,11 @@ class WebhookServer:
     def health_server(self, port: int) -> HttpServer:
         """A second listener on `port` with only /healthz, /readyz and /metrics and no
         client certificate check: the kubelet's probes and metrics scrapers present
-        none, while the admission port may require the API server's."""
+        none, while the admission port may require the API server's. It shares the
+        admission port's budget of buffered request bodies: one process, one memory
+        limit."""
         config = dataclasses.replace(self._config, port=port)
-        return HttpServer(config, {}, self._metrics, ready=self._ready)
+        return HttpServer(config, {}, self._metrics, ready=self._ready, bodies=self._http.bodies)
 
     @property
     def port(self) -> int:

@@ -20,14 +20,31 @@ this replaces).
 - requests on one connection (keep-alive, pipelined) are answered one at a time, in
   order; a request the server refuses before its body closes the connection after the
   answer, draining unread input for a moment so the client reads the answer first;
+- each connection is flow-controlled, so a client that pipelines requests and never
+  reads the answers holds a few requests and a bounded write buffer, not the process:
+  at most two of its requests wait (the one being answered and the next; the connection
+  stops reading at two, and one more completed in the same read is answered last, with
+  ``Connection: close``, since the parser cannot stop at a message and resume); while
+  the transport's write buffer is above its high-water mark the connection stops
+  answering and reading, and one that makes no progress for ``idle_timeout`` is
+  aborted; between two answers of one connection the loop serves the others;
+- request bodies buffered at once are bounded server-wide (``max_buffered_body_bytes``,
+  shared with the health port's listener), charged from ``Content-Length`` before any of
+  the body is read and released once the request is answered or its connection closes.
+  A body that does not fit makes room by answering 503 to the bodies still being
+  received that began longest ago (the way the connection bound does, so bodies declared
+  and never sent cannot lock the API server out); when that cannot make room, the new
+  request is answered 503 with ``Retry-After`` and its connection closed (the API server
+  retries such an answer);
 - open connections are bounded (``max_connections``): anyone who reaches the port can
   open connections and keep them (a request every two minutes keeps one alive, a slow
   head holds one for ten seconds at a time), each about 50 KiB with its TLS state. At
   the bound a new connection takes the place of the one that has waited longest
-  without a request being answered (idle, or still sending its request), which is
-  aborted, so a flood of held connections cannot lock the API server out nor exhaust
-  the process's memory or file descriptors. A connection whose request is being
-  answered is never closed for another; when every one is, the new one is refused;
+  without a request being answered (idle, still sending its request, or waiting for
+  its client to read the answers), which is aborted, so a flood of held connections
+  cannot lock the API server out nor exhaust the process's memory or file descriptors.
+  A connection whose request is being answered is never closed for another; when
+  every one is, the new one is refused;
 - health (``/healthz``), readiness (``/readyz``, failing while draining or while the
   ``ready`` hook says no) and ``/metrics``.
 
@@ -62,7 +79,7 @@ from gpudra.webhook.tls import ReloadingTLSContext
 from prometheus_client import CONTENT_TYPE_LATEST
 from prometheus_client.exposition import generate_latest
 
-__all__ = ["Endpoint", "HttpConfig", "HttpServer", "Reply", "text_reply"]
+__all__ = ["BodyBudget", "Endpoint", "HttpConfig", "HttpServer", "Reply", "text_reply"]
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +95,19 @@ _SPARE_FILES: Final = 64
 """File descriptors kept free beside the connections: the listener, the certificate
 reloads, the API client's own connections, the event loop's."""
 _CONTINUE: Final = b"HTTP/1.1 100 Continue\r\n\r\n"
+_MAX_QUEUED: Final = 2
+"""Requests of one connection parsed and not yet answered, the one being answered
+included: at the bound the connection stops reading until one is answered."""
+_WRITE_HIGH_WATER: Final = 64 * 1024
+"""Per connection: above this many bytes written and not yet sent (what the client has
+not read), the connection stops answering and reading. Above the largest answer the
+API server gets (an AdmissionReview response is a few KiB), and an eighth of the TLS
+transport's default, so that a thousand connections whose clients never read hold tens
+of MiB, not half a GiB."""
+_READ_HIGH_WATER: Final = 16 * 1024
+"""Per connection: encrypted input the TLS layer buffers while the connection does not
+read (at most this, plus one read from the socket)."""
+_RETRY_AFTER_S: Final = 1
 
 
 @dataclass(frozen=True)
@@ -90,6 +120,15 @@ class HttpConfig:
     """Address to bind; None listens on every interface (IPv4 and IPv6)."""
     port: int = 8443
     max_body_bytes: int = 3 * 1024 * 1024
+    max_buffered_body_bytes: int = 64 * 1024 * 1024
+    """Request-body bytes buffered at once, across every connection of the server (and
+    of its health port's listener): see the module docstring. 64 MiB holds 21 bodies of
+    the largest size (`max_body_bytes`) at once and thousands of the API server's usual
+    ones (a pod's review is 5-20 KiB, and 200 reviews a second hold well under 1 MiB),
+    and is an eighth of the chart's default memory limit (512 MiB), leaving the rest to
+    the process at rest (about 60 MiB), the connections' TLS buffers and the reviews
+    being decoded. Without it 150 connections declaring 3 MiB each and sending all but
+    the last byte took the process to 600 MiB in a second."""
     max_header_bytes: int = 16 * 1024
     """The longest request line or header line."""
     max_headers: int = 32
@@ -112,6 +151,8 @@ class Reply:
     content_type: str = "application/json"
     close: bool = False
     """The connection cannot go on after this reply (its input is out of step)."""
+    retry_after: int = 0
+    """Seconds for a Retry-After header (0: none)."""
 
 
 Endpoint = Callable[[bytes], Awaitable[Reply]]
@@ -141,6 +182,31 @@ class _Request:
     refused_head: bool = False
     """Refused before it had a path (parser, head limits, head deadline): counted as the
     server's `rejected`, not as a request of a path."""
+    charge: int = 0
+    """Body bytes it holds in the server's budget (its Content-Length) until answered."""
+
+
+_OVER_BUDGET: Final = Reply(
+    503,
+    b"the webhook is buffering as many request bodies as it may; retry\n",
+    "unavailable",
+    _TEXT,
+    close=True,
+    retry_after=_RETRY_AFTER_S,
+)
+
+
+class BodyBudget:
+    """Request-body bytes buffered at once by the listeners that share it: the admission
+    port and the health port are one process, under one memory limit."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+        """Bytes charged: the declared bodies of requests being received, queued or
+        being answered."""
+        self.pools: list[set[_Connection]] = []
+        """The open connections of each listener sharing the budget."""
 
 
 class HttpServer:
@@ -153,7 +219,10 @@ class HttpServer:
         metrics: WebhookMetrics,
         *,
         ready: Callable[[], bool] | None = None,
+        bodies: BodyBudget | None = None,
     ) -> None:
+        """`bodies`: a budget to share with another listener of the process; by default
+        one of `config.max_buffered_body_bytes` of its own."""
         self._config = config
         self._endpoints = dict(endpoints)
         self._metrics = metrics
@@ -170,6 +239,9 @@ class HttpServer:
         self._all_closed: anyio.Event | None = None
         self._max_connections = config.max_connections
         self._shed_log = LogPace()  # counted on every one, logged at most once a minute
+        self.bodies = bodies if bodies is not None else BodyBudget(config.max_buffered_body_bytes)
+        self.bodies.pools.append(self._connections)
+        self._budget_log = LogPace()
 
     @property
     def port(self) -> int:
@@ -318,7 +390,8 @@ class HttpServer:
         return Reply(200, generate_latest(self._metrics.registry), "ok", CONTENT_TYPE_LATEST)
 
     def refusal(self, request: _Request, headers: Mapping[str, str]) -> Reply | None:
-        """Why a request is answered from its head alone, before any of its body."""
+        """Why a request is answered from its head alone, before any of its body; a body
+        it lets through is charged to the body budget (`request.charge`) here."""
         cfg = self._config
         if "transfer-encoding" in headers:
             message = "Transfer-Encoding is not supported; send Content-Length"
@@ -335,7 +408,53 @@ class HttpServer:
                 f"{cfg.max_body_bytes} bytes; AdmissionReviews of Pods are far smaller"
             )
             return text_reply(400, message, close=True)
+        if size:
+            # Charged now, before any of the body is read (see `BodyBudget`).
+            bodies = self.bodies
+            if bodies.used + size > bodies.limit and not self._make_room(size):
+                self._over_budget("refused")
+                return _OVER_BUDGET
+            bodies.used += size
+            request.charge = size
         return None
+
+    def release(self, size: int) -> None:
+        """Give back body budget `refusal` took."""
+        self.bodies.used -= size
+
+    def _make_room(self, size: int) -> bool:
+        """Answer 503 to the bodies still being received that began longest ago, until
+        `size` more bytes fit; none when shedding all of them would not be enough (the
+        budget is held by requests being answered)."""
+        bodies = self.bodies
+        receiving = [c for pool in bodies.pools for c in pool if c.receiving and c.evictable]
+        excess = bodies.used + size - bodies.limit
+        if sum(c.receiving for c in receiving) < excess:
+            return False
+        receiving.sort(key=lambda c: c.receiving_since)
+        for connection in receiving:
+            if bodies.used + size <= bodies.limit:
+                break
+            connection.shed_body()
+            self._over_budget("evicted")
+        return True
+
+    def _over_budget(self, action: str) -> None:
+        due = self._budget_log.due()
+        if due is not None:
+            logger.warning(
+                "webhook request-body budget reached; answering 503 (many large or slow "
+                "request bodies at once? restrict who reaches the port: see "
+                "docs/security.md)",
+                extra={
+                    "fields": {
+                        "maxBufferedBodyBytes": self.bodies.limit,
+                        "buffered": self.bodies.used,
+                        "shed": due,
+                        "last": action,
+                    }
+                },
+            )
 
     def _ready(self) -> bool:
         if not self._serving or self._draining:
@@ -379,6 +498,9 @@ class _Connection(asyncio.Protocol):
     complete; the body's runs from there until the message is complete; between
     requests only the keep-alive bound applies. A head still partial at its deadline is
     answered 408; a connection that never sent a byte is closed without an answer.
+    The timers run on while reading is paused (`_MAX_QUEUED`, or a client not reading
+    its answers), and answering that waits for the client to read gives up after the
+    keep-alive bound.
     """
 
     def __init__(self, server: HttpServer, loop: asyncio.AbstractEventLoop) -> None:
@@ -391,6 +513,16 @@ class _Connection(asyncio.Protocol):
         self._timer_kind = ""
         self._pending: deque[_Request | bytes] = deque()
         self._worker: asyncio.Task[None] | None = None
+        # Flow control.
+        self._queued = 0
+        """Requests parsed and not yet answered, the one being answered included."""
+        self._charged = 0
+        """Body bytes this connection's requests hold in the server's budget."""
+        self._reading_paused = False
+        self._writing_paused = False
+        self._drained: asyncio.Future[None] | None = None
+        """While answering waits for the client to read: done once it has."""
+        self._overflowed = False
         # The message being parsed.
         self._in_message = False
         self._heard = False
@@ -409,8 +541,20 @@ class _Connection(asyncio.Protocol):
 
     @property
     def evictable(self) -> bool:
-        """Not having a request answered: idle, or still sending one."""
-        return self._worker is None and self._transport is not None
+        """Not having a request answered: idle, still sending one, or waiting for its
+        client to read the answers."""
+        return (self._worker is None or self._drained is not None) and self._transport is not None
+
+    @property
+    def receiving(self) -> int:
+        """Budget held by the body still being received (0: none)."""
+        request = self._request
+        return request.charge if request is not None else 0
+
+    @property
+    def receiving_since(self) -> float:
+        """When the body being received began (its head was complete)."""
+        return self._request.started if self._request is not None else 0.0
 
     # --- asyncio.Protocol ---------------------------------------------------------------
 
@@ -421,6 +565,7 @@ class _Connection(asyncio.Protocol):
             self._stopped = True
             self._transport.abort()
             return
+        self._transport.set_write_buffer_limits(_WRITE_HIGH_WATER)
         self._arm("head", self._config.header_timeout, self._head_expired)
 
     def data_received(self, data: bytes) -> None:
@@ -461,7 +606,26 @@ class _Connection(asyncio.Protocol):
         self._disarm()
         self._stopped = True
         self._transport = None
+        # Nothing more is answered: what was queued and every body held go now.
+        self._pending.clear()
+        self._body = []
+        if self._charged:
+            self._server.release(self._charged)
+            self._charged = 0
+        self._wake_writer()
         self._server.disconnected(self)
+
+    def pause_writing(self) -> None:
+        """The client has not read its answers and the transport's buffer is above its
+        high-water mark: answer and read nothing more until it drains."""
+        self._writing_paused = True
+        self._pause_reading()
+
+    def resume_writing(self) -> None:
+        self._writing_paused = False
+        self.last_active = time.monotonic()
+        self._wake_writer()
+        self._resume_reading()
 
     # --- parser callbacks (httptools) --------------------------------------------------------
 
@@ -511,9 +675,12 @@ class _Connection(asyncio.Protocol):
             self._stopped = True  # nothing more of this connection is read
             self._submit(request)
             raise _Stop
+        self._charged += request.charge
         self._request = request
         if self._headers.get("expect", "").lower() == "100-continue":
-            self._submit(_CONTINUE)
+            self._pending.append(_CONTINUE)
+            if self._worker is None:
+                self._worker = self._loop.create_task(self._answer_pending())
         if self._headers.get("content-length", "0") != "0":
             self._arm("body", self._config.body_timeout, self._body_expired)
 
@@ -530,12 +697,24 @@ class _Connection(asyncio.Protocol):
             return  # refused at its head: answered already
         request.body = b"".join(self._body)
         self._body = []
+        if self._queued >= _MAX_QUEUED:
+            # More requests in one read than may wait: the parser cannot stop at a message
+            # and resume later, so this one is answered last, with Connection: close, and
+            # nothing after it is read (a client that pipelines retries the rest on a new
+            # connection, RFC 9112 section 9.3.2).
+            request.keep_alive = False
+            self._overflowed = self._stopped = True
+            self._submit(request)
+            raise _Stop
         self._submit(request)
 
     # --- answering ---------------------------------------------------------------------------
 
-    def _submit(self, item: _Request | bytes) -> None:
-        self._pending.append(item)
+    def _submit(self, request: _Request) -> None:
+        self._pending.append(request)
+        self._queued += 1
+        if self._queued >= _MAX_QUEUED:
+            self._pause_reading()
         if self._worker is None:
             self._worker = self._loop.create_task(self._answer_pending())
 
@@ -543,15 +722,27 @@ class _Connection(asyncio.Protocol):
         """Answer queued requests in order; then wait for the next, or close."""
         try:
             while self._pending:
+                if self._writing_paused and not await self._client_read():
+                    return
                 item = self._pending.popleft()
                 if isinstance(item, bytes):
                     self._write(item)
                     continue
                 reply, keep_alive = await self._server.answer(item)
+                self._queued -= 1
+                if item.charge and self._charged:  # else gone: its budget was given back
+                    self._charged -= item.charge
+                    self._server.bodies.used -= item.charge
+                if self._transport is None:
+                    return  # gone meanwhile: nothing more is answered
                 self._write(_response(reply, keep_alive))
                 if not keep_alive:
-                    self._finish(lingering=item.early is not None)
+                    self._finish(lingering=item.early is not None or self._overflowed)
                     return
+                if self._reading_paused:
+                    self._resume_reading()
+                if self._pending:
+                    await asyncio.sleep(0)  # one connection's queue never holds the loop
         finally:
             self._worker = None
             self.last_active = time.monotonic()
@@ -564,6 +755,62 @@ class _Connection(asyncio.Protocol):
             self._arm("head", self._config.header_timeout, self._head_expired)
         else:
             self._arm("idle", self._config.idle_timeout, self._idle_expired)
+
+    async def _client_read(self) -> bool:
+        """Wait for the client to read what was written (the write buffer below its
+        low-water mark); False, with the connection aborted, when it has not for the
+        keep-alive bound, or the connection is gone."""
+        waiter = self._drained = self._loop.create_future()
+        try:
+            await asyncio.wait_for(waiter, self._config.idle_timeout)
+        except TimeoutError:
+            self.abort()
+            return False
+        finally:
+            self._drained = None
+        return self._transport is not None
+
+    def _wake_writer(self) -> None:
+        waiter = self._drained
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def _pause_reading(self) -> None:
+        if not self._reading_paused and self._transport is not None:
+            self._reading_paused = True
+            self._transport.pause_reading()
+            # What the TLS layer buffers while the connection does not read: its default
+            # (256 KiB) times a thousand connections would be a quarter of a GiB.
+            self._transport.set_read_buffer_limits(_READ_HIGH_WATER)  # type: ignore[attr-defined]
+
+    def _resume_reading(self) -> None:
+        """Read on once a queued request was answered and the client reads its answers."""
+        if self._queued < _MAX_QUEUED and not self._writing_paused:
+            self._unpause_reading()
+
+    def _unpause_reading(self) -> None:
+        if self._reading_paused and self._transport is not None:
+            self._reading_paused = False
+            self._transport.resume_reading()
+
+    def _release(self, size: int) -> None:
+        if self._charged:  # nothing once the connection is gone: it gave back all it held
+            self._charged -= size
+            self._server.release(size)
+
+    def shed_body(self) -> None:
+        """Make room in the body budget: the request still being received is answered
+        503 before the rest of its body, and the connection closes."""
+        request, self._request = self._request, None
+        if request is None:
+            return
+        self._release(request.charge)
+        request.charge = 0
+        self._body = []
+        self._disarm()
+        self._stopped = True
+        request.early = _OVER_BUDGET
+        self._submit(request)
 
     def _write(self, data: bytes) -> None:
         if self._transport is not None and not self._transport.is_closing():
@@ -613,6 +860,7 @@ class _Connection(asyncio.Protocol):
         if self._transport is None:
             return
         if lingering:
+            self._unpause_reading()
             self._arm("linger", _LINGER_S, self._close)
         else:
             self._close()
@@ -647,6 +895,9 @@ class _Connection(asyncio.Protocol):
         request, self._request = self._request, None
         if request is None:
             return
+        self._release(request.charge)
+        request.charge = 0
+        self._body = []
         self._stopped = True
         request.early = text_reply(408, "request body not received in time", close=True)
         self._submit(request)
@@ -654,8 +905,11 @@ class _Connection(asyncio.Protocol):
     def _idle_expired(self) -> None:
         self._timer, self._timer_kind = None, ""
         if not self._in_message and self._worker is None:
-            self._stopped = True
-            self._close()
+            if self._writing_paused:
+                self.abort()  # its client has not read its answers: no TLS shutdown either
+            else:
+                self._stopped = True
+                self._close()
 
 
 def connection_bound(configured: int) -> int:
@@ -691,11 +945,12 @@ def _response(reply: Reply, keep_alive: bool) -> bytes:
         reason = HTTPStatus(reply.status).phrase
     except ValueError:
         reason = "Unknown"
+    retry = f"Retry-After: {reply.retry_after}\r\n" if reply.retry_after else ""
     head = (
         f"HTTP/1.1 {reply.status} {reason}\r\n"
         f"Content-Type: {reply.content_type}\r\n"
         f"Content-Length: {len(reply.body)}\r\n"
-        f"Connection: {'keep-alive' if keep_alive else 'close'}\r\n\r\n"
+        f"Connection: {'keep-alive' if keep_alive else 'close'}\r\n{retry}\r\n"
     )
     return head.encode("latin-1") + reply.body
 

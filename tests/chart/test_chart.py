@@ -810,6 +810,7 @@ def test_notes_tell_how_to_check(helm: Path) -> None:
         ({"webhook": {"port": 70000}}, "/webhook/port"),
         ({"webhook": {"port": 0}}, "/webhook/port"),
         ({"webhook": {"maxConnections": 0}}, "/webhook/maxConnections"),
+        ({"webhook": {"maxBufferedBodyBytes": 3145727}}, "/webhook/maxBufferedBodyBytes"),
         ({"node": {"metricsMaxConnections": 0}}, "/node/metricsMaxConnections"),
         ({"node": {"metricsDeadlineSeconds": 0}}, "/node/metricsDeadlineSeconds"),
         ({"kubernetesApi": {"port": 0}}, "/kubernetesApi/port"),
@@ -983,15 +984,17 @@ def test_connection_bounds_reach_both_components(helm: Path) -> None:
         return parser.parse_args([a.replace("$(NODE_NAME)", "n1") for a in container["args"]])
 
     default = h.template(helm)
-    assert parsed(default, "Deployment").max_connections == 1024
+    webhook = parsed(default, "Deployment")
+    assert (webhook.max_connections, webhook.max_buffered_body_bytes) == (1024, 64 * 2**20)
     agent = parsed(default, "DaemonSet")
     assert (agent.metrics_max_connections, agent.metrics_deadline) == (16, 10.0)
     values = {
-        "webhook": {"maxConnections": 4096},
+        "webhook": {"maxConnections": 4096, "maxBufferedBodyBytes": 256 * 2**20},
         "node": {"metricsMaxConnections": 64, "metricsDeadlineSeconds": 2.5},
     }
     raised = h.template(helm, values)
-    assert parsed(raised, "Deployment").max_connections == 4096
+    webhook = parsed(raised, "Deployment")
+    assert (webhook.max_connections, webhook.max_buffered_body_bytes) == (4096, 256 * 2**20)
     agent = parsed(raised, "DaemonSet")
     assert (agent.metrics_max_connections, agent.metrics_deadline) == (64, 2.5)
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
+import socket
 import ssl
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
@@ -17,6 +19,8 @@ from anyio.streams.buffered import BufferedByteStream
 from anyio.streams.tls import TLSAttribute
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
+from gpudra.cli.main import build_parser
+from gpudra.cli.webhook import conversion_policy, run, server_config
 from gpudra.webhook.certs import (
     WebhookPki,
     ensure_pki,
@@ -26,6 +30,7 @@ from gpudra.webhook.certs import (
     write_atomic,
 )
 from gpudra.webhook.server import ServerConfig, WebhookServer
+from gpudra.webhook.transport import HttpConfig, HttpServer, _Connection
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -691,6 +696,302 @@ async def test_a_connection_being_answered_is_never_shed(tmp_path: Path) -> None
         async with client(h) as after:
             assert (await after.request("GET", "/healthz")).status == 200
         assert metric(h, "gpudra_webhook_connections_shed_total", action="evicted") == 1
+
+
+# --- flow control: clients that pipeline and never read ---
+
+
+async def test_a_client_pipelining_without_reading_holds_three_requests_at_most(
+    tmp_path: Path,
+) -> None:
+    """Thousands of requests in one go, never read: the server parses the first three
+    (one being answered, one waiting, and the one more the read held), answers the third
+    with Connection: close and reads nothing further; another client is answered."""
+    async with running(tmp_path) as h, client(h) as flood:
+        await flood.send(b"GET /healthz HTTP/1.1\r\nHost: w\r\n\r\n" * 3000)
+        async with client(h) as good:
+            assert (await good.request("GET", "/healthz")).status == 200
+        with anyio.fail_after(GUARD):
+            answers = [await flood.response() for _ in range(3)]
+            with pytest.raises(CLOSED):
+                await flood.response()
+        assert [a.status for a in answers] == [200, 200, 200]
+        assert [a.headers["connection"] for a in answers] == ["keep-alive", "keep-alive", "close"]
+        assert metric(h, "gpudra_webhook_requests_total", path="/healthz", result="ok") == 4
+
+
+class Unread:
+    """A TLS client that never reads what the server sends, with a small receive buffer so
+    that the server's writes back up after a few answers (blocking; run in a thread)."""
+
+    def __init__(self, port: int, ca_pem: bytes) -> None:
+        raw = socket.socket()
+        raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        raw.connect(("127.0.0.1", port))
+        context = ssl.create_default_context(cadata=ca_pem.decode())
+        self.tls = context.wrap_socket(raw, server_hostname="127.0.0.1")
+
+    async def send(self, data: bytes) -> None:
+        await anyio.to_thread.run_sync(self.tls.sendall, data)
+
+    def close(self) -> None:
+        self.tls.close()
+
+
+async def backed_up(h: Harness) -> tuple[Unread, Any]:
+    """An `Unread` client asking /metrics one request at a time until the server's
+    writes to it back up; it and its connection on the server."""
+    unread = await anyio.to_thread.run_sync(Unread, h.port, h.pki.ca_bundle)
+    request = b"GET /metrics HTTP/1.1\r\nHost: w\r\n\r\n"
+    with anyio.fail_after(GUARD):
+        await unread.send(request)
+        while not h.server._http._connections:
+            await anyio.sleep(0.001)
+        (connection,) = h.server._http._connections
+        # Little kernel buffering on the server's side too, so that few answers fill it.
+        sock = connection._transport.get_extra_info("socket")
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        for sent in range(1, 10_000):
+            while metric(h, "gpudra_webhook_requests_total", path="/metrics") < sent:
+                await anyio.sleep(0.001)
+            if connection._writing_paused:
+                return unread, connection
+            await unread.send(request)
+    raise AssertionError("the server never stopped answering a client that does not read")
+
+
+async def test_a_client_that_does_not_read_its_answers_is_no_longer_read(
+    tmp_path: Path,
+) -> None:
+    """Requests one at a time, answers never read: once the server's write buffer for it
+    is above its mark the server stops answering and reading that connection (what it
+    sends next stays unread), its buffer stays bounded, and others are served."""
+    async with running(tmp_path) as h:
+        unread, connection = await backed_up(h)
+        try:
+            answered = metric(h, "gpudra_webhook_requests_total", path="/metrics")
+            # Well within the socket buffers: sent whether or not the server reads.
+            await unread.send(b"GET /metrics HTTP/1.1\r\nHost: w\r\n\r\n" * 300)
+            async with client(h) as good:
+                assert (await good.request("GET", "/healthz")).status == 200
+                assert (await good.request("GET", "/healthz")).status == 200
+            assert connection in h.server._http._connections  # still open
+            assert connection._reading_paused
+            assert not connection._transport.is_reading()
+            assert connection._queued == 0
+            assert metric(h, "gpudra_webhook_requests_total", path="/metrics") == answered
+            # What it holds for the client: the mark (64 KiB) and one answer at most.
+            assert connection._transport.get_write_buffer_size() < 2 * 64 * 1024
+        finally:
+            unread.close()
+
+
+async def test_a_client_that_never_reads_is_closed_after_the_keep_alive_bound(
+    tmp_path: Path,
+) -> None:
+    async with running(tmp_path, idle_timeout=1.0) as h:
+        unread, connection = await backed_up(h)
+        try:
+            with anyio.fail_after(GUARD):
+                while connection in h.server._http._connections:
+                    await anyio.sleep(0.01)
+        finally:
+            unread.close()
+
+
+class FakeTransport:
+    """Just enough of a transport to drive one connection by hand."""
+
+    def __init__(self) -> None:
+        self.written = b""
+        self.reading = True
+        self.aborted = False
+
+    def set_write_buffer_limits(self, high: int) -> None:
+        pass
+
+    def set_read_buffer_limits(self, high: int) -> None:
+        pass
+
+    def pause_reading(self) -> None:
+        self.reading = False
+
+    def resume_reading(self) -> None:
+        self.reading = True
+
+    def is_closing(self) -> bool:
+        return self.aborted
+
+    def write(self, data: bytes) -> None:
+        self.written += data
+
+    def close(self) -> None:
+        self.aborted = True
+
+    def abort(self) -> None:
+        self.aborted = True
+
+
+async def test_answers_waiting_for_a_client_that_does_not_read_are_abandoned(
+    tmp_path: Path,
+) -> None:
+    """Requests queued while the transport's buffer is above its mark wait for the client
+    to read; the connection is aborted when it has not for the keep-alive bound."""
+    pki_dir = tmp_path / "pki"
+    ensure_pki(pki_dir, ["localhost"])
+    config = ServerConfig(
+        cert_file=pki_dir / "tls.crt", key_file=pki_dir / "tls.key", idle_timeout=0.5
+    )
+    server = WebhookServer(config, Recorder())
+    http: HttpServer = server._http
+    connection = _Connection(http, asyncio.get_running_loop())
+    transport = FakeTransport()
+    connection.connection_made(transport)  # type: ignore[arg-type]
+    connection.pause_writing()
+    assert not transport.reading
+    connection.data_received(b"GET /healthz HTTP/1.1\r\nHost: w\r\n\r\n")
+    with anyio.fail_after(GUARD):
+        while not transport.aborted:
+            await anyio.sleep(0.01)
+    assert transport.written == b""  # nothing answered while the client read nothing
+    connection.connection_lost(None)
+    assert not http._connections
+
+
+# --- the budget of buffered request bodies ---
+
+
+async def held_body(h: Harness, size: int) -> Client:
+    """A client that declares a body of `size` bytes and sends all but its last byte."""
+    c = await Client.connect(h.port, h.pki.ca_bundle)
+    await c.send(b"POST /mutate-pods HTTP/1.1\r\nHost: w\r\nContent-Length: %d\r\n\r\n" % size)
+    await c.send(b"x" * (size - 1))
+    return c
+
+
+async def test_bodies_past_the_budget_shed_those_held_longest(tmp_path: Path) -> None:
+    """Bodies declared and held open, more than the budget holds: each one that does not
+    fit makes room by answering 503 to the one held longest (closing it), so the
+    server never buffers more than its budget and held bodies cannot lock newer
+    requests out; every byte is given back once the connections close."""
+    size = 64 * 1024
+    async with running(tmp_path, max_body_bytes=size, max_buffered_body_bytes=3 * size) as h:
+        bodies = h.server._http.bodies
+        held: list[Client] = []
+        try:
+            for n in range(1, 7):
+                held.append(await held_body(h, size))
+                with anyio.fail_after(GUARD):
+                    # Charged from its Content-Length, before its body is read.
+                    while sum(c.receiving for c in h.server._http._connections) < min(n, 3) * size:
+                        await anyio.sleep(0.001)
+                assert bodies.used <= bodies.limit
+            for shed in held[:3]:
+                with anyio.fail_after(GUARD):
+                    resp = await shed.response()
+                    with pytest.raises(CLOSED):
+                        await shed.response()
+                assert resp.status == 503
+                assert (resp.headers["retry-after"], resp.headers["connection"]) == ("1", "close")
+            assert bodies.used == 3 * size
+            # The newest three are still being received, and one of them can finish.
+            await held[5].send(b"x")
+            assert (await held[5].response()).status == 400  # not a review: it was read
+        finally:
+            await close_all(held)
+        with anyio.fail_after(GUARD):
+            while h.server._http._connections:
+                await anyio.sleep(0.01)
+        assert bodies.used == 0
+        unavailable = metric(
+            h, "gpudra_webhook_requests_total", path="/mutate-pods", result="unavailable"
+        )
+        assert unavailable == 3
+
+
+@dataclass
+class GatedRecorder(Recorder):
+    """Template creation that waits until the test opens the gate."""
+
+    gate: anyio.Event = field(default_factory=anyio.Event)
+
+    async def __call__(
+        self, namespace: str, templates: Sequence[Mapping[str, Any]], dry_run: bool
+    ) -> None:
+        await super().__call__(namespace, templates, dry_run)
+        await self.gate.wait()
+
+
+async def test_a_body_that_cannot_make_room_is_refused_with_503(tmp_path: Path) -> None:
+    """When the budget is held by requests being answered, nothing is shed for a new
+    body: it is answered 503 with Retry-After before it is read, and its connection
+    closes; requests without a body are still served."""
+    gated = GatedRecorder()
+    first = json.dumps(review(gpu_pod(), uid="first")).encode()
+    second = json.dumps(review(gpu_pod(), uid="second")).encode()
+    budget = len(first) + len(second)
+    async with (
+        running(tmp_path, max_buffered_body_bytes=budget, ensure=gated, ensure_timeout=60) as h,
+        client(h) as a,
+        client(h) as b,
+    ):
+        await a.send(
+            b"POST /mutate-pods HTTP/1.1\r\nHost: w\r\nContent-Length: %d\r\n\r\n%s"
+            % (len(first), first)
+        )
+        await b.send(
+            b"POST /mutate-pods HTTP/1.1\r\nHost: w\r\nContent-Length: %d\r\n\r\n%s"
+            % (len(second), second)
+        )
+        with anyio.fail_after(GUARD):
+            while len(gated.calls) < 2:
+                await anyio.sleep(0.001)
+        assert h.server._http.bodies.used == budget
+        async with client(h) as late:
+            with anyio.fail_after(GUARD):
+                resp = await admit(late, review(gpu_pod(), uid="late"))
+            assert resp.status == 503
+            assert (resp.headers["retry-after"], resp.headers["connection"]) == ("1", "close")
+            assert "retry" in resp.body.decode()
+        async with client(h) as probe:
+            assert (await probe.request("GET", "/healthz")).status == 200
+        gated.gate.set()
+        with anyio.fail_after(GUARD):
+            assert (await a.response()).json()["response"]["uid"] == "first"
+            assert (await b.response()).json()["response"]["uid"] == "second"
+        assert h.server._http.bodies.used == 0
+        async with client(h) as after:
+            assert (await admit(after, review(gpu_pod()))).json()["response"]["allowed"] is True
+
+
+def test_the_health_port_shares_the_body_budget(tmp_path: Path) -> None:
+    pki_dir = tmp_path / "pki"
+    ensure_pki(pki_dir, ["localhost"])
+    config = ServerConfig(cert_file=pki_dir / "tls.crt", key_file=pki_dir / "tls.key")
+    server = WebhookServer(config, Recorder())
+    assert server.health_server(0).bodies is server._http.bodies
+    assert server._http.bodies.limit == 64 * 2**20
+
+
+def test_the_body_budget_flag_reaches_the_server_and_holds_the_largest_body(
+    tmp_path: Path,
+) -> None:
+    parser = build_parser()
+
+    def config(*flags: str) -> HttpConfig:
+        args = parser.parse_args(["webhook", "--cert-dir=certs", *flags])
+        return server_config(args, conversion_policy(args))
+
+    assert config().max_buffered_body_bytes == HttpConfig.max_buffered_body_bytes == 64 * 2**20
+    assert config("--max-buffered-body-bytes=268435456").max_buffered_body_bytes == 2**28
+    too_small = f"--max-buffered-body-bytes={3 * 2**20 - 1}"
+    args = parser.parse_args(["webhook", f"--cert-dir={tmp_path}", too_small])
+    with pytest.raises(SystemExit) as exit_:
+        run(args)
+    assert "--max-buffered-body-bytes 3145727: give at least the largest request body" in str(
+        exit_.value
+    )
+    assert not any(tmp_path.iterdir())  # refused before any certificate was made
 
 
 # --- health, readiness, metrics ---
