@@ -221,21 +221,8 @@ class TenantRules:
             for claim in conversion.claims:
                 asks[claim.device_class] = asks.get(claim.device_class, 0) + claim.devices
             for device_class, count in sorted(asks.items()):
-                hard = usage.hard.get(device_class)
-                if hard is None:
-                    continue
-                used = usage.used.get(device_class, 0)
-                if hard == 0:
-                    return (
-                        f"{self.label}: quota {device_class} in namespace {namespace}: "
-                        "deviceQuota sets no limit for this class, so it may not be used "
-                        "here; the cluster admin adds it to the GpuTenant's deviceQuota"
-                    )
-                if used + count > hard:
-                    return (
-                        f"{self.label}: quota {device_class} in namespace {namespace}: limit "
-                        f"{hard}, used {used}, this pod asks for {count}"
-                    )
+                if why := _over_quota(usage, device_class, namespace, count):
+                    return f"{self.label}: {why}"
         return None
 
     def stored_claim_over_quota(
@@ -248,23 +235,33 @@ class TenantRules:
         if usage is None or claim.allocated:
             return None
         for device_class in sorted(claim_classes(claim.spec)):
-            hard = usage.hard.get(device_class)
-            if hard is None:
-                continue
-            used = usage.used.get(device_class, 0)
-            if hard == 0:
-                return (
-                    f"quota {device_class} in namespace {namespace}: deviceQuota sets no "
-                    "limit for this class, so it may not be used here"
-                )
-            if used > hard:
-                return (
-                    f"quota {device_class} in namespace {namespace}: limit {hard}, used "
-                    f"{used}, over the limit already (claims stored before the quota or "
-                    f"before it was lowered); bring its claims of {device_class} within "
-                    "the quota"
-                )
+            if why := _over_quota(usage, device_class, namespace, 0):
+                return why
         return None
+
+
+def _over_quota(usage: QuotaUsage, device_class: str, namespace: str, asks: int) -> str | None:
+    """Why `asks` more devices of `device_class` (0: none, the namespace as it is) break
+    the namespace's quota, or None."""
+    hard = usage.hard.get(device_class)
+    if hard is None:
+        return None
+    used = usage.used.get(device_class, 0)
+    where = f"quota {device_class} in namespace {namespace}"
+    if hard == 0:
+        return (
+            f"{where}: deviceQuota sets no limit for this class, so it may not be used "
+            "here; the cluster admin adds it to the GpuTenant's deviceQuota"
+        )
+    if used + asks <= hard:
+        return None
+    if asks:
+        return f"{where}: limit {hard}, used {used}, this pod asks for {asks}"
+    return (
+        f"{where}: limit {hard}, used {used}, over the limit already (claims stored before "
+        f"the quota or before it was lowered); bring its claims of {device_class} within "
+        "the quota"
+    )
 
 
 def _where(claim: ConvertedClaim) -> str:

@@ -801,15 +801,21 @@ class _Connection(asyncio.Protocol):
     def shed_body(self) -> None:
         """Make room in the body budget: the request still being received is answered
         503 before the rest of its body, and the connection closes."""
+        if self._request is not None:
+            self._disarm()
+            self._give_up_body(_OVER_BUDGET)
+
+    def _give_up_body(self, reply: Reply) -> None:
+        """Answer the request still being received with `reply` before the rest of its
+        body, giving back what its body held; nothing more is read."""
         request, self._request = self._request, None
         if request is None:
             return
         self._release(request.charge)
         request.charge = 0
         self._body = []
-        self._disarm()
         self._stopped = True
-        request.early = _OVER_BUDGET
+        request.early = reply
         self._submit(request)
 
     def _write(self, data: bytes) -> None:
@@ -892,15 +898,7 @@ class _Connection(asyncio.Protocol):
 
     def _body_expired(self) -> None:
         self._timer, self._timer_kind = None, ""
-        request, self._request = self._request, None
-        if request is None:
-            return
-        self._release(request.charge)
-        request.charge = 0
-        self._body = []
-        self._stopped = True
-        request.early = text_reply(408, "request body not received in time", close=True)
-        self._submit(request)
+        self._give_up_body(text_reply(408, "request body not received in time", close=True))
 
     def _idle_expired(self) -> None:
         self._timer, self._timer_kind = None, ""
