@@ -153,7 +153,10 @@ class TenantState:
         """Record the controller's own write (None: deleted) before its event arrives."""
         if obj is None:
             self.quotas.pop(namespace, None)
-        else:
+        elif not _newer(self.quotas.get(namespace), obj):
+            # Its event, or a later one (the quota controller's status with what the
+            # namespace uses), may have come in before the write's own answer: the
+            # answer must not put the older object back over it.
             self.quotas[namespace] = dict(obj)
         self._usage.pop(namespace, None)
         self._memo.pop(namespace, None)
@@ -373,3 +376,18 @@ class TenantState:
                     ".".join(r.tenant.name for r in winners)[:63].strip("._-"),
                 )
         return desired
+
+
+def _newer(cached: Mapping[str, Any] | None, written: Mapping[str, Any]) -> bool:
+    """Whether `cached` is a later version of the same object than `written`: the same
+    UID and a higher resourceVersion (etcd's revision; read as a number only to order
+    two versions of one object, where both are numbers)."""
+    if cached is None:
+        return False
+    old, new = cached.get("metadata") or {}, written.get("metadata") or {}
+    if old.get("uid") != new.get("uid"):
+        return False
+    try:
+        return int(str(old.get("resourceVersion"))) > int(str(new.get("resourceVersion")))
+    except (TypeError, ValueError):
+        return False

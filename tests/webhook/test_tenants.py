@@ -638,3 +638,25 @@ async def test_the_webhook_exports_and_logs_tenant_namespaces_without_pod_securi
 
     controller.state.event("namespaces", "MODIFIED", namespace("ns", **{ENFORCE: "restricted"}))
     assert "without_pod_security{" not in generate_latest(registry).decode()
+
+
+def test_the_controllers_own_write_does_not_undo_a_later_event_of_its_quota() -> None:
+    """The quota controller's status (what the namespace uses) may come in through the
+    watch before the answer to the write that made the quota: the answer, an older
+    version, must not put used back to nothing."""
+    s = state([tenant("t", namespaces=["a"], deviceQuota={"gpu.nvidia.com": 1})], [namespace("a")])
+    written = quota("a", "t", 1, 0)
+    written["metadata"]["resourceVersion"] = "10"
+    del written["status"]
+    counted = quota("a", "t", 1, 2)
+    counted["metadata"]["resourceVersion"] = "11"
+    s.event("quotas", "MODIFIED", counted)
+    s.put_quota("a", written)
+    usage = s.quota_usage("a")
+    assert usage is not None and usage.used == {"gpu.nvidia.com": 2}
+    # A later write of the controller's own is taken at once.
+    newer = quota("a", "t", 3, 2)
+    newer["metadata"]["resourceVersion"] = "12"
+    s.put_quota("a", newer)
+    usage = s.quota_usage("a")
+    assert usage is not None and usage.hard["gpu.nvidia.com"] == 3
