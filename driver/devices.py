@@ -57,7 +57,11 @@ from typing import Any
 import pynvml
 from gpudra.driver.nvml import NvmlLibrary
 from gpudra.driver.nvml.branches import OLDEST_SUPPORTED_BRANCH, BranchError, driver_branch
-from gpudra.driver.nvml.codes import describe_nvml_error
+from gpudra.driver.nvml.codes import (
+    DRIVER_NOT_LOADED_FIX,
+    describe_nvml_error,
+    nvml_start_problem,
+)
 from gpudra.driver.nvml.topology import PciTopology, pci_topology
 
 logger = logging.getLogger(__name__)
@@ -852,24 +856,20 @@ def _left_out(err: DiscoveryError, index: int) -> LostGpu:
     return entry
 
 
-_NO_LIBRARY = frozenset({pynvml.NVML_ERROR_LIBRARY_NOT_FOUND, pynvml.NVML_ERROR_FUNCTION_NOT_FOUND})
-
-
 def _init(scan: _Scanner) -> None:
     """nvmlInit, with a missing library or kernel driver named as such."""
     try:
         scan.call(None, "nvmlInit")
     except DiscoveryError as err:
         code = getattr(err.nvml_error, "value", None)
-        if code in _NO_LIBRARY:
-            problem = "no usable NVML library: loading libnvidia-ml.so.1 failed"
+        problem = nvml_start_problem(code)
+        if problem is None:
+            raise
+        if code == pynvml.NVML_ERROR_DRIVER_NOT_LOADED:
+            fix = DRIVER_NOT_LOADED_FIX
+        else:
             fix = "install it on the node, or mount the driver root and add its library "
             fix += "folder to LD_LIBRARY_PATH"
-        elif code == pynvml.NVML_ERROR_DRIVER_NOT_LOADED:
-            problem = "the NVIDIA kernel driver is not loaded"
-            fix = "load it (modprobe nvidia) or finish its installation"
-        else:
-            raise
         msg = (
             f"{problem} ({describe_nvml_error(err.nvml_error or err)}); gpudra needs the "
             f"NVIDIA driver of branch R{OLDEST_SUPPORTED_BRANCH} or newer: {fix}"

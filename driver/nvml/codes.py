@@ -12,7 +12,13 @@ from typing import Final
 
 import pynvml
 
-__all__ = ["FULL_GPU_INSTANCE_ID", "constant_names", "describe_nvml_error"]
+__all__ = [
+    "DRIVER_NOT_LOADED_FIX",
+    "FULL_GPU_INSTANCE_ID",
+    "constant_names",
+    "describe_nvml_error",
+    "nvml_start_problem",
+]
 
 # gpuInstanceId/computeInstanceId of an event that concerns the whole GPU.
 FULL_GPU_INSTANCE_ID: Final = 0xFFFFFFFF
@@ -34,3 +40,21 @@ def describe_nvml_error(err: BaseException) -> str:
     code = getattr(err, "value", None)
     name = constant_names("NVML_ERROR_").get(code) if isinstance(code, int) else None
     return f"{err} ({name})" if name else str(err)
+
+
+_NO_LIBRARY: Final = frozenset(
+    {pynvml.NVML_ERROR_LIBRARY_NOT_FOUND, pynvml.NVML_ERROR_FUNCTION_NOT_FOUND}
+)
+DRIVER_NOT_LOADED_FIX: Final = "load it (modprobe nvidia) or finish its installation"
+"""What to do where `nvml_start_problem` says the kernel driver is not loaded."""
+
+
+def nvml_start_problem(code: object) -> str | None:
+    """What an nvmlInit failure with NVML error `code` says about the machine: no usable
+    library, or no kernel driver; None for any other failure. The node agent and the
+    recorder say the same, each with its own remedy for a missing library."""
+    if code in _NO_LIBRARY:
+        return "no usable NVML library: loading libnvidia-ml.so.1 failed"
+    if code == pynvml.NVML_ERROR_DRIVER_NOT_LOADED:
+        return "the NVIDIA kernel driver is not loaded"
+    return None

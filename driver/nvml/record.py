@@ -28,7 +28,11 @@ from typing import Any, Final
 
 import pynvml
 from gpudra.driver.nvml import NvmlLibrary, load_nvml
-from gpudra.driver.nvml.codes import describe_nvml_error
+from gpudra.driver.nvml.codes import (
+    DRIVER_NOT_LOADED_FIX,
+    describe_nvml_error,
+    nvml_start_problem,
+)
 from gpudra.driver.nvml.emulator import PROFILE_FORMAT, parse_profile
 from gpudra.driver.nvml.topology import PciTopology, pci_topology
 
@@ -331,16 +335,15 @@ def _init(nvml: NvmlLibrary) -> None:
         nvml.nvmlInit()
     except pynvml.NVMLError as err:
         code = getattr(err, "value", None)
-        if code in (pynvml.NVML_ERROR_LIBRARY_NOT_FOUND, pynvml.NVML_ERROR_FUNCTION_NOT_FOUND):
-            cause = "no usable NVML library: loading libnvidia-ml.so.1 failed"
+        problem = nvml_start_problem(code)
+        if problem is None:
+            cause, fix = "NVML failed to start", "check the NVIDIA driver with nvidia-smi"
+        elif code == pynvml.NVML_ERROR_DRIVER_NOT_LOADED:
+            cause, fix = problem, DRIVER_NOT_LOADED_FIX
+        else:
+            cause = problem
             fix = "run it on a node with the NVIDIA driver, or add the driver's library folder "
             fix += "to LD_LIBRARY_PATH"
-        elif code == pynvml.NVML_ERROR_DRIVER_NOT_LOADED:
-            cause = "the NVIDIA kernel driver is not loaded"
-            fix = "load it (modprobe nvidia) or finish its installation"
-        else:
-            cause = "NVML failed to start"
-            fix = "check the NVIDIA driver with nvidia-smi"
         msg = f"{PROG}: {cause} ({describe_nvml_error(err)}); nothing was recorded: {fix}"
         raise SystemExit(msg) from None
 
