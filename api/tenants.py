@@ -2,8 +2,8 @@
 
 A cluster-scoped object selects namespaces (``namespaceSelector`` and/or an explicit
 ``namespaces`` list) and sets what pods and claims there may ask for: devices per pod,
-DeviceClasses, MIG profiles, sharing modes, what ``nvidia.com/gpu`` means, and an
-aggregate device quota per DeviceClass.
+DeviceClasses, MIG profiles, sharing modes, device taints a claim may tolerate, what
+``nvidia.com/gpu`` means, and an aggregate device quota per DeviceClass.
 
 The pydantic models here are the one definition: the webhook parses tenants with them
 (strict types, unknown fields rejected, every error names its field path) and
@@ -33,6 +33,7 @@ from gpudra.api.names import DnsLabel, DnsSubdomain
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 __all__ = [
+    "ANY_TAINT",
     "API_VERSION",
     "GROUP",
     "KIND",
@@ -100,6 +101,14 @@ _MAX_MAP_KEYS: Final = 64
 NamespaceName: TypeAlias = DnsLabel
 DeviceClassName: TypeAlias = DnsSubdomain
 MigProfile = Annotated[str, Field(pattern=_MIG_PROFILE_PATTERN, max_length=32)]
+ANY_TAINT: Final = "*"
+"""In `allowedTaintTolerations`: any toleration, also one without a key (every taint)."""
+_TAINT_KEY_PATTERN: Final = (
+    r"^(\*|([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
+    r"[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)$"
+)
+TaintKey = Annotated[str, Field(pattern=_TAINT_KEY_PATTERN, max_length=317)]
+"""A device taint key (a label key: an optional DNS-subdomain prefix and a name), or "*"."""
 
 
 def quota_key(device_class: str) -> str:
@@ -235,6 +244,15 @@ class GpuTenantSpec(_Model):
         alias="allowedSharing",
         description="Sharing modes the tenant may use: Exclusive, TimeSlicing, MPS (unset: all).",
     )
+    allowed_taint_tolerations: list[TaintKey] | None = Field(
+        default=None,
+        alias="allowedTaintTolerations",
+        description="Device taint keys the tenant's claims may tolerate (tolerations[].key "
+        'of a request for the driver\'s devices), e.g. gpu.nvidia.com/xid; "*" allows '
+        "any toleration, also one without a key (every taint). Unset or empty: none, so a "
+        "tenant never gets a device that a health check or an admin's DeviceTaintRule took "
+        "out of service, nor stays on one that NoExecute drains.",
+    )
     gpu_resource: GpuResourceMapping | None = Field(
         default=None,
         alias="gpuResource",
@@ -285,6 +303,11 @@ class GpuTenantSpec(_Model):
 
     def allows_mig_profile(self, profile: str) -> bool:
         return self.allowed_mig_profiles is None or profile in self.allowed_mig_profiles
+
+    def allows_toleration(self, key: str) -> bool:
+        """Whether a claim may tolerate taints of `key` ("": a toleration of every taint)."""
+        allowed = self.allowed_taint_tolerations or ()
+        return ANY_TAINT in allowed or (key != "" and key in allowed)
 
 
 @dataclass(frozen=True)

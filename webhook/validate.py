@@ -192,6 +192,10 @@ class _Capacity(TypedDict, total=False):
     requests: dict[str, str | int | float] | None
 
 
+class _Toleration(TypedDict, total=False):
+    key: str | None
+
+
 class _Exact(TypedDict, total=False):
     deviceClassName: str
     allocationMode: Literal["ExactCount", "All"] | None
@@ -199,6 +203,9 @@ class _Exact(TypedDict, total=False):
     selectors: list[_Selector] | None
     adminAccess: bool | None
     capacity: _Capacity | None
+    # Unbounded like the API server's (its "at most 16" is not enforced up to 1.36): a
+    # body's size bounds them.
+    tolerations: list[_Toleration] | None
 
 
 class _Sub(_Exact, total=False):
@@ -303,6 +310,7 @@ class _Request:
     admin: bool
     shares: bool = False  # a shares request: some of a GPU's integer shares, or all
     fewest: int = 1  # the fewest devices it gets when allocated (All: at least one)
+    tolerations: tuple[str, ...] = ()  # the taint key of each toleration ("": every taint)
 
 
 def validate_claim_object(
@@ -399,6 +407,7 @@ def _one(raw: _Exact, path: str, name: str) -> _Request:
         admin=raw.get("adminAccess") is True,
         shares=SHARES_CAPACITY in (capacity or {}),
         fewest=1 if raw.get("allocationMode") == "All" else count,
+        tolerations=tuple(t.get("key") or "" for t in raw.get("tolerations") or ()),
     )
 
 
@@ -582,6 +591,15 @@ def _check_rules(
                 f"{request.device_class}; accepted values: "
                 f"{', '.join(spec.allowed_device_classes or ()) or 'none'}"
             )
+        for index, key in enumerate(request.tolerations):
+            if not spec.allows_toleration(key):
+                what = f"device taint {key}" if key else "every device taint (no key)"
+                verdict.forbidden.append(
+                    f"{request.path}.tolerations[{index}]: {label} does not allow "
+                    f"tolerating {what}; accepted keys: "
+                    f"{', '.join(spec.allowed_taint_tolerations or ()) or 'none'} "
+                    "(allowedTaintTolerations)"
+                )
         kinds = _device_types(request, policy, device_classes)
         if "mig" in kinds and spec.allowed_mig_profiles is not None:
             _check_profile(request, policy, rules, verdict, either=len(kinds) > 1)

@@ -232,6 +232,7 @@ def test_crd_schema_is_structural_and_complete() -> None:
         "allowedDeviceClasses",
         "allowedMigProfiles",
         "allowedSharing",
+        "allowedTaintTolerations",
         "gpuResource",
         "deviceQuota",
     }

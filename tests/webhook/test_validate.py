@@ -229,6 +229,60 @@ def test_devices_per_claim_limit() -> None:
     assert check(first, r).allowed
 
 
+XID = "gpu.nvidia.com/xid"
+LOST = "gpu.nvidia.com/gpu-lost"
+
+
+def tolerating(*keys: str, cls: str = "gpu.nvidia.com") -> dict[str, Any]:
+    """A claim whose one request tolerates `keys` ("": a toleration of every taint)."""
+    tolerations = [
+        {"key": k, "operator": "Exists", "effect": "NoExecute"} if k else {"operator": "Exists"}
+        for k in keys
+    ]
+    return claim(req("gpu", cls, tolerations=tolerations))
+
+
+def test_a_tenant_tolerates_only_the_device_taints_its_rules_name() -> None:
+    """Health taints and an admin's DeviceTaintRules take devices out of service: a tenant
+    whose rules name no taint key tolerates none, so it is never handed an unhealthy or
+    reserved device, nor stays on one a NoExecute taint drains."""
+    path = "spec.devices.requests[0].exactly.tolerations"
+    assert check(tolerating(XID, LOST, "")).allowed  # no tenant: not this webhook's rule
+    assert check(tolerating(XID), rules()).forbidden == [
+        f'{path}[0]: tenant "team-a" (GpuTenant team-a) does not allow tolerating device '
+        f"taint {XID}; accepted keys: none (allowedTaintTolerations)"
+    ]
+    some = rules(allowedTaintTolerations=[XID])
+    assert check(tolerating(XID), some).allowed
+    verdict = check(tolerating(XID, LOST, ""), some)
+    assert verdict.forbidden == [
+        f'{path}[1]: tenant "team-a" (GpuTenant team-a) does not allow tolerating device '
+        f"taint {LOST}; accepted keys: {XID} (allowedTaintTolerations)",
+        f'{path}[2]: tenant "team-a" (GpuTenant team-a) does not allow tolerating every '
+        f"device taint (no key); accepted keys: {XID} (allowedTaintTolerations)",
+    ]
+    assert check(tolerating(XID, LOST, ""), rules(allowedTaintTolerations=["*"])).allowed
+    # In a template and in a firstAvailable alternative alike.
+    assert check(template(tolerating(LOST)), some, template=True).forbidden
+    alternatives = claim(
+        {
+            "name": "gpu",
+            "firstAvailable": [
+                {"name": "a", "deviceClassName": "gpu.nvidia.com"},
+                {
+                    "name": "b",
+                    "deviceClassName": "mig.nvidia.com",
+                    "tolerations": [{"key": LOST, "operator": "Exists"}],
+                },
+            ],
+        }
+    )
+    (line,) = check(alternatives, some).forbidden
+    assert line.startswith("spec.devices.requests[0].firstAvailable[1].tolerations[0]: ")
+    # Another vendor's devices are not the tenant rules' concern.
+    assert check(tolerating(LOST, cls="nic.example.com"), some).allowed
+
+
 def test_namespace_denial_applies_to_driver_claims_only() -> None:
     assert check(claim(req("gpu")), denial="ambiguous").forbidden == ["ambiguous"]
     assert check(claim(req("n", "nic.example.com")), denial="ambiguous").allowed

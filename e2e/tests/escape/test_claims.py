@@ -403,3 +403,66 @@ async def test_an_admins_own_device_class_gets_no_way_around_the_rules(
         assert quota["spec"]["hard"][quota_key(DRIVER)] == "0"  # an empty quota: no GPUs
     finally:
         await run_sync(drop_tenant, kube, tenant)
+
+
+XID_TAINT = "gpu.nvidia.com/xid"
+LOST_TAINT = "gpu.nvidia.com/gpu-lost"
+
+
+def tolerating(key: str | None) -> dict[str, Any]:
+    """A whole GPU that tolerates the taint `key` (None: every taint), whatever its effect."""
+    toleration = {"operator": "Exists"} if key is None else {"key": key, "operator": "Exists"}
+    return {**WHOLE_GPU, "tolerations": [toleration]}
+
+
+async def test_a_tenant_cannot_tolerate_the_taints_that_take_devices_out_of_service(
+    env: Env, kube: SyncKube, namespace: str
+) -> None:
+    """Health taints (an XID, a lost GPU) and an admin's DeviceTaintRules keep devices from
+    new claims and, with NoExecute, drain the pods on them. A tenant's claim that
+    tolerates them would be handed a broken or reserved device and sit out a drain: its
+    rules allow only the taint keys they name, in claims, in templates and in any
+    alternative of a request."""
+    user = await run_sync(tenant_user, kube, namespace)
+    stored = await run_sync(user.create, claim(namespace, "probe", tolerating(XID_TAINT)))
+    if "tolerations" not in stored["spec"]["devices"]["requests"][0]["exactly"]:
+        pytest.skip("the API server drops device tolerations: DRADeviceTaints is off")
+    tenant = await run_sync(
+        lambda: with_tenant(kube, namespace, allowedTaintTolerations=[XID_TAINT])
+    )
+    try:
+        await tenant_rules_loaded(env, namespace)
+        allowed = await run_sync(user.create, claim(namespace, "xid", tolerating(XID_TAINT)))
+        assert allowed["metadata"]["name"] == "xid"
+        message = await denied(user, claim(namespace, "lost", tolerating(LOST_TAINT)))
+        assert "HTTP 403" in message
+        assert (
+            "spec.devices.requests[0].exactly.tolerations[0]: " in message
+            and f"does not allow tolerating device taint {LOST_TAINT}; accepted keys: "
+            f"{XID_TAINT} (allowedTaintTolerations)"
+            in message
+        )
+        message = await denied(user, claim(namespace, "every", tolerating(None)))
+        assert "does not allow tolerating every device taint (no key)" in message
+        template = claim(namespace, "tpl", tolerating(LOST_TAINT))
+        template = {
+            **template,
+            "kind": "ResourceClaimTemplate",
+            "spec": {"spec": template["spec"]},
+        }
+        message = await denied(user, template)
+        assert "spec.spec.devices.requests[0].exactly.tolerations[0]: " in message
+        alternatives = claim(namespace, "alt", WHOLE_GPU)
+        alternatives["spec"]["devices"]["requests"] = [
+            {
+                "name": "gpu",
+                "firstAvailable": [
+                    {"name": "whole", **WHOLE_GPU},
+                    {"name": "any", **tolerating(LOST_TAINT)},
+                ],
+            }
+        ]
+        message = await denied(user, alternatives)
+        assert "spec.devices.requests[0].firstAvailable[1].tolerations[0]: " in message
+    finally:
+        await run_sync(drop_tenant, kube, tenant)

@@ -633,6 +633,27 @@ async def test_a_claim_stored_before_the_quota_is_not_handed_to_a_new_pod(
     assert "over the limit" in await refused(tenant, late)
 
 
+async def test_a_claim_tolerating_taints_from_before_the_rule_is_not_handed_to_a_new_pod(
+    escape: Escape, kube: SyncKube
+) -> None:
+    """The tenant stores a claim that tolerates the lost-GPU taint while its rules allow
+    any toleration; the cluster admin then allows none. A new pod naming that claim is
+    refused: a claim stored under looser rules is judged by today's."""
+    ns, tenant = escape.ns, escape.tenant
+    tolerating = gpu_claim(ns, "early")
+    exactly = tolerating["spec"]["devices"]["requests"][0]["exactly"]
+    exactly["tolerations"] = [{"key": "gpu.nvidia.com/gpu-lost", "operator": "Exists"}]
+    probe = {**tolerating, "metadata": {"namespace": ns, "name": "probe"}}
+    await change_rules(escape, kube, {"allowedTaintTolerations": ["*"]}, probe, admitted=True)
+    stored = await create(tenant, tolerating)
+    if "tolerations" not in stored["spec"]["devices"]["requests"][0]["exactly"]:
+        pytest.skip("the API server drops device tolerations: DRADeviceTaints is off")
+    await change_rules(escape, kube, {"allowedTaintTolerations": None}, probe, admitted=False)
+    message = await refused(tenant, pod(ns, "late", claims={"a": {"resourceClaimName": "early"}}))
+    assert "pod claim a refers to ResourceClaim early, which its namespace's rules" in message
+    assert "does not allow tolerating device taint gpu.nvidia.com/gpu-lost" in message
+
+
 async def test_a_forged_namespace_is_refused_before_any_read_or_write(escape: Escape) -> None:
     """A review sent straight to the port with a path for its namespace: answered 400,
     and nothing is read or written with it."""
