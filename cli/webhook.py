@@ -101,6 +101,15 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "its admission kubeConfigFile; /healthz, /readyz and /metrics move to --health-port",
     )
     p.add_argument(
+        "--client-cert-name",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="with --client-ca-file: serve only a client certificate whose subject common "
+        "name or a DNS name is NAME (repeat for more); without it any certificate the CA "
+        "signed is served, which for a cluster's CA means every kubelet's too",
+    )
+    p.add_argument(
         "--health-port",
         type=int,
         default=None,
@@ -378,6 +387,17 @@ def run(args: argparse.Namespace) -> int:
             f"at least the largest request body, {HttpConfig.max_body_bytes} "
             f"(default: {HttpConfig.max_buffered_body_bytes})"
         )
+    if args.client_cert_name and args.client_ca_file is None:
+        raise SystemExit(
+            "gpudra webhook: --client-cert-name needs --client-ca-file: names are checked on "
+            "the client certificates that CA signs"
+        )
+    for name in args.client_cert_name:
+        if not name or name != name.strip() or "\x00" in name:
+            raise SystemExit(
+                f"gpudra webhook: --client-cert-name {name!r}: give the common name or DNS "
+                "name of the API server's client certificate, e.g. gpudra-webhook.gpudra.svc"
+            )
     if (args.client_ca_file is None) != (args.health_port is None):
         raise SystemExit(
             "gpudra webhook: --client-ca-file and --health-port go together: the kubelet's "
@@ -471,7 +491,7 @@ def run(args: argparse.Namespace) -> int:
         health = None
         if args.client_ca_file is not None:
             try:
-                server.tls.require_client_certificates(args.client_ca_file)
+                server.tls.require_client_certificates(args.client_ca_file, args.client_cert_name)
             except (OSError, ssl.SSLError) as exc:
                 raise SystemExit(f"gpudra webhook: --client-ca-file: {exc}") from None
             health = server.health_server(args.health_port)

@@ -12,20 +12,25 @@ connection.
 With `require_client_certificates` every handshake must also present a client
 certificate signed by the given CA (the API server's, from its admission
 ``kubeConfigFile``), so only the API server can send reviews; a client without one is
-refused before any HTTP. The CA file is reloaded like the serving files.
+refused before any HTTP. The CA file is reloaded like the serving files. A CA often
+signs more than the API server's certificate (a cluster's CA signs every kubelet's and
+many users'), so the names a client certificate may carry can be given too
+(`client_name_problem`): its subject's common name or one of its DNS names must be one
+of them, checked once the handshake has verified it, before any HTTP.
 """
 
 from __future__ import annotations
 
 import logging
 import ssl
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
+from typing import Any
 
 import anyio
 import anyio.to_thread
 
-__all__ = ["ReloadingTLSContext"]
+__all__ = ["ReloadingTLSContext", "certificate_names"]
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +52,7 @@ class ReloadingTLSContext:
         self._cert_file = cert_file
         self._key_file = key_file
         self._client_ca_file: Path | None = None
+        self._client_names: frozenset[str] = frozenset()
         self._on_reload = on_reload
         self._signature = self._stat()
         self._context = self._build()
@@ -69,16 +75,38 @@ class ReloadingTLSContext:
         """The CA client certificates must be signed by; None when none is asked for."""
         return self._client_ca_file
 
-    def require_client_certificates(self, ca_file: Path) -> None:
+    @property
+    def client_names(self) -> frozenset[str]:
+        """The names a client certificate must carry one of; empty: any the CA signed."""
+        return self._client_names
+
+    def require_client_certificates(self, ca_file: Path, names: Iterable[str] = ()) -> None:
         """From now on, refuse every handshake without a client certificate signed by the
-        CA in `ca_file`. Call before serving; OSError or ssl.SSLError when unreadable."""
+        CA in `ca_file` and, with `names`, every connection whose certificate carries
+        none of them (`client_name_problem`). Call before serving; OSError or
+        ssl.SSLError when unreadable."""
         self._client_ca_file = ca_file
+        self._client_names = frozenset(names)
         # OpenSSL keeps the verify mode of the context a connection was accepted on, and
         # verifies against the store of the one the SNI callback moved it to: set both.
         _require_client_certificates(self._listener, ca_file)
         self._signature = self._stat()
         self._context = self._build()
         self._failed = None
+
+    def client_name_problem(self, peercert: Mapping[str, Any] | None) -> str | None:
+        """Why a verified client certificate (``getpeercert()``) may not send requests,
+        None when it may: its subject's common name or a DNS name of its
+        subjectAltName must be one of `client_names` (no names given: any)."""
+        if not self._client_names:
+            return None
+        if not peercert:
+            return "no client certificate"
+        carried = certificate_names(peercert)
+        if carried & self._client_names:
+            return None
+        shown = ", ".join(sorted(carried)[:4]) or "no common name or DNS name"
+        return f"client certificate names {shown}, none of the accepted ones"
 
     def reload_if_changed(self) -> bool:
         """Reload when the files changed since the last load; True when reloaded."""
@@ -147,3 +175,17 @@ class ReloadingTLSContext:
 def _require_client_certificates(context: ssl.SSLContext, ca_file: Path) -> None:
     context.load_verify_locations(cafile=ca_file)
     context.verify_mode = ssl.CERT_REQUIRED
+
+
+def certificate_names(peercert: Mapping[str, Any]) -> frozenset[str]:
+    """The subject common names and subjectAltName DNS names of a certificate, as
+    ``SSLObject.getpeercert()`` gives them."""
+    names: set[str] = set()
+    for rdn in peercert.get("subject") or ():
+        for key, value in rdn:
+            if key == "commonName" and isinstance(value, str):
+                names.add(value)
+    for kind, value in peercert.get("subjectAltName") or ():
+        if kind == "DNS" and isinstance(value, str):
+            names.add(value)
+    return frozenset(names)

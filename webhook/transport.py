@@ -10,13 +10,14 @@ this replaces).
 
 - TLS: the listener's context hands every handshake to the newest certificate
   (`ReloadingTLSContext`), so a rotated certificate reaches new connections at once
-  while open ones keep working;
+  while open ones keep working; each connection's kernel receive buffer is small
+  (`_RECEIVE_BUFFER`), which bounds what the TLS layer keeps per connection;
 - every phase has its own bound, so a slow or hostile client only ever ties up its own
   connection: handshake (``handshake_timeout``); the first request head, and any head
   once its first byte arrived (``header_timeout``, answered 408); the body
   (``body_timeout``, 408) and its size, checked against ``Content-Length`` before
-  reading (400); idle keep-alive (``idle_timeout``); head lines, their count and the
-  whole head (400);
+  reading (400); idle keep-alive (``idle_timeout``); head lines and their count (400),
+  and the whole head, counted as it arrives (``max_head_bytes``, 431);
 - requests on one connection (keep-alive, pipelined) are answered one at a time, in
   order; a request the server refuses before its body closes the connection after the
   answer, draining unread input for a moment so the client reads the answer first;
@@ -38,11 +39,13 @@ this replaces).
   retries such an answer);
 - open connections are bounded (``max_connections``): anyone who reaches the port can
   open connections and keep them (a request every two minutes keeps one alive, a slow
-  head holds one for ten seconds at a time), each about 50 KiB with its TLS state. At
-  the bound a new connection takes the place of the one that has waited longest
-  without a request being answered (idle, still sending its request, or waiting for
-  its client to read the answers), which is aborted, so a flood of held connections
-  cannot lock the API server out nor exhaust the process's memory or file descriptors.
+  head holds one for ten seconds at a time), each about 50 KiB with its TLS state (up
+  to about 0.4 MiB once it carried a large request, most of it the 256 KiB read buffer
+  uvloop gives every TLS connection, which nothing here can shrink). At the bound a
+  new connection takes the place of the one that has waited longest without a request
+  being answered (idle, still sending its request, or waiting for its client to read
+  the answers), which is aborted, so a flood of held connections cannot lock the API
+  server out nor exhaust the process's memory or file descriptors.
   A connection whose request is being answered is never closed for another; when
   every one is, the new one is refused;
 - health (``/healthz``), readiness (``/readyz``, failing while draining or while the
@@ -61,6 +64,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import resource
+import socket
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Mapping
@@ -107,7 +111,23 @@ of MiB, not half a GiB."""
 _READ_HIGH_WATER: Final = 16 * 1024
 """Per connection: encrypted input the TLS layer buffers while the connection does not
 read (at most this, plus one read from the socket)."""
+_RECEIVE_BUFFER: Final = 32 * 1024
+"""Per connection: the kernel's receive buffer (SO_RCVBUF, which Linux doubles), set on
+the listening sockets before they listen so that every accepted one inherits it. A read
+from the socket takes at most what it holds, and uvloop's TLS layer keeps memory sized
+by the largest read for as long as the connection is open: its encrypted-input buffer
+(an OpenSSL memory BIO, which never shrinks) and the pages used of its read buffer.
+Left to the kernel's autotuning, one large request grew them to about 0.5 MiB: 200
+connections idle after a 3 MiB request each took the transport from 32 MiB to 145 MiB
+(64 MiB at this size), and 1,000 sending 3 MiB bodies at once to 654 MiB (242 MiB). It
+also bounds what a client can push into a connection that is not being read, and what
+a connection carries per round trip (at most 64 KiB: a pod's review is 5-20 KiB; the
+largest body allowed, 3 MiB, costs about 2 ms more CPU). What it cannot bound is that
+read buffer's size: uvloop allocates 256 KiB for each TLS connection."""
 _RETRY_AFTER_S: Final = 1
+_SHORTEST_HEAD: Final = len(b"GET  HTTP/1.1\r\n\r\n")
+"""The fewest bytes a request head takes beside its target and header lines (each of
+those at least its name, value, colon and line end)."""
 
 
 @dataclass(frozen=True)
@@ -132,6 +152,15 @@ class HttpConfig:
     max_header_bytes: int = 16 * 1024
     """The longest request line or header line."""
     max_headers: int = 32
+    max_head_bytes: int = 32 * 1024
+    """The whole request head as received: the request line, every header line and the
+    empty line that ends them, line ends included, counted while it arrives (a line the
+    parser still holds too), so a head never holds more than this, however slowly it
+    comes (answered 431). The API server's heads are a few hundred bytes; 32 KiB is two
+    of the longest lines, and what nginx allows by default (four 8 KiB buffers). The
+    line and line-count limits alone let an unfinished head hold 528 KiB: 500
+    connections holding such heads took the transport from 32 MiB to 557 MiB, and 81
+    MiB at this bound."""
     handshake_timeout: float = 10.0
     header_timeout: float = 10.0
     body_timeout: float = 10.0
@@ -242,6 +271,7 @@ class HttpServer:
         self.bodies = bodies if bodies is not None else BodyBudget(config.max_buffered_body_bytes)
         self.bodies.pools.append(self._connections)
         self._budget_log = LogPace()
+        self._stranger_log = LogPace()
 
     @property
     def port(self) -> int:
@@ -269,7 +299,12 @@ class HttpServer:
             ssl=self.tls.listener_context,
             ssl_handshake_timeout=cfg.handshake_timeout,
             backlog=_BACKLOG,
+            start_serving=False,
         )
+        for sock in listener.sockets:
+            # Before listening, so that every accepted socket inherits it.
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _RECEIVE_BUFFER)
+        await listener.start_serving()
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(self.tls.watch, cfg.cert_check_interval)
@@ -298,6 +333,25 @@ class HttpServer:
                 await self._all_closed.wait()
         for connection in list(self._connections):
             connection.abort()
+
+    def admits(self, transport: asyncio.BaseTransport) -> bool:
+        """Whether a new connection's client certificate carries a name it may send
+        requests under (`ReloadingTLSContext.client_name_problem`); one that does not is
+        closed before it counts against the connection bound, so it takes no one's
+        place."""
+        if not self.tls.client_names:
+            return True
+        problem = self.tls.client_name_problem(transport.get_extra_info("peercert"))
+        if problem is None:
+            return True
+        refused = self._stranger_log.due()
+        if refused is not None:
+            logger.warning(
+                "webhook connection closed: its client certificate names no accepted client "
+                "(--client-cert-name)",
+                extra={"fields": {"error": problem, "refused": refused}},
+            )
+        return False
 
     def connected(self, connection: _Connection) -> bool:
         """Take a new connection in; False when it must be closed at once (the bound is
@@ -530,7 +584,21 @@ class _Connection(asyncio.Protocol):
         self._headers: dict[str, str] = {}
         self._header_count = 0
         self._head_bytes = 0
+        """Bytes received of the head being received, against `max_head_bytes`. Exact,
+        but for a head that began in the same read as the end of a pipelined request:
+        the parser does not say where one ended and the other began, so that head is
+        charged what the read held past the fewest bytes the request can have taken
+        (its head's target, names and values and their shortest framing, its body),
+        and at most all of the read but that body."""
+        self._head_floor = 0
+        """The fewest bytes the head being parsed can have taken so far."""
+        self._ended_bytes = 0
+        """The fewest bytes the requests that ended in the input being parsed took."""
+        self._ended_body_bytes = 0
+        """Their bodies' bytes: all in that input (a body's input ends where it does)."""
         self._body: list[bytes] = []
+        self._body_left = 0
+        """Bytes of the body being received still to come."""
         self._request: _Request | None = None
         # No more input is parsed: an answer that closes the connection is coming.
         self._stopped = False
@@ -561,7 +629,7 @@ class _Connection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports are not asyncio.Transport subclasses, but have its methods.
         self._transport = cast(asyncio.Transport, transport)
-        if not self._server.connected(self):
+        if not self._server.admits(transport) or not self._server.connected(self):
             self._stopped = True
             self._transport.abort()
             return
@@ -577,12 +645,44 @@ class _Connection(asyncio.Protocol):
             if self._timer_kind == "idle":
                 # The first byte of a later request: its head deadline starts now.
                 self._arm("head", self._config.header_timeout, self._head_expired)
-        if self._request is None:
-            self._head_bytes += len(data)
-            limit = self._config.max_header_bytes * (self._config.max_headers + 1)
-            if self._head_bytes > limit:
-                self._refuse_head(400, f"request head exceeds {limit} bytes")
-                return
+        limit = self._config.max_head_bytes
+        rest: bytes | memoryview = data
+        while rest and not self._stopped:
+            piece = rest
+            if self._request is None:
+                # A head: never more at once than what is left of its bound, so that one
+                # still unfinished at the bound is refused before any more is taken.
+                room = limit - self._head_bytes  # at least 1: a head at it was refused
+                if len(rest) > room:
+                    piece, rest = memoryview(rest)[:room], memoryview(rest)[room:]
+                else:
+                    rest = b""
+                self._head_bytes += len(piece)
+                self._feed(piece)
+                if self._request is not None:
+                    self._head_bytes = 0  # complete: the rest of the piece is its body
+                elif self._ended_bytes:
+                    # Requests ended in the piece: a head begun after them holds at most
+                    # what they cannot have taken of it.
+                    after = min(
+                        self._head_bytes - self._ended_bytes,
+                        len(piece) - self._ended_body_bytes,
+                    )
+                    self._head_bytes = max(0, after) if self._in_message else 0
+                self._ended_bytes = self._ended_body_bytes = 0
+                if self._head_bytes >= limit and not self._stopped:
+                    self._refuse_head(431, f"request head exceeds {limit} bytes")
+            else:
+                # A body: up to its end, so that the next head is counted from its start.
+                size = self._body_left
+                if 0 < size < len(rest):
+                    piece, rest = memoryview(rest)[:size], memoryview(rest)[size:]
+                else:
+                    rest = b""
+                self._feed(piece)
+                self._ended_bytes = self._ended_body_bytes = self._head_bytes = 0
+
+    def _feed(self, data: bytes | memoryview) -> None:
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserCallbackError as exc:
@@ -635,10 +735,12 @@ class _Connection(asyncio.Protocol):
         self._url = b""
         self._headers = {}
         self._header_count = 0
+        self._head_floor = _SHORTEST_HEAD
         self._body = []
 
     def on_url(self, url: bytes) -> None:
         self._url += url
+        self._head_floor += len(url)
         if len(self._url) > self._config.max_header_bytes:
             raise self._line_too_long("the request line")
 
@@ -649,6 +751,7 @@ class _Connection(asyncio.Protocol):
             raise _HeadError(400, f"request head exceeds {cfg.max_headers} header lines")
         if len(name) + len(value) + 2 > cfg.max_header_bytes:
             raise self._line_too_long(f"header {name[:40].decode('latin-1')}")
+        self._head_floor += len(name) + len(value) + 3
         key = name.decode("latin-1").lower()
         if key in self._headers:
             if key == "content-length":
@@ -681,22 +784,25 @@ class _Connection(asyncio.Protocol):
             self._pending.append(_CONTINUE)
             if self._worker is None:
                 self._worker = self._loop.create_task(self._answer_pending())
-        if self._headers.get("content-length", "0") != "0":
+        self._body_left = request.charge
+        if self._body_left:
             self._arm("body", self._config.body_timeout, self._body_expired)
 
     def on_body(self, body: bytes) -> None:
         self._body.append(body)
+        self._body_left -= len(body)
 
     def on_message_complete(self) -> None:
         self._disarm()
         request, self._request = self._request, None
         self._in_message = False
         self._heard = False
-        self._head_bytes = 0
         if request is None:
             return  # refused at its head: answered already
         request.body = b"".join(self._body)
         self._body = []
+        self._ended_bytes += self._head_floor + len(request.body)
+        self._ended_body_bytes += len(request.body)
         if self._queued >= _MAX_QUEUED:
             # More requests in one read than may wait: the parser cannot stop at a message
             # and resume later, so this one is answered last, with Connection: close, and

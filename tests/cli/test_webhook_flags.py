@@ -168,6 +168,11 @@ def test_choices_are_the_drivers(flag: str) -> None:
             ["--client-ca-file=ca.crt", "--health-port=8443"],
             "--health-port 8443 must be 1-65535 and differ from --port 8443",
         ),
+        (["--client-cert-name=kube-apiserver"], "--client-cert-name needs --client-ca-file"),
+        (
+            ["--client-ca-file=ca.crt", "--health-port=8444", "--client-cert-name= x"],
+            "--client-cert-name ' x': give the common name or DNS name",
+        ),
     ],
 )
 def test_certificate_flags_that_go_together(tmp_path: Path, flags: list[str], message: str) -> None:

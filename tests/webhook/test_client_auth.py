@@ -22,6 +22,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from gpudra.webhook.certs import CertKeyPair, ensure_pki, generate_ca, service_dns_names
 from gpudra.webhook.server import ServerConfig, WebhookServer
+from gpudra.webhook.tls import certificate_names
 
 pytestmark = pytest.mark.anyio
 NAMES = service_dns_names("gpudra-webhook", "gpudra")
@@ -31,13 +32,18 @@ GUARD = 30  # seconds: a hang guard, never a speed check
 REFUSED = (ssl.SSLError, OSError, anyio.EndOfStream, anyio.BrokenResourceError)
 
 
-def client_cert(ca: CertKeyPair, name: str = "kube-apiserver") -> CertKeyPair:
-    """A client certificate as the API server's admission kubeConfigFile holds one."""
+def client_cert(ca: CertKeyPair, name: str = "kube-apiserver", *dns: str) -> CertKeyPair:
+    """A client certificate as the API server's admission kubeConfigFile holds one: common
+    name `name`, DNS names `dns`."""
     key = ec.generate_private_key(ec.SECP256R1())
     now = dt.datetime.now(dt.UTC)
+    builder = x509.CertificateBuilder()
+    if dns:
+        builder = builder.add_extension(
+            x509.SubjectAlternativeName([x509.DNSName(d) for d in dns]), critical=False
+        )
     cert = (
-        x509.CertificateBuilder()
-        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
+        builder.subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
         .issuer_name(ca.certificate.subject)
         .public_key(key.public_key())
         .serial_number(x509.random_serial_number())
@@ -101,22 +107,28 @@ async def call(
     return head
 
 
-async def test_only_a_client_certificate_from_the_ca_is_served(tmp_path: Path) -> None:
-    pki, _ = ensure_pki(tmp_path / "serving", NAMES)
-    api_ca, other_ca = generate_ca(), generate_ca()
-    client_ca_file = tmp_path / "client-ca.crt"
-    client_ca_file.write_bytes(api_ca.cert_pem)
+def serving(tmp: Path, client_ca: CertKeyPair, *names: str) -> tuple[WebhookServer, bytes]:
+    """A server on a fresh serving PKI under `tmp` that trusts `client_ca` for clients
+    (with `names`, only certificates carrying one); and the serving CA."""
+    pki, _ = ensure_pki(tmp / "serving", NAMES)
+    (tmp / "client-ca.crt").write_bytes(client_ca.cert_pem)
     config = ServerConfig(
-        cert_file=tmp_path / "serving" / "tls.crt",
-        key_file=tmp_path / "serving" / "tls.key",
+        cert_file=tmp / "serving" / "tls.crt",
+        key_file=tmp / "serving" / "tls.key",
         host="127.0.0.1",
         port=0,
         cert_check_interval=0.05,
     )
     server = WebhookServer(config, NoTemplates())
-    server.tls.require_client_certificates(client_ca_file)
+    server.tls.require_client_certificates(tmp / "client-ca.crt", names)
+    return server, pki.ca.cert_pem
+
+
+async def test_only_a_client_certificate_from_the_ca_is_served(tmp_path: Path) -> None:
+    api_ca, other_ca = generate_ca(), generate_ca()
+    server, ca = serving(tmp_path, api_ca)
+    client_ca_file = tmp_path / "client-ca.crt"
     health = server.health_server(0)
-    ca = pki.ca.cert_pem
     with anyio.fail_after(GUARD):
         async with anyio.create_task_group() as tg:
             port = await tg.start(server.serve)
@@ -140,6 +152,41 @@ async def test_only_a_client_certificate_from_the_ca_is_served(tmp_path: Path) -
             while not await _served(port, ca, tmp_path, client_cert(new_api_ca)):
                 await anyio.sleep(0.05)
             tg.cancel_scope.cancel()
+
+
+async def test_with_names_only_a_certificate_carrying_one_is_served(tmp_path: Path) -> None:
+    """A CA often signs more than the API server's certificate (a cluster's CA signs every
+    kubelet's): with names, a certificate of that CA carrying none of them is cut off
+    before any HTTP, whatever it sends; its common name or a DNS name may carry one."""
+    cluster_ca = generate_ca()
+    server, ca = serving(tmp_path, cluster_ca, NAMES[0])
+    with anyio.fail_after(GUARD):
+        async with anyio.create_task_group() as tg:
+            port = await tg.start(server.serve)
+            served = (
+                client_cert(cluster_ca, NAMES[0]),
+                client_cert(cluster_ca, "kube-apiserver", "apiserver.example", NAMES[0]),
+            )
+            for identity in served:
+                assert await call(port, ca, tmp_path, review(), identity) == b"HTTP/1.1 200 OK"
+            strangers = (
+                client_cert(cluster_ca, "system:node:worker-1"),
+                client_cert(cluster_ca, "kube-apiserver", "apiserver.example"),
+                client_cert(cluster_ca, NAMES[0].upper()),
+            )
+            for stranger in strangers:
+                with pytest.raises(REFUSED):
+                    await call(port, ca, tmp_path, review(), stranger)
+            tg.cancel_scope.cancel()
+
+
+def test_certificate_names_are_its_common_names_and_dns_names() -> None:
+    cert = {
+        "subject": ((("organizationName", "system:masters"),), (("commonName", "api"),)),
+        "subjectAltName": (("DNS", "a.example"), ("IP Address", "10.0.0.1"), ("URI", "x:y")),
+    }
+    assert certificate_names(cert) == {"api", "a.example"}
+    assert certificate_names({}) == set()
 
 
 async def _served(port: int, ca: bytes, tmp: Path, identity: CertKeyPair) -> bool:

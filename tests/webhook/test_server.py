@@ -30,7 +30,7 @@ from gpudra.webhook.certs import (
     write_atomic,
 )
 from gpudra.webhook.server import ServerConfig, WebhookServer
-from gpudra.webhook.transport import HttpConfig, HttpServer, _Connection
+from gpudra.webhook.transport import _RECEIVE_BUFFER, HttpConfig, HttpServer, _Connection
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -430,19 +430,142 @@ async def test_malformed_http_gets_an_error_and_a_closed_connection(
         assert resp.headers["connection"] == "close"
 
 
-async def test_a_head_line_that_never_ends_is_refused_at_the_heads_bound(tmp_path: Path) -> None:
-    # The parser keeps a header's value until its line ends; the whole head is bounded
-    # (header lines x their limit), so a line that never ends cannot grow the server.
-    async with running(tmp_path, max_header_bytes=1024, max_headers=4) as h, client(h) as c:
-        await c.send(b"GET /healthz HTTP/1.1\r\nHost: w\r\nX: ")
-        with anyio.fail_after(GUARD):
-            for _ in range(8):
-                await c.send(b"a" * 1024)
-            resp = await c.response()
-        assert resp.status == 400
-        assert "request head exceeds 5120 bytes" in resp.body.decode()
+# --- the request head's bound ---
+
+
+def head_of(size: int, path: str = "/healthz", line: int = 200) -> bytes:
+    """A complete GET head of exactly `size` bytes, in header lines of about `line` bytes
+    (each far below the per-line limit)."""
+    head = f"GET {path} HTTP/1.1\r\nHost: w\r\n".encode()
+    n = 0
+    while len(head) + line + 2 < size:
+        head += b"X-%d: " % n + b"a" * (line - len(b"X-%d: \r\n" % n)) + b"\r\n"
+        n += 1
+    last = size - len(head) - len(b"X-last: \r\n\r\n")
+    head += b"X-last: " + b"b" * last + b"\r\n\r\n"
+    assert len(head) == size
+    return head
+
+
+async def test_the_whole_head_is_bounded_not_only_its_lines(tmp_path: Path) -> None:
+    """Header lines each far below the per-line limit, fewer than the line-count limit,
+    but more bytes together than the head's bound: answered 431 and closed; a head of
+    exactly the bound is served."""
+    assert HttpConfig.max_head_bytes == 32 * 1024  # the default: two of the longest lines
+    assert HttpConfig.max_head_bytes == 2 * HttpConfig.max_header_bytes
+    async with running(tmp_path, max_head_bytes=4096) as h:
+        async with client(h) as c:
+            await c.send(head_of(4096))
+            assert (await c.response()).status == 200
+        async with client(h) as c:
+            head = head_of(4097, line=300)
+            assert head.count(b"\r\n") < 32  # fewer lines than the line-count limit
+            await c.send(head)
+            with anyio.fail_after(GUARD):
+                resp = await c.response()
+                with pytest.raises(CLOSED):
+                    await c.response()
+        assert resp.status == 431
+        assert resp.body.decode() == "request head exceeds 4096 bytes\n"
         assert resp.headers["connection"] == "close"
         assert metric(h, "gpudra_webhook_requests_total", path="other", result="bad_request") == 1
+        async with client(h) as c:
+            assert (await c.request("GET", "/healthz")).status == 200
+
+
+@pytest.mark.parametrize(
+    "start",
+    [
+        b"GET /healthz HTTP/1.1\r\nHost: w\r\nX: ",  # a header line that never ends
+        b"GET /healthz HTTP/1.1\r\nHost: w\r\n",  # short lines, one after another
+    ],
+)
+async def test_a_head_trickled_in_small_writes_is_refused_at_the_bound(
+    tmp_path: Path, start: bytes
+) -> None:
+    """A head sent a few bytes at a time is counted as it arrives, the line the parser
+    still holds included: one that reaches the bound unfinished is refused then (it can
+    only go past it), long before the head's deadline."""
+    limit = 4096
+    async with running(tmp_path, max_head_bytes=limit, header_timeout=60) as h, client(h) as c:
+        if start.endswith(b": "):
+            trickle = start + b"a" * (limit - len(start))
+        else:
+            lines = b"".join(b"X-%d: %s\r\n" % (i, b"a" * 150) for i in range(30))
+            trickle = (start + lines)[:limit]
+            assert trickle.count(b"\r\n") < 32  # fewer lines than the line-count limit
+        assert len(trickle) == limit
+        for i in range(0, len(trickle), 64):
+            await c.send(trickle[i : i + 64])
+        with anyio.fail_after(GUARD):
+            resp = await c.response()
+        assert resp.status == 431
+        assert "request head exceeds 4096 bytes" in resp.body.decode()
+        assert resp.headers["connection"] == "close"
+
+
+async def test_a_body_in_the_same_write_as_its_head_is_not_counted_as_head(
+    tmp_path: Path,
+) -> None:
+    """The head's bound counts the head only: a review far larger than the bound, sent
+    in one write with its head, is served, and so are requests pipelined after a body
+    in one write (a head that begins where a body ends is counted from its start)."""
+    async with running(tmp_path, max_head_bytes=1024) as h, client(h) as c:
+        pod = gpu_pod(annotations={"padding": "x" * 8000})
+        body = json.dumps(review(pod, uid="big")).encode()
+        assert len(body) > 8 * 1024
+        with anyio.fail_after(GUARD):
+            resp = await admit(c, body)
+        assert resp.json()["response"]["uid"] == "big"
+        small = b"x" * 500
+        post = b"POST /healthz HTTP/1.1\r\nHost: w\r\nContent-Length: 500\r\n\r\n" + small
+        # The first request and most of the second head arrive together in one read of
+        # up to the bound: the second head is charged at most what is not the body.
+        second = head_of(900)
+        assert len(post) + len(second) > 1024
+        await c.send(post + second)
+        with anyio.fail_after(GUARD):
+            answers = [await c.response() for _ in range(2)]
+        assert [a.status for a in answers] == [405, 200]
+        assert answers[1].headers["connection"] == "keep-alive"
+        # The bound still holds for a pipelined head past it, after a body shorter or
+        # longer than the bound.
+        large = b"POST /healthz HTTP/1.1\r\nHost: w\r\nContent-Length: 2000\r\n\r\n"
+        for first in (post, large + b"x" * 2000):
+            async with client(h) as other:
+                await other.send(first + head_of(1025))
+                with anyio.fail_after(GUARD):
+                    answers = [await other.response() for _ in range(2)]
+                assert [a.status for a in answers] == [405, 431]
+
+
+async def test_many_requests_on_one_connection_never_add_up_to_the_bound(
+    tmp_path: Path,
+) -> None:
+    """Each head is counted on its own: a keep-alive connection serves far more bytes of
+    heads in all than the bound, whether each request comes alone or pipelined in
+    pairs."""
+    async with running(tmp_path, max_head_bytes=1024) as h, client(h) as c:
+        head = head_of(1000)
+        with anyio.fail_after(GUARD):
+            for _ in range(20):
+                await c.send(head)
+                assert (await c.response()).status == 200
+            for _ in range(20):
+                await c.send(head + head)
+                assert [(await c.response()).status for _ in range(2)] == [200, 200]
+
+
+async def test_connections_get_a_small_kernel_receive_buffer(tmp_path: Path) -> None:
+    """Every accepted socket inherits the listener's small receive buffer (Linux
+    doubles what is asked), which bounds each read and so what the TLS layer keeps."""
+    async with running(tmp_path) as h, client(h) as c:
+        assert (await c.request("GET", "/healthz")).status == 200
+        (connection,) = h.server._http._connections
+        assert connection._transport is not None
+        sock = connection._transport.get_extra_info("socket")
+        assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF) == 2 * _RECEIVE_BUFFER
+        assert _RECEIVE_BUFFER == 32 * 1024
 
 
 async def test_transfer_encoding_is_refused_on_every_path(tmp_path: Path) -> None:
