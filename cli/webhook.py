@@ -106,8 +106,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         default=[],
         metavar="NAME",
         help="with --client-ca-file: serve only a client certificate whose subject common "
-        "name or a DNS name is NAME (repeat for more); without it any certificate the CA "
-        "signed is served, which for a cluster's CA means every kubelet's too",
+        "name or a DNS name is NAME (repeat for more) and that has the clientAuth extended "
+        "key usage; without it any certificate the CA signed is served, which for a "
+        "cluster's CA means every kubelet's too",
     )
     p.add_argument(
         "--health-port",
@@ -396,7 +397,7 @@ def run(args: argparse.Namespace) -> int:
         if not name or name != name.strip() or "\x00" in name:
             raise SystemExit(
                 f"gpudra webhook: --client-cert-name {name!r}: give the common name or DNS "
-                "name of the API server's client certificate, e.g. gpudra-webhook.gpudra.svc"
+                "name of the API server's client certificate, e.g. gpudra-admission-client"
             )
     if (args.client_ca_file is None) != (args.health_port is None):
         raise SystemExit(

@@ -14,21 +14,33 @@ certificate signed by the given CA (the API server's, from its admission
 ``kubeConfigFile``), so only the API server can send reviews; a client without one is
 refused before any HTTP. The CA file is reloaded like the serving files. A CA often
 signs more than the API server's certificate (a cluster's CA signs every kubelet's and
-many users'), so the names a client certificate may carry can be given too
-(`client_name_problem`): its subject's common name or one of its DNS names must be one
-of them, checked once the handshake has verified it, before any HTTP.
+many users'), so the names a client certificate may carry can be given too: its
+subject's common name or one of its DNS names must be one of them, and it must be made
+for client authentication (the clientAuth extended key usage, present, so that a
+serving certificate of the same CA, which often has no key usage at all, does not
+pass). `client_problem` checks a connection once the handshake has verified its
+certificate, before any HTTP.
+
+No TLS session is resumed while client certificates are required: a resumed session
+skips verification, so a client whose certificate the CA no longer signs (the CA file
+replaced after a leak) would be served as long as it kept resuming, each resumption
+handing it a new ticket. The contexts issue no tickets, and a connection that resumed
+a session anyway (TLS 1.2's session IDs, which Python cannot turn off) is refused; Go's
+TLS client, the API server's, resumes with tickets only, so it always makes a full
+handshake.
 """
 
 from __future__ import annotations
 
 import logging
 import ssl
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
 
 import anyio
 import anyio.to_thread
+from cryptography import x509
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 __all__ = ["ReloadingTLSContext", "certificate_names"]
 
@@ -83,8 +95,8 @@ class ReloadingTLSContext:
     def require_client_certificates(self, ca_file: Path, names: Iterable[str] = ()) -> None:
         """From now on, refuse every handshake without a client certificate signed by the
         CA in `ca_file` and, with `names`, every connection whose certificate carries
-        none of them (`client_name_problem`). Call before serving; OSError or
-        ssl.SSLError when unreadable."""
+        none of them (`client_problem`). Call before serving; OSError or ssl.SSLError
+        when unreadable."""
         self._client_ca_file = ca_file
         self._client_names = frozenset(names)
         # OpenSSL keeps the verify mode of the context a connection was accepted on, and
@@ -94,15 +106,31 @@ class ReloadingTLSContext:
         self._context = self._build()
         self._failed = None
 
-    def client_name_problem(self, peercert: Mapping[str, Any] | None) -> str | None:
-        """Why a verified client certificate (``getpeercert()``) may not send requests,
-        None when it may: its subject's common name or a DNS name of its
-        subjectAltName must be one of `client_names` (no names given: any)."""
+    def client_problem(self, tls: ssl.SSLObject | None) -> str | None:
+        """Why a connection whose handshake passed may not send requests; None when it
+        may, or when no client certificate is required. `tls` is the connection's
+        ``ssl_object``."""
+        if self._client_ca_file is None:
+            return None
+        if tls is None:
+            return "not a TLS connection"
+        if tls.session_reused:
+            return "a resumed TLS session, whose certificate was not verified again"
         if not self._client_names:
             return None
-        if not peercert:
+        der = tls.getpeercert(binary_form=True)
+        if not der:
             return "no client certificate"
-        carried = certificate_names(peercert)
+        try:
+            cert = x509.load_der_x509_certificate(der)
+            usages = cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
+        except x509.ExtensionNotFound:
+            return "a client certificate without the clientAuth extended key usage"
+        except ValueError as exc:
+            return f"a client certificate that cannot be read: {exc}"
+        if ExtendedKeyUsageOID.CLIENT_AUTH not in usages:
+            return "a client certificate without the clientAuth extended key usage"
+        carried = certificate_names(cert)
         if carried & self._client_names:
             return None
         shown = ", ".join(sorted(carried)[:4]) or "no common name or DNS name"
@@ -175,17 +203,21 @@ class ReloadingTLSContext:
 def _require_client_certificates(context: ssl.SSLContext, ca_file: Path) -> None:
     context.load_verify_locations(cafile=ca_file)
     context.verify_mode = ssl.CERT_REQUIRED
+    # No session tickets, so no resumption without verification (see the module
+    # docstring): none issued in TLS 1.3, none accepted in TLS 1.2.
+    context.num_tickets = 0
+    context.options |= ssl.OP_NO_TICKET
 
 
-def certificate_names(peercert: Mapping[str, Any]) -> frozenset[str]:
-    """The subject common names and subjectAltName DNS names of a certificate, as
-    ``SSLObject.getpeercert()`` gives them."""
-    names: set[str] = set()
-    for rdn in peercert.get("subject") or ():
-        for key, value in rdn:
-            if key == "commonName" and isinstance(value, str):
-                names.add(value)
-    for kind, value in peercert.get("subjectAltName") or ():
-        if kind == "DNS" and isinstance(value, str):
-            names.add(value)
-    return frozenset(names)
+def certificate_names(cert: x509.Certificate) -> frozenset[str]:
+    """The subject common names and subjectAltName DNS names of a certificate."""
+    names = {
+        a.value
+        for a in cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
+        if isinstance(a.value, str)
+    }
+    try:
+        alternative = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName)
+    except x509.ExtensionNotFound:
+        return frozenset(names)
+    return frozenset(names | set(alternative.value.get_values_for_type(x509.DNSName)))

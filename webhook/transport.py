@@ -335,20 +335,19 @@ class HttpServer:
             connection.abort()
 
     def admits(self, transport: asyncio.BaseTransport) -> bool:
-        """Whether a new connection's client certificate carries a name it may send
-        requests under (`ReloadingTLSContext.client_name_problem`); one that does not is
-        closed before it counts against the connection bound, so it takes no one's
-        place."""
-        if not self.tls.client_names:
+        """Whether a new connection may send requests: with client certificates required,
+        one whose certificate carries no accepted name, or that resumed a TLS session, may
+        not (`ReloadingTLSContext.client_problem`). It is closed before it counts against
+        the connection bound, so it takes no one's place."""
+        if self.tls.client_ca_file is None:
             return True
-        problem = self.tls.client_name_problem(transport.get_extra_info("peercert"))
+        problem = self.tls.client_problem(transport.get_extra_info("ssl_object"))
         if problem is None:
             return True
         refused = self._stranger_log.due()
         if refused is not None:
             logger.warning(
-                "webhook connection closed: its client certificate names no accepted client "
-                "(--client-cert-name)",
+                "webhook connection closed before any request: its client is not accepted",
                 extra={"fields": {"error": problem, "refused": refused}},
             )
         return False
@@ -589,7 +588,9 @@ class _Connection(asyncio.Protocol):
         the parser does not say where one ended and the other began, so that head is
         charged what the read held past the fewest bytes the request can have taken
         (its head's target, names and values and their shortest framing, its body),
-        and at most all of the read but that body."""
+        and at most all of the read but that body: over-charged by what that request
+        spent beyond the shortest framing (a longer method, spaces around values), a few
+        bytes for the API server's."""
         self._head_floor = 0
         """The fewest bytes the head being parsed can have taken so far."""
         self._ended_bytes = 0

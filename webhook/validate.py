@@ -591,15 +591,21 @@ def _check_rules(
                 f"{request.device_class}; accepted values: "
                 f"{', '.join(spec.allowed_device_classes or ()) or 'none'}"
             )
-        for index, key in enumerate(request.tolerations):
-            if not spec.allows_toleration(key):
-                what = f"device taint {key}" if key else "every device taint (no key)"
-                verdict.forbidden.append(
-                    f"{request.path}.tolerations[{index}]: {label} does not allow "
-                    f"tolerating {what}; accepted keys: "
-                    f"{', '.join(spec.allowed_taint_tolerations or ()) or 'none'} "
-                    "(allowedTaintTolerations)"
-                )
+        refused = [
+            (i, k) for i, k in enumerate(request.tolerations) if not spec.allows_toleration(k)
+        ]
+        if refused:
+            # One line per request, however many tolerations it has (the API server does
+            # not bound them): the first refused one, and how many more.
+            index, key = refused[0]
+            what = f"device taint {key}" if key else "every device taint (no key)"
+            more = f" (and {len(refused) - 1} more)" if len(refused) > 1 else ""
+            verdict.forbidden.append(
+                f"{request.path}.tolerations[{index}]: {label} does not allow tolerating "
+                f"{what}{more}; accepted keys: "
+                f"{', '.join(spec.allowed_taint_tolerations or ()) or 'none'} "
+                "(allowedTaintTolerations)"
+            )
         kinds = _device_types(request, policy, device_classes)
         if "mig" in kinds and spec.allowed_mig_profiles is not None:
             _check_profile(request, policy, rules, verdict, either=len(kinds) > 1)

@@ -32,12 +32,19 @@ GUARD = 30  # seconds: a hang guard, never a speed check
 REFUSED = (ssl.SSLError, OSError, anyio.EndOfStream, anyio.BrokenResourceError)
 
 
-def client_cert(ca: CertKeyPair, name: str = "kube-apiserver", *dns: str) -> CertKeyPair:
+def client_cert(
+    ca: CertKeyPair,
+    name: str = "kube-apiserver",
+    *dns: str,
+    usage: x509.ObjectIdentifier | None = ExtendedKeyUsageOID.CLIENT_AUTH,
+) -> CertKeyPair:
     """A client certificate as the API server's admission kubeConfigFile holds one: common
-    name `name`, DNS names `dns`."""
+    name `name`, DNS names `dns`, extended key usage `usage` (None: no such extension)."""
     key = ec.generate_private_key(ec.SECP256R1())
     now = dt.datetime.now(dt.UTC)
     builder = x509.CertificateBuilder()
+    if usage is not None:
+        builder = builder.add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
     if dns:
         builder = builder.add_extension(
             x509.SubjectAlternativeName([x509.DNSName(d) for d in dns]), critical=False
@@ -49,7 +56,6 @@ def client_cert(ca: CertKeyPair, name: str = "kube-apiserver", *dns: str) -> Cer
         .serial_number(x509.random_serial_number())
         .not_valid_before(now - dt.timedelta(minutes=5))
         .not_valid_after(now + dt.timedelta(days=1))
-        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
         .sign(ca.private_key, hashes.SHA256())
     )
     return CertKeyPair(
@@ -173,6 +179,9 @@ async def test_with_names_only_a_certificate_carrying_one_is_served(tmp_path: Pa
                 client_cert(cluster_ca, "system:node:worker-1"),
                 client_cert(cluster_ca, "kube-apiserver", "apiserver.example"),
                 client_cert(cluster_ca, NAMES[0].upper()),
+                # Not made for client authentication (a serving certificate of the CA).
+                client_cert(cluster_ca, "x", NAMES[0], usage=None),
+                client_cert(cluster_ca, "x", NAMES[0], usage=ExtendedKeyUsageOID.SERVER_AUTH),
             )
             for stranger in strangers:
                 with pytest.raises(REFUSED):
@@ -181,12 +190,67 @@ async def test_with_names_only_a_certificate_carrying_one_is_served(tmp_path: Pa
 
 
 def test_certificate_names_are_its_common_names_and_dns_names() -> None:
-    cert = {
-        "subject": ((("organizationName", "system:masters"),), (("commonName", "api"),)),
-        "subjectAltName": (("DNS", "a.example"), ("IP Address", "10.0.0.1"), ("URI", "x:y")),
-    }
-    assert certificate_names(cert) == {"api", "a.example"}
-    assert certificate_names({}) == set()
+    ca = generate_ca()
+    both = x509.load_pem_x509_certificate(client_cert(ca, "api", "a.example").cert_pem)
+    assert certificate_names(both) == {"api", "a.example"}
+    alone = x509.load_pem_x509_certificate(client_cert(ca, "api").cert_pem)
+    assert certificate_names(alone) == {"api"}
+
+
+def _client_context(
+    server_ca: bytes, tmp: Path, identity: CertKeyPair, version: ssl.TLSVersion
+) -> ssl.SSLContext:
+    context = ssl.create_default_context(cadata=server_ca.decode())
+    context.minimum_version = context.maximum_version = version
+    (tmp / "client.crt").write_bytes(identity.cert_pem)
+    (tmp / "client.key").write_bytes(identity.key_pem)
+    context.load_cert_chain(tmp / "client.crt", tmp / "client.key")
+    return context
+
+
+def _exchange(
+    port: int, context: ssl.SSLContext, session: ssl.SSLSession | None = None
+) -> tuple[bytes, ssl.SSLSession | None]:
+    """Blocking: one request (resuming `session` if given); the answer's status line
+    (b"" when the server closed without one) and the session."""
+    with (
+        socket.create_connection(("127.0.0.1", port), timeout=GUARD) as raw,
+        context.wrap_socket(raw, server_hostname=NAMES[0], session=session) as tls,
+    ):
+        tls.sendall(review())
+        try:
+            line = tls.recv(4096).split(b"\r\n", 1)[0]
+        except (ssl.SSLError, OSError):
+            line = b""
+        return line, tls.session
+
+
+async def test_a_client_the_ca_no_longer_signs_cannot_resume_its_way_in(tmp_path: Path) -> None:
+    """A resumed TLS session skips certificate verification: after the client CA is
+    replaced (a leaked key), a client that resumed its earlier session would be served
+    for as long as it kept resuming. No session is resumed while client certificates are
+    required, in TLS 1.3 (no tickets) or 1.2 (session IDs refused)."""
+    old_ca, new_ca = generate_ca(), generate_ca()
+    server, ca = serving(tmp_path, old_ca)
+    with anyio.fail_after(GUARD):
+        async with anyio.create_task_group() as tg:
+            port = await tg.start(server.serve)
+            for version in (ssl.TLSVersion.TLSv1_3, ssl.TLSVersion.TLSv1_2):
+                (tmp_path / "client-ca.crt").write_bytes(old_ca.cert_pem)
+                while not await _served(port, ca, tmp_path, client_cert(old_ca)):
+                    await anyio.sleep(0.05)
+                context = _client_context(ca, tmp_path, client_cert(old_ca), version)
+                line, session = await anyio.to_thread.run_sync(_exchange, port, context)
+                assert line == b"HTTP/1.1 200 OK"
+                (tmp_path / "client-ca.crt").write_bytes(new_ca.cert_pem)
+                while not await _served(port, ca, tmp_path, client_cert(new_ca)):
+                    await anyio.sleep(0.05)
+                try:
+                    line, _ = await anyio.to_thread.run_sync(_exchange, port, context, session)
+                except REFUSED:
+                    line = b""  # a full handshake, refused
+                assert line == b"", version
+            tg.cancel_scope.cancel()
 
 
 async def _served(port: int, ca: bytes, tmp: Path, identity: CertKeyPair) -> bool:
