@@ -53,6 +53,7 @@ from gpudra.webhook.reviews import (
     parse_review,
 )
 from gpudra.webhook.tenant_rules import (
+    POD_CLAIM_NAME_ANNOTATION,
     Lookup,
     ReferencedClaim,
     StoredClaim,
@@ -114,10 +115,16 @@ class ClaimReader(Protocol):
     or None when there is no such object.
     `pods` lists the namespace's pods that have not terminated, to find those that will
     use a claim being created; `namespace_labels` reads a namespace the tenant view has
-    not seen yet (None: there is no such namespace).
+    not seen yet (None: there is no such namespace); `claims_made_for` names the claims
+    the resourceclaim controller made for a pod's template entries (controlled by the
+    pod, annotated with the entry's name), by entry.
     """
 
     async def __call__(self, namespace: str, kind: str, name: str) -> StoredClaim | None: ...
+
+    async def claims_made_for(
+        self, namespace: str, pod_uid: str
+    ) -> Mapping[str, Sequence[str]]: ...
 
     async def namespace_labels(self, namespace: str) -> Mapping[str, str] | None: ...
 
@@ -462,13 +469,16 @@ class Admission:
         device count, used instead of reading that entry; the pod's extended-resource
         claim is counted beside it (`_extended_devices`). A template entry the
         resourceclaim controller has already generated a claim for (the pod's
-        ``status.resourceClaimStatuses``) counts that claim, not the template stored
-        under the name now: a template deleted and created again differently changes
-        no claim already made from it. With `rules`, each claim named by hand is judged
-        under them as at its own creation, quota included (a template's claims are, as
-        they are created). Without `count` (no per-pod limit to count against) only that
-        judgement is made: templates are not read, and a claim not created yet is left
-        to its own admission. Each object is read and judged once, all within one
+        ``status.resourceClaimStatuses``, or, for an entry missing there, a claim the
+        pod controls that is annotated with the entry's name: the controller applies
+        the status of only the entries one pass made, which drops the others' from it)
+        counts that claim, not the template stored under the name now: a template
+        deleted and created again differently changes no claim already made from it.
+        With `rules`, each claim named by hand is judged under them as at its own
+        creation, quota included (a template's claims are, as they are created). Without
+        `count` (no per-pod limit to count against) only that judgement is made:
+        templates are not read, and a claim not created yet is left to its own
+        admission. Each object is read and judged once, all within one
         deadline: a pod may name thousands.
         """
         spec = pod.get("spec")
@@ -504,6 +514,41 @@ class Admission:
                 return f"{heading}; could not read {source} to count its devices: {reason}; retry"
             return read[reference]
 
+        owned: Mapping[str, Sequence[str]] | None = None
+
+        async def made_for(pod_claim: str) -> str | None:
+            """The claim made for template entry `pod_claim` that the pod's status does
+            not name, or a denial; of several, the one with the most devices."""
+            nonlocal owned
+            if owned is None:
+                metadata = pod.get("metadata")
+                uid = metadata.get("uid") if isinstance(metadata, Mapping) else None
+                owned = {}
+                if isinstance(uid, str) and uid and self._read_claims is not None:
+                    try:
+                        with anyio.fail_at(deadline):
+                            owned = await self._read_claims.claims_made_for(namespace, uid)
+                    except Exception as exc:
+                        logger.warning(
+                            "could not list the claims made for a pod",
+                            exc_info=True,
+                            extra={"fields": {"namespace": namespace}},
+                        )
+                        why = "no answer in time" if isinstance(exc, TimeoutError) else str(exc)
+                        raise _Unreadable(
+                            f"{heading}; could not list the claims made for the pod to count "
+                            f"its devices: {why}; retry"
+                        ) from None
+            best: tuple[int, str] | None = None
+            for name in owned.get(pod_claim, ()):
+                stored = await load((CLAIM.kind, name), pod_claim)
+                if isinstance(stored, str):
+                    raise _Unreadable(stored)
+                if stored is not None:
+                    devices = claim_devices(stored.spec, self._classes)
+                    best = max(best or (devices, name), (devices, name))
+            return best[1] if best is not None else None
+
         for index, entry in enumerate(entries if isinstance(entries, list) else ()):
             if not isinstance(entry, Mapping):
                 continue
@@ -521,6 +566,11 @@ class Admission:
             if not is_dns_subdomain(name):
                 return f"spec.resourceClaims[{index}]: {source} is not a valid object name"
             made = generated.get(pod_claim) if kind == CLAIM_TEMPLATE.kind else None
+            if made is None and kind == CLAIM_TEMPLATE.kind and count:
+                try:
+                    made = await made_for(pod_claim)
+                except _Unreadable as exc:
+                    return str(exc)
             stored = await load((CLAIM.kind, made), pod_claim) if made is not None else None
             if isinstance(stored, StoredClaim):
                 source = f"ResourceClaim {made} (generated from {source})"
@@ -636,9 +686,12 @@ EXTENDED_RESOURCES: Final = "(extended resources)"
 it fills no ``spec.resourceClaims`` entry."""
 
 
-POD_CLAIM_NAME_ANNOTATION: Final = "resource.kubernetes.io/pod-claim-name"
 """Set by the resourceclaim controller on a claim it generates from a pod's template:
 the name of the pod's ``spec.resourceClaims`` entry the claim fills."""
+
+
+class _Unreadable(Exception):
+    """What a pod's devices could not be counted without: the denial, as its message."""
 
 
 def _generated_claims(pod: Mapping[str, Any]) -> dict[str, str]:

@@ -23,7 +23,7 @@ from typing import Any
 
 from gpudra.common.kube import RESOURCE_API, ApiError, Kube
 from gpudra.webhook.convert import same_claim_spec
-from gpudra.webhook.tenant_rules import StoredClaim
+from gpudra.webhook.tenant_rules import POD_CLAIM_NAME_ANNOTATION, StoredClaim
 
 DEFAULT_TTL_S = 60.0
 _MAX_ENTRIES = 10_000
@@ -125,6 +125,35 @@ class ApiClaimReader:
             raise
         labels = (obj.get("metadata") or {}).get("labels") if isinstance(obj, dict) else None
         return {str(k): str(v) for k, v in labels.items()} if isinstance(labels, dict) else {}
+
+    async def claims_made_for(self, namespace: str, pod_uid: str) -> Mapping[str, Sequence[str]]:
+        """The claims of `namespace` the pod `pod_uid` controls, by the template entry the
+        resourceclaim controller made each for (its ``pod-claim-name`` annotation). Only
+        Kubernetes sets either on a claim (the chart's claim-links policy refuses others)."""
+        listing = await self.kube.request(
+            "GET", f"{RESOURCE_API}/namespaces/{namespace}/resourceclaims"
+        )
+        items = listing.get("items") if isinstance(listing, dict) else None
+        found: dict[str, list[str]] = {}
+        for claim in items if isinstance(items, list) else ():
+            metadata = claim.get("metadata") if isinstance(claim, dict) else None
+            if not isinstance(metadata, dict):
+                continue
+            owners = metadata.get("ownerReferences")
+            controlled = any(
+                isinstance(o, dict) and o.get("controller") is True and o.get("uid") == pod_uid
+                for o in (owners if isinstance(owners, list) else ())
+            )
+            annotations = metadata.get("annotations")
+            entry = (
+                annotations.get(POD_CLAIM_NAME_ANNOTATION)
+                if isinstance(annotations, dict)
+                else None
+            )
+            name = metadata.get("name")
+            if controlled and isinstance(entry, str) and isinstance(name, str):
+                found.setdefault(entry, []).append(name)
+        return found
 
     async def pods(self, namespace: str) -> Sequence[Mapping[str, Any]]:
         """The namespace's pods that may still start containers (not Succeeded or Failed)."""

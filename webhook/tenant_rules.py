@@ -19,7 +19,7 @@ import dataclasses
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 from gpudra.api.quantity import QuantityError, parse_quantity
 from gpudra.api.tenants import MAX_DEVICES_PER_CLAIM, QUOTA_RESOURCE_SUFFIX, Tenant
@@ -34,6 +34,7 @@ from gpudra.webhook.convert import (
 )
 
 __all__ = [
+    "POD_CLAIM_NAME_ANNOTATION",
     "Lookup",
     "QuotaUsage",
     "ReferencedClaim",
@@ -103,6 +104,11 @@ class ReferencedClaim:
     source: str
     """What it refers to, for messages: ``ResourceClaim x`` or ``ResourceClaimTemplate y``."""
     devices: int
+
+
+POD_CLAIM_NAME_ANNOTATION: Final = "resource.kubernetes.io/pod-claim-name"
+"""On a claim the resourceclaim controller made from a pod's template entry: the entry's
+name (the pod is the claim's controlling owner)."""
 
 
 @dataclass(frozen=True)

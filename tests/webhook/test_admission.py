@@ -151,6 +151,8 @@ class Claims:
         self.reads: list[tuple[str, str]] = []
         self.live_pods: list[dict[str, Any]] = []
         self.namespaces: dict[str, dict[str, str]] = {}
+        self.made: dict[str, dict[str, list[str]]] = {}
+        """Claims made for each pod's template entries: pod UID -> entry -> claim names."""
 
     async def __call__(self, namespace: str, kind: str, name: str) -> StoredClaim | None:
         self.reads.append((kind, name))
@@ -159,6 +161,9 @@ class Claims:
 
     async def pods(self, namespace: str) -> list[dict[str, Any]]:
         return self.live_pods
+
+    async def claims_made_for(self, namespace: str, pod_uid: str) -> dict[str, list[str]]:
+        return self.made.get(pod_uid, {})
 
     async def namespace_labels(self, namespace: str) -> dict[str, str] | None:
         return self.namespaces.get(namespace)
@@ -520,6 +525,37 @@ async def test_a_template_swapped_after_its_claim_was_made_counts_the_claim_made
     claims.specs["tb"] = one_gpu_spec(2)
     decision = await admission.validate_claim(review(CLAIM, claim_object("x", 1)))
     assert "claim e2 (ResourceClaimTemplate tb): 2" in decision.response["status"]["message"]
+
+
+async def test_a_claim_made_for_an_entry_counts_while_the_pod_status_lacks_it() -> None:
+    """The resourceclaim controller applies the pod status of only the entries one pass
+    made, which drops the other entries' from it. The same swap as above then finds no
+    status for the other entry: the claim the pod controls for it is counted, not the
+    template stored under its name now (which asks for none of the driver's devices)."""
+    claims = Claims(ta=one_gpu_spec(2), tb=NO_DRIVER_DEVICE)
+    admission = limited_admission(claims, limit=2)
+    pod = claim_pod(
+        0,
+        {"name": "e1", "resourceClaimTemplateName": "ta"},
+        {"name": "e2", "resourceClaimTemplateName": "tb"},
+    )
+    pod["metadata"]["uid"] = "pod-uid"
+    pod["status"] = {"resourceClaimStatuses": [{"name": "e1", "resourceClaimName": "p-e1-gone"}]}
+    claims.live_pods = [pod]
+    claims.specs["p-e2-small"] = NO_DRIVER_DEVICE
+    claims.specs["p-e2-bbbbb"] = one_gpu_spec(1)
+    claims.made["pod-uid"] = {"e2": ["p-e2-small", "p-e2-bbbbb"]}
+    decision = await admission.validate_claim(review(CLAIM, generated_claim("e1", "ccccc", 2)))
+    assert decision.result == "denied"
+    message = decision.response["status"]["message"]
+    assert "would get 3 devices" in message
+    assert "claim e2 (ResourceClaim p-e2-bbbbb (generated from ResourceClaimTemplate tb)): 1" in (
+        message
+    )
+    # Without a claim made for it, the entry counts its template.
+    claims.made.clear()
+    decision = await admission.validate_claim(review(CLAIM, generated_claim("e1", "ccccc", 2)))
+    assert decision.result == "allowed"
 
 
 async def test_a_claim_made_for_an_entry_counts_the_pods_extended_resources() -> None:

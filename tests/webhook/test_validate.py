@@ -674,6 +674,9 @@ class NoClaims:
     async def pods(self, namespace: str) -> list[dict[str, Any]]:
         return []
 
+    async def claims_made_for(self, namespace: str, pod_uid: str) -> dict[str, list[str]]:
+        return {}
+
 
 @pytest.mark.anyio
 async def test_server_applies_tenant_rules_and_validates_claims(tmp_path: Path) -> None:
