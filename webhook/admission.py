@@ -566,7 +566,9 @@ class Admission:
             if not is_dns_subdomain(name):
                 return f"spec.resourceClaims[{index}]: {source} is not a valid object name"
             made = generated.get(pod_claim) if kind == CLAIM_TEMPLATE.kind else None
-            if made is None and kind == CLAIM_TEMPLATE.kind and count:
+            # Only while a claim is made for a stored pod: at a pod's own admission no
+            # claim can have been made for it yet.
+            if made is None and kind == CLAIM_TEMPLATE.kind and count and filled is not None:
                 try:
                     made = await made_for(pod_claim)
                 except _Unreadable as exc:
@@ -684,10 +686,6 @@ def _reference(entry: Mapping[str, Any]) -> tuple[str, str] | None:
 EXTENDED_RESOURCES: Final = "(extended resources)"
 """Stands for the claim of a pod's DRA extended resources in device counts and messages:
 it fills no ``spec.resourceClaims`` entry."""
-
-
-"""Set by the resourceclaim controller on a claim it generates from a pod's template:
-the name of the pod's ``spec.resourceClaims`` entry the claim fills."""
 
 
 class _Unreadable(Exception):
