@@ -37,15 +37,17 @@ this replaces).
   and never sent cannot lock the API server out); when that cannot make room, the new
   request is answered 503 with ``Retry-After`` and its connection closed (the API server
   retries such an answer);
-- open connections are bounded (``max_connections``): anyone who reaches the port can
+- open connections are bounded (``max_connections``), counted from the moment they are
+  accepted, before their TLS handshake (each connection starts its own, so that one left
+  mid-handshake is bounded like an idle one): anyone who reaches the port can
   open connections and keep them (a request every two minutes keeps one alive, a slow
   head holds one for ten seconds at a time), each about 50 KiB with its TLS state (up
   to about 0.4 MiB once it carried a large request, most of it the 256 KiB read buffer
   uvloop gives every TLS connection, which nothing here can shrink). At the bound a
   new connection takes the place of the one that has waited longest without a request
-  being answered (idle, still sending its request, or waiting for its client to read
-  the answers), which is aborted, so a flood of held connections cannot lock the API
-  server out nor exhaust the process's memory or file descriptors.
+  being answered (in its handshake, idle, still sending its request, or waiting for
+  its client to read the answers), which is aborted, so a flood of held connections
+  cannot lock the API server out nor exhaust the process's memory or file descriptors.
   A connection whose request is being answered is never closed for another; when
   every one is, the new one is refused;
 - health (``/healthz``), readiness (``/readyz``, failing while draining or while the
@@ -67,11 +69,11 @@ import resource
 import socket
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass
 from http import HTTPStatus
 from pathlib import Path
-from typing import Final, cast
+from typing import Any, Final, cast
 from urllib.parse import unquote
 
 import anyio
@@ -292,12 +294,12 @@ class HttpServer:
         cfg = self._config
         loop = asyncio.get_running_loop()
         self._max_connections = connection_bound(cfg.max_connections)
+        # Plain TCP here: each connection starts its own TLS handshake (`_Connection`),
+        # so that it counts against the connection bound from the moment it is accepted.
         listener = await loop.create_server(
             lambda: _Connection(self, loop),
             cfg.host,
             cfg.port,
-            ssl=self.tls.listener_context,
-            ssl_handshake_timeout=cfg.handshake_timeout,
             backlog=_BACKLOG,
             start_serving=False,
         )
@@ -566,6 +568,12 @@ class _Connection(asyncio.Protocol):
         self._timer_kind = ""
         self._pending: deque[_Request | bytes] = deque()
         self._worker: asyncio.Task[None] | None = None
+        self._handshake: asyncio.Task[None] | None = None
+        """The TLS handshake under way (held here: the loop keeps only a weak reference)."""
+        self._early: list[bytes] | None = []
+        """Requests' bytes that came in before the task waiting for the handshake saw it
+        done (a client sends its first request with the handshake's last message): taken
+        once the connection is served; None from then on."""
         # Flow control.
         self._queued = 0
         """Requests parsed and not yet answered, the one being answered included."""
@@ -628,16 +636,99 @@ class _Connection(asyncio.Protocol):
     # --- asyncio.Protocol ---------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        """Accepted: from here the connection counts against the bound, its TLS
+        handshake included (a client that opens connections and never finishes one makes
+        room like an idle one)."""
         # uvloop's transports are not asyncio.Transport subclasses, but have its methods.
-        self._transport = cast(asyncio.Transport, transport)
-        if not self._server.admits(transport) or not self._server.connected(self):
+        tcp = cast(asyncio.Transport, transport)
+        self._transport = tcp
+        if not self._server.connected(self):
+            self._stopped = True
+            tcp.abort()
+            return
+        starting = self._loop.start_tls(
+            tcp,
+            self,
+            self._server.tls.listener_context,
+            server_side=True,
+            ssl_handshake_timeout=self._config.handshake_timeout,
+        )
+        # Its first step runs here, in this callback: it puts the TLS layer between the
+        # socket and this protocol, and the loop starts reading the socket right after
+        # this callback returns (a task's first step would come after the first read,
+        # and the client's hello would reach the HTTP parser). The rest, waiting for the
+        # handshake, runs as a task (what Python 3.12's eager tasks do).
+        try:
+            waiting = starting.send(None)
+        except StopIteration as done:  # not awaited at all: nothing to wait for
+            self._handshake = self._loop.create_task(self._secured(tcp, done.value))
+            return
+        except Exception as exc:
+            starting.close()
+            self._handshake_failed(tcp, exc)
+            return
+        self._handshake = self._loop.create_task(self._handshaken(tcp, starting, waiting))
+
+    async def _handshaken(
+        self,
+        tcp: asyncio.Transport,
+        starting: Coroutine[Any, Any, asyncio.Transport | None],
+        waiting: object,
+    ) -> None:
+        """Wait for the handshake `starting` is waiting on (bounded by
+        `handshake_timeout`), stepping it as a task would; then serve the connection."""
+        try:
+            while True:
+                if isinstance(waiting, asyncio.Future):
+                    await asyncio.wait((waiting,))
+                else:
+                    await asyncio.sleep(0)  # a bare yield: the loop goes round once
+                try:
+                    waiting = starting.send(None)
+                except StopIteration as done:
+                    tls = done.value
+                    break
+        except asyncio.CancelledError:
+            starting.close()  # closes the connection; the loop is stopping this task
+            self._handshake = None
+            raise
+        except Exception as exc:  # a client's failed handshake: nothing to answer
+            self._handshake = None
+            self._handshake_failed(tcp, exc)
+            return
+        await self._secured(tcp, tls)
+
+    async def _secured(self, tcp: asyncio.Transport, tls: asyncio.Transport | None) -> None:
+        """The handshake is done: the first head's deadline starts."""
+        self._handshake = None
+        if tls is None or self._transport is None or self._stopped:
+            # Gone or stopped meanwhile (asyncio ends a handshake cut short without an
+            # error and without a transport).
+            (tcp if tls is None else tls).abort()
+            return
+        self._transport = tls
+        if not self._server.admits(tls):
             self._stopped = True
             self._transport.abort()
             return
         self._transport.set_write_buffer_limits(_WRITE_HIGH_WATER)
         self._arm("head", self._config.header_timeout, self._head_expired)
+        early, self._early = self._early or [], None
+        for data in early:
+            self.data_received(data)
+
+    def _handshake_failed(self, tcp: asyncio.Transport, exc: Exception) -> None:
+        """A failed or aborted handshake has already called `connection_lost` (the TLS
+        layer reports it to this protocol); the socket is made sure of."""
+        logger.debug(
+            "webhook TLS handshake failed", extra={"fields": {"error": _describe_exc(exc)}}
+        )
+        tcp.abort()
 
     def data_received(self, data: bytes) -> None:
+        if self._early is not None:
+            self._early.append(bytes(data))  # read once the connection is served
+            return
         if self._stopped:
             return  # draining input after a refusal, or closing
         self.last_active = time.monotonic()
@@ -1030,6 +1121,11 @@ def connection_bound(configured: int) -> int:
         extra={"fields": {"maxConnections": configured, "openFiles": soft, "bound": bound}},
     )
     return bound
+
+
+def _describe_exc(exc: BaseException) -> str:
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 def _path_of(target: bytes) -> str:

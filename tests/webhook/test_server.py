@@ -797,6 +797,44 @@ async def test_slow_heads_cannot_hold_the_connection_bound(tmp_path: Path) -> No
             await close_all(slow)
 
 
+@pytest.mark.parametrize(
+    "anyio_backend",
+    [("asyncio", {"use_uvloop": True}), ("asyncio", {"use_uvloop": False})],
+    ids=["uvloop", "asyncio"],
+)
+async def test_connections_that_never_finish_a_handshake_count_against_the_bound(
+    tmp_path: Path,
+) -> None:
+    """Anyone who reaches the port can open connections faster than the handshake's
+    deadline closes them; each held about 50 KiB outside the bound (2,000 took the
+    process up by about 100 MiB). They count from the moment they are accepted: the
+    one waiting longest makes room, and a real client is served. On both event loops:
+    asyncio's ends a handshake cut short without an error and without a transport."""
+    async with running(tmp_path, max_connections=3, handshake_timeout=60) as h:
+        silent: list[anyio.abc.SocketStream] = []
+        try:
+            for _ in range(2):  # two whose handshakes are under way: a partial ClientHello
+                hello = await anyio.connect_tcp("127.0.0.1", h.port)
+                silent.append(hello)
+                await hello.send(b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03")
+                await anyio.sleep(0.1)
+            for _ in range(2):  # and two that never send a byte
+                silent.append(await anyio.connect_tcp("127.0.0.1", h.port))
+            # The first accepted made room, long before the handshake's deadline.
+            with anyio.fail_after(GUARD), pytest.raises(CLOSED):
+                await silent[0].receive()
+            async with client(h) as c:
+                with anyio.fail_after(GUARD):
+                    resp = await admit(c, review(gpu_pod()))
+                assert resp.json()["response"]["allowed"] is True
+            with anyio.fail_after(GUARD), pytest.raises(CLOSED):
+                await silent[1].receive()
+            assert metric(h, "gpudra_webhook_connections_shed_total", action="evicted") == 2
+        finally:
+            for stream in silent:
+                await stream.aclose()
+
+
 async def test_a_connection_being_answered_is_never_shed(tmp_path: Path) -> None:
     """At the bound with every connection's request being answered, a new connection is
     refused and the answers still go out; once one is answered it can make room."""
@@ -810,9 +848,10 @@ async def test_a_connection_being_answered_is_never_shed(tmp_path: Path) -> None
         with anyio.fail_after(GUARD):
             while not slow.calls:
                 await anyio.sleep(0.01)
-        async with client(h) as late:
-            with anyio.fail_after(GUARD), pytest.raises(CLOSED):
-                await late.stream.receive()
+        # Refused as it is accepted: closed before its TLS handshake.
+        with anyio.fail_after(GUARD), pytest.raises(CLOSED):
+            async with client(h):
+                pass
         with anyio.fail_after(GUARD):
             assert (await busy.response()).json()["response"]["uid"] == "busy"
         assert metric(h, "gpudra_webhook_connections_shed_total", action="refused") == 1

@@ -716,6 +716,37 @@ async def test_connections_held_open_cannot_lock_the_api_server_out(escape: Esca
                 await stream.aclose()
 
 
+async def test_handshakes_never_finished_cannot_lock_the_api_server_out(escape: Escape) -> None:
+    """A tenant that reaches the webhook's port opens twice as many TCP connections as the
+    server holds and never finishes a TLS handshake on any (a partial ClientHello on
+    each): they count against the bound from the moment they are accepted, so the
+    server closes the ones waiting longest long before the handshake's deadline, and
+    the API server's reviews still get through."""
+    host, _, port = escape.webhook_url.removeprefix("https://").rpartition(":")
+    held: list[anyio.abc.SocketStream] = []
+    try:
+        with anyio.fail_after(60):
+            for _ in range(2 * MAX_CONNECTIONS):
+                stream = await anyio.connect_tcp(host, int(port))
+                held.append(stream)
+                await stream.send(b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03")
+        closed = 0
+        for stream in held[:MAX_CONNECTIONS]:
+            with anyio.move_on_after(0.05):
+                try:
+                    await stream.receive()
+                except (anyio.EndOfStream, anyio.BrokenResourceError, OSError):
+                    closed += 1
+        assert closed == MAX_CONNECTIONS  # the oldest half, well inside the 10 s deadline
+
+        created = await create(escape.tenant, pod(escape.ns, "handshakes", {"nvidia.com/gpu": "1"}))
+        assert [c["name"] for c in created["spec"]["resourceClaims"]] == ["gpudra-gpu"]
+    finally:
+        for stream in held:
+            with anyio.CancelScope(shield=True):
+                await stream.aclose()
+
+
 async def test_a_tenant_namespace_open_to_privileged_pods_is_reported(
     escape: Escape, kube: SyncKube
 ) -> None:
