@@ -37,16 +37,20 @@ this replaces).
   and never sent cannot lock the API server out); when that cannot make room, the new
   request is answered 503 with ``Retry-After`` and its connection closed (the API server
   retries such an answer);
-- open connections are bounded (``max_connections``), counted from the moment they are
-  accepted, before their TLS handshake (each connection starts its own, so that one left
-  mid-handshake is bounded like an idle one): anyone who reaches the port can
+- connections in their TLS handshake are bounded (``max_connections``), counted from the
+  moment they are accepted (each connection starts its own handshake): at the bound the
+  one accepted longest ago is aborted. They never take a served connection's place, so a
+  client that cannot pass the handshake (without the client certificate it asks for)
+  cannot close the API server's connections;
+- served connections (past their handshake) are bounded too (``max_connections``):
+  anyone who reaches the port and passes the handshake can
   open connections and keep them (a request every two minutes keeps one alive, a slow
   head holds one for ten seconds at a time), each about 50 KiB with its TLS state (up
   to about 0.4 MiB once it carried a large request, most of it the 256 KiB read buffer
   uvloop gives every TLS connection, which nothing here can shrink). At the bound a
   new connection takes the place of the one that has waited longest without a request
-  being answered (in its handshake, idle, still sending its request, or waiting for
-  its client to read the answers), which is aborted, so a flood of held connections
+  being answered (idle, still sending its request, or waiting for its client to read
+  the answers), which is aborted, so a flood of held connections
   cannot lock the API server out nor exhaust the process's memory or file descriptors.
   A connection whose request is being answered is never closed for another; when
   every one is, the new one is refused;
@@ -267,6 +271,9 @@ class HttpServer:
         self._serving = False
         self._draining = False
         self._connections: set[_Connection] = set()
+        """Connections being served (their handshake passed)."""
+        self._handshaking: set[_Connection] = set()
+        """Connections in their TLS handshake."""
         self._all_closed: anyio.Event | None = None
         self._max_connections = config.max_connections
         self._shed_log = LogPace()  # counted on every one, logged at most once a minute
@@ -327,6 +334,8 @@ class HttpServer:
     async def _shut_down(self) -> None:
         """Close idle connections now, busy ones once their request is answered or the
         grace period is over."""
+        for connection in list(self._handshaking):
+            connection.abort()
         for connection in list(self._connections):
             connection.stop_after_answer()
         if self._connections:
@@ -354,9 +363,24 @@ class HttpServer:
             )
         return False
 
-    def connected(self, connection: _Connection) -> bool:
-        """Take a new connection in; False when it must be closed at once (the bound is
-        reached and every open connection is having a request answered)."""
+    def connected(self, connection: _Connection) -> None:
+        """Take a connection just accepted in, for its TLS handshake. Handshakes have a
+        bound of their own (the connection bound): at it, the one accepted longest ago
+        makes room. They never take a served connection's place, so a stranger that
+        cannot pass the handshake (without the client certificate it asks for) cannot
+        close the API server's connections."""
+        if len(self._handshaking) >= self._max_connections:
+            victim = min(self._handshaking, key=lambda c: c.last_active)
+            self._handshaking.discard(victim)
+            victim.abort()
+            self._shed("evicted")
+        self._handshaking.add(connection)
+
+    def secured(self, connection: _Connection) -> bool:
+        """Take a connection whose handshake passed in, to be served; False when it must
+        be closed at once (the bound is reached and every open connection is having a
+        request answered)."""
+        self._handshaking.discard(connection)
         if len(self._connections) >= self._max_connections:
             waiting = [c for c in self._connections if c.evictable]
             if not waiting:
@@ -386,6 +410,7 @@ class HttpServer:
             )
 
     def disconnected(self, connection: _Connection) -> None:
+        self._handshaking.discard(connection)
         self._connections.discard(connection)
         if not self._connections and self._all_closed is not None:
             self._all_closed.set()
@@ -568,12 +593,15 @@ class _Connection(asyncio.Protocol):
         self._timer_kind = ""
         self._pending: deque[_Request | bytes] = deque()
         self._worker: asyncio.Task[None] | None = None
-        self._handshake: asyncio.Task[None] | None = None
-        """The TLS handshake under way (held here: the loop keeps only a weak reference)."""
+        self._starting: Coroutine[Any, Any, asyncio.Transport | None] | None = None
+        """`loop.start_tls` while the handshake is under way."""
         self._early: list[bytes] | None = []
-        """Requests' bytes that came in before the task waiting for the handshake saw it
-        done (a client sends its first request with the handshake's last message): taken
-        once the connection is served; None from then on."""
+        """Requests' bytes that came in with the handshake's last message (a client
+        sends its first request right behind it), before the connection is served:
+        taken once it is; None from then on."""
+        self._early_eof = False
+        """The client ended its input before the connection was served."""
+        self._lost = False
         # Flow control.
         self._queued = 0
         """Requests parsed and not yet answered, the one being answered included."""
@@ -636,94 +664,86 @@ class _Connection(asyncio.Protocol):
     # --- asyncio.Protocol ---------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        """Accepted: from here the connection counts against the bound, its TLS
-        handshake included (a client that opens connections and never finishes one makes
-        room like an idle one)."""
+        """Accepted: from here the connection counts against the bound of handshakes
+        (`HttpServer.connected`), and once its handshake passed, against the bound of
+        served connections (`HttpServer.secured`)."""
         # uvloop's transports are not asyncio.Transport subclasses, but have its methods.
         tcp = cast(asyncio.Transport, transport)
         self._transport = tcp
-        if not self._server.connected(self):
-            self._stopped = True
-            tcp.abort()
-            return
-        starting = self._loop.start_tls(
+        self._server.connected(self)
+        self._starting = self._loop.start_tls(
             tcp,
             self,
             self._server.tls.listener_context,
             server_side=True,
             ssl_handshake_timeout=self._config.handshake_timeout,
         )
-        # Its first step runs here, in this callback: it puts the TLS layer between the
+        # The first step runs here, in this callback: it puts the TLS layer between the
         # socket and this protocol, and the loop starts reading the socket right after
         # this callback returns (a task's first step would come after the first read,
-        # and the client's hello would reach the HTTP parser). The rest, waiting for the
-        # handshake, runs as a task (what Python 3.12's eager tasks do).
+        # and the client's hello would reach the HTTP parser).
+        self._step_handshake(tcp)
+
+    def _step_handshake(self, tcp: asyncio.Transport) -> None:
+        """Step `loop.start_tls` as a task would, from the done callback of what it
+        waits on: that runs before the loop next reads the socket, so at most the read
+        that finished the handshake waits in `_early`, and nothing overtakes it."""
+        starting = self._starting
+        if starting is None:
+            return
+        tls: asyncio.Transport | None = None
         try:
             waiting = starting.send(None)
-        except StopIteration as done:  # not awaited at all: nothing to wait for
-            self._handshake = self._loop.create_task(self._secured(tcp, done.value))
-            return
-        except Exception as exc:
-            starting.close()
+        except StopIteration as done:
+            self._starting, tls = None, done.value
+        except (Exception, asyncio.CancelledError) as exc:  # the client's, or aborted
+            self._starting = None
             self._handshake_failed(tcp, exc)
             return
-        self._handshake = self._loop.create_task(self._handshaken(tcp, starting, waiting))
+        if self._starting is None:
+            # Outside the except block: the parser's callbacks read `__context__`.
+            self._secured(tcp, tls)
+        elif isinstance(waiting, asyncio.Future):
+            waiting._asyncio_future_blocking = False  # as a task does with what it awaits
+            waiting.add_done_callback(lambda _: self._step_handshake(tcp))
+        else:  # a bare yield: once round the loop
+            self._loop.call_soon(self._step_handshake, tcp)
 
-    async def _handshaken(
-        self,
-        tcp: asyncio.Transport,
-        starting: Coroutine[Any, Any, asyncio.Transport | None],
-        waiting: object,
-    ) -> None:
-        """Wait for the handshake `starting` is waiting on (bounded by
-        `handshake_timeout`), stepping it as a task would; then serve the connection."""
-        try:
-            while True:
-                if isinstance(waiting, asyncio.Future):
-                    await asyncio.wait((waiting,))
-                else:
-                    await asyncio.sleep(0)  # a bare yield: the loop goes round once
-                try:
-                    waiting = starting.send(None)
-                except StopIteration as done:
-                    tls = done.value
-                    break
-        except asyncio.CancelledError:
-            starting.close()  # closes the connection; the loop is stopping this task
-            self._handshake = None
-            raise
-        except Exception as exc:  # a client's failed handshake: nothing to answer
-            self._handshake = None
-            self._handshake_failed(tcp, exc)
-            return
-        await self._secured(tcp, tls)
+    def _handshake_failed(self, tcp: asyncio.Transport, exc: BaseException) -> None:
+        logger.debug(
+            "webhook TLS handshake failed", extra={"fields": {"error": _describe_exc(exc)}}
+        )
+        tcp.abort()
+        # The TLS layer does not report a handshake it cut short (a reset, its deadline,
+        # an abort) to this protocol.
+        self.connection_lost(None)
 
-    async def _secured(self, tcp: asyncio.Transport, tls: asyncio.Transport | None) -> None:
-        """The handshake is done: the first head's deadline starts."""
-        self._handshake = None
-        if tls is None or self._transport is None or self._stopped:
+    def _secured(self, tcp: asyncio.Transport, tls: asyncio.Transport | None) -> None:
+        """The handshake is done: the connection is served, and the first head's
+        deadline starts."""
+        if tls is None or tls.is_closing() or self._transport is None or self._stopped:
             # Gone or stopped meanwhile (asyncio ends a handshake cut short without an
             # error and without a transport).
             (tcp if tls is None else tls).abort()
+            self.connection_lost(None)
             return
         self._transport = tls
-        if not self._server.admits(tls):
+        if not self._server.admits(tls) or not self._server.secured(self):
             self._stopped = True
             self._transport.abort()
             return
+        self._serve()
+
+    def _serve(self) -> None:
+        """Serve the connection over `_transport`: what came with the handshake first."""
+        assert self._transport is not None
         self._transport.set_write_buffer_limits(_WRITE_HIGH_WATER)
         self._arm("head", self._config.header_timeout, self._head_expired)
         early, self._early = self._early or [], None
         for data in early:
             self.data_received(data)
-
-    def _handshake_failed(self, tcp: asyncio.Transport, exc: Exception) -> None:
-        """A failed or aborted handshake has already called `connection_lost` (the TLS
-        layer reports it to this protocol); the socket is made sure of."""
-        logger.debug(
-            "webhook TLS handshake failed", extra={"fields": {"error": _describe_exc(exc)}}
-        )
-        tcp.abort()
+        if self._early_eof:
+            self.eof_received()
 
     def data_received(self, data: bytes) -> None:
         if self._early is not None:
@@ -791,10 +811,19 @@ class _Connection(asyncio.Protocol):
             self._refuse_head(400, _describe(exc, self._config))
 
     def eof_received(self) -> bool | None:
+        if self._early is not None:
+            # Not served yet: what came before it is read first. (The TLS layer closes
+            # once it has passed the end on, so a client that half-closes right behind
+            # its first request may get no answer; the API server never half-closes.)
+            self._early_eof = True
+            return None
         self._stop_input()
         return None
 
     def connection_lost(self, exc: BaseException | None) -> None:
+        if self._lost:  # reported by the TLS layer and by a handshake's end
+            return
+        self._lost = True
         self._disarm()
         self._stopped = True
         self._transport = None

@@ -113,7 +113,9 @@ async def call(
     return head
 
 
-def serving(tmp: Path, client_ca: CertKeyPair, *names: str) -> tuple[WebhookServer, bytes]:
+def serving(
+    tmp: Path, client_ca: CertKeyPair, *names: str, max_connections: int = 1024
+) -> tuple[WebhookServer, bytes]:
     """A server on a fresh serving PKI under `tmp` that trusts `client_ca` for clients
     (with `names`, only certificates carrying one); and the serving CA."""
     pki, _ = ensure_pki(tmp / "serving", NAMES)
@@ -124,6 +126,7 @@ def serving(tmp: Path, client_ca: CertKeyPair, *names: str) -> tuple[WebhookServ
         host="127.0.0.1",
         port=0,
         cert_check_interval=0.05,
+        max_connections=max_connections,
     )
     server = WebhookServer(config, NoTemplates())
     server.tls.require_client_certificates(tmp / "client-ca.crt", names)
@@ -157,6 +160,40 @@ async def test_only_a_client_certificate_from_the_ca_is_served(tmp_path: Path) -
             client_ca_file.write_bytes(new_api_ca.cert_pem)
             while not await _served(port, ca, tmp_path, client_cert(new_api_ca)):
                 await anyio.sleep(0.05)
+            tg.cancel_scope.cancel()
+
+
+async def test_strangers_cannot_close_the_api_servers_connections(tmp_path: Path) -> None:
+    """A client that cannot pass the handshake (no certificate, or one of another CA)
+    only ever takes the place of another handshake, never of a served connection: more
+    of them than the connection bound leave the API server's kept-alive one served."""
+    api_ca, other_ca = generate_ca(), generate_ca()
+    server, ca = serving(tmp_path, api_ca, max_connections=2)
+    health = b"GET /healthz HTTP/1.1\r\nHost: w\r\n\r\n"
+    identity = client_cert(api_ca)
+    (tmp_path / "api.crt").write_bytes(identity.cert_pem)
+    (tmp_path / "api.key").write_bytes(identity.key_pem)
+    context = ssl.create_default_context(cadata=ca.decode())
+    context.load_cert_chain(tmp_path / "api.crt", tmp_path / "api.key")
+    with anyio.fail_after(GUARD):
+        async with anyio.create_task_group() as tg:
+            port = await tg.start(server.serve)
+            kept = BufferedByteStream(
+                await anyio.connect_tcp(
+                    "127.0.0.1", port, tls=True, ssl_context=context, tls_hostname=NAMES[0]
+                )
+            )
+            await kept.send(health)
+            assert (await kept.receive_until(b"ok\n", 4096)).startswith(b"HTTP/1.1 200 OK")
+            bare = [await anyio.connect_tcp("127.0.0.1", port) for _ in range(4)]
+            for _ in range(2):
+                with pytest.raises(REFUSED):
+                    await call(port, ca, tmp_path, review(), client_cert(other_ca))
+            await kept.send(health)
+            assert (await kept.receive_until(b"ok\n", 4096)).startswith(b"HTTP/1.1 200 OK")
+            for stream in bare:
+                await stream.aclose()
+            await kept.aclose()
             tg.cancel_scope.cancel()
 
 
