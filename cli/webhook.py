@@ -142,9 +142,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         type=int,
         default=HttpConfig.max_connections,
         metavar="N",
-        help="connections held open at most on each port; at the bound a new one takes the "
-        "place of the one idle longest (lowered at start to what the open-files limit "
-        f"allows; default: {HttpConfig.max_connections})",
+        help="connections held open at most on each port, and as many TLS handshakes; at the "
+        "bound a new one takes the place of the one idle (or in its handshake) longest "
+        "(lowered at start to what the open-files limit allows; default: "
+        f"{HttpConfig.max_connections})",
     )
     p.add_argument(
         "--max-buffered-body-bytes",

@@ -173,8 +173,9 @@ class HttpConfig:
     idle_timeout: float = 120.0
     cert_check_interval: float = 1.0
     max_connections: int = 1024
-    """Connections held open at most (see the module docstring); lowered at start to
-    what the process's open-files limit leaves room for."""
+    """Served connections held open at most, and as many in their TLS handshake (see
+    the module docstring); lowered at start to what the process's open-files limit
+    leaves room for."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -300,7 +301,10 @@ class HttpServer:
         """Listen until cancelled; reports the bound port through `task_status`."""
         cfg = self._config
         loop = asyncio.get_running_loop()
-        self._max_connections = connection_bound(cfg.max_connections)
+        # The listeners sharing the body budget are this process's (the health port's).
+        self._max_connections = connection_bound(
+            cfg.max_connections, listeners=len(self.bodies.pools)
+        )
         # Plain TCP here: each connection starts its own TLS handshake (`_Connection`),
         # so that it counts against the connection bound from the moment it is accepted.
         listener = await loop.create_server(
@@ -1137,13 +1141,15 @@ class _Connection(asyncio.Protocol):
                 self._close()
 
 
-def connection_bound(configured: int) -> int:
-    """`configured`, or less where the process's open-files limit leaves room for fewer
-    connections (one descriptor each, and `_SPARE_FILES` for the rest)."""
+def connection_bound(configured: int, *, listeners: int = 1) -> int:
+    """`configured`, or less where the process's open-files limit leaves room for fewer:
+    each of `listeners` holds up to `configured` served connections and as many
+    handshakes, one descriptor each, beside `_SPARE_FILES` for the rest."""
     soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft == resource.RLIM_INFINITY or configured <= soft - _SPARE_FILES:
+    per = 2 * max(1, listeners)
+    if soft == resource.RLIM_INFINITY or configured * per <= soft - _SPARE_FILES:
         return configured
-    bound = max(1, soft - _SPARE_FILES)
+    bound = max(1, (soft - _SPARE_FILES) // per)
     logger.warning(
         "the open-files limit allows fewer webhook connections than configured; raise the "
         "container's RLIMIT_NOFILE (gpudra webhook raises its soft limit to the hard one)",
