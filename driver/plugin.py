@@ -24,6 +24,7 @@ from typing import Any, Protocol, Self, TypeVar
 
 import anyio
 import grpc
+from gpudra.common.errors import exception_text
 from gpudra.driver.claims import Claim, ClaimError, ClaimRef
 from gpudra.driver.proto import (
     dra_health_v1alpha1_pb2,
@@ -243,11 +244,6 @@ def _remove_own_socket(path: Path, identity: tuple[int, int]) -> None:
 # --- Claim dispatch -----------------------------------------------------------------
 
 
-def _describe(exc: BaseException) -> str:
-    text = str(exc)
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
-
-
 def _claim_refs(claims: Iterable[Any]) -> list[ClaimRef]:
     return [ClaimRef(namespace=c.namespace, uid=c.uid, name=c.name) for c in claims]
 
@@ -274,7 +270,7 @@ async def _answer_each(
             extra={"fields": {"op": op, "claims": [c.uid for c in claims]}},
         )
         if len(claims) == 1:
-            answered = {claims[0].uid: failed(f"{op} failed: {_describe(exc)}")}
+            answered = {claims[0].uid: failed(f"{op} failed: {exception_text(exc)}")}
         else:
             answered = {}
             for claim in claims:
@@ -285,7 +281,7 @@ async def _answer_each(
                         "claim handler failed for a claim",
                         extra={"fields": {"op": op, "claim": claim.uid}},
                     )
-                    answered[claim.uid] = failed(f"{op} failed: {_describe(one_exc)}")
+                    answered[claim.uid] = failed(f"{op} failed: {exception_text(one_exc)}")
                 else:
                     if claim.uid in one:
                         answered[claim.uid] = one[claim.uid]
@@ -344,7 +340,7 @@ class ClaimDispatcher:
                 unread[ref.uid] = _prepare_failed(str(exc))
             except Exception as exc:
                 log.exception("reading a claim failed", extra={"fields": {"claim": ref.uid}})
-                unread[ref.uid] = _prepare_failed(f"prepare failed: {_describe(exc)}")
+                unread[ref.uid] = _prepare_failed(f"prepare failed: {exception_text(exc)}")
 
         if len(refs) == 1:
             await read_one(refs[0])
@@ -412,7 +408,7 @@ def _conversion_failed(op: str, uid: str, exc: Exception) -> str:
         "claim result could not be encoded",
         extra={"fields": {"op": op, "claim": uid}},
     )
-    return f"{op}: the driver returned an invalid result: {_describe(exc)}"
+    return f"{op}: the driver returned an invalid result: {exception_text(exc)}"
 
 
 class _DraServicer:

@@ -83,6 +83,7 @@ from urllib.parse import unquote
 import anyio
 import httptools
 from anyio.abc import TaskStatus
+from gpudra.common.errors import exception_text
 from gpudra.common.logpace import LogPace
 from gpudra.webhook.metrics import WebhookMetrics
 from gpudra.webhook.tls import ReloadingTLSContext
@@ -715,7 +716,7 @@ class _Connection(asyncio.Protocol):
 
     def _handshake_failed(self, tcp: asyncio.Transport, exc: BaseException) -> None:
         logger.debug(
-            "webhook TLS handshake failed", extra={"fields": {"error": _describe_exc(exc)}}
+            "webhook TLS handshake failed", extra={"fields": {"error": exception_text(exc)}}
         )
         tcp.abort()
         # The TLS layer does not report a handshake it cut short (a reset, its deadline,
@@ -1156,11 +1157,6 @@ def connection_bound(configured: int, *, listeners: int = 1) -> int:
         extra={"fields": {"maxConnections": configured, "openFiles": soft, "bound": bound}},
     )
     return bound
-
-
-def _describe_exc(exc: BaseException) -> str:
-    text = str(exc)
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 def _path_of(target: bytes) -> str:
