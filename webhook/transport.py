@@ -43,15 +43,15 @@ this replaces).
   client that cannot pass the handshake (without the client certificate it asks for)
   cannot close the API server's connections;
 - served connections (past their handshake) are bounded too (``max_connections``):
-  anyone who reaches the port and passes the handshake can
-  open connections and keep them (a request every two minutes keeps one alive, a slow
-  head holds one for ten seconds at a time), each about 50 KiB with its TLS state (up
-  to about 0.4 MiB once it carried a large request, most of it the 256 KiB read buffer
-  uvloop gives every TLS connection, which nothing here can shrink). At the bound a
-  new connection takes the place of the one that has waited longest without a request
-  being answered (idle, still sending its request, or waiting for its client to read
-  the answers), which is aborted, so a flood of held connections
-  cannot lock the API server out nor exhaust the process's memory or file descriptors.
+  anyone who reaches the port and passes the handshake can open connections and keep
+  them (a request every two minutes keeps one alive, a slow head holds one for ten
+  seconds at a time), each about 50 KiB with its TLS state (up to about 0.4 MiB once it
+  carried a large request, most of it the 256 KiB read buffer uvloop gives every TLS
+  connection, which nothing here can shrink). At the bound a new connection takes the
+  place of the one that has waited longest without a request being answered (idle,
+  still sending its request, or waiting for its client to read the answers), which is
+  aborted, so a flood of held connections cannot lock the API server out nor exhaust
+  the process's memory or file descriptors.
   A connection whose request is being answered is never closed for another; when
   every one is, the new one is refused;
 - health (``/healthz``), readiness (``/readyz``, failing while draining or while the
