@@ -606,7 +606,6 @@ class _Connection(asyncio.Protocol):
         taken once it is; None from then on."""
         self._early_eof = False
         """The client ended its input before the connection was served."""
-        self._lost = False
         # Flow control.
         self._queued = 0
         """Requests parsed and not yet answered, the one being answered included."""
@@ -826,9 +825,8 @@ class _Connection(asyncio.Protocol):
         return None
 
     def connection_lost(self, exc: BaseException | None) -> None:
-        if self._lost:  # reported by the TLS layer and by a handshake's end
+        if self._transport is None:  # reported already: by the TLS layer or a handshake's end
             return
-        self._lost = True
         self._disarm()
         self._stopped = True
         self._transport = None
