@@ -14,22 +14,38 @@ interface.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 import orjson
 
-__all__ = ["DecodeError", "canonical", "dumps", "loads"]
+__all__ = ["DecodeError", "canonical", "copy", "dumps", "loads"]
 
 DecodeError = orjson.JSONDecodeError
 """What `loads` raises for text that is not JSON (a ValueError)."""
 
 
-def dumps(value: Any) -> bytes:
-    """`value` as compact UTF-8 JSON."""
+def dumps(value: Any, *, default: Callable[[Any], Any] | None = None) -> bytes:
+    """`value` as compact UTF-8 JSON. `default` turns a value neither codec knows into
+    one they do (as the standard encoder's `default`); without it such a value raises
+    TypeError."""
     try:
-        return orjson.dumps(value)
+        return orjson.dumps(value, default=default)
     except orjson.JSONEncodeError:
-        return json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode()
+        return json.dumps(
+            value, separators=(",", ":"), ensure_ascii=False, default=default
+        ).encode()
+
+
+def copy(value: Any) -> Any:
+    """A copy of `value` made of fresh JSON values (dicts, lists, strings, numbers),
+    sharing nothing with it: what a reader of `dumps(value)` gets back. An int past 64
+    bits stays an int, as the standard codec writes and reads it. Raises TypeError or
+    ValueError for a value that is not JSON."""
+    try:
+        return orjson.loads(orjson.dumps(value))
+    except orjson.JSONEncodeError:
+        return json.loads(json.dumps(value, ensure_ascii=False))
 
 
 def canonical(value: Any) -> bytes | None:

@@ -19,6 +19,7 @@ def atomic_write(
     *,
     mode: int = 0o644,
     durable: bool = True,
+    sync_folder: bool = True,
     folder_mode: int | None = None,
 ) -> None:
     """Replace `path` with `data` so that readers see the old or the new content only.
@@ -27,7 +28,12 @@ def atomic_write(
     `durable` also makes the new content survive a power loss (fsync of the file and
     its folder); without it the replacement is still atomic for every reader and
     survives a crash of this process, which is all that files rebuilt after a
-    reboot need.
+    reboot need. `durable` without `sync_folder` syncs the new content before the
+    rename but not the rename itself: after a power loss the file is whole, with the
+    old content or the new, and the rename reaches the disk with the folder's next
+    sync (the file system's own commit, or the next `durable` write there). That
+    spares one of the two syncs, for a writer whose latest content may be lost with
+    the power but whose file must never be torn.
     The temp name does not end in `.json`/`.yaml`, so CDI loaders watching the
     directory never pick up a file that is still being written.
     With `folder_mode`, a missing folder is created (with that mode) when the first
@@ -58,7 +64,7 @@ def atomic_write(
         with contextlib.suppress(OSError):
             os.unlink(tmp)  # noqa: PTH108 - see above
         raise
-    if durable:
+    if durable and sync_folder:
         fsync_dir(directory)
 
 

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any, Final, Literal, TypeAlias
 
+from gpudra.api import jsonbytes
 from gpudra.common.files import atomic_write, fsync_dir
 
 __all__ = [
@@ -577,7 +578,7 @@ class CdiSpecStore:
             raise CdiError(f"spec kind {spec.get('kind')!r} is not this store's {self._kind!r}")
         path = self.spec_path(claim_uid)
         # Compact: written and parsed by machines on every prepare (jq reads it too).
-        data = json.dumps(spec, separators=(",", ":")).encode() + b"\n"
+        data = jsonbytes.dumps(spec) + b"\n"
         # The folder is created on first use (and again if someone removed it).
         atomic_write(path, data, mode=0o644, durable=self._durable, folder_mode=0o755)
         return path

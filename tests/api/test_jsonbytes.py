@@ -61,3 +61,19 @@ def test_an_integer_past_64_bits_reads_as_a_float_as_in_go() -> None:
 
 def test_loads_takes_bytes_and_text() -> None:
     assert jsonbytes.loads(b'{"a":[1,"x"]}') == jsonbytes.loads('{"a":[1,"x"]}') == {"a": [1, "x"]}
+
+
+def test_default_turns_what_neither_codec_knows_into_json() -> None:
+    for value in ({"path": Labels()}, {"path": Labels(), "big": 2**70}):
+        decoded = json.loads(jsonbytes.dumps(value, default=repr))
+        assert decoded["path"].startswith("<") and decoded.get("big", 2**70) == 2**70
+
+
+def test_copy_is_fresh_json_data_and_keeps_big_integers() -> None:
+    value = {"devices": [{"minor": 3, "extra": {"é": [1, 2]}}], "big": 2**70}
+    copied = jsonbytes.copy(value)
+    assert copied == value
+    assert copied["devices"][0]["extra"] is not value["devices"][0]["extra"]
+    assert isinstance(copied["big"], int)
+    with pytest.raises(TypeError):
+        jsonbytes.copy({"when": object()})

@@ -3,6 +3,7 @@
 import asyncio
 import json
 import os
+import stat
 import threading
 import time
 from collections.abc import Callable
@@ -665,6 +666,70 @@ async def test_concurrent_changes_share_writes_and_are_durable_on_return(
     assert 2 <= len(writes) < 8
     assert commit.writes == len(writes)
     assert sorted(c.uid for c in _load(cp_path, boot).claims()) == sorted(durable)
+
+
+def _syncs(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Record every fsync the writes make: of the new file's content ("file") or of
+    the folder that makes its rename survive a power loss ("folder")."""
+    synced: list[str] = []
+    real = os.fsync
+
+    def spying(fd: int) -> None:
+        synced.append("folder" if stat.S_ISDIR(os.fstat(fd).st_mode) else "file")
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", spying)
+    return synced
+
+
+def test_only_changes_that_precede_a_side_effect_wait_for_the_folder_sync(
+    cp_path: Path, boot: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    checkpoint = _load(cp_path, boot)
+    synced = _syncs(monkeypatch)
+
+    # Before a MIG instance or an MPS daemon is made, its record survives a power loss.
+    checkpoint.begin_prepare(CLAIM_1, [_gpu("gpu-0")])
+    checkpoint.record_progress(CLAIM_1.uid, [_gpu("gpu-0")])
+    assert synced == ["file", "folder", "file", "folder"]
+
+    # A prepare's end and a removal come after the node's last step for the claim: the
+    # content is whole on disk before the rename, but the rename is not waited for.
+    synced.clear()
+    checkpoint.complete_prepare(CLAIM_1.uid, [_gpu("gpu-0")])
+    completed = _load(cp_path, boot).get(CLAIM_1.uid)
+    assert completed is not None and completed.completed  # a restarted agent reads it
+    checkpoint.remove(CLAIM_1.uid)
+    assert _load(cp_path, boot).get(CLAIM_1.uid) is None
+    assert synced == ["file", "file"]
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("with_durable", [True, False])
+async def test_a_shared_write_syncs_the_folder_when_any_change_it_carries_asks(
+    cp_path: Path, boot: Path, monkeypatch: pytest.MonkeyPatch, with_durable: bool
+) -> None:
+    checkpoint = _load(cp_path, boot)
+    checkpoint.begin_prepare(CLAIM_1, [_gpu("gpu-0")])
+    checkpoint.begin_prepare(CLAIM_2, [_gpu("gpu-1")])
+    commit = GroupCommit(checkpoint)
+    writes = _count_writes(monkeypatch)
+    synced = _syncs(monkeypatch)
+
+    async with anyio.create_task_group() as group:
+        # The first change's write starts at once; the two after it share the next.
+        group.start_soon(commit.apply, lambda cp: cp.complete_prepare(CLAIM_1.uid, [_gpu()]))
+        group.start_soon(commit.apply, lambda cp: cp.complete_prepare(CLAIM_2.uid, [_gpu("gpu-1")]))
+        if with_durable:
+            group.start_soon(commit.apply, lambda cp: cp.begin_prepare(CLAIM_3, [_gpu("gpu-2")]))
+        else:
+            group.start_soon(commit.apply, lambda cp: cp.remove(CLAIM_1.uid))
+
+    assert len(writes) == 2
+    assert synced == (["file", "file", "folder"] if with_durable else ["file", "file"])
+    on_disk = _load(cp_path, boot)
+    assert (on_disk.get(CLAIM_3.uid) is not None) is with_durable
+    assert (on_disk.get(CLAIM_1.uid) is None) is not with_durable
 
 
 @pytest.mark.anyio

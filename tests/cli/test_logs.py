@@ -1,0 +1,77 @@
+"""The JSON lines every component logs."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from gpudra.cli import logs
+
+_TS = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z")
+
+
+@pytest.fixture
+def restored_logging() -> Iterator[None]:
+    """`logs.setup` configures the whole process: put it back for the other tests."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    switches = (
+        logging._srcfile,
+        logging.logThreads,
+        logging.logProcesses,
+        logging.logMultiprocessing,
+    )
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
+    (
+        logging._srcfile,
+        logging.logThreads,
+        logging.logProcesses,
+        logging.logMultiprocessing,
+    ) = switches
+
+
+def test_each_record_is_one_json_line_with_its_fields(
+    restored_logging: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    logs.setup("info")
+    log = logging.getLogger("gpudra.test")
+    log.debug("not at info")
+    log.info("claim prepared", extra={"fields": {"claim": "ü-1", "root": Path("/var/run/cdi")}})
+    try:
+        raise ValueError("broken")
+    except ValueError:
+        log.exception("prepare failed")
+
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 2
+    first, second = (json.loads(line) for line in lines)
+    assert _TS.fullmatch(first.pop("ts"))
+    assert first == {
+        "level": "info",
+        "logger": "gpudra.test",
+        "msg": "claim prepared",
+        "claim": "ü-1",
+        "root": "/var/run/cdi",  # what JSON has no type for is written as its str()
+    }
+    assert second["level"] == "error" and "ValueError: broken" in second["exc"]
+
+
+def test_every_line_carries_its_own_time_to_the_millisecond() -> None:
+    formatter = logs.JsonFormatter()
+    stamps = []
+    for created in (1_700_000_000.25, 1_700_000_000.75, 1_700_000_001.5, 1_600_000_000.0):
+        record = logging.LogRecord("gpudra.test", logging.INFO, "", 0, "m", None, None)
+        record.created, record.msecs = created, (created % 1) * 1000
+        stamps.append(json.loads(formatter.format(record))["ts"])
+    assert stamps == [
+        "2023-11-14T22:13:20.250Z",
+        "2023-11-14T22:13:20.750Z",
+        "2023-11-14T22:13:21.500Z",
+        "2020-09-13T12:26:40.000Z",
+    ]
