@@ -29,11 +29,12 @@ def atomic_write(
     its folder); without it the replacement is still atomic for every reader and
     survives a crash of this process, which is all that files rebuilt after a
     reboot need. `durable` without `sync_folder` syncs the new content before the
-    rename but not the rename itself: after a power loss the file is whole, with the
-    old content or the new, and the rename reaches the disk with the folder's next
-    sync (the file system's own commit, or the next `durable` write there). That
-    spares one of the two syncs, for a writer whose latest content may be lost with
-    the power but whose file must never be torn.
+    rename but not the rename itself: after a power loss the file is whole, with this
+    content or what an earlier write left (and the temp file may be left beside it,
+    for the writer's start-up sweep), and the rename reaches the disk with the
+    folder's next sync (the file system's own commit, or the next `durable` write
+    there). That spares one of the two syncs, for a writer whose latest content may be
+    lost with the power but whose file must never be torn.
     The temp name does not end in `.json`/`.yaml`, so CDI loaders watching the
     directory never pick up a file that is still being written.
     With `folder_mode`, a missing folder is created (with that mode) when the first

@@ -9,9 +9,10 @@ Design choices, and why:
 - Plain JSON written atomically (temp file in the same directory, fsync, rename,
   fsync of the directory): a reader sees the old or the new file, never a torn one,
   so no checksum is needed. The directory's fsync is skipped for the changes made
-  after the node's last step for a claim (a prepare's end, a removal), which a power
-  loss may undo harmlessly: one sync fewer on every prepare's and unprepare's path
-  (`Checkpoint._save` says why that is safe). The upstream driver's checksum over all fields made
+  after the node's last step for a claim (a prepare's end, a removal, forgetting
+  cleaned-up previous-boot claims), which a power loss may undo harmlessly: one sync
+  fewer on every prepare's and unprepare's path (`Checkpoint._save` says why that is
+  safe, and when every write syncs anyway). The upstream driver's checksum over all fields made
   every release that added a field unable to read the previous release's file.
 - `version` says which schema the writer knew. Any release reads any version;
   fields it does not know are kept verbatim and written back, so a downgrade
@@ -355,6 +356,10 @@ class Checkpoint:
         self._unreadable: dict[str, Any] = dict(unreadable or {})
         self._extra: dict[str, Any] = dict(extra or {})
         self._file_version = file_version
+        # Whether a reboot is recognised by the boot ID: the machine's was read, and the
+        # file on disk names it. Until then every write syncs its rename (see `_save`).
+        self._boot_known = False
+        self._boot_on_disk = False
         # Writes run in worker threads; one at a time, and never an older snapshot over
         # a newer one (see `_write`).
         self._write_lock = threading.Lock()
@@ -380,7 +385,9 @@ class Checkpoint:
         try:
             raw = path.read_bytes()
         except FileNotFoundError:
-            return cls(path, boot_id=boot_id)
+            empty = cls(path, boot_id=boot_id)
+            empty._boot_known = boot_id is not None
+            return empty
         except OSError as exc:
             raise CheckpointError(f"cannot read checkpoint {path}: {exc}") from exc
         try:
@@ -454,6 +461,8 @@ class Checkpoint:
             extra={k: v for k, v in doc.items() if k not in _TOP_KEYS},
             file_version=file_version,
         )
+        checkpoint._boot_known = boot_id is not None
+        checkpoint._boot_on_disk = boot_id is not None and stored_boot == boot_id
         if boot_id is not None and stored_boot is not None and stored_boot != boot_id:
             checkpoint._discard_previous_boot(stored_boot)
         return checkpoint
@@ -551,6 +560,21 @@ class Checkpoint:
                     break
         return holders
 
+    def unreadable_naming(self, text: str, *, excluding: str = "") -> list[str]:
+        """Claims other than `excluding` whose record, or a device's side effect in it,
+        this release cannot read, and whose stored JSON names `text` (a GPU's UUID):
+        whatever they set up on that GPU may still be in place and relied on."""
+        found = [
+            uid for uid, raw in self._unreadable.items() if uid != excluding and text in str(raw)
+        ]
+        found += [
+            record.uid
+            for record in self._claims.values()
+            if record.uid != excluding
+            and any(d.details.problems and text in str(_device_to_json(d)) for d in record.devices)
+        ]
+        return found
+
     # --- mutations ---
 
     def begin_prepare(
@@ -617,14 +641,16 @@ class Checkpoint:
         self._save(claims={**self._claims, uid: updated})
         return updated
 
-    def remove(self, uid: str) -> bool:
-        """Forget a claim after unprepare or rollback; False when it was not recorded."""
+    def remove(self, uid: str, *, durable: bool = False) -> bool:
+        """Forget a claim after unprepare or rollback; False when it was not recorded.
+        `durable`: the caller's next step relies on the removal surviving a power loss
+        (it deletes the admin's mark that the claim was undone by hand)."""
         if uid not in self._claims and uid not in self._unreadable:
             return False
         claims = {k: v for k, v in self._claims.items() if k != uid}
         unreadable = {k: v for k, v in self._unreadable.items() if k != uid}
         # Its devices are undone already: the write may be lost with the power (`_save`).
-        self._save(claims=claims, unreadable=unreadable, durable=False)
+        self._save(claims=claims, unreadable=unreadable, durable=durable)
         return True
 
     def forget_previous_boot(self, records: Iterable[ClaimRecord]) -> None:
@@ -731,12 +757,15 @@ class Checkpoint:
             if snap.seq < self._on_disk_seq:
                 return
             data = self._encode(snap)
+            durable = durable or not self._boot_on_disk
             try:
                 # The folder is created on first use (and again if someone removed it).
                 atomic_write(self._path, data, mode=0o600, sync_folder=durable, folder_mode=0o777)
             except OSError as exc:
                 raise CheckpointError(f"cannot write checkpoint {self._path}: {exc}") from exc
             self._on_disk_seq = snap.seq
+            if durable and self._boot_known:
+                self._boot_on_disk = True  # the file names this boot from now on
 
     def _save(
         self,
@@ -756,11 +785,16 @@ class Checkpoint:
         that something outliving a reboot depends on (a MIG instance a passthrough GPU
         keeps, an MPS folder on disk) is recorded that way before that thing is made.
         A change made after the node's last step for the claim (a prepare's end, a
-        claim's removal once its devices are undone) is not: a restarted process reads
-        it all the same, and after a power loss the older file it may find instead
-        describes only what a reboot voids (its claims go to `previousBoot`, whose
-        clean-up checks each MIG instance's UUID before destroying it). It reaches the
-        disk with the next durable write, or the file system's own commit."""
+        claim's removal once its devices are undone, forgetting previous-boot claims
+        once cleaned up) is not: a restarted process reads it all the same, and only a
+        power loss (or a kernel crash) can undo it. The file found then is one an
+        earlier write left whole, and the boot ID tells the reboot: its claims go to
+        `previousBoot`, whose clean-up destroys a MIG instance only where its recorded
+        MIG UUID proves it the one gpudra made, so a record of an instance undone since,
+        or of one that survived in a passthrough GPU, is handled as before. That needs
+        the boot ID, so until this boot's ID is read and on disk (`load`), every write
+        syncs its rename. A change that is not synced reaches the disk with the next
+        one that is, or with the file system's own commit."""
         new_claims = dict(self._claims if claims is None else claims)
         new_previous = tuple(self._previous_boot if previous_boot is None else previous_boot)
         new_unreadable = dict(self._unreadable if unreadable is None else unreadable)

@@ -303,7 +303,8 @@ class ClaimPreparer:
         return self._commit
 
     async def _persist(self, change: Callable[[Checkpoint], T]) -> T:
-        """Apply a checkpoint change; returns once it is on disk."""
+        """Apply a checkpoint change; returns once it is written, and durable where the
+        change asks (`Checkpoint._save`)."""
         return await (await self._committer()).apply(change)
 
     @contextlib.asynccontextmanager
@@ -721,7 +722,7 @@ class ClaimPreparer:
         """Drop the unreadable record of `uid` where an admin marked it undone."""
         if cp.unreadable_problem(uid) is None or not self._marked_undone(uid):
             return False
-        await self._persist(lambda c: c.remove(uid))
+        await self._persist(lambda c: c.remove(uid, durable=True))  # before the mark goes
         self._unmark(uid)
         log.warning(
             "unreadable checkpoint record forgotten: marked undone by hand",
@@ -884,7 +885,16 @@ class ClaimPreparer:
         async with self._time_slice_lock:
             for uuid, applied in time_slices.items():
                 users = _time_slice_users(cp, uuid, excluding=record.uid)
-                if users:
+                unknown = cp.unreadable_naming(uuid, excluding=record.uid)
+                if unknown:
+                    # Their undo is by hand (they fail unprepare naming the record); a
+                    # reset here could change a running pod's GPU under it.
+                    log.warning(
+                        "time-slice kept: claims whose checkpoint records cannot be read "
+                        "name the GPU and may rely on it; reset it by hand once they are undone",
+                        extra={"fields": {"claim": record.uid, "gpu": uuid, "unreadable": unknown}},
+                    )
+                elif users:
                     log.info(
                         "time-slice kept for the GPU's other shares",
                         extra={"fields": {"claim": record.uid, "gpu": uuid, "users": list(users)}},
@@ -923,7 +933,8 @@ class ClaimPreparer:
             )
         if errors:
             raise ClaimError(f"{record.ref.describe()}: {why}: " + "; ".join(errors))
-        await self._persist(lambda c: c.remove(record.uid))
+        # The admin's mark goes only once the removal would survive a power loss.
+        await self._persist(lambda c: c.remove(record.uid, durable=undone_by_hand))
         if undone_by_hand:
             self._unmark(record.uid)
         log.info(

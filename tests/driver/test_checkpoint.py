@@ -365,6 +365,27 @@ def test_an_unreadable_side_effect_is_kept_verbatim_as_the_records_problem(
     assert _doc(cp_path)["claims"][CLAIM_1.uid]["devices"][0]["details"] == details
 
 
+def test_records_that_cannot_be_read_are_found_by_the_gpu_they_name(
+    cp_path: Path, boot: Path
+) -> None:
+    doc = _foreign_file(cp_path, CHECKPOINT_VERSION)
+    # CLAIM_1: readable, but its time-slice step is not (a problem naming GPU-1).
+    sliced = {"parentUuid": "GPU-1", "timeSlice": {"uuid": "GPU-1", "interval": "often"}}
+    doc["claims"][CLAIM_1.uid]["devices"][0]["details"] = sliced
+    # CLAIM_2: readable, no problem, on GPU-1 too; CLAIM_3: unreadable as a whole.
+    readable = json.loads(json.dumps(doc["claims"][CLAIM_1.uid]))
+    readable.update(uid=CLAIM_2.uid, name="claim-2")
+    readable["devices"][0]["details"] = {"timeSlice": {"uuid": "GPU-1", "interval": 3}}
+    doc["claims"][CLAIM_2.uid] = readable
+    doc["claims"][CLAIM_3.uid] = {"uid": CLAIM_3.uid, "state": "Future", "devices": "GPU-1"}
+    cp_path.write_text(json.dumps(doc))
+    checkpoint = _load(cp_path, boot)
+
+    assert sorted(checkpoint.unreadable_naming("GPU-1")) == sorted([CLAIM_1.uid, CLAIM_3.uid])
+    assert checkpoint.unreadable_naming("GPU-1", excluding=CLAIM_3.uid) == [CLAIM_1.uid]
+    assert checkpoint.unreadable_naming("GPU-2") == []
+
+
 def test_a_time_slice_record_keeps_the_compute_mode_it_replaced(cp_path: Path, boot: Path) -> None:
     """`previousComputeMode` is read and written back; a record without it (written
     before the field) reads as nothing to restore and is written back without it."""
@@ -702,6 +723,38 @@ def test_only_changes_that_precede_a_side_effect_wait_for_the_folder_sync(
     checkpoint.remove(CLAIM_1.uid)
     assert _load(cp_path, boot).get(CLAIM_1.uid) is None
     assert synced == ["file", "file"]
+
+
+@pytest.mark.parametrize("stored", ["none", "other boot", "unreadable boot ID"])
+def test_every_write_syncs_its_rename_until_the_file_names_this_boot(
+    cp_path: Path, boot: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stored: str
+) -> None:
+    """A rename lost with the power is harmless only because the boot ID tells the
+    reboot; until the file on disk names this boot, which only a synced write makes
+    sure of, every write is synced."""
+    doc = _foreign_file(cp_path, CHECKPOINT_VERSION)
+    if stored == "none":
+        del doc["bootId"]
+    else:
+        doc["bootId"] = BOOT_B
+    cp_path.write_text(json.dumps(doc))
+    boot_path = tmp_path / "no-boot-id" if stored == "unreadable boot ID" else boot
+    checkpoint = load(cp_path, boot_id_path=boot_path)
+    synced = _syncs(monkeypatch)
+
+    for claim in (CLAIM_2, CLAIM_3):
+        checkpoint.begin_prepare(claim, [_gpu(claim.name)], persist=False)
+        checkpoint.complete_prepare(claim.uid, [_gpu(claim.name)])
+    checkpoint.remove(CLAIM_2.uid)
+    checkpoint.remove(CLAIM_3.uid, durable=True)  # the caller relies on it next
+
+    light, durable = ["file"], ["file", "folder"]
+    if stored == "unreadable boot ID":
+        assert synced == durable * 4
+    elif stored == "none":  # the first synced write puts this boot's ID on disk
+        assert synced == durable + light + light + durable
+    else:  # the load synced it, moving the other boot's claims to previousBoot
+        assert synced == light + light + light + durable
 
 
 @pytest.mark.anyio

@@ -1069,6 +1069,37 @@ async def test_integer_shares_set_the_time_slice_once_and_reset_it_with_the_last
 
 @pytest.mark.cluster
 @pytest.mark.anyio
+async def test_a_share_whose_record_cannot_be_read_keeps_the_time_slice_it_may_rely_on(
+    env: Env, node: Node, akube: AsyncKube, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A claim sharing a time-sliced GPU whose record this release cannot read (a newer
+    release's, say, after a downgrade) may still run there: the last readable share to
+    leave does not reset the setting under it, and says why."""
+    emu = h100()
+    env.publish(discover(emu), only=("gpu-4",), shares=2)
+    one_share = [env.request(capacity={"requests": {"shares": "1"}})]
+    config = [env.config(time_sliced("Long"))]
+    a, b = (_ref(env.allocated(name, requests=one_share, config=config)) for name in ("a", "b"))
+    gpu_uuid = discover(emu).gpus[4].uuid
+    setting = f"nvidia-smi compute-policy -i {gpu_uuid} --set-timeslice"
+    prepared = await make_preparer(env, node, akube, emu).prepare([a, b])
+    assert [prepared[r.uid].error for r in (a, b)] == [None, None]
+    doc = json.loads(node.checkpoint.read_text())
+    doc["claims"][a.uid]["devices"][0]["requestNames"] = "gpu"  # a's record: unreadable
+    node.checkpoint.write_text(json.dumps(doc))
+
+    restarted = make_preparer(env, node, akube, emu)
+    assert await restarted.unprepare([b]) == {b.uid: None}
+
+    assert [c for c in node.tool_calls() if c.startswith(setting)] == [f"{setting} 3"]
+    [kept] = [r for r in caplog.records if r.getMessage().startswith("time-slice kept")]
+    assert "cannot be read" in kept.getMessage()
+    assert getattr(kept, "fields", {})["unreadable"] == [a.uid]
+    assert b.uid not in json.loads(node.checkpoint.read_text())["claims"]
+
+
+@pytest.mark.cluster
+@pytest.mark.anyio
 async def test_the_last_time_sliced_share_restores_the_compute_mode_the_first_replaced(
     env: Env, node: Node, akube: AsyncKube
 ) -> None:
