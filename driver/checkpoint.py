@@ -560,12 +560,18 @@ class Checkpoint:
                     break
         return holders
 
-    def unreadable_naming(self, text: str, *, excluding: str = "") -> list[str]:
+    def unreadable_naming(
+        self, text: str, *, excluding: str = "", devices: Iterable[DeviceKey] = ()
+    ) -> list[str]:
         """Claims other than `excluding` whose record, or a device's side effect in it,
-        this release cannot read, and whose stored JSON names `text` (a GPU's UUID):
-        whatever they set up on that GPU may still be in place and relied on."""
+        this release cannot read, and whose stored JSON names `text` (a GPU's UUID) or,
+        for a whole record, one of `devices`: whatever they set up on that GPU may still
+        be in place and relied on."""
+        by_device = {uid for key in devices for uid in self.unreadable_holders(key)}
         found = [
-            uid for uid, raw in self._unreadable.items() if uid != excluding and text in str(raw)
+            uid
+            for uid, raw in self._unreadable.items()
+            if uid != excluding and (text in str(raw) or uid in by_device)
         ]
         found += [
             record.uid
@@ -653,13 +659,16 @@ class Checkpoint:
         self._save(claims=claims, unreadable=unreadable, durable=durable)
         return True
 
-    def forget_previous_boot(self, records: Iterable[ClaimRecord]) -> None:
+    def forget_previous_boot(
+        self, records: Iterable[ClaimRecord], *, durable: bool = False
+    ) -> None:
         """Forget these previous-boot claims once their leftovers are cleaned up; the
-        others stay. By record, not UID: after two reboots one UID may have two."""
+        others stay. By record, not UID: after two reboots one UID may have two.
+        `durable`: the caller's next step relies on it surviving a power loss."""
         gone = [id(r) for r in records]
         kept = tuple(r for r in self._previous_boot if id(r) not in gone)
         if len(kept) != len(self._previous_boot):
-            self._save(previous_boot=kept, durable=False)  # cleaned up already
+            self._save(previous_boot=kept, durable=durable)  # cleaned up already
 
     # --- internals ---
 

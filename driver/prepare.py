@@ -526,6 +526,15 @@ class ClaimPreparer:
         default = pynvml.NVML_COMPUTEMODE_DEFAULT
         async with self._time_slice_lock:
             cp = await self._checkpoint()
+            unknown = cp.unreadable_naming(uuid, excluding=ref.uid)
+            if unknown:
+                # Their interval and the mode they replaced are unknown: setting either
+                # could change a running pod's GPU under it.
+                remedies = "; ".join(f"for claim {uid}: {self._by_hand(uid)}" for uid in unknown)
+                raise ClaimError(
+                    f"{ref.describe()}: GPU {uuid} is named by checkpoint records this "
+                    f"release cannot read, which may rely on its time-slice; {remedies}"
+                )
             users = _time_slice_users(cp, uuid, excluding=ref.uid)
             own = cp.get(ref.uid)
             held = [*users.values()] + [
@@ -885,14 +894,27 @@ class ClaimPreparer:
         async with self._time_slice_lock:
             for uuid, applied in time_slices.items():
                 users = _time_slice_users(cp, uuid, excluding=record.uid)
-                unknown = cp.unreadable_naming(uuid, excluding=record.uid)
+                keys = [
+                    d.key
+                    for d in record.devices
+                    if d.details.time_slice is not None and d.details.time_slice.uuid == uuid
+                ]
+                unknown = cp.unreadable_naming(uuid, excluding=record.uid, devices=keys)
                 if unknown:
                     # Their undo is by hand (they fail unprepare naming the record); a
                     # reset here could change a running pod's GPU under it.
                     log.warning(
                         "time-slice kept: claims whose checkpoint records cannot be read "
-                        "name the GPU and may rely on it; reset it by hand once they are undone",
-                        extra={"fields": {"claim": record.uid, "gpu": uuid, "unreadable": unknown}},
+                        "name the GPU and may rely on it; once they are undone, reset the "
+                        "time-slice and put back the compute mode given here by hand",
+                        extra={
+                            "fields": {
+                                "claim": record.uid,
+                                "gpu": uuid,
+                                "unreadable": unknown,
+                                "compute_mode_before": modes_before_slicing.get(uuid),
+                            }
+                        },
                     )
                 elif users:
                     log.info(
@@ -1015,6 +1037,7 @@ class ClaimPreparer:
         """
         errors: list[str] = []
         cleaned: list[ClaimRecord] = []
+        unmark: list[str] = []
         for record in cp.previous_boot():
             where = f"previous boot claim {record.namespace}/{record.name}"
             failed = len(errors)
@@ -1060,12 +1083,20 @@ class ClaimPreparer:
             if len(errors) == failed:
                 cleaned.append(record)
                 if undone_by_hand and not current:
-                    self._unmark(record.uid)
+                    unmark.append(record.uid)
         if cleaned:
+            # An admin's mark goes only once the record is gone for good (synced): a
+            # record back without its mark would have to be undone by hand again.
+            forget = functools.partial(
+                Checkpoint.forget_previous_boot, records=cleaned, durable=bool(unmark)
+            )
             try:
-                await self._persist(lambda c: c.forget_previous_boot(cleaned))
+                await self._persist(forget)
             except CheckpointError as exc:
                 errors.append(f"forgetting the previous boot's claims: {exc}")
+            else:
+                for uid in unmark:
+                    self._unmark(uid)
         return errors
 
     async def _remove_orphans(

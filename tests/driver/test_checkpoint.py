@@ -386,6 +386,22 @@ def test_records_that_cannot_be_read_are_found_by_the_gpu_they_name(
     assert checkpoint.unreadable_naming("GPU-2") == []
 
 
+def test_a_record_that_cannot_be_read_names_a_gpu_by_its_device_too(
+    cp_path: Path, boot: Path
+) -> None:
+    doc = _foreign_file(cp_path, CHECKPOINT_VERSION)
+    record = doc["claims"].pop(CLAIM_1.uid)
+    record["state"] = "Future"  # a newer release's: unreadable, no UUID in it
+    doc["claims"][CLAIM_1.uid] = record
+    cp_path.write_text(json.dumps(doc))
+    checkpoint = _load(cp_path, boot)
+
+    assert checkpoint.unreadable_naming("GPU-1") == []
+    named = checkpoint.unreadable_naming("GPU-1", devices=[DeviceKey("node-a", "gpu-0")])
+    assert named == [CLAIM_1.uid]
+    assert checkpoint.unreadable_naming("GPU-1", devices=[DeviceKey("node-a", "gpu-1")]) == []
+
+
 def test_a_time_slice_record_keeps_the_compute_mode_it_replaced(cp_path: Path, boot: Path) -> None:
     """`previousComputeMode` is read and written back; a record without it (written
     before the field) reads as nothing to restore and is written back without it."""
@@ -739,8 +755,12 @@ def test_every_write_syncs_its_rename_until_the_file_names_this_boot(
         doc["bootId"] = BOOT_B
     cp_path.write_text(json.dumps(doc))
     boot_path = tmp_path / "no-boot-id" if stored == "unreadable boot ID" else boot
-    checkpoint = load(cp_path, boot_id_path=boot_path)
     synced = _syncs(monkeypatch)
+    checkpoint = load(cp_path, boot_id_path=boot_path)
+    if stored == "other boot":  # the load moved the old boot's claims, synced
+        assert synced == ["file", "folder"]
+        synced.clear()
+    assert synced == []
 
     for claim in (CLAIM_2, CLAIM_3):
         checkpoint.begin_prepare(claim, [_gpu(claim.name)], persist=False)
@@ -753,7 +773,7 @@ def test_every_write_syncs_its_rename_until_the_file_names_this_boot(
         assert synced == durable * 4
     elif stored == "none":  # the first synced write puts this boot's ID on disk
         assert synced == durable + light + light + durable
-    else:  # the load synced it, moving the other boot's claims to previousBoot
+    else:  # the load's synced write put it there
         assert synced == light + light + light + durable
 
 

@@ -14,6 +14,7 @@ import json
 import os
 import secrets
 import signal
+import stat
 import subprocess
 import sys
 import threading
@@ -1067,6 +1068,31 @@ async def test_integer_shares_set_the_time_slice_once_and_reset_it_with_the_last
     ]
 
 
+async def _shares_one_unreadable(
+    env: Env,
+    node: Node,
+    akube: AsyncKube,
+    emu: NvmlEmulator,
+    names: tuple[str, str],
+    prepared: int,
+    spoil: Callable[[dict[str, Any]], None],
+) -> tuple[list[ClaimRef], str]:
+    """Two claims for a share each of time-sliced gpu-4; the first `prepared` of them
+    prepared, then the first's record changed by `spoil` as a newer release might have
+    written it. Returns the claims and the GPU's time-slice command."""
+    env.publish(discover(emu), only=("gpu-4",), shares=2)
+    one_share = [env.request(capacity={"requests": {"shares": "1"}})]
+    config = [env.config(time_sliced("Long"))]
+    refs = [_ref(env.allocated(name, requests=one_share, config=config)) for name in names]
+    done = await make_preparer(env, node, akube, emu).prepare(refs[:prepared])
+    assert [done[r.uid].error for r in refs[:prepared]] == [None] * prepared
+    doc = json.loads(node.checkpoint.read_text())
+    spoil(doc["claims"][refs[0].uid])
+    node.checkpoint.write_text(json.dumps(doc))
+    gpu_uuid = discover(emu).gpus[4].uuid
+    return refs, f"nvidia-smi compute-policy -i {gpu_uuid} --set-timeslice"
+
+
 @pytest.mark.cluster
 @pytest.mark.anyio
 async def test_a_share_whose_record_cannot_be_read_keeps_the_time_slice_it_may_rely_on(
@@ -1076,26 +1102,46 @@ async def test_a_share_whose_record_cannot_be_read_keeps_the_time_slice_it_may_r
     release's, say, after a downgrade) may still run there: the last readable share to
     leave does not reset the setting under it, and says why."""
     emu = h100()
-    env.publish(discover(emu), only=("gpu-4",), shares=2)
-    one_share = [env.request(capacity={"requests": {"shares": "1"}})]
-    config = [env.config(time_sliced("Long"))]
-    a, b = (_ref(env.allocated(name, requests=one_share, config=config)) for name in ("a", "b"))
-    gpu_uuid = discover(emu).gpus[4].uuid
-    setting = f"nvidia-smi compute-policy -i {gpu_uuid} --set-timeslice"
-    prepared = await make_preparer(env, node, akube, emu).prepare([a, b])
-    assert [prepared[r.uid].error for r in (a, b)] == [None, None]
-    doc = json.loads(node.checkpoint.read_text())
-    doc["claims"][a.uid]["devices"][0]["requestNames"] = "gpu"  # a's record: unreadable
-    node.checkpoint.write_text(json.dumps(doc))
 
-    restarted = make_preparer(env, node, akube, emu)
-    assert await restarted.unprepare([b]) == {b.uid: None}
+    def unreadable(record: dict[str, Any]) -> None:
+        record["devices"][0]["requestNames"] = "gpu"
 
-    assert [c for c in node.tool_calls() if c.startswith(setting)] == [f"{setting} 3"]
+    (a, b), setting = await _shares_one_unreadable(env, node, akube, emu, ("a", "b"), 2, unreadable)
+
+    assert await make_preparer(env, node, akube, emu).unprepare([b]) == {b.uid: None}
+
+    assert [call for call in node.tool_calls() if call.startswith(setting)] == [f"{setting} 3"]
     [kept] = [r for r in caplog.records if r.getMessage().startswith("time-slice kept")]
     assert "cannot be read" in kept.getMessage()
     assert getattr(kept, "fields", {})["unreadable"] == [a.uid]
     assert b.uid not in json.loads(node.checkpoint.read_text())["claims"]
+
+
+@pytest.mark.cluster
+@pytest.mark.anyio
+async def test_no_share_joins_a_gpu_whose_time_slice_a_record_cannot_tell(
+    env: Env, node: Node, akube: AsyncKube
+) -> None:
+    """A share whose time-slice step this release cannot read (an interval a newer
+    release wrote) holds the GPU at a setting nobody here knows: a new share would set
+    its own interval under that pod, so it is refused with the by-hand remedy."""
+    emu = h100()
+
+    def unknown_interval(record: dict[str, Any]) -> None:
+        record["devices"][0]["details"]["timeSlice"]["interval"] = "often"
+
+    (a, c), setting = await _shares_one_unreadable(
+        env, node, akube, emu, ("a", "c"), 1, unknown_interval
+    )
+
+    refused = (await make_preparer(env, node, akube, emu).prepare([c]))[c.uid].error
+
+    assert refused is not None
+    gpu = setting.split(" -i ")[1].split()[0]
+    assert f"GPU {gpu} is named by checkpoint records this release cannot read" in refused
+    assert str(node.checkpoint.parent / "undone" / a.uid) in refused
+    assert [call for call in node.tool_calls() if call.startswith(setting)] == [f"{setting} 3"]
+    assert c.uid not in json.loads(node.checkpoint.read_text())["claims"]
 
 
 @pytest.mark.cluster
@@ -3112,6 +3158,39 @@ _UNCLEANABLE = _previous_boot_record(
     "gpu-0",
     {"type": "mig", "mig": {"created": True, "profileId": 19, "start": 6, "size": 1}},
 )
+
+
+@pytest.mark.anyio
+async def test_an_admins_mark_on_a_previous_boot_record_goes_once_its_removal_is_synced(
+    node: Node, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A record marked undone by hand is forgotten, then its mark deleted: were the
+    mark gone first, a crash or a power loss could bring the record back without it,
+    to be undone by hand again."""
+    node.checkpoint.parent.mkdir(parents=True)
+    node.checkpoint.write_text(
+        json.dumps({"version": 1, "bootId": BOOT_A, "claims": {}, "previousBoot": [_UNCLEANABLE]})
+    )
+    marker = node.checkpoint.parent / "undone" / _UNCLEANABLE["uid"]
+    marker.parent.mkdir()
+    marker.touch()
+    mark_at_folder_sync: list[bool] = []
+    real = os.fsync
+
+    def spying(fd: int) -> None:
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            mark_at_folder_sync.append(marker.exists())
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", spying)
+
+    report = await node_preparer(node, h100()).recover()
+
+    assert not report.errors
+    assert "previousBoot" not in json.loads(node.checkpoint.read_text())
+    assert not marker.exists()
+    # The write that forgot the record synced its rename while the mark was still there.
+    assert mark_at_folder_sync == [True]
 
 
 @pytest.mark.anyio
