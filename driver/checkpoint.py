@@ -12,8 +12,9 @@ Design choices, and why:
   after the node's last step for a claim (a prepare's end, a removal, forgetting
   cleaned-up previous-boot claims), which a power loss may undo harmlessly: one sync
   fewer on every prepare's and unprepare's path (`Checkpoint._save` says why that is
-  safe, and when every write syncs anyway). The upstream driver's checksum over all fields made
-  every release that added a field unable to read the previous release's file.
+  safe, and when every write syncs anyway). The upstream driver's checksum over all
+  fields made every release that added a field unable to read the previous
+  release's file.
 - `version` says which schema the writer knew. Any release reads any version;
   fields it does not know are kept verbatim and written back, so a downgrade
   followed by an upgrade loses nothing. A record it cannot interpret is kept as
@@ -655,7 +656,8 @@ class Checkpoint:
             return False
         claims = {k: v for k, v in self._claims.items() if k != uid}
         unreadable = {k: v for k, v in self._unreadable.items() if k != uid}
-        # Its devices are undone already: the write may be lost with the power (`_save`).
+        # Its devices are undone already: unless the caller relies on it next, the write
+        # may be lost with the power (`_save`).
         self._save(claims=claims, unreadable=unreadable, durable=durable)
         return True
 

@@ -530,7 +530,7 @@ class ClaimPreparer:
             if unknown:
                 # Their interval and the mode they replaced are unknown: setting either
                 # could change a running pod's GPU under it.
-                remedies = "; ".join(f"for claim {uid}: {self._by_hand(uid)}" for uid in unknown)
+                remedies = "; ".join(self._by_hand_each(unknown))
                 raise ClaimError(
                     f"{ref.describe()}: GPU {uuid} is named by checkpoint records this "
                     f"release cannot read, which may rely on its time-slice; {remedies}"
@@ -742,7 +742,7 @@ class ClaimPreparer:
     def _conflict_remedy(self, exc: DeviceConflictError) -> str:
         """What frees the device: a prepared claim goes with its unprepare, an
         unreadable record only once an admin has undone it by hand."""
-        remedies = [f"for claim {uid}: {self._by_hand(uid)}" for uid in exc.unreadable]
+        remedies = self._by_hand_each(exc.unreadable)
         if exc.prepared:
             remedies.insert(
                 0,
@@ -793,6 +793,10 @@ class ClaimPreparer:
             return self._checkpoint_path.parent / _UNDONE_DIR / validate_claim_uid(uid)
         except CdiError:
             return None
+
+    def _by_hand_each(self, uids: Sequence[str]) -> list[str]:
+        """The by-hand remedy for each claim whose record cannot be read."""
+        return [f"for claim {uid}: {self._by_hand(uid)}" for uid in uids]
 
     def _by_hand(self, uid: str) -> str:
         marker = self._undone_marker(uid)
