@@ -15,6 +15,7 @@ import aiohttp
 import anyio
 from gpudra.api.names import dns_subdomain_problem, driver_name_problem
 from gpudra.common.backoff import Backoff
+from gpudra.common.errors import exception_text
 from gpudra.common.eventloop import run_event_loop
 from gpudra.common.heap import freeze_startup_heap
 from gpudra.common.kube import ApiError, Kube
@@ -460,7 +461,7 @@ async def node_nvml(
                 ) from None
             problem = str(e)
         except (aiohttp.ClientError, OSError, TimeoutError) as e:
-            problem = f"{type(e).__name__}: {e}"
+            problem = exception_text(e)
         delay = next(delays)
         log.warning(
             "cannot read this node's labels yet; retrying",

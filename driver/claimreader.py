@@ -17,6 +17,7 @@ import urllib.parse
 from collections.abc import Mapping
 from typing import Any
 
+from gpudra.common.errors import exception_text
 from gpudra.common.kube import ApiError, Kube, claim_path
 from gpudra.driver.claims import (
     Claim,
@@ -71,8 +72,7 @@ class ApiClaims:
             raise ClaimError(f"{ref.describe()}: reading it failed: {exc}") from None
         except Exception as exc:
             raise ClaimError(
-                f"{ref.describe()}: reading it from the API server failed: "
-                f"{type(exc).__name__}: {exc}"
+                f"{ref.describe()}: reading it from the API server failed: {exception_text(exc)}"
             ) from None
         claim = checked_claim(ref, obj, driver=self._driver, pool=self._pool)
         if self._infos is not None and isinstance(obj, Mapping):

@@ -27,6 +27,7 @@ import urllib.parse
 from collections.abc import Iterable, Mapping
 from typing import Any, Final
 
+from gpudra.common.errors import exception_text
 from gpudra.common.kube import ApiError, Kube
 from gpudra.driver.checkpoint import ClaimRecord
 from gpudra.driver.holders import ClaimInfo
@@ -184,7 +185,7 @@ class ClaimContainers:
                         "fields": {
                             "claim": record.ref.describe(),
                             "pod": pod,
-                            "error": f"{type(exc).__name__}: {exc}",
+                            "error": exception_text(exc),
                         }
                     },
                 )

@@ -41,6 +41,7 @@ import anyio
 import anyio.to_thread
 import pynvml
 from gpudra.api.config import ConfigError
+from gpudra.common.errors import exception_text
 from gpudra.common.files import remove_tree
 from gpudra.driver.cdi import (
     CdiError,
@@ -386,7 +387,7 @@ class ClaimPreparer:
         except Exception as exc:
             log.exception("prepare failed", extra={"fields": {"claim": claim.uid}})
             result = PrepareResult(
-                error=f"{claim.ref.describe()}: prepare failed: {type(exc).__name__}: {exc}"
+                error=f"{claim.ref.describe()}: prepare failed: {exception_text(exc)}"
             )
         if result.error:
             log.warning(
@@ -403,7 +404,7 @@ class ClaimPreparer:
             error = str(exc)
         except Exception as exc:
             log.exception("unprepare failed", extra={"fields": {"claim": ref.uid}})
-            error = f"{ref.describe()}: unprepare failed: {type(exc).__name__}: {exc}"
+            error = f"{ref.describe()}: unprepare failed: {exception_text(exc)}"
         if error:
             log.warning(
                 "claim not unprepared", extra={"fields": {"claim": ref.uid, "error": error}}
