@@ -10,12 +10,10 @@ a warm loop takes 2 to 3 µs a config. A config's parse is a function of its JSO
 and the parsed models are frozen, so the parse of a config seen before is handed back
 as it is.
 
-A hostile tenant can send only new configs: the cache holds at most `size` of them,
-the least recently used evicted, and a config whose JSON is longer than
-`max_key_bytes` is parsed and not kept, so its memory is bounded; such a tenant costs
-each admission the sorted encoding of its configs on top of their parse. Only configs
-that parse are kept: a bad one is parsed afresh each time, so what it is told never
-depends on what came before.
+A hostile tenant can send only new configs: the cache is a bounded `Memo`, so its memory
+is bounded; such a tenant costs each admission the sorted encoding of its configs on top
+of their parse. Only configs that parse are kept: a bad one is parsed afresh each time,
+so what it is told never depends on what came before.
 
 For decoded JSON (dicts, lists, strings, numbers, booleans, None), as every caller
 passes; not for concurrent use (the webhook's event loop is its one thread).
@@ -24,7 +22,7 @@ passes; not for concurrent use (the webhook's event loop is its one thread).
 from __future__ import annotations
 
 from gpudra.api.config import DeviceConfig, parse_opaque_config
-from gpudra.api.jsonbytes import canonical
+from gpudra.api.memo import Memo
 
 __all__ = ["ConfigCache"]
 
@@ -35,9 +33,7 @@ class ConfigCache:
     def __init__(self, size: int = 256, max_key_bytes: int = 4096) -> None:
         if size < 1:
             raise ValueError(f"a config cache holds at least one config, not {size}")
-        self._size = size
-        self._max_key_bytes = max_key_bytes
-        self._parsed: dict[bytes, DeviceConfig] = {}  # oldest use first
+        self._parsed: Memo[DeviceConfig] = Memo(size, max_key_bytes)
 
     def __len__(self) -> int:
         return len(self._parsed)
@@ -45,13 +41,11 @@ class ConfigCache:
     def parse(self, raw: object) -> DeviceConfig:
         """What `parse_opaque_config(raw)` returns, or the ConfigError it raises."""
         # JSON text, and anything orjson cannot encode, is parsed and not kept.
-        key = canonical(raw) if isinstance(raw, dict) else None
-        if key is None or len(key) > self._max_key_bytes:
+        key = self._parsed.key(raw) if isinstance(raw, dict) else None
+        if key is None:
             return parse_opaque_config(raw)
-        config = self._parsed.pop(key, None)
+        config = self._parsed.get(key)  # now the most recently used
         if config is None:
             config = parse_opaque_config(raw)
-            if len(self._parsed) >= self._size:
-                del self._parsed[next(iter(self._parsed))]
-        self._parsed[key] = config  # now the most recent
+            self._parsed.put(key, config)
         return config

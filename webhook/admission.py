@@ -62,12 +62,8 @@ from gpudra.webhook.tenant_rules import (
     rules_view,
 )
 from gpudra.webhook.tenant_state import TenantState
-from gpudra.webhook.validate import (
-    ClaimVerdict,
-    ClassConfigs,
-    driver_classes,
-    validate_claim_object,
-)
+from gpudra.webhook.validate import ClaimVerdict, ClassConfigs, driver_classes
+from gpudra.webhook.verdicts import ClaimJudge
 
 __all__ = [
     "MUTATE_PATH",
@@ -168,12 +164,13 @@ class Admission:
         self._classes = driver_classes(policy, extra_device_classes)
         self._tenants = tenants
         self._ensure_timeout = ensure_timeout
-        # Live view (a `DeviceClassCache`'s mapping): read at each decision.
-        self._device_classes = device_classes
         self._read_claims = read_claims
         self._excluded = frozenset({*SYSTEM_NAMESPACES, own_namespace})
         # Claims repeat their templates' configs: each is validated once (configcache).
         self._configs = configs if configs is not None else ConfigCache()
+        # And their specs: each allowed one is judged once under the same rules and
+        # DeviceClasses (`device_classes` is a live view, read at each decision).
+        self._claims = ClaimJudge(policy, self._classes, device_classes, self._configs.parse)
         # Evaluated here only with the tenant view, which watches the Namespaces; without
         # it the registration's namespaceSelector narrows instead (`registration`).
         self._conversion_selector = conversion_selector if tenants is not None else None
@@ -285,15 +282,11 @@ class Admission:
                     extra={"fields": {"uid": uid, "namespace": namespace, "error": forged}},
                 )
                 return self._deny(uid, 403, forged, "tenant")
-        verdict = validate_claim_object(
+        verdict = self._claims.judge(
             obj,
             template=kind == CLAIM_TEMPLATE.kind,
-            policy=self._policy,
-            classes=self._classes,
             rules=lookup.rules if lookup is not None else None,
             denial=lookup.denial if lookup is not None else "",
-            device_classes=self._device_classes,
-            parse_config=self._configs.parse,
         )
         if verdict.allowed and kind == CLAIM.kind and lookup is not None and lookup.rules:
             reason = await self._users_over_limit(lookup.rules, obj, namespace)
@@ -394,15 +387,7 @@ class Admission:
     def _judge(self, claim: Mapping[str, Any], rules: TenantRules) -> ClaimVerdict:
         """A claim the pod's admission met (one it names, the one the scheduler will make
         for it) judged under `rules` as the claim's own admission judges it."""
-        return validate_claim_object(
-            claim,
-            template=False,
-            policy=self._policy,
-            classes=self._classes,
-            rules=rules,
-            device_classes=self._device_classes,
-            parse_config=self._configs.parse,
-        )
+        return self._claims.judge(claim, template=False, rules=rules)
 
     async def _users_over_limit(
         self, rules: TenantRules, claim: Mapping[str, Any], namespace: str

@@ -318,10 +318,11 @@ async def test_a_per_profile_class_does_not_get_around_allowed_mig_profiles(
 async def test_a_config_admitted_in_another_namespace_is_judged_by_this_ones_rules(
     env: Env, kube: SyncKube, namespace: str
 ) -> None:
-    """The webhook keeps the parses of configs it has seen (`ConfigCache`). A tenant
-    without rules has an MPS config admitted first, so that its parse is kept; the same
-    config from a tenant whose rules forbid MPS is refused all the same: the cache holds
-    parses, never verdicts."""
+    """The webhook keeps the parses of configs it has seen (`ConfigCache`) and the specs
+    it allowed (`ClaimJudge`). A tenant without rules has a claim with an MPS config
+    admitted first, so that both are kept; the same spec from a tenant whose rules forbid
+    MPS is refused all the same: an allowed spec is kept with the rules it was allowed
+    under, and judged again under any others."""
     free = await run_sync(smoke.make_namespace, kube, "escape-free")
     try:
         first = await run_sync(tenant_user, kube, free)
@@ -342,6 +343,36 @@ async def test_a_config_admitted_in_another_namespace_is_judged_by_this_ones_rul
             await run_sync(drop_tenant, kube, tenant)
     finally:
         await run_sync(kube.delete, "Namespace", free)
+
+
+async def test_a_spec_allowed_before_the_rules_were_tightened_is_refused_after(
+    env: Env, kube: SyncKube, namespace: str
+) -> None:
+    """A tenant's claim with MPS is allowed (its spec is kept, `ClaimJudge`); the tenant's
+    rules then stop allowing MPS, and the same spec, in the same namespace, is refused."""
+    user = await run_sync(tenant_user, kube, namespace)
+    tenant = await run_sync(lambda: with_tenant(kube, namespace))
+    try:
+        await tenant_rules_loaded(env, namespace)
+        created = await run_sync(user.create, claim(namespace, "a", WHOLE_GPU, gpu_config("MPS")))
+        assert created["metadata"]["name"] == "a"
+        body = {"spec": {"allowedSharing": ["Exclusive", "TimeSlicing"]}}
+        await run_sync(
+            lambda: kube.request(
+                "PATCH", f"{TENANTS}/{tenant}", body, content_type="application/merge-patch+json"
+            )
+        )
+
+        def tightened() -> bool:
+            rules = env.controller.state.lookup(namespace).rules
+            return rules is not None and not rules.tenant.spec.allows_sharing("MPS")
+
+        await run_sync(wait_for, "the webhook to see the new rules", tightened)
+        message = await denied(user, claim(namespace, "b", WHOLE_GPU, gpu_config("MPS")))
+        assert "HTTP 403" in message
+        assert "does not allow sharing mode MPS" in message
+    finally:
+        await run_sync(drop_tenant, kube, tenant)
 
 
 async def test_device_quota_on_one_class_holds_for_the_classes_that_give_the_same_gpus(
