@@ -101,6 +101,8 @@ _SHUTDOWN_GRACE_S: Final = 1.0
 _LINGER_S: Final = 1.0
 """After an answer sent before the body was read, unread input is drained this long so
 that closing does not reset the connection before the client reads the answer."""
+_TIMER_SLACK_S: Final = 0.001
+"""A deadline this close is reached: the loop's timers count in milliseconds."""
 _BACKLOG: Final = 1024
 _SPARE_FILES: Final = 64
 """File descriptors kept free beside the connections: the listener, the certificate
@@ -594,8 +596,13 @@ class _Connection(asyncio.Protocol):
         self._config = server.config
         self._transport: asyncio.Transport | None = None
         self._parser = httptools.HttpRequestParser(self)
+        # One deadline at a time (see `_arm`).
         self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = 0.0
+        """When `_timer` fires (loop time)."""
         self._timer_kind = ""
+        self._deadline = 0.0
+        self._on_deadline: Callable[[], None] | None = None
         self._pending: deque[_Request | bytes] = deque()
         self._worker: asyncio.Task[None] | None = None
         self._starting: Coroutine[Any, Any, asyncio.Transport | None] | None = None
@@ -758,9 +765,6 @@ class _Connection(asyncio.Protocol):
         self.last_active = time.monotonic()
         if not self._in_message:
             self._heard = True
-            if self._timer_kind == "idle":
-                # The first byte of a later request: its head deadline starts now.
-                self._arm("head", self._config.header_timeout, self._head_expired)
         limit = self._config.max_head_bytes
         rest: bytes | memoryview = data
         while rest and not self._stopped:
@@ -797,6 +801,17 @@ class _Connection(asyncio.Protocol):
                     rest = b""
                 self._feed(piece)
                 self._ended_bytes = self._ended_body_bytes = self._head_bytes = 0
+        # Deadlines for what this read left unfinished, armed once it is read (the usual
+        # request comes whole in one read, and needs none).
+        if self._stopped:
+            return
+        if self._request is not None:
+            if self._timer_kind != "body":
+                # A body still to come: its deadline runs from its head's end (just now).
+                self._arm("body", self._config.body_timeout, self._body_expired)
+        elif self._heard and self._timer_kind == "idle":
+            # The first bytes of a later request: its head's deadline starts now.
+            self._arm("head", self._config.header_timeout, self._head_expired)
 
     def _feed(self, data: bytes | memoryview) -> None:
         try:
@@ -827,7 +842,7 @@ class _Connection(asyncio.Protocol):
     def connection_lost(self, exc: BaseException | None) -> None:
         if self._transport is None:  # reported already: by the TLS layer or a handshake's end
             return
-        self._disarm()
+        self._stop_timer()
         self._stopped = True
         self._transport = None
         # Nothing more is answered: what was queued and every body held go now.
@@ -908,9 +923,7 @@ class _Connection(asyncio.Protocol):
             self._pending.append(_CONTINUE)
             if self._worker is None:
                 self._worker = self._loop.create_task(self._answer_pending())
-        self._body_left = request.charge
-        if self._body_left:
-            self._arm("body", self._config.body_timeout, self._body_expired)
+        self._body_left = request.charge  # its deadline: see `data_received`
 
     def on_body(self, body: bytes) -> None:
         self._body.append(body)
@@ -1084,7 +1097,7 @@ class _Connection(asyncio.Protocol):
         """Close now, with no TLS shutdown: a peer that never answers one cannot keep
         the descriptor."""
         self._stopped = True
-        self._disarm()
+        self._stop_timer()
         if self._transport is not None:
             self._transport.abort()
 
@@ -1102,24 +1115,52 @@ class _Connection(asyncio.Protocol):
             self._close()
 
     def _close(self) -> None:
-        self._timer, self._timer_kind = None, ""
+        self._stop_timer()
         if self._transport is not None:
             self._transport.close()
 
     # --- timers ------------------------------------------------------------------------------
 
     def _arm(self, kind: str, seconds: float, callback: Callable[[], None]) -> None:
-        self._disarm()
-        self._timer = self._loop.call_later(seconds, callback)
-        self._timer_kind = kind
+        """Call `callback` in `seconds` unless disarmed or armed anew first (one deadline
+        at a time). The loop's timer is moved only to fire sooner: one set to fire later
+        than the deadline is replaced, one set sooner is left to fire and find the new
+        deadline (`_deadline_reached`), so a connection answering request after request
+        re-arms its keep-alive deadline without touching the loop's timers."""
+        deadline = self._loop.time() + seconds
+        self._timer_kind, self._deadline, self._on_deadline = kind, deadline, callback
+        if self._timer is None or self._timer_at > deadline:
+            self._set_timer(deadline)
 
     def _disarm(self) -> None:
+        """No deadline. A timer left set finds none when it fires; a connection that
+        ends cancels it (`_stop_timer`)."""
+        self._timer_kind, self._on_deadline = "", None
+
+    def _set_timer(self, when: float) -> None:
         if self._timer is not None:
             self._timer.cancel()
-        self._timer, self._timer_kind = None, ""
+        self._timer = self._loop.call_at(when, self._deadline_reached)
+        self._timer_at = when
+
+    def _stop_timer(self) -> None:
+        self._disarm()
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _deadline_reached(self) -> None:
+        self._timer = None
+        callback = self._on_deadline
+        if callback is None:
+            return
+        if self._loop.time() < self._deadline - _TIMER_SLACK_S:
+            self._set_timer(self._deadline)  # armed anew since this timer was set
+            return
+        self._disarm()
+        callback()
 
     def _head_expired(self) -> None:
-        self._timer, self._timer_kind = None, ""
         if self._heard:
             self._refuse_head(408, "request head not received in time")
         else:
@@ -1127,11 +1168,9 @@ class _Connection(asyncio.Protocol):
             self._close()
 
     def _body_expired(self) -> None:
-        self._timer, self._timer_kind = None, ""
         self._give_up_body(text_reply(408, "request body not received in time", close=True))
 
     def _idle_expired(self) -> None:
-        self._timer, self._timer_kind = None, ""
         if not self._in_message and self._worker is None:
             if self._writing_paused:
                 self.abort()  # its client has not read its answers: no TLS shutdown either
@@ -1170,11 +1209,11 @@ def _path_of(target: bytes) -> str:
     return unquote(path) if "%" in path else path
 
 
+_REASONS: Final = {status.value: status.phrase for status in HTTPStatus}
+
+
 def _response(reply: Reply, keep_alive: bool) -> bytes:
-    try:
-        reason = HTTPStatus(reply.status).phrase
-    except ValueError:
-        reason = "Unknown"
+    reason = _REASONS.get(reply.status, "Unknown")
     retry = f"Retry-After: {reply.retry_after}\r\n" if reply.retry_after else ""
     head = (
         f"HTTP/1.1 {reply.status} {reason}\r\n"
