@@ -289,6 +289,7 @@ def rows(results: Mapping[str, Mapping[str, Any] | None]) -> list[Row]:
     schedule, slices = results.get("schedule"), results.get("slices")
     peer, floor = _get(prepare, "peer"), _get(prepare, "floor_get_only")
     claims = _get(webhook, "claims_vs_peer")
+    new_specs = _get(webhook, "claims_vs_peer_new_specs")
     ways = _get(schedule, "ways") or {}
     out = [
         _row("prepare p50 ms", _get(prepare, "p50_ms"), _get(peer, "p50_ms"), "peer", 1.0, "<="),
@@ -327,6 +328,16 @@ def rows(results: Mapping[str, Mapping[str, Any] | None]) -> list[Row]:
             "peer",
             1.0,
             "<=",
+        ),
+        # The same claims but none with a spec seen before: what gpudra remembers of the
+        # specs it allowed is of no use. No target: read the rows above by it.
+        _row(
+            "claim admission p50 ms at 200/s, every spec new",
+            _get(new_specs, "gpudra", "p50_ms"),
+            _get(new_specs, "peer", "p50_ms"),
+            "peer",
+            None,
+            None,
         ),
         _row(
             "claim admission max req/s, one core",

@@ -269,9 +269,10 @@ CLAIM_CONFIGS = {
 CLAIM_MIX = {"claim": 60, "template": 40}
 
 
-def claim_spec(driver: str, api_version: str, requests: int) -> dict[str, Any]:
-    """A claim spec with `requests` GPU requests, each with its own opaque config."""
-    names = [f"gpu-{i}" for i in range(requests)]
+def claim_spec(driver: str, api_version: str, requests: int, tag: str = "") -> dict[str, Any]:
+    """A claim spec with `requests` GPU requests, each with its own opaque config; `tag`
+    ends each request's name (a spec no other claim has)."""
+    names = [f"gpu-{i}{tag}" for i in range(requests)]
     return {
         "devices": {
             "requests": [
@@ -306,12 +307,12 @@ def claim_spec(driver: str, api_version: str, requests: int) -> dict[str, Any]:
     }
 
 
-def claim_review_body(subject: str, kind: str, rng: random.Random) -> bytes:
+def claim_review_body(subject: str, kind: str, rng: random.Random, tag: str = "") -> bytes:
     """An AdmissionReview of a ResourceClaim or ResourceClaimTemplate being created,
     the same shape for each subject, only the driver's config names differ."""
     driver, api_version = CLAIM_CONFIGS[subject]
     namespace = rng.choice(NAMESPACES)
-    spec = claim_spec(driver, api_version, rng.choice((1, 2, 4)))
+    spec = claim_spec(driver, api_version, rng.choice((1, 2, 4)), tag)
     resource = "resourceclaims" if kind == "claim" else "resourceclaimtemplates"
     kind_name = "ResourceClaim" if kind == "claim" else "ResourceClaimTemplate"
     obj: dict[str, Any] = {
@@ -359,14 +360,21 @@ def claim_review_body(subject: str, kind: str, rng: random.Random) -> bytes:
     return json.dumps(review, separators=(",", ":")).encode()
 
 
-def build_claim_requests(subject: str, path: str, count: int, seed: int = 11) -> list[bytes]:
+def build_claim_requests(
+    subject: str, path: str, count: int, seed: int = 11, *, new_specs: bool = False
+) -> list[bytes]:
     """`count` claim reviews for `subject`; the same seed gives both subjects the same
-    sequence of shapes (kinds, request counts, namespaces)."""
+    sequence of shapes (kinds, request counts, namespaces). The specs repeat, as those of
+    the claims a few templates make do (three shapes); with `new_specs` each has its
+    own request names, so that no two are the same."""
     rng = random.Random(seed)
     kinds = [k for k, weight in CLAIM_MIX.items() for _ in range(weight)]
     chosen = [kinds[i % len(kinds)] for i in range(count)]
     rng.shuffle(chosen)
-    return [http_request(claim_review_body(subject, k, rng), path) for k in chosen]
+    return [
+        http_request(claim_review_body(subject, k, rng, f"-{i}" if new_specs else ""), path)
+        for i, k in enumerate(chosen)
+    ]
 
 
 def build_requests(count: int, seed: int = 7) -> tuple[list[bytes], dict[str, int]]:
@@ -708,7 +716,9 @@ class Subject:
         return self.unsustained < 2
 
 
-async def load_interleaved(subjects: Sequence[Subject], ca_pem: bytes) -> dict[str, Step]:
+async def load_interleaved(
+    subjects: Sequence[Subject], ca_pem: bytes, steps: Sequence[int] | None = None
+) -> dict[str, Step]:
     """The servers under the same load, alternating: after a warm-up (connections,
     first template creations, code paths), the 200 requests/s phase in `ROUNDS` rounds,
     then each rate step for one and then the next (the order flips each time), so a
@@ -728,7 +738,7 @@ async def load_interleaved(subjects: Sequence[Subject], ca_pem: bytes) -> dict[s
             part = Step(LATENCY_RATE, latency_s / ROUNDS)
             await run_step(pools[subject.name], subject.requests, part, subject.proc.pid)
             steady[subject.name].absorb(part)
-    for index, rate in enumerate(STEPS):
+    for index, rate in enumerate(STEPS if steps is None else steps):
         active = [s for s in subjects if s.loading]
         if not active:
             break
@@ -744,32 +754,47 @@ async def load_interleaved(subjects: Sequence[Subject], ca_pem: bytes) -> dict[s
     return steady
 
 
-def claims_comparison(cluster: Cluster, workdir: Path, count: int = 400) -> dict[str, Any] | None:
+def claims_comparison(
+    cluster: Cluster, workdir: Path, count: int = 400, *, new_specs: bool = False
+) -> dict[str, Any] | None:
     """gpudra's `/validate-claims` and the peer's validating webhook on the same claim
     bodies (opaque configs in each driver's names), the same TLS, core and load: the
-    same work, side by side, interleaved. None where the peer cannot be built."""
+    same work, side by side, interleaved. None where the peer cannot be built.
+
+    With `new_specs` no two claims have the same spec (`build_claim_requests`), so
+    nothing gpudra remembers of a spec it allowed is of use: the 200/s phase only, with
+    no target of its own, to read the repeated specs' rows by."""
     bins = peers.bin_dir()
     if bins is None:
         return None
+    workdir.mkdir(parents=True, exist_ok=True)
     pki, _ = ensure_pki(workdir / "pki", service_dns_names("gpudra-webhook", "gpudra"))
     subjects: list[Subject] = []
     try:
         proc, port = start_server(workdir, cluster.layout.admin_kubeconfig, "known", None)
         subjects.append(
             Subject(
-                "gpudra", proc, port, build_claim_requests("gpudra", VALIDATE_CLAIMS_PATH, count)
+                "gpudra",
+                proc,
+                port,
+                build_claim_requests("gpudra", VALIDATE_CLAIMS_PATH, count, new_specs=new_specs),
             )
         )
         proc, port = start_peer(workdir, bins)
         subjects.append(
-            Subject("peer", proc, port, build_claim_requests("peer", PEER_VALIDATE_PATH, count))
+            Subject(
+                "peer",
+                proc,
+                port,
+                build_claim_requests("peer", PEER_VALIDATE_PATH, count, new_specs=new_specs),
+            )
         )
         pinned = (
             (os.cpu_count() or 1) >= 2
             and pin_threads(subjects[0].proc.pid, frozenset({0}))
             and pin_threads(0, frozenset({1}))
         )
-        steady = anyio.run(load_interleaved, subjects, pki.ca_bundle)
+        steady = anyio.run(load_interleaved, subjects, pki.ca_bundle, () if new_specs else None)
     finally:
         for subject in subjects:
             stop_server(subject.proc)
@@ -783,6 +808,18 @@ def claims_comparison(cluster: Cluster, workdir: Path, count: int = 400) -> dict
         "p99": ratio(ours["p99_ms"], theirs["p99_ms"]),
         "max_rps": ratio(ours["max_rps"], theirs["max_rps"]),
     }
+    if new_specs:
+        del to_peer["max_rps"]
+        return {
+            "gpudra": ours,
+            "peer": {"name": peers.PEER_NAME, "version": peers.version(), **theirs},
+            "ratio_to_peer": to_peer,
+            "notes": (
+                "As claims_vs_peer's 200 requests/s phase, but no two claims have the same "
+                "spec (each its own request names), so gpudra judges every one of them."
+            ),
+            "rounds": ROUNDS,
+        }
     return {
         "gpudra": ours,
         "peer": {"name": peers.PEER_NAME, "version": peers.version(), **theirs},
@@ -794,7 +831,11 @@ def claims_comparison(cluster: Cluster, workdir: Path, count: int = 400) -> dict
         "mix": CLAIM_MIX,
         "notes": (
             "Each claim or template has 1, 2 or 4 requests, each with an opaque time-slicing "
-            "config for the server's driver; both decode and validate every config. "
+            "config for the server's driver; the specs repeat, as those of the claims a few "
+            "templates make (three shapes): the peer decodes and validates each claim's "
+            "configs, gpudra judges a spec once under the same tenant rules and "
+            "DeviceClasses and remembers the ones it allowed (see claims_vs_peer_new_specs "
+            "for claims whose specs never repeat). "
             "Both servers are pinned to core 0, the load generator to core 1. Measured "
             f"interleaved: the 200 requests/s phase in {ROUNDS} alternating rounds, then "
             "each rate step for one server and then the other, the order flipping each step."
@@ -839,11 +880,9 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="bench-webhook-") as tmp:
         real = measure(cluster, Path(tmp) / "api", "api", requests, None)
         server_only = measure(cluster, Path(tmp) / "known", "known", requests, None)
-        claims = (
-            claims_comparison(cluster, Path(tmp))
-            if os.environ.get("BENCH_PEER", "1") != "0"
-            else None
-        )
+        peer = os.environ.get("BENCH_PEER", "1") != "0"
+        claims = claims_comparison(cluster, Path(tmp) / "claims") if peer else None
+        new_specs = claims_comparison(cluster, Path(tmp) / "new", new_specs=True) if peer else None
     load_after = os.getloadavg()
     sizes = sorted(len(r) for r in requests)
     out: dict[str, Any] = {
@@ -852,7 +891,7 @@ def main() -> int:
         "max_rps": real["max_rps"],
         "errors": real["errors"]
         + server_only["errors"]
-        + (claims["gpudra"]["errors"] + claims["peer"]["errors"] if claims else 0),
+        + sum(c[s]["errors"] for c in (claims, new_specs) if c for s in ("gpudra", "peer")),
         "rate_rps": LATENCY_RATE,
         "targets": {"p99_ms_at_200_rps": 10, "max_rps_one_core": 1000},
         "met": {
@@ -865,6 +904,7 @@ def main() -> int:
         "server_only": server_only,
         # Claim validation, gpudra beside the Go reference webhook on the same claims.
         "claims_vs_peer": claims,
+        "claims_vs_peer_new_specs": new_specs,
         "notes": (
             "Top-level p50/p99/max_rps: the server with ApiTemplateEnsurer, one POST per "
             "template to the local API server for every converted pod (409 once it exists). "

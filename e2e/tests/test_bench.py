@@ -3,6 +3,7 @@ benchmark's numbers are never asserted, only that it measured what it says)."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -118,6 +119,38 @@ def test_bench_webhook_compares_claim_validation_with_the_peer_on_the_same_claim
         assert [step["rate"] for step in result[name]["steps"]] == [400]
     assert set(result["ratio_to_peer"]) == {"p50", "p99", "max_rps"}
     assert isinstance(result["met"], bool)
+
+
+def test_bench_webhook_measures_claims_whose_specs_never_repeat(
+    cluster: Cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("BENCH_LATENCY_S", "1")
+    result = webhook.claims_comparison(cluster, tmp_path, count=40, new_specs=True)
+
+    assert result is not None
+    assert (result["gpudra"]["errors"], result["peer"]["errors"]) == (0, 0)
+    for name in ("gpudra", "peer"):
+        assert result[name]["latency_phase"]["completed"] > 0
+        assert result[name]["steps"] == []
+    assert set(result["ratio_to_peer"]) == {"p50", "p99"}
+
+
+def test_the_claim_specs_repeat_unless_asked_to_be_new() -> None:
+    """The bench's claims repeat three specs, as claims from a few templates do; with
+    `new_specs` no two are the same, so gpudra remembers none of use."""
+
+    def specs(requests: list[bytes]) -> list[bytes]:
+        bodies = (json.loads(r.split(b"\r\n\r\n", 1)[1]) for r in requests)
+        objects = (body["request"]["object"] for body in bodies)
+        return [
+            json.dumps(o["spec"].get("spec", o["spec"])["devices"], sort_keys=True).encode()
+            for o in objects
+        ]
+
+    repeated = specs(webhook.build_claim_requests("gpudra", VALIDATE_CLAIMS_PATH, 60))
+    assert len(set(repeated)) == 3
+    new = specs(webhook.build_claim_requests("gpudra", VALIDATE_CLAIMS_PATH, 60, new_specs=True))
+    assert len(set(new)) == 60
 
 
 def test_the_claim_bodies_differ_only_in_the_drivers_config_names() -> None:
