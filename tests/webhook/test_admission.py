@@ -8,13 +8,13 @@ from typing import Any
 
 import pytest
 from gpudra.api.tenants import API_VERSION, LabelSelector
-from gpudra.webhook import verdicts as verdicts_module
 from gpudra.webhook.admission import MUTATE_PATH, VALIDATE_CLAIMS_PATH, Admission
 from gpudra.webhook.convert import DEFAULT_POLICY, OPT_OUT_LABEL, ConversionPolicy, convert_pod
 from gpudra.webhook.metrics import WebhookMetrics
 from gpudra.webhook.reviews import ReviewError
 from gpudra.webhook.tenant_rules import QuotaUsage, StoredClaim
 from gpudra.webhook.tenant_state import TenantState
+from gpudra.webhook.verdicts import ClaimJudge
 from prometheus_client import CollectorRegistry
 
 from tests.webhook.quotas import quota
@@ -862,13 +862,14 @@ async def test_a_claim_named_many_times_is_judged_once(monkeypatch: pytest.Monke
     """Judging a stored claim again costs a validation: one per claim, not per entry (a
     pod naming one claim 3,000 times held the webhook's loop for 10 s)."""
     judged: list[object] = []
-    real = verdicts_module.validate_claim_object
+    real = ClaimJudge.judge
 
-    def counting(obj: Any, **kw: Any) -> Any:
+    def counting(self: ClaimJudge, obj: Any, **kw: Any) -> Any:
         judged.append(obj)
-        return real(obj, **kw)
+        return real(self, obj, **kw)
 
-    monkeypatch.setattr(verdicts_module, "validate_claim_object", counting)
+    # The judge itself, not what it calls: its memo would hide a claim judged again.
+    monkeypatch.setattr(ClaimJudge, "judge", counting)
     claims = Claims(one=one_gpu_spec())
     admission = tenant_admission(claims, ("team-a", {"namespaces": ["ns"]}))
     pod = claim_pod(0, *({"name": f"e{i}", "resourceClaimName": "one"} for i in range(3000)))
