@@ -428,9 +428,6 @@ class HttpServer:
             message = request.early.body.decode().strip()
             self.rejected(request.early.status, message)
             return request.early, False
-        started = request.started
-        path = request.path
-        label = path if path in self._endpoints or path in _SERVICE_PATHS else "other"
         if request.early is not None:
             reply = request.early
         else:
@@ -444,8 +441,17 @@ class HttpServer:
         keep_alive = keep_alive and self._serving
         if reply.close and reply.status < 500:
             _log_refusal(reply.status, reply.body.decode().strip())
-        self._metrics.observe_request(label, reply.result, time.perf_counter() - started)
         return reply, keep_alive
+
+    def answered(self, request: _Request, reply: Reply) -> None:
+        """Count `request`, answered with `reply` (written, or its connection gone), and
+        its time from head to answer: once the answer is out, so that the count is not
+        in the answer's way. A head refused before it had a path counts as `rejected`."""
+        if request.refused_head and request.early is not None:
+            return
+        path = request.path
+        label = path if path in self._endpoints or path in _SERVICE_PATHS else "other"
+        self._metrics.observe_request(label, reply.result, time.perf_counter() - request.started)
 
     async def _route(self, request: _Request) -> Reply:
         path, method = request.path, request.method
@@ -977,8 +983,10 @@ class _Connection(asyncio.Protocol):
                     self._charged -= item.charge
                     self._server.bodies.used -= item.charge
                 if self._transport is None:
+                    self._server.answered(item, reply)
                     return  # gone meanwhile: nothing more is answered
                 self._write(_response(reply, keep_alive))
+                self._server.answered(item, reply)
                 if not keep_alive:
                     self._finish(lingering=item.early is not None or self._overflowed)
                     return
