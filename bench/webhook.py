@@ -808,22 +808,23 @@ def claims_comparison(
         "p99": ratio(ours["p99_ms"], theirs["p99_ms"]),
         "max_rps": ratio(ours["max_rps"], theirs["max_rps"]),
     }
+    measured_both = {
+        "gpudra": ours,
+        "peer": {"name": peers.PEER_NAME, "version": peers.version(), **theirs},
+        "ratio_to_peer": to_peer,
+        "rounds": ROUNDS,
+    }
     if new_specs:
         del to_peer["max_rps"]
         return {
-            "gpudra": ours,
-            "peer": {"name": peers.PEER_NAME, "version": peers.version(), **theirs},
-            "ratio_to_peer": to_peer,
+            **measured_both,
             "notes": (
                 "As claims_vs_peer's 200 requests/s phase, but no two claims have the same "
                 "spec (each its own request names), so gpudra judges every one of them."
             ),
-            "rounds": ROUNDS,
         }
     return {
-        "gpudra": ours,
-        "peer": {"name": peers.PEER_NAME, "version": peers.version(), **theirs},
-        "ratio_to_peer": to_peer,
+        **measured_both,
         "target": "gpudra at least as fast as the peer: p50 and p99 ratios <= 1, max_rps >= 1",
         "met": (to_peer["p50"] or 9) <= 1.0
         and (to_peer["p99"] or 9) <= 1.0
@@ -840,7 +841,6 @@ def claims_comparison(
             f"interleaved: the 200 requests/s phase in {ROUNDS} alternating rounds, then "
             "each rate step for one server and then the other, the order flipping each step."
         ),
-        "rounds": ROUNDS,
     }
 
 
