@@ -6,7 +6,8 @@ on disk) against the real API server. Eight claims, each allocated one whole GPU
 the real scheduler, are prepared and unprepared over the DRA gRPC socket, one
 claim per GPU in flight at a time, like eight pods starting and stopping at once.
 Each prepare includes the plugin's GET of the claim. The CDI specs go on a tmpfs where
-there is one (as /var/run/cdi is on a node); the checkpoint stays on disk, fsynced.
+there is one (as /var/run/cdi is on a node); the checkpoint stays on disk (a whole GPU's
+prepare and unprepare end in lines appended to its changes file, unsynced).
 Writes bench/results/prepare.json.
 
 `peer` is the kubelet plugin of sigs.k8s.io/dra-example-driver (bench/peers.py), the
@@ -368,10 +369,12 @@ class WithFiles(GetOnly):
 
     What it leaves out is what a driver does beyond that: gpudra's specs hold the device
     nodes, mounts and hooks a real GPU container needs (this one's, one device node);
-    its checkpoint is a whole file replaced by rename with two fsyncs per write, which
-    any release can read and which a crash never leaves torn (this journal is never
-    compacted, read back or checked); and its device layer plans, records and checks
-    the devices."""
+    its checkpoint is a whole file that any release can read and a crash never leaves
+    torn, replaced with two fsyncs where a change must survive a power loss, with the
+    changes a power loss may take (a whole GPU's prepare and unprepare, whose devices
+    do not outlive a reboot) appended to a changes file beside it, unsynced, in lines a
+    reader checks (this journal syncs every record, and is never compacted, read back
+    or checked); and its device layer plans, records and checks the devices."""
 
     def __init__(self, driver: str, cdi_root: Path, journal: Journal) -> None:
         super().__init__(driver)

@@ -33,6 +33,14 @@ Design choices, and why:
 
 - One claim per line, each encoded once and reused until the claim changes: a
   write costs the claims that changed, not the whole file.
+- Changes that a power loss may undo (a prepare's end, a removal) are not written by
+  replacing the file: through a `GroupCommit` they are appended, unsynced, to a changes
+  file beside it (`gpudra.driver.checkpoint_changes`, which says why and how a reader
+  knows what to apply). That spares a whole-GPU prepare and unprepare each an fsync and
+  a hand-off to a worker thread. The next change that must survive a power loss, a
+  changes file grown past `_CHANGES_LIMIT`, or the agent's stop replaces the file whole
+  and empties the changes file, so a release that reads the file alone still finds every
+  change once the agent has stopped.
 
 Concurrency: a Checkpoint has a single owner. Called directly, every mutation
 writes before it returns, and the owner must serialise the calls. Through a
@@ -49,6 +57,7 @@ import copy
 import functools
 import json
 import logging
+import secrets
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -73,12 +82,15 @@ __all__ = [
     "DeviceKey",
     "DeviceRecord",
     "GroupCommit",
+    "document",
+    "document_of",
     "load",
     "read_boot_id",
 ]
 
 from gpudra.api import jsonbytes
 from gpudra.common.files import atomic_write
+from gpudra.driver.checkpoint_changes import ChangesFile, Replayed, base_of, encode_line, replay
 from gpudra.driver.claims import ClaimRef
 from gpudra.driver.records import DeviceDetails, details_from_json, details_to_json
 
@@ -103,7 +115,9 @@ _DEVICE_KEYS: Final = frozenset(
     }
 )
 _CLAIM_KEYS: Final = frozenset({"uid", "namespace", "name", "state", "devices"})
-_TOP_KEYS: Final = frozenset({"version", "bootId", "claims", "previousBoot"})
+_TOP_KEYS: Final = frozenset({"version", "bootId", "claims", "previousBoot", "writeId"})
+_CHANGES_LIMIT: Final = 1 << 20
+"""Bytes of appended changes past which the next change replaces the file whole."""
 
 
 def read_boot_id(path: Path = DEFAULT_BOOT_ID_PATH) -> str | None:
@@ -369,6 +383,13 @@ class Checkpoint:
         # snapshot is a set of references that a writer thread can encode safely.
         # Encoded claims by UID, reused while the record is the same object.
         self._encoded: dict[str, tuple[ClaimRecord, bytes]] = {}
+        # The changes file (see the module docstring): the file on disk it extends
+        # (None: the next write replaces the file whole), its lines and the bytes that
+        # may be in it.
+        self._changes = ChangesFile(path)
+        self._base: str | None = None
+        self._changes_n = 0
+        self._changes_bytes = 0
         # Set by GroupCommit while it applies a change: `_save` then only stages.
         self._staging = False
         # Changes staged so far, and what each replaced, for undo of a failed write.
@@ -383,23 +404,13 @@ class Checkpoint:
         because starting empty then would forget devices that are still in use.
         """
         boot_id = read_boot_id(boot_id_path)
-        try:
-            raw = path.read_bytes()
-        except FileNotFoundError:
+        read = _read(path)
+        if read is None:
             empty = cls(path, boot_id=boot_id)
             empty._boot_known = boot_id is not None
+            empty._changes_bytes = len(empty._changes.read())  # emptied by the first write
             return empty
-        except OSError as exc:
-            raise CheckpointError(f"cannot read checkpoint {path}: {exc}") from exc
-        try:
-            doc = json.loads(raw)
-        except (ValueError, RecursionError) as exc:  # RecursionError: absurdly deep nesting
-            raise CheckpointError(
-                f"checkpoint {path} is not valid JSON ({exc}); move it aside to start "
-                "empty, after releasing the devices it lists"
-            ) from None
-        if not isinstance(doc, dict):
-            raise CheckpointError(f"checkpoint {path} must hold a JSON object")
+        doc, base, replayed = read
 
         major = doc.get("majorVersion", CHECKPOINT_MAJOR_VERSION)
         if not isinstance(major, int) or isinstance(major, bool) or major < 1:
@@ -424,10 +435,7 @@ class Checkpoint:
 
         claims: dict[str, ClaimRecord] = {}
         unreadable: dict[str, Any] = {}
-        raw_claims = doc.get("claims") or {}
-        if not isinstance(raw_claims, dict):
-            raise CheckpointError(f"checkpoint {path}: claims must be a JSON object")
-        for uid, raw_claim in raw_claims.items():
+        for uid, raw_claim in doc["claims"].items():
             try:
                 record = _keyed_claim_from_json(uid, raw_claim)
             except _MalformedError as exc:
@@ -464,6 +472,11 @@ class Checkpoint:
         )
         checkpoint._boot_known = boot_id is not None
         checkpoint._boot_on_disk = boot_id is not None and stored_boot == boot_id
+        checkpoint._changes_bytes = replayed.size + replayed.ignored
+        if not replayed.ignored:
+            # Appends go on after the lines read; after ignored ones they could not be
+            # read back, so the first write then replaces the file and empties this one.
+            checkpoint._base, checkpoint._changes_n = base, replayed.lines
         if boot_id is not None and stored_boot is not None and stored_boot != boot_id:
             checkpoint._discard_previous_boot(stored_boot)
         return checkpoint
@@ -734,6 +747,8 @@ class Checkpoint:
         top["version"] = CHECKPOINT_VERSION
         if self._boot_id is not None:
             top["bootId"] = self._boot_id
+        # Fresh in every file, so that no two files share a changes-file base.
+        top["writeId"] = secrets.token_hex(8)
         dumps = jsonbytes.dumps
         lines = [
             dumps(uid) + b":" + dumps(raw)
@@ -777,6 +792,90 @@ class Checkpoint:
             self._on_disk_seq = snap.seq
             if durable and self._boot_known:
                 self._boot_on_disk = True  # the file names this boot from now on
+            self._restart_changes(data)
+
+    def _restart_changes(self, data: bytes) -> None:
+        """The file is now `data`: the changes file starts again, empty, on it. If it
+        cannot be emptied, nothing is appended to it (every write replaces the file),
+        and its lines, whose base is an older file, are never read."""
+        self._base = None
+        if self._changes_bytes:
+            try:
+                self._changes.empty()
+            except OSError as exc:
+                log.warning(
+                    "cannot empty the checkpoint's changes file; every change now replaces "
+                    "the checkpoint file",
+                    extra={"fields": {"path": str(self._changes.path), "error": str(exc)}},
+                )
+                return
+        self._base, self._changes_n, self._changes_bytes = base_of(data), 0, 0
+
+    def _appendable(self, after: int, upto: int) -> bool:
+        """Whether the staged changes (after, upto] may be appended to the changes file:
+        none must survive a power loss (nor may any write, before the boot ID is on
+        disk), none changes the previous boot's claims or adds an unreadable record,
+        and the changes file extends the file on disk and is not too long."""
+        if self._base is None or not self._boot_on_disk or self._changes_bytes >= _CHANGES_LIMIT:
+            return False
+        for change in self._journal:
+            if after < change.seq <= upto and (
+                change.durable
+                or change.previous_before is not None
+                or any(new is not _MISSING for _, new in change.unreadable.values())
+            ):
+                return False
+        return True
+
+    def _append(self, snap: _Snapshot, after: int) -> None:
+        """Append the claims the staged changes (after, snap.seq] changed, as `snap` has
+        them, to the changes file (`_appendable` said they may be)."""
+        with self._write_lock:
+            if snap.seq < self._on_disk_seq or self._base is None:
+                return
+            uids: dict[str, None] = {}
+            for change in self._journal:
+                if after < change.seq <= snap.seq:
+                    uids.update(dict.fromkeys(change.claims))
+                    uids.update(dict.fromkeys(change.unreadable))
+            line = encode_line(self._base, self._changes_n, map(self._fragment(snap), uids))
+            try:
+                self._changes.append(line)
+            except OSError as exc:
+                # Part of the line may be there: nothing more goes after it.
+                self._base = None
+                self._changes_bytes += len(line)
+                raise CheckpointError(
+                    f"cannot write checkpoint changes {self._changes.path}: {exc}"
+                ) from exc
+            self._changes_n += 1
+            self._changes_bytes += len(line)
+            self._on_disk_seq = snap.seq
+
+    def _fragment(self, snap: _Snapshot) -> Callable[[str], bytes]:
+        """A claim's `"<uid>":<record>` as `snap` has it (null: removed), encoded once."""
+        dumps = jsonbytes.dumps
+
+        def fragment(uid: str) -> bytes:
+            record = snap.claims.get(uid)
+            if record is not None:
+                cached = self._encoded.get(uid)
+                if cached is None or cached[0] is not record:
+                    cached = self._encoded[uid] = (
+                        record,
+                        dumps(uid) + b":" + dumps(_claim_to_json(record)),
+                    )
+                return cached[1]
+            self._encoded.pop(uid, None)
+            if uid in snap.unreadable:
+                return dumps(uid) + b":" + dumps(snap.unreadable[uid])
+            return dumps(uid) + b":null"
+
+        return fragment
+
+    def close(self) -> None:
+        """Close the changes file (opened again if written after)."""
+        self._changes.close()
 
     def _save(
         self,
@@ -946,6 +1045,16 @@ class GroupCommit:
             await self._durable(cp._seq)
         return result
 
+    async def compact(self) -> None:
+        """Replace the checkpoint file with the whole state, synced, where changes were
+        appended to the changes file since it was written, and close that file: a
+        release that reads the checkpoint file alone (one from before the changes file)
+        then finds every change. The agent calls it when it stops."""
+        cp = self._cp
+        if cp._changes_bytes:
+            await self.apply(lambda c: c._save(durable=True))
+        cp.close()
+
     async def _durable(self, seq: int) -> None:
         while self._written < seq:
             batch = self._batch
@@ -974,11 +1083,16 @@ class GroupCommit:
         cp = self._cp
         snap = cp._snapshot()  # taken now: changes staged while waiting for the lock too
         batch.upto = snap.seq
-        write = functools.partial(
-            cp._write, snap, durable=cp._durable_between(self._written, snap.seq)
-        )
         try:
-            await anyio.to_thread.run_sync(write)
+            if cp._appendable(self._written, snap.seq):
+                # A line of a few hundred bytes, not synced: cheaper here than the
+                # hand-off to a worker thread and back.
+                cp._append(snap, self._written)
+            else:
+                write = functools.partial(
+                    cp._write, snap, durable=cp._durable_between(self._written, snap.seq)
+                )
+                await anyio.to_thread.run_sync(write)
         except CheckpointError as exc:
             batch.error = exc
         except Exception as exc:
@@ -994,3 +1108,70 @@ class GroupCommit:
 def load(path: Path, *, boot_id_path: Path = DEFAULT_BOOT_ID_PATH) -> Checkpoint:
     """Read the checkpoint at `path`; see `Checkpoint.load`."""
     return Checkpoint.load(path, boot_id_path=boot_id_path)
+
+
+def document(path: Path) -> dict[str, Any]:
+    """The checkpoint at `path` as one JSON object: the file with its changes file
+    applied, as `load` reads it ({} when there is none). For tools and tests that read
+    the checkpoint's JSON: the file alone may lack the latest changes."""
+    read = _read(path)
+    return read[0] if read is not None else {}
+
+
+def document_of(raw: bytes, changes: bytes, *, where: str = "checkpoint") -> dict[str, Any]:
+    """`document` for the bytes of a checkpoint file and of its changes file, read
+    elsewhere (through a container, say); `where` names them in errors."""
+    return _parse(raw, changes, where)[0]
+
+
+def _read(path: Path) -> tuple[dict[str, Any], str, Replayed] | None:
+    """The checkpoint file at `path` with its changes applied (`_parse`); None when
+    there is no file."""
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise CheckpointError(f"cannot read checkpoint {path}: {exc}") from exc
+    changes = ChangesFile(path)
+    try:
+        data = changes.read()
+    except OSError as exc:
+        raise CheckpointError(f"cannot read checkpoint changes {changes.path}: {exc}") from exc
+    return _parse(raw, data, str(path))
+
+
+def _parse(raw: bytes, changes: bytes, where: str) -> tuple[dict[str, Any], str, Replayed]:
+    """A checkpoint file's JSON object with `changes` applied to its claims, the file's
+    changes-file base and what was applied.
+
+    Raises CheckpointError only when the file is not a JSON object at all, because
+    starting empty then would forget devices that are still in use."""
+    try:
+        doc = json.loads(raw)
+    except (ValueError, RecursionError) as exc:  # RecursionError: absurdly deep nesting
+        raise CheckpointError(
+            f"checkpoint {where} is not valid JSON ({exc}); move it aside to start "
+            "empty, after releasing the devices it lists"
+        ) from None
+    if not isinstance(doc, dict):
+        raise CheckpointError(f"checkpoint {where} must hold a JSON object")
+    claims = doc.get("claims") or {}
+    if not isinstance(claims, dict):
+        raise CheckpointError(f"checkpoint {where}: claims must be a JSON object")
+    doc["claims"] = claims
+    base = base_of(raw)
+    replayed = replay(claims, changes, base)
+    if replayed.ignored:
+        # After a power loss: changes that were not to survive one did not.
+        log.warning(
+            "checkpoint changes after a torn or stale line ignored",
+            extra={
+                "fields": {
+                    "checkpoint": where,
+                    "applied_lines": replayed.lines,
+                    "ignored_bytes": replayed.ignored,
+                }
+            },
+        )
+    return doc, base, replayed

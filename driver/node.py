@@ -306,6 +306,7 @@ class NodeService:
                     await self._sweep_deleted_claims()
                 finally:
                     await self.plugin.stop()
+                    await self.preparer.close()
             else:
                 self.ready.set()
                 task_status.started()

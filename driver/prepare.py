@@ -303,6 +303,13 @@ class ClaimPreparer:
                     self._commit = GroupCommit(cp, lock=self._lock)
         return self._commit
 
+    async def close(self) -> None:
+        """Fold the checkpoint's appended changes into its file (`GroupCommit.compact`);
+        call when the agent stops, after the last prepare and unprepare."""
+        if self._commit is not None:
+            with anyio.CancelScope(shield=True):
+                await self._commit.compact()
+
     async def _persist(self, change: Callable[[Checkpoint], T]) -> T:
         """Apply a checkpoint change; returns once it is written, and durable where the
         change asks (`Checkpoint._save`)."""

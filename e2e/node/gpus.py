@@ -41,6 +41,8 @@ from typing import Any
 
 from gpudra.api.deviceclasses import device_classes
 from gpudra.api.tenants import crd_manifest
+from gpudra.driver.checkpoint import document_of
+from gpudra.driver.checkpoint_changes import ChangesFile
 from gpudra.driver.nvml.emulator import load_builtin_profile
 from gpudra.driver.nvml.standin import (
     CAPS_MAJOR,
@@ -207,8 +209,13 @@ class NodeGpus:
         return {n for n in self.list_names(self.cdi_root) if n.startswith(prefix)}
 
     def checkpoint(self) -> dict[str, Any]:
-        text = self.read_file(self.state_dir / "checkpoint.json")
-        claims: dict[str, Any] = json.loads(text)["claims"] if text else {}
+        """The claims of the node's checkpoint: its file with its changes file applied."""
+        path = self.state_dir / "checkpoint.json"
+        text = self.read_file(path)
+        if not text:
+            return {}
+        changes = self.read_file(ChangesFile(path).path) or ""
+        claims: dict[str, Any] = document_of(text.encode(), changes.encode())["claims"]
         return claims
 
     def tool_calls(self) -> list[str]:

@@ -80,7 +80,6 @@ def test_profile_pass_says_where_the_node_spends_its_measured_cycles(
     assert (profile["missed"], profile["cycles"]) == (["p50_vs_floor"], 40)
     threads = profile["threads_ms_per_cycle"]
     assert threads["event_loop_thread"]["user"] > 0
-    assert "python_worker_threads" in threads  # the checkpoint is written in one
     # The profile covers the measured cycles only: the DRA calls' work (which runs as a
     # task of its own, so that a cancelled call does not cut it) tops gpudra's
     # functions. Over the process's whole life, start-up (the CLI's main, discovery,

@@ -246,6 +246,44 @@ async def _wait_published(kube: Kube, driver: str, devices: int = 8) -> None:
     await anyio.to_thread.run_sync(lambda: wait_for("the node's slices", published, timeout=60))
 
 
+async def test_a_stopped_node_leaves_every_change_in_the_checkpoint_file(
+    setup: Setup, node_dirs: NodeDirs
+) -> None:
+    """Prepares' ends and removals go to the changes file beside the checkpoint; the
+    node's SIGTERM stop folds them into the file, the one a release from before the
+    changes file reads (an upgrade or downgrade stops the agent this way), and the node
+    started again reads the same and unprepares what it lists."""
+    driver = setup.driver
+    path = node_dirs.state / "checkpoint.json"
+    setup.node.start()
+    await _wait_published(setup.kube, driver)
+    refs = []
+    for name in ("first", "second"):
+        claim = await anyio.to_thread.run_sync(setup.allocated_claim, name, _gpu_claim(driver))
+        refs.append(ClaimRef(setup.namespace, claim["metadata"]["uid"], name))
+    first, second = refs
+    async with KubeletStandin(node_dirs.kubelet) as kubelet:
+        reg = await kubelet.wait_for_driver(driver, timeout_s=60)
+        assert (await kubelet.prepare(driver, [first]))[first.uid].error is None
+        assert (await kubelet.prepare(driver, [second]))[second.uid].error is None
+        assert await kubelet.unprepare(driver, [first]) == {first.uid: None}
+        assert node_dirs.prepared_claims() == [second.uid]
+        assert sorted(json.loads(path.read_text())["claims"]) == [first.uid]  # the file alone
+
+        assert setup.node.stop() == 0
+        claims = json.loads(path.read_text())["claims"]
+        assert list(claims) == [second.uid]
+        assert claims[second.uid]["state"] == "PrepareCompleted"
+        changes = path.with_name("checkpoint.json.changes")
+        assert not changes.exists() or changes.read_bytes() == b""
+
+        setup.node.start()
+        await kubelet.wait_for_driver(driver, timeout_s=60, replacing=reg)
+        assert await kubelet.unprepare(driver, [second]) == {second.uid: None}
+        assert node_dirs.prepared_claims() == []
+        assert node_dirs.cdi_specs() == []
+
+
 async def test_pod_claims_are_prepared_through_the_running_node(
     setup: Setup, cluster: Cluster, node_dirs: NodeDirs
 ) -> None:

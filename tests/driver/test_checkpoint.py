@@ -4,6 +4,7 @@ import asyncio
 import json
 import os
 import stat
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -26,8 +27,10 @@ from gpudra.driver.checkpoint import (
     DeviceKey,
     DeviceRecord,
     GroupCommit,
+    document,
     load,
 )
+from gpudra.driver.checkpoint_changes import ChangesFile
 from gpudra.driver.records import (
     CreatedMig,
     DeviceDetails,
@@ -36,6 +39,8 @@ from gpudra.driver.records import (
     details_from_json,
     details_to_json,
 )
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 BOOT_A = "6c0ff6d4-1b2d-4a3e-9f00-00000000000a"
 BOOT_B = "6c0ff6d4-1b2d-4a3e-9f00-00000000000b"
@@ -665,14 +670,22 @@ def _lines(path: Path) -> list[str]:
 
 
 def _count_writes(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
-    """Record every checkpoint write (each is one fsynced temp file and rename)."""
+    """Record every checkpoint write: each is one fsynced temp file and rename (the
+    file's path), or one line appended to the changes file (its path)."""
     writes: list[Path] = []
 
     def counting(path: Path, data: bytes, **kwargs: Any) -> None:
         writes.append(path)
         atomic_write(path, data, **kwargs)
 
+    real_append = ChangesFile.append
+
+    def appending(self: ChangesFile, line: bytes) -> None:
+        writes.append(self.path)
+        real_append(self, line)
+
     monkeypatch.setattr(checkpoint_module, "atomic_write", counting)
+    monkeypatch.setattr(ChangesFile, "append", appending)
     return writes
 
 
@@ -699,8 +712,12 @@ async def test_concurrent_changes_share_writes_and_are_durable_on_return(
             group.start_soon(prepare, i)
 
     assert len(durable) == 8
-    # 16 changes; one write carries whatever queued up behind the one before it.
-    assert 2 <= len(writes) < 8
+    # 16 changes; one write carries whatever queued up behind the one before it. The
+    # starts (synced: other prepares change the node next) replace the file; the ends,
+    # which a power loss may take, are appended to the changes file.
+    replaced = [w for w in writes if w == cp_path]
+    assert 1 <= len(replaced) < 8
+    assert len(writes) < 16
     assert commit.writes == len(writes)
     assert sorted(c.uid for c in _load(cp_path, boot).claims()) == sorted(durable)
 
@@ -790,19 +807,28 @@ async def test_a_shared_write_syncs_the_folder_when_any_change_it_carries_asks(
     synced = _syncs(monkeypatch)
 
     async with anyio.create_task_group() as group:
-        # The first change's write starts at once; the two after it share the next.
+        # The first change's write (synced: a prepare's start) starts at once; the two
+        # after it share the next.
+        group.start_soon(commit.apply, lambda cp: cp.begin_prepare(CLAIM_3, [_gpu("gpu-2")]))
         group.start_soon(commit.apply, lambda cp: cp.complete_prepare(CLAIM_1.uid, [_gpu()]))
-        group.start_soon(commit.apply, lambda cp: cp.complete_prepare(CLAIM_2.uid, [_gpu("gpu-1")]))
         if with_durable:
-            group.start_soon(commit.apply, lambda cp: cp.begin_prepare(CLAIM_3, [_gpu("gpu-2")]))
+            group.start_soon(
+                commit.apply, lambda cp: cp.record_progress(CLAIM_2.uid, [_gpu("gpu-1")])
+            )
         else:
-            group.start_soon(commit.apply, lambda cp: cp.remove(CLAIM_1.uid))
+            group.start_soon(commit.apply, lambda cp: cp.remove(CLAIM_2.uid))
 
     assert len(writes) == 2
-    assert synced == (["file", "file", "folder"] if with_durable else ["file", "file"])
+    # Without a change that must survive a power loss, the shared write is a line
+    # appended to the changes file, which syncs nothing.
+    synced_first = ["file", "folder"]
+    assert synced == (synced_first * 2 if with_durable else synced_first)
+    assert writes[1] == (cp_path if with_durable else ChangesFile(cp_path).path)
     on_disk = _load(cp_path, boot)
-    assert (on_disk.get(CLAIM_3.uid) is not None) is with_durable
-    assert (on_disk.get(CLAIM_1.uid) is None) is not with_durable
+    assert on_disk.get(CLAIM_3.uid) is not None
+    completed = on_disk.get(CLAIM_1.uid)
+    assert completed is not None and completed.completed
+    assert (on_disk.get(CLAIM_2.uid) is None) is not with_durable
 
 
 @pytest.mark.anyio
@@ -866,7 +892,8 @@ async def test_unchanged_claims_are_written_back_verbatim(cp_path: Path, boot: P
     await commit.apply(lambda cp: cp.begin_prepare(CLAIM_1, [_gpu("gpu-0")]))
     await commit.apply(lambda cp: cp.begin_prepare(CLAIM_2, [_gpu("gpu-1")]))
     first = _lines(cp_path)
-    await commit.apply(lambda cp: cp.complete_prepare(CLAIM_2.uid, [_gpu("gpu-1")]))
+    # (A change the file is replaced for: a prepare's end would be appended.)
+    await commit.apply(lambda cp: cp.record_progress(CLAIM_2.uid, [_gpu("gpu-2")]))
     second = _lines(cp_path)
     # One claim per line: only CLAIM_2's line changed.
     assert [line for line in first if CLAIM_1.uid in line] == [
@@ -875,7 +902,7 @@ async def test_unchanged_claims_are_written_back_verbatim(cp_path: Path, boot: P
     assert [line for line in first if CLAIM_2.uid in line] != [
         line for line in second if CLAIM_2.uid in line
     ]
-    assert _doc(cp_path)["claims"][CLAIM_2.uid]["state"] == "PrepareCompleted"
+    assert _doc(cp_path)["claims"][CLAIM_2.uid]["devices"][0]["device"] == "gpu-2"
 
 
 @pytest.mark.anyio
@@ -908,3 +935,222 @@ async def test_a_write_whose_caller_was_cancelled_never_puts_an_older_state_back
     assert sorted(c.uid for c in _load(cp_path, boot).claims()) == [CLAIM_1.uid, CLAIM_2.uid]
     await anyio.sleep(1.5)  # the cancelled call's write has long finished
     assert sorted(c.uid for c in _load(cp_path, boot).claims()) == [CLAIM_1.uid, CLAIM_2.uid]
+
+
+# --- the changes file: a prepare's end and a removal, appended unsynced ---
+
+
+def _bytes(path: Path) -> bytes:
+    return path.read_bytes()
+
+
+def _file_claims(cp_path: Path) -> dict[str, Any]:
+    """The claims in the checkpoint file alone: what a release before the changes file
+    reads."""
+    claims: dict[str, Any] = _doc(cp_path)["claims"]
+    return claims
+
+
+@pytest.mark.anyio
+async def test_a_prepares_end_and_a_removal_are_appended_unsynced_and_read_back(
+    cp_path: Path, boot: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    commit = GroupCommit(_load(cp_path, boot))
+    await commit.apply(lambda cp: cp.begin_prepare(CLAIM_1, [_gpu("gpu-0")]))
+    before = _bytes(cp_path)
+    synced = _syncs(monkeypatch)
+    writes = _count_writes(monkeypatch)
+    changes = ChangesFile(cp_path).path
+
+    await commit.apply(lambda cp: cp.complete_prepare(CLAIM_1.uid, [_gpu("gpu-0")]))
+    completed = _load(cp_path, boot).get(CLAIM_1.uid)  # a restarted agent reads it
+    assert completed is not None and completed.completed
+    assert document(cp_path)["claims"][CLAIM_1.uid]["state"] == "PrepareCompleted"
+    await commit.apply(lambda cp: cp.remove(CLAIM_1.uid))
+    assert _load(cp_path, boot).get(CLAIM_1.uid) is None
+
+    assert (writes, synced) == ([changes, changes], [])
+    assert _bytes(cp_path) == before
+    assert len(_bytes(changes).splitlines()) == 2
+
+    # A change that must survive a power loss replaces the file, which then holds
+    # everything, and starts the changes file again.
+    await commit.apply(lambda cp: cp.begin_prepare(CLAIM_2, [_gpu("gpu-1")]))
+    assert writes[2:] == [cp_path] and synced == ["file", "folder"]
+    assert list(_file_claims(cp_path)) == [CLAIM_2.uid]
+    assert changes.read_bytes() == b""
+    await commit.apply(lambda cp: cp.complete_prepare(CLAIM_2.uid, [_gpu("gpu-1")]))
+    assert writes[3:] == [changes]
+    assert [c.completed for c in _load(cp_path, boot).claims()] == [True]
+
+
+@pytest.mark.anyio
+async def test_lines_of_a_replaced_file_are_never_applied(cp_path: Path, boot: Path) -> None:
+    """The file is replaced and the changes file emptied, but a power loss takes the
+    emptying: the old lines name the old file and are ignored."""
+    commit = GroupCommit(_load(cp_path, boot))
+    await commit.apply(lambda cp: cp.begin_prepare(CLAIM_1, [_gpu("gpu-0")]))
+    await commit.apply(lambda cp: cp.complete_prepare(CLAIM_1.uid, [_gpu("gpu-0")]))
+    await commit.apply(lambda cp: cp.remove(CLAIM_1.uid))
+    changes = ChangesFile(cp_path).path
+    old_lines = changes.read_bytes()
+    await commit.apply(lambda cp: cp.begin_prepare(CLAIM_1, [_gpu("gpu-0")]))  # synced
+    changes.write_bytes(old_lines)  # the emptying lost
+
+    again = _load(cp_path, boot)
+    record = again.get(CLAIM_1.uid)
+    assert record is not None and not record.completed  # not the old lines' removal
+    # Nothing is appended after lines that were not read: the next write replaces the
+    # file and empties the changes file.
+    await GroupCommit(again).apply(lambda cp: cp.complete_prepare(CLAIM_1.uid, [_gpu()]))
+    assert changes.read_bytes() == b""
+    assert _file_claims(cp_path)[CLAIM_1.uid]["state"] == "PrepareCompleted"
+
+
+@pytest.mark.anyio
+async def test_a_failed_append_fails_its_caller_and_the_next_write_replaces_the_file(
+    small_fs: Path, fill_small_fs: Callable[[], None], boot: Path
+) -> None:
+    path = small_fs / "checkpoint.json"
+    checkpoint = _load(path, boot)
+    commit = GroupCommit(checkpoint)
+    big = _gpu("gpu-0", details=DeviceDetails(pod="x" * 8192))
+    await commit.apply(lambda cp: cp.begin_prepare(CLAIM_1, [_gpu("gpu-0")]))
+    fill_small_fs()
+
+    with pytest.raises(CheckpointError, match="cannot write checkpoint changes"):
+        await commit.apply(lambda cp: cp.complete_prepare(CLAIM_1.uid, [big]))
+    record = checkpoint.get(CLAIM_1.uid)
+    assert record is not None and not record.completed  # memory is what the disk says
+    on_disk = _load(path, boot).get(CLAIM_1.uid)
+    assert on_disk is not None and not on_disk.completed
+
+    (small_fs / "filler").unlink()
+    await commit.apply(lambda cp: cp.complete_prepare(CLAIM_1.uid, [big]))
+    assert _file_claims(path)[CLAIM_1.uid]["state"] == "PrepareCompleted"
+    assert ChangesFile(path).read() == b""
+    reread = _load(path, boot).get(CLAIM_1.uid)
+    assert reread is not None and reread.completed
+
+
+@pytest.mark.anyio
+async def test_a_long_changes_file_is_folded_into_the_file(
+    cp_path: Path, boot: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(checkpoint_module, "_CHANGES_LIMIT", 1)
+    commit = GroupCommit(_load(cp_path, boot))
+    await commit.apply(lambda cp: cp.begin_prepare(CLAIM_1, [_gpu("gpu-0")]))
+    writes = _count_writes(monkeypatch)
+    await commit.apply(lambda cp: cp.complete_prepare(CLAIM_1.uid, [_gpu("gpu-0")]))
+    await commit.apply(lambda cp: cp.remove(CLAIM_1.uid))  # past the limit: replaced
+    assert writes == [ChangesFile(cp_path).path, cp_path]
+    assert _file_claims(cp_path) == {}
+    assert ChangesFile(cp_path).read() == b""
+
+
+@pytest.mark.anyio
+async def test_compact_leaves_every_change_in_the_file_for_an_older_release(
+    cp_path: Path, boot: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The agent compacts when it stops: a release that reads the file alone (one
+    from before the changes file) then finds what the changes file held."""
+    commit = GroupCommit(_load(cp_path, boot))
+    for ref, device in ((CLAIM_1, "gpu-0"), (CLAIM_2, "gpu-1")):
+        await commit.apply(lambda cp, r=ref, d=device: cp.begin_prepare(r, [_gpu(d)]))
+        await commit.apply(lambda cp, r=ref, d=device: cp.complete_prepare(r.uid, [_gpu(d)]))
+    await commit.apply(lambda cp: cp.remove(CLAIM_1.uid))
+    assert _file_claims(cp_path) != document(cp_path)["claims"]
+
+    await commit.compact()
+    assert _file_claims(cp_path) == document(cp_path)["claims"]
+    assert list(_file_claims(cp_path)) == [CLAIM_2.uid]
+    assert _file_claims(cp_path)[CLAIM_2.uid]["state"] == "PrepareCompleted"
+    assert ChangesFile(cp_path).read() == b""
+    writes = _count_writes(monkeypatch)
+    await commit.compact()  # nothing appended since: nothing written
+    assert writes == []
+
+
+# The power-loss property: whatever a power loss does to the changes file (which is never
+# synced), the agent reads back the state after some write since the file was last
+# replaced, never an older one nor a mix; a plain crash of the process loses nothing.
+_OPS = st.lists(
+    st.tuples(st.sampled_from(["begin", "begin-memory", "complete", "remove"]), st.integers(0, 3)),
+    max_size=24,
+)
+
+
+def _state(checkpoint: Checkpoint, memory_only: set[str]) -> dict[str, str]:
+    """Claims and their states, but for prepares started in memory only, which a write
+    may or may not carry (either is right: nothing on the node depends on them yet)."""
+    return {
+        c.uid: c.state.value for c in checkpoint.claims() if c.completed or c.uid not in memory_only
+    }
+
+
+@settings(max_examples=60, deadline=None)
+@given(ops=_OPS, cut=st.integers(0, 10_000), zeros=st.integers(0, 300))
+def test_a_power_loss_leaves_the_state_of_an_earlier_write(
+    ops: list[tuple[str, int]], cut: int, zeros: int
+) -> None:
+    with tempfile.TemporaryDirectory() as folder:
+        path, boot = Path(folder) / "checkpoint.json", Path(folder) / "boot_id"
+        boot.write_text(BOOT_A)
+        checkpoint = _load(path, boot)
+        commit = GroupCommit(checkpoint)
+        memory_only: set[str] = set()
+        states = [_state(checkpoint, memory_only)]  # after each write
+        since = 0  # the index of the state the file itself holds
+
+        async def run() -> None:
+            nonlocal since
+            for op, i in ops:
+                ref, gpu = _claim(i), _gpu(f"g{i}")
+                record = checkpoint.get(ref.uid)
+                if op.startswith("begin") and record is None:
+                    persist = op == "begin"
+                    await commit.apply(
+                        lambda cp, r=ref, d=gpu, p=persist: cp.begin_prepare(r, [d], persist=p)
+                    )
+                    if not persist:
+                        memory_only.add(ref.uid)
+                        continue  # nothing written
+                    memory_only.discard(ref.uid)
+                elif op == "complete" and record is not None and not record.completed:
+                    await commit.apply(lambda cp, r=ref, d=gpu: cp.complete_prepare(r.uid, [d]))
+                elif op == "remove" and record is not None:
+                    await commit.apply(lambda cp, r=ref: cp.remove(r.uid))
+                else:
+                    continue
+                states.append(_state(checkpoint, memory_only))
+                if not ChangesFile(path).read():
+                    since = len(states) - 1
+
+        anyio.run(run)
+        if not path.exists():
+            return
+        assert _state(_load(path, boot), memory_only) == states[-1]  # a crash loses nothing
+
+        changes = ChangesFile(path).path
+        data = changes.read_bytes() if changes.exists() else b""
+        damaged = bytearray(data[: cut % (len(data) + 1)])
+        start = cut % (len(damaged) + 1)
+        damaged[start : start + zeros] = b"\0" * len(damaged[start : start + zeros])
+        if changes.exists():
+            changes.write_bytes(bytes(damaged))
+        after = _load(path, boot)
+        assert _state(after, memory_only) in states[since:]
+
+        # The agent goes on from there; a restart reads what it then wrote.
+        async def more() -> None:
+            again = GroupCommit(after)
+            for record in after.claims():
+                if not record.completed:
+                    await again.apply(
+                        lambda cp, r=record: cp.complete_prepare(r.uid, list(r.devices))
+                    )
+                else:
+                    await again.apply(lambda cp, r=record: cp.remove(r.uid))
+
+        anyio.run(more)
+        assert _state(_load(path, boot), set()) == _state(after, set())

@@ -32,7 +32,9 @@ from gpudra.driver import publish
 from gpudra.driver.accounting import Accounting
 from gpudra.driver.cdi import CdiSpecStore, DeviceNumbers, ToolkitSpec, find_toolkit_spec
 from gpudra.driver.checkpoint import ClaimRecord
+from gpudra.driver.checkpoint import document as checkpoint_document
 from gpudra.driver.checkpoint import load as load_checkpoint
+from gpudra.driver.checkpoint_changes import ChangesFile
 from gpudra.driver.claimreader import ApiClaims
 from gpudra.driver.claims import Claim, ClaimRef, checked_claim
 from gpudra.driver.claimstatus import ClaimStatusWriter
@@ -497,10 +499,15 @@ async def test_whole_gpu_prepare_writes_one_spec_and_unprepare_removes_it(
     assert node.tool_calls() == []  # nothing to share, no tool runs
 
     # Repeated prepare: the recorded answer, nothing written again.
-    before = (node.checkpoint.stat().st_mtime_ns, node.checkpoint.read_bytes())
+    changes = ChangesFile(node.checkpoint)
+    before = (node.checkpoint.stat().st_mtime_ns, node.checkpoint.read_bytes(), changes.read())
     again = (await preparer.prepare([ref]))[ref.uid]
     assert again == result
-    assert (node.checkpoint.stat().st_mtime_ns, node.checkpoint.read_bytes()) == before
+    assert (
+        node.checkpoint.stat().st_mtime_ns,
+        node.checkpoint.read_bytes(),
+        changes.read(),
+    ) == before
 
     assert (await preparer.unprepare([ref])) == {ref.uid: None}
     assert not node.has_spec(ref.uid)
@@ -856,7 +863,7 @@ async def test_time_slicing_restores_the_compute_mode_it_replaced(
 
     assert (await preparer.prepare([ref]))[ref.uid].error is None
     assert _compute_mode(emu, gpu_uuid) == DEFAULT_MODE
-    device = json.loads(node.checkpoint.read_text())["claims"][ref.uid]["devices"][0]
+    device = checkpoint_document(node.checkpoint)["claims"][ref.uid]["devices"][0]
     assert device["details"]["timeSlice"]["previousComputeMode"] == EXCLUSIVE_PROCESS
 
     assert await preparer.unprepare([ref]) == {ref.uid: None}
@@ -1086,9 +1093,9 @@ async def _shares_one_unreadable(
     refs = [_ref(env.allocated(name, requests=one_share, config=config)) for name in names]
     done = await make_preparer(env, node, akube, emu).prepare(refs[:prepared])
     assert [done[r.uid].error for r in refs[:prepared]] == [None] * prepared
-    doc = json.loads(node.checkpoint.read_text())
+    doc = checkpoint_document(node.checkpoint)
     spoil(doc["claims"][refs[0].uid])
-    node.checkpoint.write_text(json.dumps(doc))
+    _rewrite_checkpoint(node.checkpoint, doc)
     gpu_uuid = discover(emu).gpus[4].uuid
     return refs, f"nvidia-smi compute-policy -i {gpu_uuid} --set-timeslice"
 
@@ -1114,7 +1121,7 @@ async def test_a_share_whose_record_cannot_be_read_keeps_the_time_slice_it_may_r
     [kept] = [r for r in caplog.records if r.getMessage().startswith("time-slice kept")]
     assert "cannot be read" in kept.getMessage()
     assert getattr(kept, "fields", {})["unreadable"] == [a.uid]
-    assert b.uid not in json.loads(node.checkpoint.read_text())["claims"]
+    assert b.uid not in checkpoint_document(node.checkpoint)["claims"]
 
 
 @pytest.mark.cluster
@@ -1141,7 +1148,7 @@ async def test_no_share_joins_a_gpu_whose_time_slice_a_record_cannot_tell(
     assert f"GPU {gpu} is named by checkpoint records this release cannot read" in refused
     assert str(node.checkpoint.parent / "undone" / a.uid) in refused
     assert [call for call in node.tool_calls() if call.startswith(setting)] == [f"{setting} 3"]
-    assert c.uid not in json.loads(node.checkpoint.read_text())["claims"]
+    assert c.uid not in checkpoint_document(node.checkpoint)["claims"]
 
 
 @pytest.mark.cluster
@@ -1167,7 +1174,7 @@ async def test_the_last_time_sliced_share_restores_the_compute_mode_the_first_re
     assert (await preparer.prepare([first]))[first.uid].error is None
     assert (await preparer.prepare([second]))[second.uid].error is None
     assert _compute_mode(emu, gpu_uuid) == DEFAULT_MODE
-    claims = json.loads(node.checkpoint.read_text())["claims"]
+    claims = checkpoint_document(node.checkpoint)["claims"]
     for ref in (first, second):
         step = claims[ref.uid]["devices"][0]["details"]["timeSlice"]
         assert step["previousComputeMode"] == EXCLUSIVE_PROCESS
@@ -1528,10 +1535,10 @@ async def test_the_sweep_tells_a_new_pod_from_the_one_an_older_release_recorded(
     env.publish(discover(emu))
     ref = _ref(env.allocated("held"))
     assert (await make_preparer(env, node, akube, emu).prepare([ref]))[ref.uid].error is None
-    doc = json.loads(node.checkpoint.read_text())
+    doc = checkpoint_document(node.checkpoint)
     for device in doc["claims"][ref.uid]["devices"]:
         del device["details"]["podUid"]  # as the older release wrote it
-    node.checkpoint.write_text(json.dumps(doc))
+    _rewrite_checkpoint(node.checkpoint, doc)
     upgraded = make_preparer(env, node, akube, emu)
     await upgraded.recover()
     env.delete_claim("held")
@@ -1676,6 +1683,13 @@ def _fixture_claim(index: int, uid: str | None = None) -> Claim:
     return checked_claim(ref, obj, driver=FIXTURE_DRIVER, pool=NODE)
 
 
+def _rewrite_checkpoint(path: Path, doc: dict[str, Any]) -> None:
+    """Replace the checkpoint with `doc` by hand, as an admin or an older release would:
+    the changes file, whose lines extended the file replaced, goes too."""
+    path.write_text(json.dumps(doc))
+    ChangesFile(path).path.unlink(missing_ok=True)
+
+
 def _fixture(node: Node) -> dict[str, Any]:
     """The fixture as it would be on this test's node."""
     text = (FIXTURES / "checkpoint-v1.json").read_text()
@@ -1747,8 +1761,14 @@ async def test_records_keep_the_shape_the_previous_release_wrote(node: Node) -> 
         else:
             with pytest.raises(SimulatedCrash):
                 await preparer.prepare([claim])
+    # The agent stops: what it appended to the changes file goes into the file, the one
+    # the previous release reads.
+    await preparer.close()
 
     written = json.loads(node.checkpoint.read_text())
+    # Added since: a random ID that names the file to its changes file (the previous
+    # release keeps the key as it reads it).
+    assert isinstance(written.pop("writeId"), str)
     # Added since: each MPS record names the claim's shm folder and the daemon (its
     # PID varies); the previous release keeps such keys as it reads them.
     for claim in written["claims"].values():
@@ -1773,12 +1793,39 @@ async def test_records_keep_the_shape_the_previous_release_wrote(node: Node) -> 
 
 
 @pytest.mark.anyio
+async def test_the_agents_stop_leaves_every_change_in_the_checkpoint_file(node: Node) -> None:
+    """A whole GPU's prepare ends in the changes file, beside the checkpoint file; when
+    the agent stops (`close`), the file alone holds it, as a release from before the
+    changes file reads it, and a restarted agent reads the same."""
+    first = _fixture_claim(0)
+    preparer = node_preparer(node, h100())
+    # The first write of a new file is synced (it names the boot) and replaces it.
+    assert (await preparer.prepare([first]))[first.uid].error is None
+    assert (await preparer.unprepare([first.ref])) == {first.uid: None}
+    claim = _fixture_claim(0, uid="00000000-0000-4000-8000-0000000000c1")
+    assert (await preparer.prepare([claim]))[claim.uid].error is None
+    changes = ChangesFile(node.checkpoint)
+    assert list(json.loads(node.checkpoint.read_text())["claims"]) == [first.uid]
+    assert list(checkpoint_document(node.checkpoint)["claims"]) == [claim.uid]
+
+    await preparer.close()
+    file_alone = json.loads(node.checkpoint.read_text())["claims"]
+    assert list(file_alone) == [claim.uid]
+    assert file_alone[claim.uid]["state"] == "PrepareCompleted"
+    assert changes.read() == b""
+    assert checkpoint_document(node.checkpoint)["claims"] == file_alone
+    restarted = node_preparer(node, h100())
+    assert (await restarted.unprepare([claim.ref])) == {claim.uid: None}
+    assert load_checkpoint(node.checkpoint, boot_id_path=node.boot_id).claims() == []
+
+
+@pytest.mark.anyio
 async def test_an_upgrade_undoes_what_the_previous_release_recorded(node: Node) -> None:
     """The previous release's checkpoint (see the test above) with the GPUs as it left
     them: recover() rolls back its interrupted prepares and unprepare undoes the rest."""
     doc = _fixture(node)
     node.checkpoint.parent.mkdir(parents=True)
-    node.checkpoint.write_text(json.dumps(doc))
+    _rewrite_checkpoint(node.checkpoint, doc)
     emu = h100_mig()
     partitions = {d.name: d for d in discover(emu).gpus[0].partitions}
     gpu0, gpu3 = discover(emu).gpus[0].uuid, discover(emu).gpus[3].uuid
@@ -2049,7 +2096,7 @@ async def test_unreadable_record_is_its_claims_error_and_never_stops_recovery(
     # Its record stays, as written, and unprepare reports the same until it is fixed.
     cp = load_checkpoint(node.checkpoint, boot_id_path=node.boot_id)
     assert [c.uid for c in cp.claims()] == [broken.uid]
-    written = json.loads(node.checkpoint.read_text())["claims"][broken.uid]
+    written = checkpoint_document(node.checkpoint)["claims"][broken.uid]
     assert written["devices"][0]["details"]["computeMode"] == mode
     again = (await preparer.unprepare([broken]))[broken.uid]
     assert again is not None and "details.computeMode" in again
@@ -2074,10 +2121,10 @@ async def test_a_newer_releases_side_effect_keeps_its_claim_until_undone_by_hand
     claim = _fixture_claim(0)
     preparer = node_preparer(node, emu)
     assert (await preparer.prepare([claim]))[claim.uid].error is None
-    doc = json.loads(node.checkpoint.read_text())
+    doc = checkpoint_document(node.checkpoint)
     effect = {"uuid": "GPU-x", "previous": 300, "applied": True}
     doc["claims"][claim.uid]["devices"][0]["details"]["powerLimit"] = effect
-    node.checkpoint.write_text(json.dumps(doc))
+    _rewrite_checkpoint(node.checkpoint, doc)
     older = node_preparer(node, emu)
 
     error = (await older.unprepare([claim]))[claim.uid]
@@ -2145,7 +2192,7 @@ async def test_a_claim_whose_record_cannot_be_read_is_never_called_unprepared(no
     assert str(node.checkpoint.parent / "undone" / uid) in refused
     assert "unprepared first" not in refused
     assert _compute_mode(emu, gpu) == EXCLUSIVE_PROCESS
-    assert json.loads(node.checkpoint.read_text())["claims"][uid] == record
+    assert checkpoint_document(node.checkpoint)["claims"][uid] == record
 
     # Undone by hand, as the error says: the file it names makes the agent forget it.
     marker = node.checkpoint.parent / "undone" / uid
@@ -2153,7 +2200,7 @@ async def test_a_claim_whose_record_cannot_be_read_is_never_called_unprepared(no
     marker.parent.mkdir()
     marker.touch()
     assert (await preparer.unprepare([ref]))[uid] is None
-    assert uid not in json.loads(node.checkpoint.read_text())["claims"]
+    assert uid not in checkpoint_document(node.checkpoint)["claims"]
     assert not marker.exists()
     assert (await preparer.prepare([other]))[other.uid].error is None
 
@@ -2175,7 +2222,7 @@ async def test_previous_boot_cleanup_keeps_what_a_claim_with_an_unreadable_recor
     daemon = _recorded_daemon(node, mps_claim.uid)
     base = _mps_base(node, mps_claim.uid)
     try:
-        doc = json.loads(node.checkpoint.read_text())
+        doc = checkpoint_document(node.checkpoint)
         for claim in (mig_claim, mps_claim):
             doc["claims"][claim.uid]["devices"][0]["requestNames"] = "gpu"  # unreadable
         mig = {
@@ -2194,7 +2241,7 @@ async def test_previous_boot_cleanup_keeps_what_a_claim_with_an_unreadable_recor
             ),
             _previous_boot_record(mps_claim.uid, "gpu-3", {"type": "gpu", "mps": folders}),
         ]
-        node.checkpoint.write_text(json.dumps(doc))
+        _rewrite_checkpoint(node.checkpoint, doc)
 
         report = await node_preparer(node, emu, strategy=MigStrategy.DYNAMIC).recover()
 
@@ -2260,7 +2307,7 @@ async def test_an_mps_claim_gets_its_own_shm_shared_with_its_daemon_only(node: N
         assert shm.is_mount()
         # The stand-in daemon marks the /dev/shm it sees: the claim's.
         assert (shm / f"gpudra-standin-mps.{daemon.pid}").exists()
-    record = json.loads(node.checkpoint.read_text())["claims"][claim.uid]
+    record = checkpoint_document(node.checkpoint)["claims"][claim.uid]
     assert record["devices"][0]["details"]["mps"]["shmDir"] == str(shm)
 
     assert await preparer.unprepare([claim.ref]) == {claim.uid: None}
@@ -3187,7 +3234,7 @@ async def test_an_admins_mark_on_a_previous_boot_record_goes_once_its_removal_is
     report = await node_preparer(node, h100()).recover()
 
     assert not report.errors
-    assert "previousBoot" not in json.loads(node.checkpoint.read_text())
+    assert "previousBoot" not in checkpoint_document(node.checkpoint)
     assert not marker.exists()
     # The write that forgot the record synced its rename while the mark was still there.
     assert mark_at_folder_sync == [True]
@@ -3232,9 +3279,9 @@ async def test_previous_boot_cleanup_never_destroys_this_boots_mig_instance(node
     assert (await first.prepare([claim]))[claim.uid].error is None
     assert list(mig_devices(emu)) == ["gpu-0-mig-3g40gb-9-0"]
     # The same record again, as after a crash between its destroy and its forget.
-    doc = json.loads(node.checkpoint.read_text())
+    doc = checkpoint_document(node.checkpoint)
     doc["previousBoot"].append(crashed)
-    node.checkpoint.write_text(json.dumps(doc))
+    _rewrite_checkpoint(node.checkpoint, doc)
 
     await node_preparer(node, emu, strategy=MigStrategy.DYNAMIC).recover()  # a restart
 
@@ -3304,9 +3351,9 @@ async def test_previous_boot_cleanup_leaves_the_folders_of_a_claim_prepared_agai
     assert (await first.prepare([claim]))[claim.uid].error is None
     daemon = _recorded_daemon(node, claim.uid)
     try:
-        doc = json.loads(node.checkpoint.read_text())
+        doc = checkpoint_document(node.checkpoint)
         doc["previousBoot"].append(old)  # as if its cleanup had not been recorded
-        node.checkpoint.write_text(json.dumps(doc))
+        _rewrite_checkpoint(node.checkpoint, doc)
         await node_preparer(node, h100()).recover()  # a restart
         assert (base / "pipe" / "control").exists()
         assert daemon.alive()
@@ -3325,11 +3372,11 @@ async def test_an_mps_daemon_an_older_release_recorded_stops_without_its_pid_fil
     assert (await node_preparer(node, h100()).prepare([claim]))[claim.uid].error is None
     daemon = _recorded_daemon(node, claim.uid)
     try:
-        doc = json.loads(node.checkpoint.read_text())
+        doc = checkpoint_document(node.checkpoint)
         for device in doc["claims"][claim.uid]["devices"]:
             for key in ("daemonPid", "daemonStartTime"):
                 device["details"]["mps"].pop(key, None)
-        node.checkpoint.write_text(json.dumps(doc))
+        _rewrite_checkpoint(node.checkpoint, doc)
         (_mps_base(node, claim.uid) / "pipe" / "nvidia-cuda-mps-control.pid").unlink()
 
         upgraded = node_preparer(node, h100())

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 from gpudra.driver.checkpoint import CheckpointError, load
+from gpudra.driver.checkpoint_changes import ChangesFile, base_of, encode_line
 from gpudra.driver.claims import ClaimRef
 from gpudra.driver.records import DeviceDetails, details_from_json, details_to_json
 from hypothesis import example, given
@@ -119,4 +120,37 @@ def test_deeply_nested_checkpoint_is_a_checkpoint_error_or_loads(
 ) -> None:
     """Nesting past the JSON decoder's recursion limit is an unreadable file, not a crash."""
     path, boot = _write(state_root, b'{"claims": {}, "x": ' + b"[" * depth + b"]" * depth + b"}")
+    _load_checked(path, boot)
+
+
+RECORDS = list(SEED["claims"].items())
+
+
+@given(
+    st.lists(
+        st.dictionaries(
+            st.sampled_from([uid for uid, _ in RECORDS] + ["ffffffff-0000-4000-8000-00000000000f"]),
+            st.none() | JSON | st.sampled_from([r for _, r in RECORDS]).flatmap(mutated),
+            max_size=3,
+        ),
+        max_size=3,
+    ),
+    st.binary(max_size=40),
+)
+def test_changes_file_lines_load_or_raise_checkpoint_error(
+    state_root: Path, changes: list[dict[str, Any]], tail: bytes
+) -> None:
+    """Lines the reader applies (whole, of this file, in order) carrying any record, and
+    bytes after them: a bad record is kept and reported like one in the file itself."""
+    data = json.dumps(SEED).encode()
+    path, boot = _write(state_root, data)
+    lines = b"".join(
+        encode_line(
+            base_of(data),
+            n,
+            [json.dumps(uid).encode() + b":" + json.dumps(rec).encode() for uid, rec in c.items()],
+        )
+        for n, c in enumerate(changes)
+    )
+    ChangesFile(path).path.write_bytes(lines + tail)
     _load_checked(path, boot)
