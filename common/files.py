@@ -4,6 +4,7 @@ the removal of folders that untrusted processes write in."""
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import secrets
 import subprocess
@@ -114,3 +115,44 @@ def remove_tree(path: Path, *, timeout_s: float = _RM_TIMEOUT_S) -> None:
         lines = done.stderr.strip().splitlines()[:_RM_ERROR_LINES]
         why = "; ".join(lines) or f"rm exited with {done.returncode}"
         raise OSError(f"removing {path}: {why}")
+
+
+class ProcessLock:
+    """An exclusive advisory lock (flock) on `path`, between processes; within one
+    holder it nests, and one thread at a time may use it (the holder serialises).
+
+    For files two processes may write at once, such as a node agent's checkpoint while
+    a rolling update runs the new agent beside the old one. The lock file is created
+    (with its folder, `folder_mode`) on first use and kept open until `close`.
+    """
+
+    def __init__(self, path: Path, *, folder_mode: int = 0o700) -> None:
+        self.path = path
+        self._folder_mode = folder_mode
+        self._fd: int | None = None
+        self._depth = 0
+
+    def _open(self) -> int:
+        if self._fd is None:
+            flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC
+            try:
+                self._fd = os.open(self.path, flags, 0o600)
+            except FileNotFoundError:
+                self.path.parent.mkdir(mode=self._folder_mode, parents=True, exist_ok=True)
+                self._fd = os.open(self.path, flags, 0o600)
+        return self._fd
+
+    def __enter__(self) -> None:
+        if self._depth == 0:
+            fcntl.flock(self._open(), fcntl.LOCK_EX)
+        self._depth += 1
+
+    def __exit__(self, *_exc: object) -> None:
+        self._depth -= 1
+        if self._depth == 0 and self._fd is not None:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+
+    def close(self) -> None:
+        if self._fd is not None and self._depth == 0:
+            os.close(self._fd)  # releases the lock too
+            self._fd = None

@@ -392,12 +392,14 @@ def build_spec(
     kind: str = DEFAULT_KIND,
     common_edits: ContainerEdits | None = None,
     annotations: Mapping[str, str] | None = None,
+    common_json: Callable[[ContainerEdits], dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """The CDI spec for one claim, ready to serialise.
 
     `common_edits` go in the top-level containerEdits, applied once whenever any
     device of the claim is used (control nodes, driver libraries); pass none when
-    the devices reference the toolkit's spec, which brings its own.
+    the devices reference the toolkit's spec, which brings its own. `common_json`
+    turns them into the spec's JSON (checked), by default afresh each time.
     """
     validate_claim_uid(claim_uid)
     _split_kind(kind)
@@ -423,7 +425,7 @@ def build_spec(
         spec["annotations"] = _annotations(annotations, "spec")
     spec["devices"] = spec_devices
     if common_edits is not None and not common_edits.is_empty():
-        spec["containerEdits"] = _edits_json(common_edits)
+        spec["containerEdits"] = (common_json or _edits_json)(common_edits)
     spec["cdiVersion"] = minimum_cdi_version(spec)
     return spec
 
@@ -529,6 +531,10 @@ class CdiSpecStore:
         self._root = root
         self._kind = kind
         self._prefix = f"{self._vendor}-{self._class}_"
+        # The JSON of the last common edits built, for the same edits again: they are
+        # the same object on every prepare (the node's control nodes and driver files,
+        # dozens of mounts on a real node), checked and converted once.
+        self._common: tuple[ContainerEdits, dict[str, Any]] | None = None
 
     @property
     def root(self) -> Path:
@@ -564,13 +570,22 @@ class CdiSpecStore:
         common_edits: ContainerEdits | None = None,
         annotations: Mapping[str, str] | None = None,
     ) -> dict[str, Any]:
+        """The claim's spec (`build_spec`). Its top-level containerEdits are shared with
+        the next spec built from the same common edits: serialise it, do not change it."""
         return build_spec(
             claim_uid,
             devices,
             kind=self._kind,
             common_edits=common_edits,
             annotations=annotations,
+            common_json=self._common_json,
         )
+
+    def _common_json(self, edits: ContainerEdits) -> dict[str, Any]:
+        cached = self._common
+        if cached is None or cached[0] is not edits:
+            cached = self._common = (edits, _edits_json(edits))
+        return cached[1]
 
     def write(self, claim_uid: str, spec: Mapping[str, Any]) -> Path:
         """Write (or replace) the claim's spec atomically; returns its path."""

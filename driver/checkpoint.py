@@ -53,17 +53,18 @@ survive a power loss). The file is never shared between processes.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import json
 import logging
 import secrets
 import threading
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from pathlib import Path
-from typing import Any, Final, NamedTuple, TypeVar
+from typing import Any, Final, NamedTuple, TypeAlias, TypeVar
 
 import anyio
 import anyio.to_thread
@@ -89,7 +90,7 @@ __all__ = [
 ]
 
 from gpudra.api import jsonbytes
-from gpudra.common.files import atomic_write
+from gpudra.common.files import ProcessLock, atomic_write
 from gpudra.driver.checkpoint_changes import ChangesFile, Replayed, base_of, encode_line, replay
 from gpudra.driver.claims import ClaimRef
 from gpudra.driver.records import DeviceDetails, details_from_json, details_to_json
@@ -339,11 +340,55 @@ def _claim_to_json(claim: ClaimRecord) -> dict[str, Any]:
 
 
 def _detached(devices: Iterable[DeviceRecord]) -> tuple[DeviceRecord, ...]:
-    """Copies that share nothing with the caller and are known to be JSON-serialisable."""
+    """Copies that share nothing with the caller and are known to be JSON-serialisable.
+    A record of plain values only (`_plain`) is its own copy: nothing in it can change."""
     try:
-        return tuple(_device_from_json(jsonbytes.copy(_device_to_json(d))) for d in devices)
+        return tuple(
+            d if _plain(d) else _device_from_json(jsonbytes.copy(_device_to_json(d)))
+            for d in devices
+        )
     except (TypeError, ValueError) as exc:
         raise CheckpointError(f"device record is not JSON-serialisable: {exc}") from None
+
+
+_OPTIONAL_STR: Final = (str, type(None))
+_OPTIONAL_INT: Final = (int, type(None))
+
+
+def _plain(device: DeviceRecord) -> bool:
+    """Whether the record holds strings, whole numbers, booleans and tuples of strings
+    only, with no side effect and nothing kept for another release (a whole GPU's, as
+    a prepare's plan has it): such a record cannot change and reads back from its JSON
+    as it is, so it needs no copy. Exact types: a subclass could carry anything."""
+    details = device.details
+    return (
+        type(device) is DeviceRecord
+        and type(details) is DeviceDetails
+        and not device.extra
+        and not details.extra
+        and not details.problems
+        and details.mig is None
+        and details.time_slice is None
+        and details.compute_mode is None
+        and details.mps is None
+        and type(device.request_names) is tuple
+        and type(device.cdi_device_ids) is tuple
+        and all(type(v) is str for v in device.request_names)
+        and all(type(v) is str for v in device.cdi_device_ids)
+        and type(device.pool) is str
+        and type(device.device) is str
+        and type(device.share_id) in _OPTIONAL_STR
+        and type(device.admin_access) is bool
+        and type(device.exclusive) is bool
+        and type(details.type) is str
+        and details.type != ""  # a planned device's: its file shape lists every value
+        and type(details.request) is str
+        and type(details.pod) is str
+        and type(details.pod_uid) is str
+        and type(details.gpu_uuid) in _OPTIONAL_STR
+        and type(details.uuid) in _OPTIONAL_STR
+        and type(details.gpu_minor) in _OPTIONAL_INT
+    )
 
 
 # --- the checkpoint ---------------------------------------------------------------------------
@@ -363,6 +408,7 @@ class Checkpoint:
         unreadable: Mapping[str, Any] | None = None,
         extra: Mapping[str, Any] | None = None,
         file_version: int | None = None,
+        lock: ProcessLock | None = None,
     ) -> None:
         self._path = path
         self._boot_id = boot_id
@@ -387,6 +433,12 @@ class Checkpoint:
         # (None: the next write replaces the file whole), its lines and the bytes that
         # may be in it.
         self._changes = ChangesFile(path)
+        # Taken around every write, and around an agent's load and first write: a
+        # rolling update with a surge pod runs the new agent beside the old one, on the
+        # same files. `_identity` is the file as this process last read or wrote it
+        # (None: none); one changed since by another process is never written over.
+        self._lock = lock if lock is not None else ProcessLock(_lock_path(path), folder_mode=0o777)
+        self._identity: _Identity | None = None
         self._base: str | None = None
         self._changes_n = 0
         self._changes_bytes = 0
@@ -397,20 +449,42 @@ class Checkpoint:
         self._journal: list[_Change] = []
 
     @classmethod
-    def load(cls, path: Path, *, boot_id_path: Path = DEFAULT_BOOT_ID_PATH) -> Checkpoint:
+    def load(
+        cls, path: Path, *, boot_id_path: Path = DEFAULT_BOOT_ID_PATH, take_over: bool = False
+    ) -> Checkpoint:
         """Read `path` (a missing file is an empty checkpoint).
 
         Raises CheckpointError only when the file is not a JSON object at all,
         because starting empty then would forget devices that are still in use.
+
+        `take_over` (the agent's load) also replaces the file at once, under the lock
+        that every write takes: from then on any other process still holding the old
+        one (the agent a rolling update is replacing) is refused its writes, and its
+        stop does not put its state back over this one (`_check_owner`).
         """
-        boot_id = read_boot_id(boot_id_path)
+        lock = ProcessLock(_lock_path(path), folder_mode=0o777)
+        with lock if take_over else contextlib.nullcontext():
+            checkpoint = cls._read_files(path, read_boot_id(boot_id_path), lock)
+            if take_over and checkpoint._on_disk_seq < 0:
+                try:
+                    checkpoint._save(durable=True)
+                except CheckpointError as exc:
+                    # A full disk must not stop the agent's start (its recovery reports
+                    # what it cannot do); the next write that succeeds takes it over.
+                    log.warning(
+                        "checkpoint not taken over yet", extra={"fields": {"error": str(exc)}}
+                    )
+        return checkpoint
+
+    @classmethod
+    def _read_files(cls, path: Path, boot_id: str | None, lock: ProcessLock) -> Checkpoint:
         read = _read(path)
         if read is None:
-            empty = cls(path, boot_id=boot_id)
+            empty = cls(path, boot_id=boot_id, lock=lock)
             empty._boot_known = boot_id is not None
             empty._changes_bytes = len(empty._changes.read())  # emptied by the first write
             return empty
-        doc, base, replayed = read
+        doc, base, replayed, identity = read
 
         major = doc.get("majorVersion", CHECKPOINT_MAJOR_VERSION)
         if not isinstance(major, int) or isinstance(major, bool) or major < 1:
@@ -469,7 +543,9 @@ class Checkpoint:
             unreadable=unreadable,
             extra={k: v for k, v in doc.items() if k not in _TOP_KEYS},
             file_version=file_version,
+            lock=lock,
         )
+        checkpoint._identity = identity
         checkpoint._boot_known = boot_id is not None
         checkpoint._boot_on_disk = boot_id is not None and stored_boot == boot_id
         checkpoint._changes_bytes = replayed.size + replayed.ignored
@@ -779,20 +855,56 @@ class Checkpoint:
         may still be running in its thread when the next one starts: the lock keeps
         them apart, and the older snapshot is skipped rather than put back over the
         newer one, which holds all it held (or its undoing, for a failed write)."""
-        with self._write_lock:
-            if snap.seq < self._on_disk_seq:
-                return
-            data = self._encode(snap)
-            durable = durable or not self._boot_on_disk
-            try:
-                # The folder is created on first use (and again if someone removed it).
-                atomic_write(self._path, data, mode=0o600, sync_folder=durable, folder_mode=0o777)
-            except OSError as exc:
-                raise CheckpointError(f"cannot write checkpoint {self._path}: {exc}") from exc
-            self._on_disk_seq = snap.seq
-            if durable and self._boot_known:
-                self._boot_on_disk = True  # the file names this boot from now on
-            self._restart_changes(data)
+        with self._write_lock, self._locked():
+            if snap.seq >= self._on_disk_seq:
+                self._replace(snap, durable=durable)
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        """The lock between processes (an error taking it is a CheckpointError)."""
+        try:
+            self._lock.__enter__()
+        except OSError as exc:
+            raise CheckpointError(f"cannot lock checkpoint {self._lock.path}: {exc}") from exc
+        try:
+            yield
+        finally:
+            self._lock.__exit__()
+
+    def _replace(self, snap: _Snapshot, *, durable: bool) -> None:
+        """Replace the file with `snap` (both locks held)."""
+        self._check_owner()
+        data = self._encode(snap)
+        durable = durable or not self._boot_on_disk
+        try:
+            # The folder is created on first use (and again if someone removed it).
+            atomic_write(self._path, data, mode=0o600, sync_folder=durable, folder_mode=0o777)
+            self._identity = _identity_of(self._path)
+        except OSError as exc:
+            raise CheckpointError(f"cannot write checkpoint {self._path}: {exc}") from exc
+        self._on_disk_seq = snap.seq
+        if durable and self._boot_known:
+            self._boot_on_disk = True  # the file names this boot from now on
+        self._restart_changes(data)
+
+    def _check_owner(self) -> bool:
+        """Whether the file is there as this process last read or wrote it (False:
+        gone, to be written anew); raises CheckpointError where another process
+        changed it since: a newer agent took it over, or someone edited it."""
+        try:
+            identity = _identity_of(self._path)
+        except OSError as exc:
+            raise CheckpointError(f"cannot read checkpoint {self._path}: {exc}") from exc
+        if identity is None:
+            return False
+        if identity != self._identity:
+            raise CheckpointError(
+                f"checkpoint {self._path} was changed by another process since this agent "
+                "read it (a newer agent on this node took it over, as in a rolling update "
+                "with a surge pod, or the file was edited): this agent no longer writes "
+                "it; restart the agent to read it again"
+            )
+        return True
 
     def _restart_changes(self, data: bytes) -> None:
         """The file is now `data`: the changes file starts again, empty, on it. If it
@@ -830,8 +942,17 @@ class Checkpoint:
     def _append(self, snap: _Snapshot, after: int) -> None:
         """Append the claims the staged changes (after, snap.seq] changed, as `snap` has
         them, to the changes file (`_appendable` said they may be)."""
-        with self._write_lock:
-            if snap.seq < self._on_disk_seq or self._base is None:
+        with self._write_lock, self._locked():
+            if snap.seq < self._on_disk_seq:
+                return
+            if (
+                self._base is None
+                or not self._check_owner()
+                or not self._changes.holds(self._changes_bytes)
+            ):
+                # Emptied by a write that failed after `_appendable`, removed, or
+                # written by someone else: the whole file again, which restarts it.
+                self._replace(snap, durable=False)
                 return
             uids: dict[str, None] = {}
             for change in self._journal:
@@ -874,8 +995,9 @@ class Checkpoint:
         return fragment
 
     def close(self) -> None:
-        """Close the changes file (opened again if written after)."""
+        """Close the changes file and the lock (opened again if written after)."""
         self._changes.close()
+        self._lock.close()
 
     def _save(
         self,
@@ -1052,7 +1174,11 @@ class GroupCommit:
         then finds every change. The agent calls it when it stops."""
         cp = self._cp
         if cp._changes_bytes:
-            await self.apply(lambda c: c._save(durable=True))
+            try:
+                await self.apply(lambda c: c._save(durable=True))
+            except CheckpointError as exc:
+                # Another agent has the file now: its state, not this one's, stays.
+                log.warning("checkpoint not compacted", extra={"fields": {"error": str(exc)}})
         cp.close()
 
     async def _durable(self, seq: int) -> None:
@@ -1105,9 +1231,11 @@ class GroupCommit:
             cp._revert(self._written, snap.seq)
 
 
-def load(path: Path, *, boot_id_path: Path = DEFAULT_BOOT_ID_PATH) -> Checkpoint:
+def load(
+    path: Path, *, boot_id_path: Path = DEFAULT_BOOT_ID_PATH, take_over: bool = False
+) -> Checkpoint:
     """Read the checkpoint at `path`; see `Checkpoint.load`."""
-    return Checkpoint.load(path, boot_id_path=boot_id_path)
+    return Checkpoint.load(path, boot_id_path=boot_id_path, take_over=take_over)
 
 
 def document(path: Path) -> dict[str, Any]:
@@ -1124,10 +1252,29 @@ def document_of(raw: bytes, changes: bytes, *, where: str = "checkpoint") -> dic
     return _parse(raw, changes, where)[0]
 
 
-def _read(path: Path) -> tuple[dict[str, Any], str, Replayed] | None:
-    """The checkpoint file at `path` with its changes applied (`_parse`); None when
-    there is no file."""
+_Identity: TypeAlias = tuple[int, int, int, int]
+
+
+def _identity_of(path: Path) -> _Identity | None:
+    """What tells one version of a file from another (None: no file): its inode, for a
+    file replaced, and size and modification time, for one edited in place."""
     try:
+        st = path.stat()
+    except FileNotFoundError:
+        return None
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def _lock_path(path: Path) -> Path:
+    """The lock file beside the checkpoint (hidden: not a checkpoint file itself)."""
+    return path.with_name(f".{path.name}.lock")
+
+
+def _read(path: Path) -> tuple[dict[str, Any], str, Replayed, _Identity | None] | None:
+    """The checkpoint file at `path` with its changes applied (`_parse`) and the
+    file's identity; None when there is no file."""
+    try:
+        identity = _identity_of(path)
         raw = path.read_bytes()
     except FileNotFoundError:
         return None
@@ -1138,7 +1285,7 @@ def _read(path: Path) -> tuple[dict[str, Any], str, Replayed] | None:
         data = changes.read()
     except OSError as exc:
         raise CheckpointError(f"cannot read checkpoint changes {changes.path}: {exc}") from exc
-    return _parse(raw, data, str(path))
+    return (*_parse(raw, data, str(path)), identity)
 
 
 def _parse(raw: bytes, changes: bytes, where: str) -> tuple[dict[str, Any], str, Replayed]:

@@ -135,6 +135,12 @@ class ChangesFile:
             self._fd = os.open(self.path, flags, 0o600)
         return self._fd
 
+    def holds(self, size: int) -> bool:
+        """Whether the file is still there with `size` bytes: the lines this process
+        appended and nothing else (not removed, emptied or written to by another)."""
+        st = os.fstat(self._open())
+        return st.st_nlink > 0 and st.st_size == size
+
     def append(self, line: bytes) -> None:
         """Append `line` (not synced). A failure may leave part of it behind: the caller
         must empty the file (by replacing the checkpoint file) before appending again."""
@@ -143,8 +149,10 @@ class ChangesFile:
     def empty(self) -> None:
         """Drop every line (their checkpoint file was replaced); a missing file is empty."""
         if self._fd is not None:
-            os.ftruncate(self._fd, 0)
-            return
+            if os.fstat(self._fd).st_nlink > 0:
+                os.ftruncate(self._fd, 0)
+                return
+            self.close()  # removed: a new one is made by the next append
         try:
             fd = os.open(self.path, os.O_WRONLY | os.O_TRUNC | os.O_CLOEXEC)
         except FileNotFoundError:

@@ -66,6 +66,9 @@ class ClaimSpecs:
     ) -> None:
         self._driver_root = driver_root
         self._dev_root = dev_root
+        # Where the host's /dev is seen from here, as a string ("" for "/"): joined on
+        # every prepare, cheaper than Path arithmetic.
+        self._dev_prefix = "" if dev_root == Path("/") else str(dev_root)
         self._proc_root = proc_root
         self._libraries = tuple(driver_libraries)
         self._host_view = host_view
@@ -106,7 +109,7 @@ class ClaimSpecs:
         return self._common
 
     def _node_path(self, path: str) -> DeviceNode:
-        host = None if self._dev_root == Path("/") else str(self._dev_root / path.lstrip("/"))
+        host = f"{self._dev_prefix}/{path.lstrip('/')}" if self._dev_prefix else None
         numbers = self._device_numbers(path) if self._device_numbers is not None else None
         return numbered(path, host, numbers)
 

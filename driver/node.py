@@ -288,28 +288,38 @@ class NodeService:
         async with anyio.create_task_group() as tg:
             await tg.start(self.agent.run)
             if self.preparer is not None and self.plugin is not None:
-                report = await self.preparer.recover()
-                log.info("recovered from the checkpoint", extra={"fields": {"report": str(report)}})
-                self.agent.slices.trigger()  # the checkpoint now names gpudra's MIG instances
                 try:
-                    await self.plugin.start()
-                    if self.sampler is not None or self.status_writer is not None:
-                        tg.start_soon(self._reread_prepared_claims)
-                    if self.sampler is not None:
-                        await tg.start(self.tenants.run, self._kube)
-                        tg.start_soon(self._read_holding_pods, self.sampler.interval_s)
-                        await tg.start(self.sampler.run)
-                    if self.status_writer is not None:
-                        await tg.start(self.status_writer.run)
-                    self.ready.set()
-                    task_status.started()
-                    await self._sweep_deleted_claims()
+                    await self._serve(tg, task_status)
                 finally:
-                    await self.plugin.stop()
+                    # Also when stopped during recovery: what it appended goes into the file.
                     await self.preparer.close()
             else:
                 self.ready.set()
                 task_status.started()
+
+    async def _serve(
+        self, tg: anyio.abc.TaskGroup, task_status: anyio.abc.TaskStatus[None]
+    ) -> None:
+        """Recover, then serve the kubelet until cancelled."""
+        assert self.preparer is not None and self.plugin is not None
+        report = await self.preparer.recover()
+        log.info("recovered from the checkpoint", extra={"fields": {"report": str(report)}})
+        self.agent.slices.trigger()  # the checkpoint now names gpudra's MIG instances
+        try:
+            await self.plugin.start()
+            if self.sampler is not None or self.status_writer is not None:
+                tg.start_soon(self._reread_prepared_claims)
+            if self.sampler is not None:
+                await tg.start(self.tenants.run, self._kube)
+                tg.start_soon(self._read_holding_pods, self.sampler.interval_s)
+                await tg.start(self.sampler.run)
+            if self.status_writer is not None:
+                await tg.start(self.status_writer.run)
+            self.ready.set()
+            task_status.started()
+            await self._sweep_deleted_claims()
+        finally:
+            await self.plugin.stop()
 
     async def _reread_prepared_claims(self) -> None:
         """Read the claims prepared before this start again, for what the checkpoint does

@@ -295,9 +295,14 @@ class ClaimPreparer:
         if self._commit is None:
             async with self._lock:
                 if self._commit is None:
+                    # Taken over: an agent a rolling update is replacing can no longer
+                    # write it (see `Checkpoint.load`).
                     cp = await anyio.to_thread.run_sync(
                         functools.partial(
-                            load_checkpoint, self._checkpoint_path, boot_id_path=self._boot_id_path
+                            load_checkpoint,
+                            self._checkpoint_path,
+                            boot_id_path=self._boot_id_path,
+                            take_over=True,
                         )
                     )
                     self._commit = GroupCommit(cp, lock=self._lock)
@@ -811,12 +816,16 @@ class ClaimPreparer:
         where = (
             f"then create the file {marker} on the node, and the agent forgets the record"
             if marker is not None
-            else f"then, with the agent stopped, remove it from {self._checkpoint_path}"
+            else (
+                f"then, with the agent stopped (stopped, not killed: its stop folds "
+                f"{self._checkpoint_path.name}.changes into the file, whose pending lines "
+                f"an edit would void), remove it from {self._checkpoint_path}"
+            )
         )
         return (
             "undo what it describes by hand (MIG instances, MPS daemon, compute mode), "
-            f"{where} (the agent writes back the checkpoint it holds, so editing the file "
-            "while it runs does not stick)"
+            f"{where} (an edit while the agent runs does not stick: the agent then stops "
+            "writing the file until it is restarted)"
         )
 
     def _marked_undone(self, uid: str) -> bool:

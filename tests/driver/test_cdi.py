@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from gpudra.driver import cdi as cdi_module
 from gpudra.driver.cdi import (
     DEFAULT_KIND,
     LIBRARY_MOUNT_OPTIONS,
@@ -49,6 +50,38 @@ def _no_temp_files(directory: Path) -> bool:
 
 
 # --- spec content ---
+
+
+def test_a_store_converts_the_same_common_edits_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The node's control nodes and driver files are one object for every prepare:
+    checked and converted for the first spec, reused after; other edits afresh."""
+    converted: list[ContainerEdits] = []
+    real = cdi_module._edits_json
+
+    def counting(edits: ContainerEdits) -> dict[str, Any]:
+        converted.append(edits)
+        return real(edits)
+
+    monkeypatch.setattr(cdi_module, "_edits_json", counting)
+    store = CdiSpecStore(tmp_path)
+    common = ContainerEdits(
+        device_nodes=(DeviceNode("/dev/nvidiactl"),),
+        mounts=(Mount("/usr/lib/libcuda.so.1", "/usr/lib/libcuda.so.1", ("ro", "rbind")),),
+    )
+    first = store.build(UID, [_gpu_device("gpu-0", 0)], common_edits=common)
+    second = store.build(UID_LETTER, [_gpu_device("gpu-1", 1)], common_edits=common)
+    assert converted.count(common) == 1 and len(converted) == 3  # + each spec's device
+    assert first == build_spec(UID, [_gpu_device("gpu-0", 0)], common_edits=common)
+    assert second["containerEdits"] == first["containerEdits"]
+    other = ContainerEdits(device_nodes=(DeviceNode("/dev/nvidia-uvm"),))
+    third = store.build(UID, [_gpu_device()], common_edits=other)
+    assert third["containerEdits"] == {"deviceNodes": [{"path": "/dev/nvidia-uvm"}]}
+    bad = ContainerEdits(env={"BAD=KEY": "x"})
+    for _ in range(2):  # a bad one is refused every time, never kept
+        with pytest.raises(CdiError, match="BAD=KEY"):
+            store.build(UID, [_gpu_device()], common_edits=bad)
 
 
 def test_spec_has_one_device_per_prepared_device_and_common_edits_on_top() -> None:

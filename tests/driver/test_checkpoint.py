@@ -3,11 +3,13 @@
 import asyncio
 import json
 import os
+import shutil
 import stat
 import tempfile
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -573,7 +575,11 @@ def test_failed_write_changes_neither_disk_nor_memory(
     with pytest.raises(CheckpointError):
         checkpoint.begin_prepare(CLAIM_2)
     assert cp_path.read_bytes() == before
-    assert sorted(p.name for p in cp_path.parent.iterdir()) == [cp_path.name]
+    # No temp file left: the checkpoint and the lock its writes take.
+    assert sorted(p.name for p in cp_path.parent.iterdir()) == [
+        f".{cp_path.name}.lock",
+        cp_path.name,
+    ]
     record = checkpoint.get(CLAIM_1.uid)
     assert record is not None and not record.completed
     assert checkpoint.get(CLAIM_2.uid) is None
@@ -595,7 +601,7 @@ def test_full_disk_gives_a_clear_error_and_keeps_the_old_checkpoint(
     assert str(path) in str(error.value)
     assert "No space left on device" in str(error.value)
     assert path.read_bytes() == before
-    assert sorted(p.name for p in path.parent.iterdir()) == [path.name]  # no temp file
+    assert not [p for p in path.parent.iterdir() if p.name.endswith(".tmp")]  # none left
     assert checkpoint.get(CLAIM_2.uid) is None
     # Once there is room again, the next write succeeds.
     (small_fs / "filler").unlink()
@@ -623,11 +629,33 @@ def test_records_are_detached_from_caller_data(cp_path: Path, boot: Path) -> Non
     assert record is not None and record.devices[0].details.extra == {"pid": 1}
 
 
+def test_a_plain_record_is_kept_as_given_and_reads_back_the_same(cp_path: Path, boot: Path) -> None:
+    """A planned whole GPU's record holds nothing that can change: kept without a copy
+    (a prepare's bookkeeping, twice per claim), and what a restart reads is equal. One
+    that holds something mutable, or a value of another type, is copied from its JSON."""
+    checkpoint = _load(cp_path, boot)
+    details = DeviceDetails(
+        type="gpu", request="gpu", gpu_uuid="GPU-1", gpu_minor=1, uuid="GPU-1", pod="p"
+    )
+    plain = _gpu(details=details)
+    started = checkpoint.begin_prepare(CLAIM_1, [plain])
+    assert started.devices[0] is plain
+    assert _load(cp_path, boot).get(CLAIM_1.uid) == started
+
+    names = ["gpu"]
+    listed = _gpu("gpu-1", request_names=names, details=details)
+    minor_true = _gpu("gpu-2", details=replace(details, gpu_minor=True))
+    second = checkpoint.begin_prepare(CLAIM_2, [listed, minor_true])
+    names.append("other")
+    assert second.devices[0] is not listed and second.devices[0].request_names == ("gpu",)
+    assert second.devices[1] is not minor_true
+    assert _load(cp_path, boot).get(CLAIM_2.uid) == second
+
+
 def test_write_recreates_a_removed_state_folder(cp_path: Path, boot: Path) -> None:
     checkpoint = _load(cp_path, boot)
     checkpoint.begin_prepare(CLAIM_1, [_gpu()])
-    cp_path.unlink()
-    cp_path.parent.rmdir()
+    shutil.rmtree(cp_path.parent)
     checkpoint.complete_prepare(CLAIM_1.uid, [_gpu()])
     record = _load(cp_path, boot).get(CLAIM_1.uid)
     assert record is not None and record.completed
@@ -1154,3 +1182,62 @@ def test_a_power_loss_leaves_the_state_of_an_earlier_write(
 
         anyio.run(more)
         assert _state(_load(path, boot), set()) == _state(after, set())
+
+
+@pytest.mark.anyio
+async def test_a_newer_agent_takes_the_file_over_from_the_one_it_replaces(
+    cp_path: Path, boot: Path
+) -> None:
+    """A rolling update with a surge pod runs the new agent beside the old one on the
+    same files. The new one's load replaces the file under the lock every write takes:
+    from then on the old one's writes are refused (they would be lost, or stop a reader
+    at their lines), and its stop leaves the new one's state in place."""
+    old = GroupCommit(load(cp_path, boot_id_path=boot, take_over=True))
+    await old.apply(lambda cp: cp.begin_prepare(CLAIM_1, [_gpu("gpu-0")]))
+    await old.apply(lambda cp: cp.complete_prepare(CLAIM_1.uid, [_gpu("gpu-0")]))
+
+    new = GroupCommit(load(cp_path, boot_id_path=boot, take_over=True))
+    taken = new.checkpoint.get(CLAIM_1.uid)
+    assert taken is not None and taken.completed  # it read the old agent's line
+    assert list(_file_claims(cp_path)) == [CLAIM_1.uid]  # and wrote the file anew
+
+    with pytest.raises(CheckpointError, match="another process"):
+        await old.apply(lambda cp: cp.remove(CLAIM_1.uid))
+    assert old.checkpoint.get(CLAIM_1.uid) is not None  # memory as on disk
+    with pytest.raises(CheckpointError, match="another process"):
+        await old.apply(lambda cp: cp.begin_prepare(CLAIM_3, [_gpu("gpu-2")]))
+
+    await new.apply(lambda cp: cp.begin_prepare(CLAIM_2, [_gpu("gpu-1")], persist=False))
+    await new.apply(lambda cp: cp.complete_prepare(CLAIM_2.uid, [_gpu("gpu-1")]))
+    await old.compact()  # the old agent stops: nothing of its own goes back
+    assert sorted(c.uid for c in _load(cp_path, boot).claims()) == [CLAIM_1.uid, CLAIM_2.uid]
+    await new.compact()
+    assert sorted(_file_claims(cp_path)) == [CLAIM_1.uid, CLAIM_2.uid]
+
+
+@pytest.mark.anyio
+async def test_a_changes_file_removed_or_written_by_another_is_replaced(
+    cp_path: Path, boot: Path
+) -> None:
+    """The next change replaces the file rather than add a line no reader would get to:
+    after the changes file was removed (its lines would go to a file no one sees), or
+    after someone else wrote to it."""
+    checkpoint = load(cp_path, boot_id_path=boot, take_over=True)
+    commit = GroupCommit(checkpoint)
+    changes = ChangesFile(cp_path).path
+    for damage in ("removed", "written"):
+        await commit.apply(lambda cp: cp.begin_prepare(CLAIM_1, [_gpu()], persist=False))
+        await commit.apply(lambda cp: cp.complete_prepare(CLAIM_1.uid, [_gpu()]))
+        assert ChangesFile(cp_path).read()
+        if damage == "removed":
+            changes.unlink()
+        else:
+            with changes.open("ab") as file:
+                file.write(b"junk\n")
+        await commit.apply(lambda cp: cp.remove(CLAIM_1.uid))
+        assert _file_claims(cp_path) == {}, damage  # replaced
+        assert ChangesFile(cp_path).read() == b"", damage
+        await commit.apply(lambda cp: cp.begin_prepare(CLAIM_2, [_gpu()], persist=False))
+        await commit.apply(lambda cp: cp.complete_prepare(CLAIM_2.uid, [_gpu()]))
+        assert _state(_load(cp_path, boot), set()) == _state(checkpoint, set()), damage
+        await commit.apply(lambda cp: cp.remove(CLAIM_2.uid))
