@@ -91,7 +91,14 @@ __all__ = [
 
 from gpudra.api import jsonbytes
 from gpudra.common.files import ProcessLock, atomic_write
-from gpudra.driver.checkpoint_changes import ChangesFile, Replayed, base_of, encode_line, replay
+from gpudra.driver.checkpoint_changes import (
+    ChangedError,
+    ChangesFile,
+    Replayed,
+    base_of,
+    encode_line,
+    replay,
+)
 from gpudra.driver.claims import ClaimRef
 from gpudra.driver.records import DeviceDetails, details_from_json, details_to_json
 
@@ -441,7 +448,7 @@ class Checkpoint:
         self._identity: _Identity | None = None
         self._base: str | None = None
         self._changes_n = 0
-        self._changes_bytes = 0
+        self._changes_bytes: int | None = 0
         # Set by GroupCommit while it applies a change: `_save` then only stages.
         self._staging = False
         # Changes staged so far, and what each replaced, for undo of a failed write.
@@ -463,7 +470,7 @@ class Checkpoint:
         stop does not put its state back over this one (`_check_owner`).
         """
         lock = ProcessLock(_lock_path(path), folder_mode=0o777)
-        with lock if take_over else contextlib.nullcontext():
+        with _taken(lock) if take_over else contextlib.nullcontext():
             checkpoint = cls._read_files(path, read_boot_id(boot_id_path), lock)
             if take_over and checkpoint._on_disk_seq < 0:
                 try:
@@ -874,18 +881,43 @@ class Checkpoint:
     def _replace(self, snap: _Snapshot, *, durable: bool) -> None:
         """Replace the file with `snap` (both locks held)."""
         self._check_owner()
+        self._check_changes()  # lines another process appended are never dropped
         data = self._encode(snap)
         durable = durable or not self._boot_on_disk
         try:
             # The folder is created on first use (and again if someone removed it).
             atomic_write(self._path, data, mode=0o600, sync_folder=durable, folder_mode=0o777)
+        except OSError as exc:
+            # It may have failed after the rename (syncing the folder): the file is then
+            # this process's, and the changes file no longer extends it.
+            self._base = None
+            with contextlib.suppress(OSError):
+                self._identity = _identity_of(self._path)
+            raise CheckpointError(f"cannot write checkpoint {self._path}: {exc}") from exc
+        try:
             self._identity = _identity_of(self._path)
         except OSError as exc:
-            raise CheckpointError(f"cannot write checkpoint {self._path}: {exc}") from exc
+            self._base = None
+            raise CheckpointError(f"cannot read checkpoint {self._path}: {exc}") from exc
         self._on_disk_seq = snap.seq
         if durable and self._boot_known:
             self._boot_on_disk = True  # the file names this boot from now on
         self._restart_changes(data)
+
+    def _check_changes(self) -> bool:
+        """Whether the changes file holds just the lines this process appended (False:
+        removed, or unknown after a failed append); raises CheckpointError where
+        another process wrote to it (an agent that could not take the file over)."""
+        try:
+            return self._changes.check(self._changes_bytes)
+        except ChangedError as exc:
+            raise CheckpointError(
+                f"checkpoint changes {self._changes.path} were written by another process "
+                f"({exc}): this agent no longer writes the checkpoint; restart it to read "
+                "it again"
+            ) from None
+        except OSError as exc:
+            raise CheckpointError(f"cannot read {self._changes.path}: {exc}") from exc
 
     def _check_owner(self) -> bool:
         """Whether the file is there as this process last read or wrote it (False:
@@ -911,7 +943,7 @@ class Checkpoint:
         cannot be emptied, nothing is appended to it (every write replaces the file),
         and its lines, whose base is an older file, are never read."""
         self._base = None
-        if self._changes_bytes:
+        if self._changes_bytes != 0:  # None: unknown
             try:
                 self._changes.empty()
             except OSError as exc:
@@ -928,7 +960,12 @@ class Checkpoint:
         none must survive a power loss (nor may any write, before the boot ID is on
         disk), none changes the previous boot's claims or adds an unreadable record,
         and the changes file extends the file on disk and is not too long."""
-        if self._base is None or not self._boot_on_disk or self._changes_bytes >= _CHANGES_LIMIT:
+        if (
+            self._base is None
+            or self._changes_bytes is None
+            or not self._boot_on_disk
+            or self._changes_bytes >= _CHANGES_LIMIT
+        ):
             return False
         for change in self._journal:
             if after < change.seq <= upto and (
@@ -945,13 +982,9 @@ class Checkpoint:
         with self._write_lock, self._locked():
             if snap.seq < self._on_disk_seq:
                 return
-            if (
-                self._base is None
-                or not self._check_owner()
-                or not self._changes.holds(self._changes_bytes)
-            ):
-                # Emptied by a write that failed after `_appendable`, removed, or
-                # written by someone else: the whole file again, which restarts it.
+            if self._base is None or not self._check_owner() or not self._check_changes():
+                # Emptied by a write that failed after `_appendable`, or removed: the
+                # whole file again, which restarts the changes file.
                 self._replace(snap, durable=False)
                 return
             uids: dict[str, None] = {}
@@ -963,14 +996,15 @@ class Checkpoint:
             try:
                 self._changes.append(line)
             except OSError as exc:
-                # Part of the line may be there: nothing more goes after it.
+                # Part of the line may be there: nothing more goes after it, and the
+                # next write replaces the file and empties this one.
                 self._base = None
-                self._changes_bytes += len(line)
+                self._changes_bytes = None
                 raise CheckpointError(
                     f"cannot write checkpoint changes {self._changes.path}: {exc}"
                 ) from exc
             self._changes_n += 1
-            self._changes_bytes += len(line)
+            self._changes_bytes = (self._changes_bytes or 0) + len(line)
             self._on_disk_seq = snap.seq
 
     def _fragment(self, snap: _Snapshot) -> Callable[[str], bytes]:
@@ -995,9 +1029,11 @@ class Checkpoint:
         return fragment
 
     def close(self) -> None:
-        """Close the changes file and the lock (opened again if written after)."""
-        self._changes.close()
-        self._lock.close()
+        """Close the changes file and the lock (opened again if written after); after a
+        write still running in a thread (see `_write`), which holds them."""
+        with self._write_lock:
+            self._changes.close()
+            self._lock.close()
 
     def _save(
         self,
@@ -1173,7 +1209,7 @@ class GroupCommit:
         release that reads the checkpoint file alone (one from before the changes file)
         then finds every change. The agent calls it when it stops."""
         cp = self._cp
-        if cp._changes_bytes:
+        if cp._changes_bytes != 0:  # None: unknown after a failed line
             try:
                 await self.apply(lambda c: c._save(durable=True))
             except CheckpointError as exc:
@@ -1263,6 +1299,23 @@ def _identity_of(path: Path) -> _Identity | None:
     except FileNotFoundError:
         return None
     return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
+@contextlib.contextmanager
+def _taken(lock: ProcessLock) -> Iterator[None]:
+    """`lock` held, or, where it cannot be taken (its file cannot be made: a full or
+    read-only disk), not: that must not stop the agent's start, and every write then
+    tries it again and fails with the reason."""
+    try:
+        lock.__enter__()
+    except OSError as exc:
+        log.warning("checkpoint lock not taken", extra={"fields": {"error": str(exc)}})
+        yield
+        return
+    try:
+        yield
+    finally:
+        lock.__exit__()
 
 
 def _lock_path(path: Path) -> Path:

@@ -46,7 +46,15 @@ from typing import Any, Final
 
 from gpudra.common.files import write_all
 
-__all__ = ["CHANGES_SUFFIX", "ChangesFile", "Replayed", "base_of", "encode_line", "replay"]
+__all__ = [
+    "CHANGES_SUFFIX",
+    "ChangedError",
+    "ChangesFile",
+    "Replayed",
+    "base_of",
+    "encode_line",
+    "replay",
+]
 
 CHANGES_SUFFIX: Final = ".changes"
 """Appended to the checkpoint file's name: `checkpoint.json.changes`."""
@@ -113,6 +121,10 @@ def replay(claims: dict[str, Any], data: bytes, base: str) -> Replayed:
     return Replayed(applied, size, len(data) - size)
 
 
+class ChangedError(Exception):
+    """The changes file was written by another process since this one's last line."""
+
+
 class ChangesFile:
     """The open changes file of one checkpoint: appends, and emptying.
 
@@ -135,11 +147,21 @@ class ChangesFile:
             self._fd = os.open(self.path, flags, 0o600)
         return self._fd
 
-    def holds(self, size: int) -> bool:
-        """Whether the file is still there with `size` bytes: the lines this process
-        appended and nothing else (not removed, emptied or written to by another)."""
-        st = os.fstat(self._open())
-        return st.st_nlink > 0 and st.st_size == size
+    def check(self, size: int | None) -> bool:
+        """Whether the file holds `size` bytes (None: unknown, after a failed append),
+        the lines this process appended and nothing else; False when it was removed (a
+        new one is made by the next append). Raises ChangedError where another process
+        wrote to it or emptied it."""
+        if self._fd is not None and os.fstat(self._fd).st_nlink == 0:
+            self.close()
+            return False
+        try:
+            actual = self.path.stat().st_size
+        except FileNotFoundError:
+            return size == 0  # none yet: the first line makes it
+        if size is not None and actual != size:
+            raise ChangedError(f"{self.path} holds {actual} bytes, not the {size} written here")
+        return size is not None
 
     def append(self, line: bytes) -> None:
         """Append `line` (not synced). A failure may leave part of it behind: the caller
