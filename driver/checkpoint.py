@@ -444,7 +444,7 @@ class Checkpoint:
         # rolling update with a surge pod runs the new agent beside the old one, on the
         # same files. `_identity` is the file as this process last read or wrote it
         # (None: none); one changed since by another process is never written over.
-        self._lock = lock if lock is not None else ProcessLock(_lock_path(path), folder_mode=0o777)
+        self._lock = lock if lock is not None else _Lock(_lock_path(path), folder_mode=0o777)
         self._identity: _Identity | None = None
         self._base: str | None = None
         self._changes_n = 0
@@ -469,7 +469,7 @@ class Checkpoint:
         one (the agent a rolling update is replacing) is refused its writes, and its
         stop does not put its state back over this one (`_check_owner`).
         """
-        lock = ProcessLock(_lock_path(path), folder_mode=0o777)
+        lock = _Lock(_lock_path(path), folder_mode=0o777)
         with _taken(lock) if take_over else contextlib.nullcontext():
             checkpoint = cls._read_files(path, read_boot_id(boot_id_path), lock)
             if take_over and checkpoint._on_disk_seq < 0:
@@ -613,9 +613,15 @@ class Checkpoint:
     def holders(
         self, device_key: DeviceKey | tuple[str, str]
     ) -> list[tuple[ClaimRecord, DeviceRecord]]:
-        """Every claim (prepared or being prepared) holding the device, with its record."""
-        key = DeviceKey(*device_key)
-        return [(c, d) for c in self._claims.values() for d in c.devices if d.key == key]
+        """Every claim (prepared or being prepared) holding the device, with its record.
+        (Compared field by field: run for each device of each prepare, over every claim.)"""
+        pool, device = device_key
+        return [
+            (c, d)
+            for c in self._claims.values()
+            for d in c.devices
+            if d.device == device and d.pool == pool
+        ]
 
     def previous_boot(self) -> list[ClaimRecord]:
         """Claims prepared before the last reboot, kept until `forget_previous_boot`.
@@ -862,21 +868,9 @@ class Checkpoint:
         may still be running in its thread when the next one starts: the lock keeps
         them apart, and the older snapshot is skipped rather than put back over the
         newer one, which holds all it held (or its undoing, for a failed write)."""
-        with self._write_lock, self._locked():
+        with self._write_lock, self._lock:
             if snap.seq >= self._on_disk_seq:
                 self._replace(snap, durable=durable)
-
-    @contextlib.contextmanager
-    def _locked(self) -> Iterator[None]:
-        """The lock between processes (an error taking it is a CheckpointError)."""
-        try:
-            self._lock.__enter__()
-        except OSError as exc:
-            raise CheckpointError(f"cannot lock checkpoint {self._lock.path}: {exc}") from exc
-        try:
-            yield
-        finally:
-            self._lock.__exit__()
 
     def _replace(self, snap: _Snapshot, *, durable: bool) -> None:
         """Replace the file with `snap` (both locks held)."""
@@ -939,20 +933,20 @@ class Checkpoint:
         return True
 
     def _restart_changes(self, data: bytes) -> None:
-        """The file is now `data`: the changes file starts again, empty, on it. If it
-        cannot be emptied, nothing is appended to it (every write replaces the file),
-        and its lines, whose base is an older file, are never read."""
+        """The file is now `data`: the changes file starts again, empty, on it. Made
+        anew even when it was empty, since another process may hold it open (`empty`
+        says why). If that fails, nothing is appended to it (every write replaces the
+        file), and its lines, whose base is an older file, are never read."""
         self._base = None
-        if self._changes_bytes != 0:  # None: unknown
-            try:
-                self._changes.empty()
-            except OSError as exc:
-                log.warning(
-                    "cannot empty the checkpoint's changes file; every change now replaces "
-                    "the checkpoint file",
-                    extra={"fields": {"path": str(self._changes.path), "error": str(exc)}},
-                )
-                return
+        try:
+            self._changes.empty()
+        except OSError as exc:
+            log.warning(
+                "cannot empty the checkpoint's changes file; every change now replaces "
+                "the checkpoint file",
+                extra={"fields": {"path": str(self._changes.path), "error": str(exc)}},
+            )
+            return
         self._base, self._changes_n, self._changes_bytes = base_of(data), 0, 0
 
     def _appendable(self, after: int, upto: int) -> bool:
@@ -979,10 +973,16 @@ class Checkpoint:
     def _append(self, snap: _Snapshot, after: int) -> None:
         """Append the claims the staged changes (after, snap.seq] changed, as `snap` has
         them, to the changes file (`_appendable` said they may be)."""
-        with self._write_lock, self._locked():
+        with self._write_lock, self._lock:
             if snap.seq < self._on_disk_seq:
                 return
-            if self._base is None or not self._check_owner() or not self._check_changes():
+            # Held open, the changes file tells a take-over (it is removed) and another
+            # writer (it grew): no look at the checkpoint file itself is needed.
+            if (
+                self._base is None
+                or (not self._changes.opened and not self._check_owner())
+                or not self._check_changes()
+            ):
                 # Emptied by a write that failed after `_appendable`, or removed: the
                 # whole file again, which restarts the changes file.
                 self._replace(snap, durable=False)
@@ -1301,6 +1301,16 @@ def _identity_of(path: Path) -> _Identity | None:
     return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
 
 
+class _Lock(ProcessLock):
+    """The checkpoint's lock between processes: an error taking it is a CheckpointError."""
+
+    def __enter__(self) -> None:
+        try:
+            super().__enter__()
+        except OSError as exc:
+            raise CheckpointError(f"cannot lock checkpoint {self.path}: {exc}") from exc
+
+
 @contextlib.contextmanager
 def _taken(lock: ProcessLock) -> Iterator[None]:
     """`lock` held, or, where it cannot be taken (its file cannot be made: a full or
@@ -1308,7 +1318,7 @@ def _taken(lock: ProcessLock) -> Iterator[None]:
     tries it again and fails with the reason."""
     try:
         lock.__enter__()
-    except OSError as exc:
+    except CheckpointError as exc:
         log.warning("checkpoint lock not taken", extra={"fields": {"error": str(exc)}})
         yield
         return

@@ -35,6 +35,7 @@ checkpoint file alone (those before this file existed) finds every change in it.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -147,20 +148,34 @@ class ChangesFile:
             self._fd = os.open(self.path, flags, 0o600)
         return self._fd
 
+    @property
+    def opened(self) -> bool:
+        """Whether this process holds the file open (from its first line, or since it
+        emptied it): then `check` needs no look at the folder."""
+        return self._fd is not None
+
     def check(self, size: int | None) -> bool:
         """Whether the file holds `size` bytes (None: unknown, after a failed append),
-        the lines this process appended and nothing else; False when it was removed (a
-        new one is made by the next append). Raises ChangedError where another process
-        wrote to it or emptied it."""
-        if self._fd is not None and os.fstat(self._fd).st_nlink == 0:
-            self.close()
-            return False
-        try:
-            actual = self.path.stat().st_size
-        except FileNotFoundError:
-            return size == 0  # none yet: the first line makes it
+        the lines this process appended and nothing else; False when it was removed
+        (the next `empty` makes a new one). Raises ChangedError where another process
+        wrote to it."""
+        if self._fd is not None:
+            st = os.fstat(self._fd)
+            if st.st_nlink == 0:  # removed, by another process's `empty` too
+                self.close()
+                return False
+            actual = st.st_size
+        else:
+            try:
+                actual = self.path.stat().st_size
+            except FileNotFoundError:
+                if size == 0:  # none yet: made now, and held open from here on
+                    self._open()
+                return size == 0
         if size is not None and actual != size:
             raise ChangedError(f"{self.path} holds {actual} bytes, not the {size} written here")
+        if size is not None and self._fd is None:
+            self._open()
         return size is not None
 
     def append(self, line: bytes) -> None:
@@ -169,17 +184,14 @@ class ChangesFile:
         write_all(self._open(), line)
 
     def empty(self) -> None:
-        """Drop every line (their checkpoint file was replaced); a missing file is empty."""
-        if self._fd is not None:
-            if os.fstat(self._fd).st_nlink > 0:
-                os.ftruncate(self._fd, 0)
-                return
-            self.close()  # removed: a new one is made by the next append
-        try:
-            fd = os.open(self.path, os.O_WRONLY | os.O_TRUNC | os.O_CLOEXEC)
-        except FileNotFoundError:
-            return
-        os.close(fd)
+        """Drop every line (their checkpoint file was replaced) by removing the file and
+        making a new one, held open. Removed rather than emptied in place, so that
+        another process holding the old one open (the agent a take-over replaced)
+        sees it removed before it adds a line no reader would get to."""
+        self.close()
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()
+        self._open()
 
     def close(self) -> None:
         if self._fd is not None:

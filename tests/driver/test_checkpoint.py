@@ -575,10 +575,11 @@ def test_failed_write_changes_neither_disk_nor_memory(
     with pytest.raises(CheckpointError):
         checkpoint.begin_prepare(CLAIM_2)
     assert cp_path.read_bytes() == before
-    # No temp file left: the checkpoint and the lock its writes take.
+    # No temp file left: the checkpoint, its (empty) changes file and the lock.
     assert sorted(p.name for p in cp_path.parent.iterdir()) == [
         f".{cp_path.name}.lock",
         cp_path.name,
+        f"{cp_path.name}.changes",
     ]
     record = checkpoint.get(CLAIM_1.uid)
     assert record is not None and not record.completed
@@ -1218,6 +1219,18 @@ async def test_a_newer_agent_takes_the_file_over_from_the_one_it_replaces(
     assert old.checkpoint.get(CLAIM_1.uid) is not None  # memory as on disk
     with pytest.raises(CheckpointError, match="another process"):
         await old.apply(lambda cp: cp.begin_prepare(CLAIM_3, [_gpu("gpu-2")]))
+
+    # Also where the old agent's changes file was empty when the new one took over.
+    older = GroupCommit(load(cp_path, boot_id_path=boot, take_over=True))
+    await older.apply(lambda cp: cp.remove(CLAIM_1.uid))  # a line, its first
+    await older.apply(lambda cp: cp.begin_prepare(CLAIM_3, [_gpu("gpu-2")]))  # replaced
+    newer = GroupCommit(load(cp_path, boot_id_path=boot, take_over=True))
+    with pytest.raises(CheckpointError, match="another process"):
+        await older.apply(lambda cp: cp.complete_prepare(CLAIM_3.uid, [_gpu("gpu-2")]))
+    await newer.apply(lambda cp: cp.remove(CLAIM_3.uid))
+    await newer.apply(lambda cp: cp.begin_prepare(CLAIM_1, [_gpu("gpu-0")]))
+    await newer.apply(lambda cp: cp.complete_prepare(CLAIM_1.uid, [_gpu("gpu-0")]))
+    new = newer
 
     await new.apply(lambda cp: cp.begin_prepare(CLAIM_2, [_gpu("gpu-1")], persist=False))
     await new.apply(lambda cp: cp.complete_prepare(CLAIM_2.uid, [_gpu("gpu-1")]))

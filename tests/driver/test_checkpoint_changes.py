@@ -3,11 +3,19 @@
 from __future__ import annotations
 
 import json
+import os
 import zlib
 from pathlib import Path
 from typing import Any
 
-from gpudra.driver.checkpoint_changes import ChangesFile, base_of, encode_line, replay
+import pytest
+from gpudra.driver.checkpoint_changes import (
+    ChangedError,
+    ChangesFile,
+    base_of,
+    encode_line,
+    replay,
+)
 
 BASE = base_of(b'{"claims":{}}\n')
 
@@ -76,15 +84,31 @@ def test_the_file_sits_beside_the_checkpoint_and_empties(tmp_path: Path) -> None
     changes = ChangesFile(tmp_path / "checkpoint.json")
     assert changes.path == tmp_path / "checkpoint.json.changes"
     assert changes.read() == b""
-    changes.empty()  # nothing to empty
-    assert not changes.path.exists()
+    assert changes.check(0) and changes.opened  # made, and held open from then on
     changes.append(b"one\n")
     changes.append(b"two\n")
     assert changes.read() == b"one\ntwo\n"
-    changes.empty()
-    changes.append(b"three\n")  # after the emptying, at the start again
-    assert changes.read() == b"three\n"
-    changes.close()
-    changes.empty()  # closed: emptied through the path
+    assert changes.check(8)
+    with changes.path.open("rb") as held:
+        changes.empty()  # a new, empty file: whoever held the old one sees it removed
+        assert os.fstat(held.fileno()).st_nlink == 0
     assert changes.read() == b""
+    changes.append(b"three\n")
+    assert changes.read() == b"three\n"
     assert changes.path.stat().st_mode & 0o777 == 0o600
+
+
+def test_a_removed_or_foreign_written_file_is_told_apart(tmp_path: Path) -> None:
+    mine = ChangesFile(tmp_path / "checkpoint.json")
+    mine.empty()
+    mine.append(b"one\n")
+    other = ChangesFile(tmp_path / "checkpoint.json")
+    assert other.check(4)  # read as it is, opened
+    other.append(b"two\n")
+    with pytest.raises(ChangedError, match="holds 8 bytes, not the 4"):
+        mine.check(4)
+    other.empty()  # as a take-over does
+    assert not mine.check(8) and not mine.opened  # removed under it
+    assert not mine.check(None)  # unknown after a failed line: replace the file
+    mine.close()
+    other.close()
