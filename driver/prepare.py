@@ -912,7 +912,9 @@ class ClaimPreparer:
                 functools.partial(self._stop_mps, daemon),
                 limiter=self._mps_threads,
             )
-        async with self._time_slice_lock:
+        # Taken only for a claim with time-slices: the lock yields a turn of the loop,
+        # and every other unprepare would pay it for nothing.
+        async with self._time_slice_lock if time_slices else contextlib.nullcontext():
             for uuid, applied in time_slices.items():
                 users = _time_slice_users(cp, uuid, excluding=record.uid)
                 keys = [
