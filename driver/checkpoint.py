@@ -368,33 +368,23 @@ def _plain(device: DeviceRecord) -> bool:
     a prepare's plan has it): such a record cannot change and reads back from its JSON
     as it is, so it needs no copy. Exact types: a subclass could carry anything."""
     details = device.details
+    if type(device) is not DeviceRecord or type(details) is not DeviceDetails:
+        return False
+    strings = (device.pool, device.device, details.type, details.request, details.pod)
+    optional = (device.share_id, details.gpu_uuid, details.uuid)
     return (
-        type(device) is DeviceRecord
-        and type(details) is DeviceDetails
-        and not device.extra
-        and not details.extra
-        and not details.problems
-        and details.mig is None
-        and details.time_slice is None
-        and details.compute_mode is None
+        not (device.extra or details.extra or details.problems)
+        and all(e is None for e in (details.mig, details.time_slice, details.compute_mode))
         and details.mps is None
         and type(device.request_names) is tuple
         and type(device.cdi_device_ids) is tuple
-        and all(type(v) is str for v in device.request_names)
+        and all(type(v) is str for v in (*strings, details.pod_uid, *device.request_names))
         and all(type(v) is str for v in device.cdi_device_ids)
-        and type(device.pool) is str
-        and type(device.device) is str
-        and type(device.share_id) in _OPTIONAL_STR
+        and all(type(v) in _OPTIONAL_STR for v in optional)
         and type(device.admin_access) is bool
         and type(device.exclusive) is bool
-        and type(details.type) is str
-        and details.type != ""  # a planned device's: its file shape lists every value
-        and type(details.request) is str
-        and type(details.pod) is str
-        and type(details.pod_uid) is str
-        and type(details.gpu_uuid) in _OPTIONAL_STR
-        and type(details.uuid) in _OPTIONAL_STR
         and type(details.gpu_minor) in _OPTIONAL_INT
+        and details.type != ""  # a planned device's: its file shape lists every value
     )
 
 
