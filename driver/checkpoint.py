@@ -48,7 +48,14 @@ writes before it returns, and the owner must serialise the calls. Through a
 share writes: while one write and fsync run, the changes made meanwhile queue up
 and go to disk together in the next one, and each task resumes only once a write
 holding its change has finished (its rename synced too where the change must
-survive a power loss). The file is never shared between processes.
+survive a power loss).
+
+Between processes: a rolling update with a surge pod runs the new agent beside the old
+one, on the same files. Every write holds a lock file beside the checkpoint and checks
+that the files are as this process left them; the new agent's load takes the file over
+(reads and replaces it under the lock, making the changes file anew), so the old agent's
+later writes are refused, not lost, and its stop leaves the new agent's records. Tools
+that only read (`load` without `take_over`, `document`) take no lock.
 """
 
 from __future__ import annotations
