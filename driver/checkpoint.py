@@ -513,6 +513,7 @@ class Checkpoint:
 
         claims: dict[str, ClaimRecord] = {}
         unreadable: dict[str, Any] = {}
+        encoded: dict[str, tuple[ClaimRecord, bytes]] = {}
         for uid, raw_claim in doc["claims"].items():
             try:
                 record = _keyed_claim_from_json(uid, raw_claim)
@@ -524,6 +525,10 @@ class Checkpoint:
                 unreadable[uid] = raw_claim
                 continue
             claims[uid] = record
+            # Written back as read until the claim changes: a record another release
+            # wrote keeps its shape (no field this release would add), also through the
+            # take-over's write (`load`).
+            encoded[uid] = (record, jsonbytes.dumps(uid) + b":" + jsonbytes.dumps(raw_claim))
 
         previous: list[ClaimRecord] = []
         raw_previous = doc.get("previousBoot") or []
@@ -550,6 +555,7 @@ class Checkpoint:
             lock=lock,
         )
         checkpoint._identity = identity
+        checkpoint._encoded = encoded
         checkpoint._boot_known = boot_id is not None
         checkpoint._boot_on_disk = boot_id is not None and stored_boot == boot_id
         checkpoint._changes_bytes = replayed.size + replayed.ignored

@@ -1303,3 +1303,37 @@ def test_a_write_that_failed_after_its_rename_does_not_lock_the_agent_out(
     monkeypatch.setattr(checkpoint_module, "atomic_write", atomic_write)
     checkpoint.begin_prepare(CLAIM_3, [_gpu("gpu-2")])
     assert [c.uid for c in _load(cp_path, boot).claims()] == [CLAIM_1.uid, CLAIM_3.uid]
+
+
+def test_the_take_over_writes_records_back_as_another_release_wrote_them(
+    cp_path: Path, boot: Path
+) -> None:
+    """The agent's start replaces the file (the take-over), but a record it did not
+    change keeps the shape its writer gave it: no field this release would add (here
+    `podUid`, which the previous release did not write)."""
+    record = {
+        "uid": CLAIM_1.uid,
+        "namespace": "ns",
+        "name": "claim-1",
+        "state": "PrepareCompleted",
+        "devices": [
+            {
+                "pool": "node-a",
+                "device": "gpu-0",
+                "requestNames": ["gpu"],
+                "cdiDeviceIds": ["k8s.gpu.nvidia.com/claim=x-gpu-0"],
+                "adminAccess": False,
+                "exclusive": True,
+                "details": {"type": "gpu", "request": "gpu", "uuid": "GPU-1", "pod": "p"},
+            }
+        ],
+    }
+    cp_path.parent.mkdir(parents=True)
+    cp_path.write_text(
+        json.dumps({"version": 1, "bootId": BOOT_A, "claims": {CLAIM_1.uid: record}})
+    )
+    checkpoint = load(cp_path, boot_id_path=boot, take_over=True)
+    assert "writeId" in _doc(cp_path)  # replaced
+    assert _file_claims(cp_path) == {CLAIM_1.uid: record}
+    checkpoint.begin_prepare(CLAIM_2, [_gpu("gpu-1")])  # another claim's change
+    assert _file_claims(cp_path)[CLAIM_1.uid] == record
