@@ -221,6 +221,21 @@ async def refused(client: Kube, obj: dict[str, Any]) -> str:
     return str(err.value)
 
 
+async def refused_once_loaded(client: Kube, kube: SyncKube, obj: dict[str, Any]) -> str:
+    """`refused`, for a refusal by a ValidatingAdmissionPolicy, which the API server
+    loads asynchronously: what it let through before then is deleted and tried again
+    (for up to 30 s)."""
+    meta = obj["metadata"]
+    with anyio.fail_after(30):
+        while True:
+            try:
+                await create(client, obj)
+            except AsyncApiError as exc:
+                return str(exc)
+            await call(kube.delete, obj["kind"], meta["name"], meta["namespace"])
+            await anyio.sleep(0.5)
+
+
 def forged_review(
     uid: str, namespace: str, obj: dict[str, Any], *, dry_run: bool = False
 ) -> dict[str, Any]:
@@ -806,15 +821,7 @@ async def test_a_tenant_cannot_make_its_own_claim_a_pods_or_release_a_held_one(
     }
     owned = gpu_claim(ns, "owned")
     owned["metadata"]["ownerReferences"] = [owner]
-    with anyio.fail_after(30):  # the API server loads policies asynchronously
-        while True:
-            try:
-                await create(tenant, owned)
-            except AsyncApiError as exc:
-                message = str(exc)
-                break
-            await call(kube.delete, "ResourceClaim", "owned", ns)
-            await anyio.sleep(0.5)
+    message = await refused_once_loaded(tenant, kube, owned)
     assert "only Kubernetes' controllers set a ResourceClaim's controlling owner" in message
 
     annotated = gpu_claim(ns, "annotated")
@@ -863,15 +870,7 @@ async def test_a_tenant_cannot_make_its_own_claim_a_pods_or_release_a_held_one(
         },
     }
     # Its own policy, which the API server may load later than the claims' one above.
-    with anyio.fail_after(30):
-        while True:
-            try:
-                await create(tenant, template)
-            except AsyncApiError as exc:
-                message = str(exc)
-                break
-            await call(kube.delete, "ResourceClaimTemplate", "marked", ns)
-            await anyio.sleep(0.5)
+    message = await refused_once_loaded(tenant, kube, template)
     assert "annotations under resource.kubernetes.io/ are Kubernetes' own" in message
     template["metadata"]["name"] = "plain-tpl"
     del template["spec"]["metadata"]
