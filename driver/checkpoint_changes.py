@@ -27,7 +27,8 @@ and this one emptied, but the emptying was lost with the power), or lines after 
 What it applies is always the state of some earlier moment, never a mix, and never older
 than the checkpoint file.
 
-Whenever the checkpoint file is replaced, this file is emptied, and each change that
+Whenever the checkpoint file is replaced, this file is made anew, empty (`empty` says
+why it is removed rather than emptied in place), and each change that
 must survive a power loss replaces the checkpoint file (synced) rather than being
 appended. The agent also replaces it when it stops, so that a release that reads the
 checkpoint file alone (those before this file existed) finds every change in it.
