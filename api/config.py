@@ -652,8 +652,18 @@ class BoundConfig:
 
 
 def default_config(device_type: DeviceType) -> DeviceConfig:
-    """Driver defaults: no sharing set up, the device is used as it is."""
-    return _config_type(device_type)()
+    """Driver defaults: no sharing set up, the device is used as it is. The models are
+    frozen, so one instance of each serves every claim without a config (most of
+    them), built once rather than validated again on every prepare."""
+    if device_type == "gpu":
+        return _DEFAULT_GPU_CONFIG
+    if device_type == "mig":
+        return _DEFAULT_MIG_CONFIG
+    return _config_type(device_type)()  # raises, naming the type
+
+
+_DEFAULT_GPU_CONFIG: Final = GpuConfig()
+_DEFAULT_MIG_CONFIG: Final = MigDeviceConfig()
 
 
 def _config_type(device_type: DeviceType) -> type[GpuConfig] | type[MigDeviceConfig]:

@@ -15,7 +15,7 @@ _RM_ERROR_LINES = 3
 
 
 def atomic_write(
-    path: Path,
+    path: str | Path,
     data: bytes,
     *,
     mode: int = 0o644,
@@ -41,17 +41,18 @@ def atomic_write(
     With `folder_mode`, a missing folder is created (with that mode) when the first
     open fails, rather than checked before every write.
     """
-    directory = path.parent
-    # Plain os calls: on the prepare path this runs on every claim, and mkstemp,
-    # a buffered file object and Path methods cost more than the writes themselves.
-    tmp = f"{directory}/.{path.name}.{secrets.token_hex(6)}.tmp"
+    # Plain os calls and strings: on the prepare path this runs on every claim, and
+    # mkstemp, a buffered file object and Path methods cost more than the writes.
+    directory, name = os.path.split(path)
+    directory = directory or "."
+    tmp = f"{directory}/.{name}.{secrets.token_hex(6)}.tmp"
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
     try:
         fd = os.open(tmp, flags, 0o600)
     except FileNotFoundError:
         if folder_mode is None:
             raise
-        directory.mkdir(mode=folder_mode, parents=True, exist_ok=True)
+        Path(directory).mkdir(mode=folder_mode, parents=True, exist_ok=True)
         fd = os.open(tmp, flags, 0o600)
     try:
         try:
@@ -77,7 +78,7 @@ def write_all(fd: int, data: bytes) -> None:
         view = view[os.write(fd, view) :]
 
 
-def fsync_dir(directory: Path) -> None:
+def fsync_dir(directory: str | Path) -> None:
     """Make a rename or unlink in `directory` durable."""
     fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
     try:

@@ -24,6 +24,7 @@ import contextlib
 import importlib
 import json
 import logging
+import os
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -529,6 +530,7 @@ class CdiSpecStore:
         self._durable = durable
         self._vendor, self._class = _split_kind(kind)
         self._root = root
+        self._root_str = str(root)
         self._kind = kind
         self._prefix = f"{self._vendor}-{self._class}_"
         # The JSON of the last common edits built, for the same edits again: they are
@@ -550,13 +552,18 @@ class CdiSpecStore:
         return self._kind
 
     def spec_path(self, claim_uid: str) -> Path:
-        path = self._root / f"{self._prefix}{validate_claim_uid(claim_uid)}.json"
-        if path.parent != self._root:  # belt and braces: the name has no separator
+        return Path(self._spec_file(claim_uid))
+
+    def _spec_file(self, claim_uid: str) -> str:
+        """The spec's path as a string: on the prepare path, which writes and removes a
+        spec per claim, Path arithmetic costs more than the system calls."""
+        name = f"{self._prefix}{validate_claim_uid(claim_uid)}.json"
+        if os.sep in name:  # belt and braces: a UID has no separator
             raise CdiError(f"claim UID {claim_uid!r} would leave the CDI directory")
-        return path
+        return f"{self._root_str}/{name}"
 
     def qualified_id(self, name: str) -> str:
-        return qualified_id(name, self._kind)
+        return f"{self._kind}={_validate_device_name(name)}"  # the kind is checked already
 
     def device_ids(self, claim_uid: str, device: CdiDevice) -> list[str]:
         """CDI IDs for the kubelet: ours first, then the toolkit's for the same device."""
@@ -591,12 +598,12 @@ class CdiSpecStore:
         """Write (or replace) the claim's spec atomically; returns its path."""
         if spec.get("kind") != self._kind:
             raise CdiError(f"spec kind {spec.get('kind')!r} is not this store's {self._kind!r}")
-        path = self.spec_path(claim_uid)
+        path = self._spec_file(claim_uid)
         # Compact: written and parsed by machines on every prepare (jq reads it too).
         data = jsonbytes.dumps(spec) + b"\n"
         # The folder is created on first use (and again if someone removed it).
         atomic_write(path, data, mode=0o644, durable=self._durable, folder_mode=0o755)
-        return path
+        return Path(path)
 
     def write_claim(
         self,
@@ -611,9 +618,9 @@ class CdiSpecStore:
 
     def remove(self, claim_uid: str) -> bool:
         """Delete the claim's spec; False when there was none (unprepare is idempotent)."""
-        path = self.spec_path(claim_uid)
+        path = self._spec_file(claim_uid)
         try:
-            path.unlink()
+            os.unlink(path)  # noqa: PTH108 - see _spec_file
         except FileNotFoundError:
             return False
         if self._durable:

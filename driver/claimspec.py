@@ -88,7 +88,9 @@ class ClaimSpecs:
                 for d in devices
             ]
             return devices, ContainerEdits(env={"NVIDIA_VISIBLE_DEVICES": "void"})
-        return [dataclasses.replace(d, toolkit_ids=()) for d in devices], common
+        return [
+            dataclasses.replace(d, toolkit_ids=()) if d.toolkit_ids else d for d in devices
+        ], common
 
     async def _common_edits(self) -> ContainerEdits:
         """Control nodes and driver libraries; they do not change while we run."""

@@ -550,6 +550,28 @@ def test_admin_access_never_conflicts(cp_path: Path, boot: Path) -> None:
     checkpoint.begin_prepare(CLAIM_1, [_gpu("gpu-0")])
 
 
+def test_a_prepare_that_changes_how_it_holds_a_device_is_checked_again(
+    cp_path: Path, boot: Path
+) -> None:
+    """A prepare's end that keeps its plan's devices skips the conflict check (it was
+    made at the start); one that holds them otherwise is checked again."""
+    checkpoint = _load(cp_path, boot)
+    checkpoint.begin_prepare(CLAIM_1, [_gpu("gpu-0", exclusive=False, share_id="a")])
+    checkpoint.begin_prepare(CLAIM_2, [_gpu("gpu-0", exclusive=False, share_id="b")])
+    with pytest.raises(DeviceConflictError, match=r"gpu-0"):
+        checkpoint.complete_prepare(CLAIM_2.uid, [_gpu("gpu-0", share_id="b")])
+    checkpoint.complete_prepare(CLAIM_2.uid, [_gpu("gpu-0", exclusive=False, share_id="b")])
+
+    admin = ClaimRef(namespace="ns", uid="44444444-4444-4444-4444-444444444444", name="admin")
+    checkpoint.begin_prepare(CLAIM_3, [_gpu("gpu-1")])
+    checkpoint.begin_prepare(admin, [_gpu("gpu-1", admin_access=True)])
+    with pytest.raises(DeviceConflictError, match=r"gpu-1"):
+        checkpoint.record_progress(admin.uid, [_gpu("gpu-1")])
+    with pytest.raises(DeviceConflictError, match=r"gpu-1"):
+        checkpoint.complete_prepare(admin.uid, [_gpu("gpu-0"), _gpu("gpu-1")])
+    checkpoint.complete_prepare(admin.uid, [_gpu("gpu-1", admin_access=True)])
+
+
 def test_same_claim_may_list_a_device_again(cp_path: Path, boot: Path) -> None:
     checkpoint = _load(cp_path, boot)
     checkpoint.begin_prepare(CLAIM_1, [_gpu("gpu-0")])
