@@ -753,7 +753,7 @@ class Checkpoint:
             devices=detached,
         )
         if persist:
-            self._save(claims={**self._claims, claim.uid: record})
+            self._save(claims={**self._claims, claim.uid: record}, uid=claim.uid)
         else:
             self._claims = {**self._claims, claim.uid: record}
         return record
@@ -786,7 +786,7 @@ class Checkpoint:
             for d in record.devices
         )
         updated = replace(record, devices=devices)
-        self._save(claims={**self._claims, uid: updated})
+        self._save(claims={**self._claims, uid: updated}, uid=uid)
         return updated
 
     def remove(self, uid: str, *, durable: bool = False) -> bool:
@@ -795,11 +795,15 @@ class Checkpoint:
         (it deletes the admin's mark that the claim was undone by hand)."""
         if uid not in self._claims and uid not in self._unreadable:
             return False
-        claims = {k: v for k, v in self._claims.items() if k != uid}
-        unreadable = {k: v for k, v in self._unreadable.items() if k != uid}
+        claims = dict(self._claims)
+        claims.pop(uid, None)
+        unreadable = None
+        if uid in self._unreadable:
+            unreadable = dict(self._unreadable)
+            del unreadable[uid]
         # Its devices are undone already: unless the caller relies on it next, the write
         # may be lost with the power (`_save`).
-        self._save(claims=claims, unreadable=unreadable, durable=durable)
+        self._save(claims=claims, unreadable=unreadable, durable=durable, uid=uid)
         return True
 
     def forget_previous_boot(
@@ -833,7 +837,7 @@ class Checkpoint:
         if not _same_holds(record.devices, detached):
             self._check_conflicts(record.uid, record.namespace, detached)
         updated = replace(record, state=state, devices=detached)
-        self._save(claims={**self._claims, record.uid: updated}, durable=durable)
+        self._save(claims={**self._claims, record.uid: updated}, durable=durable, uid=record.uid)
         return updated
 
     def _check_conflicts(self, uid: str, namespace: str, devices: Sequence[DeviceRecord]) -> None:
@@ -1078,10 +1082,11 @@ class Checkpoint:
     def _save(
         self,
         *,
-        claims: Mapping[str, ClaimRecord] | None = None,
+        claims: dict[str, ClaimRecord] | None = None,
         previous_boot: Sequence[ClaimRecord] | None = None,
-        unreadable: Mapping[str, Any] | None = None,
+        unreadable: dict[str, Any] | None = None,
         durable: bool = True,
+        uid: str | None = None,
     ) -> None:
         """Write the new state, then adopt it in memory, so memory never runs ahead of
         disk (but for the in-memory reservations of `begin_prepare(persist=False)`).
@@ -1102,17 +1107,22 @@ class Checkpoint:
         or of one that survived in a passthrough GPU, is handled as before. That needs
         the boot ID, so until this boot's ID is read and on disk (`load`), every write
         syncs its rename. A change that is not synced reaches the disk with the next
-        one that is, or with the file system's own commit."""
-        new_claims = dict(self._claims if claims is None else claims)
-        new_previous = tuple(self._previous_boot if previous_boot is None else previous_boot)
-        new_unreadable = dict(self._unreadable if unreadable is None else unreadable)
+        one that is, or with the file system's own commit.
+
+        `claims` and `unreadable`, where given, are new mappings, adopted as they are
+        (never changed afterwards: snapshots share them); `uid` says that only that
+        claim's entries differ, so that a change of one claim is journaled without a
+        comparison of every claim."""
+        new_claims = self._claims if claims is None else claims
+        new_previous = self._previous_boot if previous_boot is None else tuple(previous_boot)
+        new_unreadable = self._unreadable if unreadable is None else unreadable
         if self._staging:
             self._seq += 1
             self._journal.append(
                 _Change(
                     self._seq,
-                    _diff(self._claims, new_claims),
-                    _diff(self._unreadable, new_unreadable),
+                    _diff(self._claims, new_claims, uid),
+                    _diff(self._unreadable, new_unreadable, uid),
                     None if new_previous == self._previous_boot else self._previous_boot,
                     new_previous,
                     durable,
@@ -1173,9 +1183,15 @@ class _Change:
     durable: bool
 
 
-def _diff(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, tuple[Any, Any]]:
+def _diff(
+    old: Mapping[str, Any], new: Mapping[str, Any], only: str | None = None
+) -> dict[str, tuple[Any, Any]]:
+    """Per key whose value differs, its value in `old` and in `new`; `only`: no key but
+    that one can differ."""
     changed: dict[str, tuple[Any, Any]] = {}
-    for key in old.keys() | new.keys():
+    if old is new:
+        return changed
+    for key in (only,) if only is not None else old.keys() | new.keys():
         before, after = old.get(key, _MISSING), new.get(key, _MISSING)
         if before is not after:
             changed[key] = (before, after)
@@ -1194,8 +1210,12 @@ def _undo(current: dict[str, Any], changed: Mapping[str, tuple[Any, Any]]) -> No
 
 @dataclass(eq=False, slots=True)
 class _Batch:
+    """One write of a GroupCommit. `done` is made by the first change that waits for
+    it (most writes carry one change, whose caller runs the write itself): an anyio
+    Event costs more to make than to wait for."""
+
     upto: int
-    done: anyio.Event = field(default_factory=anyio.Event)
+    done: anyio.Event | None = None
     error: CheckpointError | None = None
 
 
@@ -1263,6 +1283,8 @@ class GroupCommit:
             if batch is None:
                 batch = await self._write_batch()
             else:
+                if batch.done is None:
+                    batch.done = anyio.Event()
                 await batch.done.wait()
             if batch.error is not None and seq <= batch.upto:
                 raise batch.error
@@ -1278,7 +1300,8 @@ class GroupCommit:
                     await self._write(batch)
         finally:
             self._batch = None
-            batch.done.set()
+            if batch.done is not None:
+                batch.done.set()
         return batch
 
     async def _write(self, batch: _Batch) -> None:
