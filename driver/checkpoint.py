@@ -74,6 +74,7 @@ from pathlib import Path
 from typing import Any, Final, NamedTuple, TypeAlias, TypeVar
 
 import anyio
+import anyio.lowlevel
 import anyio.to_thread
 
 __all__ = [
@@ -1233,7 +1234,8 @@ class GroupCommit:
     for that. A failed write undoes the changes it
     carried (unless a later change replaced them) and raises CheckpointError in
     their callers. Route every change through one GroupCommit, from one event loop;
-    `lock`, when given, is held around each write (to keep file cleanups out).
+    `lock`, when given, is held around each write (to keep file cleanups out), taken
+    after a turn of the event loop that lets changes staged meanwhile join the write.
     """
 
     def __init__(self, checkpoint: Checkpoint, *, lock: anyio.Lock | None = None) -> None:
@@ -1296,6 +1298,11 @@ class GroupCommit:
             if self._lock is None:
                 await self._write(batch)
             else:
+                # One turn of the event loop before the snapshot, so that changes other
+                # claims stage meanwhile join this write. Plain, and the lock taken
+                # without its own: the caller is shielded (`apply`), and anyio's turn
+                # checks for cancellation again, in a cancel scope of its own.
+                await anyio.lowlevel.checkpoint()
                 async with self._lock:
                     await self._write(batch)
         finally:

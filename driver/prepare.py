@@ -197,8 +197,8 @@ class _Guard:
     almost never contended, so a free lock is taken without the turn of the event loop
     anyio gives by default: that turn bought no fairness here and cost every call a
     loop iteration (measured: 0.29 to 0.30 ms of device-layer CPU per cycle against
-    0.31 to 0.33 in one process; see docs/performance.md). The checkpoint's lock keeps
-    its turn, which lets other claims' changes join a write. A guard no claim uses is
+    0.31 to 0.33 in one process; see docs/performance.md). The checkpoint's writes take
+    a turn of their own, which lets other claims' changes join a write. A guard no claim uses is
     kept for the next claim (up to `_SPARE_GUARDS`): making an anyio lock costs more
     than taking it."""
 
@@ -272,7 +272,9 @@ class ClaimPreparer:
             PreparedDevices(self.checkpoint_now, node_name)
         )
         # Held while the checkpoint loads or is written, and while its temp files are swept.
-        self._lock = anyio.Lock()
+        # Taken without a turn of the loop when free: the checkpoint's writes take their
+        # own turn to gather changes (GroupCommit).
+        self._lock = anyio.Lock(fast_acquire=True)
         self._guards: dict[str, _Guard] = {}
         self._spare_guards: list[_Guard] = []
         # Orders setting and resetting time-slices, which claims sharing a GPU share.
