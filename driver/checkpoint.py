@@ -366,6 +366,8 @@ def _detached(devices: Iterable[DeviceRecord]) -> tuple[DeviceRecord, ...]:
         raise CheckpointError(f"device record is not JSON-serialisable: {exc}") from None
 
 
+_STR: Final = (str,)
+_BOOL: Final = (bool,)
 _OPTIONAL_STR: Final = (str, type(None))
 _OPTIONAL_INT: Final = (int, type(None))
 
@@ -376,8 +378,8 @@ def _plain(device: DeviceRecord) -> bool:
     a prepare's plan has it): such a record cannot change and reads back from its JSON
     as it is, so it needs no copy. Exact types: a subclass could carry anything."""
     details = device.details
-    # One flat chain of tests: it runs for every device of every prepare, and tuples
-    # and generators built to test them cost more than the tests.
+    # Plain loops over the values, no generators: it runs for every device of every
+    # prepare, and generators cost more than the tests.
     return (
         type(device) is DeviceRecord
         and type(details) is DeviceDetails
@@ -386,21 +388,25 @@ def _plain(device: DeviceRecord) -> bool:
         and details.time_slice is None
         and details.compute_mode is None
         and details.mps is None
-        and type(device.pool) is str
-        and type(device.device) is str
-        and type(details.type) is str
-        and type(details.request) is str
-        and type(details.pod) is str
-        and type(details.pod_uid) is str
-        and type(device.share_id) in _OPTIONAL_STR
-        and type(details.gpu_uuid) in _OPTIONAL_STR
-        and type(details.uuid) in _OPTIONAL_STR
-        and type(device.admin_access) is bool
-        and type(device.exclusive) is bool
-        and type(details.gpu_minor) in _OPTIONAL_INT
         and details.type != ""  # a planned device's: its file shape lists every value
-        and _strings(device.request_names)
-        and _strings(device.cdi_device_ids)
+        and _types_in(
+            (
+                device.pool,
+                device.device,
+                details.type,
+                details.request,
+                details.pod,
+                details.pod_uid,
+            ),
+            _STR,
+        )
+        and _types_in((device.share_id, details.gpu_uuid, details.uuid), _OPTIONAL_STR)
+        and _types_in((device.admin_access, device.exclusive), _BOOL)
+        and type(details.gpu_minor) in _OPTIONAL_INT
+        and type(device.request_names) is tuple
+        and _types_in(device.request_names, _STR)
+        and type(device.cdi_device_ids) is tuple
+        and _types_in(device.cdi_device_ids, _STR)
     )
 
 
@@ -422,12 +428,10 @@ def _same_holds(old: Sequence[DeviceRecord], new: Sequence[DeviceRecord]) -> boo
     return True
 
 
-def _strings(values: object) -> bool:
-    """Whether `values` is a tuple of strings only (exact types)."""
-    if type(values) is not tuple:
-        return False
+def _types_in(values: tuple[object, ...], types: tuple[type, ...]) -> bool:
+    """Whether the exact type of every one of `values` is one of `types`."""
     for value in values:  # noqa: SIM110 - a loop: no generator built on every prepare
-        if type(value) is not str:
+        if type(value) not in types:
             return False
     return True
 

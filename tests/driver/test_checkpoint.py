@@ -674,6 +674,15 @@ def test_a_plain_record_is_kept_as_given_and_reads_back_the_same(cp_path: Path, 
     assert second.devices[1] is not minor_true
     assert _load(cp_path, boot).get(CLAIM_2.uid) == second
 
+    class Named(str):
+        """A string that could carry more than its characters."""
+
+    pod_subclass = _gpu("gpu-3", details=replace(details, pod=Named("p")))
+    id_subclass = _gpu("gpu-4", cdi_device_ids=(Named("k8s.gpu.nvidia.com/claim=x"),))
+    third = checkpoint.begin_prepare(CLAIM_3, [pod_subclass, id_subclass])
+    assert type(third.devices[0].details.pod) is str
+    assert type(third.devices[1].cdi_device_ids[0]) is str
+
 
 def test_write_recreates_a_removed_state_folder(cp_path: Path, boot: Path) -> None:
     checkpoint = _load(cp_path, boot)
