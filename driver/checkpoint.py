@@ -410,24 +410,6 @@ def _plain(device: DeviceRecord) -> bool:
     )
 
 
-def _same_holds(old: Sequence[DeviceRecord], new: Sequence[DeviceRecord]) -> bool:
-    """Whether `new` holds the very devices `old` holds, in the same way. Then the
-    conflict check made when `old` was recorded still stands: since then no other claim
-    can have taken them in a way that conflicts (it would have conflicted with `old`),
-    so a prepare's progress and end, which keep its plan's devices, skip the check."""
-    if len(old) != len(new):
-        return False
-    for a, b in zip(old, new, strict=True):
-        if (
-            a.device != b.device
-            or a.pool != b.pool
-            or a.exclusive != b.exclusive
-            or a.admin_access != b.admin_access
-        ):
-            return False
-    return True
-
-
 def _types_in(values: tuple[object, ...], types: tuple[type, ...]) -> bool:
     """Whether the exact type of every one of `values` is one of `types`."""
     for value in values:  # noqa: SIM110 - a loop: no generator built on every prepare
@@ -839,8 +821,7 @@ class Checkpoint:
         durable: bool = True,
     ) -> ClaimRecord:
         detached = _detached(devices)
-        if not _same_holds(record.devices, detached):
-            self._check_conflicts(record.uid, record.namespace, detached)
+        self._check_conflicts(record.uid, record.namespace, detached)
         updated = replace(record, state=state, devices=detached)
         self._save(claims={**self._claims, record.uid: updated}, durable=durable, uid=record.uid)
         return updated

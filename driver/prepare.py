@@ -255,6 +255,7 @@ class ClaimPreparer:
         )
         self._cdi = cdi
         self._checkpoint_path = checkpoint_path
+        self._undone_dir = str(checkpoint_path.parent / _UNDONE_DIR)
         self._boot_id_path = boot_id_path
         self._sharing = sharing
         self._specs = ClaimSpecs(
@@ -812,8 +813,14 @@ class ClaimPreparer:
     def _undone_marker(self, uid: str) -> Path | None:
         """The file an admin creates to say that what claim `uid`'s unreadable record
         describes was undone by hand; None for a UID no file can be named by."""
+        marker = self._undone_file(uid)
+        return None if marker is None else Path(marker)
+
+    def _undone_file(self, uid: str) -> str | None:
+        """`_undone_marker` as a string: looked up on every unprepare, where Path
+        arithmetic costs more than the lookup."""
         try:
-            return self._checkpoint_path.parent / _UNDONE_DIR / validate_claim_uid(uid)
+            return f"{self._undone_dir}/{validate_claim_uid(uid)}"
         except CdiError:
             return None
 
@@ -839,7 +846,7 @@ class ClaimPreparer:
         )
 
     def _marked_undone(self, uid: str) -> bool:
-        marker = self._undone_marker(uid)
+        marker = self._undone_file(uid)
         return marker is not None and os.path.lexists(marker)
 
     def _unmark(self, uid: str) -> None:
@@ -889,11 +896,9 @@ class ClaimPreparer:
         modes_before_slicing: dict[str, int] = {}
         modes: dict[str, ComputeModeSet] = {}
         migs: list[tuple[str, CreatedMig]] = []
-        # An admin's mark matters for a record that cannot be read in part only: the
-        # check (a file lookup) is spared on every other unprepare.
-        undone_by_hand = any(d.details.problems for d in record.devices) and (
-            self._marked_undone(record.uid)
-        )
+        # Looked up on every undo, not only for a record with problems: a mark the
+        # previous boot's clean-up left for this claim goes with its unprepare.
+        undone_by_hand = self._marked_undone(record.uid)
         for device in record.devices:
             details = device.details
             if not undone_by_hand:

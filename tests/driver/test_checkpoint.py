@@ -553,8 +553,8 @@ def test_admin_access_never_conflicts(cp_path: Path, boot: Path) -> None:
 def test_a_prepare_that_changes_how_it_holds_a_device_is_checked_again(
     cp_path: Path, boot: Path
 ) -> None:
-    """A prepare's end that keeps its plan's devices skips the conflict check (it was
-    made at the start); one that holds them otherwise is checked again."""
+    """A prepare's progress and end check their devices again, also where only the way
+    they hold one changed (exclusive, admin access)."""
     checkpoint = _load(cp_path, boot)
     checkpoint.begin_prepare(CLAIM_1, [_gpu("gpu-0", exclusive=False, share_id="a")])
     checkpoint.begin_prepare(CLAIM_2, [_gpu("gpu-0", exclusive=False, share_id="b")])
@@ -570,6 +570,55 @@ def test_a_prepare_that_changes_how_it_holds_a_device_is_checked_again(
     with pytest.raises(DeviceConflictError, match=r"gpu-1"):
         checkpoint.complete_prepare(admin.uid, [_gpu("gpu-0"), _gpu("gpu-1")])
     checkpoint.complete_prepare(admin.uid, [_gpu("gpu-1", admin_access=True)])
+
+
+@pytest.mark.anyio
+async def test_a_prepare_ends_checked_against_a_holder_a_failed_write_brought_back(
+    cp_path: Path, boot: Path
+) -> None:
+    """A failed write undoes the changes it carried: a claim's removal undone puts its
+    record back, holding its device again. A prepare that began on that device meanwhile
+    (it was free then) is refused at its end rather than recorded beside it."""
+    checkpoint = _load(cp_path, boot)
+    commit = GroupCommit(checkpoint)
+    await commit.apply(lambda cp: cp.begin_prepare(CLAIM_1, [_gpu()]))
+    await commit.apply(lambda cp: cp.complete_prepare(CLAIM_1.uid, [_gpu()]))
+    real = checkpoint._write
+    started, go = threading.Event(), threading.Event()
+    calls: list[int] = []
+
+    def failing_once(snap: Any, *, durable: bool = True) -> None:
+        calls.append(snap.seq)
+        if len(calls) == 1:
+            started.set()
+            go.wait(5)
+            raise CheckpointError("the disk is gone for a moment")
+        real(snap, durable=durable)
+
+    checkpoint._write = failing_once  # type: ignore[method-assign]
+    failed: list[CheckpointError] = []
+
+    async def remove_first() -> None:
+        try:
+            await commit.apply(lambda cp: cp.remove(CLAIM_1.uid, durable=True))
+        except CheckpointError as exc:
+            failed.append(exc)
+
+    async def begin_second() -> None:
+        await commit.apply(lambda cp: cp.begin_prepare(CLAIM_2, [_gpu()]))
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(remove_first)
+        while not started.is_set():
+            await anyio.sleep(0.01)
+        group.start_soon(begin_second)
+        while checkpoint.get(CLAIM_2.uid) is None:
+            await anyio.sleep(0.01)
+        go.set()
+    assert failed
+    assert checkpoint.get(CLAIM_1.uid) is not None and checkpoint.get(CLAIM_2.uid) is not None
+    with pytest.raises(DeviceConflictError, match=CLAIM_1.uid):
+        await commit.apply(lambda cp: cp.complete_prepare(CLAIM_2.uid, [_gpu()]))
 
 
 def test_same_claim_may_list_a_device_again(cp_path: Path, boot: Path) -> None:

@@ -2138,6 +2138,34 @@ async def test_a_newer_releases_side_effect_keeps_its_claim_until_undone_by_hand
 
 
 @pytest.mark.anyio
+async def test_a_mark_left_for_a_claim_of_this_boot_goes_with_its_unprepare(node: Node) -> None:
+    """The previous boot's clean-up keeps an admin's mark while this boot has a record
+    of the same claim; that claim's unprepare then removes it, even when its own record
+    reads whole, so that no mark outlives every record it could be for (a stale one
+    would forget a later record of the claim that cannot be read)."""
+    emu = h100()
+    claim = _fixture_claim(0)
+    preparer = node_preparer(node, emu)
+    assert (await preparer.prepare([claim]))[claim.uid].error is None
+    doc = checkpoint_document(node.checkpoint)
+    gpu = discover(emu).gpus[0].uuid
+    doc["previousBoot"] = [
+        _previous_boot_record(claim.uid, "gpu-1", {"type": "gpu", "parentUuid": gpu, "mig": "?"})
+    ]
+    node.checkpoint.write_text(json.dumps(doc))
+    marker = node.checkpoint.parent / "undone" / claim.uid
+    marker.parent.mkdir()
+    marker.touch()
+    again = node_preparer(node, emu)
+    report = await again.recover()
+    assert not report.errors, report.errors
+    assert "previousBoot" not in checkpoint_document(node.checkpoint)
+    assert marker.exists()  # kept: this boot's claim of that UID is there
+    assert (await again.unprepare([claim.ref]))[claim.uid] is None
+    assert not marker.exists()
+
+
+@pytest.mark.anyio
 async def test_a_claim_whose_record_cannot_be_read_is_never_called_unprepared(node: Node) -> None:
     """A record unreadable as a whole (a field of its own or a device's of the wrong
     type) may describe a compute mode or instance still set up: unprepare and prepare of
