@@ -342,6 +342,12 @@ def _keyed_claim_from_json(uid: str, obj: Any) -> ClaimRecord:
     return record
 
 
+def _member(key: str, value: Any) -> bytes:
+    """`"<key>":<value>`, one member of a JSON object: the checkpoint file and its
+    changes lines hold the claims one encoded member each."""
+    return jsonbytes.dumps(key) + b":" + jsonbytes.dumps(value)
+
+
 def _claim_to_json(claim: ClaimRecord) -> dict[str, Any]:
     out = dict(claim.extra)
     out.update(
@@ -551,7 +557,7 @@ class Checkpoint:
             # Written back as read until the claim changes: a record another release
             # wrote keeps its shape (no field this release would add), also through the
             # take-over's write (`load`).
-            encoded[uid] = (record, jsonbytes.dumps(uid) + b":" + jsonbytes.dumps(raw_claim))
+            encoded[uid] = (record, _member(uid, raw_claim))
 
         previous: list[ClaimRecord] = []
         raw_previous = doc.get("previousBoot") or []
@@ -870,16 +876,14 @@ class Checkpoint:
         top["writeId"] = secrets.token_hex(8)
         dumps = jsonbytes.dumps
         lines = [
-            dumps(uid) + b":" + dumps(raw)
-            for uid, raw in snap.unreadable.items()
-            if uid not in snap.claims
+            _member(uid, raw) for uid, raw in snap.unreadable.items() if uid not in snap.claims
         ]
         previous = self._encoded
         encoded: dict[str, tuple[ClaimRecord, bytes]] = {}
         for uid, record in snap.claims.items():
             cached = previous.get(uid)
             if cached is None or cached[0] is not record:
-                cached = (record, dumps(uid) + b":" + dumps(_claim_to_json(record)))
+                cached = (record, _member(uid, _claim_to_json(record)))
             encoded[uid] = cached
             lines.append(cached[1])
         self._encoded = encoded
@@ -1039,22 +1043,16 @@ class Checkpoint:
 
     def _fragment(self, snap: _Snapshot) -> Callable[[str], bytes]:
         """A claim's `"<uid>":<record>` as `snap` has it (null: removed), encoded once."""
-        dumps = jsonbytes.dumps
 
         def fragment(uid: str) -> bytes:
             record = snap.claims.get(uid)
             if record is not None:
                 cached = self._encoded.get(uid)
                 if cached is None or cached[0] is not record:
-                    cached = self._encoded[uid] = (
-                        record,
-                        dumps(uid) + b":" + dumps(_claim_to_json(record)),
-                    )
+                    cached = self._encoded[uid] = (record, _member(uid, _claim_to_json(record)))
                 return cached[1]
             self._encoded.pop(uid, None)
-            if uid in snap.unreadable:
-                return dumps(uid) + b":" + dumps(snap.unreadable[uid])
-            return dumps(uid) + b":null"
+            return _member(uid, snap.unreadable.get(uid))  # None: null, removed
 
         return fragment
 
