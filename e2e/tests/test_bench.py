@@ -214,7 +214,13 @@ def thread_cores(pid: int) -> set[frozenset[int]]:
 def test_bench_slices_runs_nodes_in_worker_processes_and_measures_the_floor(
     cluster: Cluster, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    for name, value in {"BENCH_NODES": "4", "BENCH_PROCESSES": "2", "BENCH_STEADY_S": "2"}.items():
+    settings = {
+        "BENCH_NODES": "4",
+        "BENCH_PROCESSES": "2",
+        "BENCH_STEADY_S": "2",
+        "BENCH_WORKER_THREADS": "3",
+    }
+    for name, value in settings.items():
         monkeypatch.setenv(name, value)
     api_pids = control_plane_pids(cluster)
     before = {pid: thread_cores(pid) for pid in api_pids.values()}
@@ -236,6 +242,8 @@ def test_bench_slices_runs_nodes_in_worker_processes_and_measures_the_floor(
     assert {pid: thread_cores(pid) for pid in api_pids.values()} == before
 
     assert (result["nodes"], result["processes"]) == (4, 2)
+    # Each worker's discoveries shared the threads asked for, as the worker saw it.
+    assert result["worker_threads"] == [3, 3]
     assert result["commit"] and result["load_avg_1m_at_start"] >= 0
     # Every placement of 8 MIG-capable H100s, on each of the 4 nodes, one write per slice.
     assert result["devices"] > 0 and result["slices"] >= 4
