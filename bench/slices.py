@@ -474,7 +474,7 @@ def cli() -> int:
     w.add_argument("--count", type=int, required=True)
     w.add_argument("--profile", required=True)
     w.add_argument("--steady-s", type=float, required=True)
-    w.add_argument("--threads", type=worker_threads, required=True)
+    w.add_argument("--threads", type=int, required=True)  # checked by the parent
     args = parser.parse_args()
     if args.mode == "worker":
         names = node_names(args.first + args.count)[args.first :]
