@@ -26,6 +26,7 @@ import json
 import logging
 import os
 import re
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
@@ -354,6 +355,17 @@ def _marker_env(device_name: str) -> dict[str, str]:
 _VERSIONS: Final = ("0.3.0", "0.4.0", "0.5.0", "0.6.0", "0.7.0")
 
 
+def _edits_level(edits: Mapping[str, Any]) -> int:
+    """The index in `_VERSIONS` that one containerEdits needs (`minimum_cdi_version`)."""
+    if edits.get("additionalGids") or edits.get("intelRdt"):
+        return 4
+    if any(n.get("hostPath") for n in edits.get("deviceNodes") or ()):
+        return 2
+    if any(m.get("type") for m in edits.get("mounts") or ()):
+        return 1
+    return 0
+
+
 def minimum_cdi_version(spec: Mapping[str, Any]) -> str:
     """The lowest cdiVersion whose schema covers the fields `spec` uses.
 
@@ -364,26 +376,64 @@ def minimum_cdi_version(spec: Mapping[str, Any]) -> str:
     0.6.0; `additionalGids` or `intelRdt` 0.7.0.
     """
     devices: Sequence[Mapping[str, Any]] = spec.get("devices") or ()
-    all_edits = [spec.get("containerEdits") or {}] + [
-        d.get("containerEdits") or {} for d in devices
-    ]
-    needed = 0
-    if any(m.get("type") for e in all_edits for m in e.get("mounts") or ()):
-        needed = max(needed, 1)
-    if any(n.get("hostPath") for e in all_edits for n in e.get("deviceNodes") or ()) or any(
-        not str(d.get("name", "a"))[:1].isalpha() for d in devices
-    ):
-        needed = max(needed, 2)
+    needed = _edits_level(spec.get("containerEdits") or {})
+    for d in devices:
+        needed = max(needed, _edits_level(d.get("containerEdits") or {}))
+    return _version(spec, needed)
+
+
+def _version(spec: Mapping[str, Any], edits_need: int) -> str:
+    """`minimum_cdi_version` of `spec`, whose containerEdits need `edits_need` (an index
+    in `_VERSIONS`): the rules on names, annotations and the kind."""
+    needed = edits_need
+    devices: Sequence[Mapping[str, Any]] = spec.get("devices") or ()
+    if needed < 2 and any(not str(d.get("name", "a"))[:1].isalpha() for d in devices):
+        needed = 2
     kind = str(spec.get("kind", ""))
-    if (
+    if needed < 3 and (
         spec.get("annotations")
         or any(d.get("annotations") for d in devices)
         or "." in kind.partition("/")[2]
     ):
-        needed = max(needed, 3)
-    if any(e.get("additionalGids") or e.get("intelRdt") for e in all_edits):
-        needed = max(needed, 4)
+        needed = 3
     return _VERSIONS[needed]
+
+
+def convert_edits(edits: ContainerEdits) -> tuple[dict[str, Any], int]:
+    """`edits` checked and converted to a spec's containerEdits, with the index in
+    `_VERSIONS` they need; raises CdiError."""
+    out = _edits_json(edits)
+    return out, _edits_level(out)
+
+
+class ConvertedEdits:
+    """`convert_edits` done once per edits object: a whole GPU's edits and the node's
+    common edits (dozens of mounts on a real node) are the same objects on every
+    prepare (`ClaimSpecs`), so each is checked and converted for the first spec and
+    reused after. By identity, holding each object converted, so that an id is never
+    taken for another object's; the oldest go first beyond `limit` (edits made for one
+    claim, a MIG device's or an MPS member's, pass through). The JSON handed back is
+    shared: serialise it, never change it. A bad one raises and is never kept. Specs
+    that are synced are built in worker threads, so what is kept changes under a lock.
+    """
+
+    def __init__(self, limit: int = 256) -> None:
+        self._limit = limit
+        self._by_id: dict[int, tuple[ContainerEdits, dict[str, Any], int]] = {}
+        self._lock = threading.Lock()
+
+    def __call__(self, edits: ContainerEdits) -> tuple[dict[str, Any], int]:
+        key = id(edits)
+        hit = self._by_id.get(key)
+        if hit is not None and hit[0] is edits:
+            return hit[1], hit[2]
+        out, level = convert_edits(edits)
+        with self._lock:
+            kept = self._by_id
+            while len(kept) >= self._limit:
+                del kept[next(iter(kept))]
+            kept[key] = (edits, out, level)
+        return out, level
 
 
 def build_spec(
@@ -393,14 +443,15 @@ def build_spec(
     kind: str = DEFAULT_KIND,
     common_edits: ContainerEdits | None = None,
     annotations: Mapping[str, str] | None = None,
-    common_json: Callable[[ContainerEdits], dict[str, Any]] | None = None,
+    convert: Callable[[ContainerEdits], tuple[dict[str, Any], int]] = convert_edits,
 ) -> dict[str, Any]:
     """The CDI spec for one claim, ready to serialise.
 
     `common_edits` go in the top-level containerEdits, applied once whenever any
     device of the claim is used (control nodes, driver libraries); pass none when
-    the devices reference the toolkit's spec, which brings its own. `common_json`
-    turns them into the spec's JSON (checked), by default afresh each time.
+    the devices reference the toolkit's spec, which brings its own. `convert` turns
+    each edits into the spec's JSON (checked) and the version it needs, by default
+    afresh each time (`ConvertedEdits` remembers them).
     """
     validate_claim_uid(claim_uid)
     _split_kind(kind)
@@ -408,14 +459,16 @@ def build_spec(
         raise CdiError(f"claim {claim_uid}: a CDI spec needs at least one device")
     spec_devices: list[dict[str, Any]] = []
     seen: set[str] = set()
+    needed = 0
     for device in devices:
         name = cdi_device_name(claim_uid, device.name)
         if name in seen:
             raise CdiError(f"claim {claim_uid}: device {device.name!r} is listed twice")
         seen.add(name)
-        edits = _edits_json(device.edits)
+        edits, level = convert(device.edits)
         if not edits:
             edits = {"env": [f"{k}={v}" for k, v in _marker_env(device.name).items()]}
+        needed = max(needed, level)
         item: dict[str, Any] = {"name": name}
         if device.annotations:
             item["annotations"] = _annotations(device.annotations, f"device {device.name}")
@@ -426,8 +479,9 @@ def build_spec(
         spec["annotations"] = _annotations(annotations, "spec")
     spec["devices"] = spec_devices
     if common_edits is not None and not common_edits.is_empty():
-        spec["containerEdits"] = (common_json or _edits_json)(common_edits)
-    spec["cdiVersion"] = minimum_cdi_version(spec)
+        spec["containerEdits"], level = convert(common_edits)
+        needed = max(needed, level)
+    spec["cdiVersion"] = _version(spec, needed)
     return spec
 
 
@@ -533,10 +587,8 @@ class CdiSpecStore:
         self._root_str = str(root)
         self._kind = kind
         self._prefix = f"{self._vendor}-{self._class}_"
-        # The JSON of the last common edits built, for the same edits again: they are
-        # the same object on every prepare (the node's control nodes and driver files,
-        # dozens of mounts on a real node), checked and converted once.
-        self._common: tuple[ContainerEdits, dict[str, Any]] | None = None
+        # Edits met before (the node's common ones, each whole GPU's) converted once.
+        self._converted = ConvertedEdits()
 
     @property
     def root(self) -> Path:
@@ -577,25 +629,22 @@ class CdiSpecStore:
         common_edits: ContainerEdits | None = None,
         annotations: Mapping[str, str] | None = None,
     ) -> dict[str, Any]:
-        """The claim's spec (`build_spec`). Its top-level containerEdits are shared with
-        the next spec built from the same common edits: serialise it, do not change it."""
+        """The claim's spec (`build_spec`). Its containerEdits, the top-level ones and
+        each device's, are shared with the next spec built from the same edits objects
+        (`ConvertedEdits`): serialise it, do not change it."""
         return build_spec(
             claim_uid,
             devices,
             kind=self._kind,
             common_edits=common_edits,
             annotations=annotations,
-            common_json=self._common_json,
+            convert=self._converted,
         )
 
-    def _common_json(self, edits: ContainerEdits) -> dict[str, Any]:
-        cached = self._common
-        if cached is None or cached[0] is not edits:
-            cached = self._common = (edits, _edits_json(edits))
-        return cached[1]
-
-    def write(self, claim_uid: str, spec: Mapping[str, Any]) -> Path:
-        """Write (or replace) the claim's spec atomically; returns its path."""
+    def write(self, claim_uid: str, spec: Mapping[str, Any]) -> None:
+        """Write (or replace) the claim's spec atomically, at `spec_path` (not returned:
+        a prepare has no use for a Path, and making one costs more than the write's
+        system calls)."""
         if spec.get("kind") != self._kind:
             raise CdiError(f"spec kind {spec.get('kind')!r} is not this store's {self._kind!r}")
         path = self._spec_file(claim_uid)
@@ -603,7 +652,6 @@ class CdiSpecStore:
         data = jsonbytes.dumps(spec) + b"\n"
         # The folder is created on first use (and again if someone removed it).
         atomic_write(path, data, mode=0o644, durable=self._durable, folder_mode=0o755)
-        return Path(path)
 
     def write_claim(
         self,
@@ -612,9 +660,9 @@ class CdiSpecStore:
         *,
         common_edits: ContainerEdits | None = None,
         annotations: Mapping[str, str] | None = None,
-    ) -> Path:
+    ) -> None:
         spec = self.build(claim_uid, devices, common_edits=common_edits, annotations=annotations)
-        return self.write(claim_uid, spec)
+        self.write(claim_uid, spec)
 
     def remove(self, claim_uid: str) -> bool:
         """Delete the claim's spec; False when there was none (unprepare is idempotent)."""

@@ -15,6 +15,7 @@ import dataclasses
 import functools
 import re
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
@@ -38,10 +39,23 @@ __all__ = ["MPS_PIPE_DIR_IN_CONTAINER", "ClaimSpecs"]
 MPS_PIPE_DIR_IN_CONTAINER: Final = "/tmp/nvidia-mps"
 _RW_BIND: Final = ("rw", "nosuid", "nodev", "rbind", "rprivate")
 _ENV_UNSAFE: Final = re.compile(r"[^A-Za-z0-9]")
+# Whole devices whose spec entries are kept (a node has a few dozen at most; a node
+# whose GPUs changed keeps the newest).
+_WHOLE_DEVICES_KEPT: Final = 256
 
 
 def _env_key(name: str) -> str:
     return _ENV_UNSAFE.sub("_", name).upper()
+
+
+@dataclass(frozen=True, slots=True)
+class _Entries:
+    """A device's spec entry with its own nodes (`own`), and the one referring to the
+    toolkit's spec instead, where that spec knows the device (`referring`): a claim's
+    devices use the second only when all of them have one."""
+
+    own: CdiDevice
+    referring: CdiDevice | None
 
 
 class ClaimSpecs:
@@ -75,6 +89,11 @@ class ClaimSpecs:
         self._toolkit = toolkit
         self._device_numbers = device_numbers
         self._common: ContainerEdits | None = None
+        # Each whole device's entries, the same on every prepare of it: one object each,
+        # so that the CDI store converts their edits once (`cdi.ConvertedEdits`).
+        self._whole: dict[tuple[str, str | None, int], _Entries] = {}
+        # The common edits of a claim whose devices all refer to the toolkit's spec.
+        self._toolkit_common = ContainerEdits(env={"NVIDIA_VISIBLE_DEVICES": "void"})
 
     async def claim(
         self, entries: Sequence[Entry], daemon: MpsDaemon | None
@@ -82,15 +101,9 @@ class ClaimSpecs:
         """The devices of one claim's spec, and the edits common to all of them."""
         common = await self._common_edits()
         devices = [self._device(e, daemon) for e in entries]
-        if all(d.toolkit_ids for d in devices):
-            devices = [
-                dataclasses.replace(d, edits=dataclasses.replace(d.edits, device_nodes=()))
-                for d in devices
-            ]
-            return devices, ContainerEdits(env={"NVIDIA_VISIBLE_DEVICES": "void"})
-        return [
-            dataclasses.replace(d, toolkit_ids=()) if d.toolkit_ids else d for d in devices
-        ], common
+        if all(d.referring is not None for d in devices):
+            return [d.referring for d in devices if d.referring is not None], self._toolkit_common
+        return [d.own for d in devices], common
 
     async def _common_edits(self) -> ContainerEdits:
         """Control nodes and driver libraries; they do not change while we run."""
@@ -115,7 +128,24 @@ class ClaimSpecs:
         numbers = self._device_numbers(path) if self._device_numbers is not None else None
         return numbered(path, host, numbers)
 
-    def _device(self, entry: Entry, daemon: MpsDaemon | None) -> CdiDevice:
+    def _device(self, entry: Entry, daemon: MpsDaemon | None) -> _Entries:
+        if (
+            entry.details.mig is not None
+            or entry.share_id is not None
+            or (entry.mps and daemon is not None)
+        ):
+            return self._build_device(entry, daemon)  # made for this claim
+        # A whole device without MPS: its nodes, UUID and name alone decide its entry.
+        key = (entry.cdi_name, entry.uuid, entry.gpu.minor)
+        device = self._whole.get(key)
+        if device is None:
+            device = self._build_device(entry, None)
+            if len(self._whole) >= _WHOLE_DEVICES_KEPT:
+                del self._whole[next(iter(self._whole))]
+            self._whole[key] = device
+        return device
+
+    def _build_device(self, entry: Entry, daemon: MpsDaemon | None) -> _Entries:
         nodes = [self._node_path(f"/dev/nvidia{entry.gpu.minor}")]
         mig = entry.details.mig
         if mig is not None and mig.gi is not None and mig.ci is not None:
@@ -132,11 +162,17 @@ class ClaimSpecs:
         toolkit_ids: tuple[str, ...] = ()
         if self._toolkit is not None and entry.uuid:
             toolkit_ids = tuple(self._toolkit.device_ids(entry.uuid))
-        return CdiDevice(
+        edits = ContainerEdits(env=env, device_nodes=tuple(nodes), mounts=mounts)
+        own = CdiDevice(name=entry.cdi_name, edits=edits)
+        if not toolkit_ids:
+            return _Entries(own, None)
+        # The toolkit's spec brings the device's nodes and the driver's files.
+        referring = CdiDevice(
             name=entry.cdi_name,
-            edits=ContainerEdits(env=env, device_nodes=tuple(nodes), mounts=mounts),
+            edits=dataclasses.replace(edits, device_nodes=()),
             toolkit_ids=toolkit_ids,
         )
+        return _Entries(own, referring)
 
     def _cap_nodes(self, gpu_minor: int, gi: int, ci: int) -> list[DeviceNode]:
         major = caps_major(self._proc_root)

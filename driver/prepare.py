@@ -32,7 +32,7 @@ import dataclasses
 import functools
 import logging
 import os
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Final, Protocol, TypeVar
@@ -191,19 +191,41 @@ def _mode_before_time_slicing(steps: Sequence[TimeSliceSet]) -> int | None:
     )
 
 
-@dataclass(slots=True)
+@dataclass(eq=False, slots=True)
 class _Guard:
-    """Orders the calls for one claim. It is held for one prepare or unprepare and is
-    almost never contended, so a free lock is taken without the turn of the event loop
-    anyio gives by default: that turn bought no fairness here and cost every call a
-    loop iteration (measured: 0.29 to 0.30 ms of device-layer CPU per cycle against
-    0.31 to 0.33 in one process; see docs/performance.md). The checkpoint's writes take
-    a turn of their own, which lets other claims' changes join a write. A guard no
-    claim uses is kept for the next claim (up to `_SPARE_GUARDS`): making an anyio lock
-    costs more than taking it."""
+    """Orders the calls for one claim: `async with` it for one prepare or unprepare
+    (`ClaimPreparer._guard`). It is almost never contended, so a free lock is taken
+    without the turn of the event loop anyio gives by default: that turn bought no
+    fairness here and cost every call a loop iteration (measured: 0.29 to 0.30 ms of
+    device-layer CPU per cycle against 0.31 to 0.33 in one process; see
+    docs/performance.md). The checkpoint's writes take a turn of their own, which lets
+    other claims' changes join a write. A guard no claim uses is kept for the next
+    claim (up to `_SPARE_GUARDS`): making an anyio lock costs more than taking it. Its
+    own context manager, not a generator's: one is entered twice per claim."""
 
+    guards: dict[str, _Guard]  # the preparer's, by claim UID
+    spare: list[_Guard]
+    uid: str = ""
     lock: anyio.Lock = field(default_factory=lambda: anyio.Lock(fast_acquire=True))
-    users: int = 0
+    users: int = 0  # holding or waiting for the lock; counted by `ClaimPreparer._guard`
+
+    async def __aenter__(self) -> None:
+        try:
+            await self.lock.acquire()
+        except BaseException:  # cancelled while waiting
+            self._leave()
+            raise
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self.lock.release()
+        self._leave()
+
+    def _leave(self) -> None:
+        self.users -= 1
+        if self.users == 0:  # free: nobody holds or waits for its lock
+            del self.guards[self.uid]
+            if len(self.spare) < _SPARE_GUARDS:
+                self.spare.append(self)
 
 
 class ClaimPreparer:
@@ -328,22 +350,16 @@ class ClaimPreparer:
         change asks (`Checkpoint._save`)."""
         return await (await self._committer()).apply(change)
 
-    @contextlib.asynccontextmanager
-    async def _guard(self, uid: str) -> AsyncIterator[None]:
+    def _guard(self, uid: str) -> _Guard:
+        """The claim's guard, counted as used until its `async with` ends."""
         guard = self._guards.get(uid)
         if guard is None:
             spare = self._spare_guards
-            guard = self._guards[uid] = spare.pop() if spare else _Guard()
+            guard = spare.pop() if spare else _Guard(self._guards, spare)
+            guard.uid = uid
+            self._guards[uid] = guard
         guard.users += 1
-        try:
-            async with guard.lock:
-                yield
-        finally:
-            guard.users -= 1
-            if guard.users == 0:  # free: nobody holds or waits for its lock
-                del self._guards[uid]
-                if len(self._spare_guards) < _SPARE_GUARDS:
-                    self._spare_guards.append(guard)
+        return guard
 
     def _mps_daemon(self, uid: str) -> MpsDaemon:
         """The claim's daemon folders: pipe, log and its own /dev/shm."""

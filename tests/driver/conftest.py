@@ -1,16 +1,35 @@
-"""Shared by the driver tests: the anyio backend, and a small real filesystem to fill."""
+"""Shared by the driver tests: the anyio backend, a small real filesystem to fill, and a
+count of the CDI edits converted."""
 
 import os
 import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+from gpudra.driver import cdi as cdi_module
+from gpudra.driver.cdi import ContainerEdits
 
 
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
+
+
+@pytest.fixture
+def conversions(monkeypatch: pytest.MonkeyPatch) -> list[ContainerEdits]:
+    """Every ContainerEdits the CDI code checks and converts to a spec's JSON, in order:
+    what is converted once for many specs shows as one entry."""
+    converted: list[ContainerEdits] = []
+    real = cdi_module._edits_json
+
+    def counting(edits: ContainerEdits) -> dict[str, Any]:
+        converted.append(edits)
+        return real(edits)
+
+    monkeypatch.setattr(cdi_module, "_edits_json", counting)
+    return converted
 
 
 def _fill(folder: Path) -> None:

@@ -7,7 +7,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from gpudra.driver import cdi as cdi_module
 from gpudra.driver.cdi import (
     DEFAULT_KIND,
     LIBRARY_MOUNT_OPTIONS,
@@ -15,11 +14,13 @@ from gpudra.driver.cdi import (
     CdiError,
     CdiSpecStore,
     ContainerEdits,
+    ConvertedEdits,
     DeviceNode,
     Hook,
     Mount,
     build_spec,
     cdi_device_name,
+    convert_edits,
     driver_common_edits,
     find_driver_files,
     find_toolkit_spec,
@@ -53,18 +54,11 @@ def _no_temp_files(directory: Path) -> bool:
 
 
 def test_a_store_converts_the_same_common_edits_once(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, conversions: list[ContainerEdits]
 ) -> None:
     """The node's control nodes and driver files are one object for every prepare:
     checked and converted for the first spec, reused after; other edits afresh."""
-    converted: list[ContainerEdits] = []
-    real = cdi_module._edits_json
-
-    def counting(edits: ContainerEdits) -> dict[str, Any]:
-        converted.append(edits)
-        return real(edits)
-
-    monkeypatch.setattr(cdi_module, "_edits_json", counting)
+    converted = conversions
     store = CdiSpecStore(tmp_path)
     common = ContainerEdits(
         device_nodes=(DeviceNode("/dev/nvidiactl"),),
@@ -82,6 +76,27 @@ def test_a_store_converts_the_same_common_edits_once(
     for _ in range(2):  # a bad one is refused every time, never kept
         with pytest.raises(CdiError, match="BAD=KEY"):
             store.build(UID, [_gpu_device()], common_edits=bad)
+
+
+def test_converted_edits_are_kept_by_object_and_the_oldest_go_first() -> None:
+    """Kept by identity: an equal but distinct object is converted on its own, a bad
+    one is never kept, and beyond the limit the oldest is converted again."""
+    converted = ConvertedEdits(limit=2)
+    a, b, c = (_gpu_device(f"gpu-{i}", i).edits for i in range(3))
+    first = converted(a)
+    assert converted(a)[0] is first[0] and first == convert_edits(a)
+    twin = _gpu_device("gpu-0", 0).edits
+    assert twin == a and converted(twin)[0] is not first[0]  # its own
+    converted(b)  # a's, the oldest, goes
+    assert converted(b)[0] is converted(b)[0]
+    assert converted(a)[0] is not first[0]  # converted again
+    converted(c)
+    bad = ContainerEdits(env={"BAD=KEY": "x"})
+    for _ in range(2):
+        with pytest.raises(CdiError, match="BAD=KEY"):
+            converted(bad)
+    hooked = ContainerEdits(additional_gids=(44,))
+    assert converted(hooked) == ({"additionalGids": [44]}, 4)  # what 0.7.0 brings
 
 
 def test_spec_has_one_device_per_prepared_device_and_common_edits_on_top() -> None:
@@ -294,7 +309,8 @@ def test_malicious_claim_uids_are_rejected_everywhere(tmp_path: Path, uid: str) 
 def test_write_is_complete_json_with_no_temp_file_left(tmp_path: Path) -> None:
     root = tmp_path / "run" / "cdi"
     store = CdiSpecStore(root)
-    path = store.write_claim(UID, [_gpu_device()])
+    store.write_claim(UID, [_gpu_device()])
+    path = store.spec_path(UID)
     assert path == root / f"k8s.gpu.nvidia.com-claim_{UID}.json"
     spec = json.loads(path.read_text())
     assert spec["devices"][0]["name"] == f"{UID}-gpu-0"
@@ -305,7 +321,9 @@ def test_write_is_complete_json_with_no_temp_file_left(tmp_path: Path) -> None:
 def test_spec_mode_is_exact_whatever_the_umask(tmp_path: Path) -> None:
     previous = os.umask(0o077)
     try:
-        path = CdiSpecStore(tmp_path).write_claim(UID, [_gpu_device()])
+        store = CdiSpecStore(tmp_path)
+        store.write_claim(UID, [_gpu_device()])
+        path = store.spec_path(UID)
     finally:
         os.umask(previous)
     assert stat.S_IMODE(path.stat().st_mode) == 0o644
@@ -317,7 +335,8 @@ def test_write_recreates_a_removed_cdi_folder(tmp_path: Path) -> None:
     store.write_claim(UID, [_gpu_device()])
     store.remove(UID)
     root.rmdir()  # e.g. a tmpfs remounted under a running agent
-    path = store.write_claim(UID, [_gpu_device()])
+    store.write_claim(UID, [_gpu_device()])
+    path = store.spec_path(UID)
     assert json.loads(path.read_text())["devices"][0]["name"] == f"{UID}-gpu-0"
     assert stat.S_IMODE(root.stat().st_mode) == 0o755
 
@@ -326,7 +345,8 @@ def test_failed_rename_leaves_previous_spec_and_no_temp_file(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     store = CdiSpecStore(tmp_path)
-    path = store.write_claim(UID, [_gpu_device("gpu-0")])
+    store.write_claim(UID, [_gpu_device("gpu-0")])
+    path = store.spec_path(UID)
     before = path.read_bytes()
 
     def broken_replace(*args: Any, **kwargs: Any) -> None:
@@ -368,7 +388,8 @@ def test_read_only_directory_leaves_nothing(tmp_path: Path) -> None:
 def test_rewrite_replaces_whole_spec(tmp_path: Path) -> None:
     store = CdiSpecStore(tmp_path)
     store.write_claim(UID, [_gpu_device("gpu-0"), _gpu_device("gpu-1", 1)])
-    path = store.write_claim(UID, [_gpu_device("gpu-2", 2)])
+    store.write_claim(UID, [_gpu_device("gpu-2", 2)])
+    path = store.spec_path(UID)
     assert [d["name"] for d in json.loads(path.read_text())["devices"]] == [f"{UID}-gpu-2"]
 
 
@@ -381,7 +402,8 @@ def test_write_refuses_spec_of_another_kind(tmp_path: Path) -> None:
 
 def test_remove_is_idempotent(tmp_path: Path) -> None:
     store = CdiSpecStore(tmp_path)
-    path = store.write_claim(UID, [_gpu_device()])
+    store.write_claim(UID, [_gpu_device()])
+    path = store.spec_path(UID)
     assert store.remove(UID) is True
     assert not path.exists()
     assert store.remove(UID) is False

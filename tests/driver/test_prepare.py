@@ -8,6 +8,7 @@ emulator, and nvidia-smi / nvidia-cuda-mps-control are the stand-ins in
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import errno
 import json
@@ -3412,3 +3413,108 @@ async def test_an_mps_daemon_an_older_release_recorded_stops_without_its_pid_fil
         assert not _mps_base(node, claim.uid).exists()
     finally:
         daemon.signal(signal.SIGKILL)
+
+
+# --- what a prepare builds once ----------------------------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_a_whole_gpus_spec_entry_is_converted_once_and_a_shares_for_each_claim(
+    node: Node, conversions: list[Any]
+) -> None:
+    """A whole GPU's spec entry is the same on every prepare of it, so its edits are
+    checked and converted for the first claim only; a share's entry names the share and
+    is made for its claim. Every spec still holds what its claim needs."""
+    converted = conversions
+    emu = h100()
+    gpus = discover(emu).gpus
+    preparer = node_preparer(node, emu, shares={g.device.name: 4 for g in gpus})
+    specs = []
+    for _ in range(3):
+        claim = offline_claim("tenant-a", [("gpu", {"device": gpus[2].device.name})], {})
+        assert (await preparer.prepare([claim]))[claim.uid].error is None
+        specs.append((claim.uid, node.spec(claim.uid)))
+        assert await preparer.unprepare([claim.ref]) == {claim.uid: None}
+    assert len(converted) == 2  # the node's common edits and the GPU's, once each
+    for uid, spec in specs:
+        assert spec["devices"][0]["name"] == f"{uid}-gpu-2"
+        assert spec["devices"][0]["containerEdits"] == specs[0][1]["devices"][0]["containerEdits"]
+        assert any(
+            n["path"] == "/dev/nvidia2" for n in spec["devices"][0]["containerEdits"]["deviceNodes"]
+        )
+
+    for _ in range(2):
+        share = offline_claim("tenant-a", [("gpu", one_share(gpus[5].device.name))], {})
+        assert (await preparer.prepare([share]))[share.uid].error is None
+        share_id = share.devices[0].share_id
+        device = node.spec(share.uid)["devices"][0]
+        assert device["name"] == f"{share.uid}-gpu-5-{share_id}"
+        assert await preparer.unprepare([share.ref]) == {share.uid: None}
+    assert len(converted) == 4  # each share's entry afresh
+
+
+@pytest.mark.anyio
+async def test_a_claims_guard_orders_its_calls_and_is_given_up_when_a_waiter_is_cancelled(
+    node: Node,
+) -> None:
+    """Two prepares of one claim at once prepare it once; a call cancelled while it
+    waits for the claim's guard leaves nothing behind, and the claim's next calls run."""
+    emu = h100()
+    gpus = discover(emu).gpus
+    preparer = node_preparer(node, emu)
+    claim = offline_claim("tenant-a", [("gpu", {"device": gpus[1].device.name})], {})
+    first, second = await asyncio.gather(preparer.prepare([claim]), preparer.prepare([claim]))
+    assert first == second and first[claim.uid].error is None
+    assert preparer._guards == {}
+
+    # Another call holds the claim.
+    async with preparer._guard(claim.uid), anyio.create_task_group() as tg:
+        tg.start_soon(preparer.unprepare, [claim.ref])
+        await anyio.sleep(0.05)
+        assert preparer._guards[claim.uid].users == 2
+        tg.cancel_scope.cancel()
+    assert preparer._guards == {}
+    assert node.has_spec(claim.uid)  # the cancelled unprepare did nothing
+    assert await preparer.unprepare([claim.ref]) == {claim.uid: None}
+    assert not node.has_spec(claim.uid) and preparer._guards == {}
+
+
+@pytest.mark.anyio
+async def test_a_kept_whole_gpu_entry_refers_to_the_toolkit_only_where_every_device_can(
+    node: Node,
+) -> None:
+    """The toolkit's spec knows GPU 6, not GPU 7: a claim of GPU 6 alone refers to it;
+    a claim of both gives both their own nodes, and GPU 6 alone refers to it again."""
+    emu = h100()
+    gpus = discover(emu).gpus
+    toolkit = ToolkitSpec(
+        path=node.root / "nvidia.json",
+        kind="nvidia.com/gpu",
+        device_names=frozenset({gpus[6].uuid}),
+    )
+    preparer = node_preparer(node, emu, toolkit=toolkit)
+    alone = [("gpu", {"device": gpus[6].device.name})]
+    both = [*alone, ("other", {"device": gpus[7].device.name})]
+    for results in (alone, both, alone):
+        claim = offline_claim("tenant-a", results, {})
+        result = (await preparer.prepare([claim]))[claim.uid]
+        assert result.error is None
+        spec = node.spec(claim.uid)
+        ids = result.devices[0].cdi_device_ids
+        if results is alone:
+            assert ids == [
+                f"k8s.gpu.nvidia.com/claim={claim.uid}-gpu-6",
+                f"nvidia.com/gpu={gpus[6].uuid}",
+            ]
+            assert "deviceNodes" not in spec["devices"][0]["containerEdits"]
+            assert spec["containerEdits"] == {"env": ["NVIDIA_VISIBLE_DEVICES=void"]}
+        else:
+            assert ids == [f"k8s.gpu.nvidia.com/claim={claim.uid}-gpu-6"]
+            assert [
+                n["path"] for d in spec["devices"] for n in d["containerEdits"]["deviceNodes"]
+            ] == [
+                "/dev/nvidia6",
+                "/dev/nvidia7",
+            ]
+            assert "/dev/nvidiactl" in node_paths(spec["containerEdits"])
+        assert await preparer.unprepare([claim.ref]) == {claim.uid: None}
