@@ -1210,7 +1210,12 @@ class GroupCommit:
     it, and its caller waits until a write that includes it has finished. The first
     waiter writes (in a worker thread); changes made meanwhile wait for the write
     after it, which carries them all: with many claims in flight, far fewer than one
-    write and fsync per change. Writes are whole-file snapshots taken in order, so
+    write and fsync per change. A change that is the only one not yet written and
+    needs no more than a line of the changes file (`Checkpoint._appendable`) is
+    appended by its caller at once, with no turn of the loop: on a node, calls arrive
+    spread out, and most such changes find no other to share a line with, so the turn
+    would cost each of them a task switch and a cancel scope for nothing. Writes are
+    whole-file snapshots taken in order, so
     the file never goes back to an older state, and a caller never resumes before
     its change is written, and durable where the change asked (`Checkpoint._save`),
     even when cancelled. A write syncs the folder when any change it carries asked
@@ -1239,11 +1244,28 @@ class GroupCommit:
         change that changes nothing still waits for pending writes of what it saw.
         """
         cp = self._cp
+        alone = self._batch is None and self._written == cp._seq
         cp._staging = True
         try:
             result = change(cp)
         finally:
             cp._staging = False
+        if self._written == cp._seq:
+            return result  # nothing changed, nothing pending: nothing to wait for
+        if (
+            alone
+            and (self._lock is None or not self._lock.locked())
+            and cp._appendable(self._written, cp._seq)
+        ):
+            # The only change not yet written, and a line: appended here and now, with
+            # no turn of the loop for others to join it and nothing to shield. The lock
+            # is free and stays so, as nothing here awaits. Alone, its failure undoes
+            # nothing but this change, whose caller gets the error.
+            batch = _Batch(cp._seq)
+            self._append(batch, cp._snapshot())
+            if batch.error is not None:
+                raise batch.error
+            return result
         with anyio.CancelScope(shield=True):
             await self._durable(cp._seq)
         return result
@@ -1297,21 +1319,39 @@ class GroupCommit:
     async def _write(self, batch: _Batch) -> None:
         cp = self._cp
         snap = cp._snapshot()  # taken now: changes staged while waiting for the lock too
+        if cp._appendable(self._written, snap.seq):
+            # A line of a few hundred bytes, not synced: cheaper here than the hand-off
+            # to a worker thread and back.
+            self._append(batch, snap)
+            return
         batch.upto = snap.seq
         try:
-            if cp._appendable(self._written, snap.seq):
-                # A line of a few hundred bytes, not synced: cheaper here than the
-                # hand-off to a worker thread and back.
-                cp._append(snap, self._written)
-            else:
-                write = functools.partial(
-                    cp._write, snap, durable=cp._durable_between(self._written, snap.seq)
-                )
-                await anyio.to_thread.run_sync(write)
+            write = functools.partial(
+                cp._write, snap, durable=cp._durable_between(self._written, snap.seq)
+            )
+            await anyio.to_thread.run_sync(write)
         except CheckpointError as exc:
             batch.error = exc
         except Exception as exc:
             batch.error = CheckpointError(f"cannot write checkpoint {cp.path}: {exc}")
+        self._settle(batch, snap)
+
+    def _append(self, batch: _Batch, snap: _Snapshot) -> None:
+        """Append the changes up to `snap` as a line of the changes file, on the loop
+        (`Checkpoint._appendable` said they may be)."""
+        cp = self._cp
+        batch.upto = snap.seq
+        try:
+            cp._append(snap, self._written)
+        except CheckpointError as exc:
+            batch.error = exc
+        except Exception as exc:
+            batch.error = CheckpointError(f"cannot write checkpoint {cp.path}: {exc}")
+        self._settle(batch, snap)
+
+    def _settle(self, batch: _Batch, snap: _Snapshot) -> None:
+        """After the write of `snap`: the changes it carried are written, or undone."""
+        cp = self._cp
         self.writes += 1
         if batch.error is None:
             self._written = snap.seq

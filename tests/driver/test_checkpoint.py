@@ -1143,6 +1143,105 @@ async def test_a_failed_append_fails_its_caller_and_the_next_write_replaces_the_
 
 
 @pytest.mark.anyio
+async def test_a_lone_line_is_written_before_apply_returns_without_a_turn_of_the_loop(
+    cp_path: Path, boot: Path
+) -> None:
+    """The agent's common case: a prepare's end or a removal that is the only change not
+    yet written is appended at once. No other task runs in between (so no cancel can
+    come between the change and its line), and a write lock held elsewhere (a file
+    cleanup) is still waited for."""
+    lock = anyio.Lock()
+    commit = GroupCommit(_load(cp_path, boot), lock=lock)
+    await commit.apply(lambda cp: cp.begin_prepare(CLAIM_1, [_gpu("gpu-0")]))
+    others: list[str] = []
+
+    async def other() -> None:
+        others.append("ran")
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(other)
+        await commit.apply(lambda cp: cp.complete_prepare(CLAIM_1.uid, [_gpu("gpu-0")]))
+        assert others == []
+        completed = _load(cp_path, boot).get(CLAIM_1.uid)
+        assert completed is not None and completed.completed
+
+    removed = anyio.Event()
+
+    async def remove() -> None:
+        await commit.apply(lambda cp: cp.remove(CLAIM_1.uid))
+        removed.set()
+
+    async with anyio.create_task_group() as group:
+        await lock.acquire()
+        group.start_soon(remove)
+        await anyio.sleep(0.05)
+        assert not removed.is_set()
+        assert _load(cp_path, boot).get(CLAIM_1.uid) is not None
+        lock.release()
+    assert _load(cp_path, boot).get(CLAIM_1.uid) is None
+    assert len(ChangesFile(cp_path).read().splitlines()) == 2
+
+
+@pytest.mark.anyio
+async def test_a_failed_line_fails_every_caller_whose_change_it_carried(
+    small_fs: Path, fill_small_fs: Callable[[], None], boot: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Only a change that is alone is appended at once. Here one caller's change waits
+    for a synced write in flight; the task that made that write goes straight on to a
+    change of its own, before the waiting caller resumes. One line carries both, and
+    it fails (a full disk, freed right after): both callers get the error, and neither
+    change stays, in memory or on disk. Appended at once, the line would have undone
+    the waiting caller's change behind its back, and that caller, resuming to a disk
+    with room, would have written the state without it and gone on as if it were."""
+    path = small_fs / "checkpoint.json"
+    checkpoint = _load(path, boot)
+    commit = GroupCommit(checkpoint, lock=anyio.Lock())
+    await commit.apply(lambda cp: cp.begin_prepare(CLAIM_1, [_gpu("gpu-0")]))
+    await commit.apply(lambda cp: cp.begin_prepare(CLAIM_2, [_gpu("gpu-1")]))
+    gate, stalled = threading.Event(), threading.Event()
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:  # the synced write in its thread waits for the gate
+        if threading.current_thread() is not threading.main_thread() and not gate.is_set():
+            stalled.set()
+            gate.wait(10)
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    outcomes: dict[str, str] = {}
+
+    async def waiting() -> None:
+        try:
+            await commit.apply(lambda cp: cp.complete_prepare(CLAIM_1.uid, [_gpu("gpu-0")]))
+            outcomes["waiting"] = "written"
+        except CheckpointError:
+            outcomes["waiting"] = "failed"
+
+    async def writing() -> None:
+        await commit.apply(lambda cp: cp.begin_prepare(CLAIM_3, [_gpu("gpu-2")]))
+        fill_small_fs()
+        try:
+            await commit.apply(lambda cp: cp.complete_prepare(CLAIM_2.uid, [_gpu("gpu-1")]))
+            outcomes["writing"] = "written"
+        except CheckpointError:
+            outcomes["writing"] = "failed"
+        (small_fs / "filler").unlink()  # the disk has room again, before anyone resumes
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(writing)
+        while not stalled.is_set():
+            await anyio.sleep(0.01)
+        group.start_soon(waiting)
+        await anyio.sleep(0.05)
+        gate.set()
+
+    assert outcomes == {"waiting": "failed", "writing": "failed"}
+    for reading in (checkpoint, _load(path, boot)):
+        states = {c.uid: c.completed for c in reading.claims()}
+        assert states == {CLAIM_1.uid: False, CLAIM_2.uid: False, CLAIM_3.uid: False}
+
+
+@pytest.mark.anyio
 async def test_a_long_changes_file_is_folded_into_the_file(
     cp_path: Path, boot: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
