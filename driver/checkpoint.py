@@ -1319,39 +1319,42 @@ class GroupCommit:
     async def _write(self, batch: _Batch) -> None:
         cp = self._cp
         snap = cp._snapshot()  # taken now: changes staged while waiting for the lock too
+        batch.upto = snap.seq
         if cp._appendable(self._written, snap.seq):
             # A line of a few hundred bytes, not synced: cheaper here than the hand-off
             # to a worker thread and back.
             self._append(batch, snap)
             return
-        batch.upto = snap.seq
+        failure: Exception | None = None
         try:
             write = functools.partial(
                 cp._write, snap, durable=cp._durable_between(self._written, snap.seq)
             )
             await anyio.to_thread.run_sync(write)
-        except CheckpointError as exc:
-            batch.error = exc
         except Exception as exc:
-            batch.error = CheckpointError(f"cannot write checkpoint {cp.path}: {exc}")
-        self._settle(batch, snap)
+            failure = exc
+        self._settle(batch, snap, failure)
 
     def _append(self, batch: _Batch, snap: _Snapshot) -> None:
         """Append the changes up to `snap` as a line of the changes file, on the loop
         (`Checkpoint._appendable` said they may be)."""
-        cp = self._cp
-        batch.upto = snap.seq
+        failure: Exception | None = None
         try:
-            cp._append(snap, self._written)
-        except CheckpointError as exc:
-            batch.error = exc
+            self._cp._append(snap, self._written)
         except Exception as exc:
-            batch.error = CheckpointError(f"cannot write checkpoint {cp.path}: {exc}")
-        self._settle(batch, snap)
+            failure = exc
+        self._settle(batch, snap, failure)
 
-    def _settle(self, batch: _Batch, snap: _Snapshot) -> None:
-        """After the write of `snap`: the changes it carried are written, or undone."""
+    def _settle(self, batch: _Batch, snap: _Snapshot, failure: Exception | None) -> None:
+        """After the write of `snap`: the changes it carried are written, or undone and
+        the write's failure is the batch's error."""
         cp = self._cp
+        if failure is not None:
+            batch.error = (
+                failure
+                if isinstance(failure, CheckpointError)
+                else CheckpointError(f"cannot write checkpoint {cp.path}: {failure}")
+            )
         self.writes += 1
         if batch.error is None:
             self._written = snap.seq
