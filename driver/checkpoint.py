@@ -1210,20 +1210,22 @@ class GroupCommit:
     it, and its caller waits until a write that includes it has finished. The first
     waiter writes (in a worker thread); changes made meanwhile wait for the write
     after it, which carries them all: with many claims in flight, far fewer than one
-    write and fsync per change. A change that is the only one not yet written and
-    needs no more than a line of the changes file (`Checkpoint._appendable`) is
-    appended by its caller at once, with no turn of the loop: on a node, calls arrive
-    spread out, and most such changes find no other to share a line with, so the turn
-    would cost each of them a task switch and a cancel scope for nothing. Writes are
-    whole-file snapshots taken in order, so
-    the file never goes back to an older state, and a caller never resumes before
-    its change is written, and durable where the change asked (`Checkpoint._save`),
-    even when cancelled. A write syncs the folder when any change it carries asked
-    for that. A failed write undoes the changes it
-    carried (unless a later change replaced them) and raises CheckpointError in
-    their callers. Route every change through one GroupCommit, from one event loop;
-    `lock`, when given, is held around each write (to keep file cleanups out), taken
-    after a turn of the event loop that lets changes staged meanwhile join the write.
+    write and fsync per change. Writes are taken in order, so the file never goes
+    back to an older state, and a caller never resumes before its change is written,
+    and durable where the change asked (`Checkpoint._save`), even when cancelled. A
+    write syncs the folder when any change it carries asked for that. A failed write
+    undoes the changes it carried (unless a later change replaced them) and raises
+    CheckpointError in their callers. Route every change through one GroupCommit,
+    from one event loop; `lock`, when given, is held around each write (to keep file
+    cleanups out), taken after a turn of the event loop that lets changes staged
+    meanwhile join the write.
+
+    A change that is the only one not yet written and needs no more than a line of
+    the changes file (`Checkpoint._appendable`) is appended by its caller at once,
+    where `lock` is free: no turn of the loop, nothing awaited, so nothing can come
+    between the change and its line. On a node calls arrive spread out, and most
+    such changes find no other to share a line with: the turn would cost each a task
+    switch and a cancel scope for nothing.
     """
 
     def __init__(self, checkpoint: Checkpoint, *, lock: anyio.Lock | None = None) -> None:
