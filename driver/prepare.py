@@ -198,10 +198,11 @@ class _Guard:
     without the turn of the event loop anyio gives by default: that turn bought no
     fairness here and cost every call a loop iteration (measured: 0.29 to 0.30 ms of
     device-layer CPU per cycle against 0.31 to 0.33 in one process; see
-    docs/performance.md). The checkpoint's writes take a turn of their own, which lets
-    other claims' changes join a write. A guard no claim uses is kept for the next
-    claim (up to `_SPARE_GUARDS`): making an anyio lock costs more than taking it. Its
-    own context manager, not a generator's: one is entered twice per claim."""
+    docs/performance.md). A checkpoint write that other claims' changes may join
+    takes a turn of its own for them (a lone line takes none: `GroupCommit`). A guard
+    no claim uses is kept for the next claim (up to `_SPARE_GUARDS`): making an anyio
+    lock costs more than taking it. Its own context manager, not a generator's: one
+    is entered twice per claim."""
 
     guards: dict[str, _Guard]  # the preparer's, by claim UID
     spare: list[_Guard]
@@ -295,8 +296,8 @@ class ClaimPreparer:
             PreparedDevices(self.checkpoint_now, node_name)
         )
         # Held while the checkpoint loads or is written, and while its temp files are swept.
-        # Taken without a turn of the loop when free: the checkpoint's writes take their
-        # own turn to gather changes (GroupCommit).
+        # Taken without a turn of the loop when free: a checkpoint write that gathers
+        # changes takes its own turn for that, a lone line none (GroupCommit).
         self._lock = anyio.Lock(fast_acquire=True)
         self._guards: dict[str, _Guard] = {}
         self._spare_guards: list[_Guard] = []
