@@ -759,6 +759,14 @@ def missed(result: dict[str, Any]) -> list[str]:
     return [name for name, target in result["targets"].items() if target["met"] is False]
 
 
+CALLS_NOTE = (
+    "calls_per_cycle counts each time the profiler saw a function entered, and a "
+    "coroutine is entered again each time it resumes after an await: one that awaits "
+    "once per call shows two, so aiohttp's _request at 2 per cycle is one GET"
+)
+"""What a coroutine's call count means, said beside the numbers: read as calls, the
+profile seems to show two API requests per prepare where there is one."""
+
 _WAITING = "<method 'poll' of 'select.epoll' objects>"
 """Where the event loop waits for its next event: wall-clock time, but no CPU."""
 
@@ -813,7 +821,8 @@ def profile_on_miss(result: dict[str, Any], sampling: str | None) -> None:
             "note": "a separate pass of gpudra alone (the profiler slows it), measured "
             "cycles only (no start-up or warm-up); per cycle. threads_ms_per_cycle: CPU of "
             "the node's threads from /proc; the function lists: a cProfile of the "
-            "event-loop thread (wall clock; the loop's waits are waiting_ms_per_cycle)",
+            "event-loop thread (wall clock; the loop's waits are waiting_ms_per_cycle). "
+            f"{CALLS_NOTE}",
             "cpu_ms_per_cycle": profiled["cpu_ms_per_cycle"],
             "threads_ms_per_cycle": profiled.get("node_threads_ms_per_cycle"),
             **profile_summary(path, cycles),
