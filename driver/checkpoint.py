@@ -611,11 +611,26 @@ class Checkpoint:
                 }
             },
         )
-        self._save(
-            claims={},
-            previous_boot=(*self._previous_boot, *self._claims.values()),
-            unreadable={},
-        )
+        claims: dict[str, ClaimRecord] = {}
+        previous_boot = (*self._previous_boot, *self._claims.values())
+        unreadable: dict[str, Any] = {}
+        try:
+            self._save(claims=claims, previous_boot=previous_boot, unreadable=unreadable)
+        except CheckpointError as exc:
+            # A full state disk (a tenant's plain-folder MPS files, which only the
+            # recovery this write precedes removes) must not stop the agent's start.
+            # Adopted in memory all the same: the file still names the previous boot,
+            # so the next write replaces it whole (`_appendable`), and a load before
+            # that moves the same claims again.
+            log.warning(
+                "the previous boot's claims not recorded as such yet",
+                extra={"fields": {"path": str(self._path), "error": str(exc)}},
+            )
+            self._claims, self._previous_boot, self._unreadable = (
+                claims,
+                previous_boot,
+                unreadable,
+            )
 
     # --- queries ---
 

@@ -1060,7 +1060,13 @@ class ClaimPreparer:
                     rolled_back.append(record.uid)
         for uid in sorted(cp.unreadable()):
             async with self._guard(uid):
-                if await self._forgot_unreadable(cp, uid):
+                try:
+                    if await self._forgot_unreadable(cp, uid):
+                        continue
+                except CheckpointError as exc:
+                    # The state disk full: the record and its mark stay, for the next
+                    # start or the claim's next call; the agent still starts.
+                    errors.append(f"claim {uid}: forgetting its record marked undone: {exc}")
                     continue
                 problem = cp.unreadable_problem(uid)
                 if problem is not None:

@@ -71,3 +71,10 @@ def small_fs(tmp_path: Path) -> Iterator[Path]:
 def fill_small_fs(small_fs: Path) -> Callable[[], None]:
     """Call to fill `small_fs` completely (a file named `filler`; unlink it to free)."""
     return lambda: _fill(small_fs)
+
+
+@pytest.fixture
+def fill_folder() -> Callable[[Path], None]:
+    """Call with a folder to fill its file system from there (a file named `filler` in
+    it), as a container that may write that folder could."""
+    return _fill

@@ -397,15 +397,17 @@ def node_preparer(
     inventory: Callable[[], Inventory | None] | None = None,
     sharing: NvidiaSharing | None = None,
     shares: Mapping[str, int] | None = None,
+    checkpoint: Path | None = None,
 ) -> ClaimPreparer:
     """The device layer on this test's node: its folders, the emulated GPUs, fake tools;
-    `shares`: the integer shares each GPU is published with."""
+    `shares`: the integer shares each GPU is published with; `checkpoint`: elsewhere
+    than the node's (a small file system to fill), with the MPS folders beside it."""
     return ClaimPreparer(
         node_name=NODE,
         nvml=nvml,
         inventory=inventory or (lambda: discover(nvml)),
         cdi=CdiSpecStore(node.cdi_dir),
-        checkpoint_path=node.checkpoint,
+        checkpoint_path=checkpoint or node.checkpoint,
         sharing=sharing or fake_sharing(),
         dev_root=node.dev_root,
         proc_root=node.proc,
@@ -3117,21 +3119,7 @@ async def test_a_full_state_disk_does_not_stop_the_agents_recovery(
         if step == "time-slice-applied":
             raise SimulatedCrash(step)
 
-    def agent(fault: Callable[[str], None] | None = None) -> ClaimPreparer:
-        return ClaimPreparer(
-            node_name=NODE,
-            nvml=emu,
-            inventory=lambda: discover(emu),
-            cdi=CdiSpecStore(node.cdi_dir),
-            checkpoint_path=checkpoint,
-            sharing=fake_sharing(),
-            dev_root=node.dev_root,
-            proc_root=node.proc,
-            boot_id_path=node.boot_id,
-            fault=fault,
-        )
-
-    crashing = agent(crash)
+    crashing = node_preparer(node, emu, fault=crash, checkpoint=checkpoint)
     assert (await crashing.prepare([mps]))[mps.uid].error is None
     with pytest.raises(SimulatedCrash):
         await crashing.prepare([sliced])
@@ -3139,11 +3127,89 @@ async def test_a_full_state_disk_does_not_stop_the_agents_recovery(
     assert pipe.is_dir()
     fill_small_fs()  # as the tenant's container could through its pipe folder, agent down
     try:
-        report = await agent().recover()
+        report = await node_preparer(node, emu, checkpoint=checkpoint).recover()
         assert [e for e in report.errors if "tenant-b" in e and "rolling back" in e]
     finally:
         (small_fs / "filler").unlink()
         fake_sharing().stop_mps(_daemon_in(pipe.parent))
+
+
+@pytest.mark.anyio
+async def test_a_state_disk_filled_before_a_reboot_does_not_stop_the_agents_start(
+    small_fs: Path, node: Node, fill_folder: Callable[[Path], None]
+) -> None:
+    """An agent that may not mount (the chart's for emulated GPUs) keeps an MPS claim's
+    pipe folder on the state disk, where its container's files outlive a reboot. Filled
+    that way, the load's first write, which moves the old boot's claims aside, fails:
+    the agent still starts, and its recovery removes the folder, which frees the disk
+    for the record of it and for this boot's claims."""
+    emu = h100()
+    gpus = discover(emu).gpus
+    checkpoint = small_fs / "plugin" / "checkpoint.json"
+    mps = offline_claim(
+        "tenant-a", [("mps", {"device": gpus[3].device.name})], {"mps": {"strategy": "MPS"}}
+    )
+
+    first = node_preparer(node, emu, checkpoint=checkpoint)
+    assert (await first.prepare([mps]))[mps.uid].error is None
+    await first.close()
+    base = checkpoint.parent / "mps" / mps.uid
+    daemon = load_checkpoint(checkpoint, boot_id_path=node.boot_id).get(mps.uid)
+    assert daemon is not None and daemon.devices[0].details.mps is not None
+    identity = daemon.devices[0].details.mps.daemon
+    assert identity is not None
+    # The reboot: the daemon and any mounts are gone, what was on the disk is not.
+    os.kill(identity.pid, signal.SIGKILL)
+    assert identity.wait_gone(10.0)
+    for folder in ("shm", "pipe"):
+        if (base / folder).is_mount():
+            await anyio.run_process(["umount", "--lazy", str(base / folder)])
+    fill_folder(base / "pipe")  # what the container left in its plain pipe folder
+    node.boot_id.write_text(BOOT_B + "\n")
+
+    again = node_preparer(node, emu, checkpoint=checkpoint)
+    report = await again.recover()
+
+    assert report.previous_boot == (mps.uid,)
+    assert report.errors == ()
+    assert not base.exists()
+    doc = checkpoint_document(checkpoint)
+    assert doc["bootId"] == BOOT_B and not doc["claims"] and "previousBoot" not in doc
+    whole = offline_claim("tenant-b", [("gpu", {"device": gpus[2].device.name})], {})
+    assert (await again.prepare([whole]))[whole.uid].error is None
+    assert (await again.unprepare([whole.ref]))[whole.uid] is None
+
+
+@pytest.mark.anyio
+async def test_a_full_state_disk_does_not_stop_an_agent_told_a_record_was_undone(
+    node: Node, small_fs: Path, fill_small_fs: Callable[[], None]
+) -> None:
+    """Forgetting a record an admin marked undone by hand is a write; on a full state
+    disk it is that claim's error in the recovery's report, and the agent starts. The
+    record and its mark stay, and the next start with room forgets it."""
+    checkpoint = small_fs / "plugin" / "checkpoint.json"
+    checkpoint.parent.mkdir()
+    unreadable = {**_UNCLEANABLE, "state": "SomeNewerState"}
+    uid = unreadable["uid"]
+    checkpoint.write_text(json.dumps({"version": 1, "bootId": BOOT_A, "claims": {uid: unreadable}}))
+    marker = checkpoint.parent / "undone" / uid
+    marker.parent.mkdir()
+    marker.touch()
+
+    fill_small_fs()
+    try:
+        report = await node_preparer(node, h100(), checkpoint=checkpoint).recover()
+        assert [e for e in report.errors if uid in e and "marked undone" in e], report.errors
+        assert marker.exists()
+    finally:
+        (small_fs / "filler").unlink()
+    assert uid in checkpoint_document(checkpoint)["claims"]
+
+    report = await node_preparer(node, h100(), checkpoint=checkpoint).recover()
+
+    assert report.errors == ()
+    assert uid not in checkpoint_document(checkpoint)["claims"]
+    assert not marker.exists()
 
 
 TS_SHORT = {"strategy": "TimeSlicing", "timeSlicingConfig": {"interval": "Short"}}
