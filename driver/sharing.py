@@ -65,6 +65,7 @@ __all__ = [
     "SharingError",
     "find_tool",
     "may_mount",
+    "may_remove_anything",
 ]
 
 log = logging.getLogger(__name__)
@@ -93,7 +94,11 @@ _SHM_OPTIONS: Final = "rw,nosuid,nodev,noexec,mode=1777"
 _PIPE_OPTIONS: Final = "rw,nosuid,nodev,noexec,size=4m,nr_inodes=4096,mode=0755"
 _CONTROL_READER_TRIES: Final = 10
 """Looks, 0.1 s apart, for a reader of the daemon's control FIFO before `quit`."""
-# CAP_SYS_ADMIN's bit in /proc/self/status CapEff: mount and unshare need it.
+# Bits in /proc/self/status CapEff. Mount and unshare need CAP_SYS_ADMIN; removing a
+# folder's contents whoever made them, CAP_DAC_OVERRIDE (a folder without write
+# permission) and CAP_FOWNER (another user's file in a sticky folder).
+_CAP_DAC_OVERRIDE: Final = 1
+_CAP_FOWNER: Final = 3
 _CAP_SYS_ADMIN: Final = 21
 # A daemon pod's command, the tool's path as $0: the daemon in the foreground, ended
 # with the pod (TERM) or once its pipe folder is removed, both a normal end (exit 0:
@@ -211,15 +216,27 @@ def find_tool(name: str, driver_root: Path = Path("/")) -> Path | None:
     return Path(found) if found else None
 
 
-def may_mount(status: Path = Path("/proc/self/status")) -> bool:
-    """Whether this process may mount and make mount namespaces (CAP_SYS_ADMIN)."""
+def _effective_capabilities(status: Path) -> int:
+    """This process's effective capabilities (none where they cannot be read)."""
     try:
         for line in status.read_text(encoding="ascii").splitlines():
             if line.startswith("CapEff:"):
-                return bool(int(line.split()[1], 16) >> _CAP_SYS_ADMIN & 1)
+                return int(line.split()[1], 16)
     except (OSError, ValueError, IndexError):
         pass
-    return False
+    return 0
+
+
+def may_mount(status: Path = Path("/proc/self/status")) -> bool:
+    """Whether this process may mount and make mount namespaces (CAP_SYS_ADMIN)."""
+    return bool(_effective_capabilities(status) >> _CAP_SYS_ADMIN & 1)
+
+
+def may_remove_anything(status: Path = Path("/proc/self/status")) -> bool:
+    """Whether this process may empty a folder whatever its containers made there: a
+    folder they left without write permission, another user's file in a sticky one."""
+    caps = _effective_capabilities(status)
+    return bool(caps >> _CAP_DAC_OVERRIDE & 1 and caps >> _CAP_FOWNER & 1)
 
 
 def _read_pid_file(path: Path) -> int | None:
@@ -395,6 +412,15 @@ class NvidiaSharing:
                 "containers can fill: a tmpfs of its own needs CAP_SYS_ADMIN",
                 extra={"fields": {"folder": str(folder)}},
             )
+            if not may_remove_anything():
+                # Nothing unmounts it at unprepare: what is in it must be removed.
+                log.warning(
+                    "what a claim's containers leave in its MPS folder that this process "
+                    "may not remove (a folder without write permission, another user's "
+                    "files) keeps the claim prepared until removed by hand: give the "
+                    "agent CAP_DAC_OVERRIDE and CAP_FOWNER",
+                    extra={"fields": {"folder": str(folder)}},
+                )
         folder.chmod(mode)  # exact, whatever the umask
 
     def _remove_tmpfs(self, folder: Path, purpose: str) -> None:

@@ -63,7 +63,13 @@ from gpudra.driver.prepare import ClaimPreparer, RecoveryReport
 from gpudra.driver.processes import ProcessIdentity
 from gpudra.driver.records import CreatedMig
 from gpudra.driver.sampling import Sampler
-from gpudra.driver.sharing import MpsDaemon, NvidiaSharing, SharingError, may_mount
+from gpudra.driver.sharing import (
+    MpsDaemon,
+    NvidiaSharing,
+    SharingError,
+    may_mount,
+    may_remove_anything,
+)
 from prometheus_client import CollectorRegistry, generate_latest
 
 from e2e.claims import pod_with_claim, wait_allocated
@@ -2343,6 +2349,28 @@ async def test_an_mps_claim_gets_its_own_shm_shared_with_its_daemon_only(node: N
     assert not daemon.alive()
     assert not shm.is_mount()
     assert not _mps_base(node, claim.uid).exists()
+
+
+@pytest.mark.parametrize(
+    ("cap_eff", "mounts", "removes"),
+    [
+        ("0000000000000000", False, False),  # every capability dropped
+        ("000000000000000a", False, True),  # DAC_OVERRIDE and FOWNER: the chart's, emulated
+        ("0000000000000002", False, False),  # DAC_OVERRIDE alone: no sticky folders
+        ("000001ffffffffff", True, True),  # privileged
+    ],
+)
+def test_the_agent_reads_what_its_capabilities_let_it_do_with_a_claims_folders(
+    tmp_path: Path, cap_eff: str, mounts: bool, removes: bool
+) -> None:
+    """A tmpfs of the claim's own needs CAP_SYS_ADMIN; without it the folders are plain
+    ones, whose contents unprepare must remove whoever made them (a folder left without
+    write permission, another user's files in the sticky /dev/shm folder)."""
+    status = tmp_path / "status"
+    status.write_text(f"Name:\tgpudra\nCapInh:\t0000000000000000\nCapEff:\t{cap_eff}\n")
+    assert may_mount(status) is mounts
+    assert may_remove_anything(status) is removes
+    assert not may_mount(tmp_path / "gone") and not may_remove_anything(tmp_path / "gone")
 
 
 @pytest.mark.anyio

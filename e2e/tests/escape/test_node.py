@@ -34,6 +34,7 @@ from e2e.node.gpus import DRIVER, GpuStack, NodeGpus
 pytestmark = pytest.mark.cluster
 
 PIPE = "/tmp/nvidia-mps"  # where the claim's containers see the daemon's pipe folder
+DONE = "/tmp/attack-done"  # made once an attack's script has done its part
 # The attack, as root in the container: leave a file in the claim's /dev/shm, quit
 # the daemon through its control FIFO, put a plain file where the FIFO was, make the
 # PID file name PID 1, and leave a tree deeper than Python's recursion limit in the
@@ -49,7 +50,7 @@ rm -f {PIPE}/control
 echo 'not a pipe' > {PIPE}/control
 echo 1 > {PIPE}/nvidia-cuda-mps-control.pid
 (cd {PIPE} && i=0 && while [ $i -lt 1200 ]; do mkdir d && cd d || exit 1; i=$((i + 1)); done) &&
-touch /tmp/tampered
+touch {DONE}
 sleep 86400
 """
 
@@ -67,18 +68,25 @@ def in_pod(cluster: Cluster, namespace: str, pod_name: str, script: str) -> str:
     return str(out.stdout)
 
 
+def attacked_mps_claim(
+    stack: NodeGpus, kube: Kube, cluster: Cluster, ns: str, script: str
+) -> dict[str, Any]:
+    """The MPS claim of pod `tenant-a`, once the pod has run `script` up to `DONE`."""
+    kube.create(mps_template(ns, "mps", "!device.allowMultipleAllocations"))
+    kube.create(gpu_pod(stack, "tenant-a", ns, template="mps", script=script))
+    wait_running(kube, ns, "tenant-a")
+    wait_for(
+        "the tenant's attack done",
+        lambda: "yes" in in_pod(cluster, ns, "tenant-a", f"test -e {DONE} && echo yes || :"),
+        timeout=30,
+    )
+    return claim_of(kube, ns, "tenant-a")
+
+
 def test_a_tenant_that_fakes_its_mps_daemons_files_cannot_keep_the_gpu(
     stack: NodeGpus, kube: Kube, cluster: Cluster, ns: str
 ) -> None:
-    kube.create(mps_template(ns, "mps", "!device.allowMultipleAllocations"))
-    kube.create(gpu_pod(stack, "tenant-a", ns, template="mps", script=TAMPER))
-    wait_running(kube, ns, "tenant-a")
-    wait_for(
-        "the tenant's tampering done",
-        lambda: "yes" in in_pod(cluster, ns, "tenant-a", "test -e /tmp/tampered && echo yes || :"),
-        timeout=30,
-    )
-    claim = claim_of(kube, ns, "tenant-a")
+    claim = attacked_mps_claim(stack, kube, cluster, ns, TAMPER)
     uid = claim["metadata"]["uid"]
     (result,) = claim["status"]["allocation"]["devices"]["results"]
     mps = stack.checkpoint()[uid]["devices"][0]["details"]["mps"]
@@ -110,6 +118,34 @@ def test_a_tenant_that_fakes_its_mps_daemons_files_cannot_keep_the_gpu(
     wait_for("the next claim unprepared", lambda: uid not in stack.checkpoint(), timeout=90)
 
 
+# The attack, as root in the container: leave what only CAP_DAC_OVERRIDE and
+# CAP_FOWNER remove, a folder without write permission in the pipe folder and, in
+# the claim's /dev/shm (sticky), another user's closed folder, as a workload that
+# runs as that user makes one.
+LOCK_OUT = f"""
+mkdir {PIPE}/kept && echo x > {PIPE}/kept/f && chmod 555 {PIPE}/kept &&
+mkdir /dev/shm/theirs && echo x > /dev/shm/theirs/f &&
+chown -R 1000:1000 /dev/shm/theirs && chmod 700 /dev/shm/theirs &&
+touch {DONE}
+sleep 86400
+"""
+
+
+def test_a_tenant_that_leaves_files_the_agent_may_not_open_cannot_keep_the_gpu(
+    stack: NodeGpus, kube: Kube, cluster: Cluster, ns: str
+) -> None:
+    """Where the agent may not mount (the chart's, for emulated GPUs) the claim's MPS
+    folders are plain folders, which unprepare must empty whoever made what is in
+    them; the agent is root only for the folders the kubelet and the runtime own, and
+    keeps just the two capabilities that takes."""
+    uid = attacked_mps_claim(stack, kube, cluster, ns, LOCK_OUT)["metadata"]["uid"]
+
+    kube.delete("Pod", "tenant-a", ns)
+
+    wait_for("the claim out of the checkpoint", lambda: uid not in stack.checkpoint(), timeout=90)
+    assert uid not in stack.list_names(stack.state_dir / "mps")  # pipe, log and shm folders
+
+
 # The attack: fill the pipe folder, which the container may write, as far as it goes.
 FILL = f"""
 dd if=/dev/zero of={PIPE}/fill bs=1048576 count=256 2>/dev/null
@@ -127,7 +163,7 @@ def test_a_tenant_that_fills_its_mps_pipe_folder_stops_no_other_tenants_prepare(
     checkpoint write needs the state disk) goes through."""
     if not isinstance(stack, GpuStack):
         pytest.skip(
-            "the chart runs the agent for emulated GPUs without privileges, so it cannot "
+            "the chart runs the agent for emulated GPUs without CAP_SYS_ADMIN, so it cannot "
             "mount the folder's tmpfs (docs/security.md, known limitations); for real GPUs "
             "it runs privileged"
         )
