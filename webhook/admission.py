@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Final, Protocol
 
 import anyio
@@ -138,6 +138,18 @@ class Decision:
 
 ReviewHandler = Callable[[bytes], Awaitable[Decision]]
 """One endpoint: an AdmissionReview body in, a decision out; raises `ReviewError`."""
+
+READS_AT_ONCE: Final = 16
+"""Claims a pod's admission reads again at the same time (`Admission._changed_since`)."""
+
+
+@dataclass(slots=True)
+class _ClaimsRead:
+    """The ResourceClaims a pod's admission read to count its devices, as read (None:
+    not there), and the deadline all its reads share."""
+
+    deadline: float = 0.0
+    claims: dict[str, StoredClaim | None] = field(default_factory=dict)
 
 
 class Admission:
@@ -357,13 +369,16 @@ class Admission:
         # (one stored before its namespace got them, or before they were tightened, is
         # not handed to a new pod), and counted with the pod's other devices.
         counted = lookup.rules.tenant.spec.max_devices_per_pod is not None
+        heading = _limit(lookup.rules) if counted else lookup.rules.label
+        claims_read = _ClaimsRead()
         found = await self._referenced(
-            _limit(lookup.rules) if counted else lookup.rules.label,
+            heading,
             pod,
             namespace,
             dry_run,
             rules=lookup.rules,
             count=counted,
+            claims_read=claims_read,
         )
         if isinstance(found, str):
             return found
@@ -378,11 +393,65 @@ class Admission:
                 )
             devices = claim_devices(extended.spec, self._classes)
             referenced.append(ReferencedClaim(EXTENDED_RESOURCES, extended.asked, devices))
-        if not conversion.claims and not referenced:
+        denial = None
+        if conversion.claims or referenced:
+            assert self._tenants is not None  # a lookup comes from it
+            usage = self._tenants.quota_usage(namespace) if conversion.claims else None
+            denial = lookup.rules.check_pod(conversion, namespace, usage, referenced)
+        if denial is None and counted and not dry_run:
+            denial = await self._changed_since(heading, namespace, claims_read)
+        return denial
+
+    async def _changed_since(
+        self, heading: str, namespace: str, claims_read: _ClaimsRead
+    ) -> str | None:
+        """Why the pod's count may be wrong: a claim it names changed since it was read.
+
+        A claim deleted and created again under its name after the pod's admission read
+        it is judged at its own creation without this pod, which is not stored yet: it
+        would be counted by neither. The claims are read one after another, so a pod
+        naming hundreds would hold that window open for as long as those reads take.
+        Read again all at once (`READS_AT_ONCE` at a time) once counted, the window
+        left is that read and the rest of the pod's admission (docs/security.md). A
+        claim's spec never changes in place, so a different one was created anew;
+        allocated since or not, an unchanged claim counts the same.
+        """
+        reader = self._read_claims
+        if not claims_read.claims or reader is None:
             return None
-        assert self._tenants is not None  # a lookup comes from it
-        usage = self._tenants.quota_usage(namespace) if conversion.claims else None
-        return lookup.rules.check_pod(conversion, namespace, usage, referenced)
+        limiter = anyio.CapacityLimiter(READS_AT_ONCE)
+        changed: list[str] = []
+
+        async def again(name: str, before: StoredClaim | None) -> None:
+            async with limiter:
+                now = await reader(namespace, CLAIM.kind, name)
+            if (None if now is None else now.spec) != (None if before is None else before.spec):
+                changed.append(name)
+
+        try:
+            with anyio.fail_at(claims_read.deadline):
+                async with anyio.create_task_group() as group:
+                    for name, before in claims_read.claims.items():
+                        group.start_soon(again, name, before)
+        except Exception as exc:
+            while isinstance(exc, ExceptionGroup) and exc.exceptions:
+                exc = exc.exceptions[0]
+            logger.warning(
+                "could not read a pod's claims again",
+                exc_info=True,
+                extra={"fields": {"namespace": namespace}},
+            )
+            reason = "no answer in time" if isinstance(exc, TimeoutError) else str(exc)
+            return (
+                f"{heading}; could not read the pod's claims again to count them: {reason}; retry"
+            )
+        if changed:
+            names = ", ".join(sorted(changed))
+            return (
+                f"{heading}; ResourceClaim {names} was deleted and created again while the "
+                "pod was admitted, so its devices were not counted as they are now; retry"
+            )
+        return None
 
     def _judge(self, claim: Mapping[str, Any], rules: TenantRules) -> ClaimVerdict:
         """A claim the pod's admission met (one it names, the one the scheduler will make
@@ -446,6 +515,7 @@ class Admission:
         filled: tuple[str, int] | None = None,
         rules: TenantRules | None = None,
         count: bool = True,
+        claims_read: _ClaimsRead | None = None,
     ) -> list[ReferencedClaim] | str:
         """The pod's own claims and templates with the driver's devices, with their
         device counts, or a denial starting with `heading` (the rule it is for).
@@ -464,7 +534,8 @@ class Admission:
         `count` (no per-pod limit to count against) only that judgement is made:
         templates are not read, and a claim not created yet is left to its own
         admission. Each object is read and judged once, all within one
-        deadline: a pod may name thousands.
+        deadline: a pod may name thousands. `claims_read` gets the ResourceClaims read
+        and that deadline.
         """
         spec = pod.get("spec")
         entries = spec.get("resourceClaims") if isinstance(spec, Mapping) else None
@@ -473,6 +544,8 @@ class Admission:
         read: dict[tuple[str, str], StoredClaim | None] = {}
         judged: set[tuple[str, str]] = set()
         deadline = anyio.current_time() + self._ensure_timeout
+        if claims_read is not None:
+            claims_read.deadline = deadline
         usage = (
             self._tenants.quota_usage(namespace)
             if rules is not None and self._tenants is not None
@@ -597,6 +670,10 @@ class Admission:
                 return extended
             if extended is not None:
                 result.append(extended)
+        if claims_read is not None:
+            claims_read.claims.update(
+                (name, stored) for (kind, name), stored in read.items() if kind == CLAIM.kind
+            )
         return result
 
     async def _extended_devices(

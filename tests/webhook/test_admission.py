@@ -427,6 +427,69 @@ async def test_a_claim_created_again_bigger_is_counted_with_the_pods_that_use_it
     ).result == "allowed"
 
 
+class SwappedWhileRead(Claims):
+    """The tenant deletes claim `swapped` and creates it again with `bigger` right after
+    the webhook's first read of it, while the pod's admission goes on."""
+
+    def __init__(self, bigger: dict[str, Any], **specs: dict[str, Any]) -> None:
+        super().__init__(**specs)
+        self.bigger = bigger
+
+    async def __call__(self, namespace: str, kind: str, name: str) -> StoredClaim | None:
+        stored = await super().__call__(namespace, kind, name)
+        if name == "swapped":
+            self.specs[name] = self.bigger
+        return stored
+
+
+@pytest.mark.parametrize("first", [1, 0], ids=["a-gpu", "no-gpu"])
+async def test_a_claim_swapped_while_the_pod_is_admitted_is_caught_by_reading_it_again(
+    first: int,
+) -> None:
+    """A pod's admission reads the claims it names one after another, so a pod naming
+    many holds the window in which one deleted and created again bigger is counted by
+    neither admission. Read again at once once counted, a changed one denies the pod
+    (to be retried), also one counted as no GPU at all."""
+    fillers = {f"f{i}": {"devices": {"requests": []}} for i in range(40)}
+    no_gpu = {"devices": {"requests": []}}
+    claims = SwappedWhileRead(
+        one_gpu_spec(2),
+        swapped=one_gpu_spec(1) if first else no_gpu,
+        other=one_gpu_spec(),
+        **fillers,
+    )
+    admission = limited_admission(claims, limit=2)
+    entries = [{"name": "a", "resourceClaimName": "swapped"}]
+    entries += [{"name": f"e{i}", "resourceClaimName": f"f{i}"} for i in range(40)]
+    entries.append({"name": "b", "resourceClaimName": "other"})
+
+    decision = await admission.mutate_pod(review(POD, claim_pod(0, *entries)))
+
+    assert decision.result == "denied"
+    message = decision.response["status"]["message"]
+    assert message.startswith('tenant "team-a" (GpuTenant team-a): maxDevicesPerPod is 2')
+    assert (
+        "ResourceClaim swapped was deleted and created again while the pod was admitted" in message
+    )
+    assert claims.reads.count(("ResourceClaim", "swapped")) == 2
+    # The claim as it is now is what the retry counts: one device too many.
+    again = await admission.mutate_pod(review(POD, claim_pod(0, *entries)))
+    assert again.result == "denied"
+    assert "this pod asks for 3 devices" in again.response["status"]["message"]
+
+
+async def test_claims_unchanged_since_read_admit_the_pod() -> None:
+    """Each claim the pod names is read twice, once to count and once, at once with the
+    others, to see that none changed; a claim allocated meanwhile has not."""
+    claims = Claims(one=one_gpu_spec(), other=one_gpu_spec())
+    admission = limited_admission(claims, limit=2)
+    pod = claim_pod(
+        0, {"name": "a", "resourceClaimName": "one"}, {"name": "b", "resourceClaimName": "other"}
+    )
+    assert (await admission.mutate_pod(review(POD, pod))).result == "allowed"
+    assert sorted(claims.reads) == [("ResourceClaim", "one")] * 2 + [("ResourceClaim", "other")] * 2
+
+
 async def test_a_generated_claim_is_counted_with_the_pod_that_owns_it() -> None:
     # The template was swapped for a bigger one between the pod's admission and the
     # controller generating the pod's claim from it.
