@@ -223,7 +223,7 @@ class Admission:
                     "could not read a namespace", exc_info=True, extra={"fields": fields}
                 )
                 selected = None
-                problem = "no answer in time" if isinstance(exc, TimeoutError) else str(exc)
+                problem = _unanswered(exc)
             if selected is None:
                 message = (
                     f"could not read the labels of namespace {namespace} ({problem}), which "
@@ -434,17 +434,7 @@ class Admission:
                     for name, before in claims_read.claims.items():
                         group.start_soon(again, name, before)
         except Exception as exc:
-            while isinstance(exc, ExceptionGroup) and exc.exceptions:
-                exc = exc.exceptions[0]
-            logger.warning(
-                "could not read a pod's claims again",
-                exc_info=True,
-                extra={"fields": {"namespace": namespace}},
-            )
-            reason = "no answer in time" if isinstance(exc, TimeoutError) else str(exc)
-            return (
-                f"{heading}; could not read the pod's claims again to count them: {reason}; retry"
-            )
+            return _uncounted(heading, "read the pod's claims again", exc, namespace)
         if changed:
             names = ", ".join(sorted(changed))
             return (
@@ -483,7 +473,7 @@ class Admission:
             logger.warning(
                 "could not list pods", exc_info=True, extra={"fields": {"namespace": namespace}}
             )
-            reason = "no answer in time" if isinstance(exc, TimeoutError) else str(exc)
+            reason = _unanswered(exc)
             return f"{heading}; could not list the pods that use this claim: {reason}; retry"
         for pod in pods:
             entry = _entry_filled_by(pod, claim)
@@ -563,13 +553,7 @@ class Admission:
                 with anyio.fail_at(deadline):
                     read[reference] = await self._read_claims(namespace, *reference)
             except Exception as exc:
-                logger.warning(
-                    "could not read a pod's claim",
-                    exc_info=True,
-                    extra={"fields": {"namespace": namespace, "claim": source}},
-                )
-                reason = "no answer in time" if isinstance(exc, TimeoutError) else str(exc)
-                return f"{heading}; could not read {source} to count its devices: {reason}; retry"
+                return _uncounted(heading, f"read {source}", exc, namespace)
             return read[reference]
 
         owned: Mapping[str, Sequence[str]] | None = None
@@ -587,16 +571,8 @@ class Admission:
                         with anyio.fail_at(deadline):
                             owned = await self._read_claims.claims_made_for(namespace, uid)
                     except Exception as exc:
-                        logger.warning(
-                            "could not list the claims made for a pod",
-                            exc_info=True,
-                            extra={"fields": {"namespace": namespace}},
-                        )
-                        why = "no answer in time" if isinstance(exc, TimeoutError) else str(exc)
-                        raise _Unreadable(
-                            f"{heading}; could not list the claims made for the pod to count "
-                            f"its devices: {why}; retry"
-                        ) from None
+                        what = "list the claims made for the pod"
+                        raise _Unreadable(_uncounted(heading, what, exc, namespace)) from None
             best: tuple[int, str] | None = None
             for name in owned.get(pod_claim, ()):
                 stored = await load((CLAIM.kind, name), pod_claim)
@@ -748,6 +724,24 @@ def _reference(entry: Mapping[str, Any]) -> tuple[str, str] | None:
 EXTENDED_RESOURCES: Final = "(extended resources)"
 """Stands for the claim of a pod's DRA extended resources in device counts and messages:
 it fills no ``spec.resourceClaims`` entry."""
+
+
+def _unanswered(exc: Exception) -> str:
+    """Why a read of the API failed, for a denial: the first error of a group of reads."""
+    while isinstance(exc, ExceptionGroup) and exc.exceptions:
+        exc = exc.exceptions[0]
+    return "no answer in time" if isinstance(exc, TimeoutError) else str(exc)
+
+
+def _uncounted(heading: str, what: str, exc: Exception, namespace: str) -> str:
+    """The denial, logged, of a pod whose devices a failed read (`what`) left uncounted:
+    fail closed, and the API server's retry reads again."""
+    logger.warning(
+        "could not read what a pod's devices are counted from",
+        exc_info=True,
+        extra={"fields": {"namespace": namespace, "read": what}},
+    )
+    return f"{heading}; could not {what} to count its devices: {_unanswered(exc)}; retry"
 
 
 class _Unreadable(Exception):

@@ -478,6 +478,39 @@ async def test_a_claim_swapped_while_the_pod_is_admitted_is_caught_by_reading_it
     assert "this pod asks for 3 devices" in again.response["status"]["message"]
 
 
+class FailingAt(Claims):
+    """The API answering the `n`th read of a claim with an error."""
+
+    def __init__(self, n: int, **specs: dict[str, Any]) -> None:
+        super().__init__(**specs)
+        self.n = n
+
+    async def __call__(self, namespace: str, kind: str, name: str) -> StoredClaim | None:
+        if len(self.reads) + 1 == self.n:
+            self.reads.append((kind, name))
+            raise ConnectionResetError("the API server went away")
+        return await super().__call__(namespace, kind, name)
+
+
+@pytest.mark.parametrize(
+    ("n", "what"), [(1, "read ResourceClaim one"), (3, "read the pod's claims again")]
+)
+async def test_a_claim_that_cannot_be_read_denies_the_pod_for_a_retry(n: int, what: str) -> None:
+    """Counting fails closed: a read that fails, first or again, denies the pod, and the
+    API server's retry reads again."""
+    claims = FailingAt(n, one=one_gpu_spec(), other=one_gpu_spec())
+    admission = limited_admission(claims, limit=2)
+    pod = claim_pod(
+        0, {"name": "a", "resourceClaimName": "one"}, {"name": "b", "resourceClaimName": "other"}
+    )
+    decision = await admission.mutate_pod(review(POD, pod))
+    assert decision.result == "denied"
+    assert decision.response["status"]["message"] == (
+        'tenant "team-a" (GpuTenant team-a): maxDevicesPerPod is 2; could not '
+        f"{what} to count its devices: the API server went away; retry"
+    )
+
+
 async def test_claims_unchanged_since_read_admit_the_pod() -> None:
     """Each claim the pod names is read twice, once to count and once, at once with the
     others, to see that none changed; a claim allocated meanwhile has not."""
