@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import copy
+import json
 import re
 from pathlib import Path
 from typing import Any
@@ -389,11 +390,16 @@ def test_node_daemonset(default: list[dict[str, Any]], full: list[dict[str, Any]
     assert "--metrics-address=0.0.0.0:9500" in ec["args"]
     assert "--host-root=/host" in ec["args"]  # a driver root other than / is used as given
     assert ec["securityContext"]["privileged"] is False  # no devices to reach
-    # Only what removing a claim's plain MPS folders needs, whoever made their files.
+    # Only what removing a claim's plain MPS folders needs, whoever made their files;
+    # its MPS daemon pods remove nothing.
     assert ec["securityContext"]["capabilities"] == {
         "drop": ["ALL"],
         "add": ["DAC_OVERRIDE", "FOWNER"],
     }
+    daemon = json.loads(h.find(full, "ConfigMap", "gpu-gpudra-node-mps")["data"]["pod.json"])
+    (dc,) = daemon["spec"]["containers"]
+    assert dc["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+    assert dc["securityContext"]["privileged"] is False
     assert emulated["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
 
 
