@@ -16,7 +16,12 @@ negotiation and compression stay the library's), with:
 - a deadline per connection (`deadline_s`) from its accept, whatever it sends: a client
   that sends its request a byte at a time, or never reads the answer, loses the
   connection when the deadline passes. wsgiref answers one request per connection, so
-  keep-alive cannot hold one either.
+  keep-alive cannot hold one either;
+- a bound on what a connection may send (`HEAD_BYTES`, the request line and headers,
+  which is all a scrape sends), answered 431 past it: the standard library's parser
+  takes 100 header lines of 64 KiB each, and 16 connections sending such heads in a
+  loop took the server past 500 MiB, which it kept. The rest of such a request is read
+  and dropped, so that the client gets the answer.
 
 The server loop checks the deadlines on every turn (`service_actions`, twice a second).
 """
@@ -24,6 +29,8 @@ The server loop checks the deadlines on every turn (`service_actions`, twice a s
 from __future__ import annotations
 
 import contextlib
+import http.client
+import io
 import logging
 import socket
 import threading
@@ -43,10 +50,74 @@ MAX_CONNECTIONS: Final = 16
 """Scrapes at once: each Prometheus replica scrapes a target one request at a time."""
 DEADLINE_S: Final = 10.0
 """Prometheus's default scrape timeout: no scrape it makes waits longer."""
+HEAD_BYTES: Final = 32 * 1024
+"""What a connection may send: a scrape's request line and headers are a few hundred
+bytes (the webhook bounds its heads the same)."""
+
+
+class _Bounded(io.BufferedIOBase):
+    """A connection's input, of which at most `limit` bytes are read; the read that would
+    go past it raises LineTooLong, which the request parser answers 431."""
+
+    def __init__(self, raw: io.BufferedIOBase, limit: int) -> None:
+        super().__init__()
+        self._raw = raw
+        self._limit = limit
+        self._left = limit
+        self.past = False
+        """Whether a read went past the bound."""
+
+    def _take(self, data: bytes) -> bytes:
+        self._left -= len(data)
+        if self._left < 0:
+            self.past = True
+            raise http.client.LineTooLong(f"request past {self._limit} bytes")
+        return data
+
+    def _want(self, size: int | None) -> int:
+        return self._left + 1 if size is None or size < 0 else min(size, self._left + 1)
+
+    def readline(self, size: int | None = -1, /) -> bytes:
+        return self._take(self._raw.readline(self._want(size)))
+
+    def read(self, size: int | None = -1, /) -> bytes:
+        return self._take(self._raw.read(self._want(size)))
+
+    def readable(self) -> bool:
+        return True
+
+    def close(self) -> None:
+        self._raw.close()
+        super().close()
 
 
 class _Handler(WSGIRequestHandler):
     timeout = DEADLINE_S  # each socket operation; the connection's deadline bounds the sum
+
+    def setup(self) -> None:
+        super().setup()
+        self._input = _Bounded(self.rfile, HEAD_BYTES)
+        self.rfile = self._input
+
+    def handle(self) -> None:
+        try:
+            super().handle()
+        except http.client.LineTooLong:
+            # The request line itself past the bound (the parser answers for headers).
+            self.requestline = self.request_version = self.command = ""
+            self.send_error(431)
+        if self._input.past:
+            self._drain()
+
+    def _drain(self) -> None:
+        """End the answer, then read what the client still sends and drop it, into one
+        buffer, until it stops (or the connection's deadline): closed with data unread,
+        the socket would send a reset, which can make the client lose the answer."""
+        with contextlib.suppress(OSError):
+            self.connection.shutdown(socket.SHUT_WR)
+            dropped = bytearray(65536)
+            while self.connection.recv_into(dropped):
+                pass
 
     def log_message(self, format: str, *args: Any) -> None:
         """Scrapes are not logged (the base class writes a line per request to stderr)."""

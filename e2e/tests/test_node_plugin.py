@@ -430,6 +430,55 @@ async def test_connections_held_on_the_metrics_port_cannot_exhaust_the_agent(
         await akube.close()
 
 
+def _rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError(f"no VmRSS for {pid}")
+
+
+def _huge_heads(port: int, rounds: int) -> list[bytes]:
+    """What the metrics port answers to requests with 98 header lines of 64 KiB, as
+    many as the standard library's request parser takes."""
+    line = b"X-Pad: " + b"a" * (64 * 1024 - 9) + b"\r\n"
+    head = b"GET /metrics HTTP/1.1\r\nHost: m\r\n" + line * 98 + b"\r\n"
+    answers = []
+    for _ in range(rounds):
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+            s.sendall(head)  # read past the bound only to be dropped
+            answers.append(s.recv(64))
+    return answers
+
+
+async def test_huge_request_heads_on_the_metrics_port_cannot_exhaust_the_agent(
+    setup: Setup, node_dirs: NodeDirs
+) -> None:
+    """An escape attempt on the node agent: a tenant's pod sends the metrics port, from
+    as many connections as it serves, requests with 6 MiB heads, which the server's
+    parser took whole (16 such connections held over 500 MiB in it, past the chart's
+    memory limit). Each is answered 431 after a bounded head, and the agent's memory
+    stays where it was, far from the 6 MiB a connection it would otherwise read."""
+    setup.node.start()
+    async with KubeletStandin(node_dirs.kubelet) as kubelet:
+        await kubelet.wait_for_driver(setup.driver, timeout_s=60)
+        assert setup.node.proc is not None
+        pid = setup.node.proc.pid
+        before = _rss_mib(pid)
+        answers: list[bytes] = []
+
+        async def sender() -> None:
+            got = await anyio.to_thread.run_sync(_huge_heads, setup.node.metrics_port, 4)
+            answers.extend(got)
+
+        async with anyio.create_task_group() as tg:
+            for _ in range(METRICS_MAX_CONNECTIONS):
+                tg.start_soon(sender)
+        after = _rss_mib(pid)
+    assert len(answers) == 4 * METRICS_MAX_CONNECTIONS
+    assert all(a.startswith(b"HTTP/1.0 431") for a in answers), set(answers)
+    assert after - before < 64, (before, after)
+
+
 @pytest.mark.parametrize("shape", sorted(CRASH_SHAPES))
 async def test_kill_at_every_prepare_step_then_restart_gives_the_same_result(
     setup: Setup, node_dirs: NodeDirs, shape: str

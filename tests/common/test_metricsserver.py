@@ -1,6 +1,7 @@
 """The node agent's metrics endpoint over real sockets: it serves the registry, and a
-client that holds connections or drips its request can neither grow its threads past
-the bound nor keep a connection past its deadline."""
+client that holds connections, drips its request or sends a huge one can neither grow
+its threads past the bound, keep a connection past its deadline nor make the server
+hold more than a bounded head."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import pytest
-from gpudra.common.metricsserver import MetricsServer, serve_metrics
+from gpudra.common.metricsserver import HEAD_BYTES, MetricsServer, serve_metrics
 from prometheus_client import CollectorRegistry, Counter
 
 GUARD = 10.0  # seconds: only a hang guard, never a speed check
@@ -30,9 +31,9 @@ def serving(**bounds: float) -> Iterator[tuple[MetricsServer, int]]:
         thread.join(GUARD)
 
 
-def scrape(port: int) -> bytes:
+def scrape(port: int, head: bytes = b"GET /metrics HTTP/1.1\r\nHost: m\r\n\r\n") -> bytes:
     with socket.create_connection(("127.0.0.1", port), timeout=GUARD) as s:
-        s.sendall(b"GET /metrics HTTP/1.1\r\nHost: m\r\n\r\n")
+        s.sendall(head)
         answer = b""
         while chunk := s.recv(65536):
             answer += chunk
@@ -96,6 +97,31 @@ def test_a_client_dripping_its_request_loses_it_at_the_deadline() -> None:
         finally:
             drip.close()
         assert b"gpudra_test_scrapes_total" in scrape(port)
+
+
+def _head(request_line: bytes, lines: int, line_bytes: int) -> bytes:
+    """A request with `lines` header lines of `line_bytes` each."""
+    line = b"X-Pad: " + b"a" * (line_bytes - 9) + b"\r\n"
+    return request_line + b"\r\nHost: m\r\n" + line * lines + b"\r\n"
+
+
+@pytest.mark.parametrize(
+    ("what", "head"),
+    [
+        # As many lines, as long, as the standard library's parser takes: 6 MiB.
+        ("headers", _head(b"GET /metrics HTTP/1.1", 98, 64 * 1024)),
+        ("request line", b"GET /" + b"m" * (48 * 1024) + b" HTTP/1.1\r\n\r\n"),
+    ],
+)
+def test_a_request_past_the_head_bound_is_answered_431(what: str, head: bytes) -> None:
+    """The standard library's parser reads 100 header lines of 64 KiB each: 16
+    connections sending such heads in a loop held over 500 MiB. Past `HEAD_BYTES` the
+    request is answered 431 without reading on; a scrape's head, well under, is served."""
+    with serving() as (_server, port):
+        answer = scrape(port, head)
+        assert answer.startswith(b"HTTP/1.0 431"), (what, answer[:80])
+        under = _head(b"GET /metrics HTTP/1.1", (HEAD_BYTES - 2048) // 1024, 1024)
+        assert b"gpudra_test_scrapes_total 1.0" in scrape(port, under)
 
 
 @pytest.mark.parametrize("host", ["127.0.0.1", "::1"])
