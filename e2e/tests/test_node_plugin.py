@@ -41,6 +41,7 @@ from gpudra.driver.nvml.standin import FAKEBIN
 from gpudra.driver.plugin import ClaimRef
 from gpudra.driver.prepare import PREPARE_STEPS
 
+from bench.slices import process_rss_mib
 from e2e.claims import pod_with_claim, wait_allocated
 from e2e.cluster.harness import REPO, Cluster
 from e2e.cluster.kube import ApiError, Kube, apply_crd, wait_for
@@ -430,13 +431,6 @@ async def test_connections_held_on_the_metrics_port_cannot_exhaust_the_agent(
         await akube.close()
 
 
-def _rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise AssertionError(f"no VmRSS for {pid}")
-
-
 def _huge_heads(port: int, rounds: int) -> list[bytes]:
     """What the metrics port answers to requests with 98 header lines of 64 KiB, as
     many as the standard library's request parser takes."""
@@ -463,7 +457,7 @@ async def test_huge_request_heads_on_the_metrics_port_cannot_exhaust_the_agent(
         await kubelet.wait_for_driver(setup.driver, timeout_s=60)
         assert setup.node.proc is not None
         pid = setup.node.proc.pid
-        before = _rss_mib(pid)
+        before = process_rss_mib(pid)
         answers: list[bytes] = []
 
         async def sender() -> None:
@@ -473,7 +467,8 @@ async def test_huge_request_heads_on_the_metrics_port_cannot_exhaust_the_agent(
         async with anyio.create_task_group() as tg:
             for _ in range(METRICS_MAX_CONNECTIONS):
                 tg.start_soon(sender)
-        after = _rss_mib(pid)
+        after = process_rss_mib(pid)
+    assert before is not None and after is not None
     assert len(answers) == 4 * METRICS_MAX_CONNECTIONS
     assert all(a.startswith(b"HTTP/1.0 431") for a in answers), set(answers)
     assert after - before < 64, (before, after)

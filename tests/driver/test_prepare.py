@@ -2298,12 +2298,28 @@ def _mps_base(node: Node, uid: str) -> Path:
     return node.checkpoint.parent / "mps" / uid
 
 
-def _recorded_daemon(node: Node, uid: str) -> ProcessIdentity:
-    record = load_checkpoint(node.checkpoint, boot_id_path=node.boot_id).get(uid)
+def _recorded_daemon(node: Node, uid: str, checkpoint: Path | None = None) -> ProcessIdentity:
+    record = load_checkpoint(checkpoint or node.checkpoint, boot_id_path=node.boot_id).get(uid)
     assert record is not None
     mps = record.devices[0].details.mps
     assert mps is not None and mps.daemon is not None
     return mps.daemon
+
+
+async def _unmount_claim_folders(base: Path) -> None:
+    """Unmount the tmpfs of a claim's MPS folders under `base`, where there are any."""
+    for folder in ("shm", "pipe"):
+        if (base / folder).is_mount():
+            await anyio.run_process(["umount", "--lazy", str(base / folder)])
+
+
+async def _reboot(node: Node, daemon: ProcessIdentity, base: Path) -> None:
+    """The node reboots: the MPS daemon and the claim's tmpfs under `base` are gone, and
+    the boot ID is new; what is on the disk stays."""
+    os.kill(daemon.pid, signal.SIGKILL)
+    assert daemon.wait_gone(10.0)
+    await _unmount_claim_folders(base)
+    node.boot_id.write_text(BOOT_B + "\n")
 
 
 @pytest.fixture
@@ -2626,18 +2642,10 @@ async def test_a_deep_tree_in_the_pipe_folder_neither_keeps_the_claim_nor_stops_
         assert not _mps_base(node, claim.uid).exists()
 
         assert (await preparer.prepare([claim]))[claim.uid].error is None
-        daemon = _recorded_daemon(node, claim.uid)
-        # The node reboots: the daemon and the claim's tmpfs are gone, the disk is not,
-        # and there the tree is left (by an agent that could not mount a tmpfs).
-        os.kill(daemon.pid, signal.SIGKILL)
-        assert daemon.wait_gone(10.0)
-        for folder in ("shm", "pipe"):
-            if (_mps_base(node, claim.uid) / folder).is_mount():
-                await anyio.run_process(
-                    ["umount", "--lazy", str(_mps_base(node, claim.uid) / folder)]
-                )
+        # After a reboot the tree is left on the disk (by an agent that could not mount
+        # a tmpfs).
+        await _reboot(node, _recorded_daemon(node, claim.uid), _mps_base(node, claim.uid))
         _deep_tree(_mps_base(node, claim.uid) / "pipe")
-        node.boot_id.write_text(BOOT_B + "\n")
 
         report = await node_preparer(node, h100_mig(), strategy=MigStrategy.DYNAMIC).recover()
 
@@ -2646,9 +2654,7 @@ async def test_a_deep_tree_in_the_pipe_folder_neither_keeps_the_claim_nor_stops_
         assert not _mps_base(node, claim.uid).exists()
     finally:  # a tree this deep would stop pytest's own clean-up of its temp folders
         base = _mps_base(node, claim.uid)
-        for folder in ("shm", "pipe"):
-            if (base / folder).is_mount():
-                await anyio.run_process(["umount", "--lazy", str(base / folder)])
+        await _unmount_claim_folders(base)
         await anyio.run_process(["rm", "-rf", str(base)])
 
 
@@ -3182,18 +3188,8 @@ async def test_a_state_disk_filled_before_a_reboot_does_not_stop_the_agents_star
     assert (await first.prepare([mps]))[mps.uid].error is None
     await first.close()
     base = checkpoint.parent / "mps" / mps.uid
-    daemon = load_checkpoint(checkpoint, boot_id_path=node.boot_id).get(mps.uid)
-    assert daemon is not None and daemon.devices[0].details.mps is not None
-    identity = daemon.devices[0].details.mps.daemon
-    assert identity is not None
-    # The reboot: the daemon and any mounts are gone, what was on the disk is not.
-    os.kill(identity.pid, signal.SIGKILL)
-    assert identity.wait_gone(10.0)
-    for folder in ("shm", "pipe"):
-        if (base / folder).is_mount():
-            await anyio.run_process(["umount", "--lazy", str(base / folder)])
+    await _reboot(node, _recorded_daemon(node, mps.uid, checkpoint), base)
     fill_folder(base / "pipe")  # what the container left in its plain pipe folder
-    node.boot_id.write_text(BOOT_B + "\n")
 
     again = node_preparer(node, emu, checkpoint=checkpoint)
     report = await again.recover()
