@@ -11,7 +11,11 @@ Policy, following the upstream NVIDIA DRA driver and improving on it where its u
 problems:
 - a critical XID taints the device `gpu.nvidia.com/xid=<xid>` with NoSchedule
   (configurable NoExecute); application XIDs (13, 31, 43, 45, 68, 109 plus a configured
-  list) are informational: effect None, the device stays healthy;
+  list) are informational: effect None, the device stays healthy. The informational
+  taint names the first application XID until the device has been quiet for
+  `recovery_after_s`: later ones refresh it without rewriting it (each is logged and
+  counted), so a workload that crashes in a loop does not have the node's ResourceSlices
+  rewritten, and its pool briefly incomplete, for every crash;
 - a double-bit ECC error taints `gpu.nvidia.com/ecc=double-bit` like a critical XID;
 - a lost GPU taints `gpu.nvidia.com/gpu-lost` with NoExecute;
 - a GPU whose events cannot be watched gets `gpu.nvidia.com/unmonitored` (effect None),
@@ -27,8 +31,14 @@ problems:
   across agent restarts within one boot). A lost GPU's taint goes `recovery_after_s`
   after it answers again. Any other XID's taint goes once the device stayed quiet for
   `recovery_after_s`. The clock is injectable so tests need no sleeping.
-An event on a whole GPU taints every device carved from it; an event on a MIG device
-taints that MIG device only.
+An event on a whole GPU taints every device carved from it, and so does an XID after
+which the GPU is reset (a reset takes down every instance on it). Any other event NVML
+attributes to a GPU instance (nvml.h, nvmlEventData_t.gpuInstanceId) taints the MIG
+device of that instance and every placement that shares a memory slice with it: the
+hardware, not the name, since dynamic MIG publishes each placement under its own name.
+Where that instance is gone before the event is read (its claim was unprepared), no
+device is tainted: the GPU's other instances belong to other tenants, whom one tenant's
+instance must not take out of service.
 
 Which GPU is lost is decided per GPU from calls scoped to it (on the handle taken when
 its events were registered), never from a lookup by UUID: that lookup answers
@@ -54,7 +64,7 @@ from gpudra.driver.devices import Inventory, mig_device_name
 from gpudra.driver.gpuresets import GpuResets, PendingReset
 from gpudra.driver.nvml import NvmlLibrary
 from gpudra.driver.nvml.codes import FULL_GPU_INSTANCE_ID
-from gpudra.driver.nvml.handles import device_handle
+from gpudra.driver.nvml.handles import device_handle, handle_address
 
 logger = logging.getLogger(__name__)
 
@@ -166,11 +176,16 @@ class HealthPolicy:
 
 @dataclass(frozen=True, slots=True)
 class XidEvent:
-    """An XID error; `device` names the MIG device it hit, None for the whole GPU."""
+    """An XID error; `device` names the MIG device it hit, None for the whole GPU.
+
+    `unplaced`: NVML attributed it to a GPU instance that could not be named (gone by
+    the time the event was read), so it is no whole-GPU event either.
+    """
 
     gpu_uuid: str
     xid: int
     device: str | None = None
+    unplaced: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -391,15 +406,14 @@ class HealthState:
         policy = self._policy
         changed = False
         match event:
-            case XidEvent(xid=xid, device=device):
+            case XidEvent(xid=xid):
                 key = (event.gpu_uuid, xid)
                 self._xid_counts = {**self._xid_counts, key: self._xid_counts.get(key, 0) + 1}
-                targets = (device,) if device is not None and device in names else names
                 effect = (
                     TaintEffect.NONE if policy.is_application_xid(xid) else policy.critical_effect
                 )
                 reset = policy.needs_reset(xid)
-                for name in targets:
+                for name in self._xid_targets(event, names, reset=reset):
                     changed |= self._raise(name, policy.xid_key, str(xid), effect, reset=reset)
             case EccEvent():
                 for name in names:
@@ -504,7 +518,11 @@ class HealthState:
                 return False  # only a reset lifts it: a kind that heals by time does not replace it
             if _SEVERITY[current.taint.effect] > _SEVERITY[effect]:
                 return False  # a milder event does not soften or prolong a worse one
-            if current.taint.value == value and current.taint.effect is effect:
+            if current.taint.effect is effect and (
+                current.taint.value == value or effect is TaintEffect.NONE
+            ):
+                # The same taint, or another informational value for an informational
+                # one (module docstring): it goes `recovery_after_s` after this.
                 current.last_seen = now
                 return False
         record.active[key] = _Active(Taint(key, value, effect, self._wall_clock()), now, reset)
@@ -522,6 +540,37 @@ class HealthState:
             },
         )
         return True
+
+    def _xid_targets(
+        self, event: XidEvent, names: tuple[str, ...], *, reset: bool
+    ) -> tuple[str, ...]:
+        """The devices an XID taints (module docstring): the whole GPU for one not
+        attributed to an instance or one that has the GPU reset; else the instance's
+        device and every device sharing a memory slice with it; else none."""
+        if reset or (event.device is None and not event.unplaced):
+            return names
+        gpu = self._inventory.gpu_by_uuid(event.gpu_uuid)
+        carved = (*gpu.mig_devices, *gpu.partitions) if gpu is not None else ()
+        hit = next((d for d in carved if d.name == event.device), None)
+        if gpu is None or hit is None:
+            logger.warning(
+                "an XID on a GPU instance that is gone taints no device: the GPU's other "
+                "instances are not that instance's",
+                extra={
+                    "fields": {"uuid": event.gpu_uuid, "xid": event.xid, "device": event.device}
+                },
+            )
+            return ()
+        at = hit.placement
+        if at is None:  # where it sits is unknown (NVML withheld placements)
+            return (hit.name,)
+        overlapping = {
+            d.name
+            for d in carved
+            if d.placement is not None and d.placement.start < at.end and at.start < d.placement.end
+        }
+        overlapping.add(gpu.device.name)  # the whole GPU holds every memory slice
+        return tuple(n for n in names if n in overlapping)
 
     def _lift_resets(self, gpu_uuid: str, why: str) -> bool:
         """Lift the taints of `gpu_uuid`'s devices that waited for its reset."""
@@ -859,9 +908,23 @@ class NvmlHealthWatcher:
         return []
 
     def _event_uuid(self, data: Any) -> str | None:
+        """The UUID of the GPU an event came from; None sends the caller to look for a
+        lost GPU. An error other than GPU_IS_LOST does not lose the event: the handle
+        is one of those the events were registered on, and NVML hands out one handle
+        per GPU (`handle_address`)."""
         try:
             return str(self._nvml.nvmlDeviceGetUUID(data.device))
-        except pynvml.NVMLError:
+        except pynvml.NVMLError_GpuIsLost:
+            return None
+        except pynvml.NVMLError as err:
+            address = handle_address(data.device)
+            for uuid, handle in self._handles.items():
+                if address is not None and handle_address(handle) == address:
+                    return uuid
+            logger.warning(
+                "an NVML event's GPU could not be identified",
+                extra={"fields": {"error": str(err)}},
+            )
             return None
 
     def _xid_event(self, data: Any) -> list[HealthEvent]:
@@ -871,27 +934,33 @@ class NvmlHealthWatcher:
         xid = int(data.eventData)
         gi = int(data.gpuInstanceId)
         ci = int(data.computeInstanceId)
-        device = None if gi == FULL_GPU_INSTANCE_ID else self._mig_device(uuid, gi, ci)
+        placed = gi == FULL_GPU_INSTANCE_ID
+        device = None if placed else self._mig_device(uuid, gi, ci)
         logger.warning(
             "GPU XID event",
             extra={"fields": {"uuid": uuid, "xid": xid, "gi": gi, "ci": ci, "device": device}},
         )
-        return [XidEvent(uuid, xid, device)]
+        return [XidEvent(uuid, xid, device, unplaced=not placed and device is None)]
 
     def _mig_device(self, uuid: str, gi: int, ci: int) -> str | None:
-        """Name of the MIG device a GI/CI-scoped event hit; None: treat as the whole GPU."""
+        """Name of the MIG device a GI/CI-scoped event hit; None where it cannot be named.
+
+        NVML is asked first where the instance sits now: under dynamic MIG instances come
+        and go between scans, and a new one may get the ID of one the inventory still
+        lists at another placement. The inventory answers only for an instance NVML no
+        longer knows (destroyed since the event), as it was at the last scan.
+        """
         gpu = self._state.inventory.gpu_by_uuid(uuid)
         if gpu is None or not gpu.mig_enabled:
             return None
-        for mig in gpu.mig_devices:
-            if mig.gpu_instance_id == gi and mig.compute_instance_id == ci:
-                return mig.name
-        # A MIG device created after discovery (dynamic MIG): ask NVML where it sits.
         try:
             parent = self._handle(uuid)
             instance = self._nvml.nvmlDeviceGetGpuInstanceById(parent, gi)
             info = self._nvml.nvmlGpuInstanceGetInfo(instance)
         except pynvml.NVMLError:
+            for mig in gpu.mig_devices:
+                if mig.gpu_instance_id == gi and mig.compute_instance_id == ci:
+                    return mig.name
             return None
         profile = gpu.mig_profiles.get(int(info.profileId))
         if profile is None:

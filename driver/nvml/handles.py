@@ -13,12 +13,19 @@ driver that is older than the call:
 
 from __future__ import annotations
 
+import ctypes
 from typing import Any
 
 import pynvml
 from gpudra.driver.nvml import NvmlLibrary
 
-__all__ = ["device_handle", "gpu_instance_profile", "gpu_instance_profiles", "nvml_code"]
+__all__ = [
+    "device_handle",
+    "gpu_instance_profile",
+    "gpu_instance_profiles",
+    "handle_address",
+    "nvml_code",
+]
 
 # Answers of nvmlDeviceGetGpuInstanceProfileInfo for an index the GPU or branch lacks.
 _NO_PROFILE = frozenset({pynvml.NVML_ERROR_NOT_SUPPORTED, pynvml.NVML_ERROR_INVALID_ARGUMENT})
@@ -28,6 +35,17 @@ def nvml_code(err: BaseException) -> int | None:
     """The NVML_ERROR_* value of a pynvml error, None for anything else."""
     value = getattr(err, "value", None)
     return value if isinstance(value, int) else None
+
+
+def handle_address(handle: Any) -> int | None:
+    """Where a device handle points: NVML hands out one handle per device for the life of
+    the library, so two handles of one GPU have the same address, whether they came from
+    a lookup or an event. None for something that is not a pointer."""
+    try:
+        address = ctypes.cast(handle, ctypes.c_void_p).value
+    except (ctypes.ArgumentError, TypeError):
+        return None
+    return address if isinstance(address, int) else None
 
 
 def device_handle(nvml: NvmlLibrary, uuid: str) -> Any:

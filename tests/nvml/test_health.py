@@ -116,11 +116,19 @@ def test_application_xid_is_informational() -> None:
     clock = FakeClock()
     state = make_state(inventory, clock, extra_application_xids=frozenset({999}))
     uuid = inventory.gpus[0].uuid
-    for xid in (13, 999):
-        state.apply(XidEvent(uuid, xid))
-        (taint,) = state.report().taints("gpu-0")
-        assert (taint.value, taint.effect) == (str(xid), TaintEffect.NONE)
-        assert state.report().devices["gpu-0"].healthy
+    assert state.apply(XidEvent(uuid, 999))  # configured as an application XID
+    (taint,) = state.report().taints("gpu-0")
+    assert (taint.value, taint.effect) == ("999", TaintEffect.NONE)
+    assert state.report().devices["gpu-0"].healthy
+    # Another application XID refreshes the informational taint and rewrites nothing
+    # (the node's slices are not written again for every crash), yet it is counted.
+    clock.now += 50
+    assert not state.apply(XidEvent(uuid, 13))
+    (taint,) = state.report().taints("gpu-0")
+    assert (taint.value, taint.effect) == ("999", TaintEffect.NONE)
+    assert state.xid_counts()[(uuid, 13)] == 1
+    clock.now += 50
+    assert not state.expire()  # 50 s since the last application XID, not 100
     # A critical XID overrides; a later application XID neither softens nor prolongs it.
     state.apply(XidEvent(uuid, 94))
     clock.now += 30
@@ -162,9 +170,11 @@ def test_mig_scoped_xid_taints_only_that_mig_device() -> None:
     inventory = discover(emulated("a100-40gb-mig-mixed"))
     state = make_state(inventory, FakeClock())
     gpu = inventory.gpus[0]
-    state.apply(XidEvent(gpu.uuid, 79, device="gpu-0-mig-2g10gb-14-0"))
+    state.apply(XidEvent(gpu.uuid, 94, device="gpu-0-mig-2g10gb-14-0"))
     report = state.report()
-    assert report.unhealthy() == ("gpu-0-mig-2g10gb-14-0",)
+    assert [d.name for d in gpu.mig_devices if not report.devices[d.name].healthy] == [
+        "gpu-0-mig-2g10gb-14-0"
+    ]
     # A whole-GPU event taints every device of that GPU in every view, and no other GPU.
     state.apply(EccEvent(gpu.uuid))
     report = state.report()
@@ -172,6 +182,34 @@ def test_mig_scoped_xid_taints_only_that_mig_device() -> None:
     assert {d.name for d in inventory.devices(MigStrategy.DYNAMIC) if d.gpu_index == 0} <= set(
         report.unhealthy()
     )
+    assert all(report.devices[n].healthy for n in inventory.gpus[1].device_names())
+
+
+def test_an_xid_on_a_mig_instance_taints_every_placement_on_its_memory() -> None:
+    # Dynamic MIG publishes each placement under its own name: tainting the name alone
+    # would hand the same broken memory out under another profile.
+    inventory = discover(emulated("h100-80gb-hbm3-x8-mig"))
+    state = make_state(inventory, FakeClock())
+    gpu = inventory.gpus[0]
+    published = [d for d in inventory.devices(MigStrategy.DYNAMIC) if d.gpu_index == 0]
+    hit = next(d for d in published if d.name == "gpu-0-mig-1g10gb-19-0")
+    assert hit.placement is not None
+    at = hit.placement
+    state.apply(XidEvent(gpu.uuid, 94, device=hit.name))
+    report = state.report()
+    tainted = {d.name for d in published if not report.devices[d.name].healthy}
+    sharing = {
+        d.name
+        for d in published
+        if d.placement is not None and d.placement.start < at.end and at.start < d.placement.end
+    }
+    assert tainted == sharing
+    assert hit.name in tainted and "gpu-0-mig-7g80gb-0-0" in tainted
+    assert 1 < len(tainted) < len(published)
+    # An XID after which the GPU is reset takes every instance on it out of service.
+    state.apply(XidEvent(gpu.uuid, 95, device=hit.name))
+    report = state.report()
+    assert set(report.unhealthy()) == set(gpu.device_names())
     assert all(report.devices[n].healthy for n in inventory.gpus[1].device_names())
 
 
@@ -277,12 +315,107 @@ async def test_watcher_resolves_mig_scoped_events() -> None:
         seen = state.generation
         nvml.inject_xid(
             1,
-            79,
+            94,
             gpu_instance_id=mig.gpu_instance_id,
             compute_instance_id=mig.compute_instance_id,
         )
         await next_change(state, seen)
-        assert state.report().unhealthy() == ("gpu-1-mig-4g20gb-5-0",)
+        report = state.report()
+        assert [
+            d.name for d in inventory.gpus[1].mig_devices if not report.devices[d.name].healthy
+        ] == ["gpu-1-mig-4g20gb-5-0"]
+        assert all(report.devices[n].healthy for n in inventory.gpus[0].device_names())
+
+
+@dataclass(frozen=True)
+class Instance:
+    """A GPU instance with one compute instance spanning it, as prepare makes them."""
+
+    gi: object
+    ci: object
+    gi_id: int
+    ci_id: int
+
+    @classmethod
+    def make(cls, nvml: NvmlEmulator, index: int, profile_id: int, start: int) -> Instance:
+        parent = nvml.nvmlDeviceGetHandleByIndex(index)
+        placement = pynvml.c_nvmlGpuInstancePlacement_t()
+        placement.start, placement.size = start, 1
+        gi = nvml.nvmlDeviceCreateGpuInstanceWithPlacement(parent, profile_id, placement)
+        profile = nvml.nvmlGpuInstanceGetComputeInstanceProfileInfo(
+            gi, pynvml.NVML_COMPUTE_INSTANCE_PROFILE_1_SLICE, 0
+        )
+        ci = nvml.nvmlGpuInstanceCreateComputeInstance(gi, profile.id)
+        gi_id = nvml.nvmlGpuInstanceGetInfo(gi).id
+        return cls(gi, ci, gi_id, nvml.nvmlComputeInstanceGetInfo(ci).id)
+
+    def destroy(self, nvml: NvmlEmulator) -> None:
+        nvml.nvmlComputeInstanceDestroy(self.ci)
+        nvml.nvmlGpuInstanceDestroy(self.gi)
+
+
+async def test_watcher_names_a_dynamic_instance_by_where_it_sits_now() -> None:
+    # The inventory (rescanned every minute) saw a 1g.10gb+me instance at slice 0; its
+    # claim was unprepared and a 1g.10gb instance made there for another claim. An XID on
+    # the new instance taints the new one's name.
+    nvml = emulated("h100-80gb-hbm3-x8-mig")
+    nvml.nvmlInit()
+    old = Instance.make(nvml, 0, 20, 0)
+    inventory = discover(nvml)
+    state = make_state(inventory, FakeClock())
+    old.destroy(nvml)
+    new = Instance.make(nvml, 0, 19, 0)
+    async with watching(nvml, state):
+        seen = state.generation
+        nvml.inject_xid(0, 94, gpu_instance_id=new.gi_id, compute_instance_id=new.ci_id)
+        await next_change(state, seen)
+    assert not state.report().devices["gpu-0-mig-1g10gb-19-0"].healthy
+
+
+@pytest.mark.parametrize(("xid", "whole_gpu"), [(69, False), (95, True)])
+async def test_an_xid_on_an_instance_gone_before_it_is_read_spares_the_other_tenants(
+    xid: int, whole_gpu: bool
+) -> None:
+    # A tenant's instance raises an XID and is destroyed (its claim unprepared) before
+    # the event is read: the GPU's other instances are other tenants', and no event of
+    # that instance may take them out of service, unless the GPU itself needs a reset.
+    nvml = emulated("h100-80gb-hbm3-x8-mig")
+    inventory = discover(nvml)
+    state = make_state(inventory, FakeClock())
+    async with watching(nvml, state):
+        gone = Instance.make(nvml, 0, 19, 0)
+        gone.destroy(nvml)
+        seen = state.generation
+        nvml.inject_xid(0, xid, gpu_instance_id=gone.gi_id, compute_instance_id=gone.ci_id)
+        nvml.inject_xid(1, 94)  # a whole-GPU event behind it, to know the first was read
+        await next_change(state, seen)
+        with anyio.fail_after(10):
+            while not state.xid_counts().get((inventory.gpus[0].uuid, xid)):
+                await anyio.sleep(0.01)
+    report = state.report()
+    gpu0 = inventory.gpus[0].device_names()
+    if whole_gpu:
+        assert not any(report.devices[n].healthy for n in gpu0)
+    else:
+        assert all(report.devices[n].healthy for n in gpu0)
+        assert state.xid_counts()[(inventory.gpus[0].uuid, xid)] == 1
+
+
+async def test_an_event_whose_gpu_lookup_fails_is_not_lost() -> None:
+    # Asking the event's handle for its UUID can fail with an error other than
+    # GPU_IS_LOST; the handle is still the one its events were registered on.
+    nvml = emulated("h100-80gb-hbm3-x8")
+    inventory = discover(nvml)
+    state = make_state(inventory, FakeClock())
+    async with watching(nvml, state):
+        seen = state.generation
+        nvml.fail_after(0, pynvml.NVML_ERROR_UNKNOWN)
+        nvml.inject_xid(3, 79)
+        await next_change(state, seen)
+        nvml.clear_failure()
+    report = state.report()
+    assert report.unhealthy() == ("gpu-3",)
+    assert report.taints("gpu-3")[0].value == "79"
 
 
 async def test_watcher_is_cancelled_promptly_while_waiting() -> None:
