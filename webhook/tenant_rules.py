@@ -86,12 +86,13 @@ class QuotaUsage:
 
     @classmethod
     def of(cls, quota: Mapping[str, Any] | None) -> QuotaUsage | None:
-        """The usage a ResourceQuota object reports (None: no quota)."""
+        """The usage a ResourceQuota object reports (None: no quota). The limits are its
+        ``status.hard``, the ones the API server enforces (`quota_enforced`), never a
+        spec it has not counted yet."""
         if quota is None:
             return None
         status = quota.get("status") or {}
-        spec_hard = (quota.get("spec") or {}).get("hard") or {}
-        hard = _by_class(status.get("hard") or spec_hard)
+        hard = _by_class(status.get("hard") or {})
         used = _by_class(status.get("used") or {})
         return cls(hard, used)
 

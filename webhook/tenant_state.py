@@ -49,13 +49,10 @@ TENANT_LABEL: Final = "gpudra.io/tenant"
 _NO_TENANT: Final = Lookup()
 
 
-def quota_spec_is(quota: Mapping[str, Any], hard: Mapping[str, str]) -> bool:
-    """Whether a ResourceQuota's spec is exactly `hard`: the same keys, the same amounts
-    (the API server writes quantities in its canonical form: 1000 comes back as "1k"),
-    and nothing else (a scope would make it count no claim)."""
-    spec = quota.get("spec") or {}
-    have = spec.get("hard") or {}
-    if set(spec) - {"hard"} or set(have) != set(hard):
+def _amounts_are(have: Mapping[str, Any], hard: Mapping[str, str]) -> bool:
+    """The same keys with the same amounts (the API server writes quantities in its
+    canonical form: 1000 comes back as "1k")."""
+    if set(have) != set(hard):
         return False
     try:
         return all(
@@ -63,6 +60,31 @@ def quota_spec_is(quota: Mapping[str, Any], hard: Mapping[str, str]) -> bool:
         )
     except QuantityError:
         return False
+
+
+def quota_spec_is(quota: Mapping[str, Any], hard: Mapping[str, str]) -> bool:
+    """Whether a ResourceQuota's spec is exactly `hard`, and nothing else (a scope would
+    make it count no claim)."""
+    spec = quota.get("spec") or {}
+    return not set(spec) - {"hard"} and _amounts_are(spec.get("hard") or {}, hard)
+
+
+def quota_enforced(quota: Mapping[str, Any], hard: Mapping[str, str]) -> bool:
+    """Whether the API server enforces `hard` with this ResourceQuota now.
+
+    Its quota admission limits by ``status.hard`` alone and refuses while ``status.used``
+    lacks a limited key (apiserver's resourcequota admission, ``CheckRequest`` and
+    ``hasUsageStats``). Both are written by kube-controller-manager's quota controller
+    after each change of the spec: a quota just created has no status and limits
+    nothing, and one just lowered keeps its old limit. Until the status says `hard`,
+    the quota is not in place.
+    """
+    if not quota_spec_is(quota, hard):
+        return False
+    status = quota.get("status") or {}
+    return _amounts_are(status.get("hard") or {}, hard) and set(hard) <= set(
+        status.get("used") or {}
+    )
 
 
 @dataclass
@@ -102,7 +124,7 @@ class TenantState:
         default_factory=lambda: {"tenants": False, "namespaces": False, "quotas": False}
     )
     _memo: dict[str, Lookup] = field(default_factory=dict)
-    _usage: dict[str, QuotaUsage | None] = field(default_factory=dict)
+    _usage: dict[str, QuotaUsage] = field(default_factory=dict)
     _selected: dict[str, list[TenantRules] | None] = field(default_factory=dict)
     _desired: dict[str, tuple[dict[str, str], str]] | None = None
     _open: dict[str, tuple[str, ...]] | None = None
@@ -198,6 +220,7 @@ class TenantState:
         elif kind == "namespaces":
             self._memo.pop(namespace, None)
             self._selected.pop(namespace, None)
+            self._usage.pop(namespace, None)
             self._desired = None
             self._open = None
         else:
@@ -217,17 +240,28 @@ class TenantState:
         return found.labels if found is not None else None
 
     def lookup(self, namespace: str) -> Lookup:
-        """The tenant rules for `namespace` (memoised until the next change)."""
+        """The tenant rules for `namespace` (memoised until the next change, for a
+        namespace that exists: `_memoised`)."""
         found = self._memo.get(namespace)
         if found is None:
             found = self._resolve(namespace)
-            self._memo[namespace] = found
+            if self._memoised(namespace):
+                self._memo[namespace] = found
         return found
 
     def quota_usage(self, namespace: str) -> QuotaUsage | None:
-        if namespace not in self._usage:
-            self._usage[namespace] = QuotaUsage.of(self.quotas.get(namespace))
-        return self._usage[namespace]
+        found = self._usage.get(namespace)
+        if found is None:
+            found = QuotaUsage.of(self.quotas.get(namespace))
+            if found is not None and self._memoised(namespace):
+                self._usage[namespace] = found
+        return found
+
+    def _memoised(self, namespace: str) -> bool:
+        """Whether answers for `namespace` are kept: only for one the Namespace watch
+        knows. Anyone who reaches the webhook's port may send a review naming any
+        namespace, so keeping answers for made-up names would grow without bound."""
+        return namespace in self.namespaces
 
     def _resolve(self, namespace: str) -> Lookup:
         if not self.ready:
@@ -264,13 +298,14 @@ class TenantState:
         wants_quota = any(r.tenant.spec.device_quota is not None for r in winners)
         if desired is not None or (wants_quota and namespace not in self.namespaces):
             current = self.quotas.get(namespace)
-            if desired is None or current is None or not quota_spec_is(current, desired[0]):
+            if desired is None or current is None or not quota_enforced(current, desired[0]):
                 # Without it the API server counts nothing: refuse, as with unknown rules.
                 return Lookup(
                     denial=f"the ResourceQuota {QUOTA_NAME} that enforces deviceQuota in "
                     f"namespace {namespace} is not in place yet; retry in a few seconds (if "
                     "this lasts, the gpudra webhook's log says why: a ResourceQuota of that "
-                    "name it does not manage, or a refused write)"
+                    "name it does not manage, or a refused write; or kube-controller-manager "
+                    "has not counted the quota's status)"
                 )
         return Lookup(rules=winners[0])
 
@@ -295,9 +330,12 @@ class TenantState:
     def _winners(self, namespace: str) -> list[TenantRules] | None:
         """The tenants of highest specificity that select `namespace`, sorted by name;
         None when labels would decide but the namespace is not known yet."""
-        if namespace not in self._selected:
-            self._selected[namespace] = self._select(namespace)
-        return self._selected[namespace]
+        if namespace in self._selected:
+            return self._selected[namespace]
+        found = self._select(namespace)
+        if self._memoised(namespace):
+            self._selected[namespace] = found
+        return found
 
     def _select(self, namespace: str) -> list[TenantRules] | None:
         ns = self.namespaces.get(namespace)

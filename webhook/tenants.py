@@ -18,14 +18,21 @@ The controller is level-triggered: every watch event marks the state dirty, and 
 reconcile compares the desired quotas with the cached owned ones and writes only the
 differences (no writes while nothing changed). It owns exactly the ResourceQuotas named
 `QUOTA_NAME` that carry the `MANAGED_BY_LABEL`; a same-named quota without the label is
-left alone and reported.
+left alone and reported, and the create is tried again every `FOREIGN_RETRY_S`: the
+quota watch selects gpudra's label, so no event says when the admin removed it.
+
+A reconcile runs after every event of an owned quota, and the quota controller updates
+each quota's status whenever a claim comes or goes, so a pass must cost little where
+nothing changed: a quota found as desired is not parsed again until it or its desired
+spec changes (`_checked`).
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Awaitable, Mapping, Sequence
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Final
 
 import anyio
@@ -56,6 +63,9 @@ NAMESPACES_PATH: Final = "/api/v1/namespaces"
 QUOTAS_PATH: Final = "/api/v1/resourcequotas"
 _WATCH_BACKOFF: Final = Backoff(max_s=30.0)
 _NO_CRD_RETRY_S: Final = 30.0
+FOREIGN_RETRY_S: Final = 30.0
+"""How often the create is tried again where a same-named quota gpudra does not
+manage was found."""
 
 
 class TenantController:
@@ -69,6 +79,8 @@ class TenantController:
         backoff_max_s: float = 30.0,
         extra_classes: Sequence[str] = (),
         pod_security_default: str = PRIVILEGED,
+        foreign_retry_s: float = FOREIGN_RETRY_S,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.kube = kube
         self.backoff_max_s = backoff_max_s
@@ -85,7 +97,13 @@ class TenantController:
             quota_classes=driver_classes(base_policy, extra_classes),
             pod_security_default=pod_security_default,
         )
-        self._foreign: set[str] = set()
+        # Namespace -> when a same-named quota gpudra does not manage was last found there.
+        self._foreign: dict[str, float] = {}
+        self._foreign_retry_s = foreign_retry_s
+        self._clock = clock
+        # Namespace -> (the owned quota's UID and resourceVersion, the desired spec and
+        # tenant label it was found to hold): not parsed again while all are the same.
+        self._checked: dict[str, tuple[tuple[Any, Any], Mapping[str, str], str]] = {}
         self._reported_open: Mapping[str, tuple[str, ...]] = {}
 
     @property
@@ -113,7 +131,16 @@ class TenantController:
             for reflector in reflectors:
                 tg.start_soon(reflector.run)
             await tg.start(self._reconciler.run)
+            tg.start_soon(self._retry_foreign)
             task_status.started()
+
+    async def _retry_foreign(self) -> None:
+        """Reconcile again while a same-named quota gpudra does not manage holds a
+        namespace: its removal sends no event to the label-selected watch."""
+        while True:
+            await anyio.sleep(self._foreign_retry_s)
+            if self._foreign:
+                self._reconciler.poke()
 
     def _reflector(
         self, kind: str, path: str, query: Mapping[str, str], absent_retry_s: float | None = None
@@ -142,17 +169,24 @@ class TenantController:
         for namespace, have in sorted(state.quotas.items()):
             if namespace not in desired:
                 writes += await self._write(namespace, self._delete(namespace, have), failures)
+        now = self._clock()
         for namespace, (hard, tenant) in sorted(desired.items()):
             current = state.quotas.get(namespace)
             if current is not None:
                 # Ours after all (the answer to a create was lost, a 409 followed).
-                self._foreign.discard(namespace)
+                self._foreign.pop(namespace, None)
             if current is None:
-                if namespace in self._foreign:
+                found = self._foreign.get(namespace)
+                if found is not None and now - found < self._foreign_retry_s:
                     continue
                 action = self._create(namespace, hard, tenant)
                 writes += await self._write(namespace, action, failures)
-            elif set(current.get("spec") or {}) - {"hard"}:
+                continue
+            meta = current["metadata"]
+            version = (meta.get("uid"), meta.get("resourceVersion"))
+            if self._checked.get(namespace) == (version, hard, tenant):
+                continue
+            if set(current.get("spec") or {}) - {"hard"}:
                 # A scope would make it count no claim, and the API server refuses to
                 # change a quota's scopes: made again (the next pass creates it).
                 action = self._delete(namespace, current)
@@ -163,7 +197,11 @@ class TenantController:
             ):
                 action = self._update(current, hard, tenant)
                 writes += await self._write(namespace, action, failures)
-        self._foreign &= set(desired)
+            else:
+                self._checked[namespace] = (version, hard, tenant)
+        self._foreign = {n: t for n, t in self._foreign.items() if n in desired}
+        if len(self._checked) > len(desired):
+            self._checked = {n: c for n, c in self._checked.items() if n in desired}
         self.writes += writes
         if failures:
             raise failures[0]
@@ -245,12 +283,14 @@ class TenantController:
                 self.state.put_quota(namespace, existing)
                 return
             # Same name, not ours: never take it over.
-            self._foreign.add(namespace)
-            log.warning(
-                "a ResourceQuota of the same name exists but is not managed by gpudra; "
-                "leaving it alone, so the tenant's deviceQuota is not enforced there",
-                extra={"fields": {"namespace": namespace, "name": QUOTA_NAME}},
-            )
+            if namespace not in self._foreign:
+                log.warning(
+                    "a ResourceQuota of the same name exists but is not managed by gpudra; "
+                    "leaving it alone, so the tenant's deviceQuota is not enforced there and "
+                    "its GPU pods and claims are refused until it is removed",
+                    extra={"fields": {"namespace": namespace, "name": QUOTA_NAME}},
+                )
+            self._foreign[namespace] = self._clock()
             return
         self.state.put_quota(namespace, created)
         log.info(

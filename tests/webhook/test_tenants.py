@@ -6,16 +6,18 @@ import contextlib
 import copy
 import itertools
 import re
+from collections.abc import Mapping
 from typing import Any
 
 import pytest
 from gpudra.api.quantity import parse_quantity
 from gpudra.api.tenants import API_VERSION, parse_tenant
 from gpudra.common.kube import ApiError
+from gpudra.webhook import tenants as tenants_module
 from gpudra.webhook.convert import DeviceKind, convert_pod
 from gpudra.webhook.metrics import PodSecurityGaps
 from gpudra.webhook.tenant_rules import Lookup, QuotaUsage, TenantRules, claim_devices, policy_for
-from gpudra.webhook.tenant_state import TENANT_LABEL, TenantState
+from gpudra.webhook.tenant_state import QUOTA_NAME, TENANT_LABEL, TenantState
 from gpudra.webhook.tenants import MANAGED_BY_LABEL, MANAGED_BY_VALUE, TenantController
 from prometheus_client import CollectorRegistry, generate_latest
 
@@ -458,6 +460,9 @@ class QuotaServer:
                 raise ApiError(422, "spec.scopes: field is immutable", method, path)
             obj = self._stored(body)
             obj["metadata"]["resourceVersion"] = str(next(self._serial))
+            obj.pop("status", None)
+            if "status" in have:  # an update of the object leaves its status alone
+                obj["status"] = copy.deepcopy(have["status"])
             self.objs[ns] = obj
             self._emit("MODIFIED", obj)
             return copy.deepcopy(obj)
@@ -470,12 +475,30 @@ class QuotaServer:
     def delete_by_hand(self, ns: str) -> None:
         self._emit("DELETED", self.objs.pop(ns))
 
+    def count(self) -> None:
+        """What kube-controller-manager's quota controller does after a quota's spec
+        changed: its status takes the spec's limits, and what the namespace uses."""
+        for obj in self.objs.values():
+            hard = obj["spec"].get("hard") or {}
+            status = obj.get("status") or {}
+            if status.get("hard") == hard and set(hard) <= set(status.get("used") or {}):
+                continue
+            used = status.get("used") or {}
+            obj["status"] = {"hard": dict(hard), "used": {k: used.get(k, "0") for k in hard}}
+            obj["metadata"]["resourceVersion"] = str(next(self._serial))
+            self._emit("MODIFIED", obj)
 
-async def settle(controller: TenantController, server: QuotaServer) -> None:
-    """Reconcile and deliver the watch's events until nothing changes."""
+
+async def settle(
+    controller: TenantController, server: QuotaServer, *, counted: bool = True
+) -> None:
+    """Reconcile and deliver the watch's events until nothing changes; `counted`: with
+    the quota controller counting each quota's status as it goes."""
     for _ in range(5):
         with contextlib.suppress(ApiError):
             await controller.reconcile_once()
+        if counted:
+            server.count()
         while server.events:
             event_type, obj = server.events.pop(0)
             controller.state.event("quotas", event_type, obj)
@@ -545,6 +568,109 @@ async def test_a_limit_the_api_server_writes_in_its_own_form_settles() -> None:
     assert controller.state.lookup("ns").rules is not None
 
 
+@pytest.mark.anyio
+async def test_a_quota_is_in_place_once_the_api_server_enforces_it() -> None:
+    """The API server's quota admission limits by `status.hard`, which
+    kube-controller-manager writes after each change of the spec: a quota just made
+    limits nothing and one just lowered keeps its old limit, so until then the namespace
+    is refused, and the early check reads the limits enforced, never the spec's."""
+    server = QuotaServer()
+    controller = quota_controller(server, **{"gpu.nvidia.com": 8})
+    await settle(controller, server, counted=False)
+    assert "status" not in server.objs["ns"]
+    assert "not in place" in controller.state.lookup("ns").denial
+    assert controller.state.quota_usage("ns") == QuotaUsage({}, {})
+    await settle(controller, server)
+    assert controller.state.lookup("ns").rules is not None
+    lowered = tenant("team-a", namespaces=["ns"], deviceQuota={"gpu.nvidia.com": 2})
+    controller.state.event("tenants", "MODIFIED", lowered)
+    await settle(controller, server, counted=False)
+    quota = server.objs["ns"]
+    assert (quota["spec"]["hard"][KEY], quota["status"]["hard"][KEY]) == ("2", "8")
+    assert "not in place" in controller.state.lookup("ns").denial
+    await settle(controller, server)
+    assert controller.state.lookup("ns").rules is not None
+    assert controller.state.quota_usage("ns") == QuotaUsage(
+        {"gpu.nvidia.com": 2, "gpu-shared.nvidia.com": 0, "mig.nvidia.com": 0},
+        {"gpu.nvidia.com": 0, "gpu-shared.nvidia.com": 0, "mig.nvidia.com": 0},
+    )
+
+
+def test_reviews_for_made_up_namespaces_leave_nothing_behind() -> None:
+    """Anyone who reaches the webhook's port may name any namespace in a review: the
+    answers kept are for namespaces that exist, or memory grows with every forged name."""
+    s = state(
+        [tenant("team-a", namespaces=["a1"], deviceQuota={"gpu.nvidia.com": 2})],
+        [namespace("a1")],
+        [quota("a1", "team-a", 2)],
+    )
+    assert s.lookup("a1").rules is not None
+    for i in range(100):
+        assert s.lookup(f"made-up-{i}").rules is None
+        assert s.quota_usage(f"made-up-{i}") is None
+    assert set(s._memo) | set(s._selected) | set(s._usage) <= {"a1"}
+
+
+@pytest.mark.anyio
+async def test_a_same_named_quota_removed_by_the_admin_is_replaced_by_the_tenants() -> None:
+    """A ResourceQuota of the managed name that gpudra does not manage keeps the
+    namespace refused; its removal sends no event to the label-selected watch, so the
+    create is tried again, after `foreign_retry_s`, not on every pass."""
+    server = QuotaServer()
+    server.objs["ns"] = {
+        "metadata": {"name": QUOTA_NAME, "namespace": "ns", "uid": "theirs", "labels": {}},
+        "spec": {"hard": {"pods": "10"}},
+    }
+    clock = [0.0]
+    controller = TenantController(server, foreign_retry_s=30, clock=lambda: clock[0])  # type: ignore[arg-type]
+    spec = {"namespaces": ["ns"], "deviceQuota": {"gpu.nvidia.com": 2}}
+    controller.state.replace("tenants", [tenant("team-a", **spec)])
+    controller.state.replace("namespaces", [namespace("ns")])
+    controller.state.replace("quotas", [])
+    await settle(controller, server)
+    assert "not in place" in controller.state.lookup("ns").denial
+    del server.objs["ns"]  # by the admin, as the denial and the log say
+    clock[0] = 29
+    await settle(controller, server)
+    assert "ns" not in server.objs
+    clock[0] = 31
+    await settle(controller, server)
+    assert server.objs["ns"]["metadata"]["labels"][TENANT_LABEL] == "team-a"
+    assert controller.state.lookup("ns").rules is not None
+
+
+@pytest.mark.anyio
+async def test_a_quota_found_as_desired_is_not_parsed_again_until_it_changes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A reconcile follows every status update of every owned quota (one per claim made
+    or removed): quotas unchanged since they were found as desired cost no parsing."""
+    server = QuotaServer()
+    names = [f"ns{i}" for i in range(50)]
+    controller = TenantController(server)  # type: ignore[arg-type]
+    spec = {"namespaces": names, "deviceQuota": {"gpu.nvidia.com": 2}}
+    controller.state.replace("tenants", [tenant("team-a", **spec)])
+    controller.state.replace("namespaces", [namespace(n) for n in names])
+    controller.state.replace("quotas", [])
+    await settle(controller, server)
+    await controller.reconcile_once()  # every quota found as desired once
+    parsed: list[str] = []
+    real = tenants_module.quota_spec_is
+
+    def counting(quota: Mapping[str, Any], hard: Mapping[str, str]) -> bool:
+        parsed.append(quota["metadata"]["namespace"])
+        return real(quota, hard)
+
+    monkeypatch.setattr(tenants_module, "quota_spec_is", counting)
+    used = copy.deepcopy(server.objs["ns7"])
+    used["status"]["used"][KEY] = "1"
+    used["metadata"]["resourceVersion"] = "999"
+    server.objs["ns7"] = used
+    controller.state.event("quotas", "MODIFIED", used)
+    assert await controller.reconcile_once() == 0
+    assert parsed == ["ns7"]
+
+
 def test_a_namespace_named_by_a_tenant_is_refused_until_its_quota_is_in_place() -> None:
     """A namespace the tenant lists by name whose watch event has not arrived (applied
     together with its pods): its rules are known, its quota is not there yet."""
@@ -561,6 +687,7 @@ async def test_a_scope_added_to_the_owned_quota_is_put_back() -> None:
     await settle(controller, server)
     edited = copy.deepcopy(server.objs["ns"])
     edited["spec"]["scopes"] = ["Terminating"]
+    edited["metadata"]["resourceVersion"] = "100"  # as every write gets a new one
     server.objs["ns"] = edited
     controller.state.event("quotas", "MODIFIED", edited)
     assert "not in place" in controller.state.lookup("ns").denial

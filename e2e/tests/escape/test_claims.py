@@ -6,7 +6,11 @@ sharing from the real DeviceClasses as the kubelet plugin will."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
+import os
+import signal
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +41,7 @@ pytestmark = [pytest.mark.cluster, pytest.mark.anyio]
 DRIVER = "gpu.nvidia.com"
 SHARED = "gpu-shared.nvidia.com"
 TENANTS = f"/apis/{API_VERSION}/gputenants"
+MERGE_PATCH = "application/merge-patch+json"
 EXTRA = "a100-80gb.example.com"
 """A DeviceClass an admin made that selects the driver's devices (the chart's
 webhook.extraDeviceClasses, the webhook's --device-class)."""
@@ -371,6 +376,71 @@ async def test_a_spec_allowed_before_the_rules_were_tightened_is_refused_after(
         message = await denied(user, claim(namespace, "b", WHOLE_GPU, gpu_config("MPS")))
         assert "HTTP 403" in message
         assert "does not allow sharing mode MPS" in message
+    finally:
+        await run_sync(drop_tenant, kube, tenant)
+
+
+@contextlib.contextmanager
+def controller_manager_paused(cluster: Cluster) -> Iterator[None]:
+    """kube-controller-manager stopped for a moment, as one behind or restarting is
+    (it runs without leader election here, so it loses nothing by the pause)."""
+    state = cluster.require_state()
+    pid = state.pids["kube-controller-manager"]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
+async def test_claims_over_a_quota_the_api_server_has_not_counted_are_refused(
+    env: Env, kube: SyncKube, cluster: Cluster, namespace: str
+) -> None:
+    """The API server's quota admission limits by the quota's status, which
+    kube-controller-manager writes after the quota is made or changed: until then a new
+    quota limits nothing and a lowered one keeps its old limit. A tenant sends claims
+    over its deviceQuota while that status lags (kube-controller-manager held), from the
+    moment its quota exists and from the moment it is lowered: none is stored."""
+    user = await run_sync(tenant_user, kube, namespace)
+    over = {**WHOLE_GPU, "count": 2}
+
+    def quota_says(where: str, limit: int) -> bool:
+        quota = kube.get_or_none("ResourceQuota", QUOTA_NAME, namespace) or {}
+        return (quota.get(where) or {}).get("hard", {}).get(quota_key(DRIVER)) == str(limit)
+
+    def send_over(label: str) -> list[str]:
+        """Claims over the quota, while its status lags: the denials."""
+        denials = []
+        for i in range(10):
+            with pytest.raises(ApiError) as err:
+                user.create(claim(namespace, f"{label}-{i}", over))
+            denials.append(str(err.value))
+        return denials
+
+    patch = functools.partial(kube.request, "PATCH", content_type=MERGE_PATCH)
+    with controller_manager_paused(cluster):
+        tenant = await run_sync(lambda: with_tenant(kube, namespace, deviceQuota={DRIVER: 1}))
+        try:
+            await run_sync(wait_for, "the quota's spec", lambda: quota_says("spec", 1))
+            denials = await run_sync(send_over, "new")
+        except BaseException:
+            await run_sync(drop_tenant, kube, tenant)
+            raise
+    try:
+        assert all("is not in place yet" in d for d in denials)
+        await run_sync(lambda: patch(f"{TENANTS}/{tenant}", {"spec": {"deviceQuota": {DRIVER: 4}}}))
+        await run_sync(wait_for, "the quota counted at 4", lambda: quota_says("status", 4))
+        await tenant_rules_loaded(env, namespace)
+        with controller_manager_paused(cluster):
+            lowered = {"spec": {"deviceQuota": {DRIVER: 1}}}
+            await run_sync(lambda: patch(f"{TENANTS}/{tenant}", lowered))
+            await run_sync(wait_for, "the lowered quota's spec", lambda: quota_says("spec", 1))
+            assert quota_says("status", 4)
+            denials = await run_sync(send_over, "lowered")
+        assert all("is not in place yet" in d for d in denials)
+        await run_sync(wait_for, "the quota counted at 1", lambda: quota_says("status", 1))
+        message = await denied(user, claim(namespace, "after", over))
+        assert "HTTP 403" in message
     finally:
         await run_sync(drop_tenant, kube, tenant)
 
