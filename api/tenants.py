@@ -80,9 +80,11 @@ SharingMode: TypeAlias = Literal["Exclusive", "TimeSlicing", "MPS"]
 SHARING_MODES: Final[tuple[SharingMode, ...]] = get_args(SharingMode)
 TimeSliceInterval: TypeAlias = Literal["Default", "Short", "Medium", "Long"]
 
-# GPU-instance profiles as the device plugin names them ("1g.10gb", "1g.10gb+me",
-# "1g.24gb-me", "1g.24gb+me.all", "1g.24gb+gfx"), optionally with a compute-instance
-# prefix ("1c.3g.40gb"). The conversion webhook uses the same pattern.
+# GPU-instance profiles by their NVML names, as nvidia-smi and the driver's devices spell
+# them ("1g.10gb", "1g.10gb+me", "1g.24gb-me", "1g.24gb+me.all", "1g.24gb+gfx"), optionally
+# with a compute-instance prefix ("1c.3g.40gb"). The device plugin's resource names spell
+# each "+" as "." (nvidia.com/mig-1g.10gb.me); the conversion webhook reads those back
+# to these names, and uses the same pattern.
 MIG_PROFILE_RE: Final = re.compile(
     r"(?:(?P<ci>[1-7])c\.)?(?P<gi>[1-7])g\.(?P<mem>[1-9][0-9]{0,3})gb"
     r"(?P<suffix>\+me\.all|\+me|\+gfx|-me)?"

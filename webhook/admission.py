@@ -23,6 +23,7 @@ that is not a usable review raises `ReviewError`, which the transport answers wi
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -244,7 +245,7 @@ class Admission:
                 policy.native_resources or not conversion.changed
             ):
                 try:
-                    view = rules_view(pod, policy)
+                    view = _rules_view(pod, policy, patched=conversion.changed)
                 except ConversionError as exc:
                     logger.info("denied pod", extra={"fields": {**fields, "error": str(exc)}})
                     return self._deny(uid, 400, str(exc), "invalid")
@@ -703,6 +704,27 @@ class Admission:
     def _deny(self, uid: str, code: int, message: str, reason: str) -> Decision:
         self._metrics.inc(self._metrics.denials, reason)
         return Decision(deny(uid, code, message), "denied")
+
+
+def _rules_view(pod: Mapping[str, Any], policy: ConversionPolicy, *, patched: bool) -> Conversion:
+    """What the tenant rules judge of `pod` (`rules_view`): its devices, however it asks.
+
+    A pod the webhook does not patch (its namespace is not converted, it opts out, or it
+    looks converted) keeps its device-plugin requests and the device plugin serves them,
+    as it did before gpudra: no claim is made of them, so the limits only a claim has
+    must not refuse it (more devices than one claim holds, a MIG resource whose profile
+    gpudra cannot read). The tenant rules hold for it all the same (docs/security.md,
+    guarantee 1), so nothing is left out of the view (`left_to_device_plugin`): every
+    device it asks for counts against maxDevicesPerPod and the quota, and a MIG
+    resource gpudra cannot read is a MIG device of the profile its name gives, of the
+    MIG class, which no allowedMigProfiles can list: a tenant that restricts profiles
+    refuses it, and one that does not counts it. A tenant cannot pass a device by
+    asking for it under a name gpudra does not convert. What no pod may ask for (a
+    count that is not a whole number) is still refused.
+    """
+    if not patched:
+        policy = dataclasses.replace(policy, left_to_device_plugin=True)
+    return rules_view(pod, policy)
 
 
 def _limit(rules: TenantRules) -> str:

@@ -10,7 +10,8 @@ plugins, is left untouched):
 
 - ``nvidia.com/gpu: N``        N whole GPUs (or shared GPUs, if the policy says so)
 - ``nvidia.com/gpu.shared: N`` N time-sliced shared GPUs
-- ``nvidia.com/mig-<profile>``  N MIG devices of that profile (``1g.10gb``, ``1g.10gb+me``)
+- ``nvidia.com/mig-<profile>``  N MIG devices of that profile (``1g.10gb``, and
+  ``1g.10gb.me`` as the device plugin spells profile ``1g.10gb+me``: `parse_mig_profile`)
 
 Why templates, not claims: a claim created at admission has no owner (the pod UID is
 not known yet) and leaks when the pod is rejected later, and it cannot be named for a
@@ -130,8 +131,13 @@ _CONFIG_API_VERSION: Final = "resource.nvidia.com/v1beta1"
 _TIME_SLICE_INTERVALS: Final = frozenset(INTERVALS)
 _SHARED_STRATEGIES: Final = frozenset(STRATEGIES)
 
-# GPU-instance profiles as the device plugin names them; one pattern shared with GpuTenant.
+# GPU-instance profiles by their NVML names; one pattern shared with GpuTenant.
 _MIG_PROFILE = MIG_PROFILE_RE
+# The device plugin's resource names spell each "+" of a profile as "." (a resource name
+# has no "+"): each suffix so spelled, and the profile suffix it stands for.
+_DEVICE_PLUGIN_SUFFIXES: Final = tuple(
+    (suffix.replace("+", "."), suffix) for suffix in MIG_SUFFIX_TOKENS if "+" in suffix
+)
 # A converted pod claim's name after the prefix, and its template's name after the claim's.
 _CLAIM_TOKEN: Final = re.compile(r"gpu|gpu-shared|mig-[0-9a-z]+")
 _TEMPLATE_COUNTS: Final = re.compile(r"[0-9]+(-[0-9]+)*(-[0-9a-f]{8})?|[0-9a-z-]*-[0-9a-f]{8}")
@@ -175,6 +181,14 @@ class ConversionPolicy:
     """MIG profiles served by their own DeviceClass (`mig_profile_class`, the chart's
     `deviceClasses.mig.profiles`): converted ``nvidia.com/mig-<profile>`` claims request
     it, so a quota per class (Kueue's, a GpuTenant's) counts them under their profile."""
+    left_to_device_plugin: bool = False
+    """The pod keeps its device-plugin requests, which the device plugin serves (its
+    namespace is not converted, or the webhook does not patch it): `convert_pod` only
+    reads what it asks for, for the tenant rules (`tenant_rules.rules_view`), and returns
+    those claims with no patch and no templates. No claim is made, so the limits that
+    only a claim has do not apply: more devices than `max_devices_per_claim`, and a MIG
+    resource whose profile gpudra cannot read, which counts as a MIG device of the
+    profile its name gives (no ``allowedMigProfiles`` can list it)."""
 
     def device_class(self, kind: DeviceKind, profile: str = "") -> str:
         """The DeviceClass a converted claim of `kind` (and MIG `profile`) requests."""
@@ -311,12 +325,26 @@ def is_legacy_resource(name: str) -> bool:
 
 
 def parse_mig_profile(profile: str) -> str:
-    """Validate a MIG profile name such as ``1g.10gb``; returns it unchanged."""
+    """The MIG profile a legacy ``nvidia.com/mig-<profile>`` resource asks for, by the
+    name gpudra uses for it (NVML's, as nvidia-smi and the driver's devices spell it).
+
+    A resource name cannot hold a ``+``, so the device plugin names a profile's
+    resource with each ``+`` spelled ``.``: ``mig-1g.10gb.me`` is profile ``1g.10gb+me``,
+    ``mig-1g.24gb.me.all`` is ``1g.24gb+me.all``, ``mig-1g.10gb.gfx`` is ``1g.10gb+gfx``,
+    and ``-me`` and suffix-less profiles are spelled alike. Claims, DeviceClasses and
+    GpuTenant rules name a profile as the driver does, so every legacy name is read here
+    and nowhere else. The ``+`` spelling is read too: the conversion removes it from a
+    pod before the API server validates the names.
+    """
+    for dotted, suffix in _DEVICE_PLUGIN_SUFFIXES:
+        named = profile.removesuffix(dotted) + suffix if profile.endswith(dotted) else ""
+        if _MIG_PROFILE.fullmatch(named):
+            return named
     if not _MIG_PROFILE.fullmatch(profile):
         raise ConversionError(
             f'unknown MIG profile "{profile}": expected <slices>g.<memory>gb with an '
-            'optional suffix (+me, +me.all, +gfx, -me), for example "1g.10gb" or '
-            '"3g.40gb"; use a profile your GPUs offer'
+            "optional suffix as the device plugin names it (.me, .me.all, .gfx, -me), for "
+            'example "1g.10gb" or "1g.10gb.me"; use a profile your GPUs offer'
         )
     return profile
 
@@ -350,6 +378,11 @@ def convert_pod(
         return Conversion(skipped="no legacy GPU resources")
 
     device_types = sorted({t for c in containers for t, n in c.demands.items() if n > 0})
+    if policy.left_to_device_plugin:
+        counted = (
+            _converted_claim(t, containers, *_layout(t, containers), policy) for t in device_types
+        )
+        return Conversion(claims=tuple(counted), skipped="left to the device plugin")
     templates: list[dict[str, Any]] = []
     converted: list[ConvertedClaim] = []
     refs: dict[str, list[dict[str, str]]] = {}  # container pointer -> resources.claims entries
@@ -480,7 +513,7 @@ def _read_container(
         legacy.append(("limits", resource))
         if resource in requests:
             legacy.append(("requests", resource))
-        if count > policy.max_devices_per_claim:
+        if count > policy.max_devices_per_claim and not policy.left_to_device_plugin:
             raise ConversionError(
                 f'{label}: "{resource}" asks for {count} devices; at most '
                 f"{policy.max_devices_per_claim} fit in one claim: lower the count"
@@ -511,6 +544,8 @@ def _device_type(resource: str, label: str, policy: ConversionPolicy) -> _Device
     try:
         return _DeviceType(DeviceKind.MIG, parse_mig_profile(profile))
     except ConversionError as exc:
+        if policy.left_to_device_plugin:
+            return _DeviceType(DeviceKind.MIG, profile)
         raise ConversionError(f'{label}: "{resource}": {exc}') from None
 
 
@@ -549,27 +584,10 @@ def _plan_claim(
     Returns the pod claim, its template, and each container's ``resources.claims``
     entries keyed by the container's JSON pointer.
     """
-    intervals: list[tuple[_Container, int, int]] = []
-    offset = 0
-    init_intervals: list[tuple[_Container, int, int]] = []
-    for c in containers:
-        count = c.demands.get(device_type, 0)
-        if c.role == "sidecar":
-            intervals.append((c, offset, count))
-            offset += count
-        elif c.role == "init":
-            init_intervals.append((c, offset, count))
-    for c in containers:
-        if c.role == "app":
-            count = c.demands.get(device_type, 0)
-            intervals.append((c, offset, count))
-            offset += count
-    intervals.extend(init_intervals)
-    used = [(c, start, count) for c, start, count in intervals if count > 0]
-    total = max(start + count for _, start, count in used)
-    resource_names = sorted({n for c, _, _ in used for n in c.sources[device_type]})
-    resource = " and ".join(f'"{name}"' for name in resource_names)
+    used, total = _layout(device_type, containers)
     if total > policy.max_devices_per_claim:
+        counted = _converted_claim(device_type, containers, used, total, policy)
+        resource = " and ".join(f'"{name}"' for name in counted.resources)
         raise ConversionError(
             f"the pod needs {total} devices for {resource} (the larger of the biggest "
             "init container and all app containers plus sidecars); one claim holds at most "
@@ -595,7 +613,51 @@ def _plan_claim(
         "metadata": {"name": template_name, "labels": {MANAGED_BY_LABEL: MANAGED_BY_VALUE}},
         "spec": {"spec": spec},
     }
-    claim = ConvertedClaim(
+    claim = _converted_claim(
+        device_type, containers, used, total, policy, pod_claim_name, template_name
+    )
+    return claim, template, refs
+
+
+def _layout(
+    device_type: _DeviceType, containers: Sequence[_Container]
+) -> tuple[list[tuple[_Container, int, int]], int]:
+    """Each container asking for `device_type` with the interval of device indices it
+    takes (its start and count), and the devices the pod needs in all: the device-plugin
+    semantics of the module docstring, whether or not a claim is made of them."""
+    intervals: list[tuple[_Container, int, int]] = []
+    offset = 0
+    init_intervals: list[tuple[_Container, int, int]] = []
+    for c in containers:
+        count = c.demands.get(device_type, 0)
+        if c.role == "sidecar":
+            intervals.append((c, offset, count))
+            offset += count
+        elif c.role == "init":
+            init_intervals.append((c, offset, count))
+    for c in containers:
+        if c.role == "app":
+            count = c.demands.get(device_type, 0)
+            intervals.append((c, offset, count))
+            offset += count
+    intervals.extend(init_intervals)
+    used = [(c, start, count) for c, start, count in intervals if count > 0]
+    return used, max(start + count for _, start, count in used)
+
+
+def _converted_claim(
+    device_type: _DeviceType,
+    containers: Sequence[_Container],
+    used: Sequence[tuple[_Container, int, int]],
+    total: int,
+    policy: ConversionPolicy,
+    pod_claim_name: str = "",
+    template_name: str = "",
+) -> ConvertedClaim:
+    """What one device type of the pod amounts to (`_layout`), for the tenant rules, logs
+    and the annotation; no names where no claim is made (`left_to_device_plugin`)."""
+    resource_names = sorted({n for c, _, _ in used for n in c.sources[device_type]})
+    return ConvertedClaim(
         pod_claim_name=pod_claim_name,
         template_name=template_name,
         kind=device_type.kind,
@@ -613,7 +675,6 @@ def _plan_claim(
             (name, sum(c.counts.get(name, 0) for c, _, _ in used)) for name in resource_names
         ),
     )
-    return claim, template, refs
 
 
 def _claim_spec(

@@ -371,6 +371,83 @@ async def test_a_pod_gpudra_cannot_convert_is_left_alone_where_conversion_is_off
     assert templates.names == []
 
 
+UNMOVED = LabelSelector.model_validate({"matchLabels": {"gpudra.nvidia.com/dra": "true"}})
+"""A migration's conversion selector that leaves namespace "ns" out."""
+
+
+@pytest.mark.parametrize(
+    ("spec", "limits", "refused"),
+    [
+        # Past what one claim holds, or a MIG name gpudra cannot read: the device plugin
+        # serves them, and a tenant that limits neither lets them through.
+        ({}, {"nvidia.com/mig-1g.5gb": "40"}, None),
+        ({}, {"nvidia.com/mig-1g.5gb.shared": "1"}, None),
+        ({}, {"nvidia.com/mig-1g.10gb.me": "1"}, None),
+        ({"maxDevicesPerPod": 40}, {"nvidia.com/gpu": "40"}, None),
+        ({"allowedMigProfiles": ["1g.10gb+me"]}, {"nvidia.com/mig-1g.10gb.me": "2"}, None),
+        # Each a try at passing the tenant's rules under a name gpudra does not convert.
+        (
+            {"maxDevicesPerPod": 8},
+            {"nvidia.com/mig-1g.5gb": "40"},
+            "maxDevicesPerPod is 8, this pod asks for 40 devices (nvidia.com/mig-1g.5gb in ",
+        ),
+        (
+            {"maxDevicesPerPod": 1},
+            {"nvidia.com/mig-1g.5gb.shared": "2"},
+            "maxDevicesPerPod is 1, this pod asks for 2 devices",
+        ),
+        (
+            {"allowedMigProfiles": ["1g.10gb"]},
+            {"nvidia.com/mig-1g.10gb.shared": "1"},
+            "MIG profile 1g.10gb.shared is not allowed; allowed profiles: 1g.10gb",
+        ),
+        (
+            {"allowedMigProfiles": ["1g.10gb"]},
+            {"nvidia.com/mig-1g.10gb.me": "1"},
+            "MIG profile 1g.10gb+me is not allowed; allowed profiles: 1g.10gb",
+        ),
+        (
+            {"allowedMigProfiles": []},
+            {"nvidia.com/mig-anything": "1"},
+            "MIG profile anything is not allowed; allowed profiles: none",
+        ),
+        (
+            {"allowedDeviceClasses": ["gpu.nvidia.com"]},
+            {"nvidia.com/mig-7g.999gb.xl": "1"},
+            "device class mig.nvidia.com is not allowed; allowed classes: gpu.nvidia.com",
+        ),
+    ],
+)
+async def test_a_pod_gpudra_cannot_convert_keeps_the_tenant_rules_where_conversion_is_off(
+    spec: dict[str, Any], limits: dict[str, str], refused: str | None
+) -> None:
+    """A pod of a namespace the migration leaves out goes to the device plugin, which
+    serves what no claim could hold, so only the tenant's rules may refuse it: every
+    device it asks for counts, and a MIG resource gpudra cannot read is a MIG device of
+    a profile no allowedMigProfiles lists. A tenant's pod gets nothing past its rules by
+    asking for what gpudra does not convert; a pod opted out where conversion is on is
+    judged alike."""
+    state = tenant_state(("team-a", {"namespaces": ["ns"], **spec}))
+    templates = Templates()
+    admission = Admission(
+        templates, WebhookMetrics(CollectorRegistry()), tenants=state, conversion_selector=UNMOVED
+    )
+    opted_out = gpu_pod(limits, labels={OPT_OUT_LABEL: "false"})
+    for pod in (gpu_pod(limits), opted_out):
+        decision = await admission.mutate_pod(review(POD, pod))
+        if refused is None:
+            assert (decision.result, decision.response.get("patch")) == ("allowed", None)
+        else:
+            assert decision.result == "denied"
+            status = decision.response["status"]
+            assert status["code"] == 403
+            assert status["message"].startswith('tenant "team-a" (GpuTenant team-a): ')
+            assert refused in status["message"]
+        labelled = {"name": "ns", "labels": {"gpudra.nvidia.com/dra": "true"}}
+        state.event("namespaces", "MODIFIED", {"metadata": labelled, "status": {"phase": "Active"}})
+    assert templates.names == []
+
+
 async def test_tenant_rules_count_resources_a_device_class_serves_itself() -> None:
     native = ConversionPolicy(native_resources=frozenset({"nvidia.com/gpu"}))
     admission = limited_admission(Claims(), policy=native)

@@ -6,6 +6,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import pytest
+from gpudra.api.deviceclasses import mig_profile_class
 from gpudra.api.names import is_dns_label
 from gpudra.webhook import registration
 from gpudra.webhook.convert import (
@@ -216,6 +217,51 @@ def test_mig_profile_suffixes_get_distinct_names(profile: str, claim_name: str) 
     assert result.claims[0].pod_claim_name == claim_name
     assert result.claims[0].profile == profile
     assert result.templates[0]["metadata"]["name"] == f"{claim_name}-1"
+
+
+# A resource name (k8s.io/apimachinery IsQualifiedName, the part after the prefix).
+_RESOURCE_NAME = re.compile(r"([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]")
+
+
+@pytest.mark.parametrize(
+    ("resource", "profile"),
+    [
+        ("nvidia.com/mig-1g.10gb", "1g.10gb"),
+        ("nvidia.com/mig-1g.10gb.me", "1g.10gb+me"),
+        ("nvidia.com/mig-1g.24gb.me.all", "1g.24gb+me.all"),
+        ("nvidia.com/mig-1g.10gb.gfx", "1g.10gb+gfx"),
+        ("nvidia.com/mig-4g.40gb.gfx", "4g.40gb+gfx"),
+        ("nvidia.com/mig-1g.24gb-me", "1g.24gb-me"),
+    ],
+)
+def test_mig_resources_as_the_device_plugin_names_them(
+    resource: str, profile: str, apply_patch: Patcher
+) -> None:
+    """The device plugin names a profile's resource with each "+" spelled "." (no "+" is
+    allowed in a resource name); the claim selects the profile by the name the driver
+    publishes, and a per-profile class is the profile's."""
+    assert _RESOURCE_NAME.fullmatch(resource.removeprefix("nvidia.com/"))
+    result, out = converted(pod(container("infer", {resource: "1"})), apply_patch)
+    (claim,) = result.claims
+    assert (claim.kind, claim.profile, claim.resources) == (DeviceKind.MIG, profile, (resource,))
+    (request,) = result.templates[0]["spec"]["spec"]["devices"]["requests"]
+    assert request["exactly"]["selectors"] == [
+        {"cel": {"expression": f'device.attributes["gpu.nvidia.com"].profile == "{profile}"'}}
+    ]
+    assert out["spec"]["containers"][0]["resources"]["limits"] == {}
+    policy = ConversionPolicy(mig_profile_classes=(profile,))
+    (own,) = convert_pod(pod(container("infer", {resource: "1"})), policy).claims
+    assert own.device_class == mig_profile_class(profile)
+
+
+def test_both_spellings_of_a_profile_are_one_claim() -> None:
+    """The device plugin's spelling and the profile's own ask for the same devices: one
+    claim holds both, and no more than one claim may hold."""
+    both = {"nvidia.com/mig-1g.10gb.me": "1", "nvidia.com/mig-1g.10gb+me": "2"}
+    (claim,) = convert_pod(pod(container("infer", both))).claims
+    assert (claim.profile, claim.devices, claim.resources) == ("1g.10gb+me", 3, tuple(sorted(both)))
+    over = {"nvidia.com/mig-1g.10gb.me": "20", "nvidia.com/mig-1g.10gb+me": "20"}
+    assert "at most 32" in _error(pod(container("infer", over)))
 
 
 def test_a_profile_with_its_own_class_is_converted_to_that_class(apply_patch: Patcher) -> None:
@@ -527,7 +573,22 @@ def test_requests_must_equal_limits() -> None:
     assert "make them equal" in message
 
 
-@pytest.mark.parametrize("profile", ["1g", "big", "1g.10GB", "8g.80gb", "1g.10gb+xx", "1g.0gb"])
+@pytest.mark.parametrize(
+    "profile",
+    [
+        "1g",
+        "big",
+        "1g.10GB",
+        "8g.80gb",
+        "1g.10gb+xx",
+        "1g.0gb",
+        "1g.10gb.xx",
+        "1g.10gb.me.me",
+        "1g.10gb.shared",
+        "1g.10gb.me.shared",
+        ".me",
+    ],
+)
 def test_unknown_mig_profile(profile: str) -> None:
     message = _error(pod(container("infer", {f"nvidia.com/mig-{profile}": "1"})))
     assert 'container "infer"' in message
@@ -537,6 +598,10 @@ def test_unknown_mig_profile(profile: str) -> None:
 
 def test_parse_mig_profile() -> None:
     assert parse_mig_profile("1g.10gb+me") == "1g.10gb+me"
+    assert parse_mig_profile("1g.10gb.me") == "1g.10gb+me"
+    assert parse_mig_profile("1g.24gb.me.all") == "1g.24gb+me.all"
+    assert parse_mig_profile("1g.10gb.gfx") == "1g.10gb+gfx"
+    assert parse_mig_profile("1g.24gb-me") == "1g.24gb-me"
     with pytest.raises(ConversionError, match="unknown MIG profile"):
         parse_mig_profile("10gb")
 
@@ -565,6 +630,33 @@ def test_too_many_devices_in_one_pod() -> None:
         )
     )
     assert ok.claims[0].devices == 32
+
+
+def test_a_pod_left_to_the_device_plugin_is_counted_past_what_a_claim_holds() -> None:
+    """Where the device plugin serves a pod, no claim is made: the tenant rules' view
+    counts every device it asks for, as the device plugin would hand them out, past
+    what one claim holds and under MIG names gpudra cannot read, and writes nothing."""
+    left = ConversionPolicy(left_to_device_plugin=True)
+    big = pod(
+        container("a", {"nvidia.com/gpu": "20", "nvidia.com/mig-1g.5gb": "40"}),
+        container("b", {"nvidia.com/gpu": "20", "nvidia.com/mig-1g.5gb.shared": "2"}),
+        init=[container("i", {"nvidia.com/gpu": "50", "nvidia.com/mig-1g.10gb.me": "3"})],
+    )
+    for unreadable in ({"nvidia.com/gpu": "40"}, {"nvidia.com/mig-1g.5gb.shared": "1"}):
+        with pytest.raises(ConversionError):
+            convert_pod(pod(container("a", unreadable)))
+    view = convert_pod(big, left)
+    assert (view.patch, view.templates, view.skipped) == ((), (), "left to the device plugin")
+    counted = {(c.kind, c.profile, c.device_class, c.devices) for c in view.claims}
+    assert counted == {
+        (DeviceKind.GPU, "", "gpu.nvidia.com", 50),
+        (DeviceKind.MIG, "1g.5gb", "mig.nvidia.com", 40),
+        (DeviceKind.MIG, "1g.5gb.shared", "mig.nvidia.com", 2),
+        (DeviceKind.MIG, "1g.10gb+me", "mig.nvidia.com", 3),
+    }
+    # What the API server refuses in any pod is refused here too.
+    with pytest.raises(ConversionError, match="not a whole number"):
+        convert_pod(pod(container("a", {"nvidia.com/mig-1g.5gb.shared": "0.5"})), left)
 
 
 def test_init_container_errors_name_the_init_container() -> None:

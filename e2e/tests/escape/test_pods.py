@@ -568,7 +568,10 @@ async def test_a_namespace_left_out_of_conversion_keeps_the_pod_limit(
     """During a migration the cluster admin leaves the tenant's namespace out of the
     conversion selector: its pods keep their device-plugin requests, but they still reach
     the webhook, so a pod naming two one-GPU claims is refused under maxDevicesPerPod 1,
-    and a forged review for the namespace makes the webhook write no template there."""
+    and a forged review for the namespace makes the webhook write no template there. A
+    device-plugin name gpudra cannot convert gets no way around the limit, and one it
+    can read (the device plugin's spelling of a `+me` profile) is left to the device
+    plugin, not refused."""
     ns, tenant = escape.ns, escape.tenant
     await call(
         lambda: kube.request(
@@ -592,6 +595,11 @@ async def test_a_namespace_left_out_of_conversion_keeps_the_pod_limit(
     created = await create(tenant, one_gpu)
     assert not created["spec"].get("resourceClaims")  # left to the device plugin
     assert created["spec"]["containers"][0]["resources"]["limits"] == {"nvidia.com/gpu": "1"}
+    unreadable = pod(ns, "unreadable", {"nvidia.com/mig-1g.5gb.shared": "2"})
+    message = await refused(tenant, unreadable)
+    assert "maxDevicesPerPod is 1, this pod asks for 2 devices" in message
+    media = await create(tenant, pod(ns, "media", {"nvidia.com/mig-1g.10gb.me": "1"}))
+    assert not media["spec"].get("resourceClaims")
 
     forged = forged_review("forged-not-migrated", ns, pod(ns, "forged", {"nvidia.com/gpu": "1"}))
     status, body = await send_review(escape, forged)
