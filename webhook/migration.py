@@ -1,28 +1,32 @@
 """What a cluster's NVIDIA device plugin configuration means under gpudra.
 
 `gpudra migrate` reads the device plugin's config (its ``version: v1`` file, alone or as a
-key of the ConfigMap its chart mounts) and the cluster's pods, and says which chart
-values and GpuTenants keep the same behaviour, and which pods would behave differently
-once converted, and why. Pure functions: the CLI does the reading and writing.
+key of the ConfigMap its chart mounts), the cluster's nodes and pods, and says which
+chart values and GpuTenants keep the same behaviour, and which pods would behave
+differently once converted, and why. Pure functions: the CLI does the reading and writing.
 
-A config gpudra cannot reproduce (an unknown MIG strategy, a renamed resource, shared MIG
-devices) is an error that names the field and what gpudra would do instead, so nothing
-is written for a migration that would silently change what pods get.
+A config gpudra cannot reproduce (an unknown MIG strategy, shared MIG devices, per-node
+configs that differ in what the chart sets for every node) is an error that names the
+field and what gpudra would do instead, so nothing is written for a migration that would
+silently change what pods get.
 
 Field semantics follow the device plugin's ``api/config/v1`` (NVIDIA/k8s-device-plugin):
-``flags.migStrategy`` (none, single, mixed; default none), ``sharing.timeSlicing`` and
+``flags.migStrategy`` (none, single, mixed; default none; its ``--mig-strategy`` flag or
+``MIG_STRATEGY`` variable overrides the file), ``sharing.timeSlicing`` and
 ``sharing.mps`` (mutually exclusive) with ``renameByDefault`` (advertise
 ``<name>.shared`` instead of ``<name>``), ``failRequestsGreaterThanOne`` (refuse
 requests above 1; default false for time-slicing, true for MPS) and ``resources[]``
 (``name``, ``replicas`` >= 1, shared above 1, ``rename``, ``devices``; the plugin ignores ``rename``
 and ``devices`` with a warning, so every GPU is shared under its plain or ``.shared``
-name).
+name, as ``renameByDefault`` alone says). Its chart's ConfigMap holds one config per
+key; a node runs the one its label ``nvidia.com/device-plugin.config`` names, else the
+chart's ``config.default``, else the key ``default``, else the only key.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Final, Literal
 
 import yaml
@@ -40,23 +44,39 @@ from gpudra.webhook.convert import (
 )
 
 __all__ = [
+    "CONFIG_LABEL",
+    "MIG_STRATEGIES",
+    "PLAN_FILES",
+    "SHARES_BY_NODE_VALUE",
     "SHARES_VALUE",
     "DevicePluginConfig",
     "MigrationError",
+    "NodeConfigs",
     "Plan",
     "PodChange",
     "ReplicatedResource",
     "config_texts",
+    "node_configs",
     "parse_config",
     "plan",
     "render",
 ]
 
 # The chart value that publishes every whole GPU with N shares (`gpudra node --gpu-shares`),
-# the device plugin's time-slicing replicas.
+# the device plugin's time-slicing replicas, and its per-node override by node name.
 SHARES_VALUE: Final = ("node", "gpuShares")
+SHARES_BY_NODE_VALUE: Final = ("node", "gpuSharesByNode")
 TENANT_NAME: Final = "device-plugin-sharing"
 MIG_STRATEGIES: Final = ("none", "single", "mixed")
+# The node label whose value names the config a node runs (the device plugin chart's
+# config-manager), and the key it falls back to where no default is set.
+CONFIG_LABEL: Final = "nvidia.com/device-plugin.config"
+FALLBACK_CONFIG: Final = "default"
+# Every file `render` can write, so that a rerun into the same folder can remove one
+# this plan does not hold rather than leave an earlier run's beside it.
+VALUES_FILE: Final = "values.yaml"
+TENANTS_FILE: Final = "tenants.yaml"
+PLAN_FILES: Final = (VALUES_FILE, TENANTS_FILE)
 _TOP_FIELDS: Final = frozenset({"version", "flags", "resources", "sharing", "imex"})
 _REPLICATED_FIELDS: Final = frozenset(
     {"renameByDefault", "failRequestsGreaterThanOne", "resources"}
@@ -95,6 +115,20 @@ class DevicePluginConfig:
     sharing: ReplicatedResource | None = None
     notes: tuple[str, ...] = ()
     """Fields the device plugin ignores (and so gpudra can too), said once."""
+    source: str = "config"
+    """The ConfigMap key (or file) it came from, to name it when configs differ."""
+
+
+@dataclass(frozen=True)
+class NodeConfigs:
+    """The configs a cluster's nodes run: one per node, chosen by a node label."""
+
+    default: DevicePluginConfig
+    """What nodes not named in `nodes` run, and so what gpudra gives every node."""
+    nodes: Mapping[str, DevicePluginConfig] = field(default_factory=dict)
+    """The nodes that run another config, by node name."""
+    notes: tuple[str, ...] = ()
+    """About the ConfigMap as a whole: the configs no node runs."""
 
 
 @dataclass(frozen=True)
@@ -134,8 +168,14 @@ def config_texts(text: str, source: str = "config") -> dict[str, str]:
     return {str(k): str(v) for k, v in data.items()}
 
 
-def parse_config(text: str, source: str = "config") -> DevicePluginConfig:
-    """Read one ``version: v1`` config; raises `MigrationError` naming every bad field."""
+def parse_config(
+    text: str, source: str = "config", *, mig_strategy: str | None = None
+) -> DevicePluginConfig:
+    """Read one ``version: v1`` config; raises `MigrationError` naming every bad field.
+
+    `mig_strategy` is the device plugin's ``--mig-strategy`` (``MIG_STRATEGY``, which the
+    GPU Operator's ``mig.strategy`` and its chart's ``migStrategy`` set): it overrides the
+    file's ``flags.migStrategy`` there, so it does here, with the same consequences."""
     try:
         raw = yaml.safe_load(text)
     except yaml.YAMLError as exc:
@@ -152,10 +192,19 @@ def parse_config(text: str, source: str = "config") -> DevicePluginConfig:
             "convert it to v1 first"
         )
     flags = raw.get("flags") or {}
-    mig = flags.get("migStrategy", "none") if isinstance(flags, Mapping) else "none"
+    in_file = flags.get("migStrategy") if isinstance(flags, Mapping) else None
+    mig_field = "flags.migStrategy"
+    mig = "none" if in_file is None else in_file
+    if mig_strategy is not None:
+        if in_file is not None and in_file != mig_strategy:
+            notes.append(
+                f"flags.migStrategy: {in_file!r} is overridden by --mig-strategy "
+                f"{mig_strategy}, as the device plugin's flag overrides its file"
+            )
+        mig_field, mig = "--mig-strategy", mig_strategy
     if mig == "single":
         problems.append(
-            "flags.migStrategy: single: there nvidia.com/gpu means a MIG device of the "
+            f"{mig_field}: single: there nvidia.com/gpu means a MIG device of the "
             "node's one profile, but gpudra always converts nvidia.com/gpu to a whole GPU "
             "(and never offers a MIG-enabled GPU whole), so those pods would pend: move "
             "the device plugin to mixed and the pods to nvidia.com/mig-<profile> (gpudra "
@@ -163,7 +212,7 @@ def parse_config(text: str, source: str = "config") -> DevicePluginConfig:
         )
     elif mig not in MIG_STRATEGIES:
         problems.append(
-            f"flags.migStrategy: {mig!r} is not one of none, single, mixed; gpudra would "
+            f"{mig_field}: {mig!r} is not one of none, single, mixed; gpudra would "
             "publish every MIG device (node.migStrategy dynamic)"
         )
     resources = raw.get("resources")
@@ -189,7 +238,78 @@ def parse_config(text: str, source: str = "config") -> DevicePluginConfig:
             sharing = _replicated(sharing_raw[key], strategy, f"sharing.{key}", problems, notes)
     if problems:
         raise MigrationError(source, problems)
-    return DevicePluginConfig(mig_strategy=str(mig), sharing=sharing, notes=tuple(notes))
+    return DevicePluginConfig(
+        mig_strategy=str(mig), sharing=sharing, notes=tuple(notes), source=source
+    )
+
+
+def node_configs(
+    texts: Mapping[str, str],
+    nodes: Iterable[Mapping[str, Any]] | None,
+    *,
+    default: str | None = None,
+    mig_strategy: str | None = None,
+    source: str = "config",
+) -> NodeConfigs:
+    """The config of nodes not named otherwise, and the nodes that run another one.
+
+    A ConfigMap of several configs is the device plugin chart's per-node setting: a node
+    runs the key its `CONFIG_LABEL` names, else `default` (the chart's
+    ``config.default``), else the key ``default``. Mapping one of them for every node
+    would change what the others give, so several configs need `nodes` (the cluster's
+    Node objects) to say which node keeps which; keys no node runs are left out, with a
+    note. Raises `MigrationError` naming every problem of every config in use."""
+    if default is not None and default not in texts:
+        raise MigrationError(
+            "--config-key", [f"{default!r} is not in the ConfigMap; it holds {sorted(texts)}"]
+        )
+    if len(texts) == 1:
+        ((name, text),) = texts.items()
+        return NodeConfigs(parse_config(text, name, mig_strategy=mig_strategy))
+    if nodes is None:
+        raise MigrationError(
+            "--nodes",
+            [
+                f"the ConfigMap holds {len(texts)} configs ({', '.join(sorted(texts))}), "
+                f"chosen per node by the label {CONFIG_LABEL}: give --nodes FILE "
+                "(`kubectl get nodes -o yaml`) or --cluster-nodes, so that each node keeps "
+                "its own"
+            ],
+        )
+    problems: list[str] = []
+    key = default if default is not None else FALLBACK_CONFIG
+    if key not in texts:
+        problems.append(
+            f"--config-key: the ConfigMap has no config named {FALLBACK_CONFIG!r}: name the "
+            f"one nodes without the label {CONFIG_LABEL} run (the device plugin chart's "
+            "config.default); gpudra gives it to every node not labelled, later ones too"
+        )
+    by_node: dict[str, str] = {}
+    for node in nodes:
+        meta = node.get("metadata") or {}
+        label = (meta.get("labels") or {}).get(CONFIG_LABEL) or key
+        if label not in texts:
+            problems.append(
+                f"node {meta.get('name')}: label {CONFIG_LABEL}={label!r} names no config "
+                f"of the ConfigMap (it holds {', '.join(sorted(texts))}), so the device "
+                "plugin could not start there: fix the label"
+            )
+        elif label != key:
+            by_node[str(meta.get("name", ""))] = label
+    parsed: dict[str, DevicePluginConfig] = {}
+    for name in sorted({key, *by_node.values()} & texts.keys()):
+        try:
+            parsed[name] = parse_config(texts[name], name, mig_strategy=mig_strategy)
+        except MigrationError as exc:
+            problems += [f"{name}: {p}" for p in exc.problems]
+    if problems:
+        raise MigrationError(source, problems)
+    unused = sorted(texts.keys() - parsed.keys())
+    return NodeConfigs(
+        default=parsed[key],
+        nodes={node: parsed[name] for node, name in by_node.items()},
+        notes=tuple(f"{name}: no node runs this config, so it is left out" for name in unused),
+    )
 
 
 def _unknown(raw: Mapping[str, Any], known: frozenset[str], prefix: str) -> list[str]:
@@ -251,14 +371,15 @@ def _replicated(
             notes.append(f"{at}.replicas: 1 shares nothing; gpudra gives whole GPUs too")
             continue
         rename = entry.get("rename")
-        if rename not in (None, "", SHARED_RESOURCE, "gpu.shared"):
-            problems.append(
-                f"{at}.rename: {rename!r}: gpudra converts only nvidia.com/gpu, "
-                "nvidia.com/gpu.shared and nvidia.com/mig-<profile>, so pods asking for "
-                f"{rename} would be left alone (the device plugin itself ignores rename): "
-                "remove it, or set renameByDefault: true for nvidia.com/gpu.shared"
+        if rename not in (None, ""):
+            # The device plugin drops `rename` (DisableResourceNamingInConfig): the
+            # name is nvidia.com/gpu.shared with renameByDefault, nvidia.com/gpu without.
+            advertised = SHARED_RESOURCE if rename_default is True else GPU_RESOURCE
+            notes.append(
+                f"{at}.rename: {rename!r}: ignored by the device plugin ('not yet "
+                f"supported'), so it advertised {advertised} (renameByDefault decides); "
+                "gpudra maps that name"
             )
-            continue
         devices = entry.get("devices", "all")
         if devices != "all":
             notes.append(
@@ -271,19 +392,31 @@ def _replicated(
         found = ReplicatedResource(
             strategy=strategy,
             replicas=replicas,
-            renamed=bool(rename_default) or rename in (SHARED_RESOURCE, "gpu.shared"),
+            renamed=rename_default is True,
             fail_requests_greater_than_one=bool(fail_above_one),
             field=at,
         )
     return found
 
 
-def plan(config: DevicePluginConfig, pods: Iterable[Mapping[str, Any]] = ()) -> Plan:
-    """Chart values and GpuTenants that keep `config`'s behaviour, and the `pods` whose
-    behaviour would still change once the webhook converts them."""
+def plan(configs: DevicePluginConfig | NodeConfigs, pods: Iterable[Mapping[str, Any]] = ()) -> Plan:
+    """Chart values and GpuTenants that keep the behaviour of `configs` (one for every
+    node, or one per node), and the `pods` whose behaviour would still change once the
+    webhook converts them.
+
+    Only the shares per GPU can differ per node (``node.gpuSharesByNode``); what the
+    chart sets for every node must be the same in every config in use, or the plan is
+    refused with a `MigrationError` naming the configs."""
+    if isinstance(configs, DevicePluginConfig):
+        configs = NodeConfigs(configs)
+    config, nodes = configs.default, configs.nodes
+    used = list({c.source: c for c in (config, *nodes.values())}.values())
+    share = _common(used)
     values: dict[str, Any] = {}
     tenants: list[dict[str, Any]] = []
-    notes = list(config.notes)
+    many = len(used) > 1
+    notes = [f"{c.source}: {n}" if many else n for c in used for n in c.notes]
+    notes += configs.notes
     if config.mig_strategy == "mixed":
         # The device plugin offers only MIG devices that exist; so does `static`.
         values["node"] = {"migStrategy": "static"}
@@ -292,12 +425,20 @@ def plan(config: DevicePluginConfig, pods: Iterable[Mapping[str, Any]] = ()) -> 
             "plugin did; dynamic (gpudra's default) also creates them on demand"
         )
     policy = ConversionPolicy()
-    share = config.sharing
     if share is not None:
-        section: dict[str, Any] = values
-        for key in SHARES_VALUE[:-1]:
-            section = section.setdefault(key, {})
-        section[SHARES_VALUE[-1]] = share.replicas
+        shares = _shares(config)
+        _set(values, SHARES_VALUE, shares)
+        by_node = {n: s for n, c in sorted(nodes.items()) if (s := _shares(c)) != shares}
+        if by_node:
+            _set(values, SHARES_BY_NODE_VALUE, by_node)
+        notes.append(
+            "node.gpuShares needs the DRAConsumableCapacity feature gate on the API server "
+            "and the scheduler (alpha, off by default, in Kubernetes 1.34 and 1.35; on by "
+            "default from 1.36): without it every GPU is published whole and each "
+            "converted pod gets a GPU of "
+            "its own, so fewer pods fit and the rest pend; turn the gate on before moving "
+            "these nodes, or keep them on the device plugin"
+        )
         shared: dict[str, Any] = {"strategy": share.strategy}
         if share.strategy == "MPS":
             # The device plugin gives each of the N clients 1/N of the GPU's compute.
@@ -323,13 +464,87 @@ def plan(config: DevicePluginConfig, pods: Iterable[Mapping[str, Any]] = ()) -> 
                 "namespace by label too, both are a conflict: put its gpuResource into "
                 "that tenant instead"
             )
+            if any(c.sharing is None for c in used):
+                notes.append(
+                    "on nodes whose config shares nothing (gpuShares 0) a converted "
+                    "nvidia.com/gpu pod gets whole GPUs, as the device plugin gave there"
+                )
             policy = ConversionPolicy(gpu_resource_kind=DeviceKind.SHARED)
-    changes = [c for pod in pods if (c := _pod_change(pod, config, policy)) is not None]
+    # Plain nvidia.com/gpu vanished only where every node advertised it renamed.
+    everywhere = all(c.sharing is not None for c in used)
+    changes = [
+        c for pod in pods if (c := _pod_change(pod, config, share, everywhere, policy)) is not None
+    ]
     return Plan(values=values, tenants=tenants, notes=notes, pods=changes)
 
 
+def _shares(config: DevicePluginConfig) -> int:
+    """The shares per GPU of nodes running `config`; 0 publishes GPUs whole."""
+    return config.sharing.replicas if config.sharing is not None else 0
+
+
+def _set(values: dict[str, Any], path: tuple[str, ...], value: Any) -> None:
+    for key in path[:-1]:
+        values = values.setdefault(key, {})
+    values[path[-1]] = value
+
+
+def _common(configs: Sequence[DevicePluginConfig]) -> ReplicatedResource | None:
+    """The sharing of every config in use, as the chart sets it for every node.
+
+    Raises `MigrationError` where the configs differ in what no per-node value carries:
+    the MIG strategy, the sharing strategy, the name shared GPUs were advertised under
+    and, for MPS, the replicas (each client's part of the GPU). A config that shares
+    nothing fits beside any other: its nodes get ``gpuShares`` 0."""
+    problems: list[str] = []
+
+    def differ(what: str, seen: Mapping[str, object], why: str) -> None:
+        if len(set(seen.values())) > 1:
+            said = "; ".join(f"{name}: {value}" for name, value in seen.items())
+            problems.append(f"{what}: the configs differ ({said}), but {why}")
+
+    differ(
+        "flags.migStrategy",
+        {c.source: c.mig_strategy for c in configs},
+        "gpudra's node.migStrategy is one for every node: if the nodes of the none "
+        "configs have no MIG-enabled GPU, give --mig-strategy mixed (there mixed "
+        "advertises what none did); otherwise keep the nodes of one strategy on the "
+        "device plugin and give --nodes the others only",
+    )
+    sharing = {c.source: c.sharing for c in configs if c.sharing is not None}
+    differ(
+        "sharing",
+        {name: s.strategy for name, s in sharing.items()},
+        "deviceClasses.shared.strategy is one for every node: make them agree, or keep "
+        "the nodes of one strategy on the device plugin and give --nodes the others only",
+    )
+    differ(
+        "renameByDefault",
+        {name: s.renamed for name, s in sharing.items()},
+        "what nvidia.com/gpu means (the GpuTenant) is one for every node: make them agree",
+    )
+    differ(
+        "sharing.mps replicas",
+        {name: s.replicas for name, s in sharing.items() if s.strategy == "MPS"},
+        "each MPS client's part of a GPU "
+        "(deviceClasses.shared.mps.defaultActiveThreadPercentage) is one for every node: "
+        "make them agree",
+    )
+    if problems:
+        raise MigrationError("per-node configs", problems)
+    if not sharing:
+        return None
+    # A request the device plugin refused on some nodes is reported as refused.
+    refused = any(s.fail_requests_greater_than_one for s in sharing.values())
+    return replace(next(iter(sharing.values())), fail_requests_greater_than_one=refused)
+
+
 def _pod_change(
-    pod: Mapping[str, Any], config: DevicePluginConfig, policy: ConversionPolicy
+    pod: Mapping[str, Any],
+    config: DevicePluginConfig,
+    share: ReplicatedResource | None,
+    everywhere: bool,
+    policy: ConversionPolicy,
 ) -> PodChange | None:
     meta = pod.get("metadata") or {}
     if (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
@@ -343,7 +558,6 @@ def _pod_change(
     except ConversionError as exc:
         return _with(change, f"the webhook would deny it: {exc}")
     reasons: list[str] = []
-    share = config.sharing
     for claim in conversion.claims:
         asked = dict(claim.containers)
         most = max(asked.values(), default=0)
@@ -353,7 +567,12 @@ def _pod_change(
                 "advertised (it pended); gpudra gives it a MIG device"
             )
         if claim.kind is not DeviceKind.SHARED:
-            if share is not None and share.renamed and GPU_RESOURCE in claim.resources:
+            if (
+                share is not None
+                and share.renamed
+                and everywhere
+                and GPU_RESOURCE in claim.resources
+            ):
                 reasons.append(
                     "asks for nvidia.com/gpu, which nodes with renameByDefault no longer "
                     "advertised (only nvidia.com/gpu.shared); gpudra gives it whole GPUs"
@@ -383,11 +602,12 @@ def _with(change: PodChange, reason: str) -> PodChange:
 
 
 def render(result: Plan) -> dict[str, str]:
-    """The plan as files: ``values.yaml`` for helm and ``tenants.yaml`` for kubectl."""
+    """The plan as files: ``values.yaml`` for helm and, when it has GpuTenants,
+    ``tenants.yaml`` for kubectl (which refuses a file with no object to apply)."""
     values = "# Chart values that keep the device plugin's behaviour (gpudra migrate).\n"
     values += "\n".join(f"# {n}" for n in result.notes) + ("\n" if result.notes else "")
     values += yaml.safe_dump(result.values, sort_keys=False) if result.values else "{}\n"
-    out = {"values.yaml": values}
+    out = {VALUES_FILE: values}
     if result.tenants:
-        out["tenants.yaml"] = yaml.safe_dump_all(result.tenants, sort_keys=False)
+        out[TENANTS_FILE] = yaml.safe_dump_all(result.tenants, sort_keys=False)
     return out

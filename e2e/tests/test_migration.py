@@ -191,8 +191,9 @@ def test_the_scheduler_serves_nvidia_gpu_per_node_with_the_class_mapping(
 def test_migrate_reads_the_device_plugin_configmap_and_pods(
     cluster: Cluster, kube: Kube, tmp_path: Path
 ) -> None:
-    """`gpudra migrate --configmap --cluster-pods` against the API: the device plugin
-    chart's ConfigMap (one config per node label value) and the cluster's pods."""
+    """`gpudra migrate --configmap --cluster-nodes --cluster-pods` against the API: the
+    device plugin chart's ConfigMap (one config per node label value), the cluster's
+    nodes (none labelled: each runs the chart's default config) and pods."""
     ns = f"dp-{uuid.uuid4().hex[:6]}"
     kube.create({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}})
     try:
@@ -217,7 +218,8 @@ def test_migrate_reads_the_device_plugin_configmap_and_pods(
                 "gpudra.cli",
                 "migrate",
                 f"--configmap={ns}/nvidia-device-plugin-configs",
-                "--config-key=shared",
+                "--config-key=shared",  # the device plugin chart's config.default
+                "--cluster-nodes",
                 "--cluster-pods",
                 f"--out={out}",
             ],

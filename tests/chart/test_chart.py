@@ -717,6 +717,31 @@ def test_the_migration_plan_installs_as_written(helm: Path, tmp_path: Path) -> N
         parse_tenant(tenant)
 
 
+def test_per_node_shares_of_the_migration_plan_reach_each_agent(helm: Path, tmp_path: Path) -> None:
+    """Per-node device plugin configs (a ConfigMap key per node label) come out of
+    `gpudra migrate` as node.gpuSharesByNode, which gives each node its own shares."""
+    shared = (
+        "version: v1\nsharing:\n  timeSlicing:\n    resources:\n"
+        "    - name: nvidia.com/gpu\n      replicas: 4\n"
+    )
+    configmap = {"kind": "ConfigMap", "data": {"default": "version: v1\n", "t4": shared}}
+    (tmp_path / "cm.yaml").write_text(yaml.safe_dump(configmap))
+    labels = {"nvidia.com/device-plugin.config": "t4"}
+    nodes = {
+        "kind": "List",
+        "items": [{"kind": "Node", "metadata": {"name": "t4-1", "labels": labels}}],
+    }
+    (tmp_path / "nodes.yaml").write_text(yaml.safe_dump(nodes))
+    plan = tmp_path / "plan"
+    args = [f"--config={tmp_path / 'cm.yaml'}", f"--nodes={tmp_path / 'nodes.yaml'}"]
+    assert cli_main(["migrate", *args, f"--out={plan}"]) == 0
+    objects = h.template(helm, yaml.safe_load((plan / "values.yaml").read_text()))
+    (c,) = h.find(objects, "DaemonSet")["spec"]["template"]["spec"]["containers"]
+    for node, shares in (("t4-1", 4), ("cpu-1", 0)):
+        args = [a.replace("$(NODE_NAME)", node) for a in c["args"]]
+        assert _agent_config(build_parser().parse_args(args)).gpu_shares.for_node(node) == shares
+
+
 def test_webhook_runs_as_non_root(full: list[dict[str, Any]]) -> None:
     pod = h.find(full, "Deployment")["spec"]["template"]["spec"]
     assert pod["securityContext"]["runAsNonRoot"] is True

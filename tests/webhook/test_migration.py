@@ -10,9 +10,13 @@ import pytest
 import yaml
 from gpudra.api.tenants import parse_tenant
 from gpudra.webhook.migration import (
+    CONFIG_LABEL,
+    SHARES_BY_NODE_VALUE,
     SHARES_VALUE,
     MigrationError,
+    NodeConfigs,
     config_texts,
+    node_configs,
     parse_config,
     plan,
     render,
@@ -53,10 +57,15 @@ def pod(name: str, **limits: Any) -> dict[str, Any]:
     }
 
 
-def shares(values: dict[str, Any]) -> Any:
-    for key in SHARES_VALUE:
+def shares(values: dict[str, Any], path: tuple[str, ...] = SHARES_VALUE) -> Any:
+    for key in path:
         values = values[key]
     return values
+
+
+def node(name: str, config: str | None = None) -> dict[str, Any]:
+    labels = {CONFIG_LABEL: config} if config is not None else {}
+    return {"kind": "Node", "metadata": {"name": name, "labels": labels}}
 
 
 def test_time_slicing_keeps_n_pods_per_gpu_and_what_nvidia_gpu_means() -> None:
@@ -143,11 +152,6 @@ def test_a_denied_pod_is_reported_with_the_webhook_reason() -> None:
         ("version: v1\nflags: {migStrategy: single}\n", "flags.migStrategy: single", "mixed"),
         ("version: v1\nflags: {migStrategy: all}\n", "flags.migStrategy: 'all'", "dynamic"),
         ("version: v2\n", "version: 'v2'", "v1"),
-        (
-            TIME_SLICING.replace("replicas: 10", "replicas: 10\n      rename: gpu-ts"),
-            "sharing.timeSlicing.resources[0].rename: 'gpu-ts'",
-            "renameByDefault",
-        ),
         (
             TIME_SLICING.replace("name: nvidia.com/gpu", "name: nvidia.com/mig-1g.10gb"),
             "sharing.timeSlicing.resources[0].name: 'nvidia.com/mig-1g.10gb'",
@@ -241,3 +245,176 @@ def test_pods_the_webhook_never_converts_are_not_reported() -> None:
     opted_out["metadata"]["labels"] = {"gpudra.nvidia.com/convert": "false"}
     result = plan(parse_config("version: v1\n"), [system, opted_out, pod("moved", **shared)])
     assert [c.name for c in result.pods] == ["moved"]
+
+
+@pytest.mark.parametrize("rename", ["gpu.shared", "nvidia.com/gpu.shared", "gpu-ts"])
+def test_rename_is_ignored_as_the_device_plugin_ignores_it(rename: str) -> None:
+    """The device plugin drops `rename` (DisableResourceNamingInConfig): without
+    renameByDefault pods asked for plain nvidia.com/gpu and got a replica, so the plan
+    keeps the GpuTenant that makes nvidia.com/gpu a share."""
+    config = TIME_SLICING.replace("replicas: 10", f"replicas: 10\n      rename: {rename}")
+    parsed = parse_config(config)
+    assert parsed.sharing is not None
+    assert not parsed.sharing.renamed
+    result = plan(parsed, [pod("whole", **{"nvidia.com/gpu": 1})])
+    (tenant,) = result.tenants
+    assert tenant["spec"]["gpuResource"] == {"sharing": "TimeSlicing"}
+    assert result.pods == []
+    assert any(
+        n.startswith(f"sharing.timeSlicing.resources[0].rename: {rename!r}: ignored")
+        and "advertised nvidia.com/gpu " in n
+        for n in result.notes
+    )
+    # With renameByDefault the name is nvidia.com/gpu.shared, whatever `rename` says.
+    renamed = parse_config(RENAMED.replace("replicas: 10", f"replicas: 10\n      rename: {rename}"))
+    assert renamed.sharing is not None
+    assert renamed.sharing.renamed
+    assert plan(renamed).tenants == []
+
+
+def test_mig_strategy_flag_overrides_the_file_with_the_same_consequences() -> None:
+    """The device plugin's --mig-strategy (MIG_STRATEGY, set by the GPU Operator's
+    mig.strategy and its chart's migStrategy) overrides flags.migStrategy."""
+    mixed = parse_config("version: v1\n", mig_strategy="mixed")
+    assert plan(mixed).values == {"node": {"migStrategy": "static"}}
+    # The flag wins over the file, and the note says so.
+    none = parse_config("version: v1\nflags: {migStrategy: mixed}\n", mig_strategy="none")
+    assert plan(none).values == {}
+    assert any(
+        "flags.migStrategy: 'mixed' is overridden by --mig-strategy none" in n for n in none.notes
+    )
+    # A bad value in the file does not matter where the flag overrides it.
+    assert (
+        parse_config("version: v1\nflags: {migStrategy: all}\n", mig_strategy="mixed").mig_strategy
+        == "mixed"
+    )
+    with pytest.raises(MigrationError) as error:
+        parse_config(
+            "version: v1\nflags: {migStrategy: mixed}\n", "cm/default", mig_strategy="single"
+        )
+    (problem,) = error.value.problems
+    assert problem.startswith("--mig-strategy: single: ")
+    assert "move the device plugin to mixed" in problem
+
+
+def test_shares_say_they_need_the_consumable_capacity_gate() -> None:
+    gate = [n for n in plan(parse_config(TIME_SLICING)).notes if "DRAConsumableCapacity" in n]
+    assert len(gate) == 1
+    assert "1.34 and 1.35" in gate[0]
+    assert "each converted pod gets a GPU of its own" in gate[0]
+    assert not any("DRAConsumableCapacity" in n for n in plan(parse_config("version: v1\n")).notes)
+
+
+def test_render_writes_tenants_only_when_the_plan_has_some() -> None:
+    assert set(render(plan(parse_config(RENAMED)))) == {"values.yaml"}
+    assert set(render(plan(parse_config(TIME_SLICING)))) == {"values.yaml", "tenants.yaml"}
+
+
+SHARED_4 = TIME_SLICING.replace("replicas: 10", "replicas: 4")
+MIXED = "version: v1\nflags: {migStrategy: mixed}\n"
+
+
+def test_per_node_configs_keep_their_shares_per_node() -> None:
+    """Each node keeps the config its label names: the default one's shares for every
+    node, node.gpuSharesByNode for the nodes whose config shares otherwise."""
+    texts = {"default": "version: v1\n", "t4": SHARED_4, "a100": TIME_SLICING, "spare": MPS}
+    nodes = [node("cpu-1"), node("gpu-1", "t4"), node("gpu-2", "a100"), node("gpu-3", "default")]
+    configs = node_configs(texts, nodes)
+    assert configs.default.source == "default"
+    assert {n: c.source for n, c in configs.nodes.items()} == {"gpu-1": "t4", "gpu-2": "a100"}
+    assert configs.notes == ("spare: no node runs this config, so it is left out",)
+    result = plan(configs, [pod("whole", **{"nvidia.com/gpu": 1})])
+    assert shares(result.values) == 0
+    assert shares(result.values, SHARES_BY_NODE_VALUE) == {"gpu-1": 4, "gpu-2": 10}
+    (tenant,) = result.tenants
+    assert tenant["spec"]["gpuResource"] == {"sharing": "TimeSlicing"}
+    assert any("shares nothing (gpuShares 0)" in n for n in result.notes)
+    assert "spare: no node runs this config, so it is left out" in result.notes
+    # --config-key: the device plugin chart's config.default, for unlabelled nodes.
+    configs = node_configs(texts, nodes, default="t4")
+    assert {n: c.source for n, c in configs.nodes.items()} == {"gpu-2": "a100", "gpu-3": "default"}
+    result = plan(configs)
+    assert shares(result.values) == 4
+    assert shares(result.values, SHARES_BY_NODE_VALUE) == {"gpu-2": 10, "gpu-3": 0}
+
+
+def test_renamed_shares_beside_unshared_nodes_keep_plain_gpu_pods() -> None:
+    """Nodes of a config that shares nothing still advertised plain nvidia.com/gpu."""
+    texts = {"default": "version: v1\n", "shared": RENAMED}
+    whole = pod("whole", **{"nvidia.com/gpu": 1})
+    result = plan(node_configs(texts, [node("gpu-1", "shared")]), [whole])
+    assert result.tenants == []
+    assert result.pods == []
+    assert plan(parse_config(RENAMED), [whole]).pods != []
+
+
+@pytest.mark.parametrize(
+    ("texts", "field", "fix"),
+    [
+        (
+            {"default": "version: v1\n", "a100": MIXED},
+            "flags.migStrategy: the configs differ (default: none; a100: mixed)",
+            "--mig-strategy mixed",
+        ),
+        (
+            {"default": TIME_SLICING, "a100": MPS},
+            "sharing: the configs differ (default: TimeSlicing; a100: MPS)",
+            "make them agree",
+        ),
+        (
+            {"default": TIME_SLICING, "a100": RENAMED},
+            "renameByDefault: the configs differ",
+            "GpuTenant",
+        ),
+        (
+            {"default": MPS, "a100": MPS.replace("replicas: 10", "replicas: 4")},
+            "sharing.mps replicas: the configs differ (default: 10; a100: 4)",
+            "defaultActiveThreadPercentage",
+        ),
+    ],
+)
+def test_per_node_configs_that_differ_in_a_chart_wide_value_are_refused(
+    texts: dict[str, str], field: str, fix: str
+) -> None:
+    configs = node_configs(texts, [node("gpu-1"), node("gpu-2", "a100")])
+    with pytest.raises(MigrationError) as error:
+        plan(configs)
+    (problem,) = error.value.problems
+    assert problem.startswith(field)
+    assert fix in problem
+    # The --mig-strategy the device plugin ran with makes the configs agree.
+    if "migStrategy" in field:
+        agreed = node_configs(texts, [node("gpu-2", "a100")], mig_strategy="mixed")
+        assert plan(agreed).values == {"node": {"migStrategy": "static"}}
+
+
+def test_per_node_configs_need_the_nodes_and_a_default() -> None:
+    texts = {"t4": SHARED_4, "a100": TIME_SLICING}
+    with pytest.raises(MigrationError) as error:
+        node_configs(texts, None, source="cm.yaml")
+    assert str(error.value).startswith(
+        "--nodes: the ConfigMap holds 2 configs (a100, t4), chosen per node by the label "
+        "nvidia.com/device-plugin.config"
+    )
+    with pytest.raises(MigrationError) as error:
+        node_configs(texts, [node("gpu-1", "t4"), node("gpu-2", "v100")], source="cm.yaml")
+    assert [p.split(":")[0] for p in error.value.problems] == ["--config-key", "node gpu-2"]
+    assert "config.default" in error.value.problems[0]
+    assert "nvidia.com/device-plugin.config='v100' names no config" in error.value.problems[1]
+    with pytest.raises(MigrationError, match=r"--config-key: 'v100' is not in the ConfigMap"):
+        node_configs(texts, [], default="v100")
+    # A bad config a node runs is named with its key; one no node runs is not read.
+    texts = {
+        "default": "version: v1\n",
+        "a100": MIXED.replace("mixed", "single"),
+        "old": "version: v0\n",
+    }
+    with pytest.raises(MigrationError) as error:
+        node_configs(texts, [node("gpu-1", "a100")], source="cm.yaml")
+    assert [p.split(":")[:2] for p in error.value.problems] == [["a100", " flags.migStrategy"]]
+    assert str(error.value).startswith("cm.yaml: a100: flags.migStrategy: single")
+
+
+def test_one_config_is_every_node_s() -> None:
+    configs = node_configs({"only": TIME_SLICING}, None)
+    assert configs == NodeConfigs(parse_config(TIME_SLICING, "only"))
