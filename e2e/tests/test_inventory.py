@@ -427,6 +427,43 @@ async def test_application_xid_is_informational(nodes: dict[str, Node], kube: Sy
     assert taint["effect"] == "None" and taint["value"] == "13"
 
 
+async def test_a_crashing_workload_does_not_rewrite_the_nodes_slices(
+    nodes: dict[str, Node], kube: SyncKube
+) -> None:
+    """Every crash of a workload raises application XIDs (31 with 43, or 13): the first
+    marks the device, informationally; the ones after it are counted and write no
+    slice, so a workload crashing in a loop does not have the node's pool rewritten
+    (and incomplete while it is) at every crash."""
+    if reason := features.informational_taints(kube):
+        pytest.skip(reason)
+    node = nodes["worker-1"]
+    node.nvml.inject_xid(6, 31)
+    with anyio.fail_after(30):
+        while not published(kube, "worker-1")["gpu-6"].get("taints"):
+            await anyio.sleep(0.05)
+
+    def versions() -> dict[str, str]:
+        query = {"fieldSelector": f"spec.nodeName=worker-1,spec.driver={DRIVER}"}
+        items = kube.request("GET", SLICES, query=query)["items"]
+        return {o["metadata"]["name"]: o["metadata"]["resourceVersion"] for o in items}
+
+    before = versions()
+    health = node.agent.health
+    assert health is not None
+    uuid = published(kube, "worker-1")["gpu-6"]["attributes"]["uuid"]["string"]
+    crashes = (43, 13, 31) * 4
+    for xid in crashes:
+        node.nvml.inject_xid(6, xid)
+    with anyio.fail_after(30):
+        while sum(n for (u, _), n in health.xid_counts().items() if u == uuid) <= len(crashes):
+            await anyio.sleep(0.02)
+    node.agent.slices.trigger()  # a reconcile now would write what differs
+    await anyio.sleep(0.5)
+    assert versions() == before
+    (taint,) = published(kube, "worker-1")["gpu-6"]["taints"]
+    assert (taint["value"], taint["effect"]) == ("31", "None")
+
+
 async def test_an_informational_taint_never_holds_up_the_slice(
     nodes: dict[str, Node], kube: SyncKube
 ) -> None:
