@@ -34,17 +34,19 @@ own Lease objects work:
   whose value is a timestamp and the holder (the pod's name), e.g.
   ``2025-06-01T10:00:00.000+00:00 gpudra-webhook-7d9f-x2x4z``. It renews its leases
   every quarter of ``keep_foreign_s`` while another pod's lease is live (a pod alone, or
-  beside pods of an earlier release only, writes nothing on a timer). When a CA
+  beside pods of an earlier release only, writes nothing on a timer), and at once when
+  it meets a new one or finds one of its own taken over by another pod. When a CA
   rotation drops one of its certificates it marks that lease ``released`` in the same
   write, and the others drop the certificate at once instead of keeping it against it.
 - Every other pod keeps a certificate in its bundle while that certificate's lease is
-  live: until ``keep_foreign_s`` after its value was last seen to change. A pod that
-  is gone stops renewing, and every pod drops its CA, and the lease, at most
-  ``keep_foreign_s`` after its last renewal: the old CA of a rollout stays while the old
-  pod terminates and goes once it is gone.
+  live: until ``keep_foreign_s`` after its value was last seen to change, timed on its
+  own monotonic clock. A pod that is gone stops renewing, and every pod drops its CA,
+  and the lease, at most ``keep_foreign_s`` after its last renewal: the old CA of a
+  rollout stays while the old pod terminates and goes once it is gone.
 - A certificate that shows up without a live lease (a pod of a release before leases,
-  a CA put back by hand, or a pod that was alone and let its stamp age) is stamped by
-  the first pod that sees it (``<time> <that pod> first-seen``) and kept for
+  a CA put back by hand, or a pod that was alone and let its stamp age), or with one
+  whose stamp ends before its holder would renew it, is stamped by the first pod that
+  sees it (``<time> <that pod> first-seen``) and kept for
   ``keep_foreign_s`` from that stamp (the rollout window of old); the stamp is shared,
   so every pod drops it at the same moment instead of each from when it happened to
   look. If it is put back after being dropped, something alive holds it (a pod of an
@@ -53,11 +55,15 @@ own Lease objects work:
 
 All pods compute the same canonical bundle (certificates sorted), so they agree and
 write nothing but renewals: four writes per configuration and pod per
-``keep_foreign_s``. A lease's timestamp is compared with this pod's clock only when the
-lease is first seen; afterwards a renewal counts from when it was seen, so a skewed
-clock costs nothing once the pods watch each other. A lease that disappears says
-nothing (it expired and was removed, or someone removed it by hand); its holder, if
-alive, writes it back.
+``keep_foreign_s``. Clocks of different nodes disagree, so a lease's timestamp is
+compared with this pod's clock only when the lease is first seen, and never again once
+its value has been seen to change: then it is live for ``keep_foreign_s`` from when the
+change was seen, and it is never stamped over. A stamp that looks stale only because
+the holder's clock is behind costs one stamp over it when the pods first meet; the
+holder, finding its lease taken, renews it, and from that change on the lease is
+timed here. Stepping a node's clock while the pods run costs nothing. A lease that
+disappears says nothing (it expired and was removed, or someone removed it by hand);
+its holder, if alive, writes it back.
 
 A write that keeps being undone is not repeated at once: if the configuration no
 longer holds what this controller wrote less than `_FIGHT_WINDOW_S` earlier, the next
@@ -83,7 +89,7 @@ import math
 import re
 import socket
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
@@ -195,6 +201,12 @@ def _lease_note(value: str | None) -> str:
     return parts[1] if len(parts) > 1 else ""
 
 
+def _held(value: str) -> bool:
+    """A lease as its holder writes it: a time and a pod name, nothing after."""
+    note = _lease_note(value)
+    return bool(note) and " " not in note
+
+
 def _released(value: str | None) -> bool:
     """A lease its holder gave up: its certificate is to go at once."""
     return value is not None and value.endswith(" released")
@@ -293,9 +305,16 @@ class _Foreign:
     pem: bytes | None = None
     """Its PEM, once seen in a bundle (a lease names only the fingerprint)."""
     until: float = 0.0
-    """Wall-clock time it stops being kept; kept while in the future."""
+    """time.monotonic() at which it stops being kept; kept while in the future. Not the
+    wall clock: stepping it (NTP) must not end or stretch a lease."""
     stamp: str | None = None
     """The lease value this controller stamped it with (first seen without a live lease)."""
+    changed: bool = False
+    """Its lease was seen to change (or appear) to a value this controller did not write,
+    since it was last stamped: someone alive writes it, so it is kept from when that was
+    seen, never by comparing its time with this pod's clock, and never stamped over."""
+    met: bool = False
+    """Its holder's own lease has been seen (a pod that reads leases)."""
 
 
 @dataclass
@@ -318,7 +337,10 @@ class CABundleController:
 
     With `keep_foreign_s`, certificates of other pods found there stay while their pods
     keep their leases, and the pod's own certificates are leased under `holder` (the
-    host name, which is the pod's name, by default); see the module's notes.
+    host name, which is the pod's name, by default); see the module's notes. `clock` is
+    the wall clock leases are stamped with and a lease first seen is read against: the
+    node's, which another pod's may run ahead of or behind. How long a lease lives once
+    seen is timed on ``time.monotonic()``.
     """
 
     def __init__(
@@ -328,6 +350,7 @@ class CABundleController:
         *,
         keep_foreign_s: float = 0.0,
         holder: str | None = None,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         if not configurations:
             raise ValueError("configurations must name at least one webhook configuration")
@@ -336,6 +359,7 @@ class CABundleController:
         self._bundle: bytes | None = None
         self._bundle_b64 = ""
         self._keep_foreign_s = keep_foreign_s
+        self._clock = clock
         self._renew_s = keep_foreign_s / _RENEWALS_PER_LEASE
         self._holder = holder or socket.gethostname()
         # Foreign certificate's fingerprint -> what is known of it. Entries outlive their
@@ -459,20 +483,19 @@ class CABundleController:
         """Recompute the desired bundle: ours, then the foreign ones still kept."""
         if self._bundle is None:
             return
-        now = time.time()
+        now = time.monotonic()
         kept = [e.pem for e in self._foreign.values() if e.pem is not None and e.until > now]
         desired = b"".join(sorted({*certificates(self._bundle), *kept})) if kept else self._bundle
         self._bundle_b64 = base64.b64encode(desired).decode("ascii")
 
     def _renew(self) -> None:
-        now = time.time()
-        self._lease = _stamp(now, self._holder)
-        self._renewed_at = now
+        self._lease = _stamp(self._clock(), self._holder)
+        self._renewed_at = time.monotonic()
 
     def _peers_present(self) -> bool:
         """Another pod that reads leases is alive: one of its own is live. (A pod of an
         earlier release holds none and reads none; renewing for it is of no use.)"""
-        now = time.time()
+        now = time.monotonic()
         for leases in self._leases.values():
             for fp, value in leases.items():
                 entry = self._foreign.get(fp)
@@ -490,7 +513,7 @@ class CABundleController:
         if (
             self._keep_foreign_s > 0
             and self._bundle is not None
-            and time.time() >= self._renewed_at + self._renew_s
+            and time.monotonic() >= self._renewed_at + self._renew_s
             and self._peers_present()
         ):
             self._renew()
@@ -508,7 +531,7 @@ class CABundleController:
 
     def _prune(self) -> None:
         """Forget expired certificates that no configuration names any more."""
-        now = time.time()
+        now = time.monotonic()
         named = {fp for o in self._observed.values() for fp in (*o.certificates(), *o.leases())}
         for fp in [fp for fp, e in self._foreign.items() if e.until <= now and fp not in named]:
             del self._foreign[fp]
@@ -523,33 +546,65 @@ class CABundleController:
             # Deleted: no news of anyone's lease; a recreated one starts from first sight.
             self._leases.pop(config, None)
             return
-        now, keep = time.time(), self._keep_foreign_s
+        now, wall, keep = time.monotonic(), self._clock(), self._keep_foreign_s
+        watched = config in self._leases
         before = self._leases.get(config, {})
         after = observed.leases()
         self._leases[config] = after
         present = observed.certificates()
         had = prev.certificates() if prev is not None else {}
+        # Another pod took one of our leases for a stale one (its clock runs ahead of
+        # ours, or we were alone and let it age): a new stamp, so that it sees the lease
+        # change and knows we live, and so that writing it back repeats no undone write.
+        renew = any(
+            (value := after.get(fp)) is not None
+            and value != before.get(fp)
+            and _lease_note(value) != self._holder
+            for fp in self._own_fps
+        )
         for fp, value in after.items():
             if fp in self._owned_fps or (entry := self._entry(fp)) is None:
                 continue
             if _released(value):  # its pod rotated it out: keeping it would fight that pod
                 entry.until = min(entry.until, now)
-            elif fp not in before:  # first sight: trust its stamp, never one in the future
+                continue
+            if not entry.met and _held(value):
+                # A pod that reads leases, met for the first time: ours is renewed at
+                # once, so it sees us live within a round trip, whatever our stamp
+                # looks like to its clock, instead of at our next renewal.
+                entry.met = renew = True
+            if watched and before.get(fp) != value:
+                # Written while this pod watched (a renewal, another pod's stamp, a lease
+                # put back): it counts from now, whatever the writer's clock says.
+                entry.until = max(entry.until, now + keep)
+                entry.changed = entry.changed or value != entry.stamp
+            elif fp not in before and not entry.changed:
+                # First sight: trust its stamp, never one in the future. The only time
+                # another pod's clock is compared with ours.
                 stamped = _stamped_at(value)
                 if stamped is not None:
-                    entry.until = max(entry.until, min(stamped, now) + keep)
-            elif before[fp] != value:  # renewed: counts from now, whatever its clock says
-                entry.until = max(entry.until, now + keep)
+                    entry.until = max(entry.until, now + min(stamped - wall, 0.0) + keep)
+        if renew:
+            self._renew()
         # A lease that disappears says nothing: it was removed once expired (by this pod
         # or another) or by hand, and its holder, if alive, writes it back.
         for fp, cert in present.items():
             if fp in self._owned_fps or (entry := self._entry(fp)) is None:
                 continue
             entry.pem = cert
-            if fp not in had and entry.until <= now and not _released(after.get(fp)):
-                # New here and no live lease: stamp it, so every pod keeps it alike.
+            if (
+                fp not in had
+                and not _released(after.get(fp))
+                and (
+                    entry.until <= now or (not entry.changed and entry.until < now + self._renew_s)
+                )
+            ):
+                # New here and no live lease, or one that by its stamp ends before its
+                # holder would renew it (its clock may be behind ours): stamp it, so every
+                # pod keeps it alike, and a live holder, seeing it taken, renews it.
                 entry.until = now + keep
-                entry.stamp = f"{_stamp(now, self._holder)} first-seen"
+                entry.stamp = f"{_stamp(wall, self._holder)} first-seen"
+                entry.changed = False
                 logger.info(
                     "keeping another CA in the caBundle",
                     extra={
@@ -567,7 +622,7 @@ class CABundleController:
         when they need no change."""
         if self._keep_foreign_s <= 0 or self._bundle is None or observed.object is None:
             return None
-        now = time.time()
+        now, wall = time.monotonic(), self._clock()
         current = observed.annotations()
         leases = observed.leases()
         wanted = dict(current)
@@ -578,23 +633,23 @@ class CABundleController:
             if fp in self._owned_fps:  # rotated out: say so, then let the mark expire
                 stamped = _stamped_at(leases[fp])
                 if not _released(leases[fp]):
-                    wanted[LEASE_PREFIX + fp] = f"{_stamp(now, self._holder)} released"
-                elif stamped is None or stamped + self._keep_foreign_s <= now:
+                    wanted[LEASE_PREFIX + fp] = f"{_stamp(wall, self._holder)} released"
+                elif stamped is None or stamped + self._keep_foreign_s <= wall:
                     del wanted[LEASE_PREFIX + fp]
             elif entry is not None and entry.until <= now:
                 del wanted[LEASE_PREFIX + fp]  # expired or released: let go
         for fp, entry in self._foreign.items():
-            if entry.stamp is None or entry.until <= now:
-                continue
+            if entry.stamp is None or entry.until <= now or entry.changed:
+                continue  # a lease seen changing has a live writer: never stamped over
             stamped = _stamped_at(leases[fp]) if fp in leases else None
-            if stamped is None or stamped + self._keep_foreign_s <= now:
+            if stamped is None or stamped + self._keep_foreign_s < wall + self._renew_s:
                 wanted[LEASE_PREFIX + fp] = entry.stamp  # nobody else keeps it alive
         return wanted if wanted != current else None
 
     async def _keep_time(self) -> None:
         """Renew our leases, and drop foreign certificates when theirs end."""
         while True:
-            now = time.time()
+            now = time.monotonic()
             deadlines = [e.until for e in self._foreign.values() if e.until > now]
             if self._bundle is not None and self._peers_present():
                 deadlines.append(self._renewed_at + self._renew_s)

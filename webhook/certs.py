@@ -16,18 +16,34 @@ Rotation keeps clients on a known issuer at every moment:
   outlives its issuer.
 
 `reconcile_pki` is pure (the caller publishes ``ca_bundle`` when it changed);
-`ensure_pki` adds atomic file storage in the layout of a ``kubernetes.io/tls`` Secret.
+`ensure_pki` adds file storage in the layout of a ``kubernetes.io/tls`` Secret.
 `ensure_serving_from_ca` renews only the serving pair from a CA someone else keeps and
 publishes (the chart's, ``--cert-source=ca``); both share `reconcile_serving`.
 `check_serving_files` validates such a directory filled by someone else (cert-manager).
 Keys are ECDSA P-256: cheap to generate and fast to handshake.
+
+Storage is atomic as a whole, the way the kubelet updates a Secret volume: every write
+puts all the files in a fresh hidden folder and swaps the ``..data`` link to it with one
+rename; ``tls.crt`` and the others are links through ``..data``. A certificate and its
+key replaced one after the other could be torn (a full emptyDir, the container killed
+between the two writes), and since the emptyDir outlives the container, a torn pair
+would stop every later rotation and every restart, while the running server served its
+old certificate until it expired. A torn or damaged directory (one written by an
+earlier release, or edited by hand) is repaired rather than refused: a serving pair
+whose key does not belong is issued again, and a CA pair whose key does not belong
+keeps its certificate in the bundle, trusted but signing nothing, while a new CA is
+made and published before it signs (`ensure_pki`).
 """
 
 from __future__ import annotations
 
 import base64
+import contextlib
 import datetime as dt
 import ipaddress
+import logging
+import secrets
+import stat
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -41,7 +57,7 @@ from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from cryptography.hazmat.primitives.asymmetric.types import CertificateIssuerPrivateKeyTypes
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from gpudra.api.names import check_dns_label
-from gpudra.common.files import atomic_write
+from gpudra.common.files import atomic_write, fsync_dir
 
 __all__ = [
     "CA_PROPAGATION",
@@ -66,6 +82,8 @@ __all__ = [
     "write_atomic",
 ]
 
+logger = logging.getLogger(__name__)
+
 CA_VALIDITY: Final = dt.timedelta(days=3650)
 SERVING_VALIDITY: Final = dt.timedelta(days=365)
 CA_PROPAGATION: Final = dt.timedelta(minutes=10)
@@ -81,6 +99,22 @@ PREVIOUS_CA_KEY: Final = "ca-previous.key"
 CA_BUNDLE: Final = "ca-bundle.crt"
 TLS_CERT: Final = "tls.crt"
 TLS_KEY: Final = "tls.key"
+_PKI_FILES: Final = (
+    CA_BUNDLE,
+    CA_CERT,
+    CA_KEY,
+    PREVIOUS_CA_CERT,
+    PREVIOUS_CA_KEY,
+    TLS_CERT,
+    TLS_KEY,
+)
+_SERVING_FILES: Final = (TLS_CERT, TLS_KEY)
+_DATA: Final = "..data"
+"""The link to the folder that holds the current files (as in a Secret volume)."""
+_VERSION_PREFIX: Final = "..pki-"
+"""The folders `_store_files` writes, one per write; only the one ``..data`` names stays."""
+_LINK_SUFFIX: Final = ".link"
+"""The end of the name of a link `_link` makes before renaming it into place."""
 
 BundlePublished = Callable[[bytes], dt.datetime | None]
 """Given a CA bundle (PEM), when it was confirmed in every webhook configuration;
@@ -126,7 +160,12 @@ class CertKeyPair:
 @dataclass(frozen=True)
 class WebhookPki:
     """Current CA, the serving pair it (or `previous_ca`) signed, and the old CA
-    that stays trusted until it expires."""
+    that stays trusted until it expires.
+
+    A `previous_ca` without a key (``key_pem`` empty) is a CA whose key was lost to a
+    damaged directory: it stays in the bundle so the certificate it signed is trusted
+    until the new CA may sign, and it signs nothing.
+    """
 
     ca: CertKeyPair
     serving: CertKeyPair
@@ -157,7 +196,8 @@ class WebhookPki:
         }
         if self.previous_ca:
             files[PREVIOUS_CA_CERT] = self.previous_ca.cert_pem
-            files[PREVIOUS_CA_KEY] = self.previous_ca.key_pem
+            if self.previous_ca.key_pem:
+                files[PREVIOUS_CA_KEY] = self.previous_ca.key_pem
         return files
 
     @classmethod
@@ -171,9 +211,12 @@ class WebhookPki:
         ca.check(CA_CERT)
         serving.check(TLS_CERT)
         previous = None
-        if PREVIOUS_CA_CERT in files and PREVIOUS_CA_KEY in files:
-            previous = CertKeyPair(files[PREVIOUS_CA_CERT], files[PREVIOUS_CA_KEY])
-            previous.check(PREVIOUS_CA_CERT)
+        if PREVIOUS_CA_CERT in files:
+            previous = CertKeyPair(files[PREVIOUS_CA_CERT], files.get(PREVIOUS_CA_KEY, b""))
+            if previous.key_pem:
+                previous.check(PREVIOUS_CA_CERT)
+            else:
+                _check_certificate(previous, PREVIOUS_CA_CERT)
         return cls(ca=ca, serving=serving, previous_ca=previous)
 
 
@@ -323,13 +366,38 @@ def reconcile_pki(
     with both CAs published at least `ca_propagation` ago.
     """
     now = now or _now()
-    if current is None:
+    result = _reconcile(
+        current.ca if current else None,
+        current.previous_ca if current else None,
+        current.serving if current else None,
+        dns_names,
+        ip_addresses=ip_addresses,
+        now=now,
+        ca_validity=ca_validity,
+        serving_validity=serving_validity,
+        ca_propagation=ca_propagation,
+        ca_published=ca_published,
+    )
+    return current if current is not None and result == current else result
+
+
+def _reconcile(
+    ca: CertKeyPair | None,
+    previous: CertKeyPair | None,
+    serving: CertKeyPair | None,
+    dns_names: Sequence[str],
+    *,
+    ip_addresses: Sequence[str],
+    now: dt.datetime,
+    ca_validity: dt.timedelta,
+    serving_validity: dt.timedelta,
+    ca_propagation: dt.timedelta,
+    ca_published: BundlePublished | None,
+) -> WebhookPki:
+    """`reconcile_pki` from parts, any of which may be missing: no CA makes a new one
+    (beside a `previous` kept from a damaged directory), no serving pair issues one."""
+    if ca is None:
         ca = generate_ca(validity=ca_validity, now=now)
-        serving = generate_serving_cert(
-            ca, dns_names, ip_addresses=ip_addresses, validity=serving_validity, now=now
-        )
-        return WebhookPki(ca=ca, serving=serving)
-    ca, previous = current.ca, current.previous_ca
     if previous is not None and previous.not_after <= now:
         previous = None
     if needs_rotation(ca, now=now):
@@ -343,16 +411,22 @@ def reconcile_pki(
             since = ca_published(ca_bundle(ca, previous))
         if since is None or now - since < ca_propagation:
             signer = previous
+    if not signer.key_pem:
+        # A CA whose key was lost signs nothing. What it signed stays served while it is
+        # valid, until the new CA's bundle has propagated; with nothing valid left, the
+        # new CA signs at once (nothing the API server trusts is left to serve).
+        if serving is not None and _issued_by(serving, signer) and not _expired(serving, now):
+            return WebhookPki(ca=ca, serving=serving, previous_ca=previous)
+        signer = ca
     serving = reconcile_serving(
         signer,
-        current.serving,
+        serving,
         dns_names,
         ip_addresses=ip_addresses,
         now=now,
         validity=serving_validity,
     )
-    result = WebhookPki(ca=ca, serving=serving, previous_ca=previous)
-    return current if result == current else result
+    return WebhookPki(ca=ca, serving=serving, previous_ca=previous)
 
 
 def reconcile_serving(
@@ -405,17 +479,18 @@ def ensure_serving_from_ca(
     )
     if serving is current:
         return serving, False
-    cert_dir.mkdir(parents=True, exist_ok=True)
-    # The key first: a reader that loads the new certificate finds its key already there.
-    write_atomic(cert_dir / TLS_KEY, serving.key_pem)
-    write_atomic(cert_dir / TLS_CERT, serving.cert_pem, mode=0o644)
+    _store_files(
+        cert_dir,
+        {TLS_CERT: (serving.cert_pem, 0o644), TLS_KEY: (serving.key_pem, 0o600)},
+        managed=_SERVING_FILES,
+    )
     return serving, True
 
 
 def load_pki(directory: Path) -> WebhookPki | None:
-    """Read the files `ensure_pki` writes; None when there are none yet."""
-    names = (CA_CERT, CA_KEY, TLS_CERT, TLS_KEY, PREVIOUS_CA_CERT, PREVIOUS_CA_KEY)
-    files = {n: (directory / n).read_bytes() for n in names if (directory / n).is_file()}
+    """Read the files `ensure_pki` writes; None when there are none yet, ValueError
+    naming the file when a pair is broken (`ensure_pki` repairs that)."""
+    files = _read_files(directory)
     if not files:
         return None
     try:
@@ -437,9 +512,45 @@ def ensure_pki(
     ca_propagation: dt.timedelta = CA_PROPAGATION,
     ca_published: BundlePublished | None = None,
 ) -> tuple[WebhookPki, bool]:
-    """Load, rotate what is due and write back atomically; (pki, changed)."""
+    """Load, rotate what is due and write back atomically; (pki, changed).
+
+    A directory that does not load (a pair torn by an earlier release, a file damaged)
+    is repaired, not refused: refusing would stop every later rotation and, since the
+    emptyDir outlives the container, make every restart fail. What is whole is kept
+    (`_salvage`); the rest is made again under the rules of a rotation, so nothing is
+    served that the published bundle does not trust.
+    """
     directory.mkdir(parents=True, exist_ok=True)
-    current = load_pki(directory)
+    now = now or _now()
+    try:
+        current = load_pki(directory)
+    except ValueError as exc:
+        ca, previous, serving = _salvage(_read_files(directory), now)
+        pki = _reconcile(
+            ca,
+            previous,
+            serving,
+            dns_names,
+            ip_addresses=ip_addresses,
+            now=now,
+            ca_validity=ca_validity,
+            serving_validity=serving_validity,
+            ca_propagation=ca_propagation,
+            ca_published=ca_published,
+        )
+        logger.warning(
+            "webhook certificate files damaged; repaired",
+            extra={
+                "fields": {
+                    "error": str(exc),
+                    "ca_kept": ca is not None and pki.ca == ca,
+                    "serving_kept": serving is not None and pki.serving == serving,
+                    "previous_ca_signs": bool(pki.previous_ca and pki.previous_ca.key_pem),
+                }
+            },
+        )
+        store_pki(directory, pki)
+        return pki, True
     pki = reconcile_pki(
         current,
         dns_names,
@@ -457,19 +568,13 @@ def ensure_pki(
 
 
 def store_pki(directory: Path, pki: WebhookPki) -> None:
-    """Write `pki` in the order that keeps every intermediate state servable."""
-    directory.mkdir(parents=True, exist_ok=True)
+    """Replace the files in `directory` with `pki`'s, all at once (`_store_files`)."""
     files = pki.files()
-    # The bundle goes first so no certificate appears before the CA that trusts it;
-    # the key before the certificate, so a reader that loads the new certificate
-    # finds its key already there.
-    for name in (CA_BUNDLE, PREVIOUS_CA_KEY, PREVIOUS_CA_CERT, CA_KEY, CA_CERT, TLS_KEY, TLS_CERT):
-        if name in files:
-            write_atomic(
-                directory / name, files[name], mode=0o600 if name.endswith(".key") else 0o644
-            )
-        else:
-            (directory / name).unlink(missing_ok=True)
+    _store_files(
+        directory,
+        {n: (data, 0o600 if n.endswith(".key") else 0o644) for n, data in files.items()},
+        managed=_PKI_FILES,
+    )
 
 
 def check_serving_files(directory: Path) -> WebhookPki | None:
@@ -507,6 +612,141 @@ def write_atomic(path: Path, data: bytes, *, mode: int = 0o600) -> None:
     atomic_write(path, data, mode=mode)
 
 
+def _read_files(directory: Path) -> dict[str, bytes]:
+    """The files of `ensure_pki` that are there (a link whose target is gone is not)."""
+    return {n: (directory / n).read_bytes() for n in _PKI_FILES if (directory / n).is_file()}
+
+
+def _salvage(
+    files: Mapping[str, bytes], now: dt.datetime
+) -> tuple[CertKeyPair | None, CertKeyPair | None, CertKeyPair | None]:
+    """What can be kept of a directory that does not load: (ca, previous, serving).
+
+    The CA is the newest unexpired CA certificate that some CA key in the directory
+    belongs to (a CA rotation torn between ca.key and ca.crt leaves the old CA's
+    certificate with ca-previous.key, which is its key); the previous CA is the other
+    certificate, without a key when none belongs to it, so that what it signed stays
+    trusted; the serving pair is kept only when its key belongs to it.
+    """
+    keys = [k for k in (files.get(CA_KEY), files.get(PREVIOUS_CA_KEY)) if k]
+    cas: list[CertKeyPair] = []
+    for name in (CA_CERT, PREVIOUS_CA_CERT):
+        if name not in files:
+            continue
+        cert = CertKeyPair(files[name], b"")
+        if not _readable_ca(cert) or cert.not_after <= now:
+            continue
+        if any(c.cert_pem == cert.cert_pem for c in cas):
+            continue
+        pairs = [CertKeyPair(cert.cert_pem, k) for k in keys]
+        cas.append(next((pair for pair in pairs if _belongs(pair)), cert))
+    serving = None
+    if TLS_CERT in files and TLS_KEY in files:
+        pair = CertKeyPair(files[TLS_CERT], files[TLS_KEY])
+        serving = pair if _belongs(pair) else None
+    keyed = sorted((c for c in cas if c.key_pem), key=lambda c: c.not_after, reverse=True)
+    ca = keyed[0] if keyed else None
+    others = [c for c in cas if c is not ca]
+    # The one that signed the serving certificate first: it must stay trusted.
+    others.sort(key=lambda c: serving is not None and _issued_by(serving, c), reverse=True)
+    return ca, (others[0] if others else None), serving
+
+
+def _store_files(
+    directory: Path, files: Mapping[str, tuple[bytes, int]], *, managed: Iterable[str]
+) -> None:
+    """Make `files` (name: content, mode) the files of `directory`, all in one rename.
+
+    They go in a fresh folder, then the ``..data`` link is swapped to it; each name is a
+    link through ``..data``, so a reader (the server reloading tls.crt and tls.key, a
+    restart) finds the old set or the new one, never a mix. A failure before the swap
+    leaves the old set whole and nothing behind. `managed` are the names this writer
+    owns: those not in `files` are removed after the swap.
+    """
+    directory.mkdir(parents=True, exist_ok=True)
+    managed = tuple(managed)
+    version = _new_version(directory, files)
+    try:
+        _adopt(directory, managed)
+        for name in files:
+            _link(directory, name, f"{_DATA}/{name}")  # dangles until the swap if new
+        _link(directory, _DATA, version.name)
+    except BaseException:
+        if not _links_to(directory / _DATA, version.name):
+            _remove_version(version)
+        raise
+    fsync_dir(directory)
+    for name in managed:
+        if name not in files and (directory / name).is_symlink():
+            (directory / name).unlink()
+    # What an earlier write left when it was stopped: older folders, unused links.
+    for old in directory.iterdir():
+        if old.name.startswith(_VERSION_PREFIX) and old.name != version.name:
+            _remove_version(old)
+        elif old.name.startswith(".") and old.name.endswith(_LINK_SUFFIX) and old.is_symlink():
+            old.unlink(missing_ok=True)
+
+
+def _new_version(directory: Path, files: Mapping[str, tuple[bytes, int]]) -> Path:
+    """A new hidden folder in `directory` holding `files`; nothing left on failure."""
+    stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%S")
+    version = directory / f"{_VERSION_PREFIX}{stamp}-{secrets.token_hex(4)}"
+    version.mkdir(mode=0o755)
+    try:
+        for name, (data, mode) in files.items():
+            write_atomic(version / name, data, mode=mode)
+    except BaseException:
+        _remove_version(version)
+        raise
+    return version
+
+
+def _adopt(directory: Path, managed: Sequence[str]) -> None:
+    """Turn plain files (an earlier release's layout, or a hand-made one) into links
+    through ``..data`` without changing what any of them reads: their contents move to a
+    folder of their own first."""
+    plain = [n for n in managed if (directory / n).is_file() and not (directory / n).is_symlink()]
+    if not plain:
+        return
+    current = {
+        n: ((directory / n).read_bytes(), stat.S_IMODE((directory / n).stat().st_mode))
+        for n in managed
+        if (directory / n).is_file()
+    }
+    version = _new_version(directory, current)
+    _link(directory, _DATA, version.name)
+    for name in current:
+        _link(directory, name, f"{_DATA}/{name}")
+    fsync_dir(directory)
+
+
+def _link(directory: Path, name: str, target: str) -> None:
+    """Make `name` a link to `target`, replacing what is there in one rename."""
+    path = directory / name
+    if _links_to(path, target):
+        return
+    tmp = directory / f".{name}.{secrets.token_hex(6)}{_LINK_SUFFIX}"
+    tmp.symlink_to(target)
+    try:
+        tmp.replace(path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _links_to(path: Path, target: str) -> bool:
+    return path.is_symlink() and path.readlink() == Path(target)
+
+
+def _remove_version(version: Path) -> None:
+    """Remove a folder `_new_version` made (flat: files only); a failure is left for the
+    next write to sweep."""
+    with contextlib.suppress(OSError):
+        for f in version.iterdir():
+            f.unlink()
+        version.rmdir()
+
+
 def _read_pair(directory: Path, cert: str, key: str, fix: str) -> CertKeyPair:
     """The pair in `directory`, checked; ValueError naming what is missing or broken."""
     missing = [n for n in (cert, key) if not (directory / n).is_file()]
@@ -539,6 +779,33 @@ def _reissue(
         set(sans.get_values_for_type(x509.DNSName)) != set(dns_names)
         or set(sans.get_values_for_type(x509.IPAddress)) != wanted_ips
     )
+
+
+def _belongs(pair: CertKeyPair) -> bool:
+    """The key belongs to the certificate (both readable)."""
+    try:
+        pair.check("")
+    except ValueError:
+        return False
+    return True
+
+
+def _readable_ca(cert: CertKeyPair) -> bool:
+    try:
+        cert.certificate  # noqa: B018 (parses the PEM)
+    except ValueError:
+        return False
+    return True
+
+
+def _check_certificate(cert: CertKeyPair, name: str) -> None:
+    """ValueError naming `name` unless the certificate can be read."""
+    if not _readable_ca(cert):
+        raise ValueError(f"{name}: unreadable certificate")
+
+
+def _expired(cert: CertKeyPair, now: dt.datetime) -> bool:
+    return now >= cert.not_after
 
 
 def _issued_by(cert: CertKeyPair, ca: CertKeyPair) -> bool:

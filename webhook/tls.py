@@ -1,9 +1,11 @@
 """The serving TLS context, reloaded when the certificate files change.
 
-Both certificate sources rotate the files under a running server: the self-signed
-rotation rewrites them, cert-manager swaps the Secret volume's ``..data`` link. A rotated
-certificate must reach new connections at once while open connections keep theirs: no
-restart, no dropped requests. The listener gets one context for its whole life
+Every certificate source rotates the files under a running server, each the same way:
+the set is swapped whole through a ``..data`` link (the kubelet's swap of cert-manager's
+Secret volume, and `gpudra.webhook.certs` for the webhook's own certificates), so the
+certificate and its key always change together. A rotated certificate must reach new
+connections at once while open connections keep theirs: no restart, no dropped
+requests. The listener gets one context for its whole life
 (`listener_context`); during each handshake its SNI callback (called for every
 ClientHello, with or without a server name) moves the connection to the newest loaded
 context, so the swap costs one attribute write per handshake and never touches an open
@@ -50,8 +52,8 @@ logger = logging.getLogger(__name__)
 class ReloadingTLSContext:
     """Serving TLS context, rebuilt when the certificate or key file changes.
 
-    A half-written pair (certificate and key not matching yet) keeps the previous context
-    until the files change again.
+    A pair that does not match (read across a swap, or written by hand one file at a
+    time) keeps the previous context until the files change again.
     """
 
     def __init__(

@@ -1,8 +1,8 @@
 """The caBundle controller among other writers, against an in-memory API server: pods of
-``tls.source=self`` alive together past the rollout window, a pod that is gone, a CA
-rotation beside another pod, and writers that keep undoing what the controller writes.
-Windows are scaled down to a second; test_cabundle.py runs the rollout on a real API
-server."""
+``tls.source=self`` alive together past the rollout window, pods whose clocks disagree,
+a pod that is gone, a CA rotation beside another pod, and writers that keep undoing
+what the controller writes. Windows are scaled down to a second; test_cabundle.py runs
+the rollout on a real API server."""
 
 from __future__ import annotations
 
@@ -179,10 +179,23 @@ async def wait_until(check: Callable[[], bool]) -> None:
             await anyio.sleep(0.01)
 
 
-def pod(api: ConfigurationApi, name: str, bundle: bytes) -> CABundleController:
-    controller = CABundleController(api.client(name), BOTH, keep_foreign_s=W, holder=name)
+def pod(
+    api: ConfigurationApi,
+    name: str,
+    bundle: bytes,
+    *,
+    clock: Callable[[], float] = time.time,
+) -> CABundleController:
+    controller = CABundleController(
+        api.client(name), BOTH, keep_foreign_s=W, holder=name, clock=clock
+    )
     controller.set_bundle(bundle)
     return controller
+
+
+def behind(seconds: float) -> Callable[[], float]:
+    """A node's clock `seconds` behind the others (ahead when negative)."""
+    return lambda: time.time() - seconds
 
 
 async def test_two_live_pods_keep_both_cas_past_the_window_without_fighting(
@@ -217,6 +230,102 @@ async def test_two_live_pods_keep_both_cas_past_the_window_without_fighting(
             assert leases[fingerprint(new)].endswith(" pod-b")
         tg.cancel_scope.cancel()
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+@pytest.mark.parametrize("skew", [2 * W, 0.8 * W, -2 * W], ids=["2w", "0.8w", "ahead-2w"])
+async def test_pods_whose_clocks_disagree_keep_both_cas_without_fighting(
+    caplog: pytest.LogCaptureFixture, skew: float
+) -> None:
+    """Clocks of two nodes may disagree by more than the window. Judged against its own
+    clock on every pass, the other pod's lease looked stale to the pod ahead, which
+    stamped over it as first-seen, stopped renewing its own for a peer it no longer saw,
+    and the two took turns writing: a pod's CA left the bundle, and each saw its writes
+    undone. A lease is timed by when it is seen to change: the clocks cost at most one
+    write each, when the pods first meet."""
+    api = ConfigurationApi()
+    old, new = ca("old-pod"), ca("new-pod")
+    for ref in BOTH:
+        api.create(ref, b64(old))
+    a, b = pod(api, "pod-a", old, clock=behind(skew)), pod(api, "pod-b", new)
+    caplog.set_level(logging.INFO, logger="gpudra.webhook.cabundle")
+    async with anyio.create_task_group() as tg:
+        await tg.start(a.run)
+        await tg.start(b.run)
+        await wait_until(lambda: api.trusts(old, new))
+        writes = dict(api.writes)
+        trusted = await sample(lambda: api.trusts(old, new), 5 * W)
+        assert all(trusted), f"a CA was missing in {trusted.count(False)} of {len(trusted)}"
+        renewals = sum(api.writes.values()) - sum(writes.values())
+        assert renewals <= 2 * len(BOTH) * (5 * 4 + 5), api.writes
+        assert a.undone == b.undone == 0
+        for ref in BOTH:  # each lease its holder's: nobody stamps over a live one
+            leases = api.leases(ref)
+            assert leases[fingerprint(old)].endswith(" pod-a")
+            assert leases[fingerprint(new)].endswith(" pod-b")
+        tg.cancel_scope.cancel()
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+@pytest.mark.parametrize("step", [2 * W, -2 * W], ids=["forward", "back"])
+async def test_a_clock_stepped_under_running_pods_changes_nothing(
+    caplog: pytest.LogCaptureFixture, step: float
+) -> None:
+    """A node's clock set right while the pods run (an NTP step): leases are timed on a
+    clock that is never set, so no CA leaves the bundle and no lease is taken over."""
+    api = ConfigurationApi()
+    old, new = ca("old-pod"), ca("new-pod")
+    for ref in BOTH:
+        api.create(ref, b64(old))
+    offset = [0.0]
+    a = pod(api, "pod-a", old, clock=lambda: time.time() + offset[0])
+    b = pod(api, "pod-b", new)
+    caplog.set_level(logging.INFO, logger="gpudra.webhook.cabundle")
+    async with anyio.create_task_group() as tg:
+        await tg.start(a.run)
+        await tg.start(b.run)
+        await wait_until(lambda: api.trusts(old, new))
+        await anyio.sleep(W)
+        offset[0] = step
+        trusted = await sample(lambda: api.trusts(old, new), 3 * W)
+        assert all(trusted), f"a CA was missing in {trusted.count(False)} of {len(trusted)}"
+        assert a.undone == b.undone == 0
+        for ref in BOTH:
+            leases = api.leases(ref)
+            assert leases[fingerprint(old)].endswith(" pod-a")
+            assert leases[fingerprint(new)].endswith(" pod-b")
+        tg.cancel_scope.cancel()
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+async def test_the_ca_of_a_pod_with_a_slow_clock_goes_once_it_is_gone() -> None:
+    """Timing leases by this pod's clock keeps the end of one that stops: the CA of a
+    pod whose clock is behind by twice the window leaves a window after its last
+    renewal, as any other."""
+    api = ConfigurationApi()
+    old, new = ca("old-pod"), ca("new-pod")
+    for ref in BOTH:
+        api.create(ref, b64(old))
+    a, b = pod(api, "pod-a", old, clock=behind(2 * W)), pod(api, "pod-b", new)
+    async with anyio.create_task_group() as tg:
+        old_pod = anyio.CancelScope()
+
+        async def run_a() -> None:
+            with old_pod:
+                await a.run()
+
+        tg.start_soon(run_a)
+        await tg.start(b.run)
+        await wait_until(lambda: api.trusts(old, new))
+        await anyio.sleep(2 * W)
+        assert api.trusts(old, new)
+        old_pod.cancel()
+        gone = time.monotonic()
+        await wait_until(lambda: not api.holds(old))
+        assert time.monotonic() - gone <= 2 * W
+        assert api.trusts(new)
+        for ref in BOTH:
+            assert api.leases(ref).keys() == {fingerprint(new)}
+        tg.cancel_scope.cancel()
 
 
 async def test_the_ca_of_a_pod_that_is_gone_goes_once_its_lease_lapses() -> None:

@@ -2,8 +2,10 @@ from __future__ import annotations
 
 import base64
 import datetime as dt
+import errno
 import ipaddress
 import json
+import os
 import ssl
 import stat
 from collections.abc import Mapping, Sequence
@@ -15,6 +17,7 @@ import pytest
 from anyio.streams.buffered import BufferedByteStream
 from anyio.streams.tls import TLSAttribute
 from cryptography import x509
+from gpudra.webhook.cabundle import certificates
 from gpudra.webhook.certs import (
     CA_PROPAGATION,
     CertKeyPair,
@@ -202,12 +205,11 @@ def test_ensure_pki_writes_atomically_with_private_keys(tmp_path: Path) -> None:
     d = tmp_path / "pki"
     pki, changed = ensure_pki(d, NAMES, now=T0)
     assert changed
-    assert sorted(p.name for p in d.iterdir()) == [
-        "ca-bundle.crt",
-        "ca.crt",
-        "ca.key",
-        "tls.crt",
-        "tls.key",
+    assert visible(d) == ["ca-bundle.crt", "ca.crt", "ca.key", "tls.crt", "tls.key"]
+    # Each a link through ..data to the one folder of the last write.
+    assert all((d / name).readlink() == Path("..data", name) for name in visible(d))
+    assert [p.name for p in d.iterdir() if p.name.startswith("..pki-")] == [
+        (d / "..data").readlink().name
     ]
     for name in ("ca.key", "tls.key"):
         assert stat.S_IMODE((d / name).stat().st_mode) == 0o600
@@ -226,6 +228,13 @@ def test_ensure_pki_writes_atomically_with_private_keys(tmp_path: Path) -> None:
     assert expired.previous_ca is None
     assert not (d / "ca-previous.crt").exists()
     assert not (d / "ca-previous.key").exists()
+    assert visible(d) == ["ca-bundle.crt", "ca.crt", "ca.key", "tls.crt", "tls.key"]
+    assert len([p for p in d.iterdir() if p.name.startswith("..pki-")]) == 1
+
+
+def visible(directory: Path) -> list[str]:
+    """The names a reader uses: no hidden folder, link or temp file."""
+    return sorted(p.name for p in directory.iterdir() if not p.name.startswith("."))
 
 
 def test_load_pki_rejects_a_broken_pair(tmp_path: Path) -> None:
@@ -241,6 +250,217 @@ def test_load_pki_rejects_a_broken_pair(tmp_path: Path) -> None:
     (d / "ca.key").unlink()
     with pytest.raises(ValueError, match=r"missing ca\.key"):
         load_pki(d)
+
+
+# -- a write that fails halfway, and directories an earlier release left torn ----------
+
+
+def fail_once(monkeypatch: pytest.MonkeyPatch, name: str) -> list[str]:
+    """Make the first rename onto a file called `name` fail as on a full disk; the list
+    says whether it did."""
+    real = os.replace
+    failed: list[str] = []
+
+    def replace(src: Any, dst: Any, **kwargs: Any) -> None:
+        if Path(dst).name == name and not failed:
+            failed.append(name)
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(src, dst, **kwargs)
+
+    monkeypatch.setattr(os, "replace", replace)
+    return failed
+
+
+def hidden(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.iterdir() if p.name.startswith("."))
+
+
+def plain_files(directory: Path, files: Mapping[str, bytes]) -> None:
+    """A directory as an earlier release wrote it: each file on its own, no links."""
+    directory.mkdir(parents=True, exist_ok=True)
+    for name, data in files.items():
+        (directory / name).write_bytes(data)
+
+
+def test_a_renewal_that_fails_halfway_leaves_the_old_pair_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The serving renewal fails between the key and the certificate (the emptyDir
+    full, the container killed): the old pair stays whole, so the next check renews it
+    and a restart loads it. Written one file after the other, the new key sat beside the
+    old certificate, and every later check and every restart failed on it."""
+    d = tmp_path / "pki"
+    before, _ = ensure_pki(d, NAMES, now=T0)
+    left = hidden(d)
+    due = T0 + dt.timedelta(days=300)
+    failed = fail_once(monkeypatch, "tls.crt")
+    with pytest.raises(OSError, match="No space left"):
+        ensure_pki(d, NAMES, now=due)
+    assert failed == ["tls.crt"]
+    assert load_pki(d) == before
+    assert hidden(d) == left  # nothing half-written left behind
+    renewed, changed = ensure_pki(d, NAMES, now=due)
+    assert changed and renewed.ca == before.ca and renewed.serving != before.serving
+    assert issued_by(renewed.serving, before.ca) and not needs_rotation(renewed.serving, now=due)
+    assert load_pki(d) == renewed
+
+
+def test_a_swap_that_fails_changes_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The one rename that replaces the whole set fails: the old set is still served
+    and nothing is left behind."""
+    d = tmp_path / "pki"
+    before, _ = ensure_pki(d, NAMES, now=T0)
+    left = hidden(d)
+    failed = fail_once(monkeypatch, "..data")
+    with pytest.raises(OSError, match="No space left"):
+        ensure_pki(d, NAMES, now=T0 + dt.timedelta(days=2500))  # a CA rotation
+    assert failed == ["..data"]
+    assert load_pki(d) == before
+    assert hidden(d) == left
+
+
+def test_a_renewal_from_the_charts_ca_that_fails_halfway_leaves_the_old_pair(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ca_dir, cert_dir = tmp_path / "secret", tmp_path / "serving"
+    ca = generate_ca(now=T0)
+    chart_secret(ca_dir, ca, 0)
+    first, _ = ensure_serving_from_ca(ca_dir, cert_dir, NAMES, now=T0)
+    failed = fail_once(monkeypatch, "tls.crt")
+    with pytest.raises(OSError, match="No space left"):
+        ensure_serving_from_ca(ca_dir, cert_dir, NAMES, now=T0 + dt.timedelta(days=250))
+    assert failed == ["tls.crt"]
+    assert (cert_dir / "tls.crt").read_bytes() == first.cert_pem
+    assert (cert_dir / "tls.key").read_bytes() == first.key_pem
+
+
+def test_after_every_rename_a_reader_finds_a_whole_set(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Checked after each rename in the directory, from an earlier release's plain files
+    (turned into links first) through a renewal and a CA rotation: tls.crt and tls.key
+    belong together and the whole set loads, so a server reloading at any moment, or a
+    container killed at any moment, finds the old set or the new one."""
+    d = tmp_path / "pki"
+    first = reconcile_pki(None, NAMES, now=T0)
+    plain_files(d, first.files())
+    real = os.replace
+    loaded: list[WebhookPki] = []
+
+    def replace(src: Any, dst: Any, **kwargs: Any) -> None:
+        real(src, dst, **kwargs)
+        if Path(dst).parent == d:
+            CertKeyPair((d / "tls.crt").read_bytes(), (d / "tls.key").read_bytes()).check("x")
+            pki = load_pki(d)
+            assert pki is not None
+            loaded.append(pki)
+
+    monkeypatch.setattr(os, "replace", replace)
+    renewed, _ = ensure_pki(d, NAMES, now=T0 + dt.timedelta(days=300))
+    rotated, _ = ensure_pki(d, NAMES, now=T0 + dt.timedelta(days=2500))
+    assert loaded[-1] == rotated
+    assert {p.serving for p in loaded} == {first.serving, renewed.serving, rotated.serving}
+
+
+def test_a_write_clears_what_a_stopped_one_left(tmp_path: Path) -> None:
+    d = tmp_path / "pki"
+    ensure_pki(d, NAMES, now=T0)
+    (d / "..pki-stopped").mkdir()
+    (d / "..pki-stopped" / "tls.key").write_bytes(b"half")
+    (d / ".tls.crt.0123.link").symlink_to("..data/tls.crt")
+    ensure_pki(d, NAMES, now=T0 + dt.timedelta(days=300))
+    assert hidden(d) == ["..data", (d / "..data").readlink().name]
+
+
+def test_a_serving_pair_torn_by_an_earlier_release_is_issued_again(tmp_path: Path) -> None:
+    """An earlier release's renewal stopped between tls.key and tls.crt: the pair is
+    dropped and issued again from the CA, which stays, so the bundle does not change.
+    Refused, it stopped every later renewal and made every restart fail."""
+    d = tmp_path / "pki"
+    pki = reconcile_pki(None, NAMES, now=T0)
+    stranger = generate_serving_cert(pki.ca, NAMES, now=T0)
+    plain_files(d, {**pki.files(), "tls.key": stranger.key_pem})
+    later = T0 + dt.timedelta(days=1)
+    repaired, changed = ensure_pki(d, NAMES, now=later)
+    assert changed and repaired.ca == pki.ca and repaired.ca_bundle == pki.ca_bundle
+    assert repaired.serving not in (pki.serving, stranger)
+    assert issued_by(repaired.serving, pki.ca)
+    assert load_pki(d) == repaired
+    assert (d / "tls.crt").is_symlink() and (d / "tls.key").is_symlink()  # the new layout
+    assert ensure_pki(d, NAMES, now=later) == (repaired, False)
+
+
+def test_a_ca_rotation_torn_between_key_and_certificate_is_made_again(tmp_path: Path) -> None:
+    """An earlier release wrote ca.key before ca.crt during a CA rotation; stopped
+    between them, it left the new CA's key beside the old CA's certificate, with the old
+    CA as the previous one. The old CA is recovered (ca-previous.key is its key), the
+    rotation is made again, and the new CA signs only once its bundle is published."""
+    d = tmp_path / "pki"
+    t1 = T0 + dt.timedelta(days=2500)
+    ca = generate_ca(now=T0)
+    pki = WebhookPki(ca=ca, serving=generate_serving_cert(ca, NAMES, now=t1))
+    lost = reconcile_pki(pki, NAMES, now=t1)  # the rotation being written
+    assert lost.previous_ca == ca and lost.serving == pki.serving
+    plain_files(
+        d,
+        {
+            **pki.files(),
+            "ca-bundle.crt": lost.ca_bundle,
+            "ca-previous.crt": ca.cert_pem,
+            "ca-previous.key": ca.key_pem,
+            "ca.key": lost.ca.key_pem,
+        },
+    )
+    published: dict[bytes, dt.datetime] = {}
+    repaired, changed = ensure_pki(d, NAMES, now=t1, ca_published=published.get)
+    assert changed and repaired.previous_ca == ca
+    assert repaired.ca not in (ca, lost.ca)
+    assert repaired.serving == pki.serving  # the bundle in place trusts it
+    assert load_pki(d) == repaired
+    published[repaired.ca_bundle] = t1
+    done, changed = ensure_pki(d, NAMES, now=t1 + CA_PROPAGATION, ca_published=published.get)
+    assert changed and done.ca == repaired.ca and issued_by(done.serving, repaired.ca)
+
+
+def test_a_ca_whose_key_is_lost_stays_trusted_and_signs_nothing(tmp_path: Path) -> None:
+    """ca.key damaged, and no other CA: a new CA is made, the old certificate stays in
+    the bundle without a key so the serving certificate it signed is still trusted and
+    served, and the new CA signs once its bundle has propagated. Neither a failed start
+    nor a certificate from a CA the API server does not know yet."""
+    d = tmp_path / "pki"
+    before, _ = ensure_pki(d, NAMES, now=T0)
+    (d / "ca.key").write_bytes(generate_ca().key_pem)
+    with pytest.raises(ValueError, match=r"ca\.crt: the private key does not belong"):
+        load_pki(d)
+    t1 = T0 + dt.timedelta(days=1)
+    published: dict[bytes, dt.datetime] = {}
+    repaired, changed = ensure_pki(d, NAMES, now=t1, ca_published=published.get)
+    assert changed and repaired.ca != before.ca
+    assert repaired.previous_ca == CertKeyPair(before.ca.cert_pem, b"")
+    assert repaired.serving == before.serving
+    assert set(certificates(repaired.ca_bundle)) == set(
+        certificates(before.ca.cert_pem + repaired.ca.cert_pem)
+    )
+    assert load_pki(d) == repaired
+    assert (d / "ca-previous.crt").exists() and not (d / "ca-previous.key").exists()
+    # A restart (no publication callback) within the propagation time changes nothing.
+    assert ensure_pki(d, NAMES, now=t1) == (repaired, False)
+    published[repaired.ca_bundle] = t1
+    done, changed = ensure_pki(d, NAMES, now=t1 + CA_PROPAGATION, ca_published=published.get)
+    assert changed and issued_by(done.serving, repaired.ca)
+    assert done.previous_ca == repaired.previous_ca  # kept until it expires, like any
+
+
+def test_an_expired_serving_cert_from_a_ca_without_its_key_is_replaced() -> None:
+    """What a CA without its key signed is kept only while it is valid: past its end the
+    new CA signs, published or not, as nothing else could be served."""
+    old = generate_ca(now=T0)
+    expired = generate_serving_cert(old, NAMES, now=T0, validity=dt.timedelta(days=1))
+    new = generate_ca(now=T0 + dt.timedelta(days=2))
+    pki = WebhookPki(ca=new, serving=expired, previous_ca=CertKeyPair(old.cert_pem, b""))
+    now = T0 + dt.timedelta(days=2)
+    fixed = reconcile_pki(pki, NAMES, now=now, ca_published=lambda _: None)
+    assert issued_by(fixed.serving, new) and not needs_rotation(fixed.serving, now=now)
 
 
 def test_write_atomic_replaces_without_leftovers(tmp_path: Path) -> None:
