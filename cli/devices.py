@@ -173,7 +173,13 @@ def _device(raw: Mapping[str, Any], node: str, pool: str, driver: str) -> Device
         memory=memory,
         multiple=raw.get("allowMultipleAllocations") is True,
         consumes={c.get("counterSet", ""): _counters(c) for c in raw.get("consumesCounters") or ()},
-        taints=tuple(f"{t.get('key')}:{t.get('effect')}" for t in raw.get("taints") or ()),
+        # An informational taint (effect None: an application's XID, an unmonitored GPU)
+        # neither keeps a pod off the device nor evicts one: it is free all the same.
+        taints=tuple(
+            f"{t.get('key')}:{t.get('effect')}"
+            for t in raw.get("taints") or ()
+            if t.get("effect") != "None"
+        ),
     )
 
 

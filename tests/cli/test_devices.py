@@ -138,6 +138,17 @@ def test_tainted_devices_are_unavailable() -> None:
     assert d.use() == "tainted (gpu.nvidia.com/xid:NoSchedule)"
 
 
+def test_an_informational_taint_leaves_a_device_free() -> None:
+    """Effect None (an application's XID) keeps no pod off the device: counting it as
+    unavailable would send an admin after GPUs that are there to be had."""
+    published = slices("emulated:l4")
+    published[0]["spec"]["devices"][0]["taints"] = [
+        {"key": "gpu.nvidia.com/xid", "value": "13", "effect": "None"}
+    ]
+    (d,) = devices(published, [], DRIVER)
+    assert (d.state, d.use()) == ("free", "free")
+
+
 def test_the_command_is_registered() -> None:
     args = build_parser().parse_args(["devices", "--node", NODE])
     assert (args.command, args.node, args.driver_name) == ("devices", NODE, DRIVER)
