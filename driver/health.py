@@ -934,13 +934,13 @@ class NvmlHealthWatcher:
         xid = int(data.eventData)
         gi = int(data.gpuInstanceId)
         ci = int(data.computeInstanceId)
-        placed = gi == FULL_GPU_INSTANCE_ID
-        device = None if placed else self._mig_device(uuid, gi, ci)
+        whole_gpu = gi == FULL_GPU_INSTANCE_ID
+        device = None if whole_gpu else self._mig_device(uuid, gi, ci)
         logger.warning(
             "GPU XID event",
             extra={"fields": {"uuid": uuid, "xid": xid, "gi": gi, "ci": ci, "device": device}},
         )
-        return [XidEvent(uuid, xid, device, unplaced=not placed and device is None)]
+        return [XidEvent(uuid, xid, device, unplaced=not whole_gpu and device is None)]
 
     def _mig_device(self, uuid: str, gi: int, ci: int) -> str | None:
         """Name of the MIG device a GI/CI-scoped event hit; None where it cannot be named.
