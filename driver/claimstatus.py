@@ -46,7 +46,7 @@ def device_statuses(
         if device.pool != pool:
             continue
         details = device.details
-        sharing = sharing_of(device)
+        sharing = sharing_of(device, info)
         data: dict[str, Any] = {"sharing": sharing}
         gpu_uuid = details.gpu_uuid or details.uuid
         if gpu_uuid:

@@ -11,7 +11,11 @@ The fair split, used wherever device-seconds are divided among holders:
 - a device with one holder: all of it;
 - memory slices of one GPU: each holder its share of the GPU's memory (a slice of
   20 GiB of an 80 GiB GPU holds a quarter of it);
-- time-sliced and MPS holders, and slices whose size is not known: equal parts;
+- integer shares of a GPU published with shares (`--gpu-shares`): each holder the
+  shares it took over those published (3 of 4 shares hold three quarters of it), so a
+  holder of one share never pays for the time of one that took three;
+- time-sliced and MPS holders, and slices or shares whose size is not known: equal
+  parts;
 - admin-access holders (monitoring, debugging) hold nothing: they are shown, not billed.
 """
 
@@ -54,9 +58,10 @@ ADMIN: Final = "AdminAccess"
 class ClaimInfo:
     """What the checkpoint does not keep of a claim, read from its API object.
 
-    Both map an allocated device (device name, share ID) to what it was allocated
+    They map an allocated device (device name, share ID) to what it was allocated
     with: `device_classes` the DeviceClass of its request (or subrequest), `memory`
-    the bytes a memory slice took. `pods` are the pods the claim was reserved for,
+    the bytes a memory slice took, `shares` the integer shares a claim took of a GPU
+    published with shares. `pods` are the pods the claim was reserved for,
     name -> UID: the checkpoint keeps only the holding pod's name, and the UID tells
     that pod from one re-created under its name (`gpudra.driver.podclaims`).
     """
@@ -64,6 +69,7 @@ class ClaimInfo:
     device_classes: Mapping[tuple[str, str | None], str] = field(default_factory=dict)
     memory: Mapping[tuple[str, str | None], int] = field(default_factory=dict)
     pods: Mapping[str, str] = field(default_factory=dict)
+    shares: Mapping[tuple[str, str | None], int] = field(default_factory=dict)
 
 
 class ClaimInfos:
@@ -140,12 +146,18 @@ def claim_info(obj: Mapping[str, Any], claim: Claim) -> ClaimInfo:
             if d.consumed_memory is not None
         },
         pods=reserved_pods(obj),
+        shares={
+            (d.device, d.share_id): d.consumed_shares
+            for d in claim.devices
+            if d.consumed_shares is not None
+        },
     )
 
 
 @dataclass(frozen=True, slots=True)
 class Holder:
-    """One claim's hold on one device. `memory`: bytes of a memory slice, else None."""
+    """One claim's hold on one device. `memory`: bytes of a memory slice, else None;
+    `shares`: the integer shares it took, else None."""
 
     namespace: str
     pod: str
@@ -157,6 +169,7 @@ class Holder:
     tenant: str = ""
     memory: int | None = None
     container: str = ""  # the pod's containers using it, "," between (`podclaims`)
+    shares: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,7 +177,8 @@ class HeldDevice:
     """A prepared device of this node's pool and its holders.
 
     `uuid` is the device's own (the GPU's, or the MIG device's once created);
-    `gpu_uuid` the GPU it is or is part of.
+    `gpu_uuid` the GPU it is or is part of; `published_shares` the integer shares the
+    device is published with now, None for none.
     """
 
     device: str
@@ -172,29 +186,40 @@ class HeldDevice:
     uuid: str
     mig: bool
     holders: tuple[Holder, ...]
+    published_shares: int | None = None
 
     def shares(self, memory_total: float | None) -> list[tuple[Holder, float]]:
         """Each billed holder and its fraction of the device (see the module docstring)."""
         billed = [h for h in self.holders if h.sharing != ADMIN]
         if not billed:
             return []
-        if len(billed) == 1 and billed[0].memory is None:
+        if len(billed) == 1 and billed[0].memory is None and billed[0].shares is None:
             return [(billed[0], 1.0)]
+        published = self.published_shares
+        if published and all(h.shares is not None for h in billed):
+            return [(h, min(1.0, (h.shares or 0) / published)) for h in billed]
         if memory_total and all(h.memory is not None for h in billed):
             return [(h, min(1.0, (h.memory or 0) / memory_total)) for h in billed]
         return [(h, 1.0 / len(billed)) for h in billed]
 
 
-def sharing_of(record: DeviceRecord) -> str:
-    """The sharing mode of one prepared device, as the metrics label it."""
+def sharing_of(record: DeviceRecord, info: ClaimInfo | None = None) -> str:
+    """The sharing mode of one prepared device, as the metrics label it.
+
+    A device with a share ID is a memory slice, or, where `info` (its claim's) says it
+    took integer shares, some of a GPU's shares: never a memory slice, and never
+    Exclusive unless it took them all, since the other shares' holders use the GPU too
+    (time-sliced unless MPS, as prepare resolves it).
+    """
     details = record.details
+    integer_share = info is not None and (record.device, record.share_id) in info.shares
     if record.admin_access:
         return ADMIN
-    if record.share_id is not None:  # a memory slice, which MPS also serves
+    if record.share_id is not None and not integer_share:  # MPS serves slices too
         return MEMORY_SLICE
     if details.mps is not None:
         return MPS
-    if details.time_slice is not None:
+    if details.time_slice is not None or (integer_share and not record.exclusive):
         return TIME_SLICING
     return EXCLUSIVE
 
@@ -205,10 +230,12 @@ def held_devices(
     info: Mapping[str, ClaimInfo],
     tenant_of: Callable[[str], str] = lambda _namespace: "",
     containers: Mapping[str, Mapping[str, str]] | None = None,
+    published_shares: Mapping[str, int] | None = None,
 ) -> dict[str, HeldDevice]:
     """Device name -> its holders, for the completed claims' devices in `pool`;
     `tenant_of` names a namespace's tenant ("" for none), `containers` the container
-    label of each claim's requests by claim UID (`gpudra.driver.podclaims`)."""
+    label of each claim's requests by claim UID (`gpudra.driver.podclaims`),
+    `published_shares` the integer shares each device is published with."""
     holders: dict[str, list[Holder]] = {}
     identity: dict[str, tuple[str, str, bool]] = {}
     for record in claims:
@@ -225,7 +252,7 @@ def held_devices(
             identity.setdefault(
                 device.device, (gpu_uuid, details.uuid or "", details.mig is not None)
             )
-            sharing = sharing_of(device)
+            sharing = sharing_of(device, extra)
             key = (device.device, device.share_id)
             for request in device.request_names or ("",):
                 holders.setdefault(device.device, []).append(
@@ -240,9 +267,13 @@ def held_devices(
                         tenant=tenant,
                         memory=extra.memory.get(key) if sharing == MEMORY_SLICE else None,
                         container=labels.get(request, ""),
+                        shares=extra.shares.get(key),
                     )
                 )
+    published = published_shares or {}
     return {
-        name: HeldDevice(name, *identity[name], holders=tuple(found))
+        name: HeldDevice(
+            name, *identity[name], holders=tuple(found), published_shares=published.get(name)
+        )
         for name, found in sorted(holders.items())
     }

@@ -275,6 +275,7 @@ class NodeService:
             claim_info=self._infos.snapshot,
             tenant_of=self.tenants.tenant_of,
             containers=self.containers.snapshot,
+            shares=lambda: self.agent.shares,
             health=lambda: self.agent.health,
             interval_s=plugin.sample_interval_s,
             on_sample=(accounting.observe,),

@@ -173,8 +173,9 @@ class Sampler:
     `inventory` and `prepared` are read each pass (the agent's latest inventory; the
     preparer's completed claims, read without its lock); `claim_info` gives what the
     checkpoint does not keep of a claim; `tenant_of` a namespace's tenant; `containers`
-    the container label of each claim's requests (`gpudra.driver.podclaims`); `health` the
-    agent's health state. `on_sample` (accounting) is called on the event loop with each
+    the container label of each claim's requests (`gpudra.driver.podclaims`); `shares` the
+    integer shares each device is published with (the agent's); `health` the agent's
+    health state. `on_sample` (accounting) is called on the event loop with each
     new sample.
     """
 
@@ -188,6 +189,7 @@ class Sampler:
         claim_info: Callable[[], Mapping[str, ClaimInfo]] = dict,
         tenant_of: Callable[[str], str] = lambda _namespace: "",
         containers: Callable[[], Mapping[str, Mapping[str, str]]] = dict,
+        shares: Callable[[], Mapping[str, int]] = dict,
         health: Callable[[], HealthState | None] = lambda: None,
         interval_s: float = DEFAULT_INTERVAL_S,
         on_sample: Iterable[Callable[[Sample], None]] = (),
@@ -200,6 +202,7 @@ class Sampler:
         self._claim_info = claim_info
         self._tenant_of = tenant_of
         self._containers = containers
+        self._shares = shares
         self._health = health
         self.interval_s = interval_s
         self._on_sample = tuple(on_sample)
@@ -248,7 +251,12 @@ class Sampler:
     async def sample_once(self) -> Sample:
         """One pass: read every device in a worker thread, then tell `on_sample`."""
         held = held_devices(
-            self._prepared(), self._pool, self._claim_info(), self._tenant_of, self._containers()
+            self._prepared(),
+            self._pool,
+            self._claim_info(),
+            self._tenant_of,
+            self._containers(),
+            self._shares(),
         )
         devices = devices_to_sample(self._inventory(), held)
         readings = await anyio.to_thread.run_sync(self._read_all, devices)

@@ -15,9 +15,11 @@ from gpudra.common.metricsserver import serve_metrics
 from gpudra.driver.accounting import Accounting
 from gpudra.driver.agent import AgentConfig
 from gpudra.driver.checkpoint import ClaimRecord, ClaimState, DeviceRecord
+from gpudra.driver.claims import ClaimRef, checked_claim
+from gpudra.driver.claimstatus import device_statuses
 from gpudra.driver.devices import Inventory, discover
 from gpudra.driver.health import HealthState, XidEvent
-from gpudra.driver.holders import ClaimInfo, ClaimInfos
+from gpudra.driver.holders import ClaimInfo, ClaimInfos, claim_info
 from gpudra.driver.metrics import DeviceMetrics
 from gpudra.driver.node import NodeService, PluginConfig
 from gpudra.driver.nvml.emulator import NvmlEmulator, load_builtin_profile, parse_profile
@@ -116,6 +118,7 @@ class Node:
         health: HealthState | None = None,
         tenants: NamespaceTenants | None = None,
         containers: dict[str, dict[str, str]] | None = None,
+        shares: dict[str, int] | None = None,
     ) -> None:
         self.nvml = nvml
         self.inventory = inventory_of(nvml)
@@ -131,6 +134,7 @@ class Node:
             claim_info=infos.snapshot,
             tenant_of=(tenants or NamespaceTenants()).tenant_of,
             containers=lambda: containers or {},
+            shares=lambda: shares or {},
             health=lambda: health,
             on_sample=(self.accounting.observe,),
             clock=self.clock,
@@ -352,6 +356,56 @@ async def test_time_sliced_holders_split_a_gpu_equally() -> None:
     assert billed == [pytest.approx(10)] * 4
     assert values(got, "gpudra_idle_device_seconds_total") == [0.0] * 4
     assert len(values(got, "gpudra_gpu_utilization_percent", uuid=uuid)) == 4
+
+
+DRIVER = "gpu.nvidia.com"
+
+
+def shares_info(uid: str, namespace: str, share: str, taken: int) -> ClaimInfo:
+    """What the agent reads of a claim holding `taken` integer shares of gpu-0: the
+    `claim_info` of the object the scheduler allocated."""
+    result = {
+        "driver": DRIVER,
+        "pool": POOL,
+        "device": "gpu-0",
+        "request": "gpu",
+        "shareID": share,
+        "consumedCapacity": {"shares": str(taken)},
+    }
+    name = f"claim-{uid}"
+    obj = {
+        "metadata": {"name": name, "namespace": namespace, "uid": uid},
+        "status": {"allocation": {"devices": {"results": [result]}}},
+    }
+    ref = ClaimRef(namespace, uid, name)
+    return claim_info(obj, checked_claim(ref, obj, driver=DRIVER, pool=POOL))
+
+
+async def test_integer_shares_are_billed_by_the_shares_each_holder_took() -> None:
+    """On a GPU published with 4 shares, a claim that took 3 of them pays three times
+    what one that took 1 pays: billed equally, the small holder paid for the big one's
+    time. Some shares are time-sliced with the other shares' holders, no memory slice."""
+    nvml = emulator("l4", {"utilization": 60})
+    uuid = inventory_of(nvml).gpus[0].uuid
+    big, small = (f"00000000-0000-4000-8000-00000000000{i}" for i in (1, 2))
+    infos = ClaimInfos()
+    infos.remember(big, shares_info(big, "team-a", "s1", 3))
+    infos.remember(small, shares_info(small, "team-b", "s2", 1))
+    records = [
+        claim(big, "team-a", "a", "gpu-0", uuid, share_id="s1"),
+        claim(small, "team-b", "b", "gpu-0", uuid, share_id="s2"),
+    ]
+    node = Node(nvml, records, infos, shares={"gpu-0": 4})
+    await node.sampler.sample_once()
+    node.clock.now += 100
+    await node.sampler.sample_once()
+    assert billed(node) == {"team-a": pytest.approx(75), "team-b": pytest.approx(25)}
+    got = node.scrape()
+    assert {s.get("sharing") for n, s, _ in got if n.startswith("gpudra_allocated")} == {
+        "TimeSlicing"
+    }
+    status = device_statuses(records[1], driver=DRIVER, pool=POOL, info=infos.snapshot()[small])
+    assert status[0]["data"]["sharing"] == "TimeSlicing"
 
 
 def test_the_idle_threshold_must_be_a_percentage() -> None:
