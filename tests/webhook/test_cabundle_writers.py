@@ -198,50 +198,23 @@ def behind(seconds: float) -> Callable[[], float]:
     return lambda: time.time() - seconds
 
 
+@pytest.mark.parametrize(
+    "skew", [0.0, 2 * W, 0.8 * W, -2 * W], ids=["same-clock", "2w", "0.8w", "ahead-2w"]
+)
 async def test_two_live_pods_keep_both_cas_past_the_window_without_fighting(
-    caplog: pytest.LogCaptureFixture,
+    caplog: pytest.LogCaptureFixture, skew: float
 ) -> None:
     """A surge pod that never turns Ready, or two replicas: both pods live far longer
     than the window. Neither CA leaves the bundle, and the pods write only their lease
     renewals (a window-based bundle made them drop each other's CA and rewrite the
-    configurations thousands of times a second)."""
-    api = ConfigurationApi()
-    old, new = ca("old-pod"), ca("new-pod")
-    for ref in BOTH:
-        api.create(ref, b64(old))
-    a, b = pod(api, "pod-a", old), pod(api, "pod-b", new)
-    caplog.set_level(logging.INFO, logger="gpudra.webhook.cabundle")
-    async with anyio.create_task_group() as tg:
-        await tg.start(a.run)
-        await tg.start(b.run)
-        await wait_until(lambda: api.trusts(old, new))
-        writes = dict(api.writes)
-        trusted = await sample(lambda: api.trusts(old, new), 5 * W)
-        assert all(trusted), f"a CA was missing in {trusted.count(False)} of {len(trusted)}"
-        # Renewals only: each pod renews each configuration four times per window.
-        renewals = sum(api.writes.values()) - sum(writes.values())
-        assert renewals <= 2 * len(BOTH) * (5 * 4 + 5), api.writes
-        assert a.undone == b.undone == 0
-        assert a.desired_b64() == b.desired_b64()
-        for ref in BOTH:
-            leases = api.leases(ref)
-            assert leases.keys() == {fingerprint(old), fingerprint(new)}
-            assert leases[fingerprint(old)].endswith(" pod-a")
-            assert leases[fingerprint(new)].endswith(" pod-b")
-        tg.cancel_scope.cancel()
-    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    configurations thousands of times a second).
 
-
-@pytest.mark.parametrize("skew", [2 * W, 0.8 * W, -2 * W], ids=["2w", "0.8w", "ahead-2w"])
-async def test_pods_whose_clocks_disagree_keep_both_cas_without_fighting(
-    caplog: pytest.LogCaptureFixture, skew: float
-) -> None:
-    """Clocks of two nodes may disagree by more than the window. Judged against its own
-    clock on every pass, the other pod's lease looked stale to the pod ahead, which
-    stamped over it as first-seen, stopped renewing its own for a peer it no longer saw,
-    and the two took turns writing: a pod's CA left the bundle, and each saw its writes
-    undone. A lease is timed by when it is seen to change: the clocks cost at most one
-    write each, when the pods first meet."""
+    So also where the clocks of their nodes disagree by more than the window (`skew`).
+    Judged against its own clock on every pass, the other pod's lease looked stale to
+    the pod ahead, which stamped over it as first-seen, stopped renewing its own for a
+    peer it no longer saw, and the two took turns writing: a pod's CA left the bundle,
+    and each saw its writes undone. A lease is timed by when it is seen to change: the
+    clocks cost at most one write each, when the pods first meet."""
     api = ConfigurationApi()
     old, new = ca("old-pod"), ca("new-pod")
     for ref in BOTH:
@@ -255,11 +228,14 @@ async def test_pods_whose_clocks_disagree_keep_both_cas_without_fighting(
         writes = dict(api.writes)
         trusted = await sample(lambda: api.trusts(old, new), 5 * W)
         assert all(trusted), f"a CA was missing in {trusted.count(False)} of {len(trusted)}"
+        # Renewals only: each pod renews each configuration four times per window.
         renewals = sum(api.writes.values()) - sum(writes.values())
         assert renewals <= 2 * len(BOTH) * (5 * 4 + 5), api.writes
         assert a.undone == b.undone == 0
+        assert a.desired_b64() == b.desired_b64()
         for ref in BOTH:  # each lease its holder's: nobody stamps over a live one
             leases = api.leases(ref)
+            assert leases.keys() == {fingerprint(old), fingerprint(new)}
             assert leases[fingerprint(old)].endswith(" pod-a")
             assert leases[fingerprint(new)].endswith(" pod-b")
         tg.cancel_scope.cancel()
