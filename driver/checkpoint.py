@@ -22,7 +22,12 @@ Design choices, and why:
 - `majorVersion` (absent: 1) is raised only by a change an older release would
   misread (an existing field with a new meaning), never by an addition. A release
   that finds a higher one refuses to load the file and leaves it untouched: guessing
-  would unprepare or double-book devices that running pods hold.
+  would unprepare or double-book devices that running pods hold. The file alone
+  misses what the changes file holds (below), so while an agent may still append
+  to it, the file says 2; the agent's stop folds the changes in and writes 1. A
+  release from before the changes file reads 1 only: after an agent killed without
+  stopping it refuses the file rather than roll back prepares that ended (and destroy
+  a running pod's MIG instance) or miss removals.
 - Device details are typed records in memory (`gpudra.driver.records`) and keep
   the JSON shape of version 1 on disk, so the version is still 1: releases from
   before the typed records read this release's files and the other way round.
@@ -115,7 +120,12 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 CHECKPOINT_VERSION: Final = 1
-CHECKPOINT_MAJOR_VERSION: Final = 1
+CHECKPOINT_MAJOR_VERSION: Final = 2
+"""The highest `majorVersion` this release reads."""
+_COMPLETE_MAJOR_VERSION: Final = 1
+"""The file holds every change: no changes file extends it."""
+_EXTENDED_MAJOR_VERSION: Final = 2
+"""A changes file may extend the file (an agent that may append has written it)."""
 DEFAULT_BOOT_ID_PATH: Final = Path("/proc/sys/kernel/random/boot_id")
 
 _DEVICE_KEYS: Final = frozenset(
@@ -131,7 +141,9 @@ _DEVICE_KEYS: Final = frozenset(
     }
 )
 _CLAIM_KEYS: Final = frozenset({"uid", "namespace", "name", "state", "devices"})
-_TOP_KEYS: Final = frozenset({"version", "bootId", "claims", "previousBoot", "writeId"})
+_TOP_KEYS: Final = frozenset(
+    {"version", "majorVersion", "bootId", "claims", "previousBoot", "writeId"}
+)
 _CHANGES_LIMIT: Final = 1 << 20
 """Bytes of appended changes past which the next change replaces the file whole."""
 
@@ -475,6 +487,12 @@ class Checkpoint:
         self._base: str | None = None
         self._changes_n = 0
         self._changes_bytes: int | None = 0
+        # Whether changes may be appended: set by a GroupCommit until it folds them in
+        # (`GroupCommit.compact`, at the agent's stop). While set, every file written
+        # says `_EXTENDED_MAJOR_VERSION`, so that no release reads it without the
+        # changes file; and only a file saying so is extended (`_file_extended`).
+        self._extended = False
+        self._file_extended = False
         # Set by GroupCommit while it applies a change: `_save` then only stages.
         self._staging = False
         # Changes staged so far, and what each replaced, for undo of a failed write.
@@ -498,6 +516,9 @@ class Checkpoint:
         lock = _Lock(_lock_path(path), folder_mode=0o777)
         with _taken(lock) if take_over else contextlib.nullcontext():
             checkpoint = cls._read_files(path, read_boot_id(boot_id_path), lock)
+            # The agent's: its changes are appended (`GroupCommit`), so the file it
+            # writes says so from the first.
+            checkpoint._extended = take_over
             if take_over and checkpoint._on_disk_seq < 0:
                 try:
                     checkpoint._save(durable=True)
@@ -528,7 +549,7 @@ class Checkpoint:
         if major > CHECKPOINT_MAJOR_VERSION:
             raise CheckpointTooNewError(
                 f"checkpoint {path} has majorVersion {major}, written by a newer gpudra "
-                f"release; this release reads majorVersion {CHECKPOINT_MAJOR_VERSION} only. "
+                f"release; this release reads majorVersion {CHECKPOINT_MAJOR_VERSION} at most. "
                 "The file is left as is: run that release or a newer one on this node "
                 "(or drain the node, then move the file aside)"
             )
@@ -588,6 +609,7 @@ class Checkpoint:
         checkpoint._boot_known = boot_id is not None
         checkpoint._boot_on_disk = boot_id is not None and stored_boot == boot_id
         checkpoint._changes_bytes = replayed.size + replayed.ignored
+        checkpoint._file_extended = major >= _EXTENDED_MAJOR_VERSION
         if not replayed.ignored:
             # Appends go on after the lines read; after ignored ones they could not be
             # read back, so the first write then replaces the file and empties this one.
@@ -881,10 +903,13 @@ class Checkpoint:
     def _snapshot(self) -> _Snapshot:
         return _Snapshot(self._seq, self._claims, self._previous_boot, self._unreadable)
 
-    def _encode(self, snap: _Snapshot) -> bytes:
-        """The file for `snap`: one claim per line, unchanged claims not re-encoded."""
+    def _encode(self, snap: _Snapshot, *, extended: bool) -> bytes:
+        """The file for `snap`: one claim per line, unchanged claims not re-encoded;
+        `extended` where a changes file may extend it."""
         top = dict(self._extra)
         top["version"] = CHECKPOINT_VERSION
+        if extended:
+            top["majorVersion"] = _EXTENDED_MAJOR_VERSION
         if self._boot_id is not None:
             top["bootId"] = self._boot_id
         # Fresh in every file, so that no two files share a changes-file base.
@@ -925,7 +950,8 @@ class Checkpoint:
         """Replace the file with `snap` (both locks held)."""
         self._check_owner()
         self._check_changes()  # lines another process appended are never dropped
-        data = self._encode(snap)
+        extended = self._extended
+        data = self._encode(snap, extended=extended)
         durable = durable or not self._boot_on_disk
         try:
             # The folder is created on first use (and again if someone removed it).
@@ -943,6 +969,7 @@ class Checkpoint:
             self._base = None
             raise CheckpointError(f"cannot read checkpoint {self._path}: {exc}") from exc
         self._on_disk_seq = snap.seq
+        self._file_extended = extended
         if durable and self._boot_known:
             self._boot_on_disk = True  # the file names this boot from now on
         self._restart_changes(data)
@@ -1004,7 +1031,8 @@ class Checkpoint:
         disk), none changes the previous boot's claims or adds an unreadable record,
         and the changes file extends the file on disk and is not too long."""
         if (
-            self._base is None
+            not (self._extended and self._file_extended)
+            or self._base is None
             or self._changes_bytes is None
             or not self._boot_on_disk
             or self._changes_bytes >= _CHANGES_LIMIT
@@ -1245,6 +1273,7 @@ class GroupCommit:
 
     def __init__(self, checkpoint: Checkpoint, *, lock: anyio.Lock | None = None) -> None:
         self._cp = checkpoint
+        checkpoint._extended = True  # its first change replaces the file, saying so
         self._lock = lock
         self._written = checkpoint._seq
         self._batch: _Batch | None = None
@@ -1288,12 +1317,13 @@ class GroupCommit:
         return result
 
     async def compact(self) -> None:
-        """Replace the checkpoint file with the whole state, synced, where changes were
-        appended to the changes file since it was written, and close that file: a
-        release that reads the checkpoint file alone (one from before the changes file)
-        then finds every change. The agent calls it when it stops."""
+        """Replace the checkpoint file with the whole state, synced, saying majorVersion
+        1, and close the changes file: a release that reads the checkpoint file alone
+        (one from before the changes file) then finds every change. The agent calls it
+        when it stops; any later change replaces the file whole."""
         cp = self._cp
-        if cp._changes_bytes != 0:  # None: unknown after a failed line
+        cp._extended = False
+        if cp._file_extended or cp._changes_bytes != 0:  # None: unknown after a failed line
             try:
                 await self.apply(lambda c: c._save(durable=True))
             except CheckpointError as exc:

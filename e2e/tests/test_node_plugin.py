@@ -223,14 +223,14 @@ async def test_a_checkpoint_of_a_future_major_version_stops_the_node_untouched(
     release cannot read: one line, exit 1, the file byte for byte as it was."""
     path = node_dirs.state / "checkpoint.json"
     path.parent.mkdir(parents=True)
-    path.write_text(json.dumps({"version": 9, "majorVersion": 2, "claims": {"u": {"x": 1}}}))
+    path.write_text(json.dumps({"version": 9, "majorVersion": 3, "claims": {"u": {"x": 1}}}))
     before = path.read_bytes()
     setup.node.start()
     code = await anyio.to_thread.run_sync(setup.node.wait_exit_with_stderr)
     assert code[0] == 1
     assert code[1].strip().splitlines()[-1] == (
-        f"gpudra node: checkpoint {path} has majorVersion 2, written by a newer gpudra release; "
-        "this release reads majorVersion 1 only. The file is left as is: run that release "
+        f"gpudra node: checkpoint {path} has majorVersion 3, written by a newer gpudra release; "
+        "this release reads majorVersion 2 at most. The file is left as is: run that release "
         "or a newer one on this node (or drain the node, then move the file aside)"
     )
     assert path.read_bytes() == before

@@ -229,13 +229,60 @@ def test_a_malformed_major_version_is_refused(cp_path: Path, boot: Path, major: 
         _load(cp_path, boot)
 
 
-def test_the_current_major_version_is_read_and_kept(cp_path: Path, boot: Path) -> None:
+def test_the_current_major_version_is_read(cp_path: Path, boot: Path) -> None:
+    """A file a killed agent left extended by its changes file is read with them; a
+    write that no change will be appended to says it is whole again."""
     doc = _foreign_file(cp_path, CHECKPOINT_VERSION)
     doc["majorVersion"] = CHECKPOINT_MAJOR_VERSION
     cp_path.write_text(json.dumps(doc))
     checkpoint = _load(cp_path, boot)
+    assert checkpoint.get(CLAIM_1.uid) is not None
     checkpoint.begin_prepare(CLAIM_2)
-    assert _doc(cp_path)["majorVersion"] == CHECKPOINT_MAJOR_VERSION
+    assert "majorVersion" not in _doc(cp_path)
+    assert set(_file_claims(cp_path)) == {CLAIM_1.uid, CLAIM_2.uid}
+
+
+def _read_alone(cp_path: Path) -> dict[str, Any] | None:
+    """What a release from before the changes file reads: the file alone, refused
+    (None) when its majorVersion is above 1."""
+    return None if _doc(cp_path).get("majorVersion", 1) > 1 else _file_claims(cp_path)
+
+
+@pytest.mark.anyio
+async def test_a_release_that_reads_the_file_alone_never_misses_an_appended_change(
+    cp_path: Path, boot: Path
+) -> None:
+    """The agent appends prepares' ends and removals beside the file and folds them in
+    only when it stops. Killed before that, the file alone lacks them: a release from
+    before the changes file (reading majorVersion 1 only) would roll back a prepare
+    that ended, destroying a running pod's MIG instance, or keep a removed claim. So
+    at every step the file alone is refused by such a release or holds every change."""
+    commit = GroupCommit(load(cp_path, boot_id_path=boot, take_over=True))
+
+    def check() -> None:
+        alone = _read_alone(cp_path)
+        assert alone is None or alone == document(cp_path)["claims"]
+
+    check()
+    steps: list[Callable[[Checkpoint], object]] = []
+    for ref, device in ((CLAIM_1, "gpu-0"), (CLAIM_2, "gpu-1")):
+        steps.append(lambda cp, r=ref, d=device: cp.begin_prepare(r, [_gpu(d)]))
+        steps.append(lambda cp, r=ref, d=device: cp.complete_prepare(r.uid, [_gpu(d)]))
+    steps.append(lambda cp: cp.remove(CLAIM_1.uid))
+    for step in steps:
+        await commit.apply(step)
+        check()
+    assert ChangesFile(cp_path).read() != b""  # the changes were appended
+    assert _read_alone(cp_path) is None
+
+    # Killed here: this release reads the file with its changes, and goes on.
+    again = GroupCommit(load(cp_path, boot_id_path=boot, take_over=True))
+    assert [c.uid for c in again.checkpoint.claims()] == [CLAIM_2.uid]
+    await again.apply(lambda cp: cp.remove(CLAIM_2.uid))
+    check()
+
+    await again.compact()  # the stop: whole again, for any release
+    assert _read_alone(cp_path) == {} == document(cp_path)["claims"]
 
 
 def test_claim_level_unknown_fields_survive_completion(cp_path: Path, boot: Path) -> None:

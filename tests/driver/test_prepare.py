@@ -1810,11 +1810,15 @@ async def test_the_agents_stop_leaves_every_change_in_the_checkpoint_file(node: 
     preparer = node_preparer(node, h100())
     assert (await preparer.prepare([claim]))[claim.uid].error is None
     changes = ChangesFile(node.checkpoint)
-    # The agent's load wrote the file (empty); the prepare's end is a line beside it.
+    # The agent's load wrote the file (empty), saying that a changes file extends it,
+    # which a release that reads the file alone refuses; the prepare's end is a line
+    # beside it.
     assert json.loads(node.checkpoint.read_text())["claims"] == {}
+    assert json.loads(node.checkpoint.read_text())["majorVersion"] == 2
     assert list(checkpoint_document(node.checkpoint)["claims"]) == [claim.uid]
 
     await preparer.close()
+    assert "majorVersion" not in json.loads(node.checkpoint.read_text())
     file_alone = json.loads(node.checkpoint.read_text())["claims"]
     assert list(file_alone) == [claim.uid]
     assert file_alone[claim.uid]["state"] == "PrepareCompleted"
