@@ -7,6 +7,7 @@ import base64
 import copy
 import json
 import re
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,7 @@ from gpudra.webhook.tenant_state import QUOTA_NAME
 from gpudra.webhook.validate import driver_classes
 from pydantic import TypeAdapter
 
+from e2e.pins import TOOL_VERSIONS, pinned
 from e2e.tools import helm as h
 
 REPO = Path(__file__).resolve().parents[2]
@@ -313,6 +315,34 @@ def test_extra_device_classes_reach_the_webhook_and_its_registration(helm: Path)
     assert all("'l4.example.com'" in str(hook["matchConditions"]) for hook in want["webhooks"])
     # Values of a release from before the key (helm upgrade --reuse-values) still render.
     h.template(helm, {"webhook": {"extraDeviceClasses": None}})
+
+
+def test_the_previous_releases_values_render_every_flag(helm: Path, tmp_path: Path) -> None:
+    """`helm upgrade --reset-then-reuse-values` (docs/install.md) from the previous
+    release: an admin who set every value that release knew, and the new chart's
+    defaults for the rest. Every container flag gets a value (an empty `--flag=` is one
+    the agent or webhook refuses at start)."""
+    commit = pinned("GPUDRA_PREVIOUS_RELEASE_COMMIT", TOOL_VERSIONS)
+    shown = subprocess.run(
+        ["git", "show", f"{commit}:charts/gpudra/values.yaml"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert shown.returncode == 0, f"the previous release is not in this clone: {shown.stderr}"
+    old = tmp_path / "previous-values.yaml"
+    old.write_text(shown.stdout)
+    objects = h.template(helm, old)
+    flags = [
+        arg
+        for o in objects
+        if o["kind"] in {"Deployment", "DaemonSet"}
+        for c in o["spec"]["template"]["spec"]["containers"]
+        for arg in c.get("args", [])
+    ]
+    assert flags
+    assert [f for f in flags if f.startswith("--") and f.endswith("=")] == []
 
 
 def test_the_profile_schema_is_the_tenants_profile_rule() -> None:
@@ -1181,6 +1211,44 @@ def test_network_policy_admits_only_the_control_plane(
     ]
     assert control_plane["ports"] == [{"port": 9443, "protocol": "TCP"}]
     assert extra == scraper
+
+
+def test_node_network_policy_admits_only_the_scrapers_to_the_metrics_port(
+    helm: Path, default: list[dict[str, Any]]
+) -> None:
+    """The agents' series name every GPU's holder: with node.networkPolicy only the
+    listed scrapers reach the metrics port, and nothing else reaches the agents."""
+    assert not [o for o in default if o["kind"] == "NetworkPolicy"]  # off by default
+    scrapers = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "mon"}}}]
+    node = {"metricsPort": 9500, "networkPolicy": {"enabled": True, "metricsFrom": scrapers}}
+    objects = h.template(helm, {"node": node})
+    spec = h.find(objects, "NetworkPolicy")["spec"]
+    daemonset = h.find(objects, "DaemonSet")
+    assert spec["podSelector"]["matchLabels"] == daemonset["spec"]["selector"]["matchLabels"]
+    assert spec["policyTypes"] == ["Ingress"]
+    assert spec["ingress"] == [{"from": scrapers, "ports": [{"port": 9500, "protocol": "TCP"}]}]
+    # No metrics listener: nothing reaches the agents.
+    closed = {"metricsPort": 0, "networkPolicy": {"enabled": True}}
+    assert h.find(h.template(helm, {"node": closed}), "NetworkPolicy")["spec"]["ingress"] == []
+
+
+@pytest.mark.parametrize(
+    ("node", "complaint"),
+    [
+        ({"networkPolicy": {"enabled": True}}, "needs node.networkPolicy.metricsFrom"),
+        (
+            {"hostNetwork": True, "networkPolicy": {"enabled": True, "metricsFrom": [{}]}},
+            "no effect with node.hostNetwork=true",
+        ),
+    ],
+    ids=["no-scrapers", "host-network"],
+)
+def test_a_node_network_policy_that_would_not_work_is_refused(
+    helm: Path, node: dict[str, Any], complaint: str
+) -> None:
+    with pytest.raises(h.HelmFailed) as failure:
+        h.template(helm, {"node": node})
+    assert complaint in str(failure.value)
 
 
 @pytest.mark.parametrize("allowed", [[], ["kube-public", "gpu-operator"]], ids=["none", "named"])
