@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from gpudra.cli.scrape import get, metric_samples
 from gpudra.driver.plugin import DRA_APIS
 from gpudra.webhook.convert import CONVERTED_ANNOTATION as CONVERTED
 
@@ -289,8 +290,12 @@ def test_legacy_shared_pods_pack_onto_gpus_by_integer_shares(
     """`gpudra node --gpu-shares=2`, the device plugin's `replicas: 2`: pods asking
     `nvidia.com/gpu.shared: 1` get one share each, two see the same GPU, the third the
     next one; a whole-GPU claim goes to no GPU with a share taken; the GPU's time-slice
-    is set once for both shares and reset when the last one goes."""
-    with stack.agent_flags("--gpu-shares=2"):
+    is set once for both shares and reset when the last one goes. Each holder is billed
+    the shares it took: the third pod, alone on its GPU, pays for its one share of two,
+    never for the share nobody took."""
+    port = stack.metrics_port
+    flags = (f"--metrics-address=127.0.0.1:{port}", "--sample-interval=1")
+    with stack.agent_flags("--gpu-shares=2", *flags):
         devices = node_devices(kube, stack.node_name)
         with_shares = {n for n, d in devices.items() if "shares" in d.get("capacity", {})}
         assert len(with_shares) >= 2, devices.keys()
@@ -331,6 +336,13 @@ def test_legacy_shared_pods_pack_onto_gpus_by_integer_shares(
         wait_running(kube, ns, "whole")
         assert allocation(kube, ns, "whole")[0]["device"] not in set(gpu_of.values())
 
+        # Billing: three one-share holders pay half a GPU each, 1.5 GPUs for the
+        # namespace's time-sliced claims, while the whole GPU's holder pays one. Billed
+        # equally among a GPU's holders, the third pod paid for a whole GPU (2 to 1).
+        if stack.name != "kind":  # the host cannot reach a kind worker's agent
+            billed = billed_per_second(port, ns)
+            assert billed["TimeSlicing"] / billed["Exclusive"] == pytest.approx(1.5, rel=0.1)
+
         # The time-slice of the GPU two shares hold: set once, kept while one remains,
         # reset with the last.
         uuid = attr(devices[gpu_of["share-a"]], "uuid")
@@ -350,6 +362,42 @@ def test_legacy_shared_pods_pack_onto_gpus_by_integer_shares(
         for pod in ("share-c", "whole"):
             kube.delete("Pod", pod, ns, grace=0)
         wait_for("the pods gone", lambda: not kube.list("Pod", ns), timeout=60)
+
+
+def allocated_seconds(port: int, ns: str) -> dict[str, float]:
+    """The agent's `gpudra_allocated_device_seconds` of one namespace, by sharing."""
+    url = f"http://127.0.0.1:{port}/metrics"
+    text = get(url, 10)
+    wanted = "gpudra_allocated_device_seconds_total"  # a counter's sample
+    samples = metric_samples(url, text, lambda name: name == wanted)
+    return {s.labels["sharing"]: s.value for s in samples if s.labels["namespace"] == ns}
+
+
+def billed_per_second(port: int, ns: str) -> dict[str, float]:
+    """How fast each sharing mode's device-seconds grow over a few of the agent's
+    samples, once every series is there; both are read from the same samples, so their
+    ratio does not depend on when the agent sampled."""
+    seen: list[dict[str, float]] = [{}]
+
+    def both() -> dict[str, float] | None:
+        got = seen[0] = allocated_seconds(port, ns)
+        ready = {"TimeSlicing", "Exclusive"} <= got.keys() and all(v > 0 for v in got.values())
+        return got if ready else None
+
+    try:
+        first = wait_for("the agent billing both kinds of claim", both, timeout=60)
+    except TimeoutError as e:
+        raise AssertionError(f"{e}; the namespace's allocated seconds: {seen[0]}") from e
+    last = wait_for(
+        "five seconds more of billing",
+        lambda: (
+            got
+            if (got := allocated_seconds(port, ns))["Exclusive"] >= first["Exclusive"] + 5
+            else None
+        ),
+        timeout=60,
+    )
+    return {k: last[k] - first[k] for k in ("TimeSlicing", "Exclusive")}
 
 
 # --- faults -----------------------------------------------------------------------------
