@@ -44,6 +44,11 @@ Which GPU is lost is decided per GPU from calls scoped to it (on the handle take
 its events were registered), never from a lookup by UUID: that lookup answers
 GPU_IS_LOST for every GPU while any one is lost (nvml.h). NVML's "a GPU is lost" from
 the event wait is re-checked the same way, so one lost GPU taints its own devices only.
+That answer is a state, not an event: the wait gives it "if a GPU has fallen off the
+bus" (nvml.h), wait after wait and at once, until the GPU is reset. So the watcher
+builds its event set again without the lost GPUs, to keep hearing from the others, and
+registers a lost GPU again once it was reset; where NVML still answers so, it waits out
+the wait timeout between asking, instead of spinning.
 """
 
 from __future__ import annotations
@@ -684,7 +689,8 @@ class NvmlHealthWatcher:
     Blocking NVML calls run in a worker thread (`anyio.to_thread`); each wait is at most
     `wait_timeout_ms`, which bounds how long cancellation takes. Before each wait it
     registers the events of GPUs the inventory gained (`_watch_added`); between events
-    it checks whether lost GPUs were reset and lets taints expire. With `resets`
+    it checks whether lost GPUs were reset and lets taints expire. A GPU found lost
+    leaves the event set (`_wait_says_lost`) until it was reset. With `resets`
     it also takes the admin's reset marks and keeps the taints that wait for a reset
     in the state folder, so that an agent restart raises them again.
     """
@@ -716,6 +722,8 @@ class NvmlHealthWatcher:
         self._lost: set[str] = set()  # lost GPUs, as the watcher saw them
         self._handles: dict[str, Any] = {}  # GPU UUID -> handle, for GPU-scoped probes
         self._watched: set[str] = set()  # GPUs whose events registration was tried
+        self._registered: set[str] = set()  # GPUs whose events the event set holds
+        self._still_lost = False  # the last wait said lost, and no GPU was found lost
         self._inventory_seen: Inventory | None = None  # what `_watch_added` compared last
         self._not_reset: dict[str, str] = {}  # lost GPU -> why it is not taken as reset
 
@@ -818,6 +826,7 @@ class NvmlHealthWatcher:
         uuids = {gpu.uuid for gpu in inventory.gpus}
         for gone in self._watched - uuids:
             self._handles.pop(gone, None)
+            self._registered.discard(gone)
             self._lost.discard(gone)
             self._not_reset.pop(gone, None)
         self._watched &= uuids
@@ -863,6 +872,7 @@ class NvmlHealthWatcher:
             )
             return UnmonitoredEvent(uuid, reason)
         self._nvml.nvmlDeviceRegisterEvents(handle, mask, self._event_set)
+        self._registered.add(uuid)
         return None
 
     def _handle(self, uuid: str) -> Any:
@@ -882,6 +892,7 @@ class NvmlHealthWatcher:
             logger.warning("nvmlEventSetFree failed", extra={"fields": {"error": str(err)}})
         finally:
             self._event_set = None
+            self._registered.clear()
             try:
                 self._nvml.nvmlShutdown()
             except pynvml.NVMLError as err:
@@ -891,13 +902,89 @@ class NvmlHealthWatcher:
         try:
             data = self._nvml.nvmlEventSetWait_v2(self._event_set, self._timeout_ms)
         except pynvml.NVMLError_Timeout:
+            self._still_lost = False
             return self._probe_lost()
         except pynvml.NVMLError_GpuIsLost:
-            return self._find_lost()
+            return self._wait_says_lost()
         except pynvml.NVMLError as err:
             logger.warning("waiting for NVML events failed", extra={"fields": {"error": str(err)}})
             time.sleep(self._timeout_ms / 1000)  # do not spin on a persistent error
             return []
+        self._still_lost = False
+        return self._read_event(data)
+
+    def _wait_says_lost(self) -> list[HealthEvent]:
+        """The wait answered GPU_IS_LOST: a state, not an event (module docstring).
+
+        Waiting again at once would get the same answer at once: the watcher would spin,
+        flood the log and read no event of the GPUs still healthy. So the GPUs newly lost
+        are found (`_find_lost`) and the event set is built again without the lost ones
+        (`_rebuild_event_set`); a lost GPU is registered again once it was reset
+        (`_reset_seen`). Where NVML still says lost and no GPU is newly lost (a lost GPU
+        the set holds although it could not be rebuilt, or an NVML that says so for a
+        GPU outside the set) the watcher waits the wait timeout and checks whether lost
+        GPUs were reset, as after a quiet wait; the warning that no GPU was found lost is
+        logged once for such a stretch, not for every wait.
+        """
+        events = self._find_lost(warn=not self._still_lost)
+        if self._registered & self._lost:
+            rebuilt = self._rebuild_event_set()
+            if rebuilt is not None:
+                return [*events, *rebuilt]
+        if events:
+            return events
+        self._still_lost = True
+        time.sleep(self._timeout_ms / 1000)
+        return self._probe_lost()
+
+    def _rebuild_event_set(self) -> list[HealthEvent] | None:
+        """Replace the event set by one that holds the GPUs it held less the lost ones;
+        None where NVML makes no new set (the old one is kept).
+
+        What the old set still holds is read first (without waiting), so that events
+        queued before the loss are not freed with it. Each GPU is registered again
+        through `_register`: one that turns out lost or fails is reported so.
+        """
+        events = self._drain()
+        try:
+            fresh = self._nvml.nvmlEventSetCreate()
+        except pynvml.NVMLError as err:
+            logger.warning(
+                "cannot build the NVML event set again without the lost GPUs",
+                extra={"fields": {"error": str(err)}},
+            )
+            return events or None
+        old, self._event_set = self._event_set, fresh
+        dropped = sorted(self._registered & self._lost)
+        kept = sorted(self._registered - self._lost)
+        self._registered = set()
+        try:
+            self._nvml.nvmlEventSetFree(old)
+        except pynvml.NVMLError as err:
+            logger.warning("nvmlEventSetFree failed", extra={"fields": {"error": str(err)}})
+        for uuid in kept:
+            event = self._register(uuid)
+            if event is not None:
+                events.append(event)
+        logger.info(
+            "NVML event set built again without the lost GPUs",
+            extra={"fields": {"lost": dropped, "watched": len(self._registered)}},
+        )
+        return events
+
+    def _drain(self) -> list[HealthEvent]:
+        """The events the event set holds now, read without waiting, until NVML answers
+        anything but an event (GPU_IS_LOST, once they are read)."""
+        events: list[HealthEvent] = []
+        while True:
+            try:
+                data = self._nvml.nvmlEventSetWait_v2(self._event_set, 0)
+            except pynvml.NVMLError:
+                return events
+            events.extend(self._read_event(data))
+
+    def _read_event(self, data: Any) -> list[HealthEvent]:
+        """What one event the wait returned means for health."""
         event_type = int(data.eventType)
         if event_type & pynvml.nvmlEventTypeXidCriticalError:
             return self._xid_event(data)
@@ -984,12 +1071,13 @@ class NvmlHealthWatcher:
             return True  # another problem, but the GPU itself is not reported lost
         return True
 
-    def _find_lost(self) -> list[HealthEvent]:
+    def _find_lost(self, *, warn: bool = True) -> list[HealthEvent]:
         """NVML said a GPU is lost without saying which: ask each GPU, twice.
 
         A GPU counts as lost only if it fails its own probe and the re-check; if
         none does, nothing is tainted (the next wait or probe will tell again)
-        instead of tainting every GPU of the node for one GPU's fault.
+        instead of tainting every GPU of the node for one GPU's fault. `warn`: log
+        that none does (off where the last wait already said so).
         """
         events: list[HealthEvent] = []
         candidates = [g.uuid for g in self._state.inventory.gpus if g.uuid not in self._lost]
@@ -997,7 +1085,7 @@ class NvmlHealthWatcher:
             if not self._gpu_answers(uuid) and not self._gpu_answers(uuid):
                 self._lost.add(uuid)
                 events.append(GpuLostEvent(uuid))
-        if not events and candidates:
+        if warn and not events and candidates:
             logger.warning(
                 "NVML reported a lost GPU, but every GPU answers its own probes",
                 extra={"fields": {"gpus": len(candidates)}},

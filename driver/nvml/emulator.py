@@ -1961,9 +1961,24 @@ class NvmlEmulator:
 
     @_nvml(counted=False)
     def nvmlEventSetWait_v2(self, eventSet: Any, timeoutms: int) -> Any:
+        """Events in the order they happened; GPU_IS_LOST for as long as a GPU registered
+        in the set is lost, not once.
+
+        nvml.h gives GPU_IS_LOST "if a GPU has fallen off the bus", a state that lasts
+        until the GPU is reset. NVIDIA's own mock NVML (k8s-test-infra, PR 746) answers
+        it from every wait while a GPU is lost, at once, without waiting out the
+        timeout, "the same as a real driver after Xid 79"; an event still pending is
+        handed out first. So does this wait: the events queued before it (the loss
+        itself among them, in its place) come out first, then GPU_IS_LOST at once, wait
+        after wait. Unlike that mock, which knows no registrations, only a lost GPU
+        registered in this set counts: a set built again without it waits as usual,
+        which is how a client keeps hearing from the GPUs that still answer.
+        """
         event_set = self._event_set(eventSet)
         deadline = time.monotonic() + max(timeoutms, 0) / 1000
         while not event_set.queue:
+            if any(self._gpus[index].lost for index in event_set.gpus):
+                raise _nvml_error(pynvml.NVML_ERROR_GPU_IS_LOST)
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise _nvml_error(pynvml.NVML_ERROR_TIMEOUT)

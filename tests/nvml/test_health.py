@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
@@ -37,7 +38,7 @@ from gpudra.driver.health import (
     TaintEffect,
     XidEvent,
 )
-from gpudra.driver.nvml.emulator import NvmlEmulator
+from gpudra.driver.nvml.emulator import NvmlEmulator, load_builtin_profile
 
 from tests.nvml.emulated import emulated
 
@@ -302,6 +303,157 @@ async def test_watcher_handles_gpu_loss_and_recovery() -> None:
         nvml.inject_xid(5, 63)
         await next_change(state, seen)
         assert state.report().taints("gpu-5")[0].value == "63"
+
+
+# --- a lost GPU: NVML keeps saying so ----------------------------------------------------
+
+
+def test_the_emulated_wait_says_lost_while_a_gpu_of_its_set_is_lost() -> None:
+    """nvml.h: the wait answers GPU_IS_LOST "if a GPU has fallen off the bus", a state:
+    at once and wait after wait, after the events queued before the loss, on a set that
+    holds the lost GPU; a set without it waits and delivers as usual."""
+    nvml = emulated("h100-80gb-hbm3-x8")
+    nvml.nvmlInit()
+    with_lost, without = nvml.nvmlEventSetCreate(), nvml.nvmlEventSetCreate()
+    xid = pynvml.nvmlEventTypeXidCriticalError
+    for index in range(4):
+        nvml.nvmlDeviceRegisterEvents(nvml.nvmlDeviceGetHandleByIndex(index), xid, with_lost)
+    nvml.nvmlDeviceRegisterEvents(nvml.nvmlDeviceGetHandleByIndex(0), xid, without)
+    nvml.inject_xid(0, 94)
+    nvml.lose_gpu(3)
+    assert nvml.nvmlEventSetWait_v2(with_lost, 0).eventData == 94  # it came first
+    started = time.monotonic()
+    for _ in range(3):
+        with pytest.raises(pynvml.NVMLError_GpuIsLost):
+            nvml.nvmlEventSetWait_v2(with_lost, 10_000)
+    assert time.monotonic() - started < 5  # at once, not after the timeout
+    assert nvml.nvmlEventSetWait_v2(without, 0).eventData == 94
+    with pytest.raises(pynvml.NVMLError_Timeout):
+        nvml.nvmlEventSetWait_v2(without, 10)
+    nvml.recover_gpu(3)
+    with pytest.raises(pynvml.NVMLError_Timeout):
+        nvml.nvmlEventSetWait_v2(with_lost, 10)
+
+
+def xids_seen(state: HealthState, gpu: int, xid: int) -> int:
+    return state.xid_counts().get((state.inventory.gpus[gpu].uuid, xid), 0)
+
+
+async def until(condition: Callable[[], bool], within_s: float) -> None:
+    with anyio.fail_after(within_s):
+        while not condition():
+            await anyio.sleep(0.01)
+
+
+async def test_a_lost_gpu_neither_spins_the_watcher_nor_hides_the_other_gpus() -> None:
+    """After an XID 79 every wait on an event set that holds the lost GPU answers
+    GPU_IS_LOST at once. The watcher builds its set again without it: it does not spin
+    (a waiting watcher makes no NVML calls), and the errors of the GPUs that still
+    answer reach it, those queued behind the loss and those after it, long before the
+    wait timeout."""
+    nvml = emulated("h100-80gb-hbm3-x8")
+    inventory = discover(nvml)
+    state = make_state(inventory, FakeClock())
+    watcher = NvmlHealthWatcher(nvml, state, wait_timeout_ms=3000)
+    async with anyio.create_task_group() as tg:
+        await tg.start(watcher.run)
+        nvml.lose_gpu(3)
+        nvml.inject_xid(0, 48)  # at the same time: queued behind the loss
+        await until(lambda: state.lost_gpus == {inventory.gpus[3].uuid}, 2)
+        await until(lambda: xids_seen(state, 0, 48) == 1, 2)
+
+        calls = nvml.call_count
+        await anyio.sleep(0.3)
+        assert nvml.call_count - calls <= 5  # blocked in the wait, not asking again
+
+        nvml.inject_xid(1, 48)
+        await until(lambda: xids_seen(state, 1, 48) == 1, 1)  # the wait is 3 s
+        assert {"gpu-0", "gpu-1", "gpu-3"} == set(state.report().unhealthy())
+        tg.cancel_scope.cancel()
+        nvml.inject_xid(2, 13)  # wakes the wait, so the watcher stops now
+
+
+async def test_a_lost_gpu_is_watched_again_once_it_was_reset() -> None:
+    """The lost GPU left the event set; the reset that the watcher sees registers its
+    events again: its next XID and its next loss are seen."""
+    nvml = emulated("h100-80gb-hbm3-x8")
+    inventory = discover(nvml)
+    state = make_state(inventory, FakeClock())
+    lost = inventory.gpus[3].uuid
+    async with watching(nvml, state):  # waits of 20 ms
+        seen = state.generation
+        nvml.lose_gpu(3)
+        await next_change(state, seen)
+        assert state.lost_gpus == {lost}
+        calls = nvml.call_count
+        await anyio.sleep(0.3)
+        # One call per wait timeout: GPU 3 asked whether it was reset.
+        assert nvml.call_count - calls < 100
+
+        nvml.recover_gpu(3)
+        await until(lambda: not state.lost_gpus, 10)
+        nvml.inject_xid(3, 94)
+        await until(lambda: xids_seen(state, 3, 94) == 1, 10)
+        nvml.lose_gpu(3)
+        await until(lambda: state.lost_gpus == {lost}, 10)
+
+
+class AnyGpuLost(NvmlEmulator):
+    """NVML as NVIDIA's mock NVML has it (k8s-test-infra, PR 746): while any GPU is
+    lost, every wait answers GPU_IS_LOST once the pending events are read, whatever
+    GPUs its event set holds. Counts the waits."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(load_builtin_profile(name))
+        self.lost: set[int] = set()
+        self.waits = 0
+
+    def lose_gpu(self, index: int) -> None:
+        super().lose_gpu(index)
+        self.lost.add(index)
+
+    def recover_gpu(self, index: int) -> None:
+        super().recover_gpu(index)
+        self.lost.discard(index)
+
+    def nvmlEventSetWait_v2(self, eventSet: object, timeoutms: int) -> object:
+        self.waits += 1
+        if not self.lost:
+            return super().nvmlEventSetWait_v2(eventSet, timeoutms)
+        try:
+            return super().nvmlEventSetWait_v2(eventSet, 0)
+        except pynvml.NVMLError_Timeout:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_GPU_IS_LOST) from None
+
+
+async def test_an_nvml_that_says_lost_for_any_gpu_does_not_spin_the_watcher(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Where the wait says lost whatever the event set holds, building it again does not
+    help: the watcher waits the wait timeout between waits (and checks for a reset), and
+    says once, not per wait, that no other GPU is lost. Events still come through."""
+    nvml = AnyGpuLost("h100-80gb-hbm3-x8")
+    inventory = discover(nvml)
+    state = make_state(inventory, FakeClock())
+    watcher = NvmlHealthWatcher(nvml, state, wait_timeout_ms=100)
+    with caplog.at_level(logging.WARNING, logger="gpudra.driver.health"):
+        async with anyio.create_task_group() as tg:
+            await tg.start(watcher.run)
+            nvml.lose_gpu(3)
+            await until(lambda: state.lost_gpus == {inventory.gpus[3].uuid}, 10)
+            waits = nvml.waits
+            await anyio.sleep(0.5)
+            assert nvml.waits - waits <= 10  # one per wait timeout
+
+            nvml.inject_xid(0, 48)
+            await until(lambda: xids_seen(state, 0, 48) == 1, 10)
+            nvml.recover_gpu(3)
+            await until(lambda: not state.lost_gpus, 10)
+            nvml.inject_xid(3, 94)
+            await until(lambda: xids_seen(state, 3, 94) == 1, 10)
+            tg.cancel_scope.cancel()
+    unexplained = [r for r in caplog.records if "every GPU answers" in r.message]
+    assert 1 <= len(unexplained) <= 2  # before the XID on GPU 0, and after it
 
 
 async def test_watcher_resolves_mig_scoped_events() -> None:
