@@ -895,6 +895,24 @@ def _check_branch(scan: _Scanner, raw_driver: str) -> None:
     raise DiscoveryError(msg, call="nvmlSystemGetDriverVersion")
 
 
+def _numa_node(
+    scan: _Scanner, topo: PciTopology, index: int, handle: Any, bus_id: str
+) -> int | None:
+    """The NUMA node `resource.kubernetes.io/numaNode` means: that of the GPU's PCI
+    device, as sysfs gives it (`numa_node`, what KEP-6072 and the Kubernetes helpers
+    read), the node of the CPUs and NICs near the GPU.
+
+    NVML's nvmlDeviceGetNumaNodeId "only applies to platforms where the GPUs are NUMA
+    nodes" (nvml.h): on Grace (GH200, GB200) it names the GPU's own HBM node, never the
+    CPU's, so it is asked only where sysfs has no node (R535 has no such call at all).
+    """
+    node = topo.numa_node(bus_id)
+    if node is not None:
+        return node
+    numa = scan.optional(index, "nvmlDeviceGetNumaNodeId", handle, ok=_UNSUPPORTED)
+    return int(numa) if numa is not None else None
+
+
 def _discover_gpu(
     scan: _Scanner, topo: PciTopology, index: int, common: Mapping[str, AttributeValue]
 ) -> Gpu:
@@ -916,8 +934,7 @@ def _discover_gpu(
     pci = scan.call(index, "nvmlDeviceGetPciInfo_v3", handle)
     nvml_bus_id = str(pci.busId)
     bus_id = _lower_bus_id(nvml_bus_id)
-    numa = scan.optional(index, "nvmlDeviceGetNumaNodeId", handle, ok=_UNSUPPORTED)
-    numa_node = int(numa) if numa is not None else topo.numa_node(bus_id)
+    numa_node = _numa_node(scan, topo, index, handle, bus_id)
     pcie_root = topo.pcie_root(bus_id)
     mig_mode = scan.optional(index, "nvmlDeviceGetMigMode", handle, ok=_UNSUPPORTED)
     mig_capable = mig_mode is not None

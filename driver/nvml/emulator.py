@@ -329,11 +329,21 @@ class GpuSpec(_Spec):
     busId: Annotated[str, Field(pattern=r"^[0-9A-F]{8}:[0-9A-F]{2}:[0-9A-F]{2}\.[0-7]$")]
     pcieRoot: Annotated[str, Field(pattern=r"^pci[0-9a-f]{4}:[0-9a-f]{2}$")] | None = None
     numaNode: Annotated[int, Field(ge=-1)] | None = None  # None: NVML says NOT_SUPPORTED
+    # The NUMA node sysfs gives the GPU's PCI device, where it is not numaNode (Grace:
+    # NVML names the GPU's own HBM node, sysfs the CPU's); None: numaNode is sysfs's too.
+    pciNumaNode: NonNegInt | None = None
     migEnabled: bool = False
     migPendingEnabled: bool | None = None  # None: same as migEnabled
     migInstances: tuple[MigInstanceSpec, ...] = ()
     computeMode: Annotated[int, Field(ge=0, lt=pynvml.NVML_COMPUTEMODE_COUNT)] = 0
     telemetry: TelemetrySpec | None = None  # None: defaults; see gpudra.driver.nvml.series
+
+    @property
+    def sysfs_numa_node(self) -> int | None:
+        """The NUMA node sysfs shows for the GPU's PCI device (None: no node), which
+        discovery publishes before NVML's: pciNumaNode where given, else numaNode."""
+        node = self.numaNode if self.pciNumaNode is None else self.pciNumaNode
+        return node if node is not None and node >= 0 else None
 
 
 class ProfileSpec(_Spec):
@@ -720,9 +730,9 @@ class NvmlEmulator:
             ),
             numa_nodes=MappingProxyType(
                 {
-                    _normalise_bus_id(g.busId): g.numaNode
+                    _normalise_bus_id(g.busId): g.sysfs_numa_node
                     for g in profile.gpus
-                    if g.numaNode is not None and g.numaNode >= 0
+                    if g.sysfs_numa_node is not None
                 }
             ),
         )

@@ -4,8 +4,8 @@ Two NVML habits would otherwise break a healthy GPU because of another one, or a
 driver that is older than the call:
 - `nvmlDeviceGetHandleByUUID` walks every GPU and answers GPU_IS_LOST when *any* GPU
   has fallen off the bus (nvml.h), so it says nothing about the GPU asked for. The
-  lookup by index is scoped to its target: `device_handle` falls back to it and
-  decides from the GPU itself.
+  lookup by index is scoped to its target: `device_handle` falls back to it, and to
+  the lookup of a GPU's MIG devices by index, and decides from the GPU itself.
 - `nvmlDeviceGetGpuInstanceProfileInfoById` exists from R580 only;
   `gpu_instance_profile` finds a profile by ID through the per-index query every
   MIG-capable branch has.
@@ -29,6 +29,8 @@ __all__ = [
 
 # Answers of nvmlDeviceGetGpuInstanceProfileInfo for an index the GPU or branch lacks.
 _NO_PROFILE = frozenset({pynvml.NVML_ERROR_NOT_SUPPORTED, pynvml.NVML_ERROR_INVALID_ARGUMENT})
+# Answers of nvmlDeviceGetMigDeviceHandleByIndex for an index without a MIG device.
+_NO_MIG_AT_INDEX = frozenset({pynvml.NVML_ERROR_NOT_FOUND, pynvml.NVML_ERROR_INVALID_ARGUMENT})
 
 
 def nvml_code(err: BaseException) -> int | None:
@@ -51,26 +53,61 @@ def handle_address(handle: Any) -> int | None:
 def device_handle(nvml: NvmlLibrary, uuid: str) -> Any:
     """The handle of the GPU (or MIG device) with `uuid`.
 
-    Raises GPU_IS_LOST only when that GPU itself is lost; NOT_FOUND when no GPU has
-    the UUID; other NVML errors as they come.
+    Raises GPU_IS_LOST only when that GPU itself is lost, or when the device is not
+    among those of the GPUs that answer while one is lost (it may be the lost GPU's
+    or one of its MIG devices); NOT_FOUND when no device has the UUID; other NVML
+    errors as they come.
     """
     try:
         return nvml.nvmlDeviceGetHandleByUUID(uuid)
     except pynvml.NVMLError_GpuIsLost:
         pass
+    # The lookup by UUID gave up on every device, MIG devices of healthy GPUs too:
+    # walk the GPUs that answer, and a MIG UUID through their MIG devices, or one lost
+    # GPU would blank every MIG device's metrics and MIG management on the node.
+    mig = uuid.startswith("MIG-")  # a GPU's UUID starts GPU-: no MIG walk for it
     lost = False
     for index in range(int(nvml.nvmlDeviceGetCount())):
         try:
             handle = nvml.nvmlDeviceGetHandleByIndex(index)
             if str(nvml.nvmlDeviceGetUUID(handle)) == uuid:
                 return handle
+            found = _mig_device_handle(nvml, handle, uuid) if mig else None
         except pynvml.NVMLError_GpuIsLost:
             lost = True  # this index is the lost GPU, or one of them
-    # Not among the GPUs that answer: either it is the lost one, or it is a MIG
-    # device (whose lookup needs the walk that failed), or it does not exist.
+            continue
+        if found is not None:
+            return found
+    # Not among the devices that answer: either it is the lost GPU or one of its MIG
+    # devices, or it does not exist.
     if lost:
         raise pynvml.NVMLError(pynvml.NVML_ERROR_GPU_IS_LOST)
     raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_FOUND)
+
+
+def _mig_device_handle(nvml: NvmlLibrary, parent: Any, uuid: str) -> Any | None:
+    """The handle of `parent`'s MIG device with `uuid`, None if it has none such.
+
+    MIG device indices may have gaps (NOT_FOUND, or INVALID_ARGUMENT past what the GPU
+    offers), as where a GPU instance was destroyed; a GPU without MIG answers a
+    maximum of 0 or NOT_SUPPORTED.
+    """
+    try:
+        count = int(nvml.nvmlDeviceGetMaxMigDeviceCount(parent))
+    except pynvml.NVMLError as err:
+        if nvml_code(err) == pynvml.NVML_ERROR_NOT_SUPPORTED:
+            return None
+        raise
+    for index in range(count):
+        try:
+            handle = nvml.nvmlDeviceGetMigDeviceHandleByIndex(parent, index)
+        except pynvml.NVMLError as err:
+            if nvml_code(err) in _NO_MIG_AT_INDEX:
+                continue
+            raise
+        if str(nvml.nvmlDeviceGetUUID(handle)) == uuid:
+            return handle
+    return None
 
 
 def gpu_instance_profiles(nvml: NvmlLibrary, parent: Any) -> dict[int, tuple[int, Any]]:

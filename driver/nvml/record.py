@@ -77,13 +77,22 @@ def _pcie_root(bus_id: str, topology: PciTopology | None) -> str | None:
     return str(root) if root is not None else None
 
 
-def _numa_node(read: _Reader, handle: Any, bus_id: str, topology: PciTopology | None) -> int | None:
-    """NVML's answer, else the topology's, as discovery takes it: NVML before R550 has
-    no nvmlDeviceGetNumaNodeId, and a replay must still publish the node's NUMA node."""
-    node = read.get("nvmlDeviceGetNumaNodeId", handle)
-    if node is not None:
-        return int(node)
-    return topology.numa_node(_short_bus_id(bus_id)) if topology is not None else None
+def _numa_nodes(
+    read: _Reader, handle: Any, bus_id: str, topology: PciTopology | None
+) -> dict[str, int | None]:
+    """`numaNode`: NVML's answer, else the topology's (NVML before R550 has no
+    nvmlDeviceGetNumaNodeId). `pciNumaNode`: the topology's where it differs.
+
+    Discovery publishes the topology's (sysfs) node before NVML's: on Grace NVML names
+    the GPU's own HBM node, sysfs the CPU's. The replay must publish what the node did,
+    and a replayed NVML must answer what the real one did, so a recording keeps both.
+    """
+    answer = read.get("nvmlDeviceGetNumaNodeId", handle)
+    sysfs = topology.numa_node(_short_bus_id(bus_id)) if topology is not None else None
+    nvml_node = int(answer) if answer is not None else sysfs
+    if sysfs is None or sysfs == nvml_node:
+        return {"numaNode": nvml_node}
+    return {"numaNode": nvml_node, "pciNumaNode": int(sysfs)}
 
 
 def _gi_profiles(read: _Reader, handle: Any) -> list[dict[str, Any]]:
@@ -212,7 +221,7 @@ def _record_gpu(
         "minor": int(nvml.nvmlDeviceGetMinorNumber(handle)),
         "busId": bus_id,
         "pcieRoot": _pcie_root(bus_id, topology),
-        "numaNode": _numa_node(read, handle, bus_id, topology),
+        **_numa_nodes(read, handle, bus_id, topology),
     }
     compute_mode = read.get("nvmlDeviceGetComputeMode", handle)
     if compute_mode is not None:
@@ -244,8 +253,8 @@ def record(
 ) -> dict[str, Any]:
     """Read every GPU through NVML and return a profile document (JSON-ready dict).
 
-    `topology` supplies PCIe roots, and NUMA nodes where NVML has none (on a real node
-    pass `SysfsTopology()`). NVML errors other than "not supported" propagate: a
+    `topology` supplies PCIe roots and the NUMA nodes sysfs gives (on a real node pass
+    `SysfsTopology()`). NVML errors other than "not supported" propagate: a
     half-read recording would replay a machine that never existed.
     """
     read = _Reader(nvml)

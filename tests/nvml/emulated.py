@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from gpudra.driver.nvml import NvmlEmulator, load_nvml
+from gpudra.driver.nvml.emulator import load_builtin_profile, parse_profile
 
 
 def emulated(name: str) -> NvmlEmulator:
@@ -10,3 +13,13 @@ def emulated(name: str) -> NvmlEmulator:
     nvml = load_nvml(f"emulated:{name}")
     assert isinstance(nvml, NvmlEmulator)
     return nvml
+
+
+def with_nvml_numa_nodes(name: str, nodes: Sequence[int]) -> NvmlEmulator:
+    """Built-in profile `name` whose NVML answers nvmlDeviceGetNumaNodeId with `nodes`,
+    GPU by GPU: as on Grace (GH200, GB200), where NVML names each GPU's own HBM NUMA
+    node, not the node of the CPU the GPU hangs off."""
+    document = load_builtin_profile(name).model_dump(mode="json")
+    for gpu, node in zip(document["gpus"], nodes, strict=True):
+        gpu["numaNode"] = node
+    return NvmlEmulator(parse_profile(document), source=f"{name}, NVML NUMA nodes {nodes}")

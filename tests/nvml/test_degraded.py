@@ -32,6 +32,7 @@ from gpudra.driver.mig import (
 from gpudra.driver.node import NodeService
 from gpudra.driver.nvml.emulator import NvmlEmulator
 from gpudra.driver.nvml.handles import device_handle
+from gpudra.driver.sampling import Sampler
 from prometheus_client import CollectorRegistry
 
 from tests.nvml.emulated import emulated
@@ -56,6 +57,35 @@ def test_device_handle_answers_for_healthy_gpus_while_one_is_lost() -> None:
     nvml.recover_gpu(5)
     with pytest.raises(pynvml.NVMLError_NotFound):
         device_handle(nvml, "GPU-00000000-0000-0000-0000-000000000000")
+    nvml.nvmlShutdown()
+
+
+@pytest.mark.anyio
+async def test_mig_devices_of_a_healthy_gpu_are_sampled_while_another_gpu_is_lost() -> None:
+    """The lookup by UUID answers GPU_IS_LOST for MIG devices too while any GPU is lost:
+    the fallback finds a healthy GPU's MIG devices through that GPU, and a MIG device of
+    the lost GPU is still told lost."""
+    nvml = emulated("a100-40gb-mig-r550")
+    gpu1 = discover(nvml).gpus[1]
+    partition = next(d for d in gpu1.partitions if d.placement and d.placement.profile_id == 19)
+    assert partition.placement is not None
+    gi = create_gpu_instance(nvml, gpu1.uuid, partition.placement)
+    create_compute_instance(nvml, gpu1.uuid, gi)
+    inventory = discover(nvml)
+    healthy, lost = inventory.gpus
+    assert len(healthy.mig_devices) == 4
+    assert len(lost.mig_devices) == 1
+    nvml.lose_gpu(1)
+    sampler = Sampler(nvml, pool="n1", inventory=lambda: inventory, prepared=list)
+    sample = await sampler.sample_once()
+    readings = {device.uuid: reading for device, reading in sample.devices}
+    for mig in healthy.mig_devices:
+        assert "handle" not in readings[mig.uuid].missing
+        assert readings[mig.uuid].values["memory_used"] >= 0
+    assert readings[lost.mig_devices[0].uuid].missing == {"handle": "gpu_is_lost"}
+    nvml.nvmlInit()
+    for mig in healthy.mig_devices:
+        assert nvml.nvmlDeviceGetUUID(device_handle(nvml, mig.uuid)) == mig.uuid
     nvml.nvmlShutdown()
 
 

@@ -33,7 +33,8 @@ from gpudra.driver.nvml.emulator import NvmlEmulator, load_builtin_profile
 from gpudra.driver.nvml.topology import SysfsTopology
 from gpudra.driver.slices import DeviceLimitError, SliceLimits, plan_slices, validate_device
 
-from tests.nvml.emulated import emulated
+from tests.nvml.emulated import emulated, with_nvml_numa_nodes
+from tests.nvml.sysfs import sysfs_numa_nodes
 
 H100_PROFILES = {  # GI profile ID -> (name, placements)
     19: ("1g.10gb", 7),
@@ -404,26 +405,35 @@ def test_sysfs_topology(tmp_path: Path) -> None:
     assert topology.numa_node("0000:18:00.0") is None
 
 
-@pytest.mark.parametrize(("branch", "gpu0_numa"), [(535, 1), (550, 0)])
-def test_numa_node_comes_from_sysfs_where_nvml_has_no_call(
-    tmp_path: Path, branch: int, gpu0_numa: int
+@pytest.mark.parametrize("branch", [535, 550])
+def test_numa_node_comes_from_sysfs_and_from_nvml_only_where_sysfs_has_none(
+    tmp_path: Path, branch: int
 ) -> None:
-    """R535's NVML has no nvmlDeviceGetNumaNodeId (first in NVML 12.4, R550): discovery
-    reads sysfs there (here GPU 0 on node 1, GPU 1 not listed); from R550 NVML's own
-    answer (node 0, from the profile) wins."""
-    root = tmp_path / "sys"
-    device = root / "devices" / "pci0000:00" / "0000:07:00.0"
-    device.mkdir(parents=True)
-    (device / "numa_node").write_text("1\n")
-    links = root / "bus" / "pci" / "devices"
-    links.mkdir(parents=True)
-    (links / "0000:07:00.0").symlink_to(device)
+    """The standard attribute is the PCI device's node in sysfs (KEP-6072), on every
+    branch: here GPU 0 on node 1, where NVML from R550 on says 0. GPU 1 is not in
+    sysfs: R535's NVML has no nvmlDeviceGetNumaNodeId (first in NVML 12.4, R550), so
+    it has no node there; from R550 on NVML's answer (0, from the profile) is taken."""
+    topology = sysfs_numa_nodes(tmp_path / "sys", {"0000:07:00.0": 1})
     nvml = emulated(f"a100-40gb-mig-r{branch}")
-    gpu0, gpu1 = discover(nvml, topology=SysfsTopology(root)).gpus
-    assert gpu0.device.attributes[NUMA_NODE_ATTRIBUTE] == gpu0_numa
+    gpu0, gpu1 = discover(nvml, topology=topology).gpus
+    assert gpu0.device.attributes[NUMA_NODE_ATTRIBUTE] == 1
     assert gpu0.device.attributes[PCIE_ROOT_ATTRIBUTE] == "pci0000:00"
-    assert all(d.attributes[NUMA_NODE_ATTRIBUTE] == gpu0_numa for d in gpu0.partitions)
+    assert all(d.attributes[NUMA_NODE_ATTRIBUTE] == 1 for d in gpu0.partitions)
     if branch < 550:
         assert NUMA_NODE_ATTRIBUTE not in gpu1.device.attributes
     else:
         assert gpu1.device.attributes[NUMA_NODE_ATTRIBUTE] == 0
+
+
+def test_on_grace_the_numa_node_is_the_cpus_not_the_gpus_own(tmp_path: Path) -> None:
+    """NVML's nvmlDeviceGetNumaNodeId "only applies to platforms where the GPUs are NUMA
+    nodes" (nvml.h): on GH200/GB200 it answers the GPU's HBM node (4 and 5 here), while
+    sysfs gives the node of the CPU and NICs the GPU is near, the one the attribute
+    means (0). GPU 1, absent from sysfs, still gets NVML's."""
+    nvml = with_nvml_numa_nodes("h100-80gb-mig-r580", [4, 5])
+    topology = sysfs_numa_nodes(tmp_path / "sys", {"0000:18:00.0": 0}, pcie_root="pci0000:15")
+    gpu0, gpu1 = discover(nvml, topology=topology).gpus
+    assert gpu0.device.attributes[NUMA_NODE_ATTRIBUTE] == 0
+    assert gpu0.partitions
+    assert all(d.attributes[NUMA_NODE_ATTRIBUTE] == 0 for d in gpu0.partitions)
+    assert gpu1.device.attributes[NUMA_NODE_ATTRIBUTE] == 5

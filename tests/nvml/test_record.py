@@ -14,13 +14,14 @@ from typing import Any
 
 import pynvml
 import pytest
-from gpudra.driver.devices import Inventory, MigStrategy, discover
+from gpudra.driver.devices import NUMA_NODE_ATTRIBUTE, Inventory, MigStrategy, discover
 from gpudra.driver.nvml import builtin_profile_names, load_nvml
 from gpudra.driver.nvml.branches import EMULATED_BRANCHES, PLACEMENTS_WITHOUT_MIG_SINCE
 from gpudra.driver.nvml.emulator import NvmlEmulator, parse_profile
 from gpudra.driver.nvml.record import dumps, main, record, write_recording
 
-from tests.nvml.emulated import emulated
+from tests.nvml.emulated import emulated, with_nvml_numa_nodes
+from tests.nvml.sysfs import sysfs_numa_nodes
 
 FIXTURES = sorted((Path(__file__).parent / "fixtures").glob("*.json"))
 
@@ -74,6 +75,24 @@ def test_recording_replays_the_same_node(name: str) -> None:
     replay = NvmlEmulator(parse_profile(document), source="recording")
     assert summary(discover(replay)) == summary(discover(emulated(name)))
     # Recording the replay gives the same document: nothing is lost or invented.
+    assert record(replay, topology=replay.pci_topology) == document
+
+
+def test_a_grace_recording_keeps_nvmls_numa_node_and_replays_sysfss(tmp_path: Path) -> None:
+    """On Grace NVML's NUMA node (the GPU's HBM, 4) is not the one published (sysfs's,
+    0): the recording keeps NVML's answer and sysfs's apart, and the replay publishes
+    what the node did while its NVML answers what the real one did."""
+    original = with_nvml_numa_nodes("h100-80gb-mig-r580", [4, 5])
+    topology = sysfs_numa_nodes(tmp_path / "sys", {"0000:18:00.0": 0}, pcie_root="pci0000:15")
+    document = record(original, topology=topology)
+    assert [(g["numaNode"], g.get("pciNumaNode")) for g in document["gpus"]] == [(4, 0), (5, None)]
+    replay = NvmlEmulator(parse_profile(document), source="recording")
+    replayed = discover(replay)
+    assert [g.device.attributes[NUMA_NODE_ATTRIBUTE] for g in replayed.gpus] == [0, 5]
+    assert summary(replayed) == summary(discover(original, topology=topology))
+    replay.nvmlInit()
+    assert replay.nvmlDeviceGetNumaNodeId(replay.nvmlDeviceGetHandleByIndex(0)) == 4
+    replay.nvmlShutdown()
     assert record(replay, topology=replay.pci_topology) == document
 
 

@@ -1,0 +1,24 @@
+"""A sysfs of PCI devices laid out in a test's folder, for the production reader of it."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+from gpudra.driver.nvml.topology import SysfsTopology
+
+
+def sysfs_numa_nodes(
+    root: Path, nodes: Mapping[str, int], *, pcie_root: str = "pci0000:00"
+) -> SysfsTopology:
+    """`root` laid out as /sys is: each PCI device (bus ID `0000:18:00.0`) under
+    `pcie_root` with its `numa_node` file, linked from bus/pci/devices; read as the
+    agent reads /sys."""
+    links = root / "bus" / "pci" / "devices"
+    links.mkdir(parents=True, exist_ok=True)
+    for bus_id, node in nodes.items():
+        device = root / "devices" / pcie_root / bus_id
+        device.mkdir(parents=True)
+        (device / "numa_node").write_text(f"{node}\n")
+        (links / bus_id).symlink_to(device)
+    return SysfsTopology(root)
