@@ -123,7 +123,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         default=[],
         metavar="NAME",
         help="a legacy resource a DeviceClass maps itself (extendedResourceName, e.g. "
-        "nvidia.com/gpu): pods asking for it are left to the scheduler; repeatable",
+        "nvidia.com/gpu): pods asking for it are left to the scheduler while a stored "
+        "DeviceClass of the driver carries it, and converted otherwise; repeatable",
     )
     p.add_argument(
         "--conversion-namespace-selector",
@@ -306,6 +307,18 @@ def conversion_policy(args: argparse.Namespace) -> ConversionPolicy:
     )
 
 
+def device_class_cache(
+    args: argparse.Namespace, policy: ConversionPolicy
+) -> DeviceClassCache | None:
+    """The DeviceClasses' mirror, where a decision reads it: claim validation resolves
+    sharing with their configs, and a native resource is left to the scheduler only while
+    a stored class maps it (the API server drops extendedResourceName while its
+    DRAExtendedResource gate is off); without the mirror such pods are always converted."""
+    if args.validate_claims or policy.native_resources:
+        return DeviceClassCache(policy.driver)
+    return None
+
+
 def server_config(args: argparse.Namespace, policy: ConversionPolicy) -> ServerConfig:
     """The server's listener, limits and admission settings, as the flags give them."""
     return ServerConfig(
@@ -458,8 +471,7 @@ def run(args: argparse.Namespace) -> int:
             if args.tenants
             else None
         )
-        # Only claim validation resolves sharing with the DeviceClasses' configs.
-        classes = DeviceClassCache(config.policy.driver) if args.validate_claims else None
+        classes = device_class_cache(args, config.policy)
         configurations = [WebhookConfiguration(ConfigurationKind.MUTATING, registration.NAME)]
         if args.validate_claims:
             configurations.append(
@@ -473,7 +485,7 @@ def run(args: argparse.Namespace) -> int:
         )
 
         # Not ready (no traffic from the Service) until the tenant rules and the
-        # DeviceClasses' configs (claim validation resolves with them) are loaded and,
+        # DeviceClasses (claim validation and native resources read them) are loaded and,
         # with its own CA, until the API server trusts it: a restarted pod makes a new CA.
         def ready() -> bool:
             return (

@@ -184,6 +184,12 @@ class Admission:
         # And their specs: each allowed one is judged once under the same rules and
         # DeviceClasses (`device_classes` is a live view, read at each decision).
         self._claims = ClaimJudge(policy, self._classes, device_classes, self._configs.parse)
+        # The same view says which native resources a stored class maps (`_stored_natives`);
+        # those it does not, as last logged, so each change is logged once, not per pod.
+        self._device_classes: Mapping[str, ClassConfigs] = (
+            device_classes if device_classes is not None else {}
+        )
+        self._unmapped: frozenset[str] = frozenset()
         # Evaluated here only with the tenant view, which watches the Namespaces; without
         # it the registration's namespaceSelector narrows instead (`registration`).
         self._conversion_selector = conversion_selector if tenants is not None else None
@@ -206,7 +212,9 @@ class Admission:
             logger.warning("review for an excluded namespace ignored", extra={"fields": fields})
             return Decision(allow(uid), "allowed")
         lookup = self._lookup(namespace)
-        policy = lookup.rules.policy if lookup and lookup.rules else self._policy
+        policy = self._stored_natives(
+            lookup.rules.policy if lookup and lookup.rules else self._policy
+        )
         refused: ConversionError | None = None
         try:
             conversion = convert_pod(pod, policy)
@@ -273,6 +281,52 @@ class Admission:
             for c in conversion.claims
         ]
         return Decision(allow(uid, patch=conversion.patch, warnings=warnings), "patched")
+
+    def _stored_natives(self, policy: ConversionPolicy) -> ConversionPolicy:
+        """`policy` with only the native resources a stored DeviceClass of the driver maps.
+
+        `--extended-resource-name` says the chart set a class's extendedResourceName, not
+        that the API server kept it: with its DRAExtendedResource gate off (the default of
+        Kubernetes 1.34 and 1.35) it drops the field on write, the scheduler then serves no
+        pod by that name, and a pod left unconverted would wait forever with nothing said.
+        So a resource is left to the scheduler only while a stored class carries it;
+        otherwise its pods are converted like any other (and the tenant rules count them
+        as converted), and the change is logged once.
+        """
+        configured = policy.native_resources
+        if not configured:
+            return policy
+        stored = {
+            found.extended_resource_name
+            for name in self._classes
+            if (found := self._device_classes.get(name)) is not None
+        }
+        served = configured.intersection(stored)
+        unmapped = configured - served
+        if unmapped != self._unmapped:
+            self._log_mapping(unmapped, policy.gpu_class)
+        return policy if not unmapped else dataclasses.replace(policy, native_resources=served)
+
+    def _log_mapping(self, unmapped: frozenset[str], device_class: str) -> None:
+        """Say which native resources just lost, or found, a stored class that maps them."""
+        for resource in sorted(unmapped - self._unmapped):
+            logger.warning(
+                "no stored DeviceClass maps an extended resource the webhook was told a class "
+                "maps: its pods are converted to claims instead of left to the scheduler, "
+                "which would serve them nothing. The API server drops "
+                "spec.extendedResourceName while its DRAExtendedResource feature gate is off "
+                "(the default on Kubernetes 1.34 and 1.35): enable DRAExtendedResource on the "
+                "API server and the scheduler and apply the class again (helm upgrade), or "
+                "unset deviceClasses.gpu.extendedResourceName",
+                extra={"fields": {"device_class": device_class, "resource": resource}},
+            )
+        for resource in sorted(self._unmapped - unmapped):
+            logger.info(
+                "a stored DeviceClass maps the extended resource: its pods are left to the "
+                "scheduler",
+                extra={"fields": {"resource": resource}},
+            )
+        self._unmapped = unmapped
 
     async def validate_claim(self, body: bytes) -> Decision:
         """Hand-written ResourceClaims and templates: tenant rules and opaque configs."""

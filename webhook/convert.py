@@ -176,7 +176,8 @@ class ConversionPolicy:
     max_devices_per_claim: int = MAX_DEVICES_PER_CLAIM
     native_resources: frozenset[str] = frozenset()
     """Legacy names a DeviceClass maps itself (`extendedResourceName`): the scheduler
-    allocates those, so the webhook leaves them in the pod untouched."""
+    allocates those, so the webhook leaves them in the pod untouched. The admission keeps
+    only those a stored class carries (`Admission._stored_natives`)."""
     mig_profile_classes: tuple[str, ...] = ()
     """MIG profiles served by their own DeviceClass (`mig_profile_class`, the chart's
     `deviceClasses.mig.profiles`): converted ``nvidia.com/mig-<profile>`` claims request

@@ -1,4 +1,6 @@
-"""The DeviceClasses' configs, mirrored from the API server for claim validation.
+"""The DeviceClasses' configs, mirrored from the API server for claim validation, and
+their stored extendedResourceName, which decides whether a native resource's pods are
+left to the scheduler (`Admission`).
 
 A claim's devices are prepared with their DeviceClass's opaque configs first (the
 allocation copies them), so validation must see them to resolve a claim's sharing mode

@@ -118,6 +118,11 @@ class ClassConfigs:
     kinds: tuple[DeviceType, ...] | None = None
     """The one kind of device its selectors pin (`device.attributes["<driver>"].type ==
     "gpu"` or `"mig"`, as the chart's classes do); None where they do not say."""
+    extended_resource_name: str | None = None
+    """Its ``spec.extendedResourceName`` as stored: the API server drops the field while
+    its DRAExtendedResource gate is off, and then the scheduler serves no pod by that
+    name, so the webhook leaves a resource to the scheduler only where it is stored
+    (`Admission`)."""
 
 
 _TYPE_SELECTOR: Final = re.compile(
@@ -143,17 +148,19 @@ def _pinned_kind(spec: Mapping[str, Any], driver: str) -> tuple[DeviceType, ...]
 
 
 def class_configs(device_class: Mapping[str, Any], driver: str) -> ClassConfigs:
-    """The driver's configs in a DeviceClass object (as the API server returns it), and
-    the device kind its selectors pin."""
+    """The driver's configs in a DeviceClass object (as the API server returns it), the
+    device kind its selectors pin and its extendedResourceName."""
     metadata = device_class.get("metadata")
     name = metadata.get("name", "") if isinstance(metadata, Mapping) else ""
     spec = device_class.get("spec")
     if not isinstance(spec, Mapping):
         return ClassConfigs()
     kinds = _pinned_kind(spec, driver)
+    mapped = spec.get("extendedResourceName")
+    extended = mapped if isinstance(mapped, str) and mapped else None
     entries = spec.get("config")
     if not isinstance(entries, list):
-        return ClassConfigs(kinds=kinds)
+        return ClassConfigs(kinds=kinds, extended_resource_name=extended)
     try:
         parsed = _parse(_CONFIG_LIST, {"config": entries}, f"DeviceClass {name} spec")
         configs = bound_configs(
@@ -163,10 +170,10 @@ def class_configs(device_class: Mapping[str, Any], driver: str) -> ClassConfigs:
         )
     except _Invalid as exc:
         issues = [ConfigIssue("", issue) for issue in exc.issues]
-        return ClassConfigs(error=ConfigError(issues), kinds=kinds)
+        return ClassConfigs(error=ConfigError(issues), kinds=kinds, extended_resource_name=extended)
     except ConfigError as exc:
-        return ClassConfigs(error=exc, kinds=kinds)
-    return ClassConfigs(tuple(configs), kinds=kinds)
+        return ClassConfigs(error=exc, kinds=kinds, extended_resource_name=extended)
+    return ClassConfigs(tuple(configs), kinds=kinds, extended_resource_name=extended)
 
 
 # --- typed claim objects ------------------------------------------------------------------

@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import pytest
+from gpudra.api.deviceclasses import device_classes
 from gpudra.api.tenants import API_VERSION, LabelSelector
+from gpudra.cli.main import build_parser
+from gpudra.cli.webhook import conversion_policy, device_class_cache
 from gpudra.webhook.admission import MUTATE_PATH, VALIDATE_CLAIMS_PATH, Admission
 from gpudra.webhook.convert import DEFAULT_POLICY, OPT_OUT_LABEL, ConversionPolicy, convert_pod
+from gpudra.webhook.device_classes import DeviceClassCache
 from gpudra.webhook.metrics import WebhookMetrics
 from gpudra.webhook.reviews import ReviewError
 from gpudra.webhook.tenant_rules import QuotaUsage, StoredClaim
@@ -170,7 +175,10 @@ class Claims:
 
 
 def limited_admission(
-    claims: Claims, limit: int = 1, policy: ConversionPolicy = DEFAULT_POLICY
+    claims: Claims,
+    limit: int = 1,
+    policy: ConversionPolicy = DEFAULT_POLICY,
+    classes: DeviceClassCache | None = None,
 ) -> Admission:
     state = TenantState(base_policy=policy)
     state.replace(
@@ -192,6 +200,7 @@ def limited_admission(
         policy=policy,
         tenants=state,
         read_claims=claims,
+        device_classes=classes.configs if classes is not None else None,
     )
 
 
@@ -448,9 +457,29 @@ async def test_a_pod_gpudra_cannot_convert_keeps_the_tenant_rules_where_conversi
     assert templates.names == []
 
 
+NATIVE = ConversionPolicy(native_resources=frozenset({"nvidia.com/gpu"}))
+
+
+def stored_classes(extended_resource_name: str | None) -> DeviceClassCache:
+    """The chart's DeviceClasses as the API server stored them: gpu.nvidia.com with
+    `extended_resource_name`, or without it, as an API server whose DRAExtendedResource
+    gate is off stores the class the chart renders with it."""
+    cache = DeviceClassCache(NATIVE.driver)
+    cache.replace(device_classes())
+    if extended_resource_name is not None:
+        cache.event("MODIFIED", mapped_gpu_class(extended_resource_name))
+    return cache
+
+
+def mapped_gpu_class(extended_resource_name: str | None) -> dict[str, Any]:
+    (gpu,) = (c for c in device_classes() if c["metadata"]["name"] == NATIVE.gpu_class)
+    if extended_resource_name is not None:
+        gpu["spec"]["extendedResourceName"] = extended_resource_name
+    return gpu
+
+
 async def test_tenant_rules_count_resources_a_device_class_serves_itself() -> None:
-    native = ConversionPolicy(native_resources=frozenset({"nvidia.com/gpu"}))
-    admission = limited_admission(Claims(), policy=native)
+    admission = limited_admission(Claims(), policy=NATIVE, classes=stored_classes("nvidia.com/gpu"))
     decision = await admission.mutate_pod(review(POD, gpu_pod({"nvidia.com/gpu": "2"})))
     assert decision.result == "denied"
     assert (
@@ -459,6 +488,69 @@ async def test_tenant_rules_count_resources_a_device_class_serves_itself() -> No
     )
     decision = await admission.mutate_pod(review(POD, gpu_pod({"nvidia.com/gpu": "1"})))
     assert (decision.result, decision.response.get("patch")) == ("allowed", None)
+
+
+async def test_a_native_resource_no_stored_class_maps_is_converted_and_reported_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """--extended-resource-name says the chart set gpu.nvidia.com's extendedResourceName,
+    but an API server whose DRAExtendedResource gate is off (1.34 and 1.35's default)
+    drops the field, and the scheduler then serves no nvidia.com/gpu pod: left alone, it
+    would stay Pending. So its pods are converted as if the flag were not given, the tenant
+    rules still count their GPUs, and each change of the stored class is logged once."""
+    caplog.set_level(logging.INFO, logger="gpudra.webhook.admission")
+    classes = stored_classes(None)
+    admission = limited_admission(Claims(), policy=NATIVE, classes=classes)
+
+    def changes() -> list[tuple[int, str]]:
+        return [
+            (r.levelno, r.__dict__["fields"]["resource"])
+            for r in caplog.records
+            if "extended resource" in r.getMessage()
+        ]
+
+    for _ in range(2):
+        decision = await admission.mutate_pod(review(POD, gpu_pod({"nvidia.com/gpu": "1"})))
+        assert decision.result == "patched"
+    decision = await admission.mutate_pod(review(POD, gpu_pod({"nvidia.com/gpu": "2"})))
+    assert decision.result == "denied"
+    assert (
+        "maxDevicesPerPod is 1, this pod asks for 2 devices"
+        in (decision.response["status"]["message"])
+    )
+    (warning,) = (r for r in caplog.records if r.levelno == logging.WARNING)
+    assert warning.__dict__["fields"] == {
+        "device_class": "gpu.nvidia.com",
+        "resource": "nvidia.com/gpu",
+    }
+    assert "DRAExtendedResource" in warning.getMessage()
+    assert "deviceClasses.gpu.extendedResourceName" in warning.getMessage()
+
+    # The gate is enabled and the class applied again: the scheduler serves the pods.
+    classes.event("MODIFIED", mapped_gpu_class("nvidia.com/gpu"))
+    for _ in range(2):
+        decision = await admission.mutate_pod(review(POD, gpu_pod({"nvidia.com/gpu": "1"})))
+        assert (decision.result, decision.response.get("patch")) == ("allowed", None)
+    # And the field is lost again (the class recreated while the gate is off).
+    classes.event("MODIFIED", mapped_gpu_class(None))
+    decision = await admission.mutate_pod(review(POD, gpu_pod({"nvidia.com/gpu": "1"})))
+    assert decision.result == "patched"
+    assert changes() == [
+        (logging.WARNING, "nvidia.com/gpu"),
+        (logging.INFO, "nvidia.com/gpu"),
+        (logging.WARNING, "nvidia.com/gpu"),
+    ]
+
+
+def test_the_device_classes_are_mirrored_wherever_a_native_resource_is_configured() -> None:
+    """Without the mirror no stored class is seen to map the resource, and its pods would
+    all be converted, though the scheduler serves them: the webhook mirrors the classes
+    for native resources even without claim validation."""
+    flags = ["webhook", "--cert-dir=certs", "--no-tenants", "--no-validate-claims"]
+    args = build_parser().parse_args([*flags, "--extended-resource-name=nvidia.com/gpu"])
+    assert device_class_cache(args, conversion_policy(args)) is not None
+    args = build_parser().parse_args(flags)
+    assert device_class_cache(args, conversion_policy(args)) is None
 
 
 async def test_a_review_for_an_excluded_namespace_writes_nothing() -> None:
