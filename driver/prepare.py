@@ -165,8 +165,40 @@ def _result_from_record(record: ClaimRecord) -> PrepareResult:
     )
 
 
+def _allocated_devices(devices: Sequence[tuple[str, str | None]]) -> str:
+    """Devices as a message names them: by name, and share ID for a share."""
+    return ", ".join(
+        name if share is None else f"{name} (shareID {share})"
+        for name, share in sorted(set(devices), key=lambda d: (d[0], d[1] or ""))
+    )
+
+
+def _check_same_allocation(claim: Claim, record: ClaimRecord) -> None:
+    """Refuse a prepare answered from a completed record of another allocation.
+
+    A repeat prepare (the kubelet restarted, or retried after a lost answer) gets the
+    record's CDI IDs. But a claim keeps its UID when it is deallocated (its last pod
+    ended) and allocated again, possibly to other devices: if its unprepare never
+    reached this agent, the record is of the old allocation, and answering from it
+    would hand the pod the old devices, which the scheduler may have given to
+    another claim since.
+    """
+    recorded = {(d.device, d.share_id) for d in record.devices}
+    allocated = {(d.device, d.share_id) for d in claim.devices}
+    if recorded == allocated:
+        return
+    raise ClaimError(
+        f"{claim.ref.describe()}: still prepared on this node for an earlier allocation "
+        f"(devices {_allocated_devices(list(recorded))}) and now allocated "
+        f"{_allocated_devices(list(allocated))}; the old preparation must be unprepared "
+        "first: delete the claim's pods on this node (the kubelet then unprepares the "
+        "claim) and create them again"
+    )
+
+
 MPS_THREADS: Final = 8
-"""Threads MPS daemon starts and stops may hold at once, beside anyio's default 40."""
+"""Threads MPS daemon starts may hold at once, and stops as many again, beside anyio's
+default 40."""
 
 
 def _time_slice_users(cp: Checkpoint, gpu_uuid: str, *, excluding: str) -> dict[str, TimeSliceSet]:
@@ -306,7 +338,19 @@ class ClaimPreparer:
         # MPS daemons start and stop in threads of their own: a stop waits on what a
         # claim's containers left (up to the tools' timeouts), and many at once must not
         # take the threads every other claim's checkpoint writes and NVML calls need.
-        self._mps_threads = anyio.CapacityLimiter(MPS_THREADS)
+        # Starts and stops have a limiter each: a tenant's tampered pipe folders (a
+        # `control` FIFO nobody reads costs each stop about a second) then fill only
+        # the stops' slots, and never make another claim's prepare wait for a start
+        # slot. A rollback's stops (`_undo` of a record not completed) take start
+        # slots: no container has seen those folders, and they are part of a prepare.
+        # Stops still queue behind each other, first come first served: one tenant
+        # unpreparing many tampered claims delays another's unprepare by about a
+        # second per MPS_THREADS claims queued ahead of it; bounded by the claims
+        # queued, never starved, and it only keeps the unprepared claim's own devices
+        # a little longer (a claim given them meanwhile is refused until then, and
+        # the kubelet retries it). Fair shares per tenant would not be worth their keep.
+        self._mps_starts = anyio.CapacityLimiter(MPS_THREADS)
+        self._mps_stops = anyio.CapacityLimiter(MPS_THREADS)
         self._commit: GroupCommit | None = None
 
     def checkpoint_now(self) -> Checkpoint | None:
@@ -461,6 +505,7 @@ class ClaimPreparer:
             record = cp.get(ref.uid)
             if record is not None:
                 if record.completed:
+                    _check_same_allocation(claim, record)
                     return _result_from_record(record)
                 await self._undo(record, "rolling back an interrupted earlier prepare")
             entries = plan(
@@ -732,7 +777,7 @@ class ClaimPreparer:
             entry.details = replace(entry.details, mps=started)
         await progress("mps-recorded")
         identity = await anyio.to_thread.run_sync(
-            self._sharing.start_mps, daemon, limiter=self._mps_threads
+            self._sharing.start_mps, daemon, limiter=self._mps_starts
         )
         # The daemon is named in the checkpoint, which only this process writes,
         # before any container can reach its pipe folder.
@@ -946,7 +991,8 @@ class ClaimPreparer:
             await attempt(
                 f"stopping MPS daemon {daemon.pipe_dir}",
                 functools.partial(self._stop_mps, daemon),
-                limiter=self._mps_threads,
+                # A prepare's rollback: folders no container has seen (see __init__).
+                limiter=self._mps_stops if record.completed else self._mps_starts,
             )
         # Taken only for a claim with time-slices: the lock yields a turn of the loop,
         # and every other unprepare would pay it for nothing.
@@ -1199,9 +1245,7 @@ class ClaimPreparer:
                 except CdiError:
                     continue  # not a folder of ours
                 try:
-                    await anyio.to_thread.run_sync(
-                        self._stop_mps, daemon, limiter=self._mps_threads
-                    )
+                    await anyio.to_thread.run_sync(self._stop_mps, daemon, limiter=self._mps_stops)
                 except Exception as exc:
                     errors.append(f"stopping orphaned MPS daemon {daemon.pipe_dir}: {exc}")
                 else:

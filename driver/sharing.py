@@ -13,7 +13,9 @@ NVIDIA's own tools:
 - MPS: one control daemon per claim, `nvidia-cuda-mps-control` with its own
   `CUDA_MPS_PIPE_DIRECTORY`/`CUDA_MPS_LOG_DIRECTORY` and its own /dev/shm (a
   tmpfs per claim, as upstream mounts one), so claims never share a daemon nor
-  shared memory with each other or the host; defaults
+  shared memory with each other or the host; the pipe and log folders, which the
+  claim's containers fill at will (the log through the daemon), are small tmpfs
+  mounts too, off the disk the checkpoint is on; defaults
   (`set_default_active_thread_percentage`, `set_default_device_pinned_mem_limit`)
   are sent through its control pipe, and `quit` stops it.
 
@@ -92,6 +94,12 @@ _SHM_OPTIONS: Final = "rw,nosuid,nodev,noexec,mode=1777"
 # few pipes and its PID file in it; what a container writes beyond that is bounded
 # here and charged to the memory of the container that writes it.
 _PIPE_OPTIONS: Final = "rw,nosuid,nodev,noexec,size=4m,nr_inodes=4096,mode=0755"
+# The daemon's log folder: the daemon appends to control.log every command a client
+# sends it, and the claim's containers hold a client (the tool is mounted into them),
+# so a tenant can grow the log at will. A tmpfs of its own too, for the same reason:
+# a full log fails the daemon's own writes, never the checkpoint's. The daemon keeps
+# two files there (control.log, server.log).
+_LOG_OPTIONS: Final = "rw,nosuid,nodev,noexec,size=16m,nr_inodes=64,mode=0755"
 _CONTROL_READER_TRIES: Final = 10
 """Looks, 0.1 s apart, for a reader of the daemon's control FIFO before `quit`."""
 # Bits in /proc/self/status CapEff. Mount and unshare need CAP_SYS_ADMIN; removing a
@@ -510,7 +518,7 @@ class NvidiaSharing:
         gpus = ", ".join(daemon.device_uuids)
         purpose = f"starting the MPS control daemon {daemon.name} for {gpus}"
         tool = str(self._tool(MPS_CONTROL, purpose))
-        daemon.log_dir.mkdir(mode=0o755, parents=True, exist_ok=True)
+        self._make_tmpfs(daemon.log_dir, _LOG_OPTIONS, 0o755, purpose)
         self._make_tmpfs(daemon.pipe_dir, _PIPE_OPTIONS, 0o755, purpose)
         if daemon.shm_dir is not None:
             # As /dev/shm: every user of the claim's containers may use it.
@@ -659,10 +667,11 @@ class NvidiaSharing:
             if self._pods is not None:
                 # Created by an attempt that crashed before it could record the pod.
                 self._pods.remove(daemon.name, None, self._ready_timeout_s)
-        for folder in (daemon.pipe_dir, daemon.shm_dir):
+        # A record of an older release may name one folder as both pipe and log
+        # folder: the second removal then finds nothing to do.
+        for folder in (daemon.pipe_dir, daemon.shm_dir, daemon.log_dir):
             if folder is not None:
                 self._remove_tmpfs(folder, purpose)
-        remove_tree(daemon.log_dir)
         log.info("MPS daemon stopped", extra={"fields": {"daemon": daemon.name}})
 
     def _quit(self, daemon: MpsDaemon, purpose: str) -> bool:

@@ -59,11 +59,12 @@ from gpudra.driver.nvml.standin import (
     device_numbers,
 )
 from gpudra.driver.plugin import ClaimDispatcher, PrepareResult
-from gpudra.driver.prepare import ClaimPreparer, RecoveryReport
+from gpudra.driver.prepare import MPS_THREADS, ClaimPreparer, RecoveryReport
 from gpudra.driver.processes import ProcessIdentity
 from gpudra.driver.records import CreatedMig
 from gpudra.driver.sampling import Sampler
 from gpudra.driver.sharing import (
+    DaemonPod,
     MpsDaemon,
     NvidiaSharing,
     SharingError,
@@ -1588,6 +1589,43 @@ async def test_recover_removes_orphaned_specs_and_temp_files(
     assert not stray.exists()
 
 
+@pytest.mark.anyio
+async def test_a_claim_allocated_again_is_never_answered_from_its_old_preparation(
+    node: Node,
+) -> None:
+    """A claim keeps its UID when it is deallocated (its last pod ended) and allocated
+    again, to other devices. While its old preparation is still recorded (its unprepare
+    never reached the agent), its prepare is refused, naming both allocations and what
+    to do, never answered with the old devices' CDI IDs: the scheduler may have given
+    those devices to another claim. A repeat prepare of the same allocation still gets
+    the recorded answer."""
+    emu = h100()
+    gpus = discover(emu).gpus
+    old, new = gpus[1].device.name, gpus[2].device.name
+    uid = str(uuidlib.uuid4())
+    first = offline_claim("tenant-a", [("gpu", {"device": old})], {}, uid=uid)
+    allocated_again = offline_claim("tenant-a", [("gpu", {"device": new})], {}, uid=uid)
+    preparer = node_preparer(node, emu)
+    prepared = (await preparer.prepare([first]))[uid]
+    assert prepared.error is None
+    assert (await preparer.prepare([first]))[uid] == prepared
+
+    refused = (await preparer.prepare([allocated_again]))[uid]
+
+    assert refused.devices == []
+    error = refused.error
+    assert error is not None
+    assert first.ref.describe() in error
+    assert f"(devices {old}) and now allocated {new};" in error
+    assert "unprepared first" in error
+    assert (await preparer.prepare([first]))[uid] == prepared  # the old one stays recorded
+    assert await preparer.unprepare([first.ref]) == {uid: None}
+    result = (await preparer.prepare([allocated_again]))[uid]
+    assert result.error is None
+    assert [d.device_name for d in result.devices] == [new]
+    assert await preparer.unprepare([first.ref]) == {uid: None}
+
+
 # --- the sharing backend on its own ------------------------------------------------------------
 
 
@@ -2312,7 +2350,7 @@ def _recorded_daemon(node: Node, uid: str, checkpoint: Path | None = None) -> Pr
 
 async def _unmount_claim_folders(base: Path) -> None:
     """Unmount the tmpfs of a claim's MPS folders under `base`, where there are any."""
-    for folder in ("shm", "pipe"):
+    for folder in ("shm", "pipe", "log"):
         if (base / folder).is_mount():
             await anyio.run_process(["umount", "--lazy", str(base / folder)])
 
@@ -2421,6 +2459,68 @@ async def test_what_a_container_writes_in_its_pipe_folder_never_fills_the_nodes_
     assert await preparer.unprepare([claim.ref]) == {claim.uid: None}
     assert not pipe.is_mount()
     assert not _mps_base(node, claim.uid).exists()
+
+
+@pytest.mark.anyio
+@pytest.mark.skipif(not may_mount(), reason="a tmpfs of the claim's own needs CAP_SYS_ADMIN")
+async def test_what_a_tenant_makes_its_daemon_log_never_fills_the_state_disk(
+    node: Node, small_fs: Path, fill_folder: Callable[[Path], None]
+) -> None:
+    """The daemon appends to control.log every command a client sends it, and the
+    claim's containers hold a client (CDI mounts nvidia-cuda-mps-control into them): a
+    tenant looping commands grows the log at will. The log folder is a small tmpfs of
+    its own, so that fills, never the file system the checkpoint is on, and another
+    tenant's prepare still records its claim."""
+    emu = h100()
+    gpus = discover(emu).gpus
+    checkpoint = small_fs / "plugin" / "checkpoint.json"
+    preparer = node_preparer(node, emu, checkpoint=checkpoint)
+    mps = offline_claim(
+        "tenant-a", [("mps", {"device": gpus[3].device.name})], {"mps": {"strategy": "MPS"}}
+    )
+    other = offline_claim("tenant-b", [("ts", {"device": gpus[4].device.name})], {"ts": TS_LONG})
+    base = checkpoint.parent / "mps" / mps.uid
+    try:
+        assert (await preparer.prepare([mps]))[mps.uid].error is None
+        log_dir = base / "log"
+
+        fill_folder(log_dir)  # what the daemon writes there for the tenant's commands
+
+        assert (await preparer.prepare([other]))[other.uid].error is None
+        assert load_checkpoint(checkpoint, boot_id_path=node.boot_id).get(other.uid) is not None
+        assert log_dir.is_mount()
+        assert os.statvfs(log_dir).f_blocks * os.statvfs(log_dir).f_frsize <= 16 << 20
+        assert await preparer.unprepare([mps.ref, other.ref]) == {mps.uid: None, other.uid: None}
+        assert not log_dir.is_mount()
+        assert not base.exists()
+    finally:
+        fake_sharing().stop_mps(_daemon_in(base))
+
+
+@pytest.mark.anyio
+@pytest.mark.skipif(not may_mount(), reason="a tmpfs of the claim's own needs CAP_SYS_ADMIN")
+async def test_recovery_unmounts_every_folder_of_an_mps_claim_it_has_no_record_of(
+    node: Node,
+) -> None:
+    """Folders under the MPS root that no record names (a record removed by hand) are
+    an orphan's: recovery stops its daemon and unmounts each of its tmpfs, the log
+    folder's as the pipe folder's, before removing them."""
+    preparer = node_preparer(node, h100_mig(), strategy=MigStrategy.DYNAMIC)
+    claim = _fixture_claim(_MPS_CLAIM)
+    assert (await preparer.prepare([claim]))[claim.uid].error is None
+    await preparer.close()
+    daemon = _recorded_daemon(node, claim.uid)
+    base = _mps_base(node, claim.uid)
+    assert all((base / folder).is_mount() for folder in ("pipe", "log", "shm"))
+    doc = checkpoint_document(node.checkpoint)
+    del doc["claims"][claim.uid]
+    _rewrite_checkpoint(node.checkpoint, doc)
+
+    report = await node_preparer(node, h100_mig(), strategy=MigStrategy.DYNAMIC).recover()
+
+    assert report.orphaned_mps_dirs == (claim.uid,) and report.errors == ()
+    assert not daemon.alive()
+    assert not base.exists()
 
 
 @pytest.mark.anyio
@@ -2568,6 +2668,59 @@ async def test_mps_daemons_start_and_stop_beside_the_threads_other_claims_need(
         assert (await preparer.prepare([other]))[other.uid].error is None
         go.set()
     assert load_checkpoint(node.checkpoint, boot_id_path=node.boot_id).get(mps.uid) is None
+
+
+@pytest.mark.anyio
+async def test_a_tenants_stuck_mps_stops_never_hold_back_another_tenants_mps_start(
+    node: Node,
+) -> None:
+    """A tenant that leaves a `control` FIFO nobody reads in its pipe folders makes each
+    of its stops wait (about a second); unpreparing more such claims than stops may run
+    at once fills the stops' slots only: another tenant's MPS prepare starts its daemon
+    while every stop slot is held and more stops wait for one."""
+    emu = h100()
+    gpus = discover(emu).gpus
+    calls: list[str] = []
+    go = threading.Event()
+
+    class StuckStops(StandInTools):
+        def start_mps(self, daemon: MpsDaemon) -> ProcessIdentity | DaemonPod:
+            calls.append(f"start {daemon.name}")
+            return super().start_mps(daemon)
+
+        def stop_mps(self, daemon: MpsDaemon) -> None:
+            calls.append("stop")
+            go.wait(30)  # a stop stuck on what the tenant's containers left
+            super().stop_mps(daemon)
+
+    preparer = node_preparer(node, emu, sharing=StuckStops())
+    slice_of = {"device": gpus[5].device.name, "consumedCapacity": {"memory": "1Gi"}}
+    tampered = [
+        offline_claim("tenant-a", [("mem", {**slice_of, "shareID": str(uuidlib.uuid4())})], {})
+        for _ in range(MPS_THREADS + 2)
+    ]
+    results = await preparer.prepare(tampered)
+    assert [r.error for r in results.values()] == [None] * len(tampered)
+    victim = offline_claim(
+        "tenant-b", [("gpu", {"device": gpus[3].device.name})], {"gpu": {"strategy": "MPS"}}
+    )
+    calls.clear()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(preparer.unprepare, [c.ref for c in tampered])
+        while len(calls) < MPS_THREADS:
+            await anyio.sleep(0.01)
+        try:
+            # Only a guard: one limiter for both would wait here until `go`.
+            with anyio.fail_after(20):
+                result = await preparer.prepare([victim])
+            seen = list(calls)
+        finally:
+            go.set()
+    assert result[victim.uid].error is None
+    # Every stop slot was held, two stops waited for one, and the start went ahead.
+    assert seen == ["stop"] * MPS_THREADS + [f"start {victim.uid}"]
+    assert calls.count("stop") == len(tampered)
+    assert await preparer.unprepare([victim.ref]) == {victim.uid: None}
 
 
 def _share_claim(namespace: str, interval: str, device: str) -> Claim:
@@ -2919,11 +3072,14 @@ TS_LONG = {"strategy": "TimeSlicing", "timeSlicingConfig": {"interval": "Long"}}
 
 
 def offline_claim(
-    namespace: str, results: list[tuple[str, dict[str, Any]]], sharing: dict[str, Any]
+    namespace: str,
+    results: list[tuple[str, dict[str, Any]]],
+    sharing: dict[str, Any],
+    uid: str | None = None,
 ) -> Claim:
     """A claim checked as the plugin checks it: `results` are (request, result fields),
-    `sharing` the GpuConfig sharing bound to each request."""
-    uid = str(uuidlib.uuid4())
+    `sharing` the GpuConfig sharing bound to each request; a new UID unless given."""
+    uid = uid or str(uuidlib.uuid4())
     config = [
         {
             "source": "FromClaim",
