@@ -223,12 +223,37 @@ class ChartStack(NodeGpus):
         self._roll(self.values(), wait=True, force_conflicts=force)
         wait_for("the webhook registered", lambda: _webhook_ready(self.node.cluster.kube()))
 
-    def agent_log(self) -> str:
-        """The agent container's log, as `kubectl logs` shows it."""
+    def roll_unwaited(self, build: ChartBuild) -> None:
+        """`helm upgrade` to `build` as `upgrade_to` does, without waiting for its agent:
+        for one that is to refuse to start."""
+        force = self.build is not WORKING_TREE and build is WORKING_TREE
+        self.build = build
+        self._import_image(self._node_state())
+        self._helm_upgrade(self.values(), wait=False, force_conflicts=force)
+
+    def agent_log(self, *, previous: bool = False) -> str:
+        """The agent container's log, as `kubectl logs` shows it (`previous`: that of the
+        container before its last restart)."""
         pod = self._agent_pod(self.node.cluster.kube())["metadata"]["name"]
-        out = self.node.cluster.kubectl("logs", "-n", NAMESPACE, pod)
+        flags = ["--previous"] if previous else []
+        out = self.node.cluster.kubectl("logs", "-n", NAMESPACE, pod, *flags)
         assert out.returncode == 0, out.stderr
         return str(out.stdout)
+
+    def agent_image_restarts(self) -> tuple[str, int] | None:
+        """The image and restart count of the one agent pod not being deleted (None:
+        none such, as while a rollout replaces it)."""
+        kube = self.node.cluster.kube()
+        pods = [
+            p
+            for p in kube.list("Pod", NAMESPACE)
+            if _agent(p) and not p["metadata"].get("deletionTimestamp")
+        ]
+        if len(pods) != 1:
+            return None
+        image = pods[0]["spec"]["containers"][0]["image"]
+        statuses = pods[0]["status"].get("containerStatuses") or [{}]
+        return str(image), int(statuses[0].get("restartCount", 0))
 
     @contextlib.contextmanager
     def crashing_at(self, step: str) -> Iterator[Callable[[], None]]:

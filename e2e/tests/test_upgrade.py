@@ -29,9 +29,13 @@ Skips with the reason where the machine cannot run a real node or build the rele
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -52,9 +56,11 @@ from e2e.gpu_pods import (
     mps_template,
     scratch_namespace,
     seen,
+    spec_of,
     wait_unprepared,
 )
 from e2e.node.chart import (
+    IMAGE_REPOSITORY,
     NAMESPACE,
     WORKING_TREE,
     ChartBuild,
@@ -264,3 +270,98 @@ def test_downgrade_to_the_previous_release_keeps_the_newer_checkpoint(
     # the older release does not know included.
     written, rewritten = records["written"], records["rewritten"]
     assert {u: rewritten.get(u) for u in written} == written
+
+
+# --- a rollback after an agent that never stopped ---------------------------------------
+
+
+def agent_pid() -> int:
+    """The host PID of the chart's agent, `gpudra node` (under tini in its container)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if any(
+            a.rsplit(b"/", 1)[-1] == b"gpudra" and argv[i + 1 : i + 2] == [b"node"]
+            for i, a in enumerate(argv)
+        ) and not argv[0].endswith(b"tini"):
+            found.append(int(proc.name))
+    assert len(found) == 1, f"expected one agent process, found {found}"
+    return found[0]
+
+
+@contextlib.contextmanager
+def agent_frozen() -> Iterator[None]:
+    """The agent stopped where it is (SIGSTOP): the rollout's SIGTERM finds it unable to
+    stop cleanly, and the kubelet kills it at the end of its grace period, as one whose
+    stop outlasts that period (calls still running) or that is OOM-killed."""
+    pid = agent_pid()
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+
+
+def test_a_rollback_after_an_agent_killed_mid_run_leaves_running_devices_alone(
+    cluster: Cluster, kube: Kube, node: RealNode, ns: str, release: ChartBuild
+) -> None:
+    """The agent appends prepares' ends beside its checkpoint and folds them in when it
+    stops. Killed instead, its file alone lacks them; the previous release reads the
+    file alone, and would roll back a prepare that ended: destroy the running pod's MIG
+    instance and delete its CDI spec. The file says so (majorVersion 2), so the previous
+    release refuses to start and touches nothing; going forward and back again, with a
+    clean stop between, rolls back, and it then unprepares the pods as usual."""
+    stack = ChartStack(node, WORKING_TREE)
+    stack.up(log=lambda _m: None)
+    try:
+        for obj in demo_objects(ns):
+            if obj["kind"] != "Pod":
+                kube.create(obj)
+        pods = ("mig-2", "whole")
+        kube.create(gpu_pod(stack, "mig-2", ns, template="mig-1g10gb"))
+        kube.create(gpu_pod(stack, "whole", ns, template="h100-40g"))
+        wait_running(kube, ns, *pods)
+        uids = {p: claim_uid(kube, ns, p) for p in pods}
+        before = {p: (containers(kube, ns, p), seen(cluster, ns, p)) for p in pods}
+        instances, specs = mig_instances(stack), stack.cdi_specs()
+        assert instances == 1 and {spec_of(u) for u in uids.values()} <= specs
+        path = stack.state_dir / "checkpoint.json"
+        assert json.loads(path.read_text()).get("majorVersion") == 2  # extended, running
+
+        with agent_frozen():
+            stack.roll_unwaited(release)
+            old_image = f"{IMAGE_REPOSITORY}:{release.tag}"
+            wait_for(
+                "the previous release's agent to exit",
+                lambda: (
+                    (got := stack.agent_image_restarts()) is not None
+                    and got[0] == old_image
+                    and got[1] >= 1
+                ),
+                timeout=180,
+            )
+        refusal = stack.agent_log(previous=True)
+        assert "has majorVersion 2, written by a newer gpudra release" in refusal, refusal
+        written = path.read_bytes()
+        assert (mig_instances(stack), stack.cdi_specs()) == (instances, specs)
+        for pod in pods:
+            assert (containers(kube, ns, pod), seen(cluster, ns, pod)) == before[pod], pod
+
+        # Forward again, then back with the newer agent stopping as a rollout stops it.
+        stack.upgrade_to(WORKING_TREE)
+        assert path.read_bytes() != written  # taken over
+        stack.upgrade_to(release)
+        assert (mig_instances(stack), stack.cdi_specs()) == (instances, specs)
+        for pod in pods:
+            assert (containers(kube, ns, pod), seen(cluster, ns, pod)) == before[pod], pod
+        for pod in pods:
+            kube.delete("Pod", pod, ns)
+        wait_unprepared(stack, set(uids.values()), "every pod's claim")
+    finally:
+        stack.down(log=lambda _m: None)
