@@ -510,6 +510,36 @@ def uncounted_by_server(sent: dict[str, Any], stored: dict[str, Any]) -> list[st
     return dropped
 
 
+# Taints that keep the scheduler off a device; effect None only informs.
+_KEEPING_OFF = frozenset({"NoSchedule", "NoExecute"})
+
+
+def untainted_by_server(sent: dict[str, Any], stored: dict[str, Any]) -> list[str]:
+    """Devices sent with taints that the server stored without them.
+
+    An API server without the DRADeviceTaints gate (off by default up to 1.35) drops
+    every device's taints silently (the resourceslice strategy's
+    dropDisabledDRADeviceTaintsFields), so the scheduler goes on allocating a device the
+    node found broken: its pods then fail at prepare, or run on a GPU that is lost.
+    """
+    tainted = {d.get("name") for d in stored.get("devices") or [] if d.get("taints")}
+    return [
+        d["name"] for d in sent.get("devices") or [] if d.get("taints") and d["name"] not in tainted
+    ]
+
+
+def without_taints(content: PoolContent) -> PoolContent:
+    """The pool as a node publishes it where the API server drops taints
+    (`untainted_by_server`): without the devices a taint would keep the scheduler off,
+    and without taints on the others, which the server would drop."""
+    devices = [
+        {k: v for k, v in d.items() if k != "taints"}
+        for d in content.devices
+        if not any(t.get("effect") in _KEEPING_OFF for t in d.get("taints") or ())
+    ]
+    return PoolContent(devices, content.counter_sets)
+
+
 def without_counters(content: PoolContent) -> PoolContent:
     """The pool less every device that consumes counters and every counter set: what a
     node publishes where the API server drops counters (`uncounted_by_server`)."""
@@ -581,6 +611,14 @@ class SliceController:
     its placement's name, so it would try to create the instance that is already there.
     `counters_refused` says so; enabling the gate takes an agent restart, which tries
     counters again, or `--mig-strategy static` publishes the existing MIG devices.
+
+    An API server that drops device taints (`untainted_by_server`: DRADeviceTaints off,
+    the default up to 1.35) would let the scheduler go on allocating a device the node
+    found broken. The first write that shows it is handled the same way: one error
+    naming the gate, and from then on the pool is published without the devices a
+    taint would keep the scheduler off (`without_taints`), each back once healthy;
+    `taints_refused` says so. NoExecute cannot evict pods that way, only keep new ones
+    off.
     """
 
     def __init__(
@@ -612,6 +650,9 @@ class SliceController:
         # What the server dropped counters from (`uncounted_by_server`); once set, the
         # pool is published without devices that consume counters (class docstring).
         self.counters_refused: list[str] = []
+        # What the server dropped taints from (`untainted_by_server`); once set, the pool
+        # is published without the devices their taints would keep the scheduler off.
+        self.taints_refused: list[str] = []
         # Bad inventory (PoolError) is not retried in a loop; the next change retries it.
         self._reconciler = ReconcileLoop(
             self.reconcile_once,
@@ -728,6 +769,8 @@ class SliceController:
             content = self.source()
             if self.counters_refused:
                 content = without_counters(content)
+            if self.taints_refused:
+                content = without_taints(content)
             limits = await self._limits()
             self._plan = plan_slices(content, limits)
         bodies = self._plan
@@ -782,6 +825,11 @@ class SliceController:
                 # nothing from it) until the generation without counters is whole.
                 await self.reconcile_once()
                 return
+            untainted = untainted_by_server(spec, resp["spec"])
+            if untainted and not self.taints_refused:
+                self._refuse_taints(name, untainted)
+                await self.reconcile_once()  # a new generation without those devices
+                return
         for name in observed.keys() - desired.keys():
             self.writes += 1
             try:
@@ -814,6 +862,26 @@ class SliceController:
                     "dropped": dropped[:8],
                     "droppedCount": len(dropped),
                     "withheld": withheld,
+                }
+            },
+        )
+
+    def _refuse_taints(self, name: str, dropped: list[str]) -> None:
+        self.taints_refused = dropped
+        self._plan = None
+        log.error(
+            "the API server dropped the device taints: its DRADeviceTaints feature gate "
+            "is off, so the scheduler would go on allocating the devices this node found "
+            "broken. Publishing none of them while they are tainted (NoExecute cannot "
+            "evict running pods this way). Fix: enable DRADeviceTaints on kube-apiserver, "
+            "kube-scheduler and kube-controller-manager (on by default from 1.36) and "
+            "restart the gpudra node agents",
+            extra={
+                "fields": {
+                    **self.fields,
+                    "slice": name,
+                    "dropped": dropped[:8],
+                    "droppedCount": len(dropped),
                 }
             },
         )

@@ -34,6 +34,7 @@ from gpudra.driver.slices import (
     DeviceLimitError,
     PoolContent,
     PoolError,
+    SliceController,
     SliceLimits,
     capacity_problems,
     plan_slices,
@@ -242,9 +243,12 @@ def test_one_share_is_one_whole_allocation_by_the_schedulers_rounding() -> None:
 class ApiServer:
     """Stores ResourceSlices as kube-apiserver does. `drop_counters`: its
     DRAPartitionableDevices gate is off (strategy.go drops the counter fields);
-    `refuse`: a validation that answers 422 with its message."""
+    `drop_taints`: its DRADeviceTaints gate is off (strategy.go drops the devices'
+    taints unless the slice stored already has some); `refuse`: a validation that
+    answers 422 with its message."""
 
     drop_counters: bool = False
+    drop_taints: bool = False
     refuse: Callable[[dict[str, Any]], str | None] | None = None
     minor: int = 36
     store: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -258,6 +262,10 @@ class ApiServer:
             spec.pop("sharedCounters", None)
             for dev in spec.get("devices") or []:
                 dev.pop("consumesCounters", None)
+        old = self.store.get(obj["metadata"]["name"], {}).get("spec", {})
+        if self.drop_taints and not any(d.get("taints") for d in old.get("devices") or []):
+            for dev in spec.get("devices") or []:
+                dev.pop("taints", None)
         self.version += 1
         obj["metadata"]["resourceVersion"] = str(self.version)
         return obj
@@ -431,6 +439,45 @@ async def test_a_server_that_drops_counters_gets_no_mig_placements(
     assert "DRAPartitionableDevices" in record.getMessage()
     assert "--mig-strategy static" in record.getMessage()
     assert record.__dict__["fields"]["withheld"] > 0
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("drop_taints", [True, False], ids=["gate-off", "gate-on"])
+async def test_a_server_that_drops_taints_gets_no_broken_device(
+    drop_taints: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """With DRADeviceTaints off (the default on 1.34 and 1.35) the API server drops the
+    health taints, and the scheduler would go on handing out a GPU the node found
+    broken: the agent says so once and publishes the pool without it, then leaves the
+    pool at rest. Where the server keeps taints, the GPU is published tainted."""
+    inventory = discover(load_nvml("emulated:h100-80gb-hbm3-x8"))
+    health = HealthState(inventory, HealthPolicy())
+
+    def source() -> PoolContent:
+        return publish.pool_content(inventory, MigStrategy.STATIC, health.report(), driver=DRIVER)
+
+    server = ApiServer(drop_taints=drop_taints, minor=35)
+    async with api_server(server) as kube:
+        slices = SliceController(kube, driver=DRIVER, node="n1", source=source)
+        await slices.reconcile_once()
+        health.apply(XidEvent(inventory.gpus[3].uuid, 48))  # a double-bit ECC error
+        slices.trigger()
+        with caplog.at_level(logging.ERROR, logger="gpudra.driver.slices"):
+            await slices.reconcile_once()
+            writes = len(server.writes)
+            slices.trigger()
+            await slices.reconcile_once()  # nothing changed: nothing written
+    assert len(server.writes) == writes
+    published = {d["name"]: d for d in devices_in(server.pool())}
+    errors = [r for r in caplog.records if r.levelno == logging.ERROR]
+    if drop_taints:
+        assert sorted(published) == [f"gpu-{i}" for i in range(8) if i != 3]
+        assert slices.taints_refused == ["gpu-3"]
+        (record,) = errors
+        assert "DRADeviceTaints" in record.getMessage()
+    else:
+        assert published["gpu-3"]["taints"][0]["effect"] == "NoSchedule"
+        assert slices.taints_refused == [] and errors == []
 
 
 @pytest.mark.anyio
