@@ -12,6 +12,7 @@ when the machine cannot run a real node.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import pytest
@@ -177,6 +178,12 @@ def test_a_tenant_that_fills_its_mps_pipe_folder_stops_no_other_tenants_prepare(
     )
     written = int(in_pod(cluster, ns, "tenant-a", "cat /tmp/filled"))
     assert written <= 4 << 20, f"{written} bytes written to the node through the pipe folder"
+    # What the daemon logs for each command the tenant's containers send goes to a
+    # small tmpfs of the claim's own too, off the checkpoint's disk.
+    log_dir = stack.state_dir / "mps" / claim_of(kube, ns, "tenant-a")["metadata"]["uid"] / "log"
+    assert os.path.ismount(log_dir), f"{log_dir} is on the state disk"
+    fs = os.statvfs(log_dir)
+    assert fs.f_blocks * fs.f_frsize <= 16 << 20, f"{log_dir} holds more than 16 MiB"
 
     kube.create(whole_gpu_template(ns))
     kube.create(gpu_pod(stack, "tenant-b", ns, template="whole"))
