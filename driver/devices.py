@@ -62,6 +62,7 @@ from gpudra.driver.nvml.codes import (
     describe_nvml_error,
     nvml_start_problem,
 )
+from gpudra.driver.nvml.handles import NO_MIG_AT_INDEX
 from gpudra.driver.nvml.topology import PciTopology, pci_topology
 
 logger = logging.getLogger(__name__)
@@ -745,7 +746,6 @@ class _Scanner:
 _UNSUPPORTED = frozenset({pynvml.NVML_ERROR_NOT_SUPPORTED, pynvml.NVML_ERROR_FUNCTION_NOT_FOUND})
 _NOTHING: frozenset[int] = frozenset()
 _ABSENT = frozenset({pynvml.NVML_ERROR_NOT_SUPPORTED, pynvml.NVML_ERROR_INVALID_ARGUMENT})
-_NO_MIG_AT_INDEX = frozenset({pynvml.NVML_ERROR_NOT_FOUND, pynvml.NVML_ERROR_INVALID_ARGUMENT})
 
 
 @dataclass(frozen=True, slots=True)
@@ -1158,7 +1158,7 @@ def _existing_migs(
     max_count = int(scan.call(index, "nvmlDeviceGetMaxMigDeviceCount", handle))
     for j in range(max_count):
         mig = scan.optional(
-            index, "nvmlDeviceGetMigDeviceHandleByIndex", handle, j, ok=_NO_MIG_AT_INDEX
+            index, "nvmlDeviceGetMigDeviceHandleByIndex", handle, j, ok=NO_MIG_AT_INDEX
         )
         if mig is None:
             continue

@@ -27,7 +27,12 @@ import pynvml
 from gpudra.driver.devices import MigKey, MigPlacement
 from gpudra.driver.nvml import NvmlLibrary
 from gpudra.driver.nvml.codes import describe_nvml_error
-from gpudra.driver.nvml.handles import device_handle, gpu_instance_profile, nvml_code
+from gpudra.driver.nvml.handles import (
+    device_handle,
+    gpu_instance_profile,
+    mig_device_handles,
+    nvml_code,
+)
 from gpudra.driver.records import CreatedMig
 
 if TYPE_CHECKING:
@@ -228,13 +233,7 @@ def recorded_instances(claims: Iterable[ClaimRecord]) -> frozenset[MigKey]:
 
 
 def _mig_uuid(nvml: NvmlLibrary, parent: Any, gi_id: int, ci_id: int) -> str | None:
-    for index in range(int(nvml.nvmlDeviceGetMaxMigDeviceCount(parent))):
-        try:
-            handle = nvml.nvmlDeviceGetMigDeviceHandleByIndex(parent, index)
-        except pynvml.NVMLError as err:
-            if nvml_code(err) in (pynvml.NVML_ERROR_NOT_FOUND, pynvml.NVML_ERROR_INVALID_ARGUMENT):
-                continue
-            raise
+    for handle in mig_device_handles(nvml, parent):
         if (
             int(nvml.nvmlDeviceGetGpuInstanceId(handle)) == gi_id
             and int(nvml.nvmlDeviceGetComputeInstanceId(handle)) == ci_id

@@ -843,11 +843,12 @@ class SliceController:
 
     def _refuse_counters(self, name: str, dropped: list[str], bodies: list[dict[str, Any]]) -> None:
         self.counters_refused = dropped
-        self._plan = None
         withheld = sum(
             1 for body in bodies for d in body.get("devices", ()) if d.get("consumesCounters")
         )
-        log.error(
+        self._withhold(
+            name,
+            dropped,
             "the API server dropped the MIG counters (sharedCounters, consumesCounters): "
             "its DRAPartitionableDevices feature gate is off, so the scheduler would "
             "allocate overlapping MIG placements. Publishing no dynamic MIG placements "
@@ -855,36 +856,28 @@ class SliceController:
             "kube-scheduler (on by default from 1.36) and restart the gpudra node "
             "agents, or run them with --mig-strategy static (chart: node.migStrategy: "
             "static) to publish the MIG devices that exist",
-            extra={
-                "fields": {
-                    **self.fields,
-                    "slice": name,
-                    "dropped": dropped[:8],
-                    "droppedCount": len(dropped),
-                    "withheld": withheld,
-                }
-            },
+            withheld=withheld,
         )
 
     def _refuse_taints(self, name: str, dropped: list[str]) -> None:
         self.taints_refused = dropped
-        self._plan = None
-        log.error(
+        self._withhold(
+            name,
+            dropped,
             "the API server dropped the device taints: its DRADeviceTaints feature gate "
             "is off, so the scheduler would go on allocating the devices this node found "
             "broken. Publishing none of them while they are tainted (NoExecute cannot "
             "evict running pods this way). Fix: enable DRADeviceTaints on kube-apiserver, "
             "kube-scheduler and kube-controller-manager (on by default from 1.36) and "
             "restart the gpudra node agents",
-            extra={
-                "fields": {
-                    **self.fields,
-                    "slice": name,
-                    "dropped": dropped[:8],
-                    "droppedCount": len(dropped),
-                }
-            },
         )
+
+    def _withhold(self, name: str, dropped: list[str], message: str, **fields: Any) -> None:
+        """A field the API server dropped from slice `name`: plan again (without what it
+        was for) and say so, once, as an error naming the gate and the fix."""
+        self._plan = None
+        fields = {"slice": name, "dropped": dropped[:8], "droppedCount": len(dropped), **fields}
+        log.error(message, extra={"fields": {**self.fields, **fields}})
 
     def _adoptable(
         self, observed: dict[str, dict[str, Any]], bodies: list[dict[str, Any]], generation: int

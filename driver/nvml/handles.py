@@ -14,23 +14,26 @@ driver that is older than the call:
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Iterator
 from typing import Any
 
 import pynvml
 from gpudra.driver.nvml import NvmlLibrary
 
 __all__ = [
+    "NO_MIG_AT_INDEX",
     "device_handle",
     "gpu_instance_profile",
     "gpu_instance_profiles",
     "handle_address",
+    "mig_device_handles",
     "nvml_code",
 ]
 
 # Answers of nvmlDeviceGetGpuInstanceProfileInfo for an index the GPU or branch lacks.
 _NO_PROFILE = frozenset({pynvml.NVML_ERROR_NOT_SUPPORTED, pynvml.NVML_ERROR_INVALID_ARGUMENT})
 # Answers of nvmlDeviceGetMigDeviceHandleByIndex for an index without a MIG device.
-_NO_MIG_AT_INDEX = frozenset({pynvml.NVML_ERROR_NOT_FOUND, pynvml.NVML_ERROR_INVALID_ARGUMENT})
+NO_MIG_AT_INDEX = frozenset({pynvml.NVML_ERROR_NOT_FOUND, pynvml.NVML_ERROR_INVALID_ARGUMENT})
 
 
 def nvml_code(err: BaseException) -> int | None:
@@ -70,14 +73,12 @@ def device_handle(nvml: NvmlLibrary, uuid: str) -> Any:
     for index in range(int(nvml.nvmlDeviceGetCount())):
         try:
             handle = nvml.nvmlDeviceGetHandleByIndex(index)
-            if str(nvml.nvmlDeviceGetUUID(handle)) == uuid:
-                return handle
-            found = _mig_device_handle(nvml, handle, uuid) if mig else None
+            candidates = [handle, *(mig_device_handles(nvml, handle) if mig else ())]
+            for candidate in candidates:
+                if str(nvml.nvmlDeviceGetUUID(candidate)) == uuid:
+                    return candidate
         except pynvml.NVMLError_GpuIsLost:
             lost = True  # this index is the lost GPU, or one of them
-            continue
-        if found is not None:
-            return found
     # Not among the devices that answer: either it is the lost GPU or one of its MIG
     # devices, or it does not exist.
     if lost:
@@ -85,8 +86,8 @@ def device_handle(nvml: NvmlLibrary, uuid: str) -> Any:
     raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_FOUND)
 
 
-def _mig_device_handle(nvml: NvmlLibrary, parent: Any, uuid: str) -> Any | None:
-    """The handle of `parent`'s MIG device with `uuid`, None if it has none such.
+def mig_device_handles(nvml: NvmlLibrary, parent: Any) -> Iterator[Any]:
+    """The handles of `parent`'s MIG devices.
 
     MIG device indices may have gaps (NOT_FOUND, or INVALID_ARGUMENT past what the GPU
     offers), as where a GPU instance was destroyed; a GPU without MIG answers a
@@ -96,18 +97,14 @@ def _mig_device_handle(nvml: NvmlLibrary, parent: Any, uuid: str) -> Any | None:
         count = int(nvml.nvmlDeviceGetMaxMigDeviceCount(parent))
     except pynvml.NVMLError as err:
         if nvml_code(err) == pynvml.NVML_ERROR_NOT_SUPPORTED:
-            return None
+            return
         raise
     for index in range(count):
         try:
-            handle = nvml.nvmlDeviceGetMigDeviceHandleByIndex(parent, index)
+            yield nvml.nvmlDeviceGetMigDeviceHandleByIndex(parent, index)
         except pynvml.NVMLError as err:
-            if nvml_code(err) in _NO_MIG_AT_INDEX:
-                continue
-            raise
-        if str(nvml.nvmlDeviceGetUUID(handle)) == uuid:
-            return handle
-    return None
+            if nvml_code(err) not in NO_MIG_AT_INDEX:
+                raise
 
 
 def gpu_instance_profiles(nvml: NvmlLibrary, parent: Any) -> dict[int, tuple[int, Any]]:

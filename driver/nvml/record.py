@@ -34,6 +34,7 @@ from gpudra.driver.nvml.codes import (
     nvml_start_problem,
 )
 from gpudra.driver.nvml.emulator import PROFILE_FORMAT, parse_profile
+from gpudra.driver.nvml.handles import mig_device_handles
 from gpudra.driver.nvml.topology import PciTopology, pci_topology
 
 PROG: Final = "python -m gpudra.driver.nvml.record"
@@ -146,15 +147,9 @@ def _gi_profiles(read: _Reader, handle: Any) -> list[dict[str, Any]]:
     return profiles
 
 
-def _mig_instances(read: _Reader, handle: Any, max_count: int) -> list[dict[str, Any]]:
+def _mig_instances(read: _Reader, handle: Any) -> list[dict[str, Any]]:
     instances: list[dict[str, Any]] = []
-    for j in range(max_count):
-        try:
-            mig = read.nvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, j)
-        except pynvml.NVMLError as err:
-            if err.value in (pynvml.NVML_ERROR_NOT_FOUND, pynvml.NVML_ERROR_INVALID_ARGUMENT):
-                continue
-            raise
+    for mig in mig_device_handles(read.nvml, handle):
         gi_id = int(read.nvml.nvmlDeviceGetGpuInstanceId(mig))
         ci_id = int(read.nvml.nvmlDeviceGetComputeInstanceId(mig))
         gi = read.nvml.nvmlDeviceGetGpuInstanceById(handle, gi_id)
@@ -244,7 +239,7 @@ def _record_gpu(
             gpu["migEnabled"] = enabled
             gpu["migPendingEnabled"] = int(mig_mode[1]) == pynvml.NVML_DEVICE_MIG_ENABLE
             if enabled:
-                gpu["migInstances"] = _mig_instances(read, handle, max_count)
+                gpu["migInstances"] = _mig_instances(read, handle)
     return product, gpu
 
 
