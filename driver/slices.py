@@ -636,7 +636,11 @@ class SliceController:
         self.driver = driver
         self.node = node
         self.source = source
+        # Injected limits stay; otherwise they follow the server's version, read again
+        # whenever the pool is planned (a control plane upgraded from 1.34 to 1.35 takes
+        # another layout: counter sets in slices of their own).
         self.limits = limits
+        self._plan_limits: SliceLimits | None = None
         self.resync_s = resync_s
         self.backoff_max_s = backoff_max_s
         self.writes = 0
@@ -721,9 +725,24 @@ class SliceController:
 
     # -- reconcile -----------------------------------------------------------
     async def _limits(self) -> SliceLimits:
-        if self.limits is None:
-            self.limits = SliceLimits.for_server(await self.kube.server_minor())
-        return self.limits
+        """The limits to plan with: injected ones, or the running server version's."""
+        if self.limits is not None:
+            return self.limits
+        return SliceLimits.for_server(await self.kube.server_minor())
+
+    async def _server_changed(self) -> bool:
+        """Whether the server's limits are no longer those the plan was made with (its
+        version changed under the agent); if so the plan is dropped."""
+        if self.limits is not None or self._plan_limits is None:
+            return False
+        if await self._limits() == self._plan_limits:
+            return False
+        self._plan = None
+        log.info(
+            "the API server's version changed: planning the slices again",
+            extra={"fields": self.fields},
+        )
+        return True
 
     async def _owner(self) -> list[dict[str, Any]]:
         if self._node_uid is None:
@@ -771,7 +790,7 @@ class SliceController:
                 content = without_counters(content)
             if self.taints_refused:
                 content = without_taints(content)
-            limits = await self._limits()
+            limits = self._plan_limits = await self._limits()
             self._plan = plan_slices(content, limits)
         bodies = self._plan
         observed = dict(self._cache)
@@ -802,11 +821,20 @@ class SliceController:
                 },
                 "spec": spec,
             }
-            if have is None:
-                resp = await self._write("POST", SLICES, body)
-            else:
-                body["metadata"]["resourceVersion"] = have["metadata"]["resourceVersion"]
-                resp = await self._write("PUT", f"{SLICES}/{name}", body)
+            try:
+                if have is None:
+                    resp = await self._write("POST", SLICES, body)
+                else:
+                    body["metadata"]["resourceVersion"] = have["metadata"]["resourceVersion"]
+                    resp = await self._write("PUT", f"{SLICES}/{name}", body)
+            except PoolError:
+                # Refused: by a server upgraded since the plan (1.35 refuses a slice
+                # holding counter sets and devices), planned again at once; else bad
+                # inventory, which the next change retries.
+                if await self._server_changed():
+                    await self.reconcile_once()
+                    return
+                raise
             pub.specs[name] = resp["spec"]
             self._cache[name] = resp
             dropped = unshared_by_server(spec, resp["spec"])

@@ -480,6 +480,45 @@ async def test_a_server_that_drops_taints_gets_no_broken_device(
         assert slices.taints_refused == [] and errors == []
 
 
+def refuse_counters_beside_devices(body: dict[str, Any]) -> str | None:
+    """1.35+ validation: a slice holds counter sets or devices, never both."""
+    spec = body["spec"]
+    if spec.get("sharedCounters") and spec.get("devices"):
+        return "spec: Invalid value: only one of `sharedCounters` or `devices` may be set"
+    return None
+
+
+@pytest.mark.anyio
+async def test_a_control_plane_upgraded_under_the_agent_gets_its_layout() -> None:
+    """1.34 puts a GPU's counter set and its placements in one slice; 1.35 refuses
+    that, and the 1.36 scheduler reads no devices from a slice with counter sets. An
+    agent started on 1.34 plans again with the upgraded server's layout: at its next
+    resync, and at once when the server refuses a write (the kubelet's restart, part
+    of a node's upgrade, deletes the node's slices)."""
+    server = ApiServer(minor=34)
+    async with api_server(server) as kube:
+        agent = NodeAgent(AgentConfig(node_name="n1", health_events=False), kube, mixed_node())
+        await agent.scan()
+        await agent.slices.reconcile_once()
+        assert any(o["spec"].get("sharedCounters") and o["spec"]["devices"] for o in server.pool())
+
+        server.minor, server.refuse = 36, refuse_counters_beside_devices
+        server.store.clear()  # the kubelet's restart deletes them; the watch relists
+        agent.slices._listed([])
+        await agent.slices.reconcile_once()
+        first = server.pool()
+
+        server.minor = 34  # and back, at a resync
+        server.refuse = None
+        agent.slices.trigger()
+        await agent.slices.reconcile_once()
+    assert not any(o["spec"].get("sharedCounters") and o["spec"].get("devices") for o in first)
+    assert len(devices_in(first)) == 6 + 2 * 25
+    again = server.pool()
+    assert all(o["spec"]["devices"] for o in again)  # counter sets beside devices again
+    assert len(devices_in(again)) == 6 + 2 * 25
+
+
 @pytest.mark.anyio
 async def test_a_server_that_keeps_counters_gets_every_placement() -> None:
     server = ApiServer()
