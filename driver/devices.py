@@ -71,14 +71,18 @@ PCI_BUS_ID_ATTRIBUTE = "resource.kubernetes.io/pciBusID"
 PCIE_ROOT_ATTRIBUTE = "resource.kubernetes.io/pcieRoot"
 NUMA_NODE_ATTRIBUTE = "resource.kubernetes.io/numaNode"
 
-# What the upstream driver published up to v25.3 and removed in v25.8.0 (September
-# 2025), all ints: on a GPU its NVML `index` and device `minor` number; on a MIG device
-# its NVML MIG `index` on the parent and the parent's NVML index, `parentIndex`. Neither
-# number is stable (NVML's order changes with CUDA_VISIBLE_DEVICES, a driver reload or
-# a GPU that drops off the bus; minor numbers are handed out at driver load), so a
-# selector on them may pick another GPU after a reboot: they are off by default and
-# offered only so manifests written for those releases keep working (docs/gpus.md).
-LEGACY_ATTRIBUTES = ("index", "minor", "parentIndex")
+# What the upstream driver published and later removed. Up to v25.3, as ints: on a GPU
+# its NVML `index` and device `minor` number; on a MIG device its NVML MIG `index` on the
+# parent and the parent's NVML index, `parentIndex` (removed in v25.8.0, September 2025).
+# Neither number is stable (NVML's order changes with CUDA_VISIBLE_DEVICES, a driver
+# reload or a GPU that drops off the bus; minor numbers are handed out at driver load),
+# so a selector on them may pick another GPU after a reboot. Up to v25.8, as a string:
+# `pcieBusID` on GPUs and MIG devices (a MIG device's is its parent's), which v25.12.0
+# renamed `resource.kubernetes.io/pciBusID`; the same value, go-nvlib's spelling. A
+# manifest that selects on a key no device has fails in the scheduler's CEL evaluation,
+# so they are offered (off by default) for manifests written for those releases
+# (docs/gpus.md).
+LEGACY_ATTRIBUTES = ("index", "minor", "parentIndex", "pcieBusID")
 
 # go-nvlib's brand and architecture spellings, which upstream publishes.
 _BRANDS: Mapping[int, str] = {
@@ -773,6 +777,11 @@ class _MigContext:
     def mig_attrs(self) -> dict[str, AttributeValue]:
         return {"type": DeviceType.MIG.value, "parentUUID": self.uuid}
 
+    def legacy_attrs(self) -> dict[str, AttributeValue]:
+        """The `LEGACY_ATTRIBUTES` every MIG device of this GPU has: upstream gave a MIG
+        device its parent's index and PCI bus ID."""
+        return {"parentIndex": self.index, "pcieBusID": self.parent_attrs[PCI_BUS_ID_ATTRIBUTE]}
+
 
 def discover(nvml: NvmlLibrary, *, topology: PciTopology | None = None) -> Inventory:
     """Read every GPU from NVML and return the inventory, or raise `DiscoveryError`.
@@ -963,7 +972,7 @@ def _discover_gpu(
         uuid=uuid,
         attributes={"type": DeviceType.GPU.value, "uuid": uuid, **parent_attrs},
         capacity={"memory": total_memory} if total_memory is not None else {},
-        legacy_attributes={"index": index, "minor": minor},
+        legacy_attributes={"index": index, "minor": minor, "pcieBusID": bus_id},
     )
     gpu = Gpu(
         index=index,
@@ -1082,7 +1091,24 @@ def _gi_profiles(
 def _partitions(
     ctx: _MigContext, profiles: Mapping[int, _GiProfile]
 ) -> tuple[tuple[Device, ...], CounterSet | None]:
-    """Every placement of every profile, consuming from the GPU's counter set."""
+    """Every placement of every profile, consuming from the GPU's counter set; each
+    profile's placements by descending start.
+
+    The order is the placement policy: the scheduler hands a claim the first device in
+    slice order whose counters still fit, and never moves it (`plan_slices` splits this
+    list into slices without reordering it, and their names sort in plan order). The
+    profiles a GPU has the fewest places for start low (A100, H100, H200: 7g and 4g at
+    memory slice 0 only, 3g at 0 or 4), the small ones fit almost anywhere (2g at 0, 2
+    or 4; 1g at 0 to 6). Listed from the top, a small instance takes the slices the
+    fewest larger placements need (2g@4 blocks a 3g@4, 2g@0 or 2g@2 the 4g and a 3g@0),
+    and the low half stays free for a 4g: on one H200, 1g.18gb then 4g.71gb get 1g@6
+    and 4g@0, where ascending order put the 1g at 0 and no 4g fitted.
+
+    No fixed order fits every sequence of claims: 2g, 3g, 2g fits only with the first
+    2g low (2g@0, 3g@4, 2g@2); from the top it goes to 4, the 3g to 0, and no 2g place
+    is left. That is the price of 2g then 4g fitting; a 4g, with its one placement, is
+    the harder to find room for.
+    """
     set_name = counter_set_name(ctx.minor)
     devices: list[Device] = []
     totals: dict[str, int] = {}
@@ -1092,7 +1118,7 @@ def _partitions(
         counters = {_counter_name(k): v for k, v in profile.capacity.items()}
         for key, value in counters.items():
             totals[key] = max(totals.get(key, 0), value)
-        for start, size in profile.placements:
+        for start, size in sorted(profile.placements, reverse=True):
             slice_count = max(slice_count, start + size)
             consumed = dict(counters)
             consumed.update({memory_slice_counter(s): 1 for s in range(start, start + size)})
@@ -1107,7 +1133,7 @@ def _partitions(
                 consumes_counters=(CounterConsumption(set_name, consumed),),
                 placement=MigPlacement(profile.name, profile.id, start, size),
                 # A placement has no MIG index until it is created.
-                legacy_attributes={"parentIndex": ctx.index},
+                legacy_attributes=ctx.legacy_attrs(),
             )
             devices.append(device)
     if not devices:
@@ -1211,7 +1237,7 @@ def _existing_migs(
             placement=MigPlacement(profile.name, profile.id, start, size),
             gpu_instance_id=gi_id,
             compute_instance_id=ci_id,
-            legacy_attributes={"index": j, "parentIndex": index},
+            legacy_attributes={"index": j, **ctx.legacy_attrs()},
         )
         devices.append(device)
     return tuple(sorted(devices, key=lambda d: d.name))

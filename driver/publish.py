@@ -26,11 +26,12 @@ shares takes all N (the `shares` default): a whole-GPU claim gets the GPU only w
 no share is taken, and keeps every share off it. Claims written for upstream's
 integer shares ask `capacity.requests: {shares: 1}` and behave the same here.
 
-`legacy` (`gpudra node --legacy-attributes`) adds the attributes upstream removed in
-v25.8.0 (`devices.LEGACY_ATTRIBUTES`: `index`, `minor`, `parentIndex`), so a selector
-written for older releases, such as upstream's quickstart
+`legacy` (`gpudra node --legacy-attributes`) adds the attributes upstream removed
+(`devices.LEGACY_ATTRIBUTES`: `index`, `minor`, `parentIndex` in v25.8.0, `pcieBusID`
+in v25.12.0), so a selector written for older releases, such as upstream's quickstart
 `device.attributes['gpu.nvidia.com'].index == 0`, still matches. Off by default: those
-numbers are not stable across reboots and driver reloads (docs/gpus.md).
+numbers are not stable across reboots and driver reloads, and `pcieBusID` only repeats
+`resource.kubernetes.io/pciBusID` (docs/gpus.md).
 """
 
 from __future__ import annotations

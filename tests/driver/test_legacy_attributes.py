@@ -1,13 +1,16 @@
-"""`--legacy-attributes`: upstream's `index`, `minor` and `parentIndex` of before v25.8.0,
-published through the one serializer, with NVML's values, and only when asked."""
+"""`--legacy-attributes`: upstream's `index`, `minor` and `parentIndex` of before v25.8.0
+and `pcieBusID` of before v25.12.0, published through the one serializer, with NVML's
+values, and only when asked."""
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
 import pynvml
+import pytest
 from gpudra.cli.main import build_parser
 from gpudra.cli.node import _agent_config
 from gpudra.driver import publish
@@ -78,13 +81,60 @@ def test_a_static_mig_device_gets_its_nvml_mig_index_and_its_parents_index() -> 
         assert "minor" not in got
 
 
-def test_a_dynamic_mig_placement_has_only_its_parents_index() -> None:
+def test_a_dynamic_mig_placement_has_only_its_parents_index_and_bus_id() -> None:
     attrs = _published("a100-40gb-mig-mixed", MigStrategy.DYNAMIC, legacy=True)
     migs = {n: a for n, a in attrs.items() if a["type"] == {"string": "mig"}}
     assert migs
     for name, got in migs.items():
         assert got["parentIndex"] == {"int": int(name.split("-")[1])}, name
+        assert "pcieBusID" in got
         assert "index" not in got and "minor" not in got
+
+
+def _nvml_bus_ids(profile: str) -> dict[str, str]:
+    """GPU UUID -> the bus ID upstream published as `pcieBusID`: NVML's, as go-nvlib's
+    GetPCIBusID spells it (lower case, the 8-digit domain cut to 4)."""
+    nvml = load_nvml(f"emulated:{profile}")
+    nvml.nvmlInit()
+    try:
+        handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(nvml.nvmlDeviceGetCount())]
+        return {
+            str(nvml.nvmlDeviceGetUUID(h)): str(nvml.nvmlDeviceGetPciInfo_v3(h).busId)
+            .lower()
+            .removeprefix("0000")
+            for h in handles
+        }
+    finally:
+        nvml.nvmlShutdown()
+
+
+@pytest.mark.parametrize(
+    ("profile", "strategy"),
+    [
+        ("h100-80gb-hbm3-x8", MigStrategy.DYNAMIC),
+        ("a100-40gb-mig-mixed", MigStrategy.STATIC),
+        ("a100-40gb-mig-mixed", MigStrategy.DYNAMIC),
+    ],
+)
+def test_every_gpu_and_mig_device_gets_upstreams_pcie_bus_id(
+    profile: str, strategy: MigStrategy
+) -> None:
+    """v25.3 and v25.8 published the GPU's bus ID as the string `pcieBusID` on the GPU
+    and on each of its MIG devices; a selector on it fails in CEL where it is missing.
+    Its value is that of `resource.kubernetes.io/pciBusID`, the key v25.12 moved it
+    to."""
+    bus_ids = _nvml_bus_ids(profile)
+    attrs = _published(profile, strategy, legacy=True)
+    assert {a["type"]["string"] for a in attrs.values()} == (
+        {"gpu"} if profile.startswith("h100") else {"mig"}
+    )
+    for name, got in attrs.items():
+        parent = (got["parentUUID"] if "parentUUID" in got else got["uuid"])["string"]
+        assert got["pcieBusID"] == {"string": bus_ids[parent]}, name
+        assert got["pcieBusID"] == got["resource.kubernetes.io/pciBusID"], name
+    assert all(
+        re.fullmatch(r"[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]", b) for b in bus_ids.values()
+    )
 
 
 def test_the_flag_reaches_the_agent() -> None:

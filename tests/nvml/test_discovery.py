@@ -375,7 +375,7 @@ def test_api_shapes_keep_driver_keys_unqualified() -> None:
     """The published form: keys of the driver's own domain go out bare, as upstream
     publishes them; the standard `resource.kubernetes.io/` ones carry their domain."""
     inventory = discover(emulated("a100-40gb-mig-mixed"))
-    device = inventory.devices(MigStrategy.DYNAMIC)[0]
+    device = inventory.devices(MigStrategy.DYNAMIC)[0]  # 1g.5gb, placements from the top
     api = publish.device(device)
     assert api["name"] == device.name
     assert api["attributes"]["type"] == {"string": "mig"}
@@ -383,7 +383,7 @@ def test_api_shapes_keep_driver_keys_unqualified() -> None:
     assert api["attributes"][NUMA_NODE_ATTRIBUTE] == {"int": 0}
     assert api["capacity"]["memory"] == {"value": str(4864 * 1024 * 1024)}
     assert api["consumesCounters"][0]["counterSet"] == "gpu-0-counter-set"
-    assert api["consumesCounters"][0]["counters"]["memory-slice-0"] == {"value": "1"}
+    assert api["consumesCounters"][0]["counters"]["memory-slice-6"] == {"value": "1"}
     validate_device(api, SliceLimits())
     counter_set = publish.counter_set(inventory.counter_sets(MigStrategy.DYNAMIC)[0])
     assert counter_set["counters"]["multiprocessors"] == {"value": "98"}
