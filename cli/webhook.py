@@ -232,6 +232,16 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         f"(default: {DEFAULT_POLICY.time_slice_interval})",
     )
     p.add_argument(
+        "--shared-whole-gpu-fallback",
+        action=argparse.BooleanOptionalAction,
+        default=DEFAULT_POLICY.shared_whole_gpu_fallback,
+        help="converted shared GPUs (nvidia.com/gpu.shared) take a whole GPU where no GPU "
+        "is published with shares (default: on). --no-shared-whole-gpu-fallback: one "
+        "share or nothing, so they run only on nodes with --gpu-shares, and a queue "
+        "counting nvidia.com/gpu.shared (Kueue, which cannot admit a pod whose claim has "
+        "the fallback) is charged a share per unit, never a whole GPU",
+    )
+    p.add_argument(
         "--mps-default-active-thread-percentage",
         type=int,
         default=None,
@@ -301,6 +311,7 @@ def conversion_policy(args: argparse.Namespace) -> ConversionPolicy:
         driver=args.driver_name,
         shared_strategy=args.shared_strategy,
         time_slice_interval=args.time_slice_interval,
+        shared_whole_gpu_fallback=args.shared_whole_gpu_fallback,
         mps_config=_mps_config(args),
         native_resources=frozenset(args.extended_resource_name),
         mig_profile_classes=tuple(_mig_profiles(args.mig_profile_class)),

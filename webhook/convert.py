@@ -55,13 +55,23 @@ sharing config. Up to N pods share a GPU with N shares, pod N+1 gets a share of 
 next GPU, and a whole-GPU claim never fits a GPU with a share taken. Two shares of
 one pod may land on the same GPU, as two device-plugin replicas could.
 
+Without the fallback (``ConversionPolicy.shared_whole_gpu_fallback`` off, ``gpudra
+webhook --no-shared-whole-gpu-fallback``) each request is the ``share`` subrequest alone,
+as ``exactly``: the pod runs only where GPUs are published with shares, as it ran only
+on time-sliced nodes under the device plugin. A queue counting ``nvidia.com/gpu.shared``
+(Kueue) then charges what the pod gets, one share per unit, never a whole GPU; and
+Kueue (v0.19.2) cannot count a ``firstAvailable`` request, so a plain pod it queues
+(its Pod integration reads the pod as converted) is admitted only in this form
+(docs/kueue.md).
+
 Each converted pod carries the annotation ``gpudra.nvidia.com/converted``: per claim,
 which legacy resources it replaced, with the claim, template, class and sharing.
 
 Templates are named by type and piece counts (``gpudra-gpu-2``, ``gpudra-gpu-1-1``,
 ``gpudra-mig-1g10gb-1``), so pods of the same shape share one template. Templates are
-immutable, so when the policy changes their content (class names, time-slice interval)
-the name gets a content hash suffix; a name longer than 63 characters is cut and hashed.
+immutable, so when the policy changes their content (class names, time-slice interval,
+no whole-GPU fallback) the name gets a content hash suffix; a name longer than 63
+characters is cut and hashed.
 
 Pods left alone (empty patch): those labelled ``gpudra.nvidia.com/convert: "false"``
 (a label, so the webhook's ``objectSelector`` can also skip them without a call; the
@@ -182,6 +192,11 @@ class ConversionPolicy:
     """MIG profiles served by their own DeviceClass (`mig_profile_class`, the chart's
     `deviceClasses.mig.profiles`): converted ``nvidia.com/mig-<profile>`` claims request
     it, so a quota per class (Kueue's, a GpuTenant's) counts them under their profile."""
+    shared_whole_gpu_fallback: bool = True
+    """A shared device may be a whole GPU where no GPU offers a share (``firstAvailable``:
+    pods keep running on nodes without ``--gpu-shares``). Off, it is a share or nothing
+    (``exactly``): one unit of ``nvidia.com/gpu.shared`` a quota counts is then never a
+    whole GPU, and Kueue, which cannot count ``firstAvailable``, admits converted pods."""
     left_to_device_plugin: bool = False
     """The pod keeps its device-plugin requests, which the device plugin serves (its
     namespace is not converted, or the webhook does not patch it): `convert_pod` only
@@ -694,11 +709,11 @@ def _claim_spec(
             expression = mig_profile_selector(policy.driver, device_type.profile)
             exactly["selectors"] = [{"cel": {"expression": expression}}]
         if device_type.kind is DeviceKind.SHARED:
-            share = {
-                "name": SHARE_SUBREQUEST,
-                **exactly,
-                "capacity": {"requests": {SHARES_CAPACITY: "1"}},
-            }
+            one_share = {**exactly, "capacity": {"requests": {SHARES_CAPACITY: "1"}}}
+            if not policy.shared_whole_gpu_fallback:
+                requests.append({"name": f"part-{index}", "exactly": one_share})
+                continue
+            share = {"name": SHARE_SUBREQUEST, **one_share}
             whole = {"name": WHOLE_SUBREQUEST, **exactly}
             requests.append({"name": f"part-{index}", "firstAvailable": [share, whole]})
             continue
@@ -793,7 +808,8 @@ def generated_template_name(spec: object, policy: ConversionPolicy) -> str | Non
 
 
 def _first_exact(request: object) -> Mapping[str, Any] | None:
-    """A request's `exactly`, or its first `firstAvailable` subrequest (shared devices)."""
+    """A request's `exactly` (every kind; shared devices without the whole-GPU fallback),
+    or its first `firstAvailable` subrequest (shared devices with it)."""
     if not isinstance(request, Mapping):
         return None
     exactly = request.get("exactly")

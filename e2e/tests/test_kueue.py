@@ -16,6 +16,7 @@ Run with `make test-kueue` (kept out of `make test`: see README.md).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import threading
 from collections import Counter
@@ -31,7 +32,12 @@ from gpudra.api.deviceclasses import device_classes, mig_profile_class
 from gpudra.api.tenants import API_VERSION as TENANT_API
 from gpudra.api.tenants import crd_manifest as tenant_crd
 from gpudra.common.kube import Kube as AsyncKube
+from gpudra.driver.agent import AgentConfig, NodeAgent
+from gpudra.driver.devices import MigStrategy
+from gpudra.driver.gpushares import GpuShares
+from gpudra.driver.nvml import load_nvml
 from gpudra.webhook.convert import CONVERTED_ANNOTATION as CONVERTED
+from gpudra.webhook.convert import DEFAULT_POLICY, ConversionPolicy
 from gpudra.webhook.server import WebhookServer
 from gpudra.webhook.templates import ApiTemplateEnsurer
 from gpudra.webhook.tenants import TenantController
@@ -230,15 +236,24 @@ def test_a_mapping_of_a_class_gpudra_does_not_serve_leaves_native_jobs_waiting(
 
 @contextlib.asynccontextmanager
 async def gpudra_webhook(
-    cluster: Cluster, kube: Kube, pki_dir: Path, *, tenants: bool = False
+    cluster: Cluster,
+    kube: Kube,
+    pki_dir: Path,
+    *,
+    tenants: bool = False,
+    policy: ConversionPolicy = DEFAULT_POLICY,
+    shares: int = 0,
 ) -> AsyncIterator[TenantController | None]:
-    """gpudra's webhook served from this event loop (with its tenant rules if `tenants`),
-    emulated GPUs published on the fake node worker-1: converted pods get claims the
-    scheduler allocates, without a real node (their containers never run)."""
+    """gpudra's webhook served from this event loop (with its tenant rules if `tenants`,
+    converting by `policy`), emulated GPUs published on the fake node worker-1, and with
+    `shares` on worker-2 too, each GPU offering that many shares (`--gpu-shares`):
+    converted pods get claims the scheduler allocates, without a real node (their
+    containers never run)."""
     for dc in device_classes(DRIVER):
         kube.apply(dc)
     akube = await AsyncKube.connect(str(cluster.layout.admin_kubeconfig))
     pki, config = serving_config(cluster, pki_dir)
+    config = dataclasses.replace(config, policy=policy)
     controller = None
     if tenants:
         apply_crd(kube, tenant_crd())
@@ -251,6 +266,20 @@ async def gpudra_webhook(
         if controller is not None:
             await tg.start(controller.run)
         await start_emulated_nodes(tg, akube, DRIVER, [node])
+        if shares:
+            agent = NodeAgent(
+                AgentConfig(
+                    node_name=SHARES_NODE,
+                    driver_name=DRIVER,
+                    mig_strategy=MigStrategy.STATIC,
+                    health_events=False,
+                    gpu_shares=GpuShares(default=shares),
+                ),
+                akube,
+                load_nvml("emulated:h100-80gb-hbm3-x8", uuid_salt="kueue-shares"),
+            )
+            await tg.start(agent.run)
+            await agent.slices.converged.wait()
         await register_webhook(akube, pki, config, f"https://{cluster.webhook_host()}:{port}")
         yield controller
         await unregister_webhook(akube)
@@ -309,6 +338,128 @@ async def test_plain_pods_are_counted_after_conversion_without_a_node(
             else:
                 gates = kube.get("Pod", name, "team-a")["spec"].get("schedulingGates")
                 assert gates, "the waiting pod is not held by Kueue"
+
+    await anyio.to_thread.run_sync(scenario)
+
+
+SHARES_NODE = "worker-2"
+SHARED = "nvidia.com/gpu.shared"
+
+
+@pytest.fixture
+async def share_only(
+    cluster: Cluster, kube: Kube, queues: None, tmp_path: Path
+) -> AsyncIterator[None]:
+    """gpudra's webhook converting without the whole-GPU fallback (`gpudra webhook
+    --no-shared-whole-gpu-fallback`, the chart's
+    webhook.conversion.sharedWholeGpuFallback: false), worker-2 publishing 2 shares per
+    GPU, and a ClusterQueue `shared` with a quota of 2 `nvidia.com/gpu.shared` that
+    team-a's LocalQueue `shared` feeds."""
+    queue: list[dict[str, Any]] = [
+        {
+            "apiVersion": "kueue.x-k8s.io/v1beta2",
+            "kind": "ClusterQueue",
+            "metadata": {"name": "shared"},
+            "spec": {
+                "namespaceSelector": {},
+                "resourceGroups": [
+                    {
+                        "coveredResources": [SHARED],
+                        "flavors": [
+                            {
+                                "name": "gpu-default",
+                                "resources": [{"name": SHARED, "nominalQuota": 2}],
+                            }
+                        ],
+                    }
+                ],
+            },
+        },
+        {
+            "apiVersion": "kueue.x-k8s.io/v1beta2",
+            "kind": "LocalQueue",
+            "metadata": {"name": "shared", "namespace": "team-a"},
+            "spec": {"clusterQueue": "shared"},
+        },
+    ]
+    for obj in queue:
+        kube.apply(obj)
+    policy = ConversionPolicy(shared_whole_gpu_fallback=False)
+    try:
+        async with gpudra_webhook(cluster, kube, tmp_path / "pki", policy=policy, shares=2):
+            yield
+    finally:
+
+        def remove() -> None:
+            for pod in kube.list("Pod", "team-a"):
+                kube.delete("Pod", pod["metadata"]["name"], "team-a", grace=0)
+            wait_for("the pods of team-a gone", lambda: not kube.list("Pod", "team-a"))
+            for obj in reversed(queue):
+                meta = obj["metadata"]
+                kube.delete(obj["kind"], meta["name"], meta.get("namespace"))
+
+        await anyio.to_thread.run_sync(remove)
+
+
+@pytest.mark.anyio
+async def test_plain_shared_pods_without_the_fallback_are_admitted_and_get_a_share(
+    kueue: KueueManager, kube: Kube, share_only: None
+) -> None:
+    """Kueue (v0.19.2) cannot count a `firstAvailable` request, so a plain pod asking
+    `nvidia.com/gpu.shared: 1` converted with the whole-GPU fallback stays gated
+    (Inadmissible). Converted without it, its claim is one share, `exactly`: Kueue
+    counts it as `nvidia.com/gpu.shared: 1`, admits two under quota 2 and holds the
+    third, and each admitted pod's claim gets one share of a GPU on the node with
+    `--gpu-shares`, never a whole GPU."""
+
+    def scenario() -> None:
+        names = [f"share-{i}" for i in range(3)]
+        for name in names:
+            pod = plain_pod(name, "team-a", SHARES_NODE)
+            pod["metadata"]["labels"][jobs.QUEUE_LABEL] = "shared"
+            pod["spec"]["containers"][0]["resources"]["limits"] = {SHARED: 1}
+            created = kube.create(pod)
+            (entry,) = created["spec"]["resourceClaims"]
+            template = kube.get(
+                "ResourceClaimTemplate", entry["resourceClaimTemplateName"], "team-a"
+            )
+            (request,) = template["spec"]["spec"]["devices"]["requests"]
+            assert set(request) == {"name", "exactly"}, request
+        wait_for("two pods admitted", lambda: pods_admitted(kube, names) == 2, timeout=60)
+        admitted = [n for n in names if jobs.workload_admitted(kube, "team-a", n, "Pod")]
+        for name in names:
+            wl = jobs.workload_of(kube, "team-a", name, "Pod")
+            assert wl is not None
+            if name not in admitted:
+                assert kube.get("Pod", name, "team-a")["spec"].get("schedulingGates")
+                reserved = wait_for(
+                    f"Kueue's reason on the Workload of {name}",
+                    lambda n=name: jobs.condition(
+                        jobs.workload_of(kube, "team-a", n, "Pod"), "QuotaReserved"
+                    ),
+                )
+                assert reserved["status"] == "False", reserved
+                assert f"insufficient unused quota for {SHARED}" in reserved["message"], reserved
+                continue
+            usage = wl["status"]["admission"]["podSetAssignments"][0]["resourceUsage"]
+            assert usage == {SHARED: "1"}, usage
+
+        def allocations(name: str) -> list[dict[str, Any]]:
+            pod = kube.get("Pod", name, "team-a")
+            statuses = (pod.get("status") or {}).get("resourceClaimStatuses") or [{}]
+            claim_name = statuses[0].get("resourceClaimName")
+            if not claim_name:
+                return []
+            claim = kube.get("ResourceClaim", claim_name, "team-a")
+            allocation = (claim.get("status") or {}).get("allocation") or {}
+            results: list[dict[str, Any]] = allocation.get("devices", {}).get("results", [])
+            return results
+
+        for name in admitted:
+            (result,) = wait_for(f"the claim of {name} allocated", lambda n=name: allocations(n))
+            assert result["pool"] == SHARES_NODE, result
+            assert result["consumedCapacity"]["shares"] == "1", result
+            assert result.get("shareID"), result
 
     await anyio.to_thread.run_sync(scenario)
 

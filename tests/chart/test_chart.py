@@ -1125,6 +1125,12 @@ def webhook_policy(objects: list[dict[str, Any]]) -> tuple[list[str], Conversion
             "mig_profile_classes",
             ("1g.10gb", "3g.40gb"),
         ),
+        (
+            {"webhook": {"conversion": {"sharedWholeGpuFallback": False}}},
+            ["--no-shared-whole-gpu-fallback"],
+            "shared_whole_gpu_fallback",
+            False,
+        ),
     ],
     ids=[
         "driverName",
@@ -1133,6 +1139,7 @@ def webhook_policy(objects: list[dict[str, Any]]) -> tuple[list[str], Conversion
         "mps.threads",
         "mps.pinned",
         "mig.profiles",
+        "conversion.sharedWholeGpuFallback",
     ],
 )
 def test_values_that_change_conversion_reach_the_webhook(
@@ -1146,6 +1153,16 @@ def test_values_that_change_conversion_reach_the_webhook(
     args, policy = webhook_policy(h.template(helm, values))
     assert set(flags) <= set(args)
     assert getattr(policy, field) == expected
+
+
+def test_a_release_without_the_fallback_value_keeps_the_whole_gpu_fallback(helm: Path) -> None:
+    """Only an explicit `sharedWholeGpuFallback: false` drops it: a release upgraded with
+    `--reuse-values` from a chart without the key (null here) keeps today's conversion."""
+    args, policy = webhook_policy(
+        h.template(helm, {"webhook": {"conversion": {"sharedWholeGpuFallback": None}}})
+    )
+    assert not [a for a in args if "shared-whole-gpu-fallback" in a]
+    assert policy.shared_whole_gpu_fallback is True
 
 
 def test_client_certificate_authentication_reaches_the_webhook(

@@ -142,6 +142,44 @@ async def test_a_template_under_a_generated_name_must_have_the_generated_content
     assert (await endpoints[VALIDATE_CLAIMS_PATH](review(TEMPLATE, other))).result == "allowed"
 
 
+SHARED_POD = {
+    "metadata": {"name": "p"},
+    "spec": {
+        "containers": [{"name": "c", "resources": {"limits": {"nvidia.com/gpu.shared": "1"}}}],
+    },
+}
+
+
+async def test_the_share_only_conversion_writes_templates_its_own_guard_admits() -> None:
+    """With `--no-shared-whole-gpu-fallback` the pod refers to the share-only template,
+    which the claim webhook (served by the same policy) admits under its generated name
+    when the conversion writes it; one share raised to two, or the fallback shape under
+    that name, is refused as forged."""
+    policy = conversion_policy(
+        build_parser().parse_args(["webhook", "--cert-dir=c", "--no-shared-whole-gpu-fallback"])
+    )
+    templates = Templates()
+    endpoints = Admission(templates, WebhookMetrics(CollectorRegistry()), policy=policy).endpoints()
+    decision = await endpoints[MUTATE_PATH](review(POD, SHARED_POD))
+    assert decision.result == "patched"
+    (ours,) = convert_pod(SHARED_POD, policy).templates
+    assert templates.names == [ours["metadata"]["name"]] != ["gpudra-gpu-shared-1"]
+    (request,) = ours["spec"]["spec"]["devices"]["requests"]
+    assert request["exactly"]["capacity"] == {"requests": {"shares": "1"}}
+    assert (await endpoints[VALIDATE_CLAIMS_PATH](review(TEMPLATE, ours))).result == "allowed"
+
+    forged = json.loads(json.dumps(ours))
+    forged["spec"]["spec"]["devices"]["requests"][0]["exactly"]["capacity"]["requests"] = {
+        "shares": "2"
+    }
+    decision = await endpoints[VALIDATE_CLAIMS_PATH](review(TEMPLATE, forged))
+    assert decision.result == "denied"
+    assert "reserved for the templates gpudra generates" in decision.response["status"]["message"]
+    (fallback,) = convert_pod(SHARED_POD).templates
+    renamed = {**fallback, "metadata": ours["metadata"]}
+    assert (await endpoints[VALIDATE_CLAIMS_PATH](review(TEMPLATE, renamed))).result == "denied"
+
+
 def one_gpu_spec(count: int = 1) -> dict[str, Any]:
     exactly = {"deviceClassName": "gpu.nvidia.com", "allocationMode": "ExactCount", "count": count}
     return {"devices": {"requests": [{"name": "gpu", "exactly": exactly}]}}

@@ -329,6 +329,59 @@ def test_shared_gpu_gets_time_slicing_config(apply_patch: Patcher) -> None:
     )
 
 
+def test_without_the_whole_gpu_fallback_a_shared_gpu_is_a_share_or_nothing(
+    apply_patch: Patcher,
+) -> None:
+    """Kueue counts only `exactly` requests (a `firstAvailable` claim leaves a queued pod
+    inadmissible) and charges its count as that many `nvidia.com/gpu.shared`: the request
+    is the share alone, one share per device, so no unit is ever a whole GPU."""
+    share_only = ConversionPolicy(shared_whole_gpu_fallback=False)
+    p = pod(
+        container("a", {"nvidia.com/gpu.shared": "2"}),
+        container("b", {"nvidia.com/gpu.shared": "1"}),
+    )
+    result, out = converted(p, apply_patch, share_only)
+    (template,) = result.templates
+    share = {
+        "deviceClassName": "gpu-shared.nvidia.com",
+        "allocationMode": "ExactCount",
+        "capacity": {"requests": {"shares": "1"}},
+    }
+    devices = template["spec"]["spec"]["devices"]
+    assert devices["requests"] == [
+        {"name": "part-0", "exactly": {**share, "count": 2}},
+        {"name": "part-1", "exactly": {**share, "count": 1}},
+    ]
+    # The same sharing config as with the fallback.
+    default_devices = convert_pod(p).templates[0]["spec"]["spec"]["devices"]
+    assert devices["config"] == default_devices["config"]
+    (claim,) = result.claims
+    assert (claim.kind, claim.devices, claim.device_class) == (
+        DeviceKind.SHARED,
+        3,
+        "gpu-shared.nvidia.com",
+    )
+    # Other content than the default's: its own name, bound to it.
+    name = template["metadata"]["name"]
+    assert re.fullmatch(r"gpudra-gpu-shared-2-1-[0-9a-f]{8}", name), name
+    assert generated_template_name(template["spec"]["spec"], share_only) == name
+    assert generated_template_name(template["spec"]["spec"], DEFAULT_POLICY) is None
+    assert generated_template_name(convert_pod(p).templates[0]["spec"]["spec"], share_only) is None
+    assert out["spec"]["resourceClaims"] == [
+        {"name": "gpudra-gpu-shared", "resourceClaimTemplateName": name}
+    ]
+    assert convert_pod(out, share_only).patch == ()  # reinvocation: already converted
+    # Whole GPUs and MIG devices are not shared: their templates do not change.
+    other = pod(container("a", {"nvidia.com/gpu": "1", "nvidia.com/mig-1g.10gb": "1"}))
+    assert convert_pod(other, share_only).templates == convert_pod(other).templates
+    # A plain nvidia.com/gpu made shared (a GpuTenant's gpuResource) loses it too.
+    mapped = ConversionPolicy(gpu_resource_kind=DeviceKind.SHARED, shared_whole_gpu_fallback=False)
+    (template,) = convert_pod(pod(container("a", {"nvidia.com/gpu": "1"})), mapped).templates
+    assert template["spec"]["spec"]["devices"]["requests"] == [
+        {"name": "part-0", "exactly": {**share, "count": 1}}
+    ]
+
+
 def test_converted_pods_say_what_became_what(apply_patch: Patcher) -> None:
     _, out = converted(
         pod(

@@ -14,7 +14,7 @@ from gpudra.api.quantity import parse_quantity
 from gpudra.api.tenants import API_VERSION, parse_tenant
 from gpudra.common.kube import ApiError
 from gpudra.webhook import tenants as tenants_module
-from gpudra.webhook.convert import DeviceKind, convert_pod
+from gpudra.webhook.convert import ConversionPolicy, DeviceKind, convert_pod
 from gpudra.webhook.metrics import PodSecurityGaps
 from gpudra.webhook.tenant_rules import Lookup, QuotaUsage, TenantRules, claim_devices, policy_for
 from gpudra.webhook.tenant_state import QUOTA_NAME, TENANT_LABEL, TenantState
@@ -286,6 +286,38 @@ def test_tenant_maps_gpu_to_mps() -> None:
     params = conversion.templates[0]["spec"]["spec"]["devices"]["config"][0]["opaque"]["parameters"]
     assert params["sharing"] == {"strategy": "MPS"}
     assert r.check_pod(conversion, "ns", None) is None
+
+
+def test_share_only_conversion_holds_in_tenant_namespaces_and_counts_each_share() -> None:
+    """`gpudra webhook --no-shared-whole-gpu-fallback` (the base policy) holds in a
+    tenant's namespaces too, its gpuResource mapping included; the share-only claim
+    counts one device per share against maxDevicesPerPod and the shared class's quota,
+    the same count Kueue charges as nvidia.com/gpu.shared."""
+    base = ConversionPolicy(shared_whole_gpu_fallback=False)
+    shared = "gpu-shared.nvidia.com"
+    s = TenantState(base_policy=base)
+    s.replace("namespaces", [namespace("ns")])
+    s.replace("quotas", [])
+    s.replace(
+        "tenants",
+        [tenant("team-a", namespaces=["ns"], maxDevicesPerPod=2, gpuResource={"sharing": "MPS"})],
+    )
+    r = s.lookup("ns").rules
+    assert r is not None and r.policy.shared_whole_gpu_fallback is False
+    for resource in ("nvidia.com/gpu.shared", "nvidia.com/gpu"):
+        conversion = convert_pod(pod(("a", {resource: "2"}), ("b", {resource: "1"})), r.policy)
+        (template,) = conversion.templates
+        spec = template["spec"]["spec"]
+        assert [list(q) for q in spec["devices"]["requests"]] == [["name", "exactly"]] * 2
+        assert claim_devices(spec, frozenset({shared})) == conversion.claims[0].devices == 3
+        message = r.check_pod(conversion, "ns", None)
+        assert message is not None and "maxDevicesPerPod is 2, this pod asks for 3" in message
+        one = convert_pod(pod(("a", {resource: "1"})), r.policy)
+        assert r.check_pod(one, "ns", QuotaUsage({shared: 2}, {shared: 1})) is None
+        assert r.check_pod(one, "ns", QuotaUsage({shared: 2}, {shared: 2})) == (
+            f'tenant "team-a" (GpuTenant team-a): quota {shared} in namespace ns: limit 2, '
+            "used 2, this pod asks for 1"
+        )
 
 
 def test_only_the_own_quota_counts() -> None:
