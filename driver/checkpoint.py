@@ -122,10 +122,9 @@ T = TypeVar("T")
 CHECKPOINT_VERSION: Final = 1
 CHECKPOINT_MAJOR_VERSION: Final = 2
 """The highest `majorVersion` this release reads."""
-_COMPLETE_MAJOR_VERSION: Final = 1
-"""The file holds every change: no changes file extends it."""
 _EXTENDED_MAJOR_VERSION: Final = 2
-"""A changes file may extend the file (an agent that may append has written it)."""
+"""A changes file may extend the file (an agent that may append has written it); a
+file that holds every change says nothing, which reads as 1."""
 DEFAULT_BOOT_ID_PATH: Final = Path("/proc/sys/kernel/random/boot_id")
 
 _DEVICE_KEYS: Final = frozenset(
