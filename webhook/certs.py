@@ -522,37 +522,21 @@ def ensure_pki(
     """
     directory.mkdir(parents=True, exist_ok=True)
     now = now or _now()
+    damage: ValueError | None = None
     try:
         current = load_pki(directory)
     except ValueError as exc:
-        ca, previous, serving = _salvage(_read_files(directory), now)
-        pki = _reconcile(
-            ca,
-            previous,
-            serving,
-            dns_names,
-            ip_addresses=ip_addresses,
-            now=now,
-            ca_validity=ca_validity,
-            serving_validity=serving_validity,
-            ca_propagation=ca_propagation,
-            ca_published=ca_published,
-        )
-        logger.warning(
-            "webhook certificate files damaged; repaired",
-            extra={
-                "fields": {
-                    "error": str(exc),
-                    "ca_kept": ca is not None and pki.ca == ca,
-                    "serving_kept": serving is not None and pki.serving == serving,
-                    "previous_ca_signs": bool(pki.previous_ca and pki.previous_ca.key_pem),
-                }
-            },
-        )
-        store_pki(directory, pki)
-        return pki, True
-    pki = reconcile_pki(
-        current,
+        current, damage = None, exc
+    parts: tuple[CertKeyPair | None, CertKeyPair | None, CertKeyPair | None] = (None, None, None)
+    if current is not None:
+        parts = (current.ca, current.previous_ca, current.serving)
+    elif damage is not None:
+        parts = _salvage(_read_files(directory), now)
+    ca, previous, serving = parts
+    pki = _reconcile(
+        ca,
+        previous,
+        serving,
         dns_names,
         ip_addresses=ip_addresses,
         now=now,
@@ -561,8 +545,20 @@ def ensure_pki(
         ca_propagation=ca_propagation,
         ca_published=ca_published,
     )
-    if pki is current:
-        return pki, False
+    if damage is not None:
+        logger.warning(
+            "webhook certificate files damaged; repaired",
+            extra={
+                "fields": {
+                    "error": str(damage),
+                    "ca_kept": ca is not None and pki.ca == ca,
+                    "serving_kept": serving is not None and pki.serving == serving,
+                    "previous_ca_signs": bool(pki.previous_ca and pki.previous_ca.key_pem),
+                }
+            },
+        )
+    elif current is not None and pki == current:
+        return current, False
     store_pki(directory, pki)
     return pki, True
 
