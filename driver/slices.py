@@ -94,12 +94,21 @@ class SliceLimits:
         return cls()
 
 
+_INFORMATIONAL = "None"
+"""The taint effect that only informs; every other keeps the scheduler off the device."""
+
+
+def _keeping_off(dev: dict[str, Any]) -> bool:
+    """Whether a taint of `dev` keeps the scheduler off it."""
+    return any(t.get("effect") != _INFORMATIONAL for t in dev.get("taints") or ())
+
+
 def _publishable(dev: dict[str, Any], limits: SliceLimits) -> dict[str, Any]:
     """`dev` as this server accepts it: without effect-None taints where it has none."""
     taints = dev.get("taints")
     if limits.informational_taints or not taints:
         return dev
-    kept = [t for t in taints if t.get("effect") != "None"]
+    kept = [t for t in taints if t.get("effect") != _INFORMATIONAL]
     if len(kept) == len(taints):
         return dev
     out = {k: v for k, v in dev.items() if k != "taints"}
@@ -510,10 +519,6 @@ def uncounted_by_server(sent: dict[str, Any], stored: dict[str, Any]) -> list[st
     return dropped
 
 
-# Taints that keep the scheduler off a device; effect None only informs.
-_KEEPING_OFF = frozenset({"NoSchedule", "NoExecute"})
-
-
 def untainted_by_server(sent: dict[str, Any], stored: dict[str, Any]) -> list[str]:
     """Devices sent with taints that the server stored without them.
 
@@ -535,7 +540,7 @@ def without_taints(content: PoolContent) -> PoolContent:
     devices = [
         {k: v for k, v in d.items() if k != "taints"}
         for d in content.devices
-        if not any(t.get("effect") in _KEEPING_OFF for t in d.get("taints") or ())
+        if not _keeping_off(d)
     ]
     return PoolContent(devices, content.counter_sets)
 
