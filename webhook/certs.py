@@ -32,7 +32,7 @@ old certificate until it expired. A torn or damaged directory (one written by an
 earlier release, or edited by hand) is repaired rather than refused: a serving pair
 whose key does not belong is issued again, and a CA pair whose key does not belong
 keeps its certificate in the bundle, trusted but signing nothing, while a new CA is
-made and published before it signs (`ensure_pki`).
+made and published before it signs (`ensure_pki`, through `reconcile_pki`).
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Final
+from typing import Final, NamedTuple
 
 from cryptography import x509
 from cryptography.exceptions import InvalidSignature
@@ -58,6 +58,7 @@ from cryptography.hazmat.primitives.asymmetric.types import CertificateIssuerPri
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from gpudra.api.names import check_dns_label
 from gpudra.common.files import atomic_write, fsync_dir
+from typing_extensions import TypedDict, Unpack
 
 __all__ = [
     "CA_PROPAGATION",
@@ -66,6 +67,8 @@ __all__ = [
     "SERVING_VALIDITY",
     "BundlePublished",
     "CertKeyPair",
+    "PkiParts",
+    "PkiSettings",
     "WebhookPki",
     "ca_bundle",
     "check_serving_files",
@@ -349,8 +352,27 @@ def ca_bundle(*cas: CertKeyPair) -> bytes:
     return b"".join(seen)
 
 
+class PkiParts(NamedTuple):
+    """What a directory that does not load still holds (`_salvage`), any part missing."""
+
+    ca: CertKeyPair | None
+    previous_ca: CertKeyPair | None
+    serving: CertKeyPair | None
+
+
+class PkiSettings(TypedDict, total=False):
+    """`reconcile_pki`'s settings, which `ensure_pki` passes on as they come."""
+
+    ip_addresses: Sequence[str]
+    now: dt.datetime | None
+    ca_validity: dt.timedelta
+    serving_validity: dt.timedelta
+    ca_propagation: dt.timedelta
+    ca_published: BundlePublished | None
+
+
 def reconcile_pki(
-    current: WebhookPki | None,
+    current: WebhookPki | PkiParts | None,
     dns_names: Sequence[str],
     *,
     ip_addresses: Sequence[str] = LOOPBACK_IPS,
@@ -363,39 +385,16 @@ def reconcile_pki(
     """The PKI that should exist now; returns `current` itself when nothing is due.
 
     During a CA rotation the new CA signs only once `ca_published` reports the bundle
-    with both CAs published at least `ca_propagation` ago.
+    with both CAs published at least `ca_propagation` ago. `current` may be the parts
+    of a damaged directory (`PkiParts`): no CA makes a new one (beside a previous CA
+    kept from it), no serving pair issues one.
     """
     now = now or _now()
-    result = _reconcile(
-        current.ca if current else None,
-        current.previous_ca if current else None,
-        current.serving if current else None,
-        dns_names,
-        ip_addresses=ip_addresses,
-        now=now,
-        ca_validity=ca_validity,
-        serving_validity=serving_validity,
-        ca_propagation=ca_propagation,
-        ca_published=ca_published,
+    ca, previous, serving = (
+        PkiParts(current.ca, current.previous_ca, current.serving)
+        if isinstance(current, WebhookPki)
+        else current or PkiParts(None, None, None)
     )
-    return current if current is not None and result == current else result
-
-
-def _reconcile(
-    ca: CertKeyPair | None,
-    previous: CertKeyPair | None,
-    serving: CertKeyPair | None,
-    dns_names: Sequence[str],
-    *,
-    ip_addresses: Sequence[str],
-    now: dt.datetime,
-    ca_validity: dt.timedelta,
-    serving_validity: dt.timedelta,
-    ca_propagation: dt.timedelta,
-    ca_published: BundlePublished | None,
-) -> WebhookPki:
-    """`reconcile_pki` from parts, any of which may be missing: no CA makes a new one
-    (beside a `previous` kept from a damaged directory), no serving pair issues one."""
     if ca is None:
         ca = generate_ca(validity=ca_validity, now=now)
     if previous is not None and previous.not_after <= now:
@@ -411,22 +410,22 @@ def _reconcile(
             since = ca_published(ca_bundle(ca, previous))
         if since is None or now - since < ca_propagation:
             signer = previous
-    if not signer.key_pem:
-        # A CA whose key was lost signs nothing. What it signed stays served while it is
-        # valid, until the new CA's bundle has propagated; with nothing valid left, the
-        # new CA signs at once (nothing the API server trusts is left to serve).
-        if serving is not None and _issued_by(serving, signer) and not _expired(serving, now):
-            return WebhookPki(ca=ca, serving=serving, previous_ca=previous)
-        signer = ca
-    serving = reconcile_serving(
-        signer,
-        serving,
-        dns_names,
-        ip_addresses=ip_addresses,
-        now=now,
-        validity=serving_validity,
-    )
-    return WebhookPki(ca=ca, serving=serving, previous_ca=previous)
+    # A CA whose key was lost signs nothing. What it signed stays served while it is
+    # valid, until the new CA's bundle has propagated; with nothing valid left, the new
+    # CA signs at once (nothing the API server trusts is left to serve).
+    lost_key = not signer.key_pem
+    kept = serving if lost_key and serving is not None and _issued_by(serving, signer) else None
+    if kept is None or _expired(kept, now):
+        kept = reconcile_serving(
+            ca if lost_key else signer,
+            serving,
+            dns_names,
+            ip_addresses=ip_addresses,
+            now=now,
+            validity=serving_validity,
+        )
+    result = WebhookPki(ca=ca, serving=kept, previous_ca=previous)
+    return current if isinstance(current, WebhookPki) and result == current else result
 
 
 def reconcile_serving(
@@ -502,17 +501,9 @@ def load_pki(directory: Path) -> WebhookPki | None:
 
 
 def ensure_pki(
-    directory: Path,
-    dns_names: Sequence[str],
-    *,
-    ip_addresses: Sequence[str] = LOOPBACK_IPS,
-    now: dt.datetime | None = None,
-    ca_validity: dt.timedelta = CA_VALIDITY,
-    serving_validity: dt.timedelta = SERVING_VALIDITY,
-    ca_propagation: dt.timedelta = CA_PROPAGATION,
-    ca_published: BundlePublished | None = None,
+    directory: Path, dns_names: Sequence[str], **settings: Unpack[PkiSettings]
 ) -> tuple[WebhookPki, bool]:
-    """Load, rotate what is due and write back atomically; (pki, changed).
+    """Load, `reconcile_pki` and write back atomically; (pki, changed).
 
     A directory that does not load (a pair torn by an earlier release, a file damaged)
     is repaired, not refused: refusing would stop every later rotation and, since the
@@ -521,44 +512,27 @@ def ensure_pki(
     served that the published bundle does not trust.
     """
     directory.mkdir(parents=True, exist_ok=True)
-    now = now or _now()
+    settings["now"] = now = settings.get("now") or _now()
     damage: ValueError | None = None
     try:
-        current = load_pki(directory)
+        current: WebhookPki | PkiParts | None = load_pki(directory)
     except ValueError as exc:
-        current, damage = None, exc
-    parts: tuple[CertKeyPair | None, CertKeyPair | None, CertKeyPair | None] = (None, None, None)
-    if current is not None:
-        parts = (current.ca, current.previous_ca, current.serving)
-    elif damage is not None:
-        parts = _salvage(_read_files(directory), now)
-    ca, previous, serving = parts
-    pki = _reconcile(
-        ca,
-        previous,
-        serving,
-        dns_names,
-        ip_addresses=ip_addresses,
-        now=now,
-        ca_validity=ca_validity,
-        serving_validity=serving_validity,
-        ca_propagation=ca_propagation,
-        ca_published=ca_published,
-    )
-    if damage is not None:
+        current, damage = _salvage(_read_files(directory), now), exc
+    pki = reconcile_pki(current, dns_names, **settings)
+    if isinstance(current, PkiParts):
         logger.warning(
             "webhook certificate files damaged; repaired",
             extra={
                 "fields": {
                     "error": str(damage),
-                    "ca_kept": ca is not None and pki.ca == ca,
-                    "serving_kept": serving is not None and pki.serving == serving,
+                    "ca_kept": current.ca is not None and pki.ca == current.ca,
+                    "serving_kept": current.serving is not None and pki.serving == current.serving,
                     "previous_ca_signs": bool(pki.previous_ca and pki.previous_ca.key_pem),
                 }
             },
         )
-    elif current is not None and pki == current:
-        return current, False
+    elif pki is current:
+        return pki, False
     store_pki(directory, pki)
     return pki, True
 
@@ -613,9 +587,7 @@ def _read_files(directory: Path) -> dict[str, bytes]:
     return {n: (directory / n).read_bytes() for n in _PKI_FILES if (directory / n).is_file()}
 
 
-def _salvage(
-    files: Mapping[str, bytes], now: dt.datetime
-) -> tuple[CertKeyPair | None, CertKeyPair | None, CertKeyPair | None]:
+def _salvage(files: Mapping[str, bytes], now: dt.datetime) -> PkiParts:
     """What can be kept of a directory that does not load: (ca, previous, serving).
 
     The CA is the newest unexpired CA certificate that some CA key in the directory
@@ -645,7 +617,7 @@ def _salvage(
     others = [c for c in cas if c is not ca]
     # The one that signed the serving certificate first: it must stay trusted.
     others.sort(key=lambda c: serving is not None and _issued_by(serving, c), reverse=True)
-    return ca, (others[0] if others else None), serving
+    return PkiParts(ca, others[0] if others else None, serving)
 
 
 def _store_files(
