@@ -7,18 +7,29 @@ deleted and re-created a moment ago must not be answered from a watch cache that
 still has the old one. The sweep for claims deleted behind the kubelet's back asks
 the same object for a claim's current UID.
 
+After an agent restart the claims prepared before it are read again for what the
+checkpoint does not keep (`ClaimInfo`: DeviceClass, slice memory, integer shares), and
+a read that fails only for the moment (a timeout, 429, an API server restarting) is
+retried with the shared backoff until the claim is read or leaves the checkpoint:
+until then its holders are `Unknown` and not billed (`gpudra.driver.holders`), so one
+failed read must not leave them so for the claim's whole life.
+
 This is the only place the node reads claims from the API; the device layer sees
 neither HTTP nor API objects.
 """
 
 from __future__ import annotations
 
+import logging
 import urllib.parse
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+import anyio
+from gpudra.common.backoff import Backoff
 from gpudra.common.errors import exception_text
 from gpudra.common.kube import ApiError, Kube, claim_path
+from gpudra.driver.checkpoint import ClaimRecord
 from gpudra.driver.claims import (
     Claim,
     ClaimError,
@@ -30,7 +41,15 @@ from gpudra.driver.claims import (
 from gpudra.driver.holders import ClaimInfos, claim_info
 from gpudra.driver.podclaims import uses_claim_on
 
-__all__ = ["ApiClaims"]
+__all__ = ["ApiClaims", "ReadFailed"]
+
+log = logging.getLogger(__name__)
+
+
+class ReadFailed(ClaimError):
+    """Reading a claim failed without an answer about the claim (a timeout, 429, an
+    API server restarting): a later read may succeed, where a 404 or a claim that is
+    not the one prepared would say the same again."""
 
 
 class ApiClaims:
@@ -69,15 +88,71 @@ class ApiClaims:
                     f"{ref.describe()} does not exist in the API server (deleted?); nothing "
                     "to prepare"
                 ) from None
-            raise ClaimError(f"{ref.describe()}: reading it failed: {exc}") from None
+            raise ReadFailed(f"{ref.describe()}: reading it failed: {exc}") from None
         except Exception as exc:
-            raise ClaimError(
+            raise ReadFailed(
                 f"{ref.describe()}: reading it from the API server failed: {exception_text(exc)}"
             ) from None
         claim = checked_claim(ref, obj, driver=self._driver, pool=self._pool)
         if self._infos is not None and isinstance(obj, Mapping):
             self._infos.remember(ref.uid, claim_info(obj, claim))
         return claim
+
+    async def read_unknown(
+        self, prepared: Callable[[], Iterable[ClaimRecord]], *, backoff: Backoff | None = None
+    ) -> None:
+        """Read each completed claim of `prepared()` whose `ClaimInfo` is not known yet,
+        until every one is read or settled, then return.
+
+        A read that failed for the moment (`ReadFailed`) is tried again after the next
+        delay of `backoff`; a claim that is gone (404) or is no longer the one prepared
+        is settled, since reading it again would answer the same, and so is one read
+        without an object to remember. `prepared()` is asked again before every pass,
+        so a claim that left the checkpoint is no longer read. Each claim is read at
+        most once per pass, and the loop ends once nothing is left to read: a claim
+        prepared later was read for its prepare.
+        """
+        infos = self._infos
+        if infos is None:
+            return
+        delays = (backoff or Backoff()).delays()
+        settled: set[str] = set()
+        failing: set[str] = set()
+        while True:
+            known = infos.snapshot()
+            unread = [r.ref for r in prepared() if r.completed and r.uid not in known]
+            settled &= {ref.uid for ref in unread}
+            failing &= {ref.uid for ref in unread}
+            pending = [ref for ref in unread if ref.uid not in settled]
+            if not pending:
+                return
+            retry = False
+            for ref in pending:
+                fields = {"claim": ref.describe()}
+                try:
+                    await self.read(ref)
+                except ReadFailed as exc:
+                    retry = True
+                    # Once per claim at info: an API server away for long repeats it.
+                    level = logging.DEBUG if ref.uid in failing else logging.INFO
+                    failing.add(ref.uid)
+                    log.log(
+                        level,
+                        "a prepared claim could not be read again; its holders stay "
+                        "Unknown and unbilled until a retry reads it",
+                        extra={"fields": {**fields, "error": str(exc)}},
+                    )
+                    continue
+                except ClaimError as exc:
+                    log.info(
+                        "a prepared claim is no longer there to read; its holders stay "
+                        "Unknown and unbilled",
+                        extra={"fields": {**fields, "error": str(exc)}},
+                    )
+                settled.add(ref.uid)
+                failing.discard(ref.uid)
+            if retry:
+                await anyio.sleep(next(delays))
 
     async def current_uid(self, ref: ClaimRef) -> str | None:
         """The UID of the claim now at `ref`'s namespace and name; None when there is

@@ -28,7 +28,7 @@ import anyio.abc
 from gpudra.common.kube import ApiError, Kube, claim_path
 from gpudra.common.periodic import run_every
 from gpudra.driver.checkpoint import ClaimRecord
-from gpudra.driver.holders import MEMORY_SLICE, ClaimInfo, sharing_of
+from gpudra.driver.holders import MEMORY_SLICE, UNKNOWN, ClaimInfo, sharing_of
 
 __all__ = ["ClaimStatusWriter", "device_statuses"]
 
@@ -162,6 +162,10 @@ class ClaimStatusWriter:
                 record, driver=self._driver, pool=self._pool, info=infos.get(uid)
             )
             if not entries or self._written.get(uid, ("", "", None))[2] == entries:
+                continue
+            if any(e["data"]["sharing"] == UNKNOWN for e in entries):
+                # Not read again since a restart: what the previous agent wrote stays
+                # until the read says whether the device is a slice or shares.
                 continue
             if await self._apply(uid, record.namespace, record.name, entries):
                 self._written[uid] = (record.namespace, record.name, entries)

@@ -7,6 +7,12 @@ request, the memory a slice took) comes from the claim object read from the API 
 (`ClaimInfo`), and is simply empty until that read has happened. The tenant is the
 namespace's, looked up when asked (`gpudra.driver.tenancy`).
 
+A device with a share ID is a memory slice or some integer shares of a GPU, and only
+the claim object says which and how big. Until it has been read (after an agent
+restart, where the read is retried until it succeeds: `gpudra.driver.claimreader`), its
+holder is `Unknown`, never a guess: called a memory slice, an integer-share holder
+would be split equally with the others and paid for their time.
+
 The fair split, used wherever device-seconds are divided among holders:
 - a device with one holder: all of it;
 - memory slices of one GPU: each holder its share of the GPU's memory (a slice of
@@ -16,6 +22,11 @@ The fair split, used wherever device-seconds are divided among holders:
   holder of one share never pays for the time of one that took three;
 - time-sliced and MPS holders, and slices or shares whose size is not known: equal
   parts;
+- `Unknown` holders (claim not read yet) are not billed; while a device has one, only
+  the holders whose part is their own size (a memory slice, integer shares) are billed,
+  since every other part depends on what the unread claim took. The time held back is
+  lost, as the time of a holder change is: billing only for what a claim took comes
+  before billing all of the time;
 - admin-access holders (monitoring, debugging) hold nothing: they are shown, not billed.
 """
 
@@ -36,6 +47,7 @@ __all__ = [
     "MEMORY_SLICE",
     "MPS",
     "TIME_SLICING",
+    "UNKNOWN",
     "ClaimInfo",
     "ClaimInfos",
     "HeldDevice",
@@ -46,12 +58,14 @@ __all__ = [
 ]
 
 # The `sharing` label: the config's sharing mode (typed by the API's own names), or one
-# of two holders that no sharing config names: a memory slice and admin access.
+# of three holders that no sharing config names: a memory slice, admin access, and a
+# share ID whose claim has not been read yet (a memory slice or integer shares).
 EXCLUSIVE: Final[SharingMode] = "Exclusive"
 TIME_SLICING: Final[SharingMode] = "TimeSlicing"
 MPS: Final[SharingMode] = "MPS"
 MEMORY_SLICE: Final = "MemorySlice"
 ADMIN: Final = "AdminAccess"
+UNKNOWN: Final = "Unknown"
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,6 +205,9 @@ class HeldDevice:
     def shares(self, memory_total: float | None) -> list[tuple[Holder, float]]:
         """Each billed holder and its fraction of the device (see the module docstring)."""
         billed = [h for h in self.holders if h.sharing != ADMIN]
+        if any(h.sharing == UNKNOWN for h in billed):
+            sized = [(h, self._sized(h, memory_total)) for h in billed]
+            return [(h, part) for h, part in sized if part is not None]
         if not billed:
             return []
         if len(billed) == 1 and billed[0].memory is None and billed[0].shares is None:
@@ -202,6 +219,16 @@ class HeldDevice:
             return [(h, min(1.0, (h.memory or 0) / memory_total)) for h in billed]
         return [(h, 1.0 / len(billed)) for h in billed]
 
+    def _sized(self, holder: Holder, memory_total: float | None) -> float | None:
+        """`holder`'s fraction by its own size alone (integer shares, a memory slice);
+        None where its part depends on the other holders."""
+        published = self.published_shares
+        if published and holder.shares is not None:
+            return min(1.0, holder.shares / published)
+        if memory_total and holder.memory is not None:
+            return min(1.0, holder.memory / memory_total)
+        return None
+
 
 def sharing_of(record: DeviceRecord, info: ClaimInfo | None = None) -> str:
     """The sharing mode of one prepared device, as the metrics label it.
@@ -209,12 +236,15 @@ def sharing_of(record: DeviceRecord, info: ClaimInfo | None = None) -> str:
     A device with a share ID is a memory slice, or, where `info` (its claim's) says it
     took integer shares, some of a GPU's shares: never a memory slice, and never
     Exclusive unless it took them all, since the other shares' holders use the GPU too
-    (time-sliced unless MPS, as prepare resolves it).
+    (time-sliced unless MPS, as prepare resolves it). Without `info` (the claim is not
+    read yet) it is `Unknown`: either is possible.
     """
     details = record.details
     integer_share = info is not None and (record.device, record.share_id) in info.shares
     if record.admin_access:
         return ADMIN
+    if record.share_id is not None and info is None:
+        return UNKNOWN
     if record.share_id is not None and not integer_share:  # MPS serves slices too
         return MEMORY_SLICE
     if details.mps is not None:
@@ -241,7 +271,8 @@ def held_devices(
     for record in claims:
         if not record.completed:
             continue
-        extra = info.get(record.uid, ClaimInfo())
+        read = info.get(record.uid)
+        extra = read or ClaimInfo()
         tenant = tenant_of(record.namespace)
         labels = (containers or {}).get(record.uid, {})
         for device in record.devices:
@@ -252,7 +283,7 @@ def held_devices(
             identity.setdefault(
                 device.device, (gpu_uuid, details.uuid or "", details.mig is not None)
             )
-            sharing = sharing_of(device, extra)
+            sharing = sharing_of(device, read)
             key = (device.device, device.share_id)
             for request in device.request_names or ("",):
                 holders.setdefault(device.device, []).append(

@@ -46,7 +46,6 @@ from gpudra.driver.cdi import (
 )
 from gpudra.driver.checkpoint import DEFAULT_BOOT_ID_PATH, ClaimRecord
 from gpudra.driver.claimreader import ApiClaims
-from gpudra.driver.claims import ClaimError
 from gpudra.driver.claimstatus import ClaimStatusWriter
 from gpudra.driver.devices import MigKey
 from gpudra.driver.holders import ClaimInfos
@@ -324,17 +323,9 @@ class NodeService:
 
     async def _reread_prepared_claims(self) -> None:
         """Read the claims prepared before this start again, for what the checkpoint does
-        not keep (DeviceClass, slice memory), so their accounting survives a restart."""
-        known = self._infos.snapshot()
-        for record in self._prepared_claims():
-            if record.completed and record.uid not in known:
-                try:
-                    await self._claims.read(record.ref)
-                except ClaimError as e:
-                    log.info(
-                        "a prepared claim could not be read again; billed without its class",
-                        extra={"fields": {"claim": record.ref.describe(), "error": str(e)}},
-                    )
+        not keep (DeviceClass, slice memory, integer shares), so their accounting survives
+        a restart; a failed read is retried until it succeeds or the claim is gone."""
+        await self._claims.read_unknown(self._prepared_claims)
 
     async def _read_holding_pods(self, interval_s: float) -> None:
         """Read, on the sampling interval, which containers use each prepared claim."""

@@ -48,6 +48,43 @@ def test_a_memory_slice_entry_names_its_share_and_memory() -> None:
     }
 
 
+def read() -> dict[str, ClaimInfo]:
+    """The slice claim, read from the API server."""
+    return {"u1": ClaimInfo(memory={("gpu-0", "7f3e"): 20 * 1024**3})}
+
+
+class RecordingKube(Kube):
+    """An API server that stores every status write."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str, Any]] = []
+
+    async def request(self, method: str, path: str, body: Any = None, **_: Any) -> Any:
+        self.calls.append((method, path, body))
+        return body
+
+
+async def test_a_claim_not_read_since_a_restart_keeps_the_status_written_before() -> None:
+    # After an agent restart a shared device's claim is read again before anything
+    # says whether it is a memory slice or integer shares: the status a previous agent
+    # wrote is not overwritten with "Unknown" meanwhile.
+    kube = RecordingKube()
+    infos: dict[str, ClaimInfo] = {}
+    writer = ClaimStatusWriter(
+        kube,
+        driver="gpu.nvidia.com",
+        pool="node-a",
+        prepared=lambda: [slice_claim()],
+        claim_info=lambda: infos,
+    )
+    await writer.sync_once()
+    assert kube.calls == []
+    infos.update(read())
+    await writer.sync_once()
+    [(_, _, body)] = kube.calls
+    assert body["status"]["devices"][0]["data"]["sharing"] == "MemorySlice"
+
+
 class RefusingKube(Kube):
     """An API server without the field: every status write answers 422."""
 
@@ -63,7 +100,7 @@ async def test_a_refusing_api_server_is_asked_once_per_claim_and_nothing_fails()
     kube = RefusingKube()
     claims = [slice_claim()]
     writer = ClaimStatusWriter(
-        kube, driver="gpu.nvidia.com", pool="node-a", prepared=lambda: claims
+        kube, driver="gpu.nvidia.com", pool="node-a", prepared=lambda: claims, claim_info=read
     )
     await writer.sync_once()
     await writer.sync_once()
@@ -94,7 +131,7 @@ async def test_a_server_that_drops_the_field_is_logged_once_and_not_asked_again(
     kube = DroppingKube()
     claims = [slice_claim()]
     writer = ClaimStatusWriter(
-        kube, driver="gpu.nvidia.com", pool="node-a", prepared=lambda: claims
+        kube, driver="gpu.nvidia.com", pool="node-a", prepared=lambda: claims, claim_info=read
     )
     with caplog.at_level("WARNING", logger="gpudra.driver.claimstatus"):
         await writer.sync_once()
