@@ -35,6 +35,12 @@ Design choices, and why:
   the old boot's claims are moved to `previousBoot` (each kept until the owner calls
   `forget_previous_boot` for it, so a crash during cleanup loses nothing) and reported
   for cleanup of anything that may outlive a boot, such as MIG instances.
+  A `previousBoot` record this release cannot read stays there as it is, never cleaned
+  up or forgotten: what it names only the release that wrote it can tell, so a
+  downgrade and an upgrade back lose none of that release's clean-up. At a reboot, a
+  claim whose record this release cannot read moves there as it is too, as the release
+  that wrote it would have moved it: its devices are void like the others', and
+  dropping it would lose the clean-up of whatever it set up that outlives a boot.
 
 - One claim per line, each encoded once and reused until the claim changes: a
   write costs the claims that changed, not the whole file.
@@ -450,6 +456,7 @@ class Checkpoint:
         claims: Mapping[str, ClaimRecord] | None = None,
         previous_boot: Sequence[ClaimRecord] = (),
         unreadable: Mapping[str, Any] | None = None,
+        previous_unreadable: Sequence[Any] = (),
         extra: Mapping[str, Any] | None = None,
         file_version: int | None = None,
         lock: ProcessLock | None = None,
@@ -459,6 +466,9 @@ class Checkpoint:
         self._claims: dict[str, ClaimRecord] = dict(claims or {})
         self._previous_boot: tuple[ClaimRecord, ...] = tuple(previous_boot)
         self._unreadable: dict[str, Any] = dict(unreadable or {})
+        # `previousBoot` records this release cannot read, as read: written back, never
+        # cleaned up or forgotten here (see the module docstring).
+        self._previous_unreadable: tuple[Any, ...] = tuple(previous_unreadable)
         self._extra: dict[str, Any] = dict(extra or {})
         self._file_version = file_version
         # Whether a reboot is recognised by the boot ID: the machine's was read, and the
@@ -580,17 +590,19 @@ class Checkpoint:
             encoded[uid] = (record, _member(uid, raw_claim))
 
         previous: list[ClaimRecord] = []
+        previous_unreadable: list[Any] = []
         raw_previous = doc.get("previousBoot") or []
         for raw_claim in raw_previous if isinstance(raw_previous, list) else []:
             try:
                 previous.append(_claim_from_json(raw_claim))
             except _MalformedError as exc:
-                # Left over a reboot, where what a record names rarely survives: dropped,
-                # with what it said, so that an admin can check for what did.
+                # A newer release's, maybe, with clean-up still to do that only it knows:
+                # kept for it, and logged with what it says for an admin meanwhile.
                 log.warning(
-                    "unreadable previous-boot record dropped",
+                    "unreadable previous-boot record kept as is",
                     extra={"fields": {"path": str(path), "error": str(exc), "record": raw_claim}},
                 )
+                previous_unreadable.append(raw_claim)
 
         stored_boot = doc.get("bootId") if isinstance(doc.get("bootId"), str) else None
         checkpoint = cls(
@@ -599,6 +611,7 @@ class Checkpoint:
             claims=claims,
             previous_boot=previous,
             unreadable=unreadable,
+            previous_unreadable=previous_unreadable,
             extra={k: v for k, v in doc.items() if k not in _TOP_KEYS},
             file_version=file_version,
             lock=lock,
@@ -624,8 +637,8 @@ class Checkpoint:
                 "fields": {
                     "path": str(self._path),
                     "claims": sorted(self._claims),
-                    # Dropped, unlike readable ones (nothing could undo them): what they
-                    # said is here for an admin to check what survived the reboot.
+                    # Moved as they are, for the release that can read them to clean up;
+                    # what they say, for an admin to check what survived the reboot.
                     "unreadable": self._unreadable,
                     "stored_boot_id": stored_boot,
                     "boot_id": self._boot_id,
@@ -635,6 +648,10 @@ class Checkpoint:
         claims: dict[str, ClaimRecord] = {}
         previous_boot = (*self._previous_boot, *self._claims.values())
         unreadable: dict[str, Any] = {}
+        # Adopted before the write, which takes it from here (`_save` has no argument
+        # for it): it changes only here, at the load, where a failed write is adopted all
+        # the same (below), so no GroupCommit ever stages or undoes a change of it.
+        self._previous_unreadable = (*self._previous_unreadable, *self._unreadable.values())
         try:
             self._save(claims=claims, previous_boot=previous_boot, unreadable=unreadable)
         except CheckpointError as exc:
@@ -695,7 +712,9 @@ class Checkpoint:
         """Claims prepared before the last reboot, kept until `forget_previous_boot`.
 
         Their devices are gone, but their details may name things that need
-        cleanup (MIG instances of a GPU whose MIG mode persists).
+        cleanup (MIG instances of a GPU whose MIG mode persists). Records this
+        release cannot read are not among them: they are kept in the file for the
+        release that wrote them (see the module docstring).
         """
         return list(self._previous_boot)
 
@@ -839,7 +858,8 @@ class Checkpoint:
         self, records: Iterable[ClaimRecord], *, durable: bool = False
     ) -> None:
         """Forget these previous-boot claims once their leftovers are cleaned up; the
-        others stay. By record, not UID: after two reboots one UID may have two.
+        others stay, as do the records this release cannot read (`previous_boot`). By
+        record, not UID: after two reboots one UID may have two.
         `durable`: the caller's next step relies on it surviving a power loss."""
         gone = [id(r) for r in records]
         kept = tuple(r for r in self._previous_boot if id(r) not in gone)
@@ -900,7 +920,13 @@ class Checkpoint:
             )
 
     def _snapshot(self) -> _Snapshot:
-        return _Snapshot(self._seq, self._claims, self._previous_boot, self._unreadable)
+        return _Snapshot(
+            self._seq,
+            self._claims,
+            self._previous_boot,
+            self._unreadable,
+            self._previous_unreadable,
+        )
 
     def _encode(self, snap: _Snapshot, *, extended: bool) -> bytes:
         """The file for `snap`: one claim per line, unchanged claims not re-encoded;
@@ -928,8 +954,9 @@ class Checkpoint:
         self._encoded = encoded
         claims = b"{\n" + b",\n".join(lines) + b"\n}" if lines else b"{}"
         parts = [dumps(top)[:-1], b',"claims":', claims]
-        if snap.previous_boot:
-            parts += [b',"previousBoot":', dumps([_claim_to_json(c) for c in snap.previous_boot])]
+        if snap.previous_boot or snap.previous_unreadable:
+            readable = [_claim_to_json(c) for c in snap.previous_boot]
+            parts += [b',"previousBoot":', dumps([*readable, *snap.previous_unreadable])]
         parts.append(b"}\n")
         return b"".join(parts)
 
@@ -1156,7 +1183,9 @@ class Checkpoint:
             )
         else:
             self._seq += 1  # a newer state than any snapshot written before
-            snap = _Snapshot(self._seq, new_claims, new_previous, new_unreadable)
+            snap = _Snapshot(
+                self._seq, new_claims, new_previous, new_unreadable, self._previous_unreadable
+            )
             self._write(snap, durable=durable)
             self._file_version = CHECKPOINT_VERSION
         self._claims = new_claims
@@ -1195,6 +1224,7 @@ class _Snapshot:
     claims: Mapping[str, ClaimRecord]
     previous_boot: tuple[ClaimRecord, ...]
     unreadable: Mapping[str, Any]
+    previous_unreadable: tuple[Any, ...]
 
 
 @dataclass(frozen=True, slots=True)

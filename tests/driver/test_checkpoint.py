@@ -537,6 +537,142 @@ def test_reboot_discards_prepared_claims_but_reports_them(
     assert "previousBoot" not in _doc(cp_path)
 
 
+def _compact(value: Any) -> bytes:
+    """`value` as compact JSON, as the checkpoint writes it."""
+    return json.dumps(value, separators=(",", ":")).encode()
+
+
+def _write_compact(cp_path: Path, doc: dict[str, Any]) -> None:
+    cp_path.parent.mkdir(parents=True, exist_ok=True)
+    cp_path.write_bytes(_compact(doc))
+
+
+def _previous_record(uid: str, **fields: Any) -> dict[str, Any]:
+    record = {"uid": uid, "namespace": "ns", "name": "old", "state": "PrepareCompleted"}
+    record["devices"] = [
+        {
+            "pool": "node-a",
+            "device": "gpu-0",
+            "details": {"type": "gpu", "uuid": "GPU-1"},
+        }
+    ]
+    record.update(fields)
+    return record
+
+
+# A newer release's previous-boot record: a state this release does not know, and a
+# side effect it has never heard of; its clean-up is that release's to do.
+_NEWER_PREVIOUS = _previous_record(
+    CLAIM_3.uid, state="UnprepareStarted", futureField={"powerLimit": [300, 250]}
+)
+
+
+@pytest.mark.anyio
+async def test_an_unreadable_previous_boot_record_is_kept_for_the_release_that_wrote_it(
+    cp_path: Path, boot: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """After a downgrade, a previous-boot record only a newer release can read survives
+    the take-over, appended changes, the readable records' forgetting and the agent's
+    stop, as it was written: the newer release, back, still finds its clean-up to do."""
+    readable = _previous_record(CLAIM_1.uid)
+    _write_compact(
+        cp_path,
+        {
+            "version": CHECKPOINT_VERSION + 1,
+            "bootId": BOOT_A,
+            "claims": {},
+            "previousBoot": [readable, _NEWER_PREVIOUS],
+        },
+    )
+    kept = _compact(_NEWER_PREVIOUS)
+
+    def written_back(readable_uids: list[str]) -> None:
+        records = document(cp_path)["previousBoot"]
+        assert [r["uid"] for r in records[:-1]] == readable_uids
+        assert records[-1] == _NEWER_PREVIOUS
+        assert kept in cp_path.read_bytes()  # byte for byte
+
+    with caplog.at_level("WARNING", logger=checkpoint_module.__name__):
+        checkpoint = load(cp_path, boot_id_path=boot, take_over=True)
+    logged = [r for r in caplog.records if "previous-boot record" in r.getMessage()]
+    assert len(logged) == 1 and logged[0].__dict__["fields"]["record"] == _NEWER_PREVIOUS
+    assert [r.uid for r in checkpoint.previous_boot()] == [CLAIM_1.uid]  # none to clean here
+    written_back([CLAIM_1.uid])  # the take-over's write
+
+    commit = GroupCommit(checkpoint)
+    await commit.apply(lambda cp: cp.begin_prepare(CLAIM_2, [_gpu("gpu-1")], persist=False))
+    await commit.apply(lambda cp: cp.complete_prepare(CLAIM_2.uid, [_gpu("gpu-1")]))
+    assert ChangesFile(cp_path).read()  # appended
+    written_back([CLAIM_1.uid])
+
+    # The readable record cleaned up and forgotten; the other stays.
+    cleaned = checkpoint.previous_boot()
+    await commit.apply(lambda cp: cp.forget_previous_boot(cleaned))
+    assert checkpoint.previous_boot() == []
+    written_back([])
+    await commit.apply(lambda cp: cp.remove(CLAIM_2.uid))
+    await commit.compact()  # the agent's stop
+    written_back([])
+    assert _load(cp_path, boot).previous_boot() == []
+
+
+def test_a_reboot_moves_unreadable_claims_to_the_previous_boot_as_they_are(
+    cp_path: Path, boot: Path
+) -> None:
+    """A boot's claims are void after a reboot, those this release cannot read too: they
+    no longer hold their devices, and go to `previousBoot` as they were written, for the
+    release that can read them to clean up, as do the readable ones for this one. A
+    record already there stays, however many reboots follow."""
+    current = _previous_record(CLAIM_2.uid, state="UnprepareStarted", futureField=1)
+    doc = _foreign_file(cp_path, CHECKPOINT_VERSION + 1)
+    doc["claims"][CLAIM_2.uid] = current
+    doc["previousBoot"] = [_NEWER_PREVIOUS]
+    _write_compact(cp_path, doc)
+    before = _load(cp_path, boot)
+    assert before.unreadable_holders(DeviceKey("node-a", "gpu-0")) == [CLAIM_2.uid]
+
+    boot.write_text(BOOT_B + "\n")
+    after = load(cp_path, boot_id_path=boot, take_over=True)
+    assert after.claims() == [] and after.unreadable() == {}
+    assert [r.uid for r in after.previous_boot()] == [CLAIM_1.uid]
+    on_disk = document(cp_path)
+    assert on_disk["claims"] == {}
+    assert on_disk["previousBoot"][1:] == [_NEWER_PREVIOUS, current]
+    assert _compact(current) in cp_path.read_bytes()
+    after.begin_prepare(CLAIM_3, [_gpu("gpu-0")])  # its device is free again
+
+    after.forget_previous_boot(after.previous_boot())
+    after.remove(CLAIM_3.uid)
+    boot.write_text(BOOT_A + "\n")  # another reboot
+    again = load(cp_path, boot_id_path=boot, take_over=True)
+    assert again.previous_boot() == []
+    assert document(cp_path)["previousBoot"] == [_NEWER_PREVIOUS, current]
+
+
+def test_unreadable_claims_a_reboot_could_not_record_as_moved_are_moved_at_the_next_write(
+    cp_path: Path, boot: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A full disk at the reboot's write: the claims, unreadable ones too, are moved in
+    memory all the same, and the next write that succeeds records them so."""
+    current = _previous_record(CLAIM_2.uid, state="UnprepareStarted")
+    doc = _foreign_file(cp_path, CHECKPOINT_VERSION)
+    doc["claims"][CLAIM_2.uid] = current
+    cp_path.write_text(json.dumps(doc))
+    boot.write_text(BOOT_B + "\n")
+
+    def full(path: Path, data: bytes, **kwargs: Any) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(checkpoint_module, "atomic_write", full)
+    checkpoint = _load(cp_path, boot)
+    assert checkpoint.unreadable() == {}
+    monkeypatch.setattr(checkpoint_module, "atomic_write", atomic_write)
+    checkpoint.begin_prepare(CLAIM_3, [_gpu("gpu-0")])
+    on_disk = _doc(cp_path)
+    assert list(on_disk["claims"]) == [CLAIM_3.uid]
+    assert on_disk["previousBoot"][1:] == [current]
+
+
 def test_same_boot_keeps_claims(cp_path: Path, boot: Path) -> None:
     checkpoint = _load(cp_path, boot)
     checkpoint.begin_prepare(CLAIM_1)
