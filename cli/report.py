@@ -1,11 +1,12 @@
 """`gpudra report`: GPU-hours allocated and idle per namespace and tenant.
 
 With `--prometheus URL` it asks Prometheus for the increase of the agents' accounting
-counters over `--since`; without, it reads the counters straight from the agents'
-metrics endpoints, which count since each agent started (the report says so): those
-given with `--metrics`, else every agent found in the cluster as `gpudra top` finds
-them (`gpudra.cli.agents`). The accounting rules (fair split of shared devices, the
-idle threshold) are in docs/monitoring.md.
+counters over `--since`, of the series of the agents' scrape job (`--job`) only;
+without, it reads the counters straight from the agents' metrics endpoints, which
+count since each agent started (the report says so): those given with `--metrics`,
+else every agent found in the cluster as `gpudra top` finds them
+(`gpudra.cli.agents`). The accounting rules (fair split of shared devices, the idle
+threshold) are in docs/monitoring.md.
 """
 
 from __future__ import annotations
@@ -24,11 +25,20 @@ from gpudra.cli.scrape import agent_endpoint, fetch, parse_duration, timeout_sec
 from gpudra.cli.terminal import printable, warn
 from prometheus_client.samples import Sample
 
-__all__ = ["Usage", "register", "usage_from_metrics", "usage_from_prometheus"]
+__all__ = [
+    "AGENT_JOB",
+    "Usage",
+    "register",
+    "usage_from_metrics",
+    "usage_from_prometheus",
+    "usage_query",
+]
 
 _ALLOCATED: Final = "gpudra_allocated_device_seconds_total"
 _IDLE: Final = "gpudra_idle_device_seconds_total"
 _COUNTERS: Final = frozenset({_ALLOCATED, _IDLE})
+# The `job` the chart's PodMonitor gives the agents' series (chart `monitoring.agentJob`).
+AGENT_JOB: Final = "gpudra-node"
 
 
 @dataclass(frozen=True)
@@ -82,15 +92,23 @@ def _query(base: str, promql: str, timeout_s: float) -> dict[tuple[str, str], fl
         raise SystemExit(f"{problem}: {e}") from None
 
 
-def usage_from_prometheus(base: str, since_s: float, timeout_s: float = 10.0) -> list[Usage]:
-    """Ask Prometheus for the counters' increase over the last `since_s` seconds."""
-    window = f"{int(since_s)}s"
+def usage_query(counter: str, since_s: float, job: str = AGENT_JOB) -> str:
+    """PromQL for `counter`'s increase over the last `since_s` seconds per namespace
+    and tenant, of the series scraped by `job` only: any scraped pod can serve series of
+    the same name claiming any namespace and tenant, but not its scrape's `job`
+    (docs/security.md)."""
+    selector = f"job={json.dumps(job)}"  # a JSON string is a PromQL string
+    return f"sum by (namespace, tenant) (increase({counter}{{{selector}}}[{int(since_s)}s]))"
 
-    def promql(name: str) -> str:
-        return f"sum by (namespace, tenant) (increase({name}[{window}]))"
 
+def usage_from_prometheus(
+    base: str, since_s: float, timeout_s: float = 10.0, job: str = AGENT_JOB
+) -> list[Usage]:
+    """Ask Prometheus for the counters' increase over the last `since_s` seconds, of
+    the agents scraped by `job`."""
     return _usage(
-        _query(base, promql(_ALLOCATED), timeout_s), _query(base, promql(_IDLE), timeout_s)
+        _query(base, usage_query(_ALLOCATED, since_s, job), timeout_s),
+        _query(base, usage_query(_IDLE, since_s, job), timeout_s),
     )
 
 
@@ -125,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"gpudra report: --since: {e}") from None
     failed = False
     if args.prometheus:
-        rows = usage_from_prometheus(args.prometheus, since, args.timeout)
+        rows = usage_from_prometheus(args.prometheus, since, args.timeout, args.job)
         span = f"last {args.since}"
     else:
         rows, failed = _from_agents(args)
@@ -174,6 +192,13 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     agents.add_arguments(p)
     p.add_argument("--since", default="24h", metavar="DURATION", help="with --prometheus: span")
+    p.add_argument(
+        "--job",
+        default=AGENT_JOB,
+        metavar="JOB",
+        help="with --prometheus: the job label of the agents' series, the chart's "
+        f"monitoring.agentJob (default: {AGENT_JOB})",
+    )
     p.add_argument("-o", "--output", choices=("table", "json"), default="table")
     p.add_argument(
         "--timeout",

@@ -120,7 +120,8 @@ def operator_scrape(pod_monitor: Mapping[str, Any], targets: Sequence[str]) -> d
     """The scrape job the Prometheus Operator makes of a PodMonitor's one endpoint, with
     `targets` standing for the pods it discovers: every target carries the labels the
     operator gives it (the pod's namespace, name and container, the endpoint's port and
-    the job), and ``honor_labels`` is the endpoint's ``honorLabels`` (default false).
+    the job, unless the endpoint's relabelings set it), and ``honor_labels`` is the
+    endpoint's ``honorLabels`` (default false).
     Those labels are what a scraped series' own `namespace`, `pod` and `container`
     collide with: without honorLabels Prometheus renames the series' to ``exported_*``."""
     (endpoint,) = pod_monitor["spec"]["podMetricsEndpoints"]
@@ -134,6 +135,11 @@ def operator_scrape(pod_monitor: Mapping[str, Any], targets: Sequence[str]) -> d
         # The endpoint's relabeling puts the pod's node here (a static stand-in).
         "node": "gpu-node",
     }
+    # Its relabelings that set a label to a constant (the chart's job), which the
+    # operator applies after its own.
+    for relabeling in endpoint.get("relabelings", ()):
+        if not relabeling.get("sourceLabels"):
+            labels[relabeling["targetLabel"]] = relabeling["replacement"]
     return {
         "job_name": f"podMonitor/{meta['namespace']}/{meta['name']}/0",
         "honor_labels": bool(endpoint.get("honorLabels", False)),

@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from gpudra.cli.report import usage_query
 from gpudra.driver.metrics import DEVICE_LABELS, HOLDER_LABELS
 
 from e2e.tools import helm as h
@@ -188,16 +189,61 @@ def test_each_alert_fires_when_it_should_and_only_then(
             ],
         },
         {
-            "name": "an XID, a tainted device and a failed prepare fire at once; quiet ones never",
+            # As the agent exports them: a GPU's series of an XID from its first one, at 1,
+            # gone while the agent restarts (stale), and back at its count since.
+            "name": "each XID fires: the first, a second, the first after a restart",
             "interval": "1m",
             "input_series": [
-                {"series": p.series("gpudra_gpu_xid_errors_total", xid), "values": "0x5 1x20"},
                 {
+                    "series": p.series("gpudra_gpu_xid_errors_total", xid),
+                    "values": "_x20 1x10 2x30",
+                },
+                {
+                    # Raised before, then one failed scrape: nothing new.
                     "series": p.series(
                         "gpudra_gpu_xid_errors_total", {**xid, "gpu_uuid": "GPU-bbbb"}
                     ),
-                    "values": "3x25",
+                    "values": "3x25 stale 3x30",
                 },
+                {
+                    # Raised twice, then the agent restarted and it raised one since.
+                    "series": p.series(
+                        "gpudra_gpu_xid_errors_total", {**xid, "gpu_uuid": "GPU-cccc"}
+                    ),
+                    "values": "2x15 stale _x9 1x30",
+                },
+            ],
+            "alert_rule_test": [
+                {"eval_time": "19m", "alertname": "GpuXidError", "exp_alerts": []},
+                {
+                    "eval_time": "22m",
+                    "alertname": "GpuXidError",
+                    "exp_alerts": [alert(xid, "warning", summary="GPU GPU-aaaa raised XID 79")],
+                },
+                {
+                    "eval_time": "33m",
+                    "alertname": "GpuXidError",
+                    "exp_alerts": [
+                        alert(xid, "warning", summary="GPU GPU-aaaa raised XID 79"),
+                        alert(
+                            {**xid, "gpu_uuid": "GPU-cccc"},
+                            "warning",
+                            summary="GPU GPU-cccc raised XID 79",
+                        ),
+                    ],
+                },
+                {
+                    "eval_time": "36m",
+                    "alertname": "GpuXidError",
+                    "exp_alerts": [alert(xid, "warning", summary="GPU GPU-aaaa raised XID 79")],
+                },
+                {"eval_time": "50m", "alertname": "GpuXidError", "exp_alerts": []},
+            ],
+        },
+        {
+            "name": "a tainted device and a failed prepare fire at once; quiet ones never",
+            "interval": "1m",
+            "input_series": [
                 {
                     "series": device_series("gpudra_gpu_healthy", DEVICE, NO_HOLDER),
                     "values": "1x5 0x20",
@@ -217,13 +263,8 @@ def test_each_alert_fires_when_it_should_and_only_then(
             "alert_rule_test": [
                 *(
                     {"eval_time": "4m", "alertname": name, "exp_alerts": []}
-                    for name in ("GpuXidError", "GpuDeviceTainted", "GpudraPrepareErrors")
+                    for name in ("GpuDeviceTainted", "GpudraPrepareErrors")
                 ),
-                {
-                    "eval_time": "8m",
-                    "alertname": "GpuXidError",
-                    "exp_alerts": [alert(xid, "warning", summary="GPU GPU-aaaa raised XID 79")],
-                },
                 {
                     "eval_time": "8m",
                     "alertname": "GpuDeviceTainted",
@@ -245,7 +286,6 @@ def test_each_alert_fires_when_it_should_and_only_then(
                         )
                     ],
                 },
-                {"eval_time": "25m", "alertname": "GpuXidError", "exp_alerts": []},
             ],
         },
         {
@@ -281,6 +321,7 @@ def test_each_alert_fires_when_it_should_and_only_then(
             ],
         },
         {
+            # Exported from the first connection shed, at the count then: one burst.
             "name": "webhook connections shed at the bound",
             "interval": "1m",
             "input_series": [
@@ -288,7 +329,7 @@ def test_each_alert_fires_when_it_should_and_only_then(
                     "series": p.series(
                         "gpudra_webhook_connections_shed_total", {**SCRAPE, "action": "evicted"}
                     ),
-                    "values": "0x30 0+5x10 50x30",
+                    "values": "_x30 3x40",
                 },
             ],
             "alert_rule_test": [
@@ -364,33 +405,165 @@ def test_each_alert_fires_when_it_should_and_only_then(
     assert "SUCCESS" in out
 
 
-def grafana_to_promql(query: str) -> str:
-    """A dashboard query as Grafana sends it: variables substituted, and the
-    `label_values(series, label)` query function reduced to the series it lists."""
+def rendered_dashboard(helm: Path, values: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    monitoring = {**(values or {}), "dashboard": {"enabled": True}}
+    (cm,) = [
+        o
+        for o in h.template(helm, {"monitoring": monitoring})
+        if o["kind"] == "ConfigMap" and "dashboard" in o["metadata"]["name"]
+    ]
+    dashboard: dict[str, Any] = json.loads(cm["data"]["gpudra-gpus.json"])
+    return dashboard
+
+
+def panel_query(dashboard: Mapping[str, Any], title: str) -> str:
+    (panel,) = [p for p in dashboard["panels"] if p["title"] == title]
+    (target,) = panel["targets"]
+    return str(target["expr"])
+
+
+def grafana_to_promql(query: str, dashboard: Mapping[str, Any]) -> str:
+    """A dashboard query as Grafana sends it: the dashboard's constants and the other
+    variables (all values) substituted, and the `label_values(series, label)` query
+    function reduced to the series it lists."""
     listing = re.fullmatch(r"label_values\((.+), *\w+\)", query)
     if listing:
         query = listing.group(1)
     query = query.replace("$__rate_interval", "1m").replace("$__range", "1h")
+    for v in dashboard["templating"]["list"]:
+        if v["type"] == "constant":
+            query = query.replace(f"${v['name']}", v["query"])
     return re.sub(r"\$\w+", ".*", query)
 
 
 def test_every_dashboard_query_parses(helm: Path, prometheus_bin: Path, tmp_path: Path) -> None:
-    values = {"monitoring": {"dashboard": {"enabled": True}}}
-    (cm,) = [
-        o
-        for o in h.template(helm, values)
-        if o["kind"] == "ConfigMap" and "dashboard" in o["metadata"]["name"]
-    ]
-    dashboard = json.loads(cm["data"]["gpudra-gpus.json"])
+    dashboard = rendered_dashboard(helm)
     queries = [t["expr"] for panel in dashboard["panels"] for t in panel.get("targets", ())]
     queries += [
         v["query"]["query"] for v in dashboard["templating"]["list"] if v["type"] == "query"
     ]
-    exprs = [grafana_to_promql(q) for q in queries]
+    exprs = [grafana_to_promql(q, dashboard) for q in queries]
     assert not [e for e in exprs if "$" in e]
     path = p.write_yaml(tmp_path / "dashboard-rules.yaml", p.recording_rules(exprs))
     out = p.promtool(prometheus_bin, "check", "rules", str(path))
     assert f"SUCCESS: {len(exprs)} rules found" in out
+
+
+def test_the_xid_panel_shows_a_gpus_first_xid(
+    helm: Path, prometheus_bin: Path, tmp_path: Path
+) -> None:
+    """The agent exports a GPU's series of an XID from its first one, at 1: the panel
+    shows that one as it does a later one, and nothing while none comes."""
+    dashboard = rendered_dashboard(helm)
+    query = grafana_to_promql(panel_query(dashboard, "XID errors"), dashboard)
+    xid = {**SCRAPE, "gpu_uuid": "GPU-aaaa", "xid": "79"}
+    shown = {"node": SCRAPE["node"], "gpu_uuid": "GPU-aaaa", "xid": "79"}
+    unit = {
+        "rule_files": [],
+        "tests": [
+            {
+                "interval": "15s",  # Grafana's $__rate_interval is 4 of them at least
+                "input_series": [
+                    {
+                        "series": p.series("gpudra_gpu_xid_errors_total", xid),
+                        "values": "_x80 1x80",
+                    },
+                    {
+                        # Raised before the span, nothing since.
+                        "series": p.series(
+                            "gpudra_gpu_xid_errors_total", {**xid, "gpu_uuid": "GPU-bbbb"}
+                        ),
+                        "values": "2x160",
+                    },
+                ],
+                "promql_expr_test": [
+                    {"expr": query, "eval_time": "19m", "exp_samples": []},
+                    {
+                        "expr": query,
+                        "eval_time": "20m15s",
+                        "exp_samples": [{"labels": p.series("", shown), "value": 1}],
+                    },
+                    {"expr": query, "eval_time": "30m", "exp_samples": []},
+                ],
+            }
+        ],
+    }
+    p.write_yaml(tmp_path / "tests.yaml", unit)
+    assert "SUCCESS" in p.promtool(prometheus_bin, "test", "rules", "tests.yaml", cwd=tmp_path)
+
+
+def test_a_scraped_pods_own_series_bill_and_alert_nothing(
+    helm: Path, prometheus_bin: Path, tmp_path: Path
+) -> None:
+    """A tenant's pod serves gpudra's series claiming another namespace, tenant and job,
+    scraped (its own PodMonitor) without honored labels: Prometheus keeps them under the
+    pod's own target labels, the claimed ones renamed exported_*, but the `tenant` label,
+    which no target carries, as the pod wrote it. `gpudra report`, the dashboard's
+    GPU-hours and the alerts read the agents' job only, and so bill and name the agent's
+    holder alone."""
+    rendered_rules(helm, tmp_path)
+    account = {**SCRAPE, "namespace": "team-a", "tenant": "research"}
+    account |= {"device_class": "gpu.nvidia.com", "sharing": "Exclusive"}
+    pod = {
+        **account,
+        "job": "team-b/app",
+        "instance": "10.0.1.5:8080",
+        "namespace": "team-b",
+        "pod": "app-0",
+        "container": "app",
+        "exported_namespace": "team-a",
+        "exported_job": SCRAPE["job"],
+    }
+    idle = {**SCRAPE, "device": "gpu-0", "uuid": "GPU-aaaa", **HOLDER}
+    forged_idle = {**idle, **{k: pod[k] for k in ("job", "instance", "namespace", "pod")}}
+    allocated, idled = "gpudra_allocated_device_seconds_total", "gpudra_idle_device_seconds_total"
+    dashboard = rendered_dashboard(helm)
+    hours = grafana_to_promql(
+        panel_query(dashboard, "GPU-hours allocated per namespace and tenant (range)"),
+        dashboard,
+    )
+    billed = p.series("", {"namespace": "team-a", "tenant": "research"})
+    unit = {
+        "rule_files": ["rules.yaml"],
+        "evaluation_interval": "1m",
+        "tests": [
+            {
+                "interval": "1m",
+                "input_series": [
+                    {"series": p.series(allocated, account), "values": "0+60x60"},
+                    {"series": p.series(idled, account), "values": "0+15x60"},
+                    {"series": p.series(allocated, pod), "values": "0+600x60"},
+                    {"series": p.series(idled, pod), "values": "0+600x60"},
+                    {
+                        "series": p.series("gpudra_device_idle_seconds", forged_idle),
+                        "values": "7200+60x70",
+                    },
+                ],
+                "promql_expr_test": [
+                    {
+                        "expr": usage_query(allocated, 3600),
+                        "eval_time": "60m",
+                        "exp_samples": [{"labels": billed, "value": 3600}],
+                    },
+                    {
+                        "expr": usage_query(idled, 3600),
+                        "eval_time": "60m",
+                        "exp_samples": [{"labels": billed, "value": 900}],
+                    },
+                    {
+                        "expr": hours,
+                        "eval_time": "60m",
+                        "exp_samples": [{"labels": billed, "value": 1}],
+                    },
+                ],
+                "alert_rule_test": [
+                    {"eval_time": "70m", "alertname": "GpuAllocatedIdle", "exp_alerts": []},
+                ],
+            }
+        ],
+    }
+    p.write_yaml(tmp_path / "tests.yaml", unit)
+    assert "SUCCESS" in p.promtool(prometheus_bin, "test", "rules", "tests.yaml", cwd=tmp_path)
 
 
 def documented_dcgm_join() -> str:

@@ -13,6 +13,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from gpudra.cli.report import AGENT_JOB
 from gpudra.driver.accounting import Accounting
 from gpudra.driver.metrics import ClaimMetrics, DeviceMetrics
 from gpudra.driver.nvml.emulator import NvmlEmulator, load_builtin_profile
@@ -126,6 +127,50 @@ def test_the_pod_monitor_scrapes_the_agents_metrics_port(helm: Path) -> None:
     assert endpoint["honorLabels"] is True
     no_port = {**values, "node": {"metricsPort": 0}}
     assert not [o for o in h.template(helm, no_port) if o["kind"] == "PodMonitor"]
+
+
+def test_every_view_of_the_agents_series_reads_the_job_the_pod_monitor_gives_them(
+    helm: Path,
+) -> None:
+    """The alerts, the dashboard and `gpudra report` (by default) select the agents'
+    series by the job the PodMonitor sets, whatever the release's name and namespace:
+    a scraped pod's own series cannot carry it (docs/security.md)."""
+
+    def jobs(values: dict[str, Any], **where: str) -> tuple[str, set[str]]:
+        monitoring = {
+            **values,
+            "podMonitor": {"enabled": True},
+            "dashboard": {"enabled": True},
+            **ENABLED["monitoring"],
+        }
+        objs = h.template(helm, {"monitoring": monitoring}, **where)
+        (monitor,) = [o for o in objs if o["kind"] == "PodMonitor"]
+        (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+        (set_job,) = [r for r in endpoint["relabelings"] if r["targetLabel"] == "job"]
+        assert "sourceLabels" not in set_job
+        exprs = [r["expr"] for r in rules_of(objs).values()]
+        (cm,) = [
+            o for o in objs if o["kind"] == "ConfigMap" and "dashboard" in o["metadata"]["name"]
+        ]
+        dashboard = json.loads(cm["data"]["gpudra-gpus.json"])
+        (job,) = [v for v in dashboard["templating"]["list"] if v["name"] == "job"]
+        assert job["type"] == "constant"
+        exprs += [
+            e.replace('"$job"', json.dumps(job["query"]))
+            for e in [t["expr"] for p in dashboard["panels"] for t in p.get("targets", ())]
+            + [v["query"]["query"] for v in dashboard["templating"]["list"] if v["type"] == "query"]
+        ]
+        selected = set()
+        for expr in exprs:
+            for name, labels in re.findall(r"\b(gpudra_(?!webhook_)[a-z_]+)(\{[^}]*\})?", expr):
+                found = re.findall(r'\bjob="([^"]*)"', labels)
+                assert found, f"{name} in {expr} does not select the agents' job"
+                selected.update(found)
+        return set_job["replacement"], selected
+
+    assert jobs({}) == (AGENT_JOB, {AGENT_JOB})
+    moved = {"release": "gpu", "namespace": "monitoring"}
+    assert jobs({"agentJob": "gpu-agents"}, **moved) == ("gpu-agents", {"gpu-agents"})
 
 
 def test_the_dashboard_loads_in_the_sidecar_and_queries_exported_series(helm: Path) -> None:

@@ -91,10 +91,23 @@ def test_from_prometheus_over_the_span(prometheus: PrometheusServer) -> None:
     lines = done.stdout.splitlines()
     assert lines[0] == "GPU-hours, last 24h"
     assert lines[2].split() == ["team-a", "research", "2.00", "1.50", "0.50"]
+    # The agents' series only, by the job the chart's PodMonitor gives them: any scraped
+    # pod can serve series of these names claiming any namespace and tenant.
     assert prometheus.queries == [
-        "sum by (namespace, tenant) (increase(gpudra_allocated_device_seconds_total[86400s]))",
-        "sum by (namespace, tenant) (increase(gpudra_idle_device_seconds_total[86400s]))",
+        f'sum by (namespace, tenant) (increase({counter}{{job="gpudra-node"}}[86400s]))'
+        for counter in ("gpudra_allocated_device_seconds_total", "gpudra_idle_device_seconds_total")
     ]
+
+
+def test_from_prometheus_of_the_agents_scraped_by_another_job(
+    prometheus: PrometheusServer,
+) -> None:
+    url = f"http://127.0.0.1:{prometheus.server_port}"
+    done = report("--prometheus", url, "--since", "1h", "--job", 'gpu/"agents"')
+    assert done.returncode == 0, done.stderr
+    assert [q.split("{")[1].split("}")[0] for q in prometheus.queries] == [
+        'job="gpu/\\"agents\\""'
+    ] * 2
 
 
 def test_a_prometheus_that_does_not_answer_is_one_line_and_a_failure() -> None:
