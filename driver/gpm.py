@@ -5,8 +5,9 @@ GPU's figure says nothing about one instance. On Hopper and newer GPUs, GPM meas
 each GPU instance: two samples taken some time apart give the share of the instance's
 SMs that were busy in between. `MigUtilization` keeps each MIG device's last sample,
 so every sampling pass yields the utilization over the whole interval since the
-previous pass, like the whole-GPU figure; the first pass after a MIG device appears has
-nothing to compare with yet. Where GPM is not supported (Ampere and older) the NVML
+previous pass, as the whole-GPU figure averages NVML's utilization samples over it
+(`gpudra.driver.utilization`); the first pass after a MIG device appears has nothing to
+compare with yet. Where GPM is not supported (Ampere and older) the NVML
 error goes to the caller, which reports the value as unavailable with that reason.
 
 Samples are NVML allocations: each is freed once compared, and those of devices no

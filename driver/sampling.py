@@ -20,6 +20,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Final
 
 import anyio
@@ -35,6 +36,7 @@ from gpudra.driver.holders import ClaimInfo, HeldDevice, held_devices
 from gpudra.driver.nvml import NvmlLibrary
 from gpudra.driver.nvml.codes import constant_names
 from gpudra.driver.nvml.handles import device_handle
+from gpudra.driver.utilization import GpuUtilization, utilization_rates
 
 __all__ = [
     "DEFAULT_INTERVAL_S",
@@ -87,6 +89,7 @@ class Sample:
     held: Mapping[str, HeldDevice] = field(default_factory=dict)
     healthy: Mapping[str, bool] = field(default_factory=dict)
     xids: Mapping[tuple[str, int], int] = field(default_factory=dict)
+    interval_s: float = DEFAULT_INTERVAL_S  # the sampler's: how soon the next one is due
 
 
 def _reason(err: BaseException) -> str:
@@ -95,12 +98,18 @@ def _reason(err: BaseException) -> str:
     return name.removeprefix("NVML_ERROR_").lower() if name else type(err).__name__
 
 
-def read_device(nvml: NvmlLibrary, handle: Any) -> Reading:
+def read_device(
+    nvml: NvmlLibrary,
+    handle: Any,
+    utilization: Callable[[], tuple[float, float]] | None = None,
+) -> Reading:
     """Read one device: each value from its own call, so one failing call loses one value.
 
     Names and units: utilization and memory_utilization (percent), memory_used and
     memory_total (bytes), temperature (degrees C), power (watts), sm_clock (MHz),
     ecc_corrected and ecc_uncorrected (volatile counts since the driver loaded).
+    `utilization` gives the first two (a GPU's over the interval: `GpuUtilization`);
+    without it they are the rates call's, over the device's last sample period.
     """
     values: dict[str, float] = {}
     missing: dict[str, str] = {}
@@ -113,10 +122,6 @@ def read_device(nvml: NvmlLibrary, handle: Any) -> Reading:
             return
         values.update(zip(names, got, strict=True))
 
-    def rates() -> tuple[float, float]:
-        r = nvml.nvmlDeviceGetUtilizationRates(handle)
-        return float(r.gpu), float(r.memory)
-
     def memory() -> tuple[float, float]:
         # v2 counts the driver's reserved memory apart from `used`; older drivers lack it.
         try:
@@ -128,7 +133,10 @@ def read_device(nvml: NvmlLibrary, handle: Any) -> Reading:
     def ecc(kind: int) -> tuple[float]:
         return (float(nvml.nvmlDeviceGetTotalEccErrors(handle, kind, pynvml.NVML_VOLATILE_ECC)),)
 
-    take(("utilization", "memory_utilization"), rates)
+    take(
+        ("utilization", "memory_utilization"),
+        utilization or (lambda: utilization_rates(nvml, handle)),
+    )
     take(("memory_used", "memory_total"), memory)
     take(
         ("temperature",),
@@ -206,9 +214,10 @@ class Sampler:
         self._health = health
         self.interval_s = interval_s
         self._on_sample = tuple(on_sample)
-        self._clock = clock
+        self.clock = clock  # of `Sample.at`: a scrape tells the latest sample's age by it
         self.latest: Sample | None = None  # replaced whole, so a scrape reads one pass
         self._gpm = MigUtilization()  # used by one pass at a time, in its worker thread
+        self._gpu_utilization = GpuUtilization()  # likewise
 
     def _read_all(self, devices: list[SampledDevice]) -> list[tuple[SampledDevice, Reading]]:
         out: list[tuple[SampledDevice, Reading]] = []
@@ -226,11 +235,14 @@ class Sampler:
                 except pynvml.NVMLError as err:
                     out.append((device, Reading(missing={"handle": _reason(err)})))
                     continue
-                reading = read_device(self._nvml, handle)
+                # A GPU's utilization over the interval; a MIG device has none from NVML.
+                over_interval = partial(self._gpu_utilization.read, self._nvml, handle, device.uuid)
+                reading = read_device(self._nvml, handle, None if device.mig else over_interval)
                 if device.mig and "utilization" not in reading.values:
                     reading = self._mig_utilization(device, handle, reading)
                 out.append((device, reading))
             self._gpm.retain(self._nvml, (d.uuid for d in devices if d.mig))
+            self._gpu_utilization.retain(d.uuid for d in devices if not d.mig)
         finally:
             self._nvml.nvmlShutdown()
         return out
@@ -263,11 +275,12 @@ class Sampler:
         health = self._health()
         report = health.report() if health is not None else None
         sample = Sample(
-            self._clock(),
+            self.clock(),
             tuple(readings),
             held,
             healthy={n: d.healthy for n, d in report.devices.items()} if report else {},
             xids=health.xid_counts() if health is not None else {},
+            interval_s=self.interval_s,
         )
         self.latest = sample
         for callback in self._on_sample:

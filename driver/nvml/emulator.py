@@ -92,6 +92,15 @@ _SLICES_FOR_CI_PROFILE: Mapping[int, int] = MappingProxyType(
 )
 
 
+# The telemetry each emulated `nvmlDeviceGetSamples` sampling type reads.
+_SAMPLED: Mapping[int, str] = MappingProxyType(
+    {
+        pynvml.NVML_GPU_UTILIZATION_SAMPLES: "utilization",
+        pynvml.NVML_MEMORY_UTILIZATION_SAMPLES: "memoryUtilization",
+    }
+)
+
+
 def _nvml_error(code: int) -> Exception:
     """The exact exception class pynvml raises for `code` (an NVMLError subclass)."""
     err: Exception = pynvml.NVMLError(code)
@@ -651,10 +660,13 @@ class NvmlEmulator:
         source: str = "<profile>",
         state_path: Path | None = None,
         script_path: Path | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """Build the machine; `uuid_salt` gives every simulated node its own UUIDs.
 
         `script_path` is a telemetry script file (see `gpudra.driver.nvml.series`).
+        `clock` (seconds) times the telemetry: a profile's steps and the timestamps of
+        utilization samples; a test passes its own to step through time.
 
         With `state_path`, the state a real GPU keeps when the process using it
         dies (MIG mode, MIG instances, compute mode) is saved there after every
@@ -711,6 +723,7 @@ class NvmlEmulator:
             index={gpu.index: gpu.uuid for gpu in self._gpus},
             product_memory_used={gpu.uuid: gpu.product.memoryUsed for gpu in self._gpus},
             script_path=script_path,
+            clock=clock,
         )
         if script_path is not None:
             try:
@@ -1426,6 +1439,36 @@ class NvmlEmulator:
         rates.gpu = round(self._telemetry(handle, "utilization"))
         rates.memory = round(self._telemetry(handle, "memoryUtilization"))
         return rates
+
+    @_nvml()
+    def nvmlDeviceGetSamples(
+        self, device: Any, sampling_type: int, timeStamp: int
+    ) -> tuple[int, list[Any]]:
+        """The GPU's utilization samples newer than `timeStamp` (`Telemetry.samples`),
+        as pynvml returns them: the value type and a list of `c_nvmlSample_t`.
+
+        nvml.h: NOT_FOUND where no sample is newer; utilization samples are unsigned
+        ints; "On MIG-enabled GPUs, querying ... NVML_GPU_UTILIZATION_SAMPLES,
+        NVML_MEMORY_UTILIZATION_SAMPLES ... is not currently supported". A MIG device
+        has no samples of its own either, and the sampling types not emulated (power,
+        clocks, encoder, decoder, ...) answer NOT_SUPPORTED.
+        """
+        gpu, mig = self._resolve(device)
+        if not 0 <= sampling_type < pynvml.NVML_SAMPLINGTYPE_COUNT:
+            raise _nvml_error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        name = _SAMPLED.get(sampling_type)
+        if name is None or mig is not None or gpu.mig_current == pynvml.NVML_DEVICE_MIG_ENABLE:
+            raise _nvml_error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        taken = self.telemetry.samples(gpu.uuid, name, timeStamp)
+        if not taken:
+            raise _nvml_error(pynvml.NVML_ERROR_NOT_FOUND)
+        samples = []
+        for stamp, value in taken:
+            sample = pynvml.c_nvmlSample_t()
+            sample.timeStamp = stamp
+            sample.sampleValue.uiVal = round(value)
+            samples.append(sample)
+        return pynvml.NVML_VALUE_TYPE_UNSIGNED_INT, samples
 
     @_nvml()
     def nvmlDeviceGetTemperature(self, handle: Any, sensor: int) -> int:

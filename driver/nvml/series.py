@@ -18,6 +18,11 @@ handling of it is tested too: a MIG device has its own memory figures but no
 utilization, temperature, power or clock of its own (NOT_SUPPORTED, never the parent's
 numbers), and `unsupported` makes a GPU refuse a call as older GPUs do. A MIG device's
 own SM utilization comes only through GPM on Hopper and newer, as on real GPUs.
+
+A GPU's utilization figures are also kept as NVML's driver keeps them for
+`nvmlDeviceGetSamples`: one sample every `SAMPLE_PERIOD_US`, the newest `SAMPLE_RING` of
+them (`Telemetry.samples`), so a profile's steps within a sampling interval show in
+what the agent averages over it.
 """
 
 from __future__ import annotations
@@ -26,7 +31,9 @@ import contextlib
 import json
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Final, Literal, TypeAlias
 
@@ -34,6 +41,8 @@ import pynvml
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 __all__ = [
+    "SAMPLE_PERIOD_US",
+    "SAMPLE_RING",
     "SCRIPTABLE",
     "ScriptError",
     "Telemetry",
@@ -45,8 +54,8 @@ Step: TypeAlias = tuple[Annotated[float, Field(ge=0)], Quantity]
 Signal: TypeAlias = Quantity | tuple[Step, ...]
 # What a test or the profile may set; the NVML call each value answers is in its comment.
 Scriptable: TypeAlias = Literal[
-    "utilization",  # nvmlDeviceGetUtilizationRates().gpu, percent
-    "memoryUtilization",  # nvmlDeviceGetUtilizationRates().memory, percent
+    "utilization",  # nvmlDeviceGetUtilizationRates().gpu, GPU_UTILIZATION samples; percent
+    "memoryUtilization",  # ...().memory, MEMORY_UTILIZATION samples; percent
     "memoryUsed",  # nvmlDeviceGetMemoryInfo().used, bytes
     "temperature",  # nvmlDeviceGetTemperature(NVML_TEMPERATURE_GPU), degrees C
     "power",  # nvmlDeviceGetPowerUsage(), watts (NVML answers milliwatts)
@@ -70,6 +79,12 @@ _PER_MIG: Final = frozenset({"memoryUsed"})
 # What a MIG device may be scripted with besides: its SM utilization, which NVML gives
 # only through GPM (`nvmlGpmMigSampleGet`, Hopper and newer), never the plain call.
 _GPM_PER_MIG: Final = frozenset({"utilization"})
+# nvml.h: the driver samples utilization once per sample period, "between 1 second and
+# 1/6 second depending on the product"; emulated GPUs all take the shortest (rounded to
+# the microsecond of the samples' timestamps). nvml.h leaves the size of the buffer
+# open; drivers have been seen to hold 100 utilization samples, about 17 s at this rate.
+SAMPLE_PERIOD_US: Final = 166_667
+SAMPLE_RING: Final = 100
 
 
 class TelemetrySpec(BaseModel):
@@ -115,6 +130,15 @@ class TelemetrySpec(BaseModel):
                 msg = f"step times must increase, got {times}"
                 raise ValueError(msg)
         return value
+
+
+@dataclass(slots=True)
+class _Ring:
+    """One GPU's samples of one figure: (timestamp in microseconds, value), oldest
+    first, and the number of sample periods since the start it has been taken up to."""
+
+    samples: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=SAMPLE_RING))
+    taken: int = 0
 
 
 class ScriptError(ValueError):
@@ -166,6 +190,7 @@ class Telemetry:
         self._script_path = script_path
         self._file_stamp: tuple[int, int] | None = None
         self._from_file: dict[str, dict[str, float]] = {}
+        self._rings: dict[tuple[str, str], _Ring] = {}
 
     # --- controls -----------------------------------------------------------------------
 
@@ -272,6 +297,36 @@ class Telemetry:
         if signal is None:
             return float(self._product_used.get(gpu_uuid, 0))
         return _at(signal, self._clock() - self._start)
+
+    def samples(self, gpu_uuid: str, name: str, after_us: int) -> list[tuple[int, float]]:
+        """The GPU's samples of `name` (`utilization` or `memoryUtilization`) newer than
+        `after_us`, oldest first, as (timestamp in microseconds, value); at most the
+        newest `SAMPLE_RING`. Timestamps are the clock's, counted in microseconds.
+
+        Samples are taken when asked for: each sample time since the last ask gets the
+        profile's value at that time, or the value scripted now. A script has no time
+        of its own, so it answers the whole stretch since the GPU's samples were last
+        asked for: a test scripts what the coming sampling interval is, and a profile's
+        steps change a value within one. Raises pynvml's NOT_SUPPORTED where the GPU
+        lists the value as unsupported.
+        """
+        spec = self._specs.get(gpu_uuid, TelemetrySpec())
+        if name not in _PERCENT or name in spec.unsupported:
+            raise _not_supported()
+        signal: Signal = getattr(spec, name)
+        start_us = round(self._start * 1_000_000)
+        with self._lock:
+            with contextlib.suppress(ScriptError):
+                self._reload()
+            scripted = self._scripted_value(gpu_uuid, name)
+            ring = self._rings.setdefault((gpu_uuid, name), _Ring())
+            now = (round(self._clock() * 1_000_000) - start_us) // SAMPLE_PERIOD_US
+            for period in range(max(ring.taken + 1, now - SAMPLE_RING + 1), now + 1):
+                at_us = period * SAMPLE_PERIOD_US
+                value = _at(signal, at_us / 1_000_000) if scripted is None else scripted
+                ring.samples.append((start_us + at_us, value))
+            ring.taken = max(ring.taken, now)
+            return [s for s in ring.samples if s[0] > after_us]
 
     def mig_sm_utilization(self, gpu_uuid: str, mig_uuids: Iterable[str]) -> float:
         """What GPM measures of a GPU instance's SMs: the utilization scripted for one of
