@@ -192,7 +192,9 @@ def _holders(claim: Mapping[str, Any], driver: str) -> Iterable[tuple[Mapping[st
     )
     configs = allocation.get("config") or []
     for result in allocation.get("results") or ():
-        if result.get("driver") != driver:
+        if result.get("driver") != driver or result.get("adminAccess"):
+            # Admin access (a monitoring or debugging pod) takes nothing: the scheduler
+            # still gives the device to others, and it is not what holds it.
             continue
         request = str(result.get("request", ""))
         consumed = result.get("consumedCapacity") or {}

@@ -9,7 +9,9 @@ smaller of the two it had then: the samples do not say when in the interval the 
 happened, so the time is never billed to a holder that did not hold the device (nor
 shifted from a holder that left onto one that stayed), at the cost of leaving up to one
 sampling interval per holder change unbilled. The time also counts as idle when the
-device's utilization was under `idle_below` percent at this sample. A device whose
+device's utilization was under `idle_below` percent in this sample: for a whole GPU
+the mean of NVML's own samples since the previous pass (`gpudra.driver.utilization`),
+for a MIG device GPM's figure over the same span. A device whose
 utilization NVML does not give (a MIG device without per-instance utilization) is
 billed as allocated and never as idle: the agent does not know, and says so with
 the `utilization_scope` label of its device series.
@@ -17,6 +19,13 @@ the `utilization_scope` label of its device series.
 How long a device has been idle is kept per holder: a holder's idle time starts at the
 first sample where it held the device idle, so a claim that gets a device another claim
 left idle does not inherit the other's idle time (nor its idle alert).
+
+A sample more than `STALE_AFTER_INTERVALS` sampling intervals after the previous one
+follows a stall (a pass that hung in NVML, or kept failing): the samples do not say
+what the devices did, nor who held them, in between, so that time is billed to nobody,
+neither allocated nor idle, and idle runs start again at the sample after it. The
+metrics withdraw the device series once the latest sample is that old
+(`gpudra.driver.metrics`).
 
 The resolution is the sampling interval; a claim prepared and unprepared between two
 samples is not billed. Counters live in memory and restart at zero with the agent,
@@ -30,12 +39,23 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Final, TypeAlias
 
-from gpudra.driver.holders import Holder
+from gpudra.driver.holders import ADMIN, HeldDevice, Holder
 from gpudra.driver.sampling import Sample
 
-__all__ = ["DEFAULT_IDLE_BELOW", "AccountKey", "Accounting", "IdleDevice"]
+__all__ = [
+    "DEFAULT_IDLE_BELOW",
+    "STALE_AFTER_INTERVALS",
+    "AccountKey",
+    "Accounting",
+    "IdleDevice",
+    "holding",
+    "stale_after",
+]
 
 DEFAULT_IDLE_BELOW: Final = 5.0
+# A pass takes a fraction of an interval and starts one interval after the previous
+# one ended: three intervals without a sample is a stall, not a slow pass.
+STALE_AFTER_INTERVALS: Final = 3
 
 # A holder of one device, the same from sample to sample: (claim UID, request).
 _HolderId: TypeAlias = tuple[str, str]
@@ -55,8 +75,9 @@ class AccountKey:
 
 @dataclass(frozen=True, slots=True)
 class IdleDevice:
-    """A held device idle for `seconds` for `holders`: since each of them first held it
-    idle (a shared device's holders that came at other times are other `IdleDevice`s)."""
+    """A held device idle for `seconds` for `holders` (`holding`: never admin access):
+    since each of them first held it idle (a shared device's holders that came at other
+    times are other `IdleDevice`s)."""
 
     device: str
     uuid: str
@@ -66,6 +87,23 @@ class IdleDevice:
 
 def _holder_id(holder: Holder) -> _HolderId:
     return holder.claim_uid, holder.request
+
+
+def stale_after(interval_s: float) -> float:
+    """Seconds after which a sample no longer tells what a device sampled every
+    `interval_s` is doing: a sampling stall."""
+    return STALE_AFTER_INTERVALS * interval_s
+
+
+def holding(held: HeldDevice) -> dict[_HolderId, Holder]:
+    """Who holds a device, for its series and idle time: one holder per claim and
+    request (one claim may hold two slices of a GPU for one request), and never an
+    admin-access claim, which holds nothing (a monitoring pod on a free GPU)."""
+    found: dict[_HolderId, Holder] = {}
+    for holder in held.holders:
+        if holder.sharing != ADMIN:
+            found.setdefault(_holder_id(holder), holder)
+    return found
 
 
 def _shares(sample: Sample) -> _Shares:
@@ -104,23 +142,24 @@ class Accounting:
         """Bill the time since the previous sample (a `Sampler` `on_sample` callback)."""
         shares = _shares(sample)
         previous, self._last = self._last, (sample.at, shares)
+        if previous is not None and sample.at - previous[0] > stale_after(sample.interval_s):
+            previous = None  # a stall: nothing is known of the time since the previous
         elapsed = sample.at - previous[0] if previous is not None else 0.0
         before = previous[1] if previous is not None else {}
         utilization = {d.uuid: r.values.get("utilization") for d, r in sample.devices}
         idle_since: dict[tuple[str, _HolderId], float] = {}
         idle_now: list[IdleDevice] = []
         with self._lock:
+            known_since = self._idle_since if previous is not None else {}
             for name, held in sample.held.items():
                 uuid = held.uuid or held.gpu_uuid
                 util = utilization.get(uuid)
                 idle = util is not None and util < self.idle_below
                 if idle:
                     by_since: dict[float, list[Holder]] = {}
-                    for holder in held.holders:
-                        hold = (name, _holder_id(holder))
-                        if hold in idle_since:
-                            continue  # the same holder again: another slice of the GPU
-                        since = idle_since[hold] = self._idle_since.get(hold, sample.at)
+                    for ident, holder in holding(held).items():
+                        hold = (name, ident)
+                        since = idle_since[hold] = known_since.get(hold, sample.at)
                         by_since.setdefault(since, []).append(holder)
                     idle_now.extend(
                         IdleDevice(name, uuid, tuple(holders), sample.at - since)

@@ -7,6 +7,10 @@ a claim that fails before it reaches the device layer is counted too.
 GPU fields discovery had to leave out for lack of privilege.
 `DeviceMetrics` exports the sampler's latest readings of every device, labelled with
 its holders, the accounting counters, and the devices' health and XID counts.
+
+Every family has one series per label set: Prometheus drops the samples of a scrape
+that repeats one, so rows that would repeat (one claim holding two slices of a GPU for
+one request) are one row.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 from typing import Final
 
-from gpudra.driver.accounting import Accounting
+from gpudra.driver.accounting import Accounting, holding, stale_after
 from gpudra.driver.checkpoint import Checkpoint, ClaimRecord
 from gpudra.driver.devices import Inventory
 from gpudra.driver.holders import Holder
@@ -111,6 +115,7 @@ class PreparedDevices(Collector):
             labels=_INFO_LABELS,
         )
         holders: dict[str, set[str]] = {}
+        rows: dict[tuple[str, ...], None] = {}  # one per label set, in order
         for record in claims:
             if not record.completed:
                 continue
@@ -127,7 +132,9 @@ class PreparedDevices(Collector):
                         device.device,
                         details.uuid or "",
                     )
-                    info.add_metric(labels, {})
+                    rows[labels] = None
+        for row in rows:
+            info.add_metric(row, {})
         per_device = GaugeMetricFamily(
             "gpudra_device_prepared_claims",
             "Prepared claims holding each device (more than one: shared or admin access).",
@@ -208,25 +215,39 @@ def _scope(device: SampledDevice, reading: Reading) -> str:
 class DeviceMetrics(Collector):
     """Device series from the sampler's latest pass, with accounting and health.
 
-    Each device series carries `DEVICE_LABELS` and, once per holder while the device
-    is prepared, `HOLDER_LABELS` (empty when nobody holds it): a shared device has
-    one series per holder with the device's value, so aggregate devices with
-    `max by (uuid)`, not `sum`. A MIG device whose utilization NVML does not give
-    has `utilization_scope="unavailable"` and no utilization series, never its
-    GPU's. Every value NVML refused is in `gpudra_gpu_metric_unavailable` with the
-    reason. Runs in the metrics server's thread: it reads only the sampler's latest
-    sample (replaced whole, health included) and the accounting's copies.
+    Each device series carries `DEVICE_LABELS` and, once per holder (`holding`) while
+    the device is allocated, `HOLDER_LABELS` (empty when nobody holds it): a shared device
+    has one series per holder with the device's value, so aggregate devices with
+    `max by (uuid)`, not `sum`. An admin-access claim (monitoring) holds nothing, so it
+    labels no series: a device only it has is free, and never idle or under-used for
+    anybody (its claims are in `gpudra_prepared_device`). A MIG device whose
+    utilization NVML does not give has `utilization_scope="unavailable"` and no
+    utilization series, never its GPU's. Every value NVML refused is in
+    `gpudra_gpu_metric_unavailable` with the reason.
+
+    `gpudra_sample_age_seconds` says how old the latest pass is. Once it is older than
+    `gpudra_sample_stale_after_seconds` (`stale_after`: a pass hung in NVML or failing
+    again and again), the device series and the idle gauge are left out: a dashboard or
+    alert sees them absent rather than the last values frozen. Runs in the metrics
+    server's thread: it reads only the sampler's latest sample (replaced whole, health
+    included), its clock and interval, and the accounting's copies.
     """
 
     def __init__(self, sampler: Sampler, accounting: Accounting) -> None:
         self._sampler = sampler
         self._accounting = accounting
+        self._since = sampler.clock()  # the age before the first pass ends
 
     def describe(self) -> Iterator[Metric]:
         return iter(())  # the families depend on what was sampled
 
     def collect(self) -> Iterator[Metric]:
-        sample = self._sampler.latest
+        latest = self._sampler.latest
+        age = self._sampler.clock() - (latest.at if latest is not None else self._since)
+        bound = stale_after(self._sampler.interval_s)
+        fresh = age <= bound
+        sample = latest if fresh else None
+        yield from self._freshness(age, bound)
         labels = (*DEVICE_LABELS, *HOLDER_LABELS)
         gauges = {key: GaugeMetricFamily(name, doc, labels=labels) for key, name, doc in _GAUGES}
         ecc = CounterMetricFamily(
@@ -256,7 +277,8 @@ class DeviceMetrics(Collector):
                 device.model,
                 _scope(device, reading),
             )
-            rows = [(*base, *_holder_labels(h)) for h in held.holders] if held else []
+            holders = holding(held).values() if held is not None else ()
+            rows = list(dict.fromkeys((*base, *_holder_labels(h)) for h in holders))
             rows = rows or [(*base, *_NO_HOLDER)]
             healthy_now = sample.healthy.get(device.name) if sample is not None else None
             for row in rows:
@@ -280,9 +302,24 @@ class DeviceMetrics(Collector):
         for (uuid, xid), count in sorted((sample.xids if sample is not None else {}).items()):
             xids.add_metric((uuid, str(xid)), count)
         yield xids
-        yield from self._accounts()
+        yield from self._accounts(fresh=fresh)
 
-    def _accounts(self) -> Iterator[Metric]:
+    @staticmethod
+    def _freshness(age: float, bound: float) -> Iterator[Metric]:
+        age_family = GaugeMetricFamily(
+            "gpudra_sample_age_seconds",
+            "Seconds since the last completed sampling pass (before the first: since the "
+            "agent started sampling).",
+        )
+        age_family.add_metric((), max(age, 0.0))
+        bound_family = GaugeMetricFamily(
+            "gpudra_sample_stale_after_seconds",
+            "Sample age beyond which the device series are left out (three sampling intervals).",
+        )
+        bound_family.add_metric((), bound)
+        yield from (age_family, bound_family)
+
+    def _accounts(self, *, fresh: bool) -> Iterator[Metric]:
         allocated = CounterMetricFamily(
             "gpudra_allocated_device_seconds",
             "Device-seconds allocated to claims, shared devices split among their holders.",
@@ -303,11 +340,14 @@ class DeviceMetrics(Collector):
             "How long each allocated device has been under the idle threshold.",
             labels=("device", "uuid", *HOLDER_LABELS),
         )
-        for device in self._accounting.idle_devices():
-            for holder in device.holders:
-                idle_for.add_metric(
+        idle_rows: dict[tuple[str, ...], float] = {}
+        for device in self._accounting.idle_devices() if fresh else ():
+            for holder in device.holders:  # the longest idle first, if labels repeat
+                idle_rows.setdefault(
                     (device.device, device.uuid, *_holder_labels(holder)), device.seconds
                 )
+        for idle_row, seconds in idle_rows.items():
+            idle_for.add_metric(idle_row, seconds)
         threshold = GaugeMetricFamily(
             "gpudra_idle_threshold_percent",
             "Utilization under which an allocated device counts as idle.",

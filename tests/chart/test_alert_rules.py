@@ -68,7 +68,7 @@ def rendered_rules(helm: Path, tmp_path: Path) -> Path:
 
 def test_the_rules_pass_promtool_check(helm: Path, prometheus_bin: Path, tmp_path: Path) -> None:
     out = p.promtool(prometheus_bin, "check", "rules", str(rendered_rules(helm, tmp_path)))
-    assert "SUCCESS: 10 rules found" in out
+    assert "SUCCESS: 11 rules found" in out
 
 
 def test_each_alert_fires_when_it_should_and_only_then(
@@ -283,6 +283,48 @@ def test_each_alert_fires_when_it_should_and_only_then(
                     "exp_alerts": [
                         alert(
                             prepare, "warning", summary="Claims failed to prepare on 10.0.0.7:8080"
+                        )
+                    ],
+                },
+            ],
+        },
+        {
+            # A pass that hangs: its age grows past three intervals (30 s) and stays.
+            "name": "sampling stalled past its bound for 5m; a slow pass never",
+            "interval": "1m",
+            "input_series": [
+                {"series": p.series("gpudra_sample_age_seconds", SCRAPE), "values": "5x5 0+60x20"},
+                {
+                    "series": p.series("gpudra_sample_stale_after_seconds", SCRAPE),
+                    "values": "30x25",
+                },
+                {
+                    "series": p.series(
+                        "gpudra_sample_age_seconds", {**SCRAPE, "node": "gpu-node-2"}
+                    ),
+                    "values": "5 25 5 25 5 25 5 25 5 25 5 25 5 25",
+                },
+                {
+                    "series": p.series(
+                        "gpudra_sample_stale_after_seconds", {**SCRAPE, "node": "gpu-node-2"}
+                    ),
+                    "values": "30x13",
+                },
+            ],
+            "alert_rule_test": [
+                {"eval_time": "8m", "alertname": "GpudraSamplingStalled", "exp_alerts": []},
+                {
+                    "eval_time": "12m",
+                    "alertname": "GpudraSamplingStalled",
+                    "exp_alerts": [
+                        alert(
+                            SCRAPE,
+                            "warning",
+                            summary="GPU sampling on 10.0.0.7:8080 has stalled",
+                            description="The node agent's last completed sampling pass is "
+                            "6m 0s old (an NVML call hanging, or every pass failing: see the "
+                            "agent's log). Its device series and idle times are withdrawn, and "
+                            "no GPU time is billed until a pass completes.",
                         )
                     ],
                 },

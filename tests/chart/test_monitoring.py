@@ -66,6 +66,7 @@ def test_every_alert_is_complete_and_asks_for_exported_series(helm: Path) -> Non
         "GpuXidError",
         "GpuDeviceTainted",
         "GpudraPrepareErrors",
+        "GpudraSamplingStalled",
         "GpudraWebhookDenialsRising",
         "GpudraWebhookConnectionsShed",
         "GpudraTenantNamespaceWithoutPodSecurity",

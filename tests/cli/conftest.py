@@ -49,6 +49,7 @@ def endpoint() -> Iterator[str]:
         prepared=lambda: (held,),
         on_sample=(accounting.observe,),
         clock=lambda: now[0],
+        interval_s=1200,  # sampled 20 minutes apart: no stall between the two
     )
 
     async def two_samples() -> None:

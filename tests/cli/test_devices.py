@@ -129,6 +129,16 @@ def test_a_held_mig_placement_blocks_only_placements_that_no_longer_fit() -> Non
     assert all(d.state == "free" for n, d in found.items() if n.startswith("gpu-1-"))
 
 
+def test_an_admin_access_claim_holds_nothing() -> None:
+    # A monitoring pod's admin-access claim on a free GPU: the scheduler still hands
+    # that GPU to others, so it is free, not held by the monitoring pod.
+    published = slices("emulated:l4")
+    probe = claim("probe", ("gpu-0", {}))
+    probe["status"]["allocation"]["devices"]["results"][0]["adminAccess"] = True
+    (d,) = devices(published, [probe], DRIVER)
+    assert d.use() == "free"
+
+
 def test_tainted_devices_are_unavailable() -> None:
     published = slices("emulated:l4")
     published[0]["spec"]["devices"][0]["taints"] = [

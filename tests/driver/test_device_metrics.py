@@ -4,7 +4,9 @@ scraped from the real metrics HTTP endpoint."""
 from __future__ import annotations
 
 import urllib.request
+from collections import Counter
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -14,17 +16,17 @@ from gpudra.common.kube import Kube
 from gpudra.common.metricsserver import serve_metrics
 from gpudra.driver.accounting import Accounting
 from gpudra.driver.agent import AgentConfig
-from gpudra.driver.checkpoint import ClaimRecord, ClaimState, DeviceRecord
+from gpudra.driver.checkpoint import Checkpoint, ClaimRecord, ClaimState, DeviceRecord
 from gpudra.driver.claims import ClaimRef, checked_claim
 from gpudra.driver.claimstatus import device_statuses
 from gpudra.driver.devices import Inventory, discover
 from gpudra.driver.health import HealthState, XidEvent
 from gpudra.driver.holders import ClaimInfo, ClaimInfos, claim_info
-from gpudra.driver.metrics import DeviceMetrics
+from gpudra.driver.metrics import DeviceMetrics, PreparedDevices
 from gpudra.driver.node import NodeService, PluginConfig
 from gpudra.driver.nvml.emulator import NvmlEmulator, load_builtin_profile, parse_profile
 from gpudra.driver.records import DeviceDetails, TimeSliceSet
-from gpudra.driver.sampling import Sampler
+from gpudra.driver.sampling import DEFAULT_INTERVAL_S, Sampler
 from gpudra.driver.tenancy import NamespaceTenants
 from kubernetes_asyncio.client import ApiClient
 from prometheus_client import CollectorRegistry
@@ -56,6 +58,7 @@ def claim(
     *,
     share_id: str | None = None,
     time_slice: bool = False,
+    admin_access: bool = False,
 ) -> ClaimRecord:
     details = DeviceDetails(
         type="gpu",
@@ -75,7 +78,8 @@ def claim(
                 device=device,
                 request_names=("gpu",),
                 share_id=share_id,
-                exclusive=share_id is None and not time_slice,
+                exclusive=share_id is None and not time_slice and not admin_access,
+                admin_access=admin_access,
                 details=details,
             ),
         ),
@@ -119,6 +123,7 @@ class Node:
         tenants: NamespaceTenants | None = None,
         containers: dict[str, dict[str, str]] | None = None,
         shares: dict[str, int] | None = None,
+        interval_s: float = DEFAULT_INTERVAL_S,
     ) -> None:
         self.nvml = nvml
         self.inventory = inventory_of(nvml)
@@ -138,6 +143,7 @@ class Node:
             health=lambda: health,
             on_sample=(self.accounting.observe,),
             clock=self.clock,
+            interval_s=interval_s,
         )
         self.registry = CollectorRegistry()
         self.registry.register(DeviceMetrics(self.sampler, self.accounting))
@@ -314,6 +320,7 @@ async def test_memory_slices_are_billed_by_their_share_and_idle_while_under_thre
         ],
         infos,
         tenants=tenants,
+        interval_s=100,
     )
     await node.sampler.sample_once()
     node.clock.now += 100
@@ -347,6 +354,7 @@ async def test_time_sliced_holders_split_a_gpu_equally() -> None:
             claim(uid, f"ns-{uid}", uid, "gpu-0", uuid, time_slice=True)
             for uid in ("u1", "u2", "u3", "u4")
         ],
+        interval_s=40,
     )
     await node.sampler.sample_once()
     node.clock.now += 40
@@ -395,7 +403,7 @@ async def test_integer_shares_are_billed_by_the_shares_each_holder_took() -> Non
         claim(big, "team-a", "a", "gpu-0", uuid, share_id="s1"),
         claim(small, "team-b", "b", "gpu-0", uuid, share_id="s2"),
     ]
-    node = Node(nvml, records, infos, shares={"gpu-0": 4})
+    node = Node(nvml, records, infos, shares={"gpu-0": 4}, interval_s=100)
     await node.sampler.sample_once()
     node.clock.now += 100
     await node.sampler.sample_once()
@@ -588,7 +596,7 @@ async def test_idle_time_is_each_holders_own() -> None:
     its GpuAllocatedIdle alert); on a shared device each holder has its own."""
     nvml = emulator("l4", {"utilization": 0})
     uuid = inventory_of(nvml).gpus[0].uuid
-    node = Node(nvml, [claim("u1", "team-a", "a", "gpu-0", uuid)])
+    node = Node(nvml, [claim("u1", "team-a", "a", "gpu-0", uuid)], interval_s=3600)
     for _ in range(3):
         await node.sampler.sample_once()
         node.clock.now += 3600
@@ -651,3 +659,113 @@ async def test_a_hopper_mig_device_reports_its_own_utilization_through_gpm() -> 
     node.inventory = inventory_of(NvmlEmulator(load_builtin_profile("h100-80gb-mig-r580")))
     await node.sampler.sample_once()
     assert nvml.gpm_samples_held() == 0
+
+
+def repeated(samples: list[tuple[str, dict[str, str], float]]) -> list[str]:
+    """The series that appear more than once with one label set (Prometheus drops them)."""
+    seen = Counter((name, tuple(sorted(labels.items()))) for name, labels, _ in samples)
+    return sorted(name for (name, _), count in seen.items() if count > 1)
+
+
+async def test_an_admin_access_claim_holds_nothing_to_be_idle_or_underused() -> None:
+    """A monitoring pod's admin-access claim on a free, idle GPU: not billed, and no
+    series names it as the GPU's holder, so neither GpuAllocatedIdle nor
+    GpuLowUtilization fires for every GPU a monitoring DaemonSet reads."""
+    nvml = emulator("l4", {"utilization": 0})
+    uuid = inventory_of(nvml).gpus[0].uuid
+    probe = claim("m1", "monitoring", "dcgm-probe", "gpu-0", uuid, admin_access=True)
+    node = Node(nvml, [probe], interval_s=3600)
+    for _ in range(3):
+        await node.sampler.sample_once()
+        node.clock.now += 3600
+    got = node.scrape()
+    assert values(got, "gpudra_device_idle_seconds") == []
+    assert values(got, "gpudra_allocated_device_seconds_total") == []
+    assert only(got, "gpudra_gpu_utilization_percent", uuid=uuid, namespace="", pod="") == 0
+    assert values(got, "gpudra_gpu_utilization_percent", namespace="monitoring") == []
+
+    # Beside a holder: the holder's series and idle time, none for the probe.
+    node.claims = [claim("u1", "team-a", "a", "gpu-0", uuid), probe]
+    await node.sampler.sample_once()
+    node.clock.now += 3600
+    await node.sampler.sample_once()
+    got = node.scrape()
+    assert billed(node, "gpudra_device_idle_seconds") == {"team-a": 3600}
+    assert {lab["namespace"] for n, lab, _ in got if n == "gpudra_gpu_utilization_percent"} == {
+        "team-a"
+    }
+
+
+async def test_one_claim_holding_two_slices_of_a_gpu_is_one_series_per_label_set() -> None:
+    """Two memory slices of gpu-0 for one request of one claim are one holder (as it is
+    billed), and a claim re-created under its name while the old one is still prepared
+    has the same labels: each family has each label set once."""
+    nvml = emulator("l4", {"utilization": 2, "eccCorrected": 1})
+    uuid = inventory_of(nvml).gpus[0].uuid
+    first = claim("u1", "team-a", "trainer", "gpu-0", uuid, share_id="s1")
+    two = replace(first, devices=(first.devices[0], replace(first.devices[0], share_id="s2")))
+    node = Node(nvml, [two])
+    prepared = Checkpoint(Path("unused"), boot_id=None, claims={"u1": two})
+    node.registry.register(PreparedDevices(lambda: prepared, POOL))
+    await node.sampler.sample_once()
+    node.clock.now += 10
+    await node.sampler.sample_once()
+    got = node.scrape()
+    assert repeated(got) == []
+    assert only(got, "gpudra_gpu_utilization_percent", pod="trainer") == 2
+    assert only(got, "gpudra_device_idle_seconds", pod="trainer") == 10
+    assert only(got, "gpudra_prepared_device_info", pod="trainer") == 1
+
+    again = replace(
+        claim("u2", "team-a", "trainer", "gpu-0", uuid, time_slice=True), name=first.name
+    )
+    node.claims = [replace(first, devices=(replace(first.devices[0], share_id=None),)), again]
+    await node.sampler.sample_once()
+    node.clock.now += 10
+    await node.sampler.sample_once()
+    assert repeated(node.scrape()) == []
+
+
+async def test_a_stalled_sampler_withdraws_the_device_series_and_says_how_old_they_are() -> None:
+    """A pass that hangs in NVML or keeps failing leaves the last sample in place: past
+    three intervals its values are withdrawn (absent, not frozen) and the age says why;
+    the time of the stall is billed to nobody, and idle runs start again after it."""
+    nvml = emulator("l4", {"utilization": 1})
+    uuid = inventory_of(nvml).gpus[0].uuid
+    node = Node(nvml, [claim("u1", "team-a", "a", "gpu-0", uuid)])
+    node.clock.now += 5
+    got = node.scrape()  # nothing sampled yet: the age counts from the start
+    assert only(got, "gpudra_sample_age_seconds") == 5
+    assert only(got, "gpudra_sample_stale_after_seconds") == 30
+    await node.sampler.sample_once()
+    node.clock.now += 10
+    await node.sampler.sample_once()
+    node.clock.now += 30  # three intervals: a late pass, not yet a stall
+    got = node.scrape()
+    assert only(got, "gpudra_sample_age_seconds") == 30
+    assert only(got, "gpudra_gpu_utilization_percent", pod="a") == 1
+    assert only(got, "gpudra_device_idle_seconds", pod="a") == 10
+
+    def broken() -> None:
+        raise RuntimeError("the driver is wedged")
+
+    nvml.nvmlInit = broken  # type: ignore[method-assign]
+    for _ in range(360):  # an hour of failing passes
+        node.clock.now += 10
+        with pytest.raises(RuntimeError):
+            await node.sampler.sample_once()
+    got = node.scrape()
+    assert only(got, "gpudra_sample_age_seconds") == 3630
+    for name in ("gpudra_gpu_utilization_percent", "gpudra_gpu_temperature_celsius"):
+        assert values(got, name) == []
+    assert values(got, "gpudra_device_idle_seconds") == []
+    assert billed(node, "gpudra_idle_device_seconds_total") == {"team-a": pytest.approx(10)}
+
+    del nvml.nvmlInit  # the driver answers again, the GPU still idle
+    await node.sampler.sample_once()
+    got = node.scrape()
+    assert only(got, "gpudra_sample_age_seconds") == 0
+    assert only(got, "gpudra_gpu_utilization_percent", pod="a") == 1
+    assert only(got, "gpudra_device_idle_seconds", pod="a") == 0  # idle since now, as known
+    assert billed(node) == {"team-a": pytest.approx(10)}  # the stall is billed to nobody
+    assert billed(node, "gpudra_idle_device_seconds_total") == {"team-a": pytest.approx(10)}

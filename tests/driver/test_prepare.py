@@ -2947,6 +2947,7 @@ async def test_a_dynamic_mig_device_is_sampled_with_its_holder_while_a_prepare_h
         claim_info=infos.snapshot,
         on_sample=(accounting.observe,),
         clock=lambda: now[0],
+        interval_s=60,  # sampled a minute apart: no stall between the two
     )
     registry.register(DeviceMetrics(sampler, accounting))
     async with preparer._lock:  # a prepare in progress
