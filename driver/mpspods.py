@@ -11,11 +11,17 @@ Deployment: only the agent may start the daemon again, because only the agent se
 the claim's defaults after each start and records which pod is the claim's.
 
 The pod is the chart's template (image, pull secrets, security context, tolerations,
-the state folder and driver root mounted where the agent sees them, so the tool,
-the pipe and log folders have the same paths in both), completed here with the name,
-the node, the command, the environment and the claim's /dev/shm. `DaemonPods` calls
-block: they are made from the worker threads the sharing backend runs in, and go
-back to the event loop for the API calls.
+what every daemon needs of the node: the driver root, or the stand-in one of emulated
+GPUs, where the agent sees it), completed here with the name, the node, the command,
+the environment and the claim's own folders: its pipe and log folders, each mounted
+at the path the agent sees it at (so the paths in the environment mean the same in
+both), and its /dev/shm. Nothing else of the agent's state folder: the claim's
+containers talk to the daemon, which so reaches neither the checkpoint nor another
+claim's folders. A template that still mounts the whole state folder (rendered by an
+older chart) works as before, the claim's folders mounted again beneath it, and
+shows the daemon what it did before. `DaemonPods` calls block: they are made from the
+worker threads the sharing backend runs in, and go back to the event loop for the API
+calls.
 """
 
 from __future__ import annotations
@@ -39,6 +45,9 @@ log = logging.getLogger(__name__)
 
 # The claim a daemon pod serves (its UID), for `kubectl get pods -l`.
 CLAIM_LABEL: Final = "gpudra.nvidia.com/mps-claim"
+# The volumes added for a claim: its /dev/shm, and its folders (a number appended).
+_SHM_VOLUME: Final = "claim-shm"
+_FOLDER_VOLUME: Final = "claim-folder-"
 # Waiting container reasons that do not pass on their own, or not soon.
 _STUCK: Final = frozenset(
     {
@@ -72,10 +81,18 @@ def load_template(path: Path) -> dict[str, Any]:
     if not isinstance(meta, dict) or not isinstance(meta.get("name"), str) or not meta["name"]:
         raise PodTemplateError(f"{path}: metadata.name (the daemon pods' name prefix) is missing")
     containers = spec.get("containers") if isinstance(spec, dict) else None
-    if not isinstance(containers, list) or len(containers) != 1:
+    if not isinstance(spec, dict) or not isinstance(containers, list) or len(containers) != 1:
         raise PodTemplateError(f"{path}: spec.containers must hold exactly one container")
     if not isinstance(containers[0], dict) or not containers[0].get("image"):
         raise PodTemplateError(f"{path}: spec.containers[0].image is missing")
+    for volume in spec.get("volumes") or []:
+        name = volume.get("name", "") if isinstance(volume, dict) else ""
+        if name == _SHM_VOLUME or str(name).startswith(_FOLDER_VOLUME):
+            # Refused here, once, rather than by the API server at every MPS claim.
+            raise PodTemplateError(
+                f"{path}: volume {name!r}: {_SHM_VOLUME} and {_FOLDER_VOLUME}* are the names "
+                "of the volumes added for each claim"
+            )
     return template
 
 
@@ -108,9 +125,16 @@ class MpsDaemonPods:
         return f"{base}/{name}" if name else base
 
     def manifest(
-        self, daemon: str, argv: Sequence[str], env: Mapping[str, str], shm_dir: Path | None
+        self,
+        daemon: str,
+        argv: Sequence[str],
+        env: Mapping[str, str],
+        shm_dir: Path | None,
+        *,
+        folders: Sequence[Path] = (),
     ) -> dict[str, Any]:
-        """The pod for daemon `daemon`: the template completed."""
+        """The pod for daemon `daemon`: the template completed, each of `folders`
+        mounted at its own path (the agent's, which the chart mounts at the host's)."""
         pod: dict[str, Any] = copy.deepcopy(dict(self._template))
         meta = pod["metadata"]
         meta["name"] = self.name(daemon)
@@ -124,23 +148,38 @@ class MpsDaemonPods:
         container.pop("args", None)
         given = [e for e in container.get("env") or [] if e.get("name") not in env]
         container["env"] = given + [{"name": k, "value": v} for k, v in sorted(env.items())]
+        # (volume name, host folder, path in the pod); each folder exists: the agent
+        # made it before asking for the pod, and a pod is no place to make it.
+        mounts = [
+            (f"{_FOLDER_VOLUME}{i}", str(folder), str(folder))
+            for i, folder in enumerate(dict.fromkeys(folders), start=1)
+        ]
         if shm_dir is not None:
-            spec["volumes"] = [
-                *(spec.get("volumes") or []),
-                {"name": "claim-shm", "hostPath": {"path": str(shm_dir), "type": "Directory"}},
-            ]
-            container["volumeMounts"] = [
-                *(container.get("volumeMounts") or []),
-                {"name": "claim-shm", "mountPath": "/dev/shm"},
-            ]
+            mounts.append((_SHM_VOLUME, str(shm_dir), "/dev/shm"))
+        spec["volumes"] = [
+            *(spec.get("volumes") or []),
+            *({"name": n, "hostPath": {"path": h, "type": "Directory"}} for n, h, _ in mounts),
+        ]
+        container["volumeMounts"] = [
+            *(container.get("volumeMounts") or []),
+            *({"name": n, "mountPath": p} for n, _, p in mounts),
+        ]
         return pod
 
     # --- DaemonPods, called from worker threads ---
 
     def run(
-        self, name: str, argv: Sequence[str], env: Mapping[str, str], shm_dir: Path | None
+        self,
+        name: str,
+        argv: Sequence[str],
+        env: Mapping[str, str],
+        shm_dir: Path | None,
+        *,
+        folders: Sequence[Path],
     ) -> DaemonPod:
-        return anyio.from_thread.run(self._run, name, argv, env, shm_dir)
+        return anyio.from_thread.run(
+            self._run, name, self.manifest(name, argv, env, shm_dir, folders=folders)
+        )
 
     def problem(self, pod: DaemonPod) -> str | None:
         return anyio.from_thread.run(self._problem, pod)
@@ -150,10 +189,7 @@ class MpsDaemonPods:
 
     # --- the API calls ---
 
-    async def _run(
-        self, name: str, argv: Sequence[str], env: Mapping[str, str], shm_dir: Path | None
-    ) -> DaemonPod:
-        body = self.manifest(name, argv, env, shm_dir)
+    async def _run(self, name: str, body: Mapping[str, Any]) -> DaemonPod:
         try:
             created = await self._create(body)
         except ApiError as exc:

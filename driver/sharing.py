@@ -22,9 +22,11 @@ NVIDIA's own tools:
 Where the daemon runs is the caller's choice. Given `DaemonPods`, each daemon runs
 in a pod of its own on this node (`nvidia-cuda-mps-control -f`, as upstream runs it),
 so it outlives the agent's container: a new agent (an upgrade, a crash) takes over
-claims whose clients still talk to it. Without, it is a child of this process
-(`-d`), which is what an agent run as a host process (tests, demos) wants, and what
-dies with a containerised agent.
+claims whose clients still talk to it. Of the agent's folders the pod gets only its
+claim's (pipe, log, /dev/shm): the claim's containers talk to the daemon, so a flaw in
+it that they could drive reaches no other claim's folders nor the checkpoint. Without
+`DaemonPods`, it is a child of this process (`-d`), which is what an agent run as a
+host process (tests, demos) wants, and what dies with a containerised agent.
 
 The pipe folder is mounted writable into the claim's containers, so nothing in it
 is trusted at stop: the daemon is the process or pod `start_mps` returned (PID and
@@ -111,10 +113,11 @@ _CAP_SYS_ADMIN: Final = 21
 # A daemon pod's command, the tool's path as $0: the daemon in the foreground, ended
 # with the pod (TERM) or once its pipe folder is removed, both a normal end (exit 0:
 # the pod Succeeded); otherwise the pod ends as the daemon does. An older release
-# that knows nothing of daemon pods removes the claim's folders at unprepare; the
-# pipe folder, a tmpfs of its own, then stays as an empty mount point, so the daemon's
-# control pipe missing once the daemon has had the time to make it (five rounds, about
-# ten seconds) ends the pod too.
+# that knows nothing of daemon pods quits the daemon through its control pipe and
+# removes the claim's folders at unprepare. The pod mounts the pipe folder itself, so
+# a folder removed on the host may stay in the pod's view (a plain folder, deleted,
+# or the tmpfs, lazily unmounted); the daemon's control pipe missing once the daemon
+# has had the time to make it (five rounds, about ten seconds) ends the pod too.
 _POD_SCRIPT: Final = (
     'end() { kill "$d" 2>/dev/null; wait "$d"; exit 0; }; trap end TERM INT; '
     '"$0" -f & d=$!; c="$CUDA_MPS_PIPE_DIRECTORY/control"; n=0; '
@@ -141,13 +144,21 @@ class DaemonPod:
 class DaemonPods(Protocol):
     """Runs daemons in pods of their own on this node. Calls block (worker threads).
 
-    A pod gets `argv` and `env`, the agent's image, mounts and privileges (so the
-    daemon sees the tools, folders and devices the agent sees at the same paths),
-    and `shm_dir` as its /dev/shm when given.
+    A pod gets `argv` and `env`, the agent's image, privileges and driver root (so
+    the daemon sees the tools and devices the agent sees at the same paths); of the
+    host's folders only `folders`, each at its own path (the agent sees them there
+    too, so the paths in `env` mean the same in both), and `shm_dir` as its /dev/shm
+    when given.
     """
 
     def run(
-        self, name: str, argv: Sequence[str], env: Mapping[str, str], shm_dir: Path | None
+        self,
+        name: str,
+        argv: Sequence[str],
+        env: Mapping[str, str],
+        shm_dir: Path | None,
+        *,
+        folders: Sequence[Path],
     ) -> DaemonPod:
         """Create the pod `name` (replacing a leftover of that name) and return it
         once created; whether the daemon started is the caller's to see."""
@@ -588,7 +599,12 @@ class NvidiaSharing:
         also ends it once its pipe folder is gone (an older agent that knows nothing
         of pods removes the folder at unprepare) and passes SIGTERM on."""
         env = {**self._env, **self._mps_env(daemon)}
-        pod = pods.run(daemon.name, ["sh", "-c", _POD_SCRIPT, tool], env, daemon.shm_dir)
+        # What the daemon writes to: the folders its environment names. A record of an
+        # older release may name one folder as both.
+        folders = tuple(dict.fromkeys((daemon.pipe_dir, daemon.log_dir)))
+        pod = pods.run(
+            daemon.name, ["sh", "-c", _POD_SCRIPT, tool], env, daemon.shm_dir, folders=folders
+        )
         deadline = time.monotonic() + self._pod_ready_timeout_s
         next_look = 0.0
         while not self._control_listens(daemon):

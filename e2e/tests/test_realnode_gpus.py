@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from gpudra.cli.node import EMULATED_DRIVER_ROOT, EMULATED_TOOLS_LOG
 from gpudra.cli.scrape import get, metric_samples
 from gpudra.driver.plugin import DRA_APIS
 from gpudra.webhook.convert import CONVERTED_ANNOTATION as CONVERTED
@@ -541,6 +542,60 @@ def test_mps_daemons_outlive_the_agent(
         wait_unprepared(stack, {first, second}, "the MPS pods' claims")
         assert not any(daemon_alive(p) for p in pipes.values())
         assert not daemon_pods(kube)
+
+
+def daemon_root(pipe_dir: str) -> Path:
+    """The root folder as the stand-in MPS daemon for this pipe folder sees it (its
+    container's, for a daemon pod)."""
+    for proc in Path("/proc").iterdir():
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"nvidia-cuda-mps-daemon" in argv and pipe_dir.encode() in argv:
+            return proc / "root"
+    raise AssertionError(f"no MPS daemon runs for {pipe_dir}")
+
+
+def names(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir())
+
+
+def test_an_mps_daemon_pod_sees_only_its_claims_folders(
+    stack: NodeGpus, kube: Kube, ns: str
+) -> None:
+    """A claim's containers talk to its MPS daemon, so its pod gets of the agent's state
+    folder only the claim's own pipe, log and shm folders: not the checkpoint, not
+    another claim's folders. The pipe and log folders are at the paths the agent sees
+    them at, as the daemon's environment names them."""
+    if not isinstance(stack, ChartStack):
+        pytest.skip("daemons of host-process agents are their children, not pods")
+    kube.create(mps_template(ns, "mps", "!device.allowMultipleAllocations"))
+    for pod in ("mps-a", "mps-b"):
+        kube.create(gpu_pod(stack, pod, ns, template="mps"))
+    wait_running(kube, ns, "mps-a", "mps-b")
+    first, second = (claim_uid(kube, ns, p) for p in ("mps-a", "mps-b"))
+    pipes = mps_pipes(stack)
+    assert set(daemon_pods(kube)) == {first, second}
+    state = stack.state_dir
+    assert (state / "checkpoint.json").is_file() and Path(pipes[first]).is_dir()
+
+    root = daemon_root(pipes[second])
+    inside = root / str(state).lstrip("/")
+    assert (root / pipes[second].lstrip("/") / "control").is_fifo()  # its own pipe folder
+    assert (inside / "mps" / second / "log").is_dir()
+    # Nothing else of the state folder: the checkpoint, the other claim's folders.
+    assert not (inside / "checkpoint.json").exists()
+    assert not (root / pipes[first].lstrip("/")).exists()
+    assert names(inside / "mps") == [second]
+    assert names(inside / "mps" / second) == ["log", "pipe"]
+    assert names(inside) == sorted(
+        ["mps", EMULATED_DRIVER_ROOT, EMULATED_TOOLS_LOG]  # the stand-in tools, their log
+    )
+    for pod in ("mps-a", "mps-b"):
+        kube.delete("Pod", pod, ns)
+    wait_unprepared(stack, {first, second}, "the MPS pods' claims")
+    assert not daemon_pods(kube)
 
 
 def test_deleted_slices_come_back_and_running_pods_keep_their_gpus(

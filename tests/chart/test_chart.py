@@ -18,7 +18,7 @@ from gpudra.api.deviceclasses import DEFAULT_SHARED_SHARING, device_classes
 from gpudra.api.tenants import MigProfile, parse_tenant
 from gpudra.cli.main import build_parser
 from gpudra.cli.main import main as cli_main
-from gpudra.cli.node import _agent_config
+from gpudra.cli.node import EMULATED_DRIVER_ROOT, EMULATED_TOOLS_LOG, _agent_config
 from gpudra.cli.webhook import conversion_policy, server_config
 from gpudra.driver.devices import SharedGpus
 from gpudra.driver.nvml import labelled_nvml
@@ -481,6 +481,62 @@ def test_driver_root_is_mounted_unless_emulated_without_one(
         }
     (c,) = pod_spec(objects, "DaemonSet")["containers"]
     assert c["securityContext"]["privileged"] is (nvml == "real")  # follows nvml alone
+
+
+def daemon_pod_mounts(objects: list[dict[str, Any]]) -> dict[str, tuple[str, str, bool]]:
+    """The MPS daemon pod template's mounts: mount path to (volume name, host path or
+    '', read-only)."""
+    pod = json.loads(h.find(objects, "ConfigMap", "gpudra-node-mps")["data"]["pod.json"])
+    volumes = {v["name"]: v.get("hostPath", {}).get("path", "") for v in pod["spec"]["volumes"]}
+    (c,) = pod["spec"]["containers"]
+    return {
+        m["mountPath"]: (m["name"], volumes[m["name"]], m.get("readOnly", False))
+        for m in c["volumeMounts"]
+    }
+
+
+@pytest.mark.parametrize(
+    ("nvml", "driver_root", "expected"),
+    [
+        ("real", "/", {"/host": ("driver-root", "/", True)}),
+        (
+            "emulated:l4",
+            "/run/nvidia/driver",
+            {"/host/run/nvidia/driver": ("driver-root", "/run/nvidia/driver", True)},
+        ),
+        (
+            "emulated:l4",
+            "/",
+            {
+                f"/var/lib/gpudra/{EMULATED_DRIVER_ROOT}": (
+                    "standin-driver-root",
+                    f"/var/lib/gpudra/{EMULATED_DRIVER_ROOT}",
+                    True,
+                ),
+                f"/var/lib/gpudra/{EMULATED_TOOLS_LOG}": (
+                    "standin-tools-log",
+                    f"/var/lib/gpudra/{EMULATED_TOOLS_LOG}",
+                    False,
+                ),
+            },
+        ),
+    ],
+    ids=["real", "emulated-driver-container", "emulated"],
+)
+def test_mps_daemon_pods_do_not_mount_the_state_folder(
+    helm: Path, nvml: str, driver_root: str, expected: dict[str, tuple[str, str, bool]]
+) -> None:
+    """A claim's containers talk to its daemon: its pod gets the driver root the agent
+    sees (the stand-in one, and its tools' call log, with emulated GPUs and none), and
+    of the state folder only the claim's own folders, which the agent adds. The
+    checkpoint and the other claims' folders are not there."""
+    objects = h.template(helm, {"node": {"nvml": nvml, "driverRoot": driver_root}})
+    assert daemon_pod_mounts(objects) == {"/tmp": ("tmp", "", False), **expected}
+    # The agent itself mounts the whole state folder, where it installs the stand-in.
+    (c,) = pod_spec(objects, "DaemonSet")["containers"]
+    assert {"name": "state", "mountPath": "/var/lib/gpudra"}.items() <= next(
+        m for m in c["volumeMounts"] if m["name"] == "state"
+    ).items()
 
 
 API_ENV = ("KUBERNETES_SERVICE_HOST", "KUBERNETES_SERVICE_PORT")

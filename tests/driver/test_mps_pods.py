@@ -9,6 +9,7 @@ e2e/tests/test_realnode_gpus.py.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import secrets
@@ -53,10 +54,10 @@ TEMPLATE: dict[str, Any] = {
                     {"name": "KEEP", "value": "1"},
                     {"name": "CUDA_VISIBLE_DEVICES", "value": "x"},
                 ],
-                "volumeMounts": [{"name": "state", "mountPath": "/var/lib/gpudra"}],
+                "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
             }
         ],
-        "volumes": [{"name": "state", "hostPath": {"path": "/var/lib/gpudra"}}],
+        "volumes": [{"name": "tmp", "emptyDir": {}}],
     },
 }
 
@@ -69,11 +70,20 @@ class ProcessPods:
     def __init__(self) -> None:
         self.pods: dict[str, tuple[DaemonPod, subprocess.Popen[bytes]]] = {}
         self.runs = 0
+        # The host folders each pod was given: its own paths, then its /dev/shm.
+        self.mounts: dict[str, tuple[tuple[Path, ...], Path | None]] = {}
 
     def run(
-        self, name: str, argv: Sequence[str], env: Mapping[str, str], shm_dir: Path | None
+        self,
+        name: str,
+        argv: Sequence[str],
+        env: Mapping[str, str],
+        shm_dir: Path | None,
+        *,
+        folders: Sequence[Path],
     ) -> DaemonPod:
         self.runs += 1
+        self.mounts[name] = (tuple(folders), shm_dir)
         proc = subprocess.Popen(
             list(argv), env={"PATH": os.environ["PATH"], **env}, start_new_session=True
         )
@@ -156,6 +166,18 @@ def test_a_daemon_pod_runs_the_daemon_in_the_foreground_and_gets_the_defaults(
     assert proc.poll() == 0  # the daemon quit; its pod ended with it
     assert not pods.pods
     assert not any((tmp_path / d).exists() for d in ("pipe", "log", "shm"))
+
+
+def test_a_daemon_pod_gets_only_its_claims_folders(tmp_path: Path, tools_log: Path) -> None:
+    """The pod sees of the agent's folders only the claim's: the pipe and log folders its
+    environment names, and its /dev/shm; the claim's containers talk to it."""
+    pods = ProcessPods()
+    backend = sharing(pods, tools_log)
+    identity = backend.start_mps(daemon(tmp_path))
+    try:
+        assert pods.mounts["claim-1"] == ((tmp_path / "pipe", tmp_path / "log"), tmp_path / "shm")
+    finally:
+        backend.stop_mps(daemon(tmp_path, identity))
 
 
 def test_a_daemon_pod_that_fails_is_removed_and_named(tmp_path: Path, tools_log: Path) -> None:
@@ -265,7 +287,11 @@ def test_a_daemon_pod_is_recorded_and_read_back() -> None:
 def test_the_pod_is_the_template_bound_to_the_node_with_the_daemons_command() -> None:
     pods = MpsDaemonPods(None, namespace="gpudra", node_name="gpu-1", template=TEMPLATE)  # type: ignore[arg-type]
     pod = pods.manifest(
-        "uid-1", ["sh", "-c", "x"], {"CUDA_VISIBLE_DEVICES": "GPU-1"}, Path("/s/shm")
+        "uid-1",
+        ["sh", "-c", "x"],
+        {"CUDA_VISIBLE_DEVICES": "GPU-1"},
+        Path("/s/shm"),
+        folders=(Path("/s/pipe"), Path("/s/log")),
     )
     assert pod["metadata"]["name"] == "gpudra-node-mps-uid-1"
     assert pod["metadata"]["namespace"] == "gpudra"
@@ -281,11 +307,58 @@ def test_the_pod_is_the_template_bound_to_the_node_with_the_daemons_command() ->
         {"name": "KEEP", "value": "1"},
         {"name": "CUDA_VISIBLE_DEVICES", "value": "GPU-1"},
     ]
-    assert {"name": "claim-shm", "mountPath": "/dev/shm"} in container["volumeMounts"]
-    assert {"name": "claim-shm", "hostPath": {"path": "/s/shm", "type": "Directory"}} in spec[
-        "volumes"
+    # The template's volumes, then the claim's folders: each at its own path (the
+    # agent's, so the paths in the environment mean the same), its shm as /dev/shm.
+    assert container["volumeMounts"] == [
+        {"name": "tmp", "mountPath": "/tmp"},
+        {"name": "claim-folder-1", "mountPath": "/s/pipe"},
+        {"name": "claim-folder-2", "mountPath": "/s/log"},
+        {"name": "claim-shm", "mountPath": "/dev/shm"},
+    ]
+    assert spec["volumes"] == [
+        {"name": "tmp", "emptyDir": {}},
+        {"name": "claim-folder-1", "hostPath": {"path": "/s/pipe", "type": "Directory"}},
+        {"name": "claim-folder-2", "hostPath": {"path": "/s/log", "type": "Directory"}},
+        {"name": "claim-shm", "hostPath": {"path": "/s/shm", "type": "Directory"}},
     ]
     assert TEMPLATE["spec"]["containers"][0].get("command") is None  # the template is kept
+
+
+def test_a_template_that_mounts_the_whole_state_folder_still_makes_a_valid_pod() -> None:
+    """An older chart's template mounts the agent's state folder: the claim's folders
+    are mounted again beneath it (the runtime mounts parents first), under names and
+    paths of their own, so the API server takes the pod."""
+    older = json.loads(json.dumps(TEMPLATE))
+    older["spec"]["volumes"].append({"name": "state", "hostPath": {"path": "/s"}})
+    older["spec"]["containers"][0]["volumeMounts"].append({"name": "state", "mountPath": "/s"})
+    pods = MpsDaemonPods(None, namespace="gpudra", node_name="gpu-1", template=older)  # type: ignore[arg-type]
+    base = Path("/s/mps/uid-1")
+    pod = pods.manifest(
+        "uid-1", ["sh"], {}, base / "shm", folders=(base / "pipe", base / "log", base / "pipe")
+    )
+    volumes = [v["name"] for v in pod["spec"]["volumes"]]
+    mounts = pod["spec"]["containers"][0]["volumeMounts"]
+    assert len(volumes) == len(set(volumes)) == 5  # a folder named twice is mounted once
+    assert len({m["mountPath"] for m in mounts}) == len(mounts) == 5
+    assert {m["name"] for m in mounts} == set(volumes)
+    assert [m["mountPath"] for m in mounts][-3:] == [
+        str(base / "pipe"),
+        str(base / "log"),
+        "/dev/shm",
+    ]
+
+
+@pytest.mark.parametrize("name", ["claim-shm", "claim-folder-1"])
+def test_a_template_may_not_use_the_names_of_a_claims_volumes(tmp_path: Path, name: str) -> None:
+    """The agent adds them to every daemon pod: the same name twice is a pod the API
+    server refuses at every MPS claim, so the agent refuses the template at start."""
+    template = json.loads(json.dumps(TEMPLATE))
+    template["spec"]["volumes"].append({"name": name, "emptyDir": {}})
+    path = tmp_path / "pod.json"
+    path.write_text(json.dumps(template))
+    with pytest.raises(PodTemplateError) as caught:
+        load_template(path)
+    assert repr(name) in str(caught.value) and str(path) in str(caught.value)
 
 
 @pytest.mark.parametrize(
@@ -361,7 +434,7 @@ async def test_daemon_pods_on_the_api_server(kube: Kube, akube: AsyncKube) -> No
         pods = MpsDaemonPods(
             akube, namespace=ns, node_name="no-kubelet-here", template=TEMPLATE, leftover_wait_s=1
         )
-        run = pods.run
+        run = functools.partial(pods.run, folders=())
         pod = await anyio.to_thread.run_sync(run, "uid-1", ["sleep", "1"], {"A": "1"}, None)
         got = kube.get("Pod", pod.name, ns)
         assert got["metadata"]["uid"] == pod.uid
