@@ -114,7 +114,9 @@ class ClaimReader(Protocol):
     use a claim being created; `namespace_labels` reads a namespace the tenant view has
     not seen yet (None: there is no such namespace); `claims_made_for` names the claims
     the resourceclaim controller made for a pod's template entries (controlled by the
-    pod, annotated with the entry's name), by entry.
+    pod, annotated with the entry's name), by entry; `workloads_admitted_with` names the
+    Kueue Workloads of the namespace admitted, and not finished, with pods that refer to
+    a template of that name (none where Kueue is not installed).
     """
 
     async def __call__(self, namespace: str, kind: str, name: str) -> StoredClaim | None: ...
@@ -126,6 +128,8 @@ class ClaimReader(Protocol):
     async def namespace_labels(self, namespace: str) -> Mapping[str, str] | None: ...
 
     async def pods(self, namespace: str) -> Sequence[Mapping[str, Any]]: ...
+
+    async def workloads_admitted_with(self, namespace: str, template: str) -> Sequence[str]: ...
 
 
 @dataclass(frozen=True)
@@ -349,6 +353,14 @@ class Admission:
                     extra={"fields": {"uid": uid, "namespace": namespace, "error": forged}},
                 )
                 return self._deny(uid, 403, forged, "tenant")
+        if kind == CLAIM_TEMPLATE.kind:
+            swapped = await self._admitted_with(obj, namespace)
+            if swapped:
+                logger.info(
+                    "denied claim",
+                    extra={"fields": {"uid": uid, "namespace": namespace, "error": swapped}},
+                )
+                return self._deny(uid, 403, swapped, "kueue")
         verdict = self._claims.judge(
             obj,
             template=kind == CLAIM_TEMPLATE.kind,
@@ -376,6 +388,48 @@ class Admission:
         if verdict.invalid:
             return self._deny(uid, 400, message, "invalid_config")
         return self._deny(uid, 403, message, "tenant")
+
+    async def _admitted_with(self, template: Mapping[str, Any], namespace: str) -> str | None:
+        """Why a ResourceClaimTemplate of the driver's devices may not be created under
+        its name now: a Kueue Workload was admitted with pods that refer to that name.
+
+        Kueue charges a Workload for its templates when it admits it, and never again
+        (kubernetes-sigs/kueue#13842): a template deleted after admission and created
+        again asking for more would give every pod created afterwards devices Kueue did
+        not charge. Fails closed, like the other reads: a list that fails denies, and
+        the API server's retry reads again.
+        """
+        name = (template.get("metadata") or {}).get("name")
+        spec = template.get("spec")
+        if not name or not claim_devices(
+            spec.get("spec") if isinstance(spec, Mapping) else None, self._classes
+        ):
+            return None
+        heading = f"{CLAIM_TEMPLATE.kind} {name}"
+        if self._read_claims is None:
+            return None
+        try:
+            with anyio.fail_after(self._ensure_timeout):
+                admitted = await self._read_claims.workloads_admitted_with(namespace, str(name))
+        except Exception as exc:
+            logger.warning(
+                "could not list Kueue Workloads",
+                exc_info=True,
+                extra={"fields": {"namespace": namespace, "template": name}},
+            )
+            return (
+                f"{heading}: could not list the namespace's Kueue Workloads, which say "
+                f"whether one was admitted with this template: {_unanswered(exc)}; retry"
+            )
+        if not admitted:
+            return None
+        return (
+            f"{heading}: Kueue Workload {', '.join(sorted(admitted))} was admitted with pods "
+            "that use a template of this name, and Kueue does not charge a template created "
+            "after admission: its pods would get devices the queue did not count. Create it "
+            "before the job, under another name, or once the job has finished or been "
+            "deleted (docs/kueue.md)"
+        )
 
     async def _converts_in(self, namespace: str) -> bool | None:
         """Whether pods of `namespace` are converted; None when its labels are unknown.

@@ -19,11 +19,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Final
 
 from gpudra.common.kube import RESOURCE_API, ApiError, Kube
 from gpudra.webhook.convert import same_claim_spec
 from gpudra.webhook.tenant_rules import POD_CLAIM_NAME_ANNOTATION, StoredClaim
+
+# Kueue's API versions with Workloads, newest first: each serves every Workload.
+KUEUE_VERSIONS: Final = ("kueue.x-k8s.io/v1beta2", "kueue.x-k8s.io/v1beta1")
 
 DEFAULT_TTL_S = 60.0
 _MAX_ENTRIES = 10_000
@@ -155,6 +158,27 @@ class ApiClaimReader:
                 found.setdefault(entry, []).append(name)
         return found
 
+    async def workloads_admitted_with(self, namespace: str, template: str) -> list[str]:
+        """The Kueue Workloads of `namespace` holding quota (admitted: ``status.admission``
+        set) and not finished, with a pod set that refers to the ResourceClaimTemplate
+        `template`; none where no Kueue API version this knows is served."""
+        for version in KUEUE_VERSIONS:
+            try:
+                listing = await self.kube.request(
+                    "GET", f"/apis/{version}/namespaces/{namespace}/workloads"
+                )
+            except ApiError as e:
+                if e.status == 404:  # the version is not served (no Kueue, or a newer one)
+                    continue
+                raise
+            items = listing.get("items") if isinstance(listing, dict) else None
+            return sorted(
+                str((w.get("metadata") or {}).get("name"))
+                for w in (items if isinstance(items, list) else ())
+                if _admitted(w) and template in _templates_of(w)
+            )
+        return []
+
     async def pods(self, namespace: str) -> Sequence[Mapping[str, Any]]:
         """The namespace's pods that may still start containers (not Succeeded or Failed)."""
         listing = await self.kube.request(
@@ -164,3 +188,32 @@ class ApiClaimReader:
         )
         items = listing.get("items") if isinstance(listing, dict) else None
         return [p for p in items if isinstance(p, dict)] if isinstance(items, list) else []
+
+
+def _admitted(workload: Any) -> bool:
+    """Whether a Kueue Workload holds quota: admitted (``status.admission``, which an
+    eviction clears) and not finished."""
+    status = workload.get("status") if isinstance(workload, dict) else None
+    if not isinstance(status, dict) or not status.get("admission"):
+        return False
+    conditions = status.get("conditions")
+    return not any(
+        isinstance(c, dict) and c.get("type") == "Finished" and c.get("status") == "True"
+        for c in (conditions if isinstance(conditions, list) else ())
+    )
+
+
+def _templates_of(workload: Any) -> set[str]:
+    """The ResourceClaimTemplates a Workload's pod sets refer to."""
+    spec = workload.get("spec") if isinstance(workload, dict) else None
+    pod_sets = spec.get("podSets") if isinstance(spec, dict) else None
+    found: set[str] = set()
+    for pod_set in pod_sets if isinstance(pod_sets, list) else ():
+        template = pod_set.get("template") if isinstance(pod_set, dict) else None
+        pod_spec = template.get("spec") if isinstance(template, dict) else None
+        claims = pod_spec.get("resourceClaims") if isinstance(pod_spec, dict) else None
+        for entry in claims if isinstance(claims, list) else ():
+            name = entry.get("resourceClaimTemplateName") if isinstance(entry, dict) else None
+            if isinstance(name, str):
+                found.add(name)
+    return found

@@ -16,6 +16,7 @@ Run with `make test-kueue` (kept out of `make test`: see README.md).
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import json
 import threading
@@ -39,7 +40,7 @@ from gpudra.driver.nvml import load_nvml
 from gpudra.webhook.convert import CONVERTED_ANNOTATION as CONVERTED
 from gpudra.webhook.convert import DEFAULT_POLICY, ConversionPolicy
 from gpudra.webhook.server import WebhookServer
-from gpudra.webhook.templates import ApiTemplateEnsurer
+from gpudra.webhook.templates import ApiClaimReader, ApiTemplateEnsurer
 from gpudra.webhook.tenants import TenantController
 
 from bench import kueue as bench_kueue
@@ -259,7 +260,7 @@ async def gpudra_webhook(
         apply_crd(kube, tenant_crd())
         controller, server = tenant_webhook(akube, config)
     else:
-        server = WebhookServer(config, ApiTemplateEnsurer(akube))
+        server = WebhookServer(config, ApiTemplateEnsurer(akube), read_claims=ApiClaimReader(akube))
     node = EmulatedNode("worker-1", "emulated:h100-80gb-hbm3-x8", uuid_salt="kueue")
     async with anyio.create_task_group() as tg:
         port = await tg.start(server.serve)
@@ -292,6 +293,60 @@ async def gpudra_webhook(
 async def converting(cluster: Cluster, kube: Kube, tmp_path: Path) -> AsyncIterator[None]:
     async with gpudra_webhook(cluster, kube, tmp_path / "pki"):
         yield
+
+
+@pytest.mark.anyio
+async def test_a_template_an_admitted_job_uses_is_not_created_again_bigger(
+    kueue: KueueManager, kube: Kube, queues: None, converting: None
+) -> None:
+    """Kueue charges a Job for its ResourceClaimTemplates when it admits it, and never
+    again (kueue#13842). With the Job admitted, its template deleted and created again
+    asking for eight GPUs is refused by gpudra's claim validation, naming the Workload;
+    once the Job is deleted the same template is created."""
+
+    def scenario() -> None:
+        jobs.submit(kube, jobs.NATIVE_JOB, "swap", "team-b", node="worker-1")
+        wait_for("the Job admitted", lambda: jobs.admitted(kube, "team-b", "swap"))
+        workload = jobs.workload_of(kube, "team-b", "swap")
+        assert workload is not None
+        original = kube.get("ResourceClaimTemplate", "one-gpu", "team-b")
+        restored = {
+            "apiVersion": original["apiVersion"],
+            "kind": original["kind"],
+            "metadata": {"name": "one-gpu", "namespace": "team-b"},
+            "spec": original["spec"],
+        }
+        bigger = copy.deepcopy(restored)
+        bigger["spec"]["spec"]["devices"]["requests"][0]["exactly"]["count"] = 8
+        kube.delete("ResourceClaimTemplate", "one-gpu", "team-b")
+        try:
+            with pytest.raises(ApiError) as refused:
+                kube.create(bigger)
+            assert refused.value.status == 403, refused.value
+            message = str(refused.value)
+            assert f"Kueue Workload {workload['metadata']['name']} was admitted" in message
+            jobs.delete_job(kube, "team-b", "swap")
+            wait_for(
+                "the Workload gone",
+                lambda: jobs.workload_of(kube, "team-b", "swap") is None,
+                timeout=60,
+            )
+            kube.create(bigger)
+        finally:
+            with contextlib.suppress(ApiError):
+                kube.delete("ResourceClaimTemplate", "one-gpu", "team-b")
+            wait_for(
+                "the bigger template gone",
+                lambda: (
+                    not any(
+                        t["metadata"]["name"] == "one-gpu"
+                        for t in kube.list("ResourceClaimTemplate", "team-b")
+                    )
+                ),
+            )
+            kube.create(restored)
+
+    await anyio.to_thread.run_sync(scenario)
 
 
 def plain_pod(

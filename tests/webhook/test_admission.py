@@ -12,6 +12,7 @@ from gpudra.api.deviceclasses import device_classes
 from gpudra.api.tenants import API_VERSION, LabelSelector
 from gpudra.cli.main import build_parser
 from gpudra.cli.webhook import conversion_policy, device_class_cache
+from gpudra.common.kube import ApiError
 from gpudra.webhook.admission import MUTATE_PATH, VALIDATE_CLAIMS_PATH, Admission
 from gpudra.webhook.convert import DEFAULT_POLICY, OPT_OUT_LABEL, ConversionPolicy, convert_pod
 from gpudra.webhook.device_classes import DeviceClassCache
@@ -196,6 +197,8 @@ class Claims:
         self.namespaces: dict[str, dict[str, str]] = {}
         self.made: dict[str, dict[str, list[str]]] = {}
         """Claims made for each pod's template entries: pod UID -> entry -> claim names."""
+        self.admitted: dict[str, list[str]] = {}
+        """Kueue Workloads admitted with each template name."""
 
     async def __call__(self, namespace: str, kind: str, name: str) -> StoredClaim | None:
         self.reads.append((kind, name))
@@ -210,6 +213,10 @@ class Claims:
 
     async def namespace_labels(self, namespace: str) -> dict[str, str] | None:
         return self.namespaces.get(namespace)
+
+    async def workloads_admitted_with(self, namespace: str, template: str) -> list[str]:
+        self.reads.append(("Workload", template))
+        return self.admitted.get(template, [])
 
 
 def limited_admission(
@@ -1194,3 +1201,53 @@ async def test_without_a_per_pod_limit_only_stored_claims_are_judged_again() -> 
     )
     assert (await admission.mutate_pod(review(POD, pod))).result == "allowed"
     assert claims.reads == [("ResourceClaim", "later"), ("ResourceClaim", "one")]
+
+
+def template_object(name: str, count: int, device_class: str = "gpu.nvidia.com") -> dict[str, Any]:
+    spec = one_gpu_spec(count)
+    spec["devices"]["requests"][0]["exactly"]["deviceClassName"] = device_class
+    return {"metadata": {"name": name}, "spec": {"spec": spec}}
+
+
+async def test_a_template_a_kueue_workload_was_admitted_with_is_not_created_again() -> None:
+    # Kueue charged job-a for template "train" (one GPU) when it admitted it; the tenant
+    # deleted the template and creates it again asking for eight.
+    claims = Claims()
+    claims.admitted["train"] = ["job-a-1f2e3"]
+    admission = Admission(Templates(), WebhookMetrics(CollectorRegistry()), read_claims=claims)
+    decision = await admission.validate_claim(review(TEMPLATE, template_object("train", 8)))
+    assert decision.result == "denied"
+    assert decision.response["status"]["code"] == 403
+    message = decision.response["status"]["message"]
+    assert message.startswith("ResourceClaimTemplate train: Kueue Workload job-a-1f2e3 was")
+    assert "once the job has finished or been deleted" in message
+    # Another name, a template of another driver's devices, and a name no admitted
+    # Workload uses are none of its business.
+    for allowed in (
+        template_object("other", 8),
+        template_object("train", 8, device_class="fpga.example.com"),
+    ):
+        decision = await admission.validate_claim(review(TEMPLATE, allowed))
+        assert decision.result == "allowed", allowed
+    assert ("Workload", "train") in claims.reads
+    assert ("Workload", "other") in claims.reads
+    # ResourceClaims are never templates a Workload refers to.
+    assert (await admission.validate_claim(review(CLAIM, claim_object("train", 8)))).result == (
+        "allowed"
+    )
+
+
+class UnlistableWorkloads(Claims):
+    async def workloads_admitted_with(self, namespace: str, template: str) -> list[str]:
+        raise ApiError(503, "etcdserver: leader changed", "GET", "/apis/kueue.x-k8s.io")
+
+
+async def test_workloads_that_cannot_be_listed_deny_the_template_for_a_retry() -> None:
+    admission = Admission(
+        Templates(), WebhookMetrics(CollectorRegistry()), read_claims=UnlistableWorkloads()
+    )
+    decision = await admission.validate_claim(review(TEMPLATE, template_object("train", 1)))
+    assert decision.result == "denied"
+    message = decision.response["status"]["message"]
+    assert "could not list the namespace's Kueue Workloads" in message
+    assert message.endswith("; retry")

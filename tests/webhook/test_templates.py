@@ -124,3 +124,13 @@ async def test_the_api_reader_reads_a_namespaces_labels(
     labels = await reader.namespace_labels(namespace)
     assert labels is not None and labels["gpudra.nvidia.com/dra"] == "true"
     assert await reader.namespace_labels(f"{namespace}-none") is None
+
+
+async def test_the_api_reader_finds_no_kueue_workloads_where_kueue_is_not_served(
+    akube: AsyncKube, namespace: str
+) -> None:
+    """Without Kueue's API (this cluster has none) no Workload holds a template: a
+    template is judged as anywhere else, not refused for a list the server cannot
+    answer. Kueue's own Workloads are read in e2e/tests/test_kueue.py."""
+    reader = ApiClaimReader(akube)
+    assert await reader.workloads_admitted_with(namespace, "one-gpu") == []

@@ -677,6 +677,9 @@ class NoClaims:
     async def claims_made_for(self, namespace: str, pod_uid: str) -> dict[str, list[str]]:
         return {}
 
+    async def workloads_admitted_with(self, namespace: str, template: str) -> list[str]:
+        return []
+
 
 @pytest.mark.anyio
 async def test_server_applies_tenant_rules_and_validates_claims(tmp_path: Path) -> None:
