@@ -34,6 +34,7 @@ from gpudra.driver.devices import (
     SharedGpusError,
     discover,
 )
+from gpudra.driver.driverroot import DriverRoot
 from gpudra.driver.gpushares import GpuShares, GpuSharesError, parse_node_override
 from gpudra.driver.health import HealthPolicy, TaintEffect
 from gpudra.driver.mpspods import PodTemplateError, load_template
@@ -44,6 +45,7 @@ from gpudra.driver.nvml import (
     ProfileError,
     labelled_nvml,
     load_nvml,
+    preload_nvml,
 )
 from gpudra.driver.nvml.standin import (
     TOOLS_LOG_ENV,
@@ -638,6 +640,11 @@ def run(args: argparse.Namespace) -> int:
         ) from None
     except (NvmlLoadError, ProfileError) as e:
         raise SystemExit(f"gpudra node: --nvml: {e}") from None
+    # Before discovery's first nvmlInit, and held while the agent runs: the driver
+    # root's NVML, which this process's linker would not find by its soname alone.
+    _driver_nvml = (
+        preload_nvml(DriverRoot(args.driver_root, args.host_root)) if spec == "real" else None
+    )
     if plugin is not None and _emulated(args):
         plugin = _emulated_driver(args, nvml, plugin)
     metrics = _metrics_address(args)

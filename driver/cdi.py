@@ -34,6 +34,7 @@ from typing import Any, Final, Literal, TypeAlias
 
 from gpudra.api import jsonbytes
 from gpudra.common.files import atomic_write, fsync_dir
+from gpudra.driver.driverroot import DriverRoot
 
 __all__ = [
     "CONTROL_DEVICE_NODES",
@@ -79,28 +80,8 @@ DEFAULT_TOOLKIT_SPEC_PATHS: Final = (
 CONTROL_DEVICE_NODES: Final = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools")
 # What the container toolkit uses for driver libraries.
 LIBRARY_MOUNT_OPTIONS: Final = ("ro", "nosuid", "nodev", "rbind", "rprivate")
-# Where a driver installs its user-space files (Debian/Ubuntu, RHEL/SUSE, others), and
-# which of them a container needs: the set the NVIDIA container toolkit mounts for
-# compute and utility workloads.
-DRIVER_LIBRARY_DIRS: Final = (
-    "usr/lib/x86_64-linux-gnu",
-    "usr/lib/aarch64-linux-gnu",
-    "usr/lib64",
-    "usr/lib",
-    "lib64",
-)
-DRIVER_LIBRARY_PATTERNS: Final = (
-    "libcuda.so.*",
-    "libcudadebugger.so.*",
-    "libnvidia-ml.so.*",
-    "libnvidia-ptxjitcompiler.so.*",
-    "libnvidia-nvvm.so.*",
-    "libnvidia-cfg.so.*",
-    "libnvidia-opencl.so.*",
-    "libnvidia-gpucomp.so.*",
-    "libnvidia-allocator.so.*",
-    "libnvidia-pkcs11*.so.*",
-)
+# The driver's utilities a container may need, beside its libraries (their folders and
+# names: `gpudra.driver.driverroot`), as the NVIDIA container toolkit mounts them.
 DRIVER_UTILITY_DIRS: Final = ("usr/bin", "bin")
 DRIVER_UTILITIES: Final = (
     "nvidia-smi",
@@ -492,19 +473,14 @@ def find_driver_files(
 
     Versioned names and their soname links are both listed (a bind mount of a link
     mounts its target's content under the link's name), so programs linked against
-    either find them. Nothing found (no driver installed) gives an empty tuple.
+    either find them. Nothing found (no driver installed) gives an empty tuple. They
+    are looked for where this process sees the root (`host_view`, see `DriverRoot`).
     """
-    base = host_view / str(driver_root).lstrip("/")
-    found: list[str] = []
-    for folder in DRIVER_LIBRARY_DIRS:
-        where = base / folder
-        if not where.is_dir():
-            continue
-        names = {p.name for pattern in DRIVER_LIBRARY_PATTERNS for p in where.glob(pattern)}
-        found.extend(f"/{folder}/{name}" for name in sorted(names))
+    root = DriverRoot(driver_root, host_view)
+    found = [f"/{folder}/{name}" for folder, names in root.libraries().items() for name in names]
     for name in DRIVER_UTILITIES:
         for folder in DRIVER_UTILITY_DIRS:  # the first only: /bin is often /usr/bin
-            if (base / folder / name).is_file():
+            if (root.seen / folder / name).is_file():
                 found.append(f"/{folder}/{name}")
                 break
     return tuple(found)

@@ -877,8 +877,9 @@ def _init(scan: _Scanner) -> None:
         if code == pynvml.NVML_ERROR_DRIVER_NOT_LOADED:
             fix = DRIVER_NOT_LOADED_FIX
         else:
-            fix = "install it on the node, or mount the driver root and add its library "
-            fix += "folder to LD_LIBRARY_PATH"
+            fix = "install it on the node, or name where it is: --driver-root (the driver's "
+            fix += "folder on the host, e.g. /run/nvidia/driver) and --host-root (where this "
+            fix += "process sees the host's /); the chart sets both from node.driverRoot"
         msg = (
             f"{problem} ({describe_nvml_error(err.nvml_error or err)}); gpudra needs the "
             f"NVIDIA driver of branch R{OLDEST_SUPPORTED_BRANCH} or newer: {fix}"

@@ -203,6 +203,7 @@ class NodeService:
             checkpoint_path=plugin.checkpoint_path,
             sharing=NvidiaSharing(
                 driver_root=plugin.driver_root,
+                host_view=plugin.host_root,
                 nvidia_smi=plugin.nvidia_smi,
                 mps_control=plugin.mps_control,
                 env=plugin.tool_env,

@@ -55,6 +55,7 @@ from pathlib import Path
 from typing import Final, Protocol
 
 from gpudra.common.files import remove_tree
+from gpudra.driver.driverroot import DriverRoot
 from gpudra.driver.processes import ProcessIdentity
 
 __all__ = [
@@ -221,7 +222,8 @@ class SharingBackend(Protocol):
 
 
 def find_tool(name: str, driver_root: Path = Path("/")) -> Path | None:
-    """`name` in the driver root's tool folders first, then on PATH.
+    """`name` in the driver root's tool folders first, then on PATH. `driver_root` is
+    where this process sees the root (`DriverRoot.seen`).
 
     The driver root comes first because with a containerised driver
     (`/run/nvidia/driver`) the tools on PATH, if any, may not match the running
@@ -294,15 +296,19 @@ class NvidiaSharing:
     """`SharingBackend` that runs nvidia-smi and nvidia-cuda-mps-control.
 
     Paths given explicitly win; otherwise each tool is looked up on first use (see
-    `find_tool`), so a node without MPS tools still serves claims that do not ask
-    for MPS, and the error appears only on a claim that needs the missing tool.
-    `env` is added to every tool's environment.
+    `find_tool`) in the driver root as this process sees it (`driver_root` under
+    `host_view`, see `DriverRoot`), so a node without MPS tools still serves claims
+    that do not ask for MPS, and the error appears only on a claim that needs the
+    missing tool. Every tool, in this process or a daemon pod, runs with the root's
+    NVML and CUDA libraries preloaded (`DriverRoot.tool_preload`), and with `env`,
+    which wins.
     """
 
     def __init__(
         self,
         *,
         driver_root: Path = Path("/"),
+        host_view: Path = Path("/"),
         nvidia_smi: Path | None = None,
         mps_control: Path | None = None,
         env: Mapping[str, str] | None = None,
@@ -311,7 +317,7 @@ class NvidiaSharing:
         pods: DaemonPods | None = None,
         pod_ready_timeout_s: float = 60.0,
     ) -> None:
-        self._driver_root = driver_root
+        self._root = DriverRoot(driver_root, host_view)
         self._env = dict(env or {})
         self._paths: dict[str, Path | None] = {NVIDIA_SMI: nvidia_smi, MPS_CONTROL: mps_control}
         self._timeout_s = timeout_s
@@ -324,14 +330,21 @@ class NvidiaSharing:
     # --- plumbing ---
 
     def _tool(self, name: str, purpose: str) -> Path:
-        path = self._paths.get(name) or find_tool(name, self._driver_root)
+        path = self._paths.get(name) or find_tool(name, self._root.seen)
         if path is None:
-            dirs = ", ".join(str(self._driver_root / d) for d in TOOL_DIRS)
+            dirs = ", ".join(str(self._root.seen / d) for d in TOOL_DIRS)
             raise SharingError(
                 f"{purpose}: {name} not found in {dirs} or on PATH; install the NVIDIA "
                 f"driver utilities on the node, or pass the path of {name} explicitly"
             )
         return path
+
+    def _tool_env(self) -> dict[str, str]:
+        """What every tool's environment gets: the driver's libraries, looked up at
+        each run (a driver container may mount its root after the agent started),
+        then `env`."""
+        preload = self._root.tool_preload()
+        return {**({"LD_PRELOAD": preload} if preload else {}), **self._env}
 
     def _run(
         self,
@@ -341,7 +354,7 @@ class NvidiaSharing:
         env: Mapping[str, str] | None = None,
         stdin: str | None = None,
     ) -> str:
-        full_env = {**os.environ, **self._env, **(env or {})}
+        full_env = {**os.environ, **self._tool_env(), **(env or {})}
         try:
             done = subprocess.run(
                 list(argv),
@@ -598,7 +611,7 @@ class NvidiaSharing:
         """The daemon in a pod of its own, in the foreground under a small shell that
         also ends it once its pipe folder is gone (an older agent that knows nothing
         of pods removes the folder at unprepare) and passes SIGTERM on."""
-        env = {**self._env, **self._mps_env(daemon)}
+        env = {**self._tool_env(), **self._mps_env(daemon)}
         # What the daemon writes to: the folders its environment names. A record of an
         # older release may name one folder as both.
         folders = tuple(dict.fromkeys((daemon.pipe_dir, daemon.log_dir)))

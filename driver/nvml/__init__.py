@@ -5,15 +5,23 @@ by their pynvml names on an `NvmlLibrary`. `load_nvml("real")` hands out the `py
 module itself; `load_nvml("emulated:<profile>")` an `NvmlEmulator` that answers the same
 calls with the same types and errors, so the driver's NVML code path runs unchanged in
 tests, demos and benchmarks.
+
+pynvml opens libnvidia-ml by its soname, through this process's dynamic linker, which
+does not search a driver root seen elsewhere (the chart's container mounts it under
+`/host`). `preload_nvml` opens the driver root's library by its full path first.
 """
 
 from __future__ import annotations
 
+import ctypes
 import importlib
+import logging
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from gpudra.driver.driverroot import NVML_LIBRARY, DriverRoot
 from gpudra.driver.nvml.emulator import (
     NvmlEmulator,
     ProfileError,
@@ -23,6 +31,7 @@ from gpudra.driver.nvml.emulator import (
 )
 
 __all__ = [
+    "DriverNvml",
     "NvmlEmulator",
     "NvmlLibrary",
     "NvmlLoadError",
@@ -30,7 +39,10 @@ __all__ = [
     "builtin_profile_names",
     "labelled_nvml",
     "load_nvml",
+    "preload_nvml",
 ]
+
+log = logging.getLogger(__name__)
 
 _EMULATED = "emulated:"
 
@@ -155,6 +167,49 @@ def _real_nvml() -> NvmlLibrary:
         raise NvmlLoadError(msg) from err
     library: NvmlLibrary = pynvml
     return library
+
+
+@dataclass(frozen=True, slots=True)
+class DriverNvml:
+    """libnvidia-ml as `preload_nvml` loaded it from the driver root: its path, and the
+    handle, which whoever runs the agent holds for as long as NVML is used."""
+
+    path: Path
+    library: ctypes.CDLL
+
+
+def preload_nvml(root: DriverRoot) -> DriverNvml | None:
+    """Load the driver root's `libnvidia-ml.so.1` by its full path, before pynvml's
+    first `nvmlInit` asks the linker for the bare soname.
+
+    The dynamic linker hands a request for a soname the object already loaded under
+    that soname, so pynvml (discovery, health events and sampling alike: one module
+    per process) then talks to the driver root's NVML. Loaded with RTLD_GLOBAL, as a
+    library the linker found itself would be. None where the root holds no NVML, or
+    where it does not load (logged), and where the root is this process's `/` (the
+    linker's own search, as before): pynvml then looks on the linker's own path, and
+    discovery names what is missing.
+    """
+    if root.seen == Path("/"):
+        return None  # the linker's own search covers this process's `/`
+    path = root.library(NVML_LIBRARY)
+    where = {"driver_root": str(root.path), "seen_at": str(root.seen)}
+    if path is None:
+        log.info(
+            "no NVML library under the driver root; using the linker's search path",
+            extra={"fields": {**where, "library": NVML_LIBRARY}},
+        )
+        return None
+    try:
+        library = ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
+    except OSError as err:
+        log.warning(
+            "NVML library under the driver root does not load",
+            extra={"fields": {**where, "path": str(path), "error": str(err)}},
+        )
+        return None
+    log.info("NVML library loaded", extra={"fields": {**where, "path": str(path)}})
+    return DriverNvml(path, library)
 
 
 def load_nvml(

@@ -21,6 +21,8 @@ import contextlib
 import functools
 import json
 import os
+import shutil
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -30,6 +32,7 @@ from typing import Any
 
 from gpudra.cli.node import EMULATED_NVML_STATE, EMULATED_TOOLS_LOG
 from gpudra.driver.mpspods import CLAIM_LABEL
+from gpudra.driver.nvml.standin import install_driver_root
 
 from e2e.cluster.harness import REPO
 from e2e.cluster.kube import ApiError, Kube, wait_for
@@ -139,13 +142,22 @@ class ChartStack(NodeGpus):
                 saved.write_text(json.dumps(self._ports))
         return self._ports
 
+    @property
+    def host_driver_root(self) -> Path:
+        """A driver root on the node's host, where `driver_root_on_host` installs one."""
+        return self.root / "driver"
+
     def values(
-        self, *, node_args: list[str] | None = None, api_port: int | None = None
+        self,
+        *,
+        node_args: list[str] | None = None,
+        api_port: int | None = None,
+        driver_root: Path | None = None,
     ) -> dict[str, Any]:
         cluster = self.node.cluster
         lay = self.node.layout
         pin = {"kubernetes.io/hostname": self.node.name}
-        return {
+        values: dict[str, Any] = {
             "image": {"repository": IMAGE_REPOSITORY, "tag": self.build.tag, "pullPolicy": "Never"},
             "kubernetesApi": {
                 "host": "127.0.0.1",
@@ -168,6 +180,9 @@ class ChartStack(NodeGpus):
                 "nodeSelector": pin,
             },
         }
+        if driver_root is not None:
+            values["node"]["driverRoot"] = str(driver_root)
+        return values
 
     # --- lifecycle -----------------------------------------------------------------
 
@@ -284,6 +299,29 @@ class ChartStack(NodeGpus):
             self._roll(self.values())
 
     @contextlib.contextmanager
+    def driver_root_on_host(self) -> Iterator[Path]:
+        """Inside, `node.driverRoot` names a stand-in driver root installed on the host
+        rather than `/`, as with a driver container's `/run/nvidia/driver`: the chart
+        mounts it under /host in the agent and its MPS daemon pods, whose image holds
+        no driver files. Yields the root's host path.
+
+        The chart mounts the root HostToContainer, which the runtime allows only from
+        a shared (or slave) mount. systemd makes a node's / shared; this machine's is
+        private, so the root is a bind mount of its own, shared."""
+        root = self.host_driver_root
+        _unmount(root)  # left by an interrupted run
+        install_driver_root(root, str(self.profile()["driverVersion"]))
+        try:
+            subprocess.run(["mount", "--bind", str(root), str(root)], check=True)
+            subprocess.run(["mount", "--make-shared", str(root)], check=True)
+            self._roll(self.values(driver_root=root))
+            yield root
+        finally:
+            self._roll(self.values())
+            _unmount(root)
+            shutil.rmtree(root, ignore_errors=True)
+
+    @contextlib.contextmanager
     def api_unreachable(self) -> Iterator[None]:
         """Only the agent loses the API. `kubernetesApi` is the webhook's too, and its
         pod, rolled to the wrong address, would never be ready without the API (nor
@@ -376,15 +414,19 @@ class ChartStack(NodeGpus):
         api = values.get("kubernetesApi", {})
         env = {"KUBERNETES_SERVICE_PORT": str(api["port"]) if api.get("host") else None}
 
+        driver_root = values["node"].get("driverRoot")
+
         def rolled() -> bool:
             pods = [p for p in kube.list("Pod", NAMESPACE) if _agent(p)]
             if len(pods) != 1 or pods[0]["metadata"].get("deletionTimestamp"):
                 return False
             container = pods[0]["spec"]["containers"][0]
             got = {e["name"]: e.get("value") for e in container.get("env", [])}
+            roots = [a for a in container["args"] if a.startswith("--driver-root=")]
             return (
                 container["image"] == image
                 and all(a in container["args"] for a in values["node"]["extraArgs"])
+                and roots == ([f"--driver-root={driver_root}"] if driver_root else [])
                 and all(got.get(k) == v for k, v in env.items())
                 and pods[0]["status"].get("phase") == "Running"
             )
@@ -421,6 +463,12 @@ class ChartStack(NodeGpus):
                         {"metadata": meta},
                         content_type="application/merge-patch+json",
                     )
+
+
+def _unmount(path: Path) -> None:
+    """Unmount every mount stacked on `path` (none: nothing to do)."""
+    while os.path.ismount(path):
+        subprocess.run(["umount", "--lazy", str(path)], check=True)
 
 
 def remove_unreleased(kube: Kube) -> None:

@@ -30,11 +30,13 @@ from typing import Any
 import pytest
 from gpudra.cli.node import EMULATED_DRIVER_ROOT, EMULATED_TOOLS_LOG
 from gpudra.cli.scrape import get, metric_samples
+from gpudra.driver.driverroot import CUDA_LIBRARY, NVML_LIBRARY
+from gpudra.driver.mpspods import CLAIM_LABEL
 from gpudra.driver.plugin import DRA_APIS
 from gpudra.webhook.convert import CONVERTED_ANNOTATION as CONVERTED
 
 from e2e import features
-from e2e.claims import attr, node_devices, running, wait_running
+from e2e.claims import attr, claim_template, node_devices, running, wait_running
 from e2e.cluster.harness import BUILD_SCRIPT, Cluster, known_gates
 from e2e.cluster.kube import ApiError, Kube, wait_for
 from e2e.gpu_pods import (
@@ -59,6 +61,7 @@ from e2e.node.gpus import DRIVER, MIG_COMPUTE_INSTANCES, MIG_FIRST_MINOR, NodeGp
 from e2e.progress import build_script
 from e2e.tools import helm as h
 from e2e.tools import prometheus as p
+from tests.nvml.libraries import shared_library
 
 pytestmark = pytest.mark.cluster
 OWN_NAMESPACE = "gpudra"  # the webhook's own namespace, which it never intercepts
@@ -596,6 +599,65 @@ def test_an_mps_daemon_pod_sees_only_its_claims_folders(
         kube.delete("Pod", pod, ns)
     wait_unprepared(stack, {first, second}, "the MPS pods' claims")
     assert not daemon_pods(kube)
+
+
+def test_the_chart_runs_the_tools_of_a_driver_root_it_mounts_under_host(
+    stack: NodeGpus, kube: Kube, ns: str
+) -> None:
+    """`node.driverRoot` other than / (a driver container's root): the agent's image
+    holds no driver files, and the agent sees the root only under /host. It runs the
+    root's nvidia-smi for a time-sliced claim, and its MPS daemon pod (which mounts the
+    root at the same path) runs the root's control daemon with the root's NVML and
+    CUDA preloaded (real libraries here: stand-ins that are no ELF objects are not)."""
+    if not isinstance(stack, ChartStack):
+        pytest.skip("host processes see the driver root at its own path")
+    with stack.driver_root_on_host() as root:
+        libraries = root / "usr/lib/x86_64-linux-gnu"
+        for name in (NVML_LIBRARY, CUDA_LIBRARY):
+            (libraries / name).unlink()
+            shared_library(libraries / name, name)
+        sliced = claim_template("sliced", ns, "!device.allowMultipleAllocations")
+        sharing = {"strategy": "TimeSlicing", "timeSlicingConfig": {"interval": "Long"}}
+        parameters = {
+            "apiVersion": "resource.nvidia.com/v1beta1",
+            "kind": "GpuConfig",
+            "sharing": sharing,
+        }
+        sliced["spec"]["spec"]["devices"]["config"] = [
+            {"opaque": {"driver": DRIVER, "parameters": parameters}}
+        ]
+        kube.create(sliced)
+        kube.create(mps_template(ns, "mps", "!device.allowMultipleAllocations"))
+        kube.create(gpu_pod(stack, "sliced", ns, template="sliced"))
+        kube.create(gpu_pod(stack, "mps", ns, template="mps"))
+        wait_running(kube, ns, "sliced", "mps")
+        devices = node_devices(kube, stack.node_name)
+        uuid = attr(devices[allocation(kube, ns, "sliced")[0]["device"]], "uuid")
+        assert f"nvidia-smi compute-policy -i {uuid} --set-timeslice 3" in stack.tool_calls()
+        mps = claim_uid(kube, ns, "mps")
+        (pod,) = [
+            p
+            for p in kube.list("Pod", OWN_NAMESPACE, labelSelector=CLAIM_LABEL)
+            if p["metadata"]["labels"][CLAIM_LABEL] == mps
+        ]
+        container = pod["spec"]["containers"][0]
+        seen_root = f"/host{root}"
+        assert container["command"][-1] == f"{seen_root}/usr/bin/nvidia-cuda-mps-control"
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        seen_libraries = f"{seen_root}/usr/lib/x86_64-linux-gnu"
+        assert env["LD_PRELOAD"] == (
+            f"{seen_libraries}/{NVML_LIBRARY}:{seen_libraries}/{CUDA_LIBRARY}"
+        )
+        assert daemon_alive(mps_pipes(stack)[mps])
+        uids = {claim_uid(kube, ns, p) for p in ("sliced", "mps")}
+        for name in ("sliced", "mps"):
+            kube.delete("Pod", name, ns)
+        wait_unprepared(stack, uids, "the claims")
+        wait_for(
+            "the time slice reset",
+            lambda: f"nvidia-smi compute-policy -i {uuid} --set-timeslice 0" in stack.tool_calls(),
+        )
+        assert not daemon_pods(kube)
 
 
 def test_deleted_slices_come_back_and_running_pods_keep_their_gpus(

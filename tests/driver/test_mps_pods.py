@@ -23,6 +23,7 @@ from typing import Any
 import anyio
 import pytest
 from gpudra.common.kube import Kube as AsyncKube
+from gpudra.driver.driverroot import CUDA_LIBRARY, NVML_LIBRARY
 from gpudra.driver.mpspods import (
     CLAIM_LABEL,
     MpsDaemonPods,
@@ -36,6 +37,7 @@ from gpudra.driver.records import DeviceDetails, MpsStarted, details_from_json, 
 from gpudra.driver.sharing import DaemonPod, MpsDaemon, NvidiaSharing, SharingError
 
 from e2e.cluster.kube import Kube
+from tests.nvml.libraries import shared_library
 
 TEMPLATE: dict[str, Any] = {
     "apiVersion": "v1",
@@ -72,6 +74,8 @@ class ProcessPods:
         self.runs = 0
         # The host folders each pod was given: its own paths, then its /dev/shm.
         self.mounts: dict[str, tuple[tuple[Path, ...], Path | None]] = {}
+        # Each pod's command and environment.
+        self.commands: dict[str, tuple[list[str], dict[str, str]]] = {}
 
     def run(
         self,
@@ -84,6 +88,7 @@ class ProcessPods:
     ) -> DaemonPod:
         self.runs += 1
         self.mounts[name] = (tuple(folders), shm_dir)
+        self.commands[name] = (list(argv), dict(env))
         proc = subprocess.Popen(
             list(argv), env={"PATH": os.environ["PATH"], **env}, start_new_session=True
         )
@@ -176,6 +181,39 @@ def test_a_daemon_pod_gets_only_its_claims_folders(tmp_path: Path, tools_log: Pa
     identity = backend.start_mps(daemon(tmp_path))
     try:
         assert pods.mounts["claim-1"] == ((tmp_path / "pipe", tmp_path / "log"), tmp_path / "shm")
+    finally:
+        backend.stop_mps(daemon(tmp_path, identity))
+
+
+def test_a_daemon_pod_runs_the_tool_of_the_driver_root_with_its_libraries(
+    tmp_path: Path, tools_log: Path
+) -> None:
+    """The chart's agent sees the driver root under /host, and so does the daemon's
+    pod (it mounts the root at the same path): the pod runs the tool found there, with
+    the root's NVML and CUDA preloaded, as the agent's own tools get them."""
+    host = tmp_path / "host"
+    seen = host / "run/nvidia/driver"
+    nvml = shared_library(seen / "usr/lib64" / NVML_LIBRARY, NVML_LIBRARY)
+    cuda = shared_library(seen / "usr/lib64" / CUDA_LIBRARY, CUDA_LIBRARY)
+    tool = seen / "usr/bin" / "nvidia-cuda-mps-control"
+    tool.parent.mkdir(parents=True)
+    shutil.copy(FAKEBIN / "nvidia-cuda-mps-control", tool)
+    pods = ProcessPods()
+    backend = NvidiaSharing(
+        driver_root=Path("/run/nvidia/driver"),
+        host_view=host,
+        env={TOOLS_LOG_ENV: str(tools_log)},
+        ready_timeout_s=5.0,
+        pods=pods,
+        pod_ready_timeout_s=10.0,
+    )
+    identity = backend.start_mps(daemon(tmp_path))
+    try:
+        argv, env = pods.commands["claim-1"]
+        assert argv[-1] == str(tool)
+        assert env["LD_PRELOAD"] == f"{nvml}:{cuda}"
+        assert env[TOOLS_LOG_ENV] == str(tools_log)
+        assert calls(tools_log)[0] == "mps-control -f"
     finally:
         backend.stop_mps(daemon(tmp_path, identity))
 

@@ -45,6 +45,7 @@ from gpudra.driver.devices import (
     MigStrategy,
     discover,
 )
+from gpudra.driver.driverroot import CUDA_LIBRARY, NVML_LIBRARY
 from gpudra.driver.holders import ClaimInfos
 from gpudra.driver.metrics import ClaimMetrics, DeviceMetrics
 from gpudra.driver.mig import create_compute_instance, create_gpu_instance, mig_capability_minors
@@ -57,6 +58,7 @@ from gpudra.driver.nvml.standin import (
     NVIDIA_MAJOR,
     UVM_MAJOR,
     device_numbers,
+    install_driver_root,
 )
 from gpudra.driver.plugin import ClaimDispatcher, PrepareResult
 from gpudra.driver.prepare import MPS_THREADS, ClaimPreparer, RecoveryReport
@@ -76,6 +78,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from e2e.claims import pod_with_claim, wait_allocated
 from e2e.cluster.kube import Kube, wait_for
 from e2e.node_process import create_driver_namespace
+from tests.nvml.libraries import shared_library
 
 NODE = "worker-1"
 BOOT_A = "5f1c7a52-0c1d-4c57-9a5e-00000000000a"
@@ -1653,6 +1656,65 @@ def test_tools_are_found_under_the_driver_root_first(
     NvidiaSharing(driver_root=tmp_path).reset_time_slice("GPU-1")
 
     assert log.read_text().splitlines() == ["nvidia-smi compute-policy -i GPU-1 --set-timeslice 0"]
+
+
+def preload_recording_tool(path: Path, record: Path) -> None:
+    """A tool at `path` that writes its LD_PRELOAD and arguments to `record`."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f'#!/bin/sh\nprintf "%s|%s\\n" "$LD_PRELOAD" "$*" >> {record}\n')
+    path.chmod(0o755)
+
+
+def test_tools_are_found_in_the_driver_root_as_this_process_sees_it_with_its_libraries(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The chart's container sees the host's driver root under /host: the tools are
+    looked for there, and run with the root's NVML and CUDA preloaded, which their
+    linker would not find by soname."""
+    host = tmp_path / "host"
+    seen = host / "run/nvidia/driver"
+    nvml = shared_library(seen / "usr/lib/x86_64-linux-gnu" / NVML_LIBRARY, NVML_LIBRARY)
+    cuda = shared_library(seen / "usr/lib64" / CUDA_LIBRARY, CUDA_LIBRARY)
+    record = tmp_path / "record"
+    preload_recording_tool(seen / "usr/bin/nvidia-smi", record)
+    monkeypatch.setenv("PATH", str(tmp_path / "nowhere"))
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
+
+    backend = NvidiaSharing(driver_root=Path("/run/nvidia/driver"), host_view=host)
+    backend.set_time_slice("GPU-1", 2)
+
+    assert record.read_text().splitlines() == [
+        f"{nvml}:{cuda}|compute-policy -i GPU-1 --set-timeslice 2"
+    ]
+    # A tool named explicitly still wins over the one in the driver root.
+    explicit = tmp_path / "explicit" / "nvidia-smi"
+    preload_recording_tool(explicit, tmp_path / "explicit-record")
+    NvidiaSharing(
+        driver_root=Path("/run/nvidia/driver"), host_view=host, nvidia_smi=explicit
+    ).reset_time_slice("GPU-1")
+    assert (tmp_path / "explicit-record").read_text() == (
+        f"{nvml}:{cuda}|compute-policy -i GPU-1 --set-timeslice 0\n"
+    )
+
+
+@pytest.mark.parametrize("where", ["own root", "stand-in libraries"])
+def test_tools_get_no_preload_where_the_linker_needs_none_or_could_not_load_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    """A driver at this process's / is on its linker's own search path; emulated GPUs'
+    stand-in libraries are no ELF objects, which the linker would refuse with an error
+    in every process. The tools' environment is left as it is."""
+    record = tmp_path / "record"
+    tool = tmp_path / "nvidia-smi"
+    preload_recording_tool(tool, record)
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
+    if where == "own root":
+        backend = NvidiaSharing(nvidia_smi=tool)
+    else:
+        install_driver_root(tmp_path / "driver", "580.95.05")
+        backend = NvidiaSharing(driver_root=tmp_path / "driver", nvidia_smi=tool)
+    backend.reset_time_slice("GPU-1")
+    assert record.read_text() == "|compute-policy -i GPU-1 --set-timeslice 0\n"
 
 
 def test_stopping_an_mps_daemon_that_died_only_removes_its_files(tmp_path: Path) -> None:

@@ -229,6 +229,18 @@ def test_a_missing_library_or_kernel_driver_is_named(code: int, named: str) -> N
     assert f"R{OLDEST_SUPPORTED_BRANCH} or newer" in str(err.value)
 
 
+def test_a_missing_library_names_the_flags_that_say_where_the_driver_is() -> None:
+    """The chart's agent runs in a container without the driver: what it needs is
+    where the driver root is and where it sees the host, not a linker setting."""
+    nvml = emulated("t4")
+    nvml.fail_after(0, pynvml.NVML_ERROR_LIBRARY_NOT_FOUND)
+    with pytest.raises(DiscoveryError) as err:
+        discover(nvml)
+    assert "--driver-root" in str(err.value)
+    assert "--host-root" in str(err.value)
+    assert "LD_LIBRARY_PATH" not in str(err.value)
+
+
 def test_event_registration_refuses_an_empty_mask() -> None:
     nvml = emulated("h100-80gb-mig-r535")
     nvml.nvmlInit()

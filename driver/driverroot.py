@@ -1,0 +1,118 @@
+"""The NVIDIA driver's root as this process sees it: where its libraries and tools are.
+
+The driver root is a host path: `/` for a driver installed on the node, or
+`/run/nvidia/driver` for the GPU Operator's driver container. The agent may see the
+host elsewhere: the chart runs it in a container of its own image, which holds no
+NVIDIA files, with the driver root mounted read-only at `/host<driver root>` and
+`--host-root=/host`. Whatever opens or runs the driver's files (the CDI spec's list of
+libraries, NVML, `nvidia-smi`, the MPS control daemon) looks for them through
+`DriverRoot`, so all of them find the same files. Paths written into CDI specs stay
+host paths: the container runtime reads them on the host.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final
+
+__all__ = [
+    "CUDA_LIBRARY",
+    "DRIVER_LIBRARY_DIRS",
+    "DRIVER_LIBRARY_PATTERNS",
+    "NVML_LIBRARY",
+    "DriverRoot",
+]
+
+# Where a driver installs its user-space files (Debian/Ubuntu, RHEL/SUSE, others), and
+# which of them a container needs: the set the NVIDIA container toolkit mounts for
+# compute and utility workloads.
+DRIVER_LIBRARY_DIRS: Final = (
+    "usr/lib/x86_64-linux-gnu",
+    "usr/lib/aarch64-linux-gnu",
+    "usr/lib64",
+    "usr/lib",
+    "lib64",
+)
+DRIVER_LIBRARY_PATTERNS: Final = (
+    "libcuda.so.*",
+    "libcudadebugger.so.*",
+    "libnvidia-ml.so.*",
+    "libnvidia-ptxjitcompiler.so.*",
+    "libnvidia-nvvm.so.*",
+    "libnvidia-cfg.so.*",
+    "libnvidia-opencl.so.*",
+    "libnvidia-gpucomp.so.*",
+    "libnvidia-allocator.so.*",
+    "libnvidia-pkcs11*.so.*",
+)
+# The sonames pynvml and the driver's tools ask the dynamic linker for: NVML (pynvml,
+# nvidia-smi, the MPS control daemon) and CUDA (the MPS server).
+NVML_LIBRARY: Final = "libnvidia-ml.so.1"
+CUDA_LIBRARY: Final = "libcuda.so.1"
+_TOOL_LIBRARIES: Final = (NVML_LIBRARY, CUDA_LIBRARY)
+_ELF_MAGIC: Final = b"\x7fELF"
+
+
+@dataclass(frozen=True, slots=True)
+class DriverRoot:
+    """The driver root `path` on the host, seen by this process under `host_view`
+    (where it sees the host's `/`).
+
+    Nothing is cached: a driver container may mount its root after the agent started
+    (the chart's mount propagates it), so every question looks again.
+    """
+
+    path: Path = Path("/")
+    host_view: Path = Path("/")
+
+    @property
+    def seen(self) -> Path:
+        """The driver root where this process finds its files."""
+        return self.host_view / str(self.path).lstrip("/")
+
+    def libraries(self) -> dict[str, tuple[str, ...]]:
+        """The driver's libraries by folder, relative to the root, in the order of
+        `DRIVER_LIBRARY_DIRS`: versioned names and soname links alike, sorted; folders
+        without any are left out."""
+        found: dict[str, tuple[str, ...]] = {}
+        for folder in DRIVER_LIBRARY_DIRS:
+            where = self.seen / folder
+            if not where.is_dir():
+                continue
+            names = {p.name for pattern in DRIVER_LIBRARY_PATTERNS for p in where.glob(pattern)}
+            if names:
+                found[folder] = tuple(sorted(names))
+        return found
+
+    def library(self, name: str) -> Path | None:
+        """`name` in the first of the root's library folders that holds it, as seen here."""
+        for folder in DRIVER_LIBRARY_DIRS:
+            candidate = self.seen / folder / name
+            if candidate.is_file():
+                return candidate
+        return None
+
+    def tool_preload(self) -> str:
+        """`LD_PRELOAD` for the driver's tools run from this root: its NVML and CUDA
+        libraries by full path, as seen here. The tools load them by soname, which a
+        linker whose `/` is not the driver's does not find; loaded first, they are the
+        objects of that soname. Not `LD_LIBRARY_PATH` naming the root's library
+        folders: those hold the root's own C library too, which the tools would then
+        load beside this process's dynamic linker, a pair that fails unless both come
+        from one glibc build. Files that are not ELF objects (emulated GPUs'
+        stand-ins) are left out, as the linker would refuse them with an error in
+        every process. Empty where the root is this process's `/`: the linker's own
+        search covers it."""
+        if self.seen == Path("/"):
+            return ""
+        found = (self.library(name) for name in _TOOL_LIBRARIES)
+        return ":".join(str(path) for path in found if path is not None and _is_elf(path))
+
+
+def _is_elf(path: Path) -> bool:
+    try:
+        with path.open("rb") as f:
+            return f.read(len(_ELF_MAGIC)) == _ELF_MAGIC
+    except OSError:
+        return False
