@@ -172,17 +172,22 @@ def mps_pipes(stack: NodeGpus) -> dict[str, str]:
     }
 
 
-def daemon_alive(pipe_dir: str) -> bool:
-    """A stand-in MPS daemon for this pipe folder runs on the machine (in any
-    namespace: the agent's container, a daemon pod's, or none)."""
+def daemon_process(pipe_dir: str) -> Path | None:
+    """The /proc folder of the stand-in MPS daemon for this pipe folder, wherever it
+    runs (the agent's container, a daemon pod's, or none); None when none runs."""
     for proc in Path("/proc").iterdir():
         try:
             argv = (proc / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
         if b"nvidia-cuda-mps-daemon" in argv and pipe_dir.encode() in argv:
-            return True
-    return False
+            return proc
+    return None
+
+
+def daemon_alive(pipe_dir: str) -> bool:
+    """A stand-in MPS daemon for this pipe folder runs on the machine."""
+    return daemon_process(pipe_dir) is not None
 
 
 def daemon_pods(kube: Kube, namespace: str = "gpudra") -> dict[str, str]:

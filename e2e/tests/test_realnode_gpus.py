@@ -46,6 +46,7 @@ from e2e.gpu_pods import (
     containers,
     daemon_alive,
     daemon_pods,
+    daemon_process,
     demo_objects,
     gpu_minors,
     gpu_pod,
@@ -59,9 +60,9 @@ from e2e.gpu_pods import (
 from e2e.node.chart import ChartStack
 from e2e.node.gpus import DRIVER, MIG_COMPUTE_INSTANCES, MIG_FIRST_MINOR, NodeGpus
 from e2e.progress import build_script
+from e2e.shared_libraries import shared_library
 from e2e.tools import helm as h
 from e2e.tools import prometheus as p
-from tests.nvml.libraries import shared_library
 
 pytestmark = pytest.mark.cluster
 OWN_NAMESPACE = "gpudra"  # the webhook's own namespace, which it never intercepts
@@ -550,14 +551,10 @@ def test_mps_daemons_outlive_the_agent(
 def daemon_root(pipe_dir: str) -> Path:
     """The root folder as the stand-in MPS daemon for this pipe folder sees it (its
     container's, for a daemon pod)."""
-    for proc in Path("/proc").iterdir():
-        try:
-            argv = (proc / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"nvidia-cuda-mps-daemon" in argv and pipe_dir.encode() in argv:
-            return proc / "root"
-    raise AssertionError(f"no MPS daemon runs for {pipe_dir}")
+    proc = daemon_process(pipe_dir)
+    if proc is None:
+        raise AssertionError(f"no MPS daemon runs for {pipe_dir}")
+    return proc / "root"
 
 
 def names(folder: Path) -> list[str]:

@@ -369,9 +369,8 @@ async def test_time_sliced_holders_split_a_gpu_equally() -> None:
 DRIVER = "gpu.nvidia.com"
 
 
-def shares_info(uid: str, namespace: str, share: str, taken: int) -> ClaimInfo:
-    """What the agent reads of a claim holding `taken` integer shares of gpu-0: the
-    `claim_info` of the object the scheduler allocated."""
+def shares_claim(uid: str, namespace: str, share: str, taken: int) -> dict[str, Any]:
+    """The claim object the scheduler allocated `taken` integer shares of gpu-0 to."""
     result = {
         "driver": DRIVER,
         "pool": POOL,
@@ -380,12 +379,17 @@ def shares_info(uid: str, namespace: str, share: str, taken: int) -> ClaimInfo:
         "shareID": share,
         "consumedCapacity": {"shares": str(taken)},
     }
-    name = f"claim-{uid}"
-    obj = {
-        "metadata": {"name": name, "namespace": namespace, "uid": uid},
+    return {
+        "metadata": {"name": f"claim-{uid}", "namespace": namespace, "uid": uid},
         "status": {"allocation": {"devices": {"results": [result]}}},
     }
-    ref = ClaimRef(namespace, uid, name)
+
+
+def shares_info(uid: str, namespace: str, share: str, taken: int) -> ClaimInfo:
+    """What the agent reads of a claim holding `taken` integer shares of gpu-0: the
+    `claim_info` of the object the scheduler allocated."""
+    obj = shares_claim(uid, namespace, share, taken)
+    ref = ClaimRef(namespace, uid, obj["metadata"]["name"])
     return claim_info(obj, checked_claim(ref, obj, driver=DRIVER, pool=POOL))
 
 

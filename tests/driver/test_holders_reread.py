@@ -29,27 +29,19 @@ from gpudra.driver.holders import (
 )
 from gpudra.driver.node import NodeService, PluginConfig
 
-from tests.driver.test_device_metrics import DRIVER, POOL, Node, claim, emulator, inventory_of
+from tests.driver.test_device_metrics import (
+    DRIVER,
+    POOL,
+    Node,
+    claim,
+    emulator,
+    inventory_of,
+    shares_claim,
+)
 
 pytestmark = pytest.mark.anyio
 
 BIG, SMALL = (f"00000000-0000-4000-8000-00000000000{i}" for i in (1, 2))
-
-
-def shares_claim(uid: str, namespace: str, share: str, taken: int) -> dict[str, Any]:
-    """The claim object the scheduler allocated `taken` integer shares of gpu-0 to."""
-    result = {
-        "driver": DRIVER,
-        "pool": POOL,
-        "device": "gpu-0",
-        "request": "gpu",
-        "shareID": share,
-        "consumedCapacity": {"shares": str(taken)},
-    }
-    return {
-        "metadata": {"name": f"claim-{uid}", "namespace": namespace, "uid": uid},
-        "status": {"allocation": {"devices": {"results": [result]}}},
-    }
 
 
 class FlakyKube(Kube):

@@ -37,7 +37,7 @@ from gpudra.driver.records import DeviceDetails, MpsStarted, details_from_json, 
 from gpudra.driver.sharing import DaemonPod, MpsDaemon, NvidiaSharing, SharingError
 
 from e2e.cluster.kube import Kube
-from tests.nvml.libraries import shared_library
+from e2e.shared_libraries import shared_library
 
 TEMPLATE: dict[str, Any] = {
     "apiVersion": "v1",

@@ -78,7 +78,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from e2e.claims import pod_with_claim, wait_allocated
 from e2e.cluster.kube import Kube, wait_for
 from e2e.node_process import create_driver_namespace
-from tests.nvml.libraries import shared_library
+from e2e.shared_libraries import shared_library
 
 NODE = "worker-1"
 BOOT_A = "5f1c7a52-0c1d-4c57-9a5e-00000000000a"

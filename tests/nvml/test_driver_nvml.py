@@ -18,7 +18,7 @@ import pytest
 from gpudra.driver.driverroot import NVML_LIBRARY, DriverRoot
 from gpudra.driver.nvml import preload_nvml
 
-from tests.nvml.libraries import ANSWER, PROBE, shared_library
+from e2e.shared_libraries import ANSWER, PROBE, shared_library
 
 DRIVER_ROOT = Path("/run/nvidia/driver")
 LIBRARY_DIR = "usr/lib/x86_64-linux-gnu"
