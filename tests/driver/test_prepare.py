@@ -3107,6 +3107,7 @@ async def test_memory_slices_are_billed_by_the_memory_the_scheduler_gave_them(
         claim_info=infos.snapshot,
         on_sample=(accounting.observe,),
         clock=lambda: now[0],
+        interval_s=100,  # sampled 100 s apart: no stall between the two
     )
     await sampler.sample_once()
     now[0] += 100
