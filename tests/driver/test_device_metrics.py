@@ -369,6 +369,18 @@ async def test_time_sliced_holders_split_a_gpu_equally() -> None:
 DRIVER = "gpu.nvidia.com"
 
 
+def plugin_config(tmp_path: Path, **settings: Any) -> PluginConfig:
+    """A node service's plugin settings in `tmp_path`, with no driver on the machine."""
+    return PluginConfig(
+        kubelet_root=tmp_path / "kubelet",
+        cdi_root=tmp_path / "cdi",
+        state_dir=tmp_path / "state",
+        toolkit_spec=False,
+        driver_libraries=("usr/lib/libnvidia-ml.so.1",),
+        **settings,
+    )
+
+
 def shares_claim(uid: str, namespace: str, share: str, taken: int) -> dict[str, Any]:
     """The claim object the scheduler allocated `taken` integer shares of gpu-0 to."""
     result = {
@@ -430,15 +442,7 @@ async def test_the_node_samples_and_writes_claim_status_only_when_switched_on(
     tmp_path: Path, interval: float, sampled: bool
 ) -> None:
     nvml = emulator("l4")
-    config = PluginConfig(
-        kubelet_root=tmp_path / "kubelet",
-        cdi_root=tmp_path / "cdi",
-        state_dir=tmp_path / "state",
-        toolkit_spec=False,
-        driver_libraries=("usr/lib/libnvidia-ml.so.1",),
-        sample_interval_s=interval,
-        claim_status=sampled,
-    )
+    config = plugin_config(tmp_path, sample_interval_s=interval, claim_status=sampled)
     async with ApiClient() as api:
         service = NodeService(AgentConfig(node_name=POOL), Kube(api), nvml, config)
         names = {family.name for family in service.registry.collect()}

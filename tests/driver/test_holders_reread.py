@@ -27,7 +27,7 @@ from gpudra.driver.holders import (
     HeldDevice,
     Holder,
 )
-from gpudra.driver.node import NodeService, PluginConfig
+from gpudra.driver.node import NodeService
 
 from tests.driver.test_device_metrics import (
     DRIVER,
@@ -36,6 +36,7 @@ from tests.driver.test_device_metrics import (
     claim,
     emulator,
     inventory_of,
+    plugin_config,
     shares_claim,
 )
 
@@ -95,14 +96,7 @@ async def test_a_reread_that_fails_is_retried_and_bills_as_a_first_read_would(
         [shares_claim(BIG, "team-a", "s1", 3), shares_claim(SMALL, "team-b", "s2", 1)],
         failures={BIG: 2},
     )
-    config = PluginConfig(
-        kubelet_root=tmp_path / "kubelet",
-        cdi_root=tmp_path / "cdi",
-        state_dir=tmp_path / "state",
-        toolkit_spec=False,
-        driver_libraries=("usr/lib/libnvidia-ml.so.1",),
-    )
-    service = NodeService(AgentConfig(node_name=POOL), kube, nvml, config)
+    service = NodeService(AgentConfig(node_name=POOL), kube, nvml, plugin_config(tmp_path))
     monkeypatch.setattr(service, "_prepared_claims", lambda: prepared)  # as recovered
     with anyio.fail_after(10):
         await service._reread_prepared_claims()
