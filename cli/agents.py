@@ -23,8 +23,9 @@ from typing import Any, Final
 
 import aiohttp
 from gpudra.api.names import dns_label_problem
+from gpudra.cli.cluster import add_kubeconfig, connect
 from gpudra.cli.scrape import Unanswered, get, metric_samples
-from gpudra.common.kube import ApiError, Kube, KubeConfigError
+from gpudra.common.kube import ApiError, Kube
 from prometheus_client.samples import Sample
 
 __all__ = [
@@ -32,7 +33,6 @@ __all__ = [
     "AGENT_SELECTOR",
     "Agents",
     "add_arguments",
-    "connect",
     "endpoints",
     "find",
     "looked_for",
@@ -119,9 +119,7 @@ async def read(
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The flags that say where the cluster and its agents are."""
-    p.add_argument(
-        "--kubeconfig", default=None, help="kubeconfig file (default: $KUBECONFIG, else in-cluster)"
-    )
+    add_kubeconfig(p)
     p.add_argument(
         "--agent-namespace",
         default=AGENT_NAMESPACE,
@@ -144,16 +142,6 @@ def _namespace(raw: str) -> str:
             f"{raw!r} {problem}; give the namespace gpudra is installed in"
         )
     return raw
-
-
-async def connect(kubeconfig: str | None, *, command: str, otherwise: str) -> Kube:
-    """The cluster's API client; one line naming the fix (`otherwise`) when there is none."""
-    try:
-        return await Kube.connect(kubeconfig)
-    except (KubeConfigError, OSError) as e:
-        raise SystemExit(
-            f"gpudra {command}: no cluster to read ({e}); give --kubeconfig, or {otherwise}"
-        ) from None
 
 
 async def find(

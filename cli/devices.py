@@ -18,12 +18,14 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
 
+import aiohttp
 import anyio
 from gpudra.api.deviceclasses import CLASS_TYPES, DEFAULT_DRIVER
 from gpudra.api.quantity import QuantityError, parse_quantity
 from gpudra.api.sharing import SHARES_CAPACITY
+from gpudra.cli.cluster import add_kubeconfig, connect
 from gpudra.cli.terminal import printable
-from gpudra.common.kube import Kube
+from gpudra.common.kube import ApiError, Kube
 
 __all__ = ["Device", "Holder", "devices", "read", "register", "render"]
 
@@ -278,9 +280,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="show published devices, free and held, and which pods hold them",
         description=__doc__.splitlines()[0] if __doc__ else None,
     )
-    p.add_argument(
-        "--kubeconfig", default=None, help="kubeconfig file (default: $KUBECONFIG, else in-cluster)"
-    )
+    add_kubeconfig(p)
     p.add_argument("--driver-name", default=DEFAULT_DRIVER, help="the DRA driver name")
     p.add_argument("--node", default="", help="only this node's devices")
     p.set_defaults(func=run)
@@ -288,9 +288,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 def run(args: argparse.Namespace) -> int:
     async def main() -> str:
-        kube = await Kube.connect(args.kubeconfig)
+        kube = await connect(args.kubeconfig, command="devices", otherwise="set $KUBECONFIG")
         try:
             return render(await read(kube, args.driver_name, args.node))
+        except (ApiError, aiohttp.ClientError, OSError) as e:
+            raise SystemExit(f"gpudra devices: reading the cluster failed: {e}") from None
         finally:
             await kube.close()
 

@@ -18,11 +18,13 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Final
 
+import aiohttp
 import anyio
 import yaml
+from gpudra.cli.cluster import add_kubeconfig, connect
 from gpudra.cli.terminal import printable
 from gpudra.common.files import atomic_write
-from gpudra.common.kube import ApiError, Kube
+from gpudra.common.kube import ApiError
 from gpudra.webhook import migration
 from gpudra.webhook.migration import MigrationError
 
@@ -86,7 +88,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         action="store_true",
         help="check every pod in the cluster",
     )
-    p.add_argument("--kubeconfig", default=None, help="kubeconfig (default: $KUBECONFIG)")
+    add_kubeconfig(p)
     p.add_argument(
         "--out",
         type=Path,
@@ -193,7 +195,11 @@ def _list(text: str, flag: str, source: str, kind: str, command: str) -> list[di
 async def _read_cluster(
     kubeconfig: str | None, configmap: str | None, with_nodes: bool, with_pods: bool
 ) -> dict[str, Any]:
-    kube = await Kube.connect(kubeconfig)
+    kube = await connect(
+        kubeconfig,
+        command="migrate",
+        otherwise="give the files kubectl prints instead (--config, --nodes, --pods)",
+    )
     out: dict[str, Any] = {}
     try:
         if configmap is not None:
@@ -211,8 +217,8 @@ async def _read_cluster(
         if with_pods:
             listed = await kube.request("GET", "/api/v1/pods")
             out["pods"] = listed.get("items") or []
-    except ApiError as exc:
-        raise SystemExit(f"gpudra migrate: {exc}") from None
+    except (ApiError, aiohttp.ClientError, OSError) as exc:
+        raise SystemExit(f"gpudra migrate: reading the cluster failed: {exc}") from None
     finally:
         await kube.close()
     return out

@@ -14,6 +14,7 @@ from pathlib import Path
 import aiohttp
 import anyio
 from gpudra.api.names import dns_subdomain_problem, driver_name_problem
+from gpudra.cli.cluster import add_kubeconfig
 from gpudra.common.backoff import Backoff
 from gpudra.common.errors import exception_text
 from gpudra.common.eventloop import run_event_loop
@@ -109,9 +110,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="emulated GPUs only: a JSON telemetry script (GPU index or UUID -> values such "
         'as {"utilization": 3}), re-read whenever it changes',
     )
-    p.add_argument(
-        "--kubeconfig", default=None, help="kubeconfig file (default: $KUBECONFIG, else in-cluster)"
-    )
+    add_kubeconfig(p)
     p.add_argument(
         "--mig-strategy",
         choices=[s.value for s in MigStrategy],

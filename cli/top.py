@@ -22,7 +22,7 @@ from typing import Final, TextIO
 import aiohttp
 import anyio
 from gpudra.api.deviceclasses import DEFAULT_DRIVER
-from gpudra.cli import agents
+from gpudra.cli import agents, cluster
 from gpudra.cli import devices as published
 from gpudra.cli.scrape import agent_endpoint, parse_duration, timeout_seconds
 from gpudra.cli.terminal import printable, warn
@@ -260,7 +260,7 @@ def run(args: argparse.Namespace) -> int:
 
 async def _from_cluster(args: argparse.Namespace) -> tuple[list[DeviceRow], agents.Agents]:
     """The published devices with their holders, and the nodes' agents."""
-    kube = await agents.connect(
+    kube = await cluster.connect(
         args.kubeconfig, command="top", otherwise="--no-api with --metrics NODE=URL"
     )
     try:

@@ -33,6 +33,7 @@ from gpudra.api.config import (
 from gpudra.api.deviceclasses import mig_profile_class
 from gpudra.api.names import DNS_SUBDOMAIN_MAX, dns_subdomain_problem, driver_name_problem
 from gpudra.api.tenants import LabelSelector, quota_key
+from gpudra.cli.cluster import add_kubeconfig
 from gpudra.common.eventloop import run_event_loop
 from gpudra.common.kube import Kube
 from gpudra.common.openfiles import raise_open_files_limit
@@ -165,9 +166,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         default=None,
         help="register this URL instead of the Service (for a local control plane)",
     )
-    p.add_argument(
-        "--kubeconfig", default=None, help="kubeconfig file (default: $KUBECONFIG, else in-cluster)"
-    )
+    add_kubeconfig(p)
     p.add_argument(
         "--tenants",
         action=argparse.BooleanOptionalAction,

@@ -18,7 +18,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlencode
 
@@ -54,6 +55,22 @@ class KubeConfigError(Exception):
     """Neither a usable kubeconfig nor an in-cluster service account."""
 
 
+def kubeconfig_source(explicit: str | None, environ: Mapping[str, str], home: Path) -> str | None:
+    """The kubeconfig to read, or None for the in-cluster service account.
+
+    The order kubectl and client-go follow, so that a command that works with kubectl
+    works with gpudra: the file given, else `$KUBECONFIG` (a list of files, merged),
+    else `~/.kube/config` where it exists, else the service account of the pod we run
+    in. The agent and the webhook run in pods whose image has no `~/.kube/config`.
+    """
+    if explicit:
+        return explicit
+    if listed := environ.get("KUBECONFIG"):
+        return listed
+    default = home / ".kube" / "config"
+    return str(default) if default.is_file() else None
+
+
 class Kube:
     def __init__(self, api: ApiClient) -> None:
         self.api = api
@@ -64,7 +81,8 @@ class Kube:
     async def connect(
         cls, kubeconfig: str | None = None, *, max_connections: int | None = 100
     ) -> Kube:
-        """kubeconfig if given (or $KUBECONFIG), else the in-cluster service account.
+        """The cluster `kubeconfig_source` names: a kubeconfig, or the in-cluster
+        service account.
 
         Each watch holds a connection for its lifetime, so a process that runs many
         watches (the slice benchmark) needs `max_connections` above their count.
@@ -78,7 +96,7 @@ class Kube:
 
         cfg = Configuration()
         cfg.connection_pool_maxsize = max_connections  # type: ignore[assignment]  # None: no limit
-        path = kubeconfig or os.environ.get("KUBECONFIG")
+        path = kubeconfig_source(kubeconfig, os.environ, Path.home())
         try:
             if path:
                 await kconfig.load_kube_config(config_file=path, client_configuration=cfg)

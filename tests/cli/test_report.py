@@ -11,6 +11,7 @@ import threading
 import urllib.parse
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, HTTPServer
+from pathlib import Path
 
 import pytest
 
@@ -118,8 +119,9 @@ def test_a_prometheus_that_does_not_answer_is_one_line_and_a_failure() -> None:
     assert "did not answer" in line
 
 
-def test_no_cluster_to_find_the_agents_in_says_what_to_give() -> None:
+def test_no_cluster_to_find_the_agents_in_says_what_to_give(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k != "KUBECONFIG"}  # and not in a pod
+    env["HOME"] = str(tmp_path)  # no ~/.kube/config either
     done = subprocess.run(
         [sys.executable, "-m", "gpudra.cli", "report"],
         capture_output=True,
