@@ -53,9 +53,14 @@ def main() -> int:
         text=True,
     ).stdout.strip()
     Path(purelib, "gpudra-dev.pth").write_text(f"{src.parent}\n")
-    launcher = env_dir / "bin" / "gpudra"
-    launcher.write_text(f'#!/bin/sh\nexec "{python}" -m gpudra.cli "$@"\n')
-    launcher.chmod(0o755)
+    # The commands a wheel installs (`gpudra`, and `kubectl-gpudra`, which kubectl finds
+    # on PATH as the plugin behind `kubectl gpudra`), each running the CLI.
+    for name, entry in project["scripts"].items():
+        if entry != "gpudra.cli:main":
+            raise SystemExit(f"pyproject.toml: [project.scripts] {name}: expected gpudra.cli:main")
+        launcher = env_dir / "bin" / name
+        launcher.write_text(f'#!/bin/sh\nexec "{python}" -m gpudra.cli "$@"\n')
+        launcher.chmod(0o755)
     print(f"venv ready: {env_dir}", file=sys.stderr)
     return 0
 
