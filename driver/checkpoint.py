@@ -1080,12 +1080,10 @@ class Checkpoint:
             if snap.seq < self._on_disk_seq:
                 return
             # Held open, the changes file tells a take-over (it is removed) and another
-            # writer (it grew): no look at the checkpoint file itself is needed.
-            if (
-                self._base is None
-                or (not self._changes.opened and not self._check_owner())
-                or not self._check_changes()
-            ):
+            # writer (it grew). The checkpoint file is looked at too (one stat): edited in
+            # place it keeps its inode, and lines appended on a base it no longer has would
+            # be dropped at the next start, with the claims they prepared.
+            if self._base is None or not self._check_owner() or not self._check_changes():
                 # Emptied by a write that failed after `_appendable`, or removed: the
                 # whole file again, which restarts the changes file.
                 self._replace(snap, durable=False)

@@ -1646,6 +1646,27 @@ async def test_lines_another_process_appended_are_never_dropped(cp_path: Path, b
     assert _state(_load(cp_path, boot)) == {}
 
 
+@pytest.mark.anyio
+async def test_a_checkpoint_edited_in_place_refuses_the_next_appended_change(
+    cp_path: Path, boot: Path
+) -> None:
+    """An edit in place keeps the file's inode: the lines appended after it would name
+    a base the file no longer has, and a restarted agent would drop them with the
+    claims they prepared. So the next change is refused, as any change to a file
+    changed under the agent is, rather than accepted and lost."""
+    checkpoint = load(cp_path, boot_id_path=boot, take_over=True)
+    commit = GroupCommit(checkpoint)
+    await commit.apply(lambda cp: cp.begin_prepare(CLAIM_1, [_gpu()], persist=False))
+    await commit.apply(lambda cp: cp.complete_prepare(CLAIM_1.uid, [_gpu()]))
+    assert ChangesFile(cp_path).read()  # appended: the path an edit went unnoticed on
+    with cp_path.open("ab") as edited:
+        edited.write(b"\n")
+    await commit.apply(lambda cp: cp.begin_prepare(CLAIM_2, [_gpu("gpu-1")], persist=False))
+    with pytest.raises(CheckpointError, match="was changed by another process"):
+        await commit.apply(lambda cp: cp.complete_prepare(CLAIM_2.uid, [_gpu("gpu-1")]))
+    assert _state(checkpoint)[CLAIM_2.uid] == "PrepareStarted"  # its end undone in memory
+
+
 def test_a_write_that_failed_after_its_rename_does_not_lock_the_agent_out(
     cp_path: Path, boot: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
