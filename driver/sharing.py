@@ -96,7 +96,13 @@ _SHM_OPTIONS: Final = "rw,nosuid,nodev,noexec,mode=1777"
 # checkpoint is written to and fail every other claim's prepare. The daemon keeps a
 # few pipes and its PID file in it; what a container writes beyond that is bounded
 # here and charged to the memory of the container that writes it.
-_PIPE_OPTIONS: Final = "rw,nosuid,nodev,noexec,size=4m,nr_inodes=4096,mode=0755"
+# `nosymfollow` (Linux 5.10+): no path through it follows a symbolic link, so a link a
+# container plants there cannot send the agent's `quit` (run as root, in the agent's
+# view of the node) to a file or socket elsewhere (`_quit`).
+_PIPE_OPTIONS: Final = "rw,nosuid,nodev,noexec,nosymfollow,size=4m,nr_inodes=4096,mode=0755"
+_NOSYMFOLLOW_OPTION: Final = ",nosymfollow"
+_ST_NOSYMFOLLOW: Final = 0x2000
+"""statvfs's flag of a mount with `nosymfollow` (Linux's ST_NOSYMFOLLOW)."""
 # The daemon's log folder: the daemon appends to control.log every command a client
 # sends it, and the claim's containers hold a client (the tool is mounted into them),
 # so a tenant can grow the log at will. A tmpfs of its own too, for the same reason:
@@ -246,6 +252,15 @@ def _effective_capabilities(status: Path) -> int:
     except (OSError, ValueError, IndexError):
         pass
     return 0
+
+
+def _follows_no_links(folder: Path) -> bool:
+    """Whether no path through `folder` follows a symbolic link: a mount made with
+    `nosymfollow` (the agent's own, at a path the claim's containers cannot change)."""
+    try:
+        return bool(os.statvfs(folder).f_flag & _ST_NOSYMFOLLOW)
+    except OSError:
+        return False
 
 
 def may_mount(status: Path = Path("/proc/self/status")) -> bool:
@@ -437,7 +452,21 @@ class NvidiaSharing:
         if may_mount():
             if not os.path.ismount(folder):
                 mount = self._host_tool("mount", purpose)
-                self._run([mount, "-t", "tmpfs", "-o", options, "gpudra-mps", str(folder)], purpose)
+                argv = [mount, "-t", "tmpfs", "-o", options, "gpudra-mps", str(folder)]
+                try:
+                    self._run(argv, purpose)
+                except SharingError:
+                    if _NOSYMFOLLOW_OPTION not in options:
+                        raise
+                    # A kernel before 5.10 (or a mount(8) that passes the option to
+                    # tmpfs, which refuses it): the daemon is then ended without `quit`.
+                    log.warning(
+                        "cannot mount a claim's MPS folder with nosymfollow; its daemon "
+                        "will be ended without quit",
+                        extra={"fields": {"folder": str(folder)}},
+                    )
+                    argv[4] = options.replace(_NOSYMFOLLOW_OPTION, "")
+                    self._run(argv, purpose)
         else:
             log.warning(
                 "a claim's MPS folder is a plain folder on the node's disk, which its "
@@ -705,8 +734,17 @@ class NvidiaSharing:
 
     def _quit(self, daemon: MpsDaemon, purpose: str) -> bool:
         """`quit` through the control pipe, if one listens; whether it was taken.
-        Bounded, and a daemon that does not take it is ended by its caller all the same."""
-        if not self._control_listens(daemon):
+        Bounded, and a daemon that does not take it is ended by its caller all the same.
+
+        The tool opens the control pipe by its path, as root and in this process's view
+        of the node, and the claim's containers may still run (a pod force-deleted, its
+        claim swept) and swap the pipe for a symbolic link between the look here and
+        the tool's open: it would write `quit` through the link, to any file or socket
+        the agent sees (the checkpoint, a CDI spec). So `quit` goes only through a pipe
+        folder that follows no symbolic links (a tmpfs mounted `nosymfollow`); a hard
+        link cannot leave that file system, nor a device node open (`nodev`). Otherwise
+        the daemon is ended by signal, as the pod's deletion ends a daemon pod."""
+        if not self._control_listens(daemon) or not _follows_no_links(daemon.pipe_dir):
             return False
         try:
             self._control(daemon, "quit", purpose)

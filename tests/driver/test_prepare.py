@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import errno
 import json
 import os
@@ -30,6 +31,7 @@ import pynvml
 import pytest
 from gpudra.common.kube import Kube as AsyncKube
 from gpudra.driver import publish
+from gpudra.driver import sharing as sharing_module
 from gpudra.driver.accounting import Accounting
 from gpudra.driver.cdi import CdiSpecStore, DeviceNumbers, ToolkitSpec, find_toolkit_spec
 from gpudra.driver.checkpoint import ClaimRecord
@@ -2975,6 +2977,60 @@ def test_a_control_fifo_without_a_daemon_is_not_written(node: Node) -> None:
     fake_sharing().stop_mps(daemon)
 
     assert node.tool_calls() == []
+    assert not daemon.pipe_dir.exists()
+
+
+_RACING_CLIENT = """#!/bin/sh
+# NVIDIA's client as a container racing the agent makes it act: between the agent's
+# look at the control pipe and the client's open of it by path, the container swaps it
+# for a link to a file of the node's. Other calls go to the stand-in tool.
+case "$1" in -d|-f) exec "$STANDIN" "$@" ;; esac
+read -r line
+if [ "$line" = quit ]; then
+    rm -f "$CUDA_MPS_PIPE_DIRECTORY/control"
+    ln -s "$VICTIM" "$CUDA_MPS_PIPE_DIRECTORY/control"
+    printf 'quit\\n' > "$CUDA_MPS_PIPE_DIRECTORY/control" || exit 1
+    exit 0
+fi
+printf '%s\\n' "$line" | exec "$STANDIN"
+"""
+
+
+@pytest.mark.parametrize("folder", ["tmpfs", "plain folder"])
+def test_a_link_a_container_swaps_in_for_the_control_pipe_never_takes_the_quit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, folder: str
+) -> None:
+    """The claim's containers may run on while it is unprepared (a pod force-deleted,
+    its claim swept) and swap the control pipe for a link after the agent looked at it:
+    the client would write `quit` through it, as root, to the checkpoint or any file
+    the agent sees. Through a tmpfs mounted nosymfollow the link is not followed; in a
+    plain folder the client is not run, and the daemon is ended by signal."""
+    if folder == "tmpfs" and not may_mount():
+        pytest.skip("a tmpfs of the claim's own needs CAP_SYS_ADMIN")
+    if folder == "plain folder":
+        monkeypatch.setattr(sharing_module, "may_mount", lambda: False)
+    victim = tmp_path / "checkpoint.json"
+    victim.write_text("{}\n")
+    client = tmp_path / "bin" / "nvidia-cuda-mps-control"
+    client.parent.mkdir()
+    client.write_text(_RACING_CLIENT)
+    client.chmod(0o755)
+    backend = NvidiaSharing(
+        mps_control=client,
+        env={"STANDIN": str(FAKEBIN / "nvidia-cuda-mps-control"), "VICTIM": str(victim)},
+        ready_timeout_s=5.0,
+    )
+    daemon = _daemon_in(tmp_path / "claim")
+    identity = backend.start_mps(daemon)
+    assert isinstance(identity, ProcessIdentity)
+    try:
+        backend.stop_mps(dataclasses.replace(daemon, identity=identity))
+    finally:
+        if identity.alive():
+            identity.signal(signal.SIGKILL)
+            identity.wait_gone(5.0)
+    assert victim.read_text() == "{}\n"
+    assert not identity.alive()
     assert not daemon.pipe_dir.exists()
 
 
