@@ -49,7 +49,7 @@ import signal
 import stat
 import subprocess
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final, Protocol
@@ -279,18 +279,15 @@ def _read_pid_file(path: Path) -> int | None:
     """The PID a daemon's PID file holds; None for anything else there.
 
     The claim's containers can replace the file: a FIFO would block a plain open until
-    someone writes to it, a link could lead to /dev/zero. So it is opened without
-    following a link or waiting, read only if it is a regular file, and only as far as
-    a PID goes.
+    someone writes to it, a link could lead to /dev/zero, and opening a device node
+    they made (in a plain folder, which is not `nodev`) may act on the device. So it
+    is opened only if it is a regular file (`_opened_as`), and read only as far as a
+    PID goes.
     """
-    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-    try:
-        fd = os.open(path, flags)
-    except OSError:
+    fd = _opened_as(path, stat.S_ISREG, os.O_RDONLY)
+    if fd is None:
         return None
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return None
         text = os.read(fd, _PID_FILE_BYTES)
     except OSError:
         return None
@@ -300,6 +297,25 @@ def _read_pid_file(path: Path) -> int | None:
         return int(text.decode("ascii").strip())
     except (UnicodeDecodeError, ValueError):
         return None
+
+
+def _opened_as(path: Path, kind: Callable[[int], bool], flags: int) -> int | None:
+    """`path` opened with `flags` if it is a file of `kind` (a link is not followed),
+    else None. It is looked at through a descriptor that opens nothing (O_PATH) and
+    opened again through that descriptor, so a file swapped in between by the claim's
+    containers is never the one opened."""
+    try:
+        handle = os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        if not kind(os.fstat(handle).st_mode):
+            return None
+        return os.open(f"/proc/self/fd/{handle}", flags | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    finally:
+        os.close(handle)
 
 
 def _tail(text: str) -> str:
@@ -539,13 +555,12 @@ class NvidiaSharing:
         # writing `quit` to it would wait out the tool's whole timeout, holding a thread.
         # A daemon may be between two opens of its FIFO: asked again for a second.
         for attempt in range(_CONTROL_READER_TRIES):
-            try:
-                os.close(os.open(control, os.O_WRONLY | os.O_NONBLOCK | os.O_NOFOLLOW))
-            except OSError:  # ENXIO: nobody reads it now
-                if attempt + 1 < _CONTROL_READER_TRIES:
-                    time.sleep(0.1)
-                continue
-            return True
+            fd = _opened_as(control, stat.S_ISFIFO, os.O_WRONLY)
+            if fd is not None:
+                os.close(fd)
+                return True
+            if attempt + 1 < _CONTROL_READER_TRIES:  # ENXIO: nobody reads it now
+                time.sleep(0.1)
         return False
 
     @staticmethod

@@ -2911,6 +2911,33 @@ def test_a_pid_file_the_container_replaced_is_read_without_waiting(
     assert not daemon.pipe_dir.exists()
 
 
+def test_a_pid_file_that_is_not_a_regular_file_is_never_opened(tmp_path: Path) -> None:
+    """Opening is an act of its own: on a FIFO it releases the process waiting at its
+    other end, on a device node the containers made (a plain folder is not `nodev`) it
+    may act on the device. What is not a regular file is looked at, never opened; here
+    the container's writer, waiting for a reader, is still waiting after the stop."""
+    daemon = _daemon_in(tmp_path / "legacy")
+    daemon.pipe_dir.mkdir(parents=True)
+    pid_file = daemon.pipe_dir / "nvidia-cuda-mps-control.pid"
+    os.mkfifo(pid_file)
+    handle = os.open(pid_file, os.O_PATH)  # to release the writer at the end
+    released = threading.Event()
+
+    def container() -> None:
+        os.close(os.open(pid_file, os.O_WRONLY))  # waits for a reader
+        released.set()
+
+    threading.Thread(target=container, daemon=True).start()
+    try:
+        fake_sharing().stop_mps(daemon)
+        assert not released.wait(0.5)
+    finally:
+        os.close(os.open(f"/proc/self/fd/{handle}", os.O_RDONLY | os.O_NONBLOCK))
+        os.close(handle)
+    assert released.wait(5)
+    assert not daemon.pipe_dir.exists()
+
+
 _WRITER = """
 import os, sys
 pipe, stop = sys.argv[1], sys.argv[2]
