@@ -24,6 +24,11 @@ rewritten it (prepares of its own), the newer agent's records of the running cla
 still there as they were written, unknown fields included, and nothing in the older
 agent's log calls them unreadable.
 
+From 0.1.0, whose agent neither takes the checkpoint's lock nor reads its changes file,
+the working tree's chart refuses an upgrade with a surge pod beside the old agent
+(node.updateStrategy.rollingUpdate.maxSurge), naming the value and the fix, and changes
+nothing; the upgrade without one then goes on.
+
 Skips with the reason where the machine cannot run a real node or build the release.
 """
 
@@ -39,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from gpudra.driver.mpspods import CLAIM_LABEL
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -62,6 +68,7 @@ from e2e.gpu_pods import (
 from e2e.node.chart import (
     IMAGE_REPOSITORY,
     NAMESPACE,
+    RELEASE,
     WORKING_TREE,
     ChartBuild,
     ChartStack,
@@ -69,7 +76,9 @@ from e2e.node.chart import (
     previous_release,
 )
 from e2e.node.realnode import NodeError, RealNode, unavailable_reason
+from e2e.pins import TOOL_VERSIONS, pinned
 from e2e.provider import local_only
+from e2e.tools import helm as h
 
 # Four minutes on a warm machine, plus the previous release's image build on a cold one:
 # run by `make test-upgrade`, kept out of `make test` so that CI stays well under an hour.
@@ -270,6 +279,79 @@ def test_downgrade_to_the_previous_release_keeps_the_newer_checkpoint(
     # the older release does not know included.
     written, rewritten = records["written"], records["rewritten"]
     assert {u: rewritten.get(u) for u in written} == written
+
+
+# --- a surge pod beside the previous release's agents ---------------------------------------
+
+SURGE = {"rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
+
+
+def workloads(kube: Kube) -> dict[str, Any]:
+    """What an upgrade changes: the release's revisions as Helm stores them, and its
+    DaemonSet's and Deployment's generation, labels and images."""
+    state: dict[str, Any] = {
+        "revisions": sorted(
+            (s["metadata"]["name"], s["metadata"]["labels"].get("status"))
+            for s in kube.list("Secret", NAMESPACE, labelSelector=f"owner=helm,name={RELEASE}")
+        )
+    }
+    for kind in ("DaemonSet", "Deployment"):
+        for obj in kube.list(kind, NAMESPACE):
+            meta = obj["metadata"]
+            if meta.get("labels", {}).get("app.kubernetes.io/instance") != RELEASE:
+                continue
+            images = [c["image"] for c in obj["spec"]["template"]["spec"]["containers"]]
+            state[f"{kind}/{meta['name']}"] = (meta["generation"], meta["labels"], images)
+    return state
+
+
+def test_an_upgrade_from_0_1_0_with_a_surge_pod_is_refused_and_changes_nothing(
+    cluster: Cluster, kube: Kube, node: RealNode, release: ChartBuild, tmp_path: Path
+) -> None:
+    """0.1.0's agent neither takes the checkpoint's lock nor reads its changes file, so a
+    surge pod of the working tree beside it and it would overwrite each other's records.
+    The working tree's chart reads the version of the release's running agents from its
+    DaemonSet (`lookup`, which only a real upgrade answers) and refuses the upgrade
+    before anything is changed; the upgrade the refusal asks for (maxSurge=0) goes on."""
+    tag = pinned("GPUDRA_PREVIOUS_RELEASE", TOOL_VERSIONS)
+    if tag != "v0.1.0":
+        pytest.skip(f"the check is for upgrades from 0.1.0; the previous release is {tag}")
+    stack = ChartStack(node, release)
+    stack.up(log=lambda _m: None)
+    try:
+        before = workloads(kube)
+        daemonset = kube.get("DaemonSet", f"{RELEASE}-node", NAMESPACE)
+        assert daemonset["metadata"]["labels"]["app.kubernetes.io/version"] == "0.1.0"
+        assert before[f"DaemonSet/{RELEASE}-node"][2] == [f"{IMAGE_REPOSITORY}:{release.tag}"]
+
+        values = stack.values()
+        values["node"]["updateStrategy"] = SURGE
+        with pytest.raises(h.HelmFailed) as failure:
+            h.run(
+                h.helm_binary(),
+                "upgrade", RELEASE, str(WORKING_TREE.chart),
+                "--namespace", NAMESPACE,
+                *h.values_args([values], tmp_path),
+                "--force-conflicts",  # what docs/install.md adds from 0.1.0 with Helm 4
+                env={"KUBECONFIG": str(cluster.layout.admin_kubeconfig)},
+            )  # fmt: skip
+        (line,) = [x for x in str(failure.value).splitlines() if "maxSurge" in x]
+        assert (
+            "node.updateStrategy.rollingUpdate.maxSurge=1 cannot be used to upgrade from 0.1.0 "
+            f"(DaemonSet {NAMESPACE}/{RELEASE}-node runs 0.1.0's agents)" in line
+        ), line
+        assert (
+            "Roll this upgrade with node.updateStrategy.rollingUpdate.maxSurge=0 "
+            "(and maxUnavailable=1)" in line
+        ), line
+        assert workloads(kube) == before
+
+        stack.upgrade_to(WORKING_TREE)  # without a surge pod, as the refusal says
+        after = kube.get("DaemonSet", f"{RELEASE}-node", NAMESPACE)
+        chart = yaml.safe_load((WORKING_TREE.chart / "Chart.yaml").read_text())
+        assert after["metadata"]["labels"]["app.kubernetes.io/version"] == chart["appVersion"]
+    finally:
+        stack.down(log=lambda _m: None)
 
 
 # --- a rollback after an agent that never stopped ---------------------------------------

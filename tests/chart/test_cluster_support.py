@@ -1,14 +1,21 @@
 """The chart refuses a cluster it cannot run on before creating anything: older than
-1.34 (Chart.yaml's kubeVersion), or one that does not serve resource.k8s.io/v1.
+1.34 (Chart.yaml's kubeVersion), or one that does not serve resource.k8s.io/v1. And it
+refuses to upgrade from 0.1.0 with a surge pod of the node agent, which it knows from the
+release's node DaemonSet as the cluster has it (`lookup`, which `helm template` cannot
+answer).
 
-Helm reads both from the cluster's discovery, so the cluster here is a discovery
-endpoint that answers what such a cluster answers: its version, its API groups, and
-no releases or nodes yet. Anything else it is asked (a create) fails the test.
+Helm reads all of these from the cluster, so the cluster here is a discovery endpoint
+that answers what such a cluster answers: its version, its API groups, and no releases
+or nodes yet, or else the objects a test gives it (a release Helm stored, its
+DaemonSet). Anything else it is asked (a create) fails the test.
 """
 
 from __future__ import annotations
 
+import base64
+import gzip
 import json
+import re
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -16,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from e2e.tools import helm as h
 
@@ -23,18 +31,29 @@ CORE = {"kind": "APIVersions", "versions": ["v1"], "serverAddressByClientCIDRs":
 
 
 class Discovery:
-    """A cluster of `version` serving `groups` ({group: [versions]}), read-only."""
+    """A cluster of `version` serving `groups` ({group: [versions]}), read-only; a GET
+    of a path in `objects` answers that object (or list)."""
 
-    def __init__(self, version: str, groups: dict[str, list[str]]) -> None:
+    def __init__(
+        self,
+        version: str,
+        groups: dict[str, list[str]],
+        objects: dict[str, Any] | None = None,
+    ) -> None:
         self.version = version
         self.groups = groups
+        self.objects = objects or {}
         self.writes: list[str] = []
+        self.reads: list[str] = []
 
     def answer(self, method: str, path: str) -> tuple[int, Any]:
         path = path.split("?", 1)[0]
         if method != "GET":
             self.writes.append(f"{method} {path}")
             return 405, {"kind": "Status", "code": 405}
+        self.reads.append(path)
+        if path in self.objects:
+            return 200, self.objects[path]
         if path == "/version":
             minor = self.version.split(".")[1]
             return 200, {"major": "1", "minor": minor, "gitVersion": f"v{self.version}"}
@@ -56,17 +75,32 @@ class Discovery:
         parts = path.strip("/").split("/")
         if parts[0] in ("api", "apis") and len(parts) in (2, 3):
             gv = "/".join(parts[1:])
-            return 200, {"kind": "APIResourceList", "groupVersion": gv, "resources": []}
+            resources = [DAEMONSETS] if gv == "apps/v1" else []
+            return 200, {"kind": "APIResourceList", "groupVersion": gv, "resources": resources}
+        if "namespaces" in parts and len(parts) - parts.index("namespaces") == 4:
+            # One object by name (.../namespaces/<ns>/<resource>/<name>): none there.
+            return 404, {"kind": "Status", "apiVersion": "v1", "code": 404, "reason": "NotFound"}
         # A list (releases, nodes): nothing there yet.
         return 200, {"kind": "List", "apiVersion": "v1", "metadata": {}, "items": []}
+
+
+DAEMONSETS = {
+    "name": "daemonsets",
+    "singularName": "daemonset",
+    "namespaced": True,
+    "kind": "DaemonSet",
+    "verbs": ["get", "list"],
+}
 
 
 @pytest.fixture
 def cluster_at(tmp_path: Path) -> Iterator[Any]:
     servers: list[ThreadingHTTPServer] = []
 
-    def start(version: str, groups: dict[str, list[str]]) -> tuple[Path, Discovery]:
-        discovery = Discovery(version, groups)
+    def start(
+        version: str, groups: dict[str, list[str]], objects: dict[str, Any] | None = None
+    ) -> tuple[Path, Discovery]:
+        discovery = Discovery(version, groups, objects)
 
         class Handler(BaseHTTPRequestHandler):
             def _reply(self) -> None:
@@ -158,4 +192,162 @@ def test_a_supported_cluster_gets_past_the_check(helm: Path, cluster_at: Any) ->
     assert "unable to build kubernetes objects from release manifest" in message
     assert "resource.k8s.io/v1" not in message
     assert "kubeVersion" not in message
+    assert discovery.writes == []
+
+
+# --- an upgrade from 0.1.0 with a surge pod ---------------------------------------------
+
+APP_VERSION = yaml.safe_load((h.CHART / "Chart.yaml").read_text())["appVersion"]
+DAEMONSET = "/apis/apps/v1/namespaces/gpudra/daemonsets/gpudra-node"
+SURGE = {"updateStrategy": {"rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}}
+NO_SURGE = {"updateStrategy": {"rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}}}
+ON_DELETE = {"updateStrategy": {"type": "OnDelete", "rollingUpdate": {"maxSurge": 1}}}
+
+
+def quoted_refusal() -> str:
+    """The refusal as docs/install.md's Upgrade section quotes it, on one line."""
+    text = (h.REPO / "docs" / "install.md").read_text()
+    found = re.search(r"`(node\.updateStrategy\.rollingUpdate\.maxSurge=1 cannot be[^`]*)`", text)
+    assert found, "docs/install.md does not quote the refusal"
+    return " ".join(found[1].split())
+
+
+def installed(version: str) -> dict[str, Any]:
+    """What `helm upgrade` reads of a cluster gpudra `version` was installed on: the
+    release Helm stored (a Secret in the release's namespace: the release as gzipped
+    JSON in base64) and the release's node DaemonSet, labelled with that chart's
+    appVersion as gpudra.labels labels it."""
+    release = {
+        "name": "gpudra",
+        "namespace": "gpudra",
+        "version": 1,
+        "info": {
+            "status": "deployed",
+            "first_deployed": "2025-01-01T00:00:00Z",
+            "last_deployed": "2025-01-01T00:00:00Z",
+            "description": "Install complete",
+        },
+        "chart": {
+            "metadata": {
+                "apiVersion": "v2",
+                "name": "gpudra",
+                "version": version,
+                "appVersion": version,
+            }
+        },
+        "config": {},
+        "manifest": "",
+    }
+    stored = base64.b64encode(gzip.compress(json.dumps(release).encode()))
+    secret = {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {
+            "name": "sh.helm.release.v1.gpudra.v1",
+            "namespace": "gpudra",
+            "labels": {"owner": "helm", "name": "gpudra", "status": "deployed", "version": "1"},
+        },
+        "type": "helm.sh/release.v1",
+        "data": {"release": base64.b64encode(stored).decode()},
+    }
+    return {
+        "/api/v1/namespaces/gpudra/secrets": {
+            "kind": "SecretList",
+            "apiVersion": "v1",
+            "metadata": {},
+            "items": [secret],
+        },
+        DAEMONSET: {
+            "apiVersion": "apps/v1",
+            "kind": "DaemonSet",
+            "metadata": {
+                "name": "gpudra-node",
+                "namespace": "gpudra",
+                "labels": {
+                    "app.kubernetes.io/name": "gpudra",
+                    "app.kubernetes.io/instance": "gpudra",
+                    "app.kubernetes.io/version": version,
+                    "app.kubernetes.io/component": "node",
+                },
+            },
+        },
+    }
+
+
+def upgrade(helm: Path, kubeconfig: Path, tmp: Path, node: dict[str, Any]) -> str:
+    """`helm upgrade --install` with the working tree's chart and these node values; what
+    it failed with (this endpoint can never complete one)."""
+    with pytest.raises(h.HelmFailed) as failure:
+        h.run(
+            helm,
+            "upgrade",
+            "--install",
+            "gpudra",
+            str(h.CHART),
+            "--namespace",
+            "gpudra",
+            "--kubeconfig",
+            str(kubeconfig),
+            *h.values_args([{"node": node}], tmp),
+        )
+    return str(failure.value)
+
+
+@pytest.mark.parametrize(
+    "node",
+    [
+        SURGE,
+        {"updateStrategy": {"rollingUpdate": {"maxSurge": "25%"}}},
+        # Its metrics port check would offer node.metricsPort=0, which does not help here.
+        {"hostNetwork": True, **SURGE},
+    ],
+    ids=["one", "percent", "host-network"],
+)
+def test_an_upgrade_from_0_1_0_with_a_surge_pod_is_refused_naming_the_value_and_the_fix(
+    helm: Path, cluster_at: Any, tmp_path: Path, node: dict[str, Any]
+) -> None:
+    """0.1.0's agent neither takes the checkpoint's lock nor reads its changes file: a
+    surge pod beside it and it would overwrite each other's records."""
+    kubeconfig, discovery = cluster_at("1.34.2", RESOURCE_V1, installed("0.1.0"))
+    message = upgrade(helm, kubeconfig, tmp_path, node)
+    surge = node["updateStrategy"]["rollingUpdate"]["maxSurge"]
+    (line,) = [x for x in message.splitlines() if "maxSurge" in x]  # one line
+    assert (
+        f"node.updateStrategy.rollingUpdate.maxSurge={surge} cannot be used to upgrade from "
+        "0.1.0 (DaemonSet gpudra/gpudra-node runs 0.1.0's agents)" in line
+    )
+    assert "neither takes the checkpoint's lock nor reads its changes file" in line
+    assert (
+        "Roll this upgrade with node.updateStrategy.rollingUpdate.maxSurge=0 "
+        "(and maxUnavailable=1)" in line
+    )
+    assert "cannot go with node.hostNetwork" not in line
+    if surge == 1:
+        assert quoted_refusal() in line
+    assert DAEMONSET in discovery.reads
+    assert discovery.writes == []
+
+
+@pytest.mark.parametrize(
+    ("running", "node"),
+    [
+        (APP_VERSION, SURGE),
+        ("0.1.0", NO_SURGE),
+        ("0.1.0", ON_DELETE),
+        (None, SURGE),
+    ],
+    ids=["from-this-release", "from-0.1.0-without-surge", "from-0.1.0-on-delete", "install"],
+)
+def test_an_upgrade_that_may_surge_or_does_not_gets_past_the_check(
+    helm: Path, cluster_at: Any, tmp_path: Path, running: str | None, node: dict[str, Any]
+) -> None:
+    """An agent of this release (or none yet) beside a surge pod, or no surge pod: the
+    chart renders, and helm goes on to check the objects (against schemas this endpoint
+    does not have). The DaemonSet is looked up only for a surge pod."""
+    objects = installed(running) if running else {}
+    kubeconfig, discovery = cluster_at("1.34.2", RESOURCE_V1, objects)
+    message = upgrade(helm, kubeconfig, tmp_path, node)
+    assert "error validating" in message
+    assert "maxSurge" not in message
+    assert (DAEMONSET in discovery.reads) == (node is SURGE)
     assert discovery.writes == []

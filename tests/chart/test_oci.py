@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from e2e.image import oci
+from e2e.image import build, oci
 
 # What the writer in e2e/node/images.py gave before the two writers became one.
 PINNED = "sha256:ae04ff3c4ccc9d97d3ae70485f1aed5e407ae0bca5416b2c320151974dad8d04"
@@ -113,7 +113,7 @@ def test_manifest_digest_is_pinned(tmp_path: Path) -> None:
     ("name", "ref"),
     [
         ("gpudra.local/pause:1", "1"),
-        ("ghcr.io/gpudra/gpudra:0.1.0", "0.1.0"),
+        (f"ghcr.io/gpudra/gpudra:{build.project_version()}", build.project_version()),
         ("localhost:5000/gpudra", "latest"),
         ("gpudra", "latest"),
     ],
