@@ -368,7 +368,9 @@ class Admission:
             denial=lookup.denial if lookup is not None else "",
         )
         if verdict.allowed and kind == CLAIM.kind and lookup is not None and lookup.rules:
-            reason = await self._users_over_limit(lookup.rules, obj, namespace)
+            reason = self._group_claim(lookup.rules, obj) or await self._users_over_limit(
+                lookup.rules, obj, namespace
+            )
             if reason:
                 name = verdict.name or "(generated name)"
                 message = f"{kind} {name}: {reason}"
@@ -557,6 +559,35 @@ class Admission:
         for it) judged under `rules` as the claim's own admission judges it."""
         return self._claims.judge(claim, template=False, rules=rules)
 
+    def _group_claim(self, rules: TenantRules, claim: Mapping[str, Any]) -> str | None:
+        """Why a claim of the driver's devices may not be created as a PodGroup's.
+
+        Kubernetes 1.36 (``DRAWorkloadResourceClaims``) hands a pod of a PodGroup whose
+        template entry matches one of the group's ``spec.resourceClaims`` the group's
+        claim: made from the template with the PodGroup as its controlling owner, and
+        recorded in the PodGroup's status, not the pod's. What ties a claim to a pod here
+        (`_entry_filled_by`, the pod's own status) never links it to the pods that use
+        it, so ``maxDevicesPerPod`` would not count it with them (a template created
+        again smaller before a later pod joins lends it room), and a claim made under
+        looser rules would be handed to new pods unjudged. Until a group's claim is
+        counted with the group's pods it is refused where a GpuTenant governs: without
+        it the group's pods do not start, so nothing escapes.
+        """
+        owner = _controller(claim)
+        if owner is None or (_api_group(owner), owner.get("kind")) != POD_GROUP:
+            return None
+        if not claim_devices(claim.get("spec"), self._classes):
+            return None
+        return (
+            f"{rules.label}: its controlling owner is PodGroup {owner.get('name')} "
+            f"({owner.get('apiVersion')}), and a PodGroup's claim is shared by the group's "
+            "pods and recorded in the PodGroup's status, not theirs, so it can be neither "
+            "counted with each pod under maxDevicesPerPod nor judged again for each pod; "
+            "leave the entry out of the PodGroup's spec.resourceClaims so that each pod "
+            "gets its own claim, from the template its spec.resourceClaims names, or run "
+            "the workload in a namespace no GpuTenant governs"
+        )
+
     async def _users_over_limit(
         self, rules: TenantRules, claim: Mapping[str, Any], namespace: str
     ) -> str | None:
@@ -621,13 +652,14 @@ class Admission:
 
         `filled` is a claim being created: the name of the pod's entry it fills and its
         device count, used instead of reading that entry; the pod's extended-resource
-        claim is counted beside it (`_extended_devices`). A template entry the
-        resourceclaim controller has already generated a claim for (the pod's
-        ``status.resourceClaimStatuses``, or, for an entry missing there, a claim the
-        pod controls that is annotated with the entry's name: the controller applies
-        the status of only the entries one pass made, which drops the others' from it)
-        counts that claim, not the template stored under the name now: a template
-        deleted and created again differently changes no claim already made from it.
+        claim is counted beside it (`_extended_devices`). For a stored pod (one
+        `filled` is given for), a template entry the resourceclaim controller has
+        already generated a claim for (the pod's ``status.resourceClaimStatuses``, or,
+        for an entry missing there, a claim the pod controls that is annotated with the
+        entry's name: the controller applies the status of only the entries one pass
+        made, which drops the others' from it) counts that claim, not the template
+        stored under the name now: a template deleted and created again differently
+        changes no claim already made from it.
         With `rules`, each claim named by hand is judged under them as at its own
         creation, quota included (a template's claims are, as they are created). Without
         `count` (no per-pod limit to count against) only that judgement is made:
@@ -638,7 +670,11 @@ class Admission:
         """
         spec = pod.get("spec")
         entries = spec.get("resourceClaims") if isinstance(spec, Mapping) else None
-        generated = _generated_claims(pod) if count else {}
+        # Only a stored pod's status and UID are Kubernetes' own: at a pod's creation
+        # the webhook sees them as the request sent them (the API server resets the
+        # status after the mutating webhooks), and no claim can have been made for it.
+        stored_pod = filled is not None
+        generated = _generated_claims(pod) if count and stored_pod else {}
         result: list[ReferencedClaim] = []
         read: dict[tuple[str, str], StoredClaim | None] = {}
         judged: set[tuple[str, str]] = set()
@@ -709,9 +745,7 @@ class Admission:
             if not is_dns_subdomain(name):
                 return f"spec.resourceClaims[{index}]: {source} is not a valid object name"
             made = generated.get(pod_claim) if kind == CLAIM_TEMPLATE.kind else None
-            # Only while a claim is made for a stored pod: at a pod's own admission no
-            # claim can have been made for it yet.
-            if made is None and kind == CLAIM_TEMPLATE.kind and count and filled is not None:
+            if made is None and kind == CLAIM_TEMPLATE.kind and count and stored_pod:
                 try:
                     made = await made_for(pod_claim)
                 except _Unreadable as exc:
@@ -880,7 +914,8 @@ class _Unreadable(Exception):
 
 def _generated_claims(pod: Mapping[str, Any]) -> dict[str, str]:
     """The claims the resourceclaim controller generated for the pod's template entries,
-    by entry name, from ``status.resourceClaimStatuses`` (which only Kubernetes writes)."""
+    by entry name, from ``status.resourceClaimStatuses``: only Kubernetes writes it to a
+    stored pod, so it is read only for one (never from a pod's create request)."""
     status = pod.get("status")
     statuses = status.get("resourceClaimStatuses") if isinstance(status, Mapping) else None
     found: dict[str, str] = {}
@@ -900,6 +935,27 @@ def _extended_claim_name(pod: Mapping[str, Any]) -> str | None:
     extended = status.get("extendedResourceClaimStatus") if isinstance(status, Mapping) else None
     name = extended.get("resourceClaimName") if isinstance(extended, Mapping) else None
     return name if isinstance(name, str) and is_dns_subdomain(name) else None
+
+
+POD_GROUP: Final = ("scheduling.k8s.io", "PodGroup")
+"""The API group and kind of Kubernetes' PodGroup, the controlling owner of the claims
+made from a group's ``spec.resourceClaims`` (`Admission._group_claim`)."""
+
+
+def _controller(obj: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    """`obj`'s controlling owner reference (``controller: true``), or None."""
+    metadata = obj.get("metadata")
+    owners = metadata.get("ownerReferences") if isinstance(metadata, Mapping) else None
+    for owner in owners if isinstance(owners, list) else ():
+        if isinstance(owner, Mapping) and owner.get("controller") is True:
+            return owner
+    return None
+
+
+def _api_group(reference: Mapping[str, Any]) -> str:
+    """The API group of an owner reference's ``apiVersion`` ("" for the core group)."""
+    version = reference.get("apiVersion")
+    return version.rpartition("/")[0] if isinstance(version, str) else ""
 
 
 def _entry_filled_by(pod: Mapping[str, Any], claim: Mapping[str, Any]) -> str | None:

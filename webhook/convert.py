@@ -122,7 +122,9 @@ __all__ = [
 ]
 
 GPU_RESOURCE: Final = "nvidia.com/gpu"
-SHARED_RESOURCE: Final = "nvidia.com/gpu.shared"
+_SHARED_SUFFIX: Final = ".shared"
+"""How the device plugin names a time-shared replica of a device (``renameByDefault``)."""
+SHARED_RESOURCE: Final = GPU_RESOURCE + _SHARED_SUFFIX
 MIG_RESOURCE_PREFIX: Final = "nvidia.com/mig-"
 OPT_OUT_LABEL: Final = "gpudra.nvidia.com/convert"
 CONVERTED_ANNOTATION: Final = "gpudra.nvidia.com/converted"
@@ -204,7 +206,8 @@ class ConversionPolicy:
     those claims with no patch and no templates. No claim is made, so the limits that
     only a claim has do not apply: more devices than `max_devices_per_claim`, and a MIG
     resource whose profile gpudra cannot read, which counts as a MIG device of the
-    profile its name gives (no ``allowedMigProfiles`` can list it)."""
+    profile its name gives (no ``allowedMigProfiles`` can list it), time-shared where
+    the name says so (`sharing`)."""
 
     def device_class(self, kind: DeviceKind, profile: str = "") -> str:
         """The DeviceClass a converted claim of `kind` (and MIG `profile`) requests."""
@@ -222,13 +225,23 @@ class ConversionPolicy:
         each request of each claim)."""
         return {mig_profile_class(p): p for p in self.mig_profile_classes}
 
-    def sharing(self, kind: DeviceKind) -> str:
-        """The sharing mode of a converted device: Exclusive, TimeSlicing or MPS."""
-        return self.shared_strategy if kind is DeviceKind.SHARED else "Exclusive"
+    def sharing(self, kind: DeviceKind, profile: str) -> str:
+        """The sharing mode of a converted device of `kind` and MIG `profile`:
+        Exclusive, TimeSlicing or MPS.
 
-    def sharing_label(self, kind: DeviceKind) -> str:
+        A MIG resource the device plugin time-shares (``nvidia.com/mig-<profile>.shared``,
+        only ever left to it: `parse_mig_profile` reads no such profile) is a replica
+        of a MIG device as ``nvidia.com/gpu.shared`` is one of a GPU, so it shares as
+        that does; read as its profile alone it would pass for Exclusive.
+        """
+        shared = kind is DeviceKind.SHARED or (
+            kind is DeviceKind.MIG and profile.endswith(_SHARED_SUFFIX)
+        )
+        return self.shared_strategy if shared else "Exclusive"
+
+    def sharing_label(self, kind: DeviceKind, profile: str) -> str:
         """The sharing mode with its interval, as the converted annotation shows it."""
-        mode = self.sharing(kind)
+        mode = self.sharing(kind, profile)
         return f"{mode}/{self.time_slice_interval}" if mode == "TimeSlicing" else mode
 
     def __post_init__(self) -> None:
@@ -686,7 +699,7 @@ def _converted_claim(
             for c in containers
             if c.demands.get(device_type, 0) > 0
         ),
-        sharing=policy.sharing_label(device_type.kind),
+        sharing=policy.sharing_label(device_type.kind, device_type.profile),
         requested=tuple(
             (name, sum(c.counts.get(name, 0) for c, _, _ in used)) for name in resource_names
         ),

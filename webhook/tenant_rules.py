@@ -206,7 +206,7 @@ class TenantRules:
                     f"{self.label}: MIG profile {claim.profile} is not allowed; allowed "
                     f"profiles: {_listing(spec.allowed_mig_profiles)} ({where})"
                 )
-            mode = self.policy.sharing(claim.kind)
+            mode = self.policy.sharing(claim.kind, claim.profile)
             if not spec.allows_sharing(mode):
                 return (
                     f"{self.label}: sharing mode {mode} is not allowed; allowed modes: "

@@ -470,6 +470,26 @@ UNMOVED = LabelSelector.model_validate({"matchLabels": {"gpudra.nvidia.com/dra":
             {"nvidia.com/mig-7g.999gb.xl": "1"},
             "device class mig.nvidia.com is not allowed; allowed classes: gpu.nvidia.com",
         ),
+        # A MIG device the device plugin time-shares is not Exclusive: it shares as
+        # nvidia.com/gpu.shared does, by the tenant's shared strategy.
+        (
+            {"allowedSharing": ["Exclusive"]},
+            {"nvidia.com/mig-1g.10gb.shared": "1"},
+            "sharing mode TimeSlicing is not allowed; allowed modes: Exclusive "
+            "(nvidia.com/mig-1g.10gb.shared in container c=1)",
+        ),
+        (
+            {"allowedSharing": ["Exclusive"]},
+            {"nvidia.com/gpu.shared": "1"},
+            "sharing mode TimeSlicing is not allowed; allowed modes: Exclusive "
+            "(nvidia.com/gpu.shared in container c=1)",
+        ),
+        ({"allowedSharing": ["Exclusive"]}, {"nvidia.com/mig-1g.10gb": "1"}, None),
+        (
+            {"allowedSharing": ["MPS"], "gpuResource": {"sharing": "MPS"}},
+            {"nvidia.com/mig-1g.10gb.shared": "1"},
+            None,
+        ),
     ],
 )
 async def test_a_pod_gpudra_cannot_convert_keeps_the_tenant_rules_where_conversion_is_off(
@@ -478,7 +498,8 @@ async def test_a_pod_gpudra_cannot_convert_keeps_the_tenant_rules_where_conversi
     """A pod of a namespace the migration leaves out goes to the device plugin, which
     serves what no claim could hold, so only the tenant's rules may refuse it: every
     device it asks for counts, and a MIG resource gpudra cannot read is a MIG device of
-    a profile no allowedMigProfiles lists. A tenant's pod gets nothing past its rules by
+    a profile no allowedMigProfiles lists, time-shared where its name ends in .shared
+    (the device plugin's replica). A tenant's pod gets nothing past its rules by
     asking for what gpudra does not convert; a pod opted out where conversion is on is
     judged alike."""
     state = tenant_state(("team-a", {"namespaces": ["ns"], **spec}))
@@ -868,6 +889,29 @@ async def test_a_claim_made_for_an_entry_counts_while_the_pod_status_lacks_it() 
     assert decision.result == "allowed"
 
 
+async def test_a_pods_create_request_cannot_say_which_claims_were_made_for_it() -> None:
+    """At a pod's creation the mutating webhook sees the status and UID the request
+    carries (the API server resets the status only after it): a status naming a small
+    stored claim for the entry of a big template, and a UID that claims were made for,
+    are the tenant's word, not Kubernetes'. The entry counts its template."""
+    claims = Claims(big=one_gpu_spec(2), small=one_gpu_spec(1), other=one_gpu_spec(1))
+    admission = limited_admission(claims, limit=2)
+    pod = claim_pod(
+        0,
+        {"name": "a", "resourceClaimTemplateName": "big"},
+        {"name": "b", "resourceClaimName": "other"},
+    )
+    pod["status"] = {"resourceClaimStatuses": [{"name": "a", "resourceClaimName": "small"}]}
+    pod["metadata"]["uid"] = "forged"
+    claims.made["forged"] = {"a": ["small"]}
+    decision = await admission.mutate_pod(review(POD, pod))
+    assert decision.result == "denied"
+    message = decision.response["status"]["message"]
+    assert "maxDevicesPerPod is 2, this pod asks for 3 devices" in message
+    assert "claim a (ResourceClaimTemplate big): 2" in message
+    assert ("ResourceClaim", "small") not in claims.reads
+
+
 async def test_a_claim_made_for_an_entry_counts_the_pods_extended_resources() -> None:
     """A pod with a template entry and a DRA extended resource, limit 2: the entry's
     claim made again with two GPUs is counted with the extended-resource claim the
@@ -1004,6 +1048,97 @@ async def test_the_schedulers_extended_resource_claim_is_counted_with_the_pod_th
         stray = extended_resource_claim("p", "pod-uid", 2)
         stray["metadata"]["ownerReferences"][0].update(owner)
         assert (await admission.validate_claim(review(CLAIM, stray))).result == "allowed"
+
+
+def group_claim(spec: dict[str, Any], **owner: Any) -> dict[str, Any]:
+    """The claim the resourceclaim controller makes from PodGroup g's entry b (Kubernetes
+    1.36, DRAWorkloadResourceClaims): controlled by the PodGroup; `owner` changes that."""
+    reference = {
+        "apiVersion": "scheduling.k8s.io/v1alpha2",
+        "kind": "PodGroup",
+        "name": "g",
+        "uid": "group-uid",
+        "controller": True,
+        **owner,
+    }
+    metadata = {
+        "name": "g-b-xxxxx",
+        "annotations": {"resource.kubernetes.io/podgroup-claim-name": "b"},
+        "ownerReferences": [reference],
+    }
+    return {"metadata": metadata, "spec": spec}
+
+
+TOLERATING = {
+    "devices": {
+        "requests": [
+            {
+                "name": "gpu",
+                "exactly": {
+                    "deviceClassName": "gpu.nvidia.com",
+                    "count": 1,
+                    "tolerations": [{"operator": "Exists"}],
+                },
+            }
+        ]
+    }
+}
+"""A claim spec tolerating every device taint, which rules without allowedTaintTolerations
+refuse."""
+
+
+@pytest.mark.parametrize(
+    ("rules", "spec"),
+    [
+        # Fits the limit alone, but counted with none of the pods it is handed to.
+        ({"maxDevicesPerPod": 2}, one_gpu_spec(2)),
+        # Allowed under today's rules, and never judged again once they are tightened.
+        ({"allowedTaintTolerations": ["*"]}, TOLERATING),
+    ],
+    ids=["limit", "rules"],
+)
+async def test_a_pod_groups_claim_is_refused_where_a_tenant_governs(
+    rules: dict[str, Any], spec: dict[str, Any]
+) -> None:
+    """A pod of PodGroup g uses entry b, from template tb, as g's spec.resourceClaims
+    does: Kubernetes hands it g's claim, which it records in g's status, not the pod's,
+    so the webhook could neither count it with the pod nor judge it again for a new one.
+    Its creation is refused, naming the owner and the fix; the same claim controlled by
+    the pod, by another kind or group of owner, or not controlled, is judged as before,
+    and so is a group's claim of none of the driver's devices, or one in a namespace no
+    GpuTenant governs."""
+    claims = Claims(tb=spec)
+    admission = tenant_admission(claims, ("team-a", {"namespaces": ["ns"], **rules}))
+    member = claim_pod(0, {"name": "b", "resourceClaimTemplateName": "tb"})
+    member["metadata"]["uid"] = "pod-uid"
+    member["spec"]["schedulingGroup"] = {"podGroupName": "g"}
+    assert (await admission.mutate_pod(review(POD, member))).result == "allowed"
+    claims.live_pods = [member]
+
+    decision = await admission.validate_claim(review(CLAIM, group_claim(spec)))
+    assert decision.result == "denied"
+    status = decision.response["status"]
+    assert status["code"] == 403
+    assert status["message"].startswith(
+        'ResourceClaim g-b-xxxxx: tenant "team-a" (GpuTenant team-a): its controlling owner '
+        "is PodGroup g (scheduling.k8s.io/v1alpha2), and a PodGroup's claim is shared"
+    )
+    assert "leave the entry out of the PodGroup's spec.resourceClaims" in status["message"]
+    assert "or run the workload in a namespace no GpuTenant governs" in status["message"]
+
+    pods = {"apiVersion": "v1", "kind": "Pod", "name": "p", "uid": "pod-uid"}
+    for owner in (
+        pods,
+        {"apiVersion": "scheduling.x-k8s.io/v1alpha1"},
+        {"kind": "Workload"},
+        {"controller": False},
+    ):
+        decision = await admission.validate_claim(review(CLAIM, group_claim(spec, **owner)))
+        assert decision.result == "allowed", owner
+    other = await admission.validate_claim(review(CLAIM, group_claim(NO_DRIVER_DEVICE)))
+    assert other.result == "allowed"
+    ungoverned = tenant_admission(claims, ("team-a", {"namespaces": ["elsewhere"], **rules}))
+    assert (await ungoverned.validate_claim(review(CLAIM, group_claim(spec)))).result == "allowed"
 
 
 def tenant_state(*tenants: dict[str, Any]) -> TenantState:

@@ -380,6 +380,45 @@ async def test_a_spec_allowed_before_the_rules_were_tightened_is_refused_after(
         await run_sync(drop_tenant, kube, tenant)
 
 
+async def test_a_pod_groups_claim_is_refused_where_a_tenant_governs(
+    env: Env, kube: SyncKube, namespace: str
+) -> None:
+    """Kubernetes 1.36 (DRAWorkloadResourceClaims) makes a PodGroup's claim from a
+    template, controlled by the PodGroup and handed to the group's pods without being
+    tied to any of them, so no per-pod rule could hold for it. The cluster admin, as the
+    resourceclaim controller would, creates such a claim in a tenant's namespace (the
+    PodGroup itself need not exist): it is refused, naming the owner and the fix, and
+    the same claim without that owner is admitted."""
+    tenant = await run_sync(lambda: with_tenant(kube, namespace, maxDevicesPerPod=2))
+    try:
+        await tenant_rules_loaded(env, namespace)
+        grouped = claim(namespace, "group-b", {**WHOLE_GPU, "count": 2})
+        grouped["metadata"]["annotations"] = {"resource.kubernetes.io/podgroup-claim-name": "b"}
+        grouped["metadata"]["ownerReferences"] = [
+            {
+                "apiVersion": "scheduling.k8s.io/v1alpha2",
+                "kind": "PodGroup",
+                "name": "group",
+                "uid": "5a1b7c3e-0000-4000-8000-000000000001",
+                "controller": True,
+            }
+        ]
+        with pytest.raises(ApiError) as err:
+            await run_sync(kube.create, grouped)
+        message = str(err.value)
+        assert "HTTP 403" in message
+        assert (
+            "ResourceClaim group-b: tenant " in message
+            and "its controlling owner is PodGroup group (scheduling.k8s.io/v1alpha2)" in message
+        )
+        assert "leave the entry out of the PodGroup's spec.resourceClaims" in message
+        assert "or run the workload in a namespace no GpuTenant governs" in message
+        own = claim(namespace, "own-b", {**WHOLE_GPU, "count": 2})
+        assert (await run_sync(kube.create, own))["metadata"]["name"] == "own-b"
+    finally:
+        await run_sync(drop_tenant, kube, tenant)
+
+
 @contextlib.contextmanager
 def controller_manager_paused(cluster: Cluster) -> Iterator[None]:
     """kube-controller-manager stopped for a moment, as one behind or restarting is

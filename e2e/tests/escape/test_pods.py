@@ -562,16 +562,9 @@ async def test_forged_reviews_make_the_webhook_write_nothing(
         assert [n for n in names if n.startswith("gpudra-")] == []
 
 
-async def test_a_namespace_left_out_of_conversion_keeps_the_pod_limit(
-    escape: Escape, kube: SyncKube
-) -> None:
-    """During a migration the cluster admin leaves the tenant's namespace out of the
-    conversion selector: its pods keep their device-plugin requests, but they still reach
-    the webhook, so a pod naming two one-GPU claims is refused under maxDevicesPerPod 1,
-    and a forged review for the namespace makes the webhook write no template there. A
-    device-plugin name gpudra cannot convert gets no way around the limit, and one it
-    can read (the device plugin's spelling of a `+me` profile) is left to the device
-    plugin, not refused."""
+async def leave_out_of_conversion(escape: Escape, kube: SyncKube) -> None:
+    """The cluster admin leaves the escape namespace out of the conversion selector, as
+    a migration does; returns once the webhook no longer converts its pods."""
     ns, tenant = escape.ns, escape.tenant
     await call(
         lambda: kube.request(
@@ -588,6 +581,21 @@ async def test_a_namespace_left_out_of_conversion_keeps_the_pod_limit(
             "resourceClaims"
         ):
             await anyio.sleep(0.2)
+
+
+async def test_a_namespace_left_out_of_conversion_keeps_the_pod_limit(
+    escape: Escape, kube: SyncKube
+) -> None:
+    """During a migration the cluster admin leaves the tenant's namespace out of the
+    conversion selector: its pods keep their device-plugin requests, but they still reach
+    the webhook, so a pod naming two one-GPU claims is refused under maxDevicesPerPod 1,
+    and a forged review for the namespace makes the webhook write no template there. A
+    device-plugin name gpudra cannot convert gets no way around the limit, and one it
+    can read (the device plugin's spelling of a `+me` profile) is left to the device
+    plugin, not refused."""
+    ns, tenant = escape.ns, escape.tenant
+    await leave_out_of_conversion(escape, kube)
+    one_gpu = pod(ns, "legacy", {"nvidia.com/gpu": "1"})
 
     await pod_naming_two_claims_is_refused(tenant, ns)
     message = await refused(tenant, pod(ns, "two-gpus", {"nvidia.com/gpu": "2"}))
@@ -609,6 +617,30 @@ async def test_a_namespace_left_out_of_conversion_keeps_the_pod_limit(
     assert "patch" not in answer["response"]
     templates = await call(kube.list, "ResourceClaimTemplate", ns)
     assert [t["metadata"]["name"] for t in templates] == []
+
+
+async def test_a_time_shared_mig_device_left_to_the_device_plugin_is_not_exclusive(
+    escape: Escape, kube: SyncKube
+) -> None:
+    """The cluster admin allows only Exclusive devices and leaves the tenant's namespace
+    out of the conversion. The tenant asks for nvidia.com/mig-1g.10gb.shared, the device
+    plugin's time-shared replica of a MIG device, which gpudra does not convert and
+    which once counted as an Exclusive MIG device: it is time-shared, as
+    nvidia.com/gpu.shared is, so it is refused naming the mode."""
+    ns, tenant = escape.ns, escape.tenant
+    probe = gpu_claim(ns, "probe")
+    sharing = {"strategy": "TimeSlicing"}
+    parameters = {"apiVersion": "resource.nvidia.com/v1beta1", "kind": "GpuConfig"}
+    opaque = {"driver": DRIVER, "parameters": {**parameters, "sharing": sharing}}
+    probe["spec"]["devices"]["config"] = [{"opaque": opaque}]
+    await change_rules(escape, kube, {"allowedSharing": ["Exclusive"]}, probe, admitted=False)
+    await leave_out_of_conversion(escape, kube)
+    for resource in ("nvidia.com/mig-1g.10gb.shared", "nvidia.com/gpu.shared"):
+        message = await refused(tenant, pod(ns, "time-shared", {resource: "1"}))
+        assert "sharing mode TimeSlicing is not allowed; allowed modes: Exclusive" in message
+        assert f"({resource} in container cuda=1)" in message
+    exclusive = await create(tenant, pod(ns, "exclusive", {"nvidia.com/mig-1g.10gb": "1"}))
+    assert not exclusive["spec"].get("resourceClaims")  # left to the device plugin
 
 
 async def test_a_claim_stored_before_the_rules_tightened_is_not_handed_to_a_new_pod(
