@@ -798,7 +798,7 @@ def test_prometheus_fires_the_idle_alert_for_the_pod_whose_gpu_idles(
     (rule,) = [o for o in objects if o["kind"] == "PrometheusRule"]
     # Scraped as the Prometheus Operator scrapes the chart's PodMonitor: the target's own
     # namespace, pod and container labels must not replace the holder's.
-    (monitor,) = [o for o in objects if o["kind"] == "PodMonitor"]
+    monitor = p.pod_monitor(objects, "node")
     gpus = list(stack.gpu_minors())
     script = stack.telemetry_script
 

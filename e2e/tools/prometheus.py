@@ -1,6 +1,6 @@
 """Runs the pinned promtool and prometheus (built by build-prometheus.sh, cached) for the
 tests: the chart's alert rules under `promtool test rules`, and a real Prometheus that
-scrapes the node agent end to end.
+scrapes the node agent and the webhook end to end.
 
 Why the real binaries: PromQL, rule evaluation, `for:` holds and alert templating behave
 exactly as in a user's Prometheus; a hand-written checker would only test itself.
@@ -12,6 +12,7 @@ import contextlib
 import json
 import subprocess
 import time
+import urllib.parse
 import urllib.request
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -107,6 +108,12 @@ class Server:
         alerts: list[dict[str, Any]] = self.get("/api/v1/alerts")["alerts"]
         return alerts
 
+    def query(self, promql: str) -> list[dict[str, Any]]:
+        """An instant query's samples, each with its `metric` labels and `value`."""
+        data = self.get(f"/api/v1/query?{urllib.parse.urlencode({'query': promql})}")
+        samples: list[dict[str, Any]] = data["result"]
+        return samples
+
     def targets_up(self) -> bool:
         active = self.get("/api/v1/targets")["activeTargets"]
         return bool(active) and all(t["health"] == "up" for t in active)
@@ -116,35 +123,83 @@ class Server:
         return "\n".join(text.splitlines()[-lines:])
 
 
-def operator_scrape(pod_monitor: Mapping[str, Any], targets: Sequence[str]) -> dict[str, Any]:
+def pod_monitor(objects: Sequence[Mapping[str, Any]], component: str) -> dict[str, Any]:
+    """The rendered PodMonitor of the chart's pods of `component` (`node`, `webhook`)."""
+    (monitor,) = [
+        o
+        for o in objects
+        if o["kind"] == "PodMonitor"
+        and o["spec"]["selector"]["matchLabels"].get("app.kubernetes.io/component") == component
+    ]
+    return dict(monitor)
+
+
+# What Kubernetes discovery gives the metadata labels the chart's relabelings read
+# (static stand-ins: the targets here are not discovered).
+_POD_META = {"__meta_kubernetes_pod_node_name": "gpu-node"}
+# The fields of an endpoint's tlsConfig that `operator_scrape` reproduces; any other (a
+# client certificate) would be left out silently.
+_TLS_FIELDS = {"ca", "serverName", "insecureSkipVerify"}
+
+
+def operator_scrape(
+    pod_monitor: Mapping[str, Any], targets: Sequence[str], *, ca_file: Path | None = None
+) -> dict[str, Any]:
     """The scrape job the Prometheus Operator makes of a PodMonitor's one endpoint, with
     `targets` standing for the pods it discovers: every target carries the labels the
     operator gives it (the pod's namespace, name and container, the endpoint's port and
-    the job, unless the endpoint's relabelings set it), and ``honor_labels`` is the
-    endpoint's ``honorLabels`` (default false).
+    the job, unless the endpoint's relabelings set it), ``honor_labels`` is the
+    endpoint's ``honorLabels`` (default false), and the endpoint's ``scheme``, ``path``
+    and ``tlsConfig`` are the scrape's.
     Those labels are what a scraped series' own `namespace`, `pod` and `container`
-    collide with: without honorLabels Prometheus renames the series' to ``exported_*``."""
+    collide with: without honorLabels Prometheus renames the series' to ``exported_*``.
+
+    A tlsConfig CA lives in a Secret or ConfigMap, which the operator copies into
+    Prometheus's configuration and a static configuration cannot read: `ca_file` is
+    the file holding the same certificate, required exactly where the endpoint names
+    a CA."""
     (endpoint,) = pod_monitor["spec"]["podMetricsEndpoints"]
     meta = pod_monitor["metadata"]
+    # The chart names each pod's container for its component.
+    container = pod_monitor["spec"]["selector"]["matchLabels"]["app.kubernetes.io/component"]
     labels = {
         "namespace": meta["namespace"],
-        "pod": f"{meta['name']}-agent",
-        "container": "node",
+        "pod": f"{meta['name']}-0",
+        "container": container,
         "endpoint": endpoint["port"],
         "job": f"{meta['namespace']}/{meta['name']}",
-        # The endpoint's relabeling puts the pod's node here (a static stand-in).
-        "node": "gpu-node",
     }
-    # Its relabelings that set a label to a constant (the chart's job), which the
-    # operator applies after its own.
+    # Its relabelings, which the operator applies after its own: those that copy a pod's
+    # metadata (the chart's node) and those that set a constant (the chart's job).
     for relabeling in endpoint.get("relabelings", ()):
-        if not relabeling.get("sourceLabels"):
+        sources = relabeling.get("sourceLabels")
+        if not sources:
             labels[relabeling["targetLabel"]] = relabeling["replacement"]
-    return {
+        else:
+            (source,) = sources
+            labels[relabeling["targetLabel"]] = _POD_META[source]
+    job: dict[str, Any] = {
         "job_name": f"podMonitor/{meta['namespace']}/{meta['name']}/0",
         "honor_labels": bool(endpoint.get("honorLabels", False)),
+        "scheme": endpoint.get("scheme", "http"),
+        "metrics_path": endpoint.get("path", "/metrics"),
         "static_configs": [{"targets": list(targets), "labels": labels}],
     }
+    tls = endpoint.get("tlsConfig", {})
+    if set(tls) - _TLS_FIELDS:
+        raise ValueError(f"tlsConfig fields not reproduced here: {sorted(set(tls) - _TLS_FIELDS)}")
+    if ("ca" in tls) != (ca_file is not None):
+        raise ValueError(f"ca_file is for an endpoint that names a CA; this one has {tls}")
+    tls_config: dict[str, Any] = {}
+    if ca_file is not None:
+        tls_config["ca_file"] = str(ca_file)
+    if "serverName" in tls:
+        tls_config["server_name"] = tls["serverName"]
+    if tls.get("insecureSkipVerify"):
+        tls_config["insecure_skip_verify"] = True
+    if tls_config:
+        job["tls_config"] = tls_config
+    return job
 
 
 @contextlib.contextmanager
@@ -156,11 +211,13 @@ def serve(
     rules: Mapping[str, Any],
     interval: str = "1s",
     pod_monitor: Mapping[str, Any] | None = None,
+    ca_file: Path | None = None,
 ) -> Iterator[Server]:
     """Prometheus scraping `targets` (host:port, path /metrics) and evaluating `rules`
     every `interval`, on a free loopback port with its data under `workdir`; stopped
     (and waited for) on exit, whatever happened inside. With `pod_monitor` (the chart's
-    rendered PodMonitor), the scrape is the one the Prometheus Operator makes of it."""
+    rendered PodMonitor), the scrape is the one the Prometheus Operator makes of it,
+    with `ca_file` for the CA it names (`operator_scrape`)."""
     workdir.mkdir(parents=True, exist_ok=True)
     write_yaml(workdir / "rules.yaml", dict(rules))
     job: dict[str, Any] = {
@@ -168,7 +225,7 @@ def serve(
         "static_configs": [{"targets": list(targets)}],
     }
     if pod_monitor is not None:
-        job = operator_scrape(pod_monitor, targets)
+        job = operator_scrape(pod_monitor, targets, ca_file=ca_file)
     config = {
         "global": {"scrape_interval": interval, "evaluation_interval": interval},
         "rule_files": ["rules.yaml"],

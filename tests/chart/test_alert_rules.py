@@ -2,9 +2,11 @@
 
 The PrometheusRule rendered by the real helm goes through `promtool check rules` and
 `promtool test rules` with series written here in the node agent's and the webhook's
-label shapes (`DEVICE_LABELS`, `HOLDER_LABELS`): each alert fires, with the labels and
-text an operator reads, when its condition holds long enough, and stays silent when it
-does not (below the threshold, too short, or a device nobody holds). Every dashboard
+label shapes (`DEVICE_LABELS`, `HOLDER_LABELS`) under the jobs the chart's PodMonitors
+give them: each alert fires, with the labels and text an operator reads, when its
+condition holds long enough, and stays silent when it does not (below the threshold,
+too short, or a device nobody holds), or when the series come from another job (a
+tenant's pod serving look-alikes). Every dashboard
 query is parsed by promtool as a recording rule, with Grafana's variables replaced by
 what Grafana substitutes.
 """
@@ -25,6 +27,16 @@ from e2e.tools import prometheus as p
 
 ENABLED = {"monitoring": {"prometheusRule": {"enabled": True}}}
 SCRAPE = {"instance": "10.0.0.7:8080", "job": "gpudra-node", "node": "gpu-node-1"}
+WEBHOOK_SCRAPE = {"instance": "10.0.0.8:8443", "job": "gpudra-webhook"}
+# A tenant's pod, scraped by a PodMonitor of its own without honored labels: the pod's
+# target labels, the ones it serves of those names renamed exported_*.
+TENANT_SCRAPE = {
+    "job": "team-b/app",
+    "instance": "10.0.1.5:8080",
+    "namespace": "team-b",
+    "pod": "app-0",
+    "container": "app",
+}
 DEVICE = {
     "device": "gpu-0",
     "uuid": "GPU-aaaa",
@@ -45,6 +57,8 @@ HOLDER = {
 NO_HOLDER = dict.fromkeys(HOLDER_LABELS, "")
 OTHER = {**DEVICE, "device": "gpu-1", "uuid": "GPU-bbbb", "gpu_uuid": "GPU-bbbb"}
 BUSY = {**HOLDER, "pod": "busy", "claim": "busy-gpu"}
+# A tenant namespace without Pod Security, as the webhook's series names it.
+UNENFORCED = {"namespace": "team-a", "tenant": "a"}
 
 
 def device_series(name: str, device: Mapping[str, str], holder: Mapping[str, str]) -> str:
@@ -336,13 +350,13 @@ def test_each_alert_fires_when_it_should_and_only_then(
             "input_series": [
                 {
                     "series": p.series(
-                        "gpudra_webhook_denials_total", {**SCRAPE, "reason": "quota"}
+                        "gpudra_webhook_denials_total", {**WEBHOOK_SCRAPE, "reason": "quota"}
                     ),
                     "values": "0+1x120 130+10x40",
                 },
                 {
                     "series": p.series(
-                        "gpudra_webhook_denials_total", {**SCRAPE, "reason": "class"}
+                        "gpudra_webhook_denials_total", {**WEBHOOK_SCRAPE, "reason": "class"}
                     ),
                     "values": "0+1x160",
                 },
@@ -369,7 +383,8 @@ def test_each_alert_fires_when_it_should_and_only_then(
             "input_series": [
                 {
                     "series": p.series(
-                        "gpudra_webhook_connections_shed_total", {**SCRAPE, "action": "evicted"}
+                        "gpudra_webhook_connections_shed_total",
+                        {**WEBHOOK_SCRAPE, "action": "evicted"},
                     ),
                     "values": "_x30 3x40",
                 },
@@ -381,9 +396,9 @@ def test_each_alert_fires_when_it_should_and_only_then(
                     "alertname": "GpudraWebhookConnectionsShed",
                     "exp_alerts": [
                         alert(
-                            {"instance": SCRAPE["instance"], "action": "evicted"},
+                            {"instance": WEBHOOK_SCRAPE["instance"], "action": "evicted"},
                             "warning",
-                            summary="The GPU admission webhook at 10.0.0.7:8080 is shedding "
+                            summary="The GPU admission webhook at 10.0.0.8:8443 is shedding "
                             "connections (evicted)",
                             description="It holds its most connections and closes others to "
                             "take new ones: something may be holding connections open to its "
@@ -403,7 +418,7 @@ def test_each_alert_fires_when_it_should_and_only_then(
                 {
                     "series": p.series(
                         "gpudra_webhook_tenant_namespace_without_pod_security",
-                        {**SCRAPE, "instance": instance, "namespace": "team-a", "tenant": "a"},
+                        {**WEBHOOK_SCRAPE, **UNENFORCED, "instance": instance},
                     ),
                     "values": "1x30",
                 }
@@ -548,11 +563,7 @@ def test_a_scraped_pods_own_series_bill_and_alert_nothing(
     account |= {"device_class": "gpu.nvidia.com", "sharing": "Exclusive"}
     pod = {
         **account,
-        "job": "team-b/app",
-        "instance": "10.0.1.5:8080",
-        "namespace": "team-b",
-        "pod": "app-0",
-        "container": "app",
+        **TENANT_SCRAPE,
         "exported_namespace": "team-a",
         "exported_job": SCRAPE["job"],
     }
@@ -600,6 +611,48 @@ def test_a_scraped_pods_own_series_bill_and_alert_nothing(
                 ],
                 "alert_rule_test": [
                     {"eval_time": "70m", "alertname": "GpuAllocatedIdle", "exp_alerts": []},
+                ],
+            }
+        ],
+    }
+    p.write_yaml(tmp_path / "tests.yaml", unit)
+    assert "SUCCESS" in p.promtool(prometheus_bin, "test", "rules", "tests.yaml", cwd=tmp_path)
+
+
+def test_a_scraped_pods_own_webhook_series_fire_no_webhook_alert(
+    helm: Path, prometheus_bin: Path, tmp_path: Path
+) -> None:
+    """A tenant's pod serves the webhook's series, claiming the webhook's job and a
+    namespace without Pod Security, with values that fire each webhook alert in
+    `test_each_alert_fires_when_it_should_and_only_then`: under the pod's own scrape's
+    job none fires, so the pod can neither page nor name a namespace."""
+    rendered_rules(helm, tmp_path)
+    pod = {**TENANT_SCRAPE, "exported_job": WEBHOOK_SCRAPE["job"]}
+    forged = {
+        "gpudra_webhook_denials_total": ({**pod, "reason": "quota"}, "0+1x120 130+10x40"),
+        "gpudra_webhook_connections_shed_total": ({**pod, "action": "evicted"}, "_x30 3x40"),
+        "gpudra_webhook_tenant_namespace_without_pod_security": (
+            {**pod, "exported_namespace": UNENFORCED["namespace"], "tenant": UNENFORCED["tenant"]},
+            "1x160",
+        ),
+    }
+    quiet = [
+        ("GpudraWebhookDenialsRising", "150m"),
+        ("GpudraWebhookConnectionsShed", "35m"),
+        ("GpudraTenantNamespaceWithoutPodSecurity", "15m"),
+    ]
+    unit = {
+        "rule_files": ["rules.yaml"],
+        "evaluation_interval": "1m",
+        "tests": [
+            {
+                "interval": "1m",
+                "input_series": [
+                    {"series": p.series(name, labels), "values": values}
+                    for name, (labels, values) in forged.items()
+                ],
+                "alert_rule_test": [
+                    {"eval_time": at, "alertname": name, "exp_alerts": []} for name, at in quiet
                 ],
             }
         ],

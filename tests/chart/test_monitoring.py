@@ -13,17 +13,27 @@ import re
 from pathlib import Path
 from typing import Any
 
+import pytest
 from gpudra.cli.report import AGENT_JOB
 from gpudra.driver.accounting import Accounting
 from gpudra.driver.metrics import ClaimMetrics, DeviceMetrics
 from gpudra.driver.nvml.emulator import NvmlEmulator, load_builtin_profile
 from gpudra.driver.sampling import Sampler
+from gpudra.webhook.certs import generate_ca, service_dns_names
 from gpudra.webhook.metrics import PodSecurityGaps, WebhookMetrics
 from prometheus_client import CollectorRegistry
 
 from e2e.tools import helm as h
+from e2e.tools import prometheus as p
 
 ENABLED = {"monitoring": {"prometheusRule": {"enabled": True, "labels": {"release": "kps"}}}}
+WEBHOOK_JOB = "gpudra-webhook"
+WEBHOOK_TLS = {
+    "self": {"source": "self"},
+    "helm": {"source": "helm"},
+    "secret": {"source": "secret", "secretName": "webhook-tls", "caBundle": "Y2E="},
+}
+CLIENT_AUTH = {"enabled": True, "caCert": generate_ca().cert_pem.decode()}
 
 
 def rules_of(objs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -114,30 +124,92 @@ def test_the_sampling_values_reach_the_agent(helm: Path) -> None:
 def test_the_pod_monitor_scrapes_the_agents_metrics_port(helm: Path) -> None:
     values = {"monitoring": {"podMonitor": {"enabled": True, "interval": "15s"}}}
     objs = h.template(helm, values)
-    (monitor,) = [o for o in objs if o["kind"] == "PodMonitor"]
+    monitor = p.pod_monitor(objs, "node")
     (ds,) = [o for o in objs if o["kind"] == "DaemonSet"]
     pod_labels = ds["spec"]["template"]["metadata"]["labels"]
     selector = monitor["spec"]["selector"]["matchLabels"]
     assert selector.items() <= pod_labels.items()
     (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
     ports = ds["spec"]["template"]["spec"]["containers"][0]["ports"]
-    assert endpoint["port"] in [p["name"] for p in ports]
+    assert endpoint["port"] in [port["name"] for port in ports]
     assert endpoint["interval"] == "15s"
     # Holder series name the holder's namespace, pod and container, which the operator's
     # target labels of the same names would otherwise rename to exported_*.
     assert endpoint["honorLabels"] is True
-    no_port = {**values, "node": {"metricsPort": 0}}
-    assert not [o for o in h.template(helm, no_port) if o["kind"] == "PodMonitor"]
 
 
-def test_every_view_of_the_agents_series_reads_the_job_the_pod_monitor_gives_them(
+def test_pod_monitors_come_with_podmonitor_enabled_for_what_serves_metrics(helm: Path) -> None:
+    def monitored(values: dict[str, Any]) -> list[str]:
+        return sorted(
+            o["spec"]["selector"]["matchLabels"]["app.kubernetes.io/component"]
+            for o in h.template(helm, values)
+            if o["kind"] == "PodMonitor"
+        )
+
+    on = {"monitoring": {"podMonitor": {"enabled": True}}}
+    assert monitored({}) == []
+    assert monitored(on) == ["node", "webhook"]
+    assert monitored({**on, "node": {"metricsPort": 0}}) == ["webhook"]
+    assert monitored({**on, "webhook": {"enabled": False}}) == ["node"]
+
+
+@pytest.mark.parametrize("client_auth", [False, True], ids=["admission-port", "client-auth"])
+@pytest.mark.parametrize("source", sorted(WEBHOOK_TLS))
+def test_the_webhook_pod_monitor_scrapes_its_metrics_over_tls(
+    helm: Path, source: str, client_auth: bool
+) -> None:
+    """The webhook serves /metrics over HTTPS on the port its probes use (the admission
+    port, or with clientAuth the health port, which asks for no client certificate)
+    with a certificate for its Service's name. The scrape verifies it with the CA of
+    the TLS Secret the pods mount; with tls.source=self, whose CA never leaves the pod,
+    it cannot. The tenant namespaces' series keep their `namespace`, and every series
+    gets the job the webhook's alerts read."""
+    webhook: dict[str, Any] = {"tls": WEBHOOK_TLS[source]}
+    if client_auth:
+        webhook["clientAuth"] = CLIENT_AUTH
+    monitoring = {"podMonitor": {"enabled": True, "interval": "15s", "labels": {"release": "kps"}}}
+    objs = h.template(helm, {"webhook": webhook, "monitoring": monitoring})
+    monitor = p.pod_monitor(objs, "webhook")
+    assert monitor["metadata"]["labels"]["release"] == "kps"
+    pod = h.find(objs, "Deployment")["spec"]["template"]
+    (ds,) = [o for o in objs if o["kind"] == "DaemonSet"]
+    selector = monitor["spec"]["selector"]["matchLabels"]
+    assert selector.items() <= pod["metadata"]["labels"].items()
+    assert not selector.items() <= ds["spec"]["template"]["metadata"]["labels"].items()
+    (container,) = pod["spec"]["containers"]
+    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+    assert endpoint["port"] == ("health" if client_auth else "https")
+    assert endpoint["port"] == container["readinessProbe"]["httpGet"]["port"]
+    assert endpoint["port"] in [port["name"] for port in container["ports"]]
+    assert (endpoint["scheme"], endpoint["path"]) == ("https", "/metrics")
+    assert endpoint["interval"] == "15s"
+    assert endpoint["honorLabels"] is True
+    assert endpoint["relabelings"] == [{"targetLabel": "job", "replacement": WEBHOOK_JOB}]
+    tls = endpoint["tlsConfig"]
+    if source == "self":
+        assert tls == {"insecureSkipVerify": True}
+        return
+    assert set(tls) == {"ca", "serverName"}
+    ca = tls["ca"]["secret"]
+    assert ca["key"] == "ca.crt"
+    assert {"name": "certs", "secret": {"secretName": ca["name"]}} in pod["spec"]["volumes"]
+    if source == "helm":
+        assert "ca.crt" in h.find(objs, "Secret", ca["name"])["data"]
+    flags = dict(a.removeprefix("--").split("=", 1) for a in container["args"] if "=" in a)
+    # A name the serving certificate is made for: the webhook's own from the chart's CA,
+    # or the Secret's, which the API server reaches through the Service by that name.
+    assert tls["serverName"] in service_dns_names(flags["service"], flags["namespace"])
+
+
+def test_every_view_of_gpudras_series_reads_the_job_its_pod_monitor_gives_them(
     helm: Path,
 ) -> None:
     """The alerts, the dashboard and `gpudra report` (by default) select the agents'
-    series by the job the PodMonitor sets, whatever the release's name and namespace:
-    a scraped pod's own series cannot carry it (docs/security.md)."""
+    series, and the webhook's alerts the webhook's, by the job each PodMonitor sets,
+    whatever the release's name and namespace: a scraped pod's own series cannot carry
+    it (docs/security.md)."""
 
-    def jobs(values: dict[str, Any], **where: str) -> tuple[str, set[str]]:
+    def jobs(values: dict[str, Any], **where: str) -> tuple[dict[str, str], dict[str, set[str]]]:
         monitoring = {
             **values,
             "podMonitor": {"enabled": True},
@@ -145,10 +217,12 @@ def test_every_view_of_the_agents_series_reads_the_job_the_pod_monitor_gives_the
             **ENABLED["monitoring"],
         }
         objs = h.template(helm, {"monitoring": monitoring}, **where)
-        (monitor,) = [o for o in objs if o["kind"] == "PodMonitor"]
-        (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
-        (set_job,) = [r for r in endpoint["relabelings"] if r["targetLabel"] == "job"]
-        assert "sourceLabels" not in set_job
+        set_jobs = {}
+        for component in ("node", "webhook"):
+            (endpoint,) = p.pod_monitor(objs, component)["spec"]["podMetricsEndpoints"]
+            (set_job,) = [r for r in endpoint["relabelings"] if r["targetLabel"] == "job"]
+            assert "sourceLabels" not in set_job
+            set_jobs[component] = set_job["replacement"]
         exprs = [r["expr"] for r in rules_of(objs).values()]
         (cm,) = [
             o for o in objs if o["kind"] == "ConfigMap" and "dashboard" in o["metadata"]["name"]
@@ -158,20 +232,27 @@ def test_every_view_of_the_agents_series_reads_the_job_the_pod_monitor_gives_the
         assert job["type"] == "constant"
         exprs += [
             e.replace('"$job"', json.dumps(job["query"]))
-            for e in [t["expr"] for p in dashboard["panels"] for t in p.get("targets", ())]
+            for e in [t["expr"] for panel in dashboard["panels"] for t in panel.get("targets", ())]
             + [v["query"]["query"] for v in dashboard["templating"]["list"] if v["type"] == "query"]
         ]
-        selected = set()
+        selected: dict[str, set[str]] = {"node": set(), "webhook": set()}
         for expr in exprs:
-            for name, labels in re.findall(r"\b(gpudra_(?!webhook_)[a-z_]+)(\{[^}]*\})?", expr):
+            for name, labels in re.findall(r"\b(gpudra_[a-z_]+)(\{[^}]*\})?", expr):
                 found = re.findall(r'\bjob="([^"]*)"', labels)
-                assert found, f"{name} in {expr} does not select the agents' job"
-                selected.update(found)
-        return set_job["replacement"], selected
+                assert found, f"{name} in {expr} selects no job"
+                selected["webhook" if name.startswith("gpudra_webhook_") else "node"].update(found)
+        return set_jobs, selected
 
-    assert jobs({}) == (AGENT_JOB, {AGENT_JOB})
+    assert jobs({}) == (
+        {"node": AGENT_JOB, "webhook": WEBHOOK_JOB},
+        {"node": {AGENT_JOB}, "webhook": {WEBHOOK_JOB}},
+    )
     moved = {"release": "gpu", "namespace": "monitoring"}
-    assert jobs({"agentJob": "gpu-agents"}, **moved) == ("gpu-agents", {"gpu-agents"})
+    named = {"agentJob": "gpu-agents", "webhookJob": "gpu-admission"}
+    assert jobs(named, **moved) == (
+        {"node": "gpu-agents", "webhook": "gpu-admission"},
+        {"node": {"gpu-agents"}, "webhook": {"gpu-admission"}},
+    )
 
 
 def test_the_dashboard_loads_in_the_sidecar_and_queries_exported_series(helm: Path) -> None:
