@@ -44,6 +44,7 @@ from gpudra.webhook.convert import (
 )
 from gpudra.webhook.extended_resources import extended_resource_claim, fills_extended_resources
 from gpudra.webhook.metrics import WebhookMetrics
+from gpudra.webhook.owners import api_group, controller_of
 from gpudra.webhook.reviews import (
     AdmissionRequest,
     AdmissionResponse,
@@ -573,8 +574,8 @@ class Admission:
         counted with the group's pods it is refused where a GpuTenant governs: without
         it the group's pods do not start, so nothing escapes.
         """
-        owner = _controller(claim)
-        if owner is None or (_api_group(owner), owner.get("kind")) != POD_GROUP:
+        owner = controller_of(claim)
+        if owner is None or (api_group(owner), owner.get("kind")) != POD_GROUP:
             return None
         if not claim_devices(claim.get("spec"), self._classes):
             return None
@@ -940,22 +941,6 @@ def _extended_claim_name(pod: Mapping[str, Any]) -> str | None:
 POD_GROUP: Final = ("scheduling.k8s.io", "PodGroup")
 """The API group and kind of Kubernetes' PodGroup, the controlling owner of the claims
 made from a group's ``spec.resourceClaims`` (`Admission._group_claim`)."""
-
-
-def _controller(obj: Mapping[str, Any]) -> Mapping[str, Any] | None:
-    """`obj`'s controlling owner reference (``controller: true``), or None."""
-    metadata = obj.get("metadata")
-    owners = metadata.get("ownerReferences") if isinstance(metadata, Mapping) else None
-    for owner in owners if isinstance(owners, list) else ():
-        if isinstance(owner, Mapping) and owner.get("controller") is True:
-            return owner
-    return None
-
-
-def _api_group(reference: Mapping[str, Any]) -> str:
-    """The API group of an owner reference's ``apiVersion`` ("" for the core group)."""
-    version = reference.get("apiVersion")
-    return version.rpartition("/")[0] if isinstance(version, str) else ""
 
 
 def _entry_filled_by(pod: Mapping[str, Any], claim: Mapping[str, Any]) -> str | None:

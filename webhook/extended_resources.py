@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from gpudra.api.quantity import QuantityError, parse_quantity
+from gpudra.webhook.owners import controller_of
 
 __all__ = [
     "DEVICE_CLASS_PREFIX",
@@ -114,14 +115,13 @@ def fills_extended_resources(claim: Mapping[str, Any], pod: Mapping[str, Any]) -
     pod_meta = pod.get("metadata")
     pod_meta = pod_meta if isinstance(pod_meta, Mapping) else {}
     uid, name = pod_meta.get("uid"), pod_meta.get("name")
-    owners = metadata.get("ownerReferences")
-    return uid is not None and any(
-        isinstance(o, Mapping)
-        and o.get("kind") == "Pod"
-        and o.get("controller") is True
-        and o.get("uid") == uid
-        and o.get("name") == name
-        for o in (owners if isinstance(owners, list) else ())
+    owner = controller_of(claim)
+    return (
+        uid is not None
+        and owner is not None
+        and owner.get("kind") == "Pod"
+        and owner.get("uid") == uid
+        and owner.get("name") == name
     )
 
 

@@ -23,6 +23,7 @@ from typing import Any, Final
 
 from gpudra.common.kube import RESOURCE_API, ApiError, Kube
 from gpudra.webhook.convert import same_claim_spec
+from gpudra.webhook.owners import controller_of
 from gpudra.webhook.tenant_rules import POD_CLAIM_NAME_ANNOTATION, StoredClaim
 
 # Kueue's API versions with Workloads, newest first: each serves every Workload.
@@ -142,11 +143,8 @@ class ApiClaimReader:
             metadata = claim.get("metadata") if isinstance(claim, dict) else None
             if not isinstance(metadata, dict):
                 continue
-            owners = metadata.get("ownerReferences")
-            controlled = any(
-                isinstance(o, dict) and o.get("controller") is True and o.get("uid") == pod_uid
-                for o in (owners if isinstance(owners, list) else ())
-            )
+            owner = controller_of(claim)
+            controlled = owner is not None and owner.get("uid") == pod_uid
             annotations = metadata.get("annotations")
             entry = (
                 annotations.get(POD_CLAIM_NAME_ANNOTATION)

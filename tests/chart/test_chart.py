@@ -7,7 +7,7 @@ import base64
 import copy
 import json
 import re
-import subprocess
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +29,6 @@ from gpudra.webhook.tenant_state import QUOTA_NAME
 from gpudra.webhook.validate import driver_classes
 from pydantic import TypeAdapter
 
-from e2e.pins import TOOL_VERSIONS, pinned
 from e2e.tools import helm as h
 
 REPO = Path(__file__).resolve().parents[2]
@@ -317,22 +316,15 @@ def test_extra_device_classes_reach_the_webhook_and_its_registration(helm: Path)
     h.template(helm, {"webhook": {"extraDeviceClasses": None}})
 
 
-def test_the_previous_releases_values_render_every_flag(helm: Path, tmp_path: Path) -> None:
+def test_the_previous_releases_values_render_every_flag(
+    helm: Path, tmp_path: Path, previous_release_file: Callable[[str], str]
+) -> None:
     """`helm upgrade --reset-then-reuse-values` (docs/install.md) from the previous
     release: an admin who set every value that release knew, and the new chart's
     defaults for the rest. Every container flag gets a value (an empty `--flag=` is one
     the agent or webhook refuses at start)."""
-    commit = pinned("GPUDRA_PREVIOUS_RELEASE_COMMIT", TOOL_VERSIONS)
-    shown = subprocess.run(
-        ["git", "show", f"{commit}:charts/gpudra/values.yaml"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    assert shown.returncode == 0, f"the previous release is not in this clone: {shown.stderr}"
     old = tmp_path / "previous-values.yaml"
-    old.write_text(shown.stdout)
+    old.write_text(previous_release_file("charts/gpudra/values.yaml"))
     objects = h.template(helm, old)
     flags = [
         arg

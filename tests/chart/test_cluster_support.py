@@ -142,19 +142,16 @@ def cluster_at(tmp_path: Path) -> Iterator[Any]:
         server.server_close()
 
 
-def install(helm: Path, kubeconfig: Path) -> str:
+def helm_failure(helm: Path, kubeconfig: Path, *args: str) -> str:
+    """What `helm ARGS` against the endpoint of `kubeconfig`, in namespace gpudra, failed
+    with (this endpoint can never complete an install)."""
     with pytest.raises(h.HelmFailed) as failure:
-        h.run(
-            helm,
-            "install",
-            "gpudra",
-            str(h.CHART),
-            "--namespace",
-            "gpudra",
-            "--kubeconfig",
-            str(kubeconfig),
-        )
+        h.run(helm, *args, "--namespace", "gpudra", "--kubeconfig", str(kubeconfig))
     return str(failure.value)
+
+
+def install(helm: Path, kubeconfig: Path) -> str:
+    return helm_failure(helm, kubeconfig, "install", "gpudra", str(h.CHART))
 
 
 RESOURCE_V1 = {"resource.k8s.io": ["v1", "v1beta2"], "apps": ["v1"]}
@@ -277,20 +274,8 @@ def installed(version: str) -> dict[str, Any]:
 def upgrade(helm: Path, kubeconfig: Path, tmp: Path, node: dict[str, Any]) -> str:
     """`helm upgrade --install` with the working tree's chart and these node values; what
     it failed with (this endpoint can never complete one)."""
-    with pytest.raises(h.HelmFailed) as failure:
-        h.run(
-            helm,
-            "upgrade",
-            "--install",
-            "gpudra",
-            str(h.CHART),
-            "--namespace",
-            "gpudra",
-            "--kubeconfig",
-            str(kubeconfig),
-            *h.values_args([{"node": node}], tmp),
-        )
-    return str(failure.value)
+    values = h.values_args([{"node": node}], tmp)
+    return helm_failure(helm, kubeconfig, "upgrade", "--install", "gpudra", str(h.CHART), *values)
 
 
 @pytest.mark.parametrize(

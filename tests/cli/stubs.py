@@ -9,7 +9,7 @@ import json
 import subprocess
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -126,12 +126,13 @@ def api_server(pods: list[dict[str, Any]], folder: Path) -> Iterator[tuple[Path,
         yield kubeconfig, asked
 
 
-def gpudra(*args: str) -> subprocess.CompletedProcess[str]:
-    """`gpudra ARGS` as the admin runs it."""
+def gpudra(*args: str, env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """`gpudra ARGS` as the admin runs it (in `env`, where given)."""
     return subprocess.run(
         [sys.executable, "-m", "gpudra.cli", *args],
         capture_output=True,
         text=True,
         timeout=60,
         check=False,
+        env=env,
     )

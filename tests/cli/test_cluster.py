@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from gpudra.common.kube import kubeconfig_source
 
-from tests.cli.stubs import api_server
+from tests.cli.stubs import api_server, gpudra
 
 
 def run_without_kubeconfig(home: Path, *args: str) -> subprocess.CompletedProcess[str]:
@@ -23,14 +22,7 @@ def run_without_kubeconfig(home: Path, *args: str) -> subprocess.CompletedProces
         if k not in ("KUBECONFIG", "KUBERNETES_SERVICE_HOST", "KUBERNETES_SERVICE_PORT")
     }
     env["HOME"] = str(home)
-    return subprocess.run(
-        [sys.executable, "-m", "gpudra.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-        env=env,
-    )
+    return gpudra(*args, env=env)
 
 
 def test_the_order_is_the_flag_then_kubeconfig_then_the_home_file(tmp_path: Path) -> None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import threading
 import urllib.parse
 from collections.abc import Iterator
@@ -15,15 +14,11 @@ from pathlib import Path
 
 import pytest
 
+from tests.cli.stubs import gpudra
+
 
 def report(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "gpudra.cli", "report", *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    return gpudra("report", *args)
 
 
 def test_from_the_agents_counters(endpoint: str) -> None:
@@ -122,14 +117,7 @@ def test_a_prometheus_that_does_not_answer_is_one_line_and_a_failure() -> None:
 def test_no_cluster_to_find_the_agents_in_says_what_to_give(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k != "KUBECONFIG"}  # and not in a pod
     env["HOME"] = str(tmp_path)  # no ~/.kube/config either
-    done = subprocess.run(
-        [sys.executable, "-m", "gpudra.cli", "report"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-        env=env,
-    )
+    done = gpudra("report", env=env)
     assert done.returncode != 0
     [line] = done.stderr.splitlines()
     assert line.startswith("gpudra report: no cluster to read")
