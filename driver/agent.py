@@ -204,20 +204,23 @@ class NodeAgent:
                     extra={"fields": {**fields, "error": str(e), "retry_s": delay}},
                 )
                 await anyio.sleep(delay)
+        assert self.health is not None
+        # Taken before the watcher starts: what its first events change (a GPU whose
+        # events cannot be watched, one lost) reaches the slices as any later change.
+        generation = self.health.generation
         async with anyio.create_task_group() as tg:
             await tg.start(self.slices.run)
             if self.config.health_events:
-                assert self.health is not None
                 watcher = NvmlHealthWatcher(self.nvml, self.health, resets=self._resets)
                 await tg.start(watcher.run)
-            tg.start_soon(self._follow_health)
+            tg.start_soon(self._follow_health, generation)
             tg.start_soon(self._rescan_loop)
             self.ready.set()
             task_status.started()
 
-    async def _follow_health(self) -> None:
+    async def _follow_health(self, generation: int) -> None:
+        """Trigger the slices at every health change after `generation`."""
         assert self.health is not None
-        generation = self.health.report().generation
         while True:
             await self.health.wait_for_change(generation)
             generation = self.health.report().generation

@@ -790,12 +790,16 @@ class SliceController:
     async def reconcile_once(self) -> None:
         self.reconciles += 1
         if self._plan is None:
+            # The limits first: `_limits` awaits the server, and a `trigger()` while it
+            # does clears a plan not made yet. Read before that await, the content
+            # would be planned as it was, the trigger lost, and the change (a taint)
+            # left unpublished until the next one.
+            limits = self._plan_limits = await self._limits()
             content = self.source()
             if self.counters_refused:
                 content = without_counters(content)
             if self.taints_refused:
                 content = without_taints(content)
-            limits = self._plan_limits = await self._limits()
             self._plan = plan_slices(content, limits)
         bodies = self._plan
         observed = dict(self._cache)

@@ -122,17 +122,26 @@ def scheduler_error(kube: SyncKube, ns: str, pod: str) -> str:
     return ""
 
 
-def published(kube: SyncKube, node: str) -> dict[str, dict[str, Any]]:
-    items = kube.request(
-        "GET", SLICES, query={"fieldSelector": f"spec.nodeName={node},spec.driver={DRIVER}"}
-    )["items"]
-    return {d["name"]: d for o in items for d in o["spec"].get("devices", [])}
+async def published(kube: SyncKube, node: str) -> dict[str, dict[str, Any]]:
+    """The node's devices by name, as the scheduler reads its pool: from the slices of
+    the newest generation, once all of them are written. The agent writes a generation
+    slice by slice, and a device tainted moves to a slice of its own (`plan_slices`),
+    so a read between two writes can find it in none: it reads again then."""
+    query = {"fieldSelector": f"spec.nodeName={node},spec.driver={DRIVER}"}
+    with anyio.fail_after(30):
+        while True:
+            items = kube.request("GET", SLICES, query=query)["items"]
+            newest = max((o["spec"]["pool"]["generation"] for o in items), default=None)
+            current = [o for o in items if o["spec"]["pool"]["generation"] == newest]
+            if current and len(current) == current[0]["spec"]["pool"]["resourceSliceCount"]:
+                return {d["name"]: d for o in current for d in o["spec"].get("devices", [])}
+            await anyio.sleep(0.05)
 
 
 async def test_h100_node_publishes_upstream_names_and_attributes(
     nodes: dict[str, Node], kube: SyncKube
 ) -> None:
-    devs = published(kube, "worker-1")
+    devs = await published(kube, "worker-1")
     whole = {n for n, d in devs.items() if d["attributes"]["type"]["string"] == "gpu"}
     assert whole == {f"gpu-{i}" for i in range(8)}
     g0 = devs["gpu-0"]
@@ -174,7 +183,7 @@ async def test_static_mig_device_from_a100_profile_is_allocated(
 ) -> None:
     migs = {
         n: d
-        for n, d in published(kube, "worker-2").items()
+        for n, d in (await published(kube, "worker-2")).items()
         if d["attributes"]["type"]["string"] == "mig"
     }
     assert migs, "the A100 mixed profile has MIG devices"
@@ -219,7 +228,7 @@ async def test_a_selector_on_the_legacy_index_needs_the_option(
     agent.slices.trigger()
     res = await allocation(kube, ns, "p")
     assert (res["pool"], res["device"]) == ("worker-1", "gpu-0")
-    assert published(kube, "worker-1")["gpu-0"]["attributes"]["index"] == {"int": 0}
+    assert (await published(kube, "worker-1"))["gpu-0"]["attributes"]["index"] == {"int": 0}
     kube.delete("Namespace", ns)
 
 
@@ -238,13 +247,13 @@ async def test_xid_taint_steers_scheduler_and_clears(
     if reason := features.device_taints(kube):
         pytest.skip(reason)
     node = nodes["worker-1"]
-    uuid = published(kube, "worker-1")["gpu-3"]["attributes"]["uuid"]["string"]
+    uuid = (await published(kube, "worker-1"))["gpu-3"]["attributes"]["uuid"]["string"]
     # Contained memory error: critical, but NVIDIA has no GPU reset for it, so it heals.
     node.nvml.inject_xid(3, 94)
     with anyio.fail_after(30):
-        while not published(kube, "worker-1")["gpu-3"].get("taints"):
+        while not (await published(kube, "worker-1"))["gpu-3"].get("taints"):
             await anyio.sleep(0.1)
-    (taint,) = published(kube, "worker-1")["gpu-3"]["taints"]
+    (taint,) = (await published(kube, "worker-1"))["gpu-3"]["taints"]
     assert taint["key"] == f"{DRIVER}/xid" and taint["value"] == "94"
     assert taint["effect"] == "NoSchedule"
 
@@ -267,14 +276,14 @@ async def test_xid_taint_steers_scheduler_and_clears(
     assert res["device"] == "gpu-3"
     # After `recovery_after_s` without new errors the taint is removed, no restart.
     with anyio.fail_after(60):
-        while published(kube, "worker-1")["gpu-3"].get("taints"):
+        while (await published(kube, "worker-1"))["gpu-3"].get("taints"):
             await anyio.sleep(0.2)
     kube.delete("Namespace", ns)
 
 
-def on_worker_1_gpu(kube: SyncKube, device: str) -> dict[str, Any]:
+async def on_worker_1_gpu(kube: SyncKube, device: str) -> dict[str, Any]:
     """A request for exactly that whole GPU of worker-1, selected by its UUID."""
-    uuid = published(kube, "worker-1")[device]["attributes"]["uuid"]["string"]
+    uuid = (await published(kube, "worker-1"))[device]["attributes"]["uuid"]["string"]
     sel = {"cel": {"expression": f'device.attributes["{DRIVER}"].uuid == "{uuid}"'}}
     return {"deviceClassName": "gpu.nvidia.com", "selectors": [sel]}
 
@@ -290,7 +299,7 @@ async def test_a_device_taint_rule_keeps_new_pods_off_a_device_for_maintenance(
     """NoSchedule keeps a new pod off the device until the rule is deleted."""
     ns = smoke.make_namespace(kube, "rule")
     with taint_rule(kube, "gpu-4", "NoSchedule"):
-        claim_pod(kube, ns, "p", on_worker_1_gpu(kube, "gpu-4"))
+        claim_pod(kube, ns, "p", await on_worker_1_gpu(kube, "gpu-4"))
         assert await unschedulable(kube, ns, "p")
     res = await allocation(kube, ns, "p")
     assert (res["pool"], res["device"]) == ("worker-1", "gpu-4")
@@ -302,7 +311,7 @@ async def test_a_no_execute_device_taint_rule_evicts_the_pod_using_the_device(
 ) -> None:
     """Maintenance that cannot wait: a NoExecute rule makes the controller-manager evict
     the pod holding the device (its claim goes with it), and keeps new pods off it."""
-    exactly = on_worker_1_gpu(kube, "gpu-2")
+    exactly = await on_worker_1_gpu(kube, "gpu-2")
     ns = smoke.make_namespace(kube, "evict")
     claim_pod(kube, ns, "user", exactly)
     assert (await allocation(kube, ns, "user"))["device"] == "gpu-2"
@@ -390,7 +399,7 @@ async def test_admin_access_needs_the_namespace_label_and_reaches_a_gpu_in_use(
 ) -> None:
     """A monitoring claim with adminAccess gets a GPU another pod holds, but only in a
     namespace labelled for it; elsewhere the API server refuses the template."""
-    uuid = published(kube, "worker-1")["gpu-7"]["attributes"]["uuid"]["string"]
+    uuid = (await published(kube, "worker-1"))["gpu-7"]["attributes"]["uuid"]["string"]
     sel = {"cel": {"expression": f'device.attributes["{DRIVER}"].uuid == "{uuid}"'}}
     exactly: dict[str, Any] = {"deviceClassName": "gpu.nvidia.com", "selectors": [sel]}
     users = smoke.make_namespace(kube, "user")
@@ -421,9 +430,9 @@ async def test_application_xid_is_informational(nodes: dict[str, Node], kube: Sy
         pytest.skip(reason)
     nodes["worker-1"].nvml.inject_xid(5, 13)
     with anyio.fail_after(30):
-        while not published(kube, "worker-1")["gpu-5"].get("taints"):
+        while not (await published(kube, "worker-1"))["gpu-5"].get("taints"):
             await anyio.sleep(0.1)
-    (taint,) = published(kube, "worker-1")["gpu-5"]["taints"]
+    (taint,) = (await published(kube, "worker-1"))["gpu-5"]["taints"]
     assert taint["effect"] == "None" and taint["value"] == "13"
 
 
@@ -439,7 +448,7 @@ async def test_a_crashing_workload_does_not_rewrite_the_nodes_slices(
     node = nodes["worker-1"]
     node.nvml.inject_xid(6, 31)
     with anyio.fail_after(30):
-        while not published(kube, "worker-1")["gpu-6"].get("taints"):
+        while not (await published(kube, "worker-1"))["gpu-6"].get("taints"):
             await anyio.sleep(0.05)
 
     def versions() -> dict[str, str]:
@@ -450,7 +459,7 @@ async def test_a_crashing_workload_does_not_rewrite_the_nodes_slices(
     before = versions()
     health = node.agent.health
     assert health is not None
-    uuid = published(kube, "worker-1")["gpu-6"]["attributes"]["uuid"]["string"]
+    uuid = (await published(kube, "worker-1"))["gpu-6"]["attributes"]["uuid"]["string"]
     crashes = (43, 13, 31) * 4
     for xid in crashes:
         node.nvml.inject_xid(6, xid)
@@ -460,7 +469,7 @@ async def test_a_crashing_workload_does_not_rewrite_the_nodes_slices(
     node.agent.slices.trigger()  # a reconcile now would write what differs
     await anyio.sleep(0.5)
     assert versions() == before
-    (taint,) = published(kube, "worker-1")["gpu-6"]["taints"]
+    (taint,) = (await published(kube, "worker-1"))["gpu-6"]["taints"]
     assert (taint["value"], taint["effect"]) == ("31", "None")
 
 
@@ -472,16 +481,16 @@ async def test_an_informational_taint_never_holds_up_the_slice(
     nodes["worker-1"].nvml.inject_xid(2, 13)
     nodes["worker-1"].nvml.inject_xid(1, 94)
     with anyio.fail_after(30):
-        while not published(kube, "worker-1")["gpu-1"].get("taints"):
+        while not (await published(kube, "worker-1"))["gpu-1"].get("taints"):
             await anyio.sleep(0.1)
-    (critical,) = published(kube, "worker-1")["gpu-1"]["taints"]
+    (critical,) = (await published(kube, "worker-1"))["gpu-1"]["taints"]
     assert (critical["value"], critical["effect"]) == ("94", "NoSchedule")
     # Both XIDs are handled in order, so the first was dealt with by now.
     if features.informational_taints(kube):
-        assert not published(kube, "worker-1")["gpu-2"].get("taints")
+        assert not (await published(kube, "worker-1"))["gpu-2"].get("taints")
         return
     with anyio.fail_after(30):
-        while not (informational := published(kube, "worker-1")["gpu-2"].get("taints")):
+        while not (informational := (await published(kube, "worker-1"))["gpu-2"].get("taints")):
             await anyio.sleep(0.1)
     assert [(t["value"], t["effect"]) for t in informational] == [("13", "None")]
 
@@ -491,9 +500,9 @@ async def test_gpu_lost_is_no_execute(nodes: dict[str, Node], kube: SyncKube) ->
         pytest.skip(reason)
     nodes["worker-1"].nvml.lose_gpu(6)
     with anyio.fail_after(30):
-        while not published(kube, "worker-1")["gpu-6"].get("taints"):
+        while not (await published(kube, "worker-1"))["gpu-6"].get("taints"):
             await anyio.sleep(0.1)
-    effects = {t["effect"] for t in published(kube, "worker-1")["gpu-6"]["taints"]}
+    effects = {t["effect"] for t in (await published(kube, "worker-1"))["gpu-6"]["taints"]}
     assert "NoExecute" in effects
     nodes["worker-1"].nvml.recover_gpu(6)
 
@@ -589,7 +598,7 @@ async def test_claim_status_is_written_and_removed_where_the_server_keeps_it(
     pool, device = result["pool"], result["device"]
     name = kube.get("Pod", "held", ns)["status"]["resourceClaimStatuses"][0]["resourceClaimName"]
     obj = kube.get("ResourceClaim", name, ns)
-    uuid = published(kube, pool)[device]["attributes"]["uuid"]["string"]
+    uuid = (await published(kube, pool))[device]["attributes"]["uuid"]["string"]
     config = tmp_path / "node.kubeconfig"
     akube = await Kube.connect(
         str(agent_kubeconfig(kube, ns, pool, config, sa="node", claim_status=True))

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import logging
 import re
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -14,31 +13,8 @@ from gpudra.cli import logs
 _TS = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z")
 
 
-@pytest.fixture
-def restored_logging() -> Iterator[None]:
-    """`logs.setup` configures the whole process: put it back for the other tests."""
-    root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
-    switches = (
-        logging._srcfile,
-        logging.logThreads,
-        logging.logProcesses,
-        logging.logMultiprocessing,
-    )
-    yield
-    root.handlers[:] = handlers
-    root.setLevel(level)
-    (
-        logging._srcfile,
-        logging.logThreads,
-        logging.logProcesses,
-        logging.logMultiprocessing,
-    ) = switches
-
-
-def test_each_record_is_one_json_line_with_its_fields(
-    restored_logging: None, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_each_record_is_one_json_line_with_its_fields(capsys: pytest.CaptureFixture[str]) -> None:
+    # `logs.setup` configures the whole process; tests/conftest.py puts it back.
     logs.setup("info")
     log = logging.getLogger("gpudra.test")
     log.debug("not at info")

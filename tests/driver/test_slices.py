@@ -11,12 +11,15 @@ from __future__ import annotations
 import copy
 import logging
 import re
+import threading
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Any
 
+import anyio
+import pynvml
 import pytest
 from aiohttp import web
 from gpudra.api.names import dns_subdomain_problem
@@ -29,6 +32,7 @@ from gpudra.driver.devices import MigStrategy, SharedGpus, discover
 from gpudra.driver.gpushares import GpuShares
 from gpudra.driver.health import HealthPolicy, HealthState, UnmonitoredEvent, XidEvent
 from gpudra.driver.nvml import NvmlEmulator, load_nvml
+from gpudra.driver.nvml.emulator import load_builtin_profile
 from gpudra.driver.slices import (
     SLICES,
     DeviceLimitError,
@@ -245,11 +249,14 @@ class ApiServer:
     DRAPartitionableDevices gate is off (strategy.go drops the counter fields);
     `drop_taints`: its DRADeviceTaints gate is off (strategy.go drops the devices'
     taints unless the slice stored already has some); `refuse`: a validation that
-    answers 422 with its message."""
+    answers 422 with its message; `on_request`: called with each request's method and
+    path before it is answered, while the client waits. Lists and watches the slices
+    (the watch sends nothing and ends soon, as a quiet one does at its timeout)."""
 
     drop_counters: bool = False
     drop_taints: bool = False
     refuse: Callable[[dict[str, Any]], str | None] | None = None
+    on_request: Callable[[str, str], None] | None = None
     minor: int = 36
     store: dict[str, dict[str, Any]] = field(default_factory=dict)
     writes: list[tuple[str, str]] = field(default_factory=list)
@@ -272,6 +279,8 @@ class ApiServer:
 
     async def handle(self, request: web.Request) -> web.Response:
         path, method = request.path, request.method
+        if self.on_request is not None:
+            self.on_request(method, path)
         if path == "/version":
             return web.json_response({"major": "1", "minor": str(self.minor)})
         if path.startswith("/api/v1/nodes/"):
@@ -279,6 +288,12 @@ class ApiServer:
         if not path.startswith(SLICES):
             return web.json_response({"message": "not found"}, status=404)
         name = path.removeprefix(SLICES).strip("/")
+        if method == "GET" and not name and request.query.get("watch") == "true":
+            await anyio.sleep(0.1)
+            return web.Response(content_type="application/json")
+        if method == "GET" and not name:
+            listing = {"items": list(self.store.values()), "metadata": {"resourceVersion": "1"}}
+            return web.json_response(listing)
         if method == "DELETE":
             self.writes.append((method, name))
             self.store.pop(name, None)
@@ -478,6 +493,92 @@ async def test_a_server_that_drops_taints_gets_no_broken_device(
     else:
         assert published["gpu-3"]["taints"][0]["effect"] == "NoSchedule"
         assert slices.taints_refused == [] and errors == []
+
+
+# --- health changes that come while the agent is busy ---------------------------------------
+
+
+@pytest.mark.anyio
+async def test_a_taint_raised_while_the_server_version_is_read_is_published() -> None:
+    """A reconcile reads the server's version (its limits) before it plans the pool;
+    an XID whose trigger comes during that read is published by the run the trigger
+    asks for. Planned from the content read before the read, the run took a stale
+    plan for a new one: the trigger was lost, and the taint stayed unpublished until
+    the next change, which could be its own expiry."""
+    inventory = discover(load_nvml("emulated:h100-80gb-hbm3-x8"))
+    health = HealthState(inventory, HealthPolicy())
+
+    def source() -> PoolContent:
+        return publish.pool_content(inventory, MigStrategy.STATIC, health.report(), driver=DRIVER)
+
+    server = ApiServer(minor=35)
+    async with api_server(server) as kube:
+        slices = SliceController(kube, driver=DRIVER, node="n1", source=source)
+        await slices.reconcile_once()
+
+        def second_xid(method: str, path: str) -> None:
+            if path == "/version":
+                server.on_request = None
+                health.apply(XidEvent(inventory.gpus[1].uuid, 94))
+                slices.trigger()
+
+        health.apply(XidEvent(inventory.gpus[2].uuid, 13))
+        slices.trigger()
+        server.on_request = second_xid
+        await slices.reconcile_once()
+        await slices.reconcile_once()  # the run the second trigger asks for
+    published = {d["name"]: d for d in devices_in(server.pool())}
+    assert [(t["value"], t["effect"]) for t in published["gpu-1"]["taints"]] == [
+        ("94", "NoSchedule")
+    ]
+    assert [(t["value"], t["effect"]) for t in published["gpu-2"]["taints"]] == [("13", "None")]
+
+
+class WatchedOnceWritten(NvmlEmulator):
+    """Eight H100s whose health events are registered only once `written` is set (the
+    pool is on the server), and GPU 3's not at all: NVML refuses it."""
+
+    def __init__(self, written: threading.Event) -> None:
+        super().__init__(load_builtin_profile("h100-80gb-hbm3-x8"))
+        self.written = written
+
+    def nvmlDeviceRegisterEvents(self, handle: Any, eventTypes: int, eventSet: Any) -> None:
+        if not self.written.wait(30):
+            raise AssertionError("the agent wrote no slice")
+        if self.nvmlDeviceGetIndex(handle) == 3:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        super().nvmlDeviceRegisterEvents(handle, eventTypes, eventSet)
+
+
+@pytest.mark.anyio
+async def test_a_gpu_the_watcher_cannot_watch_is_published_unmonitored() -> None:
+    """What the health watcher finds as it starts (a GPU whose events NVML will not
+    deliver) changes the pool like any later event, also after the first slices were
+    written without it. The agent once followed health from the generation after the
+    watcher's start, so that change reached no slice until another one came."""
+    written = threading.Event()
+
+    def on_request(method: str, _path: str) -> None:
+        if method == "POST":
+            written.set()
+
+    def gpu_3_tainted() -> bool:
+        """Read from every slice stored: a generation is written slice by slice."""
+        devices = (d for o in server.store.values() for d in o["spec"].get("devices") or [])
+        return any(d["name"] == "gpu-3" and d.get("taints") for d in devices)
+
+    server = ApiServer(on_request=on_request)
+    async with api_server(server) as kube:
+        agent = NodeAgent(AgentConfig(node_name="n1"), kube, WatchedOnceWritten(written))
+        async with anyio.create_task_group() as tg:
+            await tg.start(agent.run)
+            with anyio.fail_after(10):
+                while not gpu_3_tainted():
+                    await anyio.sleep(0.02)
+            tg.cancel_scope.cancel()
+    (gpu3,) = [d for d in devices_in(server.pool()) if d["name"] == "gpu-3"]
+    taints = [(t["key"], t["effect"]) for t in gpu3["taints"]]
+    assert taints == [(f"{DRIVER}/unmonitored", "None")]
 
 
 def refuse_counters_beside_devices(body: dict[str, Any]) -> str | None:
