@@ -388,8 +388,10 @@ async def test_a_pod_groups_claim_is_refused_where_a_tenant_governs(
     tied to any of them, so no per-pod rule could hold for it. The cluster admin, as the
     resourceclaim controller would, creates such a claim in a tenant's namespace (the
     PodGroup itself need not exist): it is refused, naming the owner and the fix, and
-    the same claim without that owner is admitted."""
-    tenant = await run_sync(lambda: with_tenant(kube, namespace, maxDevicesPerPod=2))
+    the same claim without that owner is admitted. The rule holds wherever a GpuTenant
+    governs, whatever its limits (with a per-pod limit this webhook, which reads no
+    pods, would refuse the second claim too)."""
+    tenant = await run_sync(lambda: with_tenant(kube, namespace, allowedSharing=["Exclusive"]))
     try:
         await tenant_rules_loaded(env, namespace)
         grouped = claim(namespace, "group-b", {**WHOLE_GPU, "count": 2})
