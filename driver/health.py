@@ -19,9 +19,14 @@ problems:
 - a double-bit ECC error taints `gpu.nvidia.com/ecc=double-bit` like a critical XID;
 - a lost GPU taints `gpu.nvidia.com/gpu-lost` with NoExecute;
 - a GPU whose events cannot be watched gets `gpu.nvidia.com/unmonitored` (effect None),
-  and so do the MIG devices of a GPU whose MIG instance events NVML withholds: it
-  reports them only to a caller with the MIG monitor capability (nvml.h,
-  nvmlEventSetWait_v2), which discovery found missing (`Gpu.gaps`);
+  lifted once a later try registers them (NVML errors are tried again, 10 s after the
+  first and twice as long after each, at most 5 min), and so do the MIG devices of a
+  GPU whose MIG instance events NVML withholds: it reports them only to a caller with
+  the MIG monitor capability (nvml.h, nvmlEventSetWait_v2), which discovery found
+  missing (`Gpu.gaps`);
+- XID 154 (GPU recovery action changed) follows the recovery action NVML reports with
+  it (`RESET_RECOVERY_ACTIONS`): a reset or reboot waits for a reset, none is
+  informational, others (or an action NVML does not give) are timed;
 - unlike upstream, taints go away again, each on its own evidence. An XID after which
   NVIDIA's XID catalogue has the GPU reset (or more: the node rebooted, the board
   serviced) before reuse, `RESET_XIDS` plus a configured list, and a double-bit ECC
@@ -59,7 +64,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from enum import StrEnum
-from typing import Any
+from typing import Any, Final
 
 import anyio
 import anyio.to_thread
@@ -68,7 +73,12 @@ from anyio.abc import TaskStatus
 from gpudra.driver.devices import Inventory, mig_device_name
 from gpudra.driver.gpuresets import GpuResets, PendingReset
 from gpudra.driver.nvml import NvmlLibrary
-from gpudra.driver.nvml.codes import FULL_GPU_INSTANCE_ID
+from gpudra.driver.nvml.codes import (
+    FULL_GPU_INSTANCE_ID,
+    RECOVERY_ACTION_XID,
+    constant_names,
+    describe_nvml_error,
+)
 from gpudra.driver.nvml.handles import device_handle, handle_address
 
 logger = logging.getLogger(__name__)
@@ -90,6 +100,25 @@ APPLICATION_XIDS = frozenset({13, 31, 43, 45, 68, 109})
 # catalogue has restarted, ignored or decoded first (74, 144-150: NVLink) are not here.
 RESET_XIDS = frozenset(
     {46, 48, 54, 62, 64, 79, 95, 110, 119, 120, 136, 140, 142, 143, 151, 155, 156, 158}
+)
+# XID 154 ("GPU recovery action changed", drivers R565 on) is treated as the recovery
+# action NVML reports with it says (field NVML_FI_DEV_GET_GPU_RECOVERY_ACTION). These
+# have the GPU reset or more before reuse: NVIDIA's memory error guide ("terminate all
+# GPU processes, then reset"; "reboot"), the ones DCGM's health watch fails a GPU on
+# (GPU reset, node reboot, drain and reset) and the bus reset and system reboot of
+# later branches. NONE needs nothing (informational); DRAIN_P2P is followed by another
+# action once P2P work drained; RECOVER_IMEX_DOMAIN concerns the IMEX domain, not the
+# GPU: those two are timed, as an XID 154 whose action cannot be read is.
+_RECOVERY_ACTIONS: Final = constant_names("NVML_GPU_RECOVERY_ACTION_")
+"""Readable recovery actions, for the log."""
+RESET_RECOVERY_ACTIONS = frozenset(
+    {
+        pynvml.NVML_GPU_RECOVERY_ACTION_GPU_RESET,
+        pynvml.NVML_GPU_RECOVERY_ACTION_NODE_REBOOT,
+        pynvml.NVML_GPU_RECOVERY_ACTION_DRAIN_AND_RESET,
+        6,  # NVML_GPU_RECOVERY_ACTION_BUS_RESET and
+        7,  # SYSTEM_REBOOT (NVML 615): named in nvidia-ml-py newer than its floor
+    }
 )
 
 
@@ -175,6 +204,18 @@ class HealthPolicy:
             return False
         return xid in self.reset_xids or xid in self.extra_reset_xids
 
+    def treatment(self, xid: int, recovery: int | None = None) -> tuple[TaintEffect, bool]:
+        """The taint effect of an XID and whether it waits for a GPU reset. `recovery`:
+        the recovery action read with XID 154 (`RESET_RECOVERY_ACTIONS`), which decides
+        unless the admin listed 154 themselves."""
+        listed = xid in self.extra_application_xids or xid in self.extra_reset_xids
+        if recovery is not None and xid == RECOVERY_ACTION_XID and not listed:
+            if recovery == pynvml.NVML_GPU_RECOVERY_ACTION_NONE:
+                return TaintEffect.NONE, False
+            return self.critical_effect, recovery in RESET_RECOVERY_ACTIONS
+        effect = TaintEffect.NONE if self.is_application_xid(xid) else self.critical_effect
+        return effect, self.needs_reset(xid)
+
 
 # --- events --------------------------------------------------------------------------------
 
@@ -191,6 +232,8 @@ class XidEvent:
     xid: int
     device: str | None = None
     unplaced: bool = False
+    recovery: int | None = None
+    """With XID 154: the recovery action NVML reported then; None where not read."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -229,8 +272,22 @@ class UnmonitoredEvent:
     reason: str
 
 
+@dataclass(frozen=True, slots=True)
+class MonitoredEvent:
+    """The events of a GPU that was unmonitored are registered now (a registration
+    that failed succeeded on a later try): its health is known again."""
+
+    gpu_uuid: str
+
+
 HealthEvent = (
-    XidEvent | EccEvent | GpuLostEvent | GpuRecoveredEvent | GpuResetEvent | UnmonitoredEvent
+    XidEvent
+    | EccEvent
+    | GpuLostEvent
+    | GpuRecoveredEvent
+    | GpuResetEvent
+    | UnmonitoredEvent
+    | MonitoredEvent
 )
 
 
@@ -414,10 +471,7 @@ class HealthState:
             case XidEvent(xid=xid):
                 key = (event.gpu_uuid, xid)
                 self._xid_counts = {**self._xid_counts, key: self._xid_counts.get(key, 0) + 1}
-                effect = (
-                    TaintEffect.NONE if policy.is_application_xid(xid) else policy.critical_effect
-                )
-                reset = policy.needs_reset(xid)
+                effect, reset = policy.treatment(xid, event.recovery)
                 for name in self._xid_targets(event, names, reset=reset):
                     changed |= self._raise(name, policy.xid_key, str(xid), effect, reset=reset)
             case EccEvent():
@@ -447,6 +501,17 @@ class HealthState:
                     self._unmonitored.add(event.gpu_uuid)
                     for name in names:
                         changed |= self._raise(name, policy.unmonitored_key, None, TaintEffect.NONE)
+            case MonitoredEvent():
+                if event.gpu_uuid in self._unmonitored:
+                    self._unmonitored.discard(event.gpu_uuid)
+                    # The MIG devices of a GPU whose instance events NVML withholds stay
+                    # unmonitored (`_watch_mig_instances`); its whole device does not.
+                    gpu = self._inventory.gpu_by_uuid(event.gpu_uuid)
+                    whole = gpu.device.name if gpu is not None else None
+                    migs_unwatched = event.gpu_uuid in self._mig_unwatched
+                    for name in names:
+                        if not migs_unwatched or name == whole:
+                            changed |= self._lift(name, policy.unmonitored_key)
         if changed:
             self._bump()
         return changed
@@ -460,7 +525,11 @@ class HealthState:
         for uuid, items in sorted(pending.items()):
             names = self._gpu_devices.get(uuid, ())
             for item in items:
-                reset = item.xid is None or policy.needs_reset(item.xid)
+                # A saved XID 154 waited for a reset by the action NVML reported then.
+                reset = (
+                    item.xid is None
+                    or policy.treatment(item.xid, pynvml.NVML_GPU_RECOVERY_ACTION_GPU_RESET)[1]
+                )
                 fields = {"uuid": uuid, "device": item.device, "taint": item.taint()}
                 if item.device not in names or not reset:
                     logger.warning(
@@ -499,13 +568,7 @@ class HealthState:
                 ):
                     continue
                 if now - active.last_seen >= policy.recovery_after_s:
-                    del record.active[key]
-                    self._touch(name)
-                    changed = True
-                    logger.info(
-                        "device taint lifted",
-                        extra={"fields": {"device": name, "key": key}},
-                    )
+                    changed |= self._lift(name, key)
         if changed:
             self._bump()
         return changed
@@ -616,6 +679,14 @@ class HealthState:
                     self._raise(name, self._policy.unmonitored_key, None, TaintEffect.NONE)
         self._mig_unwatched = {gpu.uuid: gpu.gaps[0].privilege for gpu in gpus}
 
+    def _lift(self, name: str, key: str) -> bool:
+        """Lift the device's taint `key` at once; False where it has none."""
+        if self._records[name].active.pop(key, None) is None:
+            return False
+        self._touch(name)
+        logger.info("device taint lifted", extra={"fields": {"device": name, "key": key}})
+        return True
+
     def _touch(self, name: str) -> None:
         self._records[name].updated_at = self._wall_clock().timestamp()
 
@@ -676,6 +747,9 @@ class HealthState:
 
 # --- the NVML watcher ------------------------------------------------------------------------
 
+_REGISTER_RETRY_MAX_S = 300.0
+"""The longest wait between two tries to register a GPU's events (the waits double)."""
+
 _DEFAULT_EVENT_MASK = (
     pynvml.nvmlEventTypeXidCriticalError
     | pynvml.nvmlEventTypeDoubleBitEccError
@@ -703,6 +777,7 @@ class NvmlHealthWatcher:
         wait_timeout_ms: int = 500,
         event_mask: int = _DEFAULT_EVENT_MASK,
         resets: GpuResets | None = None,
+        register_retry_s: float = 10.0,
     ) -> None:
         if wait_timeout_ms <= 0:
             msg = "wait_timeout_ms must be positive"
@@ -723,6 +798,10 @@ class NvmlHealthWatcher:
         self._handles: dict[str, Any] = {}  # GPU UUID -> handle, for GPU-scoped probes
         self._watched: set[str] = set()  # GPUs whose events registration was tried
         self._registered: set[str] = set()  # GPUs whose events the event set holds
+        # GPU -> (when to try again, the wait before that try) for a registration that
+        # failed: a GPU tried once and left unwatched would hide its errors for good.
+        self._retries: dict[str, tuple[float, float]] = {}
+        self._register_retry_s = register_retry_s
         self._still_lost = False  # the last wait said lost, and no GPU was found lost
         self._inventory_seen: Inventory | None = None  # what `_watch_added` compared last
         self._not_reset: dict[str, str] = {}  # lost GPU -> why it is not taken as reset
@@ -781,7 +860,12 @@ class NvmlHealthWatcher:
         self._taken.clear()
 
     def _next_events(self) -> list[HealthEvent]:
-        return [*self._reset_marks(), *self._watch_added(), *self._wait_once()]
+        return [
+            *self._reset_marks(),
+            *self._watch_added(),
+            *self._retry_registrations(),
+            *self._wait_once(),
+        ]
 
     def _reset_marks(self) -> list[HealthEvent]:
         """The admin's marks of GPUs reset by hand; a mark naming no GPU here is
@@ -826,6 +910,7 @@ class NvmlHealthWatcher:
         uuids = {gpu.uuid for gpu in inventory.gpus}
         for gone in self._watched - uuids:
             self._handles.pop(gone, None)
+            self._retries.pop(gone, None)
             self._registered.discard(gone)
             self._lost.discard(gone)
             self._not_reset.pop(gone, None)
@@ -845,19 +930,44 @@ class NvmlHealthWatcher:
                 )
         return events
 
-    def _register(self, uuid: str) -> HealthEvent | None:
-        """Register the GPU's events: None once done, else the event that says why not."""
+    def _register(self, uuid: str, *, waited: float = 0.0) -> HealthEvent | None:
+        """Register the GPU's events: None once done, else the event that says why not.
+        After an NVML error other than a lost GPU it is tried again later
+        (`_retry_registrations`), twice as long after the wait `waited` before this try."""
         try:
             return self._register_events(uuid)
         except pynvml.NVMLError_GpuIsLost:
             self._lost.add(uuid)
             return GpuLostEvent(uuid)
         except pynvml.NVMLError as err:
+            wait = min(max(waited * 2, self._register_retry_s), _REGISTER_RETRY_MAX_S)
+            self._retries[uuid] = (time.monotonic() + wait, wait)
             logger.warning(
-                "cannot watch GPU health events",
-                extra={"fields": {"uuid": uuid, "error": str(err)}},
+                "cannot watch GPU health events; trying again later",
+                extra={"fields": {"uuid": uuid, "error": str(err), "retry_in_s": wait}},
             )
             return UnmonitoredEvent(uuid, str(err))
+
+    def _retry_registrations(self) -> list[HealthEvent]:
+        """Try again to register the GPUs whose registration failed, each when its wait
+        is over. One that succeeds is monitored again; a GPU lost meanwhile is
+        registered once it was reset (`_reset_seen`), one the inventory dropped not."""
+        now = time.monotonic()
+        events: list[HealthEvent] = []
+        for uuid, (due, _) in sorted(self._retries.items()):
+            if due > now:
+                continue
+            _, waited = self._retries.pop(uuid)
+            if uuid in self._lost or uuid in self._registered or uuid not in self._watched:
+                continue
+            event = self._register(uuid, waited=waited)  # a failure schedules the next try
+            if event is None:
+                logger.info(
+                    "watching the health events of a GPU again", extra={"fields": {"uuid": uuid}}
+                )
+                event = MonitoredEvent(uuid)
+            events.append(event)
+        return events
 
     def _register_events(self, uuid: str) -> UnmonitoredEvent | None:
         """`_register`, raising NVML's errors. A GPU that supports none of the event types
@@ -1023,19 +1133,42 @@ class NvmlHealthWatcher:
         ci = int(data.computeInstanceId)
         whole_gpu = gi == FULL_GPU_INSTANCE_ID
         device = None if whole_gpu else self._mig_device(uuid, gi, ci)
+        recovery = self._recovery_action(uuid) if xid == RECOVERY_ACTION_XID else None
+        fields = {"uuid": uuid, "xid": xid, "gi": gi, "ci": ci, "device": device}
+        if recovery is not None:
+            fields["recovery_action"] = _RECOVERY_ACTIONS.get(recovery, str(recovery))
+        logger.warning("GPU XID event", extra={"fields": fields})
+        unplaced = not whole_gpu and device is None
+        return [XidEvent(uuid, xid, device, unplaced=unplaced, recovery=recovery)]
+
+    def _recovery_action(self, uuid: str) -> int | None:
+        """What the driver says the GPU needs now (NVML_GPU_RECOVERY_ACTION_*); None
+        where NVML does not say (a branch before R565, or an error: logged)."""
+        try:
+            (value,) = self._nvml.nvmlDeviceGetFieldValues(
+                self._handle(uuid), [pynvml.NVML_FI_DEV_GET_GPU_RECOVERY_ACTION]
+            )
+        except pynvml.NVMLError as err:
+            error = str(err)
+        else:
+            if value.nvmlReturn == pynvml.NVML_SUCCESS:
+                return int(value.value.uiVal)
+            error = describe_nvml_error(pynvml.NVMLError(value.nvmlReturn))
         logger.warning(
-            "GPU XID event",
-            extra={"fields": {"uuid": uuid, "xid": xid, "gi": gi, "ci": ci, "device": device}},
+            "XID 154 without the GPU's recovery action: its taint lifts after quiet time",
+            extra={"fields": {"uuid": uuid, "error": error}},
         )
-        return [XidEvent(uuid, xid, device, unplaced=not whole_gpu and device is None)]
+        return None
 
     def _mig_device(self, uuid: str, gi: int, ci: int) -> str | None:
         """Name of the MIG device a GI/CI-scoped event hit; None where it cannot be named.
 
-        NVML is asked first where the instance sits now: under dynamic MIG instances come
-        and go between scans, and a new one may get the ID of one the inventory still
-        lists at another placement. The inventory answers only for an instance NVML no
-        longer knows (destroyed since the event), as it was at the last scan.
+        NVML is asked where the instance sits now: under dynamic MIG instances come and
+        go between scans, and a new one may get the ID of one the inventory still lists
+        at another placement. An instance NVML no longer has (NOT_FOUND: destroyed
+        since the event, its claim unprepared) is named by nothing: the last scan's
+        instance of that ID may sit where another tenant's instance sits now (module
+        docstring). Only where NVML cannot answer at all is the last scan asked.
         """
         gpu = self._state.inventory.gpu_by_uuid(uuid)
         if gpu is None or not gpu.mig_enabled:
@@ -1044,6 +1177,8 @@ class NvmlHealthWatcher:
             parent = self._handle(uuid)
             instance = self._nvml.nvmlDeviceGetGpuInstanceById(parent, gi)
             info = self._nvml.nvmlGpuInstanceGetInfo(instance)
+        except pynvml.NVMLError_NotFound:
+            return None
         except pynvml.NVMLError:
             for mig in gpu.mig_devices:
                 if mig.gpu_instance_id == gi and mig.compute_instance_id == ci:
@@ -1128,7 +1263,7 @@ class NvmlHealthWatcher:
             self._not_reset_yet(uuid, str(err))
             return None
         self._not_reset.pop(uuid, None)
-        return [GpuRecoveredEvent(uuid), *([unwatched] if unwatched is not None else [])]
+        return [GpuRecoveredEvent(uuid), unwatched or MonitoredEvent(uuid)]
 
     def _not_reset_yet(self, uuid: str, why: str) -> None:
         if self._not_reset.get(uuid) != why:

@@ -27,6 +27,7 @@ __all__ = [
     "GPU_INSTANCE_PROFILES_SINCE",
     "OLDEST_SUPPORTED_BRANCH",
     "PLACEMENTS_WITHOUT_MIG_SINCE",
+    "RECOVERY_ACTION_SINCE",
     "BranchError",
     "driver_branch",
     "has_function",
@@ -53,6 +54,10 @@ FUNCTIONS_SINCE: Final[Mapping[str, int]] = MappingProxyType(
 
 # A branch newer than every one seen: what appeared after R580, in a branch not named yet.
 AFTER_R580: Final = 581
+
+# The first branch whose NVML has the GPU recovery action (field
+# NVML_FI_DEV_GET_GPU_RECOVERY_ACTION and XID 154; NVML change log, R565).
+RECOVERY_ACTION_SINCE: Final = 565
 
 # GPU-instance profile indices (NVML_GPU_INSTANCE_PROFILE_*) newer than R535: the
 # graphics variants (NVML 12.8, R570) and the "no media engine" / "all media engines"

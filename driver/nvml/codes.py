@@ -15,6 +15,7 @@ import pynvml
 __all__ = [
     "DRIVER_NOT_LOADED_FIX",
     "FULL_GPU_INSTANCE_ID",
+    "RECOVERY_ACTION_XID",
     "constant_names",
     "describe_nvml_error",
     "nvml_start_problem",
@@ -22,6 +23,10 @@ __all__ = [
 
 # gpuInstanceId/computeInstanceId of an event that concerns the whole GPU.
 FULL_GPU_INSTANCE_ID: Final = 0xFFFFFFFF
+
+# XID 154, "GPU recovery action changed" (NVIDIA's XID catalogue): raised with the XID
+# that caused it; field NVML_FI_DEV_GET_GPU_RECOVERY_ACTION says what the GPU needs now.
+RECOVERY_ACTION_XID: Final = 154
 
 
 def constant_names(prefix: str) -> Mapping[int, str]:

@@ -45,12 +45,18 @@ import pynvml
 from gpudra.common.files import atomic_write
 from gpudra.driver.nvml.branches import (
     PLACEMENTS_WITHOUT_MIG_SINCE,
+    RECOVERY_ACTION_SINCE,
     BranchError,
     driver_branch,
     has_function,
     has_gpu_instance_profile,
 )
-from gpudra.driver.nvml.codes import FULL_GPU_INSTANCE_ID, constant_names, describe_nvml_error
+from gpudra.driver.nvml.codes import (
+    FULL_GPU_INSTANCE_ID,
+    RECOVERY_ACTION_XID,
+    constant_names,
+    describe_nvml_error,
+)
 from gpudra.driver.nvml.series import ScriptError, Telemetry, TelemetrySpec
 from pydantic import (
     BaseModel,
@@ -540,6 +546,7 @@ class _Gpu:
     lost: bool = False
     gpu_instances: dict[int, _GpuInstance] = field(default_factory=dict)
     mig_serial: int = 0
+    recovery_action: int = pynvml.NVML_GPU_RECOVERY_ACTION_NONE
 
     def mig_devices(self) -> list[_ComputeInstance]:
         """MIG devices in NVML index order (by GPU instance, then compute instance)."""
@@ -938,7 +945,27 @@ class NvmlEmulator:
     def recover_gpu(self, index: int) -> None:
         """GPU `index` answers again (as after a successful reset)."""
         with self._lock:
-            self._gpu_at(index).lost = False
+            gpu = self._gpu_at(index)
+            gpu.lost = False
+            gpu.recovery_action = pynvml.NVML_GPU_RECOVERY_ACTION_NONE
+
+    def change_recovery_action(self, index: int, action: int) -> None:
+        """The driver says GPU `index` now needs `action` (NVML_GPU_RECOVERY_ACTION_*):
+        field NVML_FI_DEV_GET_GPU_RECOVERY_ACTION reads it from now on, and XID 154
+        ("GPU recovery action changed", NVIDIA's XID catalogue) is raised, as the driver
+        does alongside the XID that caused it."""
+        with self._lock:
+            gpu = self._gpu_at(index)
+            gpu.recovery_action = action
+            self._deliver(
+                _PendingEvent(
+                    gpu,
+                    pynvml.nvmlEventTypeXidCriticalError,
+                    RECOVERY_ACTION_XID,
+                    FULL_GPU_INSTANCE_ID,
+                    FULL_GPU_INSTANCE_ID,
+                )
+            )
 
     def reset_gpu(self, index: int) -> None:
         """Apply a pending MIG mode, as a GPU reset does on Ampere."""
@@ -1990,6 +2017,29 @@ class NvmlEmulator:
         if event_set is None:
             raise _nvml_error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
         return event_set
+
+    @_nvml()
+    def nvmlDeviceGetFieldValues(self, handle: Any, fieldIds: Any) -> Any:
+        """The GPU recovery action (field NVML_FI_DEV_GET_GPU_RECOVERY_ACTION, NVML of
+        R565 on); any other field, or that one on an older branch, answers NOT_SUPPORTED
+        in its own entry, as NVML reports each field's outcome apart. (Which code an
+        older driver gives field 230 is not documented; NOT_SUPPORTED is assumed.)"""
+        gpu = self._gpu(handle)
+        values = (pynvml.c_nvmlFieldValue_t * len(fieldIds))()
+        for value, field_id in zip(values, fieldIds, strict=True):
+            value.fieldId = int(field_id)
+            value.timestamp = time.time_ns() // 1000
+            known = (
+                field_id == pynvml.NVML_FI_DEV_GET_GPU_RECOVERY_ACTION
+                and self._profile.branch >= RECOVERY_ACTION_SINCE
+            )
+            if not known:
+                value.nvmlReturn = pynvml.NVML_ERROR_NOT_SUPPORTED
+                continue
+            value.nvmlReturn = pynvml.NVML_SUCCESS
+            value.valueType = pynvml.NVML_VALUE_TYPE_UNSIGNED_INT
+            value.value.uiVal = gpu.recovery_action
+        return values
 
     @_nvml()
     def nvmlDeviceGetSupportedEventTypes(self, handle: Any) -> int:

@@ -489,14 +489,21 @@ class Instance:
     ci_id: int
 
     @classmethod
-    def make(cls, nvml: NvmlEmulator, index: int, profile_id: int, start: int) -> Instance:
+    def make(
+        cls,
+        nvml: NvmlEmulator,
+        index: int,
+        profile_id: int,
+        start: int,
+        *,
+        size: int = 1,
+        ci_profile: int = pynvml.NVML_COMPUTE_INSTANCE_PROFILE_1_SLICE,
+    ) -> Instance:
         parent = nvml.nvmlDeviceGetHandleByIndex(index)
         placement = pynvml.c_nvmlGpuInstancePlacement_t()
-        placement.start, placement.size = start, 1
+        placement.start, placement.size = start, size
         gi = nvml.nvmlDeviceCreateGpuInstanceWithPlacement(parent, profile_id, placement)
-        profile = nvml.nvmlGpuInstanceGetComputeInstanceProfileInfo(
-            gi, pynvml.NVML_COMPUTE_INSTANCE_PROFILE_1_SLICE, 0
-        )
+        profile = nvml.nvmlGpuInstanceGetComputeInstanceProfileInfo(gi, ci_profile, 0)
         ci = nvml.nvmlGpuInstanceCreateComputeInstance(gi, profile.id)
         gi_id = nvml.nvmlGpuInstanceGetInfo(gi).id
         return cls(gi, ci, gi_id, nvml.nvmlComputeInstanceGetInfo(ci).id)
@@ -551,6 +558,139 @@ async def test_an_xid_on_an_instance_gone_before_it_is_read_spares_the_other_ten
     else:
         assert all(report.devices[n].healthy for n in gpu0)
         assert state.xid_counts()[(inventory.gpus[0].uuid, xid)] == 1
+
+
+async def test_an_xid_on_an_instance_the_last_scan_saw_spares_the_one_now_on_its_memory() -> None:
+    # The rescan saw tenant A's 1g.10gb instance at slice 2; A's claim was unprepared and
+    # tenant B's 2g.20gb instance made on slices 2-3 before A's XID was read. NVML no
+    # longer has A's instance: the last scan's instance of that ID would name slice 2,
+    # whose overlapping placements are B's now. Nothing is tainted.
+    nvml = emulated("h100-80gb-hbm3-x8-mig")
+    nvml.nvmlInit()
+    a = Instance.make(nvml, 0, 19, 2)
+    inventory = discover(nvml)
+    state = make_state(inventory, FakeClock(), critical_effect=TaintEffect.NO_EXECUTE)
+    async with watching(nvml, state):
+        a.destroy(nvml)
+        b = Instance.make(
+            nvml, 0, 14, 2, size=2, ci_profile=pynvml.NVML_COMPUTE_INSTANCE_PROFILE_2_SLICE
+        )
+        assert b.gi_id != a.gi_id  # else NVML names B's instance: nothing tells them apart
+        seen = state.generation
+        nvml.inject_xid(0, 94, gpu_instance_id=a.gi_id, compute_instance_id=a.ci_id)
+        nvml.inject_xid(1, 94)  # a whole-GPU event behind it, to know the first was read
+        await next_change(state, seen)
+        await until(lambda: xids_seen(state, 0, 94) == 1, 10)
+    report = state.report()
+    assert all(report.devices[n].healthy for n in inventory.gpus[0].device_names())
+    assert not report.taints("gpu-0-mig-2g20gb-14-2")
+    assert not report.devices["gpu-1"].healthy
+
+
+class FlakyRegistration(NvmlEmulator):
+    """NVML whose event registration of the GPUs in `failing` fails `times` times each
+    with an error other than a lost GPU, as a transient driver error would."""
+
+    def __init__(self, name: str, failing: set[int], times: int) -> None:
+        super().__init__(load_builtin_profile(name))
+        self.failures = dict.fromkeys(failing, times)
+
+    def nvmlDeviceRegisterEvents(self, device: object, eventTypes: int, eventSet: object) -> None:
+        index = self.nvmlDeviceGetIndex(device)
+        if self.failures.get(index, 0) > 0:
+            self.failures[index] -= 1
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_UNKNOWN)
+        super().nvmlDeviceRegisterEvents(device, eventTypes, eventSet)
+
+
+@pytest.mark.parametrize("when", ["at start", "when the event set is built again"])
+async def test_a_gpu_whose_registration_failed_is_watched_once_it_succeeds(when: str) -> None:
+    """A registration that fails once (at start, or in the rebuild after another GPU
+    was lost) is tried again: before, the GPU stayed unwatched until the agent
+    restarted, its errors unseen, under an informational taint only."""
+    nvml = FlakyRegistration("h100-80gb-hbm3-x8", {3}, 2 if when == "at start" else 0)
+    inventory = discover(nvml)
+    state = make_state(inventory, FakeClock())
+    watcher = NvmlHealthWatcher(nvml, state, wait_timeout_ms=20, register_retry_s=0.0)
+    async with anyio.create_task_group() as tg:
+        await tg.start(watcher.run)
+        if when == "at start":
+            assert state.report().taints("gpu-3")[0].key == state.policy.unmonitored_key
+        else:
+            nvml.failures[3] = 1
+            nvml.lose_gpu(0)  # every other GPU is registered again in a new event set
+        await until(lambda: nvml.failures[3] == 0 and not state.report().taints("gpu-3"), 10)
+        nvml.inject_xid(3, 48)
+        await until(lambda: xids_seen(state, 3, 48) == 1, 10)
+        assert not state.report().devices["gpu-3"].healthy
+        tg.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize(
+    ("action", "critical", "reset"),
+    [
+        (pynvml.NVML_GPU_RECOVERY_ACTION_GPU_RESET, True, True),
+        (pynvml.NVML_GPU_RECOVERY_ACTION_NODE_REBOOT, True, True),
+        (pynvml.NVML_GPU_RECOVERY_ACTION_DRAIN_AND_RESET, True, True),
+        (pynvml.NVML_GPU_RECOVERY_ACTION_DRAIN_P2P, True, False),
+        (pynvml.NVML_GPU_RECOVERY_ACTION_NONE, False, False),
+    ],
+)
+async def test_xid_154_is_treated_as_the_recovery_action_nvml_reports_says(
+    action: int, critical: bool, reset: bool
+) -> None:
+    """NVIDIA's XID 154 says the GPU's recovery action changed, and the field
+    NVML_FI_DEV_GET_GPU_RECOVERY_ACTION what it is now. Before, every 154 was a timed
+    critical XID: a GPU NVIDIA says must be reset went back into service after five
+    quiet minutes, and one that needs nothing was taken out for five."""
+    nvml = emulated("h100-80gb-mig-r570")
+    inventory = discover(nvml)
+    clock = FakeClock()
+    state = make_state(inventory, clock)
+    async with watching(nvml, state):
+        seen = state.generation
+        nvml.change_recovery_action(0, action)
+        await next_change(state, seen)
+    (taint,) = state.report().taints("gpu-0")
+    assert taint.value == "154"
+    expected = TaintEffect.NO_SCHEDULE if critical else TaintEffect.NONE
+    assert taint.effect is expected
+    uuid = inventory.gpus[0].uuid
+    assert (PendingReset("gpu-0", 154) in state.pending_resets().get(uuid, ())) == reset
+    clock.now += 10_000
+    state.expire()
+    assert bool(state.report().taints("gpu-0")) == reset
+    # After a restart, a 154 that waited for a reset is raised again.
+    restarted = make_state(inventory, FakeClock())
+    assert restarted.restore_resets(state.pending_resets()) == reset
+
+
+async def test_xid_154_without_a_readable_recovery_action_is_a_timed_critical_xid() -> None:
+    # R535 has no recovery action (R565 on): the XID's taint lifts after quiet time.
+    nvml = emulated("h100-80gb-mig-r535")
+    inventory = discover(nvml)
+    clock = FakeClock()
+    state = make_state(inventory, clock)
+    async with watching(nvml, state):
+        seen = state.generation
+        nvml.change_recovery_action(0, pynvml.NVML_GPU_RECOVERY_ACTION_GPU_RESET)
+        await next_change(state, seen)
+    (taint,) = state.report().taints("gpu-0")
+    assert (taint.value, taint.effect) == ("154", TaintEffect.NO_SCHEDULE)
+    assert state.pending_resets() == {}
+
+
+def test_an_admins_list_decides_xid_154_over_the_recovery_action() -> None:
+    inventory = discover(emulated("h100-80gb-mig-r570"))
+    uuid = inventory.gpus[0].uuid
+    reset = pynvml.NVML_GPU_RECOVERY_ACTION_GPU_RESET
+    quiet = make_state(inventory, FakeClock(), extra_application_xids=frozenset({154}))
+    quiet.apply(XidEvent(uuid, 154, recovery=reset))
+    assert quiet.report().devices["gpu-0"].healthy and not quiet.pending_resets()
+    none = pynvml.NVML_GPU_RECOVERY_ACTION_NONE
+    strict = make_state(inventory, FakeClock(), extra_reset_xids=frozenset({154}))
+    strict.apply(XidEvent(uuid, 154, recovery=none))
+    assert PendingReset("gpu-0", 154) in strict.pending_resets()[uuid]
 
 
 async def test_an_event_whose_gpu_lookup_fails_is_not_lost() -> None:
