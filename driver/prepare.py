@@ -957,7 +957,7 @@ class ClaimPreparer:
         time_slices: dict[str, bool] = {}
         modes_before_slicing: dict[str, int] = {}
         modes: dict[str, ComputeModeSet] = {}
-        migs: list[tuple[str, CreatedMig]] = []
+        migs: list[tuple[str, CreatedMig, str | None]] = []
         # Looked up on every undo, not only for a record with problems: a mark the
         # previous boot's clean-up left for this claim goes with its unprepare.
         undone_by_hand = self._marked_undone(record.uid)
@@ -978,7 +978,7 @@ class ClaimPreparer:
             if details.compute_mode is not None:
                 modes.setdefault(details.compute_mode.uuid, details.compute_mode)
             if isinstance(details.mig, CreatedMig) and details.gpu_uuid:
-                migs.append((details.gpu_uuid, details.mig))
+                migs.append((details.gpu_uuid, details.mig, details.uuid))
         for started in daemons.values():
             daemon = MpsDaemon(
                 name=record.uid,
@@ -1046,7 +1046,7 @@ class ClaimPreparer:
                 functools.partial(set_compute_mode, self._nvml, uuid, mode.previous),
                 required=mode.applied,
             )
-        for gpu_uuid, mig in migs:
+        for gpu_uuid, mig, mig_uuid in migs:
             owner = self._owned_elsewhere(cp, record.uid, gpu_uuid, mig)
             if owner is not None:
                 log.warning(
@@ -1054,9 +1054,12 @@ class ClaimPreparer:
                     extra={"fields": {"claim": record.uid, "owner": owner, "gi": mig.gi}},
                 )
                 continue
+            # With the MIG device's UUID (recorded once NVML made it) only that very
+            # instance goes: between the check above and NVML's answer another claim
+            # may have made one at the same placement, under the same ID.
             await attempt(
                 f"destroying MIG instance {'?' if mig.gi is None else mig.gi} on {gpu_uuid}",
-                functools.partial(destroy_mig, self._nvml, gpu_uuid, mig),
+                functools.partial(destroy_mig, self._nvml, gpu_uuid, mig, mig_uuid=mig_uuid),
             )
         if errors:
             raise ClaimError(f"{record.ref.describe()}: {why}: " + "; ".join(errors))

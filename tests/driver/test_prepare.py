@@ -50,7 +50,12 @@ from gpudra.driver.devices import (
 from gpudra.driver.driverroot import CUDA_LIBRARY, NVML_LIBRARY
 from gpudra.driver.holders import ClaimInfos
 from gpudra.driver.metrics import ClaimMetrics, DeviceMetrics
-from gpudra.driver.mig import create_compute_instance, create_gpu_instance, mig_capability_minors
+from gpudra.driver.mig import (
+    create_compute_instance,
+    create_gpu_instance,
+    destroy_mig,
+    mig_capability_minors,
+)
 from gpudra.driver.nvml import NvmlEmulator
 from gpudra.driver.nvml.branches import EMULATED_BRANCHES
 from gpudra.driver.nvml.emulator import gpu_instance_id_for_placement
@@ -2042,6 +2047,34 @@ async def test_a_mig_instance_the_claim_did_not_make_is_never_destroyed(
     assert mig_devices(emu) == instances
 
 
+@pytest.mark.anyio
+async def test_unprepare_destroys_only_the_mig_instance_the_claim_made(node: Node) -> None:
+    """The claim's instance went (its undo destroyed it, then a later step failed, so
+    the record stayed), and another instance now sits at the same placement under the
+    same ID, made after the ownership check: the retried unprepare, which before
+    matched by profile and placement only, leaves it alone by its MIG UUID."""
+    emu = h100_mig()
+    gpu = discover(emu).gpus[0]
+    placement = {p.name: p for p in gpu.partitions}["gpu-0-mig-3g40gb-9-0"].placement
+    assert placement is not None
+    preparer = node_preparer(node, emu, strategy=MigStrategy.DYNAMIC)
+    claim = _fixture_claim(5)  # allocated gpu-0-mig-3g40gb-9-0
+    assert (await preparer.prepare([claim]))[claim.uid].error is None
+    record = load_checkpoint(node.checkpoint, boot_id_path=node.boot_id).get(claim.uid)
+    assert record is not None
+    mig = record.devices[0].details.mig
+    assert isinstance(mig, CreatedMig) and mig.gi is not None
+    ours = mig_devices(emu)
+    assert destroy_mig(emu, gpu.uuid, mig)
+    create_compute_instance(emu, gpu.uuid, create_gpu_instance(emu, gpu.uuid, placement))
+    theirs = mig_devices(emu)
+    assert list(theirs) == list(ours) and theirs != ours  # same place, another instance
+
+    assert await preparer.unprepare([claim.ref]) == {claim.uid: None}
+
+    assert mig_devices(emu) == theirs
+
+
 def share_claim(index: int, device: str, shares: int, config: Any = None) -> Claim:
     """A claim of tenant `index` holding `shares` integer shares of `device`, as the
     scheduler allocates them (a shareID, the shares consumed), with a claim config."""
@@ -3114,7 +3147,8 @@ async def test_a_dynamic_mig_device_is_sampled_with_its_holder_while_a_prepare_h
         ln for ln in text.splitlines() if ln.startswith("gpudra_allocated_device_seconds_total{")
     ]
     assert f'device_class="{env.driver}"' in billed
-    assert billed.endswith(" 60.0")
+    # A minute of a 1g instance of an H100: a seventh of a GPU-minute.
+    assert float(billed.rsplit(" ", 1)[1]) == pytest.approx(60 / 7)
     assert await calls.unprepare([ref]) == {ref.uid: None}
 
 
