@@ -82,7 +82,7 @@ def rendered_rules(helm: Path, tmp_path: Path) -> Path:
 
 def test_the_rules_pass_promtool_check(helm: Path, prometheus_bin: Path, tmp_path: Path) -> None:
     out = p.promtool(prometheus_bin, "check", "rules", str(rendered_rules(helm, tmp_path)))
-    assert "SUCCESS: 11 rules found" in out
+    assert "SUCCESS: 12 rules found" in out
 
 
 def test_each_alert_fires_when_it_should_and_only_then(
@@ -339,6 +339,34 @@ def test_each_alert_fires_when_it_should_and_only_then(
                             "6m 0s old (an NVML call hanging, or every pass failing: see the "
                             "agent's log). Its device series and idle times are withdrawn, and "
                             "no GPU time is billed until a pass completes.",
+                        )
+                    ],
+                },
+            ],
+        },
+        {
+            "name": "an agent or the webhook Prometheus cannot scrape for 5m; other jobs never",
+            "interval": "1m",
+            "input_series": [
+                {"series": p.series("up", SCRAPE), "values": "1x3 0x10"},
+                {"series": p.series("up", WEBHOOK_SCRAPE), "values": "1 0 1 0 1 0 1 0 1 0"},
+                {"series": p.series("up", TENANT_SCRAPE), "values": "0x13"},
+            ],
+            "alert_rule_test": [
+                {"eval_time": "7m", "alertname": "GpudraScrapeFailing", "exp_alerts": []},
+                {
+                    "eval_time": "9m",
+                    "alertname": "GpudraScrapeFailing",
+                    "exp_alerts": [
+                        alert(
+                            SCRAPE,
+                            "warning",
+                            summary="gpudra-node at 10.0.0.7:8080 cannot be scraped",
+                            description="Prometheus has failed to scrape it for 5 minutes: "
+                            "the GPU alerts, idle times and billing of what it serves are "
+                            "blind meanwhile. A node agent's metrics port takes a bounded "
+                            "number of connections: restrict who reaches it "
+                            "(node.networkPolicy).",
                         )
                     ],
                 },
