@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from cryptography import x509
 from gpudra.common.files import atomic_write
 
 from e2e.cluster import pki
@@ -64,6 +65,10 @@ class Ports:
     apiserver: int = 26443
     controller_manager: int = 20257
     scheduler: int = 20259
+    # Not one of ours: the port of the webhook the API server presents its admission
+    # client certificate to (`AdmissionClient`). The API server's configuration names
+    # it at start, so it is fixed and checked free here, where a busy one has a fix.
+    admission_webhook: int = 28443
 
     @classmethod
     def from_env(cls) -> Ports:
@@ -102,6 +107,16 @@ class Layout:
         return self.root / "admin.kubeconfig"
 
     @property
+    def admission_config(self) -> Path:
+        """The API server's `--admission-control-config-file`."""
+        return self.pki / "admission.json"
+
+    @property
+    def admission_kubeconfig(self) -> Path:
+        """The kubeConfigFile its webhook admission plugins read (`admission_files`)."""
+        return self.pki / "admission.kubeconfig"
+
+    @property
     def attached(self) -> Path:
         """One `<name>.json` per thing attached to this control plane (see `attach`)."""
         return self.root / "attached"
@@ -135,6 +150,73 @@ class State:
             return None
         except (ValueError, TypeError):
             return cls(version="?", bin_dir="", ports={}, nodes=[])
+
+
+# Whom the API server presents its admission client certificate to: the Service of the
+# chart's default release `gpudra` in the namespace `gpudra` (`<fullname>-webhook`), as
+# the chart on the real node installs it (e2e/node/chart.py) and docs/install.md's
+# example names it. Its own common name, so the webhook can tell it from every other
+# certificate the cluster's CA signs.
+ADMISSION_SERVICE = "gpudra-webhook"
+ADMISSION_NAMESPACE = "gpudra"
+ADMISSION_CLIENT_CN = "gpudra-admission-client"
+ADMISSION_PLUGINS = ("MutatingAdmissionWebhook", "ValidatingAdmissionWebhook")
+
+
+@dataclass(frozen=True)
+class AdmissionClient:
+    """The client certificate the API server presents to gpudra's webhook, set up as
+    docs/install.md ("Who may call the webhook") tells a cluster's admin to: signed by
+    the cluster's CA (`ca`), with the clientAuth extended key usage and a common name
+    of its own, under a kubeconfig user named for the webhook's Service host and port.
+    The API server looks that user up by the host and port it calls, so every other
+    webhook (those the tests register by URL among them) is called as before, with no
+    certificate."""
+
+    port: int
+    ca: Path
+    cert: Path
+    key: Path
+    service: str = ADMISSION_SERVICE
+    namespace: str = ADMISSION_NAMESPACE
+    common_name: str = ADMISSION_CLIENT_CN
+
+    @property
+    def user(self) -> str:
+        """`<fullname>-webhook.<namespace>.svc:<webhook.port>`: the name the API server
+        looks a Service-backed webhook's credentials up by (the Service port included)."""
+        return f"{self.service}.{self.namespace}.svc:{self.port}"
+
+
+def admission_files(
+    client: AdmissionClient, kubeconfig: Path
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The AdmissionConfiguration whose webhook plugins both read `kubeconfig`, and that
+    kubeconfig: the two files docs/install.md shows, in the same shape."""
+    webhook_config = {
+        "apiVersion": "apiserver.config.k8s.io/v1",
+        "kind": "WebhookAdmissionConfiguration",
+        "kubeConfigFile": str(kubeconfig),
+    }
+    config = {
+        "apiVersion": "apiserver.config.k8s.io/v1",
+        "kind": "AdmissionConfiguration",
+        "plugins": [{"name": p, "configuration": webhook_config} for p in ADMISSION_PLUGINS],
+    }
+    users = {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "users": [
+            {
+                "name": client.user,
+                "user": {
+                    "client-certificate": str(client.cert),
+                    "client-key": str(client.key),
+                },
+            }
+        ],
+    }
+    return config, users
 
 
 def default_layout() -> Layout:
@@ -184,16 +266,26 @@ class Cluster:
         state = self.require_state()
         return Kube(self.layout.credentials(state.ports["apiserver"]))
 
+    def admission_client(self) -> AdmissionClient | None:
+        """The client certificate this cluster's API server presents to the webhook
+        `AdmissionClient` names; None for a cluster an earlier harness started
+        without one (`up` replaces such a cluster)."""
+        state = self.require_state()
+        port = state.ports.get("admission_webhook")
+        if port is None:
+            return None
+        return self._admission_client(port)
+
     def is_up(self) -> bool:
         state = State.load(self.layout.state)
-        return bool(state and state.ready and self._healthy(state))
+        return bool(state and self._current(state))
 
     def up(self, log: Any = print) -> State:
         version_bin = self._build()
         version = Path(version_bin).parent.name
         state = State.load(self.layout.state)
         if state is not None:
-            if state.ready and state.version == version and self._healthy(state):
+            if state.version == version and self._current(state):
                 log(f"cluster already up (Kubernetes {version})")
                 return state
             log("found an earlier cluster that is not healthy or differs; cleaning it up")
@@ -313,6 +405,31 @@ class Cluster:
                 )
             record.unlink(missing_ok=True)
 
+    def _current(self, state: State) -> bool:
+        """Ready, healthy, and started as this harness starts a cluster: one an earlier
+        harness started lacks the admission client certificate (its ports name no
+        `admission_webhook`), and the API server reads that only at start."""
+        return state.ready and "admission_webhook" in state.ports and self._healthy(state)
+
+    def _admission_client(self, port: int) -> AdmissionClient:
+        pk = self.layout.pki
+        return AdmissionClient(
+            port, pk / "ca.crt", pk / "admission-client.crt", pk / "admission-client.key"
+        )
+
+    def _write_admission_config(self, ca: tuple[x509.Certificate, pki.CaKey], port: int) -> None:
+        """The admission client certificate and the two files the API server reads it by
+        (`admission_files`)."""
+        client = self._admission_client(port)
+        pki.issue(self.layout.pki, client.cert.stem, ca, client.common_name)
+        config, users = admission_files(client, self.layout.admission_kubeconfig)
+        for path, content in (
+            (self.layout.admission_config, config),
+            (self.layout.admission_kubeconfig, users),
+        ):
+            path.write_text(json.dumps(content, indent=2))
+            path.chmod(0o600)
+
     def _build(self) -> str:
         """The Kubernetes bin dir, built on the first run (its progress on stderr)."""
         try:
@@ -395,6 +512,7 @@ class Cluster:
             org="kubeadm:cluster-admins",
         )
         pki.make_service_account_keys(pk)
+        self._write_admission_config(ca, ports.admission_webhook)
         server = f"https://127.0.0.1:{ports.apiserver}"
         for who in ("admin", "controller-manager", "scheduler"):
             self._write_kubeconfig(who, server)
@@ -443,6 +561,7 @@ class Cluster:
                 "--allow-privileged=true",
                 "--authorization-mode=Node,RBAC",
                 "--enable-admission-plugins=NodeRestriction",
+                f"--admission-control-config-file={self.layout.admission_config}",
                 "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
                 f"--service-account-key-file={pk / 'sa.pub'}",
                 f"--service-account-signing-key-file={pk / 'sa.key'}",

@@ -1,5 +1,6 @@
 """The harness itself: bad input fails with one clear line and starts nothing; a
-crashed cluster is cleaned; `down` stops every process and frees every port."""
+crashed cluster is cleaned, and one an earlier harness started is replaced; `down`
+stops every process and frees every port."""
 
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ ALT_PORTS = {
     "APISERVER": 27443,
     "CONTROLLER_MANAGER": 21257,
     "SCHEDULER": 21259,
+    "ADMISSION_WEBHOOK": 29443,
 }
 
 
@@ -126,6 +128,23 @@ def test_crash_is_cleaned_and_down_frees_everything(tmp_path: Path, cluster: Clu
     # Idempotent: a second `up` of a healthy cluster changes nothing.
     assert "already up" in _cli(env, "up").stdout
     assert json.loads((tmp_path / "c" / "state.json").read_text())["pids"] == new
+    client = second.admission_client()
+    assert client is not None
+    assert client.user == f"gpudra-webhook.gpudra.svc:{ALT_PORTS['ADMISSION_WEBHOOK']}"
+    # A cluster an earlier harness started, healthy but without the admission client
+    # certificate the API server reads only at start, is replaced rather than reused.
+    path = tmp_path / "c" / "state.json"
+    earlier = json.loads(path.read_text())
+    del earlier["ports"]["admission_webhook"]
+    path.write_text(json.dumps(earlier))
+    assert not second.is_up()
+    assert second.admission_client() is None
+    replaced = _cli(env, "up")
+    assert replaced.returncode == 0, replaced.stderr
+    assert "cleaning it up" in replaced.stdout
+    assert second.admission_client() == client
+    new = json.loads(path.read_text())["pids"]
+    assert new != earlier["pids"]
     down = _cli(env, "down")
     assert down.returncode == 0, down.stderr
     for pid in new.values():
