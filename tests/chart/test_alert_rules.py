@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from gpudra.cli.report import usage_query
+from gpudra.driver.health import APPLICATION_XIDS
 from gpudra.driver.metrics import DEVICE_LABELS, HOLDER_LABELS
 
 from e2e.tools import helm as h
@@ -83,6 +84,29 @@ def rendered_rules(helm: Path, tmp_path: Path) -> Path:
 def test_the_rules_pass_promtool_check(helm: Path, prometheus_bin: Path, tmp_path: Path) -> None:
     out = p.promtool(prometheus_bin, "check", "rules", str(rendered_rules(helm, tmp_path)))
     assert "SUCCESS: 12 rules found" in out
+
+
+def silent_xids(helm: Path, values: Mapping[str, Any]) -> set[int]:
+    """The XIDs the rendered GpuXidError leaves out."""
+    (rule,) = [o for o in h.template(helm, {**ENABLED, **values}) if o["kind"] == "PrometheusRule"]
+    (expr,) = [
+        r["expr"]
+        for g in rule["spec"]["groups"]
+        for r in g["rules"]
+        if r.get("alert") == "GpuXidError"
+    ]
+    (listed,) = set(re.findall(r'xid!~"([0-9|]+)"', expr))
+    return {int(x) for x in listed.split("|")}
+
+
+def test_the_xid_alert_leaves_out_the_xids_the_agent_takes_as_application_errors(
+    helm: Path,
+) -> None:
+    # A tenant's crashing kernel raises them, on a GPU other tenants may share: the
+    # agent does not taint for them, and the alert no longer fires for them either.
+    assert silent_xids(helm, {}) == APPLICATION_XIDS
+    health = {"applicationXids": [8, 13], "resetXids": [109]}
+    assert silent_xids(helm, {"node": {"health": health}}) == (APPLICATION_XIDS | {8}) - {109}
 
 
 def test_each_alert_fires_when_it_should_and_only_then(
@@ -225,6 +249,11 @@ def test_each_alert_fires_when_it_should_and_only_then(
                         "gpudra_gpu_xid_errors_total", {**xid, "gpu_uuid": "GPU-cccc"}
                     ),
                     "values": "2x15 stale _x9 1x30",
+                },
+                {
+                    # An application XID (a tenant's kernel faulted), as the first one.
+                    "series": p.series("gpudra_gpu_xid_errors_total", {**xid, "xid": "13"}),
+                    "values": "_x20 1x10 2x30",
                 },
             ],
             "alert_rule_test": [
