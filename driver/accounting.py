@@ -1,10 +1,15 @@
-"""GPU accounting: allocated and idle device-seconds per namespace, tenant, class and sharing.
+"""GPU accounting: allocated and idle GPU-seconds per namespace, tenant, class and sharing.
 
 Each sample (`gpudra.driver.sampling.Sample`) adds the time since the previous one to
 every holder (a claim's request, by claim UID) of a device that held it at both
-samples, times its share of the device (`HeldDevice.shares`: memory slices by their
-share of the GPU's memory; time-sliced and MPS holders equally; admin access not
-billed). Where the device's holders changed between the two samples, its share is the
+samples, times its share of a whole GPU (`HeldDevice.shares`: a MIG device is its
+compute slices' part of its GPU, a 1g of an A100 or H100 a seventh; memory slices by
+their share of the GPU's memory; time-sliced and MPS holders split their device
+equally; admin access not billed). So the counters are GPU-seconds whatever the
+device: one GPU for one second is one, seven 1g instances held for a second are one,
+and a sum over namespaces never bills a GPU more than the time it ran.
+
+Where the device's holders changed between the two samples, its share is the
 smaller of the two it had then: the samples do not say when in the interval the change
 happened, so the time is never billed to a holder that did not hold the device (nor
 shifted from a holder that left onto one that stayed), at the cost of leaving up to one
@@ -65,7 +70,7 @@ _Shares: TypeAlias = dict[str, dict[_HolderId, tuple[Holder, float]]]
 
 @dataclass(frozen=True, slots=True, order=True)
 class AccountKey:
-    """What device-seconds are summed by."""
+    """What GPU-seconds are summed by."""
 
     namespace: str
     tenant: str
@@ -124,7 +129,7 @@ def _shares(sample: Sample) -> _Shares:
 
 
 class Accounting:
-    """Device-second counters fed by the sampler; read from the metrics thread."""
+    """GPU-second counters fed by the sampler; read from the metrics thread."""
 
     def __init__(self, *, idle_below: float = DEFAULT_IDLE_BELOW) -> None:
         if not 0 <= idle_below <= 100:

@@ -315,6 +315,18 @@ class Gpu:
     # Every GPU instance that exists now, with or without compute instances (MIG
     # devices are only those with one spanning the instance); for dynamic MIG.
     gpu_instances: tuple[MigInstance, ...] = ()
+    # GI profile ID -> its compute slices (NVML `sliceCount`: 1 for a 1g, 7 for a 7g).
+    mig_slices: Mapping[int, int] = field(default_factory=dict)
+
+    def compute_share(self, profile_id: int) -> float | None:
+        """The part of this GPU's compute a MIG device of GPU-instance profile
+        `profile_id` has: the profile's compute slices over the whole GPU's, which are
+        its largest profile's (the 7g's on an A100, H100 or H200: a 1g, `+me` or not,
+        is a seventh). Compute slices, not memory: a 1g.20gb computes as a 1g.10gb
+        does. None for a profile discovery did not read."""
+        slices = self.mig_slices.get(profile_id)
+        whole = max(self.mig_slices.values(), default=0)
+        return slices / whole if slices and whole else None
 
     def publishable(
         self, strategy: MigStrategy, own: Container[MigKey] | None = None
@@ -461,6 +473,18 @@ class Inventory:
             if gpu.uuid == uuid:
                 return gpu
         return None
+
+    def compute_share(self, name: str) -> float | None:
+        """The part of its GPU's compute the device `name` (of any view) has: all of
+        it for a whole GPU, a MIG device its profile's part (`Gpu.compute_share`);
+        None for a name no view has."""
+        device = self.find(name)
+        if device is None:
+            return None
+        if device.placement is None:  # a whole GPU
+            return 1.0
+        gpu = self.gpu_by_uuid(device.parent_uuid)
+        return gpu.compute_share(device.placement.profile_id) if gpu is not None else None
 
     def find(self, name: str) -> Device | None:
         """Look a device up by name in every view."""
@@ -1019,6 +1043,7 @@ def _discover_gpu(
         mig_profiles={p.id: p.name for p in profiles.values()},
         gaps=tuple(scan.gaps.get(index, ())),
         gpu_instances=gpu_instances,
+        mig_slices={p.id: p.slices for p in profiles.values()},
     )
 
 

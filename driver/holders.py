@@ -13,15 +13,24 @@ restart, where the read is retried until it succeeds: `gpudra.driver.claimreader
 holder is `Unknown`, never a guess: called a memory slice, an integer-share holder
 would be split equally with the others and paid for their time.
 
-The fair split, used wherever device-seconds are divided among holders:
+What a device is billed is its part of its GPU's compute, in GPU-seconds (a whole GPU
+for a second is one): a whole GPU all of it, a MIG device its GPU-instance profile's
+compute slices over the whole GPU's (NVML `sliceCount`, as discovery read it:
+`Inventory.compute_share`), so a 1g instance of an A100 or H100 is a seventh, a 3g
+three sevenths, and seven 1g instances bill one GPU as the GPU bills itself whole.
+Static or dynamic MIG alike. A MIG device whose part the inventory does not tell (no
+inventory yet, a name no view has) is billed nothing, never a guess: billed whole, one
+1g would pay for seven, the overbilling the part is there to end.
+
+The fair split of that part among a device's holders:
 - a device with one holder: all of it;
 - memory slices of one GPU: each holder its share of the GPU's memory (a slice of
   20 GiB of an 80 GiB GPU holds a quarter of it);
 - integer shares of a GPU published with shares (`--gpu-shares`): each holder the
   shares it took over those published (3 of 4 shares hold three quarters of it), so a
   holder of one share never pays for the time of one that took three;
-- time-sliced and MPS holders, and slices or shares whose size is not known: equal
-  parts;
+- time-sliced and MPS holders (of a whole GPU or of one MIG device), and slices or
+  shares whose size is not known: equal parts;
 - `Unknown` holders (claim not read yet) are not billed; while a device has one, only
   the holders whose part is their own size (a memory slice, integer shares) are billed,
   since every other part depends on what the unread claim took. The time held back is
@@ -40,6 +49,7 @@ from typing import Any, Final
 from gpudra.api.sharing import SharingMode
 from gpudra.driver.checkpoint import ClaimRecord, DeviceRecord
 from gpudra.driver.claims import Claim, reserved_pods
+from gpudra.driver.devices import Inventory
 
 __all__ = [
     "ADMIN",
@@ -192,7 +202,9 @@ class HeldDevice:
 
     `uuid` is the device's own (the GPU's, or the MIG device's once created);
     `gpu_uuid` the GPU it is or is part of; `published_shares` the integer shares the
-    device is published with now, None for none.
+    device is published with now, None for none; `compute` the part of its GPU's
+    compute it is (1.0 a whole GPU, a MIG device its slices' part), None where the
+    inventory does not tell (see the module docstring).
     """
 
     device: str
@@ -201,9 +213,17 @@ class HeldDevice:
     mig: bool
     holders: tuple[Holder, ...]
     published_shares: int | None = None
+    compute: float | None = 1.0
 
     def shares(self, memory_total: float | None) -> list[tuple[Holder, float]]:
-        """Each billed holder and its fraction of the device (see the module docstring)."""
+        """Each billed holder and its part of a whole GPU: its fraction of the device
+        times the device's part of its GPU (see the module docstring)."""
+        if self.compute is None:
+            return []  # a MIG device of unknown size: billed nothing rather than a guess
+        return [(h, part * self.compute) for h, part in self._fractions(memory_total)]
+
+    def _fractions(self, memory_total: float | None) -> list[tuple[Holder, float]]:
+        """Each billed holder and its fraction of the device itself."""
         billed = [h for h in self.holders if h.sharing != ADMIN]
         if any(h.sharing == UNKNOWN for h in billed):
             sized = [(h, self._sized(h, memory_total)) for h in billed]
@@ -261,11 +281,13 @@ def held_devices(
     tenant_of: Callable[[str], str] = lambda _namespace: "",
     containers: Mapping[str, Mapping[str, str]] | None = None,
     published_shares: Mapping[str, int] | None = None,
+    inventory: Inventory | None = None,
 ) -> dict[str, HeldDevice]:
     """Device name -> its holders, for the completed claims' devices in `pool`;
     `tenant_of` names a namespace's tenant ("" for none), `containers` the container
     label of each claim's requests by claim UID (`gpudra.driver.podclaims`),
-    `published_shares` the integer shares each device is published with."""
+    `published_shares` the integer shares each device is published with, `inventory`
+    what part of its GPU each MIG device is (without it, none is known: not billed)."""
     holders: dict[str, list[Holder]] = {}
     identity: dict[str, tuple[str, str, bool]] = {}
     for record in claims:
@@ -304,7 +326,19 @@ def held_devices(
     published = published_shares or {}
     return {
         name: HeldDevice(
-            name, *identity[name], holders=tuple(found), published_shares=published.get(name)
+            name,
+            *identity[name],
+            holders=tuple(found),
+            published_shares=published.get(name),
+            compute=_compute(name, mig=identity[name][2], inventory=inventory),
         )
         for name, found in sorted(holders.items())
     }
+
+
+def _compute(name: str, *, mig: bool, inventory: Inventory | None) -> float | None:
+    """The part of its GPU's compute the held device `name` is: a whole GPU all of it
+    (inventory or not), a MIG device what the inventory says, None where it does not."""
+    if not mig:
+        return 1.0
+    return inventory.compute_share(name) if inventory is not None else None

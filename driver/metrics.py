@@ -322,12 +322,13 @@ class DeviceMetrics(Collector):
     def _accounts(self, *, fresh: bool) -> Iterator[Metric]:
         allocated = CounterMetricFamily(
             "gpudra_allocated_device_seconds",
-            "Device-seconds allocated to claims, shared devices split among their holders.",
+            "GPU-seconds allocated to claims (a whole GPU for a second is one; a MIG device "
+            "its compute slices' part of its GPU), shared devices split among their holders.",
             labels=_ACCOUNT_LABELS,
         )
         idle = CounterMetricFamily(
             "gpudra_idle_device_seconds",
-            "Allocated device-seconds while the device's utilization was under the idle threshold.",
+            "Allocated GPU-seconds while the device's utilization was under the idle threshold.",
             labels=_ACCOUNT_LABELS,
         )
         idle_seconds = self._accounting.idle()

@@ -178,8 +178,9 @@ def devices_to_sample(
 class Sampler:
     """Samples every device on an interval and keeps the latest `Sample`.
 
-    `inventory` and `prepared` are read each pass (the agent's latest inventory; the
-    preparer's completed claims, read without its lock); `claim_info` gives what the
+    `inventory` and `prepared` are read each pass (the agent's latest inventory, which
+    also says what part of its GPU each held MIG device bills; the preparer's completed
+    claims, read without its lock); `claim_info` gives what the
     checkpoint does not keep of a claim; `tenant_of` a namespace's tenant; `containers`
     the container label of each claim's requests (`gpudra.driver.podclaims`); `shares` the
     integer shares each device is published with (the agent's); `health` the agent's
@@ -262,6 +263,7 @@ class Sampler:
 
     async def sample_once(self) -> Sample:
         """One pass: read every device in a worker thread, then tell `on_sample`."""
+        inventory = self._inventory()
         held = held_devices(
             self._prepared(),
             self._pool,
@@ -269,8 +271,9 @@ class Sampler:
             self._tenant_of,
             self._containers(),
             self._shares(),
+            inventory,
         )
-        devices = devices_to_sample(self._inventory(), held)
+        devices = devices_to_sample(inventory, held)
         readings = await anyio.to_thread.run_sync(self._read_all, devices)
         health = self._health()
         report = health.report() if health is not None else None

@@ -1,7 +1,7 @@
 """Which GpuTenant each namespace belongs to, for the `tenant` label of device metrics
 and accounting.
 
-The agent bills device-seconds per tenant, so it must know the tenants as the webhook
+The agent bills GPU-seconds per tenant, so it must know the tenants as the webhook
 does: it watches GpuTenants and Namespaces with the common list/watch loop and applies
 the same selection rule (`gpudra.api.tenants.winning_tenants`), so a namespace is billed
 to the tenant whose rules admitted its pods. The tenant is looked up at each sample,
@@ -11,7 +11,7 @@ effect at the next sample, and a restart needs nothing from the checkpoint.
 No tenant (no GpuTenant selects the namespace, the CRD is not installed, the watches
 have not listed yet), an ambiguous one (two tenants of equal specificity, which the
 webhook denies) and an invalid one that would win or tie (`invalid_in_reach`: the
-webhook denies GPU pods there, as its rules are unknown) all read as "": device-seconds
+webhook denies GPU pods there, as its rules are unknown) all read as "": GPU-seconds
 are never billed to a guess, nor to a tenant whose rules did not admit the pods.
 """
 

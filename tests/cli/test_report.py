@@ -12,9 +12,12 @@ from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 
+import anyio
 import pytest
+from prometheus_client import generate_latest
 
-from tests.cli.stubs import gpudra
+from tests.cli.stubs import gpudra, http_server, serving
+from tests.driver.test_device_metrics import seven_1g_tenants
 
 
 def report(*args: str) -> subprocess.CompletedProcess[str]:
@@ -31,6 +34,19 @@ def test_from_the_agents_counters(endpoint: str) -> None:
     assert team["allocated_hours"] == pytest.approx(1200 / 3600)
     assert team["idle_hours"] == pytest.approx(1200 / 3600)
     assert team["used_hours"] == pytest.approx(0)
+
+
+def test_seven_1g_mig_tenants_of_one_gpu_are_a_seventh_of_a_gpu_hour_each() -> None:
+    """The report's GPU-hours are whole GPUs: an H100 in seven 1g instances, each a
+    namespace's for an hour, is one GPU-hour in all, a seventh each."""
+    node = anyio.run(seven_1g_tenants)
+    with http_server(serving(generate_latest(node.registry))) as port:
+        done = report("--metrics", f"node-a=http://127.0.0.1:{port}/metrics", "-o", "json")
+    assert done.returncode == 0, done.stderr
+    usage = json.loads(done.stdout)["usage"]
+    hours = {u["namespace"]: u["allocated_hours"] for u in usage}
+    assert hours == {f"team-{i}": pytest.approx(1 / 7) for i in range(7)}
+    assert sum(hours.values()) == pytest.approx(1.0)
 
 
 class PrometheusServer(HTTPServer):

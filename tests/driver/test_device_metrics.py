@@ -19,13 +19,14 @@ from gpudra.driver.agent import AgentConfig
 from gpudra.driver.checkpoint import Checkpoint, ClaimRecord, ClaimState, DeviceRecord
 from gpudra.driver.claims import ClaimRef, checked_claim
 from gpudra.driver.claimstatus import device_statuses
-from gpudra.driver.devices import Inventory, discover
+from gpudra.driver.devices import Device, Inventory, discover
 from gpudra.driver.health import HealthState, XidEvent
 from gpudra.driver.holders import ClaimInfo, ClaimInfos, claim_info
 from gpudra.driver.metrics import DeviceMetrics, PreparedDevices
+from gpudra.driver.mig import create_compute_instance, create_gpu_instance
 from gpudra.driver.node import NodeService, PluginConfig
 from gpudra.driver.nvml.emulator import NvmlEmulator, load_builtin_profile, parse_profile
-from gpudra.driver.records import DeviceDetails, TimeSliceSet
+from gpudra.driver.records import CreatedMig, DeviceDetails, TimeSliceSet, UsedMig
 from gpudra.driver.sampling import DEFAULT_INTERVAL_S, Sampler
 from gpudra.driver.tenancy import NamespaceTenants
 from kubernetes_asyncio.client import ApiClient
@@ -777,3 +778,143 @@ async def test_a_stalled_sampler_withdraws_the_device_series_and_says_how_old_th
     assert only(got, "gpudra_device_idle_seconds", pod="a") == 0  # idle since now, as known
     assert billed(node) == {"team-a": pytest.approx(10)}  # the stall is billed to nobody
     assert billed(node, "gpudra_idle_device_seconds_total") == {"team-a": pytest.approx(10)}
+
+
+HOUR = 3600
+
+
+def h100_mig(*instances: tuple[int, int], utilization: float = 50) -> NvmlEmulator:
+    """An H100 with MIG enabled and the MIG devices (GI profile ID, placement start)."""
+    doc = load_builtin_profile("h100-80gb-mig-r580").model_dump(mode="json")
+    doc["gpus"][0]["telemetry"] = {"utilization": utilization}
+    doc["gpus"][0]["migInstances"] = [
+        {"profileId": profile, "placementStart": start} for profile, start in instances
+    ]
+    return NvmlEmulator(parse_profile(doc))
+
+
+def mig_claim(
+    uid: str,
+    namespace: str,
+    device: Device,
+    mig_uuid: str,
+    *,
+    created: bool = False,
+    time_slice: bool = False,
+) -> ClaimRecord:
+    """A claim holding a MIG device as prepare records it: one that existed (static
+    MIG), or with `created` one its prepare made at `device`'s placement (dynamic)."""
+    at = device.placement
+    assert at is not None
+    mig = (
+        CreatedMig(at.profile_id, at.profile, at.start, at.size) if created else UsedMig(None, None)
+    )
+    details = DeviceDetails(
+        type="mig",
+        gpu_uuid=device.parent_uuid,
+        uuid=mig_uuid,
+        pod=f"pod-{uid}",
+        mig=mig,
+        time_slice=TimeSliceSet(mig_uuid, 1) if time_slice else None,
+    )
+    record = DeviceRecord(
+        pool=POOL,
+        device=device.name,
+        request_names=("gpu",),
+        exclusive=not time_slice,
+        details=details,
+    )
+    return ClaimRecord(
+        uid=uid,
+        namespace=namespace,
+        name=f"claim-{uid}",
+        state=ClaimState.PREPARE_COMPLETED,
+        devices=(record,),
+    )
+
+
+async def held_for_an_hour(node: Node) -> dict[str, float]:
+    """Namespace -> GPU-hours billed, after two samples an hour apart."""
+    await node.sampler.sample_once()
+    node.clock.now += HOUR
+    await node.sampler.sample_once()
+    return {ns: seconds / HOUR for ns, seconds in billed(node).items()}
+
+
+async def seven_1g_tenants(utilization: float = 50) -> Node:
+    """One H100 in seven 1g.10gb instances, each held by a namespace of its own
+    (team-0 to team-6) for one hour."""
+    nvml = h100_mig(*((19, start) for start in range(7)), utilization=utilization)
+    node = Node(nvml, interval_s=HOUR)
+    node.claims = [
+        mig_claim(f"u{i}", f"team-{i}", mig, str(mig.uuid))
+        for i, mig in enumerate(node.inventory.gpus[0].mig_devices)
+    ]
+    await held_for_an_hour(node)
+    return node
+
+
+async def test_seven_1g_instances_of_one_gpu_bill_one_gpu_hour_per_hour() -> None:
+    """A MIG device bills its compute slices' part of its GPU: each 1g of an H100 a
+    seventh, so the seven of them, held an hour, are one GPU-hour, as the GPU held whole
+    is (and as seven 10 GiB memory slices of it would be near enough)."""
+    node = await seven_1g_tenants(utilization=2)  # idle: the idle counter follows
+    per_namespace = {ns: seconds / HOUR for ns, seconds in billed(node).items()}
+    assert per_namespace == {f"team-{i}": pytest.approx(1 / 7) for i in range(7)}
+    assert sum(per_namespace.values()) == pytest.approx(1.0)
+    idle = billed(node, "gpudra_idle_device_seconds_total")
+    assert sum(idle.values()) / HOUR == pytest.approx(1.0)
+
+
+async def test_a_3g_and_a_4g_made_by_prepares_bill_one_gpu_hour_together() -> None:
+    """Dynamic MIG: the instances a prepare created after discovery, billed by the
+    placements' profiles as discovery read them, three and four sevenths."""
+    nvml = h100_mig()
+    inventory = inventory_of(nvml)  # before the instances exist
+    gpu = inventory.gpus[0]
+    claims = []
+    for uid, name in (("u3", "gpu-0-mig-3g40gb-9-4"), ("u4", "gpu-0-mig-4g40gb-5-0")):
+        device = inventory.find(name)
+        assert device is not None and device.placement is not None
+        gi = create_gpu_instance(nvml, gpu.uuid, device.placement)
+        _, mig_uuid = create_compute_instance(nvml, gpu.uuid, gi)
+        claims.append(mig_claim(uid, f"team-{uid}", device, mig_uuid, created=True))
+    node = Node(nvml, claims, interval_s=HOUR)
+    node.inventory = inventory
+    got = await held_for_an_hour(node)
+    assert got == {"team-u3": pytest.approx(3 / 7), "team-u4": pytest.approx(4 / 7)}
+    assert sum(got.values()) == pytest.approx(1.0)
+
+
+async def test_time_sliced_holders_of_a_mig_device_split_its_share_of_the_gpu() -> None:
+    """Two claims time-slicing one 1g instance: each half of its seventh."""
+    nvml = h100_mig((19, 0))
+    node = Node(nvml, interval_s=HOUR)
+    [mig] = node.inventory.gpus[0].mig_devices
+    node.claims = [
+        mig_claim(uid, f"team-{uid}", mig, str(mig.uuid), time_slice=True) for uid in ("a", "b")
+    ]
+    got = await held_for_an_hour(node)
+    assert got == {"team-a": pytest.approx(1 / 14), "team-b": pytest.approx(1 / 14)}
+    assert {k.sharing for k in node.accounting.allocated()} == {"TimeSlicing"}
+
+
+async def test_a_mig_device_the_inventory_does_not_name_is_billed_nothing() -> None:
+    """Its part of the GPU unknown (no view names it: no inventory yet), a MIG device
+    is billed nothing rather than a guess, since billed whole one 1g would pay for
+    seven; its series still name its holder, and a whole GPU is billed all the same."""
+    nvml = h100_mig((19, 0))
+    node = Node(nvml, interval_s=HOUR)
+    [mig] = node.inventory.gpus[0].mig_devices
+    l4 = inventory_of(emulator("l4")).gpus[0]
+    node.claims = [
+        mig_claim("m", "team-mig", mig, str(mig.uuid)),
+        # A whole GPU is all of itself, inventory or not (not sampled here: no matter).
+        claim("g", "team-gpu", "g", l4.device.name, l4.uuid),
+    ]
+    node.inventory = replace(node.inventory, gpus=())
+    assert await held_for_an_hour(node) == {"team-gpu": pytest.approx(1.0)}
+    got = node.scrape()
+    assert values(
+        got, "gpudra_gpu_memory_total_bytes", mig_uuid=str(mig.uuid), namespace="team-mig"
+    )

@@ -143,6 +143,31 @@ def test_a100_dynamic_view_has_every_placement_with_counters() -> None:
     }
 
 
+def test_each_mig_profile_is_its_compute_slices_part_of_the_gpu() -> None:
+    """Billing's share of a MIG device: compute slices over the 7g's, whatever the
+    memory (1g.10gb and 1g.20gb alike) or the engines (+me); every view's name, the
+    whole GPU all of it, and a name no view has none."""
+    inventory = discover(h100_with_mig())
+    gpu = inventory.gpus[0]
+    by_profile = {name: gpu.compute_share(pid) for pid, name in gpu.mig_profiles.items()}
+    sevenths = {name: share * 7 for name, share in by_profile.items() if share is not None}
+    assert sevenths == pytest.approx(
+        {
+            "1g.10gb": 1,
+            "1g.10gb+me": 1,
+            "1g.20gb": 1,
+            "2g.20gb": 2,
+            "3g.40gb": 3,
+            "4g.40gb": 4,
+            "7g.80gb": 7,
+        }
+    )
+    assert gpu.compute_share(99) is None  # a profile discovery did not read
+    assert inventory.compute_share("gpu-0-mig-3g40gb-9-4") == pytest.approx(3 / 7)
+    assert inventory.compute_share(gpu.device.name) == 1.0
+    assert inventory.compute_share("gpu-9-mig-1g10gb-19-0") is None
+
+
 def test_h100_partitionable_placements_when_mig_is_enabled() -> None:
     inventory = discover(h100_with_mig())
     per_gpu = sum(count for _, count in H100_PROFILES.values())
