@@ -1,4 +1,5 @@
-"""A Prometheus endpoint that a client holding connections cannot exhaust.
+"""A Prometheus endpoint that a client holding connections cannot exhaust, nor starve
+the others of.
 
 prometheus_client's `start_http_server` serves each connection on a thread of its own
 and never times a client out. Anyone who reaches the port (any pod, where no
@@ -10,20 +11,39 @@ cannot start a thread cannot prepare claims.
 This serves the same WSGI app (prometheus_client's, so the exposition formats, content
 negotiation and compression stay the library's), with:
 
-- at most `max_connections` connections at a time; one more is closed at once, so the
-  threads are bounded whatever a client does (a scrape then fails, and Prometheus's
-  `up` says so; the agent keeps working);
+- at most `max_connections` connections at a time, so the threads are bounded whatever
+  a client does. That bound alone let one client starve the others (20 idle
+  connections, reopened as each was closed, failed every scrape), so one client gets a
+  share of it, and connections that send nothing do not keep their place:
+- at most `max_per_client` connections at a time from one peer address; one more from
+  it is closed at once. Prometheus scrapes a target one request at a time from each
+  replica, and each replica (and `gpudra top`) connects from an address of its own, so
+  one client holding connections leaves the others room;
+- a deadline for the request head (`head_deadline_s`) from the connection's accept: a
+  scrape sends its request line and headers as soon as it connects, so a connection
+  that has not sent all of them by then (idle, or sending them a byte at a time) is
+  closed, without an answer. Idle connections, from as many addresses as a client has,
+  hold their place that long at most;
+- at the bound, a new connection takes the place of the one accepted longest ago among
+  those that have not sent a complete head yet, which is closed; when every open
+  connection is being answered, the new one is closed instead. The one making room is
+  waited for until its thread ends (at once: its socket is shut down under its read),
+  so the threads stay within the bound. The webhook's transport sheds its connections
+  the same way (a connection being answered is never closed for another) and counts
+  them in a metric of the same shape;
 - a deadline per connection (`deadline_s`) from its accept, whatever it sends: a client
-  that sends its request a byte at a time, or never reads the answer, loses the
-  connection when the deadline passes. wsgiref answers one request per connection, so
-  keep-alive cannot hold one either;
+  that never reads the answer loses the connection when the deadline passes. wsgiref
+  answers one request per connection, so keep-alive cannot hold one either;
 - a bound on what a connection may send (`HEAD_BYTES`, the request line and headers,
   which is all a scrape sends), answered 431 past it: the standard library's parser
   takes 100 header lines of 64 KiB each, and 16 connections sending such heads in a
   loop took the server past 500 MiB, which it kept. The rest of such a request is read
   and dropped, so that the client gets the answer.
 
-The server loop checks the deadlines on every turn (`service_actions`, twice a second).
+Connections closed by these bounds count in `gpudra_metrics_connections_shed_total`,
+on the registry served, by `action`: `refused`, `refused_per_client`, `evicted`,
+`timed_out` (see `MetricsServer`). The server loop checks the deadlines on every turn
+(`service_actions`, twice a second).
 """
 
 from __future__ import annotations
@@ -35,12 +55,13 @@ import logging
 import socket
 import threading
 import time
+from dataclasses import dataclass
 from socketserver import ThreadingMixIn
-from typing import Any, Final
+from typing import Any, Final, cast
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
 from gpudra.common.logpace import LogPace
-from prometheus_client import CollectorRegistry, make_wsgi_app
+from prometheus_client import CollectorRegistry, Counter, make_wsgi_app
 
 __all__ = ["MetricsServer", "serve_metrics"]
 
@@ -48,11 +69,41 @@ log = logging.getLogger(__name__)
 
 MAX_CONNECTIONS: Final = 16
 """Scrapes at once: each Prometheus replica scrapes a target one request at a time."""
+MAX_PER_CLIENT: Final = 4
+"""Connections at once from one address: a Prometheus replica scrapes a target one
+request at a time; room for a scrape cut short and retried, and for `gpudra top` run by
+people behind one address, while one client holding connections takes a quarter of the
+default bound at most."""
 DEADLINE_S: Final = 10.0
 """Prometheus's default scrape timeout: no scrape it makes waits longer."""
+HEAD_DEADLINE_S: Final = 2.0
+"""From accept to a complete request head: a scrape sends its head (a few hundred
+bytes) as soon as it connects, so it arrives within a round trip; 2 s is many."""
 HEAD_BYTES: Final = 32 * 1024
 """What a connection may send: a scrape's request line and headers are a few hundred
 bytes (the webhook bounds its heads the same)."""
+_MAKE_ROOM_S: Final = 1.0
+"""How long a new connection waits for the thread of the one closed to make room for
+it (which ends as soon as it runs: its socket is shut down under its read) before it
+is closed instead, so that the threads never outnumber the bound."""
+SHED_METRIC: Final = "gpudra_metrics_connections_shed"
+"""The counter of connections closed by a bound (`_total` in the exposition)."""
+
+
+@dataclass
+class _Connection:
+    """What the server knows of one open connection; changed under the server's lock."""
+
+    peer: str
+    accepted: float
+    deadline: float
+    head_deadline: float
+    answering: bool = False
+    """Its head is complete (or refused) and the server is answering it: no longer
+    under the head deadline, and never closed to make room for another."""
+    cut: bool = False
+    """Closed by the server (a deadline, or room made for another): its thread is
+    ending, and answers nothing."""
 
 
 class _Bounded(io.BufferedIOBase):
@@ -92,10 +143,11 @@ class _Bounded(io.BufferedIOBase):
 
 
 class _Handler(WSGIRequestHandler):
-    timeout = DEADLINE_S  # each socket operation; the connection's deadline bounds the sum
-
     def setup(self) -> None:
         super().setup()
+        # Each socket operation: the connection's deadline (`service_actions`) bounds
+        # their sum, and no one of them should end the connection before it.
+        self.connection.settimeout(self._server.deadline_s)
         self._input = _Bounded(self.rfile, HEAD_BYTES)
         self.rfile = self._input
 
@@ -104,10 +156,22 @@ class _Handler(WSGIRequestHandler):
             super().handle()
         except http.client.LineTooLong:
             # The request line itself past the bound (the parser answers for headers).
-            self.requestline = self.request_version = self.command = ""
-            self.send_error(431)
+            if self._server.answering(self.connection):
+                self.requestline = self.request_version = self.command = ""
+                self.send_error(431)
         if self._input.past:
             self._drain()
+
+    def parse_request(self) -> bool:
+        """The head is read (or refused, its answer sent): the connection is being
+        answered from here, unless the server closed it meanwhile (then its head may be
+        what was read before the close, and is not answered)."""
+        parsed = super().parse_request()
+        return self._server.answering(self.connection) and parsed
+
+    @property
+    def _server(self) -> MetricsServer:
+        return cast(MetricsServer, self.server)
 
     def _drain(self) -> None:
         """End the answer, then read what the client still sends and drop it, into one
@@ -124,8 +188,16 @@ class _Handler(WSGIRequestHandler):
 
 
 class MetricsServer(ThreadingMixIn, WSGIServer):
-    """The WSGI server, a thread per connection, with a bound on connections and a
-    deadline on each."""
+    """The WSGI server, a thread per connection, with bounds on connections (in all and
+    per peer address) and deadlines on each (its head, and the whole exchange).
+
+    Connections closed by a bound are counted in `gpudra_metrics_connections_shed_total`
+    on `registry`, by `action`: `refused` (a new one, at `max_connections` with every
+    open one being answered), `refused_per_client` (a new one from an address holding
+    `max_per_client`), `evicted` (one without a complete head, for a new one at
+    `max_connections`) and `timed_out` (past its head deadline or its deadline). The
+    counter leaves the registry when the server is shut down.
+    """
 
     daemon_threads = True
     # socketserver's default listen backlog is 5: a burst of connections overflows it,
@@ -139,7 +211,9 @@ class MetricsServer(ThreadingMixIn, WSGIServer):
         registry: CollectorRegistry,
         *,
         max_connections: int = MAX_CONNECTIONS,
+        max_per_client: int = MAX_PER_CLIENT,
         deadline_s: float = DEADLINE_S,
+        head_deadline_s: float = HEAD_DEADLINE_S,
     ) -> None:
         # An IPv6 listen address needs an IPv6 socket (as prometheus_client chooses).
         self.address_family = socket.getaddrinfo(
@@ -148,27 +222,44 @@ class MetricsServer(ThreadingMixIn, WSGIServer):
         super().__init__(address, _Handler)
         self.set_app(make_wsgi_app(registry))
         self._max = max_connections
-        self._deadline_s = deadline_s
-        self._lock = threading.Lock()
-        self._open: dict[socket.socket, float] = {}  # connection -> its deadline
-        self.refused = 0
-        """Connections closed at once because `max_connections` were open."""
-        self._refusal_log = LogPace()  # the server thread's only
+        self._max_per_client = max_per_client
+        self.deadline_s = deadline_s
+        self._head_deadline_s = min(head_deadline_s, deadline_s)
+        self._changed = threading.Condition()  # its lock guards `_open`; notified on a close
+        self._open: dict[socket.socket, _Connection] = {}
+        self._registry = registry
+        try:
+            self._shed = self._shed_counter(registry)
+        except BaseException:
+            self.server_close()  # the name is served already: release the port
+            raise
+        self._shed_log = LogPace()  # the server thread's only
+
+    @staticmethod
+    def _shed_counter(registry: CollectorRegistry) -> Counter:
+        return Counter(
+            SHED_METRIC,
+            "Connections to the metrics port closed by its bounds: 'refused' (a new one, "
+            "at the connection bound with every open one being answered), "
+            "'refused_per_client' (a new one, from an address at its own bound), "
+            "'evicted' (one without a complete request head, for a new one at the "
+            "connection bound), 'timed_out' (past its head's deadline or its own).",
+            ["action"],
+            registry=registry,
+        )
 
     def process_request(self, request: Any, client_address: Any) -> None:
-        with self._lock:
-            full = len(self._open) >= self._max
-            if not full:
-                self._open[request] = time.monotonic() + self._deadline_s
-        if full:
-            self.refused += 1
-            refused = self._refusal_log.due()
-            if refused is not None:
-                log.warning(
-                    "metrics connections at their bound; closing new ones (a client holding "
-                    "many open? restrict who reaches the port)",
-                    extra={"fields": {"refused": refused, "maxConnections": self._max}},
+        """Take a new connection in, within the bounds, or close it at once."""
+        now = time.monotonic()
+        peer = str(client_address[0])
+        with self._changed:
+            action = self._admit(peer)
+            if action in (None, "evicted"):
+                self._open[request] = _Connection(
+                    peer, now, now + self.deadline_s, now + self._head_deadline_s
                 )
+        if action in ("refused", "refused_per_client"):
+            self._count(action)
             self.shutdown_request(request)
             return
         try:
@@ -177,6 +268,44 @@ class MetricsServer(ThreadingMixIn, WSGIServer):
             self._finished(request)
             raise
 
+    def _admit(self, peer: str) -> str | None:
+        """Under the lock: make room for a connection from `peer`, and add nothing.
+        None: it fits; 'evicted': it fits, another was closed for it; else why not."""
+        if sum(1 for c in self._open.values() if c.peer == peer) >= self._max_per_client:
+            return "refused_per_client"
+        if len(self._open) < self._max:
+            return None
+        # A connection cut before it was answered (by its head deadline) is ending at
+        # once; failing that, the one accepted longest ago without a complete head makes
+        # room. One cut while being answered may take its time: it is not waited for.
+        if not any(c.cut and not c.answering for c in self._open.values()):
+            waiting = [(c.accepted, s) for s, c in self._open.items() if not c.answering]
+            if not waiting:
+                return "refused"
+            self._cut(min(waiting, key=lambda w: w[0])[1], "evicted")
+        if not self._changed.wait_for(lambda: len(self._open) < self._max, _MAKE_ROOM_S):
+            return "refused"
+        return "evicted"
+
+    def _cut(self, conn: socket.socket, action: str) -> None:
+        """Under the lock: close `conn` under its thread, which then ends; counted
+        before its client can see it closed."""
+        self._open[conn].cut = True
+        self._count(action)
+        with contextlib.suppress(OSError):
+            conn.shutdown(socket.SHUT_RDWR)
+
+    def answering(self, conn: socket.socket) -> bool:
+        """Its thread has read `conn`'s head (or refused it): from here the head deadline
+        no longer applies, and it is not closed for another. False when it was cut
+        already: its thread answers nothing then."""
+        with self._changed:
+            open_ = self._open.get(conn)
+            if open_ is None or open_.cut:
+                return False
+            open_.answering = True
+            return True
+
     def process_request_thread(self, request: Any, client_address: Any) -> None:
         try:
             super().process_request_thread(request, client_address)
@@ -184,17 +313,48 @@ class MetricsServer(ThreadingMixIn, WSGIServer):
             self._finished(request)
 
     def _finished(self, request: socket.socket) -> None:
-        with self._lock:
+        with self._changed:
             self._open.pop(request, None)
+            self._changed.notify_all()
 
     def service_actions(self) -> None:
-        """Shut down connections past their deadline; their threads then end."""
+        """Shut down connections past their deadline, or their head's; their threads
+        then end."""
         now = time.monotonic()
-        with self._lock:
-            late = [conn for conn, deadline in self._open.items() if deadline <= now]
-        for conn in late:
-            with contextlib.suppress(OSError):
-                conn.shutdown(socket.SHUT_RDWR)
+        with self._changed:
+            late = [
+                conn
+                for conn, c in self._open.items()
+                if not c.cut and (c.deadline <= now or (c.head_deadline <= now and not c.answering))
+            ]
+            for conn in late:
+                self._cut(conn, "timed_out")
+
+    def _count(self, action: str) -> None:
+        """Count a connection closed by a bound; log at most once a minute (a flood
+        closes thousands a second). The server thread's only, as `_shed_log` is."""
+        self._shed.labels(action).inc()
+        shed = self._shed_log.due()
+        if shed is not None:
+            log.warning(
+                "metrics connections closed at their bounds (a client holding many open? "
+                "restrict who reaches the port)",
+                extra={
+                    "fields": {
+                        "shed": shed,
+                        "last": action,
+                        "maxConnections": self._max,
+                        "maxPerClient": self._max_per_client,
+                    }
+                },
+            )
+
+    def shutdown(self) -> None:
+        """Stop serving; the shed counter leaves the registry, so that another server may
+        serve it."""
+        super().shutdown()
+        with contextlib.suppress(KeyError):
+            self._registry.unregister(self._shed)
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         """A client that went away or ran out of time: nothing to report (the base
@@ -207,12 +367,19 @@ def serve_metrics(
     registry: CollectorRegistry,
     *,
     max_connections: int = MAX_CONNECTIONS,
+    max_per_client: int = MAX_PER_CLIENT,
     deadline_s: float = DEADLINE_S,
+    head_deadline_s: float = HEAD_DEADLINE_S,
 ) -> tuple[MetricsServer, threading.Thread]:
     """Serve `registry` on host:port from a daemon thread; `server.shutdown()` stops it.
     Raises OSError when the address cannot be bound."""
     server = MetricsServer(
-        (host, port), registry, max_connections=max_connections, deadline_s=deadline_s
+        (host, port),
+        registry,
+        max_connections=max_connections,
+        max_per_client=max_per_client,
+        deadline_s=deadline_s,
+        head_deadline_s=head_deadline_s,
     )
     thread = threading.Thread(target=server.serve_forever, name="metrics", daemon=True)
     thread.start()

@@ -389,10 +389,11 @@ def _threads(pid: int) -> int:
 async def test_connections_held_on_the_metrics_port_cannot_exhaust_the_agent(
     setup: Setup, cluster: Cluster, node_dirs: NodeDirs
 ) -> None:
-    """An escape attempt on the node agent: a tenant's pod reaches the agent's metrics
-    port, opens many connections and holds them. The agent's threads stay within the
-    metrics server's bound (a thread each before), the connections beyond it are closed
-    at once, and claims still prepare."""
+    """An escape attempt on the node agent: tenants' pods reach the agent's metrics
+    port, open many connections from many addresses and hold them. The agent's threads
+    stay within the metrics server's bound (a thread each before): past it, the oldest
+    connection that sent no request is closed for each new one, and claims still
+    prepare."""
     kube, driver = setup.kube, setup.driver
     bound = METRICS_MAX_CONNECTIONS // 4  # set by its flag: it reaches the server
     setup.node.start("--metrics-max-connections", str(bound))
@@ -405,14 +406,13 @@ async def test_connections_held_on_the_metrics_port_cannot_exhaust_the_agent(
             assert setup.node.proc is not None
             pid = setup.node.proc.pid
             before = _threads(pid)
-            for _ in range(10 * METRICS_MAX_CONNECTIONS):
-                held.append(socket.create_connection(("127.0.0.1", setup.node.metrics_port)))
-            # Accepted in the order they connected: the first past the bound is closed
-            # at once (with the default bound it would be served, and held until the
-            # 10-second deadline, past this timeout).
-            for past in (held[bound], held[-1]):
-                past.settimeout(3)
-                assert past.recv(1) == b""
+            for i in range(10 * METRICS_MAX_CONNECTIONS):
+                held.append(_connect_from(i, setup.node.metrics_port))
+            # Each from an address of its own, so the per-address bound does not close
+            # them: the bound set by the flag does, the oldest first (with the default
+            # bound it would have been served, and held to its head deadline).
+            held[0].settimeout(1)
+            assert held[0].recv(1) == b""
             # Held past the bound, they would be a thread each; the agent's own worker
             # threads come and go by a few, hence the slack.
             after = _threads(pid)
@@ -431,14 +431,29 @@ async def test_connections_held_on_the_metrics_port_cannot_exhaust_the_agent(
         await akube.close()
 
 
-def _huge_heads(port: int, rounds: int) -> list[bytes]:
+def _connect_from(client: int, port: int) -> socket.socket:
+    """A connection to the agent's metrics port on loopback from address 127.0.0.<2 +
+    client % 200>: clients at addresses of their own, as pods have, which the metrics
+    server bounds one by one as well as together."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        s.bind((f"127.0.0.{2 + client % 200}", 0))
+        s.connect(("127.0.0.1", port))
+    except OSError:
+        s.close()
+        raise
+    return s
+
+
+def _huge_heads(client: int, port: int, rounds: int) -> list[bytes]:
     """What the metrics port answers to requests with 98 header lines of 64 KiB, as
-    many as the standard library's request parser takes."""
+    many as the standard library's request parser takes, sent by `client`."""
     line = b"X-Pad: " + b"a" * (64 * 1024 - 9) + b"\r\n"
     head = b"GET /metrics HTTP/1.1\r\nHost: m\r\n" + line * 98 + b"\r\n"
     answers = []
     for _ in range(rounds):
-        with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        with _connect_from(client, port) as s:
+            s.settimeout(30)
             s.sendall(head)  # read past the bound only to be dropped
             answers.append(s.recv(64))
     return answers
@@ -460,13 +475,13 @@ async def test_huge_request_heads_on_the_metrics_port_cannot_exhaust_the_agent(
         before = process_rss_mib(pid)
         answers: list[bytes] = []
 
-        async def sender() -> None:
-            got = await anyio.to_thread.run_sync(_huge_heads, setup.node.metrics_port, 4)
+        async def sender(client: int) -> None:
+            got = await anyio.to_thread.run_sync(_huge_heads, client, setup.node.metrics_port, 4)
             answers.extend(got)
 
         async with anyio.create_task_group() as tg:
-            for _ in range(METRICS_MAX_CONNECTIONS):
-                tg.start_soon(sender)
+            for client in range(METRICS_MAX_CONNECTIONS):
+                tg.start_soon(sender, client)
         after = process_rss_mib(pid)
     assert before is not None and after is not None
     assert len(answers) == 4 * METRICS_MAX_CONNECTIONS

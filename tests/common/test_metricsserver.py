@@ -1,38 +1,59 @@
 """The node agent's metrics endpoint over real sockets: it serves the registry, and a
 client that holds connections, drips its request or sends a huge one can neither grow
-its threads past the bound, keep a connection past its deadline nor make the server
-hold more than a bounded head."""
+its threads past the bound, keep a connection past its deadline, starve other clients
+of the bound nor make the server hold more than a bounded head."""
 
 from __future__ import annotations
 
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import pytest
-from gpudra.common.metricsserver import HEAD_BYTES, MetricsServer, serve_metrics
+from gpudra.common.metricsserver import (
+    HEAD_BYTES,
+    MAX_CONNECTIONS,
+    MAX_PER_CLIENT,
+    serve_metrics,
+)
 from prometheus_client import CollectorRegistry, Counter
+from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 
 GUARD = 10.0  # seconds: only a hang guard, never a speed check
+LONG = 600.0  # a deadline no test reaches
 
 
 @contextmanager
-def serving(**bounds: float) -> Iterator[tuple[MetricsServer, int]]:
-    registry = CollectorRegistry()
-    Counter("gpudra_test_scrapes", "A series to find in the answer.", registry=registry).inc()
-    server, thread = serve_metrics("127.0.0.1", 0, registry, **bounds)
+def serving(
+    registry: CollectorRegistry | None = None, host: str = "127.0.0.1", **bounds: float
+) -> Iterator[tuple[int, CollectorRegistry]]:
+    if registry is None:
+        registry = CollectorRegistry()
+        Counter("gpudra_test_scrapes", "A series to find in the answer.", registry=registry).inc()
+    server, thread = serve_metrics(host, 0, registry, **bounds)
     try:
-        yield server, server.server_address[1]
+        yield server.server_address[1], registry
     finally:
         server.shutdown()
         server.server_close()
         thread.join(GUARD)
 
 
-def scrape(port: int, head: bytes = b"GET /metrics HTTP/1.1\r\nHost: m\r\n\r\n") -> bytes:
-    with socket.create_connection(("127.0.0.1", port), timeout=GUARD) as s:
+def connect(port: int, source: str = "127.0.0.1") -> socket.socket:
+    """A connection to the server from the loopback address `source` (Linux answers on
+    all of 127.0.0.0/8, so each is a client address of its own)."""
+    target = "::1" if ":" in source else "127.0.0.1"
+    return socket.create_connection((target, port), timeout=GUARD, source_address=(source, 0))
+
+
+def scrape(
+    port: int,
+    head: bytes = b"GET /metrics HTTP/1.1\r\nHost: m\r\n\r\n",
+    source: str = "127.0.0.1",
+) -> bytes:
+    with connect(port, source) as s:
         s.sendall(head)
         answer = b""
         while chunk := s.recv(65536):
@@ -49,33 +70,167 @@ def closed_by_server(s: socket.socket) -> bool:
         return True
 
 
+def still_open(s: socket.socket) -> bool:
+    """Whether the server has not closed `s` (nothing to read, no EOF), without waiting."""
+    s.setblocking(False)
+    try:
+        return s.recv(1) != b""
+    except BlockingIOError:
+        return True
+    except ConnectionResetError:
+        return False
+    finally:
+        s.settimeout(GUARD)
+
+
+def eventually(condition: Callable[[], bool]) -> bool:
+    """Whether `condition` holds within GUARD (a thread that has left the server's books
+    takes a moment more to end)."""
+    deadline = time.monotonic() + GUARD
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def shed(registry: CollectorRegistry, action: str) -> float:
+    value = registry.get_sample_value("gpudra_metrics_connections_shed_total", {"action": action})
+    return value or 0.0
+
+
 def test_serves_the_registry() -> None:
-    with serving() as (_server, port):
+    with serving() as (port, _registry):
         answer = scrape(port)
     assert answer.startswith(b"HTTP/1.0 200 OK")
     assert b"gpudra_test_scrapes_total 1.0" in answer
 
 
 def test_held_connections_cannot_grow_the_threads_past_the_bound() -> None:
-    with serving(max_connections=4, deadline_s=60) as (server, port):
+    """Idle connections from as many addresses as they like: at the bound each new one
+    takes the place of the one accepted longest ago (none has sent a request), whose
+    thread ends first, so the threads stay within the bound and a scrape gets in."""
+    with serving(max_connections=4, deadline_s=LONG, head_deadline_s=LONG) as (port, registry):
         before = threading.active_count()
-        held = [socket.create_connection(("127.0.0.1", port)) for _ in range(12)]
+        held = [connect(port, f"127.0.1.{i}") for i in range(1, 13)]
         try:
-            # The server takes them in order: four get a thread, the rest are closed.
-            assert all(closed_by_server(s) for s in held[4:])
-            assert threading.active_count() <= before + 4
-            assert server.refused == 8
+            # The server takes them in order: each past the fourth evicts the oldest.
+            assert all(closed_by_server(s) for s in held[:8])
+            assert all(still_open(s) for s in held[8:])
+            assert eventually(lambda: threading.active_count() <= before + 4)
+            assert shed(registry, "evicted") == 8
+            assert b"gpudra_test_scrapes_total 1.0" in scrape(port, source="127.0.0.2")
+            assert closed_by_server(held[8])  # the scrape took its place
+            assert shed(registry, "refused") == 0
         finally:
             for s in held:
                 s.close()
-        deadline = time.monotonic() + GUARD
-        while b"gpudra_test_scrapes_total" not in scrape(port):  # slots freed on close
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+
+
+@pytest.mark.parametrize(
+    ("host", "holder", "scraper"),
+    [("127.0.0.1", "127.0.0.1", "127.0.0.2"), ("::", "::1", "127.0.0.1")],
+    ids=["ipv4", "ipv6-holder"],
+)
+def test_one_client_holding_connections_cannot_starve_another(
+    host: str, holder: str, scraper: str
+) -> None:
+    """The default bounds, one client holding three times as many idle connections as
+    the server serves: past its own bound each is closed at once, and a scrape from
+    another address is served while the client's connections stay open. (Before the
+    per-client bound, 20 such connections, reopened as each was closed, failed every
+    scrape.)"""
+    if ":" in host and not socket.has_ipv6:
+        pytest.skip("no IPv6 on this machine")
+    with serving(host=host, deadline_s=LONG, head_deadline_s=LONG) as (port, registry):
+        held = [connect(port, holder) for _ in range(3 * MAX_CONNECTIONS)]
+        try:
+            assert all(closed_by_server(s) for s in held[MAX_PER_CLIENT:])
+            assert shed(registry, "refused_per_client") == 3 * MAX_CONNECTIONS - MAX_PER_CLIENT
+            assert b"gpudra_test_scrapes_total 1.0" in scrape(port, source=scraper)
+            assert all(still_open(s) for s in held[:MAX_PER_CLIENT])
+            assert shed(registry, "evicted") == shed(registry, "refused") == 0
+        finally:
+            for s in held:
+                s.close()
+
+
+def test_a_connection_without_a_complete_head_is_closed_at_the_head_deadline() -> None:
+    """A scrape sends its head as it connects; one that sends nothing, or part of a
+    head, is closed at the head deadline, long before the connection's own, without an
+    answer."""
+    with serving(deadline_s=LONG, head_deadline_s=0.2) as (port, registry):
+        silent = connect(port)
+        partial = connect(port, "127.0.0.2")
+        try:
+            partial.sendall(b"GET /metrics HTTP/1.1\r\nHost: m\r\n")  # no blank line
+            assert closed_by_server(silent)
+            partial.settimeout(GUARD)
+            assert partial.recv(65536) == b""  # closed, nothing answered
+            assert shed(registry, "timed_out") == 2
+        finally:
+            silent.close()
+            partial.close()
+        assert b"gpudra_test_scrapes_total 1.0" in scrape(port)
+
+
+class _Blocking:
+    """A collector that holds each scrape until released: connections being answered."""
+
+    def __init__(self) -> None:
+        self.entered = threading.Semaphore(0)
+        self.release = threading.Event()
+
+    def collect(self) -> Iterator[Metric]:
+        self.entered.release()
+        self.release.wait(GUARD)
+        yield GaugeMetricFamily("gpudra_test_held", "Answered once released.", value=1)
+
+
+def test_a_connection_being_answered_is_never_shed() -> None:
+    """At the bound with every connection being answered, the new one is closed, not
+    one of theirs."""
+    registry = CollectorRegistry()
+    blocking = _Blocking()
+    registry.register(blocking)
+    with serving(registry, max_connections=2, deadline_s=LONG, head_deadline_s=LONG) as (
+        port,
+        _registry,
+    ):
+        answers: list[bytes] = []
+        scrapes = [
+            threading.Thread(target=lambda src=src: answers.append(scrape(port, source=src)))
+            for src in ("127.0.0.2", "127.0.0.3")
+        ]
+        for t in scrapes:
+            t.start()
+        try:
+            for _ in scrapes:
+                assert blocking.entered.acquire(timeout=GUARD)
+            with connect(port, "127.0.0.4") as late:
+                assert closed_by_server(late)
+        finally:
+            blocking.release.set()
+            for t in scrapes:
+                t.join(GUARD)
+        assert len(answers) == 2
+        # Read once released: reading the registry collects the held collector too.
+        assert shed(registry, "refused") == 1
+        assert shed(registry, "evicted") == 0
+        assert all(b"gpudra_test_held 1.0" in a for a in answers)
+
+
+def test_the_registry_can_be_served_again_once_shut_down() -> None:
+    """The shed counter leaves the registry with its server, so that the registry can
+    be served again (the tests of the agent's series serve theirs once per scrape)."""
+    registry = CollectorRegistry()
+    for _ in range(2):
+        with serving(registry) as (port, _registry):
+            assert b"gpudra_metrics_connections_shed_total" in scrape(port)
 
 
 def test_a_client_dripping_its_request_loses_it_at_the_deadline() -> None:
-    with serving(max_connections=2, deadline_s=0.5) as (_server, port):
+    with serving(max_connections=2, deadline_s=0.5) as (port, _registry):
         drip = socket.create_connection(("127.0.0.1", port))
         started = time.monotonic()
         try:
@@ -117,7 +272,7 @@ def test_a_request_past_the_head_bound_is_answered_431(what: str, head: bytes) -
     """The standard library's parser reads 100 header lines of 64 KiB each: 16
     connections sending such heads in a loop held over 500 MiB. Past `HEAD_BYTES` the
     request is answered 431 without reading on; a scrape's head, well under, is served."""
-    with serving() as (_server, port):
+    with serving() as (port, _registry):
         answer = scrape(port, head)
         assert answer.startswith(b"HTTP/1.0 431"), (what, answer[:80])
         under = _head(b"GET /metrics HTTP/1.1", (HEAD_BYTES - 2048) // 1024, 1024)
