@@ -22,6 +22,7 @@ from cryptography import x509
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.serialization import Encoding
 from gpudra.driver.mpspods import MpsDaemonPods
+from gpudra.driver.sharing import _POD_SCRIPT as POD_SCRIPT
 from gpudra.webhook.certs import CertKeyPair, ensure_serving_from_ca, service_dns_names
 
 from e2e.cluster.harness import Cluster
@@ -283,7 +284,9 @@ def test_node_agent_creates_only_its_own_nodes_daemon_pods(
 
     def daemon_pod(node: str, claim: str = "claim-a") -> dict[str, Any]:
         pods_of = MpsDaemonPods(None, namespace=namespace, node_name=node, template=template)  # type: ignore[arg-type]
-        return pods_of.manifest(claim, ["sh", "-c", "sleep 1"], {"A": "1"}, None)
+        # The agent's own command: the policy allows no other.
+        argv = ["sh", "-c", POD_SCRIPT, "/usr/bin/nvidia-cuda-mps-control"]
+        return pods_of.manifest(claim, argv, {"A": "1"}, None)
 
     def denied() -> Any:
         # A claim of its own: a probe sent before the policy is in force is created, and

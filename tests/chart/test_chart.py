@@ -1362,3 +1362,20 @@ def test_the_node_agent_reads_pods_with_sampling_off(helm: Path) -> None:
     rules = h.find(objects, "ClusterRole", "gpudra-node")["rules"]
     assert {"apiGroups": [""], "resources": ["pods"], "verbs": ["get"]} in rules
     assert not [r for r in rules if "gputenants" in r["resources"]]
+
+
+def test_daemon_pod_policy_runs_the_agents_pod_script(default: list[dict[str, Any]]) -> None:
+    """The daemon-pod policy pins the command to the shell the agent runs in every daemon
+    pod (gpudra.driver.sharing); a changed script must change the chart with it."""
+    from gpudra.driver.sharing import _POD_SCRIPT  # noqa: PLC0415 - only here
+
+    policy = h.find(default, "ValidatingAdmissionPolicy", "gpudra-node-own-node-daemon-pods")
+    script = next(v for v in policy["spec"]["variables"] if v["name"] == "podScript")
+    assert script["expression"] == f"'{_POD_SCRIPT}'"
+    template = h.find(default, "ConfigMap", "gpudra-node-mps")
+    pod = json.loads(template["data"]["pod.json"])
+    assert pod["spec"]["serviceAccountName"] == "gpudra-node-mps"
+    account = h.find(default, "ServiceAccount", "gpudra-node-mps")
+    assert account["automountServiceAccountToken"] is False
+    bound = [o for o in default if o["kind"] in ("RoleBinding", "ClusterRoleBinding")]
+    assert not any(s["name"] == "gpudra-node-mps" for o in bound for s in o["subjects"])
