@@ -1,14 +1,18 @@
 """A tenant user for escape tests: a ServiceAccount with the built-in `edit` ClusterRole
 bound in its own namespace only, whose requests carry its own TokenRequest token, as a
 real user of a shared cluster would make them (the admin client's certificate would
-hide every RBAC rule)."""
+hide every RBAC rule); and the ServiceAccount tokens and kubeconfigs that let tests act
+as any other ServiceAccount (a node agent's, the webhook's) the same way."""
 
 from __future__ import annotations
 
 import http.client
 import json
 import ssl
+from pathlib import Path
 from typing import Any
+
+import yaml
 
 from e2e.cluster.kube import ApiError, Credentials
 from e2e.cluster.kube import Kube as SyncKube
@@ -23,16 +27,20 @@ class TenantUser:
         self._token = token
         self._ctx = ssl.create_default_context(cafile=str(creds.ca))
 
-    def request(self, method: str, path: str, body: Any = None) -> Any:
+    def request(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        content_type: str = "application/merge-patch+json",
+    ) -> Any:
+        """With the token; PATCH bodies are merge patches unless `content_type` says."""
         conn = http.client.HTTPSConnection(
             self._creds.host, self._creds.port, context=self._ctx, timeout=30
         )
         headers = {"Authorization": f"Bearer {self._token}", "Accept": "application/json"}
         if body is not None:
-            merge = method == "PATCH"
-            headers["Content-Type"] = (
-                "application/merge-patch+json" if merge else "application/json"
-            )
+            headers["Content-Type"] = content_type if method == "PATCH" else "application/json"
         try:
             data = None if body is None else json.dumps(body).encode()
             conn.request(method, path, body=data, headers=headers)
@@ -71,17 +79,79 @@ def tenant_token(kube: SyncKube, ns: str, sa: str = "tenant") -> str:
             "subjects": [{"kind": "ServiceAccount", "name": sa, "namespace": ns}],
         },
     )
+    return service_account_token(kube, ns, sa)
+
+
+def service_account_token(
+    kube: SyncKube,
+    ns: str,
+    sa: str,
+    *,
+    bound_to: dict[str, Any] | None = None,
+    expiration_s: int | None = 600,
+) -> str:
+    """A TokenRequest token of ServiceAccount `sa` in `ns`, bound to the object
+    `bound_to` (as stored) when given, valid `expiration_s` (None: the server's default)."""
+    spec: dict[str, Any] = {}
+    if expiration_s is not None:
+        spec["expirationSeconds"] = expiration_s
+    if bound_to is not None:
+        spec["boundObjectRef"] = {
+            "apiVersion": bound_to["apiVersion"],
+            "kind": bound_to["kind"],
+            "name": bound_to["metadata"]["name"],
+            "uid": bound_to["metadata"]["uid"],
+        }
     issued = kube.request(
         "POST",
         f"/api/v1/namespaces/{ns}/serviceaccounts/{sa}/token",
-        {
-            "apiVersion": "authentication.k8s.io/v1",
-            "kind": "TokenRequest",
-            "spec": {"expirationSeconds": 600},
-        },
+        {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest", "spec": spec},
     )
     token: str = issued["status"]["token"]
     return token
+
+
+def pod_bound_token(
+    kube: SyncKube, ns: str, sa: str, node: str, pod: str, *, expiration_s: int | None = 600
+) -> str:
+    """A token of ServiceAccount `sa` bound to a new pod `pod` of it on `node`, as a
+    DaemonSet's pod there holds one (no kubelet runs it: the API server only records it)."""
+    bound = kube.create(
+        {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": pod, "namespace": ns},
+            "spec": {
+                "nodeName": node,
+                "serviceAccountName": sa,
+                "containers": [{"name": "agent", "image": "gpudra:test"}],
+            },
+        }
+    )
+    return service_account_token(kube, ns, sa, bound_to=bound, expiration_s=expiration_s)
+
+
+def token_kubeconfig(creds: Credentials, token: str, user: str, path: Path) -> Path:
+    """A kubeconfig at `path` for the cluster of `creds` whose user `user` holds `token`,
+    for gpudra's own client to make its requests as that user."""
+    config = {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [
+            {
+                "name": "c",
+                "cluster": {
+                    "server": f"https://{creds.host}:{creds.port}",
+                    "certificate-authority": str(creds.ca),
+                },
+            }
+        ],
+        "users": [{"name": user, "user": {"token": token}}],
+        "contexts": [{"name": "c", "context": {"cluster": "c", "user": user}}],
+        "current-context": "c",
+    }
+    path.write_text(yaml.safe_dump(config))
+    return path
 
 
 def tenant_user(kube: SyncKube, ns: str) -> TenantUser:

@@ -38,7 +38,7 @@ from e2e.cluster.harness import REPO
 from e2e.cluster.kube import ApiError, Kube, wait_for
 from e2e.image import build as image
 from e2e.node.gpus import DRIVER, NodeGpus
-from e2e.node.realnode import NodeError, NodeState
+from e2e.node.realnode import NodeError, NodeState, unavailable_reason
 from e2e.node.realnode import build as build_containerd
 from e2e.processes import free_port
 from e2e.progress import BuildFailed, build_script, run_build
@@ -99,6 +99,16 @@ def chart_unavailable_reason() -> str | None:
         return f"helm: {e}"
     if not image.base_cached() and not image.debootstrap_installable():
         return "the image needs debootstrap for its base layer: apt-get install debootstrap"
+    return None
+
+
+def chart_node_unavailable_reason() -> str | None:
+    """Why the chart cannot be installed on a real node here, for a test to skip with:
+    no real node (`unavailable_reason`), or no chart (`chart_unavailable_reason`)."""
+    if reason := unavailable_reason():
+        return f"no real node on this machine: {reason}"
+    if reason := chart_unavailable_reason():
+        return f"the chart cannot be installed here: {reason}"
     return None
 
 
@@ -551,6 +561,7 @@ __all__ = [
     "WORKING_TREE",
     "ChartBuild",
     "ChartStack",
+    "chart_node_unavailable_reason",
     "chart_unavailable_reason",
     "previous_release",
 ]

@@ -37,7 +37,7 @@ import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from gpudra.api.deviceclasses import device_classes
 from gpudra.api.tenants import crd_manifest
@@ -261,7 +261,10 @@ class NodeGpus:
         return any(o["spec"]["driver"] == DRIVER and o["spec"].get("devices") for o in items)
 
 
-def installed(gpus: NodeGpus) -> Iterator[NodeGpus]:
+G = TypeVar("G", bound="NodeGpus")
+
+
+def installed(gpus: G) -> Iterator[G]:
     """`gpus` up for a fixture's lifetime, quietly; down again even when up failed
     half-way."""
     try:

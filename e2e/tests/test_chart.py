@@ -27,6 +27,7 @@ from gpudra.webhook.certs import CertKeyPair, ensure_serving_from_ca, service_dn
 
 from e2e.cluster.harness import Cluster
 from e2e.cluster.kube import ApiError, Kube, crd_established, wait_for
+from e2e.tenant_user import pod_bound_token
 from e2e.tools import helm as h
 
 pytestmark = pytest.mark.cluster
@@ -197,35 +198,7 @@ def node_agent_token(
     apply(kubectl, node_objects)
     fake_node(kube, "chart-e2e-a")
     fake_node(kube, "chart-e2e-b")
-    pod = kube.create(
-        {
-            "apiVersion": "v1",
-            "kind": "Pod",
-            "metadata": {"name": "node-agent", "namespace": namespace},
-            "spec": {
-                "nodeName": "chart-e2e-a",
-                "serviceAccountName": "gpudra-node",
-                "containers": [{"name": "agent", "image": "gpudra:test"}],
-            },
-        }
-    )
-    token = kube.request(
-        "POST",
-        f"/api/v1/namespaces/{namespace}/serviceaccounts/gpudra-node/token",
-        {
-            "apiVersion": "authentication.k8s.io/v1",
-            "kind": "TokenRequest",
-            "spec": {
-                "expirationSeconds": 600,
-                "boundObjectRef": {
-                    "apiVersion": "v1",
-                    "kind": "Pod",
-                    "name": "node-agent",
-                    "uid": pod["metadata"]["uid"],
-                },
-            },
-        },
-    )["status"]["token"]
+    token = pod_bound_token(kube, namespace, "gpudra-node", "chart-e2e-a", "node-agent")
     yield Token(cluster, kube, token)
     kube.delete("Pod", "node-agent", namespace, grace=0)
     for name in ("chart-e2e-a-gpu", "chart-e2e-b-gpu"):

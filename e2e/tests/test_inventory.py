@@ -12,7 +12,6 @@ from typing import Any
 
 import anyio
 import pytest
-import yaml
 from gpudra.api.config import GpuConfig
 from gpudra.api.deviceclasses import device_classes
 from gpudra.api.sharing import resolve_sharing
@@ -32,6 +31,7 @@ from e2e import features, smoke
 from e2e.cluster.harness import Cluster
 from e2e.cluster.kube import ApiError
 from e2e.cluster.kube import Kube as SyncKube
+from e2e.tenant_user import pod_bound_token, token_kubeconfig
 from e2e.tools import helm
 
 pytestmark = [pytest.mark.cluster, pytest.mark.anyio]
@@ -521,9 +521,10 @@ def agent_kubeconfig(
     role = helm.find(objects, "ClusterRole", "gpudra-node")
     role["metadata"] = {"name": f"{ns}-{sa}"}
     kube.request("POST", f"{RBAC}/clusterroles", role)
-    sas = f"/api/v1/namespaces/{ns}/serviceaccounts"
     kube.request(
-        "POST", sas, {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": sa}}
+        "POST",
+        f"/api/v1/namespaces/{ns}/serviceaccounts",
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": sa}},
     )
     kube.request(
         "POST",
@@ -540,48 +541,8 @@ def agent_kubeconfig(
             "subjects": [{"kind": "ServiceAccount", "name": sa, "namespace": ns}],
         },
     )
-    agent = kube.create(
-        {
-            "apiVersion": "v1",
-            "kind": "Pod",
-            "metadata": {"name": f"agent-{sa}", "namespace": ns},
-            "spec": {
-                "nodeName": node,
-                "serviceAccountName": sa,
-                "containers": [{"name": "agent", "image": "gpudra:test"}],
-            },
-        }
-    )
-    bound = {"kind": "Pod", "apiVersion": "v1", "name": f"agent-{sa}"}
-    issued = kube.request(
-        "POST",
-        f"{sas}/{sa}/token",
-        {
-            "apiVersion": "authentication.k8s.io/v1",
-            "kind": "TokenRequest",
-            "spec": {"boundObjectRef": {**bound, "uid": agent["metadata"]["uid"]}},
-        },
-    )
-    token = issued["status"]["token"]
-    creds = kube.creds
-    config = {
-        "apiVersion": "v1",
-        "kind": "Config",
-        "clusters": [
-            {
-                "name": "c",
-                "cluster": {
-                    "server": f"https://{creds.host}:{creds.port}",
-                    "certificate-authority": str(creds.ca),
-                },
-            }
-        ],
-        "users": [{"name": sa, "user": {"token": token}}],
-        "contexts": [{"name": "c", "context": {"cluster": "c", "user": sa}}],
-        "current-context": "c",
-    }
-    path.write_text(yaml.safe_dump(config))
-    return path
+    token = pod_bound_token(kube, ns, sa, node, f"agent-{sa}", expiration_s=None)
+    return token_kubeconfig(kube.creds, token, sa, path)
 
 
 async def test_claim_status_is_written_and_removed_where_the_server_keeps_it(

@@ -72,10 +72,10 @@ from e2e.node.chart import (
     WORKING_TREE,
     ChartBuild,
     ChartStack,
-    chart_unavailable_reason,
+    chart_node_unavailable_reason,
     previous_release,
 )
-from e2e.node.realnode import NodeError, RealNode, unavailable_reason
+from e2e.node.realnode import NodeError, RealNode
 from e2e.pins import TOOL_VERSIONS, pinned
 from e2e.provider import local_only
 from e2e.tools import helm as h
@@ -94,10 +94,8 @@ SLICED = ("sliced-a", "sliced-b")
 
 @pytest.fixture(scope="module")
 def node(cluster: Cluster) -> Iterator[RealNode]:
-    if reason := unavailable_reason():
-        pytest.skip(f"no real node on this machine: {reason}")
-    if reason := chart_unavailable_reason():
-        pytest.skip(f"the chart cannot be installed here: {reason}")
+    if reason := chart_node_unavailable_reason():
+        pytest.skip(reason)
     real = RealNode(cluster)
     real.up(log=lambda _m: None)
     try:

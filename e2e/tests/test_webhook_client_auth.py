@@ -27,11 +27,13 @@ from gpudra.webhook.certs import service_dns_names
 from e2e import smoke
 from e2e.cluster.harness import AdmissionClient, Cluster
 from e2e.cluster.kube import ApiError, Kube
-from e2e.node.chart import NAMESPACE, RELEASE, ChartStack, chart_unavailable_reason
-from e2e.node.gpus import DRIVER
-from e2e.node.realnode import RealNode, unavailable_reason
+from e2e.node.chart import NAMESPACE, RELEASE, ChartStack, chart_node_unavailable_reason
+from e2e.node.gpus import DRIVER, installed
+from e2e.node.realnode import RealNode
 from e2e.processes import free_port
 from e2e.provider import local_only
+from e2e.tests.escape.test_claims import claim, gpu_config
+from e2e.tests.test_webhook import legacy_pod
 
 pytestmark = [
     pytest.mark.cluster,
@@ -78,18 +80,13 @@ def chart(cluster: Cluster) -> Iterator[ClientAuthChart]:
             "certificate: run `make cluster-down cluster-up`"
         )
     assert (client.service, client.namespace) == (f"{RELEASE}-webhook", NAMESPACE)
-    if reason := unavailable_reason():
-        pytest.skip(f"no real node on this machine: {reason}")
-    if reason := chart_unavailable_reason():
-        pytest.skip(f"the chart cannot be installed here: {reason}")
+    if reason := chart_node_unavailable_reason():
+        pytest.skip(reason)
     node = RealNode(cluster)
     node.up(log=lambda _m: None)
-    stack = ClientAuthChart(node, client)
     try:
-        stack.up(log=lambda _m: None)
-        yield stack
+        yield from installed(ClientAuthChart(node, client))
     finally:
-        stack.down(log=lambda _m: None)
         node.down(log=lambda _m: None)
 
 
@@ -128,47 +125,13 @@ def test_the_api_server_presents_the_certificate_through_both_plugins(
         host_port = f"{service['name']}.{service['namespace']}.svc:{service['port']}"
         assert host_port == client.user
 
-    pod = {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {"namespace": ns, "name": "legacy"},
-        "spec": {
-            "containers": [
-                {
-                    "name": "cuda",
-                    "image": "registry.k8s.io/pause:3.10",
-                    "resources": {"limits": {"nvidia.com/gpu": "1"}},
-                }
-            ]
-        },
-    }
+    pod = legacy_pod(ns, "legacy", {"nvidia.com/gpu": "1"})
     converted = kube.create(pod, dryRun="All")["spec"]
     assert "nvidia.com/gpu" not in converted["containers"][0]["resources"].get("limits", {})
-    (claim,) = converted["resourceClaims"]
-    assert claim["resourceClaimTemplateName"] == "gpudra-gpu-1"
+    (pod_claim,) = converted["resourceClaims"]
+    assert pod_claim["resourceClaimTemplateName"] == "gpudra-gpu-1"
 
-    bad = {
-        "apiVersion": "resource.k8s.io/v1",
-        "kind": "ResourceClaim",
-        "metadata": {"name": "bad-config", "namespace": ns},
-        "spec": {
-            "devices": {
-                "requests": [{"name": "gpu", "exactly": {"deviceClassName": "gpu.nvidia.com"}}],
-                "config": [
-                    {
-                        "opaque": {
-                            "driver": DRIVER,
-                            "parameters": {
-                                "apiVersion": "resource.nvidia.com/v1beta1",
-                                "kind": "GpuConfig",
-                                "sharing": {"strategy": "Sometimes"},
-                            },
-                        }
-                    }
-                ],
-            }
-        },
-    }
+    bad = claim(ns, "bad-config", {"deviceClassName": DRIVER}, gpu_config("Sometimes"))
     with pytest.raises(ApiError) as denied:
         kube.create(bad)
     body = str(denied.value.body)

@@ -626,6 +626,23 @@ async def test_a_gpu_whose_registration_failed_is_watched_once_it_succeeds(when:
         tg.cancel_scope.cancel()
 
 
+async def recovery_action_changed(
+    profile: str, action: int
+) -> tuple[Inventory, FakeClock, HealthState]:
+    """A watched `profile` whose GPU 0's recovery action NVML reports as `action` now
+    (XID 154 says it changed): the inventory, the state's clock, and the state once the
+    watcher has taken the event in."""
+    nvml = emulated(profile)
+    inventory = discover(nvml)
+    clock = FakeClock()
+    state = make_state(inventory, clock)
+    async with watching(nvml, state):
+        seen = state.generation
+        nvml.change_recovery_action(0, action)
+        await next_change(state, seen)
+    return inventory, clock, state
+
+
 @pytest.mark.parametrize(
     ("action", "critical", "reset"),
     [
@@ -643,14 +660,7 @@ async def test_xid_154_is_treated_as_the_recovery_action_nvml_reports_says(
     NVML_FI_DEV_GET_GPU_RECOVERY_ACTION what it is now. Before, every 154 was a timed
     critical XID: a GPU NVIDIA says must be reset went back into service after five
     quiet minutes, and one that needs nothing was taken out for five."""
-    nvml = emulated("h100-80gb-mig-r570")
-    inventory = discover(nvml)
-    clock = FakeClock()
-    state = make_state(inventory, clock)
-    async with watching(nvml, state):
-        seen = state.generation
-        nvml.change_recovery_action(0, action)
-        await next_change(state, seen)
+    inventory, clock, state = await recovery_action_changed("h100-80gb-mig-r570", action)
     (taint,) = state.report().taints("gpu-0")
     assert taint.value == "154"
     expected = TaintEffect.NO_SCHEDULE if critical else TaintEffect.NONE
@@ -667,14 +677,8 @@ async def test_xid_154_is_treated_as_the_recovery_action_nvml_reports_says(
 
 async def test_xid_154_without_a_readable_recovery_action_is_a_timed_critical_xid() -> None:
     # R535 has no recovery action (R565 on): the XID's taint lifts after quiet time.
-    nvml = emulated("h100-80gb-mig-r535")
-    inventory = discover(nvml)
-    clock = FakeClock()
-    state = make_state(inventory, clock)
-    async with watching(nvml, state):
-        seen = state.generation
-        nvml.change_recovery_action(0, pynvml.NVML_GPU_RECOVERY_ACTION_GPU_RESET)
-        await next_change(state, seen)
+    reset = pynvml.NVML_GPU_RECOVERY_ACTION_GPU_RESET
+    _, _, state = await recovery_action_changed("h100-80gb-mig-r535", reset)
     (taint,) = state.report().taints("gpu-0")
     assert (taint.value, taint.effect) == ("154", TaintEffect.NO_SCHEDULE)
     assert state.pending_resets() == {}

@@ -13,9 +13,7 @@ hold whether or not gpudra's webhook is reachable.
 
 from __future__ import annotations
 
-import http.client
 import json
-import ssl
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -29,7 +27,7 @@ from e2e import smoke
 from e2e.claims import pod_with_claim
 from e2e.cluster.kube import ApiError, wait_for
 from e2e.cluster.kube import Kube as SyncKube
-from e2e.tenant_user import tenant_user
+from e2e.tenant_user import TenantUser, pod_bound_token, tenant_user
 from e2e.tools import helm
 
 pytestmark = pytest.mark.cluster
@@ -269,39 +267,12 @@ MPS_CONTROL = "/usr/bin/nvidia-cuda-mps-control"
 NODE_COMPONENT = "node"
 
 
-class NodeAgent:
+class NodeAgent(TenantUser):
     """Requests with the agent's pod-bound token, and the chart's daemon pod template."""
 
     def __init__(self, kube: SyncKube, token: str, template: dict[str, Any]) -> None:
-        self._creds = kube.creds
-        self._token = token
-        self._ctx = ssl.create_default_context(cafile=str(kube.creds.ca))
+        super().__init__(kube.creds, token, f"system:serviceaccount:{AGENT_NS}:{AGENT_SA}")
         self.template = template
-
-    def request(
-        self,
-        method: str,
-        path: str,
-        body: Any = None,
-        content_type: str = "application/merge-patch+json",
-    ) -> Any:
-        """As the agent; PATCH bodies are merge patches unless `content_type` says."""
-        conn = http.client.HTTPSConnection(
-            self._creds.host, self._creds.port, context=self._ctx, timeout=30
-        )
-        headers = {"Authorization": f"Bearer {self._token}", "Accept": "application/json"}
-        if body is not None:
-            headers["Content-Type"] = content_type if method == "PATCH" else "application/json"
-        try:
-            data = None if body is None else json.dumps(body).encode()
-            conn.request(method, path, body=data, headers=headers)
-            resp = conn.getresponse()
-            parsed: Any = json.loads(resp.read() or b"null")
-        finally:
-            conn.close()
-        if resp.status >= 400:
-            raise ApiError(resp.status, parsed, method, path)
-        return parsed
 
     def daemon_pod(self, node: str = AGENT_NODE, claim: str = "claim-a") -> dict[str, Any]:
         """The pod the agent creates for claim `claim` (gpudra.driver.mpspods)."""
@@ -371,7 +342,8 @@ def node_agent(kube: SyncKube, request: pytest.FixtureRequest) -> Iterator[NodeA
             f"/api/v1/namespaces/{AGENT_NS}/serviceaccounts",
             {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": WEBHOOK_SA}},
         )
-        yield NodeAgent(kube, agent_token(kube), json.loads(mps["data"]["pod.json"]))
+        token = pod_bound_token(kube, AGENT_NS, AGENT_SA, AGENT_NODE, "node-agent")
+        yield NodeAgent(kube, token, json.loads(mps["data"]["pod.json"]))
     finally:
         for obj in mine:
             if "namespace" not in obj["metadata"]:
@@ -390,41 +362,6 @@ def node_agent(kube: SyncKube, request: pytest.FixtureRequest) -> Iterator[NodeA
             lambda: kube.get_or_none("Namespace", AGENT_NS) is None,
             timeout=60,
         )
-
-
-def agent_token(kube: SyncKube) -> str:
-    """A token of the agent's ServiceAccount bound to a pod on AGENT_NODE."""
-    agent = kube.create(
-        {
-            "apiVersion": "v1",
-            "kind": "Pod",
-            "metadata": {"name": "node-agent", "namespace": AGENT_NS},
-            "spec": {
-                "nodeName": AGENT_NODE,
-                "serviceAccountName": AGENT_SA,
-                "containers": [{"name": "agent", "image": "gpudra:test"}],
-            },
-        }
-    )
-    issued = kube.request(
-        "POST",
-        f"/api/v1/namespaces/{AGENT_NS}/serviceaccounts/{AGENT_SA}/token",
-        {
-            "apiVersion": "authentication.k8s.io/v1",
-            "kind": "TokenRequest",
-            "spec": {
-                "expirationSeconds": 600,
-                "boundObjectRef": {
-                    "apiVersion": "v1",
-                    "kind": "Pod",
-                    "name": "node-agent",
-                    "uid": agent["metadata"]["uid"],
-                },
-            },
-        },
-    )
-    token: str = issued["status"]["token"]
-    return token
 
 
 SLICES = "/apis/resource.k8s.io/v1/resourceslices"
