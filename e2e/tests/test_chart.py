@@ -173,14 +173,8 @@ def slice_for(node: str, name: str) -> dict[str, Any]:
     }
 
 
-@pytest.fixture
-def node_agent_token(
-    helm: Path, cluster: Cluster, kube: Kube, kubectl: list[str], namespace: str
-) -> Iterator[Token]:
-    """The chart's node RBAC and admission policy for real, and a token bound to a pod on
-    node chart-e2e-a, as the DaemonSet's pod would have."""
-    objects = h.template(helm, namespace=namespace)
-    wanted = {
+ACCESS_KINDS = frozenset(
+    {
         "ServiceAccount",
         "ClusterRole",
         "ClusterRoleBinding",
@@ -189,12 +183,27 @@ def node_agent_token(
         "ValidatingAdmissionPolicy",
         "ValidatingAdmissionPolicyBinding",
     }
-    node_objects = [
+)
+
+
+def node_access(objects: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rendered objects that say what the node agent may do: its ServiceAccounts,
+    roles, bindings and admission policies."""
+    return [
         o
         for o in objects
-        if o["kind"] in wanted
-        and o["metadata"]["labels"].get("app.kubernetes.io/component") == "node"
+        if o["kind"] in ACCESS_KINDS
+        and o["metadata"].get("labels", {}).get("app.kubernetes.io/component") == "node"
     ]
+
+
+@pytest.fixture
+def node_agent_token(
+    helm: Path, cluster: Cluster, kube: Kube, kubectl: list[str], namespace: str
+) -> Iterator[Token]:
+    """The chart's node RBAC and admission policy for real, and a token bound to a pod on
+    node chart-e2e-a, as the DaemonSet's pod would have."""
+    node_objects = node_access(h.template(helm, namespace=namespace))
     apply(kubectl, node_objects)
     fake_node(kube, "chart-e2e-a")
     fake_node(kube, "chart-e2e-b")

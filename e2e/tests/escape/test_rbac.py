@@ -28,6 +28,7 @@ from e2e.claims import pod_with_claim
 from e2e.cluster.kube import ApiError, wait_for
 from e2e.cluster.kube import Kube as SyncKube
 from e2e.tenant_user import TenantUser, pod_bound_token, tenant_user
+from e2e.tests.test_chart import node_access
 from e2e.tools import helm
 
 pytestmark = pytest.mark.cluster
@@ -264,7 +265,6 @@ OTHER_NODE = "escape-agent-b"
 STATE_DIR = "/var/lib/gpudra"  # the chart's default node.stateDir
 # What the agent runs in every daemon pod: its pod script and the daemon.
 MPS_CONTROL = "/usr/bin/nvidia-cuda-mps-control"
-NODE_COMPONENT = "node"
 
 
 class NodeAgent(TenantUser):
@@ -308,21 +308,7 @@ def node_agent(kube: SyncKube, request: pytest.FixtureRequest) -> Iterator[NodeA
         )
     except helm.HelmUnavailable as e:
         pytest.skip(str(e))
-    mine = [
-        o
-        for o in objects
-        if o["metadata"].get("labels", {}).get("app.kubernetes.io/component") == NODE_COMPONENT
-        and o["kind"]
-        in {
-            "ServiceAccount",
-            "ClusterRole",
-            "ClusterRoleBinding",
-            "Role",
-            "RoleBinding",
-            "ValidatingAdmissionPolicy",
-            "ValidatingAdmissionPolicyBinding",
-        }
-    ]
+    mine = node_access(objects)
     mps = helm.find(objects, "ConfigMap", f"{AGENT_SA}-mps")
     kube.apply({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": AGENT_NS}})
     try:
