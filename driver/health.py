@@ -101,6 +101,8 @@ APPLICATION_XIDS = frozenset({13, 31, 43, 45, 68, 109})
 RESET_XIDS = frozenset(
     {46, 48, 54, 62, 64, 79, 95, 110, 119, 120, 136, 140, 142, 143, 151, 155, 156, 158}
 )
+_RECOVERY_ACTIONS: Final = constant_names("NVML_GPU_RECOVERY_ACTION_")
+"""Readable recovery actions, for the log."""
 # XID 154 ("GPU recovery action changed", drivers R565 on) is treated as the recovery
 # action NVML reports with it says (field NVML_FI_DEV_GET_GPU_RECOVERY_ACTION). These
 # have the GPU reset or more before reuse: NVIDIA's memory error guide ("terminate all
@@ -109,8 +111,6 @@ RESET_XIDS = frozenset(
 # later branches. NONE needs nothing (informational); DRAIN_P2P is followed by another
 # action once P2P work drained; RECOVER_IMEX_DOMAIN concerns the IMEX domain, not the
 # GPU: those two are timed, as an XID 154 whose action cannot be read is.
-_RECOVERY_ACTIONS: Final = constant_names("NVML_GPU_RECOVERY_ACTION_")
-"""Readable recovery actions, for the log."""
 RESET_RECOVERY_ACTIONS = frozenset(
     {
         pynvml.NVML_GPU_RECOVERY_ACTION_GPU_RESET,
