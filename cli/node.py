@@ -21,7 +21,9 @@ from gpudra.common.eventloop import run_event_loop
 from gpudra.common.heap import freeze_startup_heap
 from gpudra.common.kube import ApiError, Kube
 from gpudra.common.metricsserver import DEADLINE_S as METRICS_DEADLINE_S
+from gpudra.common.metricsserver import HEAD_DEADLINE_S as METRICS_HEAD_DEADLINE_S
 from gpudra.common.metricsserver import MAX_CONNECTIONS as METRICS_MAX_CONNECTIONS
+from gpudra.common.metricsserver import MAX_PER_CLIENT as METRICS_MAX_PER_CLIENT
 from gpudra.common.metricsserver import serve_metrics
 from gpudra.driver.accounting import DEFAULT_IDLE_BELOW
 from gpudra.driver.agent import AgentConfig
@@ -272,6 +274,24 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         f"(default: {METRICS_MAX_CONNECTIONS})",
     )
     k.add_argument(
+        "--metrics-max-per-client",
+        type=int,
+        default=METRICS_MAX_PER_CLIENT,
+        metavar="N",
+        help="metrics connections served at once from one address (within "
+        "--metrics-max-connections); one more from it is closed at once. Raise it where "
+        f"several scrapers reach the agent from one address (default: {METRICS_MAX_PER_CLIENT})",
+    )
+    k.add_argument(
+        "--metrics-head-deadline",
+        type=float,
+        default=METRICS_HEAD_DEADLINE_S,
+        metavar="SECONDS",
+        help="a metrics connection that has not sent its whole request this long after its "
+        "accept (or --metrics-deadline, if sooner) is closed; raise it where scrapers reach "
+        f"the agent over a slow link (default: {METRICS_HEAD_DEADLINE_S:g})",
+    )
+    k.add_argument(
         "--metrics-deadline",
         type=float,
         default=METRICS_DEADLINE_S,
@@ -357,10 +377,20 @@ def _metrics_address(args: argparse.Namespace) -> tuple[str, int] | None:
             f"gpudra node: --metrics-max-connections {args.metrics_max_connections}: give at "
             f"least 1 (default: {METRICS_MAX_CONNECTIONS})"
         )
+    if args.metrics_max_per_client < 1:
+        raise SystemExit(
+            f"gpudra node: --metrics-max-per-client {args.metrics_max_per_client}: give at "
+            f"least 1 (default: {METRICS_MAX_PER_CLIENT})"
+        )
     if not args.metrics_deadline > 0:
         raise SystemExit(
             f"gpudra node: --metrics-deadline {args.metrics_deadline:g}: give seconds, more "
             f"than 0 (default: {METRICS_DEADLINE_S:g})"
+        )
+    if not args.metrics_head_deadline > 0:
+        raise SystemExit(
+            f"gpudra node: --metrics-head-deadline {args.metrics_head_deadline:g}: give "
+            f"seconds, more than 0 (default: {METRICS_HEAD_DEADLINE_S:g})"
         )
     raw: str = args.metrics_address
     if not raw:
@@ -662,7 +692,9 @@ def run(args: argparse.Namespace) -> int:
                         metrics[1],
                         registry,
                         max_connections=args.metrics_max_connections,
+                        max_per_client=args.metrics_max_per_client,
                         deadline_s=args.metrics_deadline,
+                        head_deadline_s=args.metrics_head_deadline,
                     )
                 except OSError as e:
                     raise SystemExit(

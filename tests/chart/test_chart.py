@@ -18,7 +18,12 @@ from gpudra.api.deviceclasses import DEFAULT_SHARED_SHARING, device_classes
 from gpudra.api.tenants import MigProfile, parse_tenant
 from gpudra.cli.main import build_parser
 from gpudra.cli.main import main as cli_main
-from gpudra.cli.node import EMULATED_DRIVER_ROOT, EMULATED_TOOLS_LOG, _agent_config
+from gpudra.cli.node import (
+    EMULATED_DRIVER_ROOT,
+    EMULATED_TOOLS_LOG,
+    _agent_config,
+    _metrics_address,
+)
 from gpudra.cli.webhook import conversion_policy, server_config
 from gpudra.driver.devices import SharedGpus
 from gpudra.driver.nvml import labelled_nvml
@@ -926,6 +931,8 @@ def test_notes_tell_how_to_check(helm: Path) -> None:
         ({"webhook": {"maxBufferedBodyBytes": 3145727}}, "/webhook/maxBufferedBodyBytes"),
         ({"node": {"metricsMaxConnections": 0}}, "/node/metricsMaxConnections"),
         ({"node": {"metricsDeadlineSeconds": 0}}, "/node/metricsDeadlineSeconds"),
+        ({"node": {"metricsMaxConnectionsPerClient": 0}}, "/node/metricsMaxConnectionsPerClient"),
+        ({"node": {"metricsHeadDeadlineSeconds": 0}}, "/node/metricsHeadDeadlineSeconds"),
         ({"kubernetesApi": {"port": 0}}, "/kubernetesApi/port"),
         ({"kubernetesApi": {"port": 70000}}, "/kubernetesApi/port"),
         (
@@ -1107,16 +1114,34 @@ def test_connection_bounds_reach_both_components(helm: Path) -> None:
     assert limit.endswith("Mi")
     assert 60 + 64 + (0.4 + 0.06) * webhook.max_connections <= int(limit[:-2])
     agent = parsed(default, "DaemonSet")
-    assert (agent.metrics_max_connections, agent.metrics_deadline) == (16, 10.0)
+    bounds = (
+        agent.metrics_max_connections,
+        agent.metrics_max_per_client,
+        agent.metrics_deadline,
+        agent.metrics_head_deadline,
+    )
+    assert bounds == (16, 4, 10.0, 2.0)
     values = {
         "webhook": {"maxConnections": 4096, "maxBufferedBodyBytes": 256 * 2**20},
-        "node": {"metricsMaxConnections": 64, "metricsDeadlineSeconds": 2.5},
+        "node": {
+            "metricsMaxConnections": 64,
+            "metricsMaxConnectionsPerClient": 16,
+            "metricsDeadlineSeconds": 2.5,
+            "metricsHeadDeadlineSeconds": 0.5,
+        },
     }
     raised = h.template(helm, values)
     webhook = parsed(raised, "Deployment")
     assert (webhook.max_connections, webhook.max_buffered_body_bytes) == (4096, 256 * 2**20)
     agent = parsed(raised, "DaemonSet")
-    assert (agent.metrics_max_connections, agent.metrics_deadline) == (64, 2.5)
+    bounds = (
+        agent.metrics_max_connections,
+        agent.metrics_max_per_client,
+        agent.metrics_deadline,
+        agent.metrics_head_deadline,
+    )
+    assert bounds == (64, 16, 2.5, 0.5)
+    _metrics_address(agent)  # the agent takes what the chart renders
 
 
 def webhook_policy(objects: list[dict[str, Any]]) -> tuple[list[str], ConversionPolicy]:

@@ -196,6 +196,8 @@ def test_sampling_flags_reach_the_plugin_config_and_bad_ones_name_the_flag() -> 
         (["--metrics-max-connections", "0"], "--metrics-max-connections 0: give at least 1"),
         (["--metrics-deadline", "0"], "--metrics-deadline 0: give seconds, more than 0"),
         (["--metrics-deadline", "nan"], "--metrics-deadline nan: give seconds, more than 0"),
+        (["--metrics-max-per-client", "0"], "--metrics-max-per-client 0: give at least 1"),
+        (["--metrics-head-deadline", "0"], "--metrics-head-deadline 0: give seconds, more than 0"),
         (["--metrics-address", "9477"], "--metrics-address '9477': give HOST:PORT"),
     ],
 )
