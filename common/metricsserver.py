@@ -38,7 +38,11 @@ negotiation and compression stay the library's), with:
   which is all a scrape sends), answered 431 past it: the standard library's parser
   takes 100 header lines of 64 KiB each, and 16 connections sending such heads in a
   loop took the server past 500 MiB, which it kept. The rest of such a request is read
-  and dropped, so that the client gets the answer.
+  and dropped, so that the client gets the answer, for `DRAIN_S` and `DRAIN_BYTES` at
+  most; meanwhile the connection is no longer being answered and makes room for a new
+  one as a connection without a head does. (Held as being answered, 16 such
+  connections dripping a byte at a time, 4 from each of 4 addresses, kept every scrape
+  out.)
 
 Connections closed by these bounds count in `gpudra_metrics_connections_shed_total`,
 on the registry served, by `action`: `refused`, `refused_per_client`, `evicted`,
@@ -82,6 +86,14 @@ bytes) as soon as it connects, so it arrives within a round trip; 2 s is many.""
 HEAD_BYTES: Final = 32 * 1024
 """What a connection may send: a scrape's request line and headers are a few hundred
 bytes (the webhook bounds its heads the same)."""
+DRAIN_S: Final = 1.0
+"""How long the rest of a request refused 431 is read and dropped (bounded by the
+connection's deadline too): long enough for the client to see the answer before the
+close, short enough that such connections do not hold places."""
+DRAIN_BYTES: Final = 8 * 1024 * 1024
+"""What of the rest of a refused request is read and dropped at most: more than the
+largest head the standard library's parser takes (100 lines of 64 KiB), so that a
+client that sent one still gets its answer."""
 _MAKE_ROOM_S: Final = 1.0
 """How long a new connection waits for the thread of the one closed to make room for
 it (which ends as soon as it runs: its socket is shut down under its read) before it
@@ -175,13 +187,17 @@ class _Handler(WSGIRequestHandler):
 
     def _drain(self) -> None:
         """End the answer, then read what the client still sends and drop it, into one
-        buffer, until it stops (or the connection's deadline): closed with data unread,
-        the socket would send a reset, which can make the client lose the answer."""
+        buffer, until it stops, `DRAIN_BYTES` were read or the server closes it
+        (`MetricsServer.draining`): closed with data unread, the socket would send a
+        reset, which can make the client lose the answer."""
+        if not self._server.draining(self.connection):
+            return
         with contextlib.suppress(OSError):
             self.connection.shutdown(socket.SHUT_WR)
             dropped = bytearray(65536)
-            while self.connection.recv_into(dropped):
-                pass
+            left = DRAIN_BYTES
+            while left > 0 and (read := self.connection.recv_into(dropped)):
+                left -= read
 
     def log_message(self, format: str, *args: Any) -> None:
         """Scrapes are not logged (the base class writes a line per request to stderr)."""
@@ -304,6 +320,19 @@ class MetricsServer(ThreadingMixIn, WSGIServer):
             if open_ is None or open_.cut:
                 return False
             open_.answering = True
+            return True
+
+    def draining(self, conn: socket.socket) -> bool:
+        """`conn`'s request was refused and answered: what it still sends is dropped
+        until `DRAIN_S` from now at most, and it makes room for a new connection as one
+        without a head does, so that refused connections cannot hold the places of
+        scrapes. False when it was cut already."""
+        with self._changed:
+            open_ = self._open.get(conn)
+            if open_ is None or open_.cut:
+                return False
+            open_.answering = False
+            open_.head_deadline = min(open_.deadline, time.monotonic() + DRAIN_S)
             return True
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:

@@ -5,6 +5,7 @@ of the bound nor make the server hold more than a bounded head."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
@@ -277,6 +278,39 @@ def test_a_request_past_the_head_bound_is_answered_431(what: str, head: bytes) -
         assert answer.startswith(b"HTTP/1.0 431"), (what, answer[:80])
         under = _head(b"GET /metrics HTTP/1.1", (HEAD_BYTES - 2048) // 1024, 1024)
         assert b"gpudra_test_scrapes_total 1.0" in scrape(port, under)
+
+
+def test_connections_refused_431_and_sending_on_do_not_hold_the_places_of_scrapes() -> None:
+    """An escape attempt on the metrics port: clients fill the bound with requests past
+    the head bound and keep sending a byte at a time, each within its address's share.
+    Held as being answered while their rest was dropped, such connections kept every
+    scrape out until the connection deadline, again after each reconnect. Refused, each
+    makes room for a new connection as one without a head does, and is closed once it
+    has had `DRAIN_S` to read its answer."""
+    with serving(max_connections=2, max_per_client=1, deadline_s=LONG, head_deadline_s=LONG) as (
+        port,
+        registry,
+    ):
+        held = [connect(port, source) for source in ("127.0.0.2", "127.0.0.3")]
+        try:
+            for s in held:
+                s.sendall(b"GET /metrics HTTP/1.1\r\nX: " + b"a" * (HEAD_BYTES + 10) + b"\r\n")
+            for s in held:
+                assert s.recv(12) == b"HTTP/1.0 431"
+                s.sendall(b"x")  # still sending: its rest is being dropped
+            assert b"gpudra_test_scrapes_total 1.0" in scrape(port, source="127.0.0.4")
+            assert shed(registry, "evicted") == 1
+            assert shed(registry, "refused") == 0
+            # The other one is closed once it had its time to read the answer, though
+            # it keeps sending and the connection's own deadline is far.
+            assert eventually(lambda: shed(registry, "timed_out") == 1)
+            for s in held:
+                with contextlib.suppress(ConnectionResetError):
+                    while s.recv(65536):  # the rest of its answer, then the close
+                        pass
+        finally:
+            for s in held:
+                s.close()
 
 
 @pytest.mark.parametrize("host", ["127.0.0.1", "::1"])
