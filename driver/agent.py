@@ -42,6 +42,7 @@ from gpudra.driver.health import HealthPolicy, HealthState, NvmlHealthWatcher
 from gpudra.driver.nvml import NvmlLibrary
 from gpudra.driver.publish import pool_content
 from gpudra.driver.slices import PoolContent, SliceController, SliceLimits
+from gpudra.driver.timedtaints import TimedTaints
 
 log = logging.getLogger(__name__)
 
@@ -54,8 +55,9 @@ class AgentConfig:
     rescan_s: float = 60.0
     health: HealthPolicy = field(default_factory=HealthPolicy)
     health_events: bool = True
-    # Where the taints that wait for a GPU reset outlive a restart, and the admin marks
-    # GPUs reset (`gpudra.driver.gpuresets`); None: in memory only, a restart lifts them.
+    # Where the taints that wait for a GPU reset or for quiet time outlive a restart, and
+    # the admin marks GPUs reset (`gpudra.driver.gpuresets`, `gpudra.driver.timedtaints`);
+    # None: in memory only, a restart lifts them.
     state_dir: Path | None = None
     boot_id_path: Path = DEFAULT_BOOT_ID_PATH
     slice_limits: SliceLimits | None = None
@@ -96,6 +98,11 @@ class NodeAgent:
             if config.state_dir is not None and config.health_events
             else None
         )
+        self._timed = (
+            TimedTaints(config.state_dir, boot_id_path=config.boot_id_path)
+            if config.state_dir is not None and config.health_events
+            else None
+        )
         self.ready = anyio.Event()
         self.slices = SliceController(
             kube,
@@ -130,16 +137,18 @@ class NodeAgent:
             self.shared = self._shared(inv, first=first)
             self.shares = self._shares(inv, first=first)
             if self.health is None:
-                # Taints that waited for a GPU reset before a restart, raised before
-                # anything is published: a restart resets no GPU.
-                resets = self._resets
+                # Taints that waited for a GPU reset or for quiet time before a restart,
+                # raised before anything is published: a restart resets no GPU.
+                resets, timed = self._resets, self._timed
                 pending = await anyio.to_thread.run_sync(resets.load) if resets else {}
+                kept = await anyio.to_thread.run_sync(timed.load) if timed else {}
                 self.health = (
                     HealthState(inv, self.config.health, clock=self._clock, resets=resets)
                     if self._clock
                     else HealthState(inv, self.config.health, resets=resets)
                 )
                 self.health.restore_resets(pending)
+                self.health.restore_timed(kept)
             else:
                 self.health.update_inventory(inv)
             self.inventory = inv
@@ -211,7 +220,9 @@ class NodeAgent:
         async with anyio.create_task_group() as tg:
             await tg.start(self.slices.run)
             if self.config.health_events:
-                watcher = NvmlHealthWatcher(self.nvml, self.health, resets=self._resets)
+                watcher = NvmlHealthWatcher(
+                    self.nvml, self.health, resets=self._resets, timed=self._timed
+                )
                 await tg.start(watcher.run)
             tg.start_soon(self._follow_health, generation)
             tg.start_soon(self._rescan_loop)

@@ -15,7 +15,9 @@ wrote is ignored.
 
 File format, written by this module only:
 `{"version": 1, "bootId": "...", "gpus": {"<GPU UUID>": [{"device": "gpu-0",
-"taint": "xid=48"}, {"device": "gpu-0", "taint": "ecc=double-bit"}]}}`.
+"taint": "xid=48"}, {"device": "gpu-0", "taint": "ecc=double-bit"}]}}`. That frame (a
+version, the boot ID, each GPU's list of taints) is `save_for_boot` and `load_for_boot`,
+which the taints that lift after quiet time share (`gpudra.driver.timedtaints`).
 """
 
 from __future__ import annotations
@@ -23,15 +25,24 @@ from __future__ import annotations
 import json
 import logging
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 from gpudra.common.files import atomic_write
 from gpudra.driver.checkpoint import DEFAULT_BOOT_ID_PATH, read_boot_id
 
-__all__ = ["RESETS_FILE", "RESET_DIR", "GpuResets", "PendingReset"]
+__all__ = [
+    "RESETS_FILE",
+    "RESET_DIR",
+    "XID_TAINT",
+    "FileError",
+    "GpuResets",
+    "PendingReset",
+    "load_for_boot",
+    "save_for_boot",
+]
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +50,8 @@ RESET_DIR: Final = "reset"
 RESETS_FILE: Final = "health-resets.json"
 _VERSION: Final = 1
 _ECC_TAINT: Final = "ecc=double-bit"
-_XID_TAINT = re.compile(r"xid=([1-9][0-9]{0,5})")
+XID_TAINT: Final = re.compile(r"xid=([1-9][0-9]{0,5})")
+"""An XID taint as the files spell it (its key and value): `xid=48`."""
 # A GPU UUID becomes a file name: letters, digits, dots and dashes only (NVML's are
 # `GPU-<hex and dashes>`), never `.` or `..`.
 _FILE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9.-]{0,127}")
@@ -58,8 +70,11 @@ class PendingReset:
         return _ECC_TAINT if self.xid is None else f"xid={self.xid}"
 
 
-class _FileError(ValueError):
+class FileError(ValueError):
     """The file holds something this release did not write."""
+
+
+_T = TypeVar("_T")
 
 
 class GpuResets:
@@ -116,88 +131,123 @@ class GpuResets:
 
     def save(self, pending: Mapping[str, Sequence[PendingReset]]) -> None:
         """Replace the file with `pending` (GPU UUID -> its taints); raises OSError."""
-        doc = {
-            "version": _VERSION,
-            "bootId": self._boot_id,
-            "gpus": {
-                uuid: sorted(({"device": p.device, "taint": p.taint()} for p in items), key=str)
-                for uuid, items in sorted(pending.items())
-                if items
-            },
+        gpus = {
+            uuid: [{"device": p.device, "taint": p.taint()} for p in items]
+            for uuid, items in pending.items()
         }
-        data = json.dumps(doc, indent=1, sort_keys=True).encode() + b"\n"
-        atomic_write(self.path, data, folder_mode=0o755)
+        save_for_boot(self.path, self._boot_id, gpus)
 
     def load(self) -> dict[str, tuple[PendingReset, ...]]:
         """What waited for a reset when the agent last ran in this boot (GPU UUID -> its
         taints); nothing after a reboot, or where the file cannot be read (logged)."""
-        fields: dict[str, Any] = {"path": str(self.path)}
-        try:
-            raw = self.path.read_bytes()
-        except FileNotFoundError:
-            return {}
-        except OSError as exc:
-            log.error(
-                "cannot read the health taints that wait for a GPU reset; none are raised "
-                "again: check the GPUs by hand",
-                extra={"fields": {**fields, "error": str(exc)}},
-            )
-            return {}
-        try:
-            boot_id, pending = _parse(raw)
-        except _FileError as exc:
-            log.error(
-                "the file of health taints that wait for a GPU reset is malformed; none are "
-                "raised again: check the GPUs by hand, and remove the file (the agent "
-                "writes it again)",
-                extra={"fields": {**fields, "error": str(exc)}},
-            )
-            return {}
-        if boot_id is not None and self._boot_id is not None and boot_id != self._boot_id:
-            if pending:
-                log.info(
-                    "the node rebooted since the GPUs below needed a reset; their taints "
-                    "are not raised again",
-                    extra={"fields": {**fields, "gpus": sorted(pending)}},
-                )
-            return {}
-        return pending
+        return load_for_boot(
+            self.path,
+            self._boot_id,
+            _entry,
+            what="health taints that wait for a GPU reset",
+            otherwise="check the GPUs by hand",
+        )
 
 
-def _parse(raw: bytes) -> tuple[str | None, dict[str, tuple[PendingReset, ...]]]:
-    """(boot ID, pending resets) of the file; _FileError names the field at fault."""
+def save_for_boot(
+    path: Path,
+    boot_id: str | None,
+    gpus: Mapping[str, Sequence[Mapping[str, Any]]],
+    *,
+    durable: bool = True,
+) -> None:
+    """Replace `path` with each GPU's taints (GPU UUID -> entries), stamped with this
+    boot's ID, atomically: a crash leaves the old file or the new one, never a torn one.
+    Raises OSError. `durable=False` for a file a power loss may lose (`atomic_write`)."""
+    doc = {
+        "version": _VERSION,
+        "bootId": boot_id,
+        "gpus": {uuid: sorted(items, key=str) for uuid, items in sorted(gpus.items()) if items},
+    }
+    data = json.dumps(doc, indent=1, sort_keys=True).encode() + b"\n"
+    atomic_write(path, data, folder_mode=0o755, durable=durable)
+
+
+def load_for_boot(
+    path: Path,
+    boot_id: str | None,
+    entry: Callable[[str, object], _T],
+    *,
+    what: str,
+    otherwise: str,
+) -> dict[str, tuple[_T, ...]]:
+    """Each GPU's taints `save_for_boot` wrote in this boot, read by `entry` (which names
+    the field at fault with FileError). Nothing where the file is missing, was written
+    in another boot (a reboot resets every GPU), or cannot be read or parsed: then an
+    error names the file, the fault and `otherwise`, what the admin does instead, and
+    the agent goes on. `what` names the file's taints in the log."""
+    fields: dict[str, Any] = {"path": str(path)}
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        return {}
+    except OSError as exc:
+        log.error(
+            f"cannot read the file of {what}; none are raised again: {otherwise}",
+            extra={"fields": {**fields, "error": str(exc)}},
+        )
+        return {}
+    try:
+        stored_boot, gpus = _parse(raw, entry)
+    except FileError as exc:
+        log.error(
+            f"the file of {what} is malformed; none are raised again: {otherwise}, "
+            "and remove the file (the agent writes it again)",
+            extra={"fields": {**fields, "error": str(exc)}},
+        )
+        return {}
+    if stored_boot is not None and boot_id is not None and stored_boot != boot_id:
+        if gpus:
+            log.info(
+                f"the node rebooted since the file of {what} was written; the taints of "
+                "the GPUs below are not raised again",
+                extra={"fields": {**fields, "gpus": sorted(gpus)}},
+            )
+        return {}
+    return gpus
+
+
+def _parse(
+    raw: bytes, entry: Callable[[str, object], _T]
+) -> tuple[str | None, dict[str, tuple[_T, ...]]]:
+    """(boot ID, each GPU's taints) of the file; FileError names the field at fault."""
     try:
         doc = json.loads(raw)
     except (ValueError, RecursionError) as exc:
-        raise _FileError(f"not JSON: {exc}") from None
+        raise FileError(f"not JSON: {exc}") from None
     if not isinstance(doc, dict):
-        raise _FileError("must hold a JSON object")
+        raise FileError("must hold a JSON object")
     version = doc.get("version")
     if not isinstance(version, int) or isinstance(version, bool) or version < 1:
-        raise _FileError(f"version {version!r} is not a positive whole number")
+        raise FileError(f"version {version!r} is not a positive whole number")
     if version > _VERSION:
-        raise _FileError(f"version {version} was written by a newer gpudra release")
+        raise FileError(f"version {version} was written by a newer gpudra release")
     boot_id = doc.get("bootId")
     if boot_id is not None and not isinstance(boot_id, str):
-        raise _FileError(f"bootId {boot_id!r} is not a string")
+        raise FileError(f"bootId {boot_id!r} is not a string")
     gpus = doc.get("gpus", {})
     if not isinstance(gpus, dict):
-        raise _FileError("gpus must be a JSON object of GPU UUID -> list of taints")
-    pending: dict[str, tuple[PendingReset, ...]] = {}
+        raise FileError("gpus must be a JSON object of GPU UUID -> list of taints")
+    parsed: dict[str, tuple[_T, ...]] = {}
     for uuid, items in gpus.items():
         if not isinstance(items, list):
-            raise _FileError(f"gpus.{uuid} must be a list")
-        pending[uuid] = tuple(_entry(f"gpus.{uuid}[{i}]", item) for i, item in enumerate(items))
-    return boot_id, pending
+            raise FileError(f"gpus.{uuid} must be a list")
+        parsed[uuid] = tuple(entry(f"gpus.{uuid}[{i}]", item) for i, item in enumerate(items))
+    return boot_id, parsed
 
 
 def _entry(where: str, item: object) -> PendingReset:
     if not isinstance(item, dict) or not isinstance(item.get("device"), str):
-        raise _FileError(f"{where} must be an object with a string device")
+        raise FileError(f"{where} must be an object with a string device")
     taint = item.get("taint")
     if taint == _ECC_TAINT:
         return PendingReset(item["device"])
-    match = _XID_TAINT.fullmatch(taint) if isinstance(taint, str) else None
+    match = XID_TAINT.fullmatch(taint) if isinstance(taint, str) else None
     if match is None:
-        raise _FileError(f"{where}.taint {taint!r} is neither xid=<number> nor {_ECC_TAINT}")
+        raise FileError(f"{where}.taint {taint!r} is neither xid=<number> nor {_ECC_TAINT}")
     return PendingReset(item["device"], int(match.group(1)))

@@ -1,21 +1,22 @@
 """Device health: NVML events become device taints and kubelet health statuses.
 
 `HealthState` is the model: plain data, changed only through `apply` (one event),
-`expire` (time passing), `restore_resets` (taints of before a restart) and
-`update_inventory`, with a generation number and `wait_for_change` so that async
-consumers (the ResourceSlice publisher, the kubelet health stream) wake up on change and
-never miss one. `NvmlHealthWatcher` feeds it from NVML: it blocks in
+`expire` (time passing), `restore_resets` and `restore_timed` (taints of before a
+restart) and `update_inventory`, with a generation number and `wait_for_change` so
+that async consumers (the ResourceSlice publisher, the kubelet health stream) wake up
+on change and never miss one. `NvmlHealthWatcher` feeds it from NVML: it blocks in
 `nvmlEventSetWait_v2` in a worker thread with a short timeout, so shutdown is prompt.
 
 Policy, following the upstream NVIDIA DRA driver and improving on it where its users hit
 problems:
 - a critical XID taints the device `gpu.nvidia.com/xid=<xid>` with NoSchedule
   (configurable NoExecute); application XIDs (13, 31, 43, 45, 68, 109 plus a configured
-  list) are informational: effect None, the device stays healthy. The informational
-  taint names the first application XID until the device has been quiet for
-  `recovery_after_s`: later ones refresh it without rewriting it (each is logged and
-  counted), so a workload that crashes in a loop does not have the node's ResourceSlices
-  rewritten, and its pool briefly incomplete, for every crash;
+  list) and the XIDs NVIDIA's XID catalogue has ignored (`IGNORED_XIDS`: 63, a row
+  remapping recorded, among them) are informational: effect None, the device stays
+  healthy. The informational taint names the first such XID until the device has been
+  quiet for `recovery_after_s`: later ones refresh it without rewriting it (each is
+  logged and counted), so a workload that crashes in a loop does not have the node's
+  ResourceSlices rewritten, and its pool briefly incomplete, for every crash;
 - a double-bit ECC error taints `gpu.nvidia.com/ecc=double-bit` like a critical XID;
 - a lost GPU taints `gpu.nvidia.com/gpu-lost` with NoExecute;
 - a GPU whose events cannot be watched gets `gpu.nvidia.com/unmonitored` (effect None),
@@ -35,7 +36,11 @@ problems:
   `<stateDir>/reset/<GPU UUID>` (`gpudra.driver.gpuresets`, which also keeps them
   across agent restarts within one boot). A lost GPU's taint goes `recovery_after_s`
   after it answers again. Any other XID's taint goes once the device stayed quiet for
-  `recovery_after_s`. The clock is injectable so tests need no sleeping.
+  `recovery_after_s`. The clock is injectable so tests need no sleeping;
+- an agent restart lifts no taint early: those that wait for time are kept in the
+  state folder too (`gpudra.driver.timedtaints`, which says why there and not in the
+  published ResourceSlices) and raised again with the times they had, so each lifts
+  when it would have, and one whose time ran out while the agent was down is not.
 An event on a whole GPU taints every device carved from it, and so does an XID after
 which the GPU is reset (a reset takes down every instance on it). Any other event NVML
 attributes to a GPU instance (nvml.h, nvmlEventData_t.gpuInstanceId) taints the MIG
@@ -80,6 +85,7 @@ from gpudra.driver.nvml.codes import (
     describe_nvml_error,
 )
 from gpudra.driver.nvml.handles import device_handle, handle_address
+from gpudra.driver.timedtaints import TimedTaint, TimedTaints
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +98,19 @@ DEFAULT_DRIVER_NAME = "gpu.nvidia.com"
 # reset-class XID any tenant could take a GPU out of service until an admin acts. An
 # admin who wants the catalogue's treatment lists it in the reset XIDs.
 APPLICATION_XIDS = frozenset({13, 31, 43, 45, 68, 109})
+# XIDs the same catalogue has ignored (IGNORE as the immediate action): 63 (row
+# remapping or page retirement recorded: the memory was repaired, IGNORE in both
+# buckets), 92 (high single-bit ECC error rate), 93 (InfoROM wear limit), 121
+# (corrected C2C link errors), 157 (no resources left to retire more), 160 and 161
+# (channel retirement), 37, 38, 66, 67 (driver firmware errors), 44 (fault during a
+# context switch), 137 (NVLink privilege error), 141 (CUDA fast path error), 14 (an
+# injected error), 106, 107 (SMBPBI test messages), 108, 152 and 153 (unused or on no
+# data center GPU). 43 is ignored there too and is an application XID above. Its
+# investigatory bucket asks for support after some of them: that is the XID metric's
+# and the log's to show, not a reason to keep the device from new work.
+IGNORED_XIDS = frozenset(
+    {14, 37, 38, 44, 63, 66, 67, 92, 93, 106, 107, 108, 121, 137, 141, 152, 153, 157, 160, 161}
+)
 # XIDs after which the same catalogue has the GPU reset or more before it is used
 # again: RESET_GPU (46, 62, 64, 95, 110, 119, 120, 136, 140, 143, 155, 156, 158),
 # RESTART_BM (79: reboot), RESTART_VM (151), CHECK_MECHANICALS (54: auxiliary power
@@ -153,6 +172,7 @@ class HealthPolicy:
     critical_effect: TaintEffect = TaintEffect.NO_SCHEDULE
     gpu_lost_effect: TaintEffect = TaintEffect.NO_EXECUTE
     application_xids: frozenset[int] = APPLICATION_XIDS
+    ignored_xids: frozenset[int] = IGNORED_XIDS
     extra_application_xids: frozenset[int] = frozenset()
     reset_xids: frozenset[int] = RESET_XIDS
     extra_reset_xids: frozenset[int] = frozenset()
@@ -193,10 +213,18 @@ class HealthPolicy:
         return f"{self.driver_name}/unmonitored"
 
     def is_application_xid(self, xid: int) -> bool:
-        """Informational (effect None). The admin's lists win over the built-in ones."""
+        """Informational (effect None) as an application's error. The admin's lists win
+        over the built-in ones."""
         if xid in self.extra_reset_xids:
             return False
         return xid in self.application_xids or xid in self.extra_application_xids
+
+    def is_informational(self, xid: int) -> bool:
+        """Effect None: an application's error, or one NVIDIA's catalogue has ignored
+        (`IGNORED_XIDS`), unless the admin listed it as needing a reset."""
+        if xid in self.extra_reset_xids:
+            return False
+        return self.is_application_xid(xid) or xid in self.ignored_xids
 
     def needs_reset(self, xid: int) -> bool:
         """Its taint stays until the GPU was reset, however quiet the GPU is."""
@@ -213,7 +241,7 @@ class HealthPolicy:
             if recovery == pynvml.NVML_GPU_RECOVERY_ACTION_NONE:
                 return TaintEffect.NONE, False
             return self.critical_effect, recovery in RESET_RECOVERY_ACTIONS
-        effect = TaintEffect.NONE if self.is_application_xid(xid) else self.critical_effect
+        effect = TaintEffect.NONE if self.is_informational(xid) else self.critical_effect
         return effect, self.needs_reset(xid)
 
 
@@ -348,9 +376,10 @@ class HealthState:
     """Taints and health of every device of an inventory.
 
     Change it from the event loop thread only (`apply`, `expire`, `restore_resets`,
-    `update_inventory`); read it from anywhere through `report()`, `pending_resets()`
-    and `xid_counts()`. `resets` only names the admin's reset marks in the messages
-    (None: there are none, the agent keeps no state folder).
+    `restore_timed`, `update_inventory`); read it from anywhere through `report()`,
+    `pending_resets()`, `timed_taints()` and `xid_counts()`. `resets` only names the
+    admin's reset marks in the messages (None: there are none, the agent keeps no state
+    folder).
     """
 
     def __init__(
@@ -379,6 +408,9 @@ class HealthState:
         self._watch_mig_instances()
         self._report: HealthReport | None = None
         self._pending: tuple[int, Mapping[str, tuple[PendingReset, ...]]] | None = None
+        # A repeated error moves a taint's quiet time without a new generation.
+        self._refreshes = 0
+        self._timed: tuple[tuple[int, int], Mapping[str, tuple[TimedTaint, ...]]] | None = None
         # (GPU UUID, XID) -> events seen; replaced whole, so the metrics thread reads one.
         self._xid_counts: Mapping[tuple[str, int], int] = {}
 
@@ -448,6 +480,33 @@ class HealthState:
                     pending.setdefault(record.gpu_uuid, []).append(PendingReset(name, xid))
             self._pending = (self._generation, {u: tuple(p) for u, p in pending.items()})
         return self._pending[1]
+
+    def timed_taints(self) -> Mapping[str, tuple[TimedTaint, ...]]:
+        """The taints that lift after quiet time, by GPU UUID (what `TimedTaints` keeps
+        across a restart): XIDs that wait for no reset, and the gpu-lost taint of a GPU
+        that answers again; not that of a GPU still lost, nor `unmonitored`."""
+        version = (self._generation, self._refreshes)
+        if self._timed is None or self._timed[0] != version:
+            policy = self._policy
+            timed: dict[str, list[TimedTaint]] = {}
+            for name, record in sorted(self._records.items()):
+                for key, active in record.active.items():
+                    taint = active.taint
+                    if active.needs_reset:
+                        continue
+                    if key == policy.xid_key and taint.value is not None:
+                        xid: int | None = int(taint.value)
+                    elif key == policy.gpu_lost_key and record.gpu_uuid not in self._lost:
+                        xid = None
+                    else:
+                        continue
+                    timed.setdefault(record.gpu_uuid, []).append(
+                        TimedTaint(
+                            name, xid, taint.effect.value, taint.time_added, active.last_seen
+                        )
+                    )
+            self._timed = (version, {u: tuple(t) for u, t in timed.items()})
+        return self._timed[1]
 
     async def wait_for_change(self, generation: int) -> None:
         """Return once the generation differs from `generation`."""
@@ -551,6 +610,74 @@ class HealthState:
             self._bump()
         return changed
 
+    def restore_timed(self, timed: Mapping[str, Iterable[TimedTaint]]) -> bool:
+        """Raise again the taints that waited for quiet time when the agent stopped
+        (`TimedTaints.load`), with the times they had: each lifts `recovery_after_s`
+        after its device last had the error, as if the agent had not stopped, with the
+        effect it had (a policy changed by the restart applies to the next events; these
+        lift within `recovery_after_s` anyway). One whose time ran out meanwhile, on a
+        device no longer here or with an effect this release does not know, is left out
+        (logged); so is one where a taint of its kind is up already (one that waits for
+        a reset, `restore_resets`)."""
+        policy = self._policy
+        now = self._clock()
+        changed = False
+        for uuid, items in sorted(timed.items()):
+            names = self._gpu_devices.get(uuid, ())
+            for item in items:
+                fields: dict[str, Any] = {
+                    "uuid": uuid,
+                    "device": item.device,
+                    "taint": item.taint(),
+                    "effect": item.effect,
+                }
+                effect = next((e for e in TaintEffect if e.value == item.effect), None)
+                if item.device not in names or effect is None:
+                    why = (
+                        "the device is gone"
+                        if effect is not None
+                        else "its effect is none of " + ", ".join(e.value for e in TaintEffect)
+                    )
+                    logger.warning(
+                        "a taint that waited for quiet time is not raised again: " + why,
+                        extra={"fields": fields},
+                    )
+                    continue
+                quiet = now - item.quiet_since
+                if quiet >= policy.recovery_after_s:
+                    logger.info(
+                        "a taint's quiet time ran out while the agent was down; not raised again",
+                        extra={"fields": {**fields, "quiet_s": round(quiet, 1)}},
+                    )
+                    continue
+                key, value = (
+                    (policy.gpu_lost_key, None)
+                    if item.xid is None
+                    else (policy.xid_key, str(item.xid))
+                )
+                record = self._records[item.device]
+                if key in record.active:
+                    continue
+                # Quiet since no later than now: a time from another boot (its ID was
+                # unreadable) at worst keeps the taint `recovery_after_s` from here.
+                record.active[key] = _Active(
+                    Taint(key, value, effect, item.time_added), min(item.quiet_since, now)
+                )
+                self._touch(item.device)
+                changed = True
+                logger.warning(
+                    "a taint that waits for quiet time is raised again",
+                    extra={
+                        "fields": {
+                            **fields,
+                            "lifts_in_s": round(policy.recovery_after_s - max(quiet, 0.0), 1),
+                        }
+                    },
+                )
+        if changed:
+            self._bump()
+        return changed
+
     def expire(self) -> bool:
         """Lift taints that waited for time, not a reset: `recovery_after_s` of quiet."""
         now = self._clock()
@@ -592,6 +719,7 @@ class HealthState:
                 # The same taint, or another informational value for an informational
                 # one (module docstring): it goes `recovery_after_s` after this.
                 current.last_seen = now
+                self._refreshes += 1
                 return False
         record.active[key] = _Active(Taint(key, value, effect, self._wall_clock()), now, reset)
         self._touch(name)
@@ -714,11 +842,14 @@ class HealthState:
         taint = active.taint
         reset = f": {self._reset_hint(gpu_uuid)}" if active.needs_reset else ""
         if taint.key == policy.xid_key:
-            kind = (
-                "application error"
-                if taint.value is not None and policy.is_application_xid(int(taint.value))
-                else "critical error"
-            )
+            xid = int(taint.value) if taint.value is not None else None
+            kind = "critical error"
+            if xid is not None and policy.is_application_xid(xid):
+                kind = "application error"
+            elif taint.effect is TaintEffect.NONE and xid in policy.ignored_xids:
+                kind = "informational: NVIDIA's XID catalogue has it ignored"
+            elif taint.effect is TaintEffect.NONE:
+                kind = "informational"  # XID 154 whose recovery action is none
             return f"XID {taint.value} ({kind}){reset}"
         if taint.key == policy.ecc_key:
             return f"uncorrectable (double-bit) ECC error{reset}"
@@ -766,7 +897,8 @@ class NvmlHealthWatcher:
     it checks whether lost GPUs were reset and lets taints expire. A GPU found lost
     leaves the event set (`_wait_says_lost`) until it was reset. With `resets`
     it also takes the admin's reset marks and keeps the taints that wait for a reset
-    in the state folder, so that an agent restart raises them again.
+    in the state folder, so that an agent restart raises them again; with `timed` it
+    keeps there the taints that wait for quiet time, each time they change.
     """
 
     def __init__(
@@ -777,6 +909,7 @@ class NvmlHealthWatcher:
         wait_timeout_ms: int = 500,
         event_mask: int = _DEFAULT_EVENT_MASK,
         resets: GpuResets | None = None,
+        timed: TimedTaints | None = None,
         register_retry_s: float = 10.0,
     ) -> None:
         if wait_timeout_ms <= 0:
@@ -792,6 +925,8 @@ class NvmlHealthWatcher:
         self._taken: set[str] = set()  # reset marks applied, removed once that is saved
         self._stuck: set[str] = set()  # reset marks that could not be removed
         self._stray_marks: frozenset[str] = frozenset()  # reset marks naming no GPU here
+        self._timed = timed
+        self._timed_saved: Mapping[str, tuple[TimedTaint, ...]] | None = None  # as on disk
         self._event_set: Any = None
         # Worker-thread side, read and changed there only.
         self._lost: set[str] = set()  # lost GPUs, as the watcher saw them
@@ -812,11 +947,13 @@ class NvmlHealthWatcher:
         try:
             self._apply(events)
             await self._keep_resets(events)
+            await self._keep_timed()
             task_status.started()
             while True:
                 events = await anyio.to_thread.run_sync(self._next_events)
                 self._apply(events)
                 await self._keep_resets(events)
+                await self._keep_timed()
         finally:
             with anyio.CancelScope(shield=True):
                 await anyio.to_thread.run_sync(self._teardown)
@@ -836,7 +973,27 @@ class NvmlHealthWatcher:
         if pending != self._saved or (self._taken and not self._save_failed):
             await anyio.to_thread.run_sync(self._write_resets, self._resets, pending)
 
+    async def _keep_timed(self) -> None:
+        """Write the taints that wait for quiet time when they changed (a repeated error
+        moves its quiet time); a write that failed is tried again at the next change."""
+        if self._timed is None:
+            return
+        timed = self._state.timed_taints()
+        if timed != self._timed_saved:
+            self._timed_saved = timed
+            await anyio.to_thread.run_sync(self._write_timed, self._timed, timed)
+
     # --- worker-thread side ------------------------------------------------------------------
+
+    def _write_timed(self, store: TimedTaints, timed: Mapping[str, tuple[TimedTaint, ...]]) -> None:
+        try:
+            store.save(timed)
+        except OSError as err:
+            logger.error(
+                "cannot keep the taints that wait for quiet time: an agent restart would "
+                "lift them early",
+                extra={"fields": {"path": str(store.path), "error": str(err)}},
+            )
 
     def _write_resets(
         self, resets: GpuResets, pending: Mapping[str, tuple[PendingReset, ...]]

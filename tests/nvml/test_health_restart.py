@@ -1,0 +1,324 @@
+"""Taints that lift after quiet time outlive an agent restart within one boot: raised
+again with their times, lifted when they would have been, forgotten after a reboot."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import cast
+
+import anyio
+import pytest
+from gpudra.common.kube import Kube
+from gpudra.driver.agent import AgentConfig, NodeAgent
+from gpudra.driver.devices import discover
+from gpudra.driver.gpuresets import GpuResets, PendingReset
+from gpudra.driver.health import (
+    GpuLostEvent,
+    GpuRecoveredEvent,
+    HealthPolicy,
+    HealthState,
+    NvmlHealthWatcher,
+    TaintEffect,
+    UnmonitoredEvent,
+    XidEvent,
+)
+from gpudra.driver.nvml.emulator import NvmlEmulator
+from gpudra.driver.timedtaints import TimedTaint, TimedTaints
+
+from tests.nvml.emulated import emulated
+
+pytestmark = pytest.mark.anyio
+
+BOOT = "0c4b6a1e-6d2f-4c1a-8e3b-5f7a9d2c4e61"
+RECOVERY_S = 60.0
+XID_KEY = "gpu.nvidia.com/xid"
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@dataclass
+class FakeClock:
+    """The monotonic clock: one for both runs of the agent, as the kernel's is."""
+
+    now: float = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def raised_at() -> datetime:
+    return datetime(2026, 11, 1, 12, 0, tzinfo=UTC)
+
+
+def boot_id(tmp_path: Path, value: str = BOOT) -> Path:
+    path = tmp_path / f"boot_id-{value}"
+    path.write_text(value + "\n")
+    return path
+
+
+def policy() -> HealthPolicy:
+    return HealthPolicy(recovery_after_s=RECOVERY_S)
+
+
+async def restart(nvml: NvmlEmulator, state_dir: Path, clock: FakeClock, boot: Path) -> HealthState:
+    """The agent started again: its first scan raises what the state folder kept."""
+    config = AgentConfig(node_name="n1", health=policy(), state_dir=state_dir, boot_id_path=boot)
+    agent = NodeAgent(config, cast(Kube, object()), nvml, clock=clock)
+    await agent.scan()
+    assert agent.health is not None
+    return agent.health
+
+
+@asynccontextmanager
+async def watching(
+    nvml: NvmlEmulator, state: HealthState, timed: TimedTaints
+) -> AsyncIterator[None]:
+    watcher = NvmlHealthWatcher(nvml, state, wait_timeout_ms=20, timed=timed)
+    async with anyio.create_task_group() as tg:
+        await tg.start(watcher.run)
+        yield
+        tg.cancel_scope.cancel()
+
+
+async def until(condition: object) -> None:
+    with anyio.fail_after(10):  # a hang guard, not a timing assertion
+        while not callable(condition) or not condition():
+            await anyio.sleep(0.01)
+
+
+def on_disk(timed: TimedTaints) -> Mapping[str, object]:
+    if not timed.path.exists():
+        return {}
+    gpus: Mapping[str, object] = json.loads(timed.path.read_text())["gpus"]
+    return gpus
+
+
+def first(timed: TimedTaints, uuid: str) -> dict[str, object]:
+    entries = cast(list[dict[str, object]], on_disk(timed)[uuid])
+    return entries[0]
+
+
+def taints(state: HealthState, device: str) -> set[tuple[str, str | None, TaintEffect]]:
+    return {(t.key, t.value, t.effect) for t in state.report().taints(device)}
+
+
+async def test_a_restart_keeps_a_timed_taint_until_its_original_time(tmp_path: Path) -> None:
+    """XID 94 (contained ECC error) waits for quiet time, not a reset: before, an agent
+    restart put the device back in service at once."""
+    nvml = emulated("h100-80gb-hbm3-x8")
+    inventory = discover(nvml)
+    uuid = inventory.gpus[3].uuid
+    clock = FakeClock()
+    state_dir = tmp_path / "state"
+    timed = TimedTaints(state_dir, boot_id_path=boot_id(tmp_path))
+    state = HealthState(inventory, policy(), clock=clock, wall_clock=raised_at)
+    async with watching(nvml, state, timed):
+        nvml.inject_xid(3, 94)
+        await until(lambda: uuid in on_disk(timed))
+    assert on_disk(timed) == {
+        uuid: [
+            {
+                "device": "gpu-3",
+                "taint": "xid=94",
+                "effect": "NoSchedule",
+                "timeAdded": "2026-11-01T12:00:00+00:00",
+                "quietSince": 1000.0,
+            }
+        ]
+    }
+    assert json.loads(timed.path.read_text())["bootId"] == BOOT
+
+    clock.now += 40  # the agent was down for 40 s
+    again = await restart(nvml, state_dir, clock, boot_id(tmp_path))
+    (taint,) = again.report().taints("gpu-3")
+    assert (taint.key, taint.value, taint.effect) == (XID_KEY, "94", TaintEffect.NO_SCHEDULE)
+    assert taint.time_added == raised_at()  # the original time, not the restart's
+    assert not again.report().devices["gpu-3"].healthy
+    assert again.report().devices["gpu-2"].healthy
+    assert again.xid_counts() == {}  # raised again, not seen again
+    clock.now += RECOVERY_S - 40 - 1
+    assert not again.expire()
+    clock.now += 1  # 60 s after the XID, as without the restart
+    assert again.expire()
+    assert again.report().devices["gpu-3"].healthy
+
+
+async def test_a_repeated_error_moves_the_kept_quiet_time(tmp_path: Path) -> None:
+    nvml = emulated("l4")
+    uuid = discover(nvml).gpus[0].uuid
+    clock = FakeClock()
+    timed = TimedTaints(tmp_path / "state", boot_id_path=boot_id(tmp_path))
+    state = HealthState(discover(nvml), policy(), clock=clock, wall_clock=raised_at)
+    async with watching(nvml, state, timed):
+        nvml.inject_xid(0, 94)
+        await until(lambda: uuid in on_disk(timed))
+        clock.now += 30
+        nvml.inject_xid(0, 94)  # same taint: no new generation, but a later quiet time
+        await until(lambda: first(timed, uuid)["quietSince"] == 1030.0)
+    clock.now += 40  # 70 s after the first XID, 40 s after the second
+    again = await restart(nvml, tmp_path / "state", clock, boot_id(tmp_path))
+    assert taints(again, "gpu-0") == {(XID_KEY, "94", TaintEffect.NO_SCHEDULE)}
+
+
+async def test_a_taint_whose_time_ran_out_while_the_agent_was_down_is_not_raised(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    nvml = emulated("l4")
+    uuid = discover(nvml).gpus[0].uuid
+    clock = FakeClock()
+    state_dir = tmp_path / "state"
+    TimedTaints(state_dir, boot_id_path=boot_id(tmp_path)).save(
+        {uuid: (TimedTaint("gpu-0", 94, "NoSchedule", raised_at(), clock.now),)}
+    )
+    clock.now += RECOVERY_S
+    with caplog.at_level(logging.INFO, logger="gpudra.driver.health"):
+        again = await restart(nvml, state_dir, clock, boot_id(tmp_path))
+    assert again.report().taints("gpu-0") == ()
+    assert again.report().devices["gpu-0"].healthy
+    assert "quiet time ran out while the agent was down" in caplog.text
+
+
+async def test_a_new_boot_drops_the_timed_taints(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    nvml = emulated("l4")
+    uuid = discover(nvml).gpus[0].uuid
+    clock = FakeClock()
+    state_dir = tmp_path / "state"
+    TimedTaints(state_dir, boot_id_path=boot_id(tmp_path, "the-boot-before")).save(
+        {uuid: (TimedTaint("gpu-0", 94, "NoSchedule", raised_at(), clock.now),)}
+    )
+    with caplog.at_level(logging.INFO, logger="gpudra.driver.gpuresets"):
+        again = await restart(nvml, state_dir, clock, boot_id(tmp_path))
+    assert again.report().taints("gpu-0") == ()
+    assert "the node rebooted since the file of health taints that lift" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("content", "error"),
+    [
+        (b"\x00\xff not json", "not JSON"),
+        (b'["a list"]', "must hold a JSON object"),
+        (b'{"version": 9, "gpus": {}}', "newer gpudra release"),
+        (b'{"version": 1, "gpus": {"GPU-1": [{"device": "gpu-0", "taint": "ecc"}]}}', "taint"),
+        (
+            b'{"version": 1, "gpus": {"GPU-1": [{"device": "gpu-0", "taint": "xid=94", '
+            b'"effect": "NoSchedule", "timeAdded": "yesterday", "quietSince": 1}]}}',
+            "gpus.GPU-1[0].timeAdded",
+        ),
+        (
+            b'{"version": 1, "gpus": {"GPU-1": [{"device": "gpu-0", "taint": "xid=94", '
+            b'"effect": "NoSchedule", "timeAdded": "2026-11-01T12:00:00+00:00", '
+            b'"quietSince": "soon"}]}}',
+            "gpus.GPU-1[0].quietSince",
+        ),
+    ],
+)
+async def test_a_damaged_file_is_named_and_the_agent_starts_without_it(
+    tmp_path: Path, content: bytes, error: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    nvml = emulated("l4")
+    state_dir = tmp_path / "state"
+    timed = TimedTaints(state_dir, boot_id_path=boot_id(tmp_path))
+    state_dir.mkdir()
+    timed.path.write_bytes(content)
+    with caplog.at_level(logging.ERROR, logger="gpudra.driver.gpuresets"):
+        again = await restart(nvml, state_dir, FakeClock(), boot_id(tmp_path))
+    assert again.report().unhealthy() == ()
+    (record,) = caplog.records
+    fields = record.__dict__["fields"]
+    assert fields["path"] == str(timed.path)
+    assert error in fields["error"]
+    assert "health taints that lift after quiet time is malformed" in record.getMessage()
+    assert "remove the file" in record.getMessage()
+
+
+async def test_what_cannot_be_raised_again_is_named_and_the_rest_is(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A device that is gone, or an effect this release does not know, is skipped alone."""
+    nvml = emulated("h100-80gb-hbm3-x8")
+    uuid = discover(nvml).gpus[0].uuid
+    clock = FakeClock()
+    state_dir = tmp_path / "state"
+    TimedTaints(state_dir, boot_id_path=boot_id(tmp_path)).save(
+        {
+            uuid: (
+                TimedTaint("gpu-9", 94, "NoSchedule", raised_at(), clock.now),
+                TimedTaint("gpu-0", 94, "NoWhatever", raised_at(), clock.now),
+            ),
+            discover(nvml).gpus[1].uuid: (TimedTaint("gpu-1", 31, "None", raised_at(), clock.now),),
+        }
+    )
+    with caplog.at_level(logging.WARNING, logger="gpudra.driver.health"):
+        again = await restart(nvml, state_dir, clock, boot_id(tmp_path))
+    assert again.report().taints("gpu-0") == ()
+    assert taints(again, "gpu-1") == {(XID_KEY, "31", TaintEffect.NONE)}  # informational too
+    assert "the device is gone" in caplog.text
+    assert "its effect is none of None, NoSchedule, NoExecute" in caplog.text
+
+
+async def test_a_taint_that_waits_for_a_reset_is_not_replaced_by_a_timed_one(
+    tmp_path: Path,
+) -> None:
+    nvml = emulated("l4")
+    uuid = discover(nvml).gpus[0].uuid
+    clock = FakeClock()
+    state_dir = tmp_path / "state"
+    GpuResets(state_dir, boot_id_path=boot_id(tmp_path)).save({uuid: (PendingReset("gpu-0", 79),)})
+    TimedTaints(state_dir, boot_id_path=boot_id(tmp_path)).save(
+        {uuid: (TimedTaint("gpu-0", 94, "NoSchedule", raised_at(), clock.now),)}
+    )
+    again = await restart(nvml, state_dir, clock, boot_id(tmp_path))
+    assert taints(again, "gpu-0") == {(XID_KEY, "79", TaintEffect.NO_SCHEDULE)}
+    clock.now += 3600
+    assert not again.expire()  # it still waits for the reset
+    assert again.timed_taints() == {}
+
+
+def test_what_is_kept_is_what_waits_for_quiet_time() -> None:
+    """A lost GPU's taint is kept once the GPU answers (its quiet time runs), not while
+    it is lost; taints that wait for a reset and `unmonitored` are not kept here."""
+    inventory = discover(emulated("h100-80gb-hbm3-x8"))
+    clock = FakeClock()
+    state = HealthState(inventory, policy(), clock=clock, wall_clock=raised_at)
+    lost, reset, quiet, unwatched = (inventory.gpus[i].uuid for i in range(4))
+    state.apply(GpuLostEvent(lost))
+    state.apply(XidEvent(reset, 79))
+    state.apply(XidEvent(quiet, 63))  # informational (NVIDIA's catalogue ignores it)
+    state.apply(UnmonitoredEvent(unwatched, "no events"))
+    assert state.timed_taints() == {
+        quiet: (TimedTaint("gpu-2", 63, "None", raised_at(), 1000.0),),
+    }
+    clock.now += 5
+    state.apply(GpuRecoveredEvent(lost))
+    assert state.timed_taints()[lost] == (
+        TimedTaint("gpu-0", None, "NoExecute", raised_at(), 1005.0),
+    )
+
+
+async def test_a_lost_gpu_that_answers_again_keeps_its_quiet_time_across_a_restart(
+    tmp_path: Path,
+) -> None:
+    nvml = emulated("l4")
+    uuid = discover(nvml).gpus[0].uuid
+    clock = FakeClock()
+    state_dir = tmp_path / "state"
+    TimedTaints(state_dir, boot_id_path=boot_id(tmp_path)).save(
+        {uuid: (TimedTaint("gpu-0", None, "NoExecute", raised_at(), clock.now),)}
+    )
+    clock.now += 10
+    again = await restart(nvml, state_dir, clock, boot_id(tmp_path))
+    assert taints(again, "gpu-0") == {("gpu.nvidia.com/gpu-lost", None, TaintEffect.NO_EXECUTE)}
+    assert "answers again" in again.report().devices["gpu-0"].message
+    clock.now += RECOVERY_S - 10
+    assert again.expire()
