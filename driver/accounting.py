@@ -1,25 +1,47 @@
 """GPU accounting: allocated and idle GPU-seconds per namespace, tenant, class and sharing.
 
-Each sample (`gpudra.driver.sampling.Sample`) adds the time since the previous one to
-every holder (a claim's request, by claim UID) of a device that held it at both
-samples, times its share of a whole GPU (`HeldDevice.shares`: a MIG device is its
-compute slices' part of its GPU, a 1g of an A100 or H100 a seventh; memory slices by
-their share of the GPU's memory; time-sliced and MPS holders split their device
-equally; admin access not billed). So the counters are GPU-seconds whatever the
-device: one GPU for one second is one, seven 1g instances held for a second are one,
-and a sum over namespaces never bills a GPU more than the time it ran.
+Each sample (`gpudra.driver.sampling.Sample`) bills the interval since the previous one:
+each holder of a device (a claim's request, by claim UID) is billed the part of the
+interval it held the device, times its share of a whole GPU (`HeldDevice.shares`: a MIG
+device is its compute slices' part of its GPU, a 1g of an A100 or H100 a seventh;
+memory slices by their share of the GPU's memory; time-sliced and MPS holders split
+their device equally; admin access not billed). So the counters are GPU-seconds
+whatever the device: one GPU for one second is one, seven 1g instances held for a
+second are one.
 
-Where the device's holders changed between the two samples, its share is the
-smaller of the two it had then: the samples do not say when in the interval the change
-happened, so the time is never billed to a holder that did not hold the device (nor
-shifted from a holder that left onto one that stayed), at the cost of leaving up to one
-sampling interval per holder change unbilled. The time also counts as idle when the
-device's utilization was under `idle_below` percent in this sample: for a whole GPU
-the mean of NVML's own samples since the previous pass (`gpudra.driver.utilization`),
-for a MIG device GPM's figure over the same span. A device whose
+A claim holds its devices from its prepare completing to its unprepare: the preparer
+tells the sampler's `HoldingLog` when, on the sampler's clock, with the checkpoint
+change itself (`gpudra.driver.holders`). The interval is cut at each of those times
+on the device, and each piece's time is split among the holders of that piece, each
+at its share among them: a claim that came halfway through a 30 s interval onto a
+time-sliced GPU another held pays a quarter of 30 s, the other three quarters. A claim
+prepared and unprepared between two samples is billed at the next sample for the time
+it held its devices, with the labels it had when it was unprepared. Since the shares
+of one piece's holders add up to at most the device's part of its GPU, the GPU-seconds
+billed for a device over an interval never exceed the interval. Times are as the event
+loop saw them: a claim that changes while a pass reads NVML counts as changed at the
+sample's time.
+
+A holder change the agent was not told the time of (one whose entry the log dropped,
+or whose checkpoint write failed) keeps the rule of the samples alone:
+the samples do not say when in the interval it happened, so a holder seen at only one
+end of the interval is billed nothing for it, and still counts as a holder when the
+others' shares are split (a time-sliced holder whose co-holder left untold still pays
+half). A holder's share that changed between two samples with nobody coming or going
+(an unread claim read, the GPU's shares published again) is billed at the smaller of
+the two it had. Either way the time is never billed to a holder that did not hold the
+device, nor shifted from a holder that left onto one that stayed, at the cost of up to
+one sampling interval per such change unbilled. After an agent restart the counters
+start at zero, and a claim prepared before it is billed from the first sample on.
+Counters live in memory, as Prometheus counters may.
+
+The time also counts as idle when the device's utilization was under `idle_below`
+percent in this sample: for a whole GPU the mean of NVML's own samples since the
+previous pass (`gpudra.driver.utilization`), for a MIG device GPM's figure over the same
+span; each holder's billed time is idle or not with the device. A device whose
 utilization NVML does not give (a MIG device without per-instance utilization) is
-billed as allocated and never as idle: the agent does not know, and says so with
-the `utilization_scope` label of its device series.
+billed as allocated and never as idle: the agent does not know, and says so with the
+`utilization_scope` label of its device series.
 
 How long a device has been idle is kept per holder: a holder's idle time starts at the
 first sample where it held the device idle, so a claim that gets a device another claim
@@ -27,21 +49,23 @@ left idle does not inherit the other's idle time (nor its idle alert).
 
 A sample more than `STALE_AFTER_INTERVALS` sampling intervals after the previous one
 follows a stall (a pass that hung in NVML, or kept failing): the samples do not say
-what the devices did, nor who held them, in between, so that time is billed to nobody,
-neither allocated nor idle, and idle runs start again at the sample after it. The
-metrics withdraw the device series once the latest sample is that old
-(`gpudra.driver.metrics`).
+what the devices did in between, so that time is billed to nobody, neither allocated
+nor idle, not even to claims that came and went within it, and idle runs start again
+at the sample after it. The metrics withdraw the device series once the latest sample
+is that old (`gpudra.driver.metrics`).
 
-The resolution is the sampling interval; a claim prepared and unprepared between two
-samples is not billed. Counters live in memory and restart at zero with the agent,
-as Prometheus counters may.
+Memory: between two samples the log keeps at most `DEFAULT_HOLDING_CHANGES` changes,
+dropping the oldest and counting them (`gpudra_holding_changes_dropped_total`); a
+dropped change only leaves time unbilled. Once billed, a sample's changes are gone:
+the accounting keeps only the latest sample's holders.
 """
 
 from __future__ import annotations
 
+import itertools
 import threading
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import Final, TypeAlias
 
 from gpudra.driver.holders import ADMIN, HeldDevice, Holder
@@ -64,8 +88,8 @@ STALE_AFTER_INTERVALS: Final = 3
 
 # A holder of one device, the same from sample to sample: (claim UID, request).
 _HolderId: TypeAlias = tuple[str, str]
-# Device name -> each billed holder's labels (as of that sample) and share of it.
-_Shares: TypeAlias = dict[str, dict[_HolderId, tuple[Holder, float]]]
+# A span of time on the sampler's clock: (start, end).
+_Span: TypeAlias = tuple[float, float]
 
 
 @dataclass(frozen=True, slots=True, order=True)
@@ -90,6 +114,16 @@ class IdleDevice:
     seconds: float
 
 
+@dataclass(frozen=True, slots=True)
+class _Seen:
+    """What the accounting keeps of a sample until the next: its time, holders and
+    GPUs' memory (for memory slices' shares)."""
+
+    at: float
+    held: Mapping[str, HeldDevice]
+    memory: Mapping[str, float]
+
+
 def _holder_id(holder: Holder) -> _HolderId:
     return holder.claim_uid, holder.request
 
@@ -111,20 +145,126 @@ def holding(held: HeldDevice) -> dict[_HolderId, Holder]:
     return found
 
 
-def _shares(sample: Sample) -> _Shares:
-    """Each held device's billed holders and their shares at `sample`."""
-    totals = {
+def _memory(sample: Sample) -> dict[str, float]:
+    """Each GPU's memory at `sample`, by GPU UUID."""
+    return {
         device.gpu_uuid: reading.values["memory_total"]
         for device, reading in sample.devices
         if "memory_total" in reading.values and not device.mig
     }
-    found: _Shares = {}
-    for name, held in sample.held.items():
-        holders = found[name] = {}
-        for holder, share in held.shares(totals.get(held.gpu_uuid)):
-            # One claim may hold two slices of a GPU for one request: one holder.
-            _, before = holders.get(_holder_id(holder), (holder, 0.0))
-            holders[_holder_id(holder)] = (holder, before + share)
+
+
+def _spans(
+    before: bool, after: bool, changes: Sequence[tuple[bool, float]], start: float, end: float
+) -> tuple[list[_Span], list[_Span]]:
+    """When in [start, end] one claim held one device: the spans whose both ends are
+    known (billed), and those with an end the agent was not told (not billed, but the
+    claim may have held the device then, so it counts when others' shares are split).
+
+    `before` and `after`: whether the samples at `start` and `end` saw it hold the
+    device; `changes`: what the preparer told in between, oldest first (held or not,
+    when), taken as happening in order within the interval.
+    """
+    billed: list[_Span] = []
+    unsure: list[_Span] = []
+    held, since = before, start
+    for now_held, told_at in changes:
+        at = min(max(told_at, since), end)
+        if now_held and not held:
+            held, since = True, at
+        elif not now_held:
+            if held:
+                billed.append((since, at))
+            held, since = False, at
+    if held and after:
+        billed.append((since, end))
+    elif held or after:  # left, or came, at a time not told
+        unsure.append((since, end))
+    return billed, unsure
+
+
+def _covers(spans: Iterable[_Span], start: float, end: float) -> bool:
+    return any(s <= start and end <= e for s, e in spans)
+
+
+def _device_seconds(
+    views: Sequence[tuple[HeldDevice, Mapping[str, tuple[Holder, ...]], float | None]],
+    spans: Mapping[str, tuple[list[_Span], list[_Span]]],
+    start: float,
+    end: float,
+) -> dict[_HolderId, float]:
+    """GPU-seconds of each holder of one device over [start, end].
+
+    The interval is cut wherever a holder came or went, and each piece is split among
+    the claims that held the device in it (`HeldDevice.shares`), billing those whose
+    holding is known. Each view is the device and its claims' holders as one sample saw
+    them (with its GPU's memory); a holder gets the least any view bills it, so a share
+    that changed between the samples with no change told is billed at the smaller.
+    """
+    cuts = sorted({start, end, *(t for b, u in spans.values() for span in (*b, *u) for t in span)})
+    least: dict[_HolderId, float] | None = None
+    for device, holders_of, memory in views:
+        seconds: dict[_HolderId, float] = {}
+        for a, b in itertools.pairwise(cuts):
+            present = [
+                uid for uid, (billed, unsure) in spans.items() if _covers((*billed, *unsure), a, b)
+            ]
+            if not present:
+                continue
+            piece = replace(device, holders=tuple(h for uid in present for h in holders_of[uid]))
+            for holder, share in piece.shares(memory):
+                if _covers(spans[holder.claim_uid][0], a, b):
+                    ident = _holder_id(holder)
+                    seconds[ident] = seconds.get(ident, 0.0) + (b - a) * share
+        least = (
+            seconds
+            if least is None
+            else {k: min(v, seconds[k]) for k, v in least.items() if k in seconds}
+        )
+    return least or {}
+
+
+def _by_claim(held: HeldDevice | None) -> dict[str, tuple[Holder, ...]]:
+    found: dict[str, list[Holder]] = {}
+    for holder in held.holders if held is not None else ():
+        found.setdefault(holder.claim_uid, []).append(holder)
+    return {uid: tuple(holders) for uid, holders in found.items()}
+
+
+def _billed(
+    previous: _Seen, sample: Sample, memory: Mapping[str, float]
+) -> dict[str, dict[_HolderId, tuple[Holder, float]]]:
+    """Device name -> each holder's labels (the latest known) and GPU-seconds over the
+    interval from `previous` to `sample`."""
+    told: dict[str, list[tuple[bool, float]]] = {}
+    for change in sample.changes:
+        told.setdefault(change.claim_uid, []).append((change.held, change.at))
+    found: dict[str, dict[_HolderId, tuple[Holder, float]]] = {}
+    for name in {*previous.held, *sample.held, *sample.released}:
+        before, after = previous.held.get(name), sample.held.get(name)
+        released = sample.released.get(name)
+        at_start, at_end, gone = _by_claim(before), _by_claim(after), _by_claim(released)
+        spans = {
+            uid: _spans(uid in at_start, uid in at_end, told.get(uid, ()), previous.at, sample.at)
+            for uid in {*at_start, *at_end, *gone}
+        }
+        # Each view takes a claim's holders, and the device, from its own sample first.
+        late = {**at_start, **gone, **at_end}
+        early = {**at_end, **gone, **at_start}
+        device_late = after or released or before
+        device_early = before or released or after
+        assert device_late is not None and device_early is not None
+        seconds = _device_seconds(
+            (
+                (device_early, early, previous.memory.get(device_early.gpu_uuid)),
+                (device_late, late, memory.get(device_late.gpu_uuid)),
+            ),
+            spans,
+            previous.at,
+            sample.at,
+        )
+        labels = {_holder_id(h): h for holders in late.values() for h in holders}
+        found[name] = {ident: (labels[ident], s) for ident, s in seconds.items() if s > 0}
     return found
 
 
@@ -141,47 +281,52 @@ class Accounting:
         self._idle: dict[AccountKey, float] = {}
         self._idle_since: dict[tuple[str, _HolderId], float] = {}
         self._idle_now: tuple[IdleDevice, ...] = ()
-        self._last: tuple[float, _Shares] | None = None
+        self._last: _Seen | None = None
 
     def observe(self, sample: Sample) -> None:
         """Bill the time since the previous sample (a `Sampler` `on_sample` callback)."""
-        shares = _shares(sample)
-        previous, self._last = self._last, (sample.at, shares)
-        if previous is not None and sample.at - previous[0] > stale_after(sample.interval_s):
+        memory = _memory(sample)
+        previous, self._last = self._last, _Seen(sample.at, sample.held, memory)
+        if previous is not None and sample.at - previous.at > stale_after(sample.interval_s):
             previous = None  # a stall: nothing is known of the time since the previous
-        elapsed = sample.at - previous[0] if previous is not None else 0.0
-        before = previous[1] if previous is not None else {}
+        billed = (
+            _billed(previous, sample, memory)
+            if previous is not None and sample.at > previous.at
+            else {}
+        )
         utilization = {d.uuid: r.values.get("utilization") for d, r in sample.devices}
+
+        def idle(held: HeldDevice) -> bool:
+            util = utilization.get(held.uuid or held.gpu_uuid)
+            return util is not None and util < self.idle_below
+
         idle_since: dict[tuple[str, _HolderId], float] = {}
         idle_now: list[IdleDevice] = []
         with self._lock:
             known_since = self._idle_since if previous is not None else {}
             for name, held in sample.held.items():
-                uuid = held.uuid or held.gpu_uuid
-                util = utilization.get(uuid)
-                idle = util is not None and util < self.idle_below
-                if idle:
-                    by_since: dict[float, list[Holder]] = {}
-                    for ident, holder in holding(held).items():
-                        hold = (name, ident)
-                        since = idle_since[hold] = known_since.get(hold, sample.at)
-                        by_since.setdefault(since, []).append(holder)
-                    idle_now.extend(
-                        IdleDevice(name, uuid, tuple(holders), sample.at - since)
-                        for since, holders in sorted(by_since.items())
-                    )
-                if elapsed <= 0:
+                if not idle(held):
                     continue
-                held_before = before.get(name, {})
-                for ident, (holder, share) in shares[name].items():
-                    if ident not in held_before:
-                        continue  # it got the device since the previous sample
-                    seconds = elapsed * min(share, held_before[ident][1])
+                by_since: dict[float, list[Holder]] = {}
+                for ident, holder in holding(held).items():
+                    hold = (name, ident)
+                    since = idle_since[hold] = known_since.get(hold, sample.at)
+                    by_since.setdefault(since, []).append(holder)
+                idle_now.extend(
+                    IdleDevice(name, held.uuid or held.gpu_uuid, tuple(holders), sample.at - since)
+                    for since, holders in sorted(by_since.items())
+                )
+            for name, seconds_of in billed.items():
+                device = sample.held.get(name) or sample.released.get(name)
+                if device is None and previous is not None:
+                    device = previous.held.get(name)
+                was_idle = device is not None and idle(device)
+                for holder, seconds in seconds_of.values():
                     key = AccountKey(
                         holder.namespace, holder.tenant, holder.device_class, holder.sharing
                     )
                     self._allocated[key] = self._allocated.get(key, 0.0) + seconds
-                    if idle:
+                    if was_idle:
                         self._idle[key] = self._idle.get(key, 0.0) + seconds
             self._idle_since = idle_since
             self._idle_now = tuple(idle_now)

@@ -34,14 +34,19 @@ The fair split of that part among a device's holders:
 - `Unknown` holders (claim not read yet) are not billed; while a device has one, only
   the holders whose part is their own size (a memory slice, integer shares) are billed,
   since every other part depends on what the unread claim took. The time held back is
-  lost, as the time of a holder change is: billing only for what a claim took comes
-  before billing all of the time;
+  lost, as that of a holder change the agent was not told the time of is: billing only
+  for what a claim took comes before billing all of the time;
 - admin-access holders (monitoring, debugging) hold nothing: they are shown, not billed.
+
+When each claim held its devices: `HoldingLog` keeps the times the preparer tells it,
+from a claim's prepare completing to its unprepare, until the next sampling pass takes
+them (`gpudra.driver.accounting` bills by them).
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -53,6 +58,7 @@ from gpudra.driver.devices import Inventory
 
 __all__ = [
     "ADMIN",
+    "DEFAULT_HOLDING_CHANGES",
     "EXCLUSIVE",
     "MEMORY_SLICE",
     "MPS",
@@ -61,9 +67,12 @@ __all__ = [
     "ClaimInfo",
     "ClaimInfos",
     "HeldDevice",
+    "HoldChange",
     "Holder",
+    "HoldingLog",
     "claim_info",
     "held_devices",
+    "released_devices",
     "sharing_of",
 ]
 
@@ -76,6 +85,11 @@ MPS: Final[SharingMode] = "MPS"
 MEMORY_SLICE: Final = "MemorySlice"
 ADMIN: Final = "AdminAccess"
 UNKNOWN: Final = "Unknown"
+
+# Changes a `HoldingLog` keeps at most between two passes (10 s apart by default): a
+# node preparing and unpreparing hundreds of claims a second stays under it for a
+# stalled pass's three intervals, whose time is billed to nobody anyway.
+DEFAULT_HOLDING_CHANGES: Final = 10_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -342,3 +356,100 @@ def _compute(name: str, *, mig: bool, inventory: Inventory | None) -> float | No
     if not mig:
         return 1.0
     return inventory.compute_share(name) if inventory is not None else None
+
+
+@dataclass(frozen=True, slots=True)
+class HoldChange:
+    """A claim starting (`held`) or ceasing to hold its devices, `at` on the sampler's
+    clock. A release keeps the claim's record and `ClaimInfo` as they were, so a claim
+    prepared and unprepared between two passes is still labelled and billed."""
+
+    claim_uid: str
+    held: bool
+    at: float
+    record: ClaimRecord | None = None
+    info: ClaimInfo | None = None
+
+
+class HoldingLog:
+    """When claims started and stopped holding their devices since the last pass.
+
+    The preparer tells it (`held` when a prepare completes, `released` when an
+    unprepare removes a completed claim) in the same step of the event loop as the
+    checkpoint change, so a pass that reads the checkpoint and `take`s the log sees both
+    or neither. `clock` must be the sampler's, `claim_info` what the claim reader
+    remembers (taken at the release: the reader forgets a claim once it leaves the
+    checkpoint). Each call is a clock read and an append: it is on the prepare path.
+
+    Bounded: without passes (a sampler hung in NVML) it keeps the newest `limit`
+    changes, drops the oldest and counts them in `dropped`. A dropped change only
+    ever leaves time unbilled (`gpudra.driver.accounting`), as does one whose
+    checkpoint write failed (the checkpoint undoes it, the log keeps it). Used on the
+    event loop only.
+    """
+
+    def __init__(
+        self,
+        *,
+        claim_info: Callable[[], Mapping[str, ClaimInfo]] = dict,
+        clock: Callable[[], float] = time.monotonic,
+        limit: int = DEFAULT_HOLDING_CHANGES,
+    ) -> None:
+        if limit < 1:
+            msg = f"holding change limit {limit} must be at least 1"
+            raise ValueError(msg)
+        self._claim_info = claim_info
+        self._clock = clock
+        self._changes: deque[HoldChange] = deque(maxlen=limit)
+        self.dropped = 0
+
+    def held(self, uid: str) -> None:
+        """Claim `uid` holds its devices from now (its prepare completed)."""
+        self._add(HoldChange(uid, True, self._clock()))
+
+    def released(self, record: ClaimRecord) -> None:
+        """The completed claim `record` holds its devices no more (unprepared)."""
+        info = self._claim_info().get(record.uid)
+        self._add(HoldChange(record.uid, False, self._clock(), record, info))
+
+    def _add(self, change: HoldChange) -> None:
+        if len(self._changes) == self._changes.maxlen:
+            self.dropped += 1
+        self._changes.append(change)
+
+    def take(self) -> tuple[HoldChange, ...]:
+        """The changes since the last `take`, oldest first; the log is empty after."""
+        taken = tuple(self._changes)
+        self._changes.clear()
+        return taken
+
+    def put_back(self, changes: Iterable[HoldChange]) -> None:
+        """Return what a failed pass took, before the changes made since (the newest
+        `limit` are kept, the others counted dropped)."""
+        merged = [*changes, *self._changes]
+        limit = self._changes.maxlen or len(merged)
+        self.dropped += max(0, len(merged) - limit)
+        self._changes.clear()
+        self._changes.extend(merged[-limit:])
+
+
+def released_devices(
+    changes: Iterable[HoldChange],
+    pool: str,
+    tenant_of: Callable[[str], str] = lambda _namespace: "",
+    containers: Mapping[str, Mapping[str, str]] | None = None,
+    published_shares: Mapping[str, int] | None = None,
+    inventory: Inventory | None = None,
+) -> dict[str, HeldDevice]:
+    """`held_devices` of the claims released in `changes` (the last release of each),
+    each with the `ClaimInfo` it had then: who held what until they left."""
+    last = {c.claim_uid: c for c in changes if c.record is not None}
+    return held_devices(
+        (c.record for c in last.values() if c.record is not None),
+        pool,
+        {uid: c.info for uid, c in last.items() if c.info is not None},
+        tenant_of,
+        containers,
+        published_shares,
+        inventory,
+    )

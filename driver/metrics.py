@@ -230,7 +230,8 @@ class DeviceMetrics(Collector):
     again and again), the device series and the idle gauge are left out: a dashboard or
     alert sees them absent rather than the last values frozen. Runs in the metrics
     server's thread: it reads only the sampler's latest sample (replaced whole, health
-    included), its clock and interval, and the accounting's copies.
+    included), its clock, interval and holding log's drop count (an int), and the
+    accounting's copies.
     """
 
     def __init__(self, sampler: Sampler, accounting: Accounting) -> None:
@@ -354,4 +355,10 @@ class DeviceMetrics(Collector):
             "Utilization under which an allocated device counts as idle.",
         )
         threshold.add_metric((), self._accounting.idle_below)
-        yield from (allocated, idle, idle_for, threshold)
+        dropped = CounterMetricFamily(
+            "gpudra_holding_changes_dropped",
+            "Claim prepares and unprepares whose times accounting lost, the sampler being "
+            "too late to take them (their claims' time is not billed).",
+        )
+        dropped.add_metric((), self._sampler.holdings.dropped)
+        yield from (allocated, idle, idle_for, threshold, dropped)

@@ -14,7 +14,9 @@ that keeps the kubelet's view consistent:
 5. with the plugin, the sampler reads every device's NVML telemetry on an interval
    for the device metrics and accounting (`gpudra.driver.sampling`), and the claim
    status writer shows in each prepared claim what its devices really are
-   (`gpudra.driver.claimstatus`); neither is on a prepare's path. The sampler labels
+   (`gpudra.driver.claimstatus`); neither is on a prepare's path, which only tells
+   the sampler's log when each claim starts and stops holding its devices (an append,
+   so accounting bills the times between). The sampler labels
    holders with their namespace's GpuTenant, watched as the webhook watches it
    (`gpudra.driver.tenancy`), and with the containers that use each claim, read from
    its pod on the same interval (`gpudra.driver.podclaims`).
@@ -194,6 +196,8 @@ class NodeService:
             "driver files to mount",
             extra={"fields": {"driver_root": str(plugin.driver_root), "files": list(libraries)}},
         )
+        if plugin.sample_interval_s > 0:
+            self.sampler = self._sampler(plugin)
         self.preparer = ClaimPreparer(
             node_name=agent_config.node_name,
             nvml=nvml,
@@ -228,6 +232,8 @@ class NodeService:
             registry=self.registry,
             device_numbers=plugin.device_numbers,
             fault=fault,
+            # Accounting bills each claim from its prepare to its unprepare, by these.
+            holdings=self.sampler.holdings if self.sampler is not None else None,
         )
         self.plugin = KubeletPlugin(
             agent_config.driver_name,
@@ -239,8 +245,6 @@ class NodeService:
             health=AgentHealth(self.agent),
             dra_apis=plugin.dra_apis,
         )
-        if plugin.sample_interval_s > 0:
-            self.sampler = self._sampler(plugin)
         if plugin.claim_status:
             self.status_writer = ClaimStatusWriter(
                 kube,

@@ -89,6 +89,7 @@ __all__ = [
     "PREPARE_STEPS",
     "ClaimLookup",
     "ClaimPreparer",
+    "HoldingEvents",
     "RecoveryReport",
 ]
 
@@ -133,6 +134,17 @@ class RecoveryReport:
     orphaned_mps_dirs: tuple[str, ...] = ()
     temp_files: int = 0
     errors: tuple[str, ...] = ()
+
+
+class HoldingEvents(Protocol):
+    """Told when a claim starts holding its devices (its prepare completed) and stops
+    (a completed claim unprepared), within the checkpoint change itself: accounting
+    bills the time between (`gpudra.driver.holders.HoldingLog`). On the prepare path:
+    each call must cost a dict or list insert, no I/O and no lock."""
+
+    def held(self, uid: str) -> None: ...
+
+    def released(self, record: ClaimRecord) -> None: ...
 
 
 class ClaimLookup(Protocol):
@@ -274,6 +286,7 @@ class ClaimPreparer:
     /dev, driver files and /proc are; `host_view` is where this process sees the
     host's `/`. `device_numbers` (emulated GPUs) numbers the device nodes in the
     specs, for hosts that lack them. `registry` gets the prepared-device metrics.
+    `holdings` is told when each claim starts and stops holding its devices.
     Call `recover()` once before serving.
     """
 
@@ -299,8 +312,10 @@ class ClaimPreparer:
         device_numbers: DeviceNumbers | None = None,
         fault: Callable[[str], None] | None = None,
         shares: Callable[[], Mapping[str, int]] | None = None,
+        holdings: HoldingEvents | None = None,
     ) -> None:
         self._fault = fault
+        self._holdings = holdings
         self._shares: Callable[[], Mapping[str, int]] = shares or dict
         self._left_to_kubelet: set[str] = set()  # deleted claims whose pod runs (logged)
         self._node = node_name
@@ -572,7 +587,14 @@ class ClaimPreparer:
         for entry, cdi_device in zip(entries, cdi_devices, strict=True):
             entry.cdi_ids = tuple(self._cdi.device_ids(ref.uid, cdi_device))
         records = [e.record(self._node) for e in entries]
-        final = await self._persist(lambda c: c.complete_prepare(ref.uid, records))
+
+        def complete(cp: Checkpoint) -> ClaimRecord:
+            done = cp.complete_prepare(ref.uid, records)
+            if self._holdings is not None:  # with the change: a reader sees both or neither
+                self._holdings.held(ref.uid)
+            return done
+
+        final = await self._persist(complete)
         self._at("prepare-completed")
         log.info(
             "claim prepared",
@@ -1063,8 +1085,14 @@ class ClaimPreparer:
             )
         if errors:
             raise ClaimError(f"{record.ref.describe()}: {why}: " + "; ".join(errors))
+
+        def remove(cp: Checkpoint) -> None:
+            removed = cp.remove(record.uid, durable=undone_by_hand)
+            if removed and record.completed and self._holdings is not None:  # as above
+                self._holdings.released(record)
+
         # The admin's mark goes only once the removal would survive a power loss.
-        await self._persist(lambda c: c.remove(record.uid, durable=undone_by_hand))
+        await self._persist(remove)
         if undone_by_hand:
             self._unmark(record.uid)
         log.info(

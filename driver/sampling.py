@@ -32,7 +32,14 @@ from gpudra.driver.checkpoint import ClaimRecord
 from gpudra.driver.devices import Inventory
 from gpudra.driver.gpm import MigUtilization
 from gpudra.driver.health import HealthState
-from gpudra.driver.holders import ClaimInfo, HeldDevice, held_devices
+from gpudra.driver.holders import (
+    ClaimInfo,
+    HeldDevice,
+    HoldChange,
+    HoldingLog,
+    held_devices,
+    released_devices,
+)
 from gpudra.driver.nvml import NvmlLibrary
 from gpudra.driver.nvml.codes import constant_names
 from gpudra.driver.nvml.handles import device_handle
@@ -82,6 +89,9 @@ class Sample:
     state then (taken on the event loop, so a scrape never reads live health state).
 
     `healthy` maps device names to health; `xids` (GPU UUID, XID) to events seen.
+    `changes` are the claims that started or stopped holding their devices since the
+    previous pass (`HoldingLog`, read with `held`), oldest first; `released` the
+    devices the claims released meanwhile held, with those claims as their holders.
     """
 
     at: float  # the sampler's clock
@@ -90,6 +100,8 @@ class Sample:
     healthy: Mapping[str, bool] = field(default_factory=dict)
     xids: Mapping[tuple[str, int], int] = field(default_factory=dict)
     interval_s: float = DEFAULT_INTERVAL_S  # the sampler's: how soon the next one is due
+    changes: tuple[HoldChange, ...] = ()
+    released: Mapping[str, HeldDevice] = field(default_factory=dict)
 
 
 def _reason(err: BaseException) -> str:
@@ -185,7 +197,8 @@ class Sampler:
     the container label of each claim's requests (`gpudra.driver.podclaims`); `shares` the
     integer shares each device is published with (the agent's); `health` the agent's
     health state. `on_sample` (accounting) is called on the event loop with each
-    new sample.
+    new sample. `holdings` is told by the preparer when claims start and stop holding
+    their devices, on this sampler's clock; each pass takes what it was told.
     """
 
     def __init__(
@@ -217,6 +230,7 @@ class Sampler:
         self._on_sample = tuple(on_sample)
         self.clock = clock  # of `Sample.at`: a scrape tells the latest sample's age by it
         self.latest: Sample | None = None  # replaced whole, so a scrape reads one pass
+        self.holdings = HoldingLog(claim_info=claim_info, clock=clock)
         self._gpm = MigUtilization()  # used by one pass at a time, in its worker thread
         self._gpu_utilization = GpuUtilization()  # likewise
 
@@ -264,17 +278,23 @@ class Sampler:
     async def sample_once(self) -> Sample:
         """One pass: read every device in a worker thread, then tell `on_sample`."""
         inventory = self._inventory()
+        prepared = self._prepared()
+        # In the same step as the checkpoint read: the preparer tells the log with each
+        # change, so the changes taken are exactly those since the previous pass's read.
+        changes = self.holdings.take()
+        containers, shares = self._containers(), self._shares()
         held = held_devices(
-            self._prepared(),
-            self._pool,
-            self._claim_info(),
-            self._tenant_of,
-            self._containers(),
-            self._shares(),
-            inventory,
+            prepared, self._pool, self._claim_info(), self._tenant_of, containers, shares, inventory
+        )
+        released = released_devices(
+            changes, self._pool, self._tenant_of, containers, shares, inventory
         )
         devices = devices_to_sample(inventory, held)
-        readings = await anyio.to_thread.run_sync(self._read_all, devices)
+        try:
+            readings = await anyio.to_thread.run_sync(self._read_all, devices)
+        except BaseException:
+            self.holdings.put_back(changes)  # for the next pass, which reads the claims again
+            raise
         health = self._health()
         report = health.report() if health is not None else None
         sample = Sample(
@@ -284,6 +304,8 @@ class Sampler:
             healthy={n: d.healthy for n, d in report.devices.items()} if report else {},
             xids=health.xid_counts() if health is not None else {},
             interval_s=self.interval_s,
+            changes=changes,
+            released=released,
         )
         self.latest = sample
         for callback in self._on_sample:

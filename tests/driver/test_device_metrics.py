@@ -552,9 +552,11 @@ def billed(node: Node, name: str = "gpudra_allocated_device_seconds_total") -> d
 
 
 async def test_a_claim_that_gets_a_device_is_billed_only_from_the_sample_it_held_it_at() -> None:
-    """A holder change between two samples: neither the claim that left nor the one
+    """A holder change between two samples that the agent was not told the time of (as
+    for claims prepared before it started): neither the claim that left nor the one
     that came is billed for that interval (the samples do not say when it happened),
-    and the new claim never pays for the old one's time."""
+    and the new claim never pays for the old one's time. Told changes are billed where
+    they happened (test_accounting_spans.py)."""
     nvml = emulator("l4", {"utilization": 90})
     uuid = inventory_of(nvml).gpus[0].uuid
     node = Node(nvml, [claim("u1", "team-a", "a", "gpu-0", uuid)])
