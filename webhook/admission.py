@@ -11,9 +11,10 @@ converted claims, every ResourceClaim and template it refers to is read through 
 injected `ClaimReader` and counted (``tenant_rules.claim_devices``), so hand-written and
 shared claims cannot add devices past the limit one claim at a time. The count is made
 again when a claim is created in such a namespace, for every pod that will use it (those
-naming it, and the pod a template's claim is generated for): a claim deleted and created
-again under its name with more devices, while its pod waits to be scheduled, would
-otherwise give the pod what its admission never counted.
+naming it, and the pod a template's claim is generated for), the same way, device-plugin
+resources included: a claim deleted and created again under its name with more devices,
+while its pod waits to be scheduled, would otherwise give the pod what its admission
+never counted.
 
 The one write, creating the ResourceClaimTemplates a converted pod refers to, goes
 through the injected `TemplateEnsurer`, which owns all API-server writes. Dry runs
@@ -61,6 +62,8 @@ from gpudra.webhook.tenant_rules import (
     StoredClaim,
     TenantRules,
     claim_devices,
+    device_counts,
+    pod_devices,
     rules_view,
 )
 from gpudra.webhook.tenant_state import TenantState
@@ -596,7 +599,12 @@ class Admission:
 
         The pods that will use it are those naming it and, for a claim generated from a
         template, the pod that owns it; each is counted whole with this claim's devices
-        in place of the entry it fills. Fails closed: pods that cannot be listed deny.
+        in place of the entry it fills, as its own admission counted it: its claims, and
+        the device-plugin resources it keeps (the rules' view of it as stored, which the
+        webhook did not patch: `_rules_view`), so a pod admitted with ``nvidia.com/gpu``
+        beside a claim of no GPU cannot have that claim created again with one. The
+        native resources the scheduler's claim for the pod holds are counted there, not
+        twice. Fails closed: pods that cannot be listed deny.
         """
         limit = rules.tenant.spec.max_devices_per_pod
         if limit is None:
@@ -616,6 +624,7 @@ class Admission:
             )
             reason = _unanswered(exc)
             return f"{heading}; could not list the pods that use this claim: {reason}; retry"
+        policy = self._stored_natives(rules.policy)
         for pod in pods:
             entry = _entry_filled_by(pod, claim)
             if entry is None:
@@ -625,15 +634,22 @@ class Admission:
             )
             if isinstance(found, str):
                 return found
-            total = sum(r.devices for r in found)
-            if total > limit:
-                counts = "; ".join(
-                    f"claim {r.pod_claim_name} ({r.source}): {r.devices}" for r in found
+            try:
+                view = _rules_view(
+                    pod, policy, patched=False, natives=not any(r.scheduled for r in found)
                 )
+            except ConversionError as exc:
+                return (
+                    f"{heading}, and pod {_name_of(pod)} uses this claim, but its "
+                    f"device-plugin resources cannot be counted: {exc}; delete the pod first"
+                )
+            total = pod_devices(view, found)
+            if total > limit:
                 return (
                     f"{heading}, and pod {_name_of(pod)} uses this claim: with its "
-                    f"{devices} device(s) the pod would get {total} devices ({counts}); "
-                    "ask for fewer devices or delete the pod first"
+                    f"{devices} device(s) the pod would get {total} devices "
+                    f"({device_counts(view, found)}); ask for fewer devices or delete the "
+                    "pod first"
                 )
         return None
 
@@ -783,7 +799,9 @@ class Admission:
             if devices:
                 result.append(ReferencedClaim(pod_claim, source, devices))
         if filled is not None and filled[0] == EXTENDED_RESOURCES:
-            result.append(ReferencedClaim(EXTENDED_RESOURCES, "the new claim", filled[1]))
+            result.append(
+                ReferencedClaim(EXTENDED_RESOURCES, "the new claim", filled[1], scheduled=True)
+            )
         elif filled is not None:
             extended = await self._extended_devices(pod, load)
             if isinstance(extended, str):
@@ -812,7 +830,9 @@ class Admission:
             if stored is not None:
                 devices = claim_devices(stored.spec, self._classes)
                 source = f"ResourceClaim {name}"
-                return ReferencedClaim(EXTENDED_RESOURCES, source, devices) if devices else None
+                if not devices:
+                    return None
+                return ReferencedClaim(EXTENDED_RESOURCES, source, devices, scheduled=True)
         extended = extended_resource_claim(pod, self._classes)
         if extended is None:
             return None
@@ -849,7 +869,9 @@ class Admission:
         return Decision(deny(uid, code, message), "denied")
 
 
-def _rules_view(pod: Mapping[str, Any], policy: ConversionPolicy, *, patched: bool) -> Conversion:
+def _rules_view(
+    pod: Mapping[str, Any], policy: ConversionPolicy, *, patched: bool, natives: bool = True
+) -> Conversion:
     """What the tenant rules judge of `pod` (`rules_view`): its devices, however it asks.
 
     A pod the webhook does not patch (its namespace is not converted, it opts out, or it
@@ -864,9 +886,17 @@ def _rules_view(pod: Mapping[str, Any], policy: ConversionPolicy, *, patched: bo
     refuses it, and one that does not counts it. A tenant cannot pass a device by
     asking for it under a name gpudra does not convert. What no pod may ask for (a
     count that is not a whole number) is still refused.
+
+    Without `natives`, the native resources (`ConversionPolicy.native_resources`) are
+    left out: the claim the scheduler made for the pod's extended resources holds those
+    it serves through DRA and is counted instead. The claim the webhook builds as the
+    scheduler would make it (`extended_resource_claim`) holds only the classes' implicit
+    names, so beside it the view counts them.
     """
     if not patched:
         policy = dataclasses.replace(policy, left_to_device_plugin=True)
+    if not natives:
+        return convert_pod(pod, policy, every_pod=True)
     return rules_view(pod, policy)
 
 

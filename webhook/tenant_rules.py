@@ -42,6 +42,8 @@ __all__ = [
     "TenantRules",
     "claim_classes",
     "claim_devices",
+    "device_counts",
+    "pod_devices",
     "policy_for",
     "rules_view",
 ]
@@ -105,6 +107,11 @@ class ReferencedClaim:
     source: str
     """What it refers to, for messages: ``ResourceClaim x`` or ``ResourceClaimTemplate y``."""
     devices: int
+    scheduled: bool = False
+    """The claim the scheduler made for the pod's extended resources (stored, or being
+    created), not one built as it would make it: it holds the devices of the native
+    resources (a DeviceClass's ``extendedResourceName``) it serves through DRA, which
+    the rules' view of the pod then leaves out (`Admission._users_over_limit`)."""
 
 
 POD_CLAIM_NAME_ANNOTATION: Final = "resource.kubernetes.io/pod-claim-name"
@@ -212,16 +219,12 @@ class TenantRules:
                     f"{self.label}: sharing mode {mode} is not allowed; allowed modes: "
                     f"{_listing(spec.allowed_sharing)} ({where})"
                 )
-        total = sum(c.devices for c in conversion.claims) + sum(r.devices for r in referenced)
+        total = pod_devices(conversion, referenced)
         limit = spec.max_devices_per_pod
         if limit is not None and total > limit:
-            breakdown = "; ".join(
-                [_where(c) for c in conversion.claims]
-                + [f"claim {r.pod_claim_name} ({r.source}): {r.devices}" for r in referenced]
-            )
             return (
                 f"{self.label}: maxDevicesPerPod is {limit}, this pod asks for {total} "
-                f"devices ({breakdown})"
+                f"devices ({device_counts(conversion, referenced)})"
             )
         if usage is not None:
             asks: dict[str, int] = {}
@@ -268,6 +271,23 @@ def _over_quota(usage: QuotaUsage, device_class: str, namespace: str, asks: int)
         f"{where}: limit {hard}, used {used}, over the limit already (claims stored before "
         f"the quota or before it was lowered); bring its claims of {device_class} within "
         "the quota"
+    )
+
+
+def pod_devices(conversion: Conversion, referenced: Sequence[ReferencedClaim]) -> int:
+    """How many devices a pod will get: what the rules' view of its legacy resources
+    asks for (`rules_view`) and its other claims. Both the pod's admission and a claim's
+    (`Admission._users_over_limit`) count a pod with this, so ``maxDevicesPerPod``
+    holds the same whichever is admitted last."""
+    return sum(c.devices for c in conversion.claims) + sum(r.devices for r in referenced)
+
+
+def device_counts(conversion: Conversion, referenced: Sequence[ReferencedClaim]) -> str:
+    """What `pod_devices` counted, part by part, for a denial: each legacy resource by
+    container (``nvidia.com/gpu in container cuda=1``), then each claim."""
+    return "; ".join(
+        [_where(c) for c in conversion.claims]
+        + [f"claim {r.pod_claim_name} ({r.source}): {r.devices}" for r in referenced]
     )
 
 

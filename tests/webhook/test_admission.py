@@ -662,6 +662,76 @@ async def test_a_claim_created_again_bigger_is_counted_with_the_pods_that_use_it
     ).result == "allowed"
 
 
+async def test_a_claim_created_again_counts_the_device_plugin_resources_of_its_pods() -> None:
+    """A namespace left out of the conversion, limit 1: the pod keeps nvidia.com/gpu: 1
+    and names claim x, which asks for none of the driver's devices, so it is admitted.
+    The tenant deletes x and creates it again with one GPU while the pod waits: with
+    its device-plugin GPU the pod would get two, so the new claim is refused, naming
+    the legacy resource as the pod's own admission does."""
+    claims = Claims(x=NO_DRIVER_DEVICE)
+    admission = limited_admission(claims)
+    admission = Admission(
+        Templates(),
+        WebhookMetrics(CollectorRegistry()),
+        tenants=admission._tenants,
+        read_claims=claims,
+        conversion_selector=UNMOVED,
+    )
+    waiting = claim_pod(1, {"name": "a", "resourceClaimName": "x"})
+    decision = await admission.mutate_pod(review(POD, waiting))
+    assert (decision.result, decision.response.get("patch")) == ("allowed", None)
+    claims.live_pods = [waiting]
+
+    decision = await admission.validate_claim(review(CLAIM, claim_object("x", 1)))
+    assert decision.result == "denied"
+    message = decision.response["status"]["message"]
+    assert "maxDevicesPerPod is 1, and pod p uses this claim" in message
+    assert (
+        "would get 2 devices (nvidia.com/gpu in container c=1; "
+        "claim a (ResourceClaim x (new)): 1)" in message
+    )
+    # Created again as it was, asking for none of the driver's devices, it is fine.
+    again = {"metadata": {"name": "x"}, "spec": NO_DRIVER_DEVICE}
+    assert (await admission.validate_claim(review(CLAIM, again))).result == "allowed"
+
+
+async def test_native_resources_are_counted_once_when_a_claim_is_created() -> None:
+    """nvidia.com/gpu served by a DeviceClass's extendedResourceName stays in the pod:
+    while the scheduler has made no claim for it, a claim created again for the pod's
+    entry counts it as the pod's admission did; the scheduler's claim, which holds it,
+    counts it in its place, not beside it."""
+    claims = Claims(x=NO_DRIVER_DEVICE)
+    admission = limited_admission(
+        claims, limit=1, policy=NATIVE, classes=stored_classes("nvidia.com/gpu")
+    )
+    pod = claim_pod(1, {"name": "a", "resourceClaimName": "x"})
+    pod["metadata"]["uid"] = "pod-uid"
+    decision = await admission.mutate_pod(review(POD, pod))
+    assert (decision.result, decision.response.get("patch")) == ("allowed", None)
+    claims.live_pods = [pod]
+    decision = await admission.validate_claim(review(CLAIM, claim_object("x", 1)))
+    assert decision.result == "denied"
+    message = decision.response["status"]["message"]
+    assert "nvidia.com/gpu in container c=1; claim a (ResourceClaim x (new)): 1" in message
+
+    # The scheduler's claim for the pod's nvidia.com/gpu: one GPU, the pod's one.
+    scheduled = extended_resource_claim("p", "pod-uid", 1)
+    assert (await admission.validate_claim(review(CLAIM, scheduled))).result == "allowed"
+    claims.specs["p-extended-resources-zzzzz"] = scheduled["spec"]
+    pod["status"] = {
+        "extendedResourceClaimStatus": {
+            "resourceClaimName": "p-extended-resources-zzzzz",
+            "requestMappings": [],
+        }
+    }
+    again = {"metadata": {"name": "x"}, "spec": NO_DRIVER_DEVICE}
+    assert (await admission.validate_claim(review(CLAIM, again))).result == "allowed"
+    decision = await admission.validate_claim(review(CLAIM, claim_object("x", 1)))
+    message = decision.response["status"]["message"]
+    assert "would get 2 devices" in message
+    assert "nvidia.com/gpu" not in message
+
+
 class SwappedWhileRead(Claims):
     """The tenant deletes claim `swapped` and creates it again with `bigger` right after
     the webhook's first read of it, while the pod's admission goes on."""

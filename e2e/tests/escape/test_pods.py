@@ -619,6 +619,39 @@ async def test_a_namespace_left_out_of_conversion_keeps_the_pod_limit(
     assert [t["metadata"]["name"] for t in templates] == []
 
 
+async def test_a_claim_swapped_under_a_pod_keeping_device_plugin_gpus_counts_them(
+    escape: Escape, kube: SyncKube
+) -> None:
+    """In a namespace left out of the conversion, the tenant makes claim x of another
+    driver's device (none of gpudra's) and a pod asking for nvidia.com/gpu: 1 that names
+    x, held by a scheduling gate: one device, within maxDevicesPerPod 1. It then deletes
+    x and creates it again as one whole GPU, which would give the pod two (one from the
+    device plugin, one claimed): refused, as the pod naming a one-GPU claim beside its
+    device-plugin GPU is at its own creation."""
+    ns, tenant = escape.ns, escape.tenant
+    await leave_out_of_conversion(escape, kube)
+    await create(tenant, gpu_claim(ns, "one"))
+    control = pod(ns, "control", {"nvidia.com/gpu": "1"}, {"c": {"resourceClaimName": "one"}})
+    assert "maxDevicesPerPod is 1, this pod asks for 2 devices" in await refused(tenant, control)
+
+    decoy = gpu_claim(ns, "x")
+    decoy["spec"]["devices"]["requests"][0]["exactly"]["deviceClassName"] = "nic.example.com"
+    await create(tenant, decoy)
+    held = pod(ns, "held", {"nvidia.com/gpu": "1"}, {"c": {"resourceClaimName": "x"}})
+    held["spec"]["schedulingGates"] = [{"name": "escape.gpudra.io/hold"}]
+    stored = await create(tenant, held)
+    # Left to the device plugin: the pod keeps its nvidia.com/gpu.
+    assert stored["spec"]["containers"][0]["resources"]["limits"] == {"nvidia.com/gpu": "1"}
+    assert [c["name"] for c in stored["spec"]["resourceClaims"]] == ["c"]
+
+    await tenant.request("DELETE", f"{RESOURCE}/namespaces/{ns}/resourceclaims/x")
+    message = await refused(tenant, gpu_claim(ns, "x"))
+    assert "maxDevicesPerPod is 1, and pod held uses this claim" in message
+    assert "would get 2 devices (nvidia.com/gpu in container cuda=1; claim c" in message
+    # Created again as it was, it is admitted: nothing stops a plain re-creation.
+    await create(tenant, decoy)
+
+
 async def test_a_time_shared_mig_device_left_to_the_device_plugin_is_not_exclusive(
     escape: Escape, kube: SyncKube
 ) -> None:
