@@ -253,7 +253,8 @@ class GpuTenantSpec(_Model):
         'of a request for the driver\'s devices), e.g. gpu.nvidia.com/xid; "*" allows '
         "any toleration, also one without a key (every taint). Unset or empty: none, so a "
         "tenant never gets a device that a health check or an admin's DeviceTaintRule took "
-        "out of service, nor stays on one that NoExecute drains.",
+        "out of service, nor stays on one that NoExecute drains. Keys only: a key allows "
+        "every value and effect of it, so give each tenant's taints a key of their own.",
     )
     gpu_resource: GpuResourceMapping | None = Field(
         default=None,
