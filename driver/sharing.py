@@ -32,7 +32,12 @@ The pipe folder is mounted writable into the claim's containers, so nothing in i
 is trusted at stop: the daemon is the process or pod `start_mps` returned (PID and
 start time, or pod name and UID, which the caller records), a control file that is not
 a FIFO or socket means no daemon listens, and a daemon that does not quit is signalled
-or its pod deleted, never another process or pod.
+or its pod deleted, never another process or pod. Nor does anything there decide
+whether `quit` is sent, and so whether the stop waits for the daemon to quit: it goes
+only to a control file the daemon holds itself, as the kernel shows it (its process's
+descriptors; for a pod, whose processes this agent does not see, the file noted at its
+start), never to one a container put there and reads (`NvidiaSharing._quit`); a
+daemon not asked is signalled, or its pod deleted, at once.
 
 Every call blocks (it runs a process) and is meant for a worker thread. Nothing here
 knows about claims beyond the names it is given, nor about Kubernetes (`DaemonPods`
@@ -46,7 +51,9 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import stat
+import struct
 import subprocess
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -57,6 +64,8 @@ from typing import Final, Protocol
 from gpudra.common.files import remove_tree
 from gpudra.driver.driverroot import DriverRoot
 from gpudra.driver.processes import ProcessIdentity
+from inotify_simple import INotify
+from inotify_simple import flags as iflags
 
 __all__ = [
     "MPS_CONTROL",
@@ -110,7 +119,25 @@ _ST_NOSYMFOLLOW: Final = 0x2000
 # two files there (control.log, server.log).
 _LOG_OPTIONS: Final = "rw,nosuid,nodev,noexec,size=16m,nr_inodes=64,mode=0755"
 _CONTROL_READER_TRIES: Final = 10
-"""Looks, 0.1 s apart, for a reader of the daemon's control FIFO before `quit`."""
+"""Looks, 0.1 s apart, for the daemon at its control file (holding it; for a FIFO,
+reading it) before `quit`: a daemon may be between two opens of a FIFO."""
+_PIPE_ENV: Final = "CUDA_MPS_PIPE_DIRECTORY"
+# sock_diag(7) for UNIX sockets: which socket (its inode in sockfs, the name the
+# socket's descriptors show in /proc/<pid>/fd) is bound to a file (dev, ino).
+_NETLINK_SOCK_DIAG: Final = 4
+_SOCK_DIAG_BY_FAMILY: Final = 20
+_NLMSG_ERROR: Final = 2
+_NLMSG_DONE: Final = 3
+_NLM_F_REQUEST_DUMP: Final = 0x1 | 0x300
+_UDIAG_SHOW_VFS: Final = 0x2
+_UNIX_DIAG_VFS: Final = 1
+_NLMSG_HEADER: Final = struct.Struct("=IHHII")
+_UNIX_DIAG_REQ: Final = struct.Struct("=BBHIIIII")
+_UNIX_DIAG_MSG: Final = struct.Struct("=BBBBIII")
+_RTATTR: Final = struct.Struct("=HH")
+_UNIX_DIAG_VFS_ATTR: Final = struct.Struct("=II")
+_KERNEL_MINOR_BITS: Final = 20
+"""A kernel dev_t (what sock_diag reports) is MAJOR << 20 | MINOR."""
 # Bits in /proc/self/status CapEff. Mount and unshare need CAP_SYS_ADMIN; removing a
 # folder's contents whoever made them, CAP_DAC_OVERRIDE (a folder without write
 # permission) and CAP_FOWNER (another user's file in a sticky folder).
@@ -318,6 +345,177 @@ def _opened_as(path: Path, kind: Callable[[int], bool], flags: int) -> int | Non
         os.close(handle)
 
 
+@dataclass(frozen=True, slots=True)
+class _ControlFile:
+    """The file at a pipe folder's `control` as it is now: a FIFO or a UNIX socket."""
+
+    dev: int
+    ino: int
+    is_socket: bool
+
+
+def _control_file(pipe_dir: Path) -> _ControlFile | None:
+    """The FIFO or socket at `pipe_dir/control` (a link is not followed, nothing is
+    opened), or None for anything else there, or nothing."""
+    try:
+        handle = os.open(pipe_dir / _CONTROL_PIPE, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        found = os.fstat(handle)
+    finally:
+        os.close(handle)
+    if not (stat.S_ISFIFO(found.st_mode) or stat.S_ISSOCK(found.st_mode)):
+        return None
+    return _ControlFile(found.st_dev, found.st_ino, stat.S_ISSOCK(found.st_mode))
+
+
+def _socket_bound_to(control: _ControlFile) -> int | None:
+    """The sockfs inode of the UNIX socket bound to the socket file `control`, among
+    the sockets of this process's network namespace (sock_diag, UNIX_DIAG_VFS), or None.
+
+    A socket file is not the socket: a process that listens on it holds a descriptor
+    of a socket whose own inode (`socket:[N]` in /proc/<pid>/fd) is another number.
+    The kernel reports the file each bound socket was bound to; that, not the path a
+    process names, says whose socket sits at the path. One dump request of our own:
+    the kept netlink library (pyroute2) marks its sock_diag call as work in progress,
+    its signature to change."""
+    try:
+        with socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, _NETLINK_SOCK_DIAG) as nl:
+            request = _UNIX_DIAG_REQ.pack(
+                socket.AF_UNIX, 0, 0, 0xFFFFFFFF, 0, _UDIAG_SHOW_VFS, 0, 0
+            )
+            header = _NLMSG_HEADER.pack(
+                _NLMSG_HEADER.size + len(request), _SOCK_DIAG_BY_FAMILY, _NLM_F_REQUEST_DUMP, 1, 0
+            )
+            nl.sendall(header + request)
+            while True:
+                data = nl.recv(1 << 16)
+                offset = 0
+                while offset + _NLMSG_HEADER.size <= len(data):
+                    length, kind = _NLMSG_HEADER.unpack_from(data, offset)[:2]
+                    if length < _NLMSG_HEADER.size or kind in (_NLMSG_DONE, _NLMSG_ERROR):
+                        return None
+                    found = _bound_socket(
+                        data[offset + _NLMSG_HEADER.size : offset + length], control
+                    )
+                    if found is not None:
+                        return found
+                    offset += (length + 3) & ~3
+                if not data:
+                    return None
+    except (OSError, struct.error):
+        return None
+
+
+def _bound_socket(message: bytes, control: _ControlFile) -> int | None:
+    """The socket's inode if one sock_diag answer is the socket bound to `control`."""
+    inode = _UNIX_DIAG_MSG.unpack_from(message)[4]
+    offset = _UNIX_DIAG_MSG.size
+    while offset + _RTATTR.size <= len(message):
+        length, kind = _RTATTR.unpack_from(message, offset)
+        if length < _RTATTR.size:
+            return None
+        if kind == _UNIX_DIAG_VFS and length >= _RTATTR.size + _UNIX_DIAG_VFS_ATTR.size:
+            vfs_ino, vfs_dev = _UNIX_DIAG_VFS_ATTR.unpack_from(message, offset + _RTATTR.size)
+            dev = os.makedev(
+                vfs_dev >> _KERNEL_MINOR_BITS, vfs_dev & ((1 << _KERNEL_MINOR_BITS) - 1)
+            )
+            # The kernel reports 32 bits of the file's inode number.
+            if dev == control.dev and vfs_ino == control.ino & 0xFFFFFFFF:
+                return int(inode)
+        offset += (length + 3) & ~3
+    return None
+
+
+def _holds(pid: int, control: _ControlFile) -> bool:
+    """Whether process `pid` holds a descriptor of `control` itself: the FIFO (its
+    device and inode), or the socket bound to the socket file. What /proc/<pid>/fd
+    shows is the kernel's, not anything the claim's containers write."""
+    try:
+        held_fds = list(Path(f"/proc/{pid}/fd").iterdir())
+    except OSError:
+        return False
+    socket_name = None
+    if control.is_socket:
+        inode = _socket_bound_to(control)
+        if inode is None:
+            return False
+        socket_name = f"socket:[{inode}]"
+    for fd in held_fds:
+        try:
+            if socket_name is not None:
+                if str(fd.readlink()) == socket_name:
+                    return True
+            else:
+                held = fd.stat()  # the file the descriptor is of: nothing is opened
+                if (held.st_dev, held.st_ino) == (control.dev, control.ino):
+                    return True
+        except OSError:
+            continue
+    return False
+
+
+def _in_this_pid_namespace(pid: int) -> bool:
+    """Whether process `pid` is in this process's PID namespace. A daemon this agent
+    started is; a process of a pod's container is not (pods get a PID namespace of
+    their own, and the agent's container sees no other pod's processes), but for a
+    pod run with `hostPID` while the agent runs in the host's PID namespace (a host
+    process agent: tests and demos, never the chart's)."""
+    try:
+        return Path(f"/proc/{pid}/ns/pid").readlink() == Path("/proc/self/ns/pid").readlink()
+    except OSError:
+        return False
+
+
+class _NewEntries:
+    """Whether an entry `name` was made in `folder` (created, linked, or moved or
+    exchanged there) while the watch was open: inotify(7), so what the kernel saw,
+    through any mount of the folder, the claim's containers' included.
+
+    NVIDIA's client opens the control pipe by its path, a moment after the agent
+    looked at what is there: the claim's containers could swap another file in
+    between, and swap it back after. Any such swap makes a new entry under that name,
+    which the watch reports (a lost event counts as one)."""
+
+    def __init__(self, folder: Path, name: str) -> None:
+        self._name = name
+        self._watch = INotify(nonblocking=True)
+        try:
+            self._watch.add_watch(folder, iflags.CREATE | iflags.MOVED_TO)
+        except BaseException:
+            self._watch.close()
+            raise
+
+    def close(self) -> None:
+        self._watch.close()
+
+    def made(self) -> bool:
+        """Whether an entry of that name was made since the watch was opened."""
+        return any(
+            e.mask & iflags.Q_OVERFLOW or e.name == self._name for e in self._watch.read(timeout=0)
+        )
+
+
+def _started_for(pid: int, daemon: MpsDaemon) -> ProcessIdentity | None:
+    """Process `pid` if it is a live process of this PID namespace started for the
+    daemon's very pipe folder (its environment says so), never this process or init.
+
+    A process of a pod's container does not pass, whatever its environment says
+    (`_in_this_pid_namespace`)."""
+    if pid in (1, os.getpid()):
+        return None
+    identity = ProcessIdentity.of(pid)
+    if identity is None or not _in_this_pid_namespace(pid):
+        return None
+    try:
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    wanted = f"{_PIPE_ENV}={daemon.pipe_dir}".encode()
+    return identity if wanted in environ and identity.alive() else None
+
+
 def _tail(text: str) -> str:
     text = " ".join(text.split())
     return text if len(text) <= _OUTPUT_TAIL else "..." + text[-_OUTPUT_TAIL:]
@@ -354,6 +552,9 @@ class NvidiaSharing:
         self._timeout_s = timeout_s
         self._ready_timeout_s = ready_timeout_s
         self._pods = pods
+        # The control file each daemon pod made, by daemon name, as this process saw it
+        # once the daemon listened, before any container of the claim could (`_quit_pod`).
+        self._pod_controls: dict[str, _ControlFile] = {}
         # A pod's image is normally on the node already (it is the agent's), but the
         # kubelet still sets up a sandbox: seconds, not the moment a fork takes.
         self._pod_ready_timeout_s = pod_ready_timeout_s
@@ -444,7 +645,7 @@ class NvidiaSharing:
     @staticmethod
     def _mps_env(daemon: MpsDaemon) -> dict[str, str]:
         return {
-            "CUDA_MPS_PIPE_DIRECTORY": str(daemon.pipe_dir),
+            _PIPE_ENV: str(daemon.pipe_dir),
             "CUDA_MPS_LOG_DIRECTORY": str(daemon.log_dir),
             "CUDA_VISIBLE_DEVICES": ",".join(daemon.device_uuids),
         }
@@ -539,9 +740,11 @@ class NvidiaSharing:
         self._run(argv, purpose, env=self._mps_env(daemon))
 
     @staticmethod
-    def _control_listens(daemon: MpsDaemon) -> bool:
-        """Whether the control file is one a daemon could listen on. The pipe folder
-        is the containers' to write: anything else there means no daemon answers."""
+    def _control_listens(daemon: MpsDaemon, tries: int = _CONTROL_READER_TRIES) -> bool:
+        """Whether the control file is one a daemon could listen on: a socket, or a
+        FIFO something reads. Whose it is, this does not say: it serves the start,
+        before any container has seen the folder, and `quit` once the daemon is known
+        to hold the file (`_quit`). Anything else there means no daemon answers."""
         control = daemon.pipe_dir / _CONTROL_PIPE
         try:
             mode = control.lstat().st_mode
@@ -551,15 +754,15 @@ class NvidiaSharing:
             return True
         if not stat.S_ISFIFO(mode):
             return False
-        # A FIFO the containers put there has no reader (they are gone by unprepare):
-        # writing `quit` to it would wait out the tool's whole timeout, holding a thread.
-        # A daemon may be between two opens of its FIFO: asked again for a second.
-        for attempt in range(_CONTROL_READER_TRIES):
+        # A FIFO nobody reads: writing `quit` to it would wait out the tool's whole
+        # timeout, holding a thread. A daemon may be between two opens of its FIFO:
+        # asked again, `tries` times 0.1 s apart.
+        for attempt in range(tries):
             fd = _opened_as(control, stat.S_ISFIFO, os.O_WRONLY)
             if fd is not None:
                 os.close(fd)
                 return True
-            if attempt + 1 < _CONTROL_READER_TRIES:  # ENXIO: nobody reads it now
+            if attempt + 1 < tries:  # ENXIO: nobody reads it now
                 time.sleep(0.1)
         return False
 
@@ -572,15 +775,23 @@ class NvidiaSharing:
         pid = _read_pid_file(daemon.pipe_dir / _PID_FILE)
         if pid is None:
             return None
-        identity = ProcessIdentity.of(pid)
-        if identity is None or pid in (1, os.getpid()):
-            return None
+        return _started_for(pid, daemon)
+
+    @staticmethod
+    def _find_daemon(daemon: MpsDaemon) -> ProcessIdentity | None:
+        """For a record that names no daemon process and a PID file that names none
+        (the claim's containers may remove or rewrite it): the process, among those of
+        this PID namespace, started for this very pipe folder. Only the kernel's view
+        of the processes decides, never a file of the pipe folder."""
         try:
-            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            pids = [int(entry.name) for entry in Path("/proc").iterdir() if entry.name.isdigit()]
         except OSError:
             return None
-        wanted = f"CUDA_MPS_PIPE_DIRECTORY={daemon.pipe_dir}".encode()
-        return identity if wanted in environ and identity.alive() else None
+        for pid in pids:
+            found = _started_for(pid, daemon)
+            if found is not None:
+                return found
+        return None
 
     def start_mps(self, daemon: MpsDaemon) -> ProcessIdentity | DaemonPod:
         gpus = ", ".join(daemon.device_uuids)
@@ -599,8 +810,8 @@ class NvidiaSharing:
             if isinstance(daemon.identity, ProcessIdentity) and daemon.identity.alive():
                 # Recorded by a first attempt but not adoptable (it no longer listens,
                 # or this agent runs daemons in pods): never two daemons for a claim.
-                self._quit(daemon, purpose)
-                self._end(daemon.identity, daemon, purpose)
+                asked = self._quit(daemon, daemon.identity, purpose)
+                self._end(daemon.identity, daemon, purpose, asked=asked)
             for stale in (_CONTROL_PIPE, _PID_FILE):
                 (daemon.pipe_dir / stale).unlink(missing_ok=True)
             try:
@@ -644,6 +855,7 @@ class NvidiaSharing:
             return None
         if isinstance(daemon.identity, DaemonPod):
             if self._pods is not None and self._pods.problem(daemon.identity) is None:
+                self._note_pod_control(daemon)
                 return daemon.identity
             return None
         if self._pods is not None:
@@ -678,7 +890,17 @@ class NvidiaSharing:
                     f"in {daemon.log_dir}"
                 )
             time.sleep(0.05)
+        self._note_pod_control(daemon)
         return pod
+
+    def _note_pod_control(self, daemon: MpsDaemon) -> None:
+        """Note the control file the daemon pod made, while no container of the claim
+        has seen its pipe folder (a start, or a retried one): the agent cannot see a
+        pod's processes, so this note is what tells the daemon's control file from one
+        a container swaps in later (`_quit_pod`)."""
+        control = _control_file(daemon.pipe_dir)
+        if control is not None:
+            self._pod_controls[daemon.name] = control
 
     def _wait_for_daemon(self, daemon: MpsDaemon, purpose: str) -> ProcessIdentity:
         """`-d` returns once the daemon forked; it listens a moment later."""
@@ -707,10 +929,12 @@ class NvidiaSharing:
     def stop_mps(self, daemon: MpsDaemon) -> None:
         """Ask the daemon to quit, then make sure it did, then remove its folders.
 
-        Only the recorded identity (or, for records without one, a PID file that
-        checks out) decides which process or pod is the daemon; what the claim's
-        containers can write (the control file, the PID file) never makes this
-        fail or wait without bound, nor signal another process.
+        Only the recorded identity (or, for records without one, a process of this
+        PID namespace started for this pipe folder) decides which process or pod is
+        the daemon, and only the kernel's view of that daemon decides whether `quit` is
+        sent (`_quit`, `_quit_pod`): what the claim's containers can write (the
+        control file, the PID file) never makes this fail or wait without bound, nor
+        signal another process, nor buys a container a longer wait.
         """
         purpose = f"stopping the MPS control daemon {daemon.name}"
         identity = daemon.identity
@@ -720,18 +944,27 @@ class NvidiaSharing:
                     f"{purpose}: it runs in pod {identity.name}, and this agent runs without "
                     "daemon pods; start it with --mps-daemon-pod-template as the chart does"
                 )
-            if self._quit(daemon, purpose):
+            if self._quit_pod(daemon, purpose):
                 self._wait_pod_ended(self._pods, identity)
             self._pods.remove(daemon.name, identity.uid, self._ready_timeout_s)
         else:
-            identity = identity or self._from_pid_file(daemon)
+            identity = identity or self._from_pid_file(daemon) or self._find_daemon(daemon)
             if identity is not None and identity.alive():
-                asked = self._quit(daemon, purpose)
+                asked = self._quit(daemon, identity, purpose)
                 self._end(identity, daemon, purpose, asked=asked)
-            elif identity is None and self._quit(daemon, purpose):
-                # A record of a release that kept no identity, its PID file gone (the
-                # containers may remove it): a daemon still read the control pipe.
-                self._wait_unread(daemon, purpose)
+            elif daemon.identity is None and _control_file(daemon.pipe_dir) is not None:
+                # A record of a release that kept no identity (or an orphaned folder),
+                # and no process of this namespace started for it: whatever listens
+                # at the control file, if anything, is nobody `quit` may be sent to (a
+                # container can put a FIFO of its own there and read it).
+                log.warning(
+                    "no MPS daemon process found for a claim's pipe folder, whose record "
+                    "names none; removing its files. A daemon an earlier release started "
+                    "outside this agent's processes may still run: find it with "
+                    f"`grep -l {_PIPE_ENV}={daemon.pipe_dir} /proc/*/environ` on the "
+                    "node and end it",
+                    extra={"fields": {"daemon": daemon.name, "pipeDir": str(daemon.pipe_dir)}},
+                )
             else:
                 log.info(
                     "MPS daemon not running; removing its files",
@@ -740,6 +973,7 @@ class NvidiaSharing:
             if self._pods is not None:
                 # Created by an attempt that crashed before it could record the pod.
                 self._pods.remove(daemon.name, None, self._ready_timeout_s)
+        self._pod_controls.pop(daemon.name, None)
         # A record of an older release may name one folder as both pipe and log
         # folder: the second removal then finds nothing to do.
         for folder in (daemon.pipe_dir, daemon.shm_dir, daemon.log_dir):
@@ -747,20 +981,111 @@ class NvidiaSharing:
                 self._remove_tmpfs(folder, purpose)
         log.info("MPS daemon stopped", extra={"fields": {"daemon": daemon.name}})
 
-    def _quit(self, daemon: MpsDaemon, purpose: str) -> bool:
-        """`quit` through the control pipe, if one listens; whether it was taken.
-        Bounded, and a daemon that does not take it is ended by its caller all the same.
+    def _quit(self, daemon: MpsDaemon, identity: ProcessIdentity, purpose: str) -> bool:
+        """`quit` through the control pipe, if it is the daemon's own; whether it was
+        taken. Bounded, and a daemon that does not take it is ended by its caller all
+        the same, by signal and at once.
 
-        The tool opens the control pipe by its path, as root and in this process's view
-        of the node, and the claim's containers may still run (a pod force-deleted, its
-        claim swept) and swap the pipe for a symbolic link between the look here and
-        the tool's open: it would write `quit` through the link, to any file or socket
-        the agent sees (the checkpoint, a CDI spec). So `quit` goes only through a pipe
-        folder that follows no symbolic links (a tmpfs mounted `nosymfollow`); a hard
-        link cannot leave that file system, nor a device node open (`nodev`). Otherwise
-        the daemon is ended by signal, as the pod's deletion ends a daemon pod."""
-        if not self._control_listens(daemon) or not _follows_no_links(daemon.pipe_dir):
+        The claim's containers may still run at unprepare (a pod force-deleted, its
+        claim swept) and write their pipe folder. Two things of theirs must not decide
+        what `quit` does:
+        - where it goes: NVIDIA's client opens the control pipe by its path, as root
+          and in this process's view of the node, so a symbolic link swapped in would
+          take `quit` to any file or socket the agent sees (the checkpoint, a CDI
+          spec). So `quit` goes only through a pipe folder that follows no symbolic
+          links (a tmpfs mounted `nosymfollow`); a hard link cannot leave that file
+          system, nor a device node open (`nodev`). Otherwise the daemon is ended by
+          signal, as the pod's deletion ends a daemon pod.
+        - how long the stop waits: a daemon asked to quit is given the ready timeout
+          to do so. A container that puts a FIFO (or socket) of its own at `control`
+          and reads it would take the `quit` and hold the stop for that long. So
+          `quit` is sent only to a control file the daemon process itself holds open
+          (/proc/<pid>/fd: the FIFO's device and inode, or the socket the kernel says
+          is bound to the socket file), and only if no entry named `control` was made
+          in the folder between that look and the client's end (`_NewEntries`): else
+          the file the client opened may not be the one looked at. A control file not
+          the daemon's is logged as a tampered pipe folder.
+        What stays open: a FIFO is not the daemon's alone. A container may open the
+        daemon's own FIFO and read it too, and take the `quit` written to it; NVIDIA's
+        current daemons listen on a UNIX socket instead, whose connections only the
+        process holding it accepts.
+        """
+        if not _follows_no_links(daemon.pipe_dir):
             return False
+        try:
+            watch = _NewEntries(daemon.pipe_dir, _CONTROL_PIPE)
+        except OSError as exc:
+            log.warning(
+                "cannot watch a claim's MPS pipe folder; its daemon is ended without quit",
+                extra={"fields": {"daemon": daemon.name, "error": str(exc)}},
+            )
+            return False
+        try:
+            if not self._daemon_listens(daemon, identity):
+                return False
+            if not self._send_quit(daemon, purpose):
+                return False
+            if watch.made():
+                self._tampered(daemon, "was replaced while quit was sent")
+                return False
+            return True
+        finally:
+            watch.close()
+
+    def _daemon_listens(self, daemon: MpsDaemon, identity: ProcessIdentity) -> bool:
+        """Whether the control file is one the daemon process itself listens on. The
+        daemon may be between two opens of a FIFO: looked at again for a second."""
+        control = None
+        for attempt in range(_CONTROL_READER_TRIES):
+            if not identity.alive():
+                return False
+            control = _control_file(daemon.pipe_dir)
+            if control is not None and _holds(identity.pid, control):
+                return control.is_socket or self._control_listens(daemon, tries=1)
+            if attempt + 1 < _CONTROL_READER_TRIES:
+                time.sleep(0.1)
+        if identity.alive():
+            self._tampered(
+                daemon,
+                "is gone or not a FIFO or socket" if control is None else "is not the daemon's own",
+            )
+        return False
+
+    def _quit_pod(self, daemon: MpsDaemon, purpose: str) -> bool:
+        """`quit` to a daemon pod, if the control file is the one its daemon made, as
+        noted at its start (`_note_pod_control`); whether it was taken. The agent sees
+        no process of a pod, so that note, never anything the claim's containers
+        write, says whose the file is. Without the note (the pod was started or
+        adopted by an earlier run of the agent) no `quit` is sent: the pod's deletion
+        ends the daemon, as the upstream driver ends its daemons. See `_quit` for the
+        link and the swap that could redirect `quit`, and for what a FIFO leaves open."""
+        noted = self._pod_controls.get(daemon.name)
+        if noted is None or not _follows_no_links(daemon.pipe_dir):
+            return False
+        try:
+            watch = _NewEntries(daemon.pipe_dir, _CONTROL_PIPE)
+        except OSError as exc:
+            log.warning(
+                "cannot watch a claim's MPS pipe folder; its daemon pod is deleted without quit",
+                extra={"fields": {"daemon": daemon.name, "error": str(exc)}},
+            )
+            return False
+        try:
+            if _control_file(daemon.pipe_dir) != noted:
+                self._tampered(daemon, "is not the one its daemon pod made")
+                return False
+            if not noted.is_socket and not self._control_listens(daemon):
+                return False
+            if not self._send_quit(daemon, purpose):
+                return False
+            if watch.made():
+                self._tampered(daemon, "was replaced while quit was sent")
+                return False
+            return True
+        finally:
+            watch.close()
+
+    def _send_quit(self, daemon: MpsDaemon, purpose: str) -> bool:
         try:
             self._control(daemon, "quit", purpose)
         except SharingError as exc:
@@ -771,19 +1096,15 @@ class NvidiaSharing:
             return False
         return True
 
-    def _wait_unread(self, daemon: MpsDaemon, purpose: str) -> None:
-        """Wait until nothing reads the control pipe of a daemon that took `quit` and
-        whose process is not known; its folders stay while one still does."""
-        deadline = time.monotonic() + self._ready_timeout_s
-        while self._control_listens(daemon):
-            if time.monotonic() >= deadline:
-                raise SharingError(
-                    f"{purpose}: a process still reads its control pipe "
-                    f"{daemon.pipe_dir / _CONTROL_PIPE} after quit, and its record (from an "
-                    "earlier release) names no process; end the nvidia-cuda-mps-control "
-                    "process using that pipe folder by hand, then the unprepare is retried"
-                )
-            time.sleep(0.1)
+    @staticmethod
+    def _tampered(daemon: MpsDaemon, what: str) -> None:
+        log.warning(
+            "tampered MPS pipe folder: its control file is not its daemon's; the daemon "
+            "is ended without quit",
+            extra={
+                "fields": {"claim": daemon.name, "pipeDir": str(daemon.pipe_dir), "control": what}
+            },
+        )
 
     def _wait_pod_ended(self, pods: DaemonPods, pod: DaemonPod) -> None:
         """Give a daemon that took `quit` the time to shut its server down and end
