@@ -354,7 +354,8 @@ class ClaimPreparer:
         # claim's containers left (up to the tools' timeouts), and many at once must not
         # take the threads every other claim's checkpoint writes and NVML calls need.
         # Starts and stops have a limiter each: a tenant's tampered pipe folders (a
-        # `control` FIFO nobody reads costs each stop about a second) then fill only
+        # `control` file that is not the daemon's, read or not, gets no `quit` and costs
+        # each stop about a second of looking for the daemon) then fill only
         # the stops' slots, and never make another claim's prepare wait for a start
         # slot. A rollback's stops (`_undo` of a record not completed) take start
         # slots: no container has seen those folders, and they are part of a prepare.
