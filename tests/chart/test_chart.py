@@ -1113,14 +1113,7 @@ def test_connection_bounds_reach_both_components(helm: Path) -> None:
     limit = container["resources"]["limits"]["memory"]
     assert limit.endswith("Mi")
     assert 60 + 64 + (0.4 + 0.06) * webhook.max_connections <= int(limit[:-2])
-    agent = parsed(default, "DaemonSet")
-    bounds = (
-        agent.metrics_max_connections,
-        agent.metrics_max_per_client,
-        agent.metrics_deadline,
-        agent.metrics_head_deadline,
-    )
-    assert bounds == (16, 4, 10.0, 2.0)
+    assert metrics_bounds(parsed(default, "DaemonSet")) == (16, 4, 10.0, 2.0)
     values = {
         "webhook": {"maxConnections": 4096, "maxBufferedBodyBytes": 256 * 2**20},
         "node": {
@@ -1134,14 +1127,19 @@ def test_connection_bounds_reach_both_components(helm: Path) -> None:
     webhook = parsed(raised, "Deployment")
     assert (webhook.max_connections, webhook.max_buffered_body_bytes) == (4096, 256 * 2**20)
     agent = parsed(raised, "DaemonSet")
-    bounds = (
+    assert metrics_bounds(agent) == (64, 16, 2.5, 0.5)
+    _metrics_address(agent)  # the agent takes what the chart renders
+
+
+def metrics_bounds(agent: Any) -> tuple[int, int, float, float]:
+    """The agent's metrics endpoint bounds as its parsed flags give them: connections,
+    per client, deadline, head deadline."""
+    return (
         agent.metrics_max_connections,
         agent.metrics_max_per_client,
         agent.metrics_deadline,
         agent.metrics_head_deadline,
     )
-    assert bounds == (64, 16, 2.5, 0.5)
-    _metrics_address(agent)  # the agent takes what the chart renders
 
 
 def webhook_policy(objects: list[dict[str, Any]]) -> tuple[list[str], ConversionPolicy]:

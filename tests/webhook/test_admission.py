@@ -662,6 +662,19 @@ async def test_a_claim_created_again_bigger_is_counted_with_the_pods_that_use_it
     ).result == "allowed"
 
 
+async def denied_under_admitted_pod(
+    admission: Admission, claims: Claims, pod: dict[str, Any]
+) -> str:
+    """Admit `pod` unpatched (it keeps its legacy resource), let it wait, then create
+    its claim x again with one GPU: the denial's message."""
+    decision = await admission.mutate_pod(review(POD, pod))
+    assert (decision.result, decision.response.get("patch")) == ("allowed", None)
+    claims.live_pods = [pod]
+    decision = await admission.validate_claim(review(CLAIM, claim_object("x", 1)))
+    assert decision.result == "denied"
+    return str(decision.response["status"]["message"])
+
+
 async def test_a_claim_created_again_counts_the_device_plugin_resources_of_its_pods() -> None:
     """A namespace left out of the conversion, limit 1: the pod keeps nvidia.com/gpu: 1
     and names claim x, which asks for none of the driver's devices, so it is admitted.
@@ -678,13 +691,7 @@ async def test_a_claim_created_again_counts_the_device_plugin_resources_of_its_p
         conversion_selector=UNMOVED,
     )
     waiting = claim_pod(1, {"name": "a", "resourceClaimName": "x"})
-    decision = await admission.mutate_pod(review(POD, waiting))
-    assert (decision.result, decision.response.get("patch")) == ("allowed", None)
-    claims.live_pods = [waiting]
-
-    decision = await admission.validate_claim(review(CLAIM, claim_object("x", 1)))
-    assert decision.result == "denied"
-    message = decision.response["status"]["message"]
+    message = await denied_under_admitted_pod(admission, claims, waiting)
     assert "maxDevicesPerPod is 1, and pod p uses this claim" in message
     assert (
         "would get 2 devices (nvidia.com/gpu in container c=1; "
@@ -706,12 +713,7 @@ async def test_native_resources_are_counted_once_when_a_claim_is_created() -> No
     )
     pod = claim_pod(1, {"name": "a", "resourceClaimName": "x"})
     pod["metadata"]["uid"] = "pod-uid"
-    decision = await admission.mutate_pod(review(POD, pod))
-    assert (decision.result, decision.response.get("patch")) == ("allowed", None)
-    claims.live_pods = [pod]
-    decision = await admission.validate_claim(review(CLAIM, claim_object("x", 1)))
-    assert decision.result == "denied"
-    message = decision.response["status"]["message"]
+    message = await denied_under_admitted_pod(admission, claims, pod)
     assert "nvidia.com/gpu in container c=1; claim a (ResourceClaim x (new)): 1" in message
 
     # The scheduler's claim for the pod's nvidia.com/gpu: one GPU, the pod's one.
