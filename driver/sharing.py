@@ -1010,20 +1010,38 @@ class NvidiaSharing:
         current daemons listen on a UNIX socket instead, whose connections only the
         process holding it accepts.
         """
+        return self._quit_if_own(
+            daemon,
+            purpose,
+            lambda: self._daemon_listens(daemon, identity),
+            unwatched="cannot watch a claim's MPS pipe folder; its daemon is ended without quit",
+        )
+
+    def _quit_if_own(
+        self,
+        daemon: MpsDaemon,
+        purpose: str,
+        own: Callable[[], bool],
+        *,
+        unwatched: str,
+    ) -> bool:
+        """`quit` through the control pipe if `own()`, looking while the pipe folder is
+        watched, says the control file is the daemon's; whether it was taken. A daemon
+        process (`_quit`) and a daemon pod (`_quit_pod`) differ only in how they know
+        their daemon's file; what keeps a link or a swap from redirecting `quit` (see
+        `_quit`) is the same for both: the folder follows no links, and an entry named
+        `control` made between `own()`'s look and the client's end means the `quit`
+        may have gone elsewhere, so it is not taken as the daemon's. `unwatched` is the
+        warning logged when the folder cannot be watched."""
         if not _follows_no_links(daemon.pipe_dir):
             return False
         try:
             watch = _NewEntries(daemon.pipe_dir, _CONTROL_PIPE)
         except OSError as exc:
-            log.warning(
-                "cannot watch a claim's MPS pipe folder; its daemon is ended without quit",
-                extra={"fields": {"daemon": daemon.name, "error": str(exc)}},
-            )
+            log.warning(unwatched, extra={"fields": {"daemon": daemon.name, "error": str(exc)}})
             return False
         try:
-            if not self._daemon_listens(daemon, identity):
-                return False
-            if not self._send_quit(daemon, purpose):
+            if not own() or not self._send_quit(daemon, purpose):
                 return False
             if watch.made():
                 self._tampered(daemon, "was replaced while quit was sent")
@@ -1060,30 +1078,24 @@ class NvidiaSharing:
         ends the daemon, as the upstream driver ends its daemons. See `_quit` for the
         link and the swap that could redirect `quit`, and for what a FIFO leaves open."""
         noted = self._pod_controls.get(daemon.name)
-        if noted is None or not _follows_no_links(daemon.pipe_dir):
+        if noted is None:
             return False
-        try:
-            watch = _NewEntries(daemon.pipe_dir, _CONTROL_PIPE)
-        except OSError as exc:
-            log.warning(
-                "cannot watch a claim's MPS pipe folder; its daemon pod is deleted without quit",
-                extra={"fields": {"daemon": daemon.name, "error": str(exc)}},
-            )
+        return self._quit_if_own(
+            daemon,
+            purpose,
+            lambda: self._pod_listens(daemon, noted),
+            unwatched=(
+                "cannot watch a claim's MPS pipe folder; its daemon pod is deleted without quit"
+            ),
+        )
+
+    def _pod_listens(self, daemon: MpsDaemon, noted: _ControlFile) -> bool:
+        """Whether the control file is the one the daemon pod made (`noted`) and it
+        listens on it."""
+        if _control_file(daemon.pipe_dir) != noted:
+            self._tampered(daemon, "is not the one its daemon pod made")
             return False
-        try:
-            if _control_file(daemon.pipe_dir) != noted:
-                self._tampered(daemon, "is not the one its daemon pod made")
-                return False
-            if not noted.is_socket and not self._control_listens(daemon):
-                return False
-            if not self._send_quit(daemon, purpose):
-                return False
-            if watch.made():
-                self._tampered(daemon, "was replaced while quit was sent")
-                return False
-            return True
-        finally:
-            watch.close()
+        return noted.is_socket or self._control_listens(daemon)
 
     def _send_quit(self, daemon: MpsDaemon, purpose: str) -> bool:
         try:

@@ -348,6 +348,37 @@ def _daemon_in(base: Path, identity: ProcessIdentity | None = None) -> MpsDaemon
     )
 
 
+def _mps_control_tool(folder: Path, script: str) -> Path:
+    """`script` as the `nvidia-cuda-mps-control` under `folder`/bin: NVIDIA's client
+    (and daemon) acting as a test needs them to."""
+    tool = folder / "bin" / "nvidia-cuda-mps-control"
+    tool.parent.mkdir()
+    tool.write_text(script)
+    tool.chmod(0o755)
+    return tool
+
+
+def _ended(identity: ProcessIdentity) -> None:
+    """Kill a daemon a test's stop left running, so that no failure leaks a process."""
+    if identity.alive():
+        identity.signal(signal.SIGKILL)
+        identity.wait_gone(5.0)
+
+
+@contextlib.contextmanager
+def _running_daemon(
+    backend: NvidiaSharing, daemon: MpsDaemon
+) -> Iterator[tuple[MpsDaemon, ProcessIdentity]]:
+    """`daemon` started by `backend`, as its record names it (with its identity),
+    and that identity; killed on the way out if still running."""
+    identity = backend.start_mps(daemon)
+    assert isinstance(identity, ProcessIdentity)
+    try:
+        yield dataclasses.replace(daemon, identity=identity), identity
+    finally:
+        _ended(identity)
+
+
 class StandInTools(NvidiaSharing):
     """The sharing backend running the stand-in nvidia-smi and MPS control tools."""
 
@@ -2445,6 +2476,18 @@ def _recorded_daemon(node: Node, uid: str, checkpoint: Path | None = None) -> Pr
     return mps.daemon
 
 
+def _as_an_older_release_recorded(node: Node, uid: str) -> None:
+    """The claim's record as a release from before the daemon's identity was kept
+    wrote it, and the daemon's PID file (which the claim's containers may remove)
+    gone: only the pipe folder is left to find the daemon by."""
+    doc = checkpoint_document(node.checkpoint)
+    for device in doc["claims"][uid]["devices"]:
+        for key in ("daemonPid", "daemonStartTime"):
+            device["details"]["mps"].pop(key, None)
+    _rewrite_checkpoint(node.checkpoint, doc)
+    (_mps_base(node, uid) / "pipe" / "nvidia-cuda-mps-control.pid").unlink()
+
+
 async def _unmount_claim_folders(base: Path) -> None:
     """Unmount the tmpfs of a claim's MPS folders under `base`, where there are any."""
     for folder in ("shm", "pipe", "log"):
@@ -3071,24 +3114,13 @@ def test_a_link_a_container_swaps_in_for_the_control_pipe_never_takes_the_quit(
         monkeypatch.setattr(sharing_module, "may_mount", lambda: False)
     victim = tmp_path / "checkpoint.json"
     victim.write_text("{}\n")
-    client = tmp_path / "bin" / "nvidia-cuda-mps-control"
-    client.parent.mkdir()
-    client.write_text(_RACING_CLIENT)
-    client.chmod(0o755)
     backend = NvidiaSharing(
-        mps_control=client,
+        mps_control=_mps_control_tool(tmp_path, _RACING_CLIENT),
         env={"STANDIN": str(FAKEBIN / "nvidia-cuda-mps-control"), "VICTIM": str(victim)},
         ready_timeout_s=5.0,
     )
-    daemon = _daemon_in(tmp_path / "claim")
-    identity = backend.start_mps(daemon)
-    assert isinstance(identity, ProcessIdentity)
-    try:
-        backend.stop_mps(dataclasses.replace(daemon, identity=identity))
-    finally:
-        if identity.alive():
-            identity.signal(signal.SIGKILL)
-            identity.wait_gone(5.0)
+    with _running_daemon(backend, _daemon_in(tmp_path / "claim")) as (daemon, identity):
+        backend.stop_mps(daemon)
     assert victim.read_text() == "{}\n"
     assert not identity.alive()
     assert not daemon.pipe_dir.exists()
@@ -3830,13 +3862,7 @@ async def test_an_mps_daemon_an_older_release_recorded_stops_without_its_pid_fil
     assert (await node_preparer(node, h100()).prepare([claim]))[claim.uid].error is None
     daemon = _recorded_daemon(node, claim.uid)
     try:
-        doc = checkpoint_document(node.checkpoint)
-        for device in doc["claims"][claim.uid]["devices"]:
-            for key in ("daemonPid", "daemonStartTime"):
-                device["details"]["mps"].pop(key, None)
-        _rewrite_checkpoint(node.checkpoint, doc)
-        (_mps_base(node, claim.uid) / "pipe" / "nvidia-cuda-mps-control.pid").unlink()
-
+        _as_an_older_release_recorded(node, claim.uid)
         upgraded = node_preparer(node, h100())
         assert (await upgraded.recover()).errors == ()
         assert await upgraded.unprepare([claim.ref]) == {claim.uid: None}

@@ -13,7 +13,6 @@ and the preparer, by the test process standing in for the tenant's container.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import os
 import shutil
@@ -27,12 +26,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from gpudra.driver.checkpoint import document as checkpoint_document
 from gpudra.driver.checkpoint import load as load_checkpoint
 from gpudra.driver.nvml.standin import FAKEBIN, TOOLS_LOG_ENV
 from gpudra.driver.prepare import MPS_THREADS
 from gpudra.driver.processes import ProcessIdentity
-from gpudra.driver.sharing import DaemonPod, MpsDaemon, NvidiaSharing, may_mount
+from gpudra.driver.sharing import DaemonPod, NvidiaSharing, may_mount
 
 from tests.driver.test_mps_pods import ProcessPods, calls
 from tests.driver.test_mps_pods import daemon as pod_daemon
@@ -40,10 +38,14 @@ from tests.driver.test_mps_pods import sharing as pod_sharing
 from tests.driver.test_prepare import (
     _MPS_CLAIM,
     Node,
+    _as_an_older_release_recorded,
+    _daemon_in,
+    _ended,
     _fixture_claim,
     _mps_base,
+    _mps_control_tool,
     _recorded_daemon,
-    _rewrite_checkpoint,
+    _running_daemon,
     discover,
     h100,
     node,
@@ -66,12 +68,6 @@ def tools_log(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     log = tmp_path / "tools.log"
     monkeypatch.setenv(TOOLS_LOG_ENV, str(log))
     return log
-
-
-def _daemon(base: Path, identity: ProcessIdentity | DaemonPod | None = None) -> MpsDaemon:
-    return MpsDaemon(
-        base.name, base / "pipe", base / "log", (), shm_dir=base / "shm", identity=identity
-    )
 
 
 def _backend(tools_log: Path, mps_control: Path | None = None, **env: str) -> NvidiaSharing:
@@ -127,12 +123,6 @@ class FifoReader:
         return self.got
 
 
-def _ended(identity: ProcessIdentity) -> None:
-    if identity.alive():
-        identity.signal(signal.SIGKILL)
-        identity.wait_gone(5.0)
-
-
 # --- a recorded daemon process --------------------------------------------------------
 
 
@@ -144,15 +134,12 @@ def test_a_fifo_a_tenant_swaps_in_and_reads_never_gets_the_quit(
     daemon is signalled at once, rather than given the ready timeout to quit."""
     caplog.set_level(logging.INFO, SHARING_LOG)
     backend = _backend(tools_log)
-    daemon = _daemon(tmp_path / "claim-a")
-    identity = backend.start_mps(daemon)
-    assert isinstance(identity, ProcessIdentity)
-    tenant = FifoReader(daemon.pipe_dir)
-    try:
-        backend.stop_mps(dataclasses.replace(daemon, identity=identity))
-    finally:
-        got = tenant.close()
-        _ended(identity)
+    with _running_daemon(backend, _daemon_in(tmp_path / "claim-a")) as (daemon, identity):
+        tenant = FifoReader(daemon.pipe_dir)
+        try:
+            backend.stop_mps(daemon)
+        finally:
+            got = tenant.close()
     assert got == b""
     assert _quits(tools_log) == []
     assert not identity.alive()
@@ -165,7 +152,7 @@ def test_the_daemons_own_fifo_still_gets_the_quit(
 ) -> None:
     """Nothing tampered: the daemon holds the FIFO at `control`, takes `quit` and
     exits by itself (the stand-in removes its PID file only then)."""
-    daemon = _daemon(tmp_path / "claim-a")
+    daemon = _daemon_in(tmp_path / "claim-a")
     pid_file = daemon.pipe_dir / "nvidia-cuda-mps-control.pid"
     removed = threading.Event()
 
@@ -180,12 +167,8 @@ def test_the_daemons_own_fifo_still_gets_the_quit(
         env={TOOLS_LOG_ENV: str(tools_log)},
         ready_timeout_s=10.0,
     )
-    identity = backend.start_mps(daemon)
-    assert isinstance(identity, ProcessIdentity)
-    try:
-        backend.stop_mps(dataclasses.replace(daemon, identity=identity))
-    finally:
-        _ended(identity)
+    with _running_daemon(backend, daemon) as (recorded, _):
+        backend.stop_mps(recorded)
     assert _quits(tools_log) == ["mps-control quit"]
     assert removed.is_set()
     assert _tampered(caplog) == []
@@ -218,24 +201,17 @@ def test_a_fifo_swapped_in_while_quit_is_sent_buys_no_wait(
     FIFO. The agent sees a new `control` made meanwhile, so it does not take the
     `quit` as the daemon's, and signals the daemon without waiting for it to quit."""
     caplog.set_level(logging.INFO, SHARING_LOG)
-    client = tmp_path / "bin" / "nvidia-cuda-mps-control"
-    client.parent.mkdir()
-    client.write_text(_RACING_CLIENT)
-    client.chmod(0o755)
     reader_pid = tmp_path / "reader.pid"
     backend = _backend(
         tools_log,
-        client,
+        _mps_control_tool(tmp_path, _RACING_CLIENT),
         STANDIN=str(FAKEBIN / "nvidia-cuda-mps-control"),
         READER_PID=str(reader_pid),
     )
-    daemon = _daemon(tmp_path / "claim-a")
-    identity = backend.start_mps(daemon)
-    assert isinstance(identity, ProcessIdentity)
     try:
-        backend.stop_mps(dataclasses.replace(daemon, identity=identity))
+        with _running_daemon(backend, _daemon_in(tmp_path / "claim-a")) as (daemon, identity):
+            backend.stop_mps(daemon)
     finally:
-        _ended(identity)
         if reader_pid.exists():
             with contextlib.suppress(ProcessLookupError):
                 os.kill(int(reader_pid.read_text()), signal.SIGKILL)
@@ -318,11 +294,7 @@ for line in sys.stdin:
 
 @pytest.fixture
 def socket_tool(tmp_path: Path) -> Path:
-    tool = tmp_path / "bin" / "nvidia-cuda-mps-control"
-    tool.parent.mkdir()
-    tool.write_text(_SOCKET_TOOL.format(python=sys.executable))
-    tool.chmod(0o755)
-    return tool
+    return _mps_control_tool(tmp_path, _SOCKET_TOOL.format(python=sys.executable))
 
 
 def test_a_socket_daemon_gets_the_quit_and_a_socket_a_tenant_swaps_in_does_not(
@@ -334,31 +306,22 @@ def test_a_socket_daemon_gets_the_quit_and_a_socket_a_tenant_swaps_in_does_not(
     caplog.set_level(logging.INFO, SHARING_LOG)
     taken = tmp_path / "taken"
     backend = _backend(tools_log, socket_tool, TAKEN=str(taken))
-    own = _daemon(tmp_path / "claim-a")
-    first = backend.start_mps(own)
-    assert isinstance(first, ProcessIdentity)
-    try:
-        backend.stop_mps(dataclasses.replace(own, identity=first))
-    finally:
-        _ended(first)
+    with _running_daemon(backend, _daemon_in(tmp_path / "claim-a")) as (own, _):
+        backend.stop_mps(own)
     assert taken.read_text() == "quit\n"  # the daemon took it and quit by itself
 
     taken.unlink()
-    swapped = _daemon(tmp_path / "claim-b")
-    second = backend.start_mps(swapped)
-    assert isinstance(second, ProcessIdentity)
-    tenant = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
+    with (
+        _running_daemon(backend, _daemon_in(tmp_path / "claim-b")) as (swapped, second),
+        socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as tenant,
+    ):
         (swapped.pipe_dir / "control").unlink()
         tenant.bind(str(swapped.pipe_dir / "control"))
         tenant.listen()
         tenant.setblocking(False)
-        backend.stop_mps(dataclasses.replace(swapped, identity=second))
+        backend.stop_mps(swapped)
         with pytest.raises(BlockingIOError):
             tenant.accept()  # no connection came
-    finally:
-        tenant.close()
-        _ended(second)
     assert not taken.exists()
     assert not second.alive()
     assert [f["claim"] for f in _tampered(caplog)] == ["claim-b"]
@@ -446,7 +409,7 @@ def test_without_a_recorded_daemon_a_tenants_reader_neither_gets_quit_nor_keeps_
     and how to find one, without calling the reader the daemon."""
     caplog.set_level(logging.INFO, SHARING_LOG)
     backend = _backend(tools_log)
-    daemon = _daemon(tmp_path / "claim-a")
+    daemon = _daemon_in(tmp_path / "claim-a")
     identity = backend.start_mps(daemon)
     assert isinstance(identity, ProcessIdentity)
     _ended(identity)
@@ -480,12 +443,7 @@ async def test_an_older_releases_record_is_unprepared_while_a_tenant_reads_its_c
     daemon = _recorded_daemon(node, claim.uid)
     pipe = _mps_base(node, claim.uid) / "pipe"
     try:
-        doc = checkpoint_document(node.checkpoint)
-        for device in doc["claims"][claim.uid]["devices"]:
-            for key in ("daemonPid", "daemonStartTime"):
-                device["details"]["mps"].pop(key, None)
-        _rewrite_checkpoint(node.checkpoint, doc)
-        (pipe / "nvidia-cuda-mps-control.pid").unlink()
+        _as_an_older_release_recorded(node, claim.uid)
         with _reader_in_a_pod(pipe):
             upgraded = node_preparer(node, h100())
             assert (await upgraded.recover()).errors == ()

@@ -18,6 +18,7 @@ from gpudra.driver.devices import discover
 from gpudra.driver.gpuresets import GpuResets, PendingReset
 from gpudra.driver.health import HealthPolicy, HealthState, NvmlHealthWatcher
 from gpudra.driver.nvml.emulator import NvmlEmulator
+from gpudra.driver.timedtaints import TimedTaints
 
 from tests.nvml.emulated import emulated
 
@@ -39,9 +40,14 @@ def boot_id(tmp_path: Path, value: str = BOOT) -> Path:
 
 @asynccontextmanager
 async def watching(
-    nvml: NvmlEmulator, state: HealthState, resets: GpuResets
+    nvml: NvmlEmulator,
+    state: HealthState,
+    resets: GpuResets | None = None,
+    timed: TimedTaints | None = None,
 ) -> AsyncIterator[None]:
-    watcher = NvmlHealthWatcher(nvml, state, wait_timeout_ms=20, resets=resets)
+    """The health watcher running, writing what waits for a reset to `resets` and what
+    waits for quiet time to `timed`."""
+    watcher = NvmlHealthWatcher(nvml, state, wait_timeout_ms=20, resets=resets, timed=timed)
     async with anyio.create_task_group() as tg:
         await tg.start(watcher.run)
         yield

@@ -5,14 +5,10 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import AsyncIterator, Mapping
-from contextlib import asynccontextmanager
-from dataclasses import dataclass
-from datetime import UTC, datetime
+from collections.abc import Mapping
 from pathlib import Path
 from typing import cast
 
-import anyio
 import pytest
 from gpudra.common.kube import Kube
 from gpudra.driver.agent import AgentConfig, NodeAgent
@@ -23,7 +19,6 @@ from gpudra.driver.health import (
     GpuRecoveredEvent,
     HealthPolicy,
     HealthState,
-    NvmlHealthWatcher,
     TaintEffect,
     UnmonitoredEvent,
     XidEvent,
@@ -32,6 +27,9 @@ from gpudra.driver.nvml.emulator import NvmlEmulator
 from gpudra.driver.timedtaints import TimedTaint, TimedTaints
 
 from tests.nvml.emulated import emulated
+from tests.nvml.test_gpu_resets import until, watching
+from tests.nvml.test_health import FakeClock
+from tests.nvml.test_health import wall as raised_at
 
 pytestmark = pytest.mark.anyio
 
@@ -45,20 +43,6 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
-@dataclass
-class FakeClock:
-    """The monotonic clock: one for both runs of the agent, as the kernel's is."""
-
-    now: float = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def raised_at() -> datetime:
-    return datetime(2026, 11, 1, 12, 0, tzinfo=UTC)
-
-
 def boot_id(tmp_path: Path, value: str = BOOT) -> Path:
     path = tmp_path / f"boot_id-{value}"
     path.write_text(value + "\n")
@@ -69,30 +53,41 @@ def policy() -> HealthPolicy:
     return HealthPolicy(recovery_after_s=RECOVERY_S)
 
 
-async def restart(nvml: NvmlEmulator, state_dir: Path, clock: FakeClock, boot: Path) -> HealthState:
-    """The agent started again: its first scan raises what the state folder kept."""
-    config = AgentConfig(node_name="n1", health=policy(), state_dir=state_dir, boot_id_path=boot)
+@pytest.fixture
+def l4() -> NvmlEmulator:
+    """A node with one L4 GPU, gpu-0."""
+    return emulated("l4")
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    """The monotonic clock: one for both runs of the agent, as the kernel's is."""
+    return FakeClock()
+
+
+def keep(tmp_path: Path, gpus: Mapping[str, tuple[TimedTaint, ...]], boot: str = BOOT) -> None:
+    """What an earlier run of the agent, in boot `boot`, kept in the state folder."""
+    TimedTaints(tmp_path / "state", boot_id_path=boot_id(tmp_path, boot)).save(gpus)
+
+
+def xid_94(quiet_since: float) -> tuple[TimedTaint, ...]:
+    """gpu-0's kept taint for XID 94 (contained ECC error), quiet since `quiet_since`."""
+    return (TimedTaint("gpu-0", 94, "NoSchedule", raised_at(), quiet_since),)
+
+
+async def restart(nvml: NvmlEmulator, tmp_path: Path, clock: FakeClock) -> HealthState:
+    """The agent started again in this boot, on the same monotonic clock (the kernel's):
+    its first scan raises what the state folder kept."""
+    config = AgentConfig(
+        node_name="n1",
+        health=policy(),
+        state_dir=tmp_path / "state",
+        boot_id_path=boot_id(tmp_path),
+    )
     agent = NodeAgent(config, cast(Kube, object()), nvml, clock=clock)
     await agent.scan()
     assert agent.health is not None
     return agent.health
-
-
-@asynccontextmanager
-async def watching(
-    nvml: NvmlEmulator, state: HealthState, timed: TimedTaints
-) -> AsyncIterator[None]:
-    watcher = NvmlHealthWatcher(nvml, state, wait_timeout_ms=20, timed=timed)
-    async with anyio.create_task_group() as tg:
-        await tg.start(watcher.run)
-        yield
-        tg.cancel_scope.cancel()
-
-
-async def until(condition: object) -> None:
-    with anyio.fail_after(10):  # a hang guard, not a timing assertion
-        while not callable(condition) or not condition():
-            await anyio.sleep(0.01)
 
 
 def on_disk(timed: TimedTaints) -> Mapping[str, object]:
@@ -111,17 +106,17 @@ def taints(state: HealthState, device: str) -> set[tuple[str, str | None, TaintE
     return {(t.key, t.value, t.effect) for t in state.report().taints(device)}
 
 
-async def test_a_restart_keeps_a_timed_taint_until_its_original_time(tmp_path: Path) -> None:
+async def test_a_restart_keeps_a_timed_taint_until_its_original_time(
+    tmp_path: Path, clock: FakeClock
+) -> None:
     """XID 94 (contained ECC error) waits for quiet time, not a reset: before, an agent
     restart put the device back in service at once."""
     nvml = emulated("h100-80gb-hbm3-x8")
     inventory = discover(nvml)
     uuid = inventory.gpus[3].uuid
-    clock = FakeClock()
-    state_dir = tmp_path / "state"
-    timed = TimedTaints(state_dir, boot_id_path=boot_id(tmp_path))
+    timed = TimedTaints(tmp_path / "state", boot_id_path=boot_id(tmp_path))
     state = HealthState(inventory, policy(), clock=clock, wall_clock=raised_at)
-    async with watching(nvml, state, timed):
+    async with watching(nvml, state, timed=timed):
         nvml.inject_xid(3, 94)
         await until(lambda: uuid in on_disk(timed))
     assert on_disk(timed) == {
@@ -138,7 +133,7 @@ async def test_a_restart_keeps_a_timed_taint_until_its_original_time(tmp_path: P
     assert json.loads(timed.path.read_text())["bootId"] == BOOT
 
     clock.now += 40  # the agent was down for 40 s
-    again = await restart(nvml, state_dir, clock, boot_id(tmp_path))
+    again = await restart(nvml, tmp_path, clock)
     (taint,) = again.report().taints("gpu-3")
     assert (taint.key, taint.value, taint.effect) == (XID_KEY, "94", TaintEffect.NO_SCHEDULE)
     assert taint.time_added == raised_at()  # the original time, not the restart's
@@ -152,53 +147,43 @@ async def test_a_restart_keeps_a_timed_taint_until_its_original_time(tmp_path: P
     assert again.report().devices["gpu-3"].healthy
 
 
-async def test_a_repeated_error_moves_the_kept_quiet_time(tmp_path: Path) -> None:
-    nvml = emulated("l4")
-    uuid = discover(nvml).gpus[0].uuid
-    clock = FakeClock()
+async def test_a_repeated_error_moves_the_kept_quiet_time(
+    tmp_path: Path, l4: NvmlEmulator, clock: FakeClock
+) -> None:
+    uuid = discover(l4).gpus[0].uuid
     timed = TimedTaints(tmp_path / "state", boot_id_path=boot_id(tmp_path))
-    state = HealthState(discover(nvml), policy(), clock=clock, wall_clock=raised_at)
-    async with watching(nvml, state, timed):
-        nvml.inject_xid(0, 94)
+    state = HealthState(discover(l4), policy(), clock=clock, wall_clock=raised_at)
+    async with watching(l4, state, timed=timed):
+        l4.inject_xid(0, 94)
         await until(lambda: uuid in on_disk(timed))
         clock.now += 30
-        nvml.inject_xid(0, 94)  # same taint: no new generation, but a later quiet time
+        l4.inject_xid(0, 94)  # same taint: no new generation, but a later quiet time
         await until(lambda: first(timed, uuid)["quietSince"] == 1030.0)
     clock.now += 40  # 70 s after the first XID, 40 s after the second
-    again = await restart(nvml, tmp_path / "state", clock, boot_id(tmp_path))
+    again = await restart(l4, tmp_path, clock)
     assert taints(again, "gpu-0") == {(XID_KEY, "94", TaintEffect.NO_SCHEDULE)}
 
 
 async def test_a_taint_whose_time_ran_out_while_the_agent_was_down_is_not_raised(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, l4: NvmlEmulator, clock: FakeClock, caplog: pytest.LogCaptureFixture
 ) -> None:
-    nvml = emulated("l4")
-    uuid = discover(nvml).gpus[0].uuid
-    clock = FakeClock()
-    state_dir = tmp_path / "state"
-    TimedTaints(state_dir, boot_id_path=boot_id(tmp_path)).save(
-        {uuid: (TimedTaint("gpu-0", 94, "NoSchedule", raised_at(), clock.now),)}
-    )
+    uuid = discover(l4).gpus[0].uuid
+    keep(tmp_path, {uuid: xid_94(clock.now)})
     clock.now += RECOVERY_S
     with caplog.at_level(logging.INFO, logger="gpudra.driver.health"):
-        again = await restart(nvml, state_dir, clock, boot_id(tmp_path))
+        again = await restart(l4, tmp_path, clock)
     assert again.report().taints("gpu-0") == ()
     assert again.report().devices["gpu-0"].healthy
     assert "quiet time ran out while the agent was down" in caplog.text
 
 
 async def test_a_new_boot_drops_the_timed_taints(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, l4: NvmlEmulator, clock: FakeClock, caplog: pytest.LogCaptureFixture
 ) -> None:
-    nvml = emulated("l4")
-    uuid = discover(nvml).gpus[0].uuid
-    clock = FakeClock()
-    state_dir = tmp_path / "state"
-    TimedTaints(state_dir, boot_id_path=boot_id(tmp_path, "the-boot-before")).save(
-        {uuid: (TimedTaint("gpu-0", 94, "NoSchedule", raised_at(), clock.now),)}
-    )
+    uuid = discover(l4).gpus[0].uuid
+    keep(tmp_path, {uuid: xid_94(clock.now)}, boot="the-boot-before")
     with caplog.at_level(logging.INFO, logger="gpudra.driver.gpuresets"):
-        again = await restart(nvml, state_dir, clock, boot_id(tmp_path))
+        again = await restart(l4, tmp_path, clock)
     assert again.report().taints("gpu-0") == ()
     assert "the node rebooted since the file of health taints that lift" in caplog.text
 
@@ -224,15 +209,18 @@ async def test_a_new_boot_drops_the_timed_taints(
     ],
 )
 async def test_a_damaged_file_is_named_and_the_agent_starts_without_it(
-    tmp_path: Path, content: bytes, error: str, caplog: pytest.LogCaptureFixture
+    tmp_path: Path,
+    l4: NvmlEmulator,
+    clock: FakeClock,
+    content: bytes,
+    error: str,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
-    nvml = emulated("l4")
-    state_dir = tmp_path / "state"
-    timed = TimedTaints(state_dir, boot_id_path=boot_id(tmp_path))
-    state_dir.mkdir()
+    timed = TimedTaints(tmp_path / "state", boot_id_path=boot_id(tmp_path))
+    timed.path.parent.mkdir()
     timed.path.write_bytes(content)
     with caplog.at_level(logging.ERROR, logger="gpudra.driver.gpuresets"):
-        again = await restart(nvml, state_dir, FakeClock(), boot_id(tmp_path))
+        again = await restart(l4, tmp_path, clock)
     assert again.report().unhealthy() == ()
     (record,) = caplog.records
     fields = record.__dict__["fields"]
@@ -243,24 +231,23 @@ async def test_a_damaged_file_is_named_and_the_agent_starts_without_it(
 
 
 async def test_what_cannot_be_raised_again_is_named_and_the_rest_is(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, clock: FakeClock, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A device that is gone, or an effect this release does not know, is skipped alone."""
     nvml = emulated("h100-80gb-hbm3-x8")
     uuid = discover(nvml).gpus[0].uuid
-    clock = FakeClock()
-    state_dir = tmp_path / "state"
-    TimedTaints(state_dir, boot_id_path=boot_id(tmp_path)).save(
+    keep(
+        tmp_path,
         {
             uuid: (
                 TimedTaint("gpu-9", 94, "NoSchedule", raised_at(), clock.now),
                 TimedTaint("gpu-0", 94, "NoWhatever", raised_at(), clock.now),
             ),
             discover(nvml).gpus[1].uuid: (TimedTaint("gpu-1", 31, "None", raised_at(), clock.now),),
-        }
+        },
     )
     with caplog.at_level(logging.WARNING, logger="gpudra.driver.health"):
-        again = await restart(nvml, state_dir, clock, boot_id(tmp_path))
+        again = await restart(nvml, tmp_path, clock)
     assert again.report().taints("gpu-0") == ()
     assert taints(again, "gpu-1") == {(XID_KEY, "31", TaintEffect.NONE)}  # informational too
     assert "the device is gone" in caplog.text
@@ -268,28 +255,23 @@ async def test_what_cannot_be_raised_again_is_named_and_the_rest_is(
 
 
 async def test_a_taint_that_waits_for_a_reset_is_not_replaced_by_a_timed_one(
-    tmp_path: Path,
+    tmp_path: Path, l4: NvmlEmulator, clock: FakeClock
 ) -> None:
-    nvml = emulated("l4")
-    uuid = discover(nvml).gpus[0].uuid
-    clock = FakeClock()
-    state_dir = tmp_path / "state"
-    GpuResets(state_dir, boot_id_path=boot_id(tmp_path)).save({uuid: (PendingReset("gpu-0", 79),)})
-    TimedTaints(state_dir, boot_id_path=boot_id(tmp_path)).save(
-        {uuid: (TimedTaint("gpu-0", 94, "NoSchedule", raised_at(), clock.now),)}
-    )
-    again = await restart(nvml, state_dir, clock, boot_id(tmp_path))
+    uuid = discover(l4).gpus[0].uuid
+    resets = GpuResets(tmp_path / "state", boot_id_path=boot_id(tmp_path))
+    resets.save({uuid: (PendingReset("gpu-0", 79),)})
+    keep(tmp_path, {uuid: xid_94(clock.now)})
+    again = await restart(l4, tmp_path, clock)
     assert taints(again, "gpu-0") == {(XID_KEY, "79", TaintEffect.NO_SCHEDULE)}
     clock.now += 3600
     assert not again.expire()  # it still waits for the reset
     assert again.timed_taints() == {}
 
 
-def test_what_is_kept_is_what_waits_for_quiet_time() -> None:
+def test_what_is_kept_is_what_waits_for_quiet_time(clock: FakeClock) -> None:
     """A lost GPU's taint is kept once the GPU answers (its quiet time runs), not while
     it is lost; taints that wait for a reset and `unmonitored` are not kept here."""
     inventory = discover(emulated("h100-80gb-hbm3-x8"))
-    clock = FakeClock()
     state = HealthState(inventory, policy(), clock=clock, wall_clock=raised_at)
     lost, reset, quiet, unwatched = (inventory.gpus[i].uuid for i in range(4))
     state.apply(GpuLostEvent(lost))
@@ -307,17 +289,12 @@ def test_what_is_kept_is_what_waits_for_quiet_time() -> None:
 
 
 async def test_a_lost_gpu_that_answers_again_keeps_its_quiet_time_across_a_restart(
-    tmp_path: Path,
+    tmp_path: Path, l4: NvmlEmulator, clock: FakeClock
 ) -> None:
-    nvml = emulated("l4")
-    uuid = discover(nvml).gpus[0].uuid
-    clock = FakeClock()
-    state_dir = tmp_path / "state"
-    TimedTaints(state_dir, boot_id_path=boot_id(tmp_path)).save(
-        {uuid: (TimedTaint("gpu-0", None, "NoExecute", raised_at(), clock.now),)}
-    )
+    uuid = discover(l4).gpus[0].uuid
+    keep(tmp_path, {uuid: (TimedTaint("gpu-0", None, "NoExecute", raised_at(), clock.now),)})
     clock.now += 10
-    again = await restart(nvml, state_dir, clock, boot_id(tmp_path))
+    again = await restart(l4, tmp_path, clock)
     assert taints(again, "gpu-0") == {("gpu.nvidia.com/gpu-lost", None, TaintEffect.NO_EXECUTE)}
     assert "answers again" in again.report().devices["gpu-0"].message
     clock.now += RECOVERY_S - 10
