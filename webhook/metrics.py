@@ -68,9 +68,11 @@ class WebhookMetrics:
         )
         self.connections_shed = Counter(
             "gpudra_webhook_connections_shed",
-            "Connections closed at the server's connection bound: 'evicted' (the one "
-            "waiting longest, for a new one) or 'refused' (a new one, when every open "
-            "connection was having a request answered).",
+            "Connections closed by the server's bounds: 'evicted' (the one waiting "
+            "longest, for a new one at the connection bound, or one holding request "
+            "bodies behind answers its client does not read, for a new body at the body "
+            "budget) or 'refused' (a new one, when every open connection was having a "
+            "request answered).",
             ["action"],
             registry=registry,
         )

@@ -28,20 +28,36 @@ this replaces).
   ``Connection: close``, since the parser cannot stop at a message and resume); while
   the transport's write buffer is above its high-water mark the connection stops
   answering and reading, and one that makes no progress for ``idle_timeout`` is
-  aborted; between two answers of one connection the loop serves the others;
+  aborted (for ``body_timeout`` while its queued requests hold request bodies, below);
+  between two answers of one connection the loop serves the others;
 - request bodies buffered at once are bounded server-wide (``max_buffered_body_bytes``,
   shared with the health port's listener), charged from ``Content-Length`` before any of
   the body is read and released once the request is answered or its connection closes.
-  A body that does not fit makes room by answering 503 to the bodies still being
-  received that began longest ago (the way the connection bound does, so bodies declared
-  and never sent cannot lock the API server out); when that cannot make room, the new
-  request is answered 503 with ``Retry-After`` and its connection closed (the API server
-  retries such an answer);
-- connections in their TLS handshake are bounded (``max_connections``), counted from the
-  moment they are accepted (each connection starts its own handshake): at the bound the
-  one accepted longest ago is aborted. They never take a served connection's place, so a
-  client that cannot pass the handshake (without the client certificate it asks for)
-  cannot close the API server's connections;
+  A body that does not fit makes room: first by aborting the connections whose queued
+  requests hold bodies behind answers their clients do not read, the one waiting longest
+  first; then by answering 503 to the bodies still being received that began longest
+  ago (the way the connection bound does, so bodies declared and never sent cannot lock
+  the API server out). When that cannot make room, the new request is answered 503 with
+  ``Retry-After`` and its connection closed (the API server retries such an answer).
+  Only the bodies of requests being answered are never shed: they hold the budget for
+  as long as an answer takes. Without the first step a client that pipelined a slow
+  review with a big answer and a 3 MiB request behind it, and never read, held that
+  body for the keep-alive bound: about 22 such connections, from one address, held the
+  whole budget for two minutes and every admission got 503. A complete body queued
+  behind unread answers is held for ``body_timeout`` at most even when nothing needs
+  its room, as one still being received is. The API server never holds one: it sends
+  a request on a connection only once it has read the answer before (answers of a few
+  KiB, far below the write buffer's mark). The budget has no share per client address:
+  what any client can hold past a new request's need is only what is being answered,
+  and the API server's requests may come from the same address as others' (a proxy, a
+  node's address);
+- connections in their TLS handshake are bounded (``max_connections``; a quarter of it,
+  at least 64, with client certificates required, since a handshake that takes one
+  costs more), counted from the moment they are accepted (each connection starts its
+  own handshake): at the bound the one accepted longest ago is aborted. They never
+  take a served connection's place, so a client that cannot pass the handshake
+  (without the client certificate it asks for) cannot close the API server's
+  connections;
 - served connections (past their handshake) are bounded too (``max_connections``):
   anyone who reaches the port and passes the handshake can open connections and keep
   them (a request every two minutes keeps one alive, a slow head holds one for ten
@@ -134,6 +150,10 @@ a connection carries per round trip (at most 64 KiB: a pod's review is 5-20 KiB;
 largest body allowed, 3 MiB, costs about 2 ms more CPU). What it cannot bound is that
 read buffer's size: uvloop allocates 256 KiB for each TLS connection."""
 _RETRY_AFTER_S: Final = 1
+_CERT_HANDSHAKES: Final = 64
+"""The fewest handshakes under way allowed with client certificates required (see
+`HttpServer._handshake_bound`): many more than the API server needs at once, even in a
+burst of new connections."""
 _SHORTEST_HEAD: Final = len(b"GET  HTTP/1.1\r\n\r\n")
 """The fewest bytes a request head takes beside its target and header lines (each of
 those at least its name, value, colon and line end)."""
@@ -376,12 +396,27 @@ class HttpServer:
         makes room. They never take a served connection's place, so a stranger that
         cannot pass the handshake (without the client certificate it asks for) cannot
         close the API server's connections."""
-        if len(self._handshaking) >= self._max_connections:
+        if len(self._handshaking) >= self._handshake_bound():
             victim = min(self._handshaking, key=lambda c: c.last_active)
             self._handshaking.discard(victim)
             victim.abort()
             self._shed("evicted")
         self._handshaking.add(connection)
+
+    def _handshake_bound(self) -> int:
+        """Handshakes under way at most: the connection bound, or with client
+        certificates required a quarter of it (at least `_CERT_HANDSHAKES`, or the
+        connection bound where it is lower). A handshake that asks for a client
+        certificate takes one as large as the client declares (OpenSSL allocates the
+        declared size, up to 100 KiB, before the rest arrives): one stalled inside such
+        a message held about 0.21 MiB, one that sent only its hello 0.06 MiB. A quarter
+        keeps what a full bound of them holds below what as many plain ones as the
+        connection bound would; the API server, whose handshakes take milliseconds,
+        needs a few at once."""
+        bound = self._max_connections
+        if self.tls.client_ca_file is None:
+            return bound
+        return max(bound // 4, min(bound, _CERT_HANDSHAKES))
 
     def secured(self, connection: _Connection) -> bool:
         """Take a connection whose handshake passed in, to be served; False when it must
@@ -516,15 +551,32 @@ class HttpServer:
         self.bodies.used -= size
 
     def _make_room(self, size: int) -> bool:
-        """Answer 503 to the bodies still being received that began longest ago, until
-        `size` more bytes fit; none when shedding all of them would not be enough (the
-        budget is held by requests being answered)."""
+        """Make room for `size` more bytes: first abort the connections whose charged
+        requests wait behind answers their clients do not read, the one waiting longest
+        first; then answer 503 to the bodies still being received that began longest ago.
+        None when shedding all of them would not be enough (the budget is held by
+        requests being answered).
+
+        Unread first: such a client gets nothing more from the server until it reads, and
+        the API server never is one (it reads every answer, a few KiB, as it comes), while
+        a body being received may be the API server's, slowed by its network."""
         bodies = self.bodies
-        receiving = [c for pool in bodies.pools for c in pool if c.receiving and c.evictable]
+        connections = [c for pool in bodies.pools for c in pool]
+        unread = [c for c in connections if c.unread_charge]
+        receiving = [c for c in connections if c.receiving and c.evictable and not c.unread_charge]
         excess = bodies.used + size - bodies.limit
-        if sum(c.receiving for c in receiving) < excess:
+        if sum(c.unread_charge for c in unread) + sum(c.receiving for c in receiving) < excess:
             return False
+        unread.sort(key=lambda c: c.unread_since)
         receiving.sort(key=lambda c: c.receiving_since)
+        for connection in unread:
+            if bodies.used + size <= bodies.limit:
+                return True
+            for pool in bodies.pools:
+                pool.discard(connection)  # gone: no bound counts it any more
+            connection.shed_unread()
+            self._metrics.inc(self._metrics.connections_shed, "evicted")
+            self._over_budget("evicted")
         for connection in receiving:
             if bodies.used + size <= bodies.limit:
                 break
@@ -593,7 +645,7 @@ class _Connection(asyncio.Protocol):
     answered 408; a connection that never sent a byte is closed without an answer.
     The timers run on while reading is paused (`_MAX_QUEUED`, or a client not reading
     its answers), and answering that waits for the client to read gives up after the
-    keep-alive bound.
+    keep-alive bound, or the body's while queued requests hold request bodies.
     """
 
     def __init__(self, server: HttpServer, loop: asyncio.AbstractEventLoop) -> None:
@@ -628,6 +680,8 @@ class _Connection(asyncio.Protocol):
         self._writing_paused = False
         self._drained: asyncio.Future[None] | None = None
         """While answering waits for the client to read: done once it has."""
+        self._unread_since = 0.0
+        """When answering last began to wait for the client to read."""
         self._overflowed = False
         # The message being parsed.
         self._in_message = False
@@ -677,6 +731,19 @@ class _Connection(asyncio.Protocol):
     def receiving_since(self) -> float:
         """When the body being received began (its head was complete)."""
         return self._request.started if self._request is not None else 0.0
+
+    @property
+    def unread_charge(self) -> int:
+        """Budget held while answering waits for the client to read (0: none): the
+        bodies of requests queued behind answers the client leaves unread, complete and
+        no longer being received, which would otherwise stay charged for as long as the
+        client waits (`HttpServer._make_room` sheds them first)."""
+        return self._charged if self._drained is not None and self._transport is not None else 0
+
+    @property
+    def unread_since(self) -> float:
+        """When answering began to wait for the client to read."""
+        return self._unread_since
 
     # --- asyncio.Protocol ---------------------------------------------------------------
 
@@ -1009,11 +1076,17 @@ class _Connection(asyncio.Protocol):
 
     async def _client_read(self) -> bool:
         """Wait for the client to read what was written (the write buffer below its
-        low-water mark); False, with the connection aborted, when it has not for the
-        keep-alive bound, or the connection is gone."""
+        low-water mark); False, with the connection aborted, when it has not in time, or
+        the connection is gone. In time is the keep-alive bound, or the body's bound
+        while its queued requests hold request bodies in the server's budget: a client
+        that reads none of its answers must not keep bodies charged for two minutes (the
+        API server reads each answer at once, and never waits here)."""
+        cfg = self._config
+        bound = cfg.body_timeout if self._charged else cfg.idle_timeout
+        self._unread_since = time.monotonic()
         waiter = self._drained = self._loop.create_future()
         try:
-            await asyncio.wait_for(waiter, self._config.idle_timeout)
+            await asyncio.wait_for(waiter, bound)
         except TimeoutError:
             self.abort()
             return False
@@ -1055,6 +1128,17 @@ class _Connection(asyncio.Protocol):
         if self._request is not None:
             self._disarm()
             self._give_up_body(_OVER_BUDGET)
+
+    def shed_unread(self) -> None:
+        """Make room in the body budget: the connection, waiting for its client to read,
+        is aborted, and what its queued requests held is given back now (its client
+        reads no answer, a 503 included)."""
+        self._pending.clear()
+        self._body = []
+        if self._charged:
+            self._server.release(self._charged)
+            self._charged = 0
+        self.abort()
 
     def _give_up_body(self, reply: Reply) -> None:
         """Answer the request still being received with `reply` before the rest of its

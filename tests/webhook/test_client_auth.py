@@ -197,6 +197,42 @@ async def test_strangers_cannot_close_the_api_servers_connections(tmp_path: Path
             tg.cancel_scope.cancel()
 
 
+async def test_with_client_certificates_fewer_handshakes_may_be_under_way(
+    tmp_path: Path,
+) -> None:
+    """A handshake that asks for a client certificate holds one as large as its client
+    declares (one stalled inside a declared 100 KiB certificate held about 0.21 MiB, one
+    that sent only its hello 0.06 MiB): with client certificates required, a quarter of
+    the connection bound may be under way at once, the one accepted longest ago making
+    room, and the API server is still served. The health port asks for none and keeps
+    the whole bound."""
+    api_ca = generate_ca()
+    server, ca = serving(tmp_path, api_ca, max_connections=400)
+    health = server.health_server(0)
+    with anyio.fail_after(GUARD):
+        async with anyio.create_task_group() as tg:
+            port = await tg.start(server.serve)
+            health_port = await tg.start(health.serve)
+            http = server._http
+            bound = http._handshake_bound()
+            assert bound == max(64, http._max_connections // 4) < http._max_connections
+            assert health._handshake_bound() == health._max_connections > bound + 1
+            held = [await anyio.connect_tcp("127.0.0.1", port) for _ in range(bound + 1)]
+            held += [await anyio.connect_tcp("127.0.0.1", health_port) for _ in range(bound + 1)]
+            try:
+                with pytest.raises((anyio.EndOfStream, anyio.BrokenResourceError, OSError)):
+                    await held[0].receive()  # the first accepted made room
+                assert len(http._handshaking) == bound
+                while len(health._handshaking) < bound + 1:
+                    await anyio.sleep(0.01)
+                identity = client_cert(api_ca)
+                assert await call(port, ca, tmp_path, review(), identity) == b"HTTP/1.1 200 OK"
+            finally:
+                for stream in held:
+                    await stream.aclose()
+            tg.cancel_scope.cancel()
+
+
 async def test_with_names_only_a_certificate_carrying_one_is_served(tmp_path: Path) -> None:
     """A CA often signs more than the API server's certificate (a cluster's CA signs every
     kubelet's): with names, a certificate of that CA carrying none of them is cut off

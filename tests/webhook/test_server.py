@@ -1158,6 +1158,115 @@ async def test_a_body_that_cannot_make_room_is_refused_with_503(tmp_path: Path) 
             assert (await admit(after, review(gpu_pod()))).json()["response"]["allowed"] is True
 
 
+async def unread_with_a_body_queued(h: Harness, size: int) -> tuple[Unread, Any]:
+    """An `Unread` client pipelining `GET /metrics` and a POST with a body of `size` bytes
+    in one write, pair after pair, until the server's writes to it back up with the POST's
+    complete body queued behind them and charged to the budget (the way a client that
+    never reads can hold bodies it has sent in full); it and its connection on the
+    server."""
+    http = h.server._http
+    known = set(http._connections)
+    unread = await anyio.to_thread.run_sync(Unread, h.port, h.pki.ca_bundle)
+    pair = (
+        b"GET /metrics HTTP/1.1\r\nHost: w\r\n\r\n"
+        b"POST /healthz HTTP/1.1\r\nHost: w\r\nContent-Length: %d\r\n\r\n%s" % (size, b"x" * size)
+    )
+    answered = metric(h, "gpudra_webhook_requests_total", path="/healthz")
+    with anyio.fail_after(GUARD):
+        await unread.send(pair)
+        while not set(http._connections) - known:
+            await anyio.sleep(0.001)
+        (connection,) = set(http._connections) - known
+        sock = connection._transport.get_extra_info("socket")
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        for sent in range(1, 10_000):
+            # The POST is answered (405) unless its answer waits for the client to read.
+            while metric(h, "gpudra_webhook_requests_total", path="/healthz") < answered + sent:
+                if connection._drained is not None and connection._charged == size:
+                    return unread, connection
+                await anyio.sleep(0.001)
+            await unread.send(pair)
+    raise AssertionError("the server never queued a body behind answers its client leaves")
+
+
+def unavailable(h: Harness) -> float:
+    return metric(h, "gpudra_webhook_requests_total", path="/mutate-pods", result="unavailable")
+
+
+async def test_bodies_queued_behind_unread_answers_make_room_for_new_ones(
+    tmp_path: Path,
+) -> None:
+    """Clients that never read, each with a complete body queued behind answers waiting
+    for it, hold the whole budget: a new admission is still answered, by aborting the
+    one that has waited longest for its client (only as many as the new body needs). A
+    connection whose request is being answered holds its body and is answered."""
+    size = 4096
+    gated = GatedRecorder()
+    first = json.dumps(review(gpu_pod(), uid="first")).encode()
+    second = json.dumps(review(gpu_pod(), uid="second")).encode()
+    budget = 2 * size + len(first)
+    async with running(
+        tmp_path, max_body_bytes=size, max_buffered_body_bytes=budget, ensure=gated
+    ) as h:
+        http = h.server._http
+        held = [await unread_with_a_body_queued(h, size) for _ in range(2)]
+        try:
+            (_, oldest), (_, newer) = held
+            async with client(h) as a, client(h) as b:
+                await a.send(
+                    b"POST /mutate-pods HTTP/1.1\r\nHost: w\r\nContent-Length: %d\r\n\r\n%s"
+                    % (len(first), first)
+                )
+                with anyio.fail_after(GUARD):
+                    while not gated.calls:
+                        await anyio.sleep(0.001)
+                assert http.bodies.used == http.bodies.limit  # held to the last byte
+                await b.send(
+                    b"POST /mutate-pods HTTP/1.1\r\nHost: w\r\nContent-Length: %d\r\n\r\n%s"
+                    % (len(second), second)
+                )
+                with anyio.fail_after(GUARD):
+                    while len(gated.calls) < 2 and not unavailable(h):
+                        await anyio.sleep(0.001)
+                assert unavailable(h) == 0  # not refused for the bodies nobody reads
+                gated.gate.set()
+                with anyio.fail_after(GUARD):
+                    assert (await a.response()).json()["response"]["uid"] == "first"
+                    assert (await b.response()).json()["response"]["uid"] == "second"
+            with anyio.fail_after(GUARD):
+                while oldest._transport is not None:
+                    await anyio.sleep(0.001)
+            assert newer in http._connections and newer._charged == size
+            assert metric(h, "gpudra_webhook_connections_shed_total", action="evicted") == 1
+        finally:
+            for unread, _ in held:
+                unread.close()
+        with anyio.fail_after(GUARD):
+            while http._connections:
+                await anyio.sleep(0.01)
+        assert http.bodies.used == 0
+
+
+async def test_a_body_queued_behind_unread_answers_is_held_for_the_body_bound(
+    tmp_path: Path,
+) -> None:
+    """A client that never reads its answers, with a complete body queued behind them,
+    holds that body for the body's bound, not the keep-alive bound: then its connection
+    is aborted and the body given back."""
+    size = 4096
+    async with running(tmp_path, max_body_bytes=size, body_timeout=0.5, idle_timeout=600) as h:
+        unread, connection = await unread_with_a_body_queued(h, size)
+        try:
+            assert h.server._http.bodies.used == size
+            with anyio.fail_after(GUARD):
+                while connection._transport is not None:
+                    await anyio.sleep(0.01)
+            assert h.server._http.bodies.used == 0
+            assert not connection._pending
+        finally:
+            unread.close()
+
+
 def test_the_health_port_shares_the_body_budget(tmp_path: Path) -> None:
     pki_dir = tmp_path / "pki"
     ensure_pki(pki_dir, ["localhost"])
