@@ -918,12 +918,7 @@ class _Connection(asyncio.Protocol):
         self._stop_timer()
         self._stopped = True
         self._transport = None
-        # Nothing more is answered: what was queued and every body held go now.
-        self._pending.clear()
-        self._body = []
-        if self._charged:
-            self._server.release(self._charged)
-            self._charged = 0
+        self._drop_queued()
         self._wake_writer()
         self._server.disconnected(self)
 
@@ -1133,12 +1128,17 @@ class _Connection(asyncio.Protocol):
         """Make room in the body budget: the connection, waiting for its client to read,
         is aborted, and what its queued requests held is given back now (its client
         reads no answer, a 503 included)."""
+        self._drop_queued()
+        self.abort()
+
+    def _drop_queued(self) -> None:
+        """Nothing more is answered: what was queued and every body held go now, their
+        charge back to the budget."""
         self._pending.clear()
         self._body = []
         if self._charged:
             self._server.release(self._charged)
             self._charged = 0
-        self.abort()
 
     def _give_up_body(self, reply: Reply) -> None:
         """Answer the request still being received with `reply` before the rest of its

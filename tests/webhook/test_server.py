@@ -190,6 +190,16 @@ def review(
     }
 
 
+def posted(body: bytes, path: str = "/mutate-pods") -> bytes:
+    """A whole POST of `body` to `path`, as bytes to send: requests written by hand, to
+    pipeline them or to hold a connection in a state no client library makes."""
+    return b"POST %s HTTP/1.1\r\nHost: w\r\nContent-Length: %d\r\n\r\n%s" % (
+        path.encode(),
+        len(body),
+        body,
+    )
+
+
 async def admit(c: Client, body: Any) -> Response:
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
     return await c.request("POST", "/mutate-pods?timeout=10s", data)
@@ -311,11 +321,7 @@ async def test_keep_alive_serves_many_requests_on_one_connection(tmp_path: Path)
         # Pipelined: two requests in one write, two answers in order.
         body = json.dumps(review(gpu_pod(), uid="p1")).encode()
         body2 = json.dumps(review(gpu_pod(), uid="p2")).encode()
-        await c.send(
-            b"POST /mutate-pods HTTP/1.1\r\nHost: w\r\nContent-Length: %d\r\n\r\n%s"
-            b"POST /mutate-pods HTTP/1.1\r\nHost: w\r\nContent-Length: %d\r\n\r\n%s"
-            % (len(body), body, len(body2), body2)
-        )
+        await c.send(posted(body) + posted(body2))
         assert (await c.response()).json()["response"]["uid"] == "p1"
         assert (await c.response()).json()["response"]["uid"] == "p2"
 
@@ -611,10 +617,7 @@ async def test_a_pipelined_head_begun_during_an_answer_has_a_deadline(tmp_path: 
     slow = SlowRecorder()
     async with running(tmp_path, header_timeout=0.2, ensure=slow) as h, client(h) as c:
         body = json.dumps(review(gpu_pod(), uid="first")).encode()
-        await c.send(
-            b"POST /mutate-pods HTTP/1.1\r\nHost: w\r\nContent-Length: %d\r\n\r\n%s"
-            b"POST /mutate-pods HTTP/1.1\r\nHost: w\r\nContent-Le" % (len(body), body)
-        )
+        await c.send(posted(body) + b"POST /mutate-pods HTTP/1.1\r\nHost: w\r\nContent-Le")
         with anyio.fail_after(GUARD):
             assert (await c.response()).json()["response"]["uid"] == "first"
             resp = await c.response()
@@ -634,10 +637,7 @@ async def test_a_request_in_flight_when_the_server_stops_is_answered(tmp_path: P
         port = await tg.start(server.serve)
         c = await Client.connect(port, pki.ca_bundle)
         idle = await Client.connect(port, pki.ca_bundle)
-        await c.send(
-            b"POST /mutate-pods HTTP/1.1\r\nHost: w\r\nContent-Length: %d\r\n\r\n%s"
-            % (len(body := json.dumps(review(gpu_pod())).encode()), body)
-        )
+        await c.send(posted(json.dumps(review(gpu_pod())).encode()))
         with anyio.fail_after(GUARD):
             while not slow.calls:
                 await anyio.sleep(0.01)
@@ -871,10 +871,7 @@ async def test_a_connection_being_answered_is_never_shed(tmp_path: Path) -> None
     slow = SlowRecorder(delay=1.0)
     async with running(tmp_path, max_connections=1, ensure=slow) as h, client(h) as busy:
         body = json.dumps(review(gpu_pod(), uid="busy")).encode()
-        await busy.send(
-            b"POST /mutate-pods HTTP/1.1\r\nHost: w\r\nContent-Length: %d\r\n\r\n%s"
-            % (len(body), body)
-        )
+        await busy.send(posted(body))
         with anyio.fail_after(GUARD):
             while not slow.calls:
                 await anyio.sleep(0.01)
@@ -1129,14 +1126,8 @@ async def test_a_body_that_cannot_make_room_is_refused_with_503(tmp_path: Path) 
         client(h) as a,
         client(h) as b,
     ):
-        await a.send(
-            b"POST /mutate-pods HTTP/1.1\r\nHost: w\r\nContent-Length: %d\r\n\r\n%s"
-            % (len(first), first)
-        )
-        await b.send(
-            b"POST /mutate-pods HTTP/1.1\r\nHost: w\r\nContent-Length: %d\r\n\r\n%s"
-            % (len(second), second)
-        )
+        await a.send(posted(first))
+        await b.send(posted(second))
         with anyio.fail_after(GUARD):
             while len(gated.calls) < 2:
                 await anyio.sleep(0.001)
@@ -1167,10 +1158,7 @@ async def unread_with_a_body_queued(h: Harness, size: int) -> tuple[Unread, Any]
     http = h.server._http
     known = set(http._connections)
     unread = await anyio.to_thread.run_sync(Unread, h.port, h.pki.ca_bundle)
-    pair = (
-        b"GET /metrics HTTP/1.1\r\nHost: w\r\n\r\n"
-        b"POST /healthz HTTP/1.1\r\nHost: w\r\nContent-Length: %d\r\n\r\n%s" % (size, b"x" * size)
-    )
+    pair = b"GET /metrics HTTP/1.1\r\nHost: w\r\n\r\n" + posted(b"x" * size, "/healthz")
     answered = metric(h, "gpudra_webhook_requests_total", path="/healthz")
     with anyio.fail_after(GUARD):
         await unread.send(pair)
@@ -1213,18 +1201,12 @@ async def test_bodies_queued_behind_unread_answers_make_room_for_new_ones(
         try:
             (_, oldest), (_, newer) = held
             async with client(h) as a, client(h) as b:
-                await a.send(
-                    b"POST /mutate-pods HTTP/1.1\r\nHost: w\r\nContent-Length: %d\r\n\r\n%s"
-                    % (len(first), first)
-                )
+                await a.send(posted(first))
                 with anyio.fail_after(GUARD):
                     while not gated.calls:
                         await anyio.sleep(0.001)
                 assert http.bodies.used == http.bodies.limit  # held to the last byte
-                await b.send(
-                    b"POST /mutate-pods HTTP/1.1\r\nHost: w\r\nContent-Length: %d\r\n\r\n%s"
-                    % (len(second), second)
-                )
+                await b.send(posted(second))
                 with anyio.fail_after(GUARD):
                     while len(gated.calls) < 2 and not unavailable(h):
                         await anyio.sleep(0.001)
