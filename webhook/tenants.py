@@ -63,6 +63,9 @@ NAMESPACES_PATH: Final = "/api/v1/namespaces"
 QUOTAS_PATH: Final = "/api/v1/resourcequotas"
 _WATCH_BACKOFF: Final = Backoff(max_s=30.0)
 _NO_CRD_RETRY_S: Final = 30.0
+# A quota update meets the quota controller's status write at most about once: a second
+# conflict in a row is left to the next pass.
+_UPDATE_ATTEMPTS: Final = 2
 FOREIGN_RETRY_S: Final = 30.0
 """How often the create is tried again where a same-named quota gpudra does not
 manage was found."""
@@ -299,18 +302,37 @@ class TenantController:
         )
 
     async def _update(self, have: Mapping[str, Any], hard: dict[str, str], tenant: str) -> None:
+        """Replace the quota's limits and tenant label. The quota controller writes the
+        status right after every change of ours, so the version we hold is often one
+        behind: a conflict reads the quota again and tries once more on it, while it is
+        still ours (a replacement of the same name is left to the next pass)."""
         meta = have["metadata"]
-        body = {
-            **have,
-            "metadata": {**meta, "labels": {**(meta.get("labels") or {}), TENANT_LABEL: tenant}},
-            "spec": {"hard": hard},
-        }
-        path = f"/api/v1/namespaces/{meta['namespace']}/resourcequotas/{QUOTA_NAME}"
-        updated = await self.kube.request("PUT", path, body)
-        self.state.put_quota(meta["namespace"], updated)
+        namespace = meta["namespace"]
+        path = f"/api/v1/namespaces/{namespace}/resourcequotas/{QUOTA_NAME}"
+        for attempt in range(_UPDATE_ATTEMPTS):
+            meta = have["metadata"]
+            body = {
+                **have,
+                "metadata": {
+                    **meta,
+                    "labels": {**(meta.get("labels") or {}), TENANT_LABEL: tenant},
+                },
+                "spec": {"hard": hard},
+            }
+            try:
+                updated = await self.kube.request("PUT", path, body)
+                break
+            except ApiError as exc:
+                if exc.status != 409 or attempt + 1 == _UPDATE_ATTEMPTS:
+                    raise
+                latest = await self.kube.request("GET", path)
+                if latest["metadata"].get("uid") != meta.get("uid"):
+                    raise
+                have = latest
+        self.state.put_quota(namespace, updated)
         log.info(
             "updated device quota",
-            extra={"fields": {"namespace": meta["namespace"], "tenant": tenant, "hard": hard}},
+            extra={"fields": {"namespace": namespace, "tenant": tenant, "hard": hard}},
         )
 
     async def _delete(self, namespace: str, have: Mapping[str, Any]) -> None:
