@@ -40,7 +40,10 @@ problems:
 - an agent restart lifts no taint early: those that wait for time are kept in the
   state folder too (`gpudra.driver.timedtaints`, which says why there and not in the
   published ResourceSlices) and raised again with the times they had, so each lifts
-  when it would have, and one whose time ran out while the agent was down is not.
+  when it would have, and one whose time ran out while the agent was down is not. A
+  lost GPU's taint is kept while it is lost too: one that answers again after the
+  restart waits `recovery_after_s` from the restart, or from the rescan that finds it
+  answering.
 An event on a whole GPU taints every device carved from it, and so does an XID after
 which the GPU is reset (a reset takes down every instance on it). Any other event NVML
 attributes to a GPU instance (nvml.h, nvmlEventData_t.gpuInstanceId) taints the MIG
@@ -411,6 +414,9 @@ class HealthState:
         # A repeated error moves a taint's quiet time without a new generation.
         self._refreshes = 0
         self._timed: tuple[tuple[int, int], Mapping[str, tuple[TimedTaint, ...]]] | None = None
+        # GPU UUID -> the gpu-lost taints kept for a GPU lost when the agent last stopped
+        # that discovery left out (still lost): raised once the inventory has it again.
+        self._held_lost: dict[str, tuple[TimedTaint, ...]] = {}
         # (GPU UUID, XID) -> events seen; replaced whole, so the metrics thread reads one.
         self._xid_counts: Mapping[tuple[str, int], int] = {}
 
@@ -450,11 +456,15 @@ class HealthState:
         self._records = records
 
     def update_inventory(self, inventory: Inventory) -> None:
-        """Follow a new discovery; devices that still exist keep their taints."""
+        """Follow a new discovery; devices that still exist keep their taints. A GPU
+        lost when the agent last stopped and left out since (`restore_timed`) that the
+        inventory has again answers again: its gpu-lost taint is raised, quiet from now."""
         self._inventory = inventory
         self._index(inventory)
         self._lost &= set(self._gpu_devices)
         self._unmonitored &= set(self._gpu_devices)
+        back = sorted(self._held_lost.keys() & self._gpu_devices.keys())
+        self.restore_timed({uuid: self._held_lost.pop(uuid) for uuid in back})
         self._watch_mig_instances()
         self._bump()
 
@@ -483,12 +493,14 @@ class HealthState:
 
     def timed_taints(self) -> Mapping[str, tuple[TimedTaint, ...]]:
         """The taints that lift after quiet time, by GPU UUID (what `TimedTaints` keeps
-        across a restart): XIDs that wait for no reset, and the gpu-lost taint of a GPU
-        that answers again; not that of a GPU still lost, nor `unmonitored`."""
+        across a restart): XIDs that wait for no reset, and the gpu-lost taints, marked
+        `lost` while the GPU still is (their quiet time has not begun: `restore_timed`
+        starts it), those held for a GPU still out of the inventory included; not
+        `unmonitored`."""
         version = (self._generation, self._refreshes)
         if self._timed is None or self._timed[0] != version:
             policy = self._policy
-            timed: dict[str, list[TimedTaint]] = {}
+            timed: dict[str, list[TimedTaint]] = {u: list(t) for u, t in self._held_lost.items()}
             for name, record in sorted(self._records.items()):
                 for key, active in record.active.items():
                     taint = active.taint
@@ -496,13 +508,18 @@ class HealthState:
                         continue
                     if key == policy.xid_key and taint.value is not None:
                         xid: int | None = int(taint.value)
-                    elif key == policy.gpu_lost_key and record.gpu_uuid not in self._lost:
+                    elif key == policy.gpu_lost_key:
                         xid = None
                     else:
                         continue
                     timed.setdefault(record.gpu_uuid, []).append(
                         TimedTaint(
-                            name, xid, taint.effect.value, taint.time_added, active.last_seen
+                            name,
+                            xid,
+                            taint.effect.value,
+                            taint.time_added,
+                            active.last_seen,
+                            lost=xid is None and record.gpu_uuid in self._lost,
                         )
                     )
             self._timed = (version, {u: tuple(t) for u, t in timed.items()})
@@ -618,12 +635,22 @@ class HealthState:
         lift within `recovery_after_s` anyway). One whose time ran out meanwhile, on a
         device no longer here or with an effect this release does not know, is left out
         (logged); so is one where a taint of its kind is up already (one that waits for
-        a reset, `restore_resets`)."""
+        a reset, `restore_resets`).
+
+        A gpu-lost taint kept while its GPU was still lost (`TimedTaint.lost`) is quiet
+        from now, not from when it was found lost: the GPU may have stayed lost while
+        the agent was down, and now is the latest time it may have been (the restart
+        time, or the rescan's that finds it answering; `gpudra.driver.timedtaints`).
+        Where the GPU answers, the taint is raised and lifts `recovery_after_s` from
+        here; where discovery left the GPU out (still lost), it is held and raised by
+        the `update_inventory` that brings the GPU back. Such a GPU is not taken as
+        reset (its taints that wait for one stay, as for any reset the agent did not
+        see): an admin's reset mark lifts them, as before."""
         policy = self._policy
         now = self._clock()
         changed = False
         for uuid, items in sorted(timed.items()):
-            names = self._gpu_devices.get(uuid, ())
+            names = self._gpu_devices.get(uuid)
             for item in items:
                 fields: dict[str, Any] = {
                     "uuid": uuid,
@@ -631,8 +658,19 @@ class HealthState:
                     "taint": item.taint(),
                     "effect": item.effect,
                 }
+                if item.lost:
+                    fields["lostWhenStopped"] = True
                 effect = next((e for e in TaintEffect if e.value == item.effect), None)
-                if item.device not in names or effect is None:
+                if names is None and item.lost and effect is not None:
+                    self._held_lost[uuid] = (*self._held_lost.get(uuid, ()), item)
+                    self._timed = None  # kept on through the next restart
+                    logger.warning(
+                        "a GPU lost when the agent stopped is still lost: its gpu-lost "
+                        "taint is raised again once it answers, for quiet time from then",
+                        extra={"fields": fields},
+                    )
+                    continue
+                if item.device not in (names or ()) or effect is None:
                     why = (
                         "the device is gone"
                         if effect is not None
@@ -643,7 +681,8 @@ class HealthState:
                         extra={"fields": fields},
                     )
                     continue
-                quiet = now - item.quiet_since
+                quiet_since = now if item.lost else item.quiet_since
+                quiet = now - quiet_since
                 if quiet >= policy.recovery_after_s:
                     logger.info(
                         "a taint's quiet time ran out while the agent was down; not raised again",
@@ -661,7 +700,7 @@ class HealthState:
                 # Quiet since no later than now: a time from another boot (its ID was
                 # unreadable) at worst keeps the taint `recovery_after_s` from here.
                 record.active[key] = _Active(
-                    Taint(key, value, effect, item.time_added), min(item.quiet_since, now)
+                    Taint(key, value, effect, item.time_added), min(quiet_since, now)
                 )
                 self._touch(item.device)
                 changed = True

@@ -24,17 +24,29 @@ ID cannot be read the file is trusted, as there: a `quietSince` from another boo
 at worst a taint that stays `recovery_after_s` from the start. `timeAdded` is the wall
 clock, as the published taint shows it.
 
+The gpu-lost taint of a GPU still lost is kept too, marked `"lost": true`: its quiet
+time has not begun, and the GPU may answer again (come back, or be reset) while the
+agent is down. Its `quietSince` is when the agent found it lost; the agent that reads
+it does not count from there, since the GPU may have stayed lost long after, unseen,
+but from the latest time it may still have been lost: its own start, for a GPU that
+answers then, else (discovery leaves a GPU lost at start out of the pool) the scan
+that finds it answering, as a running agent counts. Either way a GPU that flaps
+across a restart waits its quiet time, as it would have without one. The previous
+release, which kept no such entry, reads it as a lost GPU that answers again, quiet
+since it was found lost (it ignores fields it does not know, and the version stays 1
+so that it reads the rest of the file).
+
 Not kept: the taints that wait for a GPU reset (`gpudra.driver.gpuresets` keeps those),
-the gpu-lost taint of a GPU still lost (its quiet time has not begun; discovery leaves
-a GPU that is lost at start out of the pool until it answers), and `unmonitored`, which
-the agent derives afresh at every start from what NVML lets it watch.
+and `unmonitored`, which the agent derives afresh at every start from what NVML lets it
+watch.
 
 The file is replaced atomically but not synced to disk: a power loss is a reboot, which
 voids it anyway, so it costs one rename per change however often a device repeats an
 error. File format, written by this module only (the frame is `gpuresets.save_for_boot`):
 `{"version": 1, "bootId": "...", "gpus": {"<GPU UUID>": [{"device": "gpu-0",
 "taint": "xid=94", "effect": "NoSchedule", "timeAdded": "2026-11-01T12:00:00+00:00",
-"quietSince": 123456.5}]}}`; `"taint": "gpu-lost"` for a lost GPU that answers again.
+"quietSince": 123456.5}]}}`; `"taint": "gpu-lost"` for a lost GPU, with `"lost": true`
+while it is still lost (written only then, so a file without lost GPUs reads as before).
 """
 
 from __future__ import annotations
@@ -58,16 +70,18 @@ _GPU_LOST_TAINT: Final = "gpu-lost"
 @dataclass(frozen=True, slots=True)
 class TimedTaint:
     """One taint that lifts after quiet time: XID `xid` on `device`, or, with `xid` None,
-    a GPU that was lost and answers again. `effect` as resource.k8s.io spells it
-    (`health.TaintEffect` checks it when raising it again); `time_added` the wall clock
-    when it was raised; `quiet_since` the monotonic clock when the device last had the
-    error."""
+    a GPU that was lost: `lost` while it still was when written (its quiet time has
+    not begun; module docstring), else it answers again. `effect` as resource.k8s.io
+    spells it (`health.TaintEffect` checks it when raising it again); `time_added` the
+    wall clock when it was raised; `quiet_since` the monotonic clock when the device
+    last had the error (for a GPU still lost, when it was found lost)."""
 
     device: str
     xid: int | None
     effect: str
     time_added: datetime
     quiet_since: float
+    lost: bool = False
 
     def taint(self) -> str:
         """How the file spells the taint's key and value: `xid=94`, `gpu-lost`."""
@@ -94,6 +108,7 @@ class TimedTaints:
                     "effect": t.effect,
                     "timeAdded": t.time_added.isoformat(),
                     "quietSince": t.quiet_since,
+                    **({"lost": True} if t.lost else {}),
                 }
                 for t in items
             ]
@@ -136,4 +151,9 @@ def _entry(where: str, item: object) -> TimedTaint:
     quiet = item.get("quietSince")
     if not isinstance(quiet, int | float) or isinstance(quiet, bool) or not math.isfinite(quiet):
         raise FileError(f"{where}.quietSince {quiet!r} is not a number of seconds")
-    return TimedTaint(item["device"], xid, effect, time_added, float(quiet))
+    lost = item.get("lost", False)
+    if not isinstance(lost, bool):
+        raise FileError(f"{where}.lost {lost!r} is neither true nor false")
+    if lost and xid is not None:
+        raise FileError(f"{where}.lost is true for taint {taint!r}: only gpu-lost can be")
+    return TimedTaint(item["device"], xid, effect, time_added, float(quiet), lost)

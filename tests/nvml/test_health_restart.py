@@ -36,6 +36,7 @@ pytestmark = pytest.mark.anyio
 BOOT = "0c4b6a1e-6d2f-4c1a-8e3b-5f7a9d2c4e61"
 RECOVERY_S = 60.0
 XID_KEY = "gpu.nvidia.com/xid"
+LOST_KEY = "gpu.nvidia.com/gpu-lost"
 
 
 @pytest.fixture
@@ -75,7 +76,7 @@ def xid_94(quiet_since: float) -> tuple[TimedTaint, ...]:
     return (TimedTaint("gpu-0", 94, "NoSchedule", raised_at(), quiet_since),)
 
 
-async def restart(nvml: NvmlEmulator, tmp_path: Path, clock: FakeClock) -> HealthState:
+async def restarted(nvml: NvmlEmulator, tmp_path: Path, clock: FakeClock) -> NodeAgent:
     """The agent started again in this boot, on the same monotonic clock (the kernel's):
     its first scan raises what the state folder kept."""
     config = AgentConfig(
@@ -87,7 +88,14 @@ async def restart(nvml: NvmlEmulator, tmp_path: Path, clock: FakeClock) -> Healt
     agent = NodeAgent(config, cast(Kube, object()), nvml, clock=clock)
     await agent.scan()
     assert agent.health is not None
-    return agent.health
+    return agent
+
+
+async def restart(nvml: NvmlEmulator, tmp_path: Path, clock: FakeClock) -> HealthState:
+    """`restarted`'s health state."""
+    health = (await restarted(nvml, tmp_path, clock)).health
+    assert health is not None
+    return health
 
 
 def on_disk(timed: TimedTaints) -> Mapping[str, object]:
@@ -206,6 +214,18 @@ async def test_a_new_boot_drops_the_timed_taints(
             b'"quietSince": "soon"}]}}',
             "gpus.GPU-1[0].quietSince",
         ),
+        (
+            b'{"version": 1, "gpus": {"GPU-1": [{"device": "gpu-0", "taint": "gpu-lost", '
+            b'"effect": "NoExecute", "timeAdded": "2026-11-01T12:00:00+00:00", '
+            b'"quietSince": 1, "lost": "yes"}]}}',
+            "gpus.GPU-1[0].lost 'yes' is neither true nor false",
+        ),
+        (
+            b'{"version": 1, "gpus": {"GPU-1": [{"device": "gpu-0", "taint": "xid=94", '
+            b'"effect": "NoSchedule", "timeAdded": "2026-11-01T12:00:00+00:00", '
+            b'"quietSince": 1, "lost": true}]}}',
+            "gpus.GPU-1[0].lost is true for taint 'xid=94': only gpu-lost can be",
+        ),
     ],
 )
 async def test_a_damaged_file_is_named_and_the_agent_starts_without_it(
@@ -269,8 +289,9 @@ async def test_a_taint_that_waits_for_a_reset_is_not_replaced_by_a_timed_one(
 
 
 def test_what_is_kept_is_what_waits_for_quiet_time(clock: FakeClock) -> None:
-    """A lost GPU's taint is kept once the GPU answers (its quiet time runs), not while
-    it is lost; taints that wait for a reset and `unmonitored` are not kept here."""
+    """A lost GPU's taint is kept while the GPU is lost (marked so: its quiet time has
+    not begun) and once it answers (its quiet time runs); taints that wait for a reset
+    and `unmonitored` are not kept here."""
     inventory = discover(emulated("h100-80gb-hbm3-x8"))
     state = HealthState(inventory, policy(), clock=clock, wall_clock=raised_at)
     lost, reset, quiet, unwatched = (inventory.gpus[i].uuid for i in range(4))
@@ -279,6 +300,7 @@ def test_what_is_kept_is_what_waits_for_quiet_time(clock: FakeClock) -> None:
     state.apply(XidEvent(quiet, 63))  # informational (NVIDIA's catalogue ignores it)
     state.apply(UnmonitoredEvent(unwatched, "no events"))
     assert state.timed_taints() == {
+        lost: (TimedTaint("gpu-0", None, "NoExecute", raised_at(), 1000.0, lost=True),),
         quiet: (TimedTaint("gpu-2", 63, "None", raised_at(), 1000.0),),
     }
     clock.now += 5
@@ -299,3 +321,146 @@ async def test_a_lost_gpu_that_answers_again_keeps_its_quiet_time_across_a_resta
     assert "answers again" in again.report().devices["gpu-0"].message
     clock.now += RECOVERY_S - 10
     assert again.expire()
+
+
+def lost_at(quiet_since: float) -> TimedTaint:
+    """gpu-0's kept gpu-lost taint, written while the GPU was still lost (found lost at
+    `quiet_since`)."""
+    return TimedTaint("gpu-0", None, "NoExecute", raised_at(), quiet_since, lost=True)
+
+
+async def test_a_gpu_lost_when_the_agent_stopped_waits_its_quiet_time_once_it_answers(
+    tmp_path: Path, clock: FakeClock
+) -> None:
+    """A GPU lost when the agent stopped that answers at the next start (it came back,
+    or was reset, while the agent was down) was published healthy at once: a flapping
+    GPU got pods right after a restart, where without one it would have waited
+    `recovery_after_s`. Its taint is kept while it is lost, and its quiet time counts
+    from the restart, the latest time it may still have been lost."""
+    nvml = emulated("h100-80gb-hbm3-x8")
+    inventory = discover(nvml)
+    lost, other = inventory.gpus[0].uuid, inventory.gpus[3].uuid
+    timed = TimedTaints(tmp_path / "state", boot_id_path=boot_id(tmp_path))
+    state = HealthState(inventory, policy(), clock=clock, wall_clock=raised_at)
+    async with watching(nvml, state, timed=timed):
+        nvml.lose_gpu(0)
+        await until(lambda: lost in state.lost_gpus)
+        nvml.inject_xid(3, 94)  # each write holds every taint: once this is on disk, so is the loss
+        await until(lambda: other in on_disk(timed))
+    assert on_disk(timed)[lost] == [
+        {
+            "device": "gpu-0",
+            "taint": "gpu-lost",
+            "effect": "NoExecute",
+            "timeAdded": "2026-11-01T12:00:00+00:00",
+            "quietSince": 1000.0,
+            "lost": True,
+        }
+    ]
+
+    nvml.recover_gpu(0)  # it answers again while the agent is down
+    clock.now += 10 * RECOVERY_S  # long past `recovery_after_s` since it was found lost
+    again = await restart(nvml, tmp_path, clock)
+    assert taints(again, "gpu-0") == {(LOST_KEY, None, TaintEffect.NO_EXECUTE)}
+    device = again.report().devices["gpu-0"]
+    assert not device.healthy
+    assert "answers again" in device.message
+    assert again.report().taints("gpu-0")[0].time_added == raised_at()
+    assert again.report().devices["gpu-3"].healthy  # XID 94's quiet time ran out meanwhile
+    # Kept on as a GPU that answers again, quiet since the restart.
+    assert again.timed_taints() == {
+        lost: (TimedTaint("gpu-0", None, "NoExecute", raised_at(), clock.now),)
+    }
+    clock.now += RECOVERY_S - 1
+    assert not again.expire()
+    clock.now += 1
+    assert again.expire()
+    assert again.report().devices["gpu-0"].healthy
+
+
+async def test_a_gpu_still_lost_at_start_waits_its_quiet_time_once_a_rescan_finds_it(
+    tmp_path: Path, clock: FakeClock
+) -> None:
+    """A GPU still lost when the agent starts is left out of the pool, as before; its
+    kept taint is held (and kept for a further restart) and raised when the rescan
+    finds the GPU answering, quiet from then, as a running agent counts."""
+    nvml = emulated("h100-80gb-hbm3-x8")
+    uuid = discover(nvml).gpus[0].uuid
+    keep(tmp_path, {uuid: (lost_at(clock.now),)})
+    nvml.lose_gpu(0)
+    clock.now += 10 * RECOVERY_S
+    agent = await restarted(nvml, tmp_path, clock)
+    health = agent.health
+    assert health is not None
+    assert "gpu-0" not in health.report().devices
+    assert health.timed_taints() == {uuid: (lost_at(1000.0),)}
+
+    nvml.recover_gpu(0)
+    clock.now += 30
+    await agent.scan()  # the periodic rescan takes it back
+    assert taints(health, "gpu-0") == {(LOST_KEY, None, TaintEffect.NO_EXECUTE)}
+    assert health.timed_taints() == {
+        uuid: (TimedTaint("gpu-0", None, "NoExecute", raised_at(), clock.now),)
+    }
+    clock.now += RECOVERY_S - 1
+    assert not health.expire()
+    clock.now += 1
+    assert health.expire()
+    assert health.report().devices["gpu-0"].healthy
+
+
+async def test_a_gpu_reset_while_the_agent_was_down_lifts_what_waited_for_the_reset_by_the_mark(
+    tmp_path: Path, l4: NvmlEmulator, clock: FakeClock
+) -> None:
+    """A GPU lost when the agent stopped that answers at start is not taken as reset, as
+    before: its XID 79 waits for the admin's mark, made while the agent was down, which
+    lifts it and not the gpu-lost taint, which waits its quiet time."""
+    uuid = discover(l4).gpus[0].uuid
+    resets = GpuResets(tmp_path / "state", boot_id_path=boot_id(tmp_path))
+    resets.save({uuid: (PendingReset("gpu-0", 79),)})
+    keep(tmp_path, {uuid: (lost_at(clock.now),)})
+    clock.now += 10
+    again = await restart(l4, tmp_path, clock)
+    assert taints(again, "gpu-0") == {
+        (XID_KEY, "79", TaintEffect.NO_SCHEDULE),
+        (LOST_KEY, None, TaintEffect.NO_EXECUTE),
+    }
+    marker = resets.marker(uuid)
+    assert marker is not None
+    marker.parent.mkdir()
+    marker.touch()
+    async with watching(l4, again, resets):
+        await until(lambda: not marker.exists())
+    assert taints(again, "gpu-0") == {(LOST_KEY, None, TaintEffect.NO_EXECUTE)}
+    clock.now += RECOVERY_S - 1
+    assert not again.expire()
+    clock.now += 1
+    assert again.expire()
+    assert again.report().devices["gpu-0"].healthy
+
+
+def test_the_file_reads_across_the_release_that_keeps_lost_gpus(tmp_path: Path) -> None:
+    """Upgrade: the previous release's file, which has no `lost`, reads as before.
+    Downgrade: a lost GPU's entry keeps version 1 and every field the previous release
+    reads, adding only `lost`, which that release does not look at: read without it,
+    it is a lost GPU that answers again, quiet since it was found lost."""
+    store = TimedTaints(tmp_path, boot_id_path=boot_id(tmp_path))
+    previous = {
+        "device": "gpu-0",
+        "taint": "gpu-lost",
+        "effect": "NoExecute",
+        "timeAdded": "2026-11-01T12:00:00+00:00",
+        "quietSince": 1000.0,
+    }
+    store.path.write_text(json.dumps({"version": 1, "bootId": BOOT, "gpus": {"GPU-1": [previous]}}))
+    answers = TimedTaint("gpu-0", None, "NoExecute", raised_at(), 1000.0)
+    assert store.load() == {"GPU-1": (answers,)}
+
+    store.save({"GPU-1": (lost_at(1000.0),)})
+    doc = json.loads(store.path.read_text())
+    assert doc["version"] == 1
+    assert doc["gpus"]["GPU-1"] == [{**previous, "lost": True}]
+    assert store.load() == {"GPU-1": (lost_at(1000.0),)}
+    del doc["gpus"]["GPU-1"][0]["lost"]  # what the previous release reads of it
+    store.path.write_text(json.dumps(doc))
+    assert store.load() == {"GPU-1": (answers,)}
