@@ -3,10 +3,11 @@
 With `--prometheus URL` it asks Prometheus for the increase of the agents' accounting
 counters over `--since`, of the series of the agents' scrape job (`--job`) only;
 without, it reads the counters straight from the agents' metrics endpoints, which
-count since each agent started (the report says so): those given with `--metrics`,
-else every agent found in the cluster as `gpudra top` finds them
+count since each agent started (the report says so), less the namespaces nothing has
+held a device in for a day (the agent drops those counters): those given with
+`--metrics`, else every agent found in the cluster as `gpudra top` finds them
 (`gpudra.cli.agents`). The accounting rules (fair split of shared devices, the idle
-threshold) are in docs/monitoring.md.
+threshold, how long a counter is kept) are in docs/monitoring.md.
 """
 
 from __future__ import annotations

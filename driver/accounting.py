@@ -5,7 +5,8 @@ each holder of a device (a claim's request, by claim UID) is billed the part of 
 interval it held the device, times its share of a whole GPU (`HeldDevice.shares`: a MIG
 device is its compute slices' part of its GPU, a 1g of an A100 or H100 a seventh;
 memory slices by their share of the GPU's memory; time-sliced and MPS holders split
-their device equally; admin access not billed). So the counters are GPU-seconds
+their device equally; admin access not billed; a slice or shares whose basis is not
+known, nothing: `gpudra.driver.holders` has the rules). So the counters are GPU-seconds
 whatever the device: one GPU for one second is one, seven 1g instances held for a
 second are one.
 
@@ -37,11 +38,19 @@ Counters live in memory, as Prometheus counters may.
 
 The time also counts as idle when the device's utilization was under `idle_below`
 percent in this sample: for a whole GPU the mean of NVML's own samples since the
-previous pass (`gpudra.driver.utilization`), for a MIG device GPM's figure over the same
-span; each holder's billed time is idle or not with the device. A device whose
+previous pass (the percent of time a kernel ran: `gpudra.driver.utilization`), for a
+MIG device GPM's figure over the same span (the percent of its SMs busy, a different
+measure that reads lower for the same work: `gpudra.driver.gpm`). A device whose
 utilization NVML does not give (a MIG device without per-instance utilization) is
 billed as allocated and never as idle: the agent does not know, and says so with the
 `utilization_scope` label of its device series.
+
+Use is the device's, never a holder's: NVML gives no utilization per process. Each
+holder's billed time is idle or not with the whole device, so on a device shared by
+several holders (time-slicing, MPS, memory slices, integer shares) a holder that ran
+nothing beside a busy one is billed its part as used, and a busy one beside an idle
+one is billed idle only when the device as a whole was. The split among holders is of
+the time each was allocated, by what it took, not of who used it.
 
 How long a device has been idle is kept per holder: a holder's idle time starts at the
 first sample where it held the device idle, so a claim that gets a device another claim
@@ -57,7 +66,12 @@ is that old (`gpudra.driver.metrics`).
 Memory: between two samples the log keeps at most `DEFAULT_HOLDING_CHANGES` changes,
 dropping the oldest and counting them (`gpudra_holding_changes_dropped_total`); a
 dropped change only leaves time unbilled. Once billed, a sample's changes are gone:
-the accounting keeps only the latest sample's holders.
+the accounting keeps only the latest sample's holders. A counter (one per namespace,
+tenant, class and sharing) is dropped once nothing has held a device under its labels
+for `retain_s` (`DEFAULT_RETAIN_S`, a day): thousands of short-lived namespaces would
+otherwise each keep two series until the agent restarts. Prometheus sees the series
+end; `increase()` over a window that saw it counts what it grew by, and a counter
+created again later starts from zero as a new series, as after an agent restart.
 """
 
 from __future__ import annotations
@@ -73,6 +87,7 @@ from gpudra.driver.sampling import Sample
 
 __all__ = [
     "DEFAULT_IDLE_BELOW",
+    "DEFAULT_RETAIN_S",
     "STALE_AFTER_INTERVALS",
     "AccountKey",
     "Accounting",
@@ -85,6 +100,9 @@ DEFAULT_IDLE_BELOW: Final = 5.0
 # A pass takes a fraction of an interval and starts one interval after the previous
 # one ended: three intervals without a sample is a stall, not a slow pass.
 STALE_AFTER_INTERVALS: Final = 3
+# How long a counter nothing holds a device under is kept: a day, so a report over the
+# last day from the agents' own counters still has the namespaces of the day.
+DEFAULT_RETAIN_S: Final = 24 * 3600.0
 
 # A holder of one device, the same from sample to sample: (claim UID, request).
 _HolderId: TypeAlias = tuple[str, str]
@@ -116,16 +134,18 @@ class IdleDevice:
 
 @dataclass(frozen=True, slots=True)
 class _Seen:
-    """What the accounting keeps of a sample until the next: its time, holders and
-    GPUs' memory (for memory slices' shares)."""
+    """What the accounting keeps of a sample until the next: its time and holders."""
 
     at: float
     held: Mapping[str, HeldDevice]
-    memory: Mapping[str, float]
 
 
 def _holder_id(holder: Holder) -> _HolderId:
     return holder.claim_uid, holder.request
+
+
+def _account_key(holder: Holder) -> AccountKey:
+    return AccountKey(holder.namespace, holder.tenant, holder.device_class, holder.sharing)
 
 
 def stale_after(interval_s: float) -> float:
@@ -143,15 +163,6 @@ def holding(held: HeldDevice) -> dict[_HolderId, Holder]:
         if holder.sharing != ADMIN:
             found.setdefault(_holder_id(holder), holder)
     return found
-
-
-def _memory(sample: Sample) -> dict[str, float]:
-    """Each GPU's memory at `sample`, by GPU UUID."""
-    return {
-        device.gpu_uuid: reading.values["memory_total"]
-        for device, reading in sample.devices
-        if "memory_total" in reading.values and not device.mig
-    }
 
 
 def _spans(
@@ -188,7 +199,7 @@ def _covers(spans: Iterable[_Span], start: float, end: float) -> bool:
 
 
 def _device_seconds(
-    views: Sequence[tuple[HeldDevice, Mapping[str, tuple[Holder, ...]], float | None]],
+    views: Sequence[tuple[HeldDevice, Mapping[str, tuple[Holder, ...]]]],
     spans: Mapping[str, tuple[list[_Span], list[_Span]]],
     start: float,
     end: float,
@@ -198,12 +209,12 @@ def _device_seconds(
     The interval is cut wherever a holder came or went, and each piece is split among
     the claims that held the device in it (`HeldDevice.shares`), billing those whose
     holding is known. Each view is the device and its claims' holders as one sample saw
-    them (with its GPU's memory); a holder gets the least any view bills it, so a share
+    them; a holder gets the least any view bills it, so a share
     that changed between the samples with no change told is billed at the smaller.
     """
     cuts = sorted({start, end, *(t for b, u in spans.values() for span in (*b, *u) for t in span)})
     least: dict[_HolderId, float] | None = None
-    for device, holders_of, memory in views:
+    for device, holders_of in views:
         seconds: dict[_HolderId, float] = {}
         for a, b in itertools.pairwise(cuts):
             present = [
@@ -212,7 +223,7 @@ def _device_seconds(
             if not present:
                 continue
             piece = replace(device, holders=tuple(h for uid in present for h in holders_of[uid]))
-            for holder, share in piece.shares(memory):
+            for holder, share in piece.shares():
                 if _covers(spans[holder.claim_uid][0], a, b):
                     ident = _holder_id(holder)
                     seconds[ident] = seconds.get(ident, 0.0) + (b - a) * share
@@ -231,9 +242,7 @@ def _by_claim(held: HeldDevice | None) -> dict[str, tuple[Holder, ...]]:
     return {uid: tuple(holders) for uid, holders in found.items()}
 
 
-def _billed(
-    previous: _Seen, sample: Sample, memory: Mapping[str, float]
-) -> dict[str, dict[_HolderId, tuple[Holder, float]]]:
+def _billed(previous: _Seen, sample: Sample) -> dict[str, dict[_HolderId, tuple[Holder, float]]]:
     """Device name -> each holder's labels (the latest known) and GPU-seconds over the
     interval from `previous` to `sample`."""
     told: dict[str, list[tuple[bool, float]]] = {}
@@ -255,10 +264,7 @@ def _billed(
         device_early = before or released or after
         assert device_late is not None and device_early is not None
         seconds = _device_seconds(
-            (
-                (device_early, early, previous.memory.get(device_early.gpu_uuid)),
-                (device_late, late, memory.get(device_late.gpu_uuid)),
-            ),
+            ((device_early, early), (device_late, late)),
             spans,
             previous.at,
             sample.at,
@@ -271,11 +277,18 @@ def _billed(
 class Accounting:
     """GPU-second counters fed by the sampler; read from the metrics thread."""
 
-    def __init__(self, *, idle_below: float = DEFAULT_IDLE_BELOW) -> None:
+    def __init__(
+        self, *, idle_below: float = DEFAULT_IDLE_BELOW, retain_s: float = DEFAULT_RETAIN_S
+    ) -> None:
         if not 0 <= idle_below <= 100:
             msg = f"idle threshold {idle_below} is not a percentage (0 to 100)"
             raise ValueError(msg)
+        if retain_s <= 0:
+            msg = f"counter retention {retain_s} must be a positive number of seconds"
+            raise ValueError(msg)
         self.idle_below = idle_below
+        self.retain_s = retain_s
+        self._held_at: dict[AccountKey, float] = {}  # the latest sample a key had a holder
         self._lock = threading.Lock()
         self._allocated: dict[AccountKey, float] = {}
         self._idle: dict[AccountKey, float] = {}
@@ -285,14 +298,11 @@ class Accounting:
 
     def observe(self, sample: Sample) -> None:
         """Bill the time since the previous sample (a `Sampler` `on_sample` callback)."""
-        memory = _memory(sample)
-        previous, self._last = self._last, _Seen(sample.at, sample.held, memory)
+        previous, self._last = self._last, _Seen(sample.at, sample.held)
         if previous is not None and sample.at - previous.at > stale_after(sample.interval_s):
             previous = None  # a stall: nothing is known of the time since the previous
         billed = (
-            _billed(previous, sample, memory)
-            if previous is not None and sample.at > previous.at
-            else {}
+            _billed(previous, sample) if previous is not None and sample.at > previous.at else {}
         )
         utilization = {d.uuid: r.values.get("utilization") for d, r in sample.devices}
 
@@ -322,14 +332,25 @@ class Accounting:
                     device = previous.held.get(name)
                 was_idle = device is not None and idle(device)
                 for holder, seconds in seconds_of.values():
-                    key = AccountKey(
-                        holder.namespace, holder.tenant, holder.device_class, holder.sharing
-                    )
+                    key = _account_key(holder)
+                    self._held_at[key] = sample.at
                     self._allocated[key] = self._allocated.get(key, 0.0) + seconds
                     if was_idle:
                         self._idle[key] = self._idle.get(key, 0.0) + seconds
             self._idle_since = idle_since
             self._idle_now = tuple(idle_now)
+            self._forget_unheld(sample)
+
+    def _forget_unheld(self, sample: Sample) -> None:
+        """Drop the counters nothing held a device under for `retain_s` (call with the
+        lock held)."""
+        for held in sample.held.values():
+            for holder in holding(held).values():
+                self._held_at[_account_key(holder)] = sample.at
+        for key in [k for k, at in self._held_at.items() if sample.at - at > self.retain_s]:
+            del self._held_at[key]
+            self._allocated.pop(key, None)
+            self._idle.pop(key, None)
 
     def allocated(self) -> Mapping[AccountKey, float]:
         with self._lock:

@@ -5,10 +5,21 @@ GPU's figure says nothing about one instance. On Hopper and newer GPUs, GPM meas
 each GPU instance: two samples taken some time apart give the share of the instance's
 SMs that were busy in between. `MigUtilization` keeps each MIG device's last sample,
 so every sampling pass yields the utilization over the whole interval since the
-previous pass, as the whole-GPU figure averages NVML's utilization samples over it
-(`gpudra.driver.utilization`); the first pass after a MIG device appears has nothing to
-compare with yet. Where GPM is not supported (Ampere and older) the NVML
+previous pass, the same span the whole-GPU figure averages NVML's utilization samples
+over (`gpudra.driver.utilization`); the first pass after a MIG device appears has
+nothing to compare with yet. Where GPM is not supported (Ampere and older) the NVML
 error goes to the caller, which reports the value as unavailable with that reason.
+
+The span is the same, the figure is not. The whole-GPU figure is the percent of time
+one or more kernels ran (`nvmlUtilization_t.gpu`), however few SMs they used; this one
+is `NVML_GPM_METRIC_SM_UTIL`, the percent of the instance's SMs that were busy, so one
+small kernel running all the time reads near 100 % on a whole GPU and its SMs' share
+here. GPM's `NVML_GPM_METRIC_GRAPHICS_UTIL` ("percentage of time any compute/graphics
+app was active") would match the whole-GPU definition, but NVML documents
+`nvmlGpmMigSampleGet` without saying which metrics a GPU instance's samples give, so
+the agent keeps the SM figure it has always read rather than switch on a promise NVML
+does not make. The idle threshold, one for both, therefore reads a MIG device's light
+but steady work as idle sooner than a whole GPU's (docs/monitoring.md says so).
 
 Samples are NVML allocations: each is freed once compared, and those of devices no
 longer sampled at the end of a pass (`retain`). Not thread-safe: the sampler calls it

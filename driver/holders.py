@@ -23,20 +23,33 @@ inventory yet, a name no view has) is billed nothing, never a guess: billed whol
 1g would pay for seven, the overbilling the part is there to end.
 
 The fair split of that part among a device's holders:
-- a device with one holder: all of it;
-- memory slices of one GPU: each holder its share of the GPU's memory (a slice of
-  20 GiB of an 80 GiB GPU holds a quarter of it);
+- a device with one holder (not a memory slice or integer shares): all of it;
+- memory slices of one GPU: each holder its share of the memory the scheduler divided,
+  the GPU's memory as the inventory published it (a slice of 20 GiB of an 80 GiB GPU
+  holds a quarter of it). Never the memory NVML reads at a sample: a sample whose
+  memory call failed would leave the slices without a basis, and the basis is the
+  published size, not what the driver reports now;
 - integer shares of a GPU published with shares (`--gpu-shares`): each holder the
-  shares it took over those published (3 of 4 shares hold three quarters of it), so a
-  holder of one share never pays for the time of one that took three;
+  shares it took over those published (3 of 4 shares hold three quarters of it);
+- memory slices whose GPU's published memory is not known (no inventory yet, a GPU
+  discovery could not size), and integer shares of a device not published with shares
+  now: nothing, never an equal part, which would bill a 1 GiB slice beside a 20 GiB one
+  half the GPU;
 - time-sliced and MPS holders (of a whole GPU or of one MIG device), and slices or
-  shares whose size is not known: equal parts;
+  shares whose own size the claim does not give: equal parts;
 - `Unknown` holders (claim not read yet) are not billed; while a device has one, only
   the holders whose part is their own size (a memory slice, integer shares) are billed,
   since every other part depends on what the unread claim took. The time held back is
   lost, as that of a holder change the agent was not told the time of is: billing only
   for what a claim took comes before billing all of the time;
 - admin-access holders (monitoring, debugging) hold nothing: they are shown, not billed.
+
+This splits the time the device was held, by what each holder was allocated: a holder
+of one share of four pays a quarter of the time, whatever the others ran. It does not
+split use: whether that time was used or idle is the whole device's
+(`gpudra.driver.accounting`), so a holder that ran nothing beside a busy one is billed
+its part as used, and one busy beside an idle one as idle only when the whole device
+was. NVML gives no per-process utilization that would tell them apart.
 
 When each claim held its devices: `HoldingLog` keeps the times the preparer tells it,
 from a claim's prepare completing to its unprepare, until the next sampling pass takes
@@ -216,9 +229,11 @@ class HeldDevice:
 
     `uuid` is the device's own (the GPU's, or the MIG device's once created);
     `gpu_uuid` the GPU it is or is part of; `published_shares` the integer shares the
-    device is published with now, None for none; `compute` the part of its GPU's
-    compute it is (1.0 a whole GPU, a MIG device its slices' part), None where the
-    inventory does not tell (see the module docstring).
+    device is published with now, None for none; `memory_total` the bytes of memory
+    the inventory publishes it with, which memory slices divide, None where it does not
+    tell; `compute` the part of its GPU's compute it is (1.0 a whole GPU, a MIG device
+    its slices' part), None where the inventory does not tell (see the module
+    docstring).
     """
 
     device: str
@@ -228,39 +243,38 @@ class HeldDevice:
     holders: tuple[Holder, ...]
     published_shares: int | None = None
     compute: float | None = 1.0
+    memory_total: int | None = None
 
-    def shares(self, memory_total: float | None) -> list[tuple[Holder, float]]:
+    def shares(self) -> list[tuple[Holder, float]]:
         """Each billed holder and its part of a whole GPU: its fraction of the device
         times the device's part of its GPU (see the module docstring)."""
         if self.compute is None:
             return []  # a MIG device of unknown size: billed nothing rather than a guess
-        return [(h, part * self.compute) for h, part in self._fractions(memory_total)]
+        return [(h, part * self.compute) for h, part in self._fractions()]
 
-    def _fractions(self, memory_total: float | None) -> list[tuple[Holder, float]]:
+    def _fractions(self) -> list[tuple[Holder, float]]:
         """Each billed holder and its fraction of the device itself."""
         billed = [h for h in self.holders if h.sharing != ADMIN]
-        if any(h.sharing == UNKNOWN for h in billed):
-            sized = [(h, self._sized(h, memory_total)) for h in billed]
+        all_sized = bool(billed) and (
+            all(h.shares is not None for h in billed) or all(h.memory is not None for h in billed)
+        )
+        if all_sized or any(h.sharing == UNKNOWN for h in billed):
+            # Each its own size, or nothing where the size or what it divides is not known.
+            sized = [(h, self._sized(h)) for h in billed]
             return [(h, part) for h, part in sized if part is not None]
-        if not billed:
-            return []
-        if len(billed) == 1 and billed[0].memory is None and billed[0].shares is None:
+        if len(billed) == 1:
             return [(billed[0], 1.0)]
-        published = self.published_shares
-        if published and all(h.shares is not None for h in billed):
-            return [(h, min(1.0, (h.shares or 0) / published)) for h in billed]
-        if memory_total and all(h.memory is not None for h in billed):
-            return [(h, min(1.0, (h.memory or 0) / memory_total)) for h in billed]
         return [(h, 1.0 / len(billed)) for h in billed]
 
-    def _sized(self, holder: Holder, memory_total: float | None) -> float | None:
-        """`holder`'s fraction by its own size alone (integer shares, a memory slice);
-        None where its part depends on the other holders."""
-        published = self.published_shares
-        if published and holder.shares is not None:
-            return min(1.0, holder.shares / published)
-        if memory_total and holder.memory is not None:
-            return min(1.0, holder.memory / memory_total)
+    def _sized(self, holder: Holder) -> float | None:
+        """`holder`'s fraction by its own size alone (integer shares over those
+        published, a memory slice over the published memory); None where its size or
+        what it divides is not known."""
+        published, memory_total = self.published_shares, self.memory_total
+        if holder.shares is not None:
+            return min(1.0, holder.shares / published) if published else None
+        if holder.memory is not None:
+            return min(1.0, holder.memory / memory_total) if memory_total else None
         return None
 
 
@@ -345,9 +359,17 @@ def held_devices(
             holders=tuple(found),
             published_shares=published.get(name),
             compute=_compute(name, mig=identity[name][2], inventory=inventory),
+            memory_total=_published_memory(name, inventory),
         )
         for name, found in sorted(holders.items())
     }
+
+
+def _published_memory(name: str, inventory: Inventory | None) -> int | None:
+    """The memory the device `name` is published with (what the scheduler divides
+    into memory slices), None where the inventory does not tell."""
+    device = inventory.find(name) if inventory is not None else None
+    return device.capacity.get("memory") if device is not None else None
 
 
 def _compute(name: str, *, mig: bool, inventory: Inventory | None) -> float | None:

@@ -17,6 +17,7 @@ devices.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -43,7 +44,7 @@ from gpudra.driver.holders import (
 from gpudra.driver.nvml import NvmlLibrary
 from gpudra.driver.nvml.codes import constant_names
 from gpudra.driver.nvml.handles import device_handle
-from gpudra.driver.utilization import GpuUtilization, utilization_rates
+from gpudra.driver.utilization import TOP_UP_EVERY_S, GpuUtilization, utilization_rates
 
 __all__ = [
     "DEFAULT_INTERVAL_S",
@@ -199,6 +200,11 @@ class Sampler:
     health state. `on_sample` (accounting) is called on the event loop with each
     new sample. `holdings` is told by the preparer when claims start and stop holding
     their devices, on this sampler's clock; each pass takes what it was told.
+    `wall_clock` is the clock of NVML's utilization sample timestamps (the node's).
+
+    With an interval longer than `TOP_UP_EVERY_S`, `run` also reads the GPUs'
+    utilization sample buffers every `TOP_UP_EVERY_S` between passes (`top_up_once`),
+    since the buffer holds less than such an interval (`gpudra.driver.utilization`).
     """
 
     def __init__(
@@ -216,6 +222,7 @@ class Sampler:
         interval_s: float = DEFAULT_INTERVAL_S,
         on_sample: Iterable[Callable[[Sample], None]] = (),
         clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
     ) -> None:
         self._nvml = nvml
         self._pool = pool
@@ -227,14 +234,21 @@ class Sampler:
         self._shares = shares
         self._health = health
         self.interval_s = interval_s
+        self.top_up_every_s = TOP_UP_EVERY_S  # reads between passes longer than this
         self._on_sample = tuple(on_sample)
         self.clock = clock  # of `Sample.at`: a scrape tells the latest sample's age by it
         self.latest: Sample | None = None  # replaced whole, so a scrape reads one pass
         self.holdings = HoldingLog(claim_info=claim_info, clock=clock)
         self._gpm = MigUtilization()  # used by one pass at a time, in its worker thread
-        self._gpu_utilization = GpuUtilization()  # likewise
+        self._gpu_utilization = GpuUtilization(wall_clock=wall_clock)  # likewise
+        # Held by a pass's or a top-up's worker thread: they share the two above.
+        self._reading = threading.Lock()
 
     def _read_all(self, devices: list[SampledDevice]) -> list[tuple[SampledDevice, Reading]]:
+        with self._reading:
+            return self._read_devices(devices)
+
+    def _read_devices(self, devices: list[SampledDevice]) -> list[tuple[SampledDevice, Reading]]:
         out: list[tuple[SampledDevice, Reading]] = []
         try:
             self._nvml.nvmlInit()
@@ -274,6 +288,32 @@ class Sampler:
             return Reading(reading.values, {**reading.missing, "utilization": "first_gpm_sample"})
         missing = {k: v for k, v in reading.missing.items() if k != "utilization"}
         return Reading({**reading.values, "utilization": value}, missing)
+
+    def _top_up_all(self) -> None:
+        with self._reading:
+            gpus = self._gpu_utilization.gpus()
+            if not gpus:
+                return
+            try:
+                self._nvml.nvmlInit()
+            except pynvml.NVMLError:
+                return  # the next pass reads and reports it
+            try:
+                for uuid in sorted(gpus):
+                    try:
+                        handle = device_handle(self._nvml, uuid)
+                    except pynvml.NVMLError:
+                        continue
+                    self._gpu_utilization.top_up(self._nvml, handle, uuid)
+            finally:
+                self._nvml.nvmlShutdown()
+
+    async def top_up_once(self) -> None:
+        """Read the sampled GPUs' utilization samples since the last read into the
+        coming pass's figure (in a worker thread), so that none is lost from NVML's
+        buffer between passes: the pass's figure is the mean over its whole interval,
+        as a buffer long enough would give it."""
+        await anyio.to_thread.run_sync(self._top_up_all)
 
     async def sample_once(self) -> Sample:
         """One pass: read every device in a worker thread, then tell `on_sample`."""
@@ -316,9 +356,20 @@ class Sampler:
         self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
     ) -> None:
         task_status.started()
-        await run_every(
-            self.interval_s,
-            self.sample_once,
-            failed="device sampling failed; trying again next interval",
-            logger=log,
-        )
+        async with anyio.create_task_group() as tg:
+            if self.interval_s > self.top_up_every_s:
+                tg.start_soon(
+                    partial(
+                        run_every,
+                        self.top_up_every_s,
+                        self.top_up_once,
+                        failed="reading utilization samples between passes failed; trying again",
+                        logger=log,
+                    )
+                )
+            await run_every(
+                self.interval_s,
+                self.sample_once,
+                failed="device sampling failed; trying again next interval",
+                logger=log,
+            )

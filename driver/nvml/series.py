@@ -307,8 +307,10 @@ class Telemetry:
         profile's value at that time, or the value scripted now. A script has no time
         of its own, so it answers the whole stretch since the GPU's samples were last
         asked for: a test scripts what the coming sampling interval is, and a profile's
-        steps change a value within one. Raises pynvml's NOT_SUPPORTED where the GPU
-        lists the value as unsupported.
+        steps change a value within one. Timestamps are the CPU's wall clock on a real
+        GPU: a clock that steps back leaves the samples taken before the step in the
+        buffer, stamped in the future, and the new ones follow at the new times. Raises
+        pynvml's NOT_SUPPORTED where the GPU lists the value as unsupported.
         """
         spec = self._specs.get(gpu_uuid, TelemetrySpec())
         if name not in _PERCENT or name in spec.unsupported:
@@ -321,6 +323,8 @@ class Telemetry:
             scripted = self._scripted_value(gpu_uuid, name)
             ring = self._rings.setdefault((gpu_uuid, name), _Ring())
             now = (round(self._clock() * 1_000_000) - start_us) // SAMPLE_PERIOD_US
+            if now < ring.taken:  # the clock stepped back: the driver samples on from now
+                ring.taken = now - 1
             for period in range(max(ring.taken + 1, now - SAMPLE_RING + 1), now + 1):
                 at_us = period * SAMPLE_PERIOD_US
                 value = _at(signal, at_us / 1_000_000) if scripted is None else scripted

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import anyio
 import pytest
+from gpudra.driver.accounting import Accounting
 from gpudra.driver.checkpoint import ClaimRecord
 from gpudra.driver.holders import ClaimInfo, ClaimInfos, HoldingLog
 from hypothesis import given, settings
@@ -252,3 +253,38 @@ def test_a_gpu_is_never_billed_more_than_the_time_that_passed(
                 last, held_for, told_only = now, 0.0, True
 
     anyio.run(run)
+
+
+async def test_a_counter_nothing_held_a_device_under_for_a_day_is_dropped() -> None:
+    """Short-lived namespaces each left their two series until the agent restarted: a
+    counter whose labels no claim has held a device under for `retain_s` goes, one
+    still held stays however long its device idles, and one made again starts at zero
+    (a new series, which Prometheus's increase() counts from its first sample)."""
+    node = l4_node(utilization=1)
+    node.accounting.retain_s = 300
+    uuid = uuid_of(node)
+    await node.sampler.sample_once()
+    prepared(node, claim("u1", "ci-run-1", "a", "gpu-0", uuid, time_slice=True))
+    prepared(node, claim("u2", "team-a", "b", "gpu-0", uuid, time_slice=True))
+    node.clock.now += 30
+    await node.sampler.sample_once()
+    unprepared(node, "u1")
+    left_at = node.clock.now
+    for _ in range(10):  # 300 s on: kept, the retention not yet past
+        node.clock.now += 30
+        await node.sampler.sample_once()
+    assert node.clock.now - left_at == 300
+    assert billed(node) == {"ci-run-1": pytest.approx(15), "team-a": pytest.approx(315)}
+    node.clock.now += 30
+    await node.sampler.sample_once()
+    assert billed(node) == {"team-a": pytest.approx(345)}
+    assert billed(node, "gpudra_idle_device_seconds_total") == {"team-a": pytest.approx(345)}
+    prepared(node, claim("u3", "ci-run-1", "c", "gpu-0", uuid, time_slice=True))
+    node.clock.now += 30
+    await node.sampler.sample_once()
+    assert billed(node) == {"ci-run-1": pytest.approx(15), "team-a": pytest.approx(360)}
+
+
+def test_the_counter_retention_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="counter retention 0 must be a positive"):
+        Accounting(retain_s=0)

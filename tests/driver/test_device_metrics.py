@@ -433,6 +433,68 @@ async def test_integer_shares_are_billed_by_the_shares_each_holder_took() -> Non
     assert status[0]["data"]["sharing"] == "TimeSlicing"
 
 
+def slices_node(nvml: NvmlEmulator, sizes: dict[str, int]) -> Node:
+    """gpu-0 held in memory slices of `sizes` bytes, one claim per namespace."""
+    uuid = inventory_of(nvml).gpus[0].uuid
+    infos = ClaimInfos()
+    records = []
+    for n, (ns, size) in enumerate(sizes.items()):
+        infos.remember(f"u{n}", ClaimInfo(memory={("gpu-0", f"s{n}"): size}))
+        records.append(claim(f"u{n}", ns, ns, "gpu-0", uuid, share_id=f"s{n}"))
+    return Node(nvml, records, infos, interval_s=100)
+
+
+async def test_memory_slices_are_billed_against_the_published_memory_when_a_reading_fails() -> None:
+    """The scheduler divided the GPU's memory as the inventory published it: a sample
+    whose memory call failed (here the GPU fell off the bus) split the slices equally,
+    a 1 GiB slice beside a 20 GiB one paying half the GPU."""
+    nvml = emulator("l4", {"utilization": 50})
+    node = slices_node(nvml, {"small": GIB, "big": 20 * GIB})
+    published = node.inventory.gpus[0].device.capacity["memory"]
+    await node.sampler.sample_once()
+    node.clock.now += 100
+    await node.sampler.sample_once()
+    before = billed(node)
+    assert before["small"] == pytest.approx(100 * GIB / published)
+    nvml.lose_gpu(0)
+    for _ in range(2):
+        node.clock.now += 100
+        sample = await node.sampler.sample_once()
+    [(_device, reading)] = sample.devices
+    assert "memory_total" not in reading.values
+    after = billed(node)
+    assert after["small"] - before["small"] == pytest.approx(200 * GIB / published)
+    assert after["big"] - before["big"] == pytest.approx(200 * 20 * GIB / published)
+
+
+async def test_slices_or_shares_whose_whole_is_not_known_are_billed_nothing() -> None:
+    """Without the memory the GPU is published with (no inventory yet), or the shares
+    it is published with (no longer published with shares), no slice or share holder
+    is billed an equal part of the GPU instead: that bills the small ones for the big."""
+    node = slices_node(emulator("l4", {"utilization": 50}), {"small": GIB, "big": 20 * GIB})
+    node.inventory = None
+    await node.sampler.sample_once()
+    node.clock.now += 100
+    await node.sampler.sample_once()
+    assert billed(node) == {}
+
+    nvml = emulator("l4", {"utilization": 60})
+    uuid = inventory_of(nvml).gpus[0].uuid
+    big, small = (f"00000000-0000-4000-8000-00000000000{i}" for i in (1, 2))
+    infos = ClaimInfos()
+    infos.remember(big, shares_info(big, "team-a", "s1", 3))
+    infos.remember(small, shares_info(small, "team-b", "s2", 1))
+    records = [
+        claim(big, "team-a", "a", "gpu-0", uuid, share_id="s1"),
+        claim(small, "team-b", "b", "gpu-0", uuid, share_id="s2"),
+    ]
+    node = Node(nvml, records, infos, shares={}, interval_s=100)
+    await node.sampler.sample_once()
+    node.clock.now += 100
+    await node.sampler.sample_once()
+    assert billed(node) == {}
+
+
 def test_the_idle_threshold_must_be_a_percentage() -> None:
     with pytest.raises(ValueError, match="percentage"):
         Accounting(idle_below=150)

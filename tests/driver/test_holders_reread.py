@@ -142,19 +142,21 @@ def test_while_a_holder_is_unread_only_parts_of_their_own_size_are_billed() -> N
         )
 
     def gpu(*holders: Holder, published: int | None = None) -> HeldDevice:
-        return HeldDevice("gpu-0", "GPU-1", "GPU-1", False, holders, published_shares=published)
+        return HeldDevice(
+            "gpu-0", "GPU-1", "GPU-1", False, holders, published_shares=published, memory_total=80
+        )
 
     unread = holder("u0", UNKNOWN)
     one_share, slice_20 = (
         holder("u1", TIME_SLICING, shares=1),
         holder("u2", MEMORY_SLICE, memory=20),
     )
-    assert gpu(unread, one_share, published=4).shares(None) == [(one_share, 0.25)]
-    assert gpu(unread, slice_20).shares(80.0) == [(slice_20, 0.25)]
+    assert gpu(unread, one_share, published=4).shares() == [(one_share, 0.25)]
+    assert gpu(unread, slice_20).shares() == [(slice_20, 0.25)]
     unsized = holder("u3", MEMORY_SLICE)  # read, but its claim gave no size
-    assert gpu(unread, unsized).shares(80.0) == []
-    assert gpu(unread).shares(80.0) == []
-    assert gpu(unsized).shares(80.0) == [(unsized, 1.0)]  # alone, it holds the whole GPU
+    assert gpu(unread, unsized).shares() == []
+    assert gpu(unread).shares() == []
+    assert gpu(unsized).shares() == [(unsized, 1.0)]  # alone, it holds the whole GPU
 
 
 async def test_a_claim_gone_from_the_api_server_or_the_checkpoint_is_no_longer_read() -> None:
