@@ -114,13 +114,15 @@ class ClaimReader(Protocol):
     `kind` is ``ResourceClaim`` or ``ResourceClaimTemplate``; the answer is its
     ResourceClaimSpec (a template's ``spec.spec``) and whether the claim is allocated,
     or None when there is no such object.
-    `pods` lists the namespace's pods that have not terminated, to find those that will
-    use a claim being created; `namespace_labels` reads a namespace the tenant view has
-    not seen yet (None: there is no such namespace); `claims_made_for` names the claims
-    the resourceclaim controller made for a pod's template entries (controlled by the
-    pod, annotated with the entry's name), by entry; `workloads_admitted_with` names the
-    Kueue Workloads of the namespace admitted, and not finished, with pods that refer to
-    a template of that name (none where Kueue is not installed).
+    `pods` lists the namespace's pods that have not terminated and that its filter
+    keeps, to find those that will use a claim being created (the filter bounds what a
+    namespace of many pods makes the webhook hold); `namespace_labels` reads a namespace
+    the tenant view has not seen yet (None: there is no such namespace);
+    `claims_made_for` names the claims the resourceclaim controller made for a pod's
+    template entries (controlled by the pod, annotated with the entry's name), by entry;
+    `workloads_admitted_with` names the Kueue Workloads of the namespace admitted, and
+    not finished, with pods that refer to a template of that name (none where Kueue is
+    not installed).
     """
 
     async def __call__(self, namespace: str, kind: str, name: str) -> StoredClaim | None: ...
@@ -131,7 +133,9 @@ class ClaimReader(Protocol):
 
     async def namespace_labels(self, namespace: str) -> Mapping[str, str] | None: ...
 
-    async def pods(self, namespace: str) -> Sequence[Mapping[str, Any]]: ...
+    async def pods(
+        self, namespace: str, keep: Callable[[Mapping[str, Any]], bool]
+    ) -> Sequence[Mapping[str, Any]]: ...
 
     async def workloads_admitted_with(self, namespace: str, template: str) -> Sequence[str]: ...
 
@@ -604,7 +608,10 @@ class Admission:
         webhook did not patch: `_rules_view`), so a pod admitted with ``nvidia.com/gpu``
         beside a claim of no GPU cannot have that claim created again with one. The
         native resources the scheduler's claim for the pod holds are counted there, not
-        twice. Fails closed: pods that cannot be listed deny.
+        twice. Fails closed: pods that cannot be listed deny. Only the pods that use the
+        claim are kept of the list (`ClaimReader.pods`), which the claims created at the
+        same time share (``templates.ApiClaimReader.pods`` says how, and why that still
+        sees every pod stored before this admission began).
         """
         limit = rules.tenant.spec.max_devices_per_pod
         if limit is None:
@@ -617,7 +624,9 @@ class Admission:
             return f"{heading}, and this webhook cannot read the pods that use this claim"
         try:
             with anyio.fail_after(self._ensure_timeout):
-                pods = await self._read_claims.pods(namespace)
+                pods = await self._read_claims.pods(
+                    namespace, lambda pod: _entry_filled_by(pod, claim) is not None
+                )
         except Exception as exc:
             logger.warning(
                 "could not list pods", exc_info=True, extra={"fields": {"namespace": namespace}}

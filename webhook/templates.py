@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Final
 
+import anyio
 from gpudra.common.kube import RESOURCE_API, ApiError, Kube
 from gpudra.webhook.convert import same_claim_spec
 from gpudra.webhook.owners import controller_of
@@ -32,9 +34,35 @@ KUEUE_VERSIONS: Final = ("kueue.x-k8s.io/v1beta2", "kueue.x-k8s.io/v1beta1")
 DEFAULT_TTL_S = 60.0
 _MAX_ENTRIES = 10_000
 
+PODS_PER_PAGE: Final = 100
+"""Pods one response of a pod list holds (`ApiClaimReader.pods`): a hostile tenant
+makes its pods as big as the API server stores (1.5 MiB each), so a page is bounded by
+count, the only bound a list has, and kept small; 10,000 pods are 100 round trips."""
+_POD_PHASES: Final = "status.phase!=Succeeded,status.phase!=Failed"
+
 
 class TemplateConflict(ValueError):
     """A template exists under a generated name with content the conversion did not write."""
+
+
+class PodListError(Exception):
+    """A namespace's pods could not be listed whole: what failed, for a denial."""
+
+
+PodFilter = Callable[[Mapping[str, Any]], bool]
+"""Which pods a reader of `ApiClaimReader.pods` keeps."""
+
+
+@dataclass(eq=False)
+class _PodList:
+    """One LIST of a namespace's pods, shared by every read that joined it before it
+    began: each gets the pods its filter keeps, or the list's failure."""
+
+    readers: list[tuple[PodFilter, list[Mapping[str, Any]]]] = field(default_factory=list)
+    done: anyio.Event = field(default_factory=anyio.Event)
+    failure: str | None = None
+    abandoned: bool = False
+    """Its leader was cancelled: the other readers list again, each from its own start."""
 
 
 class ApiTemplateEnsurer:
@@ -95,11 +123,16 @@ class ApiClaimReader:
 
     Not cached: a claim can be deleted and re-created with other content under its name,
     and only pods in tenant namespaces that name claims by hand pay the round trip (and
-    for templates only where a per-pod device limit counts them).
+    for templates only where a per-pod device limit counts them). Pod lists are shared
+    by the reads made together, and never kept (`pods`).
     """
 
-    def __init__(self, kube: Kube) -> None:
+    def __init__(self, kube: Kube, *, pods_per_page: int = PODS_PER_PAGE) -> None:
         self.kube = kube
+        self._pods_per_page = pods_per_page
+        # By namespace: the pod list readers may still join, and the one being made.
+        self._waiting: dict[str, _PodList] = {}
+        self._listing: dict[str, anyio.Event] = {}
 
     async def __call__(self, namespace: str, kind: str, name: str) -> StoredClaim | None:
         template = kind == "ResourceClaimTemplate"
@@ -177,15 +210,114 @@ class ApiClaimReader:
             )
         return []
 
-    async def pods(self, namespace: str) -> Sequence[Mapping[str, Any]]:
-        """The namespace's pods that may still start containers (not Succeeded or Failed)."""
-        listing = await self.kube.request(
-            "GET",
-            f"/api/v1/namespaces/{namespace}/pods",
-            query={"fieldSelector": "status.phase!=Succeeded,status.phase!=Failed"},
-        )
-        items = listing.get("items") if isinstance(listing, dict) else None
-        return [p for p in items if isinstance(p, dict)] if isinstance(items, list) else []
+    async def pods(self, namespace: str, keep: PodFilter) -> list[Mapping[str, Any]]:
+        """The namespace's pods that may still start containers (not Succeeded or
+        Failed) and that `keep` accepts, in the API server's order; raises
+        `PodListError` (or the read's own error) where they cannot all be listed.
+
+        Each read of a claim being created lists them, and a tenant controls both its
+        pods and its claims: thousands of cheap pending pods and as many claims created
+        at once would make the API server serialise, and the webhook parse and hold,
+        the whole list once per claim. So:
+
+        - Reads of one namespace share lists (single flight). A read joins only a list
+          that has not begun, and a list begins only once the one before it has ended:
+          every pod stored before a read began is in the list it gets, as in a list of
+          its own (a list already under way may have been read before a pod the claim's
+          user stored a moment ago, and would let the claim be counted without it). So
+          at most one list of a namespace is made at a time, and claims created together
+          cost two lists, however many they are; a read waits for at most the list under
+          way and its own. A read whose list's leader was cancelled (its admission ran
+          out of time) lists again, from its own start.
+        - A list is read in pages of `PODS_PER_PAGE` (``limit``/``continue``), and each
+          read keeps of each page only the pods its `keep` accepts (for a claim, those
+          that will use it), so the webhook holds one page and the pods that matter,
+          not the namespace. An error on any page, a continue token that expired (410)
+          included, fails the whole list: a list missing pages would leave their pods
+          uncounted, and one restarted from an expired token is not consistent.
+        - The list is a consistent read (no ``resourceVersion``), and its pages are
+          served from the first page's snapshot. ``resourceVersion=0`` would let the
+          watch cache answer, cheaper for the API server but as stale as the cache: a
+          pod stored just before the claim could be missing, and uncounted. (Older API
+          servers also ignore ``limit`` for it, returning the whole list in one.)
+
+        A list is not stopped once one read's answer is known: the others that share it
+        need the rest, and a claim's answer needs each of its pods' claims read, after.
+        """
+        while True:
+            waiting = self._waiting.get(namespace)
+            leader = waiting is None
+            if waiting is None:
+                waiting = self._waiting[namespace] = _PodList()
+            found: list[Mapping[str, Any]] = []
+            reader = (keep, found)
+            waiting.readers.append(reader)
+            try:
+                if leader:
+                    await self._list_pods(namespace, waiting)
+                else:
+                    await waiting.done.wait()
+            finally:
+                if not waiting.done.is_set():
+                    waiting.readers.remove(reader)
+            if waiting.abandoned:
+                continue
+            if waiting.failure is not None:
+                raise PodListError(waiting.failure)
+            return found
+
+    async def _list_pods(self, namespace: str, pods: _PodList) -> None:
+        """Make the list `pods` (its leader's part): once the namespace's list under way
+        has ended, closed to new readers, page by page."""
+        try:
+            while (under_way := self._listing.get(namespace)) is not None:
+                await under_way.wait()
+            if self._waiting.get(namespace) is pods:
+                del self._waiting[namespace]
+            self._listing[namespace] = ended = anyio.Event()
+            try:
+                await self._pages(namespace, pods)
+            finally:
+                del self._listing[namespace]
+                ended.set()
+        except Exception as exc:
+            pods.failure = str(exc) or type(exc).__name__
+            raise
+        except BaseException:  # cancelled: the other readers are not, and list again
+            pods.abandoned = True
+            raise
+        finally:
+            if self._waiting.get(namespace) is pods:
+                del self._waiting[namespace]
+            pods.done.set()
+
+    async def _pages(self, namespace: str, pods: _PodList) -> None:
+        path = f"/api/v1/namespaces/{namespace}/pods"
+        query = {"fieldSelector": _POD_PHASES, "limit": str(self._pods_per_page)}
+        page = 0
+        while True:
+            page += 1
+            try:
+                listing = await self.kube.request("GET", path, query=dict(query))
+            except ApiError as e:
+                if page == 1:
+                    raise
+                raise PodListError(
+                    f"{e} (page {page} of the list of pods of namespace {namespace}; the "
+                    "pods of the pages not read would be left uncounted)"
+                ) from e
+            items = listing.get("items") if isinstance(listing, dict) else None
+            readers = tuple(pods.readers)  # one cancelled meanwhile still gets this page
+            for pod in items if isinstance(items, list) else ():
+                if isinstance(pod, dict):
+                    for keep, found in readers:
+                        if keep(pod):
+                            found.append(pod)
+            metadata = listing.get("metadata") if isinstance(listing, dict) else None
+            token = metadata.get("continue") if isinstance(metadata, dict) else None
+            if not isinstance(token, str) or not token:
+                return
+            query["continue"] = token
 
 
 def _admitted(workload: Any) -> bool:

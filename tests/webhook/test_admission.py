@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import pytest
@@ -205,8 +205,10 @@ class Claims:
         spec = self.specs.get(name)
         return None if spec is None else StoredClaim(spec, name in self.allocated)
 
-    async def pods(self, namespace: str) -> list[dict[str, Any]]:
-        return self.live_pods
+    async def pods(
+        self, namespace: str, keep: Callable[[Mapping[str, Any]], bool]
+    ) -> list[dict[str, Any]]:
+        return [p for p in self.live_pods if keep(p)]
 
     async def claims_made_for(self, namespace: str, pod_uid: str) -> dict[str, list[str]]:
         return self.made.get(pod_uid, {})

@@ -134,3 +134,55 @@ async def test_the_api_reader_finds_no_kueue_workloads_where_kueue_is_not_served
     answer. Kueue's own Workloads are read in e2e/tests/test_kueue.py."""
     reader = ApiClaimReader(akube)
     assert await reader.workloads_admitted_with(namespace, "one-gpu") == []
+
+
+class _Counted:
+    """The webhook's API client, counting the queries of the pod lists it sends."""
+
+    def __init__(self, kube: AsyncKube) -> None:
+        self.kube = kube
+        self.pod_queries: list[dict[str, str]] = []
+
+    async def request(self, method: str, path: str, body: Any = None, **kw: Any) -> Any:
+        if path.endswith("/pods"):
+            self.pod_queries.append(dict(kw.get("query") or {}))
+        return await self.kube.request(method, path, body, **kw)
+
+
+async def test_the_api_reader_pages_a_namespaces_pods_and_keeps_what_its_filter_does(
+    akube: AsyncKube, kube: Kube, namespace: str
+) -> None:
+    """The API server pages the phase-selected list (``limit``/``continue``) as the
+    reader asks: five waiting pods in pages of two are three requests, and the reader
+    keeps the pods its filter accepts from every page; a pod that finished (its status
+    set Failed) is left out by the field selector."""
+    names = [f"p{i}" for i in range(5)]
+    for name in [*names, "done"]:
+        pod = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": name, "namespace": namespace, "labels": {"n": name}},
+            "spec": {
+                "nodeSelector": {"gpudra.test/none": "none"},  # never scheduled
+                "containers": [{"name": "c", "image": "busybox"}],
+            },
+        }
+        await anyio.to_thread.run_sync(lambda pod=pod: kube.create(pod))
+    await anyio.to_thread.run_sync(
+        lambda: kube.request(
+            "PATCH",
+            f"/api/v1/namespaces/{namespace}/pods/done/status",
+            {"status": {"phase": "Failed"}},
+            content_type="application/merge-patch+json",
+        )
+    )
+    counted = _Counted(akube)
+    reader = ApiClaimReader(counted, pods_per_page=2)  # type: ignore[arg-type]
+
+    found = await reader.pods(namespace, lambda p: p["metadata"]["name"] != "p3")
+
+    assert sorted(p["metadata"]["name"] for p in found) == ["p0", "p1", "p2", "p4"]
+    assert len(counted.pod_queries) == 3
+    assert [q.get("continue") is None for q in counted.pod_queries] == [True, False, False]
+    everything = await reader.pods(namespace, lambda p: True)
+    assert sorted(p["metadata"]["name"] for p in everything) == names

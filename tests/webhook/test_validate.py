@@ -671,7 +671,7 @@ class NoClaims:
     async def __call__(self, namespace: str, kind: str, name: str) -> None:
         return None
 
-    async def pods(self, namespace: str) -> list[dict[str, Any]]:
+    async def pods(self, namespace: str, keep: Any) -> list[dict[str, Any]]:
         return []
 
     async def claims_made_for(self, namespace: str, pod_uid: str) -> dict[str, list[str]]:
