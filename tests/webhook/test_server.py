@@ -35,6 +35,8 @@ from gpudra.webhook.transport import _RECEIVE_BUFFER, HttpConfig, HttpServer, _C
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from e2e.webhook_wire import Unread, posted
+
 pytestmark = pytest.mark.anyio
 
 Patcher = Callable[[Any, Sequence[dict[str, Any]]], Any]
@@ -188,16 +190,6 @@ def review(
             **request,
         },
     }
-
-
-def posted(body: bytes, path: str = "/mutate-pods") -> bytes:
-    """A whole POST of `body` to `path`, as bytes to send: requests written by hand, to
-    pipeline them or to hold a connection in a state no client library makes."""
-    return b"POST %s HTTP/1.1\r\nHost: w\r\nContent-Length: %d\r\n\r\n%s" % (
-        path.encode(),
-        len(body),
-        body,
-    )
 
 
 async def admit(c: Client, body: Any) -> Response:
@@ -906,24 +898,6 @@ async def test_a_client_pipelining_without_reading_holds_three_requests_at_most(
         assert [a.status for a in answers] == [200, 200, 200]
         assert [a.headers["connection"] for a in answers] == ["keep-alive", "keep-alive", "close"]
         assert metric(h, "gpudra_webhook_requests_total", path="/healthz", result="ok") == 4
-
-
-class Unread:
-    """A TLS client that never reads what the server sends, with a small receive buffer so
-    that the server's writes back up after a few answers (blocking; run in a thread)."""
-
-    def __init__(self, port: int, ca_pem: bytes) -> None:
-        raw = socket.socket()
-        raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        raw.connect(("127.0.0.1", port))
-        context = ssl.create_default_context(cadata=ca_pem.decode())
-        self.tls = context.wrap_socket(raw, server_hostname="127.0.0.1")
-
-    async def send(self, data: bytes) -> None:
-        await anyio.to_thread.run_sync(self.tls.sendall, data)
-
-    def close(self) -> None:
-        self.tls.close()
 
 
 async def backed_up(h: Harness) -> tuple[Unread, Any]:
