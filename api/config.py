@@ -102,6 +102,11 @@ STRATEGIES: Final[tuple[Strategy, ...]] = get_args(Strategy)
 INTERVALS: Final[tuple[TimeSliceInterval, ...]] = get_args(TimeSliceInterval)
 
 _MIB: Final = 1024 * 1024
+_MAX_PINNED_LIMIT: Final = 1024**5
+"""1Pi: the most a pinned device memory limit may be, far above any GPU's memory; a
+larger value would reach the MPS daemon as a number of up to a hundred digits. The
+node refuses a limit above the memory of the very device it is given
+(`gpudra.driver.planning.mps_limits`)."""
 _DEVICE_SELECTOR_RE: Final = re.compile(
     r"[0-9]{1,4}|GPU-[0-9a-fA-F-]+|MIG-[0-9a-fA-F-]+|MIG-GPU-[0-9a-fA-F-]+/[0-9]+/[0-9]+"
 )
@@ -192,7 +197,7 @@ def _quantity_error(reason: str) -> PydanticCustomError:
 
 
 def _pinned_limit(value: Any) -> Quantity:
-    """A pinned device memory limit: a non-negative quantity of at least 1Mi."""
+    """A pinned device memory limit: a quantity from 1Mi to 1Pi (`_MAX_PINNED_LIMIT`)."""
     if isinstance(value, Quantity):
         return value
     if isinstance(value, bool) or not isinstance(value, str | int | float):
@@ -210,6 +215,13 @@ def _pinned_limit(value: Any) -> Quantity:
             "gpudra_range",
             "must be at least 1Mi because MPS takes limits in whole MiB (got {value})",
             {"value": repr(text), "accepted": (">= 1Mi",)},
+        )
+    if quantity.value() > _MAX_PINNED_LIMIT:
+        raise PydanticCustomError(
+            "gpudra_range",
+            "must be at most 1Pi, more memory than any GPU has (got {value}); use at most "
+            "the memory of the device the config is given",
+            {"value": repr(text), "accepted": ("<= 1Pi",)},
         )
     return quantity
 

@@ -15,18 +15,28 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
+from typing import Final
 
-from gpudra.api.config import ConfigError, DeviceConfig, join_path
+from gpudra.api.config import (
+    INTERVALS,
+    ConfigError,
+    ConfigIssue,
+    DeviceConfig,
+    interval_value,
+    join_path,
+)
 from gpudra.api.config import DeviceType as ConfigDeviceType
 from gpudra.api.sharing import mps_percentage_conflict, resolve_sharing, sharing_of
-from gpudra.driver.checkpoint import Checkpoint, DeviceRecord
+from gpudra.driver.checkpoint import Checkpoint, ClaimRecord, DeviceRecord
 from gpudra.driver.claims import AllocatedDevice, Claim, ClaimError, config_error
 from gpudra.driver.devices import Device, DeviceType, Gpu, Inventory, MigStrategy
-from gpudra.driver.records import DeviceDetails, UsedMig
+from gpudra.driver.records import DeviceDetails, TimeSliceSet, UsedMig
 
-__all__ = ["Entry", "mps_limits", "mps_percentage", "plan"]
+__all__ = ["Entry", "interval_name", "mps_limits", "mps_percentage", "plan"]
 
 log = logging.getLogger(__name__)
+
+_DEFAULT_INTERVAL: Final = interval_value("Default")
 
 
 @dataclass(slots=True)
@@ -109,6 +119,7 @@ def plan(
             f"{ref.describe()}: device {', '.join(duplicates)} is allocated twice to "
             "this claim without a shareID"
         )
+    _check_time_slices(claim, checkpoint, pool, entries)
     _check_mps(claim, entries)
     return entries
 
@@ -199,27 +210,118 @@ def _entry(
         return entry  # monitoring beside the owner: nothing on the device changes
     entry.time_slice = sharing.time_slice
     entry.mps = sharing.mps
-    if entry.time_slice is not None:
-        _check_time_slice(claim, checkpoint, pool, entry)
+    if entry.time_slice is not None and entry.uuid is not None:
+        # Recorded with the plan (`ClaimPreparer._set_time_slice` replaces it once set),
+        # so that a claim planned while this one is being prepared sees the interval it
+        # relies on; not applied: an undo before the setting resets only on a best-effort
+        # basis, and only where no other claim relies on the setting.
+        planned = TimeSliceSet(uuid=entry.uuid, interval=entry.time_slice, applied=False)
+        entry.details = replace(entry.details, time_slice=planned)
     return entry
 
 
-def _check_time_slice(claim: Claim, checkpoint: Checkpoint, pool: str, entry: Entry) -> None:
-    """Claims sharing one GPU share its one time-slice setting, so they must agree on it
-    (the upstream driver refuses differing configs on a shared device too)."""
-    for holder, held in checkpoint.holders((pool, entry.device.name)):
-        theirs = held.details.time_slice
-        if holder.uid == claim.uid or theirs is None or theirs.interval == entry.time_slice:
+def interval_name(value: int) -> str:
+    """A time-slice setting as configs spell it (`Long`), for messages."""
+    return INTERVALS[value] if 0 <= value < len(INTERVALS) else str(value)
+
+
+def _relied_interval(entry: Entry) -> int | None:
+    """The time-slice interval the device runs under on a GPU it shares with other
+    claims; None where it shares no GPU-wide time-slice (admin access, a device held
+    alone, a MIG device). A device that sets none (MPS, a memory slice) runs under the
+    GPU's Default one."""
+    if entry.admin or entry.alone or entry.device.type is not DeviceType.GPU:
+        return None
+    return _DEFAULT_INTERVAL if entry.time_slice is None else entry.time_slice
+
+
+def _held_interval(record: ClaimRecord, held: DeviceRecord) -> int | None:
+    """The time-slice interval another claim's device relies on, as its record says;
+    None where it relies on none: admin access; an exclusive holder (the device conflict
+    check refuses sharing it); a record with parts this release cannot read (the
+    time-slice step itself names the by-hand remedy); or a prepared time-sliced share
+    whose undo has already released its setting (it is leaving). A device without a
+    time-slice record otherwise (an MPS share or memory slice, prepared or being
+    prepared: a time-sliced share records its interval with its plan) relies on Default."""
+    details = held.details
+    if held.admin_access or held.exclusive or details.problems:
+        return None
+    if details.time_slice is not None:
+        return details.time_slice.interval
+    if record.completed and details.mps is None:
+        return None
+    return _DEFAULT_INTERVAL
+
+
+def _check_time_slices(
+    claim: Claim, checkpoint: Checkpoint, pool: str, entries: Sequence[Entry]
+) -> None:
+    """Claims sharing one GPU share its one time-slice setting, and a claim running MPS
+    or holding a memory slice on it runs under that setting too, relying on Default
+    (it sets none): so every claim on the GPU must rely on the same interval. Checked
+    against the claims recorded (prepared or being prepared: the plan and its record
+    are made with no other prepare in between) and between this claim's own devices."""
+    for entry in entries:
+        ours = _relied_interval(entry)
+        if ours is None:
             continue
-        name = holder.name_seen_from(claim.ref.namespace)
-        other = f"claim {name}" if name else "a claim of another namespace"
-        raise ClaimError(
-            f"{claim.ref.describe()}: {entry.allocated.path}: GPU {entry.device.name} is "
-            f"time-sliced with interval {theirs.interval} for {other}, and this claim's config "
-            f"({join_path(entry.config_path, 'sharing.timeSlicingConfig.interval')}) asks "
-            f"for {entry.time_slice}; claims sharing a GPU need the same interval: use the "
-            "same class or config for them"
+        for other in entries:
+            if other is entry or other.device.name != entry.device.name:
+                continue
+            theirs = _relied_interval(other)
+            if theirs is not None and theirs != ours:
+                raise _time_slice_conflict(
+                    claim,
+                    entry,
+                    theirs,
+                    asked=other.time_slice is not None,
+                    who=f"this claim's {other.allocated.path}",
+                )
+        for holder, held in checkpoint.holders((pool, entry.device.name)):
+            if holder.uid == claim.uid:
+                continue
+            theirs = _held_interval(holder, held)
+            if theirs is None or theirs == ours:
+                continue
+            name = holder.name_seen_from(claim.ref.namespace)
+            raise _time_slice_conflict(
+                claim,
+                entry,
+                theirs,
+                asked=held.details.time_slice is not None,
+                who=f"claim {name}" if name else "a claim of another namespace",
+            )
+
+
+def _time_slice_conflict(
+    claim: Claim, entry: Entry, theirs: int, *, asked: bool, who: str
+) -> ClaimError:
+    """The refusal of `entry`, whose interval differs from the `theirs` that `who`
+    relies on (`asked`: it set that interval itself, else it relies on Default)."""
+    if asked:
+        their_side = f"is time-sliced with interval {interval_name(theirs)} for {who}"
+    else:
+        their_side = (
+            f"is shared with {who}, which runs under the Default time-slice interval "
+            "(an MPS device or a memory slice sets none)"
         )
+    ours, path = entry.time_slice, entry.config_path
+    if ours is not None and path:
+        field = join_path(path, "sharing.timeSlicingConfig.interval")
+        our_side = f"this claim's config ({field}) asks for {interval_name(ours)}"
+    elif ours is not None:
+        our_side = "this claim's share is time-sliced with the Default interval (no config)"
+    elif path:
+        field = join_path(path, "sharing.strategy")
+        our_side = f"this claim's config ({field}) runs it under MPS, which relies on Default"
+    else:
+        our_side = "this claim's memory slice runs under MPS, which relies on Default"
+    return ClaimError(
+        f"{claim.ref.describe()}: {entry.allocated.path}: GPU {entry.device.name} "
+        f"{their_side}, and {our_side}; claims sharing a GPU need the same interval (Default "
+        "where one of them runs MPS or holds a memory slice): use the same class or config "
+        "for them"
+    )
 
 
 def _whole_memory(allocated: AllocatedDevice, device: Device) -> bool:
@@ -293,7 +395,10 @@ def mps_percentage(members: Sequence[Entry]) -> int | None:
 
 
 def mps_limits(members: Sequence[Entry], *, placeholder: bool = False) -> dict[str, int]:
-    """Pinned memory limit per device UUID: the config's, capped at a slice's memory."""
+    """Pinned memory limit per device UUID: the config's, capped at a slice's memory.
+
+    A limit above the device's memory is refused, naming the field: MPS would take it
+    as it is, and a limit no device can reach is a typo more likely than a wish."""
     limits: dict[str, int] = {}
     groups: dict[int, list[Entry]] = {}
     for entry in members:
@@ -304,7 +409,12 @@ def mps_limits(members: Sequence[Entry], *, placeholder: bool = False) -> dict[s
             continue
         uuids = [e.uuid or (f"<{e.device.name}>" if placeholder else "") for e in group]
         try:
-            limits.update(mps.pinned_memory_limits(uuids))
+            found = mps.pinned_memory_limits(uuids)
+            for index, (entry, uuid) in enumerate(zip(group, uuids, strict=True)):
+                _check_pinned_limit(
+                    mps.default_per_device_pinned_memory_limit, entry, index, found.get(uuid)
+                )
+            limits.update(found)
         except ConfigError as exc:
             raise exc.with_prefix(join_path(group[0].config_path, "sharing.mpsConfig")) from None
     for entry in members:
@@ -313,3 +423,32 @@ def mps_limits(members: Sequence[Entry], *, placeholder: bool = False) -> dict[s
             key = entry.uuid or f"<{entry.device.name}>"
             limits[key] = min(limits.get(key, consumed), consumed)
     return limits
+
+
+def _check_pinned_limit(
+    per_device: Mapping[str, object] | None, entry: Entry, index: int, limit: int | None
+) -> None:
+    """Raise ConfigError (path relative to the `mpsConfig`) where `limit`, the pinned
+    memory limit of `entry`'s device (`index` of its config's devices), is above the
+    device's memory."""
+    total = entry.device.capacity.get("memory")
+    if limit is None or total is None or limit <= total:
+        return
+    keys = per_device or {}
+    key = next((k for k in (entry.uuid, str(index)) if k is not None and k in keys), None)
+    field = (
+        "defaultPinnedDeviceMemoryLimit"
+        if key is None
+        else f"defaultPerDevicePinnedMemoryLimit[{key}]"
+    )
+    mib = 1024 * 1024
+    raise ConfigError(
+        [
+            ConfigIssue(
+                field,
+                f"asks for {-(-limit // mib)} MiB, more than the {total // mib} MiB of memory "
+                f"of device {entry.device.name}; use at most the device's memory",
+                (f"<= {total // mib}Mi",),
+            )
+        ]
+    )

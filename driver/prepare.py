@@ -74,7 +74,7 @@ from gpudra.driver.mig import (
     set_compute_mode,
 )
 from gpudra.driver.nvml import NvmlLibrary
-from gpudra.driver.planning import Entry, mps_limits, mps_percentage, plan
+from gpudra.driver.planning import Entry, interval_name, mps_limits, mps_percentage, plan
 from gpudra.driver.plugin import PreparedDevice, PrepareResult
 from gpudra.driver.records import (
     ComputeModeSet,
@@ -619,9 +619,10 @@ class ClaimPreparer:
         GPU's users: the first sets it, later shares find it applied, and undo resets it
         only when the last one goes (`_undo`). One lock orders these, so two shares
         never both skip a reset nor count each other's change as the admin's setting.
-        Planning compared the interval with the shares it saw; a share being prepared
-        at the same moment had not recorded its step yet, so the interval is compared
-        again here, under the lock, before anything changes.
+        Planning compared the interval with every claim on the GPU, time-sliced or
+        relying on Default (MPS, memory slices), its step recorded with the plan, so
+        those being prepared at the same moment are seen too; the interval is compared
+        again here, under the lock, with the settings applied, before anything changes.
 
         Time-slicing needs the GPU's compute mode at DEFAULT (several processes). The
         first claim records the mode it replaces; each later one copies that from the
@@ -659,9 +660,10 @@ class ClaimPreparer:
                 name = holder.name_seen_from(ref.namespace) if holder is not None else None
                 raise ClaimError(
                     f"{ref.describe()}: GPU {uuid} is time-sliced with interval "
-                    f"{other.interval} for {f'claim {name}' if name else 'another claim'}, "
-                    f"and this claim asks for {interval}; claims sharing a GPU need the same "
-                    "interval: use the same class or config for them"
+                    f"{interval_name(other.interval)} for "
+                    f"{f'claim {name}' if name else 'another claim'}, and this claim asks for "
+                    f"{interval_name(interval)}; claims sharing a GPU need the same interval: "
+                    "use the same class or config for them"
                 )
             current = await anyio.to_thread.run_sync(compute_mode, self._nvml, uuid)
             first = not held

@@ -501,7 +501,9 @@ def _check_mps(
     Of a request's ``firstAvailable`` alternatives one is allocated: their percentages
     never meet, and an index must name a device whichever of them using the config is
     allocated, so the fewest devices among those count (for ``allocationMode: All``,
-    one: a node may have only one). Admin-access devices join no daemon.
+    one: a node may have only one). The ways one request may resolve (a whole GPU or a
+    MIG device, for a class that does not pin the kind) meet where it may get several
+    devices: the scheduler may give it some of each. Admin-access devices join no daemon.
     """
     percentages: dict[str, dict[int, str]] = {}  # parent request -> value -> config path
     settings: dict[str, MpsConfig] = {}
@@ -512,6 +514,7 @@ def _check_mps(
             continue
         parent = request.name.split("/", 1)[0]
         paths = uses[request.path] = set()
+        own: dict[int, str] = {}  # this request's ways: value -> config path
         for _, sharing in resolved.get(request.path, ()):
             mps = sharing.mps_config if sharing.mps else None
             paths.add(None if mps is None else sharing.path)
@@ -520,7 +523,15 @@ def _check_mps(
             if mps.default_active_thread_percentage is not None:
                 asked = percentages.setdefault(parent, {})
                 asked.setdefault(mps.default_active_thread_percentage, sharing.path)
+                own.setdefault(mps.default_active_thread_percentage, sharing.path)
             settings[sharing.path] = mps
+        conflict = mps_percentage_conflict(own) if request.count > 1 else None
+        if conflict is not None:
+            verdict.invalid.append(
+                f"{request.path}: may be given several devices, whole GPUs and MIG devices "
+                f"together (device class {request.device_class} does not pin the kind), and "
+                f"{conflict}"
+            )
     merged: dict[int, str] = {}
     for asked in percentages.values():
         for value, path in asked.items():

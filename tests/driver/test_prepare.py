@@ -1114,7 +1114,7 @@ async def test_integer_shares_set_the_time_slice_once_and_reset_it_with_the_last
     assert [c for c in node.tool_calls() if c.startswith(setting)] == [f"{setting} 3"]
     refused = (await preparer.prepare([short]))[short.uid].error
     assert refused is not None
-    assert f"time-sliced with interval 3 for claim {env.namespace}/" in refused
+    assert f"time-sliced with interval Long for claim {env.namespace}/" in refused
     assert "claims sharing a GPU need the same interval" in refused
 
     assert await preparer.unprepare([a]) == {a.uid: None}
@@ -3649,6 +3649,152 @@ async def test_shares_asking_for_other_intervals_are_refused_also_when_prepared_
     error = (await preparer.prepare([both]))[both.uid].error
     assert error is not None and "need the same interval" in error
     assert time_slice_of(node, other.uuid) == 0  # rolled back
+
+
+MPS_SHARE = {"strategy": "MPS", "mpsConfig": {"defaultActiveThreadPercentage": 50}}
+
+
+def memory_slice(device: str) -> dict[str, Any]:
+    """Part of a shared GPU's memory, as the scheduler allocates it: runs under MPS."""
+    return {
+        "device": device,
+        "shareID": str(uuidlib.uuid4()),
+        "consumedCapacity": {"memory": "1Gi"},
+    }
+
+
+@pytest.mark.anyio
+async def test_a_claim_running_mps_on_a_shared_gpu_keeps_its_default_time_slice(
+    node: Node,
+) -> None:
+    """The time-slice is a setting of the whole GPU, and an MPS server (an MPS share,
+    a memory slice) on it runs under it too, relying on Default: another tenant's share
+    may not set Long under it, nor may one join a GPU set to Long. The interval is
+    still reset by whichever time-sliced share leaves last."""
+    emu = h100()
+    gpus = discover(emu).gpus
+    preparer = node_preparer(node, emu, shares={"gpu-4": 4, "gpu-5": 4})
+    mps_first, long_first = gpus[4], gpus[5]
+    a = offline_claim("tenant-a", [("gpu", one_share(mps_first.device.name))], {"gpu": MPS_SHARE})
+    assert (await preparer.prepare([a]))[a.uid].error is None
+    b = offline_claim("tenant-b", [("gpu", one_share(mps_first.device.name))], {"gpu": TS_LONG})
+    refused = (await preparer.prepare([b]))[b.uid].error
+    assert refused is not None
+    assert "is shared with a claim of another namespace, which runs under the Default" in refused
+    assert "tenant-a" not in refused
+    config = "status.allocation.devices.config[0].opaque.parameters.sharing.timeSlicingConfig"
+    assert f"this claim's config ({config}.interval) asks for Long" in refused
+    assert "asks for Long; claims sharing a GPU need the same interval" in refused
+    assert time_slice_of(node, mps_first.uuid) == 0  # never set under A's MPS server
+    same = offline_claim("tenant-a", [("gpu", one_share(mps_first.device.name))], {"gpu": TS_LONG})
+    refused = (await preparer.prepare([same]))[same.uid].error
+    assert refused is not None and "is shared with claim tenant-a/c, which" in refused
+    # A share time-sliced with the Default interval (no config) runs beside it.
+    plain = offline_claim("tenant-c", [("gpu", one_share(mps_first.device.name))], {})
+    assert (await preparer.prepare([plain]))[plain.uid].error is None
+
+    long = offline_claim("tenant-b", [("gpu", one_share(long_first.device.name))], {"gpu": TS_LONG})
+    assert (await preparer.prepare([long]))[long.uid].error is None
+    assert time_slice_of(node, long_first.uuid) == 3
+    for name, results, sharing in (
+        ("MPS share", [("gpu", one_share(long_first.device.name))], {"gpu": MPS_SHARE}),
+        ("memory slice", [("gpu", memory_slice(long_first.device.name))], {}),
+        ("Default share", [("gpu", one_share(long_first.device.name))], {}),
+    ):
+        joining = offline_claim("tenant-a", results, sharing)
+        refused = (await preparer.prepare([joining]))[joining.uid].error
+        assert refused is not None, name
+        assert "is time-sliced with interval Long for a claim of another namespace" in refused
+        assert "claims sharing a GPU need the same interval" in refused
+    assert time_slice_of(node, long_first.uuid) == 3
+    # One claim's own devices on one GPU: an MPS share and a Long share.
+    both = offline_claim(
+        "tenant-d",
+        [("x", one_share(gpus[6].device.name)), ("y", one_share(gpus[6].device.name))],
+        {"x": MPS_SHARE, "y": TS_LONG},
+    )
+    refused = (await preparer.prepare([both]))[both.uid].error
+    assert refused is not None and "for them" in refused and "this claim's status." in refused
+
+    # The last time-sliced share leaving resets the GPU; then an MPS share may join.
+    assert await preparer.unprepare([long.ref]) == {long.uid: None}
+    assert time_slice_of(node, long_first.uuid) == 0
+    later = offline_claim(
+        "tenant-a", [("gpu", one_share(long_first.device.name))], {"gpu": MPS_SHARE}
+    )
+    assert (await preparer.prepare([later]))[later.uid].error is None
+    refs = [a.ref, plain.ref, later.ref]
+    assert await preparer.unprepare(refs) == {r.uid: None for r in refs}
+
+
+@pytest.mark.anyio
+async def test_an_mps_share_and_a_long_share_prepared_at_once_do_not_both_get_the_gpu(
+    node: Node,
+) -> None:
+    """Two kubelet calls in flight: the plan of each records what it relies on before
+    the other plans, so one of the two is refused, and the GPU's time-slice is the one
+    the other relies on."""
+    emu = h100()
+    gpu = discover(emu).gpus[4]
+    preparer = node_preparer(node, emu, shares={"gpu-4": 4})
+    errors: dict[str, str | None] = {}
+
+    async def prepare(claim: Claim) -> None:
+        errors[claim.uid] = (await preparer.prepare([claim]))[claim.uid].error
+
+    for first in ("mps", "long"):
+        mps = offline_claim("tenant-a", [("gpu", one_share(gpu.device.name))], {"gpu": MPS_SHARE})
+        long = offline_claim("tenant-b", [("gpu", one_share(gpu.device.name))], {"gpu": TS_LONG})
+        errors.clear()
+
+        async with anyio.create_task_group() as tg:
+            for claim in (mps, long) if first == "mps" else (long, mps):
+                tg.start_soon(prepare, claim)
+        refused = [e for e in errors.values() if e is not None]
+        assert len(refused) == 1, errors
+        assert "claims sharing a GPU need the same interval" in refused[0]
+        assert time_slice_of(node, gpu.uuid) == (3 if errors[long.uid] is None else 0)
+        kept = mps if errors[mps.uid] is None else long
+        assert await preparer.unprepare([kept.ref]) == {kept.uid: None}
+        assert time_slice_of(node, gpu.uuid) == 0
+
+
+@pytest.mark.anyio
+async def test_a_pinned_memory_limit_above_the_devices_memory_is_refused(node: Node) -> None:
+    """MPS takes a pinned memory limit as it is given: one above the device's memory
+    (a typo, or `1e100`, a hundred-digit number on the daemon's command line) is refused
+    before anything changes, naming the field; one within it reaches the daemon."""
+    emu = h100()
+    gpu = discover(emu).gpus[7]
+    preparer = node_preparer(node, emu)
+    mib = gpu.device.capacity["memory"] // 2**20
+    for limits, path in (
+        ({"defaultPinnedDeviceMemoryLimit": "100Gi"}, "defaultPinnedDeviceMemoryLimit"),
+        (
+            {"defaultPerDevicePinnedMemoryLimit": {"0": "1Ti"}},
+            "defaultPerDevicePinnedMemoryLimit[0]",
+        ),
+        (
+            {"defaultPerDevicePinnedMemoryLimit": {gpu.uuid: "1Pi"}},
+            f"defaultPerDevicePinnedMemoryLimit[{gpu.uuid}]",
+        ),
+    ):
+        mps = {"strategy": "MPS", "mpsConfig": limits}
+        claim = offline_claim("tenant-a", [("gpu", {"device": gpu.device.name})], {"gpu": mps})
+        error = (await preparer.prepare([claim]))[claim.uid].error
+        assert error is not None
+        assert f"sharing.mpsConfig.{path}: asks for " in error
+        assert f"more than the {mib} MiB of memory of device gpu-7; use at most" in error
+    assert node.tool_calls() == []  # no daemon started
+
+    within = {"strategy": "MPS", "mpsConfig": {"defaultPinnedDeviceMemoryLimit": "60Gi"}}
+    claim = offline_claim("tenant-a", [("gpu", {"device": gpu.device.name})], {"gpu": within})
+    assert (await preparer.prepare([claim]))[claim.uid].error is None
+    assert any(
+        c.startswith(f"mps-control set_default_device_pinned_mem_limit {gpu.uuid} 61440M ")
+        for c in node.tool_calls()
+    )
+    assert await preparer.unprepare([claim.ref]) == {claim.uid: None}
 
 
 @pytest.mark.anyio

@@ -470,6 +470,29 @@ def test_a_pinned_memory_index_past_the_devices_of_its_config_is_refused() -> No
     assert check(claim(req("a"), req("b"), config=[opaque(limits)])).allowed
 
 
+def test_a_pinned_memory_limit_beyond_any_gpus_memory_is_refused() -> None:
+    """No GPU has a petabyte: a larger limit (`1e100` would reach the MPS daemon as a
+    hundred-digit number) is refused at admission, naming the field; the node refuses
+    any limit above the memory of the device it is given (`planning.mps_limits`)."""
+    for limit in ("1e100", "2Pi", 10**16):
+        for limits, field in (
+            ({"defaultPinnedDeviceMemoryLimit": limit}, "defaultPinnedDeviceMemoryLimit"),
+            (
+                {"defaultPerDevicePinnedMemoryLimit": {"0": limit}},
+                "defaultPerDevicePinnedMemoryLimit[0]",
+            ),
+        ):
+            (line,) = check(claim(req("gpu"), config=[opaque(mps_config(**limits))])).invalid
+            assert line.startswith(
+                f"spec.devices.config[0].opaque.parameters.sharing.mpsConfig.{field}: must be "
+                "at most 1Pi, more memory than any GPU has"
+            ), line
+            assert "use at most the memory of the device" in line
+    assert check(
+        claim(req("gpu"), config=[opaque(mps_config(defaultPinnedDeviceMemoryLimit="1Pi"))])
+    ).allowed
+
+
 def test_time_slicing_on_a_memory_slice_is_refused_as_prepare_refuses_it() -> None:
     obj = claim(memory_slice(), config=[opaque(gpu_config(strategy="TimeSlicing"))])
     (line,) = check(obj).invalid
@@ -794,14 +817,15 @@ def test_a_value_nested_a_thousand_deep_is_a_denial_not_a_crash() -> None:
 def planned_on(
     obj: dict[str, Any],
     results: list[tuple[str, str]],
-    profile: str,
+    profile: str | NvmlEmulator,
     tmp_path: Path,
     device_class: dict[str, Any] | None = None,
 ) -> list[Any]:
     """What the node plans for `obj` allocated as `results` ((request, device) pairs) on
-    an emulated `profile` node; `device_class`'s configs are bound by the allocator to
-    the requests of that class, as kube-scheduler binds them."""
-    inventory = discover(NvmlEmulator(load_builtin_profile(profile)))
+    an emulated `profile` node (or that emulator); `device_class`'s configs are bound by
+    the allocator to the requests of that class, as kube-scheduler binds them."""
+    emulator = profile if isinstance(profile, NvmlEmulator) else None
+    inventory = discover(emulator or NvmlEmulator(load_builtin_profile(str(profile))))
     config = [{**c, "source": "FromClaim"} for c in obj["spec"]["devices"].get("config", [])]
     if device_class is not None:
         name = device_class["metadata"]["name"]
@@ -890,6 +914,48 @@ def test_a_request_of_an_admins_extra_class_is_judged_as_both_kinds(tmp_path: Pa
         view = class_view(admins_class(loose)).configs
         verdict = check(bound, classes=CLASSES | {extra}, device_classes=view)
         assert "GpuConfig cannot configure the MIG device" in verdict.message
+
+
+def test_one_request_that_may_get_a_gpu_and_a_mig_device_needs_one_mps_percentage(
+    tmp_path: Path,
+) -> None:
+    """A class that does not pin the kind may give one request of several devices a whole
+    GPU and a MIG device at once; the claim's one MPS daemon serves both, so the
+    GpuConfig's and the MigDeviceConfig's active thread percentages must agree, as the
+    node requires (`planning._check_mps`)."""
+    extra = "any-gpu.example.com"
+
+    def mps(kind: str, percentage: int) -> dict[str, Any]:
+        settings = {"defaultActiveThreadPercentage": percentage}
+        sharing = {"strategy": "MPS", "mpsConfig": settings}
+        return opaque({"apiVersion": CONFIG_API, "kind": kind, "sharing": sharing})
+
+    differ = [mps("GpuConfig", 20), mps("MigDeviceConfig", 80)]
+    obj = claim(req("r", extra, count=2), config=differ)
+    (line,) = check(obj, classes=CLASSES | {extra}).invalid
+    assert line.startswith(
+        "spec.devices.requests[0].exactly: may be given several devices, whole GPUs and MIG "
+        "devices together (device class any-gpu.example.com does not pin the kind), and one "
+        "MPS daemon serves the claim"
+    )
+    assert "config[0].opaque.parameters.sharing.mpsConfig.defaultActiveThreadPercentage=20" in line
+    assert "config[1].opaque.parameters.sharing.mpsConfig.defaultActiveThreadPercentage=80" in line
+    assert line.endswith("; use one value")
+    every = req("r", extra, allocationMode="All")
+    del every["exactly"]["count"]
+    assert not check(claim(every, config=differ), classes=CLASSES | {extra}).allowed
+    # What the node does with it, given a whole GPU and a MIG device: refuses it.
+    emu = NvmlEmulator(load_builtin_profile("h100-80gb-hbm3-x8"))
+    emu.nvmlInit()
+    emu.nvmlDeviceSetMigMode(emu.nvmlDeviceGetHandleByIndex(0), 1)
+    emu.reset_gpu(0)
+    emu.nvmlShutdown()
+    with pytest.raises(ClaimError, match="different active thread percentages"):
+        planned_on(obj, [("r", "gpu-6"), ("r", "gpu-0-mig-1g10gb-19-6")], emu, tmp_path)
+    # One device meets one of the two configs; one percentage serves both kinds.
+    assert check(claim(req("r", extra), config=differ), classes=CLASSES | {extra}).allowed
+    same = [mps("GpuConfig", 20), mps("MigDeviceConfig", 20)]
+    assert check(claim(req("r", extra, count=2), config=same), classes=CLASSES | {extra}).allowed
 
 
 def test_a_pinned_memory_index_must_name_a_device_whatever_is_allocated(

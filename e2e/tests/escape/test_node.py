@@ -3,7 +3,8 @@
 The tenant controls its pods and claims and every file its containers can write.
 An MPS claim's container can write the daemon's pipe folder and its /dev/shm;
 nothing it leaves there may keep the claim prepared at unprepare, nor reach the
-next tenant of the same GPU.
+next tenant of the same GPU. Its claim's config may not change what another tenant's
+claim on the same GPU runs under (the GPU's time-slice).
 
 Runs like e2e/tests/test_realnode_gpus.py (the real kubelet, containerd and runc,
 gpudra as host processes or from the chart, emulated GPUs); skips with the reason
@@ -18,7 +19,7 @@ from typing import Any
 import pytest
 from gpudra.driver.processes import ProcessIdentity
 
-from e2e.claims import claim_name, node_devices, wait_running
+from e2e.claims import attr, claim_name, claim_template, node_devices, wait_running
 from e2e.cluster.harness import Cluster
 from e2e.cluster.kube import Kube, wait_for
 from e2e.gpu_pods import (
@@ -31,6 +32,7 @@ from e2e.gpu_pods import (
     whole_gpu_template,
 )
 from e2e.node.gpus import DRIVER, GpuStack, NodeGpus
+from e2e.tests.test_realnode_gpus import events
 
 pytestmark = pytest.mark.cluster
 
@@ -228,3 +230,52 @@ def test_a_pod_without_a_claim_cannot_name_another_claims_devices(
     assert not {n for n in nodes if n.startswith("nvidia")}, nodes
     assert not [k for k in env if k.startswith("GPUDRA_")], env
     assert seen(cluster, ns, "holder") == (held, held_env)
+
+
+def share_template(
+    namespace: str, name: str, selector: str, sharing: dict[str, Any]
+) -> dict[str, Any]:
+    """One integer share of the GPU `selector` picks, shared as `sharing` says."""
+    template = claim_template(name, namespace, selector)
+    devices = template["spec"]["spec"]["devices"]
+    devices["requests"][0]["exactly"]["capacity"] = {"requests": {"shares": "1"}}
+    parameters = {
+        "apiVersion": "resource.nvidia.com/v1beta1",
+        "kind": "GpuConfig",
+        "sharing": sharing,
+    }
+    devices["config"] = [{"opaque": {"driver": DRIVER, "parameters": parameters}}]
+    return template
+
+
+def test_a_tenant_cannot_set_a_time_slice_under_another_tenants_mps_share(
+    stack: NodeGpus, kube: Kube, ns: str
+) -> None:
+    """A GPU published with integer shares: one tenant's share runs MPS (under the
+    GPU's Default time-slice); another tenant's share of the same GPU asking for the Long
+    interval would change it under that MPS server. The node refuses that prepare, with
+    the reason in the pod's events, and never sets the GPU's time-slice."""
+    with stack.agent_flags("--gpu-shares=2"):
+        devices = node_devices(kube, stack.node_name)
+        device = min(n for n, d in devices.items() if "shares" in d.get("capacity", {}))
+        uuid = attr(devices[device], "uuid")
+        selector = f'device.attributes["{DRIVER}"].uuid == "{uuid}"'
+        long = {"strategy": "TimeSlicing", "timeSlicingConfig": {"interval": "Long"}}
+        kube.create(share_template(ns, "mps", selector, {"strategy": "MPS"}))
+        kube.create(share_template(ns, "long", selector, long))
+        calls_before = len(stack.tool_calls())
+        kube.create(gpu_pod(stack, "tenant-a", ns, template="mps"))
+        wait_running(kube, ns, "tenant-a")
+        kube.create(gpu_pod(stack, "tenant-b", ns, template="long"))
+        failures = wait_for(
+            "the kubelet's prepare failure event",
+            lambda: [e for e in events(kube, ns, "tenant-b") if "FailedPrepare" in e],
+            timeout=90,
+        )
+        assert any("which runs under the Default time-slice interval" in f for f in failures)
+        mark = f"nvidia-smi compute-policy -i {uuid} --set-timeslice"
+        assert not [c for c in stack.tool_calls()[calls_before:] if c.startswith(mark)]
+        assert kube.get("Pod", "tenant-b", ns)["status"]["phase"] == "Pending"
+        for pod in ("tenant-a", "tenant-b"):
+            kube.delete("Pod", pod, ns, grace=0)
+        wait_for("the pods gone", lambda: not kube.list("Pod", ns), timeout=60)
