@@ -51,6 +51,22 @@ class ApiError(Exception):
         super().__init__(f"{method} {path}: HTTP {status}: {message}")
 
 
+class UndecodableAnswer(ApiError):
+    """An answer the API server sent that is not JSON even as Go reads it (see
+    `gpudra.api.jsonbytes`): nothing it stores is, but a listing or a watch event wraps
+    an object in two more levels of nesting, which can take one at Go's limit past it.
+    An ApiError, so whoever handles the server's errors handles this one too, and names
+    the request, the status and the place in the answer."""
+
+    def __init__(self, status: int, error: jsonbytes.DecodeError, method: str, path: str) -> None:
+        super().__init__(
+            status,
+            f"the answer is not JSON that Go's decoder reads either: {error}",
+            method,
+            path,
+        )
+
+
 class KubeConfigError(Exception):
     """Neither a usable kubeconfig nor an in-cluster service account."""
 
@@ -210,7 +226,10 @@ class Kube:
                 data = raw.decode(errors="replace").strip()
             msg = data.get("message", "") if isinstance(data, dict) else str(data)
             raise ApiError(resp.status, msg, method, path)
-        return jsonbytes.loads(raw) if raw else None
+        try:
+            return jsonbytes.loads(raw) if raw else None
+        except jsonbytes.DecodeError as exc:
+            raise UndecodableAnswer(resp.status, exc, method, path) from None
 
     async def watch(
         self, path: str, query: dict[str, str], timeout_s: int = 300
@@ -235,7 +254,11 @@ class Kube:
                 while b"\n" in buf:
                     line, buf = buf.split(b"\n", 1)
                     if line.strip():
-                        yield jsonbytes.loads(line)
+                        try:
+                            event = jsonbytes.loads(line)
+                        except jsonbytes.DecodeError as exc:
+                            raise UndecodableAnswer(resp.status, exc, "WATCH", path) from None
+                        yield event
         finally:
             resp.release()
 

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 from gpudra.webhook.reviews import (
+    AS_GO_MAX_BYTES,
     ResourceKind,
     ReviewError,
     allow,
@@ -48,6 +49,20 @@ def test_a_review_parses_to_its_request_with_the_core_group_filled_in() -> None:
 def test_a_field_of_the_wrong_type_is_named(fields: dict[str, Any], message: str) -> None:
     with pytest.raises(ReviewError, match=re.escape(message)):
         parse_review(body(**fields), (POD,))
+
+
+def test_what_only_go_reads_is_read_in_a_small_review_and_refused_in_a_large_one() -> None:
+    """An unpaired surrogate escape, which the API server keeps in a claim's opaque
+    parameters: a review of a claim's size is read as Go reads it (U+FFFD), so its
+    config is judged by what it says; past `AS_GO_MAX_BYTES` it is refused unread, so
+    that a body made to fail the fast decoder at its end buys no slower reading."""
+    surrogate = {"object": {"note": "\ud800"}}
+    request = parse_review(body(**surrogate), (POD,))
+    assert request["object"] == {"note": "\ufffd"}
+    padding = "x" * AS_GO_MAX_BYTES
+    with pytest.raises(ReviewError, match="request body is not valid JSON"):
+        parse_review(body(**surrogate, padding=padding), (POD,))
+    assert parse_review(body(object={"note": "ok"}, padding=padding), (POD,))["uid"] == "u1"
 
 
 def test_the_admitted_kinds_are_listed_when_another_arrives() -> None:

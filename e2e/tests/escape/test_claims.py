@@ -19,8 +19,11 @@ from typing import Any
 import anyio
 import pytest
 from anyio.to_thread import run_sync
+from gpudra.api import jsonbytes
 from gpudra.api.deviceclasses import device_classes, mig_profile_class
 from gpudra.api.tenants import API_VERSION, crd_manifest, quota_key
+from gpudra.cli import devices as cli_devices
+from gpudra.common.kube import ApiError as KubeApiError
 from gpudra.common.kube import Kube
 from gpudra.webhook import registration
 from gpudra.webhook.device_classes import DeviceClassCache
@@ -608,3 +611,84 @@ async def test_a_tenant_cannot_tolerate_the_taints_that_take_devices_out_of_serv
         assert "spec.devices.requests[0].firstAvailable[1].tolerations[0]: " in message
     finally:
         await run_sync(drop_tenant, kube, tenant)
+
+
+OTHER_DRIVER = "other.example.com"
+
+
+def raw_claim(ns: str, name: str, driver: str, parameters: bytes) -> bytes:
+    """A claim for `driver`'s class whose opaque parameters are `parameters` as
+    written, which the API server keeps as raw JSON; for text a tenant's own client
+    may send and the standard encoder never writes."""
+    config = {"opaque": {"driver": driver, "parameters": {"raw": 0}}}
+    body = jsonbytes.dumps(claim(ns, name, {"deviceClassName": driver}, config))
+    return body.replace(b'{"raw":0}', parameters)
+
+
+async def test_another_drivers_claim_the_api_server_keeps_raw_breaks_no_listing(
+    env: Env, cluster: Cluster, kube: SyncKube, namespace: str
+) -> None:
+    """A tenant writes a claim for another driver's class whose opaque parameters hold
+    what Go's decoder takes and orjson refuses: an unpaired surrogate escape, invalid
+    UTF-8, nesting past 1024 levels. The API server keeps them as written and serves
+    them back in every listing of claims (the tenant writes the surrogate; the raw
+    bytes go out through the admin's client, as any client could send them). `gpudra
+    devices` (which lists the whole cluster's claims) still lists the cluster's
+    devices, reading each such string as Go does (U+FFFD); and a claim of gpudra's
+    with such a string or nesting is judged by its content, as the API server read
+    it, not refused as unreadable."""
+    user = await run_sync(tenant_user, kube, namespace)
+    params = {"apiVersion": "other.example.com/v1", "note": "\ud800"}
+    config = {"opaque": {"driver": OTHER_DRIVER, "parameters": params}}
+    other = claim(namespace, "other-surrogate", {"deviceClassName": OTHER_DRIVER}, config)
+    await run_sync(user.create, other)  # the tenant's own request writes "\ud800"
+    depth = 5000  # about as deep as 10 KiB of parameters nest
+    nested = b"[" * depth + b"]" * depth
+    akube = await Kube.connect(str(cluster.layout.admin_kubeconfig))
+    slice_name = f"{namespace}-probe"
+    try:
+        path = f"/apis/resource.k8s.io/v1/namespaces/{namespace}/resourceclaims"
+        for name, parameters in [
+            ("other-utf8", b'{"x":"a\xffb"}'),
+            ("other-deep", b'{"x":%s}' % nested),
+        ]:
+            await akube.request("POST", path, raw_claim(namespace, name, OTHER_DRIVER, parameters))
+        got = await akube.request("GET", f"{path}/other-surrogate")
+        assert got["spec"]["devices"]["config"][0]["opaque"]["parameters"]["note"] == "\ufffd"
+        await akube.request(
+            "POST",
+            "/apis/resource.k8s.io/v1/resourceslices",
+            {
+                "apiVersion": "resource.k8s.io/v1",
+                "kind": "ResourceSlice",
+                "metadata": {"name": slice_name},
+                "spec": {
+                    "driver": DRIVER,
+                    "allNodes": True,
+                    "pool": {"name": slice_name, "generation": 1, "resourceSliceCount": 1},
+                    "devices": [{"name": "probe-gpu"}],
+                },
+            },
+        )
+        listed = await cli_devices.read(akube, DRIVER)
+        assert [(d.pool, d.name, d.use()) for d in listed if d.pool == slice_name] == [
+            (slice_name, "probe-gpu", "free")
+        ]
+        gpudras = claim(namespace, "gpudra-surrogate", WHOLE_GPU, gpu_config("\ud800"))
+        message = await denied(user, gpudras)
+        assert (
+            "ResourceClaim gpudra-surrogate: spec.devices.config[0].opaque.parameters.sharing"
+            ".strategy: unknown value '\ufffd'; accepted values: TimeSlicing, MPS" in message
+        )
+        deep = b'{"apiVersion":"%s","kind":"GpuConfig","x":%s}' % (CONFIG_API.encode(), nested)
+        with pytest.raises(KubeApiError) as err:
+            await akube.request("POST", path, raw_claim(namespace, "gpudra-deep", DRIVER, deep))
+        # Judged by the webhook (a config nested that deep is no GpuConfig), not unread.
+        assert (
+            'admission webhook "resourceclaims.gpudra.nvidia.com" denied the request: '
+            "ResourceClaim gpudra-deep: spec.devices.config[0].opaque.parameters: "
+        ) in str(err.value)
+    finally:
+        with contextlib.suppress(ApiError):
+            await run_sync(kube.delete, "ResourceSlice", slice_name)
+        await akube.close()
