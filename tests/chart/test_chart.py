@@ -89,6 +89,18 @@ def test_default_renders_every_component(default: list[dict[str, Any]]) -> None:
         assert expected in kinds
 
 
+def test_no_tenant_pod_outranks_what_every_gpu_pod_waits_on(
+    default: list[dict[str, Any]],
+) -> None:
+    """The webhook (failurePolicy Fail: every GPU pod and driver claim waits on it) and
+    the node agent run at system priorities, so a tenant's pod of a higher priority
+    class cannot preempt them."""
+    webhook = h.find(default, "Deployment", "gpudra-webhook")
+    node = h.find(default, "DaemonSet", "gpudra-node")
+    assert webhook["spec"]["template"]["spec"]["priorityClassName"] == "system-cluster-critical"
+    assert node["spec"]["template"]["spec"]["priorityClassName"] == "system-node-critical"
+
+
 @pytest.mark.parametrize(
     ("values", "namespace", "port", "ca_from_chart"),
     [
