@@ -19,12 +19,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any, Final
 
-import anyio
 from gpudra.common.kube import RESOURCE_API, ApiError, Kube
 from gpudra.webhook.convert import same_claim_spec
+from gpudra.webhook.lists import PER_PAGE, Keep, ListError, SharedLists
 from gpudra.webhook.owners import controller_of
 from gpudra.webhook.tenant_rules import POD_CLAIM_NAME_ANNOTATION, StoredClaim
 
@@ -34,35 +33,11 @@ KUEUE_VERSIONS: Final = ("kueue.x-k8s.io/v1beta2", "kueue.x-k8s.io/v1beta1")
 DEFAULT_TTL_S = 60.0
 _MAX_ENTRIES = 10_000
 
-PODS_PER_PAGE: Final = 100
-"""Pods one response of a pod list holds (`ApiClaimReader.pods`): a hostile tenant
-makes its pods as big as the API server stores (1.5 MiB each), so a page is bounded by
-count, the only bound a list has, and kept small; 10,000 pods are 100 round trips."""
 _POD_PHASES: Final = "status.phase!=Succeeded,status.phase!=Failed"
 
 
 class TemplateConflict(ValueError):
     """A template exists under a generated name with content the conversion did not write."""
-
-
-class PodListError(Exception):
-    """A namespace's pods could not be listed whole: what failed, for a denial."""
-
-
-PodFilter = Callable[[Mapping[str, Any]], bool]
-"""Which pods a reader of `ApiClaimReader.pods` keeps."""
-
-
-@dataclass(eq=False)
-class _PodList:
-    """One LIST of a namespace's pods, shared by every read that joined it before it
-    began: each gets the pods its filter keeps, or the list's failure."""
-
-    readers: list[tuple[PodFilter, list[Mapping[str, Any]]]] = field(default_factory=list)
-    done: anyio.Event = field(default_factory=anyio.Event)
-    failure: str | None = None
-    abandoned: bool = False
-    """Its leader was cancelled: the other readers list again, each from its own start."""
 
 
 class ApiTemplateEnsurer:
@@ -123,16 +98,14 @@ class ApiClaimReader:
 
     Not cached: a claim can be deleted and re-created with other content under its name,
     and only pods in tenant namespaces that name claims by hand pay the round trip (and
-    for templates only where a per-pod device limit counts them). Pod lists are shared
-    by the reads made together, and never kept (`pods`).
+    for templates only where a per-pod device limit counts them). The namespace-wide
+    lists (pods, claims, Kueue Workloads) are shared by the reads made together, read in
+    pages of `per_page`, and never kept (`SharedLists`).
     """
 
-    def __init__(self, kube: Kube, *, pods_per_page: int = PODS_PER_PAGE) -> None:
+    def __init__(self, kube: Kube, *, per_page: int = PER_PAGE) -> None:
         self.kube = kube
-        self._pods_per_page = pods_per_page
-        # By namespace: the pod list readers may still join, and the one being made.
-        self._waiting: dict[str, _PodList] = {}
-        self._listing: dict[str, anyio.Event] = {}
+        self._lists = SharedLists(kube, per_page=per_page)
 
     async def __call__(self, namespace: str, kind: str, name: str) -> StoredClaim | None:
         template = kind == "ResourceClaimTemplate"
@@ -166,158 +139,72 @@ class ApiClaimReader:
     async def claims_made_for(self, namespace: str, pod_uid: str) -> Mapping[str, Sequence[str]]:
         """The claims of `namespace` the pod `pod_uid` controls, by the template entry the
         resourceclaim controller made each for (its ``pod-claim-name`` annotation). Only
-        Kubernetes sets either on a claim (the chart's claim-links policy refuses others)."""
-        listing = await self.kube.request(
-            "GET", f"{RESOURCE_API}/namespaces/{namespace}/resourceclaims"
+        Kubernetes sets either on a claim (the chart's claim-links policy refuses others).
+
+        A tenant controls how many claims its namespace holds and, by the pods it makes,
+        how often claims are created under a per-pod device limit, which read this: the
+        list is shared and paged (`SharedLists`), and raises its `ListError` where the
+        claims cannot all be listed."""
+        kept = await self._lists.read(
+            f"{RESOURCE_API}/namespaces/{namespace}/resourceclaims",
+            lambda claim: _made_for(claim, pod_uid) is not None,
         )
-        items = listing.get("items") if isinstance(listing, dict) else None
         found: dict[str, list[str]] = {}
-        for claim in items if isinstance(items, list) else ():
-            metadata = claim.get("metadata") if isinstance(claim, dict) else None
-            if not isinstance(metadata, dict):
-                continue
-            owner = controller_of(claim)
-            controlled = owner is not None and owner.get("uid") == pod_uid
-            annotations = metadata.get("annotations")
-            entry = (
-                annotations.get(POD_CLAIM_NAME_ANNOTATION)
-                if isinstance(annotations, dict)
-                else None
-            )
-            name = metadata.get("name")
-            if controlled and isinstance(entry, str) and isinstance(name, str):
-                found.setdefault(entry, []).append(name)
+        for claim in kept:
+            if (made := _made_for(claim, pod_uid)) is not None:
+                found.setdefault(made[0], []).append(made[1])
         return found
 
     async def workloads_admitted_with(self, namespace: str, template: str) -> list[str]:
         """The Kueue Workloads of `namespace` holding quota (admitted: ``status.admission``
         set) and not finished, with a pod set that refers to the ResourceClaimTemplate
-        `template`; none where no Kueue API version this knows is served."""
+        `template`; none where no Kueue API version this knows is served (its list's
+        first page answers 404). Each template created reads it, and a tenant controls
+        how many Workloads there are: the list is shared and paged (`SharedLists`), and
+        raises its `ListError` where the Workloads cannot all be listed."""
         for version in KUEUE_VERSIONS:
             try:
-                listing = await self.kube.request(
-                    "GET", f"/apis/{version}/namespaces/{namespace}/workloads"
+                kept = await self._lists.read(
+                    f"/apis/{version}/namespaces/{namespace}/workloads",
+                    lambda w: _admitted(w) and template in _templates_of(w),
                 )
-            except ApiError as e:
+            except ListError as e:
                 if e.status == 404:  # the version is not served (no Kueue, or a newer one)
                     continue
                 raise
-            items = listing.get("items") if isinstance(listing, dict) else None
-            return sorted(
-                str((w.get("metadata") or {}).get("name"))
-                for w in (items if isinstance(items, list) else ())
-                if _admitted(w) and template in _templates_of(w)
-            )
+            return sorted(str((w.get("metadata") or {}).get("name")) for w in kept)
         return []
 
-    async def pods(self, namespace: str, keep: PodFilter) -> list[Mapping[str, Any]]:
+    async def pods(self, namespace: str, keep: Keep) -> list[Mapping[str, Any]]:
         """The namespace's pods that may still start containers (not Succeeded or
-        Failed) and that `keep` accepts, in the API server's order; raises
-        `PodListError` (or the read's own error) where they cannot all be listed.
+        Failed) and that `keep` accepts, in the API server's order; raises `ListError`
+        where they cannot all be listed.
 
         Each read of a claim being created lists them, and a tenant controls both its
-        pods and its claims: thousands of cheap pending pods and as many claims created
-        at once would make the API server serialise, and the webhook parse and hold,
-        the whole list once per claim. So:
-
-        - Reads of one namespace share lists (single flight). A read joins only a list
-          that has not begun, and a list begins only once the one before it has ended:
-          every pod stored before a read began is in the list it gets, as in a list of
-          its own (a list already under way may have been read before a pod the claim's
-          user stored a moment ago, and would let the claim be counted without it). So
-          at most one list of a namespace is made at a time, and claims created together
-          cost two lists, however many they are; a read waits for at most the list under
-          way and its own. A read whose list's leader was cancelled (its admission ran
-          out of time) lists again, from its own start.
-        - A list is read in pages of `PODS_PER_PAGE` (``limit``/``continue``), and each
-          read keeps of each page only the pods its `keep` accepts (for a claim, those
-          that will use it), so the webhook holds one page and the pods that matter,
-          not the namespace. An error on any page, a continue token that expired (410)
-          included, fails the whole list: a list missing pages would leave their pods
-          uncounted, and one restarted from an expired token is not consistent.
-        - The list is a consistent read (no ``resourceVersion``), and its pages are
-          served from the first page's snapshot. ``resourceVersion=0`` would let the
-          watch cache answer, cheaper for the API server but as stale as the cache: a
-          pod stored just before the claim could be missing, and uncounted. (Older API
-          servers also ignore ``limit`` for it, returning the whole list in one.)
-
-        A list is not stopped once one read's answer is known: the others that share it
-        need the rest, and a claim's answer needs each of its pods' claims read, after.
+        pods and its claims: the list is shared by the claims created together, read in
+        pages, and each read keeps of each page only the pods its `keep` accepts (for a
+        claim, those that will use it); `SharedLists` says how, and why a read still
+        sees every pod stored before it began. A claim's answer needs each of its pods'
+        claims read, after.
         """
-        while True:
-            waiting = self._waiting.get(namespace)
-            leader = waiting is None
-            if waiting is None:
-                waiting = self._waiting[namespace] = _PodList()
-            found: list[Mapping[str, Any]] = []
-            reader = (keep, found)
-            waiting.readers.append(reader)
-            try:
-                if leader:
-                    await self._list_pods(namespace, waiting)
-                else:
-                    await waiting.done.wait()
-            finally:
-                if not waiting.done.is_set():
-                    waiting.readers.remove(reader)
-            if waiting.abandoned:
-                continue
-            if waiting.failure is not None:
-                raise PodListError(waiting.failure)
-            return found
+        return await self._lists.read(
+            f"/api/v1/namespaces/{namespace}/pods", keep, {"fieldSelector": _POD_PHASES}
+        )
 
-    async def _list_pods(self, namespace: str, pods: _PodList) -> None:
-        """Make the list `pods` (its leader's part): once the namespace's list under way
-        has ended, closed to new readers, page by page."""
-        try:
-            while (under_way := self._listing.get(namespace)) is not None:
-                await under_way.wait()
-            if self._waiting.get(namespace) is pods:
-                del self._waiting[namespace]
-            self._listing[namespace] = ended = anyio.Event()
-            try:
-                await self._pages(namespace, pods)
-            finally:
-                del self._listing[namespace]
-                ended.set()
-        except Exception as exc:
-            pods.failure = str(exc) or type(exc).__name__
-            raise
-        except BaseException:  # cancelled: the other readers are not, and list again
-            pods.abandoned = True
-            raise
-        finally:
-            if self._waiting.get(namespace) is pods:
-                del self._waiting[namespace]
-            pods.done.set()
 
-    async def _pages(self, namespace: str, pods: _PodList) -> None:
-        path = f"/api/v1/namespaces/{namespace}/pods"
-        query = {"fieldSelector": _POD_PHASES, "limit": str(self._pods_per_page)}
-        page = 0
-        while True:
-            page += 1
-            try:
-                listing = await self.kube.request("GET", path, query=dict(query))
-            except ApiError as e:
-                if page == 1:
-                    raise
-                raise PodListError(
-                    f"{e} (page {page} of the list of pods of namespace {namespace}; the "
-                    "pods of the pages not read would be left uncounted)"
-                ) from e
-            items = listing.get("items") if isinstance(listing, dict) else None
-            readers = tuple(pods.readers)  # one cancelled meanwhile still gets this page
-            for pod in items if isinstance(items, list) else ():
-                if isinstance(pod, dict):
-                    for keep, found in readers:
-                        if keep(pod):
-                            found.append(pod)
-            metadata = listing.get("metadata") if isinstance(listing, dict) else None
-            token = metadata.get("continue") if isinstance(metadata, dict) else None
-            if not isinstance(token, str) or not token:
-                return
-            query["continue"] = token
+def _made_for(claim: Mapping[str, Any], pod_uid: str) -> tuple[str, str] | None:
+    """The template entry and name of `claim` where the pod `pod_uid` controls it and
+    it is annotated with the entry the resourceclaim controller made it for."""
+    metadata = claim.get("metadata")
+    if not isinstance(metadata, dict):
+        return None
+    owner = controller_of(claim)
+    if owner is None or owner.get("uid") != pod_uid:
+        return None
+    annotations = metadata.get("annotations")
+    entry = annotations.get(POD_CLAIM_NAME_ANNOTATION) if isinstance(annotations, dict) else None
+    name = metadata.get("name")
+    return (entry, name) if isinstance(entry, str) and isinstance(name, str) else None
 
 
 def _admitted(workload: Any) -> bool:

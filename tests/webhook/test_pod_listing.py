@@ -8,19 +8,18 @@ list already under way is never handed to a claim that a pod stored meanwhile wo
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from typing import Any
 
 import anyio
-import anyio.lowlevel
 import pytest
-from gpudra.common.kube import ApiError
 from gpudra.webhook.admission import Admission
+from gpudra.webhook.lists import PER_PAGE
 from gpudra.webhook.metrics import WebhookMetrics
-from gpudra.webhook.templates import PODS_PER_PAGE, ApiClaimReader
+from gpudra.webhook.templates import ApiClaimReader
 from prometheus_client import CollectorRegistry
 
+from tests.webhook.lists_api import ListsApi
 from tests.webhook.test_admission import (
     CLAIM,
     Claims,
@@ -34,10 +33,6 @@ from tests.webhook.test_admission import (
 pytestmark = pytest.mark.anyio
 
 PODS = "/api/v1/namespaces/ns/pods"
-EXPIRED = (
-    "The provided continue parameter is too old to display a consistent list result. "
-    "You can start a new list without the continue parameter."
-)
 
 
 def idle_pod(index: int) -> dict[str, Any]:
@@ -58,67 +53,13 @@ def user_of(claim: str, name: str) -> dict[str, Any]:
     return pod
 
 
-class PodsApi:
-    """The API server's pod list, as `Kube.request` answers it: the field selector on the
-    phase, and ``limit``/``continue`` pages served from the snapshot the first page took.
-
-    `held` holds the answer to the first page of the lists it names (1 for the first
-    list made), once its snapshot is taken, until the test sets the event; `fail_page`
-    answers that page of every list with the API server's 410 for an expired token.
-    """
+class PodsApi(ListsApi):
+    """The API server's pod list (`ListsApi`): the field selector on the phase, and
+    ``limit``/``continue`` pages served from the snapshot the first page took."""
 
     def __init__(self, pods: list[dict[str, Any]]) -> None:
+        super().__init__({PODS: pods})
         self.pods = pods
-        self.lists = 0
-        self.pages = 0
-        self.largest_page = 0
-        self.bytes = 0
-        """What the webhook parsed: the JSON bodies of every page."""
-        self.queries: list[dict[str, str]] = []
-        self.held: dict[int, anyio.Event] = {}
-        self.fail_page: int | None = None
-        self._snapshots: dict[str, list[dict[str, Any]]] = {}
-
-    async def request(
-        self, method: str, path: str, body: Any = None, *, query: Any = None, **_: Any
-    ) -> Any:
-        if (method, path) != ("GET", PODS):
-            raise AssertionError(f"unexpected {method} {path}")
-        query = dict(query or {})
-        self.queries.append(query)
-        token = query.get("continue")
-        if token is None:
-            self.lists += 1
-            snapshot = token = str(self.lists)
-            self._snapshots[snapshot] = [p for p in self.pods if _selected(p, query)]
-            offset = 0
-            if (hold := self.held.get(self.lists)) is not None:
-                await hold.wait()
-        else:
-            snapshot, _, at = token.partition(":")
-            offset = int(at)
-        page_number = offset // int(query["limit"]) + 1 if "limit" in query else 1
-        await anyio.lowlevel.checkpoint()  # the round trip: other admissions run meanwhile
-        if page_number == self.fail_page:
-            raise ApiError(410, EXPIRED, method, path)
-        items = self._snapshots[snapshot][offset:]
-        metadata: dict[str, str] = {}
-        if "limit" in query and len(items) > int(query["limit"]):
-            items = items[: int(query["limit"])]
-            metadata["continue"] = f"{snapshot}:{offset + len(items)}"
-        raw = json.dumps({"kind": "PodList", "metadata": metadata, "items": items})
-        self.pages += 1
-        self.largest_page = max(self.largest_page, len(items))
-        self.bytes += len(raw)
-        return json.loads(raw)
-
-
-def _selected(pod: Mapping[str, Any], query: Mapping[str, str]) -> bool:
-    """The phase field selector the webhook sends, as the API server applies it."""
-    if "fieldSelector" not in query:
-        return True
-    excluded = {term.split("!=")[1] for term in query["fieldSelector"].split(",") if "!=" in term}
-    return pod.get("status", {}).get("phase") not in excluded
 
 
 def admission_over(api: PodsApi, **reader: Any) -> Admission:
@@ -149,9 +90,9 @@ async def create_together(admission: Admission, names: list[str]) -> dict[str, A
 async def test_claims_created_together_share_two_paged_pod_lists() -> None:
     """Twenty claims created while the first one's list is under way: the first gets
     that list, the nineteen others one list begun after they all arrived, not one each.
-    Each list is read in pages of `PODS_PER_PAGE`, the last page read too: the pod on
+    Each list is read in pages of `PER_PAGE`, the last page read too: the pod on
     it that names c7 refuses c7, and only c7."""
-    pods = [idle_pod(i) for i in range(2 * PODS_PER_PAGE + 49)] + [user_of("c7", "waiting")]
+    pods = [idle_pod(i) for i in range(2 * PER_PAGE + 49)] + [user_of("c7", "waiting")]
     pods.append({**idle_pod(999), "status": {"phase": "Succeeded"}})
     api = PodsApi(pods)
     api.held[1] = anyio.Event()
@@ -169,9 +110,9 @@ async def test_claims_created_together_share_two_paged_pod_lists() -> None:
 
     assert api.lists == 2
     assert api.pages == 2 * 3
-    assert api.largest_page == PODS_PER_PAGE
+    assert api.largest_page == PER_PAGE
     for query in api.queries:
-        assert query["limit"] == str(PODS_PER_PAGE)
+        assert query["limit"] == str(PER_PAGE)
         assert query["fieldSelector"] == "status.phase!=Succeeded,status.phase!=Failed"
         assert "resourceVersion" not in query  # a consistent read, not the watch cache's
     denied = {name for name, d in decisions.items() if d.result == "denied"}
@@ -189,7 +130,7 @@ async def test_a_list_under_way_is_not_handed_to_a_claim_a_pod_stored_since_woul
     refused."""
     api = PodsApi([idle_pod(i) for i in range(5)])
     api.held[1] = anyio.Event()
-    admission = admission_over(api, pods_per_page=2)
+    admission = admission_over(api, per_page=2)
     decisions: dict[str, Any] = {}
 
     async def create(name: str) -> None:
@@ -217,7 +158,7 @@ async def test_a_page_that_fails_denies_every_claim_that_shared_the_list() -> No
     page and the API server's words."""
     api = PodsApi([idle_pod(i) for i in range(7)])
     api.fail_page = 2
-    admission = admission_over(api, pods_per_page=3)
+    admission = admission_over(api, per_page=3)
 
     decisions = await create_together(admission, ["a", "b", "c"])
 
@@ -238,7 +179,7 @@ async def test_a_reader_whose_lists_leader_gave_up_lists_again_itself() -> None:
     api = PodsApi([idle_pod(i) for i in range(4)] + [user_of("x", "waiting")])
     api.held[1] = anyio.Event()
     api.held[2] = anyio.Event()
-    reader = ApiClaimReader(api, pods_per_page=2)  # type: ignore[arg-type]
+    reader = ApiClaimReader(api, per_page=2)  # type: ignore[arg-type]
     got: dict[str, list[str]] = {}
 
     def names_a_claim(pod: Mapping[str, Any]) -> bool:

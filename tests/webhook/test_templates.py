@@ -177,7 +177,7 @@ async def test_the_api_reader_pages_a_namespaces_pods_and_keeps_what_its_filter_
         )
     )
     counted = _Counted(akube)
-    reader = ApiClaimReader(counted, pods_per_page=2)  # type: ignore[arg-type]
+    reader = ApiClaimReader(counted, per_page=2)  # type: ignore[arg-type]
 
     found = await reader.pods(namespace, lambda p: p["metadata"]["name"] != "p3")
 
