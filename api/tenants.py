@@ -13,16 +13,20 @@ committed as ``api/crds/gpudra.io_gputenants.yaml`` for the Helm chart; regenera
 with ``python -m gpudra.api.tenants > api/crds/gpudra.io_gputenants.yaml``.
 
 Overlapping tenants resolve by specificity (see `GpuTenantSpec.selects`): a tenant
-that names a namespace in ``namespaces`` wins over one that only selects it by label;
-two tenants of equal specificity are a conflict, and the webhook then denies GPU pods
-and claims there with a message naming both (no rule set is silently picked).
+that names a namespace in ``namespaces`` wins over one that only selects it by label,
+and a label selector wins over an empty one (``namespaceSelector: {}``), which makes the
+cluster's default tenant: it governs exactly the namespaces no other tenant selects, so
+a namespace created without its team's labels still has GPU rules and a quota. Two
+tenants of equal specificity are a conflict (two default tenants too), and the webhook
+then denies GPU pods and claims there with a message naming both (no rule set is
+silently picked).
 """
 
 from __future__ import annotations
 
 import re
 import sys
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import Annotated, Any, Final, Literal, Self, TypeAlias, get_args
@@ -172,6 +176,11 @@ class LabelSelector(_Model):
         default=None, alias="matchExpressions"
     )
 
+    @property
+    def empty(self) -> bool:
+        """No term at all (``{}``): selects every namespace, as the default tenant."""
+        return not self.match_labels and not self.match_expressions
+
     def matches(self, labels: Mapping[str, str]) -> bool:
         for key, value in (self.match_labels or {}).items():
             if labels.get(key) != value:
@@ -204,8 +213,14 @@ class GpuResourceMapping(_Model):
 
 
 class Specificity(IntEnum):
-    """How a tenant selects a namespace; the higher value wins an overlap."""
+    """How a tenant selects a namespace; the higher value wins an overlap.
 
+    DEFAULT is an empty ``namespaceSelector``: it selects every namespace, but only to
+    govern those no other tenant selects, so an admin can give the whole cluster GPU
+    rules without a conflict in every namespace a team's tenant selects.
+    """
+
+    DEFAULT = 0
     LABEL = 1
     NAME = 2
 
@@ -216,7 +231,10 @@ class GpuTenantSpec(_Model):
     namespace_selector: LabelSelector | None = Field(
         default=None,
         alias="namespaceSelector",
-        description="Namespaces whose labels match belong to the tenant ({} selects all).",
+        description="Namespaces whose labels match belong to the tenant. {} (no "
+        "matchLabels, no matchExpressions) makes the default tenant: it governs every "
+        "namespace that no other tenant selects by label or name, except kube-system and "
+        "the namespace gpudra is installed in; two default tenants conflict.",
     )
     namespaces: list[NamespaceName] | None = Field(
         default=None,
@@ -286,12 +304,17 @@ class GpuTenantSpec(_Model):
             )
         return self
 
+    @property
+    def is_default(self) -> bool:
+        """An empty ``namespaceSelector``: the default tenant (`Specificity.DEFAULT`)."""
+        return self.namespace_selector is not None and self.namespace_selector.empty
+
     def selects(self, namespace: str, labels: Mapping[str, str]) -> Specificity | None:
         """How this tenant selects `namespace` (None: not at all)."""
         if self.namespaces is not None and namespace in self.namespaces:
             return Specificity.NAME
         if self.namespace_selector is not None and self.namespace_selector.matches(labels):
-            return Specificity.LABEL
+            return Specificity.DEFAULT if self.namespace_selector.empty else Specificity.LABEL
         return None
 
     @property
@@ -328,14 +351,21 @@ class Tenant:
 
 
 def winning_tenants(
-    namespace: str, labels: Mapping[str, str] | None, tenants: Iterable[Tenant]
+    namespace: str,
+    labels: Mapping[str, str] | None,
+    tenants: Iterable[Tenant],
+    excluded: Container[str] = (),
 ) -> list[Tenant] | None:
     """The tenants of highest specificity that select `namespace`, in `tenants`' order.
 
     The one rule for which tenant a namespace belongs to, shared by the webhook (whose
     rules apply) and the node agent (whose name labels the metrics): one winner is the
     tenant; none, no tenant; several, a conflict the caller reports. `labels` None: the
-    namespace is not known yet, so the answer is None wherever labels would decide.
+    namespace is not known yet, so the answer is None wherever labels would decide (a
+    default tenant decides alone only where no tenant selects by label). `excluded`: the
+    namespaces the webhook never reviews (kube-system, its own), which a default tenant
+    does not govern: its rules would not be enforced there, and its quota would limit
+    the system's own claims.
     """
     best: Specificity | None = None
     winners: list[Tenant] = []
@@ -344,13 +374,15 @@ def winning_tenants(
         if labels is None:
             if spec.namespaces is not None and namespace in spec.namespaces:
                 how: Specificity | None = Specificity.NAME
+            elif spec.is_default:
+                how = Specificity.DEFAULT
             elif spec.namespace_selector is not None:
                 return None
             else:
                 how = None
         else:
             how = spec.selects(namespace, labels)
-        if how is None:
+        if how is None or (how is Specificity.DEFAULT and namespace in excluded):
             continue
         if best is None or how > best:
             best, winners = how, [tenant]
@@ -386,10 +418,15 @@ class TenantReach:
         except ValueError:
             return cls(listed, None, everywhere=True)
 
-    def selects(self, namespace: str, labels: Mapping[str, str] | None) -> Specificity | None:
-        """As `GpuTenantSpec.selects`; `labels` None (not known yet): a selector might."""
+    def selects(
+        self, namespace: str, labels: Mapping[str, str] | None, excluded: Container[str] = ()
+    ) -> Specificity | None:
+        """As `GpuTenantSpec.selects` (and `winning_tenants`' `excluded`); `labels` None
+        (not known yet): a selector might."""
         if namespace in self.names:
             return Specificity.NAME
+        if self.selector is not None and self.selector.empty:
+            return None if namespace in excluded else Specificity.DEFAULT
         if self.everywhere or (
             self.selector is not None and (labels is None or self.selector.matches(labels))
         ):
@@ -402,13 +439,14 @@ def invalid_in_reach(
     labels: Mapping[str, str] | None,
     winners: Sequence[Tenant],
     reach: Mapping[str, TenantReach],
+    excluded: Container[str] = (),
 ) -> str | None:
     """The first (by name) invalid tenant in `reach` that would select `namespace` at
     least as specifically as the valid `winners` (`winning_tenants`) do: it would win or
     tie, so its unknown rules decide and no valid tenant's apply."""
     best = winners[0].spec.selects(namespace, labels or {}) if winners else None
     for name in sorted(reach):
-        how = reach[name].selects(namespace, labels)
+        how = reach[name].selects(namespace, labels, excluded)
         if how is not None and (best is None or how >= best):
             return name
     return None

@@ -477,6 +477,7 @@ def run(args: argparse.Namespace) -> int:
                 config.policy,
                 extra_classes=args.device_class,
                 pod_security_default=args.pod_security_default,
+                own_namespace=args.namespace,
             )
             if args.tenants
             else None

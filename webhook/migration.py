@@ -459,10 +459,10 @@ def plan(configs: DevicePluginConfig | NodeConfigs, pods: Iterable[Mapping[str, 
                 }
             )
             notes.append(
-                f"GpuTenant {TENANT_NAME} selects every namespace, so nvidia.com/gpu means "
-                "a shared GPU everywhere, as it did; where another GpuTenant selects a "
-                "namespace by label too, both are a conflict: put its gpuResource into "
-                "that tenant instead"
+                f"GpuTenant {TENANT_NAME} is the default tenant (namespaceSelector: {{}}), "
+                "so nvidia.com/gpu means a shared GPU in every namespace no other "
+                "GpuTenant selects, as it did; a namespace another GpuTenant selects follows "
+                "that tenant's rules instead: give it the same gpuResource"
             )
             if any(c.sharing is None for c in used):
                 notes.append(

@@ -8,11 +8,14 @@ listed once, GPU pods and claims are denied (fail closed, and readiness reports 
 ready) rather than admitted without their tenant's rules.
 
 Overlapping tenants: a namespace named in a tenant's ``namespaces`` list belongs to that
-tenant even when other tenants select it by label (most specific wins). Two tenants of
-equal specificity are a conflict: GPU pods and claims there are denied with a message
-naming both, and the namespace's ResourceQuota gets, per DeviceClass, the smallest limit
-any of them sets, so a misconfiguration never widens quota. The rule is deterministic:
-it does not depend on creation order or on which watch event came first.
+tenant even when other tenants select it by label (most specific wins), and a tenant
+with an empty ``namespaceSelector`` (the default tenant) governs only the namespaces no
+other tenant selects: its quota is kept there and moves to the specific tenant's (or
+goes) when a namespace's labels make another tenant select it. Two tenants of equal
+specificity are a conflict: GPU pods and claims there are denied with a message naming
+both, and the namespace's ResourceQuota gets, per DeviceClass, the smallest limit any
+of them sets, so a misconfiguration never widens quota. The rule is deterministic: it
+does not depend on creation order or on which watch event came first.
 
 No I/O: the controller writes the quotas `TenantState.desired_quotas` asks for.
 """
@@ -26,6 +29,7 @@ from typing import Any, Final
 
 from gpudra.api.quantity import QuantityError, parse_quantity
 from gpudra.api.tenants import (
+    Specificity,
     TenantError,
     TenantReach,
     invalid_in_reach,
@@ -115,6 +119,10 @@ class TenantState:
     pod_security_default: str = PRIVILEGED
     """The Pod Security level the API server enforces in a namespace without the
     enforce label (``gpudra.webhook.pod_security``)."""
+    excluded: frozenset[str] = frozenset()
+    """The namespaces the webhook never reviews (kube-system, its own): a default tenant
+    does not govern them, so it writes no quota there and they are not reported as its
+    namespaces without Pod Security (the node agent's namespace must be privileged)."""
     tenants: dict[str, TenantRules] = field(default_factory=dict)
     invalid: dict[str, str] = field(default_factory=dict)
     _reach: dict[str, TenantReach] = field(default_factory=dict)
@@ -289,10 +297,18 @@ class TenantState:
             return _NO_TENANT
         if len(winners) > 1:
             names = " and ".join(f'"{r.tenant.name}"' for r in winners)
+            labels = self.namespace_labels(namespace) or {}
+            how = winners[0].tenant.spec.selects(namespace, labels)
+            fix = (
+                "keep one default tenant (namespaceSelector: {}): delete the others or give "
+                "them a label selector"
+                if how is Specificity.DEFAULT
+                else "list the namespace in exactly one tenant's spec.namespaces or make "
+                "the selectors disjoint"
+            )
             return Lookup(
                 denial=f"namespace {namespace} is selected by GpuTenants {names} with equal "
-                "specificity, so which rules apply is ambiguous; list the namespace in "
-                "exactly one tenant's spec.namespaces or make the selectors disjoint"
+                f"specificity, so which rules apply is ambiguous; {fix}"
             )
         desired = self.desired_quotas().get(namespace)
         wants_quota = any(r.tenant.spec.device_quota is not None for r in winners)
@@ -316,7 +332,9 @@ class TenantState:
             return None
         ns = self.namespaces.get(namespace)
         labels = ns.labels if ns is not None else None
-        return invalid_in_reach(namespace, labels, [r.tenant for r in winners], self._reach)
+        return invalid_in_reach(
+            namespace, labels, [r.tenant for r in winners], self._reach, self.excluded
+        )
 
     def _invalid_owner(self, namespace: str) -> str | None:
         """The invalid tenant whose quota this namespace holds, if any: its rules are
@@ -340,7 +358,8 @@ class TenantState:
     def _select(self, namespace: str) -> list[TenantRules] | None:
         ns = self.namespaces.get(namespace)
         ordered = (self.tenants[name].tenant for name in sorted(self.tenants))
-        winners = winning_tenants(namespace, ns.labels if ns is not None else None, ordered)
+        labels = ns.labels if ns is not None else None
+        winners = winning_tenants(namespace, labels, ordered, self.excluded)
         return None if winners is None else [self.tenants[t.name] for t in winners]
 
     # -- pod security ---------------------------------------------------------------------
@@ -362,7 +381,9 @@ class TenantState:
                 continue
             names = {rules.tenant.name for rules in self._winners(namespace) or []}
             names.update(
-                n for n, reach in self._reach.items() if reach.selects(namespace, ns.labels)
+                n
+                for n, reach in self._reach.items()
+                if reach.selects(namespace, ns.labels, self.excluded)
             )
             if names:
                 found[namespace] = tuple(sorted(names))

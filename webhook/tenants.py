@@ -42,6 +42,7 @@ from gpudra.common.backoff import Backoff
 from gpudra.common.kube import ApiError, Kube
 from gpudra.common.reconcile import ReconcileLoop
 from gpudra.common.watch import Reflector
+from gpudra.webhook.admission import SYSTEM_NAMESPACES
 from gpudra.webhook.convert import DEFAULT_POLICY, ConversionPolicy
 from gpudra.webhook.pod_security import ENFORCE_LABEL, PRIVILEGED
 from gpudra.webhook.tenant_state import QUOTA_NAME, TENANT_LABEL, TenantState, quota_spec_is
@@ -82,6 +83,7 @@ class TenantController:
         backoff_max_s: float = 30.0,
         extra_classes: Sequence[str] = (),
         pod_security_default: str = PRIVILEGED,
+        own_namespace: str = "gpudra",
         foreign_retry_s: float = FOREIGN_RETRY_S,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -99,6 +101,8 @@ class TenantController:
             on_change=self._reconciler.poke,
             quota_classes=driver_classes(base_policy, extra_classes),
             pod_security_default=pod_security_default,
+            # The namespaces the webhook never reviews, as `Admission` excludes them.
+            excluded=frozenset({*SYSTEM_NAMESPACES, own_namespace}),
         )
         # Namespace -> when a same-named quota gpudra does not manage was last found there.
         self._foreign: dict[str, float] = {}

@@ -5,6 +5,7 @@ the converted pods' claims under that quota, and the scheduler allocates them.""
 from __future__ import annotations
 
 import re
+import secrets
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -442,3 +443,74 @@ async def test_deleting_a_tenant_removes_its_quotas(env: Env, kube: SyncKube) ->
         await call(delete_tenant, kube, tenant)
         await call(kube.delete, "Namespace", ns1)
         await call(kube.delete, "Namespace", ns2)
+
+
+async def test_a_default_tenant_governs_a_fresh_namespace_no_tenant_selects(
+    env: Env, kube: SyncKube
+) -> None:
+    """Escape attempt: a namespace created without its team's labels is not outside the
+    rules once a default tenant (``namespaceSelector: {}``) exists; a namespace a
+    labelled tenant selects is governed by that tenant alone, with no conflict.
+
+    The default tenant here allows no DeviceClass rather than setting a deviceQuota: it
+    governs every namespace of the shared test cluster while it exists, and a quota
+    would be written into each of them."""
+    default = f"default-{secrets.token_hex(3)}"
+    labelled = ""
+    fresh = team = ""
+    try:
+        await call(
+            lambda: make_tenant(kube, default, namespaceSelector={}, allowedDeviceClasses=[])
+        )
+        fresh = await call(smoke.make_namespace, kube, "fresh")
+        team = await call(smoke.make_namespace, kube, "team")
+        labelled = f"team-{team}"
+        await call(
+            lambda: kube.request(
+                "PATCH",
+                f"/api/v1/namespaces/{team}",
+                {"metadata": {"labels": {"gpu-tenant": labelled}}},
+                content_type="application/merge-patch+json",
+            )
+        )
+        await call(
+            lambda: make_tenant(
+                kube,
+                labelled,
+                namespaceSelector={"matchLabels": {"gpu-tenant": labelled}},
+                maxDevicesPerPod=1,
+            )
+        )
+
+        def governs(ns: str) -> str | None:
+            rules = env.controller.state.lookup(ns).rules
+            return rules.tenant.name if rules else None
+
+        await until("the webhook to see both tenants", lambda: governs(team) == labelled)
+        await until("the webhook to see the fresh namespace", lambda: governs(fresh) == default)
+
+        with pytest.raises(ApiError) as err:
+            await call(kube.create, gpu_pod(fresh, "escape", {"nvidia.com/gpu": "1"}))
+        assert err.value.status == 403
+        assert (
+            f'tenant "{default}" (GpuTenant {default}): device class gpu.nvidia.com is not allowed'
+        ) in str(err.value)
+
+        # The labelled tenant's rules, not the default's, and no conflict between them.
+        admitted = await call(
+            lambda: kube.create(gpu_pod(team, "one", {"nvidia.com/gpu": "1"}), dryRun="All")
+        )
+        assert admitted["spec"]["resourceClaims"]
+        with pytest.raises(ApiError) as err:
+            await call(kube.create, gpu_pod(team, "two", {"nvidia.com/gpu": "2"}))
+        assert err.value.status == 403
+        assert f'tenant "{labelled}" (GpuTenant {labelled}): maxDevicesPerPod is 1' in str(
+            err.value
+        )
+    finally:
+        for name in (default, labelled):
+            if name:
+                await call(delete_tenant, kube, name)
+        for ns in (fresh, team):
+            if ns:
+                await call(kube.delete, "Namespace", ns)

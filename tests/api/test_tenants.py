@@ -1,5 +1,6 @@
 """GpuTenant model: strict parsing with field paths, selection, and the generated CRD."""
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -151,7 +152,8 @@ def test_selection_specificity() -> None:
 def test_the_most_specific_tenant_wins_and_equals_conflict() -> None:
     by_label = parse_tenant(tenant("by-label", namespaceSelector={"matchLabels": {"team": "a"}}))
     by_name = parse_tenant(tenant("by-name", namespaces=["ml-a"]))
-    also_label = parse_tenant(tenant("also", namespaceSelector={}))
+    exists = {"matchExpressions": [{"key": "team", "operator": "Exists"}]}
+    also_label = parse_tenant(tenant("also", namespaceSelector=exists))
     team_a = {"team": "a"}
     assert winning_tenants("ml-a", team_a, [by_label, by_name, also_label]) == [by_name]
     assert winning_tenants("ml-b", team_a, [by_label, by_name]) == [by_label]
@@ -160,6 +162,60 @@ def test_the_most_specific_tenant_wins_and_equals_conflict() -> None:
     # Labels not known yet: a name decides, a selector cannot.
     assert winning_tenants("ml-a", None, [by_name]) == [by_name]
     assert winning_tenants("ml-a", None, [by_name, by_label]) is None
+
+
+def test_an_empty_selector_makes_the_default_tenant_ranked_below_every_other() -> None:
+    """``namespaceSelector: {}`` governs exactly the namespaces no other tenant selects
+    (never the ones the webhook does not review); two of them are a conflict."""
+    default = parse_tenant(tenant("default", namespaceSelector={}))
+    also = parse_tenant(
+        tenant("also", namespaceSelector={"matchLabels": {}, "matchExpressions": []})
+    )
+    by_label = parse_tenant(tenant("by-label", namespaceSelector={"matchLabels": {"team": "a"}}))
+    by_name = parse_tenant(tenant("by-name", namespaces=["ml-a"]))
+    team_a = {"team": "a"}
+    assert default.spec.is_default and also.spec.is_default
+    assert not by_label.spec.is_default and not by_name.spec.is_default
+    assert default.spec.selects("any", {}) is Specificity.DEFAULT
+    assert Specificity.DEFAULT < Specificity.LABEL < Specificity.NAME
+    assert winning_tenants("ml-b", team_a, [default, by_label]) == [by_label]
+    assert winning_tenants("ml-a", team_a, [default, by_label, by_name]) == [by_name]
+    assert winning_tenants("fresh", {}, [default, by_label, by_name]) == [default]
+    assert winning_tenants("fresh", {}, [default, also]) == [default, also]
+    assert winning_tenants("kube-system", {}, [default], excluded={"kube-system"}) == []
+    assert winning_tenants("kube-system", {}, [by_label], excluded={"kube-system"}) == []
+    # Listed by name and default elsewhere: the name wins over another default.
+    both = parse_tenant(tenant("both", namespaces=["ml-a"], namespaceSelector={}))
+    assert winning_tenants("ml-a", {}, [default, both]) == [both]
+    assert winning_tenants("fresh", {}, [default, both]) == [default, both]
+    # Labels not known yet: the default decides only where no label selector could.
+    assert winning_tenants("fresh", None, [default]) == [default]
+    assert winning_tenants("fresh", None, [default, by_label]) is None
+
+
+def test_the_install_guides_tenants_parse_and_its_default_tenant_allows_no_gpus() -> None:
+    """docs/install.md's GpuTenant examples are what the webhook accepts; the default
+    tenant it recommends right after the install is one, and allows no device."""
+    install = (CRD_FILE.parents[2] / "docs" / "install.md").read_text()
+    blocks = re.findall(r"```yaml\n(.*?)```", install, re.DOTALL)
+    parsed = [
+        parse_tenant(o)
+        for b in blocks
+        for o in yaml.safe_load_all(b)
+        if isinstance(o, dict) and o.get("kind") == "GpuTenant"
+    ]
+    (default,) = [t for t in parsed if t.spec.is_default]
+    assert default.spec.device_quota == {}
+    assert len(parsed) >= 2
+
+
+def test_an_invalid_default_tenant_decides_only_where_no_other_tenant_selects() -> None:
+    by_label = parse_tenant(tenant("by-label", namespaceSelector={"matchLabels": {"team": "a"}}))
+    reach = {"bad": TenantReach.of(tenant("bad", namespaceSelector={}, typo=1))}
+    assert reach["bad"].selects("fresh", None) is Specificity.DEFAULT
+    assert invalid_in_reach("fresh", {}, [], reach) == "bad"
+    assert invalid_in_reach("ml-b", {"team": "a"}, [by_label], reach) is None
+    assert invalid_in_reach("kube-system", {}, [], reach, excluded={"kube-system"}) is None
 
 
 def test_an_invalid_tenant_decides_where_it_would_win_or_tie() -> None:

@@ -110,13 +110,122 @@ def test_equal_specificity_is_a_conflict_naming_both() -> None:
     s = state(
         [
             tenant("team-b", namespaceSelector={"matchLabels": {"gpu": "yes"}}),
-            tenant("team-a", namespaceSelector={}, deviceQuota={"gpu.nvidia.com": 8}),
+            tenant(
+                "team-a",
+                namespaceSelector={"matchExpressions": [{"key": "gpu", "operator": "Exists"}]},
+                deviceQuota={"gpu.nvidia.com": 8},
+            ),
         ],
         [namespace("shared", gpu="yes")],
     )
     found = s.lookup("shared")
     assert found.rules is None
     assert 'GpuTenants "team-a" and "team-b" with equal specificity' in found.denial
+    assert "make the selectors disjoint" in found.denial
+
+
+SYSTEM = frozenset({"kube-system", "gpudra"})
+"""The namespaces the webhook never reviews, as `TenantController` passes them."""
+
+
+def default_state(tenants: list[dict[str, Any]], namespaces: list[dict[str, Any]]) -> TenantState:
+    s = TenantState(excluded=SYSTEM)
+    s.replace("tenants", tenants)
+    s.replace("namespaces", namespaces)
+    s.replace("quotas", [])
+    return s
+
+
+def test_the_default_tenant_governs_only_the_namespaces_no_other_tenant_selects() -> None:
+    """An empty namespaceSelector makes the default tenant, ranked below label and name
+    selection: a team's tenant keeps its namespaces without a conflict, every other
+    namespace (one made later without labels too) gets the default's rules and quota,
+    and the namespaces the webhook never reviews get neither."""
+    s = default_state(
+        [
+            tenant("default", namespaceSelector={}, deviceQuota={"gpu.nvidia.com": 0}),
+            tenant("team-a", namespaceSelector={"matchLabels": {"team": "a"}}),
+            tenant("special", namespaces=["named"]),
+        ],
+        [
+            namespace("a1", team="a"),
+            namespace("named"),
+            namespace("fresh"),
+            *(namespace(n) for n in SYSTEM),
+        ],
+    )
+    s.event("namespaces", "ADDED", namespace("later"))
+
+    def governs(ns: str) -> str | None:
+        found = s.lookup(ns)
+        assert "equal specificity" not in found.denial
+        return found.rules.tenant.name if found.rules else None
+
+    assert {ns: governs(ns) for ns in ("a1", "named", "kube-system", "gpudra")} == {
+        "a1": "team-a",
+        "named": "special",
+        "kube-system": None,
+        "gpudra": None,
+    }
+    assert set(s.desired_quotas()) == {"fresh", "later"}
+    assert {s.desired_quotas()[ns][1] for ns in ("fresh", "later")} == {"default"}
+    # Until the quota is in place, the default tenant's namespaces are refused.
+    assert "gpudra-gpu-quota" in s.lookup("fresh").denial
+
+
+def test_two_default_tenants_conflict_naming_both_and_the_fix() -> None:
+    s = default_state(
+        [
+            tenant("default-b", namespaceSelector={}),
+            tenant("default-a", namespaceSelector={"matchLabels": {}}),
+            tenant("team-a", namespaceSelector={"matchLabels": {"team": "a"}}),
+        ],
+        [namespace("fresh"), namespace("a1", team="a")],
+    )
+    denial = s.lookup("fresh").denial
+    assert 'GpuTenants "default-a" and "default-b" with equal specificity' in denial
+    assert "keep one default tenant (namespaceSelector: {})" in denial
+    a1 = s.lookup("a1").rules
+    assert a1 is not None and a1.tenant.name == "team-a"
+
+
+@pytest.mark.anyio
+async def test_the_quota_moves_between_the_default_tenant_and_the_one_a_label_picks() -> None:
+    """A namespace labelled into a team's tenant takes that tenant's quota (limit and
+    tenant label), and back to the default's when the label goes; where the team's
+    tenant sets no deviceQuota, the default's quota goes. kube-system and gpudra's own
+    namespace get none."""
+    server = QuotaServer()
+    controller = TenantController(server, own_namespace="gpudra")  # type: ignore[arg-type]
+    state = controller.state
+    default = tenant("default", namespaceSelector={}, deviceQuota={"gpu.nvidia.com": 0})
+    team_a = {"namespaceSelector": {"matchLabels": {"team": "a"}}}
+    state.replace(
+        "tenants", [default, tenant("team-a", **team_a, deviceQuota={"gpu.nvidia.com": 4})]
+    )
+    state.replace("namespaces", [namespace("ns"), *(namespace(n) for n in SYSTEM)])
+    state.replace("quotas", [])
+
+    async def held() -> tuple[str | None, str, str] | None:
+        await settle(controller, server)
+        obj = server.objs.get("ns")
+        found = state.lookup("ns")
+        name = found.rules.tenant.name if found.rules else found.denial
+        if obj is None:
+            return None
+        return name, obj["metadata"]["labels"][TENANT_LABEL], obj["spec"]["hard"][KEY]
+
+    assert await held() == ("default", "default", "0")
+    assert set(server.objs) == {"ns"}
+    state.event("namespaces", "MODIFIED", namespace("ns", team="a"))
+    assert await held() == ("team-a", "team-a", "4")
+    state.event("namespaces", "MODIFIED", namespace("ns"))
+    assert await held() == ("default", "default", "0")
+    state.event("tenants", "MODIFIED", tenant("team-a", **team_a))
+    state.event("namespaces", "MODIFIED", namespace("ns", team="a"))
+    assert await held() is None
+    found = state.lookup("ns")
+    assert found.rules is not None and found.rules.tenant.name == "team-a"
 
 
 def test_conflict_quota_takes_the_smallest_limit() -> None:
@@ -792,6 +901,26 @@ def test_tenant_namespaces_where_pods_may_be_privileged_are_listed() -> None:
     s.replace("quotas", [])
     assert s.without_pod_security() == {"privileged": ("team-a",)}
     assert state([], known).without_pod_security() == {}
+
+
+def test_a_default_tenant_reports_the_namespaces_it_governs_not_the_systems() -> None:
+    """The default tenant makes every namespace a tenant namespace: those it governs are
+    reported, by its name, but not kube-system and gpudra's own, which it does not
+    govern (the node agent's must allow privileged pods)."""
+    s = default_state(
+        [
+            tenant("default", namespaceSelector={}),
+            tenant("team-l", namespaceSelector={"matchLabels": {"team": "l"}}),
+        ],
+        [
+            namespace("fresh"),
+            namespace("l1", team="l"),
+            namespace("safe", **{ENFORCE: "baseline"}),
+            namespace("gpudra", **{ENFORCE: "privileged"}),
+            namespace("kube-system"),
+        ],
+    )
+    assert s.without_pod_security() == {"fresh": ("default",), "l1": ("team-l",)}
 
 
 @pytest.mark.anyio
