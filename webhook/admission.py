@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, Protocol
 
@@ -118,8 +118,10 @@ class ClaimReader(Protocol):
     keeps, to find those that will use a claim being created (the filter bounds what a
     namespace of many pods makes the webhook hold); `namespace_labels` reads a namespace
     the tenant view has not seen yet (None: there is no such namespace);
-    `claims_made_for` names the claims the resourceclaim controller made for a pod's
-    template entries (controlled by the pod, annotated with the entry's name), by entry;
+    `claims_made_for` names the claims the resourceclaim controller made for the
+    template entries of the pods whose UIDs it is given (controlled by the pod,
+    annotated with the entry's name), by pod UID and then entry, in one read however
+    many pods there are;
     `workloads_admitted_with` names the Kueue Workloads of the namespace admitted, and
     not finished, with pods that refer to a template of that name (none where Kueue is
     not installed).
@@ -128,8 +130,8 @@ class ClaimReader(Protocol):
     async def __call__(self, namespace: str, kind: str, name: str) -> StoredClaim | None: ...
 
     async def claims_made_for(
-        self, namespace: str, pod_uid: str
-    ) -> Mapping[str, Sequence[str]]: ...
+        self, namespace: str, pod_uids: Collection[str]
+    ) -> Mapping[str, Mapping[str, Sequence[str]]]: ...
 
     async def namespace_labels(self, namespace: str) -> Mapping[str, str] | None: ...
 
@@ -611,7 +613,11 @@ class Admission:
         twice. Fails closed: pods that cannot be listed deny. Only the pods that use the
         claim are kept of the list (`ClaimReader.pods`), which the claims created at the
         same time share (``templates.ApiClaimReader.pods`` says how, and why that still
-        sees every pod stored before this admission began).
+        sees every pod stored before this admission began). The claims made for the
+        template entries their statuses do not name yet are read once for all of them
+        (`ClaimReader.claims_made_for`), and only where one has such an entry: a tenant
+        decides how many pods use a claim, and a read per pod would list the namespace's
+        claims that many times.
         """
         limit = rules.tenant.spec.max_devices_per_pod
         if limit is None:
@@ -633,13 +639,26 @@ class Admission:
             )
             reason = _unanswered(exc)
             return f"{heading}; could not list the pods that use this claim: {reason}; retry"
+        filling = ((pod, _entry_filled_by(pod, claim)) for pod in pods)
+        users = [(pod, entry) for pod, entry in filling if entry is not None]
+        awaiting = {uid for pod, entry in users if (uid := _awaiting_claims(pod, entry))}
+        made: Mapping[str, Mapping[str, Sequence[str]]] = {}
+        if awaiting:
+            try:
+                with anyio.fail_after(self._ensure_timeout):
+                    made = await self._read_claims.claims_made_for(namespace, awaiting)
+            except Exception as exc:
+                what = "list the claims made for the pod"
+                return _uncounted(heading, what, exc, namespace)
         policy = self._stored_natives(rules.policy)
-        for pod in pods:
-            entry = _entry_filled_by(pod, claim)
-            if entry is None:
-                continue
+        for pod, entry in users:
             found = await self._referenced(
-                heading, pod, namespace, dry_run=False, filled=(entry, devices)
+                heading,
+                pod,
+                namespace,
+                dry_run=False,
+                filled=(entry, devices),
+                claims_made=made.get(_uid_of(pod) or "", {}),
             )
             if isinstance(found, str):
                 return found
@@ -672,6 +691,7 @@ class Admission:
         rules: TenantRules | None = None,
         count: bool = True,
         claims_read: _ClaimsRead | None = None,
+        claims_made: Mapping[str, Sequence[str]] | None = None,
     ) -> list[ReferencedClaim] | str:
         """The pod's own claims and templates with the driver's devices, with their
         device counts, or a denial starting with `heading` (the rule it is for).
@@ -682,8 +702,9 @@ class Admission:
         `filled` is given for), a template entry the resourceclaim controller has
         already generated a claim for (the pod's ``status.resourceClaimStatuses``, or,
         for an entry missing there, a claim the pod controls that is annotated with the
-        entry's name: the controller applies the status of only the entries one pass
-        made, which drops the others' from it) counts that claim, not the template
+        entry's name, `claims_made` by entry, read with its fellow users' by
+        `_users_over_limit`: the controller applies the status of only the entries one
+        pass made, which drops the others' from it) counts that claim, not the template
         stored under the name now: a template deleted and created again differently
         changes no claim already made from it.
         With `rules`, each claim named by hand is judged under them as at its own
@@ -727,25 +748,11 @@ class Admission:
                 return _uncounted(heading, f"read {source}", exc, namespace)
             return read[reference]
 
-        owned: Mapping[str, Sequence[str]] | None = None
-
         async def made_for(pod_claim: str) -> str | None:
             """The claim made for template entry `pod_claim` that the pod's status does
             not name, or a denial; of several, the one with the most devices."""
-            nonlocal owned
-            if owned is None:
-                metadata = pod.get("metadata")
-                uid = metadata.get("uid") if isinstance(metadata, Mapping) else None
-                owned = {}
-                if isinstance(uid, str) and uid and self._read_claims is not None:
-                    try:
-                        with anyio.fail_at(deadline):
-                            owned = await self._read_claims.claims_made_for(namespace, uid)
-                    except Exception as exc:
-                        what = "list the claims made for the pod"
-                        raise _Unreadable(_uncounted(heading, what, exc, namespace)) from None
             best: tuple[int, str] | None = None
-            for name in owned.get(pod_claim, ()):
+            for name in (claims_made or {}).get(pod_claim, ()):
                 stored = await load((CLAIM.kind, name), pod_claim)
                 if isinstance(stored, str):
                     raise _Unreadable(stored)
@@ -763,7 +770,7 @@ class Admission:
             kind, name = reference
             if not count and kind != CLAIM.kind:
                 continue
-            pod_claim = str(entry.get("name", f"spec.resourceClaims[{index}]"))
+            pod_claim = _pod_claim(entry, index)
             source = f"{kind} {name}"
             if filled is not None and entry.get("name") == filled[0]:
                 result.append(ReferencedClaim(pod_claim, f"ResourceClaim {name} (new)", filled[1]))
@@ -966,6 +973,36 @@ def _generated_claims(pod: Mapping[str, Any]) -> dict[str, str]:
         if isinstance(entry, str) and isinstance(claim, str) and is_dns_subdomain(claim):
             found[entry] = claim
     return found
+
+
+def _awaiting_claims(pod: Mapping[str, Any], filled: str) -> str | None:
+    """The UID of a stored pod with a template entry other than `filled` (the one a
+    claim being created fills) that its status names no claim for, whose count needs
+    the claims made for it (`ClaimReader.claims_made_for`); None for any other pod."""
+    uid = _uid_of(pod)
+    generated = _generated_claims(pod)
+    spec = pod.get("spec")
+    entries = spec.get("resourceClaims") if isinstance(spec, Mapping) else None
+    for index, entry in enumerate(entries if isinstance(entries, list) else ()):
+        if not isinstance(entry, Mapping) or entry.get("name") == filled:
+            continue
+        reference = _reference(entry)
+        template = reference is not None and reference[0] == CLAIM_TEMPLATE.kind
+        if template and _pod_claim(entry, index) not in generated:
+            return uid
+    return None
+
+
+def _pod_claim(entry: Mapping[str, Any], index: int) -> str:
+    """How a ``spec.resourceClaims`` entry is named: its name, else its place."""
+    return str(entry.get("name", f"spec.resourceClaims[{index}]"))
+
+
+def _uid_of(pod: Mapping[str, Any]) -> str | None:
+    """A pod's UID, None where it has none (a pod's create request may not)."""
+    metadata = pod.get("metadata")
+    uid = metadata.get("uid") if isinstance(metadata, Mapping) else None
+    return uid if isinstance(uid, str) and uid else None
 
 
 def _extended_claim_name(pod: Mapping[str, Any]) -> str | None:

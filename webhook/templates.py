@@ -18,7 +18,7 @@ retries its claim by itself.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, Final
 
 from gpudra.common.kube import RESOURCE_API, ApiError, Kube
@@ -136,23 +136,29 @@ class ApiClaimReader:
         labels = (obj.get("metadata") or {}).get("labels") if isinstance(obj, dict) else None
         return {str(k): str(v) for k, v in labels.items()} if isinstance(labels, dict) else {}
 
-    async def claims_made_for(self, namespace: str, pod_uid: str) -> Mapping[str, Sequence[str]]:
-        """The claims of `namespace` the pod `pod_uid` controls, by the template entry the
-        resourceclaim controller made each for (its ``pod-claim-name`` annotation). Only
-        Kubernetes sets either on a claim (the chart's claim-links policy refuses others).
+    async def claims_made_for(
+        self, namespace: str, pod_uids: Collection[str]
+    ) -> Mapping[str, Mapping[str, Sequence[str]]]:
+        """The claims of `namespace` each pod of `pod_uids` controls, by pod UID, then by
+        the template entry the resourceclaim controller made each for (its
+        ``pod-claim-name`` annotation); a pod with none is left out. Only Kubernetes sets
+        either on a claim (the chart's claim-links policy refuses others).
 
         A tenant controls how many claims its namespace holds and, by the pods it makes,
-        how often claims are created under a per-pod device limit, which read this: the
-        list is shared and paged (`SharedLists`), and raises its `ListError` where the
-        claims cannot all be listed."""
+        how often claims are created under a per-pod device limit, and how many pods
+        each such claim's admission reads this for: one list answers all of them, and
+        it is shared and paged (`SharedLists`), raising its `ListError` where the claims
+        cannot all be listed."""
+        wanted = frozenset(pod_uids)
         kept = await self._lists.read(
             f"{RESOURCE_API}/namespaces/{namespace}/resourceclaims",
-            lambda claim: _made_for(claim, pod_uid) is not None,
+            lambda claim: _made_for(claim, wanted) is not None,
         )
-        found: dict[str, list[str]] = {}
+        found: dict[str, dict[str, list[str]]] = {}
         for claim in kept:
-            if (made := _made_for(claim, pod_uid)) is not None:
-                found.setdefault(made[0], []).append(made[1])
+            if (made := _made_for(claim, wanted)) is not None:
+                uid, entry, name = made
+                found.setdefault(uid, {}).setdefault(entry, []).append(name)
         return found
 
     async def workloads_admitted_with(self, namespace: str, template: str) -> list[str]:
@@ -192,19 +198,21 @@ class ApiClaimReader:
         )
 
 
-def _made_for(claim: Mapping[str, Any], pod_uid: str) -> tuple[str, str] | None:
-    """The template entry and name of `claim` where the pod `pod_uid` controls it and
-    it is annotated with the entry the resourceclaim controller made it for."""
+def _made_for(claim: Mapping[str, Any], pod_uids: Collection[str]) -> tuple[str, str, str] | None:
+    """The controlling pod's UID, template entry and name of `claim` where one of the
+    pods `pod_uids` controls it and it is annotated with the entry the resourceclaim
+    controller made it for."""
     metadata = claim.get("metadata")
     if not isinstance(metadata, dict):
         return None
     owner = controller_of(claim)
-    if owner is None or owner.get("uid") != pod_uid:
+    uid = owner.get("uid") if owner is not None else None
+    if not isinstance(uid, str) or uid not in pod_uids:
         return None
     annotations = metadata.get("annotations")
     entry = annotations.get(POD_CLAIM_NAME_ANNOTATION) if isinstance(annotations, dict) else None
     name = metadata.get("name")
-    return (entry, name) if isinstance(entry, str) and isinstance(name, str) else None
+    return (uid, entry, name) if isinstance(entry, str) and isinstance(name, str) else None
 
 
 def _admitted(workload: Any) -> bool:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import pytest
@@ -210,8 +210,10 @@ class Claims:
     ) -> list[dict[str, Any]]:
         return [p for p in self.live_pods if keep(p)]
 
-    async def claims_made_for(self, namespace: str, pod_uid: str) -> dict[str, list[str]]:
-        return self.made.get(pod_uid, {})
+    async def claims_made_for(
+        self, namespace: str, pod_uids: Collection[str]
+    ) -> dict[str, dict[str, list[str]]]:
+        return {uid: self.made[uid] for uid in pod_uids if uid in self.made}
 
     async def namespace_labels(self, namespace: str) -> dict[str, str] | None:
         return self.namespaces.get(namespace)

@@ -2,7 +2,8 @@
 
 A tenant controls how many claims and Workloads its namespace holds, and how often the
 admissions that list them come: a claim created under maxDevicesPerPod lists the
-namespace's claims for each pod that uses it, a template created lists its Workloads.
+namespace's claims once for all the pods that use it, a template created lists its
+Workloads.
 As for pods (test_pod_listing.py), admissions made together share lists, a list is read
 in pages, a failed page denies every admission that shared it, and a list already under
 way is never handed to an admission an object stored meanwhile would decide.
@@ -205,6 +206,68 @@ async def test_a_claim_list_page_that_fails_denies_every_claim_that_shared_it() 
             message
         )
         assert message.endswith("; retry")
+
+
+def users_of(claim: str, count: int) -> list[dict[str, Any]]:
+    """`count` waiting pods naming `claim`, user-0 (UID uid-0) on, each with template
+    entry ``t`` its status names no claim for (`user_pod`)."""
+    pods = [user_pod(claim) for _ in range(count)]
+    for i, pod in enumerate(pods):
+        pod["metadata"] = {"name": f"user-{i}", "uid": f"uid-{i}"}
+    return pods
+
+
+async def test_a_claim_used_by_many_pods_lists_the_claims_made_for_them_once() -> None:
+    """Claim c is used by twenty pods, none of whose statuses names the claim made for
+    its entry t: one list of the namespace's claims answers for all of them, a tenant
+    deciding how many pods use a claim. The claims made for them still count, each for
+    its own pod: on the last page, the one made for user-19 (two GPUs) with c's GPU
+    exceeds two devices, and the one made for user-4 (one GPU) does not; without the
+    former, c is admitted, again with one list."""
+    claims = [
+        *idle_claims(2 * PER_PAGE + 49),
+        made_claim("user-4-t-abcde", "uid-4", 1),
+        made_claim("user-19-t-abcde", "uid-19", 2),
+    ]
+    api = claims_api(claims, [])
+    api.objects[PODS] = users_of("c", 20)
+    admission = claims_admission(api)
+
+    decision = await admission.validate_claim(review(CLAIM, claim_object("c", 1)))
+
+    assert api.lists_of == {PODS: 1, CLAIMS: 1}
+    assert api.pages_of[CLAIMS] == 3
+    assert decision.result == "denied"
+    message = decision.response["status"]["message"]
+    assert "pod user-19 uses this claim" in message
+    assert "ResourceClaim user-19-t-abcde (generated from ResourceClaimTemplate tpl)" in message
+    assert "would get 3 devices" in message
+
+    api.objects[CLAIMS].pop()
+    decision = await admission.validate_claim(review(CLAIM, claim_object("c", 1)))
+    assert decision.result == "allowed"
+    assert api.lists_of == {PODS: 2, CLAIMS: 2}
+
+
+async def test_a_claim_whose_pods_statuses_name_their_claims_lists_no_claims() -> None:
+    """Each pod using claim c has its status name the claim made for entry t, which
+    counts (the one made for user-3 has two GPUs): no pod needs the claims made for
+    it, so the namespace's claims are not listed."""
+    pods = users_of("c", 5)
+    for i, pod in enumerate(pods):
+        pod["status"]["resourceClaimStatuses"] = [{"name": "t", "resourceClaimName": f"m-{i}"}]
+    made = [made_claim(f"m-{i}", f"uid-{i}", 2 if i == 3 else 1) for i in range(5)]
+    api = claims_api([*idle_claims(9), *made], [])
+    api.objects[PODS] = pods
+    admission = claims_admission(api)
+
+    decision = await admission.validate_claim(review(CLAIM, claim_object("c", 1)))
+
+    assert decision.result == "denied"
+    message = decision.response["status"]["message"]
+    assert "pod user-3 uses this claim" in message
+    assert "ResourceClaim m-3 (generated from ResourceClaimTemplate tpl)" in message
+    assert api.lists_of == {PODS: 1}
 
 
 def workload(name: str, template: str, *, admitted: bool = True) -> dict[str, Any]:

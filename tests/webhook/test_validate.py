@@ -697,7 +697,7 @@ class NoClaims:
     async def pods(self, namespace: str, keep: Any) -> list[dict[str, Any]]:
         return []
 
-    async def claims_made_for(self, namespace: str, pod_uid: str) -> dict[str, list[str]]:
+    async def claims_made_for(self, namespace: str, pod_uids: Any) -> dict[str, Any]:
         return {}
 
     async def workloads_admitted_with(self, namespace: str, template: str) -> list[str]:
