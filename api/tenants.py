@@ -47,6 +47,7 @@ __all__ = [
     "PLURAL",
     "QUOTA_RESOURCE_SUFFIX",
     "SHARING_MODES",
+    "SYSTEM_NAMESPACES",
     "VERSION",
     "GpuResourceMapping",
     "GpuTenantSpec",
@@ -59,6 +60,7 @@ __all__ = [
     "TenantReach",
     "crd_manifest",
     "crd_yaml",
+    "excluded_namespaces",
     "invalid_in_reach",
     "parse_tenant",
     "quota_key",
@@ -73,6 +75,19 @@ PLURAL: Final = "gputenants"
 SINGULAR: Final = "gputenant"
 PATH: Final = f"/apis/{GROUP}/{VERSION}/{PLURAL}"
 """The collection's API path, for list and watch."""
+SYSTEM_NAMESPACES: Final = ("kube-system",)
+"""Never sent to the webhook (with gpudra's own namespace), so a broken webhook cannot
+block its own recovery; a review for one is forged or misrouted and gets no write."""
+
+
+def excluded_namespaces(own_namespace: str) -> frozenset[str]:
+    """The namespaces the webhook never reviews: the system's and gpudra's own (`""`:
+    not known, as for an agent run as a host process). No default tenant governs them
+    (`winning_tenants`), for the webhook's rules and quotas and the agent's accounting
+    alike."""
+    return frozenset({*SYSTEM_NAMESPACES, own_namespace} - {""})
+
+
 # ResourceQuota counts the devices that claims in a namespace request per DeviceClass
 # under "<class>.deviceclass.resource.k8s.io/devices" (checked on the real API server).
 QUOTA_RESOURCE_SUFFIX: Final = ".deviceclass.resource.k8s.io/devices"

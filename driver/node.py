@@ -179,7 +179,7 @@ class NodeService:
         self.plugin: KubeletPlugin | None = None
         self.sampler: Sampler | None = None
         self.status_writer: ClaimStatusWriter | None = None
-        self.tenants = NamespaceTenants()
+        self.tenants = NamespaceTenants(own_namespace=plugin.namespace if plugin else "")
         self.containers = ClaimContainers(kube)
         self._kube = kube
         self._infos = ClaimInfos()

@@ -28,6 +28,7 @@ from gpudra.api.tenants import (
     Tenant,
     TenantError,
     TenantReach,
+    excluded_namespaces,
     invalid_in_reach,
     parse_tenant,
     winning_tenants,
@@ -51,7 +52,10 @@ class NamespaceTenants:
     memoised per namespace and dropped on any change that can alter them.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, own_namespace: str = "") -> None:
+        # As the webhook's: no default tenant governs the namespaces it never reviews,
+        # so the system's and gpudra's own GPU use is billed to no tenant.
+        self._excluded = excluded_namespaces(own_namespace)
         self._tenants: dict[str, Tenant] = {}
         self._invalid: dict[str, TenantReach] = {}
         self._labels: dict[str, Mapping[str, str]] = {}
@@ -67,10 +71,10 @@ class NamespaceTenants:
     def _resolve(self, namespace: str) -> str:
         labels = self._labels.get(namespace)
         ordered = (self._tenants[name] for name in sorted(self._tenants))
-        winners = winning_tenants(namespace, labels, ordered)
+        winners = winning_tenants(namespace, labels, ordered, self._excluded)
         if winners is None or len(winners) != 1:
             return ""  # labels not known yet, no tenant, or ambiguous
-        if invalid_in_reach(namespace, labels, winners, self._invalid) is not None:
+        if invalid_in_reach(namespace, labels, winners, self._invalid, self._excluded):
             return ""  # an invalid tenant would win or tie: its unknown rules decide
         return winners[0].name
 

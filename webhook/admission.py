@@ -33,7 +33,7 @@ from typing import Any, Final, Protocol
 import anyio
 from gpudra.api.configcache import ConfigCache
 from gpudra.api.names import is_dns_label, is_dns_subdomain
-from gpudra.api.tenants import LabelSelector
+from gpudra.api.tenants import LabelSelector, excluded_namespaces
 from gpudra.webhook.convert import (
     DEFAULT_POLICY,
     OPT_OUT_LABEL,
@@ -72,7 +72,6 @@ from gpudra.webhook.verdicts import ClaimJudge
 
 __all__ = [
     "MUTATE_PATH",
-    "SYSTEM_NAMESPACES",
     "VALIDATE_CLAIMS_PATH",
     "Admission",
     "ClaimReader",
@@ -85,9 +84,6 @@ logger = logging.getLogger(__name__)
 
 MUTATE_PATH: Final = "/mutate-pods"
 VALIDATE_CLAIMS_PATH: Final = "/validate-claims"
-SYSTEM_NAMESPACES: Final = ("kube-system",)
-"""Never sent to the webhook (with its own namespace), so a broken webhook cannot block
-its own recovery; a review for one is forged or misrouted and gets no write."""
 POD: Final = ResourceKind("", "v1", "Pod")
 CLAIM: Final = ResourceKind("resource.k8s.io", "v1", "ResourceClaim")
 CLAIM_TEMPLATE: Final = ResourceKind("resource.k8s.io", "v1", "ResourceClaimTemplate")
@@ -192,7 +188,7 @@ class Admission:
         self._tenants = tenants
         self._ensure_timeout = ensure_timeout
         self._read_claims = read_claims
-        self._excluded = frozenset({*SYSTEM_NAMESPACES, own_namespace})
+        self._excluded = excluded_namespaces(own_namespace)
         # Claims repeat their templates' configs: each is validated once (configcache).
         self._configs = configs if configs is not None else ConfigCache()
         # And their specs: each allowed one is judged once under the same rules and

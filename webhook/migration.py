@@ -32,7 +32,7 @@ from typing import Any, Final, Literal
 import yaml
 from gpudra.api.tenants import API_VERSION as TENANT_API_VERSION
 from gpudra.api.tenants import KIND as TENANT_KIND
-from gpudra.webhook.admission import SYSTEM_NAMESPACES
+from gpudra.api.tenants import SYSTEM_NAMESPACES
 from gpudra.webhook.convert import (
     GPU_RESOURCE,
     MIG_RESOURCE_PREFIX,

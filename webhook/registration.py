@@ -21,8 +21,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Final
 
+from gpudra.api.tenants import SYSTEM_NAMESPACES
 from gpudra.common.kube import ApiError, Kube
-from gpudra.webhook.admission import MUTATE_PATH, SYSTEM_NAMESPACES, VALIDATE_CLAIMS_PATH
+from gpudra.webhook.admission import MUTATE_PATH, VALIDATE_CLAIMS_PATH
 from gpudra.webhook.convert import OPT_OUT_LABEL
 
 NAME = "gpudra-pod-conversion"

@@ -37,12 +37,11 @@ from typing import Any, Final
 
 import anyio
 import anyio.abc
-from gpudra.api.tenants import PATH
+from gpudra.api.tenants import PATH, excluded_namespaces
 from gpudra.common.backoff import Backoff
 from gpudra.common.kube import ApiError, Kube
 from gpudra.common.reconcile import ReconcileLoop
 from gpudra.common.watch import Reflector
-from gpudra.webhook.admission import SYSTEM_NAMESPACES
 from gpudra.webhook.convert import DEFAULT_POLICY, ConversionPolicy
 from gpudra.webhook.pod_security import ENFORCE_LABEL, PRIVILEGED
 from gpudra.webhook.tenant_state import QUOTA_NAME, TENANT_LABEL, TenantState, quota_spec_is
@@ -102,7 +101,7 @@ class TenantController:
             quota_classes=driver_classes(base_policy, extra_classes),
             pod_security_default=pod_security_default,
             # The namespaces the webhook never reviews, as `Admission` excludes them.
-            excluded=frozenset({*SYSTEM_NAMESPACES, own_namespace}),
+            excluded=excluded_namespaces(own_namespace),
         )
         # Namespace -> when a same-named quota gpudra does not manage was last found there.
         self._foreign: dict[str, float] = {}

@@ -982,3 +982,25 @@ async def test_a_mig_device_the_inventory_does_not_name_is_billed_nothing() -> N
     assert values(
         got, "gpudra_gpu_memory_total_bytes", mig_uuid=str(mig.uuid), namespace="team-mig"
     )
+
+
+def test_the_default_tenant_bills_no_namespace_the_webhook_never_reviews() -> None:
+    """As the webhook: the default tenant (an empty selector) governs the namespaces no
+    other tenant selects, but never kube-system nor the agent's own namespace, whose
+    pods the webhook never reviews: their GPU use is billed to no tenant."""
+    tenants = NamespaceTenants(own_namespace="gpudra")
+    tenants.list_namespaces(
+        [namespace(n, {}) for n in ("kube-system", "gpudra", "scratch")]
+        + [namespace("team-a", ORG)]
+    )
+    default = gpu_tenant("default", namespaceSelector={})
+    research = gpu_tenant("research", namespaceSelector={"matchLabels": ORG})
+    tenants.list_tenants([default, research])
+    assert tenants.tenant_of("scratch") == "default"
+    assert tenants.tenant_of("team-a") == "research"  # a label selector wins
+    assert tenants.tenant_of("kube-system") == ""
+    assert tenants.tenant_of("gpudra") == ""
+    # An invalid default tenant would decide only where it would govern.
+    tenants.list_tenants([gpu_tenant("default", namespaceSelector={}, typo=1), research])
+    assert tenants.tenant_of("scratch") == ""
+    assert tenants.tenant_of("team-a") == "research"
