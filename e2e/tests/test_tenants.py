@@ -85,6 +85,18 @@ def make_tenant(kube: SyncKube, name: str, **spec: Any) -> None:
     kube.request("POST", TENANTS, {**body, "spec": spec})
 
 
+def make_labelled_tenant(kube: SyncKube, name: str, ns: str, **spec: Any) -> None:
+    """Label `ns` with `gpu-tenant: name` and create the tenant selecting that label, so a
+    test's tenant governs only the namespace it made, never the rest of the shared cluster."""
+    kube.request(
+        "PATCH",
+        f"/api/v1/namespaces/{ns}",
+        {"metadata": {"labels": {"gpu-tenant": name}}},
+        content_type="application/merge-patch+json",
+    )
+    make_tenant(kube, name, namespaceSelector={"matchLabels": {"gpu-tenant": name}}, **spec)
+
+
 def delete_tenant(kube: SyncKube, name: str) -> None:
     try:
         kube.request("DELETE", f"{TENANTS}/{name}")
@@ -217,18 +229,10 @@ async def test_tenant_rules_for_pods(env: Env, kube: SyncKube) -> None:
     tenant = f"ts-{ns}"
     try:
         await call(
-            lambda: kube.request(
-                "PATCH",
-                f"/api/v1/namespaces/{ns}",
-                {"metadata": {"labels": {"gpu-tenant": tenant}}},
-                content_type="application/merge-patch+json",
-            )
-        )
-        await call(
-            lambda: make_tenant(
+            lambda: make_labelled_tenant(
                 kube,
                 tenant,
-                namespaceSelector={"matchLabels": {"gpu-tenant": tenant}},
+                ns,
                 maxDevicesPerPod=2,
                 allowedSharing=["TimeSlicing"],
                 gpuResource={"sharing": "TimeSlicing", "timeSlicingInterval": "Short"},
@@ -465,22 +469,7 @@ async def test_a_default_tenant_governs_a_fresh_namespace_no_tenant_selects(
         fresh = await call(smoke.make_namespace, kube, "fresh")
         team = await call(smoke.make_namespace, kube, "team")
         labelled = f"team-{team}"
-        await call(
-            lambda: kube.request(
-                "PATCH",
-                f"/api/v1/namespaces/{team}",
-                {"metadata": {"labels": {"gpu-tenant": labelled}}},
-                content_type="application/merge-patch+json",
-            )
-        )
-        await call(
-            lambda: make_tenant(
-                kube,
-                labelled,
-                namespaceSelector={"matchLabels": {"gpu-tenant": labelled}},
-                maxDevicesPerPod=1,
-            )
-        )
+        await call(lambda: make_labelled_tenant(kube, labelled, team, maxDevicesPerPod=1))
 
         def governs(ns: str) -> str | None:
             rules = env.controller.state.lookup(ns).rules

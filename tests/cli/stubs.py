@@ -90,6 +90,27 @@ def agent_pod(
 
 
 @contextmanager
+def kube_api(handler: Handler, folder: Path) -> Iterator[Path]:
+    """Serve `handler` as the API server until the block ends: the kubeconfig for it,
+    written in `folder`, that the CLI reads as an admin's (one context, a token)."""
+    with http_server(handler) as port:
+        kubeconfig = folder / "kubeconfig"
+        kubeconfig.write_text(
+            json.dumps(
+                {
+                    "apiVersion": "v1",
+                    "kind": "Config",
+                    "clusters": [{"name": "c", "cluster": {"server": f"http://127.0.0.1:{port}"}}],
+                    "users": [{"name": "u", "user": {"token": "t"}}],
+                    "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}],
+                    "current-context": "c",
+                }
+            )
+        )
+        yield kubeconfig
+
+
+@contextmanager
 def api_server(pods: list[dict[str, Any]], folder: Path) -> Iterator[tuple[Path, list[str]]]:
     """An API server that lists `pods` (all of them at /api/v1/pods, a namespace's at
     /api/v1/namespaces/NS/pods, in the API server's order: namespace, then name) and
@@ -109,20 +130,7 @@ def api_server(pods: list[dict[str, Any]], folder: Path) -> Iterator[tuple[Path,
             items = [p for p in ordered if p["metadata"]["namespace"] == namespace]
         send(h, json.dumps({"kind": "List", "items": items}).encode(), "application/json")
 
-    with http_server(answer) as port:
-        kubeconfig = folder / "kubeconfig"
-        kubeconfig.write_text(
-            json.dumps(
-                {
-                    "apiVersion": "v1",
-                    "kind": "Config",
-                    "clusters": [{"name": "c", "cluster": {"server": f"http://127.0.0.1:{port}"}}],
-                    "users": [{"name": "u", "user": {"token": "t"}}],
-                    "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}],
-                    "current-context": "c",
-                }
-            )
-        )
+    with kube_api(answer, folder) as kubeconfig:
         yield kubeconfig, asked
 
 

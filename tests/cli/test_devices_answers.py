@@ -5,7 +5,6 @@ and an answer even Go could not read fails as one line naming the request."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler
@@ -13,7 +12,7 @@ from pathlib import Path
 
 from gpudra.api import jsonbytes
 
-from tests.cli.stubs import gpudra, http_server, send
+from tests.cli.stubs import gpudra, kube_api, send
 from tests.cli.test_devices import DRIVER, claim, slices
 
 
@@ -39,20 +38,7 @@ def cluster(claims: list[bytes], folder: Path) -> Iterator[Path]:
         path = h.path.split("?")[0]
         send(h, listed if path.endswith("/resourceclaims") else published, "application/json")
 
-    with http_server(answer) as port:
-        kubeconfig = folder / "kubeconfig"
-        kubeconfig.write_text(
-            json.dumps(
-                {
-                    "apiVersion": "v1",
-                    "kind": "Config",
-                    "clusters": [{"name": "c", "cluster": {"server": f"http://127.0.0.1:{port}"}}],
-                    "users": [{"name": "u", "user": {"token": "t"}}],
-                    "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}],
-                    "current-context": "c",
-                }
-            )
-        )
+    with kube_api(answer, folder) as kubeconfig:
         yield kubeconfig
 
 

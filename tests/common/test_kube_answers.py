@@ -12,7 +12,8 @@ import pytest
 from aiohttp import web
 from gpudra.api import jsonbytes
 from gpudra.common.kube import ApiError, Kube, UndecodableAnswer
-from kubernetes_asyncio.client import ApiClient, Configuration
+
+from tests.common.loopback import kube_serving
 
 CLAIMS = "/apis/resource.k8s.io/v1/resourceclaims"
 SURROGATE = b'{"metadata":{"name":"odd"},"parameters":{"x":"\\ud800"}}'
@@ -26,20 +27,8 @@ async def api_server(body: bytes) -> AsyncIterator[Kube]:
     async def answer(request: web.Request) -> web.Response:
         return web.Response(body=body, content_type="application/json")
 
-    app = web.Application()
-    app.router.add_route("*", "/{tail:.*}", answer)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    kube = Kube(
-        ApiClient(configuration=Configuration(host=f"http://127.0.0.1:{runner.addresses[0][1]}"))
-    )
-    try:
+    async with kube_serving(answer) as kube:
         yield kube
-    finally:
-        await kube.close()
-        await runner.cleanup()
 
 
 @pytest.mark.anyio

@@ -406,21 +406,30 @@ def shares_info(uid: str, namespace: str, share: str, taken: int) -> ClaimInfo:
     return claim_info(obj, checked_claim(ref, obj, driver=DRIVER, pool=POOL))
 
 
+BIG_HOLDER, SMALL_HOLDER = (f"00000000-0000-4000-8000-00000000000{i}" for i in (1, 2))
+
+
+def shares_node(shares: dict[str, int]) -> tuple[Node, ClaimInfos]:
+    """gpu-0 of an L4 at 60% held by two claims of integer shares: team-a's
+    (`BIG_HOLDER`, share s1) took 3, team-b's (`SMALL_HOLDER`, s2) 1; the node's GPUs
+    published with `shares`. The node, and what the agent read of the claims."""
+    nvml = emulator("l4", {"utilization": 60})
+    uuid = inventory_of(nvml).gpus[0].uuid
+    infos = ClaimInfos()
+    infos.remember(BIG_HOLDER, shares_info(BIG_HOLDER, "team-a", "s1", 3))
+    infos.remember(SMALL_HOLDER, shares_info(SMALL_HOLDER, "team-b", "s2", 1))
+    records = [
+        claim(BIG_HOLDER, "team-a", "a", "gpu-0", uuid, share_id="s1"),
+        claim(SMALL_HOLDER, "team-b", "b", "gpu-0", uuid, share_id="s2"),
+    ]
+    return Node(nvml, records, infos, shares=shares, interval_s=100), infos
+
+
 async def test_integer_shares_are_billed_by_the_shares_each_holder_took() -> None:
     """On a GPU published with 4 shares, a claim that took 3 of them pays three times
     what one that took 1 pays: billed equally, the small holder paid for the big one's
     time. Some shares are time-sliced with the other shares' holders, no memory slice."""
-    nvml = emulator("l4", {"utilization": 60})
-    uuid = inventory_of(nvml).gpus[0].uuid
-    big, small = (f"00000000-0000-4000-8000-00000000000{i}" for i in (1, 2))
-    infos = ClaimInfos()
-    infos.remember(big, shares_info(big, "team-a", "s1", 3))
-    infos.remember(small, shares_info(small, "team-b", "s2", 1))
-    records = [
-        claim(big, "team-a", "a", "gpu-0", uuid, share_id="s1"),
-        claim(small, "team-b", "b", "gpu-0", uuid, share_id="s2"),
-    ]
-    node = Node(nvml, records, infos, shares={"gpu-0": 4}, interval_s=100)
+    node, infos = shares_node({"gpu-0": 4})
     await node.sampler.sample_once()
     node.clock.now += 100
     await node.sampler.sample_once()
@@ -429,7 +438,8 @@ async def test_integer_shares_are_billed_by_the_shares_each_holder_took() -> Non
     assert {s.get("sharing") for n, s, _ in got if n.startswith("gpudra_allocated")} == {
         "TimeSlicing"
     }
-    status = device_statuses(records[1], driver=DRIVER, pool=POOL, info=infos.snapshot()[small])
+    info = infos.snapshot()[SMALL_HOLDER]
+    status = device_statuses(node.claims[1], driver=DRIVER, pool=POOL, info=info)
     assert status[0]["data"]["sharing"] == "TimeSlicing"
 
 
@@ -478,17 +488,7 @@ async def test_slices_or_shares_whose_whole_is_not_known_are_billed_nothing() ->
     await node.sampler.sample_once()
     assert billed(node) == {}
 
-    nvml = emulator("l4", {"utilization": 60})
-    uuid = inventory_of(nvml).gpus[0].uuid
-    big, small = (f"00000000-0000-4000-8000-00000000000{i}" for i in (1, 2))
-    infos = ClaimInfos()
-    infos.remember(big, shares_info(big, "team-a", "s1", 3))
-    infos.remember(small, shares_info(small, "team-b", "s2", 1))
-    records = [
-        claim(big, "team-a", "a", "gpu-0", uuid, share_id="s1"),
-        claim(small, "team-b", "b", "gpu-0", uuid, share_id="s2"),
-    ]
-    node = Node(nvml, records, infos, shares={}, interval_s=100)
+    node, _ = shares_node({})
     await node.sampler.sample_once()
     node.clock.now += 100
     await node.sampler.sample_once()

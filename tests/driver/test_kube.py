@@ -11,6 +11,8 @@ from aiohttp import web
 from gpudra.common.kube import ApiError, Kube
 from kubernetes_asyncio.client import ApiClient, Configuration
 
+from tests.common.loopback import serving
+
 
 @asynccontextmanager
 async def _server(
@@ -23,17 +25,8 @@ async def _server(
         seen.append({"url": str(request.url), "headers": dict(request.headers)})
         return reply() if reply is not None else web.json_response({"ok": True})
 
-    app = web.Application()
-    app.router.add_route("*", "/{tail:.*}", answer)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        await runner.cleanup()
+    async with serving(answer) as host:
+        yield host
 
 
 def _kube(host: str, *, token: str | None = None) -> Kube:

@@ -46,7 +46,8 @@ from gpudra.driver.slices import (
     uncounted_by_server,
     validate_device,
 )
-from kubernetes_asyncio.client import ApiClient, Configuration
+
+from tests.common.loopback import kube_serving
 
 DRIVER = "gpu.nvidia.com"
 GI = 1024**3
@@ -319,20 +320,8 @@ class ApiServer:
 
 @asynccontextmanager
 async def api_server(server: ApiServer) -> AsyncIterator[Kube]:
-    app = web.Application()
-    app.router.add_route("*", "/{tail:.*}", server.handle)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    kube = Kube(
-        ApiClient(configuration=Configuration(host=f"http://127.0.0.1:{runner.addresses[0][1]}"))
-    )
-    try:
+    async with kube_serving(server.handle) as kube:
         yield kube
-    finally:
-        await kube.close()
-        await runner.cleanup()
 
 
 def devices_in(pool: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -300,21 +300,19 @@ def test_what_is_kept_is_what_waits_for_quiet_time(clock: FakeClock) -> None:
     state.apply(XidEvent(quiet, 63))  # informational (NVIDIA's catalogue ignores it)
     state.apply(UnmonitoredEvent(unwatched, "no events"))
     assert state.timed_taints() == {
-        lost: (TimedTaint("gpu-0", None, "NoExecute", raised_at(), 1000.0, lost=True),),
+        lost: (lost_at(1000.0),),
         quiet: (TimedTaint("gpu-2", 63, "None", raised_at(), 1000.0),),
     }
     clock.now += 5
     state.apply(GpuRecoveredEvent(lost))
-    assert state.timed_taints()[lost] == (
-        TimedTaint("gpu-0", None, "NoExecute", raised_at(), 1005.0),
-    )
+    assert state.timed_taints()[lost] == (answering_since(1005.0),)
 
 
 async def test_a_lost_gpu_that_answers_again_keeps_its_quiet_time_across_a_restart(
     tmp_path: Path, l4: NvmlEmulator, clock: FakeClock
 ) -> None:
     uuid = discover(l4).gpus[0].uuid
-    keep(tmp_path, {uuid: (TimedTaint("gpu-0", None, "NoExecute", raised_at(), clock.now),)})
+    keep(tmp_path, {uuid: (answering_since(clock.now),)})
     clock.now += 10
     again = await restart(l4, tmp_path, clock)
     assert taints(again, "gpu-0") == {("gpu.nvidia.com/gpu-lost", None, TaintEffect.NO_EXECUTE)}
@@ -327,6 +325,22 @@ def lost_at(quiet_since: float) -> TimedTaint:
     """gpu-0's kept gpu-lost taint, written while the GPU was still lost (found lost at
     `quiet_since`)."""
     return TimedTaint("gpu-0", None, "NoExecute", raised_at(), quiet_since, lost=True)
+
+
+def answering_since(quiet_since: float) -> TimedTaint:
+    """gpu-0's kept gpu-lost taint once the GPU answers again, quiet since
+    `quiet_since`."""
+    return TimedTaint("gpu-0", None, "NoExecute", raised_at(), quiet_since)
+
+
+def assert_lifted_after_its_quiet_time(state: HealthState, clock: FakeClock) -> None:
+    """gpu-0's gpu-lost taint, quiet since `clock.now`, holds until `RECOVERY_S` later,
+    not a second less, and is lifted then, the GPU healthy again."""
+    clock.now += RECOVERY_S - 1
+    assert not state.expire()
+    clock.now += 1
+    assert state.expire()
+    assert state.report().devices["gpu-0"].healthy
 
 
 async def test_a_gpu_lost_when_the_agent_stopped_waits_its_quiet_time_once_it_answers(
@@ -368,14 +382,8 @@ async def test_a_gpu_lost_when_the_agent_stopped_waits_its_quiet_time_once_it_an
     assert again.report().taints("gpu-0")[0].time_added == raised_at()
     assert again.report().devices["gpu-3"].healthy  # XID 94's quiet time ran out meanwhile
     # Kept on as a GPU that answers again, quiet since the restart.
-    assert again.timed_taints() == {
-        lost: (TimedTaint("gpu-0", None, "NoExecute", raised_at(), clock.now),)
-    }
-    clock.now += RECOVERY_S - 1
-    assert not again.expire()
-    clock.now += 1
-    assert again.expire()
-    assert again.report().devices["gpu-0"].healthy
+    assert again.timed_taints() == {lost: (answering_since(clock.now),)}
+    assert_lifted_after_its_quiet_time(again, clock)
 
 
 async def test_a_gpu_still_lost_at_start_waits_its_quiet_time_once_a_rescan_finds_it(
@@ -399,14 +407,8 @@ async def test_a_gpu_still_lost_at_start_waits_its_quiet_time_once_a_rescan_find
     clock.now += 30
     await agent.scan()  # the periodic rescan takes it back
     assert taints(health, "gpu-0") == {(LOST_KEY, None, TaintEffect.NO_EXECUTE)}
-    assert health.timed_taints() == {
-        uuid: (TimedTaint("gpu-0", None, "NoExecute", raised_at(), clock.now),)
-    }
-    clock.now += RECOVERY_S - 1
-    assert not health.expire()
-    clock.now += 1
-    assert health.expire()
-    assert health.report().devices["gpu-0"].healthy
+    assert health.timed_taints() == {uuid: (answering_since(clock.now),)}
+    assert_lifted_after_its_quiet_time(health, clock)
 
 
 async def test_a_gpu_reset_while_the_agent_was_down_lifts_what_waited_for_the_reset_by_the_mark(
@@ -432,11 +434,7 @@ async def test_a_gpu_reset_while_the_agent_was_down_lifts_what_waited_for_the_re
     async with watching(l4, again, resets):
         await until(lambda: not marker.exists())
     assert taints(again, "gpu-0") == {(LOST_KEY, None, TaintEffect.NO_EXECUTE)}
-    clock.now += RECOVERY_S - 1
-    assert not again.expire()
-    clock.now += 1
-    assert again.expire()
-    assert again.report().devices["gpu-0"].healthy
+    assert_lifted_after_its_quiet_time(again, clock)
 
 
 def test_the_file_reads_across_the_release_that_keeps_lost_gpus(tmp_path: Path) -> None:
@@ -453,7 +451,7 @@ def test_the_file_reads_across_the_release_that_keeps_lost_gpus(tmp_path: Path) 
         "quietSince": 1000.0,
     }
     store.path.write_text(json.dumps({"version": 1, "bootId": BOOT, "gpus": {"GPU-1": [previous]}}))
-    answers = TimedTaint("gpu-0", None, "NoExecute", raised_at(), 1000.0)
+    answers = answering_since(1000.0)
     assert store.load() == {"GPU-1": (answers,)}
 
     store.save({"GPU-1": (lost_at(1000.0),)})

@@ -12,12 +12,28 @@ until the test sets the event; `fail_page` answers that page of every list with
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import anyio
 import anyio.lowlevel
 from gpudra.common.kube import ApiError
+from gpudra.webhook.admission import Admission
+from gpudra.webhook.lists import PER_PAGE
+from gpudra.webhook.metrics import WebhookMetrics
+from gpudra.webhook.templates import ApiClaimReader
+from prometheus_client import CollectorRegistry
+
+from tests.webhook.test_admission import (
+    CLAIM,
+    TEMPLATE,
+    Claims,
+    Templates,
+    claim_object,
+    limited_admission,
+    review,
+    template_object,
+)
 
 EXPIRED = (
     "The provided continue parameter is too old to display a consistent list result. "
@@ -102,3 +118,127 @@ def _selected(obj: Mapping[str, Any], query: Mapping[str, str]) -> bool:
         return True
     excluded = {term.split("!=")[1] for term in query["fieldSelector"].split(",") if "!=" in term}
     return obj.get("status", {}).get("phase") not in excluded
+
+
+def lists_admission(api: ListsApi, limit: int | None = None, **reader: Any) -> Admission:
+    """The admission of namespace ns reading its lists from `api` through the webhook's
+    own API reader; where `limit` is given, a tenant allows that many devices per pod."""
+    tenants = limited_admission(Claims(), limit=limit)._tenants if limit is not None else None
+    return Admission(
+        Templates(),
+        WebhookMetrics(CollectorRegistry()),
+        tenants=tenants,
+        read_claims=ApiClaimReader(api, **reader),  # type: ignore[arg-type]
+    )
+
+
+async def create_together(
+    admission: Admission, review_of: Callable[[str], bytes], names: Iterable[str]
+) -> dict[str, Any]:
+    """Create each of `names` (its review `review_of(name)`) at once: the decision of
+    each, by name."""
+    decisions: dict[str, Any] = {}
+
+    async def create(name: str) -> None:
+        decisions[name] = await admission.validate_claim(review_of(name))
+
+    async with anyio.create_task_group() as group:
+        for name in names:
+            group.start_soon(create, name)
+    return decisions
+
+
+async def released_after_all_wait(api: ListsApi, create: Any) -> dict[str, Any]:
+    """Run `create` with the first held list's answer held until every admission
+    waits."""
+    api.held[1] = anyio.Event()
+    async with anyio.create_task_group() as group:
+
+        async def release() -> None:
+            await anyio.wait_all_tasks_blocked()
+            api.held[1].set()
+
+        group.start_soon(release)
+        decisions: dict[str, Any] = await create()
+    return decisions
+
+
+def claim_review(name: str) -> bytes:
+    """The review of creating claim `name` for one GPU."""
+    return review(CLAIM, claim_object(name, 1))
+
+
+def template_review(name: str) -> bytes:
+    """The review of creating template `name` for one GPU."""
+    return review(TEMPLATE, template_object(name, 1))
+
+
+async def created_together_over_two_paged_lists(
+    admission: Admission,
+    api: ListsApi,
+    review_of: Callable[[str], bytes],
+    names: list[str],
+    refused: str,
+) -> str:
+    """Create each of `names` (its review `review_of(name)`) while the first one's list
+    of the held collection is under way: the first gets that list, the others share one
+    list begun after they all arrived, not one each. Each list holds three pages of
+    `PER_PAGE`, the last read too, and only `refused` is refused: the message it gets."""
+    decisions = await released_after_all_wait(
+        api, lambda: create_together(admission, review_of, names)
+    )
+    assert api.lists_of[api.held_path] == 2
+    assert api.pages_of[api.held_path] == 2 * 3
+    assert api.largest_page == PER_PAGE
+    assert {name for name, d in decisions.items() if d.result == "denied"} == {refused}
+    message: str = decisions[refused].response["status"]["message"]
+    return message
+
+
+async def assert_a_list_under_way_is_not_handed_on(
+    admission: Admission,
+    api: ListsApi,
+    review_of: Callable[[str], bytes],
+    stored: dict[str, Any],
+    reason: str,
+) -> None:
+    """Create `other` (its review `review_of("other")`), whose list of the held
+    collection is read and its answer held; then store `stored` in that collection and
+    create `x`. `other` is admitted on the list it read; x, had it shared that list,
+    would not have seen `stored`: it gets a second list, begun after it arrived, and is
+    refused saying `reason`."""
+    api.held[1] = anyio.Event()
+    decisions: dict[str, Any] = {}
+
+    async def create(name: str) -> None:
+        decisions[name] = await admission.validate_claim(review_of(name))
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(create, "other")
+        await anyio.wait_all_tasks_blocked()
+        assert api.lists_of[api.held_path] == 1  # read, its answer held
+        api.objects[api.held_path].append(stored)
+        group.start_soon(create, "x")
+        await anyio.wait_all_tasks_blocked()
+        api.held[1].set()
+
+    assert decisions["other"].result == "allowed"
+    assert decisions["x"].result == "denied"
+    assert reason in decisions["x"].response["status"]["message"]
+    assert api.lists_of[api.held_path] == 2
+
+
+def assert_each_denied_for_the_failed_page(
+    api: ListsApi, decisions: dict[str, Any], reason: str, the_list: str
+) -> None:
+    """Every admission that shared the list whose page `api.fail_page` failed is refused,
+    to be retried, saying `reason`, the API server's status and which page of
+    `the_list` (as the message names it) of namespace ns failed."""
+    assert decisions
+    for decision in decisions.values():
+        assert decision.result == "denied"
+        message = decision.response["status"]["message"]
+        assert reason in message
+        assert f"HTTP {api.fail_status}" in message
+        assert f"page {api.fail_page} of the list of {the_list} of namespace ns" in message
+        assert message.endswith("; retry")

@@ -15,20 +15,18 @@ import anyio
 import pytest
 from gpudra.webhook.admission import Admission
 from gpudra.webhook.lists import PER_PAGE
-from gpudra.webhook.metrics import WebhookMetrics
 from gpudra.webhook.templates import ApiClaimReader
-from prometheus_client import CollectorRegistry
 
-from tests.webhook.lists_api import ListsApi
-from tests.webhook.test_admission import (
-    CLAIM,
-    Claims,
-    Templates,
-    claim_object,
-    claim_pod,
-    limited_admission,
-    review,
+from tests.webhook.lists_api import (
+    ListsApi,
+    assert_a_list_under_way_is_not_handed_on,
+    assert_each_denied_for_the_failed_page,
+    claim_review,
+    create_together,
+    created_together_over_two_paged_lists,
+    lists_admission,
 )
+from tests.webhook.test_admission import claim_pod
 
 pytestmark = pytest.mark.anyio
 
@@ -65,26 +63,7 @@ class PodsApi(ListsApi):
 def admission_over(api: PodsApi, **reader: Any) -> Admission:
     """The claim endpoint of a namespace whose tenant allows one device per pod, reading
     pods through the webhook's own API reader."""
-    tenants = limited_admission(Claims())._tenants
-    return Admission(
-        Templates(),
-        WebhookMetrics(CollectorRegistry()),
-        tenants=tenants,
-        read_claims=ApiClaimReader(api, **reader),  # type: ignore[arg-type]
-    )
-
-
-async def create_together(admission: Admission, names: list[str]) -> dict[str, Any]:
-    """Create one-GPU claims under `names` at once: the decision of each, by name."""
-    decisions: dict[str, Any] = {}
-
-    async def create(name: str) -> None:
-        decisions[name] = await admission.validate_claim(review(CLAIM, claim_object(name, 1)))
-
-    async with anyio.create_task_group() as group:
-        for name in names:
-            group.start_soon(create, name)
-    return decisions
+    return lists_admission(api, limit=1, **reader)
 
 
 async def test_claims_created_together_share_two_paged_pod_lists() -> None:
@@ -95,29 +74,16 @@ async def test_claims_created_together_share_two_paged_pod_lists() -> None:
     pods = [idle_pod(i) for i in range(2 * PER_PAGE + 49)] + [user_of("c7", "waiting")]
     pods.append({**idle_pod(999), "status": {"phase": "Succeeded"}})
     api = PodsApi(pods)
-    api.held[1] = anyio.Event()
     admission = admission_over(api)
     names = [f"c{i}" for i in range(20)]
 
-    async with anyio.create_task_group() as group:
+    message = await created_together_over_two_paged_lists(admission, api, claim_review, names, "c7")
 
-        async def release() -> None:
-            await anyio.wait_all_tasks_blocked()
-            api.held[1].set()
-
-        group.start_soon(release)
-        decisions = await create_together(admission, names)
-
-    assert api.lists == 2
-    assert api.pages == 2 * 3
-    assert api.largest_page == PER_PAGE
+    assert (api.lists, api.pages) == (2, 2 * 3)  # no list of anything but the pods
     for query in api.queries:
         assert query["limit"] == str(PER_PAGE)
         assert query["fieldSelector"] == "status.phase!=Succeeded,status.phase!=Failed"
         assert "resourceVersion" not in query  # a consistent read, not the watch cache's
-    denied = {name for name, d in decisions.items() if d.result == "denied"}
-    assert denied == {"c7"}
-    message = decisions["c7"].response["status"]["message"]
     assert "maxDevicesPerPod is 1, and pod waiting uses this claim" in message
     assert "would get 2 devices" in message
 
@@ -129,25 +95,11 @@ async def test_a_list_under_way_is_not_handed_to_a_claim_a_pod_stored_since_woul
     give it two devices; it gets a list of its own, begun after it arrived, and is
     refused."""
     api = PodsApi([idle_pod(i) for i in range(5)])
-    api.held[1] = anyio.Event()
     admission = admission_over(api, per_page=2)
-    decisions: dict[str, Any] = {}
 
-    async def create(name: str) -> None:
-        decisions[name] = await admission.validate_claim(review(CLAIM, claim_object(name, 1)))
-
-    async with anyio.create_task_group() as group:
-        group.start_soon(create, "other")
-        await anyio.wait_all_tasks_blocked()
-        assert api.lists == 1  # read, its answer held
-        api.pods.append(user_of("x", "waiting"))
-        group.start_soon(create, "x")
-        await anyio.wait_all_tasks_blocked()
-        api.held[1].set()
-
-    assert decisions["other"].result == "allowed"
-    assert decisions["x"].result == "denied"
-    assert "pod waiting uses this claim" in decisions["x"].response["status"]["message"]
+    await assert_a_list_under_way_is_not_handed_on(
+        admission, api, claim_review, user_of("x", "waiting"), "pod waiting uses this claim"
+    )
     assert api.lists == 2
 
 
@@ -160,16 +112,12 @@ async def test_a_page_that_fails_denies_every_claim_that_shared_the_list() -> No
     api.fail_page = 2
     admission = admission_over(api, per_page=3)
 
-    decisions = await create_together(admission, ["a", "b", "c"])
+    decisions = await create_together(admission, claim_review, "abc")
 
     assert api.lists <= 2
-    for decision in decisions.values():
-        assert decision.result == "denied"
-        message = decision.response["status"]["message"]
-        assert "maxDevicesPerPod is 1; could not list the pods that use this claim" in message
-        assert "HTTP 410" in message
-        assert "page 2 of the list of pods of namespace ns" in message
-        assert message.endswith("; retry")
+    assert_each_denied_for_the_failed_page(
+        api, decisions, "maxDevicesPerPod is 1; could not list the pods that use this claim", "pods"
+    )
 
 
 async def test_a_reader_whose_lists_leader_gave_up_lists_again_itself() -> None:

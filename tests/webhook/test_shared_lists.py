@@ -13,25 +13,27 @@ from __future__ import annotations
 
 from typing import Any
 
-import anyio
 import pytest
 from gpudra.common.kube import RESOURCE_API
 from gpudra.webhook.admission import Admission
 from gpudra.webhook.lists import PER_PAGE
-from gpudra.webhook.metrics import WebhookMetrics
-from gpudra.webhook.templates import KUEUE_VERSIONS, ApiClaimReader
-from prometheus_client import CollectorRegistry
+from gpudra.webhook.templates import KUEUE_VERSIONS
 
-from tests.webhook.lists_api import ListsApi
+from tests.webhook.lists_api import (
+    ListsApi,
+    assert_a_list_under_way_is_not_handed_on,
+    assert_each_denied_for_the_failed_page,
+    claim_review,
+    create_together,
+    created_together_over_two_paged_lists,
+    lists_admission,
+    template_review,
+)
 from tests.webhook.test_admission import (
     CLAIM,
     NO_DRIVER_DEVICE,
-    TEMPLATE,
-    Claims,
-    Templates,
     claim_object,
     claim_pod,
-    limited_admission,
     review,
     template_object,
 )
@@ -73,12 +75,7 @@ def made_claim(name: str, pod_uid: str, count: int) -> dict[str, Any]:
 def claims_admission(api: ListsApi, **reader: Any) -> Admission:
     """The claim endpoint of namespace ns, whose tenant allows two devices per pod,
     reading through the webhook's own API reader."""
-    return Admission(
-        Templates(),
-        WebhookMetrics(CollectorRegistry()),
-        tenants=limited_admission(Claims(), limit=2)._tenants,
-        read_claims=ApiClaimReader(api, **reader),  # type: ignore[arg-type]
-    )
+    return lists_admission(api, limit=2, **reader)
 
 
 def claims_api(claims: list[dict[str, Any]], users: list[str], template: Any = None) -> ListsApi:
@@ -93,34 +90,6 @@ def claims_api(claims: list[dict[str, Any]], users: list[str], template: Any = N
         },
         held_path=CLAIMS,
     )
-
-
-async def create_together(admission: Admission, kind: Any, objects: list[Any]) -> dict[str, Any]:
-    """Create `objects` at once: the decision of each, by name."""
-    decisions: dict[str, Any] = {}
-
-    async def create(obj: Any) -> None:
-        decisions[obj["metadata"]["name"]] = await admission.validate_claim(review(kind, obj))
-
-    async with anyio.create_task_group() as group:
-        for obj in objects:
-            group.start_soon(create, obj)
-    return decisions
-
-
-async def released_after_all_wait(api: ListsApi, create: Any) -> dict[str, Any]:
-    """Run `create` with the first held list's answer held until every admission
-    waits."""
-    api.held[1] = anyio.Event()
-    async with anyio.create_task_group() as group:
-
-        async def release() -> None:
-            await anyio.wait_all_tasks_blocked()
-            api.held[1].set()
-
-        group.start_soon(release)
-        decisions: dict[str, Any] = await create()
-    return decisions
 
 
 def idle_claims(count: int) -> list[dict[str, Any]]:
@@ -142,16 +111,8 @@ async def test_claims_created_together_share_two_paged_claim_lists() -> None:
     api = claims_api(claims, names)
     admission = claims_admission(api)
 
-    decisions = await released_after_all_wait(
-        api, lambda: create_together(admission, CLAIM, [claim_object(n, 1) for n in names])
-    )
+    message = await created_together_over_two_paged_lists(admission, api, claim_review, names, "c7")
 
-    assert api.lists_of[CLAIMS] == 2
-    assert api.pages_of[CLAIMS] == 2 * 3
-    assert api.largest_page == PER_PAGE
-    denied = {name for name, d in decisions.items() if d.result == "denied"}
-    assert denied == {"c7"}
-    message = decisions["c7"].response["status"]["message"]
     assert "ResourceClaim user-c7-t-abcde (generated from ResourceClaimTemplate tpl)" in message
     assert "would get 3 devices" in message
 
@@ -163,26 +124,15 @@ async def test_a_claim_list_under_way_is_not_handed_to_a_claim_a_claim_made_sinc
     admission shared `other`'s list it would have counted the template and let x add a
     GPU to the pod's two; it gets a list begun after it arrived, and is refused."""
     api = claims_api(idle_claims(5), ["other", "x"], template=NO_DRIVER_DEVICE)
-    api.held[1] = anyio.Event()
     admission = claims_admission(api, per_page=2)
-    decisions: dict[str, Any] = {}
 
-    async def create(name: str) -> None:
-        decisions[name] = await admission.validate_claim(review(CLAIM, claim_object(name, 1)))
-
-    async with anyio.create_task_group() as group:
-        group.start_soon(create, "other")
-        await anyio.wait_all_tasks_blocked()
-        assert api.lists_of[CLAIMS] == 1  # read, its answer held
-        api.objects[CLAIMS].append(made_claim("user-x-t-abcde", "uid-x", 2))
-        group.start_soon(create, "x")
-        await anyio.wait_all_tasks_blocked()
-        api.held[1].set()
-
-    assert decisions["other"].result == "allowed"
-    assert decisions["x"].result == "denied"
-    assert "would get 3 devices" in decisions["x"].response["status"]["message"]
-    assert api.lists_of[CLAIMS] == 2
+    await assert_a_list_under_way_is_not_handed_on(
+        admission,
+        api,
+        claim_review,
+        made_claim("user-x-t-abcde", "uid-x", 2),
+        "would get 3 devices",
+    )
 
 
 async def test_a_claim_list_page_that_fails_denies_every_claim_that_shared_it() -> None:
@@ -194,18 +144,15 @@ async def test_a_claim_list_page_that_fails_denies_every_claim_that_shared_it() 
     api.fail_page = 2
     admission = claims_admission(api, per_page=3)
 
-    decisions = await create_together(admission, CLAIM, [claim_object(n, 1) for n in "abc"])
+    decisions = await create_together(admission, claim_review, "abc")
 
     assert api.lists_of[CLAIMS] <= 2
-    for decision in decisions.values():
-        assert decision.result == "denied"
-        message = decision.response["status"]["message"]
-        assert "could not list the claims made for the pod to count its devices" in message
-        assert "HTTP 410" in message
-        assert "page 2 of the list of resourceclaims (resource.k8s.io/v1) of namespace ns" in (
-            message
-        )
-        assert message.endswith("; retry")
+    assert_each_denied_for_the_failed_page(
+        api,
+        decisions,
+        "could not list the claims made for the pod to count its devices",
+        "resourceclaims (resource.k8s.io/v1)",
+    )
 
 
 def users_of(claim: str, count: int) -> list[dict[str, Any]]:
@@ -289,11 +236,9 @@ def idle_workloads(count: int) -> list[dict[str, Any]]:
 
 
 def templates_admission(api: ListsApi, **reader: Any) -> Admission:
-    return Admission(
-        Templates(),
-        WebhookMetrics(CollectorRegistry()),
-        read_claims=ApiClaimReader(api, **reader),  # type: ignore[arg-type]
-    )
+    """The template endpoint of namespace ns, no tenant governing it, reading the
+    Workloads through the webhook's own API reader."""
+    return lists_admission(api, **reader)
 
 
 async def test_templates_created_together_share_two_paged_workload_lists() -> None:
@@ -305,17 +250,12 @@ async def test_templates_created_together_share_two_paged_workload_lists() -> No
     admission = templates_admission(api)
     names = [f"t{i}" for i in range(20)]
 
-    decisions = await released_after_all_wait(
-        api,
-        lambda: create_together(admission, TEMPLATE, [template_object(n, 1) for n in names]),
+    message = await created_together_over_two_paged_lists(
+        admission, api, template_review, names, "t7"
     )
 
     assert api.lists_of == {NEWEST: 2}
-    assert api.pages_of[NEWEST] == 2 * 3
-    assert api.largest_page == PER_PAGE
-    denied = {name for name, d in decisions.items() if d.result == "denied"}
-    assert denied == {"t7"}
-    assert "Kueue Workload job-7 was admitted" in decisions["t7"].response["status"]["message"]
+    assert "Kueue Workload job-7 was admitted" in message
 
 
 async def test_workload_lists_fall_back_to_the_older_kueue_version_together() -> None:
@@ -326,7 +266,7 @@ async def test_workload_lists_fall_back_to_the_older_kueue_version_together() ->
     admission = templates_admission(api, per_page=4)
     names = [f"t{i}" for i in range(10)]
 
-    decisions = await create_together(admission, TEMPLATE, [template_object(n, 1) for n in names])
+    decisions = await create_together(admission, template_review, names)
 
     assert api.lists_of[OLDER] <= 2
     assert {name for name, d in decisions.items() if d.result == "denied"} == {"t7"}
@@ -346,19 +286,16 @@ async def test_a_workload_list_page_that_fails_denies_every_template_that_shared
     api.fail_status = status
     admission = templates_admission(api, per_page=3)
 
-    decisions = await create_together(
-        admission, TEMPLATE, [template_object(n, 1) for n in ("a", "b", "c")]
-    )
+    decisions = await create_together(admission, template_review, "abc")
 
     assert OLDER not in api.lists_of
     assert api.lists_of[NEWEST] <= 2
-    for decision in decisions.values():
-        assert decision.result == "denied"
-        message = decision.response["status"]["message"]
-        assert "could not list the namespace's Kueue Workloads" in message
-        assert f"HTTP {status}" in message
-        assert f"page 2 of the list of workloads ({KUEUE_VERSIONS[0]}) of namespace ns" in (message)
-        assert message.endswith("; retry")
+    assert_each_denied_for_the_failed_page(
+        api,
+        decisions,
+        "could not list the namespace's Kueue Workloads",
+        f"workloads ({KUEUE_VERSIONS[0]})",
+    )
 
 
 async def test_a_workload_list_under_way_is_not_handed_to_a_template_admitted_since() -> None:
@@ -367,24 +304,8 @@ async def test_a_workload_list_under_way_is_not_handed_to_a_template_admitted_si
     `other`'s list it would have let x be created after admission, uncharged; it gets a
     list begun after it arrived, and is refused."""
     api = ListsApi({NEWEST: idle_workloads(5)})
-    api.held[1] = anyio.Event()
     admission = templates_admission(api, per_page=2)
-    decisions: dict[str, Any] = {}
 
-    async def create(name: str) -> None:
-        obj = template_object(name, 1)
-        decisions[name] = await admission.validate_claim(review(TEMPLATE, obj))
-
-    async with anyio.create_task_group() as group:
-        group.start_soon(create, "other")
-        await anyio.wait_all_tasks_blocked()
-        assert api.lists_of[NEWEST] == 1  # read, its answer held
-        api.objects[NEWEST].append(workload("job-x", "x"))
-        group.start_soon(create, "x")
-        await anyio.wait_all_tasks_blocked()
-        api.held[1].set()
-
-    assert decisions["other"].result == "allowed"
-    assert decisions["x"].result == "denied"
-    assert "Kueue Workload job-x was admitted" in decisions["x"].response["status"]["message"]
-    assert api.lists_of[NEWEST] == 2
+    await assert_a_list_under_way_is_not_handed_on(
+        admission, api, template_review, workload("job-x", "x"), "Kueue Workload job-x was admitted"
+    )
