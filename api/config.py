@@ -373,14 +373,23 @@ class MpsConfig(_Strict):
         dict[str, PinnedLimit] | None, BeforeValidator(_per_device_limits)
     ] = Field(default=None, alias="defaultPerDevicePinnedMemoryLimit")
 
-    def pinned_memory_limits(self, uuids: Sequence[str]) -> dict[str, int]:
+    def pinned_memory_limits(
+        self, uuids: Sequence[str], devices: Sequence[tuple[str, int | None]] = ()
+    ) -> dict[str, int]:
         """Limit in bytes per allocated device UUID (index keys count into `uuids`).
+
+        `devices`, by the position of each UUID: the device's name and its memory in
+        bytes (None: not known). A limit above a device's memory is refused, naming the
+        field that set it: MPS would take it as it is, and a limit no device can reach
+        is a typo more likely than a wish.
 
         Issue paths are relative to this `mpsConfig`.
         """
         limits: dict[str, int] = {}
+        fields: dict[str, str] = {}  # UUID -> the field its limit comes from
         if self.default_pinned_device_memory_limit is not None:
             limits = dict.fromkeys(uuids, self.default_pinned_device_memory_limit.value())
+            fields = dict.fromkeys(uuids, "defaultPinnedDeviceMemoryLimit")
         for key, limit in (self.default_per_device_pinned_memory_limit or {}).items():
             if key in uuids:
                 uuid = key
@@ -399,6 +408,21 @@ class MpsConfig(_Strict):
                     ]
                 )
             limits[uuid] = limit.value()
+            fields[uuid] = f"defaultPerDevicePinnedMemoryLimit[{key}]"
+        for uuid, (name, total) in zip(uuids, devices, strict=False):
+            asked = limits.get(uuid)
+            if total is not None and asked is not None and asked > total:
+                raise ConfigError(
+                    [
+                        ConfigIssue(
+                            fields[uuid],
+                            f"asks for {-(-asked // _MIB)} MiB, more than the "
+                            f"{total // _MIB} MiB of memory of device {name}; use at most "
+                            "the device's memory",
+                            (f"<= {total // _MIB}Mi",),
+                        )
+                    ]
+                )
         return limits
 
 

@@ -464,7 +464,8 @@ class HealthState:
         self._lost &= set(self._gpu_devices)
         self._unmonitored &= set(self._gpu_devices)
         back = sorted(self._held_lost.keys() & self._gpu_devices.keys())
-        self.restore_timed({uuid: self._held_lost.pop(uuid) for uuid in back})
+        if back:
+            self.restore_timed({uuid: self._held_lost.pop(uuid) for uuid in back})
         self._watch_mig_instances()
         self._bump()
 

@@ -20,7 +20,6 @@ from typing import Final
 from gpudra.api.config import (
     INTERVALS,
     ConfigError,
-    ConfigIssue,
     DeviceConfig,
     interval_value,
     join_path,
@@ -261,6 +260,7 @@ def _check_time_slices(
     (it sets none): so every claim on the GPU must rely on the same interval. Checked
     against the claims recorded (prepared or being prepared: the plan and its record
     are made with no other prepare in between) and between this claim's own devices."""
+    held: dict[str, list[tuple[ClaimRecord, DeviceRecord]]] = {}  # by device: one scan
     for entry in entries:
         ours = _relied_interval(entry)
         if ours is None:
@@ -277,19 +277,22 @@ def _check_time_slices(
                     asked=other.time_slice is not None,
                     who=f"this claim's {other.allocated.path}",
                 )
-        for holder, held in checkpoint.holders((pool, entry.device.name)):
+        name = entry.device.name
+        if name not in held:
+            held[name] = checkpoint.holders((pool, name))
+        for holder, record in held[name]:
             if holder.uid == claim.uid:
                 continue
-            theirs = _held_interval(holder, held)
+            theirs = _held_interval(holder, record)
             if theirs is None or theirs == ours:
                 continue
-            name = holder.name_seen_from(claim.ref.namespace)
+            seen = holder.name_seen_from(claim.ref.namespace)
             raise _time_slice_conflict(
                 claim,
                 entry,
                 theirs,
-                asked=held.details.time_slice is not None,
-                who=f"claim {name}" if name else "a claim of another namespace",
+                asked=record.details.time_slice is not None,
+                who=f"claim {seen}" if seen else "a claim of another namespace",
             )
 
 
@@ -395,10 +398,8 @@ def mps_percentage(members: Sequence[Entry]) -> int | None:
 
 
 def mps_limits(members: Sequence[Entry], *, placeholder: bool = False) -> dict[str, int]:
-    """Pinned memory limit per device UUID: the config's, capped at a slice's memory.
-
-    A limit above the device's memory is refused, naming the field: MPS would take it
-    as it is, and a limit no device can reach is a typo more likely than a wish."""
+    """Pinned memory limit per device UUID: the config's, capped at a slice's memory;
+    one above the device's memory is refused (`MpsConfig.pinned_memory_limits`)."""
     limits: dict[str, int] = {}
     groups: dict[int, list[Entry]] = {}
     for entry in members:
@@ -408,13 +409,9 @@ def mps_limits(members: Sequence[Entry], *, placeholder: bool = False) -> dict[s
         if mps is None:
             continue
         uuids = [e.uuid or (f"<{e.device.name}>" if placeholder else "") for e in group]
+        devices = [(e.device.name, e.device.capacity.get("memory")) for e in group]
         try:
-            found = mps.pinned_memory_limits(uuids)
-            for index, (entry, uuid) in enumerate(zip(group, uuids, strict=True)):
-                _check_pinned_limit(
-                    mps.default_per_device_pinned_memory_limit, entry, index, found.get(uuid)
-                )
-            limits.update(found)
+            limits.update(mps.pinned_memory_limits(uuids, devices))
         except ConfigError as exc:
             raise exc.with_prefix(join_path(group[0].config_path, "sharing.mpsConfig")) from None
     for entry in members:
@@ -423,32 +420,3 @@ def mps_limits(members: Sequence[Entry], *, placeholder: bool = False) -> dict[s
             key = entry.uuid or f"<{entry.device.name}>"
             limits[key] = min(limits.get(key, consumed), consumed)
     return limits
-
-
-def _check_pinned_limit(
-    per_device: Mapping[str, object] | None, entry: Entry, index: int, limit: int | None
-) -> None:
-    """Raise ConfigError (path relative to the `mpsConfig`) where `limit`, the pinned
-    memory limit of `entry`'s device (`index` of its config's devices), is above the
-    device's memory."""
-    total = entry.device.capacity.get("memory")
-    if limit is None or total is None or limit <= total:
-        return
-    keys = per_device or {}
-    key = next((k for k in (entry.uuid, str(index)) if k is not None and k in keys), None)
-    field = (
-        "defaultPinnedDeviceMemoryLimit"
-        if key is None
-        else f"defaultPerDevicePinnedMemoryLimit[{key}]"
-    )
-    mib = 1024 * 1024
-    raise ConfigError(
-        [
-            ConfigIssue(
-                field,
-                f"asks for {-(-limit // mib)} MiB, more than the {total // mib} MiB of memory "
-                f"of device {entry.device.name}; use at most the device's memory",
-                (f"<= {total // mib}Mi",),
-            )
-        ]
-    )

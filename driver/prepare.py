@@ -615,8 +615,9 @@ class ClaimPreparer:
     ) -> None:
         """Set the GPU's time-slice once for all the claims sharing it.
 
-        Every claim relying on the setting records it, so the checkpoint counts the
-        GPU's users: the first sets it, later shares find it applied, and undo resets it
+        Every time-sliced claim records the setting it relies on, so the checkpoint
+        counts the setting's users (an MPS share or memory slice relies on Default and
+        sets nothing): the first sets it, later shares find it applied, and undo resets it
         only when the last one goes (`_undo`). One lock orders these, so two shares
         never both skip a reset nor count each other's change as the admin's setting.
         Planning compared the interval with every claim on the GPU, time-sliced or

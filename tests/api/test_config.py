@@ -124,6 +124,33 @@ def test_pinned_limits_resolve_index_and_uuid_keys() -> None:
     assert limits == {"GPU-aaaa": 5 * 1024**3, uuids[1]: 2 * 1024**3}
 
 
+def test_a_pinned_limit_above_a_devices_memory_names_the_key_that_set_it() -> None:
+    """Whatever spelling of a device's index set the limit ("01" counts as 1), the
+    refusal names that key, and a limit the device's memory holds is taken."""
+    limits: dict[str, Any] = {
+        "defaultPinnedDeviceMemoryLimit": "1Gi",
+        "defaultPerDevicePinnedMemoryLimit": {"01": "100Gi"},
+    }
+    config = parse_opaque_config(_gpu({"strategy": "MPS", "mpsConfig": limits}))
+    assert isinstance(config, GpuConfig)
+    assert config.sharing is not None and config.sharing.mps_config is not None
+    mps = config.sharing.mps_config
+    gib = 1024**3
+    devices = [("gpu-0", 80 * gib), ("gpu-1", 80 * gib)]
+    with pytest.raises(ConfigError) as info:
+        mps.pinned_memory_limits(["GPU-a", "GPU-b"], devices)
+    (line,) = format_errors(PREFIX + ".sharing.mpsConfig", info.value)
+    assert line.startswith(
+        PREFIX + ".sharing.mpsConfig.defaultPerDevicePinnedMemoryLimit[01]: asks for 102400 "
+        "MiB, more than the 81920 MiB of memory of device gpu-1"
+    ), line
+    bigger = [("gpu-0", 80 * gib), ("gpu-1", 120 * gib)]
+    assert mps.pinned_memory_limits(["GPU-a", "GPU-b"], bigger) == {
+        "GPU-a": gib,
+        "GPU-b": 100 * gib,
+    }
+
+
 def test_pinned_limit_naming_a_device_outside_the_claim_is_an_error() -> None:
     raw = _gpu(
         {"strategy": "MPS", "mpsConfig": {"defaultPerDevicePinnedMemoryLimit": {"3": "1Gi"}}}
