@@ -36,7 +36,8 @@ The fair split of that part among a device's holders:
   now: nothing, never an equal part, which would bill a 1 GiB slice beside a 20 GiB one
   half the GPU;
 - time-sliced and MPS holders (of a whole GPU or of one MIG device), and slices or
-  shares whose own size the claim does not give: equal parts;
+  shares whose own size the claim does not give, and a device whose holders are some
+  sized and some not: equal parts;
 - `Unknown` holders (claim not read yet) are not billed; while a device has one, only
   the holders whose part is their own size (a memory slice, integer shares) are billed,
   since every other part depends on what the unread claim took. The time held back is
