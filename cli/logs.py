@@ -9,9 +9,10 @@ from __future__ import annotations
 import logging
 import sys
 import time
-from typing import Any
+from typing import Any, TextIO
 
 from gpudra.api import jsonbytes
+from gpudra.common.files import write_all
 
 
 class JsonFormatter(logging.Formatter):
@@ -35,6 +36,11 @@ class JsonFormatter(logging.Formatter):
         return cached[1]
 
     def format(self, record: logging.LogRecord) -> str:
+        return self.line(record)[:-1].decode()
+
+    def line(self, record: logging.LogRecord) -> bytes:
+        """The record's line as the bytes to write, its newline included: a handler
+        that writes bytes encodes nothing twice."""
         entry: dict[str, Any] = {
             "ts": f"{self._stamp(record.created)}.{int(record.msecs):03d}Z",
             "level": record.levelname.lower(),
@@ -46,7 +52,44 @@ class JsonFormatter(logging.Formatter):
             entry.update(fields)
         if record.exc_info:
             entry["exc"] = self.formatException(record.exc_info)
-        return jsonbytes.dumps(entry, default=str).decode()
+        return jsonbytes.dumps(entry, default=str) + b"\n"
+
+
+class LineHandler(logging.Handler):
+    """Each record's line, written with one write(2) to the file descriptor `fd`.
+
+    A StreamHandler on sys.stderr decodes the formatter's bytes, has the text layer
+    encode them again and flushes it, for every line: measured on the prepare path of
+    a node, about half of what its two lines per claim cost. A line shorter than the
+    pipe's atomic size (4 KiB) reaches a pipe whole even beside other writers; the
+    handler's lock keeps this process's lines whole whatever their length."""
+
+    def __init__(self, fd: int) -> None:
+        super().__init__()
+        self._fd = fd
+        self._lines = JsonFormatter()
+        self.setFormatter(self._lines)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            write_all(self._fd, self._lines.line(record))
+        except RecursionError:
+            raise
+        except Exception:
+            self.handleError(record)
+
+
+def _handler(stream: TextIO) -> logging.Handler:
+    """A LineHandler on `stream`'s file descriptor; a StreamHandler where it has none
+    (a test's captured stderr)."""
+    try:
+        fd = stream.fileno()
+    except (AttributeError, OSError, ValueError):  # none, or closed
+        handler: logging.Handler = logging.StreamHandler(stream)
+        handler.setFormatter(JsonFormatter())
+        return handler
+    stream.flush()  # what it holds goes before the handler's first line
+    return LineHandler(fd)
 
 
 def setup(level: str = "info") -> None:
@@ -59,8 +102,6 @@ def setup(level: str = "info") -> None:
     logging.logThreads = False
     logging.logProcesses = False
     logging.logMultiprocessing = False
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(JsonFormatter())
     root = logging.getLogger()
-    root.handlers[:] = [handler]
+    root.handlers[:] = [_handler(sys.stderr)]
     root.setLevel(level.upper())

@@ -256,7 +256,12 @@ class _Guard:
 
     async def __aenter__(self) -> None:
         try:
-            await self.lock.acquire()
+            try:
+                # A free lock is taken without an await: no check for cancellation
+                # either, which anyio's acquire makes even with `fast_acquire`.
+                self.lock.acquire_nowait()
+            except anyio.WouldBlock:
+                await self.lock.acquire()
         except BaseException:  # cancelled while waiting
             self._leave()
             raise

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
+import threading
 from pathlib import Path
 
 import pytest
@@ -51,3 +53,46 @@ def test_every_line_carries_its_own_time_to_the_millisecond() -> None:
         "2023-11-14T22:13:21.500Z",
         "2020-09-13T12:26:40.000Z",
     ]
+
+
+def test_lines_go_whole_to_the_file_descriptor_from_every_thread(tmp_path: Path) -> None:
+    # The node's handler writes bytes to stderr's descriptor, one write per line.
+    path = tmp_path / "log"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    try:
+        handler = logs.LineHandler(fd)
+        log = logging.getLogger("gpudra.test.lines")
+        log.addHandler(handler)
+        log.propagate = False
+
+        def lines(n: int) -> None:
+            # Longer than a pipe writes whole: the handler's lock keeps them apart.
+            for i in range(50):
+                log.warning("line", extra={"fields": {"thread": n, "i": i, "pad": "x" * 5000}})
+
+        try:
+            threads = [threading.Thread(target=lines, args=(n,)) for n in range(4)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+        finally:
+            log.removeHandler(handler)
+            log.propagate = True
+    finally:
+        os.close(fd)
+    entries = [json.loads(line) for line in path.read_bytes().splitlines()]
+    assert sorted((e["thread"], e["i"]) for e in entries) == [
+        (n, i) for n in range(4) for i in range(50)
+    ]
+    assert all(e["msg"] == "line" and e["level"] == "warning" for e in entries)
+
+
+def test_setup_writes_to_stderr_s_descriptor_when_it_has_one(
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    logs.setup("info")
+    assert isinstance(logging.getLogger().handlers[0], logs.LineHandler)
+    logging.getLogger("gpudra.test").info("claim prepared", extra={"fields": {"claim": "c-1"}})
+    entry = json.loads(capfd.readouterr().err)
+    assert entry["msg"] == "claim prepared" and entry["claim"] == "c-1"
