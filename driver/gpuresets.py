@@ -11,7 +11,10 @@ way this agent takes other work done by hand (`<stateDir>/undone/<claim UID>` in
 An agent restart (an upgrade) resets no GPU, so the taints waiting for a reset are
 written to `<stateDir>/health-resets.json` (atomically, with the kernel's boot ID) and
 raised again when the agent starts. A reboot resets every GPU: a file another boot
-wrote is ignored.
+wrote is ignored. A GPU discovery leaves out at start (still lost) is not taken as
+reset: its taints are held, written again with the rest, and raised once a rescan
+finds it; its mark drops them meanwhile. A GPU removed from the node for good keeps
+them in the file until the next reboot voids it.
 
 File format, written by this module only:
 `{"version": 1, "bootId": "...", "gpus": {"<GPU UUID>": [{"device": "gpu-0",

@@ -43,7 +43,9 @@ problems:
   when it would have, and one whose time ran out while the agent was down is not. A
   lost GPU's taint is kept while it is lost too: one that answers again after the
   restart waits `recovery_after_s` from the restart, or from the rescan that finds it
-  answering.
+  answering. The taints that wait for a reset of a GPU discovery leaves out at start
+  (still lost) are held too, and raised when a rescan finds the GPU: answering again
+  after a loss the agent did not see is no evidence of a reset.
 An event on a whole GPU taints every device carved from it, and so does an XID after
 which the GPU is reset (a reset takes down every instance on it). Any other event NVML
 attributes to a GPU instance (nvml.h, nvmlEventData_t.gpuInstanceId) taints the MIG
@@ -380,9 +382,9 @@ class HealthState:
 
     Change it from the event loop thread only (`apply`, `expire`, `restore_resets`,
     `restore_timed`, `update_inventory`); read it from anywhere through `report()`,
-    `pending_resets()`, `timed_taints()` and `xid_counts()`. `resets` only names the
-    admin's reset marks in the messages (None: there are none, the agent keeps no state
-    folder).
+    `pending_resets()`, `timed_taints()`, `xid_counts()` and `held_reset_gpus`.
+    `resets` only names the admin's reset marks in the messages (None: there are none,
+    the agent keeps no state folder).
     """
 
     def __init__(
@@ -417,6 +419,10 @@ class HealthState:
         # GPU UUID -> the gpu-lost taints kept for a GPU lost when the agent last stopped
         # that discovery left out (still lost): raised once the inventory has it again.
         self._held_lost: dict[str, tuple[TimedTaint, ...]] = {}
+        # GPU UUID -> the taints that waited for its reset when the agent last stopped,
+        # for a GPU discovery left out (`restore_resets`): raised once the inventory has
+        # it again. Replaced whole: the watcher thread reads its keys (`held_reset_gpus`).
+        self._held_resets: Mapping[str, tuple[PendingReset, ...]] = {}
         # (GPU UUID, XID) -> events seen; replaced whole, so the metrics thread reads one.
         self._xid_counts: Mapping[tuple[str, int], int] = {}
 
@@ -435,6 +441,12 @@ class HealthState:
     @property
     def lost_gpus(self) -> frozenset[str]:
         return frozenset(self._lost)
+
+    @property
+    def held_reset_gpus(self) -> frozenset[str]:
+        """The GPUs out of the inventory whose taints that wait for a reset are held
+        (`restore_resets`): an admin's reset mark naming one is taken, and drops them."""
+        return frozenset(self._held_resets)
 
     def xid_counts(self) -> Mapping[tuple[str, int], int]:
         """How many events of each XID each GPU raised since the agent started."""
@@ -457,12 +469,20 @@ class HealthState:
 
     def update_inventory(self, inventory: Inventory) -> None:
         """Follow a new discovery; devices that still exist keep their taints. A GPU
-        lost when the agent last stopped and left out since (`restore_timed`) that the
-        inventory has again answers again: its gpu-lost taint is raised, quiet from now."""
+        left out since the agent started whose taints were held (`restore_resets`,
+        `restore_timed`) that the inventory has again answers again: its taints that
+        wait for a reset are raised (it answering is no evidence of a reset), and its
+        gpu-lost taint, quiet from now."""
         self._inventory = inventory
         self._index(inventory)
         self._lost &= set(self._gpu_devices)
         self._unmonitored &= set(self._gpu_devices)
+        back = sorted(self._held_resets.keys() & self._gpu_devices.keys())
+        if back:
+            held = self._held_resets
+            self._held_resets = {u: p for u, p in held.items() if u not in back}
+            self._pending = None
+            self.restore_resets({uuid: held[uuid] for uuid in back})
         back = sorted(self._held_lost.keys() & self._gpu_devices.keys())
         if back:
             self.restore_timed({uuid: self._held_lost.pop(uuid) for uuid in back})
@@ -478,10 +498,13 @@ class HealthState:
         return self._report
 
     def pending_resets(self) -> Mapping[str, tuple[PendingReset, ...]]:
-        """The taints waiting for their GPU's reset, by GPU UUID (what survives a restart)."""
+        """The taints waiting for their GPU's reset, by GPU UUID (what survives a restart),
+        those held for a GPU out of the inventory (`restore_resets`) included."""
         if self._pending is None or self._pending[0] != self._generation:
             policy = self._policy
-            pending: dict[str, list[PendingReset]] = {}
+            pending: dict[str, list[PendingReset]] = {
+                u: list(p) for u, p in self._held_resets.items()
+            }
             for name, record in sorted(self._records.items()):
                 for key, active in record.active.items():
                     if not active.needs_reset:
@@ -537,6 +560,8 @@ class HealthState:
         """Record one event; True if any device's taints or health changed."""
         names = self._gpu_devices.get(event.gpu_uuid)
         if names is None:
+            if isinstance(event, GpuResetEvent) and event.gpu_uuid in self._held_resets:
+                return self._lift_resets(event.gpu_uuid, "an admin marked the GPU reset")
             logger.warning(
                 "health event for a GPU not in the inventory",
                 extra={"fields": {"uuid": event.gpu_uuid, "event": type(event).__name__}},
@@ -595,12 +620,21 @@ class HealthState:
 
     def restore_resets(self, pending: Mapping[str, Iterable[PendingReset]]) -> bool:
         """Raise again the taints that waited for a GPU reset when the agent stopped
-        (`GpuResets.load`): a restart resets no GPU. A GPU or device no longer here,
-        or an XID the policy no longer holds for a reset, is left out (logged)."""
+        (`GpuResets.load`): a restart resets no GPU. A device no longer on its GPU, or
+        an XID the policy no longer holds for a reset, is left out (logged).
+
+        A GPU the inventory lacks (discovery leaves a GPU still lost at start out) may
+        come back: its taints are held, kept in `pending_resets` so that a further
+        restart keeps them too, and raised by the `update_inventory` that brings the
+        GPU back. Answering again after a loss the agent did not see is no evidence of
+        a reset (`restore_timed`); the admin's reset mark for the GPU drops them, found
+        or not (`HealthState.held_reset_gpus`). A GPU removed from the node for good
+        keeps them held, and in the file, until a reboot voids the file.
+        Returns whether a device's taints changed (held ones change none)."""
         policy = self._policy
         changed = False
         for uuid, items in sorted(pending.items()):
-            names = self._gpu_devices.get(uuid, ())
+            names = self._gpu_devices.get(uuid)
             for item in items:
                 # A saved XID 154 waited for a reset by the action NVML reported then.
                 reset = (
@@ -608,18 +642,23 @@ class HealthState:
                     or policy.treatment(item.xid, pynvml.NVML_GPU_RECOVERY_ACTION_GPU_RESET)[1]
                 )
                 fields = {"uuid": uuid, "device": item.device, "taint": item.taint()}
-                if item.device not in names or not reset:
+                if reset and names is None:
+                    self._hold_reset(uuid, item)
+                    logger.warning(
+                        "a GPU with a taint that waited for its reset is not in the inventory "
+                        "(still lost, or removed): the taint is held, and raised again once "
+                        "the GPU is found",
+                        extra={"fields": {**fields, "held": True}},
+                    )
+                    continue
+                if names is None or item.device not in names or not reset:
                     logger.warning(
                         "a taint that waited for a GPU reset is not raised again: "
                         + ("the device is gone" if reset else "the XID needs no reset now"),
                         extra={"fields": fields},
                     )
                     continue
-                key, value = (
-                    (policy.ecc_key, "double-bit")
-                    if item.xid is None
-                    else (policy.xid_key, str(item.xid))
-                )
+                key, value = self._reset_taint(item)
                 changed |= self._raise(item.device, key, value, policy.critical_effect, reset=True)
                 logger.warning(
                     "a taint that waits for a GPU reset is raised again", extra={"fields": fields}
@@ -646,7 +685,8 @@ class HealthState:
         here; where discovery left the GPU out (still lost), it is held and raised by
         the `update_inventory` that brings the GPU back. Such a GPU is not taken as
         reset (its taints that wait for one stay, as for any reset the agent did not
-        see): an admin's reset mark lifts them, as before."""
+        see, held with it while discovery leaves it out: `restore_resets`): an admin's
+        reset mark lifts them, as before."""
         policy = self._policy
         now = self._clock()
         changed = False
@@ -808,8 +848,29 @@ class HealthState:
         overlapping.add(gpu.device.name)  # the whole GPU holds every memory slice
         return tuple(n for n in names if n in overlapping)
 
+    def _reset_taint(self, item: PendingReset) -> tuple[str, str]:
+        """The key and value of the taint a pending reset stands for."""
+        policy = self._policy
+        if item.xid is None:
+            return policy.ecc_key, "double-bit"
+        return policy.xid_key, str(item.xid)
+
+    def _hold_reset(self, uuid: str, item: PendingReset) -> None:
+        """Hold a pending reset of a GPU out of the inventory (`restore_resets`)."""
+        held = self._held_resets.get(uuid, ())
+        if item not in held:
+            self._held_resets = {**self._held_resets, uuid: (*held, item)}
+            self._pending = None  # kept on through the next restart
+
     def _lift_resets(self, gpu_uuid: str, why: str) -> bool:
-        """Lift the taints of `gpu_uuid`'s devices that waited for its reset."""
+        """Lift the taints of `gpu_uuid`'s devices that waited for its reset, and drop
+        those held for it while it is out of the inventory; True where a device's
+        taints changed."""
+        held = self._held_resets.get(gpu_uuid, ())
+        if held:
+            self._held_resets = {u: p for u, p in self._held_resets.items() if u != gpu_uuid}
+            self._pending = None
+        dropped = [f"{p.device} {'='.join(self._reset_taint(p))}" for p in held]
         lifted: list[str] = []
         for name in self._gpu_devices.get(gpu_uuid, ()):
             record = self._records[name]
@@ -818,12 +879,15 @@ class HealthState:
                     del record.active[key]
                     self._touch(name)
                     lifted.append(f"{name} {key}={active.taint.value}")
+        fields: dict[str, Any] = {"uuid": gpu_uuid, "why": why, "lifted": lifted}
+        if dropped:
+            fields["heldDropped"] = dropped  # held for a GPU out of the inventory
         logger.log(
-            logging.INFO if lifted else logging.DEBUG,
+            logging.INFO if lifted or dropped else logging.DEBUG,
             "GPU reset: taints that waited for it lifted"
-            if lifted
+            if lifted or dropped
             else "GPU reset: no taint waited for it",
-            extra={"fields": {"uuid": gpu_uuid, "why": why, "lifted": lifted}},
+            extra={"fields": fields},
         )
         return bool(lifted)
 
@@ -1066,12 +1130,14 @@ class NvmlHealthWatcher:
 
     def _reset_marks(self) -> list[HealthEvent]:
         """The admin's marks of GPUs reset by hand; a mark naming no GPU here is
-        reported once and left alone."""
+        reported once and left alone. A GPU out of the inventory whose taints that wait
+        for a reset are held (`HealthState.restore_resets`) is here: its mark is taken
+        and drops them, as it lifts those of a GPU in the inventory."""
         if self._resets is None:
             return []
         marked = self._resets.marked()
         self._stuck &= marked
-        known = {gpu.uuid for gpu in self._state.inventory.gpus}
+        known = {gpu.uuid for gpu in self._state.inventory.gpus} | self._state.held_reset_gpus
         stray = marked - known
         for name in sorted(stray - self._stray_marks):
             logger.warning(
