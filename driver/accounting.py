@@ -78,7 +78,7 @@ from __future__ import annotations
 
 import itertools
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Final, TypeAlias
 
@@ -194,8 +194,46 @@ def _spans(
     return billed, unsure
 
 
-def _covers(spans: Iterable[_Span], start: float, end: float) -> bool:
-    return any(s <= start and end <= e for s, e in spans)
+def _pieces(
+    spans: Mapping[str, tuple[list[_Span], list[_Span]]], start: float, end: float
+) -> Iterator[tuple[float, float, tuple[str, ...], frozenset[str]]]:
+    """The pieces of [start, end] between one holder change and the next, each with
+    the claims that held the device over it (billed or unsure), in `spans`' order (not
+    the order they came in: a device's holders are billed, and their counters summed,
+    in the order its samples list them), and those of them whose holding there is
+    billed.
+
+    One sweep over the changes in time order, keeping a count of the spans of each
+    claim open at the piece: a claim prepared and unprepared thousands of times between
+    two samples (short jobs, CI pods) costs time in the number of changes, not in
+    changes times claims times spans, as scanning every claim's spans for every piece
+    would. Every span's ends are cuts, so a span open at a piece's start covers the
+    whole piece; the counts need no span list sorted or apart (a span of no length
+    covers no piece, and opens nothing).
+    """
+    order = {uid: index for index, uid in enumerate(spans)}
+    # (when, claim, +1 or -1 to its spans held, +1 or -1 to those billed)
+    moves: list[tuple[float, str, int, int]] = []
+    for uid, (billed, unsure) in spans.items():
+        for spans_of, bills in ((billed, 1), (unsure, 0)):
+            for s, e in spans_of:
+                if s < e:
+                    moves += ((s, uid, 1, bills), (e, uid, -1, -bills))
+    moves.sort(key=lambda move: move[0])
+    held: dict[str, int] = {}  # claim -> its spans covering the piece
+    billing: dict[str, int] = {}  # claim -> its billed spans covering the piece
+    cuts = sorted({start, end, *(t for b, u in spans.values() for span in (*b, *u) for t in span)})
+    done = 0
+    for a, b in itertools.pairwise(cuts):
+        while done < len(moves) and moves[done][0] <= a:
+            _, uid, held_by, billed_by = moves[done]
+            done += 1
+            for counts, by in ((held, held_by), (billing, billed_by)):
+                if by:
+                    counts[uid] = counts.get(uid, 0) + by
+                    if not counts[uid]:
+                        del counts[uid]
+        yield a, b, tuple(sorted(held, key=order.__getitem__)), frozenset(billing)
 
 
 def _device_seconds(
@@ -206,31 +244,34 @@ def _device_seconds(
 ) -> dict[_HolderId, float]:
     """GPU-seconds of each holder of one device over [start, end].
 
-    The interval is cut wherever a holder came or went, and each piece is split among
-    the claims that held the device in it (`HeldDevice.shares`), billing those whose
-    holding is known. Each view is the device and its claims' holders as one sample saw
-    them; a holder gets the least any view bills it, so a share
+    The interval is cut wherever a holder came or went (`_pieces`), and each piece is
+    split among the claims that held the device in it (`HeldDevice.shares`), billing
+    those whose holding is known. Each view is the device and its claims' holders as
+    one sample saw them; a holder gets the least any view bills it, so a share
     that changed between the samples with no change told is billed at the smaller.
+    Each view sums its pieces in time order, one sweep serving all views.
     """
-    cuts = sorted({start, end, *(t for b, u in spans.values() for span in (*b, *u) for t in span)})
-    least: dict[_HolderId, float] | None = None
-    for device, holders_of in views:
-        seconds: dict[_HolderId, float] = {}
-        for a, b in itertools.pairwise(cuts):
-            present = [
-                uid for uid, (billed, unsure) in spans.items() if _covers((*billed, *unsure), a, b)
-            ]
-            if not present:
-                continue
-            piece = replace(device, holders=tuple(h for uid in present for h in holders_of[uid]))
-            for holder, share in piece.shares():
-                if _covers(spans[holder.claim_uid][0], a, b):
+    seconds: list[dict[_HolderId, float]] = [{} for _ in views]
+    # The same claims split a piece the same way: churning claims take turns, so a
+    # view's split is worked out once for each set of claims that held the device.
+    splits: list[dict[tuple[str, ...], list[tuple[Holder, float]]]] = [{} for _ in views]
+    for a, b, present, billing in _pieces(spans, start, end):
+        if not present:
+            continue
+        for (device, holders_of), split, billed in zip(views, splits, seconds, strict=True):
+            if present not in split:
+                holders = tuple(h for uid in present for h in holders_of[uid])
+                split[present] = replace(device, holders=holders).shares()
+            for holder, share in split[present]:
+                if holder.claim_uid in billing:
                     ident = _holder_id(holder)
-                    seconds[ident] = seconds.get(ident, 0.0) + (b - a) * share
+                    billed[ident] = billed.get(ident, 0.0) + (b - a) * share
+    least: dict[_HolderId, float] | None = None
+    for billed in seconds:
         least = (
-            seconds
+            billed
             if least is None
-            else {k: min(v, seconds[k]) for k, v in least.items() if k in seconds}
+            else {k: min(v, billed[k]) for k, v in least.items() if k in billed}
         )
     return least or {}
 
