@@ -60,6 +60,7 @@ __all__ = [
     "TenantReach",
     "crd_manifest",
     "crd_yaml",
+    "excluded_namespace_list",
     "excluded_namespaces",
     "invalid_in_reach",
     "parse_tenant",
@@ -83,9 +84,15 @@ block its own recovery; a review for one is forged or misrouted and gets no writ
 def excluded_namespaces(own_namespace: str) -> frozenset[str]:
     """The namespaces the webhook never reviews: the system's and gpudra's own (`""`:
     not known, as for an agent run as a host process). No default tenant governs them
-    (`winning_tenants`), for the webhook's rules and quotas and the agent's accounting
-    alike."""
-    return frozenset({*SYSTEM_NAMESPACES, own_namespace} - {""})
+    (`GpuTenantSpec.selects`), for the webhook's rules and quotas and the agent's
+    accounting alike."""
+    return frozenset(excluded_namespace_list(own_namespace))
+
+
+def excluded_namespace_list(own_namespace: str) -> tuple[str, ...]:
+    """`excluded_namespaces` in the order the webhook registrations (and the chart's
+    copies of them) list them: the system's, then gpudra's own, each once."""
+    return tuple(dict.fromkeys(n for n in (*SYSTEM_NAMESPACES, own_namespace) if n))
 
 
 # ResourceQuota counts the devices that claims in a namespace request per DeviceClass
@@ -240,6 +247,15 @@ class Specificity(IntEnum):
     NAME = 2
 
 
+def _as_default(namespace: str, excluded: Container[str]) -> Specificity | None:
+    """How a default tenant (an empty ``namespaceSelector``) selects `namespace`: not at
+    all where it is `excluded` (`excluded_namespaces`: the webhook never reviews it, so
+    the tenant's rules would not be enforced there, and its quota would limit the
+    system's own claims). The one rule, for valid tenants (`GpuTenantSpec.selects`) and
+    invalid ones (`TenantReach.selects`) alike."""
+    return None if namespace in excluded else Specificity.DEFAULT
+
+
 class GpuTenantSpec(_Model):
     """Which namespaces belong to the tenant and what GPU use is allowed there."""
 
@@ -324,12 +340,18 @@ class GpuTenantSpec(_Model):
         """An empty ``namespaceSelector``: the default tenant (`Specificity.DEFAULT`)."""
         return self.namespace_selector is not None and self.namespace_selector.empty
 
-    def selects(self, namespace: str, labels: Mapping[str, str]) -> Specificity | None:
-        """How this tenant selects `namespace` (None: not at all)."""
+    def selects(
+        self, namespace: str, labels: Mapping[str, str], excluded: Container[str] = ()
+    ) -> Specificity | None:
+        """How this tenant selects `namespace` (None: not at all). `excluded`: the
+        namespaces no default tenant governs (`excluded_namespaces`); one listed by name
+        is still selected by name."""
         if self.namespaces is not None and namespace in self.namespaces:
             return Specificity.NAME
         if self.namespace_selector is not None and self.namespace_selector.matches(labels):
-            return Specificity.DEFAULT if self.namespace_selector.empty else Specificity.LABEL
+            if self.namespace_selector.empty:
+                return _as_default(namespace, excluded)
+            return Specificity.LABEL
         return None
 
     @property
@@ -379,25 +401,19 @@ def winning_tenants(
     namespace is not known yet, so the answer is None wherever labels would decide (a
     default tenant decides alone only where no tenant selects by label). `excluded`: the
     namespaces the webhook never reviews (kube-system, its own), which a default tenant
-    does not govern: its rules would not be enforced there, and its quota would limit
-    the system's own claims.
+    does not govern (`GpuTenantSpec.selects`).
     """
     best: Specificity | None = None
     winners: list[Tenant] = []
     for tenant in tenants:
         spec = tenant.spec
-        if labels is None:
-            if spec.namespaces is not None and namespace in spec.namespaces:
-                how: Specificity | None = Specificity.NAME
-            elif spec.is_default:
-                how = Specificity.DEFAULT
-            elif spec.namespace_selector is not None:
-                return None
-            else:
-                how = None
-        else:
-            how = spec.selects(namespace, labels)
-        if how is None or (how is Specificity.DEFAULT and namespace in excluded):
+        # An empty selector matches any labels, so without them only a label selector
+        # that the name does not outrank leaves the answer unknown.
+        how = spec.selects(namespace, labels or {}, excluded)
+        by_label = spec.namespace_selector is not None and not spec.is_default
+        if labels is None and by_label and how is not Specificity.NAME:
+            return None
+        if how is None:
             continue
         if best is None or how > best:
             best, winners = how, [tenant]
@@ -441,7 +457,7 @@ class TenantReach:
         if namespace in self.names:
             return Specificity.NAME
         if self.selector is not None and self.selector.empty:
-            return None if namespace in excluded else Specificity.DEFAULT
+            return _as_default(namespace, excluded)
         if self.everywhere or (
             self.selector is not None and (labels is None or self.selector.matches(labels))
         ):
@@ -459,7 +475,7 @@ def invalid_in_reach(
     """The first (by name) invalid tenant in `reach` that would select `namespace` at
     least as specifically as the valid `winners` (`winning_tenants`) do: it would win or
     tie, so its unknown rules decide and no valid tenant's apply."""
-    best = winners[0].spec.selects(namespace, labels or {}) if winners else None
+    best = winners[0].spec.selects(namespace, labels or {}, excluded) if winners else None
     for name in sorted(reach):
         how = reach[name].selects(namespace, labels, excluded)
         if how is not None and (best is None or how >= best):

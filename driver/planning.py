@@ -27,11 +27,19 @@ from gpudra.api.config import (
 from gpudra.api.config import DeviceType as ConfigDeviceType
 from gpudra.api.sharing import mps_percentage_conflict, resolve_sharing, sharing_of
 from gpudra.driver.checkpoint import Checkpoint, ClaimRecord, DeviceRecord
-from gpudra.driver.claims import AllocatedDevice, Claim, ClaimError, config_error
+from gpudra.driver.claims import AllocatedDevice, Claim, ClaimError, ClaimRef, config_error
 from gpudra.driver.devices import Device, DeviceType, Gpu, Inventory, MigStrategy
 from gpudra.driver.records import DeviceDetails, TimeSliceSet, UsedMig
 
-__all__ = ["Entry", "interval_name", "mps_limits", "mps_percentage", "plan"]
+__all__ = [
+    "Entry",
+    "interval_name",
+    "mps_limits",
+    "mps_percentage",
+    "other_claim",
+    "plan",
+    "time_slice_conflict",
+]
 
 log = logging.getLogger(__name__)
 
@@ -270,8 +278,8 @@ def _check_time_slices(
                 continue
             theirs = _relied_interval(other)
             if theirs is not None and theirs != ours:
-                raise _time_slice_conflict(
-                    claim,
+                raise time_slice_conflict(
+                    claim.ref,
                     entry,
                     theirs,
                     asked=other.time_slice is not None,
@@ -286,21 +294,31 @@ def _check_time_slices(
             theirs = _held_interval(holder, record)
             if theirs is None or theirs == ours:
                 continue
-            seen = holder.name_seen_from(claim.ref.namespace)
-            raise _time_slice_conflict(
-                claim,
+            raise time_slice_conflict(
+                claim.ref,
                 entry,
                 theirs,
                 asked=record.details.time_slice is not None,
-                who=f"claim {seen}" if seen else "a claim of another namespace",
+                who=other_claim(holder.name_seen_from(claim.ref.namespace)),
             )
 
 
-def _time_slice_conflict(
-    claim: Claim, entry: Entry, theirs: int, *, asked: bool, who: str
+def other_claim(seen: str | None) -> str:
+    """How a refusal names another claim on the GPU: by `seen`
+    (`ClaimRecord.name_seen_from`) where the refused claim's namespace may read it, else
+    only as another namespace's."""
+    return f"claim {seen}" if seen else "a claim of another namespace"
+
+
+def time_slice_conflict(
+    ref: ClaimRef, entry: Entry, theirs: int, *, asked: bool, who: str
 ) -> ClaimError:
     """The refusal of `entry`, whose interval differs from the `theirs` that `who`
-    relies on (`asked`: it set that interval itself, else it relies on Default)."""
+    relies on (`asked`: it set that interval itself, else it relies on Default).
+
+    The one wording of the rule, for planning and for the comparison prepare makes
+    again under the time-slice lock (`ClaimPreparer._set_time_slice`): a user sees one
+    message for it whichever check refused."""
     if asked:
         their_side = f"is time-sliced with interval {interval_name(theirs)} for {who}"
     else:
@@ -320,7 +338,7 @@ def _time_slice_conflict(
     else:
         our_side = "this claim's memory slice runs under MPS, which relies on Default"
     return ClaimError(
-        f"{claim.ref.describe()}: {entry.allocated.path}: GPU {entry.device.name} "
+        f"{ref.describe()}: {entry.allocated.path}: GPU {entry.device.name} "
         f"{their_side}, and {our_side}; claims sharing a GPU need the same interval (Default "
         "where one of them runs MPS or holds a memory slice): use the same class or config "
         "for them"

@@ -74,7 +74,14 @@ from gpudra.driver.mig import (
     set_compute_mode,
 )
 from gpudra.driver.nvml import NvmlLibrary
-from gpudra.driver.planning import Entry, interval_name, mps_limits, mps_percentage, plan
+from gpudra.driver.planning import (
+    Entry,
+    mps_limits,
+    mps_percentage,
+    other_claim,
+    plan,
+    time_slice_conflict,
+)
 from gpudra.driver.plugin import PreparedDevice, PrepareResult
 from gpudra.driver.records import (
     ComputeModeSet,
@@ -664,12 +671,8 @@ class ClaimPreparer:
             if other is not None:
                 holder = next((cp.get(u) for u, step in users.items() if step is other), own)
                 name = holder.name_seen_from(ref.namespace) if holder is not None else None
-                raise ClaimError(
-                    f"{ref.describe()}: GPU {uuid} is time-sliced with interval "
-                    f"{interval_name(other.interval)} for "
-                    f"{f'claim {name}' if name else 'another claim'}, and this claim asks for "
-                    f"{interval_name(interval)}; claims sharing a GPU need the same interval: "
-                    "use the same class or config for them"
+                raise time_slice_conflict(
+                    ref, entry, other.interval, asked=True, who=other_claim(name)
                 )
             current = await anyio.to_thread.run_sync(compute_mode, self._nvml, uuid)
             first = not held

@@ -718,6 +718,11 @@ class Admission:
         # status after the mutating webhooks), and no claim can have been made for it.
         stored_pod = filled is not None
         generated = _generated_claims(pod) if count and stored_pod else {}
+        awaiting = (
+            _entries_awaiting_claims(pod, filled[0])
+            if count and filled is not None
+            else frozenset[int]()
+        )
         result: list[ReferencedClaim] = []
         read: dict[tuple[str, str], StoredClaim | None] = {}
         judged: set[tuple[str, str]] = set()
@@ -774,7 +779,7 @@ class Admission:
             if not is_dns_subdomain(name):
                 return f"spec.resourceClaims[{index}]: {source} is not a valid object name"
             made = generated.get(pod_claim) if kind == CLAIM_TEMPLATE.kind else None
-            if made is None and kind == CLAIM_TEMPLATE.kind and count and stored_pod:
+            if index in awaiting:
                 try:
                     made = await made_for(pod_claim)
                 except _Unreadable as exc:
@@ -972,21 +977,33 @@ def _generated_claims(pod: Mapping[str, Any]) -> dict[str, str]:
 
 
 def _awaiting_claims(pod: Mapping[str, Any], filled: str) -> str | None:
-    """The UID of a stored pod with a template entry other than `filled` (the one a
-    claim being created fills) that its status names no claim for, whose count needs
-    the claims made for it (`ClaimReader.claims_made_for`); None for any other pod."""
-    uid = _uid_of(pod)
+    """The UID of a stored pod with entries awaiting claims (`_entries_awaiting_claims`)
+    besides `filled` (the one a claim being created fills), whose count needs the claims
+    made for them (`ClaimReader.claims_made_for`); None for any other pod."""
+    return _uid_of(pod) if _entries_awaiting_claims(pod, filled) else None
+
+
+def _entries_awaiting_claims(pod: Mapping[str, Any], filled: str) -> frozenset[int]:
+    """Where in a stored pod's ``spec.resourceClaims`` the template entries are, other
+    than `filled`, whose status names no claim generated for them (`_generated_claims`).
+
+    Their counts take the claim the pod controls for the entry, when there is one: which
+    pods need those claims read (`_awaiting_claims`) and which entries count them
+    (`Admission._referenced`) is this one rule, so no pod is counted from claims never
+    read for it.
+    """
     generated = _generated_claims(pod)
     spec = pod.get("spec")
     entries = spec.get("resourceClaims") if isinstance(spec, Mapping) else None
+    awaiting: set[int] = set()
     for index, entry in enumerate(entries if isinstance(entries, list) else ()):
         if not isinstance(entry, Mapping) or entry.get("name") == filled:
             continue
         reference = _reference(entry)
         template = reference is not None and reference[0] == CLAIM_TEMPLATE.kind
         if template and _pod_claim(entry, index) not in generated:
-            return uid
-    return None
+            awaiting.add(index)
+    return frozenset(awaiting)
 
 
 def _pod_claim(entry: Mapping[str, Any], index: int) -> str:

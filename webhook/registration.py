@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Final
 
-from gpudra.api.tenants import SYSTEM_NAMESPACES
+from gpudra.api.tenants import excluded_namespace_list
 from gpudra.common.kube import ApiError, Kube
 from gpudra.webhook.admission import MUTATE_PATH, VALIDATE_CLAIMS_PATH
 from gpudra.webhook.convert import OPT_OUT_LABEL
@@ -155,12 +155,14 @@ def validating_configuration(
 
 
 def _not_system(own_namespace: str) -> dict[str, Any]:
+    """The namespaces the webhook never reviews (`excluded_namespace_list`), left out of
+    its registration, so the API server sends it no review for them."""
     return {
         "matchExpressions": [
             {
                 "key": "kubernetes.io/metadata.name",
                 "operator": "NotIn",
-                "values": [*SYSTEM_NAMESPACES, own_namespace],
+                "values": list(excluded_namespace_list(own_namespace)),
             }
         ]
     }

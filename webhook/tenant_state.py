@@ -298,7 +298,7 @@ class TenantState:
         if len(winners) > 1:
             names = " and ".join(f'"{r.tenant.name}"' for r in winners)
             labels = self.namespace_labels(namespace) or {}
-            how = winners[0].tenant.spec.selects(namespace, labels)
+            how = winners[0].tenant.spec.selects(namespace, labels, self.excluded)
             fix = (
                 "keep one default tenant (namespaceSelector: {}): delete the others or give "
                 "them a label selector"

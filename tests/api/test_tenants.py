@@ -15,6 +15,8 @@ from gpudra.api.tenants import (
     TenantReach,
     crd_manifest,
     crd_yaml,
+    excluded_namespace_list,
+    excluded_namespaces,
     invalid_in_reach,
     parse_tenant,
     quota_key,
@@ -191,6 +193,42 @@ def test_an_empty_selector_makes_the_default_tenant_ranked_below_every_other() -
     # Labels not known yet: the default decides only where no label selector could.
     assert winning_tenants("fresh", None, [default]) == [default]
     assert winning_tenants("fresh", None, [default, by_label]) is None
+
+
+def test_a_default_tenant_governs_no_excluded_namespace_wherever_it_is_asked() -> None:
+    """The namespaces the webhook never reviews (`excluded_namespaces`) are out of a
+    default tenant's reach as its spec says it (`GpuTenantSpec.selects`), as the winners
+    are chosen, labels known or not, and as an invalid default tenant reaches: one rule,
+    so the webhook's rules, its denials for invalid tenants and the node agent's
+    accounting cannot part. A namespace listed by name is still the tenant's."""
+    excluded = excluded_namespaces("gpudra")
+    default = parse_tenant(tenant("default", namespaceSelector={}))
+    invalid = {"bad": TenantReach.of(tenant("bad", namespaceSelector={}, typo=1))}
+    for namespace in ("kube-system", "gpudra", "fresh"):
+        expected = None if namespace in excluded else Specificity.DEFAULT
+        assert default.spec.selects(namespace, {"any": "x"}, excluded) is expected
+        assert invalid["bad"].selects(namespace, None, excluded) is expected
+        for labels in ({}, None):
+            winners = winning_tenants(namespace, labels, [default], excluded)
+            assert winners == ([] if expected is None else [default])
+        in_reach = invalid_in_reach(namespace, {}, [], invalid, excluded)
+        assert in_reach == (None if expected is None else "bad")
+    listed = parse_tenant(tenant("listed", namespaces=["gpudra"], namespaceSelector={}))
+    assert listed.spec.selects("gpudra", {}, excluded) is Specificity.NAME
+    assert winning_tenants("gpudra", None, [default, listed], excluded) == [listed]
+    assert winning_tenants("kube-system", None, [default, listed], excluded) == []
+
+
+def test_the_excluded_namespaces_are_listed_in_one_order_each_once() -> None:
+    """The registrations list the excluded namespaces in order (the system's, then
+    gpudra's own, as the chart does); the set the webhook and the node agent test
+    against is the same names. An unknown own namespace (``""``) adds none, and one that
+    is a system namespace is listed once."""
+    assert excluded_namespace_list("gpudra") == ("kube-system", "gpudra")
+    assert excluded_namespaces("gpudra") == {"kube-system", "gpudra"}
+    assert excluded_namespace_list("") == ("kube-system",)
+    assert excluded_namespaces("") == {"kube-system"}
+    assert excluded_namespace_list("kube-system") == ("kube-system",)
 
 
 def test_the_install_guides_tenants_parse_and_its_default_tenant_allows_no_gpus() -> None:

@@ -106,8 +106,10 @@ def test_no_tenant_pod_outranks_what_every_gpu_pod_waits_on(
     [
         ([], "gpudra", 8443, False),
         ([{"webhook": {"tls": {"source": "helm"}, "port": 9443}}], "gpu-system", 9443, True),
+        # Installed in kube-system: the namespace the webhook never reviews is listed once.
+        ([], "kube-system", 8443, False),
     ],
-    ids=["self-signed", "chart-tls"],
+    ids=["self-signed", "chart-tls", "in-kube-system"],
 )
 def test_webhook_configurations_match_the_code(
     helm: Path, values: list[Any], namespace: str, port: int, ca_from_chart: bool

@@ -197,6 +197,8 @@ class Claims:
         self.namespaces: dict[str, dict[str, str]] = {}
         self.made: dict[str, dict[str, list[str]]] = {}
         """Claims made for each pod's template entries: pod UID -> entry -> claim names."""
+        self.made_asked: list[set[str]] = []
+        """The pod UIDs each read of the claims made for pods was asked for."""
         self.admitted: dict[str, list[str]] = {}
         """Kueue Workloads admitted with each template name."""
 
@@ -213,6 +215,7 @@ class Claims:
     async def claims_made_for(
         self, namespace: str, pod_uids: Collection[str]
     ) -> dict[str, dict[str, list[str]]]:
+        self.made_asked.append(set(pod_uids))
         return {uid: self.made[uid] for uid in pod_uids if uid in self.made}
 
     async def namespace_labels(self, namespace: str) -> dict[str, str] | None:
@@ -963,6 +966,51 @@ async def test_a_claim_made_for_an_entry_counts_while_the_pod_status_lacks_it() 
     claims.made.clear()
     decision = await admission.validate_claim(review(CLAIM, generated_claim("e1", "ccccc", 2)))
     assert decision.result == "allowed"
+
+
+async def test_the_claims_made_for_pods_are_read_for_the_entries_that_count_them() -> None:
+    """Claim c is created, used by two waiting pods. Pod p has entry t2, a template its
+    status names no claim for: the claims made for p are read, and the one made for t2
+    (two GPUs) is counted, not template t2 (none of the driver's devices). Entry t1's
+    claim is named by the status, entry h names a claim by hand, and pod q's only other
+    entry is t1 too: the claims made for q are not read. One rule decides both which
+    pods' claims are read and which entries count them, so the two cannot part."""
+    claims = Claims(t1=one_gpu_spec(2), t2=NO_DRIVER_DEVICE, h=NO_DRIVER_DEVICE)
+    claims.specs.update({"g1": NO_DRIVER_DEVICE, "p-t2-small": one_gpu_spec(2)})
+    admission = limited_admission(claims, limit=2)
+    pods = []
+    for name, extra in (("p", [{"name": "t2", "resourceClaimTemplateName": "t2"}]), ("q", [])):
+        pod = claim_pod(
+            0,
+            {"name": "a", "resourceClaimName": "c"},
+            {"name": "t1", "resourceClaimTemplateName": "t1"},
+            {"name": "h", "resourceClaimName": "h"},
+            *extra,
+        )
+        pod["metadata"] = {"name": name, "uid": f"{name}-uid"}
+        pod["status"] = {"resourceClaimStatuses": [{"name": "t1", "resourceClaimName": "g1"}]}
+        pods.append(pod)
+    claims.live_pods = pods
+    claims.made["p-uid"] = {"t2": ["p-t2-small"]}
+
+    decision = await admission.validate_claim(review(CLAIM, claim_object("c", 1)))
+
+    assert claims.made_asked == [{"p-uid"}]
+    assert decision.result == "denied"
+    message = decision.response["status"]["message"]
+    assert "pod p uses this claim" in message
+    assert "would get 3 devices" in message
+    assert "claim t2 (ResourceClaim p-t2-small (generated from ResourceClaimTemplate t2)): 2" in (
+        message
+    )
+    assert ("ResourceClaimTemplate", "t1") not in claims.reads
+
+    # With t2 named by p's status too, no pod needs the claims made for it.
+    pods[0]["status"]["resourceClaimStatuses"].append({"name": "t2", "resourceClaimName": "g1"})
+    claims.made_asked.clear()
+    decision = await admission.validate_claim(review(CLAIM, claim_object("c", 1)))
+    assert decision.result == "allowed"
+    assert claims.made_asked == []
 
 
 async def test_a_pods_create_request_cannot_say_which_claims_were_made_for_it() -> None:

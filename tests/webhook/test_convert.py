@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 from gpudra.api.deviceclasses import mig_profile_class
 from gpudra.api.names import is_dns_label
+from gpudra.api.tenants import excluded_namespaces
 from gpudra.webhook import registration
 from gpudra.webhook.convert import (
     DEFAULT_POLICY,
@@ -763,6 +764,32 @@ def test_registration_skips_pods_that_only_ask_for_native_resources() -> None:
         ca_bundle_b64="", own_namespace="gpudra", url="https://127.0.0.1:1"
     )
     assert default["webhooks"][0]["matchConditions"][0]["expression"] == registration.GPU_POD_CEL
+
+
+def test_registrations_leave_out_the_namespaces_the_webhook_never_reviews() -> None:
+    """Every webhook of both registrations leaves out exactly `excluded_namespaces`,
+    which the webhook ignores a review for and no default tenant governs: the system's
+    first, then gpudra's own, as the chart lists them. Were the two lists to part, the
+    API server would send reviews the webhook drops, or skip namespaces its rules govern."""
+    for own in ("gpudra", "gpu-system"):
+        mutating = registration.mutating_configuration(
+            ca_bundle_b64="", own_namespace=own, url="https://127.0.0.1:1"
+        )
+        validating = registration.validating_configuration(
+            ca_bundle_b64="",
+            own_namespace=own,
+            device_classes=["gpu.nvidia.com"],
+            driver="gpu.nvidia.com",
+            url="https://127.0.0.1:1",
+        )
+        hooks = [*mutating["webhooks"], *validating["webhooks"]]
+        assert len(hooks) == 3
+        for hook in hooks:
+            (expression,) = hook["namespaceSelector"]["matchExpressions"]
+            assert expression["key"] == "kubernetes.io/metadata.name"
+            assert expression["operator"] == "NotIn"
+            assert expression["values"] == ["kube-system", own]
+            assert set(expression["values"]) == excluded_namespaces(own)
 
 
 def test_generated_template_names_are_bound_to_their_content() -> None:
