@@ -61,8 +61,10 @@ class LineHandler(logging.Handler):
     A StreamHandler on sys.stderr decodes the formatter's bytes, has the text layer
     encode them again and flushes it, for every line: measured on the prepare path of
     a node, about half of what its two lines per claim cost. A line shorter than the
-    pipe's atomic size (4 KiB) reaches a pipe whole even beside other writers; the
-    handler's lock keeps this process's lines whole whatever their length."""
+    pipe's atomic size (4 KiB) reaches a pipe whole even beside other writers; a longer
+    one (a traceback) takes several writes, which the handler's lock keeps apart from
+    logging's other lines, though not from what else writes to stderr directly
+    (warnings, an uncaught thread exception) at that moment."""
 
     def __init__(self, fd: int) -> None:
         super().__init__()

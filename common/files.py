@@ -7,6 +7,7 @@ import contextlib
 import fcntl
 import os
 import secrets
+import select
 import subprocess
 from pathlib import Path
 
@@ -72,10 +73,18 @@ def atomic_write(
 
 
 def write_all(fd: int, data: bytes) -> None:
-    """Write all of `data` to `fd`: a write may take less than it is given."""
+    """Write all of `data` to `fd`: a write may take less than it is given. A full pipe
+    whose descriptor is non-blocking (another process may have made a shared stderr so)
+    is waited on, not given up on half way, which would leave part of a line for the
+    next to be glued to."""
     view = memoryview(data)
     while view:
-        view = view[os.write(fd, view) :]
+        try:
+            view = view[os.write(fd, view) :]
+        except BlockingIOError:
+            waiting = select.poll()
+            waiting.register(fd, select.POLLOUT)
+            waiting.poll()
 
 
 def fsync_dir(directory: str | Path) -> None:

@@ -74,7 +74,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from enum import StrEnum
-from typing import Any, Final
+from typing import Any, Final, TypeAlias
 
 import anyio
 import anyio.to_thread
@@ -93,6 +93,9 @@ from gpudra.driver.nvml.handles import device_handle, handle_address
 from gpudra.driver.timedtaints import TimedTaint, TimedTaints
 
 logger = logging.getLogger(__name__)
+
+_Resets: TypeAlias = Mapping[str, tuple[PendingReset, ...]]
+"""Taints waiting for a GPU reset, by GPU UUID."""
 
 DEFAULT_DRIVER_NAME = "gpu.nvidia.com"
 # XIDs caused by applications, not hardware: NVIDIA's XID catalogue
@@ -412,7 +415,9 @@ class HealthState:
         self._index(inventory)
         self._watch_mig_instances()
         self._report: HealthReport | None = None
-        self._pending: tuple[int, Mapping[str, tuple[PendingReset, ...]]] | None = None
+        # (generation, the held resets it saw, the result): the held ones change without
+        # a new generation, and are replaced whole, so their identity tells a change.
+        self._pending: tuple[int, _Resets, _Resets] | None = None
         # A repeated error moves a taint's quiet time without a new generation.
         self._refreshes = 0
         self._timed: tuple[tuple[int, int], Mapping[str, tuple[TimedTaint, ...]]] | None = None
@@ -422,7 +427,7 @@ class HealthState:
         # GPU UUID -> the taints that waited for its reset when the agent last stopped,
         # for a GPU discovery left out (`restore_resets`): raised once the inventory has
         # it again. Replaced whole: the watcher thread reads its keys (`held_reset_gpus`).
-        self._held_resets: Mapping[str, tuple[PendingReset, ...]] = {}
+        self._held_resets: _Resets = {}
         # (GPU UUID, XID) -> events seen; replaced whole, so the metrics thread reads one.
         self._xid_counts: Mapping[tuple[str, int], int] = {}
 
@@ -481,7 +486,6 @@ class HealthState:
         if back:
             held = self._held_resets
             self._held_resets = {u: p for u, p in held.items() if u not in back}
-            self._pending = None
             self.restore_resets({uuid: held[uuid] for uuid in back})
         back = sorted(self._held_lost.keys() & self._gpu_devices.keys())
         if back:
@@ -500,11 +504,14 @@ class HealthState:
     def pending_resets(self) -> Mapping[str, tuple[PendingReset, ...]]:
         """The taints waiting for their GPU's reset, by GPU UUID (what survives a restart),
         those held for a GPU out of the inventory (`restore_resets`) included."""
-        if self._pending is None or self._pending[0] != self._generation:
+        generation, held_resets = self._generation, self._held_resets
+        if (
+            self._pending is None
+            or self._pending[0] != generation
+            or self._pending[1] is not held_resets
+        ):
             policy = self._policy
-            pending: dict[str, list[PendingReset]] = {
-                u: list(p) for u, p in self._held_resets.items()
-            }
+            pending: dict[str, list[PendingReset]] = {u: list(p) for u, p in held_resets.items()}
             for name, record in sorted(self._records.items()):
                 for key, active in record.active.items():
                     if not active.needs_reset:
@@ -512,8 +519,12 @@ class HealthState:
                     value = active.taint.value
                     xid = int(value) if key == policy.xid_key and value is not None else None
                     pending.setdefault(record.gpu_uuid, []).append(PendingReset(name, xid))
-            self._pending = (self._generation, {u: tuple(p) for u, p in pending.items()})
-        return self._pending[1]
+            self._pending = (
+                generation,
+                held_resets,
+                {u: tuple(p) for u, p in pending.items()},
+            )
+        return self._pending[2]
 
     def timed_taints(self) -> Mapping[str, tuple[TimedTaint, ...]]:
         """The taints that lift after quiet time, by GPU UUID (what `TimedTaints` keeps
@@ -859,8 +870,9 @@ class HealthState:
         """Hold a pending reset of a GPU out of the inventory (`restore_resets`)."""
         held = self._held_resets.get(uuid, ())
         if item not in held:
+            # Replaced whole: `pending_resets` sees the change, and keeps it on through
+            # the next restart.
             self._held_resets = {**self._held_resets, uuid: (*held, item)}
-            self._pending = None  # kept on through the next restart
 
     def _lift_resets(self, gpu_uuid: str, why: str) -> bool:
         """Lift the taints of `gpu_uuid`'s devices that waited for its reset, and drop
@@ -869,7 +881,6 @@ class HealthState:
         held = self._held_resets.get(gpu_uuid, ())
         if held:
             self._held_resets = {u: p for u, p in self._held_resets.items() if u != gpu_uuid}
-            self._pending = None
         dropped = [f"{p.device} {'='.join(self._reset_taint(p))}" for p in held]
         lifted: list[str] = []
         for name in self._gpu_devices.get(gpu_uuid, ()):
@@ -1137,7 +1148,10 @@ class NvmlHealthWatcher:
             return []
         marked = self._resets.marked()
         self._stuck &= marked
-        known = {gpu.uuid for gpu in self._state.inventory.gpus} | self._state.held_reset_gpus
+        # Held first: `update_inventory` sets the inventory, then lets the GPU go from the
+        # held ones, so a GPU coming back is in one or the other whatever this thread sees.
+        held = self._state.held_reset_gpus
+        known = {gpu.uuid for gpu in self._state.inventory.gpus} | held
         stray = marked - known
         for name in sorted(stray - self._stray_marks):
             logger.warning(
