@@ -14,17 +14,19 @@ import dataclasses
 import errno
 import json
 import os
+import platform
 import secrets
 import signal
 import stat
 import subprocess
 import sys
 import threading
+import time
 import uuid as uuidlib
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import anyio
 import pynvml
@@ -3003,7 +3005,9 @@ def test_a_pid_file_that_is_not_a_regular_file_is_never_opened(tmp_path: Path) -
         os.close(os.open(pid_file, os.O_WRONLY))  # waits for a reader
         released.set()
 
-    threading.Thread(target=container, daemon=True).start()
+    writer = threading.Thread(target=container, daemon=True)
+    writer.start()
+    _wait_in_open(writer)  # else the stop may remove the folder before the writer opens
     try:
         fake_sharing().stop_mps(daemon)
         assert not released.wait(0.5)
@@ -3012,6 +3016,25 @@ def test_a_pid_file_that_is_not_a_regular_file_is_never_opened(tmp_path: Path) -
         os.close(handle)
     assert released.wait(5)
     assert not daemon.pipe_dir.exists()
+
+
+_OPENAT: Final = {"x86_64": 257, "aarch64": 56}
+"""openat's system call number, as /proc/<pid>/task/<tid>/syscall shows it."""
+
+
+def _wait_in_open(thread: threading.Thread) -> None:
+    """Until `thread` waits in openat (a FIFO's writer waiting for a reader): under load
+    it may not have got there before the test goes on. Where the architecture's number
+    is not known, a pause stands in."""
+    number = _OPENAT.get(platform.machine())
+    if number is None:
+        time.sleep(0.5)
+        return
+    path = Path(f"/proc/self/task/{thread.native_id}/syscall")
+    deadline = time.monotonic() + 10
+    while not path.read_text().startswith(f"{number} "):
+        assert time.monotonic() < deadline, "the writer never reached its open"
+        time.sleep(0.01)
 
 
 _WRITER = """
