@@ -123,7 +123,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--agent-namespace",
         default=AGENT_NAMESPACE,
-        type=_namespace,
+        type=namespace_argument,
         metavar="NAMESPACE",
         help="the namespace gpudra is installed in: only pods there that a DaemonSet "
         f"controls are taken for node agents (default: {AGENT_NAMESPACE})",
@@ -136,10 +136,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _namespace(raw: str) -> str:
+def namespace_argument(raw: str) -> str:
+    """A `--namespace` flag's value: the namespace gpudra is (or will be) installed in."""
     if problem := dns_label_problem(raw):
         raise argparse.ArgumentTypeError(
-            f"{raw!r} {problem}; give the namespace gpudra is installed in"
+            f"{raw!r} {problem}; give the namespace gpudra is (or will be) installed in"
         )
     return raw
 

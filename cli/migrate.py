@@ -21,6 +21,7 @@ from typing import Any, Final
 import aiohttp
 import anyio
 import yaml
+from gpudra.cli.agents import AGENT_NAMESPACE, namespace_argument
 from gpudra.cli.cluster import add_kubeconfig, connect
 from gpudra.cli.terminal import printable
 from gpudra.common.files import atomic_write
@@ -88,6 +89,15 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         action="store_true",
         help="check every pod in the cluster",
     )
+    p.add_argument(
+        "--namespace",
+        default=AGENT_NAMESPACE,
+        type=namespace_argument,
+        metavar="NAMESPACE",
+        help="the namespace gpudra is (or will be) installed in: the webhook never reviews "
+        "pods there or in kube-system, so their device-plugin requests are never converted "
+        f"and such pods are reported (default: {AGENT_NAMESPACE})",
+    )
     add_kubeconfig(p)
     p.add_argument(
         "--out",
@@ -134,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
         pods = cluster.get("pods", [])
         if args.pods is not None:
             pods = _list(_read(args.pods, "--pods"), "--pods", args.pods, "Pod", PODS_COMMAND)
-        result = migration.plan(configs, pods)
+        result = migration.plan(configs, pods, own_namespace=args.namespace)
     except MigrationError as exc:
         raise SystemExit(f"gpudra migrate: nothing written:\n{exc}") from None
     files = migration.render(result)

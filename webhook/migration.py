@@ -32,7 +32,7 @@ from typing import Any, Final, Literal
 import yaml
 from gpudra.api.tenants import API_VERSION as TENANT_API_VERSION
 from gpudra.api.tenants import KIND as TENANT_KIND
-from gpudra.api.tenants import SYSTEM_NAMESPACES
+from gpudra.api.tenants import excluded_namespaces
 from gpudra.webhook.convert import (
     GPU_RESOURCE,
     MIG_RESOURCE_PREFIX,
@@ -399,10 +399,20 @@ def _replicated(
     return found
 
 
-def plan(configs: DevicePluginConfig | NodeConfigs, pods: Iterable[Mapping[str, Any]] = ()) -> Plan:
+def plan(
+    configs: DevicePluginConfig | NodeConfigs,
+    pods: Iterable[Mapping[str, Any]] = (),
+    *,
+    own_namespace: str = "",
+) -> Plan:
     """Chart values and GpuTenants that keep the behaviour of `configs` (one for every
     node, or one per node), and the `pods` whose behaviour would still change once the
     webhook converts them.
+
+    `own_namespace` is the namespace gpudra is (or will be) installed in (`""`: not
+    known, only the system's): the webhook never reviews pods there or in the system's
+    (`excluded_namespaces`), so their device-plugin requests are never converted and
+    they are reported as pods that pend once the device plugin is gone.
 
     Only the shares per GPU can differ per node (``node.gpuSharesByNode``); what the
     chart sets for every node must be the same in every config in use, or the plan is
@@ -472,8 +482,11 @@ def plan(configs: DevicePluginConfig | NodeConfigs, pods: Iterable[Mapping[str, 
             policy = ConversionPolicy(gpu_resource_kind=DeviceKind.SHARED)
     # Plain nvidia.com/gpu vanished only where every node advertised it renamed.
     everywhere = all(c.sharing is not None for c in used)
+    excluded = excluded_namespaces(own_namespace)
     changes = [
-        c for pod in pods if (c := _pod_change(pod, config, share, everywhere, policy)) is not None
+        c
+        for pod in pods
+        if (c := _pod_change(pod, config, share, everywhere, policy, excluded)) is not None
     ]
     return Plan(values=values, tenants=tenants, notes=notes, pods=changes)
 
@@ -545,13 +558,14 @@ def _pod_change(
     share: ReplicatedResource | None,
     everywhere: bool,
     policy: ConversionPolicy,
+    excluded: frozenset[str],
 ) -> PodChange | None:
     meta = pod.get("metadata") or {}
     if (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
         return None
-    if meta.get("namespace") in SYSTEM_NAMESPACES:
-        return None  # the webhook never sees them (registration.conversion_namespaces)
     change = PodChange(str(meta.get("namespace", "")), str(meta.get("name", "")), "")
+    if change.namespace in excluded:
+        return _never_reviewed(pod, change, policy)
     try:
         # As the webhook would: opted-out and already converted pods stay as they are.
         conversion = convert_pod(pod, policy)
@@ -595,6 +609,37 @@ def _pod_change(
                 "the scheduler may place on different GPUs"
             )
     return _with(change, "; ".join(reasons)) if reasons else None
+
+
+def _never_reviewed(
+    pod: Mapping[str, Any], change: PodChange, policy: ConversionPolicy
+) -> PodChange | None:
+    """A pod in a namespace the webhook never reviews (`excluded_namespaces`, which its
+    registrations leave out), if it asks for device-plugin resources: they are never
+    converted, so once the device plugin is gone no node advertises them and it pends.
+
+    What it asks for is read as the tenant rules read a pod the webhook does not patch
+    (`left_to_device_plugin`, every pod), so an opted-out pod counts too and no limit
+    that only a claim has hides one."""
+    where = (
+        f"{change.namespace}, which the webhook never reviews (it leaves out the system's "
+        "namespace and gpudra's own)"
+    )
+    try:
+        asked = convert_pod(pod, replace(policy, left_to_device_plugin=True), every_pod=True)
+    except ConversionError as exc:
+        return _with(change, f"is in {where}, and its GPU requests cannot be read: {exc}")
+    resources = sorted({r for claim in asked.claims for r in claim.resources})
+    if not resources:
+        return None
+    return _with(
+        change,
+        f"asks for {', '.join(resources)} in {where}, so it is never converted: once the "
+        "device plugin is removed no node advertises it (but nvidia.com/gpu where "
+        "deviceClasses.gpu.extendedResourceName names it) and the pod pends (a running one "
+        "keeps running until it is recreated); move the workload to another namespace, "
+        "or give it a ResourceClaim by hand",
+    )
 
 
 def _with(change: PodChange, reason: str) -> PodChange:

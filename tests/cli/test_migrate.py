@@ -158,3 +158,47 @@ def test_missing_file_is_one_line(tmp_path: Path) -> None:
         main(["migrate", f"--config={tmp_path}/nope.yaml"])
     missing = f"--config {tmp_path}/nope.yaml: No such file or directory"
     assert str(exit_.value) == f"gpudra migrate: {missing}"
+
+
+def gpu_pods_file(tmp_path: Path, *namespaces: str) -> Path:
+    """`kubectl get pods -A -o yaml` of one pod asking for a whole GPU per namespace."""
+    limits = {"nvidia.com/gpu": 1}
+    items = [
+        {
+            "metadata": {"name": "app", "namespace": namespace},
+            "spec": {"containers": [{"name": "c", "resources": {"limits": limits}}]},
+        }
+        for namespace in namespaces
+    ]
+    path = tmp_path / "pods.yaml"
+    path.write_text(yaml.safe_dump({"apiVersion": "v1", "kind": "List", "items": items}))
+    return path
+
+
+def test_pods_where_the_webhook_never_looks_are_listed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--namespace is gpudra's release namespace (default: the one the docs install
+    into): its pods and kube-system's keep nvidia.com/gpu, so they are listed; a
+    whole-GPU pod elsewhere is converted to the same thing and is not."""
+    (tmp_path / "config.yaml").write_text("version: v1\n")
+    pods = gpu_pods_file(tmp_path, "kube-system", "gpudra", "ops", "ml")
+    args = ["migrate", f"--config={tmp_path}/config.yaml", f"--pods={pods}"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "# pods whose behaviour would change (2 of 4):" in out
+    assert "#   kube-system/app: asks for nvidia.com/gpu in kube-system, which the webhook" in out
+    assert "#   gpudra/app: asks for nvidia.com/gpu in gpudra, which the webhook" in out
+    assert main([*args, "--namespace=ops"]) == 0
+    out = capsys.readouterr().out
+    assert "# pods whose behaviour would change (2 of 4):" in out
+    assert "#   ops/app: asks for nvidia.com/gpu in ops, which the webhook" in out
+    assert "gpudra/app" not in out
+
+
+def test_a_namespace_that_is_no_dns_label_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["migrate", "--config=-", "--namespace=GPU_system"])
+    err = capsys.readouterr().err
+    assert "argument --namespace: 'GPU_system' must be a DNS label " in err
+    assert "give the namespace gpudra is (or will be) installed in" in err

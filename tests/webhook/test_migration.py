@@ -237,14 +237,68 @@ def test_ignored_fields_are_said_once_not_refused() -> None:
     assert any("devices: ignored" in n for n in parsed.notes)
 
 
-def test_pods_the_webhook_never_converts_are_not_reported() -> None:
+def test_opted_out_pods_are_not_reported() -> None:
     shared = {"nvidia.com/gpu.shared": 1}
-    system = pod("dp", **shared)
-    system["metadata"]["namespace"] = "kube-system"
     opted_out = pod("opted-out", **shared)
     opted_out["metadata"]["labels"] = {"gpudra.nvidia.com/convert": "false"}
-    result = plan(parse_config("version: v1\n"), [system, opted_out, pod("moved", **shared)])
+    result = plan(parse_config("version: v1\n"), [opted_out, pod("moved", **shared)])
     assert [c.name for c in result.pods] == ["moved"]
+
+
+def in_namespace(namespace: str, name: str, **limits: Any) -> dict[str, Any]:
+    out = pod(name, **limits)
+    out["metadata"]["namespace"] = namespace
+    return out
+
+
+@pytest.mark.parametrize("namespace", ["kube-system", "gpu-system"])
+def test_gpu_pods_where_the_webhook_never_looks_are_reported_as_stranded(namespace: str) -> None:
+    """kube-system and gpudra's own namespace (`excluded_namespaces`) are never reviewed,
+    so a pod there keeps nvidia.com/gpu, which no node advertises once the device
+    plugin is gone: it is reported with what to do, even opted out or with a GPU
+    count no claim could hold, and whatever the config shares."""
+    opted_out = in_namespace(namespace, "opted-out", **{"nvidia.com/gpu": 1})
+    opted_out["metadata"]["labels"] = {"gpudra.nvidia.com/convert": "false"}
+    pods = [
+        in_namespace(namespace, "trainer", **{"nvidia.com/gpu": 40}),
+        in_namespace(namespace, "mig", **{"nvidia.com/mig-1g.10gb": 1}),
+        opted_out,
+        in_namespace(namespace, "web", cpu="1"),
+        {**in_namespace(namespace, "done", **{"nvidia.com/gpu": 1}), "status": {"phase": "Failed"}},
+    ]
+    for config in (parse_config("version: v1\n"), parse_config(TIME_SLICING)):
+        result = plan(config, pods, own_namespace="gpu-system")
+        assert [c.name for c in result.pods] == ["trainer", "mig", "opted-out"]
+        trainer, mig, _ = result.pods
+        assert trainer.namespace == namespace
+        assert trainer.reason == (
+            f"asks for nvidia.com/gpu in {namespace}, which the webhook never reviews (it "
+            "leaves out the system's namespace and gpudra's own), so it is never converted: "
+            "once the device plugin is removed no node advertises it (but nvidia.com/gpu "
+            "where deviceClasses.gpu.extendedResourceName names it) and the pod pends (a "
+            "running one keeps running until it is recreated); move the workload to another "
+            "namespace, or give it a ResourceClaim by hand"
+        )
+        assert mig.reason.startswith(f"asks for nvidia.com/mig-1g.10gb in {namespace}, ")
+
+
+def test_gpudra_s_namespace_is_only_left_out_where_it_is_named() -> None:
+    """Without `own_namespace` only the system's namespace is left out: another one is
+    converted like any, so its pods are judged by what the conversion changes."""
+    pods = [in_namespace("gpu-system", "whole", **{"nvidia.com/gpu": 1})]
+    assert plan(parse_config("version: v1\n"), pods).pods == []
+    (change,) = plan(parse_config("version: v1\n"), pods, own_namespace="gpu-system").pods
+    assert "never reviews" in change.reason
+
+
+def test_an_unreadable_gpu_request_where_the_webhook_never_looks_says_why() -> None:
+    bad = in_namespace("kube-system", "bad", **{"nvidia.com/gpu": "half"})
+    (change,) = plan(parse_config("version: v1\n"), [bad]).pods
+    assert change.reason.startswith(
+        "is in kube-system, which the webhook never reviews (it leaves out the system's "
+        "namespace and gpudra's own), and its GPU requests cannot be read: "
+    )
+    assert '"nvidia.com/gpu"' in change.reason
 
 
 @pytest.mark.parametrize("rename", ["gpu.shared", "nvidia.com/gpu.shared", "gpu-ts"])
