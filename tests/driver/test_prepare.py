@@ -3658,8 +3658,11 @@ async def test_shares_asking_for_other_intervals_are_refused_also_when_prepared_
         tg.start_soon(prepare, b)
     refused = [e for e in errors.values() if e is not None]
     assert len(refused) == 1
+    # One wording whichever check refused (planning's, or prepare's under the lock): the
+    # GPU by its device name, the other claim as another namespace's.
+    assert f"GPU {gpu.device.name} is time-sliced with interval" in refused[0]
+    assert "for a claim of another namespace" in refused[0]
     assert "claims sharing a GPU need the same interval" in refused[0]
-    assert "a claim of another namespace" in refused[0] or "another claim" in refused[0]
     kept = 3 if errors[a.uid] is None else 1
     assert time_slice_of(node, gpu.uuid) == kept
 
