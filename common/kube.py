@@ -67,6 +67,30 @@ class UndecodableAnswer(ApiError):
         )
 
 
+class AnswerTooLarge(ApiError):
+    """An answer larger than the read that asked for it takes (`Kube.request`'s
+    ``max_bytes``): its Content-Length said so, or more than that arrived, and the rest
+    was not read. Parsed JSON takes many times its size in memory, and a tenant decides
+    how large what it stores is: a read of what a tenant stores is bounded before its
+    answer is held whole. An ApiError, so whoever handles the server's errors handles
+    this one too, and names the request, the status and both sizes."""
+
+    def __init__(self, status: int, size: int, bound: int, method: str, path: str) -> None:
+        super().__init__(
+            status,
+            f"the answer is at least {size} bytes, over the {bound} bytes this read takes",
+            method,
+            path,
+        )
+        self.size = size
+        """How large the answer is at least: its Content-Length, or what arrived."""
+        self.bound = bound
+
+
+_CHUNK = 2**16
+"""What a bounded read takes of an answer at a time: how far past its bound it reads."""
+
+
 class KubeConfigError(Exception):
     """Neither a usable kubeconfig nor an in-cluster service account."""
 
@@ -204,7 +228,14 @@ class Kube:
         query: dict[str, str] | None = None,
         content_type: str = "application/json",
         request_timeout_s: float = 30.0,
+        max_bytes: int | None = None,
     ) -> Any:
+        """The answer to a request, parsed; raises ApiError for an HTTP error.
+
+        With `max_bytes`, an answer larger than that raises `AnswerTooLarge` having held
+        no more than about that many bytes of it (and the connection's read buffer), for
+        a read of what a tenant decides the size of; without, the answer is read whole.
+        """
         resp = await self._send(
             method=method,
             path=path,
@@ -214,9 +245,13 @@ class Kube:
             request_timeout=request_timeout_s,
         )
         try:
-            raw = await resp.read()
-        finally:
-            resp.release()
+            raw = await self._body(resp, max_bytes, method, path)
+        except BaseException:
+            # An answer not read to its end: its connection is closed, not pooled,
+            # where the rest of it would be read as the next request's answer.
+            resp.close()
+            raise
+        resp.release()
         if resp.status >= 400:
             # A Status object, or plain text (`404 page not found` for an API group
             # that is not served, e.g. a CRD not installed).
@@ -230,6 +265,27 @@ class Kube:
             return jsonbytes.loads(raw) if raw else None
         except jsonbytes.DecodeError as exc:
             raise UndecodableAnswer(resp.status, exc, method, path) from None
+
+    @staticmethod
+    async def _body(
+        resp: aiohttp.ClientResponse, max_bytes: int | None, method: str, path: str
+    ) -> bytes:
+        """The body of `resp`, refused (`AnswerTooLarge`) once it is known to exceed
+        `max_bytes`: at once where its Content-Length says so, else (a chunked or
+        compressed answer, whose Content-Length, if any, is not what it decodes to) as
+        soon as more than that has arrived, read in `_CHUNK`s."""
+        if max_bytes is None:
+            return await resp.read()
+        if resp.content_length is not None and resp.content_length > max_bytes:
+            raise AnswerTooLarge(resp.status, resp.content_length, max_bytes, method, path)
+        chunks: list[bytes] = []
+        size = 0
+        async for chunk in resp.content.iter_chunked(_CHUNK):
+            size += len(chunk)
+            if size > max_bytes:
+                raise AnswerTooLarge(resp.status, size, max_bytes, method, path)
+            chunks.append(chunk)
+        return b"".join(chunks)
 
     async def watch(
         self, path: str, query: dict[str, str], timeout_s: int = 300

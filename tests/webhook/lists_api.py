@@ -7,23 +7,27 @@ does not serve (a Kueue API version that is not installed).
 collection unless named) it numbers (1 for the first), once its snapshot is taken,
 until the test sets the event; `fail_page` answers that page of every list with
 `fail_status`, the API server's 410 for an expired continue token unless set.
+`api_server` serves it over HTTP, to the webhook's own API client.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from contextlib import asynccontextmanager
 from typing import Any
 
 import anyio
 import anyio.lowlevel
-from gpudra.common.kube import ApiError
+from aiohttp import web
+from gpudra.common.kube import ApiError, Kube
 from gpudra.webhook.admission import Admission
 from gpudra.webhook.lists import PER_PAGE
 from gpudra.webhook.metrics import WebhookMetrics
 from gpudra.webhook.templates import ApiClaimReader
 from prometheus_client import CollectorRegistry
 
+from tests.common.loopback import kube_serving
 from tests.webhook.test_admission import (
     CLAIM,
     TEMPLATE,
@@ -62,6 +66,9 @@ class ListsApi:
         self.held: dict[int, anyio.Event] = {}
         self.fail_page: int | None = None
         self.fail_status = 410
+        self.in_flight = 0
+        self.most_in_flight = 0
+        """The most requests answered at a time."""
         self._snapshots: dict[str, list[dict[str, Any]]] = {}
 
     async def request(
@@ -69,6 +76,14 @@ class ListsApi:
     ) -> Any:
         if method != "GET":
             raise AssertionError(f"unexpected {method} {path}")
+        self.in_flight += 1
+        self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        try:
+            return await self._answer(method, path, query)
+        finally:
+            self.in_flight -= 1
+
+    async def _answer(self, method: str, path: str, query: Any) -> Any:
         collection, _, name = path.rpartition("/")
         if path not in self.objects and collection in self.objects:
             await anyio.lowlevel.checkpoint()
@@ -112,6 +127,23 @@ class ListsApi:
         return json.loads(raw)
 
 
+@asynccontextmanager
+async def api_server(api: ListsApi) -> AsyncIterator[Kube]:
+    """The webhook's API client of an HTTP server answering as `api` does: its errors
+    as the API server's Status objects."""
+
+    async def answer(request: web.Request) -> web.Response:
+        try:
+            listing = await api.request(request.method, request.path, query=dict(request.query))
+        except ApiError as e:
+            status = {"kind": "Status", "code": e.status, "message": e.message}
+            return web.json_response(status, status=e.status)
+        return web.json_response(listing)
+
+    async with kube_serving(answer) as kube:
+        yield kube
+
+
 def _selected(obj: Mapping[str, Any], query: Mapping[str, str]) -> bool:
     """The phase field selector the webhook sends for pods, as the API server applies it."""
     if "fieldSelector" not in query:
@@ -120,9 +152,10 @@ def _selected(obj: Mapping[str, Any], query: Mapping[str, str]) -> bool:
     return obj.get("status", {}).get("phase") not in excluded
 
 
-def lists_admission(api: ListsApi, limit: int | None = None, **reader: Any) -> Admission:
-    """The admission of namespace ns reading its lists from `api` through the webhook's
-    own API reader; where `limit` is given, a tenant allows that many devices per pod."""
+def lists_admission(api: ListsApi | Kube, limit: int | None = None, **reader: Any) -> Admission:
+    """The admission of namespace ns reading its lists from `api` (or a client of it,
+    `api_server`) through the webhook's own API reader; where `limit` is given, a tenant
+    allows that many devices per pod."""
     tenants = limited_admission(Claims(), limit=limit)._tenants if limit is not None else None
     return Admission(
         Templates(),
