@@ -26,11 +26,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, Protocol
 
 import anyio
+from gpudra.api import jsonbytes
 from gpudra.api.configcache import ConfigCache
 from gpudra.api.names import is_dns_label, is_dns_subdomain
 from gpudra.api.tenants import LabelSelector, excluded_namespaces
@@ -153,14 +154,40 @@ ReviewHandler = Callable[[bytes], Awaitable[Decision]]
 READS_AT_ONCE: Final = 16
 """Claims a pod's admission reads again at the same time (`Admission._changed_since`)."""
 
+MAX_CLAIM_USERS: Final = 256
+"""Pods a claim's admission counts (`Admission._users_over_limit`): past it, denied.
+
+A tenant decides how many pods name a claim, and each is counted whole, so the work of
+one claim's creation grows with them. Kubernetes reserves a claim for at most 256 pods
+at a time (``status.reservedFor``, which it may raise but never lower), so a workload
+that shares one claim, a Deployment's replicas say, never runs more than that on it;
+pods past it wait unscheduled until some of the others end. Counting as many as
+Kubernetes can run keeps every working use; a tenant's thousands of pending pods
+naming one claim are refused before any of them is counted."""
+
+MAX_CLAIM_USERS_BYTES: Final = 32 * 2**20
+"""The JSON of the pods a claim's admission counts, at most (`_ClaimUsers`): past it,
+denied. A tenant decides how large its pods are (up to what the API server stores, some
+1.5 MiB each), and parsed JSON takes up to about 14 times its size, so the pods are kept
+as their JSON, within this bound, and parsed one at a time as each is counted. 256 pods
+of 128 KiB each fit; real pods are a few KiB."""
+
 
 @dataclass(slots=True)
 class _ClaimsRead:
-    """The ResourceClaims a pod's admission read to count its devices, as read (None:
-    not there), and the deadline all its reads share."""
+    """What one admission read to count devices: each claim and template by kind and
+    name, as read (None: not there), and the deadline all its reads share.
 
-    deadline: float = 0.0
-    claims: dict[str, StoredClaim | None] = field(default_factory=dict)
+    One per admission, however many pods it counts (`Admission._users_over_limit`): an
+    object many of them name is read once, and a tenant whose pods name many objects
+    cannot make one admission read past its deadline, pod after pod."""
+
+    deadline: float
+    read: dict[tuple[str, str], StoredClaim | None] = field(default_factory=dict)
+
+    def claims(self) -> dict[str, StoredClaim | None]:
+        """The ResourceClaims read, by name."""
+        return {name: stored for (kind, name), stored in self.read.items() if kind == CLAIM.kind}
 
 
 class Admission:
@@ -478,7 +505,9 @@ class Admission:
                 return lookup.denial
             # Claims the pod names by hand: denied where any asks for the driver's
             # devices, or cannot be read to tell (rules unknown: nothing unchecked).
-            found = await self._referenced(lookup.denial, pod, namespace, dry_run)
+            found = await self._referenced(
+                lookup.denial, pod, namespace, dry_run, self._start_reads()
+            )
             return lookup.denial if isinstance(found, str) or found else None
         if lookup.rules is None:
             return None
@@ -487,15 +516,9 @@ class Admission:
         # not handed to a new pod), and counted with the pod's other devices.
         counted = lookup.rules.tenant.spec.max_devices_per_pod is not None
         heading = _limit(lookup.rules) if counted else lookup.rules.label
-        claims_read = _ClaimsRead()
+        reads = self._start_reads()
         found = await self._referenced(
-            heading,
-            pod,
-            namespace,
-            dry_run,
-            rules=lookup.rules,
-            count=counted,
-            claims_read=claims_read,
+            heading, pod, namespace, dry_run, reads, rules=lookup.rules, count=counted
         )
         if isinstance(found, str):
             return found
@@ -516,12 +539,14 @@ class Admission:
             usage = self._tenants.quota_usage(namespace) if conversion.claims else None
             denial = lookup.rules.check_pod(conversion, namespace, usage, referenced)
         if denial is None and counted and not dry_run:
-            denial = await self._changed_since(heading, namespace, claims_read)
+            denial = await self._changed_since(heading, namespace, reads)
         return denial
 
-    async def _changed_since(
-        self, heading: str, namespace: str, claims_read: _ClaimsRead
-    ) -> str | None:
+    def _start_reads(self) -> _ClaimsRead:
+        """The reads of an admission that begins now: they share one deadline."""
+        return _ClaimsRead(anyio.current_time() + self._ensure_timeout)
+
+    async def _changed_since(self, heading: str, namespace: str, reads: _ClaimsRead) -> str | None:
         """Why the pod's count may be wrong: a claim it names changed since it was read.
 
         A claim deleted and created again under its name after the pod's admission read
@@ -534,7 +559,8 @@ class Admission:
         allocated since or not, an unchanged claim counts the same.
         """
         reader = self._read_claims
-        if not claims_read.claims or reader is None:
+        claims = reads.claims()
+        if not claims or reader is None:
             return None
         limiter = anyio.CapacityLimiter(READS_AT_ONCE)
         changed: list[str] = []
@@ -546,9 +572,9 @@ class Admission:
                 changed.append(name)
 
         try:
-            with anyio.fail_at(claims_read.deadline):
+            with anyio.fail_at(reads.deadline):
                 async with anyio.create_task_group() as group:
-                    for name, before in claims_read.claims.items():
+                    for name, before in claims.items():
                         group.start_soon(again, name, before)
         except Exception as exc:
             return _uncounted(heading, "read the pod's claims again", exc, namespace)
@@ -613,7 +639,9 @@ class Admission:
         template entries their statuses do not name yet are read once for all of them
         (`ClaimReader.claims_made_for`), and only where one has such an entry: a tenant
         decides how many pods use a claim, and a read per pod would list the namespace's
-        claims that many times.
+        claims that many times. For the same reason the admission's reads, the lists
+        included, share one deadline and read each object once however many pods name
+        it (`_ClaimsRead`), and more than `MAX_CLAIM_USERS` pods deny.
         """
         limit = rules.tenant.spec.max_devices_per_pod
         if limit is None:
@@ -624,35 +652,54 @@ class Admission:
         heading = _limit(rules)
         if self._read_claims is None:
             return f"{heading}, and this webhook cannot read the pods that use this claim"
+        reads = self._start_reads()
+        kept = _ClaimUsers(claim)
         try:
-            with anyio.fail_after(self._ensure_timeout):
-                pods = await self._read_claims.pods(
-                    namespace, lambda pod: _entry_filled_by(pod, claim) is not None
-                )
+            with anyio.fail_at(reads.deadline):
+                await self._read_claims.pods(namespace, kept.keep)
         except Exception as exc:
             logger.warning(
                 "could not list pods", exc_info=True, extra={"fields": {"namespace": namespace}}
             )
             reason = _unanswered(exc)
             return f"{heading}; could not list the pods that use this claim: {reason}; retry"
-        filling = ((pod, _entry_filled_by(pod, claim)) for pod in pods)
-        users = [(pod, entry) for pod, entry in filling if entry is not None]
-        awaiting = {uid for pod, entry in users if (uid := _awaiting_claims(pod, entry))}
+        if kept.count > MAX_CLAIM_USERS:
+            return (
+                f"{heading}, and {kept.count} pods use this claim, more than the "
+                f"{MAX_CLAIM_USERS} its creation counts devices for (Kubernetes reserves a "
+                f"claim for at most {MAX_CLAIM_USERS} pods at a time); delete pods that name "
+                f"it until no more than {MAX_CLAIM_USERS} do, or give each pod its own claim "
+                "from a ResourceClaimTemplate, then create it again"
+            )
+        if kept.size > MAX_CLAIM_USERS_BYTES:
+            return (
+                f"{heading}, and the {kept.count} pods that use this claim hold more than "
+                f"{MAX_CLAIM_USERS_BYTES // 2**20} MiB of JSON, more than its creation reads "
+                "to count their devices; make those pods smaller (or fewer), then create the "
+                "claim again"
+            )
+        users = kept.users
+        awaiting = {uid for pod, entry in users() if (uid := _awaiting_claims(pod, entry))}
         made: Mapping[str, Mapping[str, Sequence[str]]] = {}
         if awaiting:
             try:
-                with anyio.fail_after(self._ensure_timeout):
+                with anyio.fail_at(reads.deadline):
                     made = await self._read_claims.claims_made_for(namespace, awaiting)
             except Exception as exc:
                 what = "list the claims made for the pod"
                 return _uncounted(heading, what, exc, namespace)
         policy = self._stored_natives(rules.policy)
-        for pod, entry in users:
+        for pod, entry in users():
+            if anyio.current_time() >= reads.deadline:
+                # Objects read once, what is left is each pod's entries: bounded alike.
+                what = f"read what pod {_name_of(pod)} names"
+                return _uncounted(heading, what, TimeoutError(), namespace)
             found = await self._referenced(
                 heading,
                 pod,
                 namespace,
                 dry_run=False,
+                reads=reads,
                 filled=(entry, devices),
                 claims_made=made.get(_uid_of(pod) or "", {}),
             )
@@ -683,10 +730,10 @@ class Admission:
         pod: Mapping[str, Any],
         namespace: str,
         dry_run: bool,
+        reads: _ClaimsRead,
         filled: tuple[str, int] | None = None,
         rules: TenantRules | None = None,
         count: bool = True,
-        claims_read: _ClaimsRead | None = None,
         claims_made: Mapping[str, Sequence[str]] | None = None,
     ) -> list[ReferencedClaim] | str:
         """The pod's own claims and templates with the driver's devices, with their
@@ -707,9 +754,9 @@ class Admission:
         creation, quota included (a template's claims are, as they are created). Without
         `count` (no per-pod limit to count against) only that judgement is made:
         templates are not read, and a claim not created yet is left to its own
-        admission. Each object is read and judged once, all within one
-        deadline: a pod may name thousands. `claims_read` gets the ResourceClaims read
-        and that deadline.
+        admission. Each object is read once, and judged once, within the deadline of
+        the admission's `reads`, which keeps what was read: a pod may name thousands,
+        and a claim's admission counts every pod that uses it with the same `reads`.
         """
         spec = pod.get("spec")
         entries = spec.get("resourceClaims") if isinstance(spec, Mapping) else None
@@ -724,11 +771,8 @@ class Admission:
             else frozenset[int]()
         )
         result: list[ReferencedClaim] = []
-        read: dict[tuple[str, str], StoredClaim | None] = {}
+        read = reads.read
         judged: set[tuple[str, str]] = set()
-        deadline = anyio.current_time() + self._ensure_timeout
-        if claims_read is not None:
-            claims_read.deadline = deadline
         usage = (
             self._tenants.quota_usage(namespace)
             if rules is not None and self._tenants is not None
@@ -743,7 +787,7 @@ class Admission:
             if self._read_claims is None:
                 return f"{heading}, and this webhook cannot read pod claim {pod_claim} ({source})"
             try:
-                with anyio.fail_at(deadline):
+                with anyio.fail_at(reads.deadline):
                     read[reference] = await self._read_claims(namespace, *reference)
             except Exception as exc:
                 return _uncounted(heading, f"read {source}", exc, namespace)
@@ -825,10 +869,6 @@ class Admission:
                 return extended
             if extended is not None:
                 result.append(extended)
-        if claims_read is not None:
-            claims_read.claims.update(
-                (name, stored) for (kind, name), stored in read.items() if kind == CLAIM.kind
-            )
         return result
 
     async def _extended_devices(
@@ -1030,6 +1070,49 @@ def _extended_claim_name(pod: Mapping[str, Any]) -> str | None:
 POD_GROUP: Final = ("scheduling.k8s.io", "PodGroup")
 """The API group and kind of Kubernetes' PodGroup, the controlling owner of the claims
 made from a group's ``spec.resourceClaims`` (`Admission._group_claim`)."""
+
+
+class _ClaimUsers:
+    """The pods of a namespace that fill an entry with a claim being created, counted
+    as the list goes by and kept as their JSON (within `MAX_CLAIM_USERS` pods and
+    `MAX_CLAIM_USERS_BYTES`), not as the parsed objects: a tenant decides how large its
+    pods are, and a parsed pod can take 14 times its JSON. `users` parses them again one
+    at a time, so only the pod being counted is held whole."""
+
+    def __init__(self, claim: Mapping[str, Any]) -> None:
+        self._claim = claim
+        self._seen: set[str] = set()
+        self._kept: dict[str, bytes] = {}
+        self.size = 0
+
+    @property
+    def count(self) -> int:
+        """The user pods listed."""
+        return len(self._seen)
+
+    def keep(self, pod: Mapping[str, Any]) -> bool:
+        """A `SharedLists` reader's keep: counts and encodes a user; keeps no object. By
+        the pod's UID: a list its leader gave up is read again from the start (a pod seen
+        only in the list given up still counts: the stricter way)."""
+        if _entry_filled_by(pod, self._claim) is None:
+            return False
+        key = _uid_of(pod) or _name_of(pod)
+        self._seen.add(key)
+        if key in self._kept:  # listed again: the later snapshot's
+            self.size -= len(self._kept.pop(key))
+        if len(self._seen) <= MAX_CLAIM_USERS and self.size <= MAX_CLAIM_USERS_BYTES:
+            data = jsonbytes.dumps(pod)
+            self.size += len(data)
+            self._kept[key] = data
+        return False
+
+    def users(self) -> Iterator[tuple[Mapping[str, Any], str]]:
+        """Each user pod, parsed anew, with the entry the claim fills."""
+        for data in self._kept.values():
+            pod = jsonbytes.loads(data)
+            entry = _entry_filled_by(pod, self._claim)
+            if entry is not None:
+                yield pod, entry
 
 
 def _entry_filled_by(pod: Mapping[str, Any], claim: Mapping[str, Any]) -> str | None:

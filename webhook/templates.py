@@ -150,15 +150,19 @@ class ApiClaimReader:
         it is shared and paged (`SharedLists`), raising its `ListError` where the claims
         cannot all be listed."""
         wanted = frozenset(pod_uids)
-        kept = await self._lists.read(
-            f"{RESOURCE_API}/namespaces/{namespace}/resourceclaims",
-            lambda claim: _made_for(claim, wanted) is not None,
-        )
         found: dict[str, dict[str, list[str]]] = {}
-        for claim in kept:
+
+        def keep(claim: Mapping[str, Any]) -> bool:
+            # Only the names are kept, not the claims: a tenant decides how large they
+            # are. A list its leader gave up is read again: each name goes in once.
             if (made := _made_for(claim, wanted)) is not None:
                 uid, entry, name = made
-                found.setdefault(uid, {}).setdefault(entry, []).append(name)
+                names = found.setdefault(uid, {}).setdefault(entry, [])
+                if name not in names:
+                    names.append(name)
+            return False
+
+        await self._lists.read(f"{RESOURCE_API}/namespaces/{namespace}/resourceclaims", keep)
         return found
 
     async def workloads_admitted_with(self, namespace: str, template: str) -> list[str]:
@@ -168,17 +172,22 @@ class ApiClaimReader:
         first page answers 404). Each template created reads it, and a tenant controls
         how many Workloads there are: the list is shared and paged (`SharedLists`), and
         raises its `ListError` where the Workloads cannot all be listed."""
+        names: set[str] = set()  # a version not served answers its first page 404
+
+        def keep(workload: Mapping[str, Any]) -> bool:
+            # Only the names are kept, not the Workloads (a tenant decides their size).
+            if _admitted(workload) and template in _templates_of(workload):
+                names.add(str((workload.get("metadata") or {}).get("name")))
+            return False
+
         for version in KUEUE_VERSIONS:
             try:
-                kept = await self._lists.read(
-                    f"/apis/{version}/namespaces/{namespace}/workloads",
-                    lambda w: _admitted(w) and template in _templates_of(w),
-                )
+                await self._lists.read(f"/apis/{version}/namespaces/{namespace}/workloads", keep)
             except ListError as e:
                 if e.status == 404:  # the version is not served (no Kueue, or a newer one)
                     continue
                 raise
-            return sorted(str((w.get("metadata") or {}).get("name")) for w in kept)
+            return sorted(names)
         return []
 
     async def pods(self, namespace: str, keep: Keep) -> list[Mapping[str, Any]]:

@@ -4,16 +4,24 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
+import anyio
 import pytest
 from gpudra.api.deviceclasses import device_classes
 from gpudra.api.tenants import API_VERSION, LabelSelector
 from gpudra.cli.main import build_parser
 from gpudra.cli.webhook import conversion_policy, device_class_cache
 from gpudra.common.kube import ApiError
-from gpudra.webhook.admission import MUTATE_PATH, VALIDATE_CLAIMS_PATH, Admission
+from gpudra.webhook.admission import (
+    MAX_CLAIM_USERS,
+    MAX_CLAIM_USERS_BYTES,
+    MUTATE_PATH,
+    VALIDATE_CLAIMS_PATH,
+    Admission,
+)
 from gpudra.webhook.convert import DEFAULT_POLICY, OPT_OUT_LABEL, ConversionPolicy, convert_pod
 from gpudra.webhook.device_classes import DeviceClassCache
 from gpudra.webhook.metrics import WebhookMetrics
@@ -231,6 +239,7 @@ def limited_admission(
     limit: int = 1,
     policy: ConversionPolicy = DEFAULT_POLICY,
     classes: DeviceClassCache | None = None,
+    ensure_timeout: float = 5.0,
 ) -> Admission:
     state = TenantState(base_policy=policy)
     state.replace(
@@ -253,6 +262,7 @@ def limited_admission(
         tenants=state,
         read_claims=claims,
         device_classes=classes.configs if classes is not None else None,
+        ensure_timeout=ensure_timeout,
     )
 
 
@@ -1510,3 +1520,172 @@ async def test_workloads_that_cannot_be_listed_deny_the_template_for_a_retry() -
     message = decision.response["status"]["message"]
     assert "could not list the namespace's Kueue Workloads" in message
     assert message.endswith("; retry")
+
+
+def users_of(claim: str, count: int, *others: str) -> list[dict[str, Any]]:
+    """`count` stored pods, each naming `claim` and then `others` (a name with ``{}`` in
+    it is the pod's own: its index filled in)."""
+    pods = []
+    for u in range(count):
+        entries = [{"name": "a", "resourceClaimName": claim}]
+        entries += [
+            {"name": f"e{i}", "resourceClaimName": other.format(u)}
+            for i, other in enumerate(others)
+        ]
+        pod = claim_pod(0, *entries)
+        pod["metadata"] = {"name": f"p{u}", "uid": f"uid-{u}"}
+        pods.append(pod)
+    return pods
+
+
+async def test_the_pods_that_use_a_claim_read_the_claims_they_share_once() -> None:
+    """A claim's creation counts every pod that names it, with the claims each names
+    besides: read once per admission, not once per pod, however many pods name them."""
+    others: dict[str, dict[str, Any]] = {f"o{i}": {"devices": {"requests": []}} for i in range(20)}
+    claims = Claims(gpu=one_gpu_spec(), **others)
+    admission = limited_admission(claims, limit=2)
+    claims.live_pods = users_of("c", 100, "gpu", *others)
+
+    decision = await admission.validate_claim(review(CLAIM, claim_object("c", 1)))
+    assert decision.result == "allowed"
+    assert sorted(claims.reads) == sorted([("ResourceClaim", n) for n in ["gpu", *others]])
+
+    # The verdict is the one each pod's count gives: one device more is too many.
+    claims.reads.clear()
+    decision = await admission.validate_claim(review(CLAIM, claim_object("c", 2)))
+    assert decision.result == "denied"
+    message = decision.response["status"]["message"]
+    assert "pod p0 uses this claim: with its 2 device(s) the pod would get 3" in message
+    assert len(claims.reads) == len(set(claims.reads))
+
+
+class SlowApi(Claims):
+    """An API server that takes `list_s` to list pods and `get_s` to answer each GET."""
+
+    def __init__(self, list_s: float, get_s: float, **specs: dict[str, Any]) -> None:
+        super().__init__(**specs)
+        self.list_s, self.get_s = list_s, get_s
+
+    async def __call__(self, namespace: str, kind: str, name: str) -> StoredClaim | None:
+        await anyio.sleep(self.get_s)
+        return await super().__call__(namespace, kind, name)
+
+    async def pods(
+        self, namespace: str, keep: Callable[[Mapping[str, Any]], bool]
+    ) -> list[dict[str, Any]]:
+        await anyio.sleep(self.list_s)
+        return await super().pods(namespace, keep)
+
+
+@pytest.mark.parametrize(
+    ("list_s", "users"), [(0.0, 40), (0.15, 10)], ids=["reads", "list-and-reads"]
+)
+async def test_a_claims_admission_is_denied_past_one_deadline_for_all_its_reads(
+    list_s: float, users: int
+) -> None:
+    """Each pod that uses the claim names a claim of its own, each read well within the
+    deadline, and so is the list: together they are not, and the creation is denied
+    as any read past its deadline is, to be retried, not allowed after as many
+    deadlines as there are pods."""
+    deadline = 0.2
+    mine: dict[str, dict[str, Any]] = {
+        f"mine-{u}": {"devices": {"requests": []}} for u in range(users)
+    }
+    claims = SlowApi(list_s, 0.01, **mine)
+    admission = limited_admission(claims, limit=2, ensure_timeout=deadline)
+    claims.live_pods = users_of("c", users, "mine-{}")
+
+    decision = await admission.validate_claim(review(CLAIM, claim_object("c", 1)))
+
+    assert decision.result == "denied"
+    assert decision.response["status"]["message"].startswith(
+        'ResourceClaim c: tenant "team-a" (GpuTenant team-a): maxDevicesPerPod is 2; '
+        "could not read ResourceClaim mine-"
+    )
+    assert decision.response["status"]["message"].endswith(
+        " to count its devices: no answer in time; retry"
+    )
+    assert len(claims.reads) < users
+
+    # Within the deadline, the same pods are counted and the claim allowed.
+    quick = Claims(**mine)
+    quick.live_pods = claims.live_pods
+    fast = limited_admission(quick, limit=2, ensure_timeout=deadline)
+    assert (await fast.validate_claim(review(CLAIM, claim_object("c", 1)))).result == "allowed"
+
+
+async def test_a_claim_named_by_more_pods_than_kubernetes_can_reserve_it_for_is_denied() -> None:
+    """Past `MAX_CLAIM_USERS` pods, a claim's creation counts none of them: denied,
+    saying how many pods name it, the most counted and what to do, without a read."""
+    claims = Claims(gpu=one_gpu_spec())
+    admission = limited_admission(claims, limit=2)
+    claims.live_pods = users_of("c", MAX_CLAIM_USERS, "gpu")
+    decision = await admission.validate_claim(review(CLAIM, claim_object("c", 1)))
+    assert decision.result == "allowed"
+
+    claims.reads.clear()
+    claims.live_pods = users_of("c", MAX_CLAIM_USERS + 1, "gpu")
+    decision = await admission.validate_claim(review(CLAIM, claim_object("c", 1)))
+    assert decision.result == "denied"
+    assert decision.response["status"]["message"] == (
+        'ResourceClaim c: tenant "team-a" (GpuTenant team-a): maxDevicesPerPod is 2, and '
+        "257 pods use this claim, more than the 256 its creation counts devices for "
+        "(Kubernetes reserves a claim for at most 256 pods at a time); delete pods that "
+        "name it until no more than 256 do, or give each pod its own claim from a "
+        "ResourceClaimTemplate, then create it again"
+    )
+    assert claims.reads == []
+
+
+async def test_a_claim_whose_pods_hold_more_json_than_its_creation_reads_is_denied() -> None:
+    """The pods that name a claim are kept as their JSON while the list goes by, within
+    `MAX_CLAIM_USERS_BYTES` (a parsed pod can take 14 times its JSON): past it, denied,
+    without a read."""
+    claims = Claims(gpu=one_gpu_spec())
+    admission = limited_admission(claims, limit=2)
+    pods = users_of("c", 3, "gpu")
+    for pod in pods:
+        pod["metadata"]["annotations"] = {"pad": "x" * (MAX_CLAIM_USERS_BYTES // 3 + 1)}
+    claims.live_pods = pods[:2]
+    decision = await admission.validate_claim(review(CLAIM, claim_object("c", 1)))
+    assert decision.result == "allowed"
+
+    claims.reads.clear()
+    claims.live_pods = pods
+    decision = await admission.validate_claim(review(CLAIM, claim_object("c", 1)))
+    assert decision.result == "denied"
+    assert decision.response["status"]["message"] == (
+        'ResourceClaim c: tenant "team-a" (GpuTenant team-a): maxDevicesPerPod is 2, and '
+        "the 3 pods that use this claim hold more than 32 MiB of JSON, more than its "
+        "creation reads to count their devices; make those pods smaller (or fewer), then "
+        "create the claim again"
+    )
+    assert claims.reads == []
+
+
+class BusyApi(Claims):
+    """An API whose answer to each GET holds the event loop `busy_s`, as parsing a pod's
+    thousands of entries does: no await, so no read is cancelled at its deadline."""
+
+    def __init__(self, busy_s: float, **specs: dict[str, Any]) -> None:
+        super().__init__(**specs)
+        self.busy_s = busy_s
+
+    async def __call__(self, namespace: str, kind: str, name: str) -> StoredClaim | None:
+        time.sleep(self.busy_s)  # noqa: ASYNC251 - the loop held, as by work
+        return await super().__call__(namespace, kind, name)
+
+
+async def test_pods_left_to_count_past_the_deadline_deny_the_claim() -> None:
+    """What is read once is not read again, so the pods after it cost only their
+    entries; the deadline holds for them as for reads."""
+    claims = BusyApi(0.15, shared={"devices": {"requests": []}})
+    admission = limited_admission(claims, limit=2, ensure_timeout=0.1)
+    claims.live_pods = users_of("c", 3, "shared")
+    decision = await admission.validate_claim(review(CLAIM, claim_object("c", 1)))
+    assert decision.result == "denied"
+    assert decision.response["status"]["message"] == (
+        'ResourceClaim c: tenant "team-a" (GpuTenant team-a): maxDevicesPerPod is 2; could '
+        "not read what pod p1 names to count its devices: no answer in time; retry"
+    )
+    assert claims.reads == [("ResourceClaim", "shared")]

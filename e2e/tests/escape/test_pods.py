@@ -320,6 +320,30 @@ async def test_hand_written_claims_count_towards_the_pod_limit(escape: Escape) -
     await create(tenant, pod(ns, "fits", claims={"a": {"resourceClaimName": "one"}}))
 
 
+async def test_a_claim_named_by_more_pods_than_kubernetes_reserves_it_for_is_refused(
+    escape: Escape,
+) -> None:
+    """Each pod that names a claim is counted when the claim is created, and Kubernetes
+    reserves a claim for at most 256 pods: a crowd of pending pods naming one claim,
+    which the tenant deletes and creates again, gets it refused before any pod is
+    counted, rather than making every creation read for all of them."""
+    ns, tenant = escape.ns, escape.tenant
+    await create(tenant, gpu_claim(ns, "crowd"))
+    names = {"a": {"resourceClaimName": "crowd"}}
+    at_once = anyio.CapacityLimiter(8)
+
+    async def one(index: int) -> None:
+        async with at_once:
+            await create(tenant, pod(ns, f"crowd-{index}", claims=names))
+
+    async with anyio.create_task_group() as group:
+        for index in range(257):
+            group.start_soon(one, index)
+    await tenant.request("DELETE", f"{RESOURCE}/namespaces/{ns}/resourceclaims/crowd")
+    message = await refused(tenant, gpu_claim(ns, "crowd"))
+    assert "257 pods use this claim, more than the 256 its creation counts" in message
+
+
 async def test_a_claim_swapped_for_a_bigger_one_under_a_waiting_pod_is_refused(
     escape: Escape, kube: SyncKube
 ) -> None:
