@@ -1119,7 +1119,7 @@ def test_connection_bounds_reach_both_components(helm: Path) -> None:
 
     default = h.template(helm)
     webhook = parsed(default, "Deployment")
-    assert (webhook.max_connections, webhook.max_buffered_body_bytes) == (768, 64 * 2**20)
+    assert (webhook.max_connections, webhook.max_buffered_body_bytes) == (640, 64 * 2**20)
     # A full port fits the default memory limit: about 0.4 MiB a held connection and
     # 0.06 MiB a handshake under way (each bounded by it) beside the process at rest and
     # a full body budget (docs/security.md, known gaps).
