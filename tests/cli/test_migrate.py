@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -85,7 +86,11 @@ def nodes_file(tmp_path: Path, **configs: str | None) -> Path:
         }
         for name, key in configs.items()
     ]
-    path = tmp_path / "nodes.yaml"
+    return list_file(tmp_path / "nodes.yaml", items)
+
+
+def list_file(path: Path, items: list[dict[str, Any]]) -> Path:
+    """`items` as a `kubectl get -o yaml` List at `path`."""
     path.write_text(yaml.safe_dump({"apiVersion": "v1", "kind": "List", "items": items}))
     return path
 
@@ -170,9 +175,7 @@ def gpu_pods_file(tmp_path: Path, *namespaces: str) -> Path:
         }
         for namespace in namespaces
     ]
-    path = tmp_path / "pods.yaml"
-    path.write_text(yaml.safe_dump({"apiVersion": "v1", "kind": "List", "items": items}))
-    return path
+    return list_file(tmp_path / "pods.yaml", items)
 
 
 def test_pods_where_the_webhook_never_looks_are_listed(
