@@ -678,18 +678,16 @@ class Admission:
                 "to count their devices; make those pods smaller (or fewer), then create the "
                 "claim again"
             )
-        users = kept.users
-        awaiting = {uid for pod, entry in users() if (uid := _awaiting_claims(pod, entry))}
         made: Mapping[str, Mapping[str, Sequence[str]]] = {}
-        if awaiting:
+        if kept.awaiting:
             try:
                 with anyio.fail_at(reads.deadline):
-                    made = await self._read_claims.claims_made_for(namespace, awaiting)
+                    made = await self._read_claims.claims_made_for(namespace, kept.awaiting)
             except Exception as exc:
                 what = "list the claims made for the pod"
                 return _uncounted(heading, what, exc, namespace)
         policy = self._stored_natives(rules.policy)
-        for pod, entry in users():
+        for pod, entry in kept.users():
             if anyio.current_time() >= reads.deadline:
                 # Objects read once, what is left is each pod's entries: bounded alike.
                 what = f"read what pod {_name_of(pod)} names"
@@ -1077,13 +1075,15 @@ class _ClaimUsers:
     as the list goes by and kept as their JSON (within `MAX_CLAIM_USERS` pods and
     `MAX_CLAIM_USERS_BYTES`), not as the parsed objects: a tenant decides how large its
     pods are, and a parsed pod can take 14 times its JSON. `users` parses them again one
-    at a time, so only the pod being counted is held whole."""
+    at a time, so only the pod being counted is held whole. `awaiting`: the UIDs of those
+    whose generated claims must be read (`_awaiting_claims`), told as they go by."""
 
     def __init__(self, claim: Mapping[str, Any]) -> None:
         self._claim = claim
         self._seen: set[str] = set()
-        self._kept: dict[str, bytes] = {}
+        self._kept: dict[str, tuple[bytes, str]] = {}
         self.size = 0
+        self.awaiting: set[str] = set()
 
     @property
     def count(self) -> int:
@@ -1094,25 +1094,25 @@ class _ClaimUsers:
         """A `SharedLists` reader's keep: counts and encodes a user; keeps no object. By
         the pod's UID: a list its leader gave up is read again from the start (a pod seen
         only in the list given up still counts: the stricter way)."""
-        if _entry_filled_by(pod, self._claim) is None:
+        entry = _entry_filled_by(pod, self._claim)
+        if entry is None:
             return False
         key = _uid_of(pod) or _name_of(pod)
         self._seen.add(key)
         if key in self._kept:  # listed again: the later snapshot's
-            self.size -= len(self._kept.pop(key))
+            self.size -= len(self._kept.pop(key)[0])
         if len(self._seen) <= MAX_CLAIM_USERS and self.size <= MAX_CLAIM_USERS_BYTES:
             data = jsonbytes.dumps(pod)
             self.size += len(data)
-            self._kept[key] = data
+            self._kept[key] = (data, entry)
+            if uid := _awaiting_claims(pod, entry):
+                self.awaiting.add(uid)
         return False
 
     def users(self) -> Iterator[tuple[Mapping[str, Any], str]]:
         """Each user pod, parsed anew, with the entry the claim fills."""
-        for data in self._kept.values():
-            pod = jsonbytes.loads(data)
-            entry = _entry_filled_by(pod, self._claim)
-            if entry is not None:
-                yield pod, entry
+        for data, entry in self._kept.values():
+            yield jsonbytes.loads(data), entry
 
 
 def _entry_filled_by(pod: Mapping[str, Any], claim: Mapping[str, Any]) -> str | None:
