@@ -21,6 +21,9 @@ this replaces).
 - requests on one connection (keep-alive, pipelined) are answered one at a time, in
   order; a request the server refuses before its body closes the connection after the
   answer, draining unread input for a moment so the client reads the answer first;
+- a request whose connection closes while its answer is being made is cancelled (counted
+  ``abandoned``): a closed connection is out of every bound below, so work left going
+  for it would be bounded by nothing;
 - each connection is flow-controlled, so a client that pipelines requests and never
   reads the answers holds a few requests and a bounded write buffer, not the process:
   at most two of its requests wait (the one being answered and the next; the connection
@@ -223,6 +226,10 @@ def text_reply(
 ) -> Reply:
     """A plain-text reply: the body is `message` and a newline."""
     return Reply(status, (message + "\n").encode(), result, _TEXT, close)
+
+
+_ABANDONED: Final = text_reply(499, "the client closed the connection", "abandoned")
+"""Counts a request whose connection closed before its answer was made; never sent."""
 
 
 @dataclass(slots=True)
@@ -663,6 +670,8 @@ class _Connection(asyncio.Protocol):
         self._on_deadline: Callable[[], None] | None = None
         self._pending: deque[_Request | bytes] = deque()
         self._worker: asyncio.Task[None] | None = None
+        self._answering = False
+        """The worker awaits an endpoint's answer (cancelled if the connection goes)."""
         self._starting: Coroutine[Any, Any, asyncio.Transport | None] | None = None
         """`loop.start_tls` while the handshake is under way."""
         self._early: list[bytes] | None = []
@@ -920,6 +929,15 @@ class _Connection(asyncio.Protocol):
         self._transport = None
         self._drop_queued()
         self._wake_writer()
+        if self._worker is not None and self._answering:
+            # Nobody reads this answer: stop making it. Once gone, the connection no
+            # longer counts against the bound and its body's charge is back in the
+            # budget, so work left going for a closed connection would be bounded by
+            # neither: a client sending reviews that read the API and closing at once,
+            # in a loop, would pile up admissions and their parsed bodies without limit.
+            # Admission writes nothing a retry cannot redo (a template created again
+            # is found as its own), and the API server retries a request it gave up.
+            self._worker.cancel()
         self._server.disconnected(self)
 
     def pause_writing(self) -> None:
@@ -1039,7 +1057,15 @@ class _Connection(asyncio.Protocol):
                 if isinstance(item, bytes):
                     self._write(item)
                     continue
-                reply, keep_alive = await self._server.answer(item)
+                self._answering = True
+                try:
+                    reply, keep_alive = await self._server.answer(item)
+                except asyncio.CancelledError:
+                    if self._transport is None:  # cancelled for its connection's close
+                        self._server.answered(item, _ABANDONED)
+                    raise
+                finally:
+                    self._answering = False
                 self._queued -= 1
                 if item.charge and self._charged:  # else gone: its budget was given back
                     self._charged -= item.charge

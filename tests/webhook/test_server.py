@@ -878,6 +878,49 @@ async def test_a_connection_being_answered_is_never_shed(tmp_path: Path) -> None
         assert metric(h, "gpudra_webhook_connections_shed_total", action="evicted") == 1
 
 
+@dataclass
+class Abandoned(Recorder):
+    """Template creation that answers only when cancelled, and says it was."""
+
+    cancelled: int = 0
+
+    async def __call__(
+        self, namespace: str, templates: Sequence[Mapping[str, Any]], dry_run: bool
+    ) -> None:
+        self.calls.append((namespace, [dict(t) for t in templates], dry_run))
+        try:
+            await anyio.sleep_forever()
+        except anyio.get_cancelled_exc_class():
+            self.cancelled += 1
+            raise
+
+
+async def test_an_answer_whose_client_closed_the_connection_is_not_made(tmp_path: Path) -> None:
+    """A client that sends reviews and closes its connection at once, again and again,
+    leaves no admission going on: each is cancelled at the close (counted `abandoned`),
+    since a closed connection neither counts against the bound nor keeps its body in the
+    budget, and work left running for it would pile up without limit."""
+    ensure = Abandoned()
+    async with running(tmp_path, ensure=ensure, ensure_timeout=GUARD * 3) as h:
+        body = json.dumps(review(gpu_pod(), uid="gone")).encode()
+        for sent in range(1, 6):
+            async with client(h) as c:
+                await c.send(posted(body))
+                with anyio.fail_after(GUARD):
+                    while len(ensure.calls) < sent:
+                        await anyio.sleep(0.01)
+                assert h.server._http.bodies.used == len(body)
+            with anyio.fail_after(GUARD):
+                while ensure.cancelled < sent:
+                    await anyio.sleep(0.01)
+        path = "/mutate-pods"
+        assert metric(h, "gpudra_webhook_requests_total", path=path, result="abandoned") == 5
+        assert h.server._http.bodies.used == 0
+        # The server answers on, as before.
+        async with client(h) as c:
+            assert (await c.request("GET", "/healthz")).status == 200
+
+
 # --- flow control: clients that pipeline and never read ---
 
 

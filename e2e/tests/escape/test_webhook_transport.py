@@ -242,3 +242,52 @@ async def test_bodies_held_behind_unread_answers_cannot_lock_the_api_server_out(
     with anyio.fail_after(GUARD):
         while bodies.used:
             await anyio.sleep(0.05)
+
+
+DROPPED = 40
+"""Reviews sent and dropped by the attempt below, one connection each."""
+
+
+def answering(server: WebhookServer) -> int:
+    """Requests of open connections whose answer the webhook is making, from the server
+    itself."""
+    return sum(c._answering for c in server._http._connections)
+
+
+def abandoned(server: WebhookServer) -> float:
+    """Requests whose connection closed before their answer was made, from the
+    webhook's own metrics."""
+    value = server.registry.get_sample_value(
+        "gpudra_webhook_requests_total", {"path": MUTATE_PATH, "result": "abandoned"}
+    )
+    return value or 0.0
+
+
+async def test_reviews_sent_and_dropped_leave_no_admission_running(wire: Wire) -> None:
+    """A tenant that reaches the webhook's port sends a review whose pod names 500 claims,
+    which the webhook reads one by one from the API server (a second or so), and closes
+    the connection as soon as the answer is being made, over and over. A closed
+    connection counts against no bound and its body is back in the budget, so
+    admissions left running for it would pile up without limit: each is stopped at the
+    close, and the API server's own reviews are judged as before."""
+    review = posted(padded_review(wire.ns, FILLER_READS, 64 * 1024))
+    before = abandoned(wire.server)
+    with anyio.fail_after(GUARD):
+        for sent in range(1, DROPPED + 1):
+            dropped = await call(lambda: Unread(wire.port, wire.ca, wire.host, timeout=GUARD))
+            try:
+                await dropped.send(review)
+                while not answering(wire.server):
+                    await anyio.sleep(0.005)
+            finally:
+                dropped.close()
+            while abandoned(wire.server) - before < sent:
+                await anyio.sleep(0.005)
+        assert answering(wire.server) == 0
+        assert wire.server._http.bodies.used == 0
+        admitted = await call(wire.tenant.create, pod(wire.ns, "admitted", {"nvidia.com/gpu": "1"}))
+        assert [c["name"] for c in admitted["spec"]["resourceClaims"]] == ["gpudra-gpu"]
+        over = pod(wire.ns, "refused", {"nvidia.com/gpu": "2"})
+        with pytest.raises(ApiError) as refused:
+            await call(wire.tenant.create, over)
+        assert "maxDevicesPerPod is 1, this pod asks for 2 devices" in str(refused.value)
