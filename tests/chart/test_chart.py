@@ -1069,10 +1069,11 @@ def test_full_values_cover_every_schema_property() -> None:
         return True
 
     # Shapes the full file cannot hold at once (one TLS source, one sharing strategy)
-    # are rendered by their own tests above.
+    # are rendered by their own tests above; node.allowStateMove acts only against a live
+    # DaemonSet, which `helm template` never sees (test_cluster_support.py renders it).
     alternatives = re.compile(
         r"^(global|node\.(affinity|tolerations|priorityClassName|resources|livenessProbe|"
-        r"updateStrategy)|webhook\.(enabled|affinity|tolerations|nodeSelector|resources|"
+        r"updateStrategy|allowStateMove)|webhook\.(enabled|affinity|tolerations|nodeSelector|resources|"
         r"podAnnotations|extraArgs|tls\.(secretName|caBundle|injectCAFrom)|clientAuth|"
         r"networkPolicy)|"
         r"deviceClasses\.shared\.timeSlicing)"

@@ -1,8 +1,9 @@
 """The chart refuses a cluster it cannot run on before creating anything: older than
 1.34 (Chart.yaml's kubeVersion), or one that does not serve resource.k8s.io/v1. And it
-refuses to upgrade from 0.1.0 with a surge pod of the node agent, which it knows from the
-release's node DaemonSet as the cluster has it (`lookup`, which `helm template` cannot
-answer).
+refuses to upgrade from 0.1.0 with a surge pod of the node agent, or to move the node
+agents' checkpoint, CDI folder or driver name under prepared claims, both of which it
+knows from the release's node DaemonSet as the cluster has it (`lookup`, which `helm
+template` cannot answer).
 
 Helm reads all of these from the cluster, so the cluster here is a discovery endpoint
 that answers what such a cluster answers: its version, its API groups, and no releases
@@ -274,8 +275,13 @@ def installed(version: str) -> dict[str, Any]:
 def upgrade(helm: Path, kubeconfig: Path, tmp: Path, node: dict[str, Any]) -> str:
     """`helm upgrade --install` with the working tree's chart and these node values; what
     it failed with (this endpoint can never complete one)."""
-    values = h.values_args([{"node": node}], tmp)
-    return helm_failure(helm, kubeconfig, "upgrade", "--install", "gpudra", str(h.CHART), *values)
+    return upgrade_with(helm, kubeconfig, tmp, {"node": node})
+
+
+def upgrade_with(helm: Path, kubeconfig: Path, tmp: Path, values: dict[str, Any]) -> str:
+    """`upgrade` with these values."""
+    args = h.values_args([values], tmp)
+    return helm_failure(helm, kubeconfig, "upgrade", "--install", "gpudra", str(h.CHART), *args)
 
 
 @pytest.mark.parametrize(
@@ -328,11 +334,154 @@ def test_an_upgrade_that_may_surge_or_does_not_gets_past_the_check(
 ) -> None:
     """An agent of this release (or none yet) beside a surge pod, or no surge pod: the
     chart renders, and helm goes on to check the objects (against schemas this endpoint
-    does not have). The DaemonSet is looked up only for a surge pod."""
+    does not have). The DaemonSet is looked up either way, for the state check below."""
     objects = installed(running) if running else {}
     kubeconfig, discovery = cluster_at("1.34.2", RESOURCE_V1, objects)
     message = upgrade(helm, kubeconfig, tmp_path, node)
     assert "error validating" in message
     assert "maxSurge" not in message
-    assert (DAEMONSET in discovery.reads) == (node is SURGE)
+    assert DAEMONSET in discovery.reads
+    assert discovery.writes == []
+
+
+# --- an upgrade that moves the agents' state --------------------------------------------
+
+STATE = {"node": {"stateDir": "/srv/gpudra"}}
+
+
+def running(helm: Path, values: dict[str, Any]) -> dict[str, Any]:
+    """A cluster this release was installed on with `values`: its node DaemonSet is the
+    one the chart renders for them, so the live agents' flags are the chart's own."""
+    objects = installed(APP_VERSION)
+    objects[DAEMONSET] = h.find(h.template(helm, values), "DaemonSet", "gpudra-node")
+    return objects
+
+
+@pytest.mark.parametrize(
+    ("live", "new", "moves", "keep"),
+    [
+        (
+            {},
+            STATE,
+            [
+                "node.stateDir changed from /var/lib/gpudra to /srv/gpudra "
+                "(the node agents' --state-dir)"
+            ],
+            "node.stateDir=/var/lib/gpudra",
+        ),
+        (
+            {},
+            {"node": {"cdiRoot": "/etc/cdi"}},
+            ["node.cdiRoot changed from /var/run/cdi to /etc/cdi (the node agents' --cdi-root)"],
+            "node.cdiRoot=/var/run/cdi",
+        ),
+        (
+            {},
+            {"driverName": "gpu.example.com"},
+            [
+                "driverName changed from gpu.nvidia.com to gpu.example.com "
+                "(the node agents' --driver-name)"
+            ],
+            "driverName=gpu.nvidia.com",
+        ),
+        (
+            STATE,
+            {},
+            [
+                "node.stateDir changed from /srv/gpudra to /var/lib/gpudra "
+                "(the node agents' --state-dir)"
+            ],
+            "node.stateDir=/srv/gpudra",
+        ),
+        (
+            {},
+            {"node": {"extraArgs": ["--state-dir", "/srv/gpudra"]}},
+            [
+                "--state-dir in node.extraArgs changed from /var/lib/gpudra to /srv/gpudra "
+                "(the node agents' --state-dir)"
+            ],
+            "--state-dir=/var/lib/gpudra in node.extraArgs",
+        ),
+        (
+            {},
+            {"driverName": "gpu.example.com", "node": {"cdiRoot": "/etc/cdi"}},
+            [
+                "driverName changed from gpu.nvidia.com to gpu.example.com",
+                "node.cdiRoot changed from /var/run/cdi to /etc/cdi",
+            ],
+            "driverName=gpu.nvidia.com and node.cdiRoot=/var/run/cdi",
+        ),
+    ],
+    ids=["state-dir", "cdi-root", "driver-name", "state-dir-back", "extra-args", "two"],
+)
+def test_an_upgrade_that_moves_the_agents_state_is_refused_naming_old_new_and_the_fix(
+    helm: Path,
+    cluster_at: Any,
+    tmp_path: Path,
+    live: dict[str, Any],
+    new: dict[str, Any],
+    moves: list[str],
+    keep: str,
+) -> None:
+    """New agents with another checkpoint, CDI folder or driver name would not know the
+    claims prepared under the old ones: they would delete the claims' CDI specs and
+    leave their MIG instances, time-slices and MPS daemons behind, telling nobody."""
+    kubeconfig, discovery = cluster_at("1.34.2", RESOURCE_V1, running(helm, live))
+    message = upgrade_with(helm, kubeconfig, tmp_path, new)
+    (line,) = [x for x in message.splitlines() if "allowStateMove" in x]  # one line
+    for move in moves:
+        assert move in line
+    assert (
+        "this upgrade would move the node agents of DaemonSet gpudra/gpudra-node away from "
+        "the claims prepared on their nodes" in line
+    )
+    assert "leaving their MIG instances, time-slice settings and MPS daemons behind" in line
+    assert (
+        "Drain the GPU pods from the nodes first (kubectl drain, or delete the pods whose "
+        "claims gpudra prepared), then upgrade again with --set node.allowStateMove=true; "
+        f"or keep {keep}" in line
+    )
+    assert DAEMONSET in discovery.reads
+    assert discovery.writes == []
+
+
+@pytest.mark.parametrize(
+    ("objects", "live", "new"),
+    [
+        ("running", {}, {**STATE, "node": {**STATE["node"], "allowStateMove": True}}),
+        ("running", {}, {"driverName": "gpu.example.com", "node": {"allowStateMove": True}}),
+        ("none", {}, {"driverName": "gpu.example.com", **STATE}),
+        ("running", STATE, STATE),
+        ("running", STATE, {"node": {"stateDir": "/srv/gpudra/"}}),
+        ("running", {}, {"node": {"metricsPort": 9478, "extraArgs": ["--cdi-root=/var/run/cdi"]}}),
+        ("0.1.0", {}, STATE),
+    ],
+    ids=[
+        "confirmed",
+        "confirmed-driver-name",
+        "install",
+        "unchanged",
+        "trailing-slash",
+        "other-values",
+        "no-flags-on-the-live-daemonset",
+    ],
+)
+def test_an_upgrade_that_keeps_the_agents_state_or_is_confirmed_gets_past_the_check(
+    helm: Path,
+    cluster_at: Any,
+    tmp_path: Path,
+    objects: str,
+    live: dict[str, Any],
+    new: dict[str, Any],
+) -> None:
+    """The move confirmed with node.allowStateMove=true (after a drain), a first install
+    (no DaemonSet yet), the same state under other values or spellings, or a DaemonSet
+    that gives no such flags: the chart renders, and helm goes on to check the objects
+    (against schemas this endpoint does not have)."""
+    found = {"running": running(helm, live), "none": {}, "0.1.0": installed("0.1.0")}[objects]
+    kubeconfig, discovery = cluster_at("1.34.2", RESOURCE_V1, found)
+    message = upgrade_with(helm, kubeconfig, tmp_path, new)
+    assert "error validating" in message
+    assert "allowStateMove" not in message
+    assert DAEMONSET in discovery.reads
     assert discovery.writes == []
