@@ -24,16 +24,23 @@ negotiation and compression stay the library's), with:
   that has not sent all of them by then (idle, or sending them a byte at a time) is
   closed, without an answer. Idle connections, from as many addresses as a client has,
   hold their place that long at most;
-- at the bound, a new connection takes the place of the one accepted longest ago among
-  those that have not sent a complete head yet, which is closed; when every open
-  connection is being answered, the new one is closed instead. The one making room is
-  waited for until its thread ends (at once: its socket is shut down under its read),
-  so the threads stay within the bound. The webhook's transport sheds its connections
-  the same way (a connection being answered is never closed for another) and counts
-  them in a metric of the same shape;
+- at the bound, a new connection takes the place of one whose answer its client does
+  not read: the answer is sent as the socket takes it, and one whose write has waited
+  `WRITE_STALL_S` for the client is closed, the one waiting longest first. Failing
+  that, it takes the place of the one accepted longest ago among those that have not
+  sent a complete head yet; when every open connection is being answered, and no
+  answer is stalled, the new one is closed instead. The one making room is waited for
+  until its thread ends (at once: its socket is shut down under its read or its
+  write), so the threads stay within the bound. The webhook's transport sheds its
+  connections the same way (a connection being answered is not closed for another,
+  one whose answers its client does not read is) and counts them in a metric of the
+  same shape. (Held as being answered while their writes waited, 16 connections that
+  sent a scrape of a large exposition and never read, 4 from each of 4 addresses,
+  reopened as the deadline closed them, kept every scrape out);
 - a deadline per connection (`deadline_s`) from its accept, whatever it sends: a client
-  that never reads the answer loses the connection when the deadline passes. wsgiref
-  answers one request per connection, so keep-alive cannot hold one either;
+  that never reads the answer loses the connection when the deadline passes, or
+  sooner when a new connection needs its place. wsgiref answers one request per
+  connection, so keep-alive cannot hold one either;
 - a bound on what a connection may send (`HEAD_BYTES`, the request line and headers,
   which is all a scrape sends), answered 431 past it: the standard library's parser
   takes 100 header lines of 64 KiB each, and 16 connections sending such heads in a
@@ -46,8 +53,8 @@ negotiation and compression stay the library's), with:
 
 Connections closed by these bounds count in `gpudra_metrics_connections_shed_total`,
 on the registry served, by `action`: `refused`, `refused_per_client`, `evicted`,
-`timed_out` (see `MetricsServer`). The server loop checks the deadlines on every turn
-(`service_actions`, twice a second).
+`stalled`, `timed_out` (see `MetricsServer`). The server loop checks the deadlines on
+every turn (`service_actions`, twice a second).
 """
 
 from __future__ import annotations
@@ -61,11 +68,14 @@ import threading
 import time
 from dataclasses import dataclass
 from socketserver import ThreadingMixIn
-from typing import Any, Final, cast
+from typing import TYPE_CHECKING, Any, Final, cast
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
 from gpudra.common.logpace import LogPace
 from prometheus_client import CollectorRegistry, Counter, make_wsgi_app
+
+if TYPE_CHECKING:
+    from _typeshed import ReadableBuffer
 
 __all__ = ["MetricsServer", "serve_metrics"]
 
@@ -94,10 +104,22 @@ DRAIN_BYTES: Final = 8 * 1024 * 1024
 """What of the rest of a refused request is read and dropped at most: more than the
 largest head the standard library's parser takes (100 lines of 64 KiB), so that a
 client that sent one still gets its answer."""
+WRITE_STALL_S: Final = 0.5
+"""How long an answer's write may wait for its client to read before the connection
+can be closed to make room for a new one. Prometheus (and `gpudra top`) read an answer
+as it arrives, so on a cluster's network a write waits on them for milliseconds; one
+that has not moved for half a second is a client that does not read (or a path that
+lost the same packet through two retransmission timeouts, 200 ms the first, whose
+scrape Prometheus retries at its next interval). The write is only given up when a new
+connection needs the place: with room left, a stalled answer holds nothing another
+client needs (its thread and buffers are within the bound, as a scrape's are) and the
+connection's deadline ends it, so a path that loses packets for a moment fails no
+scrape that nothing needed to close (the webhook likewise sheds a connection whose
+answers are unread only for room, or after its own deadline)."""
 _MAKE_ROOM_S: Final = 1.0
 """How long a new connection waits for the thread of the one closed to make room for
-it (which ends as soon as it runs: its socket is shut down under its read) before it
-is closed instead, so that the threads never outnumber the bound."""
+it (which ends as soon as it runs: its socket is shut down under its read or its
+write) before it is closed instead, so that the threads never outnumber the bound."""
 SHED_METRIC: Final = "gpudra_metrics_connections_shed"
 """The counter of connections closed by a bound (`_total` in the exposition)."""
 
@@ -112,10 +134,27 @@ class _Connection:
     head_deadline: float
     answering: bool = False
     """Its head is complete (or refused) and the server is answering it: no longer
-    under the head deadline, and never closed to make room for another."""
+    under the head deadline, and closed to make room for another only while its answer
+    is stalled (`stalled_for`)."""
     cut: bool = False
     """Closed by the server (a deadline, or room made for another): its thread is
     ending, and answers nothing."""
+    sending_since: float | None = None
+    """When the write of its answer now under way began to wait for the socket (None:
+    none is): the socket takes what its buffers hold at once, so a write that waits is
+    one whose client does not read."""
+
+    def stalled_for(self, now: float) -> float:
+        """How long its answer's write has waited for its client (0: no write waits)."""
+        if not self.answering or self.sending_since is None:
+            return 0.0
+        return now - self.sending_since
+
+    def ending(self) -> bool:
+        """Cut, and its thread ends at once: it was not being answered (the shutdown
+        ends its read) or was in a write (the shutdown fails it). One cut while making
+        its answer may take its time."""
+        return self.cut and (not self.answering or self.sending_since is not None)
 
 
 class _Bounded(io.BufferedIOBase):
@@ -154,6 +193,32 @@ class _Bounded(io.BufferedIOBase):
         super().close()
 
 
+class _Answer(io.BufferedIOBase):
+    """A connection's output, sent as the socket takes it, each send's wait told to the
+    server (`MetricsServer.sending`): a send returns as soon as the socket took part of
+    it, so one that waits long is an answer its client does not read, which a new
+    connection may then take the place of."""
+
+    def __init__(self, conn: socket.socket, server: MetricsServer) -> None:
+        super().__init__()
+        self._conn = conn
+        self._server = server
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, buffer: ReadableBuffer, /) -> int:
+        with memoryview(buffer) as view, view.cast("B") as data:
+            sent = 0
+            while sent < len(data):
+                self._server.sending(self._conn, time.monotonic())
+                sent += self._conn.send(data[sent:])
+                # Not reached when the send fails: the connection, cut or broken, is
+                # ending, and counts as in its write until its thread ends.
+                self._server.sending(self._conn, None)
+            return len(data)
+
+
 class _Handler(WSGIRequestHandler):
     def setup(self) -> None:
         super().setup()
@@ -162,6 +227,7 @@ class _Handler(WSGIRequestHandler):
         self.connection.settimeout(self._server.deadline_s)
         self._input = _Bounded(self.rfile, HEAD_BYTES)
         self.rfile = self._input
+        self.wfile = _Answer(self.connection, self._server)
 
     def handle(self) -> None:
         try:
@@ -209,10 +275,13 @@ class MetricsServer(ThreadingMixIn, WSGIServer):
 
     Connections closed by a bound are counted in `gpudra_metrics_connections_shed_total`
     on `registry`, by `action`: `refused` (a new one, at `max_connections` with every
-    open one being answered), `refused_per_client` (a new one from an address holding
-    `max_per_client`), `evicted` (one without a complete head, for a new one at
-    `max_connections`) and `timed_out` (past its head deadline or its deadline). The
-    counter leaves the registry when the server is shut down.
+    open one being answered and no answer stalled), `refused_per_client` (a new one
+    from an address holding `max_per_client`), `evicted` (one without a complete head,
+    for a new one at `max_connections`), `stalled` (one whose answer's write has waited
+    `WRITE_STALL_S` for its client to read, for a new one at `max_connections`; before
+    any without a head, which may be a scrape whose head is not read yet) and
+    `timed_out` (past its head deadline or its deadline). The counter leaves the
+    registry when the server is shut down.
     """
 
     daemon_threads = True
@@ -256,10 +325,12 @@ class MetricsServer(ThreadingMixIn, WSGIServer):
         return Counter(
             SHED_METRIC,
             "Connections to the metrics port closed by its bounds: 'refused' (a new one, "
-            "at the connection bound with every open one being answered), "
+            "at the connection bound with every open one being answered, none stalled), "
             "'refused_per_client' (a new one, from an address at its own bound), "
             "'evicted' (one without a complete request head, for a new one at the "
-            "connection bound), 'timed_out' (past its head's deadline or its own).",
+            "connection bound), 'stalled' (one whose client does not read its answer, "
+            "for a new one at the connection bound), 'timed_out' (past its head's "
+            "deadline or its own).",
             ["action"],
             registry=registry,
         )
@@ -286,22 +357,39 @@ class MetricsServer(ThreadingMixIn, WSGIServer):
 
     def _admit(self, peer: str) -> str | None:
         """Under the lock: make room for a connection from `peer`, and add nothing.
-        None: it fits; 'evicted': it fits, another was closed for it; else why not."""
+        None: it fits; 'evicted': it fits, another was closed for it (counted by why);
+        else why not."""
         if sum(1 for c in self._open.values() if c.peer == peer) >= self._max_per_client:
             return "refused_per_client"
         if len(self._open) < self._max:
             return None
-        # A connection cut before it was answered (by its head deadline) is ending at
-        # once; failing that, the one accepted longest ago without a complete head makes
-        # room. One cut while being answered may take its time: it is not waited for.
-        if not any(c.cut and not c.answering for c in self._open.values()):
-            waiting = [(c.accepted, s) for s, c in self._open.items() if not c.answering]
-            if not waiting:
+        # A connection cut already whose thread ends at once makes the room; failing
+        # that, one is closed for it. One cut while making its answer may take its
+        # time: it is not waited for.
+        if not any(c.ending() for c in self._open.values()):
+            room = self._room(time.monotonic())
+            if room is None:
                 return "refused"
-            self._cut(min(waiting, key=lambda w: w[0])[1], "evicted")
+            self._cut(*room)
         if not self._changed.wait_for(lambda: len(self._open) < self._max, _MAKE_ROOM_S):
             return "refused"
         return "evicted"
+
+    def _room(self, now: float) -> tuple[socket.socket, str] | None:
+        """Under the lock, at the bound: the connection to close for a new one, and why;
+        None when every open one is being answered and no answer is stalled. First the
+        one whose answer has waited longest past `WRITE_STALL_S` for its client, which
+        is no scrape (Prometheus reads as the answer comes); then the one accepted
+        longest ago without a complete head, which may be a scrape whose head its
+        thread has not read yet."""
+        stalled = [(c.stalled_for(now), s) for s, c in self._open.items() if not c.cut]
+        longest = max(stalled, key=lambda w: w[0], default=None)
+        if longest is not None and longest[0] >= WRITE_STALL_S:
+            return longest[1], "stalled"
+        waiting = [(c.accepted, s) for s, c in self._open.items() if not c.answering]
+        if not waiting:
+            return None
+        return min(waiting, key=lambda w: w[0])[1], "evicted"
 
     def _cut(self, conn: socket.socket, action: str) -> None:
         """Under the lock: close `conn` under its thread, which then ends; counted
@@ -313,14 +401,24 @@ class MetricsServer(ThreadingMixIn, WSGIServer):
 
     def answering(self, conn: socket.socket) -> bool:
         """Its thread has read `conn`'s head (or refused it): from here the head deadline
-        no longer applies, and it is not closed for another. False when it was cut
-        already: its thread answers nothing then."""
+        no longer applies, and it is not closed for another unless its answer stalls
+        (`WRITE_STALL_S`). False when it was cut already: its thread answers nothing
+        then."""
         with self._changed:
             open_ = self._open.get(conn)
             if open_ is None or open_.cut:
                 return False
             open_.answering = True
             return True
+
+    def sending(self, conn: socket.socket, since: float | None) -> None:
+        """`conn`'s thread begins a send of its answer at `since` (None: the send
+        returned, the client took some of it): how long a send has waited tells an
+        answer its client does not read (`WRITE_STALL_S`)."""
+        with self._changed:
+            open_ = self._open.get(conn)
+            if open_ is not None:
+                open_.sending_since = since
 
     def draining(self, conn: socket.socket) -> bool:
         """`conn`'s request was refused and answered: what it still sends is dropped

@@ -33,6 +33,7 @@ from gpudra.api.tenants import PATH as TENANTS
 from gpudra.api.tenants import crd_manifest
 from gpudra.common.kube import Kube as AsyncKube
 from gpudra.common.metricsserver import MAX_CONNECTIONS as METRICS_MAX_CONNECTIONS
+from gpudra.common.metricsserver import MAX_PER_CLIENT as METRICS_MAX_PER_CLIENT
 from gpudra.driver.agent import AgentConfig
 from gpudra.driver.health import HealthPolicy
 from gpudra.driver.node import NodeService, PluginConfig
@@ -431,12 +432,18 @@ async def test_connections_held_on_the_metrics_port_cannot_exhaust_the_agent(
         await akube.close()
 
 
-def _connect_from(client: int, port: int) -> socket.socket:
+def _connect_from(client: int, port: int, *, small_window: bool = False) -> socket.socket:
     """A connection to the agent's metrics port on loopback from address 127.0.0.<2 +
     client % 200>: clients at addresses of their own, as pods have, which the metrics
-    server bounds one by one as well as together."""
+    server bounds one by one as well as together. With `small_window` its receive buffer
+    and segments are as small as a client may ask for (before it connects, so that the
+    window it offers is), so that the agent's sockets take some tens of KiB of an
+    answer it does not read before the agent's write waits for it."""
     s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
+        if small_window:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1)
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_MAXSEG, 536)
         s.bind((f"127.0.0.{2 + client % 200}", 0))
         s.connect(("127.0.0.1", port))
     except OSError:
@@ -487,6 +494,98 @@ async def test_huge_request_heads_on_the_metrics_port_cannot_exhaust_the_agent(
     assert len(answers) == 4 * METRICS_MAX_CONNECTIONS
     assert all(a.startswith(b"HTTP/1.0 431") for a in answers), set(answers)
     assert after - before < 64, (before, after)
+
+
+def _unread_scrape(client: int, port: int) -> socket.socket | None:
+    """A scrape from `client` that never reads its answer, returned once the agent
+    answers it (the answer's first byte peeked at, not read: the window stays shut);
+    None when the agent closed it at once (its address at its own bound)."""
+    s = _connect_from(client, port, small_window=True)
+    try:
+        s.settimeout(30)
+        s.sendall(b"GET /metrics HTTP/1.1\r\nHost: m\r\n\r\n")
+        if s.recv(1, socket.MSG_PEEK) == b"H":
+            return s
+    except OSError:
+        pass  # closed at once, its request unread: a reset
+    s.close()
+    return None
+
+
+def _many_gpus_profile(path: Path, gpus: int) -> Path:
+    """The built-in 8-GPU H100 profile with `gpus` GPUs instead, written to `path`: a
+    node whose metrics answer is large (a few KiB a GPU)."""
+    profile = json.loads((REPO / "driver/nvml/profiles/h100-80gb-hbm3-x8.json").read_text())
+    [product] = profile["products"]
+    profile["gpus"] = [
+        {
+            "product": product,
+            "uuid": f"GPU-{i:08x}-e2e0-4000-8000-{i:012x}",
+            "minor": i,
+            "busId": f"00000000:{16 + i:02X}:00.0",
+            "pcieRoot": f"pci0000:{16 + i:02x}",
+            "numaNode": i % 2,
+        }
+        for i in range(gpus)
+    ]
+    path.write_text(json.dumps(profile))
+    return path
+
+
+async def test_slow_readers_of_a_large_answer_on_the_metrics_port_cannot_starve_scrapes(
+    setup: Setup, node_dirs: NodeDirs
+) -> None:
+    """An escape attempt on the node agent: tenants' pods fill the metrics port's bound
+    with scrapes of a node whose answer is large (160 GPUs: about 430 KiB, asked for
+    uncompressed) and never read them, 4 from each of 4 addresses, reopening each as it
+    is closed. Held as being answered while the agent's writes waited for them, such
+    connections kept every scrape out (until the deadline, set far here). An answer
+    whose write has waited a moment for its client makes room for a new connection:
+    each scrape from another address gets in, and a connection closed for it is
+    counted `stalled`."""
+    # At 64 GPUs (170 KiB) the kernel's send buffer, which grows on loopback, took a
+    # whole answer now and then, and its connection ended without stalling.
+    gpus = 160
+    profile = _many_gpus_profile(node_dirs.root / "many-gpus.json", gpus)
+    setup.node.nvml = ("--nvml", f"emulated:{profile}")
+    setup.node.start("--metrics-deadline", "600")
+    await _wait_published(setup.kube, setup.driver, devices=gpus)
+    port = setup.node.metrics_port
+    addresses = METRICS_MAX_CONNECTIONS // METRICS_MAX_PER_CLIENT
+    rounds = 5
+
+    def metrics() -> str | None:
+        try:
+            return setup.node.metrics()
+        except OSError:  # closed at once: every connection answered, none stalled yet
+            return None
+
+    held: list[socket.socket] = []
+    try:
+        for i in range(METRICS_MAX_CONNECTIONS):
+            s = await anyio.to_thread.run_sync(_unread_scrape, i % addresses, port)
+            assert s is not None, i
+            held.append(s)
+        answer: str | None = None
+        for _ in range(rounds):
+            with anyio.fail_after(60):  # a hang guard: the deadline is 600 s
+                while (answer := await anyio.to_thread.run_sync(metrics)) is None:
+                    await anyio.sleep(0.1)
+            # Back to the bound: the address that lost a connection opens one more.
+            for client in range(addresses):
+                s = await anyio.to_thread.run_sync(_unread_scrape, client, port)
+                if s is not None:
+                    held.append(s)
+        assert answer is not None
+        [stalled] = [
+            float(line.rsplit(" ", 1)[1])
+            for line in answer.splitlines()
+            if line.startswith('gpudra_metrics_connections_shed_total{action="stalled"}')
+        ]
+        assert stalled >= rounds, answer
+    finally:
+        for s in held:
+            s.close()
 
 
 @pytest.mark.parametrize("shape", sorted(CRASH_SHAPES))

@@ -221,6 +221,75 @@ def test_a_connection_being_answered_is_never_shed() -> None:
         assert all(b"gpudra_test_held 1.0" in a for a in answers)
 
 
+class _Large:
+    """A collector with a large exposition (one label value of `size` bytes): the answer
+    of a node with many GPUs and claims, asked for uncompressed, larger than what the
+    sockets between the server and a client that does not read can hold."""
+
+    def __init__(self, size: int) -> None:
+        self._pad = "a" * size
+
+    def collect(self) -> Iterator[Metric]:
+        family = GaugeMetricFamily("gpudra_test_large", "A large answer.", labels=["pad"])
+        family.add_metric([self._pad], 1)
+        yield family
+
+
+def _unread_scrape(port: int, source: str) -> socket.socket:
+    """A client at `source` that sends a scrape and never reads its answer, returned once
+    the answer has begun to arrive (peeked at, not read: the window stays shut), so
+    that its connection is being answered. Its receive buffer and segments are as small
+    as it may ask for (before it connects, so that the window it offers is small), so
+    that the server's sockets take tens of KiB of the answer before the server's write
+    waits for it."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1)
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_MAXSEG, 536)
+        s.settimeout(GUARD)
+        s.bind((source, 0))
+        s.connect(("127.0.0.1", port))
+        s.sendall(b"GET /metrics HTTP/1.1\r\nHost: m\r\n\r\n")
+        assert s.recv(1, socket.MSG_PEEK) == b"H"
+    except BaseException:
+        s.close()
+        raise
+    return s
+
+
+def _served(port: int, source: str) -> bool:
+    """Whether a scrape from `source` gets the registry (a connection closed at once, at
+    the bound, may be reset with its request unread)."""
+    try:
+        return b"gpudra_test_scrapes_total 1.0" in scrape(port, source=source)
+    except (ConnectionResetError, BrokenPipeError):
+        return False
+
+
+def test_answers_their_clients_do_not_read_make_room_for_scrapes() -> None:
+    """An escape attempt on the metrics port: clients fill the bound with scrapes of a
+    large exposition and never read the answers, each address within its share. Held as
+    being answered while their writes waited, such connections kept every scrape out
+    until the connection's deadline, again after each reconnect. An answer whose write
+    has waited `WRITE_STALL_S` for its client makes room for a new connection, as one
+    without a head does: the scrape, refused while no write had waited that long, gets
+    in, and the connection closed for it is counted `stalled`."""
+    registry = CollectorRegistry()
+    Counter("gpudra_test_scrapes", "A series to find in the answer.", registry=registry).inc()
+    registry.register(_Large(4 * 1024 * 1024))
+    with serving(
+        registry, max_connections=4, max_per_client=2, deadline_s=LONG, head_deadline_s=LONG
+    ) as (port, _registry):
+        held = [_unread_scrape(port, f"127.0.0.{2 + i // 2}") for i in range(4)]
+        try:
+            assert eventually(lambda: _served(port, "127.0.0.4"))
+            assert shed(registry, "stalled") == 1
+            assert shed(registry, "evicted") == shed(registry, "timed_out") == 0
+        finally:
+            for s in held:
+                s.close()
+
+
 def test_the_registry_can_be_served_again_once_shut_down() -> None:
     """The shed counter leaves the registry with its server, so that the registry can
     be served again (the tests of the agent's series serve theirs once per scrape)."""
