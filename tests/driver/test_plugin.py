@@ -492,13 +492,16 @@ async def test_a_call_cut_by_the_kubelets_deadline_still_finishes_its_work(
         async with channel(plugin.dra_socket) as ch:
             client = stub(dra_v1_pb2_grpc.DRAPluginStub, ch)
             claims = [dra_v1_pb2.Claim(namespace="default", uid="uid-a", name="a")]
+            # Time enough to connect and reach the handler on a loaded machine: the
+            # handler waits for `go`, so the call meets its deadline all the same.
+            deadline = 3.0
             call = (
                 client.NodePrepareResources(
-                    dra_v1_pb2.NodePrepareResourcesRequest(claims=claims), timeout=0.5
+                    dra_v1_pb2.NodePrepareResourcesRequest(claims=claims), timeout=deadline
                 )
                 if op == "prepare"
                 else client.NodeUnprepareResources(
-                    dra_v1_pb2.NodeUnprepareResourcesRequest(claims=claims), timeout=0.5
+                    dra_v1_pb2.NodeUnprepareResourcesRequest(claims=claims), timeout=deadline
                 )
             )
             with pytest.raises(grpc.aio.AioRpcError) as cut:

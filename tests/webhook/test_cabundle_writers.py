@@ -1,8 +1,8 @@
 """The caBundle controller among other writers, against an in-memory API server: pods of
 ``tls.source=self`` alive together past the rollout window, pods whose clocks disagree,
 a pod that is gone, a CA rotation beside another pod, and writers that keep undoing
-what the controller writes. Windows are scaled down to a second; test_cabundle.py runs
-the rollout on a real API server."""
+what the controller writes. Windows are scaled down to a second or two; test_cabundle.py
+runs the rollout on a real API server."""
 
 from __future__ import annotations
 
@@ -185,9 +185,10 @@ def pod(
     bundle: bytes,
     *,
     clock: Callable[[], float] = time.time,
+    window: float = W,
 ) -> CABundleController:
     controller = CABundleController(
-        api.client(name), BOTH, keep_foreign_s=W, holder=name, clock=clock
+        api.client(name), BOTH, keep_foreign_s=window, holder=name, clock=clock
     )
     controller.set_bundle(bundle)
     return controller
@@ -198,8 +199,15 @@ def behind(seconds: float) -> Callable[[], float]:
     return lambda: time.time() - seconds
 
 
+LIVE_W = 2 * W
+"""The window of pods that must keep renewing throughout: a loaded machine that runs a
+pod's renewal (every quarter window) late by most of a window does not lapse its lease."""
+
+
 @pytest.mark.parametrize(
-    "skew", [0.0, 2 * W, 0.8 * W, -2 * W], ids=["same-clock", "2w", "0.8w", "ahead-2w"]
+    "skew",
+    [0.0, 2 * LIVE_W, 0.8 * LIVE_W, -2 * LIVE_W],
+    ids=["same-clock", "2w", "0.8w", "ahead-2w"],
 )
 async def test_two_live_pods_keep_both_cas_past_the_window_without_fighting(
     caplog: pytest.LogCaptureFixture, skew: float
@@ -219,14 +227,15 @@ async def test_two_live_pods_keep_both_cas_past_the_window_without_fighting(
     old, new = ca("old-pod"), ca("new-pod")
     for ref in BOTH:
         api.create(ref, b64(old))
-    a, b = pod(api, "pod-a", old, clock=behind(skew)), pod(api, "pod-b", new)
+    a = pod(api, "pod-a", old, clock=behind(skew), window=LIVE_W)
+    b = pod(api, "pod-b", new, window=LIVE_W)
     caplog.set_level(logging.INFO, logger="gpudra.webhook.cabundle")
     async with anyio.create_task_group() as tg:
         await tg.start(a.run)
         await tg.start(b.run)
         await wait_until(lambda: api.trusts(old, new))
         writes = dict(api.writes)
-        trusted = await sample(lambda: api.trusts(old, new), 5 * W)
+        trusted = await sample(lambda: api.trusts(old, new), 5 * LIVE_W)
         assert all(trusted), f"a CA was missing in {trusted.count(False)} of {len(trusted)}"
         # Renewals only: each pod renews each configuration four times per window.
         renewals = sum(api.writes.values()) - sum(writes.values())
@@ -242,7 +251,7 @@ async def test_two_live_pods_keep_both_cas_past_the_window_without_fighting(
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
 
 
-@pytest.mark.parametrize("step", [2 * W, -2 * W], ids=["forward", "back"])
+@pytest.mark.parametrize("step", [2 * LIVE_W, -2 * LIVE_W], ids=["forward", "back"])
 async def test_a_clock_stepped_under_running_pods_changes_nothing(
     caplog: pytest.LogCaptureFixture, step: float
 ) -> None:
@@ -253,16 +262,16 @@ async def test_a_clock_stepped_under_running_pods_changes_nothing(
     for ref in BOTH:
         api.create(ref, b64(old))
     offset = [0.0]
-    a = pod(api, "pod-a", old, clock=lambda: time.time() + offset[0])
-    b = pod(api, "pod-b", new)
+    a = pod(api, "pod-a", old, clock=lambda: time.time() + offset[0], window=LIVE_W)
+    b = pod(api, "pod-b", new, window=LIVE_W)
     caplog.set_level(logging.INFO, logger="gpudra.webhook.cabundle")
     async with anyio.create_task_group() as tg:
         await tg.start(a.run)
         await tg.start(b.run)
         await wait_until(lambda: api.trusts(old, new))
-        await anyio.sleep(W)
+        await anyio.sleep(LIVE_W)
         offset[0] = step
-        trusted = await sample(lambda: api.trusts(old, new), 3 * W)
+        trusted = await sample(lambda: api.trusts(old, new), 3 * LIVE_W)
         assert all(trusted), f"a CA was missing in {trusted.count(False)} of {len(trusted)}"
         assert a.undone == b.undone == 0
         for ref in BOTH:
@@ -299,7 +308,8 @@ async def test_the_ca_of_a_pod_that_is_gone_goes_once_its_lease_lapses(skew: flo
         old_pod.cancel()
         gone = time.monotonic()
         await wait_until(lambda: not api.holds(old))
-        assert time.monotonic() - gone <= 2 * W  # a window after its last renewal
+        # A window after its last renewal, with room for a loaded machine's late wakeups.
+        assert time.monotonic() - gone <= 3 * W
         assert api.trusts(new)
         for ref in BOTH:
             assert api.leases(ref).keys() == {fingerprint(new)}

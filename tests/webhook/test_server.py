@@ -727,7 +727,7 @@ async def test_head_deadline_runs_from_the_first_byte_of_a_later_request(tmp_pat
 
 
 async def test_garbage_instead_of_a_tls_handshake_leaves_the_server_up(tmp_path: Path) -> None:
-    async with running(tmp_path, handshake_timeout=0.5) as h:
+    async with running(tmp_path, handshake_timeout=5) as h:
         async with await anyio.connect_tcp("127.0.0.1", h.port) as raw:
             await raw.send(b"GET / HTTP/1.1\r\n\r\n")
             with anyio.fail_after(GUARD), pytest.raises((anyio.EndOfStream, OSError)):
@@ -860,8 +860,11 @@ async def test_handshakes_cut_short_leave_nothing_behind(tmp_path: Path) -> None
 async def test_a_connection_being_answered_is_never_shed(tmp_path: Path) -> None:
     """At the bound with every connection's request being answered, a new connection is
     refused and the answers still go out; once one is answered it can make room."""
-    slow = SlowRecorder(delay=1.0)
-    async with running(tmp_path, max_connections=1, ensure=slow) as h, client(h) as busy:
+    slow = GatedRecorder()  # answers only once the late connection was refused
+    async with (
+        running(tmp_path, max_connections=1, ensure=slow, ensure_timeout=GUARD * 3) as h,
+        client(h) as busy,
+    ):
         body = json.dumps(review(gpu_pod(), uid="busy")).encode()
         await busy.send(posted(body))
         with anyio.fail_after(GUARD):
@@ -870,6 +873,7 @@ async def test_a_connection_being_answered_is_never_shed(tmp_path: Path) -> None
         async with client(h) as late:
             with anyio.fail_after(GUARD), pytest.raises(CLOSED):
                 await late.stream.receive()
+        slow.gate.set()
         with anyio.fail_after(GUARD):
             assert (await busy.response()).json()["response"]["uid"] == "busy"
         assert metric(h, "gpudra_webhook_connections_shed_total", action="refused") == 1
