@@ -80,6 +80,7 @@ class NodeAgent:
         *,
         clock: Callable[[], float] | None = None,
         own_migs: Callable[[], Container[MigKey]] | None = None,
+        stand_down: Callable[[], str | None] | None = None,
     ) -> None:
         self.config = config
         self.kube = kube
@@ -110,6 +111,9 @@ class NodeAgent:
             node=config.node_name,
             source=self._content,
             limits=config.slice_limits,
+            # Why another agent publishes the pool now (the plugin's checkpoint taken
+            # over); None: this one does.
+            stand_down=stand_down,
         )
 
     def _content(self) -> PoolContent:

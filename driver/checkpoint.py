@@ -65,8 +65,19 @@ Between processes: a rolling update with a surge pod runs the new agent beside t
 one, on the same files. Every write holds a lock file beside the checkpoint and checks
 that the files are as this process left them; the new agent's load takes the file over
 (reads and replaces it under the lock, making the changes file anew), so the old agent's
-later writes are refused, not lost, and its stop leaves the new agent's records. Tools
-that only read (`load` without `take_over`, `document`) take no lock.
+later writes are refused, not lost, and its stop leaves the new agent's records. A refused
+write comes too late for a device change made before it, so the old agent also asks
+`Checkpoint.check_owner` before it changes any device (a prepare, an unprepare, the sweep
+of deleted claims): once its checkpoint is taken over it changes no device, since the new
+agent may hold them under its own records, and it stops publishing the node's
+ResourceSlices, which the new agent publishes. Should the new agent go away while the old
+one runs on (its pod failed or deleted, a rollback), the old one must not stand down for
+good: every agent's load that takes the file over also locks an owner file of its own, for
+the life of its process (`gpudra.driver.owners`). An agent taken over that finds every
+owner file made after its own unlocked (`Checkpoint.owner_gone`) stops, so that its
+restart takes the file over again; one that finds none (a release from before owner files
+took the file over) stands down on. Tools that only read (`load` without `take_over`,
+`document`) take no lock.
 """
 
 from __future__ import annotations
@@ -94,6 +105,8 @@ __all__ = [
     "DEFAULT_BOOT_ID_PATH",
     "Checkpoint",
     "CheckpointError",
+    "CheckpointOwnerGoneError",
+    "CheckpointTakenOverError",
     "CheckpointTooNewError",
     "ClaimRecord",
     "ClaimRef",
@@ -119,6 +132,7 @@ from gpudra.driver.checkpoint_changes import (
     replay,
 )
 from gpudra.driver.claims import ClaimRef
+from gpudra.driver.owners import OwnerFile, owners_folder
 from gpudra.driver.records import DeviceDetails, details_from_json, details_to_json
 
 log = logging.getLogger(__name__)
@@ -168,6 +182,18 @@ def read_boot_id(path: Path = DEFAULT_BOOT_ID_PATH) -> str | None:
 
 class CheckpointError(Exception):
     """The checkpoint cannot be read or a change to it is not allowed."""
+
+
+class CheckpointTakenOverError(CheckpointError):
+    """Another process changed the file since this one read or wrote it: a newer agent
+    took it over (a rolling update with a surge pod) or someone edited it. A class of
+    its own: this process is done with the file for good, unlike a full or failing disk,
+    which the next write may get past."""
+
+
+class CheckpointOwnerGoneError(CheckpointError):
+    """The agents that took the file over from this process are gone (`owner_gone`):
+    this process stops, for its restart to take the file over again."""
 
 
 class CheckpointTooNewError(CheckpointError):
@@ -502,6 +528,8 @@ class Checkpoint:
         # changes file; and only a file saying so is extended (`_file_extended`).
         self._extended = False
         self._file_extended = False
+        # This process's owner file (`gpudra.driver.owners`): an agent's load's only.
+        self._owner: OwnerFile | None = None
         # Set by GroupCommit while it applies a change: `_save` then only stages.
         self._staging = False
         # Changes staged so far, and what each replaced, for undo of a failed write.
@@ -520,11 +548,21 @@ class Checkpoint:
         `take_over` (the agent's load) also replaces the file at once, under the lock
         that every write takes: from then on any other process still holding the old
         one (the agent a rolling update is replacing) is refused its writes, and its
-        stop does not put its state back over this one (`_check_owner`).
+        stop does not put its state back over this one (`_check_owner`). It registers an
+        owner file first, under the same lock, which this process holds locked while it
+        runs (`owner_gone`); once the file is taken over, the dead owner files are removed.
         """
         lock = _Lock(_lock_path(path), folder_mode=0o777)
         with _taken(lock) if take_over else contextlib.nullcontext():
-            checkpoint = cls._read_files(path, read_boot_id(boot_id_path), lock)
+            owner = _registered(path) if take_over else None
+            try:
+                checkpoint = cls._read_files(path, read_boot_id(boot_id_path), lock)
+            except BaseException:
+                if owner is not None:
+                    with contextlib.suppress(OSError):  # the load's error is the one to tell
+                        owner.resign()  # never took it over: no agent may wait for it
+                raise
+            checkpoint._owner = owner
             # The agent's: its changes are appended (`GroupCommit`), so the file it
             # writes says so from the first.
             checkpoint._extended = take_over
@@ -537,6 +575,8 @@ class Checkpoint:
                     log.warning(
                         "checkpoint not taken over yet", extra={"fields": {"error": str(exc)}}
                     )
+            if owner is not None:
+                _forget_dead(owner)
         return checkpoint
 
     @classmethod
@@ -1017,8 +1057,8 @@ class Checkpoint:
 
     def _check_owner(self) -> bool:
         """Whether the file is there as this process last read or wrote it (False:
-        gone, to be written anew); raises CheckpointError where another process
-        changed it since: a newer agent took it over, or someone edited it."""
+        gone, to be written anew); raises CheckpointTakenOverError where another
+        process changed it since: a newer agent took it over, or someone edited it."""
         try:
             identity = _identity_of(self._path)
         except OSError as exc:
@@ -1026,13 +1066,50 @@ class Checkpoint:
         if identity is None:
             return False
         if identity != self._identity:
-            raise CheckpointError(
+            raise CheckpointTakenOverError(
                 f"checkpoint {self._path} was changed by another process since this agent "
                 "read it (a newer agent on this node took it over, as in a rolling update "
                 "with a surge pod, or the file was edited): this agent no longer writes "
-                "it; restart the agent to read it again"
+                "it or changes devices; restart the agent to read it again"
             )
         return True
+
+    def check_owner(self, *, wait: bool = True) -> bool:
+        """Raise CheckpointTakenOverError where another process took the file over (or
+        edited it) since this one last read or wrote it: for a caller about to change a
+        device, which the new owner may hold under its own records by now. Its refused
+        write would come after the change; this comes before it. One stat.
+
+        Under the lock of this process's writes: one running in a worker thread replaces
+        the file before it records the new file's identity, and must not read as another
+        process's. With `wait=False` such a write is not waited for (the event loop must
+        not wait for a sync): then nothing is checked and the answer is False (call again,
+        waiting, in a worker thread); otherwise True."""
+        if not self._write_lock.acquire(blocking=wait):
+            return False
+        try:
+            self._check_owner()
+        finally:
+            self._write_lock.release()
+        return True
+
+    def owner_gone(self) -> str | None:
+        """Why this process should stop: the file was taken over from it, and every agent
+        that took it over since is gone (`gpudra.driver.owners`), so its restart takes the
+        file over again. None while the file is this process's, while such an agent runs,
+        and where none can be watched: one that registers no owner file took the file over
+        (an earlier release), or someone edited it. Once taken over, this process's owner
+        file is removed first. Waits for a write of this process, and reads the owner
+        files: call it in a worker thread."""
+        if self._owner is None:
+            return None
+        try:
+            self.check_owner()
+        except CheckpointTakenOverError:
+            return self._owner.successor_gone()
+        except CheckpointError:
+            return None  # unreadable, not taken over: the next write says why
+        return None
 
     def _restart_changes(self, data: bytes) -> None:
         """The file is now `data`: the changes file starts again, empty, on it. Made
@@ -1129,6 +1206,8 @@ class Checkpoint:
         with self._write_lock:
             self._changes.close()
             self._lock.close()
+            if self._owner is not None:
+                self._owner.close()  # the file left unlocked: see `owner_gone`
 
     def _save(
         self,
@@ -1496,6 +1575,28 @@ def _taken(lock: ProcessLock) -> Iterator[None]:
         yield
     finally:
         lock.__exit__()
+
+
+def _registered(path: Path) -> OwnerFile | None:
+    """This agent's owner file beside the checkpoint `path`, or, where it cannot be made
+    (a full or read-only disk), none: that must not stop the agent's start. The agents
+    this one takes the file over from then see no owner file after theirs, and stand
+    down on as they did before owner files (`gpudra.driver.owners`)."""
+    try:
+        return OwnerFile.register(owners_folder(path))
+    except OSError as exc:
+        log.warning("checkpoint owner file not made", extra={"fields": {"error": str(exc)}})
+        return None
+
+
+def _forget_dead(owner: OwnerFile) -> None:
+    """Remove the owner files of agents gone: housekeeping, never worth a failed start."""
+    try:
+        owner.forget_dead()
+    except OSError as exc:
+        log.warning(
+            "dead checkpoint owner files not removed", extra={"fields": {"error": str(exc)}}
+        )
 
 
 def _lock_path(path: Path) -> Path:

@@ -46,7 +46,12 @@ from gpudra.driver.cdi import (
     find_driver_files,
     find_toolkit_spec,
 )
-from gpudra.driver.checkpoint import DEFAULT_BOOT_ID_PATH, ClaimRecord
+from gpudra.driver.checkpoint import (
+    DEFAULT_BOOT_ID_PATH,
+    CheckpointOwnerGoneError,
+    CheckpointTakenOverError,
+    ClaimRecord,
+)
 from gpudra.driver.claimreader import ApiClaims
 from gpudra.driver.claimstatus import ClaimStatusWriter
 from gpudra.driver.devices import MigKey
@@ -96,6 +101,9 @@ class PluginConfig:
     # Empty: find the driver's libraries and utilities under driver_root.
     driver_libraries: tuple[str, ...] = ()
     cleanup_interval_s: float = 60.0
+    # How often an agent whose checkpoint was taken over looks whether the agent that
+    # took it over still runs (`_watch_owner`).
+    owner_check_s: float = 5.0
     # Device telemetry for metrics and accounting: every this many seconds; 0: off.
     sample_interval_s: float = DEFAULT_INTERVAL_S
     idle_below: float = DEFAULT_IDLE_BELOW  # utilization percent under which a device idles
@@ -170,7 +178,9 @@ class NodeService:
         registry: CollectorRegistry | None = None,
         fault: Callable[[str], None] | None = None,
     ) -> None:
-        self.agent = NodeAgent(agent_config, kube, nvml, own_migs=self._own_migs)
+        self.agent = NodeAgent(
+            agent_config, kube, nvml, own_migs=self._own_migs, stand_down=self._taken_over
+        )
         self.registry = registry if registry is not None else CollectorRegistry()
         self.registry.register(DiscoveryGaps(lambda: self.agent.inventory))
         self.ready = anyio.Event()
@@ -261,6 +271,12 @@ class NodeService:
         cp = self.preparer.checkpoint_now() if self.preparer is not None else None
         return recorded_instances(cp.claims()) if cp is not None else frozenset()
 
+    def _taken_over(self) -> str | None:
+        """Why this agent no longer publishes the node's slices: another agent (a
+        rolling update's surge pod) took the kubelet plugin's checkpoint over, and
+        publishes them. None while none has (always, without the plugin)."""
+        return self.preparer.taken_over() if self.preparer is not None else None
+
     def _prepared_claims(self) -> tuple[ClaimRecord, ...]:
         """The preparer's claims now, read without its lock; what the claim reader
         remembered of claims no longer prepared is dropped."""
@@ -320,6 +336,7 @@ class NodeService:
                 await tg.start(self.sampler.run)
             if self.status_writer is not None:
                 await tg.start(self.status_writer.run)
+            tg.start_soon(self._watch_owner)
             self.ready.set()
             task_status.started()
             await self._sweep_deleted_claims()
@@ -342,10 +359,50 @@ class NodeService:
         )
 
     async def _sweep_deleted_claims(self) -> None:
+        """Unprepare deleted claims on every cleanup interval, until another agent takes
+        the checkpoint over: the sweep is that agent's from then on, under its own
+        records, and this one's would undo devices it may hold. The plugin serves on
+        (refusing every change) until this agent stops."""
         assert self.preparer is not None and self._plugin_config is not None
         while True:
             await anyio.sleep(self._plugin_config.cleanup_interval_s)
             try:
                 await self.preparer.cleanup_deleted_claims(self._claims)
+            except CheckpointTakenOverError as exc:
+                log.warning(
+                    "deleted claims no longer swept: another agent on this node took the "
+                    "checkpoint over",
+                    extra={"fields": {"error": str(exc)}},
+                )
+                break
             except Exception:
                 log.exception("cleanup of deleted claims failed; retrying later")
+        await anyio.sleep_forever()
+
+    async def _watch_owner(self) -> None:
+        """Once another agent took the checkpoint over, stop this one when that agent is
+        gone (its pod failed or deleted, a rollback): raises CheckpointOwnerGoneError, which
+        ends `gpudra node` with an error, and the restart takes the checkpoint over again.
+        Standing down on, this agent would refuse every prepare for good while its liveness
+        probe, which prepares nothing, still passes.
+
+        Every `owner_check_s` (5 s), not the sweep's minute: until it stops, the node
+        prepares nothing. Each look is one stat while the checkpoint is this agent's, a
+        read of a few owner files once it is not (`ClaimPreparer.owner_gone`)."""
+        assert self.preparer is not None and self._plugin_config is not None
+        while True:
+            await anyio.sleep(self._plugin_config.owner_check_s)
+            try:
+                gone = await self.preparer.owner_gone()
+            except Exception:
+                # Unsure is not gone: taking the file back from an agent that runs would
+                # leave that one refusing every change.
+                log.exception("checking the checkpoint's owner failed; retrying later")
+                continue
+            if gone is not None:
+                log.error(
+                    "stopping: the agent that took the checkpoint over is gone; this agent's "
+                    "restart takes it over again",
+                    extra={"fields": {"reason": gone}},
+                )
+                raise CheckpointOwnerGoneError(gone)

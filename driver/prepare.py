@@ -54,6 +54,7 @@ from gpudra.driver.checkpoint import (
     DEFAULT_BOOT_ID_PATH,
     Checkpoint,
     CheckpointError,
+    CheckpointTakenOverError,
     ClaimRecord,
     DeviceConflictError,
     GroupCommit,
@@ -389,6 +390,41 @@ class ClaimPreparer:
 
     # --- plumbing ---
 
+    def taken_over(self) -> str | None:
+        """Why this agent no longer changes anything on the node: another agent took its
+        checkpoint over (`Checkpoint.check_owner`), and publishes the node's slices too;
+        None while none has, and before the checkpoint is loaded. One stat, without
+        waiting: while a write of this process runs (in a worker thread) the checkpoint
+        counts as this process's until the next call."""
+        cp = self.checkpoint_now()
+        if cp is None:
+            return None
+        try:
+            cp.check_owner(wait=False)
+        except CheckpointTakenOverError as exc:
+            return str(exc)
+        except CheckpointError:
+            return None  # unreadable, not taken over: the next write says why
+        return None
+
+    async def owner_gone(self) -> str | None:
+        """Why this agent should stop: its checkpoint was taken over, and the agents that
+        took it over are gone (`Checkpoint.owner_gone`); its restart takes it over again.
+        None otherwise, after one stat while the checkpoint is this agent's; once taken
+        over, the owner files are read in a worker thread."""
+        cp = self.checkpoint_now()
+        if cp is None or self.taken_over() is None:
+            return None
+        return await anyio.to_thread.run_sync(cp.owner_gone)
+
+    async def _check_owner(self, cp: Checkpoint) -> None:
+        """Raise CheckpointTakenOverError where another agent took the checkpoint over:
+        called before a device change, which that agent may hold under its own records.
+        One stat here; while a write of this process runs, in a worker thread that
+        waits for it (`Checkpoint.check_owner`)."""
+        if not cp.check_owner(wait=False):
+            await anyio.to_thread.run_sync(cp.check_owner)
+
     async def _checkpoint(self) -> Checkpoint:
         """Loaded once; afterwards the in-memory copy is authoritative (it is written
         through on every change), so no prepare re-reads the file."""
@@ -496,6 +532,9 @@ class ClaimPreparer:
             result = await self._prepare_claim(claim)
         except ClaimError as exc:
             result = PrepareResult(error=str(exc))
+        except CheckpointTakenOverError as exc:
+            # No fault to trace: the newer agent beside this one serves the node now.
+            result = PrepareResult(error=f"{claim.ref.describe()}: {exc}")
         except Exception as exc:
             log.exception("prepare failed", extra={"fields": {"claim": claim.uid}})
             result = PrepareResult(
@@ -514,6 +553,8 @@ class ClaimPreparer:
             error = await self._unprepare_claim(ref)
         except ClaimError as exc:
             error = str(exc)
+        except CheckpointTakenOverError as exc:
+            error = f"{ref.describe()}: {exc}"  # as in `_prepare_one`
         except Exception as exc:
             log.exception("unprepare failed", extra={"fields": {"claim": ref.uid}})
             error = f"{ref.describe()}: unprepare failed: {exception_text(exc)}"
@@ -529,6 +570,9 @@ class ClaimPreparer:
         ref = claim.ref
         async with self._guard(ref.uid):
             cp = await self._checkpoint()
+            # Once per prepare, before any device change: a whole GPU's prepare writes the
+            # checkpoint only at its end, after its CDI spec, too late to be refused.
+            await self._check_owner(cp)
             await self._check_readable(cp, ref)
             record = cp.get(ref.uid)
             if record is not None:
@@ -955,9 +999,13 @@ class ClaimPreparer:
         """Undo every recorded side effect, newest kind first, then forget the claim.
 
         Every step is tried even when one fails, so one stuck piece does not keep
-        the rest in place; the record stays until all of them succeed.
+        the rest in place; the record stays until all of them succeed. Nothing is undone
+        once another agent took the checkpoint over: what the record names may be that
+        agent's by now (the claim deleted and created again, a time-slice its claims
+        rely on), and it undoes what is its own.
         """
         cp = await self._checkpoint()
+        await self._check_owner(cp)
         errors: list[str] = []
 
         async def attempt(
@@ -1317,8 +1365,11 @@ class ClaimPreparer:
         another claim, which prepare then refuses rather than share them.
 
         Returns the UIDs unprepared; failures are logged and retried on the next call.
+        Raises CheckpointTakenOverError, having asked the API server nothing, once another
+        agent took the checkpoint over: the sweep is that agent's from then on.
         """
         cp = await self._checkpoint()
+        await self._check_owner(cp)
         cleaned: list[str] = []
         for record in cp.claims():
             try:

@@ -624,6 +624,12 @@ class SliceController:
     taint would keep the scheduler off (`without_taints`), each back once healthy;
     `taints_refused` says so. NoExecute cannot evict pods that way, only keep new ones
     off.
+
+    `stand_down`, where given, is asked before every reconcile: it gives a reason once
+    another process publishes this node's pool: in a rolling update with a surge pod, the new agent
+    beside this one, once it took the kubelet plugin's checkpoint over. From then on
+    this controller writes and deletes no slice (the two would otherwise supersede each
+    other's generations for as long as both run) and says so once.
     """
 
     def __init__(
@@ -636,6 +642,7 @@ class SliceController:
         limits: SliceLimits | None = None,
         resync_s: float = 300.0,
         backoff_max_s: float = 10.0,
+        stand_down: Callable[[], str | None] | None = None,
     ) -> None:
         self.kube = kube
         self.driver = driver
@@ -662,6 +669,9 @@ class SliceController:
         # What the server dropped taints from (`untainted_by_server`); once set, the pool
         # is published without the devices their taints would keep the scheduler off.
         self.taints_refused: list[str] = []
+        self._stand_down = stand_down
+        # Why another process publishes the pool now (class docstring); None: this one.
+        self.stood_down: str | None = None
         # Bad inventory (PoolError) is not retried in a loop; the next change retries it.
         self._reconciler = ReconcileLoop(
             self.reconcile_once,
@@ -787,8 +797,22 @@ class SliceController:
             out[name] = spec
         return out
 
+    def _standing_down(self) -> bool:
+        """Whether another process publishes the pool now; said once, for good."""
+        if self.stood_down is None and self._stand_down is not None:
+            self.stood_down = self._stand_down()
+            if self.stood_down is not None:
+                log.warning(
+                    "another agent publishes this node's ResourceSlices now: this one "
+                    "writes and deletes none of them",
+                    extra={"fields": {**self.fields, "reason": self.stood_down}},
+                )
+        return self.stood_down is not None
+
     async def reconcile_once(self) -> None:
         self.reconciles += 1
+        if self._standing_down():
+            return
         if self._plan is None:
             # The limits first: `_limits` awaits the server, and a `trigger()` while it
             # does clears a plan not made yet. Read before that await, the content
