@@ -37,7 +37,14 @@ __all__ = [
 
 _ALLOCATED: Final = "gpudra_allocated_device_seconds_total"
 _IDLE: Final = "gpudra_idle_device_seconds_total"
-_COUNTERS: Final = frozenset({_ALLOCATED, _IDLE})
+# The agent serves a counter's first scrape at zero, for Prometheus's increase(), and
+# what it held back beside it: a sum of the counters as they are adds both.
+_SUMMED: Final = {
+    _ALLOCATED: _ALLOCATED,
+    "gpudra_withheld_allocated_device_seconds": _ALLOCATED,
+    _IDLE: _IDLE,
+    "gpudra_withheld_idle_device_seconds": _IDLE,
+}
 # The `job` the chart's PodMonitor gives the agents' series (chart `monitoring.agentJob`).
 AGENT_JOB: Final = "gpudra-node"
 
@@ -70,9 +77,10 @@ def usage_from_metrics(answers: Iterable[Iterable[Sample]]) -> list[Usage]:
     sums: dict[str, dict[tuple[str, str], float]] = {_ALLOCATED: {}, _IDLE: {}}
     for samples in answers:
         for sample in samples:
-            if sample.name in sums:
+            if sample.name in _SUMMED:
                 key = (sample.labels.get("namespace", ""), sample.labels.get("tenant", ""))
-                sums[sample.name][key] = sums[sample.name].get(key, 0.0) + sample.value
+                summed = sums[_SUMMED[sample.name]]
+                summed[key] = summed.get(key, 0.0) + sample.value
     return _usage(sums[_ALLOCATED], sums[_IDLE])
 
 
@@ -129,7 +137,7 @@ def _from_agents(args: argparse.Namespace) -> tuple[list[Usage], bool]:
                 otherwise="--metrics NODE=URL or --prometheus URL",
             )
         )
-    answers, failed = agents.scrape(found.urls, args.timeout, _COUNTERS.__contains__)
+    answers, failed = agents.scrape(found.urls, args.timeout, _SUMMED.__contains__)
     left_out = {**failed, **found.contested}
     for node, why in sorted(left_out.items()):
         warn("report", f"node {node}: {why}; its counters are left out")

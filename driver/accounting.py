@@ -28,7 +28,9 @@ or whose checkpoint write failed) keeps the rule of the samples alone:
 the samples do not say when in the interval it happened, so a holder seen at only one
 end of the interval is billed nothing for it, and still counts as a holder when the
 others' shares are split (a time-sliced holder whose co-holder left untold still pays
-half). A holder's share that changed between two samples with nobody coming or going
+half). A dropped change between two told ones of the same claim (a release between
+two holds) leaves the time between those two unbilled for it the same way (`_spans`).
+A holder's share that changed between two samples with nobody coming or going
 (an unread claim read, the GPU's shares published again) is billed at the smaller of
 the two it had. Either way the time is never billed to a holder that did not hold the
 device, nor shifted from a holder that left onto one that stayed, at the cost of up to
@@ -72,6 +74,11 @@ for `retain_s` (`DEFAULT_RETAIN_S`, a day): thousands of short-lived namespaces 
 otherwise each keep two series until the agent restarts. Prometheus sees the series
 end; `increase()` over a window that saw it counts what it grew by, and a counter
 created again later starts from zero as a new series, as after an agent restart.
+
+Each new series is first served at zero (`Accounting.serve`): `increase()` takes a
+series' first sample as where it starts, so one first served at its count would never
+have that count billed. Only the keys not served yet are kept for that, and they go
+with their counters.
 """
 
 from __future__ import annotations
@@ -92,6 +99,7 @@ __all__ = [
     "AccountKey",
     "Accounting",
     "IdleDevice",
+    "Served",
     "holding",
     "stale_after",
 ]
@@ -130,6 +138,18 @@ class IdleDevice:
     uuid: str
     holders: tuple[Holder, ...]
     seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class Served:
+    """One counter key as a scrape serves it: the GPU-seconds `allocated` and `idle`
+    its two series show, and those they hold back (`withheld_allocated`,
+    `withheld_idle`): all of them at the series' first scrape, none after."""
+
+    allocated: float
+    idle: float
+    withheld_allocated: float = 0.0
+    withheld_idle: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,19 +194,23 @@ def _spans(
 
     `before` and `after`: whether the samples at `start` and `end` saw it hold the
     device; `changes`: what the preparer told in between, oldest first (held or not,
-    when), taken as happening in order within the interval.
+    when), taken as happening in order within the interval. A change that repeats the
+    state before it follows one the agent was not told (the log dropped it, or its
+    checkpoint write failed): a release between two holds, or a hold between two
+    releases, at a time not known, so the span between the two is unsure. Taken as
+    held throughout, it would bill the claim for a gap it held nothing in; as free
+    throughout, its co-holders for its share.
     """
     billed: list[_Span] = []
     unsure: list[_Span] = []
     held, since = before, start
     for now_held, told_at in changes:
         at = min(max(told_at, since), end)
-        if now_held and not held:
-            held, since = True, at
-        elif not now_held:
-            if held:
-                billed.append((since, at))
-            held, since = False, at
+        if now_held == held:
+            unsure.append((since, at))
+        elif held:
+            billed.append((since, at))
+        held, since = now_held, at
     if held and after:
         billed.append((since, end))
     elif held or after:  # left, or came, at a time not told
@@ -333,6 +357,7 @@ class Accounting:
         self._lock = threading.Lock()
         self._allocated: dict[AccountKey, float] = {}
         self._idle: dict[AccountKey, float] = {}
+        self._unserved: set[AccountKey] = set()  # keys no scrape has served yet
         self._idle_since: dict[tuple[str, _HolderId], float] = {}
         self._idle_now: tuple[IdleDevice, ...] = ()
         self._last: _Seen | None = None
@@ -375,6 +400,8 @@ class Accounting:
                 for holder, seconds in seconds_of.values():
                     key = _account_key(holder)
                     self._held_at[key] = sample.at
+                    if key not in self._allocated:
+                        self._unserved.add(key)
                     self._allocated[key] = self._allocated.get(key, 0.0) + seconds
                     if was_idle:
                         self._idle[key] = self._idle.get(key, 0.0) + seconds
@@ -392,6 +419,27 @@ class Accounting:
             del self._held_at[key]
             self._allocated.pop(key, None)
             self._idle.pop(key, None)
+            self._unserved.discard(key)
+
+    def serve(self) -> dict[AccountKey, Served]:
+        """The counters as one scrape serves them, that scrape counted as having served
+        each: a series no scrape has served yet shows zero, its GPU-seconds withheld,
+        and its total from the next scrape on.
+
+        Prometheus's `increase()` and `rate()` take a series' first sample as where it
+        starts: a new namespace's counter first served at 30 would never have those 30
+        billed. First served at zero, every second is. The withheld GPU-seconds are
+        served beside it for a reader that sums the counters as they are (`gpudra
+        report` without Prometheus), which would otherwise miss them.
+        """
+        with self._lock:
+            first, self._unserved = self._unserved, set()
+            return {
+                key: Served(0.0, 0.0, seconds, self._idle.get(key, 0.0))
+                if key in first
+                else Served(seconds, self._idle.get(key, 0.0))
+                for key, seconds in self._allocated.items()
+            }
 
     def allocated(self) -> Mapping[AccountKey, float]:
         with self._lock:

@@ -131,13 +131,18 @@ class ClaimInfos:
     with the checkpoint's claims, forgets a claim once it has left the checkpoint. A
     claim read but not yet in the checkpoint (its prepare is under way) is kept, for
     `pending_s`, so a pass between the read and the checkpoint write loses nothing.
-    Replaced whole on change, so any thread may read it.
+
+    Used on the event loop. A `snapshot` never changes once handed out, so it may go
+    to any thread: the map is copied before the first change after one. Copying it on
+    every read instead cost each prepare a copy of every claim prepared, quadratic in
+    the claims a node holds.
     """
 
     def __init__(
         self, *, pending_s: float = 600.0, clock: Callable[[], float] = time.monotonic
     ) -> None:
-        self._infos: Mapping[str, ClaimInfo] = {}
+        self._infos: dict[str, ClaimInfo] = {}
+        self._handed_out = False  # `_infos` is some snapshot: copy it before a change
         self._read_at: dict[str, float] = {}
         self._seen: set[str] = set()  # in the checkpoint at the last `retain`
         self._pending_s = pending_s
@@ -145,7 +150,9 @@ class ClaimInfos:
 
     def remember(self, uid: str, info: ClaimInfo) -> None:
         self._read_at[uid] = self._clock()
-        self._infos = {**self._infos, uid: info}
+        if self._handed_out:
+            self._infos, self._handed_out = dict(self._infos), False
+        self._infos[uid] = info
 
     def retain(self, uids: Iterable[str]) -> None:
         """Forget claims that left the checkpoint, and reads whose claim never got there."""
@@ -161,10 +168,12 @@ class ClaimInfos:
         self._seen &= current
         if gone:
             self._infos = {uid: i for uid, i in self._infos.items() if uid not in gone}
+            self._handed_out = False
             for uid in gone:
                 self._read_at.pop(uid, None)
 
     def snapshot(self) -> Mapping[str, ClaimInfo]:
+        self._handed_out = True
         return self._infos
 
 

@@ -332,11 +332,24 @@ class DeviceMetrics(Collector):
             "Allocated GPU-seconds while the device's utilization was under the idle threshold.",
             labels=_ACCOUNT_LABELS,
         )
-        idle_seconds = self._accounting.idle()
-        for key, seconds in sorted(self._accounting.allocated().items()):
+        withheld = GaugeMetricFamily(
+            "gpudra_withheld_allocated_device_seconds",
+            "GPU-seconds of an allocated counter served at zero in its first scrape, so "
+            "that increase() counts them; the counter has them from the next scrape on.",
+            labels=_ACCOUNT_LABELS,
+        )
+        withheld_idle = GaugeMetricFamily(
+            "gpudra_withheld_idle_device_seconds",
+            "GPU-seconds of an idle counter served at zero in its first scrape, as above.",
+            labels=_ACCOUNT_LABELS,
+        )
+        for key, served in sorted(self._accounting.serve().items()):
             row = (key.namespace, key.tenant, key.device_class, key.sharing)
-            allocated.add_metric(row, seconds)
-            idle.add_metric(row, idle_seconds.get(key, 0.0))
+            allocated.add_metric(row, served.allocated)
+            idle.add_metric(row, served.idle)
+            if served.withheld_allocated:  # a series' first scrape
+                withheld.add_metric(row, served.withheld_allocated)
+                withheld_idle.add_metric(row, served.withheld_idle)
         idle_for = GaugeMetricFamily(
             "gpudra_device_idle_seconds",
             "How long each allocated device has been under the idle threshold.",
@@ -361,4 +374,4 @@ class DeviceMetrics(Collector):
             "too late to take them (their claims' time is not billed).",
         )
         dropped.add_metric((), self._sampler.holdings.dropped)
-        yield from (allocated, idle, idle_for, threshold, dropped)
+        yield from (allocated, idle, withheld, withheld_idle, idle_for, threshold, dropped)

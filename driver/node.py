@@ -193,8 +193,15 @@ class NodeService:
         self.containers = ClaimContainers(kube)
         self._kube = kube
         self._infos = ClaimInfos()
+        # Only the sampler and the claim status writer read what the claim reader
+        # remembers, and only their passes forget it (`_prepared_claims`): without
+        # either, it would keep every claim ever read.
+        consumed = plugin is not None and (plugin.sample_interval_s > 0 or plugin.claim_status)
         self._claims = ApiClaims(
-            kube, driver=agent_config.driver_name, pool=agent_config.node_name, infos=self._infos
+            kube,
+            driver=agent_config.driver_name,
+            pool=agent_config.node_name,
+            infos=self._infos if consumed else None,
         )
         if plugin is None:
             return

@@ -17,7 +17,14 @@ import pytest
 from prometheus_client import generate_latest
 
 from tests.cli.stubs import gpudra, http_server, serving
-from tests.driver.test_device_metrics import seven_1g_tenants
+from tests.driver.test_device_metrics import (
+    HOUR,
+    Node,
+    claim,
+    emulator,
+    inventory_of,
+    seven_1g_tenants,
+)
 
 
 def report(*args: str) -> subprocess.CompletedProcess[str]:
@@ -47,6 +54,35 @@ def test_seven_1g_mig_tenants_of_one_gpu_are_a_seventh_of_a_gpu_hour_each() -> N
     hours = {u["namespace"]: u["allocated_hours"] for u in usage}
     assert hours == {f"team-{i}": pytest.approx(1 / 7) for i in range(7)}
     assert sum(hours.values()) == pytest.approx(1.0)
+
+
+def test_a_counters_first_scrape_is_counted_with_what_the_agent_withheld() -> None:
+    """An agent serves a new counter at zero in its first scrape (for Prometheus's
+    increase()) and what it held back beside it: the report adds both, so a namespace
+    nobody has scraped yet still has its hours."""
+
+    async def held_idle_for_an_hour() -> Node:
+        node = Node(emulator("l4", {"utilization": 1}), interval_s=HOUR)
+        uuid = inventory_of(node.nvml).gpus[0].uuid
+        node.claims = [claim("u1", "team-a", "a", "gpu-0", uuid)]
+        await node.sampler.sample_once()
+        node.clock.now += HOUR
+        await node.sampler.sample_once()
+        return node
+
+    first = generate_latest(anyio.run(held_idle_for_an_hour).registry)
+    labels = b'{device_class="",namespace="team-a",sharing="Exclusive",tenant=""}'
+    assert b"gpudra_allocated_device_seconds_total" + labels + b" 0.0\n" in first
+    assert b"gpudra_withheld_allocated_device_seconds" + labels + b" 3600.0\n" in first
+    with http_server(serving(first)) as port:
+        done = report("--metrics", f"node-a=http://127.0.0.1:{port}/metrics", "-o", "json")
+    assert done.returncode == 0, done.stderr
+    [team] = json.loads(done.stdout)["usage"]
+    assert (team["namespace"], team["allocated_hours"], team["idle_hours"]) == (
+        "team-a",
+        pytest.approx(1.0),
+        pytest.approx(1.0),
+    )
 
 
 class PrometheusServer(HTTPServer):

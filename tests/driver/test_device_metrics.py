@@ -181,6 +181,19 @@ def only(samples: Any, name: str, **labels: str) -> float:
     return found[0]
 
 
+# What the first scrape of a counter's series withholds from it (served at zero).
+WITHHELD = {
+    "gpudra_allocated_device_seconds_total": "gpudra_withheld_allocated_device_seconds",
+    "gpudra_idle_device_seconds_total": "gpudra_withheld_idle_device_seconds",
+}
+
+
+def counted(samples: Any, name: str, **labels: str) -> float:
+    """One accounting counter's GPU-seconds in one scrape, what the series' first scrape
+    withholds included: the total a sum of the counters as they are takes."""
+    return only(samples, name, **labels) + sum(values(samples, WITHHELD[name], **labels))
+
+
 @pytest.fixture
 def l4() -> Iterator[NvmlEmulator]:
     yield emulator(
@@ -329,10 +342,10 @@ async def test_memory_slices_are_billed_by_their_share_and_idle_while_under_thre
     got = node.scrape()
     a = {"namespace": "team-a", "tenant": "research", "sharing": "MemorySlice"}
     b = {"namespace": "team-b", "tenant": "research", "sharing": "MemorySlice"}
-    assert only(got, "gpudra_allocated_device_seconds_total", **a) == pytest.approx(25)
-    assert only(got, "gpudra_allocated_device_seconds_total", **b) == pytest.approx(50)
-    assert only(got, "gpudra_idle_device_seconds_total", **a) == pytest.approx(25)
-    assert only(
+    assert counted(got, "gpudra_allocated_device_seconds_total", **a) == pytest.approx(25)
+    assert counted(got, "gpudra_allocated_device_seconds_total", **b) == pytest.approx(50)
+    assert counted(got, "gpudra_idle_device_seconds_total", **a) == pytest.approx(25)
+    assert counted(
         got, "gpudra_allocated_device_seconds_total", device_class="gpu-slice.nvidia.com", **b
     ) == pytest.approx(50)
     assert only(got, "gpudra_device_idle_seconds", pod="a") == 100
@@ -361,7 +374,11 @@ async def test_time_sliced_holders_split_a_gpu_equally() -> None:
     node.clock.now += 40
     await node.sampler.sample_once()
     got = node.scrape()
-    billed = values(got, "gpudra_allocated_device_seconds_total", sharing="TimeSlicing")
+    counter = "gpudra_allocated_device_seconds_total"
+    billed = [
+        counted(got, counter, namespace=f"ns-{uid}", sharing="TimeSlicing")
+        for uid in ("u1", "u2", "u3", "u4")
+    ]
     assert billed == [pytest.approx(10)] * 4
     assert values(got, "gpudra_idle_device_seconds_total") == [0.0] * 4
     assert len(values(got, "gpudra_gpu_utilization_percent", uuid=uuid)) == 4
@@ -571,14 +588,14 @@ async def test_holders_are_labelled_with_their_namespaces_tenant_as_it_changes()
     node.clock.now += 10
     await node.sampler.sample_once()
     assert tenant_label() == "vision"  # an invalid tenant elsewhere changes nothing here
-    assert only(node.scrape(), "gpudra_allocated_device_seconds_total", tenant="vision") == 10
+    assert counted(node.scrape(), "gpudra_allocated_device_seconds_total", tenant="vision") == 10
     tenants.tenant_event(
         "MODIFIED", gpu_tenant("broken", namespaces=["team-a"], maxDevicesPerPod=0)
     )
     node.clock.now += 10
     await node.sampler.sample_once()
     assert tenant_label() == ""  # it names team-a too: the webhook denies, nobody is billed
-    assert only(node.scrape(), "gpudra_allocated_device_seconds_total", tenant="") == 10
+    assert counted(node.scrape(), "gpudra_allocated_device_seconds_total", tenant="") == 10
 
 
 def test_an_invalid_tenant_leaves_the_namespaces_it_would_decide_to_no_tenant() -> None:
@@ -610,7 +627,14 @@ def test_an_invalid_tenant_leaves_the_namespaces_it_would_decide_to_no_tenant() 
 
 
 def billed(node: Node, name: str = "gpudra_allocated_device_seconds_total") -> dict[str, float]:
-    return {labels["namespace"]: v for n, labels, v in node.scrape() if n == name}
+    """The counter `name`'s GPU-seconds by namespace in one scrape, what a series' first
+    scrape withholds included, as a sum of the counters as they are takes them."""
+    totals: dict[tuple[tuple[str, str], ...], float] = {}
+    for n, labels, v in node.scrape():
+        if n in (name, WITHHELD.get(name)):
+            row = tuple(sorted(labels.items()))
+            totals[row] = totals.get(row, 0.0) + v
+    return {dict(row)["namespace"]: v for row, v in totals.items()}
 
 
 async def test_a_claim_that_gets_a_device_is_billed_only_from_the_sample_it_held_it_at() -> None:

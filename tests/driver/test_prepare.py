@@ -3189,6 +3189,7 @@ async def test_a_dynamic_mig_device_is_sampled_with_its_holder_while_a_prepare_h
             now[0] += 60
             await sampler.sample_once()
 
+    generate_latest(registry)  # a new counter's first scrape serves it at zero
     text = generate_latest(registry).decode()
     [memory] = [
         ln
