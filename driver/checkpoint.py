@@ -589,7 +589,7 @@ class Checkpoint:
             return empty
         doc, base, replayed, identity = read
 
-        major = doc.get("majorVersion", CHECKPOINT_MAJOR_VERSION)
+        major = doc.get("majorVersion", 1)  # absent: a file that holds every change
         if not isinstance(major, int) or isinstance(major, bool) or major < 1:
             raise CheckpointError(
                 f"checkpoint {path}: majorVersion {major!r} is not a positive whole number; "
@@ -1432,8 +1432,11 @@ class GroupCommit:
         if cp._file_extended or cp._changes_bytes != 0:  # None: unknown after a failed line
             try:
                 await self.apply(lambda c: c._save(durable=True))
+            except CheckpointTakenOverError:
+                # Another agent has the file now: its state, not this one's, stays, as
+                # it should (this agent warned of the take-over when it learnt of it).
+                log.info("checkpoint left to the agent that took it over")
             except CheckpointError as exc:
-                # Another agent has the file now: its state, not this one's, stays.
                 log.warning("checkpoint not compacted", extra={"fields": {"error": str(exc)}})
         cp.close()
 

@@ -19,7 +19,8 @@ import subprocess
 import sys
 import tempfile
 import urllib.request
-from collections.abc import AsyncIterator, Iterator
+import uuid
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,20 +40,22 @@ from gpudra.driver.health import HealthPolicy
 from gpudra.driver.node import NodeService, PluginConfig
 from gpudra.driver.nvml import NvmlEmulator, load_nvml
 from gpudra.driver.nvml.standin import FAKEBIN
-from gpudra.driver.plugin import ClaimRef
+from gpudra.driver.plugin import DRA_V1, ClaimRef
 from gpudra.driver.prepare import PREPARE_STEPS
+from gpudra.driver.proto import dra_v1_pb2, dra_v1_pb2_grpc
 
 from bench.slices import process_rss_mib
 from e2e.claims import pod_with_claim, wait_allocated
 from e2e.cluster.harness import REPO, Cluster
 from e2e.cluster.kube import ApiError, Kube, apply_crd, wait_for
 from e2e.kubelet_pods import PodClaimsDriver
-from e2e.kubelet_standin import KubeletStandin
+from e2e.kubelet_standin import KubeletStandin, Registration
 from e2e.node_process import (
     EMULATED_H100,
     NodeDirs,
     create_driver_namespace,
     delete_driver_namespace,
+    delete_slices,
 )
 from e2e.processes import free_port
 
@@ -285,6 +288,101 @@ async def test_a_stopped_node_leaves_every_change_in_the_checkpoint_file(
         assert await kubelet.unprepare(driver, [second]) == {second.uid: None}
         assert node_dirs.prepared_claims() == []
         assert node_dirs.cdi_specs() == []
+
+
+async def _answers_of(reg: Registration, method: str, claims: Sequence[ClaimRef]) -> dict[str, str]:
+    """The error (empty: none) that the plugin behind `reg` answers each claim of a
+    NodePrepareResources or NodeUnprepareResources (`method`) with. The stand-in calls
+    only the newest registration of a driver, and a surge pod's is newer than that of
+    the agent it replaces, which the kubelet may still call."""
+    assert reg.dra_version == DRA_V1
+    stub_class: Any = dra_v1_pb2_grpc.DRAPluginStub  # generated, untyped
+    stub = stub_class(reg.channel)
+    wire = [dra_v1_pb2.Claim(namespace=c.namespace, uid=c.uid, name=c.name) for c in claims]
+    request: Any = (
+        dra_v1_pb2.NodePrepareResourcesRequest(claims=wire)
+        if method == "NodePrepareResources"
+        else dra_v1_pb2.NodeUnprepareResourcesRequest(claims=wire)
+    )
+    response: Any = await getattr(stub, method)(request, timeout=45)
+    return {uid: entry.error for uid, entry in response.claims.items()}
+
+
+async def test_an_agent_taken_over_by_a_surge_pod_stands_down_and_stops_once_it_is_gone(
+    setup: Setup, cluster: Cluster, node_dirs: NodeDirs
+) -> None:
+    """A rolling update with a surge pod: a second agent starts on the same folders,
+    with sockets of its own (its pod's UID) and its own metrics port, and its start
+    takes the checkpoint over. The old agent still answers the kubelet, but refuses to
+    prepare or unprepare, naming the take-over, and leaves the node's slices to the new
+    one. The new one killed, the old one stops with an error rather than refuse every
+    prepare for good; started again, it takes the checkpoint back: it publishes the
+    slices and unprepares what either agent prepared."""
+    kube, driver = setup.kube, setup.driver
+    path = node_dirs.state / "checkpoint.json"
+    old = setup.node
+    old_uid = str(uuid.uuid4())
+    old.start("--pod-uid", old_uid)
+    await _wait_published(kube, driver)
+    refs = []
+    for name in ("before", "during"):
+        claim = await anyio.to_thread.run_sync(setup.allocated_claim, name, _gpu_claim(driver))
+        refs.append(ClaimRef(setup.namespace, claim["metadata"]["uid"], name))
+    before, during = refs
+    new = NodeProcess(cluster, driver, node_dirs)
+    try:
+        async with KubeletStandin(node_dirs.kubelet) as kubelet:
+            old_reg = await kubelet.wait_for_driver(driver, timeout_s=60)
+            assert (await kubelet.prepare(driver, [before]))[before.uid].error is None
+            [spec] = node_dirs.cdi_specs()
+
+            new.start("--pod-uid", str(uuid.uuid4()))
+            # Registered only once its recovery, which takes the checkpoint over, is done.
+            new_reg = await kubelet.wait_for_driver(driver, timeout_s=60, replacing=old_reg)
+            assert new_reg.registration_socket != old_reg.registration_socket
+            assert "gpudra_claim_operations_total" in new.metrics()
+
+            refused = f"checkpoint {path} was changed by another process"
+            answers = await _answers_of(old_reg, "NodePrepareResources", [during])
+            assert refused in answers[during.uid], answers
+            assert "a newer agent on this node took it over" in answers[during.uid], answers
+            answers = await _answers_of(old_reg, "NodeUnprepareResources", [before])
+            assert refused in answers[before.uid], answers
+            assert node_dirs.cdi_specs() == [spec]  # the refused calls touched nothing
+            assert node_dirs.prepared_claims() == [before.uid]
+
+            # The slices deleted: both agents see it, only the new one writes them again.
+            await anyio.to_thread.run_sync(delete_slices, kube, driver)
+            await _wait_published(kube, driver)
+            assert (await kubelet.prepare(driver, [during]))[during.uid].error is None
+            assert len(node_dirs.cdi_specs()) == 2
+
+            assert new.proc is not None
+            new.proc.kill()
+            assert new.wait_exit() == -signal.SIGKILL
+            # A hang guard (the old agent looks every 5 s), not a timing requirement.
+            code, stderr = await anyio.to_thread.run_sync(old.wait_exit_with_stderr)
+            assert code == 1, stderr
+            assert "another agent publishes this node's ResourceSlices now" in stderr
+            assert "the agent that took the checkpoint over is gone" in stderr
+            last = stderr.strip().splitlines()[-1]
+            assert last.startswith("gpudra node: the agents that took the checkpoint over"), last
+
+            # Its restart (the same pod) takes the checkpoint over again.
+            await anyio.to_thread.run_sync(delete_slices, kube, driver)
+            old.start("--pod-uid", old_uid)
+            again = await kubelet.wait_for_driver(driver, timeout_s=60, replacing=new_reg)
+            assert again.registration_socket == old_reg.registration_socket
+            await _wait_published(kube, driver)
+            assert sorted(node_dirs.prepared_claims()) == sorted(r.uid for r in refs)
+            assert await kubelet.unprepare(driver, refs) == {r.uid: None for r in refs}
+            assert node_dirs.cdi_specs() == []
+            assert node_dirs.prepared_claims() == []
+            assert old.stop() == 0
+    finally:
+        if new.proc is not None:
+            new.proc.kill()
+            new.wait_exit()
 
 
 async def test_pod_claims_are_prepared_through_the_running_node(
