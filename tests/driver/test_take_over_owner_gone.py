@@ -13,9 +13,13 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
 
 import anyio
 import anyio.lowlevel
@@ -161,11 +165,12 @@ def test_a_start_refused_leaves_no_owner_file(node: Node) -> None:  # noqa: F811
     assert owner_files(node) == set()
 
 
-def node_service(folders: Node, kube: Kube, nvml: NvmlEmulator) -> NodeService:
-    """`gpudra node` with its kubelet plugin in `folders`, looking at the checkpoint's
-    owner at every turn of the event loop."""
+def node_service(folders: Node, kubelet_root: Path, kube: Kube, nvml: NvmlEmulator) -> NodeService:
+    """`gpudra node` with its kubelet plugin in `folders` (its sockets in `kubelet_root`,
+    which must be short: a unix socket's path is 107 bytes at most), looking at the
+    checkpoint's owner at every turn of the event loop."""
     plugin = PluginConfig(
-        kubelet_root=folders.root / "kubelet",
+        kubelet_root=kubelet_root,
         cdi_root=folders.cdi_dir,
         state_dir=folders.checkpoint.parent,
         dev_root=folders.dev_root,
@@ -178,8 +183,18 @@ def node_service(folders: Node, kube: Kube, nvml: NvmlEmulator) -> NodeService:
     return NodeService(AgentConfig(node_name=NODE, health_events=False), kube, nvml, plugin)
 
 
+@pytest.fixture
+def short_root() -> Iterator[Path]:
+    """A kubelet root short enough for the plugin's sockets wherever the tests' own
+    temporary folders are."""
+    path = Path(tempfile.mkdtemp(dir="/tmp", prefix="gd"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
 async def test_the_node_service_ends_with_an_error_once_the_owner_is_gone(
     node: Node,  # noqa: F811
+    short_root: Path,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     """`gpudra node` serving, taken over: it serves on while the new agent runs, and
@@ -187,7 +202,7 @@ async def test_the_node_service_ends_with_an_error_once_the_owner_is_gone(
     kubelet to restart it) once that agent stops, having logged why."""
     emu = h100()
     async with api_server(ApiServer()) as kube:
-        old = node_service(node, kube, emu)
+        old = node_service(node, short_root, kube, emu)
         with pytest.raises(BaseExceptionGroup) as ended:
             async with anyio.create_task_group() as tg:
                 await tg.start(old.run)
