@@ -13,12 +13,9 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import anyio
@@ -38,6 +35,7 @@ from gpudra.driver.node import NodeService, PluginConfig
 from gpudra.driver.nvml import NvmlEmulator
 from gpudra.driver.owners import owners_folder
 
+from tests.driver.test_plugin import root  # noqa: F401  (the fixture)
 from tests.driver.test_prepare import (
     NODE,
     Node,
@@ -183,18 +181,9 @@ def node_service(folders: Node, kubelet_root: Path, kube: Kube, nvml: NvmlEmulat
     return NodeService(AgentConfig(node_name=NODE, health_events=False), kube, nvml, plugin)
 
 
-@pytest.fixture
-def short_root() -> Iterator[Path]:
-    """A kubelet root short enough for the plugin's sockets wherever the tests' own
-    temporary folders are."""
-    path = Path(tempfile.mkdtemp(dir="/tmp", prefix="gd"))
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
-
-
 async def test_the_node_service_ends_with_an_error_once_the_owner_is_gone(
     node: Node,  # noqa: F811
-    short_root: Path,
+    root: Path,  # noqa: F811  (test_plugin's: short enough for the plugin's sockets)
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     """`gpudra node` serving, taken over: it serves on while the new agent runs, and
@@ -202,7 +191,7 @@ async def test_the_node_service_ends_with_an_error_once_the_owner_is_gone(
     kubelet to restart it) once that agent stops, having logged why."""
     emu = h100()
     async with api_server(ApiServer()) as kube:
-        old = node_service(node, short_root, kube, emu)
+        old = node_service(node, root, kube, emu)
         with pytest.raises(BaseExceptionGroup) as ended:
             async with anyio.create_task_group() as tg:
                 await tg.start(old.run)
