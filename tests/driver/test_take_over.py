@@ -11,6 +11,7 @@ publishing the node's ResourceSlices, which the two would otherwise keep superse
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import anyio
 import anyio.lowlevel
@@ -109,11 +110,20 @@ async def test_an_agent_whose_checkpoint_was_taken_over_changes_no_device(
     assert not any(node.has_spec(c.uid) for c in claims)
 
 
-def node_service(folders: Node, kube: Kube, nvml: NvmlEmulator) -> NodeService:
-    """`gpudra node` with its kubelet plugin in `folders`, sweeping deleted claims at
-    every turn of the event loop."""
+def node_service(
+    folders: Node,
+    kube: Kube,
+    nvml: NvmlEmulator,
+    *,
+    kubelet_root: Path | None = None,
+    **every: float,
+) -> NodeService:
+    """`gpudra node` with its kubelet plugin in `folders`, sampling nothing; `every`
+    sets intervals (`cleanup_interval_s=0`: sweeping deleted claims at every turn of
+    the event loop). A plugin that serves needs a short `kubelet_root`: a unix
+    socket's path is 107 bytes at most."""
     plugin = PluginConfig(
-        kubelet_root=folders.root / "kubelet",
+        kubelet_root=kubelet_root or folders.root / "kubelet",
         cdi_root=folders.cdi_dir,
         state_dir=folders.checkpoint.parent,
         dev_root=folders.dev_root,
@@ -121,7 +131,7 @@ def node_service(folders: Node, kube: Kube, nvml: NvmlEmulator) -> NodeService:
         boot_id_path=folders.boot_id,
         toolkit_spec=False,
         sample_interval_s=0,
-        cleanup_interval_s=0,
+        **every,
     )
     return NodeService(AgentConfig(node_name=NODE, health_events=False), kube, nvml, plugin)
 
@@ -137,7 +147,7 @@ async def test_the_sweep_of_deleted_claims_stops_once_the_checkpoint_is_taken_ov
     asked: list[str] = []
     server = ApiServer(on_request=lambda _method, path: asked.append(path))
     async with api_server(server) as kube:
-        old = node_service(node, kube, emu)
+        old = node_service(node, kube, emu, cleanup_interval_s=0)
         await old.agent.scan()
         assert old.preparer is not None
         await old.preparer.recover()  # its start: the checkpoint is its own
@@ -175,7 +185,7 @@ async def test_the_old_agent_stops_publishing_the_slices_once_its_checkpoint_is_
     emu = h100()
     server = ApiServer()
     async with api_server(server) as kube:
-        old = node_service(node, kube, emu)
+        old = node_service(node, kube, emu, cleanup_interval_s=0)
         await old.agent.scan()
         assert old.preparer is not None and old.agent.health is not None
         await old.preparer.recover()

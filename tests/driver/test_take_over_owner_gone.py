@@ -23,21 +23,16 @@ import anyio.lowlevel
 import pytest
 from anyio.streams.buffered import BufferedByteReceiveStream
 from gpudra.common.files import atomic_write
-from gpudra.common.kube import Kube
-from gpudra.driver.agent import AgentConfig
 from gpudra.driver.checkpoint import (
     CHECKPOINT_MAJOR_VERSION,
     CheckpointOwnerGoneError,
     CheckpointTooNewError,
     load,
 )
-from gpudra.driver.node import NodeService, PluginConfig
-from gpudra.driver.nvml import NvmlEmulator
 from gpudra.driver.owners import owners_folder
 
 from tests.driver.test_plugin import root  # noqa: F401  (the fixture)
 from tests.driver.test_prepare import (
-    NODE,
     Node,
     _fixture_claim,
     h100,
@@ -45,6 +40,7 @@ from tests.driver.test_prepare import (
     node_preparer,
 )
 from tests.driver.test_slices import ApiServer, api_server
+from tests.driver.test_take_over import node_service
 
 pytestmark = pytest.mark.anyio
 
@@ -163,24 +159,6 @@ def test_a_start_refused_leaves_no_owner_file(node: Node) -> None:  # noqa: F811
     assert owner_files(node) == set()
 
 
-def node_service(folders: Node, kubelet_root: Path, kube: Kube, nvml: NvmlEmulator) -> NodeService:
-    """`gpudra node` with its kubelet plugin in `folders` (its sockets in `kubelet_root`,
-    which must be short: a unix socket's path is 107 bytes at most), looking at the
-    checkpoint's owner at every turn of the event loop."""
-    plugin = PluginConfig(
-        kubelet_root=kubelet_root,
-        cdi_root=folders.cdi_dir,
-        state_dir=folders.checkpoint.parent,
-        dev_root=folders.dev_root,
-        proc_root=folders.proc,
-        boot_id_path=folders.boot_id,
-        toolkit_spec=False,
-        sample_interval_s=0,
-        owner_check_s=0,
-    )
-    return NodeService(AgentConfig(node_name=NODE, health_events=False), kube, nvml, plugin)
-
-
 async def test_the_node_service_ends_with_an_error_once_the_owner_is_gone(
     node: Node,  # noqa: F811
     root: Path,  # noqa: F811  (test_plugin's: short enough for the plugin's sockets)
@@ -191,7 +169,7 @@ async def test_the_node_service_ends_with_an_error_once_the_owner_is_gone(
     kubelet to restart it) once that agent stops, having logged why."""
     emu = h100()
     async with api_server(ApiServer()) as kube:
-        old = node_service(node, root, kube, emu)
+        old = node_service(node, kube, emu, kubelet_root=root, owner_check_s=0)
         with pytest.raises(BaseExceptionGroup) as ended:
             async with anyio.create_task_group() as tg:
                 await tg.start(old.run)
