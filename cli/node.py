@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import math
 import os
 import signal
 from collections.abc import Callable
@@ -25,7 +26,7 @@ from gpudra.common.metricsserver import HEAD_DEADLINE_S as METRICS_HEAD_DEADLINE
 from gpudra.common.metricsserver import MAX_CONNECTIONS as METRICS_MAX_CONNECTIONS
 from gpudra.common.metricsserver import MAX_PER_CLIENT as METRICS_MAX_PER_CLIENT
 from gpudra.common.metricsserver import serve_metrics
-from gpudra.driver.accounting import DEFAULT_IDLE_BELOW
+from gpudra.driver.accounting import DEFAULT_IDLE_BELOW, DEFAULT_ZERO_WINDOW_S
 from gpudra.driver.agent import AgentConfig
 from gpudra.driver.checkpoint import CheckpointError
 from gpudra.driver.devices import (
@@ -317,6 +318,17 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         f"(default: {DEFAULT_IDLE_BELOW:g})",
     )
     k.add_argument(
+        "--accounting-zero-window",
+        type=_zero_window_seconds,
+        default=DEFAULT_ZERO_WINDOW_S,
+        metavar="SECONDS",
+        help="serve a new accounting counter at 0 (what it counted in "
+        "gpudra_withheld_*_device_seconds) to every scrape for this long from its first, "
+        "so that each Prometheus scraping at least this often counts its start; keep it "
+        "above the longest scrape interval of any reader (default: "
+        f"{DEFAULT_ZERO_WINDOW_S:g})",
+    )
+    k.add_argument(
         "--claim-status",
         action=argparse.BooleanOptionalAction,
         default=False,
@@ -575,6 +587,22 @@ def _smi_gpus(inventory: Inventory) -> list[SmiGpu]:
     ]
 
 
+def _zero_window_seconds(raw: str) -> float:
+    """--accounting-zero-window: seconds, finite and 0 or more (0: the first scrape
+    only)."""
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value >= 0):
+        msg = (
+            f"{raw!r}: give seconds, 0 or more, longer than the longest scrape interval of "
+            f"any reader of the metrics, e.g. {DEFAULT_ZERO_WINDOW_S:g}"
+        )
+        raise argparse.ArgumentTypeError(msg)
+    return value
+
+
 def _plugin_config(args: argparse.Namespace) -> PluginConfig:
     for flag in ("kubelet_root", "cdi_root", "state_dir", "driver_root", "dev_root", "host_root"):
         path: Path = getattr(args, flag)
@@ -618,6 +646,7 @@ def _plugin_config(args: argparse.Namespace) -> PluginConfig:
         cleanup_interval_s=args.cleanup_interval,
         sample_interval_s=args.sample_interval,
         idle_below=args.idle_threshold,
+        zero_window_s=args.accounting_zero_window,
         claim_status=args.claim_status,
         dra_apis=tuple(args.dra_api or DRA_APIS),
         mps_pod_template=template,

@@ -37,8 +37,9 @@ __all__ = [
 
 _ALLOCATED: Final = "gpudra_allocated_device_seconds_total"
 _IDLE: Final = "gpudra_idle_device_seconds_total"
-# The agent serves a counter's first scrape at zero, for Prometheus's increase(), and
-# what it held back beside it: a sum of the counters as they are adds both.
+# The agent serves a new counter at zero during its first window, for Prometheus's
+# increase(), and what it held back beside it: a sum of the counters as they are adds
+# both, so a report totals the same in the window as after it.
 _SUMMED: Final = {
     _ALLOCATED: _ALLOCATED,
     "gpudra_withheld_allocated_device_seconds": _ALLOCATED,

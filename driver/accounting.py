@@ -77,13 +77,20 @@ created again later starts from zero as a new series, as after an agent restart.
 
 Each new series is first served at zero (`Accounting.serve`): `increase()` takes a
 series' first sample as where it starts, so one first served at its count would never
-have that count billed. Only the keys not served yet are kept for that, and they go
-with their counters.
+have that count billed. Zero is served to every scrape for `zero_window_s`
+(`DEFAULT_ZERO_WINDOW_S`) from the series' first, not to the first scrape only: the
+agent cannot tell its readers apart (two Prometheus servers of an HA pair, `gpudra
+top`, `gpudra report`, a person's curl), and a zero the first of them used up would
+leave every other reader's first sample at the count. Each reader that scrapes at
+least once within the window sees the zero; one that scrapes less often may not. Only
+the keys not served yet and those within their window are kept for that, and they go
+with their counters, or once their window has passed.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -95,6 +102,7 @@ from gpudra.driver.sampling import Sample
 __all__ = [
     "DEFAULT_IDLE_BELOW",
     "DEFAULT_RETAIN_S",
+    "DEFAULT_ZERO_WINDOW_S",
     "STALE_AFTER_INTERVALS",
     "AccountKey",
     "Accounting",
@@ -111,6 +119,10 @@ STALE_AFTER_INTERVALS: Final = 3
 # How long a counter nothing holds a device under is kept: a day, so a report over the
 # last day from the agents' own counters still has the namespaces of the day.
 DEFAULT_RETAIN_S: Final = 24 * 3600.0
+# How long a new counter is served at zero from its first scrape: long enough for every
+# reader scraping at the chart's PodMonitor interval (30 s) or Prometheus's default
+# (1 m) to scrape within it even with one scrape failed or late.
+DEFAULT_ZERO_WINDOW_S: Final = 120.0
 
 # A holder of one device, the same from sample to sample: (claim UID, request).
 _HolderId: TypeAlias = tuple[str, str]
@@ -144,7 +156,7 @@ class IdleDevice:
 class Served:
     """One counter key as a scrape serves it: the GPU-seconds `allocated` and `idle`
     its two series show, and those they hold back (`withheld_allocated`,
-    `withheld_idle`): all of them at the series' first scrape, none after."""
+    `withheld_idle`): all of them during the series' first window, none after."""
 
     allocated: float
     idle: float
@@ -343,7 +355,11 @@ class Accounting:
     """GPU-second counters fed by the sampler; read from the metrics thread."""
 
     def __init__(
-        self, *, idle_below: float = DEFAULT_IDLE_BELOW, retain_s: float = DEFAULT_RETAIN_S
+        self,
+        *,
+        idle_below: float = DEFAULT_IDLE_BELOW,
+        retain_s: float = DEFAULT_RETAIN_S,
+        zero_window_s: float = DEFAULT_ZERO_WINDOW_S,
     ) -> None:
         if not 0 <= idle_below <= 100:
             msg = f"idle threshold {idle_below} is not a percentage (0 to 100)"
@@ -351,13 +367,18 @@ class Accounting:
         if retain_s <= 0:
             msg = f"counter retention {retain_s} must be a positive number of seconds"
             raise ValueError(msg)
+        if not (math.isfinite(zero_window_s) and zero_window_s >= 0):
+            msg = f"zero window {zero_window_s} must be a number of seconds, 0 or more"
+            raise ValueError(msg)
         self.idle_below = idle_below
         self.retain_s = retain_s
+        self.zero_window_s = zero_window_s
         self._held_at: dict[AccountKey, float] = {}  # the latest sample a key had a holder
         self._lock = threading.Lock()
         self._allocated: dict[AccountKey, float] = {}
         self._idle: dict[AccountKey, float] = {}
-        self._unserved: set[AccountKey] = set()  # keys no scrape has served yet
+        # Keys served at zero: until when, on the scrapes' clock (None: not served yet).
+        self._zero_until: dict[AccountKey, float | None] = {}
         self._idle_since: dict[tuple[str, _HolderId], float] = {}
         self._idle_now: tuple[IdleDevice, ...] = ()
         self._last: _Seen | None = None
@@ -401,7 +422,7 @@ class Accounting:
                     key = _account_key(holder)
                     self._held_at[key] = sample.at
                     if key not in self._allocated:
-                        self._unserved.add(key)
+                        self._zero_until[key] = None
                     self._allocated[key] = self._allocated.get(key, 0.0) + seconds
                     if was_idle:
                         self._idle[key] = self._idle.get(key, 0.0) + seconds
@@ -419,24 +440,34 @@ class Accounting:
             del self._held_at[key]
             self._allocated.pop(key, None)
             self._idle.pop(key, None)
-            self._unserved.discard(key)
+            self._zero_until.pop(key, None)
 
-    def serve(self) -> dict[AccountKey, Served]:
-        """The counters as one scrape serves them, that scrape counted as having served
-        each: a series no scrape has served yet shows zero, its GPU-seconds withheld,
-        and its total from the next scrape on.
+    def serve(self, now: float) -> dict[AccountKey, Served]:
+        """The counters as a scrape at `now` serves them: a series shows zero, its
+        GPU-seconds withheld, to every scrape from its first until `zero_window_s`
+        after it, and its total from then on.
 
         Prometheus's `increase()` and `rate()` take a series' first sample as where it
         starts: a new namespace's counter first served at 30 would never have those 30
-        billed. First served at zero, every second is. The withheld GPU-seconds are
+        billed. First served at zero, every second is. The zero is served for a window,
+        not to the first scrape only, because the agent cannot tell one reader from
+        another: a second Prometheus, or `gpudra report` reading the agent first, would
+        otherwise take the zero from the one that bills. The withheld GPU-seconds are
         served beside it for a reader that sums the counters as they are (`gpudra
         report` without Prometheus), which would otherwise miss them.
+
+        `now` is on the sampler's clock (that of `Sample.at`, which the metrics read
+        anyway for the samples' age): the accounting keeps no clock of its own.
         """
         with self._lock:
-            first, self._unserved = self._unserved, set()
+            for key, until in list(self._zero_until.items()):
+                if until is None:
+                    self._zero_until[key] = now + self.zero_window_s
+                elif now >= until:
+                    del self._zero_until[key]
             return {
                 key: Served(0.0, 0.0, seconds, self._idle.get(key, 0.0))
-                if key in first
+                if key in self._zero_until
                 else Served(seconds, self._idle.get(key, 0.0))
                 for key, seconds in self._allocated.items()
             }

@@ -244,7 +244,8 @@ class DeviceMetrics(Collector):
 
     def collect(self) -> Iterator[Metric]:
         latest = self._sampler.latest
-        age = self._sampler.clock() - (latest.at if latest is not None else self._since)
+        now = self._sampler.clock()
+        age = now - (latest.at if latest is not None else self._since)
         bound = stale_after(self._sampler.interval_s)
         fresh = age <= bound
         sample = latest if fresh else None
@@ -303,7 +304,7 @@ class DeviceMetrics(Collector):
         for (uuid, xid), count in sorted((sample.xids if sample is not None else {}).items()):
             xids.add_metric((uuid, str(xid)), count)
         yield xids
-        yield from self._accounts(fresh=fresh)
+        yield from self._accounts(fresh=fresh, now=now)
 
     @staticmethod
     def _freshness(age: float, bound: float) -> Iterator[Metric]:
@@ -320,7 +321,7 @@ class DeviceMetrics(Collector):
         bound_family.add_metric((), bound)
         yield from (age_family, bound_family)
 
-    def _accounts(self, *, fresh: bool) -> Iterator[Metric]:
+    def _accounts(self, *, fresh: bool, now: float) -> Iterator[Metric]:
         allocated = CounterMetricFamily(
             "gpudra_allocated_device_seconds",
             "GPU-seconds allocated to claims (a whole GPU for a second is one; a MIG device "
@@ -334,20 +335,20 @@ class DeviceMetrics(Collector):
         )
         withheld = GaugeMetricFamily(
             "gpudra_withheld_allocated_device_seconds",
-            "GPU-seconds of an allocated counter served at zero in its first scrape, so "
-            "that increase() counts them; the counter has them from the next scrape on.",
+            "GPU-seconds of an allocated counter served at zero during its first window, "
+            "so that increase() counts them; the counter has them once the window ends.",
             labels=_ACCOUNT_LABELS,
         )
         withheld_idle = GaugeMetricFamily(
             "gpudra_withheld_idle_device_seconds",
-            "GPU-seconds of an idle counter served at zero in its first scrape, as above.",
+            "GPU-seconds of an idle counter served at zero during its first window, as above.",
             labels=_ACCOUNT_LABELS,
         )
-        for key, served in sorted(self._accounting.serve().items()):
+        for key, served in sorted(self._accounting.serve(now).items()):
             row = (key.namespace, key.tenant, key.device_class, key.sharing)
             allocated.add_metric(row, served.allocated)
             idle.add_metric(row, served.idle)
-            if served.withheld_allocated:  # a series' first scrape
+            if served.withheld_allocated:  # a series' first window
                 withheld.add_metric(row, served.withheld_allocated)
                 withheld_idle.add_metric(row, served.withheld_idle)
         idle_for = GaugeMetricFamily(

@@ -37,7 +37,7 @@ import anyio
 import anyio.abc
 from gpudra.common.kube import Kube
 from gpudra.common.periodic import run_every
-from gpudra.driver.accounting import DEFAULT_IDLE_BELOW, Accounting
+from gpudra.driver.accounting import DEFAULT_IDLE_BELOW, DEFAULT_ZERO_WINDOW_S, Accounting
 from gpudra.driver.agent import AgentConfig, NodeAgent
 from gpudra.driver.cdi import (
     DEFAULT_CDI_ROOT,
@@ -107,6 +107,8 @@ class PluginConfig:
     # Device telemetry for metrics and accounting: every this many seconds; 0: off.
     sample_interval_s: float = DEFAULT_INTERVAL_S
     idle_below: float = DEFAULT_IDLE_BELOW  # utilization percent under which a device idles
+    # Seconds a new accounting counter is served at zero from its first scrape.
+    zero_window_s: float = DEFAULT_ZERO_WINDOW_S
     claim_status: bool = False  # write status.devices of prepared claims
     # Emulated GPUs: device node numbers for the CDI specs, and the tools' environment.
     device_numbers: DeviceNumbers | None = None
@@ -293,7 +295,7 @@ class NodeService:
         return claims
 
     def _sampler(self, plugin: PluginConfig) -> Sampler:
-        accounting = Accounting(idle_below=plugin.idle_below)
+        accounting = Accounting(idle_below=plugin.idle_below, zero_window_s=plugin.zero_window_s)
         sampler = Sampler(
             self.agent.nvml,
             pool=self.agent.config.node_name,

@@ -370,12 +370,16 @@ def test_legacy_shared_pods_pack_onto_gpus_by_integer_shares(
 
 
 def allocated_seconds(port: int, ns: str) -> dict[str, float]:
-    """The agent's `gpudra_allocated_device_seconds` of one namespace, by sharing."""
+    """The agent's `gpudra_allocated_device_seconds` of one namespace, by sharing, with
+    what a new series withholds while it is served at zero (its first window)."""
     url = f"http://127.0.0.1:{port}/metrics"
     text = get(url, 10)
-    wanted = "gpudra_allocated_device_seconds_total"  # a counter's sample
-    samples = metric_samples(url, text, lambda name: name == wanted)
-    return {s.labels["sharing"]: s.value for s in samples if s.labels["namespace"] == ns}
+    wanted = {"gpudra_allocated_device_seconds_total", "gpudra_withheld_allocated_device_seconds"}
+    found: dict[str, float] = {}
+    for s in metric_samples(url, text, wanted.__contains__):
+        if s.labels["namespace"] == ns:
+            found[s.labels["sharing"]] = found.get(s.labels["sharing"], 0.0) + s.value
+    return found
 
 
 def billed_per_second(port: int, ns: str) -> dict[str, float]:

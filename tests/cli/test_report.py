@@ -14,6 +14,8 @@ from pathlib import Path
 
 import anyio
 import pytest
+from gpudra.common.metricsserver import serve_metrics
+from gpudra.driver.accounting import DEFAULT_ZERO_WINDOW_S
 from prometheus_client import generate_latest
 
 from tests.cli.stubs import gpudra, http_server, serving
@@ -23,7 +25,10 @@ from tests.driver.test_device_metrics import (
     claim,
     emulator,
     inventory_of,
+    only,
+    scrape,
     seven_1g_tenants,
+    values,
 )
 
 
@@ -83,6 +88,53 @@ def test_a_counters_first_scrape_is_counted_with_what_the_agent_withheld() -> No
         pytest.approx(1.0),
         pytest.approx(1.0),
     )
+
+
+def test_a_report_in_a_counters_zero_window_totals_what_it_does_after_it() -> None:
+    """For a window from a new counter's first scrape the agent serves it at zero to
+    every reader, what it counted in the withheld gauges: a report read from the agent
+    at any time in the window totals the same as one read after it."""
+    window = DEFAULT_ZERO_WINDOW_S
+
+    async def held_idle_then_released() -> Node:
+        node = Node(emulator("l4", {"utilization": 1}), interval_s=30)
+        uuid = inventory_of(node.nvml).gpus[0].uuid
+        node.claims = [claim("u1", "team-a", "a", "gpu-0", uuid)]
+        await node.sampler.sample_once()
+        node.clock.now += 30
+        await node.sampler.sample_once()
+        node.claims = []  # released: nothing more billed from here on
+        return node
+
+    node = anyio.run(held_idle_then_released)
+    first_scrape = node.clock.now
+
+    def hours_reported() -> tuple[float, float]:
+        done = report("--metrics", f"node-a={url}", "-o", "json")
+        assert done.returncode == 0, done.stderr
+        [team] = json.loads(done.stdout)["usage"]
+        assert team["namespace"] == "team-a"
+        return team["allocated_hours"], team["idle_hours"]
+
+    server, thread = serve_metrics("127.0.0.1", 0, node.registry)  # as the agent serves
+    try:
+        url = f"http://127.0.0.1:{server.server_port}/metrics"
+        reports: dict[float, tuple[float, float]] = {}
+        for after_s in (0, window / 2, window - 1, window):
+            node.clock.now = first_scrape + after_s
+            anyio.run(node.sampler.sample_once)
+            if after_s < window:  # served at zero to every reader, withheld beside it
+                served = scrape(url)  # another reader
+                assert only(served, "gpudra_allocated_device_seconds_total") == 0
+                assert only(served, "gpudra_withheld_allocated_device_seconds") == 30
+            reports[after_s] = hours_reported()
+        served = scrape(url)
+        assert only(served, "gpudra_allocated_device_seconds_total") == 30
+        assert values(served, "gpudra_withheld_allocated_device_seconds") == []
+    finally:
+        server.shutdown()
+        thread.join()
+    assert set(reports.values()) == {(30 / 3600, 30 / 3600)}
 
 
 class PrometheusServer(HTTPServer):

@@ -14,7 +14,7 @@ import pynvml
 import pytest
 from gpudra.common.kube import Kube
 from gpudra.common.metricsserver import serve_metrics
-from gpudra.driver.accounting import Accounting
+from gpudra.driver.accounting import DEFAULT_ZERO_WINDOW_S, Accounting
 from gpudra.driver.agent import AgentConfig
 from gpudra.driver.checkpoint import Checkpoint, ClaimRecord, ClaimState, DeviceRecord
 from gpudra.driver.claims import ClaimRef, checked_claim
@@ -125,12 +125,13 @@ class Node:
         containers: dict[str, dict[str, str]] | None = None,
         shares: dict[str, int] | None = None,
         interval_s: float = DEFAULT_INTERVAL_S,
+        zero_window_s: float = DEFAULT_ZERO_WINDOW_S,
     ) -> None:
         self.nvml = nvml
         self.inventory = inventory_of(nvml)
         self.claims = list(claims)
         self.clock = Clock()
-        self.accounting = Accounting(idle_below=5)
+        self.accounting = Accounting(idle_below=5, zero_window_s=zero_window_s)
         infos = infos or ClaimInfos()
         self.sampler = Sampler(
             nvml,
@@ -152,17 +153,21 @@ class Node:
     def scrape(self) -> list[tuple[str, dict[str, str], float]]:
         server, thread = serve_metrics("127.0.0.1", 0, self.registry)  # as the agent serves
         try:
-            url = f"http://127.0.0.1:{server.server_port}/metrics"
-            with urllib.request.urlopen(url, timeout=10) as response:
-                text = response.read().decode()
+            return scrape(f"http://127.0.0.1:{server.server_port}/metrics")
         finally:
             server.shutdown()
             thread.join()
-        return [
-            (s.name, s.labels, s.value)
-            for family in text_string_to_metric_families(text)
-            for s in family.samples
-        ]
+
+
+def scrape(url: str) -> list[tuple[str, dict[str, str], float]]:
+    """The samples a metrics endpoint answers: (name, labels, value)."""
+    with urllib.request.urlopen(url, timeout=10) as response:
+        text = response.read().decode()
+    return [
+        (s.name, s.labels, s.value)
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    ]
 
 
 def values(
@@ -354,8 +359,8 @@ async def test_memory_slices_are_billed_by_their_share_and_idle_while_under_thre
     node.clock.now += 100
     await node.sampler.sample_once()
     got = node.scrape()
-    assert only(got, "gpudra_allocated_device_seconds_total", **a) == pytest.approx(50)
-    assert only(got, "gpudra_idle_device_seconds_total", **a) == pytest.approx(25)
+    assert counted(got, "gpudra_allocated_device_seconds_total", **a) == pytest.approx(50)
+    assert counted(got, "gpudra_idle_device_seconds_total", **a) == pytest.approx(25)
     assert values(got, "gpudra_device_idle_seconds") == []
 
 

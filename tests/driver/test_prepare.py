@@ -3171,7 +3171,7 @@ async def test_a_dynamic_mig_device_is_sampled_with_its_holder_while_a_prepare_h
     [mig_uuid] = mig_devices(emu).values()
 
     now = [0.0]
-    accounting = Accounting()
+    accounting = Accounting(zero_window_s=0)  # a new counter at zero to one scrape only
     sampler = Sampler(
         emu,
         pool=NODE,
