@@ -459,9 +459,10 @@ class Admission:
         if not admitted:
             return None
         return (
-            f"{heading}: Kueue Workload {', '.join(sorted(admitted))} was admitted with pods "
-            "that use a template of this name, and Kueue does not charge a template created "
-            "after admission: its pods would get devices the queue did not count. Create it "
+            f"{heading}: Kueue Workload {', '.join(sorted(admitted))} was admitted or counted "
+            "for admission with pods that use a template of this name, and Kueue does not "
+            "read a template again once it counted it: its pods would get devices the queue "
+            "did not count. Create it "
             "before the job, under another name, or once the job has finished or been "
             "deleted (docs/kueue.md)"
         )

@@ -166,17 +166,18 @@ class ApiClaimReader:
         return found
 
     async def workloads_admitted_with(self, namespace: str, template: str) -> list[str]:
-        """The Kueue Workloads of `namespace` holding quota (admitted: ``status.admission``
-        set) and not finished, with a pod set that refers to the ResourceClaimTemplate
-        `template`; none where no Kueue API version this knows is served (its list's
-        first page answers 404). Each template created reads it, and a tenant controls
-        how many Workloads there are: the list is shared and paged (`SharedLists`), and
-        raises its `ListError` where the Workloads cannot all be listed."""
+        """The Kueue Workloads of `namespace` that Kueue counted (`_counted`: admitted,
+        or waiting with the count it will admit them with) and that are not finished,
+        with a pod set that refers to the ResourceClaimTemplate `template`; none where
+        no Kueue API version this knows is served (its list's first page answers 404).
+        Each template created reads it, and a tenant controls how many Workloads there
+        are: the list is shared and paged (`SharedLists`), and raises its `ListError`
+        where the Workloads cannot all be listed."""
         names: set[str] = set()  # a version not served answers its first page 404
 
         def keep(workload: Mapping[str, Any]) -> bool:
             # Only the names are kept, not the Workloads (a tenant decides their size).
-            if _admitted(workload) and template in _templates_of(workload):
+            if _counted(workload) and template in _templates_of(workload):
                 names.add(str((workload.get("metadata") or {}).get("name")))
             return False
 
@@ -224,17 +225,32 @@ def _made_for(claim: Mapping[str, Any], pod_uids: Collection[str]) -> tuple[str,
     return (uid, entry, name) if isinstance(entry, str) and isinstance(name, str) else None
 
 
-def _admitted(workload: Any) -> bool:
-    """Whether a Kueue Workload holds quota: admitted (``status.admission``, which an
-    eviction clears) and not finished."""
+def _counted(workload: Any) -> bool:
+    """Whether Kueue counted a Workload's templates and will not read them again before
+    its pods are made: not finished, and either admitted (``status.admission``, which an
+    eviction clears) or waiting in its queue with a count (``status.resourceRequests``,
+    which Kueue's scheduler writes when the Workload does not fit yet).
+
+    Kueue reads a pending Workload's templates when it queues it and keeps that count;
+    it watches no ResourceClaimTemplate, so a template replaced while the Workload
+    waits is admitted at the count of the one it replaced (Kueue v0.19.2). A Workload
+    Kueue has not counted yet (its template missing, say) and one deactivated
+    (``spec.active: false``, read again when reactivated) are not counted here, so a
+    template may still be created after its Job."""
     status = workload.get("status") if isinstance(workload, dict) else None
-    if not isinstance(status, dict) or not status.get("admission"):
+    if not isinstance(status, dict):
         return False
     conditions = status.get("conditions")
-    return not any(
+    if any(
         isinstance(c, dict) and c.get("type") == "Finished" and c.get("status") == "True"
         for c in (conditions if isinstance(conditions, list) else ())
-    )
+    ):
+        return False
+    if status.get("admission"):
+        return True
+    spec = workload.get("spec")
+    active = spec.get("active", True) if isinstance(spec, dict) else True
+    return active is not False and bool(status.get("resourceRequests"))
 
 
 def _templates_of(workload: Any) -> set[str]:

@@ -295,6 +295,51 @@ async def converting(cluster: Cluster, kube: Kube, tmp_path: Path) -> AsyncItera
         yield
 
 
+def swap_is_refused_until_the_job_goes(kube: Kube, job: str, verdict: str) -> None:
+    """The native Job `job` of team-b has been counted by Kueue: its template deleted and
+    created again asking for eight GPUs is refused by gpudra's claim validation with
+    `verdict` about its Workload; once the Job is deleted the same template is created.
+    The original template is back afterwards."""
+    workload = jobs.workload_of(kube, "team-b", job)
+    assert workload is not None
+    original = kube.get("ResourceClaimTemplate", "one-gpu", "team-b")
+    restored = {
+        "apiVersion": original["apiVersion"],
+        "kind": original["kind"],
+        "metadata": {"name": "one-gpu", "namespace": "team-b"},
+        "spec": original["spec"],
+    }
+    bigger = copy.deepcopy(restored)
+    bigger["spec"]["spec"]["devices"]["requests"][0]["exactly"]["count"] = 8
+    kube.delete("ResourceClaimTemplate", "one-gpu", "team-b")
+    try:
+        with pytest.raises(ApiError) as refused:
+            kube.create(bigger)
+        assert refused.value.status == 403, refused.value
+        message = str(refused.value)
+        assert f"Kueue Workload {workload['metadata']['name']} {verdict}" in message
+        jobs.delete_job(kube, "team-b", job)
+        wait_for(
+            "the Workload gone",
+            lambda: jobs.workload_of(kube, "team-b", job) is None,
+            timeout=60,
+        )
+        kube.create(bigger)
+    finally:
+        with contextlib.suppress(ApiError):
+            kube.delete("ResourceClaimTemplate", "one-gpu", "team-b")
+        wait_for(
+            "the bigger template gone",
+            lambda: (
+                not any(
+                    t["metadata"]["name"] == "one-gpu"
+                    for t in kube.list("ResourceClaimTemplate", "team-b")
+                )
+            ),
+        )
+        kube.create(restored)
+
+
 @pytest.mark.anyio
 async def test_a_template_an_admitted_job_uses_is_not_created_again_bigger(
     kueue: KueueManager, kube: Kube, queues: None, converting: None
@@ -307,44 +352,46 @@ async def test_a_template_an_admitted_job_uses_is_not_created_again_bigger(
     def scenario() -> None:
         jobs.submit(kube, jobs.NATIVE_JOB, "swap", "team-b", node="worker-1")
         wait_for("the Job admitted", lambda: jobs.admitted(kube, "team-b", "swap"))
-        workload = jobs.workload_of(kube, "team-b", "swap")
-        assert workload is not None
-        original = kube.get("ResourceClaimTemplate", "one-gpu", "team-b")
-        restored = {
-            "apiVersion": original["apiVersion"],
-            "kind": original["kind"],
-            "metadata": {"name": "one-gpu", "namespace": "team-b"},
-            "spec": original["spec"],
+        swap_is_refused_until_the_job_goes(kube, "swap", "was admitted")
+
+    await anyio.to_thread.run_sync(scenario)
+
+
+def requested(workload: dict[str, Any] | None, resource: str) -> str | None:
+    """What a pending Workload was counted for `resource` when Kueue last tried to
+    admit it (``status.resourceRequests``, one pod set here), or None before."""
+    for pod_set in ((workload or {}).get("status") or {}).get("resourceRequests") or ():
+        quantity = (pod_set.get("resources") or {}).get(resource)
+        if quantity is not None:
+            return str(quantity)
+    return None
+
+
+@pytest.mark.anyio
+async def test_a_template_a_waiting_job_was_counted_with_is_not_created_again_bigger(
+    kueue: KueueManager, kube: Kube, queues: None, converting: None
+) -> None:
+    """Kueue reads a pending Workload's templates when it queues it and keeps that count
+    in its queue: it watches no ResourceClaimTemplate, so a template replaced while the
+    Workload waits for quota is not read again before admission. The quota is full (a
+    two-GPU legacy Job), a native Job waits, counted `nvidia.com/gpu: 1`; its template
+    deleted and created again asking for eight GPUs is refused, naming the Workload,
+    before the Job is admitted; once the Job is deleted the same template is created."""
+
+    def scenario() -> None:
+        filler = jobs.job_from(jobs.LEGACY_JOB, "fill", "team-a", node="worker-1")
+        filler["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"] = {
+            "nvidia.com/gpu": 2
         }
-        bigger = copy.deepcopy(restored)
-        bigger["spec"]["spec"]["devices"]["requests"][0]["exactly"]["count"] = 8
-        kube.delete("ResourceClaimTemplate", "one-gpu", "team-b")
-        try:
-            with pytest.raises(ApiError) as refused:
-                kube.create(bigger)
-            assert refused.value.status == 403, refused.value
-            message = str(refused.value)
-            assert f"Kueue Workload {workload['metadata']['name']} was admitted" in message
-            jobs.delete_job(kube, "team-b", "swap")
-            wait_for(
-                "the Workload gone",
-                lambda: jobs.workload_of(kube, "team-b", "swap") is None,
-                timeout=60,
-            )
-            kube.create(bigger)
-        finally:
-            with contextlib.suppress(ApiError):
-                kube.delete("ResourceClaimTemplate", "one-gpu", "team-b")
-            wait_for(
-                "the bigger template gone",
-                lambda: (
-                    not any(
-                        t["metadata"]["name"] == "one-gpu"
-                        for t in kube.list("ResourceClaimTemplate", "team-b")
-                    )
-                ),
-            )
-            kube.create(restored)
+        kube.create(filler)
+        wait_for("the two-GPU Job admitted", lambda: jobs.admitted(kube, "team-a", "fill"))
+        jobs.submit(kube, jobs.NATIVE_JOB, "waits", "team-b", node="worker-1")
+        wait_for(
+            "the waiting Job counted nvidia.com/gpu: 1",
+            lambda: requested(jobs.workload_of(kube, "team-b", "waits"), "nvidia.com/gpu") == "1",
+        )
+        assert not jobs.workload_admitted(kube, "team-b", "waits")
+        swap_is_refused_until_the_job_goes(kube, "waits", "was admitted or counted")
 
     await anyio.to_thread.run_sync(scenario)
 
