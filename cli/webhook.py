@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import socket
 import ssl
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import anyio
 from gpudra.api.config import (
@@ -36,6 +38,7 @@ from gpudra.api.tenants import LabelSelector, quota_key
 from gpudra.cli.cluster import add_kubeconfig
 from gpudra.common.eventloop import run_event_loop
 from gpudra.common.kube import Kube
+from gpudra.common.leader import LeaderElector
 from gpudra.common.openfiles import raise_open_files_limit
 from gpudra.webhook import registration
 from gpudra.webhook.cabundle import (
@@ -54,6 +57,7 @@ from gpudra.webhook.certs import (
 )
 from gpudra.webhook.convert import DEFAULT_POLICY, ConversionPolicy, is_legacy_resource
 from gpudra.webhook.device_classes import DeviceClassCache
+from gpudra.webhook.metrics import QuotaLeader
 from gpudra.webhook.pod_security import ENFORCE_LABEL, LEVELS, PRIVILEGED
 from gpudra.webhook.renewal import ServingRenewal
 from gpudra.webhook.server import ServerConfig, WebhookServer
@@ -64,6 +68,10 @@ from gpudra.webhook.validate import driver_classes
 from pydantic import ValidationError
 
 log = logging.getLogger(__name__)
+
+QUOTA_LEASE: Final = "gpudra-webhook-tenant-quotas"
+"""The Lease whose holder is the one replica writing the tenants' ResourceQuotas (the
+chart's Role grants it by this name)."""
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -174,6 +182,35 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="apply GpuTenant rules and keep their ResourceQuotas (default: on)",
     )
     p.add_argument(
+        "--leader-elect",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="with --tenants: only the replica holding the Lease --leader-elect-lease-name "
+        "writes the tenants' ResourceQuotas, so replicas of two releases never overwrite "
+        "each other's during a rollout; the others keep their caches and admit as usual "
+        "(default: on)",
+    )
+    p.add_argument(
+        "--leader-elect-lease-name",
+        default=QUOTA_LEASE,
+        type=_lease_name,
+        metavar="NAME",
+        help=f"the coordination.k8s.io Lease of the quota writer (default: {QUOTA_LEASE})",
+    )
+    p.add_argument(
+        "--leader-elect-lease-namespace",
+        default=None,
+        metavar="NAMESPACE",
+        help="the Lease's namespace (default: --namespace)",
+    )
+    p.add_argument(
+        "--leader-elect-identity",
+        default=None,
+        metavar="ID",
+        help="this replica's name in the Lease, unique among the replicas (default: "
+        "$POD_NAME, which the chart sets from the pod's name, else the host name)",
+    )
+    p.add_argument(
         "--pod-security-default",
         choices=LEVELS,
         default=PRIVILEGED,
@@ -270,6 +307,31 @@ def _device_class_name(raw: str) -> str:
             "tenants' quota keys)"
         )
     return raw
+
+
+def _lease_name(raw: str) -> str:
+    """--leader-elect-lease-name: a Lease's name is a DNS subdomain."""
+    if problem := dns_subdomain_problem(raw):
+        raise argparse.ArgumentTypeError(
+            f"{raw!r} {problem}; give a Lease name such as {QUOTA_LEASE}, the one the "
+            "chart's Role grants"
+        )
+    return raw
+
+
+def quota_leader(args: argparse.Namespace, kube: Kube) -> LeaderElector | None:
+    """The elector of the one quota writer, as the flags ask; None where every replica
+    writes (--no-leader-elect) or none does (--no-tenants). Identity: the pod's name
+    from the downward API ($POD_NAME); with hostNetwork the host name is the node's."""
+    if not (args.tenants and args.leader_elect):
+        return None
+    identity = args.leader_elect_identity or os.environ.get("POD_NAME") or socket.gethostname()
+    return LeaderElector(
+        kube,
+        name=args.leader_elect_lease_name,
+        namespace=args.leader_elect_lease_namespace or args.namespace,
+        identity=identity,
+    )
 
 
 def _label_selector(raw: str) -> dict[str, Any]:
@@ -478,6 +540,7 @@ def run(args: argparse.Namespace) -> int:
                 extra_classes=args.device_class,
                 pod_security_default=args.pod_security_default,
                 own_namespace=args.namespace,
+                leader=quota_leader(args, kube),
             )
             if args.tenants
             else None
@@ -513,6 +576,8 @@ def run(args: argparse.Namespace) -> int:
             ready=ready,
             device_classes=classes.configs if classes is not None else None,
         )
+        if tenants is not None and tenants.leader is not None:
+            server.registry.register(QuotaLeader(lambda: tenants.writing))
         health = None
         if args.client_ca_file is not None:
             try:

@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-__all__ = ["PodSecurityGaps", "WebhookMetrics"]
+__all__ = ["PodSecurityGaps", "QuotaLeader", "WebhookMetrics"]
 
 _LATENCY_BUCKETS: Final = (
     0.0005,
@@ -129,4 +129,31 @@ class PodSecurityGaps(Collector):
         family = self._family()
         for namespace, tenants in self._namespaces().items():
             family.add_metric([namespace, ",".join(tenants)], 1)
+        yield family
+
+
+class QuotaLeader(Collector):
+    """``gpudra_webhook_quota_leader``: 1 on the replica that writes the tenants'
+    ResourceQuotas (it holds the lease), 0 on the others; read at each scrape, so a
+    replica past its renew deadline shows 0 at once. Summed over the replicas it is 1
+    while quotas are kept, and 0 during a handover or while no replica can renew."""
+
+    NAME: Final = "gpudra_webhook_quota_leader"
+
+    def __init__(self, leading: Callable[[], bool]) -> None:
+        self._leading = leading
+
+    def _family(self) -> GaugeMetricFamily:
+        return GaugeMetricFamily(
+            self.NAME,
+            "1 where this webhook replica leads, and so writes, the tenants' ResourceQuotas "
+            "(it holds the leader election Lease); 0 where it only follows.",
+        )
+
+    def describe(self) -> Iterator[Metric]:
+        yield self._family()
+
+    def collect(self) -> Iterator[Metric]:
+        family = self._family()
+        family.add_metric([], 1 if self._leading() else 0)
         yield family

@@ -25,6 +25,13 @@ A reconcile runs after every event of an owned quota, and the quota controller u
 each quota's status whenever a claim comes or goes, so a pass must cost little where
 nothing changed: a quota found as desired is not parsed again until it or its desired
 spec changes (`_checked`).
+
+Several replicas run this controller, each with all its watches and `TenantState`
+(admission reads it), but with a `LeaderElector` only the one holding the lease writes
+quotas: during a rollout two releases may want different quotas (one counts another
+DeviceClass) and would otherwise overwrite each other until the old pods are gone.
+Leadership is checked before each write, so a replica that stops leading mid-pass
+writes nothing more; one that gains it reconciles at once, from its warm caches.
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ import anyio.abc
 from gpudra.api.tenants import PATH, excluded_namespaces
 from gpudra.common.backoff import Backoff
 from gpudra.common.kube import ApiError, Kube
+from gpudra.common.leader import LeaderElector
 from gpudra.common.reconcile import ReconcileLoop
 from gpudra.common.watch import Reflector
 from gpudra.webhook.convert import DEFAULT_POLICY, ConversionPolicy
@@ -85,6 +93,7 @@ class TenantController:
         own_namespace: str = "gpudra",
         foreign_retry_s: float = FOREIGN_RETRY_S,
         clock: Callable[[], float] = time.monotonic,
+        leader: LeaderElector | None = None,
     ) -> None:
         self.kube = kube
         self.backoff_max_s = backoff_max_s
@@ -111,6 +120,21 @@ class TenantController:
         # tenant label it was found to hold): not parsed again while all are the same.
         self._checked: dict[str, tuple[tuple[Any, Any], Mapping[str, str], str]] = {}
         self._reported_open: Mapping[str, tuple[str, ...]] = {}
+        # Without an elector this replica is the only writer (one replica, or tests).
+        self.leader = leader
+        if leader is not None:
+            leader.on_change(self._leadership_changed)
+
+    @property
+    def writing(self) -> bool:
+        """Whether this replica writes the quotas now: it leads, or no election is held."""
+        return self.leader is None or self.leader.leading
+
+    def _leadership_changed(self, leading: bool) -> None:
+        """A new leader catches up at once: the quotas may have drifted, or been written
+        by a release that wants them otherwise, while another replica led."""
+        if leading:
+            self._reconciler.poke()
 
     @property
     def ready(self) -> bool:
@@ -138,6 +162,8 @@ class TenantController:
                 tg.start_soon(reflector.run)
             await tg.start(self._reconciler.run)
             tg.start_soon(self._retry_foreign)
+            if self.leader is not None:
+                tg.start_soon(self.leader.run)
             task_status.started()
 
     async def _retry_foreign(self) -> None:
@@ -174,7 +200,9 @@ class TenantController:
         failures: list[ApiError] = []
         for namespace, have in sorted(state.quotas.items()):
             if namespace not in desired:
-                writes += await self._write(namespace, self._delete(namespace, have), failures)
+                writes += await self._write(
+                    namespace, functools.partial(self._delete, namespace, have), failures
+                )
         now = self._clock()
         for namespace, (hard, tenant) in sorted(desired.items()):
             current = state.quotas.get(namespace)
@@ -185,7 +213,7 @@ class TenantController:
                 found = self._foreign.get(namespace)
                 if found is not None and now - found < self._foreign_retry_s:
                     continue
-                action = self._create(namespace, hard, tenant)
+                action = functools.partial(self._create, namespace, hard, tenant)
                 writes += await self._write(namespace, action, failures)
                 continue
             meta = current["metadata"]
@@ -195,13 +223,13 @@ class TenantController:
             if set(current.get("spec") or {}) - {"hard"}:
                 # A scope would make it count no claim, and the API server refuses to
                 # change a quota's scopes: made again (the next pass creates it).
-                action = self._delete(namespace, current)
+                action = functools.partial(self._delete, namespace, current)
                 writes += await self._write(namespace, action, failures)
             elif (
                 not quota_spec_is(current, hard)
                 or (current["metadata"].get("labels") or {}).get(TENANT_LABEL) != tenant
             ):
-                action = self._update(current, hard, tenant)
+                action = functools.partial(self._update, current, hard, tenant)
                 writes += await self._write(namespace, action, failures)
             else:
                 self._checked[namespace] = (version, hard, tenant)
@@ -236,12 +264,14 @@ class TenantController:
             )
 
     async def _write(
-        self, namespace: str, action: Awaitable[None], failures: list[ApiError]
+        self, namespace: str, action: Callable[[], Awaitable[None]], failures: list[ApiError]
     ) -> int:
         """1 when `action` wrote; a failure other than a gone or terminating namespace is
-        logged and added to `failures`."""
+        logged and added to `failures`. Nothing is written unless this replica leads."""
+        if not self.writing:
+            return 0
         try:
-            await action
+            await action()
         except ApiError as exc:
             if exc.status == 404:  # namespace or quota already gone
                 self.state.put_quota(namespace, None)
@@ -329,7 +359,7 @@ class TenantController:
                 if exc.status != 409 or attempt + 1 == _UPDATE_ATTEMPTS:
                     raise
                 latest = await self.kube.request("GET", path)
-                if latest["metadata"].get("uid") != meta.get("uid"):
+                if latest["metadata"].get("uid") != meta.get("uid") or not self.writing:
                     raise
                 have = latest
         self.state.put_quota(namespace, updated)

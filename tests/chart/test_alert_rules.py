@@ -83,7 +83,7 @@ def rendered_rules(helm: Path, tmp_path: Path) -> Path:
 
 def test_the_rules_pass_promtool_check(helm: Path, prometheus_bin: Path, tmp_path: Path) -> None:
     out = p.promtool(prometheus_bin, "check", "rules", str(rendered_rules(helm, tmp_path)))
-    assert "SUCCESS: 12 rules found" in out
+    assert "SUCCESS: 13 rules found" in out
 
 
 def silent_xids(helm: Path, values: Mapping[str, Any]) -> set[int]:
@@ -468,6 +468,44 @@ def test_each_alert_fires_when_it_should_and_only_then(
             ],
         },
         {
+            # Replica .8 leads, drops the Lease for 2m (a handover: no alert), leads
+            # again and then loses it at 20m; .9 takes it only at 42m: one alert between.
+            "name": "no webhook replica writes the tenants' quotas",
+            "interval": "1m",
+            "input_series": [
+                {
+                    "series": p.series(
+                        "gpudra_webhook_quota_leader", {**WEBHOOK_SCRAPE, "instance": instance}
+                    ),
+                    "values": values,
+                }
+                for instance, values in (
+                    ("10.0.0.8:8443", "1x9 0x1 1x7 0x40"),
+                    ("10.0.0.9:8443", "0x41 1x20"),
+                )
+            ],
+            "alert_rule_test": [
+                {"eval_time": "15m", "alertname": "GpudraTenantQuotasUnwritten", "exp_alerts": []},
+                {
+                    "eval_time": "27m",
+                    "alertname": "GpudraTenantQuotasUnwritten",
+                    "exp_alerts": [
+                        alert(
+                            {},
+                            "warning",
+                            summary="No GPU admission webhook replica writes the tenants' "
+                            "ResourceQuotas",
+                            description="None holds the Lease gpudra-webhook-tenant-quotas: "
+                            "quotas stay as they were written, and new or changed GpuTenants "
+                            "get none. See the webhook's log (leader election) and its "
+                            "permissions on Leases in its namespace.",
+                        )
+                    ],
+                },
+                {"eval_time": "50m", "alertname": "GpudraTenantQuotasUnwritten", "exp_alerts": []},
+            ],
+        },
+        {
             # Two replicas report the namespace until it is labelled at 30m: one alert.
             "name": "a tenant namespace without Pod Security",
             "interval": "1m",
@@ -692,11 +730,13 @@ def test_a_scraped_pods_own_webhook_series_fire_no_webhook_alert(
             {**pod, "exported_namespace": UNENFORCED["namespace"], "tenant": UNENFORCED["tenant"]},
             "1x160",
         ),
+        "gpudra_webhook_quota_leader": (pod, "0x160"),
     }
     quiet = [
         ("GpudraWebhookDenialsRising", "150m"),
         ("GpudraWebhookConnectionsShed", "35m"),
         ("GpudraTenantNamespaceWithoutPodSecurity", "15m"),
+        ("GpudraTenantQuotasUnwritten", "15m"),
     ]
     unit = {
         "rule_files": ["rules.yaml"],

@@ -20,7 +20,7 @@ from gpudra.driver.metrics import ClaimMetrics, DeviceMetrics
 from gpudra.driver.nvml.emulator import NvmlEmulator, load_builtin_profile
 from gpudra.driver.sampling import Sampler
 from gpudra.webhook.certs import generate_ca, service_dns_names
-from gpudra.webhook.metrics import PodSecurityGaps, WebhookMetrics
+from gpudra.webhook.metrics import PodSecurityGaps, QuotaLeader, WebhookMetrics
 from prometheus_client import CollectorRegistry
 
 from e2e.tools import helm as h
@@ -49,6 +49,7 @@ def exported_series() -> set[str]:
     ClaimMetrics(registry)
     WebhookMetrics(registry)
     registry.register(PodSecurityGaps(dict))
+    registry.register(QuotaLeader(lambda: True))
     sampler = Sampler(
         NvmlEmulator(load_builtin_profile("l4")),
         pool="n",
@@ -80,6 +81,7 @@ def test_every_alert_is_complete_and_asks_for_exported_series(helm: Path) -> Non
         "GpudraScrapeFailing",
         "GpudraWebhookDenialsRising",
         "GpudraWebhookConnectionsShed",
+        "GpudraTenantQuotasUnwritten",
         "GpudraTenantNamespaceWithoutPodSecurity",
     }
     exported = exported_series()

@@ -4,12 +4,13 @@ policy, so converted claims and validation agree with the DeviceClasses and node
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 from typing import Any
 
 import pytest
 from gpudra.cli.main import build_parser
-from gpudra.cli.webhook import conversion_policy, run, server_config
+from gpudra.cli.webhook import conversion_policy, quota_leader, run, server_config
 from gpudra.webhook.convert import ConversionPolicy, convert_pod
 from gpudra.webhook.transport import HttpConfig
 from gpudra.webhook.validate import driver_classes, validate_claim_object
@@ -251,3 +252,22 @@ def test_a_device_class_that_would_make_no_quota_key_is_refused_at_start(
         policy(f"--device-class={name}")
     assert "argument --device-class" in capsys.readouterr().err
     assert policy("--device-class=a100-80gb.example.com") is not None
+
+
+def test_the_quota_writer_is_elected_on_the_pods_name_in_the_webhooks_namespace(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("POD_NAME", "gpudra-webhook-7d9f-x2x4z")
+
+    def parse(*flags: str) -> argparse.Namespace:
+        return build_parser().parse_args(["webhook", "--cert-dir=certs", *flags])
+
+    leader = quota_leader(parse("--namespace=gpu-system"), None)  # type: ignore[arg-type]
+    assert leader is not None
+    assert (leader.name, leader.namespace) == ("gpudra-webhook-tenant-quotas", "gpu-system")
+    assert leader.identity == "gpudra-webhook-7d9f-x2x4z"
+    assert quota_leader(parse("--no-leader-elect"), None) is None  # type: ignore[arg-type]
+    assert quota_leader(parse("--no-tenants"), None) is None  # type: ignore[arg-type]
+    with pytest.raises(SystemExit):
+        parse("--leader-elect-lease-name=Not_A_Name")
+    assert "--leader-elect-lease-name: 'Not_A_Name'" in capsys.readouterr().err

@@ -9,18 +9,22 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+import anyio
 import pytest
 from gpudra.api.quantity import parse_quantity
 from gpudra.api.tenants import API_VERSION, parse_tenant
 from gpudra.common.kube import ApiError
+from gpudra.common.leader import LeaderElector
 from gpudra.webhook import tenants as tenants_module
 from gpudra.webhook.convert import ConversionPolicy, DeviceKind, convert_pod
-from gpudra.webhook.metrics import PodSecurityGaps
+from gpudra.webhook.metrics import PodSecurityGaps, QuotaLeader
 from gpudra.webhook.tenant_rules import Lookup, QuotaUsage, TenantRules, claim_devices, policy_for
 from gpudra.webhook.tenant_state import QUOTA_NAME, TENANT_LABEL, TenantState
 from gpudra.webhook.tenants import MANAGED_BY_LABEL, MANAGED_BY_VALUE, TenantController
 from prometheus_client import CollectorRegistry, generate_latest
 
+from tests.common.leases import Clock as LeaseClock
+from tests.common.leases import LeaseApi
 from tests.webhook.quotas import KEY, quota
 
 
@@ -969,3 +973,45 @@ def test_the_controllers_own_write_does_not_undo_a_later_event_of_its_quota() ->
     s.put_quota("a", newer)
     usage = s.quota_usage("a")
     assert usage is not None and usage.hard["gpu.nvidia.com"] == 3
+
+
+@pytest.mark.anyio
+async def test_only_the_replica_leading_the_lease_writes_quotas_and_a_new_leader_at_once() -> None:
+    """A follower keeps its state (admission reads it) but writes no quota; gaining the
+    lease pokes the reconcile loop, which writes with no other change to wake it."""
+    server, leases, clock = QuotaServer(), LeaseApi(), LeaseClock()
+    holder, elector = (
+        LeaderElector(
+            leases,  # type: ignore[arg-type]
+            name="quota-writer",
+            namespace="gpudra",
+            identity=identity,
+            clock=clock,
+        )
+        for identity in ("old-release", "new-release")
+    )
+    controller = TenantController(server, leader=elector)  # type: ignore[arg-type]
+    registry = CollectorRegistry()
+    registry.register(QuotaLeader(lambda: controller.writing))
+    assert await holder.try_acquire_or_renew()
+    assert not await elector.try_acquire_or_renew()
+    spec = {"namespaces": ["ns"], "deviceQuota": {"gpu.nvidia.com": 2}}
+    controller.state.replace("tenants", [tenant("team-a", **spec)])
+    controller.state.replace("namespaces", [namespace("ns")])
+    controller.state.replace("quotas", [])
+    assert await controller.reconcile_once() == 0
+    assert server.objs == {} and controller.writes == 0
+    assert controller.ready  # readiness and admission read the same state as before
+    assert "gpudra_webhook_quota_leader 0.0" in generate_latest(registry).decode()
+
+    async with anyio.create_task_group() as tg:
+        await tg.start(controller._reconciler.run)
+        await holder.release()
+        assert await elector.try_acquire_or_renew()
+        with anyio.fail_after(60):
+            while "ns" not in server.objs:
+                await anyio.sleep(0.01)
+        tg.cancel_scope.cancel()
+    assert server.objs["ns"]["spec"]["hard"][KEY] == "2"
+    assert controller.writes == 1
+    assert "gpudra_webhook_quota_leader 1.0" in generate_latest(registry).decode()

@@ -19,7 +19,9 @@ from typing import Any
 
 import anyio
 import pytest
+from gpudra.cli.webhook import QUOTA_LEASE
 from gpudra.common.kube import Kube as AsyncKube
+from gpudra.common.leader import LeaderElector
 from gpudra.webhook import registration
 from gpudra.webhook.cabundle import CABundleController, ConfigurationKind, WebhookConfiguration
 from gpudra.webhook.certs import generate_ca
@@ -30,7 +32,7 @@ from gpudra.webhook.tenants import MANAGED_BY_LABEL, MANAGED_BY_VALUE, TenantCon
 from e2e import smoke
 from e2e.cluster.kube import ApiError, wait_for
 from e2e.cluster.kube import Kube as SyncKube
-from e2e.tenant_user import TenantUser, service_account_token, token_kubeconfig
+from e2e.tenant_user import TenantUser, service_account_token, tenant_user, token_kubeconfig
 from e2e.tests.escape.test_rbac import denied
 from e2e.tests.test_chart import apply, delete, helm, kubectl  # noqa: F401 - fixtures
 from e2e.tools import helm as h
@@ -58,8 +60,8 @@ def webhook_rbac(
     kube: SyncKube,
     kubectl: list[str],  # noqa: F811
 ) -> Iterator[list[dict[str, Any]]]:
-    """The chart's webhook ServiceAccount, ClusterRole and admission policies (default
-    values: tls.source=self, tenants on), installed for real."""
+    """The chart's webhook ServiceAccount, ClusterRole, leader-election Role and
+    admission policies (default values: tls.source=self, tenants on), installed for real."""
 
     def settled() -> bool:  # a run just before may still be removing the namespace
         found = kube.get_or_none("Namespace", NAMESPACE)
@@ -71,6 +73,8 @@ def webhook_rbac(
         "ServiceAccount",
         "ClusterRole",
         "ClusterRoleBinding",
+        "Role",
+        "RoleBinding",
         "ValidatingAdmissionPolicy",
         "ValidatingAdmissionPolicyBinding",
     }
@@ -395,3 +399,68 @@ async def test_the_webhook_writes_only_its_own_device_quota(
     err = denied(user.request, "DELETE", quota_path)
     assert err.status == 403 and "may only write the ResourceQuotas it made" in str(err), err
     assert kube.get("ResourceQuota", QUOTA_NAME, admins)["spec"]["hard"] == {"pods": "10"}
+
+
+def lease(name: str, holder: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "coordination.k8s.io/v1",
+        "kind": "Lease",
+        "metadata": {"name": name, "namespace": NAMESPACE},
+        "spec": {"holderIdentity": holder, "leaseDurationSeconds": 3600},
+    }
+
+
+async def test_a_tenant_cannot_take_or_break_the_quota_writers_lease(
+    kube: SyncKube,
+    webhook_user: TenantUser,
+    webhook_kube: AsyncKube,
+    tenant_namespaces: tuple[str, str],
+) -> None:
+    """Whoever holds the Lease is the one replica writing tenants' quotas: a tenant that
+    could hold it, or delete it again and again, would stop quota writes (a replica
+    follows a live lease it does not hold). The chart's Role lets only the webhook's
+    ServiceAccount write it, and that account no other Lease but by creating one."""
+    ns, _ = tenant_namespaces
+    leases = f"/apis/coordination.k8s.io/v1/namespaces/{NAMESPACE}/leases"
+    path = f"{leases}/{QUOTA_LEASE}"
+    # The webhook's own elector, with its token: takes, renews and releases the lease.
+    elector = LeaderElector(
+        webhook_kube, name=QUOTA_LEASE, namespace=NAMESPACE, identity="webhook-pod-a"
+    )
+
+    def granted() -> bool:  # a just-applied RoleBinding takes effect within moments
+        try:
+            webhook_user.request("GET", path)
+        except ApiError as e:
+            return e.status == 404
+        return True
+
+    wait_for("the webhook's Role to take effect", granted, timeout=30)
+    assert await elector.try_acquire_or_renew()
+    assert await elector.try_acquire_or_renew()
+    assert kube.request("GET", path)["spec"]["holderIdentity"] == "webhook-pod-a"
+
+    tenant = tenant_user(kube, ns)
+    stolen = kube.request("GET", path)
+    stolen["spec"]["holderIdentity"] = "tenant"
+    for method, target, body in (
+        ("GET", path, None),
+        ("PUT", path, stolen),
+        ("PATCH", path, {"spec": {"holderIdentity": "tenant"}}),
+        ("DELETE", path, None),
+        ("POST", leases, lease("decoy", "tenant")),
+    ):
+        err = denied(tenant.request, method, target, body)
+        assert err.status == 403, (method, err)
+    assert kube.request("GET", path)["spec"]["holderIdentity"] == "webhook-pod-a"
+
+    # The webhook's account itself cannot delete its lease, nor write another one.
+    err = denied(webhook_user.request, "DELETE", path)
+    assert err.status == 403, err
+    kube.request("POST", leases, lease("other-controller", "someone"))
+    other = f"{leases}/other-controller"
+    err = denied(webhook_user.request, "PUT", other, lease("other-controller", "webhook"))
+    assert err.status == 403, err
+
+    await elector.release()
+    assert kube.request("GET", path)["spec"]["holderIdentity"] == ""
