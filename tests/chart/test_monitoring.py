@@ -327,3 +327,48 @@ def test_the_agent_may_read_tenants_and_namespaces_only_while_it_samples(
     # Pods it reads either way: the sweep of deleted claims asks whether a claim's pod
     # still runs on the node.
     assert watched({"node": {"sampleIntervalSeconds": 0}}) == [("", "pods", "get")]
+
+
+def test_the_accounting_zero_window_reaches_the_agent(helm: Path) -> None:
+    (ds,) = [
+        o
+        for o in h.template(helm, {"node": {"accountingZeroWindowSeconds": 300}})
+        if o["kind"] == "DaemonSet"
+    ]
+    assert "--accounting-zero-window=300" in ds["spec"]["template"]["spec"]["containers"][0]["args"]
+
+
+@pytest.mark.parametrize(
+    ("interval", "window", "fix"),
+    [("1m", 90, 120), ("2m", 120, 240), ("1h", 3600, 7200), ("45s", 60, 90)],
+)
+def test_a_zero_window_shorter_than_two_scrapes_is_refused_naming_the_fix(
+    helm: Path, interval: str, window: int, fix: int
+) -> None:
+    """A Prometheus that misses one scrape of a new counter's window would see it first
+    at its count, and bill less than was used: the chart refuses such a window."""
+    values = {
+        "monitoring": {"podMonitor": {"enabled": True, "interval": interval}},
+        "node": {"accountingZeroWindowSeconds": window},
+    }
+    with pytest.raises(h.HelmFailed) as failure:
+        h.template(helm, values)
+    assert f"node.accountingZeroWindowSeconds={window} is shorter than two scrapes" in str(
+        failure.value
+    )
+    assert f"Set node.accountingZeroWindowSeconds to {fix} or more" in str(failure.value)
+
+
+@pytest.mark.parametrize(("interval", "window"), [("30s", 60), ("1m", 120), ("2m", 300)])
+def test_a_zero_window_holding_two_scrapes_renders(helm: Path, interval: str, window: int) -> None:
+    values = {
+        "monitoring": {"podMonitor": {"enabled": True, "interval": interval}},
+        "node": {"accountingZeroWindowSeconds": window},
+    }
+    assert p.pod_monitor(h.template(helm, values), "node")
+
+
+def test_the_zero_window_is_set_by_its_value_not_extra_args(helm: Path) -> None:
+    with pytest.raises(h.HelmFailed) as failure:
+        h.template(helm, {"node": {"extraArgs": ["--accounting-zero-window=10"]}})
+    assert "set node.accountingZeroWindowSeconds instead" in str(failure.value)
