@@ -56,6 +56,9 @@ ADOPTED = (
     ("CustomResourceDefinition", "gputenants.gpudra.io"),
 )
 SIGKILL_EXIT = 128 + 9
+# `gpudra node` flags the chart sets from values of its own, and refuses in
+# node.extraArgs so that it can check them: given to `agent_flags`, they set the value.
+VALUE_FLAGS = {"--accounting-zero-window": "accountingZeroWindowSeconds"}
 RELEASE_BUILD = REPO / "e2e" / "tools" / "build-release.sh"
 
 
@@ -182,7 +185,7 @@ class ChartStack(NodeGpus):
                 "hostNetwork": True,
                 "metricsPort": self.ports["metrics"],
                 "nodeSelector": pin,
-                "extraArgs": ["--cleanup-interval=5", *(node_args or [])],
+                "extraArgs": ["--cleanup-interval=5"],
             },
             "webhook": {
                 "hostNetwork": True,
@@ -190,6 +193,12 @@ class ChartStack(NodeGpus):
                 "nodeSelector": pin,
             },
         }
+        for arg in node_args or []:
+            flag, _, value = arg.partition("=")
+            if flag in VALUE_FLAGS:
+                values["node"][VALUE_FLAGS[flag]] = float(value) if "." in value else int(value)
+            else:
+                values["node"]["extraArgs"].append(arg)
         if driver_root is not None:
             values["node"]["driverRoot"] = str(driver_root)
         return values
@@ -425,6 +434,9 @@ class ChartStack(NodeGpus):
         env = {"KUBERNETES_SERVICE_PORT": str(api["port"]) if api.get("host") else None}
 
         driver_root = values["node"].get("driverRoot")
+        node = values["node"]
+        valued = [f"{flag}={node[key]}" for flag, key in VALUE_FLAGS.items() if key in node]
+        args = [*node["extraArgs"], *valued]
 
         def rolled() -> bool:
             pods = [p for p in kube.list("Pod", NAMESPACE) if _agent(p)]
@@ -435,7 +447,7 @@ class ChartStack(NodeGpus):
             roots = [a for a in container["args"] if a.startswith("--driver-root=")]
             return (
                 container["image"] == image
-                and all(a in container["args"] for a in values["node"]["extraArgs"])
+                and all(a in container["args"] for a in args)
                 and roots == ([f"--driver-root={driver_root}"] if driver_root else [])
                 and all(got.get(k) == v for k, v in env.items())
                 and pods[0]["status"].get("phase") == "Running"

@@ -812,7 +812,13 @@ def test_prometheus_fires_the_idle_alert_for_the_pod_whose_gpu_idles(
     script.parent.mkdir(parents=True, exist_ok=True)
     utilization(set())
     port = stack.metrics_port
-    flags = (f"--metrics-address=127.0.0.1:{port}", "--sample-interval=1")
+    # This Prometheus scrapes every second: the shortest zero window the chart accepts
+    # for that interval (two scrapes), not the default, sized for 30 s to 1 m scrapes.
+    flags = (
+        f"--metrics-address=127.0.0.1:{port}",
+        "--sample-interval=1",
+        "--accounting-zero-window=2",
+    )
     with stack.agent_flags(*flags, f"--nvml-script={script}"):
         kube.create(whole_gpu_template(ns))
         kube.create(with_sidecars(gpu_pod(stack, "idler", ns, template="whole")))
