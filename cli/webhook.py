@@ -19,6 +19,7 @@ import logging
 import os
 import socket
 import ssl
+import uuid
 from pathlib import Path
 from typing import Any, Final
 
@@ -208,7 +209,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         default=None,
         metavar="ID",
         help="this replica's name in the Lease, unique among the replicas (default: "
-        "$POD_NAME, which the chart sets from the pod's name, else the host name)",
+        "$POD_NAME, which the chart sets from the pod's name, else the host name and a "
+        "random suffix)",
     )
     p.add_argument(
         "--pod-security-default",
@@ -322,10 +324,16 @@ def _lease_name(raw: str) -> str:
 def quota_leader(args: argparse.Namespace, kube: Kube) -> LeaderElector | None:
     """The elector of the one quota writer, as the flags ask; None where every replica
     writes (--no-leader-elect) or none does (--no-tenants). Identity: the pod's name
-    from the downward API ($POD_NAME); with hostNetwork the host name is the node's."""
+    from the downward API ($POD_NAME); else, as kube-controller-manager's, the host name
+    with a random suffix, since two webhooks on one host (or pods with hostNetwork,
+    whose host name is the node's) would otherwise both take the lease as theirs."""
     if not (args.tenants and args.leader_elect):
         return None
-    identity = args.leader_elect_identity or os.environ.get("POD_NAME") or socket.gethostname()
+    identity = (
+        args.leader_elect_identity
+        or os.environ.get("POD_NAME")
+        or f"{socket.gethostname()}_{uuid.uuid4()}"
+    )
     return LeaderElector(
         kube,
         name=args.leader_elect_lease_name,

@@ -5,6 +5,7 @@ policy, so converted claims and validation agree with the DeviceClasses and node
 from __future__ import annotations
 
 import argparse
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -266,6 +267,12 @@ def test_the_quota_writer_is_elected_on_the_pods_name_in_the_webhooks_namespace(
     assert leader is not None
     assert (leader.name, leader.namespace) == ("gpudra-webhook-tenant-quotas", "gpu-system")
     assert leader.identity == "gpudra-webhook-7d9f-x2x4z"
+    monkeypatch.delenv("POD_NAME")
+    # Two webhooks on one host are two candidates, not one.
+    host = [quota_leader(parse(), None) for _ in range(2)]  # type: ignore[arg-type]
+    identities = {e.identity for e in host if e is not None}
+    assert len(identities) == 2
+    assert all(i.startswith(f"{socket.gethostname()}_") for i in identities)
     assert quota_leader(parse("--no-leader-elect"), None) is None  # type: ignore[arg-type]
     assert quota_leader(parse("--no-tenants"), None) is None  # type: ignore[arg-type]
     with pytest.raises(SystemExit):
