@@ -26,6 +26,7 @@ from gpudra.common.metricsserver import HEAD_DEADLINE_S as METRICS_HEAD_DEADLINE
 from gpudra.common.metricsserver import MAX_CONNECTIONS as METRICS_MAX_CONNECTIONS
 from gpudra.common.metricsserver import MAX_PER_CLIENT as METRICS_MAX_PER_CLIENT
 from gpudra.common.metricsserver import serve_metrics
+from gpudra.common.signals import stop_on_signal
 from gpudra.driver.accounting import DEFAULT_IDLE_BELOW, DEFAULT_ZERO_WINDOW_S
 from gpudra.driver.agent import AgentConfig
 from gpudra.driver.checkpoint import CheckpointError
@@ -665,14 +666,9 @@ async def _freeze_when_ready(service: NodeService) -> None:
 async def _run_until_signalled(service: NodeService) -> None:
     """SIGTERM and SIGINT stop the service cleanly: the kubelet plugin removes its
     registration socket first, so the kubelet deregisters it instead of timing out."""
-    with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(service.run)
-            tg.start_soon(_freeze_when_ready, service)
-            async for signum in signals:
-                log.info("stopping", extra={"fields": {"signal": signal.Signals(signum).name}})
-                tg.cancel_scope.cancel()
-                break
+    async with stop_on_signal() as tg:
+        tg.start_soon(service.run)
+        tg.start_soon(_freeze_when_ready, service)
 
 
 def run(args: argparse.Namespace) -> int:

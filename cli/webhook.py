@@ -41,6 +41,7 @@ from gpudra.common.eventloop import run_event_loop
 from gpudra.common.kube import Kube
 from gpudra.common.leader import LeaderElector
 from gpudra.common.openfiles import raise_open_files_limit
+from gpudra.common.signals import stop_on_signal
 from gpudra.webhook import registration
 from gpudra.webhook.cabundle import (
     ROLLOUT_OVERLAP_S,
@@ -593,7 +594,9 @@ def run(args: argparse.Namespace) -> int:
             except (OSError, ssl.SSLError) as exc:
                 raise SystemExit(f"gpudra webhook: --client-ca-file: {exc}") from None
             health = server.health_server(args.health_port)
-        async with anyio.create_task_group() as tg:
+        # SIGTERM (a rollout) stops it through its finally blocks: the quota writer
+        # hands its Lease back, so the next replica writes within a retry.
+        async with stop_on_signal() as tg:
             if classes is not None:
                 tg.start_soon(classes.run, kube)
             if tenants is not None:

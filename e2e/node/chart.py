@@ -221,7 +221,7 @@ class ChartStack(NodeGpus):
         self._helm_upgrade(self.values(), wait=True)
         wait_for(f"{self.node.name}'s pool published", lambda: self.published(kube), timeout=90)
         self.wait_registered(mark)
-        wait_for("the webhook registered", lambda: _webhook_ready(kube), timeout=90)
+        wait_for("the webhook registered", lambda: webhook_ready(kube), timeout=90)
         log(
             f"gpudra chart on {self.node.name}: pods running, pool published and the "
             f"plugin registered in {time.monotonic() - start:.1f}s"
@@ -255,7 +255,7 @@ class ChartStack(NodeGpus):
         self.build = build
         self._import_image(self._node_state())
         self._roll(self.values(), wait=True, force_conflicts=force)
-        wait_for("the webhook registered", lambda: _webhook_ready(self.node.cluster.kube()))
+        wait_for("the webhook registered", lambda: webhook_ready(self.node.cluster.kube()))
 
     def roll_unwaited(self, build: ChartBuild) -> None:
         """`helm upgrade` to `build` as `upgrade_to` does, without waiting for its agent:
@@ -356,7 +356,7 @@ class ChartStack(NodeGpus):
                 self._roll(self.values())
         finally:
             _pause_webhook(kube, paused=False)
-            wait_for("the webhook ready", lambda: _webhook_ready(kube), timeout=180)
+            wait_for("the webhook ready", lambda: webhook_ready(kube), timeout=180)
 
     # --- what differs on kind (e2e/kind/gpus.py) -----------------------------------
 
@@ -550,7 +550,7 @@ def _pause_webhook(kube: Kube, *, paused: bool) -> None:
         )
 
 
-def _webhook_ready(kube: Kube) -> bool:
+def webhook_ready(kube: Kube) -> bool:
     """Its configuration carries the CA (tls.source self) and a replica is ready."""
     deployments = _webhook_deployments(kube)
     ready = bool(deployments) and all(

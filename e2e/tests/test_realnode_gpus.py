@@ -30,6 +30,7 @@ from typing import Any
 import pytest
 from gpudra.cli.node import EMULATED_DRIVER_ROOT, EMULATED_TOOLS_LOG
 from gpudra.cli.scrape import get, metric_samples
+from gpudra.cli.webhook import QUOTA_LEASE
 from gpudra.driver.driverroot import CUDA_LIBRARY, NVML_LIBRARY
 from gpudra.driver.mpspods import CLAIM_LABEL
 from gpudra.driver.plugin import DRA_APIS
@@ -57,7 +58,8 @@ from e2e.gpu_pods import (
     wait_unprepared,
     whole_gpu_template,
 )
-from e2e.node.chart import ChartStack
+from e2e.node.chart import NAMESPACE as CHART_NAMESPACE
+from e2e.node.chart import ChartStack, webhook_ready
 from e2e.node.gpus import DRIVER, MIG_COMPUTE_INSTANCES, MIG_FIRST_MINOR, NodeGpus
 from e2e.progress import build_script
 from e2e.shared_libraries import shared_library
@@ -563,6 +565,39 @@ def daemon_root(pipe_dir: str) -> Path:
 
 def names(folder: Path) -> list[str]:
     return sorted(p.name for p in folder.iterdir())
+
+
+def test_a_stopped_webhook_pod_hands_the_quota_writers_lease_back(
+    stack: NodeGpus, kube: Kube
+) -> None:
+    """A rollout stops webhook pods with SIGTERM: the one holding the quota writer's
+    Lease hands it back on its way out, so once that pod is gone the Lease names
+    nobody or its successor, which then writes within a retry instead of waiting out
+    the lease duration (15 s) on a holder that no longer runs."""
+    if not isinstance(stack, ChartStack):
+        pytest.skip("the host-process webhook is not a pod a rollout stops")
+
+    def holder() -> str:
+        lease = kube.get_or_none("Lease", QUOTA_LEASE, CHART_NAMESPACE)
+        return str((lease or {}).get("spec", {}).get("holderIdentity") or "")
+
+    def running_holder() -> str | None:
+        # The chart names the pod as the holder; a Lease an earlier install's pod held
+        # may still name that pod until it expires.
+        name = holder()
+        return name if name and kube.get_or_none("Pod", name, CHART_NAMESPACE) else None
+
+    old = wait_for("a webhook pod holding the quota writer's Lease", running_holder, timeout=60)
+    kube.delete("Pod", old, CHART_NAMESPACE)  # the default grace period: SIGTERM first
+    wait_for(
+        "the old webhook pod gone",
+        lambda: kube.get_or_none("Pod", old, CHART_NAMESPACE) is None,
+        timeout=60,
+    )
+    assert holder() != old  # handed back as it stopped, not left to expire
+    new = wait_for("another webhook pod leading", running_holder, timeout=60)
+    assert new != old
+    wait_for("the webhook ready again", lambda: webhook_ready(kube), timeout=90)
 
 
 def test_an_mps_daemon_pod_sees_only_its_claims_folders(
