@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import socket
 import ssl
@@ -71,6 +72,11 @@ from pydantic import ValidationError
 
 log = logging.getLogger(__name__)
 
+SHUTDOWN_DELAY_S: Final = 5.0
+"""How long a stopping replica serves on: the API servers' endpoint watch and their
+connections to it catch up within a few seconds of the pod's deletion."""
+MAX_SHUTDOWN_DELAY_S: Final = 20.0
+"""Under the pod's default grace period (30 s), leaving the clean-up its time."""
 QUOTA_LEASE: Final = "gpudra-webhook-tenant-quotas"
 """The Lease whose holder is the one replica writing the tenants' ResourceQuotas (the
 chart's Role grants it by this name)."""
@@ -193,6 +199,15 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "(default: on)",
     )
     p.add_argument(
+        "--shutdown-delay",
+        type=_shutdown_seconds,
+        default=SHUTDOWN_DELAY_S,
+        metavar="SECONDS",
+        help="after SIGTERM, serve reviews this long more, not ready and writing no "
+        "quota, while the API servers stop sending them here (its endpoint withdrawn); "
+        f"a second signal ends it (default: {SHUTDOWN_DELAY_S:g}; 0: stop at once)",
+    )
+    p.add_argument(
         "--leader-elect-lease-name",
         default=QUOTA_LEASE,
         type=_lease_name,
@@ -310,6 +325,20 @@ def _device_class_name(raw: str) -> str:
             "tenants' quota keys)"
         )
     return raw
+
+
+def _shutdown_seconds(raw: str) -> float:
+    """--shutdown-delay: seconds, 0 or more, well under the pod's grace period."""
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and 0 <= value <= MAX_SHUTDOWN_DELAY_S):
+        raise argparse.ArgumentTypeError(
+            f"{raw!r}: give seconds from 0 to {MAX_SHUTDOWN_DELAY_S:g}, under the pod's "
+            f"termination grace period (30 s by default), e.g. {SHUTDOWN_DELAY_S:g}"
+        )
+    return value
 
 
 def _lease_name(raw: str) -> str:
@@ -594,9 +623,21 @@ def run(args: argparse.Namespace) -> int:
             except (OSError, ssl.SSLError) as exc:
                 raise SystemExit(f"gpudra webhook: --client-ca-file: {exc}") from None
             health = server.health_server(args.health_port)
-        # SIGTERM (a rollout) stops it through its finally blocks: the quota writer
-        # hands its Lease back, so the next replica writes within a retry.
-        async with stop_on_signal() as tg:
+
+        async def drain() -> None:
+            """After SIGTERM: the quota writer hands its Lease back at once, so the next
+            replica writes within a retry; reviews are still served, not ready and each
+            connection closed after its answer, while the API servers see this
+            replica's endpoint withdrawn."""
+            for listener in (server, health):
+                if listener is not None:
+                    listener.begin_shutdown()
+            log.info("draining", extra={"fields": {"seconds": args.shutdown_delay}})
+            if tenants is not None and tenants.leader is not None:
+                await tenants.leader.resign()
+            await anyio.sleep(args.shutdown_delay)
+
+        async with stop_on_signal(drain) as tg:
             if classes is not None:
                 tg.start_soon(classes.run, kube)
             if tenants is not None:

@@ -22,7 +22,9 @@ kube-controller-manager's:
   while its renewals hang or fail.
 - Stopped (cancelled) while leading, it releases the Lease (holder ``""``,
   ``leaseDurationSeconds: 1``, as client-go's ReleaseOnCancel), shielded and bounded:
-  a rollout hands over within one retry period, not one lease duration.
+  a rollout hands over within one retry period, not one lease duration. `resign` does
+  the same for a process that keeps running a while (a webhook still serving while
+  its endpoints are withdrawn): it stops leading at once and takes no further part.
 
 Why not kubernetes_asyncio's ``leaderelection`` package: it works on the generated API
 models this project keeps out of its processes (`gpudra.common.kubeimports`); it
@@ -117,12 +119,20 @@ class LeaderElector:
         self._observed_at = -math.inf
         self._holder = ""
         self._failing = False
+        self._resigned = False
+        # The running loop's scope, and set once it has ended (its release done).
+        self._scope: anyio.CancelScope | None = None
+        self._ended: anyio.Event | None = None
 
     @property
     def leading(self) -> bool:
         """Whether this replica holds the lease now: false from ``renew_deadline_s``
         after its last successful renewal, whether or not the loop has noticed yet."""
-        return self._leading and self._clock() < self._renewed_at + self.renew_deadline_s
+        return (
+            self._leading
+            and not self._resigned
+            and self._clock() < self._renewed_at + self.renew_deadline_s
+        )
 
     @property
     def holder(self) -> str:
@@ -137,21 +147,38 @@ class LeaderElector:
     async def run(
         self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
     ) -> None:
-        """Try to take, then renew, the lease every ``retry_s`` until cancelled; released
-        on the way out while leading."""
+        """Try to take, then renew, the lease every ``retry_s`` until cancelled or
+        resigned; released on the way out while leading."""
+        self._ended = anyio.Event()
         task_status.started()
         try:
-            while True:
-                # A request that hangs is a failed attempt, not a stalled loop.
-                with anyio.move_on_after(self.renew_deadline_s):
-                    await self.try_acquire_or_renew()
-                if self._leading and not self.leading:
-                    self._set_leading(False, reason="renewals failed past the renew deadline")
-                await anyio.sleep(self.retry_s)
+            with anyio.CancelScope() as self._scope:
+                while not self._resigned:
+                    # A request that hangs is a failed attempt, not a stalled loop.
+                    with anyio.move_on_after(self.renew_deadline_s):
+                        await self.try_acquire_or_renew()
+                    if self._leading and not self.leading:
+                        self._set_leading(False, reason="renewals failed past the renew deadline")
+                    await anyio.sleep(self.retry_s)
         finally:
             if self._held is not None:
                 with anyio.move_on_after(self._release_timeout_s, shield=True):
                     await self.release()
+            self._ended.set()
+
+    async def resign(self) -> None:
+        """Stop leading now and hand the lease back, for good: a replica that is about
+        to stop but serves a while longer writes nothing more, and another takes over
+        within a retry. Returns once `run` has ended (its release done), at once where
+        it is not running."""
+        self._resigned = True
+        if self._scope is not None:
+            self._scope.cancel()
+        if self._ended is not None:
+            await self._ended.wait()
+        elif self._held is not None:
+            with anyio.move_on_after(self._release_timeout_s, shield=True):
+                await self.release()
 
     async def try_acquire_or_renew(self) -> bool:
         """One attempt, as client-go's tryAcquireOrRenew: whether we lead after it. A

@@ -278,3 +278,18 @@ def test_the_quota_writer_is_elected_on_the_pods_name_in_the_webhooks_namespace(
     with pytest.raises(SystemExit):
         parse("--leader-elect-lease-name=Not_A_Name")
     assert "--leader-elect-lease-name: 'Not_A_Name'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("raw", ["-1", "nan", "inf", "21", "five"])
+def test_a_shutdown_delay_out_of_range_is_refused_naming_the_bounds(
+    raw: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["webhook", "--cert-dir=certs", f"--shutdown-delay={raw}"])
+    assert "give seconds from 0 to 20" in capsys.readouterr().err
+
+
+def test_the_shutdown_delay_defaults_to_a_few_seconds() -> None:
+    assert build_parser().parse_args(["webhook", "--cert-dir=certs"]).shutdown_delay == 5
+    flags = ["webhook", "--cert-dir=certs", "--shutdown-delay=0"]
+    assert build_parser().parse_args(flags).shutdown_delay == 0

@@ -191,3 +191,34 @@ def test_timings_that_would_let_two_lead_are_refused_naming_the_fix() -> None:
     assert "raise the lease duration" in str(err.value)
     with pytest.raises(ValueError, match="unique"):
         elector(api, "", Clock())
+
+
+async def test_a_resigned_leader_hands_the_lease_back_and_takes_no_further_part() -> None:
+    """A replica about to stop (a webhook draining after SIGTERM) resigns while it still
+    runs: it writes nothing more at once, its lease is released, and its loop does not
+    take the lease again however long the process lives on."""
+    api, clock = LeaseApi(), Clock()
+    a = elector(api, "pod-a", clock, retry_s=0.01)
+    b = elector(api, "pod-b", clock)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(a.run)
+        await until("a to lead", lambda: a.leading)
+        await a.resign()
+        assert not a.leading
+        assert api.spec["holderIdentity"] == ""
+        writes = len(api.writes)
+        await anyio.sleep(0.1)  # ten of its retry periods
+        assert len(api.writes) == writes and not a.leading
+        assert await b.try_acquire_or_renew()  # at once, no lease duration to wait
+        await anyio.sleep(0.1)
+        assert api.spec["holderIdentity"] == "pod-b"
+        tg.cancel_scope.cancel()
+
+
+async def test_a_candidate_that_resigns_before_running_never_takes_the_lease() -> None:
+    api, clock = LeaseApi(), Clock()
+    a = elector(api, "pod-a", clock, retry_s=0.01)
+    await a.resign()
+    with anyio.fail_after(10):
+        await a.run()  # ends at once
+    assert api.lease is None and not a.leading

@@ -36,3 +36,36 @@ async def test_a_signal_stops_the_tasks_through_their_clean_up(signum: signal.Si
             await started.wait()
             os.kill(os.getpid(), signum)
     assert cleaned == ["released"]
+
+
+async def test_the_drain_runs_with_the_tasks_still_running_and_a_second_signal_ends_it() -> None:
+    """A webhook keeps serving while it drains: the group's tasks are cancelled only
+    after the drain; a second signal (a person's second Ctrl-C) cuts the drain short."""
+    events: list[str] = []
+    serving, draining = anyio.Event(), anyio.Event()
+
+    async def server() -> None:
+        serving.set()
+        try:
+            await anyio.sleep_forever()
+        finally:
+            events.append("server stopped")
+
+    async def drain() -> None:
+        events.append("drain begun")
+        draining.set()
+        try:
+            await anyio.sleep_forever()  # only the second signal ends it
+        finally:
+            events.append("drain ended")
+
+    with anyio.fail_after(30):
+        async with stop_on_signal(drain) as tg:
+            tg.start_soon(server)
+            await serving.wait()
+            os.kill(os.getpid(), signal.SIGTERM)
+            await draining.wait()
+            await anyio.sleep(0.05)
+            assert events == ["drain begun"]  # the server still runs
+            os.kill(os.getpid(), signal.SIGTERM)
+    assert events == ["drain begun", "drain ended", "server stopped"]
