@@ -23,6 +23,8 @@ import json
 import os
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -598,6 +600,141 @@ def test_a_stopped_webhook_pod_hands_the_quota_writers_lease_back(
     new = wait_for("another webhook pod leading", running_holder, timeout=60)
     assert new != old
     wait_for("the webhook ready again", lambda: webhook_ready(kube), timeout=90)
+
+
+NO_ENDPOINT = 'no endpoints available for service "gpudra-webhook"'
+"""How the API server refuses a review while no webhook endpoint is ready."""
+
+
+class AdmissionLoad:
+    """Admission reviews sent through the API server without pause, from a thread: a
+    legacy pod (dry run) the conversion webhook must convert, and a template whose
+    config the claim webhook must refuse. Each outcome is kept with its time: empty
+    where the webhook gave its own, right answer, else what happened instead."""
+
+    def __init__(self, stack: NodeGpus, kube: Kube, ns: str) -> None:
+        self.kube = kube
+        self.outcomes: list[tuple[float, str]] = []
+        self._pod = legacy_pod(stack, "rollout-load", ns, "nvidia.com/gpu")
+        self._template = mps_template(ns, "rollout-load", "true")
+        config = self._template["spec"]["spec"]["devices"]["config"][0]["opaque"]
+        config["parameters"]["sharing"]["strategy"] = "Nonsense"
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="admission-load", daemon=True)
+
+    def _pod_problem(self) -> str:
+        try:
+            pod = self.kube.create(self._pod, dryRun="All")
+        except ApiError as e:
+            return f"legacy pod: {e}"
+        return "" if CONVERTED in pod["metadata"].get("annotations", {}) else "not converted"
+
+    def _template_problem(self) -> str:
+        try:
+            self.kube.create(self._template, dryRun="All")
+        except ApiError as e:
+            # The webhook's refusal, not the API server's failure to call it.
+            denied = "denied the request" in str(e) and "Nonsense" in str(e)
+            return "" if denied else f"bad template: {e}"
+        return "bad template admitted"
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            for problem in (self._pod_problem(), self._template_problem()):
+                self.outcomes.append((time.monotonic(), problem))
+
+    def answered_since(self, since: float) -> bool:
+        return any(t >= since and not problem for t, problem in self.outcomes)
+
+    def __enter__(self) -> AdmissionLoad:
+        assert not self._pod_problem() and not self._template_problem()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=60)
+
+
+def webhook_pods(kube: Kube) -> dict[str, str]:
+    """The chart's webhook pods, terminating ones included: each one's state (ready,
+    terminating) and the state of its address in the Service's EndpointSlices, which
+    the API server calls."""
+    pods = kube.list("Pod", CHART_NAMESPACE, labelSelector="app.kubernetes.io/component=webhook")
+    slices = kube.request(
+        "GET",
+        f"/apis/discovery.k8s.io/v1/namespaces/{CHART_NAMESPACE}/endpointslices",
+        query={"labelSelector": "kubernetes.io/service-name=gpudra-webhook"},
+    )["items"]
+    endpoints = {
+        address: endpoint.get("conditions", {})
+        for s in slices
+        for endpoint in s.get("endpoints") or ()
+        for address in endpoint.get("addresses", ())
+    }
+    states = {}
+    for pod in pods:
+        conditions = {c["type"]: c["status"] for c in pod.get("status", {}).get("conditions", ())}
+        ip = pod.get("status", {}).get("podIP", "")
+        states[pod["metadata"]["name"]] = (
+            f"ready={conditions.get('Ready')} deleting={'deletionTimestamp' in pod['metadata']} "
+            f"endpoint={endpoints.get(ip)}"
+        )
+    return states
+
+
+def test_a_webhook_rollout_under_load_answers_right_or_finds_no_endpoint(
+    stack: NodeGpus, kube: Kube, ns: str
+) -> None:
+    """A rollout of the webhook while pods and claims keep coming, with the chart as
+    this node runs it: one replica on the node's network, so the new pod can only
+    listen once the old one has gone (`maxSurge: 0`), and its CA is a new one
+    (tls.source self). Every review is either the webhook's right answer or the API
+    server finding no ready endpoint to call (docs/install.md, Upgrade: two replicas
+    close that gap); never a TLS failure against a CA the configurations do not trust
+    yet or any more, a connection cut in the middle, or a wrong answer from the pod
+    being stopped. Once the new pod is ready and has answered, every review is
+    answered. The gap, from the first review refused to the last, is printed (with
+    `-rP`): the chart drains a lone replica on the node's network for 1 s, not 5, and
+    probes its readiness every second."""
+    if not isinstance(stack, ChartStack):
+        pytest.skip("the host-process webhook is not a pod a rollout replaces")
+    wait_for("the webhook ready", lambda: webhook_ready(kube), timeout=90)
+    (deployment,) = (
+        d
+        for d in kube.list("Deployment", CHART_NAMESPACE)
+        if d["metadata"].get("labels", {}).get("app.kubernetes.io/component") == "webhook"
+    )
+    old = webhook_pods(kube)
+    timeline: list[str] = []
+
+    def replaced() -> bool:
+        pods = webhook_pods(kube)
+        timeline.append(f"{time.strftime('%X')} {pods}")
+        return bool(pods) and not pods.keys() & old.keys() and webhook_ready(kube)
+
+    with AdmissionLoad(stack, kube, ns) as load:
+        time.sleep(2)
+        restarted = {"gpudra.e2e/restartedAt": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        kube.request(
+            "PATCH",
+            kube.path("Deployment", CHART_NAMESPACE, deployment["metadata"]["name"]),
+            {"spec": {"template": {"metadata": {"annotations": restarted}}}},
+            content_type="application/merge-patch+json",
+        )
+        wait_for("the webhook's pods replaced, the old ones gone", replaced, timeout=180)
+        now = time.monotonic()
+        wait_for("a review answered by the new pod", lambda: load.answered_since(now), timeout=30)
+        settled = time.monotonic()
+        time.sleep(3)
+    problems = [(t, p) for t, p in load.outcomes if p]
+    other = [p for _, p in problems if NO_ENDPOINT not in p]
+    assert not other, "\n".join([*other[:20], "webhook pods:", *timeline])
+    after = [p for t, p in load.outcomes if t >= settled]
+    assert len(after) >= 10 and not any(after), after
+    gap = problems[-1][0] - problems[0][0] if problems else 0.0
+    print(f"reviews: {len(load.outcomes)}, refused for want of an endpoint: {len(problems)}")
+    print(f"gap: {gap:.1f} s")
 
 
 def test_an_mps_daemon_pod_sees_only_its_claims_folders(

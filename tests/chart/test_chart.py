@@ -607,6 +607,28 @@ def test_a_webhook_on_the_host_network_rolls_without_a_surge_pod(
     }
 
 
+def test_a_lone_webhook_on_the_host_network_drains_for_one_second(
+    helm: Path, default: list[dict[str, Any]]
+) -> None:
+    """Its successor waits for the node's port and no other replica serves meanwhile:
+    each second of the drain past the API servers' withdrawal of its endpoint is a
+    second in which every GPU pod is refused, and so is each second between the new pod
+    serving and its first readiness probe. Beside another replica, or off the node's
+    network, it drains as long as the webhook's default."""
+
+    def delays(objects: list[dict[str, Any]]) -> list[str]:
+        (container,) = h.find(objects, "Deployment")["spec"]["template"]["spec"]["containers"]
+        return [a for a in container["args"] if a.startswith("--shutdown-delay")]
+
+    assert delays(default) == []
+    # Ready as soon as it serves: with a probe every 5 s the gap was 3.7 s longer.
+    (webhook,) = h.find(default, "Deployment")["spec"]["template"]["spec"]["containers"]
+    assert webhook["readinessProbe"]["periodSeconds"] == 1
+    assert delays(h.template(helm, {"webhook": {"hostNetwork": True}})) == ["--shutdown-delay=1"]
+    two = {"hostNetwork": True, "replicas": 2, "tls": {"source": "helm"}}
+    assert delays(h.template(helm, {"webhook": two})) == []
+
+
 SURGE = {"rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
 
 
