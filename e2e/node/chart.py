@@ -530,7 +530,8 @@ def _agent(pod: dict[str, Any]) -> bool:
     )
 
 
-def _webhook_deployments(kube: Kube) -> list[dict[str, Any]]:
+def webhook_deployments(kube: Kube) -> list[dict[str, Any]]:
+    """The release's webhook Deployments."""
     return [
         d
         for d in kube.list("Deployment", NAMESPACE)
@@ -541,7 +542,7 @@ def _webhook_deployments(kube: Kube) -> list[dict[str, Any]]:
 def _pause_webhook(kube: Kube, *, paused: bool) -> None:
     """A paused Deployment keeps its pods through template changes (helm leaves the
     field alone: the chart does not set it)."""
-    for d in _webhook_deployments(kube):
+    for d in webhook_deployments(kube):
         kube.request(
             "PATCH",
             kube.path("Deployment", NAMESPACE, d["metadata"]["name"]),
@@ -552,7 +553,7 @@ def _pause_webhook(kube: Kube, *, paused: bool) -> None:
 
 def webhook_ready(kube: Kube) -> bool:
     """Its configuration carries the CA (tls.source self) and a replica is ready."""
-    deployments = _webhook_deployments(kube)
+    deployments = webhook_deployments(kube)
     ready = bool(deployments) and all(
         d.get("status", {}).get("readyReplicas", 0) >= 1 for d in deployments
     )

@@ -61,7 +61,7 @@ from e2e.gpu_pods import (
     whole_gpu_template,
 )
 from e2e.node.chart import NAMESPACE as CHART_NAMESPACE
-from e2e.node.chart import ChartStack, webhook_ready
+from e2e.node.chart import ChartStack, webhook_deployments, webhook_ready
 from e2e.node.gpus import DRIVER, MIG_COMPUTE_INSTANCES, MIG_FIRST_MINOR, NodeGpus
 from e2e.progress import build_script
 from e2e.shared_libraries import shared_library
@@ -602,7 +602,9 @@ def test_a_stopped_webhook_pod_hands_the_quota_writers_lease_back(
     wait_for("the webhook ready again", lambda: webhook_ready(kube), timeout=90)
 
 
-NO_ENDPOINT = 'no endpoints available for service "gpudra-webhook"'
+WEBHOOK_SERVICE = "gpudra-webhook"
+"""The chart's webhook Service for the release `gpudra`."""
+NO_ENDPOINT = f'no endpoints available for service "{WEBHOOK_SERVICE}"'
 """How the API server refuses a review while no webhook endpoint is ready."""
 
 
@@ -664,7 +666,7 @@ def webhook_pods(kube: Kube) -> dict[str, str]:
     slices = kube.request(
         "GET",
         f"/apis/discovery.k8s.io/v1/namespaces/{CHART_NAMESPACE}/endpointslices",
-        query={"labelSelector": "kubernetes.io/service-name=gpudra-webhook"},
+        query={"labelSelector": f"kubernetes.io/service-name={WEBHOOK_SERVICE}"},
     )["items"]
     endpoints = {
         address: endpoint.get("conditions", {})
@@ -700,11 +702,7 @@ def test_a_webhook_rollout_under_load_answers_right_or_finds_no_endpoint(
     if not isinstance(stack, ChartStack):
         pytest.skip("the host-process webhook is not a pod a rollout replaces")
     wait_for("the webhook ready", lambda: webhook_ready(kube), timeout=90)
-    (deployment,) = (
-        d
-        for d in kube.list("Deployment", CHART_NAMESPACE)
-        if d["metadata"].get("labels", {}).get("app.kubernetes.io/component") == "webhook"
-    )
+    (deployment,) = webhook_deployments(kube)
     old = webhook_pods(kube)
     timeline: list[str] = []
 
