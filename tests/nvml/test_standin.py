@@ -4,13 +4,16 @@ driver root whose tools record their calls."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
 from gpudra.driver.cdi import find_driver_files
 from gpudra.driver.nvml.standin import (
     CAPS_MAJOR,
+    FAKEBIN,
     NVIDIA_MAJOR,
     TOOLS_LOG_ENV,
     UVM_MAJOR,
@@ -18,6 +21,7 @@ from gpudra.driver.nvml.standin import (
     device_numbers,
     install_driver_root,
 )
+from gpudra.driver.processes import ProcessIdentity
 
 
 def test_device_numbers_follow_the_kernel_driver_layout() -> None:
@@ -108,3 +112,27 @@ def test_nvidia_smi_outside_a_container_lists_every_gpu(tmp_path: Path) -> None:
         "GPU 0: NVIDIA A100-SXM4-40GB (UUID: GPU-aaaa)",
         "GPU 1: NVIDIA A100-SXM4-40GB (UUID: GPU-bbbb)",
     ]
+
+
+def test_the_mps_daemon_ended_by_sigterm_takes_its_shm_mark_along(tmp_path: Path) -> None:
+    """The stand-in daemon marks the /dev/shm it sees, which is the host's where the
+    agent may not mount a claim's own. The agent ends a daemon that does not take
+    `quit` by SIGTERM; the mark must go with it or the host's /dev/shm fills with them.
+    What the real daemon leaves in its pipe folder stays, for the agent to remove."""
+    pipe = tmp_path / "pipe"
+    pipe.mkdir()
+    env = {**os.environ, "CUDA_MPS_PIPE_DIRECTORY": str(pipe)}
+    subprocess.run([FAKEBIN / "nvidia-cuda-mps-control", "-d"], env=env, check=True)
+    pid_file = pipe / "nvidia-cuda-mps-control.pid"
+    deadline = time.monotonic() + 10
+    while not pid_file.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    daemon = ProcessIdentity.of(int(pid_file.read_text()))
+    assert daemon is not None
+    mark = Path(f"/dev/shm/gpudra-standin-mps.{daemon.pid}")
+    assert mark.exists()
+
+    assert daemon.signal(signal.SIGTERM)
+    assert daemon.wait_gone(10.0)
+    assert not mark.exists()
+    assert (pipe / "control").exists() and pid_file.exists()
