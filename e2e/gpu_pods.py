@@ -21,6 +21,7 @@ from e2e.cluster.kube import Kube, wait_for
 from e2e.demo import workloads
 from e2e.node import images
 from e2e.node.gpus import DRIVER, NodeGpus
+from e2e.processes import commands
 
 SHOW = "ls /dev /dev/nvidia-caps 2>/dev/null | grep nvidia; env | grep -E '^(GPUDRA|NVIDIA|LD_)'"
 
@@ -175,13 +176,9 @@ def mps_pipes(stack: NodeGpus) -> dict[str, str]:
 def daemon_process(pipe_dir: str) -> Path | None:
     """The /proc folder of the stand-in MPS daemon for this pipe folder, wherever it
     runs (the agent's container, a daemon pod's, or none); None when none runs."""
-    for proc in Path("/proc").iterdir():
-        try:
-            argv = (proc / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
+    for pid, argv in commands():
         if b"nvidia-cuda-mps-daemon" in argv and pipe_dir.encode() in argv:
-            return proc
+            return Path("/proc", str(pid))
     return None
 
 

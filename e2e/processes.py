@@ -16,6 +16,7 @@ import signal
 import socket
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 
@@ -29,6 +30,31 @@ def alive(pid: int, cmdline_hint: str) -> bool:
     if stat.rsplit(")", 1)[-1].split()[0] == "Z":
         return False
     return cmdline_hint in cmd
+
+
+def commands() -> Iterator[tuple[int, list[bytes]]]:
+    """Each process's PID and argv; one that exits while this reads is skipped."""
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        yield int(proc.name), argv
+
+
+def naming(root: Path) -> list[int]:
+    """The processes, other than this one and its parent, with an argument that is
+    `root` or a path under it: what a node's own processes started there."""
+    whole = str(root).encode()
+    under = whole + b"/"
+    ours = {os.getpid(), os.getppid()}
+    return sorted(
+        pid
+        for pid, argv in commands()
+        if pid not in ours and any(a == whole or a.startswith(under) for a in argv)
+    )
 
 
 def spawn_logged(

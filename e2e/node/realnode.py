@@ -44,7 +44,7 @@ from e2e.cluster import pki
 from e2e.cluster.harness import REPO, WANTED_GATES, Cluster, known_gates
 from e2e.cluster.kube import ApiError, Kube, wait_for
 from e2e.node import images
-from e2e.processes import alive, port_free, spawn_logged, stop_pid
+from e2e.processes import alive, naming, port_free, spawn_logged, stop_pid
 from e2e.progress import BuildFailed, build_script
 
 BUILD_SCRIPT = REPO / "e2e" / "node" / "build.sh"
@@ -472,6 +472,15 @@ class RealNode:
             stop_pid(pid, "containerd-shim", timeout=3)
         if "containerd" in state.pids:
             stop_pid(state.pids["containerd"], state.cmdlines.get("containerd", ""))
+        # With every process of the node stopped, what still names a path of it was
+        # started by one and left detached, in no cgroup of the node's: the MPS control
+        # daemon of a claim still prepared when the agent went. A real node's shutdown
+        # ends it with everything else; here nothing else would.
+        strays = naming(self.layout.root)
+        for pid in strays:
+            stop_pid(pid, str(self.layout.root), timeout=3)
+        if strays:
+            log(f"stopped {len(strays)} processes left running from {self.layout.root}")
         stuck = _unmount_all(self.layout.root)
         left = remove_cgroups(cgroup_dirs(state.cgroup_root))
         _restore_sysctls(state.sysctls)

@@ -8,15 +8,19 @@ writable cgroups, no namespaces) or the node's parts cannot be built.
 
 from __future__ import annotations
 
+import os
+import subprocess
 import uuid
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from gpudra.driver.nvml.standin import FAKEBIN
 
 from e2e.claims import running
 from e2e.cluster.harness import Cluster, State
 from e2e.cluster.kube import Kube, wait_for
+from e2e.gpu_pods import daemon_alive
 from e2e.node import images
 from e2e.node.realnode import (
     CNI_RESULTS,
@@ -137,11 +141,19 @@ def test_deleted_pod_is_cleaned_up(node: RealNode, kube: Kube) -> None:
 def test_down_leaves_nothing_behind(node: RealNode, kube: Kube) -> None:
     kube.create(_pod(f"left-{uuid.uuid4().hex[:6]}", "sleep 3600"))
     wait_for("a pod running on real-1", lambda: _pods_running_on(kube, "real-1"), timeout=90)
+    # What the agent leaves running when it goes with an MPS claim still prepared: the
+    # claim's control daemon, detached, in no cgroup of the node's.
+    pipe = node.layout.root / "mps" / "claim" / "pipe"
+    pipe.mkdir(parents=True)
+    env = {**os.environ, "CUDA_MPS_PIPE_DIRECTORY": str(pipe)}
+    subprocess.run([str(FAKEBIN / "nvidia-cuda-mps-control"), "-d"], env=env, check=True)
+    wait_for("the claim's MPS daemon", lambda: daemon_alive(str(pipe)))
     status = node.status()
     saved = NodeState.load(node.layout.state)
     assert saved is not None
     node.down(log=lambda _m: None)
     assert not any(alive(pid, saved.cmdlines[n]) for n, pid in saved.pids.items())
+    assert not daemon_alive(str(pipe))
     assert not node.layout.root.exists()
     assert not [d for d in cgroup_dirs(status["cgroup_root"]) if d.exists()]
     assert not mounts_under(node.layout.root)
