@@ -77,6 +77,7 @@ from e2e.node.chart import (
 )
 from e2e.node.realnode import NodeError, RealNode
 from e2e.pins import TOOL_VERSIONS, pinned
+from e2e.processes import commands
 from e2e.provider import local_only
 from e2e.tools import helm as h
 
@@ -357,19 +358,15 @@ def test_an_upgrade_from_0_1_0_with_a_surge_pod_is_refused_and_changes_nothing(
 
 def agent_pid() -> int:
     """The host PID of the chart's agent, `gpudra node` (under tini in its container)."""
-    found = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            argv = (proc / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
+    found = [
+        pid
+        for pid, argv in commands()
         if any(
             a.rsplit(b"/", 1)[-1] == b"gpudra" and argv[i + 1 : i + 2] == [b"node"]
             for i, a in enumerate(argv)
-        ) and not argv[0].endswith(b"tini"):
-            found.append(int(proc.name))
+        )
+        and not argv[0].endswith(b"tini")
+    ]
     assert len(found) == 1, f"expected one agent process, found {found}"
     return found[0]
 
