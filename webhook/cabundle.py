@@ -115,6 +115,7 @@ from gpudra.webhook.certs import (
 )
 
 __all__ = [
+    "FIELD_MANAGER",
     "LEASE_PREFIX",
     "ROLLOUT_OVERLAP_S",
     "CABundleController",
@@ -136,6 +137,10 @@ ROLLOUT_OVERLAP_S: Final = 600.0
 """How long a CA stays in the bundle after its pod last renewed its lease (or, without
 a lease, after it was first stamped): longer than a pod's termination (the chart's
 grace period plus endpoint propagation)."""
+FIELD_MANAGER: Final = "gpudra-webhook"
+"""Whom the API server records for the webhook's writes to its configurations (their
+`managedFields`), so that a conflict a `helm upgrade` meets names the webhook rather
+than the HTTP client's user agent."""
 LEASE_PREFIX: Final = "ca-lease.gpudra.nvidia.com/"
 """The annotations, one per certificate, that say a live pod still serves from it."""
 _RENEWALS_PER_LEASE: Final = 4
@@ -791,7 +796,11 @@ class CABundleController:
             patch.append({"op": "add", "path": "/metadata/annotations", "value": annotations})
         try:
             updated = await self._kube.request(
-                "PATCH", config.path, patch, content_type="application/json-patch+json"
+                "PATCH",
+                config.path,
+                patch,
+                query={"fieldManager": FIELD_MANAGER},
+                content_type="application/json-patch+json",
             )
         except ApiError as exc:
             if exc.status == 404:

@@ -24,6 +24,7 @@ from typing import Any, Final
 from gpudra.api.tenants import excluded_namespace_list
 from gpudra.common.kube import ApiError, Kube
 from gpudra.webhook.admission import MUTATE_PATH, VALIDATE_CLAIMS_PATH
+from gpudra.webhook.cabundle import FIELD_MANAGER
 from gpudra.webhook.convert import OPT_OUT_LABEL
 
 NAME = "gpudra-pod-conversion"
@@ -530,7 +531,7 @@ async def apply(kube: Kube, config: dict[str, Any]) -> None:
         "PATCH",
         path,
         config,
-        query={"fieldManager": "gpudra-webhook", "force": "true"},
+        query={"fieldManager": FIELD_MANAGER, "force": "true"},
         content_type="application/apply-patch+yaml",
     )
 

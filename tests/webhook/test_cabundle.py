@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import datetime as dt
+import json
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -97,6 +98,18 @@ class Configs:
         )
         return [w["clientConfig"].get("caBundle") for w in obj["webhooks"]]
 
+    async def bundle_managers(self, ref: WebhookConfiguration) -> set[str]:
+        """The field managers the API server records as owning a webhook's caBundle:
+        whom an apply that sets it (a chart's) conflicts with."""
+        obj = await anyio.to_thread.run_sync(
+            lambda: self.kube.request("GET", f"{API}/{ref.kind.value}/{ref.name}")
+        )
+        return {
+            m["manager"]
+            for m in obj["metadata"].get("managedFields") or ()
+            if '"f:caBundle"' in json.dumps(m.get("fieldsV1"))
+        }
+
     async def leases(self, ref: WebhookConfiguration) -> set[str]:
         """The fingerprints of the CA leases on the configuration."""
         obj = await anyio.to_thread.run_sync(
@@ -153,6 +166,8 @@ async def test_bundle_is_written_and_restored_after_edits(akube: Kube, configs: 
         assert published <= dt.datetime.now(dt.UTC)
         assert await configs.bundles(mutating) == [b64(bundle)] * 2
         assert await configs.bundles(validating) == [b64(bundle)] * 2
+        # Recorded as the webhook's, which is whom a chart's conflicting apply names.
+        assert await configs.bundle_managers(mutating) == {"gpudra-webhook"}
 
         # Someone empties one webhook's bundle (a chart re-apply): it comes back.
         await configs.set_bundle(mutating, 1, "")
