@@ -1,5 +1,7 @@
-"""A loopback TCP forwarder that a test can cut and restore, to simulate an API
-server outage without stopping the shared control plane."""
+"""A TCP forwarder to a loopback port that a test can cut and restore, to simulate an
+API server outage without stopping the shared control plane, or listen on another
+address of the host (`host`) to give pods a way to a server that listens on loopback
+only."""
 
 from __future__ import annotations
 
@@ -15,14 +17,13 @@ import anyio.lowlevel
 class Proxy:
     target_port: int
     port: int = 0
+    host: str = "127.0.0.1"
     _conns: set[anyio.abc.SocketStream] = field(default_factory=set)
     _listener: anyio.abc.SocketListener | None = None
     _scope: anyio.CancelScope | None = None
 
     async def start(self, tg: anyio.abc.TaskGroup) -> None:
-        self._listener = await anyio.create_tcp_listener(
-            local_host="127.0.0.1", local_port=self.port
-        )
+        self._listener = await anyio.create_tcp_listener(local_host=self.host, local_port=self.port)
         self.port = self._listener.extra(anyio.abc.SocketAttribute.local_port)
         self._scope = anyio.CancelScope()
         tg.start_soon(self._serve, self._listener, self._scope)

@@ -41,6 +41,7 @@ RESOURCES: dict[str, tuple[str, str, bool]] = {
     "Pod": ("/api/v1", "pods", True),
     "Event": ("/api/v1", "events", True),
     "Secret": ("/api/v1", "secrets", True),
+    "Service": ("/api/v1", "services", True),
     "Job": ("/apis/batch/v1", "jobs", True),
     "PriorityClass": ("/apis/scheduling.k8s.io/v1", "priorityclasses", False),
     "ResourceQuota": ("/api/v1", "resourcequotas", True),

@@ -9,7 +9,9 @@ chart's RBAC and its ValidatingAdmissionPolicy checked against the agent's real
 service-account token. What differs from kind, and why (`ChartStack.values`):
 - no kube-proxy runs here, so both components use `hostNetwork` and reach the API
   server at the address `kubernetesApi` gives; the API server calls the webhook at
-  its endpoint (the harness routes to endpoints);
+  its endpoint (the harness routes to endpoints). `webhook_on_pod_network` runs the
+  webhook on the pod network, as the chart does by default, for the tests that need
+  it, with the host routing the `kubernetes` Service's address meanwhile;
 - the node's own kubelet root and CDI folder; a state dir under the node's folder;
 - the node's GPU profile (the same as the host-process installation's) is read from
   the state dir, which the agent sees at the same path.
@@ -40,6 +42,7 @@ from e2e.image import build as image
 from e2e.node.gpus import DRIVER, NodeGpus
 from e2e.node.realnode import NodeError, NodeState, unavailable_reason
 from e2e.node.realnode import build as build_containerd
+from e2e.node.service_route import api_service_route
 from e2e.processes import free_port
 from e2e.progress import BuildFailed, build_script, run_build
 from e2e.tools import helm as h
@@ -164,8 +167,10 @@ class ChartStack(NodeGpus):
         self,
         *,
         node_args: list[str] | None = None,
+        api_host: str = "127.0.0.1",
         api_port: int | None = None,
         driver_root: Path | None = None,
+        webhook: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         cluster = self.node.cluster
         lay = self.node.layout
@@ -173,7 +178,7 @@ class ChartStack(NodeGpus):
         values: dict[str, Any] = {
             "image": {"repository": IMAGE_REPOSITORY, "tag": self.build.tag, "pullPolicy": "Never"},
             "kubernetesApi": {
-                "host": "127.0.0.1",
+                "host": api_host,
                 "port": api_port or cluster.require_state().ports["apiserver"],
             },
             "node": {
@@ -191,6 +196,7 @@ class ChartStack(NodeGpus):
                 "hostNetwork": True,
                 "port": self.ports["webhook"],
                 "nodeSelector": pin,
+                **(webhook or {}),
             },
         }
         for arg in node_args or []:
@@ -357,6 +363,40 @@ class ChartStack(NodeGpus):
         finally:
             _pause_webhook(kube, paused=False)
             wait_for("the webhook ready", lambda: webhook_ready(kube), timeout=180)
+
+    @contextlib.contextmanager
+    def webhook_on_pod_network(self) -> Iterator[Callable[[int], None]]:
+        """Inside, the webhook runs as the chart runs it by default, on the pod network
+        (a surge pod rolls it), with the replicas the yielded function sets (an upgrade,
+        waited for): more than one with the chart's CA (tls.source helm), as the chart
+        requires, one with its own (self, the default). The upgrade that moves from
+        `self` to `helm` takes `--force-conflicts`, as docs/install.md says: under `self`
+        the webhook owns the configurations' caBundle. Both components reach the API
+        server at the `kubernetes` Service's
+        address, which the host routes meanwhile (`api_service_route`: no kube-proxy
+        runs here); after, the release is as it was."""
+        kube = self.node.cluster.kube()
+        api_port = self.node.cluster.require_state().ports["apiserver"]
+        with api_service_route(kube, api_port) as (host, port):
+            sources = ["self"]
+
+            def replicas(count: int) -> None:
+                source = "helm" if count > 1 else "self"
+                webhook = {"hostNetwork": False, "replicas": count, "tls": {"source": source}}
+                values = self.values(api_host=host, api_port=port, webhook=webhook)
+                force = (sources[-1], source) == ("self", "helm")
+                if len(sources) == 1:  # the agent rolls too, to the Service's address
+                    self._roll(values, wait=True, force_conflicts=force)
+                else:  # the webhook's values alone change
+                    self._helm_upgrade(values, wait=True, force_conflicts=force)
+                sources.append(source)
+                wait_for("the webhook registered", lambda: webhook_ready(kube), timeout=90)
+
+            try:
+                yield replicas
+            finally:
+                self._roll(self.values(), wait=True)
+                wait_for("the webhook registered", lambda: webhook_ready(kube), timeout=90)
 
     # --- what differs on kind (e2e/kind/gpus.py) -----------------------------------
 

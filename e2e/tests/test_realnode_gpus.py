@@ -26,6 +26,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +64,7 @@ from e2e.gpu_pods import (
 from e2e.node.chart import NAMESPACE as CHART_NAMESPACE
 from e2e.node.chart import ChartStack, webhook_deployments, webhook_ready
 from e2e.node.gpus import DRIVER, MIG_COMPUTE_INSTANCES, MIG_FIRST_MINOR, NodeGpus
+from e2e.node.service_route import route_unavailable_reason, service_address
 from e2e.progress import build_script
 from e2e.shared_libraries import shared_library
 from e2e.tools import helm as h
@@ -685,22 +687,42 @@ def webhook_pods(kube: Kube) -> dict[str, str]:
     return states
 
 
-def test_a_webhook_rollout_under_load_answers_right_or_finds_no_endpoint(
-    stack: NodeGpus, kube: Kube, ns: str
-) -> None:
-    """A rollout of the webhook while pods and claims keep coming, with the chart as
-    this node runs it: one replica on the node's network, so the new pod can only
-    listen once the old one has gone (`maxSurge: 0`), and its CA is a new one
-    (tls.source self). Every review is either the webhook's right answer or the API
-    server finding no ready endpoint to call (docs/install.md, Upgrade: two replicas
-    close that gap); never a TLS failure against a CA the configurations do not trust
-    yet or any more, a connection cut in the middle, or a wrong answer from the pod
-    being stopped. Once the new pod is ready and has answered, every review is
-    answered. The gap, from the first review refused to the last, is printed (with
-    `-rP`): the chart drains a lone replica on the node's network for 1 s, not 5, and
-    probes its readiness every second."""
-    if not isinstance(stack, ChartStack):
-        pytest.skip("the host-process webhook is not a pod a rollout replaces")
+@dataclass
+class Rollout:
+    """What a webhook rollout under `AdmissionLoad` gave: each review's time and
+    problem (empty: the webhook's right answer), when the new pods had answered, and
+    the pods' states as the rollout went."""
+
+    outcomes: list[tuple[float, str]]
+    settled: float
+    timeline: list[str]
+
+    @property
+    def problems(self) -> list[str]:
+        return [p for _, p in self.outcomes if p]
+
+    @property
+    def after(self) -> list[str]:
+        """The reviews' problems once the new pods had answered."""
+        return [p for t, p in self.outcomes if t >= self.settled]
+
+    @property
+    def gap(self) -> float:
+        """From the first review not answered right to the last, in seconds."""
+        times = [t for t, p in self.outcomes if p]
+        return times[-1] - times[0] if times else 0.0
+
+    def report(self, what: str) -> str:
+        return (
+            f"{what}: reviews {len(self.outcomes)}, not answered right "
+            f"{len(self.problems)}, gap {self.gap:.1f} s"
+        )
+
+
+def roll_under_load(stack: NodeGpus, kube: Kube, ns: str) -> Rollout:
+    """Restarts the webhook's Deployment (a rollout, as `helm upgrade` or
+    `kubectl rollout restart` starts it) under `AdmissionLoad`, until the old pods are
+    gone, the new ones are ready and one has answered, and 3 s more."""
     wait_for("the webhook ready", lambda: webhook_ready(kube), timeout=90)
     (deployment,) = webhook_deployments(kube)
     old = webhook_pods(kube)
@@ -725,14 +747,56 @@ def test_a_webhook_rollout_under_load_answers_right_or_finds_no_endpoint(
         wait_for("a review answered by the new pod", lambda: load.answered_since(now), timeout=30)
         settled = time.monotonic()
         time.sleep(3)
-    problems = [(t, p) for t, p in load.outcomes if p]
-    other = [p for _, p in problems if NO_ENDPOINT not in p]
-    assert not other, "\n".join([*other[:20], "webhook pods:", *timeline])
-    after = [p for t, p in load.outcomes if t >= settled]
-    assert len(after) >= 10 and not any(after), after
-    gap = problems[-1][0] - problems[0][0] if problems else 0.0
-    print(f"reviews: {len(load.outcomes)}, refused for want of an endpoint: {len(problems)}")
-    print(f"gap: {gap:.1f} s")
+    return Rollout(load.outcomes, settled, timeline)
+
+
+def test_a_webhook_rollout_under_load_answers_right_or_finds_no_endpoint(
+    stack: NodeGpus, kube: Kube, ns: str
+) -> None:
+    """A rollout of the webhook while pods and claims keep coming, with the chart as
+    this node runs it: one replica on the node's network, so the new pod can only
+    listen once the old one has gone (`maxSurge: 0`), and its CA is a new one
+    (tls.source self). Every review is either the webhook's right answer or the API
+    server finding no ready endpoint to call (docs/install.md, Upgrade: two replicas
+    or the pod network close that gap, below); never a TLS failure against a CA the
+    configurations do not trust yet or any more, a connection cut in the middle, or a
+    wrong answer from the pod being stopped. Once the new pod is ready and has
+    answered, every review is answered. The gap, from the first review refused to the
+    last, is printed (with `-rP`): the chart drains a lone replica on the node's
+    network for 1 s, not 5, and probes its readiness every second."""
+    if not isinstance(stack, ChartStack):
+        pytest.skip("the host-process webhook is not a pod a rollout replaces")
+    rollout = roll_under_load(stack, kube, ns)
+    other = [p for p in rollout.problems if NO_ENDPOINT not in p]
+    assert not other, "\n".join([*other[:20], "webhook pods:", *rollout.timeline])
+    assert len(rollout.after) >= 10 and not any(rollout.after), rollout.after
+    print(rollout.report("one replica on the node's network"))
+
+
+def test_a_webhook_on_the_pod_network_rolls_under_load_answering_every_review(
+    stack: NodeGpus, kube: Kube, ns: str
+) -> None:
+    """The chart's default, the webhook on the pod network: a rollout starts the new
+    pod beside the old one (a surge pod), so an endpoint is ready throughout and every
+    review is answered right: with one replica and its own CA (tls.source self, the
+    default), where the new pod's CA must be trusted before it serves and the old
+    one's until it stops, and with two replicas on the chart's CA (tls.source helm).
+    The pods reach the API server at the `kubernetes` Service's address, which the
+    host routes for this test (no kube-proxy runs here)."""
+    if not isinstance(stack, ChartStack):
+        pytest.skip("the host-process webhook is not a pod a rollout replaces")
+    reason = route_unavailable_reason(service_address(kube)[0])
+    if reason:
+        pytest.skip(f"no route to the API server from the pod network here: {reason}")
+    with stack.webhook_on_pod_network() as replicas:
+        for count in (1, 2):
+            replicas(count)
+            rollout = roll_under_load(stack, kube, ns)
+            print(rollout.report(f"{count} replica(s) on the pod network"))
+            assert not rollout.problems, "\n".join(
+                [*rollout.problems[:20], "webhook pods:", *rollout.timeline]
+            )
+            assert len(rollout.after) >= 10
 
 
 def test_an_mps_daemon_pod_sees_only_its_claims_folders(
