@@ -372,9 +372,9 @@ class ChartStack(NodeGpus):
         requires, one with its own (self, the default). The upgrade that moves from
         `self` to `helm` takes `--force-conflicts`, as docs/install.md says: under `self`
         the webhook owns the configurations' caBundle. Both components reach the API
-        server at the `kubernetes` Service's
-        address, which the host routes meanwhile (`api_service_route`: no kube-proxy
-        runs here); after, the release is as it was."""
+        server at the `kubernetes` Service's address, which the host routes meanwhile
+        (`api_service_route`: no kube-proxy runs here); after, the release is as it
+        was."""
         kube = self.node.cluster.kube()
         api_port = self.node.cluster.require_state().ports["apiserver"]
         with api_service_route(kube, api_port) as (host, port):
