@@ -715,7 +715,8 @@ class Rollout:
         return times[-1] - times[0] if times else 0.0
 
     def report(self, what: str) -> str:
-        """One line for `-rP`, with the most frequent problems (their ends, digits masked)."""
+        """A summary for `-rP`: the counts, then the most frequent problems (their ends,
+        where the cause is, with digits masked)."""
         kinds = Counter(re.sub(r"[0-9]+", "N", p)[-200:] for p in self.problems)
         return "\n  ".join(
             [

@@ -92,18 +92,19 @@ class Configs:
             lambda: self.kube.request("POST", f"{API}/{ref.kind.value}", body)
         )
 
-    async def bundles(self, ref: WebhookConfiguration) -> list[str | None]:
-        obj = await anyio.to_thread.run_sync(
+    async def get(self, ref: WebhookConfiguration) -> Any:
+        return await anyio.to_thread.run_sync(
             lambda: self.kube.request("GET", f"{API}/{ref.kind.value}/{ref.name}")
         )
+
+    async def bundles(self, ref: WebhookConfiguration) -> list[str | None]:
+        obj = await self.get(ref)
         return [w["clientConfig"].get("caBundle") for w in obj["webhooks"]]
 
     async def bundle_managers(self, ref: WebhookConfiguration) -> set[str]:
         """The field managers the API server records as owning a webhook's caBundle:
         whom an apply that sets it (a chart's) conflicts with."""
-        obj = await anyio.to_thread.run_sync(
-            lambda: self.kube.request("GET", f"{API}/{ref.kind.value}/{ref.name}")
-        )
+        obj = await self.get(ref)
         return {
             m["manager"]
             for m in obj["metadata"].get("managedFields") or ()
@@ -112,9 +113,7 @@ class Configs:
 
     async def leases(self, ref: WebhookConfiguration) -> set[str]:
         """The fingerprints of the CA leases on the configuration."""
-        obj = await anyio.to_thread.run_sync(
-            lambda: self.kube.request("GET", f"{API}/{ref.kind.value}/{ref.name}")
-        )
+        obj = await self.get(ref)
         found = obj["metadata"].get("annotations") or {}
         return {k.removeprefix(LEASE_PREFIX) for k in found if k.startswith(LEASE_PREFIX)}
 
