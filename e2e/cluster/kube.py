@@ -185,6 +185,17 @@ class Kube:
 CRD_PATH = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions"
 
 
+def field_managers(obj: dict[str, Any], field: str) -> set[str]:
+    """The field managers the API server records as owning `field` (anywhere in `obj`):
+    an apply that sets it to another value conflicts with them, and the last of them to
+    leave it out of an apply takes it out."""
+    return {
+        m["manager"]
+        for m in obj["metadata"].get("managedFields") or ()
+        if f'"f:{field}"' in json.dumps(m.get("fieldsV1"))
+    }
+
+
 def crd_established(kube: Kube, name: str) -> bool:
     """True once the API server serves CRD `name`; a new CRD's conditions may be null."""
     status = kube.request("GET", f"{CRD_PATH}/{name}").get("status") or {}

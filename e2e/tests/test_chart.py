@@ -21,12 +21,20 @@ import yaml
 from cryptography import x509
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.serialization import Encoding
+from gpudra.common.kube import Kube as CommonKube
 from gpudra.driver.mpspods import MpsDaemonPods
 from gpudra.driver.sharing import _POD_SCRIPT as POD_SCRIPT
-from gpudra.webhook.certs import CertKeyPair, ensure_serving_from_ca, service_dns_names
+from gpudra.webhook import registration
+from gpudra.webhook.cabundle import FIELD_MANAGER
+from gpudra.webhook.certs import (
+    CertKeyPair,
+    ensure_serving_from_ca,
+    generate_ca,
+    service_dns_names,
+)
 
 from e2e.cluster.harness import Cluster
-from e2e.cluster.kube import ApiError, Kube, crd_established, wait_for
+from e2e.cluster.kube import ApiError, Kube, crd_established, field_managers, wait_for
 from e2e.tenant_user import pod_bound_token
 from e2e.tools import helm as h
 
@@ -407,25 +415,33 @@ def test_install_refuses_a_device_plugin_node(
 TLS_SECRET = "gpudra-webhook-tls"
 
 
-def render_chart_tls(
-    helm: Path, cluster: Cluster, namespace: str
-) -> tuple[dict[str, bytes], dict[str, Any], list[x509.Certificate]]:
-    """Render tls.source=helm with the API server's objects visible to `lookup`, as an
-    upgrade does: the Secret's files, its metadata, and the caBundle's certificates."""
+def render_with_lookup(
+    helm: Path, cluster: Cluster, namespace: str, source: str
+) -> list[dict[str, Any]]:
+    """Render with webhook.tls.source `source` and the API server's objects visible to
+    `lookup`, as an upgrade does."""
     # Other tests may have created the driver's DeviceClasses outside Helm, and a
     # release elsewhere keeps the GpuTenant CRD (crds.keep); a server dry run would
     # refuse to adopt them, which is not what the TLS tests are about.
     classes = {kind: {"enabled": False} for kind in ("gpu", "mig", "shared")}
-    objects = h.template(
+    return h.template(
         helm,
         {
-            "webhook": {"tls": {"source": "helm"}},
+            "webhook": {"tls": {"source": source}},
             "deviceClasses": classes,
             "crds": {"install": False},
         },
         namespace=namespace,
         extra=["--dry-run=server", "--kubeconfig", str(cluster.layout.admin_kubeconfig)],
     )
+
+
+def render_chart_tls(
+    helm: Path, cluster: Cluster, namespace: str
+) -> tuple[dict[str, bytes], dict[str, Any], list[x509.Certificate]]:
+    """Render tls.source=helm as an upgrade does: the Secret's files, its metadata, and
+    the caBundle's certificates."""
+    objects = render_with_lookup(helm, cluster, namespace, "helm")
     secret = h.find(objects, "Secret", TLS_SECRET)
     files = {k: base64.b64decode(v) for k, v in secret["data"].items()}
     (hook,) = h.find(objects, "MutatingWebhookConfiguration")["webhooks"]
@@ -526,3 +542,124 @@ def test_chart_ca_is_kept_renewed_and_rotated_across_upgrades(
         assert trusted_by(serves_from(upgraded, tmp_path / "d"), upgraded_bundle)
     finally:
         delete_secret(kube, namespace)
+
+
+def rendered_bundles(objects: list[dict[str, Any]]) -> dict[str, str | None]:
+    """Each rendered webhook's caBundle, None where the chart leaves it out."""
+    return {
+        hook["name"]: hook["clientConfig"].get("caBundle")
+        for kind in ("MutatingWebhookConfiguration", "ValidatingWebhookConfiguration")
+        for hook in h.find(objects, kind)["webhooks"]
+    }
+
+
+@pytest.mark.anyio
+async def test_moving_to_self_keeps_the_bundle_helm_set_until_the_webhook_writes_its_own(
+    helm: Path, cluster: Cluster, kube: Kube, namespace: str
+) -> None:
+    """Under tls.source=self the chart leaves caBundle to the webhook. On the upgrade that
+    moves there from a bundle Helm set (helm, or secret with tls.caBundle), leaving it out
+    would make Helm take it out, and the API server would trust no webhook pod until the
+    new one wrote its CA: so the chart renders what Helm set, as it is. A configuration
+    whose bundle the webhook writes (its own field manager) is left to it, and so is
+    each configuration on its own. The configurations go through what a release does:
+    installed with `self`, moved to `helm` (the forced apply docs/install.md names), then
+    rendered for the move back."""
+    names = {
+        "MutatingWebhookConfiguration": registration.NAME,
+        "ValidatingWebhookConfiguration": registration.VALIDATING_NAME,
+    }
+    for kind, name in names.items():
+        assert kube.get_or_none(kind, name) is None, f"{kind} {name} is live; left by a test?"
+    chart_ca, own_ca = generate_ca().cert_pem, generate_ca().cert_pem
+
+    def configurations(bundle: bytes) -> list[dict[str, Any]]:
+        """The two configurations, owned by the release as after an install, reviewing
+        nothing while they stand."""
+        b64 = base64.b64encode(bundle).decode()
+        url = "https://127.0.0.1:9/"
+        configs = [
+            registration.mutating_configuration(
+                ca_bundle_b64=b64, own_namespace=namespace, url=url
+            ),
+            registration.validating_configuration(
+                ca_bundle_b64=b64,
+                own_namespace=namespace,
+                device_classes=["gpu.nvidia.com"],
+                driver="gpu.nvidia.com",
+                url=url,
+            ),
+        ]
+        for config in configs:
+            config["metadata"]["labels"] = {"app.kubernetes.io/managed-by": "Helm"}
+            config["metadata"]["annotations"] = {
+                "meta.helm.sh/release-name": "gpudra",
+                "meta.helm.sh/release-namespace": namespace,
+            }
+            for hook in config["webhooks"]:
+                hook["objectSelector"] = {"matchLabels": {"gpudra-e2e/never": "true"}}
+        return configs
+
+    def self_render() -> dict[str, str | None]:
+        return rendered_bundles(render_with_lookup(helm, cluster, namespace, "self"))
+
+    def managers() -> set[frozenset[str]]:
+        return {
+            frozenset(field_managers(kube.get(kind, name), "caBundle"))
+            for kind, name in names.items()
+        }
+
+    akube = await CommonKube.connect(str(cluster.layout.admin_kubeconfig))
+    try:
+        # Nothing live: the chart leaves caBundle out.
+        assert set(self_render().values()) == {None}
+
+        # Installed with `self`: the chart's configurations without a bundle, which the
+        # webhook applies.
+        for config in configurations(b""):
+            for hook in config["webhooks"]:
+                del hook["clientConfig"]["caBundle"]
+            kube.apply(config, manager="helm")
+        for config in configurations(own_ca):
+            await registration.apply(akube, config)
+        assert managers() == {frozenset({FIELD_MANAGER})}
+        assert set(self_render().values()) == {None}
+
+        # Moved to `helm`: the chart's bundle applied over the webhook's. The webhook's
+        # field manager still has an entry there (the webhooks' names), but no bundle.
+        helm_set = base64.b64encode(chart_ca).decode()
+        for config in configurations(chart_ca):
+            kube.apply(config, manager="helm")
+        assert managers() == {frozenset({"helm"})}
+        bundles = self_render()
+        assert bundles == dict.fromkeys(bundles, helm_set) and len(bundles) == 3
+
+        # Once the webhook has written the pod conversion's bundle (its own CA added),
+        # that configuration's is its own; the claim validation's is still Helm's.
+        kube.request(
+            "PATCH",
+            kube.path("MutatingWebhookConfiguration", None, registration.NAME),
+            [
+                {
+                    "op": "replace",
+                    "path": "/webhooks/0/clientConfig/caBundle",
+                    "value": base64.b64encode(chart_ca + own_ca).decode(),
+                }
+            ],
+            content_type="application/json-patch+json",
+            query={"fieldManager": FIELD_MANAGER},
+        )
+        mutating = kube.get("MutatingWebhookConfiguration", registration.NAME)
+        assert field_managers(mutating, "caBundle") == {FIELD_MANAGER}
+        bundles = self_render()
+        assert bundles.pop("pods.gpudra.nvidia.com") is None
+        assert bundles == dict.fromkeys(bundles, helm_set)
+
+        # Other sources render their own bundle whoever owns the live one.
+        rendered = rendered_bundles(render_with_lookup(helm, cluster, namespace, "helm"))
+        assert helm_set not in rendered.values()
+    finally:
+        await akube.close()
+        for kind, name in names.items():
+            with contextlib.suppress(ApiError):
+                kube.delete(kind, name)

@@ -39,12 +39,14 @@ from gpudra.cli.webhook import QUOTA_LEASE
 from gpudra.driver.driverroot import CUDA_LIBRARY, NVML_LIBRARY
 from gpudra.driver.mpspods import CLAIM_LABEL
 from gpudra.driver.plugin import DRA_APIS
+from gpudra.webhook import registration
+from gpudra.webhook.cabundle import FIELD_MANAGER
 from gpudra.webhook.convert import CONVERTED_ANNOTATION as CONVERTED
 
 from e2e import features
 from e2e.claims import attr, claim_template, node_devices, running, wait_running
 from e2e.cluster.harness import BUILD_SCRIPT, Cluster, known_gates
-from e2e.cluster.kube import ApiError, Kube, wait_for
+from e2e.cluster.kube import ApiError, Kube, field_managers, wait_for
 from e2e.gpu_pods import (
     allocation,
     cap_nodes,
@@ -786,6 +788,20 @@ def test_a_webhook_rollout_under_load_answers_right_or_finds_no_endpoint(
     print(rollout.report("one replica on the node's network"))
 
 
+WEBHOOK_CONFIGURATIONS = (
+    ("MutatingWebhookConfiguration", registration.NAME),
+    ("ValidatingWebhookConfiguration", registration.VALIDATING_NAME),
+)
+
+
+def assert_every_review_answered(rollout: Rollout) -> None:
+    """Every review of the rollout answered right, and enough of them after it."""
+    assert not rollout.problems, "\n".join(
+        [*rollout.problems[:20], "webhook pods:", *rollout.timeline]
+    )
+    assert len(rollout.after) >= 10
+
+
 def test_a_webhook_on_the_pod_network_rolls_under_load_answering_every_review(
     stack: NodeGpus, kube: Kube, ns: str
 ) -> None:
@@ -794,9 +810,11 @@ def test_a_webhook_on_the_pod_network_rolls_under_load_answering_every_review(
     review is answered right: with one replica and its own CA (tls.source self, the
     default), where the new pod's CA must be trusted before it serves and the old
     one's until it stops, and with two replicas on the chart's CA (tls.source helm).
-    Then the upgrade back to the default, under the same stream, whose cost is printed
-    (with `-rP`). The pods reach the API server at the `kubernetes` Service's address,
-    which the host routes for this test (no kube-proxy runs here)."""
+    Then the upgrade back to the default, under the same stream: the chart keeps the
+    bundle Helm set until the new pod has added its own CA beside it, and that write
+    leaves the bundle the webhook's alone, so later upgrades leave it to the webhook.
+    The pods reach the API server at the `kubernetes` Service's address, which the host
+    routes for this test (no kube-proxy runs here)."""
     if not isinstance(stack, ChartStack):
         pytest.skip("the host-process webhook is not a pod a rollout replaces")
     reason = route_unavailable_reason(service_address(kube)[0])
@@ -807,16 +825,13 @@ def test_a_webhook_on_the_pod_network_rolls_under_load_answering_every_review(
             replicas(count)
             rollout = roll_under_load(stack, kube, ns)
             print(rollout.report(f"{count} replica(s) on the pod network"))
-            assert not rollout.problems, "\n".join(
-                [*rollout.problems[:20], "webhook pods:", *rollout.timeline]
-            )
-            assert len(rollout.after) >= 10
-        # Back to the default, an upgrade under the same stream. The chart's CA leaves
-        # the configurations as its pods go, and the new pod's own is trusted only once
-        # it has written it: what that costs is printed, not asserted.
+            assert_every_review_answered(rollout)
+        # Back to the default, an upgrade under the same stream.
         rollout = roll_under_load(stack, kube, ns, start=lambda: replicas(1))
         print(rollout.report("upgraded from two replicas on the chart's CA to one with its own"))
-        assert len(rollout.after) >= 10 and not any(rollout.after), rollout.after
+        assert_every_review_answered(rollout)
+        for kind, name in WEBHOOK_CONFIGURATIONS:
+            assert field_managers(kube.get(kind, name), "caBundle") == {FIELD_MANAGER}, (kind, name)
 
 
 def test_an_mps_daemon_pod_sees_only_its_claims_folders(

@@ -5,7 +5,6 @@ from __future__ import annotations
 import base64
 import contextlib
 import datetime as dt
-import json
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -34,6 +33,7 @@ from gpudra.webhook.certs import (
 )
 
 from e2e.cluster.kube import Kube as SyncKube
+from e2e.cluster.kube import field_managers
 
 pytestmark = [pytest.mark.cluster, pytest.mark.anyio]
 API = "/apis/admissionregistration.k8s.io/v1"
@@ -104,12 +104,7 @@ class Configs:
     async def bundle_managers(self, ref: WebhookConfiguration) -> set[str]:
         """The field managers the API server records as owning a webhook's caBundle:
         whom an apply that sets it (a chart's) conflicts with."""
-        obj = await self.get(ref)
-        return {
-            m["manager"]
-            for m in obj["metadata"].get("managedFields") or ()
-            if '"f:caBundle"' in json.dumps(m.get("fieldsV1"))
-        }
+        return field_managers(await self.get(ref), "caBundle")
 
     async def leases(self, ref: WebhookConfiguration) -> set[str]:
         """The fingerprints of the CA leases on the configuration."""
