@@ -515,11 +515,10 @@ async def apply(kube: Kube, config: dict[str, Any]) -> None:
 
     Where Helm manages a webhook configuration (the chart renders it, leaving the
     caBundle out for tls.source=self once this field manager owns it), only the caBundle
-    is applied. Applying all of it
-    with force would take the chart's fields too, and the next `helm upgrade` that
-    changes one of them (a new match condition, say) would fail with a conflict with
-    this field manager. Without Helm (`gpudra webhook` run on its own) the webhook owns
-    the whole configuration and re-applies it, undoing drift."""
+    is applied. Applying all of it with force would take the chart's fields too, and the
+    next `helm upgrade` that changes one of them (a new match condition, say) would fail
+    with a conflict with this field manager. Without Helm (`gpudra webhook` run on its
+    own) the webhook owns the whole configuration and re-applies it, undoing drift."""
     base = {
         "ValidatingWebhookConfiguration": VALIDATING_PATH,
         "ValidatingAdmissionPolicy": OPT_OUT_POLICY_PATH,

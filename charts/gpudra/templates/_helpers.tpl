@@ -139,16 +139,18 @@ names it (tests/chart renders every suffix): the suffix becomes a token after a 
 {{/* With webhook.tls.source=self, the caBundles (by webhook name, JSON) that the chart
 renders unchanged from the live configuration: every one it holds, unless the webhook's
 own field manager (gpudra.webhook.cabundle.FIELD_MANAGER) owns a caBundle there already,
-and none otherwise. (An entry of that manager without one says nothing: a forced apply of
-the chart's bundle takes the caBundle out of it and leaves the webhooks' names.) Why: under `self` the chart leaves caBundle to the webhook, but when the
-release moves to `self` from a source whose bundle Helm set (tls.source helm, or secret
-with tls.caBundle), leaving it out would make Helm take that bundle out at once, and
-the API server would trust no webhook pod until the new one has written its own CA: every
-GPU pod and claim refused meanwhile. Kept, the new pod finds the old CA in place and
-keeps it beside its own while the old pods stop (a CA without a lease, kept for the
-rollout window), and its write makes it the field's only owner, so the next upgrade
-leaves caBundle out again. Where `lookup` sees no cluster (helm template) nothing is
-kept. Argument: (list <kind> <name>). */}}
+and none otherwise. (An entry of that manager without one says nothing: a forced apply
+of the chart's bundle takes the caBundle out of it and leaves the webhooks' names.)
+
+Why: under `self` the chart leaves caBundle to the webhook, but when the release moves
+to `self` from a source whose bundle Helm set (tls.source helm, or secret with
+tls.caBundle), leaving it out would make Helm take that bundle out at once, and the API
+server would trust no webhook pod until the new one has written its own CA: every GPU
+pod and claim refused meanwhile. Kept, the new pod finds the old CA in place and keeps
+it beside its own while the old pods stop (a CA without a lease, kept for the rollout
+window), and its write makes it the field's only owner, so the next upgrade leaves
+caBundle out again. Where `lookup` sees no cluster (helm template) nothing is kept.
+Argument: (list <kind> <name>). */}}
 {{- define "gpudra.webhook.heldCABundles" -}}
 {{- $live := lookup "admissionregistration.k8s.io/v1" (index . 0) "" (index . 1) | default dict -}}
 {{- $webhookWrites := false -}}
