@@ -73,9 +73,10 @@ test-kueue: venv
 
 # Upgrade and downgrade between the previous release (e2e/tools/versions.env) and the
 # working tree with GPU pods of every kind running on the real node (about 4 minutes warm;
-# the first run also builds the release's image).
+# the first run also builds the release's image), and the chart's moves between webhook
+# TLS sources with Helm 3 (HELM3_VERSION, built on first use; `make test` runs Helm 4's).
 test-upgrade: venv
-	$(VPY) e2e/run_pytest.py -m upgrade e2e/tests/test_upgrade.py
+	$(VPY) e2e/run_pytest.py -m upgrade e2e/tests/test_upgrade.py e2e/tests/test_chart.py
 
 # The end-to-end suites that touch the API on every pinned Kubernetes version, one after
 # another (each built on first use), then a table: version, passed, failed, skipped with

@@ -20,6 +20,7 @@ import pytest
 import yaml
 from cryptography import x509
 from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.serialization import Encoding
 from gpudra.common.kube import Kube as CommonKube
 from gpudra.driver.mpspods import MpsDaemonPods
@@ -660,6 +661,141 @@ async def test_moving_to_self_keeps_the_bundle_helm_set_until_the_webhook_writes
         assert helm_set not in rendered.values()
     finally:
         await akube.close()
+        for kind, name in names.items():
+            with contextlib.suppress(ApiError):
+                kube.delete(kind, name)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    "helm_pin",
+    [
+        pytest.param("HELM_VERSION", id="helm4"),
+        # Built on first use (minutes on a fresh machine): `make test-upgrade`.
+        pytest.param("HELM3_VERSION", id="helm3", marks=pytest.mark.upgrade),
+    ],
+)
+async def test_a_release_moved_between_tls_sources_keeps_its_pods_trusted(
+    helm_pin: str, cluster: Cluster, kube: Kube, namespace: str, tmp_path: Path
+) -> None:
+    """A release installed with `self`, moved to `helm` (the high-availability line of
+    docs/install.md), back to `self`, then upgraded again, with the real Helm 4 (applies
+    server-side) and Helm 3 (merges client-side against the release before). After each
+    step the configurations trust every pod that may still serve: the move back keeps
+    the chart's CA until the new pod has added its own, and no later upgrade takes
+    either out. The webhook's writes are made as its pods make them: its apply of its
+    bundle, then a JSON patch under its field manager."""
+    try:
+        helm = h.helm_binary(helm_pin)
+    except h.HelmUnavailable as e:
+        pytest.skip(f"helm could not be built: {e}")
+    names = {
+        "MutatingWebhookConfiguration": registration.NAME,
+        "ValidatingWebhookConfiguration": registration.VALIDATING_NAME,
+    }
+    for kind, name in names.items():
+        assert kube.get_or_none(kind, name) is None, f"{kind} {name} is live; left by a test?"
+    classes = {kind: {"enabled": False} for kind in ("gpu", "mig", "shared")}
+
+    def upgrade(source: str, *flags: str, timeout: int = 10) -> None:
+        values = {
+            "webhook": {
+                "tls": {"source": source},
+                "replicas": 2 if source == "helm" else 1,
+                "timeoutSeconds": timeout,
+            },
+            "deviceClasses": classes,
+            "crds": {"install": False},
+        }
+        h.run(
+            helm,
+            "upgrade",
+            "--install",
+            "gpudra",
+            str(h.CHART),
+            "--namespace",
+            namespace,
+            *h.values_args([values], tmp_path),
+            *flags,
+            env=helm_env(cluster),
+        )
+
+    def fingerprints(pem: bytes) -> tuple[str, ...]:
+        """The SHA-256 (hex) of each certificate in `pem`, sorted."""
+        return tuple(
+            sorted(
+                c.fingerprint(hashes.SHA256()).hex() for c in x509.load_pem_x509_certificates(pem)
+            )
+        )
+
+    def bundles() -> set[tuple[str, ...] | None]:
+        """Each webhook's trusted CAs (`fingerprints`), None where it has none."""
+        return {
+            fingerprints(base64.b64decode(hook["clientConfig"]["caBundle"]))
+            if hook["clientConfig"].get("caBundle")
+            else None
+            for kind, name in names.items()
+            for hook in kube.get(kind, name)["webhooks"]
+        }
+
+    first_pod, next_pod = generate_ca().cert_pem, generate_ca().cert_pem
+    akube = await CommonKube.connect(str(cluster.layout.admin_kubeconfig))
+    try:
+        upgrade("self")
+        assert bundles() == {None}
+        # The first pod applies its bundle (the chart manages the configurations).
+        for config in (
+            registration.mutating_configuration(
+                ca_bundle_b64=base64.b64encode(first_pod).decode(),
+                own_namespace=namespace,
+                url="https://127.0.0.1:9/",
+            ),
+            registration.validating_configuration(
+                ca_bundle_b64=base64.b64encode(first_pod).decode(),
+                own_namespace=namespace,
+                device_classes=["gpu.nvidia.com"],
+                driver="gpu.nvidia.com",
+                url="https://127.0.0.1:9/",
+            ),
+        ):
+            await registration.apply(akube, config)
+        assert bundles() == {fingerprints(first_pod)}
+
+        # To the chart's CA: Helm 4 must be told to take the webhook's field.
+        upgrade("helm", *(["--force-conflicts"] if helm_pin == "HELM_VERSION" else []))
+        secret = kube.get("Secret", TLS_SECRET, namespace)
+        chart_ca = base64.b64decode(secret["data"]["ca.crt"])
+        assert bundles() == {fingerprints(chart_ca)}
+
+        # Back to `self`: the chart's CA stays until the new pod has written its own.
+        upgrade("self")
+        assert bundles() == {fingerprints(chart_ca)}
+        both = chart_ca + next_pod
+        for kind, name in names.items():
+            hooks = kube.get(kind, name)["webhooks"]
+            kube.request(
+                "PATCH",
+                kube.path(kind, None, name),
+                [
+                    {
+                        "op": "replace",
+                        "path": f"/webhooks/{i}/clientConfig/caBundle",
+                        "value": base64.b64encode(both).decode(),
+                    }
+                    for i in range(len(hooks))
+                ],
+                content_type="application/json-patch+json",
+                query={"fieldManager": FIELD_MANAGER},
+            )
+        assert bundles() == {fingerprints(both)}
+
+        # A later upgrade leaves the webhook's bundle as it is.
+        upgrade("self", timeout=11)
+        assert bundles() == {fingerprints(both)}
+    finally:
+        await akube.close()
+        with contextlib.suppress(h.HelmFailed):
+            h.run(helm, "uninstall", "gpudra", "--namespace", namespace, env=helm_env(cluster))
         for kind, name in names.items():
             with contextlib.suppress(ApiError):
                 kube.delete(kind, name)

@@ -16,6 +16,7 @@ from typing import Any
 
 import yaml
 
+from e2e.pins import TOOL_VERSIONS, pinned
 from e2e.progress import BuildFailed, build_script
 
 REPO = Path(__file__).resolve().parents[2]
@@ -32,10 +33,15 @@ class HelmFailed(Exception):
     """helm ran and exited non-zero; the message is its stderr."""
 
 
-def helm_binary() -> Path:
-    """The cached helm binary, built on first use."""
+def helm_binary(pin: str = "HELM_VERSION") -> Path:
+    """The cached helm binary of the version `pin` names in e2e/tools/versions.env (the
+    default Helm 4, which HELM_VERSION_OVERRIDE may replace, or HELM3_VERSION), built on
+    first use."""
+    env = dict(os.environ)
+    if pin != "HELM_VERSION":
+        env["HELM_VERSION_OVERRIDE"] = pinned(pin, TOOL_VERSIONS)
     try:
-        return build_script(BUILD_SCRIPT, prefix="build-helm", what="building helm")
+        return build_script(BUILD_SCRIPT, prefix="build-helm", what="building helm", env=env)
     except BuildFailed as e:
         raise HelmUnavailable(f"build-helm: {e}") from e
 

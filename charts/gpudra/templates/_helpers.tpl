@@ -137,22 +137,31 @@ names it (tests/chart renders every suffix): the suffix becomes a token after a 
 {{- end -}}
 
 {{/* With webhook.tls.source=self, the caBundles (by webhook name, JSON) that the chart
-renders unchanged from the live configuration: every one it holds, unless the webhook's
-own field manager (gpudra.webhook.cabundle.FIELD_MANAGER) owns a caBundle there already,
-and none otherwise. (An entry of that manager without one says nothing: a forced apply
-of the chart's bundle takes the caBundle out of it and leaves the webhooks' names.)
+renders unchanged from the live configuration. Under `self` the chart leaves caBundle to
+the webhook, but when the release moves to `self` from a source whose bundle Helm set
+(tls.source helm, or secret with tls.caBundle), leaving it out would make Helm take that
+bundle out at once, and the API server would trust no webhook pod until the new one has
+written its own CA: every GPU pod and claim refused meanwhile. Kept, the new pod finds
+the old CA in place and keeps it beside its own while the old pods stop (a CA without a
+lease, kept for the rollout window).
 
-Why: under `self` the chart leaves caBundle to the webhook, but when the release moves
-to `self` from a source whose bundle Helm set (tls.source helm, or secret with
-tls.caBundle), leaving it out would make Helm take that bundle out at once, and the API
-server would trust no webhook pod until the new one has written its own CA: every GPU
-pod and claim refused meanwhile. Kept, the new pod finds the old CA in place and keeps
-it beside its own while the old pods stop (a CA without a lease, kept for the rollout
-window), and its write makes it the field's only owner, so the next upgrade leaves
-caBundle out again. Where `lookup` sees no cluster (helm template) nothing is kept.
-Argument: (list <kind> <name>). */}}
+- Helm 4 applies server-side: rendering a field claims it, and applying it after the
+  webhook changed it would conflict. So a bundle is kept only while the webhook's own
+  field manager (gpudra.webhook.cabundle.FIELD_MANAGER) owns no caBundle there; the new
+  pod's write makes that manager the field's only owner, and the next upgrade leaves
+  caBundle out again. (An entry of that manager without a caBundle says nothing: a
+  forced apply of the chart's bundle takes the caBundle out of it and leaves the
+  webhooks' names.)
+- Helm 3 merges client-side, against the manifest of the release before: a field that
+  release rendered and this one leaves out is deleted, whoever wrote it since. So every
+  live bundle is kept, each upgrade rendering what is there; the patch then changes
+  nothing.
+
+Where `lookup` sees no cluster (helm template) nothing is kept.
+Argument: (list <root context> <kind> <name>). */}}
 {{- define "gpudra.webhook.heldCABundles" -}}
-{{- $live := lookup "admissionregistration.k8s.io/v1" (index . 0) "" (index . 1) | default dict -}}
+{{- $helm3 := semverCompare "<4.0.0-0" (index . 0).Capabilities.HelmVersion.Version -}}
+{{- $live := lookup "admissionregistration.k8s.io/v1" (index . 1) "" (index . 2) | default dict -}}
 {{- $webhookWrites := false -}}
 {{- range (get $live "metadata" | default dict).managedFields | default list -}}
 {{- if and (eq .manager "gpudra-webhook") (contains "\"f:caBundle\"" (toJson .fieldsV1)) -}}
@@ -160,7 +169,7 @@ Argument: (list <kind> <name>). */}}
 {{- end -}}
 {{- end -}}
 {{- $held := dict -}}
-{{- if not $webhookWrites -}}
+{{- if or $helm3 (not $webhookWrites) -}}
 {{- range $hook := get $live "webhooks" | default list -}}
 {{- with ($hook.clientConfig | default dict).caBundle -}}
 {{- $_ := set $held $hook.name . -}}
