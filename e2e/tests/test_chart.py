@@ -545,6 +545,69 @@ def test_chart_ca_is_kept_renewed_and_rotated_across_upgrades(
         delete_secret(kube, namespace)
 
 
+WEBHOOK_CONFIGURATIONS = {
+    "MutatingWebhookConfiguration": registration.NAME,
+    "ValidatingWebhookConfiguration": registration.VALIDATING_NAME,
+}
+
+
+def release_configurations(bundle: bytes, namespace: str) -> list[dict[str, Any]]:
+    """gpudra's two webhook configurations trusting `bundle`, owned by the release as
+    after an install, reviewing nothing while they stand."""
+    b64 = base64.b64encode(bundle).decode()
+    url = "https://127.0.0.1:9/"
+    configs = [
+        registration.mutating_configuration(ca_bundle_b64=b64, own_namespace=namespace, url=url),
+        registration.validating_configuration(
+            ca_bundle_b64=b64,
+            own_namespace=namespace,
+            device_classes=["gpu.nvidia.com"],
+            driver="gpu.nvidia.com",
+            url=url,
+        ),
+    ]
+    for config in configs:
+        config["metadata"]["labels"] = {"app.kubernetes.io/managed-by": "Helm"}
+        config["metadata"]["annotations"] = {
+            "meta.helm.sh/release-name": "gpudra",
+            "meta.helm.sh/release-namespace": namespace,
+        }
+        for hook in config["webhooks"]:
+            hook["objectSelector"] = {"matchLabels": {"gpudra-e2e/never": "true"}}
+    return configs
+
+
+@contextlib.contextmanager
+def configurations_removed_after(kube: Kube) -> Iterator[None]:
+    """For a test that makes gpudra's webhook configurations: none may be live before
+    (another test's would be replaced), and none is left after."""
+    for kind, name in WEBHOOK_CONFIGURATIONS.items():
+        assert kube.get_or_none(kind, name) is None, f"{kind} {name} is live; left by a test?"
+    try:
+        yield
+    finally:
+        for kind, name in WEBHOOK_CONFIGURATIONS.items():
+            with contextlib.suppress(ApiError):
+                kube.delete(kind, name)
+
+
+def write_as_webhook(kube: Kube, kind: str, name: str, bundle: bytes) -> None:
+    """Sets every caBundle of one configuration as the webhook's pods do: one JSON patch
+    under its field manager."""
+    hooks = kube.get(kind, name)["webhooks"]
+    value = base64.b64encode(bundle).decode()
+    kube.request(
+        "PATCH",
+        kube.path(kind, None, name),
+        [
+            {"op": "replace", "path": f"/webhooks/{i}/clientConfig/caBundle", "value": value}
+            for i in range(len(hooks))
+        ],
+        content_type="application/json-patch+json",
+        query={"fieldManager": FIELD_MANAGER},
+    )
+
+
 def rendered_bundles(objects: list[dict[str, Any]]) -> dict[str, str | None]:
     """Each rendered webhook's caBundle, None where the chart leaves it out."""
     return {
@@ -566,40 +629,7 @@ async def test_moving_to_self_keeps_the_bundle_helm_set_until_the_webhook_writes
     each configuration on its own. The configurations go through what a release does:
     installed with `self`, moved to `helm` (the forced apply docs/install.md names), then
     rendered for the move back."""
-    names = {
-        "MutatingWebhookConfiguration": registration.NAME,
-        "ValidatingWebhookConfiguration": registration.VALIDATING_NAME,
-    }
-    for kind, name in names.items():
-        assert kube.get_or_none(kind, name) is None, f"{kind} {name} is live; left by a test?"
     chart_ca, own_ca = generate_ca().cert_pem, generate_ca().cert_pem
-
-    def configurations(bundle: bytes) -> list[dict[str, Any]]:
-        """The two configurations, owned by the release as after an install, reviewing
-        nothing while they stand."""
-        b64 = base64.b64encode(bundle).decode()
-        url = "https://127.0.0.1:9/"
-        configs = [
-            registration.mutating_configuration(
-                ca_bundle_b64=b64, own_namespace=namespace, url=url
-            ),
-            registration.validating_configuration(
-                ca_bundle_b64=b64,
-                own_namespace=namespace,
-                device_classes=["gpu.nvidia.com"],
-                driver="gpu.nvidia.com",
-                url=url,
-            ),
-        ]
-        for config in configs:
-            config["metadata"]["labels"] = {"app.kubernetes.io/managed-by": "Helm"}
-            config["metadata"]["annotations"] = {
-                "meta.helm.sh/release-name": "gpudra",
-                "meta.helm.sh/release-namespace": namespace,
-            }
-            for hook in config["webhooks"]:
-                hook["objectSelector"] = {"matchLabels": {"gpudra-e2e/never": "true"}}
-        return configs
 
     def self_render() -> dict[str, str | None]:
         return rendered_bundles(render_with_lookup(helm, cluster, namespace, "self"))
@@ -607,63 +637,53 @@ async def test_moving_to_self_keeps_the_bundle_helm_set_until_the_webhook_writes
     def managers() -> set[frozenset[str]]:
         return {
             frozenset(field_managers(kube.get(kind, name), "caBundle"))
-            for kind, name in names.items()
+            for kind, name in WEBHOOK_CONFIGURATIONS.items()
         }
 
     akube = await CommonKube.connect(str(cluster.layout.admin_kubeconfig))
-    try:
-        # Nothing live: the chart leaves caBundle out.
-        assert set(self_render().values()) == {None}
+    with configurations_removed_after(kube):
+        try:
+            # Nothing live: the chart leaves caBundle out.
+            assert set(self_render().values()) == {None}
 
-        # Installed with `self`: the chart's configurations without a bundle, which the
-        # webhook applies.
-        for config in configurations(b""):
-            for hook in config["webhooks"]:
-                del hook["clientConfig"]["caBundle"]
-            kube.apply(config, manager="helm")
-        for config in configurations(own_ca):
-            await registration.apply(akube, config)
-        assert managers() == {frozenset({FIELD_MANAGER})}
-        assert set(self_render().values()) == {None}
+            # Installed with `self`: the chart's configurations without a bundle, which
+            # the webhook applies.
+            for config in release_configurations(b"", namespace):
+                for hook in config["webhooks"]:
+                    del hook["clientConfig"]["caBundle"]
+                kube.apply(config, manager="helm")
+            for config in release_configurations(own_ca, namespace):
+                await registration.apply(akube, config)
+            assert managers() == {frozenset({FIELD_MANAGER})}
+            assert set(self_render().values()) == {None}
 
-        # Moved to `helm`: the chart's bundle applied over the webhook's. The webhook's
-        # field manager still has an entry there (the webhooks' names), but no bundle.
-        helm_set = base64.b64encode(chart_ca).decode()
-        for config in configurations(chart_ca):
-            kube.apply(config, manager="helm")
-        assert managers() == {frozenset({"helm"})}
-        bundles = self_render()
-        assert bundles == dict.fromkeys(bundles, helm_set) and len(bundles) == 3
+            # Moved to `helm`: the chart's bundle applied over the webhook's. The
+            # webhook's field manager still has an entry there (the webhooks' names),
+            # but no bundle.
+            helm_set = base64.b64encode(chart_ca).decode()
+            for config in release_configurations(chart_ca, namespace):
+                kube.apply(config, manager="helm")
+            assert managers() == {frozenset({"helm"})}
+            bundles = self_render()
+            assert bundles == dict.fromkeys(bundles, helm_set) and len(bundles) == 3
 
-        # Once the webhook has written the pod conversion's bundle (its own CA added),
-        # that configuration's is its own; the claim validation's is still Helm's.
-        kube.request(
-            "PATCH",
-            kube.path("MutatingWebhookConfiguration", None, registration.NAME),
-            [
-                {
-                    "op": "replace",
-                    "path": "/webhooks/0/clientConfig/caBundle",
-                    "value": base64.b64encode(chart_ca + own_ca).decode(),
-                }
-            ],
-            content_type="application/json-patch+json",
-            query={"fieldManager": FIELD_MANAGER},
-        )
-        mutating = kube.get("MutatingWebhookConfiguration", registration.NAME)
-        assert field_managers(mutating, "caBundle") == {FIELD_MANAGER}
-        bundles = self_render()
-        assert bundles.pop("pods.gpudra.nvidia.com") is None
-        assert bundles == dict.fromkeys(bundles, helm_set)
+            # Once the webhook has written the pod conversion's bundle (its own CA
+            # added), that configuration's is its own; the claim validation's is still
+            # Helm's.
+            write_as_webhook(
+                kube, "MutatingWebhookConfiguration", registration.NAME, chart_ca + own_ca
+            )
+            mutating = kube.get("MutatingWebhookConfiguration", registration.NAME)
+            assert field_managers(mutating, "caBundle") == {FIELD_MANAGER}
+            bundles = self_render()
+            assert bundles.pop("pods.gpudra.nvidia.com") is None
+            assert bundles == dict.fromkeys(bundles, helm_set)
 
-        # Other sources render their own bundle whoever owns the live one.
-        rendered = rendered_bundles(render_with_lookup(helm, cluster, namespace, "helm"))
-        assert helm_set not in rendered.values()
-    finally:
-        await akube.close()
-        for kind, name in names.items():
-            with contextlib.suppress(ApiError):
-                kube.delete(kind, name)
+            # Other sources render their own bundle whoever owns the live one.
+            rendered = rendered_bundles(render_with_lookup(helm, cluster, namespace, "helm"))
+            assert helm_set not in rendered.values()
+        finally:
+            await akube.close()
 
 
 @pytest.mark.anyio
@@ -689,12 +709,6 @@ async def test_a_release_moved_between_tls_sources_keeps_its_pods_trusted(
         helm = h.helm_binary(helm_pin)
     except h.HelmUnavailable as e:
         pytest.skip(f"helm could not be built: {e}")
-    names = {
-        "MutatingWebhookConfiguration": registration.NAME,
-        "ValidatingWebhookConfiguration": registration.VALIDATING_NAME,
-    }
-    for kind, name in names.items():
-        assert kube.get_or_none(kind, name) is None, f"{kind} {name} is live; left by a test?"
     classes = {kind: {"enabled": False} for kind in ("gpu", "mig", "shared")}
 
     def upgrade(source: str, *flags: str, timeout: int = 10) -> None:
@@ -734,68 +748,39 @@ async def test_a_release_moved_between_tls_sources_keeps_its_pods_trusted(
             fingerprints(base64.b64decode(hook["clientConfig"]["caBundle"]))
             if hook["clientConfig"].get("caBundle")
             else None
-            for kind, name in names.items()
+            for kind, name in WEBHOOK_CONFIGURATIONS.items()
             for hook in kube.get(kind, name)["webhooks"]
         }
 
     first_pod, next_pod = generate_ca().cert_pem, generate_ca().cert_pem
     akube = await CommonKube.connect(str(cluster.layout.admin_kubeconfig))
-    try:
-        upgrade("self")
-        assert bundles() == {None}
-        # The first pod applies its bundle (the chart manages the configurations).
-        for config in (
-            registration.mutating_configuration(
-                ca_bundle_b64=base64.b64encode(first_pod).decode(),
-                own_namespace=namespace,
-                url="https://127.0.0.1:9/",
-            ),
-            registration.validating_configuration(
-                ca_bundle_b64=base64.b64encode(first_pod).decode(),
-                own_namespace=namespace,
-                device_classes=["gpu.nvidia.com"],
-                driver="gpu.nvidia.com",
-                url="https://127.0.0.1:9/",
-            ),
-        ):
-            await registration.apply(akube, config)
-        assert bundles() == {fingerprints(first_pod)}
+    with configurations_removed_after(kube):
+        try:
+            upgrade("self")
+            assert bundles() == {None}
+            # The first pod applies its bundle (the chart manages the configurations).
+            for config in release_configurations(first_pod, namespace):
+                await registration.apply(akube, config)
+            assert bundles() == {fingerprints(first_pod)}
 
-        # To the chart's CA: Helm 4 must be told to take the webhook's field.
-        upgrade("helm", *(["--force-conflicts"] if helm_pin == "HELM_VERSION" else []))
-        secret = kube.get("Secret", TLS_SECRET, namespace)
-        chart_ca = base64.b64decode(secret["data"]["ca.crt"])
-        assert bundles() == {fingerprints(chart_ca)}
+            # To the chart's CA: Helm 4 must be told to take the webhook's field.
+            upgrade("helm", *(["--force-conflicts"] if helm_pin == "HELM_VERSION" else []))
+            secret = kube.get("Secret", TLS_SECRET, namespace)
+            chart_ca = base64.b64decode(secret["data"]["ca.crt"])
+            assert bundles() == {fingerprints(chart_ca)}
 
-        # Back to `self`: the chart's CA stays until the new pod has written its own.
-        upgrade("self")
-        assert bundles() == {fingerprints(chart_ca)}
-        both = chart_ca + next_pod
-        for kind, name in names.items():
-            hooks = kube.get(kind, name)["webhooks"]
-            kube.request(
-                "PATCH",
-                kube.path(kind, None, name),
-                [
-                    {
-                        "op": "replace",
-                        "path": f"/webhooks/{i}/clientConfig/caBundle",
-                        "value": base64.b64encode(both).decode(),
-                    }
-                    for i in range(len(hooks))
-                ],
-                content_type="application/json-patch+json",
-                query={"fieldManager": FIELD_MANAGER},
-            )
-        assert bundles() == {fingerprints(both)}
+            # Back to `self`: the chart's CA stays until the new pod has written its own.
+            upgrade("self")
+            assert bundles() == {fingerprints(chart_ca)}
+            both = chart_ca + next_pod
+            for kind, name in WEBHOOK_CONFIGURATIONS.items():
+                write_as_webhook(kube, kind, name, both)
+            assert bundles() == {fingerprints(both)}
 
-        # A later upgrade leaves the webhook's bundle as it is.
-        upgrade("self", timeout=11)
-        assert bundles() == {fingerprints(both)}
-    finally:
-        await akube.close()
-        with contextlib.suppress(h.HelmFailed):
-            h.run(helm, "uninstall", "gpudra", "--namespace", namespace, env=helm_env(cluster))
-        for kind, name in names.items():
-            with contextlib.suppress(ApiError):
-                kube.delete(kind, name)
+            # A later upgrade leaves the webhook's bundle as it is.
+            upgrade("self", timeout=11)
+            assert bundles() == {fingerprints(both)}
+        finally:
+            await akube.close()
+            with contextlib.suppress(h.HelmFailed):
+                h.run(helm, "uninstall", "gpudra", "--namespace", namespace, env=helm_env(cluster))
