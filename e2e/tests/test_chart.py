@@ -414,6 +414,13 @@ def test_install_refuses_a_device_plugin_node(
 
 
 TLS_SECRET = "gpudra-webhook-tls"
+# Other tests may have created the driver's DeviceClasses outside Helm, and a release
+# elsewhere keeps the GpuTenant CRD (crds.keep); a release (or a server dry run) would
+# refuse to adopt them, which is not what the TLS tests are about.
+ADOPTS_NOTHING = {
+    "deviceClasses": {kind: {"enabled": False} for kind in ("gpu", "mig", "shared")},
+    "crds": {"install": False},
+}
 
 
 def render_with_lookup(
@@ -421,17 +428,10 @@ def render_with_lookup(
 ) -> list[dict[str, Any]]:
     """Render with webhook.tls.source `source` and the API server's objects visible to
     `lookup`, as an upgrade does."""
-    # Other tests may have created the driver's DeviceClasses outside Helm, and a
-    # release elsewhere keeps the GpuTenant CRD (crds.keep); a server dry run would
-    # refuse to adopt them, which is not what the TLS tests are about.
-    classes = {kind: {"enabled": False} for kind in ("gpu", "mig", "shared")}
     return h.template(
         helm,
-        {
-            "webhook": {"tls": {"source": source}},
-            "deviceClasses": classes,
-            "crds": {"install": False},
-        },
+        ADOPTS_NOTHING,
+        {"webhook": {"tls": {"source": source}}},
         namespace=namespace,
         extra=["--dry-run=server", "--kubeconfig", str(cluster.layout.admin_kubeconfig)],
     )
@@ -709,17 +709,12 @@ async def test_a_release_moved_between_tls_sources_keeps_its_pods_trusted(
         helm = h.helm_binary(helm_pin)
     except h.HelmUnavailable as e:
         pytest.skip(f"helm could not be built: {e}")
-    classes = {kind: {"enabled": False} for kind in ("gpu", "mig", "shared")}
 
     def upgrade(source: str, *flags: str, timeout: int = 10) -> None:
-        values = {
-            "webhook": {
-                "tls": {"source": source},
-                "replicas": 2 if source == "helm" else 1,
-                "timeoutSeconds": timeout,
-            },
-            "deviceClasses": classes,
-            "crds": {"install": False},
+        webhook = {
+            "tls": {"source": source},
+            "replicas": 2 if source == "helm" else 1,
+            "timeoutSeconds": timeout,
         }
         h.run(
             helm,
@@ -729,7 +724,7 @@ async def test_a_release_moved_between_tls_sources_keeps_its_pods_trusted(
             str(h.CHART),
             "--namespace",
             namespace,
-            *h.values_args([values], tmp_path),
+            *h.values_args([ADOPTS_NOTHING, {"webhook": webhook}], tmp_path),
             *flags,
             env=helm_env(cluster),
         )
