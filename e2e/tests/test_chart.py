@@ -545,12 +545,6 @@ def test_chart_ca_is_kept_renewed_and_rotated_across_upgrades(
         delete_secret(kube, namespace)
 
 
-WEBHOOK_CONFIGURATIONS = {
-    "MutatingWebhookConfiguration": registration.NAME,
-    "ValidatingWebhookConfiguration": registration.VALIDATING_NAME,
-}
-
-
 def release_configurations(bundle: bytes, namespace: str) -> list[dict[str, Any]]:
     """gpudra's two webhook configurations trusting `bundle`, owned by the release as
     after an install, reviewing nothing while they stand."""
@@ -581,12 +575,12 @@ def release_configurations(bundle: bytes, namespace: str) -> list[dict[str, Any]
 def configurations_removed_after(kube: Kube) -> Iterator[None]:
     """For a test that makes gpudra's webhook configurations: none may be live before
     (another test's would be replaced), and none is left after."""
-    for kind, name in WEBHOOK_CONFIGURATIONS.items():
+    for kind, name in h.WEBHOOK_CONFIGURATIONS.items():
         assert kube.get_or_none(kind, name) is None, f"{kind} {name} is live; left by a test?"
     try:
         yield
     finally:
-        for kind, name in WEBHOOK_CONFIGURATIONS.items():
+        for kind, name in h.WEBHOOK_CONFIGURATIONS.items():
             with contextlib.suppress(ApiError):
                 kube.delete(kind, name)
 
@@ -637,7 +631,7 @@ async def test_moving_to_self_keeps_the_bundle_helm_set_until_the_webhook_writes
     def managers() -> set[frozenset[str]]:
         return {
             frozenset(field_managers(kube.get(kind, name), "caBundle"))
-            for kind, name in WEBHOOK_CONFIGURATIONS.items()
+            for kind, name in h.WEBHOOK_CONFIGURATIONS.items()
         }
 
     akube = await CommonKube.connect(str(cluster.layout.admin_kubeconfig))
@@ -743,7 +737,7 @@ async def test_a_release_moved_between_tls_sources_keeps_its_pods_trusted(
             fingerprints(base64.b64decode(hook["clientConfig"]["caBundle"]))
             if hook["clientConfig"].get("caBundle")
             else None
-            for kind, name in WEBHOOK_CONFIGURATIONS.items()
+            for kind, name in h.WEBHOOK_CONFIGURATIONS.items()
             for hook in kube.get(kind, name)["webhooks"]
         }
 
@@ -768,7 +762,7 @@ async def test_a_release_moved_between_tls_sources_keeps_its_pods_trusted(
             upgrade("self")
             assert bundles() == {fingerprints(chart_ca)}
             both = chart_ca + next_pod
-            for kind, name in WEBHOOK_CONFIGURATIONS.items():
+            for kind, name in h.WEBHOOK_CONFIGURATIONS.items():
                 write_as_webhook(kube, kind, name, both)
             assert bundles() == {fingerprints(both)}
 

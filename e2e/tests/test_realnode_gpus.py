@@ -39,7 +39,6 @@ from gpudra.cli.webhook import QUOTA_LEASE
 from gpudra.driver.driverroot import CUDA_LIBRARY, NVML_LIBRARY
 from gpudra.driver.mpspods import CLAIM_LABEL
 from gpudra.driver.plugin import DRA_APIS
-from gpudra.webhook import registration
 from gpudra.webhook.cabundle import FIELD_MANAGER
 from gpudra.webhook.convert import CONVERTED_ANNOTATION as CONVERTED
 
@@ -788,12 +787,6 @@ def test_a_webhook_rollout_under_load_answers_right_or_finds_no_endpoint(
     print(rollout.report("one replica on the node's network"))
 
 
-WEBHOOK_CONFIGURATIONS = (
-    ("MutatingWebhookConfiguration", registration.NAME),
-    ("ValidatingWebhookConfiguration", registration.VALIDATING_NAME),
-)
-
-
 def assert_every_review_answered(rollout: Rollout) -> None:
     """Every review of the rollout answered right, and enough of them after it."""
     assert not rollout.problems, "\n".join(
@@ -830,7 +823,7 @@ def test_a_webhook_on_the_pod_network_rolls_under_load_answering_every_review(
         rollout = roll_under_load(stack, kube, ns, start=lambda: replicas(1))
         print(rollout.report("upgraded from two replicas on the chart's CA to one with its own"))
         assert_every_review_answered(rollout)
-        for kind, name in WEBHOOK_CONFIGURATIONS:
+        for kind, name in h.WEBHOOK_CONFIGURATIONS.items():
             assert field_managers(kube.get(kind, name), "caBundle") == {FIELD_MANAGER}, (kind, name)
 
 
