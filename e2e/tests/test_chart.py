@@ -36,6 +36,7 @@ from gpudra.webhook.certs import (
 
 from e2e.cluster.harness import Cluster
 from e2e.cluster.kube import ApiError, Kube, crd_established, field_managers, wait_for
+from e2e.node.realnode import WEBHOOK_CONFIGURATIONS
 from e2e.tenant_user import pod_bound_token
 from e2e.tools import helm as h
 
@@ -575,12 +576,12 @@ def release_configurations(bundle: bytes, namespace: str) -> list[dict[str, Any]
 def configurations_removed_after(kube: Kube) -> Iterator[None]:
     """For a test that makes gpudra's webhook configurations: none may be live before
     (another test's would be replaced), and none is left after."""
-    for kind, name in h.WEBHOOK_CONFIGURATIONS.items():
+    for kind, name in WEBHOOK_CONFIGURATIONS:
         assert kube.get_or_none(kind, name) is None, f"{kind} {name} is live; left by a test?"
     try:
         yield
     finally:
-        for kind, name in h.WEBHOOK_CONFIGURATIONS.items():
+        for kind, name in WEBHOOK_CONFIGURATIONS:
             with contextlib.suppress(ApiError):
                 kube.delete(kind, name)
 
@@ -631,7 +632,7 @@ async def test_moving_to_self_keeps_the_bundle_helm_set_until_the_webhook_writes
     def managers() -> set[frozenset[str]]:
         return {
             frozenset(field_managers(kube.get(kind, name), "caBundle"))
-            for kind, name in h.WEBHOOK_CONFIGURATIONS.items()
+            for kind, name in WEBHOOK_CONFIGURATIONS
         }
 
     akube = await CommonKube.connect(str(cluster.layout.admin_kubeconfig))
@@ -737,7 +738,7 @@ async def test_a_release_moved_between_tls_sources_keeps_its_pods_trusted(
             fingerprints(base64.b64decode(hook["clientConfig"]["caBundle"]))
             if hook["clientConfig"].get("caBundle")
             else None
-            for kind, name in h.WEBHOOK_CONFIGURATIONS.items()
+            for kind, name in WEBHOOK_CONFIGURATIONS
             for hook in kube.get(kind, name)["webhooks"]
         }
 
@@ -762,7 +763,7 @@ async def test_a_release_moved_between_tls_sources_keeps_its_pods_trusted(
             upgrade("self")
             assert bundles() == {fingerprints(chart_ca)}
             both = chart_ca + next_pod
-            for kind, name in h.WEBHOOK_CONFIGURATIONS.items():
+            for kind, name in WEBHOOK_CONFIGURATIONS:
                 write_as_webhook(kube, kind, name, both)
             assert bundles() == {fingerprints(both)}
 

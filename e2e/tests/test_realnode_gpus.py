@@ -67,6 +67,7 @@ from e2e.gpu_pods import (
 from e2e.node.chart import NAMESPACE as CHART_NAMESPACE
 from e2e.node.chart import ChartStack, webhook_deployments, webhook_ready
 from e2e.node.gpus import DRIVER, MIG_COMPUTE_INSTANCES, MIG_FIRST_MINOR, NodeGpus
+from e2e.node.realnode import WEBHOOK_CONFIGURATIONS
 from e2e.node.service_route import route_unavailable_reason, service_address
 from e2e.progress import build_script
 from e2e.shared_libraries import shared_library
@@ -823,7 +824,7 @@ def test_a_webhook_on_the_pod_network_rolls_under_load_answering_every_review(
         rollout = roll_under_load(stack, kube, ns, start=lambda: replicas(1))
         print(rollout.report("upgraded from two replicas on the chart's CA to one with its own"))
         assert_every_review_answered(rollout)
-        for kind, name in h.WEBHOOK_CONFIGURATIONS.items():
+        for kind, name in WEBHOOK_CONFIGURATIONS:
             assert field_managers(kube.get(kind, name), "caBundle") == {FIELD_MANAGER}, (kind, name)
 
 

@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from gpudra.webhook import registration
 
 from e2e.pins import TOOL_VERSIONS, pinned
 from e2e.progress import BuildFailed, build_script
@@ -24,12 +23,6 @@ REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "gpudra"
 FULL_VALUES = CHART / "ci" / "full-values.yaml"
 BUILD_SCRIPT = Path(__file__).resolve().parent / "build-helm.sh"
-WEBHOOK_CONFIGURATIONS = {
-    "MutatingWebhookConfiguration": registration.NAME,
-    "ValidatingWebhookConfiguration": registration.VALIDATING_NAME,
-}
-"""The chart's webhook configurations, by kind: the names the webhook's own registration
-gives them, which its caBundle controller writes."""
 
 
 class HelmUnavailable(Exception):
