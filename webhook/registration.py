@@ -513,12 +513,13 @@ async def apply(kube: Kube, config: dict[str, Any]) -> None:
     """Server-side apply (a webhook configuration, so the caBundle is kept current, or the
     opt-out policy and its binding).
 
-    Where Helm manages a webhook configuration (the chart renders it, leaving the
-    caBundle out for tls.source=self once this field manager owns it), only the caBundle
-    is applied. Applying all of it with force would take the chart's fields too, and the
-    next `helm upgrade` that changes one of them (a new match condition, say) would fail
-    with a conflict with this field manager. Without Helm (`gpudra webhook` run on its
-    own) the webhook owns the whole configuration and re-applies it, undoing drift."""
+    Where Helm manages a webhook configuration (the chart renders it, for
+    tls.source=self leaving the caBundle out unless it keeps one Helm set before), only
+    the caBundle is applied. Applying all of it with force would take the chart's fields
+    too, and the next `helm upgrade` that changes one of them (a new match condition,
+    say) would fail with a conflict with this field manager. Without Helm (`gpudra
+    webhook` run on its own) the webhook owns the whole configuration and re-applies it,
+    undoing drift."""
     base = {
         "ValidatingWebhookConfiguration": VALIDATING_PATH,
         "ValidatingAdmissionPolicy": OPT_OUT_POLICY_PATH,
