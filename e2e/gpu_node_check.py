@@ -10,9 +10,11 @@ emulator assumes can be compared with what a driver answers. Into OUTDIR it writ
   they make, the driver files and CDI edits a claim gets, a whole-GPU claim prepared
   and unprepared through the `ClaimPreparer` (CDI spec and checkpoint in a scratch
   folder), sampling idle and under load, the health watcher's events, what one
-  sampling pass and one discovery cost, NVML's raw answer to each call the emulator
-  models (`nvml_answers`, kept in `tests/nvml/answers/`), every NVML call made, with
-  counts, and the steps that failed (`errors`);
+  sampling pass and one discovery cost with NVML held open by the health watcher (as
+  in the agent) and without, and which NVML calls that time went to, NVML's raw answer
+  to each call the emulator models (`nvml_answers`, kept in `tests/nvml/answers/`),
+  every NVML call made, with counts and the mean time of each (`nvml_call_ms`), and
+  the steps that failed (`errors`);
 - `metrics.txt`: the agent's device and accounting series after the load.
 
 Every NVML call goes through `ReadOnlyNvml`, which refuses those that change the
@@ -43,7 +45,7 @@ import tempfile
 import time
 import traceback
 import uuid
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -98,11 +100,14 @@ class RefusedCall(RuntimeError):
 
 
 class ReadOnlyNvml:
-    """pynvml with every call counted and every call that changes the machine refused."""
+    """pynvml with every call counted and timed, and every call that changes the
+    machine refused. The time per call is what says where a step's cost goes on a
+    real driver, which the emulator cannot tell."""
 
     def __init__(self, nvml: Any) -> None:
         self.inner = nvml
         self.calls: Counter[str] = Counter()
+        self.seconds: defaultdict[str, float] = defaultdict(float)
         self.refused: Counter[str] = Counter()
 
     def __getattr__(self, name: str) -> Any:
@@ -115,7 +120,11 @@ class ReadOnlyNvml:
                 self.refused[name] += 1
                 raise RefusedCall(f"{name} changes the GPU; this check is read-only")
             self.calls[name] += 1
-            return target(*args, **kwargs)
+            started = time.perf_counter()
+            try:
+                return target(*args, **kwargs)
+            finally:
+                self.seconds[name] += time.perf_counter() - started
 
         return call
 
@@ -253,18 +262,31 @@ def _processes(nvml: ReadOnlyNvml) -> Any:
         nvml.nvmlShutdown()
 
 
-async def _cost(step: Callable[[], Awaitable[object]], repeat: int) -> dict[str, float]:
-    """Wall and CPU (all threads) milliseconds of one `step`, the median of `repeat`."""
+async def _cost(
+    nvml: ReadOnlyNvml, step: Callable[[], Awaitable[object]], repeat: int
+) -> dict[str, Any]:
+    """Wall and CPU (all threads) milliseconds of one `step`, the median of `repeat`,
+    and the NVML calls it made: the mean milliseconds per step that each call took,
+    largest first. The health watcher's wait, which runs beside the step in its own
+    thread, is left out of them."""
     walls: list[float] = []
     cpus: list[float] = []
+    before = dict(nvml.seconds)
     for _ in range(repeat):
         wall, cpu = time.perf_counter(), time.process_time()
         await step()
         walls.append((time.perf_counter() - wall) * 1e3)
         cpus.append((time.process_time() - cpu) * 1e3)
+    spent = {name: s - before.get(name, 0.0) for name, s in nvml.seconds.items()}
+    per_step = {
+        name: round(seconds * 1e3 / repeat, 3)
+        for name, seconds in sorted(spent.items(), key=lambda item: -item[1])
+        if seconds > 0 and not name.startswith("nvmlEventSetWait")
+    }
     return {
         "wall_ms": round(statistics.median(walls), 3),
         "cpu_ms": round(statistics.median(cpus), 3),
+        "nvml_ms": per_step,
         "repeat": repeat,
     }
 
@@ -380,13 +402,22 @@ async def _check(
     registry = CollectorRegistry()
     registry.register(DeviceMetrics(sampler, accounting))
     samples: dict[str, Any] = {}
+
+    def discovery() -> Awaitable[Inventory]:
+        return anyio.to_thread.run_sync(discover, nvml)
+
+    # With nothing else holding NVML each pass pays NVML's whole start and stop: an
+    # agent with health events off. The agent's health watcher keeps NVML open, so
+    # there a pass's nvmlInit only counts one more user (measured below, as "held").
     report["costs"] = {
-        "sampling_pass": await _cost(sampler.sample_once, args.repeat),
-        "discovery": await _cost(lambda: anyio.to_thread.run_sync(discover, nvml), args.repeat),
+        "sampling_pass": await _cost(nvml, sampler.sample_once, args.repeat),
+        "discovery": await _cost(nvml, discovery, args.repeat),
     }
     watcher = NvmlHealthWatcher(nvml, health)
     async with anyio.create_task_group() as group:
         await group.start(watcher.run)
+        report["costs"]["sampling_pass_held"] = await _cost(nvml, sampler.sample_once, args.repeat)
+        report["costs"]["discovery_held"] = await _cost(nvml, discovery, args.repeat)
         samples["idle_first"] = _sample_json(await sampler.sample_once())
         await anyio.sleep(args.sample_gap)
         samples["idle"] = _sample_json(await sampler.sample_once())
@@ -450,6 +481,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         report["fatal"] = f"{type(err).__name__}: {err}"
         report["trace"] = traceback.format_exc()
     report["nvml_calls"] = dict(sorted(nvml.calls.items()))
+    report["nvml_call_ms"] = {
+        name: round(nvml.seconds[name] * 1e3 / count, 4)
+        for name, count in report["nvml_calls"].items()
+    }
     report["refused"] = dict(nvml.refused)
     if args.nvml == "real":
         smi = ["nvidia-smi", "--query-gpu=name,driver_version,mig.mode.current", "--format=csv"]

@@ -36,8 +36,15 @@ def test_the_check_runs_end_to_end(tmp_path: Path) -> None:
     assert [(d["device"], d["held_by"]) for d in held] == [("gpu-0", ["whole-gpu"])]
     assert report["samples"]["load_exit"] == 0
     assert report["health"]["gpu-0"]["healthy"] is True
-    assert report["costs"]["sampling_pass"]["repeat"] == 2
-    assert report["costs"]["discovery"]["cpu_ms"] > 0
+    costs = report["costs"]
+    assert costs["sampling_pass"]["repeat"] == costs["sampling_pass_held"]["repeat"] == 2
+    assert costs["discovery"]["cpu_ms"] > 0 and costs["discovery_held"]["cpu_ms"] > 0
+    # Where a step's time went, by NVML call: a pass reads each GPU's utilization.
+    for step in ("sampling_pass", "sampling_pass_held"):
+        assert "nvmlDeviceGetSamples" in costs[step]["nvml_ms"]
+        assert not any(name.startswith("nvmlEventSetWait") for name in costs[step]["nvml_ms"])
+    assert "nvmlDeviceGetCount" in costs["discovery_held"]["nvml_ms"]
+    assert report["nvml_call_ms"].keys() == report["nvml_calls"].keys()
     assert report["nvml_calls"]["nvmlEventSetWait_v2"] >= 1
     metrics = (tmp_path / "metrics.txt").read_text()
     assert 'claim="whole-gpu"' in metrics
