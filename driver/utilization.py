@@ -12,9 +12,9 @@ figures as the rates call. `GpuUtilization` keeps, per GPU and figure, the newes
 timestamp it has seen and the samples taken since the previous pass, and each pass
 averages them.
 
-The buffer is short: nvml.h leaves its size open, and drivers have been seen to hold
-about 100 samples, some 17 s at 1/6 s a sample. A pass that read it only once per
-`--sample-interval` of 30 s would average the interval's last 17 s and lose the rest:
+The buffer is short: nvml.h leaves its size open, and an H200 on R580 held 71 samples
+200 ms apart, 14 s, on every read (docs/gpus.md). A pass that read it only once per
+`--sample-interval` of 30 s would average the interval's last 14 s and lose the rest:
 work at the start of each interval billed as idle, a burst at its end hiding an idle
 GPU. So between passes the sampler reads the buffer again every `TOP_UP_EVERY_S`
 (`top_up`), well within what it holds, and the pass averages everything read since the
@@ -60,7 +60,8 @@ __all__ = ["AHEAD_MARGIN_S", "TOP_UP_EVERY_S", "GpuUtilization", "utilization_ra
 log = logging.getLogger(__name__)
 
 # Seconds between reads of a GPU's sample buffer where the sampling interval is longer:
-# well within the ~17 s the buffer has been seen to hold, with room for a slow read.
+# within the 14 s an H200's buffer held, with 4 s of room for a slow read. A product
+# sampling at nvml.h's shortest period, 1/6 s, into a buffer as long would hold 11.8 s.
 TOP_UP_EVERY_S: Final = 10.0
 # How far a sample timestamp may be ahead of the wall clock before the clock is taken
 # to have stepped back (a sample is taken before it is read, so never ahead at all).

@@ -13,8 +13,9 @@ emulator assumes can be compared with what a driver answers. Into OUTDIR it writ
   sampling pass and one discovery cost with NVML held open by the health watcher (as
   in the agent) and without, and which NVML calls that time went to, NVML's raw answer
   to each call the emulator models (`nvml_answers`, kept in `tests/nvml/answers/`),
-  every NVML call made, with counts and the mean time of each (`nvml_call_ms`), and
-  the steps that failed (`errors`);
+  what NVML's utilization sample buffers hold at the end (`sample_buffer`: how many
+  samples, how far apart), every NVML call made, with counts and the mean time of each
+  (`nvml_call_ms`), and the steps that failed (`errors`);
 - `metrics.txt`: the agent's device and accounting series after the load.
 
 Every NVML call goes through `ReadOnlyNvml`, which refuses those that change the
@@ -34,6 +35,7 @@ Usage on a GPU node, from the repository root:
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import re
@@ -188,6 +190,40 @@ def nvml_answers(nvml: ReadOnlyNvml, *, index: int = 0) -> dict[str, Any]:
             ),
             "maxMigDeviceCount": _answer(lambda: nvml.nvmlDeviceGetMaxMigDeviceCount(handle)),
             "computeProcesses": _answer(lambda: nvml.nvmlDeviceGetComputeRunningProcesses(handle)),
+        }
+    finally:
+        nvml.nvmlShutdown()
+
+
+def sample_buffer(nvml: ReadOnlyNvml, *, index: int = 0) -> dict[str, Any]:
+    """What NVML's utilization sample buffers hold for GPU `index`, read whole
+    (timestamp 0), per sampling type: the value type, how many samples, the gaps
+    between them, and the newest one's age on the node's wall clock. nvml.h leaves the
+    buffer's length and the sample period open, and the sampler's reads between passes
+    (`gpudra.driver.utilization`) rest on the buffer outlasting `TOP_UP_EVERY_S`."""
+
+    def shape(kind: int) -> dict[str, Any]:
+        value_type, samples = nvml.nvmlDeviceGetSamples(handle, kind, 0)
+        now_us = time.time() * 1e6
+        stamps = [int(s.timeStamp) for s in samples]
+        gaps = [b - a for a, b in itertools.pairwise(stamps)]
+        return {
+            "valueType": value_type,
+            "count": len(stamps),
+            "oldestFirst": stamps == sorted(stamps),
+            "gapUs": {"min": min(gaps), "median": statistics.median(gaps), "max": max(gaps)}
+            if gaps
+            else None,
+            "spanS": round((stamps[-1] - stamps[0]) / 1e6, 3) if stamps else None,
+            "newestAgeMs": round((now_us - max(stamps)) / 1e3, 1) if stamps else None,
+        }
+
+    nvml.nvmlInit()
+    try:
+        handle = nvml.nvmlDeviceGetHandleByIndex(index)
+        return {
+            "gpu": _answer(lambda: shape(pynvml.NVML_GPU_UTILIZATION_SAMPLES)),
+            "memory": _answer(lambda: shape(pynvml.NVML_MEMORY_UTILIZATION_SAMPLES)),
         }
     finally:
         nvml.nvmlShutdown()
@@ -438,6 +474,8 @@ async def _check(
         await anyio.sleep(max(remaining, 0))
         group.cancel_scope.cancel()
     report["samples"] = samples
+    # Last: by now the GPU has been sampled for longer than any buffer seen holds.
+    report["sample_buffer"] = _step(report, "sample_buffer", lambda: sample_buffer(nvml))
     report["health"] = {
         name: {"healthy": d.healthy, "message": d.message, "taints": [t.key for t in d.taints]}
         for name, d in health.report().devices.items()

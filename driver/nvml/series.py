@@ -80,11 +80,12 @@ _PER_MIG: Final = frozenset({"memoryUsed"})
 # only through GPM (`nvmlGpmMigSampleGet`, Hopper and newer), never the plain call.
 _GPM_PER_MIG: Final = frozenset({"utilization"})
 # nvml.h: the driver samples utilization once per sample period, "between 1 second and
-# 1/6 second depending on the product"; emulated GPUs all take the shortest (rounded to
-# the microsecond of the samples' timestamps). nvml.h leaves the size of the buffer
-# open; drivers have been seen to hold 100 utilization samples, about 17 s at this rate.
-SAMPLE_PERIOD_US: Final = 166_667
-SAMPLE_RING: Final = 100
+# 1/6 second depending on the product", and leaves the size of the buffer open. Emulated
+# GPUs all keep what a real H200 on R580 held (e2e/gpu_node_check.py, `sample_buffer`):
+# 71 samples 200 ms apart, 14 s, on every read, idle or busy, for the GPU's and the
+# memory's utilization alike.
+SAMPLE_PERIOD_US: Final = 200_000
+SAMPLE_RING: Final = 71
 
 
 class TelemetrySpec(BaseModel):

@@ -202,7 +202,7 @@ async def test_a_failing_samples_call_loses_the_utilization_and_says_why() -> No
 async def test_an_interval_longer_than_the_sample_buffer_loses_none_of_its_samples(
     interval: float, busy_for: float
 ) -> None:
-    """NVML's buffer holds about 17 s of samples: a 30 s or 60 s pass that read it once
+    """NVML's buffer holds about 14 s of samples: a 30 s or 60 s pass that read it once
     averaged only the interval's tail, and billed a job that computes at the start of
     each interval, idle after, as idle. Reads between passes keep every sample."""
     steps = every_interval(100, 0, for_s=3700, gap_from=busy_for, interval_s=interval)

@@ -3,7 +3,8 @@
 `answers/*.json` hold what a real GPU's NVML answered to the calls the driver relies on
 (`e2e/gpu_node_check.py`, run on a GPU node): every GPU-instance profile index, offered
 or refused and with which error; a whole GPU's engine counts; GPM support; both memory
-structures; the MIG device maximum. Each names the recording of the same node in
+structures; the MIG device maximum; how many utilization samples its buffers keep, and
+how far apart. Each names the recording of the same node in
 `fixtures/`; replaying it through the emulator must answer the same, and discovery on
 the replay must publish the devices the real node's discovery did (`published`). A
 difference is the emulator being wrong about a real driver: fix the emulator, not the
@@ -21,9 +22,10 @@ import pytest
 from gpudra.api.deviceclasses import DEFAULT_DRIVER
 from gpudra.driver.devices import MigStrategy, discover
 from gpudra.driver.nvml import NvmlEmulator, load_nvml
+from gpudra.driver.nvml.emulator import load_profile_file
 from gpudra.driver.publish import pool_content
 
-from e2e.gpu_node_check import ReadOnlyNvml, RefusedCall, nvml_answers
+from e2e.gpu_node_check import ReadOnlyNvml, RefusedCall, nvml_answers, sample_buffer
 
 HERE = Path(__file__).parent
 ANSWERS = sorted((HERE / "answers").glob("*.json"))
@@ -47,6 +49,22 @@ def test_the_emulator_answers_as_the_real_gpu(path: Path) -> None:
     expected: dict[str, Any] = document["answers"]
     got = without_versions(nvml_answers(ReadOnlyNvml(load_nvml(f"emulated:{recording}"))))
     assert {key: got[key] for key in expected} == expected
+
+
+@pytest.mark.parametrize("path", ANSWERS, ids=lambda p: p.stem)
+def test_the_emulators_sample_buffers_hold_what_the_real_gpus_did(path: Path) -> None:
+    """`sampleBuffer`: how many utilization samples the real GPU's NVML kept and how far
+    apart. The sampler's reads between passes (`TOP_UP_EVERY_S`) must come within what
+    the buffer spans, so the emulated one must not span more than a real one."""
+    document = json.loads(path.read_text(encoding="utf-8"))
+    now = [0.0]
+    emulator = NvmlEmulator(
+        load_profile_file(HERE / "fixtures" / document["recording"]), clock=lambda: now[0]
+    )
+    now[0] = 3600.0  # up for an hour, as the real GPU was
+    got = sample_buffer(ReadOnlyNvml(emulator))
+    shape = {kind: {"count": b["count"], "gapUs": b["gapUs"]["median"]} for kind, b in got.items()}
+    assert shape == document["sampleBuffer"]
 
 
 @pytest.mark.parametrize("path", ANSWERS, ids=lambda p: p.stem)

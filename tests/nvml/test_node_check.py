@@ -12,7 +12,9 @@ import json
 import sys
 from pathlib import Path
 
+import pynvml
 from gpudra.driver.nvml.emulator import parse_profile
+from gpudra.driver.nvml.series import SAMPLE_PERIOD_US, SAMPLE_RING
 
 from e2e.gpu_node_check import main
 
@@ -45,6 +47,12 @@ def test_the_check_runs_end_to_end(tmp_path: Path) -> None:
         assert not any(name.startswith("nvmlEventSetWait") for name in costs[step]["nvml_ms"])
     assert "nvmlDeviceGetCount" in costs["discovery_held"]["nvml_ms"]
     assert report["nvml_call_ms"].keys() == report["nvml_calls"].keys()
+    # The emulated buffers, as the real ones are read: one sample per period, oldest first.
+    for kind in ("gpu", "memory"):
+        buffer = report["sample_buffer"][kind]
+        assert buffer["valueType"] == pynvml.NVML_VALUE_TYPE_UNSIGNED_INT
+        assert 2 <= buffer["count"] <= SAMPLE_RING and buffer["oldestFirst"]
+        assert buffer["gapUs"]["median"] == SAMPLE_PERIOD_US
     assert report["nvml_calls"]["nvmlEventSetWait_v2"] >= 1
     metrics = (tmp_path / "metrics.txt").read_text()
     assert 'claim="whole-gpu"' in metrics

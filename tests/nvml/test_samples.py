@@ -84,7 +84,8 @@ def test_a_scripted_value_answers_every_sample_since_the_last_read() -> None:
     newest = read(nvml, gpu, 0)[-1][0]
     clock.now = 2.0
     nvml.telemetry.script(0, utilization=5)
-    assert [v for _, v in read(nvml, gpu, newest)] == [5] * 6
+    # Every sample of the second since the last read.
+    assert [v for _, v in read(nvml, gpu, newest)] == [5] * (1_000_000 // SAMPLE_PERIOD_US)
     assert nvml.nvmlDeviceGetUtilizationRates(gpu).gpu == 5
 
 
