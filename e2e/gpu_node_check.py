@@ -313,7 +313,8 @@ async def _cost(
         await step()
         walls.append((time.perf_counter() - wall) * 1e3)
         cpus.append((time.process_time() - cpu) * 1e3)
-    spent = {name: s - before.get(name, 0.0) for name, s in nvml.seconds.items()}
+    # A copy first: the health watcher's thread may add a call while this reads.
+    spent = {name: s - before.get(name, 0.0) for name, s in dict(nvml.seconds).items()}
     per_step = {
         name: round(seconds * 1e3 / repeat, 3)
         for name, seconds in sorted(spent.items(), key=lambda item: -item[1])
