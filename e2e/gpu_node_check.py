@@ -16,7 +16,7 @@ emulator assumes can be compared with what a driver answers. Into OUTDIR it writ
   what NVML's utilization sample buffers hold at the end (`sample_buffer`: how many
   samples, how far apart), every NVML call made, with counts and the mean time of each
   (`nvml_call_ms`), and the steps that failed (`errors`);
-- `metrics.txt`: the agent's device and accounting series after the load.
+- `metrics.txt`: the agent's device and accounting series under the load.
 
 Every NVML call goes through `ReadOnlyNvml`, which refuses those that change the
 machine (MIG mode, instances, compute mode, clocks, any Set, Reset or Clear). The
@@ -468,6 +468,9 @@ async def _check(
         samples["loaded_processes"] = _answer(lambda: _processes(nvml))
         await anyio.sleep(args.sample_gap)
         samples["loaded_again"] = _sample_json(await sampler.sample_once())
+        # Now, while that sample is fresh: the device series are left out once the
+        # latest sample is older than the sampler's stale limit.
+        (out / "metrics.txt").write_bytes(generate_latest(registry))
         if load is not None:
             await anyio.to_thread.run_sync(load.wait)
             samples["load_exit"] = load.returncode
@@ -482,7 +485,6 @@ async def _check(
         for name, d in health.report().devices.items()
     }
     report["xids"] = {f"{u}/{x}": n for (u, x), n in health.xid_counts().items()}
-    (out / "metrics.txt").write_bytes(generate_latest(registry))
 
     unprepared = (await preparer.unprepare([ref]))[uid]
     if unprepared or spec_path.exists() or prepared():
