@@ -443,9 +443,10 @@ async def _check(
     def discovery() -> Awaitable[Inventory]:
         return anyio.to_thread.run_sync(discover, nvml)
 
-    # With nothing else holding NVML each pass pays NVML's whole start and stop: an
-    # agent with health events off. The agent's health watcher keeps NVML open, so
-    # there a pass's nvmlInit only counts one more user (measured below, as "held").
+    # With nothing else holding NVML each pass pays NVML's whole start and stop, which
+    # the agent never does: its health watcher keeps NVML open, so there a pass's
+    # nvmlInit only counts one more user (measured below, as "held"). The difference
+    # is what that open NVML saves.
     report["costs"] = {
         "sampling_pass": await _cost(nvml, sampler.sample_once, args.repeat),
         "discovery": await _cost(nvml, discovery, args.repeat),
