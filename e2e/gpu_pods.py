@@ -133,24 +133,40 @@ def spec_of(uid: str) -> str:
     return f"k8s.{DRIVER}-claim_{uid}.json"
 
 
-def scratch_namespace(kube: Kube, prefix: str) -> Iterator[str]:
+def scratch_namespace(kube: Kube, prefix: str, stack: NodeGpus | None = None) -> Iterator[str]:
     """A namespace of the test's own (`prefix-<random>`); its pods are deleted at once
-    and awaited before the namespace goes, so the next test finds their devices free."""
+    and awaited before the namespace goes, and with `stack`, so are the node's
+    unprepares of their claims: the next test finds their devices free.
+
+    Why the unprepares too: a pod deleted at once is gone from the API before the
+    kubelet has asked the agent to unprepare its claims, and the scheduler may give
+    their devices to the next test's claims meanwhile. The agent refuses a device still
+    prepared for another claim, and the kubelet retries a refused prepare only at its
+    next sync of the pod (a minute or more), so the next test would wait that long."""
     name = f"{prefix}-{uuid.uuid4().hex[:6]}"
     kube.create({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}})
     yield name
+    claims = {c["metadata"]["uid"] for c in kube.list("ResourceClaim", name)}
     for pod in kube.list("Pod", name):
         kube.delete("Pod", pod["metadata"]["name"], name, grace=0)
     wait_for(f"pods of {name} gone", lambda: not kube.list("Pod", name), timeout=60)
+    if stack is not None:
+        wait_released(stack, claims, f"the claims of {name}")
     kube.delete("Namespace", name)
+
+
+def wait_released(stack: NodeGpus, uids: set[str], what: str) -> None:
+    """Waits until the agent holds none of these claims: no CDI spec, no checkpoint
+    record."""
+    specs = {spec_of(u) for u in uids}
+    wait_for(f"{what}: CDI specs removed", lambda: not specs & stack.cdi_specs(), timeout=90)
+    wait_for(f"{what}: out of the checkpoint", lambda: not uids & set(stack.checkpoint()))
 
 
 def wait_unprepared(stack: NodeGpus, uids: set[str], what: str) -> None:
     """Waits until the agent has unprepared these claims: no CDI spec, no checkpoint
     record, no MPS folders; and asserts no MIG instance is left on any GPU."""
-    specs = {spec_of(u) for u in uids}
-    wait_for(f"{what}: CDI specs removed", lambda: not specs & stack.cdi_specs(), timeout=90)
-    wait_for(f"{what}: out of the checkpoint", lambda: not uids & set(stack.checkpoint()))
+    wait_released(stack, uids, what)
     left = uids & set(stack.list_names(stack.state_dir / "mps"))
     assert not left, f"{what}: MPS folders left for {sorted(left)}"
     assert all(not g["gpuInstances"] for g in stack.nvml_state()["gpus"])

@@ -807,6 +807,13 @@ imports = []
             },
             "imageGCHighThresholdPercent": 100,
             "imageGCLowThresholdPercent": 99,
+            # The kubelet retries a failed prepare only at its next sync of the pod
+            # (SyncPod records the event and returns without an error, so the pod
+            # worker's 10 s error backoff does not apply): 60 to 90 s with the default
+            # of 1m. The tests that fail a prepare and then see it recover (the agent
+            # killed mid-prepare, the API server out of reach) waited that long each;
+            # 10s keeps the kubelet's own retry path and makes it 10 to 15 s.
+            "syncFrequency": "10s",
             "featureGates": {g: True for g in WANTED_GATES if known.get(g) in ("ALPHA", "BETA")},
         }
         if _cgroup_v1():

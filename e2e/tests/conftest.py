@@ -51,7 +51,7 @@ def stack(cluster: Cluster, request: pytest.FixtureRequest) -> Iterator[NodeGpus
 
 @pytest.fixture
 def ns(stack: NodeGpus, kube: Kube) -> Iterator[str]:
-    yield from scratch_namespace(kube, "gpu")
+    yield from scratch_namespace(kube, "gpu", stack)
 
 
 SUITE_OUTCOMES = ("passed", "failed", "error", "skipped")

@@ -61,6 +61,7 @@ from e2e.gpu_pods import (
     mps_template,
     seen,
     spec_of,
+    wait_released,
     wait_unprepared,
     whole_gpu_template,
 )
@@ -93,9 +94,15 @@ def own_ns(stack: NodeGpus, kube: Kube) -> Iterator[None]:
             if "app.kubernetes.io/instance" not in obj["metadata"].get("labels", {})
         ]
 
+    claims = {
+        c["metadata"]["uid"]
+        for c in kube.list("ResourceClaim", OWN_NAMESPACE)
+        if "app.kubernetes.io/instance" not in c["metadata"].get("labels", {})
+    }
     for kind, name in ours():
         kube.delete(kind, name, OWN_NAMESPACE, grace=0)
     wait_for("its pods gone", lambda: not [n for k, n in ours() if k == "Pod"], timeout=60)
+    wait_released(stack, claims, "its claims")  # as `scratch_namespace` says why
 
 
 # --- helpers ---------------------------------------------------------------------------
