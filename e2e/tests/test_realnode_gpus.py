@@ -86,22 +86,19 @@ def own_ns(stack: NodeGpus, kube: Kube) -> Iterator[None]:
     yield
 
     # What the tests made there; the chart's own pods live in that namespace too.
-    def ours() -> list[tuple[str, str]]:
+    def ours() -> list[tuple[str, dict[str, Any]]]:
         return [
-            (kind, obj["metadata"]["name"])
+            (kind, obj)
             for kind in ("Pod", "ResourceClaim", "ResourceClaimTemplate")
             for obj in kube.list(kind, OWN_NAMESPACE)
             if "app.kubernetes.io/instance" not in obj["metadata"].get("labels", {})
         ]
 
-    claims = {
-        c["metadata"]["uid"]
-        for c in kube.list("ResourceClaim", OWN_NAMESPACE)
-        if "app.kubernetes.io/instance" not in c["metadata"].get("labels", {})
-    }
-    for kind, name in ours():
-        kube.delete(kind, name, OWN_NAMESPACE, grace=0)
-    wait_for("its pods gone", lambda: not [n for k, n in ours() if k == "Pod"], timeout=60)
+    made = ours()
+    claims = {obj["metadata"]["uid"] for kind, obj in made if kind == "ResourceClaim"}
+    for kind, obj in made:
+        kube.delete(kind, obj["metadata"]["name"], OWN_NAMESPACE, grace=0)
+    wait_for("its pods gone", lambda: not [o for k, o in ours() if k == "Pod"], timeout=60)
     wait_released(stack, claims, "its claims")  # as `scratch_namespace` says why
 
 
