@@ -220,6 +220,16 @@ MPS_THREADS: Final = 8
 """Threads MPS daemon starts may hold at once, and stops as many again, beside anyio's
 default 40."""
 
+CONFLICT_WAIT_S: Final = 10.0
+"""How long a prepare refused because another claim holds its device waits for that
+claim's unprepare before it fails. A pod deleted with no grace leaves the API before
+its node has stopped it: the scheduler may give its devices to a new claim at once,
+while the kubelet stops the old containers (2 s of grace at least) and only then
+unprepares. A refusal there costs the new pod the kubelet's next sync of it (a minute
+or more with its default syncFrequency); a short wait ends it within seconds of the
+unprepare. Well inside the kubelet's 45 s deadline for the call; where the holder
+stays (its pod runs), the new pod's retry comes this much later."""
+
 
 def _time_slice_users(cp: Checkpoint, gpu_uuid: str, *, excluding: str) -> dict[str, TimeSliceSet]:
     """Claims other than `excluding` that rely on the time-slice they set on the GPU,
@@ -326,8 +336,14 @@ class ClaimPreparer:
         fault: Callable[[str], None] | None = None,
         shares: Callable[[], Mapping[str, int]] | None = None,
         holdings: HoldingEvents | None = None,
+        conflict_wait: float = CONFLICT_WAIT_S,
     ) -> None:
         self._fault = fault
+        self._conflict_wait = conflict_wait
+        # Claims forgotten so far, and the event that a prepare waiting for a device's
+        # holder to go waits on (`_wait_for_holder`): made only when one waits.
+        self._releases = 0
+        self._released: anyio.Event | None = None
         self._holdings = holdings
         self._shares: Callable[[], Mapping[str, int]] = shares or dict
         self._left_to_kubelet: set[str] = set()  # deleted claims whose pod runs (logged)
@@ -580,25 +596,31 @@ class ClaimPreparer:
                     _check_same_allocation(claim, record)
                     return _result_from_record(record)
                 await self._undo(record, "rolling back an interrupted earlier prepare")
-            entries = plan(
-                claim,
-                inventory=self._inventory(),
-                checkpoint=cp,
-                pool=self._node,
-                mig_strategy=self._mig_strategy,
-                shares=self._shares(),
-            )
-            planned = [e.record(self._node) for e in entries]
-            # Only prepares that change the node beyond the CDI spec need the started
-            # record on disk before they begin; see Checkpoint.begin_prepare.
-            persist = any(e.create_mig or e.time_slice is not None or e.mps for e in entries)
-            try:
-                if persist:
-                    await self._persist(lambda c: c.begin_prepare(ref, planned))
-                else:
-                    cp.begin_prepare(ref, planned, persist=False)  # memory only: no I/O
-            except DeviceConflictError as exc:
-                raise ClaimError(f"{ref.describe()}: {exc}; {self._conflict_remedy(exc)}") from None
+            deadline: float | None = None
+            while True:
+                releases = self._releases
+                entries = plan(
+                    claim,
+                    inventory=self._inventory(),
+                    checkpoint=cp,
+                    pool=self._node,
+                    mig_strategy=self._mig_strategy,
+                    shares=self._shares(),
+                )
+                planned = [e.record(self._node) for e in entries]
+                # Only prepares that change the node beyond the CDI spec need the started
+                # record on disk before they begin; see Checkpoint.begin_prepare.
+                persist = any(e.create_mig or e.time_slice is not None or e.mps for e in entries)
+                try:
+                    if persist:
+                        await self._persist(
+                            functools.partial(Checkpoint.begin_prepare, claim=ref, devices=planned)
+                        )
+                    else:
+                        cp.begin_prepare(ref, planned, persist=False)  # memory only: no I/O
+                    break
+                except DeviceConflictError as exc:
+                    deadline = await self._wait_for_holder(ref, exc, releases, deadline)
             self._at("prepare-started")
             try:
                 devices = await self._setup(ref, entries)
@@ -903,15 +925,53 @@ class ClaimPreparer:
         )
         return True
 
-    def _conflict_remedy(self, exc: DeviceConflictError) -> str:
+    async def _wait_for_holder(
+        self, ref: ClaimRef, exc: DeviceConflictError, releases: int, deadline: float | None
+    ) -> float:
+        """Wait for another claim's unprepare to free the devices `exc` names, up to
+        `CONFLICT_WAIT_S` from the first refusal (`deadline`: None until then); returns
+        the deadline, for the caller to plan again. Raises the refusal where no unprepare
+        frees them (a record that cannot be read waits for an admin) or the time is up.
+        `releases`: `_releases` as the refused plan saw it; a claim forgotten since
+        then may have freed them already."""
+        now = anyio.current_time()
+        waits = exc.prepared and not exc.unreadable
+        if not waits or (deadline is not None and now >= deadline):
+            waited = self._conflict_wait if waits else None
+            raise ClaimError(
+                f"{ref.describe()}: {exc}; {self._conflict_remedy(exc, waited)}"
+            ) from None
+        if deadline is None:  # the first refusal: said once
+            deadline = now + self._conflict_wait
+            log.info(
+                "claim waits for a device's holder to be unprepared",
+                extra={"fields": {"claim": ref.uid, "conflict": str(exc)}},
+            )
+        if releases == self._releases:
+            if self._released is None:
+                self._released = anyio.Event()
+            with anyio.move_on_after(deadline - now):
+                await self._released.wait()
+        return deadline
+
+    def _forgotten(self) -> None:
+        """A claim's record is gone: its devices are free for a prepare that waits."""
+        self._releases += 1
+        if self._released is not None:
+            self._released.set()
+            self._released = None
+
+    def _conflict_remedy(self, exc: DeviceConflictError, waited: float | None = None) -> str:
         """What frees the device: a prepared claim goes with its unprepare, an
-        unreadable record only once an admin has undone it by hand."""
+        unreadable record only once an admin has undone it by hand. `waited`: how long
+        the prepare waited for that unprepare."""
         remedies = self._by_hand_each(exc.unreadable)
         if exc.prepared:
+            after = f"waited {waited:g} s for it; " if waited is not None else ""
             remedies.insert(
                 0,
-                "a claim prepared on it must be unprepared first (it is cleaned up once its "
-                "ResourceClaim is deleted)",
+                f"a claim prepared on it must be unprepared first ({after}it is cleaned up "
+                "once its ResourceClaim is deleted)",
             )
         return "; ".join(remedies)
 
@@ -1153,6 +1213,7 @@ class ClaimPreparer:
 
         # The admin's mark goes only once the removal would survive a power loss.
         await self._persist(remove)
+        self._forgotten()
         if undone_by_hand:
             self._unmark(record.uid)
         log.info(

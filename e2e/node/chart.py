@@ -280,6 +280,9 @@ class ChartStack(NodeGpus):
         assert out.returncode == 0, out.stderr
         return str(out.stdout)
 
+    def agent_output(self) -> str:
+        return self.agent_log()
+
     def agent_image_restarts(self) -> tuple[str, int] | None:
         """The image and restart count of the one agent pod not being deleted (None:
         none such, as while a rollout replaces it)."""

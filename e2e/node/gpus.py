@@ -175,6 +175,10 @@ class NodeGpus:
         connected to the agent that runs."""
         raise NotImplementedError
 
+    def agent_output(self) -> str:
+        """What the agent that runs now has logged."""
+        raise NotImplementedError
+
     # The same for every installation.
     def profile(self) -> dict[str, Any]:
         return node_profile(gpu_count())
@@ -308,6 +312,9 @@ class GpuStack(NodeGpus):
     @property
     def agent_log(self) -> Path:
         return self.node.layout.logs / f"{AGENT}.log"
+
+    def agent_output(self) -> str:
+        return self.agent_log.read_text(errors="replace")
 
     @property
     def metrics_port(self) -> int:

@@ -259,6 +259,45 @@ def test_exclusive_gpus_are_never_shared(
     assert gpu_minors(seen(cluster, ns, pods[-1])[0]) == freed
 
 
+def test_a_gpu_a_force_deleted_pod_held_starts_the_pod_waiting_for_it_at_once(
+    stack: NodeGpus, kube: Kube, ns: str
+) -> None:
+    """A pod deleted with no grace leaves the API at once, and the scheduler gives its
+    GPU to a pod waiting for it while the node still stops the old containers (2 s at
+    least: they ignore SIGTERM) and has not unprepared the old claim. The agent waits
+    for that unprepare rather than refusing the new claim's prepare: the waiting pod
+    starts once the GPU is free, with no failed prepare and no wait for the kubelet's
+    next sync of it."""
+    gpu = next(
+        d
+        for _, d in sorted(node_devices(kube, stack.node_name).items())
+        if attr(d, "type") == "gpu" and not d.get("allowMultipleAllocations")
+    )
+    pinned = f'device.attributes["{DRIVER}"].uuid == "{attr(gpu, "uuid")}"'
+    kube.create(claim_template("pinned", ns, pinned))
+    kube.create(gpu_pod(stack, "old", ns, template="pinned"))
+    wait_running(kube, ns, "old")
+    kube.create(gpu_pod(stack, "new", ns, template="pinned"))
+    wait_for(
+        "the new pod's scheduling failure",
+        lambda: any("cannot allocate all claims" in e for e in events(kube, ns, "new")),
+        timeout=60,
+    )
+
+    kube.delete("Pod", "old", ns, grace=0)
+    wait_running(kube, ns, "new", timeout=60)
+
+    assert not [e for e in events(kube, ns, "new") if "FailedPrepare" in e]
+    new = claim_uid(kube, ns, "new")
+    waited = [
+        line
+        for line in stack.agent_output().splitlines()
+        if "waits for a device's holder to be unprepared" in line and new in line
+    ]
+    # Else the old claim was unprepared before the new one came, and nothing was tested.
+    assert waited, "the new claim's prepare never found the GPU still held"
+
+
 def legacy_pod(stack: NodeGpus, name: str, namespace: str, resource: str) -> dict[str, Any]:
     """A pod written for the device plugin, asking for one `resource`: the webhook
     converts it."""

@@ -70,7 +70,7 @@ from gpudra.driver.nvml.standin import (
     install_driver_root,
 )
 from gpudra.driver.plugin import ClaimDispatcher, PrepareResult
-from gpudra.driver.prepare import MPS_THREADS, ClaimPreparer, RecoveryReport
+from gpudra.driver.prepare import CONFLICT_WAIT_S, MPS_THREADS, ClaimPreparer, RecoveryReport
 from gpudra.driver.processes import ProcessIdentity
 from gpudra.driver.records import CreatedMig
 from gpudra.driver.sampling import Sampler
@@ -448,6 +448,7 @@ def node_preparer(
     sharing: NvidiaSharing | None = None,
     shares: Mapping[str, int] | None = None,
     checkpoint: Path | None = None,
+    conflict_wait: float = CONFLICT_WAIT_S,
 ) -> ClaimPreparer:
     """The device layer on this test's node: its folders, the emulated GPUs, fake tools;
     `shares`: the integer shares each GPU is published with; `checkpoint`: elsewhere
@@ -468,6 +469,7 @@ def node_preparer(
         fault=fault,
         device_numbers=device_numbers,
         shares=(lambda: shares) if shares is not None else None,
+        conflict_wait=conflict_wait,
     )
 
 
@@ -2156,7 +2158,7 @@ async def test_some_integer_shares_are_never_exclusive_and_all_of_them_are_the_w
     device plugin's replicas were, and as admission judges it; one holding all of the
     shares has the GPU alone, and no other claim is prepared beside it."""
     emu = h100()
-    preparer = node_preparer(node, emu, shares={"gpu-4": 4, "gpu-5": 4})
+    preparer = node_preparer(node, emu, shares={"gpu-4": 4, "gpu-5": 4}, conflict_wait=0.1)
     one, sliced = (
         share_claim(1, "gpu-4", 1),
         share_claim(
@@ -2184,6 +2186,77 @@ async def test_some_integer_shares_are_never_exclusive_and_all_of_them_are_the_w
     assert "must be unprepared first" in error and "undone" not in error
     (device,) = load_checkpoint(node.checkpoint, boot_id_path=node.boot_id).get(whole.uid).devices  # type: ignore[union-attr]
     assert device.exclusive and device.details.time_slice is None
+
+
+@pytest.mark.anyio
+async def test_a_prepare_waits_for_the_unprepare_of_the_claim_holding_its_gpu(node: Node) -> None:
+    """A pod deleted with no grace leaves the API before its node has unprepared its
+    claim, and the scheduler may give its GPU to a new claim at once. The new claim's
+    prepare waits for that unprepare and succeeds once it comes, rather than failing
+    into the kubelet's next sync of its pod, a minute or more later. While it waits,
+    nothing of it is recorded."""
+    emu = h100()
+    preparer = node_preparer(node, emu, conflict_wait=3600)  # only the unprepare ends it
+    gpu = discover(emu).gpus[2].device.name
+    old = offline_claim("tenant-a", [("gpu", {"device": gpu})], {})
+    new = offline_claim("tenant-b", [("gpu", {"device": gpu})], {})
+    assert (await preparer.prepare([old]))[old.uid].error is None
+    results: dict[str, PrepareResult] = {}
+
+    async def prepare_new() -> None:
+        results.update(await preparer.prepare([new]))
+
+    with anyio.fail_after(60):  # the unprepare never ended the wait
+        async with anyio.create_task_group() as group:
+            group.start_soon(prepare_new)
+            await anyio.wait_all_tasks_blocked()
+            assert results == {}  # waiting, not refused
+            assert new.uid not in checkpoint_document(node.checkpoint)["claims"]
+            assert await preparer.unprepare([old.ref]) == {old.uid: None}
+
+    result = results[new.uid]
+    assert result.error is None
+    assert [d.device_name for d in result.devices] == [gpu]
+    record = load_checkpoint(node.checkpoint, boot_id_path=node.boot_id).get(new.uid)
+    assert record is not None and record.completed
+    assert list(node.cdi_dir.iterdir()) and old.uid not in str(list(node.cdi_dir.iterdir()))
+
+
+@pytest.mark.anyio
+async def test_of_two_prepares_waiting_for_one_gpu_one_gets_it_and_the_other_is_refused(
+    node: Node,
+) -> None:
+    """The unprepare frees the GPU for one claim; the other plans again, finds the GPU
+    held by the first, waits out what is left of its time and is refused, its error
+    naming the holder, the wait and what frees the GPU."""
+    emu = h100()
+    preparer = node_preparer(node, emu, conflict_wait=0.5)
+    gpu = discover(emu).gpus[3].device.name
+    old, first, second = (
+        offline_claim(ns, [("gpu", {"device": gpu})], {}) for ns in ("team-a", "team-b", "team-c")
+    )
+    assert (await preparer.prepare([old]))[old.uid].error is None
+    results: dict[str, PrepareResult] = {}
+
+    async def prepare(claim: Claim) -> None:
+        results.update(await preparer.prepare([claim]))
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(prepare, first)
+        group.start_soon(prepare, second)
+        await anyio.wait_all_tasks_blocked()
+        assert results == {}
+        assert await preparer.unprepare([old.ref]) == {old.uid: None}
+
+    got, refused = sorted((first, second), key=lambda c: results[c.uid].error is not None)
+    assert results[got.uid].error is None
+    error = results[refused.uid].error
+    assert error is not None
+    assert f"device {NODE}/{gpu} is already prepared exclusively for claim ({got.uid})" in error
+    assert "must be unprepared first (waited 0.5 s for it;" in error
+    assert refused.uid not in checkpoint_document(node.checkpoint)["claims"]
+    assert await preparer.unprepare([got.ref]) == {got.uid: None}
+    assert (await preparer.prepare([refused]))[refused.uid].error is None
 
 
 class FailAfterGpuInstance:
@@ -2379,7 +2452,9 @@ async def test_a_claim_whose_record_cannot_be_read_is_never_called_unprepared(no
         json.dumps({"version": 1, "bootId": BOOT_A, "claims": {uid: record}})
     )
     _set_compute_mode(emu, gpu, EXCLUSIVE_PROCESS)
-    preparer = node_preparer(node, emu)
+    # No unprepare frees what an unreadable record names: a prepare refused for it
+    # never waits for one (`fail_after` below).
+    preparer = node_preparer(node, emu, conflict_wait=3600)
 
     [error] = (await preparer.recover()).errors
     assert uid in error and "requestNames must be a list of strings" in error
@@ -2392,7 +2467,8 @@ async def test_a_claim_whose_record_cannot_be_read_is_never_called_unprepared(no
         assert "requestNames must be a list of strings" in answer
         assert str(node.checkpoint.parent / "undone" / uid) in answer
     other = _fixture_claim(0)  # gpu-1, another claim
-    refused = (await preparer.prepare([other]))[other.uid].error
+    with anyio.fail_after(60):
+        refused = (await preparer.prepare([other]))[other.uid].error
     assert refused is not None and f"checkpoint record of claim {uid}" in refused
     # The remedy is the by-hand one: no unprepare frees a device an unreadable record names.
     assert str(node.checkpoint.parent / "undone" / uid) in refused
@@ -3002,6 +3078,10 @@ def test_a_pid_file_that_is_not_a_regular_file_is_never_opened(tmp_path: Path) -
     released = threading.Event()
 
     def container() -> None:
+        # A signal with a handler that this thread takes for the process interrupts
+        # the wait, and Python then opens the path again, which the stop may have
+        # removed by then (seen when run after the module's other tests).
+        signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
         os.close(os.open(pid_file, os.O_WRONLY))  # waits for a reader
         released.set()
 
