@@ -228,7 +228,9 @@ while the kubelet stops the old containers (2 s of grace at least) and only then
 unprepares. A refusal there costs the new pod the kubelet's next sync of it (a minute
 or more with its default syncFrequency); a short wait ends it within seconds of the
 unprepare. Well inside the kubelet's 45 s deadline for the call; where the holder
-stays (its pod runs), the new pod's retry comes this much later."""
+stays (its pod runs), the new pod's retry comes this much later. Only the kubelet's
+unprepare ends the wait early: it comes once the old pod has no container left on the
+node (`ClaimPreparer._forgotten`)."""
 
 
 def _time_slice_users(cp: Checkpoint, gpu_uuid: str, *, excluding: str) -> dict[str, TimeSliceSet]:
@@ -530,13 +532,14 @@ class ClaimPreparer:
         return results
 
     async def unprepare(self, claims: list[ClaimRef]) -> dict[str, str | None]:
-        """Undo each claim's devices; an unknown claim is already unprepared."""
+        """Undo each claim's devices; an unknown claim is already unprepared. The
+        kubelet's call (the sweep of deleted claims has its own way in)."""
         if len(claims) == 1:
-            return {claims[0].uid: await self._unprepare_one(claims[0])}
+            return {claims[0].uid: await self._unprepare_one(claims[0], by_kubelet=True)}
         results: dict[str, str | None] = {}
 
         async def one(ref: ClaimRef) -> None:
-            results[ref.uid] = await self._unprepare_one(ref)
+            results[ref.uid] = await self._unprepare_one(ref, by_kubelet=True)
 
         async with anyio.create_task_group() as group:
             for ref in claims:
@@ -563,10 +566,15 @@ class ClaimPreparer:
             )
         return result
 
-    async def _unprepare_one(self, ref: ClaimRef) -> str | None:
+    async def _unprepare_one(self, ref: ClaimRef, *, by_kubelet: bool = False) -> str | None:
+        """`by_kubelet`: the kubelet's call, which comes only once the claim's pods have
+        no container left on the node; only that one lets a prepare waiting for the
+        claim's devices go on at once (`_wait_for_holder`)."""
         error: str | None
         try:
             error = await self._unprepare_claim(ref)
+            if error is None and by_kubelet:
+                self._forgotten()
         except ClaimError as exc:
             error = str(exc)
         except CheckpointTakenOverError as exc:
@@ -932,8 +940,8 @@ class ClaimPreparer:
         `CONFLICT_WAIT_S` from the first refusal (`deadline`: None until then); returns
         the deadline, for the caller to plan again. Raises the refusal where no unprepare
         frees them (a record that cannot be read waits for an admin) or the time is up.
-        `releases`: `_releases` as the refused plan saw it; a claim forgotten since
-        then may have freed them already."""
+        `releases`: `_releases` as the refused plan saw it; a claim the kubelet
+        unprepared since then may have freed them already."""
         now = anyio.current_time()
         waits = exc.prepared and not exc.unreadable
         if not waits or (deadline is not None and now >= deadline):
@@ -955,7 +963,11 @@ class ClaimPreparer:
         return deadline
 
     def _forgotten(self) -> None:
-        """A claim's record is gone: its devices are free for a prepare that waits."""
+        """The kubelet unprepared a claim: its devices may be free for a prepare that
+        waits. Not the sweep of deleted claims: it unprepares a claim whose pod is gone
+        from the API, and a pod deleted with no grace may still have containers on the
+        node, which the kubelet gives 2 s or more to stop; a prepare waiting for that
+        claim's devices plans again only at the end of its wait (`CONFLICT_WAIT_S`)."""
         self._releases += 1
         if self._released is not None:
             self._released.set()
@@ -1213,7 +1225,6 @@ class ClaimPreparer:
 
         # The admin's mark goes only once the removal would survive a power loss.
         await self._persist(remove)
-        self._forgotten()
         if undone_by_hand:
             self._unmark(record.uid)
         log.info(

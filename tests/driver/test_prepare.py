@@ -2222,6 +2222,52 @@ async def test_a_prepare_waits_for_the_unprepare_of_the_claim_holding_its_gpu(no
     assert list(node.cdi_dir.iterdir()) and old.uid not in str(list(node.cdi_dir.iterdir()))
 
 
+@dataclass
+class GoneFromTheApi:
+    """The sweep's view of the API server: the claims named are deleted, with no pod."""
+
+    deleted: set[str]
+
+    async def current_uid(self, ref: ClaimRef) -> str | None:
+        return None if ref.uid in self.deleted else ref.uid
+
+    async def still_used(self, ref: ClaimRef, pod: str, pod_uid: str) -> bool:
+        return False
+
+
+@pytest.mark.anyio
+async def test_the_sweeps_unprepare_of_the_holder_lets_a_waiting_prepare_go_on_only_at_its_end(
+    node: Node,
+) -> None:
+    """The sweep of deleted claims unprepares a claim whose pod is gone from the API; a
+    pod deleted with no grace may still have containers on the node then (the kubelet
+    gives them 2 s or more). Only the kubelet's unprepare, which comes once they are
+    gone, lets a waiting prepare go on at once; after the sweep's it plans again at the
+    end of its wait, as a kubelet's retry would, and gets the GPU then."""
+    emu = h100()
+    preparer = node_preparer(node, emu, conflict_wait=1.0)
+    gpu = discover(emu).gpus[4].device.name
+    old = offline_claim("tenant-a", [("gpu", {"device": gpu})], {})
+    new = offline_claim("tenant-b", [("gpu", {"device": gpu})], {})
+    assert (await preparer.prepare([old]))[old.uid].error is None
+    results: dict[str, PrepareResult] = {}
+
+    async def prepare_new() -> None:
+        results.update(await preparer.prepare([new]))
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(prepare_new)
+        await anyio.wait_all_tasks_blocked()
+        assert await preparer.cleanup_deleted_claims(GoneFromTheApi({old.uid})) == [old.uid]
+        await anyio.wait_all_tasks_blocked()
+        assert results == {}  # still waiting: the sweep's unprepare does not end it
+        assert old.uid not in checkpoint_document(node.checkpoint)["claims"]
+
+    result = results[new.uid]
+    assert result.error is None
+    assert [d.device_name for d in result.devices] == [gpu]
+
+
 @pytest.mark.anyio
 async def test_of_two_prepares_waiting_for_one_gpu_one_gets_it_and_the_other_is_refused(
     node: Node,
