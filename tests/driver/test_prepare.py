@@ -2188,6 +2188,27 @@ async def test_some_integer_shares_are_never_exclusive_and_all_of_them_are_the_w
     assert device.exclusive and device.details.time_slice is None
 
 
+async def _gpu_held(
+    node: Node, index: int, conflict_wait: float, *namespaces: str
+) -> tuple[ClaimPreparer, str, Claim, list[Claim]]:
+    """A preparer (`conflict_wait`) with H100 GPU `index` prepared for a claim of
+    tenant-a, and a claim of each of `namespaces` allocated the same GPU."""
+    emu = h100()
+    preparer = node_preparer(node, emu, conflict_wait=conflict_wait)
+    gpu = discover(emu).gpus[index].device.name
+    old, *others = (
+        offline_claim(ns, [("gpu", {"device": gpu})], {}) for ns in ("tenant-a", *namespaces)
+    )
+    assert (await preparer.prepare([old]))[old.uid].error is None
+    return preparer, gpu, old, others
+
+
+async def _prepare_into(
+    results: dict[str, PrepareResult], preparer: ClaimPreparer, claim: Claim
+) -> None:
+    results.update(await preparer.prepare([claim]))
+
+
 @pytest.mark.anyio
 async def test_a_prepare_waits_for_the_unprepare_of_the_claim_holding_its_gpu(node: Node) -> None:
     """A pod deleted with no grace leaves the API before its node has unprepared its
@@ -2195,20 +2216,13 @@ async def test_a_prepare_waits_for_the_unprepare_of_the_claim_holding_its_gpu(no
     prepare waits for that unprepare and succeeds once it comes, rather than failing
     into the kubelet's next sync of its pod, a minute or more later. While it waits,
     nothing of it is recorded."""
-    emu = h100()
-    preparer = node_preparer(node, emu, conflict_wait=3600)  # only the unprepare ends it
-    gpu = discover(emu).gpus[2].device.name
-    old = offline_claim("tenant-a", [("gpu", {"device": gpu})], {})
-    new = offline_claim("tenant-b", [("gpu", {"device": gpu})], {})
-    assert (await preparer.prepare([old]))[old.uid].error is None
+    # Only the unprepare ends the wait.
+    preparer, gpu, old, [new] = await _gpu_held(node, 2, 3600, "tenant-b")
     results: dict[str, PrepareResult] = {}
-
-    async def prepare_new() -> None:
-        results.update(await preparer.prepare([new]))
 
     with anyio.fail_after(60):  # the unprepare never ended the wait
         async with anyio.create_task_group() as group:
-            group.start_soon(prepare_new)
+            group.start_soon(_prepare_into, results, preparer, new)
             await anyio.wait_all_tasks_blocked()
             assert results == {}  # waiting, not refused
             assert new.uid not in checkpoint_document(node.checkpoint)["claims"]
@@ -2244,19 +2258,11 @@ async def test_the_sweeps_unprepare_of_the_holder_lets_a_waiting_prepare_go_on_o
     gives them 2 s or more). Only the kubelet's unprepare, which comes once they are
     gone, lets a waiting prepare go on at once; after the sweep's it plans again at the
     end of its wait, as a kubelet's retry would, and gets the GPU then."""
-    emu = h100()
-    preparer = node_preparer(node, emu, conflict_wait=1.0)
-    gpu = discover(emu).gpus[4].device.name
-    old = offline_claim("tenant-a", [("gpu", {"device": gpu})], {})
-    new = offline_claim("tenant-b", [("gpu", {"device": gpu})], {})
-    assert (await preparer.prepare([old]))[old.uid].error is None
+    preparer, gpu, old, [new] = await _gpu_held(node, 4, 1.0, "tenant-b")
     results: dict[str, PrepareResult] = {}
 
-    async def prepare_new() -> None:
-        results.update(await preparer.prepare([new]))
-
     async with anyio.create_task_group() as group:
-        group.start_soon(prepare_new)
+        group.start_soon(_prepare_into, results, preparer, new)
         await anyio.wait_all_tasks_blocked()
         assert await preparer.cleanup_deleted_claims(GoneFromTheApi({old.uid})) == [old.uid]
         await anyio.wait_all_tasks_blocked()
@@ -2275,21 +2281,12 @@ async def test_of_two_prepares_waiting_for_one_gpu_one_gets_it_and_the_other_is_
     """The unprepare frees the GPU for one claim; the other plans again, finds the GPU
     held by the first, waits out what is left of its time and is refused, its error
     naming the holder, the wait and what frees the GPU."""
-    emu = h100()
-    preparer = node_preparer(node, emu, conflict_wait=0.5)
-    gpu = discover(emu).gpus[3].device.name
-    old, first, second = (
-        offline_claim(ns, [("gpu", {"device": gpu})], {}) for ns in ("team-a", "team-b", "team-c")
-    )
-    assert (await preparer.prepare([old]))[old.uid].error is None
+    preparer, gpu, old, [first, second] = await _gpu_held(node, 3, 0.5, "team-b", "team-c")
     results: dict[str, PrepareResult] = {}
 
-    async def prepare(claim: Claim) -> None:
-        results.update(await preparer.prepare([claim]))
-
     async with anyio.create_task_group() as group:
-        group.start_soon(prepare, first)
-        group.start_soon(prepare, second)
+        group.start_soon(_prepare_into, results, preparer, first)
+        group.start_soon(_prepare_into, results, preparer, second)
         await anyio.wait_all_tasks_blocked()
         assert results == {}
         assert await preparer.unprepare([old.ref]) == {old.uid: None}
