@@ -342,8 +342,8 @@ class ClaimPreparer:
     ) -> None:
         self._fault = fault
         self._conflict_wait = conflict_wait
-        # Claims forgotten so far, and the event that a prepare waiting for a device's
-        # holder to go waits on (`_wait_for_holder`): made only when one waits.
+        # Claims the kubelet unprepared so far, and the event that a prepare waiting for
+        # a device's holder to go waits on (`_wait_for_holder`): made only when one waits.
         self._releases = 0
         self._released: anyio.Event | None = None
         self._holdings = holdings
@@ -594,8 +594,9 @@ class ClaimPreparer:
         ref = claim.ref
         async with self._guard(ref.uid):
             cp = await self._checkpoint()
-            # Once per prepare, before any device change: a whole GPU's prepare writes the
-            # checkpoint only at its end, after its CDI spec, too late to be refused.
+            # Before any device change (and after a wait for a device's holder, below): a
+            # whole GPU's prepare writes the checkpoint only at its end, after its CDI
+            # spec, too late to be refused.
             await self._check_owner(cp)
             await self._check_readable(cp, ref)
             record = cp.get(ref.uid)
@@ -629,6 +630,8 @@ class ClaimPreparer:
                     break
                 except DeviceConflictError as exc:
                     deadline = await self._wait_for_holder(ref, exc, releases, deadline)
+                    # Another agent may have taken the checkpoint over meanwhile.
+                    await self._check_owner(cp)
             self._at("prepare-started")
             try:
                 devices = await self._setup(ref, entries)

@@ -32,6 +32,7 @@ from tests.driver.test_prepare import (
     discover,
     h100,
     h100_mig,
+    load_checkpoint,
     mig_devices,
     node,  # noqa: F401  (the fixture)
     node_preparer,
@@ -108,6 +109,36 @@ async def test_an_agent_whose_checkpoint_was_taken_over_changes_no_device(
     assert await new.unprepare([c.ref for c in claims]) == {c.uid: None for c in claims}
     assert mig_devices(emu) == {}
     assert not any(node.has_spec(c.uid) for c in claims)
+
+
+async def test_a_prepare_that_waited_for_a_devices_holder_asks_again_who_owns_the_checkpoint(
+    node: Node,  # noqa: F811  (test_prepare's fixture: this test's node folders)
+) -> None:
+    """A prepare waits for another claim's unprepare (up to `CONFLICT_WAIT_S`), and a
+    newer agent may take the checkpoint over meanwhile: the waiting prepare, once
+    the unprepare lets it go on, changes nothing on the node and says why."""
+    emu = h100()
+    old = node_preparer(node, emu, conflict_wait=3600)
+    holder = _fixture_claim(0)  # gpu-1
+    waiting = _fixture_claim(0, uid="00000000-0000-4000-8000-0000000000fe")  # gpu-1 too
+    assert (await old.prepare([holder]))[holder.uid].error is None
+    errors: list[str | None] = []
+
+    async def prepare() -> None:
+        errors.append((await old.prepare([waiting]))[waiting.uid].error)
+
+    with anyio.fail_after(60):
+        async with anyio.create_task_group() as group:
+            group.start_soon(prepare)
+            await anyio.wait_all_tasks_blocked()
+            assert errors == []  # waiting
+            assert await old.unprepare([holder.ref]) == {holder.uid: None}
+            # Before the waiting prepare runs again: a newer agent's start.
+            load_checkpoint(node.checkpoint, boot_id_path=node.boot_id, take_over=True)
+
+    [error] = errors
+    assert error is not None and TAKEN_OVER in error
+    assert not node.has_spec(waiting.uid)
 
 
 def node_service(
