@@ -605,33 +605,7 @@ class ClaimPreparer:
                     _check_same_allocation(claim, record)
                     return _result_from_record(record)
                 await self._undo(record, "rolling back an interrupted earlier prepare")
-            deadline: float | None = None
-            while True:
-                releases = self._releases
-                entries = plan(
-                    claim,
-                    inventory=self._inventory(),
-                    checkpoint=cp,
-                    pool=self._node,
-                    mig_strategy=self._mig_strategy,
-                    shares=self._shares(),
-                )
-                planned = [e.record(self._node) for e in entries]
-                # Only prepares that change the node beyond the CDI spec need the started
-                # record on disk before they begin; see Checkpoint.begin_prepare.
-                persist = any(e.create_mig or e.time_slice is not None or e.mps for e in entries)
-                try:
-                    if persist:
-                        await self._persist(
-                            functools.partial(Checkpoint.begin_prepare, claim=ref, devices=planned)
-                        )
-                    else:
-                        cp.begin_prepare(ref, planned, persist=False)  # memory only: no I/O
-                    break
-                except DeviceConflictError as exc:
-                    deadline = await self._wait_for_holder(ref, exc, releases, deadline)
-                    # Another agent may have taken the checkpoint over meanwhile.
-                    await self._check_owner(cp)
+            entries = await self._begin(claim, cp)
             self._at("prepare-started")
             try:
                 devices = await self._setup(ref, entries)
@@ -650,6 +624,39 @@ class ClaimPreparer:
                         )
                 raise ClaimError(message) from exc
             return PrepareResult(devices=devices)
+
+    async def _begin(self, claim: Claim, cp: Checkpoint) -> list[Entry]:
+        """Plan the claim and record that its prepare starts; where another claim holds
+        a device of it, wait for that claim's unprepare and plan again
+        (`_wait_for_holder`)."""
+        ref = claim.ref
+        deadline: float | None = None
+        while True:
+            releases = self._releases
+            entries = plan(
+                claim,
+                inventory=self._inventory(),
+                checkpoint=cp,
+                pool=self._node,
+                mig_strategy=self._mig_strategy,
+                shares=self._shares(),
+            )
+            planned = [e.record(self._node) for e in entries]
+            # Only prepares that change the node beyond the CDI spec need the started
+            # record on disk before they begin; see Checkpoint.begin_prepare.
+            persist = any(e.create_mig or e.time_slice is not None or e.mps for e in entries)
+            try:
+                if persist:
+                    await self._persist(
+                        functools.partial(Checkpoint.begin_prepare, claim=ref, devices=planned)
+                    )
+                else:
+                    cp.begin_prepare(ref, planned, persist=False)  # memory only: no I/O
+                return entries
+            except DeviceConflictError as exc:
+                deadline = await self._wait_for_holder(ref, exc, releases, deadline)
+                # Another agent may have taken the checkpoint over meanwhile.
+                await self._check_owner(cp)
 
     # --- side effects ---
 

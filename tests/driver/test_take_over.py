@@ -19,6 +19,7 @@ import pytest
 from gpudra.common.kube import Kube
 from gpudra.driver.agent import AgentConfig
 from gpudra.driver.checkpoint import CheckpointTakenOverError
+from gpudra.driver.checkpoint import load as load_checkpoint
 from gpudra.driver.claims import ClaimRef
 from gpudra.driver.devices import MigStrategy
 from gpudra.driver.health import XidEvent
@@ -32,7 +33,6 @@ from tests.driver.test_prepare import (
     discover,
     h100,
     h100_mig,
-    load_checkpoint,
     mig_devices,
     node,  # noqa: F401  (the fixture)
     node_preparer,
