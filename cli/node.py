@@ -59,7 +59,7 @@ from gpudra.driver.nvml.standin import (
     install_driver_root,
 )
 from gpudra.driver.plugin import DEFAULT_KUBELET_ROOT, DRA_APIS
-from gpudra.driver.prepare import PREPARE_STEPS
+from gpudra.driver.prepare import CONFLICT_WAIT_S, PREPARE_STEPS
 from gpudra.driver.sampling import DEFAULT_INTERVAL_S
 from prometheus_client import CollectorRegistry
 
@@ -71,6 +71,11 @@ EMULATED_DRIVER_ROOT = "emulated-driver"
 EMULATED_TOOLS_LOG = "emulated-tools.log"
 # Reading the node's profile label while the API server is not answering yet.
 NODE_READ_BACKOFF = Backoff(first_s=0.5, max_s=10.0)
+# The kubelet cancels a NodePrepareResources call after this long (its DRA plugin
+# client's defaultClientCallTimeout). A prepare's conflict wait stays well inside it,
+# leaving the prepare's own work (a MIG instance made, an MPS daemon started) its time.
+KUBELET_CALL_TIMEOUT_S = 45.0
+MAX_CONFLICT_WAIT_S = 30.0
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -260,6 +265,16 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         default=60.0,
         metavar="SECONDS",
         help="how often to unprepare claims deleted from the API",
+    )
+    k.add_argument(
+        "--conflict-wait",
+        type=_conflict_wait_seconds,
+        default=CONFLICT_WAIT_S,
+        metavar="SECONDS",
+        help="a prepare whose device another claim still holds (a pod deleted with no "
+        "grace whose containers are still stopping) waits this long for that claim's "
+        "unprepare before it fails; 0: fail at once, the kubelet retrying at its next sync "
+        f"of the pod (default: {CONFLICT_WAIT_S:g}, at most {MAX_CONFLICT_WAIT_S:g})",
     )
     k.add_argument(
         "--metrics-address",
@@ -604,6 +619,22 @@ def _zero_window_seconds(raw: str) -> float:
     return value
 
 
+def _conflict_wait_seconds(raw: str) -> float:
+    """--conflict-wait: seconds, 0 to `MAX_CONFLICT_WAIT_S`."""
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and 0 <= value <= MAX_CONFLICT_WAIT_S):
+        msg = (
+            f"{raw!r}: give seconds, 0 to {MAX_CONFLICT_WAIT_S:g} (0: fail at once): the "
+            f"kubelet gives a prepare {KUBELET_CALL_TIMEOUT_S:g} s in all, and the prepare's "
+            f"own work comes after the wait (default: {CONFLICT_WAIT_S:g})"
+        )
+        raise argparse.ArgumentTypeError(msg)
+    return value
+
+
 def _plugin_config(args: argparse.Namespace) -> PluginConfig:
     for flag in ("kubelet_root", "cdi_root", "state_dir", "driver_root", "dev_root", "host_root"):
         path: Path = getattr(args, flag)
@@ -645,6 +676,7 @@ def _plugin_config(args: argparse.Namespace) -> PluginConfig:
         toolkit_spec=args.toolkit_cdi,
         driver_libraries=tuple(args.driver_library),
         cleanup_interval_s=args.cleanup_interval,
+        conflict_wait_s=args.conflict_wait,
         sample_interval_s=args.sample_interval,
         idle_below=args.idle_threshold,
         zero_window_s=args.accounting_zero_window,

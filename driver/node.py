@@ -68,7 +68,7 @@ from gpudra.driver.plugin import (
     KubeletPlugin,
 )
 from gpudra.driver.podclaims import ClaimContainers
-from gpudra.driver.prepare import ClaimPreparer
+from gpudra.driver.prepare import CONFLICT_WAIT_S, ClaimPreparer
 from gpudra.driver.sampling import DEFAULT_INTERVAL_S, Sampler
 from gpudra.driver.sharing import NvidiaSharing
 from gpudra.driver.tenancy import NamespaceTenants
@@ -101,6 +101,9 @@ class PluginConfig:
     # Empty: find the driver's libraries and utilities under driver_root.
     driver_libraries: tuple[str, ...] = ()
     cleanup_interval_s: float = 60.0
+    # How long a prepare whose device another claim still holds waits for that claim's
+    # unprepare before it fails; 0: at once.
+    conflict_wait_s: float = CONFLICT_WAIT_S
     # How often an agent whose checkpoint was taken over looks whether the agent that
     # took it over still runs (`_watch_owner`).
     owner_check_s: float = 5.0
@@ -253,6 +256,7 @@ class NodeService:
             fault=fault,
             # Accounting bills each claim from its prepare to its unprepare, by these.
             holdings=self.sampler.holdings if self.sampler is not None else None,
+            conflict_wait=plugin.conflict_wait_s,
         )
         self.plugin = KubeletPlugin(
             agent_config.driver_name,

@@ -222,7 +222,8 @@ default 40."""
 
 CONFLICT_WAIT_S: Final = 10.0
 """How long a prepare refused because another claim holds its device waits for that
-claim's unprepare before it fails. A pod deleted with no grace leaves the API before
+claim's unprepare before it fails, by default (`gpudra node --conflict-wait`; 0 refuses
+at once). A pod deleted with no grace leaves the API before
 its node has stopped it: the scheduler may give its devices to a new claim at once,
 while the kubelet stops the old containers (2 s of grace at least) and only then
 unprepares. A refusal there costs the new pod the kubelet's next sync of it (a minute
@@ -947,13 +948,14 @@ class ClaimPreparer:
         self, ref: ClaimRef, exc: DeviceConflictError, releases: int, deadline: float | None
     ) -> float:
         """Wait for another claim's unprepare to free the devices `exc` names, up to
-        `CONFLICT_WAIT_S` from the first refusal (`deadline`: None until then); returns
-        the deadline, for the caller to plan again. Raises the refusal where no unprepare
-        frees them (a record that cannot be read waits for an admin) or the time is up.
+        the conflict wait (`CONFLICT_WAIT_S` by default) from the first refusal
+        (`deadline`: None until then); returns the deadline, for the caller to plan
+        again. Raises the refusal where no unprepare frees them (a record that cannot be
+        read waits for an admin), the time is up or the wait is 0.
         `releases`: `_releases` as the refused plan saw it; a claim the kubelet
         unprepared since then may have freed them already."""
         now = anyio.current_time()
-        waits = exc.prepared and not exc.unreadable
+        waits = exc.prepared and not exc.unreadable and self._conflict_wait > 0
         if not waits or (deadline is not None and now >= deadline):
             waited = self._conflict_wait if waits else None
             raise ClaimError(
@@ -977,7 +979,7 @@ class ClaimPreparer:
         waits. Not the sweep of deleted claims: it unprepares a claim whose pod is gone
         from the API, and a pod deleted with no grace may still have containers on the
         node, which the kubelet gives 2 s or more to stop; a prepare waiting for that
-        claim's devices plans again only at the end of its wait (`CONFLICT_WAIT_S`)."""
+        claim's devices plans again only at the end of its wait."""
         self._releases += 1
         if self._released is not None:
             self._released.set()

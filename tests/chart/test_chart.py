@@ -1058,6 +1058,9 @@ def test_notes_tell_how_to_check(helm: Path) -> None:
             {"webhook": {"tls": {"source": "secret", "secretName": "tls"}}},
             "webhook.tls.caBundle",
         ),
+        # Past it the kubelet's 45 s for the call would leave a prepare no time of its own.
+        ({"node": {"conflictWaitSeconds": 31}}, "/node/conflictWaitSeconds"),
+        ({"node": {"conflictWaitSeconds": -1}}, "/node/conflictWaitSeconds"),
         (
             # The tenant rules count only the device plugin's names at a pod's admission.
             {"deviceClasses": {"gpu": {"extendedResourceName": "example.com/gpu"}}},
@@ -1414,6 +1417,17 @@ def test_claim_links_policy_matches_the_code(helm: Path, trusted: list[str]) -> 
     off = h.template(helm, {"claimLinks": {"enabled": False}})
     names = (registration.CLAIM_LINKS_POLICY_NAME, registration.TEMPLATE_LINKS_POLICY_NAME)
     assert not [o for o in off if o["metadata"]["name"] in names]
+
+
+@pytest.mark.parametrize(("value", "seconds"), [(None, 10.0), (0, 0.0), (2.5, 2.5), (30, 30.0)])
+def test_the_conflict_wait_reaches_the_agents_plugin_config(
+    helm: Path, value: float | None, seconds: float
+) -> None:
+    """`node.conflictWaitSeconds`, as the agent parses it from the rendered args."""
+    objects = h.template(helm, {} if value is None else {"node": {"conflictWaitSeconds": value}})
+    (container,) = h.find(objects, "DaemonSet")["spec"]["template"]["spec"]["containers"]
+    args = build_parser().parse_args([a.replace("$(NODE_NAME)", "n1") for a in container["args"]])
+    assert args.conflict_wait == seconds  # as the plugin config takes it (tests/cli)
 
 
 def test_the_node_agent_reads_pods_with_sampling_off(helm: Path) -> None:
