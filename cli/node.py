@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
-import math
 import os
 import signal
 from collections.abc import Callable
@@ -16,6 +15,7 @@ import aiohttp
 import anyio
 from gpudra.api.names import dns_subdomain_problem, driver_name_problem
 from gpudra.cli.cluster import add_kubeconfig
+from gpudra.cli.flagvalues import seconds_within
 from gpudra.common.backoff import Backoff
 from gpudra.common.errors import exception_text
 from gpudra.common.eventloop import run_event_loop
@@ -606,11 +606,8 @@ def _smi_gpus(inventory: Inventory) -> list[SmiGpu]:
 def _zero_window_seconds(raw: str) -> float:
     """--accounting-zero-window: seconds, finite and 0 or more (0: the first scrape
     only)."""
-    try:
-        value = float(raw)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and value >= 0):
+    value = seconds_within(raw, 0)
+    if value is None:
         msg = (
             f"{raw!r}: give seconds, 0 or more, longer than the longest scrape interval of "
             f"any reader of the metrics, e.g. {DEFAULT_ZERO_WINDOW_S:g}"
@@ -621,11 +618,8 @@ def _zero_window_seconds(raw: str) -> float:
 
 def _conflict_wait_seconds(raw: str) -> float:
     """--conflict-wait: seconds, 0 to `MAX_CONFLICT_WAIT_S`."""
-    try:
-        value = float(raw)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and 0 <= value <= MAX_CONFLICT_WAIT_S):
+    value = seconds_within(raw, 0, MAX_CONFLICT_WAIT_S)
+    if value is None:
         msg = (
             f"{raw!r}: give seconds, 0 to {MAX_CONFLICT_WAIT_S:g} (0: fail at once): the "
             f"kubelet gives a prepare {KUBELET_CALL_TIMEOUT_S:g} s in all, and the prepare's "

@@ -24,6 +24,7 @@ from typing import Final
 import aiohttp
 import anyio
 from aiohttp.helpers import get_env_proxy_for_url
+from gpudra.cli.flagvalues import seconds_within
 from gpudra.cli.terminal import printable
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
@@ -62,11 +63,8 @@ def parse_duration(raw: str) -> float:
 
 def timeout_seconds(raw: str) -> float:
     """--timeout: seconds, finite and more than 0 (a deadline of 0 would be none)."""
-    try:
-        value = float(raw)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and value > 0):
+    value = seconds_within(raw, 0, low_excluded=True)
+    if value is None:
         raise argparse.ArgumentTypeError(f"{raw!r}: give seconds, more than 0, e.g. 5")
     return value
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import math
 import os
 import socket
 import ssl
@@ -38,6 +37,7 @@ from gpudra.api.deviceclasses import mig_profile_class
 from gpudra.api.names import DNS_SUBDOMAIN_MAX, dns_subdomain_problem, driver_name_problem
 from gpudra.api.tenants import LabelSelector, quota_key
 from gpudra.cli.cluster import add_kubeconfig
+from gpudra.cli.flagvalues import seconds_within
 from gpudra.common.eventloop import run_event_loop
 from gpudra.common.kube import Kube
 from gpudra.common.leader import LeaderElector
@@ -329,11 +329,8 @@ def _device_class_name(raw: str) -> str:
 
 def _shutdown_seconds(raw: str) -> float:
     """--shutdown-delay: seconds, 0 or more, well under the pod's grace period."""
-    try:
-        value = float(raw)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and 0 <= value <= MAX_SHUTDOWN_DELAY_S):
+    value = seconds_within(raw, 0, MAX_SHUTDOWN_DELAY_S)
+    if value is None:
         raise argparse.ArgumentTypeError(
             f"{raw!r}: give seconds from 0 to {MAX_SHUTDOWN_DELAY_S:g}, under the pod's "
             f"termination grace period (30 s by default), e.g. {SHUTDOWN_DELAY_S:g}"
