@@ -58,8 +58,8 @@ from gpudra.driver.nvml.standin import (
     device_numbers,
     install_driver_root,
 )
-from gpudra.driver.plugin import DEFAULT_KUBELET_ROOT, DRA_APIS
-from gpudra.driver.prepare import CONFLICT_WAIT_S, PREPARE_STEPS
+from gpudra.driver.plugin import DEFAULT_KUBELET_ROOT, DRA_APIS, KUBELET_CALL_TIMEOUT_S
+from gpudra.driver.prepare import CONFLICT_WAIT_S, MAX_CONFLICT_WAIT_S, PREPARE_STEPS
 from gpudra.driver.sampling import DEFAULT_INTERVAL_S
 from prometheus_client import CollectorRegistry
 
@@ -71,11 +71,6 @@ EMULATED_DRIVER_ROOT = "emulated-driver"
 EMULATED_TOOLS_LOG = "emulated-tools.log"
 # Reading the node's profile label while the API server is not answering yet.
 NODE_READ_BACKOFF = Backoff(first_s=0.5, max_s=10.0)
-# The kubelet cancels a NodePrepareResources call after this long (its DRA plugin
-# client's defaultClientCallTimeout). A prepare's conflict wait stays well inside it,
-# leaving the prepare's own work (a MIG instance made, an MPS daemon started) its time.
-KUBELET_CALL_TIMEOUT_S = 45.0
-MAX_CONFLICT_WAIT_S = 30.0
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -49,6 +49,9 @@ DRA_APIS = (DRA_V1, DRA_V1BETA1)
 MAX_HEALTH_MESSAGE = 1024
 # A third of the kubelet's default per-device health timeout (30 s): see `_Health`.
 HEALTH_REFRESH_S = 10.0
+# The kubelet cancels a NodePrepareResources call after this long (its DRA plugin
+# client's defaultClientCallTimeout).
+KUBELET_CALL_TIMEOUT_S = 45.0
 # sun_path is 108 bytes including the terminating NUL.
 _MAX_UNIX_PATH = 107
 _SOCKET_MODE = 0o600

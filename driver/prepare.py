@@ -222,9 +222,9 @@ default 40."""
 
 CONFLICT_WAIT_S: Final = 10.0
 """How long a prepare refused because another claim holds its device waits for that
-claim's unprepare before it fails, by default (`gpudra node --conflict-wait`; 0 refuses
-at once). A pod deleted with no grace leaves the API before
-its node has stopped it: the scheduler may give its devices to a new claim at once,
+claim's unprepare before it fails, by default (`gpudra node --conflict-wait`, up to
+`MAX_CONFLICT_WAIT_S`; 0 refuses at once). A pod deleted with no grace leaves the API
+before its node has stopped it: the scheduler may give its devices to a new claim at once,
 while the kubelet stops the old containers (2 s of grace at least) and only then
 unprepares. A refusal there costs the new pod the kubelet's next sync of it (a minute
 or more with its default syncFrequency); a short wait ends it within seconds of the
@@ -232,6 +232,11 @@ unprepare. Well inside the kubelet's 45 s deadline for the call; where the holde
 stays (its pod runs), the new pod's retry comes this much later. Only the kubelet's
 unprepare ends the wait early: it comes once the old pod has no container left on the
 node (`ClaimPreparer._forgotten`)."""
+
+MAX_CONFLICT_WAIT_S: Final = 30.0
+"""The longest conflict wait a node may set: the kubelet gives a prepare call 45 s in
+all (`KUBELET_CALL_TIMEOUT_S`), and the prepare's own work (a MIG instance made, an MPS
+daemon started) comes after the wait. The chart's schema holds the same bound."""
 
 
 def _time_slice_users(cp: Checkpoint, gpu_uuid: str, *, excluding: str) -> dict[str, TimeSliceSet]:

@@ -27,6 +27,7 @@ from gpudra.cli.node import (
 from gpudra.cli.webhook import conversion_policy, server_config
 from gpudra.driver.devices import SharedGpus
 from gpudra.driver.nvml import labelled_nvml
+from gpudra.driver.prepare import MAX_CONFLICT_WAIT_S
 from gpudra.webhook import registration
 from gpudra.webhook.certs import generate_ca
 from gpudra.webhook.convert import DEFAULT_POLICY, OPT_OUT_LABEL, ConversionPolicy
@@ -1417,6 +1418,12 @@ def test_claim_links_policy_matches_the_code(helm: Path, trusted: list[str]) -> 
     off = h.template(helm, {"claimLinks": {"enabled": False}})
     names = (registration.CLAIM_LINKS_POLICY_NAME, registration.TEMPLATE_LINKS_POLICY_NAME)
     assert not [o for o in off if o["metadata"]["name"] in names]
+
+
+def test_the_schema_bounds_the_conflict_wait_as_the_agent_does() -> None:
+    schema = yaml.safe_load((h.CHART / "values.schema.json").read_text())
+    wait = schema["properties"]["node"]["properties"]["conflictWaitSeconds"]
+    assert (wait["minimum"], wait["maximum"]) == (0, MAX_CONFLICT_WAIT_S)
 
 
 @pytest.mark.parametrize(("value", "seconds"), [(None, 10.0), (0, 0.0), (2.5, 2.5), (30, 30.0)])
