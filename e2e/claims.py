@@ -102,6 +102,22 @@ def node_devices(kube: Kube, node: str) -> dict[str, dict[str, Any]]:
     }
 
 
+def shared_devices(kube: Kube, node: str, least: int = 1) -> dict[str, dict[str, Any]]:
+    """`node_devices` once at least `least` of them offer `shares`. An agent restarted
+    with `--gpu-shares` connects to the kubelet before, or while, it republishes its
+    slices: until then the API holds the devices it published without shares."""
+
+    def with_shares() -> dict[str, dict[str, Any]] | None:
+        devices = node_devices(kube, node)
+        shared = {n: d for n, d in devices.items() if "shares" in d.get("capacity", {})}
+        return shared if len(shared) >= least else None
+
+    found: dict[str, dict[str, Any]] = wait_for(
+        f"{least} device(s) of {node} with shares", with_shares, timeout=60
+    )
+    return found
+
+
 def running(kube: Kube, namespace: str, name: str) -> dict[str, Any] | None:
     pod: dict[str, Any] | None = kube.get_or_none("Pod", name, namespace)
     return pod if pod and (pod.get("status") or {}).get("phase") == "Running" else None

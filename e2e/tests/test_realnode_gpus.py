@@ -43,7 +43,14 @@ from gpudra.webhook.cabundle import FIELD_MANAGER
 from gpudra.webhook.convert import CONVERTED_ANNOTATION as CONVERTED
 
 from e2e import features
-from e2e.claims import attr, claim_template, node_devices, running, wait_running
+from e2e.claims import (
+    attr,
+    claim_template,
+    node_devices,
+    running,
+    shared_devices,
+    wait_running,
+)
 from e2e.cluster.harness import BUILD_SCRIPT, Cluster, known_gates
 from e2e.cluster.kube import ApiError, Kube, field_managers, wait_for
 from e2e.gpu_pods import (
@@ -354,9 +361,8 @@ def test_legacy_shared_pods_pack_onto_gpus_by_integer_shares(
     port = stack.metrics_port
     flags = (f"--metrics-address=127.0.0.1:{port}", "--sample-interval=1")
     with stack.agent_flags("--gpu-shares=2", *flags):
-        devices = node_devices(kube, stack.node_name)
-        with_shares = {n for n, d in devices.items() if "shares" in d.get("capacity", {})}
-        assert len(with_shares) >= 2, devices.keys()
+        devices = shared_devices(kube, stack.node_name, least=2)
+        with_shares = set(devices)
         calls_before = len(stack.tool_calls())
         pods = ["share-a", "share-b", "share-c"]
         for pod in pods:  # one at a time: the scheduler fills a GPU before the next

@@ -19,7 +19,14 @@ from typing import Any
 import pytest
 from gpudra.driver.processes import ProcessIdentity
 
-from e2e.claims import attr, claim_name, claim_template, node_devices, wait_running
+from e2e.claims import (
+    attr,
+    claim_name,
+    claim_template,
+    node_devices,
+    shared_devices,
+    wait_running,
+)
 from e2e.cluster.harness import Cluster
 from e2e.cluster.kube import Kube, wait_for
 from e2e.gpu_pods import (
@@ -256,9 +263,8 @@ def test_a_tenant_cannot_set_a_time_slice_under_another_tenants_mps_share(
     interval would change it under that MPS server. The node refuses that prepare, with
     the reason in the pod's events, and never sets the GPU's time-slice."""
     with stack.agent_flags("--gpu-shares=2"):
-        devices = node_devices(kube, stack.node_name)
-        device = min(n for n, d in devices.items() if "shares" in d.get("capacity", {}))
-        uuid = attr(devices[device], "uuid")
+        devices = shared_devices(kube, stack.node_name)
+        uuid = attr(devices[min(devices)], "uuid")
         selector = f'device.attributes["{DRIVER}"].uuid == "{uuid}"'
         long = {"strategy": "TimeSlicing", "timeSlicingConfig": {"interval": "Long"}}
         kube.create(share_template(ns, "mps", selector, {"strategy": "MPS"}))
