@@ -35,6 +35,7 @@ from gpudra.api.tenants import crd_manifest
 from gpudra.common.kube import Kube as AsyncKube
 from gpudra.common.metricsserver import MAX_CONNECTIONS as METRICS_MAX_CONNECTIONS
 from gpudra.common.metricsserver import MAX_PER_CLIENT as METRICS_MAX_PER_CLIENT
+from gpudra.common.metricsserver import WRITE_STALL_S
 from gpudra.driver.agent import AgentConfig
 from gpudra.driver.health import HealthPolicy
 from gpudra.driver.node import NodeService, PluginConfig
@@ -659,6 +660,35 @@ async def test_slow_readers_of_a_large_answer_on_the_metrics_port_cannot_starve_
             return None
 
     held: list[socket.socket] = []
+
+    def fill(client: int) -> int:
+        """Unread scrapes from `client` until the agent closes one at once (its address
+        at its own bound); how many it took."""
+        opened = 0
+        while (s := _unread_scrape(client, port)) is not None:
+            held.append(s)
+            opened += 1
+            assert opened <= METRICS_MAX_PER_CLIENT, client
+        return opened
+
+    refills: list[int] = []  # what each pass opened: told when the count below fails
+
+    async def fill_the_bound() -> None:
+        """Every address at its own bound, so the bound is full of unread answers, as
+        the agent counts them. A pass that opened some is checked by another once those
+        have stalled: a connection may still end of itself (the kernel's buffers took
+        its whole answer), or the agent may still count the last scrape's as open (the
+        address that lost a place was then let in for another stalled one)."""
+        for _ in range(10):
+            opened = 0
+            for client in range(addresses):
+                opened += await anyio.to_thread.run_sync(fill, client)
+            refills.append(opened)
+            if not opened:
+                return
+            await anyio.sleep(2 * WRITE_STALL_S)
+        raise AssertionError("the unread scrapes never filled the bound")
+
     try:
         for i in range(METRICS_MAX_CONNECTIONS):
             s = await anyio.to_thread.run_sync(_unread_scrape, i % addresses, port)
@@ -666,21 +696,20 @@ async def test_slow_readers_of_a_large_answer_on_the_metrics_port_cannot_starve_
             held.append(s)
         answer: str | None = None
         for _ in range(rounds):
+            # Checked before each scrape, not assumed: a scrape let in with a place
+            # free (one of the connections having ended of itself) closed none for
+            # its place, which failed the count below now and then.
+            await fill_the_bound()
             with anyio.fail_after(60):  # a hang guard: the deadline is 600 s
                 while (answer := await anyio.to_thread.run_sync(metrics)) is None:
                     await anyio.sleep(0.1)
-            # Back to the bound: the address that lost a connection opens one more.
-            for client in range(addresses):
-                s = await anyio.to_thread.run_sync(_unread_scrape, client, port)
-                if s is not None:
-                    held.append(s)
         assert answer is not None
         [stalled] = [
             float(line.rsplit(" ", 1)[1])
             for line in answer.splitlines()
             if line.startswith('gpudra_metrics_connections_shed_total{action="stalled"}')
         ]
-        assert stalled >= rounds, answer
+        assert stalled >= rounds, (refills, answer)
     finally:
         for s in held:
             s.close()
