@@ -17,6 +17,7 @@ WAITING = "Waiting"
 PREEMPTED = "Preempted"
 ADMITTED = "Admitted"
 RUNNING = "Running"
+FINISHING = "Finishing"
 SUCCEEDED = "Succeeded"
 FAILED = "Failed"
 FINISHED = (SUCCEEDED, FAILED)
@@ -38,7 +39,17 @@ class JobRow:
 HEADER = ("JOB", "QUEUE", "STATE", "PODS", "DEVICES")
 
 
-def state_of(kube: Kube, job: dict[str, Any]) -> str:
+_POD_DONE = ("Succeeded", "Failed")
+
+
+def state_of(kube: Kube, job: dict[str, Any], pods: list[dict[str, Any]]) -> str:
+    """The Job's state, judged from `pods`, the same read of its pods that the row
+    shows, so that a row never says Running beside a Pending pod.
+
+    Finishing: every pod has ended but the Job controller has not yet counted it, so
+    Kueue still holds the Job's quota; without it such a Job read as Admitted again
+    between Running and Succeeded.
+    """
     ns, name = job["metadata"]["namespace"], job["metadata"]["name"]
     status = job.get("status") or {}
     if status.get("succeeded"):
@@ -49,7 +60,19 @@ def state_of(kube: Kube, job: dict[str, Any]) -> str:
         wl = jobs.workload_of(kube, ns, name)
         evicted = jobs.condition(wl, "Evicted")
         return PREEMPTED if evicted and evicted["status"] == "True" else WAITING
-    return RUNNING if jobs.running_pods(kube, ns, name) else ADMITTED
+    return admitted_state(pods)
+
+
+def admitted_state(pods: list[dict[str, Any]]) -> str:
+    """An admitted Job's state from its pods: Running while one runs, Finishing once
+    every one has ended, Admitted before (pods being deleted do not count)."""
+    live = [p for p in pods if not p["metadata"].get("deletionTimestamp")]
+    phases = [(p.get("status") or {}).get("phase") for p in live]
+    if "Running" in phases:
+        return RUNNING
+    if phases and all(phase in _POD_DONE for phase in phases):
+        return FINISHING
+    return ADMITTED
 
 
 def devices_of(kube: Kube, pods: list[dict[str, Any]]) -> list[str]:
@@ -76,7 +99,7 @@ def row_of(kube: Kube, namespace: str, name: str) -> JobRow:
         namespace=namespace,
         job=name,
         queue=job["metadata"]["labels"].get(jobs.QUEUE_LABEL, "-"),
-        state=state_of(kube, job),
+        state=state_of(kube, job, pods),
         pods=" ".join(phases) or "-",
         devices=" ".join(devices_of(kube, pods)) or "-",
     )
