@@ -154,6 +154,37 @@ def token_kubeconfig(creds: Credentials, token: str, user: str, path: Path) -> P
     return path
 
 
+CLUSTER_ROLE_BINDINGS = "/apis/rbac.authorization.k8s.io/v1/clusterrolebindings"
+
+
+def cluster_admin_user(kube: SyncKube, ns: str, sa: str = "platform-admin") -> TenantUser:
+    """A ServiceAccount of `ns` bound to the `cluster-admin` ClusterRole (binding
+    `<ns>-<sa>`, for the caller to delete), and a client with its token: a cluster
+    admin outside `system:masters`, as kubeadm's admin.conf user is."""
+    kube.request(
+        "POST",
+        f"/api/v1/namespaces/{ns}/serviceaccounts",
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": sa}},
+    )
+    kube.request(
+        "POST",
+        CLUSTER_ROLE_BINDINGS,
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "ClusterRoleBinding",
+            "metadata": {"name": f"{ns}-{sa}"},
+            "roleRef": {
+                "apiGroup": "rbac.authorization.k8s.io",
+                "kind": "ClusterRole",
+                "name": "cluster-admin",
+            },
+            "subjects": [{"kind": "ServiceAccount", "name": sa, "namespace": ns}],
+        },
+    )
+    token = service_account_token(kube, ns, sa)
+    return TenantUser(kube.creds, token, f"system:serviceaccount:{ns}:{sa}")
+
+
 def tenant_user(kube: SyncKube, ns: str) -> TenantUser:
     """A ServiceAccount bound to `edit` in `ns` only, and a client with its token."""
     sa = "tenant"

@@ -37,6 +37,7 @@ from e2e import smoke
 from e2e.cluster.harness import Cluster
 from e2e.cluster.kube import ApiError, apply_crd, wait_for
 from e2e.cluster.kube import Kube as SyncKube
+from e2e.provider import local_only
 from e2e.tenant_user import TenantUser, tenant_user
 from e2e.webhook_env import serving_config
 
@@ -437,6 +438,7 @@ def controller_manager_paused(cluster: Cluster) -> Iterator[None]:
         os.kill(pid, signal.SIGCONT)
 
 
+@local_only("pauses kube-controller-manager by its process, which kind runs in a container")
 async def test_claims_over_a_quota_the_api_server_has_not_counted_are_refused(
     env: Env, kube: SyncKube, cluster: Cluster, namespace: str
 ) -> None:
