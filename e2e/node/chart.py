@@ -228,6 +228,7 @@ class ChartStack(NodeGpus):
         wait_for(f"{self.node.name}'s pool published", lambda: self.published(kube), timeout=90)
         self.wait_registered(mark)
         wait_for("the webhook registered", lambda: webhook_ready(kube), timeout=90)
+        wait_for("the API server reaching the webhook", lambda: webhook_answers(kube), timeout=60)
         log(
             f"gpudra chart on {self.node.name}: pods running, pool published and the "
             f"plugin registered in {time.monotonic() - start:.1f}s"
@@ -592,6 +593,27 @@ def _pause_webhook(kube: Kube, *, paused: bool) -> None:
             {"spec": {"paused": paused}},
             content_type="application/merge-patch+json",
         )
+
+
+def webhook_answers(kube: Kube) -> bool:
+    """The API server reaches the webhook: a legacy GPU pod's dry-run create is reviewed
+    (answered either way). A ready replica does not say so on a pod network, where the
+    Service's rules on the API server's node may lag the endpoint (kind's kube-proxy)."""
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "gpudra-webhook-probe", "namespace": "default"},
+        "spec": {
+            "containers": [
+                {"name": "c", "image": "probe", "resources": {"limits": {"nvidia.com/gpu": "1"}}}
+            ]
+        },
+    }
+    try:
+        kube.create(pod, dryRun="All")
+    except ApiError as e:
+        return "failed calling webhook" not in str(e)
+    return True
 
 
 def webhook_ready(kube: Kube) -> bool:

@@ -78,6 +78,7 @@ from e2e.node.gpus import DRIVER, MIG_COMPUTE_INSTANCES, MIG_FIRST_MINOR, NodeGp
 from e2e.node.realnode import WEBHOOK_CONFIGURATIONS
 from e2e.node.service_route import route_unavailable_reason, service_address
 from e2e.progress import build_script
+from e2e.provider import on_kind
 from e2e.shared_libraries import shared_library
 from e2e.tools import helm as h
 from e2e.tools import prometheus as p
@@ -881,6 +882,8 @@ def test_a_webhook_on_the_pod_network_rolls_under_load_answering_every_review(
     routes for this test (no kube-proxy runs here)."""
     if not isinstance(stack, ChartStack):
         pytest.skip("the host-process webhook is not a pod a rollout replaces")
+    if on_kind():
+        pytest.skip("it routes the kubernetes Service from the host to the local API server's port")
     reason = route_unavailable_reason(service_address(kube)[0])
     if reason:
         pytest.skip(f"no route to the API server from the pod network here: {reason}")
@@ -907,6 +910,10 @@ def test_an_mps_daemon_pod_sees_only_its_claims_folders(
     them at, as the daemon's environment names them."""
     if not isinstance(stack, ChartStack):
         pytest.skip("daemons of host-process agents are their children, not pods")
+    if on_kind():
+        pytest.skip(
+            "it reads the agent's state folder on the host; a kind node's is in its container"
+        )
     kube.create(mps_template(ns, "mps", "!device.allowMultipleAllocations"))
     for pod in ("mps-a", "mps-b"):
         kube.create(gpu_pod(stack, pod, ns, template="mps"))
@@ -945,6 +952,8 @@ def test_the_chart_runs_the_tools_of_a_driver_root_it_mounts_under_host(
     CUDA preloaded (real libraries here: stand-ins that are no ELF objects are not)."""
     if not isinstance(stack, ChartStack):
         pytest.skip("host processes see the driver root at its own path")
+    if on_kind():
+        pytest.skip("it bind-mounts a stand-in driver root on the host, not in a kind node")
     with stack.driver_root_on_host() as root:
         libraries = root / "usr/lib/x86_64-linux-gnu"
         for name in (NVML_LIBRARY, CUDA_LIBRARY):
