@@ -17,6 +17,9 @@ import yaml
 from e2e.cluster.kube import ApiError, Credentials
 from e2e.cluster.kube import Kube as SyncKube
 
+RBAC = "/apis/rbac.authorization.k8s.io/v1"
+CLUSTER_ROLE_BINDINGS = f"{RBAC}/clusterrolebindings"
+
 
 class TenantUser:
     """Requests made with a ServiceAccount's own bearer token, as a tenant would."""
@@ -57,8 +60,12 @@ class TenantUser:
         return self.request("POST", path, obj)
 
 
-def tenant_token(kube: SyncKube, ns: str, sa: str = "tenant") -> str:
-    """A ServiceAccount `sa` bound to `edit` in `ns` only; returns its own bound token."""
+def bound_service_account(
+    kube: SyncKube, ns: str, sa: str, role: str, *, binding: str, cluster_wide: bool = False
+) -> str:
+    """A ServiceAccount `sa` in `ns` bound to ClusterRole `role` by `binding`, a
+    RoleBinding in `ns` or, `cluster_wide`, a ClusterRoleBinding (for the caller to
+    delete); returns its own bound token."""
     kube.request(
         "POST",
         f"/api/v1/namespaces/{ns}/serviceaccounts",
@@ -66,20 +73,25 @@ def tenant_token(kube: SyncKube, ns: str, sa: str = "tenant") -> str:
     )
     kube.request(
         "POST",
-        f"/apis/rbac.authorization.k8s.io/v1/namespaces/{ns}/rolebindings",
+        CLUSTER_ROLE_BINDINGS if cluster_wide else f"{RBAC}/namespaces/{ns}/rolebindings",
         {
             "apiVersion": "rbac.authorization.k8s.io/v1",
-            "kind": "RoleBinding",
-            "metadata": {"name": f"{sa}-edit"},
+            "kind": "ClusterRoleBinding" if cluster_wide else "RoleBinding",
+            "metadata": {"name": binding},
             "roleRef": {
                 "apiGroup": "rbac.authorization.k8s.io",
                 "kind": "ClusterRole",
-                "name": "edit",
+                "name": role,
             },
             "subjects": [{"kind": "ServiceAccount", "name": sa, "namespace": ns}],
         },
     )
     return service_account_token(kube, ns, sa)
+
+
+def tenant_token(kube: SyncKube, ns: str, sa: str = "tenant") -> str:
+    """A ServiceAccount `sa` bound to `edit` in `ns` only; returns its own bound token."""
+    return bound_service_account(kube, ns, sa, "edit", binding=f"{sa}-edit")
 
 
 def service_account_token(
@@ -154,34 +166,13 @@ def token_kubeconfig(creds: Credentials, token: str, user: str, path: Path) -> P
     return path
 
 
-CLUSTER_ROLE_BINDINGS = "/apis/rbac.authorization.k8s.io/v1/clusterrolebindings"
-
-
 def cluster_admin_user(kube: SyncKube, ns: str, sa: str = "platform-admin") -> TenantUser:
     """A ServiceAccount of `ns` bound to the `cluster-admin` ClusterRole (binding
     `<ns>-<sa>`, for the caller to delete), and a client with its token: a cluster
     admin outside `system:masters`, as kubeadm's admin.conf user is."""
-    kube.request(
-        "POST",
-        f"/api/v1/namespaces/{ns}/serviceaccounts",
-        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": sa}},
+    token = bound_service_account(
+        kube, ns, sa, "cluster-admin", binding=f"{ns}-{sa}", cluster_wide=True
     )
-    kube.request(
-        "POST",
-        CLUSTER_ROLE_BINDINGS,
-        {
-            "apiVersion": "rbac.authorization.k8s.io/v1",
-            "kind": "ClusterRoleBinding",
-            "metadata": {"name": f"{ns}-{sa}"},
-            "roleRef": {
-                "apiGroup": "rbac.authorization.k8s.io",
-                "kind": "ClusterRole",
-                "name": "cluster-admin",
-            },
-            "subjects": [{"kind": "ServiceAccount", "name": sa, "namespace": ns}],
-        },
-    )
-    token = service_account_token(kube, ns, sa)
     return TenantUser(kube.creds, token, f"system:serviceaccount:{ns}:{sa}")
 
 
