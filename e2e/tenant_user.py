@@ -166,14 +166,16 @@ def token_kubeconfig(creds: Credentials, token: str, user: str, path: Path) -> P
     return path
 
 
-def cluster_admin_user(kube: SyncKube, ns: str, sa: str = "platform-admin") -> TenantUser:
-    """A ServiceAccount of `ns` bound to the `cluster-admin` ClusterRole (binding
-    `<ns>-<sa>`, for the caller to delete), and a client with its token: a cluster
-    admin outside `system:masters`, as kubeadm's admin.conf user is."""
-    token = bound_service_account(
-        kube, ns, sa, "cluster-admin", binding=f"{ns}-{sa}", cluster_wide=True
-    )
-    return TenantUser(kube.creds, token, f"system:serviceaccount:{ns}:{sa}")
+def cluster_admin_user(
+    kube: SyncKube, ns: str, sa: str = "platform-admin"
+) -> tuple[TenantUser, str]:
+    """A ServiceAccount of `ns` bound to the `cluster-admin` ClusterRole, and a client
+    with its token: a cluster admin outside `system:masters`, as kubeadm's admin.conf
+    user is. Also returns the ClusterRoleBinding's path, for the caller to delete."""
+    binding = f"{ns}-{sa}"
+    token = bound_service_account(kube, ns, sa, "cluster-admin", binding=binding, cluster_wide=True)
+    user = TenantUser(kube.creds, token, f"system:serviceaccount:{ns}:{sa}")
+    return user, f"{CLUSTER_ROLE_BINDINGS}/{binding}"
 
 
 def tenant_user(kube: SyncKube, ns: str) -> TenantUser:

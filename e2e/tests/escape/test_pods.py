@@ -36,7 +36,7 @@ from e2e import smoke
 from e2e.cluster.harness import Cluster
 from e2e.cluster.kube import ApiError, apply_crd, wait_for
 from e2e.cluster.kube import Kube as SyncKube
-from e2e.tenant_user import CLUSTER_ROLE_BINDINGS, cluster_admin_user, tenant_token
+from e2e.tenant_user import cluster_admin_user, tenant_token
 from e2e.webhook_env import (
     call,
     register_webhook,
@@ -957,11 +957,11 @@ async def test_a_tenant_cannot_make_its_own_claim_a_pods_or_release_a_held_one(
     # A cluster admin outside system:masters (kubeadm's admin.conf is in
     # kubeadm:cluster-admins) may take it off, as one clearing a stuck claim does:
     # whoever may delete the policy gains nothing from being held by it.
-    admin = await call(cluster_admin_user, kube, ns)
+    admin, binding = await call(cluster_admin_user, kube, ns)
     try:
         await call(admin.request, "PATCH", path, {"metadata": {"finalizers": []}})
     finally:
-        await call(kube.request, "DELETE", f"{CLUSTER_ROLE_BINDINGS}/{ns}-platform-admin")
+        await call(kube.request, "DELETE", binding)
     assert not (await call(kube.get, "ResourceClaim", "plain", ns))["metadata"].get("finalizers")
 
     # A template's annotations are copied onto the claims made from it: none of
