@@ -12,20 +12,21 @@ on every labelled worker, each agent on the emulated profile its node's label na
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import json
 import subprocess
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from e2e.cluster.kube import wait_for
+from e2e.cluster.kube import Kube, wait_for
 from e2e.kind.cluster import VALUES, KindCluster, KindError
-from e2e.node.chart import IMAGE_REPOSITORY, IMAGE_TAG, ChartStack
+from e2e.node.chart import IMAGE_REPOSITORY, IMAGE_TAG, ChartStack, webhook_ready
 
 EMULATED_LABEL = "gpudra.dev/emulated-gpus"
 # The label whose value names a worker's emulated profile (values.yaml's
@@ -97,11 +98,17 @@ class KindGpus(ChartStack):
         return CDI_ROOT
 
     def values(
-        self, *, node_args: list[str] | None = None, api_port: int | None = None
+        self,
+        *,
+        node_args: list[str] | None = None,
+        api_port: int | None = None,
+        webhook: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         """e2e/kind/values.yaml, pinned to this worker with this node's GPU profile (the
-        suite's own, in place of the one the worker's label names)."""
+        suite's own, in place of the one the worker's label names); `webhook` replaces
+        the webhook's values it names."""
         values = chart_values()
+        values["webhook"].update(webhook or {})
         node = values.setdefault("node", {})
         node.update(
             nvml=f"emulated:{STATE_DIR / 'profile.json'}",
@@ -113,6 +120,48 @@ class KindGpus(ChartStack):
         if api_port is not None:
             values["kubernetesApi"] = {"host": "127.0.0.1", "port": api_port}
         return values
+
+    @contextlib.contextmanager
+    def webhook_on_node_network(self) -> Iterator[None]:
+        """Inside, the one webhook replica on its node's network (values.yaml puts it on
+        the pod network, the chart's default): a rollout replaces it without a surge
+        pod. After, the release is as it was."""
+        kube = self.node.cluster.kube()
+        self._helm_upgrade(self.values(webhook={"hostNetwork": True}), wait=True)
+        try:
+            wait_for("the webhook registered", lambda: webhook_ready(kube), timeout=90)
+            yield
+        finally:
+            self._helm_upgrade(self.values(), wait=True)
+            wait_for("the webhook registered", lambda: webhook_ready(kube), timeout=90)
+
+    def pod_network_unreachable(self, kube: Kube) -> str | None:
+        del kube  # kind's kube-proxy routes the `kubernetes` Service for every pod
+        return None
+
+    @contextlib.contextmanager
+    def webhook_on_pod_network(self) -> Iterator[Callable[[int], None]]:
+        """As `ChartStack.webhook_on_pod_network`, where values.yaml runs the webhook
+        already: on the pod network, its replicas free to land on either GPU worker
+        (the chart spreads two of them over nodes), reaching the API server through
+        kube-proxy. Only the replicas and the CA's source change; the agent stays as it
+        is. After, the release is as it was."""
+        kube = self.node.cluster.kube()
+        sources = [str(chart_values()["webhook"]["tls"]["source"])]
+
+        def replicas(count: int) -> None:
+            source = "helm" if count > 1 else "self"
+            values = self.values(webhook={"replicas": count, "tls": {"source": source}})
+            force = (sources[-1], source) == ("self", "helm")
+            self._helm_upgrade(values, wait=True, force_conflicts=force)
+            sources.append(source)
+            wait_for("the webhook registered", lambda: webhook_ready(kube), timeout=90)
+
+        try:
+            yield replicas
+        finally:
+            self._helm_upgrade(self.values(), wait=True)
+            wait_for("the webhook registered", lambda: webhook_ready(kube), timeout=90)
 
     def prepare_node(self) -> None:
         self.load_image()
@@ -182,9 +231,13 @@ class KindFleet(KindGpus):
         self.workers = [KindGpus(w) for w in workers]
 
     def values(
-        self, *, node_args: list[str] | None = None, api_port: int | None = None
+        self,
+        *,
+        node_args: list[str] | None = None,
+        api_port: int | None = None,
+        webhook: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
-        del node_args, api_port  # the fleet runs as installed; faults are KindGpus's
+        del node_args, api_port, webhook  # the fleet runs as installed; faults are KindGpus's
         return chart_values()
 
     def prepare_node(self) -> None:

@@ -42,7 +42,7 @@ from e2e.image import build as image
 from e2e.node.gpus import DRIVER, NodeGpus
 from e2e.node.realnode import NodeError, NodeState, unavailable_reason
 from e2e.node.realnode import build as build_containerd
-from e2e.node.service_route import api_service_route
+from e2e.node.service_route import api_service_route, route_unavailable_reason, service_address
 from e2e.processes import free_port
 from e2e.progress import BuildFailed, build_script, run_build
 from e2e.tools import helm as h
@@ -367,6 +367,18 @@ class ChartStack(NodeGpus):
         finally:
             _pause_webhook(kube, paused=False)
             wait_for("the webhook ready", lambda: webhook_ready(kube), timeout=180)
+
+    @contextlib.contextmanager
+    def webhook_on_node_network(self) -> Iterator[None]:
+        """Inside, one webhook replica on the node's network with its own CA, as this
+        node runs the chart already (`values`): nothing to change here."""
+        yield
+
+    def pod_network_unreachable(self, kube: Kube) -> str | None:
+        """Why pods on the pod network cannot reach the API server here, or None: the
+        host must be able to take the `kubernetes` Service's address (no kube-proxy
+        runs beside this node)."""
+        return route_unavailable_reason(service_address(kube)[0])
 
     @contextlib.contextmanager
     def webhook_on_pod_network(self) -> Iterator[Callable[[int], None]]:

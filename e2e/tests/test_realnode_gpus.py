@@ -30,7 +30,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 from gpudra.cli.node import EMULATED_DRIVER_ROOT, EMULATED_TOOLS_LOG
@@ -76,7 +76,6 @@ from e2e.node.chart import NAMESPACE as CHART_NAMESPACE
 from e2e.node.chart import ChartStack, webhook_deployments, webhook_ready
 from e2e.node.gpus import DRIVER, MIG_COMPUTE_INSTANCES, MIG_FIRST_MINOR, NodeGpus
 from e2e.node.realnode import WEBHOOK_CONFIGURATIONS
-from e2e.node.service_route import route_unavailable_reason, service_address
 from e2e.progress import build_script
 from e2e.provider import on_kind
 from e2e.shared_libraries import shared_library
@@ -735,10 +734,16 @@ class AdmissionLoad:
         self._thread.join(timeout=60)
 
 
-def webhook_pods(kube: Kube) -> dict[str, str]:
-    """The chart's webhook pods, terminating ones included: each one's state (ready,
-    terminating) and the state of its address in the Service's EndpointSlices, which
-    the API server calls."""
+class WebhookPod(NamedTuple):
+    """Where a webhook pod runs, and its state (ready, terminating) with that of its
+    address in the Service's EndpointSlices, which the API server calls."""
+
+    node: str
+    state: str
+
+
+def webhook_pods(kube: Kube) -> dict[str, WebhookPod]:
+    """The chart's webhook pods by name, terminating ones included."""
     pods = kube.list("Pod", CHART_NAMESPACE, labelSelector="app.kubernetes.io/component=webhook")
     slices = kube.request(
         "GET",
@@ -755,9 +760,10 @@ def webhook_pods(kube: Kube) -> dict[str, str]:
     for pod in pods:
         conditions = {c["type"]: c["status"] for c in pod.get("status", {}).get("conditions", ())}
         ip = pod.get("status", {}).get("podIP", "")
-        states[pod["metadata"]["name"]] = (
+        states[pod["metadata"]["name"]] = WebhookPod(
+            str(pod["spec"].get("nodeName")),
             f"ready={conditions.get('Ready')} deleting={'deletionTimestamp' in pod['metadata']} "
-            f"endpoint={endpoints.get(ip)}"
+            f"endpoint={endpoints.get(ip)}",
         )
     return states
 
@@ -771,6 +777,7 @@ class Rollout:
     outcomes: list[tuple[float, str]]
     settled: float
     timeline: list[str]
+    nodes: set[str]
 
     @property
     def problems(self) -> list[str]:
@@ -794,7 +801,8 @@ class Rollout:
         return "\n  ".join(
             [
                 f"{what}: reviews {len(self.outcomes)}, not answered right "
-                f"{len(self.problems)}, gap {self.gap:.1f} s",
+                f"{len(self.problems)}, gap {self.gap:.1f} s, "
+                f"pods on {', '.join(sorted(self.nodes))}",
                 *(f"{n} x {kind}" for kind, n in kinds.most_common(3)),
             ]
         )
@@ -810,10 +818,12 @@ def roll_under_load(
     (deployment,) = webhook_deployments(kube)
     old = webhook_pods(kube)
     timeline: list[str] = []
+    nodes = {pod.node for pod in old.values()}
 
     def replaced() -> bool:
         pods = webhook_pods(kube)
         timeline.append(f"{time.strftime('%X')} {pods}")
+        nodes.update(pod.node for pod in pods.values())
         return bool(pods) and not pods.keys() & old.keys() and webhook_ready(kube)
 
     def restart() -> None:
@@ -833,7 +843,7 @@ def roll_under_load(
         wait_for("a review answered by the new pod", lambda: load.answered_since(now), timeout=30)
         settled = time.monotonic()
         time.sleep(3)
-    return Rollout(load.outcomes, settled, timeline)
+    return Rollout(load.outcomes, settled, timeline, nodes)
 
 
 def test_a_webhook_rollout_under_load_answers_right_or_finds_no_endpoint(
@@ -852,7 +862,8 @@ def test_a_webhook_rollout_under_load_answers_right_or_finds_no_endpoint(
     network for 1 s, not 5, and probes its readiness every second."""
     if not isinstance(stack, ChartStack):
         pytest.skip("the host-process webhook is not a pod a rollout replaces")
-    rollout = roll_under_load(stack, kube, ns)
+    with stack.webhook_on_node_network():
+        rollout = roll_under_load(stack, kube, ns)
     other = [p for p in rollout.problems if NO_ENDPOINT not in p]
     assert not other, "\n".join([*other[:20], "webhook pods:", *rollout.timeline])
     assert len(rollout.after) >= 10 and not any(rollout.after), rollout.after
@@ -879,12 +890,12 @@ def test_a_webhook_on_the_pod_network_rolls_under_load_answering_every_review(
     bundle Helm set until the new pod has added its own CA beside it, and that write
     leaves the bundle the webhook's alone, so later upgrades leave it to the webhook.
     The pods reach the API server at the `kubernetes` Service's address, which the host
-    routes for this test (no kube-proxy runs here)."""
+    routes for this test on the local node (no kube-proxy runs there) and kube-proxy
+    on kind, where the pods may land on either GPU worker (the report names the nodes
+    each rollout's pods ran on)."""
     if not isinstance(stack, ChartStack):
         pytest.skip("the host-process webhook is not a pod a rollout replaces")
-    if on_kind():
-        pytest.skip("it routes the kubernetes Service from the host to the local API server's port")
-    reason = route_unavailable_reason(service_address(kube)[0])
+    reason = stack.pod_network_unreachable(kube)
     if reason:
         pytest.skip(f"no route to the API server from the pod network here: {reason}")
     with stack.webhook_on_pod_network() as replicas:
