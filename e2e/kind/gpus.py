@@ -26,7 +26,13 @@ import yaml
 
 from e2e.cluster.kube import Kube, wait_for
 from e2e.kind.cluster import VALUES, KindCluster, KindError
-from e2e.node.chart import IMAGE_REPOSITORY, IMAGE_TAG, ChartStack, webhook_ready
+from e2e.node.chart import (
+    IMAGE_REPOSITORY,
+    IMAGE_TAG,
+    ChartStack,
+    webhook_ready,
+    webhook_replicas,
+)
 
 EMULATED_LABEL = "gpudra.dev/emulated-gpus"
 # The label whose value names a worker's emulated profile (values.yaml's
@@ -147,18 +153,14 @@ class KindGpus(ChartStack):
         kube-proxy. Only the replicas and the CA's source change; the agent stays as it
         is. After, the release is as it was."""
         kube = self.node.cluster.kube()
-        sources = [str(chart_values()["webhook"]["tls"]["source"])]
 
-        def replicas(count: int) -> None:
-            source = "helm" if count > 1 else "self"
-            values = self.values(webhook={"replicas": count, "tls": {"source": source}})
-            force = (sources[-1], source) == ("self", "helm")
-            self._helm_upgrade(values, wait=True, force_conflicts=force)
-            sources.append(source)
-            wait_for("the webhook registered", lambda: webhook_ready(kube), timeout=90)
+        def upgrade(webhook: dict[str, Any], force_conflicts: bool, first: bool) -> None:
+            del first  # the agent stays as it is
+            values = self.values(webhook=webhook)
+            self._helm_upgrade(values, wait=True, force_conflicts=force_conflicts)
 
         try:
-            yield replicas
+            yield webhook_replicas(kube, str(chart_values()["webhook"]["tls"]["source"]), upgrade)
         finally:
             self._helm_upgrade(self.values(), wait=True)
             wait_for("the webhook registered", lambda: webhook_ready(kube), timeout=90)

@@ -383,33 +383,25 @@ class ChartStack(NodeGpus):
     @contextlib.contextmanager
     def webhook_on_pod_network(self) -> Iterator[Callable[[int], None]]:
         """Inside, the webhook runs as the chart runs it by default, on the pod network
-        (a surge pod rolls it), with the replicas the yielded function sets (an upgrade,
-        waited for): more than one with the chart's CA (tls.source helm), as the chart
-        requires, one with its own (self, the default). The upgrade that moves from
-        `self` to `helm` takes `--force-conflicts`, as docs/install.md says: under `self`
-        the webhook owns the configurations' caBundle. Both components reach the API
+        (a surge pod rolls it), with the replicas the yielded function sets
+        (`webhook_replicas`: an upgrade, waited for). Both components reach the API
         server at the `kubernetes` Service's address, which the host routes meanwhile
         (`api_service_route`: no kube-proxy runs here); after, the release is as it
         was."""
         kube = self.node.cluster.kube()
         api_port = self.node.cluster.require_state().ports["apiserver"]
         with api_service_route(kube, api_port) as (host, port):
-            sources = ["self"]
 
-            def replicas(count: int) -> None:
-                source = "helm" if count > 1 else "self"
-                webhook = {"hostNetwork": False, "replicas": count, "tls": {"source": source}}
+            def upgrade(webhook: dict[str, Any], force_conflicts: bool, first: bool) -> None:
+                webhook = {"hostNetwork": False, **webhook}
                 values = self.values(api_host=host, api_port=port, webhook=webhook)
-                force = (sources[-1], source) == ("self", "helm")
-                if len(sources) == 1:  # the agent rolls too, to the Service's address
-                    self._roll(values, wait=True, force_conflicts=force)
+                if first:  # the agent rolls too, to the Service's address
+                    self._roll(values, wait=True, force_conflicts=force_conflicts)
                 else:  # the webhook's values alone change
-                    self._helm_upgrade(values, wait=True, force_conflicts=force)
-                sources.append(source)
-                wait_for("the webhook registered", lambda: webhook_ready(kube), timeout=90)
+                    self._helm_upgrade(values, wait=True, force_conflicts=force_conflicts)
 
             try:
-                yield replicas
+                yield webhook_replicas(kube, "self", upgrade)
             finally:
                 self._roll(self.values(), wait=True)
                 wait_for("the webhook registered", lambda: webhook_ready(kube), timeout=90)
@@ -626,6 +618,28 @@ def webhook_answers(kube: Kube) -> bool:
     except ApiError as e:
         return "failed calling webhook" not in str(e)
     return True
+
+
+def webhook_replicas(
+    kube: Kube, source: str, upgrade: Callable[[dict[str, Any], bool, bool], None]
+) -> Callable[[int], None]:
+    """The function `webhook_on_pod_network` yields: `upgrade` (the webhook's values,
+    whether to take `--force-conflicts`, whether it is the first) to `count` replicas,
+    more than one with the chart's CA (tls.source helm), as the chart requires, one with
+    its own (self); from `source`, the one the release has now. The upgrade from `self`
+    to `helm` takes `--force-conflicts`, as docs/install.md says: under `self` the
+    webhook owns the configurations' caBundle. Each returns once the webhook is
+    registered again."""
+    sources = [source]
+
+    def replicas(count: int) -> None:
+        source = "helm" if count > 1 else "self"
+        force = (sources[-1], source) == ("self", "helm")
+        upgrade({"replicas": count, "tls": {"source": source}}, force, len(sources) == 1)
+        sources.append(source)
+        wait_for("the webhook registered", lambda: webhook_ready(kube), timeout=90)
+
+    return replicas
 
 
 def webhook_ready(kube: Kube) -> bool:

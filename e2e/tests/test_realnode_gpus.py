@@ -758,6 +758,7 @@ class WebhookPod(NamedTuple):
     address in the Service's EndpointSlices, which the API server calls."""
 
     node: str
+    """Empty until it is scheduled."""
     state: str
     serving: bool
     """Ready, not being deleted, and its endpoint ready."""
@@ -784,7 +785,7 @@ def webhook_pods(kube: Kube) -> dict[str, WebhookPod]:
         deleting = "deletionTimestamp" in pod["metadata"]
         endpoint = endpoints.get(ip)
         states[pod["metadata"]["name"]] = WebhookPod(
-            str(pod["spec"].get("nodeName")),
+            str(pod["spec"].get("nodeName") or ""),
             f"ready={conditions.get('Ready')} deleting={deleting} endpoint={endpoint}",
             conditions.get("Ready") == "True"
             and not deleting
@@ -851,12 +852,12 @@ def roll_under_load(
     (deployment,) = webhook_deployments(kube)
     old = webhook_pods(kube)
     timeline: list[str] = []
-    nodes = {pod.node for pod in old.values()}
+    nodes = {pod.node for pod in old.values() if pod.node}
 
     def replaced() -> bool:
         pods = webhook_pods(kube)
         timeline.append(f"{clock(time.monotonic())} {pods}")
-        nodes.update(pod.node for pod in pods.values())
+        nodes.update(pod.node for pod in pods.values() if pod.node)
         return bool(pods) and not pods.keys() & old.keys() and webhook_ready(kube)
 
     def restart() -> None:
