@@ -840,9 +840,8 @@ def roll_under_load(
     """Rolls the webhook's Deployment under `AdmissionLoad`, until the old pods are
     gone, the new ones are ready and one has answered, and 3 s more: by `start` (an
     upgrade, say), else by restarting it as `kubectl rollout restart` does. It starts
-    once every webhook pod serves: none left over from an upgrade just before (its
-    address, withdrawn, may still be routed to for a moment where kube-proxy routes the
-    Service, and then a review hangs until its timeout)."""
+    once every webhook pod serves, none left terminating from an upgrade just before,
+    so that what the reviews meet is this rollout's doing alone."""
 
     def settled() -> bool:
         pods = webhook_pods(kube)
