@@ -901,8 +901,8 @@ def test_a_webhook_rollout_under_load_answers_right_or_finds_no_endpoint(
     print(rollout.report("one replica on the node's network"))
     other = [f"{clock(t)} {p}" for t, p in rollout.outcomes if p and gap not in p]
     refused = [clock(t) for t, p in rollout.outcomes if p and gap in p]
-    if refused:
-        other += [f"the gap's refusals: {refused[0]} to {refused[-1]}"] if other else []
+    if other and refused:
+        other.append(f"the gap's refusals: {refused[0]} to {refused[-1]}")
     assert not other, "\n".join([*other[:20], "webhook pods:", *rollout.timeline])
     assert len(rollout.after) >= 10 and not any(rollout.after), rollout.after
 
