@@ -74,7 +74,15 @@ this replaces).
   A connection whose request is being answered is never closed for another; when
   every one is, the new one is refused;
 - health (``/healthz``), readiness (``/readyz``, failing while draining or while the
-  ``ready`` hook says no) and ``/metrics``.
+  ``ready`` hook says no) and ``/metrics``;
+- a stop (`HttpServer.serve` cancelled) works as Go's ``http.Server.Shutdown`` does:
+  the listener closes and connections idle between requests close at once, while a
+  connection still in its handshake, one that has not begun its first request, one
+  part-way through sending a request and one whose request is being answered each get
+  that request answered, with ``Connection: close``, within ``_SHUTDOWN_GRACE_S``;
+  whatever is left then is aborted. A client that has just dialled has a request to
+  send, and cutting it off loses that request: the API server reports ``EOF`` for it
+  and does not retry a POST on a connection it opened for it.
 
 The transport knows nothing of admission: an endpoint is a body in, a `Reply` out.
 
@@ -116,7 +124,8 @@ logger = logging.getLogger(__name__)
 _TEXT: Final = "text/plain; charset=utf-8"
 _SERVICE_PATHS: Final = ("/healthz", "/readyz", "/metrics")
 _SHUTDOWN_GRACE_S: Final = 1.0
-"""Requests in flight when the server is stopped get this long to finish."""
+"""Requests in flight when the server is stopped, and the first requests of connections
+just opened or still in their handshake, get this long to be answered."""
 _LINGER_S: Final = 1.0
 """After an answer sent before the body was read, unread input is drained this long so
 that closing does not reset the connection before the client reads the answer."""
@@ -366,17 +375,17 @@ class HttpServer:
                 await self._shut_down()
 
     async def _shut_down(self) -> None:
-        """Close idle connections now, busy ones once their request is answered or the
-        grace period is over."""
-        for connection in list(self._handshaking):
-            connection.abort()
+        """Close connections idle between requests now; the others once the request
+        they carry, or the first one they are opened for, is answered, or the grace
+        period is over. Connections in their handshake finish it and are served the
+        same way (`answer` keeps none alive once the server stops)."""
         for connection in list(self._connections):
             connection.stop_after_answer()
-        if self._connections:
+        if self._connections or self._handshaking:
             self._all_closed = anyio.Event()
             with anyio.move_on_after(_SHUTDOWN_GRACE_S):
                 await self._all_closed.wait()
-        for connection in list(self._connections):
+        for connection in [*self._handshaking, *self._connections]:
             connection.abort()
 
     def admits(self, transport: asyncio.BaseTransport) -> bool:
@@ -461,7 +470,7 @@ class HttpServer:
     def disconnected(self, connection: _Connection) -> None:
         self._handshaking.discard(connection)
         self._connections.discard(connection)
-        if not self._connections and self._all_closed is not None:
+        if not self._connections and not self._handshaking and self._all_closed is not None:
             self._all_closed.set()
 
     async def answer(self, request: _Request) -> tuple[Reply, bool]:
@@ -695,6 +704,9 @@ class _Connection(asyncio.Protocol):
         # The message being parsed.
         self._in_message = False
         self._heard = False
+        self._fresh = True
+        """No request has begun on it: its client opened it to send one, which a stop
+        waits for (`stop_after_answer`)."""
         self._url = b""
         self._headers: dict[str, str] = {}
         self._header_count = 0
@@ -957,6 +969,7 @@ class _Connection(asyncio.Protocol):
     def on_message_begin(self) -> None:
         self._in_message = True
         self._heard = True
+        self._fresh = False
         self._url = b""
         self._headers = {}
         self._header_count = 0
@@ -1205,10 +1218,13 @@ class _Connection(asyncio.Protocol):
             self._finish(lingering=False)
 
     def stop_after_answer(self) -> None:
-        """Server shutdown: close now if idle, else after the request being answered."""
-        self._stopped = True
+        """Server shutdown: close now if idle between requests, else once the request it
+        carries is answered: the one being answered or received, or on a connection
+        that has not begun one yet, the first (its client opened it to send one). The
+        answer says ``Connection: close``; a client that never sends one is aborted at
+        the end of the shutdown's grace."""
         self._closing = True
-        if self._worker is None:
+        if self._worker is None and not self._in_message and not self._fresh:
             self._finish(lingering=False)
 
     def abort(self) -> None:
