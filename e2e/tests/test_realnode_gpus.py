@@ -684,6 +684,10 @@ NO_ENDPOINT = f'no endpoints available for service "{WEBHOOK_SERVICE}"'
 """How the local API server refuses a review while no webhook endpoint is ready."""
 
 
+HELD = "context deadline exceeded"
+"""How the API server reports a review that waited out the webhook's timeout."""
+
+
 def no_endpoint_error(kube: Kube) -> str:
     """How the API server refuses a review while no webhook endpoint is ready. The
     local control plane picks an endpoint itself (`--enable-aggregator-routing`, as no
@@ -730,7 +734,8 @@ class AdmissionLoad:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            for problem in (self._pod_problem(), self._template_problem()):
+            for review in (self._pod_problem, self._template_problem):
+                problem = review()
                 self.outcomes.append((time.monotonic(), problem))
 
     def answered_since(self, since: float) -> bool:
@@ -889,22 +894,58 @@ def test_a_webhook_rollout_under_load_answers_right_or_finds_no_endpoint(
     server finding no ready endpoint to call (`no_endpoint_error`; docs/install.md,
     Upgrade: two replicas or the pod network close that gap, below); never a TLS
     failure against a CA the configurations do not trust yet or any more, a connection
-    cut in the middle, or a wrong answer from the pod being stopped. Once the new pod
-    is ready and has answered, every review is answered. The gap, from the first review
-    refused to the last, is printed (with `-rP`): the chart drains a lone replica on
-    the node's network for 1 s, not 5, and probes its readiness every second."""
+    cut before its review was answered (`EOF`: the pod being stopped answers those
+    opened before its stop, in their handshake or before their first request), or a
+    wrong answer from the pod being stopped. The one exception is kube-proxy's, on kind:
+    the review it holds as the endpoints go from none to one (`held_by_kube_proxy`).
+    Once the new pod is ready and has answered, every review is answered. The gap, from
+    the first review refused to the last, is printed (with `-rP`): the chart drains a
+    lone replica on the node's network for 1 s, not 5, and probes its readiness every
+    second."""
     if not isinstance(stack, ChartStack):
         pytest.skip("the host-process webhook is not a pod a rollout replaces")
     with stack.webhook_on_node_network():
         gap = no_endpoint_error(kube)
         rollout = roll_under_load(stack, kube, ns)
     print(rollout.report("one replica on the node's network"))
-    other = [f"{clock(t)} {p}" for t, p in rollout.outcomes if p and gap not in p]
-    refused = [clock(t) for t, p in rollout.outcomes if p and gap in p]
+    refused = [i for i, (_, p) in enumerate(rollout.outcomes) if p and gap in p]
+    held = held_by_kube_proxy(rollout, refused)
+    if held is not None:
+        t, problem = rollout.outcomes[held]
+        print(
+            "  held by kube-proxy as the endpoints went from none to one (the gap above "
+            f"counts its wait): {clock(t)} {problem}"
+        )
+    other = [
+        f"{clock(t)} {p}"
+        for i, (t, p) in enumerate(rollout.outcomes)
+        if p and gap not in p and i != held
+    ]
     if other and refused:
-        other.append(f"the gap's refusals: {refused[0]} to {refused[-1]}")
+        span = [clock(rollout.outcomes[i][0]) for i in (refused[0], refused[-1])]
+        other.append(f"the gap's refusals: {span[0]} to {span[1]}")
     assert not other, "\n".join([*other[:20], "webhook pods:", *rollout.timeline])
     assert len(rollout.after) >= 10 and not any(rollout.after), rollout.after
+
+
+def held_by_kube_proxy(rollout: Rollout, refused: list[int]) -> int | None:
+    """The review kube-proxy held, if one was: where the API server dials the Service's
+    cluster IP through kube-proxy (kind's, kubeadm's), the first connection as the
+    Service's endpoints go from none to one can get a conntrack entry that is not
+    translated to the new endpoint, and its SYNs go nowhere until the webhook's timeout
+    (kubernetes/kubernetes#48719). The load sends one review at a time, so that is the
+    review right after the gap's last refusal, and it fails with `HELD`. Seen on kind in
+    5 rollouts of 20 with this webhook and 6 of 13 with the one before, with the
+    control-plane node's conntrack table holding that connection's SYN untranslated
+    (reply tuple the cluster IP's own) for the whole wait. Nothing the webhook does
+    reaches it, so it alone is excused, and only there: the local control plane picks
+    an endpoint itself, with no kube-proxy on the path."""
+    if not on_kind() or not refused:
+        return None
+    after = refused[-1] + 1
+    if after < len(rollout.outcomes) and HELD in rollout.outcomes[after][1]:
+        return after
+    return None
 
 
 def assert_every_review_answered(rollout: Rollout) -> None:
