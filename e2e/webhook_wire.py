@@ -11,6 +11,11 @@ import ssl
 
 import anyio.to_thread
 
+PARTIAL_HELLO = b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03"
+"""The first bytes of a TLS ClientHello that announces 512 bytes and sends 11: sent
+alone, it holds a connection in its handshake on the server's side for as long as the
+client keeps it open."""
+
 
 def posted(body: bytes, path: str = "/mutate-pods") -> bytes:
     """A whole POST of `body` to `path`, as bytes to send: requests written by hand, to

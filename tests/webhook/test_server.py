@@ -35,7 +35,7 @@ from gpudra.webhook.transport import _RECEIVE_BUFFER, HttpConfig, HttpServer, _C
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from e2e.webhook_wire import Unread, posted
+from e2e.webhook_wire import PARTIAL_HELLO, Unread, posted
 
 pytestmark = pytest.mark.anyio
 
@@ -988,9 +988,6 @@ async def test_connections_that_never_finish_a_handshake_count_against_the_bound
         finally:
             for stream in silent:
                 await stream.aclose()
-
-
-PARTIAL_HELLO = b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03"
 
 
 @BOTH_LOOPS

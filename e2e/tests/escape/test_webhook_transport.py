@@ -18,6 +18,7 @@ from pathlib import Path
 import aiohttp
 import anyio
 import pytest
+from anyio.abc import SocketStream, TaskStatus
 from gpudra.api.deviceclasses import device_classes
 from gpudra.api.tenants import crd_manifest
 from gpudra.common.kube import Kube
@@ -38,7 +39,7 @@ from e2e.webhook_env import (
     tenant_webhook,
     unregister_webhook,
 )
-from e2e.webhook_wire import Unread, posted
+from e2e.webhook_wire import PARTIAL_HELLO, Unread, posted
 
 pytestmark = [pytest.mark.cluster, pytest.mark.anyio]
 DRIVER = "gpu.nvidia.com"
@@ -81,6 +82,10 @@ class Wire:
     host: str
     port: int
     ca: bytes
+    serving: anyio.CancelScope
+    """Cancelled, stops the webhook as its process does after its drain."""
+    stopped: anyio.Event
+    """Set once the webhook's `serve` has returned."""
 
 
 @pytest.fixture
@@ -96,9 +101,18 @@ async def wire(cluster: Cluster, kube: SyncKube, tmp_path: Path) -> AsyncIterato
     controller, server = tenant_webhook(akube, config)
     ns = await call(smoke.make_namespace, kube, "escape-wire")
     tenant_name = f"t-{ns}"
+    serving, stopped = anyio.CancelScope(), anyio.Event()
+
+    async def serve(*, task_status: TaskStatus[int]) -> None:
+        try:
+            with serving:
+                await server.serve(task_status=task_status)
+        finally:
+            stopped.set()
+
     try:
         async with anyio.create_task_group() as tg:
-            port = await tg.start(server.serve)
+            port = await tg.start(serve)
             await tg.start(controller.run)
             host = cluster.webhook_host()
             await register_webhook(akube, pki, config, f"https://{host}:{port}")
@@ -108,7 +122,7 @@ async def wire(cluster: Cluster, kube: SyncKube, tmp_path: Path) -> AsyncIterato
                     while controller.state.lookup(ns).rules is None:
                         await anyio.sleep(0.1)
                 tenant = await call(tenant_user, kube, ns)
-                yield Wire(ns, tenant, server, host, port, pki.ca_bundle)
+                yield Wire(ns, tenant, server, host, port, pki.ca_bundle, serving, stopped)
             finally:
                 await unregister_webhook(akube)
                 tg.cancel_scope.cancel()
@@ -291,3 +305,123 @@ async def test_reviews_sent_and_dropped_leave_no_admission_running(wire: Wire) -
         with pytest.raises(ApiError) as refused:
             await call(wire.tenant.create, over)
         assert "maxDevicesPerPod is 1, this pod asks for 2 devices" in str(refused.value)
+
+
+HELLOS = 4
+"""Connections the attempt below holds in their TLS handshake."""
+SILENT = 4
+"""Connections it holds past their handshake, having sent nothing."""
+TRICKLED = 4
+"""Connections on which it sends a request one byte at a time."""
+UNREAD = 2
+"""Connections whose answer, larger than what the server's kernel takes, it never reads."""
+STOP_READS = 20
+"""Claims that do not exist named by the tenant's pod being reviewed at the stop: the
+webhook reads each before it refuses the pod, long enough for the stop to begin while
+the review is being answered, well inside the stop's grace (1 s)."""
+
+
+async def trickle(unread: Unread) -> None:
+    """A request sent one byte every 50 ms, never finished, until the server cuts it."""
+    await unread.send(b"POST /mutate-pods HTTP/1.1\r\nHost: w\r\nContent-Length: 65536\r\n\r\n")
+    try:
+        while True:
+            await unread.send(b"{")
+            await anyio.sleep(0.05)
+    except OSError:
+        return
+
+
+def cut(unread: Unread) -> bool:
+    """Whether the server closed `unread`'s connection (blocking; run in a thread): what
+    it had sent is read to the end, or the reset. False when the connection is still
+    open after the guard's half."""
+    unread.tls.settimeout(GUARD / 2)
+    try:
+        while unread.tls.recv(65536):
+            pass
+    except TimeoutError:
+        return False
+    except OSError:
+        pass
+    return True
+
+
+async def test_connections_held_open_cannot_hold_a_stop_nor_lose_its_last_review(
+    wire: Wire,
+) -> None:
+    """A tenant that reaches the webhook's port holds connections in each state a stop
+    waits on before closing them: handshakes never finished, connections past their
+    handshake that send nothing, requests sent a byte at a time that never end, and
+    answers it never reads. Then the webhook stops, as at a rollout or a node drain,
+    while the API server's review of the tenant's pod is being answered. That review is
+    still answered, with the webhook's own verdict, not lost; and the stop does not wait
+    on the tenant: the webhook stops, and closes each of the tenant's connections, while
+    the tenant still holds them open. New connections are refused from the stop on."""
+    http = wire.server._http
+    hellos: list[SocketStream] = []
+    held: list[Unread] = []
+    pod_review = pod(
+        wire.ns,
+        "at-stop",
+        claims={f"c{i}": {"resourceClaimName": f"absent-{i}"} for i in range(STOP_READS)},
+    )
+    verdict: list[str] = []
+
+    async def review_at_stop() -> None:
+        with pytest.raises(ApiError) as refused:
+            await call(wire.tenant.create, pod_review)
+        verdict.append(str(refused.value))
+
+    try:
+        with anyio.fail_after(GUARD):
+            for _ in range(HELLOS):
+                hello = await anyio.connect_tcp(wire.host, wire.port)
+                hellos.append(hello)
+                await hello.send(PARTIAL_HELLO)
+
+            def connect(max_segment: int = 0) -> Unread:
+                return Unread(wire.port, wire.ca, wire.host, max_segment=max_segment, timeout=GUARD)
+
+            silent = [await call(connect) for _ in range(SILENT)]
+            trickled = [await call(connect) for _ in range(TRICKLED)]
+            unread = [await call(connect, MAX_SEGMENT) for _ in range(UNREAD)]
+            held += [*silent, *trickled, *unread]
+            answered = requests(wire.server, MUTATE_PATH)
+            for u in unread:
+                await u.send(posted(padded_review(wire.ns, 0, BACKLOG)))
+            async with anyio.create_task_group() as tg:
+                for t in trickled:
+                    tg.start_soon(trickle, t)
+                while (
+                    len(http._handshaking) < HELLOS
+                    or len(http._connections) < len(held)
+                    or requests(wire.server, MUTATE_PATH) < answered + UNREAD
+                    or answering(wire.server)
+                ):
+                    await anyio.sleep(0.01)
+
+                tg.start_soon(review_at_stop)
+                while not answering(wire.server):
+                    await anyio.sleep(0.002)
+                wire.server.begin_shutdown()
+                wire.serving.cancel()
+                await wire.stopped.wait()
+            # Every tenant connection is still open on the tenant's side, and was closed
+            # by the server's: none is left in the server.
+            assert not http._handshaking and not http._connections
+            assert all([await call(cut, u) for u in held])
+            for hello in hellos:
+                with pytest.raises((anyio.EndOfStream, anyio.BrokenResourceError)):
+                    await hello.receive()
+            with pytest.raises(OSError):
+                await anyio.connect_tcp(wire.host, wire.port)
+    finally:
+        for hello in hellos:
+            await hello.aclose()
+        for u in held:
+            u.close()
+    # The review under way at the stop was answered by the webhook, not cut: the API
+    # server reports the webhook's refusal, not a failed call.
+    assert len(verdict) == 1
+    assert "does not exist" in verdict[0]
