@@ -250,6 +250,18 @@ def _per_device_limits(value: Any) -> Any:
                     "accepted": _DEVICE_SELECTOR_FORMS,
                 },
             )
+        same = [
+            k
+            for k in limits
+            if k == name or (k.isdigit() and name.isdigit() and int(k) == int(name))
+        ]
+        if same:
+            # Upstream's driver applies such keys in Go's random map order.
+            raise PydanticCustomError(
+                "gpudra_key",
+                "key {key} names the same device as key {other}; keep one of the two",
+                {"key": repr(key), "other": repr(same[0]), "field": f"[{name}]"},
+            )
         try:
             limits[name] = _pinned_limit(limit)
         except PydanticCustomError as exc:
@@ -374,14 +386,26 @@ class MpsConfig(_Strict):
     ] = Field(default=None, alias="defaultPerDevicePinnedMemoryLimit")
 
     def pinned_memory_limits(
-        self, uuids: Sequence[str], devices: Sequence[tuple[str, int | None]] = ()
+        self,
+        uuids: Sequence[str],
+        devices: Sequence[tuple[str, int | None]] = (),
+        *,
+        unordered: bool = False,
     ) -> dict[str, int]:
-        """Limit in bytes per allocated device UUID (index keys count into `uuids`).
+        """Limit in bytes per allocated device UUID.
 
-        `devices`, by the position of each UUID: the device's name and its memory in
-        bytes (None: not known). A limit above a device's memory is refused, naming the
-        field that set it: MPS would take it as it is, and a limit no device can reach
-        is a typo more likely than a wish.
+        An index key counts the devices in the order of their UUIDs, not in the order
+        they were allocated: upstream's driver counts them so (its MPS daemon's devices
+        are a sorted list of UUIDs), and a claim written for it must limit the same GPU
+        here. Two keys naming one device (an index and a UUID, or "1" and "01") are
+        refused: upstream applies them in Go's random map order.
+
+        `devices`, by the position of each UUID in `uuids`: the device's name and its
+        memory in bytes (None: not known). A limit above a device's memory is refused,
+        naming the field that set it: MPS would take it as it is, and a limit no device
+        can reach is a typo more likely than a wish. `unordered`: some of `uuids` stand
+        for devices not made yet (a MIG device gets its UUID when it is made), so which
+        device an index key names is not known: its limit must fit each of them.
 
         Issue paths are relative to this `mpsConfig`.
         """
@@ -390,11 +414,13 @@ class MpsConfig(_Strict):
         if self.default_pinned_device_memory_limit is not None:
             limits = dict.fromkeys(uuids, self.default_pinned_device_memory_limit.value())
             fields = dict.fromkeys(uuids, "defaultPinnedDeviceMemoryLimit")
+        by_uuid = sorted(uuids)
+        keys: dict[str, str] = {}  # UUID -> the key that named it
         for key, limit in (self.default_per_device_pinned_memory_limit or {}).items():
             if key in uuids:
                 uuid = key
-            elif key.isdigit() and int(key) < len(uuids):
-                uuid = uuids[int(key)]
+            elif key.isdigit() and int(key) < len(by_uuid):
+                uuid = by_uuid[int(key)]
             else:
                 accepted = (*uuids, *(str(i) for i in range(len(uuids))))
                 raise ConfigError(
@@ -407,18 +433,39 @@ class MpsConfig(_Strict):
                         )
                     ]
                 )
+            if uuid in keys:
+                raise ConfigError(
+                    [
+                        ConfigIssue(
+                            f"defaultPerDevicePinnedMemoryLimit[{key}]",
+                            f"names the same device as key {keys[uuid]!r} ({uuid}); "
+                            "keep one of the two",
+                        )
+                    ]
+                )
+            keys[uuid] = key
             limits[uuid] = limit.value()
             fields[uuid] = f"defaultPerDevicePinnedMemoryLimit[{key}]"
-        for uuid, (name, total) in zip(uuids, devices, strict=False):
+        sized = [(total, name) for name, total in devices if total is not None]
+        smallest = min(sized) if unordered and sized else None
+        for uuid, (own_name, own_total) in zip(uuids, devices, strict=False):
             asked = limits.get(uuid)
+            total, name, why = own_total, own_name, ""
+            if smallest is not None and keys.get(uuid, "").isdigit():
+                # Any of the devices may turn out to be the one this index names.
+                total, name = smallest
+                why = (
+                    ", which this index may name: it counts the devices in the order of "
+                    "their UUIDs, and a MIG device made at prepare has none yet"
+                )
             if total is not None and asked is not None and asked > total:
                 raise ConfigError(
                     [
                         ConfigIssue(
                             fields[uuid],
                             f"asks for {-(-asked // _MIB)} MiB, more than the "
-                            f"{total // _MIB} MiB of memory of device {name}; use at most "
-                            "the device's memory",
+                            f"{total // _MIB} MiB of memory of device {name}{why}; use at "
+                            "most the device's memory",
                             (f"<= {total // _MIB}Mi",),
                         )
                     ]

@@ -114,6 +114,7 @@ _ARCHITECTURES: Mapping[int, str] = {
     pynvml.NVML_DEVICE_ARCH_ADA: "Ada Lovelace",
     pynvml.NVML_DEVICE_ARCH_HOPPER: "Hopper",
     pynvml.NVML_DEVICE_ARCH_BLACKWELL: "Blackwell",
+    pynvml.NVML_DEVICE_ARCH_RUBIN: "Rubin",
     pynvml.NVML_DEVICE_ARCH_UNKNOWN: "Unknown",
 }
 # MIG profile name suffixes by GPU-instance profile index, as go-nvlib/nvidia-smi spell them.

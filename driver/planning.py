@@ -398,7 +398,8 @@ def _check_mps(claim: Claim, entries: Sequence[Entry]) -> None:
     conflict = mps_percentage_conflict(percentages)
     if conflict is not None:
         raise ClaimError(f"{claim.ref.describe()}: {conflict}")
-    # UUIDs of MIG devices created later are unknown yet; index keys still resolve.
+    # UUIDs of MIG devices created later are unknown yet; an index key's limit must
+    # then fit whichever device it names once they are made.
     try:
         mps_limits(members, placeholder=True)
     except ConfigError as exc:
@@ -428,8 +429,9 @@ def mps_limits(members: Sequence[Entry], *, placeholder: bool = False) -> dict[s
             continue
         uuids = [e.uuid or (f"<{e.device.name}>" if placeholder else "") for e in group]
         devices = [(e.device.name, e.device.capacity.get("memory")) for e in group]
+        unordered = len(group) > 1 and any(not e.uuid for e in group)
         try:
-            limits.update(mps.pinned_memory_limits(uuids, devices))
+            limits.update(mps.pinned_memory_limits(uuids, devices, unordered=unordered))
         except ConfigError as exc:
             raise exc.with_prefix(join_path(group[0].config_path, "sharing.mpsConfig")) from None
     for entry in members:

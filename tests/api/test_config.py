@@ -119,9 +119,94 @@ def test_pinned_limits_resolve_index_and_uuid_keys() -> None:
     config = parse_opaque_config(UPSTREAM_EXAMPLES[4])
     assert isinstance(config, GpuConfig)
     assert config.sharing is not None and config.sharing.mps_config is not None
-    uuids = ["GPU-aaaa", "GPU-4a2e1b5c-8a3d-4f61-9e0e-000000000001"]
+    # Index 0 is the first UUID in sorted order, as upstream counts, not the first given.
+    uuids = ["GPU-4a2e1b5c-8a3d-4f61-9e0e-000000000001", "GPU-0aaa"]
     limits = config.sharing.mps_config.pinned_memory_limits(uuids)
-    assert limits == {"GPU-aaaa": 5 * 1024**3, uuids[1]: 2 * 1024**3}
+    assert limits == {"GPU-0aaa": 5 * 1024**3, uuids[0]: 2 * 1024**3}
+
+
+def test_an_index_counts_the_devices_in_the_order_of_their_uuids_as_upstream() -> None:
+    """Upstream's MPS daemon resolves an index into its devices' UUIDs sorted
+    (`AllocatableDevices.UUIDs`), whatever order the scheduler allocated them in: a
+    claim written for it limits the same GPUs here."""
+    limits = {"defaultPerDevicePinnedMemoryLimit": {"0": "10Gi", "1": "20Gi"}}
+    config = parse_opaque_config(_gpu({"strategy": "MPS", "mpsConfig": limits}))
+    assert isinstance(config, GpuConfig)
+    assert config.sharing is not None and config.sharing.mps_config is not None
+    gib = 1024**3
+    for allocated in (["GPU-d6", "GPU-1e"], ["GPU-1e", "GPU-d6"]):
+        assert config.sharing.mps_config.pinned_memory_limits(allocated) == {
+            "GPU-1e": 10 * gib,
+            "GPU-d6": 20 * gib,
+        }
+
+
+def test_two_keys_naming_one_device_are_refused_naming_both() -> None:
+    """Upstream applies such keys in Go's random map order, so the limit a GPU got would
+    depend on chance: an index spelt twice is refused as the config is read, an index
+    and a UUID naming the same device once the devices are known."""
+    assert _errors(
+        _gpu(
+            {
+                "strategy": "MPS",
+                "mpsConfig": {"defaultPerDevicePinnedMemoryLimit": {"1": "1Gi", "01": "2Gi"}},
+            }
+        )
+    ) == [
+        PREFIX + ".sharing.mpsConfig.defaultPerDevicePinnedMemoryLimit[01]: key '01' names "
+        "the same device as key '1'; keep one of the two"
+    ]
+    both = {"defaultPerDevicePinnedMemoryLimit": {"0": "1Gi", "GPU-b": "2Gi"}}
+    config = parse_opaque_config(_gpu({"strategy": "MPS", "mpsConfig": both}))
+    assert isinstance(config, GpuConfig)
+    assert config.sharing is not None and config.sharing.mps_config is not None
+    mps = config.sharing.mps_config
+    assert mps.pinned_memory_limits(["GPU-b", "GPU-a"]) == {"GPU-a": 1 << 30, "GPU-b": 2 << 30}
+    with pytest.raises(ConfigError) as info:
+        mps.pinned_memory_limits(["GPU-c", "GPU-a"])
+    assert "GPU-b" in str(info.value)  # names no device
+    with pytest.raises(ConfigError) as info:
+        mps.pinned_memory_limits(["GPU-z", "GPU-b"])
+    (line,) = format_errors(PREFIX + ".sharing.mpsConfig", info.value)
+    assert line == (
+        PREFIX + ".sharing.mpsConfig.defaultPerDevicePinnedMemoryLimit[GPU-b]: names the same "
+        "device as key '0' (GPU-b); keep one of the two"
+    )
+
+
+def test_an_index_among_devices_not_made_yet_must_fit_each_of_them() -> None:
+    """A MIG device made at prepare has no UUID until then, so which device an index
+    names is not known while the claim is planned: its limit must fit the smallest of
+    them, or the claim would fail halfway through its prepare. A limit for all devices,
+    or one that fits each, is taken."""
+    gib = 1024**3
+    devices = [("gpu-0-mig-1g10gb", 10 * gib), ("gpu-0-mig-3g40gb", 40 * gib)]
+    stand_ins = ["<gpu-0-mig-1g10gb>", "<gpu-0-mig-3g40gb>"]
+    limits = {"defaultPerDevicePinnedMemoryLimit": {"1": "20Gi"}}
+    config = parse_opaque_config(_gpu({"strategy": "MPS", "mpsConfig": limits}))
+    assert isinstance(config, GpuConfig)
+    assert config.sharing is not None and config.sharing.mps_config is not None
+    mps = config.sharing.mps_config
+    # Known UUIDs: index 1 is the 40 GB device's, which holds 20 GiB.
+    assert mps.pinned_memory_limits(["MIG-a", "MIG-b"], devices) == {"MIG-b": 20 * gib}
+    with pytest.raises(ConfigError) as info:
+        mps.pinned_memory_limits(stand_ins, devices, unordered=True)
+    (line,) = format_errors(PREFIX + ".sharing.mpsConfig", info.value)
+    assert line.startswith(
+        PREFIX + ".sharing.mpsConfig.defaultPerDevicePinnedMemoryLimit[1]: asks for 20480 "
+        "MiB, more than the 10240 MiB of memory of device gpu-0-mig-1g10gb, which this "
+        "index may name"
+    ), line
+    fits = {
+        "defaultPerDevicePinnedMemoryLimit": {"1": "8Gi"},
+        "defaultPinnedDeviceMemoryLimit": "30Gi",
+    }
+    config = parse_opaque_config(_gpu({"strategy": "MPS", "mpsConfig": fits}))
+    assert isinstance(config, GpuConfig)
+    assert config.sharing is not None and config.sharing.mps_config is not None
+    with pytest.raises(ConfigError) as info:  # the limit for all must fit each too
+        config.sharing.mps_config.pinned_memory_limits(stand_ins, devices, unordered=True)
+    assert "defaultPinnedDeviceMemoryLimit: asks for 30720 MiB" in str(info.value)
 
 
 def test_a_pinned_limit_above_a_devices_memory_names_the_key_that_set_it() -> None:

@@ -3436,9 +3436,11 @@ def offline_claim(
     results: list[tuple[str, dict[str, Any]]],
     sharing: dict[str, Any],
     uid: str | None = None,
+    kind: str = "GpuConfig",
 ) -> Claim:
     """A claim checked as the plugin checks it: `results` are (request, result fields),
-    `sharing` the GpuConfig sharing bound to each request; a new UID unless given."""
+    `sharing` the sharing of a config of `kind` bound to each request; a new UID unless
+    given."""
     uid = uid or str(uuidlib.uuid4())
     config = [
         {
@@ -3448,7 +3450,7 @@ def offline_claim(
                 "driver": FIXTURE_DRIVER,
                 "parameters": {
                     "apiVersion": "resource.nvidia.com/v1beta1",
-                    "kind": "GpuConfig",
+                    "kind": kind,
                     "sharing": value,
                 },
             },
@@ -3945,6 +3947,70 @@ async def test_a_pinned_memory_limit_above_the_devices_memory_is_refused(node: N
         for c in node.tool_calls()
     )
     assert await preparer.unprepare([claim.ref]) == {claim.uid: None}
+
+
+@pytest.mark.anyio
+async def test_a_pinned_memory_index_names_the_gpu_upstream_names(node: Node) -> None:
+    """Upstream's MPS daemon counts an index into its devices' UUIDs sorted, whatever
+    order the scheduler allocated them in: a claim written for it limits the same GPU
+    here, not the one listed at that position."""
+    emu = h100()
+    gpus = sorted(discover(emu).gpus, key=lambda g: g.uuid)
+    first, last = gpus[0], gpus[-1]
+    preparer = node_preparer(node, emu)
+    mps = {
+        "strategy": "MPS",
+        "mpsConfig": {"defaultPerDevicePinnedMemoryLimit": {"0": "10Gi", "1": "20Gi"}},
+    }
+    listed = [("gpu", {"device": g.device.name}) for g in (last, first)]
+    claim = offline_claim("tenant-a", listed, {"gpu": mps})
+    assert (await preparer.prepare([claim]))[claim.uid].error is None
+    limits = {
+        c.split()[2]: c.split()[3]
+        for c in node.tool_calls()
+        if c.startswith("mps-control set_default_device_pinned_mem_limit ")
+    }
+    assert limits == {first.uuid: "10240M", last.uuid: "20480M"}
+    assert await preparer.unprepare([claim.ref]) == {claim.uid: None}
+
+
+@pytest.mark.anyio
+async def test_an_index_limit_over_mig_devices_made_at_prepare_must_fit_each(node: Node) -> None:
+    """MIG devices made at prepare get their UUIDs then, so while the claim is planned
+    the device an index names is not known: a limit the smaller device cannot hold is
+    refused before any instance is made, naming the key; one that fits both reaches the
+    daemon for the device that index names once they are made."""
+    emu = h100_mig()
+    small, big = "gpu-0-mig-1g10gb-19-6", "gpu-0-mig-3g40gb-9-0"
+    preparer = node_preparer(node, emu, strategy=MigStrategy.DYNAMIC)
+    listed = [("mig", {"device": small}), ("mig", {"device": big})]
+
+    def claim_limiting(limit: str) -> Claim:
+        mps = {"strategy": "MPS", "mpsConfig": {"defaultPerDevicePinnedMemoryLimit": {"1": limit}}}
+        return offline_claim("tenant-a", listed, {"mig": mps}, kind="MigDeviceConfig")
+
+    refused = claim_limiting("20Gi")
+    error = (await preparer.prepare([refused]))[refused.uid].error
+    assert error is not None
+    assert (
+        "sharing.mpsConfig.defaultPerDevicePinnedMemoryLimit[1]: asks for 20480 MiB, more " in error
+    )
+    assert f"memory of device {small}, which this index may name" in error
+    assert mig_devices(emu) == {}
+    assert node.tool_calls() == []
+
+    taken = claim_limiting("8Gi")
+    assert (await preparer.prepare([taken]))[taken.uid].error is None
+    made = mig_devices(emu)
+    assert set(made) == {small, big}
+    limits = [
+        c.split()[2:4]
+        for c in node.tool_calls()
+        if c.startswith("mps-control set_default_device_pinned_mem_limit ")
+    ]
+    assert limits == [[sorted(made.values())[1], "8192M"]]
+    assert await preparer.unprepare([taken.ref]) == {taken.uid: None}
+    assert mig_devices(emu) == {}
 
 
 @pytest.mark.anyio

@@ -29,7 +29,7 @@ from gpudra.driver.devices import (
     semver_from_driver_version,
 )
 from gpudra.driver.nvml import NvmlLibrary, load_nvml
-from gpudra.driver.nvml.emulator import NvmlEmulator, load_builtin_profile
+from gpudra.driver.nvml.emulator import NvmlEmulator, load_builtin_profile, parse_profile
 from gpudra.driver.nvml.topology import SysfsTopology
 from gpudra.driver.slices import DeviceLimitError, SliceLimits, plan_slices, validate_device
 
@@ -387,6 +387,26 @@ def test_pre_ampere_and_ada_have_no_mig() -> None:
         assert device.attributes["architecture"] == arch
         assert device.attributes["cudaComputeCapability"] == Version(cc)
         assert NUMA_NODE_ATTRIBUTE not in device.attributes  # NVML and the profile have none
+
+
+@pytest.mark.parametrize(
+    ("code", "name"),
+    [
+        (pynvml.NVML_DEVICE_ARCH_BLACKWELL, "Blackwell"),
+        (pynvml.NVML_DEVICE_ARCH_RUBIN, "Rubin"),
+        (pynvml.NVML_DEVICE_ARCH_DLA, "Unknown"),
+    ],
+)
+def test_architecture_is_spelt_as_upstreams_go_nvlib(code: int, name: str) -> None:
+    """go-nvlib's `GetArchitectureAsString` gives upstream's `architecture` attribute,
+    Rubin included since the release vendored after v0.4.1: a selector written for it
+    matches here. An architecture it has no name for is "Unknown" here, where upstream
+    fails the GPU's discovery."""
+    document = load_builtin_profile("l4").model_dump(mode="json")
+    for product in document["products"].values():
+        product["architecture"] = code
+    inventory = discover(NvmlEmulator(parse_profile(document), source=f"l4 as {name}"))
+    assert inventory.gpus[0].device.attributes["architecture"] == name
 
 
 def test_discovery_keeps_nvml_initialised_for_its_caller() -> None:
