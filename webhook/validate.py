@@ -126,21 +126,63 @@ class ClassConfigs:
 
 
 _TYPE_SELECTOR: Final = re.compile(
-    r'\s*\(?\s*device\.attributes\["(?P<driver>[^"]+)"\]\.type\s*==\s*"(?P<kind>gpu|mig)"\s*\)?\s*'
+    r'\s*(?P<open>\()?\s*device\.attributes\["(?P<driver>[^"]+)"\]\.type\s*==\s*'
+    r'"(?P<kind>gpu|mig)"\s*(?(open)\))\s*'
 )
+
+
+def _conjuncts(expression: str) -> list[str] | None:
+    """The terms a CEL expression joins with `&&` at its top level, outside parentheses,
+    brackets and string literals; None where a string is not closed.
+
+    Split anywhere else, a term could sit under an operator that turns it round
+    (`false == (false && T)`) or inside a triple-quoted string compared with itself,
+    and a class that selects every device would read as pinning one kind. The caller
+    has refused the characters of the forms this does not follow (`'` strings,
+    escapes).
+    """
+    terms: list[str] = []
+    depth = start = i = 0
+    while i < len(expression):
+        if expression.startswith('"""', i):
+            end = expression.find('"""', i + 3)
+            if end < 0:
+                return None
+            i = end + 3
+            continue
+        char = expression[i]
+        if char == '"':
+            end = expression.find('"', i + 1)
+            if end < 0:
+                return None
+            i = end + 1
+            continue
+        if char in "([{":
+            depth += 1
+        elif char in ")]}":
+            depth -= 1
+        elif depth == 0 and expression.startswith("&&", i):
+            terms.append(expression[start:i])
+            start = i + 2
+            i += 2
+            continue
+        i += 1
+    terms.append(expression[start:])
+    return terms
 
 
 def _pinned_kind(spec: Mapping[str, Any], driver: str) -> tuple[DeviceType, ...] | None:
     """The device kind a class's selectors pin: a selector (all must hold) that is a plain
-    conjunction with the type's equality as one of its terms. Anything else (an `||`, a
-    negation, a choice, a string that could hide an `&&`) is taken to pin nothing."""
+    conjunction with the type's equality as one of its top-level terms. Anything else
+    (an `||`, a negation, a choice, the equality under another operator or inside a
+    string) is taken to pin nothing."""
     selectors = spec.get("selectors")
     for selector in selectors if isinstance(selectors, list) else ():
         cel = selector.get("cel") if isinstance(selector, Mapping) else None
         expression = cel.get("expression") if isinstance(cel, Mapping) else None
         if not isinstance(expression, str) or any(c in expression for c in "|!?'\\"):
             continue
-        for term in expression.split("&&"):
+        for term in _conjuncts(expression) or ():
             match = _TYPE_SELECTOR.fullmatch(term)
             if match and match["driver"] == driver:
                 return ("gpu",) if match["kind"] == "gpu" else ("mig",)

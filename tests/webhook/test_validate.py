@@ -909,11 +909,26 @@ def test_a_request_of_an_admins_extra_class_is_judged_as_both_kinds(tmp_path: Pa
         gpuResource={"sharing": "TimeSlicing"},
     )
     assert check(sliced, time_slicing, **kw).allowed
-    # One it cannot read as pinning the kind (an alternative, a negation) is judged as both.
-    for loose in (f"{whole} || true", '!(device.attributes["gpu.nvidia.com"].type == "mig")'):
+    # One it cannot read as pinning the kind (an alternative, a negation, the type's
+    # equality under another operator or inside a string) is judged as both: each of
+    # these selects MIG devices too.
+    pinned = 'device.attributes["gpu.nvidia.com"].type == "gpu"'
+    hidden = f'"""a && {pinned} && b"""'
+    for loose in (
+        f"{whole} || true",
+        '!(device.attributes["gpu.nvidia.com"].type == "mig")',
+        f"false == (false && {pinned})",
+        f"false == (true && false && {pinned} && true)",
+        f"{hidden} == {hidden}",
+        f'device.attributes["gpu.nvidia.com"].productName == "x" == ({pinned} && false)',
+    ):
         view = class_view(admins_class(loose)).configs
         verdict = check(bound, classes=CLASSES | {extra}, device_classes=view)
-        assert "GpuConfig cannot configure the MIG device" in verdict.message
+        assert "GpuConfig cannot configure the MIG device" in verdict.message, loose
+    # The equality at the top level still pins, in parentheses or beside them.
+    for tight in (f"({pinned})", f'(device.driver == "gpu.nvidia.com") && ({pinned})'):
+        view = class_view(admins_class(tight)).configs
+        assert check(bound, classes=CLASSES | {extra}, device_classes=view).allowed, tight
 
 
 def test_one_request_that_may_get_a_gpu_and_a_mig_device_needs_one_mps_percentage(

@@ -552,6 +552,52 @@ async def test_an_admins_own_device_class_gets_no_way_around_the_rules(
         await run_sync(drop_tenant, kube, tenant)
 
 
+async def test_an_admins_class_that_only_seems_to_pin_whole_gpus_is_judged_as_both(
+    env: Env, kube: SyncKube, namespace: str
+) -> None:
+    """A class whose selector names the whole-GPU type under another operator
+    (`false == (false && type == "gpu")`) selects MIG devices too. Read as pinning whole
+    GPUs, its requests skipped the MIG profile rule, and a tenant given the class got any
+    profile by selecting it; read as it is, the request is judged as both kinds and
+    refused. The same request of a class that does pin whole GPUs is admitted: such a
+    class gives no MIG device."""
+    pinned = f'device.attributes["{DRIVER}"].type == "gpu"'
+
+    def extra_class(expression: str) -> dict[str, Any]:
+        return {**EXTRA_CLASS, "spec": {"selectors": [{"cel": {"expression": expression}}]}}
+
+    def read_as(kinds: tuple[str, ...] | None) -> None:
+        # Each step reads the class differently from the step before it.
+        wait_for(
+            f"the webhook to read {EXTRA} as pinning {kinds}",
+            lambda: (found := env.classes.configs.get(EXTRA)) is not None and found.kinds == kinds,
+        )
+
+    big = f'device.attributes["{DRIVER}"].profile == "3g.40gb"'
+    request = {"deviceClassName": EXTRA, "selectors": [{"cel": {"expression": big}}]}
+    user = await run_sync(tenant_user, kube, namespace)
+    tenant = await run_sync(
+        lambda: with_tenant(
+            kube, namespace, allowedDeviceClasses=[EXTRA], allowedMigProfiles=["1g.10gb"]
+        )
+    )
+    try:
+        await tenant_rules_loaded(env, namespace)
+        await run_sync(kube.apply, extra_class(pinned))
+        await run_sync(read_as, ("gpu",))
+        admitted = await run_sync(user.create, claim(namespace, "whole", request))
+        assert admitted["metadata"]["name"] == "whole"
+        await run_sync(kube.apply, extra_class(f"false == (false && {pinned})"))
+        await run_sync(read_as, None)
+        message = await denied(user, claim(namespace, "hidden", request))
+        assert "HTTP 403" in message
+        assert "spec.devices.requests[0].exactly.selectors: " in message, message
+        assert "does not allow MIG profile 3g.40gb; accepted values: 1g.10gb" in message
+    finally:
+        await run_sync(kube.apply, EXTRA_CLASS)
+        await run_sync(drop_tenant, kube, tenant)
+
+
 XID_TAINT = "gpu.nvidia.com/xid"
 LOST_TAINT = "gpu.nvidia.com/gpu-lost"
 
