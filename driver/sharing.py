@@ -119,6 +119,8 @@ _ST_NOSYMFOLLOW: Final = 0x2000
 # two files there (control.log, server.log).
 _LOG_OPTIONS: Final = "rw,nosuid,nodev,noexec,size=16m,nr_inodes=64,mode=0755"
 _CONTROL_READER_TRIES: Final = 10
+# How often a `quit` client is stopped to look whether the control file was replaced.
+_SWAP_LOOK_S: Final = 0.02
 """Looks, 0.1 s apart, for the daemon at its control file (holding it; for a FIFO,
 reading it) before `quit`: a daemon may be between two opens of a FIFO."""
 _PIPE_ENV: Final = "CUDA_MPS_PIPE_DIRECTORY"
@@ -480,6 +482,7 @@ class _NewEntries:
 
     def __init__(self, folder: Path, name: str) -> None:
         self._name = name
+        self._made = False
         self._watch = INotify(nonblocking=True)
         try:
             self._watch.add_watch(folder, iflags.CREATE | iflags.MOVED_TO)
@@ -492,9 +495,10 @@ class _NewEntries:
 
     def made(self) -> bool:
         """Whether an entry of that name was made since the watch was opened."""
-        return any(
+        self._made = self._made or any(
             e.mask & iflags.Q_OVERFLOW or e.name == self._name for e in self._watch.read(timeout=0)
         )
+        return self._made
 
 
 def _started_for(pid: int, daemon: MpsDaemon) -> ProcessIdentity | None:
@@ -585,31 +589,53 @@ class NvidiaSharing:
         *,
         env: Mapping[str, str] | None = None,
         stdin: str | None = None,
+        stop: Callable[[], bool] | None = None,
     ) -> str:
+        """Run a tool to its end, within the timeout; `stop`, asked while it runs,
+        says when to kill it and fail instead (`_quit_if_own`)."""
         full_env = {**os.environ, **self._tool_env(), **(env or {})}
         try:
-            done = subprocess.run(
+            process = subprocess.Popen(
                 list(argv),
-                input=stdin,
-                capture_output=True,
+                stdin=None if stdin is None else subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
                 text=True,
                 env=full_env,
-                timeout=self._timeout_s,
-                check=False,
             )
-        except subprocess.TimeoutExpired:
-            raise SharingError(
-                f"{purpose}: {' '.join(argv)} did not finish within {self._timeout_s:.0f}s"
-            ) from None
         except OSError as exc:
             raise SharingError(f"{purpose}: cannot run {argv[0]}: {exc}") from None
-        if done.returncode != 0:
-            output = _tail(done.stderr or done.stdout or "")
+        deadline = time.monotonic() + self._timeout_s
+        pending = stdin
+        with process:
+            while True:
+                left = deadline - time.monotonic()
+                try:
+                    stdout, stderr = process.communicate(
+                        pending, timeout=max(0.0, left if stop is None else min(left, _SWAP_LOOK_S))
+                    )
+                    break
+                except subprocess.TimeoutExpired:
+                    pending = None  # sent once; communicate goes on with what is left
+                stopped = stop is not None and stop()
+                if stopped or time.monotonic() >= deadline:
+                    process.kill()
+                    process.communicate()
+                    raise SharingError(
+                        f"{purpose}: {' '.join(argv)} "
+                        + (
+                            "was stopped"
+                            if stopped
+                            else f"did not finish within {self._timeout_s:.0f}s"
+                        )
+                    )
+        if process.returncode != 0:
+            output = _tail(stderr or stdout or "")
             raise SharingError(
-                f"{purpose}: {' '.join(argv)} exited with status {done.returncode}"
+                f"{purpose}: {' '.join(argv)} exited with status {process.returncode}"
                 + (f": {output}" if output else "")
             )
-        return done.stdout
+        return stdout
 
     # --- time-slicing ---
 
@@ -650,9 +676,17 @@ class NvidiaSharing:
             "CUDA_VISIBLE_DEVICES": ",".join(daemon.device_uuids),
         }
 
-    def _control(self, daemon: MpsDaemon, command: str, purpose: str) -> str:
+    def _control(
+        self,
+        daemon: MpsDaemon,
+        command: str,
+        purpose: str,
+        stop: Callable[[], bool] | None = None,
+    ) -> str:
         tool = str(self._tool(MPS_CONTROL, purpose))
-        return self._run([tool], purpose, env=self._mps_env(daemon), stdin=command + "\n")
+        return self._run(
+            [tool], purpose, env=self._mps_env(daemon), stdin=command + "\n", stop=stop
+        )
 
     @staticmethod
     def _host_tool(name: str, purpose: str) -> str:
@@ -1041,12 +1075,16 @@ class NvidiaSharing:
             log.warning(unwatched, extra={"fields": {"daemon": daemon.name, "error": str(exc)}})
             return False
         try:
-            if not own() or not self._send_quit(daemon, purpose):
+            if not own():
                 return False
+            # The client is stopped as soon as the watch sees a new `control`: a FIFO
+            # nobody reads, or a socket whose backlog is full, swapped in after the look
+            # would otherwise hold it, and the stop, for the tool's whole timeout.
+            sent = self._send_quit(daemon, purpose, stop=watch.made)
             if watch.made():
                 self._tampered(daemon, "was replaced while quit was sent")
                 return False
-            return True
+            return sent
         finally:
             watch.close()
 
@@ -1097,9 +1135,11 @@ class NvidiaSharing:
             return False
         return noted.is_socket or self._control_listens(daemon)
 
-    def _send_quit(self, daemon: MpsDaemon, purpose: str) -> bool:
+    def _send_quit(
+        self, daemon: MpsDaemon, purpose: str, stop: Callable[[], bool] | None = None
+    ) -> bool:
         try:
-            self._control(daemon, "quit", purpose)
+            self._control(daemon, "quit", purpose, stop=stop)
         except SharingError as exc:
             log.warning(
                 "MPS daemon did not take quit; ending it",

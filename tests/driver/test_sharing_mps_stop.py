@@ -13,6 +13,7 @@ and the preparer, by the test process standing in for the tenant's container.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import os
 import shutil
@@ -24,13 +25,16 @@ import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Final
 
 import pytest
 from gpudra.driver.checkpoint import load as load_checkpoint
 from gpudra.driver.nvml.standin import FAKEBIN, TOOLS_LOG_ENV
 from gpudra.driver.prepare import MPS_THREADS
 from gpudra.driver.processes import ProcessIdentity
-from gpudra.driver.sharing import DaemonPod, NvidiaSharing, may_mount
+from gpudra.driver.sharing import DaemonPod, MpsDaemon, NvidiaSharing, may_mount
+from inotify_simple import INotify
+from inotify_simple import flags as iflags
 
 from tests.driver.test_mps_pods import ProcessPods, calls
 from tests.driver.test_mps_pods import daemon as pod_daemon
@@ -70,14 +74,39 @@ def tools_log(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return log
 
 
-def _backend(tools_log: Path, mps_control: Path | None = None, **env: str) -> NvidiaSharing:
+def _backend(
+    tools_log: Path, mps_control: Path | None = None, timeout_s: float = 10.0, **env: str
+) -> NvidiaSharing:
     return NvidiaSharing(
         nvidia_smi=FAKEBIN / "nvidia-smi",
         mps_control=mps_control or FAKEBIN / "nvidia-cuda-mps-control",
         env={TOOLS_LOG_ENV: str(tools_log), **env},
-        timeout_s=10.0,
+        timeout_s=timeout_s,
         ready_timeout_s=10.0,
     )
+
+
+_TOOL_TIMEOUT_S = 600.0
+"""A tool timeout no test waits out: a stop held for it fails the test's guard."""
+_GUARD_S = 60.0
+
+
+def _stopped_within_the_guard(backend: NvidiaSharing, daemon: MpsDaemon) -> None:
+    """`stop_mps`, failing the test if it is still waiting after the guard (the tool's
+    timeout is ten times that): a guard against a hang, not a measure of speed."""
+    errors: list[BaseException] = []
+
+    def stop() -> None:
+        try:
+            backend.stop_mps(daemon)
+        except BaseException as exc:  # handed to the test
+            errors.append(exc)
+
+    thread = threading.Thread(target=stop, daemon=True)
+    thread.start()
+    thread.join(_GUARD_S)
+    assert not thread.is_alive(), "the stop still waits on the client the tenant holds"
+    assert errors == []
 
 
 def _quits(tools_log: Path) -> list[str]:
@@ -221,6 +250,56 @@ def test_a_fifo_swapped_in_while_quit_is_sent_buys_no_wait(
     assert not daemon.pipe_dir.exists()
 
 
+class SwapAfterTheLook:
+    """The tenant's container, racing the agent's look at the control FIFO: the look
+    opens `control` for writing (is anything reading?), and its close is what the
+    container waits for, through inotify, to rename a FIFO of its own that nobody
+    reads over `control`. NVIDIA's client, run a moment later, opens that FIFO by its
+    path and blocks until a reader comes, which none does."""
+
+    def __init__(self, pipe_dir: Path) -> None:
+        self._pipe = pipe_dir
+        os.mkfifo(pipe_dir / ".theirs", 0o600)
+        self._watch = INotify()
+        self._watch.add_watch(pipe_dir, iflags.CLOSE_WRITE)
+        self.swapped = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self.swapped.is_set():
+            for event in self._watch.read(timeout=100):
+                if event.name == "control" and not self.swapped.is_set():
+                    (self._pipe / ".theirs").rename(self._pipe / "control")
+                    self.swapped.set()
+
+    def close(self) -> None:
+        self.swapped.set()
+        self._thread.join(5)
+        self._watch.close()
+
+
+def test_a_fifo_nobody_reads_swapped_in_after_the_look_cannot_hold_the_stop(
+    tmp_path: Path, tools_log: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The client blocked on the tenant's FIFO would hold the stop, and one of the
+    node's stop slots, for the tool's whole timeout. The watch of the pipe folder sees
+    the new `control` while the client runs: the client is killed, the folder named as
+    tampered, and the daemon ended by signal."""
+    caplog.set_level(logging.INFO, SHARING_LOG)
+    backend = _backend(tools_log, timeout_s=_TOOL_TIMEOUT_S)
+    with _running_daemon(backend, _daemon_in(tmp_path / "claim-a")) as (daemon, identity):
+        tenant = SwapAfterTheLook(daemon.pipe_dir)
+        try:
+            _stopped_within_the_guard(backend, daemon)
+        finally:
+            tenant.close()
+    assert tenant.swapped.is_set()
+    assert [f["control"] for f in _tampered(caplog)] == ["was replaced while quit was sent"]
+    assert not identity.alive()
+    assert not daemon.pipe_dir.exists()
+
+
 @pytest.mark.anyio
 async def test_a_tenants_swapped_fifos_take_no_quit_from_the_unprepare_of_its_claims(
     node: Node, caplog: pytest.LogCaptureFixture
@@ -325,6 +404,72 @@ def test_a_socket_daemon_gets_the_quit_and_a_socket_a_tenant_swaps_in_does_not(
     assert not taken.exists()
     assert not second.alive()
     assert [f["claim"] for f in _tampered(caplog)] == ["claim-b"]
+
+
+class ExchangedSockets:
+    """The tenant's container against a socket daemon, whose look opens nothing it can
+    see: it keeps exchanging (renameat2 RENAME_EXCHANGE) the daemon's socket file with
+    one of its own whose backlog is full, so a client connecting by path to it blocks."""
+
+    _EXCHANGE: Final = 2
+
+    def __init__(self, pipe_dir: Path) -> None:
+        self._theirs = pipe_dir / ".theirs"
+        self._control = pipe_dir / "control"
+        self._server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._server.bind(str(self._theirs))
+        self._server.listen(0)
+        self._filler = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._filler.connect(str(self._theirs))  # the backlog is full: connect() blocks
+        self._libc = ctypes.CDLL(None, use_errno=True)
+        self.exchanges = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        at_cwd = -100
+        while not self._stop.wait(0.0005):
+            if (
+                self._libc.renameat2(
+                    at_cwd, bytes(self._theirs), at_cwd, bytes(self._control), self._EXCHANGE
+                )
+                == 0
+            ):
+                self.exchanges += 1
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self._filler.close()
+        self._server.close()
+
+
+def test_a_socket_exchanged_back_and_forth_with_the_daemons_cannot_hold_the_stop(
+    tmp_path: Path, tools_log: Path, socket_tool: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """However the exchanges fall against the look and the client's connect, the stop
+    ends without waiting for the client the tenant's full backlog holds: a look that
+    sees the tenant's socket sends no `quit`; one that sees the daemon's sends it while
+    the watch sees every exchange, and the client is killed at the first. Each of a
+    few rounds ends the daemon and names the folder as tampered."""
+    caplog.set_level(logging.INFO, SHARING_LOG)
+    backend = _backend(
+        tools_log, socket_tool, timeout_s=_TOOL_TIMEOUT_S, TAKEN=str(tmp_path / "taken")
+    )
+    for round_ in range(3):
+        with _running_daemon(backend, _daemon_in(tmp_path / f"claim-{round_}")) as (
+            daemon,
+            identity,
+        ):
+            tenant = ExchangedSockets(daemon.pipe_dir)
+            try:
+                _stopped_within_the_guard(backend, daemon)
+            finally:
+                tenant.close()
+            assert tenant.exchanges > 0
+            assert not identity.alive()
+    assert [f["claim"] for f in _tampered(caplog)] == [f"claim-{i}" for i in range(3)]
 
 
 # --- a daemon pod ------------------------------------------------------------------------
