@@ -405,7 +405,8 @@ class MpsConfig(_Strict):
         naming the field that set it: MPS would take it as it is, and a limit no device
         can reach is a typo more likely than a wish. `unordered`: some of `uuids` stand
         for devices not made yet (a MIG device gets its UUID when it is made), so which
-        device an index key names is not known: its limit must fit each of them.
+        device an index key names is not known: its limit must fit each of them, and no
+        UUID key may stand beside it.
 
         Issue paths are relative to this `mpsConfig`.
         """
@@ -416,7 +417,23 @@ class MpsConfig(_Strict):
             fields = dict.fromkeys(uuids, "defaultPinnedDeviceMemoryLimit")
         by_uuid = sorted(uuids)
         keys: dict[str, str] = {}  # UUID -> the key that named it
-        for key, limit in (self.default_per_device_pinned_memory_limit or {}).items():
+        named = self.default_per_device_pinned_memory_limit or {}
+        if unordered:
+            by_index = [k for k in named if k.isdigit()]
+            by_name = [k for k in named if not k.isdigit()]
+            if by_index and by_name:
+                raise ConfigError(
+                    [
+                        ConfigIssue(
+                            f"defaultPerDevicePinnedMemoryLimit[{by_index[0]}]",
+                            f"may name the same device as key {by_name[0]!r}: an index "
+                            "counts the devices in the order of their UUIDs, and a MIG "
+                            "device made at prepare has none yet; key these limits all by "
+                            "index or all by UUID",
+                        )
+                    ]
+                )
+        for key, limit in named.items():
             if key in uuids:
                 uuid = key
             elif key.isdigit() and int(key) < len(by_uuid):

@@ -119,10 +119,10 @@ _ST_NOSYMFOLLOW: Final = 0x2000
 # two files there (control.log, server.log).
 _LOG_OPTIONS: Final = "rw,nosuid,nodev,noexec,size=16m,nr_inodes=64,mode=0755"
 _CONTROL_READER_TRIES: Final = 10
-# How often a `quit` client is stopped to look whether the control file was replaced.
-_SWAP_LOOK_S: Final = 0.02
 """Looks, 0.1 s apart, for the daemon at its control file (holding it; for a FIFO,
 reading it) before `quit`: a daemon may be between two opens of a FIFO."""
+_SWAP_LOOK_S: Final = 0.02
+"""How often the pipe folder's watch is read while NVIDIA's client sends `quit`."""
 _PIPE_ENV: Final = "CUDA_MPS_PIPE_DIRECTORY"
 # sock_diag(7) for UNIX sockets: which socket (its inode in sockfs, the name the
 # socket's descriptors show in /proc/<pid>/fd) is bound to a file (dev, ino).

@@ -207,6 +207,24 @@ def test_an_index_among_devices_not_made_yet_must_fit_each_of_them() -> None:
     with pytest.raises(ConfigError) as info:  # the limit for all must fit each too
         config.sharing.mps_config.pinned_memory_limits(stand_ins, devices, unordered=True)
     assert "defaultPinnedDeviceMemoryLimit: asks for 30720 MiB" in str(info.value)
+    # Beside a device whose UUID is known, an index may turn out to name that device.
+    mixed = {"defaultPerDevicePinnedMemoryLimit": {"0": "1Gi", "MIG-a": "2Gi"}}
+    config = parse_opaque_config(_gpu({"strategy": "MPS", "mpsConfig": mixed}))
+    assert isinstance(config, GpuConfig)
+    assert config.sharing is not None and config.sharing.mps_config is not None
+    with pytest.raises(ConfigError) as info:
+        config.sharing.mps_config.pinned_memory_limits(
+            ["MIG-a", stand_ins[0]], devices, unordered=True
+        )
+    (line,) = format_errors(PREFIX + ".sharing.mpsConfig", info.value)
+    assert line.startswith(
+        PREFIX + ".sharing.mpsConfig.defaultPerDevicePinnedMemoryLimit[0]: may name the same "
+        "device as key 'MIG-a'"
+    ), line
+    assert line.endswith("key these limits all by index or all by UUID"), line
+    # Once every UUID is known, the index names one device, here not MIG-a.
+    known = config.sharing.mps_config.pinned_memory_limits(["MIG-a", "MIG-0"], devices)
+    assert known == {"MIG-0": 1 << 30, "MIG-a": 2 << 30}
 
 
 def test_a_pinned_limit_above_a_devices_memory_names_the_key_that_set_it() -> None:
