@@ -360,15 +360,14 @@ def _replicated(
                 "shared; gpudra would leave this resource alone"
             )
             continue
-        if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
+        if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 2:
+            # The device plugin refuses to start with fewer ("number of replicas must
+            # be >= 2"), so no node served GPUs under such a config.
             problems.append(
-                f"{at}.replicas: {replicas!r}: give a whole number of at least 1 (the pods "
-                "sharing one GPU), as the device plugin requires"
+                f"{at}.replicas: {replicas!r}: give a whole number of at least 2 (the pods "
+                "sharing one GPU), as the device plugin requires: it does not start with "
+                "fewer, so no node served GPUs with this config"
             )
-            continue
-        if replicas == 1:
-            # The device plugin shares nothing unless some resource has replicas above 1.
-            notes.append(f"{at}.replicas: 1 shares nothing; gpudra gives whole GPUs too")
             continue
         rename = entry.get("rename")
         if rename not in (None, ""):
@@ -451,11 +450,22 @@ def plan(
         )
         shared: dict[str, Any] = {"strategy": share.strategy}
         if share.strategy == "MPS":
-            # The device plugin gives each of the N clients 1/N of the GPU's compute.
-            shared["mps"] = {"defaultActiveThreadPercentage": max(1, 100 // share.replicas)}
+            # The device plugin's 1/N of the compute is not carried over: see the note.
+            n = share.replicas
+            notes.append(
+                f"sharing.mps replicas {n}: the device plugin ran a GPU's {n} clients side "
+                f"by side in one MPS server, each held to 1/{n} of its compute (active "
+                f"thread percentage {max(1, 100 // n)}); gpudra runs an MPS daemon per "
+                "claim, and time-slices a GPU between the claims holding its shares, which "
+                f"already gives each of {n} busy pods about 1/{n} of the GPU, so the plan "
+                f"sets no thread percentage (it would make that 1/{n} of 1/{n}); a pod "
+                f"alone on its GPU gets all of it, where the device plugin held it to "
+                f"1/{n}: to keep that cap, set "
+                "deviceClasses.shared.mps.defaultActiveThreadPercentage"
+            )
             notes.append(
                 "deviceClasses.shared.mps.defaultPinnedDeviceMemoryLimit: the device plugin "
-                f"gave each MPS client 1/{share.replicas} of the GPU's memory; set it to "
+                f"gave each MPS client 1/{n} of the GPU's memory; set it to "
                 "that amount for your GPUs (e.g. 8Gi for 80 GB and replicas 10)"
             )
         values["deviceClasses"] = {"shared": shared}
@@ -539,8 +549,8 @@ def _common(configs: Sequence[DevicePluginConfig]) -> ReplicatedResource | None:
     differ(
         "sharing.mps replicas",
         {name: s.replicas for name, s in sharing.items() if s.strategy == "MPS"},
-        "each MPS client's part of a GPU "
-        "(deviceClasses.shared.mps.defaultActiveThreadPercentage) is one for every node: "
+        "each MPS client's part of a GPU's memory "
+        "(deviceClasses.shared.mps.defaultPinnedDeviceMemoryLimit) is one for every node: "
         "make them agree",
     )
     if problems:

@@ -101,12 +101,18 @@ def test_renamed_shares_need_no_tenant_and_plain_gpu_pods_are_reported() -> None
     ]
 
 
-def test_mps_gives_each_client_its_part_and_flags_requests_it_refused() -> None:
+def test_mps_replicas_are_not_capped_twice_and_flag_requests_it_refused() -> None:
+    """The device plugin held each of a GPU's N MPS clients, running side by side in one
+    server, to 100/N of its threads. gpudra's claims each run their own MPS daemon and
+    are time-sliced on a shared GPU, which already splits it N ways under load: the
+    same cap on top would leave each busy pod 1/N of 1/N. The plan sets none and says
+    why, and how to keep the cap for a pod alone on its GPU."""
     result = plan(parse_config(MPS), [pod("two", **{"nvidia.com/gpu": 2})])
-    assert result.values["deviceClasses"]["shared"] == {
-        "strategy": "MPS",
-        "mps": {"defaultActiveThreadPercentage": 10},
-    }
+    assert result.values["deviceClasses"]["shared"] == {"strategy": "MPS"}
+    (why,) = [n for n in result.notes if n.startswith("sharing.mps replicas 10: ")]
+    assert "active thread percentage 10" in why
+    assert "so the plan sets no thread percentage (it would make that 1/10 of 1/10)" in why
+    assert why.endswith("set deviceClasses.shared.mps.defaultActiveThreadPercentage")
     assert any("defaultPinnedDeviceMemoryLimit" in n for n in result.notes)
     (change,) = result.pods
     assert "failRequestsGreaterThanOne: true" in change.reason
@@ -134,12 +140,6 @@ def test_mixed_mig_publishes_only_existing_mig_devices() -> None:
     assert result.values == {"node": {"migStrategy": "static"}}
 
 
-def test_replicas_one_shares_nothing() -> None:
-    config = parse_config(TIME_SLICING.replace("replicas: 10", "replicas: 1"))
-    assert config.sharing is None
-    assert plan(config).values == {}
-
-
 def test_a_denied_pod_is_reported_with_the_webhook_reason() -> None:
     bad = pod("frac", **{"nvidia.com/gpu": "0.5"})
     (change,) = plan(parse_config(TIME_SLICING), [bad]).pods
@@ -160,7 +160,13 @@ def test_a_denied_pod_is_reported_with_the_webhook_reason() -> None:
         (
             TIME_SLICING.replace("replicas: 10", "replicas: 0"),
             "sharing.timeSlicing.resources[0].replicas: 0",
-            "at least 1",
+            "at least 2",
+        ),
+        # The device plugin refuses 1 too ("number of replicas must be >= 2").
+        (
+            TIME_SLICING.replace("replicas: 10", "replicas: 1"),
+            "sharing.timeSlicing.resources[0].replicas: 1",
+            "it does not start with fewer",
         ),
         (
             TIME_SLICING.replace("timeSlicing:", "timeslicing:"),
@@ -423,7 +429,7 @@ def test_renamed_shares_beside_unshared_nodes_keep_plain_gpu_pods() -> None:
         (
             {"default": MPS, "a100": MPS.replace("replicas: 10", "replicas: 4")},
             "sharing.mps replicas: the configs differ (default: 10; a100: 4)",
-            "defaultActiveThreadPercentage",
+            "defaultPinnedDeviceMemoryLimit",
         ),
     ],
 )
