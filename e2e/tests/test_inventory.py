@@ -40,6 +40,12 @@ SLICES = "/apis/resource.k8s.io/v1/resourceslices"
 RBAC = "/apis/rbac.authorization.k8s.io/v1"
 
 
+RECOVERY_S = 10.0
+"""Quiet after which a taint that heals by time is lifted (scaled down from the default):
+long enough for a loaded machine to create a namespace, its claims and pods, and have
+the scheduler judge them, while the taint they are judged against is still published."""
+
+
 @dataclass
 class Node:
     agent: NodeAgent
@@ -51,7 +57,7 @@ async def nodes(cluster: Cluster, kube: SyncKube) -> AsyncIterator[dict[str, Nod
     for dc in device_classes(DRIVER):
         kube.apply(dc)
     akube = await Kube.connect(str(cluster.layout.admin_kubeconfig))
-    policy = HealthPolicy(driver_name=DRIVER, recovery_after_s=3.0)
+    policy = HealthPolicy(driver_name=DRIVER, recovery_after_s=RECOVERY_S)
     specs = {
         "worker-1": ("h100-80gb-hbm3-x8", MigStrategy.DYNAMIC),
         "worker-2": ("a100-40gb-mig-mixed", MigStrategy.STATIC),
@@ -251,9 +257,9 @@ async def test_xid_taint_steers_scheduler_and_clears(
     # Contained memory error: critical, but NVIDIA has no GPU reset for it, so it heals.
     node.nvml.inject_xid(3, 94)
     with anyio.fail_after(30):
-        while not (await published(kube, "worker-1"))["gpu-3"].get("taints"):
+        while not (taints := (await published(kube, "worker-1"))["gpu-3"].get("taints")):
             await anyio.sleep(0.1)
-    (taint,) = (await published(kube, "worker-1"))["gpu-3"]["taints"]
+    (taint,) = taints
     assert taint["key"] == f"{DRIVER}/xid" and taint["value"] == "94"
     assert taint["effect"] == "NoSchedule"
 
@@ -430,9 +436,9 @@ async def test_application_xid_is_informational(nodes: dict[str, Node], kube: Sy
         pytest.skip(reason)
     nodes["worker-1"].nvml.inject_xid(5, 13)
     with anyio.fail_after(30):
-        while not (await published(kube, "worker-1"))["gpu-5"].get("taints"):
+        while not (taints := (await published(kube, "worker-1"))["gpu-5"].get("taints")):
             await anyio.sleep(0.1)
-    (taint,) = (await published(kube, "worker-1"))["gpu-5"]["taints"]
+    (taint,) = taints
     assert taint["effect"] == "None" and taint["value"] == "13"
 
 
@@ -481,9 +487,9 @@ async def test_an_informational_taint_never_holds_up_the_slice(
     nodes["worker-1"].nvml.inject_xid(2, 13)
     nodes["worker-1"].nvml.inject_xid(1, 94)
     with anyio.fail_after(30):
-        while not (await published(kube, "worker-1"))["gpu-1"].get("taints"):
+        while not (taints := (await published(kube, "worker-1"))["gpu-1"].get("taints")):
             await anyio.sleep(0.1)
-    (critical,) = (await published(kube, "worker-1"))["gpu-1"]["taints"]
+    (critical,) = taints
     assert (critical["value"], critical["effect"]) == ("94", "NoSchedule")
     # Both XIDs are handled in order, so the first was dealt with by now.
     if features.informational_taints(kube):

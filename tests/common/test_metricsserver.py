@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import pytest
+from gpudra.common import metricsserver
 from gpudra.common.metricsserver import (
     HEAD_BYTES,
     MAX_CONNECTIONS,
@@ -349,13 +350,18 @@ def test_a_request_past_the_head_bound_is_answered_431(what: str, head: bytes) -
         assert b"gpudra_test_scrapes_total 1.0" in scrape(port, under)
 
 
-def test_connections_refused_431_and_sending_on_do_not_hold_the_places_of_scrapes() -> None:
+def test_connections_refused_431_and_sending_on_do_not_hold_the_places_of_scrapes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """An escape attempt on the metrics port: clients fill the bound with requests past
     the head bound and keep sending a byte at a time, each within its address's share.
     Held as being answered while their rest was dropped, such connections kept every
     scrape out until the connection deadline, again after each reconnect. Refused, each
     makes room for a new connection as one without a head does, and is closed once it
-    has had `DRAIN_S` to read its answer."""
+    has had `DRAIN_S` to read its answer. That is longer here than the server's second,
+    so that a loaded machine's stall between the refusals and the scrape cannot let the
+    first refused connection time out before the scrape evicts it."""
+    monkeypatch.setattr(metricsserver, "DRAIN_S", 3.0)
     with serving(max_connections=2, max_per_client=1, deadline_s=LONG, head_deadline_s=LONG) as (
         port,
         registry,
