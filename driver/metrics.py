@@ -177,7 +177,12 @@ HOLDER_LABELS: Final = ("namespace", "pod", "container", "claim", "request", "te
 _ACCOUNT_LABELS: Final = ("namespace", "tenant", "device_class", "sharing")
 # Reading value -> (metric name, help).
 _GAUGES: Final = (
-    ("utilization", "gpudra_gpu_utilization_percent", "GPU (SM) utilization, percent."),
+    (
+        "utilization",
+        "gpudra_gpu_utilization_percent",
+        "Utilization, percent: of the time a kernel ran, for a GPU; of the instance's SMs "
+        "that were busy, for a MIG device (GPM).",
+    ),
     (
         "memory_utilization",
         "gpudra_gpu_memory_utilization_percent",
