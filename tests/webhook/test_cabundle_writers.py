@@ -282,7 +282,7 @@ async def test_a_clock_stepped_under_running_pods_changes_nothing(
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
 
 
-@pytest.mark.parametrize("skew", [0.0, 2 * W], ids=["same-clock", "slow-clock-2w"])
+@pytest.mark.parametrize("skew", [0.0, 2 * LIVE_W], ids=["same-clock", "slow-clock-2w"])
 async def test_the_ca_of_a_pod_that_is_gone_goes_once_its_lease_lapses(skew: float) -> None:
     """The rollout as it should end: the old pod terminates (stops renewing); its CA and
     its lease leave every configuration about one window after its last renewal, the new
@@ -292,7 +292,8 @@ async def test_the_ca_of_a_pod_that_is_gone_goes_once_its_lease_lapses(skew: flo
     old, new = ca("old-pod"), ca("new-pod")
     for ref in BOTH:
         api.create(ref, b64(old))
-    a, b = pod(api, "pod-a", old, clock=behind(skew)), pod(api, "pod-b", new)
+    a = pod(api, "pod-a", old, clock=behind(skew), window=LIVE_W)
+    b = pod(api, "pod-b", new, window=LIVE_W)
     async with anyio.create_task_group() as tg:
         old_pod = anyio.CancelScope()
 
@@ -303,13 +304,13 @@ async def test_the_ca_of_a_pod_that_is_gone_goes_once_its_lease_lapses(skew: flo
         tg.start_soon(run_a)
         await tg.start(b.run)
         await wait_until(lambda: api.trusts(old, new))
-        await anyio.sleep(2 * W)  # past the first window: A is kept because it renews
+        await anyio.sleep(2 * LIVE_W)  # past the first window: A is kept because it renews
         assert api.trusts(old, new)
         old_pod.cancel()
         gone = time.monotonic()
         await wait_until(lambda: not api.holds(old))
         # A window after its last renewal, with room for a loaded machine's late wakeups.
-        assert time.monotonic() - gone <= 3 * W
+        assert time.monotonic() - gone <= 3 * LIVE_W
         assert api.trusts(new)
         for ref in BOTH:
             assert api.leases(ref).keys() == {fingerprint(new)}
@@ -423,7 +424,7 @@ async def test_a_ca_rotation_beside_another_pod_is_followed_and_released() -> No
     a_ca, b_old, b_new = ca("pod-a"), ca("pod-b-1"), ca("pod-b-2")
     for ref in BOTH:
         api.create(ref, b64(a_ca))
-    a, b = pod(api, "pod-a", a_ca), pod(api, "pod-b", b_old)
+    a, b = pod(api, "pod-a", a_ca, window=LIVE_W), pod(api, "pod-b", b_old, window=LIVE_W)
     async with anyio.create_task_group() as tg:
         await tg.start(a.run)
         await tg.start(b.run)
@@ -436,7 +437,7 @@ async def test_a_ca_rotation_beside_another_pod_is_followed_and_released() -> No
         b.set_bundle(b_new)  # the old CA has expired
         await wait_until(lambda: not api.holds(b_old))
         assert api.trusts(a_ca, b_new)
-        await anyio.sleep(2 * W)  # past every window: still both pods, no fight
+        await anyio.sleep(2 * LIVE_W)  # past every window: still both pods, no fight
         assert api.trusts(a_ca, b_new) and not api.holds(b_old)
         for ref in BOTH:
             assert api.leases(ref).keys() == {fingerprint(a_ca), fingerprint(b_new)}
