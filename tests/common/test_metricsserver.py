@@ -358,9 +358,9 @@ def test_connections_refused_431_and_sending_on_do_not_hold_the_places_of_scrape
     Held as being answered while their rest was dropped, such connections kept every
     scrape out until the connection deadline, again after each reconnect. Refused, each
     makes room for a new connection as one without a head does, and is closed once it
-    has had `DRAIN_S` to read its answer. That is longer here than the server's second,
-    so that a loaded machine's stall between the refusals and the scrape cannot let the
-    first refused connection time out before the scrape evicts it."""
+    has had `DRAIN_S` to read its answer. That is 3 s here, not the server's 1 s, so that
+    a loaded machine's stall of a second between the refusals and the scrape does not
+    let the first refused connection time out before the scrape evicts it."""
     monkeypatch.setattr(metricsserver, "DRAIN_S", 3.0)
     with serving(max_connections=2, max_per_client=1, deadline_s=LONG, head_deadline_s=LONG) as (
         port,
