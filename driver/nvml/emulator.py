@@ -667,13 +667,15 @@ class NvmlEmulator:
         source: str = "<profile>",
         state_path: Path | None = None,
         script_path: Path | None = None,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         """Build the machine; `uuid_salt` gives every simulated node its own UUIDs.
 
         `script_path` is a telemetry script file (see `gpudra.driver.nvml.series`).
         `clock` (seconds) times the telemetry: a profile's steps and the timestamps of
-        utilization samples; a test passes its own to step through time.
+        utilization samples; a test passes its own to step through time. It is the
+        wall clock by default because NVML stamps its samples with the CPU's wall clock,
+        and the agent reads them against its own (`gpudra.driver.utilization`).
 
         With `state_path`, the state a real GPU keeps when the process using it
         dies (MIG mode, MIG instances, compute mode) is saved there after every

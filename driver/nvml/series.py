@@ -176,10 +176,11 @@ class Telemetry:
         index: Mapping[int, str] | None = None,
         product_memory_used: Mapping[str, int] | None = None,
         script_path: Path | None = None,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         """`gpus` maps each GPU UUID to its spec; `index` GPU index -> UUID, so scripts
-        may name GPUs by index."""
+        may name GPUs by index. `clock` (seconds) is the wall clock by default, the
+        clock of a real GPU's sample timestamps."""
         self._specs = dict(gpus)
         self._index = dict(index or {})
         self._product_used = dict(product_memory_used or {})

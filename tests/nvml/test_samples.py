@@ -3,6 +3,7 @@ in a bounded buffer, read by timestamp as nvml.h describes."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pynvml
@@ -87,6 +88,22 @@ def test_a_scripted_value_answers_every_sample_since_the_last_read() -> None:
     # Every sample of the second since the last read.
     assert [v for _, v in read(nvml, gpu, newest)] == [5] * (1_000_000 // SAMPLE_PERIOD_US)
     assert nvml.nvmlDeviceGetUtilizationRates(gpu).gpu == 5
+
+
+def test_a_nodes_emulated_gpu_stamps_its_samples_with_the_wall_clock_as_nvml_does() -> None:
+    """NVML stamps a sample with the CPU's wall clock in microseconds, and the agent
+    reads the newest against its own wall clock to see that clock step back
+    (`gpudra.driver.utilization`). Stamped from the monotonic clock, as they were, an
+    emulated node's samples lay decades behind it, so that check held whatever the
+    clock did."""
+    before_us = time.time() * 1_000_000
+    nvml: Any = load_nvml("emulated:l4")  # as the agent builds it
+    nvml.nvmlInit()
+    gpu = nvml.nvmlDeviceGetHandleByIndex(0)
+    time.sleep(1.5 * SAMPLE_PERIOD_US / 1_000_000)  # one sample period at least
+    stamps = [t for t, _ in read(nvml, gpu, 0)]
+    assert stamps
+    assert before_us <= min(stamps) <= max(stamps) <= time.time() * 1_000_000
 
 
 def test_what_has_no_samples_answers_as_nvml_does() -> None:
