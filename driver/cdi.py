@@ -4,8 +4,10 @@ One spec file per claim, named after the claim UID, in the dynamic CDI directory
 (/var/run/cdi), written at prepare and removed at unprepare. The container
 runtime reads it when it creates a container that uses one of its devices.
 
-Kind `k8s.gpu.nvidia.com/claim` (vendor `k8s.<driver name>`, as the upstream
-DRA driver uses): the NVIDIA container toolkit owns vendor `nvidia.com`
+Kind `k8s.<driver name>/claim` (`claim_kind`; `k8s.gpu.nvidia.com/claim` for the
+default name, as the upstream DRA driver names it): each driver on a node has its own
+kind, so two drivers' specs of one claim never define the same device, and an agent
+lists and sweeps only its own files. The NVIDIA container toolkit owns vendor `nvidia.com`
 (`nvidia.com/gpu=0`, `nvidia.com/gpu=GPU-<uuid>`, `nvidia.com/gpu=all`), and
 the same device defined in two specs at one priority is a conflict that fails
 every container using it. A separate vendor also means the toolkit's regenerated
@@ -27,7 +29,7 @@ import logging
 import os
 import re
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any, Final, Literal, TypeAlias
@@ -55,6 +57,7 @@ __all__ = [
     "ToolkitSpec",
     "build_spec",
     "cdi_device_name",
+    "claim_kind",
     "driver_common_edits",
     "find_driver_files",
     "find_toolkit_spec",
@@ -229,6 +232,19 @@ def _validate_device_name(name: str) -> str:
 def cdi_device_name(claim_uid: str, device_name: str) -> str:
     """`<claimUID>-<deviceName>`: unique on the node, so specs of claims never collide."""
     return _validate_device_name(f"{validate_claim_uid(claim_uid)}-{device_name}")
+
+
+def claim_kind(driver_name: str) -> str:
+    """The CDI kind of the claim specs of the DRA driver named `driver_name`.
+
+    Named after the driver, as upstream's driver does, because the runtime drops a
+    device that two specs of one priority define, and an agent sweeps the files of its
+    kind that its checkpoint does not name: with one kind for every driver name, a claim
+    with devices of two drivers lost them all, and two drivers sharing a CDI folder
+    removed each other's specs."""
+    kind = f"k8s.{driver_name}/claim"
+    _split_kind(kind)
+    return kind
 
 
 def qualified_id(name: str, kind: str = DEFAULT_KIND) -> str:
@@ -640,16 +656,30 @@ class CdiSpecStore:
         spec = self.build(claim_uid, devices, common_edits=common_edits, annotations=annotations)
         self.write(claim_uid, spec)
 
-    def remove(self, claim_uid: str) -> bool:
-        """Delete the claim's spec; False when there was none (unprepare is idempotent)."""
-        path = self._spec_file(claim_uid)
-        try:
-            os.unlink(path)  # noqa: PTH108 - see _spec_file
-        except FileNotFoundError:
-            return False
-        if self._durable:
+    def remove(self, claim_uid: str, *, device_ids: Iterable[str] = ()) -> bool:
+        """Delete the claim's spec; False when there was none (unprepare is idempotent).
+
+        `device_ids`, the CDI IDs handed to the kubelet for the claim, name the kinds it
+        was written under: the spec of another claim kind among them is deleted too. A
+        release whose kind did not follow its driver name wrote it, and a claim prepared
+        then is unprepared by this one.
+        """
+        paths = [self._spec_file(claim_uid)]
+        for kind in sorted({i.partition("=")[0] for i in device_ids} - {self._kind}):
+            with contextlib.suppress(CdiError):
+                vendor, cdi_class = _split_kind(kind)
+                if cdi_class == self._class:  # not the toolkit's `nvidia.com/gpu`
+                    paths.append(f"{self._root_str}/{vendor}-{cdi_class}_{claim_uid}.json")
+        removed = False
+        for path in paths:
+            try:
+                os.unlink(path)  # noqa: PTH108 - see _spec_file
+            except FileNotFoundError:
+                continue
+            removed = True
+        if removed and self._durable:
             fsync_dir(self._root)
-        return True
+        return removed
 
     def list_claim_uids(self) -> list[str]:
         """UIDs of claims that have a spec written by this store (for leftover cleanup)."""

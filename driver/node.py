@@ -43,6 +43,7 @@ from gpudra.driver.cdi import (
     DEFAULT_CDI_ROOT,
     CdiSpecStore,
     DeviceNumbers,
+    claim_kind,
     find_driver_files,
     find_toolkit_spec,
 )
@@ -225,7 +226,7 @@ class NodeService:
             nvml=nvml,
             inventory=lambda: self.agent.inventory,
             shares=lambda: self.agent.shares,
-            cdi=CdiSpecStore(plugin.cdi_root),
+            cdi=CdiSpecStore(plugin.cdi_root, kind=claim_kind(agent_config.driver_name)),
             checkpoint_path=plugin.checkpoint_path,
             sharing=NvidiaSharing(
                 driver_root=plugin.driver_root,

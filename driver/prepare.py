@@ -1122,7 +1122,13 @@ class ClaimPreparer:
                     )
 
         await attempt(
-            "removing the CDI spec", functools.partial(self._cdi.remove, record.uid), cdi=True
+            "removing the CDI spec",
+            functools.partial(
+                self._cdi.remove,
+                record.uid,
+                device_ids=[i for d in record.devices for i in d.cdi_device_ids],
+            ),
+            cdi=True,
         )
         daemons: dict[Path, MpsStarted] = {}
         time_slices: dict[str, bool] = {}

@@ -35,7 +35,13 @@ from gpudra.common.kube import Kube as AsyncKube
 from gpudra.driver import publish
 from gpudra.driver import sharing as sharing_module
 from gpudra.driver.accounting import Accounting
-from gpudra.driver.cdi import CdiSpecStore, DeviceNumbers, ToolkitSpec, find_toolkit_spec
+from gpudra.driver.cdi import (
+    DEFAULT_KIND,
+    CdiSpecStore,
+    DeviceNumbers,
+    ToolkitSpec,
+    find_toolkit_spec,
+)
 from gpudra.driver.checkpoint import ClaimRecord
 from gpudra.driver.checkpoint import document as checkpoint_document
 from gpudra.driver.checkpoint import load as load_checkpoint
@@ -449,15 +455,17 @@ def node_preparer(
     shares: Mapping[str, int] | None = None,
     checkpoint: Path | None = None,
     conflict_wait: float = CONFLICT_WAIT_S,
+    cdi_kind: str = DEFAULT_KIND,
 ) -> ClaimPreparer:
     """The device layer on this test's node: its folders, the emulated GPUs, fake tools;
     `shares`: the integer shares each GPU is published with; `checkpoint`: elsewhere
-    than the node's (a small file system to fill), with the MPS folders beside it."""
+    than the node's (a small file system to fill), with the MPS folders beside it;
+    `cdi_kind`: its claim specs' kind (its driver name's)."""
     return ClaimPreparer(
         node_name=NODE,
         nvml=nvml,
         inventory=inventory or (lambda: discover(nvml)),
-        cdi=CdiSpecStore(node.cdi_dir),
+        cdi=CdiSpecStore(node.cdi_dir, kind=cdi_kind),
         checkpoint_path=checkpoint or node.checkpoint,
         sharing=sharing or fake_sharing(),
         dev_root=node.dev_root,

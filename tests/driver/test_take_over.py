@@ -147,12 +147,13 @@ def node_service(
     nvml: NvmlEmulator,
     *,
     kubelet_root: Path | None = None,
+    driver_name: str | None = None,
     **every: float,
 ) -> NodeService:
     """`gpudra node` with its kubelet plugin in `folders`, sampling nothing; `every`
     sets intervals (`cleanup_interval_s=0`: sweeping deleted claims at every turn of
-    the event loop). A plugin that serves needs a short `kubelet_root`: a unix
-    socket's path is 107 bytes at most."""
+    the event loop); `driver_name`: `--driver-name`. A plugin that serves needs a short
+    `kubelet_root`: a unix socket's path is 107 bytes at most."""
     plugin = PluginConfig(
         kubelet_root=kubelet_root or folders.root / "kubelet",
         cdi_root=folders.cdi_dir,
@@ -164,7 +165,9 @@ def node_service(
         sample_interval_s=0,
         **every,
     )
-    return NodeService(AgentConfig(node_name=NODE, health_events=False), kube, nvml, plugin)
+    named = {} if driver_name is None else {"driver_name": driver_name}
+    config = AgentConfig(node_name=NODE, health_events=False, **named)
+    return NodeService(config, kube, nvml, plugin)
 
 
 async def test_the_sweep_of_deleted_claims_stops_once_the_checkpoint_is_taken_over(
