@@ -11,6 +11,7 @@ types, so the device layer never sees protobuf, gRPC or the API server.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import os
@@ -45,7 +46,7 @@ DRA_V1 = "v1.DRAPlugin"
 DRA_V1BETA1 = "v1beta1.DRAPlugin"
 HEALTH_V1ALPHA1 = "v1alpha1.DRAResourceHealth"
 DRA_APIS = (DRA_V1, DRA_V1BETA1)
-# The kubelet truncates longer messages; doing it here keeps what it shows predictable.
+# Bytes. The kubelet truncates longer messages; doing it here keeps what it shows predictable.
 MAX_HEALTH_MESSAGE = 1024
 # A third of the kubelet's default per-device health timeout (30 s): see `_Health`.
 HEALTH_REFRESH_S = 10.0
@@ -55,6 +56,10 @@ KUBELET_CALL_TIMEOUT_S = 45.0
 # sun_path is 108 bytes including the terminating NUL.
 _MAX_UNIX_PATH = 107
 _SOCKET_MODE = 0o600
+# Each socket is bound in a folder of this name beside it (`_bind_private`); one older
+# than `_STALE_STAGING_S` is a killed agent's.
+_STAGING_PREFIX = ".gpudra-bind-"
+_STALE_STAGING_S = 60.0
 
 R = TypeVar("R")
 C = TypeVar("C", ClaimRef, Claim)
@@ -203,18 +208,25 @@ def _check_socket_path(path: Path, what: str) -> None:
         raise ValueError(msg)
 
 
-def _bind_private(server: Any, path: Path) -> tuple[int, int]:
+def _bind_private(server: Any, path: Path) -> tuple[tuple[int, int], Path]:
     """Bind `server` to `path` so that the socket is owner-only from its first moment.
 
     gRPC binds with the process umask; rather than change the process-wide umask
     (which would race with other threads creating files), bind inside a fresh 0700
     directory, chmod there, then rename into place. The rename also atomically
-    replaces a stale socket left by an earlier run. Returns the socket's (dev, inode)
-    so that `stop` removes only its own socket.
+    replaces a stale socket left by an earlier run. Returns the socket's (dev, inode),
+    so that `stop` removes only its own socket, and the directory.
+
+    The directory stays, empty, until `stop` removes it: the kubelet's watcher of
+    plugins_registry stats each new entry when its event comes, skips a name starting
+    with "." only once that stat succeeds, and logs an error for one already gone. One
+    that a killed agent left is removed at the next start (`_remove_stale_staging`).
     """
     path.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".", dir=path.parent))
+    _remove_stale_staging(path.parent)
+    staging = Path(tempfile.mkdtemp(prefix=_STAGING_PREFIX, dir=path.parent))
     temp = staging / "s"
+    bound = False
     try:
         _check_socket_path(temp, "staging")
         if server.add_insecure_port(f"unix://{temp}") == 0:
@@ -223,10 +235,39 @@ def _bind_private(server: Any, path: Path) -> tuple[int, int]:
         temp.chmod(_SOCKET_MODE)
         temp.replace(path)
         st = path.stat()
+        bound = True
     finally:
-        temp.unlink(missing_ok=True)
-        staging.rmdir()
-    return st.st_dev, st.st_ino
+        if not bound:
+            temp.unlink(missing_ok=True)
+            staging.rmdir()
+    return (st.st_dev, st.st_ino), staging
+
+
+def _remove_stale_staging(folder: Path) -> None:
+    """Remove the staging directories in `folder` that no bind is using: those older
+    than `_STALE_STAGING_S`, left by an agent killed before its stop, with the socket a
+    kill between its bind and its rename left inside (which the kubelet would try to
+    register after its own restart: its walk of plugins_registry descends into every
+    directory). Another agent's, in a rolling update, is either that old and empty, or
+    new and left alone."""
+    now = time.time()
+    for staging in folder.glob(f"{_STAGING_PREFIX}*"):
+        try:
+            if staging.is_symlink() or not staging.is_dir():
+                continue
+            if now - staging.stat().st_mtime < _STALE_STAGING_S:
+                continue
+            (staging / "s").unlink(missing_ok=True)
+            staging.rmdir()
+        except OSError as exc:
+            log.warning(
+                "could not remove a stale socket staging folder",
+                extra={"fields": {"folder": str(staging), "error": str(exc)}},
+            )
+            continue
+        log.info(
+            "removed a stale socket staging folder", extra={"fields": {"folder": str(staging)}}
+        )
 
 
 def _remove_own_socket(path: Path, identity: tuple[int, int]) -> None:
@@ -474,9 +515,12 @@ class _DraServicer:
 
 
 def _truncate_message(message: str) -> str:
-    if len(message) <= MAX_HEALTH_MESSAGE:
+    """At most `MAX_HEALTH_MESSAGE` bytes of UTF-8, cut between characters. The kubelet
+    counts bytes, as Go's `len` does, and would cut a longer message mid-character."""
+    data = message.encode()
+    if len(data) <= MAX_HEALTH_MESSAGE:
         return message
-    return message[: MAX_HEALTH_MESSAGE - 3] + "..."
+    return data[: MAX_HEALTH_MESSAGE - 3].decode(errors="ignore") + "..."
 
 
 def health_response(
@@ -633,7 +677,7 @@ class KubeletPlugin:
         self.registration_error: str | None = None
         self._health_streams: set[anyio.CancelScope] = set()
         # (server, socket path, socket identity), in start order.
-        self._serving: list[tuple[Any, Path, tuple[int, int]]] = []
+        self._serving: list[tuple[Any, Path, tuple[int, int], Path]] = []
 
     @property
     def registered(self) -> anyio.Event:
@@ -708,8 +752,8 @@ class KubeletPlugin:
         )
 
     async def _serve(self, server: Any, path: Path) -> None:
-        identity = _bind_private(server, path)
-        self._serving.append((server, path, identity))
+        identity, staging = _bind_private(server, path)
+        self._serving.append((server, path, identity, staging))
         await server.start()
 
     async def stop(self) -> None:
@@ -720,8 +764,10 @@ class KubeletPlugin:
             for scope in list(self._health_streams):
                 scope.cancel()
             while self._serving:
-                server, path, identity = self._serving.pop()
+                server, path, identity, staging = self._serving.pop()
                 _remove_own_socket(path, identity)
+                with contextlib.suppress(OSError):
+                    staging.rmdir()
                 await server.stop(self._stop_grace_s)
             await self._calls.wait()
         log.info("kubelet plugin stopped", extra={"fields": {"driver": self.driver_name}})

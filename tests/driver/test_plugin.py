@@ -12,6 +12,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -318,11 +319,36 @@ async def test_sockets_are_owner_only(root: Path) -> None:
             mode = path.stat().st_mode
             assert stat.S_ISSOCK(mode), path
             assert stat.S_IMODE(mode) == 0o600, (path, oct(mode))
-        # Nothing else (no staging folder) is left next to the sockets.
-        assert sorted(p.name for p in plugin.dra_socket.parent.iterdir()) == ["dra.sock"]
-        assert sorted(p.name for p in plugin.registration_socket.parent.iterdir()) == [
-            f"{DRIVER}-reg.sock"
-        ]
+        # Beside each socket, the empty owner-only folder it was bound in, hidden from
+        # the kubelet's watcher by its leading dot, stays until the stop (`_bind_private`).
+        for path in (plugin.registration_socket, plugin.dra_socket):
+            (staging,) = [p for p in path.parent.iterdir() if p != path]
+            assert staging.name.startswith(".gpudra-bind-"), staging
+            assert stat.S_IMODE(staging.stat().st_mode) == 0o700
+            assert list(staging.iterdir()) == []
+    assert list(plugin.dra_socket.parent.iterdir()) == []
+    assert list(plugin.registration_socket.parent.iterdir()) == []
+
+
+async def test_a_killed_agents_staging_folders_go_at_the_next_start(root: Path) -> None:
+    """An agent killed before its stop leaves its staging folders, one of them perhaps
+    with a socket that the kubelet's walk of plugins_registry, at its own restart, would
+    try to register. The next start removes them; a fresh one (another agent's bind in a
+    rolling update) and other folders stay."""
+    plugin = KubeletPlugin(DRIVER, RecordingHandler(), claims=Allocated(), kubelet_root=root)
+    folder = plugin.registration_socket.parent
+    folder.mkdir(parents=True)
+    killed, fresh, other = (folder / n for n in (".gpudra-bind-x1", ".gpudra-bind-x2", ".x3"))
+    for staging in (killed, fresh, other):
+        staging.mkdir(mode=0o700)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as dead:
+        dead.bind(str(killed / "s"))
+    an_hour_ago = time.time() - 3600
+    for staging in (killed, other):
+        os.utime(staging, (an_hour_ago, an_hour_ago))
+    async with plugin:
+        assert not killed.exists()
+        assert fresh.is_dir() and other.is_dir()
 
 
 async def test_stale_sockets_are_replaced(root: Path) -> None:
@@ -671,6 +697,12 @@ async def test_health_stream_sends_the_full_list_on_every_change(root: Path) -> 
             assert len(third) == 2
             assert len(third[0].message) == 1024
             assert third[0].message.endswith("...")
+            # The kubelet counts bytes: two-byte characters are cut between characters.
+            board.publish([gpu("gpu-0", False, "\u00e9" * 1100), gpu("gpu-1", True)])
+            with anyio.fail_after(WAIT_S):
+                fourth = await anext(updates)
+            assert fourth[0].message == "\u00e9" * 510 + "..."
+            assert len(fourth[0].message.encode()) == 1023
             await plugin.stop()
             # Stopping ends the stream cleanly (status OK) instead of the server
             # cutting it off after its grace period.
