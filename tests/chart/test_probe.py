@@ -14,7 +14,7 @@ import anyio
 import anyio.to_thread
 import pytest
 from gpudra.driver.claims import Claim, ClaimRef
-from gpudra.driver.plugin import KubeletPlugin, PrepareResult
+from gpudra.driver.plugin import DRA_V1, DRA_V1BETA1, KubeletPlugin, PrepareResult
 
 PROBE = Path(__file__).resolve().parents[2] / "charts" / "gpudra" / "files" / "probe.py"
 DRIVER = "gpu.nvidia.com"
@@ -109,3 +109,17 @@ async def test_probe_takes_the_pod_uid_from_the_environment() -> None:
             assert ok.returncode == 0, ok.stderr
             without = await anyio.to_thread.run_sync(probe, root)
             assert without.returncode == 1
+
+
+@pytest.mark.parametrize("api", [DRA_V1, DRA_V1BETA1])
+async def test_probe_passes_whichever_dra_api_the_plugin_serves(api: str) -> None:
+    """A plugin told to serve one version (`--dra-api`, as the kubelet version tests run
+    it) is alive all the same: asked for a method it does not serve, the probe asks the
+    other version's."""
+    with tempfile.TemporaryDirectory(prefix="kl-") as tmp:
+        root = Path(tmp)
+        async with KubeletPlugin(
+            DRIVER, NoClaims(), claims=NoClaims(), kubelet_root=root, dra_apis=(api,)
+        ):
+            ok = await anyio.to_thread.run_sync(probe, root)
+            assert ok.returncode == 0, ok.stderr

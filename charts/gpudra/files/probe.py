@@ -15,11 +15,17 @@ from pathlib import Path
 
 import grpc
 
+# Each socket's call, in each API version the plugin may serve: the plugin serves the
+# versions its `--dra-api` names (v1 and v1beta1 by default), so a method it does not
+# serve (UNIMPLEMENTED) is asked in the next version.
 CALLS = (
-    ("plugins_registry/{driver}{suffix}-reg.sock", "/pluginregistration.Registration/GetInfo"),
+    ("plugins_registry/{driver}{suffix}-reg.sock", ("/pluginregistration.Registration/GetInfo",)),
     (
         "plugins/{driver}/dra{suffix}.sock",
-        "/k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin/NodePrepareResources",
+        (
+            "/k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin/NodePrepareResources",
+            "/k8s.io.kubelet.pkg.apis.dra.v1beta1.DRAPlugin/NodePrepareResources",
+        ),
     ),
 )
 
@@ -43,20 +49,31 @@ def main(argv: list[str]) -> int:
         return 2
     root, driver = Path(argv[0]), argv[1]
     pod_uid = argv[2] if len(argv) == 3 else os.environ.get("POD_UID", "")
-    for pattern, method in CALLS:
+    for pattern, methods in CALLS:
         path = socket_path(root, pattern, driver, pod_uid)
-        try:
-            with grpc.insecure_channel(f"unix://{path}") as channel:
-                call = channel.unary_unary(
-                    method,
-                    request_serializer=lambda _: b"",
-                    response_deserializer=lambda data: data,
-                )
-                call(None, timeout=5)
-        except grpc.RpcError as e:
-            print(f"{method} on {path} failed: {e.code().name} {e.details()}", file=sys.stderr)
+        if not answers(path, methods):
             return 1
     return 0
+
+
+def answers(path: Path, methods: tuple[str, ...]) -> bool:
+    """Whether the server on `path` answers the first of `methods` it serves."""
+    with grpc.insecure_channel(f"unix://{path}") as channel:
+        for method in methods:
+            call = channel.unary_unary(
+                method,
+                request_serializer=lambda _: b"",
+                response_deserializer=lambda data: data,
+            )
+            try:
+                call(None, timeout=5)
+            except grpc.RpcError as e:
+                if e.code() == grpc.StatusCode.UNIMPLEMENTED and method != methods[-1]:
+                    continue
+                print(f"{method} on {path} failed: {e.code().name} {e.details()}", file=sys.stderr)
+                return False
+            return True
+    return False
 
 
 if __name__ == "__main__":
