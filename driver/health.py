@@ -336,6 +336,8 @@ class DeviceHealthState:
     health stream reports (as a `plugin.DeviceHealth` message) from it.
 
     `healthy` is False while any taint has effect NoSchedule or NoExecute.
+    `monitored` is False while the device carries the unmonitored taint: its GPU's
+    events do not reach the agent, so that it is healthy is not known.
     `updated_at` is the unix time of the device's last change.
     """
 
@@ -345,6 +347,7 @@ class DeviceHealthState:
     message: str
     taints: tuple[Taint, ...]
     updated_at: float
+    monitored: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -950,6 +953,7 @@ class HealthState:
             message="; ".join(self._describe(a, record.gpu_uuid) for a in actives),
             taints=taints,
             updated_at=record.updated_at,
+            monitored=all(t.key != self._policy.unmonitored_key for t in taints),
         )
 
     def _describe(self, active: _Active, gpu_uuid: str) -> str:
@@ -1376,47 +1380,53 @@ class NvmlHealthWatcher:
         if event_type & pynvml.nvmlEventTypeXidCriticalError:
             return self._xid_event(data)
         if event_type & pynvml.nvmlEventTypeDoubleBitEccError:
-            uuid = self._event_uuid(data)
-            return [EccEvent(uuid)] if uuid is not None else self._find_lost()
+            uuid, lost = self._event_uuid(data)
+            events: list[HealthEvent] = [EccEvent(uuid)] if uuid is not None else []
+            return [*events, *self._find_lost()] if lost or uuid is None else events
         logger.debug("ignoring NVML event", extra={"fields": {"type": event_type}})
         return []
 
-    def _event_uuid(self, data: Any) -> str | None:
-        """The UUID of the GPU an event came from; None sends the caller to look for a
-        lost GPU. An error other than GPU_IS_LOST does not lose the event: the handle
-        is one of those the events were registered on, and NVML hands out one handle
-        per GPU (`handle_address`)."""
+    def _event_uuid(self, data: Any) -> tuple[str | None, bool]:
+        """The UUID of the GPU an event came from (None where it cannot be told), and
+        whether NVML said the GPU is lost, which sends the caller to look for the lost
+        GPU. The event is not lost with the lookup: the handle is one of those the events
+        were registered on, and NVML hands out one handle per GPU (`handle_address`). A
+        GPU that falls off the bus (XID 79) is often lost by the time its XID is read."""
         try:
-            return str(self._nvml.nvmlDeviceGetUUID(data.device))
-        except pynvml.NVMLError_GpuIsLost:
-            return None
+            return str(self._nvml.nvmlDeviceGetUUID(data.device)), False
         except pynvml.NVMLError as err:
+            lost = isinstance(err, pynvml.NVMLError_GpuIsLost)
             address = handle_address(data.device)
             for uuid, handle in self._handles.items():
                 if address is not None and handle_address(handle) == address:
-                    return uuid
-            logger.warning(
-                "an NVML event's GPU could not be identified",
-                extra={"fields": {"error": str(err)}},
-            )
-            return None
+                    return uuid, lost
+            if not lost:
+                logger.warning(
+                    "an NVML event's GPU could not be identified",
+                    extra={"fields": {"error": str(err)}},
+                )
+            return None, lost
 
     def _xid_event(self, data: Any) -> list[HealthEvent]:
-        uuid = self._event_uuid(data)
+        """The XID, and the lost GPU where NVML said one is: a lost GPU's XID is still
+        logged, counted and applied (its MIG device and recovery action, which NVML no
+        longer answers for it, unknown)."""
+        uuid, lost = self._event_uuid(data)
         if uuid is None:
             return self._find_lost()
         xid = int(data.eventData)
         gi = int(data.gpuInstanceId)
         ci = int(data.computeInstanceId)
         whole_gpu = gi == FULL_GPU_INSTANCE_ID
-        device = None if whole_gpu else self._mig_device(uuid, gi, ci)
-        recovery = self._recovery_action(uuid) if xid == RECOVERY_ACTION_XID else None
-        fields = {"uuid": uuid, "xid": xid, "gi": gi, "ci": ci, "device": device}
+        device = None if whole_gpu or lost else self._mig_device(uuid, gi, ci)
+        recovery = self._recovery_action(uuid) if xid == RECOVERY_ACTION_XID and not lost else None
+        fields = {"uuid": uuid, "xid": xid, "gi": gi, "ci": ci, "device": device, "lost": lost}
         if recovery is not None:
             fields["recovery_action"] = _RECOVERY_ACTIONS.get(recovery, str(recovery))
         logger.warning("GPU XID event", extra={"fields": fields})
         unplaced = not whole_gpu and device is None
-        return [XidEvent(uuid, xid, device, unplaced=unplaced, recovery=recovery)]
+        event = XidEvent(uuid, xid, device, unplaced=unplaced, recovery=recovery)
+        return [event, *self._find_lost()] if lost else [event]
 
     def _recovery_action(self, uuid: str) -> int | None:
         """What the driver says the GPU needs now (NVML_GPU_RECOVERY_ACTION_*); None
@@ -1457,8 +1467,13 @@ class NvmlHealthWatcher:
         except pynvml.NVMLError_NotFound:
             return None
         except pynvml.NVMLError:
+            # An event of the GPU instance as a whole names no compute instance
+            # (FULL_GPU_INSTANCE_ID there too), as NVML's own answer above needs none.
             for mig in gpu.mig_devices:
-                if mig.gpu_instance_id == gi and mig.compute_instance_id == ci:
+                if mig.gpu_instance_id == gi and ci in (
+                    FULL_GPU_INSTANCE_ID,
+                    mig.compute_instance_id,
+                ):
                     return mig.name
             return None
         profile = gpu.mig_profiles.get(int(info.profileId))

@@ -153,7 +153,8 @@ class AgentHealth:
             DeviceHealth(
                 pool_name=pool,
                 device_name=name,
-                healthy=state.healthy,
+                # Unknown, not Healthy, where no event of its GPU reaches the agent.
+                healthy=state.healthy if state.monitored or not state.healthy else None,
                 updated_at=state.updated_at,
                 message=state.message,
             )

@@ -935,9 +935,15 @@ class NvmlEmulator:
                 _PendingEvent(gpu, event_type, 0, FULL_GPU_INSTANCE_ID, FULL_GPU_INSTANCE_ID)
             )
 
-    def lose_gpu(self, index: int) -> None:
-        """GPU `index` falls off the bus: its calls raise GPU_IS_LOST, waiters are told."""
+    def lose_gpu(self, index: int, *, xid: int | None = None) -> None:
+        """GPU `index` falls off the bus: its calls raise GPU_IS_LOST, waiters are told.
+
+        `xid` (79, "GPU has fallen off the bus"): the XID the driver reported as the GPU
+        went, queued before the loss in one step, so a watcher reads it from a GPU that
+        is lost by then, as one on a real node mostly does."""
         with self._lock:
+            if xid is not None:
+                self.inject_xid(index, xid)
             gpu = self._gpu_at(index)
             gpu.lost = True
             self._deliver(

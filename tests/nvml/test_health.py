@@ -479,6 +479,29 @@ async def test_watcher_resolves_mig_scoped_events() -> None:
         assert all(report.devices[n].healthy for n in inventory.gpus[0].device_names())
 
 
+async def test_an_event_of_a_whole_gpu_instance_is_named_where_nvml_cannot_say_where_it_sits() -> (
+    None
+):
+    """An XID scoped to a GPU instance but to none of its compute instances, read while
+    NVML cannot be asked where that instance sits (the last scan is asked then): it
+    names the instance's MIG device. It named none before, so it tainted nothing."""
+    nvml = emulated("a100-40gb-mig-mixed")
+    inventory = discover(nvml)
+    state = make_state(inventory, FakeClock())
+    mig = inventory.find("gpu-1-mig-4g20gb-5-0")
+    assert mig is not None and mig.gpu_instance_id is not None
+    async with watching(nvml, state):
+        seen = state.generation
+        nvml.fail_after(0, pynvml.NVML_ERROR_UNKNOWN)
+        nvml.inject_xid(1, 94, gpu_instance_id=mig.gpu_instance_id)
+        await next_change(state, seen)
+        nvml.clear_failure()
+    report = state.report()
+    assert [
+        d.name for d in inventory.gpus[1].mig_devices if not report.devices[d.name].healthy
+    ] == ["gpu-1-mig-4g20gb-5-0"]
+
+
 @dataclass(frozen=True)
 class Instance:
     """A GPU instance with one compute instance spanning it, as prepare makes them."""
@@ -712,6 +735,27 @@ async def test_an_event_whose_gpu_lookup_fails_is_not_lost() -> None:
     report = state.report()
     assert report.unhealthy() == ("gpu-3",)
     assert report.taints("gpu-3")[0].value == "79"
+
+
+async def test_the_xid_of_a_gpu_lost_by_the_time_it_is_read_is_counted_and_applied() -> None:
+    """A GPU that falls off the bus reports XID 79 and is lost by the time the watcher
+    reads it: NVML answers GPU_IS_LOST for its UUID. The XID was dropped then (not
+    logged, not in `gpudra_gpu_xid_errors_total`, no alert); it is the GPU's, through
+    the handle its events were registered on."""
+    nvml = emulated("h100-80gb-hbm3-x8")
+    inventory = discover(nvml)
+    state = make_state(inventory, FakeClock())
+    async with watching(nvml, state):
+        nvml.lose_gpu(3, xid=79)
+        await until(lambda: xids_seen(state, 3, 79) == 1, within_s=10)  # a hang guard
+        await until(lambda: len(state.report().taints("gpu-3")) == 2, within_s=10)
+    report = state.report()
+    assert report.unhealthy() == ("gpu-3",)
+    assert {(t.key, t.value) for t in report.taints("gpu-3")} == {
+        ("gpu.nvidia.com/xid", "79"),
+        ("gpu.nvidia.com/gpu-lost", None),
+    }
+    assert PendingReset("gpu-3", 79) in state.pending_resets()[inventory.gpus[3].uuid]
 
 
 async def test_watcher_is_cancelled_promptly_while_waiting() -> None:
