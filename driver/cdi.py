@@ -598,10 +598,11 @@ class CdiSpecStore:
     def spec_path(self, claim_uid: str) -> Path:
         return Path(self._spec_file(claim_uid))
 
-    def _spec_file(self, claim_uid: str) -> str:
+    def _spec_file(self, claim_uid: str, prefix: str | None = None) -> str:
         """The spec's path as a string: on the prepare path, which writes and removes a
-        spec per claim, Path arithmetic costs more than the system calls."""
-        name = f"{self._prefix}{validate_claim_uid(claim_uid)}.json"
+        spec per claim, Path arithmetic costs more than the system calls. `prefix`:
+        another kind's `<vendor>-<class>_`, for `remove`."""
+        name = f"{prefix or self._prefix}{validate_claim_uid(claim_uid)}.json"
         if os.sep in name:  # belt and braces: a UID has no separator
             raise CdiError(f"claim UID {claim_uid!r} would leave the CDI directory")
         return f"{self._root_str}/{name}"
@@ -669,7 +670,7 @@ class CdiSpecStore:
             with contextlib.suppress(CdiError):
                 vendor, cdi_class = _split_kind(kind)
                 if cdi_class == self._class:  # not the toolkit's `nvidia.com/gpu`
-                    paths.append(f"{self._root_str}/{vendor}-{cdi_class}_{claim_uid}.json")
+                    paths.append(self._spec_file(claim_uid, f"{vendor}-{cdi_class}_"))
         removed = False
         for path in paths:
             try:
