@@ -13,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import tomllib
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -748,6 +749,23 @@ def test_health_refresh_must_be_positive(root: Path) -> None:
 
 
 # --- generated code -------------------------------------------------------------------
+
+
+def test_the_generator_pin_is_the_release_that_made_the_committed_code() -> None:
+    """A fresh install takes grpcio-tools from the pin; were it another release than
+    the committed code's, the comparison below would only ever skip."""
+    dev = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"][
+        "dev"
+    ]
+    pins = [d for d in dev if d.startswith("grpcio-tools")]
+    assert len(pins) == 1 and pins[0].startswith("grpcio-tools=="), pins
+    committed = (REPO / "driver" / "proto" / "dra_v1_pb2_grpc.py").read_text()
+    match = re.search(r"GRPC_GENERATED_VERSION = '([^']+)'", committed)
+    assert match is not None
+    assert pins[0].removeprefix("grpcio-tools==") == match.group(1), (
+        "pyproject.toml pins another grpcio-tools than the one that generated "
+        "driver/proto: run driver/proto/generate.sh with the pinned release"
+    )
 
 
 def test_generated_code_matches_the_protos(tmp_path: Path) -> None:
