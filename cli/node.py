@@ -159,6 +159,15 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "change across reboots and driver reloads, so such a selector may pick another GPU",
     )
     p.add_argument(
+        "--health-checks",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="watch NVML's XID, ECC and lost-GPU events and taint the devices they hit "
+        "(default). --no-health-checks, like the device plugin's "
+        "DP_DISABLE_HEALTHCHECKS=all: no health taints, a lost GPU leaves the slices at "
+        "the next rescan, and the kubelet reads every device's health as Unknown",
+    )
+    p.add_argument(
         "--critical-xid-effect",
         choices=["NoSchedule", "NoExecute"],
         default="NoSchedule",
@@ -473,6 +482,7 @@ def _agent_config(args: argparse.Namespace) -> AgentConfig:
         driver_name=args.driver_name,
         mig_strategy=MigStrategy(args.mig_strategy),
         health=policy,
+        health_events=args.health_checks,
         state_dir=args.state_dir,
         shared_gpus=_shared_gpus(args.shared_gpus),
         gpu_shares=_gpu_shares(args),

@@ -54,6 +54,9 @@ class AgentConfig:
     mig_strategy: MigStrategy = MigStrategy.DYNAMIC
     rescan_s: float = 60.0
     health: HealthPolicy = field(default_factory=HealthPolicy)
+    # Watch NVML's events and taint the devices they hit (`--health-checks`). Off, no
+    # event is read: no taint is raised, and a GPU that falls off the bus leaves the
+    # slices at the next rescan rather than staying published tainted `gpu-lost`.
     health_events: bool = True
     # Where the taints that wait for a GPU reset or for quiet time outlive a restart, and
     # the admin marks GPUs reset (`gpudra.driver.gpuresets`, `gpudra.driver.timedtaints`);
@@ -134,7 +137,9 @@ class NodeAgent:
         """Discover; raises `SharedGpusError` or `GpuSharesError` when the first
         inventory cannot honour `--shared-gpus` or `--gpu-shares`."""
         inv = await anyio.to_thread.run_sync(discover, self.nvml)
-        if self.inventory is not None:
+        if self.inventory is not None and self.config.health_events:
+            # Kept only to carry the `gpu-lost` taint, which only the watcher raises:
+            # with health checks off it would be a dead GPU published healthy.
             inv = inv.keeping_lost(self.inventory)
         if inv != self.inventory:
             first = self.inventory is None and not inv.lost
@@ -221,6 +226,12 @@ class NodeAgent:
         # Taken before the watcher starts: what its first events change (a GPU whose
         # events cannot be watched, one lost) reaches the slices as any later change.
         generation = self.health.generation
+        if not self.config.health_events:
+            log.warning(
+                "health checks are off: no XID, ECC or lost-GPU event taints a device, "
+                "and the kubelet reads every device's health as Unknown",
+                extra={"fields": fields},
+            )
         async with anyio.create_task_group() as tg:
             await tg.start(self.slices.run)
             if self.config.health_events:

@@ -81,6 +81,8 @@ log = logging.getLogger(__name__)
 
 CHECKPOINT_FILE = "checkpoint.json"
 DEFAULT_STATE_DIR = Path("/var/lib/gpudra")
+# The kubelet's message for every device while health checks are off.
+HEALTH_CHECKS_OFF = "gpudra's health checks are off (--no-health-checks)"
 
 
 @dataclass(frozen=True)
@@ -149,14 +151,18 @@ class AgentHealth:
         report = health.report()
         published = {d.name for d in inventory.devices(agent.config.mig_strategy)}
         pool = agent.config.node_name
+        # Unknown, not Healthy, where no event of its GPU reaches the agent, and for
+        # every device when the admin turned the checks off.
+        checked = agent.config.health_events
         devices = tuple(
             DeviceHealth(
                 pool_name=pool,
                 device_name=name,
-                # Unknown, not Healthy, where no event of its GPU reaches the agent.
-                healthy=state.healthy if state.monitored or not state.healthy else None,
+                healthy=(
+                    state.healthy if checked and (state.monitored or not state.healthy) else None
+                ),
                 updated_at=state.updated_at,
-                message=state.message,
+                message=state.message if checked else HEALTH_CHECKS_OFF,
             )
             for name, state in sorted(report.devices.items())
             if name in published

@@ -15,6 +15,8 @@ import pytest
 from gpudra.api.config import GpuConfig
 from gpudra.api.deviceclasses import device_classes
 from gpudra.api.sharing import resolve_sharing
+from gpudra.cli.main import build_parser
+from gpudra.cli.node import _agent_config
 from gpudra.common.kube import Kube
 from gpudra.driver.agent import AgentConfig, NodeAgent
 from gpudra.driver.checkpoint import ClaimRecord, ClaimState, DeviceRecord
@@ -511,6 +513,53 @@ async def test_gpu_lost_is_no_execute(nodes: dict[str, Node], kube: SyncKube) ->
     effects = {t["effect"] for t in (await published(kube, "worker-1"))["gpu-6"]["taints"]}
     assert "NoExecute" in effects
     nodes["worker-1"].nvml.recover_gpu(6)
+
+
+async def test_with_health_checks_off_no_event_taints_and_a_lost_gpu_leaves(
+    cluster: Cluster, kube: SyncKube, tmp_path: Path
+) -> None:
+    """`--no-health-checks` (the chart's `node.health.enabled: false`), as the flag
+    configures the agent: a critical XID and a double-bit ECC error taint nothing, and
+    a GPU that falls off the bus leaves the node's slices at the next rescan rather than
+    staying published with no taint to say it is gone."""
+    node = "worker-unchecked"
+    args = ["node", f"--node-name={node}", f"--driver-name={DRIVER}", "--no-health-checks"]
+    config = replace(_agent_config(build_parser().parse_args(args)), rescan_s=0.5)
+    config = replace(config, state_dir=tmp_path)
+    assert not config.health_events
+    nvml = load_nvml("emulated:h100-80gb-hbm3-x8", uuid_salt=node)
+    # A Node of its own (no kubelet), as the slices are owned by it: the other tests'
+    # agents publish for worker-1 and worker-2.
+    kube.create({"apiVersion": "v1", "kind": "Node", "metadata": {"name": node}})
+    akube = await Kube.connect(str(cluster.layout.admin_kubeconfig))
+    every = [f"gpu-{i}" for i in range(8)]
+    try:
+        async with anyio.create_task_group() as tg:
+            agent = NodeAgent(config, akube, nvml)
+            await tg.start(agent.run)
+            await agent.slices.converged.wait()
+            assert sorted(await published(kube, node)) == every
+            nvml.inject_xid(3, 94)
+            nvml.inject_ecc(4)
+            nvml.lose_gpu(6)
+            with anyio.fail_after(30):
+                while "gpu-6" in (devices := await published(kube, node)):
+                    await anyio.sleep(0.1)
+            assert sorted(devices) == [d for d in every if d != "gpu-6"]
+            assert not any(d.get("taints") for d in devices.values())
+            nvml.recover_gpu(6)
+            with anyio.fail_after(30):
+                while sorted(devices := await published(kube, node)) != every:
+                    await anyio.sleep(0.1)
+            assert not any(d.get("taints") for d in devices.values())
+            assert not [p async for p in anyio.Path(tmp_path).iterdir()]  # none kept either
+            tg.cancel_scope.cancel()
+    finally:
+        for o in kube.list("ResourceSlice"):
+            if o["spec"].get("nodeName") == node:
+                kube.delete("ResourceSlice", o["metadata"]["name"])
+        kube.delete("Node", node)
+        await akube.close()
 
 
 def agent_kubeconfig(

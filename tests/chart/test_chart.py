@@ -818,6 +818,16 @@ def test_reset_xids_reach_the_node_agent(
     assert config.state_dir == Path("/var/lib/gpudra")  # where the reset marks go
 
 
+@pytest.mark.parametrize("enabled", [True, False])
+def test_health_checks_reach_the_node_agent(helm: Path, enabled: bool) -> None:
+    """node.health.enabled: false turns the agent's NVML event watch off."""
+    values = {} if enabled else {"node": {"health": {"enabled": False}}}
+    (c,) = h.find(h.template(helm, values), "DaemonSet")["spec"]["template"]["spec"]["containers"]
+    args = [a.replace("$(NODE_NAME)", "n1") for a in c["args"]]
+    assert ("--no-health-checks" in args) is not enabled
+    assert _agent_config(build_parser().parse_args(args)).health_events is enabled
+
+
 def test_the_migration_plan_installs_as_written(helm: Path, tmp_path: Path) -> None:
     """What `gpudra migrate --out` writes is what docs/migration.md installs: the chart takes
     its values.yaml and the agent gets the shares; its GpuTenants parse as the controller's."""

@@ -7,7 +7,7 @@ from typing import cast
 import pytest
 from gpudra.common.kube import Kube
 from gpudra.driver.health import UnmonitoredEvent, XidEvent
-from gpudra.driver.node import AgentHealth
+from gpudra.driver.node import HEALTH_CHECKS_OFF, AgentHealth
 
 from tests.driver.test_prepare import (
     Node,
@@ -25,7 +25,7 @@ async def test_a_device_whose_gpu_is_unmonitored_is_unknown_to_the_kubelet(
     """A GPU whose events NVML cannot deliver carries an informational taint: its health
     is not known, and the kubelet shows it Unknown in the pod's status, not Healthy. A
     critical XID seen before its events stopped still says Unhealthy."""
-    service = node_service(node, cast(Kube, object()), h100())
+    service = node_service(node, cast(Kube, object()), h100(), health_checks=True)
     await service.agent.scan()
     state = service.agent.health
     assert state is not None
@@ -39,3 +39,15 @@ async def test_a_device_whose_gpu_is_unmonitored_is_unknown_to_the_kubelet(
     assert health["gpu-3"] is None
     assert health["gpu-5"] is False
     assert {name for name, healthy in health.items() if healthy is not True} == {"gpu-3", "gpu-5"}
+
+
+async def test_with_health_checks_off_every_device_is_unknown_to_the_kubelet(
+    node: Node,  # noqa: F811
+) -> None:
+    """`--no-health-checks`: no event of any GPU is read, so the kubelet is told that
+    no device's health is known, and why, rather than that all are Healthy."""
+    service = node_service(node, cast(Kube, object()), h100(), health_checks=False)
+    await service.agent.scan()
+    devices = AgentHealth(service.agent).snapshot().devices
+    assert [d.device_name for d in devices] == [f"gpu-{i}" for i in range(8)]
+    assert {(d.healthy, d.message) for d in devices} == {(None, HEALTH_CHECKS_OFF)}

@@ -148,12 +148,14 @@ def node_service(
     *,
     kubelet_root: Path | None = None,
     driver_name: str | None = None,
+    health_checks: bool = False,
     **every: float,
 ) -> NodeService:
     """`gpudra node` with its kubelet plugin in `folders`, sampling nothing; `every`
-    sets intervals (`cleanup_interval_s=0`: sweeping deleted claims at every turn of
-    the event loop); `driver_name`: `--driver-name`. A plugin that serves needs a short
-    `kubelet_root`: a unix socket's path is 107 bytes at most."""
+        sets intervals (`cleanup_interval_s=0`: sweeping deleted claims at every turn of
+        the event loop); `driver_name`: `--driver-name`; `health_checks`: `--health-checks`
+    (off: tests that watch no NVML events). A plugin that serves needs a short
+        `kubelet_root`: a unix socket's path is 107 bytes at most."""
     plugin = PluginConfig(
         kubelet_root=kubelet_root or folders.root / "kubelet",
         cdi_root=folders.cdi_dir,
@@ -166,7 +168,7 @@ def node_service(
         **every,
     )
     named = {} if driver_name is None else {"driver_name": driver_name}
-    config = AgentConfig(node_name=NODE, health_events=False, **named)
+    config = AgentConfig(node_name=NODE, health_events=health_checks, **named)
     return NodeService(config, kube, nvml, plugin)
 
 

@@ -129,8 +129,10 @@ def test_a_gpu_lost_in_the_middle_of_its_scan_is_left_out_too() -> None:
         assert [e.index for e in later] == list(range(first_lost.index + 1, len(whole.gpus)))
 
 
-def lost_gpu_agent(shared: str = "none") -> NodeAgent:
-    config = AgentConfig(node_name="n1", shared_gpus=SharedGpus.parse(shared), health_events=False)
+def lost_gpu_agent(shared: str = "none", *, checks: bool = False) -> NodeAgent:
+    """An agent whose health watcher does not run; `checks`: as with --health-checks,
+    where the tests apply what the watcher would report."""
+    config = AgentConfig(node_name="n1", shared_gpus=SharedGpus.parse(shared), health_events=checks)
     return NodeAgent(config, cast(Kube, object()), emulated("h100-80gb-hbm3-x8"))
 
 
@@ -151,6 +153,23 @@ async def test_the_agent_starts_with_a_lost_gpu_and_takes_it_back_once_it_answer
     agent.nvml.recover_gpu(5)
     inventory = await agent.scan()
     assert inventory.lost == ()
+    assert published(agent) == [f"gpu-{i}" for i in range(8)]
+
+
+@pytest.mark.anyio
+async def test_with_health_checks_off_a_gpu_lost_while_published_leaves_the_pool() -> None:
+    """A GPU lost after it was published stays in the pool for the watcher's `gpu-lost`
+    taint (the test below). With the health checks off nothing would ever taint it:
+    kept, it would be a dead GPU published healthy, so the rescan leaves it out."""
+    agent = lost_gpu_agent()
+    assert isinstance(agent.nvml, NvmlEmulator)
+    await agent.scan()
+    agent.nvml.lose_gpu(5)
+    inventory = await agent.scan()  # the periodic rescan
+    assert [entry.index for entry in inventory.lost] == [5]
+    assert published(agent) == [f"gpu-{i}" for i in (0, 1, 2, 3, 4, 6, 7)]
+    agent.nvml.recover_gpu(5)
+    await agent.scan()
     assert published(agent) == [f"gpu-{i}" for i in range(8)]
 
 
@@ -201,7 +220,7 @@ async def test_a_gpu_lost_when_the_agent_starts_is_watched_once_it_is_back() -> 
 async def test_a_gpu_lost_while_published_stays_published_tainted() -> None:
     """The rescan keeps a published GPU that is lost as it was last described, so its
     gpu-lost taint (NoExecute) stays on the slice instead of the device vanishing."""
-    agent = lost_gpu_agent()
+    agent = lost_gpu_agent(checks=True)
     assert isinstance(agent.nvml, NvmlEmulator)
     before = await agent.scan()
     lost = before.gpus[5]
