@@ -256,6 +256,19 @@ def qualified_id(name: str, kind: str = DEFAULT_KIND) -> str:
 # --- spec building ----------------------------------------------------------------------------
 
 
+# The widths the CDI library decodes into (specs-go): a number past one fails the
+# whole spec's load, so the builder refuses it.
+_UINT32_MAX: Final = 2**32 - 1
+_INT64_MAX: Final = 2**63 - 1
+_NODE_NUMBER_MAX: Final = {
+    "major": _INT64_MAX,
+    "minor": _INT64_MAX,
+    "fileMode": _UINT32_MAX,
+    "uid": _UINT32_MAX,
+    "gid": _UINT32_MAX,
+}
+
+
 def _absolute(path: str, what: str) -> str:
     if not isinstance(path, str) or not path.startswith("/") or "\x00" in path:
         raise CdiError(f"{what} {path!r} must be an absolute path")
@@ -293,8 +306,11 @@ def _edits_json(edits: ContainerEdits) -> dict[str, Any]:
                 ("gid", node.gid),
             ):
                 if number is not None:
-                    if number < 0:
-                        raise CdiError(f"device node {node.path}: {key} must not be negative")
+                    if not 0 <= number <= _NODE_NUMBER_MAX[key]:
+                        raise CdiError(
+                            f"device node {node.path}: {key} {number} must be from 0 to "
+                            f"{_NODE_NUMBER_MAX[key]}"
+                        )
                     item[key] = number
             nodes.append(item)
         out["deviceNodes"] = nodes
@@ -322,14 +338,20 @@ def _edits_json(edits: ContainerEdits) -> dict[str, Any]:
             if hook.args:
                 item["args"] = list(hook.args)
             if hook.env:
+                for entry in hook.env:
+                    # The library's check: a name before the first "=".
+                    if entry.find("=") <= 0 or "\x00" in entry:
+                        raise CdiError(
+                            f"hook {hook.hook_name} environment entry {entry!r}: give NAME=value"
+                        )
                 item["env"] = list(hook.env)
             if hook.timeout is not None:
                 item["timeout"] = hook.timeout
             hooks.append(item)
         out["hooks"] = hooks
     if edits.additional_gids:
-        if any(gid < 0 for gid in edits.additional_gids):
-            raise CdiError("additional GIDs must not be negative")
+        if any(not 0 <= gid <= _UINT32_MAX for gid in edits.additional_gids):
+            raise CdiError(f"additional GIDs must be from 0 to {_UINT32_MAX}")
         out["additionalGids"] = list(edits.additional_gids)
     return out
 

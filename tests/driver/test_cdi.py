@@ -235,11 +235,35 @@ def test_toolkit_device_without_edits_gets_a_marker_so_the_spec_stays_valid() ->
         CdiDevice("gpu-0", ContainerEdits(device_nodes=(DeviceNode("/d", type="x"),))),  # type: ignore[arg-type]
         CdiDevice("gpu-0", ContainerEdits(device_nodes=(DeviceNode("/d", permissions="rx"),))),
         CdiDevice("gpu-0", ContainerEdits(env={"A": "1"}), annotations={"bad key!": "v"}),
+        # What the CDI library (v1.1.1, vendored by containerd) refuses to load.
+        CdiDevice("gpu-0", ContainerEdits(hooks=(Hook("createContainer", "/x", env=("A",)),))),
+        CdiDevice("gpu-0", ContainerEdits(hooks=(Hook("createContainer", "/x", env=("=1",)),))),
+        CdiDevice("gpu-0", ContainerEdits(device_nodes=(DeviceNode("/d", uid=2**32),))),
+        CdiDevice("gpu-0", ContainerEdits(device_nodes=(DeviceNode("/d", gid=2**32),))),
+        CdiDevice("gpu-0", ContainerEdits(device_nodes=(DeviceNode("/d", file_mode=2**32),))),
+        CdiDevice("gpu-0", ContainerEdits(device_nodes=(DeviceNode("/d", major=2**63),))),
+        CdiDevice("gpu-0", ContainerEdits(device_nodes=(DeviceNode("/d", minor=-1),))),
+        CdiDevice("gpu-0", ContainerEdits(additional_gids=(2**32,))),
     ],
 )
 def test_invalid_device_input_is_rejected(device: CdiDevice) -> None:
     with pytest.raises(CdiError):
         build_spec(UID, [device])
+
+
+def test_the_widest_numbers_the_library_loads_are_written() -> None:
+    node = DeviceNode("/d", major=2**63 - 1, minor=0, file_mode=2**32 - 1, uid=2**32 - 1, gid=0)
+    edits = ContainerEdits(
+        device_nodes=(node,),
+        hooks=(Hook("createContainer", "/x", env=("A=", "B=c=d")),),
+        additional_gids=(2**32 - 1,),
+    )
+    spec = build_spec(UID, [CdiDevice("gpu-0", edits)])
+    (device,) = spec["devices"]
+    got = device["containerEdits"]
+    assert got["deviceNodes"][0]["uid"] == 2**32 - 1
+    assert got["hooks"][0]["env"] == ["A=", "B=c=d"]
+    assert got["additionalGids"] == [2**32 - 1]
 
 
 def test_spec_needs_a_device_and_unique_names() -> None:
