@@ -10,7 +10,7 @@ on change and never miss one. `NvmlHealthWatcher` feeds it from NVML: it blocks 
 Policy, following the upstream NVIDIA DRA driver and improving on it where its users hit
 problems:
 - a critical XID taints the device `gpu.nvidia.com/xid=<xid>` with NoSchedule
-  (configurable NoExecute); application XIDs (13, 31, 43, 45, 68, 109 plus a configured
+  (configurable NoExecute); application XIDs (11, 13, 31, 43, 45, 68, 109 plus a configured
   list) and the XIDs NVIDIA's XID catalogue has ignored (`IGNORED_XIDS`: 63, a row
   remapping recorded, among them) are informational: effect None, the device stays
   healthy. The informational taint names the first such XID until the device has been
@@ -101,11 +101,16 @@ DEFAULT_DRIVER_NAME = "gpu.nvidia.com"
 # XIDs caused by applications, not hardware: NVIDIA's XID catalogue
 # (docs.nvidia.com/deploy/xid-errors, "Resolution Bucket (Immediate Action)") has the
 # application restarted (13, 31, 68) or nothing done (43; 45 follows the XID it comes
-# with). 109 (context switch timeout) is listed by upstream too and stays here although
+# with). 11 (invalid or corrupted push buffer stream) is not in upstream's list: the
+# catalogue has the application restarted and the application or CUDA checked, and a
+# process writes its own push buffer, so as a critical XID any tenant of a shared GPU
+# could keep every tenant's new pods off it at will. 8 (GPU stopped processing), also
+# restarted there but with support to contact, stays critical. 109 (context switch
+# timeout) is listed by upstream too and stays here although
 # the catalogue has RESET_GPU for it: a workload that does not yield raises it, so as a
 # reset-class XID any tenant could take a GPU out of service until an admin acts. An
 # admin who wants the catalogue's treatment lists it in the reset XIDs.
-APPLICATION_XIDS = frozenset({13, 31, 43, 45, 68, 109})
+APPLICATION_XIDS = frozenset({11, 13, 31, 43, 45, 68, 109})
 # XIDs the same catalogue has ignored (IGNORE as the immediate action): 63 (row
 # remapping or page retirement recorded: the memory was repaired, IGNORE in both
 # buckets), 92 (high single-bit ECC error rate), 93 (InfoROM wear limit), 121

@@ -914,6 +914,10 @@ def test_which_xids_need_a_reset_follows_nvidia_and_the_admin() -> None:
     # 109 (context switch timeout): RESET_GPU in the catalogue, but any workload that
     # does not yield raises it, so by default it is informational, as upstream has it.
     assert default.is_application_xid(109) and not default.needs_reset(109)
+    # 11 (corrupted push buffer): the catalogue restarts the application and checks it
+    # or CUDA; a process writes its own push buffer, so one tenant of a shared GPU could
+    # raise it at will. 8 (GPU stopped processing) asks for support: critical.
+    assert default.is_application_xid(11) and not default.is_application_xid(8)
     # The admin's lists win over the built-in ones, either way.
     mine = HealthPolicy(
         extra_application_xids=frozenset({46}), extra_reset_xids=frozenset({13, 94, 109})
@@ -1008,5 +1012,5 @@ def test_the_install_guide_lists_the_xids_that_need_a_reset() -> None:
     (row,) = [line for line in guide.splitlines() if line.startswith("| XIDs 46, 48")]
     listed = {int(n) for n in re.findall(r"\b(\d+)\b", row.split("|")[1])}
     assert listed == RESET_XIDS
-    assert "Application errors (XIDs 13, 31, 43, 45, 68,\n109 and" in guide
-    assert frozenset({13, 31, 43, 45, 68, 109}) == APPLICATION_XIDS
+    assert "Application errors (XIDs 11, 13, 31, 43, 45,\n68, 109 and" in guide
+    assert frozenset({11, 13, 31, 43, 45, 68, 109}) == APPLICATION_XIDS
