@@ -106,10 +106,10 @@ DEFAULT_DRIVER_NAME = "gpu.nvidia.com"
 # process writes its own push buffer, so as a critical XID any tenant of a shared GPU
 # could keep every tenant's new pods off it at will. 8 (GPU stopped processing), also
 # restarted there but with support to contact, stays critical. 109 (context switch
-# timeout) is listed by upstream too and stays here although
-# the catalogue has RESET_GPU for it: a workload that does not yield raises it, so as a
-# reset-class XID any tenant could take a GPU out of service until an admin acts. An
-# admin who wants the catalogue's treatment lists it in the reset XIDs.
+# timeout) is listed by upstream too and stays here although the catalogue has
+# RESET_GPU for it: a workload that does not yield raises it, so as a reset-class XID
+# any tenant could take a GPU out of service until an admin acts. An admin who wants
+# the catalogue's treatment lists it in the reset XIDs.
 APPLICATION_XIDS = frozenset({11, 13, 31, 43, 45, 68, 109})
 # XIDs the same catalogue has ignored (IGNORE as the immediate action): 63 (row
 # remapping or page retirement recorded: the memory was repaired, IGNORE in both
