@@ -151,10 +151,13 @@ class NodeAgent:
                 resets, timed = self._resets, self._timed
                 pending = await anyio.to_thread.run_sync(resets.load) if resets else {}
                 kept = await anyio.to_thread.run_sync(timed.load) if timed else {}
+                watched = self.config.health_events
                 self.health = (
-                    HealthState(inv, self.config.health, clock=self._clock, resets=resets)
+                    HealthState(
+                        inv, self.config.health, clock=self._clock, resets=resets, watched=watched
+                    )
                     if self._clock
-                    else HealthState(inv, self.config.health, resets=resets)
+                    else HealthState(inv, self.config.health, resets=resets, watched=watched)
                 )
                 self.health.restore_resets(pending)
                 self.health.restore_timed(kept)

@@ -395,7 +395,8 @@ class HealthState:
     `restore_timed`, `update_inventory`); read it from anywhere through `report()`,
     `pending_resets()`, `timed_taints()`, `xid_counts()` and `held_reset_gpus`.
     `resets` only names the admin's reset marks in the messages (None: there are none,
-    the agent keeps no state folder).
+    the agent keeps no state folder). `watched` False: no watcher feeds it (the health
+    checks are off), so nothing is marked unmonitored either: no device is.
     """
 
     def __init__(
@@ -406,8 +407,10 @@ class HealthState:
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], datetime] = _now_utc,
         resets: GpuResets | None = None,
+        watched: bool = True,
     ) -> None:
         self._policy = policy if policy is not None else HealthPolicy()
+        self._watched = watched
         self._clock = clock
         self._wall_clock = wall_clock
         self._resets = resets
@@ -916,6 +919,8 @@ class HealthState:
         the instances only to a caller with the privilege (the MIG monitor capability),
         otherwise only those of the whole device; discovery records that privilege
         missing as the GPU's gaps (NVML refused it a field with NO_PERMISSION)."""
+        if not self._watched:
+            return
         gpus = [gpu for gpu in self._inventory.gpus if gpu.mig_enabled and gpu.gaps]
         for gpu in gpus:
             privilege = gpu.gaps[0].privilege

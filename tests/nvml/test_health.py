@@ -12,11 +12,14 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import cast
 
 import anyio
 import anyio.lowlevel
 import pynvml
 import pytest
+from gpudra.common.kube import Kube
+from gpudra.driver.agent import AgentConfig, NodeAgent
 from gpudra.driver.devices import (
     MIG_MONITOR_PRIVILEGE,
     FieldGap,
@@ -986,6 +989,23 @@ def test_mig_devices_are_unmonitored_where_nvml_withholds_their_events() -> None
     clock.now += 60
     assert state.expire()
     assert all(state.report().taints(n) == () for n in mig_names)
+
+
+@pytest.mark.anyio
+async def test_with_health_checks_off_no_mig_device_is_marked_unmonitored() -> None:
+    """The agent's health state with the checks off: no watcher would hear any device,
+    so singling out the MIG devices of a GPU short of the privilege would be a health
+    taint where the admin turned them off."""
+    nvml = emulated("a100-40gb-mig-mixed")
+    agent = NodeAgent(AgentConfig(node_name="n1", health_events=False), cast(Kube, object()), nvml)
+    await agent.scan()
+    assert agent.health is not None and agent.inventory is not None
+    agent.health.update_inventory(without_mig_monitor(agent.inventory, 0))
+    assert all(d.taints == () for d in agent.health.report().devices.values())
+    gpu0 = agent.inventory.gpus[0]
+    mig = min(set(gpu0.device_names()) - {gpu0.device.name})
+    checked = make_state(without_mig_monitor(agent.inventory, 0), FakeClock())
+    assert checked.report().taints(mig) != ()  # what the checks would have marked
 
 
 async def test_watcher_without_privilege_sees_whole_gpu_xids_only() -> None:
