@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Container
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import anyio
@@ -151,14 +152,14 @@ class NodeAgent:
                 resets, timed = self._resets, self._timed
                 pending = await anyio.to_thread.run_sync(resets.load) if resets else {}
                 kept = await anyio.to_thread.run_sync(timed.load) if timed else {}
-                watched = self.config.health_events
-                self.health = (
-                    HealthState(
-                        inv, self.config.health, clock=self._clock, resets=resets, watched=watched
-                    )
-                    if self._clock
-                    else HealthState(inv, self.config.health, resets=resets, watched=watched)
+                state = partial(
+                    HealthState,
+                    inv,
+                    self.config.health,
+                    resets=resets,
+                    watched=self.config.health_events,
                 )
+                self.health = state(clock=self._clock) if self._clock else state()
                 self.health.restore_resets(pending)
                 self.health.restore_timed(kept)
             else:

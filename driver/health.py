@@ -98,6 +98,8 @@ _Resets: TypeAlias = Mapping[str, tuple[PendingReset, ...]]
 """Taints waiting for a GPU reset, by GPU UUID."""
 
 DEFAULT_DRIVER_NAME = "gpu.nvidia.com"
+# Every device's health message while the checks are off (`HealthState(watched=False)`).
+HEALTH_CHECKS_OFF = "gpudra's health checks are off (--no-health-checks)"
 # XIDs caused by applications, not hardware: NVIDIA's XID catalogue
 # (docs.nvidia.com/deploy/xid-errors, "Resolution Bucket (Immediate Action)") has the
 # application restarted (13, 31, 68) or nothing done (43; 45 follows the XID it comes
@@ -342,7 +344,8 @@ class DeviceHealthState:
 
     `healthy` is False while any taint has effect NoSchedule or NoExecute.
     `monitored` is False while the device carries the unmonitored taint: its GPU's
-    events do not reach the agent, so that it is healthy is not known.
+    events do not reach the agent, so that it is healthy is not known; and for every
+    device while the health checks are off.
     `updated_at` is the unix time of the device's last change.
     """
 
@@ -396,7 +399,8 @@ class HealthState:
     `pending_resets()`, `timed_taints()`, `xid_counts()` and `held_reset_gpus`.
     `resets` only names the admin's reset marks in the messages (None: there are none,
     the agent keeps no state folder). `watched` False: no watcher feeds it (the health
-    checks are off), so nothing is marked unmonitored either: no device is.
+    checks are off), so no device is monitored: none is singled out with the
+    unmonitored taint, and each reports `monitored` False with `HEALTH_CHECKS_OFF`.
     """
 
     def __init__(
@@ -960,10 +964,14 @@ class HealthState:
             name=name,
             gpu_uuid=record.gpu_uuid,
             healthy=healthy,
-            message="; ".join(self._describe(a, record.gpu_uuid) for a in actives),
+            message=(
+                "; ".join(self._describe(a, record.gpu_uuid) for a in actives)
+                if self._watched
+                else HEALTH_CHECKS_OFF
+            ),
             taints=taints,
             updated_at=record.updated_at,
-            monitored=all(t.key != self._policy.unmonitored_key for t in taints),
+            monitored=self._watched and all(t.key != self._policy.unmonitored_key for t in taints),
         )
 
     def _describe(self, active: _Active, gpu_uuid: str) -> str:

@@ -81,8 +81,6 @@ log = logging.getLogger(__name__)
 
 CHECKPOINT_FILE = "checkpoint.json"
 DEFAULT_STATE_DIR = Path("/var/lib/gpudra")
-# The kubelet's message for every device while health checks are off.
-HEALTH_CHECKS_OFF = "gpudra's health checks are off (--no-health-checks)"
 
 
 @dataclass(frozen=True)
@@ -151,18 +149,15 @@ class AgentHealth:
         report = health.report()
         published = {d.name for d in inventory.devices(agent.config.mig_strategy)}
         pool = agent.config.node_name
-        # Unknown, not Healthy, where no event of its GPU reaches the agent, and for
-        # every device when the admin turned the checks off.
-        checked = agent.config.health_events
         devices = tuple(
             DeviceHealth(
                 pool_name=pool,
                 device_name=name,
-                healthy=(
-                    state.healthy if checked and (state.monitored or not state.healthy) else None
-                ),
+                # Unknown, not Healthy, where no event of its GPU reaches the agent
+                # (health checks off included).
+                healthy=state.healthy if state.monitored or not state.healthy else None,
                 updated_at=state.updated_at,
-                message=state.message if checked else HEALTH_CHECKS_OFF,
+                message=state.message,
             )
             for name, state in sorted(report.devices.items())
             if name in published

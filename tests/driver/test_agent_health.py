@@ -6,8 +6,8 @@ from typing import cast
 
 import pytest
 from gpudra.common.kube import Kube
-from gpudra.driver.health import UnmonitoredEvent, XidEvent
-from gpudra.driver.node import HEALTH_CHECKS_OFF, AgentHealth
+from gpudra.driver.health import HEALTH_CHECKS_OFF, UnmonitoredEvent, XidEvent
+from gpudra.driver.node import AgentHealth
 
 from tests.driver.test_prepare import (
     Node,
