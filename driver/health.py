@@ -10,13 +10,15 @@ on change and never miss one. `NvmlHealthWatcher` feeds it from NVML: it blocks 
 Policy, following the upstream NVIDIA DRA driver and improving on it where its users hit
 problems:
 - a critical XID taints the device `gpu.nvidia.com/xid=<xid>` with NoSchedule
-  (configurable NoExecute); application XIDs (11, 13, 31, 43, 45, 68, 109 plus a configured
-  list) and the XIDs NVIDIA's XID catalogue has ignored (`IGNORED_XIDS`: 63, a row
-  remapping recorded, among them) are informational: effect None, the device stays
-  healthy. The informational taint names the first such XID until the device has been
-  quiet for `recovery_after_s`: later ones refresh it without rewriting it (each is
-  logged and counted), so a workload that crashes in a loop does not have the node's
-  ResourceSlices rewritten, and its pool briefly incomplete, for every crash;
+  (configurable NoExecute); application XIDs (`APPLICATION_XIDS` plus a configured
+  list), the XIDs NVIDIA's XID catalogue has ignored (`IGNORED_XIDS`: 63, a row
+  remapping recorded, among them) and the others it answers by restarting the
+  application (`RESTARTED_XIDS`: 94, a contained memory error, among them) are
+  informational: effect None, the device stays healthy. The informational taint names
+  the first such XID until the device has been quiet for `recovery_after_s`: later ones
+  refresh it without rewriting it (each is logged and counted), so a workload that
+  crashes in a loop does not have the node's ResourceSlices rewritten, and its pool
+  briefly incomplete, for every crash;
 - a double-bit ECC error taints `gpu.nvidia.com/ecc=double-bit` like a critical XID;
 - a lost GPU taints `gpu.nvidia.com/gpu-lost` with NoExecute;
 - a GPU whose events cannot be watched gets `gpu.nvidia.com/unmonitored` (effect None),
@@ -103,16 +105,38 @@ HEALTH_CHECKS_OFF = "gpudra's health checks are off (--no-health-checks)"
 # XIDs caused by applications, not hardware: NVIDIA's XID catalogue
 # (docs.nvidia.com/deploy/xid-errors, "Resolution Bucket (Immediate Action)") has the
 # application restarted (13, 31, 68) or nothing done (43; 45 follows the XID it comes
-# with). 11 (invalid or corrupted push buffer stream) is not in upstream's list: the
-# catalogue has the application restarted and the application or CUDA checked, and a
-# process writes its own push buffer, so as a critical XID any tenant of a shared GPU
-# could keep every tenant's new pods off it at will. 8 (GPU stopped processing), also
-# restarted there but with support to contact, stays critical. 109 (context switch
+# with), upstream's list. Also those the catalogue has the application restarted and
+# then the application or CUDA checked: 11 and 25 (invalid push buffer stream), 69
+# (graphics engine class error), 80 (corrupted data sent to the GPU). A process writes
+# its own push buffer and classes, so as critical XIDs any tenant of a shared GPU could
+# keep every tenant's new pods off it at will. 32 (PBDMA error) has that investigation
+# too, but the catalogue says it is mostly the PCI bus, not the application, so it is
+# in RESTARTED_XIDS below, where it still fires the alert. 109 (context switch
 # timeout) is listed by upstream too and stays here although the catalogue has
 # RESET_GPU for it: a workload that does not yield raises it, so as a reset-class XID
 # any tenant could take a GPU out of service until an admin acts. An admin who wants
 # the catalogue's treatment lists it in the reset XIDs.
-APPLICATION_XIDS = frozenset({11, 13, 31, 43, 45, 68, 109})
+APPLICATION_XIDS = frozenset({11, 13, 25, 31, 43, 45, 68, 69, 80, 109})
+# The other XIDs the same catalogue answers by restarting the application (RESTART_APP
+# as the immediate action): 8 (GPU stopped processing), 32 (PBDMA error), 60 (video
+# processor), the copy engines (39-41, 70-72, 75-77, 85, 126-135), the video decoders
+# beyond the first (83, 84, 88, 89, 96-98), the JPEG decoders (82, 99-105) and the
+# optical flow engines (86, 139), and 94 (contained memory error: "all other
+# applications running at the time of the Xid are unaffected ... applications can
+# continue to be run until the reset can be performed"). The GPU stays in service: the
+# same rows as 68 (NVDEC0), which upstream counts as an application's, and a workload
+# can raise them on whichever engine it lands on, so as critical XIDs any tenant of a
+# shared GPU could keep every tenant's new pods off it. NVIDIA's NVSentinel, which
+# cordons nodes on XIDs, counts every RESTART_APP row non-fatal too. The catalogue's
+# investigation asks for support after most of them, so unlike application XIDs they
+# fire the XID alert. An uncorrectable memory error behind a 94 also raises 48 or a
+# double-bit ECC event, which wait for a reset as before.
+RESTARTED_XIDS = frozenset(
+    {8, 32, 39, 40, 41, 60, 70, 71, 72, 75, 76, 77, 82, 83, 84, 85, 86, 88, 89, 94}
+    | set(range(96, 106))
+    | set(range(126, 136))
+    | {139}
+)
 # XIDs the same catalogue has ignored (IGNORE as the immediate action): 63 (row
 # remapping or page retirement recorded: the memory was repaired, IGNORE in both
 # buckets), 92 (high single-bit ECC error rate), 93 (InfoROM wear limit), 121
@@ -188,6 +212,7 @@ class HealthPolicy:
     gpu_lost_effect: TaintEffect = TaintEffect.NO_EXECUTE
     application_xids: frozenset[int] = APPLICATION_XIDS
     ignored_xids: frozenset[int] = IGNORED_XIDS
+    restarted_xids: frozenset[int] = RESTARTED_XIDS
     extra_application_xids: frozenset[int] = frozenset()
     reset_xids: frozenset[int] = RESET_XIDS
     extra_reset_xids: frozenset[int] = frozenset()
@@ -236,10 +261,13 @@ class HealthPolicy:
 
     def is_informational(self, xid: int) -> bool:
         """Effect None: an application's error, or one NVIDIA's catalogue has ignored
-        (`IGNORED_XIDS`), unless the admin listed it as needing a reset."""
+        (`IGNORED_XIDS`) or answers by restarting the application (`RESTARTED_XIDS`),
+        unless the admin listed it as needing a reset."""
         if xid in self.extra_reset_xids:
             return False
-        return self.is_application_xid(xid) or xid in self.ignored_xids
+        return (
+            self.is_application_xid(xid) or xid in self.ignored_xids or xid in self.restarted_xids
+        )
 
     def needs_reset(self, xid: int) -> bool:
         """Its taint stays until the GPU was reset, however quiet the GPU is."""
@@ -985,6 +1013,8 @@ class HealthState:
                 kind = "application error"
             elif taint.effect is TaintEffect.NONE and xid in policy.ignored_xids:
                 kind = "informational: NVIDIA's XID catalogue has it ignored"
+            elif taint.effect is TaintEffect.NONE and xid in policy.restarted_xids:
+                kind = "informational: NVIDIA's XID catalogue has the application restarted"
             elif taint.effect is TaintEffect.NONE:
                 kind = "informational"  # XID 154 whose recovery action is none
             return f"XID {taint.value} ({kind}){reset}"

@@ -1,8 +1,8 @@
 """Health taints that lift after quiet time, kept across agent restarts within one boot.
 
 `gpudra.driver.health` lifts most taints once their device stayed quiet for
-`recovery_after_s`: a critical XID the catalogue has the application restarted after
-(94, a contained ECC error), a GPU that was lost and answers again, and the
+`recovery_after_s`: a critical XID that needs no reset (74, an NVLink error, which
+NVIDIA's catalogue has decoded first), a GPU that was lost and answers again, and the
 informational taint of an application XID. Held in memory only, such a taint would go
 with the agent: a crash loop, an upgrade or an OOM kill would put a device that just
 failed back in service at once. So they are written to `<stateDir>/health-timed.json`
@@ -44,7 +44,7 @@ The file is replaced atomically but not synced to disk: a power loss is a reboot
 voids it anyway, so it costs one rename per change however often a device repeats an
 error. File format, written by this module only (the frame is `gpuresets.save_for_boot`):
 `{"version": 1, "bootId": "...", "gpus": {"<GPU UUID>": [{"device": "gpu-0",
-"taint": "xid=94", "effect": "NoSchedule", "timeAdded": "2026-11-01T12:00:00+00:00",
+"taint": "xid=74", "effect": "NoSchedule", "timeAdded": "2026-11-01T12:00:00+00:00",
 "quietSince": 123456.5}]}}`; `"taint": "gpu-lost"` for a lost GPU, with `"lost": true`
 while it is still lost (written only then, so a file without lost GPUs reads as before).
 """
@@ -84,7 +84,7 @@ class TimedTaint:
     lost: bool = False
 
     def taint(self) -> str:
-        """How the file spells the taint's key and value: `xid=94`, `gpu-lost`."""
+        """How the file spells the taint's key and value: `xid=74`, `gpu-lost`."""
         return _GPU_LOST_TAINT if self.xid is None else f"xid={self.xid}"
 
 

@@ -831,11 +831,11 @@ async def test_health_stream_follows_xids_and_recovery(
                     assert all(healthy for healthy, _ in first.values())
 
                     emu.inject_xid(3, 13)  # application error: no taint effect
-                    emu.inject_xid(2, 94)  # critical, and heals with time (no GPU reset)
+                    emu.inject_xid(2, 74)  # critical, and heals with time (no GPU reset)
                     state = await next_state()
                     while state["gpu-2"][0]:
                         state = await next_state()
-                    assert state["gpu-2"] == (False, "XID 94 (critical error)")
+                    assert state["gpu-2"] == (False, "XID 74 (critical error)")
                     assert state["gpu-3"][0] is True
                     assert all(state[f"gpu-{i}"][0] for i in (0, 1, 4, 5, 6, 7))
 

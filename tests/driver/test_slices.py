@@ -508,7 +508,7 @@ async def test_a_taint_raised_while_the_server_version_is_read_is_published() ->
         def second_xid(method: str, path: str) -> None:
             if path == "/version":
                 server.on_request = None
-                health.apply(XidEvent(inventory.gpus[1].uuid, 94))
+                health.apply(XidEvent(inventory.gpus[1].uuid, 74))
                 slices.trigger()
 
         health.apply(XidEvent(inventory.gpus[2].uuid, 13))
@@ -518,7 +518,7 @@ async def test_a_taint_raised_while_the_server_version_is_read_is_published() ->
         await slices.reconcile_once()  # the run the second trigger asks for
     published = {d["name"]: d for d in devices_in(server.pool())}
     assert [(t["value"], t["effect"]) for t in published["gpu-1"]["taints"]] == [
-        ("94", "NoSchedule")
+        ("74", "NoSchedule")
     ]
     assert [(t["value"], t["effect"]) for t in published["gpu-2"]["taints"]] == [("13", "None")]
 

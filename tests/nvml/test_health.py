@@ -75,21 +75,21 @@ def make_state(inventory: Inventory, clock: FakeClock, **policy: object) -> Heal
 
 
 def test_critical_xid_taints_the_gpu_and_heals_after_quiet_time() -> None:
-    """XID 94 (contained memory error): NVIDIA has the application restarted, no reset."""
+    """XID 74 (NVLink error): NVIDIA has it decoded first, no reset by default."""
     nvml = emulated("h100-80gb-hbm3-x8")
     inventory = discover(nvml)
     clock = FakeClock()
     state = make_state(inventory, clock)
     uuid = inventory.gpus[3].uuid
     before = state.generation
-    assert state.apply(XidEvent(uuid, 94))
+    assert state.apply(XidEvent(uuid, 74))
     assert state.generation == before + 1
     report = state.report()
     (taint,) = report.taints("gpu-3")
-    assert (taint.key, taint.value, taint.effect) == ("gpu.nvidia.com/xid", "94", "NoSchedule")
+    assert (taint.key, taint.value, taint.effect) == ("gpu.nvidia.com/xid", "74", "NoSchedule")
     assert taint.time_added == wall()
     assert not report.devices["gpu-3"].healthy
-    assert report.devices["gpu-3"].message == "XID 94 (critical error)"
+    assert report.devices["gpu-3"].message == "XID 74 (critical error)"
     assert report.unhealthy() == ("gpu-3",)
     assert report.devices["gpu-2"].healthy and report.taints("gpu-2") == ()
 
@@ -106,9 +106,9 @@ def test_repeated_xid_restarts_the_recovery_time() -> None:
     clock = FakeClock()
     state = make_state(inventory, clock)
     uuid = inventory.gpus[0].uuid
-    state.apply(XidEvent(uuid, 94))
+    state.apply(XidEvent(uuid, 74))
     clock.now += 50
-    assert not state.apply(XidEvent(uuid, 94))  # same taint: no visible change
+    assert not state.apply(XidEvent(uuid, 74))  # same taint: no visible change
     clock.now += 50
     assert not state.expire()  # only 50 s since the last occurrence
     clock.now += 10
@@ -134,11 +134,11 @@ def test_application_xid_is_informational() -> None:
     clock.now += 50
     assert not state.expire()  # 50 s since the last application XID, not 100
     # A critical XID overrides; a later application XID neither softens nor prolongs it.
-    state.apply(XidEvent(uuid, 94))
+    state.apply(XidEvent(uuid, 74))
     clock.now += 30
     assert not state.apply(XidEvent(uuid, 13))
     (taint,) = state.report().taints("gpu-0")
-    assert (taint.value, taint.effect) == ("94", TaintEffect.NO_SCHEDULE)
+    assert (taint.value, taint.effect) == ("74", TaintEffect.NO_SCHEDULE)
     clock.now += 30
     assert state.expire()
 
@@ -146,7 +146,7 @@ def test_application_xid_is_informational() -> None:
 def test_critical_effect_is_configurable() -> None:
     inventory = discover(emulated("l4"))
     state = make_state(inventory, FakeClock(), critical_effect=TaintEffect.NO_EXECUTE)
-    state.apply(XidEvent(inventory.gpus[0].uuid, 94))
+    state.apply(XidEvent(inventory.gpus[0].uuid, 74))
     assert state.report().taints("gpu-0")[0].effect is TaintEffect.NO_EXECUTE
     with pytest.raises(ValueError, match="critical_effect"):
         HealthPolicy(critical_effect=TaintEffect.NONE)
@@ -174,7 +174,7 @@ def test_mig_scoped_xid_taints_only_that_mig_device() -> None:
     inventory = discover(emulated("a100-40gb-mig-mixed"))
     state = make_state(inventory, FakeClock())
     gpu = inventory.gpus[0]
-    state.apply(XidEvent(gpu.uuid, 94, device="gpu-0-mig-2g10gb-14-0"))
+    state.apply(XidEvent(gpu.uuid, 74, device="gpu-0-mig-2g10gb-14-0"))
     report = state.report()
     assert [d.name for d in gpu.mig_devices if not report.devices[d.name].healthy] == [
         "gpu-0-mig-2g10gb-14-0"
@@ -199,7 +199,7 @@ def test_an_xid_on_a_mig_instance_taints_every_placement_on_its_memory() -> None
     hit = next(d for d in published if d.name == "gpu-0-mig-1g10gb-19-0")
     assert hit.placement is not None
     at = hit.placement
-    state.apply(XidEvent(gpu.uuid, 94, device=hit.name))
+    state.apply(XidEvent(gpu.uuid, 74, device=hit.name))
     report = state.report()
     tainted = {d.name for d in published if not report.devices[d.name].healthy}
     sharing = {
@@ -257,10 +257,10 @@ async def test_watcher_turns_nvml_events_into_taints() -> None:
     state = make_state(inventory, clock)
     async with watching(nvml, state):
         seen = state.generation
-        nvml.inject_xid(2, 94)
+        nvml.inject_xid(2, 74)
         await next_change(state, seen)
         assert state.report().unhealthy() == ("gpu-2",)
-        assert state.report().taints("gpu-2")[0].value == "94"
+        assert state.report().taints("gpu-2")[0].value == "74"
 
         seen = state.generation
         nvml.inject_xid(4, 13)
@@ -322,15 +322,15 @@ def test_the_emulated_wait_says_lost_while_a_gpu_of_its_set_is_lost() -> None:
     for index in range(4):
         nvml.nvmlDeviceRegisterEvents(nvml.nvmlDeviceGetHandleByIndex(index), xid, with_lost)
     nvml.nvmlDeviceRegisterEvents(nvml.nvmlDeviceGetHandleByIndex(0), xid, without)
-    nvml.inject_xid(0, 94)
+    nvml.inject_xid(0, 74)
     nvml.lose_gpu(3)
-    assert nvml.nvmlEventSetWait_v2(with_lost, 0).eventData == 94  # it came first
+    assert nvml.nvmlEventSetWait_v2(with_lost, 0).eventData == 74  # it came first
     started = time.monotonic()
     for _ in range(3):
         with pytest.raises(pynvml.NVMLError_GpuIsLost):
             nvml.nvmlEventSetWait_v2(with_lost, 10_000)
     assert time.monotonic() - started < 5  # at once, not after the timeout
-    assert nvml.nvmlEventSetWait_v2(without, 0).eventData == 94
+    assert nvml.nvmlEventSetWait_v2(without, 0).eventData == 74
     with pytest.raises(pynvml.NVMLError_Timeout):
         nvml.nvmlEventSetWait_v2(without, 10)
     nvml.recover_gpu(3)
@@ -395,8 +395,8 @@ async def test_a_lost_gpu_is_watched_again_once_it_was_reset() -> None:
 
         nvml.recover_gpu(3)
         await until(lambda: not state.lost_gpus, 10)
-        nvml.inject_xid(3, 94)
-        await until(lambda: xids_seen(state, 3, 94) == 1, 10)
+        nvml.inject_xid(3, 74)
+        await until(lambda: xids_seen(state, 3, 74) == 1, 10)
         nvml.lose_gpu(3)
         await until(lambda: state.lost_gpus == {lost}, 10)
 
@@ -452,8 +452,8 @@ async def test_an_nvml_that_says_lost_for_any_gpu_does_not_spin_the_watcher(
             await until(lambda: xids_seen(state, 0, 48) == 1, 10)
             nvml.recover_gpu(3)
             await until(lambda: not state.lost_gpus, 10)
-            nvml.inject_xid(3, 94)
-            await until(lambda: xids_seen(state, 3, 94) == 1, 10)
+            nvml.inject_xid(3, 74)
+            await until(lambda: xids_seen(state, 3, 74) == 1, 10)
             tg.cancel_scope.cancel()
     unexplained = [r for r in caplog.records if "every GPU answers" in r.message]
     assert 1 <= len(unexplained) <= 2  # before the XID on GPU 0, and after it
@@ -470,7 +470,7 @@ async def test_watcher_resolves_mig_scoped_events() -> None:
         seen = state.generation
         nvml.inject_xid(
             1,
-            94,
+            74,
             gpu_instance_id=mig.gpu_instance_id,
             compute_instance_id=mig.compute_instance_id,
         )
@@ -496,7 +496,7 @@ async def test_an_event_of_a_whole_gpu_instance_is_named_where_nvml_cannot_say_w
     async with watching(nvml, state):
         seen = state.generation
         nvml.fail_after(0, pynvml.NVML_ERROR_UNKNOWN)
-        nvml.inject_xid(1, 94, gpu_instance_id=mig.gpu_instance_id)
+        nvml.inject_xid(1, 74, gpu_instance_id=mig.gpu_instance_id)
         await next_change(state, seen)
         nvml.clear_failure()
     report = state.report()
@@ -552,7 +552,7 @@ async def test_watcher_names_a_dynamic_instance_by_where_it_sits_now() -> None:
     new = Instance.make(nvml, 0, 19, 0)
     async with watching(nvml, state):
         seen = state.generation
-        nvml.inject_xid(0, 94, gpu_instance_id=new.gi_id, compute_instance_id=new.ci_id)
+        nvml.inject_xid(0, 74, gpu_instance_id=new.gi_id, compute_instance_id=new.ci_id)
         await next_change(state, seen)
     assert not state.report().devices["gpu-0-mig-1g10gb-19-0"].healthy
 
@@ -572,7 +572,7 @@ async def test_an_xid_on_an_instance_gone_before_it_is_read_spares_the_other_ten
         gone.destroy(nvml)
         seen = state.generation
         nvml.inject_xid(0, xid, gpu_instance_id=gone.gi_id, compute_instance_id=gone.ci_id)
-        nvml.inject_xid(1, 94)  # a whole-GPU event behind it, to know the first was read
+        nvml.inject_xid(1, 74)  # a whole-GPU event behind it, to know the first was read
         await next_change(state, seen)
         with anyio.fail_after(10):
             while not state.xid_counts().get((inventory.gpus[0].uuid, xid)):
@@ -603,10 +603,10 @@ async def test_an_xid_on_an_instance_the_last_scan_saw_spares_the_one_now_on_its
         )
         assert b.gi_id != a.gi_id  # else NVML names B's instance: nothing tells them apart
         seen = state.generation
-        nvml.inject_xid(0, 94, gpu_instance_id=a.gi_id, compute_instance_id=a.ci_id)
-        nvml.inject_xid(1, 94)  # a whole-GPU event behind it, to know the first was read
+        nvml.inject_xid(0, 74, gpu_instance_id=a.gi_id, compute_instance_id=a.ci_id)
+        nvml.inject_xid(1, 74)  # a whole-GPU event behind it, to know the first was read
         await next_change(state, seen)
-        await until(lambda: xids_seen(state, 0, 94) == 1, 10)
+        await until(lambda: xids_seen(state, 0, 74) == 1, 10)
     report = state.report()
     assert all(report.devices[n].healthy for n in inventory.gpus[0].device_names())
     assert not report.taints("gpu-0-mig-2g20gb-14-2")
@@ -827,9 +827,9 @@ def test_a_timed_xid_neither_replaces_nor_outlasts_one_that_needs_a_reset() -> N
     clock = FakeClock()
     state = make_state(inventory, clock)
     uuid = inventory.gpus[0].uuid
-    state.apply(XidEvent(uuid, 94))  # heals by time
+    state.apply(XidEvent(uuid, 74))  # heals by time
     assert state.apply(XidEvent(uuid, 95))  # needs a reset: takes over the taint
-    assert not state.apply(XidEvent(uuid, 94))  # does not hand it back to the clock
+    assert not state.apply(XidEvent(uuid, 74))  # does not hand it back to the clock
     clock.now += 3600
     assert not state.expire()
     (taint,) = state.report().taints("gpu-0")
@@ -919,19 +919,21 @@ def test_which_xids_need_a_reset_follows_nvidia_and_the_admin() -> None:
     assert default.is_application_xid(109) and not default.needs_reset(109)
     # 11 (corrupted push buffer): the catalogue restarts the application and checks it
     # or CUDA; a process writes its own push buffer, so one tenant of a shared GPU could
-    # raise it at will. 8 (GPU stopped processing) asks for support: critical.
+    # raise it at will. 8 (GPU stopped processing) is restarted there too but asks for
+    # support: informational, yet no application's error (the alert fires for it).
     assert default.is_application_xid(11) and not default.is_application_xid(8)
+    assert default.is_informational(8) and not default.is_informational(74)
     # The admin's lists win over the built-in ones, either way.
     mine = HealthPolicy(
-        extra_application_xids=frozenset({46}), extra_reset_xids=frozenset({13, 94, 109})
+        extra_application_xids=frozenset({46}), extra_reset_xids=frozenset({13, 74, 109})
     )
     assert mine.is_application_xid(46) and not mine.needs_reset(46)
     assert mine.needs_reset(109) and not mine.is_application_xid(109)
     assert mine.needs_reset(13) and not mine.is_application_xid(13)
-    assert mine.needs_reset(94)
-    with pytest.raises(ValueError, match=r"XIDs 31, 94 are listed both .*\(--reset-xids\)"):
+    assert mine.needs_reset(74)
+    with pytest.raises(ValueError, match=r"XIDs 31, 74 are listed both .*\(--reset-xids\)"):
         HealthPolicy(
-            extra_application_xids=frozenset({31, 94}), extra_reset_xids=frozenset({31, 94})
+            extra_application_xids=frozenset({31, 74}), extra_reset_xids=frozenset({31, 74})
         )
 
 
@@ -982,8 +984,8 @@ def test_mig_devices_are_unmonitored_where_nvml_withholds_their_events() -> None
     clock.now += 3600
     assert not state.expire()  # stays while the privilege is missing
     # A whole-GPU XID is still seen and shown beside it.
-    state.apply(XidEvent(gpu0.uuid, 94))
-    assert "XID 94" in state.report().devices[min(mig_names)].message
+    state.apply(XidEvent(gpu0.uuid, 74))
+    assert "XID 74" in state.report().devices[min(mig_names)].message
     # Granted (the next discovery has no gap): the mark goes after the quiet time.
     state.update_inventory(privileged)
     clock.now += 60
@@ -1019,9 +1021,9 @@ async def test_watcher_without_privilege_sees_whole_gpu_xids_only() -> None:
         nvml.set_privileged(False)  # no MIG monitor capability
         seen = state.generation
         nvml.inject_xid(
-            1, 94, gpu_instance_id=mig.gpu_instance_id, compute_instance_id=mig.compute_instance_id
+            1, 74, gpu_instance_id=mig.gpu_instance_id, compute_instance_id=mig.compute_instance_id
         )
-        nvml.inject_xid(0, 94)  # the whole GPU: still reported
+        nvml.inject_xid(0, 74)  # the whole GPU: still reported
         await next_change(state, seen)
         assert set(state.report().unhealthy()) == set(inventory.gpus[0].device_names())
 
@@ -1032,5 +1034,5 @@ def test_the_install_guide_lists_the_xids_that_need_a_reset() -> None:
     (row,) = [line for line in guide.splitlines() if line.startswith("| XIDs 46, 48")]
     listed = {int(n) for n in re.findall(r"\b(\d+)\b", row.split("|")[1])}
     assert listed == RESET_XIDS
-    assert "Application errors (XIDs 11, 13, 31, 43, 45,\n68, 109 and" in guide
-    assert frozenset({11, 13, 31, 43, 45, 68, 109}) == APPLICATION_XIDS
+    assert "Application errors (XIDs 11, 13, 25, 31, 43, 45,\n68, 69, 80, 109 and" in guide
+    assert frozenset({11, 13, 25, 31, 43, 45, 68, 69, 80, 109}) == APPLICATION_XIDS

@@ -1,5 +1,6 @@
-"""XIDs NVIDIA's XID catalogue has ignored ("Resolution Bucket (Immediate Action)":
-IGNORE) are informational: effect None, the device stays in service."""
+"""XIDs NVIDIA's XID catalogue has ignored or answers by restarting the application
+("Resolution Bucket (Immediate Action)": IGNORE, RESTART_APP) are informational: effect
+None, the device stays in service."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from gpudra.driver.health import (
     APPLICATION_XIDS,
     IGNORED_XIDS,
     RESET_XIDS,
+    RESTARTED_XIDS,
     HealthPolicy,
     HealthState,
     TaintEffect,
@@ -25,6 +27,19 @@ CATALOGUE_IGNORES = (
     *(14, 37, 38, 44, 63, 66, 67, 92, 93, 106),
     *(107, 108, 121, 137, 141, 152, 153, 157, 160, 161),
 )
+# Its rows whose immediate action is RESTART_APP, with their investigatory action.
+CATALOGUE_RESTARTS = {
+    8: "CONTACT_SUPPORT",
+    **dict.fromkeys((11, 25, 32, 69, 80), "CHECK_APP/CUDA"),
+    13: "WORKFLOW_XID_13",
+    31: "WORKFLOW_XID_31",
+    60: "INVESTIGATE_SW",
+    94: "IGNORE (sympathetic)",
+    **dict.fromkeys(
+        (39, 40, 41, 68, 70, 71, 72, 75, 76, 77, 82, 83, 84, 85, 86), "CONTACT_SUPPORT"
+    ),
+    **dict.fromkeys((88, 89, *range(96, 106), *range(126, 136), 139), "CONTACT_SUPPORT"),
+}
 
 
 @dataclass
@@ -35,21 +50,28 @@ class FakeClock:
         return self.now
 
 
-@pytest.mark.parametrize("xid", CATALOGUE_IGNORES)
-def test_an_xid_the_catalogue_ignores_is_informational(xid: int) -> None:
-    inventory = discover(emulated("l4"))
+def informational_message(xid: int) -> str:
+    """Raise `xid` on an H100; check that it only informs (effect None, the device in
+    service, counted, lifted after the quiet time) and return the device's message."""
+    inventory = discover(emulated("h100-80gb-hbm3-x8"))
     clock = FakeClock()
     state = HealthState(inventory, HealthPolicy(recovery_after_s=60), clock=clock)
-    uuid = inventory.gpus[0].uuid
+    uuid = inventory.gpus[2].uuid
     assert state.apply(XidEvent(uuid, xid))
-    (taint,) = state.report().taints("gpu-0")
+    (taint,) = state.report().taints("gpu-2")
     assert (taint.key, taint.value, taint.effect) == ("gpu.nvidia.com/xid", str(xid), "None")
-    health = state.report().devices["gpu-0"]
-    assert health.healthy
-    assert health.message == f"XID {xid} (informational: NVIDIA's XID catalogue has it ignored)"
+    health = state.report().devices["gpu-2"]
+    assert health.healthy and state.report().unhealthy() == ()
     assert state.xid_counts() == {(uuid, xid): 1}  # still counted for the metric
     clock.now += 60
     assert state.expire()
+    return health.message
+
+
+@pytest.mark.parametrize("xid", CATALOGUE_IGNORES)
+def test_an_xid_the_catalogue_ignores_is_informational(xid: int) -> None:
+    kind = "informational: NVIDIA's XID catalogue has it ignored"
+    assert informational_message(xid) == f"XID {xid} ({kind})"
 
 
 def test_xid_63_a_row_remapping_recorded_keeps_the_device_in_service() -> None:
@@ -85,6 +107,44 @@ def test_the_ignored_xids_are_the_catalogues_and_apart_from_the_other_lists() ->
     default = HealthPolicy()
     assert all(default.is_informational(x) and not default.needs_reset(x) for x in IGNORED_XIDS)
     assert not any(default.is_application_xid(x) for x in IGNORED_XIDS)
-    # What the catalogue has restarted or reset stays as it was.
-    assert default.treatment(94) == (TaintEffect.NO_SCHEDULE, False)
+    # What the catalogue resets or decodes first stays out of service.
+    assert default.treatment(74) == (TaintEffect.NO_SCHEDULE, False)
     assert default.treatment(64) == (TaintEffect.NO_SCHEDULE, True)
+
+
+@pytest.mark.parametrize("xid", sorted(CATALOGUE_RESTARTS))
+def test_an_xid_the_catalogue_answers_by_restarting_the_application_is_informational(
+    xid: int,
+) -> None:
+    """The GPU stays in service: a tenant's workload raises these on a GPU others may
+    share. Those whose investigation is not the application's own are no application
+    errors: the message says what NVIDIA has done about them, and the alert fires."""
+    kind = (
+        "application error"
+        if xid in APPLICATION_XIDS
+        else "informational: NVIDIA's XID catalogue has the application restarted"
+    )
+    assert informational_message(xid) == f"XID {xid} ({kind})"
+
+
+def test_the_restarted_xids_are_the_catalogues_less_the_application_errors() -> None:
+    assert RESTARTED_XIDS | (APPLICATION_XIDS & set(CATALOGUE_RESTARTS)) == set(CATALOGUE_RESTARTS)
+    assert not RESTARTED_XIDS & (APPLICATION_XIDS | IGNORED_XIDS | RESET_XIDS)
+    # An application error is one whose investigation is the application's own (or
+    # upstream's list: 68); 32 is checked there too, but the catalogue names the PCI
+    # bus as its usual cause, so its alert stays.
+    own = {
+        x for x, then in CATALOGUE_RESTARTS.items() if then.startswith(("CHECK_APP", "WORKFLOW"))
+    }
+    assert own - {32} | {68} == APPLICATION_XIDS & set(CATALOGUE_RESTARTS)
+
+
+def test_the_admin_can_hold_a_restarted_xid_for_a_reset() -> None:
+    """94 (contained memory error): the catalogue recommends a reset when convenient;
+    an admin who wants no new work on the GPU until then lists it."""
+    inventory = discover(emulated("h100-80gb-hbm3-x8"))
+    policy = HealthPolicy(extra_reset_xids=frozenset({94}))
+    state = HealthState(inventory, policy, clock=FakeClock())
+    state.apply(XidEvent(inventory.gpus[0].uuid, 94))
+    health = state.report().devices["gpu-0"]
+    assert not health.healthy and health.message.startswith("XID 94 (critical error): needs")

@@ -72,8 +72,8 @@ def keep(tmp_path: Path, gpus: Mapping[str, tuple[TimedTaint, ...]], boot: str =
 
 
 def xid_94(quiet_since: float) -> tuple[TimedTaint, ...]:
-    """gpu-0's kept taint for XID 94 (contained ECC error), quiet since `quiet_since`."""
-    return (TimedTaint("gpu-0", 94, "NoSchedule", raised_at(), quiet_since),)
+    """gpu-0's kept taint for XID 74 (NVLink error), quiet since `quiet_since`."""
+    return (TimedTaint("gpu-0", 74, "NoSchedule", raised_at(), quiet_since),)
 
 
 async def restarted(nvml: NvmlEmulator, tmp_path: Path, clock: FakeClock) -> NodeAgent:
@@ -117,7 +117,7 @@ def taints(state: HealthState, device: str) -> set[tuple[str, str | None, TaintE
 async def test_a_restart_keeps_a_timed_taint_until_its_original_time(
     tmp_path: Path, clock: FakeClock
 ) -> None:
-    """XID 94 (contained ECC error) waits for quiet time, not a reset: before, an agent
+    """XID 74 (NVLink error) waits for quiet time, not a reset: before, an agent
     restart put the device back in service at once."""
     nvml = emulated("h100-80gb-hbm3-x8")
     inventory = discover(nvml)
@@ -125,13 +125,13 @@ async def test_a_restart_keeps_a_timed_taint_until_its_original_time(
     timed = TimedTaints(tmp_path / "state", boot_id_path=boot_id(tmp_path))
     state = HealthState(inventory, policy(), clock=clock, wall_clock=raised_at)
     async with watching(nvml, state, timed=timed):
-        nvml.inject_xid(3, 94)
+        nvml.inject_xid(3, 74)
         await until(lambda: uuid in on_disk(timed))
     assert on_disk(timed) == {
         uuid: [
             {
                 "device": "gpu-3",
-                "taint": "xid=94",
+                "taint": "xid=74",
                 "effect": "NoSchedule",
                 "timeAdded": "2026-11-01T12:00:00+00:00",
                 "quietSince": 1000.0,
@@ -143,7 +143,7 @@ async def test_a_restart_keeps_a_timed_taint_until_its_original_time(
     clock.now += 40  # the agent was down for 40 s
     again = await restart(nvml, tmp_path, clock)
     (taint,) = again.report().taints("gpu-3")
-    assert (taint.key, taint.value, taint.effect) == (XID_KEY, "94", TaintEffect.NO_SCHEDULE)
+    assert (taint.key, taint.value, taint.effect) == (XID_KEY, "74", TaintEffect.NO_SCHEDULE)
     assert taint.time_added == raised_at()  # the original time, not the restart's
     assert not again.report().devices["gpu-3"].healthy
     assert again.report().devices["gpu-2"].healthy
@@ -162,14 +162,14 @@ async def test_a_repeated_error_moves_the_kept_quiet_time(
     timed = TimedTaints(tmp_path / "state", boot_id_path=boot_id(tmp_path))
     state = HealthState(discover(l4), policy(), clock=clock, wall_clock=raised_at)
     async with watching(l4, state, timed=timed):
-        l4.inject_xid(0, 94)
+        l4.inject_xid(0, 74)
         await until(lambda: uuid in on_disk(timed))
         clock.now += 30
-        l4.inject_xid(0, 94)  # same taint: no new generation, but a later quiet time
+        l4.inject_xid(0, 74)  # same taint: no new generation, but a later quiet time
         await until(lambda: first(timed, uuid)["quietSince"] == 1030.0)
     clock.now += 40  # 70 s after the first XID, 40 s after the second
     again = await restart(l4, tmp_path, clock)
-    assert taints(again, "gpu-0") == {(XID_KEY, "94", TaintEffect.NO_SCHEDULE)}
+    assert taints(again, "gpu-0") == {(XID_KEY, "74", TaintEffect.NO_SCHEDULE)}
 
 
 async def test_a_taint_whose_time_ran_out_while_the_agent_was_down_is_not_raised(
@@ -204,12 +204,12 @@ async def test_a_new_boot_drops_the_timed_taints(
         (b'{"version": 9, "gpus": {}}', "newer gpudra release"),
         (b'{"version": 1, "gpus": {"GPU-1": [{"device": "gpu-0", "taint": "ecc"}]}}', "taint"),
         (
-            b'{"version": 1, "gpus": {"GPU-1": [{"device": "gpu-0", "taint": "xid=94", '
+            b'{"version": 1, "gpus": {"GPU-1": [{"device": "gpu-0", "taint": "xid=74", '
             b'"effect": "NoSchedule", "timeAdded": "yesterday", "quietSince": 1}]}}',
             "gpus.GPU-1[0].timeAdded",
         ),
         (
-            b'{"version": 1, "gpus": {"GPU-1": [{"device": "gpu-0", "taint": "xid=94", '
+            b'{"version": 1, "gpus": {"GPU-1": [{"device": "gpu-0", "taint": "xid=74", '
             b'"effect": "NoSchedule", "timeAdded": "2026-11-01T12:00:00+00:00", '
             b'"quietSince": "soon"}]}}',
             "gpus.GPU-1[0].quietSince",
@@ -221,10 +221,10 @@ async def test_a_new_boot_drops_the_timed_taints(
             "gpus.GPU-1[0].lost 'yes' is neither true nor false",
         ),
         (
-            b'{"version": 1, "gpus": {"GPU-1": [{"device": "gpu-0", "taint": "xid=94", '
+            b'{"version": 1, "gpus": {"GPU-1": [{"device": "gpu-0", "taint": "xid=74", '
             b'"effect": "NoSchedule", "timeAdded": "2026-11-01T12:00:00+00:00", '
             b'"quietSince": 1, "lost": true}]}}',
-            "gpus.GPU-1[0].lost is true for taint 'xid=94': only gpu-lost can be",
+            "gpus.GPU-1[0].lost is true for taint 'xid=74': only gpu-lost can be",
         ),
     ],
 )
@@ -260,8 +260,8 @@ async def test_what_cannot_be_raised_again_is_named_and_the_rest_is(
         tmp_path,
         {
             uuid: (
-                TimedTaint("gpu-9", 94, "NoSchedule", raised_at(), clock.now),
-                TimedTaint("gpu-0", 94, "NoWhatever", raised_at(), clock.now),
+                TimedTaint("gpu-9", 74, "NoSchedule", raised_at(), clock.now),
+                TimedTaint("gpu-0", 74, "NoWhatever", raised_at(), clock.now),
             ),
             discover(nvml).gpus[1].uuid: (TimedTaint("gpu-1", 31, "None", raised_at(), clock.now),),
         },
@@ -359,7 +359,7 @@ async def test_a_gpu_lost_when_the_agent_stopped_waits_its_quiet_time_once_it_an
     async with watching(nvml, state, timed=timed):
         nvml.lose_gpu(0)
         await until(lambda: lost in state.lost_gpus)
-        nvml.inject_xid(3, 94)  # each write holds every taint: once this is on disk, so is the loss
+        nvml.inject_xid(3, 74)  # each write holds every taint: once this is on disk, so is the loss
         await until(lambda: other in on_disk(timed))
     assert on_disk(timed)[lost] == [
         {
@@ -380,7 +380,7 @@ async def test_a_gpu_lost_when_the_agent_stopped_waits_its_quiet_time_once_it_an
     assert not device.healthy
     assert "answers again" in device.message
     assert again.report().taints("gpu-0")[0].time_added == raised_at()
-    assert again.report().devices["gpu-3"].healthy  # XID 94's quiet time ran out meanwhile
+    assert again.report().devices["gpu-3"].healthy  # XID 74's quiet time ran out meanwhile
     # Kept on as a GPU that answers again, quiet since the restart.
     assert again.timed_taints() == {lost: (answering_since(clock.now),)}
     assert_lifted_after_its_quiet_time(again, clock)
