@@ -318,6 +318,10 @@ class Gpu:
     gpu_instances: tuple[MigInstance, ...] = ()
     # GI profile ID -> its compute slices (NVML `sliceCount`: 1 for a 1g, 7 for a 7g).
     mig_slices: Mapping[int, int] = field(default_factory=dict)
+    # NVML's row remapper says a remapping ever failed (`nvmlDeviceGetRemappedRows`):
+    # the GPU reached NVIDIA's RMA threshold for its memory. None where NVML does not
+    # say (before Ampere, or a MIG-enabled GPU with instances: nvml.h).
+    row_remap_failed: bool | None = None
 
     def compute_share(self, profile_id: int) -> float | None:
         """The part of this GPU's compute a MIG device of GPU-instance profile
@@ -973,6 +977,8 @@ def _discover_gpu(
     pcie_root = topo.pcie_root(bus_id)
     mig_mode = scan.optional(index, "nvmlDeviceGetMigMode", handle, ok=_UNSUPPORTED)
     mig_capable = mig_mode is not None
+    remapped = scan.optional(index, "nvmlDeviceGetRemappedRows", handle, ok=_UNSUPPORTED)
+    row_remap_failed = bool(remapped[3]) if remapped is not None else None
     mig_enabled = mig_capable and int(mig_mode[0]) == pynvml.NVML_DEVICE_MIG_ENABLE
 
     # Attributes every device of this GPU carries (MIG devices inherit them).
@@ -1009,6 +1015,7 @@ def _discover_gpu(
         mig_capable=mig_capable,
         mig_enabled=mig_enabled,
         device=whole,
+        row_remap_failed=row_remap_failed,
     )
     if not mig_enabled:
         return gpu
@@ -1045,6 +1052,7 @@ def _discover_gpu(
         gaps=tuple(scan.gaps.get(index, ())),
         gpu_instances=gpu_instances,
         mig_slices={p.id: p.slices for p in profiles.values()},
+        row_remap_failed=row_remap_failed,
     )
 
 

@@ -21,6 +21,14 @@ problems:
   briefly incomplete, for every crash;
 - a double-bit ECC error taints `gpu.nvidia.com/ecc=double-bit` like a critical XID;
 - a lost GPU taints `gpu.nvidia.com/gpu-lost` with NoExecute;
+- a GPU whose row remapper says a remapping failed (`Gpu.row_remap_failed`, read at
+  each discovery) taints every device of it `gpu.nvidia.com/row-remap=failed` like a
+  critical XID, until a reading says otherwise. NVIDIA's memory error guide defines
+  that flag by its RMA policy thresholds for row remapping, and NVIDIA's NVSentinel
+  sends a GPU DCGM reports so for field diagnostics. The flag stays with the GPU,
+  where the taint of XID 64 (a remapping that could not be recorded) goes at the next
+  reset: without this one a reboot would put the GPU back in service. A pending
+  remapping is no reason: NVIDIA lets new work start until the reset that applies it;
 - a GPU whose events cannot be watched gets `gpu.nvidia.com/unmonitored` (effect None),
   lifted once a later try registers them (NVML errors are tried again, 10 s after the
   first and twice as long after each, at most 5 min), and so do the MIG devices of a
@@ -252,6 +260,10 @@ class HealthPolicy:
     def unmonitored_key(self) -> str:
         return f"{self.driver_name}/unmonitored"
 
+    @property
+    def row_remap_key(self) -> str:
+        return f"{self.driver_name}/row-remap"
+
     def is_application_xid(self, xid: int) -> bool:
         """Informational (effect None) as an application's error. The admin's lists win
         over the built-in ones."""
@@ -450,6 +462,8 @@ class HealthState:
         self._changed: anyio.Event | None = None
         self._lost: set[str] = set()
         self._unmonitored: set[str] = set()
+        # GPUs whose row remapper said a remapping failed at the last reading.
+        self._remap_failed: set[str] = set()
         # GPU UUID -> the privilege NVML wants before it reports its MIG instances' events.
         self._mig_unwatched: dict[str, str] = {}
         self._records: dict[str, _Record] = {}
@@ -457,6 +471,7 @@ class HealthState:
         self._inventory = inventory
         self._index(inventory)
         self._watch_mig_instances()
+        self._follow_row_remapper()
         self._report: HealthReport | None = None
         # (generation, the held resets it saw, the result): the held ones change without
         # a new generation, and are replaced whole, so their identity tells a change.
@@ -534,6 +549,7 @@ class HealthState:
         if back:
             self.restore_timed({uuid: self._held_lost.pop(uuid) for uuid in back})
         self._watch_mig_instances()
+        self._follow_row_remapper()
         self._bump()
 
     def report(self) -> HealthReport:
@@ -828,6 +844,8 @@ class HealthState:
                     uuid in self._unmonitored or uuid in self._mig_unwatched
                 ):
                     continue
+                if key == policy.row_remap_key and uuid in self._remap_failed:
+                    continue
                 if now - active.last_seen >= policy.recovery_after_s:
                     changed |= self._lift(name, key)
         if changed:
@@ -967,6 +985,39 @@ class HealthState:
                     self._raise(name, self._policy.unmonitored_key, None, TaintEffect.NONE)
         self._mig_unwatched = {gpu.uuid: gpu.gaps[0].privilege for gpu in gpus}
 
+    def _follow_row_remapper(self) -> None:
+        """Taint every device of a GPU whose row remapper says a remapping failed
+        (module docstring), and lift that once a reading says none did. A GPU NVML gives
+        no reading for (a MIG-enabled one with instances) keeps what the last one said,
+        also for MIG devices made since."""
+        if not self._watched:
+            return
+        policy = self._policy
+        self._remap_failed &= set(self._gpu_devices)
+        for gpu in self._inventory.gpus:
+            failed = gpu.row_remap_failed
+            if failed is None:
+                failed = gpu.uuid in self._remap_failed
+            names = self._gpu_devices[gpu.uuid]
+            if failed:
+                if gpu.uuid not in self._remap_failed:
+                    logger.error(
+                        "the GPU's row remapper says a remapping failed (NVIDIA's RMA "
+                        "threshold for its memory): its devices are taken out of service",
+                        extra={"fields": {"uuid": gpu.uuid}},
+                    )
+                    self._remap_failed.add(gpu.uuid)
+                for name in names:
+                    self._raise(name, policy.row_remap_key, "failed", policy.critical_effect)
+            elif gpu.uuid in self._remap_failed:
+                self._remap_failed.discard(gpu.uuid)
+                logger.info(
+                    "the GPU's row remapper no longer says a remapping failed",
+                    extra={"fields": {"uuid": gpu.uuid}},
+                )
+                for name in names:
+                    self._lift(name, policy.row_remap_key)
+
     def _lift(self, name: str, key: str) -> bool:
         """Lift the device's taint `key` at once; False where it has none."""
         if self._records[name].active.pop(key, None) is None:
@@ -1020,6 +1071,10 @@ class HealthState:
             return f"XID {taint.value} ({kind}){reset}"
         if taint.key == policy.ecc_key:
             return f"uncorrectable (double-bit) ECC error{reset}"
+        if taint.key == policy.row_remap_key:
+            return (
+                "row remapping failed (NVIDIA's RMA threshold for the GPU's memory): needs service"
+            )
         if taint.key == policy.gpu_lost_key:
             if gpu_uuid in self._lost:
                 return "GPU is lost (fell off the bus or stopped answering)"

@@ -547,6 +547,7 @@ class _Gpu:
     gpu_instances: dict[int, _GpuInstance] = field(default_factory=dict)
     mig_serial: int = 0
     recovery_action: int = pynvml.NVML_GPU_RECOVERY_ACTION_NONE
+    row_remap_failed: bool = False
 
     def mig_devices(self) -> list[_ComputeInstance]:
         """MIG devices in NVML index order (by GPU instance, then compute instance)."""
@@ -956,6 +957,13 @@ class NvmlEmulator:
             gpu = self._gpu_at(index)
             gpu.lost = False
             gpu.recovery_action = pynvml.NVML_GPU_RECOVERY_ACTION_NONE
+
+    def fail_row_remapping(self, index: int, *, failed: bool = True) -> None:
+        """GPU `index`'s row remapper says a remapping failed (`failed`: NVIDIA's RMA
+        threshold for its memory was reached), or no longer does (the board was
+        serviced): `nvmlDeviceGetRemappedRows` says so from now on."""
+        with self._lock:
+            self._gpu_at(index).row_remap_failed = failed
 
     def change_recovery_action(self, index: int, action: int) -> None:
         """The driver says GPU `index` now needs `action` (NVML_GPU_RECOVERY_ACTION_*):
@@ -1419,6 +1427,17 @@ class NvmlEmulator:
     @_nvml()
     def nvmlDeviceGetBrand(self, handle: Any) -> int:
         return self._resolve(handle)[0].product.brand
+
+    @_nvml()
+    def nvmlDeviceGetRemappedRows(self, device: Any) -> tuple[int, int, int, int]:
+        """(rows remapped for correctable errors, for uncorrectable ones, remapping
+        pending, a remapping ever failed). Ampere and newer; NOT_SUPPORTED for a MIG
+        device, and on a MIG-enabled GPU with instances (nvml.h)."""
+        gpu = self._gpu(device)
+        ampere: int = pynvml.NVML_DEVICE_ARCH_AMPERE
+        if gpu.product.architecture < ampere or gpu.gpu_instances:
+            raise _nvml_error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        return (0, 0, 0, int(gpu.row_remap_failed))
 
     @_nvml()
     def nvmlDeviceGetArchitecture(self, device: Any) -> int:

@@ -510,6 +510,38 @@ async def test_an_informational_taint_never_holds_up_the_slice(
     assert [(t["value"], t["effect"]) for t in informational] == [("13", "None")]
 
 
+async def test_a_gpu_whose_row_remapping_failed_gets_no_new_claim(
+    nodes: dict[str, Node], kube: SyncKube
+) -> None:
+    """NVIDIA's RMA threshold for a GPU's memory, the row remapper's failure flag, is
+    read at each discovery: the scheduler hands the GPU to no new claim, past any quiet
+    time, until a reading clears it (the board was serviced)."""
+    if reason := features.device_taints(kube):
+        pytest.skip(reason)
+    node = nodes["worker-1"]
+    node.nvml.fail_row_remapping(4)
+    await node.agent.scan()
+    with anyio.fail_after(30):
+        while not (taints := (await published(kube, "worker-1"))["gpu-4"].get("taints")):
+            await anyio.sleep(0.1)
+    (taint,) = taints
+    assert (taint["key"], taint["value"], taint["effect"]) == (
+        f"{DRIVER}/row-remap",
+        "failed",
+        "NoSchedule",
+    )
+    ns = smoke.make_namespace(kube, "remap")
+    claim_pod(kube, ns, "next", await on_worker_1_gpu(kube, "gpu-4"))
+    assert await unschedulable(kube, ns, "next")
+    await anyio.sleep(RECOVERY_S + 1)  # no quiet time lifts it
+    await node.agent.scan()
+    assert (await published(kube, "worker-1"))["gpu-4"].get("taints")
+    node.nvml.fail_row_remapping(4, failed=False)
+    await node.agent.scan()
+    assert (await allocation(kube, ns, "next"))["device"] == "gpu-4"
+    kube.delete("Namespace", ns)
+
+
 async def test_gpu_lost_is_no_execute(nodes: dict[str, Node], kube: SyncKube) -> None:
     if reason := features.device_taints(kube):
         pytest.skip(reason)
