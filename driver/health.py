@@ -471,7 +471,6 @@ class HealthState:
         self._inventory = inventory
         self._index(inventory)
         self._watch_mig_instances()
-        self._follow_row_remapper()
         self._report: HealthReport | None = None
         # (generation, the held resets it saw, the result): the held ones change without
         # a new generation, and are replaced whole, so their identity tells a change.
@@ -488,6 +487,7 @@ class HealthState:
         self._held_resets: _Resets = {}
         # (GPU UUID, XID) -> events seen; replaced whole, so the metrics thread reads one.
         self._xid_counts: Mapping[tuple[str, int], int] = {}
+        self._follow_row_remapper()
 
     @property
     def policy(self) -> HealthPolicy:
