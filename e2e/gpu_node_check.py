@@ -168,7 +168,9 @@ def _answer(call: Callable[[], Any]) -> Any:
 def nvml_answers(nvml: ReadOnlyNvml, *, index: int = 0) -> dict[str, Any]:
     """The answers the emulator must match, one call at a time, for GPU `index`:
     every GPU-instance profile index (offered or its error), engine counts of a whole
-    GPU, GPM support, both memory structures, the MIG maximum, and the processes."""
+    GPU, GPM support, both memory structures, the MIG maximum, the processes, and
+    whether the row remapper answers and says a remapping failed (the flag the health
+    state reads; the row counts are the board's own history, which no recording holds)."""
     nvml.nvmlInit()
     try:
         handle = nvml.nvmlDeviceGetHandleByIndex(index)
@@ -190,6 +192,7 @@ def nvml_answers(nvml: ReadOnlyNvml, *, index: int = 0) -> dict[str, Any]:
             ),
             "maxMigDeviceCount": _answer(lambda: nvml.nvmlDeviceGetMaxMigDeviceCount(handle)),
             "computeProcesses": _answer(lambda: nvml.nvmlDeviceGetComputeRunningProcesses(handle)),
+            "rowRemapFailed": _answer(lambda: nvml.nvmlDeviceGetRemappedRows(handle)[3]),
         }
     finally:
         nvml.nvmlShutdown()
