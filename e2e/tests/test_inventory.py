@@ -249,6 +249,14 @@ async def test_deleted_slice_is_restored(nodes: dict[str, Node], kube: SyncKube)
             await anyio.sleep(0.1)
 
 
+async def tainted(kube: SyncKube, node: str, device: str) -> list[dict[str, Any]]:
+    """The device's taints as the scheduler reads them, once it has any (30 s at most)."""
+    with anyio.fail_after(30):
+        while not (taints := (await published(kube, node))[device].get("taints")):
+            await anyio.sleep(0.05)
+    return list(taints)
+
+
 async def test_xid_taint_steers_scheduler_and_clears(
     nodes: dict[str, Node], kube: SyncKube
 ) -> None:
@@ -258,10 +266,7 @@ async def test_xid_taint_steers_scheduler_and_clears(
     uuid = (await published(kube, "worker-1"))["gpu-3"]["attributes"]["uuid"]["string"]
     # An NVLink error: critical, but decoded first, with no GPU reset by default: it heals.
     node.nvml.inject_xid(3, 74)
-    with anyio.fail_after(30):
-        while not (taints := (await published(kube, "worker-1"))["gpu-3"].get("taints")):
-            await anyio.sleep(0.1)
-    (taint,) = taints
+    (taint,) = await tainted(kube, "worker-1", "gpu-3")
     assert taint["key"] == f"{DRIVER}/xid" and taint["value"] == "74"
     assert taint["effect"] == "NoSchedule"
 
@@ -444,10 +449,7 @@ async def test_application_xid_is_informational(
     if reason := features.informational_taints(kube):
         pytest.skip(reason)
     nodes["worker-1"].nvml.inject_xid(5, xid)
-    with anyio.fail_after(30):
-        while not (taints := (await published(kube, "worker-1"))["gpu-5"].get("taints")):
-            await anyio.sleep(0.1)
-    (taint,) = taints
+    (taint,) = await tainted(kube, "worker-1", "gpu-5")
     assert taint["effect"] == "None" and taint["value"] == str(xid)
 
 
@@ -462,9 +464,7 @@ async def test_a_crashing_workload_does_not_rewrite_the_nodes_slices(
         pytest.skip(reason)
     node = nodes["worker-1"]
     node.nvml.inject_xid(6, 31)
-    with anyio.fail_after(30):
-        while not (await published(kube, "worker-1"))["gpu-6"].get("taints"):
-            await anyio.sleep(0.05)
+    await tainted(kube, "worker-1", "gpu-6")
 
     def versions() -> dict[str, str]:
         query = {"fieldSelector": f"spec.nodeName=worker-1,spec.driver={DRIVER}"}
@@ -495,10 +495,7 @@ async def test_an_informational_taint_never_holds_up_the_slice(
     agent and the slice still takes the next critical one; elsewhere both are published."""
     nodes["worker-1"].nvml.inject_xid(2, 13)
     nodes["worker-1"].nvml.inject_xid(1, 74)
-    with anyio.fail_after(30):
-        while not (taints := (await published(kube, "worker-1"))["gpu-1"].get("taints")):
-            await anyio.sleep(0.1)
-    (critical,) = taints
+    (critical,) = await tainted(kube, "worker-1", "gpu-1")
     assert (critical["value"], critical["effect"]) == ("74", "NoSchedule")
     # Both XIDs are handled in order, so the first was dealt with by now.
     if features.informational_taints(kube):
@@ -521,10 +518,7 @@ async def test_a_gpu_whose_row_remapping_failed_gets_no_new_claim(
     node = nodes["worker-1"]
     node.nvml.fail_row_remapping(4)
     await node.agent.scan()
-    with anyio.fail_after(30):
-        while not (taints := (await published(kube, "worker-1"))["gpu-4"].get("taints")):
-            await anyio.sleep(0.1)
-    (taint,) = taints
+    (taint,) = await tainted(kube, "worker-1", "gpu-4")
     assert (taint["key"], taint["value"], taint["effect"]) == (
         f"{DRIVER}/row-remap",
         "failed",
@@ -546,9 +540,7 @@ async def test_gpu_lost_is_no_execute(nodes: dict[str, Node], kube: SyncKube) ->
     if reason := features.device_taints(kube):
         pytest.skip(reason)
     nodes["worker-1"].nvml.lose_gpu(6)
-    with anyio.fail_after(30):
-        while not (await published(kube, "worker-1"))["gpu-6"].get("taints"):
-            await anyio.sleep(0.1)
+    await tainted(kube, "worker-1", "gpu-6")
     effects = {t["effect"] for t in (await published(kube, "worker-1"))["gpu-6"]["taints"]}
     assert "NoExecute" in effects
     nodes["worker-1"].nvml.recover_gpu(6)

@@ -25,6 +25,7 @@ from e2e.tests.test_inventory import (
     nodes,  # noqa: F401 -- the fixture, used by name
     on_worker_1_gpu,
     published,
+    tainted,
     unschedulable,
 )
 
@@ -57,10 +58,7 @@ async def test_xids_a_workload_raises_keep_no_other_tenant_off_its_gpu(
             RAISED_AT_WILL
         ):
             await anyio.sleep(0.05)
-    with anyio.fail_after(30):
-        while not (taints := (await published(kube, "worker-1"))["gpu-5"].get("taints")):
-            await anyio.sleep(0.1)
-    (taint,) = taints
+    (taint,) = await tainted(kube, "worker-1", "gpu-5")
     assert (taint["key"], taint["value"], taint["effect"]) == (f"{DRIVER}/xid", "8", "None")
 
     ns = smoke.make_namespace(kube, "xid-tenant-b")
@@ -68,9 +66,7 @@ async def test_xids_a_workload_raises_keep_no_other_tenant_off_its_gpu(
     assert (await allocation(kube, ns, "tenant-b"))["device"] == "gpu-5"
 
     node.nvml.inject_xid(6, 74)
-    with anyio.fail_after(30):
-        while not (await published(kube, "worker-1"))["gpu-6"].get("taints"):
-            await anyio.sleep(0.1)
+    await tainted(kube, "worker-1", "gpu-6")
     claim_pod(kube, ns, "after-nvlink", await on_worker_1_gpu(kube, "gpu-6"))
     assert await unschedulable(kube, ns, "after-nvlink")
     kube.delete("Namespace", ns)
