@@ -977,8 +977,7 @@ def _discover_gpu(
     pcie_root = topo.pcie_root(bus_id)
     mig_mode = scan.optional(index, "nvmlDeviceGetMigMode", handle, ok=_UNSUPPORTED)
     mig_capable = mig_mode is not None
-    remapped = scan.optional(index, "nvmlDeviceGetRemappedRows", handle, ok=_UNSUPPORTED)
-    row_remap_failed = bool(remapped[3]) if remapped is not None else None
+    row_remap_failed = _row_remap_failed(scan, index, handle)
     mig_enabled = mig_capable and int(mig_mode[0]) == pynvml.NVML_DEVICE_MIG_ENABLE
 
     # Attributes every device of this GPU carries (MIG devices inherit them).
@@ -1054,6 +1053,25 @@ def _discover_gpu(
         mig_slices={p.id: p.slices for p in profiles.values()},
         row_remap_failed=row_remap_failed,
     )
+
+
+def _row_remap_failed(scan: _Scanner, index: int, handle: Any) -> bool | None:
+    """Whether the GPU's row remapper says a remapping failed; None where NVML gives no
+    reading. A health flag, not a description of the GPU: an error reading it (a
+    privilege a VM's driver withholds, say) is logged and leaves it unread, as an
+    unsupported call does, rather than failing the scan and with it every GPU of the
+    node. A lost GPU's error goes on, for the scan to leave that GPU out."""
+    try:
+        remapped = scan.optional(index, "nvmlDeviceGetRemappedRows", handle, ok=_UNSUPPORTED)
+    except DiscoveryError as err:
+        if _is_lost(err, index):
+            raise
+        logger.warning(
+            "NVML refused the row remapper's reading; the GPU is published without it",
+            extra={"fields": {"gpuIndex": index, "error": str(err)}},
+        )
+        return None
+    return bool(remapped[3]) if remapped is not None else None
 
 
 def _largest_profile_memory(scan: _Scanner, index: int, handle: Any) -> int | None:

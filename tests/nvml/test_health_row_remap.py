@@ -76,6 +76,35 @@ def test_discovery_reads_whether_a_remapping_failed() -> None:
     assert [(g.mig_enabled, g.row_remap_failed) for g in mixed] == [(True, None), (True, None)]
 
 
+def test_a_reading_nvml_refuses_fails_no_discovery(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A health flag, not a description: NVML refusing it (NO_PERMISSION, as a VM's
+    driver may) leaves it unread and the GPUs published; a lost GPU is still left out."""
+    nvml = emulated("h100-80gb-hbm3-x8")
+
+    def refused(device: object) -> tuple[int, int, int, int]:
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_NO_PERMISSION)
+
+    monkeypatch.setattr(nvml, "nvmlDeviceGetRemappedRows", refused)
+    inventory = discover(nvml)
+    assert len(inventory.gpus) == 8
+    assert all(g.row_remap_failed is None for g in inventory.gpus)
+    assert "NVML refused the row remapper's reading" in caplog.text
+
+    calls = iter(range(8))  # one reading per GPU, by index
+
+    def lost_at_5(device: object) -> tuple[int, int, int, int]:
+        if next(calls) == 5:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_GPU_IS_LOST)
+        return (0, 0, 0, 0)
+
+    monkeypatch.setattr(nvml, "nvmlDeviceGetRemappedRows", lost_at_5)
+    inventory = discover(nvml)
+    assert [g.index for g in inventory.gpus] == [0, 1, 2, 3, 4, 6, 7]
+    assert [lost.index for lost in inventory.lost] == [5]
+
+
 def test_a_failed_row_remapping_keeps_every_device_out_until_a_reading_clears_it() -> None:
     """Read at discovery, so an agent started after a reboot (which lifted XID 64's
     taint) takes the GPU out again; no quiet time lifts it, and it is neither kept on
