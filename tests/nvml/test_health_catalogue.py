@@ -4,8 +4,6 @@ None, the device stays in service."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import pytest
 from gpudra.driver.devices import discover
 from gpudra.driver.health import (
@@ -20,6 +18,7 @@ from gpudra.driver.health import (
 )
 
 from tests.nvml.emulated import emulated
+from tests.nvml.test_health import FakeClock
 
 # The catalogue's rows (docs.nvidia.com/deploy/xid-errors, analyzing-xid-catalog) whose
 # immediate action is IGNORE; 43 is one too, and an application XID already.
@@ -40,14 +39,6 @@ CATALOGUE_RESTARTS = {
     ),
     **dict.fromkeys((88, 89, *range(96, 106), *range(126, 136), 139), "CONTACT_SUPPORT"),
 }
-
-
-@dataclass
-class FakeClock:
-    now: float = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def informational_message(xid: int) -> str:

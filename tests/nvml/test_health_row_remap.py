@@ -10,7 +10,7 @@ a reading says so.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import pynvml
 import pytest
@@ -18,17 +18,10 @@ from gpudra.driver.devices import Inventory, discover
 from gpudra.driver.health import HealthPolicy, HealthState, TaintEffect
 
 from tests.nvml.emulated import emulated
+from tests.nvml.test_health import FakeClock
 
 KEY = "gpu.nvidia.com/row-remap"
 MESSAGE = "row remapping failed (NVIDIA's RMA threshold for the GPU's memory): needs service"
-
-
-@dataclass
-class FakeClock:
-    now: float = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def with_reading(inventory: Inventory, index: int, failed: bool | None) -> Inventory:
