@@ -176,6 +176,19 @@ def gpu_claim(ns: str, name: str, count: int = 1) -> dict[str, Any]:
     }
 
 
+def controlled_by(owner: dict[str, Any]) -> dict[str, Any]:
+    """The owner reference Kubernetes gives a claim it makes for the pod `owner` (as the
+    API server returned it): the pod as its controlling owner."""
+    meta = owner["metadata"]
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "name": meta["name"],
+        "uid": meta["uid"],
+        "controller": True,
+    }
+
+
 def pod(
     ns: str,
     name: str,
@@ -475,7 +488,6 @@ def made_as_the_controller_would(
 ) -> str:
     """Create the claim the resourceclaim controller makes for `entry` of pod `pod_name`
     from `template` as stored now, with an admin's rights, and return why it was refused."""
-    owner = kube.get("Pod", pod_name, ns)
     claim = {
         "apiVersion": "resource.k8s.io/v1",
         "kind": "ResourceClaim",
@@ -483,15 +495,7 @@ def made_as_the_controller_would(
             "namespace": ns,
             "generateName": f"{pod_name}-{entry}-",
             "annotations": {"resource.kubernetes.io/pod-claim-name": entry},
-            "ownerReferences": [
-                {
-                    "apiVersion": "v1",
-                    "kind": "Pod",
-                    "name": pod_name,
-                    "uid": owner["metadata"]["uid"],
-                    "controller": True,
-                }
-            ],
+            "ownerReferences": [controlled_by(kube.get("Pod", pod_name, ns))],
         },
         "spec": kube.get("ResourceClaimTemplate", template, ns)["spec"]["spec"],
     }
@@ -521,15 +525,7 @@ async def test_a_device_class_asked_for_as_an_extended_resource_counts_with_the_
     holder = await create(tenant, pod(ns, "holder", claims={"a": {"resourceClaimName": "one"}}))
     extended = gpu_claim(ns, "holder-extended-resources-x1y2z")
     extended["metadata"]["annotations"] = {"resource.kubernetes.io/extended-resource-claim": "true"}
-    extended["metadata"]["ownerReferences"] = [
-        {
-            "apiVersion": "v1",
-            "kind": "Pod",
-            "name": "holder",
-            "uid": holder["metadata"]["uid"],
-            "controller": True,
-        }
-    ]
+    extended["metadata"]["ownerReferences"] = [controlled_by(holder)]
     # Created as the scheduler creates it, with its rights.
     with pytest.raises(ApiError) as err:
         await call(kube.create, extended)
@@ -951,13 +947,7 @@ async def test_a_tenant_cannot_make_its_own_claim_a_pods_or_release_a_held_one(
     gated = pod(ns, "waiting")
     gated["spec"]["schedulingGates"] = [{"name": "escape.gpudra.io/hold"}]
     waiting = await create(tenant, gated)
-    owner = {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "name": "waiting",
-        "uid": waiting["metadata"]["uid"],
-        "controller": True,
-    }
+    owner = controlled_by(waiting)
     owned = gpu_claim(ns, "owned")
     owned["metadata"]["ownerReferences"] = [owner]
     message = await refused_once_loaded(tenant, kube, owned)
