@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Final, Literal, TypeAlias, get_args
+from typing import Final, Literal, TypeAlias, TypeVar, get_args
 
 from gpudra.api.config import (
     BoundConfig,
@@ -41,16 +41,36 @@ __all__ = [
     "SHARING_MODES",
     "Sharing",
     "SharingMode",
+    "driver_capacities",
     "is_memory_slice",
     "mps_percentage_conflict",
     "resolve_sharing",
     "sharing_of",
 ]
 
+V = TypeVar("V")
 SharingMode: TypeAlias = Literal["Exclusive", "TimeSlicing", "MPS"]
 SHARING_MODES: Final[tuple[SharingMode, ...]] = get_args(SharingMode)
 SHARES_CAPACITY: Final = "shares"
 """The capacity of a GPU published with integer shares (the upstream driver's name)."""
+
+
+def driver_capacities(named: Mapping[str, V], driver: str) -> dict[str, V]:
+    """`named` (a request's `capacity.requests`, a result's `consumedCapacity`) keyed by
+    each capacity's name within `driver`'s domain: `<driver>/shares` becomes `shares`.
+
+    Why: a capacity name without a domain means the driver's own, and from Kubernetes
+    1.38 the scheduler resolves a request's names that way (kubernetes#142202): a request
+    for `<driver>/shares` is given one of the integer shares a GPU publishes as `shares`,
+    and `memory` a slice of the memory a shared GPU publishes as `<driver>/memory`. So a
+    rule that reads a name must read both spellings, or a tenant asks under the one it
+    does not read. Before 1.38 the scheduler matched names literally, and the spelling
+    that differs from the slice's was never given a device. Names of other domains stay
+    as they are. A request naming both spellings is refused by the 1.38 scheduler; here
+    the last one wins, since only the names matter to the rules.
+    """
+    prefix = f"{driver}/"
+    return {name.removeprefix(prefix): value for name, value in named.items()}
 
 
 def is_memory_slice(capacity_requests: Collection[str]) -> bool:

@@ -22,7 +22,7 @@ import aiohttp
 import anyio
 from gpudra.api.deviceclasses import CLASS_TYPES, DEFAULT_DRIVER
 from gpudra.api.quantity import QuantityError, parse_quantity
-from gpudra.api.sharing import SHARES_CAPACITY
+from gpudra.api.sharing import SHARES_CAPACITY, driver_capacities
 from gpudra.cli.cluster import add_kubeconfig, connect
 from gpudra.cli.terminal import printable
 from gpudra.common.kube import ApiError, Kube
@@ -162,9 +162,9 @@ def _device(raw: Mapping[str, Any], node: str, pool: str, driver: str) -> Device
     attributes = raw.get("attributes") or {}
     kind = next(iter((attributes.get("type") or {}).values()), "")
     model = next(iter((attributes.get("productName") or {}).values()), "")
-    capacity = raw.get("capacity") or {}
+    capacity = driver_capacities(raw.get("capacity") or {}, driver)
     shares = _amount(capacity.get(SHARES_CAPACITY))
-    memory = _amount(capacity.get(f"{driver}/memory") or capacity.get("memory"))
+    memory = _amount(capacity.get("memory"))
     return Device(
         node=node,
         pool=pool,
@@ -199,12 +199,9 @@ def _holders(claim: Mapping[str, Any], driver: str) -> Iterable[tuple[Mapping[st
             # still gives the device to others, and it is not what holds it.
             continue
         request = str(result.get("request", ""))
-        consumed = result.get("consumedCapacity") or {}
+        consumed = driver_capacities(result.get("consumedCapacity") or {}, driver)
         shares = _amount({"value": consumed.get(SHARES_CAPACITY)})
-        memory = None
-        if shares is None:
-            raw = consumed.get(f"{driver}/memory", consumed.get("memory"))
-            memory = _amount({"value": raw})
+        memory = None if shares is not None else _amount({"value": consumed.get("memory")})
         yield (
             result,
             Holder(

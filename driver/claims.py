@@ -21,7 +21,7 @@ from typing import Any, Final
 from gpudra.api.config import BoundConfig, ConfigError, bound_configs
 from gpudra.api.names import is_dns_label, is_dns_subdomain
 from gpudra.api.quantity import QuantityError, parse_quantity
-from gpudra.api.sharing import SHARES_CAPACITY
+from gpudra.api.sharing import SHARES_CAPACITY, driver_capacities
 from gpudra.driver.cdi import CdiError, validate_claim_uid
 
 __all__ = [
@@ -189,9 +189,9 @@ def _allocated(
     ref: ClaimRef, index: int, result: Mapping[str, Any], driver: str
 ) -> AllocatedDevice:
     share_id = result.get("shareID")
-    consumed = result.get("consumedCapacity") or {}
+    consumed = driver_capacities(result.get("consumedCapacity") or {}, driver)
     shares = _shares(ref, index, consumed.get(SHARES_CAPACITY))
-    raw = consumed.get("memory", consumed.get(f"{driver}/memory"))
+    raw = consumed.get("memory")
     memory: int | None = None
     if raw is not None and shares is None:
         try:

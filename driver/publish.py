@@ -12,10 +12,14 @@ A GPU chosen for memory slices (`gpudra node --shared-gpus`) is the same device 
 `memory_request_policy`); the scheduler then hands it to several claims, each with a
 `shareID` and the memory it consumes, and the kubelet plugin enforces that amount with
 the MPS pinned-memory limit. That capacity alone is published qualified, as
-`<driver>/memory`: the scheduler matches `capacity.requests` names literally (a request
-for `gpu.nvidia.com/memory` never matches a capacity named `memory`, nor the reverse),
-so claims ask for `<driver>/memory`, and such a request fits no exclusive GPU, whose
-capacity stays `memory` as upstream publishes it.
+`<driver>/memory`: up to Kubernetes 1.37 the scheduler matches `capacity.requests`
+names literally (a request for `gpu.nvidia.com/memory` never matches a capacity named
+`memory`, nor the reverse), so claims ask for `<driver>/memory`, and such a request fits
+no exclusive GPU, whose capacity stays `memory` as upstream publishes it. From 1.38 it
+reads a name without a domain as the driver's (kubernetes#142202), so either spelling
+fits either GPU; a claim keeps to shared GPUs with the selector
+`device.allowMultipleAllocations`, and admission reads both spellings
+(`api.sharing.driver_capacities`).
 
 A GPU published with integer shares (`gpudra node --gpu-shares N`, the device
 plugin's time-slicing `replicas`) is the same device with `allowMultipleAllocations`

@@ -40,6 +40,7 @@ from gpudra.api.deviceclasses import mig_profile_selector
 from gpudra.api.sharing import (
     SHARES_CAPACITY,
     Sharing,
+    driver_capacities,
     is_memory_slice,
     mps_percentage_conflict,
     resolve_sharing,
@@ -407,7 +408,7 @@ def validate_claim_object(
         )
     except ConfigError as exc:
         verdict.invalid.extend(str(issue) for issue in exc.issues)
-    requests = _requests(devices.get("requests") or (), base)
+    requests = _requests(devices.get("requests") or (), base, policy.driver)
     ours = [r for r in requests if r.device_class in classes]
     if ours and denial:
         verdict.forbidden.append(denial)
@@ -422,20 +423,20 @@ def validate_claim_object(
     return verdict
 
 
-def _requests(raw: Sequence[_RequestSpec], base: str) -> list[_Request]:
+def _requests(raw: Sequence[_RequestSpec], base: str, driver: str) -> list[_Request]:
     result: list[_Request] = []
     for index, request in enumerate(raw):
         name = request.get("name", "")
         exactly = request.get("exactly")
         if exactly is not None:
-            result.append(_one(exactly, f"{base}.requests[{index}].exactly", name))
+            result.append(_one(exactly, f"{base}.requests[{index}].exactly", name, driver))
         for sub_index, sub in enumerate(request.get("firstAvailable") or ()):
             path = f"{base}.requests[{index}].firstAvailable[{sub_index}]"
-            result.append(_one(sub, path, f"{name}/{sub.get('name', '')}"))
+            result.append(_one(sub, path, f"{name}/{sub.get('name', '')}", driver))
     return result
 
 
-def _one(raw: _Exact, path: str, name: str) -> _Request:
+def _one(raw: _Exact, path: str, name: str, driver: str) -> _Request:
     count = raw.get("count")
     if count is None:
         count = 1
@@ -445,16 +446,16 @@ def _one(raw: _Exact, path: str, name: str) -> _Request:
         for selector in raw.get("selectors") or ()
         if (cel := selector.get("cel")) is not None
     )
-    capacity = (raw.get("capacity") or {}).get("requests")
+    capacity = driver_capacities((raw.get("capacity") or {}).get("requests") or {}, driver)
     return _Request(
         path,
         name,
         raw.get("deviceClassName", ""),
         devices,
         selectors,
-        memory_slice=is_memory_slice(capacity or {}),
+        memory_slice=is_memory_slice(capacity),
         admin=raw.get("adminAccess") is True,
-        shares=SHARES_CAPACITY in (capacity or {}),
+        shares=SHARES_CAPACITY in capacity,
         fewest=1 if raw.get("allocationMode") == "All" else count,
         tolerations=tuple(t.get("key") or "" for t in raw.get("tolerations") or ()),
     )

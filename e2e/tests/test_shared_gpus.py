@@ -13,6 +13,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import pytest
+from gpudra.driver.claims import ClaimRef, checked_claim
 
 from e2e import features
 from e2e.claims import pod_with_claim, wait_allocated
@@ -165,7 +166,7 @@ def test_memory_slices_share_one_gpu_until_the_option_is_removed(
     ns = namespace
     with agent(cluster, "--shared-gpus", "0"):
         devices = wait_published(kube, f"{SHARED} published shared", {SHARED})
-        # Qualified, as claims ask for it: the scheduler matches the names literally.
+        # Qualified, as claims ask for it: up to 1.37 the scheduler matches names literally.
         memory = devices[SHARED]["capacity"][MEMORY]
         total = int(memory["value"])
         assert all(set(d["capacity"]) == {"memory"} for n, d in devices.items() if n != SHARED)
@@ -273,6 +274,39 @@ def test_integer_shares_pack_pods_onto_as_few_gpus_as_the_shares_allow(
         share_claim(kube, ns, "share-d", 1)
         lone = next(gpu for gpu, n in by_gpu.items() if n == 1)
         assert result_of(wait_allocated(kube, "share-d", ns, timeout=180))["device"] == lone
+
+
+def test_a_share_asked_for_under_the_drivers_domain_is_a_share_or_nothing(
+    cluster: Cluster, kube: Kube, namespace: str
+) -> None:
+    """A claim may name a capacity with its driver's domain. The scheduler of Kubernetes
+    1.38 gives `<driver>/shares` one of the shares a GPU publishes as `shares`
+    (kubernetes#142202) and records it under the slice's name; earlier ones match names
+    literally and give the claim nothing. Either way the node reads what the scheduler
+    wrote as a share, never a memory slice: the answer the webhook gives such a claim
+    (tests/webhook/test_validate.py, and the escape suite under a tenant)."""
+    ns = namespace
+    with agent(cluster, "--gpu-shares", "2"):
+        wait_published(kube, "every GPU published with 2 shares", {f"gpu-{i}" for i in range(8)})
+        asks = {"deviceClassName": DRIVER, "capacity": {"requests": {f"{DRIVER}/shares": "1"}}}
+        claim_and_pod(kube, ns, "qualified", asks)
+
+        def answered() -> tuple[bool, dict[str, Any]] | None:
+            got: dict[str, Any] = kube.get("ResourceClaim", "qualified", ns)
+            if (got.get("status") or {}).get("allocation"):
+                return True, got
+            return (False, got) if unschedulable(kube, ns, "pod-qualified") else None
+
+        allocated, got = wait_for(
+            "the scheduler's answer to a qualified shares request", answered, 180
+        )
+        if not allocated:  # a scheduler that matches names literally
+            assert "allocation" not in (got.get("status") or {})
+            return
+        assert result_of(got)["consumedCapacity"]["shares"] == "1"
+        ref = ClaimRef(ns, got["metadata"]["uid"], "qualified")
+        (device,) = checked_claim(ref, got, driver=DRIVER, pool=NODE).devices
+        assert (device.consumed_shares, device.consumed_memory) == (1, None)
 
 
 def test_shares_on_a_gpu_shared_by_memory_stop_the_agent(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from gpudra.api.config import BoundConfig, ConfigError, GpuConfig, GpuSharing, MigDeviceConfig
-from gpudra.api.sharing import resolve_sharing
+from gpudra.api.sharing import driver_capacities, is_memory_slice, resolve_sharing
 
 TIME_SLICED = BoundConfig(GpuConfig(sharing=GpuSharing(strategy="TimeSlicing")), (), "class[0]")
 MPS = BoundConfig(GpuConfig(sharing=GpuSharing(strategy="MPS")), (), "claim[0]")
@@ -41,3 +41,13 @@ def test_config_bound_to_the_request_must_fit_its_device() -> None:
     assert resolve_sharing("mig", [], [mig], "mig", memory_slice=False, where="r").mode == (
         "Exclusive"
     )
+
+
+def test_capacity_names_are_read_within_the_drivers_domain() -> None:
+    """`<driver>/shares` is the driver's `shares` (as the 1.38 scheduler resolves it);
+    another domain's name, or another driver's, is left as it is."""
+    named = {"gpu.nvidia.com/shares": "1", "example.com/memory": "1Gi", "bandwidth": "1"}
+    short = driver_capacities(named, "gpu.nvidia.com")
+    assert short == {"shares": "1", "example.com/memory": "1Gi", "bandwidth": "1"}
+    assert not is_memory_slice(short)
+    assert driver_capacities(named, "gpu.example.com") == named

@@ -149,6 +149,11 @@ def test_a_claims_consumed_shares_are_read_and_its_memory_is_no_slice() -> None:
     assert device.consumed_memory is None  # not a memory slice: nothing to pin
     with pytest.raises(ClaimError, match=r"consumedCapacity.shares is 1500m; a GPU's shares"):
         checked_claim(REF, claim({"shares": "1500m"}), driver=DRIVER, pool="n1")
+    # Either spelling of the driver's capacity: the status names a capacity as the slice
+    # does, and a claim of another spelling is still a share, never a memory slice.
+    qualified = {f"{DRIVER}/shares": "2", f"{DRIVER}/memory": "0"}
+    (device,) = checked_claim(REF, claim(qualified), driver=DRIVER, pool="n1").devices
+    assert (device.consumed_shares, device.consumed_memory) == (2, None)
 
 
 @pytest.mark.anyio

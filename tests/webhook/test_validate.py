@@ -374,6 +374,27 @@ def test_some_integer_shares_count_as_time_slicing_and_all_of_them_as_the_whole_
     assert check(mps, rules(allowedSharing=["MPS"], gpuResource={"sharing": "MPS"})).allowed
 
 
+def test_a_capacity_named_with_the_driver_domain_is_judged_as_its_short_name() -> None:
+    """From Kubernetes 1.38 the scheduler gives a request for `gpu.nvidia.com/shares` one
+    of the shares a GPU publishes as `shares` (kubernetes#142202), and prepare time-slices
+    it. Judged by its literal name it would be a memory slice (MPS or the whole GPU),
+    which a tenant allowed Exclusive and MPS but not TimeSlicing may have."""
+    no_time_slicing = rules(allowedSharing=["Exclusive", "MPS"], gpuResource={"sharing": "MPS"})
+    for name in ("shares", "gpu.nvidia.com/shares"):
+        share = req("gpu", "gpu.nvidia.com", capacity={"requests": {name: "1"}})
+        (line,) = check(claim(share), no_time_slicing).forbidden
+        assert line.startswith(
+            "spec.devices.requests[0].exactly.capacity.requests.shares (some of a GPU's "
+            "integer shares are time-sliced"
+        ), name
+        assert "does not allow sharing mode TimeSlicing" in line
+    # Either spelling of a shared GPU's memory is a memory slice, run under MPS.
+    for name in ("memory", "gpu.nvidia.com/memory"):
+        asks = req("slice", "gpu.nvidia.com", capacity={"requests": {name: "10Gi"}})
+        (line,) = check(claim(asks), rules(allowedSharing=["Exclusive"])).forbidden
+        assert "does not allow sharing mode MPS" in line, name
+
+
 def test_a_capacity_request_is_judged_as_a_slice_and_as_a_whole_device(tmp_path: Path) -> None:
     """A capacity request only filters a device that is not shared, and one for a shared
     GPU's whole memory leaves nothing beside it: the scheduler may give the request a

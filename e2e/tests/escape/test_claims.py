@@ -252,6 +252,32 @@ async def test_a_memory_request_counts_as_what_a_whole_device_runs_too(
         await run_sync(drop_tenant, kube, tenant)
 
 
+async def test_a_share_asked_for_under_the_drivers_domain_counts_as_time_slicing(
+    env: Env, kube: SyncKube, namespace: str
+) -> None:
+    """A capacity may be named with its driver's domain, and from Kubernetes 1.38 the
+    scheduler gives a request for `gpu.nvidia.com/shares` one of the integer shares a GPU
+    publishes as `shares` (kubernetes#142202), which the node time-slices. Under a tenant
+    allowed Exclusive and MPS, but not TimeSlicing, the qualified spelling is refused as
+    the short one is, not judged a memory slice run under MPS."""
+    user = await run_sync(tenant_user, kube, namespace)
+    await skip_without_capacity_requests(user, namespace)
+    tenant = await run_sync(
+        lambda: with_tenant(
+            kube, namespace, allowedSharing=["Exclusive", "MPS"], gpuResource={"sharing": "MPS"}
+        )
+    )
+    try:
+        await tenant_rules_loaded(env, namespace)
+        for index, name in enumerate(("shares", f"{DRIVER}/shares")):
+            asks_a_share = {**WHOLE_GPU, "capacity": {"requests": {name: "1"}}}
+            message = await denied(user, claim(namespace, f"share-{index}", asks_a_share))
+            assert "capacity.requests.shares (some of a GPU's integer shares" in message, name
+            assert "does not allow sharing mode TimeSlicing" in message
+    finally:
+        await run_sync(drop_tenant, kube, tenant)
+
+
 async def test_an_invalid_tenant_without_a_quota_fails_closed(
     env: Env, kube: SyncKube, namespace: str
 ) -> None:
