@@ -34,11 +34,12 @@ PEER_NAME = "dra-example-driver"
 PEER_DIFFERENCES = (
     "the upstream helper serialises prepare and unprepare calls; gpudra runs claims "
     "on different devices concurrently",
-    "the peer writes its whole checkpoint through the kubelet checkpoint manager once "
-    "per prepare and once per unprepare; gpudra records the plan before any side "
-    "effect and the result after, through a group commit that claims in flight share, "
-    "and appends a prepare's end and a removal to a changes file without an fsync "
-    "(a power loss may take them; a restarted agent reads them)",
+    "the peer reads its whole checkpoint file and writes it anew (a temporary file, "
+    "fsync, rename) once per prepare and once per unprepare, under the helper's lock; "
+    "gpudra records the plan before any side effect and the result after, through a "
+    "group commit that claims in flight share, and appends a prepare's end and a "
+    "removal to a changes file without an fsync (a power loss may take them; a "
+    "restarted agent reads them)",
     "the peer's CDI spec per claim holds a few environment variables; gpudra's holds "
     "the device nodes, driver mounts and hooks a real GPU container needs",
     "the peer has no device layer (no NVML, no sharing, no MIG); gpudra's emulated "

@@ -19,7 +19,7 @@ die() { echo "build-dra-example: $*" >&2; exit 2; }
 version=${DRA_EXAMPLE_DRIVER_VERSION_OVERRIDE:-$DRA_EXAMPLE_DRIVER_VERSION}
 case "$version" in
   v[0-9]*.[0-9]*.[0-9]*) ;;
-  *) die "unsupported version '$version': set DRA_EXAMPLE_DRIVER_VERSION in e2e/tools/versions.env to a release tag such as v0.2.1" ;;
+  *) die "unsupported version '$version': set DRA_EXAMPLE_DRIVER_VERSION in e2e/tools/versions.env to a release tag such as v0.3.0" ;;
 esac
 module=sigs.k8s.io/dra-example-driver
 cache=${GPUDRA_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/gpudra}/dra-example-driver/$version
