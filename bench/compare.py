@@ -283,6 +283,15 @@ def _slices_rows(doc: Mapping[str, Any] | None, unmeasured: str) -> list[Row]:
     ]
 
 
+def _peer(measured: Any) -> str:
+    """The other side's name for a row against the peer: "peer" and the release the
+    results say was measured. A row is keyed by that name, so a new release of the
+    peer starts its rows anew (no `was`, its own run window) instead of reading as a
+    move of gpudra's."""
+    version = _get(measured, "version")
+    return f"peer {version}" if isinstance(version, str) and version else "peer"
+
+
 def rows(results: Mapping[str, Mapping[str, Any] | None]) -> list[Row]:
     """The table's rows from the results files (None: not measured)."""
     prepare, webhook = results.get("prepare"), results.get("webhook")
@@ -291,14 +300,15 @@ def rows(results: Mapping[str, Mapping[str, Any] | None]) -> list[Row]:
     claims = _get(webhook, "claims_vs_peer")
     new_specs = _get(webhook, "claims_vs_peer_new_specs")
     ways = _get(schedule, "ways") or {}
+    node_peer, claims_peer = _peer(peer), _peer(_get(claims, "peer"))
     out = [
-        _row("prepare p50 ms", _get(prepare, "p50_ms"), _get(peer, "p50_ms"), "peer", 1.0, "<="),
-        _row("prepare p99 ms", _get(prepare, "p99_ms"), _get(peer, "p99_ms"), "peer", 1.0, "<="),
+        _row("prepare p50 ms", _get(prepare, "p50_ms"), _get(peer, "p50_ms"), node_peer, 1.0, "<="),
+        _row("prepare p99 ms", _get(prepare, "p99_ms"), _get(peer, "p99_ms"), node_peer, 1.0, "<="),
         _row(
             "prepare claims/s",
             _get(prepare, "claims_per_s"),
             _get(peer, "claims_per_s"),
-            "peer",
+            node_peer,
             1.0,
             ">=",
         ),
@@ -317,7 +327,7 @@ def rows(results: Mapping[str, Mapping[str, Any] | None]) -> list[Row]:
             "claim admission p50 ms at 200/s",
             _get(claims, "gpudra", "p50_ms"),
             _get(claims, "peer", "p50_ms"),
-            "peer",
+            claims_peer,
             1.0,
             "<=",
         ),
@@ -325,7 +335,7 @@ def rows(results: Mapping[str, Mapping[str, Any] | None]) -> list[Row]:
             "claim admission p99 ms at 200/s",
             _get(claims, "gpudra", "p99_ms"),
             _get(claims, "peer", "p99_ms"),
-            "peer",
+            claims_peer,
             1.0,
             "<=",
         ),
@@ -335,7 +345,7 @@ def rows(results: Mapping[str, Mapping[str, Any] | None]) -> list[Row]:
             "claim admission p50 ms at 200/s, every spec new",
             _get(new_specs, "gpudra", "p50_ms"),
             _get(new_specs, "peer", "p50_ms"),
-            "peer",
+            _peer(_get(new_specs, "peer")),
             None,
             None,
         ),
@@ -343,7 +353,7 @@ def rows(results: Mapping[str, Mapping[str, Any] | None]) -> list[Row]:
             "claim admission max req/s, one core",
             _get(claims, "gpudra", "max_rps"),
             _get(claims, "peer", "max_rps"),
-            "peer",
+            claims_peer,
             1.0,
             ">=",
         ),

@@ -254,6 +254,42 @@ def test_each_row_is_read_over_the_last_runs_with_how_often_its_target_was_met()
     assert by_metric[("claim admission p50 ms at 200/s", "peer")].across is None
 
 
+def _peer_release(p50: float, version: str) -> dict[str, Any]:
+    """Prepare and admission measured against the peer's release `version`."""
+    return {
+        "prepare": {"p50_ms": p50, "peer": {"p50_ms": 10.0, "version": version}},
+        "webhook": {
+            "claims_vs_peer": {
+                "gpudra": {"p50_ms": p50 / 10},
+                "peer": {"p50_ms": 1.0, "version": version},
+            }
+        },
+    }
+
+
+def test_a_new_release_of_the_peer_starts_its_rows_anew() -> None:
+    # Runs against one release; the next against another, whose ratio is far off.
+    history = recorded([], compared(_peer_release(6.0, "v0.2.1"), None, [])[1])
+    history = recorded(history, compared(_peer_release(6.5, "v0.2.1"), None, [])[1])
+    before = compared(_peer_release(6.5, "v0.2.1"), None, [])[1]
+    lines, _ = compared(_peer_release(9.0, "v0.3.0"), before, [], history)
+    by_key = {r.key: r for r in lines}
+    assert ("prepare p50 ms", "peer") not in by_key
+    for key in (
+        ("prepare p50 ms", "peer v0.3.0"),
+        ("claim admission p50 ms at 200/s", "peer v0.3.0"),
+    ):
+        row = by_key[key]
+        # Not a move of gpudra's, and not read with the other release's runs.
+        assert (row.ratio, row.was, row.moved) == (0.9, None, "")
+        assert row.across == Across(runs=1, median=0.9, low=0.9, high=0.9, met=1)
+    # The same release again is compared as before.
+    again, _ = compared(_peer_release(9.0, "v0.2.1"), before, [], history)
+    (p50,) = [r for r in again if r.key == ("prepare p50 ms", "peer v0.2.1")]
+    assert (p50.was, p50.moved) == (0.65, "worse")
+    assert p50.across is not None and p50.across.runs == 3
+
+
 def test_a_row_without_a_target_has_a_range_and_no_count_of_runs_met() -> None:
     files = {"prepare": {"p50_ms": 6.0, "floor_with_files": {"p50_ms": 5.0}}}
     history = recorded([], compared(files, None, [])[1])
