@@ -7,6 +7,7 @@ import base64
 import copy
 import json
 import re
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -965,6 +966,53 @@ def test_notes_tell_how_to_check(helm: Path) -> None:
     out = h.run(helm, "install", "gpudra", str(h.CHART), "--dry-run=client", "-n", "gpudra")
     assert "kubectl get resourceslices --field-selector spec.driver=gpu.nvidia.com" in out
     assert "rollout status daemonset/gpudra-node" in out
+
+
+def rendered_notes(helm: Path, tmp_path: Path, kube_version: str, *values: str) -> str:
+    """The chart's NOTES.txt rendered for a cluster at `kube_version`. `helm install
+    --dry-run` prints the notes but cannot be told a version, and `helm template`, which
+    can, leaves them out; so a copy of the chart carries the same text in a ConfigMap."""
+    chart = tmp_path / "gpudra"
+    shutil.copytree(h.CHART, chart)
+    notes = (chart / "templates" / "NOTES.txt").read_text()
+    (chart / "templates" / "_notes_under_test.tpl").write_text(
+        '{{- define "notes-under-test" -}}\n' + notes + "{{- end -}}\n"
+    )
+    (chart / "templates" / "notes-under-test.yaml").write_text(
+        "apiVersion: v1\nkind: ConfigMap\nmetadata:\n  name: notes-under-test\ndata:\n"
+        '  notes: |\n{{ include "notes-under-test" . | indent 4 }}\n'
+    )
+    out = h.run(
+        helm,
+        "template",
+        "gpudra",
+        str(chart),
+        "-n",
+        "gpudra",
+        f"--kube-version={kube_version}",
+        *(f"--set={v}" for v in values),
+    )
+    notes_cm = h.find([d for d in yaml.safe_load_all(out) if d], "ConfigMap", "notes-under-test")
+    text: str = notes_cm["data"]["notes"]
+    return text
+
+
+@pytest.mark.parametrize(("kube_version", "warned"), [("v1.36.5", True), ("v1.37.2", False)])
+def test_notes_warn_that_1_36_does_not_evict_pods_served_by_the_class_mapping(
+    helm: Path, tmp_path: Path, kube_version: str, warned: bool
+) -> None:
+    """kubernetes#142289: before 1.37 the device taint eviction controller reads only
+    `spec.resourceClaims`, so NoExecute leaves a mapped pod on its GPU
+    (e2e/tests/test_migration.py runs it on the real node)."""
+    mapped = "deviceClasses.gpu.extendedResourceName=nvidia.com/gpu"
+    notes = rendered_notes(helm, tmp_path, kube_version, mapped)
+    assert "Pods asking for nvidia.com/gpu are allocated through DRA" in notes
+    warning = "WARNING: on Kubernetes 1.36 a NoExecute device taint does not evict those pods"
+    assert (warning in notes) is warned
+    assert ("WARNING: on Kubernetes" in notes) is warned
+    # Without the mapping there is nothing to warn of.
+    assert "WARNING" not in rendered_notes(helm, tmp_path / "plain", kube_version)
+    assert "kubectl get deviceclasses" in notes
 
 
 @pytest.mark.parametrize(
