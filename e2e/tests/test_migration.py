@@ -34,7 +34,7 @@ import yaml
 from gpudra.api.deviceclasses import device_classes
 
 from e2e import features
-from e2e.claims import running
+from e2e.claims import claim_name, running, wait_allocated
 from e2e.cluster.harness import Cluster
 from e2e.cluster.kube import Kube, wait_for
 from e2e.node import images
@@ -193,17 +193,8 @@ def test_the_scheduler_serves_nvidia_gpu_per_node_with_the_class_mapping(
 
 
 def _allocated_device(kube: Kube, namespace: str, claim: str) -> str:
-    got = wait_for(
-        f"claim {claim} allocated",
-        lambda: (
-            ((c := kube.get("ResourceClaim", claim, namespace)).get("status") or {}).get(
-                "allocation"
-            )
-            and c
-        ),
-        timeout=60,
-    )
-    (result,) = got["status"]["allocation"]["devices"]["results"]
+    allocated = wait_allocated(kube, claim, namespace)
+    (result,) = allocated["status"]["allocation"]["devices"]["results"]
     device: str = result["device"]
     return device
 
@@ -234,7 +225,7 @@ def test_a_no_execute_device_taint_evicts_a_pod_served_by_the_mapping_from_kuber
     mapped = wait_running_on(kube, old, "mapped", node)
     converted = wait_running_on(kube, moved, "converted", node)
     mapped_claim = mapped["status"]["extendedResourceClaimStatus"]["resourceClaimName"]
-    converted_claim = converted["status"]["resourceClaimStatuses"][0]["resourceClaimName"]
+    converted_claim = claim_name(converted, converted["spec"]["resourceClaims"][0]["name"])
     devices = (
         _allocated_device(kube, old, mapped_claim),
         _allocated_device(kube, moved, converted_claim),
