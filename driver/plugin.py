@@ -53,6 +53,15 @@ HEALTH_REFRESH_S = 10.0
 # The kubelet cancels a NodePrepareResources call after this long (its DRA plugin
 # client's defaultClientCallTimeout).
 KUBELET_CALL_TIMEOUT_S = 45.0
+# How long a prepare failure the kubelet's call left before it ended waits for the
+# claim's next prepare call (`_CallsInFlight`). The kubelet does not count a failed
+# prepare as a failed sync of the pod: it tries again at the pod's next sync, every
+# `syncFrequency` (1 min by default) plus up to half of it, or at a change of the pod.
+UNHEARD_FAILURE_KEEP_S = 300.0
+UNHEARD_FAILURE_NOTE = (
+    "the outcome of the prepare the kubelet's previous call left when its deadline "
+    "passed; the next call prepares anew"
+)
 # sun_path is 108 bytes including the terminating NUL.
 _MAX_UNIX_PATH = 107
 _SOCKET_MODE = 0o600
@@ -430,21 +439,103 @@ class _CallsInFlight:
     own, which the call awaits through `asyncio.shield`: the kubelet gets its deadline
     error, and the work finishes in order under its locks. The kubelet's retry waits for
     the claim's lock and is answered from the record. `wait` lets `stop` finish them.
+
+    A prepare that fails after its caller left would be news nobody hears: the retry
+    would try again, meet the same slow failure (an MPS daemon pod that never starts
+    gets 60 s, the kubelet's call 45) and the pod's events would say only `context
+    deadline exceeded`, call after call. So such a failure is kept, per claim, for the
+    claim's next prepare call, which first waits for the work still under way and then
+    answers with it instead of trying again (the call after that tries again). A kept
+    failure goes with the claim's unprepare, or after `keep_s`.
     """
 
-    def __init__(self) -> None:
+    def __init__(
+        self,
+        keep_s: float = UNHEARD_FAILURE_KEEP_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._keep_s = keep_s
+        self._clock = clock
+        # Prepares whose caller left before they ended, by claim UID.
+        self._left: dict[str, asyncio.Task[dict[str, PrepareResult]]] = {}
+        # What such a prepare came to where it failed: when it ended, its answer.
+        self._unheard: dict[str, tuple[float, PrepareResult]] = {}
 
     async def run(self, work: Coroutine[Any, Any, R]) -> R:
-        task = asyncio.ensure_future(work)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        return await asyncio.shield(task)
+        return await asyncio.shield(self._start(work))
+
+    async def prepare(
+        self,
+        refs: list[ClaimRef],
+        work: Callable[[list[ClaimRef]], Coroutine[Any, Any, dict[str, PrepareResult]]],
+    ) -> dict[str, PrepareResult]:
+        """`work(refs)` as `run` does it, where no failure of an earlier call's work is
+        kept for a claim; the claims that have one are answered with it."""
+        earlier = {task for ref in refs if (task := self._left.get(ref.uid)) is not None}
+        if earlier:
+            await asyncio.wait(earlier)
+        heard = self._take_unheard(refs)
+        rest = [ref for ref in refs if ref.uid not in heard]
+        if not rest:
+            return heard
+        task = self._start(work(rest))
+        try:
+            results = await asyncio.shield(task)
+        except asyncio.CancelledError:
+            self._caller_left(task, [ref.uid for ref in rest])
+            raise
+        return {**results, **heard}
+
+    def forget(self, refs: Iterable[ClaimRef]) -> None:
+        """The claims are unprepared: a failure kept for them is no news to a later
+        prepare of theirs."""
+        for ref in refs:
+            self._unheard.pop(ref.uid, None)
 
     async def wait(self) -> None:
         """Until every call's work has finished (its caller may be long gone)."""
         while self._tasks:
             await asyncio.wait(set(self._tasks))
+
+    def _start(self, work: Coroutine[Any, Any, R]) -> asyncio.Task[R]:
+        task = asyncio.ensure_future(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    def _caller_left(self, task: asyncio.Task[dict[str, PrepareResult]], uids: list[str]) -> None:
+        for uid in uids:
+            self._left[uid] = task
+
+        def ended(done: asyncio.Task[dict[str, PrepareResult]]) -> None:
+            for uid in uids:
+                if self._left.get(uid) is done:
+                    del self._left[uid]
+            if done.cancelled() or done.exception() is not None:
+                return  # the dispatcher answers every claim; only a stop ends it so
+            now = self._clock()
+            for uid, result in done.result().items():
+                if result.error and uid in uids:
+                    self._unheard[uid] = (now, result)
+
+        task.add_done_callback(ended)
+
+    def _take_unheard(self, refs: list[ClaimRef]) -> dict[str, PrepareResult]:
+        now = self._clock()
+        for uid in [u for u, (at, _) in self._unheard.items() if now - at > self._keep_s]:
+            del self._unheard[uid]
+        heard: dict[str, PrepareResult] = {}
+        for ref in refs:
+            kept = self._unheard.pop(ref.uid, None)
+            if kept is None:
+                continue
+            log.info(
+                "prepare answered with the failure of the work an earlier call left",
+                extra={"fields": {"claim": ref.uid, "error": kept[1].error}},
+            )
+            heard[ref.uid] = PrepareResult(error=f"{kept[1].error} ({UNHEARD_FAILURE_NOTE})")
+        return heard
 
 
 def _conversion_failed(op: str, uid: str, exc: Exception) -> str:
@@ -473,7 +564,7 @@ class _DraServicer:
         self._calls = calls
 
     async def NodePrepareResources(self, request: Any, context: Any) -> Any:
-        results = await self._calls.run(self._dispatcher.prepare(_claim_refs(request.claims)))
+        results = await self._calls.prepare(_claim_refs(request.claims), self._dispatcher.prepare)
         response = self._pb.NodePrepareResourcesResponse()
         for uid, result in results.items():
             entry = response.claims[uid]
@@ -485,7 +576,13 @@ class _DraServicer:
         return response
 
     async def NodeUnprepareResources(self, request: Any, context: Any) -> Any:
-        results = await self._calls.run(self._dispatcher.unprepare(_claim_refs(request.claims)))
+        refs = _claim_refs(request.claims)
+        try:
+            results = await self._calls.run(self._dispatcher.unprepare(refs))
+        finally:
+            # After the claim's lock let the unprepare in, so after any prepare
+            # work of the claim an earlier call left.
+            self._calls.forget(refs)
         response = self._pb.NodeUnprepareResourcesResponse()
         for uid, error in results.items():
             entry = response.claims[uid]

@@ -918,8 +918,8 @@ class NvidiaSharing:
                 next_look = now + 1.0
             if now >= deadline:
                 raise SharingError(
-                    f"{purpose}: the daemon in pod {pod.name} did not create its control "
-                    f"pipe {daemon.pipe_dir / _CONTROL_PIPE} within "
+                    f"{purpose}: the daemon in pod {pod.name} did not listen on its "
+                    f"control pipe {daemon.pipe_dir / _CONTROL_PIPE} within "
                     f"{self._pod_ready_timeout_s:.0f}s; see the pod's events and the logs "
                     f"in {daemon.log_dir}"
                 )

@@ -38,7 +38,7 @@ from gpudra.cli.scrape import get, metric_samples
 from gpudra.cli.webhook import QUOTA_LEASE
 from gpudra.driver.driverroot import CUDA_LIBRARY, NVML_LIBRARY
 from gpudra.driver.mpspods import CLAIM_LABEL
-from gpudra.driver.plugin import DRA_APIS
+from gpudra.driver.plugin import DRA_APIS, UNHEARD_FAILURE_NOTE
 from gpudra.webhook.cabundle import FIELD_MANAGER
 from gpudra.webhook.convert import CONVERTED_ANNOTATION as CONVERTED
 
@@ -1037,6 +1037,49 @@ def test_an_mps_daemon_pod_sees_only_its_claims_folders(
     for pod in ("mps-a", "mps-b"):
         kube.delete("Pod", pod, ns)
     wait_unprepared(stack, {first, second}, "the MPS pods' claims")
+    assert not daemon_pods(kube)
+
+
+def test_an_mps_daemon_that_never_listens_is_named_in_the_pods_events(
+    stack: NodeGpus, kube: Kube, ns: str
+) -> None:
+    """A daemon pod gets 60 s to start its daemon, the kubelet's prepare call 45. With
+    a control daemon that makes its pipe and hangs (its pod runs, so nothing shows a
+    problem), the first call ends in `context deadline exceeded`; the kubelet's retry
+    is answered with what the prepare it left came to, so the pod's events name the
+    cause. Once the daemon is fixed, the next retry starts the pod."""
+    if not isinstance(stack, ChartStack):
+        pytest.skip("daemons of host-process agents are their children: a start gets 10 s")
+    if on_kind():
+        pytest.skip("it changes the stand-in driver root on the host, not in a kind node")
+    tool = stack.state_dir / EMULATED_DRIVER_ROOT / "usr/bin/nvidia-cuda-mps-control"
+    original = tool.read_bytes()
+
+    def install(content: bytes) -> None:
+        staged = tool.with_name(f".{tool.name}.new")
+        staged.write_bytes(content)
+        staged.chmod(0o755)
+        staged.replace(tool)
+
+    kube.create(mps_template(ns, "mps", "!device.allowMultipleAllocations"))
+    try:
+        install(b'#!/bin/sh\nmkfifo "$CUDA_MPS_PIPE_DIRECTORY/control"\nexec sleep 600\n')
+        kube.create(gpu_pod(stack, "hung", ns, template="mps"))
+        named = wait_for(
+            "an event that names the cause",
+            lambda: [e for e in events(kube, ns, "hung") if "did not listen on its" in e],
+            timeout=240,
+        )
+    finally:
+        install(original)
+    assert "within 60s; see the pod's events" in named[0]
+    assert UNHEARD_FAILURE_NOTE in named[0]
+    assert [e for e in events(kube, ns, "hung") if "DeadlineExceeded" in e]
+    wait_running(kube, ns, "hung")
+    uid = claim_uid(kube, ns, "hung")
+    assert set(daemon_pods(kube)) == {uid}
+    kube.delete("Pod", "hung", ns)
+    wait_unprepared(stack, {uid}, "the MPS pod's claim")
     assert not daemon_pods(kube)
 
 

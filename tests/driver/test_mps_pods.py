@@ -229,6 +229,28 @@ def test_a_daemon_pod_that_fails_is_removed_and_named(tmp_path: Path, tools_log:
     assert not any((tmp_path / d).exists() for d in ("pipe", "log", "shm"))
 
 
+def test_a_daemon_pod_whose_daemon_never_listens_is_removed_and_named(
+    tmp_path: Path, tools_log: Path
+) -> None:
+    """A daemon that makes its control pipe and then hangs (the pod runs, so the pod
+    shows no problem) gets the pod's start timeout; the error says what it waited
+    for and where to look, and the pod is gone."""
+    hung = tmp_path / "nvidia-cuda-mps-control"
+    hung.write_text('#!/bin/sh\nmkfifo "$CUDA_MPS_PIPE_DIRECTORY/control"\nexec sleep 600\n')
+    hung.chmod(0o755)
+    pods = ProcessPods()
+    backend = NvidiaSharing(mps_control=hung, pods=pods, pod_ready_timeout_s=2.0)
+    base = tmp_path / "claim"
+    with pytest.raises(SharingError) as caught:
+        backend.start_mps(daemon(base))
+    assert (
+        f"the daemon in pod mps-claim-1 did not listen on its control pipe "
+        f"{base / 'pipe' / 'control'} within 2s; see the pod's events and the logs in "
+        f"{base / 'log'}"
+    ) in str(caught.value)
+    assert not pods.pods
+
+
 def test_a_retried_start_adopts_the_recorded_daemon_pod(tmp_path: Path, tools_log: Path) -> None:
     pods = ProcessPods()
     backend = sharing(pods, tools_log)

@@ -28,12 +28,14 @@ from gpudra.driver.plugin import (
     DRA_V1,
     DRA_V1BETA1,
     HEALTH_V1ALPHA1,
+    UNHEARD_FAILURE_NOTE,
     ClaimRef,
     DeviceHealth,
     HealthBoard,
     KubeletPlugin,
     PreparedDevice,
     PrepareResult,
+    _CallsInFlight,
 )
 from gpudra.driver.proto import (
     dra_health_v1alpha1_pb2,
@@ -542,6 +544,103 @@ async def test_a_call_cut_by_the_kubelets_deadline_still_finishes_its_work(
             assert handler.finished == []  # stop is waiting for the work
             handler.go.set()
     assert handler.finished == [f"{op} uid-a"]
+
+
+async def cut_prepare(plugin: KubeletPlugin, claims: list[ClaimRef]) -> None:
+    """A prepare call the kubelet's deadline ends before the device layer answers."""
+    async with channel(plugin.dra_socket) as ch:
+        request = dra_v1_pb2.NodePrepareResourcesRequest(
+            claims=[dra_v1_pb2.Claim(namespace=c.namespace, uid=c.uid, name=c.name) for c in claims]
+        )
+        with pytest.raises(grpc.aio.AioRpcError) as cut:
+            # Time enough to reach the handler on a loaded machine, which then waits.
+            await stub(dra_v1_pb2_grpc.DRAPluginStub, ch).NodePrepareResources(request, timeout=3.0)
+    assert cut.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+async def test_a_prepare_failure_the_kubelet_never_heard_answers_its_retry(root: Path) -> None:
+    """A prepare that fails after the kubelet's deadline (an MPS daemon pod that never
+    starts gets 60 s, the call 45): the retry that comes while it still runs waits for
+    it and is answered with its failure, so the pod's events name the cause instead of
+    `context deadline exceeded` call after call. A claim of the call whose work
+    succeeded is prepared as usual, and the call after that prepares the failed claim
+    anew."""
+    handler = GatedHandler()
+    handler.errors["uid-a"] = "its pod did not create its control pipe within 60s"
+    async with KubeletPlugin(DRIVER, handler, claims=Allocated(), kubelet_root=root) as plugin:
+        await cut_prepare(plugin, [claim("a"), claim("b")])
+        async with anyio.create_task_group() as group:
+            retried: dict[str, Any] = {}
+
+            async def retry() -> None:
+                retried.update(await prepare_v1(plugin, [claim("a"), claim("b")]))
+
+            group.start_soon(retry)
+            await anyio.sleep(0.5)
+            answered_early = bool(retried)
+            handler.go.set()  # before any assert: the plugin's stop waits for the work
+        assert not answered_early  # the retry waited for the work the first call left
+        again = await prepare_v1(plugin, [claim("a")])
+    assert retried["uid-a"].error == (
+        f"its pod did not create its control pipe within 60s ({UNHEARD_FAILURE_NOTE})"
+    )
+    assert retried["uid-b"].error == "" and retried["uid-b"].devices[0].device_name == "gpu-b"
+    assert handler.prepare_calls == [[claim("a"), claim("b")], [claim("b")], [claim("a")]]
+    assert again["uid-a"].error == "its pod did not create its control pipe within 60s"
+
+
+async def test_a_failure_the_kubelet_never_heard_goes_with_the_claims_unprepare(
+    root: Path,
+) -> None:
+    """Once the kubelet unprepared the claim (its pod went), a later prepare of it (a
+    new pod of a claim made by hand) is no retry of the failed one: it prepares anew."""
+    handler = GatedHandler()
+    handler.errors["uid-a"] = "device busy"
+    async with KubeletPlugin(DRIVER, handler, claims=Allocated(), kubelet_root=root) as plugin:
+        await cut_prepare(plugin, [claim("a")])
+        handler.go.set()
+        await wait_until(lambda: handler.finished == ["prepare uid-a"])
+        async with channel(plugin.dra_socket) as ch:
+            await stub(dra_v1_pb2_grpc.DRAPluginStub, ch).NodeUnprepareResources(
+                dra_v1_pb2.NodeUnprepareResourcesRequest(
+                    claims=[dra_v1_pb2.Claim(namespace="default", uid="uid-a", name="a")]
+                ),
+                timeout=WAIT_S,
+            )
+        handler.errors.clear()
+        prepared = await prepare_v1(plugin, [claim("a")])
+    assert prepared["uid-a"].error == ""
+    assert handler.prepare_calls == [[claim("a")], [claim("a")]]
+
+
+async def test_a_failure_the_kubelet_never_heard_is_kept_only_for_a_while() -> None:
+    """A pod that went for good sends no retry: its claim's kept failure is dropped
+    once older than `keep_s`, and a prepare after that tries again."""
+    now = [0.0]
+    calls = _CallsInFlight(keep_s=120.0, clock=lambda: now[0])
+    tries: list[list[str]] = []
+    go = anyio.Event()
+
+    async def work(refs: list[ClaimRef]) -> dict[str, PrepareResult]:
+        tries.append([r.uid for r in refs])
+        await go.wait()
+        return {r.uid: PrepareResult(error="no") for r in refs}
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(calls.prepare, [claim("a")], work)
+        await wait_until(lambda: bool(tries))
+        group.cancel_scope.cancel()  # the kubelet's deadline
+    go.set()
+    await calls.wait()
+    now[0] = 120.5
+    assert (await calls.prepare([claim("a")], work))["uid-a"].error == "no"
+    assert tries == [["uid-a"], ["uid-a"]]
+
+
+async def wait_until(condition: Callable[[], bool]) -> None:
+    with anyio.fail_after(WAIT_S):
+        while not condition():
+            await anyio.sleep(0.01)
 
 
 async def test_one_claim_raising_does_not_fail_the_others(root: Path) -> None:
