@@ -515,8 +515,8 @@ class _CallsInFlight:
             if done.cancelled() or done.exception() is not None:
                 return  # the dispatcher answers every claim; only a stop ends it so
             now = self._clock()
-            for uid, result in done.result().items():
-                if result.error and uid in uids:
+            for uid, result in done.result().items():  # only the claims it was asked
+                if result.error:
                     self._unheard[uid] = (now, result)
 
         task.add_done_callback(ended)

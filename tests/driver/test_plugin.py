@@ -401,14 +401,14 @@ async def test_too_long_socket_path_is_refused_with_the_fix(root: Path) -> None:
 
 
 async def prepare_v1(
-    plugin: KubeletPlugin, claims: list[ClaimRef]
+    plugin: KubeletPlugin, claims: list[ClaimRef], deadline_s: float = WAIT_S
 ) -> dict[str, dra_v1_pb2.NodePrepareResourceResponse]:
     async with channel(plugin.dra_socket) as ch:
         client = stub(dra_v1_pb2_grpc.DRAPluginStub, ch)
         request = dra_v1_pb2.NodePrepareResourcesRequest(
             claims=[dra_v1_pb2.Claim(namespace=c.namespace, uid=c.uid, name=c.name) for c in claims]
         )
-        response = await client.NodePrepareResources(request, timeout=WAIT_S)
+        response = await client.NodePrepareResources(request, timeout=deadline_s)
     return dict(response.claims)
 
 
@@ -548,13 +548,9 @@ async def test_a_call_cut_by_the_kubelets_deadline_still_finishes_its_work(
 
 async def cut_prepare(plugin: KubeletPlugin, claims: list[ClaimRef]) -> None:
     """A prepare call the kubelet's deadline ends before the device layer answers."""
-    async with channel(plugin.dra_socket) as ch:
-        request = dra_v1_pb2.NodePrepareResourcesRequest(
-            claims=[dra_v1_pb2.Claim(namespace=c.namespace, uid=c.uid, name=c.name) for c in claims]
-        )
-        with pytest.raises(grpc.aio.AioRpcError) as cut:
-            # Time enough to reach the handler on a loaded machine, which then waits.
-            await stub(dra_v1_pb2_grpc.DRAPluginStub, ch).NodePrepareResources(request, timeout=3.0)
+    with pytest.raises(grpc.aio.AioRpcError) as cut:
+        # Time enough to reach the handler on a loaded machine, which then waits.
+        await prepare_v1(plugin, claims, deadline_s=3.0)
     assert cut.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
 
 
@@ -566,7 +562,7 @@ async def test_a_prepare_failure_the_kubelet_never_heard_answers_its_retry(root:
     succeeded is prepared as usual, and the call after that prepares the failed claim
     anew."""
     handler = GatedHandler()
-    handler.errors["uid-a"] = "its pod did not create its control pipe within 60s"
+    handler.errors["uid-a"] = "its pod did not listen on its control pipe within 60s"
     async with KubeletPlugin(DRIVER, handler, claims=Allocated(), kubelet_root=root) as plugin:
         await cut_prepare(plugin, [claim("a"), claim("b")])
         async with anyio.create_task_group() as group:
@@ -582,11 +578,11 @@ async def test_a_prepare_failure_the_kubelet_never_heard_answers_its_retry(root:
         assert not answered_early  # the retry waited for the work the first call left
         again = await prepare_v1(plugin, [claim("a")])
     assert retried["uid-a"].error == (
-        f"its pod did not create its control pipe within 60s ({UNHEARD_FAILURE_NOTE})"
+        f"its pod did not listen on its control pipe within 60s ({UNHEARD_FAILURE_NOTE})"
     )
     assert retried["uid-b"].error == "" and retried["uid-b"].devices[0].device_name == "gpu-b"
     assert handler.prepare_calls == [[claim("a"), claim("b")], [claim("b")], [claim("a")]]
-    assert again["uid-a"].error == "its pod did not create its control pipe within 60s"
+    assert again["uid-a"].error == "its pod did not listen on its control pipe within 60s"
 
 
 async def test_a_failure_the_kubelet_never_heard_goes_with_the_claims_unprepare(
