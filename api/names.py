@@ -24,6 +24,7 @@ __all__ = [
     "DNS_SUBDOMAIN_MAX",
     "DNS_SUBDOMAIN_PATTERN",
     "DRIVER_NAME_MAX",
+    "POD_CLAIM_NAME_ANNOTATION",
     "DnsLabel",
     "DnsSubdomain",
     "InvalidName",
@@ -36,6 +37,11 @@ __all__ = [
     "is_dns_label",
     "is_dns_subdomain",
 ]
+
+POD_CLAIM_NAME_ANNOTATION: Final = "resource.kubernetes.io/pod-claim-name"
+"""On a claim the resourceclaim controller made from a pod's template entry: the entry's
+name (the pod is the claim's controlling owner). The claim's own name is generated, so
+this is the name a pod's containers know the claim by."""
 
 DNS_LABEL_MAX: Final = 63
 DNS_SUBDOMAIN_MAX: Final = 253

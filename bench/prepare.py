@@ -46,7 +46,6 @@ or floor); `client` in the results says which. BENCH_CLIENT=python|go forces one
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import pstats
@@ -75,10 +74,10 @@ from gpudra.driver.plugin import KubeletPlugin, PreparedDevice, PrepareResult
 
 from bench import peers
 from bench.runinfo import load_avg, run_context
-from e2e.cache import cache_root
 from e2e.claims import pod_with_claim, wait_allocated
 from e2e.cluster.harness import REPO, Cluster, State
 from e2e.cluster.kube import Kube
+from e2e.gobuild import GoBuildError, go_binary
 from e2e.kubelet_standin import KubeletStandin
 from e2e.node_process import NodeDirs, create_driver_namespace, delete_driver_namespace
 
@@ -205,41 +204,13 @@ class CpuMeter:
 
 
 def go_client() -> Path | None:
-    """The Go kubelet client, built when missing; None without a Go toolchain.
-
-    Cached by a hash of its sources, so an edit rebuilds it and nothing else does.
-    """
-    go = shutil.which("go")
-    if go is None:
+    """The Go kubelet client, built when missing (`e2e.gobuild`); None without a Go
+    toolchain or when it does not build."""
+    try:
+        return go_binary(GO_CLIENT, "bench-kubeletclient")
+    except GoBuildError as exc:
+        print(f"bench-prepare: {exc}; using the Python client", file=sys.stderr)
         return None
-    digest = hashlib.sha256()
-    for name in ("go.mod", "go.sum", "main.go"):
-        digest.update((GO_CLIENT / name).read_bytes())
-    binary = cache_root() / "bench-kubeletclient" / digest.hexdigest()[:16] / "kubeletclient"
-    if binary.is_file():
-        return binary
-    binary.parent.mkdir(parents=True, exist_ok=True)
-    env = {
-        **os.environ,
-        "GOTOOLCHAIN": "local",
-        "GOWORK": "off",
-        "GOFLAGS": "-mod=mod",
-        "CGO_ENABLED": "0",
-        "GOSUMDB": os.environ.get("GOSUMDB", "off"),
-    }
-    temp = binary.with_name(f".{binary.name}.tmp")
-    print(f"bench-prepare: building the Go kubelet client into {binary}", file=sys.stderr)
-    build = subprocess.run(
-        [go, "build", "-trimpath", "-o", str(temp), "."],
-        cwd=GO_CLIENT,
-        env=env,
-        check=False,
-    )
-    if build.returncode != 0:
-        print("bench-prepare: the Go client did not build; using Python", file=sys.stderr)
-        return None
-    temp.replace(binary)
-    return binary
 
 
 @dataclass

@@ -356,6 +356,15 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "(GPU and MIG UUIDs, sharing, slice memory); needs patch on resourceclaims/status "
         "(default: off)",
     )
+    k.add_argument(
+        "--device-metadata",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="give each container that uses a claim a read-only file of its devices and "
+        "their attributes (GPU UUID, product, PCI bus ID, MIG profile) at Kubernetes' "
+        "device metadata path, /var/run/kubernetes.io/dra-device-attributes/ (KEP-5304); "
+        "the files live under --state-dir (default: off)",
+    )
     # Test hook: SIGKILL this process right after the named step of a prepare.
     k.add_argument("--crash-at", choices=PREPARE_STEPS, default=None, help=argparse.SUPPRESS)
     # Tests only: offer the kubelet one DRA API, to check each release's kubelet with it.
@@ -680,6 +689,7 @@ def _plugin_config(args: argparse.Namespace) -> PluginConfig:
         idle_below=args.idle_threshold,
         zero_window_s=args.accounting_zero_window,
         claim_status=args.claim_status,
+        device_metadata=args.device_metadata,
         dra_apis=tuple(args.dra_api or DRA_APIS),
         mps_pod_template=template,
         namespace=args.namespace,

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from gpudra.api.config import BoundConfig, ConfigError, bound_configs
-from gpudra.api.names import is_dns_label, is_dns_subdomain
+from gpudra.api.names import POD_CLAIM_NAME_ANNOTATION, is_dns_label, is_dns_subdomain
 from gpudra.api.quantity import QuantityError, parse_quantity
 from gpudra.api.sharing import SHARES_CAPACITY, driver_capacities
 from gpudra.driver.cdi import CdiError, validate_claim_uid
@@ -96,6 +96,9 @@ class Claim:
     claim_configs: tuple[BoundConfig, ...] = ()
     pod: str = ""
     pod_uid: str = ""
+    pod_claim_name: str | None = None
+    """The claim's `resource.kubernetes.io/pod-claim-name` annotation, unchecked: the
+    pod's name for a claim made from its template (`gpudra.driver.devicemetadata`)."""
 
     @property
     def uid(self) -> str:
@@ -182,6 +185,7 @@ def checked_claim(ref: ClaimRef, obj: object, *, driver: str, pool: str) -> Clai
         claim_configs=tuple(claim_configs),
         pod=_pod_name(obj),
         pod_uid=reserved_pods(obj).get(_pod_name(obj), ""),
+        pod_claim_name=_pod_claim_name(obj),
     )
 
 
@@ -248,6 +252,12 @@ def reserved_pods(claim: Mapping[str, Any]) -> dict[str, str]:
         and consumer.get("resource") == "pods"
         and not consumer.get("apiGroup")
     }
+
+
+def _pod_claim_name(claim: Mapping[str, Any]) -> str | None:
+    annotations = (claim.get("metadata") or {}).get("annotations")
+    value = annotations.get(POD_CLAIM_NAME_ANNOTATION) if isinstance(annotations, Mapping) else None
+    return value if isinstance(value, str) else None
 
 
 def _pod_name(claim: Mapping[str, Any]) -> str:

@@ -114,6 +114,8 @@ class PluginConfig:
     # Seconds a new accounting counter is served at zero from its first scrape.
     zero_window_s: float = DEFAULT_ZERO_WINDOW_S
     claim_status: bool = False  # write status.devices of prepared claims
+    # Write each prepared request's device metadata file for its containers.
+    device_metadata: bool = False
     # Emulated GPUs: device node numbers for the CDI specs, and the tools' environment.
     device_numbers: DeviceNumbers | None = None
     tool_env: Mapping[str, str] = field(default_factory=dict)
@@ -250,6 +252,7 @@ class NodeService:
             proc_root=plugin.proc_root,
             state_dir=plugin.state_dir,
             boot_id_path=plugin.boot_id_path,
+            device_metadata=agent_config.driver_name if plugin.device_metadata else None,
             driver_libraries=libraries,
             host_view=plugin.host_root,
             toolkit=toolkit,

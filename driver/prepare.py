@@ -44,6 +44,7 @@ from gpudra.api.config import ConfigError
 from gpudra.common.errors import exception_text
 from gpudra.common.files import remove_tree
 from gpudra.driver.cdi import (
+    CdiDevice,
     CdiError,
     CdiSpecStore,
     DeviceNumbers,
@@ -62,6 +63,13 @@ from gpudra.driver.checkpoint import (
 from gpudra.driver.checkpoint import load as load_checkpoint
 from gpudra.driver.claims import Claim, ClaimError, ClaimRef, config_error
 from gpudra.driver.claimspec import ClaimSpecs
+from gpudra.driver.devicemetadata import (
+    DeviceMetadataStore,
+    MetadataDevice,
+    MetadataError,
+    MetadataRequest,
+    mounted,
+)
 from gpudra.driver.devices import DeviceType, Inventory, MigStrategy
 from gpudra.driver.metrics import PreparedDevices
 from gpudra.driver.mig import (
@@ -84,6 +92,7 @@ from gpudra.driver.planning import (
     time_slice_conflict,
 )
 from gpudra.driver.plugin import PreparedDevice, PrepareResult
+from gpudra.driver.publish import attribute
 from gpudra.driver.records import (
     ComputeModeSet,
     CreatedMig,
@@ -106,6 +115,8 @@ log = logging.getLogger(__name__)
 _UNDONE_DIR = "undone"
 """Beside the checkpoint: files named by claim UID, each saying that what the claim's
 unreadable record describes was undone by hand, so the agent forgets the record."""
+METADATA_DIR: Final = "device-metadata"
+"""Under the state folder: the device metadata files of prepared claims."""
 _SPARE_GUARDS: Final = 64
 """Free claim guards kept for reuse: about the claims a kubelet has in flight at once."""
 
@@ -140,6 +151,7 @@ class RecoveryReport:
     previous_boot: tuple[str, ...] = ()
     orphaned_specs: tuple[str, ...] = ()
     orphaned_mps_dirs: tuple[str, ...] = ()
+    orphaned_metadata: tuple[str, ...] = ()
     temp_files: int = 0
     errors: tuple[str, ...] = ()
 
@@ -311,14 +323,17 @@ class ClaimPreparer:
     current one (None until the first discovery). `mig_strategy` must be the view
     the slices are published with, so that a device name means here what it meant
     to the scheduler. `state_dir` (default: the checkpoint's folder) holds the
-    per-claim MPS pipe and log folders; it must be a host path that this process
-    sees at the same path, because the container runtime mounts the pipe folder
-    from there. `dev_root`, `driver_root` and `proc_root` are where the host's
-    /dev, driver files and /proc are; `host_view` is where this process sees the
+    per-claim MPS pipe and log folders and device metadata files; it must be a host
+    path that this process sees at the same path, because the container runtime
+    mounts the pipe folder and the metadata files from there. `dev_root`,
+    `driver_root` and `proc_root` are where the host's /dev, driver files and /proc
+    are; `host_view` is where this process sees the
     host's `/`. `device_numbers` (emulated GPUs) numbers the device nodes in the
     specs, for hosts that lack them. `registry` gets the prepared-device metrics.
     `holdings` is told when each claim starts and stops holding its devices.
-    Call `recover()` once before serving.
+    `device_metadata`, the driver's name, writes each prepared request's device
+    metadata file for its containers (`gpudra.driver.devicemetadata`); None writes
+    none. Call `recover()` once before serving.
     """
 
     def __init__(
@@ -345,6 +360,7 @@ class ClaimPreparer:
         shares: Callable[[], Mapping[str, int]] | None = None,
         holdings: HoldingEvents | None = None,
         conflict_wait: float = CONFLICT_WAIT_S,
+        device_metadata: str | None = None,
     ) -> None:
         self._fault = fault
         self._conflict_wait = conflict_wait
@@ -375,6 +391,10 @@ class ClaimPreparer:
             device_numbers=device_numbers,
         )
         self._mps_root = (state_dir or checkpoint_path.parent) / "mps"
+        # Kept when off too: the files an earlier run wrote still go at unprepare.
+        self._metadata = DeviceMetadataStore(
+            (state_dir or checkpoint_path.parent) / METADATA_DIR, driver=device_metadata
+        )
         self._mig_strategy = mig_strategy
         (registry if registry is not None else CollectorRegistry()).register(
             PreparedDevices(self.checkpoint_now, node_name)
@@ -611,10 +631,16 @@ class ClaimPreparer:
                     _check_same_allocation(claim, record)
                     return _result_from_record(record)
                 await self._undo(record, "rolling back an interrupted earlier prepare")
+            if self._metadata.writes:
+                try:  # before any device changes: nothing to roll back
+                    requests = (d.request for d in claim.devices)
+                    self._metadata.check(claim.name, claim.pod_claim_name, requests)
+                except MetadataError as exc:
+                    raise ClaimError(f"{ref.describe()}: {exc}") from None
             entries = await self._begin(claim, cp)
             self._at("prepare-started")
             try:
-                devices = await self._setup(ref, entries)
+                devices = await self._setup(claim, entries)
             except Exception as exc:
                 message = f"{ref.describe()}: {exc}"
                 if isinstance(exc, ConfigError):
@@ -666,7 +692,9 @@ class ClaimPreparer:
 
     # --- side effects ---
 
-    async def _setup(self, ref: ClaimRef, entries: Sequence[Entry]) -> list[PreparedDevice]:
+    async def _setup(self, claim: Claim, entries: Sequence[Entry]) -> list[PreparedDevice]:
+        ref = claim.ref
+
         async def progress(step: str) -> None:
             records = [e.record(self._node) for e in entries]
             await self._persist(lambda c: c.record_progress(ref.uid, records))
@@ -683,12 +711,22 @@ class ClaimPreparer:
         if members:
             daemon = await self._start_mps(ref, members, progress)
         cdi_devices, common = await self._specs.claim(entries, daemon)
+        mounts = self._write_metadata(claim, entries) if self._metadata.writes else {}
         await self._cdi_io(
-            functools.partial(self._cdi.write_claim, ref.uid, cdi_devices, common_edits=common)
+            functools.partial(
+                self._cdi.write_claim,
+                ref.uid,
+                [*cdi_devices, *mounts.values()] if mounts else cdi_devices,
+                common_edits=common,
+            )
         )
         self._at("cdi-written")
         for entry, cdi_device in zip(entries, cdi_devices, strict=True):
             entry.cdi_ids = tuple(self._cdi.device_ids(ref.uid, cdi_device))
+            # The request's first device carries its metadata mount, as the helper's do.
+            mount = mounts.pop(entry.base_request, None) if mounts else None
+            if mount is not None:
+                entry.cdi_ids += tuple(self._cdi.device_ids(ref.uid, mount))
         records = [e.record(self._node) for e in entries]
 
         def complete(cp: Checkpoint) -> ClaimRecord:
@@ -711,6 +749,34 @@ class ClaimPreparer:
             },
         )
         return _result_from_record(final).devices
+
+    def _write_metadata(self, claim: Claim, entries: Sequence[Entry]) -> dict[str, CdiDevice]:
+        """Write the claim's device metadata files, one per request, and return the CDI
+        devices that mount them, by base request name (`gpudra.driver.devicemetadata`).
+        A few small writes, not synced, so they run right here as the CDI spec's do."""
+        requests: dict[str, list[Entry]] = {}
+        for entry in entries:
+            requests.setdefault(entry.allocated.request, []).append(entry)
+        return self._metadata.write(
+            namespace=claim.namespace,
+            claim_name=claim.name,
+            claim_uid=claim.uid,
+            pod_claim_name=claim.pod_claim_name,
+            requests=[
+                MetadataRequest(
+                    name=request,
+                    devices=tuple(
+                        MetadataDevice(
+                            pool=self._node,
+                            name=e.allocated.device,
+                            attributes={k: attribute(v) for k, v in e.device.attributes.items()},
+                        )
+                        for e in members
+                    ),
+                )
+                for request, members in requests.items()
+            ],
+        )
 
     async def _set_time_slice(
         self, ref: ClaimRef, entry: Entry, progress: Callable[[str], Any]
@@ -1121,15 +1187,19 @@ class ClaimPreparer:
                         extra={"fields": {"claim": record.uid, "step": what, "error": str(exc)}},
                     )
 
+        device_ids = [i for d in record.devices for i in d.cdi_device_ids]
         await attempt(
             "removing the CDI spec",
-            functools.partial(
-                self._cdi.remove,
-                record.uid,
-                device_ids=[i for d in record.devices for i in d.cdi_device_ids],
-            ),
+            functools.partial(self._cdi.remove, record.uid, device_ids=device_ids),
             cdi=True,
         )
+        # After the spec: no container made from here on mounts the files.
+        if self._metadata.writes or mounted(device_ids):
+            await attempt(
+                "removing the device metadata",
+                functools.partial(self._metadata.remove, record.uid),
+                cdi=True,
+            )
         daemons: dict[Path, MpsStarted] = {}
         time_slices: dict[str, bool] = {}
         modes_before_slicing: dict[str, int] = {}
@@ -1306,11 +1376,13 @@ class ClaimPreparer:
         previous = [r.uid for r in cp.previous_boot()]
         errors.extend(await self._clean_previous_boot(cp))
         orphan_specs, orphan_dirs, temp_files = await self._remove_orphans(cp, errors)
+        orphan_metadata = await self._remove_orphaned_metadata(cp, errors)
         report = RecoveryReport(
             rolled_back=tuple(rolled_back),
             previous_boot=tuple(previous),
             orphaned_specs=tuple(orphan_specs),
             orphaned_mps_dirs=tuple(orphan_dirs),
+            orphaned_metadata=tuple(orphan_metadata),
             temp_files=temp_files,
             errors=tuple(errors),
         )
@@ -1395,6 +1467,25 @@ class ClaimPreparer:
                 for uid in unmark:
                     self._unmark(uid)
         return errors
+
+    async def _remove_orphaned_metadata(self, cp: Checkpoint, errors: list[str]) -> list[str]:
+        """Remove the device metadata folders of claims the checkpoint does not name
+        (a prepare rolled back by a restart with the files off, a claim of a previous
+        boot that was not prepared again), whether or not this agent writes them."""
+        removed: list[str] = []
+        for uid in await anyio.to_thread.run_sync(self._metadata.claim_uids):
+            async with self._guard(uid):
+                if cp.get(uid) is not None or uid in cp.unreadable():
+                    continue
+                try:
+                    await anyio.to_thread.run_sync(self._metadata.remove, uid)
+                except CdiError:
+                    continue  # not a folder of ours
+                except OSError as exc:
+                    errors.append(f"removing orphaned device metadata of claim {uid}: {exc}")
+                else:
+                    removed.append(uid)
+        return removed
 
     async def _remove_orphans(
         self, cp: Checkpoint, errors: list[str]

@@ -33,7 +33,7 @@ from typing import Any, Final, Protocol
 import anyio
 from gpudra.api import jsonbytes
 from gpudra.api.configcache import ConfigCache
-from gpudra.api.names import is_dns_label, is_dns_subdomain
+from gpudra.api.names import POD_CLAIM_NAME_ANNOTATION, is_dns_label, is_dns_subdomain
 from gpudra.api.tenants import LabelSelector, excluded_namespaces
 from gpudra.webhook.convert import (
     DEFAULT_POLICY,
@@ -57,7 +57,6 @@ from gpudra.webhook.reviews import (
     parse_review,
 )
 from gpudra.webhook.tenant_rules import (
-    POD_CLAIM_NAME_ANNOTATION,
     Lookup,
     ReferencedClaim,
     StoredClaim,

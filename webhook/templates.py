@@ -21,11 +21,12 @@ import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, Final
 
+from gpudra.api.names import POD_CLAIM_NAME_ANNOTATION
 from gpudra.common.kube import RESOURCE_API, ApiError, Kube
 from gpudra.webhook.convert import same_claim_spec
 from gpudra.webhook.lists import PER_PAGE, Keep, ListError, SharedLists
 from gpudra.webhook.owners import controller_of
-from gpudra.webhook.tenant_rules import POD_CLAIM_NAME_ANNOTATION, StoredClaim
+from gpudra.webhook.tenant_rules import StoredClaim
 
 # Kueue's API versions with Workloads, newest first: each serves every Workload.
 KUEUE_VERSIONS: Final = ("kueue.x-k8s.io/v1beta2", "kueue.x-k8s.io/v1beta1")

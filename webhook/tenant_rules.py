@@ -19,7 +19,7 @@ import dataclasses
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any
 
 from gpudra.api.quantity import QuantityError, parse_quantity
 from gpudra.api.tenants import MAX_DEVICES_PER_CLAIM, QUOTA_RESOURCE_SUFFIX, Tenant
@@ -34,7 +34,6 @@ from gpudra.webhook.convert import (
 )
 
 __all__ = [
-    "POD_CLAIM_NAME_ANNOTATION",
     "Lookup",
     "QuotaUsage",
     "ReferencedClaim",
@@ -112,11 +111,6 @@ class ReferencedClaim:
     created), not one built as it would make it: it holds the devices of the native
     resources (a DeviceClass's ``extendedResourceName``) it serves through DRA, which
     the rules' view of the pod then leaves out (`Admission._users_over_limit`)."""
-
-
-POD_CLAIM_NAME_ANNOTATION: Final = "resource.kubernetes.io/pod-claim-name"
-"""On a claim the resourceclaim controller made from a pod's template entry: the entry's
-name (the pod is the claim's controlling owner)."""
 
 
 @dataclass(frozen=True)

@@ -53,6 +53,7 @@ from e2e.claims import (
 )
 from e2e.cluster.harness import BUILD_SCRIPT, Cluster, known_gates
 from e2e.cluster.kube import ApiError, Kube, field_managers, wait_for
+from e2e.gobuild import GoBuildError
 from e2e.gpu_pods import (
     allocation,
     cap_nodes,
@@ -80,6 +81,7 @@ from e2e.progress import build_script
 from e2e.provider import on_kind
 from e2e.shared_libraries import shared_library
 from e2e.tools import helm as h
+from e2e.tools import metadataread
 from e2e.tools import prometheus as p
 
 pytestmark = pytest.mark.cluster
@@ -264,6 +266,64 @@ def test_exclusive_gpus_are_never_shared(
     wait_for("its CDI spec removed", lambda: spec_of(uid) not in stack.cdi_specs(), timeout=60)
     wait_running(kube, ns, pods[-1])
     assert gpu_minors(seen(cluster, ns, pods[-1])[0]) == freed
+
+
+def test_containers_read_their_device_metadata_where_kubernetes_puts_it(
+    stack: NodeGpus, kube: Kube, cluster: Cluster, ns: str, tmp_path: Path
+) -> None:
+    """With `--device-metadata`, containerd mounts each request's file at Kubernetes'
+    path: under the pod's name for a claim made from a template, under the claim's own
+    name for one the pod names. What the container reads names the GPU it got, and
+    Kubernetes' reader of 1.37 decodes and validates it; the files go with the claim."""
+    base = "/var/run/kubernetes.io/dra-device-attributes"
+    paths = {
+        "from-template": f"{base}/resourceclaimtemplates/gpu/gpu/{DRIVER}-metadata.json",
+        "named": f"{base}/resourceclaims/named-gpu/gpu/{DRIVER}-metadata.json",
+    }
+    with stack.agent_flags("--device-metadata"):
+        kube.create(whole_gpu_template(ns))
+        kube.create(
+            {
+                "apiVersion": "resource.k8s.io/v1",
+                "kind": "ResourceClaim",
+                "metadata": {"name": "named-gpu", "namespace": ns},
+                "spec": claim_template(ns, ns, "!device.allowMultipleAllocations")["spec"]["spec"],
+            }
+        )
+        for pod, path in paths.items():
+            source = {"template": "whole"} if pod == "from-template" else {"claim": "named-gpu"}
+            script = f"cat {path} && sleep 86400"
+            kube.create(gpu_pod(stack, pod, ns, script=script, **source))
+        wait_running(kube, ns, *paths)
+        uids = {claim_uid(kube, ns, pod) for pod in paths}
+        assert uids <= set(stack.list_names(stack.state_dir / "device-metadata"))
+        for pod in paths:
+            logs = cluster.kubectl("logs", "-n", ns, pod)
+            assert logs.returncode == 0, logs.stderr
+            newest, oldest = (json.loads(line) for line in logs.stdout.splitlines())
+            assert (newest["apiVersion"], oldest["apiVersion"]) == (
+                "metadata.resource.k8s.io/v1beta1",
+                "metadata.resource.k8s.io/v1alpha1",
+            )
+            [device] = newest["requests"][0]["devices"]
+            assert device["name"] == allocation(kube, ns, pod)[0]["device"]
+            _, env = seen(cluster, ns, pod)
+            gpus = {v for k, v in env.items() if k.startswith("GPUDRA_DEVICE_GPU_")}
+            assert device["attributes"]["uuid"]["string"] in gpus
+            saved = tmp_path / f"{pod}.json"
+            saved.write_text(logs.stdout)
+            try:
+                decoded = metadataread.read("1.37", saved)
+            except GoBuildError as exc:
+                pytest.skip(f"Kubernetes' reader cannot be built here: {exc}")
+            assert decoded["validation"] == ""
+            assert decoded["object"]["Requests"][0]["Devices"][0]["Name"] == device["name"]
+        for pod in paths:
+            kube.delete("Pod", pod, ns, grace=0)
+        kube.delete("ResourceClaim", "named-gpu", ns)
+        wait_unprepared(stack, uids, "the two claims")
+        left = uids & set(stack.list_names(stack.state_dir / "device-metadata"))
+        assert not left, f"device metadata left for {sorted(left)}"
 
 
 def test_a_gpu_a_force_deleted_pod_held_starts_the_pod_waiting_for_it_at_once(

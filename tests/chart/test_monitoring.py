@@ -285,18 +285,22 @@ def test_the_dashboard_loads_in_the_sidecar_and_queries_exported_series(helm: Pa
     ]
 
 
-def test_claim_status_is_opt_in_with_its_one_extra_permission(helm: Path) -> None:
-    def rendered(values: dict[str, Any]) -> tuple[list[str], list[dict[str, Any]]]:
-        objs = h.template(helm, values)
-        (ds,) = [o for o in objs if o["kind"] == "DaemonSet"]
-        role = h.find(objs, "ClusterRole", "gpudra-node")["rules"]
-        return ds["spec"]["template"]["spec"]["containers"][0]["args"], role
+def agent_args_and_role(
+    helm: Path, values: dict[str, Any]
+) -> tuple[list[str], list[dict[str, Any]]]:
+    """The node agent's arguments and its ClusterRole's rules, as `values` render."""
+    objs = h.template(helm, values)
+    (ds,) = [o for o in objs if o["kind"] == "DaemonSet"]
+    role = h.find(objs, "ClusterRole", "gpudra-node")["rules"]
+    return ds["spec"]["template"]["spec"]["containers"][0]["args"], role
 
-    args, role = rendered({})
+
+def test_claim_status_is_opt_in_with_its_one_extra_permission(helm: Path) -> None:
+    args, role = agent_args_and_role(helm, {})
     assert "--claim-status" not in args
     assert not [r for r in role if "resourceclaims/status" in r["resources"]]
     assert not [r for r in role if "resourceclaims/driver" in r["resources"]]
-    args, role = rendered({"node": {"claimStatus": True}})
+    args, role = agent_args_and_role(helm, {"node": {"claimStatus": True}})
     assert "--claim-status" in args
     [status] = [r for r in role if "resourceclaims/status" in r["resources"]]
     assert (status["resources"], status["verbs"]) == (["resourceclaims/status"], ["patch"])
@@ -304,6 +308,16 @@ def test_claim_status_is_opt_in_with_its_one_extra_permission(helm: Path) -> Non
     [driver] = [r for r in role if "resourceclaims/driver" in r["resources"]]
     assert driver["resourceNames"] == ["gpu.nvidia.com"]
     assert driver["verbs"] == ["associated-node:patch", "associated-node:update"]
+
+
+def test_device_metadata_is_opt_in_and_needs_no_permission(helm: Path) -> None:
+    args, role = agent_args_and_role(helm, {})
+    assert "--device-metadata" not in args
+    enabled, same_role = agent_args_and_role(helm, {"node": {"deviceMetadata": True}})
+    assert [a for a in enabled if a not in args] == ["--device-metadata"]
+    assert same_role == role  # files on the node only: no API grant
+    with pytest.raises(h.HelmFailed, match="deviceMetadata"):
+        h.template(helm, {"node": {"deviceMetadata": "yes"}})
 
 
 def test_the_agent_may_read_tenants_and_namespaces_only_while_it_samples(

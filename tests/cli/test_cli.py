@@ -181,6 +181,9 @@ def test_sampling_flags_reach_the_plugin_config_and_bad_ones_name_the_flag() -> 
     assert not config.claim_status
     claim_status = ["node", "--node-name", "n1", "--claim-status"]
     assert _plugin_config(parser.parse_args(claim_status)).claim_status
+    assert not config.device_metadata
+    metadata = ["node", "--node-name", "n1", "--device-metadata"]
+    assert _plugin_config(parser.parse_args(metadata)).device_metadata
     args = ["node", "--node-name", "n1", "--sample-interval", "0", "--idle-threshold", "12"]
     config = _plugin_config(parser.parse_args(args))
     assert (config.sample_interval_s, config.idle_below) == (0.0, 12.0)

@@ -31,6 +31,7 @@ from typing import Any, Final
 import anyio
 import pynvml
 import pytest
+from gpudra.api.names import POD_CLAIM_NAME_ANNOTATION
 from gpudra.common.kube import Kube as AsyncKube
 from gpudra.driver import publish
 from gpudra.driver import sharing as sharing_module
@@ -195,15 +196,19 @@ class Env:
         name: str,
         requests: list[dict[str, Any]] | None = None,
         config: list[dict[str, Any]] | None = None,
+        annotations: dict[str, str] | None = None,
     ) -> dict[str, Any]:
         devices: dict[str, Any] = {"requests": requests or [self.request()]}
         if config:
             devices["config"] = config
+        meta: dict[str, Any] = {"name": name, "namespace": self.namespace}
+        if annotations:
+            meta["annotations"] = annotations
         created: dict[str, Any] = self.kube.create(
             {
                 "apiVersion": "resource.k8s.io/v1",
                 "kind": "ResourceClaim",
-                "metadata": {"name": name, "namespace": self.namespace},
+                "metadata": meta,
                 "spec": {"devices": devices},
             }
         )
@@ -221,9 +226,10 @@ class Env:
         requests: list[dict[str, Any]] | None = None,
         config: list[dict[str, Any]] | None = None,
         on: str = NODE,
+        annotations: dict[str, str] | None = None,
     ) -> dict[str, Any]:
         """A claim the real scheduler allocated for a pod on node `on`."""
-        self.claim(name, requests, config)
+        self.claim(name, requests, config, annotations)
         self.pod_for(name, on=on)
         return wait_allocated(self.kube, name, self.namespace)
 
@@ -456,6 +462,7 @@ def node_preparer(
     checkpoint: Path | None = None,
     conflict_wait: float = CONFLICT_WAIT_S,
     cdi_kind: str = DEFAULT_KIND,
+    device_metadata: str | None = None,
 ) -> ClaimPreparer:
     """The device layer on this test's node: its folders, the emulated GPUs, fake tools;
     `shares`: the integer shares each GPU is published with; `checkpoint`: elsewhere
@@ -478,6 +485,7 @@ def node_preparer(
         device_numbers=device_numbers,
         shares=(lambda: shares) if shares is not None else None,
         conflict_wait=conflict_wait,
+        device_metadata=device_metadata,
     )
 
 
@@ -829,6 +837,165 @@ async def test_claim_config_wins_over_class_config(env: Env, node: Node, akube: 
     assert f"nvidia-smi compute-policy -i {long_gpu} --set-timeslice 3" in calls
     assert f"nvidia-smi compute-policy -i {short_gpu} --set-timeslice 1" in calls
     assert len([c for c in calls if "--set-timeslice" in c]) == 2
+
+
+# --- device metadata ---------------------------------------------------------------------------
+
+
+def metadata_folder(node: Node, uid: str) -> Path:
+    return node.checkpoint.parent / "device-metadata" / uid
+
+
+def metadata_objects(path: Path) -> list[dict[str, Any]]:
+    """The objects of a metadata file's stream, one per line."""
+    return [json.loads(line) for line in path.read_bytes().splitlines()]
+
+
+@pytest.mark.cluster
+@pytest.mark.anyio
+async def test_device_metadata_is_mounted_once_per_request_and_goes_at_unprepare(
+    env: Env, node: Node, akube: AsyncKube
+) -> None:
+    """Each request's file lists its devices with the attributes their slice publishes;
+    the claim's own spec mounts it, read-only, through a CDI ID the request's first
+    device carries (as upstream's helper hands it to the kubelet)."""
+    emu = h100()
+    inventory = discover(emu)
+    env.publish(inventory)
+    claim = env.allocated("metadata", requests=[env.request("gpu"), env.request("pair", count=2)])
+    ref = _ref(claim)
+    preparer = make_preparer(env, node, akube, emu, device_metadata=env.driver)
+
+    result = (await preparer.prepare([ref]))[ref.uid]
+
+    assert result.error is None
+    kind = "k8s.gpu.nvidia.com/claim"
+    by_request: dict[str, list[list[str]]] = {}
+    for device in result.devices:
+        by_request.setdefault(device.request_names[0], []).append(device.cdi_device_ids)
+    for request, ids in by_request.items():
+        mount_id = f"{kind}={ref.uid}-metadata_{request}"
+        assert [mount_id in i for i in ids] == [True] + [False] * (len(ids) - 1)
+    spec = node.spec(ref.uid)
+    mounts = {
+        d["name"]: d["containerEdits"]["mounts"]
+        for d in spec["devices"]
+        if "-metadata_" in d["name"]
+    }
+    folder = metadata_folder(node, ref.uid)
+    published = {d.name: publish.device(d)["attributes"] for d in inventory.devices()}
+    for request in ("gpu", "pair"):
+        host = folder / request / "metadata.json"
+        assert mounts[f"{ref.uid}-metadata_{request}"] == [
+            {
+                "hostPath": str(host),
+                "containerPath": "/var/run/kubernetes.io/dra-device-attributes/"
+                f"resourceclaims/metadata/{request}/{env.driver}-metadata.json",
+                "options": ["ro", "bind"],
+            }
+        ]
+        newest, oldest = metadata_objects(host)
+        assert oldest["apiVersion"] == "metadata.resource.k8s.io/v1alpha1"
+        assert newest["metadata"]["uid"] == ref.uid and "podClaimName" not in newest
+        [listed] = newest["requests"]
+        assert listed["name"] == request
+        names = [
+            r["device"]
+            for r in claim["status"]["allocation"]["devices"]["results"]
+            if r["request"] == request
+        ]
+        assert [d["name"] for d in listed["devices"]] == names
+        for device in listed["devices"]:
+            assert (device["driver"], device["pool"]) == (env.driver, NODE)
+            assert device["attributes"] == published[device["name"]]
+    # Asked again: the recorded answer, the same mounts.
+    assert (await preparer.prepare([ref]))[ref.uid] == result
+
+    assert await preparer.unprepare([ref]) == {ref.uid: None}
+    assert not node.has_spec(ref.uid)
+    assert not folder.exists()
+
+
+@pytest.mark.cluster
+@pytest.mark.anyio
+async def test_device_metadata_of_a_template_claim_goes_under_the_pods_name_for_it(
+    env: Env, node: Node, akube: AsyncKube
+) -> None:
+    """A claim made from a pod's template is found under the pod's entry name (its
+    `pod-claim-name` annotation); an annotation that is no DNS label, which a claim's
+    writer may set where no admission policy stops it, fails the prepare naming it and
+    leaves nothing: no file, no spec, no record."""
+    emu = h100()
+    env.publish(discover(emu))
+    made = env.allocated("trainer-0-gpu-x7k2p", annotations={POD_CLAIM_NAME_ANNOTATION: "gpu"})
+    hostile = env.allocated("hostile", annotations={POD_CLAIM_NAME_ANNOTATION: "../../../../etc"})
+    preparer = make_preparer(env, node, akube, emu, device_metadata=env.driver)
+
+    results = await preparer.prepare([_ref(made), _ref(hostile)])
+
+    assert results[made["metadata"]["uid"]].error is None
+    [mount] = [
+        d["containerEdits"]["mounts"][0]
+        for d in node.spec(made["metadata"]["uid"])["devices"]
+        if "-metadata_" in d["name"]
+    ]
+    assert mount["containerPath"] == (
+        "/var/run/kubernetes.io/dra-device-attributes/resourceclaimtemplates/gpu/gpu/"
+        f"{env.driver}-metadata.json"
+    )
+    newest, _ = metadata_objects(Path(mount["hostPath"]))
+    assert newest["podClaimName"] == "gpu"
+    assert newest["metadata"]["name"] == "trainer-0-gpu-x7k2p"
+    error = results[hostile["metadata"]["uid"]].error
+    assert error is not None
+    assert f"annotation {POD_CLAIM_NAME_ANNOTATION} '../../../../etc'" in error
+    assert "remove or fix the annotation on the claim" in error
+    assert not node.has_spec(hostile["metadata"]["uid"])
+    assert not metadata_folder(node, hostile["metadata"]["uid"]).exists()
+    left = load_checkpoint(node.checkpoint, boot_id_path=node.boot_id)
+    assert [c.uid for c in left.claims()] == [made["metadata"]["uid"]]
+
+
+@pytest.mark.cluster
+@pytest.mark.anyio
+async def test_device_metadata_goes_with_its_claim_whatever_the_next_agent_writes(
+    env: Env, node: Node, akube: AsyncKube
+) -> None:
+    """An agent restarted without device metadata still removes the files at unprepare
+    (its record's CDI IDs name the mount), and a start sweeps the folders of claims
+    the checkpoint does not name: here a prepare that died after its files and spec,
+    before its record was written."""
+    emu = h100()
+    env.publish(discover(emu))
+    kept = _ref(env.allocated("kept"))
+    died = _ref(env.allocated("died"))
+    writing = make_preparer(env, node, akube, emu, device_metadata=env.driver)
+    assert (await writing.prepare([kept]))[kept.uid].error is None
+
+    def crash(step: str) -> None:
+        if step == "cdi-written":
+            raise SimulatedCrash(step)
+
+    with pytest.raises(SimulatedCrash):
+        await make_preparer(env, node, akube, emu, device_metadata=env.driver, fault=crash).prepare(
+            [died]
+        )
+    assert metadata_folder(node, died.uid).is_dir() and node.has_spec(died.uid)
+
+    restarted = make_preparer(env, node, akube, emu)  # writes no metadata
+    report = await restarted.recover()
+
+    assert report.orphaned_metadata == (died.uid,) and report.orphaned_specs == (died.uid,)
+    assert report.errors == ()
+    assert not metadata_folder(node, died.uid).exists()
+    assert metadata_folder(node, kept.uid).is_dir()  # its claim is still prepared
+    assert await restarted.unprepare([kept]) == {kept.uid: None}
+    assert not metadata_folder(node, kept.uid).exists()
+    # Without the option, a prepare writes and mounts nothing.
+    result = (await restarted.prepare([died]))[died.uid]
+    assert result.error is None
+    assert not any("-metadata_" in i for d in result.devices for i in d.cdi_device_ids)
+    assert not metadata_folder(node, died.uid).exists()
 
 
 @pytest.mark.cluster

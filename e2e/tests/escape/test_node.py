@@ -17,6 +17,7 @@ import os
 from typing import Any
 
 import pytest
+from gpudra.api.names import POD_CLAIM_NAME_ANNOTATION
 from gpudra.driver.processes import ProcessIdentity
 
 from e2e.claims import (
@@ -285,3 +286,41 @@ def test_a_tenant_cannot_set_a_time_slice_under_another_tenants_mps_share(
         for pod in ("tenant-a", "tenant-b"):
             kube.delete("Pod", pod, ns, grace=0)
         wait_for("the pods gone", lambda: not kube.list("Pod", ns), timeout=60)
+
+
+def test_a_claim_whose_pod_claim_name_is_a_path_gets_no_metadata_mount(
+    stack: NodeGpus, kube: Kube, ns: str
+) -> None:
+    """With `--device-metadata`, a claim's `resource.kubernetes.io/pod-claim-name`
+    becomes a folder of the container path its metadata file is mounted at. The chart's
+    `gpudra-claim-links` policy keeps a tenant from writing that annotation; where no
+    such policy runs, the tenant writes it as the cluster admin does here. A name that
+    climbs out of the metadata folder fails the prepare, naming the annotation, and the
+    node writes no metadata file and no CDI spec for the claim."""
+    hostile = "../../../../../etc"
+    with stack.agent_flags("--device-metadata"):
+        claim = claim_template("path", ns, "!device.allowMultipleAllocations")
+        kube.create(
+            {
+                "apiVersion": "resource.k8s.io/v1",
+                "kind": "ResourceClaim",
+                "metadata": {
+                    "name": "path",
+                    "namespace": ns,
+                    "annotations": {POD_CLAIM_NAME_ANNOTATION: hostile},
+                },
+                "spec": claim["spec"]["spec"],
+            }
+        )
+        kube.create(gpu_pod(stack, "climber", ns, claim="path"))
+        expected = f"annotation {POD_CLAIM_NAME_ANNOTATION} {hostile!r}"
+        wait_for(
+            "the prepare's failure in the pod's events",
+            lambda: any(expected in e for e in events(kube, ns, "climber")),
+            timeout=120,
+        )
+        assert kube.get("Pod", "climber", ns)["status"]["phase"] == "Pending"
+        uid = kube.get("ResourceClaim", "path", ns)["metadata"]["uid"]
+        assert uid not in stack.checkpoint()
+        assert uid not in stack.list_names(stack.state_dir / "device-metadata")
+        assert not [s for s in stack.cdi_specs() if uid in s]
