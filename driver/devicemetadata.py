@@ -251,13 +251,14 @@ class DeviceMetadataStore:
 
         Only this process writes there (the files are mounted read-only, the folders not
         at all), so the folders hold what `write` left: each is emptied with a few
-        system calls, on the loop. Anything else found (a temp file a crash left) sends
-        the whole folder to `remove_tree`."""
+        system calls, cheap enough for the event loop. Anything else found (a temp file
+        a crash left) sends the whole folder to `remove_tree`, which runs `rm`."""
         folder = self.claim_dir(claim_uid)
         try:
-            for entry in os.scandir(folder):
-                os.unlink(f"{entry.path}/{_HOST_FILE}")  # noqa: PTH108 - plain strings
-                os.rmdir(entry.path)  # noqa: PTH106
+            with os.scandir(folder) as entries:
+                for entry in entries:
+                    os.unlink(f"{entry.path}/{_HOST_FILE}")  # noqa: PTH108 - plain strings
+                    os.rmdir(entry.path)  # noqa: PTH106
             os.rmdir(folder)  # noqa: PTH106
         except FileNotFoundError:
             if os.path.lexists(folder):
@@ -269,7 +270,8 @@ class DeviceMetadataStore:
         """The claims that have a folder here (for the start-up sweep)."""
         if not self._root.is_dir():
             return []
-        return sorted(entry.name for entry in os.scandir(self._root) if entry.is_dir())
+        with os.scandir(self._root) as entries:
+            return sorted(entry.name for entry in entries if entry.is_dir())
 
 
 _MOUNT_MARK: Final = f"-{DEVICE_PREFIX}"
