@@ -42,6 +42,7 @@ from typing import (
 )
 
 from gpudra.api import jsonbytes
+from gpudra.api.names import base_request
 from gpudra.api.quantity import ACCEPTED_FORMS, Quantity, QuantityError, parse_quantity
 from pydantic import (
     BaseModel,
@@ -748,7 +749,7 @@ class BoundConfig:
         """Bound to the request itself, or to its parent for a "req/sub" result."""
         if not self.requests:
             return True
-        return request_name in self.requests or request_name.split("/", 1)[0] in self.requests
+        return request_name in self.requests or base_request(request_name) in self.requests
 
 
 def default_config(device_type: DeviceType) -> DeviceConfig:

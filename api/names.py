@@ -29,6 +29,7 @@ __all__ = [
     "DnsSubdomain",
     "InvalidName",
     "attribute_name_problem",
+    "base_request",
     "check_dns_label",
     "check_dns_subdomain",
     "dns_label_problem",
@@ -188,3 +189,11 @@ def check_dns_subdomain(value: str, field: str, *, max_length: int = DNS_SUBDOMA
     if problem is not None:
         raise InvalidName(field, value, problem)
     return value
+
+
+def base_request(request: str) -> str:
+    """The request a result's or a config's request name belongs to: `gpu` for the
+    subrequest `gpu/large` of a `firstAvailable` request, the name itself otherwise
+    (upstream's `resourceclaim.BaseRequestRef`). A pod's containers, a config's
+    `requests` and a device metadata path name the request, never the subrequest."""
+    return request.split("/", 1)[0]

@@ -44,7 +44,12 @@ from pathlib import Path
 from typing import Any, Final
 
 from gpudra.api import jsonbytes
-from gpudra.api.names import POD_CLAIM_NAME_ANNOTATION, dns_label_problem, dns_subdomain_problem
+from gpudra.api.names import (
+    POD_CLAIM_NAME_ANNOTATION,
+    base_request,
+    dns_label_problem,
+    dns_subdomain_problem,
+)
 from gpudra.common.files import atomic_write, remove_tree
 from gpudra.driver.cdi import CdiDevice, ContainerEdits, Mount, validate_claim_uid
 
@@ -101,7 +106,7 @@ class MetadataRequest:
 
     @property
     def base(self) -> str:
-        return self.name.split("/", 1)[0]
+        return base_request(self.name)
 
 
 def _check_label(what: str, value: str, fix: str) -> str:
@@ -201,7 +206,7 @@ class DeviceMetadataStore:
         """Raise MetadataError where a file of the claim could not go where Kubernetes
         says (`container_path`): before a prepare changes anything. `requests` are the
         allocation's request names, subrequests and all."""
-        for request in {r.split("/", 1)[0] for r in requests}:
+        for request in {base_request(r) for r in requests}:
             container_path(self._driver or "", claim_name, pod_claim_name, request)
 
     def write(

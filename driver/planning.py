@@ -25,6 +25,7 @@ from gpudra.api.config import (
     join_path,
 )
 from gpudra.api.config import DeviceType as ConfigDeviceType
+from gpudra.api.names import base_request
 from gpudra.api.sharing import mps_percentage_conflict, resolve_sharing, sharing_of
 from gpudra.driver.checkpoint import Checkpoint, ClaimRecord, DeviceRecord
 from gpudra.driver.claims import AllocatedDevice, Claim, ClaimError, ClaimRef, config_error
@@ -75,7 +76,7 @@ class Entry:
 
     @property
     def base_request(self) -> str:
-        return self.allocated.request.split("/", 1)[0]
+        return base_request(self.allocated.request)
 
     @property
     def uuid(self) -> str | None:

@@ -27,6 +27,7 @@ import urllib.parse
 from collections.abc import Iterable, Mapping
 from typing import Any, Final
 
+from gpudra.api.names import base_request
 from gpudra.common.errors import exception_text
 from gpudra.common.kube import ApiError, Kube
 from gpudra.driver.checkpoint import ClaimRecord
@@ -67,7 +68,7 @@ def containers_using(pod: Mapping[str, Any], claim: str, request: str) -> tuple[
     """
     spec = _mapping(pod.get("spec"))
     entries = entries_naming(pod, claim)
-    wanted = request.split("/", 1)[0]
+    wanted = base_request(request)
     found = {
         str(container.get("name"))
         for kind in _CONTAINER_KINDS

@@ -37,6 +37,7 @@ from gpudra.api.config import (
     parse_opaque_config,
 )
 from gpudra.api.deviceclasses import mig_profile_selector
+from gpudra.api.names import base_request
 from gpudra.api.sharing import (
     SHARES_CAPACITY,
     Sharing,
@@ -555,7 +556,7 @@ def _check_mps(
     for request in requests:
         if request.admin:
             continue
-        parent = request.name.split("/", 1)[0]
+        parent = base_request(request.name)
         paths = uses[request.path] = set()
         own: dict[int, str] = {}  # this request's ways: value -> config path
         for _, sharing in resolved.get(request.path, ()):
@@ -593,7 +594,7 @@ def _check_mps(
         for request in requests:
             if request.path not in uses:
                 continue
-            parent = request.name.split("/", 1)[0]
+            parent = base_request(request.name)
             sure = request.fewest if uses[request.path] == {path} else 0
             fewest_of[parent] = min(fewest_of.get(parent, sure), sure)
         fewest = sum(fewest_of.values())
@@ -644,7 +645,7 @@ def _check_rules(
     # firstAvailable alternatives: the largest one counts against the limit.
     largest: dict[str, int] = {}
     for request in requests:
-        parent = request.name.split("/", 1)[0]
+        parent = base_request(request.name)
         largest[parent] = max(largest.get(parent, 0), request.count)
         if not spec.allows_class(request.device_class):
             verdict.forbidden.append(
