@@ -323,6 +323,24 @@ def rows(results: Mapping[str, Mapping[str, Any] | None]) -> list[Row]:
             None,
             None,
         ),
+        # The same agent with `--device-metadata` (off by default) over gpudra without
+        # it, in the same rounds: what the option costs a prepare. No target.
+        _row(
+            "prepare p50 ms, device metadata on",
+            _get(prepare, "device_metadata", "p50_ms"),
+            _get(prepare, "p50_ms"),
+            "metadata off",
+            None,
+            None,
+        ),
+        _row(
+            "prepare p99 ms, device metadata on",
+            _get(prepare, "device_metadata", "p99_ms"),
+            _get(prepare, "p99_ms"),
+            "metadata off",
+            None,
+            None,
+        ),
         _row(
             "claim admission p50 ms at 200/s",
             _get(claims, "gpudra", "p50_ms"),

@@ -25,6 +25,14 @@ of each claim on the same disk, its syncs shared by the claims in flight. It tel
 the cost of those files from the rest of the agent's work when reading the floor
 target; it is not a target. BENCH_FLOOR=0 skips both.
 
+`device_metadata` is a second `gpudra node`, the same in all but `--device-metadata`
+(a file of each claim's devices for its containers, and a CDI mount of it; off by
+default), on a driver name and claims of its own: what the option costs a prepare,
+beside gpudra without it (`ratio_to_gpudra`). Before it is measured, one prepare
+through it must carry the mount and write the file, or the bench stops. The peer's
+release enables no device metadata, so there is nothing of its to compare it with.
+BENCH_DEVICE_METADATA=0 skips it.
+
 All of them are measured in BENCH_ROUNDS interleaved rounds (default 3), each taking
 its share of BENCH_CYCLES in turn, so that noise on a shared machine hits them alike.
 `ratio_to_peer`, `ratio_to_floor` and `ratio_to_floor_with_files` divide gpudra's
@@ -57,6 +65,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -68,9 +77,11 @@ from gpudra.api import jsonbytes
 from gpudra.common.eventloop import run_event_loop
 from gpudra.common.files import atomic_write, write_all
 from gpudra.common.kube import Kube as KubeAsync
+from gpudra.driver import devicemetadata
 from gpudra.driver.claimreader import ApiClaims
 from gpudra.driver.claims import Claim, ClaimRef
 from gpudra.driver.plugin import KubeletPlugin, PreparedDevice, PrepareResult
+from gpudra.driver.prepare import METADATA_DIR
 
 from bench import peers
 from bench.runinfo import load_avg, run_context
@@ -201,6 +212,50 @@ class CpuMeter:
             if now is not None:
                 out[name] = round((now - started) * 1000 / cycles, 3)
         return out
+
+
+@contextlib.contextmanager
+def node_process(
+    dirs: NodeDirs,
+    driver: str,
+    env: dict[str, str],
+    options: Sequence[str] = (),
+    runner: Sequence[str] = (),
+) -> Iterator[subprocess.Popen[bytes]]:
+    """`gpudra node` for `driver` on `dirs`, without its metrics listener, stopped as
+    the agent is on a node (SIGTERM) when the block ends."""
+    proc = subprocess.Popen(
+        dirs.command(driver, "--metrics-address", "", *options, runner=runner),
+        cwd=REPO,
+        env=env,
+    )
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=30)
+
+
+async def check_metadata_written(
+    kubelet: KubeletStandin, driver: str, ref: ClaimRef, dirs: NodeDirs
+) -> None:
+    """One prepare through the agent with `--device-metadata` must carry the metadata
+    mount and write its file, and its unprepare remove it: otherwise the rows measured
+    without what they are named for."""
+    result = (await kubelet.prepare(driver, [ref]))[ref.uid]
+    ids = [i for device in result.devices for i in device.cdi_device_ids]
+    folder = dirs.state / METADATA_DIR / ref.uid
+    written = sorted(p.name for p in folder.rglob("*.json")) if folder.is_dir() else []
+    error = (await kubelet.unprepare(driver, [ref]))[ref.uid]
+    if result.error or error or not devicemetadata.mounted(ids) or not written:
+        raise SystemExit(
+            f"bench-prepare: the agent with --device-metadata prepared {ref.name} with "
+            f"CDI IDs {ids} and files {written} (error: {result.error or error}); "
+            "expected a metadata mount and its file"
+        )
+    if folder.exists():
+        raise SystemExit(f"bench-prepare: the unprepare of {ref.name} left {folder}")
 
 
 def go_client() -> Path | None:
@@ -547,6 +602,9 @@ async def main(
         raise SystemExit("BENCH_CLIENT=go: the Go kubelet client is not available")
     with_floor = compare and binary is not None and os.environ.get("BENCH_FLOOR", "1") != "0"
     with_peer = compare and binary is not None and os.environ.get("BENCH_PEER", "1") != "0"
+    with_metadata = (
+        compare and binary is not None and os.environ.get("BENCH_DEVICE_METADATA", "1") != "0"
+    )
     peer_bins = await anyio.to_thread.run_sync(peers.bin_dir) if with_peer else None
     cluster = Cluster()
     if not cluster.is_up():
@@ -555,6 +613,8 @@ async def main(
     driver = f"bench{secrets.token_hex(3)}.gpudra.dev"
     namespace = f"bench-prepare-{secrets.token_hex(3)}"
     peer_namespace = f"bench-peer-{secrets.token_hex(3)}"
+    metadata_driver = f"benchmd{secrets.token_hex(3)}.gpudra.dev"
+    metadata_namespace = f"bench-metadata-{secrets.token_hex(3)}"
     root = Path(tempfile.mkdtemp(prefix="gdb-", dir=os.environ.get("BENCH_DIR")))
     # The checkpoint and state stay on disk; the specs go where a node keeps them.
     shm = tmpfs_folder()
@@ -564,6 +624,8 @@ async def main(
     create_driver_namespace(kube, driver, namespace)
     if peer_bins is not None:
         create_driver_namespace(kube, peers.PEER_DRIVER, peer_namespace)
+    if with_metadata:
+        create_driver_namespace(kube, metadata_driver, metadata_namespace)
     started_load = load_avg()
     control_plane = control_plane_pids(cluster)
     env = {**os.environ, "KUBECONFIG": str(cluster.layout.admin_kubeconfig), "NODE_NAME": NODE}
@@ -572,16 +634,12 @@ async def main(
     profile = profile or os.environ.get("BENCH_PROFILE")
     runner = ["-m", "bench.nodeprofile", "--out", profile, "--"] if profile else []
     options = ("--sample-interval", sampling) if sampling else ()
-    proc = subprocess.Popen(  # noqa: ASYNC220 - started once, before the measurement
-        dirs.command(driver, "--metrics-address", "", *options, runner=runner),
-        cwd=REPO,
-        env=env,
-    )
-    window = ProfileWindow(proc, Path(profile)) if profile else None
     threads: dict[str, dict[str, float]] | None = None
     result: dict[str, Any] = {}
     try:
         async with contextlib.AsyncExitStack() as stack:
+            proc = stack.enter_context(node_process(dirs, driver, env, options, runner))
+            window = ProfileWindow(proc, Path(profile)) if profile else None
             kubelet = await stack.enter_async_context(KubeletStandin(dirs.kubelet))
             registration = await kubelet.wait_for_driver(driver, timeout_s=120)
             refs = await anyio.to_thread.run_sync(allocated_claims, kube, driver, namespace)
@@ -616,6 +674,38 @@ async def main(
                     )
                     subjects.append(
                         Subject("peer", plugin.socket, peer_refs, {"plugin": plugin.pid})
+                    )
+                if with_metadata:
+                    metadata_dirs = NodeDirs(root / "metadata", dirs.cdi / "metadata")
+                    metadata_dirs.cdi.mkdir(parents=True)
+                    metadata_dirs.make_dev(GPUS)
+                    metadata_proc = stack.enter_context(
+                        node_process(
+                            metadata_dirs,
+                            metadata_driver,
+                            env,
+                            ("--device-metadata", *options),
+                        )
+                    )
+                    metadata_kubelet = await stack.enter_async_context(
+                        KubeletStandin(metadata_dirs.kubelet)
+                    )
+                    metadata_registration = await metadata_kubelet.wait_for_driver(
+                        metadata_driver, timeout_s=120
+                    )
+                    metadata_refs = await anyio.to_thread.run_sync(
+                        allocated_claims, kube, metadata_driver, metadata_namespace
+                    )
+                    await check_metadata_written(
+                        metadata_kubelet, metadata_driver, metadata_refs[0], metadata_dirs
+                    )
+                    subjects.append(
+                        Subject(
+                            "device_metadata",
+                            metadata_registration.endpoint,
+                            metadata_refs,
+                            {"node": metadata_proc.pid},
+                        )
                     )
                 if with_floor:
                     floor_kube = await KubeAsync.connect(str(cluster.layout.admin_kubeconfig))
@@ -671,17 +761,17 @@ async def main(
                     threads = await window.stop(cycles)
             summaries = {subject.name: subject.summary() for subject in subjects}
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(timeout=30)
         delete_driver_namespace(kube, driver, namespace)
         if peer_bins is not None:
             delete_driver_namespace(kube, peers.PEER_DRIVER, peer_namespace)
+        if with_metadata:
+            delete_driver_namespace(kube, metadata_driver, metadata_namespace)
         shutil.rmtree(root, ignore_errors=True)
         shutil.rmtree(dirs.cdi, ignore_errors=True)
     ours = summaries["gpudra"]
     peer, floor = summaries.get("peer"), summaries.get("floor")
     floor_files = summaries.get("floor_files")
+    metadata = summaries.get("device_metadata")
     to_peer = ratios(ours, peer, "node", "plugin") if peer else None
     to_floor = ratios(ours, floor, "node", "plugin") if floor else None
     to_floor_files = ratios(ours, floor_files, "node", "plugin") if floor_files else None
@@ -716,6 +806,12 @@ async def main(
         "ratio_to_peer": to_peer,
         "ratio_to_floor": to_floor,
         "ratio_to_floor_with_files": to_floor_files,
+        # The same agent with `--device-metadata`, over gpudra without it. No target.
+        "device_metadata": (
+            {**metadata, "ratio_to_gpudra": ratios(metadata, ours, "node", "node")}
+            if metadata
+            else None
+        ),
         "targets": targets(to_peer, to_floor),
         "sample_interval_s": float(sampling) if sampling else None,
         **({"node_threads_ms_per_cycle": threads} if threads is not None else {}),

@@ -27,7 +27,7 @@ pytestmark = [
 ]
 
 
-async def test_bench_prepare_measures_gpudra_the_peer_and_the_floor_in_rounds(
+async def test_bench_prepare_measures_gpudra_the_peer_the_floor_and_metadata_in_rounds(
     cluster: Cluster, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     for name, value in {"BENCH_CYCLES": "24", "BENCH_WARMUP": "8", "BENCH_ROUNDS": "2"}.items():
@@ -44,15 +44,22 @@ async def test_bench_prepare_measures_gpudra_the_peer_and_the_floor_in_rounds(
         peers.version(),
         0,
     )
+    # The agent with device metadata, checked to mount and write its files before it
+    # was measured (the bench stops otherwise), is measured beside the one without.
+    metadata = result["device_metadata"]
+    assert metadata["errors"] == 0
+    assert metadata["ratio_to_gpudra"]["p50"] == round(metadata["p50_ms"] / result["p50_ms"], 3)
     # Every subject is measured in each round, interleaved.
-    for subject in (result, peer, *floors):
+    for subject in (result, peer, *floors, metadata):
         assert len(subject["by_round_p50_ms"]) == 2
     assert peer["cpu_ms_per_cycle"]["plugin"] > 0
     assert result["cpu_ms_per_cycle"]["node"] > 0
+    assert metadata["cpu_ms_per_cycle"]["node"] > 0
     for ratios in (
         result["ratio_to_peer"],
         result["ratio_to_floor"],
         result["ratio_to_floor_with_files"],
+        metadata["ratio_to_gpudra"],
     ):
         assert set(ratios) == {"p50", "p99", "claims_per_s", "plugin_cpu"}
         assert all(value > 0 for value in ratios.values())

@@ -40,6 +40,7 @@ def test_rows_compare_gpudra_with_the_peer_and_the_floor() -> None:
             "peer": {"p50_ms": 8.0, "p99_ms": 12.0, "claims_per_s": 500.0},
             "floor_get_only": {"p50_ms": 4.0},
             "floor_with_files": {"p50_ms": 5.0},
+            "device_metadata": {"p50_ms": 6.6, "p99_ms": 15.0},
         },
         "webhook": None,
         "schedule": {
@@ -76,6 +77,10 @@ def test_rows_compare_gpudra_with_the_peer_and_the_floor() -> None:
     # The floor with files is there to read the floor's row by, without a target.
     files = by_metric[("prepare p50 ms", "floor with files")]
     assert (files.other, files.ratio, files.target, files.met) == (5.0, 1.2, "", None)
+    # So is the agent with device metadata, over the agent without it.
+    metadata = by_metric[("prepare p50 ms, device metadata on", "metadata off")]
+    assert (metadata.gpudra, metadata.other, metadata.ratio, metadata.met) == (6.6, 6.0, 1.1, None)
+    assert by_metric[("prepare p99 ms, device metadata on", "metadata off")].ratio == 1.0
     # Not measured: no ratio, no verdict.
     admission = by_metric[("claim admission p50 ms at 200/s", "peer")]
     assert (admission.gpudra, admission.ratio, admission.met) == (None, None, None)
