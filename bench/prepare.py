@@ -243,19 +243,19 @@ async def check_metadata_written(
     """One prepare through the agent with `--device-metadata` must carry the metadata
     mount and write its file, and its unprepare remove it: otherwise the rows measured
     without what they are named for."""
+    store = devicemetadata.DeviceMetadataStore(dirs.state / METADATA_DIR, driver=None)
     result = (await kubelet.prepare(driver, [ref]))[ref.uid]
     ids = [i for device in result.devices for i in device.cdi_device_ids]
-    folder = dirs.state / METADATA_DIR / ref.uid
-    written = sorted(p.name for p in folder.rglob("*.json")) if folder.is_dir() else []
+    written = ref.uid in store.claim_uids()
     error = (await kubelet.unprepare(driver, [ref]))[ref.uid]
     if result.error or error or not devicemetadata.mounted(ids) or not written:
         raise SystemExit(
             f"bench-prepare: the agent with --device-metadata prepared {ref.name} with "
-            f"CDI IDs {ids} and files {written} (error: {result.error or error}); "
-            "expected a metadata mount and its file"
+            f"CDI IDs {ids}, {'a' if written else 'no'} file in {store.root} (error: "
+            f"{result.error or error}); expected a metadata mount and its file"
         )
-    if folder.exists():
-        raise SystemExit(f"bench-prepare: the unprepare of {ref.name} left {folder}")
+    if ref.uid in store.claim_uids():
+        raise SystemExit(f"bench-prepare: the unprepare of {ref.name} left files in {store.root}")
 
 
 def go_client() -> Path | None:

@@ -1197,7 +1197,11 @@ class ClaimPreparer:
         if self._metadata.writes or mounted(device_ids):
             await attempt(
                 "removing the device metadata",
-                functools.partial(self._metadata.remove, record.uid),
+                functools.partial(
+                    self._metadata.remove,
+                    record.uid,
+                    [r for d in record.devices for r in d.request_names],
+                ),
                 cdi=True,
             )
         daemons: dict[Path, MpsStarted] = {}
@@ -1469,18 +1473,16 @@ class ClaimPreparer:
         return errors
 
     async def _remove_orphaned_metadata(self, cp: Checkpoint, errors: list[str]) -> list[str]:
-        """Remove the device metadata folders of claims the checkpoint does not name
-        (a prepare rolled back by a restart with the files off, a claim of a previous
-        boot that was not prepared again), whether or not this agent writes them."""
+        """Remove the device metadata files of claims the checkpoint does not name
+        (a prepare that died before its record, a claim of a previous boot that was
+        not prepared again), whether or not this agent writes them."""
         removed: list[str] = []
         for uid in await anyio.to_thread.run_sync(self._metadata.claim_uids):
             async with self._guard(uid):
                 if cp.get(uid) is not None or uid in cp.unreadable():
                     continue
                 try:
-                    await anyio.to_thread.run_sync(self._metadata.remove, uid)
-                except CdiError:
-                    continue  # not a folder of ours
+                    await anyio.to_thread.run_sync(self._metadata.remove_claim, uid)
                 except OSError as exc:
                     errors.append(f"removing orphaned device metadata of claim {uid}: {exc}")
                 else:

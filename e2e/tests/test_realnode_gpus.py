@@ -296,7 +296,8 @@ def test_containers_read_their_device_metadata_where_kubernetes_puts_it(
             kube.create(gpu_pod(stack, pod, ns, script=script, **source))
         wait_running(kube, ns, *paths)
         uids = {claim_uid(kube, ns, pod) for pod in paths}
-        assert uids <= set(stack.list_names(stack.state_dir / "device-metadata"))
+        files = {f"{uid}.gpu.json" for uid in uids}  # one per claim and request
+        assert files <= set(stack.list_names(stack.state_dir / "device-metadata"))
         for pod in paths:
             logs = cluster.kubectl("logs", "-n", ns, pod)
             assert logs.returncode == 0, logs.stderr
@@ -322,7 +323,7 @@ def test_containers_read_their_device_metadata_where_kubernetes_puts_it(
             kube.delete("Pod", pod, ns, grace=0)
         kube.delete("ResourceClaim", "named-gpu", ns)
         wait_unprepared(stack, uids, "the two claims")
-        left = uids & set(stack.list_names(stack.state_dir / "device-metadata"))
+        left = files & set(stack.list_names(stack.state_dir / "device-metadata"))
         assert not left, f"device metadata left for {sorted(left)}"
 
 

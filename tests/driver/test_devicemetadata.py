@@ -153,7 +153,7 @@ def test_files_are_written_per_request_mounted_read_only_and_removed(tmp_path: P
 
     assert sorted(mounts) == ["gpu", "pair"]
     for request, names in (("gpu", [first.name]), ("pair", [second.name, third.name])):
-        host = root / uid / request / "metadata.json"
+        host = root / f"{uid}.{request}.json"
         assert oct(host.stat().st_mode & 0o777) == "0o644"
         [v1beta1, _] = objects(host.read_bytes())
         assert [d["name"] for d in v1beta1["requests"][0]["devices"]] == names
@@ -171,33 +171,57 @@ def test_files_are_written_per_request_mounted_read_only_and_removed(tmp_path: P
     assert mounted(ids)
     assert not mounted([f"k8s.gpu.nvidia.com/claim={uid}-gpu-0", "nvidia.com/gpu=GPU-1"])
 
+    # Side by side in one folder: no folder per claim or request to make and remove.
+    assert sorted(p.name for p in root.iterdir()) == [f"{uid}.gpu.json", f"{uid}.pair.json"]
     assert store.claim_uids() == [uid]
-    store.remove(uid)
-    assert not (root / uid).exists()
-    store.remove(uid)  # again: nothing to do
+    store.remove(uid, ["pair", "gpu", "gpu"])
+    assert list(root.iterdir()) == []
+    store.remove(uid, ["gpu", "pair"])  # again: nothing to do
 
 
-def test_a_folder_with_what_a_crash_left_is_removed_whole(tmp_path: Path) -> None:
+def test_the_sweep_removes_all_a_claim_left_and_only_that(tmp_path: Path) -> None:
+    """The start-up sweep knows a claim by its UID alone: its files, a temp file a
+    crash left and a folder named for it go; another claim's files and names that hold
+    no claim UID stay."""
     root = tmp_path / "device-metadata"
     store = DeviceMetadataStore(root, driver=DRIVER)
     [gpu, *_] = devices("h100-80gb-hbm3-x8")
-    uid = str(uuid.uuid4())
-    store.write(
-        namespace="n",
-        claim_name="c",
-        claim_uid=uid,
-        pod_claim_name=None,
-        requests=[MetadataRequest("gpu", (gpu,))],
-    )
-    (root / uid / "gpu" / ".metadata.json.0a1b2c.tmp").write_bytes(b"{")
-    (root / uid / "other").mkdir()  # a request folder whose file was never written
+    uid, other = str(uuid.uuid4()), str(uuid.uuid4())
+    for claim in (uid, other):
+        store.write(
+            namespace="n",
+            claim_name="c",
+            claim_uid=claim,
+            pod_claim_name=None,
+            requests=[MetadataRequest("gpu", (gpu,))],
+        )
+    (root / f".{uid}.pair.json.0a1b2c.tmp").write_bytes(b"{")
+    (root / uid / "gpu").mkdir(parents=True)
+    (root / "lost+found").mkdir()
+    assert store.claim_uids() == sorted([uid, other])
 
-    store.remove(uid)
+    store.remove_claim(uid)
 
-    assert not (root / uid).exists()
+    assert sorted(p.name for p in root.iterdir()) == [f"{other}.gpu.json", "lost+found"]
+    store.remove_claim(uid)  # again: nothing to do
+    DeviceMetadataStore(tmp_path / "never-written", driver=None).remove_claim(uid)
 
 
-def test_a_store_that_writes_nothing_still_removes_and_names_only_claim_folders(
+@pytest.mark.parametrize("request_name", ["../checkpoint", "a/b", ".hidden"])
+def test_a_request_name_from_a_record_never_names_a_file_outside_the_folder(
+    tmp_path: Path, request_name: str
+) -> None:
+    """Whatever a checkpoint record says, a removal stays in the store's folder."""
+    (tmp_path / "checkpoint.json").write_text("{}")
+    store = DeviceMetadataStore(tmp_path / "device-metadata", driver=DRIVER)
+
+    with pytest.raises(MetadataError, match="cannot name a file"):
+        store.remove(str(uuid.uuid4()), [request_name])
+
+    assert (tmp_path / "checkpoint.json").exists()
+
+
+def test_a_store_that_writes_nothing_still_removes_and_names_only_claim_files(
     tmp_path: Path,
 ) -> None:
     root = tmp_path / "device-metadata"
@@ -214,9 +238,9 @@ def test_a_store_that_writes_nothing_still_removes_and_names_only_claim_folders(
     with pytest.raises(MetadataError, match="writes no device metadata"):
         off.write(namespace="n", claim_name="c", claim_uid=uid, pod_claim_name=None, requests=[])
     with pytest.raises(CdiError):
-        off.remove("../checkpoint.json")
+        off.remove("../checkpoint.json", ["gpu"])
 
-    off.remove(uid)
+    off.remove(uid, ["gpu"])
 
     assert off.claim_uids() == []
 
@@ -255,7 +279,7 @@ def test_kubernetes_readers_of_1_37_and_1_36_decode_the_files_and_1_37_validates
         pod_claim_name="gpu",
         requests=[MetadataRequest("gpu", tuple(listed))],
     )
-    path = tmp_path / uid / "gpu" / "metadata.json"
+    path = tmp_path / f"{uid}.gpu.json"
 
     newest = read_with("1.37", path)
     oldest = read_with("1.36", path)

@@ -842,8 +842,14 @@ async def test_claim_config_wins_over_class_config(env: Env, node: Node, akube: 
 # --- device metadata ---------------------------------------------------------------------------
 
 
-def metadata_folder(node: Node, uid: str) -> Path:
-    return node.checkpoint.parent / "device-metadata" / uid
+def metadata_files(node: Node, uid: str) -> list[str]:
+    """The names of the claim's device metadata files, temp files included."""
+    root = node.checkpoint.parent / "device-metadata"
+    return sorted(p.name for p in root.glob(f"*{uid}.*")) if root.is_dir() else []
+
+
+def metadata_file(node: Node, uid: str, request: str) -> Path:
+    return node.checkpoint.parent / "device-metadata" / f"{uid}.{request}.json"
 
 
 def metadata_objects(path: Path) -> list[dict[str, Any]]:
@@ -882,10 +888,10 @@ async def test_device_metadata_is_mounted_once_per_request_and_goes_at_unprepare
         for d in spec["devices"]
         if "-metadata_" in d["name"]
     }
-    folder = metadata_folder(node, ref.uid)
+    assert metadata_files(node, ref.uid) == [f"{ref.uid}.gpu.json", f"{ref.uid}.pair.json"]
     published = {d.name: publish.device(d)["attributes"] for d in inventory.devices()}
     for request in ("gpu", "pair"):
-        host = folder / request / "metadata.json"
+        host = metadata_file(node, ref.uid, request)
         assert mounts[f"{ref.uid}-metadata_{request}"] == [
             {
                 "hostPath": str(host),
@@ -913,7 +919,7 @@ async def test_device_metadata_is_mounted_once_per_request_and_goes_at_unprepare
 
     assert await preparer.unprepare([ref]) == {ref.uid: None}
     assert not node.has_spec(ref.uid)
-    assert not folder.exists()
+    assert metadata_files(node, ref.uid) == []
 
 
 @pytest.mark.cluster
@@ -951,7 +957,7 @@ async def test_device_metadata_of_a_template_claim_goes_under_the_pods_name_for_
     assert f"annotation {POD_CLAIM_NAME_ANNOTATION} '../../../../etc'" in error
     assert "remove or fix the annotation on the claim" in error
     assert not node.has_spec(hostile["metadata"]["uid"])
-    assert not metadata_folder(node, hostile["metadata"]["uid"]).exists()
+    assert metadata_files(node, hostile["metadata"]["uid"]) == []
     left = load_checkpoint(node.checkpoint, boot_id_path=node.boot_id)
     assert [c.uid for c in left.claims()] == [made["metadata"]["uid"]]
 
@@ -980,22 +986,22 @@ async def test_device_metadata_goes_with_its_claim_whatever_the_next_agent_write
         await make_preparer(env, node, akube, emu, device_metadata=env.driver, fault=crash).prepare(
             [died]
         )
-    assert metadata_folder(node, died.uid).is_dir() and node.has_spec(died.uid)
+    assert metadata_files(node, died.uid) == [f"{died.uid}.gpu.json"] and node.has_spec(died.uid)
 
     restarted = make_preparer(env, node, akube, emu)  # writes no metadata
     report = await restarted.recover()
 
     assert report.orphaned_metadata == (died.uid,) and report.orphaned_specs == (died.uid,)
     assert report.errors == ()
-    assert not metadata_folder(node, died.uid).exists()
-    assert metadata_folder(node, kept.uid).is_dir()  # its claim is still prepared
+    assert metadata_files(node, died.uid) == []
+    assert metadata_files(node, kept.uid) == [f"{kept.uid}.gpu.json"]  # still prepared
     assert await restarted.unprepare([kept]) == {kept.uid: None}
-    assert not metadata_folder(node, kept.uid).exists()
+    assert metadata_files(node, kept.uid) == []
     # Without the option, a prepare writes and mounts nothing.
     result = (await restarted.prepare([died]))[died.uid]
     assert result.error is None
     assert not any("-metadata_" in i for d in result.devices for i in d.cdi_device_ids)
-    assert not metadata_folder(node, died.uid).exists()
+    assert metadata_files(node, died.uid) == []
 
 
 @pytest.mark.cluster
