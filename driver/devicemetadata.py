@@ -270,11 +270,11 @@ class DeviceMetadataStore:
 
     def remove_claim(self, claim_uid: str) -> None:
         """Remove everything of the claim here, whatever its requests: its files, the
-        temp files a crash left, a folder of an earlier layout (`remove_tree`)."""
-        prefixes = (f"{validate_claim_uid(claim_uid)}.", f".{claim_uid}.")
+        temp files a crash left, and a folder named for it (`remove_tree`)."""
+        validate_claim_uid(claim_uid)
         try:
             with os.scandir(self._root) as entries:
-                found = [e for e in entries if e.name.startswith(prefixes) or e.name == claim_uid]
+                found = [e for e in entries if _claim_of(e.name) == claim_uid]
         except FileNotFoundError:
             return
         for entry in found:
@@ -292,12 +292,19 @@ class DeviceMetadataStore:
         uids: set[str] = set()
         with os.scandir(self._root) as entries:
             for entry in entries:
-                uid = entry.name.removeprefix(".").split(".", 1)[0]
                 try:
-                    uids.add(validate_claim_uid(uid))
+                    uids.add(validate_claim_uid(_claim_of(entry.name)))
                 except CdiError:
                     continue
         return sorted(uids)
+
+
+def _claim_of(name: str) -> str:
+    """The claim a name in the store's folder belongs to, by its UID: a file
+    `<uid>.<request>.json`, the temp file `.<uid>.<request>.json.<random>.tmp` of one
+    (`atomic_write`), or a folder `<uid>`. Not checked: a name that holds no UID is
+    not the store's."""
+    return name.removeprefix(".").split(".", 1)[0]
 
 
 _MOUNT_MARK: Final = f"-{DEVICE_PREFIX}"
