@@ -75,6 +75,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+from gpudra.cli import logs
 from gpudra.common.eventloop import run_event_loop
 from gpudra.common.files import atomic_write
 from gpudra.common.kube import Kube
@@ -478,6 +479,8 @@ def cli() -> int:
     args = parser.parse_args()
     if args.mode == "worker":
         names = node_names(args.first + args.count)[args.first :]
+        # As `gpudra node` logs: a warning's line carries its fields (the error).
+        logs.setup("warning")
         # As `gpudra node` runs its agent.
         run_event_loop(worker, args.kubeconfig, names, args.profile, args.steady_s, args.threads)
         return 0

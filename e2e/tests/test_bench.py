@@ -219,7 +219,7 @@ def thread_cores(pid: int) -> set[frozenset[int]]:
 
 
 def test_bench_slices_runs_nodes_in_worker_processes_and_measures_the_floor(
-    cluster: Cluster, monkeypatch: pytest.MonkeyPatch
+    cluster: Cluster, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
 ) -> None:
     settings = {
         "BENCH_NODES": "4",
@@ -266,6 +266,11 @@ def test_bench_slices_runs_nodes_in_worker_processes_and_measures_the_floor(
     rss = result["control_plane_rss_mib_at_start"]
     assert set(rss) == {"kube-apiserver", "etcd"} and all(v > 0 for v in rss.values())
     assert set(result["targets"]) == {"converge_vs_floor", "steady_writes", "agent_rss_mib"}
+    # The workers log as the agent does: a warning's line carries its fields (a failed
+    # watch, its error), here the one each simulated node gives for its health checks.
+    logged = [json.loads(line) for line in capfd.readouterr().err.splitlines() if line[:1] == "{"]
+    warned = {e.get("node") for e in logged if e.get("logger") == "gpudra.driver.agent"}
+    assert set(slices.node_names(4)) <= warned
     # Nothing of the bench is left.
     kube = cluster.kube()
     assert not [n for n in kube.list("Node") if n["metadata"]["name"].startswith("bench-")]
