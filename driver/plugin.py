@@ -59,8 +59,20 @@ KUBELET_CALL_TIMEOUT_S = 45.0
 # `syncFrequency` (1 min by default) plus up to half of it, or at a change of the pod.
 UNHEARD_FAILURE_KEEP_S = 300.0
 UNHEARD_FAILURE_NOTE = (
-    "the outcome of the prepare the kubelet's previous call left when its deadline "
-    "passed; the next call prepares anew"
+    "the outcome of the prepare the kubelet's previous call left under way at its "
+    "deadline; the next call prepares anew"
+)
+# A prepare call still under way this long before its caller's deadline is answered:
+# each claim with `STILL_UNDER_WAY`, while the work goes on (`_CallsInFlight`). Time for
+# the answer to reach the kubelet over its socket on a loaded node.
+ANSWER_MARGIN_S = 2.0
+STILL_UNDER_WAY = (
+    "prepare still under way when the kubelet's call was about to end; it goes on, and "
+    "the claim's next prepare call answers with its outcome"
+)
+NOT_BEGUN = (
+    "not answered: the kubelet's call was about to end while the prepare of another of "
+    "its claims, left by an earlier call, was still under way; the next call answers it"
 )
 # sun_path is 108 bytes including the terminating NUL.
 _MAX_UNIX_PATH = 107
@@ -447,6 +459,12 @@ class _CallsInFlight:
     claim's next prepare call, which first waits for the work still under way and then
     answers with it instead of trying again (the call after that tries again). A kept
     failure goes with the claim's unprepare, or after `keep_s`.
+
+    Nor does the call wait for its deadline: given `answer_within` (the caller's time
+    less `ANSWER_MARGIN_S`), a prepare still under way then is answered with
+    `STILL_UNDER_WAY` for each claim, as if its caller had left, so that the pod's
+    first event says the driver is still at it rather than `context deadline
+    exceeded`, and the retry gets the outcome.
     """
 
     def __init__(
@@ -469,23 +487,44 @@ class _CallsInFlight:
         self,
         refs: list[ClaimRef],
         work: Callable[[list[ClaimRef]], Coroutine[Any, Any, dict[str, PrepareResult]]],
+        *,
+        answer_within: float | None = None,
     ) -> dict[str, PrepareResult]:
         """`work(refs)` as `run` does it, where no failure of an earlier call's work is
-        kept for a claim; the claims that have one are answered with it."""
+        kept for a claim; the claims that have one are answered with it. Where the
+        call (the wait for an earlier call's work included) lasts `answer_within`
+        seconds, every claim of it is answered with `STILL_UNDER_WAY`."""
+        loop = asyncio.get_running_loop()
+        until = None if answer_within is None else loop.time() + answer_within
         earlier = {task for ref in refs if (task := self._left.get(ref.uid)) is not None}
         if earlier:
-            await asyncio.wait(earlier)
+            _, pending = await asyncio.wait(earlier, timeout=_left_of(until, loop))
+            if pending:
+                # Their outcome is kept for the next call already; the other claims'
+                # work has not begun, and that call begins it.
+                return {
+                    ref.uid: PrepareResult(
+                        error=f"{ref.describe()}: "
+                        + (STILL_UNDER_WAY if self._left.get(ref.uid) in pending else NOT_BEGUN)
+                    )
+                    for ref in refs
+                }
         heard = self._take_unheard(refs)
         rest = [ref for ref in refs if ref.uid not in heard]
         if not rest:
             return heard
         task = self._start(work(rest))
         try:
-            results = await asyncio.shield(task)
+            # Neither the caller's cancel nor the timeout stops the work: `wait`
+            # cancels nothing it waits for.
+            done, _ = await asyncio.wait({task}, timeout=_left_of(until, loop))
         except asyncio.CancelledError:
             self._caller_left(task, [ref.uid for ref in rest])
             raise
-        return {**results, **heard}
+        if not done:
+            self._caller_left(task, [ref.uid for ref in rest])
+            return {**_still_under_way(rest), **heard}
+        return {**task.result(), **heard}
 
     def forget(self, refs: Iterable[ClaimRef]) -> None:
         """The claims are unprepared: a failure kept for them is no news to a later
@@ -546,6 +585,26 @@ def _conversion_failed(op: str, uid: str, exc: Exception) -> str:
     return f"{op}: the driver returned an invalid result: {exception_text(exc)}"
 
 
+def _left_of(until: float | None, loop: asyncio.AbstractEventLoop) -> float | None:
+    """Seconds to `until` on `loop`'s clock (None: no bound)."""
+    return None if until is None else max(0.0, until - loop.time())
+
+
+def _still_under_way(refs: Iterable[ClaimRef]) -> dict[str, PrepareResult]:
+    """Each claim answered with `STILL_UNDER_WAY`."""
+    return {ref.uid: PrepareResult(error=f"{ref.describe()}: {STILL_UNDER_WAY}") for ref in refs}
+
+
+def _answer_within(remaining: float | None) -> float | None:
+    """How long a prepare call may wait for its work: up to `ANSWER_MARGIN_S` before its
+    caller's deadline. None, to wait for the deadline itself, where the call has none
+    or too little time for the margin to leave any (its caller then gets its deadline
+    error, as before)."""
+    if remaining is None or remaining <= 2 * ANSWER_MARGIN_S:
+        return None
+    return remaining - ANSWER_MARGIN_S
+
+
 class _DraServicer:
     """Serves one DRA API version. v1 and v1beta1 carry the same messages in different
     protobuf packages; only v1 has `share_id`."""
@@ -564,7 +623,11 @@ class _DraServicer:
         self._calls = calls
 
     async def NodePrepareResources(self, request: Any, context: Any) -> Any:
-        results = await self._calls.prepare(_claim_refs(request.claims), self._dispatcher.prepare)
+        results = await self._calls.prepare(
+            _claim_refs(request.claims),
+            self._dispatcher.prepare,
+            answer_within=_answer_within(context.time_remaining()),
+        )
         response = self._pb.NodePrepareResourcesResponse()
         for uid, result in results.items():
             entry = response.claims[uid]

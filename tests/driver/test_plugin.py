@@ -25,9 +25,12 @@ import pytest
 from gpudra.driver.claims import AllocatedDevice, Claim, ClaimError
 from gpudra.driver.metrics import ClaimMetrics
 from gpudra.driver.plugin import (
+    ANSWER_MARGIN_S,
     DRA_V1,
     DRA_V1BETA1,
     HEALTH_V1ALPHA1,
+    NOT_BEGUN,
+    STILL_UNDER_WAY,
     UNHEARD_FAILURE_NOTE,
     ClaimRef,
     DeviceHealth,
@@ -35,6 +38,7 @@ from gpudra.driver.plugin import (
     KubeletPlugin,
     PreparedDevice,
     PrepareResult,
+    _answer_within,
     _CallsInFlight,
 )
 from gpudra.driver.proto import (
@@ -609,28 +613,102 @@ async def test_a_failure_the_kubelet_never_heard_goes_with_the_claims_unprepare(
     assert handler.prepare_calls == [[claim("a")], [claim("a")]]
 
 
+class GatedWork:
+    """The work of a prepare call that waits for `go`, then fails each claim with
+    "no"; `tries` holds the claims of each call that began it."""
+
+    def __init__(self) -> None:
+        self.tries: list[list[str]] = []
+        self.go = anyio.Event()
+
+    async def __call__(self, refs: list[ClaimRef]) -> dict[str, PrepareResult]:
+        self.tries.append([r.uid for r in refs])
+        await self.go.wait()
+        return {r.uid: PrepareResult(error="no") for r in refs}
+
+
+async def left_under_way(calls: _CallsInFlight, refs: list[ClaimRef], work: GatedWork) -> None:
+    """A prepare call whose caller leaves (its deadline, or a hang-up) while `work` waits."""
+    async with anyio.create_task_group() as group:
+        group.start_soon(calls.prepare, refs, work)
+        await wait_until(lambda: bool(work.tries))
+        group.cancel_scope.cancel()
+
+
 async def test_a_failure_the_kubelet_never_heard_is_kept_only_for_a_while() -> None:
     """A pod that went for good sends no retry: its claim's kept failure is dropped
     once older than `keep_s`, and a prepare after that tries again."""
     now = [0.0]
     calls = _CallsInFlight(keep_s=120.0, clock=lambda: now[0])
-    tries: list[list[str]] = []
-    go = anyio.Event()
-
-    async def work(refs: list[ClaimRef]) -> dict[str, PrepareResult]:
-        tries.append([r.uid for r in refs])
-        await go.wait()
-        return {r.uid: PrepareResult(error="no") for r in refs}
-
-    async with anyio.create_task_group() as group:
-        group.start_soon(calls.prepare, [claim("a")], work)
-        await wait_until(lambda: bool(tries))
-        group.cancel_scope.cancel()  # the kubelet's deadline
-    go.set()
+    work = GatedWork()
+    await left_under_way(calls, [claim("a")], work)  # the kubelet's deadline
+    work.go.set()
     await calls.wait()
     now[0] = 120.5
     assert (await calls.prepare([claim("a")], work))["uid-a"].error == "no"
-    assert tries == [["uid-a"], ["uid-a"]]
+    assert work.tries == [["uid-a"], ["uid-a"]]
+
+
+async def test_a_prepare_still_under_way_near_the_kubelets_deadline_is_answered_before_it(
+    root: Path,
+) -> None:
+    """The kubelet gives a prepare call 45 s; an MPS daemon pod that never starts gets
+    60. Instead of letting the deadline end the call (the pod's first event would read
+    `context deadline exceeded`), the plugin answers each claim `ANSWER_MARGIN_S`
+    before it, saying the prepare goes on; the work finishes, and the retry is answered
+    with what it came to: the failure with its cause, a success prepared as usual."""
+    handler = GatedHandler()
+    handler.errors["uid-a"] = "its pod did not listen on its control pipe within 60s"
+    deadline = 2 * ANSWER_MARGIN_S + 1.5  # the margin leaves 1.5 s for the work
+    async with KubeletPlugin(DRIVER, handler, claims=Allocated(), kubelet_root=root) as plugin:
+        # An answer at all is one before the deadline: after it, the call raises.
+        first = await prepare_v1(plugin, [claim("a"), claim("b")], deadline_s=deadline)
+        assert handler.started.is_set() and handler.finished == []  # still under way
+        handler.go.set()
+        await wait_until(lambda: handler.finished == ["prepare uid-a", "prepare uid-b"])
+        retried = await prepare_v1(plugin, [claim("a"), claim("b")])
+    assert {uid: r.error for uid, r in first.items()} == {
+        "uid-a": f"ResourceClaim default/a (uid-a): {STILL_UNDER_WAY}",
+        "uid-b": f"ResourceClaim default/b (uid-b): {STILL_UNDER_WAY}",
+    }
+    assert retried["uid-a"].error == (
+        f"its pod did not listen on its control pipe within 60s ({UNHEARD_FAILURE_NOTE})"
+    )
+    assert retried["uid-b"].error == "" and retried["uid-b"].devices[0].device_name == "gpu-b"
+    assert handler.prepare_calls == [[claim("a"), claim("b")], [claim("b")]]
+
+
+async def test_a_call_that_waits_out_an_earlier_calls_work_is_answered_before_its_deadline() -> (
+    None
+):
+    """A retry waits for the work an earlier call left before it begins its own; where
+    that work outlasts the retry's time too, the retry is answered in time all the
+    same: the claim still under way says so, and a claim of the call not begun says
+    that the next call answers it. Neither is tried meanwhile."""
+    calls = _CallsInFlight()
+    work = GatedWork()
+    await left_under_way(calls, [claim("a")], work)
+    answered = await calls.prepare([claim("a"), claim("c")], work, answer_within=0.2)
+    work.go.set()
+    await calls.wait()
+    assert {uid: r.error for uid, r in answered.items()} == {
+        "uid-a": f"ResourceClaim default/a (uid-a): {STILL_UNDER_WAY}",
+        "uid-c": f"ResourceClaim default/c (uid-c): {NOT_BEGUN}",
+    }
+    assert work.tries == [["uid-a"]]
+    # The next call is answered with the first one's outcome, and begins the other.
+    again = await calls.prepare([claim("a"), claim("c")], work, answer_within=5.0)
+    assert again["uid-a"].error.startswith("no (")
+    assert again["uid-c"].error == "no"
+    assert work.tries == [["uid-a"], ["uid-c"]]
+
+
+def test_a_call_with_little_time_left_waits_for_its_deadline() -> None:
+    """Where the margin would leave the work too little of the caller's time (or the
+    caller set no deadline), the call waits as before: its caller's deadline ends it."""
+    assert _answer_within(None) is None
+    assert _answer_within(2 * ANSWER_MARGIN_S) is None
+    assert _answer_within(45.0) == 45.0 - ANSWER_MARGIN_S
 
 
 async def wait_until(condition: Callable[[], bool]) -> None:
