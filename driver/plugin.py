@@ -502,13 +502,7 @@ class _CallsInFlight:
             if pending:
                 # Their outcome is kept for the next call already; the other claims'
                 # work has not begun, and that call begins it.
-                return {
-                    ref.uid: PrepareResult(
-                        error=f"{ref.describe()}: "
-                        + (STILL_UNDER_WAY if self._left.get(ref.uid) in pending else NOT_BEGUN)
-                    )
-                    for ref in refs
-                }
+                return _unanswered(refs, {u for u, t in self._left.items() if t in pending})
         heard = self._take_unheard(refs)
         rest = [ref for ref in refs if ref.uid not in heard]
         if not rest:
@@ -523,7 +517,7 @@ class _CallsInFlight:
             raise
         if not done:
             self._caller_left(task, [ref.uid for ref in rest])
-            return {**_still_under_way(rest), **heard}
+            return {**_unanswered(rest, {ref.uid for ref in rest}), **heard}
         return {**task.result(), **heard}
 
     def forget(self, refs: Iterable[ClaimRef]) -> None:
@@ -590,9 +584,15 @@ def _left_of(until: float | None, loop: asyncio.AbstractEventLoop) -> float | No
     return None if until is None else max(0.0, until - loop.time())
 
 
-def _still_under_way(refs: Iterable[ClaimRef]) -> dict[str, PrepareResult]:
-    """Each claim answered with `STILL_UNDER_WAY`."""
-    return {ref.uid: PrepareResult(error=f"{ref.describe()}: {STILL_UNDER_WAY}") for ref in refs}
+def _unanswered(refs: Iterable[ClaimRef], under_way: set[str]) -> dict[str, PrepareResult]:
+    """The answer for claims whose call ran out of time: `STILL_UNDER_WAY` for those
+    whose work is `under_way`, `NOT_BEGUN` for the others."""
+    return {
+        ref.uid: PrepareResult(
+            error=f"{ref.describe()}: {STILL_UNDER_WAY if ref.uid in under_way else NOT_BEGUN}"
+        )
+        for ref in refs
+    }
 
 
 def _answer_within(remaining: float | None) -> float | None:
