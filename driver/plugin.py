@@ -461,8 +461,8 @@ class _CallsInFlight:
     failure goes with the claim's unprepare, or after `keep_s`.
 
     Nor does the call wait for its deadline: given `answer_within` (the caller's time
-    less `ANSWER_MARGIN_S`), a prepare still under way then is answered with
-    `STILL_UNDER_WAY` for each claim, as if its caller had left, so that the pod's
+    less `ANSWER_MARGIN_S`), a prepare still under way then is answered, each claim
+    with `STILL_UNDER_WAY` (or `NOT_BEGUN`), as if its caller had left, so that the pod's
     first event says the driver is still at it rather than `context deadline
     exceeded`, and the retry gets the outcome.
     """
@@ -493,7 +493,8 @@ class _CallsInFlight:
         """`work(refs)` as `run` does it, where no failure of an earlier call's work is
         kept for a claim; the claims that have one are answered with it. Where the
         call (the wait for an earlier call's work included) lasts `answer_within`
-        seconds, every claim of it is answered with `STILL_UNDER_WAY`."""
+        seconds, it is answered at once (`_unanswered`): `STILL_UNDER_WAY` for a claim
+        whose work is under way, `NOT_BEGUN` for one whose work waited behind it."""
         loop = asyncio.get_running_loop()
         until = None if answer_within is None else loop.time() + answer_within
         earlier = {task for ref in refs if (task := self._left.get(ref.uid)) is not None}
