@@ -62,9 +62,10 @@ UNHEARD_FAILURE_NOTE = (
     "the outcome of the prepare the kubelet's previous call left under way at its "
     "deadline; the next call prepares anew"
 )
-# A prepare call still under way this long before its caller's deadline is answered:
-# each claim with `STILL_UNDER_WAY`, while the work goes on (`_CallsInFlight`). Time for
-# the answer to reach the kubelet over its socket on a loaded node.
+# A call still under way this long before its caller's deadline is answered: each
+# claim with `STILL_UNDER_WAY` (a prepare) or `UNPREPARE_UNDER_WAY`, while the work goes
+# on (`_CallsInFlight`). Time for the answer to reach the kubelet over its socket on a
+# loaded node.
 ANSWER_MARGIN_S = 2.0
 STILL_UNDER_WAY = (
     "prepare still under way when the kubelet's call was about to end; it goes on, and "
@@ -73,6 +74,10 @@ STILL_UNDER_WAY = (
 NOT_BEGUN = (
     "not answered: the kubelet's call was about to end while the prepare of another of "
     "its claims, left by an earlier call, was still under way; the next call answers it"
+)
+UNPREPARE_UNDER_WAY = (
+    "unprepare still under way when the kubelet's call was about to end; it goes on, and "
+    "the claim's next unprepare call waits for it"
 )
 # sun_path is 108 bytes including the terminating NUL.
 _MAX_UNIX_PATH = 107
@@ -448,9 +453,15 @@ class _CallsInFlight:
     work would stop at whatever it was waiting for while its worker threads (a
     checkpoint write, a tool run) go on, its claim's lock released and its checkpoint
     change neither known durable nor undone. So each call's work runs as a task of its
-    own, which the call awaits through `asyncio.shield`: the kubelet gets its deadline
-    error, and the work finishes in order under its locks. The kubelet's retry waits for
-    the claim's lock and is answered from the record. `wait` lets `stop` finish them.
+    own, which the call awaits through `asyncio.wait` (which cancels nothing it waits
+    for): the kubelet gets its answer or its deadline error, and the work finishes in
+    order under its locks. The kubelet's retry waits for the claim's lock and is
+    answered from the record. `wait` lets `stop` finish them. An unprepare can outlast
+    the kubelet's 45 s too: its own steps run to their bounds (each tool run gets 30 s,
+    a daemon's stop more), or it waits for a prepare of the claim that a restarted
+    kubelet left under way. (The kubelet does not cut the prepare call of a pod deleted
+    meanwhile: it unprepares after that call's answer, so such an unprepare waits only
+    for what is left of the prepare.)
 
     A prepare that fails after its caller left would be news nobody hears: the retry
     would try again, meet the same slow failure (an MPS daemon pod that never starts
@@ -460,11 +471,14 @@ class _CallsInFlight:
     answers with it instead of trying again (the call after that tries again). A kept
     failure goes with the claim's unprepare, or after `keep_s`.
 
-    Nor does the call wait for its deadline: given `answer_within` (the caller's time
+    Nor does a call wait for its deadline: given `answer_within` (the caller's time
     less `ANSWER_MARGIN_S`), a prepare still under way then is answered, each claim
     with `STILL_UNDER_WAY` (or `NOT_BEGUN`), as if its caller had left, so that the pod's
     first event says the driver is still at it rather than `context deadline
-    exceeded`, and the retry gets the outcome.
+    exceeded`, and the retry gets the outcome. An unprepare is answered so too, each
+    claim with `UNPREPARE_UNDER_WAY`: the kubelet logs that rather than the deadline, and
+    its retry queues behind the work on the claim's lock, finding it done (or trying
+    again where it failed; an unprepare's failure needs no keeping).
     """
 
     def __init__(
@@ -479,9 +493,6 @@ class _CallsInFlight:
         self._left: dict[str, asyncio.Task[dict[str, PrepareResult]]] = {}
         # What such a prepare came to where it failed: when it ended, its answer.
         self._unheard: dict[str, tuple[float, PrepareResult]] = {}
-
-    async def run(self, work: Coroutine[Any, Any, R]) -> R:
-        return await asyncio.shield(self._start(work))
 
     async def prepare(
         self,
@@ -521,9 +532,28 @@ class _CallsInFlight:
             return {**_unanswered(rest, {ref.uid for ref in rest}), **heard}
         return {**task.result(), **heard}
 
-    def forget(self, refs: Iterable[ClaimRef]) -> None:
-        """The claims are unprepared: a failure kept for them is no news to a later
-        prepare of theirs."""
+    async def unprepare(
+        self,
+        refs: list[ClaimRef],
+        work: Callable[[list[ClaimRef]], Coroutine[Any, Any, dict[str, str | None]]],
+        *,
+        answer_within: float | None = None,
+    ) -> dict[str, str | None]:
+        """`work(refs)`, answered `UNPREPARE_UNDER_WAY` for each claim where it lasts
+        `answer_within` seconds. Once the work has ended, a prepare failure kept for
+        the claims is dropped: it is no news to a later prepare of theirs. Only then,
+        not when the call is answered: the work ends after the claim's lock let it in,
+        so after any prepare of the claim an earlier call left, whose failure would
+        otherwise be kept after the claim was unprepared."""
+        task = self._start(work(refs))
+        task.add_done_callback(lambda _: self._forget(refs))
+        # Neither the caller's cancel nor the timeout stops the work (as in `prepare`).
+        done, _ = await asyncio.wait({task}, timeout=answer_within)
+        if not done:
+            return {ref.uid: f"{ref.describe()}: {UNPREPARE_UNDER_WAY}" for ref in refs}
+        return task.result()
+
+    def _forget(self, refs: Iterable[ClaimRef]) -> None:
         for ref in refs:
             self._unheard.pop(ref.uid, None)
 
@@ -597,7 +627,7 @@ def _unanswered(refs: Iterable[ClaimRef], under_way: set[str]) -> dict[str, Prep
 
 
 def _answer_within(remaining: float | None) -> float | None:
-    """How long a prepare call may wait for its work: up to `ANSWER_MARGIN_S` before its
+    """How long a call may wait for its work: up to `ANSWER_MARGIN_S` before its
     caller's deadline. None, to wait for the deadline itself, where the call has none
     or too little time for the margin to leave any (its caller then gets its deadline
     error, as before)."""
@@ -640,13 +670,11 @@ class _DraServicer:
         return response
 
     async def NodeUnprepareResources(self, request: Any, context: Any) -> Any:
-        refs = _claim_refs(request.claims)
-        try:
-            results = await self._calls.run(self._dispatcher.unprepare(refs))
-        finally:
-            # After the claim's lock let the unprepare in, so after any prepare
-            # work of the claim an earlier call left.
-            self._calls.forget(refs)
+        results = await self._calls.unprepare(
+            _claim_refs(request.claims),
+            self._dispatcher.unprepare,
+            answer_within=_answer_within(context.time_remaining()),
+        )
         response = self._pb.NodeUnprepareResourcesResponse()
         for uid, error in results.items():
             entry = response.claims[uid]

@@ -32,6 +32,7 @@ from gpudra.driver.plugin import (
     NOT_BEGUN,
     STILL_UNDER_WAY,
     UNHEARD_FAILURE_NOTE,
+    UNPREPARE_UNDER_WAY,
     ClaimRef,
     DeviceHealth,
     HealthBoard,
@@ -416,6 +417,18 @@ async def prepare_v1(
     return dict(response.claims)
 
 
+async def unprepare_v1(
+    plugin: KubeletPlugin, claims: list[ClaimRef], deadline_s: float = WAIT_S
+) -> dict[str, str]:
+    async with channel(plugin.dra_socket) as ch:
+        client = stub(dra_v1_pb2_grpc.DRAPluginStub, ch)
+        request = dra_v1_pb2.NodeUnprepareResourcesRequest(
+            claims=[dra_v1_pb2.Claim(namespace=c.namespace, uid=c.uid, name=c.name) for c in claims]
+        )
+        response = await client.NodeUnprepareResources(request, timeout=deadline_s)
+    return {uid: answer.error for uid, answer in response.claims.items()}
+
+
 async def prepare_v1beta1(
     plugin: KubeletPlugin, claims: list[ClaimRef]
 ) -> dict[str, dra_v1beta1_pb2.NodePrepareResourceResponse]:
@@ -600,14 +613,8 @@ async def test_a_failure_the_kubelet_never_heard_goes_with_the_claims_unprepare(
         await cut_prepare(plugin, [claim("a")])
         handler.go.set()
         await wait_until(lambda: handler.finished == ["prepare uid-a"])
-        async with channel(plugin.dra_socket) as ch:
-            await stub(dra_v1_pb2_grpc.DRAPluginStub, ch).NodeUnprepareResources(
-                dra_v1_pb2.NodeUnprepareResourcesRequest(
-                    claims=[dra_v1_pb2.Claim(namespace="default", uid="uid-a", name="a")]
-                ),
-                timeout=WAIT_S,
-            )
         handler.errors.clear()
+        assert await unprepare_v1(plugin, [claim("a")]) == {"uid-a": ""}
         prepared = await prepare_v1(plugin, [claim("a")])
     assert prepared["uid-a"].error == ""
     assert handler.prepare_calls == [[claim("a")], [claim("a")]]
@@ -709,6 +716,60 @@ def test_a_call_with_little_time_left_waits_for_its_deadline() -> None:
     assert _answer_within(None) is None
     assert _answer_within(2 * ANSWER_MARGIN_S) is None
     assert _answer_within(45.0) == 45.0 - ANSWER_MARGIN_S
+
+
+async def test_an_unprepare_still_under_way_near_the_kubelets_deadline_is_answered_before_it(
+    root: Path,
+) -> None:
+    """An unprepare whose steps run to their bounds (a tool gets 30 s, a daemon's stop
+    more; the kubelet's call 45) is answered `ANSWER_MARGIN_S` before the deadline,
+    each claim saying the unprepare goes on, rather than ending in `context deadline
+    exceeded`; the work finishes, and the retry finds it done."""
+    handler = GatedHandler()
+    deadline = 2 * ANSWER_MARGIN_S + 1.5
+    async with KubeletPlugin(DRIVER, handler, claims=Allocated(), kubelet_root=root) as plugin:
+        first = await unprepare_v1(plugin, [claim("a"), claim("b")], deadline_s=deadline)
+        assert handler.started.is_set() and handler.finished == []  # still under way
+        handler.go.set()
+        await wait_until(lambda: handler.finished == ["unprepare uid-a", "unprepare uid-b"])
+        retried = await unprepare_v1(plugin, [claim("a"), claim("b")])
+    assert first == {
+        "uid-a": f"ResourceClaim default/a (uid-a): {UNPREPARE_UNDER_WAY}",
+        "uid-b": f"ResourceClaim default/b (uid-b): {UNPREPARE_UNDER_WAY}",
+    }
+    assert retried == {"uid-a": "", "uid-b": ""}
+
+
+async def test_an_unprepare_answered_early_drops_a_kept_failure_once_its_work_has_ended() -> None:
+    """An unprepare answered before its work ended (it waited behind a prepare an
+    earlier call left, as the claim's lock makes it) must still drop that prepare's
+    failure, which is kept only once the prepare ends: a later prepare of the claim (a
+    new pod of a claim made by hand) prepares anew rather than hearing old news."""
+    calls = _CallsInFlight()
+    guard = anyio.Lock()  # the claim's lock in the device layer
+    go = anyio.Event()
+
+    async def prepare(refs: list[ClaimRef]) -> dict[str, PrepareResult]:
+        async with guard:
+            await go.wait()
+            return {r.uid: PrepareResult(error="no") for r in refs}
+
+    async def unprepare(refs: list[ClaimRef]) -> dict[str, str | None]:
+        async with guard:
+            return dict.fromkeys((r.uid for r in refs), None)
+
+    async with anyio.create_task_group() as group:  # a prepare whose caller left
+        group.start_soon(calls.prepare, [claim("a")], prepare)
+        await wait_until(guard.locked)
+        group.cancel_scope.cancel()
+    answered = await calls.unprepare([claim("a")], unprepare, answer_within=0.2)
+    assert answered == {"uid-a": f"ResourceClaim default/a (uid-a): {UNPREPARE_UNDER_WAY}"}
+    go.set()
+    await calls.wait()
+    go = anyio.Event()
+    go.set()
+    again = await calls.prepare([claim("a")], prepare)
+    assert again["uid-a"].error == "no"  # tried anew: not "no (UNHEARD_FAILURE_NOTE)"
 
 
 async def wait_until(condition: Callable[[], bool]) -> None:
