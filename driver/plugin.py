@@ -28,6 +28,8 @@ import grpc
 from gpudra.common.errors import exception_text
 from gpudra.driver.claims import Claim, ClaimError, ClaimRef
 from gpudra.driver.proto import (
+    dra_health_v1_pb2,
+    dra_health_v1_pb2_grpc,
     dra_health_v1alpha1_pb2,
     dra_health_v1alpha1_pb2_grpc,
     dra_v1_pb2,
@@ -44,8 +46,23 @@ DEFAULT_KUBELET_ROOT = Path("/var/lib/kubelet")
 PLUGIN_TYPE = "DRAPlugin"
 DRA_V1 = "v1.DRAPlugin"
 DRA_V1BETA1 = "v1beta1.DRAPlugin"
+HEALTH_V1 = "v1.DRAResourceHealth"
 HEALTH_V1ALPHA1 = "v1alpha1.DRAResourceHealth"
 DRA_APIS = (DRA_V1, DRA_V1BETA1)
+# Both served, newest first, as upstream's kubelet plugin helper (v0.37) serves them.
+# The kubelet of 1.37 and later takes the first of its own list (v1, then v1alpha1)
+# that the plugin advertises, and opens no health stream where it finds none; it keeps
+# v1alpha1 through 1.39. The kubelets of 1.34 to 1.36 know only v1alpha1 and call it
+# without looking at the list.
+HEALTH_APIS = (HEALTH_V1, HEALTH_V1ALPHA1)
+# Per health API: its generated messages, and the function that adds its servicer.
+_HEALTH_SERVICES: Mapping[str, tuple[ModuleType, Callable[[Any, Any], None]]] = {
+    HEALTH_V1: (dra_health_v1_pb2, dra_health_v1_pb2_grpc.add_DRAResourceHealthServicer_to_server),
+    HEALTH_V1ALPHA1: (
+        dra_health_v1alpha1_pb2,
+        dra_health_v1alpha1_pb2_grpc.add_DRAResourceHealthServicer_to_server,
+    ),
+}
 # Bytes. The kubelet truncates longer messages; doing it here keeps what it shows predictable.
 MAX_HEALTH_MESSAGE = 1024
 # A third of the kubelet's default per-device health timeout (30 s): see `_Health`.
@@ -712,11 +729,11 @@ def _truncate_message(message: str) -> str:
     return data[: MAX_HEALTH_MESSAGE - 3].decode(errors="ignore") + "..."
 
 
-def health_response(
-    devices: Iterable[DeviceHealth],
-) -> dra_health_v1alpha1_pb2.NodeWatchResourcesResponse:
-    """Encode a complete device list as one NodeWatchResources message."""
-    statuses = dra_health_v1alpha1_pb2
+def health_response(devices: Iterable[DeviceHealth], messages: ModuleType) -> Any:
+    """Encode a complete device list as one NodeWatchResources message of the health
+    API whose generated module is `messages` (v1 and v1alpha1 carry the same messages
+    in different protobuf packages)."""
+    statuses = messages
     out = statuses.NodeWatchResourcesResponse()
     for device in devices:
         if device.healthy is None:
@@ -737,8 +754,9 @@ def health_response(
     return out
 
 
-class _Health(dra_health_v1alpha1_pb2_grpc.DRAResourceHealthServicer):
-    """Streams the device list on every change and again every `refresh_s` without one.
+class _Health:
+    """Serves one health API (`api`, one of HEALTH_APIS). Streams the device list on
+    every change and again every `refresh_s` without one.
 
     The kubelet stamps each device with the time it heard of it and reads it as Unknown
     once that is older than the device's timeout (30 s by default, fixed on 1.34), with
@@ -748,15 +766,22 @@ class _Health(dra_health_v1alpha1_pb2_grpc.DRAResourceHealthServicer):
     """
 
     def __init__(
-        self, source: HealthSource, streams: set[anyio.CancelScope], refresh_s: float
+        self,
+        source: HealthSource,
+        streams: set[anyio.CancelScope],
+        refresh_s: float,
+        api: str,
     ) -> None:
         self._source = source
         self._streams = streams
         self._refresh_s = refresh_s
+        self._api = api
+        self._pb = _HEALTH_SERVICES[api][0]
 
-    async def NodeWatchResources(
-        self, request: dra_health_v1alpha1_pb2.NodeWatchResourcesRequest, context: Any
-    ) -> None:
+    async def NodeWatchResources(self, request: Any, context: Any) -> None:
+        # Which API the kubelet chose shows here only: a kubelet that found none it
+        # knows among the advertised ones opens no stream, and says nothing of it.
+        log.info("kubelet opened a health stream", extra={"fields": {"api": self._api}})
         # The scope lets `stop` end open streams cleanly instead of waiting out the
         # server's grace period on a stream that never finishes by itself.
         with anyio.CancelScope() as scope:
@@ -764,7 +789,7 @@ class _Health(dra_health_v1alpha1_pb2_grpc.DRAResourceHealthServicer):
             try:
                 while True:
                     snapshot = self._source.snapshot()
-                    await context.write(health_response(snapshot.devices))
+                    await context.write(health_response(snapshot.devices, self._pb))
                     with anyio.move_on_after(self._refresh_s):
                         await self._source.wait_for_change(snapshot.generation)
             finally:
@@ -860,7 +885,7 @@ class KubeletPlugin:
         # to each API it still speaks.
         versions = [a for a in DRA_APIS if a in dra_apis]
         if health is not None:
-            versions.append(HEALTH_V1ALPHA1)
+            versions.extend(HEALTH_APIS)
         self.supported_versions: tuple[str, ...] = tuple(versions)
         self._registered: anyio.Event | None = None
         self.registration_error: str | None = None
@@ -912,11 +937,12 @@ class KubeletPlugin:
                     dra,
                 )
             if self._health is not None:
-                _add(
-                    dra_health_v1alpha1_pb2_grpc.add_DRAResourceHealthServicer_to_server,
-                    _Health(self._health, self._health_streams, self._health_refresh_s),
-                    dra,
-                )
+                for api in HEALTH_APIS:
+                    _add(
+                        _HEALTH_SERVICES[api][1],
+                        _Health(self._health, self._health_streams, self._health_refresh_s, api),
+                        dra,
+                    )
             await self._serve(dra, self.dra_socket)
             registration = grpc.aio.server()
             _add(

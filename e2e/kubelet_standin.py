@@ -37,6 +37,7 @@ from gpudra.driver.claims import ClaimRef
 from gpudra.driver.plugin import (
     DRA_V1,
     DRA_V1BETA1,
+    HEALTH_V1,
     HEALTH_V1ALPHA1,
     PLUGIN_TYPE,
     DeviceHealth,
@@ -44,6 +45,8 @@ from gpudra.driver.plugin import (
     PrepareResult,
 )
 from gpudra.driver.proto import (
+    dra_health_v1_pb2,
+    dra_health_v1_pb2_grpc,
     dra_health_v1alpha1_pb2,
     dra_health_v1alpha1_pb2_grpc,
     dra_v1_pb2,
@@ -63,6 +66,13 @@ NOTIFY_TIMEOUT_S = 5.0
 DRA_CALL_TIMEOUT_S = 45.0
 
 DEFAULT_DRA_VERSIONS = (DRA_V1, DRA_V1BETA1)
+# The kubelet's health services, newest first (1.37's `healthServicesSupportedByKubelet`).
+DEFAULT_HEALTH_VERSIONS = (HEALTH_V1, HEALTH_V1ALPHA1)
+# Per health service: its generated messages and its client stub.
+_HEALTH_CLIENTS: dict[str, tuple[Any, Any]] = {
+    HEALTH_V1: (dra_health_v1_pb2, dra_health_v1_pb2_grpc.DRAResourceHealthStub),
+    HEALTH_V1ALPHA1: (dra_health_v1alpha1_pb2, dra_health_v1alpha1_pb2_grpc.DRAResourceHealthStub),
+}
 
 
 class ProtocolViolation(Exception):
@@ -82,7 +92,7 @@ class Registration:
     socket_identity: tuple[int, int]
     endpoint: Path
     dra_version: str
-    health: bool
+    health_version: str | None  # the health service chosen; None: none advertised
     channel: Any = field(repr=False)
 
 
@@ -118,6 +128,11 @@ class KubeletStandin:
     `dra_versions` are the DRA services this "kubelet" knows; like the kubelet it
     takes the first entry of the plugin's list that it knows, so the plugin's order
     decides. Pass `(DRA_V1BETA1,)` to act as an older kubelet.
+
+    `health_versions` are the health services it knows, in its own order of
+    preference: like the kubelet of 1.37 and later, it takes the first of them that
+    the plugin advertises, whatever the plugin's order. Pass `(HEALTH_V1ALPHA1,)` to
+    act as a kubelet of 1.36 or earlier.
     """
 
     def __init__(
@@ -125,11 +140,13 @@ class KubeletStandin:
         root: Path,
         *,
         dra_versions: Sequence[str] = DEFAULT_DRA_VERSIONS,
+        health_versions: Sequence[str] = DEFAULT_HEALTH_VERSIONS,
         poll_interval_s: float = 0.05,
     ) -> None:
         self.root = Path(root)
         self.registry = self.root / "plugins_registry"
         self.dra_versions = tuple(dra_versions)
+        self.health_versions = tuple(health_versions)
         self.poll_interval_s = poll_interval_s
         # Per driver, oldest first; the last one is the active one.
         self._registrations: dict[str, list[Registration]] = {}
@@ -301,7 +318,9 @@ class KubeletStandin:
                 socket_identity=ident,
                 endpoint=Path(info.endpoint),
                 dra_version=version,
-                health=HEALTH_V1ALPHA1 in info.supported_versions,
+                health_version=next(
+                    (v for v in self.health_versions if v in info.supported_versions), None
+                ),
                 channel=dra_channel,
             )
             self._registrations.setdefault(info.name, []).append(reg)
@@ -402,15 +421,16 @@ class KubeletStandin:
     async def watch_health(self, driver: str) -> AsyncIterator[AsyncIterator[list[DeviceHealth]]]:
         """Open NodeWatchResources; yields an iterator of complete device lists."""
         reg = self.active(driver)
-        if not reg.health:
-            msg = f"driver {driver!r} does not advertise {HEALTH_V1ALPHA1}"
+        if reg.health_version is None:
+            msg = f"driver {driver!r} advertises none of {list(self.health_versions)}"
             raise ProtocolViolation(msg)
-        stub = _stub(dra_health_v1alpha1_pb2_grpc.DRAResourceHealthStub, reg.channel)
-        call = stub.NodeWatchResources(dra_health_v1alpha1_pb2.NodeWatchResourcesRequest())
+        messages, stub_class = _HEALTH_CLIENTS[reg.health_version]
+        stub = _stub(stub_class, reg.channel)
+        call = stub.NodeWatchResources(messages.NodeWatchResourcesRequest())
 
         async def updates() -> AsyncIterator[list[DeviceHealth]]:
             async for response in call:
-                yield [_device_health(d) for d in response.devices]
+                yield [_device_health(d, messages) for d in response.devices]
 
         try:
             yield updates()
@@ -437,8 +457,7 @@ def _check_answered(method: str, claims: Sequence[ClaimRef], answered: Any) -> N
         raise ProtocolViolation(msg)
 
 
-def _device_health(msg: Any) -> DeviceHealth:
-    status = dra_health_v1alpha1_pb2
+def _device_health(msg: Any, status: Any) -> DeviceHealth:
     healthy = {status.HEALTHY: True, status.UNHEALTHY: False}.get(msg.health)
     return DeviceHealth(
         pool_name=msg.device.pool_name,

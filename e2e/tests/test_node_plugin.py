@@ -41,7 +41,7 @@ from gpudra.driver.health import HealthPolicy
 from gpudra.driver.node import NodeService, PluginConfig
 from gpudra.driver.nvml import NvmlEmulator, load_nvml
 from gpudra.driver.nvml.standin import FAKEBIN
-from gpudra.driver.plugin import DRA_V1, ClaimRef
+from gpudra.driver.plugin import DRA_V1, HEALTH_V1, ClaimRef
 from gpudra.driver.prepare import PREPARE_STEPS
 from gpudra.driver.proto import dra_v1_pb2, dra_v1_pb2_grpc
 
@@ -396,7 +396,7 @@ async def test_pod_claims_are_prepared_through_the_running_node(
         async with KubeletStandin(node_dirs.kubelet) as kubelet:
             registration = await kubelet.wait_for_driver(driver, timeout_s=60)
             assert registration.dra_version == "v1.DRAPlugin"
-            assert registration.health
+            assert registration.health_version == HEALTH_V1
             await _wait_published(kube, driver)
             pods = PodClaimsDriver(akube, kubelet, NODE, (driver,))
             async with anyio.create_task_group() as tg:

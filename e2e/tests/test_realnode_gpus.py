@@ -38,7 +38,13 @@ from gpudra.cli.scrape import get, metric_samples
 from gpudra.cli.webhook import QUOTA_LEASE
 from gpudra.driver.driverroot import CUDA_LIBRARY, NVML_LIBRARY
 from gpudra.driver.mpspods import CLAIM_LABEL
-from gpudra.driver.plugin import DRA_APIS, STILL_UNDER_WAY, UNHEARD_FAILURE_NOTE
+from gpudra.driver.plugin import (
+    DRA_APIS,
+    HEALTH_V1,
+    HEALTH_V1ALPHA1,
+    STILL_UNDER_WAY,
+    UNHEARD_FAILURE_NOTE,
+)
 from gpudra.webhook.cabundle import FIELD_MANAGER
 from gpudra.webhook.convert import CONVERTED_ANNOTATION as CONVERTED
 
@@ -643,6 +649,18 @@ def test_the_kubelet_prepares_over_each_dra_api_and_streams_health(
             for pod, resource_id in reported:
                 assert resource_id.startswith("k8s.gpu.nvidia.com/claim=")
                 assert uids[pod] in resource_id
+            # The agent serves both health APIs. The kubelet of 1.37 and later takes the
+            # newest it knows among those advertised (v1); older ones know only v1alpha1.
+            version = kube.get("Node", stack.node.name)["status"]["nodeInfo"]["kubeletVersion"]
+            minor = int(version.removeprefix("v").split(".")[1])
+            chosen = HEALTH_V1 if minor >= 37 else HEALTH_V1ALPHA1
+            opened = [
+                json.loads(line)["api"]
+                for line in stack.agent_output().splitlines()
+                if "kubelet opened a health stream" in line
+            ]
+            assert opened, "the agent logged no health stream the kubelet opened"
+            assert set(opened) == {chosen}, (version, opened)
         for pod in pods:
             kube.delete("Pod", pod, ns, grace=0)
         for uid in uids.values():

@@ -28,6 +28,7 @@ from gpudra.driver.plugin import (
     ANSWER_MARGIN_S,
     DRA_V1,
     DRA_V1BETA1,
+    HEALTH_V1,
     HEALTH_V1ALPHA1,
     NOT_BEGUN,
     STILL_UNDER_WAY,
@@ -43,6 +44,8 @@ from gpudra.driver.plugin import (
     _CallsInFlight,
 )
 from gpudra.driver.proto import (
+    dra_health_v1_pb2,
+    dra_health_v1_pb2_grpc,
     dra_health_v1alpha1_pb2,
     dra_health_v1alpha1_pb2_grpc,
     dra_v1_pb2,
@@ -187,16 +190,28 @@ async def test_get_info_lists_health_service_only_with_a_health_source(root: Pat
         DRIVER, RecordingHandler(), claims=Allocated(), kubelet_root=root, health=HealthBoard()
     ) as plugin:
         info = await get_info(plugin)
-    assert list(info.supported_versions) == [DRA_V1, DRA_V1BETA1, HEALTH_V1ALPHA1]
+    # Both health APIs, newest first, as upstream's plugin helper (v0.37) advertises
+    # them: the kubelet of 1.37 opens no health stream where it finds neither.
+    assert list(info.supported_versions) == [DRA_V1, DRA_V1BETA1, HEALTH_V1, HEALTH_V1ALPHA1]
 
 
-async def test_health_service_is_not_served_without_a_health_source(root: Path) -> None:
+@pytest.mark.parametrize(
+    "messages",
+    [
+        pytest.param((dra_health_v1_pb2, dra_health_v1_pb2_grpc), id="v1"),
+        pytest.param((dra_health_v1alpha1_pb2, dra_health_v1alpha1_pb2_grpc), id="v1alpha1"),
+    ],
+)
+async def test_health_service_is_not_served_without_a_health_source(
+    root: Path, messages: tuple[Any, Any]
+) -> None:
+    pb, pb_grpc = messages
     async with (
         KubeletPlugin(DRIVER, RecordingHandler(), claims=Allocated(), kubelet_root=root) as plugin,
         channel(plugin.dra_socket) as ch,
     ):
-        client = stub(dra_health_v1alpha1_pb2_grpc.DRAResourceHealthStub, ch)
-        call = client.NodeWatchResources(dra_health_v1alpha1_pb2.NodeWatchResourcesRequest())
+        client = stub(pb_grpc.DRAResourceHealthStub, ch)
+        call = client.NodeWatchResources(pb.NodeWatchResourcesRequest())
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await call.read()
     assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
@@ -901,15 +916,27 @@ def gpu(name: str, healthy: bool | None, message: str = "") -> DeviceHealth:
     )
 
 
-async def test_health_stream_sends_the_full_list_on_every_change(root: Path) -> None:
+@pytest.mark.parametrize(
+    ("kubelet_knows", "chosen"),
+    [
+        pytest.param((HEALTH_V1, HEALTH_V1ALPHA1), HEALTH_V1, id="kubelet-1.37"),
+        pytest.param((HEALTH_V1ALPHA1,), HEALTH_V1ALPHA1, id="kubelet-1.36"),
+    ],
+)
+async def test_health_stream_sends_the_full_list_on_every_change(
+    root: Path, kubelet_knows: tuple[str, ...], chosen: str
+) -> None:
+    """Over either health API: v1, which the kubelet of 1.37 and later picks first,
+    and v1alpha1, the only one the kubelets of 1.34 to 1.36 know."""
     board = HealthBoard([gpu("gpu-0", True), gpu("gpu-1", None)])
     async with (
         KubeletPlugin(
             DRIVER, RecordingHandler(), claims=Allocated(), kubelet_root=root, health=board
         ) as plugin,
-        KubeletStandin(root) as kubelet,
+        KubeletStandin(root, health_versions=kubelet_knows) as kubelet,
     ):
-        await kubelet.wait_for_driver(DRIVER, timeout_s=WAIT_S)
+        registration = await kubelet.wait_for_driver(DRIVER, timeout_s=WAIT_S)
+        assert registration.health_version == chosen
         async with kubelet.watch_health(DRIVER) as updates:
             with anyio.fail_after(WAIT_S):
                 first = await anext(updates)
@@ -1028,7 +1055,7 @@ def test_generated_code_matches_the_protos(tmp_path: Path) -> None:
         if p.name.endswith(("_pb2.py", "_pb2.pyi", "_pb2_grpc.py"))
     )
     assert generated == expected
-    assert len(generated) == 12
+    assert len(generated) == 15
     for name in generated:
         assert (tmp_path / name).read_text() == (proto_dir / name).read_text(), (
             f"{name} is stale: run driver/proto/generate.sh"
