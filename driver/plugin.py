@@ -55,13 +55,12 @@ DRA_APIS = (DRA_V1, DRA_V1BETA1)
 # v1alpha1 through 1.39. The kubelets of 1.34 to 1.36 know only v1alpha1 and call it
 # without looking at the list.
 HEALTH_APIS = (HEALTH_V1, HEALTH_V1ALPHA1)
-# Per health API: its generated messages, and the function that adds its servicer.
-_HEALTH_SERVICES: Mapping[str, tuple[ModuleType, Callable[[Any, Any], None]]] = {
-    HEALTH_V1: (dra_health_v1_pb2, dra_health_v1_pb2_grpc.add_DRAResourceHealthServicer_to_server),
-    HEALTH_V1ALPHA1: (
-        dra_health_v1alpha1_pb2,
-        dra_health_v1alpha1_pb2_grpc.add_DRAResourceHealthServicer_to_server,
-    ),
+# Per health API, its generated modules: the messages, and the gRPC service (its
+# servicer's `add_DRAResourceHealthServicer_to_server`, a client's
+# `DRAResourceHealthStub`).
+HEALTH_MODULES: Mapping[str, tuple[ModuleType, ModuleType]] = {
+    HEALTH_V1: (dra_health_v1_pb2, dra_health_v1_pb2_grpc),
+    HEALTH_V1ALPHA1: (dra_health_v1alpha1_pb2, dra_health_v1alpha1_pb2_grpc),
 }
 # Bytes. The kubelet truncates longer messages; doing it here keeps what it shows predictable.
 MAX_HEALTH_MESSAGE = 1024
@@ -776,7 +775,7 @@ class _Health:
         self._streams = streams
         self._refresh_s = refresh_s
         self._api = api
-        self._pb = _HEALTH_SERVICES[api][0]
+        self._pb = HEALTH_MODULES[api][0]
 
     async def NodeWatchResources(self, request: Any, context: Any) -> None:
         # Which API the kubelet chose shows here only: a kubelet that found none it
@@ -939,7 +938,7 @@ class KubeletPlugin:
             if self._health is not None:
                 for api in HEALTH_APIS:
                     _add(
-                        _HEALTH_SERVICES[api][1],
+                        HEALTH_MODULES[api][1].add_DRAResourceHealthServicer_to_server,
                         _Health(self._health, self._health_streams, self._health_refresh_s, api),
                         dra,
                     )

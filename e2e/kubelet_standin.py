@@ -37,6 +37,7 @@ from gpudra.driver.claims import ClaimRef
 from gpudra.driver.plugin import (
     DRA_V1,
     DRA_V1BETA1,
+    HEALTH_MODULES,
     HEALTH_V1,
     HEALTH_V1ALPHA1,
     PLUGIN_TYPE,
@@ -45,10 +46,6 @@ from gpudra.driver.plugin import (
     PrepareResult,
 )
 from gpudra.driver.proto import (
-    dra_health_v1_pb2,
-    dra_health_v1_pb2_grpc,
-    dra_health_v1alpha1_pb2,
-    dra_health_v1alpha1_pb2_grpc,
     dra_v1_pb2,
     dra_v1_pb2_grpc,
     dra_v1beta1_pb2,
@@ -68,11 +65,6 @@ DRA_CALL_TIMEOUT_S = 45.0
 DEFAULT_DRA_VERSIONS = (DRA_V1, DRA_V1BETA1)
 # The kubelet's health services, newest first (1.37's `healthServicesSupportedByKubelet`).
 DEFAULT_HEALTH_VERSIONS = (HEALTH_V1, HEALTH_V1ALPHA1)
-# Per health service: its generated messages and its client stub.
-_HEALTH_CLIENTS: dict[str, tuple[Any, Any]] = {
-    HEALTH_V1: (dra_health_v1_pb2, dra_health_v1_pb2_grpc.DRAResourceHealthStub),
-    HEALTH_V1ALPHA1: (dra_health_v1alpha1_pb2, dra_health_v1alpha1_pb2_grpc.DRAResourceHealthStub),
-}
 
 
 class ProtocolViolation(Exception):
@@ -424,8 +416,8 @@ class KubeletStandin:
         if reg.health_version is None:
             msg = f"driver {driver!r} advertises none of {list(self.health_versions)}"
             raise ProtocolViolation(msg)
-        messages, stub_class = _HEALTH_CLIENTS[reg.health_version]
-        stub = _stub(stub_class, reg.channel)
+        messages, service = HEALTH_MODULES[reg.health_version]
+        stub = _stub(service.DRAResourceHealthStub, reg.channel)
         call = stub.NodeWatchResources(messages.NodeWatchResourcesRequest())
 
         async def updates() -> AsyncIterator[list[DeviceHealth]]:
