@@ -732,17 +732,16 @@ def health_response(devices: Iterable[DeviceHealth], messages: ModuleType) -> An
     """Encode a complete device list as one NodeWatchResources message of the health
     API whose generated module is `messages` (v1 and v1alpha1 carry the same messages
     in different protobuf packages)."""
-    statuses = messages
-    out = statuses.NodeWatchResourcesResponse()
+    out = messages.NodeWatchResourcesResponse()
     for device in devices:
         if device.healthy is None:
-            health = statuses.UNKNOWN
+            health = messages.UNKNOWN
         elif device.healthy:
-            health = statuses.HEALTHY
+            health = messages.HEALTHY
         else:
-            health = statuses.UNHEALTHY
+            health = messages.UNHEALTHY
         out.devices.add(
-            device=statuses.DeviceIdentifier(
+            device=messages.DeviceIdentifier(
                 pool_name=device.pool_name, device_name=device.device_name
             ),
             health=health,
