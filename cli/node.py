@@ -58,7 +58,12 @@ from gpudra.driver.nvml.standin import (
     device_numbers,
     install_driver_root,
 )
-from gpudra.driver.plugin import DEFAULT_KUBELET_ROOT, DRA_APIS, KUBELET_CALL_TIMEOUT_S
+from gpudra.driver.plugin import (
+    DEFAULT_KUBELET_ROOT,
+    DRA_APIS,
+    KUBELET_CALL_TIMEOUT_S,
+    plugin_socket_problem,
+)
 from gpudra.driver.prepare import CONFLICT_WAIT_S, MAX_CONFLICT_WAIT_S, PREPARE_STEPS
 from gpudra.driver.sampling import DEFAULT_INTERVAL_S
 from prometheus_client import CollectorRegistry
@@ -650,6 +655,12 @@ def _plugin_config(args: argparse.Namespace) -> PluginConfig:
             raise SystemExit(
                 f"gpudra node: --{flag.replace('_', '-')} {str(path)!r} must be an absolute path"
             )
+    if problem := plugin_socket_problem(args.kubelet_root, args.driver_name, args.pod_uid):
+        raise SystemExit(
+            f"gpudra node: --kubelet-root {str(args.kubelet_root)!r}: {problem}: give the "
+            "kubelet's root folder (its --root-dir) as a plain absolute path, without %, ? "
+            "or #, short enough for the sockets under it, or a shorter --driver-name"
+        )
     if args.cleanup_interval <= 0:
         raise SystemExit("gpudra node: --cleanup-interval must be positive")
     if args.sample_interval < 0:

@@ -101,6 +101,10 @@ _SOCKET_MODE = 0o600
 # Each socket is bound in a folder of this name beside it (`_bind_private`); one older
 # than `_STALE_STAGING_S` is a killed agent's.
 _STAGING_PREFIX = ".gpudra-bind-"
+# The random part `tempfile.mkdtemp` adds to it.
+_STAGING_RANDOM = 8
+# Characters Go's URL parser reads as more than a path's (`endpoint_problem`).
+_URL_SPECIAL = frozenset("%?#")
 _STALE_STAGING_S = 60.0
 
 R = TypeVar("R")
@@ -229,6 +233,32 @@ class HealthBoard:
 # --- Socket handling ----------------------------------------------------------------
 
 
+def kubelet_root_path(kubelet_root: Path) -> Path:
+    """`kubelet_root` made absolute, with one leading slash.
+
+    pathlib keeps a leading `//` (POSIX lets it mean something other than `/`; Linux
+    reads it as `/`), but the kubelet reads the endpoint a plugin advertises as a URL,
+    `unix:` + endpoint, where `//var/lib/...` names the host `var`: the same folder with
+    one slash is the endpoint it can dial."""
+    text = str(Path(kubelet_root).absolute())
+    if text.startswith("//"):
+        text = "/" + text.lstrip("/")
+    return Path(text)
+
+
+def plugin_sockets(kubelet_root: Path, driver_name: str, pod_uid: str | None) -> tuple[Path, Path]:
+    """The plugin's registration socket and its DRA socket, the endpoint it advertises.
+
+    Under a pod UID each name carries it (`_socket_suffix`), so that the agent of a
+    rolling update serves beside the old one."""
+    root = kubelet_root_path(kubelet_root)
+    suffix = _socket_suffix(root, driver_name, pod_uid)
+    return (
+        root / "plugins_registry" / f"{driver_name}{suffix}-reg.sock",
+        root / "plugins" / driver_name / f"dra{suffix}.sock",
+    )
+
+
 def _socket_suffix(kubelet_root: Path, driver_name: str, pod_uid: str | None) -> str:
     """`-<pod UID>`, or `-<12 hex digits of its SHA-256>` where the full UID would push
     the registration socket past the unix path limit (a long kubelet root): old and
@@ -241,11 +271,64 @@ def _socket_suffix(kubelet_root: Path, driver_name: str, pod_uid: str | None) ->
     return "-" + hashlib.sha256(pod_uid.encode()).hexdigest()[:12]
 
 
+def endpoint_problem(endpoint: str) -> str | None:
+    """Why the kubelet would refuse `endpoint` as a DRA plugin's, or None.
+
+    The kubelet of 1.38 checks the endpoint a plugin advertises before it registers
+    the plugin (`validateEndpoint` in `pkg/kubelet/cm/dra/plugin`): absolute, shorter
+    than sun_path's 108 bytes with its NUL, and a plain path. It dials `unix:` +
+    endpoint through Go's URL parser, which reads `%2e` as `.`, a `?` as a query, a `#`
+    as a fragment and a leading `//` as a host, and refuses control characters; the
+    endpoint must come out of that parser unchanged. Earlier kubelets register such an
+    endpoint and then cannot dial it, or dial another path, so that every prepare
+    fails. Checked against that function's own code on every ASCII character and some
+    others.
+    """
+    if not endpoint:
+        return "is empty"
+    if not endpoint.startswith("/"):
+        return "is not an absolute path"
+    size = len(os.fsencode(endpoint))
+    if size > _MAX_UNIX_PATH:
+        return f"is {size} bytes, longer than {_MAX_UNIX_PATH}, the unix socket limit"
+    if endpoint.startswith("//"):
+        return "begins with //, which the kubelet would read as a host name"
+    for char in endpoint:
+        if char in _URL_SPECIAL:
+            return f"holds {char!r}, which the kubelet's URL parser would not read as a path"
+        if ord(char) < 0x20 or ord(char) == 0x7F:
+            return f"holds the control character {char!r}"
+    return None
+
+
+def plugin_socket_problem(kubelet_root: Path, driver_name: str, pod_uid: str | None) -> str | None:
+    """Why the plugin could not serve its sockets under `kubelet_root`, or None.
+
+    Each socket is bound in a folder beside it before it is moved into place
+    (`_bind_private`), so that path must fit a unix socket path too; the DRA socket is
+    also the endpoint the kubelet dials (`endpoint_problem`). `gpudra node` checks its
+    flags with it before anything starts, and the plugin again at its start."""
+    registration, dra = plugin_sockets(kubelet_root, driver_name, pod_uid)
+    for what, socket in (("registration", registration), ("DRA", dra)):
+        bound_in = socket.parent / f"{_STAGING_PREFIX}{'x' * _STAGING_RANDOM}" / "s"
+        size = max(len(os.fsencode(socket)), len(os.fsencode(bound_in)))
+        if size > _MAX_UNIX_PATH:
+            return (
+                f"the {what} socket {socket} needs {size} bytes of socket path (it is "
+                f"bound in a folder beside it first), over {_MAX_UNIX_PATH}, the unix "
+                "socket limit"
+            )
+    if problem := endpoint_problem(str(dra)):
+        return f"the DRA socket {dra}, the endpoint the kubelet dials, {problem}"
+    return None
+
+
 def _check_socket_path(path: Path, what: str) -> None:
-    if len(os.fsencode(path)) > _MAX_UNIX_PATH:
+    size = len(os.fsencode(path))
+    if size > _MAX_UNIX_PATH:
         msg = (
-            f"{what} socket path {path} is longer than {_MAX_UNIX_PATH} bytes, the unix "
-            "socket limit; use a shorter kubelet root or driver name"
+            f"{what} socket path {path} is {size} bytes, longer than {_MAX_UNIX_PATH}, the "
+            "unix socket limit; use a shorter kubelet root or driver name"
         )
         raise ValueError(msg)
 
@@ -859,7 +942,7 @@ class KubeletPlugin:
                 )
                 raise ValueError(msg)
         self.driver_name = driver_name
-        self.kubelet_root = Path(kubelet_root).absolute()
+        self.kubelet_root = kubelet_root_path(kubelet_root)
         self.pod_uid = pod_uid
         self._dispatcher = ClaimDispatcher(handler, claims, metrics)
         self._calls = _CallsInFlight()
@@ -869,11 +952,9 @@ class KubeletPlugin:
             raise ValueError(msg)
         self._health_refresh_s = health_refresh_s
         self._stop_grace_s = stop_grace_s
-        suffix = _socket_suffix(self.kubelet_root, driver_name, pod_uid)
-        self.registration_socket = (
-            self.kubelet_root / "plugins_registry" / f"{driver_name}{suffix}-reg.sock"
+        self.registration_socket, self.dra_socket = plugin_sockets(
+            self.kubelet_root, driver_name, pod_uid
         )
-        self.dra_socket = self.kubelet_root / "plugins" / driver_name / f"dra{suffix}.sock"
         unknown = [a for a in dra_apis if a not in DRA_APIS]
         if unknown or not dra_apis:
             msg = f"dra_apis {list(dra_apis)!r}: give one or more of {list(DRA_APIS)}"
@@ -914,8 +995,9 @@ class KubeletPlugin:
         if self._serving:
             msg = "KubeletPlugin is already started"
             raise RuntimeError(msg)
-        _check_socket_path(self.registration_socket, "registration")
-        _check_socket_path(self.dra_socket, "DRA")
+        if problem := plugin_socket_problem(self.kubelet_root, self.driver_name, self.pod_uid):
+            msg = f"kubelet root {self.kubelet_root}: {problem}"
+            raise ValueError(msg)
         self._registered = anyio.Event()
         self.registration_error = None
         try:

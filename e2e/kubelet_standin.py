@@ -44,6 +44,7 @@ from gpudra.driver.plugin import (
     DeviceHealth,
     PreparedDevice,
     PrepareResult,
+    endpoint_problem,
 )
 from gpudra.driver.proto import (
     dra_v1_pb2,
@@ -328,8 +329,10 @@ class KubeletStandin:
             return f"unsupported plugin type {info.type!r}, want {PLUGIN_TYPE!r}", None
         if not info.name:
             return "plugin name is empty", None
-        if not info.endpoint or not Path(info.endpoint).is_absolute():
-            return f"endpoint {info.endpoint!r} is not an absolute path", None
+        # As the kubelet of 1.38 checks it; earlier ones register it and then cannot
+        # dial it, or dial whatever path Go's URL parser makes of it.
+        if problem := endpoint_problem(info.endpoint):
+            return f"endpoint {info.endpoint!r} {problem}", None
         for version in info.supported_versions:
             if version in self.dra_versions:
                 return None, version

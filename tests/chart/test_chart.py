@@ -1021,6 +1021,7 @@ def test_notes_warn_that_1_36_does_not_evict_pods_served_by_the_class_mapping(
         ({"deviceClasses": {"shared": {"strategy": "Spatial"}}}, "/deviceClasses/shared/strategy"),
         ({"node": {"driverRoot": "run/nvidia/driver"}}, "/node/driverRoot"),
         ({"node": {"kubeletRoot": "var/lib/kubelet"}}, "/node/kubeletRoot"),
+        ({"node": {"kubeletRoot": "/var/lib/kube%2elet"}}, "/node/kubeletRoot"),
         ({"webhook": {"port": 70000}}, "/webhook/port"),
         ({"webhook": {"port": 0}}, "/webhook/port"),
         ({"webhook": {"maxConnections": 0}}, "/webhook/maxConnections"),

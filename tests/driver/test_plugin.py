@@ -42,6 +42,7 @@ from gpudra.driver.plugin import (
     PrepareResult,
     _answer_within,
     _CallsInFlight,
+    endpoint_problem,
 )
 from gpudra.driver.proto import (
     dra_health_v1_pb2,
@@ -329,6 +330,77 @@ def test_rolling_update_names_stay_under_the_socket_limit_with_a_long_kubelet_ro
         DRIVER, RecordingHandler(), claims=Allocated(), kubelet_root=Path("/k"), pod_uid=uids[0]
     )
     assert short.registration_socket.name == f"{DRIVER}-{uids[0]}-reg.sock"
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "problem"),
+    [
+        ("/var/lib/kubelet/plugins/gpu.nvidia.com/dra.sock", None),
+        ("/var/lib/kube let/plugins/x/dra.sock", None),
+        ("/var/lib/kübelet/plugins/x/dra.sock", None),
+        ("/" + "k" * 106, None),
+        ("", "is empty"),
+        ("var/lib/kubelet/dra.sock", "is not an absolute path"),
+        ("/" + "k" * 107, "is 108 bytes, longer than 107, the unix socket limit"),
+        ("//var/lib/kubelet/dra.sock", "begins with //"),
+        ("/plugins/%2e%2e/run/evil.sock", "holds '%'"),
+        ("/var/lib/kubelet?x/dra.sock", "holds '?'"),
+        ("/var/lib/kubelet#x/dra.sock", "holds '#'"),
+        ("/var/lib/kube\tlet/dra.sock", "holds the control character '\\t'"),
+    ],
+)
+def test_an_endpoint_is_judged_as_the_kubelet_of_1_38_judges_it(
+    endpoint: str, problem: str | None
+) -> None:
+    """The kubelet of 1.38 refuses to register a plugin whose endpoint is not a plain
+    absolute path shorter than 108 bytes (`validateEndpoint`); these are cases of
+    that function's own tests and of the characters Go's URL parser reads otherwise."""
+    found = endpoint_problem(endpoint)
+    if problem is None:
+        assert found is None
+    else:
+        assert found is not None
+        assert found.startswith(problem), found
+
+
+async def test_a_kubelet_root_with_two_leading_slashes_registers_with_one(root: Path) -> None:
+    """`//var/lib/kubelet` is `/var/lib/kubelet` on Linux, but a URL's `//` starts a
+    host name: advertised as given, the kubelet of 1.38 refuses the endpoint and older
+    ones dial another path. The plugin advertises the folder with one slash."""
+    doubled = Path("//" + str(root).lstrip("/"))
+    assert str(doubled).startswith("//")
+    async with (
+        KubeletPlugin(
+            DRIVER, RecordingHandler(), claims=Allocated(), kubelet_root=doubled
+        ) as plugin,
+        KubeletStandin(root) as kubelet,
+    ):
+        assert (await get_info(plugin)).endpoint == str(root / "plugins" / DRIVER / "dra.sock")
+        await kubelet.wait_for_registration(plugin.registration_socket, timeout_s=WAIT_S)
+        assert plugin.registration_error is None
+        assert (await kubelet.prepare(DRIVER, [claim("a")]))["uid-a"].error is None
+
+
+@pytest.mark.parametrize(
+    ("part", "problem"),
+    [
+        ("kube%2elet", "the endpoint the kubelet dials, holds '%'"),
+        ("kube?let", "the endpoint the kubelet dials, holds '?'"),
+        ("k" * 80, "needs 1"),
+    ],
+)
+async def test_a_kubelet_root_the_kubelet_could_not_dial_is_refused_at_start(
+    root: Path, part: str, problem: str
+) -> None:
+    """Refused before any socket is served, naming the socket and why, rather than
+    registered and then dialled at a path that is not the socket."""
+    plugin = KubeletPlugin(DRIVER, RecordingHandler(), claims=Allocated(), kubelet_root=root / part)
+    with pytest.raises(
+        ValueError, match=f"kubelet root {re.escape(str(root / part))}: the "
+    ) as exc:
+        await plugin.start()
+    assert problem in str(exc.value)
+    assert not (root / part).exists()
 
 
 # --- sockets --------------------------------------------------------------------------
