@@ -162,10 +162,15 @@ IGNORED_XIDS = frozenset(
 # again: RESET_GPU (46, 62, 64, 95, 110, 119, 120, 136, 140, 143, 155, 156, 158),
 # RESTART_BM (79: reboot), RESTART_VM (151), CHECK_MECHANICALS (54: auxiliary power
 # not connected), CONTACT_SUPPORT (142), and 48 (double-bit ECC), whose workflow
-# NVIDIA Health Validation spells "drain: reset_gpu -> service_required". XIDs the
-# catalogue has restarted, ignored or decoded first (74, 144-150: NVLink) are not here.
+# NVIDIA Health Validation spells "drain: reset_gpu -> service_required", with 171 and
+# 172: the catalogue gives them no bucket of their own ("Additional to Xid 48 providing
+# more details on particulars of fault"), and NVIDIA's memory error guide ("User Visible
+# Statistics") has them say whether that uncorrectable error was in DRAM (171) or SRAM
+# (172), so they wait for the reset 48 does, whichever of them comes first. XIDs the
+# catalogue has restarted, ignored or decoded first (74, 144-150: NVLink) are not here,
+# nor the others it gives no bucket (162-170).
 RESET_XIDS = frozenset(
-    {46, 48, 54, 62, 64, 79, 95, 110, 119, 120, 136, 140, 142, 143, 151, 155, 156, 158}
+    {46, 48, 54, 62, 64, 79, 95, 110, 119, 120, 136, 140, 142, 143, 151, 155, 156, 158} | {171, 172}
 )
 _RECOVERY_ACTIONS: Final = constant_names("NVML_GPU_RECOVERY_ACTION_")
 """Readable recovery actions, for the log."""

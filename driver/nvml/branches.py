@@ -21,7 +21,6 @@ from typing import Final
 import pynvml
 
 __all__ = [
-    "AFTER_R580",
     "EMULATED_BRANCHES",
     "FUNCTIONS_SINCE",
     "GPU_INSTANCE_PROFILES_SINCE",
@@ -52,9 +51,6 @@ FUNCTIONS_SINCE: Final[Mapping[str, int]] = MappingProxyType(
     }
 )
 
-# A branch newer than every one seen: what appeared after R580, in a branch not named yet.
-AFTER_R580: Final = 581
-
 # The first branch whose NVML has the GPU recovery action (field
 # NVML_FI_DEV_GET_GPU_RECOVERY_ACTION and XID 154; NVML change log, R565).
 RECOVERY_ACTION_SINCE: Final = 565
@@ -68,8 +64,10 @@ GPU_INSTANCE_PROFILES_SINCE: Final[Mapping[int, int]] = MappingProxyType(
         pynvml.NVML_GPU_INSTANCE_PROFILE_1_SLICE_GFX: 570,
         pynvml.NVML_GPU_INSTANCE_PROFILE_2_SLICE_GFX: 570,
         # Unknown to R580: 580.159.04 answers it INVALID_ARGUMENT (a recording of an
-        # H200, tests/nvml/answers). The branch that added it is not recorded yet.
-        pynvml.NVML_GPU_INSTANCE_PROFILE_3_SLICE_GFX: AFTER_R580,
+        # H200, tests/nvml/answers). NVIDIA's Python bindings, numbered by the branch
+        # whose NVML they wrap, first declare it in 13.610.43 (R610); 13.580.126,
+        # 13.590.44 and 13.595.45 do not.
+        pynvml.NVML_GPU_INSTANCE_PROFILE_3_SLICE_GFX: 610,
         pynvml.NVML_GPU_INSTANCE_PROFILE_4_SLICE_GFX: 570,
         pynvml.NVML_GPU_INSTANCE_PROFILE_1_SLICE_NO_ME: 575,
         pynvml.NVML_GPU_INSTANCE_PROFILE_2_SLICE_NO_ME: 575,

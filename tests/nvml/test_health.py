@@ -774,10 +774,12 @@ async def test_watcher_is_cancelled_promptly_while_waiting() -> None:
 # --- taints that wait for a GPU reset ------------------------------------------------------
 
 
-@pytest.mark.parametrize("xid", [48, 79, 95, 119])
+@pytest.mark.parametrize("xid", [48, 79, 95, 119, 171, 172])
 def test_an_xid_that_needs_a_reset_stays_until_the_gpu_is_reset(xid: int) -> None:
     """NVIDIA's XID catalogue has the GPU reset (79: the node rebooted) before reuse;
-    however quiet the GPU stays, only a reset lifts the taint."""
+    however quiet the GPU stays, only a reset lifts the taint. 171 and 172 say whether
+    an uncorrectable ECC error (48) was in DRAM or SRAM: the same error, the same wait,
+    should one come without the 48."""
     inventory = discover(emulated("h100-80gb-hbm3-x8"))
     clock = FakeClock()
     state = make_state(inventory, clock)
