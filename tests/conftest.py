@@ -10,7 +10,10 @@ agents log on every health event)."""
 from __future__ import annotations
 
 import logging
+import shutil
+import tempfile
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -36,3 +39,13 @@ def restored_logging() -> Iterator[None]:
         logging.logProcesses,
         logging.logMultiprocessing,
     ) = switches
+
+
+@pytest.fixture
+def short_tmp() -> Iterator[Path]:
+    """A fresh folder with a short path, for a kubelet root: the plugin's sockets under
+    pytest's `tmp_path` can pass the 107-byte unix socket limit, which the agent refuses
+    at its start."""
+    path = Path(tempfile.mkdtemp(dir="/tmp", prefix="gd"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)

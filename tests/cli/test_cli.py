@@ -160,13 +160,15 @@ def test_crash_point_kills_even_as_pid_1() -> None:
     assert "survived" not in proc.stdout
 
 
-def test_emulated_state_goes_into_a_state_dir_that_does_not_exist_yet(tmp_path: Path) -> None:
+def test_emulated_state_goes_into_a_state_dir_that_does_not_exist_yet(
+    tmp_path: Path, short_tmp: Path
+) -> None:
     """A fresh node has no state dir: the agent makes it for the emulated GPUs' state
     and driver root before it needs the API server (here: none reachable)."""
     state = tmp_path / "new" / "state"
     proc = run(
         "node", "--node-name", "n1", "--nvml", "emulated:l4", "--state-dir", str(state),
-        "--kubelet-root", str(tmp_path / "kl"), "--kubeconfig", str(tmp_path / "none"),
+        "--kubelet-root", str(short_tmp), "--kubeconfig", str(tmp_path / "none"),
     )  # fmt: skip
     assert proc.returncode != 0
     assert "nvml-state" not in proc.stderr

@@ -6,15 +6,13 @@ import importlib.metadata
 import importlib.util
 import os
 import re
-import shutil
 import socket
 import stat
 import subprocess
 import sys
-import tempfile
 import time
 import tomllib
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -147,11 +145,9 @@ def claim(name: str) -> ClaimRef:
 
 
 @pytest.fixture
-def root() -> Iterator[Path]:
-    # Unix socket paths are limited to ~107 bytes: keep the kubelet root short.
-    path = Path(tempfile.mkdtemp(dir="/tmp", prefix="gd"))
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
+def root(short_tmp: Path) -> Path:
+    # Unix socket paths are limited to 107 bytes: keep the kubelet root short.
+    return short_tmp
 
 
 @asynccontextmanager

@@ -83,14 +83,16 @@ def test_a_library_that_does_not_load_is_logged_and_left(
     assert "does not load" in caplog.text
 
 
-def test_the_agent_loads_the_driver_roots_nvml_before_discovery(host: Path, tmp_path: Path) -> None:
+def test_the_agent_loads_the_driver_roots_nvml_before_discovery(
+    host: Path, tmp_path: Path, short_tmp: Path
+) -> None:
     """`gpudra node --nvml real` with the chart's flags logs the library it loaded
     from the driver root (then stops here: no API server to reach)."""
     proc = subprocess.run(
         [sys.executable, "-m", "gpudra.cli", "node",
          "--node-name", "n1", "--nvml", "real", "--driver-root", str(DRIVER_ROOT),
          "--host-root", str(host), "--state-dir", str(tmp_path / "state"),
-         "--kubelet-root", str(tmp_path / "kubelet"), "--kubeconfig", str(tmp_path / "none")],
+         "--kubelet-root", str(short_tmp), "--kubeconfig", str(tmp_path / "none")],
         capture_output=True, text=True, timeout=60, check=False,
     )  # fmt: skip
     assert proc.returncode != 0  # no API server
