@@ -170,7 +170,7 @@ IGNORED_XIDS = frozenset(
 # catalogue has restarted, ignored or decoded first (74, 144-150: NVLink) are not here,
 # nor the others it gives no bucket (162-170).
 RESET_XIDS = frozenset(
-    {46, 48, 54, 62, 64, 79, 95, 110, 119, 120, 136, 140, 142, 143, 151, 155, 156, 158} | {171, 172}
+    {46, 48, 54, 62, 64, 79, 95, 110, 119, 120, 136, 140, 142, 143, 151, 155, 156, 158, 171, 172}
 )
 _RECOVERY_ACTIONS: Final = constant_names("NVML_GPU_RECOVERY_ACTION_")
 """Readable recovery actions, for the log."""

@@ -288,9 +288,8 @@ def endpoint_problem(endpoint: str) -> str | None:
         return "is empty"
     if not endpoint.startswith("/"):
         return "is not an absolute path"
-    size = len(os.fsencode(endpoint))
-    if size > _MAX_UNIX_PATH:
-        return f"is {size} bytes, longer than {_MAX_UNIX_PATH}, the unix socket limit"
+    if problem := _length_problem(endpoint):
+        return problem
     if endpoint.startswith("//"):
         return "begins with //, which the kubelet would read as a host name"
     for char in endpoint:
@@ -323,13 +322,17 @@ def plugin_socket_problem(kubelet_root: Path, driver_name: str, pod_uid: str | N
     return None
 
 
-def _check_socket_path(path: Path, what: str) -> None:
+def _length_problem(path: str | Path) -> str | None:
+    """Why `path` is too long for a unix socket, or None."""
     size = len(os.fsencode(path))
     if size > _MAX_UNIX_PATH:
-        msg = (
-            f"{what} socket path {path} is {size} bytes, longer than {_MAX_UNIX_PATH}, the "
-            "unix socket limit; use a shorter kubelet root or driver name"
-        )
+        return f"is {size} bytes, longer than {_MAX_UNIX_PATH}, the unix socket limit"
+    return None
+
+
+def _check_socket_path(path: Path, what: str) -> None:
+    if problem := _length_problem(path):
+        msg = f"{what} socket path {path} {problem}; use a shorter kubelet root or driver name"
         raise ValueError(msg)
 
 
