@@ -20,7 +20,7 @@ resolve_version() {
   local want=${1#v} var
   case "$want" in
     1.[0-9][0-9]) var="K8S_PIN_${want//./_}"; [ -n "${!var:-}" ] || die "unknown K8S_VERSION '$1': supported are $(supported); set K8S_VERSION to one of them"; echo "${!var}" ;;
-    1.[0-9][0-9].[0-9]*) local minor=${want%.*}; var="K8S_PIN_${minor//./_}"; [ -n "${!var:-}" ] || die "unknown K8S_VERSION '$1': supported are $(supported); set K8S_VERSION to one of them"; echo "v$want" ;;
+    1.[0-9][0-9].[0-9]*) local minor; minor=$(cut -d. -f1,2 <<<"$want"); var="K8S_PIN_${minor//./_}"; [ -n "${!var:-}" ] || die "unknown K8S_VERSION '$1': supported are $(supported); set K8S_VERSION to one of them"; echo "v$want" ;;
     *) die "unknown K8S_VERSION '$1': supported are $(supported); set K8S_VERSION to one of them" ;;
   esac
 }

@@ -69,6 +69,43 @@ def test_unknown_version_is_one_clear_line(tmp_path: Path) -> None:
     ]
 
 
+def test_a_pre_release_of_a_pinned_minor_is_its_own_version(tmp_path: Path) -> None:
+    """`K8S_VERSION=1.36.0-rc.1` (what a kubelet of a pre-release reports, less the v)
+    is a version of the pinned minor 1.36, cached under its own name; one of a minor
+    that is not pinned is refused in the same one line as any unknown version."""
+    binaries = tmp_path / "k8s" / "v1.36.0-rc.1" / "bin"
+    binaries.mkdir(parents=True)
+    for name in (
+        "kube-apiserver",
+        "kube-controller-manager",
+        "kube-scheduler",
+        "kubectl",
+        "kubelet",
+        "etcd",
+    ):
+        (binaries / name).write_text("#!/bin/sh\n")
+        (binaries / name).chmod(0o755)
+    env = {**os.environ, "GPUDRA_CACHE": str(tmp_path)}
+
+    def build(version: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            ["bash", str(BUILD)],
+            env={**env, "K8S_VERSION": version},
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+
+    found = build("1.36.0-rc.1")
+    assert (found.returncode, found.stdout.strip()) == (0, str(binaries))
+    refused = build("1.99.0-beta.0")
+    assert refused.returncode == 2
+    assert refused.stderr.strip().splitlines() == [
+        "build: unknown K8S_VERSION '1.99.0-beta.0': supported are 1.34,1.35,1.36,1.37; "
+        "set K8S_VERSION to one of them"
+    ]
+
+
 def test_missing_go_toolchain_is_reported(tmp_path: Path) -> None:
     # An empty cache forces a build; a PATH without go must say so, not fail obscurely.
     env = {
