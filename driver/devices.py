@@ -49,14 +49,19 @@ import ctypes
 import logging
 import math
 import re
-from collections.abc import Container, Mapping
+from collections.abc import Callable, Container, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any
+from typing import Any, TypeVar
 
 import pynvml
 from gpudra.driver.nvml import NvmlLibrary
-from gpudra.driver.nvml.branches import OLDEST_SUPPORTED_BRANCH, BranchError, driver_branch
+from gpudra.driver.nvml.branches import (
+    OLDEST_SUPPORTED_BRANCH,
+    UNREPAIRABLE_MEMORY_ENTRY,
+    BranchError,
+    driver_branch,
+)
 from gpudra.driver.nvml.codes import (
     DRIVER_NOT_LOADED_FIX,
     describe_nvml_error,
@@ -64,8 +69,11 @@ from gpudra.driver.nvml.codes import (
 )
 from gpudra.driver.nvml.handles import NO_MIG_AT_INDEX
 from gpudra.driver.nvml.topology import PciTopology, pci_topology
+from gpudra.driver.nvml.unrepairable import read_unrepairable_memory
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 PCI_BUS_ID_ATTRIBUTE = "resource.kubernetes.io/pciBusID"
 PCIE_ROOT_ATTRIBUTE = "resource.kubernetes.io/pcieRoot"
@@ -322,6 +330,10 @@ class Gpu:
     # the GPU reached NVIDIA's RMA threshold for its memory. None where NVML does not
     # say (before Ampere, or a MIG-enabled GPU with instances: nvml.h).
     row_remap_failed: bool | None = None
+    # NVML says the GPU has unrepairable memory (`nvmlDeviceGetUnrepairableMemoryFlag_v1`,
+    # `gpudra.driver.nvml.unrepairable`). None where NVML does not say (before Hopper, a
+    # driver before R590).
+    unrepairable_memory: bool | None = None
 
     def compute_share(self, profile_id: int) -> float | None:
         """The part of this GPU's compute a MIG device of GPU-instance profile
@@ -765,9 +777,18 @@ class _Scanner:
     def optional(self, index: int | None, name: str, *args: Any, ok: frozenset[int]) -> Any:
         """Like `call`, but NVML errors with a code in `ok` give None."""
         try:
-            return getattr(self.nvml, name)(*args)
+            entry = getattr(self.nvml, name)
         except AttributeError:
             return None  # an older binding without this entry point
+        return self.read(index, name, lambda: entry(*args), ok=ok)
+
+    def read(
+        self, index: int | None, name: str, fn: Callable[[], T], *, ok: frozenset[int]
+    ) -> T | None:
+        """`fn()`, which calls NVML entry point `name`: NVML errors with a code in `ok`
+        give None, the others a `DiscoveryError` naming GPU and call."""
+        try:
+            return fn()
         except pynvml.NVMLError as err:
             if getattr(err, "value", None) in ok:
                 return None
@@ -977,7 +998,18 @@ def _discover_gpu(
     pcie_root = topo.pcie_root(bus_id)
     mig_mode = scan.optional(index, "nvmlDeviceGetMigMode", handle, ok=_UNSUPPORTED)
     mig_capable = mig_mode is not None
-    row_remap_failed = _row_remap_failed(scan, index, handle)
+    row_remap_failed = _health_flag(
+        scan,
+        index,
+        "nvmlDeviceGetRemappedRows",
+        lambda: bool(scan.nvml.nvmlDeviceGetRemappedRows(handle)[3]),
+    )
+    unrepairable_memory = _health_flag(
+        scan,
+        index,
+        UNREPAIRABLE_MEMORY_ENTRY,
+        lambda: read_unrepairable_memory(scan.nvml, handle),
+    )
     mig_enabled = mig_capable and int(mig_mode[0]) == pynvml.NVML_DEVICE_MIG_ENABLE
 
     # Attributes every device of this GPU carries (MIG devices inherit them).
@@ -1015,6 +1047,7 @@ def _discover_gpu(
         mig_enabled=mig_enabled,
         device=whole,
         row_remap_failed=row_remap_failed,
+        unrepairable_memory=unrepairable_memory,
     )
     if not mig_enabled:
         return gpu
@@ -1052,26 +1085,27 @@ def _discover_gpu(
         gpu_instances=gpu_instances,
         mig_slices={p.id: p.slices for p in profiles.values()},
         row_remap_failed=row_remap_failed,
+        unrepairable_memory=unrepairable_memory,
     )
 
 
-def _row_remap_failed(scan: _Scanner, index: int, handle: Any) -> bool | None:
-    """Whether the GPU's row remapper says a remapping failed; None where NVML gives no
-    reading. A health flag, not a description of the GPU: an error reading it (a
-    privilege a VM's driver withholds, say) is logged and leaves it unread, as an
-    unsupported call does, rather than failing the scan and with it every GPU of the
-    node. A lost GPU's error goes on, for the scan to leave that GPU out."""
+def _health_flag(scan: _Scanner, index: int, call: str, read: Callable[[], bool]) -> bool | None:
+    """A GPU condition NVML reports (a failed row remapping, unrepairable memory); None
+    where NVML gives no reading. A health flag, not a description of the GPU: an error
+    reading it (a privilege a VM's driver withholds, say) is logged and leaves it
+    unread, as an unsupported call does, rather than failing the scan and with it every
+    GPU of the node. A lost GPU's error goes on, for the scan to leave that GPU out."""
     try:
-        remapped = scan.optional(index, "nvmlDeviceGetRemappedRows", handle, ok=_UNSUPPORTED)
+        flag: bool | None = scan.read(index, call, read, ok=_UNSUPPORTED)
     except DiscoveryError as err:
         if _is_lost(err, index):
             raise
         logger.warning(
-            "NVML refused the row remapper's reading; the GPU is published without it",
-            extra={"fields": {"gpuIndex": index, "error": str(err)}},
+            "NVML refused a health reading; the GPU is published without it",
+            extra={"fields": {"gpuIndex": index, "call": call, "error": str(err)}},
         )
         return None
-    return bool(remapped[3]) if remapped is not None else None
+    return flag
 
 
 def _largest_profile_memory(scan: _Scanner, index: int, handle: Any) -> int | None:

@@ -29,6 +29,10 @@ problems:
   where the taint of XID 64 (a remapping that could not be recorded) goes at the next
   reset: without this one a reboot would put the GPU back in service. A pending
   remapping is no reason: NVIDIA lets new work start until the reset that applies it;
+- a GPU NVML says has unrepairable memory (`Gpu.unrepairable_memory`, R590 and later,
+  Hopper and newer, read at each discovery) is tainted
+  `gpu.nvidia.com/unrepairable-memory` the same way (`_GPU_FLAGS` holds both): NVIDIA's
+  DCGM fails its memory health check on that flag;
 - a GPU whose events cannot be watched gets `gpu.nvidia.com/unmonitored` (effect None),
   lifted once a later try registers them (NVML errors are tried again, 10 s after the
   first and twice as long after each, at most 5 min), and so do the MIG devices of a
@@ -90,7 +94,7 @@ import anyio
 import anyio.to_thread
 import pynvml
 from anyio.abc import TaskStatus
-from gpudra.driver.devices import Inventory, mig_device_name
+from gpudra.driver.devices import Gpu, Inventory, mig_device_name
 from gpudra.driver.gpuresets import GpuResets, PendingReset
 from gpudra.driver.nvml import NvmlLibrary
 from gpudra.driver.nvml.codes import (
@@ -269,6 +273,10 @@ class HealthPolicy:
     def row_remap_key(self) -> str:
         return f"{self.driver_name}/row-remap"
 
+    @property
+    def unrepairable_memory_key(self) -> str:
+        return f"{self.driver_name}/unrepairable-memory"
+
     def is_application_xid(self, xid: int) -> bool:
         """Informational (effect None) as an application's error. The admin's lists win
         over the built-in ones."""
@@ -432,6 +440,43 @@ class _Record:
     active: dict[str, _Active] = field(default_factory=dict)
 
 
+@dataclass(frozen=True, slots=True)
+class _GpuFlag:
+    """A condition discovery reads off a GPU at each scan (`Gpu` field `read`) that takes
+    every device of it out of service for as long as a reading says so: the taint
+    `key`=`value` with the critical effect, which no quiet time lifts, which is not kept
+    on disk and which waits for no reset. A scan that gives no reading (None) keeps
+    what the last one said."""
+
+    key: Callable[[HealthPolicy], str]
+    value: str | None
+    read: Callable[[Gpu], bool | None]
+    raised: str  # logged when a reading first says so
+    cleared: str  # logged when one no longer does
+    message: str  # the device's health message while tainted
+
+
+_GPU_FLAGS: Final = (
+    _GpuFlag(
+        key=lambda policy: policy.row_remap_key,
+        value="failed",
+        read=lambda gpu: gpu.row_remap_failed,
+        raised="the GPU's row remapper says a remapping failed (NVIDIA's RMA threshold for "
+        "its memory): its devices are taken out of service",
+        cleared="the GPU's row remapper no longer says a remapping failed",
+        message="row remapping failed (NVIDIA's RMA threshold for the GPU's memory): needs service",
+    ),
+    _GpuFlag(
+        key=lambda policy: policy.unrepairable_memory_key,
+        value=None,
+        read=lambda gpu: gpu.unrepairable_memory,
+        raised="NVML says the GPU has unrepairable memory: its devices are taken out of service",
+        cleared="NVML no longer says the GPU has unrepairable memory",
+        message="NVML says the GPU has unrepairable memory: needs service",
+    ),
+)
+
+
 def _now_utc() -> datetime:
     return datetime.now(UTC)
 
@@ -467,8 +512,8 @@ class HealthState:
         self._changed: anyio.Event | None = None
         self._lost: set[str] = set()
         self._unmonitored: set[str] = set()
-        # GPUs whose row remapper said a remapping failed at the last reading.
-        self._remap_failed: set[str] = set()
+        # Taint key of each of `_GPU_FLAGS` -> the GPUs whose last reading said so.
+        self._flagged: dict[str, set[str]] = {}
         # GPU UUID -> the privilege NVML wants before it reports its MIG instances' events.
         self._mig_unwatched: dict[str, str] = {}
         self._records: dict[str, _Record] = {}
@@ -492,7 +537,7 @@ class HealthState:
         self._held_resets: _Resets = {}
         # (GPU UUID, XID) -> events seen; replaced whole, so the metrics thread reads one.
         self._xid_counts: Mapping[tuple[str, int], int] = {}
-        self._follow_row_remapper()
+        self._follow_gpu_flags()
 
     @property
     def policy(self) -> HealthPolicy:
@@ -554,7 +599,7 @@ class HealthState:
         if back:
             self.restore_timed({uuid: self._held_lost.pop(uuid) for uuid in back})
         self._watch_mig_instances()
-        self._follow_row_remapper()
+        self._follow_gpu_flags()
         self._bump()
 
     def report(self) -> HealthReport:
@@ -849,7 +894,7 @@ class HealthState:
                     uuid in self._unmonitored or uuid in self._mig_unwatched
                 ):
                     continue
-                if key == policy.row_remap_key and uuid in self._remap_failed:
+                if uuid in self._flagged.get(key, ()):
                     continue
                 if now - active.last_seen >= policy.recovery_after_s:
                     changed |= self._lift(name, key)
@@ -990,38 +1035,34 @@ class HealthState:
                     self._raise(name, self._policy.unmonitored_key, None, TaintEffect.NONE)
         self._mig_unwatched = {gpu.uuid: gpu.gaps[0].privilege for gpu in gpus}
 
-    def _follow_row_remapper(self) -> None:
-        """Taint every device of a GPU whose row remapper says a remapping failed
-        (module docstring), and lift that once a reading says none did. A GPU NVML gives
-        no reading for (a MIG-enabled one with instances) keeps what the last one said,
-        also for MIG devices made since."""
+    def _follow_gpu_flags(self) -> None:
+        """Taint every device of a GPU one of whose `_GPU_FLAGS` a reading says, and lift
+        that once a reading says otherwise. A GPU NVML gives no reading for (the row
+        remapper of a MIG-enabled one with instances) keeps what the last one said, also
+        for MIG devices made since."""
         if not self._watched:
             return
         policy = self._policy
-        self._remap_failed &= set(self._gpu_devices)
-        for gpu in self._inventory.gpus:
-            failed = gpu.row_remap_failed
-            if failed is None:
-                failed = gpu.uuid in self._remap_failed
-            names = self._gpu_devices[gpu.uuid]
-            if failed:
-                if gpu.uuid not in self._remap_failed:
-                    logger.error(
-                        "the GPU's row remapper says a remapping failed (NVIDIA's RMA "
-                        "threshold for its memory): its devices are taken out of service",
-                        extra={"fields": {"uuid": gpu.uuid}},
-                    )
-                    self._remap_failed.add(gpu.uuid)
-                for name in names:
-                    self._raise(name, policy.row_remap_key, "failed", policy.critical_effect)
-            elif gpu.uuid in self._remap_failed:
-                self._remap_failed.discard(gpu.uuid)
-                logger.info(
-                    "the GPU's row remapper no longer says a remapping failed",
-                    extra={"fields": {"uuid": gpu.uuid}},
-                )
-                for name in names:
-                    self._lift(name, policy.row_remap_key)
+        for flag in _GPU_FLAGS:
+            key = flag.key(policy)
+            flagged = self._flagged.setdefault(key, set())
+            flagged &= set(self._gpu_devices)
+            for gpu in self._inventory.gpus:
+                says = flag.read(gpu)
+                if says is None:
+                    says = gpu.uuid in flagged
+                names = self._gpu_devices[gpu.uuid]
+                if says:
+                    if gpu.uuid not in flagged:
+                        logger.error(flag.raised, extra={"fields": {"uuid": gpu.uuid}})
+                        flagged.add(gpu.uuid)
+                    for name in names:
+                        self._raise(name, key, flag.value, policy.critical_effect)
+                elif gpu.uuid in flagged:
+                    flagged.discard(gpu.uuid)
+                    logger.info(flag.cleared, extra={"fields": {"uuid": gpu.uuid}})
+                    for name in names:
+                        self._lift(name, key)
 
     def _lift(self, name: str, key: str) -> bool:
         """Lift the device's taint `key` at once; False where it has none."""
@@ -1076,10 +1117,9 @@ class HealthState:
             return f"XID {taint.value} ({kind}){reset}"
         if taint.key == policy.ecc_key:
             return f"uncorrectable (double-bit) ECC error{reset}"
-        if taint.key == policy.row_remap_key:
-            return (
-                "row remapping failed (NVIDIA's RMA threshold for the GPU's memory): needs service"
-            )
+        for flag in _GPU_FLAGS:
+            if taint.key == flag.key(policy):
+                return flag.message
         if taint.key == policy.gpu_lost_key:
             if gpu_uuid in self._lost:
                 return "GPU is lost (fell off the bus or stopped answering)"

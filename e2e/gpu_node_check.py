@@ -66,6 +66,7 @@ from gpudra.driver.nvml import load_nvml
 from gpudra.driver.nvml.codes import constant_names
 from gpudra.driver.nvml.record import record, write_recording
 from gpudra.driver.nvml.topology import SysfsTopology
+from gpudra.driver.nvml.unrepairable import read_status_words
 from gpudra.driver.prepare import ClaimPreparer
 from gpudra.driver.publish import pool_content
 from gpudra.driver.sampling import Sample, Sampler
@@ -170,7 +171,9 @@ def nvml_answers(nvml: ReadOnlyNvml, *, index: int = 0) -> dict[str, Any]:
     every GPU-instance profile index (offered or its error), engine counts of a whole
     GPU, GPM support, both memory structures, the MIG maximum, the processes, and
     whether the row remapper answers and says a remapping failed (the flag the health
-    state reads; the row counts are the board's own history, which no recording holds)."""
+    state reads; the row counts are the board's own history, which no recording holds),
+    and the two words the unrepairable-memory flag's call leaves (R590 and later: which
+    of the two structs NVIDIA publishes the driver writes, `gpudra.driver.nvml.unrepairable`)."""
     nvml.nvmlInit()
     try:
         handle = nvml.nvmlDeviceGetHandleByIndex(index)
@@ -193,6 +196,7 @@ def nvml_answers(nvml: ReadOnlyNvml, *, index: int = 0) -> dict[str, Any]:
             "maxMigDeviceCount": _answer(lambda: nvml.nvmlDeviceGetMaxMigDeviceCount(handle)),
             "computeProcesses": _answer(lambda: nvml.nvmlDeviceGetComputeRunningProcesses(handle)),
             "rowRemapFailed": _answer(lambda: nvml.nvmlDeviceGetRemappedRows(handle)[3]),
+            "unrepairableMemoryWords": _answer(lambda: list(read_status_words(nvml, handle))),
         }
     finally:
         nvml.nvmlShutdown()

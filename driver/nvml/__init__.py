@@ -58,6 +58,11 @@ class NvmlLibrary(Protocol):
     return values are pynvml's own structures. Errors are `pynvml.NVMLError` subclasses.
     """
 
+    @property
+    def nvmlLib(self) -> Any:
+        """libnvidia-ml itself (pynvml's ctypes CDLL once initialised), for an entry
+        point read past pynvml's wrapper (`gpudra.driver.nvml.unrepairable`)."""
+
     def nvmlInit(self) -> None: ...
     def nvmlInitWithFlags(self, flags: int) -> None: ...
     def nvmlShutdown(self) -> None: ...

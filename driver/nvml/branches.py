@@ -27,6 +27,7 @@ __all__ = [
     "OLDEST_SUPPORTED_BRANCH",
     "PLACEMENTS_WITHOUT_MIG_SINCE",
     "RECOVERY_ACTION_SINCE",
+    "UNREPAIRABLE_MEMORY_ENTRY",
     "BranchError",
     "driver_branch",
     "has_function",
@@ -36,7 +37,10 @@ __all__ = [
 # The oldest production branch gpudra supports (R535, long-term support until 2026).
 OLDEST_SUPPORTED_BRANCH: Final = 535
 # The branches the emulator has profiles of (docs/gpus.md lists what works on each).
-EMULATED_BRANCHES: Final = (535, 550, 570, 580)
+EMULATED_BRANCHES: Final = (535, 550, 570, 580, 590)
+
+# The entry point of the unrepairable-memory flag (Hopper and newer, R590 and later).
+UNREPAIRABLE_MEMORY_ENTRY: Final = "nvmlDeviceGetUnrepairableMemoryFlag_v1"
 
 # NVML entry points newer than OLDEST_SUPPORTED_BRANCH, by the first branch that has them.
 # Each is first declared in the nvml.h of that branch's NVML version (NVIDIA/go-nvml keeps
@@ -48,6 +52,10 @@ FUNCTIONS_SINCE: Final[Mapping[str, int]] = MappingProxyType(
         "nvmlDeviceGetNumaNodeId": 550,
         "nvmlDeviceGetGpuInstanceProfileInfoById": 580,
         "nvmlDeviceGetGpuInstanceProfileInfoByIdV": 580,
+        # NVML change log, "Changes between v580 and v590"; first declared in the NVML
+        # 13.1 header (13.0, R580, has no such entry point). Read through the library's
+        # own symbol, not pynvml's wrapper (`gpudra.driver.nvml.unrepairable` says why).
+        UNREPAIRABLE_MEMORY_ENTRY: 590,
     }
 )
 

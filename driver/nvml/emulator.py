@@ -5,7 +5,9 @@ In production that object is the `pynvml` module itself; in tests, demos and ben
 it is an `NvmlEmulator` built from a product profile (JSON), so the very same driver
 code runs without GPUs. Only NVML is emulated: the emulator returns pynvml's own ctypes
 structures and handle types and raises pynvml's own `NVMLError` subclasses, so code that
-works here works against libnvidia-ml.
+works here works against libnvidia-ml. The library itself, which pynvml holds as
+`nvmlLib`, is emulated too (`EmulatedLibrary`), for the one entry point gpudra calls past
+pynvml's wrapper (`gpudra.driver.nvml.unrepairable` says why).
 
 Behaviour that the driver relies on follows the NVML documentation: MIG calls need MIG
 mode (NOT_SUPPORTED otherwise), GPU instances are placed on memory slices and may not
@@ -46,6 +48,7 @@ from gpudra.common.files import atomic_write
 from gpudra.driver.nvml.branches import (
     PLACEMENTS_WITHOUT_MIG_SINCE,
     RECOVERY_ACTION_SINCE,
+    UNREPAIRABLE_MEMORY_ENTRY,
     BranchError,
     driver_branch,
     has_function,
@@ -548,6 +551,7 @@ class _Gpu:
     mig_serial: int = 0
     recovery_action: int = pynvml.NVML_GPU_RECOVERY_ACTION_NONE
     row_remap_failed: bool = False
+    unrepairable_memory: bool = False
 
     def mig_devices(self) -> list[_ComputeInstance]:
         """MIG devices in NVML index order (by GPU instance, then compute instance)."""
@@ -651,6 +655,24 @@ def _deref(ref: object) -> object:
     return ref
 
 
+class EmulatedLibrary:
+    """The emulator's libnvidia-ml, as pynvml's `nvmlLib` CDLL exposes the library: each
+    entry point takes ctypes arguments, writes its out-parameter and returns an
+    nvmlReturn_t code, never raising. Only those gpudra calls past pynvml's wrappers are
+    here; a symbol the profile's branch lacks is an AttributeError, as a CDLL's lookup
+    of a symbol the library does not export."""
+
+    def __init__(self, emulator: NvmlEmulator) -> None:
+        self._emulator = emulator
+
+    def __getattr__(self, name: str) -> Callable[[object, object], int]:
+        emulator = self._emulator
+        if name == UNREPAIRABLE_MEMORY_ENTRY and has_function(emulator.profile.branch, name):
+            return emulator._c_unrepairable_memory_flag
+        msg = f"undefined symbol: {name}"
+        raise AttributeError(msg)
+
+
 class NvmlEmulator:
     """NVML for a node described by a `ProfileSpec`; see the module docstring.
 
@@ -698,6 +720,7 @@ class NvmlEmulator:
         # GPM samples by address: None until taken, then (GPU instance, SM utilization).
         self._gpm_samples: dict[int, tuple[_GpuInstance, float] | None] = {}
         self._init_count = 0
+        self._unrepairable_versioned = False
         self._calls = 0
         self._fail_remaining: int | None = None
         self._fail_code = pynvml.NVML_ERROR_UNKNOWN
@@ -964,6 +987,51 @@ class NvmlEmulator:
         serviced): `nvmlDeviceGetRemappedRows` says so from now on."""
         with self._lock:
             self._gpu_at(index).row_remap_failed = failed
+
+    def flag_unrepairable_memory(self, index: int, *, unrepairable: bool = True) -> None:
+        """NVML says GPU `index` has unrepairable memory (`unrepairable`), or no longer
+        does (the board was serviced): `nvmlDeviceGetUnrepairableMemoryFlag_v1` says so
+        from now on, on R590 and later."""
+        with self._lock:
+            self._gpu_at(index).unrepairable_memory = unrepairable
+
+    def write_unrepairable_memory_versioned(self, versioned: bool = True) -> None:
+        """Which struct the emulated `nvmlDeviceGetUnrepairableMemoryFlag_v1` takes:
+        `nvml.h`'s, the flag alone (the default), or nvidia-ml-py's, a version and then
+        the flag (`versioned`), refusing any other version with ARGUMENT_VERSION_MISMATCH.
+        NVIDIA publishes both (`gpudra.driver.nvml.unrepairable`)."""
+        with self._lock:
+            self._unrepairable_versioned = versioned
+
+    @property
+    def nvmlLib(self) -> EmulatedLibrary:
+        """libnvidia-ml's own C entry points, where pynvml's is its ctypes CDLL."""
+        return EmulatedLibrary(self)
+
+    def _c_unrepairable_memory_flag(self, device: object, status: object) -> int:
+        """The C entry point: write the flag into the caller's struct, return the
+        nvmlReturn_t. Hopper and newer; NOT_SUPPORTED for a MIG device handle."""
+        try:
+            with self._lock:
+                self._enter(counted=True, needs_init=True)
+                gpu = self._gpu(device)
+                hopper: int = pynvml.NVML_DEVICE_ARCH_HOPPER
+                if gpu.product.architecture < hopper:
+                    raise _nvml_error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+                target = _deref(status)
+                if not isinstance(target, ctypes.Array | ctypes.Structure):
+                    raise _nvml_error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+                words = ctypes.cast(ctypes.addressof(target), ctypes.POINTER(ctypes.c_uint))
+                flag = int(gpu.unrepairable_memory)
+                if not self._unrepairable_versioned:
+                    words[0] = flag
+                elif words[0] != pynvml.nvmlUnrepairableMemory_v1:
+                    raise _nvml_error(pynvml.NVML_ERROR_ARGUMENT_VERSION_MISMATCH)
+                else:
+                    words[1] = flag
+        except pynvml.NVMLError as err:
+            return int(err.value)
+        return int(pynvml.NVML_SUCCESS)
 
     def change_recovery_action(self, index: int, action: int) -> None:
         """The driver says GPU `index` now needs `action` (NVML_GPU_RECOVERY_ACTION_*):

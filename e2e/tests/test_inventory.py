@@ -4,7 +4,7 @@ publish slices; the real scheduler allocates against them; health taints steer i
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -26,7 +26,8 @@ from gpudra.driver.claimstatus import ClaimStatusWriter
 from gpudra.driver.devices import MigStrategy
 from gpudra.driver.health import HealthPolicy
 from gpudra.driver.holders import ClaimInfos
-from gpudra.driver.nvml import load_nvml
+from gpudra.driver.nvml import NvmlEmulator, NvmlLibrary, load_nvml
+from gpudra.driver.nvml.emulator import load_builtin_profile, parse_profile
 from gpudra.driver.records import DeviceDetails
 
 from e2e import features, smoke
@@ -54,6 +55,18 @@ class Node:
     nvml: Any
 
 
+R590 = "590.48.01"
+"""worker-1's driver: R590 adds the one entry point gpudra reads that R580 lacks, the
+unrepairable-memory flag, so its GPUs answer every call discovery and health make."""
+
+
+def on_driver(profile: str, version: str, node: str) -> NvmlLibrary:
+    """Built-in `profile`'s GPUs on driver `version`."""
+    document = load_builtin_profile(profile).model_dump(mode="json")
+    document["driverVersion"] = version
+    return NvmlEmulator(parse_profile(document), uuid_salt=node, source=f"{profile} on {version}")
+
+
 @pytest.fixture
 async def nodes(cluster: Cluster, kube: SyncKube) -> AsyncIterator[dict[str, Node]]:
     for dc in device_classes(DRIVER):
@@ -61,13 +74,17 @@ async def nodes(cluster: Cluster, kube: SyncKube) -> AsyncIterator[dict[str, Nod
     akube = await Kube.connect(str(cluster.layout.admin_kubeconfig))
     policy = HealthPolicy(driver_name=DRIVER, recovery_after_s=RECOVERY_S)
     specs = {
-        "worker-1": ("h100-80gb-hbm3-x8", MigStrategy.DYNAMIC),
-        "worker-2": ("a100-40gb-mig-mixed", MigStrategy.STATIC),
+        "worker-1": ("h100-80gb-hbm3-x8", R590, MigStrategy.DYNAMIC),
+        "worker-2": ("a100-40gb-mig-mixed", None, MigStrategy.STATIC),
     }
     out: dict[str, Node] = {}
     async with anyio.create_task_group() as tg:
-        for node, (profile, strategy) in specs.items():
-            nvml = load_nvml(f"emulated:{profile}", uuid_salt=node)
+        for node, (profile, driver, strategy) in specs.items():
+            nvml = (
+                on_driver(profile, driver, node)
+                if driver is not None
+                else load_nvml(f"emulated:{profile}", uuid_salt=node)
+            )
             agent = NodeAgent(
                 AgentConfig(
                     node_name=node, driver_name=DRIVER, mig_strategy=strategy, health=policy
@@ -507,30 +524,47 @@ async def test_an_informational_taint_never_holds_up_the_slice(
     assert [(t["value"], t["effect"]) for t in informational] == [("13", "None")]
 
 
-async def test_a_gpu_whose_row_remapping_failed_gets_no_new_claim(
-    nodes: dict[str, Node], kube: SyncKube
+# Each GPU condition that needs service, as NVML reports it: its taint's value, and how
+# the emulated GPU comes to report it or stops (the board was serviced).
+NEEDS_SERVICE: dict[str, tuple[str | None, Callable[[Any, int, bool], None]]] = {
+    "row-remap": ("failed", lambda nvml, gpu, on: nvml.fail_row_remapping(gpu, failed=on)),
+    "unrepairable-memory": (
+        None,
+        lambda nvml, gpu, on: nvml.flag_unrepairable_memory(gpu, unrepairable=on),
+    ),
+}
+
+
+@pytest.mark.parametrize("key", sorted(NEEDS_SERVICE))
+async def test_a_gpu_nvml_says_needs_service_gets_no_new_claim(
+    nodes: dict[str, Node], kube: SyncKube, key: str
 ) -> None:
-    """NVIDIA's RMA threshold for a GPU's memory, the row remapper's failure flag, is
-    read at each discovery: the scheduler hands the GPU to no new claim, past any quiet
-    time, until a reading clears it (the board was serviced)."""
+    """NVIDIA's RMA threshold for a GPU's memory (the row remapper's failure flag) and
+    unrepairable memory (R590, worker-1's driver) are read at each discovery: the
+    scheduler hands the GPU to no new claim, past any quiet time, until a reading clears
+    it (the board was serviced)."""
     if reason := features.device_taints(kube):
         pytest.skip(reason)
+    value, report = NEEDS_SERVICE[key]
     node = nodes["worker-1"]
-    node.nvml.fail_row_remapping(4)
+    report(node.nvml, 4, True)
     await node.agent.scan()
-    (taint,) = await tainted(kube, "worker-1", "gpu-4")
-    assert (taint["key"], taint["value"], taint["effect"]) == (
-        f"{DRIVER}/row-remap",
-        "failed",
+    with anyio.fail_after(30):
+        while not (taints := (await published(kube, "worker-1"))["gpu-4"].get("taints")):
+            await anyio.sleep(0.1)
+    (taint,) = taints
+    assert (taint["key"], taint.get("value"), taint["effect"]) == (
+        f"{DRIVER}/{key}",
+        value,
         "NoSchedule",
     )
-    ns = smoke.make_namespace(kube, "remap")
+    ns = smoke.make_namespace(kube, key)
     claim_pod(kube, ns, "next", await on_worker_1_gpu(kube, "gpu-4"))
     assert await unschedulable(kube, ns, "next")
     await anyio.sleep(RECOVERY_S + 1)  # no quiet time lifts it
     await node.agent.scan()
     assert (await published(kube, "worker-1"))["gpu-4"].get("taints")
-    node.nvml.fail_row_remapping(4, failed=False)
+    report(node.nvml, 4, False)
     await node.agent.scan()
     assert (await allocation(kube, ns, "next"))["device"] == "gpu-4"
     kube.delete("Namespace", ns)

@@ -315,8 +315,8 @@ def test_each_alert_fires_when_it_should_and_only_then(
                         alert(
                             mem,
                             "critical",
-                            summary="gpu-0 on 10.0.0.7:8080 is tainted unhealthy "
-                            "(critical XID, ECC, failed row remapping or lost)",
+                            summary="gpu-0 on 10.0.0.7:8080 is tainted unhealthy (critical "
+                            "XID, ECC, failed row remapping, unrepairable memory or lost)",
                         )
                     ],
                 },

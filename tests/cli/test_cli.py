@@ -76,8 +76,9 @@ def test_unknown_profile_is_one_clear_line() -> None:
     assert proc.stderr.strip().splitlines() == [
         "gpudra node: --nvml: unknown NVML profile 'nope'; known profiles: a100-40gb-mig-mixed, "
         "a100-40gb-mig-r535, a100-40gb-mig-r550, a100-40gb-mig-r570, a100-40gb-mig-r580, "
-        "h100-80gb-hbm3-x8, h100-80gb-hbm3-x8-mig, h100-80gb-mig-r535, h100-80gb-mig-r550, "
-        "h100-80gb-mig-r570, h100-80gb-mig-r580, l4, t4"
+        "a100-40gb-mig-r590, h100-80gb-hbm3-x8, h100-80gb-hbm3-x8-mig, h100-80gb-mig-r535, "
+        "h100-80gb-mig-r550, h100-80gb-mig-r570, h100-80gb-mig-r580, h100-80gb-mig-r590, "
+        "l4, t4"
     ]
 
 
