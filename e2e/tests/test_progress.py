@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import time
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -131,3 +132,35 @@ def test_progress_py_runs_without_the_venv() -> None:
         check=False,
     )
     assert proc.returncode == 0, proc.stderr
+
+
+def test_the_per_test_limit_leaves_a_fixtures_first_build_alone(tmp_path: Path) -> None:
+    """A fresh machine builds each pinned tool in the session fixture of the first test
+    that asks for it, for minutes: the project's pytest settings bound the test's body,
+    not its fixtures. Run here with a 1 s limit, a fixture of 2 s passes and a body of
+    3 s is cut."""
+    options = tomllib.loads((E2E.parent / "pyproject.toml").read_text())["tool"]["pytest"]
+    func_only = options["ini_options"]["timeout_func_only"]
+    (tmp_path / "pytest.ini").write_text(
+        f"[pytest]\ntimeout = 1\ntimeout_func_only = {str(func_only).lower()}\n"
+    )
+    (tmp_path / "test_limits.py").write_text(
+        "import time\n"
+        "import pytest\n\n"
+        "@pytest.fixture(scope='session')\n"
+        "def built():\n"
+        "    time.sleep(2)\n\n"
+        "def test_after_a_long_build(built):\n"
+        "    pass\n\n"
+        "def test_a_long_body():\n"
+        "    time.sleep(3)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rA", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        check=False,
+    )
+    assert "PASSED test_limits.py::test_after_a_long_build" in proc.stdout, proc.stdout
+    assert "FAILED test_limits.py::test_a_long_body - Failed: Timeout" in proc.stdout
