@@ -24,10 +24,13 @@ KEY = "gpu.nvidia.com/row-remap"
 MESSAGE = "row remapping failed (NVIDIA's RMA threshold for the GPU's memory): needs service"
 
 
-def with_reading(inventory: Inventory, index: int, failed: bool | None) -> Inventory:
-    """The same inventory, GPU `index` read as `failed` (None: NVML gave no reading)."""
+def with_reading(
+    inventory: Inventory, index: int, says: bool | None, *, flag: str = "row_remap_failed"
+) -> Inventory:
+    """The same inventory, GPU `index`'s health flag `flag` (a `Gpu` field) read as
+    `says` (None: NVML gave no reading)."""
     gpus = list(inventory.gpus)
-    gpus[index] = replace(gpus[index], row_remap_failed=failed)
+    gpus[index] = replace(gpus[index], **{flag: says})
     return replace(inventory, gpus=tuple(gpus))
 
 

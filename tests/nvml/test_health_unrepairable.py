@@ -13,7 +13,7 @@ from __future__ import annotations
 import ctypes
 import shutil
 import subprocess
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,11 +39,8 @@ VERSION = 0x1000008  # nvidia-ml-py's nvmlUnrepairableMemory_v1: version 1, 8 by
 R590 = "h100-80gb-mig-r590"  # 2x H100, MIG enabled with no instances
 
 
-def with_unrepairable(inventory: Inventory, index: int, flag: bool | None) -> Inventory:
-    """The same inventory, GPU `index` read as `flag` (None: NVML gave no reading)."""
-    gpus = list(inventory.gpus)
-    gpus[index] = replace(gpus[index], unrepairable_memory=flag)
-    return replace(inventory, gpus=tuple(gpus))
+def with_unrepairable(inventory: Inventory, index: int, says: bool | None) -> Inventory:
+    return with_reading(inventory, index, says, flag="unrepairable_memory")
 
 
 def started(name: str) -> tuple[NvmlEmulator, Any]:
