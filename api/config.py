@@ -191,6 +191,17 @@ def _percentage(value: Any) -> Any:
     return value
 
 
+def _flag(value: Any) -> Any:
+    """A JSON boolean, as upstream's `*bool` takes it: no string, no number."""
+    if value is None or isinstance(value, bool):
+        return value
+    raise PydanticCustomError(
+        "gpudra_bool",
+        "must be true or false (got {value})",
+        {"value": repr(value), "accepted": ("true", "false")},
+    )
+
+
 def _quantity_error(reason: str) -> PydanticCustomError:
     return PydanticCustomError(
         "gpudra_quantity", "{reason}", {"reason": reason, "accepted": (ACCEPTED_FORMS,)}
@@ -385,6 +396,14 @@ class MpsConfig(_Strict):
     default_per_device_pinned_memory_limit: Annotated[
         dict[str, PinnedLimit] | None, BeforeValidator(_per_device_limits)
     ] = Field(default=None, alias="defaultPerDevicePinnedMemoryLimit")
+    # Upstream's field (since May 2026): the control daemon in multi-user mode
+    # (`nvidia-cuda-mps-control -M`), so the claim's containers need not all run as
+    # one user. NVIDIA's MPS guide: clients of every user then connect to one MPS
+    # server run as root, and isolation between users is disregarded; Volta or newer
+    # (`gpudra.driver.planning`), and a GpuTenant allows it (`allowMpsMultiUser`).
+    multi_user: Annotated[bool | None, BeforeValidator(_flag)] = Field(
+        default=None, alias="multiUser"
+    )
 
     def pinned_memory_limits(
         self,

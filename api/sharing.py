@@ -37,13 +37,15 @@ from gpudra.api.config import (
 )
 
 __all__ = [
+    "MPS_DAEMON_SETTINGS",
     "SHARES_CAPACITY",
     "SHARING_MODES",
     "Sharing",
     "SharingMode",
     "driver_capacities",
     "is_memory_slice",
-    "mps_percentage_conflict",
+    "mps_daemon_settings",
+    "mps_setting_conflict",
     "resolve_sharing",
     "sharing_of",
 ]
@@ -119,23 +121,46 @@ def sharing_of(config: DeviceConfig) -> tuple[bool, int | None, MpsConfig | None
     return False, None, None  # MIG devices have no time-slice setting
 
 
-def mps_percentage_conflict(percentages: Mapping[int, str]) -> str | None:
-    """Why one claim's MPS daemon cannot serve configs asking for these active thread
-    percentages (each value with the path of a config asking for it), or None.
+MPS_DAEMON_SETTINGS: Final[Mapping[str, str]] = {
+    "defaultActiveThreadPercentage": "active thread percentages",
+    "multiUser": "multi-user modes",
+}
+"""The `mpsConfig` settings that are the daemon's, not a device's, by wire name (with
+what a conflict calls their values): a claim has one MPS daemon, so its configs must
+agree on each (`mps_setting_conflict`)."""
 
-    A claim has one MPS daemon, and the percentage is the daemon's setting: prepare
-    refuses a claim whose configs disagree, and admission refuses it first.
+
+def mps_daemon_settings(mps: MpsConfig) -> dict[str, int | bool]:
+    """The daemon settings `mps` sets (`MPS_DAEMON_SETTINGS`), by wire name."""
+    values = {
+        "defaultActiveThreadPercentage": mps.default_active_thread_percentage,
+        "multiUser": mps.multi_user,
+    }
+    return {name: value for name, value in values.items() if value is not None}
+
+
+def mps_setting_conflict(setting: str, asked: Mapping[int | bool, str]) -> str | None:
+    """Why one claim's MPS daemon cannot serve configs asking for these values of the
+    daemon setting `setting` (each value with the path of a config asking for it), or
+    None.
+
+    A claim has one MPS daemon, and the setting is the daemon's: prepare refuses a
+    claim whose configs disagree, and admission refuses it first.
     """
-    if len(percentages) <= 1:
+    if len(asked) <= 1:
         return None
     where = ", ".join(
-        f"{join_path(path, 'sharing.mpsConfig.defaultActiveThreadPercentage')}={value}"
-        for value, path in percentages.items()
+        f"{join_path(path, f'sharing.mpsConfig.{setting}')}={_wire(value)}"
+        for value, path in asked.items()
     )
     return (
-        "one MPS daemon serves the claim, but its configs ask for different active thread "
-        f"percentages ({where}); use one value"
+        f"one MPS daemon serves the claim, but its configs ask for different "
+        f"{MPS_DAEMON_SETTINGS[setting]} ({where}); use one value"
     )
+
+
+def _wire(value: int | bool) -> str:
+    return ("true" if value else "false") if isinstance(value, bool) else str(value)
 
 
 def resolve_sharing(

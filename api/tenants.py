@@ -295,6 +295,15 @@ class GpuTenantSpec(_Model):
         alias="allowedSharing",
         description="Sharing modes the tenant may use: Exclusive, TimeSlicing, MPS (unset: all).",
     )
+    allow_mps_multi_user: bool = Field(
+        default=False,
+        alias="allowMpsMultiUser",
+        description="Whether the tenant's claims may run MPS in multi-user mode "
+        "(mpsConfig.multiUser: true), so that their containers need not run CUDA as one "
+        "user. NVIDIA's MPS server then runs as root for the clients of every user, in "
+        "the node's MPS daemon pod, where otherwise it runs as the user of its client. "
+        "Default: false.",
+    )
     allowed_taint_tolerations: list[TaintKey] | None = Field(
         default=None,
         alias="allowedTaintTolerations",

@@ -26,17 +26,22 @@ from gpudra.api.config import (
 )
 from gpudra.api.config import DeviceType as ConfigDeviceType
 from gpudra.api.names import base_request
-from gpudra.api.sharing import mps_percentage_conflict, resolve_sharing, sharing_of
+from gpudra.api.sharing import (
+    mps_daemon_settings,
+    mps_setting_conflict,
+    resolve_sharing,
+    sharing_of,
+)
 from gpudra.driver.checkpoint import Checkpoint, ClaimRecord, DeviceRecord
 from gpudra.driver.claims import AllocatedDevice, Claim, ClaimError, ClaimRef, config_error
-from gpudra.driver.devices import Device, DeviceType, Gpu, Inventory, MigStrategy
+from gpudra.driver.devices import Device, DeviceType, Gpu, Inventory, MigStrategy, Version
 from gpudra.driver.records import DeviceDetails, TimeSliceSet, UsedMig
 
 __all__ = [
     "Entry",
     "interval_name",
     "mps_limits",
-    "mps_percentage",
+    "mps_settings",
     "other_claim",
     "plan",
     "time_slice_conflict",
@@ -45,6 +50,8 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 _DEFAULT_INTERVAL: Final = interval_value("Default")
+MULTI_USER_MPS_CAPABILITY: Final = (7, 0)
+"""Volta: the oldest GPUs NVIDIA's MPS guide runs a multi-user MPS server on."""
 
 
 @dataclass(slots=True)
@@ -391,14 +398,17 @@ def _check_mps(claim: Claim, entries: Sequence[Entry]) -> None:
     members = [e for e in entries if e.mps]
     if not members:
         return
-    percentages: dict[int, str] = {}
+    asked: dict[str, dict[int | bool, str]] = {}  # setting -> value -> config path
     for entry in members:
         _, _, mps = sharing_of(entry.config)
-        if mps is not None and mps.default_active_thread_percentage is not None:
-            percentages.setdefault(mps.default_active_thread_percentage, entry.config_path)
-    conflict = mps_percentage_conflict(percentages)
-    if conflict is not None:
-        raise ClaimError(f"{claim.ref.describe()}: {conflict}")
+        for setting, value in (mps_daemon_settings(mps) if mps is not None else {}).items():
+            asked.setdefault(setting, {}).setdefault(value, entry.config_path)
+    for setting, values in asked.items():
+        conflict = mps_setting_conflict(setting, values)
+        if conflict is not None:
+            raise ClaimError(f"{claim.ref.describe()}: {conflict}")
+    if mps_settings(members).get("multiUser"):
+        _check_multi_user(claim, members)
     # UUIDs of MIG devices created later are unknown yet; an index key's limit must
     # then fit whichever device it names once they are made.
     try:
@@ -407,14 +417,41 @@ def _check_mps(claim: Claim, entries: Sequence[Entry]) -> None:
         raise config_error(claim.ref, exc) from None
 
 
-def mps_percentage(members: Sequence[Entry]) -> int | None:
-    """The claim's MPS active thread percentage (`plan` made sure there is one)."""
-    percentage = None
+def _check_multi_user(claim: Claim, members: Sequence[Entry]) -> None:
+    """Multi-user MPS needs Volta or newer (compute capability 7.0), as NVIDIA's MPS
+    guide says. An older GPU's control daemon takes `-M` all the same, and then every
+    client of another user than root fails to initialise CUDA (NOT_PERMITTED, seen by
+    upstream on Pascal): refused here, before anything changes on the node."""
+    for entry in members:
+        capability = _compute_capability(entry.gpu.device)
+        if capability is not None and capability < MULTI_USER_MPS_CAPABILITY:
+            raise ClaimError(
+                f"{claim.ref.describe()}: "
+                f"{join_path(entry.config_path, 'sharing.mpsConfig.multiUser')}: GPU "
+                f"{entry.gpu.uuid} has CUDA compute capability {'.'.join(map(str, capability))}"
+                ", and multi-user MPS needs Volta or newer (7.0); remove multiUser (the "
+                "claim's containers then run CUDA as one user) or select a newer GPU"
+            )
+
+
+def _compute_capability(device: Device) -> tuple[int, int] | None:
+    """The GPU's CUDA compute capability, as discovery published it (None: not known)."""
+    value = device.attributes.get("cudaComputeCapability")
+    if not isinstance(value, Version):
+        return None
+    major, minor, *_ = value.value.split(".")
+    return int(major), int(minor)
+
+
+def mps_settings(members: Sequence[Entry]) -> dict[str, int | bool]:
+    """The claim's MPS daemon settings by wire name (`plan` made sure its configs
+    agree)."""
+    settings: dict[str, int | bool] = {}
     for entry in members:
         _, _, mps = sharing_of(entry.config)
-        if mps is not None and mps.default_active_thread_percentage is not None:
-            percentage = mps.default_active_thread_percentage
-    return percentage
+        if mps is not None:
+            settings.update(mps_daemon_settings(mps))
+    return settings
 
 
 def mps_limits(members: Sequence[Entry], *, placeholder: bool = False) -> dict[str, int]:

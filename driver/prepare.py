@@ -86,7 +86,7 @@ from gpudra.driver.nvml import NvmlLibrary
 from gpudra.driver.planning import (
     Entry,
     mps_limits,
-    mps_percentage,
+    mps_settings,
     other_claim,
     plan,
     time_slice_conflict,
@@ -954,11 +954,14 @@ class ClaimPreparer:
             entry.details = replace(entry.details, compute_mode=replace(step, applied=True))
             await progress("compute-mode-applied")
         uuids = tuple(dict.fromkeys(e.uuid for e in members if e.uuid))
+        settings = mps_settings(members)
+        percentage = settings.get("defaultActiveThreadPercentage")
         daemon = replace(
             self._mps_daemon(ref.uid),
             device_uuids=uuids,
-            active_thread_percentage=mps_percentage(members),
+            active_thread_percentage=None if percentage is None else int(percentage),
             pinned_memory_limits=mps_limits(members),
+            multi_user=bool(settings.get("multiUser")),
         )
         started = MpsStarted(
             pipe_dir=daemon.pipe_dir, log_dir=daemon.log_dir, uuids=uuids, shm_dir=daemon.shm_dir

@@ -146,17 +146,18 @@ _KERNEL_MINOR_BITS: Final = 20
 _CAP_DAC_OVERRIDE: Final = 1
 _CAP_FOWNER: Final = 3
 _CAP_SYS_ADMIN: Final = 21
-# A daemon pod's command, the tool's path as $0: the daemon in the foreground, ended
-# with the pod (TERM) or once its pipe folder is removed, both a normal end (exit 0:
-# the pod Succeeded); otherwise the pod ends as the daemon does. An older release
-# that knows nothing of daemon pods quits the daemon through its control pipe and
-# removes the claim's folders at unprepare. The pod mounts the pipe folder itself, so
-# a folder removed on the host may stay in the pod's view (a plain folder, deleted,
-# or the tmpfs, lazily unmounted); the daemon's control pipe missing once the daemon
-# has had the time to make it (five rounds, about ten seconds) ends the pod too.
+# A daemon pod's command, the tool's path as $0 and its options after it: the daemon
+# in the foreground, ended with the pod (TERM) or once its pipe folder is removed, both
+# a normal end (exit 0: the pod Succeeded); otherwise the pod ends as the daemon does.
+# An older release that knows nothing of daemon pods quits the daemon through its
+# control pipe and removes the claim's folders at unprepare. The pod mounts the pipe
+# folder itself, so a folder removed on the host may stay in the pod's view (a plain
+# folder, deleted, or the tmpfs, lazily unmounted); the daemon's control pipe missing
+# once the daemon has had the time to make it (five rounds, about ten seconds) ends the
+# pod too.
 _POD_SCRIPT: Final = (
     'end() { kill "$d" 2>/dev/null; wait "$d"; exit 0; }; trap end TERM INT; '
-    '"$0" -f & d=$!; c="$CUDA_MPS_PIPE_DIRECTORY/control"; n=0; '
+    '"$0" -f "$@" & d=$!; c="$CUDA_MPS_PIPE_DIRECTORY/control"; n=0; '
     'while kill -0 "$d" 2>/dev/null; do n=$((n + 1)); '
     '[ -d "$CUDA_MPS_PIPE_DIRECTORY" ] || end; [ -p "$c" ] || [ "$n" -le 5 ] || end; '
     "sleep 2 & wait $!; done; "
@@ -231,6 +232,14 @@ class MpsDaemon:
     shm_dir: Path | None = None
     # The running daemon, as `start_mps` returned it; None: not known.
     identity: ProcessIdentity | DaemonPod | None = None
+    # Multi-user mode (`-M`): clients of every user share one MPS server, run as root.
+    # A start's setting only: stop and adoption do not depend on it.
+    multi_user: bool = False
+
+    @property
+    def options(self) -> tuple[str, ...]:
+        """The control daemon's options beyond how it runs (`-d`, `-f`)."""
+        return ("-M",) if self.multi_user else ()
 
 
 class SharingBackend(Protocol):
@@ -750,7 +759,7 @@ class NvidiaSharing:
         Without the right to make one (emulated GPUs run unprivileged) the daemon
         keeps this process's /dev/shm; the containers still get the claim's folder.
         """
-        argv = [tool, "-d"]
+        argv = [tool, "-d", *daemon.options]
         if daemon.shm_dir is not None and may_mount():
             argv = [
                 self._host_tool("unshare", purpose),
@@ -760,11 +769,12 @@ class NvidiaSharing:
                 "--",
                 "sh",
                 "-c",
-                '"$1" --bind "$2" /dev/shm && exec "$3" -d',
+                '"$1" --bind "$2" /dev/shm && t="$3" && shift 3 && exec "$t" -d "$@"',
                 "mps-start",
                 self._host_tool("mount", purpose),
                 str(daemon.shm_dir),
                 tool,
+                *daemon.options,
             ]
         elif daemon.shm_dir is not None:
             log.warning(
@@ -906,7 +916,11 @@ class NvidiaSharing:
         # older release may name one folder as both.
         folders = tuple(dict.fromkeys((daemon.pipe_dir, daemon.log_dir)))
         pod = pods.run(
-            daemon.name, ["sh", "-c", _POD_SCRIPT, tool], env, daemon.shm_dir, folders=folders
+            daemon.name,
+            ["sh", "-c", _POD_SCRIPT, tool, *daemon.options],
+            env,
+            daemon.shm_dir,
+            folders=folders,
         )
         deadline = time.monotonic() + self._pod_ready_timeout_s
         next_look = 0.0

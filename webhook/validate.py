@@ -43,7 +43,8 @@ from gpudra.api.sharing import (
     Sharing,
     driver_capacities,
     is_memory_slice,
-    mps_percentage_conflict,
+    mps_daemon_settings,
+    mps_setting_conflict,
     resolve_sharing,
 )
 from gpudra.api.tenants import MAX_DEVICES_PER_CLAIM
@@ -539,7 +540,8 @@ def _check_mps(
     verdict: ClaimVerdict,
 ) -> None:
     """What prepare refuses across a claim's MPS devices, refused here first: one daemon
-    serves them all, so one active thread percentage; and a per-device pinned-memory
+    serves them all, so one value of each of its settings (`MPS_DAEMON_SETTINGS`: the
+    active thread percentage, multi-user mode); and a per-device pinned-memory
     index counts into the devices its config is given, so it must be below their number.
 
     Of a request's ``firstAvailable`` alternatives one is allocated: their percentages
@@ -549,7 +551,8 @@ def _check_mps(
     MIG device, for a class that does not pin the kind) meet where it may get several
     devices: the scheduler may give it some of each. Admin-access devices join no daemon.
     """
-    percentages: dict[str, dict[int, str]] = {}  # parent request -> value -> config path
+    # daemon setting -> parent request -> value -> config path
+    asked: dict[str, dict[str, dict[int | bool, str]]] = {}
     settings: dict[str, MpsConfig] = {}
     # request path -> the MPS config path of each way it may resolve (None: not MPS)
     uses: dict[str, set[str | None]] = {}
@@ -558,31 +561,32 @@ def _check_mps(
             continue
         parent = base_request(request.name)
         paths = uses[request.path] = set()
-        own: dict[int, str] = {}  # this request's ways: value -> config path
+        own: dict[str, dict[int | bool, str]] = {}  # this request's ways, by setting
         for _, sharing in resolved.get(request.path, ()):
             mps = sharing.mps_config if sharing.mps else None
             paths.add(None if mps is None else sharing.path)
             if mps is None:
                 continue
-            if mps.default_active_thread_percentage is not None:
-                asked = percentages.setdefault(parent, {})
-                asked.setdefault(mps.default_active_thread_percentage, sharing.path)
-                own.setdefault(mps.default_active_thread_percentage, sharing.path)
+            for setting, value in mps_daemon_settings(mps).items():
+                asked.setdefault(setting, {}).setdefault(parent, {}).setdefault(value, sharing.path)
+                own.setdefault(setting, {}).setdefault(value, sharing.path)
             settings[sharing.path] = mps
-        conflict = mps_percentage_conflict(own) if request.count > 1 else None
+        for setting, values in own.items():
+            conflict = mps_setting_conflict(setting, values) if request.count > 1 else None
+            if conflict is not None:
+                verdict.invalid.append(
+                    f"{request.path}: may be given several devices, whole GPUs and MIG "
+                    f"devices together (device class {request.device_class} does not pin "
+                    f"the kind), and {conflict}"
+                )
+    for setting, by_parent in asked.items():
+        merged: dict[int | bool, str] = {}
+        for values in by_parent.values():
+            for value, path in values.items():
+                merged.setdefault(value, path)
+        conflict = mps_setting_conflict(setting, merged) if len(by_parent) > 1 else None
         if conflict is not None:
-            verdict.invalid.append(
-                f"{request.path}: may be given several devices, whole GPUs and MIG devices "
-                f"together (device class {request.device_class} does not pin the kind), and "
-                f"{conflict}"
-            )
-    merged: dict[int, str] = {}
-    for asked in percentages.values():
-        for value, path in asked.items():
-            merged.setdefault(value, path)
-    conflict = mps_percentage_conflict(merged) if len(percentages) > 1 else None
-    if conflict is not None:
-        verdict.invalid.append(conflict)
+            verdict.invalid.append(conflict)
     for path, mps in settings.items():
         indexes = [k for k in mps.default_per_device_pinned_memory_limit or {} if k.isdigit()]
         if not indexes:
@@ -679,6 +683,15 @@ def _check_rules(
                     f"sharing mode {sharing.mode}; accepted values: "
                     f"{', '.join(spec.allowed_sharing or ()) or 'none'}"
                 )
+            mps = sharing.mps_config if sharing.mps else None
+            if mps is not None and mps.multi_user and not spec.allow_mps_multi_user:
+                message = (
+                    f"{join_path(sharing.path, 'sharing.mpsConfig.multiUser')}: {label} does "
+                    "not allow multi-user MPS (allowMpsMultiUser is false): remove multiUser "
+                    "and run the claim's containers as one user"
+                )
+                if message not in verdict.forbidden:  # one config, several ways to resolve
+                    verdict.forbidden.append(message)
     total = sum(largest.values())
     limit = spec.max_devices_per_pod
     if limit is not None and total > limit:

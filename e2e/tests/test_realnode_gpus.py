@@ -1119,6 +1119,30 @@ def test_an_mps_daemon_pod_sees_only_its_claims_folders(
     assert not daemon_pods(kube)
 
 
+def test_a_multi_user_mps_claims_daemon_pod_runs_with_dash_m(
+    stack: NodeGpus, kube: Kube, ns: str
+) -> None:
+    """Upstream's `mpsConfig.multiUser` through the chart: the agent's daemon pod, its
+    command ending in `-M`, passes the chart's admission policy for daemon pods, the
+    real kubelet runs it, and the daemon starts in multi-user mode."""
+    if not isinstance(stack, ChartStack):
+        pytest.skip("daemons of host-process agents are their children, not pods")
+    template = mps_template(ns, "users", "!device.allowMultipleAllocations")
+    (config,) = template["spec"]["spec"]["devices"]["config"]
+    config["opaque"]["parameters"]["sharing"]["mpsConfig"] = {"multiUser": True}
+    kube.create(template)
+    kube.create(gpu_pod(stack, "users", ns, template="users"))
+    wait_running(kube, ns, "users")
+    uid = claim_uid(kube, ns, "users")
+    (pod,) = kube.list("Pod", OWN_NAMESPACE, labelSelector=f"{CLAIM_LABEL}={uid}")
+    *_, tool, option = pod["spec"]["containers"][0]["command"]
+    assert tool.endswith("/nvidia-cuda-mps-control") and option == "-M"
+    assert any(c.startswith("mps-control -f -M pipe=") for c in stack.tool_calls())
+    kube.delete("Pod", "users", ns)
+    wait_unprepared(stack, {uid}, "the multi-user MPS pod's claim")
+    assert not daemon_pods(kube)
+
+
 def test_an_mps_daemon_that_never_listens_is_named_in_the_pods_events(
     stack: NodeGpus, kube: Kube, ns: str
 ) -> None:

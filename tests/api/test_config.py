@@ -506,7 +506,7 @@ def test_shape_problems_are_named_in_our_words() -> None:
     ]
     assert _errors(_gpu({"strategy": "MPS", "mpsConfig": {3: "1Gi"}}), "") == [
         "sharing.mpsConfig.3: unknown field; accepted fields: defaultActiveThreadPercentage, "
-        "defaultPinnedDeviceMemoryLimit, defaultPerDevicePinnedMemoryLimit"
+        "defaultPinnedDeviceMemoryLimit, defaultPerDevicePinnedMemoryLimit, multiUser"
     ]
     mig = {"apiVersion": API, "kind": "MigDeviceConfig", "sharing": {"strategy": "MPS"}}
     mig["sharing"]["timeSlicingConfig"] = {}

@@ -71,6 +71,9 @@ def test_unset_lists_allow_everything_and_empty_lists_nothing() -> None:
     assert spec.allows_mig_profile("7g.80gb")
     none = parse_tenant(tenant(namespaces=["a"], allowedMigProfiles=[])).spec
     assert not none.allows_mig_profile("1g.10gb")
+    # A privilege the tenant's rules never gave before it existed: off unless allowed.
+    assert not spec.allow_mps_multi_user
+    assert parse_tenant(tenant(namespaces=["a"], allowMpsMultiUser=True)).spec.allow_mps_multi_user
 
 
 @pytest.mark.parametrize(
@@ -83,6 +86,7 @@ def test_unset_lists_allow_everything_and_empty_lists_nothing() -> None:
         ({"namespaces": ["a"], "maxDevicePerPod": 4}, "spec.maxDevicePerPod: unknown field"),
         ({"namespaces": ["a"], "maxDevicesPerPod": "4"}, "spec.maxDevicesPerPod: Input should"),
         ({"namespaces": ["a"], "maxDevicesPerPod": 0}, "spec.maxDevicesPerPod: Input should be"),
+        ({"namespaces": ["a"], "allowMpsMultiUser": "yes"}, "spec.allowMpsMultiUser: Input should"),
         ({"namespaces": ["a"], "deviceQuota": {"gpu.nvidia.com": -1}}, "spec.deviceQuota."),
         ({"namespaces": ["Team_A"]}, "spec.namespaces[0]: String should match pattern"),
         ({"namespaces": ["a"], "allowedMigProfiles": ["9g.80gb"]}, "spec.allowedMigProfiles[0]"),
@@ -326,10 +330,12 @@ def test_crd_schema_is_structural_and_complete() -> None:
         "allowedDeviceClasses",
         "allowedMigProfiles",
         "allowedSharing",
+        "allowMpsMultiUser",
         "allowedTaintTolerations",
         "gpuResource",
         "deviceQuota",
     }
+    assert spec["allowMpsMultiUser"]["type"] == "boolean"
     assert spec["allowedSharing"]["items"]["enum"] == ["Exclusive", "TimeSlicing", "MPS"]
     assert spec["maxDevicesPerPod"]["minimum"] == 1
     assert spec["deviceQuota"]["additionalProperties"] == {

@@ -9,6 +9,7 @@ e2e/tests/test_realnode_gpus.py.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -171,6 +172,29 @@ def test_a_daemon_pod_runs_the_daemon_in_the_foreground_and_gets_the_defaults(
     assert proc.poll() == 0  # the daemon quit; its pod ended with it
     assert not pods.pods
     assert not any((tmp_path / d).exists() for d in ("pipe", "log", "shm"))
+
+
+def test_a_multi_user_daemon_runs_with_dash_m_in_a_pod_and_as_a_child(
+    tmp_path: Path, tools_log: Path
+) -> None:
+    """`mpsConfig.multiUser` starts NVIDIA's control daemon with `-M`, as upstream does,
+    however it runs: in the foreground in a pod of its own, or forked by the agent."""
+    pods = ProcessPods()
+    backend = sharing(pods, tools_log)
+    multi_user = dataclasses.replace(daemon(tmp_path / "pod"), multi_user=True)
+    identity = backend.start_mps(multi_user)
+    try:
+        assert calls(tools_log)[0] == "mps-control -f -M"
+    finally:
+        backend.stop_mps(dataclasses.replace(multi_user, identity=identity))
+    tools_log.write_text("")
+    child = dataclasses.replace(daemon(tmp_path / "child"), multi_user=True)
+    started = sharing(None, tools_log).start_mps(child)
+    try:
+        assert calls(tools_log)[0] == "mps-control -d -M"
+    finally:
+        sharing(None, tools_log).stop_mps(dataclasses.replace(child, identity=started))
+    assert not daemon(tmp_path / "pod").multi_user  # the default: one user per server
 
 
 def test_a_daemon_pod_gets_only_its_claims_folders(tmp_path: Path, tools_log: Path) -> None:

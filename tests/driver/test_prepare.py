@@ -1229,6 +1229,33 @@ async def test_mps_starts_one_daemon_per_claim_and_stops_it(
 
 @pytest.mark.cluster
 @pytest.mark.anyio
+async def test_mps_multi_user_starts_the_claims_daemon_with_dash_m(
+    env: Env, node: Node, akube: AsyncKube
+) -> None:
+    """Upstream's `mpsConfig.multiUser` reaches NVIDIA's control daemon as `-M`, so the
+    claim's containers may run CUDA as different users (an H100: Hopper, past Volta)."""
+    emu = h100()
+    env.publish(discover(emu))
+    mps = {
+        "apiVersion": "resource.nvidia.com/v1beta1",
+        "kind": "GpuConfig",
+        "sharing": {"strategy": "MPS", "mpsConfig": {"multiUser": True}},
+    }
+    claim = env.allocated("mps-users", config=[env.config(mps)])
+    ref = _ref(claim)
+    gpu_uuid = discover(emu).gpus[int(_device(claim).removeprefix("gpu-"))].uuid
+    preparer = make_preparer(env, node, akube, emu)
+
+    assert (await preparer.prepare([ref]))[ref.uid].error is None
+    pipe = node.checkpoint.parent / "mps" / ref.uid / "pipe"
+    logs = node.checkpoint.parent / "mps" / ref.uid / "log"
+    assert node.tool_calls() == [f"mps-control -d -M pipe={pipe} log={logs} devices={gpu_uuid}"]
+    assert await preparer.unprepare([ref]) == {ref.uid: None}
+    assert node.tool_calls()[1:] == [f"mps-control quit pipe={pipe}"]
+
+
+@pytest.mark.cluster
+@pytest.mark.anyio
 async def test_memory_slices_return_share_ids_and_pin_the_memory(
     env: Env, node: Node, akube: AsyncKube
 ) -> None:

@@ -21,7 +21,7 @@ from gpudra.driver.claims import ClaimError, ClaimRef, checked_claim
 from gpudra.driver.devices import MigStrategy, discover
 from gpudra.driver.nvml import NvmlEmulator
 from gpudra.driver.nvml.emulator import load_builtin_profile
-from gpudra.driver.planning import plan
+from gpudra.driver.planning import mps_settings, plan
 from gpudra.webhook.admission import VALIDATE_CLAIMS_PATH, Admission
 from gpudra.webhook.certs import ensure_pki, service_dns_names
 from gpudra.webhook.convert import DEFAULT_POLICY, convert_pod
@@ -992,6 +992,102 @@ def test_one_request_that_may_get_a_gpu_and_a_mig_device_needs_one_mps_percentag
     assert check(claim(req("r", extra), config=differ), classes=CLASSES | {extra}).allowed
     same = [mps("GpuConfig", 20), mps("MigDeviceConfig", 20)]
     assert check(claim(req("r", extra, count=2), config=same), classes=CLASSES | {extra}).allowed
+
+
+def mps_multi_user(kind: str = "GpuConfig", multi_user: object = True) -> dict[str, Any]:
+    sharing = {"strategy": "MPS", "mpsConfig": {"multiUser": multi_user}}
+    return opaque({"apiVersion": CONFIG_API, "kind": kind, "sharing": sharing})
+
+
+def test_multi_user_mps_is_upstreams_field_and_a_tenants_leave() -> None:
+    """`mpsConfig.multiUser` (upstream's, since May 2026) is a JSON boolean, as Go's
+    `*bool` takes it. It puts the claim's MPS server in multi-user mode, which NVIDIA's
+    MPS guide runs as root for the clients of every user: a GpuTenant's namespaces need
+    `allowMpsMultiUser`, whatever gives the config (a claim's, a class's)."""
+    obj = claim(req("gpu"), config=[mps_multi_user()])
+    assert check(obj).allowed  # no tenant: no rule
+    assert check(template(obj), template=True).allowed
+    path = "spec.devices.config[0].opaque.parameters.sharing.mpsConfig.multiUser"
+    (line,) = check(obj, rules()).forbidden
+    assert line == (
+        f'{path}: tenant "team-a" (GpuTenant team-a) does not allow multi-user MPS '
+        "(allowMpsMultiUser is false): remove multiUser and run the claim's containers as "
+        "one user"
+    )
+    (line,) = check(template(obj), rules(), template=True).forbidden
+    assert "does not allow multi-user MPS" in line
+    assert check(obj, rules(allowMpsMultiUser=True)).allowed
+    assert check(claim(req("gpu"), config=[mps_multi_user(multi_user=False)]), rules()).allowed
+    # A request that may resolve two ways (a whole GPU, or a memory slice run under MPS)
+    # is denied once for its one config.
+    sliced = claim(memory_slice(), config=[mps_multi_user()])
+    (line,) = check(sliced, rules()).forbidden
+    assert line.startswith(f"{path}: ")
+    # An admin's class config is the tenant's rule to apply too.
+    classes = class_view(shared_class(strategy="MPS", mpsConfig={"multiUser": True})).configs
+    (line,) = check(claim(req("gpu", SHARED)), rules(), device_classes=classes).forbidden
+    assert line.startswith(
+        "DeviceClass gpu-shared.nvidia.com spec.config[0].opaque.parameters.sharing.mpsConfig"
+        ".multiUser: "
+    )
+    allowed = rules(allowMpsMultiUser=True)
+    assert check(claim(req("gpu", SHARED)), allowed, device_classes=classes).allowed
+    for wrong in ("true", 1, {}):
+        (line,) = check(claim(req("gpu"), config=[mps_multi_user(multi_user=wrong)])).invalid
+        assert line == f"{path}: must be true or false (got {wrong!r})"
+
+
+def test_one_claim_has_one_multi_user_mode(tmp_path: Path) -> None:
+    """One MPS daemon serves the claim, so its configs must agree on multi-user mode,
+    at admission and on the node (`planning._check_mps`); a config that does not say
+    leaves it to the others."""
+    extra = "any-gpu.example.com"
+    differ = [mps_multi_user("GpuConfig", True), mps_multi_user("MigDeviceConfig", False)]
+    obj = claim(req("r", extra, count=2), config=differ)
+    (line,) = check(obj, classes=CLASSES | {extra}).invalid
+    assert "one MPS daemon serves the claim, but its configs ask for different multi-user " in line
+    assert "config[0].opaque.parameters.sharing.mpsConfig.multiUser=true" in line
+    assert "config[1].opaque.parameters.sharing.mpsConfig.multiUser=false" in line
+    emu = NvmlEmulator(load_builtin_profile("h100-80gb-hbm3-x8"))
+    emu.nvmlInit()
+    emu.nvmlDeviceSetMigMode(emu.nvmlDeviceGetHandleByIndex(0), 1)
+    emu.reset_gpu(0)
+    emu.nvmlShutdown()
+    results = [("r", "gpu-6"), ("r", "gpu-0-mig-1g10gb-19-6")]
+    with pytest.raises(ClaimError, match="different multi-user modes"):
+        planned_on(obj, results, emu, tmp_path)
+    # The MigDeviceConfig says true and the GpuConfig nothing: one daemon, multi-user.
+    unset = opaque(gpu_config(strategy="MPS"))
+    quiet = claim(req("r", extra, count=2), config=[unset, mps_multi_user("MigDeviceConfig")])
+    assert check(quiet, classes=CLASSES | {extra}).allowed
+    assert mps_settings(planned_on(quiet, results, emu, tmp_path)) == {"multiUser": True}
+
+
+def test_multi_user_mps_needs_a_volta_or_newer_gpu(tmp_path: Path) -> None:
+    """NVIDIA's MPS guide runs a multi-user server on Volta or newer (compute capability
+    7.0); an older GPU's daemon takes `-M`, then refuses CUDA to every client but root's.
+    The node refuses such a claim before anything changes, naming the field. No profile
+    of a pre-Volta product is kept: a T4's, with Pascal's compute capability (6.0),
+    stands in for one."""
+    obj = claim(req("gpu"), config=[mps_multi_user()])
+    assert planned_on(obj, [("gpu", "gpu-0")], "t4", tmp_path)  # Turing: 7.5
+    t4 = load_builtin_profile("t4")
+    pascal = t4.model_copy(
+        update={
+            "products": {
+                name: product.model_copy(update={"cudaComputeCapability": (6, 0)})
+                for name, product in t4.products.items()
+            }
+        }
+    )
+    with pytest.raises(ClaimError) as refused:
+        planned_on(obj, [("gpu", "gpu-0")], NvmlEmulator(pascal), tmp_path)
+    message = str(refused.value)
+    assert "config[0].opaque.parameters.sharing.mpsConfig.multiUser: GPU GPU-" in message
+    assert "has CUDA compute capability 6.0, and multi-user MPS needs Volta or newer" in message
+    assert "remove multiUser" in message
+    single = claim(req("gpu"), config=[mps_multi_user(multi_user=False)])
+    assert planned_on(single, [("gpu", "gpu-0")], NvmlEmulator(pascal), tmp_path)
 
 
 def test_a_pinned_memory_index_must_name_a_device_whatever_is_allocated(

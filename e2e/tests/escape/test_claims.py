@@ -687,6 +687,93 @@ async def test_a_tenant_cannot_tolerate_the_taints_that_take_devices_out_of_serv
         await run_sync(drop_tenant, kube, tenant)
 
 
+def mps_multi_user(kind: str = "GpuConfig", **binding: Any) -> dict[str, Any]:
+    sharing = {"strategy": "MPS", "mpsConfig": {"multiUser": True}}
+    params = {"apiVersion": CONFIG_API, "kind": kind, "sharing": sharing}
+    return {"opaque": {"driver": DRIVER, "parameters": params}, **binding}
+
+
+async def test_multi_user_mps_needs_the_tenants_leave_however_it_is_asked_for(
+    env: Env, kube: SyncKube, namespace: str
+) -> None:
+    """`mpsConfig.multiUser` runs the claim's MPS server as root for the clients of every
+    user (NVIDIA's MPS guide), where it otherwise runs as its client's user. A tenant
+    that allows MPS, but not `allowMpsMultiUser`, gets it by no way of asking: a claim,
+    a template (what a pod's resourceClaims and a converted pod use), a config bound to
+    one alternative of firstAvailable, an admin's class config its request picks up.
+    `allowMpsMultiUser: true` admits them, and tightening it again refuses them."""
+    user = await run_sync(tenant_user, kube, namespace)
+    tenant = await run_sync(
+        lambda: with_tenant(kube, namespace, allowedSharing=["Exclusive", "MPS"])
+    )
+    shared = shared_class_as_the_chart_renders_it()
+    shared["spec"]["config"] = [mps_multi_user()]
+    try:
+        await tenant_rules_loaded(env, namespace)
+        await run_sync(kube.apply, shared)
+
+        def class_config_seen() -> bool:
+            seen = env.classes.configs.get(SHARED)
+            return seen is not None and any(
+                b.config.sharing is not None
+                and b.config.sharing.mps_config is not None
+                and b.config.sharing.mps_config.multi_user
+                for b in seen.configs
+            )
+
+        await run_sync(wait_for, "the shared class's multi-user config", class_config_seen)
+        one = claim(namespace, "claim", WHOLE_GPU, mps_multi_user())
+        tpl = claim(namespace, "tpl", WHOLE_GPU, mps_multi_user())
+        tpl = {**tpl, "kind": "ResourceClaimTemplate", "spec": {"spec": tpl["spec"]}}
+        alternatives = claim(namespace, "alt", WHOLE_GPU, mps_multi_user(requests=["gpu/any"]))
+        alternatives["spec"]["devices"]["requests"] = [
+            {
+                "name": "gpu",
+                "firstAvailable": [
+                    {"name": "first", **WHOLE_GPU},
+                    {"name": "any", **WHOLE_GPU, "count": 2},
+                ],
+            }
+        ]
+        by_class = claim(namespace, "by-class", SHARED_GPU)
+        ways = {
+            "spec.devices.config[0].opaque.parameters.sharing.mpsConfig.multiUser": one,
+            "spec.spec.devices.config[0].opaque.parameters.sharing.mpsConfig.multiUser": tpl,
+            "spec.devices.config[0].opaque.parameters.sharing.mpsConfig.multiUser:": alternatives,
+            f"DeviceClass {SHARED} spec.config[0].opaque.parameters.sharing.mpsConfig.multiUser": (
+                by_class
+            ),
+        }
+        for field, obj in ways.items():
+            message = await denied(user, obj)
+            assert "HTTP 403" in message, field
+            assert field in message, message
+            assert "does not allow multi-user MPS (allowMpsMultiUser is false)" in message
+
+        async def set_leave(allowed: bool) -> None:
+            body = {"spec": {"allowMpsMultiUser": allowed}}
+            await run_sync(
+                lambda: kube.request("PATCH", f"{TENANTS}/{tenant}", body, content_type=MERGE_PATCH)
+            )
+
+            def seen() -> bool:
+                rules = env.controller.state.lookup(namespace).rules
+                return rules is not None and rules.tenant.spec.allow_mps_multi_user is allowed
+
+            await run_sync(wait_for, "the webhook to see the new rules", seen)
+
+        await set_leave(True)
+        for obj in ways.values():
+            created = await run_sync(user.create, obj)
+            assert created["metadata"]["name"] == obj["metadata"]["name"]
+        await set_leave(False)
+        again = claim(namespace, "again", WHOLE_GPU, mps_multi_user())
+        assert "does not allow multi-user MPS" in await denied(user, again)
+    finally:
+        await run_sync(drop_tenant, kube, tenant)
+        await run_sync(kube.apply, shared_class_as_the_chart_renders_it())
+
+
 OTHER_DRIVER = "other.example.com"
 
 

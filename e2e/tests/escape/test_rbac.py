@@ -22,6 +22,7 @@ import pytest
 from gpudra.api.deviceclasses import device_classes
 from gpudra.driver.mpspods import MpsDaemonPods
 from gpudra.driver.sharing import _POD_SCRIPT as POD_SCRIPT
+from gpudra.driver.sharing import MpsDaemon
 
 from e2e import smoke
 from e2e.claims import pod_with_claim
@@ -288,13 +289,17 @@ class NodeAgent(TenantUser):
         super().__init__(kube.creds, token, f"system:serviceaccount:{AGENT_NS}:{AGENT_SA}")
         self.template = template
 
-    def daemon_pod(self, node: str = AGENT_NODE, claim: str = "claim-a") -> dict[str, Any]:
-        """The pod the agent creates for claim `claim` (gpudra.driver.mpspods)."""
+    def daemon_pod(
+        self, node: str = AGENT_NODE, claim: str = "claim-a", *, multi_user: bool = False
+    ) -> dict[str, Any]:
+        """The pod the agent creates for claim `claim` (gpudra.driver.mpspods), its daemon
+        with the options the agent gives it (`MpsDaemon.options`)."""
         pods = MpsDaemonPods(None, namespace=AGENT_NS, node_name=node, template=self.template)  # type: ignore[arg-type]
         folder = f"{STATE_DIR}/mps/{claim}"
+        options = MpsDaemon(claim, Path(folder), Path(folder), (), multi_user=multi_user).options
         return pods.manifest(
             claim,
-            ["sh", "-c", POD_SCRIPT, MPS_CONTROL],
+            ["sh", "-c", POD_SCRIPT, MPS_CONTROL, *options],
             {
                 "CUDA_MPS_PIPE_DIRECTORY": f"{folder}/pipe",
                 "CUDA_MPS_LOG_DIRECTORY": f"{folder}/log",
@@ -481,7 +486,16 @@ DAEMON_POD_ATTEMPTS: dict[str, tuple[Any, str]] = {
     ),
     "command": (
         lambda p: p["spec"]["containers"][0].update(command=["sh", "-c", "cat /t/token"]),
-        "runs the agent's daemon command and nothing else",
+        "runs the agent's daemon command (the daemon, and -M",
+    ),
+    # The script passes the daemon's options on to it: only multi-user mode's, once.
+    "another-daemon-option": (
+        lambda p: p["spec"]["containers"][0]["command"].append("-p"),
+        "runs the agent's daemon command (the daemon, and -M",
+    ),
+    "options-beyond-multi-user": (
+        lambda p: p["spec"]["containers"][0]["command"].extend(["-M", "-M"]),
+        "runs the agent's daemon command (the daemon, and -M",
     ),
     "post-start-hook": (
         lambda p: p["spec"]["containers"][0].update(
@@ -511,6 +525,9 @@ def test_node_agent_daemon_pods_name_no_secret_token_or_host_folder(
     created = agent.request("POST", pods, agent.daemon_pod())
     assert created["spec"]["serviceAccountName"] == f"{AGENT_SA}-mps"
     agent.request("DELETE", f"{pods}/{created['metadata']['name']}")
+    multi_user = agent.request("POST", pods, agent.daemon_pod(claim="users", multi_user=True))
+    assert multi_user["spec"]["containers"][0]["command"][-1] == "-M"
+    agent.request("DELETE", f"{pods}/{multi_user['metadata']['name']}")
     for name, (change, expected) in DAEMON_POD_ATTEMPTS.items():
         pod = agent.daemon_pod(claim=f"claim-{name}")
         change(pod)
