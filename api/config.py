@@ -170,6 +170,16 @@ def format_errors(prefix: str, err: ConfigError) -> list[str]:
     return [str(issue) for issue in err.with_prefix(prefix).issues]
 
 
+UPSTREAM_ONLY_KINDS: Final[Mapping[str, str]] = {
+    "VfioDeviceConfig": "for a GPU passed through to a virtual machine (vfio-pci)",
+    "ComputeDomainChannelConfig": "for the IMEX channels of a ComputeDomain (multi-node NVLink)",
+    "ComputeDomainDaemonConfig": "for the IMEX daemon of a ComputeDomain (multi-node NVLink)",
+}
+"""Kinds of upstream's `resource.nvidia.com/v1beta1` that gpudra does not serve, with
+what they are for: a claim written for upstream with one is refused saying so, not as
+an unknown kind."""
+
+
 # --- field validators ------------------------------------------------------------------------
 
 
@@ -736,6 +746,11 @@ def parse_opaque_config(raw: object) -> DeviceConfig:
     kind = data.get("kind")
     if kind not in ACCEPTED_KINDS:
         what = "required field is missing" if kind is None else f"unknown {kind!r}"
+        if isinstance(kind, str) and kind in UPSTREAM_ONLY_KINDS:
+            what = (
+                f"{kind!r} is upstream's config {UPSTREAM_ONLY_KINDS[kind]}, which gpudra "
+                "does not do"
+            )
         issues.append(
             ConfigIssue("kind", f"{what}; accepted: {', '.join(ACCEPTED_KINDS)}", ACCEPTED_KINDS)
         )

@@ -63,6 +63,12 @@ UPSTREAM_EXAMPLES: list[dict[str, Any]] = [
         "kind": "MigDeviceConfig",
         "sharing": {"strategy": "MPS", "mpsConfig": {"defaultActiveThreadPercentage": 25}},
     },
+    # Its MPS guide's multi-user example (multiUser since its May 2026 releases).
+    {
+        "apiVersion": API,
+        "kind": "GpuConfig",
+        "sharing": {"strategy": "MPS", "mpsConfig": {"multiUser": True}},
+    },
 ]
 
 
@@ -84,6 +90,19 @@ def test_upstream_examples_parse_and_round_trip_unchanged(raw: dict[str, Any]) -
     config = parse_opaque_config(raw)
     assert config.to_wire() == raw
     assert parse_opaque_config(json.dumps(raw).encode()).to_wire() == raw
+
+
+@pytest.mark.parametrize(
+    "kind", ["VfioDeviceConfig", "ComputeDomainChannelConfig", "ComputeDomainDaemonConfig"]
+)
+def test_upstreams_kinds_gpudra_does_not_serve_say_so(kind: str) -> None:
+    """A claim written for upstream's GPU passthrough or ComputeDomains is refused
+    saying what the kind is for and that gpudra does not do it, not as a typo."""
+    (line,) = _errors({"apiVersion": API, "kind": kind})
+    assert line.startswith(f"{PREFIX}.kind: {kind!r} is upstream's config for ")
+    assert line.endswith(", which gpudra does not do; accepted: GpuConfig, MigDeviceConfig")
+    (line,) = _errors({"apiVersion": API, "kind": "GpuConfigs"})
+    assert line == f"{PREFIX}.kind: unknown 'GpuConfigs'; accepted: GpuConfig, MigDeviceConfig"
 
 
 def test_parsed_values_are_typed() -> None:
