@@ -121,22 +121,22 @@ def sharing_of(config: DeviceConfig) -> tuple[bool, int | None, MpsConfig | None
     return False, None, None  # MIG devices have no time-slice setting
 
 
-MPS_DAEMON_SETTINGS: Final[Mapping[str, str]] = {
-    "defaultActiveThreadPercentage": "active thread percentages",
-    "multiUser": "multi-user modes",
+MPS_DAEMON_SETTINGS: Final[Mapping[str, tuple[str, str]]] = {
+    "defaultActiveThreadPercentage": (
+        "default_active_thread_percentage",
+        "active thread percentages",
+    ),
+    "multiUser": ("multi_user", "multi-user modes"),
 }
-"""The `mpsConfig` settings that are the daemon's, not a device's, by wire name (with
-what a conflict calls their values): a claim has one MPS daemon, so its configs must
-agree on each (`mps_setting_conflict`)."""
+"""The `mpsConfig` settings that are the daemon's, not a device's: by wire name, the
+`MpsConfig` field and what a conflict calls their values. A claim has one MPS daemon,
+so its configs must agree on each (`mps_setting_conflict`)."""
 
 
 def mps_daemon_settings(mps: MpsConfig) -> dict[str, int | bool]:
     """The daemon settings `mps` sets (`MPS_DAEMON_SETTINGS`), by wire name."""
-    values = {
-        "defaultActiveThreadPercentage": mps.default_active_thread_percentage,
-        "multiUser": mps.multi_user,
-    }
-    return {name: value for name, value in values.items() if value is not None}
+    values = {wire: getattr(mps, field) for wire, (field, _) in MPS_DAEMON_SETTINGS.items()}
+    return {wire: value for wire, value in values.items() if value is not None}
 
 
 def mps_setting_conflict(setting: str, asked: Mapping[int | bool, str]) -> str | None:
@@ -155,7 +155,7 @@ def mps_setting_conflict(setting: str, asked: Mapping[int | bool, str]) -> str |
     )
     return (
         f"one MPS daemon serves the claim, but its configs ask for different "
-        f"{MPS_DAEMON_SETTINGS[setting]} ({where}); use one value"
+        f"{MPS_DAEMON_SETTINGS[setting][1]} ({where}); use one value"
     )
 
 

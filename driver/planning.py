@@ -407,7 +407,7 @@ def _check_mps(claim: Claim, entries: Sequence[Entry]) -> None:
         conflict = mps_setting_conflict(setting, values)
         if conflict is not None:
             raise ClaimError(f"{claim.ref.describe()}: {conflict}")
-    if mps_settings(members).get("multiUser"):
+    if True in asked.get("multiUser", {}):
         _check_multi_user(claim, members)
     # UUIDs of MIG devices created later are unknown yet; an index key's limit must
     # then fit whichever device it names once they are made.
