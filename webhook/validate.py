@@ -544,7 +544,7 @@ def _check_mps(
     active thread percentage, multi-user mode); and a per-device pinned-memory
     index counts into the devices its config is given, so it must be below their number.
 
-    Of a request's ``firstAvailable`` alternatives one is allocated: their percentages
+    Of a request's ``firstAvailable`` alternatives one is allocated: their settings
     never meet, and an index must name a device whichever of them using the config is
     allocated, so the fewest devices among those count (for ``allocationMode: All``,
     one: a node may have only one). The ways one request may resolve (a whole GPU or a
