@@ -125,6 +125,12 @@ _ARCHITECTURES: Mapping[int, str] = {
     pynvml.NVML_DEVICE_ARCH_RUBIN: "Rubin",
     pynvml.NVML_DEVICE_ARCH_UNKNOWN: "Unknown",
 }
+# nvmlDeviceGetAddressingMode's answers, as go-nvlib spells them (upstream's attribute).
+_ADDRESSING_MODES: Mapping[int, str] = {
+    pynvml.NVML_DEVICE_ADDRESSING_MODE_NONE: "None",
+    pynvml.NVML_DEVICE_ADDRESSING_MODE_HMM: "HMM",
+    pynvml.NVML_DEVICE_ADDRESSING_MODE_ATS: "ATS",
+}
 # MIG profile name suffixes by GPU-instance profile index, as go-nvlib/nvidia-smi spell them.
 _PROFILE_SUFFIXES: Mapping[int, str] = {
     pynvml.NVML_GPU_INSTANCE_PROFILE_1_SLICE_REV1: "+me",
@@ -1011,6 +1017,7 @@ def _discover_gpu(
         lambda: read_unrepairable_memory(scan.nvml, handle),
     )
     mig_enabled = mig_capable and int(mig_mode[0]) == pynvml.NVML_DEVICE_MIG_ENABLE
+    addressing_mode = _addressing_mode(scan, index, handle)
 
     # Attributes every device of this GPU carries (MIG devices inherit them).
     parent_attrs: dict[str, AttributeValue] = {
@@ -1025,6 +1032,8 @@ def _discover_gpu(
         parent_attrs[PCIE_ROOT_ATTRIBUTE] = pcie_root
     if numa_node is not None and numa_node >= 0:
         parent_attrs[NUMA_NODE_ATTRIBUTE] = numa_node
+    if addressing_mode is not None:
+        parent_attrs["addressingMode"] = addressing_mode
 
     total_memory = int(memory.total) if memory is not None else None
     whole = Device(
@@ -1092,20 +1101,59 @@ def _discover_gpu(
 def _health_flag(scan: _Scanner, index: int, call: str, read: Callable[[], bool]) -> bool | None:
     """A GPU condition NVML reports (a failed row remapping, unrepairable memory); None
     where NVML gives no reading. A health flag, not a description of the GPU: an error
-    reading it (a privilege a VM's driver withholds, say) is logged and leaves it
-    unread, as an unsupported call does, rather than failing the scan and with it every
-    GPU of the node. A lost GPU's error goes on, for the scan to leave that GPU out."""
+    reading it (a privilege a VM's driver withholds, say) leaves it unread
+    (`_spare_reading`)."""
+    return _spare_reading(
+        scan, index, call, read, "NVML refused a health reading; the GPU is published without it"
+    )
+
+
+def _spare_reading(
+    scan: _Scanner, index: int, call: str, read: Callable[[], T], refused: str
+) -> T | None:
+    """`read()`, which calls NVML entry point `call` for a reading the GPU can be
+    published without; None where NVML gives none. An error is logged (`refused`) and
+    leaves it unread, as an unsupported call does, rather than failing the scan and
+    with it every GPU of the node. A lost GPU's error goes on, for the scan to leave
+    that GPU out."""
     try:
-        flag: bool | None = scan.read(index, call, read, ok=_UNSUPPORTED)
+        return scan.read(index, call, read, ok=_UNSUPPORTED)
     except DiscoveryError as err:
         if _is_lost(err, index):
             raise
         logger.warning(
-            "NVML refused a health reading; the GPU is published without it",
-            extra={"fields": {"gpuIndex": index, "call": call, "error": str(err)}},
+            refused, extra={"fields": {"gpuIndex": index, "call": call, "error": str(err)}}
         )
         return None
-    return flag
+
+
+def _addressing_mode(scan: _Scanner, index: int, handle: Any) -> str | None:
+    """The upstream driver's `addressingMode`: how the GPU reaches memory the CPU
+    allocated (`malloc`, `mmap`), spelt as go-nvlib spells it. "HMM": the driver mirrors
+    the CPU's page tables (Linux HMM, open kernel modules); "ATS": the GPU uses the
+    CPU's page tables through Address Translation Services (Grace: GH200, GB200);
+    "None": the platform has the call but neither is active. None: no attribute,
+    where NVML has no answer (NOT_SUPPORTED, a branch before R580).
+
+    Upstream fails the whole node's enumeration on an error or a value it does not
+    know; here the GPU is published without the attribute, as on a driver before R580,
+    rather than the node publishing nothing."""
+    entry = getattr(scan.nvml, "nvmlDeviceGetAddressingMode", None)
+    if entry is None:  # an older binding without this entry point
+        return None
+    refused = "NVML refused the GPU's addressing mode; the GPU is published without it"
+    mode = _spare_reading(
+        scan, index, "nvmlDeviceGetAddressingMode", lambda: entry(handle), refused
+    )
+    if mode is None:
+        return None
+    name = _ADDRESSING_MODES.get(int(mode))
+    if name is None:
+        logger.warning(
+            "NVML gave an addressing mode gpudra does not know; the GPU is published without it",
+            extra={"fields": {"gpuIndex": index, "addressingMode": int(mode)}},
+        )
+    return name
 
 
 def _largest_profile_memory(scan: _Scanner, index: int, handle: Any) -> int | None:

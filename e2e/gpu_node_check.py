@@ -173,7 +173,9 @@ def nvml_answers(nvml: ReadOnlyNvml, *, index: int = 0) -> dict[str, Any]:
     whether the row remapper answers and says a remapping failed (the flag the health
     state reads; the row counts are the board's own history, which no recording holds),
     and the two words the unrepairable-memory flag's call leaves (R590 and later: which
-    of the two structs NVIDIA publishes the driver writes, `gpudra.driver.nvml.unrepairable`)."""
+    of the two structs NVIDIA publishes the driver writes, `gpudra.driver.nvml.unrepairable`),
+    and the addressing mode (R580 and later; no product profile says what a real GPU of
+    its kind answers)."""
     nvml.nvmlInit()
     try:
         handle = nvml.nvmlDeviceGetHandleByIndex(index)
@@ -197,6 +199,7 @@ def nvml_answers(nvml: ReadOnlyNvml, *, index: int = 0) -> dict[str, Any]:
             "computeProcesses": _answer(lambda: nvml.nvmlDeviceGetComputeRunningProcesses(handle)),
             "rowRemapFailed": _answer(lambda: nvml.nvmlDeviceGetRemappedRows(handle)[3]),
             "unrepairableMemoryWords": _answer(lambda: list(read_status_words(nvml, handle))),
+            "addressingMode": _answer(lambda: nvml.nvmlDeviceGetAddressingMode(handle)),
         }
     finally:
         nvml.nvmlShutdown()

@@ -52,6 +52,9 @@ FUNCTIONS_SINCE: Final[Mapping[str, int]] = MappingProxyType(
         "nvmlDeviceGetNumaNodeId": 550,
         "nvmlDeviceGetGpuInstanceProfileInfoById": 580,
         "nvmlDeviceGetGpuInstanceProfileInfoByIdV": 580,
+        # NVML 13.0 (12.9, R575, has no such entry point): HMM or ATS, how the GPU
+        # reaches memory the CPU allocated; discovery publishes it as `addressingMode`.
+        "nvmlDeviceGetAddressingMode": 580,
         # NVML change log, "Changes between v580 and v590"; first declared in the NVML
         # 13.1 header (13.0, R580, has no such entry point). Read through the library's
         # own symbol, not pynvml's wrapper (`gpudra.driver.nvml.unrepairable` says why).

@@ -350,6 +350,10 @@ class GpuSpec(_Spec):
     # The NUMA node sysfs gives the GPU's PCI device, where it is not numaNode (Grace:
     # NVML names the GPU's own HBM node, sysfs the CPU's); None: numaNode is sysfs's too.
     pciNumaNode: NonNegInt | None = None
+    # nvmlDeviceGetAddressingMode's answer (NVML_DEVICE_ADDRESSING_MODE_*: 0 none, 1 HMM,
+    # 2 ATS; R580 and later); None: NVML says NOT_SUPPORTED. Recordings carry it; no
+    # product profile does, since none was read off a real GPU of its kind.
+    addressingMode: NonNegInt | None = None
     migEnabled: bool = False
     migPendingEnabled: bool | None = None  # None: same as migEnabled
     migInstances: tuple[MigInstanceSpec, ...] = ()
@@ -1701,6 +1705,15 @@ class NvmlEmulator:
         if gpu.spec.numaNode is None:
             raise _nvml_error(pynvml.NVML_ERROR_NOT_SUPPORTED)
         return gpu.spec.numaNode
+
+    @_nvml()
+    def nvmlDeviceGetAddressingMode(self, device: Any) -> int:
+        # Discovery asks the GPU only; a MIG device is answered its GPU's mode (what a
+        # real driver answers a MIG handle has not been recorded).
+        gpu = self._resolve(device)[0]
+        if gpu.spec.addressingMode is None:
+            raise _nvml_error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        return gpu.spec.addressingMode
 
     @_nvml()
     def nvmlDeviceGetAttributes_v2(self, device: Any) -> Any:

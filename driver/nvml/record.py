@@ -221,6 +221,9 @@ def _record_gpu(
     compute_mode = read.get("nvmlDeviceGetComputeMode", handle)
     if compute_mode is not None:
         gpu["computeMode"] = int(compute_mode)
+    addressing_mode = read.get("nvmlDeviceGetAddressingMode", handle)
+    if addressing_mode is not None:
+        gpu["addressingMode"] = int(addressing_mode)
     mig_mode = read.get("nvmlDeviceGetMigMode", handle)
     if mig_mode is not None:
         max_count = int(nvml.nvmlDeviceGetMaxMigDeviceCount(handle))

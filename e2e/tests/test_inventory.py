@@ -4,13 +4,14 @@ publish slices; the real scheduler allocates against them; health taints steer i
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Callable
-from contextlib import AbstractContextManager
+from collections.abc import AsyncIterator, Callable, Mapping
+from contextlib import AbstractContextManager, asynccontextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import anyio
+import pynvml
 import pytest
 from gpudra.api.config import GpuConfig
 from gpudra.api.deviceclasses import device_classes
@@ -60,23 +61,38 @@ R590 = "590.48.01"
 unrepairable-memory flag, so its GPUs answer every call discovery and health make."""
 
 
+ATS_GPU = 5
+"""worker-1's GPU whose NVML says ATS (as a Grace system's would); the others say HMM."""
+
+
 def on_driver(profile: str, version: str, node: str) -> NvmlLibrary:
-    """Built-in `profile`'s GPUs on driver `version`."""
+    """Built-in `profile`'s GPUs on driver `version`, each GPU's addressing mode HMM but
+    GPU `ATS_GPU`'s (no product profile has one: none was read off a real GPU)."""
     document = load_builtin_profile(profile).model_dump(mode="json")
     document["driverVersion"] = version
+    for i, gpu in enumerate(document["gpus"]):
+        gpu["addressingMode"] = (
+            pynvml.NVML_DEVICE_ADDRESSING_MODE_ATS
+            if i == ATS_GPU
+            else pynvml.NVML_DEVICE_ADDRESSING_MODE_HMM
+        )
     return NvmlEmulator(parse_profile(document), uuid_salt=node, source=f"{profile} on {version}")
 
 
-@pytest.fixture
-async def nodes(cluster: Cluster, kube: SyncKube) -> AsyncIterator[dict[str, Node]]:
+Spec = tuple[str, str | None, MigStrategy]
+"""A node's built-in profile, its driver version (None: the profile's) and strategy."""
+
+
+@asynccontextmanager
+async def agents(
+    cluster: Cluster, kube: SyncKube, specs: Mapping[str, Spec]
+) -> AsyncIterator[dict[str, Node]]:
+    """A node agent for each node of `specs`, its slices written before this yields;
+    every slice of the driver deleted after."""
     for dc in device_classes(DRIVER):
         kube.apply(dc)
     akube = await Kube.connect(str(cluster.layout.admin_kubeconfig))
     policy = HealthPolicy(driver_name=DRIVER, recovery_after_s=RECOVERY_S)
-    specs = {
-        "worker-1": ("h100-80gb-hbm3-x8", R590, MigStrategy.DYNAMIC),
-        "worker-2": ("a100-40gb-mig-mixed", None, MigStrategy.STATIC),
-    }
     out: dict[str, Node] = {}
     async with anyio.create_task_group() as tg:
         for node, (profile, driver, strategy) in specs.items():
@@ -102,6 +118,16 @@ async def nodes(cluster: Cluster, kube: SyncKube) -> AsyncIterator[dict[str, Nod
         if o["spec"]["driver"] == DRIVER:
             kube.delete("ResourceSlice", o["metadata"]["name"])
     await akube.close()
+
+
+@pytest.fixture
+async def nodes(cluster: Cluster, kube: SyncKube) -> AsyncIterator[dict[str, Node]]:
+    specs = {
+        "worker-1": ("h100-80gb-hbm3-x8", R590, MigStrategy.DYNAMIC),
+        "worker-2": ("a100-40gb-mig-mixed", None, MigStrategy.STATIC),
+    }
+    async with agents(cluster, kube, specs) as out:
+        yield out
 
 
 def claim_pod(kube: SyncKube, ns: str, name: str, exactly: dict[str, Any]) -> None:
@@ -225,6 +251,64 @@ async def test_static_mig_device_from_a100_profile_is_allocated(
     res = await allocation(kube, ns, "mig")
     assert res["pool"] == "worker-2"
     assert migs[res["device"]]["attributes"]["profile"]["string"] == profile
+    kube.delete("Namespace", ns)
+
+
+R570 = "570.172.08"
+"""A driver whose NVML has no addressing mode (nvmlDeviceGetAddressingMode is R580's)."""
+
+
+@pytest.fixture
+async def mixed_drivers(cluster: Cluster, kube: SyncKube) -> AsyncIterator[dict[str, Node]]:
+    """Whole H100s on two drivers, as in a cluster partway through a driver upgrade:
+    worker-1's on R590, worker-2's on R570."""
+    specs = {
+        "worker-1": ("h100-80gb-hbm3-x8", R590, MigStrategy.DYNAMIC),
+        "worker-2": ("h100-80gb-hbm3-x8", R570, MigStrategy.DYNAMIC),
+    }
+    async with agents(cluster, kube, specs) as out:
+        yield out
+
+
+async def test_a_selector_on_the_addressing_mode_must_ask_for_the_key_first(
+    mixed_drivers: dict[str, Node], kube: SyncKube
+) -> None:
+    """Upstream's `addressingMode`, through the real API server and scheduler. worker-1's
+    GPUs carry it, one of them ATS; worker-2's, on a driver before R580, do not. A
+    selector that reads the key outright fails the pod's scheduling on worker-2's GPUs
+    (a CEL runtime error aborts the allocation), though worker-1 has the GPU it wants;
+    asking for the key first, as docs/gpus.md says, gets that GPU."""
+    modes = {
+        node: {
+            n: d["attributes"].get("addressingMode")
+            for n, d in (await published(kube, node)).items()
+        }
+        for node in mixed_drivers
+    }
+    assert modes == {
+        "worker-1": {f"gpu-{i}": {"string": "ATS" if i == ATS_GPU else "HMM"} for i in range(8)},
+        "worker-2": {f"gpu-{i}": None for i in range(8)},
+    }
+    ns = smoke.make_namespace(kube, "addressing")
+    attrs = f'device.attributes["{DRIVER}"]'
+    wants_ats = f'{attrs}.addressingMode == "ATS"'
+    for pod, sel in (
+        ("outright", wants_ats),
+        ("guarded", f'"addressingMode" in {attrs} && {wants_ats}'),
+    ):
+        claim_pod(
+            kube,
+            ns,
+            pod,
+            {"deviceClassName": "gpu.nvidia.com", "selectors": [{"cel": {"expression": sel}}]},
+        )
+    res = await allocation(kube, ns, "guarded")
+    assert (res["pool"], res["device"]) == ("worker-1", f"gpu-{ATS_GPU}")
+    with anyio.fail_after(60):
+        while not (why := scheduler_error(kube, ns, "outright")):
+            await anyio.sleep(0.2)
+    assert "no such key: addressingMode" in why
+    assert not kube.get("Pod", "outright", ns)["spec"].get("nodeName")
     kube.delete("Namespace", ns)
 
 

@@ -15,11 +15,17 @@ def emulated(name: str) -> NvmlEmulator:
     return nvml
 
 
+def with_gpu_answers(name: str, field: str, values: Sequence[int]) -> NvmlEmulator:
+    """Built-in profile `name` whose GPUs' `field` (a `GpuSpec` field: what NVML answers
+    for that GPU) is `values`, GPU by GPU."""
+    document = load_builtin_profile(name).model_dump(mode="json")
+    for gpu, value in zip(document["gpus"], values, strict=True):
+        gpu[field] = value
+    return NvmlEmulator(parse_profile(document), source=f"{name}, {field} {list(values)}")
+
+
 def with_nvml_numa_nodes(name: str, nodes: Sequence[int]) -> NvmlEmulator:
     """Built-in profile `name` whose NVML answers nvmlDeviceGetNumaNodeId with `nodes`,
     GPU by GPU: as on Grace (GH200, GB200), where NVML names each GPU's own HBM NUMA
     node, not the node of the CPU the GPU hangs off."""
-    document = load_builtin_profile(name).model_dump(mode="json")
-    for gpu, node in zip(document["gpus"], nodes, strict=True):
-        gpu["numaNode"] = node
-    return NvmlEmulator(parse_profile(document), source=f"{name}, NVML NUMA nodes {nodes}")
+    return with_gpu_answers(name, "numaNode", nodes)

@@ -20,7 +20,7 @@ from gpudra.driver.nvml.branches import EMULATED_BRANCHES, PLACEMENTS_WITHOUT_MI
 from gpudra.driver.nvml.emulator import NvmlEmulator, parse_profile
 from gpudra.driver.nvml.record import dumps, main, record, write_recording
 
-from tests.nvml.emulated import emulated, with_nvml_numa_nodes
+from tests.nvml.emulated import emulated, with_gpu_answers, with_nvml_numa_nodes
 from tests.nvml.sysfs import sysfs_numa_nodes
 
 FIXTURES = sorted((Path(__file__).parent / "fixtures").glob("*.json"))
@@ -94,6 +94,17 @@ def test_a_grace_recording_keeps_nvmls_numa_node_and_replays_sysfss(tmp_path: Pa
     assert replay.nvmlDeviceGetNumaNodeId(replay.nvmlDeviceGetHandleByIndex(0)) == 4
     replay.nvmlShutdown()
     assert record(replay, topology=replay.pci_topology) == document
+
+
+def test_a_recording_keeps_each_gpus_addressing_mode() -> None:
+    """What a lent GPU answers is kept, so its replay publishes its `addressingMode`."""
+    modes = [pynvml.NVML_DEVICE_ADDRESSING_MODE_ATS, pynvml.NVML_DEVICE_ADDRESSING_MODE_NONE]
+    original = with_gpu_answers("h100-80gb-mig-r580", "addressingMode", modes)
+    document = record(original, topology=original.pci_topology)
+    assert [g["addressingMode"] for g in document["gpus"]] == modes
+    replayed = discover(NvmlEmulator(parse_profile(document), source="recording"))
+    assert [g.device.attributes["addressingMode"] for g in replayed.gpus] == ["ATS", "None"]
+    assert summary(replayed) == summary(discover(original))
 
 
 def test_recording_keeps_mig_identities() -> None:
