@@ -164,6 +164,15 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "change across reboots and driver reloads, so such a selector may pick another GPU",
     )
     p.add_argument(
+        "--numa-node-list",
+        action="store_true",
+        help="publish resource.kubernetes.io/numaNode as a list (KEP-6072): the GPU's NUMA "
+        "node, then the nearest nodes of its socket, so that matchAttribute pairs it with "
+        "devices of those nodes. Needs the DRAListTypeAttributes feature gate (alpha) on "
+        "the API server, which otherwise refuses the list, and the scheduler, and "
+        "Kubernetes 1.37 (1.36's scheduler never matches a list); off by default",
+    )
+    p.add_argument(
         "--health-checks",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -501,6 +510,7 @@ def _agent_config(args: argparse.Namespace) -> AgentConfig:
         shared_gpus=_shared_gpus(args.shared_gpus),
         gpu_shares=_gpu_shares(args),
         legacy_attributes=args.legacy_attributes,
+        numa_node_list=args.numa_node_list,
     )
 
 

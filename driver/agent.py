@@ -71,6 +71,8 @@ class AgentConfig:
     gpu_shares: GpuShares = field(default_factory=GpuShares)
     # Upstream's `index`/`minor` attributes of before v25.8.0 (`publish` says why off).
     legacy_attributes: bool = False
+    # The NUMA node attribute as a list (DRAListTypeAttributes; `publish` says why off).
+    numa_node_list: bool = False
 
 
 class NodeAgent:
@@ -131,6 +133,7 @@ class NodeAgent:
             driver=self.config.driver_name,
             shares=self.shares,
             legacy=self.config.legacy_attributes,
+            lists=self.config.numa_node_list,
             own_migs=self._own_migs() if self._own_migs is not None else frozenset(),
         )
 

@@ -206,7 +206,8 @@ class Version:
     value: str
 
 
-AttributeValue = str | int | bool | Version
+# A tuple of ints is a list-type attribute (`ints`, Kubernetes' DRAListTypeAttributes).
+AttributeValue = str | int | bool | Version | tuple[int, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -264,6 +265,9 @@ class Device:
     `gpu_instance_id`/`compute_instance_id` are set for MIG devices that exist.
     `legacy_attributes` are upstream's attributes from before v25.8.0 (`LEGACY_ATTRIBUTES`),
     published only when the admin asks (`gpudra node --legacy-attributes`).
+    `list_attributes` are attributes in their list form, published in place of the
+    scalar ones only when the admin asks (`gpudra node --numa-node-list`): an API
+    server without the DRAListTypeAttributes feature gate refuses them.
     """
 
     name: str
@@ -278,6 +282,7 @@ class Device:
     gpu_instance_id: int | None = None
     compute_instance_id: int | None = None
     legacy_attributes: Mapping[str, AttributeValue] = field(default_factory=dict)
+    list_attributes: Mapping[str, AttributeValue] = field(default_factory=dict)
 
 
 # What NVML needs to answer the calls that may say NO_PERMISSION, for the log and metric.
@@ -829,6 +834,7 @@ class _MigContext:
     uuid: str
     handle: Any
     parent_attrs: Mapping[str, AttributeValue]
+    list_attrs: Mapping[str, AttributeValue]
 
     def mig_attrs(self) -> dict[str, AttributeValue]:
         return {"type": DeviceType.MIG.value, "parentUUID": self.uuid}
@@ -1030,8 +1036,10 @@ def _discover_gpu(
     }
     if pcie_root is not None:
         parent_attrs[PCIE_ROOT_ATTRIBUTE] = pcie_root
+    list_attrs: dict[str, AttributeValue] = {}
     if numa_node is not None and numa_node >= 0:
         parent_attrs[NUMA_NODE_ATTRIBUTE] = numa_node
+        list_attrs[NUMA_NODE_ATTRIBUTE] = (numa_node, *topo.nearest_numa_nodes(numa_node))
     if addressing_mode is not None:
         parent_attrs["addressingMode"] = addressing_mode
 
@@ -1045,6 +1053,7 @@ def _discover_gpu(
         attributes={"type": DeviceType.GPU.value, "uuid": uuid, **parent_attrs},
         capacity={"memory": total_memory} if total_memory is not None else {},
         legacy_attributes={"index": index, "minor": minor, "pcieBusID": bus_id},
+        list_attributes=list_attrs,
     )
     gpu = Gpu(
         index=index,
@@ -1069,7 +1078,7 @@ def _discover_gpu(
         raise DiscoveryError(msg, gpu_index=index, call="nvmlDeviceGetMemoryInfo")
 
     profiles = _gi_profiles(scan, index, handle, total_memory)
-    ctx = _MigContext(index, minor, uuid, handle, parent_attrs)
+    ctx = _MigContext(index, minor, uuid, handle, parent_attrs, list_attrs)
     partitions, counter_set = _partitions(ctx, profiles)
     mig_devices = _existing_migs(scan, ctx, profiles)
     gpu_instances: tuple[MigInstance, ...] | None = ()
@@ -1269,6 +1278,7 @@ def _partitions(
                 placement=MigPlacement(profile.name, profile.id, start, size),
                 # A placement has no MIG index until it is created.
                 legacy_attributes=ctx.legacy_attrs(),
+                list_attributes=ctx.list_attrs,
             )
             devices.append(device)
     if not devices:
@@ -1373,6 +1383,7 @@ def _existing_migs(
             gpu_instance_id=gi_id,
             compute_instance_id=ci_id,
             legacy_attributes={"index": j, **ctx.legacy_attrs()},
+            list_attributes=ctx.list_attrs,
         )
         devices.append(device)
     return tuple(sorted(devices, key=lambda d: d.name))

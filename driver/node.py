@@ -227,6 +227,8 @@ class NodeService:
             self.sampler = self._sampler(plugin)
         self.preparer = ClaimPreparer(
             node_name=agent_config.node_name,
+            legacy_attributes=agent_config.legacy_attributes,
+            numa_node_list=agent_config.numa_node_list,
             nvml=nvml,
             inventory=lambda: self.agent.inventory,
             shares=lambda: self.agent.shares,

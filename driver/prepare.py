@@ -92,7 +92,7 @@ from gpudra.driver.planning import (
     time_slice_conflict,
 )
 from gpudra.driver.plugin import PreparedDevice, PrepareResult
-from gpudra.driver.publish import attribute
+from gpudra.driver.publish import device_attributes
 from gpudra.driver.records import (
     ComputeModeSet,
     CreatedMig,
@@ -333,7 +333,9 @@ class ClaimPreparer:
     `holdings` is told when each claim starts and stops holding its devices.
     `device_metadata`, the driver's name, writes each prepared request's device
     metadata file for its containers (`gpudra.driver.devicemetadata`); None writes
-    none. Call `recover()` once before serving.
+    none. `legacy_attributes` and `numa_node_list` must be the agent's, so that the
+    metadata lists a device's attributes as its slice does. Call `recover()` once
+    before serving.
     """
 
     def __init__(
@@ -361,8 +363,14 @@ class ClaimPreparer:
         holdings: HoldingEvents | None = None,
         conflict_wait: float = CONFLICT_WAIT_S,
         device_metadata: str | None = None,
+        legacy_attributes: bool = False,
+        numa_node_list: bool = False,
     ) -> None:
         self._fault = fault
+        # The attributes the slices publish, which the device metadata lists too.
+        self._attributes = functools.partial(
+            device_attributes, legacy=legacy_attributes, lists=numa_node_list
+        )
         self._conflict_wait = conflict_wait
         # Claims the kubelet unprepared so far, and the event that a prepare waiting for
         # a device's holder to go waits on (`_wait_for_holder`): made only when one waits.
@@ -769,7 +777,7 @@ class ClaimPreparer:
                         MetadataDevice(
                             pool=self._node,
                             name=e.allocated.device,
-                            attributes={k: attribute(v) for k, v in e.device.attributes.items()},
+                            attributes=self._attributes(e.device),
                         )
                         for e in members
                     ),

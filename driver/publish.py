@@ -36,6 +36,12 @@ in v25.12.0), so a selector written for older releases, such as upstream's quick
 `device.attributes['gpu.nvidia.com'].index == 0`, still matches. Off by default: those
 numbers are not stable across reboots and driver reloads, and `pcieBusID` only repeats
 `resource.kubernetes.io/pciBusID` (docs/gpus.md).
+
+`lists` (`gpudra node --numa-node-list`) publishes `resource.kubernetes.io/numaNode` in
+KEP-6072's list form, the GPU's node followed by the nearest nodes of its socket, for
+clusters with the DRAListTypeAttributes feature gate, where `matchAttribute` matches
+lists that share a node (from Kubernetes 1.37). Off by default: without the gate the API
+server refuses the list (docs/gpus.md).
 """
 
 from __future__ import annotations
@@ -67,6 +73,8 @@ def attribute(value: AttributeValue) -> dict[str, Any]:
         return {"bool": value}
     if isinstance(value, int):
         return {"int": value}
+    if isinstance(value, tuple):
+        return {"ints": list(value)}
     return {"string": value}
 
 
@@ -161,6 +169,20 @@ def memory_capacity(driver: str) -> str:
     return f"{driver}/memory"
 
 
+def device_attributes(
+    dev: Device, *, legacy: bool = False, lists: bool = False
+) -> dict[str, dict[str, Any]]:
+    """`dev`'s attributes as its ResourceSlice publishes them, which the device
+    metadata a container reads lists too: `legacy` with upstream's old attributes,
+    `lists` with the list form of those that have one."""
+    attributes = {
+        **dev.attributes,
+        **(dev.legacy_attributes if legacy else {}),
+        **(dev.list_attributes if lists else {}),
+    }
+    return {k: attribute(v) for k, v in attributes.items()}
+
+
 def device(
     dev: Device,
     taints: tuple[Taint, ...] = (),
@@ -168,13 +190,14 @@ def device(
     shared_by: str | None = None,
     shares: int = 0,
     legacy: bool = False,
+    lists: bool = False,
 ) -> dict[str, Any]:
     """One device; `shared_by` (the driver name) publishes it for memory slices,
-    `shares` > 0 for that many integer shares, `legacy` with upstream's old attributes."""
-    attributes = {**dev.attributes, **(dev.legacy_attributes if legacy else {})}
+    `shares` > 0 for that many integer shares, `legacy` with upstream's old attributes,
+    `lists` with the list form of the attributes that have one."""
     out: dict[str, Any] = {
         "name": dev.name,
-        "attributes": {k: attribute(v) for k, v in attributes.items()},
+        "attributes": device_attributes(dev, legacy=legacy, lists=lists),
         "capacity": {k: {"value": str(v)} for k, v in dev.capacity.items()},
     }
     if shared_by is not None:
@@ -207,14 +230,16 @@ def pool_content(
     driver: str | None = None,
     shares: Mapping[str, int] | None = None,
     legacy: bool = False,
+    lists: bool = False,
     own_migs: Container[MigKey] = frozenset(),
 ) -> PoolContent:
     """The pool; devices named in `shared` (from `SharedGpus.resolve`) are published for
     memory slices of `driver`, which names their memory capacity; those in `shares`
     (from `GpuShares.resolve`) with that many integer shares; `legacy` adds upstream's
-    old attributes to every device. `own_migs` are the MIG instances gpudra made for
-    prepared claims (`mig.recorded_instances`): under dynamic MIG what every other
-    instance holds is kept out of the pool (`Gpu.dynamic_view`)."""
+    old attributes to every device, `lists` the list form of those that have one.
+    `own_migs` are the MIG instances gpudra made for prepared claims
+    (`mig.recorded_instances`): under dynamic MIG what every other instance holds is
+    kept out of the pool (`Gpu.dynamic_view`)."""
     if shared and driver is None:
         raise ValueError("shared devices need the driver name for their memory capacity")
     devices = [
@@ -224,6 +249,7 @@ def pool_content(
             shared_by=driver if d.name in shared else None,
             shares=(shares or {}).get(d.name, 0),
             legacy=legacy,
+            lists=lists,
         )
         for d in inventory.devices(strategy, own_migs)
     ]

@@ -75,6 +75,9 @@ class SliceLimits:
     max_consumes_per_device: int = 2
     max_taints: int = 16
     max_attributes_and_capacities: int = 32
+    # Values of all of a device's attributes, each item of a list one (list-type
+    # attributes, DRAListTypeAttributes).
+    max_attribute_values: int = 48
     max_attribute_string: int = 64
     # 1.35+: a slice has devices or sharedCounters, never both.
     separate_counters: bool = True
@@ -149,9 +152,17 @@ def validate_device(
             f"has {len(attrs)} attributes and {len(caps)} capacities, over the API limit of "
             f"{limits.max_attributes_and_capacities} together; drop some attributes",
         )
+    values = 0
     for key, val in attrs.items():
         _check_name(name, "attribute", key, known)
-        _check_attribute(name, key, val, limits)
+        values += _check_attribute(name, key, val, limits)
+    if values > limits.max_attribute_values:
+        raise DeviceLimitError(
+            name,
+            "attributes",
+            f"hold {values} values, lists counted item by item, over the API limit of "
+            f"{limits.max_attribute_values}; drop some attributes or --numa-node-list",
+        )
     shared = bool(dev.get("allowMultipleAllocations"))
     for key, cap in caps.items():
         _check_name(name, "capacity", key, known)
@@ -183,6 +194,27 @@ def validate_device(
         raise DeviceLimitError(
             name, "taints", f"has {len(taints)} taints, over the limit of {limits.max_taints}"
         )
+
+
+def _list_hint(body: dict[str, Any]) -> str:
+    """What to do where a refused slice holds list-type attributes: an API server
+    without the DRAListTypeAttributes feature gate drops a list, and then refuses the
+    attribute left with no value."""
+    lists = sorted(
+        {
+            key
+            for dev in body.get("spec", {}).get("devices", [])
+            for key, val in dev.get("attributes", {}).items()
+            if isinstance(val, dict) and "ints" in val
+        }
+    )
+    if not lists:
+        return ""
+    return (
+        f" (it publishes {', '.join(lists)} as a list, --numa-node-list: enable the "
+        "DRAListTypeAttributes feature gate on the API server and the scheduler, or run "
+        "the agent without --numa-node-list, chart value node.numaNodeList: false)"
+    )
 
 
 # validation.go: CapacityRequestPolicyDiscreteMaxOptions.
@@ -343,15 +375,22 @@ def _check_name(device: str, what: str, key: str, known: KnownNames) -> None:
     known.qualified.add(key)
 
 
-def _check_attribute(device: str, key: str, val: Any, limits: SliceLimits) -> None:
-    """Shaped as the API wants, a string within its length, a version semantic.
+def _check_attribute(device: str, key: str, val: Any, limits: SliceLimits) -> int:
+    """Shaped as the API wants, a string within its length, a version semantic, a list
+    of ints not empty; how many values it holds.
 
     Runs for every attribute of every device (a MIG node publishes thousands), so the
     common kinds return early and the messages are built only for an error."""
     if isinstance(val, dict) and len(val) == 1:
         [(kind, value)] = val.items()
         if kind in {"int", "bool"}:
-            return
+            return 1
+        if kind == "ints":
+            if isinstance(value, list) and value and all(type(v) is int for v in value):
+                return len(value)
+            raise DeviceLimitError(
+                device, f"attribute {key}", f"must be a non-empty list of ints (got {value!r})"
+            )
         if kind in {"string", "version"}:
             if isinstance(value, str) and len(value) > limits.max_attribute_string:
                 raise DeviceLimitError(
@@ -366,11 +405,11 @@ def _check_attribute(device: str, key: str, val: Any, limits: SliceLimits) -> No
                     f"attribute {key}",
                     f"{value!r} is not a semantic version (e.g. 1.2.3)",
                 )
-            return
+            return 1
     raise DeviceLimitError(
         device,
         f"attribute {key}",
-        f"must have exactly one of int, bool, string, version (got {val!r})",
+        f"must have exactly one of int, bool, string, version, ints (got {val!r})",
     )
 
 
@@ -962,6 +1001,7 @@ class SliceController:
             if e.status == 422:
                 raise PoolError(
                     f"the API server rejected slice {body['metadata']['name']}: {e.message}"
+                    f"{_list_hint(body)}"
                 ) from e
             raise
         log.debug(

@@ -61,6 +61,7 @@ from gpudra.driver.nvml.codes import (
     describe_nvml_error,
 )
 from gpudra.driver.nvml.series import ScriptError, Telemetry, TelemetrySpec
+from gpudra.driver.nvml.topology import PciTopology
 from pydantic import (
     BaseModel,
     BeforeValidator,
@@ -596,6 +597,11 @@ class EmulatedTopology:
     def numa_node(self, bus_id: str) -> int | None:
         return self.numa_nodes.get(_normalise_bus_id(bus_id))
 
+    def nearest_numa_nodes(self, node: int) -> tuple[int, ...]:
+        """A profile describes no distance table: the list form of the NUMA node
+        attribute names the GPU's node alone."""
+        return ()
+
 
 def _normalise_bus_id(bus_id: str) -> str:
     """Canonical `DDDDDDDD:BB:DD.F` upper-case form of a 4- or 8-digit-domain bus ID."""
@@ -774,7 +780,8 @@ class NvmlEmulator:
             self._state_path = state_path
             if not existed:
                 self._save_state()
-        self.pci_topology = EmulatedTopology(
+        # A test may put a sysfs of its own here (one with a NUMA distance table).
+        self.pci_topology: PciTopology = EmulatedTopology(
             roots=MappingProxyType(
                 {_normalise_bus_id(g.busId): g.pcieRoot for g in profile.gpus if g.pcieRoot}
             ),

@@ -23,6 +23,12 @@ class PciTopology(Protocol):
 
     def numa_node(self, bus_id: str) -> int | None: ...
 
+    def nearest_numa_nodes(self, node: int) -> tuple[int, ...]:
+        """The other NUMA nodes the list form of `resource.kubernetes.io/numaNode`
+        (KEP-6072) names after `node` (`Device.list_attributes`); () where the machine
+        does not say."""
+        ...
+
 
 @runtime_checkable
 class ReportsPciTopology(Protocol):
@@ -53,11 +59,51 @@ class SysfsTopology:
 
     def numa_node(self, bus_id: str) -> int | None:
         path = self.root / "bus" / "pci" / "devices" / bus_id / "numa_node"
+        node = _read_int(path)
+        return node if node is not None and node >= 0 else None
+
+    def nearest_numa_nodes(self, node: int) -> tuple[int, ...]:
+        """The NUMA nodes at the least distance from `node` in the firmware's table
+        (ACPI SLIT, `node<N>/distance`) on `node`'s socket, in order: what the
+        Kubernetes helper for the list form reads (`deviceattribute`, v0.37). A node
+        whose socket is unknown (no CPUs, say) is kept, as the helper keeps it: leaving
+        out a node of the same socket would break a match that holds."""
+        nodes = self.root / "devices" / "system" / "node"
         try:
-            node = int(path.read_text(encoding="ascii").strip())
+            row = [int(d) for d in (nodes / f"node{node}" / "distance").read_text().split()]
+        except (OSError, ValueError):
+            return ()
+        if not 0 <= node < len(row):
+            return ()
+        others = [(i, d) for i, d in enumerate(row) if i != node]
+        if not others:
+            return ()
+        least = min(d for _, d in others)
+        socket = self._socket(node)
+        return tuple(
+            i
+            for i, d in others
+            if d == least and (socket is None or self._socket(i) in (None, socket))
+        )
+
+    def _socket(self, node: int) -> int | None:
+        """The physical package of one of the node's CPUs; None for a node without
+        CPUs or where sysfs does not say."""
+        path = self.root / "devices" / "system" / "node" / f"node{node}" / "cpulist"
+        try:
+            first = path.read_text(encoding="ascii").strip().split(",")[0].split("-")[0]
+            cpu = int(first)
         except (OSError, ValueError):
             return None
-        return node if node >= 0 else None
+        package = self.root / "devices" / "system" / "cpu" / f"cpu{cpu}" / "topology"
+        return _read_int(package / "physical_package_id")
+
+
+def _read_int(path: Path) -> int | None:
+    try:
+        return int(path.read_text(encoding="ascii").strip())
+    except (OSError, ValueError):
+        return None
 
 
 def pci_topology(nvml: object) -> PciTopology:

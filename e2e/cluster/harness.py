@@ -242,9 +242,16 @@ def known_gates(binary: Path) -> dict[str, str]:
     return {m.group(1): m.group(2) for line in out.splitlines() if (m := GATE_LINE.match(line))}
 
 
+EXTRA_GATES_ENV = "GPUDRA_EXTRA_GATES"
+"""Gates beyond `WANTED_GATES` (comma-separated names) for a control plane of a test's
+own: one that changes what every test runs on stays off the shared one.
+DRAListTypeAttributes, alpha, moves the scheduler to its experimental allocator."""
+
+
 def gates_flag(binary: Path) -> str:
     known = known_gates(binary)
-    on = [g for g in WANTED_GATES if known.get(g) in ("ALPHA", "BETA")]
+    extra = [g for g in os.environ.get(EXTRA_GATES_ENV, "").split(",") if g]
+    on = [g for g in (*WANTED_GATES, *extra) if known.get(g) in ("ALPHA", "BETA")]
     return ",".join(f"{g}=true" for g in on)
 
 

@@ -9,13 +9,13 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from e2e.cluster.harness import REPO, Cluster, Layout, register_node
 from e2e.cluster.kube import wait_for
+from e2e.cluster.second import PORTS, harness, second_env
 from e2e.processes import port_free
 from e2e.provider import local_only
 
@@ -24,34 +24,6 @@ pytestmark = [
     local_only("tests the local control-plane harness itself"),
 ]
 BUILD = REPO / "e2e" / "cluster" / "build.sh"
-# Below the kernel's ephemeral range (32768 and up), so no client connection or
-# OS-chosen test port can hold one of them while these tests run.
-ALT_PORTS = {
-    "ETCD": 24790,
-    "ETCD_PEER": 24800,
-    "APISERVER": 27443,
-    "CONTROLLER_MANAGER": 21257,
-    "SCHEDULER": 21259,
-    "ADMISSION_WEBHOOK": 29443,
-}
-
-
-def _env(tmp: Path, **extra: str) -> dict[str, str]:
-    env = {**os.environ, "GPUDRA_CLUSTER_DIR": str(tmp / "c"), **extra}
-    env.update({f"GPUDRA_{k}_PORT": str(v) for k, v in ALT_PORTS.items()})
-    return env
-
-
-def _cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "e2e.cluster", *args],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
 
 
 def test_unknown_version_is_one_clear_line(tmp_path: Path) -> None:
@@ -127,22 +99,22 @@ def test_missing_go_toolchain_is_reported(tmp_path: Path) -> None:
 def test_busy_port_starts_nothing(tmp_path: Path, cluster: Cluster) -> None:
     with socket.socket() as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.bind(("127.0.0.1", ALT_PORTS["APISERVER"]))
+        s.bind(("127.0.0.1", PORTS["APISERVER"]))
         s.listen()
-        proc = _cli(_env(tmp_path), "up")
+        proc = harness(second_env(tmp_path), "up")
     assert proc.returncode == 1
     assert proc.stderr.strip() == (
-        f"cluster-up: port {ALT_PORTS['APISERVER']} for apiserver is already in use "
-        f"(`ss -ltnp 'sport = :{ALT_PORTS['APISERVER']}'` shows by what): stop that "
+        f"cluster-up: port {PORTS['APISERVER']} for apiserver is already in use "
+        f"(`ss -ltnp 'sport = :{PORTS['APISERVER']}'` shows by what): stop that "
         "process or set GPUDRA_APISERVER_PORT to a free port"
     )
     assert not (tmp_path / "c" / "state.json").exists()
-    assert port_free(ALT_PORTS["ETCD"])
+    assert port_free(PORTS["ETCD"])
 
 
 def test_crash_is_cleaned_and_down_frees_everything(tmp_path: Path, cluster: Cluster) -> None:
-    env = _env(tmp_path, GPUDRA_NODES="1")
-    assert _cli(env, "up").returncode == 0
+    env = second_env(tmp_path, GPUDRA_NODES="1")
+    assert harness(env, "up").returncode == 0
     second = Cluster(Layout(tmp_path / "c"))
     assert second.is_up()
     pids = second.status()["processes"]
@@ -157,17 +129,17 @@ def test_crash_is_cleaned_and_down_frees_everything(tmp_path: Path, cluster: Clu
     state = (tmp_path / "c" / "state.json").read_text()
     old = json.loads(state)["pids"]
     os.kill(old["kube-apiserver"], signal.SIGKILL)
-    again = _cli(env, "up")
+    again = harness(env, "up")
     assert again.returncode == 0, again.stderr
     assert "cleaning it up" in again.stdout
     new = json.loads((tmp_path / "c" / "state.json").read_text())["pids"]
     assert all(not Path(f"/proc/{p}").exists() or p in new.values() for p in old.values())
     # Idempotent: a second `up` of a healthy cluster changes nothing.
-    assert "already up" in _cli(env, "up").stdout
+    assert "already up" in harness(env, "up").stdout
     assert json.loads((tmp_path / "c" / "state.json").read_text())["pids"] == new
     client = second.admission_client()
     assert client is not None
-    assert client.user == f"gpudra-webhook.gpudra.svc:{ALT_PORTS['ADMISSION_WEBHOOK']}"
+    assert client.user == f"gpudra-webhook.gpudra.svc:{PORTS['ADMISSION_WEBHOOK']}"
     # A cluster an earlier harness started, healthy but without the admission client
     # certificate the API server reads only at start, is replaced rather than reused.
     path = tmp_path / "c" / "state.json"
@@ -176,20 +148,20 @@ def test_crash_is_cleaned_and_down_frees_everything(tmp_path: Path, cluster: Clu
     path.write_text(json.dumps(earlier))
     assert not second.is_up()
     assert second.admission_client() is None
-    replaced = _cli(env, "up")
+    replaced = harness(env, "up")
     assert replaced.returncode == 0, replaced.stderr
     assert "cleaning it up" in replaced.stdout
     assert second.admission_client() == client
     new = json.loads(path.read_text())["pids"]
     assert new != earlier["pids"]
-    down = _cli(env, "down")
+    down = harness(env, "down")
     assert down.returncode == 0, down.stderr
     for pid in new.values():
         assert (
             not Path(f"/proc/{pid}").exists()
             or Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[0] == "Z"
         )
-    assert all(port_free(p) for p in ALT_PORTS.values())
+    assert all(port_free(p) for p in PORTS.values())
     # The shared test cluster is untouched.
     assert cluster.is_up()
 

@@ -79,35 +79,38 @@ def on_driver(profile: str, version: str, node: str) -> NvmlLibrary:
     return NvmlEmulator(parse_profile(document), uuid_salt=node, source=f"{profile} on {version}")
 
 
-Spec = tuple[str, str | None, MigStrategy]
-"""A node's built-in profile, its driver version (None: the profile's) and strategy."""
+def profile_nvml(node: str, profile: str, driver: str | None = None) -> NvmlLibrary:
+    """Built-in `profile`'s GPUs for `node`, on driver `driver` (None: the profile's)."""
+    if driver is not None:
+        return on_driver(profile, driver, node)
+    return load_nvml(f"emulated:{profile}", uuid_salt=node)
 
 
 @asynccontextmanager
 async def agents(
-    cluster: Cluster, kube: SyncKube, specs: Mapping[str, Spec]
+    cluster: Cluster,
+    kube: SyncKube,
+    nvmls: Mapping[str, tuple[NvmlLibrary, MigStrategy]],
+    **options: Any,
 ) -> AsyncIterator[dict[str, Node]]:
-    """A node agent for each node of `specs`, its slices written before this yields;
-    every slice of the driver deleted after."""
+    """A node agent for each node of `nvmls` (its GPUs and MIG strategy; `options` are
+    more of `AgentConfig`), its slices written before this yields; every slice of the
+    driver deleted after."""
     for dc in device_classes(DRIVER):
         kube.apply(dc)
     akube = await Kube.connect(str(cluster.layout.admin_kubeconfig))
     policy = HealthPolicy(driver_name=DRIVER, recovery_after_s=RECOVERY_S)
     out: dict[str, Node] = {}
     async with anyio.create_task_group() as tg:
-        for node, (profile, driver, strategy) in specs.items():
-            nvml = (
-                on_driver(profile, driver, node)
-                if driver is not None
-                else load_nvml(f"emulated:{profile}", uuid_salt=node)
+        for node, (nvml, strategy) in nvmls.items():
+            config = AgentConfig(
+                node_name=node,
+                driver_name=DRIVER,
+                mig_strategy=strategy,
+                health=policy,
+                **options,
             )
-            agent = NodeAgent(
-                AgentConfig(
-                    node_name=node, driver_name=DRIVER, mig_strategy=strategy, health=policy
-                ),
-                akube,
-                nvml,
-            )
+            agent = NodeAgent(config, akube, nvml)
             await tg.start(agent.run)
             out[node] = Node(agent, nvml)
         for n in out.values():
@@ -122,11 +125,11 @@ async def agents(
 
 @pytest.fixture
 async def nodes(cluster: Cluster, kube: SyncKube) -> AsyncIterator[dict[str, Node]]:
-    specs = {
-        "worker-1": ("h100-80gb-hbm3-x8", R590, MigStrategy.DYNAMIC),
-        "worker-2": ("a100-40gb-mig-mixed", None, MigStrategy.STATIC),
+    nvmls = {
+        "worker-1": (profile_nvml("worker-1", "h100-80gb-hbm3-x8", R590), MigStrategy.DYNAMIC),
+        "worker-2": (profile_nvml("worker-2", "a100-40gb-mig-mixed"), MigStrategy.STATIC),
     }
-    async with agents(cluster, kube, specs) as out:
+    async with agents(cluster, kube, nvmls) as out:
         yield out
 
 
@@ -262,11 +265,11 @@ R570 = "570.172.08"
 async def mixed_drivers(cluster: Cluster, kube: SyncKube) -> AsyncIterator[dict[str, Node]]:
     """Whole H100s on two drivers, as in a cluster partway through a driver upgrade:
     worker-1's on R590, worker-2's on R570."""
-    specs = {
-        "worker-1": ("h100-80gb-hbm3-x8", R590, MigStrategy.DYNAMIC),
-        "worker-2": ("h100-80gb-hbm3-x8", R570, MigStrategy.DYNAMIC),
+    nvmls = {
+        node: (profile_nvml(node, "h100-80gb-hbm3-x8", driver), MigStrategy.DYNAMIC)
+        for node, driver in (("worker-1", R590), ("worker-2", R570))
     }
-    async with agents(cluster, kube, specs) as out:
+    async with agents(cluster, kube, nvmls) as out:
         yield out
 
 

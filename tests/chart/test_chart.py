@@ -784,13 +784,22 @@ def test_no_profile_label_by_default(default: list[dict[str, Any]]) -> None:
     assert build_parser().parse_args(c["args"]).emulated_profile_label == ""
 
 
-@pytest.mark.parametrize("legacy", [False, True])
-def test_legacy_attributes_reach_the_node_agent_only_when_asked(helm: Path, legacy: bool) -> None:
-    values = {"node": {"legacyAttributes": True}} if legacy else {}
+@pytest.mark.parametrize(
+    ("value", "flag", "option"),
+    [
+        ("legacyAttributes", "--legacy-attributes", "legacy_attributes"),
+        ("numaNodeList", "--numa-node-list", "numa_node_list"),
+    ],
+)
+@pytest.mark.parametrize("on", [False, True])
+def test_attribute_options_reach_the_node_agent_only_when_asked(
+    helm: Path, value: str, flag: str, option: str, on: bool
+) -> None:
+    values = {"node": {value: True}} if on else {}
     (c,) = h.find(h.template(helm, values), "DaemonSet")["spec"]["template"]["spec"]["containers"]
     args = [a.replace("$(NODE_NAME)", "n1") for a in c["args"]]
-    assert ("--legacy-attributes" in args) is legacy
-    assert _agent_config(build_parser().parse_args(args)).legacy_attributes is legacy
+    assert (flag in args) is on
+    assert getattr(_agent_config(build_parser().parse_args(args)), option) is on
 
 
 @pytest.mark.parametrize(

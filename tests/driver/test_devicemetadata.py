@@ -22,7 +22,7 @@ from gpudra.driver.devicemetadata import (
     metadata_stream,
     mounted,
 )
-from gpudra.driver.devices import MigStrategy, discover
+from gpudra.driver.devices import NUMA_NODE_ATTRIBUTE, MigStrategy, discover
 from gpudra.driver.nvml import NvmlEmulator
 
 from e2e.gobuild import GoBuildError
@@ -44,13 +44,14 @@ def objects(data: bytes) -> list[dict[str, Any]]:
     return out
 
 
-def devices(profile: str, strategy: MigStrategy = MigStrategy.STATIC) -> list[MetadataDevice]:
-    """An emulated node's devices with the attributes its slices publish."""
+def devices(
+    profile: str, strategy: MigStrategy = MigStrategy.STATIC, *, lists: bool = False
+) -> list[MetadataDevice]:
+    """An emulated node's devices with the attributes its slices publish (`lists`: the
+    NUMA node as a list, `--numa-node-list`)."""
     return [
         MetadataDevice(
-            pool="node-a",
-            name=d.name,
-            attributes={k: publish.attribute(v) for k, v in d.attributes.items()},
+            pool="node-a", name=d.name, attributes=publish.device_attributes(d, lists=lists)
         )
         for d in discover(NvmlEmulator.from_builtin(profile)).devices(strategy)
     ]
@@ -257,20 +258,23 @@ def read_with(version: str, path: Path) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize(
-    ("profile", "strategy"),
+    ("profile", "strategy", "lists"),
     [
-        ("h100-80gb-hbm3-x8", MigStrategy.STATIC),
-        ("a100-40gb-mig-mixed", MigStrategy.STATIC),
+        ("h100-80gb-hbm3-x8", MigStrategy.STATIC, False),
+        ("a100-40gb-mig-mixed", MigStrategy.STATIC, False),
+        ("h100-80gb-hbm3-x8", MigStrategy.STATIC, True),
     ],
 )
 def test_kubernetes_readers_of_1_37_and_1_36_decode_the_files_and_1_37_validates_them(
-    tmp_path: Path, profile: str, strategy: MigStrategy
+    tmp_path: Path, profile: str, strategy: MigStrategy, lists: bool
 ) -> None:
     """Every device of a node, MIG devices included, in one request: the 1.37 reader
     takes v1beta1 and its validation finds nothing; the 1.36 reader, which knows only
-    v1alpha1, skips the newer object and reads the same content."""
+    v1alpha1, skips the newer object and reads the same content. The NUMA node as a
+    list too (`--numa-node-list`)."""
     store = DeviceMetadataStore(tmp_path, driver=DRIVER)
-    listed = devices(profile, strategy)
+    listed = devices(profile, strategy, lists=lists)
+    assert any(("ints" in d.attributes.get(NUMA_NODE_ATTRIBUTE, {})) is lists for d in listed)
     uid = str(uuid.uuid4())
     store.write(
         namespace="team-a",

@@ -463,11 +463,13 @@ def node_preparer(
     conflict_wait: float = CONFLICT_WAIT_S,
     cdi_kind: str = DEFAULT_KIND,
     device_metadata: str | None = None,
+    **attribute_options: bool,
 ) -> ClaimPreparer:
     """The device layer on this test's node: its folders, the emulated GPUs, fake tools;
     `shares`: the integer shares each GPU is published with; `checkpoint`: elsewhere
     than the node's (a small file system to fill), with the MPS folders beside it;
-    `cdi_kind`: its claim specs' kind (its driver name's)."""
+    `cdi_kind`: its claim specs' kind (its driver name's); `attribute_options`: the
+    agent's `legacy_attributes` and `numa_node_list`."""
     return ClaimPreparer(
         node_name=NODE,
         nvml=nvml,
@@ -486,6 +488,7 @@ def node_preparer(
         shares=(lambda: shares) if shares is not None else None,
         conflict_wait=conflict_wait,
         device_metadata=device_metadata,
+        **attribute_options,
     )
 
 
@@ -859,10 +862,12 @@ def metadata_objects(path: Path) -> list[dict[str, Any]]:
 
 @pytest.mark.cluster
 @pytest.mark.anyio
+@pytest.mark.parametrize("options", [False, True], ids=["scalar", "legacy-and-lists"])
 async def test_device_metadata_is_mounted_once_per_request_and_goes_at_unprepare(
-    env: Env, node: Node, akube: AsyncKube
+    env: Env, node: Node, akube: AsyncKube, options: bool
 ) -> None:
-    """Each request's file lists its devices with the attributes their slice publishes;
+    """Each request's file lists its devices with the attributes their slice publishes
+    (upstream's old ones and the NUMA node list too where the agent publishes them);
     the claim's own spec mounts it, read-only, through a CDI ID the request's first
     device carries (as upstream's helper hands it to the kubelet)."""
     emu = h100()
@@ -870,7 +875,15 @@ async def test_device_metadata_is_mounted_once_per_request_and_goes_at_unprepare
     env.publish(inventory)
     claim = env.allocated("metadata", requests=[env.request("gpu"), env.request("pair", count=2)])
     ref = _ref(claim)
-    preparer = make_preparer(env, node, akube, emu, device_metadata=env.driver)
+    preparer = make_preparer(
+        env,
+        node,
+        akube,
+        emu,
+        device_metadata=env.driver,
+        legacy_attributes=options,
+        numa_node_list=options,
+    )
 
     result = (await preparer.prepare([ref]))[ref.uid]
 
@@ -889,7 +902,13 @@ async def test_device_metadata_is_mounted_once_per_request_and_goes_at_unprepare
         if "-metadata_" in d["name"]
     }
     assert metadata_files(node, ref.uid) == [f"{ref.uid}.gpu.json", f"{ref.uid}.pair.json"]
-    published = {d.name: publish.device(d)["attributes"] for d in inventory.devices()}
+    published = {
+        d.name: publish.device(d, legacy=options, lists=options)["attributes"]
+        for d in inventory.devices()
+    }
+    assert all(("index" in a) is options for a in published.values())
+    numa = [a["resource.kubernetes.io/numaNode"] for a in published.values()]
+    assert all(("ints" in n) is options for n in numa)
     for request in ("gpu", "pair"):
         host = metadata_file(node, ref.uid, request)
         assert mounts[f"{ref.uid}-metadata_{request}"] == [

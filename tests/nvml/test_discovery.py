@@ -33,8 +33,8 @@ from gpudra.driver.nvml.emulator import NvmlEmulator, load_builtin_profile, pars
 from gpudra.driver.nvml.topology import SysfsTopology
 from gpudra.driver.slices import DeviceLimitError, SliceLimits, plan_slices, validate_device
 
+from e2e.sysfs import sysfs_numa_nodes
 from tests.nvml.emulated import emulated, with_nvml_numa_nodes
-from tests.nvml.sysfs import sysfs_numa_nodes
 
 H100_PROFILES = {  # GI profile ID -> (name, placements)
     19: ("1g.10gb", 7),

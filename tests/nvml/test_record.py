@@ -20,8 +20,8 @@ from gpudra.driver.nvml.branches import EMULATED_BRANCHES, PLACEMENTS_WITHOUT_MI
 from gpudra.driver.nvml.emulator import NvmlEmulator, parse_profile
 from gpudra.driver.nvml.record import dumps, main, record, write_recording
 
+from e2e.sysfs import sysfs_numa_nodes
 from tests.nvml.emulated import emulated, with_gpu_answers, with_nvml_numa_nodes
-from tests.nvml.sysfs import sysfs_numa_nodes
 
 FIXTURES = sorted((Path(__file__).parent / "fixtures").glob("*.json"))
 
