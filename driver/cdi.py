@@ -509,16 +509,18 @@ def find_driver_files(
 ) -> tuple[str, ...]:
     """The driver's libraries and utilities, as absolute paths inside `driver_root`.
 
-    Versioned names and their soname links are both listed (a bind mount of a link
-    mounts its target's content under the link's name), so programs linked against
-    either find them. Nothing found (no driver installed) gives an empty tuple. They
-    are looked for where this process sees the root (`host_view`, see `DriverRoot`).
+    Versioned names and their soname links are both listed (each is mounted with the
+    content of the file it resolves to, under its own name: `driver_common_edits`), so
+    programs linked against either find them. Only names that resolve to a regular
+    file inside the root count (`DriverRoot.resolve`). Nothing found (no driver
+    installed) gives an empty tuple. They are looked for where this process sees the
+    root (`host_view`, see `DriverRoot`).
     """
     root = DriverRoot(driver_root, host_view)
     found = [f"/{folder}/{name}" for folder, names in root.libraries().items() for name in names]
     for name in DRIVER_UTILITIES:
         for folder in DRIVER_UTILITY_DIRS:  # the first only: /bin is often /usr/bin
-            if (root.seen / folder / name).is_file():
+            if root.resolve(f"{folder}/{name}") is not None:
                 found.append(f"/{folder}/{name}")
                 break
     return tuple(found)
@@ -540,7 +542,12 @@ def driver_common_edits(
     inside it, mounted at the same path in the container. `dev_root` holds the
     `/dev` with the NVIDIA nodes. `host_view` is where this process sees the
     host's `/` (None: do not check); nodes and files missing there are left
-    out, as `nvidia-uvm-tools` often is. With libraries, `LD_LIBRARY_PATH` lists
+    out, as `nvidia-uvm-tools` often is. Checked, a library is mounted from the
+    file it resolves to inside the driver root (`DriverRoot.resolve`), not from
+    its own path, which the runtime would resolve on the host: a link to an
+    absolute path names the host's file there, not the root's (see
+    `gpudra.driver.driverroot`); one that resolves to no regular file is left
+    out. With libraries, `LD_LIBRARY_PATH` lists
     their folders, so the container's linker finds them even where the image's
     linker cache does not cover the host's library folder (a Debian image on a
     RHEL host); it replaces the image's value, so the CUDA images' folders are
@@ -558,15 +565,21 @@ def driver_common_edits(
         if numbers is not None or present(host):
             nodes.append(numbered(path, None if str(host) == path else str(host), numbers))
     mounts: list[Mount] = []
+    root = None if host_view is None else DriverRoot(driver_root, host_view)
     for library in libraries:
         lib = PurePosixPath(_absolute(library, "driver library"))
         if ".." in lib.parts:
             raise CdiError(f"driver library {library!r} must not contain '..'")
-        host = PurePosixPath(driver_root) / str(lib).lstrip("/")
-        if present(host):
-            mounts.append(Mount(str(host), str(lib), LIBRARY_MOUNT_OPTIONS))
-        else:
-            log.warning("driver library not found", extra={"fields": {"path": str(host)}})
+        source = str(lib) if root is None else root.resolve(str(lib))
+        if source is None:
+            where = PurePosixPath(driver_root) / str(lib).lstrip("/")
+            log.warning(
+                "driver library not found: no regular file there inside the driver root",
+                extra={"fields": {"path": str(where)}},
+            )
+            continue
+        host = PurePosixPath(driver_root) / source.lstrip("/")
+        mounts.append(Mount(str(host), str(lib), LIBRARY_MOUNT_OPTIONS))
     folders = dict.fromkeys(
         str(PurePosixPath(m.container_path).parent)
         for m in mounts

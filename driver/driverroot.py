@@ -8,10 +8,28 @@ NVIDIA files, with the driver root mounted read-only at `/host<driver root>` and
 libraries, NVML, `nvidia-smi`, the MPS control daemon) looks for them through
 `DriverRoot`, so all of them find the same files. Paths written into CDI specs stay
 host paths: the container runtime reads them on the host.
+
+A symbolic link inside the root is followed inside the root (`DriverRoot.resolve`), as
+if the root were `/`: an absolute target is a path of the root's own tree. Debian's
+packages link the files a container needs through the alternatives system, absolute
+links all (`/usr/lib/x86_64-linux-gnu/libcuda.so.1 -> /etc/alternatives/nvidia--
+libcuda.so.1-x86_64-linux-gnu -> /usr/lib/x86_64-linux-gnu/nvidia/current/libcuda.so.1`,
+`/usr/bin/nvidia-smi -> ... /usr/lib/nvidia/current/nvidia-smi`), and a driver
+container's tree links the same way to its own `/`. Followed by this process, which
+sees the host under `/host`, such a link would name a file of the agent's own image;
+followed by the container runtime, a file of the host outside a driver container's
+root. So the files are looked for by their resolved path here, and the CDI spec mounts
+the file a link resolves to under the link's name. A name that does not resolve to a
+regular file (a dangling link, a folder named like a library) is skipped, so that it
+neither shadows the file in a later folder nor fails the container's start.
 """
 
 from __future__ import annotations
 
+import logging
+import os
+import stat
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
@@ -52,6 +70,10 @@ NVML_LIBRARY: Final = "libnvidia-ml.so.1"
 CUDA_LIBRARY: Final = "libcuda.so.1"
 _TOOL_LIBRARIES: Final = (NVML_LIBRARY, CUDA_LIBRARY)
 _ELF_MAGIC: Final = b"\x7fELF"
+# Linux's MAXSYMLINKS: more links than this in one path is a loop (ELOOP).
+_MAX_LINKS: Final = 40
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,27 +93,86 @@ class DriverRoot:
         """The driver root where this process finds its files."""
         return self.host_view / str(self.path).lstrip("/")
 
+    def resolve(self, path: str) -> str | None:
+        """The regular file `path` (a path inside the root, with or without its
+        leading '/') names once every symbolic link on the way is followed inside the
+        root, as a path inside the root with a leading '/'; None where it names
+        nothing, a dangling link, a link loop or something other than a regular file.
+
+        Component by component, as the kernel walks a path under `chroot`: an absolute
+        target starts again at the root, and `..` stops at it, so no link leads out of
+        the root, whoever made it."""
+        todo = deque(path.split("/"))
+        done: list[str] = []
+        links = 0
+        mode = 0  # the last component's, once walked
+        while todo:
+            part = todo.popleft()
+            if part in ("", "."):
+                continue
+            if part == "..":
+                if done:
+                    done.pop()
+                continue
+            here = self.seen.joinpath(*done, part)
+            try:
+                mode = os.lstat(here).st_mode
+            except OSError:
+                return None
+            if stat.S_ISLNK(mode):
+                links += 1
+                if links > _MAX_LINKS:
+                    return None
+                try:
+                    target = str(here.readlink())
+                except OSError:
+                    return None
+                if target.startswith("/"):
+                    done = []
+                todo.extendleft(reversed(target.split("/")))
+                continue
+            if todo and not stat.S_ISDIR(mode):
+                return None
+            done.append(part)
+        if not done or not stat.S_ISREG(mode):
+            return None
+        return "/" + "/".join(done)
+
     def libraries(self) -> dict[str, tuple[str, ...]]:
         """The driver's libraries by folder, relative to the root, in the order of
-        `DRIVER_LIBRARY_DIRS`: versioned names and soname links alike, sorted; folders
-        without any are left out."""
+        `DRIVER_LIBRARY_DIRS`: versioned names and soname links alike, sorted, those
+        that resolve to a regular file (`resolve`) only; folders without any are left
+        out."""
         found: dict[str, tuple[str, ...]] = {}
         for folder in DRIVER_LIBRARY_DIRS:
             where = self.seen / folder
             if not where.is_dir():
                 continue
             names = {p.name for pattern in DRIVER_LIBRARY_PATTERNS for p in where.glob(pattern)}
-            if names:
-                found[folder] = tuple(sorted(names))
+            kept = tuple(sorted(n for n in names if self._is_file(f"{folder}/{n}")))
+            if kept:
+                found[folder] = kept
         return found
 
     def library(self, name: str) -> Path | None:
-        """`name` in the first of the root's library folders that holds it, as seen here."""
+        """The file `name` in the first of the root's library folders that holds it
+        resolves to (`resolve`), as seen here."""
         for folder in DRIVER_LIBRARY_DIRS:
-            candidate = self.seen / folder / name
-            if candidate.is_file():
-                return candidate
+            resolved = self.resolve(f"{folder}/{name}")
+            if resolved is not None:
+                return self.seen / resolved.lstrip("/")
         return None
+
+    def _is_file(self, path: str) -> bool:
+        """Whether `path` inside the root resolves to a regular file; a name that
+        does not is logged, since it is skipped where a library was expected."""
+        if self.resolve(path) is not None:
+            return True
+        log.info(
+            "driver file skipped: not a regular file inside the driver root",
+            extra={"fields": {"driver_root": str(self.path), "path": f"/{path}"}},
+        )
+        return False
 
     def tool_preload(self) -> str:
         """`LD_PRELOAD` for the driver's tools run from this root: its NVML and CUDA

@@ -265,17 +265,21 @@ class SharingBackend(Protocol):
         ...
 
 
-def find_tool(name: str, driver_root: Path = Path("/")) -> Path | None:
-    """`name` in the driver root's tool folders first, then on PATH. `driver_root` is
-    where this process sees the root (`DriverRoot.seen`).
+def find_tool(name: str, root: DriverRoot) -> Path | None:
+    """`name` in the driver root's tool folders first, then on PATH: the executable
+    file it resolves to inside the root (`DriverRoot.resolve`; Debian links
+    `nvidia-smi` through the alternatives system), as this process sees it.
 
     The driver root comes first because with a containerised driver
     (`/run/nvidia/driver`) the tools on PATH, if any, may not match the running
     kernel module.
     """
     for folder in TOOL_DIRS:
-        candidate = driver_root / folder / name
-        if candidate.is_file() and os.access(candidate, os.X_OK):
+        resolved = root.resolve(f"{folder}/{name}")
+        if resolved is None:
+            continue
+        candidate = root.seen / resolved.lstrip("/")
+        if os.access(candidate, os.X_OK):
             return candidate
     found = shutil.which(name)
     return Path(found) if found else None
@@ -575,7 +579,7 @@ class NvidiaSharing:
     # --- plumbing ---
 
     def _tool(self, name: str, purpose: str) -> Path:
-        path = self._paths.get(name) or find_tool(name, self._root.seen)
+        path = self._paths.get(name) or find_tool(name, self._root)
         if path is None:
             dirs = ", ".join(str(self._root.seen / d) for d in TOOL_DIRS)
             raise SharingError(

@@ -328,11 +328,15 @@ class ChartStack(NodeGpus):
             self._roll(self.values())
 
     @contextlib.contextmanager
-    def driver_root_on_host(self) -> Iterator[Path]:
+    def driver_root_on_host(
+        self, arrange: Callable[[Path], object] | None = None
+    ) -> Iterator[Path]:
         """Inside, `node.driverRoot` names a stand-in driver root installed on the host
         rather than `/`, as with a driver container's `/run/nvidia/driver`: the chart
         mounts it under /host in the agent and its MPS daemon pods, whose image holds
-        no driver files. Yields the root's host path.
+        no driver files. `arrange` lays the installed root out otherwise (as a
+        distribution's packages do) before the agent starts on it. Yields the root's
+        host path.
 
         The chart mounts the root HostToContainer, which the runtime allows only from
         a shared (or slave) mount. systemd makes a node's / shared; this machine's is
@@ -340,6 +344,12 @@ class ChartStack(NodeGpus):
         root = self.host_driver_root
         _unmount(root)  # left by an interrupted run
         install_driver_root(root, str(self.profile()["driverVersion"]))
+        if arrange is not None:
+            try:
+                arrange(root)
+            except BaseException:
+                shutil.rmtree(root, ignore_errors=True)
+                raise
         try:
             subprocess.run(["mount", "--bind", str(root), str(root)], check=True)
             subprocess.run(["mount", "--make-shared", str(root)], check=True)
@@ -537,8 +547,16 @@ class ChartStack(NodeGpus):
 
 def _unmount(path: Path) -> None:
     """Unmount every mount stacked on `path` (none: nothing to do)."""
-    while os.path.ismount(path):
+    while _mount_point(path):
         subprocess.run(["umount", "--lazy", str(path)], check=True)
+
+
+def _mount_point(path: Path) -> bool:
+    """Whether something is mounted on `path`, by this process's mount table: a bind
+    mount of a folder of the same file system onto itself has the device of its
+    parent, which `os.path.ismount` reads as no mount."""
+    with Path("/proc/self/mountinfo").open(encoding="utf-8") as table:
+        return any(line.split()[4] == str(path) for line in table)
 
 
 def remove_unreleased(kube: Kube) -> None:

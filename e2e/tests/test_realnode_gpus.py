@@ -19,6 +19,7 @@ Skips with the exact reason when the machine cannot run a real node.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -59,6 +60,8 @@ from e2e.claims import (
 )
 from e2e.cluster.harness import BUILD_SCRIPT, Cluster, known_gates
 from e2e.cluster.kube import ApiError, Kube, field_managers, wait_for
+from e2e.debian_driver import LIBRARY_DIR as DEBIAN_LIBRARY_DIR
+from e2e.debian_driver import debian_layout
 from e2e.gobuild import GoBuildError
 from e2e.gpu_pods import (
     allocation,
@@ -1189,23 +1192,44 @@ def test_an_mps_daemon_that_never_listens_is_named_in_the_pods_events(
     assert not daemon_pods(kube)
 
 
+class _Libraries:
+    """How a test lays out a stand-in driver root: the real NVML and CUDA libraries
+    (`shared_library`) put where the layout keeps them, as `driver_root_on_host`'s
+    `arrange`; then where they are, by soname."""
+
+    def __init__(self, debian: bool) -> None:
+        self.debian = debian
+        self.files: dict[str, Path] = {}
+
+    def __call__(self, root: Path) -> None:
+        libraries = root / DEBIAN_LIBRARY_DIR
+        moved = debian_layout(root) if self.debian else {}
+        for name in (NVML_LIBRARY, CUDA_LIBRARY):
+            file = moved.get(name, libraries / name)
+            file.unlink()
+            self.files[name] = shared_library(file, name)
+
+
+@pytest.mark.parametrize("debian", [False, True], ids=["files", "debian-alternatives"])
 def test_the_chart_runs_the_tools_of_a_driver_root_it_mounts_under_host(
-    stack: NodeGpus, kube: Kube, ns: str
+    stack: NodeGpus, kube: Kube, cluster: Cluster, ns: str, debian: bool
 ) -> None:
     """`node.driverRoot` other than / (a driver container's root): the agent's image
     holds no driver files, and the agent sees the root only under /host. It runs the
     root's nvidia-smi for a time-sliced claim, and its MPS daemon pod (which mounts the
     root at the same path) runs the root's control daemon with the root's NVML and
-    CUDA preloaded (real libraries here: stand-ins that are no ELF objects are not)."""
+    CUDA preloaded (real libraries here: stand-ins that are no ELF objects are not).
+
+    Laid out as Debian's packages do (`e2e.debian_driver`), the libraries and
+    nvidia-smi are absolute links through the root's /etc/alternatives, which name the
+    agent's own files under /host and the host's outside the root: the agent follows
+    them inside the root, and the container gets the root's files under their names."""
     if not isinstance(stack, ChartStack):
         pytest.skip("host processes see the driver root at its own path")
     if on_kind():
         pytest.skip("it bind-mounts a stand-in driver root on the host, not in a kind node")
-    with stack.driver_root_on_host() as root:
-        libraries = root / "usr/lib/x86_64-linux-gnu"
-        for name in (NVML_LIBRARY, CUDA_LIBRARY):
-            (libraries / name).unlink()
-            shared_library(libraries / name, name)
+    arranged = _Libraries(debian)
+    with stack.driver_root_on_host(arranged) as root:
         sliced = claim_template("sliced", ns, "!device.allowMultipleAllocations")
         sharing = {"strategy": "TimeSlicing", "timeSlicingConfig": {"interval": "Long"}}
         parameters = {
@@ -1234,11 +1258,17 @@ def test_the_chart_runs_the_tools_of_a_driver_root_it_mounts_under_host(
         seen_root = f"/host{root}"
         assert container["command"][-1] == f"{seen_root}/usr/bin/nvidia-cuda-mps-control"
         env = {e["name"]: e.get("value") for e in container["env"]}
-        seen_libraries = f"{seen_root}/usr/lib/x86_64-linux-gnu"
-        assert env["LD_PRELOAD"] == (
-            f"{seen_libraries}/{NVML_LIBRARY}:{seen_libraries}/{CUDA_LIBRARY}"
+        assert env["LD_PRELOAD"] == ":".join(
+            f"/host{arranged.files[name]}" for name in (NVML_LIBRARY, CUDA_LIBRARY)
         )
         assert daemon_alive(mps_pipes(stack)[mps])
+        # The claim's container has the root's libraries under their sonames.
+        for name in (NVML_LIBRARY, CUDA_LIBRARY):
+            inside = f"/{DEBIAN_LIBRARY_DIR}/{name}"
+            out = cluster.kubectl("exec", "-n", ns, "sliced", "--", "sha256sum", inside)
+            assert out.returncode == 0, out.stderr
+            host = hashlib.sha256(arranged.files[name].read_bytes()).hexdigest()
+            assert out.stdout.split()[0] == host, name
         uids = {claim_uid(kube, ns, p) for p in ("sliced", "mps")}
         for name in ("sliced", "mps"):
             kube.delete("Pod", name, ns)

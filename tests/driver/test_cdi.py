@@ -1,6 +1,7 @@
 """CDI specs: content, minimum cdiVersion, atomic files, safe names, toolkit lookup."""
 
 import json
+import logging
 import os
 import stat
 from pathlib import Path
@@ -29,6 +30,9 @@ from gpudra.driver.cdi import (
     toolkit_device_ids,
     validate_claim_uid,
 )
+from gpudra.driver.nvml.standin import install_driver_root
+
+from e2e.debian_driver import LIBRARY_DIR, debian_layout
 
 UID = "0b7e4a2c-1d3f-4e5a-8b6c-7d8e9f0a1b2c"  # starts with a digit
 UID_LETTER = "ab7e4a2c-1d3f-4e5a-8b6c-7d8e9f0a1b2c"
@@ -517,7 +521,8 @@ def test_driver_files_are_found_under_the_driver_root(tmp_path: Path) -> None:
     )
     edits = driver_common_edits(driver_root=root, libraries=files, host_view=host)
     assert [m.container_path for m in edits.mounts] == list(files)
-    assert edits.mounts[0].host_path == "/run/nvidia/driver/usr/lib64/libcuda.so.1"
+    # The soname link is mounted from the file it names inside the root.
+    assert edits.mounts[0].host_path == "/run/nvidia/driver/usr/lib64/libcuda.so.580.65.06"
     assert edits.env == {
         "LD_LIBRARY_PATH": "/usr/lib64:/usr/local/nvidia/lib:/usr/local/nvidia/lib64"
     }
@@ -637,3 +642,64 @@ def test_numbered_nodes_are_listed_without_host_nodes(tmp_path: Path) -> None:
     }
     # Without numbers, missing nodes are still left out.
     assert driver_common_edits(host_view=host).device_nodes == ()
+
+
+def test_a_debian_packaged_driver_is_mounted_through_its_alternatives_links(
+    tmp_path: Path,
+) -> None:
+    """Debian links the libraries and nvidia-smi through /etc/alternatives, with
+    absolute links. Seen under /host (the chart's agent), they name the agent's own
+    files, and the runtime on the host would follow them outside a driver container's
+    root: the spec mounts the file each resolves to inside the root, under its name."""
+    host = tmp_path / "host"
+    root = Path("/run/nvidia/driver")
+    install_driver_root(host / str(root).lstrip("/"), "535.261.03")
+    debian_layout(host / str(root).lstrip("/"))
+
+    files = find_driver_files(root, host_view=host)
+
+    assert files == (
+        f"/{LIBRARY_DIR}/libcuda.so.1",
+        f"/{LIBRARY_DIR}/libnvidia-ml.so.1",
+        "/usr/bin/nvidia-smi",
+        "/usr/bin/nvidia-cuda-mps-control",
+    )
+    edits = driver_common_edits(driver_root=root, libraries=files, host_view=host)
+    assert {m.container_path: m.host_path for m in edits.mounts} == {
+        f"/{LIBRARY_DIR}/libcuda.so.1": (
+            f"{root}/{LIBRARY_DIR}/nvidia/current/libcuda.so.535.261.03"
+        ),
+        f"/{LIBRARY_DIR}/libnvidia-ml.so.1": (
+            f"{root}/{LIBRARY_DIR}/nvidia/current/libnvidia-ml.so.535.261.03"
+        ),
+        "/usr/bin/nvidia-smi": f"{root}/usr/lib/nvidia/current/nvidia-smi",
+        "/usr/bin/nvidia-cuda-mps-control": f"{root}/usr/bin/nvidia-cuda-mps-control",
+    }
+    assert edits.env["LD_LIBRARY_PATH"].startswith(f"/{LIBRARY_DIR}:")
+
+
+def test_names_that_are_no_regular_file_are_neither_listed_nor_mounted(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A folder named like a library (upstream's driver mounted such a folder until it
+    checked) and a soname link left dangling by a removed driver: neither is mounted,
+    so neither fails the container's start, and the file in the next folder is found."""
+    host = _host(tmp_path, "/usr/lib64/libnvidia-ml.so.580.1")
+    (host / LIBRARY_DIR / "libnvidia-ml.so.1").mkdir(parents=True)
+    (host / LIBRARY_DIR / "libcuda.so.1").symlink_to("libcuda.so.550.1")
+    (host / "usr/lib64/libnvidia-ml.so.1").symlink_to("libnvidia-ml.so.580.1")
+
+    with caplog.at_level(logging.INFO, logger="gpudra.driver.driverroot"):
+        files = find_driver_files(Path("/"), host_view=host)
+
+    assert files == ("/usr/lib64/libnvidia-ml.so.1", "/usr/lib64/libnvidia-ml.so.580.1")
+    skipped = {
+        r.fields["path"]  # type: ignore[attr-defined]
+        for r in caplog.records
+        if r.getMessage().startswith("driver file skipped")
+    }
+    assert skipped == {f"/{LIBRARY_DIR}/libnvidia-ml.so.1", f"/{LIBRARY_DIR}/libcuda.so.1"}
+    # Named explicitly (`--driver-library`), they are left out of the spec too.
+    named = (f"/{LIBRARY_DIR}/libnvidia-ml.so.1", f"/{LIBRARY_DIR}/libcuda.so.1", *files)
+    edits = driver_common_edits(libraries=named, host_view=host)
+    assert [m.container_path for m in edits.mounts] == list(files)

@@ -17,7 +17,9 @@ from pathlib import Path
 import pytest
 from gpudra.driver.driverroot import NVML_LIBRARY, DriverRoot
 from gpudra.driver.nvml import preload_nvml
+from gpudra.driver.nvml.standin import install_driver_root
 
+from e2e.debian_driver import debian_layout
 from e2e.shared_libraries import ANSWER, PROBE, shared_library
 
 DRIVER_ROOT = Path("/run/nvidia/driver")
@@ -57,6 +59,20 @@ def child(*args: str) -> list[str]:
 def test_the_preloaded_library_answers_pynvmls_load_by_soname(host: Path) -> None:
     library = host / str(DRIVER_ROOT).lstrip("/") / LIBRARY_DIR / NVML_LIBRARY
     assert child("preload", str(DRIVER_ROOT), str(host)) == [str(library), str(ANSWER)]
+
+
+def test_a_debian_packaged_nvml_is_preloaded_through_its_alternatives_link(
+    tmp_path: Path,
+) -> None:
+    """Debian's `libnvidia-ml.so.1` is an absolute link through /etc/alternatives to
+    `nvidia/current/`: followed in the driver root, not in this process's /, it is
+    found and loaded, and pynvml's load by soname gets it."""
+    host = tmp_path / "host"
+    install_driver_root(host, "535.261.03")
+    library = debian_layout(host)[NVML_LIBRARY]
+    library.unlink()
+    shared_library(library, NVML_LIBRARY)
+    assert child("preload", "/", str(host)) == [str(library), str(ANSWER)]
 
 
 def test_without_the_preload_the_soname_is_not_found_there(host: Path) -> None:
