@@ -83,9 +83,8 @@ DEFAULT_TOOLKIT_SPEC_PATHS: Final = (
 CONTROL_DEVICE_NODES: Final = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools")
 # What the container toolkit uses for driver libraries.
 LIBRARY_MOUNT_OPTIONS: Final = ("ro", "nosuid", "nodev", "rbind", "rprivate")
-# The driver's utilities a container may need, beside its libraries (their folders and
-# names: `gpudra.driver.driverroot`), as the NVIDIA container toolkit mounts them.
-DRIVER_UTILITY_DIRS: Final = ("usr/bin", "bin")
+# The driver's utilities a container may need, beside its libraries, as the NVIDIA
+# container toolkit mounts them; found in `DRIVER_TOOL_DIRS` (`DriverRoot.tool`).
 DRIVER_UTILITIES: Final = (
     "nvidia-smi",
     "nvidia-debugdump",
@@ -518,11 +517,7 @@ def find_driver_files(
     """
     root = DriverRoot(driver_root, host_view)
     found = [f"/{folder}/{name}" for folder, names in root.libraries().items() for name in names]
-    for name in DRIVER_UTILITIES:
-        for folder in DRIVER_UTILITY_DIRS:  # the first only: /bin is often /usr/bin
-            if root.resolve(f"{folder}/{name}") is not None:
-                found.append(f"/{folder}/{name}")
-                break
+    found.extend(tool for name in DRIVER_UTILITIES if (tool := root.tool(name)) is not None)
     return tuple(found)
 
 

@@ -38,6 +38,7 @@ __all__ = [
     "CUDA_LIBRARY",
     "DRIVER_LIBRARY_DIRS",
     "DRIVER_LIBRARY_PATTERNS",
+    "DRIVER_TOOL_DIRS",
     "NVML_LIBRARY",
     "DriverRoot",
 ]
@@ -64,6 +65,11 @@ DRIVER_LIBRARY_PATTERNS: Final = (
     "libnvidia-allocator.so.*",
     "libnvidia-pkcs11*.so.*",
 )
+# Where a driver installation keeps its programs (nvidia-smi, the MPS control daemon and
+# server, ...), searched in this order: the NVIDIA container toolkit's folders (its
+# default PATH), `usr/bin` first, where the driver's installer puts them. Debian's
+# packages put `nvidia-cuda-mps-server` in `usr/sbin`.
+DRIVER_TOOL_DIRS: Final = ("usr/bin", "usr/local/bin", "bin", "usr/sbin", "usr/local/sbin", "sbin")
 # The sonames pynvml and the driver's tools ask the dynamic linker for: NVML (pynvml,
 # nvidia-smi, the MPS control daemon) and CUDA (the MPS server).
 NVML_LIBRARY: Final = "libnvidia-ml.so.1"
@@ -161,6 +167,16 @@ class DriverRoot:
             resolved = self.resolve(f"{folder}/{name}")
             if resolved is not None:
                 return self.seen / resolved.lstrip("/")
+        return None
+
+    def tool(self, name: str) -> str | None:
+        """The program `name` as a path inside the root, in the first of
+        `DRIVER_TOOL_DIRS` where it resolves to an executable regular file; None where
+        none does. `bin` is often a link to `usr/bin`: the first folder names it."""
+        for folder in DRIVER_TOOL_DIRS:
+            resolved = self.resolve(f"{folder}/{name}")
+            if resolved is not None and os.access(self.seen / resolved.lstrip("/"), os.X_OK):
+                return f"/{folder}/{name}"
         return None
 
     def _is_file(self, path: str) -> bool:

@@ -62,7 +62,7 @@ from pathlib import Path
 from typing import Final, Protocol
 
 from gpudra.common.files import remove_tree
-from gpudra.driver.driverroot import DriverRoot
+from gpudra.driver.driverroot import DRIVER_TOOL_DIRS, DriverRoot
 from gpudra.driver.processes import ProcessIdentity
 from inotify_simple import INotify
 from inotify_simple import flags as iflags
@@ -70,7 +70,6 @@ from inotify_simple import flags as iflags
 __all__ = [
     "MPS_CONTROL",
     "NVIDIA_SMI",
-    "TOOL_DIRS",
     "DaemonPod",
     "DaemonPods",
     "MpsDaemon",
@@ -86,8 +85,6 @@ log = logging.getLogger(__name__)
 
 NVIDIA_SMI: Final = "nvidia-smi"
 MPS_CONTROL: Final = "nvidia-cuda-mps-control"
-# Where a driver installation keeps its tools, relative to the driver root.
-TOOL_DIRS: Final = ("usr/bin", "usr/local/bin", "bin", "usr/sbin", "sbin")
 # nvidia-smi compute-policy --set-timeslice takes 0 (Default) to 3 (Long).
 MAX_TIME_SLICE: Final = 3
 _MIB: Final = 1024 * 1024
@@ -266,21 +263,18 @@ class SharingBackend(Protocol):
 
 
 def find_tool(name: str, root: DriverRoot) -> Path | None:
-    """`name` in the driver root's tool folders first, then on PATH: the executable
-    file it resolves to inside the root (`DriverRoot.resolve`; Debian links
+    """`name` in the driver root's tool folders first (`DriverRoot.tool`), then on
+    PATH: the executable file it resolves to inside the root (`DriverRoot.resolve`; Debian links
     `nvidia-smi` through the alternatives system), as this process sees it.
 
     The driver root comes first because with a containerised driver
     (`/run/nvidia/driver`) the tools on PATH, if any, may not match the running
     kernel module.
     """
-    for folder in TOOL_DIRS:
-        resolved = root.resolve(f"{folder}/{name}")
-        if resolved is None:
-            continue
-        candidate = root.seen / resolved.lstrip("/")
-        if os.access(candidate, os.X_OK):
-            return candidate
+    inside = root.tool(name)
+    resolved = None if inside is None else root.resolve(inside)
+    if resolved is not None:
+        return root.seen / resolved.lstrip("/")
     found = shutil.which(name)
     return Path(found) if found else None
 
@@ -581,7 +575,7 @@ class NvidiaSharing:
     def _tool(self, name: str, purpose: str) -> Path:
         path = self._paths.get(name) or find_tool(name, self._root)
         if path is None:
-            dirs = ", ".join(str(self._root.seen / d) for d in TOOL_DIRS)
+            dirs = ", ".join(str(self._root.seen / d) for d in DRIVER_TOOL_DIRS)
             raise SharingError(
                 f"{purpose}: {name} not found in {dirs} or on PATH; install the NVIDIA "
                 f"driver utilities on the node, or pass the path of {name} explicitly"

@@ -467,10 +467,13 @@ def test_remove_temp_files_only_touches_ours(tmp_path: Path) -> None:
 
 
 def _host(tmp_path: Path, *files: str) -> Path:
+    """`files` under `tmp_path`, those in a `bin` folder executable."""
     for name in files:
         path = tmp_path / name.lstrip("/")
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text("")
+        if path.parent.name in ("bin", "sbin"):
+            path.chmod(0o755)
     return tmp_path
 
 
@@ -655,6 +658,8 @@ def test_a_debian_packaged_driver_is_mounted_through_its_alternatives_links(
     root = Path("/run/nvidia/driver")
     install_driver_root(host / str(root).lstrip("/"), "535.261.03")
     debian_layout(host / str(root).lstrip("/"))
+    # Debian's nvidia-cuda-mps package puts the MPS server in /usr/sbin.
+    _host(host, f"{root}/usr/sbin/nvidia-cuda-mps-server")
 
     files = find_driver_files(root, host_view=host)
 
@@ -663,6 +668,7 @@ def test_a_debian_packaged_driver_is_mounted_through_its_alternatives_links(
         f"/{LIBRARY_DIR}/libnvidia-ml.so.1",
         "/usr/bin/nvidia-smi",
         "/usr/bin/nvidia-cuda-mps-control",
+        "/usr/sbin/nvidia-cuda-mps-server",
     )
     edits = driver_common_edits(driver_root=root, libraries=files, host_view=host)
     assert {m.container_path: m.host_path for m in edits.mounts} == {
@@ -674,6 +680,7 @@ def test_a_debian_packaged_driver_is_mounted_through_its_alternatives_links(
         ),
         "/usr/bin/nvidia-smi": f"{root}/usr/lib/nvidia/current/nvidia-smi",
         "/usr/bin/nvidia-cuda-mps-control": f"{root}/usr/bin/nvidia-cuda-mps-control",
+        "/usr/sbin/nvidia-cuda-mps-server": f"{root}/usr/sbin/nvidia-cuda-mps-server",
     }
     assert edits.env["LD_LIBRARY_PATH"].startswith(f"/{LIBRARY_DIR}:")
 
@@ -703,3 +710,27 @@ def test_names_that_are_no_regular_file_are_neither_listed_nor_mounted(
     named = (f"/{LIBRARY_DIR}/libnvidia-ml.so.1", f"/{LIBRARY_DIR}/libcuda.so.1", *files)
     edits = driver_common_edits(libraries=named, host_view=host)
     assert [m.container_path for m in edits.mounts] == list(files)
+
+
+def test_a_utility_is_mounted_from_the_first_folder_where_it_is_a_program(
+    tmp_path: Path,
+) -> None:
+    """The container toolkit's folders, `usr/bin` first; a file there that no one may
+    run (or a folder of the name) is passed over for the next folder's program."""
+    host = _host(
+        tmp_path,
+        "/usr/sbin/nvidia-smi",
+        "/usr/local/bin/nvidia-debugdump",
+        "/sbin/nvidia-persistenced",
+    )
+    (host / "usr/bin").mkdir(parents=True, exist_ok=True)
+    (host / "usr/bin/nvidia-smi").write_text("")  # not executable
+    (host / "usr/bin/nvidia-debugdump").mkdir()
+
+    files = find_driver_files(Path("/"), host_view=host)
+
+    assert files == (
+        "/usr/sbin/nvidia-smi",
+        "/usr/local/bin/nvidia-debugdump",
+        "/sbin/nvidia-persistenced",
+    )
