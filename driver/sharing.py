@@ -58,7 +58,7 @@ import subprocess
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Final, Protocol
 
 from gpudra.common.files import remove_tree
@@ -69,6 +69,7 @@ from inotify_simple import flags as iflags
 
 __all__ = [
     "MPS_CONTROL",
+    "MPS_SERVER",
     "NVIDIA_SMI",
     "DaemonPod",
     "DaemonPods",
@@ -79,12 +80,16 @@ __all__ = [
     "find_tool",
     "may_mount",
     "may_remove_anything",
+    "server_path",
 ]
 
 log = logging.getLogger(__name__)
 
 NVIDIA_SMI: Final = "nvidia-smi"
 MPS_CONTROL: Final = "nvidia-cuda-mps-control"
+# The control daemon starts its server by name, with `execlp` (a PATH search): the
+# symbol NVIDIA's control daemon imports, and the only name of the server it holds.
+MPS_SERVER: Final = "nvidia-cuda-mps-server"
 # nvidia-smi compute-policy --set-timeslice takes 0 (Default) to 3 (Long).
 MAX_TIME_SLICE: Final = 3
 _MIB: Final = 1024 * 1024
@@ -277,6 +282,28 @@ def find_tool(name: str, root: DriverRoot) -> Path | None:
         return root.seen / resolved.lstrip("/")
     found = shutil.which(name)
     return Path(found) if found else None
+
+
+def server_path(root: DriverRoot, path: str) -> str | None:
+    """`path` (a PATH) with the folder of the root's MPS server added at its end, or
+    None where the root has no server or `path` names its folder already.
+
+    The control daemon starts its server with `execlp`, so it runs only a server its
+    PATH names: from a daemon pod, whose image holds no driver, or a host process
+    whose driver is a driver container's root, none at all. At the end, not the start:
+    the daemon pod's own shell and the programs of its image must not be the root's,
+    which may need another C library. The folder is that of the file the server's
+    name resolves to inside the root where it has the same name (Debian's links
+    through /etc/alternatives name the agent's own files), else the name's own."""
+    inside = root.tool(MPS_SERVER)
+    resolved = None if inside is None else root.resolve(inside)
+    if inside is None or resolved is None:
+        return None
+    named = PurePosixPath(resolved if PurePosixPath(resolved).name == MPS_SERVER else inside)
+    folder = str(root.seen / str(named.parent).lstrip("/"))
+    if folder in path.split(os.pathsep):
+        return None
+    return f"{path}{os.pathsep}{folder}" if path else folder
 
 
 def _effective_capabilities(status: Path) -> int:
@@ -583,11 +610,17 @@ class NvidiaSharing:
         return path
 
     def _tool_env(self) -> dict[str, str]:
-        """What every tool's environment gets: the driver's libraries, looked up at
-        each run (a driver container may mount its root after the agent started),
-        then `env`."""
+        """What every tool's environment gets: the driver's libraries, and the folder
+        of the root's MPS server after the PATH this process has (`server_path`),
+        looked up at each run (a driver container may mount its root after the agent
+        started), then `env`."""
         preload = self._root.tool_preload()
-        return {**({"LD_PRELOAD": preload} if preload else {}), **self._env}
+        path = server_path(self._root, os.environ.get("PATH", os.defpath))
+        return {
+            **({"LD_PRELOAD": preload} if preload else {}),
+            **({"PATH": path} if path is not None else {}),
+            **self._env,
+        }
 
     def _run(
         self,

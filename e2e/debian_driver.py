@@ -13,8 +13,9 @@ system, absolute at both steps:
     /usr/bin/nvidia-smi -> /etc/alternatives/nvidia--nvidia-smi
       -> /usr/lib/nvidia/current/nvidia-smi
 
-`nvidia-cuda-mps-control` is a plain file in `/usr/bin`. Seen from a container that
-mounts the host under `/host`, those absolute links name the container's own files.
+`nvidia-cuda-mps-control` is a plain file in `/usr/bin`, and `nvidia-cuda-mps-server`
+one in `/usr/sbin` (the `nvidia-cuda-mps` package). Seen from a container that mounts
+the host under `/host`, those absolute links name the container's own files.
 """
 
 from __future__ import annotations
@@ -31,10 +32,10 @@ _ALTERNATIVE_TOOLS: Final = ("nvidia-smi",)
 
 
 def debian_layout(root: Path) -> dict[str, Path]:
-    """Move a driver root's libraries and `nvidia-smi` (as `install_driver_root` or
-    the runfile installer leaves them: files beside their soname links in
-    `LIBRARY_DIR`, tools in `usr/bin`) where Debian's packages put them, and link them
-    as those do. Returns each moved library's file by soname, to be replaced by
+    """Move a driver root's libraries, `nvidia-smi` and the MPS server (as
+    `install_driver_root` or the runfile installer leaves them: files beside their
+    soname links in `LIBRARY_DIR`, tools in `usr/bin`) where Debian's packages put
+    them, and link them as those do. Returns each moved library's file by soname, to be replaced by
     tests that load it."""
     libraries = root / LIBRARY_DIR
     current = libraries / "nvidia/current"
@@ -52,6 +53,10 @@ def debian_layout(root: Path) -> dict[str, Path]:
         (alternatives / alternative).symlink_to(f"/{LIBRARY_DIR}/nvidia/current/{soname}")
         link.symlink_to(f"/etc/alternatives/{alternative}")
         moved[soname] = current / versioned
+    server = root / "usr/bin/nvidia-cuda-mps-server"
+    if server.exists():
+        (root / "usr/sbin").mkdir(parents=True, exist_ok=True)
+        server.rename(root / "usr/sbin" / server.name)
     tools = root / "usr/lib/nvidia/current"
     tools.mkdir(parents=True)
     for tool in _ALTERNATIVE_TOOLS:

@@ -42,7 +42,7 @@ UVM_MAJOR: Final = 510
 CAPS_MAJOR: Final = 511
 # The stand-in tools, shipped with the package.
 FAKEBIN: Final = Path(__file__).resolve().parent / "fakebin"
-TOOLS: Final = ("nvidia-smi", "nvidia-cuda-mps-control")
+TOOLS: Final = ("nvidia-smi", "nvidia-cuda-mps-control", "nvidia-cuda-mps-server")
 # Where the stand-in tools append one line per call (and per MPS command).
 TOOLS_LOG_ENV: Final = "GPUDRA_FAKEBIN_LOG"
 _LIBRARIES: Final = ("libcuda.so", "libnvidia-ml.so")

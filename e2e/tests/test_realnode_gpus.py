@@ -46,6 +46,7 @@ from gpudra.driver.plugin import (
     STILL_UNDER_WAY,
     UNHEARD_FAILURE_NOTE,
 )
+from gpudra.driver.sharing import MPS_SERVER
 from gpudra.webhook.cabundle import FIELD_MANAGER
 from gpudra.webhook.convert import CONVERTED_ANNOTATION as CONVERTED
 
@@ -1262,6 +1263,14 @@ def test_the_chart_runs_the_tools_of_a_driver_root_it_mounts_under_host(
             f"/host{arranged.files[name]}" for name in (NVML_LIBRARY, CUDA_LIBRARY)
         )
         assert daemon_alive(mps_pipes(stack)[mps])
+        # NVIDIA's daemon starts its server by name from its PATH: the root's (in
+        # /usr/sbin, as Debian has it) ends the pod's.
+        server = f"{seen_root}/usr/{'sbin' if debian else 'bin'}/{MPS_SERVER}"
+        assert env["PATH"].endswith(":" + server.rsplit("/", 1)[0])
+        name = pod["metadata"]["name"]
+        found = f"command -v {MPS_SERVER}"
+        out = cluster.kubectl("exec", "-n", OWN_NAMESPACE, name, "--", "sh", "-c", found)
+        assert out.stdout.strip() == server, (out.stdout, out.stderr)
         # The claim's container has the root's libraries under their sonames.
         for name in (NVML_LIBRARY, CUDA_LIBRARY):
             inside = f"/{DEBIAN_LIBRARY_DIR}/{name}"

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from gpudra.driver.driverroot import NVML_LIBRARY, DriverRoot
 from gpudra.driver.nvml.standin import install_driver_root
-from gpudra.driver.sharing import find_tool
+from gpudra.driver.sharing import MPS_SERVER, find_tool, server_path
 
 from e2e.debian_driver import LIBRARY_DIR, debian_layout
 
@@ -86,3 +86,19 @@ def test_a_chain_of_links_as_long_as_linux_allows_is_followed(tmp_path: Path) ->
     assert root.resolve("/f40") == "/f0"
     (tmp_path / "f41").symlink_to("f40")
     assert root.resolve("/f41") is None  # 41 links: ELOOP
+
+
+def test_the_mps_server_ends_the_path_its_control_daemon_searches(tmp_path: Path) -> None:
+    """NVIDIA's control daemon starts its server with execlp: its PATH must name the
+    root's server folder, after the folders it has (the pod image's own programs stay
+    first)."""
+    debian = _debian(tmp_path / "debian")
+    assert server_path(debian, "/usr/bin:/bin") == f"/usr/bin:/bin:{debian.seen}/usr/sbin"
+    assert server_path(debian, "") == f"{debian.seen}/usr/sbin"
+    assert server_path(debian, f"/bin:{debian.seen}/usr/sbin") is None  # there already
+
+    files = tmp_path / "files"
+    install_driver_root(files, VERSION)
+    assert server_path(DriverRoot(files), "/bin") == f"/bin:{files}/usr/bin"
+    (files / "usr/bin" / MPS_SERVER).unlink()
+    assert server_path(DriverRoot(files), "/bin") is None

@@ -35,7 +35,7 @@ from gpudra.driver.mpspods import (
 from gpudra.driver.nvml.standin import FAKEBIN, TOOLS_LOG_ENV
 from gpudra.driver.processes import ProcessIdentity
 from gpudra.driver.records import DeviceDetails, MpsStarted, details_from_json, details_to_json
-from gpudra.driver.sharing import DaemonPod, MpsDaemon, NvidiaSharing, SharingError
+from gpudra.driver.sharing import MPS_SERVER, DaemonPod, MpsDaemon, NvidiaSharing, SharingError
 
 from e2e.cluster.kube import Kube
 from e2e.shared_libraries import shared_library
@@ -214,7 +214,9 @@ def test_a_daemon_pod_runs_the_tool_of_the_driver_root_with_its_libraries(
 ) -> None:
     """The chart's agent sees the driver root under /host, and so does the daemon's
     pod (it mounts the root at the same path): the pod runs the tool found there, with
-    the root's NVML and CUDA preloaded, as the agent's own tools get them."""
+    the root's NVML and CUDA preloaded, as the agent's own tools get them. NVIDIA's
+    daemon starts its server by name from its PATH, which the pod's image leaves
+    without one: the root's server folder (`/usr/sbin`, as Debian has it) ends it."""
     host = tmp_path / "host"
     seen = host / "run/nvidia/driver"
     nvml = shared_library(seen / "usr/lib64" / NVML_LIBRARY, NVML_LIBRARY)
@@ -222,6 +224,9 @@ def test_a_daemon_pod_runs_the_tool_of_the_driver_root_with_its_libraries(
     tool = seen / "usr/bin" / "nvidia-cuda-mps-control"
     tool.parent.mkdir(parents=True)
     shutil.copy(FAKEBIN / "nvidia-cuda-mps-control", tool)
+    server = seen / "usr/sbin" / MPS_SERVER
+    server.parent.mkdir(parents=True)
+    shutil.copy(FAKEBIN / MPS_SERVER, server)
     pods = ProcessPods()
     backend = NvidiaSharing(
         driver_root=Path("/run/nvidia/driver"),
@@ -236,8 +241,10 @@ def test_a_daemon_pod_runs_the_tool_of_the_driver_root_with_its_libraries(
         argv, env = pods.commands["claim-1"]
         assert argv[-1] == str(tool)
         assert env["LD_PRELOAD"] == f"{nvml}:{cuda}"
+        assert env["PATH"] == f"{os.environ['PATH']}:{server.parent}"
         assert env[TOOLS_LOG_ENV] == str(tools_log)
         assert calls(tools_log)[0] == "mps-control -f"
+        assert tools_log.read_text().splitlines()[0].endswith(f" server={server}")
     finally:
         backend.stop_mps(daemon(tmp_path, identity))
 

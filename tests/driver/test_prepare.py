@@ -1223,7 +1223,7 @@ async def test_mps_starts_one_daemon_per_claim_and_stops_it(
     pipe = node.checkpoint.parent / "mps" / ref.uid / "pipe"
     logs = node.checkpoint.parent / "mps" / ref.uid / "log"
     assert node.tool_calls() == [
-        f"mps-control -d pipe={pipe} log={logs} devices={gpu_uuid}",
+        f"mps-control -d pipe={pipe} log={logs} devices={gpu_uuid} server=none",
         f"mps-control set_default_active_thread_percentage 40 pipe={pipe}",
         f"mps-control set_default_device_pinned_mem_limit {gpu_uuid} 10240M pipe={pipe}",
     ]
@@ -1268,7 +1268,9 @@ async def test_mps_multi_user_starts_the_claims_daemon_with_dash_m(
     assert (await preparer.prepare([ref]))[ref.uid].error is None
     pipe = node.checkpoint.parent / "mps" / ref.uid / "pipe"
     logs = node.checkpoint.parent / "mps" / ref.uid / "log"
-    assert node.tool_calls() == [f"mps-control -d -M pipe={pipe} log={logs} devices={gpu_uuid}"]
+    assert node.tool_calls() == [
+        f"mps-control -d -M pipe={pipe} log={logs} devices={gpu_uuid} server=none"
+    ]
     assert await preparer.unprepare([ref]) == {ref.uid: None}
     assert node.tool_calls()[1:] == [f"mps-control quit pipe={pipe}"]
 
