@@ -517,7 +517,7 @@ def find_driver_files(
     """
     root = DriverRoot(driver_root, host_view)
     found = [f"/{folder}/{name}" for folder, names in root.libraries().items() for name in names]
-    found.extend(tool for name in DRIVER_UTILITIES if (tool := root.tool(name)) is not None)
+    found.extend(tool[0] for name in DRIVER_UTILITIES if (tool := root.tool(name)) is not None)
     return tuple(found)
 
 

@@ -169,14 +169,16 @@ class DriverRoot:
                 return self.seen / resolved.lstrip("/")
         return None
 
-    def tool(self, name: str) -> str | None:
-        """The program `name` as a path inside the root, in the first of
-        `DRIVER_TOOL_DIRS` where it resolves to an executable regular file; None where
-        none does. `bin` is often a link to `usr/bin`: the first folder names it."""
+    def tool(self, name: str) -> tuple[str, str] | None:
+        """The program `name` in the first of `DRIVER_TOOL_DIRS` where it resolves to
+        an executable regular file, as two paths inside the root: the one that names
+        it, and the file it resolves to (`resolve`); None where none does. `bin` is
+        often a link to `usr/bin`: the first folder names it."""
         for folder in DRIVER_TOOL_DIRS:
-            resolved = self.resolve(f"{folder}/{name}")
+            named = f"/{folder}/{name}"
+            resolved = self.resolve(named)
             if resolved is not None and os.access(self.seen / resolved.lstrip("/"), os.X_OK):
-                return f"/{folder}/{name}"
+                return named, resolved
         return None
 
     def _is_file(self, path: str) -> bool:

@@ -276,10 +276,9 @@ def find_tool(name: str, root: DriverRoot) -> Path | None:
     (`/run/nvidia/driver`) the tools on PATH, if any, may not match the running
     kernel module.
     """
-    inside = root.tool(name)
-    resolved = None if inside is None else root.resolve(inside)
-    if resolved is not None:
-        return root.seen / resolved.lstrip("/")
+    tool = root.tool(name)
+    if tool is not None:
+        return root.seen / tool[1].lstrip("/")
     found = shutil.which(name)
     return Path(found) if found else None
 
@@ -295,12 +294,12 @@ def server_path(root: DriverRoot, path: str) -> str | None:
     which may need another C library. The folder is that of the file the server's
     name resolves to inside the root where it has the same name (Debian's links
     through /etc/alternatives name the agent's own files), else the name's own."""
-    inside = root.tool(MPS_SERVER)
-    resolved = None if inside is None else root.resolve(inside)
-    if inside is None or resolved is None:
+    tool = root.tool(MPS_SERVER)
+    if tool is None:
         return None
-    named = PurePosixPath(resolved if PurePosixPath(resolved).name == MPS_SERVER else inside)
-    folder = str(root.seen / str(named.parent).lstrip("/"))
+    named, resolved = (PurePosixPath(p) for p in tool)
+    server = resolved if resolved.name == MPS_SERVER else named
+    folder = str(root.seen / str(server.parent).lstrip("/"))
     if folder in path.split(os.pathsep):
         return None
     return f"{path}{os.pathsep}{folder}" if path else folder
